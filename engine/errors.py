@@ -1,0 +1,51 @@
+"""Named exceptions raised by the engine. The gateway maps them to protocol errors in one place."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class PromptTooLongError(EngineError):
+    """The prompt (plus room for one generated token) does not fit the context window or the block pool.
+
+    Raised by ``submit`` before any block is taken.
+
+    Attributes:
+        prompt_tokens: length of the rendered prompt, in tokens.
+        limit: the limit it broke, in tokens.
+        what: ``"context"`` (the model's max length) or ``"pool"`` (the whole block pool).
+    """
+
+    def __init__(self, prompt_tokens: int, limit: int, what: str = "context") -> None:
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+        self.what = what
+        if what == "context":
+            msg = (
+                f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                f"{prompt_tokens} tokens (including room for at least one completion token)."
+            )
+        else:
+            msg = (
+                f"The prompt needs {prompt_tokens} tokens of KV cache but the whole block pool holds only "
+                f"{limit} tokens."
+            )
+        super().__init__(msg)
+
+
+class UnsupportedModelError(EngineError):
+    """A checkpoint file, architecture or tensor type the engine cannot load. The message names what it found."""
+
+
+class InvalidRequestError(EngineError):
+    """Bad sampling parameters or prompt (e.g. negative max_tokens, empty prompt). ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class EngineClosedError(EngineError):
+    """The engine was shut down while a request was waiting or running."""

@@ -1,0 +1,1 @@
+"""prefixgate's HTTP face: OpenAI and Anthropic protocols, config, routing, stats, CLI."""

@@ -1,0 +1,1 @@
+"""Backends a model name can route to: the embedded engine and remote upstreams."""
