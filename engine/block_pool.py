@@ -1,0 +1,271 @@
+"""The block pool: bookkeeping of the ``num_blocks`` physical KV blocks and the prefix-cache index over them.
+
+Structure (after vLLM v1's ``block_pool.py`` and SGLang's ``radix_cache.py``; no tensors here, only ids):
+
+- ``blocks[i]`` is the ``KVBlock`` describing physical block ``i`` of the preallocated KV tensor.
+- ``_cached``: block hash -> the one block registered under it (the prefix-cache index).
+- ``_free``: unreferenced blocks that hold no hash, FIFO.
+- ``_evictable``: unreferenced blocks that *do* hold a hash, in LRU order (oldest first); an
+  ``OrderedDict`` keyed by block id, so taking a block out of the middle is O(1).
+
+Invariants (checked by ``check_invariants``; every operation keeps them and costs O(blocks touched)):
+
+1. Every block is in exactly one state:
+   *used*   ``ref_cnt > 0`` (in no queue; may or may not hold a hash),
+   *cached* ``ref_cnt == 0`` and holds a hash (in ``_evictable``),
+   *free*   ``ref_cnt == 0`` and holds no hash (in ``_free``).
+   Hence ``blocks_used + blocks_cached + blocks_free == num_blocks`` always.
+2. Who holds a reference: each request whose block table lists the block holds exactly one reference
+   (``KVCacheManager`` takes and drops them); nothing else does. The pool never evicts, overwrites or
+   re-hashes a block with ``ref_cnt > 0``.
+3. A block with ``ref_cnt == 0`` and a hash stays cached and reusable (a prefix hit takes it back out of
+   ``_evictable``) until it is evicted.
+4. Fresh blocks come from ``_free`` first; only when it is empty is the least recently used block of
+   ``_evictable`` evicted (its hash entry dropped, ``evictions`` incremented).
+5. ``release`` queues blocks in the order given; ``KVCacheManager.free`` passes a block table tail first,
+   so a chain's tail is less recently used than its parents and is evicted before them.
+6. ``_cached[h].block_hash == h`` for every entry, and a block holds a hash iff it is an entry of
+   ``_cached``. ``cache_gen`` is unique per registration, so a child can name the exact parent entry it
+   was computed on (see ``kv_cache_manager``).
+
+Counters (kept by the structure, so they cannot drift): ``evictions`` (monotonic), ``blocks_used``,
+``blocks_cached``, ``blocks_free``, ``num_blocks``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """Metadata of one physical KV block (the KV values live in the model runner's tensor, by block_id).
+
+    Attributes:
+        block_id: index of the block in the KV tensor, ``0 <= block_id < num_blocks``.
+        ref_cnt: number of live requests whose block table lists this block.
+        block_hash: the prefix-cache key the block is registered under, or None (private or free).
+        token_ids: the block's ``block_size`` token ids, stored when registered (compared on every hit).
+        parent_hash: hash of the previous block in its chain (None for a first block).
+        extra_keys: extra keys it was hashed with (model id, cache salt, ...).
+        cache_gen: unique number of this registration (None when not registered).
+        parent_gen: ``cache_gen`` of the parent entry this block's KV was computed on (None for a first
+            block).
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    parent_hash: BlockHash | None = None
+    extra_keys: tuple = ()
+    cache_gen: int | None = None
+    parent_gen: int | None = None
+
+    def clear_hash(self) -> None:
+        """Forget the cache registration (the block becomes plain storage)."""
+        self.block_hash = None
+        self.token_ids = None
+        self.parent_hash = None
+        self.extra_keys = ()
+        self.cache_gen = None
+        self.parent_gen = None
+
+
+class BlockPool:
+    """Reference counts, the free queue, the LRU queue of evictable cached blocks and the hash index.
+
+    Args:
+        num_blocks: physical blocks in the pool (>= 1).
+
+    Raises:
+        ValueError: ``num_blocks`` < 1.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
+        self._free: deque[KVBlock] = deque(self.blocks)
+        self._evictable: OrderedDict[int, KVBlock] = OrderedDict()
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._next_gen = 0
+        self.blocks_used = 0
+        self.evictions = 0
+
+    # ---- gauges -------------------------------------------------------------------------------------
+    @property
+    def blocks_cached(self) -> int:
+        """Unreferenced blocks holding a reusable hash (evictable)."""
+        return len(self._evictable)
+
+    @property
+    def blocks_free(self) -> int:
+        """Unreferenced blocks holding no hash."""
+        return len(self._free)
+
+    def num_available(self) -> int:
+        """Blocks a fresh allocation can get now: free + evictable."""
+        return len(self._free) + len(self._evictable)
+
+    # ---- prefix-cache index ---------------------------------------------------------------------------
+    def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block registered under ``block_hash``, or None. Takes no reference, keeps LRU order."""
+        return self._cached.get(block_hash)
+
+    def is_registered(self, block: KVBlock) -> bool:
+        """True when ``block`` is the index entry for its own hash."""
+        return block.block_hash is not None and self._cached.get(block.block_hash) is block
+
+    def register(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        parent_hash: BlockHash | None,
+        parent_gen: int | None,
+        extra_keys: tuple,
+    ) -> bool:
+        """Register a referenced, full, computed block under ``block_hash``.
+
+        Returns:
+            True when registered; False (and no change) when another block already holds ``block_hash``.
+
+        Raises:
+            ValueError: the block is unreferenced or already registered.
+        """
+        if block.ref_cnt < 1:
+            raise ValueError(f"block {block.block_id} is not referenced; only a request's block is cached")
+        if block.block_hash is not None:
+            raise ValueError(f"block {block.block_id} is already registered")
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        block.parent_hash = parent_hash
+        block.parent_gen = parent_gen
+        block.extra_keys = extra_keys
+        block.cache_gen = self._next_gen
+        self._next_gen += 1
+        self._cached[block_hash] = block
+        return True
+
+    # ---- references -----------------------------------------------------------------------------------
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one reference on each block; an unreferenced cached block leaves the LRU queue (a hit).
+
+        Raises:
+            ValueError: a block is unreferenced and not cached (a free block cannot be shared).
+        """
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    raise ValueError(f"block {block.block_id} is free, not cached; it cannot be shared")
+                del self._evictable[block.block_id]
+                self.blocks_used += 1
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` fresh blocks (ref_cnt 1, no hash): free blocks first, then evict LRU cached blocks.
+
+        Raises:
+            ValueError: fewer than ``n`` blocks are available (nothing changes).
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.num_available():
+            raise ValueError(f"need {n} blocks, only {self.num_available()} available")
+        out: list[KVBlock] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                _, block = self._evictable.popitem(last=False)
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        self.blocks_used += n
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        """Drop an unreferenced block's hash entry (it is about to be reused)."""
+        assert block.ref_cnt == 0 and block.block_hash is not None
+        del self._cached[block.block_hash]
+        block.clear_hash()
+        self.evictions += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block, in order; a block reaching 0 goes to the tail of its queue.
+
+        Pass a block table reversed (tail first) so chain tails are evicted before their parents.
+
+        Raises:
+            ValueError: a block is already unreferenced.
+        """
+        for block in blocks:
+            if block.ref_cnt < 1:
+                raise ValueError(f"block {block.block_id} released more often than referenced")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.blocks_used -= 1
+                if block.block_hash is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block.block_id] = block
+
+    def drop_unreferenced_cached(self) -> int:
+        """Un-register every unreferenced cached block (they become free). O(cached). Returns how many."""
+        dropped = 0
+        while self._evictable:
+            _, block = self._evictable.popitem(last=False)
+            del self._cached[block.block_hash]
+            block.clear_hash()
+            self._free.append(block)
+            dropped += 1
+        return dropped
+
+    # ---- introspection (tests, admin) -----------------------------------------------------------------
+    def free_ids(self) -> Iterator[int]:
+        """Ids of free (hash-less) blocks in the order they will be handed out."""
+        return (b.block_id for b in self._free)
+
+    def evictable_ids(self) -> Iterator[int]:
+        """Ids of unreferenced cached blocks, least recently used (next evicted) first."""
+        return iter(self._evictable.keys())
+
+    def num_cached_entries(self) -> int:
+        """Entries in the hash index (referenced or not)."""
+        return len(self._cached)
+
+    def check_invariants(self) -> None:
+        """Assert the module invariants. O(num_blocks): for tests and debugging only.
+
+        Raises:
+            AssertionError: an invariant is broken (a bug).
+        """
+        free_ids = [b.block_id for b in self._free]
+        free_set = set(free_ids)
+        assert len(free_set) == len(free_ids), "a block is twice in the free queue"
+        assert not free_set & set(self._evictable.keys()), "a block is both free and cached"
+        used = 0
+        for block in self.blocks:
+            assert block.ref_cnt >= 0
+            if block.ref_cnt > 0:
+                used += 1
+                assert block.block_id not in self._evictable and block.block_id not in free_set
+            elif block.block_hash is None:
+                assert block.block_id in free_set, f"free block {block.block_id} not in the free queue"
+            else:
+                assert self._evictable.get(block.block_id) is block, f"cached block {block.block_id} lost"
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, f"block {block.block_id} not indexed"
+                assert block.token_ids is not None and block.cache_gen is not None
+        for h, block in self._cached.items():
+            assert block.block_hash == h
+        assert used == self.blocks_used, f"blocks_used counter {self.blocks_used} != {used}"
+        assert self.blocks_used + self.blocks_cached + self.blocks_free == self.num_blocks

@@ -1,0 +1,405 @@
+"""The KV cache manager: per-request block tables over one ``BlockPool``, and the prefix cache on top.
+
+What the scheduler calls, per request (vLLM v1's ``kv_cache_manager.py`` has the same shape)::
+
+    hashes = m.block_hashes(prompt_ids, extra_keys)                   # full blocks only
+    hits = m.find_cached_prefix(prompt_ids, hashes[:(len(prompt_ids) - 1) // m.block_size], extra_keys)
+    table = m.allocate(req_id, num_tokens, hits)                       # None: wait, nothing changed
+    ... forward writes KV for tokens [len(hits) * block_size, num_computed) ...
+    m.cache_full_blocks(req_id, ids, num_computed, hashes, extra_keys) # right after that forward
+    m.append_slots(req_id, num_total_tokens)                           # before each decode / chunk
+    m.free(req_id)                                                     # finished, cancelled, preempted
+
+Invariants (on top of ``block_pool``'s):
+
+1. A request holds exactly one reference on every block of its block table and no other; ``free`` drops
+   them tail first. So ``sum(ref_cnt) == sum(len(table))`` over live requests.
+2. A block is registered in the prefix cache only when it is full *and* its KV has been computed
+   (``cache_full_blocks`` after the forward that wrote it), and only if every block before it in the
+   request's chain is itself provably equal to a live cache entry. Registration records the exact parent
+   entry (``parent_gen``) the block's KV was computed on.
+3. A hit is served only when, for every block from the start, the stored token ids, parent hash, extra
+   keys (model id, cache salt) and parent entry all match. A hash collision, a stale child whose parent
+   was evicted and replaced, or another tenant's block therefore ends the hit; it can never serve another
+   prompt's KV.
+4. ``allocate`` / ``append_slots`` either do everything or change nothing (they check first).
+5. Every operation costs O(blocks touched), never O(pool); only ``reset_prefix_cache`` walks the cache.
+
+A hit list from ``find_cached_prefix`` is valid until the next call that can evict (``allocate``,
+``append_slots``, ``reset_prefix_cache``); ``allocate`` checks it and raises ``StaleCacheHitError``
+rather than serve a block that was evicted in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, HashFn, encode_extra_keys, hash_block, hash_request_blocks
+from engine.block_pool import BlockPool, KVBlock
+from engine.errors import PromptTooLongError
+
+
+class StaleCacheHitError(ValueError):
+    """A hit list passed to ``allocate`` / ``can_allocate`` names a block that is no longer that cache entry.
+
+    Raised before any change. Call ``find_cached_prefix`` again right before ``allocate``.
+    """
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    """One request's block table and how far its full blocks have been offered to the prefix cache.
+
+    ``hashes[i]`` / ``chain_gens[i]`` exist for every processed full block ``i``; ``chain_gens[i]`` is the
+    ``cache_gen`` of a live cache entry proven equal to this request's chain up to block ``i`` (its own
+    block, or an equal entry that was cached first), or None when none could be proven.
+    """
+
+    blocks: list[KVBlock]
+    hashes: list[BlockHash] = field(default_factory=list)
+    chain_gens: list[int | None] = field(default_factory=list)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for a >= 0, b > 0."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of live requests and the prefix cache over one block pool.
+
+    Args:
+        num_blocks: physical KV blocks in the pool (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_caching: share full blocks between requests by prefix; when False nothing is ever
+            registered and ``find_cached_prefix`` returns [].
+        hash_fn: block hash function ``(parent, token_ids, extra_keys) -> bytes`` (tests pass weak ones).
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` < 1.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn: HashFn = hash_block
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    # ---- hashing and lookup ---------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Sequence[int], extra_keys: tuple) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``token_ids`` (``len(token_ids) // block_size`` of them)."""
+        return hash_request_blocks(token_ids, self.block_size, tuple(extra_keys), self.hash_fn)
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: tuple
+    ) -> list[KVBlock]:
+        """Longest chain of cached blocks serving ``token_ids`` from its start.
+
+        Every block's stored token ids, parent hash, parent entry and extra keys are compared, so a
+        hash collision never serves another prompt's KV. Takes no reference and keeps the LRU order.
+
+        Args:
+            token_ids: the prompt's token ids.
+            block_hashes: hashes of its full blocks (``block_hashes(...)``), possibly cut short to cap the
+                hit (e.g. ``[:(len(token_ids) - 1) // block_size]`` so the last token is still computed).
+            extra_keys: the extra keys the hashes were computed with.
+
+        Returns:
+            The hit blocks in order (covering ``len(result) * block_size`` tokens); [] when caching is off.
+        """
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        extra = encode_extra_keys(tuple(extra_keys))
+        hits: list[KVBlock] = []
+        prev_hash: BlockHash | None = None
+        prev_gen: int | None = None
+        for i in range(min(len(block_hashes), len(token_ids) // bs)):
+            block = self.pool.get_cached(block_hashes[i])
+            if (
+                block is None
+                or block.parent_hash != prev_hash
+                or block.parent_gen != prev_gen
+                or encode_extra_keys(block.extra_keys) != extra
+                or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs])
+            ):
+                break
+            hits.append(block)
+            prev_hash, prev_gen = block_hashes[i], block.cache_gen
+        return hits
+
+    # ---- allocation -----------------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool can hold: ``num_blocks * block_size``."""
+        return self.pool.num_blocks * self.block_size
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise unless ``num_tokens`` tokens could ever fit in the pool (call at submit, prompt + 1).
+
+        Raises:
+            PromptTooLongError: ``what="pool"``, when ``num_tokens > num_blocks * block_size``.
+        """
+        if num_tokens > self.capacity_tokens:
+            raise PromptTooLongError(num_tokens, self.capacity_tokens, what="pool")
+
+    def _check_hits(self, cached_blocks: list[KVBlock]) -> None:
+        """Raise ``StaleCacheHitError`` unless ``cached_blocks`` is still a valid chain of cache entries."""
+        if cached_blocks and not self.enable_caching:
+            raise ValueError("prefix caching is disabled; cached_blocks must be empty")
+        prev_gen: int | None = None
+        for i, block in enumerate(cached_blocks):
+            if not self.pool.is_registered(block) or block.parent_gen != prev_gen:
+                raise StaleCacheHitError(
+                    f"cached block {i} (block {block.block_id}) is no longer that cache entry; "
+                    "call find_cached_prefix again right before allocate"
+                )
+            prev_gen = block.cache_gen
+
+    def _fresh_blocks_needed(self, num_tokens: int, cached_blocks: list[KVBlock]) -> int:
+        """Blocks to allocate so hits + fresh cover ``num_tokens`` tokens."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self.check_fits(num_tokens)
+        self._check_hits(cached_blocks)
+        return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks))
+
+    def _available_besides(self, cached_blocks: list[KVBlock]) -> int:
+        """Blocks a fresh allocation may take when ``cached_blocks`` are taken too (they leave the LRU)."""
+        return self.pool.num_available() - sum(1 for b in cached_blocks if b.ref_cnt == 0)
+
+    def can_allocate(self, num_tokens: int, cached_blocks: list[KVBlock]) -> bool:
+        """Whether ``allocate(_, num_tokens, cached_blocks)`` would succeed now. Changes nothing.
+
+        Raises:
+            PromptTooLongError: ``num_tokens`` exceeds the whole pool.
+            StaleCacheHitError: a hit block was evicted since ``find_cached_prefix``.
+            ValueError: ``num_tokens`` < 0, or hits given while caching is off.
+        """
+        need = self._fresh_blocks_needed(num_tokens, cached_blocks)
+        return need <= self._available_besides(cached_blocks)
+
+    def allocate(self, request_id: str, num_tokens: int, cached_blocks: list[KVBlock]) -> list[int] | None:
+        """Give a new request a block table: the hit blocks, then fresh blocks up to ``num_tokens`` tokens.
+
+        Takes a reference on every hit block (an unreferenced one leaves the LRU queue), then fresh
+        blocks from the free queue, evicting least recently used cached blocks when it is empty.
+
+        Args:
+            request_id: a request that holds no blocks yet.
+            num_tokens: tokens the table must cover (prompt, or the first prefill chunk's end).
+            cached_blocks: ``find_cached_prefix``'s result, unchanged, from this scheduling step.
+
+        Returns:
+            The block table (physical block ids), or None when there are not enough blocks now; then
+            nothing has changed.
+
+        Raises:
+            PromptTooLongError: ``num_tokens`` exceeds the whole pool (before any change).
+            StaleCacheHitError: a hit block was evicted since ``find_cached_prefix`` (before any change).
+            ValueError: ``request_id`` already holds blocks, or ``num_tokens`` < 0.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds blocks; use append_slots")
+        need = self._fresh_blocks_needed(num_tokens, cached_blocks)
+        if need > self._available_besides(cached_blocks):
+            return None
+        self.pool.touch(cached_blocks)
+        blocks = list(cached_blocks) + self.pool.allocate(need)
+        self._requests[request_id] = _RequestBlocks(
+            blocks=blocks,
+            hashes=[b.block_hash for b in cached_blocks],
+            chain_gens=[b.cache_gen for b in cached_blocks],
+        )
+        return [b.block_id for b in blocks]
+
+    def append_slots(self, request_id: str, num_total_tokens: int) -> bool:
+        """Grow the request's block table to cover ``num_total_tokens`` tokens.
+
+        Returns:
+            True when the table covers them (possibly already did); False, with no change, when there are
+            not enough blocks now or ``num_total_tokens`` exceeds the whole pool (``capacity_tokens``).
+
+        Raises:
+            KeyError: unknown ``request_id``.
+        """
+        req = self._request(request_id)
+        need = cdiv(num_total_tokens, self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        if need > self.pool.num_available():
+            return False
+        req.blocks.extend(self.pool.allocate(need))
+        return True
+
+    # ---- caching --------------------------------------------------------------------------------------
+    def cache_full_blocks(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        block_hashes: list[BlockHash],
+        extra_keys: tuple,
+    ) -> None:
+        """Register the request's blocks that are full and computed, so other requests hit them next step.
+
+        Call right after the forward that wrote them. Idempotent: blocks already offered are skipped, so the
+        cost is O(new full blocks). Hashes missing from ``block_hashes`` (generated tokens) are computed
+        here. A block whose hash another block already holds stays private (the existing entry is kept);
+        when that entry has the same content and chain, later blocks still chain onto it, otherwise (a
+        collision) nothing after it is registered for this request.
+
+        Args:
+            request_id: a live request.
+            token_ids: all its tokens so far (prompt + generated).
+            num_computed_tokens: tokens whose KV is written; blocks ``[0, num_computed_tokens // block_size)``
+                are offered.
+            block_hashes: its full-block hashes (from ``block_hashes``), possibly fewer than needed.
+            extra_keys: the extra keys of those hashes.
+
+        Raises:
+            KeyError: unknown ``request_id``.
+        """
+        req = self._request(request_id)
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        extra_keys = tuple(extra_keys)
+        num_full = min(num_computed_tokens // bs, len(req.blocks), len(token_ids) // bs)
+        for i in range(len(req.hashes), num_full):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent_hash = req.hashes[i - 1] if i else None
+            block_hash = (
+                block_hashes[i] if i < len(block_hashes) else self.hash_fn(parent_hash, tokens, extra_keys)
+            )
+            req.hashes.append(block_hash)
+            req.chain_gens.append(self._register(req, i, block_hash, tokens, parent_hash, extra_keys))
+
+    def _register(
+        self,
+        req: _RequestBlocks,
+        i: int,
+        block_hash: BlockHash,
+        tokens: tuple[int, ...],
+        parent_hash: BlockHash | None,
+        extra_keys: tuple,
+    ) -> int | None:
+        """Register block ``i`` of ``req`` if its chain is proven; return the proven entry's gen or None."""
+        if i and req.chain_gens[i - 1] is None:
+            return None
+        parent_gen = req.chain_gens[i - 1] if i else None
+        block = req.blocks[i]
+        if block.block_hash is not None:
+            return block.cache_gen if self.pool.is_registered(block) else None
+        if self.pool.register(block, block_hash, tokens, parent_hash, parent_gen, extra_keys):
+            return block.cache_gen
+        existing = self.pool.get_cached(block_hash)
+        if (
+            existing is not None
+            and existing.token_ids == tokens
+            and existing.parent_gen == parent_gen
+            and encode_extra_keys(existing.extra_keys) == encode_extra_keys(extra_keys)
+        ):
+            return existing.cache_gen
+        return None
+
+    # ---- release --------------------------------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Drop the request's references, tail block first (tails are evicted before parents). Unknown: no-op."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.pool.release(reversed(req.blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached entry (they become free blocks). O(cached); tests and admin.
+
+        Returns:
+            True when the prefix cache is now empty; False when entries held by live requests remain.
+        """
+        self.pool.drop_unreferenced_cached()
+        return self.pool.num_cached_entries() == 0
+
+    # ---- queries --------------------------------------------------------------------------------------
+    def _request(self, request_id: str) -> _RequestBlocks:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} holds no blocks") from None
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's physical block ids, in token order.
+
+        Raises:
+            KeyError: unknown ``request_id``.
+        """
+        return [b.block_id for b in self._request(request_id).blocks]
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Full blocks of the request already offered to the prefix cache (hits included)."""
+        return len(self._request(request_id).hashes)
+
+    def num_free_blocks(self) -> int:
+        """Blocks a fresh allocation can get now: free + evictable cached."""
+        return self.pool.num_available()
+
+    @property
+    def blocks_total(self) -> int:
+        """Blocks in the pool."""
+        return self.pool.num_blocks
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks referenced by at least one live request."""
+        return self.pool.blocks_used
+
+    @property
+    def blocks_cached(self) -> int:
+        """Unreferenced blocks holding a reusable hash (evictable)."""
+        return self.pool.blocks_cached
+
+    @property
+    def blocks_free(self) -> int:
+        """Unreferenced blocks holding no hash."""
+        return self.pool.blocks_free
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks evicted to make room (monotonic)."""
+        return self.pool.evictions
+
+    def usage(self) -> dict[str, int]:
+        """``blocks_total``, ``blocks_used``, ``blocks_cached``, ``blocks_free``, ``evictions``."""
+        return {
+            "blocks_total": self.blocks_total,
+            "blocks_used": self.blocks_used,
+            "blocks_cached": self.blocks_cached,
+            "blocks_free": self.blocks_free,
+            "evictions": self.evictions,
+        }
+
+    def check_invariants(self) -> None:
+        """Assert the pool's invariants and that reference counts match the live block tables. O(pool).
+
+        Raises:
+            AssertionError: a bug.
+        """
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_blocks
+        for req in self._requests.values():
+            ids = [b.block_id for b in req.blocks]
+            assert len(set(ids)) == len(ids), "a block is twice in one block table"
+            for block_id in ids:
+                refs[block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs[block.block_id]} live tables"
+            )
