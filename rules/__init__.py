@@ -1,4 +1,30 @@
 """Prompt canonicalization rules: YAML rule files that make prompts start the same way.
 
-This package knows nothing of HTTP and nothing of ``engine``.
+This package knows nothing of HTTP and nothing of ``engine``. Use::
+
+    from rules import load_ruleset
+    ruleset = load_ruleset(["default", "/path/my_rules.yaml"])   # [] -> changes nothing
+    canon = ruleset.apply(messages, tools)
+    key_material = canon.stable_prefix_material()                # bytes to hash into the prefix key
+
+Modules: ``model`` (rule data), ``loader`` (YAML + validation), ``patterns`` (RE2 + fragments),
+``messages`` (text slots), ``actions`` (what each action does), ``placement`` (where hoisted values go),
+``segments`` (levels and the stable prefix), ``canonicalize`` (``RuleSet.apply``), ``cli``.
 """
+
+from rules.canonicalize import Canonical, RuleSet
+from rules.errors import RequestShapeError, RuleError
+from rules.loader import DEFAULT_PACKS, list_packs, load_ruleset
+from rules.segments import Position, Segment
+
+__all__ = [
+    "DEFAULT_PACKS",
+    "Canonical",
+    "Position",
+    "RequestShapeError",
+    "RuleError",
+    "RuleSet",
+    "Segment",
+    "list_packs",
+    "load_ruleset",
+]

@@ -1,0 +1,226 @@
+"""What each action does to one text (or to the tool list).
+
+Every function here is pure: text in, text out, plus how many times the action took effect. An
+application is counted only when it changes the prompt, so a second pass over an already canonical
+prompt counts nothing.
+
+Removal (``hoist`` and ``drop``) tidies what it leaves behind, from the original text around each span:
+a line left holding only spaces is removed with its line break; otherwise a space doubled or left
+dangling by the removal is removed. All matches of one rule in one text are applied in a single
+left-to-right rebuild, so the work is linear in the text length however many matches there are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from typing import Any
+
+from rules.markdown import fenced_code_ranges, overlaps
+from rules.model import ROUND_UNITS, NormalizeOptions, Rule
+from rules.patterns import base_group_name, group_span, group_texts
+
+_AM_CJK = {"오후": "오전", "오전": "오전", "午後": "午前", "午前": "午前"}
+_AM_ZH = ("上午", "下午", "中午", "晚上", "凌晨", "早上")
+
+
+def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
+    """Apply a span action (hoist, drop, replace, round, reorder) to every match of ``rule.pattern`` in
+    ``text``.
+
+    Returns:
+        (new text, number of applications, hoisted values in order of appearance). Hoisted values are the
+        matched span stripped of surrounding whitespace.
+    """
+    if rule.action in ("hoist", "drop"):
+        return _remove_matches(rule, text)
+    edits: list[tuple[int, int, str]] = []
+    for match in _matches(rule, text):
+        if rule.action == "replace":
+            start, end = group_span(match, rule.group)
+            if start < 0:
+                continue
+            new = rule.template.render(group_texts(match))
+        elif rule.action == "reorder":
+            start, end = match.span()
+            new = rule.template.render(group_texts(match))
+        else:  # round
+            start, end = match.span()
+            new = round_match(match, rule.unit)
+        if new != text[start:end]:
+            edits.append((start, end, new))
+    return _splice(text, edits), len(edits), []
+
+
+def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
+    ranges: list[tuple[int, int]] = []
+    values: list[str] = []
+    for match in _matches(rule, text):
+        start, end = group_span(match, rule.group)
+        if start < 0 or not text[start:end].strip():
+            continue  # a group that did not take part, or only whitespace: nothing to move or drop
+        values.append(text[start:end].strip())
+        ranges.append(removal_range(text, start, end))
+    if not ranges:
+        return text, 0, []
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    new_text = _splice(text, [(s, e, "") for s, e in merged])
+    return new_text, len(values), (values if rule.action == "hoist" else [])
+
+
+def _matches(rule: Rule, text: str) -> list[Any]:
+    """Non-empty matches of the rule's pattern, left to right, minus those overlapping fenced code when
+    ``rule.skip_code``."""
+    matches = [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
+    if rule.skip_code and matches and ("```" in text or "~~~" in text):
+        code = fenced_code_ranges(text)
+        matches = [m for m in matches if not overlaps(code, m.start(), m.end())]
+    return matches
+
+
+def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
+    """The range to delete so that removing ``text[start:end]`` leaves tidy text.
+
+    A line that would be left blank goes with one of its line breaks; otherwise one of two space runs
+    that would meet is removed, and a space run left at a line's end or start is removed.
+    """
+    line_start = text.rfind("\n", 0, start) + 1
+    line_end = text.find("\n", end)
+    if line_end == -1:
+        line_end = len(text)
+    before = text[line_start:start]
+    after = text[end:line_end]
+    if not before.strip(" \t\r") and not after.strip(" \t\r"):
+        if line_end < len(text):
+            return line_start, line_end + 1
+        return max(line_start - 1, 0), line_end
+    spaces_before = len(before) - len(before.rstrip(" \t"))
+    spaces_after = len(after) - len(after.lstrip(" \t"))
+    if spaces_before and spaces_after:
+        return start, end + spaces_after
+    if spaces_before and not after.strip(" \t\r"):
+        return start - spaces_before, end
+    if spaces_after and not before:
+        return start, end + spaces_after
+    return start, end
+
+
+def _splice(text: str, edits: list[tuple[int, int, str]]) -> str:
+    """Apply non-overlapping (start, end, replacement) edits, sorted by start, in one pass."""
+    if not edits:
+        return text
+    pieces: list[str] = []
+    pos = 0
+    for start, end, new in edits:
+        pieces.append(text[pos:start])
+        pieces.append(new)
+        pos = end
+    pieces.append(text[pos:])
+    return "".join(pieces)
+
+
+def round_match(match: Any, unit: str) -> str:
+    """The matched text with its time truncated (floored) to ``unit`` (minute, hour or day), in the
+    original format: the digits of the ``second``/``fraction`` (minute), also ``minute`` (hour), also
+    ``hour`` (day) groups become zeros of the same width; for day, a 12-hour clock (an ``ampm`` group took
+    part) becomes 12 AM in the clock's own style (AM/am/a.m., 오전, 午前, 上午). ``epoch_s`` and
+    ``epoch_ms`` groups are floored to the unit (UTC days). Flooring never changes the date, so the
+    date part of the text needs no calendar arithmetic.
+    """
+    text = match.group(0)
+    base = match.start()
+    spans: list[tuple[int, int, str]] = []
+    for name, index in match.re.groupindex.items():
+        start, end = match.span(index)
+        if start >= 0:
+            spans.append((start - base, end - base, base_group_name(name)))
+    twelve_hour = any(kind == "ampm" for _, _, kind in spans)
+    zeroed = {"minute": ("second", "fraction"), "hour": ("second", "fraction", "minute"),
+              "day": ("second", "fraction", "minute", "hour")}[unit]
+    edits: list[tuple[int, int, str]] = []
+    for start, end, kind in spans:
+        value = text[start:end]
+        if kind in zeroed:
+            new = "12" if (kind == "hour" and twelve_hour) else "0" * len(value)
+        elif kind == "ampm" and unit == "day":
+            new = am_form(value)
+        elif kind in ("epoch_s", "epoch_ms") and value.isdigit():
+            step = ROUND_UNITS[unit] * (1000 if kind == "epoch_ms" else 1)
+            new = str(int(value) - int(value) % step).rjust(len(value), "0")
+        else:
+            continue
+        if new != value:
+            edits.append((start, end, new))
+    edits.sort()
+    kept: list[tuple[int, int, str]] = []
+    for edit in edits:  # nested groups: the outer edit wins
+        if kept and edit[0] < kept[-1][1]:
+            continue
+        kept.append(edit)
+    return _splice(text, kept)
+
+
+def am_form(ampm: str) -> str:
+    """The ante-meridiem marker in the style of ``ampm`` (PM -> AM, p.m. -> a.m., 오후 -> 오전, 午後 -> 午前,
+    下午 -> 上午)."""
+    if ampm in _AM_CJK:
+        return _AM_CJK[ampm]
+    if ampm in _AM_ZH:
+        return "上午"
+    if ampm[:1] in "Pp":
+        return ("A" if ampm[0] == "P" else "a") + ampm[1:]
+    return ampm
+
+
+def normalize_text(text: str, options: NormalizeOptions) -> str:
+    """``text`` with Unicode normalized, line endings made LF, trailing spaces and tabs removed from every
+    line, and runs of blank lines cut to ``options.blank_lines`` (in that order; with trailing spaces kept,
+    only empty lines count as blank). The result is a fixed point: normalizing it again changes nothing."""
+    if options.unicode:
+        text = unicodedata.normalize(options.unicode, text)
+    if options.line_endings:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if options.trailing_spaces:
+        text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
+    if options.blank_lines is not None:
+        keep = options.blank_lines + 1
+        text = re.sub("\n{" + str(keep + 1) + ",}", "\n" * keep, text)
+    return text
+
+
+def canonical_json_value(value: Any) -> Any:
+    """``value`` with every object's keys sorted, recursively (arrays keep their order: in JSON Schema,
+    ``enum``, ``required``, ``anyOf``... are arrays whose order a model may read)."""
+    if isinstance(value, dict):
+        return {k: canonical_json_value(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, list):
+        return [canonical_json_value(v) for v in value]
+    return value
+
+
+def canonical_json(value: Any) -> str:
+    """Canonical JSON text: sorted keys, separators ``,`` and ``:`` without spaces, UTF-8 kept
+    (``ensure_ascii=False``). Equal values give equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def tool_name(tool: dict[str, Any]) -> str:
+    """A tool's name: OpenAI ``function.name``, else Anthropic's top-level ``name``, else ``""``."""
+    function = tool.get("function")
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
+        return function["name"]
+    name = tool.get("name")
+    return name if isinstance(name, str) else ""
+
+
+def sort_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tools ordered by name (ties by canonical JSON), each with its keys sorted recursively. Semantics
+    are kept: JSON objects are unordered (RFC 8259 section 4), arrays and all values are untouched."""
+    canonical = [canonical_json_value(t) for t in tools]
+    return sorted(canonical, key=lambda t: (tool_name(t), canonical_json(t)))

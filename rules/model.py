@@ -1,0 +1,143 @@
+"""The rule data model: what a validated rule is, independent of YAML.
+
+A ``Rule`` is immutable once loaded. Its fields are filled by ``rules.loader`` after validation, so code
+that applies rules never re-checks them: a span action always has a compiled pattern, ``round`` always a
+unit, ``replace``/``reorder`` always a parsed template whose group references exist in the pattern.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIONS: tuple[str, ...] = ("hoist", "replace", "round", "drop", "normalize", "sort_tools", "reorder")
+"""Every action a rule may name."""
+
+SPAN_ACTIONS: frozenset[str] = frozenset({"hoist", "replace", "round", "drop", "reorder"})
+"""Actions that act on regex matches inside message text (they need ``match.pattern``)."""
+
+PLACEMENTS: tuple[str, ...] = ("last_user_prefix", "before_last_user", "system_end")
+"""Where hoisted values are re-inserted (see ``rules.placement``). The first is the default."""
+
+DEFAULT_PLACEMENT = "last_user_prefix"
+
+ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
+"""Roles a ``match.role`` may name (``any`` selects every role)."""
+
+POSITIONS: tuple[str, ...] = ("any", "first", "last")
+
+ROUND_UNITS: dict[str, int] = {"minute": 60, "hour": 3600, "day": 86400}
+"""``round`` units and their length in seconds (used for epoch values)."""
+
+ROUND_GROUPS: tuple[str, ...] = ("hour", "minute", "second", "fraction", "ampm", "epoch_s", "epoch_ms")
+"""Named groups ``round`` understands (a ``__N`` suffix, added by fragment expansion, is ignored)."""
+
+
+@dataclass(frozen=True)
+class MessageSelector:
+    """Which messages a rule looks at.
+
+    Attributes:
+        roles: the roles selected, or None for every role.
+        position: ``any`` (every selected message), ``first`` or ``last`` (of the messages with those roles).
+        index: an absolute message index (negative counts from the end) instead of a position, or None.
+    """
+
+    roles: frozenset[str] | None = None
+    position: str = "any"
+    index: int | None = None
+
+    def select(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Indices of the selected messages, in ascending order."""
+        if self.index is not None:
+            i = self.index if self.index >= 0 else len(messages) + self.index
+            if 0 <= i < len(messages) and self._role_ok(messages[i]):
+                return [i]
+            return []
+        chosen = [i for i, m in enumerate(messages) if self._role_ok(m)]
+        if self.position == "first":
+            return chosen[:1]
+        if self.position == "last":
+            return chosen[-1:]
+        return chosen
+
+    def _role_ok(self, message: dict[str, Any]) -> bool:
+        return self.roles is None or message.get("role") in self.roles
+
+
+@dataclass(frozen=True)
+class Template:
+    """A parsed ``{group}`` template (``replace``'s ``with``, ``reorder``'s ``template``).
+
+    ``pieces`` alternates literal strings and group references: a ``str`` is literal text, an ``int`` or a
+    ``tuple[str]`` (one name) refers to a numbered or named group. ``{{`` and ``}}`` are literal braces.
+    """
+
+    source: str
+    pieces: tuple[str | int | tuple[str], ...]
+
+    def render(self, group_text: dict[int | str, str]) -> str:
+        """Fill the template from ``group_text`` (group number or name -> matched text; a group that did
+        not take part in the match renders as the empty string)."""
+        out: list[str] = []
+        for piece in self.pieces:
+            if isinstance(piece, str):
+                out.append(piece)
+            elif isinstance(piece, tuple):
+                out.append(group_text.get(piece[0], ""))
+            else:
+                out.append(group_text.get(piece, ""))
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class NormalizeOptions:
+    """What ``normalize`` does (all on by default).
+
+    Attributes:
+        line_endings: CRLF and lone CR become LF.
+        trailing_spaces: spaces and tabs at the end of every line are removed.
+        blank_lines: the longest run of blank lines kept (runs longer are cut to it); None keeps all.
+        unicode: a ``unicodedata`` normal form (``NFC``, ``NFKC``, ...) or None.
+    """
+
+    line_endings: bool = True
+    trailing_spaces: bool = True
+    blank_lines: int | None = 1
+    unicode: str | None = "NFC"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validated rule.
+
+    Attributes:
+        id: unique across the loaded rule set.
+        action: one of ``ACTIONS``.
+        selector: which messages the rule looks at.
+        pattern: the compiled re2 pattern (span actions), else None.
+        pattern_source: the pattern as written (before ``%{FRAGMENT}`` expansion), or None.
+        group: for hoist/drop/replace: the group whose span is acted on (0 = whole match).
+        placement: for hoist: one of ``PLACEMENTS``.
+        template: for replace (``with``) and reorder (``template``).
+        unit: for round: a key of ``ROUND_UNITS``.
+        normalize: for normalize.
+        skip_code: span actions ignore matches that overlap a fenced code block (``match.skip_code``).
+        description: free text from the file.
+        file: the file the rule came from; line: its 1-based line.
+    """
+
+    id: str
+    action: str
+    selector: MessageSelector = field(default_factory=MessageSelector)
+    pattern: Any = None
+    pattern_source: str | None = None
+    group: int | str = 0
+    placement: str = DEFAULT_PLACEMENT
+    template: Template | None = None
+    unit: str | None = None
+    normalize: NormalizeOptions | None = None
+    skip_code: bool = False
+    description: str = ""
+    file: str = ""
+    line: int = 0

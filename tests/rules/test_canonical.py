@@ -1,0 +1,284 @@
+"""RuleSet.apply as a whole: idempotence (hypothesis), determinism, purity, preservation, segments,
+bad input, and linear-time matching on a pathological pattern."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rules import Canonical, RequestShapeError, RuleSet, load_ruleset
+from rules.loader import PACK_DIR
+from tests.rules.formats import DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
+from tests.rules.helpers import all_text, chat, ruleset_from, write_rules
+
+ALL_ACTIONS = """
+rules:
+  - id: t.replace
+    match: {pattern: '(?i)acme corp'}
+    action: replace
+    with: 'ACME Corp'
+  - id: t.round
+    match: {pattern: 'Deadline: %{CLOCK}'}
+    action: round
+    unit: hour
+  - id: t.drop
+    match: {role: [system, user], pattern: '(?m)^DEBUG:[^\\n]*$'}
+    action: drop
+  - id: t.reorder
+    match:
+      role: user
+      pattern: '(?s)^Question: (?P<q>[^\\n]*)\\n+Document:\\n(?P<doc>.*)$'
+    action: reorder
+    template: "<document>\\n{doc}\\n</document>\\n\\nQuestion: {q}"
+  - id: t.normalize-user
+    match: {role: user}
+    action: normalize
+  - id: t.hoist-any
+    match: {role: any, pattern: 'NONCE-[0-9]+'}
+    action: hoist
+"""
+
+
+def rulesets(tmp_dir: Path) -> dict[str, RuleSet]:
+    extra = write_rules(tmp_dir, ALL_ACTIONS, "all_actions.yaml")
+    return {placement: load_ruleset(["default", str(extra)], placement=placement)
+            for placement in ("last_user_prefix", "before_last_user", "system_end")}
+
+
+@pytest.fixture(scope="module")
+def all_rulesets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RuleSet]:
+    return rulesets(tmp_path_factory.mktemp("rules"))
+
+
+# --- request generator -------------------------------------------------------------------------------------
+
+def _volatile_line(seed: int) -> str:
+    rng = random.Random(seed)
+    if rng.random() < 0.6:
+        anchor = DATE_ANCHORS[rng.choice(sorted(DATE_ANCHORS))]
+        form = DATE_FORMATS[rng.choice(sorted(DATE_FORMATS))]
+        return anchor.format(v=form(random_datetime(rng)))
+    return OTHER_VOLATILE[rng.choice(sorted(OTHER_VOLATILE))](rng)
+
+
+ORDINARY_LINES = ["You are a helpful assistant.", "Version 1.2.3 costs $12.50.", "Knowledge cutoff: 2024-06",
+                  "Deadline: 13:47 sharp.", "DEBUG: internal flag", "Work for acme corp.", "NONCE-123 here",
+                  "", "   ", "```", "<document>inline doc</document>", "Question: why?", "Document:",
+                  "<request_context>", "</request_context>", "Example: Current date: 2024-01-01",
+                  "<documents>", "</document>", "<doc id=1>x</doc>", "Session ID: abc123"]
+noise = st.text(alphabet=st.sampled_from(list("ab :\n\r\t<>/`-.0123456789Cé\u0301년")), max_size=30)
+line = st.one_of(st.integers(0, 10**6).map(_volatile_line), st.sampled_from(ORDINARY_LINES), noise)
+text = st.lists(line, max_size=6).map("\n".join)
+sep = st.sampled_from(["\n", "\r\n", "\n\n", " "])
+
+
+@st.composite
+def content(draw: st.DrawFn) -> str | list[dict]:
+    body = draw(text)
+    if draw(st.integers(0, 3)) == 0:
+        parts: list[dict] = [{"type": "text", "text": draw(text)} for _ in range(draw(st.integers(1, 3)))]
+        if draw(st.booleans()):
+            parts.insert(draw(st.integers(0, len(parts))), {"type": "image_url", "image_url": {"url": "data:,x"}})
+        return parts
+    return body
+
+
+@st.composite
+def chat_request(draw: st.DrawFn) -> tuple[list[dict], list[dict] | None]:
+    messages: list[dict] = []
+    for role in draw(st.lists(st.sampled_from(["system", "developer"]), max_size=2)):
+        messages.append({"role": role, "content": draw(content())})
+    for _ in range(draw(st.integers(0, 5))):
+        role = draw(st.sampled_from(["user", "assistant", "user", "tool"]))
+        message = {"role": role, "content": draw(content())}
+        if role == "tool":
+            message["tool_call_id"] = "call_1"
+        messages.append(message)
+    if draw(st.booleans()):
+        question = draw(st.sampled_from(["Question: who?\nDocument:\nSome text.", "<document>D</document>\n\nQ?",
+                                         "plain question"]))
+        messages.append({"role": "user", "content": question + draw(sep) + draw(text)})
+    tools = None
+    if draw(st.booleans()):
+        names = draw(st.lists(st.sampled_from(["b", "a", "c", "d"]), max_size=3))
+        tools = [{"type": "function", "function": {"parameters": {"type": "object", "properties": {"z": {}, "y": {}}},
+                                                   "name": n}} for n in names]
+    return messages, tools
+
+
+def dump(canon: Canonical) -> str:
+    return json.dumps(canon.to_dict(), ensure_ascii=False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(request=chat_request(), placement=st.sampled_from(["last_user_prefix", "before_last_user", "system_end"]))
+def test_idempotent_and_deterministic(all_rulesets: dict[str, RuleSet], request: tuple, placement: str) -> None:
+    messages, tools = request
+    ruleset = all_rulesets[placement]
+    before = copy.deepcopy(request)
+    once = ruleset.apply(messages, tools)
+    assert (messages, tools) == before  # inputs never mutated
+    twice = ruleset.apply(once.messages, once.tools)
+    assert twice.messages == once.messages
+    assert json.dumps(twice.tools) == json.dumps(once.tools)
+    assert twice.segments == once.segments
+    assert twice.stable_prefix_material() == once.stable_prefix_material()
+    assert twice.hoisted == once.hoisted
+    assert twice.applied == {}
+    assert dump(ruleset.apply(messages, tools)) == dump(once)  # same input, same bytes
+    final = all_text(once.messages)
+    for value in once.hoisted:  # preservation
+        assert value in final
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=chat_request())
+def test_segments_cover_the_prompt_in_order(all_rulesets: dict[str, RuleSet], request: tuple) -> None:
+    canon = all_rulesets["last_user_prefix"].apply(*request)
+    segments = canon.segments
+    n = len(canon.messages)
+    if segments:
+        assert (segments[0].start_message, segments[0].start_part, segments[0].start_char) == (0, 0, 0)
+    for a, b in zip(segments, segments[1:], strict=False):
+        end = a.end
+        assert (end.message, end.part, end.char) == (b.start_message, b.start_part, b.start_char)
+    if segments and segments[-1].level == 4:
+        assert segments[-1].end_message == n and segments[-1].end_part is None
+    assert [s.level for s in segments].count(4) <= 1
+    assert all(s.level != 4 for s in segments[:-1])
+
+
+def test_preservation_of_each_value_and_nothing_else_lost() -> None:
+    ruleset = load_ruleset(["default"])
+    rng = random.Random(3)
+    lines = [_volatile_line(rng.randrange(10**6)) for _ in range(12)]
+    system = "Start.\n" + "\n".join(lines) + "\nEnd."
+    canon = ruleset.apply(chat(system))
+    final = all_text(canon.messages)
+    assert len(canon.hoisted) == len(lines)
+    for value in canon.hoisted:
+        assert value in final
+    # every character of the original system prompt is still in the prompt (whitespace aside)
+    kept = canon.messages[0]["content"] + "".join(canon.hoisted)
+    assert sorted(c for c in system if not c.isspace()) == sorted(c for c in kept if not c.isspace())
+
+
+def test_multi_turn_history_stays_stable_across_turns() -> None:
+    ruleset = load_ruleset(["default"])
+    turn1 = [{"role": "system", "content": "Bot.\nCurrent time: 2025-05-14 13:17:44"},
+             {"role": "user", "content": "q1"}]
+    turn2 = [{"role": "system", "content": "Bot.\nCurrent time: 2025-05-14 13:19:02"},
+             {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+             {"role": "user", "content": "q2"}]
+    c1, c2 = ruleset.apply(turn1), ruleset.apply(turn2)
+    assert c1.stable_prefix_material(level=1) == c2.stable_prefix_material(level=1)
+    assert c2.messages[:3] == [{"role": "system", "content": "Bot."}, {"role": "user", "content": "q1"},
+                               {"role": "assistant", "content": "a1"}]
+    assert [s.name for s in c2.segments] == ["tools+system", "history", "volatile"]
+    assert b"a1" in c2.stable_prefix_material() and b"q2" not in c2.stable_prefix_material()
+
+
+def test_segments_for_single_turn_rag_and_tools_only() -> None:
+    ruleset = load_ruleset(["default"])
+    canon = ruleset.apply([{"role": "user", "content": "<document>Doc</document>\nQ?"}],
+                          [{"type": "function", "function": {"name": "f"}}])
+    assert [(s.level, s.start_message, s.end_message, s.end_part, s.end_char) for s in canon.segments] == [
+        (1, 0, 0, None, None), (2, 0, 1, 0, len("<document>Doc</document>")), (4, 0, 1, None, None)]
+    assert json.loads(canon.stable_prefix_material()) == {
+        "messages": [{"content": "<document>Doc</document>", "role": "user"}],
+        "tools": [{"function": {"name": "f"}, "type": "function"}]}
+    everything_stable = ruleset.apply([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}])
+    assert [s.level for s in everything_stable.segments] == [1, 3]
+    assert everything_stable.stable_end.message == 2
+
+
+def test_list_content_documents_and_block(tmp_path: Path) -> None:
+    ruleset = load_ruleset(["default"])
+    messages = [{"role": "system", "content": "S\nCurrent date: 2025-05-14"},
+                {"role": "user", "content": [{"type": "text", "text": "<documents><document>A</document>"},
+                                             {"type": "text", "text": "<document>B</document></documents>"},
+                                             {"type": "text", "text": "Which is longer?"}]}]
+    canon = ruleset.apply(messages)
+    assert canon.messages[1]["content"][2] == {"type": "text", "text": "<request_context>\nCurrent date: 2025-05-14\n"
+                                                                      "</request_context>\n\n"}
+    docs = canon.segments[1]
+    assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (2, 2, 2, 0)
+    material = json.loads(canon.stable_prefix_material())
+    assert len(material["messages"][1]["content"]) == 2
+    assert ruleset.apply(canon.messages).messages == canon.messages
+
+
+@pytest.mark.parametrize(("messages", "tools", "words"), [
+    ("not a list", None, "messages must be a list"),
+    ([["role", "user"]], None, "messages[0] must be an object"),
+    ([{"content": "x"}], None, "messages[0].role must be a string"),
+    ([{"role": "user", "content": 5}], None, "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": None}]}], None, "content[0].text must be a string"),
+    ([{"role": "user", "content": ["x"]}], None, "content[0] must be an object"),
+    ([{"role": "user", "content": "x"}], {"a": 1}, "tools must be a list"),
+    ([{"role": "user", "content": "x"}], ["f"], "tools[0] must be an object"),
+])
+def test_bad_request_shape_raises_named_error(messages: object, tools: object, words: str) -> None:
+    with pytest.raises(RequestShapeError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        load_ruleset(["default"]).apply(messages, tools)  # type: ignore[arg-type]
+
+
+def test_pathological_pattern_on_100k_prompt_returns_correct_result(tmp_path: Path) -> None:
+    ruleset = ruleset_from(tmp_path, """
+        rules:
+          - id: evil-nested
+            match: {pattern: '(a+)+$'}
+            action: hoist
+          - id: evil-pairs
+            match: {pattern: '(x+x+)+y'}
+            action: drop
+        """)
+    no_match = "a" * 99_999 + "b"
+    canon = ruleset.apply(chat(no_match, "x" * 100_000))
+    assert canon.messages[0]["content"] == no_match
+    assert canon.messages[1]["content"] == "x" * 100_000
+    assert canon.applied == {}
+    all_a = "a" * 100_000
+    canon = ruleset.apply(chat("b" + all_a))
+    assert canon.messages[0]["content"] == "b"
+    assert canon.hoisted == [all_a]
+    assert canon.messages[1]["content"] == "<request_context>\n" + all_a + "\n</request_context>\n\nWhat should I do next?"
+
+
+def test_many_matches_on_a_long_text_are_linear(tmp_path: Path) -> None:
+    ruleset = ruleset_from(tmp_path, """
+        rules:
+          - id: every-a
+            match: {pattern: 'a'}
+            action: drop
+        """)
+    canon = ruleset.apply(chat("ab" * 50_000, "Go on."))
+    assert canon.messages[0]["content"] == "b" * 50_000
+    assert canon.applied == {"every-a": 50_000}
+
+
+def test_non_converging_rule_is_cut_off_deterministically(tmp_path: Path) -> None:
+    ruleset = ruleset_from(tmp_path, """
+        rules:
+          - id: grow
+            match: {role: system, pattern: 'a'}
+            action: replace
+            with: 'aa'
+        """)
+    first = ruleset.apply(chat("a"))
+    assert first.messages[0]["content"] == "a" * 2 ** 8
+    assert first.applied == {"grow": 2 ** 8 - 1}  # 1 + 2 + ... + 128 matches over the 8 passes
+    assert ruleset.apply(chat("a")).messages == first.messages
+
+
+def test_shipped_pack_files_are_all_used_by_default() -> None:
+    shipped = {p.stem for p in PACK_DIR.glob("*.yaml") if not p.name.startswith("_")} - {"default"}
+    default = load_ruleset(["default"])
+    assert {rule_id.split(".")[0] for rule_id in default.rule_ids} == shipped

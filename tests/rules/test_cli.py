@@ -1,0 +1,98 @@
+"""rules.cli: check and apply, as the `prefixgate rules ...` subcommands call them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from rules import cli, load_ruleset
+from tests.rules.helpers import write_rules
+
+GOOD = "rules:\n  - id: g\n    match: {pattern: 'x'}\n    action: drop\n"
+BAD = "rules:\n  - id: g2\n    match: {pattern: 'x'}\n    action: drop\n    colour: red\n"
+
+
+def test_check_ok_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write_rules(tmp_path, GOOD, "good.yaml")
+    bad = write_rules(tmp_path, BAD, "bad.yaml")
+    assert cli.check([str(good), "default"]) == 0
+    out = capsys.readouterr().out
+    assert f"OK {good}: 1 rules" in out and "OK default:" in out and "OK together:" in out
+    assert cli.check([str(good), str(bad)]) == 1
+    captured = capsys.readouterr()
+    assert f"{bad}:5: rule 'g2': unknown key 'colour'" in captured.err
+    assert f"OK {good}" in captured.out
+    assert cli.check([]) == 2
+
+
+def test_check_duplicate_ids_across_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = write_rules(tmp_path, GOOD, "a.yaml")
+    b = write_rules(tmp_path, GOOD, "b.yaml")
+    assert cli.check([str(a), str(b)]) == 1
+    assert "duplicate rule id" in capsys.readouterr().err
+
+
+def test_apply_prints_canonical_request_and_stable_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "Bot.\nCurrent date: 2025-05-14"},
+                                       {"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "z"}}, {"type": "function", "function": {"name": "a"}}]}
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps(body), encoding="utf-8")
+    assert cli.apply(None, str(request)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["messages"] == [{"role": "system", "content": "Bot."},
+                               {"role": "user", "content": "<request_context>\nCurrent date: 2025-05-14\n"
+                                                           "</request_context>\n\nhi"}]
+    assert [t["function"]["name"] for t in out["tools"]] == ["a", "z"]
+    assert out["stable_prefix_end"] == {"message": 1, "part": 0, "char": 0}
+    assert [s["name"] for s in out["segments"]] == ["tools+system", "volatile"]
+    assert out["applied"] == {"dates.current-datetime-line": 1, "tools.sort": 1}
+    assert out["hoisted"] == ["Current date: 2025-05-14"]
+    canon = load_ruleset(["default"]).apply(body["messages"], body["tools"])
+    assert out["stable_prefix_sha256"] == hashlib.sha256(canon.stable_prefix_material()).hexdigest()
+
+
+def test_apply_with_rules_placement_and_anthropic_body(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    request = tmp_path / "anthropic.json"
+    request.write_text(json.dumps({"system": "Today's date is Monday, May 13, 2024.",
+                                   "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+                       encoding="utf-8")
+    assert cli.apply(["dates"], str(request), placement="system_end") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["messages"][0] == {"role": "system", "content": "<request_context>\nToday's date is Monday, May 13, "
+                                                               "2024.\n</request_context>"}
+    assert out["stable_prefix_end"] == {"message": 0, "part": 0, "char": 0}
+    empty = write_rules(tmp_path, "rules: []\n", "empty.yaml")
+    assert cli.apply([str(empty)], str(request)) == 0
+    assert json.loads(capsys.readouterr().out)["messages"][0]["content"] == "Today's date is Monday, May 13, 2024."
+
+
+def test_apply_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad_rules = write_rules(tmp_path, BAD, "bad.yaml")
+    request = tmp_path / "req.json"
+    request.write_text('{"messages": [{"role": "user", "content": "x"}]}', encoding="utf-8")
+    assert cli.apply([str(bad_rules)], str(request)) == 1
+    assert "unknown key 'colour'" in capsys.readouterr().err
+    assert cli.apply(None, str(tmp_path / "missing.json")) == 2
+    assert "cannot read request" in capsys.readouterr().err
+    request.write_text("{not json", encoding="utf-8")
+    assert cli.apply(None, str(request)) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    request.write_text('{"prompt": "x"}', encoding="utf-8")
+    assert cli.apply(None, str(request)) == 2
+    assert "'messages' list" in capsys.readouterr().err
+    request.write_text('{"messages": [{"role": 1}]}', encoding="utf-8")
+    assert cli.apply(None, str(request)) == 2
+    assert "messages[0].role must be a string" in capsys.readouterr().err
+
+
+def test_module_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write_rules(tmp_path, GOOD, "good.yaml")
+    assert cli.main(["check", str(good)]) == 0
+    request = tmp_path / "req.json"
+    request.write_text('{"messages": [{"role": "user", "content": "x"}]}', encoding="utf-8")
+    assert cli.main(["apply", "--rules", str(good), "--", str(request)]) == 0
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["messages"] == [{"role": "user", "content": ""}]

@@ -1,0 +1,113 @@
+"""The shipped packs: stability across every supported form, preservation of hoisted values, and no
+hoists of ordinary text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rules import load_ruleset
+from tests.rules.formats import ANCHOR_REMAINDER, DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
+from tests.rules.helpers import all_text
+
+DEFAULT = load_ruleset(["default"])
+HEAD = "You are a helpful assistant for ACME.\n"
+TAIL = "\nAnswer briefly and cite sources."
+
+
+def request(line: str) -> list[dict]:
+    return [{"role": "system", "content": HEAD + line + TAIL},
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "What day is it?"}]
+
+
+@pytest.mark.parametrize("anchor", sorted(DATE_ANCHORS))
+@pytest.mark.parametrize("form", sorted(DATE_FORMATS))
+def test_dates_in_every_form_and_anchor_give_identical_stable_prefix(anchor: str, form: str) -> None:
+    rng = random.Random(f"{anchor}/{form}")
+    values = [DATE_FORMATS[form](random_datetime(rng)) for _ in range(2)]
+    assert values[0] != values[1]
+    canons = [DEFAULT.apply(request(DATE_ANCHORS[anchor].format(v=v))) for v in values]
+    assert canons[0].stable_prefix_material() == canons[1].stable_prefix_material()
+    remainder = ANCHOR_REMAINDER.get(anchor)
+    expected_system = HEAD + remainder + TAIL if remainder else HEAD.rstrip("\n") + TAIL
+    for canon, value in zip(canons, values, strict=True):
+        assert canon.messages[0]["content"] == expected_system
+        assert canon.messages[1:3] == request("")[1:3]  # history untouched
+        assert len(canon.hoisted) == 1 and value in canon.hoisted[0]
+        assert value in canon.messages[3]["content"]  # preserved, in the last user turn
+        assert canon.messages[3]["content"].endswith("\n\nWhat day is it?")
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_VOLATILE))
+def test_ids_epochs_nonces_locations_give_identical_stable_prefix(kind: str) -> None:
+    rng = random.Random(kind)
+    lines = [OTHER_VOLATILE[kind](rng) for _ in range(8)]
+    lines = list(dict.fromkeys(lines))[:2]
+    assert len(lines) == 2
+    canons = [DEFAULT.apply(request(line)) for line in lines]
+    assert canons[0].stable_prefix_material() == canons[1].stable_prefix_material()
+    for canon, line in zip(canons, lines, strict=True):
+        assert canon.messages[0]["content"] == HEAD.rstrip("\n") + TAIL
+        assert canon.hoisted == [line]
+        assert line in canon.messages[3]["content"]
+
+
+def test_many_volatile_lines_together_are_all_preserved_in_order() -> None:
+    rng = random.Random(7)
+    when = random_datetime(rng)
+    lines = [DATE_ANCHORS["label-current-date"].format(v=DATE_FORMATS["iso-offset-micro"](when))]
+    lines += [OTHER_VOLATILE[k](rng) for k in ("session-uuid", "epoch-ms", "nonce", "timezone", "location")]
+    system = "Intro.\n" + "\n".join(lines) + "\nOutro."
+    canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "q"}])
+    assert canon.messages[0]["content"] == "Intro.\nOutro."
+    assert sorted(canon.hoisted) == sorted(lines)
+    final = all_text(canon.messages)
+    assert all(line in final for line in lines)
+    assert sum(canon.applied.values()) == len(lines)
+
+
+ORDINARY = """You are ACME's support assistant (model v2.3.1, build 1.2.3).
+Knowledge cutoff: 2024-06
+Prices: the Pro plan costs $12.50/month, the Team plan €1,299.00 per year; a 10.5% discount applies.
+When the user reports an error, ask for the line number (e.g. "line 42") and the stack trace.
+Format dates as YYYY-MM-DD, for example 2024-01-15, and times as 13:45.
+Example: Current date: 2024-01-01
+Example reply: "Today's date is Monday, May 13, 2024." should never be written by you.
+If the user writes "the current time is 09:00", do not correct them.
+Release history: v1.0 shipped on May 13, 2024; v2.0 on 09th August, 2025.
+The meeting on 2024-05-13 at 10:30 was moved.
+Order numbers look like 1715692800 and phone numbers like +1 555 123 4567.
+Location: use the user's city only if they give it.
+Timezone handling: always convert to UTC.
+ID: see the ticket header.
+Session: evening shift
+```python
+created = 1715692800
+session_id = "3f2c8a9e-1b2c-4d5e-8f90-1234567890ab"
+sha = 'deadbeefdeadbeef00'
+print(f"Current time: {datetime.now():%H:%M}")  # Current date: 2024-01-01
+```
+```
+Current date: 2025-05-14
+```
+Math: 3:4 ratio, 12:30 is lunch, and 2024-2025 is the fiscal year.
+참고: 2024년 1월 1일은 예시 날짜입니다.
+例: 2024年1月1日 10時00分 のように書きます。
+示例：2024年1月1日 下午3点20分。"""
+
+
+def test_no_false_hoists_on_ordinary_text() -> None:
+    messages = [{"role": "system", "content": ORDINARY}, {"role": "user", "content": "Hi, it's 10:30 here."}]
+    canon = DEFAULT.apply(messages)
+    assert canon.messages == messages
+    assert canon.hoisted == []
+    assert canon.applied == {}
+
+
+def test_user_and_assistant_text_is_not_hoisted_by_the_packs() -> None:
+    messages = [{"role": "user", "content": "Current date: 2025-05-14\nSession ID: 3f2c8a9e-1b2c-4d5e-8f90-1234567890ab"},
+                {"role": "assistant", "content": "Today's date is Monday, May 13, 2024."},
+                {"role": "user", "content": "Timestamp: 1715692800"}]
+    assert DEFAULT.apply(messages).messages == messages
