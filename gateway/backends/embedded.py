@@ -1,0 +1,225 @@
+"""The embedded backend: a ``Backend`` over the in-process engine (``engine.async_engine.AsyncEngine``).
+
+It turns a canonical ``ChatRequest`` into an ``engine.api.GenerationRequest`` (text-only messages, the
+tenant as cache salt), streams ``TextDelta`` events as ``Delta`` and the final ``Finished`` as ``Finish``,
+and maps the engine's named errors to API errors. Closing the stream (client disconnect) closes the engine's
+iterator, which aborts the request and frees its blocks at once.
+
+OpenAI parameters the engine cannot honour are refused with 400 rather than silently ignored (see
+``UNSUPPORTED``); parameters that only carry bookkeeping (``metadata``, ``store``, ``user``...) are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import asdict
+from typing import Any
+
+from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
+from engine.errors import EngineError
+from gateway.anthropic_face import OPAQUE, THINKING_TYPES
+from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
+from gateway.backends.registry import register_backend
+from gateway.config import ModelConfig
+from gateway.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
+from gateway.request import ChatRequest
+
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+"""OpenAI body fields the embedded engine cannot honour -> the values it accepts (the neutral ones)."""
+
+TOOL_CHOICES = (None, "none", "auto")
+"""``ChatRequest.tool_choice`` values the engine honours: it cannot force a tool call."""
+
+_ROLE_FOR_TEMPLATE = {"developer": "system"}
+
+
+@register_backend("embedded")
+def create_embedded_backend(model: ModelConfig) -> EmbeddedBackend:
+    """Factory for ``backend: embedded`` entries."""
+    return EmbeddedBackend(model)
+
+
+class EmbeddedBackend:
+    """Serves one model from an in-process ``AsyncEngine``.
+
+    Args:
+        model: the model entry (``name``, ``path``, ``engine``).
+        engine: an already-built engine (tests); None = build it from ``model`` in ``start``.
+    """
+
+    def __init__(self, model: ModelConfig, engine: Any = None) -> None:
+        self.name = model.name
+        self.model = model
+        self.engine = engine
+        digest = hashlib.blake2b(
+            json.dumps([model.name, model.path, asdict(model.engine)], sort_keys=True).encode(), digest_size=5
+        )
+        self.system_fingerprint = f"fp_{digest.hexdigest()}"
+
+    async def start(self) -> None:
+        """Load the weights and tokenizer (in a worker thread: it takes seconds) and start the step loop."""
+        if self.engine is None:
+            from engine.async_engine import AsyncEngine
+
+            self.engine = await asyncio.to_thread(
+                AsyncEngine.from_config, None, self.model.path, self.model.engine
+            )
+        await self.engine.start()
+
+    async def close(self) -> None:
+        """Stop the engine; requests still running finish with ``abort``."""
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's counters (None before ``start``)."""
+        return self.engine.stats() if self.engine is not None else None
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+        """Yield ``Delta`` per non-empty text piece, then one ``Finish``.
+
+        Raises:
+            InvalidRequestError: a parameter the engine cannot honour, a non-text content part, a bad value.
+            ContextLengthExceededError: the prompt does not fit (``PromptTooLongError``), before any block.
+            ServiceUnavailableError: the engine was shut down under the request.
+        """
+        if self.engine is None:
+            raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
+        generation = generation_request(request)
+        try:
+            async with aclosing(self.engine.generate(generation)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        if event.text:
+                            yield Delta(text=event.text)
+                    elif isinstance(event, Finished):
+                        if event.finish_reason == "abort":
+                            raise ServiceUnavailableError("The engine stopped before the request finished.")
+                        yield Finish(
+                            finish_reason=event.finish_reason,
+                            usage=BackendUsage(
+                                prompt_tokens=event.usage.prompt_tokens,
+                                completion_tokens=event.usage.completion_tokens,
+                                cached_tokens=event.usage.cached_tokens,
+                                counted_by="engine",
+                            ),
+                            ttft_s=event.ttft_s,
+                        )
+                        return
+        except EngineError as exc:
+            error = from_engine_error(exc)
+            if request.kind == "completion" and error.param == "messages":
+                error.param = "prompt"
+            raise error from exc
+
+
+def generation_request(request: ChatRequest) -> GenerationRequest:
+    """The engine request for a canonical ``ChatRequest``.
+
+    Raises:
+        InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies, ``TOOL_CHOICES``),
+            non-text content parts, or server tools.
+    """
+    if request.protocol == "openai":
+        check_supported(request.body)
+    if request.tool_choice not in TOOL_CHOICES:
+        raise InvalidRequestError(
+            "The embedded engine cannot force a tool call: tool_choice must be 'auto' or 'none'.",
+            param="tool_choice",
+            code="unsupported_value",
+        )
+    common = {"params": request.params, "cache_salt": request.tenant, "request_id": request.request_id}
+    if request.kind == "completion":
+        return GenerationRequest(prompt=request.prompt or "", **common)
+    messages = [template_message(message, index) for index, message in enumerate(request.messages)]
+    return GenerationRequest(messages=messages, tools=template_tools(request.tools), **common)
+
+
+def check_supported(body: dict[str, Any]) -> None:
+    """Refuse body fields with values the engine cannot honour (400 naming the field)."""
+    for name, accepted in UNSUPPORTED.items():
+        if name in body and not any(_same(body[name], value) for value in accepted):
+            raise InvalidRequestError(
+                f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is supported.",
+                param=name,
+                code="unsupported_value",
+            )
+
+
+def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message as the chat template expects it: ``content`` a string (text parts joined by newlines),
+    ``developer`` rendered as ``system``; tool-call fields kept.
+
+    Raises:
+        InvalidRequestError: a content part that is not text (images, audio, files).
+    """
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if part.get("type") == OPAQUE and (part.get("block") or {}).get("type") in THINKING_TYPES:
+                continue  # an Anthropic thinking block from an earlier turn: not prompt text for this model
+            if part.get("type") not in ("text", "input_text", "refusal"):
+                raise InvalidRequestError(
+                    f"Content part type '{part.get('type')}' is not supported by the embedded engine (text only).",
+                    param=f"messages[{index}].content[{part_index}].type",
+                    code="unsupported_value",
+                )
+            texts.append(part.get("text", part.get("refusal", "")))
+        content = "\n".join(texts)
+    out = {key: value for key, value in message.items() if key != "content"}
+    out["role"] = _ROLE_FOR_TEMPLATE.get(message["role"], message["role"])
+    out["content"] = "" if content is None else content
+    return out
+
+
+def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Function tools for the chat template, without the Anthropic-only extras riding under ``x-anthropic``.
+
+    Raises:
+        InvalidRequestError: an Anthropic server tool (``type: x-anthropic``), which only Anthropic can run.
+    """
+    if not tools:
+        return None
+    out = []
+    for index, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools only).",
+                param=f"tools[{index}]",
+                code="unsupported_value",
+            )
+        out.append({key: value for key, value in tool.items() if key != OPAQUE})
+    return out
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """Equal and of the same JSON type (so ``false`` is not ``0``)."""
+    return type(value) is type(accepted) and value == accepted
+
+
+def _accepted(values: tuple[Any, ...]) -> str:
+    shown = [json.dumps(v) for v in values if v is not None]
+    return " or ".join(shown) if shown else "omitting it"

@@ -1,0 +1,129 @@
+"""The ``prefixgate`` command.
+
+::
+
+    prefixgate serve [--config FILE] [--host H] [--port P]
+    prefixgate rules check FILE...
+    prefixgate rules apply [--rules FILE...] [--placement WHERE] REQUEST.json
+
+``serve`` without ``--config`` runs the embedded default (SmolLM2-135M-Instruct, rules ``[default]``).
+Listen address precedence: ``--host``/``--port``, then ``PREFIXGATE_HOST``/``PREFIXGATE_PORT``, then the
+config's ``server:``, then 127.0.0.1:8000. (The Makefile's ``HOST``/``PORT`` reach us as flags.)
+Exit status: 0 success, 1 runtime failure, 2 bad usage or bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from gateway.config import ConfigError, GatewayConfig, default_config, load_config
+
+EXIT_BAD_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``prefixgate``."""
+    parser = argparse.ArgumentParser(prog="prefixgate", description="A prompt-prefix-caching LLM gateway.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--config", help="YAML config file (default: the embedded SmolLM2 with default rules)")
+    serve.add_argument("--host", help="listen address (default: config server.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default: config server.port, 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    rules = commands.add_parser("rules", help="validate or try rule files")
+    rule_commands = rules.add_subparsers(dest="rules_command", required=True)
+    check = rule_commands.add_parser("check", help="validate rule files (file, line and rule id on error)")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    apply = rule_commands.add_parser("apply", help="print the canonical form of a request JSON")
+    apply.add_argument(
+        "--rules", nargs="+", default=None, metavar="FILE", help="rule files or pack names (default: default)"
+    )
+    apply.add_argument("--placement", default=None, help="override every hoist rule's placement")
+    apply.add_argument("request", metavar="REQUEST.json", nargs="?")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last one
+    is the request when no separate positional is left."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "rules" and args.rules_command == "apply" and args.request is None:
+        if not args.rules:
+            parser.error("rules apply: REQUEST.json is required")
+        args.request = args.rules.pop()
+        if not args.rules:
+            parser.error("rules apply: --rules needs at least one FILE before REQUEST.json")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = parse_args(argv)
+    if args.command == "serve":
+        return serve(args.config, args.host, args.port, args.log_level)
+    from rules import cli as rules_cli
+
+    if args.rules_command == "check":
+        return rules_cli.check(args.files)
+    return rules_cli.apply(args.rules, args.request, args.placement)
+
+
+def resolve_config(config_path: str | None, host: str | None, port: int | None) -> GatewayConfig:
+    """The config to serve: the file (or the default) with listen-address overrides applied.
+
+    Raises:
+        ConfigError: a bad file, or a bad ``PREFIXGATE_PORT``.
+    """
+    config = load_config(config_path) if config_path else default_config()
+    host = host or os.environ.get("PREFIXGATE_HOST") or None
+    if port is None and os.environ.get("PREFIXGATE_PORT"):
+        raw = os.environ["PREFIXGATE_PORT"]
+        if not raw.isdigit() or int(raw) > 65535:
+            raise ConfigError("PREFIXGATE_PORT", "", f"expected a TCP port 0..65535, got {raw!r}")
+        port = int(raw)
+    server = dataclasses.replace(
+        config.server, host=host or config.server.host, port=config.server.port if port is None else port
+    )
+    return dataclasses.replace(config, server=server)
+
+
+def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
+    """Load the config, build the app and run uvicorn until interrupted."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rules import RuleError
+
+    try:
+        config = resolve_config(config_path, host, port)
+        from gateway.app import create_app
+
+        app = create_app(config)
+    except ConfigError as exc:
+        print(f"prefixgate: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except RuleError as exc:  # names file, line and rule id
+        print(f"prefixgate: bad rules: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    import uvicorn
+
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_config=None,
+        log_level=log_level,
+        access_log=False,  # gateway.request_log writes one line per request instead
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

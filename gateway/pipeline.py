@@ -1,0 +1,233 @@
+"""The protocol-independent path of one request: canonicalize, key, route, open the backend stream, and keep
+the stats and the request log exactly once per request.
+
+A protocol face (OpenAI, Anthropic) parses its body into a ``ChatRequest``, calls ``begin`` then
+``open_stream``, and formats the ``OpenedStream``'s events. ``open_stream`` waits for the backend's first event
+before returning, so errors raised before any output (unknown model, prompt too long, bad parameter) become a
+proper HTTP error status instead of a broken stream.
+
+Exactly one of these ends each request's bookkeeping:
+- the backend's ``Finish`` (``OpenedStream`` records usage and logs status 200);
+- the stream closed before ``Finish`` without an error (client disconnect: recorded as aborted, logged 499);
+- an error after the response started (``OpenedStream.fail``: recorded and logged with the error's status);
+- any other error propagates to the app's exception handler, which records and logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from engine.errors import EngineError
+from gateway.backends.base import BackendEvent, Delta, Finish
+from gateway.canonical import Canonicalizer
+from gateway.errors import APIError, from_engine_error
+from gateway.request import ChatRequest
+from gateway.request_log import CLIENT_CLOSED, RequestRecord, log_request
+from gateway.routing import prefix_key
+from gateway.state import Gateway
+
+T = TypeVar("T")
+
+
+def new_request_id() -> str:
+    """A random 24-hex-digit id for logs and response ids."""
+    return uuid.uuid4().hex[:24]
+
+
+def begin(http_request: Request, request: ChatRequest) -> None:
+    """Note the parsed request on the HTTP request so the exception handler can attribute errors to it."""
+    if not request.request_id:
+        request.request_id = getattr(http_request.state, "request_id", "") or new_request_id()
+    http_request.state.request_id = request.request_id
+    http_request.state.model = request.model
+    http_request.state.stream = request.stream
+
+
+def request_id_of(http_request: Request) -> str:
+    """The request's id (made on first use)."""
+    request_id = getattr(http_request.state, "request_id", None)
+    if not request_id:
+        request_id = new_request_id()
+        http_request.state.request_id = request_id
+    return request_id
+
+
+def started_at(http_request: Request) -> float:
+    """``time.monotonic()`` when the app first saw the request (set by the app's middleware)."""
+    return getattr(http_request.state, "started_at", None) or time.monotonic()
+
+
+async def open_stream(gateway: Gateway, request: ChatRequest, http_request: Request) -> OpenedStream:
+    """Canonicalize ``request``, compute its prefix key, and open its backend stream up to the first event.
+
+    Raises:
+        ModelNotFoundError: unknown model (404).
+        APIError: whatever the backend raises before its first event (engine errors are mapped).
+    """
+    backend = gateway.registry.get(request.model)
+    gateway.canonicalizer.apply(request)
+    gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
+    material = gateway.canonicalizer.stable_material(request)
+    request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
+    iterator = backend.stream(request)
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        raise APIError("The backend ended the response without an answer.") from None
+    except EngineError as exc:
+        await _aclose(iterator)
+        raise from_engine_error(exc) from exc
+    except BaseException:
+        await _aclose(iterator)
+        raise
+    return OpenedStream(gateway, request, iterator, first, http_request)
+
+
+class OpenedStream:
+    """A backend stream whose first event has arrived; ``events()`` yields it and the rest.
+
+    Records the request's outcome in the stats and the request log exactly once (see module docstring).
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: ChatRequest,
+        iterator: AsyncIterator[BackendEvent],
+        first: BackendEvent,
+        http_request: Request,
+    ) -> None:
+        self.gateway = gateway
+        self.request = request
+        self._iterator = iterator
+        self._first: BackendEvent | None = first
+        self._path = http_request.url.path
+        self._started = started_at(http_request)
+        self._ttft_s: float | None = None
+        self._done = False
+        self._closed = False
+
+    @property
+    def first_event(self) -> BackendEvent | None:
+        """The event that opened the stream, until ``events()`` hands it out."""
+        return self._first
+
+    async def events(self) -> AsyncIterator[BackendEvent]:
+        """Every event of the backend, ``Finish`` last. Closing this iterator closes the backend's.
+
+        Raises:
+            APIError: raised by the backend mid-stream (engine errors mapped).
+        """
+        try:
+            while True:
+                event = await self._next_event()
+                if isinstance(event, Delta) and self._ttft_s is None and (event.text or event.tool_calls):
+                    self._ttft_s = time.monotonic() - self._started
+                if isinstance(event, Finish):
+                    self._record_finish(event)
+                    yield event
+                    return
+                yield event
+        except EngineError as exc:
+            self._done = True
+            raise from_engine_error(exc) from exc
+        except Exception:
+            self._done = True
+            raise
+        finally:
+            await self.aclose()
+
+    async def _next_event(self) -> BackendEvent:
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        try:
+            return await anext(self._iterator)
+        except StopAsyncIteration:
+            raise APIError("The backend ended the response without a finish.") from None
+
+    async def aclose(self) -> None:
+        """Close the backend stream (cancelling its work); count a client abort if it had not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        await _aclose(self._iterator)
+        if not self._done:
+            self._done = True
+            self.gateway.stats.record_abort(self.request.model)
+            self._log(CLIENT_CLOSED)
+
+    def fail(self, error: APIError) -> None:
+        """Record and log an error that happened after the response started (it went out in the stream)."""
+        self._done = True
+        self.gateway.stats.record_error(self.request.model, error.status_code)
+        self._log(error.status_code, error_code=error.code)
+
+    def _record_finish(self, finish: Finish) -> None:
+        self._done = True
+        ttft = self._ttft_s if self._ttft_s is not None else finish.ttft_s
+        self.gateway.stats.record_finish(self.request.model, finish.usage, ttft, self.request.prefix_key)
+        self._log(200, finish=finish, ttft_s=ttft)
+
+    def _log(self, status: int, finish: Finish | None = None, ttft_s: float | None = None, error_code: str | None = None):
+        request = self.request
+        applied = Canonicalizer.applied(request)
+        log_request(
+            RequestRecord(
+                request_id=request.request_id,
+                path=self._path,
+                status=status,
+                model=request.model,
+                stream=request.stream,
+                prompt_tokens=finish.usage.prompt_tokens if finish else None,
+                cached_tokens=finish.usage.cached_tokens if finish else None,
+                completion_tokens=finish.usage.completion_tokens if finish else None,
+                ttft_s=ttft_s,
+                duration_s=time.monotonic() - self._started,
+                finish_reason=finish.finish_reason if finish else None,
+                error_code=error_code,
+                prefix_key=request.prefix_key or None,
+                rules_applied=sum(applied.values()) if request.kind == "chat" else None,
+            )
+        )
+
+
+async def run_unless_disconnected(http_request: Request, work: Awaitable[T], opened: OpenedStream) -> T:
+    """Await ``work`` (a non-streamed answer being collected) unless the client disconnects first; then cancel
+    it, close ``opened`` (freeing the backend's work) and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        await opened.aclose()
+        raise ClientDisconnected()
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its non-streamed answer was ready (nobody reads the response)."""
+
+
+async def _wait_disconnect(http_request: Request) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -1,0 +1,72 @@
+"""One log line per request, in logfmt (``key=value`` pairs), on the ``prefixgate.request`` logger.
+
+The line carries the model, token counts (prompt / cached / completion), TTFT, duration, status and finish
+reason. It never carries prompt or completion text, API keys, admin tokens or the ``user`` field.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("prefixgate.request")
+
+
+@dataclass
+class RequestRecord:
+    """What is logged about one request. Times are seconds; token counts are tokens.
+
+    ``status`` is the HTTP status sent, or 499 when the client closed the connection before the end.
+    """
+
+    request_id: str
+    path: str
+    status: int
+    model: str | None = None
+    stream: bool = False
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    duration_s: float | None = None
+    finish_reason: str | None = None
+    error_code: str | None = None
+    prefix_key: str | None = None
+    rules_applied: int | None = None
+
+
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client disconnected mid-stream (nginx's convention)."""
+
+
+def format_record(record: RequestRecord) -> str:
+    """The logfmt line: fields in a fixed order, ``None`` fields left out, seconds as milliseconds."""
+    parts = [f"request_id={record.request_id}", f"path={record.path}", f"status={record.status}"]
+    if record.model is not None:
+        parts.append(f"model={_quote(record.model)}")
+    parts.append(f"stream={'true' if record.stream else 'false'}")
+    for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+        value = getattr(record, name)
+        if value is not None:
+            parts.append(f"{name}={value}")
+    if record.ttft_s is not None:
+        parts.append(f"ttft_ms={record.ttft_s * 1000:.1f}")
+    if record.duration_s is not None:
+        parts.append(f"duration_ms={record.duration_s * 1000:.1f}")
+    for name in ("finish_reason", "error_code", "prefix_key", "rules_applied"):
+        value = getattr(record, name)
+        if value is not None:
+            parts.append(f"{name}={_quote(str(value))}")
+    return " ".join(parts)
+
+
+def log_request(record: RequestRecord) -> None:
+    """Emit the record's line at INFO (4xx/5xx at WARNING)."""
+    level = logging.WARNING if record.status >= 400 and record.status != CLIENT_CLOSED else logging.INFO
+    logger.log(level, format_record(record))
+
+
+def _quote(value: str) -> str:
+    if value and all(c.isalnum() or c in "-_.:/" for c in value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,54 @@
+"""The running gateway's shared state (one per app), reachable from handlers as ``request.app.state.gateway``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from starlette.requests import Request
+
+from engine.api import EngineStats
+from gateway.canonical import Canonicalizer
+from gateway.config import GatewayConfig
+from gateway.routing import ModelRegistry
+from gateway.stats import GatewayStats
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs.
+
+    Attributes:
+        config: the validated config.
+        registry: model name -> backend.
+        canonicalizer: the configured rules.
+        stats: gateway-side counters.
+        metrics: this app's Prometheus registry (reads ``stats_snapshot`` at scrape time).
+        created: Unix time the gateway was built (the ``created`` of ``/v1/models`` entries).
+    """
+
+    config: GatewayConfig
+    registry: ModelRegistry
+    canonicalizer: Canonicalizer
+    stats: GatewayStats
+    metrics: CollectorRegistry | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def engine_stats(self) -> dict[str, EngineStats | None]:
+        """Model name -> its engine's counters (None for backends without an engine, or not started)."""
+        result: dict[str, EngineStats | None] = {}
+        for name, backend in self.registry.items():
+            read = getattr(backend, "engine_stats", None)
+            result[name] = read() if read is not None else None
+        return result
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The ``/admin/stats`` document."""
+        return self.stats.snapshot(self.engine_stats())
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The ``Gateway`` of the app serving ``request``."""
+    return request.app.state.gateway

@@ -1,0 +1,55 @@
+"""Shared fixtures: one tiny random checkpoint and one real gateway serving it, for the whole session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engine.checkpoints import make_tiny_hf_llama
+from tests.gateway.server import ADMIN_TOKEN, RunningServer, write_config
+
+TINY_MODEL = "tiny"
+BLOCK_SIZE = 16
+MAX_BODY_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Llama as a Hugging Face folder (context 512 tokens, vocabulary 384)."""
+    return make_tiny_hf_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama", seed=0)
+
+
+def tiny_config_data(checkpoint: Path, **engine) -> dict:
+    return {
+        "server": {"max_body_bytes": MAX_BODY_BYTES},
+        "admin": {"token": ADMIN_TOKEN},
+        "rules": ["default"],
+        "models": [
+            {
+                "name": TINY_MODEL,
+                "backend": "embedded",
+                "path": str(checkpoint),
+                "engine": {"block_size": BLOCK_SIZE, "num_blocks": 128, "max_batch": 8, "device": "cpu", **engine},
+            }
+        ],
+    }
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
+    """The real gateway (uvicorn, default rules, admin token) over the tiny checkpoint."""
+    config = write_config(tmp_path_factory.mktemp("config") / "prefixgate.yaml", tiny_config_data(tiny_checkpoint))
+    running = RunningServer(config).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    """The official OpenAI SDK pointed at the gateway."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
+        yield sdk

@@ -1,0 +1,134 @@
+"""The prefixgate command: config errors, listen-address overrides, and `serve` as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from gateway.cli import EXIT_BAD_CONFIG, main, parse_args, resolve_config
+from tests.gateway.conftest import TINY_MODEL, tiny_config_data
+from tests.gateway.server import write_config
+
+
+def test_parser_knows_the_commands():
+    args = parse_args(["serve", "--config", "c.yaml", "--host", "0.0.0.0", "--port", "9000"])
+    assert (args.command, args.config, args.host, args.port) == ("serve", "c.yaml", "0.0.0.0", 9000)
+    args = parse_args(["rules", "apply", "--rules", "a.yaml", "b.yaml", "req.json"])
+    assert (args.rules_command, args.rules, args.request) == ("apply", ["a.yaml", "b.yaml"], "req.json")
+    args = parse_args(["rules", "apply", "req.json", "--rules", "a.yaml"])
+    assert (args.rules, args.request) == (["a.yaml"], "req.json")
+    assert parse_args(["rules", "apply", "req.json"]).rules is None
+    for bad in (["rules", "check"], ["rules", "apply"], ["rules", "apply", "--rules", "req.json"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_bad_config_exits_2_naming_file_and_key(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("server: {port: eighty}\n")
+    assert main(["serve", "--config", str(path)]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert f"{path}: server.port: expected an integer" in err
+
+
+def test_listen_address_precedence(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {host: 10.0.0.1, port: 7000}\n")
+    monkeypatch.delenv("PREFIXGATE_HOST", raising=False)
+    monkeypatch.delenv("PREFIXGATE_PORT", raising=False)
+    assert (resolve_config(str(path), None, None).server.host, resolve_config(str(path), None, None).server.port) == ("10.0.0.1", 7000)
+    monkeypatch.setenv("PREFIXGATE_HOST", "0.0.0.0")
+    monkeypatch.setenv("PREFIXGATE_PORT", "7100")
+    env = resolve_config(str(path), None, None).server
+    assert (env.host, env.port) == ("0.0.0.0", 7100)
+    flags = resolve_config(str(path), "127.0.0.2", 7200).server
+    assert (flags.host, flags.port) == ("127.0.0.2", 7200)
+    monkeypatch.setenv("PREFIXGATE_PORT", "http")
+    with pytest.raises(Exception, match="PREFIXGATE_PORT"):
+        resolve_config(str(path), None, None)
+    monkeypatch.delenv("PREFIXGATE_PORT")
+    monkeypatch.delenv("PREFIXGATE_HOST")
+    default = resolve_config(None, None, None)
+    assert (default.server.host, default.server.port, default.models[0].path) == ("127.0.0.1", 8000, "default")
+
+
+def test_rules_commands_dispatch_to_the_rules_cli(tmp_path, capsys):
+    assert main(["rules", "check", "default"]) == 0
+    assert "OK default" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - id: broken\n    action: explode\n")
+    assert main(["rules", "check", str(bad)]) != 0
+    assert str(bad) in capsys.readouterr().err
+    request = tmp_path / "request.json"
+    request.write_text(
+        json.dumps({"messages": [{"role": "system", "content": "Current time: 2025-05-14 09:45:12\nBe brief."}, {"role": "user", "content": "hi"}]})
+    )
+    assert main(["rules", "apply", str(request)]) == 0
+    canonical = json.loads(capsys.readouterr().out)
+    assert canonical["messages"][0]["content"] == "Be brief."
+    assert "Current time: 2025-05-14 09:45:12" in canonical["messages"][1]["content"]
+    assert canonical["stable_prefix_end"] == {"message": 1, "part": 0, "char": 0}
+
+
+def test_bad_rule_file_in_config_exits_2_with_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - id: broken\n    action: explode\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("rules: [bad.yaml]\nmodels: [{name: m, path: /nonexistent}]\n")
+    assert main(["serve", "--config", str(config)]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert f"{bad}:" in err and "broken" in err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, tmp_path):
+    config_path = tmp_path / "prefixgate.yaml"
+    write_config(config_path, tiny_config_data(tiny_checkpoint))
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.1)
+        secret = "SECRET-PROMPT-TEXT-do-not-log"
+        response = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"model": TINY_MODEL, "messages": [{"role": "user", "content": secret}], "max_tokens": 2, "user": "u-secret"},
+            headers={"Authorization": "Bearer sk-client-key-never-logged"},
+            timeout=60,
+        )
+        assert response.status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    lines = [line for line in output.splitlines() if "prefixgate.request" in line]
+    assert len(lines) == 1, output
+    assert "status=200" in lines[0] and f"model={TINY_MODEL}" in lines[0] and "prompt_tokens=" in lines[0]
+    assert "cached_tokens=" in lines[0] and "completion_tokens=2" in lines[0] and "ttft_ms=" in lines[0]
+    assert secret not in output and "sk-client-key" not in output and "u-secret" not in output
+    assert process.returncode == 0

@@ -1,0 +1,152 @@
+"""Config loading: defaults, env: values, and errors that name file, key path and expectation."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.api import EngineConfig
+from gateway.config import ConfigError, default_config, load_config, parse_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "prefixgate.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_default_config_is_embedded_smollm2_with_default_rules():
+    config = default_config()
+    assert config.rules == ("default",)
+    assert [(m.name, m.backend, m.path) for m in config.models] == [("smollm2-135m-instruct", "embedded", "default")]
+    assert (config.server.host, config.server.port, config.server.max_body_bytes) == ("127.0.0.1", 8000, 4194304)
+    assert config.admin.token is None
+
+
+def test_issue_example_config_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "s3cret")
+    path = write(
+        tmp_path,
+        """
+        server: {host: 127.0.0.1, port: 8000, max_body_bytes: 4194304}
+        admin: {token: env:PREFIXGATE_ADMIN_TOKEN}
+        rules: [default]
+        models:
+          - name: smollm2-135m-instruct
+            backend: embedded
+            path: default
+            engine: {block_size: 16, num_blocks: 1024, dtype: float32, max_batch: 16}
+        """,
+    )
+    config = load_config(path)
+    assert config.admin.token == "s3cret"
+    assert config.models[0].engine == EngineConfig(block_size=16, num_blocks=1024, dtype="float32", max_batch=16)
+    assert config.source == str(path)
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        rules: [default, my-rules.yaml]
+        models: [{name: tiny, path: ckpt/tiny}]
+        """,
+    )
+    config = load_config(path)
+    assert config.rules == ("default", str(tmp_path / "my-rules.yaml"))
+    assert config.models[0].path == str(tmp_path / "ckpt" / "tiny")
+
+
+def test_empty_rules_list_turns_rewriting_off(tmp_path):
+    assert load_config(write(tmp_path, "rules: []\n")).rules == ()
+
+
+def test_upstream_model_fields(tmp_path, monkeypatch):
+    monkeypatch.setenv("UPSTREAM_KEY", "sk-test")
+    path = write(
+        tmp_path,
+        """
+        models:
+          - name: gpt
+            backend: openai
+            base_url: [https://a.example/v1/, https://b.example/v1]
+            api_key: env:UPSTREAM_KEY
+            upstream_model: gpt-4o-mini
+            timeout_s: 30
+            retries: 1
+            prices: {input: 0.15, cached_input: 0.075}
+        """,
+    )
+    model = load_config(path).models[0]
+    assert model.base_url == ("https://a.example/v1", "https://b.example/v1")
+    assert (model.api_key, model.upstream_model, model.timeout_s, model.retries) == ("sk-test", "gpt-4o-mini", 30.0, 1)
+    assert (model.prices.input, model.prices.cached_input) == (0.15, 0.075)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ("serverr: {}\n", "serverr", "unknown key"),
+        ("server: {port: '8000'}\n", "server.port", "expected an integer"),
+        ("server: {port: 70000}\n", "server.port", "TCP port"),
+        ("server: {max_body_bytes: 0}\n", "server.max_body_bytes", "positive"),
+        ("server: [1]\n", "server", "expected a mapping"),
+        ("admin: {token: 5}\n", "admin.token", "expected a string"),
+        ("rules: default\n", "rules", "expected a list"),
+        ("models: []\n", "models", "non-empty list"),
+        ("models: [{backend: embedded}]\n", "models[0].name", "missing required key"),
+        ("models: [{name: a, backend: vllm}]\n", "models[0].backend", "expected one of embedded, openai, anthropic"),
+        ("models: [{name: a, engine: {block_size: 0}}]\n", "models[0].engine.block_size", ">= 1"),
+        ("models: [{name: a, engine: {blocksize: 16}}]\n", "models[0].engine.blocksize", "unknown key"),
+        ("models: [{name: a, engine: {dtype: 32}}]\n", "models[0].engine.dtype", "expected a string"),
+        ("models: [{name: a, engine: {max_model_len: nope}}]\n", "models[0].engine.max_model_len", "an integer or null"),
+        ("models: [{name: a, engine: {enable_prefix_caching: 1}}]\n", "models[0].engine.enable_prefix_caching", "a boolean"),
+        ("models: [{name: a}, {name: a}]\n", "models[1].name", "unique"),
+        ("models: [{name: a, base_url: http://x}]\n", "models[0].base_url", "not a setting of backend 'embedded'"),
+        ("models: [{name: a, backend: openai}]\n", "models[0].base_url", "URL"),
+        ("models: [{name: a, backend: openai, base_url: ftp://x}]\n", "models[0].base_url[0]", "http://"),
+        ("models: [{name: a, backend: openai, base_url: http://x, engine: {}}]\n", "models[0].engine", "not a setting"),
+        ("models: [{name: a, backend: openai, base_url: http://x, prices: {input: -1}}]\n", "models[0].prices.input", ">= 0"),
+        ("admin: {token: env:PREFIXGATE_TEST_UNSET_VARIABLE}\n", "admin.token", "PREFIXGATE_TEST_UNSET_VARIABLE"),
+    ],
+)
+def test_bad_config_names_file_key_and_expectation(tmp_path, monkeypatch, text, key, expected):
+    monkeypatch.delenv("PREFIXGATE_TEST_UNSET_VARIABLE", raising=False)
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.source == str(path)
+    assert caught.value.key == key
+    assert expected in caught.value.problem
+    assert str(caught.value).startswith(f"{path}: {key}: ")
+
+
+def test_invalid_yaml_reports_the_line(tmp_path):
+    path = write(tmp_path, "server:\n  port: [1,\n")
+    with pytest.raises(ConfigError, match=r"line \d+, column \d+: invalid YAML"):
+        load_config(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_env_values_are_parsed_for_numbers(monkeypatch):
+    monkeypatch.setenv("PG_PORT", "9001")
+    monkeypatch.setenv("PG_BLOCKS", "64")
+    config = parse_config({"server": {"port": "env:PG_PORT"}, "models": [{"name": "m", "engine": {"num_blocks": "env:PG_BLOCKS"}}]})
+    assert config.server.port == 9001
+    assert config.models[0].engine.num_blocks == 64
+
+
+def test_empty_document_is_the_default(tmp_path):
+    config = load_config(write(tmp_path, ""))
+    assert config.models == default_config().models and config.rules == ("default",)
+
+
+def test_example_config_loads_and_matches_the_default_model():
+    example = load_config(Path(__file__).resolve().parents[2] / "examples" / "config.yaml")
+    assert example.models == default_config().models and example.rules == ("default",)
