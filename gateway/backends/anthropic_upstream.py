@@ -1,0 +1,406 @@
+"""``backend: anthropic``: the Anthropic Messages API (or a server speaking it) over HTTP.
+
+Per request it POSTs ``{base_url}/v1/messages`` with ``x-api-key`` and ``anthropic-version`` on the replica the
+prefix-affinity ring picks. Two ways in:
+
+- **Native passthrough** (Anthropic-face requests): the client's body is kept (``thinking``, ``metadata``,
+  ``service_tier``, ... untouched), its ``system`` / ``messages`` / ``tools`` replaced by the canonical ones
+  translated back (``anthropic_face.openai_to_anthropic``; exactly the client's own when rules are off),
+  ``model`` mapped to ``upstream_model``, and automatic cache breakpoints added
+  (``gateway.breakpoints``; the client's ``cache_control``, ``ttl`` included, stays as it was). ``stream``
+  yields ``anthropic_face.NativeDelta`` events carrying the upstream's own events (or whole Message), which the
+  Anthropic face relays verbatim: thinking, citations, server tools and signatures survive.
+- **Translation** (OpenAI-face requests): the request is built from the ``ChatRequest`` fields, and ``stream``
+  turns Anthropic events into ``Delta`` / ``Finish`` (text and tool use; thinking and server-tool blocks are
+  not part of an OpenAI answer and are left out).
+
+Usage: ``cache_read_input_tokens`` -> ``BackendUsage.cached_tokens``, ``cache_creation_input_tokens`` ->
+``cache_creation_tokens``, ``prompt_tokens`` = input + cache read + cache write (Anthropic's ``input_tokens``
+excludes both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from gateway.affinity import AffinityRing
+from gateway.anthropic_face import (
+    FINISH_REASONS,
+    FORWARDED_HEADERS,
+    AnthropicPrompt,
+    NativeDelta,
+    backend_usage_from_anthropic,
+    openai_to_anthropic,
+    openai_to_anthropic_tool_choice,
+)
+from gateway.backends.base import BackendEvent, Delta, Finish
+from gateway.backends.registry import register_backend
+from gateway.breakpoints import (
+    BreakpointPlan,
+    TokenCounter,
+    add_breakpoints,
+    boundaries_from_segments,
+    default_boundaries,
+)
+from gateway.config import ModelConfig
+from gateway.errors import InvalidRequestError
+from gateway.request import ChatRequest
+from gateway.upstream_http import (
+    OpenedResponse,
+    RetryPolicy,
+    SharedClient,
+    Upstream,
+    iter_sse,
+    open_response,
+    redact_url,
+)
+
+ANTHROPIC_VERSION = "2023-06-01"
+DEFAULT_MAX_TOKENS = 4096
+"""``max_tokens`` sent for OpenAI-face requests that set none (the Messages API requires one)."""
+
+
+class AnthropicUpstreamBackend:
+    """A ``Backend`` forwarding to the Anthropic Messages API.
+
+    Args:
+        name: the client-facing model name.
+        base_urls: one base URL per replica (``https://api.anthropic.com``); ``/v1/messages`` is appended.
+        api_key: sent as ``x-api-key``; never logged or put in errors.
+        upstream_model: the provider's model name (default ``name``); also picks the minimum cacheable length.
+        timeout_s: connect and read timeout per attempt.
+        retries: extra attempts before the first byte.
+        anthropic_version: the ``anthropic-version`` header.
+        auto_breakpoints: add cache breakpoints at the segment boundaries.
+        min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the built-in table).
+        counter: token counter for the thresholds (default ``breakpoints.default_counter()``).
+        client / ring / sleep: injectable for tests (default: the shared client, a ring over ``base_urls``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        base_urls: Sequence[str],
+        api_key: str | None = None,
+        upstream_model: str | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        *,
+        anthropic_version: str = ANTHROPIC_VERSION,
+        auto_breakpoints: bool = True,
+        min_tokens_overrides: Mapping[str, int] | None = None,
+        counter: TokenCounter | None = None,
+        client: httpx.AsyncClient | None = None,
+        ring: AffinityRing | None = None,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        self.name = name
+        self.upstream_model = upstream_model or name
+        self.api_key = api_key
+        self.anthropic_version = anthropic_version
+        self.auto_breakpoints = auto_breakpoints
+        self.min_tokens_overrides = dict(min_tokens_overrides or {})
+        self.counter = counter
+        urls = [url.rstrip("/") for url in base_urls]
+        self.upstream = Upstream(
+            ring=ring or AffinityRing(urls),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            policy=RetryPolicy(retries=retries),
+            secrets=(api_key,) if api_key else (),
+        )
+        self._own_client = client
+        self._client: httpx.AsyncClient | None = client
+        self._sleep = sleep
+
+    async def start(self) -> None:
+        """Take a reference to the shared HTTP client."""
+        if self._client is None:
+            self._client = SharedClient.acquire()
+
+    async def close(self) -> None:
+        """Give the shared client back."""
+        if self._own_client is None and self._client is not None:
+            self._client = None
+            await SharedClient.release()
+
+    def replicas(self) -> dict[str, dict[str, object]]:
+        """Replica health and load for ``/admin/stats`` (URLs without credentials or query strings)."""
+        return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
+
+    # ---- request ------------------------------------------------------------------------------------------
+    def build_body(self, request: ChatRequest, stream: bool) -> tuple[dict[str, Any], BreakpointPlan | None]:
+        """The Messages body sent upstream, and the breakpoint plan (None when automatic breakpoints are off).
+
+        Raises:
+            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face requests).
+        """
+        if request.kind != "chat":
+            raise InvalidRequestError(
+                "Anthropic models serve chat requests only; use /v1/chat/completions or /v1/messages.",
+                param="prompt",
+            )
+        prompt = None
+        if request.protocol == "anthropic" and request.body:
+            body = copy.deepcopy(request.body)
+            if request.rules_enabled:
+                prompt = openai_to_anthropic(request.messages, request.tools)
+                _set_or_drop(body, "system", prompt.system)
+                body["messages"] = prompt.messages
+                _set_or_drop(body, "tools", prompt.tools)
+            # rules off: system / messages / tools go exactly as the client sent them
+        else:
+            prompt = openai_to_anthropic(request.messages, request.tools)
+            body = self._translated_body(request, prompt)
+        body["model"] = self.upstream_model
+        body["stream"] = stream
+        plan = None
+        if self.auto_breakpoints:
+            boundaries = self._boundaries(request, body, prompt)
+            body, plan = add_breakpoints(
+                body,
+                boundaries,
+                self.upstream_model,
+                min_tokens_overrides=self.min_tokens_overrides,
+                counter=self.counter,
+            )
+        return body, plan
+
+    @staticmethod
+    def _boundaries(
+        request: ChatRequest, body: dict[str, Any], prompt: AnthropicPrompt | None
+    ) -> dict[str, Any]:
+        """Segment ends from the rules when the body was built from the canonical messages, else read off the
+        body (rules off)."""
+        segments = getattr(request.canonical, "segments", None)
+        if segments and prompt is not None:
+            return boundaries_from_segments(
+                segments, prompt.part_blocks, prompt.last_block, len(body.get("tools") or [])
+            )
+        return default_boundaries(body)
+
+    def _translated_body(self, request: ChatRequest, prompt: Any) -> dict[str, Any]:
+        params = request.params
+        body: dict[str, Any] = {
+            "model": self.upstream_model,
+            "max_tokens": params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS,
+            "messages": prompt.messages,
+        }
+        if prompt.system is not None:
+            body["system"] = prompt.system
+        if prompt.tools is not None:
+            body["tools"] = prompt.tools
+            parallel = request.body.get("parallel_tool_calls") if request.protocol == "openai" else None
+            choice = openai_to_anthropic_tool_choice(request.tool_choice, parallel)
+            if choice is not None:
+                body["tool_choice"] = choice
+        native = request.body if request.protocol == "openai" else {}
+        if native.get("temperature") is not None:
+            body["temperature"] = params.temperature
+        if native.get("top_p") is not None:
+            body["top_p"] = params.top_p
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.stop:
+            body["stop_sequences"] = list(params.stop)
+        if request.user:
+            body["metadata"] = {"user_id": request.user}
+        return body
+
+    def _build_request(
+        self, client: httpx.AsyncClient, request: ChatRequest, body: dict[str, Any]
+    ) -> Callable[[str], httpx.Request]:
+        headers = {
+            "content-type": "application/json",
+            "anthropic-version": self.anthropic_version,
+        }
+        if self.api_key:
+            headers["x-api-key"] = self.api_key
+        forwarded = getattr(request, "forward_headers", None) or {}
+        for name in FORWARDED_HEADERS:
+            if forwarded.get(name):
+                headers[name] = forwarded[name]
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+        def build(base_url: str) -> httpx.Request:
+            return client.build_request("POST", f"{base_url}/v1/messages", headers=headers, content=content)
+
+        return build
+
+    async def _open(self, request: ChatRequest, stream: bool) -> OpenedResponse:
+        if self._client is None:
+            await self.start()
+        assert self._client is not None
+        body, _ = self.build_body(request, stream)
+        key = request.prefix_key or request.request_id
+        return await open_response(
+            self._client,
+            self.upstream,
+            key,
+            self._build_request(self._client, request, body),
+            sleep=self._sleep,
+        )
+
+    # ---- the backend stream ------------------------------------------------------------------------------------
+    async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+        """Yield ``Delta`` events then one ``Finish``.
+
+        Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed request:
+        every event from ``message_start`` to ``message_stop``; a non-streamed one: the whole Message), and a
+        ``Finish`` with ``extra["native"] = True``. Others get text and tool-call deltas in OpenAI's streaming
+        shape (thinking and server-tool blocks are not part of an OpenAI answer and are left out).
+
+        Raises:
+            UpstreamCallError: failed before the first byte (after retries), or refused (4xx passes through).
+            UpstreamStreamCut: broke off after the first byte, or an ``error`` event arrived (its
+                ``upstream_error`` is the upstream's ``error`` object).
+            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry.
+        """
+        native = request.protocol == "anthropic" and bool(request.body)
+        started = time.monotonic()
+        if native and not request.stream:
+            message = await self._message(request)
+            text = "".join(b.get("text", "") for b in message.get("content") or [] if b.get("type") == "text")
+            yield NativeDelta(text=text, events=(message,))
+            yield Finish(
+                FINISH_REASONS.get(message.get("stop_reason") or "", "stop"),
+                backend_usage_from_anthropic(message.get("usage") or {}),
+                time.monotonic() - started,
+                {"native": True, "anthropic_stop_reason": message.get("stop_reason")},
+            )
+            return
+        opened = await self._open(request, stream=True)
+        try:
+            reader = _EventReader()
+            async for data in _anthropic_events(opened):
+                delta = reader.read(data)
+                if delta is not None and reader.ttft_s is None:
+                    reader.ttft_s = time.monotonic() - started
+                if native:
+                    yield NativeDelta(
+                        text=delta.text if delta else "",
+                        tool_calls=delta.tool_calls if delta else None,
+                        events=(data,),
+                    )
+                elif delta is not None:
+                    yield delta
+            yield reader.finish(opened.replica, native)
+        finally:
+            await opened.aclose()
+
+    async def _message(self, request: ChatRequest) -> dict[str, Any]:
+        """The upstream's Message JSON for a non-streamed request."""
+        opened = await self._open(request, stream=False)
+        try:
+            raw = await opened.read()
+            try:
+                message = json.loads(raw)
+            except ValueError:
+                raise opened.cut(
+                    "the upstream answered something that is not JSON", kind="protocol"
+                ) from None
+            if not isinstance(message, dict) or message.get("type") != "message":
+                raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
+            return message
+        finally:
+            await opened.aclose()
+
+
+class _EventReader:
+    """Anthropic stream events -> OpenAI-shaped ``Delta`` (text, tool calls) and the final usage / stop reason."""
+
+    def __init__(self) -> None:
+        self.usage: dict[str, Any] = {}
+        self.block_tool: dict[int, int] = {}  # content block index -> OpenAI tool-call index
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.ttft_s: float | None = None
+
+    def read(self, data: dict[str, Any]) -> Delta | None:
+        """Update the state with one event; the Delta it implies, if any."""
+        kind = data.get("type")
+        if kind == "message_start":
+            self.usage.update((data.get("message") or {}).get("usage") or {})
+        elif kind == "content_block_start":
+            block = data.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                index = self.block_tool.setdefault(data.get("index", 0), len(self.block_tool))
+                call = {"index": index, "id": block.get("id"), "type": "function"}
+                return Delta(
+                    tool_calls=[{**call, "function": {"name": block.get("name", ""), "arguments": ""}}]
+                )
+            if block.get("type") == "text" and block.get("text"):
+                return Delta(text=block["text"])
+        elif kind == "content_block_delta":
+            change = data.get("delta") or {}
+            if change.get("type") == "text_delta" and change.get("text"):
+                return Delta(text=change["text"])
+            if change.get("type") == "input_json_delta" and data.get("index") in self.block_tool:
+                if change.get("partial_json"):
+                    fragment = {"arguments": change["partial_json"]}
+                    return Delta(tool_calls=[{"index": self.block_tool[data["index"]], "function": fragment}])
+        elif kind == "message_delta":
+            delta = data.get("delta") or {}
+            self.stop_reason = delta.get("stop_reason") or self.stop_reason
+            self.stop_sequence = delta.get("stop_sequence")
+            self.usage.update({k: v for k, v in (data.get("usage") or {}).items() if v is not None})
+        return None
+
+    def finish(self, replica: str, native: bool) -> Finish:
+        """The ``Finish`` after ``message_stop``."""
+        extra: dict[str, Any] = {"replica": redact_url(replica)}
+        if native:
+            extra["native"] = True
+        if self.stop_reason:
+            extra["anthropic_stop_reason"] = self.stop_reason
+        if self.stop_sequence:
+            extra["stop_sequence"] = self.stop_sequence
+        reason = FINISH_REASONS.get(self.stop_reason or "", "stop")
+        return Finish(reason, backend_usage_from_anthropic(self.usage), self.ttft_s, extra)
+
+
+def _set_or_drop(body: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        body.pop(key, None)
+    else:
+        body[key] = value
+
+
+async def _anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, Any]]:
+    """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error`` event,
+    bad JSON, or an end before ``message_stop``."""
+    async for event in iter_sse(opened.lines()):
+        try:
+            data = json.loads(event.data)
+        except ValueError:
+            raise opened.cut("the upstream sent an event that is not JSON", kind="protocol") from None
+        if not isinstance(data, dict):
+            raise opened.cut("the upstream sent an event that is not a JSON object", kind="protocol")
+        if event.event == "error" or data.get("type") == "error":
+            error = data.get("error") if isinstance(data.get("error"), dict) else {"type": "api_error"}
+            raise opened.cut(
+                f"the upstream reported an error mid-stream: {error.get('message', '')}", upstream_error=error
+            )
+        yield data
+        if data.get("type") == "message_stop":
+            return
+    raise opened.cut("the upstream stream ended before message_stop")
+
+
+@register_backend("anthropic")
+def create_anthropic_backend(model: ModelConfig) -> AnthropicUpstreamBackend:
+    """The backend of a ``backend: anthropic`` model entry."""
+    return AnthropicUpstreamBackend(
+        name=model.name,
+        base_urls=model.base_url,
+        api_key=model.api_key,
+        upstream_model=model.upstream_model,
+        timeout_s=model.timeout_s,
+        retries=model.retries,
+    )

@@ -1,0 +1,340 @@
+"""``backend: openai``: any OpenAI-compatible server (vLLM, SGLang, TGI, the OpenAI API) over HTTP.
+
+Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-prompt requests) on the replica
+the prefix-affinity ring picks for the request's prefix key, always streaming, and turns the stream into
+``Delta`` / ``Finish`` events:
+
+- the canonical messages and tools are sent (the rules' output), ``model`` is mapped to ``upstream_model``;
+- an OpenAI-face body is forwarded with every other field the client set (``response_format``, ``seed``,
+  ``logit_bias``, ...); an Anthropic-face request is translated (Anthropic-only content: thinking blocks are
+  dropped, anything else Anthropic-only is a 400);
+- ``prompt_cache_key`` is set to the prefix key when the client did not set one (OpenAI routes requests with the
+  same key to the same cache; https://platform.openai.com/docs/guides/prompt-caching);
+- ``stream_options.include_usage`` is always requested, so the final usage chunk (``choices: []``) arrives; its
+  ``usage.prompt_tokens_details.cached_tokens`` becomes ``BackendUsage.cached_tokens``. Whether the client sees
+  that chunk is the face's business (``ChatRequest.include_usage``);
+- a server that answers with plain JSON instead of SSE is understood too;
+- a server that sends no usage gets its prompt and completion counted with ``breakpoints.default_counter``
+  (``counted_by`` says so).
+
+Failures: retries before the first byte (``gateway.upstream_http``); after it, an ``UpstreamStreamCut``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import httpx
+
+from gateway.affinity import AffinityRing
+from gateway.anthropic_face import plain_messages, plain_tools
+from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
+from gateway.backends.registry import register_backend
+from gateway.breakpoints import default_counter
+from gateway.config import ModelConfig
+from gateway.request import ChatRequest
+from gateway.upstream_http import (
+    OpenedResponse,
+    RetryPolicy,
+    SharedClient,
+    Upstream,
+    iter_sse,
+    open_response,
+    redact_url,
+)
+
+PROMPT_CACHE_KEY_MAX = 64  # characters OpenAI accepts in prompt_cache_key
+
+
+class OpenAIUpstreamBackend:
+    """A ``Backend`` forwarding to an OpenAI-compatible server.
+
+    Args:
+        name: the client-facing model name.
+        base_urls: one base URL per replica, ending in the API root (``https://api.openai.com/v1``,
+            ``http://vllm:8000/v1``).
+        api_key: sent as ``Authorization: Bearer``; None sends none. Never logged or put in errors.
+        upstream_model: the server's model name (default ``name``).
+        timeout_s: connect and read timeout per attempt (read = most seconds between two bytes).
+        retries: extra attempts before the first byte.
+        set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
+        client: an ``httpx.AsyncClient`` to use instead of the process's shared one (tests).
+        ring: replica choice (default: a ring over ``base_urls``).
+        sleep: the backoff sleep (tests).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        base_urls: Sequence[str],
+        api_key: str | None = None,
+        upstream_model: str | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        *,
+        set_prompt_cache_key: bool = True,
+        client: httpx.AsyncClient | None = None,
+        ring: AffinityRing | None = None,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        self.name = name
+        self.upstream_model = upstream_model or name
+        self.api_key = api_key
+        self.set_prompt_cache_key = set_prompt_cache_key
+        urls = [url.rstrip("/") for url in base_urls]
+        self.upstream = Upstream(
+            ring=ring or AffinityRing(urls),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            policy=RetryPolicy(retries=retries),
+            secrets=(api_key,) if api_key else (),
+        )
+        self._own_client = client
+        self._client: httpx.AsyncClient | None = client
+        self._sleep = sleep
+
+    async def start(self) -> None:
+        """Take a reference to the shared HTTP client."""
+        if self._client is None:
+            self._client = SharedClient.acquire()
+
+    async def close(self) -> None:
+        """Give the shared client back (closing responses in flight is up to their streams)."""
+        if self._own_client is None and self._client is not None:
+            self._client = None
+            await SharedClient.release()
+
+    def replicas(self) -> dict[str, dict[str, object]]:
+        """Replica health and load for ``/admin/stats`` (URLs without credentials or query strings)."""
+        return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
+
+    # ---- request ------------------------------------------------------------------------------------------
+    def build_body(self, request: ChatRequest) -> dict[str, Any]:
+        """The JSON body sent upstream (always streaming, usage requested).
+
+        Raises:
+            UnsupportedContentError: Anthropic-only content an OpenAI server cannot take.
+        """
+        if request.kind == "completion":
+            body = copy.deepcopy(request.body) if request.protocol == "openai" and request.body else {}
+            body["prompt"] = request.prompt if request.prompt is not None else body.get("prompt", "")
+            _fill_sampling(body, request, only_missing=bool(request.body))
+        elif request.protocol == "openai" and request.body:
+            body = copy.deepcopy(request.body)
+            body["messages"] = copy.deepcopy(request.messages)
+            if request.tools is not None:
+                body["tools"] = copy.deepcopy(request.tools)
+            else:
+                body.pop("tools", None)
+        else:
+            body = self._translated_body(request)
+        body["model"] = self.upstream_model
+        body["stream"] = True
+        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        body["stream_options"] = {**options, "include_usage": True}
+        if self.set_prompt_cache_key and request.prefix_key and "prompt_cache_key" not in body:
+            body["prompt_cache_key"] = request.prefix_key[:PROMPT_CACHE_KEY_MAX]
+        return body
+
+    def _translated_body(self, request: ChatRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"messages": plain_messages(request.messages, "an OpenAI-compatible")}
+        _fill_sampling(body, request, only_missing=False)
+        tools = plain_tools(request.tools, "an OpenAI-compatible")
+        if tools is not None:
+            body["tools"] = tools
+            if request.tool_choice is not None:
+                body["tool_choice"] = request.tool_choice
+        native_choice = request.body.get("tool_choice") if request.protocol == "anthropic" else None
+        if isinstance(native_choice, dict) and native_choice.get("disable_parallel_tool_use") and tools:
+            body["parallel_tool_calls"] = False
+        if request.user:
+            body["user"] = request.user
+        return body
+
+    def _build_request(
+        self, client: httpx.AsyncClient, body: dict[str, Any], path: str
+    ) -> Callable[[str], httpx.Request]:
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+        def build(base_url: str) -> httpx.Request:
+            return client.build_request("POST", f"{base_url}{path}", headers=headers, content=content)
+
+        return build
+
+    # ---- response -----------------------------------------------------------------------------------------
+    async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+        """Yield ``Delta`` events then one ``Finish``.
+
+        Raises:
+            UpstreamCallError: the call failed before the first byte (after retries), or was refused (4xx).
+            UpstreamStreamCut: the stream broke after the first byte.
+            UnsupportedContentError: content the server cannot take (400).
+        """
+        if self._client is None:
+            await self.start()
+        assert self._client is not None
+        started = time.monotonic()
+        body = self.build_body(request)
+        path = "/completions" if request.kind == "completion" else "/chat/completions"
+        key = request.prefix_key or request.request_id
+        opened = await open_response(
+            self._client, self.upstream, key, self._build_request(self._client, body, path), sleep=self._sleep
+        )
+        try:
+            if opened.content_type == "application/json":
+                events = _events_from_json(opened, request, started)
+            else:
+                events = _events_from_sse(opened, request, started)
+            async for event in events:
+                yield event
+        finally:
+            await opened.aclose()
+
+
+# ---- translation helpers ------------------------------------------------------------------------------------
+
+
+def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: bool) -> None:
+    params = request.params
+    values: dict[str, Any] = {}
+    if params.max_tokens is not None:
+        values["max_tokens"] = params.max_tokens
+    native = request.body if request.protocol == "anthropic" else {}
+    if request.protocol != "anthropic" or native.get("temperature") is not None:
+        values["temperature"] = params.temperature
+    if request.protocol != "anthropic" or native.get("top_p") is not None:
+        values["top_p"] = params.top_p
+    if params.top_k:
+        values["top_k"] = params.top_k  # vLLM / SGLang / TGI extension
+    if params.stop:
+        values["stop"] = list(params.stop)
+    if params.seed is not None:
+        values["seed"] = params.seed
+    for key, value in values.items():
+        if not only_missing or key not in body:
+            body[key] = value
+
+
+def backend_usage(usage: dict[str, Any]) -> BackendUsage:
+    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` from ``prompt_tokens_details``)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return BackendUsage(
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        counted_by="upstream",
+    )
+
+
+def _counted_usage(request: ChatRequest, completion_text: str) -> BackendUsage:
+    counter = default_counter()
+    if request.kind == "completion":
+        prompt_text = request.prompt or ""
+    else:
+        prompt_text = json.dumps(request.messages, ensure_ascii=False)
+    return BackendUsage(
+        prompt_tokens=counter.count(prompt_text),
+        completion_tokens=counter.count(completion_text),
+        counted_by=counter.counted_by,
+    )
+
+
+def _finish_extra(choice: dict[str, Any]) -> dict[str, Any]:
+    stop = choice.get("stop_reason")  # vLLM: the stop string that matched (or a token id)
+    return {"stop_sequence": stop} if isinstance(stop, str) else {}
+
+
+async def _events_from_sse(
+    opened: OpenedResponse, request: ChatRequest, started: float
+) -> AsyncIterator[BackendEvent]:
+    finish_reason: str | None = None
+    extra: dict[str, Any] = {}
+    usage: BackendUsage | None = None
+    ttft: float | None = None
+    done = False
+    text_parts: list[str] = []
+    async for event in iter_sse(opened.lines()):
+        if event.data.strip() == "[DONE]":
+            done = True
+            break
+        try:
+            chunk = json.loads(event.data)
+        except ValueError:
+            raise opened.cut("the upstream sent a chunk that is not JSON", kind="protocol") from None
+        if not isinstance(chunk, dict):
+            raise opened.cut("the upstream sent a chunk that is not a JSON object", kind="protocol")
+        if chunk.get("error") is not None or chunk.get("object") == "error":
+            error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
+            raise opened.cut(
+                f"the upstream reported an error mid-stream: {error.get('message', '')}",
+                upstream_error={"type": "api_error", **error},
+            )
+        if isinstance(chunk.get("usage"), dict):
+            usage = backend_usage(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            if request.kind == "completion":
+                text, calls = choice.get("text") or "", None
+            else:
+                delta = choice.get("delta") or {}
+                text, calls = delta.get("content") or "", delta.get("tool_calls")
+            if text or calls:
+                if ttft is None:
+                    ttft = time.monotonic() - started
+                text_parts.append(text)
+                yield Delta(text=text, tool_calls=calls)
+            if choice.get("finish_reason"):
+                finish_reason = choice["finish_reason"]
+                extra = _finish_extra(choice)
+    if finish_reason is None or not (done or usage is not None):
+        raise opened.cut("the upstream stream ended before its final chunk")
+    if usage is None:
+        usage = _counted_usage(request, "".join(text_parts))
+    yield Finish(finish_reason, usage, ttft, {**extra, "replica": redact_url(opened.replica)})
+
+
+async def _events_from_json(
+    opened: OpenedResponse, request: ChatRequest, started: float
+) -> AsyncIterator[BackendEvent]:
+    raw = await opened.read()
+    try:
+        data = json.loads(raw)
+        choice = data["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
+    ttft = time.monotonic() - started
+    if request.kind == "completion":
+        text, calls = choice.get("text") or "", None
+    else:
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or [])] or None
+    if text or calls:
+        yield Delta(text=text, tool_calls=calls)
+    usage = (
+        backend_usage(data["usage"]) if isinstance(data.get("usage"), dict) else _counted_usage(request, text)
+    )
+    extra = {**_finish_extra(choice), "replica": redact_url(opened.replica)}
+    yield Finish(choice.get("finish_reason") or "stop", usage, ttft, extra)
+
+
+# ---- registry -----------------------------------------------------------------------------------------------
+
+
+@register_backend("openai")
+def create_openai_backend(model: ModelConfig) -> OpenAIUpstreamBackend:
+    """The backend of a ``backend: openai`` model entry."""
+    return OpenAIUpstreamBackend(
+        name=model.name,
+        base_urls=model.base_url,
+        api_key=model.api_key,
+        upstream_model=model.upstream_model,
+        timeout_s=model.timeout_s,
+        retries=model.retries,
+    )

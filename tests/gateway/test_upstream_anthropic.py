@@ -1,0 +1,347 @@
+"""``backend: anthropic`` against respx-mocked Messages API servers, with recorded Anthropic streams."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import respx
+
+from engine.api import SamplingParams
+from gateway.anthropic_face import NativeDelta, parse_messages_body
+from gateway.backends.anthropic_upstream import AnthropicUpstreamBackend, create_anthropic_backend
+from gateway.backends.base import Delta, Finish
+from gateway.breakpoints import TokenCounter
+from gateway.config import ModelConfig
+from gateway.errors import APIError
+from gateway.upstream_http import UpstreamCallError, UpstreamStreamCut, iter_sse
+from rules import load_ruleset
+from tests.gateway.upstream_helpers import (
+    API_KEY,
+    BreakingStream,
+    Sleeps,
+    chat_request,
+    drain,
+    fixture_bytes,
+    sse_response,
+)
+
+BASE = "https://api.anthropic.test"
+URL = f"{BASE}/v1/messages"
+WORDS = TokenCounter(count=lambda text: len(text.split()), counted_by="words")
+LONG_SYSTEM = " ".join(f"rule{i}" for i in range(1500))
+
+
+@pytest.fixture
+async def http():
+    async with httpx.AsyncClient() as client:
+        yield client
+
+
+def backend(http, retries=2, sleeps=None, **kwargs) -> AnthropicUpstreamBackend:
+    return AnthropicUpstreamBackend(
+        "claude", [BASE], api_key=API_KEY, upstream_model="claude-sonnet-4-5", retries=retries, client=http,
+        sleep=sleeps or Sleeps(), counter=WORDS, **kwargs,
+    )  # fmt: skip
+
+
+async def recorded_events(name: str) -> list[dict]:
+    async def lines():
+        for line in fixture_bytes("anthropic", name).decode().splitlines():
+            yield line
+
+    return [json.loads(e.data) async for e in iter_sse(lines())]
+
+
+def anthropic_request(body: dict, rules: bool = True, stream: bool = True):
+    body = {"model": "claude", "max_tokens": 256, "stream": stream, **body}
+    request = parse_messages_body(body)
+    request.rules_enabled = rules
+    request.canonical = load_ruleset([]).apply(request.messages, request.tools)
+    request.prefix_key = "cd" * 16
+    return request
+
+
+CACHE_STREAM = (
+    b"event: message_start\n"
+    b'data: {"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","content":[],'
+    b'"model":"claude-sonnet-4-5","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":21,'
+    b'"cache_creation_input_tokens":188,"cache_read_input_tokens":1800,"output_tokens":1}}}\n\n'
+    b"event: content_block_start\n"
+    b'data: {"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}\n\n'
+    b'event: ping\ndata: {"type": "ping"}\n\n'
+    b"event: content_block_delta\n"
+    b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Cached!"}}\n\n'
+    b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+    b"event: message_delta\n"
+    b'data: {"type":"message_delta","delta":{"stop_reason":"stop_sequence","stop_sequence":"END"},'
+    b'"usage":{"output_tokens":4}}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+# ---- native passthrough (Anthropic face) -------------------------------------------------------------------
+
+
+@respx.mock
+async def test_native_stream_relays_every_recorded_event(http):
+    respx.post(URL).mock(return_value=sse_response(fixture_bytes("anthropic", "tool_use_response.txt")))
+    events = await drain(
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "Paris?"}]}))
+    )
+    native = [e for e in events if isinstance(e, NativeDelta)]
+    relayed = [raw for e in native for raw in e.events]
+    assert relayed == await recorded_events("tool_use_response.txt")
+    assert "".join(e.text for e in native) == "I'll check the current weather in Paris for you."
+    finish = events[-1]
+    assert isinstance(finish, Finish) and finish.extra["native"] is True
+    assert finish.finish_reason == "tool_calls" and finish.extra["anthropic_stop_reason"] == "tool_use"
+    assert (finish.usage.prompt_tokens, finish.usage.completion_tokens, finish.usage.cached_tokens) == (
+        377,
+        65,
+        0,
+    )
+
+
+@respx.mock
+async def test_native_stream_keeps_thinking_and_refusal_details(http):
+    respx.post(URL).mock(return_value=sse_response(fixture_bytes("anthropic", "stream-a-refusal.sse")))
+    events = await drain(
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "hi"}]}))
+    )
+    relayed = [raw for e in events if isinstance(e, NativeDelta) for raw in e.events]
+    assert relayed == await recorded_events("stream-a-refusal.sse")
+    assert events[-1].finish_reason == "content_filter" and events[-1].usage.completion_tokens == 106
+
+
+@respx.mock
+async def test_cache_usage_maps_to_backend_usage(http):
+    respx.post(URL).mock(return_value=sse_response(CACHE_STREAM))
+    events = await drain(
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]}))
+    )
+    usage = events[-1].usage
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.cache_creation_tokens) == (
+        21 + 1800 + 188,
+        1800,
+        188,
+    )
+    assert usage.completion_tokens == 4 and usage.counted_by == "upstream"
+    assert events[-1].extra["stop_sequence"] == "END"
+
+
+@respx.mock
+async def test_native_request_keeps_the_body_and_client_cache_control(http):
+    route = respx.post(URL).mock(return_value=sse_response(CACHE_STREAM))
+    body = {
+        "system": [
+            {"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+        ],
+        "messages": [
+            {"role": "user", "content": "first " + LONG_SYSTEM},
+            {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "second question"},
+        ],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "service_tier": "auto",
+    }
+    request = anthropic_request(body)
+    request.forward_headers = {"anthropic-beta": "some-beta-2025"}
+    await drain(backend(http).stream(request))
+    sent_request = route.calls.last.request
+    sent = json.loads(sent_request.content)
+    assert (
+        sent_request.headers["x-api-key"] == API_KEY
+        and sent_request.headers["anthropic-version"] == "2023-06-01"
+    )
+    assert sent_request.headers["anthropic-beta"] == "some-beta-2025"
+    assert sent["model"] == "claude-sonnet-4-5" and sent["stream"] is True
+    assert (
+        sent["thinking"] == body["thinking"] and sent["service_tier"] == "auto" and sent["max_tokens"] == 256
+    )
+    assert sent["system"] == body["system"]  # client breakpoint kept, ttl included
+    # an automatic breakpoint at the end of the history; the client's 1h one comes before it, so 5m is allowed
+    assert sent["messages"][1]["content"] == [
+        {"type": "text", "text": "first answer", "cache_control": {"type": "ephemeral"}}
+    ]
+    assert sent["messages"][0]["content"] == body["messages"][0]["content"]
+    assert sent["messages"][2]["content"] == "second question"
+
+
+@respx.mock
+async def test_rules_off_sends_the_client_prompt_exactly(http):
+    route = respx.post(URL).mock(return_value=sse_response(CACHE_STREAM))
+    body = {
+        "system": "short system",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "tool_result", "tool_use_id": "x"}],
+            },
+        ],
+    }
+    await drain(backend(http).stream(anthropic_request(body, rules=False)))
+    sent = json.loads(route.calls.last.request.content)
+    assert (
+        sent["messages"] == body["messages"] and sent["system"] == "short system"
+    )  # below minimum: no marks
+
+
+@respx.mock
+async def test_native_non_stream_returns_the_message(http):
+    message = {
+        "id": "msg_9",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "text", "text": "Hello"},
+        ],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 5,
+            "cache_read_input_tokens": 1024,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": 2,
+        },
+    }
+    route = respx.post(URL).mock(return_value=httpx.Response(200, json=message))
+    events = await drain(
+        backend(http).stream(
+            anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False)
+        )
+    )
+    assert json.loads(route.calls.last.request.content)["stream"] is False
+    assert events[0].events == (message,) and events[0].text == "Hello"
+    assert events[-1].usage.cached_tokens == 1024 and events[-1].usage.prompt_tokens == 1029
+
+
+# ---- translation (OpenAI face) ------------------------------------------------------------------------------
+
+
+@respx.mock
+async def test_openai_request_translated_and_stream_turned_into_deltas(http):
+    route = respx.post(URL).mock(
+        return_value=sse_response(fixture_bytes("anthropic", "tool_use_response.txt"))
+    )
+    messages = [
+        {"role": "system", "content": LONG_SYSTEM},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location":"Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+        {"role": "user", "content": "And Paris?"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {
+        "model": "claude",
+        "messages": messages,
+        "tools": tools,
+        "temperature": 0.5,
+        "parallel_tool_calls": False,
+    }
+    request = chat_request(messages, model="claude", body=body, tools=tools, tool_choice="required",
+                           params=SamplingParams(max_tokens=None, temperature=0.5, stop=("END",)), user="u-7")  # fmt: skip
+    request.canonical = load_ruleset([]).apply(messages, tools)
+    events = await drain(backend(http).stream(request))
+    sent = json.loads(route.calls.last.request.content)
+    assert sent["system"] == [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    assert sent["messages"] == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"location": "Rome"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "18C",
+                                      "cache_control": {"type": "ephemeral"}},  # the end of the history
+                                     {"type": "text", "text": "And Paris?"}]},
+    ]  # fmt: skip
+    assert sent["tools"] == [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    assert sent["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
+    assert sent["max_tokens"] == 4096 and sent["temperature"] == 0.5 and "top_p" not in sent
+    assert sent["stop_sequences"] == ["END"] and sent["metadata"] == {"user_id": "u-7"}
+    assert not any(isinstance(e, NativeDelta) for e in events)
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    assert text == "I'll check the current weather in Paris for you."
+    calls = [c for e in events if isinstance(e, Delta) for c in (e.tool_calls or [])]
+    assert calls[0] == {"index": 0, "id": "toolu_01NRLabsLyVHZPKxbKvkfSMn", "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""}}  # fmt: skip
+    assert "".join(c["function"].get("arguments", "") for c in calls) == '{"location": "Paris"}'
+    assert events[-1].finish_reason == "tool_calls" and "native" not in events[-1].extra
+
+
+async def test_completion_requests_are_refused(http):
+    request = chat_request([], kind="completion", prompt="x")
+    with pytest.raises(APIError) as info:
+        await drain(backend(http).stream(request))
+    assert info.value.status_code == 400
+
+
+# ---- faults -------------------------------------------------------------------------------------------------
+
+
+@respx.mock
+async def test_overloaded_is_retried_then_reported_as_529(http):
+    sleeps = Sleeps()
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    route = respx.post(URL).mock(return_value=httpx.Response(529, json=overloaded))
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(
+            backend(http, retries=1, sleeps=sleeps).stream(
+                anthropic_request({"messages": [{"role": "user", "content": "q"}]})
+            )
+        )
+    assert route.call_count == 2 and len(sleeps.calls) == 1
+    assert info.value.status_code == 529 and info.value.upstream_error == overloaded["error"]
+
+
+@respx.mock
+async def test_an_error_event_mid_stream_is_a_cut_with_the_upstream_type(http):
+    body = CACHE_STREAM.split(b"event: content_block_stop")[0] + (
+        b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
+    )
+    respx.post(URL).mock(return_value=sse_response(body))
+    with pytest.raises(UpstreamStreamCut) as info:
+        await drain(backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]})))
+    assert info.value.upstream_error == {"type": "overloaded_error", "message": "Overloaded"}
+    assert info.value.status_code == 529
+
+
+@respx.mock
+async def test_a_reset_after_the_first_byte_is_a_cut_and_not_retried(http):
+    first = CACHE_STREAM.split(b"event: content_block_delta")[0]
+    route = respx.post(URL).mock(
+        return_value=httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                    stream=BreakingStream([first], httpx.RemoteProtocolError("peer closed")))
+    )  # fmt: skip
+    with pytest.raises(UpstreamStreamCut):
+        await drain(backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]})))
+    assert route.call_count == 1
+
+
+@respx.mock
+async def test_a_stream_without_message_stop_is_a_cut(http):
+    respx.post(URL).mock(return_value=sse_response(CACHE_STREAM.split(b"event: message_stop")[0]))
+    with pytest.raises(UpstreamStreamCut, match="before message_stop"):
+        await drain(backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]})))
+
+
+@respx.mock
+async def test_invalid_request_passes_through_without_the_key(http):
+    error = {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": f"bad key {API_KEY} given"},
+    }
+    respx.post(URL).mock(return_value=httpx.Response(400, json=error))
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]})))
+    assert info.value.status_code == 400 and info.value.upstream_error["type"] == "invalid_request_error"
+    assert API_KEY not in info.value.message and API_KEY not in json.dumps(info.value.upstream_error)
+
+
+def test_factory_reads_the_model_entry():
+    model = ModelConfig(name="claude", backend="anthropic", base_url=(BASE,), api_key=API_KEY,
+                        upstream_model="claude-haiku-4-5", timeout_s=30.0, retries=1)  # fmt: skip
+    be = create_anthropic_backend(model)
+    assert be.upstream_model == "claude-haiku-4-5" and be.upstream.policy.retries == 1
+    assert be.upstream.ring.replicas == (BASE,)
