@@ -113,6 +113,7 @@ class AffinityRing:
         if not load_factor > 1.0:
             raise ValueError("load_factor must be > 1 (the paper's c)")
         self.replicas: tuple[str, ...] = tuple(replicas)
+        self.vnodes = vnodes
         self.load_factor = float(load_factor)
         self.cooldown_s = float(cooldown_s)
         self.max_cooldown_s = float(max_cooldown_s)

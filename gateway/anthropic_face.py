@@ -46,6 +46,7 @@ import copy
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,7 @@ from starlette.routing import BaseRoute, Route
 from engine.api import SamplingParams
 from gateway.backends.base import BackendUsage, Delta, Finish
 from gateway.body import read_json_object
-from gateway.errors import APIError, InvalidRequestError
+from gateway.errors import APIError, InvalidRequestError, anthropic_error_body
 from gateway.request import ChatRequest
 from gateway.sse import EventStreamResponse, encode_event
 
@@ -91,55 +92,14 @@ FINISH_REASONS = {
 }
 """Anthropic ``stop_reason`` -> OpenAI-style finish reason."""
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-"""HTTP status -> Anthropic ``error.type`` (https://docs.anthropic.com/en/api/errors); other 4xx are
-``invalid_request_error``, other 5xx ``api_error`` (503 ``overloaded_error``)."""
-
 
 # ==== errors ================================================================================================
 
 
-def error_type_for_status(status: int) -> str:
-    """Anthropic ``error.type`` for an HTTP status."""
-    if status in ERROR_TYPES:
-        return ERROR_TYPES[status]
-    if status == 503:
-        return "overloaded_error"
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def error_body(error: APIError) -> dict[str, Any]:
-    """``{"type": "error", "error": {"type", "message"}}`` for an API error.
-
-    An upstream Anthropic error keeps its own ``type`` (e.g. ``overloaded_error``, ``billing_error``); anything
-    else is typed by status. Usable as the app's error shape for ``/v1/messages``
-    (``gateway.errors.register_error_shape``).
-    """
-    upstream = getattr(error, "upstream_error", None)
-    kind = None
-    if isinstance(upstream, dict) and isinstance(upstream.get("type"), str):
-        if upstream["type"] in set(ERROR_TYPES.values()) | {"overloaded_error"}:
-            kind = upstream["type"]
-    return {
-        "type": "error",
-        "error": {"type": kind or error_type_for_status(error.status_code), "message": error.message},
-    }
-
-
 def encode_error_event(error: APIError) -> bytes:
-    """The SSE ``error`` event that ends a stream which failed after it started."""
-    return encode_event(error_body(error), event="error")
+    """The SSE ``error`` event that ends a stream which failed after it started (body:
+    ``gateway.errors.anthropic_error_body``, the same as the error responses of this path)."""
+    return encode_event(anthropic_error_body(error), event="error")
 
 
 # ==== validation ============================================================================================
@@ -506,8 +466,8 @@ class AnthropicPrompt:
         last_block: per input message index, the ``BlockPath`` of the last block it produced (None when it
             produced none). A string ``content`` counts as one block (index 0).
         part_blocks: per input message index, per content part index, the ``BlockPath`` of the block that
-            part became (None for an empty string); a string ``content`` is part 0. Empty for ``tool``
-            messages (their result is one block) and tool calls are not parts.
+            part became (None for an empty text, which is sent as no block); a string ``content`` is part 0.
+            Empty for ``tool`` messages (their result is one block) and tool calls are not parts.
     """
 
     system: Any = None
@@ -517,13 +477,10 @@ class AnthropicPrompt:
     part_blocks: list[list[BlockPath | None]] = field(default_factory=list)
 
 
-def _part_paths(content: Any, prefix: tuple[Any, ...], offset: int) -> list[BlockPath | None]:
-    """Block paths of the parts of ``content`` once its blocks sit at ``offset`` of ``prefix``'s list."""
-    if isinstance(content, str):
-        return [(*prefix, offset) if content else None]
-    if isinstance(content, list):
-        return [(*prefix, offset + j) for j in range(len(content))]
-    return []
+def _paths(where: list[int | None], prefix: tuple[Any, ...], offset: int) -> list[BlockPath | None]:
+    """Block paths of a message's parts once its blocks sit at ``offset`` of ``prefix``'s list (``where``: per
+    part, its block's index among the message's blocks, from ``_content_blocks``)."""
+    return [None if k is None else (*prefix, offset + k) for k in where]
 
 
 def _last(paths: list[BlockPath | None]) -> BlockPath | None:
@@ -575,14 +532,31 @@ def part_to_block(part: Any, param: str) -> dict[str, Any]:
     )
 
 
-def _content_blocks(content: Any, param: str) -> list[dict[str, Any]]:
+def _content_blocks(content: Any, param: str) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """The Anthropic blocks of an OpenAI ``content``, and per part the index of its block (None: no block).
+
+    An empty text part becomes no block: the Messages API refuses empty text blocks, and a rule that hoists a
+    whole part (a system block holding only ``Current date: ...``) leaves one behind. Its ``cache_control``
+    moves to the block before it, which ends the same prefix, unless that block has its own.
+    """
     if content is None:
-        return []
+        return [], []
     if isinstance(content, str):
-        return [{"type": "text", "text": content}] if content else []
+        return ([{"type": "text", "text": content}], [0]) if content else ([], [None])
     if not isinstance(content, list):
         raise _bad(f"expected a string or an array of parts, got {_kind(content)}", param)
-    return [part_to_block(p, f"{param}[{j}]") for j, p in enumerate(content)]
+    blocks: list[dict[str, Any]] = []
+    where: list[int | None] = []
+    for j, part in enumerate(content):
+        block = part_to_block(part, f"{param}[{j}]")
+        if block["type"] == "text" and not block["text"]:
+            if "cache_control" in block and blocks and "cache_control" not in blocks[-1]:
+                blocks[-1]["cache_control"] = block["cache_control"]
+            where.append(None)
+            continue
+        where.append(len(blocks))
+        blocks.append(block)
+    return blocks, where
 
 
 def _tool_result_block(message: Mapping[str, Any], param: str) -> dict[str, Any]:
@@ -591,7 +565,7 @@ def _tool_result_block(message: Mapping[str, Any], param: str) -> dict[str, Any]
     if not isinstance(block["tool_use_id"], str) or not block["tool_use_id"]:
         raise _bad("tool messages need a tool_call_id", f"{param}.tool_call_id")
     if isinstance(content, list):
-        block["content"] = _content_blocks(content, f"{param}.content")
+        block["content"], _ = _content_blocks(content, f"{param}.content")
     elif content is not None:
         block["content"] = content if isinstance(content, str) else str(content)
     block.update(_extras(message, {"role", "content", "tool_call_id", "name"}))
@@ -647,18 +621,18 @@ def openai_to_anthropic(
             system_string = content
             prompt.part_blocks[index] = [("system", 0) if content else None]
         else:
-            blocks = _content_blocks(content, f"messages[{index}].content")
+            blocks, where = _content_blocks(content, f"messages[{index}].content")
             for block in blocks:
                 if block.get("type") != "text":
                     raise UnsupportedContentError(
                         "System messages sent to an Anthropic model may only hold text.",
                         param=f"messages[{index}].content",
                     )
-            prompt.part_blocks[index] = _part_paths(content, ("system",), len(system_blocks))
+            prompt.part_blocks[index] = _paths(where, ("system",), len(system_blocks))
             system_blocks.extend(blocks)
         prompt.last_block[index] = _last(prompt.part_blocks[index])
         index += 1
-    prompt.system = system_string if system_string is not None else (system_blocks or None)
+    prompt.system = system_string or system_blocks or None  # an empty system prompt is sent as none
 
     out = prompt.messages
     pending_tool_results = False  # the last user turn was opened by tool messages
@@ -677,7 +651,7 @@ def openai_to_anthropic(
             continue  # a tool result is one block: no part inside it can end a segment
         content = message.get("content")
         if role in ("system", "developer", "user"):
-            blocks = _content_blocks(content, f"{param}.content")
+            blocks, where = _content_blocks(content, f"{param}.content")
             keep_string = role == "user" and isinstance(content, str) and not pending_tool_results
             if pending_tool_results:
                 offset = len(out[-1]["content"])
@@ -686,7 +660,7 @@ def openai_to_anthropic(
                 offset = 0
                 out.append({"role": "user", "content": content if keep_string else blocks})
         elif role == "assistant":
-            blocks = _content_blocks(content, f"{param}.content")
+            blocks, where = _content_blocks(content, f"{param}.content")
             calls = message.get("tool_calls") or []
             uses = [_tool_use_block(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(calls)]
             offset = 0
@@ -700,7 +674,7 @@ def openai_to_anthropic(
             raise _bad(f"unsupported role {role!r}", f"{param}.role")
         pending_tool_results = False
         turn = len(out) - 1
-        prompt.part_blocks[i] = _part_paths(content, ("messages", turn), offset)
+        prompt.part_blocks[i] = _paths(where, ("messages", turn), offset)
         last_content = out[-1]["content"]
         if isinstance(last_content, str):
             prompt.last_block[i] = ("messages", turn, 0)
@@ -1109,10 +1083,11 @@ async def message_sse(opened: OpenedStream) -> AsyncIterator[bytes]:
     other backends' events formatted; an error after the start becomes an ``error`` event that ends the stream."""
     request = opened.request
     formatter = StreamFormatter(request.model, request.request_id)
-    events = opened.events()
-    try:
+    async with aclosing(opened.guarded_events(formatter.error)) as events:
         async for event in events:
-            if isinstance(event, NativeDelta):
+            if isinstance(event, bytes):
+                yield event  # the error event, already encoded by formatter.error
+            elif isinstance(event, NativeDelta):
                 formatter.started = True
                 for raw in event.events:
                     yield encode_event(relay_event(raw, request.model), str(raw.get("type", "message")))
@@ -1120,15 +1095,6 @@ async def message_sse(opened: OpenedStream) -> AsyncIterator[bytes]:
                 continue
             else:
                 yield formatter.feed(event)
-    except APIError as error:
-        opened.fail(error)
-        yield formatter.error(error)
-    except Exception as exc:  # a backend bug: report it in-band, never leave the client hanging
-        error = APIError(f"The server had an error while processing your request ({type(exc).__name__}).")
-        opened.fail(error)
-        yield formatter.error(error)
-    finally:
-        await events.aclose()
 
 
 async def collect_message(opened: OpenedStream) -> dict[str, Any]:
@@ -1159,11 +1125,9 @@ async def messages_endpoint(http_request: Request) -> Response:
     request = parse_messages_body(body, request_id=request_id_of(http_request))
     request.rules_enabled = rules_enabled(http_request.headers)
     request.tenant = tenant(http_request.headers)
-    forwarded = {
+    request.forward_headers = {
         name: http_request.headers[name] for name in FORWARDED_HEADERS if name in http_request.headers
     }
-    if forwarded:
-        request.forward_headers = forwarded  # type: ignore[attr-defined]  # until ChatRequest has the field
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request)
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}

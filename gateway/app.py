@@ -31,7 +31,7 @@ from gateway.backends.base import Backend
 from gateway.backends.registry import create_backend
 from gateway.canonical import Canonicalizer
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, AuthenticationError, error_shape_for, from_engine_error, status_error
+from gateway.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
 from gateway.metrics import build_registry
 from gateway.pipeline import ClientDisconnected, request_id_of
 from gateway.request_log import RequestRecord, log_request
@@ -138,7 +138,7 @@ class _StartClock:
 
 async def handle_error(http_request: Request, exc: Exception) -> Response:
     """The one exception handler: typed error -> protocol-shaped JSON, counted and logged once."""
-    error = as_api_error(http_request, exc)
+    error = request_error(http_request, exc)
     gateway = getattr(http_request.app.state, "gateway", None)
     model = getattr(http_request.state, "model", None)
     if gateway is not None:
@@ -165,15 +165,14 @@ async def handle_disconnect(http_request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-def as_api_error(http_request: Request, exc: Exception) -> APIError:
-    """Any exception as the API error the client gets (unexpected ones as a 500 with the traceback logged)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineError):
-        return from_engine_error(exc)
+def request_error(http_request: Request, exc: Exception) -> APIError:
+    """Any exception as the API error the client gets: Starlette's 404/405 by status, the rest by
+    ``gateway.errors.as_api_error`` (an unexpected one as a 500; the server logs its traceback)."""
     if isinstance(exc, HTTPException):
         if exc.status_code == 404:
             return status_error(404, f"Invalid URL ({http_request.method} {http_request.url.path})")
         return status_error(exc.status_code, exc.detail if isinstance(exc.detail, str) else None)
-    logger.error("unhandled %s on %s (traceback logged by the server)", type(exc).__name__, http_request.url.path)
-    return APIError("The server had an error while processing your request.")
+    if not isinstance(exc, APIError | EngineError):
+        name, path = type(exc).__name__, http_request.url.path
+        logger.error("unhandled %s on %s (traceback logged by the server)", name, path)
+    return as_api_error(exc)

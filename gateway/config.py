@@ -18,6 +18,15 @@ Shape (every key optional; the defaults are the embedded SmolLM2 with the shippe
         timeout_s: 60
         retries: 2
         prices: {input: 0.15, cached_input: 0.075}   # USD per million tokens (gateway.pricing.Prices)
+        prompt_cache_key: true                   # openai only: send prompt_cache_key = prefix key
+        ring: {load_factor: 1.25, vnodes: 160, cooldown_s: 5, max_cooldown_s: 60}   # prefix affinity
+      - name: claude
+        backend: anthropic
+        base_url: https://api.anthropic.com
+        api_key: env:ANTHROPIC_API_KEY
+        anthropic_version: "2023-06-01"          # the anthropic-version header
+        auto_breakpoints: true                   # add cache_control at the rules' segment boundaries
+        min_cacheable_tokens: {claude-haiku-3: 2048}   # model-name prefix -> tokens, before the built-in table
 
 A string value ``env:NAME`` is replaced by the environment variable ``NAME`` (an unset or empty variable is
 an error, so a forgotten admin token never silently disables auth). Any bad key or value raises
@@ -77,6 +86,24 @@ class AdminConfig:
 
 
 @dataclass(frozen=True)
+class RingConfig:
+    """Prefix affinity over an upstream's replicas (``gateway.affinity.AffinityRing``).
+
+    Attributes:
+        load_factor: ``c`` of consistent hashing with bounded loads, > 1: no replica holds more than
+            ``ceil(c * (in flight + 1) / replicas)`` requests.
+        vnodes: ring points per replica, >= 1.
+        cooldown_s: seconds a failed replica is skipped before one probe request, > 0.
+        max_cooldown_s: cap of the cool-down, which doubles on each failed probe, >= ``cooldown_s``.
+    """
+
+    load_factor: float = 1.25
+    vnodes: int = 160
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One client-facing model and the backend serving it.
 
@@ -91,6 +118,14 @@ class ModelConfig:
         timeout_s: upstream only: seconds per upstream attempt.
         retries: upstream only: extra attempts on connection errors / 5xx / 429.
         prices: upstream only: ``gateway.pricing.Prices`` for cost estimates in stats; None = unknown.
+        ring: upstream only: prefix-affinity settings (``RingConfig``).
+        prompt_cache_key: openai only: send ``prompt_cache_key`` = the prefix key when the client set none.
+        anthropic_version: anthropic only: the ``anthropic-version`` header.
+        auto_breakpoints: anthropic only: add ``cache_control`` breakpoints at the rules' segment boundaries
+            where the client set none.
+        min_cacheable_tokens: anthropic only: (model-name prefix, minimum cacheable prompt length in tokens) pairs,
+            consulted before the built-in table ``gateway.breakpoints.MIN_CACHEABLE_TOKENS`` (same shape); the
+            longest matching prefix wins. YAML: a mapping.
     """
 
     name: str
@@ -103,6 +138,11 @@ class ModelConfig:
     timeout_s: float = 60.0
     retries: int = 2
     prices: Prices | None = None
+    ring: RingConfig = field(default_factory=RingConfig)
+    prompt_cache_key: bool = True
+    anthropic_version: str = "2023-06-01"
+    auto_breakpoints: bool = True
+    min_cacheable_tokens: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,7 +248,12 @@ def _resolve_rule_path(item: str, base_dir: Path | None) -> str:
 
 _MODEL_COMMON = {"name", "backend"}
 _MODEL_EMBEDDED = {"path", "engine"}
-_MODEL_UPSTREAM = {"base_url", "api_key", "upstream_model", "timeout_s", "retries", "prices"}
+_MODEL_UPSTREAM = {"base_url", "api_key", "upstream_model", "timeout_s", "retries", "prices", "ring"}
+_MODEL_BACKEND_ONLY = {
+    "openai": {"prompt_cache_key"},
+    "anthropic": {"anthropic_version", "auto_breakpoints", "min_cacheable_tokens"},
+}
+"""Settings of one upstream kind only."""
 
 
 def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[ModelConfig, ...]:
@@ -226,14 +271,18 @@ def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[M
 
 
 def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None) -> ModelConfig:
-    raw = reader.mapping(entry, where, _MODEL_COMMON | _MODEL_EMBEDDED | _MODEL_UPSTREAM)
+    every_key = _MODEL_COMMON | _MODEL_EMBEDDED | _MODEL_UPSTREAM | set().union(*_MODEL_BACKEND_ONLY.values())
+    raw = reader.mapping(entry, where, every_key)
     name = reader.typed(raw, where, "name", str, None, required=True)
     if not name:
         reader.fail(f"{where}.name", "expected a non-empty model name")
     backend = reader.typed(raw, where, "backend", str, "embedded")
     if backend not in BACKEND_KINDS:
         reader.fail(f"{where}.backend", f"expected one of {', '.join(BACKEND_KINDS)}, got {backend!r}")
-    allowed = _MODEL_COMMON | (_MODEL_EMBEDDED if backend == "embedded" else _MODEL_UPSTREAM)
+    if backend == "embedded":
+        allowed = _MODEL_COMMON | _MODEL_EMBEDDED
+    else:
+        allowed = _MODEL_COMMON | _MODEL_UPSTREAM | _MODEL_BACKEND_ONLY[backend]
     for key in raw:
         if key not in allowed:
             reader.fail(f"{where}.{key}", f"is not a setting of backend {backend!r} (valid: {', '.join(sorted(allowed))})")
@@ -280,7 +329,53 @@ def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: 
         timeout_s=timeout,
         retries=retries,
         prices=prices,
+        ring=_parse_ring(reader, raw.get("ring"), f"{where}.ring"),
+        prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True),
+        anthropic_version=_parse_anthropic_version(reader, raw, where),
+        auto_breakpoints=reader.typed(raw, where, "auto_breakpoints", bool, True),
+        min_cacheable_tokens=_parse_min_cacheable(reader, raw.get("min_cacheable_tokens"), f"{where}.min_cacheable_tokens"),
     )
+
+
+def _parse_ring(reader: _Reader, value: Any, where: str) -> RingConfig:
+    default = RingConfig()
+    section = reader.mapping({} if value is None else value, where, {f.name for f in dataclasses.fields(RingConfig)})
+    load_factor = reader.typed(section, where, "load_factor", float, default.load_factor)
+    vnodes = reader.typed(section, where, "vnodes", int, default.vnodes)
+    cooldown = reader.typed(section, where, "cooldown_s", float, default.cooldown_s)
+    max_cooldown = reader.typed(section, where, "max_cooldown_s", float, max(default.max_cooldown_s, cooldown))
+    if not load_factor > 1.0:
+        reader.fail(f"{where}.load_factor", f"expected a number > 1 (the bound on a replica's share), got {load_factor}")
+    if vnodes < 1:
+        reader.fail(f"{where}.vnodes", f"expected an integer >= 1, got {vnodes}")
+    if not cooldown > 0:
+        reader.fail(f"{where}.cooldown_s", f"expected a positive number of seconds, got {cooldown}")
+    if max_cooldown < cooldown:
+        reader.fail(f"{where}.max_cooldown_s", f"expected a number of seconds >= cooldown_s ({cooldown}), got {max_cooldown}")
+    return RingConfig(load_factor=load_factor, vnodes=vnodes, cooldown_s=cooldown, max_cooldown_s=max_cooldown)
+
+
+def _parse_anthropic_version(reader: _Reader, raw: dict, where: str) -> str:
+    version = reader.typed(raw, where, "anthropic_version", str, "2023-06-01")
+    if not version or any(ch in version for ch in "\r\n"):
+        reader.fail(f"{where}.anthropic_version", f"expected an API version such as '2023-06-01', got {version!r}")
+    return version
+
+
+def _parse_min_cacheable(reader: _Reader, value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        reader.fail(where, f"expected a mapping of model-name prefix -> tokens, got {_kind(value)}")
+    out = {}
+    for prefix, tokens in value.items():
+        if not isinstance(prefix, str) or not prefix:
+            reader.fail(where, f"expected non-empty model-name prefixes as keys, got {_kind(prefix)} {prefix!r}")
+        tokens = reader.typed(value, where, prefix, int, None, required=True)
+        if tokens < 1:
+            reader.fail(f"{where}.{prefix}", f"expected a number of tokens >= 1, got {tokens}")
+        out[prefix] = tokens
+    return tuple(out.items())
 
 
 def _parse_engine(reader: _Reader, value: Any, where: str) -> EngineConfig:

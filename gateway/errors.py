@@ -1,12 +1,15 @@
-"""Typed API errors and the one place they become HTTP responses.
+"""Typed API errors and their JSON bodies.
 
 Everything that goes wrong with a request is raised as an ``APIError`` subclass (or an engine error mapped by
-``from_engine_error``); ``error_response`` turns it into the error JSON of the protocol the request came in on:
+``from_engine_error``; anything else by ``as_api_error``). One place turns them into HTTP responses: the app's
+exception handler (``gateway.app.handle_error``), with the body ``error_shape_for(path)`` gives; a failure after
+a stream started goes out in-band with the same body (``gateway.pipeline.OpenedStream.guarded_events``).
 
 - OpenAI (default): ``{"error": {"message", "type", "param", "code"}}``
   (https://platform.openai.com/docs/guides/error-codes, and the bodies the API returns).
 - Anthropic (paths registered with ``register_error_shape``, ``/v1/messages`` by default):
-  ``{"type": "error", "error": {"type", "message"}}`` (https://docs.anthropic.com/en/api/errors).
+  ``{"type": "error", "error": {"type", "message"}}`` (https://docs.anthropic.com/en/api/errors), ``type`` by
+  ``anthropic_error_type``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class APIError(Exception):
     status_code: int = 500
     error_type: str = "server_error"
     default_code: str | None = None
+    upstream_error: dict[str, Any] | None = None
+    """The ``error`` object an upstream answered with (redacted), when the error came from one; an Anthropic
+    error body keeps its ``type`` (see ``anthropic_error_type``)."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -149,6 +155,16 @@ def from_engine_error(exc: EngineError) -> APIError:
     return APIError(f"Engine error: {exc}")
 
 
+def as_api_error(exc: BaseException) -> APIError:
+    """Any exception as the API error a client sees: an ``APIError`` as it is, an engine error mapped by
+    ``from_engine_error``, anything else (a bug) a 500 that names only the exception's class."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    return APIError(f"The server had an error while processing your request ({type(exc).__name__}).")
+
+
 def status_error(status_code: int, detail: str | None = None) -> APIError:
     """The API error for a bare HTTP status raised by the router (404 unknown route, 405 wrong method)."""
     if status_code == 404:
@@ -164,15 +180,24 @@ def status_error(status_code: int, detail: str | None = None) -> APIError:
     return error
 
 
-_ANTHROPIC_TYPES = {
+ANTHROPIC_ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
+"""HTTP status -> Anthropic ``error.type`` (https://docs.anthropic.com/en/api/errors). 503 is ours (backend shut
+down, no replica left): Anthropic's nearest type is ``overloaded_error``. Other 4xx are ``invalid_request_error``,
+other 5xx ``api_error``."""
+
+_KNOWN_ANTHROPIC_TYPES = frozenset(ANTHROPIC_ERROR_TYPES.values())
 
 
 def openai_error_body(error: APIError) -> dict[str, Any]:
@@ -180,10 +205,20 @@ def openai_error_body(error: APIError) -> dict[str, Any]:
     return error.openai_body()
 
 
+def anthropic_error_type(error: APIError) -> str:
+    """The Anthropic ``error.type`` of ``error``: the upstream's own ``type`` when it is one Anthropic documents
+    (an Anthropic upstream's ``billing_error`` stays one whatever status we answer with), else by status."""
+    upstream_type = (error.upstream_error or {}).get("type")
+    if isinstance(upstream_type, str) and upstream_type in _KNOWN_ANTHROPIC_TYPES:
+        return upstream_type
+    if error.status_code in ANTHROPIC_ERROR_TYPES:
+        return ANTHROPIC_ERROR_TYPES[error.status_code]
+    return "api_error" if error.status_code >= 500 else "invalid_request_error"
+
+
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
-    """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``; 5xx map to ``api_error``."""
-    kind = _ANTHROPIC_TYPES.get(error.status_code, "api_error" if error.status_code >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (type from ``anthropic_error_type``)."""
+    return {"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}}
 
 
 ErrorShape = Callable[[APIError], dict[str, Any]]

@@ -27,7 +27,7 @@ from engine.api import SamplingParams
 from gateway.backends.base import BackendUsage, Delta, Finish
 from gateway.body import read_json_object
 from gateway.canonical import rules_enabled
-from gateway.errors import APIError, InvalidRequestError
+from gateway.errors import APIError, InvalidRequestError, openai_error_body
 from gateway.pipeline import OpenedStream, begin, open_stream, run_unless_disconnected
 from gateway.request import ChatRequest
 from gateway.sse import DONE, EventStreamResponse, encode_event
@@ -520,22 +520,10 @@ async def completion_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncItera
                 yield event
 
 
-async def _guarded(opened: OpenedStream) -> AsyncIterator[Any]:
+def _guarded(opened: OpenedStream) -> AsyncIterator[Any]:
     """The stream's events; an API error after the response started becomes one ``data: {"error": ...}``
     event (what OpenAI sends mid-stream; the SDK raises it) and ends the stream."""
-    events = opened.events()
-    try:
-        async for event in events:
-            yield event
-    except APIError as error:
-        opened.fail(error)
-        yield encode_event(error.openai_body())
-    except Exception as exc:  # a backend bug: report it in-band, never leave the client hanging
-        error = APIError(f"The server had an error while processing your request ({type(exc).__name__}).")
-        opened.fail(error)
-        yield encode_event(error.openai_body())
-    finally:
-        await events.aclose()
+    return opened.guarded_events(lambda error: encode_event(openai_error_body(error)))
 
 
 # ---- handlers --------------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ Exactly one of these ends each request's bookkeeping:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -26,13 +27,14 @@ from starlette.requests import Request
 from engine.errors import EngineError
 from gateway.backends.base import BackendEvent, Delta, Finish
 from gateway.canonical import Canonicalizer
-from gateway.errors import APIError, from_engine_error
+from gateway.errors import APIError, as_api_error, from_engine_error
 from gateway.request import ChatRequest
 from gateway.request_log import CLIENT_CLOSED, RequestRecord, log_request
 from gateway.routing import prefix_key
 from gateway.state import Gateway
 
 T = TypeVar("T")
+logger = logging.getLogger("prefixgate.pipeline")
 
 
 def new_request_id() -> str:
@@ -142,6 +144,26 @@ class OpenedStream:
             raise
         finally:
             await self.aclose()
+
+    async def guarded_events(
+        self, encode_error: Callable[[APIError], bytes]
+    ) -> AsyncIterator[BackendEvent | bytes]:
+        """``events()``, except that a failure after the response started (an API error, or a backend bug as a
+        500 naming its class, traceback logged) is recorded with ``fail`` and becomes the last item:
+        ``encode_error(error)``, the face's in-band error event (bytes). Never raises for a backend failure."""
+        events = self.events()
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # noqa: BLE001 - the response has started: the client must hear of it in-band
+            if not isinstance(exc, APIError):
+                name = type(exc).__name__
+                logger.error("backend of %s failed mid-stream with %s", self.request.model, name, exc_info=exc)
+            error = as_api_error(exc)
+            self.fail(error)
+            yield encode_error(error)
+        finally:
+            await events.aclose()
 
     async def _next_event(self) -> BackendEvent:
         if self._first is not None:

@@ -34,6 +34,9 @@ class ChatRequest:
         request_id: the gateway's id for logs and response ids.
         canonical: the rules' result (``rules`` package ``Canonical``), set by the gateway after canonicalization.
         prefix_key: hex prefix key (model id, tenant salt, hash of the stable segments), set by routing.
+        forward_headers: client headers an upstream of the same protocol receives too, lower-case name -> value
+            (the Anthropic face sets ``anthropic-beta`` here; ``anthropic_face.FORWARDED_HEADERS`` lists them).
+            Never credentials: the upstream's key comes from the config.
     """
 
     model: str
@@ -53,3 +56,4 @@ class ChatRequest:
     request_id: str = ""
     canonical: Any = None
     prefix_key: str = ""
+    forward_headers: dict[str, str] = field(default_factory=dict)

@@ -1,15 +1,19 @@
-"""Server-sent events: encoding, parsing, and an ASGI response that cancels its producer on disconnect.
+"""Server-sent events: encoding, the one parser (client streams in tests, upstream streams in the backends),
+and an ASGI response that cancels its producer on disconnect.
 
-Format: the WHATWG HTML Living Standard, "Server-sent events" (https://html.spec.whatwg.org/multipage/
-server-sent-events.html): ``event:``/``data:`` fields, an event ends at a blank line. OpenAI streams are
-``data: <json>\\n\\n`` lines ending with ``data: [DONE]\\n\\n``; Anthropic streams add ``event: <type>``.
+Format: the WHATWG HTML Living Standard, "Server-sent events", section 9.2.6 "Interpreting an event stream"
+(https://html.spec.whatwg.org/multipage/server-sent-events.html): lines end in CRLF, LF or CR; ``event:`` /
+``data:`` / ``id:`` fields; an event ends at a blank line. OpenAI streams are ``data: <json>\\n\\n`` lines ending
+with ``data: [DONE]\\n\\n``; Anthropic streams add ``event: <type>``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,80 +34,125 @@ def encode_event(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {json_dumps(data)}\n\n".encode()
 
 
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+class LineSplitter:
+    """Incremental UTF-8 decoding and SSE line splitting: lines end in CRLF, LF or CR (a CR at a chunk end waits
+    for a possible LF); one leading byte order mark is dropped; bytes that are not UTF-8 become U+FFFD."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
+        self._buffer = ""
+        self._pending_cr = False
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """Complete lines (without terminators) found so far."""
+        return self._split(self._decoder.decode(chunk), final=False)
+
+    def flush(self) -> list[str]:
+        """The last line when the stream ended without a terminator."""
+        return self._split(self._decoder.decode(b"", final=True), final=True)
+
+    def _split(self, text: str, final: bool) -> list[str]:
+        if self._pending_cr:
+            text = "\r" + text
+            self._pending_cr = False
+        if text.endswith("\r") and not final:
+            text = text[:-1]
+            self._pending_cr = True
+        parts = _NEWLINE.split(self._buffer + text)
+        self._buffer = parts.pop()
+        if final and self._buffer:
+            parts.append(self._buffer)
+            self._buffer = ""
+        return parts
+
+
 @dataclass(frozen=True)
 class SSEEvent:
-    """One parsed event: ``event`` name (``"message"`` when absent) and its ``data`` (lines joined by \\n)."""
+    """One dispatched event: ``event`` is ``"message"`` when the stream named none; ``data`` is its ``data``
+    lines joined by LF; ``id`` the last event id seen so far (None before any)."""
 
     event: str
     data: str
+    id: str | None = None
+
+    def json(self) -> Any:
+        """``data`` parsed as JSON. Raises ``json.JSONDecodeError``."""
+        return json.loads(self.data)
 
 
 class SSEParser:
-    """Incremental SSE parser: ``feed(bytes)`` returns the events completed by those bytes.
+    """Incremental SSE parser: ``feed(bytes)`` returns the events those bytes complete, ``close()`` the rest.
 
-    Follows the spec's line rules (CR, LF or CRLF line ends; ``:`` comments ignored; one optional space after
-    the colon removed; an event with no ``data`` field is not dispatched). ``id``/``retry`` are ignored.
+    Follows the spec's interpretation rules (section 9.2.6): ``:`` lines are comments, one space after the colon
+    is dropped, ``data`` lines join with LF, a blank line dispatches, an event without ``data`` is not
+    dispatched, ``id`` (without NUL) is remembered, ``retry`` and unknown fields are ignored. Unlike a browser,
+    ``close`` also dispatches an event still pending at the end of input: recorded streams often lack the final
+    blank line (a line cut short by a broken connection then shows up as bad JSON to the caller).
     """
 
     def __init__(self) -> None:
-        self._buffer = ""
-        self._decoder_tail = b""
+        self._lines = LineSplitter()
         self._event = ""
         self._data: list[str] = []
+        self._last_id: str | None = None
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Consume bytes; return the events they complete, in order."""
-        raw = self._decoder_tail + chunk
-        try:
-            text = raw.decode()
-            self._decoder_tail = b""
-        except UnicodeDecodeError as exc:  # a multi-byte character split across chunks
-            text = raw[: exc.start].decode()
-            self._decoder_tail = raw[exc.start :]
-        self._buffer += text
-        events: list[SSEEvent] = []
-        while True:
-            line, found = self._next_line()
-            if not found:
-                return events
-            event = self._process_line(line)
-            if event is not None:
-                events.append(event)
+        return self._process(self._lines.feed(chunk))
 
-    def _next_line(self) -> tuple[str, bool]:
-        for index, char in enumerate(self._buffer):
-            if char == "\n" or char == "\r":
-                if char == "\r" and index + 1 == len(self._buffer):
-                    return "", False  # maybe CRLF split across chunks: wait for more
-                end = index + 2 if self._buffer[index : index + 2] == "\r\n" else index + 1
-                line = self._buffer[:index]
-                self._buffer = self._buffer[end:]
-                return line, True
-        return "", False
+    def close(self) -> list[SSEEvent]:
+        """End of input: the events of the last line and the pending event, if any."""
+        events = self._process(self._lines.flush())
+        if self._data:
+            events.append(self._dispatch())
+        return events
 
-    def _process_line(self, line: str) -> SSEEvent | None:
-        if line == "":
-            if not self._data:
+    def _process(self, lines: list[str]) -> list[SSEEvent]:
+        events = []
+        for line in lines:
+            if line == "":
+                if self._data:
+                    events.append(self._dispatch())
                 self._event = ""
-                return None
-            event = SSEEvent(event=self._event or "message", data="\n".join(self._data))
-            self._event, self._data = "", []
-            return event
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        if value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        return None
+                continue
+            if line.startswith(":"):
+                continue
+            name, sep, value = line.partition(":")
+            if sep and value.startswith(" "):
+                value = value[1:]
+            if name == "data":
+                self._data.append(value)
+            elif name == "event":
+                self._event = value
+            elif name == "id" and "\0" not in value:
+                self._last_id = value
+        return events
+
+    def _dispatch(self) -> SSEEvent:
+        event = SSEEvent(event=self._event or "message", data="\n".join(self._data), id=self._last_id)
+        self._event, self._data = "", []
+        return event
 
 
 def parse_sse(payload: bytes) -> list[SSEEvent]:
-    """Parse a whole SSE payload (tests, recorded fixtures)."""
-    return SSEParser().feed(payload)
+    """Parse a whole SSE payload (recorded fixtures, a buffered response), the last event included even
+    without its blank line."""
+    parser = SSEParser()
+    return parser.feed(payload) + parser.close()
+
+
+async def iter_sse(chunks: AsyncIterable[bytes]) -> AsyncIterator[SSEEvent]:
+    """Events from a stream of body bytes (an upstream response), as they complete; the pending event at the
+    end of input too (see ``SSEParser``)."""
+    parser = SSEParser()
+    async for chunk in chunks:
+        for event in parser.feed(chunk):
+            yield event
+    for event in parser.close():
+        yield event
 
 
 class EventStreamResponse:

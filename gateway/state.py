@@ -45,8 +45,14 @@ class Gateway:
         return result
 
     def stats_snapshot(self) -> dict[str, Any]:
-        """The ``/admin/stats`` document."""
-        return self.stats.snapshot(self.engine_stats())
+        """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials or
+        query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring."""
+        doc = self.stats.snapshot(self.engine_stats())
+        for name, backend in self.registry.items():
+            replicas = getattr(backend, "replicas", None)
+            if replicas is not None and name in doc["models"]:
+                doc["models"][name]["replicas"] = replicas()
+        return doc
 
 
 def gateway_of(request: Request) -> Gateway:

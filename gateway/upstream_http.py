@@ -1,5 +1,6 @@
 """HTTP plumbing shared by the remote backends: one ``httpx.AsyncClient``, retries before the first byte,
-replica choice through ``AffinityRing``, SSE parsing, and redaction of API keys in every error text.
+replica choice through ``AffinityRing``, and redaction of API keys in every error text (SSE parsing is
+``gateway.sse``'s).
 
 Retry rule: a request is retried (on the replica the ring picks next, after exponential backoff with full
 jitter) only while nothing of the upstream's response body has arrived: connection errors and resets, timeouts,
@@ -12,22 +13,17 @@ Backoff ("full jitter", AWS Architecture Blog, "Exponential Backoff And Jitter",
 
 raised to ``Retry-After`` (RFC 9110 section 10.2.3; seconds or an HTTP-date) when the upstream sent one, capped at
 ``max_retry_after_s``.
-
-SSE framing follows the WHATWG HTML standard, "Server-sent events", section 9.2.6 (interpreting an event
-stream): lines end in CRLF, LF or CR; ``data`` lines join with LF; a blank line dispatches; ``:`` starts a
-comment; one space after the colon is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import email.utils
 import json
 import random
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +31,7 @@ import httpx
 
 from gateway import errors
 from gateway.affinity import AffinityRing, Lease, NoReplicaAvailable
+from gateway.sse import SSEEvent, iter_sse
 
 REDACTED = "[REDACTED]"
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read
@@ -45,7 +42,6 @@ _KEY_PATTERN = re.compile(
     r"|(?i:(?:x-api-key|api[_-]?key|access[_-]?token)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;}&]{6,}"  # key=..., "api_key": "..."
 )
 _KEY_PREFIX = re.compile(r"(?i:(?:x-api-key|api[_-]?key|access[_-]?token)[\"']?\s*[:=]\s*[\"']?)")
-_NEWLINE = re.compile(r"\r\n|\r|\n")
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
@@ -218,80 +214,6 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(when.timestamp() - (time.time() if now is None else now), 0.0)
 
 
-# ---- lines and SSE --------------------------------------------------------------------------------------
-
-
-class LineSplitter:
-    """Incremental UTF-8 decoding and SSE line splitting (CRLF, LF or CR; a CR at a chunk end waits for a LF)."""
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buffer = ""
-        self._pending_cr = False
-
-    def feed(self, chunk: bytes) -> list[str]:
-        """Complete lines (without terminators) found so far."""
-        return self._split(self._decoder.decode(chunk), final=False)
-
-    def flush(self) -> list[str]:
-        """The last line when the stream ended without a terminator."""
-        return self._split(self._decoder.decode(b"", final=True), final=True)
-
-    def _split(self, text: str, final: bool) -> list[str]:
-        if self._pending_cr:
-            text = "\r" + text
-            self._pending_cr = False
-        if text.endswith("\r") and not final:
-            text = text[:-1]
-            self._pending_cr = True
-        parts = _NEWLINE.split(self._buffer + text)
-        self._buffer = parts.pop()
-        if final and self._buffer:
-            parts.append(self._buffer)
-            self._buffer = ""
-        return parts
-
-
-@dataclass(frozen=True)
-class SSEEvent:
-    """One dispatched server-sent event: ``event`` is ``"message"`` when the stream named none."""
-
-    event: str
-    data: str
-    id: str | None = None
-
-    def json(self) -> Any:
-        """``data`` parsed as JSON. Raises ``json.JSONDecodeError``."""
-        return json.loads(self.data)
-
-
-async def iter_sse(lines: AsyncIterable[str]) -> AsyncIterator[SSEEvent]:
-    """Dispatch events from lines (WHATWG SSE). An event still pending at the end of input is dispatched too
-    (recorded streams often lack the final blank line); a truncated last line shows up as bad JSON."""
-    event_type = ""
-    data: list[str] = []
-    last_id: str | None = None
-    async for line in lines:
-        if line == "":
-            if data:
-                yield SSEEvent(event=event_type or "message", data="\n".join(data), id=last_id)
-            event_type, data = "", []
-            continue
-        if line.startswith(":"):
-            continue
-        name, sep, value = line.partition(":")
-        if sep and value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            data.append(value)
-        elif name == "event":
-            event_type = value
-        elif name == "id" and "\0" not in value:
-            last_id = value
-    if data:
-        yield SSEEvent(event=event_type or "message", data="\n".join(data), id=last_id)
-
-
 # ---- the shared client and one upstream call ----------------------------------------------------------------
 
 
@@ -399,18 +321,28 @@ class OpenedResponse:
                 upstream_status=self.response.status_code,
             ) from None
 
-    async def lines(self) -> AsyncIterator[str]:
-        """Body lines (SSE line rules)."""
-        splitter = LineSplitter()
-        async for chunk in self.chunks():
-            for line in splitter.feed(chunk):
-                yield line
-        for line in splitter.flush():
-            yield line
+    def events(self) -> AsyncIterator[SSEEvent]:
+        """The body's server-sent events (``gateway.sse.iter_sse``). Raises ``UpstreamStreamCut`` on a read
+        failure."""
+        return iter_sse(self.chunks())
 
     async def read(self) -> bytes:
         """The whole body."""
         return b"".join([chunk async for chunk in self.chunks()])
+
+    def json_object(self, text: str | bytes, what: str) -> dict[str, Any]:
+        """``text`` (an event's data, a body) parsed as a JSON object.
+
+        Raises:
+            UpstreamStreamCut: kind ``protocol``, "the upstream sent {what} that is not JSON" (or not an object).
+        """
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise self.cut(f"the upstream sent {what} that is not JSON", kind="protocol") from None
+        if not isinstance(value, dict):
+            raise self.cut(f"the upstream sent {what} that is not a JSON object", kind="protocol")
+        return value
 
     def cut(
         self, message: str, kind: str = "stream_cut", upstream_error: dict[str, Any] | None = None
@@ -589,31 +521,24 @@ async def _attempt(
             )
         upstream.ring.report_success(lease.replica)
         return OpenedResponse(response, chunks, first, lease, upstream)
-    except httpx.TimeoutException as exc:
-        await _close_quietly(response)
-        return UpstreamCallError(
-            504,
-            "timeout",
-            redact(f"upstream {where} timed out ({type(exc).__name__})", secrets),
-            attempts=attempts,
-        )
-    except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:
-        await _close_quietly(response)
-        return UpstreamCallError(
-            502, "protocol", redact(f"cannot call upstream {where}: {exc}", secrets), attempts=attempts
-        )
     except httpx.TransportError as exc:
         await _close_quietly(response)
-        return UpstreamCallError(
-            502,
-            "connection",
-            redact(f"upstream {where} connection failed ({type(exc).__name__}: {exc})", secrets),
-            attempts=attempts,
-        )
+        status, kind, message = _transport_failure(exc, where)
+        return UpstreamCallError(status, kind, redact(message, secrets), attempts=attempts)
     except BaseException:
         await _close_quietly(response)
         lease.release()
         raise
+
+
+def _transport_failure(exc: httpx.TransportError, where: str) -> tuple[int, str, str]:
+    """(status, kind, message) of an attempt that failed in transport: 504 ``timeout``; 502 ``protocol`` when
+    the request could not be sent (bad URL scheme, invalid headers); else 502 ``connection``."""
+    if isinstance(exc, httpx.TimeoutException):
+        return 504, "timeout", f"upstream {where} timed out ({type(exc).__name__})"
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError):
+        return 502, "protocol", f"cannot call upstream {where}: {exc}"
+    return 502, "connection", f"upstream {where} connection failed ({type(exc).__name__}: {exc})"
 
 
 async def _read_limited(response: httpx.Response) -> bytes:

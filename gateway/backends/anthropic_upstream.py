@@ -21,16 +21,11 @@ excludes both).
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Unpack
 
-import httpx
-
-from gateway.affinity import AffinityRing
 from gateway.anthropic_face import (
     FINISH_REASONS,
     FORWARDED_HEADERS,
@@ -42,6 +37,7 @@ from gateway.anthropic_face import (
 )
 from gateway.backends.base import BackendEvent, Delta, Finish
 from gateway.backends.registry import register_backend
+from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.breakpoints import (
     BreakpointPlan,
     TokenCounter,
@@ -52,87 +48,44 @@ from gateway.breakpoints import (
 from gateway.config import ModelConfig
 from gateway.errors import InvalidRequestError
 from gateway.request import ChatRequest
-from gateway.upstream_http import (
-    OpenedResponse,
-    RetryPolicy,
-    SharedClient,
-    Upstream,
-    iter_sse,
-    open_response,
-    redact_url,
-)
+from gateway.upstream_http import OpenedResponse, redact_url
 
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
 """``max_tokens`` sent for OpenAI-face requests that set none (the Messages API requires one)."""
 
 
-class AnthropicUpstreamBackend:
+class AnthropicUpstreamBackend(UpstreamBackend):
     """A ``Backend`` forwarding to the Anthropic Messages API.
 
     Args:
         name: the client-facing model name.
         base_urls: one base URL per replica (``https://api.anthropic.com``); ``/v1/messages`` is appended.
-        api_key: sent as ``x-api-key``; never logged or put in errors.
-        upstream_model: the provider's model name (default ``name``); also picks the minimum cacheable length.
-        timeout_s: connect and read timeout per attempt.
-        retries: extra attempts before the first byte.
         anthropic_version: the ``anthropic-version`` header.
         auto_breakpoints: add cache breakpoints at the segment boundaries.
         min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the built-in table).
         counter: token counter for the thresholds (default ``breakpoints.default_counter()``).
-        client / ring / sleep: injectable for tests (default: the shared client, a ring over ``base_urls``).
+        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
+            ``ring``, ``sleep``); the key goes out as ``x-api-key``; ``upstream_model`` also picks the minimum
+            cacheable length.
     """
 
     def __init__(
         self,
         name: str,
         base_urls: Sequence[str],
-        api_key: str | None = None,
-        upstream_model: str | None = None,
-        timeout_s: float = 60.0,
-        retries: int = 2,
         *,
         anthropic_version: str = ANTHROPIC_VERSION,
         auto_breakpoints: bool = True,
         min_tokens_overrides: Mapping[str, int] | None = None,
         counter: TokenCounter | None = None,
-        client: httpx.AsyncClient | None = None,
-        ring: AffinityRing | None = None,
-        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        **options: Unpack[UpstreamOptions],
     ) -> None:
-        self.name = name
-        self.upstream_model = upstream_model or name
-        self.api_key = api_key
+        super().__init__(name, base_urls, **options)
         self.anthropic_version = anthropic_version
         self.auto_breakpoints = auto_breakpoints
         self.min_tokens_overrides = dict(min_tokens_overrides or {})
         self.counter = counter
-        urls = [url.rstrip("/") for url in base_urls]
-        self.upstream = Upstream(
-            ring=ring or AffinityRing(urls),
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            policy=RetryPolicy(retries=retries),
-            secrets=(api_key,) if api_key else (),
-        )
-        self._own_client = client
-        self._client: httpx.AsyncClient | None = client
-        self._sleep = sleep
-
-    async def start(self) -> None:
-        """Take a reference to the shared HTTP client."""
-        if self._client is None:
-            self._client = SharedClient.acquire()
-
-    async def close(self) -> None:
-        """Give the shared client back."""
-        if self._own_client is None and self._client is not None:
-            self._client = None
-            await SharedClient.release()
-
-    def replicas(self) -> dict[str, dict[str, object]]:
-        """Replica health and load for ``/admin/stats`` (URLs without credentials or query strings)."""
-        return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest, stream: bool) -> tuple[dict[str, Any], BreakpointPlan | None]:
@@ -213,38 +166,19 @@ class AnthropicUpstreamBackend:
             body["metadata"] = {"user_id": request.user}
         return body
 
-    def _build_request(
-        self, client: httpx.AsyncClient, request: ChatRequest, body: dict[str, Any]
-    ) -> Callable[[str], httpx.Request]:
-        headers = {
-            "content-type": "application/json",
-            "anthropic-version": self.anthropic_version,
-        }
+    def _headers(self, request: ChatRequest) -> dict[str, str]:
+        headers = {"content-type": "application/json", "anthropic-version": self.anthropic_version}
         if self.api_key:
             headers["x-api-key"] = self.api_key
-        forwarded = getattr(request, "forward_headers", None) or {}
         for name in FORWARDED_HEADERS:
-            if forwarded.get(name):
-                headers[name] = forwarded[name]
-        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-        def build(base_url: str) -> httpx.Request:
-            return client.build_request("POST", f"{base_url}/v1/messages", headers=headers, content=content)
-
-        return build
+            if request.forward_headers.get(name):
+                headers[name] = request.forward_headers[name]
+        return headers
 
     async def _open(self, request: ChatRequest, stream: bool) -> OpenedResponse:
-        if self._client is None:
-            await self.start()
-        assert self._client is not None
         body, _ = self.build_body(request, stream)
-        key = request.prefix_key or request.request_id
-        return await open_response(
-            self._client,
-            self.upstream,
-            key,
-            self._build_request(self._client, request, body),
-            sleep=self._sleep,
+        return await self.post(
+            request.prefix_key or request.request_id, "/v1/messages", self._headers(request), body
         )
 
     # ---- the backend stream ------------------------------------------------------------------------------------
@@ -298,14 +232,8 @@ class AnthropicUpstreamBackend:
         """The upstream's Message JSON for a non-streamed request."""
         opened = await self._open(request, stream=False)
         try:
-            raw = await opened.read()
-            try:
-                message = json.loads(raw)
-            except ValueError:
-                raise opened.cut(
-                    "the upstream answered something that is not JSON", kind="protocol"
-                ) from None
-            if not isinstance(message, dict) or message.get("type") != "message":
+            message = opened.json_object(await opened.read(), "an answer")
+            if message.get("type") != "message":
                 raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
             return message
         finally:
@@ -375,13 +303,8 @@ def _set_or_drop(body: dict[str, Any], key: str, value: Any) -> None:
 async def _anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, Any]]:
     """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error`` event,
     bad JSON, or an end before ``message_stop``."""
-    async for event in iter_sse(opened.lines()):
-        try:
-            data = json.loads(event.data)
-        except ValueError:
-            raise opened.cut("the upstream sent an event that is not JSON", kind="protocol") from None
-        if not isinstance(data, dict):
-            raise opened.cut("the upstream sent an event that is not a JSON object", kind="protocol")
+    async for event in opened.events():
+        data = opened.json_object(event.data, "an event")
         if event.event == "error" or data.get("type") == "error":
             error = data.get("error") if isinstance(data.get("error"), dict) else {"type": "api_error"}
             raise opened.cut(
@@ -397,10 +320,8 @@ async def _anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, A
 def create_anthropic_backend(model: ModelConfig) -> AnthropicUpstreamBackend:
     """The backend of a ``backend: anthropic`` model entry."""
     return AnthropicUpstreamBackend(
-        name=model.name,
-        base_urls=model.base_url,
-        api_key=model.api_key,
-        upstream_model=model.upstream_model,
-        timeout_s=model.timeout_s,
-        retries=model.retries,
+        **upstream_settings(model),
+        anthropic_version=model.anthropic_version,
+        auto_breakpoints=model.auto_breakpoints,
+        min_tokens_overrides=dict(model.min_cacheable_tokens),
     )

@@ -22,95 +22,46 @@ Failures: retries before the first byte (``gateway.upstream_http``); after it, a
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Unpack
 
-import httpx
-
-from gateway.affinity import AffinityRing
 from gateway.anthropic_face import plain_messages, plain_tools
 from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
 from gateway.backends.registry import register_backend
+from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.breakpoints import default_counter
 from gateway.config import ModelConfig
 from gateway.request import ChatRequest
-from gateway.upstream_http import (
-    OpenedResponse,
-    RetryPolicy,
-    SharedClient,
-    Upstream,
-    iter_sse,
-    open_response,
-    redact_url,
-)
+from gateway.upstream_http import OpenedResponse, redact_url
 
 PROMPT_CACHE_KEY_MAX = 64  # characters OpenAI accepts in prompt_cache_key
 
 
-class OpenAIUpstreamBackend:
+class OpenAIUpstreamBackend(UpstreamBackend):
     """A ``Backend`` forwarding to an OpenAI-compatible server.
 
     Args:
         name: the client-facing model name.
         base_urls: one base URL per replica, ending in the API root (``https://api.openai.com/v1``,
             ``http://vllm:8000/v1``).
-        api_key: sent as ``Authorization: Bearer``; None sends none. Never logged or put in errors.
-        upstream_model: the server's model name (default ``name``).
-        timeout_s: connect and read timeout per attempt (read = most seconds between two bytes).
-        retries: extra attempts before the first byte.
         set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
-        client: an ``httpx.AsyncClient`` to use instead of the process's shared one (tests).
-        ring: replica choice (default: a ring over ``base_urls``).
-        sleep: the backoff sleep (tests).
+        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
+            ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
     """
 
     def __init__(
         self,
         name: str,
         base_urls: Sequence[str],
-        api_key: str | None = None,
-        upstream_model: str | None = None,
-        timeout_s: float = 60.0,
-        retries: int = 2,
         *,
         set_prompt_cache_key: bool = True,
-        client: httpx.AsyncClient | None = None,
-        ring: AffinityRing | None = None,
-        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        **options: Unpack[UpstreamOptions],
     ) -> None:
-        self.name = name
-        self.upstream_model = upstream_model or name
-        self.api_key = api_key
+        super().__init__(name, base_urls, **options)
         self.set_prompt_cache_key = set_prompt_cache_key
-        urls = [url.rstrip("/") for url in base_urls]
-        self.upstream = Upstream(
-            ring=ring or AffinityRing(urls),
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            policy=RetryPolicy(retries=retries),
-            secrets=(api_key,) if api_key else (),
-        )
-        self._own_client = client
-        self._client: httpx.AsyncClient | None = client
-        self._sleep = sleep
-
-    async def start(self) -> None:
-        """Take a reference to the shared HTTP client."""
-        if self._client is None:
-            self._client = SharedClient.acquire()
-
-    async def close(self) -> None:
-        """Give the shared client back (closing responses in flight is up to their streams)."""
-        if self._own_client is None and self._client is not None:
-            self._client = None
-            await SharedClient.release()
-
-    def replicas(self) -> dict[str, dict[str, object]]:
-        """Replica health and load for ``/admin/stats`` (URLs without credentials or query strings)."""
-        return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -155,18 +106,11 @@ class OpenAIUpstreamBackend:
             body["user"] = request.user
         return body
 
-    def _build_request(
-        self, client: httpx.AsyncClient, body: dict[str, Any], path: str
-    ) -> Callable[[str], httpx.Request]:
+    def _headers(self) -> dict[str, str]:
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
-        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-        def build(base_url: str) -> httpx.Request:
-            return client.build_request("POST", f"{base_url}{path}", headers=headers, content=content)
-
-        return build
+        return headers
 
     # ---- response -----------------------------------------------------------------------------------------
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
@@ -177,16 +121,10 @@ class OpenAIUpstreamBackend:
             UpstreamStreamCut: the stream broke after the first byte.
             UnsupportedContentError: content the server cannot take (400).
         """
-        if self._client is None:
-            await self.start()
-        assert self._client is not None
         started = time.monotonic()
         body = self.build_body(request)
         path = "/completions" if request.kind == "completion" else "/chat/completions"
-        key = request.prefix_key or request.request_id
-        opened = await open_response(
-            self._client, self.upstream, key, self._build_request(self._client, body, path), sleep=self._sleep
-        )
+        opened = await self.post(request.prefix_key or request.request_id, path, self._headers(), body)
         try:
             if opened.content_type == "application/json":
                 events = _events_from_json(opened, request, started)
@@ -260,16 +198,11 @@ async def _events_from_sse(
     ttft: float | None = None
     done = False
     text_parts: list[str] = []
-    async for event in iter_sse(opened.lines()):
+    async for event in opened.events():
         if event.data.strip() == "[DONE]":
             done = True
             break
-        try:
-            chunk = json.loads(event.data)
-        except ValueError:
-            raise opened.cut("the upstream sent a chunk that is not JSON", kind="protocol") from None
-        if not isinstance(chunk, dict):
-            raise opened.cut("the upstream sent a chunk that is not a JSON object", kind="protocol")
+        chunk = opened.json_object(event.data, "a chunk")
         if chunk.get("error") is not None or chunk.get("object") == "error":
             error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
             raise opened.cut(
@@ -330,11 +263,4 @@ async def _events_from_json(
 @register_backend("openai")
 def create_openai_backend(model: ModelConfig) -> OpenAIUpstreamBackend:
     """The backend of a ``backend: openai`` model entry."""
-    return OpenAIUpstreamBackend(
-        name=model.name,
-        base_urls=model.base_url,
-        api_key=model.api_key,
-        upstream_model=model.upstream_model,
-        timeout_s=model.timeout_s,
-        retries=model.retries,
-    )
+    return OpenAIUpstreamBackend(**upstream_settings(model), set_prompt_cache_key=model.prompt_cache_key)

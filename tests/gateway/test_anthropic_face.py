@@ -16,15 +16,14 @@ from gateway.anthropic_face import (
     UnsupportedContentError,
     anthropic_usage,
     build_message,
-    encode_error_event,
-    error_body,
     message_sse,
     openai_to_anthropic,
     openai_to_anthropic_tool_choice,
     parse_messages_body,
 )
 from gateway.backends.base import BackendUsage, Delta, Finish
-from gateway.errors import APIError, InvalidRequestError, ModelNotFoundError
+from gateway.errors import APIError, InvalidRequestError, anthropic_error_body
+from gateway.pipeline import OpenedStream
 from gateway.sse import parse_sse
 from gateway.upstream_http import UpstreamCallError
 from tests.gateway.upstream_helpers import fixture_bytes
@@ -163,6 +162,47 @@ def test_part_blocks_map_every_canonical_part():
     assert prompt.last_block[2] == ("messages", 1, 3) and prompt.last_block[4] == ("messages", 2, 1)
 
 
+def test_empty_text_parts_are_sent_as_no_block_and_hand_their_breakpoint_back():
+    # what the default rules leave after hoisting a system block that held only the date
+    messages = [
+        {"role": "system", "content": [
+            {"type": "text", "text": "Be brief."},
+            {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        ]},
+        {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": ""}]},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "ok"}]},
+    ]  # fmt: skip
+    prompt = openai_to_anthropic(messages, None)
+    assert prompt.system == [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    assert prompt.messages == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]},
+        ]},
+    ]  # fmt: skip
+    assert prompt.part_blocks[:3] == [
+        [("system", 0), None],
+        [None, ("messages", 0, 0)],
+        [("messages", 1, 0), None],
+    ]
+    assert prompt.last_block[:3] == [("system", 0), ("messages", 0, 0), ("messages", 1, 0)]
+
+
+def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
+    marked = {"type": "ephemeral"}
+    messages = [
+        {"role": "system", "content": [
+            {"type": "text", "text": "A", "cache_control": marked},
+            {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        ]},
+        {"role": "user", "content": "hi"},
+    ]  # fmt: skip
+    assert openai_to_anthropic(messages, None).system == [{"type": "text", "text": "A", "cache_control": marked}]
+    assert openai_to_anthropic([{"role": "system", "content": ""}, *messages[1:]], None).system is None
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -199,7 +239,7 @@ def test_bad_bodies_name_the_field(change, param):
     with pytest.raises(InvalidRequestError) as info:
         parse_messages_body(body)
     assert info.value.param == param and info.value.status_code == 400
-    assert error_body(info.value)["error"]["type"] == "invalid_request_error"
+    assert anthropic_error_body(info.value)["error"]["type"] == "invalid_request_error"
 
 
 def test_non_object_body():
@@ -380,28 +420,10 @@ async def test_build_message_needs_a_finish():
         await build_message(_events([Delta(text="a")]), "m", "r")
 
 
-def test_error_bodies():
-    assert error_body(InvalidRequestError("bad")) == {
-        "type": "error",
-        "error": {"type": "invalid_request_error", "message": "bad"},
-    }
-    assert error_body(ModelNotFoundError("x"))["error"]["type"] == "not_found_error"
-    overloaded = UpstreamCallError(
-        529, "overloaded", "busy", upstream_error={"type": "overloaded_error", "message": "Overloaded"}
-    )
-    assert error_body(overloaded)["error"]["type"] == "overloaded_error"
-    timeout = UpstreamCallError(504, "timeout", "slow")
-    assert error_body(timeout)["error"]["type"] == "timeout_error"
-    assert error_body(UpstreamCallError(503, "no_replica", "none"))["error"]["type"] == "overloaded_error"
-    event = parse_sse(encode_error_event(overloaded))[0]
-    assert event.event == "error" and json.loads(event.data)["error"] == {
-        "type": "overloaded_error",
-        "message": "busy",
-    }
-
-
 class FakeOpened:
-    """The parts of ``gateway.pipeline.OpenedStream`` the face uses."""
+    """The parts of ``gateway.pipeline.OpenedStream`` the face uses (its real ``guarded_events``)."""
+
+    guarded_events = OpenedStream.guarded_events
 
     def __init__(self, request, items):
         self.request = request

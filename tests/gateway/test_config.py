@@ -6,9 +6,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.api import EngineConfig
-from gateway.config import ConfigError, default_config, load_config, parse_config
+from gateway.config import ConfigError, RingConfig, default_config, load_config, parse_config
+
+OPENAI = "models: [{name: a, backend: openai, base_url: http://x,"
+ANTHROPIC = "models: [{name: a, backend: anthropic, base_url: http://x,"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -85,6 +89,38 @@ def test_upstream_model_fields(tmp_path, monkeypatch):
     assert (model.prices.input, model.prices.cached_input) == (0.15, 0.075)
 
 
+def test_upstream_tuning_fields(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        models:
+          - name: gpt
+            backend: openai
+            base_url: https://a.example/v1
+            prompt_cache_key: false
+            ring: {load_factor: 1.5, vnodes: 40, cooldown_s: 2, max_cooldown_s: 30}
+          - name: claude
+            backend: anthropic
+            base_url: https://api.anthropic.test
+            anthropic_version: "2024-01-01"
+            auto_breakpoints: false
+            min_cacheable_tokens: {claude-sonnet: 512, claude-sonnet-4-5: 3000}
+        """,
+    )
+    gpt, claude = load_config(path).models
+    assert gpt.prompt_cache_key is False
+    assert (gpt.ring.load_factor, gpt.ring.vnodes, gpt.ring.cooldown_s, gpt.ring.max_cooldown_s) == (1.5, 40, 2.0, 30.0)
+    assert (claude.anthropic_version, claude.auto_breakpoints) == ("2024-01-01", False)
+    assert claude.min_cacheable_tokens == (("claude-sonnet", 512), ("claude-sonnet-4-5", 3000))
+    assert claude.ring == RingConfig() and claude.prompt_cache_key is True  # defaults
+    hash(claude)  # a model entry stays hashable (frozen, tuples only)
+
+
+def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
+    config = parse_config({"models": [{"name": "g", "backend": "openai", "base_url": "http://x", "ring": {"cooldown_s": 90}}]})
+    assert (config.models[0].ring.cooldown_s, config.models[0].ring.max_cooldown_s) == (90.0, 90.0)
+
+
 @pytest.mark.parametrize(
     ("text", "key", "expected"),
     [
@@ -110,6 +146,23 @@ def test_upstream_model_fields(tmp_path, monkeypatch):
         ("models: [{name: a, backend: openai, base_url: http://x, engine: {}}]\n", "models[0].engine", "not a setting"),
         ("models: [{name: a, backend: openai, base_url: http://x, prices: {input: -1}}]\n", "models[0].prices.input", ">= 0"),
         ("admin: {token: env:PREFIXGATE_TEST_UNSET_VARIABLE}\n", "admin.token", "PREFIXGATE_TEST_UNSET_VARIABLE"),
+        (f"{OPENAI} prompt_cache_key: 'yes'}}]\n", "models[0].prompt_cache_key", "expected a boolean"),
+        (f"{OPENAI} auto_breakpoints: true}}]\n", "models[0].auto_breakpoints", "not a setting of backend 'openai'"),
+        (f"{ANTHROPIC} prompt_cache_key: true}}]\n", "models[0].prompt_cache_key", "not a setting of backend 'anthropic'"),
+        (f"{ANTHROPIC} auto_breakpoints: 1}}]\n", "models[0].auto_breakpoints", "expected a boolean"),
+        (f"{ANTHROPIC} anthropic_version: 2023}}]\n", "models[0].anthropic_version", "expected a string"),
+        (f"{ANTHROPIC} anthropic_version: ''}}]\n", "models[0].anthropic_version", "API version"),
+        (f"{ANTHROPIC} min_cacheable_tokens: [1]}}]\n", "models[0].min_cacheable_tokens", "mapping of model-name prefix"),
+        (f"{ANTHROPIC} min_cacheable_tokens: {{claude: 0}}}}]\n", "models[0].min_cacheable_tokens.claude", ">= 1"),
+        (f"{ANTHROPIC} min_cacheable_tokens: {{claude: many}}}}]\n", "models[0].min_cacheable_tokens.claude", "an integer"),
+        (f"{ANTHROPIC} min_cacheable_tokens: {{1: 5}}}}]\n", "models[0].min_cacheable_tokens", "non-empty model-name prefixes"),
+        (f"{OPENAI} ring: [1]}}]\n", "models[0].ring", "expected a mapping"),
+        (f"{OPENAI} ring: {{vnode: 3}}}}]\n", "models[0].ring.vnode", "unknown key"),
+        (f"{OPENAI} ring: {{load_factor: 1}}}}]\n", "models[0].ring.load_factor", "> 1"),
+        (f"{OPENAI} ring: {{vnodes: 0}}}}]\n", "models[0].ring.vnodes", ">= 1"),
+        (f"{OPENAI} ring: {{cooldown_s: 0}}}}]\n", "models[0].ring.cooldown_s", "positive"),
+        (f"{OPENAI} ring: {{cooldown_s: 10, max_cooldown_s: 5}}}}]\n", "models[0].ring.max_cooldown_s", ">= cooldown_s"),
+        ("models: [{name: a, ring: {}}]\n", "models[0].ring", "not a setting of backend 'embedded'"),
     ],
 )
 def test_bad_config_names_file_key_and_expectation(tmp_path, monkeypatch, text, key, expected):
@@ -150,3 +203,14 @@ def test_empty_document_is_the_default(tmp_path):
 def test_example_config_loads_and_matches_the_default_model():
     example = load_config(Path(__file__).resolve().parents[2] / "examples" / "config.yaml")
     assert example.models == default_config().models and example.rules == ("default",)
+
+
+def test_readme_config_examples_load(monkeypatch):
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "t")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-readme")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:]]
+    configs = [parse_config(yaml.safe_load(b)) for b in blocks if b.lstrip().startswith(("server:", "models:"))]
+    assert len(configs) >= 2
+    remote = next(m for c in configs for m in c.models if m.backend == "anthropic")
+    assert remote.min_cacheable_tokens == (("claude-sonnet-4-5", 1024),) and remote.ring.vnodes == 160

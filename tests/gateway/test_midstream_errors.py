@@ -105,3 +105,21 @@ def test_errors_before_any_output_are_http_errors(scripted):
     assert backends["early"].streams_closed == 2 and backends["fails"].streams_closed == 1
     assert server.stats()["errors"] == {"502": 3}
 
+
+
+def test_anthropic_face_error_after_the_stream_started_is_an_error_event(scripted):
+    server, backends = scripted
+    body = {"model": "fails", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    events = parse_sse(httpx.post(f"{server.base_url}/v1/messages", json=body, timeout=30).content)
+    assert [e.event for e in events] == [
+        "message_start", "content_block_start", "ping", "content_block_delta", "error",
+    ]  # fmt: skip
+    assert json.loads(events[-1].data) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "upstream went away"},
+    }
+    crash = parse_sse(httpx.post(f"{server.base_url}/v1/messages", json={**body, "model": "crashes"}).content)
+    error = json.loads(crash[-1].data)["error"]
+    assert crash[-1].event == "error" and error["type"] == "api_error" and "RuntimeError" in error["message"]
+    assert server.stats()["errors"] == {"500": 1, "502": 1}
+    assert backends["fails"].streams_closed == 1 and backends["crashes"].streams_closed == 1

@@ -21,7 +21,8 @@ from gateway.openai_face import (
     usage_chunk,
 )
 from gateway.request import ChatRequest
-from tests.gateway.test_sse import FIXTURES
+from gateway.sse import parse_sse
+from tests.gateway.upstream_helpers import fixture_bytes
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -171,8 +172,13 @@ def test_chat_completion_body_shape():
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
 
+def recorded_chunks(name: str) -> list[dict]:
+    """The JSON chunks of a recorded OpenAI stream (without ``[DONE]``)."""
+    return [e.json() for e in parse_sse(fixture_bytes("openai", name)) if e.data != "[DONE]"]
+
+
 def test_tool_call_fragments_merge_like_the_sdk():
-    events = [json.loads(line[6:]) for line in (FIXTURES / "f82268f2fefd.sse").read_text().splitlines() if line.startswith("data: {")]
+    events = recorded_chunks("f82268f2fefd.sse")
     calls: dict = {}
     for chunk in events:
         for choice in chunk["choices"]:
@@ -186,7 +192,7 @@ def test_tool_call_fragments_merge_like_the_sdk():
 
 
 def test_chunks_have_the_recorded_streams_key_layout():
-    recorded = [json.loads(line[6:]) for line in (FIXTURES / "2018feb66ae1.sse").read_text().splitlines() if line.startswith("data: {")]
+    recorded = recorded_chunks("2018feb66ae1.sse")
     ours = chat_chunk(meta(), {"content": "x"})
     assert list(ours) == list(recorded[1])
     assert list(ours["choices"][0]) == list(recorded[1]["choices"][0])

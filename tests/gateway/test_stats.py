@@ -1,25 +1,17 @@
-"""Stats aggregation, Prometheus rendering, request log lines and error shapes (no server)."""
+"""Stats aggregation, Prometheus rendering and request log lines (no server)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.api import EngineStats, Histogram
-from engine.errors import EngineClosedError, PromptTooLongError
-from engine.errors import InvalidRequestError as EngineInvalidRequestError
+from gateway.app import create_app
 from gateway.backends.base import BackendUsage
-from gateway.errors import (
-    AuthenticationError,
-    ModelNotFoundError,
-    PayloadTooLargeError,
-    anthropic_error_body,
-    error_shape_for,
-    from_engine_error,
-    openai_error_body,
-)
+from gateway.config import parse_config
 from gateway.metrics import build_registry, render
 from gateway.pricing import Prices
 from gateway.request_log import RequestRecord, format_record, log_request
@@ -128,26 +120,32 @@ def test_request_log_line_has_counts_and_never_text(caplog):
     assert 'model="we\\"ird name"' in caplog.records[-1].getMessage()
 
 
-def test_engine_errors_map_to_api_errors():
-    too_long = from_engine_error(PromptTooLongError(9000, 8192))
-    assert (too_long.status_code, too_long.code, too_long.param) == (400, "context_length_exceeded", "messages")
-    bad = from_engine_error(EngineInvalidRequestError("max_tokens must be >= 1", param="max_tokens"))
-    assert (bad.status_code, bad.param) == (400, "max_tokens")
-    assert from_engine_error(EngineClosedError("closed")).status_code == 503
-
-
-def test_error_shapes_by_path():
-    error = ModelNotFoundError("nope")
-    assert error_shape_for("/v1/chat/completions") is openai_error_body
-    assert openai_error_body(error) == {
-        "error": {
-            "message": "The model `nope` does not exist or you do not have access to it.",
-            "type": "invalid_request_error",
-            "param": "model",
-            "code": "model_not_found",
+def test_upstream_models_report_replicas_without_credentials(monkeypatch):
+    key = "sk-stats-test-key-0123456789abcdef"
+    monkeypatch.setenv("PG_STATS_KEY", key)
+    config = parse_config(
+        {
+            "rules": [],
+            "models": [
+                {"name": "local", "backend": "embedded"},
+                {"name": "gpt", "backend": "openai", "api_key": "env:PG_STATS_KEY",
+                 "base_url": ["https://user:pa55word@a.example/v1?api_key=" + key, "https://b.example/v1"]},
+                {"name": "claude", "backend": "anthropic", "api_key": "env:PG_STATS_KEY",
+                 "base_url": "https://api.anthropic.test"},
+            ],
         }
+    )  # fmt: skip
+    gateway = create_app(config).state.gateway
+    lease = gateway.registry.get("gpt").upstream.ring.acquire("some prefix key")
+    doc = gateway.stats_snapshot()
+    replicas = doc["models"]["gpt"]["replicas"]
+    assert set(replicas) == {"https://a.example/v1", "https://b.example/v1"}
+    assert sorted(r["inflight"] for r in replicas.values()) == [0, 1]
+    assert all((r["state"], r["failures"]) == ("up", 0) for r in replicas.values())
+    assert doc["models"]["claude"]["replicas"] == {
+        "https://api.anthropic.test": {"state": "up", "inflight": 0, "failures": 0}
     }
-    assert error_shape_for("/v1/messages") is anthropic_error_body
-    assert anthropic_error_body(error)["error"]["type"] == "not_found_error"
-    assert anthropic_error_body(PayloadTooLargeError("big"))["error"]["type"] == "request_too_large"
-    assert anthropic_error_body(AuthenticationError("no"))["error"]["type"] == "authentication_error"
+    assert "replicas" not in doc["models"]["local"]  # the embedded engine has none
+    lease.release()
+    text = json.dumps(doc) + render(gateway.metrics).decode()
+    assert key not in text and "pa55word" not in text and "user:" not in text

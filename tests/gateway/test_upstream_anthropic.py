@@ -13,9 +13,11 @@ from gateway.anthropic_face import NativeDelta, parse_messages_body
 from gateway.backends.anthropic_upstream import AnthropicUpstreamBackend, create_anthropic_backend
 from gateway.backends.base import Delta, Finish
 from gateway.breakpoints import TokenCounter
-from gateway.config import ModelConfig
+from gateway.canonical import Canonicalizer
+from gateway.config import ModelConfig, RingConfig
 from gateway.errors import APIError
-from gateway.upstream_http import UpstreamCallError, UpstreamStreamCut, iter_sse
+from gateway.sse import parse_sse
+from gateway.upstream_http import UpstreamCallError, UpstreamStreamCut
 from rules import load_ruleset
 from tests.gateway.upstream_helpers import (
     API_KEY,
@@ -46,12 +48,8 @@ def backend(http, retries=2, sleeps=None, **kwargs) -> AnthropicUpstreamBackend:
     )  # fmt: skip
 
 
-async def recorded_events(name: str) -> list[dict]:
-    async def lines():
-        for line in fixture_bytes("anthropic", name).decode().splitlines():
-            yield line
-
-    return [json.loads(e.data) async for e in iter_sse(lines())]
+def recorded_events(name: str) -> list[dict]:
+    return [e.json() for e in parse_sse(fixture_bytes("anthropic", name))]
 
 
 def anthropic_request(body: dict, rules: bool = True, stream: bool = True):
@@ -92,7 +90,7 @@ async def test_native_stream_relays_every_recorded_event(http):
     )
     native = [e for e in events if isinstance(e, NativeDelta)]
     relayed = [raw for e in native for raw in e.events]
-    assert relayed == await recorded_events("tool_use_response.txt")
+    assert relayed == recorded_events("tool_use_response.txt")
     assert "".join(e.text for e in native) == "I'll check the current weather in Paris for you."
     finish = events[-1]
     assert isinstance(finish, Finish) and finish.extra["native"] is True
@@ -111,7 +109,7 @@ async def test_native_stream_keeps_thinking_and_refusal_details(http):
         backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "hi"}]}))
     )
     relayed = [raw for e in events if isinstance(e, NativeDelta) for raw in e.events]
-    assert relayed == await recorded_events("stream-a-refusal.sse")
+    assert relayed == recorded_events("stream-a-refusal.sse")
     assert events[-1].finish_reason == "content_filter" and events[-1].usage.completion_tokens == 106
 
 
@@ -345,3 +343,84 @@ def test_factory_reads_the_model_entry():
     be = create_anthropic_backend(model)
     assert be.upstream_model == "claude-haiku-4-5" and be.upstream.policy.retries == 1
     assert be.upstream.ring.replicas == (BASE,)
+
+
+@respx.mock
+async def test_factory_passes_version_breakpoint_settings_and_ring():
+    route = respx.post(URL).mock(return_value=sse_response(CACHE_STREAM))
+    system = " ".join(f"rule{i}" for i in range(60))  # far below the built-in 4096-token minimum of haiku 4.5
+    body = {"system": system, "messages": [{"role": "user", "content": "q"}]}
+
+    async def sent_with(**settings) -> tuple[httpx.Request, dict]:
+        model = ModelConfig(name="claude", backend="anthropic", base_url=(BASE,), api_key=API_KEY,
+                            upstream_model="claude-haiku-4-5", **settings)  # fmt: skip
+        be = create_anthropic_backend(model)
+        try:
+            await drain(be.stream(anthropic_request(body)))
+        finally:
+            await be.close()
+        return route.calls.last.request, json.loads(route.calls.last.request.content)
+
+    request, sent = await sent_with(anthropic_version="2024-01-01", min_cacheable_tokens=(("claude-haiku", 5),))
+    assert request.headers["anthropic-version"] == "2024-01-01"
+    assert sent["system"] == [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+    _, sent = await sent_with(min_cacheable_tokens=(("claude-haiku", 5),), auto_breakpoints=False)
+    assert sent["system"] == system  # no automatic breakpoint
+    _, sent = await sent_with()
+    assert sent["system"] == system  # the built-in minimum: too short to cache
+    be = create_anthropic_backend(
+        ModelConfig(name="c", backend="anthropic", base_url=(BASE,), ring=RingConfig(load_factor=2.0, vnodes=3))
+    )
+    assert (be.upstream.ring.load_factor, be.upstream.ring.vnodes) == (2.0, 3)
+
+
+@respx.mock
+@pytest.mark.parametrize("shape", ["string", "one block", "own block"])
+async def test_native_passthrough_sends_the_canonical_prompt_with_the_date_hoisted(http, shape):
+    """The default rules move ``Current date:`` out of the system prompt for Anthropic-face requests forwarded
+    natively, so two days send the same system prompt (the provider's cache hits on it)."""
+    route = respx.post(URL).mock(return_value=sse_response(CACHE_STREAM))
+    canonicalizer = Canonicalizer(["default"])
+
+    def system_of(date: str):
+        if shape == "string":
+            return f"{LONG_SYSTEM}\nCurrent date: {date}"
+        if shape == "one block":
+            return [{"type": "text", "text": f"{LONG_SYSTEM}\nCurrent date: {date}"}]
+        return [{"type": "text", "text": LONG_SYSTEM},
+                {"type": "text", "text": f"Current date: {date}", "cache_control": {"type": "ephemeral"}}]  # fmt: skip
+
+    sent = []
+    for date in ("2025-05-14", "2025-05-15"):
+        body = {"model": "claude", "max_tokens": 64, "stream": True, "system": system_of(date),
+                "messages": [{"role": "user", "content": "What day is it?"}]}  # fmt: skip
+        request = parse_messages_body(body)
+        canonicalizer.apply(request)
+        assert Canonicalizer.applied(request) == {"dates.current-datetime-line": 1}
+        await drain(backend(http).stream(request))
+        sent.append(json.loads(route.calls.last.request.content))
+    assert sent[0]["system"] == sent[1]["system"]
+    # the system prompt is long enough for an automatic breakpoint, so even a string is sent as a block
+    assert "".join(b["text"] for b in sent[0]["system"]).strip() == LONG_SYSTEM
+    assert sent[0]["system"][-1]["cache_control"] == {"type": "ephemeral"} and sent[0]["system"][-1]["text"]
+    for day, body in zip(("14", "15"), sent, strict=True):
+        assert f"Current date: 2025-05-{day}" in json.dumps(body["messages"][-1])
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("answer", "stream", "message"),
+    [
+        (sse_response(b"event: message_start\ndata: {not json\n\n"), True, "sent an event that is not JSON"),
+        (sse_response(b"event: message_start\ndata: [1, 2]\n\n"), True, "an event that is not a JSON object"),
+        (httpx.Response(200, content=b"<html>"), False, "sent an answer that is not JSON"),
+        (httpx.Response(200, json=["message"]), False, "an answer that is not a JSON object"),
+        (httpx.Response(200, json={"type": "completion"}), False, "JSON that is not a Message"),
+    ],
+)
+async def test_unreadable_answers_are_protocol_cuts(http, answer, stream, message):
+    respx.post(URL).mock(return_value=answer)
+    request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=stream)
+    with pytest.raises(UpstreamStreamCut, match=message) as info:
+        await drain(backend(http).stream(request))
+    assert info.value.kind == "protocol" and info.value.status_code == 502

@@ -144,6 +144,17 @@ def test_anthropic_sdk_over_an_anthropic_upstream(upstreams, ant):
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens > 0
 
 
+def test_anthropic_beta_header_reaches_only_the_anthropic_upstream(upstreams, ant):
+    _, states = upstreams
+    messages = [{"role": "user", "content": "beta?"}]
+    ant.messages.create(model="an", max_tokens=5, messages=messages, extra_headers={"anthropic-beta": "beta-x"})
+    assert states["anthropic"].headers[-1]["anthropic-beta"] == "beta-x"
+    ant.messages.create(model="an", max_tokens=5, messages=messages)
+    assert "anthropic-beta" not in states["anthropic"].headers[-1]
+    ant.messages.create(model="oa", max_tokens=5, messages=messages, extra_headers={"anthropic-beta": "beta-x"})
+    assert "anthropic-beta" not in states["openai"].headers[-1]
+
+
 def test_anthropic_sdk_gets_thinking_blocks_through(upstreams, ant):
     with ant.messages.stream(model="an", max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
                              messages=[{"role": "user", "content": "What is a solar eclipse?"}]) as stream:  # fmt: skip
@@ -263,6 +274,8 @@ def test_stats_count_upstream_cache_and_savings_without_keys(upstreams, ant, oai
     for name in ("oa", "an"):
         model = stats["models"][name]
         assert model["cached_tokens"] > 0 and model["cost_saved_usd"] != 0.0
+        base_urls = gateway.app.state.gateway.config.model(name).base_url
+        assert list(model["replicas"]) == list(base_urls) and model["replicas"][base_urls[0]]["inflight"] == 0
     assert stats["models"]["an"]["cache_creation_tokens"] > 0
     text = response.text + json.dumps([r.getMessage() for r in caplog.records])
     assert OPENAI_KEY not in text and ANTHROPIC_KEY not in text

@@ -1,37 +1,18 @@
-"""Shared upstream plumbing: redaction, backoff, Retry-After, SSE line splitting and parsing (gateway.upstream_http)."""
+"""Shared upstream plumbing (gateway.upstream_http): redaction, backoff, Retry-After. SSE: test_sse.py."""
 
 from __future__ import annotations
 
 import email.utils
-import json
-from pathlib import Path
 
 import pytest
 
 from gateway.upstream_http import (
     REDACTED,
-    LineSplitter,
     RetryPolicy,
-    iter_sse,
     parse_retry_after,
     redact,
     redact_url,
 )
-
-FIXTURES = Path(__file__).parent / "fixtures" / "protocol"
-
-
-async def _lines(chunks: list[bytes]):
-    splitter = LineSplitter()
-    for chunk in chunks:
-        for line in splitter.feed(chunk):
-            yield line
-    for line in splitter.flush():
-        yield line
-
-
-async def parse(chunks: list[bytes]):
-    return [event async for event in iter_sse(_lines(chunks))]
 
 
 def test_redact_removes_known_secrets_and_key_shapes():
@@ -79,43 +60,3 @@ def test_parse_retry_after_seconds_and_http_date():
     assert parse_retry_after(email.utils.formatdate(now - 20, usegmt=True), now=now) == 0.0
     assert parse_retry_after("soon") is None
     assert parse_retry_after(None) is None
-
-
-def test_line_splitter_handles_every_line_end_and_split_characters():
-    splitter = LineSplitter()
-    lines = splitter.feed(b"a\r")  # CR at a chunk end may be the first half of CRLF
-    lines += splitter.feed(b"\nb\rc\nd\xc3")  # ... it was; then CR alone, LF; a split UTF-8 character
-    lines += splitter.feed(b"\xa9\n")
-    lines += splitter.feed("e\u2028f".encode())  # U+2028 is not an SSE line end
-    lines += splitter.flush()
-    assert lines == ["a", "b", "c", "d\u00e9", "e\u2028f"]
-
-
-async def test_sse_parses_comments_multiline_data_ids_and_unterminated_tail():
-    events = await parse(
-        [b": keep-alive\n\nevent: ping\ndata: {}\n\ndata: a\ndata:b\nid: 7\n\n", b"data: tail"]
-    )
-    assert [(e.event, e.data, e.id) for e in events] == [
-        ("ping", "{}", None),
-        ("message", "a\nb", "7"),
-        ("message", "tail", "7"),
-    ]
-
-
-@pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "openai").glob("*.sse")))
-async def test_recorded_openai_streams_parse_chunk_by_chunk(name):
-    raw = (FIXTURES / "openai" / name).read_bytes()
-    whole = await parse([raw])
-    by_byte = await parse([raw[i : i + 7] for i in range(0, len(raw), 7)])
-    assert [e.data for e in whole] == [e.data for e in by_byte]
-    assert whole[-1].data == "[DONE]"
-    chunks = [json.loads(e.data) for e in whole[:-1]]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
-
-
-@pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "anthropic").iterdir()))
-async def test_recorded_anthropic_streams_parse(name):
-    events = await parse([(FIXTURES / "anthropic" / name).read_bytes()])
-    types = [json.loads(e.data)["type"] for e in events]
-    assert [e.event for e in events] == types  # the event name repeats the data's type
-    assert types[0] == "message_start" and types[-1] == "message_stop"

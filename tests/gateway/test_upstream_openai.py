@@ -12,7 +12,7 @@ from engine.api import SamplingParams
 from gateway.anthropic_face import UnsupportedContentError, parse_messages_body
 from gateway.backends.base import Delta, Finish
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend, create_openai_backend
-from gateway.config import ModelConfig
+from gateway.config import ModelConfig, RingConfig
 from gateway.openai_face import merge_tool_call_deltas
 from gateway.upstream_http import UpstreamCallError, UpstreamStreamCut
 from tests.gateway.upstream_helpers import (
@@ -233,6 +233,25 @@ async def test_retries_exhausted_give_a_typed_error(http):
 
 
 @respx.mock
+@pytest.mark.parametrize(
+    ("failure", "expected", "retried"),
+    [
+        (httpx.ConnectTimeout("connect timed out"), (504, "timeout"), True),
+        (httpx.ConnectError(f"refused while sending {API_KEY}"), (502, "connection"), True),
+        (httpx.RemoteProtocolError("peer closed"), (502, "connection"), True),
+        (httpx.UnsupportedProtocol("no such scheme"), (502, "protocol"), False),
+        (httpx.LocalProtocolError("bad header"), (502, "protocol"), False),
+    ],
+)
+async def test_transport_failures_are_typed_and_redacted(http, failure, expected, retried):
+    route = respx.post(URL).mock(side_effect=failure)
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http, retries=1).stream(chat_request(MESSAGES)))
+    assert (info.value.status_code, info.value.kind) == expected
+    assert route.call_count == (2 if retried else 1) and API_KEY not in info.value.message
+
+
+@respx.mock
 async def test_4xx_is_not_retried_and_passes_through_with_the_key_redacted(http):
     upstream_error = {
         "error": {
@@ -382,3 +401,30 @@ def test_factory_reads_the_model_entry():
     assert be.upstream_model == "gpt-4o-mini" and be.upstream.policy.retries == 4
     assert be.upstream.timeout.read == 12.0 and set(be.upstream.ring.replicas) == {BASE, BASE_B}
     assert API_KEY not in json.dumps(be.replicas())
+
+
+@respx.mock
+async def test_factory_passes_prompt_cache_key_and_ring_settings():
+    route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
+    model = ModelConfig(name="gpt", backend="openai", base_url=(BASE,), prompt_cache_key=False,
+                        ring=RingConfig(load_factor=1.5, vnodes=7, cooldown_s=2.0, max_cooldown_s=9.0))  # fmt: skip
+    be = create_openai_backend(model)
+    ring = be.upstream.ring
+    assert (ring.load_factor, ring.vnodes, ring.cooldown_s, ring.max_cooldown_s) == (1.5, 7, 2.0, 9.0)
+    try:
+        await drain(be.stream(chat_request(MESSAGES)))
+    finally:
+        await be.close()
+    assert "prompt_cache_key" not in json.loads(route.calls.last.request.content)
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("stream", "message"),
+    [(b"data: {oops\n\n", "a chunk that is not JSON"), (b'data: "text"\n\n', "a chunk that is not a JSON object")],
+)
+async def test_unreadable_chunks_are_protocol_cuts(http, stream, message):
+    respx.post(URL).mock(return_value=sse_response(stream))
+    with pytest.raises(UpstreamStreamCut, match=message) as info:
+        await drain(backend(http).stream(chat_request(MESSAGES)))
+    assert info.value.kind == "protocol"
