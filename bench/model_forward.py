@@ -1,0 +1,150 @@
+"""One forward of our paged ``LlamaModel`` vs transformers on the same weights (SmolLM2-135M, fp32, CPU).
+
+Measures (best of ``--repeats`` timed calls, seconds): a 1,000-token prefill (logits of the last position only, as both
+engines need), one decode step of 1 sequence and of 8 sequences, each at ``--context`` tokens of context.
+transformers runs ``LlamaForCausalLM`` loaded from the same GGUF with its own KV cache (``logits_to_keep=1``
+on prefill). Run: ``python -m bench.model_forward``. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.checkpoint import default_model_path, load_checkpoint
+from engine.model import allocate_kv_cache
+
+BLOCK = 16
+
+
+CLOCK = time.perf_counter
+
+
+def best_time(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up (seconds): the least disturbed by other processes."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = CLOCK()
+        fn()
+        times.append(CLOCK() - t)
+    return min(times)
+
+
+def ours(ck, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
+    model, cfg = ck.model, ck.config
+    blocks_per_seq = -(-(max(prompt_len, context) + 64) // BLOCK)
+    kv = allocate_kv_cache(cfg, blocks_per_seq * 8, BLOCK, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, cfg.vocab_size, (prompt_len,), generator=g)
+
+    def meta_for(lens_before: list[int], qlens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        slots, pos, qsl, tables = [], [], [0], []
+        for i, (before, q) in enumerate(zip(lens_before, qlens, strict=True)):
+            base = i * blocks_per_seq
+            for p in range(before, before + q):
+                slots.append((base + p // BLOCK) * BLOCK + p % BLOCK)
+                pos.append(p)
+            qsl.append(qsl[-1] + q)
+            tables.append(list(range(base, base + blocks_per_seq)))
+        lens = [b + q for b, q in zip(lens_before, qlens, strict=True)]
+        return AttentionMetadata(torch.tensor(slots), qsl, lens, torch.tensor(tables), BLOCK), torch.tensor(pos)
+
+    pm, ppos = meta_for([0], [prompt_len])
+
+    def prefill():
+        h = model(ids, ppos, kv, pm)
+        model.compute_logits(h[-1:])
+
+    out = {"prefill_s": best_time(prefill, repeats)}
+    for b in (1, 8):
+        dm, dpos = meta_for([context] * b, [1] * b)
+        tok = ids[:b]
+
+        def decode(dm=dm, dpos=dpos, tok=tok):
+            model.compute_logits(model(tok, dpos, kv, dm))
+
+        out[f"decode_b{b}_s"] = best_time(decode, repeats * 3)
+    return out
+
+
+def transformers_times(path: str, vocab: int, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    new_api = "cache" in inspect.signature(hf.forward).parameters
+    key = "cache" if new_api else "past_key_values"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, vocab, (1, prompt_len), generator=g)
+    out = {}
+    with torch.inference_mode():
+        out["prefill_s"] = best_time(lambda: hf(ids, use_cache=True, logits_to_keep=1), repeats)
+        for b in (1, 8):
+            ctx = torch.randint(100, vocab, (b, context), generator=g)
+            res = hf(ctx, use_cache=True, logits_to_keep=1)
+            cache = res[key]
+            tok = ctx[:, -1:]
+
+            def decode(cache=cache, tok=tok, b=b):
+                hf(tok, use_cache=True, **{key: cache})
+                cache.crop(-1)  # drop the token just added: the context stays fixed between repeats
+
+            out[f"decode_b{b}_s"] = best_time(decode, repeats * 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--prompt", type=int, default=1000, help="prefill length in tokens")
+    ap.add_argument("--context", type=int, default=256, help="context length of decode steps in tokens")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one torch thread, timed by this thread's CPU time: immune to other processes on a shared machine",
+    )
+    args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    path = default_model_path() if args.model == "default" else args.model
+    ck = load_checkpoint(path)
+    with torch.inference_mode():
+        mine = ours(ck, args.prompt, args.context, args.repeats)
+    ref = {} if args.no_hf else transformers_times(path, ck.config.vocab_size, args.prompt, args.context, args.repeats)
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"threads={torch.get_num_threads()}  clock={clock}  prompt={args.prompt}  context={args.context}")
+    print(f"{'step':<22}{'ours (s)':>12}{'transformers (s)':>18}{'speedup':>10}")
+    for k in mine:
+        r = ref.get(k)
+        print(f"{k:<22}{mine[k]:>12.4f}{(r if r else float('nan')):>18.4f}{(r / mine[k] if r else float('nan')):>10.2f}")
+    tps = {f"tps_b{b}": b / mine[f"decode_b{b}_s"] for b in (1, 8)}
+    print(f"decode tokens/s: b1 {tps['tps_b1']:.1f}, b8 {tps['tps_b8']:.1f} (x{tps['tps_b8'] / tps['tps_b1']:.2f})")
+    print(
+        json.dumps(
+            {
+                "ours": mine,
+                "transformers": ref,
+                **tps,
+                "prompt": args.prompt,
+                "context": args.context,
+                "threads": torch.get_num_threads(),
+                "clock": "thread" if args.cpu_time else "wall",
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

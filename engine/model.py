@@ -1,0 +1,228 @@
+"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) whose forward pass runs over a paged KV cache.
+
+Same math as Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (RMSNorm, RoPE in the rotate-half
+convention with the checkpoint's base, grouped-query attention, SiLU-gated MLP, optional q/k/v bias, tied
+embeddings), rearranged for serving:
+
+- q/k/v are one matmul and gate/up are one matmul (``engine.linear.DenseWeight.concat``); every linear layer is
+  a pluggable ``engine.linear.LinearWeight``.
+- a step is a flat batch of ``T`` tokens from any mix of prefill chunks and decodes; K/V go to the paged cache
+  and attention reads each sequence's context from its block table (``engine.attention``).
+- ``forward`` returns the final-normed hidden states; the caller turns only the rows it needs into logits
+  with ``compute_logits`` (the last prompt position of a finished prefill, decode rows).
+
+Weights come in as a dict of Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...), the layout
+``engine.gguf_loader`` and ``engine.hf_loader`` both produce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
+from engine.errors import UnsupportedModelError
+from engine.linear import DenseWeight, LinearWeight
+from engine.model_config import ModelConfig
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """The block pool's KV tensor, zero-filled.
+
+    Returns:
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` (index 0 = K, 1 = V);
+        ``num_blocks * block_size * config.kv_bytes_per_token(dtype bytes)`` bytes.
+    """
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` fp32: ``1 / theta ** (2i / head_dim)`` (Su et al. 2021),
+    computed exactly as Hugging Face's default rope init does."""
+    d = config.head_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and signed ``sin`` of shape ``[T, 1, head_dim]`` in ``dtype`` for int64 ``positions`` ``[T]``.
+
+    ``cos = [cos(f), cos(f)]`` and ``sin = [-sin(f), sin(f)]`` with ``f = position * inv_freq`` (computed in
+    fp32 as Hugging Face does), so that ``apply_rope`` needs no negation.
+    """
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021; Hugging Face ``apply_rotary_pos_emb``) of ``x`` ``[T, heads, head_dim]``:
+    ``x * cos + swap_halves(x) * sin`` with ``cos``/``sin`` from ``rope_cos_sin`` (``[T, 1, head_dim]``).
+    ``swap_halves(x) * sin == rotate_half(x) * [sin, sin]``, so this equals HF's ``x*cos + rotate_half(x)*sin``."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``, statistics in fp32 as Hugging
+    Face computes them; one fused ``F.rms_norm`` when ``x`` is fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: ``h += o(attn(norm(h)))``; ``h += down(silu(gate) * up)(norm(h))``."""
+
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        self.config = config
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.input_norm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
+        self.post_norm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
+        self.qkv: LinearWeight = DenseWeight.concat(
+            [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]],
+            [w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias"), w.get(a + "v_proj.bias")],
+        )
+        self.o_proj: LinearWeight = DenseWeight(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+        self.gate_up: LinearWeight = DenseWeight.concat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        self.down: LinearWeight = DenseWeight(w[m + "down_proj.weight"])
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        c = self.config
+        t = h.shape[0]
+        x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        qkv = self.qkv.forward(x).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qk = apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, c.num_heads + c.num_kv_heads :]
+        attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5)
+        h = h + self.o_proj.forward(attn)
+        x = rms_norm(h, self.post_norm, c.rms_norm_eps)
+        gu = self.gate_up.forward(x)
+        g, u = gu.split(c.intermediate_size, dim=-1)
+        return h + self.down.forward(F.silu(g) * u)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family decoder over a paged KV cache.
+
+    Args:
+        config: the model's shape.
+        weights: Hugging Face-named tensors (``model.embed_tokens.weight``, ``model.layers.{i}...``,
+            ``model.norm.weight``, ``lm_head.weight`` unless tied), already in the compute dtype and on the
+            device. Norms and the embedding are used as given; linear weights are stored transposed
+            (``engine.linear.DenseWeight``), so a tied LM head is a transposed copy of the embedding.
+
+    Raises:
+        UnsupportedModelError: a weight is missing or has the wrong shape (names it).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        check_weights(config, weights)
+        self.config = config
+        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
+        head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head: LinearWeight = DenseWeight(head)
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(self.embed_tokens.device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of linear-layer weights one decode step reads (every layer and the LM head; one copy each)."""
+        n = sum(layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
+        return n + self.lm_head.nbytes
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One step over a flat batch of ``T`` tokens.
+
+        Args:
+            input_ids: int64 ``[T]`` token ids, sequences laid out as ``meta.query_start_loc`` says.
+            positions: int64 ``[T]`` position of each token in its sequence.
+            kv_cache: from ``allocate_kv_cache``; this step's K/V are written at ``meta.slot_mapping``.
+            meta: the step's attention metadata.
+
+        Returns:
+            ``[T, hidden_size]`` final-normed hidden states in the model dtype.
+
+        Raises:
+            ValueError: inconsistent metadata (see ``engine.attention.plan_attention``).
+        """
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+        dev = self.device
+        plan = plan_attention(meta, dev, kv_cache.shape[2])
+        positions = positions.to(dev)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        h = F.embedding(input_ids.to(dev), self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], plan)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab_size]`` float32 of hidden rows ``[N, hidden_size]`` (pass only the rows needed)."""
+        return self.lm_head.forward(hidden).float()
+
+
+def check_weights(config: ModelConfig, w: dict[str, torch.Tensor]) -> None:
+    """Raise ``UnsupportedModelError`` naming the first missing or mis-shaped weight."""
+    c = config
+    expect: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        expect["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        expect |= {
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
+            p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
+            p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.attention_bias:
+            expect |= {
+                p + "self_attn.q_proj.bias": (c.q_size,),
+                p + "self_attn.k_proj.bias": (c.kv_size,),
+                p + "self_attn.v_proj.bias": (c.kv_size,),
+            }
+    for name, shape in expect.items():
+        if name not in w:
+            raise UnsupportedModelError(f"checkpoint has no tensor {name!r} (architecture {c.architecture})")
+        if tuple(w[name].shape) != shape:
+            raise UnsupportedModelError(f"tensor {name!r} has shape {tuple(w[name].shape)}, expected {shape}")
