@@ -1,0 +1,205 @@
+"""End-to-end engine benchmark: TTFT cold vs cached, decode throughput at batch 1 and 8, against transformers.
+
+Workload (SmolLM2-135M-Instruct by default, fp32, CPU):
+
+- ``cold_ttft_s``: a chat prompt of a ~1,000-token system prompt plus a ~50-token question on a fresh engine
+  (empty prefix cache): seconds from ``add_request`` to the first generated token.
+- ``cached_ttft_s``: the same system prompt, already cached by an earlier request, with a new ~50-token question.
+- ``hf_cold_ttft_s``: transformers ``LlamaForCausalLM`` (``from_pretrained(folder, gguf_file=...)``, same
+  weights) on the same cold prompt: one forward with its KV cache and ``logits_to_keep=1``, then argmax.
+- ``decode_tps_b1`` / ``decode_tps_b8``: greedy decode tokens per second after the first token, one request, and
+  aggregated over 8 concurrent requests (``EOS`` ignored so every request decodes ``--new`` tokens).
+- ``hf_decode_tps_b1``: transformers greedy decode, one token per forward with its KV cache (a bare loop, no
+  ``generate`` overhead).
+
+Every number is the median of ``--repeats`` runs, ours and transformers interleaved (this machine is shared, so load
+from other processes hits both alike). Targets (issue 3, on a 2-core CPU): cached_ttft_s <= 0.08 x
+cold_ttft_s; cold_ttft_s <= hf_cold_ttft_s; decode_tps_b8 >= 4 x decode_tps_b1; decode_tps_b1 >= hf_decode_tps_b1.
+Run: ``python -m bench.engine``. Prints a table, then one JSON line (last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.api import EngineConfig, SamplingParams
+from engine.checkpoint import default_model_path, load_checkpoint
+from engine.llm_engine import LLMEngine
+
+SYSTEM_SENTENCES = [
+    "You are the customer assistant of Northwind Rail, a regional train operator.",
+    "Answer questions about timetables, tickets, refunds, luggage, bicycles, pets and accessibility.",
+    "Be concise and friendly, quote prices in euros, and never invent a connection that does not exist.",
+    "Trains run from 05:30 to 23:45 on weekdays and from 07:00 to 22:30 on weekends and public holidays.",
+    "A single ticket costs 4.20 euros within a zone and 2.10 euros for each additional zone crossed.",
+    "Day passes cost 11.50 euros, weekly passes 38 euros and monthly passes 129 euros for all zones.",
+    "Children under six travel free; children from six to fourteen pay half fare on every ticket type.",
+    "Refunds for unused tickets are possible within 14 days at any ticket office or through the app.",
+    "Bicycles travel free outside peak hours, which are 07:00 to 09:00 and 16:30 to 18:30 on weekdays.",
+    "Dogs on a leash travel with a child ticket; small pets in a closed carrier travel free of charge.",
+]
+QUESTIONS = [
+    "I am travelling with two children aged five and nine and a folding bicycle from the central station to the "
+    "airport on a Saturday morning. Which tickets do we need, and how much will it cost us in total, please? Thanks a lot.",
+    "My train this morning was cancelled and I bought a taxi ride instead of waiting for the next one. I still "
+    "have the unused day pass I bought yesterday. Can I get a refund for it, and where do I have to go? Thank you.",
+    "We are a group of four adults with a large dog and two suitcases travelling across three zones on a "
+    "weekday at half past five in the evening. What is the cheapest way to do it and are there any limits? Thanks for your help.",
+    "Is there a monthly pass that also covers the night buses, and what happens if I lose my pass halfway "
+    "through the month? Please also tell me whether a student discount exists for people over twenty-five. Thank you very much for your help.",
+]
+
+
+def system_prompt(tokenizer, target_tokens: int) -> str:
+    """Repeat the system sentences until the system message alone renders to about ``target_tokens`` tokens."""
+    text, i = "", 0
+    while len(tokenizer.encode(text)) < target_tokens:
+        text += SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)] + " "
+        i += 1
+    return text.strip()
+
+
+def chat(tokenizer, system: str, question: str) -> list[int]:
+    return tokenizer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+def ttft(eng: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds from submit to the first token of one request on ``eng``, and its cached prompt tokens."""
+    t0 = time.perf_counter()
+    req = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while req.num_output_tokens == 0:
+        eng.step()
+    seconds = time.perf_counter() - t0
+    eng.run_to_completion()
+    return seconds, req.num_cached_tokens or 0
+
+
+def decode_tps(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate greedy decode tokens/s of ``prompts`` run together, counted after every first token."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while any(r.num_output_tokens == 0 for r in reqs):
+        eng.step()
+    counted = sum(r.num_output_tokens for r in reqs)
+    t0 = time.perf_counter()
+    eng.run_to_completion()
+    seconds = time.perf_counter() - t0
+    return (sum(r.num_output_tokens for r in reqs) - counted) / seconds
+
+
+def load_transformers(path: str):
+    """transformers' ``LlamaForCausalLM`` on the same GGUF (dequantized to fp32), and its cache keyword."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return hf, key
+
+
+@torch.inference_mode()
+def hf_ttft(hf, prompt: list[int]) -> float:
+    """Seconds for transformers to produce the first token: one forward (KV cache on, last logits only)."""
+    t0 = time.perf_counter()
+    out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+    int(out.logits[0, -1].argmax())
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def hf_decode_tps(hf, key: str, prompt: list[int], new_tokens: int) -> float:
+    """transformers greedy decode tokens/s at batch 1 after the first token (a bare loop over its KV cache)."""
+    out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+    cache, tok = out[key], out.logits[:, -1:].argmax(-1)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = hf(tok, use_cache=True, **{key: cache})
+        cache, tok = out[key], out.logits[:, -1:].argmax(-1)
+    return (new_tokens - 1) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="a .gguf file, a HF folder, or 'default' (SmolLM2)")
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--new", type=int, default=64, help="tokens decoded per request in the decode runs")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = default_model_path() if args.model == "default" else args.model
+    ck = load_checkpoint(path)
+    tok = ck.tokenizer
+    system = system_prompt(tok, args.system_tokens)
+    config = EngineConfig(num_blocks=512, max_num_batched_tokens=2048)
+
+    def engine() -> LLMEngine:
+        return LLMEngine(ck.model, config, ck.model_id, tok)
+
+    hf, key = (None, None) if args.no_hf else load_transformers(path)
+    cold_prompt = chat(tok, system, QUESTIONS[0])
+    question_tokens = len(cold_prompt) - len(chat(tok, system, ""))
+    decode_prompts = [chat(tok, SYSTEM_SENTENCES[i], QUESTIONS[i % 4]) for i in range(8)]
+    ttft(engine(), chat(tok, system, QUESTIONS[1]))  # warm-up (allocator, thread pool)
+    if hf is not None:
+        hf_ttft(hf, cold_prompt)
+    # ours and transformers interleaved, so load from other processes hits both alike
+    runs: dict[str, list[float]] = {k: [] for k in ("cold", "cached", "hf_cold", "b1", "hf_b1", "b8")}
+    cached_tokens = 0
+    for i in range(args.repeats):
+        eng = engine()  # fresh engine: empty prefix cache
+        runs["cold"].append(ttft(eng, chat(tok, system, QUESTIONS[i % 2]))[0])
+        seconds, cached_tokens = ttft(eng, chat(tok, system, QUESTIONS[2 + i % 2]))
+        runs["cached"].append(seconds)
+        runs["b1"].append(decode_tps(engine(), decode_prompts[:1], args.new))
+        runs["b8"].append(decode_tps(engine(), decode_prompts, args.new))
+        if hf is not None:
+            runs["hf_cold"].append(hf_ttft(hf, chat(tok, system, QUESTIONS[i % 2])))
+            runs["hf_b1"].append(hf_decode_tps(hf, key, decode_prompts[0], args.new))
+    med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
+    hf_cold, hf_b1, b1, b8 = med["hf_cold"], med["hf_b1"], med["b1"], med["b8"]
+    result = {
+        "model": ck.model_id,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": len(cold_prompt),
+        "question_tokens": question_tokens,
+        "cached_tokens": cached_tokens,
+        "cold_ttft_s": med["cold"],
+        "cached_ttft_s": med["cached"],
+        "hf_cold_ttft_s": hf_cold,
+        "decode_tps_b1": b1,
+        "decode_tps_b8": b8,
+        "hf_decode_tps_b1": hf_b1,
+    }
+    result["cached_over_cold"] = result["cached_ttft_s"] / result["cold_ttft_s"]
+    result["b8_over_b1"] = b8 / b1
+    result["targets_met"] = {
+        "cached_ttft_le_0.08_cold": result["cached_over_cold"] <= 0.08,
+        "cold_ttft_le_hf": result["cold_ttft_s"] <= hf_cold,
+        "decode_b8_ge_4x_b1": b8 >= 4 * b1,
+        "decode_b1_ge_hf": b1 >= hf_b1,
+    }
+    print(f"model {ck.model_id}  threads {result['threads']}  prompt {len(cold_prompt)} tokens "
+          f"(question ~{question_tokens}), cached {cached_tokens}")
+    print(f"{'metric':<18}{'prefixgate':>12}{'transformers':>14}  target")
+    print(f"{'cold TTFT (s)':<18}{result['cold_ttft_s']:>12.3f}{hf_cold:>14.3f}  <= transformers")
+    print(f"{'cached TTFT (s)':<18}{result['cached_ttft_s']:>12.3f}{'':>14}  <= 0.08 x cold "
+          f"(x{result['cached_over_cold']:.3f})")
+    print(f"{'decode b1 (tok/s)':<18}{b1:>12.1f}{hf_b1:>14.1f}  >= transformers")
+    print(f"{'decode b8 (tok/s)':<18}{b8:>12.1f}{'':>14}  >= 4 x b1 (x{result['b8_over_b1']:.2f})")
+    print(f"(median of {args.repeats} interleaved runs; engine config: {config})")
+    result["runs"] = runs
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The engine's asyncio face (the contract in ``engine.api``): one background step thread, async streams.
+
+``AsyncEngine`` owns an ``LLMEngine`` and runs its step loop in ONE background thread (torch releases the GIL
+during the forward pass, so the event loop stays responsive). Engine state is guarded by one lock, held only
+while a step is planned (``schedule_step``) and while its outputs are processed (``finish_step``), never
+during the forward pass (``run_step``). Events reach each request's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe`` on the event loop that consumes that stream (so streams may live on different
+loops, e.g. one per test).
+
+Cancellation: when a consumer closes its stream early (``aclose()``, ``GeneratorExit``, ``CancelledError``) the
+stream's ``finally`` takes the lock and aborts the request, so its blocks are free before ``aclose()``
+returns, even while a forward pass that includes it is running (its results are then dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+
+from engine.api import EngineConfig, EngineStats, Finished, GenerationRequest, StreamEvent, TextDelta
+from engine.errors import EngineClosedError, InvalidRequestError
+from engine.llm_engine import LLMEngine, RequestOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _EngineFailure:
+    """An exception of the step thread, delivered to every open stream."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class AsyncEngine:
+    """Async generation API over an ``LLMEngine`` (see ``engine.api`` for the contract).
+
+    Args:
+        core: the synchronous engine (model, tokenizer, scheduler, block pool).
+        tokenizer: the checkpoint's ``engine.tokenizer.Tokenizer`` (chat template, BOS rule, decode).
+    """
+
+    def __init__(self, core: LLMEngine, tokenizer) -> None:
+        self.core = core
+        self._tokenizer = tokenizer
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+
+    # ---- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model_id: str | None, path: str, config: EngineConfig) -> AsyncEngine:
+        """Load a checkpoint (``engine.checkpoint.load_checkpoint``) and build the engine on it.
+
+        Args:
+            model_id: the id to serve and hash under; None = the checkpoint's own stable id.
+            path: a ``.gguf`` file, a Hugging Face folder, or ``"default"`` (SmolLM2-135M-Instruct).
+            config: engine settings (``dtype``, ``device``, ``num_threads``, pool and batch sizes, policy).
+
+        Raises:
+            UnsupportedModelError: the checkpoint cannot be loaded (see ``load_checkpoint``).
+            ValueError: an unknown ``dtype`` or scheduling policy.
+        """
+        from engine.checkpoint import load_checkpoint, resolve_device
+
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        ckpt = load_checkpoint(path, DTYPES[config.dtype], resolve_device(config.device))
+        core = LLMEngine(ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer)
+        return cls(core, ckpt.tokenizer)
+
+    # ---- properties --------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (``engine.tokenizer.Tokenizer``)."""
+        return self._tokenizer
+
+    @property
+    def model_id(self) -> str:
+        """The served model id (part of every prefix-cache key)."""
+        return self.core.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        """Context window in tokens."""
+        return self.core.max_model_len
+
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template.
+
+        Raises:
+            InvalidRequestError: no chat template, or messages the template rejects.
+        """
+        return self._tokenizer.render_chat(messages, tools)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and gauges."""
+        with self._cond:
+            return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached block (admin, tests). True when the prefix cache is now empty; blocks
+        held by running requests stay until they end."""
+        with self._cond:
+            return self.core.kv.reset_prefix_cache()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the background step loop (idempotent; the first ``generate`` also starts it)."""
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine has been shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the step loop; every open stream ends with ``Finished(finish_reason="abort")``."""
+        self._closed = True
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        with self._cond:
+            outs = [o for rid in list(self.core.requests) if (o := self.core.abort_request(rid)) is not None]
+        self._post(outs)
+
+    # ---- the step thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._step_once():
+                pass
+        except BaseException as e:  # a model or engine failure: every stream gets it, nothing leaks
+            self._fail(e)
+
+    def _step_once(self) -> bool:
+        """One step of the background loop; False once the engine is stopping."""
+        core = self.core
+        with self._cond:
+            while not self._stopping and not core.has_unfinished():
+                self._cond.wait()
+            if self._stopping:
+                return False
+            plan = core.schedule_step()
+        result = core.run_step(plan)  # the forward pass, without the lock
+        with self._cond:
+            outs = core.finish_step(plan, result)
+            if plan.model_input is None and not outs:
+                self._cond.wait(0.01)  # nothing could run (e.g. waiting on blocks held elsewhere)
+        if outs:
+            self._post(outs)
+        return True
+
+    def _post(self, outs: list[RequestOutput]) -> None:
+        """Hand each output's events to its stream, on the event loop that stream lives on."""
+        for o in outs:
+            events: list[StreamEvent] = []
+            if o.new_token_ids or o.text:
+                events.append(TextDelta(o.text, tuple(o.new_token_ids)))
+            if o.finished:
+                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text))
+            for event in events:
+                self._deliver(o.request_id, event)
+
+    def _deliver(self, rid: str, event: StreamEvent | _EngineFailure) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # that loop is closed: nobody is listening
+            pass
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._closed = True
+            for rid in list(self.core.requests):
+                self.core.abort_request(rid)
+        for rid in list(self._streams):
+            self._deliver(rid, _EngineFailure(error))
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt of ``req`` as token ids: given ids, rendered ``messages`` (+ ``tools``), or ``prompt`` text
+        tokenized with the checkpoint's BOS rule.
+
+        Raises:
+            InvalidRequestError: none or several of ``prompt_token_ids`` / ``messages`` / ``prompt`` given, an
+                empty text prompt, ``tools`` without ``messages``, or a template failure.
+        """
+        given = [name for name in ("prompt_token_ids", "messages", "prompt") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"give exactly one of prompt_token_ids, messages or prompt (got {given or 'none'})", "prompt"
+            )
+        if req.tools is not None and req.messages is None:
+            raise InvalidRequestError("tools need messages", "tools")
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            return self.render_chat(req.messages, req.tools)
+        if not isinstance(req.prompt, str) or not req.prompt:
+            raise InvalidRequestError("prompt must be a non-empty string", "prompt")
+        return self._tokenizer.encode(req.prompt, add_special_tokens=True)
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
+
+        Raises (at call time, before any block is taken):
+            InvalidRequestError: bad parameters or prompt (see ``engine.llm_engine.validate_params``).
+            PromptTooLongError: the prompt + 1 token exceeds the context window or the whole block pool.
+            EngineClosedError: the engine was shut down (or its step loop failed).
+        """
+        if self._closed:
+            raise EngineClosedError("the engine has been shut down")
+        prompt = self.prompt_token_ids(req)
+        with self._cond:
+            self.core.check_prompt(prompt, req.params)
+        rid = f"{req.request_id or 'req'}#{next(self._ids)}"
+        return self._stream(rid, prompt, req)
+
+    async def _stream(self, rid: str, prompt: list[int], req: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        self._ensure_started()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        done = False
+        try:
+            with self._cond:
+                self.core.add_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
+                self._cond.notify()
+            while True:
+                event = await queue.get()
+                if isinstance(event, _EngineFailure):
+                    done = True
+                    raise EngineClosedError(f"the engine's step loop failed: {event.error!r}") from event.error
+                if isinstance(event, Finished):
+                    done = True
+                yield event
+                if done:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                with self._cond:
+                    self.core.abort_request(rid)

