@@ -20,6 +20,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -36,7 +37,7 @@ def burst_prompts(vocab: int, n: int, prefix_len: int, suffix_len: int, seed: in
 
 
 def run_burst(ck, config: EngineConfig, prompts: list[list[int]], new_tokens: int, sharing: bool) -> dict:
-    eng = LLMEngine(ck.model, config, ck.model_id, ck.tokenizer, inflight_sharing=sharing)
+    eng = LLMEngine(ck.model, replace(config, enable_inflight_sharing=sharing), ck.model_id, ck.tokenizer)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     reqs = [eng.add_request(p, params) for p in prompts]

@@ -133,6 +133,8 @@ class EngineConfig:
             this many tokens (chunked prefill), so running decodes are not stalled.
         max_model_len: context window in tokens; ``None`` = the checkpoint's.
         enable_prefix_caching: share full blocks between requests by prefix.
+        enable_inflight_sharing: a request whose next prefix block another request is prefilling right now
+            waits for it instead of computing it again (grouping by prefix; needs prefix caching).
         scheduling: ``"fcfs"`` or ``"lpm"`` (longest cached prefix first, grouped by prefix).
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
@@ -146,6 +148,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_inflight_sharing: bool = True
     scheduling: str = "lpm"
     max_wait_s: float = 2.0
     device: str = "auto"

@@ -111,7 +111,6 @@ class LLMEngine:
         tokenizer: decodes output text (and gives EOS ids); None = token ids only (no text, no stop strings).
         eos_token_ids: ids that end generation unless ``ignore_eos`` (default: the tokenizer's, else the
             model config's).
-        inflight_sharing: wait for prefix blocks another request is computing (default True; see scheduler).
         clock: monotonic clock in seconds (tests pass a fake one).
         hash_fn: block hash function (tests swap in a weak one).
         record_logits: keep the float32 logits of every sampled row per request in ``logits_log`` (tests).
@@ -128,7 +127,6 @@ class LLMEngine:
         tokenizer: Decoder | None = None,
         *,
         eos_token_ids: Sequence[int] | None = None,
-        inflight_sharing: bool = True,
         clock: Callable[[], float] = time.monotonic,
         hash_fn: HashFn = hash_block,
         record_logits: bool = False,
@@ -151,7 +149,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
         self.counters = EngineCounters()
-        self.scheduler = Scheduler(self.kv, config, self.counters, inflight_sharing=inflight_sharing, clock=clock)
+        self.scheduler = Scheduler(self.kv, config, self.counters, clock=clock)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.requests: dict[str, Request] = {}
         self.record_logits = record_logits

@@ -111,10 +111,10 @@ class Scheduler:
 
     Args:
         kv: the KV cache manager (block tables, prefix cache).
-        config: ``block_size``, ``max_batch``, ``max_num_batched_tokens``, ``scheduling``, ``max_wait_s``.
+        config: ``block_size``, ``max_batch``, ``max_num_batched_tokens``, ``scheduling``, ``max_wait_s``,
+            ``enable_inflight_sharing`` (wait for blocks another request is computing instead of computing them
+            again; ignored when prefix caching is off).
         counters: the engine's counters (admissions, preemptions).
-        inflight_sharing: wait for blocks another request is computing instead of computing them again
-            (needs prefix caching; ignored when it is off).
         clock: monotonic clock in seconds (tests pass a fake one to count steps instead of seconds).
 
     Raises:
@@ -127,7 +127,6 @@ class Scheduler:
         config: EngineConfig,
         counters: EngineCounters,
         *,
-        inflight_sharing: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if config.scheduling not in POLICIES:
@@ -141,7 +140,7 @@ class Scheduler:
         self.policy = config.scheduling
         self.max_wait_s = config.max_wait_s
         self.counters = counters
-        self.inflight_sharing = inflight_sharing and kv.enable_caching
+        self.inflight_sharing = config.enable_inflight_sharing and kv.enable_caching
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

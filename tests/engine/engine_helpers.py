@@ -54,7 +54,7 @@ def make_engine(ckpt: LoadedCheckpoint | None = None, *, with_tokenizer: bool = 
     """An ``LLMEngine`` on ``ckpt`` (default: the tiny HF checkpoint).
 
     ``kwargs`` naming ``EngineConfig`` fields set them (defaults: 256 blocks of 16, budget 512, max_batch 16);
-    the rest go to ``LLMEngine`` (``record_logits``, ``inflight_sharing``, ``clock``, ...).
+    the rest go to ``LLMEngine`` (``record_logits``, ``clock``, ...).
     """
     ckpt = ckpt or tiny_checkpoint()
     fields = EngineConfig.__dataclass_fields__

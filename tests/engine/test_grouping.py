@@ -45,7 +45,7 @@ def test_burst_of_16_prefills_a_new_512_token_prefix_once():
 
 def test_without_inflight_sharing_the_same_burst_prefills_the_prefix_16_times():
     prompts = burst(512, 16, 32)
-    eng = make_engine(inflight_sharing=False, max_num_batched_tokens=16 * 544, num_blocks=1024)
+    eng = make_engine(enable_inflight_sharing=False, max_num_batched_tokens=16 * 544, num_blocks=1024)
     reqs = [eng.add_request(p, greedy(N_NEW)) for p in prompts]
     eng.run_to_completion()
     assert eng.stats().prefill_tokens == 16 * 544

@@ -32,11 +32,15 @@ class Sim:
     """A scheduler over a real KVCacheManager and a fake forward pass."""
 
     def __init__(self, *, sharing: bool = True, clock: Clock | None = None, **cfg) -> None:
-        config = replace(EngineConfig(block_size=BS, num_blocks=64, max_batch=8, max_num_batched_tokens=32), **cfg)
+        config = replace(
+            EngineConfig(block_size=BS, num_blocks=64, max_batch=8, max_num_batched_tokens=32),
+            enable_inflight_sharing=sharing,
+            **cfg,
+        )
         self.kv = KVCacheManager(config.num_blocks, BS, config.enable_prefix_caching)
         self.counters = EngineCounters()
         self.clock = clock or Clock()
-        self.sched = Scheduler(self.kv, config, self.counters, inflight_sharing=sharing, clock=self.clock)
+        self.sched = Scheduler(self.kv, config, self.counters, clock=self.clock)
         self.finished: list[Request] = []
         self.steps = 0
 
