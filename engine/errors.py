@@ -8,21 +8,33 @@ class EngineError(Exception):
 
 
 class PromptTooLongError(EngineError):
-    """The prompt (plus room for one generated token) does not fit the context window or the block pool.
+    """The prompt (plus room for the completion) does not fit the context window or the block pool.
 
-    Raised by ``submit`` before any block is taken.
+    Raised by ``submit`` / ``check_prompt`` before any block is taken. The message follows OpenAI's
+    ``context_length_exceeded`` wording.
 
     Attributes:
         prompt_tokens: length of the rendered prompt, in tokens.
         limit: the limit it broke, in tokens.
         what: ``"context"`` (the model's max length) or ``"pool"`` (the whole block pool).
+        completion_tokens: the completion tokens requested (``max_tokens``) when they are what overflowed
+            the context, else None (then the prompt alone, plus one token, does not fit).
     """
 
-    def __init__(self, prompt_tokens: int, limit: int, what: str = "context") -> None:
+    def __init__(
+        self, prompt_tokens: int, limit: int, what: str = "context", completion_tokens: int | None = None
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.limit = limit
         self.what = what
-        if what == "context":
+        self.completion_tokens = completion_tokens
+        if what == "context" and completion_tokens is not None:
+            msg = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{completion_tokens} in the completion). Please reduce the length of the messages or completion."
+            )
+        elif what == "context":
             msg = (
                 f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
                 f"{prompt_tokens} tokens (including room for at least one completion token)."

@@ -163,8 +163,9 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: bad parameters or token ids; stop strings without a tokenizer.
-            PromptTooLongError: ``what="context"`` when ``prompt + 1 > max_model_len``; ``what="pool"`` when
-                ``prompt + 1`` tokens exceed the whole block pool.
+            PromptTooLongError: ``what="context"`` when ``prompt + 1 > max_model_len``, or when an explicit
+                ``max_tokens`` does not fit beside the prompt (``prompt + max_tokens > max_model_len``, as OpenAI
+                and vLLM refuse it); ``what="pool"`` when ``prompt + 1`` tokens exceed the whole block pool.
         """
         validate_params(params)
         validate_prompt(prompt_token_ids, self.vocab_size)
@@ -173,6 +174,8 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(n + 1, self.max_model_len, what="context")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(n, self.max_model_len, what="context", completion_tokens=params.max_tokens)
         self.kv.check_fits(n + 1)
 
     def add_request(

@@ -206,6 +206,10 @@ def _load_file(path: Path, display: str, state: _LoadState, stack: tuple[Path, .
     if path in state.seen_files:
         return
     state.seen_files.add(path)
+    if path.resolve() == FRAGMENTS_FILE.resolve():
+        builtin_fragments()  # the shipped fragments are always loaded (and checked) already
+        state.files.append(display)
+        return
     root = _compose(path, display)
     keys = _mapping(root, display, None, "a rule file")
     for key, (key_node, _) in keys.items():

@@ -99,6 +99,11 @@ async def test_prompt_too_long_is_raised_before_any_block_is_taken():
         with pytest.raises(PromptTooLongError) as pool:
             eng.generate(GenerationRequest(prompt_token_ids=random_tokens(128, 3), params=greedy(1)))
         assert (pool.value.what, pool.value.limit) == ("pool", 8 * 16)
+        # an explicit max_tokens that cannot fit beside the prompt is refused too (OpenAI, vLLM)
+        with pytest.raises(PromptTooLongError) as both:
+            eng.generate(GenerationRequest(prompt_token_ids=random_tokens(100, 3), params=greedy(201)))
+        assert (both.value.what, both.value.prompt_tokens, both.value.completion_tokens) == ("context", 100, 201)
+        assert "301 tokens (100 in the messages, 201 in the completion)" in str(both.value)
         s = eng.stats()
         assert s.blocks_used == 0 and s.waiting == 0 and s.running == 0 and s.prefix_query_tokens == 0
         # the longest prompt that fits still runs
@@ -198,7 +203,7 @@ async def test_shutdown_aborts_open_streams_and_closes_the_engine():
     ckpt = tiny_checkpoint()
     eng = AsyncEngine(make_engine(ckpt), ckpt.tokenizer)
     await eng.start()
-    stream = eng.generate(GenerationRequest(prompt_token_ids=random_tokens(10, 7), params=greedy(10_000)))
+    stream = eng.generate(GenerationRequest(prompt_token_ids=random_tokens(10, 7), params=greedy(2000)))
     first = await stream.__anext__()
     assert isinstance(first, TextDelta)
     await eng.shutdown()

@@ -68,6 +68,8 @@ def test_prompt_over_the_context_is_context_length_exceeded(server):
         (URL, {**GOOD, "messages": [{"role": "user", "content": long_text}]}, "messages"),
         (URL, {**GOOD, "messages": [{"role": "user", "content": long_text}], "stream": True}, "messages"),
         ("/v1/completions", {"model": TINY_MODEL, "prompt": long_text, "max_tokens": 2}, "prompt"),
+        # a short prompt whose max_tokens cannot fit beside it in the 512-token context
+        (URL, {**GOOD, "max_tokens": 600}, "messages"),
     ):
         response = httpx.post(server.base_url + path, json=body, timeout=30)
         assert_openai_error(response, 400, "context_length_exceeded", param)

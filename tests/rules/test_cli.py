@@ -96,3 +96,29 @@ def test_module_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     request.write_text('{"messages": [{"role": "user", "content": "x"}]}', encoding="utf-8")
     assert cli.main(["apply", "--rules", str(good), "--", str(request)]) == 0
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["messages"] == [{"role": "user", "content": ""}]
+
+
+def test_check_accepts_every_shipped_pack_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """`prefixgate rules check rules/packs/*.yaml` passes, the fragments file included (it is no rule file,
+    but it is shipped and loaded with every rule set)."""
+    packs = sorted(str(p) for p in (Path(cli.__file__).parent / "packs").glob("*.yaml"))
+    assert any(p.endswith("_fragments.yaml") for p in packs) and len(packs) > 2
+    assert cli.check(packs) == 0
+    out = capsys.readouterr().out
+    assert "_fragments.yaml" in out and "already defined" not in out
+
+
+def test_readme_rule_example_loads_and_hoists(tmp_path: Path) -> None:
+    """The rule file shown in README.md is valid and does what it says."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:] if b.startswith("rules:")]
+    assert len(blocks) == 1
+    path = tmp_path / "readme_rule.yaml"
+    path.write_text(blocks[0])
+    ruleset = load_ruleset([str(path)])
+    canon = ruleset.apply(
+        [{"role": "system", "content": "You are terse.\nBuild: 0123456789ab"}, {"role": "user", "content": "hi"}]
+    )
+    assert canon.applied == {"my.build-id": 1}
+    assert canon.messages[0]["content"] == "You are terse."
+    assert "Build: 0123456789ab" in canon.messages[1]["content"]
