@@ -240,7 +240,7 @@ class AsyncEngine:
         done = False
         try:
             with self._cond:
-                self.core.add_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
+                self.core.add_checked_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
                 self._cond.notify()
             while True:
                 event = await queue.get()

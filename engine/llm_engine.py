@@ -202,17 +202,33 @@ class LLMEngine:
         """
         prompt = list(prompt_token_ids)
         self.check_prompt(prompt, params)
+        return self.add_checked_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+
+    def add_checked_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str = "",
+    ) -> Request:
+        """``add_request`` for a prompt that already passed ``check_prompt`` (which depends only on the config,
+        so a check made before taking the engine lock stays valid): queue it without validating it again.
+
+        Raises:
+            ValueError: duplicate request id.
+        """
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        room = self.max_model_len - len(prompt)
+        room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         req = Request(
             request_id=rid,
-            prompt_token_ids=prompt,
+            prompt_token_ids=prompt_token_ids,
             params=params,
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_ids),

@@ -144,6 +144,8 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        """Admitted requests in admission order (``admit_seq`` ascending): ``_admit`` appends, removals keep
+        the order, so the oldest is first and the newest (the preemption victim) last."""
         self._admit_seq = itertools.count()
 
     # ---- queue management -------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
-        for req in sorted(self.running, key=lambda r: r.admit_seq):
+        for req in list(self.running):  # a copy: preemption removes from ``running`` while we iterate
             if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.prefill_end:
                 continue
             if len(out.scheduled) >= self.max_batch or budget < 1:
@@ -215,7 +217,7 @@ class Scheduler:
                 self.finish_request(req)
                 out.finished.append(req)
                 return False
-            victim = max(self.running, key=lambda r: r.admit_seq)
+            victim = self.running[-1]  # the newest: ``running`` is in admission order
             for i, s in enumerate(out.scheduled):
                 if s.request is victim:
                     del out.scheduled[i]
@@ -227,7 +229,7 @@ class Scheduler:
         return True
 
     def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
-        for req in sorted(self.running, key=lambda r: r.admit_seq):
+        for req in self.running:
             remaining = req.prefill_end - req.num_computed_tokens
             if remaining <= 0:
                 continue

@@ -101,7 +101,9 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             )
         prompt = None
         if request.protocol == "anthropic" and request.body:
-            body = copy.deepcopy(request.body)
+            # with rules on, system / messages / tools are replaced below (in place, key order kept): not copied
+            replaced = ("system", "messages", "tools") if request.rules_enabled else ()
+            body = {k: v if k in replaced else copy.deepcopy(v) for k, v in request.body.items()}
             if request.rules_enabled:
                 prompt = openai_to_anthropic(request.messages, request.tools)
                 _set_or_drop(body, "system", prompt.system)

@@ -75,7 +75,8 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             body["prompt"] = request.prompt if request.prompt is not None else body.get("prompt", "")
             _fill_sampling(body, request, only_missing=bool(request.body))
         elif request.protocol == "openai" and request.body:
-            body = copy.deepcopy(request.body)
+            # the client's messages and tools are replaced below (in place, so key order stays): not copied
+            body = {k: v if k in ("messages", "tools") else copy.deepcopy(v) for k, v in request.body.items()}
             body["messages"] = copy.deepcopy(request.messages)
             if request.tools is not None:
                 body["tools"] = copy.deepcopy(request.tools)

@@ -21,6 +21,15 @@ def system_tokens(server, text: str = SYSTEM) -> int:
     return len(engine.tokenizer.encode(text))
 
 
+def shared_prefix_tokens(server, first: list[dict], second: list[dict]) -> int:
+    """Prompt tokens of ``second`` the prefix cache serves after ``first`` ran: the full blocks of their common
+    rendered prefix, short of ``second``'s last token (which is always computed)."""
+    engine = server.app.state.gateway.registry.get(TINY_MODEL).engine
+    a, b = engine.render_chat(first), engine.render_chat(second)
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return min(common, len(b) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
 def test_healthz_and_models(server, client):
     health = httpx.get(f"{server.base_url}/healthz", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -63,8 +72,8 @@ def test_stream_matches_non_stream_and_reports_usage(client):
     assert last.choices == [] and last.usage is not None
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
     assert last.usage.completion_tokens == whole.usage.completion_tokens
-    # the second run found the first one's full prompt blocks in the cache
-    assert last.usage.prompt_tokens_details.cached_tokens >= (whole.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    # the second run found the first one's full prompt blocks in the cache (all but the block of its last token)
+    assert last.usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_sse_framing_matches_openai(server):
@@ -89,7 +98,9 @@ def test_sse_framing_matches_openai(server):
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == TINY_MODEL for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
     assert chunks[-2]["choices"][0]["delta"] == {} and chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["prompt_tokens_details"]["cached_tokens"] % BLOCK_SIZE == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
 
 
@@ -120,21 +131,13 @@ def test_shared_system_prompt_is_cached_and_stats_agree(server, client):
     n_system = system_tokens(server)
     assert 200 <= n_system <= 400, n_system  # long enough to span many blocks, short enough for a 512 context
     before = server.stats()
-    first = client.chat.completions.create(
-        model=TINY_MODEL,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the document?"}],
-        max_tokens=2,
-        temperature=0,
-    )
-    second = client.chat.completions.create(
-        model=TINY_MODEL,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How many answers?"}],
-        max_tokens=2,
-        temperature=0,
-    )
+    first_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the document?"}]
+    second_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How many answers?"}]
+    first = client.chat.completions.create(model=TINY_MODEL, messages=first_messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model=TINY_MODEL, messages=second_messages, max_tokens=2, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= n_system // BLOCK_SIZE * BLOCK_SIZE
-    assert cached < second.usage.prompt_tokens
+    assert cached == shared_prefix_tokens(server, first_messages, second_messages)
+    assert n_system // BLOCK_SIZE * BLOCK_SIZE <= cached < second.usage.prompt_tokens
     after = server.stats()
     delta_cached = after["cached_tokens"] - before["cached_tokens"]
     delta_prompt = after["prompt_tokens"] - before["prompt_tokens"]
@@ -188,7 +191,7 @@ def test_tenants_do_not_share_cached_prefixes(client):
     other = client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "b"})
     same = client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "a"})
     assert other.usage.prompt_tokens_details.cached_tokens == 0
-    assert same.usage.prompt_tokens_details.cached_tokens > 0
+    assert same.usage.prompt_tokens_details.cached_tokens == (same.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_metrics_endpoint_serves_the_same_counters(server):
