@@ -6,7 +6,8 @@ Workload (SmolLM2-135M-Instruct by default, fp32, CPU):
   (empty prefix cache): seconds from ``add_request`` to the first generated token.
 - ``cached_ttft_s``: the same system prompt, already cached by an earlier request, with a new ~50-token question.
 - ``hf_cold_ttft_s``: transformers ``LlamaForCausalLM`` (``from_pretrained(folder, gguf_file=...)``, same
-  weights) on the same cold prompt: one forward with its KV cache and ``logits_to_keep=1``, then argmax.
+  weights) on the same cold prompt: one forward with its KV cache and ``logits_to_keep=1``, then argmax. It runs
+  in a worker process of its own (``bench.hf_reference``, which says why); ``--hf-same-process`` runs it here.
 - ``decode_tps_b1`` / ``decode_tps_b8``: greedy decode tokens per second after the first token, one request, and
   aggregated over 8 concurrent requests (``EOS`` ignored so every request decodes ``--new`` tokens).
 - ``hf_decode_tps_b1``: transformers greedy decode, one token per forward with its KV cache (a bare loop, no
@@ -21,14 +22,13 @@ Run: ``python -m bench.engine``. Prints a table, then one JSON line (last).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench.hf_reference import Reference, hf_decode_tps, hf_ttft, load_transformers
 from engine.api import EngineConfig, SamplingParams
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.llm_engine import LLMEngine
@@ -94,37 +94,6 @@ def decode_tps(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> flo
     return (sum(r.num_output_tokens for r in reqs) - counted) / seconds
 
 
-def load_transformers(path: str):
-    """transformers' ``LlamaForCausalLM`` on the same GGUF (dequantized to fp32), and its cache keyword."""
-    from transformers import AutoModelForCausalLM
-
-    p = Path(path)
-    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    return hf, key
-
-
-@torch.inference_mode()
-def hf_ttft(hf, prompt: list[int]) -> float:
-    """Seconds for transformers to produce the first token: one forward (KV cache on, last logits only)."""
-    t0 = time.perf_counter()
-    out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-    int(out.logits[0, -1].argmax())
-    return time.perf_counter() - t0
-
-
-@torch.inference_mode()
-def hf_decode_tps(hf, key: str, prompt: list[int], new_tokens: int) -> float:
-    """transformers greedy decode tokens/s at batch 1 after the first token (a bare loop over its KV cache)."""
-    out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-    cache, tok = out[key], out.logits[:, -1:].argmax(-1)
-    t0 = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        out = hf(tok, use_cache=True, **{key: cache})
-        cache, tok = out[key], out.logits[:, -1:].argmax(-1)
-    return (new_tokens - 1) / (time.perf_counter() - t0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="a .gguf file, a HF folder, or 'default' (SmolLM2)")
@@ -133,6 +102,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument(
+        "--hf-same-process",
+        action="store_true",
+        help="run transformers in this process (it then shares our heap and our allocator settings)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,13 +119,23 @@ def main() -> None:
     def engine() -> LLMEngine:
         return LLMEngine(ck.model, config, ck.model_id, tok)
 
-    hf, key = (None, None) if args.no_hf else load_transformers(path)
+    hf_ttft_fn = hf_decode_fn = None
+    reference = None
+    if args.no_hf:
+        pass
+    elif args.hf_same_process:
+        hf, key = load_transformers(path)
+        hf_ttft_fn = lambda prompt: hf_ttft(hf, prompt)  # noqa: E731
+        hf_decode_fn = lambda prompt, n: hf_decode_tps(hf, key, prompt, n)  # noqa: E731
+    else:
+        reference = Reference(path, torch.get_num_threads())
+        hf_ttft_fn, hf_decode_fn = reference.ttft, reference.decode_tps
     cold_prompt = chat(tok, system, QUESTIONS[0])
     question_tokens = len(cold_prompt) - len(chat(tok, system, ""))
     decode_prompts = [chat(tok, SYSTEM_SENTENCES[i], QUESTIONS[i % 4]) for i in range(8)]
     ttft(engine(), chat(tok, system, QUESTIONS[1]))  # warm-up (allocator, thread pool)
-    if hf is not None:
-        hf_ttft(hf, cold_prompt)
+    if hf_ttft_fn is not None:
+        hf_ttft_fn(cold_prompt)
     # ours and transformers interleaved, so load from other processes hits both alike
     runs: dict[str, list[float]] = {k: [] for k in ("cold", "cached", "hf_cold", "b1", "hf_b1", "b8")}
     cached_tokens = 0
@@ -162,14 +146,17 @@ def main() -> None:
         runs["cached"].append(seconds)
         runs["b1"].append(decode_tps(engine(), decode_prompts[:1], args.new))
         runs["b8"].append(decode_tps(engine(), decode_prompts, args.new))
-        if hf is not None:
-            runs["hf_cold"].append(hf_ttft(hf, chat(tok, system, QUESTIONS[i % 2])))
-            runs["hf_b1"].append(hf_decode_tps(hf, key, decode_prompts[0], args.new))
+        if hf_ttft_fn is not None and hf_decode_fn is not None:
+            runs["hf_cold"].append(hf_ttft_fn(chat(tok, system, QUESTIONS[i % 2])))
+            runs["hf_b1"].append(hf_decode_fn(decode_prompts[0], args.new))
+    if reference is not None:
+        reference.close()
     med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
     hf_cold, hf_b1, b1, b8 = med["hf_cold"], med["hf_b1"], med["b1"], med["b8"]
     result = {
         "model": ck.model_id,
         "threads": torch.get_num_threads(),
+        "transformers_process": "none" if args.no_hf else ("same" if args.hf_same_process else "own"),
         "prompt_tokens": len(cold_prompt),
         "question_tokens": question_tokens,
         "cached_tokens": cached_tokens,

@@ -112,11 +112,12 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.num_heads + c.num_kv_heads :]
         attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5)
-        h = h + self.o_proj.forward(attn)
+        h = h.add_(self.o_proj.forward(attn))  # h is this step's own buffer: residual adds in place
         x = rms_norm(h, self.post_norm, c.rms_norm_eps)
         gu = self.gate_up.forward(x)
         g, u = gu.split(c.intermediate_size, dim=-1)
-        return h + self.down.forward(F.silu(g) * u)
+        act = F.silu(g, inplace=True).mul_(u)  # in gu's storage: no MLP-sized buffer allocated
+        return h.add_(self.down.forward(act))
 
 
 class LlamaModel(nn.Module):
