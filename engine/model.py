@@ -6,6 +6,8 @@ embeddings), rearranged for serving:
 
 - q/k/v are one matmul and gate/up are one matmul (``engine.linear.DenseWeight.concat``); every linear layer is
   a pluggable ``engine.linear.LinearWeight``.
+- q and k rows are stored in RoPE pair order (``interleave_rope_rows``) so the rotation is one complex multiply;
+  the K/V cache holds keys in that order.
 - a step is a flat batch of ``T`` tokens from any mix of prefill chunks and decodes; K/V go to the paged cache
   and attention reads each sequence's context from its block table (``engine.attention``).
 - ``forward`` returns the final-normed hidden states; the caller turns only the rows it needs into logits
@@ -49,31 +51,43 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and signed ``sin`` of shape ``[T, 1, head_dim]`` in ``dtype`` for int64 ``positions`` ``[T]``.
-
-    ``cos = [cos(f), cos(f)]`` and ``sin = [-sin(f), sin(f)]`` with ``f = position * inv_freq`` (computed in
-    fp32 as Hugging Face does), so that ``apply_rope`` needs no negation.
-    """
+def rope_rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE rotations ``exp(i * position * inv_freq)`` as complex64 ``[T, 1, head_dim / 2]`` for int64
+    ``positions`` ``[T]``; the angle, its cos and its sin are computed in fp32 as Hugging Face computes them."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+    return torch.complex(freqs.cos(), freqs.sin())[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Su et al. 2021; Hugging Face ``apply_rotary_pos_emb``) of ``x`` ``[T, heads, head_dim]``:
-    ``x * cos + swap_halves(x) * sin`` with ``cos``/``sin`` from ``rope_cos_sin`` (``[T, 1, head_dim]``).
-    ``swap_halves(x) * sin == rotate_half(x) * [sin, sin]``, so this equals HF's ``x*cos + rotate_half(x)*sin``."""
+def interleave_rope_rows(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder a q or k projection (weight ``[heads * head_dim, in]`` or bias ``[heads * head_dim]``) so that
+    each head's output dims come as pairs ``(d, d + head_dim/2)``: ``0, h/2, 1, h/2 + 1, ...``.
+
+    Hugging Face's rotate-half RoPE rotates dim ``d`` with dim ``d + head_dim/2``; once they are adjacent the
+    rotation is one complex multiply (``apply_rope``). q and k get the same order, so every q.k dot product,
+    and so attention, is unchanged (up to fp32 summation order); V and ``o_proj`` are untouched.
+    """
+    rest = t.shape[1:]
+    return t.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
+
+
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """RoPE (Su et al. 2021) of ``x`` ``[T, heads, head_dim]`` whose dims are in ``interleave_rope_rows`` order:
+    each pair ``(x[2j], x[2j+1])`` = ``(x_d, x_{d + head_dim/2})`` of the rotate-half convention is read as one
+    complex number and multiplied by ``rotation`` (``rope_rotation``, ``[T, 1, head_dim / 2]``):
+    ``(x_d cos - x_{d'} sin, x_{d'} cos + x_d sin)``, which is Hugging Face's ``x * cos + rotate_half(x) * sin``.
+    Computed in fp32; returns a new tensor of ``x``'s dtype and shape."""
     t, h, d = x.shape
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
-    return torch.addcmul(x * cos, swapped, sin)
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.view_as_real(torch.view_as_complex(xf.view(t, h, d // 2, 2)) * rotation).view(t, h, d)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``, statistics in fp32 as Hugging
-    Face computes them; one fused ``F.rms_norm`` when ``x`` is fp32."""
+    Face computes them. Written out rather than ``F.rms_norm``: on CPU (torch 2.13) the fused kernel took
+    1.46 ms for 1,082 x 576 fp32 rows where these four ops take 0.21 ms, with bit-identical results."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
+        return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -88,9 +102,21 @@ class DecoderLayer(nn.Module):
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
+        def rope_order(name: str, heads: int) -> torch.Tensor | None:
+            t = w.get(name)
+            return None if t is None else interleave_rope_rows(t, heads, config.head_dim)
+
         self.qkv: LinearWeight = DenseWeight.concat(
-            [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]],
-            [w.get(a + "q_proj.bias"), w.get(a + "k_proj.bias"), w.get(a + "v_proj.bias")],
+            [
+                rope_order(a + "q_proj.weight", config.num_heads),
+                rope_order(a + "k_proj.weight", config.num_kv_heads),
+                w[a + "v_proj.weight"],
+            ],
+            [
+                rope_order(a + "q_proj.bias", config.num_heads),
+                rope_order(a + "k_proj.bias", config.num_kv_heads),
+                w.get(a + "v_proj.bias"),
+            ],
         )
         self.o_proj: LinearWeight = DenseWeight(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
         self.gate_up: LinearWeight = DenseWeight.concat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
@@ -99,8 +125,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: torch.Tensor,
         layer_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
@@ -108,7 +133,7 @@ class DecoderLayer(nn.Module):
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv.forward(x).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        qk = apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], cos, sin)
+        qk = apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], rotation)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.num_heads + c.num_kv_heads :]
         attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5)
@@ -182,10 +207,10 @@ class LlamaModel(nn.Module):
         dev = self.device
         plan = plan_attention(meta, dev, kv_cache.shape[2])
         positions = positions.to(dev)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        rotation = rope_rotation(self.inv_freq, positions)
         h = F.embedding(input_ids.to(dev), self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], plan)
+            h = layer(h, rotation, kv_cache[i], plan)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

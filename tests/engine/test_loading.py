@@ -30,7 +30,11 @@ def test_hf_folder_config_and_weights(tiny_hf_dir):
     assert c.bos_token_id == 0 and c.eos_token_ids == (2,)
     raw = load_file(str(tiny_hf_dir / "model.safetensors"))
     q, k, v = (raw[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
-    assert torch.equal(ck.model.layers[1].qkv.weight, torch.cat([q, k, v]))
+    # q and k rows come in RoPE pair order (engine.model.interleave_rope_rows): (0, 8, 1, 9, ...) per 16-dim head
+    pairs = torch.arange(16).view(2, 8).t().reshape(16)
+    q_rows = (torch.arange(4)[:, None] * 16 + pairs).reshape(-1)
+    k_rows = (torch.arange(2)[:, None] * 16 + pairs).reshape(-1)
+    assert torch.equal(ck.model.layers[1].qkv.weight, torch.cat([q[q_rows], k[k_rows], v]))
     assert torch.equal(ck.model.lm_head.weight, raw["lm_head.weight"])
     assert ck.path == str(tiny_hf_dir)
 
