@@ -337,7 +337,8 @@ class LLMEngine:
             self.counters.tpot.observe(now - req.last_token_time)
         req.last_token_time = now
         req.append_token(token)
-        req.update_block_hashes(self.kv.block_size, self._hasher(req))
+        if req.num_tokens // self.kv.block_size > len(req.block_hashes):  # a block just filled up
+            req.update_block_hashes(self.kv.block_size, self._hasher(req))
         self.counters.decode_tokens += 1
         text = ""
         reason: FinishReason | None = None
