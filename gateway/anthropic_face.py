@@ -228,8 +228,13 @@ def _validate_tool_choice(choice: Any, tool_names: set[str]) -> None:
         raise _bad("expected a boolean", "tool_choice.disable_parallel_tool_use")
 
 
-def validate_body(body: Any) -> None:
+def validate_body(body: Any, require_max_tokens: bool = True) -> None:
     """Check a Messages request body (the fields prefixgate reads; other fields pass through untouched).
+
+    Args:
+        body: the parsed JSON body.
+        require_max_tokens: False for ``/v1/messages/count_tokens`` bodies, which have no ``max_tokens``
+            (one that is there is still checked).
 
     Raises:
         InvalidRequestError: with ``param`` naming the field (``messages[2].content[0].text``).
@@ -239,9 +244,10 @@ def validate_body(body: Any) -> None:
     if "model" not in body:
         raise _bad("field required", "model")
     _require_str(body["model"], "model", allow_empty=False)
-    if "max_tokens" not in body:
+    if "max_tokens" in body:
+        _integer(body["max_tokens"], "max_tokens", 1)
+    elif require_max_tokens:
         raise _bad("field required", "max_tokens")
-    _integer(body["max_tokens"], "max_tokens", 1)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise _bad(f"expected an array of messages, got {_kind(messages)}", "messages")
@@ -413,21 +419,23 @@ def anthropic_to_openai_tool_choice(choice: Mapping[str, Any] | None) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
-def parse_messages_body(body: Any, request_id: str = "") -> ChatRequest:
-    """Validate a ``/v1/messages`` body and build the internal request (``rules_enabled`` and ``tenant`` are the
-    endpoint's to set from headers).
+def parse_messages_body(body: Any, request_id: str = "", require_max_tokens: bool = True) -> ChatRequest:
+    """Validate a ``/v1/messages`` body and build the internal request (``rules_enabled``, ``tenant`` and
+    ``forward_headers`` are the endpoint's to set from headers, see ``apply_request_headers``).
 
     Args:
         body: the parsed JSON body.
         request_id: the gateway's id (a ``msg_`` id is made from it when formatting).
+        require_max_tokens: False for ``/v1/messages/count_tokens`` bodies (then ``params.max_tokens`` is None
+            when the body has none).
 
     Raises:
         InvalidRequestError: a missing or ill-typed field (``param`` names it).
     """
-    validate_body(body)
+    validate_body(body, require_max_tokens)
     stops = tuple(body.get("stop_sequences") or ())
     params = SamplingParams(
-        max_tokens=body["max_tokens"],
+        max_tokens=body.get("max_tokens"),
         temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
         top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
         top_k=int(body["top_k"]) if body.get("top_k") is not None else 0,
@@ -1078,6 +1086,22 @@ FORWARDED_HEADERS = ("anthropic-beta",)
 """Client headers an Anthropic upstream receives too (set on ``ChatRequest.forward_headers``)."""
 
 
+def apply_request_headers(request: ChatRequest, headers: Mapping[str, str]) -> None:
+    """Set what the client's headers ask for on a parsed request: ``rules_enabled`` (``x-prefixgate-rules``),
+    ``tenant`` (``x-prefixgate-tenant``) and ``forward_headers`` (``FORWARDED_HEADERS``).
+
+    Raises:
+        InvalidRequestError: a bad ``x-prefixgate-rules`` value or an over-long tenant.
+    """
+    # canonical pulls in the rules engine: imported here, so the helpers above stay importable on their own
+    from gateway.canonical import rules_enabled
+    from gateway.openai_face import tenant
+
+    request.rules_enabled = rules_enabled(headers)
+    request.tenant = tenant(headers)
+    request.forward_headers = {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+
+
 async def message_sse(opened: OpenedStream) -> AsyncIterator[bytes]:
     """The SSE bytes of a streamed Message from a ``gateway.pipeline.OpenedStream``: native events relayed,
     other backends' events formatted; an error after the start becomes an ``error`` event that ends the stream."""
@@ -1115,19 +1139,13 @@ async def messages_endpoint(http_request: Request) -> Response:
     """
     # The pipeline pulls in the rules engine: imported here, so the translation helpers above stay importable
     # by the backends on their own.
-    from gateway.canonical import rules_enabled
-    from gateway.openai_face import tenant
     from gateway.pipeline import begin, open_stream, request_id_of, run_unless_disconnected
     from gateway.state import gateway_of
 
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     request = parse_messages_body(body, request_id=request_id_of(http_request))
-    request.rules_enabled = rules_enabled(http_request.headers)
-    request.tenant = tenant(http_request.headers)
-    request.forward_headers = {
-        name: http_request.headers[name] for name in FORWARDED_HEADERS if name in http_request.headers
-    }
+    apply_request_headers(request, http_request.headers)
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request)
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}

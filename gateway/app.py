@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -41,7 +42,7 @@ from gateway.stats import GatewayStats
 
 logger = logging.getLogger("prefixgate.app")
 
-FACES: tuple[str, ...] = ("gateway.openai_face", "gateway.anthropic_face", "gateway.admin")
+FACES: tuple[str, ...] = ("gateway.openai_face", "gateway.anthropic_face", "gateway.count_tokens", "gateway.admin")
 """Modules whose ``routes()`` make up the app, in matching order."""
 
 
@@ -155,9 +156,12 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
             error_code=error.code or error.error_type,
         )
     )
-    headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthenticationError) else None
+    headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthenticationError) else {}
+    retry_after = getattr(error, "retry_after_s", None)
+    if isinstance(retry_after, int | float) and retry_after >= 0:  # an upstream's Retry-After, passed on (RFC 9110)
+        headers["retry-after"] = str(math.ceil(retry_after))
     body = error_shape_for(http_request.url.path)(error)
-    return JSONResponse(body, status_code=error.status_code, headers=headers)
+    return JSONResponse(body, status_code=error.status_code, headers=headers or None)
 
 
 async def handle_disconnect(http_request: Request, exc: Exception) -> Response:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from engine.api import EngineConfig
@@ -295,6 +296,19 @@ def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None)
     return _parse_upstream(reader, raw, where, name, backend)
 
 
+def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
+    """``api_key`` with surrounding whitespace removed (a secret file or ``echo`` leaves a newline); a key with
+    whitespace or control characters inside is refused, without echoing it (it would go out as an HTTP header
+    the client library rejects, with the key in the error text)."""
+    key = reader.typed(raw, where, "api_key", str | None, None)
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or any(ch.isspace() or not ch.isprintable() for ch in key):
+        reader.fail(f"{where}.api_key", "the key is empty or has whitespace or control characters inside")
+    return key
+
+
 def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: str) -> ModelConfig:
     base_url = reader.resolve_env(raw.get("base_url"), f"{where}.base_url")
     if isinstance(base_url, str):
@@ -306,6 +320,12 @@ def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: 
         url = reader.resolve_env(url, f"{where}.base_url[{index}]")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             reader.fail(f"{where}.base_url[{index}]", f"expected an http:// or https:// URL, got {url!r}")
+        try:
+            host = httpx.URL(url).host
+        except (httpx.InvalidURL, ValueError) as exc:
+            reader.fail(f"{where}.base_url[{index}]", f"not a valid URL ({exc}): {url!r}")
+        if not host:
+            reader.fail(f"{where}.base_url[{index}]", f"the URL has no host: {url!r}")
         urls.append(url.rstrip("/"))
     timeout = reader.typed(raw, where, "timeout_s", float, 60.0)
     retries = reader.typed(raw, where, "retries", int, 2)
@@ -324,7 +344,7 @@ def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: 
         name=name,
         backend=backend,
         base_url=tuple(urls),
-        api_key=reader.typed(raw, where, "api_key", str | None, None),
+        api_key=_parse_api_key(reader, raw, where),
         upstream_model=reader.typed(raw, where, "upstream_model", str | None, None),
         timeout_s=timeout,
         retries=retries,

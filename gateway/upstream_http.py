@@ -52,7 +52,10 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """
     for secret in secrets:
         if secret and len(secret) >= 4:
-            text = text.replace(secret, REDACTED)
+            # verbatim, stripped, and as repr() shows it inside an exception text (``\\n`` for a newline)
+            for form in {secret, secret.strip(), repr(secret)[1:-1]}:
+                if len(form) >= 4:
+                    text = text.replace(form, REDACTED)
 
     def mask(match: re.Match[str]) -> str:
         prefix = _KEY_PREFIX.match(match.group(0))
@@ -84,6 +87,7 @@ _KIND_TYPES = {
     "rate_limit": ("rate_limit_error", "rate_limit_exceeded"),
     "overloaded": ("server_error", "overloaded"),
     "client_error": ("invalid_request_error", None),
+    "upstream_auth": ("server_error", "upstream_auth_failed"),
     "no_replica": ("server_error", "service_unavailable"),
 }
 
@@ -93,12 +97,13 @@ class UpstreamCallError(errors.UpstreamError):
     OpenAI or Anthropic error JSON with ``status_code``.
 
     Attributes:
-        status_code: the HTTP status the gateway answers with: upstream 4xx statuses pass through (408 -> 504);
-            502 for connection errors, unreadable answers and other 5xx; 504 for timeouts; 429; 503 and 529
-            pass through (overloaded); 503 when no replica is left.
+        status_code: the HTTP status the gateway answers with: upstream 4xx statuses pass through (408 -> 504),
+            except 401/403, which refuse the gateway's own key (502); 502 for connection errors, redirects,
+            unreadable answers and other 5xx; 504 for timeouts and upstream 504; 429; 503 and 529 pass through
+            (overloaded); 503 when no replica is left.
         kind: ``"timeout"``, ``"connection"``, ``"server_error"``, ``"rate_limit"``, ``"overloaded"``,
-            ``"client_error"``, ``"stream_cut"``, ``"protocol"`` (unreadable upstream answer) or
-            ``"no_replica"``.
+            ``"client_error"``, ``"upstream_auth"``, ``"stream_cut"``, ``"protocol"`` (a redirect, a request that
+            could not be sent or an unreadable upstream answer) or ``"no_replica"``.
         message: human-readable, already redacted.
         error_type / code / param: OpenAI error fields; taken from the upstream's OpenAI-shaped error object when
             it sent one, else from ``kind``.
@@ -308,7 +313,7 @@ class OpenedResponse:
             async for chunk in self._chunks:
                 if chunk:
                     yield chunk
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:  # transport or decoding
             self.upstream.ring.report_failure(self.lease.replica)
             kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
             raise UpstreamStreamCut(
@@ -418,12 +423,17 @@ def _error_from_status(
         status_out, kind = 429, "rate_limit"
     elif status in (503, 529):
         status_out, kind = status, "overloaded"
+    elif status in (504, 408):
+        status_out, kind = 504, "timeout"
     elif status >= 500:
         status_out, kind = 502, "server_error"
-    elif status == 408:
-        status_out, kind = 504, "timeout"
+    elif status in (401, 403):  # the gateway's own key was refused: not the client's fault
+        status_out, kind = 502, "upstream_auth"
     else:
         status_out, kind = status, "client_error"
+    if kind == "upstream_auth":
+        detail = f"the upstream refused the gateway's credentials ({detail}); check api_key in the config"
+        upstream_error = None  # its authentication_error type would tell the client its own key is wrong
     message = f"upstream {where} answered {status}: {detail}" if kind != "client_error" else detail
     return UpstreamCallError(
         status_out,
@@ -492,12 +502,24 @@ async def _attempt(
 ) -> OpenedResponse | UpstreamCallError:
     """One attempt: an ``OpenedResponse`` on success, else the error (the lease is still held by the caller)."""
     secrets = upstream.secrets
-    where = redact_url(lease.replica)
+    where = lease.replica
     response: httpx.Response | None = None
     try:
+        where = redact_url(lease.replica)
         request = build_request(lease.replica)
         request.extensions["timeout"] = upstream.timeout.as_dict()
         response = await client.send(request, stream=True)
+        if 300 <= response.status_code < 400:  # redirects are not followed: a misconfigured base_url
+            location = response.headers.get("location", "")
+            await response.aclose()
+            upstream.ring.report_success(lease.replica)  # the replica answered; the URL is what is wrong
+            return UpstreamCallError(
+                502,
+                "protocol",
+                redact(f"upstream {where} answered {response.status_code} (Location: {location}); check base_url", secrets),
+                attempts=attempts,
+                upstream_status=response.status_code,
+            )
         if response.status_code >= 400:
             body = await _read_limited(response)
             await response.aclose()
@@ -521,7 +543,7 @@ async def _attempt(
             )
         upstream.ring.report_success(lease.replica)
         return OpenedResponse(response, chunks, first, lease, upstream)
-    except httpx.TransportError as exc:
+    except (httpx.RequestError, httpx.InvalidURL) as exc:  # transport, decoding, bad URL
         await _close_quietly(response)
         status, kind, message = _transport_failure(exc, where)
         return UpstreamCallError(status, kind, redact(message, secrets), attempts=attempts)
@@ -531,13 +553,17 @@ async def _attempt(
         raise
 
 
-def _transport_failure(exc: httpx.TransportError, where: str) -> tuple[int, str, str]:
-    """(status, kind, message) of an attempt that failed in transport: 504 ``timeout``; 502 ``protocol`` when
-    the request could not be sent (bad URL scheme, invalid headers); else 502 ``connection``."""
+def _transport_failure(exc: httpx.RequestError | httpx.InvalidURL, where: str) -> tuple[int, str, str]:
+    """(status, kind, message) of an attempt that failed before an answer could be read: 504 ``timeout``;
+    502 ``protocol`` when the request could not be sent (bad URL, invalid headers) or the body could not be
+    decoded; else 502 ``connection``. The text of a header error is left out: it quotes the header's value,
+    which may be the API key."""
     if isinstance(exc, httpx.TimeoutException):
         return 504, "timeout", f"upstream {where} timed out ({type(exc).__name__})"
-    if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError):
-        return 502, "protocol", f"cannot call upstream {where}: {exc}"
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError | httpx.InvalidURL):
+        return 502, "protocol", f"cannot call upstream {where}: the request could not be sent ({type(exc).__name__})"
+    if isinstance(exc, httpx.DecodingError):
+        return 502, "protocol", f"upstream {where} sent a body that cannot be decoded ({type(exc).__name__})"
     return 502, "connection", f"upstream {where} connection failed ({type(exc).__name__}: {exc})"
 
 
@@ -548,7 +574,7 @@ async def _read_limited(response: httpx.Response) -> bytes:
             body += chunk
             if len(body) >= _ERROR_BODY_LIMIT:
                 break
-    except httpx.TransportError:
+    except httpx.RequestError:  # transport or decoding: report what arrived
         pass
     return body[:_ERROR_BODY_LIMIT]
 

@@ -181,14 +181,58 @@ def _compose(path: Path, display: str) -> yaml.Node:
 
 
 def _value(node: yaml.Node) -> Any:
-    """The Python value of a composed node (safe types only)."""
-    return yaml.SafeLoader("").construct_object(node, deep=True)
+    """The Python value of a composed node (safe types only).
+
+    Raises:
+        RuleError: the node cannot be constructed (an unknown tag such as ``!re``, an impossible date such as
+            ``2024-02-30``), with its line; the caller's file is filled in by ``_located``.
+    """
+    try:
+        return yaml.SafeLoader("").construct_object(node, deep=True)
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:
+        problem = getattr(e, "problem", None) or str(e)
+        raise RuleError(f"bad value: {problem}", None, _line(node)) from None
+
+
+def _located(error: RuleError, file: str, rule_id: str | None = None) -> RuleError:
+    """``error`` located in ``file`` (and rule ``rule_id``) when it was raised without a file (by ``_value`` or
+    ``_flatten_merges``, which only know the node); errors raised with their location are kept as they are."""
+    if error.file is not None:
+        return error
+    return RuleError(error.reason, file, error.line, error.rule_id or rule_id)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _flatten_merges(node: yaml.MappingNode, rule_id: str | None) -> None:
+    """Apply YAML merge keys (``<<: *defaults``, https://yaml.org/type/merge.html) in place: the merged pairs
+    are added unless the mapping sets the key itself (or an earlier merged mapping did)."""
+    if not any(key.tag == _MERGE_TAG for key, _ in node.value):
+        return
+    own_pairs = [(key, value) for key, value in node.value if key.tag != _MERGE_TAG]
+    own = {key.value for key, _ in own_pairs if isinstance(key, yaml.ScalarNode)}
+    try:
+        yaml.SafeLoader("").flatten_mapping(node)  # node.value becomes merged pairs + own pairs
+    except yaml.YAMLError as e:
+        # no file: ``_located`` adds it, with the rule id when the mapping is a rule
+        raise RuleError(f"bad merge key: {getattr(e, 'problem', None) or e}", None, _line(node), rule_id) from None
+    seen: set[Any] = set()
+    merged = []
+    for key, value in node.value[: len(node.value) - len(own_pairs)]:
+        if key.value in own or key.value in seen:
+            continue
+        seen.add(key.value)
+        merged.append((key, value))
+    node.value = merged + own_pairs
 
 
 def _mapping(node: yaml.Node, file: str, rule_id: str | None, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-    """Key -> (key node, value node) of a mapping node; duplicate or non-string keys are errors."""
+    """Key -> (key node, value node) of a mapping node (YAML merge keys applied); duplicate or non-string keys
+    are errors."""
     if not isinstance(node, yaml.MappingNode):
         raise RuleError(f"{what} must be a mapping", file, _line(node), rule_id)
+    _flatten_merges(node, rule_id)
     out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     for key_node, value_node in node.value:
         key = _value(key_node) if isinstance(key_node, yaml.ScalarNode) else None
@@ -201,6 +245,22 @@ def _mapping(node: yaml.Node, file: str, rule_id: str | None, what: str) -> dict
 
 
 def _load_file(path: Path, display: str, state: _LoadState, stack: tuple[Path, ...]) -> None:
+    try:
+        _load_file_checked(path, display, state, stack)
+    except RuleError as e:
+        raise _located(e, display) from None
+
+
+def _rule_id_of(node: yaml.Node) -> str | None:
+    """The ``id`` scalar of a rule mapping, if it has a plain one (to name the rule in an error)."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value == "id" and isinstance(value, yaml.ScalarNode):
+                return value.value
+    return None
+
+
+def _load_file_checked(path: Path, display: str, state: _LoadState, stack: tuple[Path, ...]) -> None:
     if path in stack:
         raise RuleError("include cycle: " + " -> ".join(str(p) for p in (*stack, path)), display)
     if path in state.seen_files:
@@ -226,6 +286,9 @@ def _load_file(path: Path, display: str, state: _LoadState, stack: tuple[Path, .
             target, target_display = _resolve(_value(item), path.parent, (display, _line(item)))
             if not target.is_file():
                 raise RuleError(f"included file not found: {target_display}", display, _line(item))
+            if target in (*stack, path):
+                cycle = " -> ".join(str(p) for p in (*stack, path, target))
+                raise RuleError(f"include cycle: {cycle}", display, _line(item))
             _load_file(target, target_display, state, (*stack, path))
     fragments = dict(state.fragments)
     if "patterns" in keys:
@@ -241,7 +304,10 @@ def _load_file(path: Path, display: str, state: _LoadState, stack: tuple[Path, .
     if not isinstance(rules_node, yaml.SequenceNode):
         raise RuleError("'rules' must be a list", display, _line(rules_node))
     for rule_node in rules_node.value:
-        rule = _build_rule(rule_node, display, fragments, state.placement)
+        try:
+            rule = _build_rule(rule_node, display, fragments, state.placement)
+        except RuleError as e:
+            raise _located(e, display, _rule_id_of(rule_node)) from None
         if rule.id in state.rule_sites:
             first_file, first_line = state.rule_sites[rule.id]
             raise RuleError(f"duplicate rule id (first defined at {first_file}:{first_line})", display,
@@ -350,7 +416,7 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
         if "unit" not in keys:
             raise fail(f"action 'round' needs 'unit' (one of: {', '.join(ROUND_UNITS)})", node)
         unit = _value(keys["unit"][1])
-        if unit not in ROUND_UNITS:
+        if not isinstance(unit, str) or unit not in ROUND_UNITS:
             raise fail(f"unknown unit {unit!r} (one of: {', '.join(ROUND_UNITS)})", keys["unit"][1])
         fields["unit"] = unit
         if not any(base_group_name(n) in ROUND_GROUPS for n in compiled.groupindex):

@@ -22,6 +22,7 @@ excludes both).
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Unpack
@@ -48,7 +49,7 @@ from gateway.breakpoints import (
 from gateway.config import ModelConfig
 from gateway.errors import InvalidRequestError
 from gateway.request import ChatRequest
-from gateway.upstream_http import OpenedResponse, redact_url
+from gateway.upstream_http import OpenedResponse, UpstreamStreamCut, redact_url
 
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -168,7 +169,9 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             body["metadata"] = {"user_id": request.user}
         return body
 
-    def _headers(self, request: ChatRequest) -> dict[str, str]:
+    def headers_for(self, request: ChatRequest) -> dict[str, str]:
+        """The headers of an upstream call for ``request``: content type, ``anthropic-version``, ``x-api-key``
+        (when configured) and the forwarded client headers (``FORWARDED_HEADERS``)."""
         headers = {"content-type": "application/json", "anthropic-version": self.anthropic_version}
         if self.api_key:
             headers["x-api-key"] = self.api_key
@@ -180,7 +183,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
     async def _open(self, request: ChatRequest, stream: bool) -> OpenedResponse:
         body, _ = self.build_body(request, stream)
         return await self.post(
-            request.prefix_key or request.request_id, "/v1/messages", self._headers(request), body
+            request.prefix_key or request.request_id, "/v1/messages", self.headers_for(request), body
         )
 
     # ---- the backend stream ------------------------------------------------------------------------------------
@@ -202,11 +205,14 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         started = time.monotonic()
         if native and not request.stream:
             message = await self._message(request)
-            text = "".join(b.get("text", "") for b in message.get("content") or [] if b.get("type") == "text")
+            blocks = message.get("content") if isinstance(message.get("content"), list) else []
+            text = "".join(
+                str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text"
+            )
             yield NativeDelta(text=text, events=(message,))
             yield Finish(
                 FINISH_REASONS.get(message.get("stop_reason") or "", "stop"),
-                backend_usage_from_anthropic(message.get("usage") or {}),
+                backend_usage_from_anthropic(message["usage"] if isinstance(message.get("usage"), dict) else {}),
                 time.monotonic() - started,
                 {"native": True, "anthropic_stop_reason": message.get("stop_reason")},
             )
@@ -215,7 +221,12 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         try:
             reader = _EventReader()
             async for data in _anthropic_events(opened):
-                delta = reader.read(data)
+                try:
+                    delta = reader.read(data)
+                except (AttributeError, TypeError, ValueError):
+                    raise opened.cut(
+                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
+                    ) from None
                 if delta is not None and reader.ttft_s is None:
                     reader.ttft_s = time.monotonic() - started
                 if native:
@@ -231,15 +242,116 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             await opened.aclose()
 
     async def _message(self, request: ChatRequest) -> dict[str, Any]:
-        """The upstream's Message JSON for a non-streamed request."""
-        opened = await self._open(request, stream=False)
+        """The Message JSON for a non-streamed request, assembled from a streamed upstream call.
+
+        The upstream is always asked to stream: a non-streamed answer sends its first byte only when the whole
+        generation is done, so the read timeout (seconds between two bytes) would have to cover all of it and a
+        timeout, counted as a failure before the first byte, would be retried, running the generation again.
+        Streamed, the upstream's events (and its pings) keep every wait short. An upstream that answers a JSON
+        Message anyway (a proxy that ignores ``stream``) is read as one.
+        """
+        opened = await self._open(request, stream=True)
         try:
-            message = opened.json_object(await opened.read(), "an answer")
-            if message.get("type") != "message":
-                raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
-            return message
+            if opened.content_type != "text/event-stream":  # an upstream that answered JSON all the same
+                message = opened.json_object(await opened.read(), "an answer")
+                if message.get("type") != "message":
+                    raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
+                return message
+            builder = _MessageBuilder(opened)
+            async for data in _anthropic_events(opened):
+                try:
+                    builder.add(data)
+                except (AttributeError, TypeError, ValueError):
+                    raise opened.cut(
+                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
+                    ) from None
+            return builder.message()
         finally:
             await opened.aclose()
+
+
+class _MessageBuilder:
+    """Anthropic stream events -> the Message a non-streamed call returns (the accumulation the Anthropic SDKs do:
+    https://docs.anthropic.com/en/docs/build-with-claude/streaming, "Event types" and "Content block delta types").
+
+    Deltas: ``text_delta`` (appended to ``text``), ``input_json_delta`` (``partial_json`` pieces parsed into
+    ``input`` at ``content_block_stop``), ``thinking_delta``, ``signature_delta``, ``citations_delta`` (appended to
+    ``citations``). Blocks that arrive whole (server tool results) are kept as they come. A delta type this list
+    does not know raises a protocol cut rather than return a Message missing part of its content.
+    """
+
+    def __init__(self, opened: OpenedResponse) -> None:
+        self._opened = opened
+        self._message: dict[str, Any] | None = None
+        self._blocks: dict[int, dict[str, Any]] = {}
+        self._json: dict[int, str] = {}
+
+    def _fail(self, what: str) -> UpstreamStreamCut:
+        return self._opened.cut(f"cannot assemble the upstream's Message: {what}", kind="protocol")
+
+    def add(self, data: dict[str, Any]) -> None:
+        """Fold one event in (``ping`` and ``message_stop`` change nothing)."""
+        kind = data.get("type")
+        if kind == "message_start":
+            message = data.get("message")
+            if not isinstance(message, dict):
+                raise self._fail("message_start without a message")
+            self._message = {**message, "content": []}
+            return
+        if self._message is None:
+            if kind == "ping":
+                return
+            raise self._fail(f"{kind!r} before message_start")
+        index = data.get("index")
+        if kind == "content_block_start":
+            block = data.get("content_block")
+            if not isinstance(index, int) or not isinstance(block, dict):
+                raise self._fail("content_block_start without an index and a block")
+            self._blocks[index] = copy.deepcopy(block)
+        elif kind == "content_block_delta":
+            self._delta(index, data.get("delta"))
+        elif kind == "content_block_stop":
+            block = self._blocks.get(index)  # type: ignore[arg-type]
+            if block is None:
+                raise self._fail(f"content_block_stop for unknown block {index!r}")
+            if index in self._json:
+                text = self._json.pop(index)  # type: ignore[arg-type]
+                try:
+                    block["input"] = json.loads(text) if text else {}
+                except ValueError:
+                    raise self._fail(f"block {index} has tool input that is not JSON") from None
+        elif kind == "message_delta":
+            delta = data.get("delta") if isinstance(data.get("delta"), dict) else {}
+            self._message.update(delta)
+            usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+            merged = dict(self._message.get("usage") or {})
+            merged.update({k: v for k, v in usage.items() if v is not None})
+            self._message["usage"] = merged
+
+    def _delta(self, index: Any, delta: Any) -> None:
+        block = self._blocks.get(index) if isinstance(index, int) else None
+        if block is None or not isinstance(delta, dict):
+            raise self._fail(f"content_block_delta for unknown block {index!r}")
+        kind = delta.get("type")
+        if kind == "text_delta":
+            block["text"] = block.get("text", "") + str(delta.get("text", ""))
+        elif kind == "input_json_delta":
+            self._json[index] = self._json.get(index, "") + str(delta.get("partial_json", ""))
+        elif kind == "thinking_delta":
+            block["thinking"] = block.get("thinking", "") + str(delta.get("thinking", ""))
+        elif kind == "signature_delta":
+            block["signature"] = delta.get("signature", "")
+        elif kind == "citations_delta":
+            block.setdefault("citations", []).append(delta.get("citation"))
+        else:
+            raise self._fail(f"a delta of unknown type {kind!r} (stream the request to receive it)")
+
+    def message(self) -> dict[str, Any]:
+        """The assembled Message (after ``message_stop``)."""
+        if self._message is None:
+            raise self._fail("no message_start")
+        self._message["content"] = [self._blocks[i] for i in sorted(self._blocks)]
+        return self._message
 
 
 class _EventReader:

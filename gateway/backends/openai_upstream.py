@@ -185,6 +185,24 @@ def _counted_usage(request: ChatRequest, completion_text: str) -> BackendUsage:
     )
 
 
+def _chunk_choice(choice: dict[str, Any], kind: str) -> tuple[str, Any, str | None, dict[str, Any]]:
+    """One choice of a streamed chunk: (text, tool-call deltas, finish reason, finish extra).
+
+    Raises:
+        AttributeError / TypeError: the choice is not shaped like an OpenAI chunk choice (the caller turns that
+            into a protocol cut).
+    """
+    if kind == "completion":
+        text, calls = choice.get("text") or "", None
+    else:
+        delta = choice.get("delta") or {}
+        text, calls = delta.get("content") or "", delta.get("tool_calls")
+    if not isinstance(text, str) or not (calls is None or isinstance(calls, list)):
+        raise TypeError("content is not a string or tool_calls not a list")
+    finish = choice.get("finish_reason")
+    return text, calls, finish or None, _finish_extra(choice) if finish else {}
+
+
 def _finish_extra(choice: dict[str, Any]) -> dict[str, Any]:
     stop = choice.get("stop_reason")  # vLLM: the stop string that matched (or a token id)
     return {"stop_sequence": stop} if isinstance(stop, str) else {}
@@ -205,27 +223,31 @@ async def _events_from_sse(
             break
         chunk = opened.json_object(event.data, "a chunk")
         if chunk.get("error") is not None or chunk.get("object") == "error":
-            error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
+            raw_error = chunk.get("error")
+            if isinstance(raw_error, dict):
+                error = raw_error
+            elif isinstance(raw_error, str):  # {"error": "boom"} from some OpenAI-compatible servers
+                error = {"message": raw_error}
+            else:
+                error = chunk
             raise opened.cut(
                 f"the upstream reported an error mid-stream: {error.get('message', '')}",
                 upstream_error={"type": "api_error", **error},
             )
-        if isinstance(chunk.get("usage"), dict):
-            usage = backend_usage(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            if request.kind == "completion":
-                text, calls = choice.get("text") or "", None
-            else:
-                delta = choice.get("delta") or {}
-                text, calls = delta.get("content") or "", delta.get("tool_calls")
+        try:
+            if isinstance(chunk.get("usage"), dict):
+                usage = backend_usage(chunk["usage"])
+            pieces = [_chunk_choice(choice, request.kind) for choice in chunk.get("choices") or []]
+        except (AttributeError, TypeError, ValueError):
+            raise opened.cut("the upstream sent a chunk that is not a completion chunk", kind="protocol") from None
+        for text, calls, choice_finish, choice_extra in pieces:
             if text or calls:
                 if ttft is None:
                     ttft = time.monotonic() - started
                 text_parts.append(text)
                 yield Delta(text=text, tool_calls=calls)
-            if choice.get("finish_reason"):
-                finish_reason = choice["finish_reason"]
-                extra = _finish_extra(choice)
+            if choice_finish:
+                finish_reason, extra = choice_finish, choice_extra
     if finish_reason is None or not (done or usage is not None):
         raise opened.cut("the upstream stream ended before its final chunk")
     if usage is None:
@@ -243,19 +265,25 @@ async def _events_from_json(
     except (ValueError, KeyError, IndexError, TypeError):
         raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
     ttft = time.monotonic() - started
-    if request.kind == "completion":
-        text, calls = choice.get("text") or "", None
-    else:
-        message = choice.get("message") or {}
-        text = message.get("content") or ""
-        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or [])] or None
+    try:
+        if request.kind == "completion":
+            text, calls = choice.get("text") or "", None
+        else:
+            message = choice.get("message") or {}
+            text = message.get("content") or ""
+            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or [])] or None
+        if not isinstance(text, str):
+            raise TypeError("content is not a string")
+        usage = (
+            backend_usage(data["usage"]) if isinstance(data.get("usage"), dict) else _counted_usage(request, text)
+        )
+        extra = {**_finish_extra(choice), "replica": redact_url(opened.replica)}
+        reason = choice.get("finish_reason") or "stop"
+    except (AttributeError, TypeError, ValueError):
+        raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
     if text or calls:
         yield Delta(text=text, tool_calls=calls)
-    usage = (
-        backend_usage(data["usage"]) if isinstance(data.get("usage"), dict) else _counted_usage(request, text)
-    )
-    extra = {**_finish_extra(choice), "replica": redact_url(opened.replica)}
-    yield Finish(choice.get("finish_reason") or "stop", usage, ttft, extra)
+    yield Finish(reason, usage, ttft, extra)
 
 
 # ---- registry -----------------------------------------------------------------------------------------------

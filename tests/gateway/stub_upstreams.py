@@ -117,7 +117,9 @@ def openai_stub(state: StubState) -> Starlette:
         if status is not None:
             state.leave()
             return JSONResponse(
-                {"error": {"message": f"stub {state.name} failing", "type": "server_error"}}, status
+                {"error": {"message": f"stub {state.name} failing", "type": "server_error"}},
+                status,
+                headers={"retry-after": "120"} if status == 429 else None,  # longer than the gateway waits
             )
         prompt_tokens = fake_tokens(body["messages"])
         key = body.get("prompt_cache_key") or json.dumps(body["messages"][:1])

@@ -143,6 +143,10 @@ def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
         ("models: [{name: a, base_url: http://x}]\n", "models[0].base_url", "not a setting of backend 'embedded'"),
         ("models: [{name: a, backend: openai}]\n", "models[0].base_url", "URL"),
         ("models: [{name: a, backend: openai, base_url: ftp://x}]\n", "models[0].base_url[0]", "http://"),
+        ("models: [{name: a, backend: openai, base_url: 'http://[::1'}]\n", "models[0].base_url[0]", "not a valid URL"),
+        ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
+        (f"{OPENAI} api_key: 'sk-abc def'}}]\n", "models[0].api_key", "whitespace or control characters"),
+        (f"{OPENAI} api_key: '  '}}]\n", "models[0].api_key", "empty"),
         ("models: [{name: a, backend: openai, base_url: http://x, engine: {}}]\n", "models[0].engine", "not a setting"),
         ("models: [{name: a, backend: openai, base_url: http://x, prices: {input: -1}}]\n", "models[0].prices.input", ">= 0"),
         ("admin: {token: env:PREFIXGATE_TEST_UNSET_VARIABLE}\n", "admin.token", "PREFIXGATE_TEST_UNSET_VARIABLE"),
@@ -214,3 +218,13 @@ def test_readme_config_examples_load(monkeypatch):
     assert len(configs) >= 2
     remote = next(m for c in configs for m in c.models if m.backend == "anthropic")
     assert remote.min_cacheable_tokens == (("claude-sonnet-4-5", 1024),) and remote.ring.vnodes == 160
+
+
+def test_an_api_key_read_with_a_trailing_newline_is_stripped_and_a_bad_one_never_echoed(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXGATE_TEST_KEY", "sk-from-a-secret-file\n")
+    path = write(tmp_path, f"{OPENAI} api_key: env:PREFIXGATE_TEST_KEY}}]\n")
+    assert load_config(path).models[0].api_key == "sk-from-a-secret-file"
+    monkeypatch.setenv("PREFIXGATE_TEST_KEY", "sk-two\nlines")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.key == "models[0].api_key" and "sk-two" not in str(caught.value)

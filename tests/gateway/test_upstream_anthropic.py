@@ -206,15 +206,100 @@ async def test_native_non_stream_returns_the_message(http):
             "output_tokens": 2,
         },
     }
+    # an upstream (or a proxy) that answers a JSON Message although it was asked to stream
     route = respx.post(URL).mock(return_value=httpx.Response(200, json=message))
     events = await drain(
         backend(http).stream(
             anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False)
         )
     )
-    assert json.loads(route.calls.last.request.content)["stream"] is False
+    assert json.loads(route.calls.last.request.content)["stream"] is True
     assert events[0].events == (message,) and events[0].text == "Hello"
     assert events[-1].usage.cached_tokens == 1024 and events[-1].usage.prompt_tokens == 1029
+
+
+def anthropic_sse(events: list[dict]) -> bytes:
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+
+
+@respx.mock
+async def test_native_non_stream_is_streamed_upstream_and_assembled_into_the_message(http):
+    start = {"id": "msg_7", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5", "content": [],
+             "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": 5, "cache_read_input_tokens": 1024, "cache_creation_input_tokens": 0,
+                       "output_tokens": 1}}  # fmt: skip
+    cite = {"type": "char_location", "cited_text": "Paris", "document_index": 0, "start_char_index": 0,
+            "end_char_index": 5}  # fmt: skip
+    events = [
+        {"type": "message_start", "message": start},
+        {"type": "ping"},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "Let me "}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "look."}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig=="}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "It is "}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "citations_delta", "citation": cite}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Paris."}},
+        {"type": "content_block_stop", "index": 1},
+        {"type": "content_block_start", "index": 2,
+         "content_block": {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}},
+        {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": '{"word": '}},
+        {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": '"Paris"}'}},
+        {"type": "content_block_stop", "index": 2},
+        {"type": "content_block_start", "index": 3,
+         "content_block": {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}}},
+        {"type": "content_block_stop", "index": 3},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+         "usage": {"output_tokens": 42}},
+        {"type": "message_stop"},
+    ]  # fmt: skip
+    route = respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
+    got = await drain(
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False))
+    )
+    assert json.loads(route.calls.last.request.content)["stream"] is True
+    assert got[0].events == ({
+        **start,
+        "content": [
+            {"type": "thinking", "thinking": "Let me look.", "signature": "sig=="},
+            {"type": "text", "text": "It is Paris.", "citations": [cite]},
+            {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "Paris"}},
+            {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}},
+        ],
+        "stop_reason": "tool_use",
+        "usage": {**start["usage"], "output_tokens": 42},
+    },)  # fmt: skip
+    assert got[-1].finish_reason == "tool_calls" and got[-1].usage.completion_tokens == 42
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ([{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}],
+         "'content_block_start' before message_start"),
+        ([{"type": "message_start", "message": {"type": "message", "content": []}},
+          {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}],
+         "content_block_delta for unknown block 0"),
+        ([{"type": "message_start", "message": {"type": "message", "content": []}},
+          {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+          {"type": "content_block_delta", "index": 0, "delta": {"type": "hologram_delta", "x": 1}}],
+         "a delta of unknown type 'hologram_delta'"),
+        ([{"type": "message_start", "message": {"type": "message", "content": []}},
+          {"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "id": "t", "input": {}}},
+          {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{oops"}},
+          {"type": "content_block_stop", "index": 0}],
+         "block 0 has tool input that is not JSON"),
+    ],
+)  # fmt: skip
+async def test_a_stream_that_cannot_be_assembled_is_a_protocol_cut(http, events, message):
+    respx.post(URL).mock(return_value=sse_response(anthropic_sse([*events, {"type": "message_stop"}])))
+    request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=False)
+    with pytest.raises(UpstreamStreamCut, match=message) as info:
+        await drain(backend(http).stream(request))
+    assert (info.value.kind, info.value.status_code) == ("protocol", 502)
 
 
 # ---- translation (OpenAI face) ------------------------------------------------------------------------------
@@ -424,3 +509,18 @@ async def test_unreadable_answers_are_protocol_cuts(http, answer, stream, messag
     with pytest.raises(UpstreamStreamCut, match=message) as info:
         await drain(backend(http).stream(request))
     assert info.value.kind == "protocol" and info.value.status_code == 502
+
+
+@respx.mock
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_event_of_an_unexpected_shape_is_a_protocol_cut(http, stream):
+    events = [
+        {"type": "message_start", "message": {"type": "message", "content": [], "usage": "lots"}},
+        {"type": "content_block_start", "index": 0, "content_block": "text"},
+        {"type": "message_stop"},
+    ]
+    respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
+    request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=stream)
+    with pytest.raises(UpstreamStreamCut, match="event of an unexpected shape|content_block_start without") as info:
+        await drain(backend(http).stream(request))
+    assert (info.value.kind, info.value.status_code) == ("protocol", 502)

@@ -227,6 +227,10 @@ def test_upstream_overload_reaches_the_client_as_its_error(upstreams, ant, oai):
     states["openai"].fail_next = [500]  # one failure, then the retry succeeds
     answer = oai.chat.completions.create(model="oa", messages=[{"role": "user", "content": "retry me"}])
     assert answer.choices[0].message.content == "served by OAI"
+    states["openai"].fail_next = [429]  # Retry-After: 120, longer than the gateway waits: passed on at once
+    with pytest.raises(openai.RateLimitError) as limited:
+        oai.chat.completions.create(model="oa", messages=[{"role": "user", "content": "later"}])
+    assert limited.value.response.headers["retry-after"] == "120"
 
 
 def test_a_stream_cut_mid_way_ends_with_an_error_event(upstreams, ant, oai):

@@ -255,20 +255,36 @@ async def test_transport_failures_are_typed_and_redacted(http, failure, expected
 async def test_4xx_is_not_retried_and_passes_through_with_the_key_redacted(http):
     upstream_error = {
         "error": {
-            "message": f"Incorrect API key provided: {API_KEY}.",
+            "message": f"This model's maximum context length is 4096 tokens (request sent with key {API_KEY}).",
             "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
+            "param": "messages",
+            "code": "context_length_exceeded",
         }
     }
-    route = respx.post(URL).mock(return_value=httpx.Response(401, json=upstream_error))
+    route = respx.post(URL).mock(return_value=httpx.Response(400, json=upstream_error))
     with pytest.raises(UpstreamCallError) as info:
         await drain(backend(http).stream(chat_request(MESSAGES)))
     assert route.call_count == 1
     error = info.value
-    assert error.status_code == 401 and error.code == "invalid_api_key"
+    assert (error.status_code, error.code, error.param) == (400, "context_length_exceeded", "messages")
     assert API_KEY not in error.message and API_KEY not in json.dumps(error.openai_body())
     assert API_KEY not in json.dumps(error.upstream_error)
+
+
+@pytest.mark.parametrize("status", [401, 403])
+@respx.mock
+async def test_the_upstream_refusing_the_gateway_key_is_a_502_not_the_clients_401(http, status):
+    upstream_error = {"error": {"message": f"Incorrect API key provided: {API_KEY}.", "type": "invalid_request_error",
+                                "param": None, "code": "invalid_api_key"}}  # fmt: skip
+    route = respx.post(URL).mock(return_value=httpx.Response(status, json=upstream_error))
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http).stream(chat_request(MESSAGES)))
+    error = info.value
+    assert route.call_count == 1 and not error.retryable
+    assert (error.status_code, error.kind, error.code, error.error_type) == (
+        502, "upstream_auth", "upstream_auth_failed", "server_error")  # fmt: skip
+    assert "refused the gateway's credentials" in error.message and "check api_key" in error.message
+    assert API_KEY not in error.message and API_KEY not in json.dumps(error.openai_body())
 
 
 @respx.mock
@@ -421,10 +437,86 @@ async def test_factory_passes_prompt_cache_key_and_ring_settings():
 @respx.mock
 @pytest.mark.parametrize(
     ("stream", "message"),
-    [(b"data: {oops\n\n", "a chunk that is not JSON"), (b'data: "text"\n\n', "a chunk that is not a JSON object")],
+    [
+        (b"data: {oops\n\n", "a chunk that is not JSON"),
+        (b'data: "text"\n\n', "a chunk that is not a JSON object"),
+        (b'data: {"choices": ["x"]}\n\n', "a chunk that is not a completion chunk"),
+        (b'data: {"choices": [{"delta": {"content": 5}}]}\n\n', "a chunk that is not a completion chunk"),
+        (b'data: {"choices": [{"delta": "hi"}]}\n\n', "a chunk that is not a completion chunk"),
+    ],
 )
 async def test_unreadable_chunks_are_protocol_cuts(http, stream, message):
     respx.post(URL).mock(return_value=sse_response(stream))
     with pytest.raises(UpstreamStreamCut, match=message) as info:
         await drain(backend(http).stream(chat_request(MESSAGES)))
     assert info.value.kind == "protocol"
+
+
+def test_a_header_error_never_quotes_the_key():
+    from gateway.upstream_http import _transport_failure, redact
+
+    key = "hunter2-secret\n"
+    exc = httpx.LocalProtocolError(f"Illegal header value {('Bearer ' + key).encode()!r}")
+    status, kind, message = _transport_failure(exc, "http://vllm-a:8000/v1")
+    assert (status, kind) == (502, "protocol") and "hunter2" not in message and "LocalProtocolError" in message
+    # and redact() removes a key in the forms an exception text shows it: verbatim, stripped, repr-escaped
+    for shown in (key, key.strip(), "hunter2-secret\\n"):
+        assert "hunter2" not in redact(f"boom: {shown!s}", [key])
+
+
+@respx.mock
+async def test_a_replica_url_httpx_cannot_parse_is_a_typed_error_and_releases_its_lease(http):
+    be = backend(http, urls=("http://[::1",), retries=0)
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(be.stream(chat_request(MESSAGES)))
+    assert (info.value.status_code, info.value.kind) == (502, "protocol")
+    assert be.upstream.ring.inflight["http://[::1"] == 0
+
+
+@respx.mock
+async def test_a_body_that_cannot_be_decoded_is_a_typed_502(http):
+    bad_gzip = {"content-encoding": "gzip", "content-type": "application/json"}
+    route = respx.post(URL).mock(return_value=httpx.Response(200, headers=bad_gzip, stream=httpx.ByteStream(b"not gzip at all")))
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http, retries=1).stream(chat_request(MESSAGES)))
+    assert (info.value.status_code, info.value.kind, route.call_count) == (502, "protocol", 1)
+
+
+@respx.mock
+async def test_a_redirect_is_a_502_naming_the_location_not_a_success(http):
+    moved = httpx.Response(301, headers={"location": "https://vllm-a:8000/v1/chat/completions"})
+    route = respx.post(URL).mock(return_value=moved)
+    be = backend(http, retries=2)
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(be.stream(chat_request(MESSAGES)))
+    error = info.value
+    assert (error.status_code, error.kind, route.call_count) == (502, "protocol", 1)
+    assert "answered 301 (Location: https://vllm-a:8000/v1/chat/completions); check base_url" in error.message
+    assert be.upstream.ring.snapshot()[BASE] == {"state": "up", "inflight": 0, "failures": 0}
+
+
+@respx.mock
+async def test_an_upstream_504_is_a_retried_504(http):
+    route = respx.post(URL).mock(return_value=httpx.Response(504, json={"error": "gateway timeout"}))
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http, retries=1).stream(chat_request(MESSAGES)))
+    assert (info.value.status_code, info.value.kind, route.call_count) == (504, "timeout", 2)
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    "answer",
+    [{"choices": [{"message": "hi"}]}, {"choices": [{"message": {"content": ["a"]}}]}, {"choices": ["x"]}],
+)
+async def test_a_json_answer_not_shaped_like_a_completion_is_a_protocol_cut(http, answer):
+    respx.post(URL).mock(return_value=httpx.Response(200, json=answer))
+    with pytest.raises(UpstreamStreamCut, match="the upstream answered JSON that is not a completion") as info:
+        await drain(backend(http).stream(chat_request(MESSAGES)))
+    assert (info.value.kind, info.value.status_code) == ("protocol", 502)
+
+
+@respx.mock
+async def test_a_string_error_mid_stream_keeps_its_text(http):
+    respx.post(URL).mock(return_value=sse_response(sse_body([chunk({"content": "Sun"}), {"error": "boom"}], done=False)))
+    with pytest.raises(UpstreamStreamCut, match="the upstream reported an error mid-stream: boom"):
+        await drain(backend(http).stream(chat_request(MESSAGES)))

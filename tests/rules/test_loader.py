@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rules import RuleError, RuleSet, list_packs, load_ruleset
-from tests.rules.helpers import write_rules
+from tests.rules.helpers import ruleset_from, write_rules
 
 
 def load_error(tmp_path: Path, body: str) -> tuple[RuleError, Path]:
@@ -387,7 +387,42 @@ def test_include_missing_and_cycle(tmp_path: Path) -> None:
     write_rules(tmp_path, "include: [a.yaml]\nrules: []\n", "b.yaml")
     with pytest.raises(RuleError) as info:
         load_ruleset([str(tmp_path / "a.yaml")])
-    assert "include cycle" in info.value.reason
+    # reported where the cycle closes: b.yaml's include entry, line 1
+    assert_error(info.value, tmp_path / "b.yaml", 1, None, "include cycle: ")
+    assert info.value.reason.endswith(f"{tmp_path / 'a.yaml'} -> {tmp_path / 'b.yaml'} -> {tmp_path / 'a.yaml'}")
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "rule_id", "words"),
+    [
+        ("rules:\n  - id: r1\n    description: 2024-02-30\n    match: {pattern: 'x'}\n    action: drop\n",
+         3, "r1", "bad value: day is out of range for month"),
+        ("rules:\n  - id: r1\n    match: {pattern: !re 'x'}\n    action: drop\n",
+         3, "r1", "bad value: could not determine a constructor for the tag '!re'"),
+        ("patterns:\n  2024-02-30: 'x'\nrules: []\n", 2, None, "bad value: day is out of range for month"),
+        ("rules:\n  - id: r1\n    match: {pattern: '(?P<day>\\d+)'}\n    action: round\n    unit: [day]\n",
+         5, "r1", "unknown unit ['day']"),
+        ("rules:\n  - id: r1\n    <<: 5\n    match: {pattern: 'x'}\n    action: drop\n", 2, "r1", "bad merge key"),
+    ],
+)  # fmt: skip
+def test_values_yaml_cannot_build_name_file_line_and_rule(tmp_path: Path, body, line, rule_id, words) -> None:
+    error, path = load_error(tmp_path, body)
+    assert_error(error, path, line, rule_id, words)
+
+
+def test_yaml_merge_keys_share_rule_defaults(tmp_path: Path) -> None:
+    rules = ruleset_from(tmp_path, """
+        rules:
+          - &base
+            id: r1
+            match: {pattern: 'x+'}
+            action: drop
+          - <<: *base
+            id: r2
+            match: {pattern: 'y+'}
+        """)
+    # r2 takes r1's action from the merge and overrides its id and match
+    assert [(r.id, r.action, r.pattern_source) for r in rules.rules] == [("r1", "drop", "x+"), ("r2", "drop", "y+")]
 
 
 def test_bad_placement_override() -> None:
