@@ -1,11 +1,11 @@
 """transformers as the reference of ``bench.engine``, in a process of its own.
 
-Two engines in one process share its heap: whichever ran last decides whether the other's next multi-megabyte
-activation comes back from the heap or from a fresh, page-faulting ``mmap`` (see ``engine.host_memory``). On the
-2-core reference machine that moved our cold TTFT from 1.15 s to 1.45-1.65 s when transformers ran between our
-runs, and transformers' own from 1.28 s to 1.14 s when it ran after ours. So the benchmark runs transformers in
-this worker, each system with its own process and its own settings, as each would be deployed, while the
-parent still interleaves the two run by run so load from other processes hits both alike.
+Two engines in one process share its heap (glibc malloc): what one frees and what the allocator gives back to
+the system decide whether the other's next multi-megabyte activation comes from the heap or from a fresh,
+page-faulting ``mmap``. On the 2-core reference machine that moved our cold TTFT from 1.15 s to 1.45-1.65 s when
+transformers ran between our runs, and transformers' own from ~1.3 s to ~1.15 s when it ran after ours. So the
+benchmark runs transformers in this worker, each system in its own process as each would be deployed, while
+the parent still interleaves the two run by run so load from other processes hits both alike.
 
 Protocol: JSON lines. The parent starts ``python -m bench.hf_reference MODEL.gguf --threads N`` and writes
 ``{"op": "ttft", "prompt": [ids]}`` or ``{"op": "decode", "prompt": [ids], "new": 64}``; the worker answers

@@ -139,8 +139,6 @@ class EngineConfig:
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
-        tune_host_allocator: on CPU under glibc, keep freed activation buffers in the process heap
-            (``engine.host_memory``) so step times do not depend on the allocator's history.
     """
 
     block_size: int = 16
@@ -155,7 +153,6 @@ class EngineConfig:
     max_wait_s: float = 2.0
     device: str = "auto"
     num_threads: int | None = None
-    tune_host_allocator: bool = True
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, 
 from engine.block_hash import HashFn, hash_block, hash_request_blocks
 from engine.detokenizer import Decoder, OutputText
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.host_memory import tune_host_allocator
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
@@ -145,8 +144,6 @@ class LLMEngine:
                 "(the checkpoint's context window)"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if config.tune_host_allocator and model.device.type == "cpu":
-            tune_host_allocator()
         if eos_token_ids is None:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
         self.eos_token_ids = frozenset(eos_token_ids)

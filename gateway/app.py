@@ -158,7 +158,7 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
     )
     headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthenticationError) else {}
     retry_after = getattr(error, "retry_after_s", None)
-    if isinstance(retry_after, int | float) and retry_after >= 0:  # an upstream's Retry-After, passed on (RFC 9110)
+    if isinstance(retry_after, int | float) and 0 <= retry_after < 10**9:  # an upstream's Retry-After (RFC 9110)
         headers["retry-after"] = str(math.ceil(retry_after))
     body = error_shape_for(http_request.url.path)(error)
     return JSONResponse(body, status_code=error.status_code, headers=headers or None)

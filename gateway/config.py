@@ -298,14 +298,14 @@ def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None)
 
 def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
     """``api_key`` with surrounding whitespace removed (a secret file or ``echo`` leaves a newline); a key with
-    whitespace or control characters inside is refused, without echoing it (it would go out as an HTTP header
-    the client library rejects, with the key in the error text)."""
+    whitespace, control or non-ASCII characters inside is refused, without echoing it (it goes out as an HTTP
+    header, which the client library would reject at the first call, quoting the key)."""
     key = reader.typed(raw, where, "api_key", str | None, None)
     if key is None:
         return None
     key = key.strip()
-    if not key or any(ch.isspace() or not ch.isprintable() for ch in key):
-        reader.fail(f"{where}.api_key", "the key is empty or has whitespace or control characters inside")
+    if not key or any(ch.isspace() or not ch.isprintable() or not ch.isascii() for ch in key):
+        reader.fail(f"{where}.api_key", "the key is empty or has whitespace, control or non-ASCII characters inside")
     return key
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import math
 import random
 import re
 import time
@@ -204,12 +205,12 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # "inf", "nan" or "1e400" is not a delay anyone can wait for
+        return max(seconds, 0.0) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):

@@ -205,26 +205,41 @@ def _located(error: RuleError, file: str, rule_id: str | None = None) -> RuleErr
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _flatten_merges(node: yaml.MappingNode, rule_id: str | None) -> None:
-    """Apply YAML merge keys (``<<: *defaults``, https://yaml.org/type/merge.html) in place: the merged pairs
-    are added unless the mapping sets the key itself (or an earlier merged mapping did)."""
+def _flatten_merges(node: yaml.MappingNode, rule_id: str | None, _active: tuple[int, ...] = ()) -> None:
+    """Apply YAML merge keys in place (https://yaml.org/type/merge.html): ``<<: *defaults`` or ``<<: [*a, *b]``
+    adds the merged mappings' pairs; the mapping's own keys win over merged ones and, in a list, an earlier
+    mapping wins over a later one. A merged mapping has its own merge keys applied first.
+
+    Raises:
+        RuleError (without a file; ``_located`` adds it): a merge value that is not a mapping or a list of
+            mappings, a merged key that is not a plain scalar, or a mapping that merges itself.
+    """
     if not any(key.tag == _MERGE_TAG for key, _ in node.value):
         return
-    own_pairs = [(key, value) for key, value in node.value if key.tag != _MERGE_TAG]
-    own = {key.value for key, _ in own_pairs if isinstance(key, yaml.ScalarNode)}
-    try:
-        yaml.SafeLoader("").flatten_mapping(node)  # node.value becomes merged pairs + own pairs
-    except yaml.YAMLError as e:
-        # no file: ``_located`` adds it, with the rule id when the mapping is a rule
-        raise RuleError(f"bad merge key: {getattr(e, 'problem', None) or e}", None, _line(node), rule_id) from None
-    seen: set[Any] = set()
-    merged = []
-    for key, value in node.value[: len(node.value) - len(own_pairs)]:
-        if key.value in own or key.value in seen:
-            continue
-        seen.add(key.value)
-        merged.append((key, value))
-    node.value = merged + own_pairs
+    if id(node) in _active:
+        raise RuleError("bad merge key: a mapping merges itself", None, _line(node), rule_id)
+    own: list[tuple[yaml.Node, yaml.Node]] = []
+    sources: list[yaml.MappingNode] = []
+    for key, value in node.value:
+        if key.tag != _MERGE_TAG:
+            own.append((key, value))
+        elif isinstance(value, yaml.MappingNode):
+            sources.append(value)
+        elif isinstance(value, yaml.SequenceNode) and all(isinstance(v, yaml.MappingNode) for v in value.value):
+            sources.extend(value.value)
+        else:
+            raise RuleError("bad merge key: expected a mapping or a list of mappings", None, _line(value), rule_id)
+    seen = {key.value for key, _ in own if isinstance(key, yaml.ScalarNode)}
+    merged: list[tuple[yaml.Node, yaml.Node]] = []
+    for source in sources:
+        _flatten_merges(source, rule_id, (*_active, id(node)))
+        for key, value in source.value:
+            if not isinstance(key, yaml.ScalarNode):
+                raise RuleError("bad merge key: merged keys must be strings", None, _line(key), rule_id)
+            if key.value not in seen:
+                seen.add(key.value)
+                merged.append((key, value))
+    node.value = merged + own
 
 
 def _mapping(node: yaml.Node, file: str, rule_id: str | None, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:

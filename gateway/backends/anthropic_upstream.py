@@ -22,10 +22,11 @@ excludes both).
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Unpack
+
+import jiter
 
 from gateway.anthropic_face import (
     FINISH_REASONS,
@@ -36,7 +37,7 @@ from gateway.anthropic_face import (
     openai_to_anthropic,
     openai_to_anthropic_tool_choice,
 )
-from gateway.backends.base import BackendEvent, Delta, Finish
+from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
 from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.breakpoints import (
@@ -204,7 +205,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         native = request.protocol == "anthropic" and bool(request.body)
         started = time.monotonic()
         if native and not request.stream:
-            message = await self._message(request)
+            message, usage = await self._message(request)
             blocks = message.get("content") if isinstance(message.get("content"), list) else []
             text = "".join(
                 str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text"
@@ -212,7 +213,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             yield NativeDelta(text=text, events=(message,))
             yield Finish(
                 FINISH_REASONS.get(message.get("stop_reason") or "", "stop"),
-                backend_usage_from_anthropic(message["usage"] if isinstance(message.get("usage"), dict) else {}),
+                usage,
                 time.monotonic() - started,
                 {"native": True, "anthropic_stop_reason": message.get("stop_reason")},
             )
@@ -237,12 +238,16 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                     )
                 elif delta is not None:
                     yield delta
-            yield reader.finish(opened.replica, native)
+            try:
+                finish = reader.finish(opened.replica, native)
+            except (TypeError, ValueError):  # a stop_reason that is not a string, usage counts that are not ints
+                raise opened.cut("the upstream sent a malformed stop_reason or usage", kind="protocol") from None
+            yield finish
         finally:
             await opened.aclose()
 
-    async def _message(self, request: ChatRequest) -> dict[str, Any]:
-        """The Message JSON for a non-streamed request, assembled from a streamed upstream call.
+    async def _message(self, request: ChatRequest) -> tuple[dict[str, Any], BackendUsage]:
+        """The Message JSON for a non-streamed request, assembled from a streamed upstream call, and its usage.
 
         The upstream is always asked to stream: a non-streamed answer sends its first byte only when the whole
         generation is done, so the read timeout (seconds between two bytes) would have to cover all of it and a
@@ -256,7 +261,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 message = opened.json_object(await opened.read(), "an answer")
                 if message.get("type") != "message":
                     raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
-                return message
+                return message, _checked_usage(opened, message)
             builder = _MessageBuilder(opened)
             async for data in _anthropic_events(opened):
                 try:
@@ -265,9 +270,23 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                     raise opened.cut(
                         f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
                     ) from None
-            return builder.message()
+            message = builder.message()
+            return message, _checked_usage(opened, message)
         finally:
             await opened.aclose()
+
+
+def _checked_usage(opened: OpenedResponse, message: dict[str, Any]) -> BackendUsage:
+    """The usage of a Message; a cut (protocol, 502) when its ``stop_reason`` is not a string or its usage counts
+    are not integers."""
+    stop = message.get("stop_reason")
+    usage = message.get("usage")
+    try:
+        if stop is not None and not isinstance(stop, str):
+            raise TypeError("stop_reason")
+        return backend_usage_from_anthropic(usage if isinstance(usage, dict) else {})
+    except (TypeError, ValueError):
+        raise opened.cut("the upstream sent a malformed stop_reason or usage", kind="protocol") from None
 
 
 class _MessageBuilder:
@@ -275,7 +294,8 @@ class _MessageBuilder:
     https://docs.anthropic.com/en/docs/build-with-claude/streaming, "Event types" and "Content block delta types").
 
     Deltas: ``text_delta`` (appended to ``text``), ``input_json_delta`` (``partial_json`` pieces parsed into
-    ``input`` at ``content_block_stop``), ``thinking_delta``, ``signature_delta``, ``citations_delta`` (appended to
+    ``input`` at ``content_block_stop``, in jiter's partial mode as the SDKs do, so an input cut short by
+    ``max_tokens`` keeps its complete members), ``thinking_delta``, ``signature_delta``, ``citations_delta`` (appended to
     ``citations``). Blocks that arrive whole (server tool results) are kept as they come. A delta type this list
     does not know raises a protocol cut rather than return a Message missing part of its content.
     """
@@ -317,7 +337,9 @@ class _MessageBuilder:
             if index in self._json:
                 text = self._json.pop(index)  # type: ignore[arg-type]
                 try:
-                    block["input"] = json.loads(text) if text else {}
+                    # partial mode, as the Anthropic SDKs parse it: a tool input cut short by max_tokens keeps
+                    # its complete members (the stop reason says it was cut) instead of failing the answer
+                    block["input"] = jiter.from_json(text.encode(), partial_mode=True) if text else {}
                 except ValueError:
                     raise self._fail(f"block {index} has tool input that is not JSON") from None
         elif kind == "message_delta":
@@ -342,7 +364,7 @@ class _MessageBuilder:
         elif kind == "signature_delta":
             block["signature"] = delta.get("signature", "")
         elif kind == "citations_delta":
-            block.setdefault("citations", []).append(delta.get("citation"))
+            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]  # a start may say null
         else:
             raise self._fail(f"a delta of unknown type {kind!r} (stream the request to receive it)")
 
@@ -403,6 +425,8 @@ class _EventReader:
             extra["anthropic_stop_reason"] = self.stop_reason
         if self.stop_sequence:
             extra["stop_sequence"] = self.stop_sequence
+        if self.stop_reason is not None and not isinstance(self.stop_reason, str):
+            raise TypeError(f"stop_reason {self.stop_reason!r} is not a string")
         reason = FINISH_REASONS.get(self.stop_reason or "", "stop")
         return Finish(reason, backend_usage_from_anthropic(self.usage), self.ttft_s, extra)
 

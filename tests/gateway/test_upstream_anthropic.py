@@ -524,3 +524,51 @@ async def test_an_event_of_an_unexpected_shape_is_a_protocol_cut(http, stream):
     with pytest.raises(UpstreamStreamCut, match="event of an unexpected shape|content_block_start without") as info:
         await drain(backend(http).stream(request))
     assert (info.value.kind, info.value.status_code) == ("protocol", 502)
+
+
+@respx.mock
+async def test_a_tool_input_cut_by_max_tokens_and_null_citations_still_assemble(http):
+    start = {"id": "msg_8", "type": "message", "role": "assistant", "model": "m", "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}
+    cite = {"type": "char_location", "cited_text": "x", "document_index": 0, "start_char_index": 0,
+            "end_char_index": 1}
+    events = [
+        {"type": "message_start", "message": start},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": "", "citations": None}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "citations_delta", "citation": cite}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "content_block_start", "index": 1,
+         "content_block": {"type": "tool_use", "id": "toolu_9", "name": "trip", "input": {}}},
+        {"type": "content_block_delta", "index": 1,
+         "delta": {"type": "input_json_delta", "partial_json": '{"city": "Paris", "days": [1, 2'}},
+        {"type": "content_block_stop", "index": 1},
+        {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+         "usage": {"output_tokens": 16}},
+        {"type": "message_stop"},
+    ]  # fmt: skip
+    respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
+    got = await drain(
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False))
+    )
+    content = got[0].events[0]["content"]
+    assert content[0] == {"type": "text", "text": "", "citations": [cite]}
+    assert content[1]["input"] == {"city": "Paris", "days": [1, 2]}  # complete members kept, as the SDKs do
+    assert got[-1].finish_reason == "length"
+
+
+@respx.mock
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    "message_delta",
+    [{"delta": {"stop_reason": ["end_turn"]}, "usage": {"output_tokens": 1}},
+     {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": "five"}}],
+)  # fmt: skip
+async def test_a_malformed_stop_reason_or_usage_is_a_protocol_cut(http, stream, message_delta):
+    start = {"id": "m", "type": "message", "role": "assistant", "model": "m", "content": [], "usage": {}}
+    events = [{"type": "message_start", "message": start}, {"type": "message_delta", **message_delta},
+              {"type": "message_stop"}]  # fmt: skip
+    respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
+    request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=stream)
+    with pytest.raises(UpstreamStreamCut, match="malformed stop_reason or usage") as info:
+        await drain(backend(http).stream(request))
+    assert (info.value.kind, info.value.status_code) == ("protocol", 502)

@@ -402,7 +402,10 @@ def test_include_missing_and_cycle(tmp_path: Path) -> None:
         ("patterns:\n  2024-02-30: 'x'\nrules: []\n", 2, None, "bad value: day is out of range for month"),
         ("rules:\n  - id: r1\n    match: {pattern: '(?P<day>\\d+)'}\n    action: round\n    unit: [day]\n",
          5, "r1", "unknown unit ['day']"),
-        ("rules:\n  - id: r1\n    <<: 5\n    match: {pattern: 'x'}\n    action: drop\n", 2, "r1", "bad merge key"),
+        ("rules:\n  - id: r1\n    <<: 5\n    match: {pattern: 'x'}\n    action: drop\n", 3, "r1",
+         "bad merge key: expected a mapping or a list of mappings"),
+        ("rules:\n  - id: r1\n    <<: {? [k1, k2] : 1}\n    match: {pattern: 'x'}\n    action: drop\n", 3, "r1",
+         "bad merge key: merged keys must be strings"),
     ],
 )  # fmt: skip
 def test_values_yaml_cannot_build_name_file_line_and_rule(tmp_path: Path, body, line, rule_id, words) -> None:
@@ -423,6 +426,21 @@ def test_yaml_merge_keys_share_rule_defaults(tmp_path: Path) -> None:
         """)
     # r2 takes r1's action from the merge and overrides its id and match
     assert [(r.id, r.action, r.pattern_source) for r in rules.rules] == [("r1", "drop", "x+"), ("r2", "drop", "y+")]
+
+
+def test_yaml_merge_precedence_own_keys_then_list_order_then_nested(tmp_path: Path) -> None:
+    rules = ruleset_from(tmp_path, """
+        rules:
+          - &a {id: a, match: {pattern: 'a+'}, action: drop}
+          - &b {id: b, match: {pattern: 'b+'}, action: drop, description: from b}
+          - <<: [*a, *b]
+            id: list
+          - <<: {<<: *a, match: {pattern: 'z+'}}
+            id: nested
+        """)
+    got = {r.id: (r.pattern_source, r.description) for r in rules.rules}
+    assert got["list"] == ("a+", "from b")  # the earlier mapping of the list wins; b adds what a lacks
+    assert got["nested"] == ("z+", "")  # the inner mapping's own key wins over its own merge
 
 
 def test_bad_placement_override() -> None:
