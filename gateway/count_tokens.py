@@ -55,11 +55,10 @@ from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 from gateway.body import read_json_object
 from gateway.breakpoints import default_counter
 from gateway.errors import ServiceUnavailableError, from_engine_error
-from gateway.pipeline import begin, request_id_of, started_at
+from gateway.pipeline import begin, canonicalize, request_id_of, started_at
 from gateway.request import ChatRequest
 from gateway.request_log import RequestRecord, log_request
-from gateway.routing import prefix_key
-from gateway.state import Gateway, gateway_of
+from gateway.state import gateway_of
 
 PATH = "/v1/messages/count_tokens"
 COUNTED_BY_HEADER = "x-prefixgate-counted-by"
@@ -98,18 +97,6 @@ def parse_count_body(body: Any, request_id: str = "") -> ChatRequest:
     request = parse_messages_body(body, request_id=request_id, require_max_tokens=False)
     request.stream = False
     return request
-
-
-def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
-    """Apply the configured rules (``gateway.canonical``; none with ``x-prefixgate-rules: off``) and set the prefix
-    key, as ``gateway.pipeline.open_stream`` does for a completion, without recording anything in the stats.
-
-    Raises:
-        InvalidRequestError: a request shape the rules refuse.
-    """
-    gateway.canonicalizer.apply(request)
-    material = gateway.canonicalizer.stable_material(request)
-    request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
 
 
 async def count_request(backend: Backend, request: ChatRequest) -> TokenCount:

@@ -65,6 +65,18 @@ def started_at(http_request: Request) -> float:
     return getattr(http_request.state, "started_at", None) or time.monotonic()
 
 
+def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
+    """Apply the configured rules to ``request`` (none with ``x-prefixgate-rules: off``) and set its prefix key
+    (``gateway.routing.prefix_key`` of the stable material; "" when there is none). Records nothing in the stats.
+
+    Raises:
+        InvalidRequestError: a request shape the rules refuse.
+    """
+    gateway.canonicalizer.apply(request)
+    material = gateway.canonicalizer.stable_material(request)
+    request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
+
+
 async def open_stream(gateway: Gateway, request: ChatRequest, http_request: Request) -> OpenedStream:
     """Canonicalize ``request``, compute its prefix key, and open its backend stream up to the first event.
 
@@ -73,10 +85,8 @@ async def open_stream(gateway: Gateway, request: ChatRequest, http_request: Requ
         APIError: whatever the backend raises before its first event (engine errors are mapped).
     """
     backend = gateway.registry.get(request.model)
-    gateway.canonicalizer.apply(request)
+    canonicalize(gateway, request)
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
-    material = gateway.canonicalizer.stable_material(request)
-    request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
     iterator = backend.stream(request)
     try:
         first = await anext(iterator)
