@@ -9,13 +9,12 @@ on prefill). Run: ``python -m bench.model_forward``. Prints a table, then one JS
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import time
-from pathlib import Path
 
 import torch
 
+from bench.hf_reference import load_transformers
 from engine.attention import AttentionMetadata
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.model import allocate_kv_cache
@@ -75,12 +74,7 @@ def ours(ck, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
 
 
 def transformers_times(path: str, vocab: int, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM
-
-    p = Path(path)
-    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    new_api = "cache" in inspect.signature(hf.forward).parameters
-    key = "cache" if new_api else "past_key_values"
+    hf, key = load_transformers(path)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, vocab, (1, prompt_len), generator=g)
     out = {}
