@@ -503,7 +503,7 @@ async def _attempt(
 ) -> OpenedResponse | UpstreamCallError:
     """One attempt: an ``OpenedResponse`` on success, else the error (the lease is still held by the caller)."""
     secrets = upstream.secrets
-    where = lease.replica
+    where = "(a replica whose URL cannot be parsed)"  # never the raw URL: it may hold user:password@
     response: httpx.Response | None = None
     try:
         where = redact_url(lease.replica)

@@ -466,11 +466,13 @@ def test_a_header_error_never_quotes_the_key():
 
 @respx.mock
 async def test_a_replica_url_httpx_cannot_parse_is_a_typed_error_and_releases_its_lease(http):
-    be = backend(http, urls=("http://[::1",), retries=0)
+    url = "http://user:s3cret-pass@[::1"
+    be = backend(http, urls=(url,), retries=0)
     with pytest.raises(UpstreamCallError) as info:
         await drain(be.stream(chat_request(MESSAGES)))
     assert (info.value.status_code, info.value.kind) == (502, "protocol")
-    assert be.upstream.ring.inflight["http://[::1"] == 0
+    assert "s3cret-pass" not in info.value.message and "cannot be parsed" in info.value.message
+    assert be.upstream.ring.inflight[url] == 0
 
 
 @respx.mock
