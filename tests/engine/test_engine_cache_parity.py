@@ -29,13 +29,14 @@ def run_alone_uncached(ckpt, prompt: list[int], n_new: int = N_NEW) -> tuple[lis
     return req.output_token_ids, torch.stack(eng.logits_log[req.request_id])
 
 
-def assert_same(ckpt, eng, req, prompt, n_new: int = N_NEW, relative: bool = False) -> None:
-    """Same greedy tokens; logits within ``ATOL`` (``relative``: within ``ATOL * max |logit|`` of the reference,
-    for a real model whose fp32 matmuls round differently with the number of rows)."""
+def assert_same(ckpt, eng, req, prompt, n_new: int = N_NEW) -> None:
+    """Same greedy tokens; logits within ``ATOL * max |logit|`` of the reference. fp32 GEMMs round differently
+    with the number of rows on some CPUs (seen on AMD EPYC with MKL: 1.1e-5 absolute on logits of magnitude ~46
+    for the tiny checkpoints), so a flat absolute bound is machine-dependent; a relative one is not."""
     ref_tokens, ref_logits = run_alone_uncached(ckpt, prompt, n_new)
     assert req.output_token_ids == ref_tokens
     logits = torch.stack(eng.logits_log[req.request_id])
-    tol = ATOL * float(ref_logits.abs().max()) if relative else ATOL
+    tol = ATOL * float(ref_logits.abs().max())
     torch.testing.assert_close(logits[0], ref_logits[0], atol=tol, rtol=0)  # the last prompt position
     torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
 
@@ -128,4 +129,4 @@ def test_smollm2_cached_system_prompt_matches_uncached():
     req = eng.add_request(second, greedy(N_NEW))
     eng.run_to_completion()
     assert req.num_cached_tokens >= 96
-    assert_same(ckpt, eng, req, second, relative=True)
+    assert_same(ckpt, eng, req, second)
