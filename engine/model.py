@@ -26,11 +26,11 @@ from torch import nn
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
 from engine.linear import DenseWeight, LinearWeight
-from engine.model_config import ModelConfig
+from engine.arch_config import ArchConfig
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    config: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
     """The block pool's KV tensor, zero-filled.
 
@@ -44,7 +44,7 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim / 2]`` fp32: ``1 / theta ** (2i / head_dim)`` (Su et al. 2021),
     computed exactly as Hugging Face's default rope init does."""
     d = config.head_dim
@@ -96,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer: ``h += o(attn(norm(h)))``; ``h += down(silu(gate) * up)(norm(h))``."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ArchConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         self.config = config
         a, m = prefix + "self_attn.", prefix + "mlp."
@@ -159,7 +159,7 @@ class LlamaModel(nn.Module):
         UnsupportedModelError: a weight is missing or has the wrong shape (names it).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ArchConfig, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
         check_weights(config, weights)
         self.config = config
@@ -219,7 +219,7 @@ class LlamaModel(nn.Module):
         return self.lm_head.forward(hidden).float()
 
 
-def check_weights(config: ModelConfig, w: dict[str, torch.Tensor]) -> None:
+def check_weights(config: ArchConfig, w: dict[str, torch.Tensor]) -> None:
     """Raise ``UnsupportedModelError`` naming the first missing or mis-shaped weight."""
     c = config
     expect: dict[str, tuple[int, ...]] = {

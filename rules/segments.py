@@ -1,6 +1,6 @@
 """Segments of a canonical prompt: which part is stable (cacheable as a prefix) and which is volatile.
 
-Levels, in prompt order (the note's hierarchy: system, + documents, + history):
+Levels (``SegmentLevel``), in prompt order, most stable first:
 
 1. ``tools+system``: the tools and the leading run of ``system``/``developer`` messages.
 2. ``documents``: the *document region* of a user message: from the start of the message to the end of
