@@ -25,7 +25,14 @@ from rules.actions import apply_span_action, normalize_text, sort_tools
 from rules.messages import check_shape, get_text, set_text, text_parts
 from rules.model import Rule
 from rules.placement import LOCATIONS, extract_blocks, insert_blocks, resolve_location, strip_tail_newlines
-from rules.segments import Position, Segment, compute_segments, normalize_position, stable_material
+from rules.segments import (
+    Position,
+    Segment,
+    SegmentLevel,
+    compute_segments,
+    normalize_position,
+    stable_material,
+)
 
 MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
@@ -50,10 +57,10 @@ class Canonical:
     applied: dict[str, int] = field(default_factory=dict)
     hoisted: list[str] = field(default_factory=list)
 
-    def stable_prefix_material(self, level: int = 3) -> bytes:
+    def stable_prefix_material(self, level: SegmentLevel = SegmentLevel.HISTORY) -> bytes:
         """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable segments, tools and
-        messages up to the end of the last leading segment of level <= ``level`` (1: tools+system;
-        2: + documents; 3, the default: + history). The gateway hashes this into the prefix key. Requests
+        messages up to the end of the last leading segment of level <= ``level`` (``TOOLS_SYSTEM``;
+        ``DOCUMENTS``: + documents; ``HISTORY``, the default: + history; a plain 1-3 works too). The gateway hashes this into the prefix key. Requests
         whose stable prefixes are identical give identical bytes."""
         return stable_material(self.messages, self.tools, self.segments, level)
 
@@ -62,7 +69,7 @@ class Canonical:
         """Where the stable prefix ends: the start of the volatile tail (``Position(len(messages))`` when
         the whole prompt is stable)."""
         for segment in self.segments:
-            if segment.level == 4:
+            if segment.level == SegmentLevel.VOLATILE:
                 return Position(segment.start_message, segment.start_part, segment.start_char)
         return Position(len(self.messages))
 
