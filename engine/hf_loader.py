@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.errors import UnsupportedModelError
 from engine.arch_config import ArchConfig
+from engine.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -116,7 +116,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFCheckpoint:
+def load_hf(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> HFCheckpoint:
     """Read config and weights of a Hugging Face folder, cast to ``dtype`` on ``device``.
 
     Raises:

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.arch_config import ArchConfig
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
 from engine.linear import DenseWeight, LinearWeight
-from engine.arch_config import ArchConfig
 
 
 def allocate_kv_cache(
@@ -102,6 +102,7 @@ class DecoderLayer(nn.Module):
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
+
         def rope_order(name: str, heads: int) -> torch.Tensor | None:
             t = w.get(name)
             return None if t is None else interleave_rope_rows(t, heads, config.head_dim)
@@ -164,7 +165,9 @@ class LlamaModel(nn.Module):
         check_weights(config, weights)
         self.config = config
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+        )
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
         head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head: LinearWeight = DenseWeight(head)
@@ -181,12 +184,19 @@ class LlamaModel(nn.Module):
     @property
     def weight_nbytes(self) -> int:
         """Bytes of linear-layer weights one decode step reads (every layer and the LM head; one copy each)."""
-        n = sum(layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
+        n = sum(
+            layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            for layer in self.layers
+        )
         return n + self.lm_head.nbytes
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -203,7 +213,9 @@ class LlamaModel(nn.Module):
             ValueError: inconsistent metadata (see ``engine.attention.plan_attention``).
         """
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
+            )
         dev = self.device
         plan = plan_attention(meta, dev, kv_cache.shape[2])
         positions = positions.to(dev)
