@@ -130,8 +130,9 @@ class RuleSet:
         if not self.rules:
             return Canonical(messages, tools, compute_segments(messages, tools, []))
         carried = extract_blocks(messages) if self._hoists else {}
-        locations = {p: resolve_location(p, messages) for p in ("last_user_prefix", "before_last_user",
-                                                                 "system_end")}
+        locations = {
+            p: resolve_location(p, messages) for p in ("last_user_prefix", "before_last_user", "system_end")
+        }
         new_values: dict[str, list[str]] = {}
         applied: Counter[str] = Counter()
         for _ in range(MAX_PASSES):
@@ -141,7 +142,9 @@ class RuleSet:
                 if count:
                     applied[rule.id] += count
                     changed = True
-            if (carried.get("user_prefix") or new_values.get("user_prefix")) and strip_tail_newlines(messages):
+            if (carried.get("user_prefix") or new_values.get("user_prefix")) and strip_tail_newlines(
+                messages
+            ):
                 changed = True
             if not changed:
                 break
@@ -153,9 +156,13 @@ class RuleSet:
         return Canonical(messages, tools, segments, dict(applied), hoisted)
 
     @staticmethod
-    def _apply_rule(rule: Rule, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    locations: dict[str, str], new_values: dict[str, list[str]]
-                    ) -> tuple[int, list[dict[str, Any]] | None]:
+    def _apply_rule(
+        rule: Rule,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        locations: dict[str, str],
+        new_values: dict[str, list[str]],
+    ) -> tuple[int, list[dict[str, Any]] | None]:
         """Apply one rule to every selected text (in place); return (applications, tools)."""
         if rule.action == "sort_tools":
             if not tools:

@@ -37,7 +37,6 @@ _DOC_OPEN = re2.compile(r"(?i)<(?:documents?|doc)(?:\s[^>]*)?>")
 _DOC_CLOSE = re2.compile(r"(?i)</(?:documents?|doc)>")
 
 
-
 class SegmentLevel(enum.IntEnum):
     """How stable a segment is, in prompt order (see the module docstring). An ``IntEnum``: levels compare and
     serialize as the plain numbers 1-4."""
@@ -94,8 +93,16 @@ class Segment:
         """The segment [start, end) (both normalized positions)."""
         if end.part == 0 and end.char == 0:
             return cls(level, LEVEL_NAMES[level], start.message, end.message, start.part, start.char)
-        return cls(level, LEVEL_NAMES[level], start.message, end.message + 1, start.part, start.char,
-                   end.part, end.char)
+        return cls(
+            level,
+            LEVEL_NAMES[level],
+            start.message,
+            end.message + 1,
+            start.part,
+            start.char,
+            end.part,
+            end.char,
+        )
 
     @property
     def end(self) -> Position:
@@ -106,9 +113,16 @@ class Segment:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict of the fields."""
-        return {"level": int(self.level), "name": self.name, "start_message": self.start_message,
-                "end_message": self.end_message, "start_part": self.start_part, "start_char": self.start_char,
-                "end_part": self.end_part, "end_char": self.end_char}
+        return {
+            "level": int(self.level),
+            "name": self.name,
+            "start_message": self.start_message,
+            "end_message": self.end_message,
+            "start_part": self.start_part,
+            "start_char": self.start_char,
+            "end_part": self.end_part,
+            "end_char": self.end_char,
+        }
 
 
 def normalize_position(messages: list[dict[str, Any]], pos: Position) -> Position:
@@ -167,8 +181,9 @@ def document_end(message: dict[str, Any]) -> Position | None:
     return Position(0, last + 1, 0) if last is not None else None
 
 
-def compute_segments(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     block_starts: list[Position]) -> list[Segment]:
+def compute_segments(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, block_starts: list[Position]
+) -> list[Segment]:
     """The segments of a canonical prompt (see the module docstring).
 
     Args:
@@ -228,23 +243,27 @@ def compute_segments(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
 def message_prefix(messages: list[dict[str, Any]], end: Position) -> list[dict[str, Any]]:
     """The messages before ``end``; a message cut in the middle keeps its other keys and the part of its
     content before the cut."""
-    out = [dict(m) for m in messages[:end.message]]
+    out = [dict(m) for m in messages[: end.message]]
     if end.message < len(messages) and (end.part or end.char):
         message = dict(messages[end.message])
         content = message.get("content")
         if isinstance(content, str):
-            message["content"] = content[:end.char]
+            message["content"] = content[: end.char]
         else:
-            parts = [dict(p) for p in content[:end.part]]
+            parts = [dict(p) for p in content[: end.part]]
             if end.char:
-                parts.append({**content[end.part], "text": content[end.part]["text"][:end.char]})
+                parts.append({**content[end.part], "text": content[end.part]["text"][: end.char]})
             message["content"] = parts
         out.append(message)
     return out
 
 
-def stable_material(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    segments: list[Segment], level: SegmentLevel = SegmentLevel.HISTORY) -> bytes:
+def stable_material(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    segments: list[Segment],
+    level: SegmentLevel = SegmentLevel.HISTORY,
+) -> bytes:
     """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable prefix up to ``level``:
     ``{"messages": [...], "tools": ...}`` holding the tools and the messages of the leading run of
     segments whose level is at most ``level`` (never the volatile tail), a message cut mid-way holding

@@ -83,9 +83,8 @@ def test_hf_folder_chat_template_matches_transformers(pair, conv, tools, gen):
         )
         ids = ours.render_chat(conv, tools)
         assert ids == list(expect)
-        assert (
-            ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id
-        )  # BOS once, from the template
+        # BOS once, from the template
+        assert ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id
     if tools:
         assert '"description": "Weather in a city (café-friendly)"' in text  # tojson: no ASCII escaping
 
