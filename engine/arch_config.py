@@ -2,7 +2,7 @@
 file's metadata or a Hugging Face ``config.json`` by ``engine.gguf_loader`` / ``engine.hf_loader``.
 
 Invariants: frozen; ``num_heads`` is a positive multiple of ``num_kv_heads`` and ``head_dim`` is even (RoPE),
-checked at construction (``UnsupportedModelError``). Not a serving setting: those are ``engine.api.EngineConfig``.
+checked at construction (``UnsupportedModelError``). Serving settings are ``engine.api.EngineConfig``.
 """
 
 from __future__ import annotations

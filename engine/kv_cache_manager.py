@@ -43,7 +43,7 @@ from engine.errors import PromptTooLongError
 
 
 class StaleCacheHitError(ValueError):
-    """A ``PrefixHit`` passed to ``allocate`` / ``can_allocate`` names a block that is no longer that cache entry.
+    """A ``PrefixHit`` given to ``allocate`` / ``can_allocate`` names a block no longer that cache entry.
 
     Raised before any change. Call ``find_cached_prefix`` again right before ``allocate``.
     """

@@ -1,11 +1,12 @@
 """The synchronous engine core: the step loop. Requests in, one step at a time, token and text deltas out.
 
-``LLMEngine`` owns the live requests and ties together input processing (``engine.input_processor``: checks,
-engine requests), the scheduler (which requests run, how many tokens each), the KV cache manager (block tables,
-prefix cache), the model runner (flattened forward + sampling) and output processing
-(``engine.output_processor``: detokenization, stop checks, final outputs). It is single-threaded; ``engine.async_engine`` drives it
-from one background thread and splits ``step`` into its three phases (``schedule_step`` and
-``finish_step`` under a lock, ``run_step`` without) so a cancel can free blocks while a forward runs.
+``LLMEngine`` owns the live requests and ties together input processing (``engine.input_processor``:
+checks, engine requests), the scheduler (which requests run, how many tokens each), the KV cache manager
+(block tables, prefix cache), the model runner (flattened forward + sampling) and output processing
+(``engine.output_processor``: detokenization, stop checks, final outputs). It is single-threaded;
+``engine.async_engine`` drives it from one background thread and splits ``step`` into its three phases
+(``schedule_step`` and ``finish_step`` under a lock, ``run_step`` without) so a cancel can free blocks while a
+forward runs.
 
 A step, in order: plan (``Scheduler.schedule``), flatten + forward + sample (``ModelRunner``), then for each
 scheduled request: advance ``num_computed_tokens``, register its newly full blocks in the prefix cache

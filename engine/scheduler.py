@@ -11,10 +11,11 @@ Continuous batching with chunked prefill, after vLLM v1's unified scheduler (eve
    runs alone has filled the whole pool: it finishes with ``"length"``.
 2. **prefill chunks** of running requests whose prompt is not computed yet (chunked prefill), oldest first.
 3. **admissions** from the waiting queue, ordered by the policy. Admission looks up the longest cached prefix
-   (a ``PrefixHit``: the scheduler sees block ids, hashes and counts, never the pool's blocks; the last prompt token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` blocks),
-   allocates the request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request
-   that cannot get blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller
-   ones), and schedules a first chunk.
+   (a ``PrefixHit``: the scheduler sees block ids, hashes and counts, never the pool's blocks; the last prompt
+   token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` blocks), allocates the
+   request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request that cannot get
+   blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller ones), and schedules
+   a first chunk.
 
 **In-flight sharing** (grouping by prefix). The *pending* blocks are the full blocks that running requests
 (and requests admitted earlier in this step) have not computed yet, keyed by block hash. A waiting request

@@ -60,8 +60,9 @@ class Canonical:
     def stable_prefix_material(self, level: SegmentLevel = SegmentLevel.HISTORY) -> bytes:
         """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable segments, tools and
         messages up to the end of the last leading segment of level <= ``level`` (``TOOLS_SYSTEM``;
-        ``DOCUMENTS``: + documents; ``HISTORY``, the default: + history; a plain 1-3 works too). The gateway hashes this into the prefix key. Requests
-        whose stable prefixes are identical give identical bytes."""
+        ``DOCUMENTS``: + documents; ``HISTORY``, the default: + history; a plain 1-3 works too). The
+        gateway hashes this into the prefix key. Requests whose stable prefixes are identical give identical
+        bytes."""
         return stable_material(self.messages, self.tools, self.segments, level)
 
     @property

@@ -3,18 +3,18 @@
 Levels (``SegmentLevel``), in prompt order, most stable first:
 
 1. ``TOOLS_SYSTEM`` (``tools+system``): the tools and the leading run of ``system``/``developer`` messages.
-2. ``DOCUMENTS`` (``documents``): the *document region* of a user message: from the start of the message to the end of
-   its last ``</document>``, ``</documents>`` or ``</doc>`` closing tag (an opening tag must come first;
-   case-insensitive). For list content the region is every part up to and including the last text part
-   holding such a closing tag. Documents are recognized in the first message after the system block
+2. ``DOCUMENTS`` (``documents``): the *document region* of a user message: from the start of the message
+   to the end of its last ``</document>``, ``</documents>`` or ``</doc>`` closing tag (an opening tag must
+   come first; case-insensitive). For list content the region is every part up to and including the last
+   text part holding such a closing tag. Documents are recognized in the first message after the system block
    (when it is a user message) and in the last user message: so a RAG request
    ``[system][user: <document>...</document> question]`` has the document as level 2 and only the
    question as volatile tail, and every question about the same document shares the prefix key. To make
    documents the client sends elsewhere level 2, a ``reorder`` rule moves them to the front of the
    message inside ``<document>`` tags.
 3. ``HISTORY`` (``history``): every message before the last user turn (after the first two levels).
-4. ``VOLATILE`` (``volatile``): the last user turn (after its document region) and everything after it, plus the
-   hoisted values; it begins at the first hoisted block if that comes earlier (``system_end`` or
+4. ``VOLATILE`` (``volatile``): the last user turn (after its document region) and everything after it,
+   plus the hoisted values; it begins at the first hoisted block if that comes earlier (``system_end`` or
    ``before_last_user`` placement), because nothing after a changing byte can be a cached prefix.
 
 Segments are contiguous and cover the whole prompt in order; levels 1-3 come before level 4, but a
