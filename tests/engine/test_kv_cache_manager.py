@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import subprocess
 import sys
 from collections.abc import Sequence
 
 import pytest
 
+import engine.scheduler
 from engine.block_hash import BlockHash, hash_block, hash_request_blocks
 from engine.errors import PromptTooLongError
-from engine.kv_cache_manager import KVCacheManager, PrefixHit, StaleCacheHitError
+from engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, StaleCacheHitError
 
 EXTRA = ("tiny-model", "")
 
@@ -428,3 +431,26 @@ def test_an_equal_block_under_a_different_parent_entry_does_not_extend_the_chain
     assert m.pool.blocks[table[2]].block_hash is None  # so Z's chain is unproven
     assert m.find_cached_prefix(r4, m.block_hashes(r4, EXTRA), EXTRA).block_ids == [4]
     m.check_invariants()
+
+
+def test_prefix_hit_exposes_ids_hashes_and_counts_and_no_hit_when_caching_is_off() -> None:
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    p = toks(1, 13)
+    table, _ = submit(m, "a", p)
+    hashes = m.block_hashes(p, EXTRA)
+    hit = m.find_cached_prefix(p, hashes, EXTRA)
+    assert (hit.num_blocks, hit.num_tokens, len(hit)) == (3, 12, 3)
+    assert hit.block_ids == table[:3] and hit.last_block_id == table[2]
+    assert hit.block_hashes == hashes[:3]
+    assert (NO_HIT.num_blocks, NO_HIT.num_tokens, NO_HIT.block_ids, NO_HIT.last_block_id) == (0, 0, [], None)
+    off = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    submit(off, "a", p)
+    assert off.find_cached_prefix(p, off.block_hashes(p, EXTRA), EXTRA) is NO_HIT
+
+
+def test_the_scheduler_imports_nothing_of_the_block_pool() -> None:
+    tree = ast.parse(inspect.getsource(engine.scheduler))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "engine.kv_cache_manager" in imported and "engine.block_pool" not in imported
+    assert "KVBlock" not in inspect.getsource(engine.scheduler)
