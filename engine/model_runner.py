@@ -79,7 +79,9 @@ class ModelRunner:
         kv_dtype: dtype of the KV cache (default: the model's).
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None
+    ):
         self.model = model
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
@@ -107,7 +109,9 @@ class ModelRunner:
             n = len(s.token_ids)
             end = s.start + n
             if n < 1 or len(s.block_table) * bs < end:
-                raise ValueError(f"sequence {i}: {n} tokens at {s.start} do not fit {len(s.block_table)} blocks")
+                raise ValueError(
+                    f"sequence {i}: {n} tokens at {s.start} do not fit {len(s.block_table)} blocks"
+                )
             ids.extend(s.token_ids)
             pos = range(s.start, end)
             positions.extend(pos)

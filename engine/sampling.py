@@ -84,7 +84,9 @@ def sample(
         from their own generator, so no row's result depends on the others.
     """
     if logits.shape[0] != len(params) or len(params) != len(generators):
-        raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params and {len(generators)} generators")
+        raise ValueError(
+            f"{logits.shape[0]} logits rows for {len(params)} params and {len(generators)} generators"
+        )
     logits = logits.float().cpu()
     out = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]

@@ -15,7 +15,7 @@ Modules: ``model`` (rule data), ``loader`` (YAML + validation), ``patterns`` (RE
 from rules.canonicalize import Canonical, RuleSet
 from rules.errors import RequestShapeError, RuleError
 from rules.loader import DEFAULT_PACKS, list_packs, load_ruleset
-from rules.segments import Position, Segment
+from rules.segments import Position, Segment, SegmentLevel
 
 __all__ = [
     "DEFAULT_PACKS",
@@ -25,6 +25,7 @@ __all__ = [
     "RuleError",
     "RuleSet",
     "Segment",
+    "SegmentLevel",
     "list_packs",
     "load_ruleset",
 ]

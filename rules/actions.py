@@ -141,8 +141,11 @@ def round_match(match: Any, unit: str) -> str:
         if start >= 0:
             spans.append((start - base, end - base, base_group_name(name)))
     twelve_hour = any(kind == "ampm" for _, _, kind in spans)
-    zeroed = {"minute": ("second", "fraction"), "hour": ("second", "fraction", "minute"),
-              "day": ("second", "fraction", "minute", "hour")}[unit]
+    zeroed = {
+        "minute": ("second", "fraction"),
+        "hour": ("second", "fraction", "minute"),
+        "day": ("second", "fraction", "minute", "hour"),
+    }[unit]
     edits: list[tuple[int, int, str]] = []
     for start, end, kind in spans:
         value = text[start:end]

@@ -25,7 +25,14 @@ from rules.actions import apply_span_action, normalize_text, sort_tools
 from rules.messages import check_shape, get_text, set_text, text_parts
 from rules.model import Rule
 from rules.placement import LOCATIONS, extract_blocks, insert_blocks, resolve_location, strip_tail_newlines
-from rules.segments import Position, Segment, compute_segments, normalize_position, stable_material
+from rules.segments import (
+    Position,
+    Segment,
+    SegmentLevel,
+    compute_segments,
+    normalize_position,
+    stable_material,
+)
 
 MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
@@ -50,11 +57,12 @@ class Canonical:
     applied: dict[str, int] = field(default_factory=dict)
     hoisted: list[str] = field(default_factory=list)
 
-    def stable_prefix_material(self, level: int = 3) -> bytes:
+    def stable_prefix_material(self, level: SegmentLevel = SegmentLevel.HISTORY) -> bytes:
         """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable segments, tools and
-        messages up to the end of the last leading segment of level <= ``level`` (1: tools+system;
-        2: + documents; 3, the default: + history). The gateway hashes this into the prefix key. Requests
-        whose stable prefixes are identical give identical bytes."""
+        messages up to the end of the last leading segment of level <= ``level`` (``TOOLS_SYSTEM``;
+        ``DOCUMENTS``: + documents; ``HISTORY``, the default: + history; a plain 1-3 works too). The
+        gateway hashes this into the prefix key. Requests whose stable prefixes are identical give identical
+        bytes."""
         return stable_material(self.messages, self.tools, self.segments, level)
 
     @property
@@ -62,7 +70,7 @@ class Canonical:
         """Where the stable prefix ends: the start of the volatile tail (``Position(len(messages))`` when
         the whole prompt is stable)."""
         for segment in self.segments:
-            if segment.level == 4:
+            if segment.level == SegmentLevel.VOLATILE:
                 return Position(segment.start_message, segment.start_part, segment.start_char)
         return Position(len(self.messages))
 
@@ -123,8 +131,9 @@ class RuleSet:
         if not self.rules:
             return Canonical(messages, tools, compute_segments(messages, tools, []))
         carried = extract_blocks(messages) if self._hoists else {}
-        locations = {p: resolve_location(p, messages) for p in ("last_user_prefix", "before_last_user",
-                                                                 "system_end")}
+        locations = {
+            p: resolve_location(p, messages) for p in ("last_user_prefix", "before_last_user", "system_end")
+        }
         new_values: dict[str, list[str]] = {}
         applied: Counter[str] = Counter()
         for _ in range(MAX_PASSES):
@@ -134,7 +143,9 @@ class RuleSet:
                 if count:
                     applied[rule.id] += count
                     changed = True
-            if (carried.get("user_prefix") or new_values.get("user_prefix")) and strip_tail_newlines(messages):
+            if (carried.get("user_prefix") or new_values.get("user_prefix")) and strip_tail_newlines(
+                messages
+            ):
                 changed = True
             if not changed:
                 break
@@ -146,9 +157,13 @@ class RuleSet:
         return Canonical(messages, tools, segments, dict(applied), hoisted)
 
     @staticmethod
-    def _apply_rule(rule: Rule, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    locations: dict[str, str], new_values: dict[str, list[str]]
-                    ) -> tuple[int, list[dict[str, Any]] | None]:
+    def _apply_rule(
+        rule: Rule,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        locations: dict[str, str],
+        new_values: dict[str, list[str]],
+    ) -> tuple[int, list[dict[str, Any]] | None]:
         """Apply one rule to every selected text (in place); return (applications, tools)."""
         if rule.action == "sort_tools":
             if not tools:

@@ -64,7 +64,7 @@ def parse_block_at(text: str, at: int) -> tuple[list[str], int] | None:
     close = text.find("\n" + BLOCK_CLOSE, at + len(head))
     if close < 0:
         return None
-    return text[at + len(head):close].split("\n"), close + 1 + len(BLOCK_CLOSE)
+    return text[at + len(head) : close].split("\n"), close + 1 + len(BLOCK_CLOSE)
 
 
 def parse_whole_block(text: Any) -> list[str] | None:
@@ -132,7 +132,7 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
         if end == len(content):
             rest = ""
         elif content.startswith(SEP, end) and len(content) > end + len(SEP):
-            rest = content[end + len(SEP):]
+            rest = content[end + len(SEP) :]
         else:
             return None
         message["content"] = content[:end_docs] + rest
@@ -146,7 +146,7 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
         if q + 1 < len(content):
             if not text.endswith(SEP):
                 return None
-            text = text[:-len(SEP)]
+            text = text[: -len(SEP)]
         values = parse_whole_block(text)
         if values is None:
             return None
@@ -162,7 +162,7 @@ def _extract_system_end(message: dict[str, Any]) -> list[str] | None:
         # before it that happens to start with the block's tag is never taken for part of it
         at = content.rfind(SEP + BLOCK_OPEN + "\n")
         if at >= 0:
-            values = parse_whole_block(content[at + len(SEP):])
+            values = parse_whole_block(content[at + len(SEP) :])
             if values is not None:
                 message["content"] = content[:at]
                 return values
@@ -204,7 +204,9 @@ def insert_blocks(messages: list[dict[str, Any]], values: dict[str, list[str]]) 
     if values.get("user_prefix") and last is not None:
         user_block = _insert_user_prefix(messages[last], render_block(values["user_prefix"]), last)
     if values.get("system_end") and systems:
-        starts.append(_insert_system_end(messages[systems - 1], render_block(values["system_end"]), systems - 1))
+        starts.append(
+            _insert_system_end(messages[systems - 1], render_block(values["system_end"]), systems - 1)
+        )
     if values.get("note") and last is not None:
         messages.insert(last, {"role": "user", "content": render_block(values["note"])})
         starts.append(Position(last))

@@ -77,7 +77,10 @@ def test_wholly_cached_prompt_run_twice_is_identical():
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 48)
     assert first.output_token_ids == second.output_token_ids
     torch.testing.assert_close(
-        torch.stack(eng.logits_log[first.request_id]), torch.stack(eng.logits_log[second.request_id]), atol=ATOL, rtol=0
+        torch.stack(eng.logits_log[first.request_id]),
+        torch.stack(eng.logits_log[second.request_id]),
+        atol=ATOL,
+        rtol=0,
     )
 
 
@@ -121,8 +124,12 @@ def test_smollm2_cached_system_prompt_matches_uncached():
     ckpt = smollm2_checkpoint()
     tok = ckpt.tokenizer
     system = "You are a helpful assistant for a train company. " * 12
-    first = tok.render_chat([{"role": "system", "content": system}, {"role": "user", "content": "When is the first train?"}])
-    second = tok.render_chat([{"role": "system", "content": system}, {"role": "user", "content": "How much is a ticket?"}])
+    first = tok.render_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": "When is the first train?"}]
+    )
+    second = tok.render_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": "How much is a ticket?"}]
+    )
     eng = make_engine(ckpt, record_logits=True)
     eng.add_request(first, greedy(2))
     eng.run_to_completion()

@@ -17,9 +17,12 @@ TAIL = "\nAnswer briefly and cite sources."
 
 
 def request(line: str) -> list[dict]:
-    return [{"role": "system", "content": HEAD + line + TAIL},
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "What day is it?"}]
+    return [
+        {"role": "system", "content": HEAD + line + TAIL},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What day is it?"},
+    ]
 
 
 @pytest.mark.parametrize("anchor", sorted(DATE_ANCHORS))
@@ -107,7 +110,12 @@ def test_no_false_hoists_on_ordinary_text() -> None:
 
 
 def test_user_and_assistant_text_is_not_hoisted_by_the_packs() -> None:
-    messages = [{"role": "user", "content": "Current date: 2025-05-14\nSession ID: 3f2c8a9e-1b2c-4d5e-8f90-1234567890ab"},
-                {"role": "assistant", "content": "Today's date is Monday, May 13, 2024."},
-                {"role": "user", "content": "Timestamp: 1715692800"}]
+    messages = [
+        {
+            "role": "user",
+            "content": "Current date: 2025-05-14\nSession ID: 3f2c8a9e-1b2c-4d5e-8f90-1234567890ab",
+        },
+        {"role": "assistant", "content": "Today's date is Monday, May 13, 2024."},
+        {"role": "user", "content": "Timestamp: 1715692800"},
+    ]
     assert DEFAULT.apply(messages).messages == messages

@@ -1,4 +1,9 @@
-"""The shape of a Llama-family decoder, read from a GGUF file's metadata or a Hugging Face ``config.json``."""
+"""The architecture of a Llama-family decoder (``ArchConfig``): its shape hyperparameters, read from a GGUF
+file's metadata or a Hugging Face ``config.json`` by ``engine.gguf_loader`` / ``engine.hf_loader``.
+
+Invariants: frozen; ``num_heads`` is a positive multiple of ``num_kv_heads`` and ``head_dim`` is even (RoPE),
+checked at construction (``UnsupportedModelError``). Serving settings are ``engine.api.EngineConfig``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ArchConfig:
     """Hyperparameters of a Llama-family decoder (Llama, SmolLM, Mistral, Qwen2).
 
     Attributes:

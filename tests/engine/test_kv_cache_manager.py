@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import subprocess
 import sys
 from collections.abc import Sequence
 
 import pytest
 
+import engine.scheduler
 from engine.block_hash import BlockHash, hash_block, hash_request_blocks
 from engine.errors import PromptTooLongError
-from engine.kv_cache_manager import KVCacheManager, StaleCacheHitError
+from engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, StaleCacheHitError
 
 EXTRA = ("tiny-model", "")
 
@@ -122,7 +125,7 @@ def test_a_wholly_cached_prompt_leaves_its_last_block_to_compute() -> None:
     m.free("a")
     table, hits = submit(m, "b", prompt)
     assert hits == 1  # capped at (8 - 1) // 4 blocks: the last token is computed again
-    assert m.find_cached_prefix(prompt, m.block_hashes(prompt, EXTRA), EXTRA)[1].block_id == 1
+    assert m.find_cached_prefix(prompt, m.block_hashes(prompt, EXTRA), EXTRA).block_ids[1] == 1
     assert table[0] == 0 and table[1] != 1
 
 
@@ -133,7 +136,7 @@ def test_cache_off_shares_nothing_and_caches_nothing() -> None:
     table, hits = submit(m, "b", prompt)
     assert hits == 0 and m.blocks_used == 6
     with pytest.raises(ValueError, match="disabled"):
-        m.allocate("c", 4, [m.pool.blocks[0]])
+        m.allocate("c", 4, PrefixHit((m.pool.blocks[0],), 4))
     m.free("a")
     m.free("b")
     assert (m.blocks_used, m.blocks_cached, m.blocks_free) == (0, 0, 8)
@@ -155,7 +158,7 @@ def test_lru_eviction_takes_chain_tails_before_parents_and_free_blocks_first() -
     assert submit(m, "c", toks(3, 12))[0] == [5, 2, 1]  # the last free block, then LRU: a's tail, parent
     assert m.evictions == 2
     hits = m.find_cached_prefix(a, m.block_hashes(a, EXTRA), EXTRA)
-    assert [b.block_id for b in hits] == [0]  # a's first block survives
+    assert hits.block_ids == [0]  # a's first block survives
     m.check_invariants()
 
 
@@ -189,15 +192,15 @@ def test_constant_hash_never_serves_another_prompts_blocks() -> None:
     table_a, _ = submit(m, "a", a)
     assert m.pool.num_cached_entries() == 1  # block 0 only; block 1 collides with it and stays private
     hits_b = m.find_cached_prefix(b, m.block_hashes(b, EXTRA), EXTRA)
-    assert hits_b == []
+    assert hits_b.block_ids == []
     table_b, _ = submit(m, "b", b)
     assert not set(table_a) & set(table_b)
     # The same prompt still hits what was safely cached.
     hits_a = m.find_cached_prefix(a, m.block_hashes(a, EXTRA), EXTRA)
-    assert [x.block_id for x in hits_a] == [table_a[0]]
+    assert hits_a.block_ids == [table_a[0]]
     # A prompt equal in its first block but not its second stops after the first block.
     c = a[:4] + toks(3, 8)
-    assert [x.block_id for x in m.find_cached_prefix(c, m.block_hashes(c, EXTRA), EXTRA)] == [table_a[0]]
+    assert m.find_cached_prefix(c, m.block_hashes(c, EXTRA), EXTRA).block_ids == [table_a[0]]
     m.free("a")
     m.free("b")
     assert m.blocks_used == 0 and m.blocks_cached + m.blocks_free == 16
@@ -222,21 +225,21 @@ def test_child_of_an_evicted_colliding_parent_is_never_served() -> None:
     m = KVCacheManager(num_blocks=4, block_size=4, hash_fn=make_colliding_hash(a0, b0))
     ha = m.block_hashes(a0 + a1, EXTRA)
     # Two requests compute the same [A0, A1] at once (no hits yet).
-    assert m.allocate("r1", 8, []) == [0, 1]
-    assert m.allocate("r2", 8, []) == [2, 3]
+    assert m.allocate("r1", 8) == [0, 1]
+    assert m.allocate("r2", 8) == [2, 3]
     m.cache_full_blocks("r1", a0 + a1, 4, ha, EXTRA)  # r1 registered A0 only so far (chunked)
     m.cache_full_blocks("r2", a0 + a1, 8, ha, EXTRA)  # A0 is a duplicate; A1 chains onto r1's A0 entry
     assert m.pool.get_cached(ha[0]).block_id == 0 and m.pool.get_cached(ha[1]).block_id == 3
     # Equal content and chain: a third prompt hits r1's A0 and r2's A1.
-    assert [b.block_id for b in m.find_cached_prefix(a0 + a1 + [9], ha, EXTRA)] == [0, 3]
+    assert m.find_cached_prefix(a0 + a1 + [9], ha, EXTRA).block_ids == [0, 3]
     m.free("r1")  # A0's entry (block 0) becomes evictable; r2 still holds the A1 entry (block 3)
-    assert m.allocate("r3", 8, []) == [1, 0]  # evicts A0's entry
+    assert m.allocate("r3", 8) == [1, 0]  # evicts A0's entry
     hb = m.block_hashes(b0 + a1, EXTRA)
     assert hb[0] == ha[0] and hb[1] == ha[1]  # the collision carries into the chain
     m.cache_full_blocks("r3", b0 + [5, 5, 5, 5], 8, hb[:1], EXTRA)  # B0 now holds the colliding hash
     hits = m.find_cached_prefix(b0 + a1 + [9], hb, EXTRA)
-    assert [b.block_id for b in hits] == [1]  # B0 only: A1's KV was computed after A0, not B0
-    assert m.find_cached_prefix(a0 + a1 + [9], ha, EXTRA) == []  # A0's tokens differ from B0's
+    assert hits.block_ids == [1]  # B0 only: A1's KV was computed after A0, not B0
+    assert m.find_cached_prefix(a0 + a1 + [9], ha, EXTRA).block_ids == []  # A0's tokens differ from B0's
     m.check_invariants()
 
 
@@ -244,12 +247,12 @@ def test_duplicate_computation_keeps_the_first_entry_and_the_second_copy_private
     m = KVCacheManager(num_blocks=8, block_size=4)
     p = toks(5, 8)
     h = m.block_hashes(p, EXTRA)
-    t1 = m.allocate("r1", 9, [])
-    t2 = m.allocate("r2", 9, [])
+    t1 = m.allocate("r1", 9)
+    t2 = m.allocate("r2", 9)
     m.cache_full_blocks("r1", p + [0], 9, h, EXTRA)
     m.cache_full_blocks("r2", p + [0], 9, h, EXTRA)
     m.cache_full_blocks("r2", p + [0], 9, h, EXTRA)  # idempotent
-    assert [b.block_id for b in m.find_cached_prefix(p + [0], h, EXTRA)] == t1[:2]
+    assert m.find_cached_prefix(p + [0], h, EXTRA).block_ids == t1[:2]
     m.free("r2")
     assert sorted(m.pool.free_ids()) == sorted([t2[0], t2[1], t2[2], 6, 7])  # r2's copies were private
     m.free("r1")
@@ -271,7 +274,7 @@ def test_cache_salt_and_model_id_isolate_tenants(weak: bool) -> None:
     p = toks(9, 13)
     submit(m, "a", p, ("tiny-model", "tenant-a"))
     for extra in [("tiny-model", "tenant-b"), ("other-model", "tenant-a")]:
-        assert m.find_cached_prefix(p, m.block_hashes(p, extra), extra) == []
+        assert m.find_cached_prefix(p, m.block_hashes(p, extra), extra).block_ids == []
     extra = ("tiny-model", "tenant-a")
     assert len(m.find_cached_prefix(p, m.block_hashes(p, extra), extra)) == 3
 
@@ -283,10 +286,10 @@ def test_blocks_registered_after_a_chunk_are_hit_at_the_next_step() -> None:
     m = KVCacheManager(num_blocks=16, block_size=4)
     p = toks(4, 20)
     h = m.block_hashes(p, EXTRA)
-    assert m.allocate("a", 8, []) == [0, 1]  # first prefill chunk: 8 tokens
+    assert m.allocate("a", 8) == [0, 1]  # first prefill chunk: 8 tokens
     m.cache_full_blocks("a", p, 8, h, EXTRA)
     hits = m.find_cached_prefix(p, h, EXTRA)
-    assert [b.block_id for b in hits] == [0, 1]
+    assert hits.block_ids == [0, 1]
     assert m.allocate("b", 20, hits) == [0, 1, 2, 3, 4]
     assert m.append_slots("a", 20)
     assert m.block_table("a") == [0, 1, 5, 6, 7]
@@ -298,7 +301,7 @@ def test_generated_tokens_are_hashed_and_cached_without_caller_hashes() -> None:
     m = KVCacheManager(num_blocks=16, block_size=4)
     prompt, output = toks(1, 6), toks(2, 7)
     h = m.block_hashes(prompt, EXTRA)
-    m.allocate("a", 6, [])
+    m.allocate("a", 6)
     m.cache_full_blocks("a", prompt, 6, h, EXTRA)
     seq = list(prompt)
     for tok in output:
@@ -307,7 +310,7 @@ def test_generated_tokens_are_hashed_and_cached_without_caller_hashes() -> None:
         m.cache_full_blocks("a", seq, len(seq) - 1, h, EXTRA)  # the newest token's KV is written next step
     nxt = seq + [99]
     hits = m.find_cached_prefix(nxt, m.block_hashes(nxt, EXTRA), EXTRA)
-    assert [b.block_id for b in hits] == m.block_table("a")[:3]  # (13 - 1) // 4 full, computed blocks
+    assert hits.block_ids == m.block_table("a")[:3]  # (13 - 1) // 4 full, computed blocks
 
 
 # ---- errors and no-change guarantees ----------------------------------------------------------------------
@@ -317,8 +320,8 @@ def test_failed_allocate_and_append_change_nothing() -> None:
     m = KVCacheManager(num_blocks=4, block_size=4)
     submit(m, "a", toks(1, 9))
     before = snapshot(m)
-    assert not m.can_allocate(8, [])
-    assert m.allocate("b", 8, []) is None
+    assert not m.can_allocate(8)
+    assert m.allocate("b", 8) is None
     assert not m.append_slots("a", 17)
     assert snapshot(m) == before
     assert "b" not in m
@@ -330,7 +333,7 @@ def test_too_long_for_the_pool_raises_before_any_change() -> None:
     submit(m, "a", toks(1, 5))
     before = snapshot(m)
     m.check_fits(16)
-    for call in (lambda: m.check_fits(17), lambda: m.allocate("b", 17, []), lambda: m.can_allocate(17, [])):
+    for call in (lambda: m.check_fits(17), lambda: m.allocate("b", 17), lambda: m.can_allocate(17)):
         with pytest.raises(PromptTooLongError) as err:
             call()
         assert (err.value.what, err.value.prompt_tokens, err.value.limit) == ("pool", 17, 16)
@@ -345,7 +348,7 @@ def test_stale_hits_are_refused_before_any_change() -> None:
     m.free("a")
     hits = m.find_cached_prefix(p, m.block_hashes(p, EXTRA), EXTRA)
     assert len(hits) == 2
-    assert m.allocate("b", 12, []) is not None  # evicts both cached blocks
+    assert m.allocate("b", 12) is not None  # evicts both cached blocks
     assert m.evictions == 2
     m.free("b")
     before = snapshot(m)
@@ -358,11 +361,11 @@ def test_stale_hits_are_refused_before_any_change() -> None:
 
 def test_request_id_errors() -> None:
     m = KVCacheManager(num_blocks=4, block_size=4)
-    m.allocate("a", 1, [])
+    m.allocate("a", 1)
     with pytest.raises(ValueError, match="already holds blocks"):
-        m.allocate("a", 1, [])
+        m.allocate("a", 1)
     with pytest.raises(ValueError, match=">= 0"):
-        m.allocate("b", -1, [])
+        m.allocate("b", -1)
     with pytest.raises(KeyError, match="holds no blocks"):
         m.block_table("zz")
     with pytest.raises(KeyError):
@@ -385,7 +388,7 @@ def test_reset_prefix_cache_drops_unreferenced_entries() -> None:
     m.free("a")
     assert m.blocks_cached == 2
     assert m.reset_prefix_cache() is False  # b's entries are still referenced
-    assert m.find_cached_prefix(p, m.block_hashes(p, EXTRA), EXTRA) == []
+    assert m.find_cached_prefix(p, m.block_hashes(p, EXTRA), EXTRA).block_ids == []
     assert len(m.find_cached_prefix(q, m.block_hashes(q, EXTRA), EXTRA)) == 2
     m.free("b")
     assert m.reset_prefix_cache() is True
@@ -413,8 +416,8 @@ def test_an_equal_block_under_a_different_parent_entry_does_not_extend_the_chain
     a0, a1, b0, z = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3], [6, 6, 6, 6]
     m = KVCacheManager(num_blocks=6, block_size=4, hash_fn=make_colliding_hash(a0, b0))
     ha = m.block_hashes(a0 + a1, EXTRA)
-    assert m.allocate("r1", 8, []) == [0, 1]
-    assert m.allocate("r2", 8, []) == [2, 3]
+    assert m.allocate("r1", 8) == [0, 1]
+    assert m.allocate("r2", 8) == [2, 3]
     m.cache_full_blocks("r1", a0 + a1, 4, ha, EXTRA)
     m.cache_full_blocks("r2", a0 + a1, 8, ha, EXTRA)  # A1 entry = block 3, parent entry = block 0
     m.free("r1")
@@ -426,5 +429,28 @@ def test_an_equal_block_under_a_different_parent_entry_does_not_extend_the_chain
     assert hits == 1 and table[0] == 4
     assert m.pool.blocks[table[1]].block_hash is None  # equal to A1's entry, but under another parent
     assert m.pool.blocks[table[2]].block_hash is None  # so Z's chain is unproven
-    assert [b.block_id for b in m.find_cached_prefix(r4, m.block_hashes(r4, EXTRA), EXTRA)] == [4]
+    assert m.find_cached_prefix(r4, m.block_hashes(r4, EXTRA), EXTRA).block_ids == [4]
     m.check_invariants()
+
+
+def test_prefix_hit_exposes_ids_hashes_and_counts_and_no_hit_when_caching_is_off() -> None:
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    p = toks(1, 13)
+    table, _ = submit(m, "a", p)
+    hashes = m.block_hashes(p, EXTRA)
+    hit = m.find_cached_prefix(p, hashes, EXTRA)
+    assert (hit.num_blocks, hit.num_tokens, len(hit)) == (3, 12, 3)
+    assert hit.block_ids == table[:3] and hit.last_block_id == table[2]
+    assert hit.block_hashes == hashes[:3]
+    assert (NO_HIT.num_blocks, NO_HIT.num_tokens, NO_HIT.block_ids, NO_HIT.last_block_id) == (0, 0, [], None)
+    off = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    submit(off, "a", p)
+    assert off.find_cached_prefix(p, off.block_hashes(p, EXTRA), EXTRA) is NO_HIT
+
+
+def test_the_scheduler_imports_nothing_of_the_block_pool() -> None:
+    tree = ast.parse(inspect.getsource(engine.scheduler))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "engine.kv_cache_manager" in imported and "engine.block_pool" not in imported
+    assert "KVBlock" not in inspect.getsource(engine.scheduler)
