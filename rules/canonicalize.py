@@ -217,8 +217,7 @@ class RuleSet:
             turn_starts, _ = insert_turn_blocks(final, start + offset, end + offset,
                                                 {loc: v for loc, v in values.items() if v})
             hoisted.extend(v for loc in LOCATIONS for v in values[loc])
-            if j == len(spans) - 1 or any(s.message < leading_system_count(final) for s in turn_starts):
-                starts.extend(turn_starts)
+            starts.extend(turn_starts)
         if memory is not None and keys:
             memory.remember(keys[-1], TranscriptEntry(final, present_now or present))
         starts = [normalize_position(final, s) for s in starts]

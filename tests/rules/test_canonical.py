@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from rules import Canonical, RequestShapeError, RuleSet, load_ruleset
 from rules.loader import PACK_DIR
+from rules.transcript import TranscriptMemory
 from tests.rules.formats import DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
 from tests.rules.helpers import all_text, chat, ruleset_from, write_rules
 
@@ -179,10 +180,19 @@ def test_multi_turn_history_stays_stable_across_turns() -> None:
              {"role": "user", "content": "q2"}]
     c1, c2 = ruleset.apply(turn1), ruleset.apply(turn2)
     assert c1.stable_prefix_material(level=1) == c2.stable_prefix_material(level=1)
-    assert c2.messages[:3] == [{"role": "system", "content": "Bot."}, {"role": "user", "content": "q1"},
-                               {"role": "assistant", "content": "a1"}]
+    # stateless: the same values give the same first turn; changed values cost the first turn's block on
+    assert ruleset.apply([turn1[0], *turn2[1:]]).messages[:2] == c1.messages
+    assert c2.messages[0] == {"role": "system", "content": "Bot."}
+    assert c2.messages[2:] == [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
     assert [s.name for s in c2.segments] == ["tools+system", "history", "volatile"]
-    assert b"a1" in c2.stable_prefix_material() and b"q2" not in c2.stable_prefix_material()
+    assert b"q1" in c2.stable_prefix_material() and b"13:19" not in c2.stable_prefix_material()
+    # with the memory the first turn comes back exactly as sent, and the new time goes into the new turn
+    memory = TranscriptMemory()
+    m1 = ruleset.apply(turn1, memory=memory, scope="m")
+    m2 = ruleset.apply(turn2, memory=memory, scope="m")
+    assert m2.messages[:2] == m1.messages
+    assert m2.messages[3]["content"] == "q2\n\n<request_context>\nCurrent time: 2025-05-14 13:19:02\n</request_context>"
+    assert m2.history.reused_turns == 1
 
 
 def test_segments_for_single_turn_rag_and_tools_only() -> None:
@@ -206,8 +216,8 @@ def test_list_content_documents_and_block(tmp_path: Path) -> None:
                                              {"type": "text", "text": "<document>B</document></documents>"},
                                              {"type": "text", "text": "Which is longer?"}]}]
     canon = ruleset.apply(messages)
-    assert canon.messages[1]["content"][2] == {"type": "text", "text": "<request_context>\nCurrent date: 2025-05-14\n"
-                                                                      "</request_context>\n\n"}
+    assert canon.messages[1]["content"][3] == {"type": "text", "text": "<request_context>\nCurrent date: 2025-05-14\n"
+                                                                      "</request_context>"}
     docs = canon.segments[1]
     assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (2, 2, 2, 0)
     material = json.loads(canon.stable_prefix_material())
@@ -249,7 +259,7 @@ def test_pathological_pattern_on_100k_prompt_returns_correct_result(tmp_path: Pa
     canon = ruleset.apply(chat("b" + all_a))
     assert canon.messages[0]["content"] == "b"
     assert canon.hoisted == [all_a]
-    assert canon.messages[1]["content"] == "<request_context>\n" + all_a + "\n</request_context>\n\nWhat should I do next?"
+    assert canon.messages[1]["content"] == "What should I do next?\n\n<request_context>\n" + all_a + "\n</request_context>"
 
 
 def test_many_matches_on_a_long_text_are_linear(tmp_path: Path) -> None:
