@@ -16,8 +16,11 @@ canonical form of earlier turns never depends on later ones (see docs/history-st
 Placements (``hoist`` rule key ``placement``), inside a turn:
 
 - ``tail_end`` (the default): at the end of the turn's newest user or tool message (after its content,
-  separated by a blank line). The next turn resends that message, so it costs nothing there; a changed
-  value costs only the block and what follows it.
+  separated by a blank line). The next turn resends that message, so a 4,000-token tool result before
+  the block stays cached even when a value changed. In the *first* turn the block goes at the start of
+  its last user message instead (after its document region): values moved out of the system prompt then
+  still precede all conversation text, so a client that later rewrites the first message (compaction, an
+  edit) never caches less than without rules (docs/history-stability.md).
 - ``last_user_prefix``: at the start of the turn's last user message, after its document region. When the
   turn holds only tool results it falls back to the end of the system prompt (first turn) or to
   ``tail_end``.
@@ -48,6 +51,11 @@ SEP = "\n\n"
 
 LOCATIONS: tuple[str, ...] = ("system_end", "note", "user_prefix", "tail_end", "new_user")
 """Physical places a block can occupy inside one turn, in prompt order."""
+
+_FIRST_TURN_TAIL_END = ("user_prefix", "system_end", "tail_end")
+"""``tail_end`` in the first turn: the start of its last user message (after documents). Text moved out of
+the system prompt then still comes before any text of the conversation, so a conversation whose first
+message is later rewritten (client-side compaction, an edit) never caches less than without rules."""
 
 _PLACEMENT_ORDER = {
     "tail_end": ("tail_end", "system_end"),
@@ -131,7 +139,8 @@ def resolve_location(placement: str, messages: list[dict[str, Any]], start: int,
     has_user = _last_user(messages, start, end) is not None
     has_tail = _tail_message(messages, start, end) is not None
     has_system = start == 0 and leading_system_count(messages) > 0
-    for location in _PLACEMENT_ORDER[placement]:
+    order = _FIRST_TURN_TAIL_END if placement == "tail_end" and start == 0 else _PLACEMENT_ORDER[placement]
+    for location in order:
         if location in ("user_prefix", "note") and has_user:
             return location
         if location == "tail_end" and has_tail:

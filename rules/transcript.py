@@ -81,8 +81,13 @@ class InProcessTranscriptStore:
         ValueError: a bound that is not positive.
     """
 
-    def __init__(self, max_entries: int = 10_000, max_bytes: int = 256 << 20, ttl_s: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_entries: int = 10_000,
+        max_bytes: int = 256 << 20,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_entries < 1 or max_bytes < 1 or not ttl_s > 0:
             raise ValueError("transcript store bounds must be positive (max_entries, max_bytes, ttl_s)")
         self.max_entries = max_entries
