@@ -313,11 +313,11 @@ class RuleSet:
 def _blocks_of(messages: list[dict[str, Any]]) -> list[list[str]]:
     """The values of every block in ``messages`` (canonical messages), in prompt order."""
     copied = copy.deepcopy(messages)
-    out: list[list[str]] = []
-    for start, end in turn_spans(copied):
+    per_turn: list[list[list[str]]] = []
+    for start, end in reversed(turn_spans(copied)):  # last turn first: a removed note shifts later turns only
         found, _ = extract_turn_blocks(copied, start, end)
-        out.extend(found[loc] for loc in LOCATIONS if found.get(loc))
-    return out
+        per_turn.append([found[loc] for loc in LOCATIONS if found.get(loc)])
+    return [values for turn in reversed(per_turn) for values in turn]
 
 
 def _differs(a: Any, b: Any) -> bool:
