@@ -34,7 +34,6 @@ from rules.placement import (
     extract_turn_blocks,
     insert_turn_blocks,
     resolve_location,
-    strip_tail_newlines,
     turn_spans,
 )
 from rules.segments import Position, Segment, compute_segments, normalize_position, stable_material
@@ -139,9 +138,9 @@ class RuleSet:
         Each turn is canonicalized as it was when it was the newest (rules select messages as in that
         request; its hoisted values go into a block inside that turn), so the canonical form of the earlier
         turns is exactly what was sent for them. Values hoisted from the system prompt go into the first
-        turn's block; later turns repeat them only when they changed. With ``memory``, the stored canonical
-        messages of the longest earlier request of this conversation (same ``scope`` and tools) are reused
-        verbatim, blocks with their old values included, and the current values go into the new turns.
+        turn's block. With ``memory``, the stored canonical messages of the longest earlier request of this
+        conversation (same ``scope`` and tools) are reused verbatim, blocks with their old values included,
+        and the system values that changed since that request go into a block in the first new turn.
 
         Args:
             messages: OpenAI chat messages (``role``; ``content`` a string, a list of parts, or null;
@@ -179,7 +178,7 @@ class RuleSet:
         own: list[dict[str, list[str]]] = []
         system_values: list[tuple[str, str]] = []
         for j, (start, end) in enumerate(spans):
-            own.append(self._apply_turn(messages, start, end, j, systems, carried[j], applied, system_values))
+            own.append(self._apply_turn(messages, start, end, j, systems, applied, system_values))
         present_now = [v for _, v in system_values]
 
         reused: list[dict[str, Any]] = []
@@ -207,10 +206,12 @@ class RuleSet:
         for j in range(first_new, len(spans)):
             start, end = spans[j]
             values = {loc: list(carried[j].get(loc, [])) + own[j].get(loc, []) for loc in LOCATIONS}
-            if j == first_new > 0 and present_now and present_now != present:
-                # the reused history holds other system values: the current ones go into this turn
+            if j == first_new > 0:
+                # the reused history holds the system values of its time: those that changed since the
+                # previous request go into this turn (a value said before and still current is not repeated)
                 for placement, value in system_values:
-                    values[resolve_location(placement, messages, start, end)].append(value)
+                    if value not in present:
+                        values[resolve_location(placement, messages, start, end)].append(value)
             offset = len(final) - start
             turn = copy.deepcopy(messages[start:end])
             final.extend(turn)
@@ -225,7 +226,7 @@ class RuleSet:
         return Canonical(final, tools, segments, dict(applied), hoisted, history)
 
     def _apply_turn(self, messages: list[dict[str, Any]], start: int, end: int, turn: int, systems: int,
-                    carried: dict[str, list[str]], applied: Counter[str],
+                    applied: Counter[str],
                     system_values: list[tuple[str, str]]) -> dict[str, list[str]]:
         """Run the span and normalize rules to a fixed point on the turn ``messages[start:end]`` (in place),
         selecting messages as in the request ``messages[:end]``. Values hoisted from the leading system
@@ -253,9 +254,6 @@ class RuleSet:
                 if count:
                     applied[rule.id] += count
                     changed = True
-            if ((carried.get("user_prefix") or values.get("user_prefix"))
-                    and strip_tail_newlines(messages, start, end)):
-                changed = True
             if not changed:
                 break
         return values

@@ -33,6 +33,9 @@ Placements (``hoist`` rule key ``placement``), inside a turn:
 When the chosen place does not exist, the next one is used: the turn's last user message (prefix), the end
 of the system prompt (first turn only), a new user message at the end of the turn.
 
+The text around a block is left as sent (a user message that starts with line breaks keeps them after
+the block's blank line), so inserting and extracting a block are exact inverses.
+
 Blocks are found again exactly where they were inserted (``extract_turn_blocks``) before rules run, so
 canonicalizing a canonical request changes nothing: the values are carried over and re-inserted in the
 same turn at the same place.
@@ -263,22 +266,6 @@ def _extract_text_end(message: dict[str, Any]) -> list[str] | None:
 
 _extract_tail_end = _extract_text_end
 _extract_system_end = _extract_text_end
-
-
-def strip_tail_newlines(messages: list[dict[str, Any]], start: int, end: int) -> bool:
-    """Remove line breaks where the ``user_prefix`` block goes (start of the turn's last user message,
-    after its documents), so that inserting and extracting the block are exact inverses. Returns whether it
-    changed anything."""
-    last = _last_user(messages, start, end)
-    if last is None or not isinstance(messages[last].get("content"), str):
-        return False
-    text = messages[last]["content"]
-    end_docs = document_end_in_text(text)
-    stripped = text[end_docs:].lstrip("\r\n")
-    if len(stripped) == len(text) - end_docs:
-        return False
-    messages[last]["content"] = text[:end_docs] + stripped
-    return True
 
 
 def insert_turn_blocks(messages: list[dict[str, Any]], start: int, end: int,

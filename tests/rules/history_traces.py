@@ -18,7 +18,9 @@ def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = 
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = "\n".join(p["text"] if p.get("type") == "text" else json.dumps(p, sort_keys=True) for p in content)
+            content = "\n".join(
+                p["text"] if p.get("type") == "text" else json.dumps(p, sort_keys=True) for p in content
+            )
         calls = json.dumps(m["tool_calls"], sort_keys=True) if m.get("tool_calls") else ""
         out.append(f"<|{m['role']}|>{content or ''}{calls}<|end|>")
     return "".join(out) + "<|assistant|>"
@@ -42,7 +44,9 @@ class Replay:
     """Runs a sequence of requests through a rule set three ways (off, memory, stateless) and keeps the
     rendered prompts, so each request's cached prefix can be compared."""
 
-    def __init__(self, ruleset: RuleSet, memory: TranscriptMemory | None = None, scope: str = "model\0tenant"):
+    def __init__(
+        self, ruleset: RuleSet, memory: TranscriptMemory | None = None, scope: str = "model\0tenant"
+    ):
         self.ruleset = ruleset
         self.memory = memory if memory is not None else TranscriptMemory()
         self.scope = scope
@@ -54,8 +58,11 @@ class Replay:
         on = self.ruleset.apply(messages, tools, memory=self.memory, scope=self.scope)
         stateless = self.ruleset.apply(messages, tools)
         row = {}
-        for way, (msgs, tls) in {"off": (messages, tools), "on": (on.messages, on.tools),
-                                 "stateless": (stateless.messages, stateless.tools)}.items():
+        for way, (msgs, tls) in {
+            "off": (messages, tools),
+            "on": (on.messages, on.tools),
+            "stateless": (stateless.messages, stateless.tools),
+        }.items():
             prompt = render(msgs, tls)
             row[way] = cached(prompt, self.prompts[way])
             self.prompts[way].append(prompt)
@@ -67,7 +74,11 @@ class Replay:
 def tool_turn(turn: int, results: list[str], text: str | None = None) -> list[dict[str, Any]]:
     """An assistant message with one tool call per result, then the results (parallel calls when > 1)."""
     ids = [f"call_{turn}_{i}" for i in range(len(results))]
-    calls = [{"id": i, "type": "function", "function": {"name": "read", "arguments": json.dumps({"n": n})}}
-             for n, i in enumerate(ids)]
-    return [{"role": "assistant", "content": text, "tool_calls": calls},
-            *({"role": "tool", "tool_call_id": i, "content": r} for i, r in zip(ids, results, strict=True))]
+    calls = [
+        {"id": i, "type": "function", "function": {"name": "read", "arguments": json.dumps({"n": n})}}
+        for n, i in enumerate(ids)
+    ]
+    return [
+        {"role": "assistant", "content": text, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": i, "content": r} for i, r in zip(ids, results, strict=True)),
+    ]

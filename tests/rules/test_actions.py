@@ -22,7 +22,7 @@ HOIST_SESSION = """
     """
 
 
-def test_hoist_default_places_value_at_end_of_the_first_turn_and_keeps_later_turns_raw(tmp_path: Path) -> None:
+def test_hoist_default_places_value_in_the_first_turn_and_keeps_later_turns_raw(tmp_path: Path) -> None:
     ruleset = ruleset_from(tmp_path, HOIST_SESSION)
     messages = [{"role": "system", "content": "You are terse.\nSession: 0a1b2c\nAnswer in English."},
                 {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
@@ -31,13 +31,13 @@ def test_hoist_default_places_value_at_end_of_the_first_turn_and_keeps_later_tur
     first_turn = ruleset.apply(messages[:2])
     assert canon.messages == [
         {"role": "system", "content": "You are terse.\nAnswer in English."},
-        {"role": "user", "content": "hi\n\n<request_context>\nSession: 0a1b2c\n</request_context>"},
+        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\nhi"},
         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "tell me more"},
     ]
     assert canon.messages[:2] == first_turn.messages  # the first turn as it was sent
     assert canon.hoisted == ["Session: 0a1b2c"]
     assert canon.applied == {"session": 1}
-    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [(1, 0, 1), (3, 1, 2), (4, 1, 4)]
+    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [(1, 0, 1), (4, 1, 4)]
 
 
 def test_hoist_last_user_prefix_places_value_at_start_of_the_turns_last_user_message(tmp_path: Path) -> None:
@@ -129,9 +129,9 @@ def test_hoist_group_and_list_content(tmp_path: Path) -> None:
     canon = ruleset.apply(messages)
     assert canon.messages[0]["content"] == [{"type": "text", "text": "call id= now"}]
     assert canon.messages[1]["content"] == [
+        {"type": "text", "text": "<request_context>\n42\n</request_context>\n\n"},
         {"type": "image_url", "image_url": {"url": "data:x"}},
         {"type": "text", "text": "what is this?"},
-        {"type": "text", "text": "<request_context>\n42\n</request_context>"},
     ]
     assert ruleset.apply(canon.messages).messages == canon.messages
 
@@ -336,14 +336,9 @@ def test_hoist_goes_after_documents_in_the_last_user_turn(tmp_path: Path) -> Non
     ruleset = load_ruleset(["default", str(ruleset_path(tmp_path))])
     canon = ruleset.apply(chat("Current date: 2025-05-14\nYou answer from documents.",
                                "Question: who?\nDocument:\nA long text."))
-    assert canon.messages[1]["content"] == ("<document>\nA long text.\n</document>\n\nQuestion: who?\n\n"
-                                            "<request_context>\nCurrent date: 2025-05-14\n</request_context>")
-    prefix = load_ruleset(["default", str(ruleset_path(tmp_path))], placement="last_user_prefix")
-    canon_prefix = prefix.apply(chat("Current date: 2025-05-14\nYou answer from documents.",
-                                     "Question: who?\nDocument:\nA long text."))
-    assert canon_prefix.messages[1]["content"] == (
-        "<document>\nA long text.\n</document>\n\n<request_context>\n"
-        "Current date: 2025-05-14\n</request_context>\n\nQuestion: who?")
+    # the text after the documents keeps the line breaks the reorder template gave it
+    assert canon.messages[1]["content"] == ("<document>\nA long text.\n</document>\n\n<request_context>\n"
+                                            "Current date: 2025-05-14\n</request_context>\n\n\n\nQuestion: who?")
     document = canon.segments[1]
     assert (document.level, document.end_message, document.end_part, document.end_char) == (
         2, 2, 0, len("<document>\nA long text.\n</document>"))

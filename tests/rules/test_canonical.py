@@ -184,8 +184,9 @@ def test_multi_turn_history_stays_stable_across_turns() -> None:
     assert ruleset.apply([turn1[0], *turn2[1:]]).messages[:2] == c1.messages
     assert c2.messages[0] == {"role": "system", "content": "Bot."}
     assert c2.messages[2:] == [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
-    assert [s.name for s in c2.segments] == ["tools+system", "history", "volatile"]
-    assert b"q1" in c2.stable_prefix_material() and b"13:19" not in c2.stable_prefix_material()
+    # the first turn's block holds this request's value: the volatile tail starts there
+    assert [s.name for s in c2.segments] == ["tools+system", "volatile"]
+    assert b"13:19" not in c2.stable_prefix_material()
     # with the memory the first turn comes back exactly as sent, and the new time goes into the new turn
     memory = TranscriptMemory()
     m1 = ruleset.apply(turn1, memory=memory, scope="m")
@@ -216,8 +217,8 @@ def test_list_content_documents_and_block(tmp_path: Path) -> None:
                                              {"type": "text", "text": "<document>B</document></documents>"},
                                              {"type": "text", "text": "Which is longer?"}]}]
     canon = ruleset.apply(messages)
-    assert canon.messages[1]["content"][3] == {"type": "text", "text": "<request_context>\nCurrent date: 2025-05-14\n"
-                                                                      "</request_context>"}
+    assert canon.messages[1]["content"][2] == {"type": "text", "text": "<request_context>\nCurrent date: 2025-05-14\n"
+                                                                      "</request_context>\n\n"}
     docs = canon.segments[1]
     assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (2, 2, 2, 0)
     material = json.loads(canon.stable_prefix_material())
@@ -259,7 +260,7 @@ def test_pathological_pattern_on_100k_prompt_returns_correct_result(tmp_path: Pa
     canon = ruleset.apply(chat("b" + all_a))
     assert canon.messages[0]["content"] == "b"
     assert canon.hoisted == [all_a]
-    assert canon.messages[1]["content"] == "What should I do next?\n\n<request_context>\n" + all_a + "\n</request_context>"
+    assert canon.messages[1]["content"] == "<request_context>\n" + all_a + "\n</request_context>\n\nWhat should I do next?"
 
 
 def test_many_matches_on_a_long_text_are_linear(tmp_path: Path) -> None:

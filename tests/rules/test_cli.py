@@ -44,8 +44,8 @@ def test_apply_prints_canonical_request_and_stable_end(tmp_path: Path, capsys: p
     assert cli.apply(None, str(request)) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["messages"] == [{"role": "system", "content": "Bot."},
-                               {"role": "user", "content": "hi\n\n<request_context>\nCurrent date: 2025-05-14\n"
-                                                           "</request_context>"}]
+                               {"role": "user", "content": "<request_context>\nCurrent date: 2025-05-14\n"
+                                                           "</request_context>\n\nhi"}]
     assert [t["function"]["name"] for t in out["tools"]] == ["a", "z"]
     assert out["stable_prefix_end"] == {"message": 1, "part": 0, "char": 0}
     assert [s["name"] for s in out["segments"]] == ["tools+system", "volatile"]

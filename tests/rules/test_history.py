@@ -17,7 +17,9 @@ from tests.rules.helpers import all_text, ruleset_from
 from tests.rules.history_traces import SYSTEM, Replay, tool_turn
 
 DEFAULT = load_ruleset(["default"])
-BIG = "\n".join(f"line {i}: value = compute({i}) + offset  # note {i % 7}" for i in range(1600))  # ~4,000 tokens
+BIG = "\n".join(
+    f"line {i}: value = compute({i}) + offset  # note {i % 7}" for i in range(1600)
+)  # ~4,000 tokens
 
 
 def system(line: str) -> dict:
@@ -29,12 +31,19 @@ def is_prefix(shorter: list, longer: list) -> bool:
 
 
 def test_turn_spans_cut_at_each_answered_reply() -> None:
-    m = [system("x"), {"role": "user", "content": "q"}, *tool_turn(1, ["a", "b"]),
-         {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"},
-         {"role": "assistant", "content": "prefill"}]
+    m = [
+        system("x"),
+        {"role": "user", "content": "q"},
+        *tool_turn(1, ["a", "b"]),
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "next"},
+        {"role": "assistant", "content": "prefill"},
+    ]
     assert turn_spans(m) == [(0, 2), (2, 5), (5, 8)]
     assert turn_spans([]) == []
-    assert turn_spans([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == [(0, 2)]
+    assert turn_spans([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == [
+        (0, 2)
+    ]
 
 
 def test_chat_with_a_constant_date_is_a_growing_prefix_without_memory() -> None:
@@ -69,13 +78,15 @@ def test_agent_loop_with_a_changing_time_and_large_tool_results_reuses_everythin
             assert is_prefix(previous.messages, canon.messages)  # the whole history, old blocks included
             assert canon.history.reused_turns == len(turn_spans(history)) - 1
             newest = canon.messages[-1]
-            assert newest["role"] in ("tool", "user") and newest["content"].endswith(value + "\n</request_context>")
+            assert newest["role"] in ("tool", "user") and newest["content"].endswith(
+                value + "\n</request_context>"
+            )
         previous = canon
         results = [BIG] if turn % 2 else ["small a", "small b"]  # parallel calls every other turn
         history += tool_turn(turn, results, text=None if turn % 3 else "Reading.")
     for row in replay.rows[1:]:
         assert row["on"] >= row["off"] and row["stateless"] >= row["off"]
-        assert row["on"] > len(BIG)  or row is replay.rows[1]
+        assert row["on"] > len(BIG) or row is replay.rows[1]
     # the big tool results sit before the newest block: re-sent every turn, never re-prefilled
     assert replay.rows[-1]["on"] >= len(replay.prompts["on"][-2]) - len("<|assistant|>")
 
@@ -88,7 +99,10 @@ def test_stateless_form_with_changed_values_still_beats_rules_off() -> None:
         canon = DEFAULT.apply(history)
         replay.send(history)
         assert DEFAULT.apply(canon.messages).messages == canon.messages
-        history += [{"role": "assistant", "content": f"reply {turn}"}, {"role": "user", "content": f"more {turn}"}]
+        history += [
+            {"role": "assistant", "content": f"reply {turn}"},
+            {"role": "user", "content": f"more {turn}"},
+        ]
     for row in replay.rows[1:]:
         assert row["stateless"] >= row["off"]
 
@@ -96,14 +110,23 @@ def test_stateless_form_with_changed_values_still_beats_rules_off() -> None:
 def test_compaction_edit_retry_and_fork_never_cache_less_than_rules_off() -> None:
     replay = Replay(DEFAULT)
     base = [system("Current date: 2026-12-01")]
-    turns = [({"role": "user", "content": f"turn {i} " + "words " * 20},
-              {"role": "assistant", "content": f"answer {i} " + "text " * 20}) for i in range(5)]
+    turns = [
+        (
+            {"role": "user", "content": f"turn {i} " + "words " * 20},
+            {"role": "assistant", "content": f"answer {i} " + "text " * 20},
+        )
+        for i in range(5)
+    ]
     history = list(base)
     for user, reply in turns:
         replay.send([*history, user])
         history += [user, reply]
-    compacted = [*base, {"role": "user", "content": "Summary: we talked about five things."},
-                 {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "go on"}]
+    compacted = [
+        *base,
+        {"role": "user", "content": "Summary: we talked about five things."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "go on"},
+    ]
     edited = [*history[:9], {"role": "user", "content": "turn 4, edited"}]
     canon_edit = replay.send(edited)
     assert canon_edit.history.reused_turns == 4  # the request that turn 4 answered was sent before
@@ -115,8 +138,12 @@ def test_compaction_edit_retry_and_fork_never_cache_less_than_rules_off() -> Non
     fork_b = [*history[:5], {"role": "user", "content": "fork B"}]
     ca, cb = replay.send(fork_a), replay.send(fork_b)
     assert ca.messages[:-1] == cb.messages[:-1]
-    ca2 = replay.send([*fork_a, {"role": "assistant", "content": "A!"}, {"role": "user", "content": "more A"}])
-    cb2 = replay.send([*fork_b, {"role": "assistant", "content": "B!"}, {"role": "user", "content": "more B"}])
+    ca2 = replay.send(
+        [*fork_a, {"role": "assistant", "content": "A!"}, {"role": "user", "content": "more A"}]
+    )
+    cb2 = replay.send(
+        [*fork_b, {"role": "assistant", "content": "B!"}, {"role": "user", "content": "more B"}]
+    )
     assert is_prefix(ca.messages, ca2.messages) and is_prefix(cb.messages, cb2.messages)
     assert ca2.history.reused_turns == cb2.history.reused_turns == 3
     for row in replay.rows:
@@ -143,13 +170,19 @@ def test_every_placement_keeps_history_with_constant_and_with_changing_values(pl
 
 
 def test_placements_in_later_turns(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: ticket
             match: {role: [user, tool], pattern: 'Ticket: [0-9]+'}
             action: hoist
-        """)
-    messages = [{"role": "user", "content": "Ticket: 1 hello"}, *tool_turn(1, ["Ticket: 2 ok", "Ticket: 3 ok"])]
+        """,
+    )
+    messages = [
+        {"role": "user", "content": "Ticket: 1 hello"},
+        *tool_turn(1, ["Ticket: 2 ok", "Ticket: 3 ok"]),
+    ]
     canon = ruleset.apply(messages)
     assert canon.messages[0]["content"] == "<request_context>\nTicket: 1\n</request_context>\n\nhello"
     assert canon.messages[2]["content"] == "ok"
@@ -159,20 +192,30 @@ def test_placements_in_later_turns(tmp_path: Path) -> None:
 
 
 def test_content_part_lists_and_anthropic_shaped_blocks() -> None:
-    first = [system("Current time: 2026-12-01 08:00:00"),
-             {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}]}]
+    first = [
+        system("Current time: 2026-12-01 08:00:00"),
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}],
+        },
+    ]
     memory = TranscriptMemory()
     c1 = DEFAULT.apply(first, memory=memory, scope="s")
     assert c1.messages[1]["content"][0]["text"].startswith("<request_context>\nCurrent time")
     # Anthropic-shaped: tool_use in the assistant message, tool_result blocks in a user message
-    second = [system("Current time: 2026-12-01 08:05:00"), first[1],
-              {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": BIG}]}]
+    second = [
+        system("Current time: 2026-12-01 08:05:00"),
+        first[1],
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": BIG}]},
+    ]
     c2 = DEFAULT.apply(second, memory=memory, scope="s")
     assert c2.messages[:2] == c1.messages
     assert c2.messages[3]["content"][0] == second[3]["content"][0]
-    assert c2.messages[3]["content"][1] == {"type": "text", "text": "<request_context>\nCurrent time: 2026-12-01 "
-                                                                    "08:05:00\n</request_context>"}
+    assert c2.messages[3]["content"][1] == {
+        "type": "text",
+        "text": "<request_context>\nCurrent time: 2026-12-01 08:05:00\n</request_context>",
+    }
     assert DEFAULT.apply(c2.messages).messages == c2.messages
 
 
@@ -181,17 +224,26 @@ def test_memory_entries_are_checked_scoped_and_bounded() -> None:
     store = InProcessTranscriptStore(max_entries=3, max_bytes=10_000, ttl_s=60, clock=lambda: clock[0])
     memory = TranscriptMemory(store)
     t1 = [system("Current time: 2026-12-01 10:00:00"), {"role": "user", "content": "hi"}]
-    t2 = [system("Current time: 2026-12-01 10:01:00"), t1[1], {"role": "assistant", "content": "hey"},
-          {"role": "user", "content": "next"}]
+    t2 = [
+        system("Current time: 2026-12-01 10:01:00"),
+        t1[1],
+        {"role": "assistant", "content": "hey"},
+        {"role": "user", "content": "next"},
+    ]
     c1 = DEFAULT.apply(t1, memory=memory, scope="tenant-a")
     assert DEFAULT.apply(t2, memory=memory, scope="tenant-b").history.reused_turns == 0  # other scope
     assert DEFAULT.apply(t2, memory=memory, scope="tenant-a").messages[:2] == c1.messages
     clock[0] = 61.0  # expired
     assert DEFAULT.apply(t2, memory=memory, scope="tenant-a").history.reused_turns == 0
     # a corrupt entry and an entry that is not this conversation's form are misses, counted
-    key = PrefixHasher("tenant-a", None).keys(DEFAULT.apply(t1).messages[:0] + [
-        {"role": "system", "content": "You are a helpful assistant.\nAnswer briefly."}, {"role": "user", "content": "hi"}],
-        [2])[0]
+    key = PrefixHasher("tenant-a", None).keys(
+        DEFAULT.apply(t1).messages[:0]
+        + [
+            {"role": "system", "content": "You are a helpful assistant.\nAnswer briefly."},
+            {"role": "user", "content": "hi"},
+        ],
+        [2],
+    )[0]
     for bad in (b"not zlib", TranscriptEntry([{"role": "user", "content": "other"}]).encode()):
         store.put(key, bad)
         rejected = memory.stats.rejected
@@ -220,8 +272,15 @@ def test_memory_flood_of_distinct_conversations_stays_bounded() -> None:
     store = InProcessTranscriptStore(max_entries=40, max_bytes=60_000)
     memory = TranscriptMemory(store)
     for i in range(300):
-        DEFAULT.apply([system(f"Current time: 2026-12-01 10:{i % 60:02d}:00"), {"role": "user", "content": f"c{i} " * 30},
-                       {"role": "assistant", "content": "r"}, {"role": "user", "content": "q"}],
-                      memory=memory, scope=f"t{i % 7}")
+        DEFAULT.apply(
+            [
+                system(f"Current time: 2026-12-01 10:{i % 60:02d}:00"),
+                {"role": "user", "content": f"c{i} " * 30},
+                {"role": "assistant", "content": "r"},
+                {"role": "user", "content": "q"},
+            ],
+            memory=memory,
+            scope=f"t{i % 7}",
+        )
         assert len(store) <= 40 and store.stats.bytes <= 60_000
     assert memory.stats.stored == 300 and store.stats.evicted >= 260

@@ -37,7 +37,7 @@ def test_dates_in_every_form_and_anchor_give_identical_stable_prefix(anchor: str
         assert canon.messages[2:] == request("")[2:]  # later turns untouched
         assert len(canon.hoisted) == 1 and value in canon.hoisted[0]
         assert value in canon.messages[1]["content"]  # preserved, at the end of the first turn
-        assert canon.messages[1]["content"].startswith("Hi\n\n<request_context>\n")
+        assert canon.messages[1]["content"].endswith("\n</request_context>\n\nHi")
 
 
 @pytest.mark.parametrize("kind", sorted(OTHER_VOLATILE))
