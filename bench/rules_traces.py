@@ -195,6 +195,25 @@ def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     return head + tokenizer.apply_chat_template(flat, add_generation_prompt=True)
 
 
+def prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """Token ids of the rendered prompt (``render_text``)."""
+    return tokenizer.encode(render_text(tokenizer, messages, tools))
+
+
+def history_kept(
+    tokenizer: Any,
+    previous: list[dict[str, Any]],
+    current: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> bool:
+    """Whether the previous request's prompt tokens are a prefix of the current request's: False when the
+    canonicalizer or the chat template rewrote history (e.g. a template that strips earlier reasoning)."""
+    before, after = prompt_ids(tokenizer, previous, tools), prompt_ids(tokenizer, current, tools)
+    return after[: len(before)] == before
+
+
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the longest common prefix of two sequences."""
     n = min(len(a), len(b))
