@@ -273,10 +273,7 @@ class RuleSet:
                spans: list[tuple[int, int]]) -> tuple[int, TranscriptEntry] | None:
         """(index of the first turn not covered, entry) for the longest earlier request in the memory whose
         blocks taken out give exactly ``messages`` up to that turn; None when there is none."""
-        entries = memory.lookup(keys[::-1])
-        for back, entry in enumerate(entries):
-            if entry is None:
-                continue
+        for back, entry in memory.candidates(keys[::-1]):
             turn = len(keys) - back
             stripped = copy.deepcopy(entry.messages)
             for start, end in reversed(turn_spans(stripped)):

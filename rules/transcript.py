@@ -25,7 +25,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -238,16 +238,24 @@ class TranscriptMemory:
         self.stats = MemoryStats()
         self._lock = threading.Lock()
 
-    def lookup(self, keys: Sequence[bytes]) -> list[TranscriptEntry | None]:
-        """The decoded entry for each key (None: missing or undecodable, the latter counted)."""
-        out: list[TranscriptEntry | None] = []
-        raw = self.store.get_many(list(keys)) if keys else []
-        for data in raw:
-            entry = TranscriptEntry.decode(data) if data is not None else None
-            if data is not None and entry is None:
-                self.count(rejected=1)
-            out.append(entry)
-        return out
+    def candidates(self, keys: Sequence[bytes]) -> Iterator[tuple[int, TranscriptEntry]]:
+        """(index into ``keys``, decoded entry) for each key found, in the order of ``keys``, fetched lazily:
+        the first key alone (the common hit, one small read), then the rest in one ``get_many``. An
+        undecodable value is skipped and counted as ``rejected``."""
+        if not keys:
+            return
+        batches = [(0, list(keys[:1])), (1, list(keys[1:]))]
+        for offset, batch in batches:
+            if not batch:
+                continue
+            for i, data in enumerate(self.store.get_many(batch)):
+                if data is None:
+                    continue
+                entry = TranscriptEntry.decode(data)
+                if entry is None:
+                    self.count(rejected=1)
+                    continue
+                yield offset + i, entry
 
     def remember(self, key: bytes, entry: TranscriptEntry) -> None:
         """Store ``entry`` under ``key``."""

@@ -284,3 +284,25 @@ def test_memory_flood_of_distinct_conversations_stays_bounded() -> None:
         )
         assert len(store) <= 40 and store.stats.bytes <= 60_000
     assert memory.stats.stored == 300 and store.stats.evicted >= 260
+
+
+def test_a_growing_conversation_reads_one_entry_per_request() -> None:
+    class Counting(InProcessTranscriptStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches: list[int] = []
+
+        def get_many(self, keys):  # type: ignore[no-untyped-def]
+            self.batches.append(len(keys))
+            return super().get_many(keys)
+
+    store = Counting()
+    memory = TranscriptMemory(store)
+    history = [system("Current time: 2026-12-01 10:00:00"), {"role": "user", "content": "go"}]
+    for turn in range(1, 8):
+        history[0] = system(f"Current time: 2026-12-01 10:{turn:02d}:00")
+        assert (
+            DEFAULT.apply(copy.deepcopy(history), memory=memory, scope="s").history.reused_turns == turn - 1
+        )
+        history += tool_turn(turn, [f"out {turn}"])
+    assert store.batches == [1] * 6  # the first request has no earlier one to look up
