@@ -16,7 +16,7 @@ A rule file is a YAML mapping::
           pattern: '(?m)^Ticket: %{TICKET}$'     # RE2 syntax (linear time)
           skip_code: true                        # ignore matches inside fenced code blocks (default false)
         action: hoist                            # hoist | replace | round | drop | normalize | sort_tools | reorder
-        placement: last_user_prefix              # hoist: last_user_prefix | before_last_user | system_end
+        placement: tail_end                      # hoist: tail_end | last_user_prefix | before_last_user | system_end
         group: 0                                 # hoist/drop/replace: the group acted on (number or name)
 
 Action keys: ``replace`` takes ``with`` (a ``{group}`` template), ``reorder`` takes ``template``, ``round``
@@ -42,6 +42,7 @@ from rules.canonicalize import RuleSet
 from rules.errors import RuleError
 from rules.model import (
     ACTIONS,
+    DEFAULT_PLACEMENT,
     PLACEMENTS,
     POSITIONS,
     ROLES,
@@ -433,7 +434,7 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
             raise fail(str(e), keys["group"][1]) from None
         fields["group"] = group
     if action == "hoist":
-        chosen = _value(keys["placement"][1]) if "placement" in keys else "last_user_prefix"
+        chosen = _value(keys["placement"][1]) if "placement" in keys else DEFAULT_PLACEMENT
         if chosen not in PLACEMENTS:
             raise fail(
                 f"unknown placement {chosen!r} (one of: {', '.join(PLACEMENTS)})", keys["placement"][1]

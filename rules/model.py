@@ -16,10 +16,10 @@ ACTIONS: tuple[str, ...] = ("hoist", "replace", "round", "drop", "normalize", "s
 SPAN_ACTIONS: frozenset[str] = frozenset({"hoist", "replace", "round", "drop", "reorder"})
 """Actions that act on regex matches inside message text (they need ``match.pattern``)."""
 
-PLACEMENTS: tuple[str, ...] = ("last_user_prefix", "before_last_user", "system_end")
+PLACEMENTS: tuple[str, ...] = ("tail_end", "last_user_prefix", "before_last_user", "system_end")
 """Where hoisted values are re-inserted (see ``rules.placement``). The first is the default."""
 
-DEFAULT_PLACEMENT = "last_user_prefix"
+DEFAULT_PLACEMENT = "tail_end"
 
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
 """Roles a ``match.role`` may name (``any`` selects every role)."""

@@ -22,8 +22,30 @@ HOIST_SESSION = """
     """
 
 
-def test_hoist_default_places_value_at_start_of_last_user_turn(tmp_path: Path) -> None:
+def test_hoist_default_places_value_in_the_first_turn_and_keeps_later_turns_raw(tmp_path: Path) -> None:
     ruleset = ruleset_from(tmp_path, HOIST_SESSION)
+    messages = [
+        {"role": "system", "content": "You are terse.\nSession: 0a1b2c\nAnswer in English."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "tell me more"},
+    ]
+    canon = ruleset.apply(messages)
+    first_turn = ruleset.apply(messages[:2])
+    assert canon.messages == [
+        {"role": "system", "content": "You are terse.\nAnswer in English."},
+        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\nhi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "tell me more"},
+    ]
+    assert canon.messages[:2] == first_turn.messages  # the first turn as it was sent
+    assert canon.hoisted == ["Session: 0a1b2c"]
+    assert canon.applied == {"session": 1}
+    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [(1, 0, 1), (4, 1, 4)]
+
+
+def test_hoist_last_user_prefix_places_value_at_start_of_the_turns_last_user_message(tmp_path: Path) -> None:
+    ruleset = ruleset_from(tmp_path, HOIST_SESSION, placement="last_user_prefix")
     messages = [
         {"role": "system", "content": "You are terse.\nSession: 0a1b2c\nAnswer in English."},
         {"role": "user", "content": "hi"},
@@ -33,17 +55,12 @@ def test_hoist_default_places_value_at_start_of_last_user_turn(tmp_path: Path) -
     canon = ruleset.apply(messages)
     assert canon.messages == [
         {"role": "system", "content": "You are terse.\nAnswer in English."},
-        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\nhi"},
         {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\ntell me more"},
+        {"role": "user", "content": "tell me more"},
     ]
-    assert canon.hoisted == ["Session: 0a1b2c"]
-    assert canon.applied == {"session": 1}
-    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [
-        (1, 0, 1),
-        (3, 1, 3),
-        (4, 3, 4),
-    ]
+    assert canon.messages[:2] == ruleset.apply(messages[:2]).messages
+    assert ruleset.apply(canon.messages).messages == canon.messages
 
 
 def test_hoist_before_last_user_adds_a_note_message(tmp_path: Path) -> None:
@@ -174,9 +191,12 @@ def test_selection_by_role_position_and_index(tmp_path: Path) -> None:
 
     assert dropped("role: user") == ["x", "y", "x", "y"]
     assert dropped("role: user, position: first") == ["x", "y", "x", "x"]
-    assert dropped("role: [user, assistant], position: last") == ["x", "x", "x", "y"]
+    # positions and negative indices select as in the request each turn was the newest in: a turn's
+    # "last" message stays selected in later requests, so history never changes
+    assert dropped("role: [user, assistant], position: last") == ["x", "y", "x", "y"]
     assert dropped("index: 2") == ["x", "x", "y", "x"]
-    assert dropped("index: -4") == ["y", "x", "x", "x"]
+    assert dropped("index: -1") == ["x", "y", "x", "y"]
+    assert dropped("index: -4") == ["x", "x", "x", "x"]  # message 0 was never 4th from the end of its turn
     assert dropped("index: 2, role: user") == ["x", "x", "x", "x"]
     assert dropped("role: any") == ["y", "y", "y", "y"]
 
@@ -398,9 +418,10 @@ def test_hoist_goes_after_documents_in_the_last_user_turn(tmp_path: Path) -> Non
             "Current date: 2025-05-14\nYou answer from documents.", "Question: who?\nDocument:\nA long text."
         )
     )
+    # the text after the documents keeps the line breaks the reorder template gave it
     assert canon.messages[1]["content"] == (
         "<document>\nA long text.\n</document>\n\n<request_context>\n"
-        "Current date: 2025-05-14\n</request_context>\n\nQuestion: who?"
+        "Current date: 2025-05-14\n</request_context>\n\n\n\nQuestion: who?"
     )
     document = canon.segments[1]
     assert (document.level, document.end_message, document.end_part, document.end_char) == (

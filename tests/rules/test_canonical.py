@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from rules import Canonical, RequestShapeError, RuleSet, SegmentLevel, load_ruleset
 from rules.loader import PACK_DIR
+from rules.transcript import TranscriptMemory
 from tests.rules.formats import DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
 from tests.rules.helpers import all_text, chat, ruleset_from, write_rules
 
@@ -223,13 +224,23 @@ def test_multi_turn_history_stays_stable_across_turns() -> None:
     assert c1.stable_prefix_material(SegmentLevel.TOOLS_SYSTEM) == c2.stable_prefix_material(
         SegmentLevel.TOOLS_SYSTEM
     )
-    assert c2.messages[:3] == [
-        {"role": "system", "content": "Bot."},
-        {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "a1"},
-    ]
-    assert [s.name for s in c2.segments] == ["tools+system", "history", "volatile"]
-    assert b"a1" in c2.stable_prefix_material() and b"q2" not in c2.stable_prefix_material()
+    # stateless: the same values give the same first turn; changed values cost the first turn's block on
+    assert ruleset.apply([turn1[0], *turn2[1:]]).messages[:2] == c1.messages
+    assert c2.messages[0] == {"role": "system", "content": "Bot."}
+    assert c2.messages[2:] == [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    # the first turn's block holds this request's value: the volatile tail starts there
+    assert [s.name for s in c2.segments] == ["tools+system", "volatile"]
+    assert b"13:19" not in c2.stable_prefix_material()
+    # with the memory the first turn comes back exactly as sent, and the new time goes into the new turn
+    memory = TranscriptMemory()
+    m1 = ruleset.apply(turn1, memory=memory, scope="m")
+    m2 = ruleset.apply(turn2, memory=memory, scope="m")
+    assert m2.messages[:2] == m1.messages
+    assert (
+        m2.messages[3]["content"]
+        == "q2\n\n<request_context>\nCurrent time: 2025-05-14 13:19:02\n</request_context>"
+    )
+    assert m2.history.reused_turns == 1
 
 
 @pytest.mark.parametrize(
