@@ -32,6 +32,7 @@ Not thread-safe by itself; each public method takes the learner's lock.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import threading
@@ -46,6 +47,7 @@ import yaml
 from rules.messages import get_text, text_parts
 from rules.model import DEFAULT_PLACEMENT, MessageSelector, Rule
 from rules.patterns import compile_pattern
+from rules.placement import extract_blocks
 
 LEARNED_MODES: tuple[str, ...] = ("off", "suggest", "apply")
 """``off``: learn nothing; ``suggest`` (default): learn, list and export; ``apply``: also hoist."""
@@ -426,18 +428,20 @@ class SlotLearner:
 
     # ----- learning ---------------------------------------------------------------------------------------
     def observe(self, model: str, tenant: str, messages: list[dict[str, Any]]) -> int:
-        """Sample the system/developer texts of one request (OpenAI chat messages, as given to
-        ``RuleSet.apply``: before canonicalization, so hoisted values are still in place) and learn from them.
+        """Sample the system/developer texts of one request and learn from them. Pass the canonical messages
+        (``Canonical.messages``, after the rules): what a rule already hoists is then never learned again, and a
+        hoisted-value block at the end of a system message (``system_end`` placement) is taken out first.
 
         Returns:
             the number of spans recorded (0 in mode ``off``). Messages of other roles are never read.
         """
         if self.config.mode == "off":
             return 0
-        texts = []
-        for message in messages:
-            if isinstance(message, dict) and message.get("role") in LEARNED_ROLES:
-                texts.extend(get_text(message, part) for part in text_parts(message))
+        chosen = [
+            copy.deepcopy(m) for m in messages if isinstance(m, dict) and m.get("role") in LEARNED_ROLES
+        ]
+        extract_blocks(chosen)  # values the rules already hoisted are not template text
+        texts = [get_text(m, part) for m in chosen for part in text_parts(m)]
         recorded = 0
         for text in texts:
             recorded += self.observe_text(model, tenant, text)

@@ -300,3 +300,14 @@ def test_match_slots_gives_value_ranges() -> None:
     start = text.index("2030-01-02")
     assert learner.match_slots("m", "t", text) == [(start, start + 10, slot["id"])]
     assert learner.match_slots("m", "nobody", text) == []
+
+
+def test_what_the_rules_hoist_is_not_learned_again() -> None:
+    ruleset = load_ruleset(["default"], placement="system_end")
+    learner = SlotLearner()
+    for i in range(5):
+        canon = ruleset.apply(_chat(TEMPLATE.format(date=_date(i), tz="UTC")))
+        assert canon.hoisted == [f"Current date: {_date(i)}. The user's timezone is UTC."]
+        assert "<request_context>" in canon.messages[0]["content"]
+        learner.observe("m", "t", canon.messages)
+    assert learner.slots(include_candidates=True) == []
