@@ -62,6 +62,7 @@ _TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
 _TRAILING_PUNCT = ".,;:!?)]}\"'"
 _ASCII_PUNCT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 _MAX_PUNCT = 24
+_MAX_COMPILED = 1024
 
 
 @dataclass(frozen=True)
@@ -419,6 +420,7 @@ class SlotLearner:
         self._clock = clock
         self._keys: OrderedDict[tuple[str, str], _Key] = OrderedDict()
         self._sample_chars = 0
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -637,6 +639,17 @@ class SlotLearner:
             line=0,
         )
 
+    def _compile(self, source: str) -> Any:
+        """The compiled RE2 pattern of a slot (cached: a slot's pattern changes only when its shape does)."""
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = compile_pattern(source, {})
+            while len(self._compiled) > _MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(source)
+        return compiled
+
     def match_slots(self, model: str, tenant: str, text: str) -> list[tuple[int, int, str]]:
         """Where the learned slots of ``model`` + ``tenant`` (any mode but ``off``) match in a system/developer
         ``text``: ``(start, end, slot id)`` character ranges of the values, sorted. For the miss explanation
@@ -650,7 +663,7 @@ class SlotLearner:
             ]
             out = []
             for slot_id, c in found:
-                pattern = compile_pattern(self.pattern_source(c), {})
+                pattern = self._compile(self.pattern_source(c))
                 for m in pattern.finditer(text):
                     start, end = m.span(pattern.groupindex["value"])
                     out.append((start, end, slot_id))
