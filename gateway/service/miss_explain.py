@@ -31,6 +31,7 @@ the stored token ids (binary search over array slice compares). Pure Python, no 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
 import time
@@ -152,6 +153,28 @@ class MissExplanation:
             "source": self.source,
             "missed_tokens": self.missed_tokens,
         }
+
+
+def volatile_spans_from_chars(
+    spans: Iterable[tuple[int, int, str | None]], token_starts: Sequence[int]
+) -> list[VolatileSpan]:
+    """Character ranges of volatile values in the rendered prompt (e.g. ``SlotLearner.match_slots`` ranges
+    shifted by where that message's text begins in the prompt) as token ranges.
+
+    Args:
+        spans: ``(start, end, slot id or None)`` character ranges, ``start <= end``.
+        token_starts: the start character of every prompt token, ascending (a tokenizer's offsets).
+
+    Returns:
+        ``VolatileSpan``s from the token holding ``start`` to the first token at or after ``end`` (at least one
+        token each).
+    """
+    out = []
+    for start, end, slot in spans:
+        first = max(0, bisect.bisect_right(token_starts, start) - 1)
+        last = max(first + 1, bisect.bisect_left(token_starts, end))
+        out.append(VolatileSpan(first, last, slot))
+    return out
 
 
 def format_cache_header(explanation: MissExplanation) -> str:

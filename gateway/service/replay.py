@@ -31,11 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from gateway.service.miss_explain import MISS_CAUSES, MissExplainer, PromptSegment
+from gateway.service.miss_explain import (
+    MISS_CAUSES,
+    MissExplainer,
+    PromptSegment,
+    VolatileSpan,
+    volatile_spans_from_chars,
+)
 from rules import Canonical, Position, RequestShapeError, RuleSet, load_ruleset
 from rules.actions import canonical_json
+from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.loader import DEFAULT_PACKS
-from rules.messages import check_shape
+from rules.messages import check_shape, get_text, text_parts
 from rules.segments import message_prefix
 
 Canonicalize = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None", str, str], Canonical]
@@ -97,7 +104,7 @@ class SideResult:
         common_chars, common_tokens: longest common prefix with an earlier request of the same key.
         stable_tokens: where the canonical stable prefix ends, in tokens.
         cause: the miss cause against an ideal cache, or None (a hit, or nothing stable to miss).
-        at: ``segment:offset`` of the miss, or None.
+        at: ``segment:offset`` of the miss (then the learned slot's id when one covers it), or None.
     """
 
     prompt_chars: int
@@ -126,12 +133,13 @@ class ReplayReport:
     tokenizer: str
     requests: list[RequestReport] = field(default_factory=list)
     broken: list[BrokenLine] = field(default_factory=list)
+    learner: SlotLearner | None = None
 
     def totals(self) -> dict[str, Any]:
         """Sums over the requests: ``requests``, ``broken``, ``tokenizer``, prompt and common tokens and
         characters on/off, ``share_on``/``share_off`` (common tokens / prompt tokens), ``turns_worse_than_off``
         (requests whose common prefix in tokens is shorter with the rules on), ``causes_on``/``causes_off``
-        (cause -> requests)."""
+        (cause -> requests), ``learned_slots`` (slots learned from the trace's system texts)."""
         out: dict[str, Any] = {
             "requests": len(self.requests),
             "broken": len(self.broken),
@@ -154,6 +162,7 @@ class ReplayReport:
         out["turns_worse_than_off"] = sum(
             1 for r in self.requests if r.on.common_tokens < r.off.common_tokens
         )
+        out["learned_slots"] = len(self.learner.slots()) if self.learner is not None else 0
         return out
 
     def table(self) -> str:
@@ -370,6 +379,7 @@ class RenderedPrompt:
 
     text: str
     tokens: list[int]
+    starts: list[int]
     segments: list[PromptSegment]
     stable_tokens: int
 
@@ -433,7 +443,7 @@ def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPr
         else:
             segments.append(PromptSegment(name, pos, end))
         pos = end
-    return RenderedPrompt(text, ids, segments, min(tok(stable_chars), len(ids)))
+    return RenderedPrompt(text, ids, starts, segments, min(tok(stable_chars), len(ids)))
 
 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -477,26 +487,55 @@ class _Side:
         self.seen: dict[tuple[str, str], list[tuple[str, list[int]]]] = {}
         self.explainer = MissExplainer(block_size=BLOCK_SIZE, max_prompts_per_key=1 << 16, max_bytes=1 << 40)
 
-    def measure(self, request: TraceRequest, rendered: RenderedPrompt) -> SideResult:
+    def measure(
+        self, request: TraceRequest, rendered: RenderedPrompt, volatile: Sequence[VolatileSpan] = ()
+    ) -> SideResult:
         key = (request.model, request.tenant)
         earlier = self.seen.setdefault(key, [])
         chars = max((_common_prefix(rendered.text, t) for t, _ in earlier), default=0)
         tokens = max((_common_prefix(rendered.tokens, ids) for _, ids in earlier), default=0)
         cached = tokens - tokens % BLOCK_SIZE
         e = self.explainer.explain(
-            request.model, request.tenant, rendered.tokens, rendered.segments, rendered.stable_tokens, cached
+            request.model,
+            request.tenant,
+            rendered.tokens,
+            rendered.segments,
+            rendered.stable_tokens,
+            cached,
+            volatile_spans=volatile,
         )
         self.explainer.record(request.model, request.tenant, rendered.tokens, rendered.segments)
         self.explainer.mark_cached(request.model, request.tenant, rendered.tokens)
         earlier.append((rendered.text, rendered.tokens))
-        at = f"{e.segment}:{e.offset}" if e.miss else None
+        at = (f"{e.segment}:{e.offset}" + (f" {e.slot}" if e.slot else "")) if e.miss else None
         return SideResult(
             len(rendered.text), len(rendered.tokens), chars, tokens, rendered.stable_tokens, e.cause, at
         )
 
 
+def learned_spans(
+    learner: SlotLearner, request: TraceRequest, canon: Canonical, rendered: RenderedPrompt
+) -> list[VolatileSpan]:
+    """Token ranges of the learned slots' matches in the canonical system/developer texts (each text found
+    where the template put it in the rendered prompt)."""
+    found: list[tuple[int, int, str | None]] = []
+    for message in canon.messages:
+        if message.get("role") not in LEARNED_ROLES:
+            continue
+        for part in text_parts(message):
+            text = get_text(message, part)
+            at = rendered.text.find(text) if text else -1
+            if at >= 0:
+                matches = learner.match_slots(request.model, request.tenant, text)
+                found.extend((at + start, at + end, slot) for start, end, slot in matches)
+    return volatile_spans_from_chars(found, rendered.starts)
+
+
 def replay(
-    lines: Iterable[str], canonicalize: Canonicalize | None = None, tokenizer: PromptTokenizer | None = None
+    lines: Iterable[str],
+    canonicalize: Canonicalize | None = None,
+    tokenizer: PromptTokenizer | None = None,
+    learner: SlotLearner | None = None,
 ) -> ReplayReport:
     """Replay a trace (see the module docstring).
 
@@ -504,6 +543,8 @@ def replay(
         lines: the trace's lines (a file object works), one JSON body each; blank lines are skipped.
         canonicalize: the rules on; ``rules_canonicalizer(load_ruleset(DEFAULT_PACKS))`` when None.
         tokenizer: ``default_tokenizer()`` when None.
+        learner: learns volatile slots from the rules-on canonical system texts as the trace goes (a new
+            ``SlotLearner()``, mode ``suggest``, when None); a miss inside a learned slot names it.
 
     Returns:
         the report; broken lines are in ``report.broken``, never raised.
@@ -511,8 +552,9 @@ def replay(
     if canonicalize is None:
         canonicalize = rules_canonicalizer(load_ruleset(list(DEFAULT_PACKS)))
     tokenizer = tokenizer or default_tokenizer()
+    learner = learner if learner is not None else SlotLearner()
     off_rules = RuleSet()
-    report = ReplayReport(tokenizer=tokenizer.name)
+    report = ReplayReport(tokenizer=tokenizer.name, learner=learner)
     on, off = _Side(), _Side()
     for number, text in enumerate(lines, start=1):
         if not text.strip():
@@ -529,11 +571,12 @@ def replay(
         except RequestShapeError as e:
             report.broken.append(BrokenLine(number, f"wrong shape: {e}"))
             continue
+        volatile = learned_spans(learner, request, canon_on, rendered_on)
+        on_result = on.measure(request, rendered_on, volatile)
         report.requests.append(
-            RequestReport(
-                number, request.model, on.measure(request, rendered_on), off.measure(request, rendered_off)
-            )
+            RequestReport(number, request.model, on_result, off.measure(request, rendered_off))
         )
+        learner.observe(request.model, request.tenant, canon_on.messages)
     return report
 
 

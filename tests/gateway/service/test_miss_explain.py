@@ -15,6 +15,7 @@ from gateway.service.miss_explain import (
     chain_hashes,
     format_cache_header,
     map_provider_cause,
+    volatile_spans_from_chars,
 )
 
 
@@ -310,3 +311,12 @@ def test_chain_hashes_shape_and_rooting() -> None:
 def test_format_cache_header_never_holds_more_than_counts_and_names() -> None:
     e = MissExplanation(0, 64, True, "cold", "tail", 64, None, None, "local")
     assert format_cache_header(e) == "cached=0; miss=cold; at=tail:64"
+
+
+def test_volatile_spans_from_character_ranges() -> None:
+    starts = [0, 4, 9, 10, 16, 20]  # six tokens
+    assert volatile_spans_from_chars([(9, 16, "learned.a"), (5, 6, None), (20, 25, "b")], starts) == [
+        VolatileSpan(2, 4, "learned.a"),
+        VolatileSpan(1, 2, None),
+        VolatileSpan(5, 6, "b"),
+    ]

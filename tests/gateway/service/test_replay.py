@@ -18,6 +18,7 @@ from gateway.service.replay import (
     rules_canonicalizer,
 )
 from rules import RuleSet, load_ruleset
+from rules.learned import SlotLearner
 
 
 class CharTokenizer:
@@ -189,3 +190,31 @@ def test_cli_prints_a_table_and_a_json_line(tmp_path, capsys) -> None:
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert main([str(trace), "--rules", str(tmp_path / "nope.yaml")]) == 2
+
+
+def test_a_miss_inside_a_learned_slot_names_it() -> None:
+    template = (
+        "You are the concierge of the Grand Hotel. Greet guests warmly and answer questions about the hotel.\n"
+        "Weather outside today: {w} as reported by the front desk.\n"
+        "Never discuss other guests or their rooms with anyone, under any circumstances at all.\n"
+    )
+    weather = ["sunny", "rainy", "cloudy", "windy", "foggy"]
+    lines = [
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": template.format(w=w)},
+                    {"role": "user", "content": "Where is breakfast served?"},
+                ],
+            }
+        )
+        for w in weather
+    ]
+    learner = SlotLearner()
+    report = replay(lines, rules_canonicalizer(load_ruleset(["default"])), CharTokenizer(), learner)
+    (slot,) = learner.slots()
+    at = len("[system]" + template.split("{w}")[0])
+    assert [r.on.cause for r in report.requests] == ["cold", "volatile", "volatile", "volatile", "volatile"]
+    assert [r.on.at for r in report.requests[1:]] == [f"system:{at}"] * 2 + [f"system:{at} {slot['id']}"] * 2
+    assert report.totals()["learned_slots"] == 1
