@@ -47,7 +47,7 @@ import yaml
 from rules.messages import get_text, text_parts
 from rules.model import DEFAULT_PLACEMENT, MessageSelector, Rule
 from rules.patterns import compile_pattern
-from rules.placement import extract_blocks
+from rules.placement import extract_turn_blocks
 
 LEARNED_MODES: tuple[str, ...] = ("off", "suggest", "apply")
 """``off``: learn nothing; ``suggest`` (default): learn, list and export; ``apply``: also hoist."""
@@ -442,7 +442,7 @@ class SlotLearner:
         chosen = [
             copy.deepcopy(m) for m in messages if isinstance(m, dict) and m.get("role") in LEARNED_ROLES
         ]
-        extract_blocks(chosen)  # values the rules already hoisted are not template text
+        extract_turn_blocks(chosen, 0, len(chosen))  # values the rules already hoisted are not template text
         texts = [get_text(m, part) for m in chosen for part in text_parts(m)]
         recorded = 0
         for text in texts:

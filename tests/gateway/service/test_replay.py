@@ -93,14 +93,14 @@ def test_common_prefix_in_characters_and_tokens_rules_on_and_off() -> None:
     assert third.off.common_chars == second.off.prompt_chars
     assert (first.off.cause, first.off.at) == ("cold", "system:0")
     assert second.off.cause == "cold" and second.off.at == f"history:{off_prompt_1}"
-    # rules on: the date is hoisted into the newest user turn, so the previous turn is rewritten next time
-    system_on = "[system]You are Nova, the assistant of ACME Corp. Answer politely.\nBe brief.|"
-    assert second.on.common_chars == len(system_on + "[user]")
-    assert (second.on.cause, second.on.at) == ("history_rewritten", f"history:{len(system_on + '[user]')}")
+    # rules on: history never moves, so each turn extends the previous canonical prompt as a whole
+    assert second.on.common_chars == first.on.prompt_chars and third.on.common_chars == second.on.prompt_chars
+    assert second.on.common_chars > second.off.common_chars
+    assert second.on.cause is None and third.on.cause is None
     totals = report.totals()
-    assert totals["turns_worse_than_off"] == 2
+    assert totals["turns_worse_than_off"] == 0
     assert totals["common_tokens_off"] == second.off.common_tokens + third.off.common_tokens
-    assert totals["causes_on"]["history_rewritten"] == 2 and totals["causes_off"]["cold"] == 3
+    assert totals["causes_on"]["history_rewritten"] == 0 and totals["causes_off"]["cold"] == 3
 
 
 def test_canonicalize_is_injected_with_model_and_tenant() -> None:
@@ -173,7 +173,7 @@ def test_default_model_tokens_extend_turn_by_turn_with_rules_off(smollm2) -> Non
     # ChatML: the previous prompt, generation prompt included, is a token prefix of the next one
     assert second.off.common_tokens == first.off.prompt_tokens
     assert third.off.common_tokens == second.off.prompt_tokens
-    assert 0 < second.on.common_tokens < second.off.common_tokens  # today's default rules rewrite history
+    assert second.on.common_tokens >= second.off.common_tokens  # rules on never caches less than rules off
     rendered = render_canonical(RuleSet().apply(json.loads(conversation(2)[1])["messages"]), smollm2)
     assert [s.name for s in rendered.segments] == ["system", "history", "tail"]
     assert rendered.text[: len("<|im_start|>system\n")] == "<|im_start|>system\n"
