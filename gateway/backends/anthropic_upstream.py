@@ -28,29 +28,27 @@ from typing import Any, Unpack
 
 import jiter
 
-from gateway.anthropic_face import (
-    FINISH_REASONS,
-    FORWARDED_HEADERS,
-    AnthropicPrompt,
-    NativeDelta,
-    backend_usage_from_anthropic,
-    openai_to_anthropic,
-    openai_to_anthropic_tool_choice,
-)
-from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
 from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
-from gateway.breakpoints import (
+from gateway.config.schema import ModelConfig
+from gateway.core.errors import InvalidRequestError
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.request import ChatRequest
+from gateway.core.tokens import TokenCounter
+from gateway.protocols.anthropic.breakpoints import (
     BreakpointPlan,
-    TokenCounter,
     add_breakpoints,
     boundaries_from_segments,
     default_boundaries,
 )
-from gateway.config import ModelConfig
-from gateway.errors import InvalidRequestError
-from gateway.request import ChatRequest
-from gateway.upstream_http import OpenedResponse, UpstreamStreamCut, redact_url
+from gateway.protocols.anthropic.parse import FORWARDED_HEADERS
+from gateway.protocols.anthropic.prompt import (
+    AnthropicPrompt,
+    openai_to_anthropic,
+    openai_to_anthropic_tool_choice,
+)
+from gateway.protocols.anthropic.render import FINISH_REASONS, NativeDelta, backend_usage_from_anthropic
+from gateway.transport.upstream_http import OpenedResponse, UpstreamStreamCut, redact_url
 
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096

@@ -21,12 +21,12 @@ from typing import Any
 
 from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
 from engine.errors import EngineError
-from gateway.anthropic_face import OPAQUE, THINKING_TYPES
-from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
 from gateway.backends.registry import register_backend
-from gateway.config import ModelConfig
-from gateway.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
-from gateway.request import ChatRequest
+from gateway.config.schema import ModelConfig
+from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),

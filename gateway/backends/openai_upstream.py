@@ -28,14 +28,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Unpack
 
-from gateway.anthropic_face import plain_messages, plain_tools
-from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
 from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
-from gateway.breakpoints import default_counter
-from gateway.config import ModelConfig
-from gateway.request import ChatRequest
-from gateway.upstream_http import OpenedResponse, redact_url
+from gateway.config.schema import ModelConfig
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.request import ChatRequest
+from gateway.core.tokens import default_counter
+from gateway.protocols.anthropic.strip import plain_messages, plain_tools
+from gateway.transport.upstream_http import OpenedResponse, redact_url
 
 PROMPT_CACHE_KEY_MAX = 64  # characters OpenAI accepts in prompt_cache_key
 

@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable
 
 from gateway.backends.base import Backend
-from gateway.config import ConfigError, ModelConfig
+from gateway.config.schema import ConfigError, ModelConfig
 
 BackendFactory = Callable[[ModelConfig], Backend]
 

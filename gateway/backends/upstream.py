@@ -15,9 +15,9 @@ from typing import Any, TypedDict
 
 import httpx
 
-from gateway.affinity import AffinityRing
-from gateway.config import ModelConfig
-from gateway.upstream_http import (
+from gateway.config.schema import ModelConfig
+from gateway.transport.affinity import AffinityRing
+from gateway.transport.upstream_http import (
     OpenedResponse,
     RetryPolicy,
     SharedClient,

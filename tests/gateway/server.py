@@ -11,8 +11,9 @@ import httpx
 import uvicorn
 import yaml
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig, load_config
+from gateway.config.loader import load_config
+from gateway.config.schema import GatewayConfig
+from gateway.http.app import create_app
 
 ADMIN_TOKEN = "test-admin-token"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

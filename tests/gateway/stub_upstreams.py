@@ -165,7 +165,7 @@ def openai_stub(state: StubState) -> Starlette:
 def _anthropic_events(state: StubState, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The events of one answer: a recorded stream when the request asks for thinking, else text."""
     if body.get("thinking"):
-        from gateway.sse import parse_sse
+        from gateway.transport.sse import parse_sse
 
         return [
             (e.event, json.loads(e.data))

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from engine.api import SamplingParams
-from gateway.request import ChatRequest
+from gateway.core.request import ChatRequest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "protocol"
 API_KEY = "sk-test-upstream-key-0123456789abcdef"

