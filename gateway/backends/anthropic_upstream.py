@@ -224,7 +224,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                     delta = reader.read(data)
                 except (AttributeError, TypeError, ValueError):
                     raise opened.cut(
-                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
+                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape",
+                        kind="protocol",
                     ) from None
                 if delta is not None and reader.ttft_s is None:
                     reader.ttft_s = time.monotonic() - started
@@ -238,8 +239,13 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                     yield delta
             try:
                 finish = reader.finish(opened.replica, native)
-            except (TypeError, ValueError):  # a stop_reason that is not a string, usage counts that are not ints
-                raise opened.cut("the upstream sent a malformed stop_reason or usage", kind="protocol") from None
+            except (
+                TypeError,
+                ValueError,
+            ):  # a stop_reason that is not a string, usage counts that are not ints
+                raise opened.cut(
+                    "the upstream sent a malformed stop_reason or usage", kind="protocol"
+                ) from None
             yield finish
         finally:
             await opened.aclose()
@@ -266,7 +272,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                     builder.add(data)
                 except (AttributeError, TypeError, ValueError):
                     raise opened.cut(
-                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
+                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape",
+                        kind="protocol",
                     ) from None
             message = builder.message()
             return message, _checked_usage(opened, message)
@@ -362,7 +369,10 @@ class _MessageBuilder:
         elif kind == "signature_delta":
             block["signature"] = delta.get("signature", "")
         elif kind == "citations_delta":
-            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]  # a start may say null
+            block["citations"] = [
+                *(block.get("citations") or []),
+                delta.get("citation"),
+            ]  # a start may say null
         else:
             raise self._fail(f"a delta of unknown type {kind!r} (stream the request to receive it)")
 

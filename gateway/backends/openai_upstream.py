@@ -239,7 +239,9 @@ async def _events_from_sse(
                 usage = backend_usage(chunk["usage"])
             pieces = [_chunk_choice(choice, request.kind) for choice in chunk.get("choices") or []]
         except (AttributeError, TypeError, ValueError):
-            raise opened.cut("the upstream sent a chunk that is not a completion chunk", kind="protocol") from None
+            raise opened.cut(
+                "the upstream sent a chunk that is not a completion chunk", kind="protocol"
+            ) from None
         for text, calls, choice_finish, choice_extra in pieces:
             if text or calls:
                 if ttft is None:
@@ -275,7 +277,9 @@ async def _events_from_json(
         if not isinstance(text, str):
             raise TypeError("content is not a string")
         usage = (
-            backend_usage(data["usage"]) if isinstance(data.get("usage"), dict) else _counted_usage(request, text)
+            backend_usage(data["usage"])
+            if isinstance(data.get("usage"), dict)
+            else _counted_usage(request, text)
         )
         extra = {**_finish_extra(choice), "replica": redact_url(opened.replica)}
         reason = choice.get("finish_reason") or "stop"

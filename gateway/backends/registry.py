@@ -54,7 +54,11 @@ def backend_factory(kind: str) -> BackendFactory:
                 raise
     factory = _FACTORIES.get(kind)
     if factory is None:
-        raise ConfigError("<config>", "backend", f"no backend of kind {kind!r} is installed (have: {', '.join(sorted(_FACTORIES)) or 'none'})")
+        raise ConfigError(
+            "<config>",
+            "backend",
+            f"no backend of kind {kind!r} is installed (have: {', '.join(sorted(_FACTORIES)) or 'none'})",
+        )
     return factory
 
 

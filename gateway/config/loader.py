@@ -82,7 +82,9 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        raise ConfigError(source, "", f"{where}invalid YAML ({getattr(exc, 'problem', None) or exc})") from exc
+        raise ConfigError(
+            source, "", f"{where}invalid YAML ({getattr(exc, 'problem', None) or exc})"
+        ) from exc
     return parse_config({} if data is None else data, source=source, base_dir=Path(path).resolve().parent)
 
 
@@ -134,7 +136,9 @@ def _parse_rules(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[st
     for index, item in enumerate(value):
         item = reader.resolve_env(item, f"rules[{index}]")
         if not isinstance(item, str) or not item:
-            reader.fail(f"rules[{index}]", f"expected a rule pack name or a YAML file path, got {yaml_kind(item)}")
+            reader.fail(
+                f"rules[{index}]", f"expected a rule pack name or a YAML file path, got {yaml_kind(item)}"
+            )
         names.append(_resolve_rule_path(item, base_dir))
     return tuple(names)
 
@@ -186,7 +190,10 @@ def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None)
         allowed = _MODEL_COMMON | _MODEL_UPSTREAM | _MODEL_BACKEND_ONLY[backend]
     for key in raw:
         if key not in allowed:
-            reader.fail(f"{where}.{key}", f"is not a setting of backend {backend!r} (valid: {', '.join(sorted(allowed))})")
+            reader.fail(
+                f"{where}.{key}",
+                f"is not a setting of backend {backend!r} (valid: {', '.join(sorted(allowed))})",
+            )
     if backend == "embedded":
         path = reader.typed(raw, where, "path", str, "default")
         if path != "default" and base_dir is not None and not os.path.isabs(path):
@@ -205,7 +212,9 @@ def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
         return None
     key = key.strip()
     if not key or any(ch.isspace() or not ch.isprintable() or not ch.isascii() for ch in key):
-        reader.fail(f"{where}.api_key", "the key is empty or has whitespace, control or non-ASCII characters inside")
+        reader.fail(
+            f"{where}.api_key", "the key is empty or has whitespace, control or non-ASCII characters inside"
+        )
     return key
 
 
@@ -214,7 +223,9 @@ def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: 
     if isinstance(base_url, str):
         base_url = [base_url]
     if not isinstance(base_url, list) or not base_url:
-        reader.fail(f"{where}.base_url", f"expected a URL or a non-empty list of URLs, got {yaml_kind(base_url)}")
+        reader.fail(
+            f"{where}.base_url", f"expected a URL or a non-empty list of URLs, got {yaml_kind(base_url)}"
+        )
     urls = []
     for index, url in enumerate(base_url):
         url = reader.resolve_env(url, f"{where}.base_url[{index}]")
@@ -253,32 +264,48 @@ def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: 
         prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True),
         anthropic_version=_parse_anthropic_version(reader, raw, where),
         auto_breakpoints=reader.typed(raw, where, "auto_breakpoints", bool, True),
-        min_cacheable_tokens=_parse_min_cacheable(reader, raw.get("min_cacheable_tokens"), f"{where}.min_cacheable_tokens"),
+        min_cacheable_tokens=_parse_min_cacheable(
+            reader, raw.get("min_cacheable_tokens"), f"{where}.min_cacheable_tokens"
+        ),
     )
 
 
 def _parse_ring(reader: _Reader, value: Any, where: str) -> RingConfig:
     default = RingConfig()
-    section = reader.mapping({} if value is None else value, where, {f.name for f in dataclasses.fields(RingConfig)})
+    section = reader.mapping(
+        {} if value is None else value, where, {f.name for f in dataclasses.fields(RingConfig)}
+    )
     load_factor = reader.typed(section, where, "load_factor", float, default.load_factor)
     vnodes = reader.typed(section, where, "vnodes", int, default.vnodes)
     cooldown = reader.typed(section, where, "cooldown_s", float, default.cooldown_s)
-    max_cooldown = reader.typed(section, where, "max_cooldown_s", float, max(default.max_cooldown_s, cooldown))
+    max_cooldown = reader.typed(
+        section, where, "max_cooldown_s", float, max(default.max_cooldown_s, cooldown)
+    )
     if not load_factor > 1.0:
-        reader.fail(f"{where}.load_factor", f"expected a number > 1 (the bound on a replica's share), got {load_factor}")
+        reader.fail(
+            f"{where}.load_factor",
+            f"expected a number > 1 (the bound on a replica's share), got {load_factor}",
+        )
     if vnodes < 1:
         reader.fail(f"{where}.vnodes", f"expected an integer >= 1, got {vnodes}")
     if not cooldown > 0:
         reader.fail(f"{where}.cooldown_s", f"expected a positive number of seconds, got {cooldown}")
     if max_cooldown < cooldown:
-        reader.fail(f"{where}.max_cooldown_s", f"expected a number of seconds >= cooldown_s ({cooldown}), got {max_cooldown}")
-    return RingConfig(load_factor=load_factor, vnodes=vnodes, cooldown_s=cooldown, max_cooldown_s=max_cooldown)
+        reader.fail(
+            f"{where}.max_cooldown_s",
+            f"expected a number of seconds >= cooldown_s ({cooldown}), got {max_cooldown}",
+        )
+    return RingConfig(
+        load_factor=load_factor, vnodes=vnodes, cooldown_s=cooldown, max_cooldown_s=max_cooldown
+    )
 
 
 def _parse_anthropic_version(reader: _Reader, raw: dict, where: str) -> str:
     version = reader.typed(raw, where, "anthropic_version", str, "2023-06-01")
     if not version or any(ch in version for ch in "\r\n"):
-        reader.fail(f"{where}.anthropic_version", f"expected an API version such as '2023-06-01', got {version!r}")
+        reader.fail(
+            f"{where}.anthropic_version", f"expected an API version such as '2023-06-01', got {version!r}"
+        )
     return version
 
 
@@ -290,7 +317,9 @@ def _parse_min_cacheable(reader: _Reader, value: Any, where: str) -> tuple[tuple
     out = {}
     for prefix, tokens in value.items():
         if not isinstance(prefix, str) or not prefix:
-            reader.fail(where, f"expected non-empty model-name prefixes as keys, got {yaml_kind(prefix)} {prefix!r}")
+            reader.fail(
+                where, f"expected non-empty model-name prefixes as keys, got {yaml_kind(prefix)} {prefix!r}"
+            )
         tokens = reader.typed(value, where, prefix, int, None, required=True)
         if tokens < 1:
             reader.fail(f"{where}.{prefix}", f"expected a number of tokens >= 1, got {tokens}")
@@ -342,7 +371,9 @@ class _Reader:
             return resolved
         return value
 
-    def typed(self, section: dict, where: str, key: str, expected: Any, default: Any, required: bool = False) -> Any:
+    def typed(
+        self, section: dict, where: str, key: str, expected: Any, default: Any, required: bool = False
+    ) -> Any:
         """``section[key]`` checked against ``expected`` (str, int, float, bool, or ``X | None``)."""
         path = f"{where}.{key}" if where else key
         if key not in section:
@@ -356,7 +387,11 @@ class _Reader:
 
 def _coerce(reader: _Reader, value: Any, expected: Any, path: str, from_env: bool = False) -> Any:
     """Check ``value`` against ``expected``; a string read from the environment may be parsed as a number."""
-    options = typing.get_args(expected) if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union else (expected,)
+    options = (
+        typing.get_args(expected)
+        if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union
+        else (expected,)
+    )
     if value is None:
         if type(None) in options:
             return None

@@ -1,5 +1,4 @@
-"""The gateway's validated config as typed, frozen dataclasses (what ``gateway.config.loader`` builds).
-"""
+"""The gateway's validated config as typed, frozen dataclasses (what ``gateway.config.loader`` builds)."""
 
 from __future__ import annotations
 

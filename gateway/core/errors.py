@@ -47,7 +47,14 @@ class APIError(Exception):
 
     def openai_body(self) -> dict[str, Any]:
         """The OpenAI error JSON of this error."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class InvalidRequestError(APIError):

@@ -1,5 +1,4 @@
-"""HTTP routes of the Anthropic face: ``POST /v1/messages`` (parse, pipeline, Message JSON or SSE).
-"""
+"""HTTP routes of the Anthropic face: ``POST /v1/messages`` (parse, pipeline, Message JSON or SSE)."""
 
 from __future__ import annotations
 

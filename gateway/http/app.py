@@ -41,6 +41,7 @@ from gateway.service.stats import GatewayStats
 
 logger = logging.getLogger("prefixgate.app")
 
+
 def create_app(
     config: GatewayConfig,
     backends: Mapping[str, Backend] | None = None,
@@ -61,7 +62,9 @@ def create_app(
         backends = {model.name: create_backend(model) for model in config.models}
     registry = ModelRegistry(backends)
     stats = GatewayStats({name: _prices(config, name) for name in registry.names()})
-    gateway = Gateway(config=config, registry=registry, canonicalizer=Canonicalizer(config.rules), stats=stats)
+    gateway = Gateway(
+        config=config, registry=registry, canonicalizer=Canonicalizer(config.rules), stats=stats
+    )
     gateway.metrics = build_registry(gateway.stats_snapshot, gateway.engine_stats)
 
     app = Starlette(
@@ -135,7 +138,9 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
     )
     headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthenticationError) else {}
     retry_after = getattr(error, "retry_after_s", None)
-    if isinstance(retry_after, int | float) and 0 <= retry_after < 10**9:  # an upstream's Retry-After (RFC 9110)
+    if (
+        isinstance(retry_after, int | float) and 0 <= retry_after < 10**9
+    ):  # an upstream's Retry-After (RFC 9110)
         headers["retry-after"] = str(math.ceil(retry_after))
     body = error_shape_for(http_request.url.path)(error)
     return JSONResponse(body, status_code=error.status_code, headers=headers or None)

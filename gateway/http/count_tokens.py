@@ -148,13 +148,17 @@ async def count_upstream(backend: AnthropicUpstreamBackend, request: ChatRequest
     """
     body, _ = backend.build_body(request, stream=False)
     body = {key: value for key, value in body.items() if key not in MESSAGES_ONLY_FIELDS}
-    headers = backend.headers_for(request)  # the key, version and forwarded headers, as /v1/messages sends them
+    headers = backend.headers_for(
+        request
+    )  # the key, version and forwarded headers, as /v1/messages sends them
     opened = await backend.post(request.prefix_key or request.request_id, PATH, headers, body)
     try:
         answer = opened.json_object(await opened.read(), "a token count")
         tokens = answer.get("input_tokens")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise opened.cut("the upstream answered a token count without an integer input_tokens", kind="protocol")
+            raise opened.cut(
+                "the upstream answered a token count without an integer input_tokens", kind="protocol"
+            )
     finally:
         await opened.aclose()
     return TokenCount(tokens, "upstream")

@@ -1,5 +1,4 @@
-"""HTTP routes of the OpenAI face: chat completions, completions, model list, health.
-"""
+"""HTTP routes of the OpenAI face: chat completions, completions, model list, health."""
 
 from __future__ import annotations
 
@@ -36,7 +35,11 @@ async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[by
     """The SSE bytes of a streamed chat completion (role chunk, text chunks, finish chunk, usage, [DONE])."""
     first = opened.first_event
     starts_with_tools = isinstance(first, Delta) and bool(first.tool_calls) and not first.text
-    role: dict[str, Any] = {"role": "assistant", "content": None if starts_with_tools else "", "refusal": None}
+    role: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if starts_with_tools else "",
+        "refusal": None,
+    }
     yield encode_event(chat_chunk(meta, role))
     async with aclosing(_guarded(opened)) as events:
         async for event in events:

@@ -17,6 +17,7 @@ from gateway.service.pipeline import OpenedStream
 
 T = TypeVar("T")
 
+
 def new_request_id() -> str:
     """A random 24-hex-digit id for logs and response ids."""
     return uuid.uuid4().hex[:24]

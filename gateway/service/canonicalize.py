@@ -53,7 +53,9 @@ class Canonicalizer:
         try:
             canonical = (self._ruleset if rewrite else self._plain).apply(request.messages, request.tools)
         except RequestShapeError as exc:
-            raise InvalidRequestError(f"Invalid request shape: {exc}", param="messages", code="invalid_value") from exc
+            raise InvalidRequestError(
+                f"Invalid request shape: {exc}", param="messages", code="invalid_value"
+            ) from exc
         if rewrite:
             request.messages = canonical.messages
             request.tools = canonical.tools
@@ -74,7 +76,9 @@ class Canonicalizer:
         return dict(request.canonical.applied)
 
 
-def run_rules_command(command: str, files: list[str], request: str | None = None, placement: str | None = None) -> int:
+def run_rules_command(
+    command: str, files: list[str], request: str | None = None, placement: str | None = None
+) -> int:
     """``prefixgate rules check FILE...`` (``command="check"``) or ``prefixgate rules apply [--rules FILE...]
     REQUEST.json`` (``command="apply"``): the ``rules`` package's own commands; returns the exit status."""
     if command == "check":

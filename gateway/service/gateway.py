@@ -1,5 +1,4 @@
-"""The running gateway's services (one per app): config, model registry, canonicalizer, stats, metrics.
-"""
+"""The running gateway's services (one per app): config, model registry, canonicalizer, stats, metrics."""
 
 from __future__ import annotations
 

@@ -23,7 +23,10 @@ _COUNTERS = (
     ("requests", "Requests the backend finished."),
     ("aborted", "Requests whose client disconnected before the end."),
     ("prompt_tokens", "Prompt tokens reported in usage."),
-    ("cached_tokens", "Prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens)."),
+    (
+        "cached_tokens",
+        "Prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens).",
+    ),
     ("cache_creation_tokens", "Prompt tokens written to a provider cache."),
     ("completion_tokens", "Generated tokens reported in usage."),
     ("prefill_tokens", "Prompt tokens actually computed (prefilled)."),
@@ -73,12 +76,16 @@ class StatsCollector(Collector):
             for state in ("total", "used", "cached", "free"):
                 blocks.add_metric([name, state], m["blocks"][state])
         yield blocks
-        rules = CounterMetricFamily("prefixgate_rule_applications", "Times each rule rewrote a request.", labels=["model", "rule"])
+        rules = CounterMetricFamily(
+            "prefixgate_rule_applications", "Times each rule rewrote a request.", labels=["model", "rule"]
+        )
         for name, m in models.items():
             for rule, count in m["rules"].items():
                 rules.add_metric([name, rule], count)
         yield rules
-        errors = CounterMetricFamily("prefixgate_errors", "Error responses by HTTP status.", labels=["status"])
+        errors = CounterMetricFamily(
+            "prefixgate_errors", "Error responses by HTTP status.", labels=["status"]
+        )
         for status, count in doc["errors"].items():
             errors.add_metric([status], count)
         yield errors
@@ -86,7 +93,10 @@ class StatsCollector(Collector):
 
     def _engine_histograms(self) -> Iterator[Metric]:
         stats = {name: s for name, s in self._engine_stats().items() if s is not None}
-        for attr, help_text in (("ttft", "Engine time to first token (seconds)."), ("tpot", "Engine time per output token (seconds).")):
+        for attr, help_text in (
+            ("ttft", "Engine time to first token (seconds)."),
+            ("tpot", "Engine time per output token (seconds)."),
+        ):
             family = HistogramMetricFamily(f"prefixgate_engine_{attr}_seconds", help_text, labels=["model"])
             for name, s in stats.items():
                 histogram: Histogram = getattr(s, attr)
@@ -94,7 +104,9 @@ class StatsCollector(Collector):
             yield family
 
 
-def _gauge(name: str, help_text: str, models: dict[str, dict[str, Any]], value: Callable[[dict], float]) -> Metric:
+def _gauge(
+    name: str, help_text: str, models: dict[str, dict[str, Any]], value: Callable[[dict], float]
+) -> Metric:
     family = GaugeMetricFamily(name, help_text, labels=["model"])
     for model, m in models.items():
         family.add_metric([model], value(m))
@@ -103,7 +115,9 @@ def _gauge(name: str, help_text: str, models: dict[str, dict[str, Any]], value: 
 
 def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
     """Cumulative ``(le, count)`` pairs ending with ``+Inf`` = total count, as Prometheus requires."""
-    pairs = [(_le(bound), float(count)) for bound, count in zip(histogram.buckets, histogram.counts, strict=True)]
+    pairs = [
+        (_le(bound), float(count)) for bound, count in zip(histogram.buckets, histogram.counts, strict=True)
+    ]
     if not pairs or pairs[-1][0] != "+Inf":
         pairs.append(("+Inf", float(histogram.count)))
     return pairs

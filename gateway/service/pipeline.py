@@ -137,7 +137,9 @@ class OpenedStream:
         except Exception as exc:  # noqa: BLE001 - the response has started: the client must hear of it in-band
             if not isinstance(exc, APIError):
                 name = type(exc).__name__
-                logger.error("backend of %s failed mid-stream with %s", self.request.model, name, exc_info=exc)
+                logger.error(
+                    "backend of %s failed mid-stream with %s", self.request.model, name, exc_info=exc
+                )
             error = as_api_error(exc)
             self.fail(error)
             yield encode_error(error)
@@ -176,7 +178,13 @@ class OpenedStream:
         self.gateway.stats.record_finish(self.request.model, finish.usage, ttft, self.request.prefix_key)
         self._log(200, finish=finish, ttft_s=ttft)
 
-    def _log(self, status: int, finish: Finish | None = None, ttft_s: float | None = None, error_code: str | None = None):
+    def _log(
+        self,
+        status: int,
+        finish: Finish | None = None,
+        ttft_s: float | None = None,
+        error_code: str | None = None,
+    ):
         request = self.request
         applied = Canonicalizer.applied(request)
         log_request(

@@ -85,7 +85,9 @@ class PrefixGroups:
             if len(self._groups) >= self.capacity:
                 smallest = min(self._groups.values(), key=lambda g: g.requests)
                 del self._groups[smallest.key]
-                group = PrefixGroup(key=key, model=model, requests=smallest.requests, overcount=smallest.requests)
+                group = PrefixGroup(
+                    key=key, model=model, requests=smallest.requests, overcount=smallest.requests
+                )
             else:
                 group = PrefixGroup(key=key, model=model)
             self._groups[key] = group
@@ -120,7 +122,9 @@ class GatewayStats:
         top_prefixes: groups listed in a snapshot, overall and per model.
     """
 
-    def __init__(self, prices: Mapping[str, Prices | None], prefix_capacity: int = 1024, top_prefixes: int = 20):
+    def __init__(
+        self, prices: Mapping[str, Prices | None], prefix_capacity: int = 1024, top_prefixes: int = 20
+    ):
         self._prices = dict(prices)
         self.models: dict[str, ModelCounters] = {name: ModelCounters() for name in prices}
         self.errors: Counter[int] = Counter()

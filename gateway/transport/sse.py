@@ -25,8 +25,6 @@ DONE = b"data: [DONE]\n\n"
 """OpenAI's end-of-stream sentinel."""
 
 
-
-
 def encode_event(data: Any, event: str | None = None) -> bytes:
     """One SSE event: optional ``event: <name>`` line, then ``data: <json>``, then a blank line (UTF-8 bytes)."""
     head = f"event: {event}\n" if event else ""
@@ -166,10 +164,16 @@ class EventStreamResponse:
 
     media_type = "text/event-stream; charset=utf-8"
 
-    def __init__(self, body: AsyncIterator[bytes], status_code: int = 200, headers: dict[str, str] | None = None):
+    def __init__(
+        self, body: AsyncIterator[bytes], status_code: int = 200, headers: dict[str, str] | None = None
+    ):
         self.body = body
         self.status_code = status_code
-        self.headers = {"content-type": self.media_type, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        self.headers = {
+            "content-type": self.media_type,
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+        }
         self.headers.update(headers or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -186,7 +190,9 @@ class EventStreamResponse:
             raise producer.exception()  # type: ignore[misc]
 
     async def _produce(self, send: Send) -> None:
-        raw_headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
+        raw_headers = [
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()
+        ]
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": raw_headers})
             async for chunk in self.body:

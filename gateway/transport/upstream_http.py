@@ -517,7 +517,10 @@ async def _attempt(
             return UpstreamCallError(
                 502,
                 "protocol",
-                redact(f"upstream {where} answered {response.status_code} (Location: {location}); check base_url", secrets),
+                redact(
+                    f"upstream {where} answered {response.status_code} (Location: {location}); check base_url",
+                    secrets,
+                ),
                 attempts=attempts,
                 upstream_status=response.status_code,
             )
@@ -562,7 +565,11 @@ def _transport_failure(exc: httpx.RequestError | httpx.InvalidURL, where: str) -
     if isinstance(exc, httpx.TimeoutException):
         return 504, "timeout", f"upstream {where} timed out ({type(exc).__name__})"
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError | httpx.InvalidURL):
-        return 502, "protocol", f"cannot call upstream {where}: the request could not be sent ({type(exc).__name__})"
+        return (
+            502,
+            "protocol",
+            f"cannot call upstream {where}: the request could not be sent ({type(exc).__name__})",
+        )
     if isinstance(exc, httpx.DecodingError):
         return 502, "protocol", f"upstream {where} sent a body that cannot be decoded ({type(exc).__name__})"
     return 502, "connection", f"upstream {where} connection failed ({type(exc).__name__}: {exc})"

@@ -102,7 +102,9 @@ def _validate_block(block: Any, param: str, role: str) -> None:
                         f"tool_result content cannot hold a {inner['type']!r} block", f"{param}.content[{j}]"
                     )
         elif not isinstance(content, str):
-            raise _bad(f"expected a string or an array of blocks, got {json_kind(content)}", f"{param}.content")
+            raise _bad(
+                f"expected a string or an array of blocks, got {json_kind(content)}", f"{param}.content"
+            )
         if "is_error" in block and not isinstance(block["is_error"], bool):
             raise _bad("expected a boolean", f"{param}.is_error")
 
@@ -170,7 +172,8 @@ def validate_body(body: Any, require_max_tokens: bool = True) -> None:
                 _validate_block(block, f"{param}.content[{j}]", role)
         elif not isinstance(content, str):
             raise _bad(
-                f"expected a string or an array of content blocks, got {json_kind(content)}", f"{param}.content"
+                f"expected a string or an array of content blocks, got {json_kind(content)}",
+                f"{param}.content",
             )
     system = body.get("system")
     if isinstance(system, list):

@@ -89,7 +89,9 @@ def parse_completion_request(body: dict[str, Any], headers: Mapping[str, str]) -
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidRequestError(
-            "Invalid 'prompt': prefixgate accepts one string prompt per request.", param="prompt", code="invalid_type"
+            "Invalid 'prompt': prefixgate accepts one string prompt per request.",
+            param="prompt",
+            code="invalid_type",
         )
     stream, include_usage = _stream(body)
     max_tokens = _optional_int(body, "max_tokens", minimum=1)
@@ -332,7 +334,9 @@ def _missing(param: str) -> InvalidRequestError:
 def _invalid_type(param: str, expected: str, value: Any) -> InvalidRequestError:
     got = json_kind(value)
     return InvalidRequestError(
-        f"Invalid type for '{param}': expected {expected}, but got {got} instead.", param=param, code="invalid_type"
+        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
+        param=param,
+        code="invalid_type",
     )
 
 

@@ -46,7 +46,9 @@ def merge_tool_call_deltas(calls: dict[int, dict[str, Any]], fragments: list[dic
     """Fold streaming ``tool_calls`` fragments (by ``index``) into whole calls, as the OpenAI SDK does."""
     for fragment in fragments:
         index = fragment.get("index", len(calls))
-        call = calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call = calls.setdefault(
+            index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+        )
         if fragment.get("id"):
             call["id"] = fragment["id"]
         if fragment.get("type"):
@@ -58,9 +60,15 @@ def merge_tool_call_deltas(calls: dict[int, dict[str, Any]], fragments: list[dic
             call["function"]["arguments"] += function["arguments"]
 
 
-def chat_completion_body(meta: ResponseMeta, text: str, tool_calls: list[dict[str, Any]], finish: Finish) -> dict[str, Any]:
+def chat_completion_body(
+    meta: ResponseMeta, text: str, tool_calls: list[dict[str, Any]], finish: Finish
+) -> dict[str, Any]:
     """A whole ``chat.completion`` object."""
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None, "refusal": None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text if text or not tool_calls else None,
+        "refusal": None,
+    }
     if tool_calls:
         message["tool_calls"] = tool_calls
     message["annotations"] = []
@@ -86,7 +94,12 @@ def chat_chunk(meta: ResponseMeta, delta: dict[str, Any], finish_reason: str | N
 
 def usage_chunk(meta: ResponseMeta, object_name: str, usage: BackendUsage) -> dict[str, Any]:
     """The last chunk under ``include_usage``: empty ``choices`` and the request's ``usage``."""
-    return {**meta.header(object_name), "system_fingerprint": meta.system_fingerprint, "choices": [], "usage": usage_body(usage)}
+    return {
+        **meta.header(object_name),
+        "system_fingerprint": meta.system_fingerprint,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
 
 
 def completion_body(meta: ResponseMeta, text: str, finish: Finish) -> dict[str, Any]:
