@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.core.event_stream import encode_event
 from gateway.core.events import Finish
 from gateway.http.body import read_json_object
 from gateway.http.request_context import begin, request_id_of, run_unless_disconnected, started_at
@@ -18,7 +19,7 @@ from gateway.protocols.anthropic.parse import apply_request_headers, parse_messa
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter
 from gateway.service.pipeline import OpenedStream, open_stream
-from gateway.transport.sse import EventStreamResponse, encode_event
+from gateway.transport.sse import EventStreamResponse
 
 
 async def message_sse(opened: OpenedStream) -> AsyncIterator[bytes]:

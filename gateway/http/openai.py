@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.core.errors import APIError, openai_error_body
+from gateway.core.event_stream import DONE, encode_event
 from gateway.core.events import Delta, Finish
 from gateway.core.request import ChatRequest
 from gateway.http.body import read_json_object
@@ -28,7 +29,7 @@ from gateway.protocols.openai.render import (
 )
 from gateway.service.gateway import Gateway
 from gateway.service.pipeline import OpenedStream, open_stream
-from gateway.transport.sse import DONE, EventStreamResponse, encode_event
+from gateway.transport.sse import EventStreamResponse
 
 
 async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[bytes]:

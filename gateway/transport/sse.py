@@ -1,5 +1,6 @@
-"""Server-sent events: encoding, the one parser (client streams in tests, upstream streams in the backends),
-and an ASGI response that cancels its producer on disconnect.
+"""Server-sent events: the one parser (client streams in tests, upstream streams in the backends),
+and an ASGI response that cancels its producer on disconnect. Encoding one event is
+``gateway.core.event_stream``'s (the protocol renderers need it and sit beside this layer, not above it).
 
 Format: the WHATWG HTML Living Standard, "Server-sent events", section 9.2.6 "Interpreting an event stream"
 (https://html.spec.whatwg.org/multipage/server-sent-events.html): lines end in CRLF, LF or CR; ``event:`` /
@@ -18,18 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
-
-from gateway.core.json_types import compact_json
-
-DONE = b"data: [DONE]\n\n"
-"""OpenAI's end-of-stream sentinel."""
-
-
-def encode_event(data: Any, event: str | None = None) -> bytes:
-    """One SSE event: optional ``event: <name>`` line, then ``data: <json>``, then a blank line (UTF-8 bytes)."""
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {compact_json(data)}\n\n".encode()
-
 
 _NEWLINE = re.compile(r"\r\n|\r|\n")
 

@@ -29,7 +29,7 @@ THINKING_TYPES = frozenset({"thinking", "redacted_thinking"})
 # ==== Anthropic -> OpenAI ===================================================================================
 
 
-def _extras(obj: Mapping[str, Any], known: set[str]) -> dict[str, Any]:
+def extra_keys(obj: Mapping[str, Any], known: set[str]) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in obj.items() if k not in known}
 
 
@@ -37,14 +37,14 @@ def block_to_part(block: dict[str, Any]) -> dict[str, Any]:
     """One Anthropic content block (not tool_use / tool_result) -> one OpenAI content part."""
     kind = block["type"]
     if kind == "text":
-        return {"type": "text", "text": block["text"], **_extras(block, {"type", "text"})}
+        return {"type": "text", "text": block["text"], **extra_keys(block, {"type", "text"})}
     if kind == "image" and block["source"].get("type") in ("base64", "url"):
         source = block["source"]
         if source["type"] == "base64":
             url = f"data:{source['media_type']};base64,{source['data']}"
         else:
             url = source["url"]
-        return {"type": "image_url", "image_url": {"url": url}, **_extras(block, {"type", "source"})}
+        return {"type": "image_url", "image_url": {"url": url}, **extra_keys(block, {"type", "source"})}
     return {"type": OPAQUE, "block": copy.deepcopy(block)}
 
 
@@ -78,7 +78,7 @@ def anthropic_to_openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]
                         "type": "function",
                         "function": {"name": block["name"], "arguments": compact_json(block["input"])},
                     }
-                    call.update(_extras(block, {"type", "id", "name", "input"}))
+                    call.update(extra_keys(block, {"type", "id", "name", "input"}))
                     calls.append(call)
                 else:
                     parts.append(block_to_part(block))
@@ -95,7 +95,7 @@ def anthropic_to_openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]
                     "tool_call_id": block["tool_use_id"],
                     "content": _tool_result_content(block.get("content", "")),
                 }
-                tool_msg.update(_extras(block, {"type", "tool_use_id", "content"}))
+                tool_msg.update(extra_keys(block, {"type", "tool_use_id", "content"}))
                 out.append(tool_msg)
             else:
                 parts.append(block_to_part(block))
@@ -118,7 +118,7 @@ def anthropic_to_openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[s
             function["description"] = tool["description"]
         function["parameters"] = copy.deepcopy(tool["input_schema"])
         entry: dict[str, Any] = {"type": "function", "function": function}
-        extra = _extras(tool, {"name", "description", "input_schema"})
+        extra = extra_keys(tool, {"name", "description", "input_schema"})
         if extra:
             entry[OPAQUE] = extra
         out.append(entry)

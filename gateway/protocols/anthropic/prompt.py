@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.core.errors import InvalidRequestError
 from gateway.core.json_types import json_kind
-from gateway.protocols.anthropic.parse import OPAQUE, _extras
-from gateway.protocols.anthropic.validate import _bad
+from gateway.protocols.anthropic.parse import OPAQUE, extra_keys
+from gateway.protocols.anthropic.validate import bad_param
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
     pass
@@ -73,18 +73,18 @@ def part_to_block(part: Any, param: str) -> dict[str, Any]:
     if isinstance(part, str):
         return {"type": "text", "text": part}
     if not isinstance(part, dict):
-        raise _bad(f"expected a content part object, got {json_kind(part)}", param)
+        raise bad_param(f"expected a content part object, got {json_kind(part)}", param)
     kind = part.get("type")
     if kind == "text":
-        return {"type": "text", "text": part.get("text", ""), **_extras(part, {"type", "text"})}
+        return {"type": "text", "text": part.get("text", ""), **extra_keys(part, {"type", "text"})}
     if kind == "refusal":
         return {"type": "text", "text": part.get("refusal", "")}
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if not isinstance(url, str) or not url:
-            raise _bad("image_url needs a url", f"{param}.image_url.url")
-        extra = _extras(part, {"type", "image_url"})
+            raise bad_param("image_url needs a url", f"{param}.image_url.url")
+        extra = extra_keys(part, {"type", "image_url"})
         if url.startswith("data:"):
             header, _, data = url[5:].partition(",")
             media_type, _, encoding = header.partition(";")
@@ -117,7 +117,7 @@ def _content_blocks(content: Any, param: str) -> tuple[list[dict[str, Any]], lis
     if isinstance(content, str):
         return ([{"type": "text", "text": content}], [0]) if content else ([], [None])
     if not isinstance(content, list):
-        raise _bad(f"expected a string or an array of parts, got {json_kind(content)}", param)
+        raise bad_param(f"expected a string or an array of parts, got {json_kind(content)}", param)
     blocks: list[dict[str, Any]] = []
     where: list[int | None] = []
     for j, part in enumerate(content):
@@ -136,33 +136,33 @@ def _tool_result_block(message: Mapping[str, Any], param: str) -> dict[str, Any]
     content = message.get("content")
     block: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.get("tool_call_id")}
     if not isinstance(block["tool_use_id"], str) or not block["tool_use_id"]:
-        raise _bad("tool messages need a tool_call_id", f"{param}.tool_call_id")
+        raise bad_param("tool messages need a tool_call_id", f"{param}.tool_call_id")
     if isinstance(content, list):
         block["content"], _ = _content_blocks(content, f"{param}.content")
     elif content is not None:
         block["content"] = content if isinstance(content, str) else str(content)
-    block.update(_extras(message, {"role", "content", "tool_call_id", "name"}))
+    block.update(extra_keys(message, {"role", "content", "tool_call_id", "name"}))
     return block
 
 
 def _tool_use_block(call: Any, param: str) -> dict[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise _bad("expected {'id', 'type': 'function', 'function': {'name', 'arguments'}}", param)
+        raise bad_param("expected {'id', 'type': 'function', 'function': {'name', 'arguments'}}", param)
     function = call["function"]
     arguments = function.get("arguments") or "{}"
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     except ValueError:
-        raise _bad("function.arguments is not valid JSON", f"{param}.function.arguments") from None
+        raise bad_param("function.arguments is not valid JSON", f"{param}.function.arguments") from None
     if not isinstance(parsed, dict):
-        raise _bad("function.arguments must be a JSON object", f"{param}.function.arguments")
+        raise bad_param("function.arguments must be a JSON object", f"{param}.function.arguments")
     block = {
         "type": "tool_use",
         "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
         "name": function.get("name", ""),
         "input": parsed,
     }
-    block.update(_extras(call, {"id", "type", "function", "index"}))
+    block.update(extra_keys(call, {"id", "type", "function", "index"}))
     return block
 
 
@@ -244,7 +244,7 @@ def openai_to_anthropic(
                 }
             )
         else:
-            raise _bad(f"unsupported role {role!r}", f"{param}.role")
+            raise bad_param(f"unsupported role {role!r}", f"{param}.role")
         pending_tool_results = False
         turn = len(out) - 1
         prompt.part_blocks[i] = _paths(where, ("messages", turn), offset)
@@ -306,7 +306,7 @@ def openai_to_anthropic_tool_choice(
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         result = {"type": "tool", "name": choice["function"].get("name", "")}
     else:
-        raise _bad("expected 'auto', 'required', 'none' or {'type': 'function', ...}", "tool_choice")
+        raise bad_param("expected 'auto', 'required', 'none' or {'type': 'function', ...}", "tool_choice")
     if parallel_tool_calls is False:
         result = dict(result or {"type": "auto"})
         if result["type"] != "none":

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gateway.core.errors import APIError, anthropic_error_body
+from gateway.core.event_stream import encode_event
 from gateway.core.events import Delta, Finish
 from gateway.protocols.anthropic.render import MessageBuilder, anthropic_usage, message_id, stop_fields
-from gateway.transport.sse import encode_event
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
     pass

@@ -22,50 +22,50 @@ _TOOL_CHOICE_TYPES = frozenset({"auto", "any", "tool", "none"})
 # ==== validation ============================================================================================
 
 
-def _bad(message: str, param: str) -> InvalidRequestError:
+def bad_param(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {message}", param=param, code="invalid_value")
 
 
 def _require_str(value: Any, param: str, allow_empty: bool = True) -> str:
     if not isinstance(value, str):
-        raise _bad(f"expected a string, got {json_kind(value)}", param)
+        raise bad_param(f"expected a string, got {json_kind(value)}", param)
     if not allow_empty and not value:
-        raise _bad("must not be empty", param)
+        raise bad_param("must not be empty", param)
     return value
 
 
 def _number(value: Any, param: str, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(f"expected a number, got {json_kind(value)}", param)
+        raise bad_param(f"expected a number, got {json_kind(value)}", param)
     if not low <= value <= high:
-        raise _bad(f"expected a number in [{low}, {high}], got {value}", param)
+        raise bad_param(f"expected a number in [{low}, {high}], got {value}", param)
     return float(value)
 
 
 def _integer(value: Any, param: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"expected an integer, got {json_kind(value)}", param)
+        raise bad_param(f"expected an integer, got {json_kind(value)}", param)
     if value < low:
-        raise _bad(f"expected an integer >= {low}, got {value}", param)
+        raise bad_param(f"expected an integer >= {low}, got {value}", param)
     return value
 
 
 def validate_cache_control(value: Any, param: str) -> None:
     """``{"type": "ephemeral", "ttl"?: "5m" | "1h"}``. Raises ``InvalidRequestError``."""
     if not isinstance(value, dict):
-        raise _bad(f"expected an object, got {json_kind(value)}", param)
+        raise bad_param(f"expected an object, got {json_kind(value)}", param)
     if value.get("type") != "ephemeral":
-        raise _bad("type must be 'ephemeral'", f"{param}.type")
+        raise bad_param("type must be 'ephemeral'", f"{param}.type")
     if "ttl" in value and value["ttl"] not in _CACHE_TTLS:
-        raise _bad("ttl must be '5m' or '1h'", f"{param}.ttl")
+        raise bad_param("ttl must be '5m' or '1h'", f"{param}.ttl")
 
 
 def _validate_block(block: Any, param: str, role: str) -> None:
     if not isinstance(block, dict):
-        raise _bad(f"expected a content block object, got {json_kind(block)}", param)
+        raise bad_param(f"expected a content block object, got {json_kind(block)}", param)
     kind = block.get("type")
     if not isinstance(kind, str) or not kind:
-        raise _bad("content block needs a string 'type'", f"{param}.type")
+        raise bad_param("content block needs a string 'type'", f"{param}.type")
     if "cache_control" in block:
         validate_cache_control(block["cache_control"], f"{param}.cache_control")
     if kind == "text":
@@ -73,7 +73,7 @@ def _validate_block(block: Any, param: str, role: str) -> None:
     elif kind == "image":
         source = block.get("source")
         if not isinstance(source, dict):
-            raise _bad("image block needs a 'source' object", f"{param}.source")
+            raise bad_param("image block needs a 'source' object", f"{param}.source")
         stype = source.get("type")
         if stype == "base64":
             _require_str(source.get("media_type"), f"{param}.source.media_type", allow_empty=False)
@@ -81,57 +81,59 @@ def _validate_block(block: Any, param: str, role: str) -> None:
         elif stype == "url":
             _require_str(source.get("url"), f"{param}.source.url", allow_empty=False)
         elif stype != "file":
-            raise _bad("image source type must be 'base64', 'url' or 'file'", f"{param}.source.type")
+            raise bad_param("image source type must be 'base64', 'url' or 'file'", f"{param}.source.type")
     elif kind == "tool_use":
         if role != "assistant":
-            raise _bad("tool_use blocks belong to assistant messages", param)
+            raise bad_param("tool_use blocks belong to assistant messages", param)
         _require_str(block.get("id"), f"{param}.id", allow_empty=False)
         _require_str(block.get("name"), f"{param}.name", allow_empty=False)
         if not isinstance(block.get("input"), dict):
-            raise _bad(f"expected an object, got {json_kind(block.get('input'))}", f"{param}.input")
+            raise bad_param(f"expected an object, got {json_kind(block.get('input'))}", f"{param}.input")
     elif kind == "tool_result":
         if role != "user":
-            raise _bad("tool_result blocks belong to user messages", param)
+            raise bad_param("tool_result blocks belong to user messages", param)
         _require_str(block.get("tool_use_id"), f"{param}.tool_use_id", allow_empty=False)
         content = block.get("content", "")
         if isinstance(content, list):
             for j, inner in enumerate(content):
                 _validate_block(inner, f"{param}.content[{j}]", "user")
                 if inner["type"] not in _TOOL_RESULT_BLOCKS:
-                    raise _bad(
+                    raise bad_param(
                         f"tool_result content cannot hold a {inner['type']!r} block", f"{param}.content[{j}]"
                     )
         elif not isinstance(content, str):
-            raise _bad(
+            raise bad_param(
                 f"expected a string or an array of blocks, got {json_kind(content)}", f"{param}.content"
             )
         if "is_error" in block and not isinstance(block["is_error"], bool):
-            raise _bad("expected a boolean", f"{param}.is_error")
+            raise bad_param("expected a boolean", f"{param}.is_error")
 
 
 def _validate_tool(tool: Any, param: str) -> None:
     if not isinstance(tool, dict):
-        raise _bad(f"expected a tool object, got {json_kind(tool)}", param)
+        raise bad_param(f"expected a tool object, got {json_kind(tool)}", param)
     if "cache_control" in tool:
         validate_cache_control(tool["cache_control"], f"{param}.cache_control")
     _require_str(tool.get("name"), f"{param}.name", allow_empty=False)
     if tool.get("type", "custom") == "custom":
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
-            raise _bad(f"expected a JSON schema object, got {json_kind(schema)}", f"{param}.input_schema")
+            raise bad_param(
+                f"expected a JSON schema object, got {json_kind(schema)}", f"{param}.input_schema"
+            )
         if "description" in tool:
             _require_str(tool["description"], f"{param}.description")
 
 
 def _validate_tool_choice(choice: Any, tool_names: set[str]) -> None:
     if not isinstance(choice, dict) or choice.get("type") not in _TOOL_CHOICE_TYPES:
-        raise _bad("expected {'type': 'auto' | 'any' | 'tool' | 'none', ...}", "tool_choice")
+        raise bad_param("expected {'type': 'auto' | 'any' | 'tool' | 'none', ...}", "tool_choice")
     if choice["type"] == "tool":
         name = _require_str(choice.get("name"), "tool_choice.name", allow_empty=False)
         if tool_names and name not in tool_names:
-            raise _bad(f"names a tool that is not in tools: {name!r}", "tool_choice.name")
+            raise bad_param(f"names a tool that is not in tools: {name!r}", "tool_choice.name")
     if "disable_parallel_tool_use" in choice and not isinstance(choice["disable_parallel_tool_use"], bool):
-        raise _bad("expected a boolean", "tool_choice.disable_parallel_tool_use")
+        raise bad_param("expected a boolean", "tool_choice.disable_parallel_tool_use")
 
 
 def validate_body(body: Any, require_max_tokens: bool = True) -> None:
@@ -148,30 +150,30 @@ def validate_body(body: Any, require_max_tokens: bool = True) -> None:
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
     if "model" not in body:
-        raise _bad("field required", "model")
+        raise bad_param("field required", "model")
     _require_str(body["model"], "model", allow_empty=False)
     if "max_tokens" in body:
         _integer(body["max_tokens"], "max_tokens", 1)
     elif require_max_tokens:
-        raise _bad("field required", "max_tokens")
+        raise bad_param("field required", "max_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise _bad(f"expected an array of messages, got {json_kind(messages)}", "messages")
+        raise bad_param(f"expected an array of messages, got {json_kind(messages)}", "messages")
     if not messages:
-        raise _bad("at least one message is required", "messages")
+        raise bad_param("at least one message is required", "messages")
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _bad(f"expected a message object, got {json_kind(message)}", param)
+            raise bad_param(f"expected a message object, got {json_kind(message)}", param)
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise _bad(f"role must be 'user' or 'assistant', got {role!r}", f"{param}.role")
+            raise bad_param(f"role must be 'user' or 'assistant', got {role!r}", f"{param}.role")
         content = message.get("content")
         if isinstance(content, list):
             for j, block in enumerate(content):
                 _validate_block(block, f"{param}.content[{j}]", role)
         elif not isinstance(content, str):
-            raise _bad(
+            raise bad_param(
                 f"expected a string or an array of content blocks, got {json_kind(content)}",
                 f"{param}.content",
             )
@@ -180,18 +182,18 @@ def validate_body(body: Any, require_max_tokens: bool = True) -> None:
         for j, block in enumerate(system):
             _validate_block(block, f"system[{j}]", "system")
             if block["type"] != "text":
-                raise _bad("system blocks must be text blocks", f"system[{j}].type")
+                raise bad_param("system blocks must be text blocks", f"system[{j}].type")
     elif system is not None and not isinstance(system, str):
-        raise _bad(f"expected a string or an array of text blocks, got {json_kind(system)}", "system")
+        raise bad_param(f"expected a string or an array of text blocks, got {json_kind(system)}", "system")
     tools = body.get("tools")
     names: set[str] = set()
     if tools is not None:
         if not isinstance(tools, list):
-            raise _bad(f"expected an array of tools, got {json_kind(tools)}", "tools")
+            raise bad_param(f"expected an array of tools, got {json_kind(tools)}", "tools")
         for j, tool in enumerate(tools):
             _validate_tool(tool, f"tools[{j}]")
             if tool["name"] in names:
-                raise _bad(f"duplicate tool name {tool['name']!r}", f"tools[{j}].name")
+                raise bad_param(f"duplicate tool name {tool['name']!r}", f"tools[{j}].name")
             names.add(tool["name"])
     if body.get("tool_choice") is not None:
         _validate_tool_choice(body["tool_choice"], names)
@@ -204,14 +206,14 @@ def validate_body(body: Any, require_max_tokens: bool = True) -> None:
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise _bad("expected an array of non-empty strings", "stop_sequences")
+            raise bad_param("expected an array of non-empty strings", "stop_sequences")
     if "stream" in body and not isinstance(body["stream"], bool):
-        raise _bad(f"expected a boolean, got {json_kind(body['stream'])}", "stream")
+        raise bad_param(f"expected a boolean, got {json_kind(body['stream'])}", "stream")
     if "cache_control" in body:
         validate_cache_control(body["cache_control"], "cache_control")
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
-            raise _bad(f"expected an object, got {json_kind(metadata)}", "metadata")
+            raise bad_param(f"expected an object, got {json_kind(metadata)}", "metadata")
         if metadata.get("user_id") is not None:
             _require_str(metadata["user_id"], "metadata.user_id")

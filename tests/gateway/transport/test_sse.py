@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.transport.sse import DONE, LineSplitter, SSEEvent, SSEParser, encode_event, iter_sse, parse_sse
+from gateway.core.event_stream import DONE, encode_event
+from gateway.transport.sse import LineSplitter, SSEEvent, SSEParser, iter_sse, parse_sse
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "protocol"
 
