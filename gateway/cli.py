@@ -120,7 +120,7 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         port=config.server.port,
         log_config=None,
         log_level=log_level,
-        access_log=False,  # gateway.request_log writes one line per request instead
+        access_log=False,  # gateway.service.request_log writes one line per request instead
         timeout_graceful_shutdown=10,
     )
     return 0

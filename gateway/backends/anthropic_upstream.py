@@ -5,10 +5,10 @@ prefix-affinity ring picks. Two ways in:
 
 - **Native passthrough** (Anthropic-face requests): the client's body is kept (``thinking``, ``metadata``,
   ``service_tier``, ... untouched), its ``system`` / ``messages`` / ``tools`` replaced by the canonical ones
-  translated back (``anthropic_face.openai_to_anthropic``; exactly the client's own when rules are off),
+  translated back (``gateway.protocols.anthropic.prompt.openai_to_anthropic``; exactly the client's own when rules are off),
   ``model`` mapped to ``upstream_model``, and automatic cache breakpoints added
-  (``gateway.breakpoints``; the client's ``cache_control``, ``ttl`` included, stays as it was). ``stream``
-  yields ``anthropic_face.NativeDelta`` events carrying the upstream's own events (or whole Message), which the
+  (``gateway.protocols.anthropic.breakpoints``; the client's ``cache_control``, ``ttl`` included, stays as it was). ``stream``
+  yields ``gateway.protocols.anthropic.render.NativeDelta`` events carrying the upstream's own events (or whole Message), which the
   Anthropic face relays verbatim: thinking, citations, server tools and signatures survive.
 - **Translation** (OpenAI-face requests): the request is built from the ``ChatRequest`` fields, and ``stream``
   turns Anthropic events into ``Delta`` / ``Finish`` (text and tool use; thinking and server-tool blocks are

@@ -26,5 +26,5 @@ class Backend(Protocol):
         """Release resources; cancel work in flight."""
 
     def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
-        """Yield ``Delta`` events then one ``Finish``. Raises ``gateway.errors`` API errors on bad input."""
+        """Yield ``Delta`` events then one ``Finish``. Raises ``gateway.core.errors`` API errors on bad input."""
         ...

@@ -17,7 +17,7 @@ the prefix-affinity ring picks for the request's prefix key, always streaming, a
 - a server that sends no usage gets its prompt and completion counted with ``breakpoints.default_counter``
   (``counted_by`` says so).
 
-Failures: retries before the first byte (``gateway.upstream_http``); after it, an ``UpstreamStreamCut``.
+Failures: retries before the first byte (``gateway.transport.upstream_http``); after it, an ``UpstreamStreamCut``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Shape (every key optional; the defaults are the embedded SmolLM2 with the shippe
         upstream_model: gpt-4o-mini              # the provider's model name; default = name
         timeout_s: 60
         retries: 2
-        prices: {input: 0.15, cached_input: 0.075}   # USD per million tokens (gateway.pricing.Prices)
+        prices: {input: 0.15, cached_input: 0.075}   # USD per million tokens (gateway.config.pricing.Prices)
         prompt_cache_key: true                   # openai only: send prompt_cache_key = prefix key
         ring: {load_factor: 1.25, vnodes: 160, cooldown_s: 5, max_cooldown_s: 60}   # prefix affinity
       - name: claude

@@ -45,7 +45,7 @@ class AdminConfig:
 
 @dataclass(frozen=True)
 class RingConfig:
-    """Prefix affinity over an upstream's replicas (``gateway.affinity.AffinityRing``).
+    """Prefix affinity over an upstream's replicas (``gateway.transport.affinity.AffinityRing``).
 
     Attributes:
         load_factor: ``c`` of consistent hashing with bounded loads, > 1: no replica holds more than
@@ -75,14 +75,14 @@ class ModelConfig:
         upstream_model: upstream only: the provider's model name; None = ``name``.
         timeout_s: upstream only: seconds per upstream attempt.
         retries: upstream only: extra attempts on connection errors / 5xx / 429.
-        prices: upstream only: ``gateway.pricing.Prices`` for cost estimates in stats; None = unknown.
+        prices: upstream only: ``gateway.config.pricing.Prices`` for cost estimates in stats; None = unknown.
         ring: upstream only: prefix-affinity settings (``RingConfig``).
         prompt_cache_key: openai only: send ``prompt_cache_key`` = the prefix key when the client set none.
         anthropic_version: anthropic only: the ``anthropic-version`` header.
         auto_breakpoints: anthropic only: add ``cache_control`` breakpoints at the rules' segment boundaries
             where the client set none.
         min_cacheable_tokens: anthropic only: (model-name prefix, minimum cacheable prompt length in tokens) pairs,
-            consulted before the built-in table ``gateway.breakpoints.MIN_CACHEABLE_TOKENS`` (same shape); the
+            consulted before the built-in table ``gateway.protocols.anthropic.breakpoints.MIN_CACHEABLE_TOKENS`` (same shape); the
             longest matching prefix wins. YAML: a mapping.
     """
 

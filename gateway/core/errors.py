@@ -3,7 +3,7 @@
 Everything that goes wrong with a request is raised as an ``APIError`` subclass (or an engine error mapped by
 ``from_engine_error``; anything else by ``as_api_error``). One place turns them into HTTP responses: the app's
 exception handler (``gateway.app.handle_error``), with the body ``error_shape_for(path)`` gives; a failure after
-a stream started goes out in-band with the same body (``gateway.pipeline.OpenedStream.guarded_events``).
+a stream started goes out in-band with the same body (``gateway.service.pipeline.OpenedStream.guarded_events``).
 
 - OpenAI (default): ``{"error": {"message", "type", "param", "code"}}``
   (https://platform.openai.com/docs/guides/error-codes, and the bodies the API returns).

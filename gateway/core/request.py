@@ -35,7 +35,7 @@ class ChatRequest:
         canonical: the rules' result (``rules`` package ``Canonical``), set by the gateway after canonicalization.
         prefix_key: hex prefix key (model id, tenant salt, hash of the stable segments), set by routing.
         forward_headers: client headers an upstream of the same protocol receives too, lower-case name -> value
-            (the Anthropic face sets ``anthropic-beta`` here; ``anthropic_face.FORWARDED_HEADERS`` lists them).
+            (the Anthropic face sets ``anthropic-beta`` here; ``gateway.protocols.anthropic.parse.FORWARDED_HEADERS`` lists them).
             Never credentials: the upstream's key comes from the config.
     """
 

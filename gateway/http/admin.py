@@ -39,7 +39,7 @@ def require_admin(http_request: Request) -> None:
 
 
 async def admin_stats(http_request: Request) -> Response:
-    """``GET /admin/stats``: the stats document (see ``gateway.stats``)."""
+    """``GET /admin/stats``: the stats document (see ``gateway.service.stats``)."""
     require_admin(http_request)
     return JSONResponse(gateway_of(http_request).stats_snapshot())
 

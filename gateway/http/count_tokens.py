@@ -5,7 +5,7 @@ Reference: https://docs.anthropic.com/en/api/messages-count-tokens. The body is 
 answer is ``{"input_tokens": <int>}``; errors are Anthropic error JSON, as on ``/v1/messages`` (the app's
 error handler shapes every path under ``/v1/messages`` so).
 
-The body is parsed, validated and canonicalized exactly as ``/v1/messages`` does it (``anthropic_face``
+The body is parsed, validated and canonicalized exactly as ``/v1/messages`` does it (``gateway.protocols.anthropic.validate``
 parsing, the same headers: ``x-prefixgate-rules``, ``x-prefixgate-tenant``, ``anthropic-beta``; the configured
 rules), so the count is the count of what the model would be sent. Then, by the backend of the named model:
 
@@ -228,5 +228,5 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
 
 
 def routes() -> list[BaseRoute]:
-    """This module's route table (``gateway.app`` collects it with the faces')."""
+    """This module's route table (``gateway.http.app`` collects it with the faces')."""
     return [Route(PATH, count_tokens_endpoint, methods=["POST"])]

@@ -2,13 +2,13 @@
 counters, aggregated into the ``/admin/stats`` document (``/metrics`` reads the same snapshot).
 
 Invariants:
-- Counters are only ever raised, by ``record_*`` calls made once per request by ``gateway.pipeline``:
+- Counters are only ever raised, by ``record_*`` calls made once per request by ``gateway.service.pipeline``:
   ``record_rules`` once when the request is canonicalized, then exactly one of ``record_finish`` (the backend's
   final usage), ``record_abort`` (client went away) or ``record_error`` (an error response).
 - ``prompt_tokens`` / ``cached_tokens`` / ``completion_tokens`` are what clients were told in ``usage``;
   ``prefill_tokens`` and ``blocks`` come from the engine's own counters (``engine.api.EngineStats``), which it
   keeps itself so they cannot drift from the block pool.
-- Prefix groups never hold prompt text: only the prefix key (a hash, see ``gateway.routing``) and counts.
+- Prefix groups never hold prompt text: only the prefix key (a hash, see ``gateway.service.registry``) and counts.
 
 Derived values:
 - ``hit_rate = cached_tokens / prompt_tokens`` (0 when no prompt tokens).

@@ -1,6 +1,6 @@
 """HTTP plumbing shared by the remote backends: one ``httpx.AsyncClient``, retries before the first byte,
 replica choice through ``AffinityRing``, and redaction of API keys in every error text (SSE parsing is
-``gateway.sse``'s).
+``gateway.transport.sse``'s).
 
 Retry rule: a request is retried (on the replica the ring picks next, after exponential backoff with full
 jitter) only while nothing of the upstream's response body has arrived: connection errors and resets, timeouts,

@@ -432,7 +432,7 @@ def boundaries_from_segments(
             ``end_message`` (exclusive index into the canonical messages) and ``end_part`` / ``end_char``
             (where in message ``end_message - 1`` the segment stops, exclusive; None = at its end).
         part_blocks: per canonical message, per content part, the block path it became
-            (``anthropic_face.AnthropicPrompt.part_blocks``).
+            (``gateway.protocols.anthropic.prompt.AnthropicPrompt.part_blocks``).
         last_block: per canonical message, the path of its last block (``AnthropicPrompt.last_block``).
         tool_count: number of tools in the body (the ``tools`` boundary is the last one).
 

@@ -1,4 +1,4 @@
-"""Cost saved by provider prompt caching (gateway.pricing)."""
+"""Cost saved by provider prompt caching (gateway.config.pricing)."""
 
 from __future__ import annotations
 

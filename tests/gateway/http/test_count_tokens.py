@@ -1,4 +1,4 @@
-"""``POST /v1/messages/count_tokens`` (gateway.count_tokens) with the official Anthropic SDK, through the real
+"""``POST /v1/messages/count_tokens`` (gateway.http.count_tokens) with the official Anthropic SDK, through the real
 gateway: over the embedded tiny model (counted by its chat template, checked against ``transformers``' own
 rendering and against the usage of real ``/v1/messages`` calls), over a respx-mocked Anthropic upstream (its
 count endpoint, forwarded natively) and over a respx-mocked OpenAI upstream (a local tiktoken estimate)."""

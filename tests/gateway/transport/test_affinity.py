@@ -1,4 +1,4 @@
-"""Consistent hashing with bounded loads and replica cool-downs (gateway.affinity)."""
+"""Consistent hashing with bounded loads and replica cool-downs (gateway.transport.affinity)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SSE encoding and the one parser (gateway.sse), against the recorded OpenAI and Anthropic streams."""
+"""SSE encoding and the one parser (gateway.transport.sse), against the recorded OpenAI and Anthropic streams."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Automatic Anthropic cache breakpoints (gateway.breakpoints)."""
+"""Automatic Anthropic cache breakpoints (gateway.protocols.anthropic.breakpoints)."""
 
 from __future__ import annotations
 

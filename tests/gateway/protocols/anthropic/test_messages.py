@@ -1,4 +1,4 @@
-"""The Anthropic Messages face: validation, translation both ways, SSE/JSON formatting (gateway.anthropic_face).
+"""The Anthropic Messages face: validation, translation both ways, SSE/JSON formatting (gateway.protocols.anthropic.validate).
 
 End-to-end tests with the official SDKs through the real gateway are in test_upstream_e2e.py.
 """
@@ -423,7 +423,7 @@ async def test_build_message_needs_a_finish():
 
 
 class FakeOpened:
-    """The parts of ``gateway.pipeline.OpenedStream`` the face uses (its real ``guarded_events``)."""
+    """The parts of ``gateway.service.pipeline.OpenedStream`` the face uses (its real ``guarded_events``)."""
 
     guarded_events = OpenedStream.guarded_events
 
