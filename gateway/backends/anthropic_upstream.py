@@ -33,7 +33,7 @@ from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream
 from gateway.config.schema import ModelConfig
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
-from gateway.core.request import ChatRequest
+from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import TokenCounter
 from gateway.protocols.anthropic.breakpoints import (
     BreakpointPlan,
@@ -100,10 +100,10 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 param="prompt",
             )
         prompt = None
-        if request.protocol == "anthropic" and request.body:
+        if request.anthropic_body:
             # with rules on, system / messages / tools are replaced below (in place, key order kept): not copied
             replaced = ("system", "messages", "tools") if request.rules_enabled else ()
-            body = {k: v if k in replaced else copy.deepcopy(v) for k, v in request.body.items()}
+            body = {k: v if k in replaced else copy.deepcopy(v) for k, v in request.anthropic_body.items()}
             if request.rules_enabled:
                 prompt = openai_to_anthropic(request.messages, request.tools)
                 _set_or_drop(body, "system", prompt.system)
@@ -133,7 +133,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
     ) -> dict[str, Any]:
         """Segment ends from the rules when the body was built from the canonical messages, else read off the
         body (rules off)."""
-        segments = getattr(request.canonical, "segments", None)
+        segments = request.canonical.segments if request.canonical is not None else None
         if segments and prompt is not None:
             return boundaries_from_segments(
                 segments, prompt.part_blocks, prompt.last_block, len(body.get("tools") or [])
@@ -151,15 +151,12 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             body["system"] = prompt.system
         if prompt.tools is not None:
             body["tools"] = prompt.tools
-            parallel = request.body.get("parallel_tool_calls") if request.protocol == "openai" else None
-            choice = openai_to_anthropic_tool_choice(request.tool_choice, parallel)
+            choice = openai_to_anthropic_tool_choice(request.tool_choice, request.parallel_tool_calls)
             if choice is not None:
                 body["tool_choice"] = choice
-        native = request.body if request.protocol == "openai" else {}
-        if native.get("temperature") is not None:
-            body["temperature"] = params.temperature
-        if native.get("top_p") is not None:
-            body["top_p"] = params.top_p
+        for name in SAMPLING_FIELDS:  # only what the client set: Anthropic's defaults are not OpenAI's
+            if name in request.sampling_given:
+                body[name] = getattr(params, name)
         if params.top_k:
             body["top_k"] = params.top_k
         if params.stop:
@@ -191,7 +188,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
 
         Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed request:
         every event from ``message_start`` to ``message_stop``; a non-streamed one: the whole Message), and a
-        ``Finish`` with ``extra["native"] = True``. Others get text and tool-call deltas in OpenAI's streaming
+        ``Finish`` with ``native=True``. Others get text and tool-call deltas in OpenAI's streaming
         shape (thinking and server-tool blocks are not part of an OpenAI answer and are left out).
 
         Raises:
@@ -200,7 +197,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 ``upstream_error`` is the upstream's ``error`` object).
             InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry.
         """
-        native = request.protocol == "anthropic" and bool(request.body)
+        native = bool(request.anthropic_body)
         started = time.monotonic()
         if native and not request.stream:
             message, usage = await self._message(request)
@@ -213,7 +210,10 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 FINISH_REASONS.get(message.get("stop_reason") or "", "stop"),
                 usage,
                 time.monotonic() - started,
-                {"native": True, "anthropic_stop_reason": message.get("stop_reason")},
+                native=True,
+                anthropic_stop_reason=stop_reason
+                if isinstance(stop_reason := message.get("stop_reason"), str)
+                else None,
             )
             return
         opened = await self._open(request, stream=True)
@@ -426,17 +426,20 @@ class _EventReader:
 
     def finish(self, replica: str, native: bool) -> Finish:
         """The ``Finish`` after ``message_stop``."""
-        extra: dict[str, Any] = {"replica": redact_url(replica)}
-        if native:
-            extra["native"] = True
-        if self.stop_reason:
-            extra["anthropic_stop_reason"] = self.stop_reason
-        if self.stop_sequence:
-            extra["stop_sequence"] = self.stop_sequence
         if self.stop_reason is not None and not isinstance(self.stop_reason, str):
             raise TypeError(f"stop_reason {self.stop_reason!r} is not a string")
         reason = FINISH_REASONS.get(self.stop_reason or "", "stop")
-        return Finish(reason, backend_usage_from_anthropic(self.usage), self.ttft_s, extra)
+        return Finish(
+            reason,
+            backend_usage_from_anthropic(self.usage),
+            self.ttft_s,
+            stop_sequence=self.stop_sequence
+            if isinstance(self.stop_sequence, str) and self.stop_sequence
+            else None,
+            anthropic_stop_reason=self.stop_reason or None,
+            native=native,
+            replica=redact_url(replica),
+        )
 
 
 def _set_or_drop(body: dict[str, Any], key: str, value: Any) -> None:

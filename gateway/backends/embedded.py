@@ -142,8 +142,8 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
         InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies, ``TOOL_CHOICES``),
             non-text content parts, or server tools.
     """
-    if request.protocol == "openai":
-        check_supported(request.body)
+    if request.openai_body is not None:
+        check_supported(request.openai_body)
     if request.tool_choice not in TOOL_CHOICES:
         raise InvalidRequestError(
             "The embedded engine cannot force a tool call: tool_choice must be 'auto' or 'none'.",

@@ -32,7 +32,7 @@ from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.config.schema import ModelConfig
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
-from gateway.core.request import ChatRequest
+from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
 from gateway.protocols.anthropic.strip import plain_messages, plain_tools
 from gateway.transport.upstream_http import OpenedResponse, redact_url
@@ -71,12 +71,15 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             UnsupportedContentError: Anthropic-only content an OpenAI server cannot take.
         """
         if request.kind == "completion":
-            body = copy.deepcopy(request.body) if request.protocol == "openai" and request.body else {}
+            body = copy.deepcopy(request.openai_body) if request.openai_body else {}
             body["prompt"] = request.prompt if request.prompt is not None else body.get("prompt", "")
-            _fill_sampling(body, request, only_missing=bool(request.body))
-        elif request.protocol == "openai" and request.body:
+            _fill_sampling(body, request, only_missing=bool(request.openai_body))
+        elif request.openai_body:
             # the client's messages and tools are replaced below (in place, so key order stays): not copied
-            body = {k: v if k in ("messages", "tools") else copy.deepcopy(v) for k, v in request.body.items()}
+            body = {
+                k: v if k in ("messages", "tools") else copy.deepcopy(v)
+                for k, v in request.openai_body.items()
+            }
             body["messages"] = copy.deepcopy(request.messages)
             if request.tools is not None:
                 body["tools"] = copy.deepcopy(request.tools)
@@ -100,8 +103,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             body["tools"] = tools
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
-        native_choice = request.body.get("tool_choice") if request.protocol == "anthropic" else None
-        if isinstance(native_choice, dict) and native_choice.get("disable_parallel_tool_use") and tools:
+        if request.parallel_tool_calls is False and tools:
             body["parallel_tool_calls"] = False
         if request.user:
             body["user"] = request.user
@@ -145,11 +147,10 @@ def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: boo
     values: dict[str, Any] = {}
     if params.max_tokens is not None:
         values["max_tokens"] = params.max_tokens
-    native = request.body if request.protocol == "anthropic" else {}
-    if request.protocol != "anthropic" or native.get("temperature") is not None:
-        values["temperature"] = params.temperature
-    if request.protocol != "anthropic" or native.get("top_p") is not None:
-        values["top_p"] = params.top_p
+    # an Anthropic client that left temperature / top_p unset gets the upstream's default, not Anthropic's
+    for name in SAMPLING_FIELDS:
+        if request.anthropic_body is None or name in request.sampling_given:
+            values[name] = getattr(params, name)
     if params.top_k:
         values["top_k"] = params.top_k  # vLLM / SGLang / TGI extension
     if params.stop:
@@ -186,7 +187,7 @@ def _counted_usage(request: ChatRequest, completion_text: str) -> BackendUsage:
 
 
 def _chunk_choice(choice: dict[str, Any], kind: str) -> tuple[str, Any, str | None, dict[str, Any]]:
-    """One choice of a streamed chunk: (text, tool-call deltas, finish reason, finish extra).
+    """One choice of a streamed chunk: (text, tool-call deltas, finish reason, matched stop string).
 
     Raises:
         AttributeError / TypeError: the choice is not shaped like an OpenAI chunk choice (the caller turns that
@@ -200,19 +201,19 @@ def _chunk_choice(choice: dict[str, Any], kind: str) -> tuple[str, Any, str | No
     if not isinstance(text, str) or not (calls is None or isinstance(calls, list)):
         raise TypeError("content is not a string or tool_calls not a list")
     finish = choice.get("finish_reason")
-    return text, calls, finish or None, _finish_extra(choice) if finish else {}
+    return text, calls, finish or None, _stop_sequence(choice) if finish else None
 
 
-def _finish_extra(choice: dict[str, Any]) -> dict[str, Any]:
+def _stop_sequence(choice: dict[str, Any]) -> str | None:
     stop = choice.get("stop_reason")  # vLLM: the stop string that matched (or a token id)
-    return {"stop_sequence": stop} if isinstance(stop, str) else {}
+    return stop if isinstance(stop, str) else None
 
 
 async def _events_from_sse(
     opened: OpenedResponse, request: ChatRequest, started: float
 ) -> AsyncIterator[BackendEvent]:
     finish_reason: str | None = None
-    extra: dict[str, Any] = {}
+    stop_sequence: str | None = None
     usage: BackendUsage | None = None
     ttft: float | None = None
     done = False
@@ -242,19 +243,19 @@ async def _events_from_sse(
             raise opened.cut(
                 "the upstream sent a chunk that is not a completion chunk", kind="protocol"
             ) from None
-        for text, calls, choice_finish, choice_extra in pieces:
+        for text, calls, choice_finish, choice_stop in pieces:
             if text or calls:
                 if ttft is None:
                     ttft = time.monotonic() - started
                 text_parts.append(text)
                 yield Delta(text=text, tool_calls=calls)
             if choice_finish:
-                finish_reason, extra = choice_finish, choice_extra
+                finish_reason, stop_sequence = choice_finish, choice_stop
     if finish_reason is None or not (done or usage is not None):
         raise opened.cut("the upstream stream ended before its final chunk")
     if usage is None:
         usage = _counted_usage(request, "".join(text_parts))
-    yield Finish(finish_reason, usage, ttft, {**extra, "replica": redact_url(opened.replica)})
+    yield Finish(finish_reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))
 
 
 async def _events_from_json(
@@ -281,13 +282,13 @@ async def _events_from_json(
             if isinstance(data.get("usage"), dict)
             else _counted_usage(request, text)
         )
-        extra = {**_finish_extra(choice), "replica": redact_url(opened.replica)}
+        stop_sequence = _stop_sequence(choice)
         reason = choice.get("finish_reason") or "stop"
     except (AttributeError, TypeError, ValueError):
         raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
     if text or calls:
         yield Delta(text=text, tool_calls=calls)
-    yield Finish(reason, usage, ttft, extra)
+    yield Finish(reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))
 
 
 # ---- registry -----------------------------------------------------------------------------------------------

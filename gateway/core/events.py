@@ -4,7 +4,7 @@ The protocol renderers turn these into OpenAI or Anthropic JSON/SSE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -37,12 +37,27 @@ class BackendUsage:
 
 @dataclass(frozen=True)
 class Finish:
-    """The last event: OpenAI-style finish reason (stop, length, tool_calls, content_filter) and usage."""
+    """The last event: OpenAI-style finish reason (stop, length, tool_calls, content_filter) and usage.
+
+    Attributes:
+        finish_reason: ``stop``, ``length``, ``tool_calls`` or ``content_filter``.
+        usage: the request's token counts.
+        ttft_s: seconds to the first token as the backend measured it, if it did.
+        stop_sequence: the stop string that ended the answer, when the backend knows it.
+        anthropic_stop_reason: an Anthropic upstream's own ``stop_reason`` (wins over the mapped reason on the
+            Anthropic face).
+        native: the upstream's own Anthropic events were relayed (``NativeDelta``): the Anthropic face adds
+            no closing events of its own.
+        replica: the upstream replica that answered (base URL, credentials and query removed).
+    """
 
     finish_reason: str
     usage: BackendUsage
     ttft_s: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    stop_sequence: str | None = None
+    anthropic_stop_reason: str | None = None
+    native: bool = False
+    replica: str | None = None
 
 
 BackendEvent = Delta | Finish

@@ -35,7 +35,7 @@ async def message_sse(opened: OpenedStream) -> AsyncIterator[bytes]:
                 formatter.started = True
                 for raw in event.events:
                     yield encode_event(relay_event(raw, request.model), str(raw.get("type", "message")))
-            elif isinstance(event, Finish) and event.extra.get("native"):
+            elif isinstance(event, Finish) and event.native:
                 continue
             else:
                 yield formatter.feed(event)

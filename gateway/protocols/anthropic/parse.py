@@ -1,5 +1,5 @@
-"""Anthropic Messages body -> ``ChatRequest`` (``protocol="anthropic"``): messages and tools translated to the
-OpenAI shape every backend reads; the original body kept in ``ChatRequest.body`` for native passthrough.
+"""Anthropic Messages body -> ``ChatRequest`` (``anthropic_body`` set): messages and tools translated to the
+OpenAI shape every backend reads; the original body kept in ``ChatRequest.anthropic_body`` for native passthrough.
 Anthropic-only content rides along as opaque parts (``OPAQUE``); see docs/protocols.md for the round trip.
 Reference: https://docs.anthropic.com/en/api/messages
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.api import SamplingParams
 from gateway.core.json_types import compact_json
-from gateway.core.request import ChatRequest
+from gateway.core.request import ChatRequest, given_sampling
 from gateway.protocols.anthropic.validate import validate_body
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
@@ -164,13 +164,20 @@ def parse_messages_body(body: Any, request_id: str = "", require_max_tokens: boo
         params=params,
         tools=anthropic_to_openai_tools(body.get("tools")),
         tool_choice=anthropic_to_openai_tool_choice(body.get("tool_choice")),
+        parallel_tool_calls=parallel_tool_calls(body),
         stream=bool(body.get("stream", False)),
         include_usage=True,
         user=metadata.get("user_id"),
-        protocol="anthropic",
-        body=body,
+        anthropic_body=body,
+        sampling_given=given_sampling(body),
         request_id=request_id or uuid.uuid4().hex,
     )
+
+
+def parallel_tool_calls(body: Mapping[str, Any]) -> bool | None:
+    """False when ``tool_choice.disable_parallel_tool_use`` is true (at most one tool call), else None."""
+    choice = body.get("tool_choice")
+    return False if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") else None
 
 
 # ==== HTTP =================================================================================================

@@ -75,9 +75,9 @@ def message_id(request_id: str) -> str:
 
 def stop_fields(finish: Finish) -> tuple[str, str | None]:
     """(``stop_reason``, ``stop_sequence``) of a Finish: an upstream Anthropic reason wins; a matched stop string
-    (``extra["stop_sequence"]``) gives ``stop_sequence``."""
-    native = finish.extra.get("anthropic_stop_reason")
-    sequence = finish.extra.get("stop_sequence")
+    (``Finish.stop_sequence``) gives ``stop_sequence``."""
+    native = finish.anthropic_stop_reason
+    sequence = finish.stop_sequence
     if isinstance(native, str):
         return native, sequence if isinstance(sequence, str) else None
     if isinstance(sequence, str) and finish.finish_reason == "stop":
@@ -153,7 +153,7 @@ class NativeDelta(Delta):
     """A Delta that also carries the upstream's own Anthropic events, which this face relays verbatim (an
     Anthropic upstream answering an Anthropic-face request). ``text`` / ``tool_calls`` mirror the events in
     OpenAI's shape so the protocol-independent bookkeeping (TTFT) works unchanged; the ``Finish`` that follows
-    has ``extra["native"] = True`` and adds no event of its own. For a non-streamed request ``events`` holds one
+    has ``native=True`` and adds no event of its own. For a non-streamed request ``events`` holds one
     whole Message object."""
 
     events: tuple[dict[str, Any], ...] = ()

@@ -12,7 +12,7 @@ from engine.api import SamplingParams
 from gateway.core.errors import InvalidRequestError
 from gateway.core.headers import rules_enabled, tenant
 from gateway.core.json_types import json_kind
-from gateway.core.request import ChatRequest
+from gateway.core.request import ChatRequest, given_sampling
 
 MAX_STOP_SEQUENCES = 4
 
@@ -63,13 +63,14 @@ def parse_chat_request(body: dict[str, Any], headers: Mapping[str, str]) -> Chat
         params=_sampling(body, max_tokens),
         tools=tools,
         tool_choice=body.get("tool_choice"),
+        parallel_tool_calls=_parallel_tool_calls(body),
         stream=stream,
         include_usage=include_usage,
         user=_optional_str(body, "user"),
         tenant=tenant(headers),
-        protocol="openai",
         kind="chat",
-        body=body,
+        openai_body=body,
+        sampling_given=given_sampling(body),
         rules_enabled=rules_enabled(headers),
     )
 
@@ -103,12 +104,17 @@ def parse_completion_request(body: dict[str, Any], headers: Mapping[str, str]) -
         include_usage=include_usage,
         user=_optional_str(body, "user"),
         tenant=tenant(headers),
-        protocol="openai",
         kind="completion",
         prompt=prompt,
-        body=body,
+        openai_body=body,
+        sampling_given=given_sampling(body),
         rules_enabled=rules_enabled(headers),
     )
+
+
+def _parallel_tool_calls(body: dict[str, Any]) -> bool | None:
+    value = body.get("parallel_tool_calls")
+    return value if isinstance(value, bool) else None
 
 
 def _reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:

@@ -94,8 +94,8 @@ async def test_native_stream_relays_every_recorded_event(http):
     assert relayed == recorded_events("tool_use_response.txt")
     assert "".join(e.text for e in native) == "I'll check the current weather in Paris for you."
     finish = events[-1]
-    assert isinstance(finish, Finish) and finish.extra["native"] is True
-    assert finish.finish_reason == "tool_calls" and finish.extra["anthropic_stop_reason"] == "tool_use"
+    assert isinstance(finish, Finish) and finish.native is True
+    assert finish.finish_reason == "tool_calls" and finish.anthropic_stop_reason == "tool_use"
     assert (finish.usage.prompt_tokens, finish.usage.completion_tokens, finish.usage.cached_tokens) == (
         377,
         65,
@@ -127,7 +127,7 @@ async def test_cache_usage_maps_to_backend_usage(http):
         188,
     )
     assert usage.completion_tokens == 4 and usage.counted_by == "upstream"
-    assert events[-1].extra["stop_sequence"] == "END"
+    assert events[-1].stop_sequence == "END"
 
 
 @respx.mock
@@ -353,7 +353,7 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
     assert calls[0] == {"index": 0, "id": "toolu_01NRLabsLyVHZPKxbKvkfSMn", "type": "function",
                         "function": {"name": "get_weather", "arguments": ""}}  # fmt: skip
     assert "".join(c["function"].get("arguments", "") for c in calls) == '{"location": "Paris"}'
-    assert events[-1].finish_reason == "tool_calls" and "native" not in events[-1].extra
+    assert events[-1].finish_reason == "tool_calls" and events[-1].native is False
 
 
 async def test_completion_requests_are_refused(http):

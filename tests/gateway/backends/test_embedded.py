@@ -52,7 +52,7 @@ def test_anthropic_thinking_parts_are_dropped():
     generation = generation_request(
         request(
             [{"role": "assistant", "content": [thinking, {"type": "text", "text": "answer"}]}],
-            protocol="anthropic",
+            anthropic_body={},
         )
     )
     assert generation.messages == [{"role": "assistant", "content": "answer"}]
@@ -84,11 +84,15 @@ def test_completion_requests_send_the_prompt():
             "tools[0]",
         ),
         ([{"role": "user", "content": "x"}], {"tool_choice": "required"}, "tool_choice"),
-        ([{"role": "user", "content": "x"}], {"body": {"logprobs": True}}, "logprobs"),
-        ([{"role": "user", "content": "x"}], {"body": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ([{"role": "user", "content": "x"}], {"openai_body": {"logprobs": True}}, "logprobs"),
         (
             [{"role": "user", "content": "x"}],
-            {"body": {"response_format": {"type": "json_object"}}},
+            {"openai_body": {"frequency_penalty": 0.5}},
+            "frequency_penalty",
+        ),
+        (
+            [{"role": "user", "content": "x"}],
+            {"openai_body": {"response_format": {"type": "json_object"}}},
             "response_format",
         ),
     ],
@@ -111,10 +115,8 @@ def test_neutral_values_and_bookkeeping_fields_are_accepted():
         "metadata": {"a": "b"},
         "store": True,
     }
-    generation_request(request([{"role": "user", "content": "x"}], body=body, tool_choice="auto"))
+    generation_request(request([{"role": "user", "content": "x"}], openai_body=body, tool_choice="auto"))
     # an Anthropic body is not checked against OpenAI's fields (its own face validated it)
     generation_request(
-        request(
-            [{"role": "user", "content": "x"}], body={"tool_choice": {"type": "auto"}}, protocol="anthropic"
-        )
+        request([{"role": "user", "content": "x"}], anthropic_body={"tool_choice": {"type": "auto"}})
     )

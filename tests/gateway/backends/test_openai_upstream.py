@@ -95,7 +95,7 @@ async def test_recorded_parallel_tool_call_stream(http):
         60,
         0,
     )
-    assert finish.usage.counted_by == "upstream" and finish.extra["replica"] == BASE
+    assert finish.usage.counted_by == "upstream" and finish.replica == BASE
 
 
 @respx.mock
@@ -166,7 +166,7 @@ async def test_vllm_stop_reason_becomes_the_stop_sequence(http):
     stop = {"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "\n\n"}]}
     respx.post(URL).mock(return_value=sse_response(sse_body([chunk({"content": "a"}), stop])))
     events = await drain(backend(http).stream(chat_request(MESSAGES)))
-    assert events[-1].extra["stop_sequence"] == "\n\n"
+    assert events[-1].stop_sequence == "\n\n"
 
 
 @respx.mock
@@ -332,7 +332,7 @@ async def test_failover_to_the_next_replica(http):
     respx.post(f"{home}/chat/completions").mock(side_effect=httpx.ConnectError("refused"))
     good = respx.post(f"{other}/chat/completions").mock(return_value=sse_response(CACHED_STREAM))
     events = await drain(be.stream(request))
-    assert good.call_count == 1 and events[-1].extra["replica"] == other
+    assert good.call_count == 1 and events[-1].replica == other
     assert be.upstream.ring.snapshot()[home]["state"] == "down"
 
 

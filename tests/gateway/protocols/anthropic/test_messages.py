@@ -85,8 +85,8 @@ RICH_BODY = {
 
 def test_parse_builds_the_internal_request():
     request = parse_messages_body(copy.deepcopy(RICH_BODY), request_id="abc")
-    assert request.protocol == "anthropic" and request.model == "claude" and request.stream
-    assert request.body == RICH_BODY
+    assert request.openai_body is None and request.model == "claude" and request.stream
+    assert request.anthropic_body == RICH_BODY
     params = request.params
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (300, 0.3, 0.9, 40)
     assert params.stop == ("END", "STOP") and request.user == "user-42"
@@ -406,13 +406,13 @@ async def test_build_message_non_stream():
 
 async def test_stop_sequence_and_native_stop_reasons():
     message, _ = await build_message(
-        _events([Delta(text="a"), Finish("stop", USAGE, extra={"stop_sequence": "END"})]), "m", "r"
+        _events([Delta(text="a"), Finish("stop", USAGE, stop_sequence="END")]), "m", "r"
     )
     assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "END")
     message, _ = await build_message(_events([Finish("length", USAGE)]), "m", "r")
     assert message["stop_reason"] == "max_tokens" and message["content"] == []
     message, _ = await build_message(
-        _events([Finish("stop", USAGE, extra={"anthropic_stop_reason": "pause_turn"})]), "m", "r"
+        _events([Finish("stop", USAGE, anthropic_stop_reason="pause_turn")]), "m", "r"
     )
     assert message["stop_reason"] == "pause_turn"
 
@@ -451,7 +451,7 @@ async def test_native_events_are_relayed_with_the_client_model_name():
         {"model": "my-claude", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
     )
     recorded = [json.loads(e.data) for e in parse_sse(fixture_bytes("anthropic", "stream-b-fallback.sse"))]
-    items = [NativeDelta(events=(e,)) for e in recorded] + [Finish("stop", USAGE, extra={"native": True})]
+    items = [NativeDelta(events=(e,)) for e in recorded] + [Finish("stop", USAGE, native=True)]
     opened = FakeOpened(request, items)
     out = parse_sse(b"".join([chunk async for chunk in message_sse(opened)]))
     relayed = [json.loads(e.data) for e in out]

@@ -32,7 +32,7 @@ def chat(**fields):
 
 def test_minimal_chat_body():
     request = chat()
-    assert request.model == "m" and request.kind == "chat" and request.protocol == "openai"
+    assert request.model == "m" and request.kind == "chat" and request.anthropic_body is None
     assert request.messages == MESSAGES
     assert request.params == SamplingParams(
         max_tokens=None, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=()
