@@ -28,6 +28,7 @@ from typing import Any, Unpack
 
 import jiter
 
+from gateway.backends.base import TokenCount
 from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.config.schema import ModelConfig
@@ -41,7 +42,7 @@ from gateway.protocols.anthropic.breakpoints import (
     boundaries_from_segments,
     default_boundaries,
 )
-from gateway.protocols.anthropic.parse import FORWARDED_HEADERS
+from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, FORWARDED_HEADERS, MESSAGES_ONLY_FIELDS
 from gateway.protocols.anthropic.prompt import (
     AnthropicPrompt,
     openai_to_anthropic,
@@ -164,6 +165,34 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         if request.user:
             body["metadata"] = {"user_id": request.user}
         return body
+
+    async def count_tokens(self, request: ChatRequest) -> TokenCount:
+        """The upstream's own count: ``POST {base_url}/v1/messages/count_tokens`` with the body a
+        ``/v1/messages`` passthrough would send (``build_body``: rules applied, ``model`` mapped, automatic
+        breakpoints) less ``MESSAGES_ONLY_FIELDS``, with the same key, headers, replica choice, retries and
+        error mapping (``post``). Reference: https://docs.anthropic.com/en/api/messages-count-tokens
+
+        Raises:
+            UpstreamCallError: refused (4xx passes through) or failed after retries, as for ``/v1/messages``.
+            UpstreamStreamCut: kind ``protocol`` (502): the answer is not JSON with an integer ``input_tokens``.
+            InvalidRequestError / UnsupportedContentError: what ``build_body`` refuses.
+        """
+        body, _ = self.build_body(request, stream=False)
+        body = {key: value for key, value in body.items() if key not in MESSAGES_ONLY_FIELDS}
+        headers = self.headers_for(
+            request
+        )  # the key, version and forwarded headers, as /v1/messages sends them
+        opened = await self.post(request.prefix_key or request.request_id, COUNT_TOKENS_PATH, headers, body)
+        try:
+            answer = opened.json_object(await opened.read(), "a token count")
+            tokens = answer.get("input_tokens")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise opened.cut(
+                    "the upstream answered a token count without an integer input_tokens", kind="protocol"
+                )
+        finally:
+            await opened.aclose()
+        return TokenCount(tokens, "upstream")
 
     def headers_for(self, request: ChatRequest) -> dict[str, str]:
         """The headers of an upstream call for ``request``: content type, ``anthropic-version``, ``x-api-key``

@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
 from engine.errors import EngineError
+from gateway.backends.base import Backend, TokenCount
 from gateway.backends.registry import register_backend
 from gateway.config.schema import ModelConfig
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
@@ -61,7 +62,7 @@ def create_embedded_backend(model: ModelConfig) -> EmbeddedBackend:
     return EmbeddedBackend(model)
 
 
-class EmbeddedBackend:
+class EmbeddedBackend(Backend):
     """Serves one model from an in-process ``AsyncEngine``.
 
     Args:
@@ -76,7 +77,7 @@ class EmbeddedBackend:
         digest = hashlib.blake2b(
             json.dumps([model.name, model.path, asdict(model.engine)], sort_keys=True).encode(), digest_size=5
         )
-        self.system_fingerprint = f"fp_{digest.hexdigest()}"
+        self._fingerprint = f"fp_{digest.hexdigest()}"
 
     async def start(self) -> None:
         """Load the weights and tokenizer (in a worker thread: it takes seconds) and start the step loop."""
@@ -96,6 +97,31 @@ class EmbeddedBackend:
     def engine_stats(self) -> EngineStats | None:
         """The engine's counters (None before ``start``)."""
         return self.engine.stats() if self.engine is not None else None
+
+    def system_fingerprint(self) -> str | None:
+        """``fp_`` + a hash of the model's name, path and engine config."""
+        return self._fingerprint
+
+    async def count_tokens(self, request: ChatRequest) -> TokenCount:
+        """The number of prompt token ids the engine would prefill for ``request``: the engine request a
+        completion would get (``generation_request``) rendered by the checkpoint's chat template
+        (``AsyncEngine.prompt_token_ids``), the generation prompt included, i.e. the ``prompt_tokens`` a
+        completion reports. Nothing is scheduled: no block is taken, no prefix-cache entry is touched, no
+        step runs; the count is returned even when the prompt would not fit the context window.
+
+        Raises:
+            ServiceUnavailableError: the engine is not started.
+            InvalidRequestError: what ``generation_request`` refuses, or a template failure (engine error mapped).
+        """
+        engine = self.engine
+        if engine is None:
+            raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
+        generation = generation_request(request)
+        try:
+            token_ids = engine.prompt_token_ids(generation)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        return TokenCount(len(token_ids), f"chat-template:{engine.model_id}")
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` per non-empty text piece, then one ``Finish``.

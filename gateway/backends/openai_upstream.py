@@ -50,7 +50,11 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
         options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
             ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
+
+    Token counts (``count_tokens``) are the base's local estimate: OpenAI has no count endpoint.
     """
+
+    estimate_target = "an OpenAI-compatible"
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from typing import Any, TypedDict
 
 import httpx
 
+from gateway.backends.base import Backend, ReplicaStates
 from gateway.config.schema import ModelConfig
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.upstream_http import (
@@ -39,7 +40,7 @@ class UpstreamOptions(TypedDict, total=False):
     sleep: Callable[[float], Awaitable[Any]]
 
 
-class UpstreamBackend:
+class UpstreamBackend(Backend):
     """Base of the remote backends: replica choice, the shared client, retries and the key.
 
     Args:
@@ -92,7 +93,7 @@ class UpstreamBackend:
             self._client = None
             await SharedClient.release()
 
-    def replicas(self) -> dict[str, dict[str, object]]:
+    def replicas(self) -> ReplicaStates | None:
         """Replica health and load for ``/admin/stats``: URL without credentials or query string ->
         ``{"state", "inflight", "failures"}``."""
         return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}

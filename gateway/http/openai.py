@@ -106,7 +106,7 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     gateway = gateway_of(http_request)
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
-    meta = ResponseMeta(request, getattr(gateway.registry.get(request.model), "system_fingerprint", None))
+    meta = ResponseMeta(request, gateway.registry.get(request.model).system_fingerprint())
     if request.stream:
         return EventStreamResponse(sse(opened, meta), headers={"x-request-id": request.request_id})
     body = await run_unless_disconnected(http_request, collect(opened, meta), opened)

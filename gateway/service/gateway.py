@@ -39,8 +39,7 @@ class Gateway:
         """Model name -> its engine's counters (None for backends without an engine, or not started)."""
         result: dict[str, EngineStats | None] = {}
         for name, backend in self.registry.items():
-            read = getattr(backend, "engine_stats", None)
-            result[name] = read() if read is not None else None
+            result[name] = backend.engine_stats()
         return result
 
     def stats_snapshot(self) -> dict[str, Any]:
@@ -48,7 +47,7 @@ class Gateway:
         query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring."""
         doc = self.stats.snapshot(self.engine_stats())
         for name, backend in self.registry.items():
-            replicas = getattr(backend, "replicas", None)
+            replicas = backend.replicas()
             if replicas is not None and name in doc["models"]:
-                doc["models"][name]["replicas"] = replicas()
+                doc["models"][name]["replicas"] = replicas
         return doc

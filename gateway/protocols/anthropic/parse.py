@@ -174,6 +174,29 @@ def parse_messages_body(body: Any, request_id: str = "", require_max_tokens: boo
     )
 
 
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+"""Anthropic's token counting endpoint (https://docs.anthropic.com/en/api/messages-count-tokens)."""
+
+MESSAGES_ONLY_FIELDS = frozenset(
+    {"max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "service_tier"}
+)
+"""Fields of a Messages body that ``/v1/messages/count_tokens`` does not take (they shape the generation, not
+the prompt). They are checked as ``/v1/messages`` checks them, then left out of the count and of an upstream's
+count request; any other field is sent on, as the Messages passthrough does."""
+
+
+def parse_count_body(body: Any, request_id: str = "") -> ChatRequest:
+    """Validate a ``/v1/messages/count_tokens`` body (a Messages body without ``max_tokens``) and build the
+    internal request ``/v1/messages`` would build (not streamed).
+
+    Raises:
+        InvalidRequestError: a missing or ill-typed field (``param`` names it), as ``/v1/messages`` answers.
+    """
+    request = parse_messages_body(body, request_id=request_id, require_max_tokens=False)
+    request.stream = False
+    return request
+
+
 def parallel_tool_calls(body: Mapping[str, Any]) -> bool | None:
     """False when ``tool_choice.disable_parallel_tool_use`` is true (at most one tool call), else None."""
     choice = body.get("tool_choice")

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from engine.api import SamplingParams
+from gateway.backends.base import Backend
 from gateway.config.loader import parse_config
 from gateway.core.errors import UpstreamError
 from gateway.core.events import BackendUsage, Delta, Finish
@@ -15,7 +16,7 @@ from gateway.transport.sse import parse_sse
 from tests.gateway.server import RunningServer
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """Yields the scripted events; an exception in the script is raised at that point. Counts closes."""
 
     def __init__(self, name: str, script: list) -> None:
