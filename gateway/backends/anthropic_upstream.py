@@ -29,9 +29,8 @@ from typing import Any, Unpack
 import jiter
 
 from gateway.backends.base import TokenCount
-from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
-from gateway.config.schema import ModelConfig
+from gateway.config.schema import AnthropicUpstream
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
@@ -494,8 +493,7 @@ async def _anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, A
     raise opened.cut("the upstream stream ended before message_stop")
 
 
-@register_backend("anthropic")
-def create_anthropic_backend(model: ModelConfig) -> AnthropicUpstreamBackend:
+def create_anthropic_backend(model: AnthropicUpstream) -> AnthropicUpstreamBackend:
     """The backend of a ``backend: anthropic`` model entry."""
     return AnthropicUpstreamBackend(
         **upstream_settings(model),

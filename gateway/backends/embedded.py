@@ -22,8 +22,7 @@ from typing import Any
 from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
 from engine.errors import EngineError
 from gateway.backends.base import Backend, TokenCount
-from gateway.backends.registry import register_backend
-from gateway.config.schema import ModelConfig
+from gateway.config.schema import EmbeddedModel
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import ChatRequest
@@ -56,8 +55,7 @@ TOOL_CHOICES = (None, "none", "auto")
 _ROLE_FOR_TEMPLATE = {"developer": "system"}
 
 
-@register_backend("embedded")
-def create_embedded_backend(model: ModelConfig) -> EmbeddedBackend:
+def create_embedded_backend(model: EmbeddedModel) -> EmbeddedBackend:
     """Factory for ``backend: embedded`` entries."""
     return EmbeddedBackend(model)
 
@@ -70,7 +68,7 @@ class EmbeddedBackend(Backend):
         engine: an already-built engine (tests); None = build it from ``model`` in ``start``.
     """
 
-    def __init__(self, model: ModelConfig, engine: Any = None) -> None:
+    def __init__(self, model: EmbeddedModel, engine: Any = None) -> None:
         self.name = model.name
         self.model = model
         self.engine = engine

@@ -28,9 +28,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Unpack
 
-from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
-from gateway.config.schema import ModelConfig
+from gateway.config.schema import OpenAIUpstream
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
@@ -298,7 +297,6 @@ async def _events_from_json(
 # ---- registry -----------------------------------------------------------------------------------------------
 
 
-@register_backend("openai")
-def create_openai_backend(model: ModelConfig) -> OpenAIUpstreamBackend:
+def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:
     """The backend of a ``backend: openai`` model entry."""
     return OpenAIUpstreamBackend(**upstream_settings(model), set_prompt_cache_key=model.prompt_cache_key)

@@ -16,7 +16,7 @@ from typing import Any, TypedDict
 import httpx
 
 from gateway.backends.base import Backend, ReplicaStates
-from gateway.config.schema import ModelConfig
+from gateway.config.schema import UpstreamModel
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.upstream_http import (
     OpenedResponse,
@@ -117,7 +117,7 @@ class UpstreamBackend(Backend):
         return await open_response(client, self.upstream, key, build, sleep=self._sleep)
 
 
-def upstream_settings(model: ModelConfig) -> dict[str, Any]:
+def upstream_settings(model: UpstreamModel) -> dict[str, Any]:
     """The ``UpstreamBackend`` arguments of a config model entry, its ring built from ``model.ring``."""
     ring = model.ring
     return {

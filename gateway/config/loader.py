@@ -52,9 +52,12 @@ from gateway.config.schema import (
     BACKEND_KINDS,
     DEFAULT_MODEL_NAME,
     AdminConfig,
+    AnthropicUpstream,
     ConfigError,
+    EmbeddedModel,
     GatewayConfig,
-    ModelConfig,
+    ModelEntry,
+    OpenAIUpstream,
     RingConfig,
     ServerConfig,
 )
@@ -161,12 +164,12 @@ _MODEL_BACKEND_ONLY = {
 """Settings of one upstream kind only."""
 
 
-def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[ModelConfig, ...]:
+def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[ModelEntry, ...]:
     if value is None:
-        return (ModelConfig(name=DEFAULT_MODEL_NAME),)
+        return (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
     if not isinstance(value, list) or not value:
         reader.fail("models", f"expected a non-empty list of model entries, got {yaml_kind(value)}")
-    models: list[ModelConfig] = []
+    models: list[ModelEntry] = []
     for index, entry in enumerate(value):
         model = _parse_model(reader, entry, f"models[{index}]", base_dir)
         if any(m.name == model.name for m in models):
@@ -175,7 +178,7 @@ def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[M
     return tuple(models)
 
 
-def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None) -> ModelConfig:
+def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None) -> ModelEntry:
     every_key = _MODEL_COMMON | _MODEL_EMBEDDED | _MODEL_UPSTREAM | set().union(*_MODEL_BACKEND_ONLY.values())
     raw = reader.mapping(entry, where, every_key)
     name = reader.typed(raw, where, "name", str, None, required=True)
@@ -199,7 +202,7 @@ def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None)
         if path != "default" and base_dir is not None and not os.path.isabs(path):
             path = str((base_dir / path).resolve())
         engine = _parse_engine(reader, raw.get("engine"), f"{where}.engine")
-        return ModelConfig(name=name, backend=backend, path=path, engine=engine)
+        return EmbeddedModel(name=name, path=path, engine=engine)
     return _parse_upstream(reader, raw, where, name, backend)
 
 
@@ -218,7 +221,9 @@ def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
     return key
 
 
-def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: str) -> ModelConfig:
+def _parse_upstream(
+    reader: _Reader, raw: dict, where: str, name: str, backend: str
+) -> OpenAIUpstream | AnthropicUpstream:
     base_url = reader.resolve_env(raw.get("base_url"), f"{where}.base_url")
     if isinstance(base_url, str):
         base_url = [base_url]
@@ -251,17 +256,22 @@ def _parse_upstream(reader: _Reader, raw: dict, where: str, name: str, backend: 
         except PriceTableError as exc:
             key, _, problem = str(exc).partition(": ")
             reader.fail(key, problem)
-    return ModelConfig(
-        name=name,
-        backend=backend,
-        base_url=tuple(urls),
-        api_key=_parse_api_key(reader, raw, where),
-        upstream_model=reader.typed(raw, where, "upstream_model", str | None, None),
-        timeout_s=timeout,
-        retries=retries,
-        prices=prices,
-        ring=_parse_ring(reader, raw.get("ring"), f"{where}.ring"),
-        prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True),
+    common = {
+        "name": name,
+        "base_url": tuple(urls),
+        "api_key": _parse_api_key(reader, raw, where),
+        "upstream_model": reader.typed(raw, where, "upstream_model", str | None, None),
+        "timeout_s": timeout,
+        "retries": retries,
+        "prices": prices,
+        "ring": _parse_ring(reader, raw.get("ring"), f"{where}.ring"),
+    }
+    if backend == "openai":
+        return OpenAIUpstream(
+            **common, prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True)
+        )
+    return AnthropicUpstream(
+        **common,
         anthropic_version=_parse_anthropic_version(reader, raw, where),
         auto_breakpoints=reader.typed(raw, where, "auto_breakpoints", bool, True),
         min_cacheable_tokens=_parse_min_cacheable(

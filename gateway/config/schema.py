@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from engine.api import EngineConfig
 from gateway.config.pricing import Prices
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 BACKEND_KINDS = ("embedded", "openai", "anthropic")
-UPSTREAM_KINDS = ("openai", "anthropic")
 
 
 class ConfigError(ValueError):
@@ -62,34 +62,40 @@ class RingConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """One client-facing model and the backend serving it.
+class EmbeddedModel:
+    """A model served by the in-process engine (``backend: embedded``).
 
     Attributes:
         name: the ``model`` clients send.
-        backend: ``embedded`` (our engine), ``openai`` (OpenAI-compatible upstream) or ``anthropic``.
-        path: embedded only: a ``.gguf`` file, a Hugging Face folder, or ``default`` (bundled SmolLM2).
-        engine: embedded only: ``engine.api.EngineConfig``.
-        base_url: upstream only: one URL per replica (a YAML string becomes a one-element tuple).
-        api_key: upstream only: the provider key (use ``env:NAME``); never logged.
-        upstream_model: upstream only: the provider's model name; None = ``name``.
-        timeout_s: upstream only: seconds per upstream attempt.
-        retries: upstream only: extra attempts on connection errors / 5xx / 429.
-        prices: upstream only: ``gateway.config.pricing.Prices`` for cost estimates in stats; None = unknown.
-        ring: upstream only: prefix-affinity settings (``RingConfig``).
-        prompt_cache_key: openai only: send ``prompt_cache_key`` = the prefix key when the client set none.
-        anthropic_version: anthropic only: the ``anthropic-version`` header.
-        auto_breakpoints: anthropic only: add ``cache_control`` breakpoints at the rules' segment boundaries
-            where the client set none.
-        min_cacheable_tokens: anthropic only: (model-name prefix, minimum cacheable prompt length in tokens) pairs,
-            consulted before the built-in table ``gateway.protocols.anthropic.breakpoints.MIN_CACHEABLE_TOKENS`` (same shape); the
-            longest matching prefix wins. YAML: a mapping.
+        path: a ``.gguf`` file, a Hugging Face folder, or ``default`` (bundled SmolLM2).
+        engine: the engine's settings (``engine.api.EngineConfig``).
     """
 
+    backend: ClassVar[str] = "embedded"
+
     name: str
-    backend: str = "embedded"
     path: str = "default"
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class UpstreamModel:
+    """What every remote model entry has (the base of ``OpenAIUpstream`` and ``AnthropicUpstream``).
+
+    Attributes:
+        name: the ``model`` clients send.
+        base_url: one URL per replica (a YAML string becomes a one-element tuple).
+        api_key: the provider key (use ``env:NAME``); never logged.
+        upstream_model: the provider's model name; None = ``name``.
+        timeout_s: seconds per upstream attempt.
+        retries: extra attempts on connection errors / 5xx / 429.
+        prices: ``gateway.config.pricing.Prices`` for cost estimates in stats; None = unknown.
+        ring: prefix-affinity settings (``RingConfig``).
+    """
+
+    backend: ClassVar[str]
+
+    name: str
     base_url: tuple[str, ...] = ()
     api_key: str | None = None
     upstream_model: str | None = None
@@ -97,10 +103,43 @@ class ModelConfig:
     retries: int = 2
     prices: Prices | None = None
     ring: RingConfig = field(default_factory=RingConfig)
+
+
+@dataclass(frozen=True)
+class OpenAIUpstream(UpstreamModel):
+    """An OpenAI-compatible upstream (``backend: openai``): OpenAI, vLLM, SGLang, TGI, ...
+
+    Attributes:
+        prompt_cache_key: send ``prompt_cache_key`` = the prefix key when the client set none.
+    """
+
+    backend: ClassVar[str] = "openai"
+
     prompt_cache_key: bool = True
+
+
+@dataclass(frozen=True)
+class AnthropicUpstream(UpstreamModel):
+    """An Anthropic Messages API upstream (``backend: anthropic``).
+
+    Attributes:
+        anthropic_version: the ``anthropic-version`` header.
+        auto_breakpoints: add ``cache_control`` breakpoints at the rules' segment boundaries where the client
+            set none.
+        min_cacheable_tokens: (model-name prefix, minimum cacheable prompt length in tokens) pairs, consulted
+            before the built-in table ``gateway.protocols.anthropic.breakpoints.MIN_CACHEABLE_TOKENS`` (same
+            shape); the longest matching prefix wins. YAML: a mapping.
+    """
+
+    backend: ClassVar[str] = "anthropic"
+
     anthropic_version: str = "2023-06-01"
     auto_breakpoints: bool = True
     min_cacheable_tokens: tuple[tuple[str, int], ...] = ()
+
+
+ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
+"""One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
 
 
 @dataclass(frozen=True)
@@ -110,9 +149,14 @@ class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     rules: tuple[str, ...] = ("default",)
-    models: tuple[ModelConfig, ...] = (ModelConfig(name=DEFAULT_MODEL_NAME),)
+    models: tuple[ModelEntry, ...] = (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
     source: str = "<default>"
 
-    def model(self, name: str) -> ModelConfig | None:
+    def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``, or None."""
         return next((m for m in self.models if m.name == name), None)
+
+    def prices(self, name: str) -> Prices | None:
+        """The price table of the upstream model ``name``; None for an embedded or unknown model."""
+        model = self.model(name)
+        return model.prices if isinstance(model, UpstreamModel) else None

@@ -61,7 +61,7 @@ def create_app(
     if backends is None:
         backends = {model.name: create_backend(model) for model in config.models}
     registry = ModelRegistry(backends)
-    stats = GatewayStats({name: _prices(config, name) for name in registry.names()})
+    stats = GatewayStats({name: config.prices(name) for name in registry.names()})
     gateway = Gateway(
         config=config, registry=registry, canonicalizer=Canonicalizer(config.rules), stats=stats
     )
@@ -98,11 +98,6 @@ def _lifespan(gateway: Gateway):
             await asyncio.gather(*(backend.close() for backend in started), return_exceptions=True)
 
     return lifespan
-
-
-def _prices(config: GatewayConfig, name: str):
-    model = config.model(name)
-    return model.prices if model is not None else None
 
 
 class _StartClock:

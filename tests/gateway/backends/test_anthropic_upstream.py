@@ -10,7 +10,7 @@ import respx
 
 from engine.api import SamplingParams
 from gateway.backends.anthropic_upstream import AnthropicUpstreamBackend, create_anthropic_backend
-from gateway.config.schema import ModelConfig, RingConfig
+from gateway.config.schema import AnthropicUpstream, RingConfig
 from gateway.core.errors import APIError
 from gateway.core.events import Delta, Finish
 from gateway.core.tokens import TokenCounter
@@ -426,7 +426,7 @@ async def test_invalid_request_passes_through_without_the_key(http):
 
 
 def test_factory_reads_the_model_entry():
-    model = ModelConfig(name="claude", backend="anthropic", base_url=(BASE,), api_key=API_KEY,
+    model = AnthropicUpstream(name="claude", base_url=(BASE,), api_key=API_KEY,
                         upstream_model="claude-haiku-4-5", timeout_s=30.0, retries=1)  # fmt: skip
     be = create_anthropic_backend(model)
     assert be.upstream_model == "claude-haiku-4-5" and be.upstream.policy.retries == 1
@@ -440,7 +440,7 @@ async def test_factory_passes_version_breakpoint_settings_and_ring():
     body = {"system": system, "messages": [{"role": "user", "content": "q"}]}
 
     async def sent_with(**settings) -> tuple[httpx.Request, dict]:
-        model = ModelConfig(name="claude", backend="anthropic", base_url=(BASE,), api_key=API_KEY,
+        model = AnthropicUpstream(name="claude", base_url=(BASE,), api_key=API_KEY,
                             upstream_model="claude-haiku-4-5", **settings)  # fmt: skip
         be = create_anthropic_backend(model)
         try:
@@ -459,9 +459,7 @@ async def test_factory_passes_version_breakpoint_settings_and_ring():
     _, sent = await sent_with()
     assert sent["system"] == system  # the built-in minimum: too short to cache
     be = create_anthropic_backend(
-        ModelConfig(
-            name="c", backend="anthropic", base_url=(BASE,), ring=RingConfig(load_factor=2.0, vnodes=3)
-        )
+        AnthropicUpstream(name="c", base_url=(BASE,), ring=RingConfig(load_factor=2.0, vnodes=3))
     )
     assert (be.upstream.ring.load_factor, be.upstream.ring.vnodes) == (2.0, 3)
 

@@ -10,7 +10,7 @@ import respx
 
 from engine.api import SamplingParams
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend, create_openai_backend
-from gateway.config.schema import ModelConfig, RingConfig
+from gateway.config.schema import OpenAIUpstream, RingConfig
 from gateway.core.events import Delta, Finish
 from gateway.protocols.anthropic.parse import parse_messages_body
 from gateway.protocols.anthropic.prompt import UnsupportedContentError
@@ -412,7 +412,7 @@ async def test_anthropic_only_blocks_are_refused_for_openai_servers(http):
 
 
 def test_factory_reads_the_model_entry():
-    model = ModelConfig(name="gpt", backend="openai", base_url=(BASE, BASE_B), api_key=API_KEY,
+    model = OpenAIUpstream(name="gpt", base_url=(BASE, BASE_B), api_key=API_KEY,
                         upstream_model="gpt-4o-mini", timeout_s=12.0, retries=4)  # fmt: skip
     be = create_openai_backend(model)
     assert be.upstream_model == "gpt-4o-mini" and be.upstream.policy.retries == 4
@@ -423,7 +423,7 @@ def test_factory_reads_the_model_entry():
 @respx.mock
 async def test_factory_passes_prompt_cache_key_and_ring_settings():
     route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
-    model = ModelConfig(name="gpt", backend="openai", base_url=(BASE,), prompt_cache_key=False,
+    model = OpenAIUpstream(name="gpt", base_url=(BASE,), prompt_cache_key=False,
                         ring=RingConfig(load_factor=1.5, vnodes=7, cooldown_s=2.0, max_cooldown_s=9.0))  # fmt: skip
     be = create_openai_backend(model)
     ring = be.upstream.ring

@@ -10,7 +10,7 @@ import yaml
 
 from engine.api import EngineConfig
 from gateway.config.loader import default_config, load_config, parse_config
-from gateway.config.schema import ConfigError, RingConfig
+from gateway.config.schema import AnthropicUpstream, ConfigError, OpenAIUpstream, RingConfig
 
 OPENAI = "models: [{name: a, backend: openai, base_url: http://x,"
 ANTHROPIC = "models: [{name: a, backend: anthropic, base_url: http://x,"
@@ -131,7 +131,10 @@ def test_upstream_tuning_fields(tmp_path):
     )
     assert (claude.anthropic_version, claude.auto_breakpoints) == ("2024-01-01", False)
     assert claude.min_cacheable_tokens == (("claude-sonnet", 512), ("claude-sonnet-4-5", 3000))
-    assert claude.ring == RingConfig() and claude.prompt_cache_key is True  # defaults
+    assert claude.ring == RingConfig()  # defaults
+    # one class per backend kind: an entry holds only the settings of its kind
+    assert isinstance(gpt, OpenAIUpstream) and isinstance(claude, AnthropicUpstream)
+    assert not hasattr(claude, "prompt_cache_key") and not hasattr(gpt, "anthropic_version")
     hash(claude)  # a model entry stays hashable (frozen, tuples only)
 
 
