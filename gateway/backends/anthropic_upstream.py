@@ -48,7 +48,9 @@ from gateway.protocols.anthropic.prompt import (
     openai_to_anthropic_tool_choice,
 )
 from gateway.protocols.anthropic.render import FINISH_REASONS, NativeDelta, backend_usage_from_anthropic
-from gateway.transport.upstream_http import OpenedResponse, UpstreamStreamCut, redact_url
+from gateway.transport.failures import FailureKind, UpstreamStreamCut
+from gateway.transport.redact import redact_url
+from gateway.transport.upstream_http import OpenedResponse
 
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -187,7 +189,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             tokens = answer.get("input_tokens")
             if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
                 raise opened.cut(
-                    "the upstream answered a token count without an integer input_tokens", kind="protocol"
+                    "the upstream answered a token count without an integer input_tokens",
+                    kind=FailureKind.PROTOCOL,
                 )
         finally:
             await opened.aclose()
@@ -253,7 +256,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 except (AttributeError, TypeError, ValueError):
                     raise opened.cut(
                         f"the upstream sent a {data.get('type')!r} event of an unexpected shape",
-                        kind="protocol",
+                        kind=FailureKind.PROTOCOL,
                     ) from None
                 if delta is not None and reader.ttft_s is None:
                     reader.ttft_s = time.monotonic() - started
@@ -272,7 +275,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 ValueError,
             ):  # a stop_reason that is not a string, usage counts that are not ints
                 raise opened.cut(
-                    "the upstream sent a malformed stop_reason or usage", kind="protocol"
+                    "the upstream sent a malformed stop_reason or usage", kind=FailureKind.PROTOCOL
                 ) from None
             yield finish
         finally:
@@ -292,7 +295,9 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             if opened.content_type != "text/event-stream":  # an upstream that answered JSON all the same
                 message = opened.json_object(await opened.read(), "an answer")
                 if message.get("type") != "message":
-                    raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
+                    raise opened.cut(
+                        "the upstream answered JSON that is not a Message", kind=FailureKind.PROTOCOL
+                    )
                 return message, _checked_usage(opened, message)
             builder = _MessageBuilder(opened)
             async for data in _anthropic_events(opened):
@@ -301,7 +306,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 except (AttributeError, TypeError, ValueError):
                     raise opened.cut(
                         f"the upstream sent a {data.get('type')!r} event of an unexpected shape",
-                        kind="protocol",
+                        kind=FailureKind.PROTOCOL,
                     ) from None
             message = builder.message()
             return message, _checked_usage(opened, message)
@@ -319,7 +324,9 @@ def _checked_usage(opened: OpenedResponse, message: dict[str, Any]) -> BackendUs
             raise TypeError("stop_reason")
         return backend_usage_from_anthropic(usage if isinstance(usage, dict) else {})
     except (TypeError, ValueError):
-        raise opened.cut("the upstream sent a malformed stop_reason or usage", kind="protocol") from None
+        raise opened.cut(
+            "the upstream sent a malformed stop_reason or usage", kind=FailureKind.PROTOCOL
+        ) from None
 
 
 class _MessageBuilder:
@@ -340,7 +347,7 @@ class _MessageBuilder:
         self._json: dict[int, str] = {}
 
     def _fail(self, what: str) -> UpstreamStreamCut:
-        return self._opened.cut(f"cannot assemble the upstream's Message: {what}", kind="protocol")
+        return self._opened.cut(f"cannot assemble the upstream's Message: {what}", kind=FailureKind.PROTOCOL)
 
     def add(self, data: dict[str, Any]) -> None:
         """Fold one event in (``ping`` and ``message_stop`` change nothing)."""

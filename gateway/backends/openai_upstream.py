@@ -34,7 +34,9 @@ from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
 from gateway.protocols.anthropic.strip import plain_messages, plain_tools
-from gateway.transport.upstream_http import OpenedResponse, redact_url
+from gateway.transport.failures import FailureKind
+from gateway.transport.redact import redact_url
+from gateway.transport.upstream_http import OpenedResponse
 
 PROMPT_CACHE_KEY_MAX = 64  # characters OpenAI accepts in prompt_cache_key
 
@@ -244,7 +246,7 @@ async def _events_from_sse(
             pieces = [_chunk_choice(choice, request.kind) for choice in chunk.get("choices") or []]
         except (AttributeError, TypeError, ValueError):
             raise opened.cut(
-                "the upstream sent a chunk that is not a completion chunk", kind="protocol"
+                "the upstream sent a chunk that is not a completion chunk", kind=FailureKind.PROTOCOL
             ) from None
         for text, calls, choice_finish, choice_stop in pieces:
             if text or calls:
@@ -269,7 +271,9 @@ async def _events_from_json(
         data = json.loads(raw)
         choice = data["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
+        raise opened.cut(
+            "the upstream answered JSON that is not a completion", kind=FailureKind.PROTOCOL
+        ) from None
     ttft = time.monotonic() - started
     try:
         if request.kind == "completion":
@@ -288,7 +292,9 @@ async def _events_from_json(
         stop_sequence = _stop_sequence(choice)
         reason = choice.get("finish_reason") or "stop"
     except (AttributeError, TypeError, ValueError):
-        raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
+        raise opened.cut(
+            "the upstream answered JSON that is not a completion", kind=FailureKind.PROTOCOL
+        ) from None
     if text or calls:
         yield Delta(text=text, tool_calls=calls)
     yield Finish(reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))

@@ -18,14 +18,9 @@ import httpx
 from gateway.backends.base import Backend, ReplicaStates
 from gateway.config.schema import UpstreamModel
 from gateway.transport.affinity import AffinityRing
-from gateway.transport.upstream_http import (
-    OpenedResponse,
-    RetryPolicy,
-    SharedClient,
-    Upstream,
-    open_response,
-    redact_url,
-)
+from gateway.transport.redact import redact_url
+from gateway.transport.retry import RetryPolicy
+from gateway.transport.upstream_http import OpenedResponse, SharedClient, Upstream, open_response
 
 
 class UpstreamOptions(TypedDict, total=False):

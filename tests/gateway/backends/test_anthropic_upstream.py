@@ -17,8 +17,8 @@ from gateway.core.tokens import TokenCounter
 from gateway.protocols.anthropic.parse import parse_messages_body
 from gateway.protocols.anthropic.render import NativeDelta
 from gateway.service.canonicalize import Canonicalizer
+from gateway.transport.failures import UpstreamCallError, UpstreamStreamCut
 from gateway.transport.sse import parse_sse
-from gateway.transport.upstream_http import UpstreamCallError, UpstreamStreamCut
 from rules import load_ruleset
 from tests.gateway.upstream_helpers import (
     API_KEY,

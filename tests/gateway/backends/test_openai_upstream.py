@@ -15,7 +15,7 @@ from gateway.core.events import Delta, Finish
 from gateway.protocols.anthropic.parse import parse_messages_body
 from gateway.protocols.anthropic.prompt import UnsupportedContentError
 from gateway.protocols.openai.render import merge_tool_call_deltas
-from gateway.transport.upstream_http import UpstreamCallError, UpstreamStreamCut
+from gateway.transport.failures import UpstreamCallError, UpstreamStreamCut
 from tests.gateway.upstream_helpers import (
     API_KEY,
     BreakingStream,
@@ -454,11 +454,12 @@ async def test_unreadable_chunks_are_protocol_cuts(http, stream, message):
 
 
 def test_a_header_error_never_quotes_the_key():
-    from gateway.transport.upstream_http import _transport_failure, redact
+    from gateway.transport.failures import transport_failure
+    from gateway.transport.redact import redact
 
     key = "hunter2-secret\n"
     exc = httpx.LocalProtocolError(f"Illegal header value {('Bearer ' + key).encode()!r}")
-    status, kind, message = _transport_failure(exc, "http://vllm-a:8000/v1")
+    status, kind, message = transport_failure(exc, "http://vllm-a:8000/v1")
     assert (
         (status, kind) == (502, "protocol") and "hunter2" not in message and "LocalProtocolError" in message
     )

@@ -26,8 +26,8 @@ from gateway.core.errors import (
     status_error,
 )
 from gateway.protocols.anthropic.stream import encode_error_event
+from gateway.transport.failures import UpstreamCallError
 from gateway.transport.sse import parse_sse
-from gateway.transport.upstream_http import UpstreamCallError
 
 
 def test_engine_errors_map_to_api_errors():

@@ -6,7 +6,8 @@ import email.utils
 
 import pytest
 
-from gateway.transport.upstream_http import REDACTED, RetryPolicy, parse_retry_after, redact, redact_url
+from gateway.transport.redact import REDACTED, redact, redact_url
+from gateway.transport.retry import RetryPolicy, parse_retry_after
 
 
 def test_redact_removes_known_secrets_and_key_shapes():

@@ -22,8 +22,8 @@ from gateway.protocols.anthropic.prompt import (
 from gateway.protocols.anthropic.render import NativeDelta, anthropic_usage, build_message
 from gateway.protocols.anthropic.stream import StreamFormatter
 from gateway.service.pipeline import OpenedStream
+from gateway.transport.failures import UpstreamCallError
 from gateway.transport.sse import parse_sse
-from gateway.transport.upstream_http import UpstreamCallError
 from tests.gateway.upstream_helpers import fixture_bytes
 
 RICH_BODY = {
