@@ -35,11 +35,10 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import TokenCounter
+from gateway.protocols.anthropic.boundaries import boundaries_from_segments, default_boundaries
 from gateway.protocols.anthropic.breakpoints import (
     BreakpointPlan,
     add_breakpoints,
-    boundaries_from_segments,
-    default_boundaries,
 )
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, FORWARDED_HEADERS, MESSAGES_ONLY_FIELDS
 from gateway.protocols.anthropic.prompt import (

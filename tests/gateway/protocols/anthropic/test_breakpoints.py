@@ -7,11 +7,9 @@ import copy
 import pytest
 
 from gateway.core.tokens import TokenCounter, default_counter, estimate_counter
+from gateway.protocols.anthropic.boundaries import Boundary, boundaries_from_segments, default_boundaries
 from gateway.protocols.anthropic.breakpoints import (
-    Boundary,
     add_breakpoints,
-    boundaries_from_segments,
-    default_boundaries,
     min_cacheable_tokens,
 )
 from gateway.protocols.anthropic.parse import parse_messages_body
