@@ -1,22 +1,10 @@
 """``backend: anthropic``: the Anthropic Messages API (or a server speaking it) over HTTP.
 
-Per request it POSTs ``{base_url}/v1/messages`` with ``x-api-key`` and ``anthropic-version`` on the replica the
-prefix-affinity ring picks. Two ways in:
-
-- **Native passthrough** (Anthropic-face requests): the client's body is kept (``thinking``, ``metadata``,
-  ``service_tier``, ... untouched), its ``system`` / ``messages`` / ``tools`` replaced by the canonical ones
-  translated back (``gateway.protocols.anthropic.prompt.openai_to_anthropic``; exactly the client's own when rules are off),
-  ``model`` mapped to ``upstream_model``, and automatic cache breakpoints added
-  (``gateway.protocols.anthropic.breakpoints``; the client's ``cache_control``, ``ttl`` included, stays as it was). ``stream``
-  yields ``gateway.protocols.anthropic.render.NativeDelta`` events carrying the upstream's own events (or whole Message), which the
-  Anthropic face relays verbatim: thinking, citations, server tools and signatures survive.
-- **Translation** (OpenAI-face requests): the request is built from the ``ChatRequest`` fields, and ``stream``
-  turns Anthropic events into ``Delta`` / ``Finish`` (text and tool use; thinking and server-tool blocks are
-  not part of an OpenAI answer and are left out).
-
-Usage: ``cache_read_input_tokens`` -> ``BackendUsage.cached_tokens``, ``cache_creation_input_tokens`` ->
-``cache_creation_tokens``, ``prompt_tokens`` = input + cache read + cache write (Anthropic's ``input_tokens``
-excludes both).
+Per request it POSTs ``{base_url}/v1/messages`` on the replica the prefix-affinity ring picks. Anthropic-face
+requests go natively (the client's body with the canonical prompt, automatic cache breakpoints, the upstream's
+own events relayed as ``NativeDelta``); OpenAI-face requests are translated and their answer turned into
+``Delta`` / ``Finish``. Token counts come from the upstream's ``/v1/messages/count_tokens``. Details:
+docs/upstreams.md. Reference: https://docs.anthropic.com/en/api/messages
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """``backend: openai``: any OpenAI-compatible server (vLLM, SGLang, TGI, the OpenAI API) over HTTP.
 
-Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-prompt requests) on the replica
-the prefix-affinity ring picks for the request's prefix key, always streaming, and turns the stream into
-``Delta`` / ``Finish`` events:
-
-- the canonical messages and tools are sent (the rules' output), ``model`` is mapped to ``upstream_model``;
-- an OpenAI-face body is forwarded with every other field the client set (``response_format``, ``seed``,
-  ``logit_bias``, ...); an Anthropic-face request is translated (Anthropic-only content: thinking blocks are
-  dropped, anything else Anthropic-only is a 400);
-- ``prompt_cache_key`` is set to the prefix key when the client did not set one (OpenAI routes requests with the
-  same key to the same cache; https://platform.openai.com/docs/guides/prompt-caching);
-- ``stream_options.include_usage`` is always requested, so the final usage chunk (``choices: []``) arrives; its
-  ``usage.prompt_tokens_details.cached_tokens`` becomes ``BackendUsage.cached_tokens``. Whether the client sees
-  that chunk is the face's business (``ChatRequest.include_usage``);
-- a server that answers with plain JSON instead of SSE is understood too;
-- a server that sends no usage gets its prompt and completion counted with ``breakpoints.default_counter``
-  (``counted_by`` says so).
-
-Failures: retries before the first byte (``gateway.transport.upstream_http``); after it, an ``UpstreamStreamCut``.
+Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-prompt requests), always
+streaming, on the replica the prefix-affinity ring picks, and turns the answer (SSE, or plain JSON) into
+``Delta`` / ``Finish`` events. An OpenAI-face body is forwarded with the canonical messages and tools; an
+Anthropic-face request is translated (``gateway.protocols.anthropic.strip``). ``prompt_cache_key`` = the prefix
+key unless the client set one; usage always requested. Details: docs/upstreams.md.
+Reference: https://platform.openai.com/docs/api-reference/chat/create
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """The gateway's YAML config: loading, ``env:NAME`` values, and validation that names file, key and expectation.
 
-Shape (every key optional; the defaults are the embedded SmolLM2 with the shipped default rules)::
-
-    server: {host: 127.0.0.1, port: 8000, max_body_bytes: 4194304}
-    admin: {token: env:PREFIXGATE_ADMIN_TOKEN}   # when set, /admin/* and /metrics need Bearer <token>
-    rules: [default]                             # shipped pack names or YAML paths; [] turns rewriting off
-    models:
-      - name: smollm2-135m-instruct
-        backend: embedded                        # embedded | openai | anthropic
-        path: default                            # a .gguf file or a HF folder; default = bundled SmolLM2
-        engine: {block_size: 16, num_blocks: 1024, dtype: float32, max_batch: 16}   # engine.api.EngineConfig
-      - name: gpt-4o-mini
-        backend: openai
-        base_url: https://api.openai.com/v1      # a string or a list (replicas, routed by prefix affinity)
-        api_key: env:OPENAI_API_KEY
-        upstream_model: gpt-4o-mini              # the provider's model name; default = name
-        timeout_s: 60
-        retries: 2
-        prices: {input: 0.15, cached_input: 0.075}   # USD per million tokens (gateway.config.pricing.Prices)
-        prompt_cache_key: true                   # openai only: send prompt_cache_key = prefix key
-        ring: {load_factor: 1.25, vnodes: 160, cooldown_s: 5, max_cooldown_s: 60}   # prefix affinity
-      - name: claude
-        backend: anthropic
-        base_url: https://api.anthropic.com
-        api_key: env:ANTHROPIC_API_KEY
-        anthropic_version: "2023-06-01"          # the anthropic-version header
-        auto_breakpoints: true                   # add cache_control at the rules' segment boundaries
-        min_cacheable_tokens: {claude-haiku-3: 2048}   # model-name prefix -> tokens, before the built-in table
-
-A string value ``env:NAME`` is replaced by the environment variable ``NAME`` (an unset or empty variable is
-an error, so a forgotten admin token never silently disables auth). Any bad key or value raises
-``ConfigError`` naming the file, the key path (``models[0].engine.block_size``) and what was expected.
-Relative rule-file and model paths are resolved against the config file's folder.
+Every key is optional; the defaults are the embedded SmolLM2 with the shipped default rules. The keys are listed
+in README.md ("Configuration") and ``examples/config.yaml``; each entry of ``models:`` becomes the class of its
+``backend:`` kind (``gateway.config.schema``). A string value ``env:NAME`` is replaced by the environment
+variable ``NAME`` (an unset or empty variable is an error, so a forgotten admin token never silently disables
+auth). Any bad key or value raises ``ConfigError`` naming the file, the key path
+(``models[0].engine.block_size``) and what was expected. Relative rule-file and model paths are resolved against
+the config file's folder.
 """
 
 from __future__ import annotations

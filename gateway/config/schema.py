@@ -1,4 +1,10 @@
-"""The gateway's validated config as typed, frozen dataclasses (what ``gateway.config.loader`` builds)."""
+"""The gateway's validated config as typed, frozen dataclasses (what ``gateway.config.loader`` builds).
+
+One class per backend kind (``EmbeddedModel``, ``OpenAIUpstream``, ``AnthropicUpstream``; ``ModelEntry`` is
+their union), so an entry holds only the settings of its kind; ``backend`` is a class attribute giving each
+class's ``backend:`` key in the YAML. The class names say "upstream" / "model" rather than "config" so that
+none is confused with ``engine.model_config``'s class.
+"""
 
 from __future__ import annotations
 

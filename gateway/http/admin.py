@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.core.errors import AuthenticationError
-from gateway.http.state import gateway_of
+from gateway.http.request_context import gateway_of
 from gateway.service.metrics import CONTENT_TYPE, render
 
 

@@ -13,8 +13,7 @@ from starlette.routing import BaseRoute, Route
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Finish
 from gateway.http.body import read_json_object
-from gateway.http.request_context import begin, request_id_of, run_unless_disconnected, started_at
-from gateway.http.state import gateway_of
+from gateway.http.request_context import begin, gateway_of, request_id_of, run_unless_disconnected, started_at
 from gateway.protocols.anthropic.parse import apply_request_headers, parse_messages_body
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter

@@ -25,8 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.http.body import read_json_object
-from gateway.http.request_context import begin, request_id_of, started_at
-from gateway.http.state import gateway_of
+from gateway.http.request_context import begin, gateway_of, request_id_of, started_at
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, apply_request_headers, parse_count_body
 from gateway.service.pipeline import canonicalize
 from gateway.service.request_log import RequestRecord, log_request

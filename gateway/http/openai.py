@@ -15,8 +15,7 @@ from gateway.core.event_stream import DONE, encode_event
 from gateway.core.events import Delta, Finish
 from gateway.core.request import ChatRequest
 from gateway.http.body import read_json_object
-from gateway.http.request_context import begin, run_unless_disconnected, started_at
-from gateway.http.state import gateway_of
+from gateway.http.request_context import begin, gateway_of, run_unless_disconnected, started_at
 from gateway.protocols.openai.parse import parse_chat_request, parse_completion_request
 from gateway.protocols.openai.render import (
     ResponseMeta,

