@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last one
-    is the request when no separate positional is left."""
+    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last
+    one is the request when no separate positional is left."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "rules" and args.rules_command == "apply" and args.request is None:

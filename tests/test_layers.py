@@ -208,7 +208,8 @@ def test_engine_api_and_errors_are_torch_free_and_the_engine_proper_is_not():
 
 def test_a_back_import_inside_a_function_is_reported():
     fake = {
-        "gateway.core.fake": "def build():\n    from gateway.http.app import create_app\n    return create_app\n",
+        "gateway.core.fake": "def build():\n    from gateway.http.app import create_app\n    return "
+        "create_app\n",
         "gateway.http.fine": "from gateway.core.request import ChatRequest\n",
     }
     assert violations(fake, set()) == [
@@ -224,7 +225,8 @@ def test_peer_layers_and_relative_back_imports_are_reported():
     assert violations(fake, set()) == [
         "gateway.backends.fake:1 imports gateway.service.pipeline: backends may import only lower layers, "
         "not service",
-        "gateway.protocols.openai.fake:1 imports gateway.transport.sse: protocols may import only lower layers, "
+        "gateway.protocols.openai.fake:1 imports gateway.transport.sse: protocols may import only lower "
+        "layers, "
         "not transport",
     ]
 
@@ -243,9 +245,11 @@ def test_rules_torch_and_server_imports_outside_their_module_are_reported():
     assert violations(fake, heavy) == [
         "engine.fake:1 imports gateway: engine never imports gateway",
         "engine.fake:2 imports rules.RuleSet: engine never imports rules",
-        "gateway.core.fake:1 imports starlette.requests.Request: core imports no server or HTTP client library",
+        "gateway.core.fake:1 imports starlette.requests.Request: core imports no server or HTTP client "
+        "library",
         "gateway.http.fake:1 imports rules: only gateway.service.canonicalize imports rules",
-        "gateway.service.fake:1 imports engine.async_engine.AsyncEngine: only gateway.backends.embedded imports "
+        "gateway.service.fake:1 imports engine.async_engine.AsyncEngine: only gateway.backends.embedded "
+        "imports "
         "the torch side of engine",
         "rules.fake:1 imports engine.api: rules never imports engine",
     ]

@@ -54,9 +54,9 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         auto_breakpoints: add cache breakpoints at the segment boundaries.
         min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the built-in table).
         counter: token counter for the thresholds (default ``breakpoints.default_counter()``).
-        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
-            ``ring``, ``sleep``); the key goes out as ``x-api-key``; ``upstream_model`` also picks the minimum
-            cacheable length.
+        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
+            ``client``, ``ring``, ``sleep``); the key goes out as ``x-api-key``; ``upstream_model`` also picks
+            the minimum cacheable length.
     """
 
     def __init__(
@@ -81,7 +81,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         """The Messages body sent upstream, and the breakpoint plan (None when automatic breakpoints are off).
 
         Raises:
-            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face requests).
+            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face
+                requests).
         """
         if request.kind != "chat":
             raise InvalidRequestError(
@@ -90,7 +91,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             )
         prompt = None
         if request.anthropic_body:
-            # with rules on, system / messages / tools are replaced below (in place, key order kept): not copied
+            # with rules on, system / messages / tools are replaced below (in place, key order kept): not
+            # copied
             replaced = ("system", "messages", "tools") if request.rules_enabled else ()
             body = {k: v if k in replaced else copy.deepcopy(v) for k, v in request.anthropic_body.items()}
             if request.rules_enabled:
@@ -162,7 +164,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
 
         Raises:
             UpstreamCallError: refused (4xx passes through) or failed after retries, as for ``/v1/messages``.
-            UpstreamStreamCut: kind ``protocol`` (502): the answer is not JSON with an integer ``input_tokens``.
+            UpstreamStreamCut: kind ``protocol`` (502): the answer is not JSON with an integer
+                ``input_tokens``.
             InvalidRequestError / UnsupportedContentError: what ``build_body`` refuses.
         """
         body, _ = self.build_body(request, stream=False)
@@ -200,14 +203,15 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             request.prefix_key or request.request_id, "/v1/messages", self.headers_for(request), body
         )
 
-    # ---- the backend stream ------------------------------------------------------------------------------------
+    # ---- the backend stream
+    # ------------------------------------------------------------------------------------
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` events then one ``Finish``.
 
-        Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed request:
-        every event from ``message_start`` to ``message_stop``; a non-streamed one: the whole Message), and a
-        ``Finish`` with ``native=True``. Others get text and tool-call deltas in OpenAI's streaming
-        shape (thinking and server-tool blocks are not part of an OpenAI answer and are left out).
+        Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed
+        request: every event from ``message_start`` to ``message_stop``; a non-streamed one: the whole
+        Message), and a ``Finish`` with ``native=True``. Others get text and tool-call deltas in OpenAI's
+        streaming shape (thinking and server-tool blocks are not part of an OpenAI answer and are left out).
 
         Raises:
             UpstreamCallError: failed before the first byte (after retries), or refused (4xx passes through).
@@ -269,11 +273,12 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             await opened.aclose()
 
     async def _message(self, request: ChatRequest) -> tuple[dict[str, Any], BackendUsage]:
-        """The Message JSON for a non-streamed request, assembled from a streamed upstream call, and its usage.
+        """The Message JSON for a non-streamed request, assembled from a streamed upstream call, and its
+        usage.
 
         The upstream is always asked to stream: a non-streamed answer sends its first byte only when the whole
-        generation is done, so the read timeout (seconds between two bytes) would have to cover all of it and a
-        timeout, counted as a failure before the first byte, would be retried, running the generation again.
+        generation is done, so the read timeout (seconds between two bytes) would have to cover all of it and
+        a timeout, counted as a failure before the first byte, would be retried, running the generation again.
         Streamed, the upstream's events (and its pings) keep every wait short. An upstream that answers a JSON
         Message anyway (a proxy that ignores ``stream``) is read as one.
         """
@@ -302,8 +307,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
 
 
 def _checked_usage(opened: OpenedResponse, message: dict[str, Any]) -> BackendUsage:
-    """The usage of a Message; a cut (protocol, 502) when its ``stop_reason`` is not a string or its usage counts
-    are not integers."""
+    """The usage of a Message; a cut (protocol, 502) when its ``stop_reason`` is not a string or its usage
+    counts are not integers."""
     stop = message.get("stop_reason")
     usage = message.get("usage")
     try:
@@ -317,14 +322,16 @@ def _checked_usage(opened: OpenedResponse, message: dict[str, Any]) -> BackendUs
 
 
 class _MessageBuilder:
-    """Anthropic stream events -> the Message a non-streamed call returns (the accumulation the Anthropic SDKs do:
-    https://docs.anthropic.com/en/docs/build-with-claude/streaming, "Event types" and "Content block delta types").
+    """Anthropic stream events -> the Message a non-streamed call returns (the accumulation the Anthropic SDKs
+    do: https://docs.anthropic.com/en/docs/build-with-claude/streaming, "Event types" and "Content block delta
+    types").
 
     Deltas: ``text_delta`` (appended to ``text``), ``input_json_delta`` (``partial_json`` pieces parsed into
     ``input`` at ``content_block_stop``, in jiter's partial mode as the SDKs do, so an input cut short by
-    ``max_tokens`` keeps its complete members), ``thinking_delta``, ``signature_delta``, ``citations_delta`` (appended to
-    ``citations``). Blocks that arrive whole (server tool results) are kept as they come. A delta type this list
-    does not know raises a protocol cut rather than return a Message missing part of its content.
+    ``max_tokens`` keeps its complete members), ``thinking_delta``, ``signature_delta``, ``citations_delta``
+    (appended to ``citations``). Blocks that arrive whole (server tool results) are kept as they come. A delta
+    type this list does not know raises a protocol cut rather than return a Message missing part of its
+    content.
     """
 
     def __init__(self, opened: OpenedResponse) -> None:
@@ -407,7 +414,8 @@ class _MessageBuilder:
 
 
 class _EventReader:
-    """Anthropic stream events -> OpenAI-shaped ``Delta`` (text, tool calls) and the final usage / stop reason."""
+    """Anthropic stream events -> OpenAI-shaped ``Delta`` (text, tool calls) and the final usage / stop
+    reason."""
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] = {}
@@ -472,8 +480,8 @@ def _set_or_drop(body: dict[str, Any], key: str, value: Any) -> None:
 
 
 async def _anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, Any]]:
-    """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error`` event,
-    bad JSON, or an end before ``message_stop``."""
+    """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error``
+    event, bad JSON, or an end before ``message_stop``."""
     async for event in opened.events():
         data = opened.json_object(event.data, "an event")
         if event.event == "error" or data.get("type") == "error":

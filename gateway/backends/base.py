@@ -31,8 +31,8 @@ class TokenCount:
 
     Attributes:
         input_tokens: tokens of the prompt.
-        counted_by: how they were counted (``chat-template:<model id>``, ``upstream``, or a counter's name such
-            as ``tiktoken:cl100k_base``).
+        counted_by: how they were counted (``chat-template:<model id>``, ``upstream``, or a counter's name
+            such as ``tiktoken:cl100k_base``).
         estimate: True when the count is a local estimate rather than the model's own tokenizer's.
     """
 
@@ -63,7 +63,8 @@ class Backend(ABC):
 
     @abstractmethod
     def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
-        """Yield ``Delta`` events then one ``Finish``. Raises ``gateway.core.errors`` API errors on bad input."""
+        """Yield ``Delta`` events then one ``Finish``. Raises ``gateway.core.errors`` API errors on bad
+        input."""
 
     async def count_tokens(self, request: ChatRequest) -> TokenCount:
         """The input tokens of a canonical request, without running it. Default: ``estimate_tokens``.

@@ -109,7 +109,8 @@ class EmbeddedBackend(Backend):
 
         Raises:
             ServiceUnavailableError: the engine is not started.
-            InvalidRequestError: what ``generation_request`` refuses, or a template failure (engine error mapped).
+            InvalidRequestError: what ``generation_request`` refuses, or a template failure (engine error
+                mapped).
         """
         engine = self.engine
         if engine is None:
@@ -186,7 +187,8 @@ def check_supported(body: dict[str, Any]) -> None:
     for name, accepted in UNSUPPORTED.items():
         if name in body and not any(_same(body[name], value) for value in accepted):
             raise InvalidRequestError(
-                f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is supported.",
+                f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is "
+                "supported.",
                 param=name,
                 code="unsupported_value",
             )
@@ -207,7 +209,8 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
                 continue  # an Anthropic thinking block from an earlier turn: not prompt text for this model
             if part.get("type") not in ("text", "input_text", "refusal"):
                 raise InvalidRequestError(
-                    f"Content part type '{part.get('type')}' is not supported by the embedded engine (text only).",
+                    f"Content part type '{part.get('type')}' is not supported by the embedded engine "
+                    "(text only).",
                     param=f"messages[{index}].content[{part_index}].type",
                     code="unsupported_value",
                 )
@@ -231,7 +234,8 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     for index, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise InvalidRequestError(
-                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools only).",
+                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools "
+                "only).",
                 param=f"tools[{index}]",
                 code="unsupported_value",
             )

@@ -3,8 +3,8 @@
 Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-prompt requests), always
 streaming, on the replica the prefix-affinity ring picks, and turns the answer (SSE, or plain JSON) into
 ``Delta`` / ``Finish`` events. An OpenAI-face body is forwarded with the canonical messages and tools; an
-Anthropic-face request is translated (``gateway.protocols.anthropic.strip``). ``prompt_cache_key`` = the prefix
-key unless the client set one; usage always requested. Details: docs/upstreams.md.
+Anthropic-face request is translated (``gateway.protocols.anthropic.strip``). ``prompt_cache_key`` = the
+prefix key unless the client set one; usage always requested. Details: docs/upstreams.md.
 Reference: https://platform.openai.com/docs/api-reference/chat/create
 """
 
@@ -37,8 +37,8 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: one base URL per replica, ending in the API root (``https://api.openai.com/v1``,
             ``http://vllm:8000/v1``).
         set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
-        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
-            ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
+        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
+            ``client``, ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
 
     Token counts (``count_tokens``) are the base's local estimate: OpenAI has no count endpoint.
     """
@@ -132,7 +132,8 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             await opened.aclose()
 
 
-# ---- translation helpers ------------------------------------------------------------------------------------
+# ---- translation helpers
+# ------------------------------------------------------------------------------------
 
 
 def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: bool) -> None:
@@ -183,8 +184,8 @@ def _chunk_choice(choice: dict[str, Any], kind: str) -> tuple[str, Any, str | No
     """One choice of a streamed chunk: (text, tool-call deltas, finish reason, matched stop string).
 
     Raises:
-        AttributeError / TypeError: the choice is not shaped like an OpenAI chunk choice (the caller turns that
-            into a protocol cut).
+        AttributeError / TypeError: the choice is not shaped like an OpenAI chunk choice (the caller turns
+            that into a protocol cut).
     """
     if kind == "completion":
         text, calls = choice.get("text") or "", None
@@ -288,7 +289,8 @@ async def _events_from_json(
     yield Finish(reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))
 
 
-# ---- registry -----------------------------------------------------------------------------------------------
+# ---- registry
+# -----------------------------------------------------------------------------------------------
 
 
 def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:

@@ -1,6 +1,6 @@
-"""What the remote backends (``backend: openai``, ``backend: anthropic``) share: the replicas on a prefix-affinity
-ring, the process's one HTTP client, timeouts and retries, the API key (never logged), and one JSON POST with
-retries before the first byte (``gateway.upstream_http.open_response``).
+"""What the remote backends (``backend: openai``, ``backend: anthropic``) share: the replicas on a
+prefix-affinity ring, the process's one HTTP client, timeouts and retries, the API key (never logged), and one
+JSON POST with retries before the first byte (``gateway.upstream_http.open_response``).
 
 A subclass builds the body and headers of its protocol and reads the answer; ``UpstreamBackend.post`` sends it
 to the replica the ring picks for the request's prefix key.
@@ -43,8 +43,8 @@ class UpstreamBackend(Backend):
         base_urls: one base URL per replica (a trailing slash is dropped); the subclass appends its path.
         api_key: the provider key; never logged or put in errors (``Upstream.secrets``).
         upstream_model: the provider's model name (default ``name``).
-        timeout_s: connect (at most 10 s) and read timeout per attempt, seconds (read = most seconds between two
-            bytes, the first included).
+        timeout_s: connect (at most 10 s) and read timeout per attempt, seconds (read = most seconds between
+            two bytes, the first included).
         retries: extra attempts before the first byte.
         client: an ``httpx.AsyncClient`` to use instead of the process's shared one (tests).
         ring: replica choice (default: an ``AffinityRing`` over ``base_urls`` with its default settings).
@@ -94,8 +94,8 @@ class UpstreamBackend(Backend):
         return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
 
     async def post(self, key: str, path: str, headers: Mapping[str, str], body: Any) -> OpenedResponse:
-        """POST ``body`` as compact JSON to ``{base_url}{path}`` of the replica the ring picks for ``key`` and wait
-        for the first body byte, retrying before it (``gateway.upstream_http.open_response``).
+        """POST ``body`` as compact JSON to ``{base_url}{path}`` of the replica the ring picks for ``key`` and
+        wait for the first body byte, retrying before it (``gateway.upstream_http.open_response``).
 
         Raises:
             UpstreamCallError: refused (4xx), or failed on every attempt; its message is redacted.

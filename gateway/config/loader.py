@@ -1,12 +1,13 @@
-"""The gateway's YAML config: loading, ``env:NAME`` values, and validation that names file, key and expectation.
+"""The gateway's YAML config: loading, ``env:NAME`` values, and validation that names file, key and
+expectation.
 
-Every key is optional; the defaults are the embedded SmolLM2 with the shipped default rules. The keys are listed
-in README.md ("Configuration") and ``examples/config.yaml``; each entry of ``models:`` becomes the class of its
-``backend:`` kind (``gateway.config.schema``). A string value ``env:NAME`` is replaced by the environment
-variable ``NAME`` (an unset or empty variable is an error, so a forgotten admin token never silently disables
-auth). Any bad key or value raises ``ConfigError`` naming the file, the key path
-(``models[0].engine.block_size``) and what was expected. Relative rule-file and model paths are resolved against
-the config file's folder.
+Every key is optional; the defaults are the embedded SmolLM2 with the shipped default rules. The keys are
+listed in README.md ("Configuration") and ``examples/config.yaml``; each entry of ``models:`` becomes the
+class of its ``backend:`` kind (``gateway.config.schema``). A string value ``env:NAME`` is replaced by the
+environment variable ``NAME`` (an unset or empty variable is an error, so a forgotten admin token never
+silently disables auth). Any bad key or value raises ``ConfigError`` naming the file, the key path
+(``models[0].engine.block_size``) and what was expected. Relative rule-file and model paths are resolved
+against the config file's folder.
 """
 
 from __future__ import annotations
@@ -182,9 +183,9 @@ def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None)
 
 
 def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
-    """``api_key`` with surrounding whitespace removed (a secret file or ``echo`` leaves a newline); a key with
-    whitespace, control or non-ASCII characters inside is refused, without echoing it (it goes out as an HTTP
-    header, which the client library would reject at the first call, quoting the key)."""
+    """``api_key`` with surrounding whitespace removed (a secret file or ``echo`` leaves a newline); a key
+    with whitespace, control or non-ASCII characters inside is refused, without echoing it (it goes out as an
+    HTTP header, which the client library would reject at the first call, quoting the key)."""
     key = reader.typed(raw, where, "api_key", str | None, None)
     if key is None:
         return None

@@ -2,8 +2,9 @@
 
 Everything that goes wrong with a request is raised as an ``APIError`` subclass (or an engine error mapped by
 ``from_engine_error``; anything else by ``as_api_error``). One place turns them into HTTP responses: the app's
-exception handler (``gateway.app.handle_error``), with the body ``error_shape_for(path)`` gives; a failure after
-a stream started goes out in-band with the same body (``gateway.service.pipeline.OpenedStream.guarded_events``).
+exception handler (``gateway.app.handle_error``), with the body ``error_shape_for(path)`` gives; a failure
+after a stream started goes out in-band with the same body
+(``gateway.service.pipeline.OpenedStream.guarded_events``).
 
 - OpenAI (default): ``{"error": {"message", "type", "param", "code"}}``
   (https://platform.openai.com/docs/guides/error-codes, and the bodies the API returns).
@@ -200,9 +201,9 @@ ANTHROPIC_ERROR_TYPES: dict[int, str] = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-"""HTTP status -> Anthropic ``error.type`` (https://docs.anthropic.com/en/api/errors). 503 is ours (backend shut
-down, no replica left): Anthropic's nearest type is ``overloaded_error``. Other 4xx are ``invalid_request_error``,
-other 5xx ``api_error``."""
+"""HTTP status -> Anthropic ``error.type`` (https://docs.anthropic.com/en/api/errors). 503 is ours (backend
+shut down, no replica left): Anthropic's nearest type is ``overloaded_error``. Other 4xx are
+``invalid_request_error``, other 5xx ``api_error``."""
 
 _KNOWN_ANTHROPIC_TYPES = frozenset(ANTHROPIC_ERROR_TYPES.values())
 
@@ -213,8 +214,9 @@ def openai_error_body(error: APIError) -> dict[str, Any]:
 
 
 def anthropic_error_type(error: APIError) -> str:
-    """The Anthropic ``error.type`` of ``error``: the upstream's own ``type`` when it is one Anthropic documents
-    (an Anthropic upstream's ``billing_error`` stays one whatever status we answer with), else by status."""
+    """The Anthropic ``error.type`` of ``error``: the upstream's own ``type`` when it is one Anthropic
+    documents (an Anthropic upstream's ``billing_error`` stays one whatever status we answer with), else by
+    status."""
     upstream_type = (error.upstream_error or {}).get("type")
     if isinstance(upstream_type, str) and upstream_type in _KNOWN_ANTHROPIC_TYPES:
         return upstream_type
@@ -224,7 +226,8 @@ def anthropic_error_type(error: APIError) -> str:
 
 
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
-    """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (type from ``anthropic_error_type``)."""
+    """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (type from
+    ``anthropic_error_type``)."""
     return {"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}}
 
 

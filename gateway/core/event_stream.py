@@ -1,6 +1,6 @@
-"""The text form of one server-sent event, encode side: ``event: <name>`` (optional), ``data: <compact JSON>``,
-a blank line; and OpenAI's ``data: [DONE]`` sentinel. Pure bytes-in-bytes-out, so both the protocol renderers
-and the transport can use it (parsing and the ASGI response are ``gateway.transport.sse``'s).
+"""The text form of one server-sent event, encode side: ``event: <name>`` (optional), ``data: <compact
+JSON>``, a blank line; and OpenAI's ``data: [DONE]`` sentinel. Pure bytes-in-bytes-out, so both the protocol
+renderers and the transport can use it (parsing and the ASGI response are ``gateway.transport.sse``'s).
 
 Format: WHATWG HTML Living Standard, "Server-sent events"
 (https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation).
@@ -17,6 +17,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def encode_event(data: Any, event: str | None = None) -> bytes:
-    """One SSE event: optional ``event: <name>`` line, then ``data: <json>``, then a blank line (UTF-8 bytes)."""
+    """One SSE event: optional ``event: <name>`` line, then ``data: <json>``, then a blank line (UTF-8
+    bytes)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {compact_json(data)}\n\n".encode()

@@ -10,7 +10,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Delta:
-    """Generated text, and/or tool-call fragments in OpenAI's streaming shape (``choices[].delta.tool_calls``)."""
+    """Generated text, and/or tool-call fragments in OpenAI's streaming shape
+    (``choices[].delta.tool_calls``)."""
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None

@@ -66,9 +66,10 @@ class ChatRequest:
     Attributes:
         model: the client-facing model name (a ``models[].name`` of the config).
         messages: chat messages in OpenAI's shape (``role`` in system/developer/user/assistant/tool,
-            ``content`` a string or a list of content parts, optional ``tool_calls``/``tool_call_id``/``name``).
-            Anthropic bodies are translated into this shape (their top-level ``system`` becomes a leading
-            system message); the untranslated body stays in ``anthropic_body``.
+            ``content`` a string or a list of content parts, optional
+            ``tool_calls``/``tool_call_id``/``name``). Anthropic bodies are translated into this shape (their
+            top-level ``system`` becomes a leading system message); the untranslated body stays in
+            ``anthropic_body``.
         tools: OpenAI-style tool schemas (``{"type": "function", "function": {...}}``) or None.
         tool_choice: OpenAI ``tool_choice``, the JSON value as the client sent it (the OpenAI face passes it
             on unchecked, as OpenAI-compatible servers judge it), passed to upstreams; the embedded engine
@@ -81,7 +82,8 @@ class ChatRequest:
         include_usage: OpenAI ``stream_options.include_usage``.
         user: OpenAI ``user`` / Anthropic ``metadata.user_id``; never logged.
         tenant: cache salt; requests of different tenants never share cached prefixes.
-        kind: ``"chat"`` or ``"completion"`` (``/v1/completions``, then ``prompt`` is set and messages is empty).
+        kind: ``"chat"`` or ``"completion"`` (``/v1/completions``, then ``prompt`` is set and messages is
+            empty).
         prompt: the raw prompt of a completion request.
         openai_body: the client's JSON body when it came in on the OpenAI face (passthrough to an
             OpenAI-compatible upstream; the embedded engine checks its parameters), else None.
@@ -93,8 +95,9 @@ class ChatRequest:
         request_id: the gateway's id for logs and response ids.
         canonical: the rules' result (a ``CanonicalPrompt``), set by ``gateway.service.canonicalize``.
         prefix_key: hex prefix key (model id, tenant salt, hash of the stable segments), set by routing.
-        forward_headers: client headers an upstream of the same protocol receives too, lower-case name -> value
-            (the Anthropic face sets ``anthropic-beta`` here; ``gateway.protocols.anthropic.parse.FORWARDED_HEADERS`` lists them).
+        forward_headers: client headers an upstream of the same protocol receives too, lower-case name ->
+            value (the Anthropic face sets ``anthropic-beta`` here;
+            ``gateway.protocols.anthropic.parse.FORWARDED_HEADERS`` lists them).
             Never credentials: the upstream's key comes from the config.
     """
 

@@ -22,8 +22,9 @@ from gateway.transport.sse import EventStreamResponse
 
 
 async def message_sse(opened: OpenedStream) -> AsyncIterator[bytes]:
-    """The SSE bytes of a streamed Message from a ``gateway.service.pipeline.OpenedStream``: native events relayed,
-    other backends' events formatted; an error after the start becomes an ``error`` event that ends the stream."""
+    """The SSE bytes of a streamed Message from a ``gateway.service.pipeline.OpenedStream``: native events
+    relayed, other backends' events formatted; an error after the start becomes an ``error`` event that ends
+    the stream."""
     request = opened.request
     formatter = StreamFormatter(request.model, request.request_id)
     async with aclosing(opened.guarded_events(formatter.error)) as events:
@@ -51,8 +52,9 @@ async def messages_endpoint(http_request: Request) -> Response:
     """``POST /v1/messages``: the Anthropic Messages API over every backend.
 
     Services come from ``request.app.state.gateway`` (``gateway.service.gateway.Gateway``) through
-    ``gateway.service.pipeline``: rules, prefix key, routing, stats and the request log are the pipeline's; errors
-    before the response starts propagate to the app's handler, which answers Anthropic error JSON on this path.
+    ``gateway.service.pipeline``: rules, prefix key, routing, stats and the request log are the pipeline's;
+    errors before the response starts propagate to the app's handler, which answers Anthropic error JSON on
+    this path.
     Headers: ``x-prefixgate-rules: on|off``, ``x-prefixgate-tenant`` (cache salt), ``anthropic-beta``
     (forwarded to Anthropic upstreams).
     """

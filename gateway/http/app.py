@@ -3,9 +3,9 @@
 Routes come from ``gateway.http.routes.route_table`` (written out, no discovery); a caller can also pass
 ``extra_routes`` to ``create_app``.
 
-Every error raised by a handler (``gateway.core.errors.APIError``, an engine error, Starlette's 404/405) becomes one
-JSON error response in ``handle_error``, shaped for the protocol of the path (OpenAI by default, Anthropic on
-``/v1/messages``), and is counted in the stats and logged once.
+Every error raised by a handler (``gateway.core.errors.APIError``, an engine error, Starlette's 404/405)
+becomes one JSON error response in ``handle_error``, shaped for the protocol of the path (OpenAI by default,
+Anthropic on ``/v1/messages``), and is counted in the stats and logged once.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def _lifespan(gateway: Gateway):
 
 
 class _StartClock:
-    """Stamps ``request.state.started_at`` (monotonic seconds) as the request arrives, for durations and TTFT."""
+    """Stamps ``request.state.started_at`` (monotonic seconds) as the request arrives, for durations and
+    TTFT."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -5,15 +5,15 @@ Reference: https://docs.anthropic.com/en/api/messages-count-tokens. The body is 
 ``/v1/messages`` (the app's error handler shapes every path under ``/v1/messages`` so).
 
 The body is parsed, validated and canonicalized exactly as ``/v1/messages`` does it (same headers:
-``x-prefixgate-rules``, ``x-prefixgate-tenant``, ``anthropic-beta``; the configured rules), so the count is the
-count of what the model would be sent. The named model's backend counts (``Backend.count_tokens``: the
-embedded engine renders its chat template, an Anthropic upstream asks its own count endpoint, any other backend
-estimates locally). Every answer carries ``x-prefixgate-counted-by`` (``TokenCount.counted_by``) and
+``x-prefixgate-rules``, ``x-prefixgate-tenant``, ``anthropic-beta``; the configured rules), so the count is
+the count of what the model would be sent. The named model's backend counts (``Backend.count_tokens``: the
+embedded engine renders its chat template, an Anthropic upstream asks its own count endpoint, any other
+backend estimates locally). Every answer carries ``x-prefixgate-counted-by`` (``TokenCount.counted_by``) and
 ``x-prefixgate-count-estimate`` (``true`` for a local estimate, else ``false``).
 
-A count is not a served request: it adds nothing to the stats' request, token or rule counters (an error answer
-is counted as an error by the app's handler, as every error is). It is logged once in the request log with
-``prompt_tokens`` = the count.
+A count is not a served request: it adds nothing to the stats' request, token or rule counters (an error
+answer is counted as an error by the app's handler, as every error is). It is logged once in the request log
+with ``prompt_tokens`` = the count.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: ``{"input_tokens": n}`` with ``x-prefixgate-counted-by`` and
     ``x-prefixgate-count-estimate`` headers (see the module docstring).
 
-    Errors (Anthropic error JSON, by the app's handler): 400 not JSON / a bad field / content the backend cannot
-    take, 404 unknown model, 413 body over ``server.max_body_bytes``, 503 an embedded model not started, and
-    the upstream's errors mapped as for ``/v1/messages``.
+    Errors (Anthropic error JSON, by the app's handler): 400 not JSON / a bad field / content the backend
+    cannot take, 404 unknown model, 413 body over ``server.max_body_bytes``, 503 an embedded model not
+    started, and the upstream's errors mapped as for ``/v1/messages``.
     """
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)

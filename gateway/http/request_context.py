@@ -78,5 +78,6 @@ async def _wait_disconnect(http_request: Request) -> None:
 
 
 def gateway_of(request: Request) -> Gateway:
-    """The ``Gateway`` of the app serving ``request`` (``request.app.state.gateway``, set by ``create_app``)."""
+    """The ``Gateway`` of the app serving ``request`` (``request.app.state.gateway``, set by
+    ``create_app``)."""
     return request.app.state.gateway

@@ -43,8 +43,8 @@ class Gateway:
         return result
 
     def stats_snapshot(self) -> dict[str, Any]:
-        """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials or
-        query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring."""
+        """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials
+        or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring."""
         doc = self.stats.snapshot(self.engine_stats())
         for name, backend in self.registry.items():
             replicas = backend.replicas()

@@ -2,9 +2,9 @@
 the stats and the request log exactly once per request.
 
 A protocol face (OpenAI, Anthropic) parses its body into a ``ChatRequest``, calls ``begin`` then
-``open_stream``, and formats the ``OpenedStream``'s events. ``open_stream`` waits for the backend's first event
-before returning, so errors raised before any output (unknown model, prompt too long, bad parameter) become a
-proper HTTP error status instead of a broken stream.
+``open_stream``, and formats the ``OpenedStream``'s events. ``open_stream`` waits for the backend's first
+event before returning, so errors raised before any output (unknown model, prompt too long, bad parameter)
+become a proper HTTP error status instead of a broken stream.
 
 Exactly one of these ends each request's bookkeeping:
 - the backend's ``Finish`` (``OpenedStream`` records usage and logs status 200);
@@ -34,8 +34,9 @@ logger = logging.getLogger("prefixgate.pipeline")
 
 
 def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
-    """Apply the configured rules to ``request`` (none with ``x-prefixgate-rules: off``) and set its prefix key
-    (``gateway.routing.prefix_key`` of the stable material; "" when there is none). Records nothing in the stats.
+    """Apply the configured rules to ``request`` (none with ``x-prefixgate-rules: off``) and set its prefix
+    key (``gateway.routing.prefix_key`` of the stable material; "" when there is none). Records nothing in the
+    stats.
 
     Raises:
         InvalidRequestError: a request shape the rules refuse.
@@ -129,7 +130,8 @@ class OpenedStream:
     ) -> AsyncIterator[BackendEvent | bytes]:
         """``events()``, except that a failure after the response started (an API error, or a backend bug as a
         500 naming its class, traceback logged) is recorded with ``fail`` and becomes the last item:
-        ``encode_error(error)``, the face's in-band error event (bytes). Never raises for a backend failure."""
+        ``encode_error(error)``, the face's in-band error event (bytes). Never raises for a backend
+        failure."""
         events = self.events()
         try:
             async for event in events:

@@ -3,12 +3,14 @@ counters, aggregated into the ``/admin/stats`` document (``/metrics`` reads the 
 
 Invariants:
 - Counters are only ever raised, by ``record_*`` calls made once per request by ``gateway.service.pipeline``:
-  ``record_rules`` once when the request is canonicalized, then exactly one of ``record_finish`` (the backend's
+  ``record_rules`` once when the request is canonicalized, then exactly one of ``record_finish`` (the
+      backend's
   final usage), ``record_abort`` (client went away) or ``record_error`` (an error response).
 - ``prompt_tokens`` / ``cached_tokens`` / ``completion_tokens`` are what clients were told in ``usage``;
   ``prefill_tokens`` and ``blocks`` come from the engine's own counters (``engine.api.EngineStats``), which it
   keeps itself so they cannot drift from the block pool.
-- Prefix groups never hold prompt text: only the prefix key (a hash, see ``gateway.service.registry``) and counts.
+- Prefix groups never hold prompt text: only the prefix key (a hash, see ``gateway.service.registry``) and
+  counts.
 
 Derived values:
 - ``hit_rate = cached_tokens / prompt_tokens`` (0 when no prompt tokens).
@@ -96,7 +98,8 @@ class PrefixGroups:
         group.cached_tokens += cached_tokens
 
     def top(self, n: int, model: str | None = None) -> list[dict[str, Any]]:
-        """The ``n`` groups with most requests (ties: more cached tokens, then key), optionally of one model."""
+        """The ``n`` groups with most requests (ties: more cached tokens, then key), optionally of one
+        model."""
         groups = [g for g in self._groups.values() if model is None or g.model == model]
         groups.sort(key=lambda g: (-g.requests, -g.cached_tokens, g.key))
         return [

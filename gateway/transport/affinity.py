@@ -2,8 +2,8 @@
 
 Source: V. Mirrokni, M. Thorup, M. Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018
 (arXiv:1608.01350). Each replica owns ``vnodes`` points on a 64-bit hash ring. A prefix key hashes to a point;
-its *home* is the first replica clockwise. With ``m`` requests in flight on the ``n`` available replicas, a new
-request may only go to a replica whose in-flight count is below the capacity ``ceil(c * (m + 1) / n)``
+its *home* is the first replica clockwise. With ``m`` requests in flight on the ``n`` available replicas, a
+new request may only go to a replica whose in-flight count is below the capacity ``ceil(c * (m + 1) / n)``
 (``c`` = ``load_factor`` > 1); otherwise it walks on clockwise to the next replica that is under capacity.
 Because ``n * capacity >= c * (m + 1) > m``, some replica is always under capacity, and no replica ever holds
 more than ``capacity`` requests at once.
@@ -34,7 +34,8 @@ class NoReplicaAvailable(Exception):
 
 
 def ring_hash(text: str) -> int:
-    """64-bit position on the ring: the first 8 bytes of blake2b(text), big-endian (stable across processes)."""
+    """64-bit position on the ring: the first 8 bytes of blake2b(text), big-endian (stable across
+    processes)."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
@@ -166,7 +167,8 @@ class AffinityRing:
         health.probe_inflight = False
 
     def report_failure(self, name: str) -> None:
-        """Connection error, timeout or 5xx: skip the replica for a cool-down (doubled on each failure in a row)."""
+        """Connection error, timeout or 5xx: skip the replica for a cool-down (doubled on each failure in a
+        row)."""
         health = self.health[name]
         health.failures += 1
         health.cooldown_s = (

@@ -79,14 +79,14 @@ class UpstreamCallError(errors.UpstreamError):
     OpenAI or Anthropic error JSON with ``status_code``.
 
     Attributes:
-        status_code: the HTTP status the gateway answers with: upstream 4xx statuses pass through (408 -> 504),
-            except 401/403, which refuse the gateway's own key (502); 502 for connection errors, redirects,
-            unreadable answers and other 5xx; 504 for timeouts and upstream 504; 429; 503 and 529 pass through
-            (overloaded); 503 when no replica is left.
+        status_code: the HTTP status the gateway answers with: upstream 4xx statuses pass through (408 ->
+            504), except 401/403, which refuse the gateway's own key (502); 502 for connection errors,
+            redirects, unreadable answers and other 5xx; 504 for timeouts and upstream 504; 429; 503 and 529
+            pass through (overloaded); 503 when no replica is left.
         kind: a ``FailureKind``.
         message: human-readable, already redacted.
-        error_type / code / param: OpenAI error fields; taken from the upstream's OpenAI-shaped error object when
-            it sent one, else from ``kind``.
+        error_type / code / param: OpenAI error fields; taken from the upstream's OpenAI-shaped error object
+            when it sent one, else from ``kind``.
         upstream_status: the upstream's HTTP status, when it answered.
         upstream_error: the ``error`` object of the upstream's JSON error body (redacted), when it had one:
             OpenAI ``{"message","type","param","code"}`` or Anthropic ``{"type","message"}``.

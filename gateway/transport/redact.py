@@ -18,7 +18,8 @@ _KEY_PATTERN = re.compile(
     r"sk-ant-[A-Za-z0-9_\-]{6,}"  # Anthropic keys
     r"|sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_\-]{12,}"  # OpenAI keys
     r"|(?i:bearer)\s+[A-Za-z0-9._\-~+/]{8,}=*"  # Authorization: Bearer <token>
-    r"|(?i:(?:x-api-key|api[_-]?key|access[_-]?token)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;}&]{6,}"  # key=..., "api_key": "..."
+    # key=..., "api_key": "..."
+    r"|(?i:(?:x-api-key|api[_-]?key|access[_-]?token)[\"']?\s*[:=]\s*[\"']?)[^\s\"',;}&]{6,}"
 )
 _KEY_PREFIX = re.compile(r"(?i:(?:x-api-key|api[_-]?key|access[_-]?token)[\"']?\s*[:=]\s*[\"']?)")
 

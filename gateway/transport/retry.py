@@ -27,7 +27,8 @@ class RetryPolicy:
         retries: extra attempts after the first (0 = no retry).
         backoff_base_s: first backoff ceiling, seconds.
         backoff_max_s: largest backoff ceiling, seconds.
-        max_retry_after_s: longest ``Retry-After`` honoured; a longer one fails at once with the upstream's 429.
+        max_retry_after_s: longest ``Retry-After`` honoured; a longer one fails at once with the upstream's
+            429.
     """
 
     retries: int = 2
@@ -48,7 +49,8 @@ class RetryPolicy:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """``Retry-After`` in seconds (RFC 9110 10.2.3: delay-seconds or an HTTP-date); None when absent or bad."""
+    """``Retry-After`` in seconds (RFC 9110 10.2.3: delay-seconds or an HTTP-date); None when absent or
+    bad."""
     if not value:
         return None
     value = value.strip()

@@ -4,8 +4,8 @@ and an ASGI response that cancels its producer on disconnect. Encoding one event
 
 Format: the WHATWG HTML Living Standard, "Server-sent events", section 9.2.6 "Interpreting an event stream"
 (https://html.spec.whatwg.org/multipage/server-sent-events.html): lines end in CRLF, LF or CR; ``event:`` /
-``data:`` / ``id:`` fields; an event ends at a blank line. OpenAI streams are ``data: <json>\\n\\n`` lines ending
-with ``data: [DONE]\\n\\n``; Anthropic streams add ``event: <type>``.
+``data:`` / ``id:`` fields; an event ends at a blank line. OpenAI streams are ``data: <json>\\n\\n`` lines
+ending with ``data: [DONE]\\n\\n``; Anthropic streams add ``event: <type>``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ _NEWLINE = re.compile(r"\r\n|\r|\n")
 
 
 class LineSplitter:
-    """Incremental UTF-8 decoding and SSE line splitting: lines end in CRLF, LF or CR (a CR at a chunk end waits
-    for a possible LF); one leading byte order mark is dropped; bytes that are not UTF-8 become U+FFFD."""
+    """Incremental UTF-8 decoding and SSE line splitting: lines end in CRLF, LF or CR (a CR at a chunk end
+    waits for a possible LF); one leading byte order mark is dropped; bytes that are not UTF-8 become
+    U+FFFD."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
@@ -72,11 +73,11 @@ class SSEEvent:
 class SSEParser:
     """Incremental SSE parser: ``feed(bytes)`` returns the events those bytes complete, ``close()`` the rest.
 
-    Follows the spec's interpretation rules (section 9.2.6): ``:`` lines are comments, one space after the colon
-    is dropped, ``data`` lines join with LF, a blank line dispatches, an event without ``data`` is not
-    dispatched, ``id`` (without NUL) is remembered, ``retry`` and unknown fields are ignored. Unlike a browser,
-    ``close`` also dispatches an event still pending at the end of input: recorded streams often lack the final
-    blank line (a line cut short by a broken connection then shows up as bad JSON to the caller).
+    Follows the spec's interpretation rules (section 9.2.6): ``:`` lines are comments, one space after the
+    colon is dropped, ``data`` lines join with LF, a blank line dispatches, an event without ``data`` is not
+    dispatched, ``id`` (without NUL) is remembered, ``retry`` and unknown fields are ignored. Unlike a
+    browser, ``close`` also dispatches an event still pending at the end of input: recorded streams often lack
+    the final blank line (a line cut short by a broken connection then shows up as bad JSON to the caller).
     """
 
     def __init__(self) -> None:

@@ -1,11 +1,12 @@
 """One upstream call: the shared ``httpx.AsyncClient``, replica choice through ``AffinityRing``, retries
 before the first byte (``gateway.transport.retry``), failures typed (``gateway.transport.failures``) and
-redacted (``gateway.transport.redact``). Protocol-blind: the backends build bodies and read answers; SSE parsing
-is ``gateway.transport.sse``'s.
+redacted (``gateway.transport.redact``). Protocol-blind: the backends build bodies and read answers; SSE
+parsing is ``gateway.transport.sse``'s.
 
 Retry rule: a request is retried (on the replica the ring picks next, after exponential backoff with full
-jitter) only while nothing of the upstream's response body has arrived: connection errors and resets, timeouts,
-5xx, and 429 (waiting ``Retry-After`` when given). Once the first body byte is read, the response belongs to the
+jitter) only while nothing of the upstream's response body has arrived: connection errors and resets,
+timeouts, 5xx, and 429 (waiting ``Retry-After`` when given). Once the first body byte is read, the response
+belongs to the
 client: a later failure is an ``UpstreamStreamCut``, never a silent retry that could duplicate output.
 """
 
@@ -35,7 +36,8 @@ from gateway.transport.sse import SSEEvent, iter_sse
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read
 
-# ---- the shared client and one upstream call ----------------------------------------------------------------
+# ---- the shared client and one upstream call
+# ----------------------------------------------------------------
 
 
 def make_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.AsyncClient:
@@ -155,7 +157,8 @@ class OpenedResponse:
         """``text`` (an event's data, a body) parsed as a JSON object.
 
         Raises:
-            UpstreamStreamCut: kind ``protocol``, "the upstream sent {what} that is not JSON" (or not an object).
+            UpstreamStreamCut: kind ``protocol``, "the upstream sent {what} that is not JSON" (or not an
+                object).
         """
         try:
             value = json.loads(text)
@@ -171,8 +174,8 @@ class OpenedResponse:
         kind: FailureKind = FailureKind.STREAM_CUT,
         upstream_error: dict[str, Any] | None = None,
     ) -> UpstreamStreamCut:
-        """An ``UpstreamStreamCut`` for a protocol-level failure seen by the caller (e.g. EOF before the terminal
-        event); marks the replica failed unless the upstream itself reported an error event."""
+        """An ``UpstreamStreamCut`` for a protocol-level failure seen by the caller (e.g. EOF before the
+        terminal event); marks the replica failed unless the upstream itself reported an error event."""
         if upstream_error is None:
             self.upstream.ring.report_failure(self.lease.replica)
         return UpstreamStreamCut(
@@ -215,8 +218,8 @@ async def open_response(
         an ``OpenedResponse`` holding the replica lease (close it).
 
     Raises:
-        UpstreamCallError: a non-retryable answer (4xx other than 408/429), or the last failure once retries are
-            exhausted; its message is redacted.
+        UpstreamCallError: a non-retryable answer (4xx other than 408/429), or the last failure once retries
+            are exhausted; its message is redacted.
     """
     attempt = 0
     while True:
@@ -244,7 +247,8 @@ async def _attempt(
     build_request: Callable[[str], httpx.Request],
     attempts: int,
 ) -> OpenedResponse | UpstreamCallError:
-    """One attempt: an ``OpenedResponse`` on success, else the error (the lease is still held by the caller)."""
+    """One attempt: an ``OpenedResponse`` on success, else the error (the lease is still held by the
+    caller)."""
     secrets = upstream.secrets
     where = "(a replica whose URL cannot be parsed)"  # never the raw URL: it may hold user:password@
     response: httpx.Response | None = None
@@ -261,7 +265,8 @@ async def _attempt(
                 502,
                 FailureKind.PROTOCOL,
                 redact(
-                    f"upstream {where} answered {response.status_code} (Location: {location}); check base_url",
+                    f"upstream {where} answered {response.status_code} (Location: {location}); check "
+                    "base_url",
                     secrets,
                 ),
                 attempts=attempts,

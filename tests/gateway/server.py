@@ -66,8 +66,9 @@ class RunningServer:
         return response.json()
 
     def wait_blocks_released(self, model: str, attempts: int = 200) -> dict:
-        """Poll ``/admin/stats`` until ``model`` has no block in use and no running/waiting request (an abort is
-        processed by the engine asynchronously); return the last snapshot. Bounded by ``attempts`` polls."""
+        """Poll ``/admin/stats`` until ``model`` has no block in use and no running/waiting request (an abort
+        is processed by the engine asynchronously); return the last snapshot. Bounded by ``attempts``
+        polls."""
         doc = {}
         for _ in range(attempts):
             doc = self.stats()

@@ -95,8 +95,8 @@ def _boundary_key(boundary: Boundary) -> tuple[Any, ...]:
 
 
 def default_boundaries(body: Mapping[str, Any]) -> dict[str, BlockPath]:
-    """Boundaries read off a Messages body itself (no rules' segments): the last tool, the last system block, and
-    the history = the last block of the message before the last user message."""
+    """Boundaries read off a Messages body itself (no rules' segments): the last tool, the last system block,
+    and the history = the last block of the message before the last user message."""
     out: dict[str, BlockPath] = {}
     tools = body.get("tools") or []
     if tools:

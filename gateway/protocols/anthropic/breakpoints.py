@@ -1,8 +1,8 @@
 """Automatic Anthropic cache breakpoints at the canonical segment boundaries (``add_breakpoints``).
 
-Invariants: at most ``MAX_BREAKPOINTS`` per request, the client's own included and never moved or changed; none
-below the model's minimum cacheable length (``min_cacheable_tokens``, counted as a lower bound); none on a
-block that cannot carry ``cache_control``; no 1-hour entry after a 5-minute one; lookback breakpoints keep
+Invariants: at most ``MAX_BREAKPOINTS`` per request, the client's own included and never moved or changed;
+none below the model's minimum cacheable length (``min_cacheable_tokens``, counted as a lower bound); none on
+a block that cannot carry ``cache_control``; no 1-hour entry after a 5-minute one; lookback breakpoints keep
 entries more than ``LOOKBACK_BLOCKS`` blocks back reachable. The provider's rules and the placement order are
 in docs/protocols.md. Reference: https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching
 """
@@ -31,8 +31,8 @@ MIN_CACHEABLE_TOKENS: tuple[tuple[str, int], ...] = (
     ("claude-haiku-3", 2048),
     ("claude", 1024),
 )
-"""Minimum cacheable prompt length in tokens by model-name prefix (longest matching prefix wins), from Anthropic's
-prompt-caching documentation; 1024 for any other model."""
+"""Minimum cacheable prompt length in tokens by model-name prefix (longest matching prefix wins), from
+Anthropic's prompt-caching documentation; 1024 for any other model."""
 
 DEFAULT_MIN_TOKENS = 1024
 
@@ -43,8 +43,8 @@ BOUNDARY_PRIORITY = ("history", "system", "documents", "tools")
 
 
 def min_cacheable_tokens(model: str, overrides: Mapping[str, int] | None = None) -> int:
-    """The minimum cacheable prefix of ``model`` in tokens: longest matching name prefix in ``overrides``, then
-    in ``MIN_CACHEABLE_TOKENS``, else ``DEFAULT_MIN_TOKENS``."""
+    """The minimum cacheable prefix of ``model`` in tokens: longest matching name prefix in ``overrides``,
+    then in ``MIN_CACHEABLE_TOKENS``, else ``DEFAULT_MIN_TOKENS``."""
     for table in (overrides or {}).items(), MIN_CACHEABLE_TOKENS:
         matches = [(len(prefix), tokens) for prefix, tokens in table if model.startswith(prefix)]
         if matches:
@@ -81,7 +81,8 @@ def _tool_text(tool: Mapping[str, Any]) -> str:
     )
 
 
-# ---- the flat block list ------------------------------------------------------------------------------------
+# ---- the flat block list
+# ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -154,9 +155,9 @@ class Breakpoint:
 
 @dataclass
 class BreakpointPlan:
-    """What ``add_breakpoints`` did: every breakpoint (client and automatic, in prompt order), the boundaries it
-    skipped and why (``"below_minimum"``, ``"no_cacheable_block"``, ``"already_marked"``, ``"no_slot_left"``),
-    the minimum used, and how tokens were counted."""
+    """What ``add_breakpoints`` did: every breakpoint (client and automatic, in prompt order), the boundaries
+    it skipped and why (``"below_minimum"``, ``"no_cacheable_block"``, ``"already_marked"``,
+    ``"no_slot_left"``), the minimum used, and how tokens were counted."""
 
     breakpoints: list[Breakpoint] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -235,7 +236,8 @@ def add_breakpoints(
     Args:
         body: the Anthropic request body (``tools``, ``system``, ``messages``).
         boundaries: boundary kind (``"tools"``, ``"system"``, ``"documents"``, ``"history"``) -> where that
-            segment ends (a ``Boundary``, or a bare ``BlockPath`` = after that block); missing kinds have none.
+            segment ends (a ``Boundary``, or a bare ``BlockPath`` = after that block); missing kinds have
+            none.
         model: the upstream model name (for the minimum cacheable length).
         min_tokens: the minimum, overriding the table.
         min_tokens_overrides: model-name prefix -> minimum, consulted before the built-in table.
@@ -335,7 +337,8 @@ def _nearest_cacheable(slots: list[_Slot], position: int, floor: int) -> int | N
 
 
 def _ttl_for(position: int, client_ttls: Mapping[int, str | None]) -> str | None:
-    """``"1h"`` when a client 1-hour breakpoint comes at or after ``position`` (the ordering rule), else None."""
+    """``"1h"`` when a client 1-hour breakpoint comes at or after ``position`` (the ordering rule), else
+    None."""
     return "1h" if any(pos >= position and ttl == "1h" for pos, ttl in client_ttls.items()) else None
 
 
@@ -344,7 +347,8 @@ def _marker(ttl: str | None) -> dict[str, Any]:
 
 
 def _apply(body: Mapping[str, Any], slots: list[_Slot], ttls: Mapping[_Mark, str | None]) -> dict[str, Any]:
-    """A new body with the chosen marks applied, last first (so a split never shifts a path still to apply)."""
+    """A new body with the chosen marks applied, last first (so a split never shifts a path still to
+    apply)."""
     new_body = dict(body)
     if not ttls:
         return new_body

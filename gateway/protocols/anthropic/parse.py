@@ -1,6 +1,7 @@
 """Anthropic Messages body -> ``ChatRequest`` (``anthropic_body`` set): messages and tools translated to the
-OpenAI shape every backend reads; the original body kept in ``ChatRequest.anthropic_body`` for native passthrough.
-Anthropic-only content rides along as opaque parts (``OPAQUE``); see docs/protocols.md for the round trip.
+OpenAI shape every backend reads; the original body kept in ``ChatRequest.anthropic_body`` for native
+passthrough. Anthropic-only content rides along as opaque parts (``OPAQUE``); see docs/protocols.md for the
+round trip.
 Reference: https://docs.anthropic.com/en/api/messages
 """
 
@@ -105,7 +106,8 @@ def anthropic_to_openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]
 
 
 def anthropic_to_openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools -> OpenAI function tools (server tools ride as ``{"type": "x-anthropic", "tool": ...}``)."""
+    """Anthropic tools -> OpenAI function tools (server tools ride as ``{"type": "x-anthropic", "tool":
+    ...}``)."""
     if tools is None:
         return None
     out = []
@@ -126,7 +128,8 @@ def anthropic_to_openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[s
 
 
 def anthropic_to_openai_tool_choice(choice: Mapping[str, Any] | None) -> Any:
-    """``{"type": auto|any|tool|none}`` -> ``"auto"`` / ``"required"`` / ``{"type": "function", ...}`` / ``"none"``."""
+    """``{"type": auto|any|tool|none}`` -> ``"auto"`` / ``"required"`` / ``{"type": "function", ...}`` /
+    ``"none"``."""
     if choice is None:
         return None
     kind = choice["type"]

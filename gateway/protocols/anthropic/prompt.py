@@ -1,5 +1,5 @@
-"""OpenAI-shaped (canonical) messages and tools -> an Anthropic ``system`` / ``messages`` / ``tools`` prompt, with
-the ``BlockPath`` of every part so breakpoints can be placed on the blocks the rules' segments end at.
+"""OpenAI-shaped (canonical) messages and tools -> an Anthropic ``system`` / ``messages`` / ``tools`` prompt,
+with the ``BlockPath`` of every part so breakpoints can be placed on the blocks the rules' segments end at.
 Inverse of ``parse``: what Anthropic needs and OpenAI cannot say is restored from the opaque parts.
 Reference: https://docs.anthropic.com/en/api/messages
 """
@@ -61,7 +61,8 @@ def _last(paths: list[BlockPath | None]) -> BlockPath | None:
 
 
 class UnsupportedContentError(InvalidRequestError):
-    """A message part the target protocol cannot carry (e.g. audio for Anthropic, a server tool for OpenAI)."""
+    """A message part the target protocol cannot carry (e.g. audio for Anthropic, a server tool for
+    OpenAI)."""
 
 
 def part_to_block(part: Any, param: str) -> dict[str, Any]:
@@ -293,7 +294,8 @@ def openai_to_anthropic_tools(tools: list[dict[str, Any]] | None) -> list[dict[s
 def openai_to_anthropic_tool_choice(
     choice: Any, parallel_tool_calls: bool | None = None
 ) -> dict[str, Any] | None:
-    """OpenAI ``tool_choice`` (+ ``parallel_tool_calls``) -> Anthropic ``tool_choice`` (None = leave unset)."""
+    """OpenAI ``tool_choice`` (+ ``parallel_tool_calls``) -> Anthropic ``tool_choice`` (None = leave
+    unset)."""
     result: dict[str, Any] | None
     if choice is None:
         result = None

@@ -41,7 +41,8 @@ FINISH_REASONS = {
 """Anthropic ``stop_reason`` -> OpenAI-style finish reason."""
 
 
-# ==== usage and responses =====================================================================================
+# ==== usage and responses
+# =====================================================================================
 
 
 def anthropic_usage(usage: BackendUsage) -> dict[str, int]:
@@ -74,8 +75,8 @@ def message_id(request_id: str) -> str:
 
 
 def stop_fields(finish: Finish) -> tuple[str, str | None]:
-    """(``stop_reason``, ``stop_sequence``) of a Finish: an upstream Anthropic reason wins; a matched stop string
-    (``Finish.stop_sequence``) gives ``stop_sequence``."""
+    """(``stop_reason``, ``stop_sequence``) of a Finish: an upstream Anthropic reason wins; a matched stop
+    string (``Finish.stop_sequence``) gives ``stop_sequence``."""
     native = finish.anthropic_stop_reason
     sequence = finish.stop_sequence
     if isinstance(native, str):

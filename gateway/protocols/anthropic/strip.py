@@ -24,7 +24,8 @@ def plain_messages(messages: list[dict[str, Any]], target: str = "this") -> list
     extras), thinking blocks dropped (the model cannot use another model's thinking).
 
     Raises:
-        UnsupportedContentError: an Anthropic-only block other than thinking (document, server tool result, ...).
+        UnsupportedContentError: an Anthropic-only block other than thinking (document, server tool result,
+            ...).
     """
     out = []
     for i, message in enumerate(messages):
@@ -63,7 +64,8 @@ def plain_messages(messages: list[dict[str, Any]], target: str = "this") -> list
 
 
 def plain_tools(tools: list[dict[str, Any]] | None, target: str = "this") -> list[dict[str, Any]] | None:
-    """Function tools without the ``x-anthropic`` extras. Raises ``UnsupportedContentError`` on server tools."""
+    """Function tools without the ``x-anthropic`` extras. Raises ``UnsupportedContentError`` on server
+    tools."""
     if tools is None:
         return None
     out = []

@@ -1,6 +1,6 @@
-"""Validation of Anthropic Messages request bodies: field types, ranges, content blocks, tools, ``tool_choice``,
-``cache_control``. Raises ``InvalidRequestError`` naming the offending ``param``; accepts exactly what the
-Messages API documents (https://docs.anthropic.com/en/api/messages). Pure functions, no I/O.
+"""Validation of Anthropic Messages request bodies: field types, ranges, content blocks, tools,
+``tool_choice``, ``cache_control``. Raises ``InvalidRequestError`` naming the offending ``param``; accepts
+exactly what the Messages API documents (https://docs.anthropic.com/en/api/messages). Pure functions, no I/O.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ CHAT_FIELDS = frozenset(
 )  # fmt: skip
 COMPLETION_FIELDS = frozenset(
     {
-        "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "user", "n", "stream",
-        "stream_options", "echo", "suffix", "logprobs", "best_of", "presence_penalty", "frequency_penalty",
-        "logit_bias",
+        "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "user", "n",
+        "stream", "stream_options", "echo", "suffix", "logprobs", "best_of", "presence_penalty",
+        "frequency_penalty", "logit_bias",
     }
 )  # fmt: skip
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -142,7 +142,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise _invalid_type("messages", "an array", messages)
     if not messages:
         raise InvalidRequestError(
-            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
+            "array instead.",
             param="messages",
             code="empty_array",
         )
@@ -300,7 +301,8 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int | None = None) -
         raise _invalid_type(name, "an integer", value)
     if minimum is not None and value < minimum:
         raise InvalidRequestError(
-            f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, but got {value} instead.",
+            f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, but got "
+            f"{value} instead.",
             param=name,
             code="integer_below_min_value",
         )

@@ -305,7 +305,8 @@ async def test_a_stream_that_cannot_be_assembled_is_a_protocol_cut(http, events,
     assert (info.value.kind, info.value.status_code) == ("protocol", 502)
 
 
-# ---- translation (OpenAI face) ------------------------------------------------------------------------------
+# ---- translation (OpenAI face)
+# ------------------------------------------------------------------------------
 
 
 @respx.mock
@@ -363,7 +364,8 @@ async def test_completion_requests_are_refused(http):
     assert info.value.status_code == 400
 
 
-# ---- faults -------------------------------------------------------------------------------------------------
+# ---- faults
+# -------------------------------------------------------------------------------------------------
 
 
 @respx.mock

@@ -1,5 +1,5 @@
-"""Prefix affinity over two real stub replicas (uvicorn on free ports): 100 requests over 10 prefixes, then one
-replica is killed."""
+"""Prefix affinity over two real stub replicas (uvicorn on free ports): 100 requests over 10 prefixes, then
+one replica is killed."""
 
 from __future__ import annotations
 

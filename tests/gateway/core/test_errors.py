@@ -1,5 +1,6 @@
-"""Typed API errors and their two JSON shapes (gateway.core.errors), with no server: OpenAI's, Anthropic's, the
-Anthropic type of each status and of an upstream's own error, and the mapping of engine errors and bugs."""
+"""Typed API errors and their two JSON shapes (gateway.core.errors), with no server: OpenAI's, Anthropic's,
+the Anthropic type of each status and of an upstream's own error, and the mapping of engine errors and
+bugs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``POST /v1/messages/count_tokens`` (gateway.http.count_tokens) with the official Anthropic SDK, through the real
+"""``POST /v1/messages/count_tokens`` (gateway.http.count_tokens) with the official Anthropic SDK, through the
+real
 gateway: over the embedded tiny model (counted by its chat template, checked against ``transformers``' own
 rendering and against the usage of real ``/v1/messages`` calls), over a respx-mocked Anthropic upstream (its
 count endpoint, forwarded natively) and over a respx-mocked OpenAI upstream (a local tiktoken estimate)."""
@@ -37,7 +38,8 @@ LOOKUP_FUNCTION = {  # LOOKUP as the engine and OpenAI servers get it: the defau
 DATED_SYSTEM = "Current date: 2025-05-14\n" + SYSTEM
 
 
-# ---- the embedded engine ----------------------------------------------------------------------------------------
+# ---- the embedded engine
+# ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +216,8 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
     assert after["errors"] == {**before["errors"], "400": before["errors"].get("400", 0) + 1}
 
 
-# ---- upstreams (respx) --------------------------------------------------------------------------------------------
+# ---- upstreams (respx)
+# --------------------------------------------------------------------------------------------
 
 ANTHROPIC_BASE = "https://api.anthropic.test"
 OPENAI_BASE = "https://api.openai.test/v1"

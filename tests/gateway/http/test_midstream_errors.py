@@ -1,4 +1,5 @@
-"""Errors after a response started, and backend bookkeeping, through the real server with scripted backends."""
+"""Errors after a response started, and backend bookkeeping, through the real server with scripted
+backends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""End to end: the real gateway (uvicorn) over the tiny random checkpoint, driven by the official openai SDK."""
+"""End to end: the real gateway (uvicorn) over the tiny random checkpoint, driven by the official openai
+SDK."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def system_tokens(server, text: str = SYSTEM) -> int:
 
 
 def shared_prefix_tokens(server, first: list[dict], second: list[dict]) -> int:
-    """Prompt tokens of ``second`` the prefix cache serves after ``first`` ran: the full blocks of their common
-    rendered prefix, short of ``second``'s last token (which is always computed)."""
+    """Prompt tokens of ``second`` the prefix cache serves after ``first`` ran: the full blocks of their
+    common rendered prefix, short of ``second``'s last token (which is always computed)."""
     engine = server.app.state.gateway.registry.get(TINY_MODEL).engine
     a, b = engine.render_chat(first), engine.render_chat(second)
     common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -79,7 +80,8 @@ def test_stream_matches_non_stream_and_reports_usage(client):
     assert last.choices == [] and last.usage is not None
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
     assert last.usage.completion_tokens == whole.usage.completion_tokens
-    # the second run found the first one's full prompt blocks in the cache (all but the block of its last token)
+    # the second run found the first one's full prompt blocks in the cache (all but the block of its last
+    # token)
     assert (
         last.usage.prompt_tokens_details.cached_tokens
         == (whole.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE

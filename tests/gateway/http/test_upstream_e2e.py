@@ -1,5 +1,6 @@
-"""End to end: the official ``openai`` and ``anthropic`` SDKs, unchanged, through the real gateway (uvicorn) to
-stub OpenAI-compatible and Anthropic upstreams on real sockets, and the Anthropic SDK over the embedded engine."""
+"""End to end: the official ``openai`` and ``anthropic`` SDKs, unchanged, through the real gateway (uvicorn)
+to stub OpenAI-compatible and Anthropic upstreams on real sockets, and the Anthropic SDK over the embedded
+engine."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def ant(upstreams):
         yield sdk
 
 
-# ---- OpenAI SDK ------------------------------------------------------------------------------------------------
+# ---- OpenAI SDK
+# ------------------------------------------------------------------------------------------------
 
 
 def test_openai_sdk_over_an_openai_upstream(upstreams, oai):
@@ -120,7 +122,8 @@ def test_openai_sdk_over_an_anthropic_upstream(upstreams, oai):
     assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
 
 
-# ---- Anthropic SDK ---------------------------------------------------------------------------------------------
+# ---- Anthropic SDK
+# ---------------------------------------------------------------------------------------------
 
 
 def test_anthropic_sdk_over_an_anthropic_upstream(upstreams, ant):
@@ -204,7 +207,8 @@ def test_anthropic_sdk_over_the_embedded_engine(server):
     )
 
 
-# ---- errors ---------------------------------------------------------------------------------------------------
+# ---- errors
+# ---------------------------------------------------------------------------------------------------
 
 
 def test_anthropic_error_json_for_bad_requests(upstreams, ant):

@@ -1,6 +1,6 @@
 """Volatile text in a system prompt, end to end through ``/v1/messages`` (the Anthropic SDK) over the embedded
-tiny model: the default rules hoist a ``Current date:`` line behind the stable prefix, so a new date still reads
-the system prompt from the prefix cache; with rules off the changed line breaks the prefix."""
+tiny model: the default rules hoist a ``Current date:`` line behind the stable prefix, so a new date still
+reads the system prompt from the prefix cache; with rules off the changed line breaks the prefix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SSE encoding and the one parser (gateway.transport.sse), against the recorded OpenAI and Anthropic streams."""
+"""SSE encoding and the one parser (gateway.transport.sse), against the recorded OpenAI and Anthropic
+streams."""
 
 from __future__ import annotations
 

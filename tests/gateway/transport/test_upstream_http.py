@@ -1,4 +1,5 @@
-"""Shared upstream plumbing (gateway.transport.upstream_http): redaction, backoff, Retry-After. SSE: test_sse.py."""
+"""Shared upstream plumbing (gateway.transport.upstream_http): redaction, backoff, Retry-After. SSE:
+test_sse.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Anthropic Messages face: validation, translation both ways, SSE/JSON formatting (gateway.protocols.anthropic.validate).
+"""The Anthropic Messages face: validation, translation both ways, SSE/JSON formatting
+(gateway.protocols.anthropic.validate).
 
 End-to-end tests with the official SDKs through the real gateway are in test_upstream_e2e.py.
 """
@@ -80,7 +81,8 @@ RICH_BODY = {
 }  # fmt: skip
 
 
-# ---- parsing ------------------------------------------------------------------------------------------------
+# ---- parsing
+# ------------------------------------------------------------------------------------------------
 
 
 def test_parse_builds_the_internal_request():
@@ -249,7 +251,8 @@ def test_non_object_body():
         parse_messages_body(["not", "an", "object"])
 
 
-# ---- OpenAI-shaped messages to Anthropic ---------------------------------------------------------------------
+# ---- OpenAI-shaped messages to Anthropic
+# ---------------------------------------------------------------------
 
 
 def test_openai_messages_translate_to_anthropic():
@@ -319,7 +322,8 @@ def test_tool_choice_translation():
         openai_to_anthropic([{"role": "user", "content": "x"}], [{"type": "retrieval"}])
 
 
-# ---- formatting -----------------------------------------------------------------------------------------------
+# ---- formatting
+# -----------------------------------------------------------------------------------------------
 
 
 def deltas_from_openai_fixture(name: str) -> list[Delta]:
