@@ -44,9 +44,16 @@ async def http():
 
 def backend(http, retries=2, sleeps=None, **kwargs) -> AnthropicUpstreamBackend:
     return AnthropicUpstreamBackend(
-        "claude", [BASE], api_key=API_KEY, upstream_model="claude-sonnet-4-5", retries=retries, client=http,
-        sleep=sleeps or Sleeps(), counter=WORDS, **kwargs,
-    )  # fmt: skip
+        "claude",
+        [BASE],
+        api_key=API_KEY,
+        upstream_model="claude-sonnet-4-5",
+        retries=retries,
+        client=http,
+        sleep=sleeps or Sleeps(),
+        counter=WORDS,
+        **kwargs,
+    )
 
 
 def recorded_events(name: str) -> list[dict]:
@@ -225,37 +232,82 @@ def anthropic_sse(events: list[dict]) -> bytes:
 
 @respx.mock
 async def test_native_non_stream_is_streamed_upstream_and_assembled_into_the_message(http):
-    start = {"id": "msg_7", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5", "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": 5, "cache_read_input_tokens": 1024, "cache_creation_input_tokens": 0,
-                       "output_tokens": 1}}  # fmt: skip
-    cite = {"type": "char_location", "cited_text": "Paris", "document_index": 0, "start_char_index": 0,
-            "end_char_index": 5}  # fmt: skip
+    start = {
+        "id": "msg_7",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 5,
+            "cache_read_input_tokens": 1024,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": 1,
+        },
+    }
+    cite = {
+        "type": "char_location",
+        "cited_text": "Paris",
+        "document_index": 0,
+        "start_char_index": 0,
+        "end_char_index": 5,
+    }
     events = [
         {"type": "message_start", "message": start},
         {"type": "ping"},
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "Let me "}},
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "thinking_delta", "thinking": "Let me "},
+        },
         {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "look."}},
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig=="}},
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "signature_delta", "signature": "sig=="},
+        },
         {"type": "content_block_stop", "index": 0},
         {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
         {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "It is "}},
         {"type": "content_block_delta", "index": 1, "delta": {"type": "citations_delta", "citation": cite}},
         {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Paris."}},
         {"type": "content_block_stop", "index": 1},
-        {"type": "content_block_start", "index": 2,
-         "content_block": {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}},
-        {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": '{"word": '}},
-        {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": '"Paris"}'}},
+        {
+            "type": "content_block_start",
+            "index": 2,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 2,
+            "delta": {"type": "input_json_delta", "partial_json": '{"word": '},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 2,
+            "delta": {"type": "input_json_delta", "partial_json": '"Paris"}'},
+        },
         {"type": "content_block_stop", "index": 2},
-        {"type": "content_block_start", "index": 3,
-         "content_block": {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}}},
+        {
+            "type": "content_block_start",
+            "index": 3,
+            "content_block": {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}},
+        },
         {"type": "content_block_stop", "index": 3},
-        {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-         "usage": {"output_tokens": 42}},
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+            "usage": {"output_tokens": 42},
+        },
         {"type": "message_stop"},
-    ]  # fmt: skip
+    ]
     route = respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
     got = await drain(
         backend(http).stream(
@@ -263,17 +315,19 @@ async def test_native_non_stream_is_streamed_upstream_and_assembled_into_the_mes
         )
     )
     assert json.loads(route.calls.last.request.content)["stream"] is True
-    assert got[0].events == ({
-        **start,
-        "content": [
-            {"type": "thinking", "thinking": "Let me look.", "signature": "sig=="},
-            {"type": "text", "text": "It is Paris.", "citations": [cite]},
-            {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "Paris"}},
-            {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}},
-        ],
-        "stop_reason": "tool_use",
-        "usage": {**start["usage"], "output_tokens": 42},
-    },)  # fmt: skip
+    assert got[0].events == (
+        {
+            **start,
+            "content": [
+                {"type": "thinking", "thinking": "Let me look.", "signature": "sig=="},
+                {"type": "text", "text": "It is Paris.", "citations": [cite]},
+                {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "Paris"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}},
+            ],
+            "stop_reason": "tool_use",
+            "usage": {**start["usage"], "output_tokens": 42},
+        },
+    )
     assert got[-1].finish_reason == "tool_calls" and got[-1].usage.completion_tokens == 42
 
 
@@ -281,22 +335,44 @@ async def test_native_non_stream_is_streamed_upstream_and_assembled_into_the_mes
 @pytest.mark.parametrize(
     ("events", "message"),
     [
-        ([{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}],
-         "'content_block_start' before message_start"),
-        ([{"type": "message_start", "message": {"type": "message", "content": []}},
-          {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}],
-         "content_block_delta for unknown block 0"),
-        ([{"type": "message_start", "message": {"type": "message", "content": []}},
-          {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-          {"type": "content_block_delta", "index": 0, "delta": {"type": "hologram_delta", "x": 1}}],
-         "a delta of unknown type 'hologram_delta'"),
-        ([{"type": "message_start", "message": {"type": "message", "content": []}},
-          {"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "id": "t", "input": {}}},
-          {"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{oops"}},
-          {"type": "content_block_stop", "index": 0}],
-         "block 0 has tool input that is not JSON"),
+        (
+            [{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}],
+            "'content_block_start' before message_start",
+        ),
+        (
+            [
+                {"type": "message_start", "message": {"type": "message", "content": []}},
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}},
+            ],
+            "content_block_delta for unknown block 0",
+        ),
+        (
+            [
+                {"type": "message_start", "message": {"type": "message", "content": []}},
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "hologram_delta", "x": 1}},
+            ],
+            "a delta of unknown type 'hologram_delta'",
+        ),
+        (
+            [
+                {"type": "message_start", "message": {"type": "message", "content": []}},
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "tool_use", "id": "t", "input": {}},
+                },
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "input_json_delta", "partial_json": "{oops"},
+                },
+                {"type": "content_block_stop", "index": 0},
+            ],
+            "block 0 has tool input that is not JSON",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_a_stream_that_cannot_be_assembled_is_a_protocol_cut(http, events, message):
     respx.post(URL).mock(return_value=sse_response(anthropic_sse([*events, {"type": "message_stop"}])))
     request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=False)
@@ -317,11 +393,20 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
     messages = [
         {"role": "system", "content": LONG_SYSTEM},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location":"Rome"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"location":"Rome"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
         {"role": "user", "content": "And Paris?"},
-    ]  # fmt: skip
+    ]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     body = {
         "model": "claude",
@@ -330,19 +415,40 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
         "temperature": 0.5,
         "parallel_tool_calls": False,
     }
-    request = chat_request(messages, model="claude", body=body, tools=tools, tool_choice="required",
-                           params=SamplingParams(max_tokens=None, temperature=0.5, stop=("END",)), user="u-7")  # fmt: skip
+    request = chat_request(
+        messages,
+        model="claude",
+        body=body,
+        tools=tools,
+        tool_choice="required",
+        params=SamplingParams(max_tokens=None, temperature=0.5, stop=("END",)),
+        user="u-7",
+    )
     request.canonical = load_ruleset([]).apply(messages, tools)
     events = await drain(backend(http).stream(request))
     sent = json.loads(route.calls.last.request.content)
     assert sent["system"] == [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
     assert sent["messages"] == [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"location": "Rome"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "18C",
-                                      "cache_control": {"type": "ephemeral"}},  # the end of the history
-                                     {"type": "text", "text": "And Paris?"}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"location": "Rome"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "call_1",
+                    "content": "18C",
+                    "cache_control": {"type": "ephemeral"},
+                },  # the end of the history
+                {"type": "text", "text": "And Paris?"},
+            ],
+        },
+    ]
     assert sent["tools"] == [{"name": "get_weather", "input_schema": {"type": "object"}}]
     assert sent["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
     assert sent["max_tokens"] == 4096 and sent["temperature"] == 0.5 and "top_p" not in sent
@@ -351,8 +457,12 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
     text = "".join(e.text for e in events if isinstance(e, Delta))
     assert text == "I'll check the current weather in Paris for you."
     calls = [c for e in events if isinstance(e, Delta) for c in (e.tool_calls or [])]
-    assert calls[0] == {"index": 0, "id": "toolu_01NRLabsLyVHZPKxbKvkfSMn", "type": "function",
-                        "function": {"name": "get_weather", "arguments": ""}}  # fmt: skip
+    assert calls[0] == {
+        "index": 0,
+        "id": "toolu_01NRLabsLyVHZPKxbKvkfSMn",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
     assert "".join(c["function"].get("arguments", "") for c in calls) == '{"location": "Paris"}'
     assert events[-1].finish_reason == "tool_calls" and events[-1].native is False
 
@@ -399,9 +509,12 @@ async def test_an_error_event_mid_stream_is_a_cut_with_the_upstream_type(http):
 async def test_a_reset_after_the_first_byte_is_a_cut_and_not_retried(http):
     first = CACHE_STREAM.split(b"event: content_block_delta")[0]
     route = respx.post(URL).mock(
-        return_value=httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                    stream=BreakingStream([first], httpx.RemoteProtocolError("peer closed")))
-    )  # fmt: skip
+        return_value=httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            stream=BreakingStream([first], httpx.RemoteProtocolError("peer closed")),
+        )
+    )
     with pytest.raises(UpstreamStreamCut):
         await drain(backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]})))
     assert route.call_count == 1
@@ -428,8 +541,14 @@ async def test_invalid_request_passes_through_without_the_key(http):
 
 
 def test_factory_reads_the_model_entry():
-    model = AnthropicUpstream(name="claude", base_url=(BASE,), api_key=API_KEY,
-                        upstream_model="claude-haiku-4-5", timeout_s=30.0, retries=1)  # fmt: skip
+    model = AnthropicUpstream(
+        name="claude",
+        base_url=(BASE,),
+        api_key=API_KEY,
+        upstream_model="claude-haiku-4-5",
+        timeout_s=30.0,
+        retries=1,
+    )
     be = create_anthropic_backend(model)
     assert be.upstream_model == "claude-haiku-4-5" and be.upstream.policy.retries == 1
     assert be.upstream.ring.replicas == (BASE,)
@@ -442,8 +561,9 @@ async def test_factory_passes_version_breakpoint_settings_and_ring():
     body = {"system": system, "messages": [{"role": "user", "content": "q"}]}
 
     async def sent_with(**settings) -> tuple[httpx.Request, dict]:
-        model = AnthropicUpstream(name="claude", base_url=(BASE,), api_key=API_KEY,
-                            upstream_model="claude-haiku-4-5", **settings)  # fmt: skip
+        model = AnthropicUpstream(
+            name="claude", base_url=(BASE,), api_key=API_KEY, upstream_model="claude-haiku-4-5", **settings
+        )
         be = create_anthropic_backend(model)
         try:
             await drain(be.stream(anthropic_request(body)))
@@ -479,13 +599,20 @@ async def test_native_passthrough_sends_the_canonical_prompt_with_the_date_hoist
             return f"{LONG_SYSTEM}\nCurrent date: {date}"
         if shape == "one block":
             return [{"type": "text", "text": f"{LONG_SYSTEM}\nCurrent date: {date}"}]
-        return [{"type": "text", "text": LONG_SYSTEM},
-                {"type": "text", "text": f"Current date: {date}", "cache_control": {"type": "ephemeral"}}]  # fmt: skip
+        return [
+            {"type": "text", "text": LONG_SYSTEM},
+            {"type": "text", "text": f"Current date: {date}", "cache_control": {"type": "ephemeral"}},
+        ]
 
     sent = []
     for date in ("2025-05-14", "2025-05-15"):
-        body = {"model": "claude", "max_tokens": 64, "stream": True, "system": system_of(date),
-                "messages": [{"role": "user", "content": "What day is it?"}]}  # fmt: skip
+        body = {
+            "model": "claude",
+            "max_tokens": 64,
+            "stream": True,
+            "system": system_of(date),
+            "messages": [{"role": "user", "content": "What day is it?"}],
+        }
         request = parse_messages_body(body)
         canonicalizer.apply(request)
         assert Canonicalizer.applied(request) == {"dates.current-datetime-line": 1}
@@ -556,18 +683,31 @@ async def test_a_tool_input_cut_by_max_tokens_and_null_citations_still_assemble(
     }
     events = [
         {"type": "message_start", "message": start},
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": "", "citations": None}},
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "text", "text": "", "citations": None},
+        },
         {"type": "content_block_delta", "index": 0, "delta": {"type": "citations_delta", "citation": cite}},
         {"type": "content_block_stop", "index": 0},
-        {"type": "content_block_start", "index": 1,
-         "content_block": {"type": "tool_use", "id": "toolu_9", "name": "trip", "input": {}}},
-        {"type": "content_block_delta", "index": 1,
-         "delta": {"type": "input_json_delta", "partial_json": '{"city": "Paris", "days": [1, 2'}},
+        {
+            "type": "content_block_start",
+            "index": 1,
+            "content_block": {"type": "tool_use", "id": "toolu_9", "name": "trip", "input": {}},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 1,
+            "delta": {"type": "input_json_delta", "partial_json": '{"city": "Paris", "days": [1, 2'},
+        },
         {"type": "content_block_stop", "index": 1},
-        {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-         "usage": {"output_tokens": 16}},
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+            "usage": {"output_tokens": 16},
+        },
         {"type": "message_stop"},
-    ]  # fmt: skip
+    ]
     respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
     got = await drain(
         backend(http).stream(
@@ -584,13 +724,18 @@ async def test_a_tool_input_cut_by_max_tokens_and_null_citations_still_assemble(
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize(
     "message_delta",
-    [{"delta": {"stop_reason": ["end_turn"]}, "usage": {"output_tokens": 1}},
-     {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": "five"}}],
-)  # fmt: skip
+    [
+        {"delta": {"stop_reason": ["end_turn"]}, "usage": {"output_tokens": 1}},
+        {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": "five"}},
+    ],
+)
 async def test_a_malformed_stop_reason_or_usage_is_a_protocol_cut(http, stream, message_delta):
     start = {"id": "m", "type": "message", "role": "assistant", "model": "m", "content": [], "usage": {}}
-    events = [{"type": "message_start", "message": start}, {"type": "message_delta", **message_delta},
-              {"type": "message_stop"}]  # fmt: skip
+    events = [
+        {"type": "message_start", "message": start},
+        {"type": "message_delta", **message_delta},
+        {"type": "message_stop"},
+    ]
     respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
     request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=stream)
     with pytest.raises(UpstreamStreamCut, match="malformed stop_reason or usage") as info:

@@ -68,9 +68,15 @@ async def http():
 
 def backend(http, urls=(BASE,), retries=2, sleeps=None, **kwargs) -> OpenAIUpstreamBackend:
     return OpenAIUpstreamBackend(
-        "gw-model", list(urls), api_key=API_KEY, upstream_model="up-model", retries=retries, client=http,
-        sleep=sleeps or Sleeps(), **kwargs,
-    )  # fmt: skip
+        "gw-model",
+        list(urls),
+        api_key=API_KEY,
+        upstream_model="up-model",
+        retries=retries,
+        client=http,
+        sleep=sleeps or Sleeps(),
+        **kwargs,
+    )
 
 
 @respx.mock
@@ -101,8 +107,13 @@ async def test_recorded_parallel_tool_call_stream(http):
 @respx.mock
 async def test_request_body_headers_and_prompt_cache_key(http):
     route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
-    body = {"model": "gw-model", "messages": [{"role": "user", "content": "original"}], "seed": 7,
-            "response_format": {"type": "json_object"}, "stream": False}  # fmt: skip
+    body = {
+        "model": "gw-model",
+        "messages": [{"role": "user", "content": "original"}],
+        "seed": 7,
+        "response_format": {"type": "json_object"},
+        "stream": False,
+    }
     request = chat_request(MESSAGES, body=body, stream=False)
     await drain(backend(http).stream(request))
     sent = json.loads(route.calls.last.request.content)
@@ -256,7 +267,8 @@ async def test_transport_failures_are_typed_and_redacted(http, failure, expected
 async def test_4xx_is_not_retried_and_passes_through_with_the_key_redacted(http):
     upstream_error = {
         "error": {
-            "message": f"This model's maximum context length is 4096 tokens (request sent with key {API_KEY}).",
+            "message": "This model's maximum context length is 4096 tokens "
+            f"(request sent with key {API_KEY}).",
             "type": "invalid_request_error",
             "param": "messages",
             "code": "context_length_exceeded",
@@ -275,15 +287,25 @@ async def test_4xx_is_not_retried_and_passes_through_with_the_key_redacted(http)
 @pytest.mark.parametrize("status", [401, 403])
 @respx.mock
 async def test_the_upstream_refusing_the_gateway_key_is_a_502_not_the_clients_401(http, status):
-    upstream_error = {"error": {"message": f"Incorrect API key provided: {API_KEY}.", "type": "invalid_request_error",
-                                "param": None, "code": "invalid_api_key"}}  # fmt: skip
+    upstream_error = {
+        "error": {
+            "message": f"Incorrect API key provided: {API_KEY}.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
     route = respx.post(URL).mock(return_value=httpx.Response(status, json=upstream_error))
     with pytest.raises(UpstreamCallError) as info:
         await drain(backend(http).stream(chat_request(MESSAGES)))
     error = info.value
     assert route.call_count == 1 and not error.retryable
     assert (error.status_code, error.kind, error.code, error.error_type) == (
-        502, "upstream_auth", "upstream_auth_failed", "server_error")  # fmt: skip
+        502,
+        "upstream_auth",
+        "upstream_auth_failed",
+        "server_error",
+    )
     assert "refused the gateway's credentials" in error.message and "check api_key" in error.message
     assert API_KEY not in error.message and API_KEY not in json.dumps(error.openai_body())
 
@@ -292,9 +314,12 @@ async def test_the_upstream_refusing_the_gateway_key_is_a_502_not_the_clients_40
 async def test_a_stream_cut_after_the_first_byte_is_not_retried(http):
     first = sse_body([chunk({"content": "Sun"})], done=False)
     route = respx.post(URL).mock(
-        return_value=httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                    stream=BreakingStream([first], httpx.ReadError("connection reset")))
-    )  # fmt: skip
+        return_value=httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            stream=BreakingStream([first], httpx.ReadError("connection reset")),
+        )
+    )
     be = backend(http)
     seen = []
     with pytest.raises(UpstreamStreamCut) as info:
@@ -387,7 +412,7 @@ async def test_anthropic_face_request_is_translated(http):
                     "function": {"name": "weather", "arguments": '{"city":"Paris"}'},
                 }
             ],
-        },  # fmt: skip
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "21C"},
     ]
     assert sent["tools"] == [
@@ -412,8 +437,14 @@ async def test_anthropic_only_blocks_are_refused_for_openai_servers(http):
 
 
 def test_factory_reads_the_model_entry():
-    model = OpenAIUpstream(name="gpt", base_url=(BASE, BASE_B), api_key=API_KEY,
-                        upstream_model="gpt-4o-mini", timeout_s=12.0, retries=4)  # fmt: skip
+    model = OpenAIUpstream(
+        name="gpt",
+        base_url=(BASE, BASE_B),
+        api_key=API_KEY,
+        upstream_model="gpt-4o-mini",
+        timeout_s=12.0,
+        retries=4,
+    )
     be = create_openai_backend(model)
     assert be.upstream_model == "gpt-4o-mini" and be.upstream.policy.retries == 4
     assert be.upstream.timeout.read == 12.0 and set(be.upstream.ring.replicas) == {BASE, BASE_B}
@@ -423,8 +454,12 @@ def test_factory_reads_the_model_entry():
 @respx.mock
 async def test_factory_passes_prompt_cache_key_and_ring_settings():
     route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
-    model = OpenAIUpstream(name="gpt", base_url=(BASE,), prompt_cache_key=False,
-                        ring=RingConfig(load_factor=1.5, vnodes=7, cooldown_s=2.0, max_cooldown_s=9.0))  # fmt: skip
+    model = OpenAIUpstream(
+        name="gpt",
+        base_url=(BASE,),
+        prompt_cache_key=False,
+        ring=RingConfig(load_factor=1.5, vnodes=7, cooldown_s=2.0, max_cooldown_s=9.0),
+    )
     be = create_openai_backend(model)
     ring = be.upstream.ring
     assert (ring.load_factor, ring.vnodes, ring.cooldown_s, ring.max_cooldown_s) == (1.5, 7, 2.0, 9.0)

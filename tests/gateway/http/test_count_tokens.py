@@ -27,7 +27,8 @@ LOOKUP = {
     "description": "Look a word up.",
     "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
 }
-LOOKUP_FUNCTION = {  # LOOKUP as the engine and OpenAI servers get it: the default rules sort every object's keys
+# LOOKUP as the engine and OpenAI servers get it: the default rules sort every object's keys
+LOOKUP_FUNCTION = {
     "function": {
         "description": "Look a word up.",
         "name": "lookup",
@@ -123,10 +124,18 @@ def test_embedded_count_equals_the_prompt_of_a_real_request(server, ant):
         tools=[LOOKUP],
         messages=[
             {"role": "user", "content": "look up the word paris ."},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"word": "paris"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "the capital of france ."}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"word": "paris"}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "the capital of france ."}
+                ],
+            },
         ],
-    )  # fmt: skip
+    )
     counted = count(ant, **conversation)[0]
     assert counted == served_prompt_tokens(ant, **conversation)
     assert counted == served_prompt_tokens(ant, **conversation)  # again, now read from the prefix cache
@@ -162,33 +171,38 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
     assert response.status_code == 400
     assert response.json() == error(
         "invalid_request_error",
-        "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP "
-        "library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)",
+        "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+        "HTTP library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)",
     )
     response = post(json={"model": TINY_MODEL})
     assert (response.status_code, response.json()) == (
-        400, error("invalid_request_error", "messages: expected an array of messages, got null")
-    )  # fmt: skip
+        400,
+        error("invalid_request_error", "messages: expected an array of messages, got null"),
+    )
     response = post(json={"model": TINY_MODEL, "messages": [{"role": "system", "content": "x"}]})
     assert (response.status_code, response.json()) == (
-        400, error("invalid_request_error", "messages[0].role: role must be 'user' or 'assistant', got 'system'")
-    )  # fmt: skip
+        400,
+        error("invalid_request_error", "messages[0].role: role must be 'user' or 'assistant', got 'system'"),
+    )
     response = post(
         json={"model": TINY_MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}
     )
     assert (response.status_code, response.json()) == (
-        400, error("invalid_request_error", "max_tokens: expected an integer >= 1, got 0")
-    )  # fmt: skip
+        400,
+        error("invalid_request_error", "max_tokens: expected an integer >= 1, got 0"),
+    )
     response = post(json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
     assert (response.status_code, response.json()) == (
-        404, error("not_found_error", "The model `nope` does not exist or you do not have access to it.")
-    )  # fmt: skip
+        404,
+        error("not_found_error", "The model `nope` does not exist or you do not have access to it."),
+    )
     response = post(
         json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     )
     assert (response.status_code, response.json()) == (
-        413, error("request_too_large", f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.")
-    )  # fmt: skip
+        413,
+        error("request_too_large", f"Request body too large: the limit is {MAX_BODY_BYTES} bytes."),
+    )
     image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     response = post(json={"model": TINY_MODEL, "messages": [{"role": "user", "content": [image]}]})
     assert (response.status_code, response.json()) == (
@@ -203,8 +217,9 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
         headers={"x-prefixgate-rules": "maybe"},
     )
     assert (response.status_code, response.json()) == (
-        400, error("invalid_request_error", "Invalid header x-prefixgate-rules: expected 'on' or 'off'.")
-    )  # fmt: skip
+        400,
+        error("invalid_request_error", "Invalid header x-prefixgate-rules: expected 'on' or 'off'."),
+    )
     response = httpx.get(url, timeout=30)
     assert response.status_code == 405 and response.json()["type"] == "error"
 
@@ -232,13 +247,25 @@ def upstream_gateway():
         {
             "rules": ["default"],
             "models": [
-                {"name": "an", "backend": "anthropic", "base_url": ANTHROPIC_BASE, "api_key": ANTHROPIC_KEY,
-                 "upstream_model": "claude-sonnet-4-5", "retries": 1},
-                {"name": "oa", "backend": "openai", "base_url": OPENAI_BASE, "api_key": OPENAI_KEY,
-                 "upstream_model": "gpt-upstream", "retries": 1},
+                {
+                    "name": "an",
+                    "backend": "anthropic",
+                    "base_url": ANTHROPIC_BASE,
+                    "api_key": ANTHROPIC_KEY,
+                    "upstream_model": "claude-sonnet-4-5",
+                    "retries": 1,
+                },
+                {
+                    "name": "oa",
+                    "backend": "openai",
+                    "base_url": OPENAI_BASE,
+                    "api_key": OPENAI_KEY,
+                    "upstream_model": "gpt-upstream",
+                    "retries": 1,
+                },
             ],
         }
-    )  # fmt: skip
+    )
     server = RunningServer(config).start()
     with anthropic.Anthropic(
         base_url=server.base_url, api_key="client-key", max_retries=0, timeout=30
@@ -265,12 +292,20 @@ def test_anthropic_upstream_counts_on_its_own_count_endpoint(upstream_gateway, m
         return_value=httpx.Response(200, json={"input_tokens": 1234})
     )
     messages_route = mock.post(f"{ANTHROPIC_BASE}/v1/messages").mock(
-        return_value=httpx.Response(200, json={
-            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
-            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": 1234, "output_tokens": 1},
-        })
-    )  # fmt: skip
+        return_value=httpx.Response(
+            200,
+            json={
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "model": "claude-sonnet-4-5",
+                "content": [{"type": "text", "text": "ok"}],
+                "stop_reason": "end_turn",
+                "stop_sequence": None,
+                "usage": {"input_tokens": 1234, "output_tokens": 1},
+            },
+        )
+    )
     body = dict(
         system=SYSTEM,
         messages=[{"role": "user", "content": QUESTION}],
@@ -331,14 +366,22 @@ def test_anthropic_upstream_count_is_retried_before_the_first_byte(upstream_gate
     ("status", "error", "expected_status", "expected_message"),
     [
         (400, {"type": "invalid_request_error", "message": "prompt is too long"}, 400, "prompt is too long"),
-        (401, {"type": "authentication_error", "message": "invalid x-api-key"}, 502,
-         f"upstream {ANTHROPIC_BASE} answered 401: the upstream refused the gateway's credentials "
-         "(invalid x-api-key); check api_key in the config"),
-        (529, {"type": "overloaded_error", "message": "Overloaded"}, 529,
-         f"upstream {ANTHROPIC_BASE} answered 529: Overloaded"),
+        (
+            401,
+            {"type": "authentication_error", "message": "invalid x-api-key"},
+            502,
+            f"upstream {ANTHROPIC_BASE} answered 401: the upstream refused the gateway's credentials "
+            "(invalid x-api-key); check api_key in the config",
+        ),
+        (
+            529,
+            {"type": "overloaded_error", "message": "Overloaded"},
+            529,
+            f"upstream {ANTHROPIC_BASE} answered 529: Overloaded",
+        ),
         (500, {"type": "api_error", "message": "boom"}, 502, f"upstream {ANTHROPIC_BASE} answered 500: boom"),
     ],
-)  # fmt: skip
+)
 def test_anthropic_upstream_errors_map_as_for_messages(
     upstream_gateway, mock, status, error, expected_status, expected_message
 ):

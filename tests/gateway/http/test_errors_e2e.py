@@ -195,7 +195,10 @@ def test_dropped_stream_cancels_the_engine_request(server):
 def test_dropped_non_stream_request_is_cancelled_too(server):
     before = server.stats()["models"][TINY_MODEL]
     body = json.dumps(long_generation_body(False)).encode()
-    head = f"POST {URL} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        f"POST {URL} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", server.port)) as raw:
         raw.sendall(head.encode() + body)
         for _ in range(400):  # wait until the engine is decoding it, then hang up

@@ -28,20 +28,34 @@ LONG_SYSTEM = " ".join(
 def upstreams(tmp_path_factory):
     """Stub upstreams and a gateway serving ``oa`` (backend openai) and ``an`` (backend anthropic)."""
     states = {"openai": StubState("OAI"), "anthropic": StubState("ANT")}
-    stubs = {"openai": StubServer(openai_stub(states["openai"])).start(),
-             "anthropic": StubServer(anthropic_stub(states["anthropic"])).start()}  # fmt: skip
+    stubs = {
+        "openai": StubServer(openai_stub(states["openai"])).start(),
+        "anthropic": StubServer(anthropic_stub(states["anthropic"])).start(),
+    }
     data = {
         "admin": {"token": ADMIN_TOKEN},
         "rules": ["default"],
         "models": [
-            {"name": "oa", "backend": "openai", "base_url": f"{stubs['openai'].base_url}/v1",
-             "api_key": "env:PG_E2E_OPENAI_KEY", "upstream_model": "gpt-upstream", "retries": 1,
-             "prices": {"input": 2.5, "cached_input": 1.25}},
-            {"name": "an", "backend": "anthropic", "base_url": stubs["anthropic"].base_url,
-             "api_key": "env:PG_E2E_ANTHROPIC_KEY", "upstream_model": "claude-sonnet-4-5", "retries": 1,
-             "prices": {"input": 3.0, "cached_input": 0.3, "cache_write": 3.75}},
+            {
+                "name": "oa",
+                "backend": "openai",
+                "base_url": f"{stubs['openai'].base_url}/v1",
+                "api_key": "env:PG_E2E_OPENAI_KEY",
+                "upstream_model": "gpt-upstream",
+                "retries": 1,
+                "prices": {"input": 2.5, "cached_input": 1.25},
+            },
+            {
+                "name": "an",
+                "backend": "anthropic",
+                "base_url": stubs["anthropic"].base_url,
+                "api_key": "env:PG_E2E_ANTHROPIC_KEY",
+                "upstream_model": "claude-sonnet-4-5",
+                "retries": 1,
+                "prices": {"input": 3.0, "cached_input": 0.3, "cache_write": 3.75},
+            },
         ],
-    }  # fmt: skip
+    }
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PG_E2E_OPENAI_KEY", OPENAI_KEY)
         patch.setenv("PG_E2E_ANTHROPIC_KEY", ANTHROPIC_KEY)
@@ -163,8 +177,12 @@ def test_anthropic_beta_header_reaches_only_the_anthropic_upstream(upstreams, an
 
 
 def test_anthropic_sdk_gets_thinking_blocks_through(upstreams, ant):
-    with ant.messages.stream(model="an", max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024},
-                             messages=[{"role": "user", "content": "What is a solar eclipse?"}]) as stream:  # fmt: skip
+    with ant.messages.stream(
+        model="an",
+        max_tokens=2048,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "What is a solar eclipse?"}],
+    ) as stream:
         final = stream.get_final_message()
     assert [block.type for block in final.content] == ["thinking", "text"]
     assert final.content[0].signature and final.stop_reason == "refusal" and final.usage.output_tokens == 106

@@ -20,12 +20,26 @@ from gateway.service.stats import GatewayStats, PrefixGroups, prefill_seconds_sa
 
 def engine_stats(**overrides) -> EngineStats:
     fields = dict(
-        requests=2, prompt_tokens=100, prefix_query_tokens=100, prefix_hit_tokens=32, prefill_tokens=68,
-        prefill_seconds=0.34, inflight_shared_tokens=16, decode_tokens=10, decode_seconds=0.5, blocks_total=64,
-        blocks_used=0, blocks_cached=6, blocks_free=58, evictions=1, preemptions=0, running=0, waiting=0,
+        requests=2,
+        prompt_tokens=100,
+        prefix_query_tokens=100,
+        prefix_hit_tokens=32,
+        prefill_tokens=68,
+        prefill_seconds=0.34,
+        inflight_shared_tokens=16,
+        decode_tokens=10,
+        decode_seconds=0.5,
+        blocks_total=64,
+        blocks_used=0,
+        blocks_cached=6,
+        blocks_free=58,
+        evictions=1,
+        preemptions=0,
+        running=0,
+        waiting=0,
         ttft=Histogram(buckets=(0.1, 1.0, float("inf")), counts=(1, 2, 2), count=2, sum=0.6),
         tpot=Histogram(buckets=(0.1, float("inf")), counts=(10, 10), count=10, sum=0.5),
-    )  # fmt: skip
+    )
     fields.update(overrides)
     return EngineStats(**fields)
 
@@ -124,13 +138,24 @@ def test_two_registries_do_not_collide():
 
 def test_request_log_line_has_counts_and_never_text(caplog):
     record = RequestRecord(
-        request_id="r1", path="/v1/chat/completions", status=200, model="m", stream=True, prompt_tokens=40,
-        cached_tokens=32, completion_tokens=5, ttft_s=0.0123, duration_s=0.5, finish_reason="stop", prefix_key="ab12",
-    )  # fmt: skip
+        request_id="r1",
+        path="/v1/chat/completions",
+        status=200,
+        model="m",
+        stream=True,
+        prompt_tokens=40,
+        cached_tokens=32,
+        completion_tokens=5,
+        ttft_s=0.0123,
+        duration_s=0.5,
+        finish_reason="stop",
+        prefix_key="ab12",
+    )
     line = format_record(record)
     assert line == (
-        "request_id=r1 path=/v1/chat/completions status=200 model=m stream=true prompt_tokens=40 cached_tokens=32 "
-        "completion_tokens=5 ttft_ms=12.3 duration_ms=500.0 finish_reason=stop prefix_key=ab12"
+        "request_id=r1 path=/v1/chat/completions status=200 model=m stream=true prompt_tokens=40 "
+        "cached_tokens=32 completion_tokens=5 ttft_ms=12.3 duration_ms=500.0 finish_reason=stop "
+        "prefix_key=ab12"
     )
     with caplog.at_level(logging.INFO, logger="prefixgate.request"):
         log_request(RequestRecord(request_id="r2", path="/x", status=400, model='we"ird name'))
@@ -146,13 +171,21 @@ def test_upstream_models_report_replicas_without_credentials(monkeypatch):
             "rules": [],
             "models": [
                 {"name": "local", "backend": "embedded"},
-                {"name": "gpt", "backend": "openai", "api_key": "env:PG_STATS_KEY",
-                 "base_url": ["https://user:pa55word@a.example/v1?api_key=" + key, "https://b.example/v1"]},
-                {"name": "claude", "backend": "anthropic", "api_key": "env:PG_STATS_KEY",
-                 "base_url": "https://api.anthropic.test"},
+                {
+                    "name": "gpt",
+                    "backend": "openai",
+                    "api_key": "env:PG_STATS_KEY",
+                    "base_url": ["https://user:pa55word@a.example/v1?api_key=" + key, "https://b.example/v1"],
+                },
+                {
+                    "name": "claude",
+                    "backend": "anthropic",
+                    "api_key": "env:PG_STATS_KEY",
+                    "base_url": "https://api.anthropic.test",
+                },
             ],
         }
-    )  # fmt: skip
+    )
     gateway = create_app(config).state.gateway
     lease = gateway.registry.get("gpt").upstream.ring.acquire("some prefix key")
     doc = gateway.stats_snapshot()

@@ -141,8 +141,12 @@ def test_lookback_window_gets_an_intermediate_breakpoint():
         "model": "claude-sonnet-4-5",
         "max_tokens": 5,
         "system": [{"type": "text", "text": words(1100)}],
-        "messages": [{"role": "user", "content": blocks}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}],
-    }  # fmt: skip
+        "messages": [
+            {"role": "user", "content": blocks},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "next"},
+        ],
+    }
     new, plan = add_breakpoints(body, default_boundaries(body), "claude-sonnet-4-5", counter=WORDS)
     # flat positions: system block 0, message blocks 1..30; history ends at 31 ("ok"); 31 - 0 > 20
     assert [(b.kind, b.position) for b in plan.breakpoints] == [
@@ -160,11 +164,16 @@ def test_uncacheable_blocks_are_skipped_within_the_message():
         "system": words(1200),
         "messages": [
             {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": [{"type": "text", "text": "let me think"},
-                                             {"type": "redacted_thinking", "data": "xyz"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "let me think"},
+                    {"type": "redacted_thinking", "data": "xyz"},
+                ],
+            },
             {"role": "user", "content": "go on"},
         ],
-    }  # fmt: skip
+    }
     new, _ = add_breakpoints(body, default_boundaries(body), "claude-sonnet-4-5", counter=WORDS)
     assert ("messages", 1, 0) in [where for where, _ in marks(new)]
     assert "cache_control" not in new["messages"][1]["content"][1]
@@ -174,8 +183,9 @@ def test_a_boundary_inside_a_text_block_splits_it():
     text = words(1100, "doc_") + " What is it?"
     split_at = len(words(1100, "doc_"))
     body = {"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": [{"role": "user", "content": text}]}
-    new, plan = add_breakpoints(body, {"documents": Boundary(("messages", 0, 0), split_at)}, "claude-sonnet-4-5",
-                                counter=WORDS)  # fmt: skip
+    new, plan = add_breakpoints(
+        body, {"documents": Boundary(("messages", 0, 0), split_at)}, "claude-sonnet-4-5", counter=WORDS
+    )
     head, tail = new["messages"][0]["content"]
     assert head == {"type": "text", "text": text[:split_at], "cache_control": {"type": "ephemeral"}}
     assert tail == {"type": "text", "text": " What is it?"}
@@ -198,12 +208,22 @@ def test_boundaries_from_the_rules_segments():
         "tools": [{"name": "t", "input_schema": {"type": "object"}}],
         "messages": [
             {"role": "user", "content": "<document>" + words(300) + "</document> first question"},
-            {"role": "assistant", "content": [{"type": "text", "text": "first answer"},
-                                             {"type": "tool_use", "id": "t1", "name": "t", "input": {}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"},
-                                        {"type": "text", "text": "Current time: 09:45. next question"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "first answer"},
+                    {"type": "tool_use", "id": "t1", "name": "t", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "r"},
+                    {"type": "text", "text": "Current time: 09:45. next question"},
+                ],
+            },
         ],
-    }  # fmt: skip
+    }
     request = parse_messages_body(body)
     prompt = openai_to_anthropic(request.messages, request.tools)
     doc_end = len("<document>" + words(300) + "</document>")

@@ -38,8 +38,15 @@ RICH_BODY = {
         {
             "role": "user",
             "content": [
-                {"type": "text", "text": "<document>Doc</document> What is it?", "cache_control": {"type": "ephemeral"}},
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                {
+                    "type": "text",
+                    "text": "<document>Doc</document> What is it?",
+                    "cache_control": {"type": "ephemeral"},
+                },
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                },
                 {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
                 {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}},
             ],
@@ -49,16 +56,26 @@ RICH_BODY = {
             "content": [
                 {"type": "thinking", "thinking": "hmm", "signature": "c2ln"},
                 {"type": "text", "text": "Let me look."},
-                {"type": "tool_use", "id": "t1", "name": "search", "input": {"q": "x", "n": 2},
-                 "cache_control": {"type": "ephemeral"}},
+                {
+                    "type": "tool_use",
+                    "id": "t1",
+                    "name": "search",
+                    "input": {"q": "x", "n": 2},
+                    "cache_control": {"type": "ephemeral"},
+                },
                 {"type": "tool_use", "id": "t2", "name": "search", "input": {}},
             ],
         },
         {
             "role": "user",
             "content": [
-                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "found"}],
-                 "is_error": False, "cache_control": {"type": "ephemeral"}},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [{"type": "text", "text": "found"}],
+                    "is_error": False,
+                    "cache_control": {"type": "ephemeral"},
+                },
                 {"type": "tool_result", "tool_use_id": "t2", "content": "nothing", "is_error": True},
                 {"type": "text", "text": "And now?"},
             ],
@@ -67,8 +84,13 @@ RICH_BODY = {
         {"role": "user", "content": "plain question"},
     ],
     "tools": [
-        {"name": "search", "description": "Search.", "input_schema": {"type": "object"}, "strict": True,
-         "cache_control": {"type": "ephemeral"}},
+        {
+            "name": "search",
+            "description": "Search.",
+            "input_schema": {"type": "object"},
+            "strict": True,
+            "cache_control": {"type": "ephemeral"},
+        },
         {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
     ],
     "tool_choice": {"type": "tool", "name": "search"},
@@ -78,7 +100,7 @@ RICH_BODY = {
     "stop_sequences": ["END", "STOP"],
     "stream": True,
     "metadata": {"user_id": "user-42"},
-}  # fmt: skip
+}
 
 
 # ---- parsing
@@ -104,9 +126,12 @@ def test_parse_builds_the_internal_request():
         "user",
     ]
     assert request.messages[3] == {
-        "role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "found"}], "is_error": False,
+        "role": "tool",
+        "tool_call_id": "t1",
+        "content": [{"type": "text", "text": "found"}],
+        "is_error": False,
         "cache_control": {"type": "ephemeral"},
-    }  # fmt: skip
+    }
     assert request.messages[1]["content"][1] == {
         "type": "image_url",
         "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
@@ -165,14 +190,21 @@ def test_part_blocks_map_every_canonical_part():
 def test_empty_text_parts_are_sent_as_no_block_and_hand_their_breakpoint_back():
     # what the default rules leave after hoisting a system block that held only the date
     messages = [
-        {"role": "system", "content": [
-            {"type": "text", "text": "Be brief."},
-            {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
-        ]},
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "Be brief."},
+                {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+            ],
+        },
         {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": ""}]},
-        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "ok"}]},
-    ]  # fmt: skip
+        {
+            "role": "tool",
+            "tool_call_id": "t1",
+            "content": [{"type": "text", "text": ""}, {"type": "text", "text": "ok"}],
+        },
+    ]
     prompt = openai_to_anthropic(messages, None)
     assert prompt.system == [
         {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
@@ -180,10 +212,13 @@ def test_empty_text_parts_are_sent_as_no_block_and_hand_their_breakpoint_back():
     assert prompt.messages == [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]},
-        ]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]},
+            ],
+        },
+    ]
     assert prompt.part_blocks[:3] == [
         [("system", 0), None],
         [None, ("messages", 0, 0)],
@@ -195,12 +230,15 @@ def test_empty_text_parts_are_sent_as_no_block_and_hand_their_breakpoint_back():
 def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
     marked = {"type": "ephemeral"}
     messages = [
-        {"role": "system", "content": [
-            {"type": "text", "text": "A", "cache_control": marked},
-            {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
-        ]},
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "A", "cache_control": marked},
+                {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+            ],
+        },
         {"role": "user", "content": "hi"},
-    ]  # fmt: skip
+    ]
     assert openai_to_anthropic(messages, None).system == [
         {"type": "text", "text": "A", "cache_control": marked}
     ]
@@ -219,24 +257,44 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
         (lambda b: b["messages"][0].update(content=5), "messages[0].content"),
         (lambda b: b["messages"][0].update(content=[{"type": "text"}]), "messages[0].content[0].text"),
         (lambda b: b["messages"][0].update(content=[{"text": "x"}]), "messages[0].content[0].type"),
-        (lambda b: b["messages"][0].update(content=[{"type": "tool_use", "id": "1", "name": "n", "input": {}}]),
-         "messages[0].content[0]"),
-        (lambda b: b["messages"][0].update(content=[{"type": "image", "source": {"type": "svg"}}]),
-         "messages[0].content[0].source.type"),
-        (lambda b: b["messages"][0].update(content=[{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]),
-         "messages[0].content[0].cache_control.ttl"),
-        (lambda b: b.update(system=[{"type": "image", "source": {"type": "url", "url": "u"}}]), "system[0].type"),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "tool_use", "id": "1", "name": "n", "input": {}}]
+            ),
+            "messages[0].content[0]",
+        ),
+        (
+            lambda b: b["messages"][0].update(content=[{"type": "image", "source": {"type": "svg"}}]),
+            "messages[0].content[0].source.type",
+        ),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]
+            ),
+            "messages[0].content[0].cache_control.ttl",
+        ),
+        (
+            lambda b: b.update(system=[{"type": "image", "source": {"type": "url", "url": "u"}}]),
+            "system[0].type",
+        ),
         (lambda b: b.update(temperature=1.5), "temperature"),
         (lambda b: b.update(top_k=-1), "top_k"),
         (lambda b: b.update(stop_sequences=["ok", ""]), "stop_sequences"),
         (lambda b: b.update(stream="yes"), "stream"),
         (lambda b: b.update(tools=[{"name": "a"}]), "tools[0].input_schema"),
-        (lambda b: b.update(tools=[{"name": "a", "input_schema": {}}, {"name": "a", "input_schema": {}}]), "tools[1].name"),
-        (lambda b: b.update(tool_choice={"type": "tool", "name": "missing"}, tools=[{"name": "a", "input_schema": {}}]),
-         "tool_choice.name"),
+        (
+            lambda b: b.update(tools=[{"name": "a", "input_schema": {}}, {"name": "a", "input_schema": {}}]),
+            "tools[1].name",
+        ),
+        (
+            lambda b: b.update(
+                tool_choice={"type": "tool", "name": "missing"}, tools=[{"name": "a", "input_schema": {}}]
+            ),
+            "tool_choice.name",
+        ),
         (lambda b: b.update(metadata={"user_id": 7}), "metadata.user_id"),
     ],
-)  # fmt: skip
+)
 def test_bad_bodies_name_the_field(change, param):
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
     change(body)
@@ -259,44 +317,86 @@ def test_openai_messages_translate_to_anthropic():
     messages = [
         {"role": "system", "content": "Sys A"},
         {"role": "developer", "content": [{"type": "text", "text": "Sys B"}]},
-        {"role": "user", "content": [{"type": "text", "text": "see"},
-                                     {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/"}}]},
-        {"role": "assistant", "content": "calling", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
-            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": "calling",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+                {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "r1"},
         {"role": "tool", "tool_call_id": "c2", "content": "r2"},
         {"role": "system", "content": "Current time: 09:45"},
         {"role": "user", "content": "next"},
-    ]  # fmt: skip
+    ]
     prompt = openai_to_anthropic(messages, None)
     assert prompt.system == [{"type": "text", "text": "Sys A"}, {"type": "text", "text": "Sys B"}]
     assert prompt.messages == [
-        {"role": "user", "content": [{"type": "text", "text": "see"},
-                                     {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "calling"},
-                                          {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}},
-                                          {"type": "tool_use", "id": "c2", "name": "f", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "r1"},
-                                     {"type": "tool_result", "tool_use_id": "c2", "content": "r2"},
-                                     {"type": "text", "text": "Current time: 09:45"}]},  # joins the results' turn
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "calling"},
+                {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}},
+                {"type": "tool_use", "id": "c2", "name": "f", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "c1", "content": "r1"},
+                {"type": "tool_result", "tool_use_id": "c2", "content": "r2"},
+                {"type": "text", "text": "Current time: 09:45"},
+            ],
+        },  # joins the results' turn
         {"role": "user", "content": "next"},
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]},
-         "messages[0].content[0].type"),
-        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}]},
-         "messages[0].content[0].image_url.url"),
-        ({"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
-         "messages[0].tool_calls[0].function.arguments"),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}],
+            },
+            "messages[0].content[0].type",
+        ),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}],
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         ({"role": "tool", "content": "r"}, "messages[0].tool_call_id"),
     ],
-)  # fmt: skip
+)
 def test_content_anthropic_cannot_carry_is_a_400(message, param):
     with pytest.raises(InvalidRequestError) as info:
         openai_to_anthropic([message], None)
