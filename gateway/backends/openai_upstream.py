@@ -132,8 +132,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             await opened.aclose()
 
 
-# ---- translation helpers
-# ------------------------------------------------------------------------------------
+# ---- translation helpers -----------------------------------------------------------------------------------
 
 
 def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: bool) -> None:
@@ -289,8 +288,7 @@ async def _events_from_json(
     yield Finish(reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))
 
 
-# ---- registry
-# -----------------------------------------------------------------------------------------------
+# ---- registry ----------------------------------------------------------------------------------------------
 
 
 def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:

@@ -36,8 +36,7 @@ from gateway.transport.sse import SSEEvent, iter_sse
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read
 
-# ---- the shared client and one upstream call
-# ----------------------------------------------------------------
+# ---- the shared client and one upstream call ---------------------------------------------------------------
 
 
 def make_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.AsyncClient:
