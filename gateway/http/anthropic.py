@@ -1,4 +1,8 @@
-"""HTTP routes of the Anthropic face: ``POST /v1/messages`` (parse, pipeline, Message JSON or SSE)."""
+"""HTTP routes of the Anthropic face: ``POST /v1/messages``. Bodies are parsed and answers rendered by
+``gateway.protocols.anthropic`` (an Anthropic upstream's own events relayed verbatim); the path in between is
+``gateway.service.pipeline``'s. Errors before the response starts go to the app's handler (Anthropic error
+JSON on this path); after it, an SSE ``error`` event. Reference: https://docs.anthropic.com/en/api/messages
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""HTTP routes of the OpenAI face: chat completions, completions, model list, health."""
+"""HTTP routes of the OpenAI face: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /healthz``. Bodies are parsed and answers rendered by
+``gateway.protocols.openai``; the path in between is ``gateway.service.pipeline``'s. Errors before the
+response starts go to the app's handler (OpenAI error JSON); after it, an in-band error chunk.
+Reference: https://platform.openai.com/docs/api-reference/chat
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Canonicalization of chat requests by the configured rules, and the per-request opt-out header.
+"""Canonicalization of chat requests by the configured rules (the opt-out header is read in
+``gateway.core.headers``).
 
 Every chat request to every backend passes through ``Canonicalizer.apply`` before routing. With rules on
 (the default), the request's messages and tools are replaced by the rules' canonical ones. With

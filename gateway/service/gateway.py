@@ -1,4 +1,5 @@
-"""The running gateway's services (one per app): config, model registry, canonicalizer, stats, metrics."""
+"""The running gateway's services (one per app): config, model registry, canonicalizer, stats, metrics.
+The stats document asks each backend for its engine counters and replicas (``Backend`` capabilities)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The protocol-independent path of one request: canonicalize, key, route, open the backend stream, and keep
 the stats and the request log exactly once per request.
 
-A protocol face (OpenAI, Anthropic) parses its body into a ``ChatRequest``, calls ``begin`` then
-``open_stream``, and formats the ``OpenedStream``'s events. ``open_stream`` waits for the backend's first
+An HTTP face (``gateway.http.openai``, ``gateway.http.anthropic``) parses its body into a ``ChatRequest``,
+calls ``open_stream`` with the request's path and arrival time (this layer sees no HTTP request object), and
+renders the ``OpenedStream``'s events. ``open_stream`` waits for the backend's first
 event before returning, so errors raised before any output (unknown model, prompt too long, bad parameter)
 become a proper HTTP error status instead of a broken stream.
 
