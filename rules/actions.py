@@ -17,7 +17,7 @@ import re
 import unicodedata
 from typing import Any
 
-from rules.markdown import fenced_code_ranges, overlaps
+from rules.markdown import code_ranges, overlaps
 from rules.model import ROUND_UNITS, NormalizeOptions, Rule
 from rules.patterns import base_group_name, group_span, group_texts
 
@@ -33,6 +33,8 @@ def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
         (new text, number of applications, hoisted values in order of appearance). Hoisted values are the
         matched span stripped of surrounding whitespace.
     """
+    if rule.action == "keep":
+        return text, 0, []  # a keep rule changes nothing itself: it protects text from the other rules
     if rule.action in ("hoist", "drop"):
         return _remove_matches(rule, text)
     edits: list[tuple[int, int, str]] = []
@@ -75,13 +77,39 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
 
 
 def _matches(rule: Rule, text: str) -> list[Any]:
-    """Non-empty matches of the rule's pattern, left to right, minus those overlapping fenced code when
-    ``rule.skip_code``."""
+    """Non-empty matches of the rule's pattern, left to right, minus those overlapping text a ``keep`` rule
+    of the same rule set protects (``rule.kept_by``) and, when ``rule.skip_code``, those overlapping a fenced
+    or indented code block."""
     matches = [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
-    if rule.skip_code and matches and ("```" in text or "~~~" in text):
-        code = fenced_code_ranges(text)
-        matches = [m for m in matches if not overlaps(code, m.start(), m.end())]
+    if not matches:
+        return matches
+    protected = kept_ranges(rule.kept_by, text)
+    if rule.skip_code:
+        protected = _merge(protected + code_ranges(text))
+    if protected:
+        matches = [m for m in matches if not overlaps(protected, m.start(), m.end())]
     return matches
+
+
+def kept_ranges(keep_rules: tuple[Rule, ...], text: str) -> list[tuple[int, int]]:
+    """Sorted, merged [start, end) ranges of ``text`` that ``keep`` rules protect (each rule's ``group``)."""
+    ranges: list[tuple[int, int]] = []
+    for keep in keep_rules:
+        for match in keep.pattern.finditer(text):
+            start, end = group_span(match, keep.group)
+            if end > start:
+                ranges.append((start, end))
+    return _merge(ranges)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
@@ -181,17 +209,65 @@ def am_form(ampm: str) -> str:
 def normalize_text(text: str, options: NormalizeOptions) -> str:
     """``text`` with Unicode normalized, line endings made LF, trailing spaces and tabs removed from every
     line, and runs of blank lines cut to ``options.blank_lines`` (in that order; with trailing spaces kept,
-    only empty lines count as blank). The result is a fixed point: normalizing it again changes nothing."""
+    only empty lines count as blank).
+
+    With ``options.skip_code`` the lines of fenced and indented code blocks (``rules.markdown.code_ranges``,
+    fences included) keep their trailing spaces and their blank-line runs. With ``options.hard_breaks`` a
+    Markdown hard line break (a line of text ending in two or more spaces, followed by a line of text,
+    CommonMark 6.7) keeps exactly two trailing spaces. The result is a fixed point: normalizing it again
+    changes nothing.
+    """
     if options.unicode:
         text = unicodedata.normalize(options.unicode, text)
     if options.line_endings:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if options.trailing_spaces:
-        text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
-    if options.blank_lines is not None:
-        keep = options.blank_lines + 1
-        text = re.sub("\n{" + str(keep + 1) + ",}", "\n" * keep, text)
-    return text
+    if not options.skip_code and not options.hard_breaks:
+        if options.trailing_spaces:
+            text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
+        if options.blank_lines is not None:
+            keep = options.blank_lines + 1
+            text = re.sub("\n{" + str(keep + 1) + ",}", "\n" * keep, text)
+        return text
+    return _normalize_lines(text, options)
+
+
+def _normalize_lines(text: str, options: NormalizeOptions) -> str:
+    """``normalize_text``'s line pass when code blocks or hard breaks are kept."""
+    lines = text.split("\n")
+    code_line = [False] * len(lines)
+    if options.skip_code:
+        starts = [0]
+        for line in lines[:-1]:
+            starts.append(starts[-1] + len(line) + 1)
+        index = 0
+        for start, end in code_ranges(text):
+            while index < len(lines) and starts[index] < start:
+                index += 1
+            while index < len(lines) and starts[index] < end:
+                code_line[index] = True
+                index += 1
+    out: list[str] = []
+    blank_run = 0
+    for i, line in enumerate(lines):
+        if code_line[i]:
+            out.append(line)
+            blank_run = 0
+            continue
+        if options.trailing_spaces:
+            stripped = line.rstrip(" \t")
+            if (options.hard_breaks and stripped.strip() and line.endswith("  ") and i + 1 < len(lines)
+                    and lines[i + 1].strip(" \t") and not code_line[i + 1]):
+                stripped += "  "
+            line = stripped
+        blank = not line if options.trailing_spaces else line == ""
+        if blank:
+            blank_run += 1
+            if options.blank_lines is not None and blank_run > options.blank_lines:
+                continue
+        else:
+            blank_run = 0
+        out.append(line)
+    return "\n".join(out)
 
 
 def canonical_json_value(value: Any) -> Any:

@@ -8,7 +8,14 @@ import random
 import pytest
 
 from rules import load_ruleset
-from tests.rules.formats import ANCHOR_REMAINDER, DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
+from tests.rules.formats import (
+    ANCHOR_OTHER_HOISTED,
+    ANCHOR_REMAINDER,
+    DATE_ANCHORS,
+    DATE_FORMATS,
+    OTHER_VOLATILE,
+    random_datetime,
+)
 from tests.rules.helpers import all_text
 
 DEFAULT = load_ruleset(["default"])
@@ -35,7 +42,8 @@ def test_dates_in_every_form_and_anchor_give_identical_stable_prefix(anchor: str
     for canon, value in zip(canons, values, strict=True):
         assert canon.messages[0]["content"] == expected_system
         assert canon.messages[1:3] == request("")[1:3]  # history untouched
-        assert len(canon.hoisted) == 1 and value in canon.hoisted[0]
+        assert sum(value in h for h in canon.hoisted) == 1
+        assert [h for h in canon.hoisted if value not in h] == ANCHOR_OTHER_HOISTED.get(anchor, [])
         assert value in canon.messages[3]["content"]  # preserved, in the last user turn
         assert canon.messages[3]["content"].endswith("\n\nWhat day is it?")
 
