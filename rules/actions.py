@@ -77,9 +77,9 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
 
 
 def _matches(rule: Rule, text: str) -> list[Any]:
-    """Non-empty matches of the rule's pattern, left to right, minus those overlapping text a ``keep`` rule
-    of the same rule set protects (``rule.kept_by``) and, when ``rule.skip_code``, those overlapping a fenced
-    or indented code block."""
+    """Non-empty matches of the rule's pattern, left to right, minus those whose acted-on span (the rule's
+    group for hoist, drop and replace) overlaps text a ``keep`` rule of the same rule set protects
+    (``rule.kept_by``) or, when ``rule.skip_code``, a fenced or indented code block."""
     matches = [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
     if not matches:
         return matches
@@ -87,8 +87,16 @@ def _matches(rule: Rule, text: str) -> list[Any]:
     if rule.skip_code:
         protected = _merge(protected + code_ranges(text))
     if protected:
-        matches = [m for m in matches if not overlaps(protected, m.start(), m.end())]
+        acted = rule.group if rule.action in ("hoist", "drop", "replace") else 0
+        matches = [m for m in matches if not overlaps(protected, *_acted_span(m, acted))]
     return matches
+
+
+def _acted_span(match: Any, group: int | str) -> tuple[int, int]:
+    """The span a rule acts on (its group; the whole match when the group did not take part): text
+    consumed around it, such as the end of the previous sentence, may be protected."""
+    start, end = group_span(match, group)
+    return (start, end) if start >= 0 else match.span()
 
 
 def kept_ranges(keep_rules: tuple[Rule, ...], text: str) -> list[tuple[int, int]]:
