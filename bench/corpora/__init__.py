@@ -108,6 +108,24 @@ def _slot_values(name: str, spec: Any, times: list[datetime], count: int, where:
     raise CorpusError(f"{where}: slot '{name}' must be a list of strings or {{date: FORMAT}}")
 
 
+def _render(
+    template: str, blocks: dict[str, str], slots: dict[str, list[str]], i: int, where: str
+) -> tuple[str, tuple[str, ...]]:
+    """Variant ``i`` of ``template``: (system text, its volatile spans in order)."""
+    spans: list[str] = []
+
+    def fill(match: re.Match[str]) -> str:
+        if match.group(1):
+            if match.group(2) not in blocks:
+                raise CorpusError(f"{where}: unknown block {match.group(2)!r}")
+            return blocks[match.group(2)]
+        value = slots[match.group(2)][i]
+        spans.append(value)
+        return value
+
+    return _SLOT.sub(fill, template), tuple(spans)
+
+
 def load_prompts(path: Path = PROMPTS_FILE) -> list[PromptCase]:
     """Corpus (a): every prompt of ``path`` with its variants.
 
@@ -131,23 +149,9 @@ def load_prompts(path: Path = PROMPTS_FILE) -> list[PromptCase]:
             raise CorpusError(f"{where}: slots used {sorted(used)} but defined {sorted(slots)}")
         variants = []
         for i in range(count):
-            spans: list[str] = []
-
-            def fill(match: re.Match[str], i: int = i, spans: list[str] = spans) -> str:
-                if match.group(1):
-                    if match.group(2) not in blocks:
-                        raise CorpusError(f"{where}: unknown block {match.group(2)!r}")
-                    return blocks[match.group(2)]
-                value = slots[match.group(2)][i]
-                spans.append(value)
-                return value
-
-            system = _SLOT.sub(fill, template)
-            variants.append(
-                Variant(
-                    [{"role": "system", "content": system}, {"role": "user", "content": user}], tuple(spans)
-                )
-            )
+            system, spans = _render(template, blocks, slots, i, where)
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            variants.append(Variant(messages, spans))
         cases.append(PromptCase(entry["id"], kind, tuple(variants)))
     return cases
 
