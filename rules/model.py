@@ -155,10 +155,21 @@ class Rule:
 
 
 def with_keep_rules(rules: tuple[Rule, ...] | list[Rule]) -> tuple[Rule, ...]:
-    """``rules`` with every span rule other than ``keep`` given all the ``keep`` rules of the list (wherever
-    they stand in it) as ``kept_by``: protection does not depend on load order."""
+    """``rules`` with every span rule other than ``keep`` given, as ``kept_by``, the ``keep`` rules of the list
+    (wherever they stand in it: protection does not depend on load order) whose roles cover all of the rule's
+    roles: a keep rule for system text never blocks a rule that also acts on user text."""
     keeps = tuple(r for r in rules if r.action == "keep")
     if not keeps:
         return tuple(rules)
-    return tuple(replace(r, kept_by=keeps) if r.action in SPAN_ACTIONS and r.action != "keep" else r
-                 for r in rules)
+
+    def covers(keep: Rule, rule: Rule) -> bool:
+        if keep.selector.roles is None:
+            return True
+        return rule.selector.roles is not None and rule.selector.roles <= keep.selector.roles
+
+    out: list[Rule] = []
+    for rule in rules:
+        if rule.action in SPAN_ACTIONS and rule.action != "keep":
+            rule = replace(rule, kept_by=tuple(k for k in keeps if covers(k, rule)))
+        out.append(rule)
+    return tuple(out)
