@@ -12,6 +12,7 @@ left-to-right rebuild, so the work is linear in the text length however many mat
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
@@ -83,9 +84,7 @@ def _matches(rule: Rule, text: str) -> list[Any]:
     matches = [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
     if not matches:
         return matches
-    protected = kept_ranges(rule.kept_by, text)
-    if rule.skip_code:
-        protected = _merge(protected + code_ranges(text))
+    protected = _protected_ranges(rule.kept_by, rule.skip_code, text)
     if protected:
         acted = rule.group if rule.action in ("hoist", "drop", "replace") else 0
         matches = [m for m in matches if not overlaps(protected, *_acted_span(m, acted))]
@@ -97,6 +96,16 @@ def _acted_span(match: Any, group: int | str) -> tuple[int, int]:
     consumed around it, such as the end of the previous sentence, may be protected."""
     start, end = group_span(match, group)
     return (start, end) if start >= 0 else match.span()
+
+
+@functools.lru_cache(maxsize=64)
+def _protected_ranges(keep_rules: tuple[Rule, ...], skip_code: bool, text: str) -> tuple[tuple[int, int], ...]:
+    """Ranges of ``text`` that ``keep_rules`` protect, plus its code blocks when ``skip_code``. Cached: every
+    rule of a pass asks about the same texts (a hit costs the hash of the text, which Python keeps)."""
+    protected = kept_ranges(keep_rules, text)
+    if skip_code:
+        protected = _merge(protected + code_ranges(text))
+    return tuple(protected)
 
 
 def kept_ranges(keep_rules: tuple[Rule, ...], text: str) -> list[tuple[int, int]]:
