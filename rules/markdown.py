@@ -16,8 +16,9 @@ PROSE_INFO = frozenset({"", "markdown", "md", "text", "txt", "plaintext", "plain
 wrapped in one fence still gets its rules."""
 
 
-def _fence(line: str) -> tuple[str, int, str] | None:
-    """(fence character, run length, info string) when ``line`` is a fence line (any indentation), else None."""
+def _fence(line: str) -> tuple[str, int, str, int] | None:
+    """(fence character, run length, info string, indentation) when ``line`` is a fence line (any
+    indentation), else None."""
     stripped = line.strip(" \t\r\n")
     if stripped[:1] not in ("`", "~"):
         return None
@@ -28,7 +29,7 @@ def _fence(line: str) -> tuple[str, int, str] | None:
     info = stripped[run:].strip(" \t")
     if char == "`" and "`" in info:
         return None  # inline code such as ```a``` is not a fence (CommonMark 4.5)
-    return char, run, info
+    return char, run, info, _indent(line)
 
 
 def _fenced_ranges(lines: list[str], nested: bool) -> tuple[list[tuple[int, int]], bool]:
@@ -37,22 +38,22 @@ def _fenced_ranges(lines: list[str], nested: bool) -> tuple[list[tuple[int, int]
     inside a ```markdown one; without, CommonMark's rule (the first fence at least as long closes).
     Returns (ranges, whether a block was left open at the end)."""
     ranges: list[tuple[int, int]] = []
-    stack: list[tuple[str, int]] = []
+    stack: list[tuple[str, int, int]] = []
     block_start = 0
     pos = 0
     for line in lines:
         fence = _fence(line)
         if fence is not None:
-            char, run, info = fence
+            char, run, info, indent = fence
             if not stack:
-                stack.append((char, run))
+                stack.append((char, run, indent))
                 block_start = pos
-            elif char == stack[-1][0] and run >= stack[-1][1] and not info:
+            elif char == stack[-1][0] and run >= stack[-1][1] and not info and indent <= stack[-1][2] + 3:
                 stack.pop()
                 if not stack:
                     ranges.append((block_start, pos + len(line)))
             elif nested and info and char == stack[-1][0] and run <= stack[-1][1]:
-                stack.append((char, run))
+                stack.append((char, run, indent))
         pos += len(line)
     if stack:
         ranges.append((block_start, pos))
@@ -64,8 +65,9 @@ def fenced_code_ranges(text: str) -> list[tuple[int, int]]:
 
     Follows CommonMark (https://spec.commonmark.org/0.31.2/#fenced-code-blocks) for what a fence is (3+
     backticks or tildes; a backtick fence's info string holds no backtick; a closing fence has no info
-    string and is at least as long as the opening one), with three differences that keep real prompts
-    right: a fence may be indented any amount (fences inside list items and indented examples), a fence
+    string, is at least as long as the opening one and indented at most 3 columns more), with three
+    differences that keep real prompts right: a fence may be indented any amount (fences inside list items
+    and indented examples; a closing fence is then measured from its opening fence), a fence
     with an info string inside an open block opens a nested block when that reading closes every block
     and the CommonMark reading does not, and a fence wrapping the whole text with a prose info string
     (``PROSE_INFO``) is not code: the ranges inside it are returned instead. An unclosed block runs to the

@@ -1,5 +1,5 @@
 """Generators of volatile values in every form the shipped packs support, and the anchors that make
-them volatile. Used by the stability, preservation and idempotence tests and by bench.rules."""
+them volatile. Used by the stability, preservation and idempotence tests."""
 
 from __future__ import annotations
 

@@ -113,3 +113,10 @@ def test_the_default_whitespace_rule_keeps_code_and_hard_breaks_in_system_text()
     assert canon.messages[0]["content"] == "Roses are red  \nviolets are blue\n\n```\nkeep  \n\n\nthis\n```\n"
     plain = NormalizeOptions()
     assert normalize_text("a  \nb", plain) == "a\nb"  # the option is off by default
+
+
+def test_a_fence_line_indented_deeper_than_its_block_allows_is_content() -> None:
+    block = '```python\ndef f():\n    s = """\n    ```\n    """\n```\n'
+    text = block + "Current date: 2025-03-04"
+    assert _spans(text, fenced_code_ranges(text)) == [block]
+    assert DEFAULT.apply(chat(text)).hoisted == ["Current date: 2025-03-04"]
