@@ -95,6 +95,24 @@ DATE_FAMILIES: dict[str, Family] = {
     "year-sentence": ("The current year is {v}.", lambda d: f"{d.year}"),
     "year-it-is": ("It is {v}.", lambda d: f"{d.year}"),
     "year-label": ("Current year: {v}", lambda d: f"{d.year}"),
+    "date-mid-sentence-with-tail": (
+        "Please keep in mind that the current date is {v} when answering.",
+        lambda d: f"{d:%Y-%m-%d}",
+    ),
+    "phrase-with-joined-clause": (
+        "The current date is {v} and you should use it.",
+        lambda d: f"{d:%A, %B} {d.day}, {d.year}",
+    ),
+    "phrase-with-semicolon-clause": (
+        "Today's date is {v}; use it for relative dates.",
+        lambda d: f"{d:%Y-%m-%d}",
+    ),
+    "year-month-label": ("Current month: {v}", lambda d: f"{d:%Y-%m}"),
+    "week-of-year": (
+        "It is currently {v}.",
+        lambda d: f"week {d.isocalendar().week} of {d.isocalendar().year}",
+    ),
+    "a-weekday": ("Today is {v}.", lambda d: f"a {d:%A}"),
 }
 
 
@@ -175,7 +193,9 @@ PLACE_FAMILIES: dict[str, tuple[str, list[str]]] = {
         "User timezone: {v}",
         ["Pacific Standard Time", "Central European Standard Time", "Tokyo Standard Time"],
     ),
-    "zone-offset": ("Time zone: {v}", ["GMT+2", "+09:00", "UTC-03:30"]),
+    "zone-offset": ("Time zone: {v}", ["GMT+2", "+09:00", "UTC-03:30", "utc"]),
+    "located-at-coordinates": ("The user is located at {v}.", ["52.52, 13.40", "-33.87, 151.21"]),
+    "location-appears": ("The user's location appears to be {v}.", ["Lyon, France", "Kyoto, Japan"]),
     "coordinates-sentence": (
         "The user's location is {v}.",
         ["-23.55, -46.63", "52.52, 13.40", "34.69, 135.50"],
