@@ -1,6 +1,7 @@
 """Rules benchmark: how much of the cacheable prefix the default rules reach on corpora written for prefixgate.
 
-Sections (each a function ``Context -> Section`` in ``SECTIONS``; a new corpus is one more function):
+Sections (each a function ``Context -> Section`` in ``SECTIONS``; a new corpus is one more function, added
+with ``register_section``):
 
 - ``prompts`` (corpus a, ``bench/corpora/prompts.yaml``): 44 system prompts in the shapes real products use
   (assistants, coding agents, search, office add-ins, support bots), each rendered in 4 variants that differ
@@ -283,7 +284,16 @@ def stable_lines_section(ctx: Context) -> Section:
 
 
 SECTIONS: list[Callable[[Context], Section]] = [prompts_section, stable_lines_section]
-"""The sections ``main`` runs, in order; add a corpus by appending its function."""
+"""The sections ``main`` runs, in order (see ``register_section``)."""
+
+
+def register_section(section: Callable[[Context], Section]) -> Callable[[Context], Section]:
+    """Add a corpus section to ``SECTIONS`` (once; usable as a decorator). The function gets the ``Context``
+    (rules under test, ``counter.text``/``counter.tokens``) and returns a ``Section`` whose ``summary`` keys
+    join the final JSON line (e.g. ``share_of_ideal_traces``, ``turns_worse_than_off``)."""
+    if section not in SECTIONS:
+        SECTIONS.append(section)
+    return section
 
 
 def run(

@@ -74,3 +74,22 @@ def test_a_malformed_corpus_is_a_named_error(tmp_path: Path) -> None:
     lines.write_text("examples: 'not a list'\n")
     with pytest.raises(CorpusError, match="category 'examples'"):
         load_stable_lines(lines)
+
+
+def test_a_section_is_added_by_one_call_and_its_keys_join_the_json_line() -> None:
+    from bench import rules as bench_rules
+
+    def traces(ctx: Context) -> bench_rules.Section:
+        tokens = ctx.counter.tokens(ctx.counter.text([{"role": "user", "content": "hi"}]))
+        return bench_rules.Section("traces", [f"{len(tokens)} tokens"], {"share_of_ideal_traces": 1.0})
+
+    before = list(bench_rules.SECTIONS)
+    try:
+        bench_rules.register_section(traces)
+        bench_rules.register_section(traces)
+        assert bench_rules.SECTIONS == [*before, traces]
+        results, summary = run([traces, stable_lines_section], ruleset=DEFAULT)
+        assert [r.title for r in results] == ["traces", "stable lines (corpus c)"]
+        assert summary["share_of_ideal_traces"] == 1.0 and summary["false_hoists"] == 0
+    finally:
+        bench_rules.SECTIONS[:] = before
