@@ -98,10 +98,11 @@ def _acted_span(match: Any, group: int | str) -> tuple[int, int]:
     return (start, end) if start >= 0 else match.span()
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _protected_ranges(keep_rules: tuple[Rule, ...], skip_code: bool, text: str) -> tuple[tuple[int, int], ...]:
     """Ranges of ``text`` that ``keep_rules`` protect, plus its code blocks when ``skip_code``. Cached: every
-    rule of a pass asks about the same texts (a hit costs the hash of the text, which Python keeps)."""
+    rule of a pass asks about the same texts (a hit costs the hash of the text, which Python keeps; at most
+    16 texts are held)."""
     protected = kept_ranges(keep_rules, text)
     if skip_code:
         protected = _merge(protected + code_ranges(text))
