@@ -282,6 +282,15 @@ def test_memory_tag_blocks_are_hoisted_whole(tag: str) -> None:
     _check_hoisted(blocks, HEAD.rstrip("\n") + TAIL)
 
 
+def test_a_one_line_memory_tag_is_hoisted_but_a_tag_inside_an_instruction_stays() -> None:
+    _check_hoisted(
+        [f"<user_memory>{m}</user_memory>" for m in ("Likes tea.", "Has two kids.", "Vegan.")],
+        HEAD.rstrip("\n") + TAIL,
+    )
+    instruction = "Write each new fact as <memory>fact</memory> at the end of your reply."
+    assert DEFAULT.apply(_request(instruction)).hoisted == []
+
+
 def test_git_status_and_recent_commits_blocks_are_hoisted_up_to_a_blank_line() -> None:
     variants = [
         ("Git status:\n M src/app.py\n?? notes.txt", "Recent commits:\na1b2c3d Fix pager"),
