@@ -10,8 +10,9 @@ character offsets that start and end on line boundaries.
 
 from __future__ import annotations
 
-PROSE_INFO = frozenset({"", "markdown", "md", "text", "txt", "plaintext", "plain", "prompt", "system",
-                        "instructions"})
+PROSE_INFO = frozenset(
+    {"", "markdown", "md", "text", "txt", "plaintext", "plain", "prompt", "system", "instructions"}
+)
 """Info strings of a fence that, when it wraps the whole text, marks prose rather than code: a prompt sent
 wrapped in one fence still gets its rules."""
 
@@ -79,8 +80,8 @@ def fenced_code_ranges(text: str) -> list[tuple[int, int]]:
     wrapped = _whole_text_fence(lines)
     if wrapped is not None:
         first, last = wrapped
-        offset = sum(len(line) for line in lines[:first + 1])
-        inner = "".join(lines[first + 1:last])
+        offset = sum(len(line) for line in lines[: first + 1])
+        inner = "".join(lines[first + 1 : last])
         return [(s + offset, e + offset) for s, e in fenced_code_ranges(inner)]
     nested, nested_open = _fenced_ranges(lines, nested=True)
     if not nested_open:
@@ -103,7 +104,7 @@ def _whole_text_fence(lines: list[str]) -> tuple[int, int] | None:
         return None
     if closing[0] != opening[0] or closing[1] < opening[1]:
         return None
-    inner, inner_open = _fenced_ranges(lines[first + 1:last], nested=True)
+    inner, inner_open = _fenced_ranges(lines[first + 1 : last], nested=True)
     if inner_open:
         return None  # the last fence closes something inside: the first fence is not a wrapper
     return first, last
@@ -130,8 +131,11 @@ def _is_list_item(line: str) -> bool:
     if stripped[:2] in ("- ", "* ", "+ ", "• ") or stripped[:1] in ("-", "*", "+") and stripped[1:2] == "\t":
         return True
     digits = len(stripped) - len(stripped.lstrip("0123456789"))
-    return 0 < digits <= 9 and stripped[digits:digits + 1] in (".", ")") and stripped[digits + 1:digits + 2] in (
-        " ", "\t", "\n", "")
+    return (
+        0 < digits <= 9
+        and stripped[digits : digits + 1] in (".", ")")
+        and stripped[digits + 1 : digits + 2] in (" ", "\t", "\n", "")
+    )
 
 
 def indented_code_ranges(text: str, fenced: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
@@ -163,8 +167,14 @@ def indented_code_ranges(text: str, fenced: list[tuple[int, int]] | None = None)
             ranges.append(block)
             block = None
             prev_blank = False  # a run of blank lines ended the block, or text interrupted it
-        if (not in_fence and not blank and _indent(line) >= 4 and prev_blank
-                and not _is_list_item(last_text) and _indent(last_text) < 2):
+        if (
+            not in_fence
+            and not blank
+            and _indent(line) >= 4
+            and prev_blank
+            and not _is_list_item(last_text)
+            and _indent(last_text) < 2
+        ):
             block = (pos, pos + len(line))
         elif not blank:
             last_text = line if not in_fence else ""
