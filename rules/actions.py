@@ -80,15 +80,53 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
 def _matches(rule: Rule, text: str) -> list[Any]:
     """Non-empty matches of the rule's pattern, left to right, minus those whose acted-on span (the rule's
     group for hoist, drop and replace) overlaps text a ``keep`` rule of the same rule set protects
-    (``rule.kept_by``) or, when ``rule.skip_code``, a fenced or indented code block."""
-    matches = [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
-    if not matches:
-        return matches
-    protected = _protected_ranges(rule.kept_by, rule.skip_code, text)
-    if protected:
-        acted = rule.group if rule.action in ("hoist", "drop", "replace") else 0
-        matches = [m for m in matches if not overlaps(protected, *_acted_span(m, acted))]
-    return matches
+    (``rule.kept_by``) or, when ``rule.skip_code``, a fenced or indented code block.
+
+    A rejected match does not hide a later one that overlaps it: the search goes on from just after the
+    rejected match's start (from near the end of the protected range when the match starts inside it, so
+    the work stays linear in the number of protected ranges).
+    """
+    if not rule.kept_by and not rule.skip_code:
+        return [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
+    protected: tuple[tuple[int, int], ...] | None = None
+    acted = rule.group if rule.action in ("hoist", "drop", "replace") else 0
+    out: list[Any] = []
+    pos: int | None = 0
+    while pos is not None and pos <= len(text):
+        resume = None
+        for match in rule.pattern.finditer(text, pos):  # one scan while nothing is rejected
+            if match.end() == match.start():
+                continue
+            if protected is None:
+                protected = _protected_ranges(rule.kept_by, rule.skip_code, text)
+            if protected and overlaps(protected, *_acted_span(match, acted)):
+                inside = _range_containing(protected, match.start())
+                resume = match.start() + 1
+                if inside is not None:
+                    resume = max(resume, inside[1] - _RESUME_SLACK)
+                break
+            out.append(match)
+        pos = resume
+    return out
+
+
+_RESUME_SLACK = 8
+"""Characters before the end of a protected range where the search resumes after a match that started inside
+it: a pattern may consume a few characters before what it acts on (the end of the previous sentence)."""
+
+
+def _range_containing(ranges: tuple[tuple[int, int], ...], pos: int) -> tuple[int, int] | None:
+    """The range of the sorted, disjoint ``ranges`` holding ``pos``, or None."""
+    lo, hi = 0, len(ranges)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ranges[mid][1] <= pos:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < len(ranges) and ranges[lo][0] <= pos:
+        return ranges[lo]
+    return None
 
 
 def _acted_span(match: Any, group: int | str) -> tuple[int, int]:

@@ -170,3 +170,9 @@ def test_keep_needs_a_pattern(tmp_path: Path) -> None:
                 action: keep
             """,
         )
+
+
+def test_a_match_rejected_for_a_kept_range_does_not_hide_the_volatile_sentence_after_it() -> None:
+    canon = DEFAULT.apply(chat(HEAD + "Knowledge cutoff: 2024-06 | Current date: 2025-03-04" + TAIL))
+    assert canon.hoisted == ["Current date: 2025-03-04"]
+    assert canon.messages[0]["content"] == HEAD + "Knowledge cutoff: 2024-06 |" + TAIL

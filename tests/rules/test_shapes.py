@@ -113,6 +113,7 @@ DATE_FAMILIES: dict[str, Family] = {
         lambda d: f"week {d.isocalendar().week} of {d.isocalendar().year}",
     ),
     "a-weekday": ("Today is {v}.", lambda d: f"a {d:%A}"),
+    "time-now-is": ("The time now is {v}.", lambda d: f"{_h12(d)}:{d:%M} {_ampm(d)}"),
 }
 
 
@@ -195,6 +196,13 @@ PLACE_FAMILIES: dict[str, tuple[str, list[str]]] = {
     ),
     "zone-offset": ("Time zone: {v}", ["GMT+2", "+09:00", "UTC-03:30", "utc"]),
     "located-at-coordinates": ("The user is located at {v}.", ["52.52, 13.40", "-33.87, 151.21"]),
+    "user-timezone-is": ("User timezone is {v}.", ["Europe/Berlin", "Asia/Tokyo"]),
+    "your-user-located": ("Your user is located in {v}.", ["Berlin, Germany", "Lima, Peru"]),
+    "label-with-paren": ("Location (approximate): {v}", ["Berlin, Germany", "Lima, Peru"]),
+    "two-facts-one-sentence": (
+        "The user's city is {v} and their timezone is Europe/Berlin.",
+        ["Berlin", "Bonn"],
+    ),
     "location-appears": ("The user's location appears to be {v}.", ["Lyon, France", "Kyoto, Japan"]),
     "coordinates-sentence": (
         "The user's location is {v}.",
@@ -216,6 +224,7 @@ PER_USER_FAMILIES: dict[str, tuple[str, list[str]]] = {
     "name-label": ("User's name: {v}", ["Ann Lee", "Jonas Becker", "María José García"]),
     "name-bold": ("- **User name:** {v}", ["Ann Lee", "Kenji Watanabe", "Ole Hansen"]),
     "name-sentence": ("The user's name is {v}.", ["Ann Lee", "Priya Nair", "Tomás Ruiz"]),
+    "talking-with": ("You are talking with {v}.", ["Ann Lee", "Jonas Becker"]),
     "preferred-name": ("The user's preferred name is {v}.", ["Annie", "Jo", "Mari"]),
     "email-sentence": (
         "The user's email is {v}.",
