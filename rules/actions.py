@@ -32,7 +32,7 @@ def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
 
     Returns:
         (new text, number of applications, hoisted values in order of appearance). Hoisted values are the
-        matched span stripped of surrounding whitespace.
+        matched span stripped of surrounding whitespace and of a trailing item separator (`` |``).
     """
     if rule.action == "keep":
         return text, 0, []  # a keep rule changes nothing itself: it protects text from the other rules
@@ -63,7 +63,7 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
         start, end = group_span(match, rule.group)
         if start < 0 or not text[start:end].strip():
             continue  # a group that did not take part, or only whitespace: nothing to move or drop
-        values.append(text[start:end].strip())
+        values.append(_trim_separator(text[start:end].strip()))
         ranges.append(removal_range(text, start, end))
     if not ranges:
         return text, 0, []
@@ -75,6 +75,17 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
             merged.append((start, end))
     new_text = _splice(text, [(s, e, "") for s, e in merged])
     return new_text, len(values), (values if rule.action == "hoist" else [])
+
+
+_ITEM_SEPARATORS = ("|", "·", "•")
+
+
+def _trim_separator(value: str) -> str:
+    """A hoisted value without the item separator (`` | ``) a pattern took along so that the text it leaves
+    reads right ("A | B | C" without B is "A | C")."""
+    if value.endswith(_ITEM_SEPARATORS) and value[:-1].rstrip() != value[:-1]:
+        return value[:-1].rstrip()
+    return value
 
 
 def _matches(rule: Rule, text: str) -> list[Any]:
@@ -171,8 +182,9 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
     """The range to delete so that removing ``text[start:end]`` leaves tidy text.
 
-    A line that would be left blank goes with one of its line breaks; otherwise one of two space runs
-    that would meet is removed, and a space run left at a line's end or start is removed.
+    A line that would be left blank goes with one of its line breaks; the last item of a line of items
+    ("A | B") takes its separator along; otherwise one of two space runs that would meet is removed, and a
+    space run left at a line's end or start is removed.
     """
     line_start = text.rfind("\n", 0, start) + 1
     line_end = text.find("\n", end)
@@ -184,6 +196,10 @@ def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
         if line_end < len(text):
             return line_start, line_end + 1
         return max(line_start - 1, 0), line_end
+    trimmed = before.rstrip(" \t")
+    if trimmed.endswith(_ITEM_SEPARATORS) and trimmed[:-1].strip() and not after.strip(" \t\r"):
+        # the last item of "A | B": its separator goes with it
+        return line_start + len(trimmed[:-1].rstrip(" \t")), end + (len(after) - len(after.lstrip(" \t")))
     spaces_before = len(before) - len(before.rstrip(" \t"))
     spaces_after = len(after) - len(after.lstrip(" \t"))
     if spaces_before and spaces_after:

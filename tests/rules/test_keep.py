@@ -175,4 +175,15 @@ def test_keep_needs_a_pattern(tmp_path: Path) -> None:
 def test_a_match_rejected_for_a_kept_range_does_not_hide_the_volatile_sentence_after_it() -> None:
     canon = DEFAULT.apply(chat(HEAD + "Knowledge cutoff: 2024-06 | Current date: 2025-03-04" + TAIL))
     assert canon.hoisted == ["Current date: 2025-03-04"]
-    assert canon.messages[0]["content"] == HEAD + "Knowledge cutoff: 2024-06 |" + TAIL
+    assert canon.messages[0]["content"] == HEAD + "Knowledge cutoff: 2024-06" + TAIL
+
+
+def test_items_of_a_separated_line_are_hoisted_with_their_separator() -> None:
+    for date, locale in (("2025-03-04", "en-GB"), ("2026-06-15", "de-DE")):
+        line = f"Knowledge cutoff: 2024-06 | Current date: {date} | Locale: {locale} | Plan: Pro"
+        canon = DEFAULT.apply(chat(HEAD + line + TAIL))
+        assert canon.hoisted == [f"Current date: {date}", f"Locale: {locale}"]
+        assert canon.messages[0]["content"] == HEAD + "Knowledge cutoff: 2024-06 | Plan: Pro" + TAIL
+    last = DEFAULT.apply(chat(HEAD + "Plan: Pro · Timezone: Europe/Berlin" + TAIL))
+    assert last.hoisted == ["Timezone: Europe/Berlin"]
+    assert last.messages[0]["content"] == HEAD + "Plan: Pro" + TAIL
