@@ -3,7 +3,7 @@
 Sections (each a function ``Context -> Section`` in ``SECTIONS``; a new corpus is one more function, added
 with ``register_section``):
 
-- ``prompts`` (corpus a, ``bench/corpora/prompts.yaml``): 44 system prompts in the shapes real products use
+- ``prompts`` (corpus a, ``bench/corpora/prompts.yaml``): 46 system prompts in the shapes real products use
   (assistants, coding agents, search, office add-ins, support bots), each rendered in 4 variants that differ
   only in their volatile values (dates in every form, times, zones, locale, location, user name, memory,
   environment and git blocks, ids). For each variant after the first, the *hit* is the longest common prefix
