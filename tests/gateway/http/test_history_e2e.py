@@ -11,10 +11,12 @@ from __future__ import annotations
 import uuid
 
 import anthropic
+import httpx
 import openai
 import pytest
 
 from tests.gateway.conftest import BLOCK_SIZE, TINY_MODEL
+from tests.gateway.server import ADMIN_HEADERS
 
 SYSTEM = (
     "You are the assistant of the prefix cache test. Answer every question about the capital of france, the "
@@ -208,3 +210,29 @@ def test_cache_header_on_the_anthropic_face_streamed_and_not(server):
     doc = server.stats()
     assert doc["cache_misses"]["models"][TINY_MODEL]["by_cause"]["cold"] >= 2
     assert doc["transcript"]["memory"]["stored"] >= 1
+
+
+def test_rules_off_requests_never_touch_the_transcript_memory(client, server):
+    before = server.stats()["transcript"]["memory"]
+    chat(client, conversation(3), tenant(), rules="off")
+    after = server.stats()["transcript"]["memory"]
+    assert (after["lookups"], after["stored"]) == (before["lookups"], before["stored"])
+
+
+def test_a_failing_explanation_costs_no_request(client, server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("explainer bug")
+
+    monkeypatch.setattr(server.app.state.gateway.cache.explainer, "explain", broken)
+    errors = server.stats()["cache_misses"]["errors"]
+    for stream in (False, True):
+        usage, header = chat(client, conversation(1), tenant(), stream=stream)
+        assert usage.completion_tokens >= 1 and header is None
+    assert server.stats()["cache_misses"]["errors"] == errors + 2
+
+
+def test_metrics_count_misses_by_cause(client, server):
+    chat(client, conversation(1), tenant())
+    text = httpx.get(f"{server.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text
+    assert f'prefixgate_cache_misses_total{{cause="cold",model="{TINY_MODEL}"}}' in text
+    assert 'prefixgate_transcript_total{event="stored"}' in text
