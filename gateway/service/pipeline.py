@@ -24,9 +24,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from engine.errors import EngineError
+from gateway.config.schema import AnthropicUpstream
 from gateway.core.errors import APIError, as_api_error, from_engine_error
 from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
@@ -135,7 +137,10 @@ class OpenedStream:
         try:
             backend = self.gateway.registry.get(self.request.model)
             tokenizer = backend.prompt_tokenizer()
-            explanation = await asyncio.to_thread(cache.explain, self.request, cached, tokenizer)
+            minimum = _min_cacheable(self.gateway, self.request.model)
+            explanation = await asyncio.to_thread(
+                cache.explain, self.request, cached, tokenizer, None, minimum
+            )
         except Exception:  # noqa: BLE001 - an explanation never fails a request
             cache.errors += 1
             return
@@ -252,6 +257,14 @@ class OpenedStream:
                 rules_applied=sum(applied.values()) if request.kind == "chat" else None,
             )
         )
+
+
+def _min_cacheable(gateway: Gateway, model: str) -> int | None:
+    """The upstream's minimum cacheable prompt length in tokens (Anthropic upstreams), else None."""
+    entry = gateway.config.model(model)
+    if not isinstance(entry, AnthropicUpstream):
+        return None
+    return min_cacheable_tokens(entry.upstream_model or entry.name, dict(entry.min_cacheable_tokens))
 
 
 async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:
