@@ -62,6 +62,7 @@ class CacheExplanations:
         tokenizer: PromptTokenizer | None = None,
         provider_cause: str | None = None,
         min_cacheable: int | None = None,
+        granularity: int | None = None,
     ) -> MissExplanation | None:
         """Explain one finished chat request's cache result, count it, and record its prompt.
 
@@ -71,6 +72,8 @@ class CacheExplanations:
             tokenizer: the model's own (``Backend.prompt_tokenizer``); ``cl100k_base`` when None.
             provider_cause: an upstream's own cache diagnostic, when it gave one.
             min_cacheable: the upstream's minimum cacheable prompt length, when it has one.
+            granularity: the cache's unit in tokens (an engine's block size); the explainer's block size
+                when None.
 
         Returns:
             the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
@@ -97,6 +100,7 @@ class CacheExplanations:
                 rendered.stable_tokens,
                 max(0, cached_tokens) + shift,
                 min_cacheable=min_cacheable,
+                granularity=granularity,
                 volatile_spans=spans,
                 provider_cause=provider_cause,
             )

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from engine.errors import EngineError
-from gateway.config.schema import AnthropicUpstream
+from gateway.config.schema import AnthropicUpstream, EmbeddedModel
 from gateway.core.errors import APIError, as_api_error, from_engine_error
 from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
@@ -137,9 +137,9 @@ class OpenedStream:
         try:
             backend = self.gateway.registry.get(self.request.model)
             tokenizer = backend.prompt_tokenizer()
-            minimum = _min_cacheable(self.gateway, self.request.model)
+            minimum, granularity = _cache_unit(self.gateway, self.request.model)
             explanation = await asyncio.to_thread(
-                cache.explain, self.request, cached, tokenizer, None, minimum
+                cache.explain, self.request, cached, tokenizer, None, minimum, granularity
             )
         except Exception:  # noqa: BLE001 - an explanation never fails a request
             cache.errors += 1
@@ -259,12 +259,17 @@ class OpenedStream:
         )
 
 
-def _min_cacheable(gateway: Gateway, model: str) -> int | None:
-    """The upstream's minimum cacheable prompt length in tokens (Anthropic upstreams), else None."""
+def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:
+    """(minimum cacheable prompt length, cache granularity) in tokens of the model's cache: an Anthropic
+    upstream's minimum; an embedded engine's block size; None where unknown."""
     entry = gateway.config.model(model)
-    if not isinstance(entry, AnthropicUpstream):
-        return None
-    return min_cacheable_tokens(entry.upstream_model or entry.name, dict(entry.min_cacheable_tokens))
+    if isinstance(entry, AnthropicUpstream):
+        return min_cacheable_tokens(
+            entry.upstream_model or entry.name, dict(entry.min_cacheable_tokens)
+        ), None
+    if isinstance(entry, EmbeddedModel):
+        return None, entry.engine.block_size
+    return None, None
 
 
 async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:
