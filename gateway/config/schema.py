@@ -144,18 +144,62 @@ class AnthropicUpstream(UpstreamModel):
     min_cacheable_tokens: tuple[tuple[str, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class TranscriptConfig:
+    """The canonical transcript memory (``rules.transcript``; docs/history-stability.md): one per gateway.
+
+    Attributes:
+        max_entries: most transcripts kept in this process (LRU).
+        max_bytes: most bytes of stored transcripts in this process (zlib-compressed JSON).
+        ttl_s: seconds a transcript lives after it was last stored (also the Redis entries' TTL).
+        redis_url: a redis-py URL (``redis://host:6379/0``) to share the memory between gateways; None = this
+            process only. Redis down or slow costs no request: the process's own store answers.
+        redis_prefix: prefix of every Redis key.
+        socket_timeout_s: connect and read timeout of each Redis call (seconds).
+        retry_after_s: seconds Redis is left alone after a failed or slow call.
+    """
+
+    max_entries: int = 10_000
+    max_bytes: int = 256 << 20
+    ttl_s: float = 3600.0
+    redis_url: str | None = None
+    redis_prefix: str = "prefixgate:transcript:"
+    socket_timeout_s: float = 0.05
+    retry_after_s: float = 10.0
+
+
+LEARNING_MODES = ("off", "suggest", "apply")
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    """Learned volatile slots (``rules.learned.SlotLearner``).
+
+    Attributes:
+        mode: ``off`` (learn nothing), ``suggest`` (learn, list in ``/admin/stats``, export with
+            ``prefixgate rules learned``; never rewrite), ``apply`` (learned slots are hoisted like rules).
+        min_distinct: distinct values a span needs before it becomes a slot (>= 2).
+    """
+
+    mode: str = "suggest"
+    min_distinct: int = 3
+
+
 ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
 """One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The whole config. ``source`` is the file it came from (``<default>`` for the built-in one)."""
+    """The whole config. ``source`` is the file it came from (``<default>`` for the built-in one);
+    ``transcript`` the canonical transcript memory, ``rules_learning`` the learned volatile slots."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     rules: tuple[str, ...] = ("default",)
     models: tuple[ModelEntry, ...] = (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
+    transcript: TranscriptConfig = field(default_factory=TranscriptConfig)
+    rules_learning: LearningConfig = field(default_factory=LearningConfig)
     source: str = "<default>"
 
     def model(self, name: str) -> ModelEntry | None:

@@ -11,10 +11,15 @@ from typing import Any
 @dataclass(frozen=True)
 class Delta:
     """Generated text, and/or tool-call fragments in OpenAI's streaming shape
-    (``choices[].delta.tool_calls``)."""
+    (``choices[].delta.tool_calls``).
+
+    ``cached_tokens``: prompt tokens served from a prefix cache, when the backend knows it before ``Finish``
+    (the embedded engine sets it on its first delta), so a streamed answer's headers can report it; None
+    otherwise. Renderers ignore it."""
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

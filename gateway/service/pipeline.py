@@ -1,5 +1,6 @@
 """The protocol-independent path of one request: canonicalize, key, route, open the backend stream, and keep
-the stats and the request log exactly once per request.
+the stats and the request log exactly once per request; explain its cache result (``cache_header``) and
+feed the slot learner once it finished.
 
 An HTTP face (``gateway.http.openai``, ``gateway.http.anthropic``) parses its body into a ``ChatRequest``,
 calls ``open_stream`` with the request's path and arrival time (this layer sees no HTTP request object), and
@@ -16,15 +17,19 @@ Exactly one of these ends each request's bookkeeping:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from engine.errors import EngineError
+from gateway.config.schema import AnthropicUpstream, EmbeddedModel
 from gateway.core.errors import APIError, as_api_error, from_engine_error
 from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
+from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
 from gateway.service.registry import prefix_key
@@ -95,11 +100,52 @@ class OpenedStream:
         self._ttft_s: float | None = None
         self._done = False
         self._closed = False
+        self._explained = False
+        self._cache_header: str | None = None
 
     @property
     def first_event(self) -> BackendEvent | None:
         """The event that opened the stream, until ``events()`` hands it out."""
         return self._first
+
+    def reported_cached_tokens(self, finish: Finish | None = None) -> int | None:
+        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said before
+        the answer (the embedded engine's first delta), else None."""
+        if finish is not None:
+            return finish.usage.cached_tokens
+        first = self._first
+        if isinstance(first, Delta):
+            return first.cached_tokens
+        return None
+
+    async def cache_header(self) -> dict[str, str]:
+        """``{"x-prefixgate-cache": "cached=…; miss=…; at=…"}`` for the response's headers, or ``{}`` when the
+        cached count is not known yet (a stream from an upstream that reports it only at the end) or the
+        request cannot be explained (completions; a failure, counted). Computed once, in a worker thread;
+        never raises."""
+        if not self._explained:
+            cached = self.reported_cached_tokens()
+            if cached is not None:
+                await self._explain(cached)
+        return {CACHE_HEADER: self._cache_header} if self._cache_header is not None else {}
+
+    async def _explain(self, cached: int) -> None:
+        self._explained = True
+        cache = self.gateway.cache
+        if cache is None:
+            return
+        try:
+            backend = self.gateway.registry.get(self.request.model)
+            tokenizer = backend.prompt_tokenizer()
+            minimum, granularity = _cache_unit(self.gateway, self.request.model)
+            explanation = await asyncio.to_thread(
+                cache.explain, self.request, cached, tokenizer, None, minimum, granularity
+            )
+        except Exception:  # noqa: BLE001 - an explanation never fails a request
+            cache.errors += 1
+            return
+        if explanation is not None:
+            self._cache_header = explanation.header_value()
 
     async def events(self) -> AsyncIterator[BackendEvent]:
         """Every event of the backend, ``Finish`` last. Closing this iterator closes the backend's.
@@ -114,6 +160,9 @@ class OpenedStream:
                     self._ttft_s = time.monotonic() - self._started
                 if isinstance(event, Finish):
                     self._record_finish(event)
+                    if not self._explained:
+                        await self._explain(event.usage.cached_tokens)
+                    self.gateway.canonicalizer.learn(self.request)
                     yield event
                     return
                 yield event
@@ -208,6 +257,19 @@ class OpenedStream:
                 rules_applied=sum(applied.values()) if request.kind == "chat" else None,
             )
         )
+
+
+def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:
+    """(minimum cacheable prompt length, cache granularity) in tokens of the model's cache: an Anthropic
+    upstream's minimum; an embedded engine's block size; None where unknown."""
+    entry = gateway.config.model(model)
+    if isinstance(entry, AnthropicUpstream):
+        return min_cacheable_tokens(
+            entry.upstream_model or entry.name, dict(entry.min_cacheable_tokens)
+        ), None
+    if isinstance(entry, EmbeddedModel):
+        return None, entry.engine.block_size
+    return None, None
 
 
 async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:
