@@ -1,0 +1,1 @@
+"""Data files shipped with the gateway (the provider price table)."""

@@ -1,0 +1,340 @@
+"""Anthropic prompt caching for one Messages request: check the client's ``cache_control`` the way the provider
+would, or, when the client sent none, choose between automatic caching and placed breakpoints.
+
+Rules (https://platform.claude.com/docs/en/build-with-claude/prompt-caching):
+
+- *automatic caching*: one top-level ``cache_control`` on the request; the provider puts the breakpoint on the
+  last cacheable block and moves it forward as the conversation grows. It takes one of the 4 breakpoint slots.
+- *explicit breakpoints*: ``cache_control`` on blocks (tools -> system -> messages), at most 4 per request.
+- a hit is looked up at most ``LOOKBACK_BLOCKS`` (20) blocks before each breakpoint;
+- TTL ``5m`` (default) or ``1h``; a ``1h`` breakpoint must not come after a ``5m`` one;
+- a prefix below the model's minimum (512 to 4,096 tokens) is not cached (no error);
+- ``type`` is ``"ephemeral"``; empty text blocks and thinking blocks cannot carry ``cache_control``.
+
+``check_client_cache_control`` raises ``CacheControlError`` (Anthropic's ``invalid_request_error``, 400, in
+Anthropic's own error body) for what the provider would reject: a fifth breakpoint, a ``1h`` after a ``5m``, an
+unknown ``ttl`` or ``type``, a marker on an empty text or a thinking block. A client that sent any
+``cache_control`` keeps it untouched.
+
+``plan_cache_control`` (no client ``cache_control``) scores two candidates over the flat block list of
+``gateway.breakpoints``: *automatic* (a breakpoint on the last cacheable block) and *placed* (``add_breakpoints``
+at the segment boundaries plus lookback breakpoints). Score = (read reach, write reach): the read reach is the
+longest prefix, in tokens, ending at a *read point* that lies within the lookback of one of the plan's
+breakpoints (read points: the segment boundaries and the end of the previous turn, i.e. the last block of the
+message before the last assistant message: where earlier requests of this prefix wrote their entries); the write
+reach is the prefix up to the plan's last breakpoint. Only prefixes at or above the minimum count. The higher
+score wins, ties go to automatic (one slot, moves forward by itself); when neither caches anything the body is
+left alone. The TTL (``5m``, ``1h`` or ``cache_ttl.NO_CACHE``) comes from the caller (``cache_ttl``); every
+marker the gateway adds carries it.
+
+Pure functions over JSON-like dicts; the input body is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.breakpoints import (
+    LOOKBACK_BLOCKS,
+    MAX_BREAKPOINTS,
+    UNCACHEABLE_BLOCKS,
+    BlockPath,
+    Boundary,
+    TokenCounter,
+    _cacheable,
+    _flatten,
+    _resolve,
+    add_breakpoints,
+    default_counter,
+    min_cacheable_tokens,
+)
+from gateway.service.cache_ttl import NO_CACHE
+
+TTLS = ("5m", "1h")
+
+
+class CacheControlError(ValueError):
+    """A client ``cache_control`` the provider would reject; answered before any upstream call with
+    ``anthropic_body()`` and ``status_code`` (400). ``param`` is the offending field's path."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """``{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}``."""
+        return {"type": "error", "error": {"type": self.error_type, "message": str(self)}}
+
+
+@dataclass(frozen=True)
+class ClientBreakpoint:
+    """One client ``cache_control``: its path (``"cache_control"`` for the top-level one, else the block's path
+    such as ``"messages.2.content.0"``), its order in the prompt (top-level: after every block) and its TTL."""
+
+    param: str
+    order: tuple[int, ...]
+    ttl: str
+
+
+def _block_paths(body: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], Any]]:
+    """Every block that may carry ``cache_control``, in prompt order: (param, order key, block)."""
+    out: list[tuple[str, tuple[int, ...], Any]] = []
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        out.extend((f"tools.{i}", (0, i), tool) for i, tool in enumerate(tools))
+    system = body.get("system")
+    if isinstance(system, list):
+        out.extend((f"system.{j}", (1, j), block) for j, block in enumerate(system))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if not isinstance(content, list):
+                continue
+            for j, block in enumerate(content):
+                out.append((f"messages.{i}.content.{j}", (2, i, j), block))
+                inner = block.get("content") if isinstance(block, Mapping) else None
+                if (
+                    isinstance(block, Mapping)
+                    and block.get("type") == "tool_result"
+                    and isinstance(inner, list)
+                ):
+                    out.extend(
+                        (f"messages.{i}.content.{j}.content.{k}", (2, i, j, k), sub)
+                        for k, sub in enumerate(inner)
+                    )
+    return out
+
+
+def _marker_ttl(value: Any, param: str) -> str:
+    if not isinstance(value, Mapping):
+        raise CacheControlError("cache_control must be an object", param)
+    if value.get("type") != "ephemeral":
+        raise CacheControlError(f"cache_control.type must be 'ephemeral', got {value.get('type')!r}", param)
+    ttl = value.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise CacheControlError(f"cache_control.ttl must be '5m' or '1h', got {ttl!r}", param)
+    unknown = set(value) - {"type", "ttl"}
+    if unknown:
+        raise CacheControlError(f"cache_control: unknown field(s) {sorted(unknown)}", param)
+    return ttl
+
+
+def check_client_cache_control(
+    body: Mapping[str, Any], max_breakpoints: int = MAX_BREAKPOINTS
+) -> list[ClientBreakpoint]:
+    """The client's breakpoints in prompt order, after the provider's checks.
+
+    Raises:
+        CacheControlError: more than ``max_breakpoints`` (the top-level one included), a ``1h`` breakpoint after
+            a ``5m`` one, a marker that is not ``{"type": "ephemeral", "ttl"?: "5m"|"1h"}``, or one on an empty
+            text block or a thinking block.
+    """
+    found: list[ClientBreakpoint] = []
+    for param, order, block in _block_paths(body):
+        if not isinstance(block, Mapping) or "cache_control" not in block:
+            continue
+        where = f"{param}.cache_control"
+        if block["cache_control"] is None:
+            continue
+        ttl = _marker_ttl(block["cache_control"], where)
+        if block.get("type") in UNCACHEABLE_BLOCKS:
+            raise CacheControlError(f"cache_control cannot be set on {block.get('type')} blocks", where)
+        if block.get("type") == "text" and not block.get("text"):
+            raise CacheControlError("cache_control cannot be set for empty text blocks", where)
+        found.append(ClientBreakpoint(param, order, ttl))
+    if body.get("cache_control") is not None:
+        found.append(
+            ClientBreakpoint("cache_control", (9,), _marker_ttl(body["cache_control"], "cache_control"))
+        )
+    if len(found) > max_breakpoints:
+        raise CacheControlError(
+            f"A maximum of {max_breakpoints} blocks with cache_control may be provided. Found {len(found)}.",
+            found[max_breakpoints].param,
+        )
+    seen_5m: ClientBreakpoint | None = None
+    for point in found:
+        if point.ttl == "5m" and seen_5m is None:
+            seen_5m = point
+        elif point.ttl == "1h" and seen_5m is not None:
+            raise CacheControlError(
+                f"a ttl='1h' cache_control must not come after a ttl='5m' one (at {seen_5m.param})",
+                f"{point.param}.cache_control" if point.param != "cache_control" else "cache_control",
+            )
+    return found
+
+
+def has_client_cache_control(body: Mapping[str, Any]) -> bool:
+    """Whether the client put any ``cache_control`` anywhere (top level or on a block)."""
+    if body.get("cache_control") is not None:
+        return True
+    return any(
+        isinstance(b, Mapping) and b.get("cache_control") is not None for _, _, b in _block_paths(body)
+    )
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What ``plan_cache_control`` chose.
+
+    Attributes:
+        mode: ``"client"`` (the client's markers, untouched), ``"automatic"`` (top-level ``cache_control``),
+            ``"placed"`` (breakpoints on blocks) or ``"none"`` (nothing cacheable, or TTL ``none``).
+        body: the body to send (the input itself for ``client`` and ``none``, else a new dict).
+        ttl: the TTL of the markers the gateway added (None when it added none).
+        scores: candidate -> (read reach, write reach) in tokens, for ``automatic`` and ``placed``.
+        min_tokens: the minimum cacheable prefix used.
+        client: the client's breakpoints (``client`` mode).
+    """
+
+    mode: str
+    body: Mapping[str, Any]
+    ttl: str | None = None
+    scores: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    min_tokens: int = 0
+    client: Sequence[ClientBreakpoint] = ()
+
+
+def _marker(ttl: str) -> dict[str, Any]:
+    return {"type": "ephemeral", "ttl": "1h"} if ttl == "1h" else {"type": "ephemeral"}
+
+
+def _previous_turn_end(body: Mapping[str, Any], position_of: Mapping[BlockPath, int]) -> int | None:
+    messages = body.get("messages") or []
+    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last_assistant is None or last_assistant == 0:
+        return None
+    positions = [
+        pos for path, pos in position_of.items() if path[0] == "messages" and path[1] == last_assistant - 1
+    ]
+    return max(positions) if positions else None
+
+
+def _with_ttl(body: Mapping[str, Any], ttl: str) -> dict[str, Any]:
+    """``body`` (already a fresh copy from ``add_breakpoints``) with every block marker set to ``_marker(ttl)``."""
+    out = dict(body)
+    for key in ("tools", "system"):
+        if isinstance(out.get(key), list):
+            out[key] = [
+                {**b, "cache_control": _marker(ttl)} if isinstance(b, dict) and "cache_control" in b else b
+                for b in out[key]
+            ]
+    if isinstance(out.get("messages"), list):
+        messages = []
+        for message in out["messages"]:
+            content = message.get("content")
+            if isinstance(content, list):
+                message = {
+                    **message,
+                    "content": [
+                        {**b, "cache_control": _marker(ttl)}
+                        if isinstance(b, dict) and "cache_control" in b
+                        else b
+                        for b in content
+                    ],
+                }
+            messages.append(message)
+        out["messages"] = messages
+    return out
+
+
+def plan_cache_control(
+    body: Mapping[str, Any],
+    boundaries: Mapping[str, BlockPath | Boundary],
+    model: str,
+    *,
+    ttl: str = "5m",
+    min_tokens: int | None = None,
+    counter: TokenCounter | None = None,
+    lookback_blocks: int = LOOKBACK_BLOCKS,
+    max_breakpoints: int = MAX_BREAKPOINTS,
+) -> CachePlan:
+    """Check the client's ``cache_control``, or choose automatic vs placed caching (module docstring).
+
+    Args:
+        body: the Anthropic Messages body.
+        boundaries: segment boundaries (``gateway.breakpoints.boundaries_from_segments`` or
+            ``default_boundaries``).
+        model: upstream model name (for the minimum when ``min_tokens`` is None).
+        ttl: ``"5m"``, ``"1h"`` or ``cache_ttl.NO_CACHE``.
+        min_tokens: the model's minimum cacheable prefix (the price table's; default: ``gateway.breakpoints``).
+        counter: token counter (default: ``default_counter()``).
+
+    Raises:
+        CacheControlError: the client's ``cache_control`` would be rejected by the provider.
+        ValueError: an unknown ``ttl``.
+        KeyError: a boundary that is not a block of ``body``.
+    """
+    if ttl not in (*TTLS, NO_CACHE):
+        raise ValueError(f"ttl must be one of {(*TTLS, NO_CACHE)}, got {ttl!r}")
+    if has_client_cache_control(body):
+        client = check_client_cache_control(body, max_breakpoints)
+        return CachePlan("client", body, None, {}, 0, client)
+    counter = counter or default_counter()
+    minimum = min_tokens if min_tokens is not None else min_cacheable_tokens(model)
+    if ttl == NO_CACHE:
+        return CachePlan("none", body, None, {}, minimum)
+    slots = _flatten(body, counter)
+    if not slots:
+        return CachePlan("none", body, None, {}, minimum)
+    position_of = {slot.path: pos for pos, slot in enumerate(slots)}
+    cumulative: list[int] = []
+    total = 0
+    for slot in slots:
+        total += slot.tokens
+        cumulative.append(total)
+
+    read_points: list[tuple[int, int]] = []  # (position, prefix tokens)
+    for kind, boundary in boundaries.items():
+        mark = _resolve(slots, position_of, kind, boundary)
+        if mark is not None and mark[1] is None:
+            read_points.append((mark[0], cumulative[mark[0]]))
+        elif mark is not None:
+            before = cumulative[mark[0] - 1] if mark[0] else 0
+            text = (
+                slots[mark[0]].block
+                if isinstance(slots[mark[0]].block, str)
+                else slots[mark[0]].block["text"]
+            )
+            read_points.append((mark[0], before + counter.count(text[: mark[1]])))
+    previous = _previous_turn_end(body, position_of)
+    if previous is not None:
+        read_points.append((previous, cumulative[previous]))
+    read_points = [(pos, tokens) for pos, tokens in read_points if tokens >= minimum]
+
+    def reach(breakpoints: list[tuple[int, int]]) -> tuple[int, int]:
+        usable = [(pos, tokens) for pos, tokens in breakpoints if tokens >= minimum]
+        write = max((tokens for _, tokens in usable), default=0)
+        read = max(
+            (
+                tokens
+                for pos, tokens in read_points
+                if any(bp >= pos and bp - pos <= lookback_blocks for bp, _ in usable)
+            ),
+            default=0,
+        )
+        return read, write
+
+    last = next((pos for pos in range(len(slots) - 1, -1, -1) if _cacheable(slots[pos].block)), None)
+    automatic = reach([(last, cumulative[last])] if last is not None else [])
+    placed_body, placed_plan = add_breakpoints(
+        body,
+        boundaries,
+        model,
+        min_tokens=minimum,
+        counter=counter,
+        max_breakpoints=max_breakpoints,
+        lookback_blocks=lookback_blocks,
+    )
+    placed = reach([(b.position, b.prefix_tokens) for b in placed_plan.added if b.position is not None])
+    scores = {"automatic": automatic, "placed": placed}
+    if automatic == (0, 0) and placed == (0, 0):
+        return CachePlan("none", body, None, scores, minimum)
+    if automatic >= placed:
+        return CachePlan("automatic", {**body, "cache_control": _marker(ttl)}, ttl, scores, minimum)
+    return CachePlan("placed", _with_ttl(placed_body, ttl), ttl, scores, minimum)
