@@ -62,68 +62,102 @@ def test_the_expected_costs_follow_the_formula():
     # The closed form for Anthropic's multipliers: 1h wins iff 1.9 F(1h) - 1.15 F(5m) > 0.75.
     assert 1.9 * 0.7 - 1.15 * 0.4 > 0.75
     assert expected_cost(0.5, ANTHROPIC[1], 0.1) == pytest.approx(1.05)
+    assert expected_cost(0.5, ANTHROPIC[1], 0.1, growth=0.5) == pytest.approx(2.05)
 
 
 @pytest.mark.parametrize(
-    ("intervals", "expected"),
-    [
-        ([MIN] * 4, "in_memory"),  # both hit: same price, the shorter retention
-        ([20 * MIN] * 4, "24h"),  # beyond the in-memory lifetime, within 24 hours
-        ([48 * HOUR] * 4, "in_memory"),  # both miss: same write price, the shorter retention
-        ([MIN] * 9 + [3 * HOUR], "24h"),  # any interval between the lifetimes tips it (prices are equal)
-    ],
+    "intervals",
+    [[MIN] * 4, [20 * MIN] * 4, [48 * HOUR] * 4, [MIN] * 9 + [3 * HOUR], []],
 )
-def test_openai_retention_choice(intervals, expected):
-    assert _choose(intervals, OPENAI, input_price=1.25, read_price=0.125).retention == expected
+def test_openai_24h_dominates_in_memory_at_equal_prices(intervals):
+    choice = _choose(intervals, OPENAI, input_price=1.25, read_price=0.125)
+    assert choice.retention == "24h"
+    gpt4o = [RetentionOption("in_memory", 300, 2.5)]
+    assert _choose(intervals, gpt4o, input_price=2.5, read_price=1.25).retention == "in_memory"
 
 
-def test_censored_samples_count_as_misses_only_for_shorter_lifetimes():
-    samples = [Sample(600, censored=True), Sample(60)]
-    assert reuse_share(samples, 300) == pytest.approx(0.5)  # the 600 s wait is a miss for 5 minutes
-    assert reuse_share(samples, 3600) == pytest.approx(1.0)  # and unknown for an hour
-    assert reuse_share([Sample(100, censored=True)], 300) is None
+def test_growth_charges_the_dearer_write_on_every_new_token():
+    twenty = [20 * MIN] * 3
+    assert _choose(twenty).retention == "1h"  # 1.25 vs 0.10
+    assert (
+        choose_retention(
+            [Sample(s) for s in twenty], ANTHROPIC, input_price=1, read_price=0.1, default="5m", growth=1.5
+        ).retention
+        == "1h"
+    )  # 3.125 vs 3.10
+    grown = {"input_price": 1, "read_price": 0.1, "default": "5m", "growth": 2.0}
+    assert choose_retention([Sample(s) for s in twenty], ANTHROPIC, **grown).retention == "5m"  # 3.75 vs 4.10
+    assert (
+        choose_retention([Sample(s) for s in twenty], ANTHROPIC, allow_none=True, **grown).retention
+        == NO_CACHE
+    )
+    with pytest.raises(ValueError, match="growth"):
+        choose_retention([], ANTHROPIC, input_price=1, read_price=0.1, default="5m", growth=-1)
+
+
+def test_samples_are_weighted_by_prefix_tokens():
+    assert reuse_share([Sample(60, 1_000), Sample(1_200, 9_000)], 300) == pytest.approx(0.1)
+    assert reuse_share([Sample(math.inf, 5)], 3600) == 0.0
+    assert reuse_share([], 300) is None
+
+
+def _pick(tracker, key, scope, t, allow_none=False):
+    return tracker.choose(
+        key, scope, ANTHROPIC, input_price=1, read_price=0.1, default="5m", allow_none=allow_none, now=t
+    )
 
 
 def test_tracker_scripted_arrivals_give_exact_choices():
-    tracker = ReuseTracker(min_samples=3, clock=lambda: 0.0)
-    arrivals = [0, 60, 120, 1320, 2520, 2580]
+    tracker = ReuseTracker(clock=lambda: 0.0)
     choices = []
-    for t in arrivals:
+    for t in [0, 60, 120, 1320, 2520, 2580]:
         tracker.observe("prefix-a", "claude/tenant-1", now=t)
-        choices.append(
-            tracker.choose(
-                "prefix-a", "claude/tenant-1", ANTHROPIC, input_price=1, read_price=0.1, default="5m", now=t
-            ).retention
-        )
-    # no data; own 60 + pooled 60; own 60, 60 (+ pooled); own 60, 60, 1200: 0.483 vs 0.1; ...
+        choices.append(_pick(tracker, "prefix-a", "claude/tenant-1", t).retention)
+    # no data; 60 s; 60, 60; 60, 60, 1200: 0.483 vs 0.1; ...
     assert choices == ["5m", "5m", "5m", "1h", "1h", "1h"]
 
 
-def test_a_new_key_borrows_what_first_arrivals_of_its_scope_did():
-    tracker = ReuseTracker(min_samples=3, clock=lambda: 0.0)
-    for i in range(5):  # five one-off prompts of the same scope
-        tracker.observe(f"one-off-{i}", "scope", now=float(i))
-    kwargs = {"input_price": 1.0, "read_price": 0.1, "default": "5m", "allow_none": True}
-    tracker.observe("new", "scope", now=100.0)
-    young = tracker.choose("new", "scope", ANTHROPIC, now=100.0, **kwargs)
-    assert (young.retention, young.basis) == ("5m", "default")  # none of them is 5 minutes old yet
-    tracker.observe("newer", "scope", now=4000.0)
-    old = tracker.choose("newer", "scope", ANTHROPIC, now=4000.0, **kwargs)
-    assert (old.retention, old.basis) == (NO_CACHE, "pooled")  # none came back within the hour
-    strict = tracker.choose("newer", "scope", ANTHROPIC, now=4000.0, **{**kwargs, "allow_none": False})
-    assert strict.retention == "5m"
-    # another scope learned nothing from these
-    tracker.observe("other", "scope-2", now=4000.0)
-    assert tracker.choose("other", "scope-2", ANTHROPIC, now=4000.0, **kwargs).basis == "default"
+def test_growth_is_read_off_the_arrivals():
+    tracker = ReuseTracker(clock=lambda: 0.0)
+    tracker.observe("conv", "s", now=0.0, tokens=1_000)
+    assert tracker.growth("conv", "s") == 1.0  # a first arrival writes everything
+    assert _pick(tracker, "conv", "s", 0.0).retention == "5m"
+    tracker.observe("conv", "s", now=60.0, tokens=1_500)
+    assert tracker.growth("conv", "s") == pytest.approx(1 / 3)  # the 5m entry lived: only the new 500 tokens
+    _pick(tracker, "conv", "s", 60.0)
+    tracker.observe("conv", "s", now=1_000.0, tokens=2_000)
+    assert tracker.growth("conv", "s") == 1.0  # 940 s > 5 minutes: the entry expired, all of it again
 
 
-def test_first_arrivals_past_the_horizon_become_never_returned_samples():
-    tracker = ReuseTracker(horizon_s=1000.0, clock=lambda: 0.0)
-    tracker.observe("a", "s", now=0.0)
-    tracker.observe("b", "s", now=2000.0)
-    samples, basis = tracker.samples("c", "s", now=2000.0)
-    assert basis == "pooled"
-    assert [s.seconds for s in samples if not s.censored] == [math.inf]
+def test_keys_that_never_come_back_teach_their_scope_to_skip_the_cache():
+    tracker = ReuseTracker(clock=lambda: 0.0)
+    for i in range(5):  # five one-off documents of one scope
+        tracker.observe(f"doc-{i}", "batch/doc", now=float(i), tokens=5_000)
+    tracker.observe("young", "batch/doc", now=100.0, tokens=5_000)
+    young = _pick(tracker, "young", "batch/doc", 100.0, allow_none=True)
+    assert (young.retention, young.basis) == ("5m", "default")  # nothing is known yet
+    tracker.observe("late", "batch/doc", now=4_000.0, tokens=5_000)
+    late = _pick(tracker, "late", "batch/doc", 4_000.0, allow_none=True)
+    # six never came back within the hour: 5m costs 1.25 + 1.25, 1h 2 + 2, no marker 1 + 1
+    assert (late.retention, late.basis) == (NO_CACHE, "pooled")
+    assert late.expected_cost == {"5m": 2.5, "1h": 4.0, NO_CACHE: 2.0}
+    assert _pick(tracker, "late", "batch/doc", 4_000.0).retention == "5m"  # where no marker is not allowed
+    tracker.observe("other", "chat/history", now=4_000.0)
+    assert (
+        _pick(tracker, "other", "chat/history", 4_000.0).basis == "default"
+    )  # another scope learned nothing
+
+
+def test_a_key_is_judged_with_its_scope():
+    tracker = ReuseTracker(prior_samples=3, clock=lambda: 0.0)
+    for t in (0.0, 30.0, 1_230.0):  # another session of the scope: a 30 s step, then a 20 min review
+        tracker.observe("s1", "agent/history", now=t, tokens=1_000)
+    for t in (2_000.0, 2_030.0, 2_060.0):
+        tracker.observe("s2", "agent/history", now=t, tokens=1_000)
+    samples, basis = tracker.samples("s2", "agent/history", now=2_060.0)
+    assert basis == "blend"
+    # own: 30, 30 (weight 1,000 each); scope: 30, 1200, 30, 30 scaled to weigh as 3 own samples
+    assert reuse_share(samples, 300) == pytest.approx((2 + 3 * 3 / 4) / 5)
 
 
 def test_bounds_and_bad_arguments():
