@@ -307,7 +307,9 @@ def prefixgate(prices: ModelPrices, allow_none: bool) -> Callable[[], Policy]:
     return make
 
 
-def run(requests: list[Request], prices: ModelPrices, policies: dict[str, Callable[[], Policy]]) -> dict[str, Bill]:
+def run(
+    requests: list[Request], prices: ModelPrices, policies: dict[str, Callable[[], Policy]]
+) -> dict[str, Bill]:
     """Each policy over the same requests, each against a fresh simulated provider."""
     minimum = prices.min_cacheable_tokens or 1024
     bills = {}
@@ -321,7 +323,9 @@ def run(requests: list[Request], prices: ModelPrices, policies: dict[str, Callab
 
 def _table(title: str, bills: dict[str, Bill], workloads: list[str]) -> None:
     print(f"\n{title}")
-    print(f"{'policy':<12}{'cost $':>12}{'saved $':>12}{'premium $':>12}{'waste $':>10}{'read Mtok':>11}{'write Mtok':>11}")
+    print(
+        f"{'policy':<12}{'cost $':>12}{'saved $':>12}{'premium $':>12}{'waste $':>10}{'read Mtok':>11}{'write Mtok':>11}"
+    )
     for name, b in bills.items():
         print(
             f"{name:<12}{b.paid:>12.2f}{b.saved:>12.2f}{b.write_premium:>12.2f}{b.write_waste:>10.2f}"

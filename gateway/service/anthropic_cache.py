@@ -32,7 +32,7 @@ Pure functions over JSON-like dicts; the input body is never modified.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,31 +215,27 @@ def _previous_turn_end(body: Mapping[str, Any], position_of: Mapping[BlockPath, 
     return max(positions) if positions else None
 
 
-def _with_ttl(body: Mapping[str, Any], ttl: str) -> dict[str, Any]:
-    """``body`` (already a fresh copy from ``add_breakpoints``) with every block marker set to ``_marker(ttl)``."""
+def _with_ttls(body: Mapping[str, Any], ttls: Iterator[str]) -> dict[str, Any]:
+    """``body`` (a fresh copy from ``add_breakpoints``, holding only the gateway's markers) with its markers, in
+    prompt order, set to the next TTL of ``ttls`` (``NO_CACHE``: the marker removed)."""
+
+    def mark(block: Any) -> Any:
+        if not isinstance(block, dict) or "cache_control" not in block:
+            return block
+        ttl = next(ttls)
+        if ttl == NO_CACHE:
+            return {k: v for k, v in block.items() if k != "cache_control"}
+        return {**block, "cache_control": _marker(ttl)}
+
     out = dict(body)
     for key in ("tools", "system"):
         if isinstance(out.get(key), list):
-            out[key] = [
-                {**b, "cache_control": _marker(ttl)} if isinstance(b, dict) and "cache_control" in b else b
-                for b in out[key]
-            ]
+            out[key] = [mark(b) for b in out[key]]
     if isinstance(out.get("messages"), list):
-        messages = []
-        for message in out["messages"]:
-            content = message.get("content")
-            if isinstance(content, list):
-                message = {
-                    **message,
-                    "content": [
-                        {**b, "cache_control": _marker(ttl)}
-                        if isinstance(b, dict) and "cache_control" in b
-                        else b
-                        for b in content
-                    ],
-                }
-            messages.append(message)
-        out["messages"] = messages
+        out["messages"] = [
+            {**m, "content": [mark(b) for b in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in out["messages"]
+        ]
     return out
 
 
@@ -248,7 +244,7 @@ def plan_cache_control(
     boundaries: Mapping[str, BlockPath | Boundary],
     model: str,
     *,
-    ttl: str = "5m",
+    ttl: str | Mapping[str, str] = "5m",
     min_tokens: int | None = None,
     counter: TokenCounter | None = None,
     lookback_blocks: int = LOOKBACK_BLOCKS,
@@ -261,7 +257,10 @@ def plan_cache_control(
         boundaries: segment boundaries (``gateway.breakpoints.boundaries_from_segments`` or
             ``default_boundaries``).
         model: upstream model name (for the minimum when ``min_tokens`` is None).
-        ttl: ``"5m"``, ``"1h"`` or ``cache_ttl.NO_CACHE``.
+        ttl: ``"5m"``, ``"1h"`` or ``cache_ttl.NO_CACHE`` for every marker, or ``{"stable": ..., "history": ...}``:
+            one for the tools / system / documents breakpoints (chosen by the prefix key's reuse), one for the
+            history and lookback breakpoints and the automatic marker (chosen by the conversation's reuse). An
+            earlier ``5m`` marker is lifted to ``1h`` when a later one takes ``1h`` (the provider's order).
         min_tokens: the model's minimum cacheable prefix (the price table's; default: ``gateway.breakpoints``).
         counter: token counter (default: ``default_counter()``).
 
@@ -270,14 +269,13 @@ def plan_cache_control(
         ValueError: an unknown ``ttl``.
         KeyError: a boundary that is not a block of ``body``.
     """
-    if ttl not in (*TTLS, NO_CACHE):
-        raise ValueError(f"ttl must be one of {(*TTLS, NO_CACHE)}, got {ttl!r}")
+    ttls = _ttl_map(ttl)
     if has_client_cache_control(body):
         client = check_client_cache_control(body, max_breakpoints)
         return CachePlan("client", body, None, {}, 0, client)
     counter = counter or default_counter()
     minimum = min_tokens if min_tokens is not None else min_cacheable_tokens(model)
-    if ttl == NO_CACHE:
+    if ttls["stable"] == NO_CACHE and ttls["history"] == NO_CACHE:
         return CachePlan("none", body, None, {}, minimum)
     slots = _flatten(body, counter)
     if not slots:
@@ -321,7 +319,9 @@ def plan_cache_control(
         return read, write
 
     last = next((pos for pos in range(len(slots) - 1, -1, -1) if _cacheable(slots[pos].block)), None)
-    automatic = reach([(last, cumulative[last])] if last is not None else [])
+    automatic = (0, 0)
+    if ttls["history"] != NO_CACHE and last is not None:
+        automatic = reach([(last, cumulative[last])])
     placed_body, placed_plan = add_breakpoints(
         body,
         boundaries,
@@ -331,10 +331,47 @@ def plan_cache_control(
         max_breakpoints=max_breakpoints,
         lookback_blocks=lookback_blocks,
     )
-    placed = reach([(b.position, b.prefix_tokens) for b in placed_plan.added if b.position is not None])
+    marker_ttls = _ordered_ttls([ttls[_ttl_kind(b.kind)] for b in placed_plan.added])
+    placed = reach(
+        [
+            (b.position, b.prefix_tokens)
+            for b, marker in zip(placed_plan.added, marker_ttls, strict=True)
+            if b.position is not None and marker != NO_CACHE
+        ]
+    )
     scores = {"automatic": automatic, "placed": placed}
     if automatic == (0, 0) and placed == (0, 0):
         return CachePlan("none", body, None, scores, minimum)
     if automatic >= placed:
-        return CachePlan("automatic", {**body, "cache_control": _marker(ttl)}, ttl, scores, minimum)
-    return CachePlan("placed", _with_ttl(placed_body, ttl), ttl, scores, minimum)
+        history = ttls["history"]
+        return CachePlan("automatic", {**body, "cache_control": _marker(history)}, history, scores, minimum)
+    kept = [m for m in marker_ttls if m != NO_CACHE]
+    shown = kept[0] if len(set(kept)) == 1 else "mixed"
+    return CachePlan("placed", _with_ttls(placed_body, iter(marker_ttls)), shown, scores, minimum)
+
+
+def _ttl_map(ttl: str | Mapping[str, str]) -> dict[str, str]:
+    allowed = (*TTLS, NO_CACHE)
+    if isinstance(ttl, str):
+        if ttl not in allowed:
+            raise ValueError(f"ttl must be one of {allowed}, got {ttl!r}")
+        return {"stable": ttl, "history": ttl}
+    if set(ttl) != {"stable", "history"} or any(v not in allowed for v in ttl.values()):
+        raise ValueError(f"ttl must map 'stable' and 'history' to one of {allowed}, got {dict(ttl)!r}")
+    return dict(ttl)
+
+
+def _ttl_kind(kind: str) -> str:
+    return "history" if kind in ("history", "lookback") else "stable"
+
+
+def _ordered_ttls(ttls: list[str]) -> list[str]:
+    """Markers in prompt order with every ``5m`` before a later ``1h`` lifted to ``1h`` (no marker stays none)."""
+    out = list(ttls)
+    later_long = False
+    for i in range(len(out) - 1, -1, -1):
+        if out[i] == "1h":
+            later_long = True
+        elif out[i] == "5m" and later_long:
+            out[i] = "1h"
+    return out

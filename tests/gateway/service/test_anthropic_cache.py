@@ -179,3 +179,34 @@ def test_markers_inside_a_tool_result_count():
     body = _agent(1)
     body["messages"][2]["content"][0]["content"] = [_text("r", cache_control=EPH)] * 5
     assert _error(body).param == "messages.2.content.0.content.4"
+
+
+def _markers(body) -> list[dict]:
+    blocks = [b for b in body.get("tools") or []]
+    blocks += [b for b in body["system"] if isinstance(b, dict)] if isinstance(body["system"], list) else []
+    blocks += [b for m in body["messages"] if isinstance(m["content"], list) for b in m["content"]]
+    return [b["cache_control"] for b in blocks if "cache_control" in b]
+
+
+def test_a_ttl_per_kind_of_breakpoint_in_the_providers_order():
+    one_hour = {"type": "ephemeral", "ttl": "1h"}
+    # the prefix key reuses within 5 minutes, the conversation after 20: the earlier marker is lifted to 1h
+    lifted = _plan(_agent(25), ttl={"stable": "5m", "history": "1h"})
+    assert (
+        lifted.mode == "placed"
+        and _markers(lifted.body)
+        and all(m == one_hour for m in _markers(lifted.body))
+    )
+    # 1h then 5m is the provider's own order: kept
+    mixed = _plan(_agent(25), ttl={"stable": "1h", "history": "5m"})
+    assert mixed.ttl == "mixed"
+    assert _markers(mixed.body)[0] == one_hour and _markers(mixed.body)[-1] == EPH
+    check_client_cache_control(mixed.body)  # what the gateway sends passes the provider's checks
+    # no marker for the history: only the stable prefix is cached, and automatic caching is not a candidate
+    stable_only = _plan(_chat(), ttl={"stable": "5m", "history": NO_CACHE})
+    assert stable_only.mode == "placed" and stable_only.scores["automatic"] == (0, 0)
+    assert _markers(stable_only.body) == [EPH] and "cache_control" in stable_only.body["system"][0]
+    # the automatic marker takes the history's TTL
+    assert _plan(_chat(), ttl={"stable": "5m", "history": "1h"}).body["cache_control"] == one_hour
+    with pytest.raises(ValueError, match="'stable' and 'history'"):
+        _plan(_chat(), ttl={"stable": "5m"})
