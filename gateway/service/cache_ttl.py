@@ -3,25 +3,26 @@ from the reuse intervals the gateway has observed and the model's prices.
 
 The rule (derivation in docs/provider-caching.md). A cache entry written with retention ``t`` lives ``L_t``
 seconds and every hit refreshes it for free (Anthropic: "cache hits and refreshes"; OpenAI: kept while in use).
-Deciding ``t`` for a request whose breakpoint covers ``B`` prefix tokens, of which ``W`` must be written now (the
-growth since the previous request of the key when its entry is still alive, else all ``B``), costs the write
-now and decides whether the next request reads those ``B`` tokens (price ``r``) or writes them again (``w_t``).
-With ``F(L)`` the token-weighted share of reuse intervals ``<= L`` and ``g = W / B``, per prefix token::
+A request whose breakpoint covers ``B`` prefix tokens, ``W`` of them new (all of them on a key's first
+request), writes ``W`` now at ``w_t``; its choice also decides the next request of the key: it reads the ``B``
+tokens (price ``r``) when it comes within ``L_t``, writes them again (``w_t``) when it comes later, and costs
+nothing when it never comes. With ``F(L)`` the token-weighted share of reuse intervals ``<= L``, ``N`` the share
+that never came back and ``g = W / B``, per prefix token::
 
-    C_t    = g * w_t + F(L_t) * r + (1 - F(L_t)) * w_t
-    C_none = (1 + g) * i                          (no marker: plain input now and next time; where allowed)
+    C_t    = g * w_t + F(L_t) * r + (1 - F(L_t) - N) * w_t
+    C_none = g * i + (1 - N) * i                  (no marker: plain input now and next time; where allowed)
 
 and the choice is the option with the smallest ``C``. Ties go to an option that dominates the others (write
 price no higher, lifetime no shorter), else to the shorter lifetime (the provider's default first); "none" only
 when strictly cheaper than every retention. For Anthropic (``r = 0.1 i``, ``w_5m = 1.25 i``, ``w_1h = 2 i``) and
-a prefix that does not grow (``g = 0``), ``1h`` wins exactly when ``1.9 F(1h) - 1.15 F(5m) > 0.75``: the prefix
-must come back after 5 minutes (and within the hour) often enough; growth (``g > 0``) charges the dearer write on
+a prefix that does not grow and always comes back (``g = N = 0``), ``1h`` wins exactly when
+``1.9 F(1h) - 1.15 F(5m) > 0.75``: the prefix must come back after 5 minutes (and within the hour) often enough; growth (``g > 0``) charges the dearer write on
 every new token, so a fast-growing history needs a larger share of long returns. OpenAI bills both retentions
 alike, so ``24h`` dominates ``in_memory`` wherever the model supports it.
 
 Samples: each arrival of a key after the first gives ``(interval, B of the previous arrival)``; the last arrival
-of a key that has not come back within ``horizon_s`` (the longest lifetime in question) becomes a sample with an
-infinite interval: a miss for every lifetime, so a prefix that never comes back is learned as such. Samples are
+of a key that has not come back within ``horizon_s`` (24 hours) becomes a never-returned sample (infinite
+interval), so a prefix that never comes back, or a one-off kind of prefix, is learned as such. Samples are
 weighted by their prefix tokens (a miss on a long prefix costs more). A key is judged on its own samples plus
 those of its scope (model + tenant + kind of breakpoint: keys of a scope reuse alike), the scope's weighing as
 much as ``prior_samples`` of the key's own; a key with no samples takes its scope's; with nothing at all, the
@@ -90,12 +91,22 @@ def reuse_share(samples: Sequence[Sample], lifetime_s: float) -> float | None:
     total = sum(s.weight for s in samples)
     if total <= 0:
         return None
-    return sum(s.weight for s in samples if s.seconds <= lifetime_s) / total
+    return sum(s.weight for s in samples if s.seconds <= lifetime_s and not math.isinf(s.seconds)) / total
 
 
-def expected_cost(share: float, option: RetentionOption, read_price: float, growth: float = 0.0) -> float:
-    """``C_t = g * w_t + F * r + (1 - F) * w_t`` (USD per million prefix tokens)."""
-    return growth * option.write_price + share * read_price + (1.0 - share) * option.write_price
+def never_share(samples: Sequence[Sample]) -> float:
+    """``N``: the weighted share of samples that never came back (0 without samples)."""
+    total = sum(s.weight for s in samples)
+    return 0.0 if total <= 0 else sum(s.weight for s in samples if math.isinf(s.seconds)) / total
+
+
+def expected_cost(
+    share: float, option: RetentionOption, read_price: float, growth: float = 0.0, never: float = 0.0
+) -> float:
+    """``C_t = g * w_t + F * r + (1 - F - N) * w_t`` (USD per million prefix tokens)."""
+    return (
+        growth * option.write_price + share * read_price + max(0.0, 1.0 - share - never) * option.write_price
+    )
 
 
 def _dominant(options: Sequence[RetentionOption]) -> RetentionOption | None:
@@ -141,6 +152,7 @@ def choose_retention(
     shares = {o.name: reuse_share(samples, o.lifetime_s) for o in options}
     return decide_retention(
         shares,
+        never_share(samples),
         sum(s.weight for s in samples),
         options,
         input_price=input_price,
@@ -154,6 +166,7 @@ def choose_retention(
 
 def decide_retention(
     shares: Mapping[str, float | None],
+    never: float,
     weight: float,
     options: Sequence[RetentionOption],
     *,
@@ -164,8 +177,8 @@ def decide_retention(
     allow_none: bool = False,
     basis: str = "key",
 ) -> RetentionChoice:
-    """``choose_retention`` from the shares ``F(L)`` per option name already estimated (None: no sample), with the
-    samples' total ``weight`` recorded. Same rule, same errors."""
+    """``choose_retention`` from the shares ``F(L)`` per option name already estimated (None: no sample) and the
+    never-returned share ``N``, with the samples' total ``weight`` recorded. Same rule, same errors."""
     if not options:
         raise ValueError("choose_retention needs at least one retention option")
     names = [o.name for o in options]
@@ -176,7 +189,7 @@ def decide_retention(
     dominant = _dominant(options)
     if any(shares.get(o.name) is None for o in options):
         return RetentionChoice(dominant.name if dominant else default, growth=growth, basis="default")
-    costs = {o.name: expected_cost(shares[o.name], o, read_price, growth) for o in options}  # type: ignore[arg-type]
+    costs = {o.name: expected_cost(shares[o.name], o, read_price, growth, never) for o in options}  # type: ignore[arg-type]
     low = min(costs.values())
     tied = [o for o in options if costs[o.name] <= low + 1e-12]
     winner = _dominant(tied)
@@ -184,7 +197,7 @@ def decide_retention(
         winner = min(tied, key=lambda o: (o.lifetime_s, o.name != default))
     best = winner.name
     if allow_none:
-        costs[NO_CACHE] = (1.0 + growth) * input_price
+        costs[NO_CACHE] = (growth + 1.0 - never) * input_price
         if costs[NO_CACHE] < low - 1e-12:
             best = NO_CACHE
     return RetentionChoice(best, costs, dict(shares), growth, weight, basis)  # type: ignore[arg-type]
@@ -203,10 +216,13 @@ class _Window:
         self.maxlen = maxlen
         self.lifetimes = lifetimes
         self.total = 0.0
+        self.never = 0.0
         self.within = [0.0] * len(lifetimes)
 
     def _apply(self, seconds: float, weight: float) -> None:
         self.total += weight
+        if math.isinf(seconds):
+            self.never += weight
         for i, lifetime in enumerate(self.lifetimes):
             if seconds <= lifetime:
                 self.within[i] += weight
@@ -228,7 +244,6 @@ class _KeyState:
     tokens: int
     prev_tokens: int | None = None
     interval: float | None = None
-    lifetime: float | None = None  # of the retention chosen at the last arrival (None: none chosen)
     samples: _Window | None = None
 
 
@@ -242,20 +257,20 @@ class ReuseTracker:
     """Arrivals per prefix key, and the retention choice they imply.
 
     ``observe(key, scope, tokens=B)`` records an arrival (once per request, before ``choose``); ``choose`` returns
-    the ``RetentionChoice`` for the key's write and remembers it (to know next time whether its entry lived).
+    the ``RetentionChoice`` for the key's write.
     ``scope`` groups keys that reuse alike (model + tenant + kind of breakpoint).
     """
 
     def __init__(
         self,
         *,
-        prior_samples: float = 3.0,
+        prior_samples: float = 32.0,
         per_key: int = 64,
         max_keys: int = 100_000,
         pooled: int = 2048,
         pending: int = 8192,
         max_scopes: int = 1024,
-        horizon_s: float = 3_600.0,
+        horizon_s: float = 86_400.0,
         lifetimes: Sequence[float] = DEFAULT_LIFETIMES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -338,13 +353,13 @@ class ReuseTracker:
         return own + [Sample(s.seconds, s.weight * scale) for s in pooled], "blend"
 
     def growth(self, key: Hashable, scope: Hashable = None) -> float:
-        """``g = W / B`` for the key's latest arrival: the growth since the previous arrival when that arrival's
-        entry is still alive (its interval within the lifetime chosen then), else 1 (all of it is written)."""
+        """``g = W / B`` at the key's latest arrival: 1 for a first arrival (all of it is new), else the prefix
+        tokens added since the previous arrival over the prefix tokens; 0 when tokens are unknown (0). A miss's
+        rewrite of all ``B`` is the ``(1 - F - N) * w_t`` term, not growth."""
         entry = self._keys.get((scope, key))
         if entry is None or entry.tokens <= 0:
-            return 0.0 if entry is not None else 1.0
-        alive = entry.interval is not None and entry.lifetime is not None and entry.interval <= entry.lifetime
-        if not alive or entry.prev_tokens is None:
+            return 0.0
+        if entry.prev_tokens is None:
             return 1.0
         return max(0, entry.tokens - entry.prev_tokens) / entry.tokens
 
@@ -361,7 +376,7 @@ class ReuseTracker:
         now: float | None = None,
     ) -> RetentionChoice:
         """The retention for ``key``'s write at its latest arrival (the rule over the same samples as ``samples``,
-        from running sums), with the key's ``growth``; remembered for the next arrival's growth.
+        from running sums), with the key's ``growth``.
 
         Raises:
             ValueError: an option whose lifetime is not one of the tracker's ``lifetimes``.
@@ -380,6 +395,7 @@ class ReuseTracker:
             scale, basis = 1.0, "key" if own is not None else "pooled" if pooled is not None else "default"
         shares: dict[str, float | None] = {}
         weight = (own.total if own else 0.0) + (scale * pooled.total if pooled else 0.0)
+        never = (own.never if own else 0.0) + (scale * pooled.never if pooled else 0.0)
         for option in options:
             if option.lifetime_s not in self.lifetimes:
                 raise ValueError(f"lifetime {option.lifetime_s} s is not tracked ({self.lifetimes})")
@@ -388,6 +404,7 @@ class ReuseTracker:
             shares[option.name] = within / weight if weight > 0 else None
         choice = decide_retention(
             shares,
+            never / weight if weight > 0 else 0.0,
             weight,
             options,
             input_price=input_price,
@@ -397,10 +414,6 @@ class ReuseTracker:
             allow_none=allow_none,
             basis=basis,
         )
-        entry = self._keys.get((scope, key))
-        if entry is not None:
-            lifetimes = {o.name: o.lifetime_s for o in options}
-            entry.lifetime = lifetimes.get(choice.retention)
         return choice
 
     def __len__(self) -> int:

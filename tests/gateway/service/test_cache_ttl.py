@@ -13,6 +13,7 @@ from gateway.service.cache_ttl import (
     Sample,
     choose_retention,
     expected_cost,
+    never_share,
     options_for,
     reuse_share,
 )
@@ -101,6 +102,21 @@ def test_samples_are_weighted_by_prefix_tokens():
     assert reuse_share([], 300) is None
 
 
+def test_a_prefix_that_never_comes_back_costs_only_its_write():
+    samples = [Sample(60)] * 3 + [Sample(math.inf)]
+    assert never_share(samples) == pytest.approx(0.25)
+    choice = choose_retention(
+        samples, ANTHROPIC, input_price=1, read_price=0.1, default="5m", allow_none=True
+    )
+    # F5 = F1 = .75, N = .25: 5m .075, 1h .075 (tie: 5m), no marker .75
+    assert choice.retention == "5m"
+    assert choice.expected_cost == {"5m": pytest.approx(0.075), "1h": pytest.approx(0.075), NO_CACHE: 0.75}
+    # the last step of an agent turn: a little growth, some returns after a review, some never
+    steps = [Sample(10)] * 89 + [Sample(20 * 60)] * 6 + [Sample(math.inf)] * 5
+    step = {"input_price": 1, "read_price": 0.1, "default": "5m", "growth": 0.08}
+    assert choose_retention(steps, ANTHROPIC, **step).retention == "1h"  # .2640 vs .2550
+
+
 def _pick(tracker, key, scope, t, allow_none=False):
     return tracker.choose(
         key, scope, ANTHROPIC, input_price=1, read_price=0.1, default="5m", allow_none=allow_none, now=t
@@ -120,17 +136,17 @@ def test_tracker_scripted_arrivals_give_exact_choices():
 def test_growth_is_read_off_the_arrivals():
     tracker = ReuseTracker(clock=lambda: 0.0)
     tracker.observe("conv", "s", now=0.0, tokens=1_000)
-    assert tracker.growth("conv", "s") == 1.0  # a first arrival writes everything
-    assert _pick(tracker, "conv", "s", 0.0).retention == "5m"
+    assert tracker.growth("conv", "s") == 1.0  # a first arrival: all of it is new
     tracker.observe("conv", "s", now=60.0, tokens=1_500)
-    assert tracker.growth("conv", "s") == pytest.approx(1 / 3)  # the 5m entry lived: only the new 500 tokens
-    _pick(tracker, "conv", "s", 60.0)
+    assert tracker.growth("conv", "s") == pytest.approx(1 / 3)  # 500 new tokens of 1,500
     tracker.observe("conv", "s", now=1_000.0, tokens=2_000)
-    assert tracker.growth("conv", "s") == 1.0  # 940 s > 5 minutes: the entry expired, all of it again
+    assert tracker.growth("conv", "s") == pytest.approx(1 / 4)
+    tracker.observe("conv", "s", now=1_060.0, tokens=2_000)
+    assert tracker.growth("conv", "s") == 0.0
 
 
 def test_keys_that_never_come_back_teach_their_scope_to_skip_the_cache():
-    tracker = ReuseTracker(clock=lambda: 0.0)
+    tracker = ReuseTracker(horizon_s=3_600.0, clock=lambda: 0.0)
     for i in range(5):  # five one-off documents of one scope
         tracker.observe(f"doc-{i}", "batch/doc", now=float(i), tokens=5_000)
     tracker.observe("young", "batch/doc", now=100.0, tokens=5_000)
@@ -138,9 +154,9 @@ def test_keys_that_never_come_back_teach_their_scope_to_skip_the_cache():
     assert (young.retention, young.basis) == ("5m", "default")  # nothing is known yet
     tracker.observe("late", "batch/doc", now=4_000.0, tokens=5_000)
     late = _pick(tracker, "late", "batch/doc", 4_000.0, allow_none=True)
-    # six never came back within the hour: 5m costs 1.25 + 1.25, 1h 2 + 2, no marker 1 + 1
+    # six never came back (a first arrival: g = 1, N = 1): 5m costs 1.25, 1h 2, no marker 1 (per prefix token)
     assert (late.retention, late.basis) == (NO_CACHE, "pooled")
-    assert late.expected_cost == {"5m": 2.5, "1h": 4.0, NO_CACHE: 2.0}
+    assert late.expected_cost == {"5m": 1.25, "1h": 2.0, NO_CACHE: 1.0}
     assert _pick(tracker, "late", "batch/doc", 4_000.0).retention == "5m"  # where no marker is not allowed
     tracker.observe("other", "chat/history", now=4_000.0)
     assert (
