@@ -41,9 +41,10 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from gateway.config.price_table import ModelPrices, load_price_table
+from gateway.core.cache_usage import CacheUsage
 from gateway.service.cache_ttl import NO_CACHE, ReuseTracker, options_for
-from gateway.service.cost_ledger import CacheUsage, request_cost
-from gateway.service.price_table import ModelPrices, load_price_table
+from gateway.service.cost_ledger import request_cost
 
 DAY = 86_400.0
 HOUR = 3_600.0

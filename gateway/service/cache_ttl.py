@@ -41,8 +41,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-NO_CACHE = "none"
-"""The choice that places no cache marker at all."""
+from gateway.core.cache_usage import NO_CACHE
 
 
 @dataclass(frozen=True)

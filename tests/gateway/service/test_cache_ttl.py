@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from gateway.config.price_table import load_price_table
 from gateway.service.cache_ttl import (
     NO_CACHE,
     RetentionOption,
@@ -17,7 +18,6 @@ from gateway.service.cache_ttl import (
     options_for,
     reuse_share,
 )
-from gateway.service.price_table import load_price_table
 
 MIN, HOUR = 60.0, 3600.0
 # Claude Haiku 4.5: input 1, read 0.1, 5m write 1.25, 1h write 2 (USD per million tokens).

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from gateway.service.cache_usage import (
+from gateway.core.cache_usage import CacheUsage
+from gateway.protocols.provider_usage import (
     UpstreamUsageError,
     anthropic_cache_usage,
     deepseek_cache_usage,
     gemini_cache_usage,
     openai_cache_usage,
 )
-from gateway.service.cost_ledger import CacheUsage
 from gateway.service.miss_explain import MissCounters
 from gateway.service.provider_diagnostics import (
     ANTHROPIC_MISS_REASONS,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.service.cost_ledger import CacheUsage, CacheUsageError, CostLedger, request_cost
-from gateway.service.price_table import load_price_table
+from gateway.config.price_table import load_price_table
+from gateway.core.cache_usage import CacheUsage, CacheUsageError
+from gateway.service.cost_ledger import CostLedger, request_cost
 
 TABLE = load_price_table()
 HAIKU = TABLE.lookup("claude-haiku-4-5")  # input 1, read 0.1, 5m write 1.25, 1h write 2 (USD / MTok)

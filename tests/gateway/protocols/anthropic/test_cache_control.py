@@ -6,13 +6,14 @@ import copy
 
 import pytest
 
-from gateway.breakpoints import default_boundaries, estimate_counter
-from gateway.service.anthropic_cache import (
+from gateway.core.cache_usage import NO_CACHE
+from gateway.core.tokens import estimate_counter
+from gateway.protocols.anthropic.boundaries import default_boundaries
+from gateway.protocols.anthropic.cache_control import (
     CacheControlError,
     check_client_cache_control,
     plan_cache_control,
 )
-from gateway.service.cache_ttl import NO_CACHE
 
 COUNTER = estimate_counter()  # len(text) // 4: exact token counts for these tests
 SYSTEM = "s" * 8_000  # 2,000 tokens

@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from gateway.service.price_table import (
+from gateway.config.price_table import (
     PriceTableError,
     load_price_table,
     override_prices,

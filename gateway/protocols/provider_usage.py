@@ -1,4 +1,4 @@
-"""Reading a provider's cache token counts out of its response ``usage`` into a ``cost_ledger.CacheUsage``.
+"""Reading a provider's cache token counts out of its response ``usage`` into a ``gateway.core.cache_usage.CacheUsage``.
 
 Shapes, as documented:
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.service.cost_ledger import CacheUsage
+from gateway.core.cache_usage import CacheUsage
 
 
 class UpstreamUsageError(ValueError):

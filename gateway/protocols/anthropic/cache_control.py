@@ -17,14 +17,14 @@ unknown ``ttl`` or ``type``, a marker on an empty text or a thinking block. A cl
 ``cache_control`` keeps it untouched.
 
 ``plan_cache_control`` (no client ``cache_control``) scores two candidates over the flat block list of
-``gateway.breakpoints``: *automatic* (a breakpoint on the last cacheable block) and *placed* (``add_breakpoints``
+``gateway.protocols.anthropic.breakpoints``: *automatic* (a breakpoint on the last cacheable block) and *placed* (``add_breakpoints``
 at the segment boundaries plus lookback breakpoints). Score = (read reach, write reach): the read reach is the
 longest prefix, in tokens, ending at a *read point* that lies within the lookback of one of the plan's
 breakpoints (read points: the segment boundaries and the end of the previous turn, i.e. the last block of the
 message before the last assistant message: where earlier requests of this prefix wrote their entries); the write
 reach is the prefix up to the plan's last breakpoint. Only prefixes at or above the minimum count. The higher
 score wins, ties go to automatic (one slot, moves forward by itself); when neither caches anything the body is
-left alone. The TTL (``5m``, ``1h`` or ``cache_ttl.NO_CACHE``) comes from the caller (``cache_ttl``); every
+left alone. The TTL (``5m``, ``1h`` or ``NO_CACHE``) comes from the caller (``gateway.service.cache_ttl``); every
 marker the gateway adds carries it.
 
 Pure functions over JSON-like dicts; the input body is never modified.
@@ -36,21 +36,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.breakpoints import (
+from gateway.core.cache_usage import NO_CACHE
+from gateway.core.tokens import TokenCounter, default_counter
+from gateway.protocols.anthropic.breakpoints import (
     LOOKBACK_BLOCKS,
     MAX_BREAKPOINTS,
     UNCACHEABLE_BLOCKS,
     BlockPath,
     Boundary,
-    TokenCounter,
     _cacheable,
     _flatten,
     _resolve,
     add_breakpoints,
-    default_counter,
     min_cacheable_tokens,
 )
-from gateway.service.cache_ttl import NO_CACHE
 
 TTLS = ("5m", "1h")
 
@@ -254,14 +253,14 @@ def plan_cache_control(
 
     Args:
         body: the Anthropic Messages body.
-        boundaries: segment boundaries (``gateway.breakpoints.boundaries_from_segments`` or
+        boundaries: segment boundaries (``gateway.protocols.anthropic.breakpoints.boundaries_from_segments`` or
             ``default_boundaries``).
         model: upstream model name (for the minimum when ``min_tokens`` is None).
-        ttl: ``"5m"``, ``"1h"`` or ``cache_ttl.NO_CACHE`` for every marker, or ``{"stable": ..., "history": ...}``:
+        ttl: ``"5m"``, ``"1h"`` or ``NO_CACHE`` for every marker, or ``{"stable": ..., "history": ...}``:
             one for the tools / system / documents breakpoints (chosen by the prefix key's reuse), one for the
             history and lookback breakpoints and the automatic marker (chosen by the conversation's reuse). An
             earlier ``5m`` marker is lifted to ``1h`` when a later one takes ``1h`` (the provider's order).
-        min_tokens: the model's minimum cacheable prefix (the price table's; default: ``gateway.breakpoints``).
+        min_tokens: the model's minimum cacheable prefix (the price table's; default: ``gateway.protocols.anthropic.breakpoints``).
         counter: token counter (default: ``default_counter()``).
 
     Raises:

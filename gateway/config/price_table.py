@@ -1,6 +1,6 @@
 """The provider price table: prompt-cache prices per provider and model, shipped as data and overridable.
 
-``gateway/data/prices.yaml`` (package data) holds, per provider, the cache *retentions* a request may ask for
+``gateway/config/data/prices.yaml`` (package data) holds, per provider, the cache *retentions* a request may ask for
 (Anthropic ``5m`` / ``1h``, OpenAI ``in_memory`` / ``24h``, ...) with the lifetime used for planning, and per
 model the prices in USD per million tokens: ``input`` (uncached), ``cache_read``, ``cache_write`` per retention,
 and ``storage_per_hour`` (per million tokens per hour) where the provider bills storage (Gemini explicit caches).
@@ -27,8 +27,8 @@ import yaml
 TOKENS_PER_PRICE_UNIT = 1_000_000
 """Prices are per million tokens."""
 
-SHIPPED_TABLE = "prices.yaml"
-"""The shipped table's file name inside the ``gateway.data`` package."""
+SHIPPED_TABLE = "data/prices.yaml"
+"""The shipped table, inside the ``gateway.config`` package."""
 
 LEGACY_PRICE_KEYS = frozenset({"input", "cached_input", "cache_write", "cache_write_1h"})
 """The old per-model config keys (``gateway.pricing.Prices``), still accepted by ``apply_overrides``."""
@@ -255,14 +255,14 @@ def parse_price_table(raw: Any, path: str = SHIPPED_TABLE) -> PriceTable:
 
 
 def load_price_table(path: str | Path | None = None) -> PriceTable:
-    """Read and validate a price table (default: the shipped ``gateway/data/prices.yaml``).
+    """Read and validate a price table (default: the shipped ``gateway/config/data/prices.yaml``).
 
     Raises:
         PriceTableError: unreadable file, invalid YAML, or any entry ``parse_price_table`` refuses.
     """
     if path is None:
-        where = f"gateway/data/{SHIPPED_TABLE}"
-        text = resources.files("gateway.data").joinpath(SHIPPED_TABLE).read_text(encoding="utf-8")
+        where = f"gateway/config/{SHIPPED_TABLE}"
+        text = resources.files("gateway.config").joinpath(SHIPPED_TABLE).read_text(encoding="utf-8")
     else:
         where = str(path)
         try:

@@ -1,1 +1,0 @@
-"""Data files shipped with the gateway (the provider price table)."""
