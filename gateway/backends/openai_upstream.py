@@ -22,6 +22,7 @@ from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
 from gateway.protocols.anthropic.strip import plain_messages, plain_tools
+from gateway.protocols.provider_usage import UpstreamUsageError, deepseek_cache_usage, openai_cache_usage
 from gateway.transport.failures import FailureKind
 from gateway.transport.redact import redact_url
 from gateway.transport.upstream_http import OpenedResponse
@@ -156,12 +157,26 @@ def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: boo
 
 
 def backend_usage(usage: dict[str, Any]) -> BackendUsage:
-    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` from ``prompt_tokens_details``)."""
-    details = usage.get("prompt_tokens_details") or {}
+    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` / ``cache_write_tokens`` from
+    ``prompt_tokens_details``; DeepSeek's ``prompt_cache_hit_tokens`` when that is what the upstream sends).
+
+    Raises:
+        UpstreamUsageError (a ValueError): a count that is not an integer >= 0 (the caller answers 502).
+    """
+    if "prompt_cache_hit_tokens" in usage and "prompt_tokens_details" not in usage:
+        cache = deepseek_cache_usage(usage)
+    else:
+        cache = openai_cache_usage(usage)
+    completion = usage.get("completion_tokens")
+    if completion is not None and (
+        isinstance(completion, bool) or not isinstance(completion, int) or completion < 0
+    ):
+        raise UpstreamUsageError("completion_tokens", completion)
     return BackendUsage(
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=cache.prompt_tokens,
+        completion_tokens=completion or 0,
+        cached_tokens=cache.cache_read_tokens,
+        cache_creation_tokens=cache.written,
         counted_by="upstream",
     )
 
