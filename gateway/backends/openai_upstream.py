@@ -11,6 +11,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -38,6 +39,11 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: one base URL per replica, ending in the API root (``https://api.openai.com/v1``,
             ``http://vllm:8000/v1``).
         set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
+        prices: the model's prices (``gateway.config.price_table.ModelPrices``) or None.
+        retention_chooser: ``request -> retention or None`` (the service's choice, attached by the app), for
+            ``prompt_cache_retention`` where the client set none; None = never sent.
+        cache_salt: the upstream (vLLM, SGLang) accepts ``cache_salt``: send the request's tenant in it.
+        retention_auto: the config allows ``prompt_cache_retention`` to be chosen (``auto``).
         options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
             ``client``, ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
 
@@ -52,10 +58,18 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: Sequence[str],
         *,
         set_prompt_cache_key: bool = True,
+        prices: Any = None,
+        retention_chooser: Any = None,
+        cache_salt: bool = False,
+        retention_auto: bool = True,
         **options: Unpack[UpstreamOptions],
     ) -> None:
         super().__init__(name, base_urls, **options)
         self.set_prompt_cache_key = set_prompt_cache_key
+        self.prices = prices
+        self.retention_chooser = retention_chooser
+        self.cache_salt = cache_salt
+        self.retention_auto = retention_auto
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -87,6 +101,12 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         body["stream_options"] = {**options, "include_usage": True}
         if self.set_prompt_cache_key and request.prefix_key and "prompt_cache_key" not in body:
             body["prompt_cache_key"] = request.prefix_key[:PROMPT_CACHE_KEY_MAX]
+        if self.retention_chooser is not None and "prompt_cache_retention" not in body:
+            retention = self.retention_chooser(request)
+            if retention is not None:
+                body["prompt_cache_retention"] = retention
+        if self.cache_salt and request.tenant and "cache_salt" not in body:
+            body["cache_salt"] = request.tenant
         return body
 
     def _translated_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -127,7 +147,10 @@ class OpenAIUpstreamBackend(UpstreamBackend):
                 events = _events_from_json(opened, request, started)
             else:
                 events = _events_from_sse(opened, request, started)
+            retention = body.get("prompt_cache_retention")
             async for event in events:
+                if isinstance(event, Finish) and isinstance(retention, str):
+                    event = dataclasses.replace(event, cache_retention=retention)
                 yield event
         finally:
             await opened.aclose()
@@ -308,4 +331,10 @@ async def _events_from_json(
 
 def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:
     """The backend of a ``backend: openai`` model entry."""
-    return OpenAIUpstreamBackend(**upstream_settings(model), set_prompt_cache_key=model.prompt_cache_key)
+    return OpenAIUpstreamBackend(
+        **upstream_settings(model),
+        set_prompt_cache_key=model.prompt_cache_key,
+        prices=model.prices,
+        cache_salt=model.cache_salt,
+        retention_auto=model.prompt_cache_retention == "auto",
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,16 @@ def parse_price_table(raw: Any, path: str = SHIPPED_TABLE) -> PriceTable:
     return PriceTable(checked=checked, models=models, path=path)
 
 
+@lru_cache(maxsize=1)
+def shipped_price_table() -> PriceTable:
+    """The shipped table, read and validated once per process.
+
+    Raises:
+        PriceTableError: the shipped file is broken (a packaging error).
+    """
+    return load_price_table()
+
+
 def load_price_table(path: str | Path | None = None) -> PriceTable:
     """Read and validate a price table (default: the shipped ``gateway/config/data/prices.yaml``).
 
@@ -284,8 +295,8 @@ def override_prices(
     ``raw`` is either the table's own shape (``input``, ``cache_read``, ``cache_write: {retention: price}``,
     ``storage_per_hour``, ``min_cacheable_tokens``; any subset when ``base`` exists) or the old config shape
     (``input``, ``cached_input``, ``cache_write``, ``cache_write_1h``: the 5-minute / default and the 1-hour
-    write), which is converted. Without ``base`` (a model the table lacks) ``input``, ``cache_read`` (or
-    ``cached_input``) are required, and write prices default to ``input``, retentions to one ``default``.
+    write), which is converted. Without ``base`` (a model the table lacks) ``input`` is required, ``cache_read``
+    defaults to ``input`` (no discount), write prices to ``input``, retentions to one ``default``.
 
     Raises:
         PriceTableError: a negative, missing or ill-typed price, an unknown key or retention; the message
@@ -328,9 +339,8 @@ def override_prices(
     if base is None:
         if "input" not in raw:
             raise PriceTableError(f"{where}.input: missing (required for a model the price table lacks)")
-        if "cache_read" not in raw:
-            raise PriceTableError(f"{where}.cache_read: missing (required for a model the price table lacks)")
         input_price = _number(raw["input"], f"{where}.input")
+        raw = {"cache_read": input_price, **raw}  # the old default: no discount unless given
         writes_raw = _mapping(raw.get("cache_write", {"default": input_price}), f"{where}.cache_write")
         writes_out = {str(k): _number(v, f"{where}.cache_write.{k}") for k, v in writes_raw.items()}
         default = "default" if "default" in writes_out else next(iter(writes_out), "default")

@@ -73,7 +73,7 @@ async def messages_endpoint(http_request: Request) -> Response:
     if request.stream:
         return EventStreamResponse(message_sse(opened), headers=headers)
     message = await run_unless_disconnected(http_request, collect_message(opened), opened)
-    return JSONResponse(message, headers=headers)
+    return JSONResponse(message, headers={**headers, **opened.cost_headers()})
 
 
 def routes() -> list[BaseRoute]:

@@ -114,7 +114,7 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     if request.stream:
         return EventStreamResponse(sse(opened, meta), headers={"x-request-id": request.request_id})
     body = await run_unless_disconnected(http_request, collect(opened, meta), opened)
-    return JSONResponse(body, headers={"x-request-id": request.request_id})
+    return JSONResponse(body, headers={"x-request-id": request.request_id, **opened.cost_headers()})
 
 
 async def _collect_chat(opened: OpenedStream, meta: ResponseMeta) -> dict[str, Any]:

@@ -114,6 +114,17 @@ def deepseek_cache_usage(usage: Any) -> CacheUsage:
     return CacheUsage(prompt, hit, {})
 
 
+def anthropic_miss_reason(body: Any) -> str | None:
+    """The ``diagnostics.cache_miss_reason.type`` of an Anthropic Message (or ``message_delta`` event), bounded to
+    64 characters; None when absent, pending (null) or malformed: a diagnostic only explains, it never fails a
+    request (https://platform.claude.com/docs/en/build-with-claude/cache-diagnostics)."""
+    diagnostics = body.get("diagnostics") if isinstance(body, Mapping) else None
+    reason = diagnostics.get("cache_miss_reason") if isinstance(diagnostics, Mapping) else None
+    if isinstance(reason, Mapping):
+        reason = reason.get("type")
+    return reason[:64] if isinstance(reason, str) and reason else None
+
+
 def gemini_cache_usage(usage_metadata: Any) -> CacheUsage:
     """``CacheUsage`` from a Gemini ``usageMetadata`` (cached tokens are included in ``promptTokenCount``).
 

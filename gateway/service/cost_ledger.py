@@ -1,4 +1,4 @@
-"""Per-request cache cost, and the running account of cost paid, saved and wasted per model, client key and
+"""Per-request cache cost, and the running account of cost paid, saved and wasted per model, prefix key and
 tenant.
 
 For one request with ``P`` prompt tokens of which ``R`` were read from the provider's cache and ``W_t`` written
@@ -119,10 +119,14 @@ class CostLedger:
     returns the totals.
     """
 
-    def __init__(self, *, max_regions: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
-        if max_regions < 1:
-            raise ValueError("max_regions must be >= 1")
+    def __init__(
+        self, *, max_regions: int = 100_000, max_keys: int = 1024, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if max_regions < 1 or max_keys < 1:
+            raise ValueError("max_regions and max_keys must be >= 1")
         self.max_regions = max_regions
+        self.max_keys = max_keys
+        self.evicted_keys = 0
         self._clock = clock
         self._lock = threading.Lock()
         self._regions: OrderedDict[int, tuple[Hashable, _Region]] = OrderedDict()
@@ -131,14 +135,22 @@ class CostLedger:
         self._next_id = 0
         self.dropped_regions = 0
         self.by_model: dict[str, CostTotals] = {}
-        self.by_key: dict[str, CostTotals] = {}
+        self.by_key: OrderedDict[str, CostTotals] = OrderedDict()
         self.by_tenant: dict[str, CostTotals] = {}
 
     def _totals(self, owners: tuple[str, str, str]) -> list[CostTotals]:
-        model, api_key, tenant = owners
+        model, key, tenant = owners
+        by_key = self.by_key.get(key)
+        if by_key is None:
+            by_key = self.by_key[key] = CostTotals()
+            while len(self.by_key) > self.max_keys:  # least recently charged key first
+                self.by_key.popitem(last=False)
+                self.evicted_keys += 1
+        else:
+            self.by_key.move_to_end(key)
         return [
             self.by_model.setdefault(model, CostTotals()),
-            self.by_key.setdefault(api_key, CostTotals()),
+            by_key,
             self.by_tenant.setdefault(tenant, CostTotals()),
         ]
 
@@ -169,7 +181,7 @@ class CostLedger:
         prices: ModelPrices,
         usage: CacheUsage,
         tenant: str = "",
-        api_key: str = "",
+        key: str = "",
         entry_key: Hashable = None,
         now: float | None = None,
     ) -> RequestCost:
@@ -179,7 +191,7 @@ class CostLedger:
             model: the gateway model name (stats label).
             prices: the model's prices.
             usage: the provider's token counts.
-            tenant, api_key: stats labels (the client key's name, never the secret).
+            tenant, key: stats labels (the tenant, the prefix key: a hash, never prompt text).
             entry_key: what identifies the cached prefix across requests (the prefix key); reads match writes of
                 the same model, tenant and entry key.
             now: seconds on the ledger's clock (default: the clock).
@@ -189,7 +201,7 @@ class CostLedger:
         """
         cost = request_cost(prices, usage)
         now = self._clock() if now is None else now
-        owners = (model, api_key, tenant)
+        owners = (model, key, tenant)
         entry = (model, tenant, entry_key)
         with self._lock:
             self._sweep(now)
@@ -241,8 +253,9 @@ class CostLedger:
             self._sweep(self._clock() if now is None else now)
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
-        """``{"by_model", "by_key", "by_tenant"}`` of ``CostTotals.to_dict``, plus ``outstanding_writes`` (regions
-        not yet read nor expired) and ``dropped_regions``; expired writes are swept first."""
+        """``{"by_model", "by_key", "by_tenant"}`` of ``CostTotals.to_dict`` (``by_key``: the ``max_keys`` most
+        recently charged prefix keys), plus ``outstanding_writes`` (regions not yet read nor expired),
+        ``dropped_regions`` and ``evicted_keys``; expired writes are swept first."""
         with self._lock:
             self._sweep(self._clock() if now is None else now)
             return {
@@ -251,4 +264,5 @@ class CostLedger:
                 "by_tenant": {k: v.to_dict() for k, v in self.by_tenant.items()},
                 "outstanding_writes": len(self._regions),
                 "dropped_regions": self.dropped_regions,
+                "evicted_keys": self.evicted_keys,
             }

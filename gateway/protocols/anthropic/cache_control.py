@@ -17,9 +17,11 @@ unknown ``ttl`` or ``type``, a marker on an empty text or a thinking block. A cl
 ``cache_control`` keeps it untouched.
 
 ``plan_cache_control`` (no client ``cache_control``) scores two candidates over the flat block list of
-``gateway.protocols.anthropic.breakpoints``: *automatic* (a breakpoint on the last cacheable block) and *placed* (``add_breakpoints``
-at the segment boundaries plus lookback breakpoints). Score = (read reach, write reach): the read reach is the
-longest prefix, in tokens, ending at a *read point* that lies within the lookback of one of the plan's
+``gateway.protocols.anthropic.breakpoints``: *automatic* (the top-level marker, whose breakpoint is the last
+cacheable block, plus block breakpoints at the stable boundaries, tools / system / documents, so other
+conversations of the prefix still find an entry; the top-level marker takes one of the 4 slots) and *placed*
+(``add_breakpoints`` at every segment boundary, the history's included, plus lookback breakpoints).
+Score = (read reach, write reach): the read reach is the longest prefix, in tokens, ending at a *read point* that lies within the lookback of one of the plan's
 breakpoints (read points: the segment boundaries and the end of the previous turn, i.e. the last block of the
 message before the last assistant message: where earlier requests of this prefix wrote their entries); the write
 reach is the prefix up to the plan's last breakpoint. Only prefixes at or above the minimum count. The higher
@@ -318,35 +320,53 @@ def plan_cache_control(
         return read, write
 
     last = next((pos for pos in range(len(slots) - 1, -1, -1) if _cacheable(slots[pos].block)), None)
-    automatic = (0, 0)
-    if ttls["history"] != NO_CACHE and last is not None:
-        automatic = reach([(last, cumulative[last])])
-    placed_body, placed_plan = add_breakpoints(
-        body,
-        boundaries,
-        model,
-        min_tokens=minimum,
-        counter=counter,
-        max_breakpoints=max_breakpoints,
-        lookback_blocks=lookback_blocks,
-    )
-    marker_ttls = _ordered_ttls([ttls[_ttl_kind(b.kind)] for b in placed_plan.added])
-    placed = reach(
-        [
+
+    def candidate(kinds: Sequence[str], slots_left: int) -> tuple[dict[str, Any], list[Any], list[str]]:
+        chosen = {kind: boundaries[kind] for kind in kinds if kind in boundaries}
+        new_body, plan = add_breakpoints(
+            body,
+            chosen,
+            model,
+            min_tokens=minimum,
+            counter=counter,
+            max_breakpoints=slots_left,
+            lookback_blocks=lookback_blocks,
+        )
+        return new_body, plan.added, [ttls[_ttl_kind(b.kind)] for b in plan.added]
+
+    def kept(added: list[Any], markers: list[str]) -> list[tuple[int, int]]:
+        return [
             (b.position, b.prefix_tokens)
-            for b, marker in zip(placed_plan.added, marker_ttls, strict=True)
+            for b, marker in zip(added, markers, strict=True)
             if b.position is not None and marker != NO_CACHE
         ]
-    )
+
+    # automatic: the stable boundaries as blocks (an entry other conversations of the prefix reuse) plus the
+    # top-level marker on the last block (the conversation's own entry, moving forward each turn)
+    auto_body, auto_added, auto_markers = candidate(("tools", "system", "documents"), max_breakpoints - 1)
+    automatic = (0, 0)
+    if ttls["history"] != NO_CACHE and last is not None:
+        auto_markers = _ordered_ttls([*auto_markers, ttls["history"]])
+        top_ttl = auto_markers.pop()
+        automatic = reach([*kept(auto_added, auto_markers), (last, cumulative[last])])
+    placed_body, placed_added, placed_markers = candidate(tuple(boundaries), max_breakpoints)
+    placed_markers = _ordered_ttls(placed_markers)
+    placed = reach(kept(placed_added, placed_markers))
     scores = {"automatic": automatic, "placed": placed}
     if automatic == (0, 0) and placed == (0, 0):
         return CachePlan("none", body, None, scores, minimum)
     if automatic >= placed:
-        history = ttls["history"]
-        return CachePlan("automatic", {**body, "cache_control": _marker(history)}, history, scores, minimum)
-    kept = [m for m in marker_ttls if m != NO_CACHE]
-    shown = kept[0] if len(set(kept)) == 1 else "mixed"
-    return CachePlan("placed", _with_ttls(placed_body, iter(marker_ttls)), shown, scores, minimum)
+        out = _with_ttls(auto_body, iter(auto_markers)) if auto_added else dict(body)
+        out["cache_control"] = _marker(top_ttl)
+        return CachePlan("automatic", out, _shown([*auto_markers, top_ttl]), scores, minimum)
+    return CachePlan(
+        "placed", _with_ttls(placed_body, iter(placed_markers)), _shown(placed_markers), scores, minimum
+    )
+
+
+def _shown(markers: Sequence[str]) -> str | None:
+    used = {m for m in markers if m != NO_CACHE}
+    return None if not used else used.pop() if len(used) == 1 else "mixed"
 
 
 def _ttl_map(ttl: str | Mapping[str, str]) -> dict[str, str]:

@@ -167,10 +167,8 @@ async def test_native_request_keeps_the_body_and_client_cache_control(http):
         sent["thinking"] == body["thinking"] and sent["service_tier"] == "auto" and sent["max_tokens"] == 256
     )
     assert sent["system"] == body["system"]  # client breakpoint kept, ttl included
-    # an automatic breakpoint at the end of the history; the client's 1h one comes before it, so 5m is allowed
-    assert sent["messages"][1]["content"] == [
-        {"type": "text", "text": "first answer", "cache_control": {"type": "ephemeral"}}
-    ]
+    # the client chose its caching: nothing is added (issue 15: explicit client choices stay untouched)
+    assert sent["messages"][1]["content"] == "first answer" and "cache_control" not in sent
     assert sent["messages"][0]["content"] == body["messages"][0]["content"]
     assert sent["messages"][2]["content"] == "second question"
 

@@ -131,8 +131,11 @@ def test_override_errors_name_the_config_place():
         override_prices(
             base, {"cache_write": {"24h": 1.0}}, "models.a.prices", provider="anthropic", model="a"
         )
-    with pytest.raises(PriceTableError, match=r"^models.b.prices.cache_read: missing"):
-        override_prices(None, {"input": 1.0}, "models.b.prices", provider="openai", model="b")
+    with pytest.raises(PriceTableError, match=r"^models.b.prices.input: missing"):
+        override_prices(None, {"cache_read": 1.0}, "models.b.prices", provider="openai", model="b")
+    with pytest.raises(PriceTableError, match=r"^models.b.prices.input: expected a number >= 0"):
+        override_prices(None, {"input": -1}, "models.b.prices", provider="openai", model="b")
+    assert override_prices(None, {"input": 2}, "m", provider="openai", model="b").cache_read == 2.0
 
 
 def test_override_of_a_model_the_table_lacks():

@@ -54,7 +54,7 @@ def test_usage_that_cannot_be_priced(usage, match):
 
 def test_write_waste_is_the_premium_of_writes_never_read_before_expiry():
     ledger = CostLedger(clock=lambda: 0.0)
-    kw = {"model": "haiku", "prices": HAIKU, "tenant": "t1", "api_key": "k1", "entry_key": "p"}
+    kw = {"model": "haiku", "prices": HAIKU, "tenant": "t1", "key": "k1", "entry_key": "p"}
     ledger.record(usage=CacheUsage(10_000, 0, {"5m": 8_000}), now=0.0, **kw)  # writes [0, 8000)
     ledger.record(
         usage=CacheUsage(10_500, 8_000, {"5m": 2_000}), now=100.0, **kw
@@ -73,7 +73,7 @@ def test_write_waste_is_the_premium_of_writes_never_read_before_expiry():
 
 def test_a_1h_write_read_after_20_minutes_is_not_waste_and_a_5m_one_would_be():
     ledger = CostLedger(clock=lambda: 0.0)
-    base = {"model": "haiku", "prices": HAIKU, "tenant": "t", "api_key": "k"}
+    base = {"model": "haiku", "prices": HAIKU, "tenant": "t", "key": "k"}
     ledger.record(usage=CacheUsage(5_000, 0, {"1h": 5_000}), entry_key="a", now=0.0, **base)
     ledger.record(usage=CacheUsage(5_100, 5_000, {}), entry_key="a", now=1_200.0, **base)
     ledger.record(usage=CacheUsage(5_000, 0, {"5m": 5_000}), entry_key="b", now=0.0, **base)
@@ -89,11 +89,11 @@ def test_a_partial_read_leaves_the_rest_outstanding_and_owners_are_kept_apart():
     ledger = CostLedger(clock=lambda: 0.0)
     ledger.record(
         model="haiku", prices=HAIKU, usage=CacheUsage(9_000, 0, {"5m": 8_000}),
-        tenant="t1", api_key="k1", entry_key="p", now=0.0,
+        tenant="t1", key="k1", entry_key="p", now=0.0,
     )  # fmt: skip
     ledger.record(
         model="haiku", prices=HAIKU, usage=CacheUsage(4_500, 4_000, {}),
-        tenant="t2", api_key="k2", entry_key="p", now=10.0,
+        tenant="t2", key="k2", entry_key="p", now=10.0,
     )  # fmt: skip
     snap = ledger.snapshot(now=400.0)
     # t2's read is under another tenant: it does not consume t1's write (tenants never share a cache entry)
@@ -103,7 +103,7 @@ def test_a_partial_read_leaves_the_rest_outstanding_and_owners_are_kept_apart():
     for read, write, t in ((0, 8_000, 0.0), (4_000, 0, 10.0)):
         ledger2.record(
             model="m", prices=HAIKU, usage=CacheUsage(9_000, read, {"5m": write} if write else {}),
-            tenant="t", api_key="k", entry_key="p", now=t,
+            tenant="t", key="k", entry_key="p", now=t,
         )  # fmt: skip
     assert ledger2.snapshot(now=400.0)["by_model"]["m"]["wasted_write_tokens"] == 4_000
 
@@ -131,5 +131,11 @@ def test_outstanding_regions_are_bounded():
         )
     snap = ledger.snapshot(now=0.0)
     assert (snap["outstanding_writes"], snap["dropped_regions"]) == (2, 1)
+    few_keys = CostLedger(max_keys=2, clock=lambda: 0.0)
+    for key in "abc":
+        few_keys.record(model="m", prices=HAIKU, usage=CacheUsage(10), key=key, now=0.0)
+    snap = few_keys.snapshot(now=0.0)
+    assert list(snap["by_key"]) == ["b", "c"] and snap["evicted_keys"] == 1
+    assert snap["by_model"]["m"]["requests"] == 3
     with pytest.raises(ValueError):
         CostLedger(max_regions=0)

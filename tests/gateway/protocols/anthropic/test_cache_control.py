@@ -74,6 +74,7 @@ def test_a_chat_turn_takes_automatic_caching():
     plan = _plan(body)
     assert plan.mode == "automatic"
     assert plan.body["cache_control"] == EPH
+    assert plan.body["system"][0]["cache_control"] == EPH  # the stable prefix keeps its own entry
     assert plan.scores["automatic"] == (2_200, 2_300)  # reads the history, writes the whole request
     assert plan.scores["placed"] == (2_200, 2_200)
     assert "cache_control" not in body  # the input is not changed
@@ -84,8 +85,8 @@ def test_an_agent_turn_past_the_20_block_lookback_takes_placed_breakpoints():
     plan = _plan(body)
     assert plan.mode == "placed"
     automatic_read, _ = plan.scores["automatic"]
-    assert automatic_read == 0  # the last block is 50 blocks after the previous turn's end
-    assert plan.scores["placed"][0] > 0
+    assert automatic_read == 2_000  # only its system breakpoint: the previous turn's end is 50 blocks back
+    assert plan.scores["placed"][0] > 2_000
     marked = [b for b in plan.body["messages"][1]["content"] if "cache_control" in b]
     assert marked and "cache_control" not in plan.body
     # with only a few tool calls the lookback reaches back, and automatic wins again
