@@ -47,7 +47,7 @@ class RetentionPolicy:
     """
 
     def __init__(self, tracker: ReuseTracker | None = None) -> None:
-        self.tracker = tracker or ReuseTracker()
+        self.tracker = tracker if tracker is not None else ReuseTracker()
 
     def anthropic_ttls(
         self, prices: ModelPrices, request: ChatRequest, body: Mapping[str, Any]

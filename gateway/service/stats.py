@@ -149,7 +149,7 @@ class GatewayStats:
     ):
         self._prices = dict(prices)
         self.prices_checked = prices_checked
-        self.ledger = ledger or CostLedger()
+        self.ledger = ledger if ledger is not None else CostLedger()
         self.provider_misses = MissCounters()
         self.models: dict[str, ModelCounters] = {name: ModelCounters() for name in prices}
         self.errors: Counter[int] = Counter()

@@ -437,16 +437,13 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
         {
             "role": "user",
             "content": [
-                {
-                    "type": "tool_result",
-                    "tool_use_id": "call_1",
-                    "content": "18C",
-                    "cache_control": {"type": "ephemeral"},
-                },  # the end of the history
+                {"type": "tool_result", "tool_use_id": "call_1", "content": "18C"},
                 {"type": "text", "text": "And Paris?"},
             ],
         },
     ]
+    # automatic caching (issue 15): the top-level marker follows the conversation, the system keeps its own
+    assert sent["cache_control"] == {"type": "ephemeral"}
     assert sent["tools"] == [{"name": "get_weather", "input_schema": {"type": "object"}}]
     assert sent["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
     assert sent["max_tokens"] == 4096 and sent["temperature"] == 0.5 and "top_p" not in sent
