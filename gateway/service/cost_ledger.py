@@ -76,7 +76,7 @@ def request_cost(prices: ModelPrices, usage: CacheUsage) -> RequestCost:
 
 @dataclass
 class CostTotals:
-    """Running totals for one model, client key or tenant (USD and tokens)."""
+    """Running totals for one model, prefix key or tenant (USD and tokens)."""
 
     requests: int = 0
     paid: float = 0.0
@@ -113,7 +113,7 @@ class _Region:
 
 
 class CostLedger:
-    """Cost paid, saved and write waste per model, client key and tenant (see the module docstring).
+    """Cost paid, saved and write waste per model, prefix key and tenant (see the module docstring).
 
     ``record`` prices a request and updates the account; ``snapshot`` sweeps expired writes into waste and
     returns the totals.
