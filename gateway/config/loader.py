@@ -23,7 +23,7 @@ import httpx
 import yaml
 
 from engine.api import EngineConfig
-from gateway.config.pricing import Prices, PriceTableError
+from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
 from gateway.config.schema import (
     BACKEND_KINDS,
     DEFAULT_MODEL_NAME,
@@ -194,7 +194,7 @@ _MODEL_COMMON = {"name", "backend"}
 _MODEL_EMBEDDED = {"path", "engine"}
 _MODEL_UPSTREAM = {"base_url", "api_key", "upstream_model", "timeout_s", "retries", "prices", "ring"}
 _MODEL_BACKEND_ONLY = {
-    "openai": {"prompt_cache_key"},
+    "openai": {"prompt_cache_key", "prompt_cache_retention", "cache_salt"},
     "anthropic": {"anthropic_version", "auto_breakpoints", "min_cacheable_tokens"},
 }
 """Settings of one upstream kind only."""
@@ -285,10 +285,14 @@ def _parse_upstream(
         reader.fail(f"{where}.timeout_s", f"expected a positive number of seconds, got {timeout}")
     if retries < 0:
         reader.fail(f"{where}.retries", f"expected a count >= 0, got {retries}")
-    prices = None
+    upstream_model = reader.typed(raw, where, "upstream_model", str | None, None)
+    table = shipped_price_table()
+    prices = table.lookup(upstream_model or name, backend) or table.lookup(upstream_model or name)
     if raw.get("prices") is not None:
         try:
-            prices = Prices.from_mapping(raw["prices"], where=f"{where}.prices")
+            prices = override_prices(
+                prices, raw["prices"], f"{where}.prices", provider=backend, model=upstream_model or name
+            )
         except PriceTableError as exc:
             key, _, problem = str(exc).partition(": ")
             reader.fail(key, problem)
@@ -296,15 +300,21 @@ def _parse_upstream(
         "name": name,
         "base_url": tuple(urls),
         "api_key": _parse_api_key(reader, raw, where),
-        "upstream_model": reader.typed(raw, where, "upstream_model", str | None, None),
+        "upstream_model": upstream_model,
         "timeout_s": timeout,
         "retries": retries,
         "prices": prices,
         "ring": _parse_ring(reader, raw.get("ring"), f"{where}.ring"),
     }
     if backend == "openai":
+        retention = reader.typed(raw, where, "prompt_cache_retention", str, "auto")
+        if retention not in ("auto", "off"):
+            reader.fail(f"{where}.prompt_cache_retention", f"expected 'auto' or 'off', got {retention!r}")
         return OpenAIUpstream(
-            **common, prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True)
+            **common,
+            prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True),
+            prompt_cache_retention=retention,
+            cache_salt=reader.typed(raw, where, "cache_salt", bool, False),
         )
     return AnthropicUpstream(
         **common,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from engine.api import EngineConfig
-from gateway.config.pricing import Prices
+from gateway.config.price_table import ModelPrices
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 BACKEND_KINDS = ("embedded", "openai", "anthropic")
@@ -95,7 +95,8 @@ class UpstreamModel:
         upstream_model: the provider's model name; None = ``name``.
         timeout_s: seconds per upstream attempt.
         retries: extra attempts on connection errors / 5xx / 429.
-        prices: ``gateway.config.pricing.Prices`` for cost estimates in stats; None = unknown.
+        prices: the model's cache prices (``gateway.config.price_table.ModelPrices``): the shipped table's entry
+            for ``upstream_model`` (or ``name``) with the config's ``prices`` applied over it; None = unknown.
         ring: prefix-affinity settings (``RingConfig``).
     """
 
@@ -107,7 +108,7 @@ class UpstreamModel:
     upstream_model: str | None = None
     timeout_s: float = 60.0
     retries: int = 2
-    prices: Prices | None = None
+    prices: ModelPrices | None = None
     ring: RingConfig = field(default_factory=RingConfig)
 
 
@@ -117,11 +118,16 @@ class OpenAIUpstream(UpstreamModel):
 
     Attributes:
         prompt_cache_key: send ``prompt_cache_key`` = the prefix key when the client set none.
+        prompt_cache_retention: ``auto``: set ``prompt_cache_retention`` by the reuse the gateway observes where
+            the model offers more than one retention (and the client set none); ``off``: never.
+        cache_salt: the upstream accepts vLLM / SGLang's ``cache_salt`` field: send the tenant's salt in it.
     """
 
     backend: ClassVar[str] = "openai"
 
     prompt_cache_key: bool = True
+    prompt_cache_retention: str = "auto"
+    cache_salt: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,7 @@ class GatewayConfig:
         """The model entry called ``name``, or None."""
         return next((m for m in self.models if m.name == name), None)
 
-    def prices(self, name: str) -> Prices | None:
+    def prices(self, name: str) -> ModelPrices | None:
         """The price table of the upstream model ``name``; None for an embedded or unknown model."""
         model = self.model(name)
         return model.prices if isinstance(model, UpstreamModel) else None

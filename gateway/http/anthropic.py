@@ -76,6 +76,7 @@ async def messages_endpoint(http_request: Request) -> Response:
         return EventStreamResponse(message_sse(opened), headers=headers)
     message = await run_unless_disconnected(http_request, collect_message(opened), opened)
     headers.update(await opened.cache_header())
+    headers.update(opened.cost_headers())
     return JSONResponse(message, headers=headers)
 
 

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.errors import EngineError
 from gateway.backends.base import Backend
 from gateway.backends.registry import create_backend
+from gateway.config.price_table import shipped_price_table
 from gateway.config.schema import GatewayConfig
 from gateway.core.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
 from gateway.http.request_context import ClientDisconnected, request_id_of
@@ -39,6 +40,7 @@ from gateway.service.gateway import Gateway
 from gateway.service.metrics import build_registry
 from gateway.service.registry import ModelRegistry
 from gateway.service.request_log import RequestRecord, log_request
+from gateway.service.retention import RetentionPolicy, attach_retention_policy
 from gateway.service.stats import GatewayStats
 
 logger = logging.getLogger("prefixgate.app")
@@ -62,8 +64,11 @@ def create_app(
     """
     if backends is None:
         backends = {model.name: create_backend(model) for model in config.models}
+    attach_retention_policy(backends, RetentionPolicy())
     registry = ModelRegistry(backends)
-    stats = GatewayStats({name: config.prices(name) for name in registry.names()})
+    stats = GatewayStats(
+        {name: config.prices(name) for name in registry.names()}, prices_checked=shipped_price_table().checked
+    )
     canonicalizer = Canonicalizer(config.rules, config.transcript, config.rules_learning)
     gateway = Gateway(
         config=config,

@@ -118,6 +118,7 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
         return EventStreamResponse(sse(opened, meta), headers=headers)
     body = await run_unless_disconnected(http_request, collect(opened, meta), opened)
     headers.update(await opened.cache_header())
+    headers.update(opened.cost_headers())
     return JSONResponse(body, headers=headers)
 
 

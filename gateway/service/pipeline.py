@@ -31,6 +31,7 @@ from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
+from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
@@ -102,6 +103,13 @@ class OpenedStream:
         self._closed = False
         self._explained = False
         self._cache_header: str | None = None
+        self.cost: RequestCost | None = None
+        """The request's cache cost once it finished (None before, or when the model has no prices)."""
+
+    def cost_headers(self) -> dict[str, str]:
+        """``{COST_HEADER: RequestCost.header_value()}`` once the request finished with a priced model, else
+        ``{}`` (a streamed answer's headers go out before its usage is known)."""
+        return {COST_HEADER: self.cost.header_value()} if self.cost is not None else {}
 
     @property
     def first_event(self) -> BackendEvent | None:
@@ -227,7 +235,15 @@ class OpenedStream:
     def _record_finish(self, finish: Finish) -> None:
         self._done = True
         ttft = self._ttft_s if self._ttft_s is not None else finish.ttft_s
-        self.gateway.stats.record_finish(self.request.model, finish.usage, ttft, self.request.prefix_key)
+        self.cost = self.gateway.stats.record_finish(
+            self.request.model,
+            finish.usage,
+            ttft,
+            self.request.prefix_key,
+            tenant=self.request.tenant,
+            retention=finish.cache_retention,
+            cache_miss_reason=finish.cache_miss_reason,
+        )
         self._log(200, finish=finish, ttft_s=ttft)
 
     def _log(

@@ -100,7 +100,8 @@ def test_upstream_model_fields(tmp_path, monkeypatch):
         30.0,
         1,
     )
-    assert (model.prices.input, model.prices.cached_input) == (0.15, 0.075)
+    # the old shape (cached_input) is converted over the shipped table's gpt-4o-mini entry
+    assert (model.prices.input, model.prices.cache_read, model.prices.source) == (0.15, 0.075, "config")
 
 
 def test_upstream_tuning_fields(tmp_path):
