@@ -98,6 +98,8 @@ class MessageAssembler:
             merged = dict(self._message.get("usage") or {})
             merged.update({k: v for k, v in usage.items() if v is not None})
             self._message["usage"] = merged
+            if isinstance(data.get("diagnostics"), dict):  # cache diagnostics come with the final delta
+                self._message["diagnostics"] = data["diagnostics"]
 
     def _delta(self, index: Any, delta: Any) -> None:
         block = self._blocks.get(index) if isinstance(index, int) else None

@@ -32,6 +32,7 @@ from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
+from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.gateway import Gateway
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
@@ -137,7 +138,9 @@ class OpenedStream:
                 await self._explain(cached)
         return {CACHE_HEADER: self._cache_header} if self._cache_header is not None else {}
 
-    async def _explain(self, cached: int) -> None:
+    async def _explain(self, cached: int, provider_reason: str | None = None) -> None:
+        """Explain the request's cache result once (``provider_reason``: the upstream's own miss reason, which
+        takes precedence over the local cause, so the providers' diagnostics land in the same counters)."""
         self._explained = True
         cache = self.gateway.cache
         if cache is None:
@@ -146,8 +149,9 @@ class OpenedStream:
             backend = self.gateway.registry.get(self.request.model)
             tokenizer = backend.prompt_tokenizer()
             minimum, granularity = _cache_unit(self.gateway, self.request.model)
+            provider_cause = provider_miss_cause(provider_reason)
             explanation = await asyncio.to_thread(
-                cache.explain, self.request, cached, tokenizer, None, minimum, granularity
+                cache.explain, self.request, cached, tokenizer, provider_cause, minimum, granularity
             )
         except Exception:  # noqa: BLE001 - an explanation never fails a request
             cache.errors += 1
@@ -169,7 +173,7 @@ class OpenedStream:
                 if isinstance(event, Finish):
                     self._record_finish(event)
                     if not self._explained:
-                        await self._explain(event.usage.cached_tokens)
+                        await self._explain(event.usage.cached_tokens, event.cache_miss_reason)
                     self.gateway.canonicalizer.learn(self.request)
                     yield event
                     return

@@ -53,6 +53,16 @@ class ProviderDiagnostic:
     missed_tokens: int | None = None
 
 
+def provider_miss_cause(reason: str | None) -> str | None:
+    """The gateway's miss cause for a provider's own miss reason (an Anthropic ``cache_miss_reason.type`` or a
+    phrase), or None when it names none we know."""
+    if not reason:
+        return None
+    if reason in ANTHROPIC_MISS_REASONS:
+        return ANTHROPIC_MISS_REASONS[reason]
+    return map_provider_cause(reason)
+
+
 def _reason_type(reason: Any) -> str | None:
     if isinstance(reason, str):
         return reason

@@ -73,6 +73,7 @@ class StubState:
         self.fail_next: list[int] = []  # statuses to answer before the first byte, one per request
         self.cut_next = 0  # requests to cut off after the first events
         self.seen_prefixes: set[str] = set()
+        self.diagnostics: dict[str, Any] | None = None  # Anthropic ``diagnostics`` sent in ``message_delta``
 
     def enter(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[int | None, bool]:
         with self.lock:
@@ -220,6 +221,7 @@ def _anthropic_events(state: StubState, body: dict[str, Any]) -> list[tuple[str,
                 "type": "message_delta",
                 "delta": {"stop_reason": "end_turn", "stop_sequence": None},
                 "usage": {"output_tokens": 3},
+                **({"diagnostics": state.diagnostics} if state.diagnostics is not None else {}),
             },
         )
     )

@@ -16,9 +16,10 @@ SYSTEM = "You are the catalogue assistant. Answer every question about the catal
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
+    ant_state = StubState("ANT")
     stubs = {
         "openai": StubServer(openai_stub(StubState("OAI"))).start(),
-        "anthropic": StubServer(anthropic_stub(StubState("ANT"))).start(),
+        "anthropic": StubServer(anthropic_stub(ant_state)).start(),
     }
     data = {
         "admin": {"token": ADMIN_TOKEN},
@@ -34,6 +35,7 @@ def gateway(tmp_path_factory):
         ],
     }
     server = RunningServer(write_config(tmp_path_factory.mktemp("hdr") / "prefixgate.yaml", data)).start()
+    server.anthropic_state = ant_state
     yield server
     server.stop()
     for stub in stubs.values():
@@ -73,3 +75,25 @@ def test_anthropic_upstream_below_its_minimum_is_explained(gateway):
             messages=[{"role": "user", "content": "what is in stock ?"}],
         )
     assert fields(raw.headers["x-prefixgate-cache"])["miss"] == "below_minimum"
+
+
+def test_the_providers_own_miss_reason_is_the_cause_counted(gateway):
+    """Anthropic's ``diagnostics.cache_miss_reason`` takes precedence over the local cause, in the header and
+    in the same ``cache_misses`` counters (issues 11 and 15: provider diagnostics folded in, not dropped)."""
+    long_system = SYSTEM + " Stock levels are updated every night from the warehouse system." * 240
+    gateway.anthropic_state.diagnostics = {
+        "cache_miss_reason": {"type": "tools_changed", "cache_missed_input_tokens": 1200}
+    }
+    try:
+        with anthropic.Anthropic(base_url=gateway.base_url, api_key="x", max_retries=0) as ant:
+            raw = ant.messages.with_raw_response.create(
+                model="an",
+                max_tokens=8,
+                system=long_system,
+                messages=[{"role": "user", "content": "what is in stock ?"}],
+            )
+    finally:
+        gateway.anthropic_state.diagnostics = None
+    assert fields(raw.headers["x-prefixgate-cache"])["miss"] == "tools_changed"
+    causes = gateway.stats()["cache_misses"]["models"]["an"]
+    assert causes["by_cause"]["tools_changed"] == 1
