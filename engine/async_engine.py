@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -169,11 +170,13 @@ class AsyncEngine:
         for o in outs:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
-                events.append(TextDelta(o.text, tuple(o.new_token_ids)))
+                events.append(TextDelta(o.text, tuple(o.new_token_ids), o.index, tuple(o.logprobs)))
             if o.finished:
-                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text))
+                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.index))
+                no_tokens = replace(o.usage, completion_tokens=0)
+                events.extend(Finished(o.finish_reason, no_tokens, None, "", i) for i in o.unforked)
             for event in events:
-                self._deliver(o.request_id, event)
+                self._deliver(o.parent_id or o.request_id, event)
 
     def _deliver(self, rid: str, event: StreamEvent | _EngineFailure) -> None:
         stream = self._streams.get(rid)
@@ -243,6 +246,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         done = False
+        choices_left = req.params.n
         try:
             with self._cond:
                 self.core.add_checked_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
@@ -255,7 +259,8 @@ class AsyncEngine:
                         f"the engine's step loop failed: {event.error!r}"
                     ) from event.error
                 if isinstance(event, Finished):
-                    done = True
+                    choices_left -= 1
+                    done = choices_left == 0
                 yield event
                 if done:
                     return
@@ -263,4 +268,4 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not done:
                 with self._cond:
-                    self.core.abort_request(rid)
+                    self.core.abort_family(rid)

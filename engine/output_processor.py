@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.api import FinishReason, Usage
+from engine.api import FinishReason, TokenLogprob, Usage
 from engine.block_hash import HashFn, block_hasher
 from engine.request import Request
 from engine.stats import EngineCounters
@@ -37,6 +37,11 @@ class RequestOutput:
         usage: set when finished.
         ttft_s: seconds from submit to the first token (None if none was generated).
         full_text: all text generated (stop-string trimmed), set when finished.
+        index: the choice (``Request.index``).
+        parent_id: the request it was forked from (None for a submitted request).
+        logprobs: one entry per token of ``new_token_ids`` when the request asked for logprobs.
+        unforked: choice indexes of forks that were never created because this request ended before its
+            prompt was computed (aborted); they end with it, with no output tokens.
     """
 
     request_id: str
@@ -47,6 +52,10 @@ class RequestOutput:
     usage: Usage | None = None
     ttft_s: float | None = None
     full_text: str = ""
+    index: int = 0
+    parent_id: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    unforked: tuple[int, ...] = ()
 
 
 class OutputProcessor:
@@ -63,13 +72,16 @@ class OutputProcessor:
         self.block_size = block_size
         self.hash_fn = hash_fn
 
-    def process_token(self, req: Request, token: int, now: float) -> RequestOutput:
+    def process_token(
+        self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """Record a sampled token; detokenize; finish on a stop token, a stop string or ``max_tokens``.
 
         Args:
             req: a running request.
             token: the token sampled for it this step.
             now: clock reading of the step's end, seconds.
+            logprob: the token's logprobs when the request asked for them.
 
         Returns:
             The step's output; ``finished`` (built by ``finish``) when the token ended the request.
@@ -95,11 +107,15 @@ class OutputProcessor:
                 reason = "stop"
         if reason is None and req.num_output_tokens >= req.max_tokens:
             reason = "length"
+        lps = [logprob] if logprob is not None else []
         if reason is None:
-            return RequestOutput(req.request_id, [token], text)
+            return RequestOutput(
+                req.request_id, [token], text, index=req.index, parent_id=req.parent_id, logprobs=lps
+            )
         out = self.finish(req, reason)
         out.new_token_ids = [token]
         out.text = text + out.text
+        out.logprobs = lps
         return out
 
     def finish(self, req: Request, reason: FinishReason) -> RequestOutput:
@@ -122,4 +138,7 @@ class OutputProcessor:
             ),
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             full_text=req.output.text if req.output is not None else "",
+            index=req.index,
+            parent_id=req.parent_id,
+            unforked=tuple(f.index for f in req.sampler.pending_forks),
         )
