@@ -6,8 +6,9 @@ Contract (implemented by ``engine.async_engine.AsyncEngine``)::
     await engine.start()                                                   # background step loop
     prompt_ids = engine.render_chat(messages, tools)                       # list[int], chat template
     async for event in engine.generate(GenerationRequest(...)):
-        TextDelta -> append event.text ...
-        Finished  -> event.finish_reason, event.usage (always the last event)
+        TextDelta -> event.index (choice), event.text, event.token_ids, event.logprobs
+        Finished  -> event.index, event.finish_reason, event.usage (the last event of its choice; the
+                     stream ends after the Finished of all ``params.n`` choices)
     engine.stats()  -> EngineStats  (counters; see below)
     await engine.shutdown()
 
