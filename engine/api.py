@@ -25,6 +25,39 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 
 
+ConstraintKind = Literal["json_object", "json_schema", "tool_calls"]
+ToolChoice = Literal["auto", "required", "function"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must be: constrained decoding (``engine.constrained``, llguidance).
+
+    Attributes:
+        kind: ``"json_object"`` (any JSON object: OpenAI ``response_format: {"type": "json_object"}``),
+            ``"json_schema"`` (an instance of ``json_schema``: ``response_format: {"type": "json_schema"}``, strict
+            or not, the schema is enforced as given), or ``"tool_calls"`` (the generic tool-call format of
+            ``engine.tool_calls``, arguments valid for each tool's ``parameters``).
+        json_schema: the JSON Schema of ``"json_schema"`` (a dict).
+        tools: the tools of ``"tool_calls"``: OpenAI ``{"type": "function", "function": {...}}`` objects or the
+            bare function objects ``{"name", "description", "parameters"}``.
+        tool_choice: ``"auto"`` (text, or calls of these tools), ``"required"`` (one or more calls), or
+            ``"function"`` (calls of ``tool_name`` only). OpenAI's ``"none"`` is no constraint at all.
+        tool_name: the function of ``tool_choice="function"``.
+        parallel_tool_calls: allow several calls in one answer (else at most one).
+
+    A finished constrained output is complete and valid (``finish_reason="stop"``); ``"length"`` means it was cut
+    by ``max_tokens`` and may be a valid prefix only.
+    """
+
+    kind: ConstraintKind
+    json_schema: dict | None = None
+    tools: tuple[dict, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request.
@@ -48,6 +81,7 @@ class SamplingParams:
         presence_penalty / frequency_penalty: OpenAI's, in [-2, 2], over the tokens generated so far.
         repetition_penalty: Hugging Face's (CTRL), > 0, over prompt and output tokens; 1 disables it.
         logit_bias: ``(token_id, bias)`` pairs added to the logits; bias clamped to [-100, 100] (OpenAI).
+        constraint: what the output must be (JSON, a schema's instance, tool calls), or None.
     """
 
     max_tokens: int | None = 256
@@ -64,6 +98,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from engine.api import SamplingParams
 from engine.block_hash import block_hasher
+from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder, OutputText
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
@@ -110,6 +111,8 @@ class InputProcessor:
         tokenizer: detokenizer for output text and stop strings; None = token ids only.
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         clock: monotonic clock in seconds (a request's ``arrival_time``).
+        constraints: the engine's grammar compiler (``engine.constrained``), or None when the engine has no
+            tokenizer (constrained requests are then refused).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class InputProcessor:
         tokenizer: Decoder | None,
         eos_token_ids: Sequence[int],
         clock: Callable[[], float],
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
         self.kv = kv
         self.vocab_size = vocab_size
@@ -130,12 +134,14 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
+        self.constraints = constraints
 
     def check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Validate a prompt and its parameters before anything is queued or allocated.
 
         Raises:
-            InvalidRequestError: bad parameters or token ids; stop strings without a tokenizer.
+            InvalidRequestError: bad parameters or token ids; stop strings without a tokenizer; a constraint that
+                does not compile (or no tokenizer to compile it for).
             PromptTooLongError: ``what="context"`` when ``prompt + 1 > max_model_len``, or when an explicit
                 ``max_tokens`` does not fit beside the prompt (``prompt + max_tokens > max_model_len``, as OpenAI
                 and vLLM refuse it); ``what="pool"`` when ``prompt + 1`` tokens exceed the whole block pool.
@@ -144,6 +150,12 @@ class InputProcessor:
         validate_prompt(prompt_token_ids, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        if params.constraint is not None:
+            if self.constraints is None:
+                raise InvalidRequestError(
+                    "constrained decoding needs the checkpoint's tokenizer", "response_format"
+                )
+            self.constraints.grammar(params.constraint)
         for token_id, _ in params.logit_bias:
             if token_id >= self.vocab_size:
                 raise InvalidRequestError(
@@ -182,7 +194,11 @@ class InputProcessor:
             stop_token_ids=frozenset(stop_ids),
             extra_keys=extra_keys,
             arrival_time=self.clock(),
-            sampler=SequenceSampler(params, prompt_token_ids),
+            sampler=SequenceSampler(
+                params,
+                prompt_token_ids,
+                constraint=None if params.constraint is None else self.constraints.start(params.constraint),
+            ),
             output=OutputText(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
         req.sampler.pending_forks = [req.sampler.fork(i) for i in range(1, params.n)]

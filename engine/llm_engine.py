@@ -30,6 +30,7 @@ import torch
 
 from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob
 from engine.block_hash import HashFn, hash_block
+from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
 from engine.input_processor import InputProcessor
 from engine.kv_cache_manager import KVCacheManager
@@ -103,6 +104,12 @@ class LLMEngine:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
         self.counters = EngineCounters()
+        backend = getattr(tokenizer, "backend", None)
+        self.constraints = (
+            ConstraintCompiler(backend.to_str(), mc.vocab_size, tuple(eos_token_ids))
+            if backend is not None and eos_token_ids
+            else None
+        )
         self.input = InputProcessor(
             self.kv,
             vocab_size=mc.vocab_size,
@@ -111,6 +118,7 @@ class LLMEngine:
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids,
             clock=clock,
+            constraints=self.constraints,
         )
         self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
         self.scheduler = Scheduler(self.kv, config, self.counters, clock=clock)

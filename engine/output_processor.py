@@ -7,7 +7,7 @@ the stop checks, and the final output of a finished request (usage, TTFT, stop-t
 Invariants:
 
 - Stop checks run in this order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``; its text is
-  never emitted), a stop string (the text is cut before it), then ``max_tokens`` (``"length"``).
+  never emitted) or a constraint whose grammar is complete and can take no more tokens, a stop string (the text is cut before it), then ``max_tokens`` (``"length"``).
 - A request's last output is the only one with ``finished=True``; it alone carries ``finish_reason`` and
   ``usage``, and its ``text`` ends with whatever the detokenizer still held back.
 - This module frees nothing and owns no queue: the engine removes a finished request from the scheduler
@@ -99,11 +99,15 @@ class OutputProcessor:
         self.counters.decode_tokens += 1
         text = ""
         reason: FinishReason | None = None
+        constraint = req.sampler.constraint
         if token in req.stop_token_ids:
             reason = "stop"
-        elif req.output is not None:
-            text = req.output.add(token)
-            if req.output.stopped:
+        else:
+            if req.output is not None:
+                text = req.output.add(token)
+                if req.output.stopped:
+                    reason = "stop"
+            if constraint is not None and constraint.is_stopped:
                 reason = "stop"
         if reason is None and req.num_output_tokens >= req.max_tokens:
             reason = "length"
