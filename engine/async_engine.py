@@ -96,8 +96,16 @@ class AsyncEngine:
         """Context window in tokens."""
         return self.core.max_model_len
 
+    @property
+    def tool_format(self) -> str:
+        """``"generic"`` when tools are rendered in ``engine.tool_calls``' format (parse the output with its
+        ``ToolCallParser``, constrain it with a ``"tool_calls"`` ``Constraint``), ``"template"`` when the chat
+        template renders them itself (docs/tools.md)."""
+        return self._tokenizer.tool_format
+
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template.
+        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (tools, tool calls
+        and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section).
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.

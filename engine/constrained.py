@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -230,12 +231,17 @@ class ConstraintState:
     Args:
         matcher: the llguidance matcher (owned by this state).
         compiler: the engine's compiler (vocabulary, EOS, worker thread).
+
+    ``mask_compute_s`` sums the worker's time computing masks, ``mask_wait_s`` the time sampling waited for
+    them (what the mask cost on the critical path); both in seconds, for benchmarks.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, compiler: ConstraintCompiler) -> None:
         self.matcher = matcher
         self.compiler = compiler
         self.num_tokens = 0
+        self.mask_wait_s = 0.0
+        self.mask_compute_s = 0.0
         self._stopped = False
         self._mask: Future[torch.Tensor] | None = None
         self._start_mask()
@@ -245,6 +251,7 @@ class ConstraintState:
 
     def _compute_banned(self) -> torch.Tensor:
         """bool ``[vocab]``: True for tokens the grammar forbids next (EOS alone allowed if nothing is)."""
+        t0 = time.perf_counter()
         vocab = self.compiler.vocab_size
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
@@ -252,7 +259,9 @@ class ConstraintState:
             allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=bool)])
         if not allowed.any():
             allowed[list(self.compiler.eos_token_ids)] = True
-        return torch.from_numpy(~allowed)
+        banned = torch.from_numpy(~allowed)
+        self.mask_compute_s += time.perf_counter() - t0
+        return banned
 
     def fork(self) -> ConstraintState:
         """An independent copy at the same place (choices of one prompt start at the same place)."""
@@ -262,6 +271,7 @@ class ConstraintState:
         state.matcher = self.matcher.deep_copy()
         state.compiler = self.compiler
         state.num_tokens = self.num_tokens
+        state.mask_wait_s = state.mask_compute_s = 0.0
         state._stopped = self._stopped
         state._mask = None
         state._start_mask()
@@ -279,7 +289,10 @@ class ConstraintState:
     def banned(self) -> torch.Tensor:
         """bool ``[vocab]`` mask of forbidden next tokens (waits for the worker if it is still computing)."""
         assert self._mask is not None
-        return self._mask.result()
+        t0 = time.perf_counter()
+        banned = self._mask.result()
+        self.mask_wait_s += time.perf_counter() - t0
+        return banned
 
     def apply_mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (float32 ``[vocab]``) with every forbidden token at ``-inf`` (in place; returned)."""
