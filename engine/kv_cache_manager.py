@@ -281,7 +281,7 @@ class KVCacheManager:
         req.blocks.extend(self.pool.allocate(need))
         return True
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None | bool:
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | bool:
         """Give ``child_id`` a block table that shares ``parent_id``'s first ``num_tokens`` tokens (``n > 1``).
 
         The full blocks are shared by reference (one more reference each, so each is freed only when its last

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.api import Finished, GenerationRequest, SamplingParams, TextDelta
 from engine.async_engine import AsyncEngine
@@ -139,3 +141,18 @@ def test_fork_without_a_free_block_waits_and_recomputes(caching):
     assert_all_returned(eng)
     alone = run_choices(make_engine(), prompt, SamplingParams(max_tokens=5, seed=5, ignore_eos=True))
     assert choices[1] == alone[0]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    prompt_len=st.integers(1, 70), n=st.integers(2, 5), caching=st.booleans(), max_tokens=st.integers(1, 4)
+)
+def test_property_n_forks_prefill_once_and_return_every_block(prompt_len, n, caching, max_tokens):
+    eng = make_engine(enable_prefix_caching=caching)
+    params = SamplingParams(max_tokens=max_tokens, seed=prompt_len, n=n, ignore_eos=True)
+    choices = run_choices(eng, random_tokens(prompt_len, prompt_len), params)
+    s = eng.stats()
+    assert s.prefill_tokens == prompt_len
+    assert s.forks == n - 1 and s.forked_prefill_tokens_saved == (n - 1) * prompt_len
+    assert sorted(choices) == list(range(n)) and all(len(t) == max_tokens for t in choices.values())
+    assert_all_returned(eng)
