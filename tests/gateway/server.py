@@ -33,12 +33,8 @@ class RunningServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on")
-        )
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def start(self, timeout_s: float = 120.0) -> RunningServer:
         """Start and wait until the lifespan finished (models loaded)."""

@@ -174,9 +174,7 @@ def test_empty_text_parts_are_sent_as_no_block_and_hand_their_breakpoint_back():
         {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "ok"}]},
     ]  # fmt: skip
     prompt = openai_to_anthropic(messages, None)
-    assert prompt.system == [
-        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
-    ]
+    assert prompt.system == [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     assert prompt.messages == [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
@@ -201,9 +199,7 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
         ]},
         {"role": "user", "content": "hi"},
     ]  # fmt: skip
-    assert openai_to_anthropic(messages, None).system == [
-        {"type": "text", "text": "A", "cache_control": marked}
-    ]
+    assert openai_to_anthropic(messages, None).system == [{"type": "text", "text": "A", "cache_control": marked}]
     assert openai_to_anthropic([{"role": "system", "content": ""}, *messages[1:]], None).system is None
 
 

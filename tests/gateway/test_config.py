@@ -24,14 +24,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_default_config_is_embedded_smollm2_with_default_rules():
     config = default_config()
     assert config.rules == ("default",)
-    assert [(m.name, m.backend, m.path) for m in config.models] == [
-        ("smollm2-135m-instruct", "embedded", "default")
-    ]
-    assert (config.server.host, config.server.port, config.server.max_body_bytes) == (
-        "127.0.0.1",
-        8000,
-        4194304,
-    )
+    assert [(m.name, m.backend, m.path) for m in config.models] == [("smollm2-135m-instruct", "embedded", "default")]
+    assert (config.server.host, config.server.port, config.server.max_body_bytes) == ("127.0.0.1", 8000, 4194304)
     assert config.admin.token is None
 
 
@@ -52,9 +46,7 @@ def test_issue_example_config_loads(tmp_path, monkeypatch):
     )
     config = load_config(path)
     assert config.admin.token == "s3cret"
-    assert config.models[0].engine == EngineConfig(
-        block_size=16, num_blocks=1024, dtype="float32", max_batch=16
-    )
+    assert config.models[0].engine == EngineConfig(block_size=16, num_blocks=1024, dtype="float32", max_batch=16)
     assert config.source == str(path)
 
 
@@ -93,12 +85,7 @@ def test_upstream_model_fields(tmp_path, monkeypatch):
     )
     model = load_config(path).models[0]
     assert model.base_url == ("https://a.example/v1", "https://b.example/v1")
-    assert (model.api_key, model.upstream_model, model.timeout_s, model.retries) == (
-        "sk-test",
-        "gpt-4o-mini",
-        30.0,
-        1,
-    )
+    assert (model.api_key, model.upstream_model, model.timeout_s, model.retries) == ("sk-test", "gpt-4o-mini", 30.0, 1)
     assert (model.prices.input, model.prices.cached_input) == (0.15, 0.075)
 
 
@@ -122,12 +109,7 @@ def test_upstream_tuning_fields(tmp_path):
     )
     gpt, claude = load_config(path).models
     assert gpt.prompt_cache_key is False
-    assert (gpt.ring.load_factor, gpt.ring.vnodes, gpt.ring.cooldown_s, gpt.ring.max_cooldown_s) == (
-        1.5,
-        40,
-        2.0,
-        30.0,
-    )
+    assert (gpt.ring.load_factor, gpt.ring.vnodes, gpt.ring.cooldown_s, gpt.ring.max_cooldown_s) == (1.5, 40, 2.0, 30.0)
     assert (claude.anthropic_version, claude.auto_breakpoints) == ("2024-01-01", False)
     assert claude.min_cacheable_tokens == (("claude-sonnet", 512), ("claude-sonnet-4-5", 3000))
     assert claude.ring == RingConfig() and claude.prompt_cache_key is True  # defaults
@@ -135,9 +117,7 @@ def test_upstream_tuning_fields(tmp_path):
 
 
 def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
-    config = parse_config(
-        {"models": [{"name": "g", "backend": "openai", "base_url": "http://x", "ring": {"cooldown_s": 90}}]}
-    )
+    config = parse_config({"models": [{"name": "g", "backend": "openai", "base_url": "http://x", "ring": {"cooldown_s": 90}}]})
     assert (config.models[0].ring.cooldown_s, config.models[0].ring.max_cooldown_s) == (90.0, 90.0)
 
 
@@ -153,104 +133,40 @@ def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
         ("rules: default\n", "rules", "expected a list"),
         ("models: []\n", "models", "non-empty list"),
         ("models: [{backend: embedded}]\n", "models[0].name", "missing required key"),
-        (
-            "models: [{name: a, backend: vllm}]\n",
-            "models[0].backend",
-            "expected one of embedded, openai, anthropic",
-        ),
+        ("models: [{name: a, backend: vllm}]\n", "models[0].backend", "expected one of embedded, openai, anthropic"),
         ("models: [{name: a, engine: {block_size: 0}}]\n", "models[0].engine.block_size", ">= 1"),
         ("models: [{name: a, engine: {blocksize: 16}}]\n", "models[0].engine.blocksize", "unknown key"),
         ("models: [{name: a, engine: {dtype: 32}}]\n", "models[0].engine.dtype", "expected a string"),
-        (
-            "models: [{name: a, engine: {max_model_len: nope}}]\n",
-            "models[0].engine.max_model_len",
-            "an integer or null",
-        ),
-        (
-            "models: [{name: a, engine: {enable_prefix_caching: 1}}]\n",
-            "models[0].engine.enable_prefix_caching",
-            "a boolean",
-        ),
+        ("models: [{name: a, engine: {max_model_len: nope}}]\n", "models[0].engine.max_model_len", "an integer or null"),
+        ("models: [{name: a, engine: {enable_prefix_caching: 1}}]\n", "models[0].engine.enable_prefix_caching", "a boolean"),
         ("models: [{name: a}, {name: a}]\n", "models[1].name", "unique"),
-        (
-            "models: [{name: a, base_url: http://x}]\n",
-            "models[0].base_url",
-            "not a setting of backend 'embedded'",
-        ),
+        ("models: [{name: a, base_url: http://x}]\n", "models[0].base_url", "not a setting of backend 'embedded'"),
         ("models: [{name: a, backend: openai}]\n", "models[0].base_url", "URL"),
         ("models: [{name: a, backend: openai, base_url: ftp://x}]\n", "models[0].base_url[0]", "http://"),
-        (
-            "models: [{name: a, backend: openai, base_url: 'http://[::1'}]\n",
-            "models[0].base_url[0]",
-            "not a valid URL",
-        ),
+        ("models: [{name: a, backend: openai, base_url: 'http://[::1'}]\n", "models[0].base_url[0]", "not a valid URL"),
         ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
-        (
-            f"{OPENAI} api_key: 'sk-abc def'}}]\n",
-            "models[0].api_key",
-            "whitespace, control or non-ASCII characters",
-        ),
+        (f"{OPENAI} api_key: 'sk-abc def'}}]\n", "models[0].api_key", "whitespace, control or non-ASCII characters"),
         (f"{OPENAI} api_key: '  '}}]\n", "models[0].api_key", "empty"),
         (f"{OPENAI} api_key: 'sk-caf\u00e9'}}]\n", "models[0].api_key", "non-ASCII"),
-        (
-            "models: [{name: a, backend: openai, base_url: http://x, engine: {}}]\n",
-            "models[0].engine",
-            "not a setting",
-        ),
-        (
-            "models: [{name: a, backend: openai, base_url: http://x, prices: {input: -1}}]\n",
-            "models[0].prices.input",
-            ">= 0",
-        ),
-        (
-            "admin: {token: env:PREFIXGATE_TEST_UNSET_VARIABLE}\n",
-            "admin.token",
-            "PREFIXGATE_TEST_UNSET_VARIABLE",
-        ),
+        ("models: [{name: a, backend: openai, base_url: http://x, engine: {}}]\n", "models[0].engine", "not a setting"),
+        ("models: [{name: a, backend: openai, base_url: http://x, prices: {input: -1}}]\n", "models[0].prices.input", ">= 0"),
+        ("admin: {token: env:PREFIXGATE_TEST_UNSET_VARIABLE}\n", "admin.token", "PREFIXGATE_TEST_UNSET_VARIABLE"),
         (f"{OPENAI} prompt_cache_key: 'yes'}}]\n", "models[0].prompt_cache_key", "expected a boolean"),
-        (
-            f"{OPENAI} auto_breakpoints: true}}]\n",
-            "models[0].auto_breakpoints",
-            "not a setting of backend 'openai'",
-        ),
-        (
-            f"{ANTHROPIC} prompt_cache_key: true}}]\n",
-            "models[0].prompt_cache_key",
-            "not a setting of backend 'anthropic'",
-        ),
+        (f"{OPENAI} auto_breakpoints: true}}]\n", "models[0].auto_breakpoints", "not a setting of backend 'openai'"),
+        (f"{ANTHROPIC} prompt_cache_key: true}}]\n", "models[0].prompt_cache_key", "not a setting of backend 'anthropic'"),
         (f"{ANTHROPIC} auto_breakpoints: 1}}]\n", "models[0].auto_breakpoints", "expected a boolean"),
         (f"{ANTHROPIC} anthropic_version: 2023}}]\n", "models[0].anthropic_version", "expected a string"),
         (f"{ANTHROPIC} anthropic_version: ''}}]\n", "models[0].anthropic_version", "API version"),
-        (
-            f"{ANTHROPIC} min_cacheable_tokens: [1]}}]\n",
-            "models[0].min_cacheable_tokens",
-            "mapping of model-name prefix",
-        ),
-        (
-            f"{ANTHROPIC} min_cacheable_tokens: {{claude: 0}}}}]\n",
-            "models[0].min_cacheable_tokens.claude",
-            ">= 1",
-        ),
-        (
-            f"{ANTHROPIC} min_cacheable_tokens: {{claude: many}}}}]\n",
-            "models[0].min_cacheable_tokens.claude",
-            "an integer",
-        ),
-        (
-            f"{ANTHROPIC} min_cacheable_tokens: {{1: 5}}}}]\n",
-            "models[0].min_cacheable_tokens",
-            "non-empty model-name prefixes",
-        ),
+        (f"{ANTHROPIC} min_cacheable_tokens: [1]}}]\n", "models[0].min_cacheable_tokens", "mapping of model-name prefix"),
+        (f"{ANTHROPIC} min_cacheable_tokens: {{claude: 0}}}}]\n", "models[0].min_cacheable_tokens.claude", ">= 1"),
+        (f"{ANTHROPIC} min_cacheable_tokens: {{claude: many}}}}]\n", "models[0].min_cacheable_tokens.claude", "an integer"),
+        (f"{ANTHROPIC} min_cacheable_tokens: {{1: 5}}}}]\n", "models[0].min_cacheable_tokens", "non-empty model-name prefixes"),
         (f"{OPENAI} ring: [1]}}]\n", "models[0].ring", "expected a mapping"),
         (f"{OPENAI} ring: {{vnode: 3}}}}]\n", "models[0].ring.vnode", "unknown key"),
         (f"{OPENAI} ring: {{load_factor: 1}}}}]\n", "models[0].ring.load_factor", "> 1"),
         (f"{OPENAI} ring: {{vnodes: 0}}}}]\n", "models[0].ring.vnodes", ">= 1"),
         (f"{OPENAI} ring: {{cooldown_s: 0}}}}]\n", "models[0].ring.cooldown_s", "positive"),
-        (
-            f"{OPENAI} ring: {{cooldown_s: 10, max_cooldown_s: 5}}}}]\n",
-            "models[0].ring.max_cooldown_s",
-            ">= cooldown_s",
-        ),
+        (f"{OPENAI} ring: {{cooldown_s: 10, max_cooldown_s: 5}}}}]\n", "models[0].ring.max_cooldown_s", ">= cooldown_s"),
         ("models: [{name: a, ring: {}}]\n", "models[0].ring", "not a setting of backend 'embedded'"),
     ],
 )
@@ -279,12 +195,7 @@ def test_missing_file_is_a_config_error(tmp_path):
 def test_env_values_are_parsed_for_numbers(monkeypatch):
     monkeypatch.setenv("PG_PORT", "9001")
     monkeypatch.setenv("PG_BLOCKS", "64")
-    config = parse_config(
-        {
-            "server": {"port": "env:PG_PORT"},
-            "models": [{"name": "m", "engine": {"num_blocks": "env:PG_BLOCKS"}}],
-        }
-    )
+    config = parse_config({"server": {"port": "env:PG_PORT"}, "models": [{"name": "m", "engine": {"num_blocks": "env:PG_BLOCKS"}}]})
     assert config.server.port == 9001
     assert config.models[0].engine.num_blocks == 64
 
@@ -304,17 +215,13 @@ def test_readme_config_examples_load(monkeypatch):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-readme")
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:]]
-    configs = [
-        parse_config(yaml.safe_load(b)) for b in blocks if b.lstrip().startswith(("server:", "models:"))
-    ]
+    configs = [parse_config(yaml.safe_load(b)) for b in blocks if b.lstrip().startswith(("server:", "models:"))]
     assert len(configs) >= 2
     remote = next(m for c in configs for m in c.models if m.backend == "anthropic")
     assert remote.min_cacheable_tokens == (("claude-sonnet-4-5", 1024),) and remote.ring.vnodes == 160
 
 
-def test_an_api_key_read_with_a_trailing_newline_is_stripped_and_a_bad_one_never_echoed(
-    tmp_path, monkeypatch
-):
+def test_an_api_key_read_with_a_trailing_newline_is_stripped_and_a_bad_one_never_echoed(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXGATE_TEST_KEY", "sk-from-a-secret-file\n")
     path = write(tmp_path, f"{OPENAI} api_key: env:PREFIXGATE_TEST_KEY}}]\n")
     assert load_config(path).models[0].api_key == "sk-from-a-secret-file"

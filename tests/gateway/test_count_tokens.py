@@ -69,11 +69,7 @@ def count(ant, rules: str = "on", **body):
     raw = ant.messages.with_raw_response.count_tokens(
         model=body.pop("model", TINY_MODEL), extra_headers={"x-prefixgate-rules": rules}, **body
     )
-    return (
-        raw.parse().input_tokens,
-        raw.headers["x-prefixgate-counted-by"],
-        raw.headers["x-prefixgate-count-estimate"],
-    )
+    return raw.parse().input_tokens, raw.headers["x-prefixgate-counted-by"], raw.headers["x-prefixgate-count-estimate"]
 
 
 def served_prompt_tokens(ant, rules: str = "on", **body) -> int:
@@ -100,11 +96,7 @@ def test_embedded_count_is_the_chat_template_rendering(server, ant, reference):
     before = model_stats(server)
 
     assert count(ant, messages=user) == (rendered_length(reference, user), counted_by, "false")
-    assert count(ant, system=SYSTEM, messages=user) == (
-        rendered_length(reference, system + user),
-        counted_by,
-        "false",
-    )
+    assert count(ant, system=SYSTEM, messages=user) == (rendered_length(reference, system + user), counted_by, "false")
     expected = rendered_length(reference, system + user, [LOOKUP_FUNCTION])
     assert count(ant, system=SYSTEM, messages=user, tools=[LOOKUP]) == (expected, counted_by, "false")
     # system blocks are joined by newlines, as /v1/messages feeds them to the template
@@ -136,10 +128,7 @@ def test_embedded_count_applies_the_rules_unless_the_header_turns_them_off(serve
     openai_shaped = [{"role": "system", "content": DATED_SYSTEM}, {"role": "user", "content": QUESTION}]
     canonical = load_ruleset(["default"]).apply(openai_shaped, None)
     assert canonical.messages[0] == {"role": "system", "content": SYSTEM}  # the date line was hoisted
-    rewritten, unrewritten = (
-        rendered_length(reference, canonical.messages),
-        rendered_length(reference, openai_shaped),
-    )
+    rewritten, unrewritten = rendered_length(reference, canonical.messages), rendered_length(reference, openai_shaped)
     assert rewritten != unrewritten
 
     assert count(ant, **body)[0] == rewritten == served_prompt_tokens(ant, **body)
@@ -171,9 +160,7 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
     assert (response.status_code, response.json()) == (
         400, error("invalid_request_error", "messages[0].role: role must be 'user' or 'assistant', got 'system'")
     )  # fmt: skip
-    response = post(
-        json={"model": TINY_MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}
-    )
+    response = post(json={"model": TINY_MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]})
     assert (response.status_code, response.json()) == (
         400, error("invalid_request_error", "max_tokens: expected an integer >= 1, got 0")
     )  # fmt: skip
@@ -181,9 +168,7 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
     assert (response.status_code, response.json()) == (
         404, error("not_found_error", "The model `nope` does not exist or you do not have access to it.")
     )  # fmt: skip
-    response = post(
-        json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
-    )
+    response = post(json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]})
     assert (response.status_code, response.json()) == (
         413, error("request_too_large", f"Request body too large: the limit is {MAX_BODY_BYTES} bytes.")
     )  # fmt: skip
@@ -237,9 +222,7 @@ def upstream_gateway():
         }
     )  # fmt: skip
     server = RunningServer(config).start()
-    with anthropic.Anthropic(
-        base_url=server.base_url, api_key="client-key", max_retries=0, timeout=30
-    ) as sdk:
+    with anthropic.Anthropic(base_url=server.base_url, api_key="client-key", max_retries=0, timeout=30) as sdk:
         yield server, sdk
     server.stop()
 
@@ -279,10 +262,7 @@ def test_anthropic_upstream_counts_on_its_own_count_endpoint(upstream_gateway, m
         model="an", extra_headers={"anthropic-beta": "beta-x"}, extra_body={"max_tokens": 64}, **body
     )
     assert raw.parse().input_tokens == 1234
-    assert (raw.headers["x-prefixgate-counted-by"], raw.headers["x-prefixgate-count-estimate"]) == (
-        "upstream",
-        "false",
-    )
+    assert (raw.headers["x-prefixgate-counted-by"], raw.headers["x-prefixgate-count-estimate"]) == ("upstream", "false")
 
     assert counted.call_count == 1
     sent = counted.calls.last.request
@@ -301,9 +281,7 @@ def test_anthropic_upstream_counts_on_its_own_count_endpoint(upstream_gateway, m
     # ... which is the body /v1/messages sends, less the fields only a Messages request takes
     ant.messages.create(model="an", max_tokens=64, **body)
     message_body = json.loads(messages_route.calls.last.request.content)
-    assert (
-        message_body.pop("max_tokens") == 64 and message_body.pop("stream") is True
-    )  # always streamed upstream
+    assert message_body.pop("max_tokens") == 64 and message_body.pop("stream") is True  # always streamed upstream
     assert message_body == sent_body
     assert len(upstream_calls(mock)) == 2
 
@@ -312,15 +290,11 @@ def test_anthropic_upstream_count_is_retried_before_the_first_byte(upstream_gate
     _, ant = upstream_gateway
     route = mock.post(f"{ANTHROPIC_BASE}/v1/messages/count_tokens").mock(
         side_effect=[
-            httpx.Response(
-                529, json={"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
-            ),
+            httpx.Response(529, json={"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
             httpx.Response(200, json={"input_tokens": 7}),
         ]
     )
-    assert (
-        ant.messages.count_tokens(model="an", messages=[{"role": "user", "content": "x"}]).input_tokens == 7
-    )
+    assert ant.messages.count_tokens(model="an", messages=[{"role": "user", "content": "x"}]).input_tokens == 7
     assert route.call_count == 2
 
 
@@ -354,18 +328,13 @@ def test_anthropic_upstream_errors_map_as_for_messages(
 
 def test_anthropic_upstream_answer_without_a_count_is_a_502(upstream_gateway, mock):
     _, ant = upstream_gateway
-    mock.post(f"{ANTHROPIC_BASE}/v1/messages/count_tokens").mock(
-        return_value=httpx.Response(200, json={"tokens": 3})
-    )
+    mock.post(f"{ANTHROPIC_BASE}/v1/messages/count_tokens").mock(return_value=httpx.Response(200, json={"tokens": 3}))
     with pytest.raises(anthropic.APIStatusError) as info:
         ant.messages.count_tokens(model="an", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 502
     assert info.value.body == {
         "type": "error",
-        "error": {
-            "type": "api_error",
-            "message": "the upstream answered a token count without an integer input_tokens",
-        },
+        "error": {"type": "api_error", "message": "the upstream answered a token count without an integer input_tokens"},
     }
 
 

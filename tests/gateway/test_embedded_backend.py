@@ -20,23 +20,11 @@ def test_messages_become_template_messages():
             [
                 {"role": "developer", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-                    ],
-                },
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
             ],
             tenant="acme",
             request_id="r1",
-            tools=[
-                {
-                    "type": "function",
-                    "function": {"name": "f"},
-                    "x-anthropic": {"cache_control": {"type": "ephemeral"}},
-                }
-            ],
+            tools=[{"type": "function", "function": {"name": "f"}, "x-anthropic": {"cache_control": {"type": "ephemeral"}}}],
         )
     )
     assert generation.messages[0] == {"role": "system", "content": "Be brief."}
@@ -50,71 +38,36 @@ def test_messages_become_template_messages():
 def test_anthropic_thinking_parts_are_dropped():
     thinking = {"type": "x-anthropic", "block": {"type": "thinking", "thinking": "hmm", "signature": "s"}}
     generation = generation_request(
-        request(
-            [{"role": "assistant", "content": [thinking, {"type": "text", "text": "answer"}]}],
-            protocol="anthropic",
-        )
+        request([{"role": "assistant", "content": [thinking, {"type": "text", "text": "answer"}]}], protocol="anthropic")
     )
     assert generation.messages == [{"role": "assistant", "content": "answer"}]
 
 
 def test_completion_requests_send_the_prompt():
-    generation = generation_request(
-        ChatRequest(model="m", messages=[], params=SamplingParams(), kind="completion", prompt="Once")
-    )
+    generation = generation_request(ChatRequest(model="m", messages=[], params=SamplingParams(), kind="completion", prompt="Once"))
     assert (generation.prompt, generation.messages, generation.tools) == ("Once", None, None)
 
 
 @pytest.mark.parametrize(
     ("messages", "fields", "param"),
     [
-        (
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-            {},
-            "messages[0].content[0].type",
-        ),
-        (
-            [{"role": "user", "content": [{"type": "x-anthropic", "block": {"type": "document"}}]}],
-            {},
-            "messages[0].content[0].type",
-        ),
-        (
-            [{"role": "user", "content": "x"}],
-            {"tools": [{"type": "x-anthropic", "tool": {"type": "web_search"}}]},
-            "tools[0]",
-        ),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "x-anthropic", "block": {"type": "document"}}]}], {}, "messages[0].content[0].type"),
+        ([{"role": "user", "content": "x"}], {"tools": [{"type": "x-anthropic", "tool": {"type": "web_search"}}]}, "tools[0]"),
         ([{"role": "user", "content": "x"}], {"tool_choice": "required"}, "tool_choice"),
         ([{"role": "user", "content": "x"}], {"body": {"logprobs": True}}, "logprobs"),
         ([{"role": "user", "content": "x"}], {"body": {"frequency_penalty": 0.5}}, "frequency_penalty"),
-        (
-            [{"role": "user", "content": "x"}],
-            {"body": {"response_format": {"type": "json_object"}}},
-            "response_format",
-        ),
+        ([{"role": "user", "content": "x"}], {"body": {"response_format": {"type": "json_object"}}}, "response_format"),
     ],
 )
 def test_what_the_engine_cannot_honour_is_a_400(messages, fields, param):
     with pytest.raises(InvalidRequestError) as caught:
         generation_request(request(messages, **fields))
-    assert (caught.value.status_code, caught.value.param, caught.value.code) == (
-        400,
-        param,
-        "unsupported_value",
-    )
+    assert (caught.value.status_code, caught.value.param, caught.value.code) == (400, param, "unsupported_value")
 
 
 def test_neutral_values_and_bookkeeping_fields_are_accepted():
-    body = {
-        "logprobs": False,
-        "frequency_penalty": 0,
-        "response_format": {"type": "text"},
-        "metadata": {"a": "b"},
-        "store": True,
-    }
+    body = {"logprobs": False, "frequency_penalty": 0, "response_format": {"type": "text"}, "metadata": {"a": "b"}, "store": True}
     generation_request(request([{"role": "user", "content": "x"}], body=body, tool_choice="auto"))
     # an Anthropic body is not checked against OpenAI's fields (its own face validated it)
-    generation_request(
-        request(
-            [{"role": "user", "content": "x"}], body={"tool_choice": {"type": "auto"}}, protocol="anthropic"
-        )
-    )
+    generation_request(request([{"role": "user", "content": "x"}], body={"tool_choice": {"type": "auto"}}, protocol="anthropic"))

@@ -32,11 +32,7 @@ from gateway.upstream_http import UpstreamCallError
 
 def test_engine_errors_map_to_api_errors():
     too_long = from_engine_error(PromptTooLongError(9000, 8192))
-    assert (too_long.status_code, too_long.code, too_long.param) == (
-        400,
-        "context_length_exceeded",
-        "messages",
-    )
+    assert (too_long.status_code, too_long.code, too_long.param) == (400, "context_length_exceeded", "messages")
     bad = from_engine_error(EngineInvalidRequestError("max_tokens must be >= 1", param="max_tokens"))
     assert (bad.status_code, bad.param) == (400, "max_tokens")
     assert from_engine_error(EngineClosedError("closed")).status_code == 503
@@ -100,9 +96,7 @@ def test_anthropic_error_type_prefers_a_known_upstream_type():
     )
     assert anthropic_error_body(billing)["error"] == {"type": "billing_error", "message": "credit"}
     # an unknown upstream type (OpenAI's server_error) falls back to the status
-    other = UpstreamCallError(
-        502, "server_error", "x", upstream_error={"type": "server_error", "message": "x"}
-    )
+    other = UpstreamCallError(502, "server_error", "x", upstream_error={"type": "server_error", "message": "x"})
     assert anthropic_error_body(other)["error"]["type"] == "api_error"
     not_a_string = UpstreamCallError(429, "rate_limit", "x", upstream_error={"type": ["rate_limit_error"]})
     assert anthropic_error_body(not_a_string)["error"]["type"] == "rate_limit_error"

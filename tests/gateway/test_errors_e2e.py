@@ -18,9 +18,7 @@ URL = "/v1/chat/completions"
 GOOD = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
 
-def assert_openai_error(
-    response: httpx.Response, status: int, code: str | None = None, param: str | None = None
-):
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -51,34 +49,15 @@ def assert_nothing_lost(server):
         (json.dumps({"messages": GOOD["messages"]}).encode(), 400, "missing_required_parameter", "model"),
         (json.dumps({"model": TINY_MODEL}).encode(), 400, "missing_required_parameter", "messages"),
         (json.dumps({**GOOD, "max_tokens": "2"}).encode(), 400, "invalid_type", "max_tokens"),
-        (
-            json.dumps({**GOOD, "messages": [{"role": "user", "content": 3}]}).encode(),
-            400,
-            "invalid_type",
-            "messages[0].content",
-        ),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": 3}]}).encode(), 400, "invalid_type", "messages[0].content"),
         (json.dumps({**GOOD, "n": 2}).encode(), 400, "invalid_value", "n"),
         (json.dumps({**GOOD, "logprobs": True}).encode(), 400, "unsupported_value", "logprobs"),
-        (
-            json.dumps(
-                {
-                    **GOOD,
-                    "messages": [
-                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
-                    ],
-                }
-            ).encode(),
-            400,
-            "unsupported_value",
-            "messages[0].content[0].type",
-        ),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "unsupported_value", "messages[0].content[0].type"),
         (json.dumps({**GOOD, "model": "gpt-nothing"}).encode(), 404, "model_not_found", "model"),
     ],
 )
 def test_bad_bodies_get_openai_errors(server, content, status, code, param):
-    response = httpx.post(
-        server.base_url + URL, content=content, headers={"content-type": "application/json"}, timeout=30
-    )
+    response = httpx.post(server.base_url + URL, content=content, headers={"content-type": "application/json"}, timeout=30)
     assert_openai_error(response, status, code, param)
     assert_nothing_lost(server)
 
@@ -108,21 +87,15 @@ def test_sdk_raises_typed_errors(client, server):
 
 
 def test_body_over_the_limit_is_413_declared_or_not(server):
-    big = json.dumps(
-        {**GOOD, "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}
-    ).encode()
-    declared = httpx.post(
-        server.base_url + URL, content=big, headers={"content-type": "application/json"}, timeout=30
-    )
+    big = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}).encode()
+    declared = httpx.post(server.base_url + URL, content=big, headers={"content-type": "application/json"}, timeout=30)
     assert_openai_error(declared, 413, "request_too_large")
 
     def chunks():  # no Content-Length: chunked transfer encoding, counted while read
         for i in range(0, len(big), 8192):
             yield big[i : i + 8192]
 
-    streamed = httpx.post(
-        server.base_url + URL, content=chunks(), headers={"content-type": "application/json"}, timeout=30
-    )
+    streamed = httpx.post(server.base_url + URL, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     assert "content-length" not in streamed.request.headers
     assert_openai_error(streamed, 413, "request_too_large")
     assert_nothing_lost(server)
@@ -142,15 +115,11 @@ def test_admin_needs_the_token(server):
 def test_unknown_route_and_method(server):
     assert_openai_error(httpx.get(server.base_url + "/v1/nothing", timeout=10), 404, "not_found")
     assert_openai_error(httpx.get(server.base_url + URL, timeout=10), 405, "method_not_allowed")
-    assert_openai_error(
-        httpx.get(server.base_url + "/v1/models/nope", timeout=10), 404, "model_not_found", "model"
-    )
+    assert_openai_error(httpx.get(server.base_url + "/v1/models/nope", timeout=10), 404, "model_not_found", "model")
 
 
 def test_bad_rules_header_is_400(server):
-    response = httpx.post(
-        server.base_url + URL, json=GOOD, headers={"x-prefixgate-rules": "sometimes"}, timeout=10
-    )
+    response = httpx.post(server.base_url + URL, json=GOOD, headers={"x-prefixgate-rules": "sometimes"}, timeout=10)
     assert_openai_error(response, 400, "invalid_value", "x-prefixgate-rules")
     assert_nothing_lost(server)
 
@@ -176,10 +145,7 @@ def test_dropped_stream_cancels_the_engine_request(server):
     full = httpx.post(server.base_url + URL, json=long_generation_body(False), timeout=120).json()
     assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 460
     before = server.stats()["models"][TINY_MODEL]
-    with (
-        httpx.Client(timeout=60) as http,
-        http.stream("POST", server.base_url + URL, json=long_generation_body(True)) as response,
-    ):
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.base_url + URL, json=long_generation_body(True)) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {") and '"content":"' in line and '"role"' not in line:

@@ -48,34 +48,12 @@ USAGE = BackendUsage(prompt_tokens=10, completion_tokens=2, cached_tokens=0, cou
 @pytest.fixture
 def scripted():
     backends = {
-        "ok": ScriptedBackend(
-            "ok",
-            [
-                Delta("a"),
-                Delta(
-                    tool_calls=[
-                        {
-                            "index": 0,
-                            "id": "c1",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": ""},
-                        }
-                    ]
-                ),
-                Delta(tool_calls=[{"index": 0, "function": {"arguments": "{}"}}]),
-                Finish("tool_calls", USAGE),
-            ],
-        ),
+        "ok": ScriptedBackend("ok", [Delta("a"), Delta(tool_calls=[{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]), Delta(tool_calls=[{"index": 0, "function": {"arguments": "{}"}}]), Finish("tool_calls", USAGE)]),
         "fails": ScriptedBackend("fails", [Delta("a"), UpstreamError("upstream went away")]),
         "crashes": ScriptedBackend("crashes", [Delta("a"), RuntimeError("bug")]),
         "early": ScriptedBackend("early", [UpstreamError("no replica")]),
     }
-    config = parse_config(
-        {
-            "rules": [],
-            "models": [{"name": n, "backend": "openai", "base_url": "http://unused"} for n in backends],
-        }
-    )
+    config = parse_config({"rules": [], "models": [{"name": n, "backend": "openai", "base_url": "http://unused"} for n in backends]})
     server = RunningServer(config, backends=backends).start()
     yield server, backends
     server.stop()
@@ -91,9 +69,7 @@ def test_tool_call_deltas_stream_and_merge(scripted):
     server, backends = scripted
     whole = post(server, "ok", False).json()
     message = whole["choices"][0]["message"]
-    assert message["content"] == "a" and message["tool_calls"] == [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    ]
+    assert message["content"] == "a" and message["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     assert whole["choices"][0]["finish_reason"] == "tool_calls"
     events = parse_sse(post(server, "ok", True).content)
     deltas = [json.loads(e.data)["choices"][0]["delta"] for e in events[:-1]]
@@ -130,14 +106,10 @@ def test_errors_before_any_output_are_http_errors(scripted):
     assert server.stats()["errors"] == {"502": 3}
 
 
+
 def test_anthropic_face_error_after_the_stream_started_is_an_error_event(scripted):
     server, backends = scripted
-    body = {
-        "model": "fails",
-        "max_tokens": 5,
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": True,
-    }
+    body = {"model": "fails", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     events = parse_sse(httpx.post(f"{server.base_url}/v1/messages", json=body, timeout=30).content)
     assert [e.event for e in events] == [
         "message_start", "content_block_start", "ping", "content_block_delta", "error",

@@ -35,22 +35,13 @@ def test_minimal_chat_body():
     request = chat()
     assert request.model == "m" and request.kind == "chat" and request.protocol == "openai"
     assert request.messages == MESSAGES
-    assert request.params == SamplingParams(
-        max_tokens=None, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=()
-    )
-    assert (request.stream, request.include_usage, request.rules_enabled, request.tenant) == (
-        False,
-        False,
-        True,
-        "",
-    )
+    assert request.params == SamplingParams(max_tokens=None, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=())
+    assert (request.stream, request.include_usage, request.rules_enabled, request.tenant) == (False, False, True, "")
 
 
 def test_sampling_fields_map_to_sampling_params():
     request = chat(temperature=0.5, top_p=0.9, max_tokens=7, stop="\n", seed=3, user="u1", n=1, top_k=40)
-    assert request.params == SamplingParams(
-        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=("\n",)
-    )
+    assert request.params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=("\n",))
     assert request.user == "u1"
 
 
@@ -68,22 +59,13 @@ def test_stream_options_and_headers():
         {"model": "m", "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}},
         {"x-prefixgate-rules": "OFF", "x-prefixgate-tenant": "acme"},
     )
-    assert (request.stream, request.include_usage, request.rules_enabled, request.tenant) == (
-        True,
-        True,
-        False,
-        "acme",
-    )
+    assert (request.stream, request.include_usage, request.rules_enabled, request.tenant) == (True, True, False, "acme")
 
 
 def test_content_parts_and_tool_messages_are_accepted():
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-        },
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -101,17 +83,9 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
         ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-            "messages[0].content[0].text",
-            "invalid_type",
-        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text", "invalid_type"),
         ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]", "invalid_type"),
-        (
-            {"messages": [{"role": "tool", "content": "x"}]},
-            "messages[0].tool_call_id",
-            "missing_required_parameter",
-        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "missing_required_parameter"),
         ({"temperature": "hot"}, "temperature", "invalid_type"),
         ({"temperature": 3}, "temperature", "invalid_value"),
         ({"top_p": 1.5}, "top_p", "invalid_value"),
@@ -126,19 +100,11 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"stop": [""]}, "stop", "invalid_value"),
         ({"stream": "yes"}, "stream", "invalid_type"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
-        (
-            {"stream": True, "stream_options": {"include_usage": 1}},
-            "stream_options.include_usage",
-            "invalid_type",
-        ),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
         ({"user": 7}, "user", "invalid_type"),
         ({"tools": {}}, "tools", "invalid_type"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "invalid_value"),
-        (
-            {"tools": [{"type": "function", "function": {}}]},
-            "tools[0].function.name",
-            "missing_required_parameter",
-        ),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name", "missing_required_parameter"),
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ],
 )
@@ -167,16 +133,8 @@ def test_bad_headers():
 
 def test_completion_body():
     request = parse_completion_request({"model": "m", "prompt": "Once"}, {})
-    assert (request.kind, request.prompt, request.messages, request.params.max_tokens) == (
-        "completion",
-        "Once",
-        [],
-        16,
-    )
-    assert (
-        parse_completion_request({"model": "m", "prompt": ["Once"], "max_tokens": 3}, {}).params.max_tokens
-        == 3
-    )
+    assert (request.kind, request.prompt, request.messages, request.params.max_tokens) == ("completion", "Once", [], 16)
+    assert parse_completion_request({"model": "m", "prompt": ["Once"], "max_tokens": 3}, {}).params.max_tokens == 3
     for prompt in (["a", "b"], [1, 2], None):
         with pytest.raises(InvalidRequestError) as caught:
             parse_completion_request({"model": "m", "prompt": prompt}, {})
@@ -227,16 +185,10 @@ def test_tool_call_fragments_merge_like_the_sdk():
             merge_tool_call_deltas(calls, choice["delta"].get("tool_calls") or [])
     merged = [calls[i] for i in sorted(calls)]
     assert len(merged) == 2
-    assert (
-        merged[0]["id"] == "call_JMW1whyEaYG438VE1OIflxA2"
-        and merged[0]["function"]["name"] == "GetWeatherArgs"
-    )
+    assert merged[0]["id"] == "call_JMW1whyEaYG438VE1OIflxA2" and merged[0]["function"]["name"] == "GetWeatherArgs"
     assert json.loads(merged[0]["function"]["arguments"])["city"] == "Edinburgh"
     body = chat_completion_body(meta(), "", merged, Finish("tool_calls", USAGE))
-    assert (
-        body["choices"][0]["message"]["content"] is None
-        and body["choices"][0]["message"]["tool_calls"] == merged
-    )
+    assert body["choices"][0]["message"]["content"] is None and body["choices"][0]["message"]["tool_calls"] == merged
 
 
 def test_chunks_have_the_recorded_streams_key_layout():

@@ -50,26 +50,19 @@ def test_chat_completion_non_stream(client):
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
     usage = response.usage
-    assert (
-        usage.completion_tokens <= 5 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    )
+    assert usage.completion_tokens <= 5 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens % BLOCK_SIZE == 0
 
 
 def test_stream_matches_non_stream_and_reports_usage(client):
     kwargs = dict(
         model=TINY_MODEL,
-        messages=[
-            {"role": "system", "content": "You answer."},
-            {"role": "user", "content": "Hello world, how many tokens?"},
-        ],
+        messages=[{"role": "system", "content": "You answer."}, {"role": "user", "content": "Hello world, how many tokens?"}],
         max_tokens=12,
         temperature=0,
     )
     whole = client.chat.completions.create(**kwargs)
-    chunks = list(
-        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
-    )
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content  # greedy: same tokens, cached prefix or not
@@ -80,10 +73,7 @@ def test_stream_matches_non_stream_and_reports_usage(client):
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     # the second run found the first one's full prompt blocks in the cache (all but the block of its last token)
-    assert (
-        last.usage.prompt_tokens_details.cached_tokens
-        == (whole.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
-    )
+    assert last.usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_sse_framing_matches_openai(server):
@@ -107,10 +97,7 @@ def test_sse_framing_matches_openai(server):
     assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == TINY_MODEL for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
-    assert chunks[-2]["choices"][0]["delta"] == {} and chunks[-2]["choices"][0]["finish_reason"] in (
-        "stop",
-        "length",
-    )
+    assert chunks[-2]["choices"][0]["delta"] == {} and chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["prompt_tokens_details"]["cached_tokens"] % BLOCK_SIZE == 0
     assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
@@ -120,20 +107,14 @@ def test_sse_framing_matches_openai(server):
 def test_stream_without_include_usage_has_no_usage_chunk(client):
     chunks = list(
         client.chat.completions.create(
-            model=TINY_MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=3,
-            temperature=0,
-            stream=True,
+            model=TINY_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, stream=True
         )
     )
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
 
 
 def test_completions(client):
-    whole = client.completions.create(
-        model=TINY_MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0
-    )
+    whole = client.completions.create(model=TINY_MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
     assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens <= 6
     chunks = list(
@@ -150,20 +131,10 @@ def test_shared_system_prompt_is_cached_and_stats_agree(server, client):
     n_system = system_tokens(server)
     assert 200 <= n_system <= 400, n_system  # long enough to span many blocks, short enough for a 512 context
     before = server.stats()
-    first_messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "What is the document?"},
-    ]
-    second_messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "How many answers?"},
-    ]
-    first = client.chat.completions.create(
-        model=TINY_MODEL, messages=first_messages, max_tokens=2, temperature=0
-    )
-    second = client.chat.completions.create(
-        model=TINY_MODEL, messages=second_messages, max_tokens=2, temperature=0
-    )
+    first_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the document?"}]
+    second_messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How many answers?"}]
+    first = client.chat.completions.create(model=TINY_MODEL, messages=first_messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model=TINY_MODEL, messages=second_messages, max_tokens=2, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached == shared_prefix_tokens(server, first_messages, second_messages)
     assert n_system // BLOCK_SIZE * BLOCK_SIZE <= cached < second.usage.prompt_tokens
@@ -194,10 +165,7 @@ def test_rules_hoist_the_current_time_so_the_prefix_hits(server, client):
         headers = {"x-prefixgate-rules": rules} if rules else None
         return client.chat.completions.create(
             model=TINY_MODEL,
-            messages=[
-                {"role": "system", "content": system(time_line)},
-                {"role": "user", "content": question},
-            ],
+            messages=[{"role": "system", "content": system(time_line)}, {"role": "user", "content": question}],
             max_tokens=2,
             temperature=0,
             extra_headers=headers,
@@ -219,20 +187,11 @@ def test_rules_hoist_the_current_time_so_the_prefix_hits(server, client):
 
 def test_tenants_do_not_share_cached_prefixes(client):
     messages = [{"role": "system", "content": SYSTEM + " Tenant test."}, {"role": "user", "content": "hello"}]
-    client.chat.completions.create(
-        model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "a"}
-    )
-    other = client.chat.completions.create(
-        model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "b"}
-    )
-    same = client.chat.completions.create(
-        model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "a"}
-    )
+    client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "a"})
+    other = client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "b"})
+    same = client.chat.completions.create(model=TINY_MODEL, messages=messages, max_tokens=1, extra_headers={"x-prefixgate-tenant": "a"})
     assert other.usage.prompt_tokens_details.cached_tokens == 0
-    assert (
-        same.usage.prompt_tokens_details.cached_tokens
-        == (same.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
-    )
+    assert same.usage.prompt_tokens_details.cached_tokens == (same.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_metrics_endpoint_serves_the_same_counters(server):

@@ -21,15 +21,7 @@ SYSTEM = (
 def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
     config = write_config(
         tmp_path / "prefixgate.yaml",
-        {
-            "models": [
-                {
-                    "name": DEFAULT_MODEL_NAME,
-                    "path": "default",
-                    "engine": {"num_blocks": 256, "device": "cpu"},
-                }
-            ]
-        },
+        {"models": [{"name": DEFAULT_MODEL_NAME, "path": "default", "engine": {"num_blocks": 256, "device": "cpu"}}]},
     )
     server = RunningServer(config).start(timeout_s=300)
     try:
@@ -57,11 +49,7 @@ def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
         assert text2.strip()
         assert usage2.prompt_tokens_details.cached_tokens >= n_system // 16 * 16
         stats = server.stats()
-        assert (
-            stats["requests"] == 2
-            and stats["cached_tokens"]
-            == usage.prompt_tokens_details.cached_tokens + usage2.prompt_tokens_details.cached_tokens
-        )
+        assert stats["requests"] == 2 and stats["cached_tokens"] == usage.prompt_tokens_details.cached_tokens + usage2.prompt_tokens_details.cached_tokens
         assert stats["models"][DEFAULT_MODEL_NAME]["blocks"]["used"] == 0
     finally:
         server.stop()

@@ -36,27 +36,18 @@ def test_prefill_seconds_saved_uses_the_measured_rate():
 
 
 def test_snapshot_per_model_and_totals():
-    stats = GatewayStats(
-        {"local": None, "remote": Prices(input=1.0, cached_input=0.1, cache_write=1.25, cache_write_1h=2.0)}
-    )
+    stats = GatewayStats({"local": None, "remote": Prices(input=1.0, cached_input=0.1, cache_write=1.25, cache_write_1h=2.0)})
     stats.record_rules("local", {"time.hoist": 1, "normalize": 0})
     stats.record_finish("local", BackendUsage(50, 5, 0), 0.2, "k1")
     stats.record_finish("local", BackendUsage(50, 5, 32), 0.1, "k1")
-    stats.record_finish(
-        "remote", BackendUsage(1000, 10, 800, cache_creation_tokens=0, counted_by="upstream"), None, "k2"
-    )
+    stats.record_finish("remote", BackendUsage(1000, 10, 800, cache_creation_tokens=0, counted_by="upstream"), None, "k2")
     stats.record_abort("local")
     stats.record_error("local", 400)
     stats.record_error(None, 404)
     doc = stats.snapshot({"local": engine_stats(), "remote": None})
 
     local, remote = doc["models"]["local"], doc["models"]["remote"]
-    assert (local["requests"], local["aborted"], local["prompt_tokens"], local["cached_tokens"]) == (
-        2,
-        1,
-        100,
-        32,
-    )
+    assert (local["requests"], local["aborted"], local["prompt_tokens"], local["cached_tokens"]) == (2, 1, 100, 32)
     assert local["hit_rate"] == pytest.approx(0.32)
     assert (local["prefill_tokens"], local["prefill_tokens_saved"]) == (68, 32)
     assert local["prefill_seconds_saved"] == pytest.approx(0.16)
@@ -64,11 +55,7 @@ def test_snapshot_per_model_and_totals():
     assert (local["evictions"], local["inflight_shared_tokens"]) == (1, 16)
     assert local["rules"] == {"time.hoist": 1}
     assert local["errors"] == {"400": 1}
-    assert (remote["prefill_tokens"], remote["prefill_tokens_saved"], remote["prefill_seconds_saved"]) == (
-        200,
-        800,
-        None,
-    )
+    assert (remote["prefill_tokens"], remote["prefill_tokens_saved"], remote["prefill_seconds_saved"]) == (200, 800, None)
     assert remote["cost_usd"] == pytest.approx((200 * 1.0 + 800 * 0.1) / 1e6)
     assert remote["cost_saved_usd"] == pytest.approx(800 * 0.9 / 1e6)
 
@@ -77,10 +64,7 @@ def test_snapshot_per_model_and_totals():
     assert doc["prefill_tokens"] == 268 and doc["prefill_seconds_saved"] == pytest.approx(0.16)
     assert doc["errors"] == {"400": 1, "404": 1}
     assert doc["rules"] == {"time.hoist": 1}
-    assert [(p["prefix_key"], p["requests"], p["cached_tokens"]) for p in doc["prefixes"]] == [
-        ("k1", 2, 32),
-        ("k2", 1, 800),
-    ]
+    assert [(p["prefix_key"], p["requests"], p["cached_tokens"]) for p in doc["prefixes"]] == [("k1", 2, 32), ("k2", 1, 800)]
     assert all("text" not in p and "prompt" not in p for p in doc["prefixes"])
 
 
@@ -99,9 +83,7 @@ def test_metrics_render_the_same_counters():
     stats.record_rules("local", {"time.hoist": 2})
     stats.record_finish("local", BackendUsage(50, 5, 32), 0.1, "k")
     stats.record_error("local", 413)
-    registry = build_registry(
-        lambda: stats.snapshot({"local": engine_stats()}), lambda: {"local": engine_stats()}
-    )
+    registry = build_registry(lambda: stats.snapshot({"local": engine_stats()}), lambda: {"local": engine_stats()})
     samples = {}
     for family in text_string_to_metric_families(render(registry).decode()):
         for sample in family.samples:

@@ -257,9 +257,7 @@ async def test_native_non_stream_is_streamed_upstream_and_assembled_into_the_mes
     ]  # fmt: skip
     route = respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
     got = await drain(
-        backend(http).stream(
-            anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False)
-        )
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False))
     )
     assert json.loads(route.calls.last.request.content)["stream"] is True
     assert got[0].events == ({
@@ -448,9 +446,7 @@ async def test_factory_passes_version_breakpoint_settings_and_ring():
             await be.close()
         return route.calls.last.request, json.loads(route.calls.last.request.content)
 
-    request, sent = await sent_with(
-        anthropic_version="2024-01-01", min_cacheable_tokens=(("claude-haiku", 5),)
-    )
+    request, sent = await sent_with(anthropic_version="2024-01-01", min_cacheable_tokens=(("claude-haiku", 5),))
     assert request.headers["anthropic-version"] == "2024-01-01"
     assert sent["system"] == [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
     _, sent = await sent_with(min_cacheable_tokens=(("claude-haiku", 5),), auto_breakpoints=False)
@@ -458,9 +454,7 @@ async def test_factory_passes_version_breakpoint_settings_and_ring():
     _, sent = await sent_with()
     assert sent["system"] == system  # the built-in minimum: too short to cache
     be = create_anthropic_backend(
-        ModelConfig(
-            name="c", backend="anthropic", base_url=(BASE,), ring=RingConfig(load_factor=2.0, vnodes=3)
-        )
+        ModelConfig(name="c", backend="anthropic", base_url=(BASE,), ring=RingConfig(load_factor=2.0, vnodes=3))
     )
     assert (be.upstream.ring.load_factor, be.upstream.ring.vnodes) == (2.0, 3)
 
@@ -527,32 +521,17 @@ async def test_an_event_of_an_unexpected_shape_is_a_protocol_cut(http, stream):
     ]
     respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
     request = anthropic_request({"messages": [{"role": "user", "content": "q"}]}, stream=stream)
-    with pytest.raises(
-        UpstreamStreamCut, match="event of an unexpected shape|content_block_start without"
-    ) as info:
+    with pytest.raises(UpstreamStreamCut, match="event of an unexpected shape|content_block_start without") as info:
         await drain(backend(http).stream(request))
     assert (info.value.kind, info.value.status_code) == ("protocol", 502)
 
 
 @respx.mock
 async def test_a_tool_input_cut_by_max_tokens_and_null_citations_still_assemble(http):
-    start = {
-        "id": "msg_8",
-        "type": "message",
-        "role": "assistant",
-        "model": "m",
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": 3, "output_tokens": 1},
-    }
-    cite = {
-        "type": "char_location",
-        "cited_text": "x",
-        "document_index": 0,
-        "start_char_index": 0,
-        "end_char_index": 1,
-    }
+    start = {"id": "msg_8", "type": "message", "role": "assistant", "model": "m", "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}
+    cite = {"type": "char_location", "cited_text": "x", "document_index": 0, "start_char_index": 0,
+            "end_char_index": 1}
     events = [
         {"type": "message_start", "message": start},
         {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": "", "citations": None}},
@@ -569,9 +548,7 @@ async def test_a_tool_input_cut_by_max_tokens_and_null_citations_still_assemble(
     ]  # fmt: skip
     respx.post(URL).mock(return_value=sse_response(anthropic_sse(events)))
     got = await drain(
-        backend(http).stream(
-            anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False)
-        )
+        backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "hi"}]}, stream=False))
     )
     content = got[0].events[0]["content"]
     assert content[0] == {"type": "text", "text": "", "citations": [cite]}

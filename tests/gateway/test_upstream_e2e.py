@@ -147,15 +147,11 @@ def test_anthropic_sdk_over_an_anthropic_upstream(upstreams, ant):
 def test_anthropic_beta_header_reaches_only_the_anthropic_upstream(upstreams, ant):
     _, states = upstreams
     messages = [{"role": "user", "content": "beta?"}]
-    ant.messages.create(
-        model="an", max_tokens=5, messages=messages, extra_headers={"anthropic-beta": "beta-x"}
-    )
+    ant.messages.create(model="an", max_tokens=5, messages=messages, extra_headers={"anthropic-beta": "beta-x"})
     assert states["anthropic"].headers[-1]["anthropic-beta"] == "beta-x"
     ant.messages.create(model="an", max_tokens=5, messages=messages)
     assert "anthropic-beta" not in states["anthropic"].headers[-1]
-    ant.messages.create(
-        model="oa", max_tokens=5, messages=messages, extra_headers={"anthropic-beta": "beta-x"}
-    )
+    ant.messages.create(model="oa", max_tokens=5, messages=messages, extra_headers={"anthropic-beta": "beta-x"})
     assert "anthropic-beta" not in states["openai"].headers[-1]
 
 

@@ -55,11 +55,7 @@ def test_backoff_is_full_jitter_capped_and_respects_retry_after():
 def test_parse_retry_after_seconds_and_http_date():
     assert parse_retry_after("3") == 3.0
     assert parse_retry_after("0.5") == 0.5
-    assert (
-        parse_retry_after("inf") is None
-        and parse_retry_after("1e400") is None
-        and parse_retry_after("nan") is None
-    )
+    assert parse_retry_after("inf") is None and parse_retry_after("1e400") is None and parse_retry_after("nan") is None
     now = 1_700_000_000.0
     assert parse_retry_after(email.utils.formatdate(now + 20, usegmt=True), now=now) == pytest.approx(20.0)
     assert parse_retry_after(email.utils.formatdate(now - 20, usegmt=True), now=now) == 0.0

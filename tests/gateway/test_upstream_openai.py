@@ -458,9 +458,7 @@ def test_a_header_error_never_quotes_the_key():
     key = "hunter2-secret\n"
     exc = httpx.LocalProtocolError(f"Illegal header value {('Bearer ' + key).encode()!r}")
     status, kind, message = _transport_failure(exc, "http://vllm-a:8000/v1")
-    assert (
-        (status, kind) == (502, "protocol") and "hunter2" not in message and "LocalProtocolError" in message
-    )
+    assert (status, kind) == (502, "protocol") and "hunter2" not in message and "LocalProtocolError" in message
     # and redact() removes a key in the forms an exception text shows it: verbatim, stripped, repr-escaped
     for shown in (key, key.strip(), "hunter2-secret\\n"):
         assert "hunter2" not in redact(f"boom: {shown!s}", [key])
@@ -480,9 +478,7 @@ async def test_a_replica_url_httpx_cannot_parse_is_a_typed_error_and_releases_it
 @respx.mock
 async def test_a_body_that_cannot_be_decoded_is_a_typed_502(http):
     bad_gzip = {"content-encoding": "gzip", "content-type": "application/json"}
-    route = respx.post(URL).mock(
-        return_value=httpx.Response(200, headers=bad_gzip, stream=httpx.ByteStream(b"not gzip at all"))
-    )
+    route = respx.post(URL).mock(return_value=httpx.Response(200, headers=bad_gzip, stream=httpx.ByteStream(b"not gzip at all")))
     with pytest.raises(UpstreamCallError) as info:
         await drain(backend(http, retries=1).stream(chat_request(MESSAGES)))
     assert (info.value.status_code, info.value.kind, route.call_count) == (502, "protocol", 1)
@@ -516,17 +512,13 @@ async def test_an_upstream_504_is_a_retried_504(http):
 )
 async def test_a_json_answer_not_shaped_like_a_completion_is_a_protocol_cut(http, answer):
     respx.post(URL).mock(return_value=httpx.Response(200, json=answer))
-    with pytest.raises(
-        UpstreamStreamCut, match="the upstream answered JSON that is not a completion"
-    ) as info:
+    with pytest.raises(UpstreamStreamCut, match="the upstream answered JSON that is not a completion") as info:
         await drain(backend(http).stream(chat_request(MESSAGES)))
     assert (info.value.kind, info.value.status_code) == ("protocol", 502)
 
 
 @respx.mock
 async def test_a_string_error_mid_stream_keeps_its_text(http):
-    respx.post(URL).mock(
-        return_value=sse_response(sse_body([chunk({"content": "Sun"}), {"error": "boom"}], done=False))
-    )
+    respx.post(URL).mock(return_value=sse_response(sse_body([chunk({"content": "Sun"}), {"error": "boom"}], done=False)))
     with pytest.raises(UpstreamStreamCut, match="the upstream reported an error mid-stream: boom"):
         await drain(backend(http).stream(chat_request(MESSAGES)))

@@ -41,9 +41,7 @@ def ask(ant: anthropic.Anthropic, system, stream: bool, rules: str = "on"):
 
 
 @pytest.mark.parametrize(("shape", "stream"), [("string", False), ("blocks", True)])
-def test_a_new_date_in_the_system_prompt_reads_the_system_prompt_from_cache(
-    server, tiny_checkpoint, shape, stream
-):
+def test_a_new_date_in_the_system_prompt_reads_the_system_prompt_from_cache(server, tiny_checkpoint, shape, stream):
     tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
     tag = f"{shape} volatile"
     texts = [system_text(tag, date) for date in ("2025-05-14", "2025-05-15", "2025-05-16")]
