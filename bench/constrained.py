@@ -12,8 +12,13 @@ both counted after the first token (tokens / seconds between the first and the l
 the constrained run's mean time per token the worker spent computing masks (``mask_compute_us``) and the mean
 time sampling waited for them (``mask_wait_us``; near zero when the mask is computed off the critical path).
 ``constrained_slowdown`` = unconstrained_tps / constrained_tps; target <= 1.15. Medians of ``--repeats`` runs,
-interleaved. The library choice and its per-token mask cost (llguidance vs xgrammar) are measured in
-``engine/constrained.py``'s docstring.
+interleaved.
+
+The library choice (``engine/constrained.py``'s docstring): ``llguidance_mask_us_*`` is the per-token cost of
+computing a mask and advancing by one token, alone, on a fixed 48-token JSON document of a nested schema with the
+checkpoint's tokenizer (p50 / mean / p99 over 5 passes); ``xgrammar_mask_us_*`` the same with xgrammar when it is
+importable (it is not a dependency: it requires torch and triton; install it with ``pip install --no-deps
+--target DIR xgrammar apache-tvm-ffi pydantic`` and put DIR on ``PYTHONPATH`` to compare).
 
 Run: ``python -m bench.constrained``. Prints a table, then one JSON line (last).
 """
@@ -23,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
+import numpy as np
 import torch
 
 from engine.api import Constraint, EngineConfig, SamplingParams
@@ -51,6 +58,88 @@ def people_schema(min_items: int) -> dict:
         "required": ["people"],
         "additionalProperties": False,
     }
+
+
+MASK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "tags", "address"],
+    "additionalProperties": False,
+}
+MASK_DOC = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "tags": ["math", "poetry", "engines"],
+    "address": {"city": "London", "zip": "W1"},
+}
+
+
+def _percentiles(samples: list[float], prefix: str) -> dict[str, float]:
+    us = sorted(1e6 * t for t in samples)
+    return {
+        f"{prefix}_p50": statistics.median(us),
+        f"{prefix}_mean": statistics.fmean(us),
+        f"{prefix}_p99": us[min(len(us) - 1, int(0.99 * len(us)))],
+    }
+
+
+def llguidance_mask_cost(tok, vocab_size: int, passes: int = 5) -> dict[str, float]:
+    """Per-token mask + advance cost of llguidance on ``MASK_DOC`` (microseconds)."""
+    import llguidance  # noqa: PLC0415
+
+    from engine.constrained import JSON_OPTIONS  # noqa: PLC0415
+
+    lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=vocab_size, eos_token=tok.eos_token_ids[0])
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({**MASK_SCHEMA, "x-guidance": JSON_OPTIONS})
+    ids = tok.encode(json.dumps(MASK_DOC))
+    samples = []
+    for _ in range(passes):
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        for t in ids:
+            t0 = time.perf_counter()
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            if not bits[t] or not matcher.consume_token(t):
+                raise RuntimeError(f"llguidance refused token {t}: {matcher.get_error()}")
+            samples.append(time.perf_counter() - t0)
+    return _percentiles(samples, "llguidance_mask_us")
+
+
+def xgrammar_mask_cost(tok, vocab_size: int, passes: int = 5) -> dict[str, float]:
+    """The same with xgrammar, when it is importable (else ``{}``)."""
+    try:
+        import xgrammar  # noqa: PLC0415
+        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    except ImportError:
+        return {}
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=tok.backend), vocab_size=vocab_size
+    )
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(
+        json.dumps(MASK_SCHEMA), any_whitespace=False
+    )
+    ids = tok.encode(json.dumps(MASK_DOC))
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    samples = []
+    for _ in range(passes):
+        matcher = xgrammar.GrammarMatcher(compiled)
+        for t in ids:
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask)
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+            if not bits[t] or not matcher.accept_token(t):
+                raise RuntimeError(f"xgrammar refused token {t}")
+            samples.append(time.perf_counter() - t0)
+    return _percentiles(samples, "xgrammar_mask_us")
 
 
 def decode_run(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, int, dict]:
@@ -116,6 +205,8 @@ def main() -> None:
         "mask_wait_us": med["wait"],
         "constrained_slowdown": med["free"] / med["bound"],
     }
+    result.update(llguidance_mask_cost(tok, ck.model.config.vocab_size))
+    result.update(xgrammar_mask_cost(tok, ck.model.config.vocab_size))
     result["targets_met"] = {"constrained_slowdown_le_1.15": result["constrained_slowdown"] <= 1.15}
     print(f"{'metric (batch 1, greedy)':<28}{'value':>12}  target")
     print(f"{'unconstrained decode (tok/s)':<28}{result['unconstrained_tps']:>12.1f}")
