@@ -156,3 +156,26 @@ def test_property_n_forks_prefill_once_and_return_every_block(prompt_len, n, cac
     assert s.forks == n - 1 and s.forked_prefill_tokens_saved == (n - 1) * prompt_len
     assert sorted(choices) == list(range(n)) and all(len(t) == max_tokens for t in choices.values())
     assert_all_returned(eng)
+
+
+def test_closing_the_stream_early_aborts_every_fork():
+    async def main():
+        ckpt = tiny_checkpoint()
+        eng = AsyncEngine(make_engine(ckpt), ckpt.tokenizer)
+        try:
+            params = SamplingParams(max_tokens=200, seed=2, n=4, ignore_eos=True)
+            stream = eng.generate(GenerationRequest(params, prompt_token_ids=random_tokens(30, 9)))
+            seen = set()
+            async for event in stream:
+                seen.add(event.index)
+                if len(seen) == 4:
+                    break  # every fork exists and runs
+            await stream.aclose()
+            stats = eng.stats()
+            eng.core.kv.check_invariants()
+        finally:
+            await eng.shutdown()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats.forks == 3 and stats.blocks_used == 0 and stats.running == stats.waiting == 0
