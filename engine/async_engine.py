@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -95,8 +96,16 @@ class AsyncEngine:
         """Context window in tokens."""
         return self.core.max_model_len
 
+    @property
+    def tool_format(self) -> str:
+        """``"generic"`` when tools are rendered in ``engine.tool_calls``' format (parse the output with its
+        ``ToolCallParser``, constrain it with a ``"tool_calls"`` ``Constraint``), ``"template"`` when the chat
+        template renders them itself (docs/tools.md)."""
+        return self._tokenizer.tool_format
+
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template.
+        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (tools, tool calls
+        and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section).
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.
@@ -169,11 +178,15 @@ class AsyncEngine:
         for o in outs:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
-                events.append(TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens))
+                events.append(
+                    TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens, o.index, tuple(o.logprobs))
+                )
             if o.finished:
-                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text))
+                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.index))
+                no_tokens = replace(o.usage, completion_tokens=0)
+                events.extend(Finished(o.finish_reason, no_tokens, None, "", i) for i in o.unforked)
             for event in events:
-                self._deliver(o.request_id, event)
+                self._deliver(o.parent_id or o.request_id, event)
 
     def _deliver(self, rid: str, event: StreamEvent | _EngineFailure) -> None:
         stream = self._streams.get(rid)
@@ -243,6 +256,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         done = False
+        choices_left = req.params.n
         try:
             with self._cond:
                 self.core.add_checked_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
@@ -255,7 +269,8 @@ class AsyncEngine:
                         f"the engine's step loop failed: {event.error!r}"
                     ) from event.error
                 if isinstance(event, Finished):
-                    done = True
+                    choices_left -= 1
+                    done = choices_left == 0
                 yield event
                 if done:
                     return
@@ -263,4 +278,4 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not done:
                 with self._cond:
-                    self.core.abort_request(rid)
+                    self.core.abort_family(rid)

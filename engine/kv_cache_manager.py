@@ -281,6 +281,51 @@ class KVCacheManager:
         req.blocks.extend(self.pool.allocate(need))
         return True
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | bool:
+        """Give ``child_id`` a block table that shares ``parent_id``'s first ``num_tokens`` tokens (``n > 1``).
+
+        The full blocks are shared by reference (one more reference each, so each is freed only when its last
+        holder frees it); a partial last block is copy-on-write: the child gets a fresh block, and the caller
+        must copy the parent's block's KV into it before the next forward (both sequences are about to write
+        their next token into that block). The child's chain of proven cache entries is the parent's.
+
+        Args:
+            parent_id: a live request whose KV for tokens ``[0, num_tokens)`` is computed.
+            child_id: a request that holds no blocks yet.
+            num_tokens: tokens to share (the prompt), ``<=`` what the parent's table covers.
+
+        Returns:
+            ``(src_block_id, dst_block_id)``, the KV copy to make, when the last block is partial; True when
+            every shared block is full (nothing to copy); False, with no change, when no block is available for
+            the copy now.
+
+        Raises:
+            KeyError: unknown ``parent_id``. ValueError: ``child_id`` already holds blocks, or ``num_tokens`` is
+                beyond the parent's table.
+        """
+        parent = self._request(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        bs = self.block_size
+        num_full, partial = divmod(num_tokens, bs)
+        if num_tokens < 0 or cdiv(num_tokens, bs) > len(parent.blocks):
+            raise ValueError(f"{num_tokens} tokens are beyond {parent_id!r}'s {len(parent.blocks)} blocks")
+        if partial and self.pool.num_available() < 1:
+            return False
+        shared = parent.blocks[:num_full]
+        self.pool.touch(shared)
+        blocks = list(shared)
+        copy: tuple[int, int] | bool = True
+        if partial:
+            fresh = self.pool.allocate(1)[0]
+            blocks.append(fresh)
+            copy = (parent.blocks[num_full].block_id, fresh.block_id)
+        k = min(num_full, len(parent.hashes))
+        self._requests[child_id] = _RequestBlocks(
+            blocks=blocks, hashes=list(parent.hashes[:k]), chain_gens=list(parent.chain_gens[:k])
+        )
+        return copy
+
     # ---- caching --------------------------------------------------------------------------------------
     def cache_full_blocks(
         self,

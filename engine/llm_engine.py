@@ -11,7 +11,9 @@ forward runs.
 A step, in order: plan (``Scheduler.schedule``), flatten + forward + sample (``ModelRunner``), then for each
 scheduled request: advance ``num_computed_tokens``, register its newly full blocks in the prefix cache
 (``KVCacheManager.cache_full_blocks``, so a request admitted next step hits them: in-flight sharing), hand the
-sampled token to output processing, and free the blocks of finished requests.
+sampled token to output processing, and free the blocks of finished requests. A request with ``n > 1`` forks
+when its prompt is computed: its ``n - 1`` forks share the prompt's blocks (``KVCacheManager.fork``; the
+partial last block copied, ``ModelRunner.copy_block``) and take their first tokens from the same logits row.
 
 Invariant: a request is in ``requests`` from ``add_request`` until its final output is built; a finished
 request's blocks are freed in the same call that builds that output.
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams
+from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob
 from engine.block_hash import HashFn, hash_block
+from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
 from engine.input_processor import InputProcessor
 from engine.kv_cache_manager import KVCacheManager
@@ -35,8 +38,16 @@ from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sampling import SampledToken
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineCounters
+
+
+def token_logprob(sample: SampledToken) -> TokenLogprob | None:
+    """The API's logprob entry of a sampled token (None when its request asked for no logprobs)."""
+    if sample.logprob is None:
+        return None
+    return TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs)
 
 
 @dataclass
@@ -93,6 +104,12 @@ class LLMEngine:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
         self.counters = EngineCounters()
+        backend = getattr(tokenizer, "backend", None)
+        self.constraints = (
+            ConstraintCompiler(backend.to_str(), mc.vocab_size, tuple(eos_token_ids))
+            if backend is not None and eos_token_ids
+            else None
+        )
         self.input = InputProcessor(
             self.kv,
             vocab_size=mc.vocab_size,
@@ -101,6 +118,7 @@ class LLMEngine:
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids,
             clock=clock,
+            constraints=self.constraints,
         )
         self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
         self.scheduler = Scheduler(self.kv, config, self.counters, clock=clock)
@@ -180,6 +198,11 @@ class LLMEngine:
             return None
         return self._finish(req, "abort")
 
+    def abort_family(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a request and every live fork of it (``n > 1``); return their final outputs."""
+        ids = [request_id] + [r.request_id for r in self.requests.values() if r.parent_id == request_id]
+        return [o for rid in ids if (o := self.abort_request(rid)) is not None]
+
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
@@ -205,8 +228,7 @@ class LLMEngine:
                     start=s.start,
                     block_table=self.kv.block_table(r.request_id),
                     needs_token=s.needs_token,
-                    params=r.params,
-                    generator=r.generator,
+                    sampler=r.sampler,
                 )
             )
         return StepPlan(sched, self.runner.prepare(seqs))
@@ -230,7 +252,7 @@ class LLMEngine:
         self.counters.record_step(
             sched.num_prefill_tokens, sched.num_tokens - sched.num_prefill_tokens, seconds
         )
-        sampled = dict(zip(plan.model_input.sample_seqs, result.token_ids, strict=True))
+        sampled = dict(zip(plan.model_input.sample_seqs, result.samples, strict=True))
         rows = {seq: k for k, seq in enumerate(plan.model_input.sample_seqs)}
         now = self.clock()
         for i, s in enumerate(sched.scheduled):
@@ -242,12 +264,41 @@ class LLMEngine:
                 req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes, req.extra_keys
             )
             if i in sampled:
+                sample = sampled[i]
                 if result.logits is not None:
                     self.logits_log.setdefault(req.request_id, []).append(result.logits[rows[i]].clone())
-                out = self.output.process_token(req, sampled[i], now)
+                if sample.forks:
+                    outputs.extend(self._fork(req, sample, now))
+                out = self.output.process_token(req, sample.token_id, now, token_logprob(sample))
                 if out.finished:
                     self._release(req)
                 outputs.append(out)
+        return outputs
+
+    def _fork(self, parent: Request, sample: SampledToken, now: float) -> list[RequestOutput]:
+        """Create the parent's pending forks (``n > 1``), its prompt just computed: each shares the prompt's
+        blocks (the partial last one copied) and takes its first token from ``sample.forks``. A fork that gets
+        no block for the copy now waits in the queue like a preempted request (recomputing what it must)."""
+        outputs = []
+        forks, parent.sampler.pending_forks = parent.sampler.pending_forks, []
+        n_prompt = parent.num_prompt_tokens
+        for sampler, first in zip(forks, sample.forks, strict=True):
+            child = self.input.make_fork(parent, sampler)
+            self.requests[child.request_id] = child
+            copy = self.kv.fork(parent.request_id, child.request_id, n_prompt)
+            if copy is False:
+                child.num_computed_tokens = 0
+                self.scheduler.add_request(child)
+            else:
+                if copy is not True:
+                    self.runner.copy_block(*copy)
+                self.scheduler.add_forked(child)
+                self.counters.forked_prefill_tokens_saved += n_prompt
+            self.counters.forks += 1
+            out = self.output.process_token(child, first.token_id, now, token_logprob(first))
+            if out.finished:
+                self._release(child)
+            outputs.append(out)
         return outputs
 
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:

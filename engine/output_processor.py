@@ -7,7 +7,7 @@ the stop checks, and the final output of a finished request (usage, TTFT, stop-t
 Invariants:
 
 - Stop checks run in this order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``; its text is
-  never emitted), a stop string (the text is cut before it), then ``max_tokens`` (``"length"``).
+  never emitted) or a constraint whose grammar is complete and can take no more tokens, a stop string (the text is cut before it), then ``max_tokens`` (``"length"``).
 - A request's last output is the only one with ``finished=True``; it alone carries ``finish_reason`` and
   ``usage``, and its ``text`` ends with whatever the detokenizer still held back.
 - This module frees nothing and owns no queue: the engine removes a finished request from the scheduler
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.api import FinishReason, Usage
+from engine.api import FinishReason, TokenLogprob, Usage
 from engine.block_hash import HashFn, block_hasher
 from engine.request import Request
 from engine.stats import EngineCounters
@@ -38,6 +38,11 @@ class RequestOutput:
         ttft_s: seconds from submit to the first token (None if none was generated).
         cached_tokens: prompt tokens the prefix cache served at first admission (None before it).
         full_text: all text generated (stop-string trimmed), set when finished.
+        index: the choice (``Request.index``).
+        parent_id: the request it was forked from (None for a submitted request).
+        logprobs: one entry per token of ``new_token_ids`` when the request asked for logprobs.
+        unforked: choice indexes of forks that were never created because this request ended before its
+            prompt was computed (aborted); they end with it, with no output tokens.
     """
 
     request_id: str
@@ -49,6 +54,10 @@ class RequestOutput:
     ttft_s: float | None = None
     full_text: str = ""
     cached_tokens: int | None = None
+    index: int = 0
+    parent_id: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    unforked: tuple[int, ...] = ()
 
 
 class OutputProcessor:
@@ -65,13 +74,16 @@ class OutputProcessor:
         self.block_size = block_size
         self.hash_fn = hash_fn
 
-    def process_token(self, req: Request, token: int, now: float) -> RequestOutput:
+    def process_token(
+        self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """Record a sampled token; detokenize; finish on a stop token, a stop string or ``max_tokens``.
 
         Args:
             req: a running request.
             token: the token sampled for it this step.
             now: clock reading of the step's end, seconds.
+            logprob: the token's logprobs when the request asked for them.
 
         Returns:
             The step's output; ``finished`` (built by ``finish``) when the token ended the request.
@@ -89,19 +101,33 @@ class OutputProcessor:
         self.counters.decode_tokens += 1
         text = ""
         reason: FinishReason | None = None
+        constraint = req.sampler.constraint
         if token in req.stop_token_ids:
             reason = "stop"
-        elif req.output is not None:
-            text = req.output.add(token)
-            if req.output.stopped:
+        else:
+            if req.output is not None:
+                text = req.output.add(token)
+                if req.output.stopped:
+                    reason = "stop"
+            if constraint is not None and constraint.is_stopped:
                 reason = "stop"
         if reason is None and req.num_output_tokens >= req.max_tokens:
             reason = "length"
+        lps = [logprob] if logprob is not None else []
         if reason is None:
-            return RequestOutput(req.request_id, [token], text, cached_tokens=req.num_cached_tokens)
+            return RequestOutput(
+                req.request_id,
+                [token],
+                text,
+                cached_tokens=req.num_cached_tokens,
+                index=req.index,
+                parent_id=req.parent_id,
+                logprobs=lps,
+            )
         out = self.finish(req, reason)
         out.new_token_ids = [token]
         out.text = text + out.text
+        out.logprobs = lps
         return out
 
     def finish(self, req: Request, reason: FinishReason) -> RequestOutput:
@@ -125,4 +151,7 @@ class OutputProcessor:
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             full_text=req.output.text if req.output is not None else "",
             cached_tokens=req.num_cached_tokens,
+            index=req.index,
+            parent_id=req.parent_id,
+            unforked=tuple(f.index for f in req.sampler.pending_forks),
         )

@@ -154,6 +154,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
+    def add_forked(self, req: Request) -> None:
+        """Add a fork that already holds blocks with its prompt computed (``n > 1``) to the running set; it
+        decodes from the next step on, and is the newest running request (the first preemption victim)."""
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = next(self._admit_seq)
+        req.prefill_end = req.num_computed_tokens
+        self.running.append(req)
+
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)

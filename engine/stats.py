@@ -109,6 +109,8 @@ class EngineCounters:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     preemptions: int = 0
+    forks: int = 0
+    forked_prefill_tokens_saved: int = 0
     ttft: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
     tpot: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TPOT_BUCKETS_S))
 
@@ -160,4 +162,6 @@ class EngineCounters:
             waiting=waiting,
             ttft=self.ttft.snapshot(),
             tpot=self.tpot.snapshot(),
+            forks=self.forks,
+            forked_prefill_tokens_saved=self.forked_prefill_tokens_saved,
         )

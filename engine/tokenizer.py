@@ -22,6 +22,12 @@ writes BOS itself when the model wants one). ``encode(add_special_tokens=True)``
 checkpoint's BOS rule: ``tokenizer.json``'s post-processor (transformers v5 ignores ``add_bos_token`` in
 ``tokenizer_config.json`` when a ``tokenizer.json`` exists, and so do we), or GGUF's
 ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``.
+
+Tools for every model: when the template reads ``tools`` (``template_renders_tools``), tools, tool calls and
+tool results go to it as given; when it does not (SmolLM2's), they are rendered in the generic format of
+``engine.tool_calls`` (``docs/tools.md``) into plain system / assistant / user messages first, and
+``tool_format`` is ``"generic"``: the model's calls are then parsed with ``engine.tool_calls.ToolCallParser``
+and constrained with a ``"tool_calls"`` ``engine.api.Constraint``.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.tool_calls import function_tools, render_messages_with_tools
 
 # GPT-2's split (llama.cpp "gpt2"/"default" BPE; the ByteLevel pre-tokenizer's own regex).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -400,6 +408,27 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    @cached_property
+    def template_renders_tools(self) -> bool:
+        """True when the chat template reads the ``tools`` variable (or has a ``tool_use`` named template)."""
+        source = self.chat_template
+        if isinstance(source, dict):
+            if "tool_use" in source:
+                return True
+            source = source.get("default")
+        if not source:
+            return False
+        env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        except jinja2.TemplateSyntaxError:
+            return False
+
+    @property
+    def tool_format(self) -> str:
+        """``"template"`` when the chat template renders tools itself, else ``"generic"`` (``engine.tool_calls``)."""
+        return "template" if self.template_renders_tools else "generic"
+
     def _template(self, tools) -> jinja2.Template:
         source = self.chat_template
         if isinstance(source, dict):
@@ -431,6 +460,9 @@ class Tokenizer:
     ) -> str:
         """The prompt text the chat template renders for ``messages`` (and ``tools``, OpenAI JSON schemas).
 
+        A template that does not read ``tools`` gets them, and any tool calls / results in ``messages``, in the
+        generic format (module docstring).
+
         Raises:
             InvalidRequestError: no chat template, empty/ill-formed messages, or the template rejected them
                 (its ``raise_exception``).
@@ -441,6 +473,10 @@ class Tokenizer:
         chat = [normalize_message(m, i) for i, m in enumerate(messages)]
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise InvalidRequestError("tools must be JSON schema objects", "tools")
+        has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in chat)
+        if (tools or has_tool_history) and not self.template_renders_tools:
+            chat = render_messages_with_tools(chat, function_tools(list(tools)) if tools else None)
+            tools = None
         try:
             return template.render(
                 messages=chat,

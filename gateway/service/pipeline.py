@@ -32,8 +32,8 @@ from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
-from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.gateway import Gateway
+from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
 

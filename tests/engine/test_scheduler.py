@@ -13,7 +13,7 @@ from engine.api import EngineConfig, SamplingParams
 from engine.block_hash import hash_request_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling import make_generator
+from engine.sampling import SequenceSampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineCounters
 
@@ -54,7 +54,7 @@ class Sim:
             stop_token_ids=frozenset(),
             extra_keys=("m", ""),
             arrival_time=self.clock(),
-            generator=make_generator(0),
+            sampler=SequenceSampler(SamplingParams(max_tokens=max_tokens, seed=0), list(ids)),
         )
         req.update_block_hashes(
             BS, lambda toks, parent: hash_request_blocks(toks, BS, ("m", ""), parent=parent)
