@@ -408,9 +408,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
-    @cached_property
+    @property
     def template_renders_tools(self) -> bool:
-        """True when the chat template reads the ``tools`` variable (or has a ``tool_use`` named template)."""
+        """True when the chat template reads the ``tools`` variable (or has a ``tool_use`` named template).
+        Worked out once per template source, so a changed ``chat_template`` is seen."""
         source = self.chat_template
         if isinstance(source, dict):
             if "tool_use" in source:
@@ -418,11 +419,14 @@ class Tokenizer:
             source = source.get("default")
         if not source:
             return False
-        env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-        try:
-            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
-        except jinja2.TemplateSyntaxError:
-            return False
+        cache = self.__dict__.setdefault("_renders_tools", {})
+        if source not in cache:
+            env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+            try:
+                cache[source] = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+            except jinja2.TemplateSyntaxError:
+                cache[source] = False
+        return cache[source]
 
     @property
     def tool_format(self) -> str:
