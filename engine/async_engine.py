@@ -95,13 +95,19 @@ class AsyncEngine:
         """Context window in tokens."""
         return self.core.max_model_len
 
-    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template.
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (the final
+        message left open when ``continue_final_message``, see ``Tokenizer.apply_chat_template``).
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.
         """
-        return self._tokenizer.render_chat(messages, tools)
+        return self._tokenizer.render_chat(messages, tools, continue_final_message)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and gauges."""
@@ -169,9 +175,9 @@ class AsyncEngine:
         for o in outs:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
-                events.append(TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens))
+                events.append(TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens, o.prompt_tokens))
             if o.finished:
-                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text))
+                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.stop_string))
             for event in events:
                 self._deliver(o.request_id, event)
 
@@ -215,7 +221,7 @@ class AsyncEngine:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            return self.render_chat(req.messages, req.tools)
+            return self.render_chat(req.messages, req.tools, req.continue_final_message)
         if not isinstance(req.prompt, str) or not req.prompt:
             raise InvalidRequestError("prompt must be a non-empty string", "prompt")
         return self._tokenizer.encode(req.prompt, add_special_tokens=True)

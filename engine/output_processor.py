@@ -38,6 +38,8 @@ class RequestOutput:
         ttft_s: seconds from submit to the first token (None if none was generated).
         cached_tokens: prompt tokens the prefix cache served at first admission (None before it).
         full_text: all text generated (stop-string trimmed), set when finished.
+        stop_string: the stop string that ended the request (finish reason ``stop``), else None.
+        prompt_tokens: the request's prompt length in tokens.
     """
 
     request_id: str
@@ -49,6 +51,8 @@ class RequestOutput:
     ttft_s: float | None = None
     full_text: str = ""
     cached_tokens: int | None = None
+    stop_string: str | None = None
+    prompt_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -98,7 +102,13 @@ class OutputProcessor:
         if reason is None and req.num_output_tokens >= req.max_tokens:
             reason = "length"
         if reason is None:
-            return RequestOutput(req.request_id, [token], text, cached_tokens=req.num_cached_tokens)
+            return RequestOutput(
+                req.request_id,
+                [token],
+                text,
+                cached_tokens=req.num_cached_tokens,
+                prompt_tokens=req.num_prompt_tokens,
+            )
         out = self.finish(req, reason)
         out.new_token_ids = [token]
         out.text = text + out.text
@@ -125,4 +135,6 @@ class OutputProcessor:
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             full_text=req.output.text if req.output is not None else "",
             cached_tokens=req.num_cached_tokens,
+            stop_string=req.output.stop_string if req.output is not None and reason == "stop" else None,
+            prompt_tokens=req.num_prompt_tokens,
         )
