@@ -435,7 +435,7 @@ class Tokenizer:
         ``continue_final_message``: the last message (an assistant prefill) is left open: the text is cut right
         after its content, without the template's end-of-turn, so generation continues it (no generation
         prompt is added). Cut as ``transformers``' ``apply_chat_template(continue_final_message=True)``
-        cuts: after the last occurrence of the content, surrounding whitespace stripped.
+        cuts: after the last occurrence of the content (its trailing spaces kept where the template keeps them).
 
         Raises:
             InvalidRequestError: no chat template, empty/ill-formed messages, or the template rejected them
@@ -445,14 +445,18 @@ class Tokenizer:
         if continue_final_message:
             rendered = self.apply_chat_template(messages, tools, add_generation_prompt=False)
             final = normalize_message(messages[-1], len(messages) - 1).get("content")
-            final = final.strip() if isinstance(final, str) else ""
-            if not final or final not in rendered:
+            final = final if isinstance(final, str) else ""
+            if not final.strip() or final.strip() not in rendered:
                 raise InvalidRequestError(
                     "the final assistant message cannot be continued: the chat template does not render "
                     "its content verbatim",
                     f"messages[{len(messages) - 1}].content",
                 )
-            return rendered[: rendered.rindex(final) + len(final)]
+            start = rendered.rindex(final.strip())
+            kept = len(final.lstrip())
+            if rendered[start : start + kept] != final.lstrip():  # the template trimmed trailing spaces
+                kept = len(final.strip())
+            return rendered[: start + kept]
         template = self._template(tools)
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")

@@ -22,6 +22,7 @@ MESSAGES_FIELDS = frozenset(
         "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream", "temperature",
         "top_p", "top_k", "tools", "tool_choice", "thinking", "service_tier", "container", "mcp_servers",
         "context_management", "output_config", "output_format", "cache_control", "inference_geo",
+        "diagnostics", "speed", "user_profile_id", "workspace_id",
     }
 )  # fmt: skip
 """Top-level fields of a Messages body (https://docs.anthropic.com/en/api/messages); any other is refused as

@@ -24,7 +24,7 @@ CHAT_FIELDS = frozenset(
         "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
         "parallel_tool_calls", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
         "reasoning_effort", "functions", "function_call", "web_search_options", "verbosity",
-        "prompt_cache_key", "safety_identifier",
+        "prompt_cache_key", "safety_identifier", "prompt_cache_retention", "prompt_cache_options", "moderation",
     }
 )  # fmt: skip
 COMPLETION_FIELDS = frozenset(
