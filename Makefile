@@ -35,6 +35,7 @@ run: $(VENV)/.run-installed
 
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
 
 test-fast: $(VENV)/.test-installed
