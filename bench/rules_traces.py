@@ -105,10 +105,8 @@ def smollm2_tokenizer() -> Any:
 
 
 def _anthropic_converters() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    try:  # the re-layered gateway
-        from gateway.protocols.anthropic.parse import anthropic_to_openai_messages, anthropic_to_openai_tools
-    except ImportError:
-        from gateway.anthropic_face import anthropic_to_openai_messages, anthropic_to_openai_tools
+    from gateway.protocols.anthropic.parse import anthropic_to_openai_messages, anthropic_to_openai_tools
+
     return anthropic_to_openai_messages, anthropic_to_openai_tools
 
 

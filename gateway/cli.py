@@ -21,7 +21,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gateway.config import ConfigError, GatewayConfig, default_config, load_config
+from gateway.config.loader import default_config, load_config
+from gateway.config.schema import ConfigError, GatewayConfig
 
 EXIT_BAD_CONFIG = 2
 
@@ -51,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last one
-    is the request when no separate positional is left."""
+    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last
+    one is the request when no separate positional is left."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "rules" and args.rules_command == "apply" and args.request is None:
@@ -69,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "serve":
         return serve(args.config, args.host, args.port, args.log_level)
-    from rules import cli as rules_cli
+    from gateway.service.canonicalize import run_rules_command
 
     if args.rules_command == "check":
-        return rules_cli.check(args.files)
-    return rules_cli.apply(args.rules, args.request, args.placement)
+        return run_rules_command("check", args.files)
+    return run_rules_command("apply", args.rules, args.request, args.placement)
 
 
 def resolve_config(config_path: str | None, host: str | None, port: int | None) -> GatewayConfig:
@@ -98,11 +99,11 @@ def resolve_config(config_path: str | None, host: str | None, port: int | None) 
 def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
     """Load the config, build the app and run uvicorn until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rules import RuleError
+    from gateway.service.canonicalize import RuleError
 
     try:
         config = resolve_config(config_path, host, port)
-        from gateway.app import create_app
+        from gateway.http.app import create_app
 
         app = create_app(config)
     except ConfigError as exc:
@@ -119,7 +120,7 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         port=config.server.port,
         log_config=None,
         log_level=log_level,
-        access_log=False,  # gateway.request_log writes one line per request instead
+        access_log=False,  # gateway.service.request_log writes one line per request instead
         timeout_graceful_shutdown=10,
     )
     return 0

@@ -44,7 +44,10 @@ def test_listen_address_precedence(tmp_path, monkeypatch):
     path.write_text("server: {host: 10.0.0.1, port: 7000}\n")
     monkeypatch.delenv("PREFIXGATE_HOST", raising=False)
     monkeypatch.delenv("PREFIXGATE_PORT", raising=False)
-    assert (resolve_config(str(path), None, None).server.host, resolve_config(str(path), None, None).server.port) == ("10.0.0.1", 7000)
+    assert (
+        resolve_config(str(path), None, None).server.host,
+        resolve_config(str(path), None, None).server.port,
+    ) == ("10.0.0.1", 7000)
     monkeypatch.setenv("PREFIXGATE_HOST", "0.0.0.0")
     monkeypatch.setenv("PREFIXGATE_PORT", "7100")
     env = resolve_config(str(path), None, None).server
@@ -57,7 +60,11 @@ def test_listen_address_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv("PREFIXGATE_PORT")
     monkeypatch.delenv("PREFIXGATE_HOST")
     default = resolve_config(None, None, None)
-    assert (default.server.host, default.server.port, default.models[0].path) == ("127.0.0.1", 8000, "default")
+    assert (default.server.host, default.server.port, default.models[0].path) == (
+        "127.0.0.1",
+        8000,
+        "default",
+    )
 
 
 def test_rules_commands_dispatch_to_the_rules_cli(tmp_path, capsys):
@@ -69,7 +76,14 @@ def test_rules_commands_dispatch_to_the_rules_cli(tmp_path, capsys):
     assert str(bad) in capsys.readouterr().err
     request = tmp_path / "request.json"
     request.write_text(
-        json.dumps({"messages": [{"role": "system", "content": "Current time: 2025-05-14 09:45:12\nBe brief."}, {"role": "user", "content": "hi"}]})
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Current time: 2025-05-14 09:45:12\nBe brief."},
+                    {"role": "user", "content": "hi"},
+                ]
+            }
+        )
     )
     assert main(["rules", "apply", str(request)]) == 0
     canonical = json.loads(capsys.readouterr().out)
@@ -118,7 +132,12 @@ def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, t
         secret = "SECRET-PROMPT-TEXT-do-not-log"
         response = httpx.post(
             f"{base}/v1/chat/completions",
-            json={"model": TINY_MODEL, "messages": [{"role": "user", "content": secret}], "max_tokens": 2, "user": "u-secret"},
+            json={
+                "model": TINY_MODEL,
+                "messages": [{"role": "user", "content": secret}],
+                "max_tokens": 2,
+                "user": "u-secret",
+            },
             headers={"Authorization": "Bearer sk-client-key-never-logged"},
             timeout=60,
         )
