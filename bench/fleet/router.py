@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from bench.fleet.tokens import encode_chat, render_chat
-from gateway.affinity import AffinityRing
+from gateway.transport.affinity import AffinityRing
 from gateway.transport.routing_policy import (
     CacheAwarePolicy,
     KVEventError,

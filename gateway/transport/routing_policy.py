@@ -2,8 +2,8 @@
 
 Protocol-blind: a request is a :class:`RouteRequest` (its prefix key and the chained hashes of its full
 prompt blocks); nothing here knows HTTP, OpenAI or Anthropic. Every policy wraps today's replica ring
-(``gateway.affinity.AffinityRing``) through its public API only, so all four share one breaker (cool-down,
-half-open probe), one in-flight count per replica and one :class:`~gateway.affinity.Lease` type. A policy
+(``gateway.transport.affinity.AffinityRing``) through its public API only, so all four share one breaker (cool-down,
+half-open probe), one in-flight count per replica and one :class:`~gateway.transport.affinity.Lease` type. A policy
 that picks a replica itself pins the ring's walk to it with ``ring.acquire(key, exclude=<all others>)``.
 
 Policies (``routing:`` per upstream; the reasoning and the anchors' parameters are in docs/routing.md):
@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.affinity import AffinityRing, Lease, NoReplicaAvailable
+from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
 
 __all__ = [
     "POLICIES",
@@ -296,7 +296,7 @@ class CacheAwareStats:
 
 
 class PendingLease:
-    """A ring :class:`~gateway.affinity.Lease` that also counts its prefill blocks as pending on the replica.
+    """A ring :class:`~gateway.transport.affinity.Lease` that also counts its prefill blocks as pending on the replica.
 
     Reads like the ``Lease`` it wraps (``replica``, ``key``, ``home``, ``load``, ``capacity``, ``probe``);
     ``release`` (idempotent) gives back both the ring slot and the pending blocks.

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gateway.affinity import AffinityRing
+from gateway.transport.affinity import AffinityRing
 from gateway.transport.routing_policy import (
     BlockIndex,
     CacheAwarePolicy,
