@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
@@ -197,6 +197,8 @@ class RoutingPolicy:
     """
 
     name = "base"
+    wants_blocks = False
+    """Whether ``acquire`` reads ``RouteRequest.blocks`` (callers skip hashing the prompt otherwise)."""
 
     def __init__(self, ring: AffinityRing) -> None:
         self.ring = ring
@@ -342,6 +344,7 @@ class CacheAwarePolicy(RoutingPolicy):
     """
 
     name = "cache_aware"
+    wants_blocks = True
 
     def __init__(
         self,
@@ -360,6 +363,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.cache_threshold = float(cache_threshold)
         self.overlap_weight = float(overlap_weight)
         self.pending_blocks: dict[str, int] = {}
+        self.on_route: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.record
         self.use_kv_events = use_kv_events
         self.approx = BlockIndex(index_capacity_blocks)
         # Exact view from KV events: bounded like the approximate one (a lying stream cannot grow memory).
@@ -403,6 +407,8 @@ class CacheAwarePolicy(RoutingPolicy):
         weight = len(request.blocks) - self.expected_match(lease.replica, request.blocks)
         if request.blocks:
             self.approx.add(lease.replica, request.blocks)
+            for callback in self.on_route:
+                callback(lease.replica, request.blocks)
         self.pending_blocks[lease.replica] = self.pending_blocks.get(lease.replica, 0) + weight
         return PendingLease(lease, weight, self)
 
