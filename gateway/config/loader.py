@@ -256,6 +256,11 @@ def _parse_upstream(
         "routing": _parse_routing(reader, raw, where),
         "routing_share": _parse_routing_share(reader, raw.get("routing_share"), f"{where}.routing_share"),
     }
+    if common["routing_share"] is not None and common["routing"] != "cache_aware":
+        reader.fail(
+            f"{where}.routing_share",
+            f"shares the cache-aware index: needs routing: cache_aware, not {common['routing']!r}",
+        )
     if backend == "openai":
         return OpenAIUpstream(
             **common, prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True)
