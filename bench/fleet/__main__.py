@@ -26,7 +26,7 @@ def _row(r: dict, level: str) -> str:
     return (
         f"| {r['gateways']} | {r['policy']} | {level} | {r['requests']} | {r['hit_rate']:.3f} | "
         f"{r['share_of_single']:.3f} | {r['max_over_mean_load']:.2f} | {r['max_over_mean_served']:.2f} | "
-        f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['errors']} | {r['failovers']} | {r['wall_s']:.1f} |"
+        f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['errors']} | {'-' if r['failovers'] is None else r['failovers']} | {r['wall_s']:.1f} |"
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -19,7 +20,13 @@ from dataclasses import dataclass
 import httpx
 
 from bench.fleet.tokens import encode_chat, render_chat
+from engine.api import SamplingParams
+from gateway.backends.openai_upstream import OpenAIUpstreamBackend
+from gateway.config.schema import RoutingShareConfig
+from gateway.core.events import Delta, Finish
+from gateway.core.request import ChatRequest
 from gateway.transport.affinity import AffinityRing
+from gateway.transport.failures import UpstreamCallError, UpstreamStreamCut
 from gateway.transport.routing_policy import (
     CacheAwarePolicy,
     KVEventError,
@@ -200,3 +207,89 @@ class _BeforeFirstByte(Exception):
 
 class _AfterFirstByte(Exception):
     """Tokens reached the client: the request fails."""
+
+
+class BackendRouter:
+    """A gateway's own upstream path as a bench front end: ``OpenAIUpstreamBackend`` with a routing policy.
+
+    The real code a prefixgate process runs for ``backend: openai`` with ``routing:`` (replica choice, retries
+    before the first byte, cool-downs, the cache-aware index on 64-character blocks of the request JSON, and
+    ``routing_share`` through Redis), minus the HTTP face and the rules, which are the same for every policy.
+
+    Args:
+        urls: replica base URLs.
+        policy: one of ``ROUTING_POLICIES``.
+        client: shared ``httpx.AsyncClient``.
+        model: upstream model name (also the Redis key space of ``routing_share``).
+        share: Redis sharing of the cache-aware index, or None.
+        load_factor: the ring's bound ``c``.
+        cooldown_s: the ring's first cool-down.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        policy: str,
+        client: httpx.AsyncClient,
+        *,
+        model: str = "stub",
+        share: RoutingShareConfig | None = None,
+        load_factor: float = 1.25,
+        cooldown_s: float = 0.5,
+    ) -> None:
+        ring = AffinityRing(
+            urls, load_factor=load_factor, cooldown_s=cooldown_s, max_cooldown_s=4 * cooldown_s
+        )
+        self.backend = OpenAIUpstreamBackend(
+            model, urls, client=client, ring=ring, retries=2, routing=policy, routing_share=share
+        )
+        self.policy = self.backend.upstream.routing
+        self.model = model
+
+    def start(self) -> None:
+        """Start the Redis exchange (``routing_share`` only)."""
+        if self.backend.routing_share is not None:
+            self.backend.routing_share.start()
+
+    async def close(self) -> None:
+        """Stop the Redis exchange."""
+        await self.backend.close()
+
+    async def complete(self, messages: list[dict], max_tokens: int) -> Outcome:
+        """One streamed request through the backend; never raises for a replica's fault."""
+        key = hashlib.blake2b(str(messages[0]["content"]).encode(), digest_size=16).hexdigest()
+        request = ChatRequest(
+            model=self.model,
+            messages=messages,
+            params=SamplingParams(max_tokens=max_tokens),
+            stream=True,
+            include_usage=True,
+            openai_body={"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True},
+            prefix_key=key,
+            request_id=f"bench-{id(messages):x}",
+        )
+        start = time.monotonic()
+        ttft = None
+        parts: list[str] = []
+        try:
+            async for event in self.backend.stream(request):
+                if isinstance(event, Delta) and event.text:
+                    if ttft is None:
+                        ttft = time.monotonic() - start
+                    parts.append(event.text)
+                elif isinstance(event, Finish):
+                    if ttft is None:
+                        return Outcome(False, error="no content")
+                    return Outcome(
+                        True,
+                        ttft_s=ttft,
+                        prompt_tokens=event.usage.prompt_tokens,
+                        cached_tokens=event.usage.cached_tokens,
+                        replica=event.replica or "",
+                        content="".join(parts),
+                    )
+        except (UpstreamCallError, UpstreamStreamCut) as exc:
+            return Outcome(False, error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # counted as an error of the run, never a crash of the bench
+            return Outcome(False, error=f"unexpected {type(exc).__name__}: {exc}")
+        return Outcome(False, error="stream ended without finish")

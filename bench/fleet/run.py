@@ -21,17 +21,21 @@ Measures (real seconds unless named):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
+import redis.asyncio as aioredis
 
 from bench.fleet.replica import EngineTiming, PrefixLRU, StubReplica
-from bench.fleet.router import BenchRouter, Outcome
+from bench.fleet.router import BackendRouter, BenchRouter, Outcome
 from bench.fleet.tokens import encode_chat
 from bench.fleet.workload import Session, WorkloadConfig, build_sessions, mean_turns
+from gateway.config.schema import RoutingShareConfig
 from gateway.transport.routing_policy import block_hashes
 
 
@@ -46,6 +50,8 @@ class RunConfig:
     capacity_tokens: int = 8_000
     faults: bool = True
     load_factor: float = 1.25
+    share: bool = True  # several cache-aware gateways exchange their index through Redis
+    redis_url: str = "redis://127.0.0.1:6379/0"
     deadline_s: float = 120.0
     timing: EngineTiming = field(default_factory=EngineTiming)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -109,8 +115,15 @@ async def run_once(cfg: RunConfig) -> dict:
 
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, connect=2.0))
-    routers = [
-        BenchRouter([r.base_url for r in replicas], cfg.policy, client, load_factor=cfg.load_factor)
+    urls = [r.base_url for r in replicas]
+    model = f"fleet-{uuid.uuid4().hex[:12]}"
+    share = None
+    if cfg.share and cfg.policy == "cache_aware" and cfg.n_gateways > 1:
+        share = RoutingShareConfig(redis_url=cfg.redis_url, interval_s=0.1, timeout_s=0.2, retry_after_s=1.0)
+    routers: list[BenchRouter | BackendRouter] = [
+        BenchRouter(urls, cfg.policy, client, load_factor=cfg.load_factor)
+        if cfg.policy == "cache_aware_kv"
+        else BackendRouter(urls, cfg.policy, client, model=model, share=share, load_factor=cfg.load_factor)
         for _ in range(cfg.n_gateways)
     ]
     for router in routers:
@@ -161,6 +174,12 @@ async def run_once(cfg: RunConfig) -> dict:
     for router in routers:
         await router.close()
     await client.aclose()
+    if share is not None:
+        with contextlib.suppress(Exception):
+            r = aioredis.Redis.from_url(cfg.redis_url)
+            async for key in r.scan_iter(f"prefixgate:route:{model}:*"):
+                await r.delete(key)
+            await r.aclose()
     for r in replicas:
         await r.kill()
 
@@ -182,7 +201,10 @@ async def run_once(cfg: RunConfig) -> dict:
         "requests": len(outcomes) + unfinished,
         "ok": len(ok),
         "errors": len(outcomes) - len(ok) + unfinished,
-        "failovers": sum(r.failovers for r in routers),
+        # Bench routers count their failovers; the backend retries inside (not counted here).
+        "failovers": sum(r.failovers for r in routers)
+        if all(isinstance(r, BenchRouter) for r in routers)
+        else None,
         "hit_rate": hit_rate,
         "single_hit_rate": single,
         "share_of_single": hit_rate / single if single > 0 else 0.0,
