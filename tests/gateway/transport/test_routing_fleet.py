@@ -3,6 +3,8 @@ index through Redis (127.0.0.1:6379), a scripted sequence with exact placements,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 
 import httpx
@@ -151,3 +153,83 @@ def test_routing_share_needs_cache_aware():
         )
     with pytest.raises(ValueError, match="unknown routing policy"):
         OpenAIUpstreamBackend("m", ["http://127.0.0.1:9/v1"], routing="random")
+
+
+class TcpProxy:
+    """A loopback TCP proxy to Redis that can be cut (every connection reset) and brought back on its port."""
+
+    def __init__(self, target_port: int = 6379) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+        self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+
+async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):
+    replicas = fleet
+    proxy = TcpProxy()
+    await proxy.start()
+    model = f"fleet-cut-{uuid.uuid4().hex[:8]}"
+    share = RoutingShareConfig(
+        redis_url=f"redis://127.0.0.1:{proxy.port}/0", interval_s=0.05, timeout_s=0.5, retry_after_s=0.05
+    )
+    async with httpx.AsyncClient(timeout=10) as http:
+        ga, gb = gateway(replicas, http, model, share), gateway(replicas, http, model, share)
+        try:
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            await proxy.cut()  # Redis is gone (every connection reset, the port refuses)
+            kx = key_with_home(ga, replicas[0].base_url, "cut")
+            held = [ga.upstream.routing.pin(replicas[0].base_url, "busy") for _ in range(2)]
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "while redis is down"}]
+            placed = await send(ga, replicas, msgs, kx)  # routing works without Redis
+            for lease in held:
+                lease.release()
+            assert placed != "r0"
+            assert await ga.routing_share.exchange() is False  # failed: counted, placement kept
+            assert ga.routing_share.stats.errors >= 1 and len(ga.routing_share._outbox) == 1
+            await proxy.start()  # back on the same port
+            await asyncio.sleep(0.06)  # past retry_after_s
+            assert await ga.routing_share.exchange()  # the kept placement is written now
+            # Gateway B's pooled connection was reset by the cut: its first exchange fails on it (counted),
+            # the next one reconnects.
+            for _ in range(3):
+                if await gb.routing_share.exchange():
+                    break
+                await asyncio.sleep(0.06)
+            assert gb.routing_share.stats.exchanges == 2
+            more = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "and now?"}]
+            assert await send(gb, replicas, more, kx) == placed  # gateway B learned it after the outage
+        finally:
+            client = redis.Redis()
+            for key in client.scan_iter(f"prefixgate:route:{model}:*"):
+                client.delete(key)
+            await ga.close()
+            await gb.close()
+            with contextlib.suppress(Exception):
+                await proxy.cut()
