@@ -264,13 +264,19 @@ class RoundRobinPolicy(RoutingPolicy):
 
 
 class LeastLoadPolicy(RoutingPolicy):
-    """The available replica with the fewest requests in flight (ties: configuration order)."""
+    """The available replica with the fewest requests in flight; ties taken in turn (an idle fleet is not
+    all sent to the first replica)."""
 
     name = "least_load"
 
+    def __init__(self, ring: AffinityRing) -> None:
+        super().__init__(ring)
+        self._counter = itertools.count()
+
     def choose(self, request: RouteRequest, available: list[str]) -> str:
-        order = {r: i for i, r in enumerate(self.ring.replicas)}
-        return min(available, key=lambda r: (self.ring.inflight[r], order[r]))
+        least = min(self.ring.inflight[r] for r in available)
+        tied = [r for r in self.ring.replicas if r in available and self.ring.inflight[r] == least]
+        return tied[next(self._counter) % len(tied)]
 
 
 class ConsistentHashPolicy(RoutingPolicy):

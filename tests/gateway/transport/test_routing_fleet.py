@@ -11,6 +11,7 @@ import httpx
 import pytest
 import redis
 
+from bench.fleet.netfault import TcpProxy
 from bench.fleet.replica import EngineTiming, StubReplica
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 from gateway.backends.upstream import routing_blocks
@@ -153,42 +154,6 @@ def test_routing_share_needs_cache_aware():
         )
     with pytest.raises(ValueError, match="unknown routing policy"):
         OpenAIUpstreamBackend("m", ["http://127.0.0.1:9/v1"], routing="random")
-
-
-class TcpProxy:
-    """A loopback TCP proxy to Redis that can be cut (every connection reset) and brought back on its port."""
-
-    def __init__(self, target_port: int = 6379) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self._server: asyncio.base_events.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        await self._server.wait_closed()
-        self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._writers |= {writer, up_writer}
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-        self._writers -= {writer, up_writer}
 
 
 async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):

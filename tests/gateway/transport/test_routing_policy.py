@@ -97,12 +97,19 @@ def test_round_robin_cycles_and_skips_a_down_replica():
     assert REPLICAS[1] not in got and set(got) == {REPLICAS[0], REPLICAS[2], REPLICAS[3]}
 
 
-def test_least_load_takes_the_fewest_in_flight():
+def test_least_load_takes_the_fewest_in_flight_and_rotates_ties():
     policy = LeastLoadPolicy(ring())
     leases = [policy.acquire(req("same")) for _ in range(8)]
     assert sorted(policy.ring.inflight.values()) == [2, 2, 2, 2]
     leases[0].release()
     assert policy.acquire(req("same")).replica == leases[0].replica
+    idle = LeastLoadPolicy(ring())
+    got = []
+    for _ in range(8):  # one at a time: every replica is idle each time
+        lease = idle.acquire(req("same"))
+        got.append(lease.replica)
+        lease.release()
+    assert got == REPLICAS * 2
 
 
 def test_consistent_hash_is_todays_ring_walk():
