@@ -2,8 +2,10 @@
 
 Prints one table row per (gateways, policy, load) and ends with one JSON line:
 ``cache_aware_share_of_single`` and ``max_over_mean_load`` (cache-aware, 1 gateway, high load),
-``gateways4_share_of_1`` (cache-aware hit rate with 4 gateways / with 1, high load), and
-``cache_aware_p99_ttft_over_round_robin_low`` (1 gateway, low load). ``--quick`` runs small sizes for CI.
+``gateways4_share_of_1`` (cache-aware hit rate with 4 gateways / with 1, high load),
+``cache_aware_p99_ttft_over_round_robin_low`` (1 gateway, low load), and with ``--soak SECONDS`` the soak's
+``soak_failed``, ``soak_leaked_blocks`` and ``soak_rss_slope_mb_per_min`` (``bench.fleet.soak``).
+``--quick`` runs small sizes for CI, with a 15-second soak of 16 streams.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import replace
 
 from bench.fleet.replica import EngineTiming
 from bench.fleet.run import RunConfig, run_once
+from bench.fleet.soak import SoakConfig, run_soak
 from bench.fleet.workload import WorkloadConfig
 
 POLICIES = ("round_robin", "least_load", "consistent_hash", "cache_aware", "cache_aware_kv")
@@ -70,8 +73,13 @@ async def main_async(args: argparse.Namespace) -> dict:
     out["cache_aware_p99_ttft_over_round_robin_low"] = ca_low / rr_low if ca_low and rr_low else None
     out["cache_aware_kv_share_of_single"] = get(1, "cache_aware_kv", "high", "share_of_single")
     out["errors"] = sum(r["errors"] for r in results.values())
-    out["soak_failed"] = None
-    out["soak_leaked_blocks"] = None
+    if args.soak > 0:
+        soak = await run_soak(SoakConfig(duration_s=args.soak, streams=args.soak_streams))
+        print(f"soak: {json.dumps(soak)}", flush=True)
+        out.update({k: v for k, v in soak.items() if k != "soak_failures_sample"})
+    else:
+        out["soak_failed"] = None
+        out["soak_leaked_blocks"] = None
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -89,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--capacity-tokens", type=int, default=8000, help="prefix cache tokens per replica")
     parser.add_argument("--load-factor", type=float, default=1.25, help="the ring's bound c")
+    parser.add_argument("--soak", type=float, default=0.0, help="soak seconds after the matrix (0: none)")
+    parser.add_argument("--soak-streams", type=int, default=64, help="concurrent streams of the soak")
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions = min(args.sessions, 24)
         args.gateways = [1, 4]
         args.policies = ["round_robin", "cache_aware"]
         args.time_scale = min(args.time_scale, 0.02)
+        args.soak = min(args.soak, 15.0) if args.soak else 15.0
+        args.soak_streams = min(args.soak_streams, 16)
     out = asyncio.run(main_async(args))
     print(json.dumps(out))
     return 0
