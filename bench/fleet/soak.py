@@ -1,7 +1,7 @@
 """The fleet soak: many concurrent streams through real gateway processes to the embedded engine and to the stub
 fleet, with client disconnects, replicas killed and restarted, and Redis cut and restored.
 
-``G`` prefixgate apps (``gateway.http.app.create_app``, uvicorn, each in its own thread and event loop) serve
+``G`` prefixgate processes (``python -m gateway.cli serve``, each its own process as in production) serve
 two models: ``tiny`` (the embedded engine over a tiny random checkpoint, ``tests/engine/checkpoints.py``) and
 ``fleet`` (``backend: openai`` over the stub replicas with ``routing: cache_aware`` and ``routing_share``
 through a cuttable proxy to the machine's Redis, ``bench.fleet.netfault``). ``streams`` clients loop until
@@ -10,11 +10,11 @@ a share of them disconnect after the first chunk. Faults: every sixth of the run
 restarted empty a twelfth later; Redis is cut from 40 % to 50 % of the run.
 
 A request is *ok* when its stream ends with ``[DONE]``, a *disconnect* when the client left on purpose,
-*upstream-failed* when its stream broke after the first byte on the fleet while a replica was being killed
+*upstream-failed* when its stream broke (after the replica's first byte) on the fleet while a replica was being killed
 (the failure was already upstream's: the gateway must not retry after the first byte), and *failed*
 otherwise. Leaked blocks: KV blocks of the embedded engines still in use once every stream has ended
-(``/admin/stats``). RSS: this process (gateways, replicas and clients together), sampled every 2 s; the slope
-is a least-squares fit after the first quarter (warm-up), in MB per minute.
+(``/admin/stats``). RSS: the gateway processes' resident memory summed, sampled every 2 s; the slope is a
+least-squares fit after the first quarter (warm-up), in MB per minute.
 """
 
 from __future__ import annotations
@@ -22,23 +22,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import uvicorn
 import yaml
 
 from bench.fleet.netfault import TcpProxy
 from bench.fleet.replica import EngineTiming, StubReplica
 from bench.fleet.workload import prefix_text
-from gateway.config.loader import load_config
-from gateway.http.app import create_app
 
 ADMIN_TOKEN = "soak-admin-token"
 
@@ -58,35 +57,51 @@ class SoakConfig:
 
 
 class _Gateway:
-    """One prefixgate app on uvicorn in a background thread (its own event loop), on a free loopback port."""
+    """One prefixgate process (``python -m gateway.cli serve``) on a free loopback port."""
 
-    def __init__(self, config_path: Path) -> None:
-        self.app = create_app(load_config(config_path))
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="error", access_log=False))
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
+    def __init__(self, config_path: Path, log_path: Path) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._args = [
+            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error",
+        ]  # fmt: skip
+        self._log_path = log_path
+        self.proc: subprocess.Popen | None = None
 
     async def start(self, timeout_s: float = 120.0) -> None:
-        self._thread.start()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(
+            self._args, stdout=subprocess.DEVNULL, stderr=self._log_path.open("w"), env=env
+        )
         deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("a soak gateway failed to start")
-            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(timeout=2) as probe:
+            while True:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"a soak gateway failed to start (log: {self._log_path})")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await probe.get(f"{self.base_url}/healthz")).status_code == 200:
+                        return
+                await asyncio.sleep(0.2)
+
+    def rss_mb(self) -> float:
+        """Resident memory of the gateway process, MB."""
+        assert self.proc is not None
+        return _rss_mb(self.proc.pid)
 
     async def stop(self) -> None:
-        self._server.should_exit = True
-        await asyncio.to_thread(self._thread.join, 60)
-        self._sock.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
+def _rss_mb(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
@@ -146,14 +161,14 @@ async def run_soak(cfg: SoakConfig) -> dict:
     }
     config_path = tmp / "prefixgate.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    gateways = [_Gateway(config_path) for _ in range(cfg.gateways)]
+    gateways = [_Gateway(config_path, tmp / f"gateway{i}.log") for i in range(cfg.gateways)]
     for g in gateways:
         await g.start()
 
     counts = {"ok": 0, "disconnect": 0, "upstream_failed": 0, "failed": 0}
     failures: list[str] = []
     killing: list[tuple[float, float]] = []  # (start, end) of each replica kill, monotonic seconds
-    rss: list[tuple[float, float]] = []
+    rss: list[tuple[float, float]] = []  # (seconds, MB summed over the gateway processes)
     t0 = time.monotonic()
     deadline = t0 + cfg.duration_s
     client = httpx.AsyncClient(
@@ -191,7 +206,9 @@ async def run_soak(cfg: SoakConfig) -> dict:
                         return "".join(text)
                     obj = json.loads(line[6:])
                     if "error" in obj:
-                        if model == "fleet" and got_content and during_kill(started, time.monotonic()):
+                        # A stream cut after the replica's first byte while a replica was being killed: the
+                        # failure was already upstream's (nothing may be retried after the first byte).
+                        if model == "fleet" and during_kill(started, time.monotonic()):
                             counts["upstream_failed"] += 1
                         else:
                             counts["failed"] += 1
@@ -252,7 +269,7 @@ async def run_soak(cfg: SoakConfig) -> dict:
                 )
                 next_kill += step
             if not rss or now - rss[-1][0] - t0 >= 2.0:
-                rss.append((now - t0, _rss_mb()))
+                rss.append((now - t0, sum(g.rss_mb() for g in gateways)))
             await asyncio.sleep(0.1)
 
     fault_task = asyncio.create_task(faults())
