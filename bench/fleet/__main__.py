@@ -45,6 +45,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         faults=not args.no_faults,
         capacity_tokens=args.capacity_tokens,
         load_factor=args.load_factor,
+        overlap_weight=args.overlap_weight,
     )
     results: dict[tuple[int, str, str], dict] = {}
     print(
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--capacity-tokens", type=int, default=8000, help="prefix cache tokens per replica")
     parser.add_argument("--load-factor", type=float, default=1.25, help="the ring's bound c")
+    parser.add_argument(
+        "--overlap-weight", type=float, default=1.0, help="cache-aware prefill weight (Dynamo)"
+    )
     parser.add_argument("--soak", type=float, default=0.0, help="soak seconds after the matrix (0: none)")
     parser.add_argument("--soak-streams", type=int, default=64, help="concurrent streams of the soak")
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -137,7 +138,7 @@ class BenchRouter:
                 return Outcome(False, attempts=len(tried), error=f"no replica: {exc}")
             replica = lease.replica
             try:
-                outcome = await self._stream(replica, body, start)
+                outcome = await self._stream(replica, body, start, getattr(lease, "prefill_done", None))
                 self.policy.report_success(replica)
                 outcome.attempts = len(tried) + 1
                 return outcome
@@ -153,7 +154,9 @@ class BenchRouter:
             finally:
                 lease.release()
 
-    async def _stream(self, replica: str, body: dict, start: float) -> Outcome:
+    async def _stream(
+        self, replica: str, body: dict, start: float, on_first: Callable[[], None] | None
+    ) -> Outcome:
         ttft = None
         parts: list[str] = []
         usage: dict | None = None
@@ -178,6 +181,8 @@ class BenchRouter:
                             if content:
                                 if ttft is None:
                                     ttft = time.monotonic() - start
+                                    if on_first is not None:
+                                        on_first()
                                 parts.append(content)
                         if obj.get("usage"):
                             usage = obj["usage"]

@@ -51,6 +51,7 @@ class RunConfig:
     faults: bool = True
     load_factor: float = 1.25
     share: bool = True  # several cache-aware gateways exchange their index through Redis
+    overlap_weight: float = 1.0  # cache-aware: Dynamo's overlap score weight
     redis_url: str = "redis://127.0.0.1:6379/0"
     deadline_s: float = 120.0
     timing: EngineTiming = field(default_factory=EngineTiming)
@@ -127,6 +128,8 @@ async def run_once(cfg: RunConfig) -> dict:
         for _ in range(cfg.n_gateways)
     ]
     for router in routers:
+        if hasattr(router.policy, "overlap_weight"):
+            router.policy.overlap_weight = cfg.overlap_weight
         router.start()
 
     rng = random.Random(wl.seed + 1)

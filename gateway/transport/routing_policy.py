@@ -304,27 +304,35 @@ class CacheAwareStats:
 
 
 class PendingLease:
-    """A ring :class:`~gateway.transport.affinity.Lease` that also counts its prefill blocks as pending on the replica.
+    """A ring :class:`~gateway.transport.affinity.Lease` that also counts its prefill blocks as pending on the
+    replica until the replica's first byte (its prefill is done then) or the release, whichever comes first.
 
     Reads like the ``Lease`` it wraps (``replica``, ``key``, ``home``, ``load``, ``capacity``, ``probe``);
-    ``release`` (idempotent) gives back both the ring slot and the pending blocks.
+    ``prefill_done`` and ``release`` are idempotent.
     """
 
     def __init__(self, lease: Lease, weight: int, policy: CacheAwarePolicy) -> None:
         self.lease = lease
         self.weight = weight
         self._policy = policy
+        self._pending = True
         self._released = False
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.lease, name)
 
-    def release(self) -> None:
-        """Give the slot and the pending blocks back (idempotent)."""
-        if not self._released:
-            self._released = True
+    def prefill_done(self) -> None:
+        """The replica sent its first byte: its prefill blocks are no longer pending (idempotent)."""
+        if self._pending:
+            self._pending = False
             pending = self._policy.pending_blocks
             pending[self.lease.replica] = pending.get(self.lease.replica, 0) - self.weight
+
+    def release(self) -> None:
+        """Give the slot (and the pending blocks, if still counted) back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self.prefill_done()
             self.lease.release()
 
 
@@ -336,7 +344,8 @@ class CacheAwarePolicy(RoutingPolicy):
     ``overlap_weight * (blocks to prefill there) + (blocks this gateway has pending there)`` (Dynamo's KV
     router cost with temperature 0; ties in ring order); otherwise the first one under the bound in the key's
     ring order (consistent hashing with bounded load), so gateways that share nothing agree on a new prefix.
-    Pending blocks are the blocks each in-flight request had to prefill, counted until its lease is released.
+    Pending blocks are the blocks each in-flight request has to prefill, counted until the replica's first byte
+    (``PendingLease.prefill_done``) or the lease's release.
 
     Args:
         ring: the replica ring; its ``load_factor`` is the load bound ``c``.

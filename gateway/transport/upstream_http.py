@@ -249,6 +249,11 @@ async def open_response(
             raise UpstreamCallError(503, FailureKind.NO_REPLICA, str(exc), attempts=attempt) from None
         error = await _attempt(client, upstream, lease, build_request, attempt + 1)
         if isinstance(error, OpenedResponse):
+            prefill_done = getattr(
+                lease, "prefill_done", None
+            )  # cache-aware: the prefill is no longer pending
+            if prefill_done is not None:
+                prefill_done()
             return error
         if is_replica_fault(error):
             upstream.ring.report_failure(lease.replica)

@@ -177,10 +177,16 @@ def test_cache_aware_pending_blocks_spread_equal_matches():
     # Both share 6 blocks with either replica: 2 to prefill on each; the first request's 2 pending blocks
     # make the second one's cost 4 where the first went and 2 on the other.
     assert {first.replica, second.replica} == {a, b}
-    first.release()
-    first.release()  # idempotent
+    first.prefill_done()  # the replica's first byte: its prefill is no longer pending
     assert policy.pending_blocks[first.replica] == 0
+    third = policy.acquire(req("k3", tokens[:96] + list(range(600, 632))))
+    assert third.replica == first.replica  # cost 2 there (its prefill is done), 4 where the second is pending
+    first.release()
+    first.release()  # idempotent, and the pending blocks are not given back twice
+    assert policy.pending_blocks[first.replica] == third.weight
     second.release()
+    third.release()
+    assert set(policy.pending_blocks.values()) == {0}
 
 
 def test_lying_kv_events_cannot_exceed_the_load_bound():
