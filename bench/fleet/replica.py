@@ -295,14 +295,19 @@ class StubReplica:
         name: label in responses and stats.
         capacity_tokens: prefix cache capacity.
         timing: cost model.
-        port: fixed port (0: pick a free one at the first start and keep it across restarts).
+        port: fixed port (0: a free one, reserved now and kept across restarts).
     """
 
     def __init__(self, name: str, capacity_tokens: int, timing: EngineTiming, port: int = 0) -> None:
         self.name = name
         self.capacity_tokens = capacity_tokens
         self.timing = timing
-        self.port = port or _free_port()
+        # The port is reserved from the start (bound, not listening: connections are refused, as to a replica
+        # that is down), so a replica that joins later already has its URL; a restart binds it again.
+        self._reserved: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._reserved.bind(("127.0.0.1", port))
+        self.port = self._reserved.getsockname()[1]
         self.engine: SimEngine | None = None
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
@@ -336,9 +341,21 @@ class StubReplica:
         self.engine.start()
         config = uvicorn.Config(self.app(), log_level="critical", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        sock, self._reserved = self._reserved, None
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for attempt in range(50):  # a restart takes its old port back (another process may hold it briefly)
+            try:
+                if sock.getsockname()[1] != self.port:
+                    sock.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                if attempt == 49:
+                    sock.close()
+                    raise
+                await asyncio.sleep(0.1)
+        self.port = sock.getsockname()[1]
         self._serve_task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             await asyncio.sleep(0.005)
@@ -346,6 +363,9 @@ class StubReplica:
     async def kill(self) -> None:
         """Crash: fail everything in flight mid-stream, stop accepting connections, lose the cache."""
         if self._server is None or self.engine is None:
+            if self._reserved is not None and self.engine is None:  # never started: free the reserved port
+                self._reserved.close()
+                self._reserved = None
             return
         for conn in list(
             self._server.server_state.connections
@@ -504,9 +524,3 @@ class StubReplica:
                     return
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
