@@ -12,9 +12,10 @@ Policies (``routing:`` per upstream; the reasoning and the anchors' parameters a
 - ``least_load``: the available replica with the fewest requests in flight (KubeAI "LeastLoad").
 - ``consistent_hash``: the ring's bounded-load walk from the prefix key (Mirrokni et al. 2018; KubeAI's
   CHWBL "PrefixHash"): today's behaviour, unchanged.
-- ``cache_aware``: the replica with the longest expected prefix match among those under the load bound
-  ``ceil(c * (m + 1) / n)`` (the ring's ``capacity``), if the match covers at least ``cache_threshold`` of
-  the request (SGLang router, default 0.5); otherwise the consistent-hash walk, so gateways that share
+- ``cache_aware``: among the replicas under the load bound ``ceil(c * (m + 1) / n)`` (the ring's
+  ``capacity``), if the best expected prefix match covers at least ``cache_threshold`` of the request (SGLang
+  router, default 0.5), the one with the least ``overlap_weight * blocks to prefill + blocks pending`` there
+  (Dynamo's KV router cost, temperature 0); otherwise the consistent-hash walk, so gateways that share
   nothing still agree where a new prefix goes. The expected match comes from an approximate per-replica
   index of the block hashes routed there (LRU aged, bounded; llm-d's approximate prefix scorer), or, for a
   replica that publishes vLLM-style KV events, from the blocks it says it holds (llm-d's precise scorer,
