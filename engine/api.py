@@ -92,10 +92,15 @@ class Usage:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New text (possibly empty while a stop string or a UTF-8 sequence is pending) and its token ids."""
+    """New text (possibly empty while a stop string or a UTF-8 sequence is pending) and its token ids.
+
+    ``cached_tokens``: prompt tokens served from the prefix cache at the request's first admission (known once
+    its prefill ran, so the first delta already has it; the same number as ``Usage.cached_tokens``), or None.
+    """
 
     text: str
     token_ids: tuple[int, ...]
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

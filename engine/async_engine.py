@@ -169,7 +169,7 @@ class AsyncEngine:
         for o in outs:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
-                events.append(TextDelta(o.text, tuple(o.new_token_ids)))
+                events.append(TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens))
             if o.finished:
                 events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text))
             for event in events:

@@ -36,6 +36,7 @@ class RequestOutput:
         finish_reason: set when finished.
         usage: set when finished.
         ttft_s: seconds from submit to the first token (None if none was generated).
+        cached_tokens: prompt tokens the prefix cache served at first admission (None before it).
         full_text: all text generated (stop-string trimmed), set when finished.
     """
 
@@ -47,6 +48,7 @@ class RequestOutput:
     usage: Usage | None = None
     ttft_s: float | None = None
     full_text: str = ""
+    cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -96,7 +98,7 @@ class OutputProcessor:
         if reason is None and req.num_output_tokens >= req.max_tokens:
             reason = "length"
         if reason is None:
-            return RequestOutput(req.request_id, [token], text)
+            return RequestOutput(req.request_id, [token], text, cached_tokens=req.num_cached_tokens)
         out = self.finish(req, reason)
         out.new_token_ids = [token]
         out.text = text + out.text
@@ -122,4 +124,5 @@ class OutputProcessor:
             ),
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             full_text=req.output.text if req.output is not None else "",
+            cached_tokens=req.num_cached_tokens,
         )

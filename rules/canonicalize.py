@@ -28,7 +28,7 @@ from typing import Any
 
 from rules.actions import apply_span_action, normalize_text, sort_tools
 from rules.messages import check_shape, get_text, leading_system_count, set_text, text_parts
-from rules.model import PLACEMENTS, Rule
+from rules.model import PLACEMENTS, Rule, with_keep_rules
 from rules.placement import (
     LOCATIONS,
     extract_turn_blocks,
@@ -124,7 +124,7 @@ class RuleSet:
     """
 
     def __init__(self, rules: list[Rule] | tuple[Rule, ...] = (), sources: list[str] | tuple[str, ...] = ()):
-        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.rules: tuple[Rule, ...] = with_keep_rules(rules)
         self.sources: tuple[str, ...] = tuple(sources)
         self._hoists = any(r.action == "hoist" for r in self.rules)
 

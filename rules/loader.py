@@ -14,14 +14,16 @@ A rule file is a YAML mapping::
           position: any                          # first | last | any (default), among those roles
           index: 0                               # or an absolute message index (negative from the end)
           pattern: '(?m)^Ticket: %{TICKET}$'     # RE2 syntax (linear time)
-          skip_code: true                        # ignore matches inside fenced code blocks (default false)
-        action: hoist                            # hoist | replace | round | drop | normalize | sort_tools | reorder
+          skip_code: true                        # ignore matches inside code blocks (default false)
+        action: hoist                            # hoist | replace | round | drop | normalize | sort_tools | reorder | keep
         placement: tail_end                      # hoist: tail_end | last_user_prefix | before_last_user | system_end
         group: 0                                 # hoist/drop/replace: the group acted on (number or name)
 
 Action keys: ``replace`` takes ``with`` (a ``{group}`` template), ``reorder`` takes ``template``, ``round``
 takes ``unit`` (minute/hour/day), ``normalize`` takes ``line_endings``, ``trailing_spaces`` (bools),
-``blank_lines`` (int or null) and ``unicode`` (NFC/NFD/NFKC/NFKD or false). ``sort_tools`` takes no match.
+``blank_lines`` (int or null), ``unicode`` (NFC/NFD/NFKC/NFKD or false) and ``hard_breaks`` (bool; its
+``match.skip_code`` leaves code blocks alone). ``sort_tools`` takes no match. ``keep`` takes ``group``: the
+text it matches is left alone by every other span rule of the loaded set.
 
 Everything is checked at load time; the first problem raises ``RuleError`` naming the file, the line of
 the offending YAML node and the rule id. Line numbers come from PyYAML's composed node tree
@@ -80,8 +82,9 @@ _ACTION_KEYS: dict[str, tuple[str, ...]] = {
     "replace": ("group", "with"),
     "round": ("unit",),
     "reorder": ("template",),
-    "normalize": ("line_endings", "trailing_spaces", "blank_lines", "unicode"),
+    "normalize": ("line_endings", "trailing_spaces", "blank_lines", "unicode", "hard_breaks"),
     "sort_tools": (),
+    "keep": ("group",),
 }
 _MATCH_KEYS = ("role", "position", "index", "pattern", "skip_code")
 _UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
@@ -418,7 +421,12 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
             raise fail(f"action '{action}' needs a 'match' with a 'pattern'", node)
         if "match" in keys:
             selector, compiled, pattern_source, skip_code = _build_match(
-                keys["match"][1], file, rule_id, fragments, needs_pattern=action in SPAN_ACTIONS
+                keys["match"][1],
+                file,
+                rule_id,
+                fragments,
+                needs_pattern=action in SPAN_ACTIONS,
+                allow_skip_code=action == "normalize",
             )
             fields["selector"] = selector
             fields["skip_code"] = skip_code
@@ -463,7 +471,7 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
                 "round needs a pattern with named groups among: " + ", ".join(ROUND_GROUPS), pattern_node
             )
     if action == "normalize":
-        fields["normalize"] = _build_normalize(keys, fail)
+        fields["normalize"] = _build_normalize(keys, fail, fields.get("skip_code", False))
     return Rule(**fields)
 
 
@@ -477,7 +485,12 @@ def _pattern_node(keys: dict[str, tuple[yaml.Node, yaml.Node]]) -> yaml.Node | N
 
 
 def _build_match(
-    node: yaml.Node, file: str, rule_id: str, fragments: dict[str, str], needs_pattern: bool
+    node: yaml.Node,
+    file: str,
+    rule_id: str,
+    fragments: dict[str, str],
+    needs_pattern: bool,
+    allow_skip_code: bool = False,
 ) -> tuple[MessageSelector, Any, str | None, bool]:
     keys = _mapping(node, file, rule_id, "'match'")
 
@@ -528,14 +541,18 @@ def _build_match(
         skip_code = _value(keys["skip_code"][1])
         if not isinstance(skip_code, bool):
             raise fail("skip_code must be true or false", keys["skip_code"][1])
-        if not needs_pattern:
-            raise fail("skip_code applies only to actions with a pattern", keys["skip_code"][0])
+        if not needs_pattern and not allow_skip_code:
+            raise fail(
+                "skip_code applies only to actions with a pattern and to normalize", keys["skip_code"][0]
+            )
     return MessageSelector(roles=roles, position=position, index=index), compiled, source, skip_code
 
 
-def _build_normalize(keys: dict[str, tuple[yaml.Node, yaml.Node]], fail: Any) -> NormalizeOptions:
-    options: dict[str, Any] = {}
-    for key in ("line_endings", "trailing_spaces"):
+def _build_normalize(
+    keys: dict[str, tuple[yaml.Node, yaml.Node]], fail: Any, skip_code: bool
+) -> NormalizeOptions:
+    options: dict[str, Any] = {"skip_code": skip_code}
+    for key in ("line_endings", "trailing_spaces", "hard_breaks"):
         if key in keys:
             value = _value(keys[key][1])
             if not isinstance(value, bool):

@@ -15,6 +15,7 @@ import jiter
 
 from gateway.core.events import BackendUsage, Delta, Finish
 from gateway.protocols.anthropic.render import FINISH_REASONS, backend_usage_from_anthropic
+from gateway.protocols.provider_usage import anthropic_miss_reason
 from gateway.transport.failures import FailureKind, UpstreamStreamCut
 from gateway.transport.redact import redact_url
 from gateway.transport.upstream_http import OpenedResponse
@@ -137,12 +138,14 @@ class EventReader:
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.ttft_s: float | None = None
+        self.cache_miss_reason: str | None = None
 
     def read(self, data: dict[str, Any]) -> Delta | None:
         """Update the state with one event; the Delta it implies, if any."""
         kind = data.get("type")
         if kind == "message_start":
             self.usage.update((data.get("message") or {}).get("usage") or {})
+            self.cache_miss_reason = anthropic_miss_reason(data.get("message")) or self.cache_miss_reason
         elif kind == "content_block_start":
             block = data.get("content_block") or {}
             if block.get("type") == "tool_use":
@@ -166,6 +169,7 @@ class EventReader:
             self.stop_reason = delta.get("stop_reason") or self.stop_reason
             self.stop_sequence = delta.get("stop_sequence")
             self.usage.update({k: v for k, v in (data.get("usage") or {}).items() if v is not None})
+            self.cache_miss_reason = anthropic_miss_reason(data) or self.cache_miss_reason
         return None
 
     def finish(self, replica: str, native: bool) -> Finish:
@@ -183,6 +187,7 @@ class EventReader:
             anthropic_stop_reason=self.stop_reason or None,
             native=native,
             replica=redact_url(replica),
+            cache_miss_reason=self.cache_miss_reason,
         )
 
 

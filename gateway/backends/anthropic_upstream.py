@@ -23,9 +23,12 @@ from gateway.core.events import BackendEvent, BackendUsage, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import TokenCounter
 from gateway.protocols.anthropic.boundaries import boundaries_from_segments, default_boundaries
-from gateway.protocols.anthropic.breakpoints import (
-    BreakpointPlan,
-    add_breakpoints,
+from gateway.protocols.anthropic.cache_control import (
+    CacheControlError,
+    CachePlan,
+    check_client_cache_control,
+    has_client_cache_control,
+    plan_cache_control,
 )
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, FORWARDED_HEADERS, MESSAGES_ONLY_FIELDS
 from gateway.protocols.anthropic.prompt import (
@@ -34,6 +37,7 @@ from gateway.protocols.anthropic.prompt import (
     openai_to_anthropic_tool_choice,
 )
 from gateway.protocols.anthropic.render import FINISH_REASONS, NativeDelta
+from gateway.protocols.provider_usage import anthropic_miss_reason
 from gateway.transport.failures import FailureKind
 from gateway.transport.upstream_http import OpenedResponse
 
@@ -49,8 +53,14 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         name: the client-facing model name.
         base_urls: one base URL per replica (``https://api.anthropic.com``); ``/v1/messages`` is appended.
         anthropic_version: the ``anthropic-version`` header.
-        auto_breakpoints: add cache breakpoints at the segment boundaries.
-        min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the built-in table).
+        auto_breakpoints: where the client set no ``cache_control``, choose automatic caching or breakpoints at
+            the segment boundaries (``protocols.anthropic.cache_control``), with TTLs from ``cache_ttl``.
+        min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the price table's and the
+            built-in table).
+        prices: the model's prices (``gateway.config.price_table.ModelPrices``): its minimum cacheable length
+            and the TTL options; None = TTL ``5m`` always.
+        ttl_chooser: ``(request, body) -> {"stable": ttl, "history": ttl}`` (the service's retention choice,
+            given by the registry); None = ``5m`` for every marker.
         counter: token counter for the thresholds (default ``breakpoints.default_counter()``).
         options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
             ``client``, ``ring``, ``sleep``); the key goes out as ``x-api-key``; ``upstream_model`` also picks
@@ -66,6 +76,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         auto_breakpoints: bool = True,
         min_tokens_overrides: Mapping[str, int] | None = None,
         counter: TokenCounter | None = None,
+        prices: Any = None,
+        ttl_chooser: Any = None,
         **options: Unpack[UpstreamOptions],
     ) -> None:
         super().__init__(name, base_urls, **options)
@@ -73,12 +85,27 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         self.auto_breakpoints = auto_breakpoints
         self.min_tokens_overrides = dict(min_tokens_overrides or {})
         self.counter = counter
+        self.prices = prices
+        self.ttl_chooser = ttl_chooser
+
+    def min_tokens(self) -> int | None:
+        """The minimum cacheable prefix: a config override, else the price table's, else the built-in table
+        (None: let ``cache_control`` read the built-in table)."""
+        model = self.upstream_model
+        matches = [(len(p), n) for p, n in self.min_tokens_overrides.items() if model.startswith(p)]
+        if matches:
+            return max(matches)[1]
+        if self.prices is not None and self.prices.min_cacheable_tokens is not None:
+            return int(self.prices.min_cacheable_tokens)
+        return None
 
     # ---- request ------------------------------------------------------------------------------------------
-    def build_body(self, request: ChatRequest, stream: bool) -> tuple[dict[str, Any], BreakpointPlan | None]:
-        """The Messages body sent upstream, and the breakpoint plan (None when automatic breakpoints are off).
+    def build_body(self, request: ChatRequest, stream: bool) -> tuple[dict[str, Any], CachePlan | None]:
+        """The Messages body sent upstream, and the cache plan (None when automatic breakpoints are off).
 
         Raises:
+            InvalidRequestError: a client ``cache_control`` the provider would refuse (a fifth breakpoint, a 1h
+                after a 5m, ...), answered in Anthropic's error shape before any upstream call.
             InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face
                 requests).
         """
@@ -105,15 +132,23 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         body["model"] = self.upstream_model
         body["stream"] = stream
         plan = None
-        if self.auto_breakpoints:
-            boundaries = self._boundaries(request, body, prompt)
-            body, plan = add_breakpoints(
-                body,
-                boundaries,
-                self.upstream_model,
-                min_tokens_overrides=self.min_tokens_overrides,
-                counter=self.counter,
-            )
+        try:
+            if self.auto_breakpoints or has_client_cache_control(body):
+                check_client_cache_control(body)
+            if self.auto_breakpoints:
+                boundaries = self._boundaries(request, body, prompt)
+                ttl = self.ttl_chooser(request, body) if self.ttl_chooser is not None else "5m"
+                plan = plan_cache_control(
+                    body,
+                    boundaries,
+                    self.upstream_model,
+                    ttl=ttl,
+                    min_tokens=self.min_tokens(),
+                    counter=self.counter,
+                )
+                body = dict(plan.body)
+        except CacheControlError as exc:
+            raise InvalidRequestError(exc.args[0], param=exc.param) from None
         return body, plan
 
     @staticmethod
@@ -233,6 +268,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 anthropic_stop_reason=stop_reason
                 if isinstance(stop_reason := message.get("stop_reason"), str)
                 else None,
+                cache_miss_reason=anthropic_miss_reason(message),
             )
             return
         opened = await self._open(request, stream=True)
@@ -317,4 +353,5 @@ def create_anthropic_backend(model: AnthropicUpstream) -> AnthropicUpstreamBacke
         anthropic_version=model.anthropic_version,
         auto_breakpoints=model.auto_breakpoints,
         min_tokens_overrides=dict(model.min_cacheable_tokens),
+        prices=model.prices,
     )

@@ -6,7 +6,7 @@ stream of ``Delta`` events and exactly one final ``Finish``; the protocol render
 Anthropic JSON/SSE. Closing the stream early (client disconnect) must cancel the work behind it.
 
 Capabilities are methods with a default here (``count_tokens``: a local estimate; ``engine_stats``,
-``replicas``, ``system_fingerprint``: none), so the layers above call them on any backend and never test a
+``replicas``, ``system_fingerprint``, ``prompt_tokenizer``: none), so the layers above call them on any backend and never test a
 backend's class or look up its attributes: a new backend overrides what it can do better and touches no HTTP
 code.
 """
@@ -17,6 +17,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from engine.api import EngineStats
 from gateway.core.events import BackendEvent
@@ -85,6 +86,13 @@ class Backend(ABC):
 
     def system_fingerprint(self) -> str | None:
         """OpenAI's ``system_fingerprint`` for this backend's answers (changes with its weights or config)."""
+        return None
+
+    def prompt_tokenizer(self) -> Any:
+        """The model's own chat template and tokenizer as a
+        ``gateway.service.canonicalize.replay.PromptTokenizer`` (``render(messages, tools,
+        add_generation_prompt) -> str``, ``encode(text) -> (ids, start offsets)``), for the miss explanation;
+        None when the backend has none (upstreams: the explanation falls back to ``cl100k_base``)."""
         return None
 
 

@@ -100,6 +100,13 @@ class EmbeddedBackend(Backend):
         """``fp_`` + a hash of the model's name, path and engine config."""
         return self._fingerprint
 
+    def prompt_tokenizer(self) -> EnginePromptTokenizer | None:
+        """The engine's chat template and tokenizer, rendering messages as ``generation_request`` does (None
+        before ``start``)."""
+        if self.engine is None:
+            return None
+        return EnginePromptTokenizer(self.engine.tokenizer, self.engine.model_id)
+
     async def count_tokens(self, request: ChatRequest) -> TokenCount:
         """The number of prompt token ids the engine would prefill for ``request``: the engine request a
         completion would get (``generation_request``) rendered by the checkpoint's chat template
@@ -134,11 +141,13 @@ class EmbeddedBackend(Backend):
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
         generation = generation_request(request)
         try:
+            first = True  # the first non-empty delta carries the cached count (headers of a stream)
             async with aclosing(self.engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         if event.text:
-                            yield Delta(text=event.text)
+                            yield Delta(text=event.text, cached_tokens=event.cached_tokens if first else None)
+                            first = False
                     elif isinstance(event, Finished):
                         if event.finish_reason == "abort":
                             raise ServiceUnavailableError("The engine stopped before the request finished.")
@@ -158,6 +167,37 @@ class EmbeddedBackend(Backend):
             if request.kind == "completion" and error.param == "messages":
                 error.param = "prompt"
             raise error from exc
+
+
+class EnginePromptTokenizer:
+    """The checkpoint's chat template and tokenizer as the miss explanation's ``PromptTokenizer``: the text
+    the engine prefills for canonical messages (``template_message`` / ``template_tools`` applied, generation
+    prompt added) and its token ids with start offsets, equal to ``AsyncEngine.prompt_token_ids``.
+
+    Args:
+        tokenizer: the engine's ``engine.tokenizer.Tokenizer``.
+        model_id: the engine's model id (the name).
+    """
+
+    def __init__(self, tokenizer: Any, model_id: str) -> None:
+        self._tokenizer = tokenizer
+        self.name = f"chat-template:{model_id}"
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        """The prompt text of ``messages`` (+ ``tools``).
+
+        Raises:
+            InvalidRequestError: a content part the engine cannot take; engine errors of the template.
+        """
+        shaped = [template_message(message, index) for index, message in enumerate(messages)]
+        return self._tokenizer.apply_chat_template(shaped, template_tools(tools), add_generation_prompt)
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, start character of each token), without special tokens added."""
+        encoding = self._tokenizer.backend.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
 
 
 def generation_request(request: ChatRequest) -> GenerationRequest:

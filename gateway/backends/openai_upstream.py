@@ -11,6 +11,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -22,6 +23,7 @@ from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
 from gateway.protocols.anthropic.strip import plain_messages, plain_tools
+from gateway.protocols.provider_usage import UpstreamUsageError, deepseek_cache_usage, openai_cache_usage
 from gateway.transport.failures import FailureKind
 from gateway.transport.redact import redact_url
 from gateway.transport.upstream_http import OpenedResponse
@@ -37,6 +39,11 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: one base URL per replica, ending in the API root (``https://api.openai.com/v1``,
             ``http://vllm:8000/v1``).
         set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
+        prices: the model's prices (``gateway.config.price_table.ModelPrices``) or None.
+        retention_chooser: ``request -> retention or None`` (the service's choice, attached by the app), for
+            ``prompt_cache_retention`` where the client set none; None = never sent.
+        cache_salt: the upstream (vLLM, SGLang) accepts ``cache_salt``: send the request's tenant in it.
+        retention_auto: the config allows ``prompt_cache_retention`` to be chosen (``auto``).
         options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
             ``client``, ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
 
@@ -51,10 +58,18 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: Sequence[str],
         *,
         set_prompt_cache_key: bool = True,
+        prices: Any = None,
+        retention_chooser: Any = None,
+        cache_salt: bool = False,
+        retention_auto: bool = True,
         **options: Unpack[UpstreamOptions],
     ) -> None:
         super().__init__(name, base_urls, **options)
         self.set_prompt_cache_key = set_prompt_cache_key
+        self.prices = prices
+        self.retention_chooser = retention_chooser
+        self.cache_salt = cache_salt
+        self.retention_auto = retention_auto
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -86,6 +101,12 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         body["stream_options"] = {**options, "include_usage": True}
         if self.set_prompt_cache_key and request.prefix_key and "prompt_cache_key" not in body:
             body["prompt_cache_key"] = request.prefix_key[:PROMPT_CACHE_KEY_MAX]
+        if self.retention_chooser is not None and "prompt_cache_retention" not in body:
+            retention = self.retention_chooser(request)
+            if retention is not None:
+                body["prompt_cache_retention"] = retention
+        if self.cache_salt and request.tenant and "cache_salt" not in body:
+            body["cache_salt"] = request.tenant
         return body
 
     def _translated_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -126,7 +147,10 @@ class OpenAIUpstreamBackend(UpstreamBackend):
                 events = _events_from_json(opened, request, started)
             else:
                 events = _events_from_sse(opened, request, started)
+            retention = body.get("prompt_cache_retention")
             async for event in events:
+                if isinstance(event, Finish) and isinstance(retention, str):
+                    event = dataclasses.replace(event, cache_retention=retention)
                 yield event
         finally:
             await opened.aclose()
@@ -156,12 +180,26 @@ def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: boo
 
 
 def backend_usage(usage: dict[str, Any]) -> BackendUsage:
-    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` from ``prompt_tokens_details``)."""
-    details = usage.get("prompt_tokens_details") or {}
+    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` / ``cache_write_tokens`` from
+    ``prompt_tokens_details``; DeepSeek's ``prompt_cache_hit_tokens`` when that is what the upstream sends).
+
+    Raises:
+        UpstreamUsageError (a ValueError): a count that is not an integer >= 0 (the caller answers 502).
+    """
+    if "prompt_cache_hit_tokens" in usage and "prompt_tokens_details" not in usage:
+        cache = deepseek_cache_usage(usage)
+    else:
+        cache = openai_cache_usage(usage)
+    completion = usage.get("completion_tokens")
+    if completion is not None and (
+        isinstance(completion, bool) or not isinstance(completion, int) or completion < 0
+    ):
+        raise UpstreamUsageError("completion_tokens", completion)
     return BackendUsage(
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=cache.prompt_tokens,
+        completion_tokens=completion or 0,
+        cached_tokens=cache.cache_read_tokens,
+        cache_creation_tokens=cache.written,
         counted_by="upstream",
     )
 
@@ -293,4 +331,10 @@ async def _events_from_json(
 
 def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:
     """The backend of a ``backend: openai`` model entry."""
-    return OpenAIUpstreamBackend(**upstream_settings(model), set_prompt_cache_key=model.prompt_cache_key)
+    return OpenAIUpstreamBackend(
+        **upstream_settings(model),
+        set_prompt_cache_key=model.prompt_cache_key,
+        prices=model.prices,
+        cache_salt=model.cache_salt,
+        retention_auto=model.prompt_cache_retention == "auto",
+    )

@@ -23,21 +23,24 @@ import httpx
 import yaml
 
 from engine.api import EngineConfig
-from gateway.config.pricing import Prices, PriceTableError
+from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
 from gateway.config.schema import (
     BACKEND_KINDS,
     DEFAULT_MODEL_NAME,
+    LEARNING_MODES,
     ROUTING_POLICIES,
     AdminConfig,
     AnthropicUpstream,
     ConfigError,
     EmbeddedModel,
     GatewayConfig,
+    LearningConfig,
     ModelEntry,
     OpenAIUpstream,
     RingConfig,
     RoutingShareConfig,
     ServerConfig,
+    TranscriptConfig,
 )
 from gateway.core.json_types import yaml_kind
 
@@ -81,12 +84,69 @@ def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None
         ConfigError: on the first problem found.
     """
     reader = _Reader(source)
-    top = reader.mapping(data, "", {"server", "admin", "rules", "models"})
+    top = reader.mapping(
+        data, "", {"server", "admin", "rules", "models", "transcript", "redis", "rules_learning"}
+    )
     server = _parse_server(reader, top.get("server"))
     admin = _parse_admin(reader, top.get("admin"))
     rules = _parse_rules(reader, top.get("rules", ["default"]), base_dir)
     models = _parse_models(reader, top.get("models"), base_dir)
-    return GatewayConfig(server=server, admin=admin, rules=rules, models=models, source=source)
+    transcript = _parse_transcript(reader, top.get("transcript"), top.get("redis"))
+    learning = _parse_learning(reader, top.get("rules_learning"))
+    return GatewayConfig(
+        server=server,
+        admin=admin,
+        rules=rules,
+        models=models,
+        transcript=transcript,
+        rules_learning=learning,
+        source=source,
+    )
+
+
+def _parse_transcript(reader: _Reader, value: Any, redis_section: Any) -> TranscriptConfig:
+    """``transcript:`` (bounds and an optional ``redis_url``); a shared ``redis: {url: ...}`` section gives the
+    URL when ``transcript.redis_url`` is not set."""
+    keys = {f.name for f in dataclasses.fields(TranscriptConfig)}
+    section = reader.mapping({} if value is None else value, "transcript", keys)
+    shared = reader.mapping({} if redis_section is None else redis_section, "redis", {"url"})
+    default = TranscriptConfig()
+    values: dict[str, Any] = {}
+    for name, expected in (
+        ("max_entries", int),
+        ("max_bytes", int),
+        ("ttl_s", float),
+        ("socket_timeout_s", float),
+        ("retry_after_s", float),
+    ):
+        values[name] = reader.typed(section, "transcript", name, expected, getattr(default, name))
+        if not values[name] > 0:
+            reader.fail(f"transcript.{name}", f"expected a positive number, got {values[name]}")
+    url = reader.typed(section, "transcript", "redis_url", str | None, None)
+    if url is None:
+        url = reader.typed(shared, "redis", "url", str | None, None)
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        reader.fail("transcript.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    prefix = reader.typed(section, "transcript", "redis_prefix", str, default.redis_prefix)
+    return TranscriptConfig(redis_url=url or None, redis_prefix=prefix, **values)
+
+
+def _parse_learning(reader: _Reader, value: Any) -> LearningConfig:
+    """``rules_learning: off|suggest|apply`` or ``rules_learning: {mode: ..., min_distinct: N}``."""
+    default = LearningConfig()
+    if value is None:
+        return default
+    section = value if isinstance(value, dict) else {"mode": value}
+    section = dict(reader.mapping(section, "rules_learning", {"mode", "min_distinct"}))
+    if section.get("mode") is False:  # YAML 1.1 reads a bare ``off`` as false
+        section["mode"] = "off"
+    mode = reader.typed(section, "rules_learning", "mode", str, default.mode)
+    if mode not in LEARNING_MODES:
+        reader.fail("rules_learning.mode", f"expected one of {', '.join(LEARNING_MODES)}, got {mode!r}")
+    min_distinct = reader.typed(section, "rules_learning", "min_distinct", int, default.min_distinct)
+    if min_distinct < 2:
+        reader.fail("rules_learning.min_distinct", f"expected an integer >= 2, got {min_distinct}")
+    return LearningConfig(mode=mode, min_distinct=min_distinct)
 
 
 def _parse_server(reader: _Reader, value: Any) -> ServerConfig:
@@ -146,7 +206,7 @@ _MODEL_UPSTREAM = {
     "routing_share",
 }
 _MODEL_BACKEND_ONLY = {
-    "openai": {"prompt_cache_key"},
+    "openai": {"prompt_cache_key", "prompt_cache_retention", "cache_salt"},
     "anthropic": {"anthropic_version", "auto_breakpoints", "min_cacheable_tokens"},
 }
 """Settings of one upstream kind only."""
@@ -237,10 +297,14 @@ def _parse_upstream(
         reader.fail(f"{where}.timeout_s", f"expected a positive number of seconds, got {timeout}")
     if retries < 0:
         reader.fail(f"{where}.retries", f"expected a count >= 0, got {retries}")
-    prices = None
+    upstream_model = reader.typed(raw, where, "upstream_model", str | None, None)
+    table = shipped_price_table()
+    prices = table.lookup(upstream_model or name, backend) or table.lookup(upstream_model or name)
     if raw.get("prices") is not None:
         try:
-            prices = Prices.from_mapping(raw["prices"], where=f"{where}.prices")
+            prices = override_prices(
+                prices, raw["prices"], f"{where}.prices", provider=backend, model=upstream_model or name
+            )
         except PriceTableError as exc:
             key, _, problem = str(exc).partition(": ")
             reader.fail(key, problem)
@@ -248,7 +312,7 @@ def _parse_upstream(
         "name": name,
         "base_url": tuple(urls),
         "api_key": _parse_api_key(reader, raw, where),
-        "upstream_model": reader.typed(raw, where, "upstream_model", str | None, None),
+        "upstream_model": upstream_model,
         "timeout_s": timeout,
         "retries": retries,
         "prices": prices,
@@ -262,8 +326,14 @@ def _parse_upstream(
             f"shares the cache-aware index: needs routing: cache_aware, not {common['routing']!r}",
         )
     if backend == "openai":
+        retention = reader.typed(raw, where, "prompt_cache_retention", str, "auto")
+        if retention not in ("auto", "off"):
+            reader.fail(f"{where}.prompt_cache_retention", f"expected 'auto' or 'off', got {retention!r}")
         return OpenAIUpstream(
-            **common, prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True)
+            **common,
+            prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True),
+            prompt_cache_retention=retention,
+            cache_salt=reader.typed(raw, where, "cache_salt", bool, False),
         )
     return AnthropicUpstream(
         **common,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from engine.api import EngineConfig
-from gateway.config.pricing import Prices
+from gateway.config.price_table import ModelPrices
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 BACKEND_KINDS = ("embedded", "openai", "anthropic")
@@ -117,7 +117,8 @@ class UpstreamModel:
         upstream_model: the provider's model name; None = ``name``.
         timeout_s: seconds per upstream attempt.
         retries: extra attempts on connection errors / 5xx / 429.
-        prices: ``gateway.config.pricing.Prices`` for cost estimates in stats; None = unknown.
+        prices: the model's cache prices (``gateway.config.price_table.ModelPrices``): the shipped table's entry
+            for ``upstream_model`` (or ``name``) with the config's ``prices`` applied over it; None = unknown.
         ring: prefix-affinity settings (``RingConfig``).
         routing: replica choice, one of ``ROUTING_POLICIES`` (default ``consistent_hash``, the ring's walk).
         routing_share: share the cache-aware index with other gateways through Redis; None = local only.
@@ -131,7 +132,7 @@ class UpstreamModel:
     upstream_model: str | None = None
     timeout_s: float = 60.0
     retries: int = 2
-    prices: Prices | None = None
+    prices: ModelPrices | None = None
     ring: RingConfig = field(default_factory=RingConfig)
     routing: str = "consistent_hash"
     routing_share: RoutingShareConfig | None = None
@@ -143,11 +144,16 @@ class OpenAIUpstream(UpstreamModel):
 
     Attributes:
         prompt_cache_key: send ``prompt_cache_key`` = the prefix key when the client set none.
+        prompt_cache_retention: ``auto``: set ``prompt_cache_retention`` by the reuse the gateway observes where
+            the model offers more than one retention (and the client set none); ``off``: never.
+        cache_salt: the upstream accepts vLLM / SGLang's ``cache_salt`` field: send the tenant's salt in it.
     """
 
     backend: ClassVar[str] = "openai"
 
     prompt_cache_key: bool = True
+    prompt_cache_retention: str = "auto"
+    cache_salt: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,25 +176,69 @@ class AnthropicUpstream(UpstreamModel):
     min_cacheable_tokens: tuple[tuple[str, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class TranscriptConfig:
+    """The canonical transcript memory (``rules.transcript``; docs/history-stability.md): one per gateway.
+
+    Attributes:
+        max_entries: most transcripts kept in this process (LRU).
+        max_bytes: most bytes of stored transcripts in this process (zlib-compressed JSON).
+        ttl_s: seconds a transcript lives after it was last stored (also the Redis entries' TTL).
+        redis_url: a redis-py URL (``redis://host:6379/0``) to share the memory between gateways; None = this
+            process only. Redis down or slow costs no request: the process's own store answers.
+        redis_prefix: prefix of every Redis key.
+        socket_timeout_s: connect and read timeout of each Redis call (seconds).
+        retry_after_s: seconds Redis is left alone after a failed or slow call.
+    """
+
+    max_entries: int = 10_000
+    max_bytes: int = 256 << 20
+    ttl_s: float = 3600.0
+    redis_url: str | None = None
+    redis_prefix: str = "prefixgate:transcript:"
+    socket_timeout_s: float = 0.05
+    retry_after_s: float = 10.0
+
+
+LEARNING_MODES = ("off", "suggest", "apply")
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    """Learned volatile slots (``rules.learned.SlotLearner``).
+
+    Attributes:
+        mode: ``off`` (learn nothing), ``suggest`` (learn, list in ``/admin/stats``, export with
+            ``prefixgate rules learned``; never rewrite), ``apply`` (learned slots are hoisted like rules).
+        min_distinct: distinct values a span needs before it becomes a slot (>= 2).
+    """
+
+    mode: str = "suggest"
+    min_distinct: int = 3
+
+
 ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
 """One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The whole config. ``source`` is the file it came from (``<default>`` for the built-in one)."""
+    """The whole config. ``source`` is the file it came from (``<default>`` for the built-in one);
+    ``transcript`` the canonical transcript memory, ``rules_learning`` the learned volatile slots."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     rules: tuple[str, ...] = ("default",)
     models: tuple[ModelEntry, ...] = (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
+    transcript: TranscriptConfig = field(default_factory=TranscriptConfig)
+    rules_learning: LearningConfig = field(default_factory=LearningConfig)
     source: str = "<default>"
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``, or None."""
         return next((m for m in self.models if m.name == name), None)
 
-    def prices(self, name: str) -> Prices | None:
+    def prices(self, name: str) -> ModelPrices | None:
         """The price table of the upstream model ``name``; None for an embedded or unknown model."""
         model = self.model(name)
         return model.prices if isinstance(model, UpstreamModel) else None

@@ -11,10 +11,15 @@ from typing import Any
 @dataclass(frozen=True)
 class Delta:
     """Generated text, and/or tool-call fragments in OpenAI's streaming shape
-    (``choices[].delta.tool_calls``)."""
+    (``choices[].delta.tool_calls``).
+
+    ``cached_tokens``: prompt tokens served from a prefix cache, when the backend knows it before ``Finish``
+    (the embedded engine sets it on its first delta), so a streamed answer's headers can report it; None
+    otherwise. Renderers ignore it."""
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,10 @@ class BackendUsage:
         prompt_tokens: all input tokens (cached ones included).
         completion_tokens: generated tokens.
         cached_tokens: input tokens served from a prefix cache (ours or the provider's).
-        cache_creation_tokens: input tokens written to a provider cache (Anthropic), else 0.
+        cache_creation_tokens: input tokens written to a provider cache (Anthropic, OpenAI from GPT-5.6), else 0.
         counted_by: how the counts were made (``"engine"``, ``"upstream"``, ``"tiktoken:cl100k_base"``, ...).
+        cache_writes: ``(retention, tokens)`` pairs splitting ``cache_creation_tokens`` by retention when the
+            provider says (Anthropic ``5m`` / ``1h``); empty = all at the request's retention.
     """
 
     prompt_tokens: int
@@ -34,6 +41,7 @@ class BackendUsage:
     cached_tokens: int = 0
     cache_creation_tokens: int = 0
     counted_by: str = "engine"
+    cache_writes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class Finish:
         native: the upstream's own Anthropic events were relayed (``NativeDelta``): the Anthropic face adds
             no closing events of its own.
         replica: the upstream replica that answered (base URL, credentials and query removed).
+        cache_miss_reason: the provider's own word on why the prompt cache missed (Anthropic
+            ``diagnostics.cache_miss_reason.type``), when it gave one.
+        cache_retention: the cache retention the request asked for (``5m``, ``1h``, ``24h``, ...), if any.
     """
 
     finish_reason: str
@@ -59,6 +70,8 @@ class Finish:
     anthropic_stop_reason: str | None = None
     native: bool = False
     replica: str | None = None
+    cache_miss_reason: str | None = None
+    cache_retention: str | None = None
 
 
 BackendEvent = Delta | Finish

@@ -1,6 +1,8 @@
-"""Admin endpoints: ``GET /admin/stats`` (JSON) and ``GET /metrics`` (Prometheus text).
+"""Admin endpoints: ``GET /admin/stats`` (JSON), ``GET /metrics`` (Prometheus text) and
+``GET /admin/rules/learned`` (the learned volatile slots as a YAML rule file; ``?model=`` and ``?tenant=``
+narrow it), which ``prefixgate rules learned`` fetches.
 
-When ``admin.token`` is configured both need ``Authorization: Bearer <token>`` (else 401): ``/metrics`` names
+When ``admin.token`` is configured all of them need ``Authorization: Bearer <token>`` (else 401): ``/metrics`` names
 the rules and models in use and reveals traffic volumes, and Prometheus sends bearer tokens natively
 (``authorization: {credentials: ...}`` in a scrape config). Without a token both are open, which suits a
 gateway bound to 127.0.0.1.
@@ -53,9 +55,19 @@ async def metrics(http_request: Request) -> Response:
     return Response(render(gateway.metrics), media_type=CONTENT_TYPE)
 
 
+async def learned_rules(http_request: Request) -> Response:
+    """``GET /admin/rules/learned``: the slots the running gateway learned, as a rule file (``application/yaml``)
+    for a person to review and commit: anchors (template text), never a value."""
+    require_admin(http_request)
+    params = http_request.query_params
+    text = gateway_of(http_request).canonicalizer.learned_yaml(params.get("model"), params.get("tenant"))
+    return Response(text, media_type="application/yaml")
+
+
 def routes() -> list[BaseRoute]:
     """The admin route table."""
     return [
         Route("/admin/stats", admin_stats, methods=["GET"]),
+        Route("/admin/rules/learned", learned_rules, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

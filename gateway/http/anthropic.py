@@ -60,7 +60,8 @@ async def messages_endpoint(http_request: Request) -> Response:
     errors before the response starts propagate to the app's handler, which answers Anthropic error JSON on
     this path.
     Headers: ``x-prefixgate-rules: on|off``, ``x-prefixgate-tenant`` (cache salt), ``anthropic-beta``
-    (forwarded to Anthropic upstreams).
+    (forwarded to Anthropic upstreams). The answer carries ``x-prefixgate-cache`` when the cached count is
+    known.
     """
 
     gateway = gateway_of(http_request)
@@ -71,8 +72,11 @@ async def messages_endpoint(http_request: Request) -> Response:
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}
     if request.stream:
+        headers.update(await opened.cache_header())
         return EventStreamResponse(message_sse(opened), headers=headers)
     message = await run_unless_disconnected(http_request, collect_message(opened), opened)
+    headers.update(await opened.cache_header())
+    headers.update(opened.cost_headers())
     return JSONResponse(message, headers=headers)
 
 

@@ -1,4 +1,5 @@
-"""The Starlette app: route table, lifespan (start and close backends), and the one exception handler.
+"""The Starlette app: route table, lifespan (start and close backends; close the transcript memory's Redis
+connections), and the one exception handler.
 
 Routes come from ``gateway.http.routes.route_table`` (written out, no discovery); a caller can also pass
 ``extra_routes`` to ``create_app``.
@@ -28,15 +29,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.errors import EngineError
 from gateway.backends.base import Backend
 from gateway.backends.registry import create_backend
+from gateway.config.price_table import shipped_price_table
 from gateway.config.schema import GatewayConfig
 from gateway.core.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
 from gateway.http.request_context import ClientDisconnected, request_id_of
 from gateway.http.routes import route_table
+from gateway.service.cache_explain import CacheExplanations
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
 from gateway.service.metrics import build_registry
 from gateway.service.registry import ModelRegistry
 from gateway.service.request_log import RequestRecord, log_request
+from gateway.service.retention import RetentionPolicy, attach_retention_policy
 from gateway.service.stats import GatewayStats
 
 logger = logging.getLogger("prefixgate.app")
@@ -60,10 +64,18 @@ def create_app(
     """
     if backends is None:
         backends = {model.name: create_backend(model) for model in config.models}
+    attach_retention_policy(backends, RetentionPolicy())
     registry = ModelRegistry(backends)
-    stats = GatewayStats({name: config.prices(name) for name in registry.names()})
+    stats = GatewayStats(
+        {name: config.prices(name) for name in registry.names()}, prices_checked=shipped_price_table().checked
+    )
+    canonicalizer = Canonicalizer(config.rules, config.transcript, config.rules_learning)
     gateway = Gateway(
-        config=config, registry=registry, canonicalizer=Canonicalizer(config.rules), stats=stats
+        config=config,
+        registry=registry,
+        canonicalizer=canonicalizer,
+        stats=stats,
+        cache=CacheExplanations(canonicalizer),
     )
     gateway.metrics = build_registry(gateway.stats_snapshot, gateway.engine_stats)
 
@@ -96,6 +108,7 @@ def _lifespan(gateway: Gateway):
             yield
         finally:
             await asyncio.gather(*(backend.close() for backend in started), return_exceptions=True)
+            gateway.canonicalizer.close()
 
     return lifespan
 

@@ -1,7 +1,8 @@
 """HTTP routes of the OpenAI face: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /healthz``. Bodies are parsed and answers rendered by
 ``gateway.protocols.openai``; the path in between is ``gateway.service.pipeline``'s. Errors before the
-response starts go to the app's handler (OpenAI error JSON); after it, an in-band error chunk.
+response starts go to the app's handler (OpenAI error JSON); after it, an in-band error chunk. Chat answers
+carry ``x-prefixgate-cache`` (``OpenedStream.cache_header``) when the cached count is known.
 Reference: https://platform.openai.com/docs/api-reference/chat
 """
 
@@ -111,10 +112,14 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     meta = ResponseMeta(request, gateway.registry.get(request.model).system_fingerprint())
+    headers = {"x-request-id": request.request_id}
     if request.stream:
-        return EventStreamResponse(sse(opened, meta), headers={"x-request-id": request.request_id})
+        headers.update(await opened.cache_header())
+        return EventStreamResponse(sse(opened, meta), headers=headers)
     body = await run_unless_disconnected(http_request, collect(opened, meta), opened)
-    return JSONResponse(body, headers={"x-request-id": request.request_id})
+    headers.update(await opened.cache_header())
+    headers.update(opened.cost_headers())
+    return JSONResponse(body, headers=headers)
 
 
 async def _collect_chat(opened: OpenedStream, meta: ResponseMeta) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The running gateway's services (one per app): config, model registry, canonicalizer, stats, metrics.
-The stats document asks each backend for its engine counters and replicas (``Backend`` capabilities)."""
+"""The running gateway's services (one per app): config, model registry, canonicalizer (rules, transcript
+memory, learned slots), miss explanations, stats, metrics. The stats document asks each backend for its engine
+counters and replicas (``Backend`` capabilities)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.api import EngineStats
 from gateway.config.schema import GatewayConfig
+from gateway.service.cache_explain import CacheExplanations
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.registry import ModelRegistry
 from gateway.service.stats import GatewayStats
@@ -23,8 +25,9 @@ class Gateway:
     Attributes:
         config: the validated config.
         registry: model name -> backend.
-        canonicalizer: the configured rules.
+        canonicalizer: the configured rules, the transcript memory and the slot learner.
         stats: gateway-side counters.
+        cache: the miss explanations (``x-prefixgate-cache``) and their counters by cause.
         metrics: this app's Prometheus registry (reads ``stats_snapshot`` at scrape time).
         created: Unix time the gateway was built (the ``created`` of ``/v1/models`` entries).
     """
@@ -33,6 +36,7 @@ class Gateway:
     registry: ModelRegistry
     canonicalizer: Canonicalizer
     stats: GatewayStats
+    cache: CacheExplanations | None = None
     metrics: CollectorRegistry | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -45,8 +49,14 @@ class Gateway:
 
     def stats_snapshot(self) -> dict[str, Any]:
         """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials
-        or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring."""
+        or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring. Also:
+        ``rule_packs`` (the configured packs), ``transcript`` (memory, store and Redis counters), ``learned``
+        (mode, footprint, and each learned slot's shape and counts, never a value) and ``cache_misses`` (per
+        model, misses by cause and by segment)."""
         doc = self.stats.snapshot(self.engine_stats())
+        doc.update(self.canonicalizer.stats())
+        if self.cache is not None:
+            doc["cache_misses"] = self.cache.snapshot()
         for name, backend in self.registry.items():
             replicas = backend.replicas()
             if replicas is not None and name in doc["models"]:

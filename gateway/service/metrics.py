@@ -89,6 +89,8 @@ class StatsCollector(Collector):
         for status, count in doc["errors"].items():
             errors.add_metric([status], count)
         yield errors
+        yield from _cache_miss_metrics(doc.get("cache_misses"))
+        yield from _transcript_metrics(doc.get("transcript"))
         yield from self._engine_histograms()
 
     def _engine_histograms(self) -> Iterator[Metric]:
@@ -102,6 +104,55 @@ class StatsCollector(Collector):
                 histogram: Histogram = getattr(s, attr)
                 family.add_metric([name], _buckets(histogram), histogram.sum)
             yield family
+
+
+def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
+    """Misses by cause (``gateway.service.miss_explain.MISS_CAUSES``) and the stable tokens they cost."""
+    if not doc:
+        return
+    misses = CounterMetricFamily(
+        "prefixgate_cache_misses",
+        "Requests whose cached prefix stopped short, by cause.",
+        labels=["model", "cause"],
+    )
+    tokens = CounterMetricFamily(
+        "prefixgate_cache_missed_tokens",
+        "Stable prompt tokens not served from the cache, by miss cause.",
+        labels=["model", "cause"],
+    )
+    explained = CounterMetricFamily(
+        "prefixgate_cache_explained", "Chat requests whose cache result was explained.", labels=["model"]
+    )
+    for model, counters in doc["models"].items():
+        explained.add_metric([model], counters["requests"])
+        for cause, count in counters["by_cause"].items():
+            misses.add_metric([model, cause], count)
+            tokens.add_metric([model, cause], counters["missed_tokens_by_cause"][cause])
+    yield explained
+    yield misses
+    yield tokens
+    unexplained = CounterMetricFamily(
+        "prefixgate_cache_explain_errors", "Requests left unexplained after an internal failure."
+    )
+    unexplained.add_metric([], doc["errors"])
+    yield unexplained
+
+
+def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
+    """The canonical transcript memory's lookups and hits, and Redis errors."""
+    if not doc:
+        return
+    memory = doc["memory"]
+    family = CounterMetricFamily(
+        "prefixgate_transcript", "Canonical transcript memory events.", labels=["event"]
+    )
+    for event in ("lookups", "hits", "rejected", "stored"):
+        family.add_metric([event], memory[event])
+    redis = doc.get("redis")
+    if redis is not None:
+        for event in ("errors", "skipped", "redis_hits", "writes"):
+            family.add_metric([f"redis_{event}" if not event.startswith("redis_") else event], redis[event])
+    yield family
 
 
 def _gauge(

@@ -1,5 +1,6 @@
 """The protocol-independent path of one request: canonicalize, key, route, open the backend stream, and keep
-the stats and the request log exactly once per request.
+the stats and the request log exactly once per request; explain its cache result (``cache_header``) and
+feed the slot learner once it finished.
 
 An HTTP face (``gateway.http.openai``, ``gateway.http.anthropic``) parses its body into a ``ChatRequest``,
 calls ``open_stream`` with the request's path and arrival time (this layer sees no HTTP request object), and
@@ -16,16 +17,21 @@ Exactly one of these ends each request's bookkeeping:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from engine.errors import EngineError
+from gateway.config.schema import AnthropicUpstream, EmbeddedModel
 from gateway.core.errors import APIError, as_api_error, from_engine_error
 from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
+from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
+from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
@@ -95,11 +101,59 @@ class OpenedStream:
         self._ttft_s: float | None = None
         self._done = False
         self._closed = False
+        self._explained = False
+        self._cache_header: str | None = None
+        self.cost: RequestCost | None = None
+        """The request's cache cost once it finished (None before, or when the model has no prices)."""
+
+    def cost_headers(self) -> dict[str, str]:
+        """``{COST_HEADER: RequestCost.header_value()}`` once the request finished with a priced model, else
+        ``{}`` (a streamed answer's headers go out before its usage is known)."""
+        return {COST_HEADER: self.cost.header_value()} if self.cost is not None else {}
 
     @property
     def first_event(self) -> BackendEvent | None:
         """The event that opened the stream, until ``events()`` hands it out."""
         return self._first
+
+    def reported_cached_tokens(self, finish: Finish | None = None) -> int | None:
+        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said before
+        the answer (the embedded engine's first delta), else None."""
+        if finish is not None:
+            return finish.usage.cached_tokens
+        first = self._first
+        if isinstance(first, Delta):
+            return first.cached_tokens
+        return None
+
+    async def cache_header(self) -> dict[str, str]:
+        """``{"x-prefixgate-cache": "cached=…; miss=…; at=…"}`` for the response's headers, or ``{}`` when the
+        cached count is not known yet (a stream from an upstream that reports it only at the end) or the
+        request cannot be explained (completions; a failure, counted). Computed once, in a worker thread;
+        never raises."""
+        if not self._explained:
+            cached = self.reported_cached_tokens()
+            if cached is not None:
+                await self._explain(cached)
+        return {CACHE_HEADER: self._cache_header} if self._cache_header is not None else {}
+
+    async def _explain(self, cached: int) -> None:
+        self._explained = True
+        cache = self.gateway.cache
+        if cache is None:
+            return
+        try:
+            backend = self.gateway.registry.get(self.request.model)
+            tokenizer = backend.prompt_tokenizer()
+            minimum, granularity = _cache_unit(self.gateway, self.request.model)
+            explanation = await asyncio.to_thread(
+                cache.explain, self.request, cached, tokenizer, None, minimum, granularity
+            )
+        except Exception:  # noqa: BLE001 - an explanation never fails a request
+            cache.errors += 1
+            return
+        if explanation is not None:
+            self._cache_header = explanation.header_value()
 
     async def events(self) -> AsyncIterator[BackendEvent]:
         """Every event of the backend, ``Finish`` last. Closing this iterator closes the backend's.
@@ -114,6 +168,9 @@ class OpenedStream:
                     self._ttft_s = time.monotonic() - self._started
                 if isinstance(event, Finish):
                     self._record_finish(event)
+                    if not self._explained:
+                        await self._explain(event.usage.cached_tokens)
+                    self.gateway.canonicalizer.learn(self.request)
                     yield event
                     return
                 yield event
@@ -178,7 +235,15 @@ class OpenedStream:
     def _record_finish(self, finish: Finish) -> None:
         self._done = True
         ttft = self._ttft_s if self._ttft_s is not None else finish.ttft_s
-        self.gateway.stats.record_finish(self.request.model, finish.usage, ttft, self.request.prefix_key)
+        self.cost = self.gateway.stats.record_finish(
+            self.request.model,
+            finish.usage,
+            ttft,
+            self.request.prefix_key,
+            tenant=self.request.tenant,
+            retention=finish.cache_retention,
+            cache_miss_reason=finish.cache_miss_reason,
+        )
         self._log(200, finish=finish, ttft_s=ttft)
 
     def _log(
@@ -208,6 +273,19 @@ class OpenedStream:
                 rules_applied=sum(applied.values()) if request.kind == "chat" else None,
             )
         )
+
+
+def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:
+    """(minimum cacheable prompt length, cache granularity) in tokens of the model's cache: an Anthropic
+    upstream's minimum; an embedded engine's block size; None where unknown."""
+    entry = gateway.config.model(model)
+    if isinstance(entry, AnthropicUpstream):
+        return min_cacheable_tokens(
+            entry.upstream_model or entry.name, dict(entry.min_cacheable_tokens)
+        ), None
+    if isinstance(entry, EmbeddedModel):
+        return None, entry.engine.block_size
+    return None, None
 
 
 async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:

@@ -21,6 +21,10 @@ Derived values:
   engine has measured a prefill.
 - Upstream models: the provider computes, so ``prefill_tokens = prompt_tokens - cached_tokens`` as reported,
   ``prefill_tokens_saved = cached_tokens``, and ``prefill_seconds_saved`` is null (no rate is measurable).
+- Models with prices (``gateway.config.price_table``): cost paid, saved by cache reads, write premium and write
+  waste per model, prefix key and tenant (``gateway.service.cost_ledger``; ``cost_usd`` / ``cost_saved_usd``
+  per model), the table's ``prices_checked`` date, and the providers' own miss reasons folded into miss-cause
+  counters (``provider_cache_misses``, ``gateway.service.provider_diagnostics``).
 """
 
 from __future__ import annotations
@@ -31,8 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import EngineStats
-from gateway.config.pricing import Prices, cost_saved_usd, input_cost_usd
+from gateway.config.price_table import ModelPrices
+from gateway.core.cache_usage import CacheUsage, CacheUsageError
 from gateway.core.events import BackendUsage
+from gateway.service.cost_ledger import CostLedger, RequestCost
+from gateway.service.miss_explain import MissCounters, map_provider_cause
+from gateway.service.provider_diagnostics import (
+    ANTHROPIC_MISS_REASONS,
+    ProviderDiagnostic,
+    count_provider_miss,
+)
 
 
 @dataclass
@@ -123,12 +135,22 @@ class GatewayStats:
         prices: model name -> provider prices (None when unknown); also fixes the model order of snapshots.
         prefix_capacity: prefix groups tracked (Space-Saving capacity).
         top_prefixes: groups listed in a snapshot, overall and per model.
+        prices_checked: the price table's ``checked`` date, shown in snapshots.
+        ledger: the cost ledger (default: a new one on the monotonic clock).
     """
 
     def __init__(
-        self, prices: Mapping[str, Prices | None], prefix_capacity: int = 1024, top_prefixes: int = 20
+        self,
+        prices: Mapping[str, ModelPrices | None],
+        prefix_capacity: int = 1024,
+        top_prefixes: int = 20,
+        prices_checked: str | None = None,
+        ledger: CostLedger | None = None,
     ):
         self._prices = dict(prices)
+        self.prices_checked = prices_checked
+        self.ledger = ledger if ledger is not None else CostLedger()
+        self.provider_misses = MissCounters()
         self.models: dict[str, ModelCounters] = {name: ModelCounters() for name in prices}
         self.errors: Counter[int] = Counter()
         self.prefixes = PrefixGroups(prefix_capacity)
@@ -138,8 +160,24 @@ class GatewayStats:
         """Add one request's rule applications (rule id -> times applied)."""
         self.models[model].rules.update({rule: count for rule, count in applied.items() if count})
 
-    def record_finish(self, model: str, usage: BackendUsage, ttft_s: float | None, prefix_key: str) -> None:
-        """Count a request the backend finished, with the usage the client was told."""
+    def record_finish(
+        self,
+        model: str,
+        usage: BackendUsage,
+        ttft_s: float | None,
+        prefix_key: str,
+        tenant: str = "",
+        retention: str | None = None,
+        cache_miss_reason: str | None = None,
+    ) -> RequestCost | None:
+        """Count a request the backend finished, with the usage the client was told; returns its cost (None when
+        the model has no prices or the counts cannot be priced).
+
+        Args:
+            retention: the cache retention the request asked for (its writes are booked under it unless the
+                usage splits them).
+            cache_miss_reason: the provider's own miss reason, counted in ``provider_cache_misses``.
+        """
         counters = self.models[model]
         counters.requests += 1
         counters.prompt_tokens += usage.prompt_tokens
@@ -149,14 +187,34 @@ class GatewayStats:
         if ttft_s is not None:
             counters.ttft_seconds_sum += ttft_s
             counters.ttft_count += 1
-        prices = self._prices.get(model)
-        if prices is not None:
-            cached = min(usage.cached_tokens, usage.prompt_tokens)
-            written = min(usage.cache_creation_tokens, usage.prompt_tokens - cached)
-            counters.cost_usd += input_cost_usd(prices, usage.prompt_tokens, cached, written)
-            counters.cost_saved_usd += cost_saved_usd(prices, cached, written)
         if prefix_key:
             self.prefixes.record(prefix_key, model, usage.prompt_tokens, usage.cached_tokens)
+        if cache_miss_reason:
+            cause = ANTHROPIC_MISS_REASONS.get(cache_miss_reason, map_provider_cause(cache_miss_reason))
+            diagnostic = ProviderDiagnostic("upstream", cache_miss_reason, cause)
+            count_provider_miss(self.provider_misses, diagnostic, usage.cached_tokens, usage.prompt_tokens)
+        prices = self._prices.get(model)
+        if prices is None:
+            return None
+        cached = min(usage.cached_tokens, usage.prompt_tokens)
+        written = min(usage.cache_creation_tokens, usage.prompt_tokens - cached)
+        writes: dict[str | None, int] = dict(usage.cache_writes) if usage.cache_writes else {}
+        if not writes and written:
+            writes = {retention if retention in prices.cache_write else None: written}
+        try:
+            cost = self.ledger.record(
+                model=model,
+                prices=prices,
+                usage=CacheUsage(usage.prompt_tokens, cached, writes),
+                tenant=tenant,
+                key=prefix_key,
+                entry_key=prefix_key,
+            )
+        except CacheUsageError:
+            return None
+        counters.cost_usd += cost.paid
+        counters.cost_saved_usd += cost.saved
+        return cost
 
     def record_abort(self, model: str) -> None:
         """Count a request whose client disconnected before the end (its usage is unknown)."""
@@ -179,6 +237,14 @@ class GatewayStats:
         total["errors"] = {str(status): count for status, count in sorted(self.errors.items())}
         total["prefixes"] = self.prefixes.top(self.top_prefixes)
         total["models"] = models
+        total["prices_checked"] = self.prices_checked
+        costs = self.ledger.snapshot()
+        total["costs"] = costs
+        for name, doc in models.items():
+            if name in costs["by_model"]:
+                doc["write_premium_usd"] = costs["by_model"][name]["write_premium_usd"]
+                doc["write_waste_usd"] = costs["by_model"][name]["write_waste_usd"]
+        total["provider_cache_misses"] = self.provider_misses.snapshot()
         return total
 
     def _model_snapshot(self, name: str, engine: EngineStats | None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Generators of volatile values in every form the shipped packs support, and the anchors that make
-them volatile. Used by the stability, preservation and idempotence tests and by bench.rules."""
+them volatile. Used by the stability, preservation and idempotence tests."""
 
 from __future__ import annotations
 
@@ -100,10 +100,15 @@ DATE_ANCHORS: dict[str, str] = {
 """Anchors that make a date volatile: name -> template with {v}."""
 
 ANCHOR_REMAINDER: dict[str, str] = {
-    "env-block": "<env>\nWorking directory: /home/user/project\nIs git repo: yes\n</env>",
+    "env-block": "<env>\nIs git repo: yes\n</env>",
     "sentence-mid-paragraph": "You are a careful assistant. Use it for relative dates.",
 }
 """What an anchor line becomes after hoisting (absent: nothing is left)."""
+
+ANCHOR_OTHER_HOISTED: dict[str, list[str]] = {
+    "env-block": ["Working directory: /home/user/project"],
+}
+"""Per-user lines of an anchor hoisted besides the date (the per_user pack's environment lines)."""
 
 
 def random_datetime(rng: random.Random) -> datetime:

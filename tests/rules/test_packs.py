@@ -8,7 +8,14 @@ import random
 import pytest
 
 from rules import load_ruleset
-from tests.rules.formats import ANCHOR_REMAINDER, DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
+from tests.rules.formats import (
+    ANCHOR_OTHER_HOISTED,
+    ANCHOR_REMAINDER,
+    DATE_ANCHORS,
+    DATE_FORMATS,
+    OTHER_VOLATILE,
+    random_datetime,
+)
 from tests.rules.helpers import all_text
 
 DEFAULT = load_ruleset(["default"])
@@ -38,7 +45,8 @@ def test_dates_in_every_form_and_anchor_give_identical_stable_prefix(anchor: str
     for canon, value in zip(canons, values, strict=True):
         assert canon.messages[0]["content"] == expected_system
         assert canon.messages[2:] == request("")[2:]  # later turns untouched
-        assert len(canon.hoisted) == 1 and value in canon.hoisted[0]
+        assert sum(value in h for h in canon.hoisted) == 1
+        assert [h for h in canon.hoisted if value not in h] == ANCHOR_OTHER_HOISTED.get(anchor, [])
         assert value in canon.messages[1]["content"]  # preserved, at the end of the first turn
         assert canon.messages[1]["content"].endswith("\n</request_context>\n\nHi")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.core.errors import APIError
 from gateway.core.events import BackendUsage, Delta, Finish
+from gateway.protocols.provider_usage import UpstreamUsageError, anthropic_cache_usage
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
     pass
@@ -57,15 +58,23 @@ def anthropic_usage(usage: BackendUsage) -> dict[str, int]:
 
 
 def backend_usage_from_anthropic(usage: Mapping[str, Any], counted_by: str = "upstream") -> BackendUsage:
-    """Anthropic usage -> BackendUsage (``prompt_tokens`` = input + cache read + cache write)."""
-    read = int(usage.get("cache_read_input_tokens") or 0)
-    written = int(usage.get("cache_creation_input_tokens") or 0)
+    """Anthropic usage -> BackendUsage (``prompt_tokens`` = input + cache read + cache write; writes split by
+    TTL from ``cache_creation``).
+
+    Raises:
+        UpstreamUsageError (a ValueError): a count that is not an integer >= 0 (the caller answers 502).
+    """
+    cache = anthropic_cache_usage(usage)
+    output = usage.get("output_tokens")
+    if output is not None and (isinstance(output, bool) or not isinstance(output, int) or output < 0):
+        raise UpstreamUsageError("output_tokens", output)
     return BackendUsage(
-        prompt_tokens=int(usage.get("input_tokens") or 0) + read + written,
-        completion_tokens=int(usage.get("output_tokens") or 0),
-        cached_tokens=read,
-        cache_creation_tokens=written,
+        prompt_tokens=cache.prompt_tokens,
+        completion_tokens=output or 0,
+        cached_tokens=cache.cache_read_tokens,
+        cache_creation_tokens=cache.written,
         counted_by=counted_by,
+        cache_writes=tuple(sorted((str(k), v) for k, v in cache.cache_write_tokens.items())),
     )
 
 

@@ -167,10 +167,8 @@ async def test_native_request_keeps_the_body_and_client_cache_control(http):
         sent["thinking"] == body["thinking"] and sent["service_tier"] == "auto" and sent["max_tokens"] == 256
     )
     assert sent["system"] == body["system"]  # client breakpoint kept, ttl included
-    # an automatic breakpoint at the end of the history; the client's 1h one comes before it, so 5m is allowed
-    assert sent["messages"][1]["content"] == [
-        {"type": "text", "text": "first answer", "cache_control": {"type": "ephemeral"}}
-    ]
+    # the client chose its caching: nothing is added (issue 15: explicit client choices stay untouched)
+    assert sent["messages"][1]["content"] == "first answer" and "cache_control" not in sent
     assert sent["messages"][0]["content"] == body["messages"][0]["content"]
     assert sent["messages"][2]["content"] == "second question"
 
@@ -439,16 +437,13 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
         {
             "role": "user",
             "content": [
-                {
-                    "type": "tool_result",
-                    "tool_use_id": "call_1",
-                    "content": "18C",
-                    "cache_control": {"type": "ephemeral"},
-                },  # the end of the history
+                {"type": "tool_result", "tool_use_id": "call_1", "content": "18C"},
                 {"type": "text", "text": "And Paris?"},
             ],
         },
     ]
+    # automatic caching (issue 15): the top-level marker follows the conversation, the system keeps its own
+    assert sent["cache_control"] == {"type": "ephemeral"}
     assert sent["tools"] == [{"name": "get_weather", "input_schema": {"type": "object"}}]
     assert sent["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
     assert sent["max_tokens"] == 4096 and sent["temperature"] == 0.5 and "top_p" not in sent

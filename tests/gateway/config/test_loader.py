@@ -106,7 +106,8 @@ def test_upstream_model_fields(tmp_path, monkeypatch):
         30.0,
         1,
     )
-    assert (model.prices.input, model.prices.cached_input) == (0.15, 0.075)
+    # the old shape (cached_input) is converted over the shipped table's gpt-4o-mini entry
+    assert (model.prices.input, model.prices.cache_read, model.prices.source) == (0.15, 0.075, "config")
 
 
 def test_upstream_tuning_fields(tmp_path):
@@ -149,6 +150,31 @@ def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
         {"models": [{"name": "g", "backend": "openai", "base_url": "http://x", "ring": {"cooldown_s": 90}}]}
     )
     assert (config.models[0].ring.cooldown_s, config.models[0].ring.max_cooldown_s) == (90.0, 90.0)
+
+
+def test_transcript_and_learning_settings(tmp_path):
+    config = parse_config(
+        yaml.safe_load(
+            "transcript: {max_entries: 50, max_bytes: 4096, ttl_s: 60, socket_timeout_s: 0.2}\n"
+            "redis: {url: 'redis://127.0.0.1:6379/1'}\n"
+            "rules_learning: off\n"
+        )
+    )
+    t = config.transcript
+    assert (t.max_entries, t.max_bytes, t.ttl_s, t.socket_timeout_s) == (50, 4096, 60.0, 0.2)
+    assert t.redis_url == "redis://127.0.0.1:6379/1"  # the shared redis: section
+    assert config.rules_learning.mode == "off"
+    own = parse_config(
+        {
+            "transcript": {"redis_url": "redis://a:1/0"},
+            "redis": {"url": "redis://b:2/0"},
+            "rules_learning": {"mode": "apply", "min_distinct": 4},
+        }
+    )
+    assert own.transcript.redis_url == "redis://a:1/0"
+    assert (own.rules_learning.mode, own.rules_learning.min_distinct) == ("apply", 4)
+    default = parse_config({})
+    assert default.transcript.redis_url is None and default.rules_learning.mode == "suggest"
 
 
 @pytest.mark.parametrize(
@@ -280,6 +306,13 @@ def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
             "models[0].routing_share.redis",
             "unknown key",
         ),
+        ("transcript: {max_entries: 0}\n", "transcript.max_entries", "positive"),
+        ("transcript: {ttl_s: soon}\n", "transcript.ttl_s", "a number"),
+        ("transcript: {redis_url: 'http://x'}\n", "transcript.redis_url", "redis://"),
+        ("transcript: {redis: x}\n", "transcript.redis", "unknown key"),
+        ("redis: {host: x}\n", "redis.host", "unknown key"),
+        ("rules_learning: always\n", "rules_learning.mode", "off, suggest, apply"),
+        ("rules_learning: {min_distinct: 1}\n", "rules_learning.min_distinct", ">= 2"),
     ],
 )
 def test_bad_config_names_file_key_and_expectation(tmp_path, monkeypatch, text, key, expected):

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.api import EngineStats, Histogram
 from gateway.config.loader import parse_config
-from gateway.config.pricing import Prices
+from gateway.config.price_table import shipped_price_table
 from gateway.core.events import BackendUsage
 from gateway.http.app import create_app
 from gateway.service.metrics import build_registry, render
@@ -51,7 +51,7 @@ def test_prefill_seconds_saved_uses_the_measured_rate():
 
 def test_snapshot_per_model_and_totals():
     stats = GatewayStats(
-        {"local": None, "remote": Prices(input=1.0, cached_input=0.1, cache_write=1.25, cache_write_1h=2.0)}
+        {"local": None, "remote": shipped_price_table().lookup("claude-haiku-4-5")}  # input 1, read 0.1
     )
     stats.record_rules("local", {"time.hoist": 1, "normalize": 0})
     stats.record_finish("local", BackendUsage(50, 5, 0), 0.2, "k1")
