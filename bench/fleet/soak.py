@@ -262,8 +262,8 @@ async def run_soak(cfg: SoakConfig) -> dict:
             if now >= next_kill:
                 victim = rng.choice([r for r in replicas if r.up])
                 k0 = time.monotonic()
+                killing.append((k0, k0 + step / 2))  # before the kill: its streams break while it runs
                 await victim.kill()
-                killing.append((k0, k0 + step / 2))
                 asyncio.get_running_loop().call_later(
                     step / 2, lambda v=victim: asyncio.ensure_future(v.start())
                 )
