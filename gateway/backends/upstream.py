@@ -16,10 +16,12 @@ from typing import Any, TypedDict
 import httpx
 
 from gateway.backends.base import Backend, ReplicaStates
-from gateway.config.schema import UpstreamModel
+from gateway.config.schema import RoutingShareConfig, UpstreamModel
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.redact import redact_url
 from gateway.transport.retry import RetryPolicy
+from gateway.transport.routing_policy import CacheAwarePolicy, make_policy, text_block_hashes
+from gateway.transport.routing_share import RoutingShare
 from gateway.transport.upstream_http import OpenedResponse, SharedClient, Upstream, open_response
 
 
@@ -32,6 +34,8 @@ class UpstreamOptions(TypedDict, total=False):
     retries: int
     client: httpx.AsyncClient | None
     ring: AffinityRing | None
+    routing: str
+    routing_share: RoutingShareConfig | None
     sleep: Callable[[float], Awaitable[Any]]
 
 
@@ -47,8 +51,14 @@ class UpstreamBackend(Backend):
             two bytes, the first included).
         retries: extra attempts before the first byte.
         client: an ``httpx.AsyncClient`` to use instead of the process's shared one (tests).
-        ring: replica choice (default: an ``AffinityRing`` over ``base_urls`` with its default settings).
+        ring: the replicas (default: an ``AffinityRing`` over ``base_urls`` with its default settings).
+        routing: the replica choice over the ring, one of ``ROUTING_POLICIES`` (default ``consistent_hash``:
+            the ring's own walk from the prefix key).
+        routing_share: share the cache-aware index with other gateways through Redis (``cache_aware`` only).
         sleep: the backoff sleep (tests).
+
+    Raises:
+        ValueError: an unknown ``routing``, or ``routing_share`` with another policy than ``cache_aware``.
     """
 
     def __init__(
@@ -62,16 +72,33 @@ class UpstreamBackend(Backend):
         retries: int = 2,
         client: httpx.AsyncClient | None = None,
         ring: AffinityRing | None = None,
+        routing: str = "consistent_hash",
+        routing_share: RoutingShareConfig | None = None,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self.upstream_model = upstream_model or name
         self.api_key = api_key
+        ring = ring or AffinityRing([url.rstrip("/") for url in base_urls])
+        policy = make_policy(routing, ring)
+        self.routing_share: RoutingShare | None = None
+        if routing_share is not None:
+            if not isinstance(policy, CacheAwarePolicy):
+                raise ValueError(f"routing_share needs routing: cache_aware, not {routing!r}")
+            self.routing_share = RoutingShare(
+                policy,
+                self.upstream_model,
+                url=routing_share.redis_url,
+                interval_s=routing_share.interval_s,
+                timeout_s=routing_share.timeout_s,
+                retry_after_s=routing_share.retry_after_s,
+            )
         self.upstream = Upstream(
-            ring=ring or AffinityRing([url.rstrip("/") for url in base_urls]),
+            ring=ring,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             policy=RetryPolicy(retries=retries),
             secrets=(api_key,) if api_key else (),
+            routing=policy,
         )
         self._own_client = client
         self._client: httpx.AsyncClient | None = client
@@ -81,9 +108,13 @@ class UpstreamBackend(Backend):
         """Take a reference to the shared HTTP client."""
         if self._client is None:
             self._client = SharedClient.acquire()
+        if self.routing_share is not None:
+            self.routing_share.start()
 
     async def close(self) -> None:
         """Give the shared client back (closing responses in flight is up to their streams)."""
+        if self.routing_share is not None:
+            await self.routing_share.close()
         if self._own_client is None and self._client is not None:
             self._client = None
             await SharedClient.release()
@@ -109,7 +140,37 @@ class UpstreamBackend(Backend):
         def build(base_url: str) -> httpx.Request:
             return client.build_request("POST", f"{base_url}{path}", headers=dict(headers), content=content)
 
-        return await open_response(client, self.upstream, key, build, sleep=self._sleep)
+        routing = self.upstream.routing
+        blocks = (
+            routing_blocks(body, self.upstream_model) if routing is not None and routing.wants_blocks else ()
+        )
+        return await open_response(client, self.upstream, key, build, sleep=self._sleep, blocks=blocks)
+
+
+ROUTED_FIELDS = ("tools", "system", "messages", "prompt")
+"""Body fields that make up the prompt prefix, in the order an engine's chat template puts them."""
+
+
+def routing_blocks(body: Any, salt: str) -> tuple[int, ...]:
+    """Chained hashes of 64-character blocks of the prompt part of an upstream body (cache-aware routing).
+
+    The text is the compact JSON of ``tools``, ``system``, then each message of ``messages`` (or
+    ``prompt``), concatenated: a conversation resent with one more turn has the same leading text, so the
+    same leading blocks (llm-d's approximate prefix scorer hashes characters the same way). ``salt`` (the
+    upstream model) keeps models apart.
+    """
+    if not isinstance(body, Mapping):
+        return ()
+    parts: list[str] = []
+    for name in ROUTED_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        items = value if name == "messages" and isinstance(value, list) else [value]
+        parts.extend(
+            json.dumps(item, ensure_ascii=False, separators=(",", ":"), sort_keys=True) for item in items
+        )
+    return tuple(text_block_hashes("".join(parts), salt=salt))
 
 
 def upstream_settings(model: UpstreamModel) -> dict[str, Any]:
@@ -129,4 +190,6 @@ def upstream_settings(model: UpstreamModel) -> dict[str, Any]:
             cooldown_s=ring.cooldown_s,
             max_cooldown_s=ring.max_cooldown_s,
         ),
+        "routing": model.routing,
+        "routing_share": model.routing_share,
     }

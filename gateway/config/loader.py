@@ -28,6 +28,7 @@ from gateway.config.schema import (
     BACKEND_KINDS,
     DEFAULT_MODEL_NAME,
     LEARNING_MODES,
+    ROUTING_POLICIES,
     AdminConfig,
     AnthropicUpstream,
     ConfigError,
@@ -37,6 +38,7 @@ from gateway.config.schema import (
     ModelEntry,
     OpenAIUpstream,
     RingConfig,
+    RoutingShareConfig,
     ServerConfig,
     TranscriptConfig,
 )
@@ -200,7 +202,17 @@ def _resolve_rule_path(item: str, base_dir: Path | None) -> str:
 
 _MODEL_COMMON = {"name", "backend"}
 _MODEL_EMBEDDED = {"path", "engine"}
-_MODEL_UPSTREAM = {"base_url", "api_key", "upstream_model", "timeout_s", "retries", "prices", "ring"}
+_MODEL_UPSTREAM = {
+    "base_url",
+    "api_key",
+    "upstream_model",
+    "timeout_s",
+    "retries",
+    "prices",
+    "ring",
+    "routing",
+    "routing_share",
+}
 _MODEL_BACKEND_ONLY = {
     "openai": {"prompt_cache_key", "prompt_cache_retention", "cache_salt"},
     "anthropic": {"anthropic_version", "auto_breakpoints", "min_cacheable_tokens"},
@@ -313,7 +325,14 @@ def _parse_upstream(
         "retries": retries,
         "prices": prices,
         "ring": _parse_ring(reader, raw.get("ring"), f"{where}.ring"),
+        "routing": _parse_routing(reader, raw, where),
+        "routing_share": _parse_routing_share(reader, raw.get("routing_share"), f"{where}.routing_share"),
     }
+    if common["routing_share"] is not None and common["routing"] != "cache_aware":
+        reader.fail(
+            f"{where}.routing_share",
+            f"shares the cache-aware index: needs routing: cache_aware, not {common['routing']!r}",
+        )
     if backend == "openai":
         retention = reader.typed(raw, where, "prompt_cache_retention", str, "auto")
         if retention not in ("auto", "off"):
@@ -362,6 +381,33 @@ def _parse_ring(reader: _Reader, value: Any, where: str) -> RingConfig:
     return RingConfig(
         load_factor=load_factor, vnodes=vnodes, cooldown_s=cooldown, max_cooldown_s=max_cooldown
     )
+
+
+def _parse_routing(reader: _Reader, raw: dict, where: str) -> str:
+    routing = reader.typed(raw, where, "routing", str, "consistent_hash")
+    if routing not in ROUTING_POLICIES:
+        reader.fail(f"{where}.routing", f"expected one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+    return routing
+
+
+def _parse_routing_share(reader: _Reader, value: Any, where: str) -> RoutingShareConfig | None:
+    """``routing_share: redis://...`` (a URL) or a mapping of ``RoutingShareConfig``'s fields; absent = None."""
+    if value is None:
+        return None
+    value = reader.resolve_env(value, where)
+    if isinstance(value, str):
+        value = {"redis_url": value}
+    default = RoutingShareConfig()
+    section = reader.mapping(value, where, {f.name for f in dataclasses.fields(RoutingShareConfig)})
+    url = reader.typed(section, where, "redis_url", str, default.redis_url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        reader.fail(f"{where}.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    numbers = {}
+    for key in ("interval_s", "timeout_s", "retry_after_s"):
+        numbers[key] = reader.typed(section, where, key, float, getattr(default, key))
+        if not numbers[key] > 0:
+            reader.fail(f"{where}.{key}", f"expected a positive number of seconds, got {numbers[key]}")
+    return RoutingShareConfig(redis_url=url, **numbers)
 
 
 def _parse_anthropic_version(reader: _Reader, raw: dict, where: str) -> str:

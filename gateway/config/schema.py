@@ -70,6 +70,28 @@ class RingConfig:
     max_cooldown_s: float = 60.0
 
 
+ROUTING_POLICIES = ("round_robin", "least_load", "consistent_hash", "cache_aware")
+"""Values of an upstream's ``routing:`` (``gateway.transport.routing_policy.POLICIES`` has one class each)."""
+
+
+@dataclass(frozen=True)
+class RoutingShareConfig:
+    """Routing state shared by several gateways through Redis (``gateway.transport.routing_share``).
+
+    Attributes:
+        redis_url: a redis-py URL (``redis://127.0.0.1:6379/0``).
+        interval_s: seconds between two exchanges with Redis (the staleness bound of another gateway's
+            placements), > 0.
+        timeout_s: connect and read timeout of each Redis call, > 0.
+        retry_after_s: seconds Redis is left alone after a failed call (the local view only meanwhile), > 0.
+    """
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    interval_s: float = 0.2
+    timeout_s: float = 0.05
+    retry_after_s: float = 5.0
+
+
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A model served by the in-process engine (``backend: embedded``).
@@ -101,6 +123,8 @@ class UpstreamModel:
         prices: the model's cache prices (``gateway.config.price_table.ModelPrices``): the shipped table's entry
             for ``upstream_model`` (or ``name``) with the config's ``prices`` applied over it; None = unknown.
         ring: prefix-affinity settings (``RingConfig``).
+        routing: replica choice, one of ``ROUTING_POLICIES`` (default ``consistent_hash``, the ring's walk).
+        routing_share: share the cache-aware index with other gateways through Redis; None = local only.
     """
 
     backend: ClassVar[str]
@@ -113,6 +137,8 @@ class UpstreamModel:
     retries: int = 2
     prices: ModelPrices | None = None
     ring: RingConfig = field(default_factory=RingConfig)
+    routing: str = "consistent_hash"
+    routing_share: RoutingShareConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from gateway.transport.failures import (
 )
 from gateway.transport.redact import redact, redact_json, redact_url
 from gateway.transport.retry import RetryPolicy
+from gateway.transport.routing_policy import RouteRequest, RoutingPolicy
 from gateway.transport.sse import SSEEvent, iter_sse
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read
@@ -81,12 +82,29 @@ class Upstream:
         timeout: httpx timeout per attempt (``read`` = most seconds between two bytes, first byte included).
         policy: retries before the first byte.
         secrets: strings that must never leave the process (the resolved API key); redacted from every error.
+        routing: the replica choice over ``ring`` (``gateway.transport.routing_policy``); None = the ring's own
+            bounded-load walk from the prefix key. Its ``ring`` must be ``ring``.
     """
 
     ring: AffinityRing
     timeout: httpx.Timeout
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     secrets: tuple[str, ...] = ()
+    routing: RoutingPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.routing is not None and self.routing.ring is not self.ring:
+            raise ValueError("the routing policy must wrap this upstream's ring")
+
+    def acquire(self, key: str, blocks: tuple[int, ...] = ()) -> Lease:
+        """A lease on the replica chosen for ``key`` (and the prompt's block hashes, for cache-aware routing).
+
+        Raises:
+            NoReplicaAvailable: no replica can be tried.
+        """
+        if self.routing is None:
+            return self.ring.acquire(key)
+        return self.routing.acquire(RouteRequest(key=key, blocks=blocks))  # type: ignore[return-value]
 
 
 class OpenedResponse:
@@ -202,6 +220,7 @@ async def open_response(
     key: str,
     build_request: Callable[[str], httpx.Request],
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    blocks: tuple[int, ...] = (),
 ) -> OpenedResponse:
     """Send a request to the replica the ring picks for ``key`` and wait for the first body byte, retrying
     (per ``upstream.policy``) on timeouts, connection errors, 5xx and 429.
@@ -212,6 +231,8 @@ async def open_response(
         key: the prefix key (affinity).
         build_request: makes the ``httpx.Request`` for a replica's base URL (called once per attempt).
         sleep: the backoff sleep (injectable for tests).
+        blocks: chained block hashes of the prompt (``routing_policy.text_block_hashes``), for cache-aware
+            routing; empty otherwise.
 
     Returns:
         an ``OpenedResponse`` holding the replica lease (close it).
@@ -223,11 +244,16 @@ async def open_response(
     attempt = 0
     while True:
         try:
-            lease = upstream.ring.acquire(key)
+            lease = upstream.acquire(key, blocks)
         except NoReplicaAvailable as exc:
             raise UpstreamCallError(503, FailureKind.NO_REPLICA, str(exc), attempts=attempt) from None
         error = await _attempt(client, upstream, lease, build_request, attempt + 1)
         if isinstance(error, OpenedResponse):
+            prefill_done = getattr(
+                lease, "prefill_done", None
+            )  # cache-aware: the prefill is no longer pending
+            if prefill_done is not None:
+                prefill_done()
             return error
         if is_replica_fault(error):
             upstream.ring.report_failure(lease.replica)

@@ -10,7 +10,13 @@ import yaml
 
 from engine.api import EngineConfig
 from gateway.config.loader import default_config, load_config, parse_config
-from gateway.config.schema import AnthropicUpstream, ConfigError, OpenAIUpstream, RingConfig
+from gateway.config.schema import (
+    AnthropicUpstream,
+    ConfigError,
+    OpenAIUpstream,
+    RingConfig,
+    RoutingShareConfig,
+)
 
 OPENAI = "models: [{name: a, backend: openai, base_url: http://x,"
 ANTHROPIC = "models: [{name: a, backend: anthropic, base_url: http://x,"
@@ -284,6 +290,24 @@ def test_transcript_and_learning_settings(tmp_path):
             ">= cooldown_s",
         ),
         ("models: [{name: a, ring: {}}]\n", "models[0].ring", "not a setting of backend 'embedded'"),
+        (f"{OPENAI} routing: random}}]\n", "models[0].routing", "cache_aware"),
+        (f"{OPENAI} routing: 3}}]\n", "models[0].routing", "expected a string"),
+        (f"{OPENAI} routing_share: redis://x}}]\n", "models[0].routing_share", "needs routing: cache_aware"),
+        (
+            f"{OPENAI} routing: cache_aware, routing_share: http://x}}]\n",
+            "models[0].routing_share.redis_url",
+            "redis://",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, routing_share: {{interval_s: 0}}}}]\n",
+            "models[0].routing_share.interval_s",
+            "positive",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, routing_share: {{redis: x}}}}]\n",
+            "models[0].routing_share.redis",
+            "unknown key",
+        ),
         ("transcript: {max_entries: 0}\n", "transcript.max_entries", "positive"),
         ("transcript: {ttl_s: soon}\n", "transcript.ttl_s", "a number"),
         ("transcript: {redis_url: 'http://x'}\n", "transcript.redis_url", "redis://"),
@@ -361,3 +385,33 @@ def test_an_api_key_read_with_a_trailing_newline_is_stripped_and_a_bad_one_never
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert caught.value.key == "models[0].api_key" and "sk-two" not in str(caught.value)
+
+
+def test_routing_per_upstream():
+    config = parse_config(
+        {
+            "models": [
+                {"name": "a", "backend": "openai", "base_url": "http://x", "routing": "round_robin"},
+                {
+                    "name": "b",
+                    "backend": "anthropic",
+                    "base_url": "http://y",
+                    "routing": "cache_aware",
+                    "routing_share": "redis://127.0.0.1:6379/2",
+                },
+                {
+                    "name": "c",
+                    "backend": "openai",
+                    "base_url": "http://z",
+                    "routing": "cache_aware",
+                    "routing_share": {"interval_s": 0.5, "retry_after_s": 2},
+                },
+                {"name": "d", "backend": "openai", "base_url": "http://w"},
+            ]
+        }
+    )
+    a, b, c, d = config.models
+    assert (a.routing, a.routing_share) == ("round_robin", None)
+    assert b.routing_share == RoutingShareConfig(redis_url="redis://127.0.0.1:6379/2")
+    assert (c.routing_share.interval_s, c.routing_share.retry_after_s) == (0.5, 2.0)
+    assert (d.routing, d.routing_share) == ("consistent_hash", None)  # today's ring walk by default

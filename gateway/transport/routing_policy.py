@@ -1,0 +1,498 @@
+"""Replica choice for one upstream: round robin, least load, consistent hashing with bounded load, cache-aware.
+
+Protocol-blind: a request is a :class:`RouteRequest` (its prefix key and the chained hashes of its full
+prompt blocks); nothing here knows HTTP, OpenAI or Anthropic. Every policy wraps today's replica ring
+(``gateway.transport.affinity.AffinityRing``) through its public API only, so all four share one breaker (cool-down,
+half-open probe), one in-flight count per replica and one :class:`~gateway.transport.affinity.Lease` type. A policy
+that picks a replica itself pins the ring's walk to it with ``ring.acquire(key, exclude=<all others>)``.
+
+Policies (``routing:`` per upstream; the reasoning and the anchors' parameters are in docs/routing.md):
+
+- ``round_robin``: the next available replica in turn (the baseline the anchors report against).
+- ``least_load``: the available replica with the fewest requests in flight (KubeAI "LeastLoad").
+- ``consistent_hash``: the ring's bounded-load walk from the prefix key (Mirrokni et al. 2018; KubeAI's
+  CHWBL "PrefixHash"): today's behaviour, unchanged.
+- ``cache_aware``: among the replicas under the load bound ``ceil(c * (m + 1) / n)`` (the ring's
+  ``capacity``), if the best expected prefix match covers at least ``cache_threshold`` of the request (SGLang
+  router, default 0.5), the one with the least ``overlap_weight * blocks to prefill + blocks pending`` there
+  (Dynamo's KV router cost, temperature 0); otherwise the consistent-hash walk, so gateways that share
+  nothing still agree where a new prefix goes. The expected match comes from an approximate per-replica
+  index of the block hashes routed there (LRU aged, bounded; llm-d's approximate prefix scorer), or, for a
+  replica that publishes vLLM-style KV events, from the blocks it says it holds (llm-d's precise scorer,
+  Dynamo's KV indexer).
+
+Invariants:
+- Whatever the index or the KV events say, a replica is only chosen while its in-flight count is under the
+  ring's capacity (or when it is the only candidate left), so a lying KV event stream cannot send one replica
+  more than the bound allows.
+- ``BlockIndex`` never holds more than ``capacity_blocks`` hashes per replica; the oldest go first.
+- Block hashes are chained (each covers its parent), so "leading blocks present" is a prefix match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
+
+__all__ = [
+    "POLICIES",
+    "BlockIndex",
+    "CacheAwarePolicy",
+    "ConsistentHashPolicy",
+    "KVEventError",
+    "LeastLoadPolicy",
+    "NoReplicaAvailable",
+    "PendingLease",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "RoutingPolicy",
+    "block_hashes",
+    "make_policy",
+    "text_block_hashes",
+]
+
+BLOCK_SIZE = 16
+"""Tokens per block: vLLM's and this project's engine default (llm-d's ``DefaultBlockSizeTokens``)."""
+
+CHARS_PER_BLOCK = 64
+"""Characters per block when hashing text without a tokenizer: 16 tokens at llm-d's 4 characters per token."""
+
+
+def _chain(parent: int, payload: bytes) -> int:
+    digest = hashlib.blake2b(parent.to_bytes(8, "big") + payload, digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: str = "") -> list[int]:
+    """Chained 64-bit hashes of the full blocks of ``token_ids`` (a trailing partial block is not hashed).
+
+    ``h[i] = blake2b(h[i-1] || token ids of block i as 4-byte big-endian)``, ``h[-1]`` = hash of ``salt`` (model
+    id, tenant). Stable across processes (no seed), so every gateway and the fleet simulator's replicas compute
+    the same chain for the same tokens. A real engine's KV events carry its own hashes (vLLM: sha256 over its
+    own encoding); the exact path only helps where the gateway can compute the engine's scheme.
+
+    Args:
+        token_ids: prompt token ids (ints >= 0).
+        block_size: tokens per block (>= 1).
+        salt: namespace of the chain.
+
+    Returns:
+        ``len(token_ids) // block_size`` ints in ``[0, 2**64)``.
+
+    Raises:
+        ValueError: ``block_size < 1``.
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    parent = _chain(0, salt.encode("utf-8"))
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        payload = b"".join(int(t).to_bytes(4, "big") for t in token_ids[start : start + block_size])
+        parent = _chain(parent, payload)
+        out.append(parent)
+    return out
+
+
+def text_block_hashes(text: str, chars_per_block: int = CHARS_PER_BLOCK, salt: str = "") -> list[int]:
+    """Chained hashes of the full ``chars_per_block``-character blocks of ``text`` (no tokenizer needed).
+
+    The approximate index's input where the gateway does not tokenize (llm-d's approximate prefix producer
+    hashes characters the same way). Same chaining as :func:`block_hashes`.
+
+    Raises:
+        ValueError: ``chars_per_block < 1``.
+    """
+    if chars_per_block < 1:
+        raise ValueError("chars_per_block must be >= 1")
+    parent = _chain(0, salt.encode("utf-8"))
+    out: list[int] = []
+    for start in range(0, len(text) - chars_per_block + 1, chars_per_block):
+        parent = _chain(parent, text[start : start + chars_per_block].encode("utf-8"))
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What routing needs of a request.
+
+    Attributes:
+        key: the prefix key (model id, tenant salt, hash of the stable segments); the ring hashes it.
+        blocks: chained block hashes of the prompt (:func:`block_hashes` or :func:`text_block_hashes`), in order.
+    """
+
+    key: str
+    blocks: tuple[int, ...] = ()
+
+
+class KVEventError(ValueError):
+    """A KV event batch that is not vLLM's shape (the stream is dropped, routing falls back to the index)."""
+
+
+class BlockIndex:
+    """Per replica, the block hashes believed cached there, LRU-aged and bounded.
+
+    Args:
+        capacity_blocks: most hashes kept per replica (llm-d's ``LRUCapacityPerServer`` default is 31,250).
+
+    Raises:
+        ValueError: ``capacity_blocks < 1``.
+    """
+
+    def __init__(self, capacity_blocks: int = 31_250) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+
+    def add(self, replica: str, blocks: Iterable[int]) -> None:
+        """Record ``blocks`` on ``replica`` as most recently used; the oldest past the capacity are dropped.
+
+        Touched in reverse (tail first), so a chain's parent is younger than its tail and ages out after it.
+        """
+        lru = self._lru.setdefault(replica, OrderedDict())
+        for block in reversed(list(blocks)):
+            lru[block] = None
+            lru.move_to_end(block)
+        while len(lru) > self.capacity_blocks:
+            lru.popitem(last=False)
+
+    def remove(self, replica: str, blocks: Iterable[int]) -> None:
+        """Forget ``blocks`` on ``replica`` (absent ones are ignored)."""
+        lru = self._lru.get(replica)
+        if lru is not None:
+            for block in blocks:
+                lru.pop(block, None)
+
+    def clear(self, replica: str) -> None:
+        """Forget everything on ``replica`` (it restarted, or said ``AllBlocksCleared``)."""
+        self._lru.pop(replica, None)
+
+    def match(self, replica: str, blocks: Sequence[int]) -> int:
+        """Number of leading ``blocks`` present on ``replica`` (a prefix match: hashes are chained)."""
+        lru = self._lru.get(replica)
+        if not lru:
+            return 0
+        n = 0
+        for block in blocks:
+            if block not in lru:
+                break
+            n += 1
+        return n
+
+    def size(self, replica: str) -> int:
+        """Hashes held for ``replica``."""
+        return len(self._lru.get(replica, ()))
+
+
+class RoutingPolicy:
+    """Base: a ring (breaker, in-flight counts, bound) and the policy's ``choose``.
+
+    Args:
+        ring: the upstream's replica ring (names, load factor, cool-downs).
+    """
+
+    name = "base"
+    wants_blocks = False
+    """Whether ``acquire`` reads ``RouteRequest.blocks`` (callers skip hashing the prompt otherwise)."""
+
+    def __init__(self, ring: AffinityRing) -> None:
+        self.ring = ring
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """Replica names in configuration order."""
+        return self.ring.replicas
+
+    def candidates(self, key: str, exclude: Iterable[str] = ()) -> list[str]:
+        """Available replicas not in ``exclude``, in the key's ring order."""
+        skip = set(exclude)
+        return [r for r in self.ring.ring_order(key) if r not in skip and self.ring.is_available(r)]
+
+    def pin(self, replica: str, key: str) -> Lease:
+        """Count a request in flight on exactly ``replica`` (the ring's walk with every other one excluded)."""
+        others = frozenset(r for r in self.ring.replicas if r != replica)
+        return self.ring.acquire(key, exclude=others)
+
+    def acquire(self, request: RouteRequest, exclude: Iterable[str] = ()) -> Lease:
+        """Choose a replica for ``request`` and count it in flight; ``Lease.release`` when done.
+
+        Raises:
+            NoReplicaAvailable: every replica is in ``exclude``.
+        """
+        exclude = frozenset(exclude)
+        if all(r in exclude for r in self.ring.replicas):
+            raise NoReplicaAvailable(f"all {len(self.ring.replicas)} replica(s) failed for this request")
+        available = self.candidates(request.key, exclude)
+        if not available:
+            # All down or probing: the ring probes the one whose cool-down ends first.
+            return self.ring.acquire(request.key, exclude=exclude)
+        return self.pin(self.choose(request, available), request.key)
+
+    def choose(self, request: RouteRequest, available: list[str]) -> str:
+        """The replica for ``request`` among ``available`` (non-empty, in the key's ring order)."""
+        raise NotImplementedError
+
+    def report_success(self, replica: str) -> None:
+        """The replica answered: see ``AffinityRing.report_success``."""
+        self.ring.report_success(replica)
+
+    def report_failure(self, replica: str) -> None:
+        """Connection error, timeout or 5xx: see ``AffinityRing.report_failure``."""
+        self.ring.report_failure(replica)
+
+    def replica_restarted(self, replica: str) -> None:
+        """The replica lost its cache (restart); policies with an index forget it."""
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each request to the next available replica in configuration order."""
+
+    name = "round_robin"
+
+    def __init__(self, ring: AffinityRing) -> None:
+        super().__init__(ring)
+        self._counter = itertools.count()
+
+    def choose(self, request: RouteRequest, available: list[str]) -> str:
+        ordered = [r for r in self.ring.replicas if r in available]
+        return ordered[next(self._counter) % len(ordered)]
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    """The available replica with the fewest requests in flight; ties taken in turn (an idle fleet is not
+    all sent to the first replica)."""
+
+    name = "least_load"
+
+    def __init__(self, ring: AffinityRing) -> None:
+        super().__init__(ring)
+        self._counter = itertools.count()
+
+    def choose(self, request: RouteRequest, available: list[str]) -> str:
+        least = min(self.ring.inflight[r] for r in available)
+        tied = [r for r in self.ring.replicas if r in available and self.ring.inflight[r] == least]
+        return tied[next(self._counter) % len(tied)]
+
+
+class ConsistentHashPolicy(RoutingPolicy):
+    """Consistent hashing with bounded loads on the prefix key: the ring's own walk, unchanged."""
+
+    name = "consistent_hash"
+
+    def acquire(self, request: RouteRequest, exclude: Iterable[str] = ()) -> Lease:
+        return self.ring.acquire(request.key, exclude=frozenset(exclude))
+
+    def choose(self, request: RouteRequest, available: list[str]) -> str:
+        cap = self.ring.capacity(len(available))
+        return next((r for r in available if self.ring.inflight[r] < cap), available[0])
+
+
+@dataclass
+class CacheAwareStats:
+    """Counters of the cache-aware choice (for /admin/stats and the bench)."""
+
+    by_match: int = 0
+    by_ring: int = 0
+    over_bound_skips: int = 0
+    kv_batches: int = 0
+    kv_errors: int = 0
+
+
+class PendingLease:
+    """A ring :class:`~gateway.transport.affinity.Lease` that also counts its prefill blocks as pending on the
+    replica until the replica's first byte (its prefill is done then) or the release, whichever comes first.
+
+    Reads like the ``Lease`` it wraps (``replica``, ``key``, ``home``, ``load``, ``capacity``, ``probe``);
+    ``prefill_done`` and ``release`` are idempotent.
+    """
+
+    def __init__(self, lease: Lease, weight: int, policy: CacheAwarePolicy) -> None:
+        self.lease = lease
+        self.weight = weight
+        self._policy = policy
+        self._pending = True
+        self._released = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.lease, name)
+
+    def prefill_done(self) -> None:
+        """The replica sent its first byte: its prefill blocks are no longer pending (idempotent)."""
+        if self._pending:
+            self._pending = False
+            pending = self._policy.pending_blocks
+            pending[self.lease.replica] = pending.get(self.lease.replica, 0) - self.weight
+
+    def release(self) -> None:
+        """Give the slot (and the pending blocks, if still counted) back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self.prefill_done()
+            self.lease.release()
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    """Longest expected prefix match under the load bound; the bounded-load ring walk otherwise.
+
+    Among the replicas under the ring's bound, when the best expected match covers at least
+    ``cache_threshold`` of the request's blocks, the replica with the least cost
+    ``overlap_weight * (blocks to prefill there) + (blocks this gateway has pending there)`` (Dynamo's KV
+    router cost with temperature 0; ties in ring order); otherwise the first one under the bound in the key's
+    ring order (consistent hashing with bounded load), so gateways that share nothing agree on a new prefix.
+    Pending blocks are the blocks each in-flight request has to prefill, counted until the replica's first byte
+    (``PendingLease.prefill_done``) or the lease's release.
+
+    Args:
+        ring: the replica ring; its ``load_factor`` is the load bound ``c``.
+        cache_threshold: least matched fraction of the request's blocks to follow the match (SGLang: 0.5).
+        overlap_weight: weight of the prefill blocks against pending blocks (Dynamo: 1.0).
+        index_capacity_blocks: hashes kept per replica by the approximate index (llm-d: 31,250).
+        use_kv_events: take the blocks a replica reports in KV events as its cache, once it has reported any.
+
+    Raises:
+        ValueError: ``cache_threshold`` outside ``[0, 1]`` or ``overlap_weight < 0``.
+    """
+
+    name = "cache_aware"
+    wants_blocks = True
+
+    def __init__(
+        self,
+        ring: AffinityRing,
+        *,
+        cache_threshold: float = 0.5,
+        overlap_weight: float = 1.0,
+        index_capacity_blocks: int = 31_250,
+        use_kv_events: bool = False,
+    ) -> None:
+        super().__init__(ring)
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be in [0, 1]")
+        if not overlap_weight >= 0.0:
+            raise ValueError("overlap_weight must be >= 0")
+        self.cache_threshold = float(cache_threshold)
+        self.overlap_weight = float(overlap_weight)
+        self.pending_blocks: dict[str, int] = {}
+        self.on_route: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.record
+        self.use_kv_events = use_kv_events
+        self.approx = BlockIndex(index_capacity_blocks)
+        # Exact view from KV events: bounded like the approximate one (a lying stream cannot grow memory).
+        self.exact = BlockIndex(index_capacity_blocks)
+        self._reporting: set[str] = set()
+        self.stats = CacheAwareStats()
+
+    def expected_match(self, replica: str, blocks: Sequence[int]) -> int:
+        """Leading blocks of ``blocks`` expected cached on ``replica`` (exact view when it reports events)."""
+        if self.use_kv_events and replica in self._reporting:
+            return self.exact.match(replica, blocks)
+        return self.approx.match(replica, blocks)
+
+    def choose(self, request: RouteRequest, available: list[str]) -> str:
+        cap = self.ring.capacity(len(available))
+        under = [r for r in available if self.ring.inflight[r] < cap]
+        if not under:  # cannot happen while n * cap > m; kept for safety
+            under = available
+        blocks = request.blocks
+        if blocks:
+            matches = {r: self.expected_match(r, blocks) for r in available}
+            best = max(matches[r] for r in under)
+            if max(matches.values()) > best:
+                self.stats.over_bound_skips += 1
+            if best > 0 and best >= self.cache_threshold * len(blocks):
+                # Dynamo's cost: overlap weight x blocks to prefill there + blocks already pending there.
+                rank = {r: i for i, r in enumerate(available)}
+                self.stats.by_match += 1
+                return min(
+                    under,
+                    key=lambda r: (
+                        self.overlap_weight * (len(blocks) - matches[r]) + self.pending_blocks.get(r, 0),
+                        rank[r],
+                    ),
+                )
+        self.stats.by_ring += 1
+        return under[0]
+
+    def acquire(self, request: RouteRequest, exclude: Iterable[str] = ()) -> PendingLease:  # type: ignore[override]
+        lease = super().acquire(request, exclude)
+        weight = len(request.blocks) - self.expected_match(lease.replica, request.blocks)
+        if request.blocks:
+            self.approx.add(lease.replica, request.blocks)
+            for callback in self.on_route:
+                callback(lease.replica, request.blocks)
+        self.pending_blocks[lease.replica] = self.pending_blocks.get(lease.replica, 0) + weight
+        return PendingLease(lease, weight, self)
+
+    def replica_restarted(self, replica: str) -> None:
+        self.approx.clear(replica)
+        self.exact.clear(replica)
+
+    def apply_kv_events(self, replica: str, batch: Mapping[str, object]) -> int:
+        """Apply one vLLM-style ``KVEventBatch`` from ``replica`` to the exact view.
+
+        Shape (vLLM ``vllm/distributed/kv_events.py``, as JSON): ``{"ts": float, "events": [event, ...]}`` with
+        ``{"type": "BlockStored", "block_hashes": [int], "parent_block_hash": int | None, ...}``,
+        ``{"type": "BlockRemoved", "block_hashes": [int]}`` or ``{"type": "AllBlocksCleared"}``.
+
+        Returns:
+            Number of events applied.
+
+        Raises:
+            KVEventError: ``replica`` is unknown or the batch is not that shape (nothing of it is applied).
+        """
+        if replica not in self.ring.replicas:
+            self.stats.kv_errors += 1
+            raise KVEventError(f"KV events from unknown replica {replica!r}")
+        events = batch.get("events") if isinstance(batch, Mapping) else None
+        if not isinstance(events, list):
+            self.stats.kv_errors += 1
+            raise KVEventError("KV event batch without an 'events' list")
+        parsed: list[tuple[str, list[int]]] = []
+        for event in events:
+            kind = event.get("type") if isinstance(event, Mapping) else None
+            if kind == "AllBlocksCleared":
+                parsed.append((kind, []))
+                continue
+            hashes = event.get("block_hashes") if kind in ("BlockStored", "BlockRemoved") else None
+            if not isinstance(hashes, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) for h in hashes
+            ):
+                self.stats.kv_errors += 1
+                raise KVEventError(f"bad KV event: {str(event)[:120]}")
+            parsed.append((kind, hashes))
+        for kind, hashes in parsed:
+            if kind == "BlockStored":
+                self.exact.add(replica, hashes)
+            elif kind == "BlockRemoved":
+                self.exact.remove(replica, hashes)
+            else:
+                self.exact.clear(replica)
+        self._reporting.add(replica)
+        self.stats.kv_batches += 1
+        return len(parsed)
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls for cls in (RoundRobinPolicy, LeastLoadPolicy, ConsistentHashPolicy, CacheAwarePolicy)
+}
+
+
+def make_policy(name: str, ring: AffinityRing, **options: object) -> RoutingPolicy:
+    """The policy called ``name`` over ``ring``; ``options`` go to ``CacheAwarePolicy`` only.
+
+    Raises:
+        ValueError: unknown ``name``, or options given to a policy that takes none.
+    """
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
+    if cls is CacheAwarePolicy:
+        return CacheAwarePolicy(ring, **options)  # type: ignore[arg-type]
+    if options:
+        raise ValueError(f"routing policy {name!r} takes no options, got {sorted(options)}")
+    return cls(ring)

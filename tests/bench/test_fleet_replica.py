@@ -1,0 +1,136 @@
+"""The fleet simulator's stub replica and bench router over loopback (bench.fleet)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+import pytest
+
+from bench.fleet.replica import EngineTiming, PrefixLRU, StubReplica
+from bench.fleet.router import BenchRouter
+from bench.fleet.run import percentile, single_cache_hit_rate
+from bench.fleet.tokens import encode_chat
+from gateway.transport.routing_policy import block_hashes
+
+FAST = EngineTiming(time_scale=0.001)
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " + "alpha beta gamma delta " * 60}
+
+
+def test_prefix_lru_counts_whole_blocks_and_keeps_one_token_to_compute():
+    cache = PrefixLRU(capacity_tokens=64)
+    ids = list(range(40))
+    hashes = block_hashes(ids)
+    assert cache.lookup(ids, hashes) == 0
+    assert cache.insert(ids, hashes) == (hashes, [])
+    assert cache.lookup(ids, hashes) == 32
+    exact = list(range(32))
+    assert (
+        cache.lookup(exact, block_hashes(exact)) == 16
+    )  # a fully cached prompt still computes its last block
+    other = list(range(100, 164))
+    stored, removed = cache.insert(other, block_hashes(other))
+    assert (
+        len(cache) == 4 and len(stored) == 4 and removed == hashes[::-1]
+    )  # 4 blocks fit: a went, tail first
+
+
+def test_prefix_lru_evicts_a_chain_tail_before_its_parent():
+    cache = PrefixLRU(capacity_tokens=32)
+    a = list(range(32))
+    cache.insert(a, block_hashes(a))
+    b = list(range(200, 216))
+    _, removed = cache.insert(b, block_hashes(b))
+    assert removed == [block_hashes(a)[1]]  # the tail of a, not its first block
+    assert cache.lookup(a + [0], block_hashes(a + [0])) == 16
+
+
+def test_single_cache_hit_rate_and_percentile():
+    ids = list(range(64))
+    assert single_cache_hit_rate([ids, ids], 1000) == pytest.approx(48 / 128)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0
+    assert percentile([], 99) == 0.0
+
+
+async def _chat(client: httpx.AsyncClient, url: str, messages: list[dict]) -> dict:
+    r = await client.post(
+        f"{url}/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 3}
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_replica_reports_cached_tokens_and_publishes_kv_events():
+    replica = StubReplica("r0", 4096, FAST)
+    await replica.start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            events: list[dict] = []
+
+            async def follow() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    async with client.stream("GET", f"{replica.base_url}/kv_events") as r:
+                        async for line in r.aiter_lines():
+                            if line:
+                                events.append(json.loads(line))
+
+            task = asyncio.create_task(follow())
+            await asyncio.sleep(0.05)
+            first = await _chat(client, replica.base_url, [SYSTEM, {"role": "user", "content": "one"}])
+            n = first["usage"]["prompt_tokens"]
+            assert n == len(encode_chat([SYSTEM, {"role": "user", "content": "one"}]))
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            second = await _chat(client, replica.base_url, [SYSTEM, {"role": "user", "content": "two"}])
+            a = encode_chat([SYSTEM, {"role": "user", "content": "one"}])
+            b = encode_chat([SYSTEM, {"role": "user", "content": "two"}])
+            common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == common // 16 * 16 > 0
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            kinds = [e["type"] for batch in events for e in batch["events"]]
+            assert kinds[0] == "AllBlocksCleared" and "BlockStored" in kinds
+            stored = [
+                h
+                for b in events
+                for e in b["events"]
+                if e["type"] == "BlockStored"
+                for h in e["block_hashes"]
+            ]
+            assert stored[: n // 16] == block_hashes(
+                encode_chat([SYSTEM, {"role": "user", "content": "one"}])
+            )
+            bad = await client.post(f"{replica.base_url}/chat/completions", json={"messages": "x"})
+            assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+            bad = await client.post(f"{replica.base_url}/chat/completions", content=b"{")
+            assert bad.status_code == 400
+    finally:
+        await replica.kill()
+
+
+async def test_router_fails_over_before_the_first_byte_and_placements_follow_the_prefix():
+    replicas = [StubReplica(f"r{i}", 4096, FAST) for i in range(3)]
+    for r in replicas[:2]:
+        await r.start()  # r2 is down: connections are refused
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            router = BenchRouter([r.base_url for r in replicas], "cache_aware", client)
+            first = await router.complete([SYSTEM, {"role": "user", "content": "hi"}], 4)
+            assert first.ok and first.cached_tokens == 0
+            again = await router.complete([SYSTEM, {"role": "user", "content": "hi again"}], 4)
+            assert again.ok and again.replica == first.replica and again.cached_tokens > 0
+            # Force the walk onto the dead replica: it is marked down and the request goes elsewhere.
+            down = replicas[2].base_url
+            lease = router.policy.pin(down, "x")
+            lease.release()
+            outcomes = [await router.complete([{"role": "user", "content": f"q{i}"}], 2) for i in range(6)]
+            assert all(o.ok for o in outcomes)
+            assert all(o.replica != down for o in outcomes)
+            assert router.policy.ring.health[down].state in ("down", "half_open", "up")
+            await router.close()
+    finally:
+        for r in replicas:
+            await r.kill()

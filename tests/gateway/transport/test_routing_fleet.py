@@ -1,0 +1,200 @@
+"""Cache-aware routing through the real upstream backend: 3 stub replicas on loopback, 2 gateways sharing the
+index through Redis (127.0.0.1:6379), a scripted sequence with exact placements, and Redis loss."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import httpx
+import pytest
+import redis
+
+from bench.fleet.netfault import TcpProxy
+from bench.fleet.replica import EngineTiming, StubReplica
+from gateway.backends.openai_upstream import OpenAIUpstreamBackend
+from gateway.backends.upstream import routing_blocks
+from gateway.config.schema import ROUTING_POLICIES, RoutingShareConfig
+from gateway.transport.routing_policy import POLICIES, CacheAwarePolicy
+from tests.gateway.upstream_helpers import Sleeps, chat_request, drain
+
+FAST = EngineTiming(time_scale=0.001)
+SYSTEM = "You answer questions about the fleet. " + "Replicas keep their prefixes warm. " * 40
+
+
+def test_config_names_every_policy():
+    assert set(ROUTING_POLICIES) == set(POLICIES)
+
+
+def test_routing_blocks_share_the_leading_blocks_of_a_growing_conversation():
+    turn1 = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q1"}]}
+    turn2 = {
+        "messages": turn1["messages"]
+        + [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    }
+    a, b = routing_blocks(turn1, "m"), routing_blocks(turn2, "m")
+    assert len(a) > 10 and b[: len(a)] == a
+    assert routing_blocks(turn1, "other-model")[0] != a[0]
+    assert routing_blocks("not a body", "m") == ()
+
+
+def key_with_home(backend: OpenAIUpstreamBackend, home: str, tag: str) -> str:
+    """The first key ``{tag}-{i}`` whose home on the ring is ``home`` (placements below are then exact)."""
+    return next(f"{tag}-{i}" for i in range(10_000) if backend.upstream.ring.home(f"{tag}-{i}") == home)
+
+
+async def send(
+    backend: OpenAIUpstreamBackend, replicas: list[StubReplica], messages: list[dict], key: str
+) -> str:
+    """Send one request; returns the name of the replica that served it (by its own served count)."""
+    before = [r.engine.served for r in replicas]
+    events = await drain(backend.stream(chat_request(messages, prefix_key=key)))
+    assert events, "no events"
+    served = [r.name for r, b in zip(replicas, before, strict=True) if r.engine.served == b + 1]
+    assert len(served) == 1, served
+    return served[0]
+
+
+@pytest.fixture
+async def fleet():
+    replicas = [StubReplica(f"r{i}", 50_000, FAST) for i in range(3)]
+    for r in replicas:
+        await r.start()
+    yield replicas
+    for r in replicas:
+        await r.kill()
+
+
+def gateway(
+    replicas: list[StubReplica], http: httpx.AsyncClient, model: str, share: RoutingShareConfig | None
+) -> OpenAIUpstreamBackend:
+    return OpenAIUpstreamBackend(
+        model,
+        [r.base_url for r in replicas],
+        client=http,
+        retries=1,
+        sleep=Sleeps(),
+        routing="cache_aware",
+        routing_share=share,
+    )
+
+
+async def test_two_gateways_follow_a_spilled_conversation_through_redis(fleet):
+    replicas = fleet
+    by_url = {r.base_url: r.name for r in replicas}
+    model = f"fleet-test-{uuid.uuid4().hex[:8]}"
+    share = RoutingShareConfig(redis_url="redis://127.0.0.1:6379/0", interval_s=0.05, timeout_s=0.5)
+    async with httpx.AsyncClient(timeout=10) as http:
+        ga, gb = gateway(replicas, http, model, share), gateway(replicas, http, model, share)
+        lone = gateway(replicas, http, model, None)  # a third gateway that shares nothing
+        r0 = replicas[0].base_url
+        kx = key_with_home(ga, r0, "x")
+        walk = [by_url[u] for u in ga.upstream.ring.ring_order(kx)]
+        assert walk[0] == "r0"
+        try:
+            x1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+            # 1. r0 is busy on gateway A (2 requests in flight = the bound ceil(1.25 * 3 / 3)): X spills.
+            held = [ga.upstream.routing.pin(r0, "busy"), ga.upstream.routing.pin(r0, "busy")]
+            assert await send(ga, replicas, x1, kx) == walk[1]
+            for lease in held:
+                lease.release()
+            # 2. Gateway A writes its placement, gateway B reads it (one exchange each: the staleness bound).
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            # 3. The next turn goes to gateway B: it follows the history to the spill replica, not home.
+            x2 = x1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second"}]
+            cached_before = sum(r.engine.cached_tokens for r in replicas)
+            assert await send(gb, replicas, x2, kx) == walk[1]
+            assert sum(r.engine.cached_tokens for r in replicas) - cached_before > len(SYSTEM) // 8
+            # 4. A gateway without the shared index sends it home (where nothing of X is cached).
+            assert await send(lone, replicas, x2, kx) == "r0"
+            # 5. A new conversation goes home on both gateways (they agree without sharing anything).
+            ky = key_with_home(ga, replicas[2].base_url, "y")
+            y1 = [
+                {"role": "system", "content": "Another system prompt. " * 30},
+                {"role": "user", "content": "hi"},
+            ]
+            assert await send(gb, replicas, y1, ky) == "r2"
+            assert await send(ga, replicas, y1 + [{"role": "user", "content": "more"}], ky) == "r2"
+            policy = gb.upstream.routing
+            assert isinstance(policy, CacheAwarePolicy) and policy.stats.by_match >= 1
+            assert sum(ga.upstream.ring.inflight.values()) == sum(gb.upstream.ring.inflight.values()) == 0
+            assert ga.routing_share.stats.errors == gb.routing_share.stats.errors == 0
+        finally:
+            client = redis.Redis()
+            for key in client.scan_iter(f"prefixgate:route:{model}:*"):
+                client.delete(key)
+            await ga.close()
+            await gb.close()
+
+
+async def test_redis_loss_degrades_to_the_local_view(fleet):
+    replicas = fleet
+    dead = RoutingShareConfig(
+        redis_url="redis://127.0.0.1:1/0", interval_s=0.05, timeout_s=0.05, retry_after_s=60
+    )
+    async with httpx.AsyncClient(timeout=10) as http:
+        g = gateway(replicas, http, "lost-redis", dead)
+        key = key_with_home(g, replicas[1].base_url, "z")
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+        assert await send(g, replicas, msgs, key) == "r1"
+        assert await g.routing_share.exchange() is False  # refused: counted, paused, nothing raised
+        assert await g.routing_share.exchange() is False
+        assert (g.routing_share.stats.errors, g.routing_share.stats.skipped) == (1, 1)
+        # Routing goes on with the local index: the conversation stays where its history is.
+        more = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+        assert await send(g, replicas, more, key) == "r1"
+        await g.routing_share.close()
+
+
+def test_routing_share_needs_cache_aware():
+    with pytest.raises(ValueError, match="cache_aware"):
+        OpenAIUpstreamBackend(
+            "m", ["http://127.0.0.1:9/v1"], routing="round_robin", routing_share=RoutingShareConfig()
+        )
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        OpenAIUpstreamBackend("m", ["http://127.0.0.1:9/v1"], routing="random")
+
+
+async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):
+    replicas = fleet
+    proxy = TcpProxy()
+    await proxy.start()
+    model = f"fleet-cut-{uuid.uuid4().hex[:8]}"
+    share = RoutingShareConfig(
+        redis_url=f"redis://127.0.0.1:{proxy.port}/0", interval_s=0.05, timeout_s=0.5, retry_after_s=0.05
+    )
+    async with httpx.AsyncClient(timeout=10) as http:
+        ga, gb = gateway(replicas, http, model, share), gateway(replicas, http, model, share)
+        try:
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            await proxy.cut()  # Redis is gone (every connection reset, the port refuses)
+            kx = key_with_home(ga, replicas[0].base_url, "cut")
+            held = [ga.upstream.routing.pin(replicas[0].base_url, "busy") for _ in range(2)]
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "while redis is down"}]
+            placed = await send(ga, replicas, msgs, kx)  # routing works without Redis
+            for lease in held:
+                lease.release()
+            assert placed != "r0"
+            assert await ga.routing_share.exchange() is False  # failed: counted, placement kept
+            assert ga.routing_share.stats.errors >= 1 and len(ga.routing_share._outbox) == 1
+            await proxy.start()  # back on the same port
+            await asyncio.sleep(0.06)  # past retry_after_s
+            assert await ga.routing_share.exchange()  # the kept placement is written now
+            # Gateway B's pooled connection was reset by the cut: its first exchange fails on it (counted),
+            # the next one reconnects.
+            for _ in range(3):
+                if await gb.routing_share.exchange():
+                    break
+                await asyncio.sleep(0.06)
+            assert gb.routing_share.stats.exchanges == 2
+            more = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "and now?"}]
+            assert await send(gb, replicas, more, kx) == placed  # gateway B learned it after the outage
+        finally:
+            client = redis.Redis()
+            for key in client.scan_iter(f"prefixgate:route:{model}:*"):
+                client.delete(key)
+            await ga.close()
+            await gb.close()
+            with contextlib.suppress(Exception):
+                await proxy.cut()

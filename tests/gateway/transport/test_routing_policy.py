@@ -1,0 +1,257 @@
+"""Routing policies over an upstream's replicas (gateway.transport.routing_policy)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.transport.affinity import AffinityRing
+from gateway.transport.routing_policy import (
+    BlockIndex,
+    CacheAwarePolicy,
+    ConsistentHashPolicy,
+    KVEventError,
+    LeastLoadPolicy,
+    NoReplicaAvailable,
+    RoundRobinPolicy,
+    RouteRequest,
+    block_hashes,
+    make_policy,
+    text_block_hashes,
+)
+
+REPLICAS = [f"http://replica-{i}:8000/v1" for i in range(4)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ring(**kw) -> AffinityRing:
+    return AffinityRing(REPLICAS, **kw)
+
+
+def req(key: str, tokens: list[int] | None = None) -> RouteRequest:
+    return RouteRequest(key=key, blocks=tuple(block_hashes(tokens or [])))
+
+
+# ---- hashing and the index ---------------------------------------------------------------------------
+
+
+def test_block_hashes_are_chained_and_skip_the_partial_block():
+    a = block_hashes(list(range(40)))
+    b = block_hashes(list(range(32)) + [999] * 8)
+    assert len(a) == 2 and a == b  # 40 tokens: two full blocks; the partial third is not hashed
+    c = block_hashes([1] + list(range(1, 32)))
+    assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later hash
+    assert block_hashes(list(range(32)), salt="tenant-b") != a
+    assert block_hashes(list(range(15))) == []
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], block_size=0)
+
+
+def test_text_block_hashes_share_leading_blocks():
+    base = "x" * 128
+    assert text_block_hashes(base + "a" * 64)[:2] == text_block_hashes(base + "b" * 64)[:2]
+    assert text_block_hashes(base + "a" * 64)[2] != text_block_hashes(base + "b" * 64)[2]
+    assert text_block_hashes("short") == []
+
+
+def test_block_index_is_bounded_and_ages_the_oldest_first():
+    index = BlockIndex(capacity_blocks=4)
+    index.add("r", [1, 2, 3])
+    index.add("r", [7, 8])
+    assert index.size("r") == 4
+    # [1, 2, 3] were touched tail first, so 1 (the parent) is younger than 3; 3 went first.
+    assert index.match("r", [1, 2, 3]) == 2
+    assert index.match("r", [7, 8]) == 2
+    index.remove("r", [1])
+    assert index.match("r", [1, 2]) == 0  # a prefix match stops at the first missing block
+    index.clear("r")
+    assert index.size("r") == 0 and index.match("other", [1]) == 0
+
+
+# ---- simple policies ---------------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_and_skips_a_down_replica():
+    clock = Clock()
+    policy = RoundRobinPolicy(ring(clock=clock))
+    got = []
+    for i in range(8):
+        lease = policy.acquire(req(f"k{i}"))
+        got.append(lease.replica)
+        lease.release()
+    assert got == REPLICAS * 2
+    policy.report_failure(REPLICAS[1])
+    got = []
+    for i in range(6):
+        lease = policy.acquire(req(f"k{i}"))
+        got.append(lease.replica)
+        lease.release()
+    assert REPLICAS[1] not in got and set(got) == {REPLICAS[0], REPLICAS[2], REPLICAS[3]}
+
+
+def test_least_load_takes_the_fewest_in_flight_and_rotates_ties():
+    policy = LeastLoadPolicy(ring())
+    leases = [policy.acquire(req("same")) for _ in range(8)]
+    assert sorted(policy.ring.inflight.values()) == [2, 2, 2, 2]
+    leases[0].release()
+    assert policy.acquire(req("same")).replica == leases[0].replica
+    idle = LeastLoadPolicy(ring())
+    got = []
+    for _ in range(8):  # one at a time: every replica is idle each time
+        lease = idle.acquire(req("same"))
+        got.append(lease.replica)
+        lease.release()
+    assert got == REPLICAS * 2
+
+
+def test_consistent_hash_is_todays_ring_walk():
+    a, b = ConsistentHashPolicy(ring()), ring()
+    for i in range(50):
+        lease = a.acquire(req(f"prefix-{i}"))
+        assert lease.replica == b.home(f"prefix-{i}")
+        lease.release()
+
+
+def test_every_replica_excluded_raises():
+    for name in ("round_robin", "least_load", "consistent_hash", "cache_aware"):
+        policy = make_policy(name, ring())
+        with pytest.raises(NoReplicaAvailable):
+            policy.acquire(req("k"), exclude=set(REPLICAS))
+
+
+def test_make_policy_rejects_unknown_names_and_stray_options():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random", ring())
+    with pytest.raises(ValueError, match="takes no options"):
+        make_policy("round_robin", ring(), cache_threshold=0.3)
+    with pytest.raises(ValueError):
+        make_policy("cache_aware", ring(), cache_threshold=1.5)
+
+
+# ---- cache-aware -------------------------------------------------------------------------------------
+
+SYSTEM = list(range(1000, 1000 + 64))  # four blocks shared by a conversation
+
+
+def test_cache_aware_sends_a_new_prefix_home_and_a_continuation_to_where_its_history_went():
+    policy = CacheAwarePolicy(ring())
+    home = policy.ring.home("sys")
+    first = policy.acquire(req("sys", SYSTEM + list(range(16))))
+    assert first.replica == home and policy.stats.by_ring == 1
+    first.release()
+    # Same key, but the history was placed elsewhere (e.g. by spill): the match wins over the home.
+    other = next(r for r in REPLICAS if r != home)
+    policy.approx.add(other, block_hashes(SYSTEM + list(range(48))))
+    second = policy.acquire(req("sys", SYSTEM + list(range(48)) + list(range(16))))
+    assert second.replica == other and policy.stats.by_match == 1
+    second.release()
+    assert policy.pending_blocks[other] == 0 and sum(policy.ring.inflight.values()) == 0
+
+
+def test_cache_aware_below_threshold_follows_the_ring():
+    policy = CacheAwarePolicy(ring(), cache_threshold=0.9)
+    other = next(r for r in REPLICAS if r != policy.ring.home("k"))
+    tokens = SYSTEM + list(range(64))
+    policy.approx.add(other, block_hashes(tokens)[:4])  # half of the 8 blocks
+    lease = policy.acquire(req("k", tokens))
+    assert lease.replica == policy.ring.home("k")
+
+
+def test_cache_aware_pending_blocks_spread_equal_matches():
+    policy = CacheAwarePolicy(ring(load_factor=8.0))
+    tokens = SYSTEM + list(range(64))
+    hashes = block_hashes(tokens)
+    a, b = REPLICAS[0], REPLICAS[2]
+    policy.approx.add(a, hashes[:6])
+    policy.approx.add(b, hashes[:6])
+    first = policy.acquire(req("k", tokens))
+    second = policy.acquire(req("k2", tokens[:96] + list(range(500, 532))))
+    # Both share 6 blocks with either replica: 2 to prefill on each; the first request's 2 pending blocks
+    # make the second one's cost 4 where the first went and 2 on the other.
+    assert {first.replica, second.replica} == {a, b}
+    first.prefill_done()  # the replica's first byte: its prefill is no longer pending
+    assert policy.pending_blocks[first.replica] == 0
+    third = policy.acquire(req("k3", tokens[:96] + list(range(600, 632))))
+    assert third.replica == first.replica  # cost 2 there (its prefill is done), 4 where the second is pending
+    first.release()
+    first.release()  # idempotent, and the pending blocks are not given back twice
+    assert policy.pending_blocks[first.replica] == third.weight
+    second.release()
+    third.release()
+    assert set(policy.pending_blocks.values()) == {0}
+
+
+def test_lying_kv_events_cannot_exceed_the_load_bound():
+    policy = CacheAwarePolicy(ring(), use_kv_events=True)
+    liar = REPLICAS[2]
+    tokens = SYSTEM + list(range(32))
+    # The liar claims every block of every request, none of which was ever sent there.
+    policy.apply_kv_events(
+        liar, {"ts": 0.0, "events": [{"type": "BlockStored", "block_hashes": block_hashes(tokens)}]}
+    )
+    leases = []
+    for i in range(40):
+        total = sum(policy.ring.inflight.values())
+        cap = math.ceil(policy.ring.load_factor * (total + 1) / len(REPLICAS))
+        lease = policy.acquire(req(f"key-{i}", tokens))
+        assert policy.ring.inflight[liar] <= cap
+        leases.append(lease)
+    assert policy.ring.inflight[liar] == max(policy.ring.inflight.values()) <= math.ceil(1.25 * 40 / 4)
+    assert policy.stats.over_bound_skips > 0
+    for lease in leases:
+        lease.release()
+    assert sum(policy.ring.inflight.values()) == 0
+
+
+def test_kv_events_are_the_exact_view_and_removals_count():
+    policy = CacheAwarePolicy(ring(), use_kv_events=True)
+    hashes = block_hashes(SYSTEM)
+    r = REPLICAS[1]
+    assert (
+        policy.apply_kv_events(r, {"ts": 1.0, "events": [{"type": "BlockStored", "block_hashes": hashes}]})
+        == 1
+    )
+    assert policy.expected_match(r, hashes) == 4
+    policy.apply_kv_events(r, {"ts": 2.0, "events": [{"type": "BlockRemoved", "block_hashes": hashes[2:3]}]})
+    assert policy.expected_match(r, hashes) == 2
+    policy.apply_kv_events(r, {"ts": 3.0, "events": [{"type": "AllBlocksCleared"}]})
+    assert policy.expected_match(r, hashes) == 0
+    # A replica that reports events is judged by them, not by what was routed there.
+    policy.approx.add(r, hashes)
+    assert policy.expected_match(r, hashes) == 0
+    assert policy.expected_match(REPLICAS[0], hashes) == 0
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        {"events": "nope"},
+        {"ts": 1.0},
+        {"events": [{"type": "BlockStored", "block_hashes": ["a"]}]},
+        {"events": [{"type": "BlockStored", "block_hashes": [True]}]},
+        {"events": [{"type": "Unknown"}]},
+        {"events": [{"type": "BlockStored", "block_hashes": [1]}, 5]},
+    ],
+)
+def test_bad_kv_event_batches_are_refused_whole(batch):
+    policy = CacheAwarePolicy(ring(), use_kv_events=True)
+    with pytest.raises(KVEventError):
+        policy.apply_kv_events(REPLICAS[0], batch)
+    assert policy.exact.size(REPLICAS[0]) == 0 and policy.stats.kv_errors == 1
+    with pytest.raises(KVEventError, match="unknown replica"):
+        policy.apply_kv_events("http://nowhere/v1", {"events": []})
+
+
+def test_replica_restart_forgets_its_index():
+    policy = CacheAwarePolicy(ring())
+    policy.approx.add(REPLICAS[0], [1, 2])
+    policy.replica_restarted(REPLICAS[0])
+    assert policy.approx.size(REPLICAS[0]) == 0
