@@ -59,6 +59,10 @@ class WriteBackQueue(Generic[T]):
         self.counters.add("writeback.queued")
         return True
 
+    def full(self) -> bool:
+        """True when an ``offer`` now would be dropped."""
+        return self._closed or self._q.full()
+
     def depth(self) -> int:
         """Items waiting now."""
         return self._q.qsize()
