@@ -280,8 +280,48 @@ def decode_entry(layout: KVLayout, meta: BlockMeta, data: bytes) -> torch.Tensor
     return kv.view(layout.block_shape)
 
 
-def peek_extra_keys(data: bytes) -> tuple[bytes, int] | None:
-    """The canonical extra-key bytes and token count of an entry, without checking it (listing, dropping).
+def decode_extra_keys(raw: bytes) -> tuple:
+    """Inverse of ``engine.block_hash.encode_extra_keys`` (tuples come back as tuples).
+
+    Raises:
+        ValueError: the bytes are not one canonical encoding of a tuple.
+    """
+    r = _Reader(raw)
+
+    def one() -> object:
+        tag = bytes(r.take(1))
+        if tag == b"N":
+            return None
+        if tag == b"T":
+            return bytes(r.take(1)) == b"\x01"
+        if tag == b"I":
+            (n,) = r.unpack("<I")
+            return int(bytes(r.take(n)).decode("ascii"))
+        if tag == b"F":
+            return r.unpack("<d")[0]
+        if tag == b"S":
+            (n,) = r.unpack("<I")
+            return bytes(r.take(n)).decode("utf-8")
+        if tag == b"B":
+            (n,) = r.unpack("<I")
+            return bytes(r.take(n))
+        if tag == b"U":
+            (n,) = r.unpack("<I")
+            return tuple(one() for _ in range(n))
+        raise ValueError(f"unknown extra-key tag {tag!r}")
+
+    try:
+        value = one()
+    except EntryRejected as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(value, tuple) or r.pos != len(raw):
+        raise ValueError("not one encoded tuple")
+    return value
+
+
+def entry_meta(data: bytes) -> BlockMeta | None:
+    """The identity an entry claims (chain hash, parent, tokens, extra keys), read from its header without
+    checking the checksum or the layout (listing, dropping by tenant or model, tests).
 
     Returns None when the bytes do not parse as an entry header.
     """
@@ -292,12 +332,14 @@ def peek_extra_keys(data: bytes) -> tuple[bytes, int] | None:
         r.unpack("<H")
         r.take(2 * _DIGEST)
         (hlen,) = r.unpack("<H")
-        r.take(hlen)
-        _, plen = r.unpack("<BH")
-        r.take(plen)
+        block_hash = bytes(r.take(hlen))
+        has_parent, plen = r.unpack("<BH")
+        parent = bytes(r.take(plen))
         (elen,) = r.unpack("<I")
-        extra = bytes(r.take(elen))
+        extra = decode_extra_keys(bytes(r.take(elen)))
         (ntok,) = r.unpack("<I")
-        return extra, ntok
-    except (EntryRejected, struct.error):
+        tokens = array("q")
+        tokens.frombytes(r.take(8 * ntok))
+        return BlockMeta(block_hash, parent if has_parent else None, tuple(tokens), extra)
+    except (EntryRejected, struct.error, ValueError):
         return None

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kv_tiers.entry import BlockMeta, EntryRejected, decode_entry, encode_entry
+from engine.kv_tiers.entry import BlockMeta, EntryRejected, decode_entry, encode_entry, entry_meta
 
 
 def block(layout, seed: int = 0) -> tuple[BlockMeta, torch.Tensor]:
@@ -93,3 +93,11 @@ def test_encode_checks_its_input(layout):
         encode_entry(layout, meta, kv[:1])
     with pytest.raises(ValueError, match="tokens"):
         encode_entry(layout, dataclasses.replace(meta, token_ids=(1, 2)), kv)
+
+
+def test_entry_meta_reads_the_claimed_identity(layout):
+    meta, kv = block(layout)
+    assert entry_meta(encode_entry(layout, meta, kv)) == meta
+    first = dataclasses.replace(meta, parent_hash=None, extra_keys=("m", "", 3, None, b"x", (1.5, True)))
+    assert entry_meta(encode_entry(layout, first, kv)) == first
+    assert entry_meta(b"nope") is None and entry_meta(encode_entry(layout, meta, kv)[:70]) is None
