@@ -36,7 +36,7 @@ import redis
 
 from engine.api import EngineConfig, SamplingParams
 from engine.checkpoint import default_model_path, load_checkpoint
-from engine.kv_tiers.config import DiskTierConfig, RedisTierConfig
+from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
 from engine.llm_engine import LLMEngine
 
 QUESTION_TOKENS = 16

@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.kv_tiers.policy import TierPolicies
+from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -139,6 +142,17 @@ class EngineConfig:
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        tiers: tiers below the RAM pool, any of ``"disk"``, ``"redis"`` (looked up in that order); none by
+            default (``engine.kv_tiers.settings`` says why).
+        tier_disk / tier_redis: settings of each tier (directory, URL, key prefix, byte budgets, timeouts).
+        tier_policies: TTL and byte-budget share per level (system, documents, history) per tier.
+        tier_writeback_capacity: blocks the write-back queue holds; more are dropped (counted), never waited
+            for.
+        tier_flush_on_close: ``close()`` writes every cached block down, so a restart finds them.
+        max_pinned_fraction: most of the pool pinned prefixes may hold (pins are never evicted from RAM).
+        deployment_secret: keys the block hash when tiers are on, so persisted and shared entries are found
+            by every process of the deployment and by no one outside it (>= 16 bytes; required with Redis;
+            a disk tier alone keeps one of its own in its directory when unset).
     """
 
     block_size: int = 16
@@ -153,6 +167,14 @@ class EngineConfig:
     max_wait_s: float = 2.0
     device: str = "auto"
     num_threads: int | None = None
+    tiers: tuple[str, ...] = ()
+    tier_disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    tier_redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    tier_policies: TierPolicies = field(default_factory=TierPolicies)
+    tier_writeback_capacity: int = 256
+    tier_flush_on_close: bool = True
+    max_pinned_fraction: float = 0.25
+    deployment_secret: str | None = None
 
 
 @dataclass(frozen=True)

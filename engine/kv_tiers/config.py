@@ -1,15 +1,10 @@
-"""Settings of the tiers (fields of ``engine.api.EngineConfig``) and building the tier stack from them.
-
-Default: no tiers. A disk tier is not on by default because it would write KV (from which prompt text can
-be partly reconstructed) of every tenant to a local directory, up to gigabytes, without anyone asking for
-it; ``tiers: [disk]`` (and a directory) turns it on.
-"""
+"""Building the tier stack and the deployment's block hash from the engine's tier settings
+(``engine.kv_tiers.settings``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.block_hash import HashFn
 from engine.kv_tiers.counters import TierCounters
@@ -18,41 +13,8 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.keys import MIN_SECRET_BYTES, keyed_block_hash, load_or_create_secret
 from engine.kv_tiers.policy import TierPolicies
 from engine.kv_tiers.redis_tier import RedisTier
+from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
 from engine.kv_tiers.stack import Tier, TierStack
-
-TIER_NAMES = ("disk", "redis")
-
-
-@dataclass(frozen=True)
-class DiskTierConfig:
-    """``engine.tier_disk``.
-
-    Attributes:
-        directory: where the disk tier keeps its caches (None: required when ``disk`` is in ``tiers``).
-        budget_bytes: the tier's byte budget (entries plus SQLite files), shared by levels.
-    """
-
-    directory: str | None = None
-    budget_bytes: int = 8 << 30
-
-
-@dataclass(frozen=True)
-class RedisTierConfig:
-    """``engine.tier_redis``.
-
-    Attributes:
-        url: ``redis://host:port/db``.
-        prefix: key prefix of this deployment (every gateway of one deployment uses the same).
-        budget_bytes: the deployment's byte budget in Redis, shared by levels.
-        timeout_s: socket timeout of every Redis call (a slow Redis must not slow a request).
-        retry_s: after a connection error or a timeout, seconds before the tier tries again.
-    """
-
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "prefixgate"
-    budget_bytes: int = 1 << 30
-    timeout_s: float = 0.25
-    retry_s: float = 2.0
 
 
 def check_tier_names(tiers: tuple[str, ...]) -> None:

@@ -65,7 +65,7 @@ class TierPolicies:
         ValueError: an unknown level name, or a tier whose shares sum above 1.
     """
 
-    per_tier: Mapping[str, Mapping[str, TierPolicy]] = field(default_factory=dict)
+    per_tier: Mapping[str, Mapping[str, TierPolicy]] = field(default_factory=dict, hash=False)
     default_level: str = "history"
 
     def __post_init__(self) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_tiers.config import DiskTierConfig, RedisTierConfig, build_tier_stack
+from engine.kv_tiers.config import build_tier_stack
 from engine.kv_tiers.keys import keyed_block_hash
 from engine.kv_tiers.policy import TierPolicies
 from engine.kv_tiers.pool_link import PoolTiers
+from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
 
 HASH = keyed_block_hash(b"p" * 32)
 EXTRA = ("tiny-model@abc", "tenant")
