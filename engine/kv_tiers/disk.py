@@ -159,6 +159,24 @@ class DiskTier:
             for key in cache.iterkeys():
                 yield level, key
 
+    def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
+        """``(key, first head_bytes bytes of its entry)`` of every entry (admin: listing, dropping by tenant
+        or model; O(entries), reads only the heads of entries kept as files)."""
+        for level, cache in self._caches.items():
+            for key in list(cache.iterkeys()):
+                try:
+                    value = cache.get(key, default=None, read=True)
+                except _FAILURES:
+                    self.counters.add("disk.read_errors")
+                    continue
+                if value is None:
+                    continue
+                if isinstance(value, bytes | bytearray):
+                    yield key, bytes(value[:head_bytes])
+                else:
+                    with value:
+                        yield key, value.read(head_bytes)
+
     def level_bytes(self, level: str) -> int:
         """Bytes the level's cache takes on disk (entries plus its SQLite file)."""
         return self._caches[level].volume()

@@ -317,6 +317,15 @@ class RedisTier:
         for rkey, meta in self.client.hscan_iter(f"{self.prefix}:meta"):
             yield meta.decode().split(" ")[0], rkey.decode()[start:]
 
+    def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
+        """``(tier key, first head_bytes bytes of its entry)`` of every entry of this deployment (admin:
+        listing, dropping by tenant or model; O(entries), one ``GETRANGE`` each)."""
+        start = len(self.prefix) + len(":kv:")
+        for rkey, _ in self.client.hscan_iter(f"{self.prefix}:meta"):
+            head = self.client.getrange(rkey, 0, head_bytes - 1)
+            if head:
+                yield rkey.decode()[start:], bytes(head)
+
     def clear(self) -> None:
         """Remove every key under the prefix (tests, admin)."""
         for k in self.client.scan_iter(match=f"{self.prefix}:*", count=500):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,7 +27,7 @@ from typing import Protocol
 import torch
 
 from engine.kv_tiers.counters import TierCounters
-from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry
+from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
 from engine.kv_tiers.writeback import WriteBackQueue
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class Tier(Protocol):
     def delete(self, key: str) -> bool: ...
 
     def nbytes(self) -> int: ...
+
+    def scan_heads(self) -> Iterator[tuple[str, bytes]]: ...
 
     def close(self) -> None: ...
 
@@ -163,6 +166,24 @@ class TierStack:
         """Remove the block from every tier. Returns how many tiers held it."""
         key = self.key(meta)
         return sum(1 for t in self.tiers if t.delete(key))
+
+    def drop_where(self, match: Callable[[BlockMeta], bool]) -> dict[str, int]:
+        """Remove every entry (of any tier) whose claimed identity ``match``es, e.g. a tenant's or a model's.
+
+        O(entries): reads the head of every entry.
+
+        Returns:
+            Entries removed per tier.
+        """
+        out: dict[str, int] = {}
+        for tier in self.tiers:
+            doomed = []
+            for key, head in tier.scan_heads():
+                meta = entry_meta(head)
+                if meta is not None and match(meta):
+                    doomed.append(key)
+            out[tier.name] = sum(1 for key in doomed if tier.delete(key))
+        return out
 
     def nbytes(self) -> dict[str, int]:
         """Bytes per tier."""

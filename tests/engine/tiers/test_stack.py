@@ -113,3 +113,20 @@ def test_a_failing_write_is_counted_and_the_writer_goes_on(layout, tmp_path, cou
     assert s.flush()
     assert counters.get("writeback.errors") == 1 and counters.get("disk.writes") == 1
     s.close()
+
+
+def test_drop_where_removes_a_tenants_entries_in_every_tier(layout, tmp_path, counters, clock, redis_prefix):
+    s = stack(layout, tmp_path, counters, clock, redis_prefix)
+    mine = chain(layout, 2)
+    g = torch.Generator().manual_seed(5)
+    theirs = BlockMeta(b"\x05" * 32, None, (9, 9, 9, 9), ("tiny-model@abc", "tenant-b"))
+    for meta, kv in mine:
+        s.write_now(meta, LEVELS, kv)
+    s.write_now(theirs, LEVELS, torch.randn(layout.block_shape, generator=g))
+    big = BlockMeta(b"\x06" * 32, None, (1, 2, 3, 4), ("tiny-model@abc", "tenant-b"))
+    s.write_now(big, LEVELS, torch.randn(layout.block_shape, generator=g))
+    assert s.drop_where(lambda m: m.extra_keys[1] == "tenant-b") == {"disk": 2, "redis": 2}
+    assert s.lookup([theirs]) == [] and len(s.lookup([m for m, _ in mine])) == 2
+    assert s.drop_where(lambda m: m.extra_keys[0] == "tiny-model@abc") == {"disk": 2, "redis": 2}
+    assert s.lookup([m for m, _ in mine]) == []
+    s.close()
