@@ -162,7 +162,7 @@ class DiskTier:
     def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
         """``(key, first head_bytes bytes of its entry)`` of every entry (admin: listing, dropping by tenant
         or model; O(entries), reads only the heads of entries kept as files)."""
-        for level, cache in self._caches.items():
+        for cache in self._caches.values():
             for key in list(cache.iterkeys()):
                 try:
                     value = cache.get(key, default=None, read=True)
