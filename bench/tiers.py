@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -128,6 +130,14 @@ def main() -> None:
                     t, cached[tier] = ttft(second, prefix + q[2])
                     timings[tier].append(t)
                     second.close()
+                    drop_deployment(args.redis_url, f"{prefix_key}-{name}")
+                    shutil.rmtree(work / name, ignore_errors=True)
+                print(
+                    f"prefix {n}, run {rep + 1}: "
+                    + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in timings.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
             for k, v in timings.items():
                 med = statistics.median(v)
                 rows.append((n, k, med, cached[k]))
@@ -143,10 +153,8 @@ def main() -> None:
         results["ram_hit_overhead"] = max(results[f"ram_hit_overhead_{n}"] for n in sizes)
         results["restart_hit_share"] = restart_hit_share(engine, vocab)
     finally:
-        client = redis.Redis.from_url(args.redis_url)
-        for k in client.scan_iter(match=f"{prefix_key}-*", count=1000):
-            client.delete(k)
-        client.close()
+        drop_deployment(args.redis_url, f"{prefix_key}-*")
+        shutil.rmtree(work, ignore_errors=True)
 
     print(f"{'prefix':>7} {'served from':<12} {'TTFT s':>9} {'cached tokens':>14}")
     for n, k, med, c in rows:
@@ -154,6 +162,14 @@ def main() -> None:
     for k in ("disk_over_recompute", "redis_over_recompute", "ram_hit_overhead", "restart_hit_share"):
         print(f"{k}: {results[k]}")
     print(json.dumps(results))
+
+
+def drop_deployment(url: str, prefix: str) -> None:
+    """Delete every Redis key under ``prefix`` (a glob)."""
+    client = redis.Redis.from_url(url)
+    for k in client.scan_iter(match=f"{prefix}:*", count=1000):
+        client.delete(k)
+    client.close()
 
 
 def restart_hit_share(engine, vocab: int, num_prefixes: int = 20, prefix_tokens: int = 512) -> float:

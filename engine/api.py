@@ -66,6 +66,9 @@ class GenerationRequest:
         params: sampling parameters.
         cache_salt: isolates prefix-cache entries (tenant); part of every block hash's extra keys.
         request_id: caller's id, for logs; the engine makes one when empty.
+        level_ends: ``(end token, level)`` pairs: where the prompt's levels (``system``, ``documents``,
+            ``history``) end in its tokens; they choose its blocks' TTL and budget share in the tiers.
+        prefix_key: the gateway's prefix key of the prompt's stable head (listed by ``list_cached``).
     """
 
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -75,6 +78,8 @@ class GenerationRequest:
     prompt: str | None = None
     cache_salt: str = ""
     request_id: str = ""
+    level_ends: list[tuple[int, str]] | None = None
+    prefix_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,27 @@ class Finished:
 
 
 StreamEvent = TextDelta | Finished
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    """What warming a prompt did (``LLMEngine.warm`` / ``AsyncEngine.warm``).
+
+    Attributes:
+        prefix_key: the prefix key it is listed under (the caller's, or the hex chain hash of its last full
+            block).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: tokens of its full blocks now in the prefix cache (``prompt_tokens`` rounded down to
+            whole blocks).
+        pinned_blocks: blocks pinned (0 without ``pin``).
+        pin_id: the pin to ``unpin`` later, or None.
+    """
+
+    prefix_key: str
+    prompt_tokens: int
+    cached_tokens: int
+    pinned_blocks: int
+    pin_id: str | None
 
 
 @dataclass(frozen=True)
@@ -207,6 +233,11 @@ class EngineStats:
         preemptions: running requests preempted (freed, later recomputed).
         running / waiting: gauges.
         ttft / tpot: histograms of time to first token and time per output token.
+        tier_counters: counters of the tiers below the pool (``engine.kv_tiers.counters``: hits and misses
+            per tier in tokens, bytes per tier, writes dropped, entries rejected by cause, expirations per
+            level, ...); empty without tiers.
+        tier_load_seconds: load-back latency histogram (None without tiers).
+        pinned_blocks: blocks held by pins (gauge).
     """
 
     requests: int
@@ -228,3 +259,6 @@ class EngineStats:
     waiting: int
     ttft: Histogram
     tpot: Histogram
+    tier_counters: dict[str, int] = field(default_factory=dict)
+    tier_load_seconds: Histogram | None = None
+    pinned_blocks: int = 0

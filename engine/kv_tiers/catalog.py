@@ -28,9 +28,9 @@ class PrefixRecord:
         model_id: the model it was computed by.
         tenant: its cache salt ("" = shared).
         level: the longest level among its blocks (``system``, ``documents``, ``history``).
-        block_hashes: chain hashes of its full blocks, in order.
-        token_ids: the token ids of those blocks (kept to rebuild entry identities for tier deletes).
-        last_use: clock seconds of its last warm or request.
+        block_hashes: chain hashes of its full blocks, in order (tier keys derive from them).
+        num_tokens: tokens of those blocks.
+        last_use: wall-clock seconds of its last warm or request.
         pin_id: the pin holding it in RAM, or None.
     """
 
@@ -38,15 +38,10 @@ class PrefixRecord:
     model_id: str
     tenant: str
     level: str
-    block_hashes: list[BlockHash]
-    token_ids: list[int] = field(repr=False)
+    block_hashes: list[BlockHash] = field(repr=False)
+    num_tokens: int
     last_use: float
     pin_id: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of its full blocks."""
-        return len(self.token_ids)
 
 
 @dataclass(frozen=True)

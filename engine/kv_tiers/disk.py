@@ -159,6 +159,26 @@ class DiskTier:
             for key in cache.iterkeys():
                 yield level, key
 
+    def peek(self, key: str) -> tuple[bool, float | None]:
+        """Whether ``key`` is stored (and unexpired on the tier's clock), and its expiry (None = never).
+        Refreshes nothing, reads no value."""
+        now = self.clock()
+        for cache in self._caches.values():
+            try:
+                found = cache.get(key, default=None, read=True, tag=True)
+            except _FAILURES:
+                self.counters.add("disk.read_errors")
+                return False, None
+            value, expires_at = found if isinstance(found, tuple) else (None, None)
+            if value is None:
+                continue
+            if hasattr(value, "close"):
+                value.close()
+            if expires_at is not None and now >= expires_at:
+                return False, None
+            return True, expires_at
+        return False, None
+
     def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
         """``(key, first head_bytes bytes of its entry)`` of every entry (admin: listing, dropping by tenant
         or model; O(entries), reads only the heads of entries kept as files)."""

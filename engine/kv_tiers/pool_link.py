@@ -70,20 +70,16 @@ class PoolTiers:
             return
         meta = BlockMeta(block.block_hash, block.parent_hash, tuple(block.token_ids), tuple(block.extra_keys))
         kv = self.kv_cache[:, :, block.block_id].clone()
-        self.stack.write_back(meta, frozenset(getattr(block, "levels", ()) or ()), kv)
+        self.stack.write_back(meta, frozenset(block.levels), kv)
 
     def write_all_cached(self) -> int:
-        """Write every cached block of the pool (referenced or not) down now (shutdown, so a restart finds
-        them). Returns how many were offered."""
+        """Write every cached block of the pool (referenced or not) down now, on this thread (shutdown, so a
+        restart finds them). Returns how many were written."""
         n = 0
-        for block in self.kv.pool.blocks:
-            if block.block_hash is not None and self.kv.pool.is_registered(block):
-                meta = BlockMeta(
-                    block.block_hash, block.parent_hash, tuple(block.token_ids), block.extra_keys
-                )
-                levels = frozenset(getattr(block, "levels", ()) or ())
-                self.stack.write_now(meta, levels, self.kv_cache[:, :, block.block_id].clone())
-                n += 1
+        for block in list(self.kv.registered_blocks()):
+            meta = BlockMeta(block.block_hash, block.parent_hash, tuple(block.token_ids), block.extra_keys)
+            self.stack.write_now(meta, frozenset(block.levels), self.kv_cache[:, :, block.block_id].clone())
+            n += 1
         return n
 
     # ---- prefetch -------------------------------------------------------------------------------------
@@ -136,15 +132,15 @@ class PoolTiers:
             self.counters.add("prefetch.errors")
             return True
         cap = min(self.usable_blocks(token_ids), len(hashes))
-        hits = self.kv.find_cached_prefix(token_ids, hashes[:cap], extra_keys)
-        if len(hits) < p.start and not p.retried:
+        hit = self.kv.find_cached_prefix(token_ids, hashes[:cap], extra_keys)
+        if len(hit) < p.start and not p.retried:
             # The pool lost part of the prefix while the read ran: read again from where it now stops.
-            metas = self.metas(token_ids, hashes, tuple(extra_keys), len(hits), cap)
-            self._prefetches[request_id] = _Prefetch(len(hits), self.stack.prefetch(metas), retried=True)
+            metas = self.metas(token_ids, hashes, tuple(extra_keys), len(hit), cap)
+            self._prefetches[request_id] = _Prefetch(len(hit), self.stack.prefetch(metas), retried=True)
             self.counters.add("prefetch.retried")
             return False
-        if len(hits) >= p.start:
-            self.install(hits, loaded[len(hits) - p.start :])
+        if len(hit) >= p.start:
+            self.install(hit, loaded[len(hit) - p.start :])
         return True
 
     def forget(self, request_id: str) -> None:
@@ -152,35 +148,15 @@ class PoolTiers:
         self._prefetches.pop(request_id, None)
 
     # ---- load-back ------------------------------------------------------------------------------------
-    def install(self, hits: list[KVBlock], loaded: list[LoadedBlock]) -> int:
-        """Copy ``loaded`` (the chain right after ``hits``) into fresh pool blocks and register them.
+    def install(self, hit: list[KVBlock], loaded: list[LoadedBlock]) -> int:
+        """Copy ``loaded`` (the chain right after ``hit``) into fresh pool blocks and register them
+        (``KVCacheManager.install_blocks``). Returns blocks installed."""
+        device = self.kv_cache.device
 
-        Returns:
-            Blocks installed (fewer than ``len(loaded)`` when the pool has no room, or when another block
-            already holds one of the hashes: then the chain stops there and the lookup uses that one).
-        """
-        if not loaded:
-            return 0
-        pool = self.kv.pool
-        first_parent = hits[-1].block_hash if hits else None
-        if loaded[0].meta.parent_hash != first_parent:
-            return 0
-        pool.touch(hits)  # the prefix stays while fresh blocks are taken (they may evict LRU entries)
-        n = min(len(loaded), pool.num_available())
-        fresh = pool.allocate(n)
-        installed: list[KVBlock] = []
-        parent_gen = hits[-1].cache_gen if hits else None
-        for block, item in zip(fresh, loaded, strict=False):
-            m = item.meta
-            if pool.get_cached(m.block_hash) is not None:
-                break
-            self.kv_cache[:, :, block.block_id].copy_(item.kv.to(self.kv_cache.device))
-            pool.register(block, m.block_hash, m.token_ids, m.parent_hash, parent_gen, tuple(m.extra_keys))
-            parent_gen = block.cache_gen
-            installed.append(block)
-        pool.release(fresh[len(installed) :])
-        pool.release(reversed(installed))
-        pool.release(reversed(hits))
-        if installed:
-            self.counters.add("loaded_blocks", len(installed))
-        return len(installed)
+        def write_kv(block_id: int, i: int) -> None:
+            self.kv_cache[:, :, block_id].copy_(loaded[i].kv.to(device))
+
+        n = self.kv.install_blocks(hit, [b.meta for b in loaded], write_kv)
+        if n:
+            self.counters.add("loaded_blocks", n)
+        return n

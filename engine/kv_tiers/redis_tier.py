@@ -1,6 +1,6 @@
 """The Redis tier: KV block entries shared by every gateway of a deployment, one Redis key per block.
 
-Keys, under the deployment's prefix ``p`` (``EngineConfig.tier_redis_prefix``):
+Keys, under the deployment's prefix ``p`` (``EngineConfig.tier_redis.prefix``):
 
 - ``{p}:kv:{tier key}``: the entry bytes (``engine.kv_tiers.entry``), with a Redis TTL (``PX``) of its
   level's TTL, so Redis drops it by itself;
@@ -316,6 +316,30 @@ class RedisTier:
         start = len(self.prefix) + len(":kv:")
         for rkey, meta in self.client.hscan_iter(f"{self.prefix}:meta"):
             yield meta.decode().split(" ")[0], rkey.decode()[start:]
+
+    def peek(self, key: str) -> tuple[bool, float | None]:
+        """Whether ``key`` is stored (and unexpired on the tier's clock), and its expiry (None = never)."""
+        if self._skip():
+            return False, None
+        rkey = self.entry_key(key)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.exists(rkey)
+            pipe.hget(f"{self.prefix}:meta", rkey)
+            exists, meta = pipe.execute()
+        except _DOWN_ERRORS:
+            self.counters.add("redis.read_errors")
+            self._mark_down()
+            return False, None
+        except redis.RedisError:
+            self.counters.add("redis.read_errors")
+            return False, None
+        if not exists:
+            return False, None
+        expires_at = meta.decode().split(" ")[2] if meta is not None else ""
+        if expires_at and self.clock() >= float(expires_at):
+            return False, None
+        return True, float(expires_at) if expires_at else None
 
     def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
         """``(tier key, first head_bytes bytes of its entry)`` of every entry of this deployment (admin:

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from engine.block_hash import BlockHash
 from engine.kv_tiers.counters import TierCounters
 from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
 from engine.kv_tiers.writeback import WriteBackQueue
@@ -47,6 +48,8 @@ class Tier(Protocol):
     def nbytes(self) -> int: ...
 
     def scan_heads(self) -> Iterator[tuple[str, bytes]]: ...
+
+    def peek(self, key: str) -> tuple[bool, float | None]: ...
 
     def close(self) -> None: ...
 
@@ -166,6 +169,25 @@ class TierStack:
         """Remove the block from every tier. Returns how many tiers held it."""
         key = self.key(meta)
         return sum(1 for t in self.tiers if t.delete(key))
+
+    def presence(self, hashes: list[BlockHash]) -> dict[str, tuple[int, float | None]]:
+        """Per tier: how many leading blocks of a chain it holds, and when the first of them expires."""
+        out: dict[str, tuple[int, float | None]] = {}
+        for tier in self.tiers:
+            n, first_expiry = 0, None
+            for h in hashes:
+                present, expires_at = tier.peek(self.layout.tier_key(h))
+                if not present:
+                    break
+                if n == 0:
+                    first_expiry = expires_at
+                n += 1
+            out[tier.name] = (n, first_expiry)
+        return out
+
+    def delete_chain(self, hashes: list[BlockHash]) -> dict[str, int]:
+        """Remove the blocks of a chain from every tier. Returns entries removed per tier."""
+        return {t.name: sum(1 for h in hashes if t.delete(self.layout.tier_key(h))) for t in self.tiers}
 
     def drop_where(self, match: Callable[[BlockMeta], bool]) -> dict[str, int]:
         """Remove every entry (of any tier) whose claimed identity ``match``es, e.g. a tenant's or a model's.

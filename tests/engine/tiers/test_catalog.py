@@ -8,7 +8,7 @@ from engine.kv_tiers.catalog import PrefixCatalog, PrefixRecord
 
 
 def rec(key: str, tenant: str = "", model: str = "m", pin: str | None = None) -> PrefixRecord:
-    return PrefixRecord(key, model, tenant, "system", [b"h"], [1, 2, 3, 4], 0.0, pin)
+    return PrefixRecord(key, model, tenant, "system", [b"h"], 4, 0.0, pin)
 
 
 def test_select_by_key_tenant_and_model():

@@ -20,7 +20,7 @@ import tempfile
 import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import invariant, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from engine.kv_tiers.config import build_tier_stack
 from engine.kv_tiers.entry import KVLayout, decode_entry, entry_meta
@@ -117,6 +117,22 @@ class TieredKVMachine(KVCacheMachine):
             assert self.m.blocks_used == before  # installed blocks are cached, not held
         self.loads += 1
         super().submit(base, plen, [], tenant, prefill_now)
+
+    @rule()
+    def memory_pressure(self) -> None:
+        """A request takes every available block and leaves: every cached unreferenced block is evicted
+        (written down through the pool's eviction hook)."""
+        n = self.m.num_free_blocks()
+        if n and self.m.allocate("pressure", n * BLOCK_SIZE, []) is not None:
+            self.m.free("pressure")
+        assert self.m.blocks_cached == 0
+
+    @precondition(lambda self: any(r.computed == len(r.tokens) for r in self.reqs.values()))
+    @rule(data=st.data(), new_tokens=st.lists(st.integers(0, 4), min_size=1, max_size=5))
+    def decode(self, data, new_tokens) -> None:
+        super().decode(data, new_tokens)
+        for req in self.reqs.values():  # generated tokens fill blocks that are cached (and written down) too
+            self.remember(req.tokens, req.extra)
 
     @invariant()
     def tier_entries_match_their_keys(self) -> None:
