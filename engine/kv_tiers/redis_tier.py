@@ -307,9 +307,10 @@ class RedisTier:
         if self.is_down:
             return 0
         try:
-            return sum(self.level_bytes(lv) for lv in LEVELS)
-        except redis.RedisError:
+            values = self.client.mget([f"{self.prefix}:bytes:{lv}" for lv in LEVELS])
+        except (redis.RedisError, OSError):
             return 0
+        return sum(int(v or 0) for v in values)
 
     def keys(self) -> Iterator[tuple[str, str]]:
         """``(level, tier key)`` of every entry this deployment has (admin listing; O(entries))."""

@@ -86,8 +86,13 @@ class TierStack:
         self.layout = layout
         self.tiers = list(tiers)
         self.counters = counters
+        self._bytes: dict[str, int] = {t.name: 0 for t in self.tiers}
+        self._bytes_at = 0.0
+        self.bytes_refresh_s = 1.0
+        """Tier sizes are measured on the writer thread at most this often (``stats`` does no I/O)."""
         self.queue: WriteBackQueue[_Write] = WriteBackQueue(writeback_capacity, self._write, counters)
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+        self._measure_bytes()
 
     @property
     def tier_names(self) -> list[str]:
@@ -116,10 +121,18 @@ class TierStack:
         key = self.key(item.meta)
         for tier in self.tiers:
             tier.put(key, data, item.levels)
+        if time.monotonic() - self._bytes_at >= self.bytes_refresh_s:
+            self._measure_bytes()
+
+    def _measure_bytes(self) -> None:
+        self._bytes = self.nbytes()
+        self._bytes_at = time.monotonic()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued write is done. Returns False on timeout."""
-        return self.queue.flush(timeout_s)
+        """Wait until every queued write is done (then measure the tiers' sizes). Returns False on timeout."""
+        done = self.queue.flush(timeout_s)
+        self._measure_bytes()
+        return done
 
     # ---- reads ----------------------------------------------------------------------------------------
     def lookup(self, metas: list[BlockMeta]) -> list[LoadedBlock]:
@@ -212,9 +225,10 @@ class TierStack:
         return {t.name: t.nbytes() for t in self.tiers}
 
     def stats(self) -> dict[str, int]:
-        """Every counter, ``{t}.bytes`` per tier and ``writeback.depth``."""
+        """Every counter, ``{t}.bytes`` per tier (as last measured by the writer thread: no I/O here, so the
+        engine lock is never held for a tier call) and ``writeback.depth``."""
         out = self.counters.snapshot()
-        for name, n in self.nbytes().items():
+        for name, n in self._bytes.items():
             out[f"{name}.bytes"] = n
         out["writeback.depth"] = self.queue.depth()
         return out
