@@ -73,7 +73,9 @@ def system_prompt(tokenizer, target_tokens: int) -> str:
 
 
 def chat(tokenizer, system: str, question: str) -> list[int]:
-    return tokenizer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return tokenizer.render_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    )
 
 
 def ttft(eng: LLMEngine, prompt: list[int]) -> tuple[float, int]:
@@ -209,16 +211,22 @@ def main() -> None:
         "decode_b8_ge_4x_b1": b8 >= 4 * b1,
         "decode_b1_ge_hf": b1 >= hf_b1,
     }
-    print(f"model {ck.model_id}  threads {result['threads']}  prompt {len(cold_prompt)} tokens "
-          f"(question ~{question_tokens}), cached {cached_tokens}")
+    print(
+        f"model {ck.model_id}  threads {result['threads']}  prompt {len(cold_prompt)} tokens "
+        f"(question ~{question_tokens}), cached {cached_tokens}"
+    )
     print(f"{'metric':<18}{'prefixgate':>12}{'transformers':>14}  target")
     print(f"{'cold TTFT (s)':<18}{result['cold_ttft_s']:>12.3f}{hf_cold:>14.3f}  <= transformers")
-    print(f"{'cached TTFT (s)':<18}{result['cached_ttft_s']:>12.3f}{'':>14}  <= 0.08 x cold "
-          f"(x{result['cached_over_cold']:.3f})")
+    print(
+        f"{'cached TTFT (s)':<18}{result['cached_ttft_s']:>12.3f}{'':>14}  <= 0.08 x cold "
+        f"(x{result['cached_over_cold']:.3f})"
+    )
     print(f"{'decode b1 (tok/s)':<18}{b1:>12.1f}{hf_b1:>14.1f}  >= transformers")
     print(f"{'decode b8 (tok/s)':<18}{b8:>12.1f}{'':>14}  >= 4 x b1 (x{result['b8_over_b1']:.2f})")
-    print(f"{'linear layers only':<18}{result['linear_s_cached_rows']:>12.3f}{'':>14}  at {cached_rows} rows vs "
-          f"{result['linear_s_cold_rows']:.3f} s at {len(cold_prompt)} rows (x{result['linear_only_ratio']:.3f})")
+    print(
+        f"{'linear layers only':<18}{result['linear_s_cached_rows']:>12.3f}{'':>14}  at {cached_rows} rows vs "
+        f"{result['linear_s_cold_rows']:.3f} s at {len(cold_prompt)} rows (x{result['linear_only_ratio']:.3f})"
+    )
     print(f"(median of {args.repeats} interleaved runs; engine config: {config})")
     result["runs"] = runs
     print(json.dumps(result))

@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--suffix", type=int, default=50)
     ap.add_argument("--new", type=int, default=16)
-    ap.add_argument("--no-default-budget", action="store_true", help="skip the rows with the 512-token budget")
+    ap.add_argument(
+        "--no-default-budget", action="store_true", help="skip the rows with the 512-token budget"
+    )
     args = ap.parse_args()
     ck = load_checkpoint(default_model_path() if args.model == "default" else args.model)
     n, prompt_len = args.requests, args.prefix + args.suffix
@@ -79,17 +81,23 @@ def main() -> None:
             "on": run_burst(ck, cfg, prompts, args.new, True),
             "off": run_burst(ck, cfg, prompts, args.new, False),
         }
-    print(f"model {ck.model_id}  threads {torch.get_num_threads()}  burst {n} x ({args.prefix} shared + "
-          f"{args.suffix} own) tokens, {args.new} new tokens each")
-    print(f"{'config':<22}{'sharing':>8}{'prefill tok':>12}{'hit tok':>9}{'in-flight':>10}{'steps':>7}"
-          f"{'makespan s':>12}{'on/off':>8}")
+    print(
+        f"model {ck.model_id}  threads {torch.get_num_threads()}  burst {n} x ({args.prefix} shared + "
+        f"{args.suffix} own) tokens, {args.new} new tokens each"
+    )
+    print(
+        f"{'config':<22}{'sharing':>8}{'prefill tok':>12}{'hit tok':>9}{'in-flight':>10}{'steps':>7}"
+        f"{'makespan s':>12}{'on/off':>8}"
+    )
     for name, pair in results.items():
         for mode in ("on", "off"):
             r = pair[mode]
             ratio = pair["on"]["makespan_s"] / pair["off"]["makespan_s"]
-            print(f"{name:<22}{mode:>8}{r['prefill_tokens']:>12}{r['prefix_hit_tokens']:>9}"
-                  f"{r['inflight_shared_tokens']:>10}{r['steps']:>7}{r['makespan_s']:>12.2f}"
-                  f"{(f'{ratio:.3f}' if mode == 'on' else ''):>8}")
+            print(
+                f"{name:<22}{mode:>8}{r['prefill_tokens']:>12}{r['prefix_hit_tokens']:>9}"
+                f"{r['inflight_shared_tokens']:>10}{r['steps']:>7}{r['makespan_s']:>12.2f}"
+                f"{(f'{ratio:.3f}' if mode == 'on' else ''):>8}"
+            )
         same = pair["on"]["outputs"] == pair["off"]["outputs"]
         print(f"{'':<22}outputs identical with sharing on and off: {same}")
     main_pair = results["whole-burst budget"]

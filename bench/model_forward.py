@@ -53,7 +53,9 @@ def ours(ck, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
             qsl.append(qsl[-1] + q)
             tables.append(list(range(base, base + blocks_per_seq)))
         lens = [b + q for b, q in zip(lens_before, qlens, strict=True)]
-        return AttentionMetadata(torch.tensor(slots), qsl, lens, torch.tensor(tables), BLOCK), torch.tensor(pos)
+        return AttentionMetadata(torch.tensor(slots), qsl, lens, torch.tensor(tables), BLOCK), torch.tensor(
+            pos
+        )
 
     pm, ppos = meta_for([0], [prompt_len])
 
@@ -73,7 +75,9 @@ def ours(ck, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def transformers_times(path: str, vocab: int, prompt_len: int, context: int, repeats: int) -> dict[str, float]:
+def transformers_times(
+    path: str, vocab: int, prompt_len: int, context: int, repeats: int
+) -> dict[str, float]:
     hf, key = load_transformers(path)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, vocab, (1, prompt_len), generator=g)
@@ -116,15 +120,23 @@ def main() -> None:
     ck = load_checkpoint(path)
     with torch.inference_mode():
         mine = ours(ck, args.prompt, args.context, args.repeats)
-    ref = {} if args.no_hf else transformers_times(path, ck.config.vocab_size, args.prompt, args.context, args.repeats)
+    ref = (
+        {}
+        if args.no_hf
+        else transformers_times(path, ck.config.vocab_size, args.prompt, args.context, args.repeats)
+    )
     clock = "thread CPU time" if args.cpu_time else "wall time"
     print(f"threads={torch.get_num_threads()}  clock={clock}  prompt={args.prompt}  context={args.context}")
     print(f"{'step':<22}{'ours (s)':>12}{'transformers (s)':>18}{'speedup':>10}")
     for k in mine:
         r = ref.get(k)
-        print(f"{k:<22}{mine[k]:>12.4f}{(r if r else float('nan')):>18.4f}{(r / mine[k] if r else float('nan')):>10.2f}")
+        print(
+            f"{k:<22}{mine[k]:>12.4f}{(r if r else float('nan')):>18.4f}{(r / mine[k] if r else float('nan')):>10.2f}"
+        )
     tps = {f"tps_b{b}": b / mine[f"decode_b{b}_s"] for b in (1, 8)}
-    print(f"decode tokens/s: b1 {tps['tps_b1']:.1f}, b8 {tps['tps_b8']:.1f} (x{tps['tps_b8'] / tps['tps_b1']:.2f})")
+    print(
+        f"decode tokens/s: b1 {tps['tps_b1']:.1f}, b8 {tps['tps_b8']:.1f} (x{tps['tps_b8'] / tps['tps_b1']:.2f})"
+    )
     print(
         json.dumps(
             {

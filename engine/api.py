@@ -6,8 +6,9 @@ Contract (implemented by ``engine.async_engine.AsyncEngine``)::
     await engine.start()                                                   # background step loop
     prompt_ids = engine.render_chat(messages, tools)                       # list[int], chat template
     async for event in engine.generate(GenerationRequest(...)):
-        TextDelta -> append event.text ...
-        Finished  -> event.finish_reason, event.usage (always the last event)
+        TextDelta -> event.index (choice), event.text, event.token_ids, event.logprobs
+        Finished  -> event.index, event.finish_reason, event.usage (the last event of its choice; the
+                     stream ends after the Finished of all ``params.n`` choices)
     engine.stats()  -> EngineStats  (counters; see below)
     await engine.shutdown()
 
@@ -27,6 +28,39 @@ from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
 FinishReason = Literal["stop", "length", "abort"]
 
 
+ConstraintKind = Literal["json_object", "json_schema", "tool_calls"]
+ToolChoice = Literal["auto", "required", "function"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must be: constrained decoding (``engine.constrained``, llguidance).
+
+    Attributes:
+        kind: ``"json_object"`` (any JSON object: OpenAI ``response_format: {"type": "json_object"}``),
+            ``"json_schema"`` (an instance of ``json_schema``: ``response_format: {"type": "json_schema"}``, strict
+            or not, the schema is enforced as given), or ``"tool_calls"`` (the generic tool-call format of
+            ``engine.tool_calls``, arguments valid for each tool's ``parameters``).
+        json_schema: the JSON Schema of ``"json_schema"`` (a dict).
+        tools: the tools of ``"tool_calls"``: OpenAI ``{"type": "function", "function": {...}}`` objects or the
+            bare function objects ``{"name", "description", "parameters"}``.
+        tool_choice: ``"auto"`` (text, or calls of these tools), ``"required"`` (one or more calls), or
+            ``"function"`` (calls of ``tool_name`` only). OpenAI's ``"none"`` is no constraint at all.
+        tool_name: the function of ``tool_choice="function"``.
+        parallel_tool_calls: allow several calls in one answer (else at most one).
+
+    A finished constrained output is complete and valid (``finish_reason="stop"``); ``"length"`` means it was cut
+    by ``max_tokens`` and may be a valid prefix only.
+    """
+
+    kind: ConstraintKind
+    json_schema: dict | None = None
+    tools: tuple[dict, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request.
@@ -41,6 +75,16 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation (the checkpoint's EOS ids always do unless
             ``ignore_eos``).
         ignore_eos: keep generating past EOS (benchmarks).
+        n: sequences to generate for the prompt (>= 1). They share the prompt's blocks: one prefill, then
+            ``n`` forks (``engine.llm_engine``); choice ``i`` is seeded ``seed + i``. Events carry ``index``.
+        logprobs: None for no logprobs; ``k`` in [0, 20] for each token's logprob plus its ``k`` most likely
+            alternatives (OpenAI chat's ``logprobs: true, top_logprobs: k``; completions' ``logprobs: k``).
+            Values are the log-softmax of the logits after bias, penalties and constraint, before temperature,
+            top-k and top-p (``engine.sampling``).
+        presence_penalty / frequency_penalty: OpenAI's, in [-2, 2], over the tokens generated so far.
+        repetition_penalty: Hugging Face's (CTRL), > 0, over prompt and output tokens; 1 disables it.
+        logit_bias: ``(token_id, bias)`` pairs added to the logits; bias clamped to [-100, 100] (OpenAI).
+        constraint: what the output must be (JSON, a schema's instance, tool calls), or None.
     """
 
     max_tokens: int | None = 256
@@ -51,6 +95,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -99,16 +150,44 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The logprob of one generated token and its most likely alternatives (``SamplingParams.logprobs``).
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its natural-log probability (processed logits, see ``engine.sampling``).
+        top_logprobs: up to ``logprobs`` ``(token_id, logprob)`` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New text (possibly empty while a stop string or a UTF-8 sequence is pending) and its token ids."""
+    """New text (possibly empty while a stop string or a UTF-8 sequence is pending) and its token ids.
+
+    Attributes:
+        text: the new text.
+        token_ids: the tokens generated since the previous event of this choice.
+        index: the choice (0 .. n-1).
+        logprobs: one entry per token of ``token_ids`` when ``SamplingParams.logprobs`` is set, else ``()``.
+        cached_tokens: prompt tokens served from the prefix cache at the request's first admission (known
+            once its prefill ran, so the first delta already has it; the same number as ``Usage.cached_tokens``),
+            or None.
+    """
 
     text: str
     token_ids: tuple[int, ...]
+    cached_tokens: int | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
-    """Always the last event of a stream.
+    """The last event of a choice; a stream ends after the ``Finished`` of every one of its ``n`` choices.
 
     Attributes:
         finish_reason: ``"stop"`` (EOS, stop string or stop token), ``"length"`` (max_tokens or context),
@@ -116,12 +195,15 @@ class Finished:
         usage: the request's token counts.
         ttft_s: seconds from submit to the first generated token (None when none was generated).
         text: the text generated in total (after stop-string trimming).
+        index: the choice (0 .. n-1). Every choice's ``usage`` has the shared prompt's ``prompt_tokens`` and
+            ``cached_tokens`` and its own ``completion_tokens``.
     """
 
     finish_reason: FinishReason
     usage: Usage
     ttft_s: float | None
     text: str
+    index: int = 0
 
 
 StreamEvent = TextDelta | Finished
@@ -233,6 +315,9 @@ class EngineStats:
         preemptions: running requests preempted (freed, later recomputed).
         running / waiting: gauges.
         ttft / tpot: histograms of time to first token and time per output token.
+        forks: sequences forked from a request's computed prompt (``n > 1``: ``n - 1`` per request).
+        forked_prefill_tokens_saved: prompt tokens the forks did not prefill (the prompt's length per fork
+            that shared the parent's blocks).
         tier_counters: counters of the tiers below the pool (``engine.kv_tiers.counters``: hits and misses
             per tier in tokens, bytes per tier, writes dropped, entries rejected by cause, expirations per
             level, ...); empty without tiers.
@@ -259,6 +344,8 @@ class EngineStats:
     waiting: int
     ttft: Histogram
     tpot: Histogram
+    forks: int = 0
+    forked_prefill_tokens_saved: int = 0
     tier_counters: dict[str, int] = field(default_factory=dict)
     tier_load_seconds: Histogram | None = None
     pinned_blocks: int = 0

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -34,7 +35,8 @@ from engine.api import (
 )
 from engine.errors import EngineClosedError, InvalidRequestError
 from engine.kv_tiers.catalog import CachedPrefix
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.output_processor import RequestOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,8 +108,16 @@ class AsyncEngine:
         """Context window in tokens."""
         return self.core.max_model_len
 
+    @property
+    def tool_format(self) -> str:
+        """``"generic"`` when tools are rendered in ``engine.tool_calls``' format (parse the output with its
+        ``ToolCallParser``, constrain it with a ``"tool_calls"`` ``Constraint``), ``"template"`` when the chat
+        template renders them itself (docs/tools.md)."""
+        return self._tokenizer.tool_format
+
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template.
+        """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (tools, tool calls
+        and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section).
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.
@@ -181,11 +191,15 @@ class AsyncEngine:
         for o in outs:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
-                events.append(TextDelta(o.text, tuple(o.new_token_ids)))
+                events.append(
+                    TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens, o.index, tuple(o.logprobs))
+                )
             if o.finished:
-                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text))
+                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.index))
+                no_tokens = replace(o.usage, completion_tokens=0)
+                events.extend(Finished(o.finish_reason, no_tokens, None, "", i) for i in o.unforked)
             for event in events:
-                self._deliver(o.request_id, event)
+                self._deliver(o.parent_id or o.request_id, event)
 
     def _deliver(self, rid: str, event: StreamEvent | _EngineFailure) -> None:
         stream = self._streams.get(rid)
@@ -236,7 +250,7 @@ class AsyncEngine:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
 
         Raises (at call time, before any block is taken):
-            InvalidRequestError: bad parameters or prompt (see ``engine.llm_engine.validate_params``).
+            InvalidRequestError: bad parameters or prompt (see ``engine.input_processor.validate_params``).
             PromptTooLongError: the prompt + 1 token exceeds the context window or the whole block pool.
             EngineClosedError: the engine was shut down (or its step loop failed).
         """
@@ -303,6 +317,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         done = False
+        choices_left = req.params.n
         try:
             with self._cond:
                 self.core.add_checked_request(
@@ -322,7 +337,8 @@ class AsyncEngine:
                         f"the engine's step loop failed: {event.error!r}"
                     ) from event.error
                 if isinstance(event, Finished):
-                    done = True
+                    choices_left -= 1
+                    done = choices_left == 0
                 yield event
                 if done:
                     return
@@ -330,4 +346,4 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not done:
                 with self._cond:
-                    self.core.abort_request(rid)
+                    self.core.abort_family(rid)

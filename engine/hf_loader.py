@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
-from engine.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 class HFCheckpoint:
     """What a Hugging Face folder holds: config, HF-named tensors, and the raw ``config.json``."""
 
-    config: ModelConfig
+    config: ArchConfig
     weights: dict[str, torch.Tensor]
     raw_config: dict
 
@@ -48,8 +48,8 @@ def eos_ids(*values) -> tuple[int, ...]:
     return tuple(out)
 
 
-def config_from_hf(raw: dict, generation: dict | None = None) -> ModelConfig:
-    """``ModelConfig`` from a ``config.json`` dict (and ``generation_config.json`` for extra EOS ids).
+def config_from_hf(raw: dict, generation: dict | None = None) -> ArchConfig:
+    """``ArchConfig`` from a ``config.json`` dict (and ``generation_config.json`` for extra EOS ids).
 
     Raises:
         UnsupportedModelError: unsupported architecture, rope scaling type, or a missing key (named).
@@ -75,7 +75,7 @@ def config_from_hf(raw: dict, generation: dict | None = None) -> ModelConfig:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         bias = raw.get("attention_bias", arch == "Qwen2ForCausalLM")
-        return ModelConfig(
+        return ArchConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -116,7 +116,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFCheckpoint:
+def load_hf(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> HFCheckpoint:
     """Read config and weights of a Hugging Face folder, cast to ``dtype`` on ``device``.
 
     Raises:

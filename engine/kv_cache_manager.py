@@ -3,9 +3,9 @@
 What the scheduler calls, per request (vLLM v1's ``kv_cache_manager.py`` has the same shape)::
 
     hashes = m.block_hashes(prompt_ids, extra_keys)                   # full blocks only
-    hits = m.find_cached_prefix(prompt_ids, hashes[:(len(prompt_ids) - 1) // m.block_size], extra_keys)
-    table = m.allocate(req_id, num_tokens, hits)                       # None: wait, nothing changed
-    ... forward writes KV for tokens [len(hits) * block_size, num_computed) ...
+    hit = m.find_cached_prefix(prompt_ids, hashes[:(len(prompt_ids) - 1) // m.block_size], extra_keys)
+    table = m.allocate(req_id, num_tokens, hit)                        # None: wait, nothing changed
+    ... forward writes KV for tokens [hit.num_tokens, num_computed) ...
     m.cache_full_blocks(req_id, ids, num_computed, hashes, extra_keys) # right after that forward
     m.append_slots(req_id, num_total_tokens)                           # before each decode / chunk
     m.free(req_id)                                                     # finished, cancelled, preempted
@@ -29,9 +29,11 @@ Invariants (on top of ``block_pool``'s):
 7. ``install_blocks`` (load-back from a tier) registers blocks exactly as ``cache_full_blocks`` would have,
    chained on the hit's entries, and leaves them unreferenced and cached.
 
-A hit list from ``find_cached_prefix`` is valid until the next call that can evict (``allocate``,
-``append_slots``, ``reset_prefix_cache``); ``allocate`` checks it and raises ``StaleCacheHitError``
-rather than serve a block that was evicted in between.
+A prefix lookup's result is a ``PrefixHit`` (vLLM v1's ``KVCacheBlocks``): callers see block ids, hashes
+and counts, never a ``KVBlock``, so the pool's internals stay private to this module and ``block_pool``. A
+``PrefixHit`` is valid until the next call that can evict (``allocate``, ``append_slots``,
+``reset_prefix_cache``); ``allocate`` checks it and raises ``StaleCacheHitError`` rather than serve a block
+that was evicted in between.
 """
 
 from __future__ import annotations
@@ -55,10 +57,50 @@ class BlockIdentity(Protocol):
 
 
 class StaleCacheHitError(ValueError):
-    """A hit list passed to ``allocate`` / ``can_allocate`` names a block that is no longer that cache entry.
+    """A ``PrefixHit`` given to ``allocate`` / ``can_allocate`` names a block no longer that cache entry.
 
     Raised before any change. Call ``find_cached_prefix`` again right before ``allocate``.
     """
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The result of one prefix lookup: the cached blocks serving a prompt's first ``num_tokens`` tokens.
+
+    Built only by ``KVCacheManager.find_cached_prefix``; pass it unchanged to ``allocate`` / ``can_allocate``.
+    Holders read block ids, hashes and counts; the blocks themselves stay private (``_blocks``).
+    """
+
+    _blocks: tuple[KVBlock, ...] = ()
+    num_tokens: int = 0
+    """Tokens served by the hit: ``num_blocks * block_size``."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Hit blocks."""
+        return len(self._blocks)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Physical block ids of the hit, in token order."""
+        return [b.block_id for b in self._blocks]
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Block hashes of the hit, in token order."""
+        return [b.block_hash for b in self._blocks]
+
+    @property
+    def last_block_id(self) -> int | None:
+        """Physical id of the hit's last block (where the cached prefix ends), or None for no hit."""
+        return self._blocks[-1].block_id if self._blocks else None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+NO_HIT = PrefixHit()
+"""The empty lookup result (a new prompt, caching off)."""
 
 
 @dataclass(slots=True)
@@ -87,7 +129,7 @@ class KVCacheManager:
         num_blocks: physical KV blocks in the pool (>= 1).
         block_size: tokens per block (>= 1).
         enable_caching: share full blocks between requests by prefix; when False nothing is ever
-            registered and ``find_cached_prefix`` returns [].
+            registered and ``find_cached_prefix`` returns ``NO_HIT``.
         hash_fn: block hash function ``(parent, token_ids, extra_keys) -> bytes`` (tests pass weak ones).
 
     Raises:
@@ -115,7 +157,7 @@ class KVCacheManager:
 
     def find_cached_prefix(
         self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: tuple
-    ) -> list[KVBlock]:
+    ) -> PrefixHit:
         """Longest chain of cached blocks serving ``token_ids`` from its start.
 
         Every block's stored token ids, parent hash, parent entry and extra keys are compared, so a
@@ -128,10 +170,10 @@ class KVCacheManager:
             extra_keys: the extra keys the hashes were computed with.
 
         Returns:
-            The hit blocks in order (covering ``len(result) * block_size`` tokens); [] when caching is off.
+            The hit (``num_blocks`` blocks in order, ``num_tokens`` tokens); ``NO_HIT`` when caching is off.
         """
         if not self.enable_caching:
-            return []
+            return NO_HIT
         bs = self.block_size
         extra = encode_extra_keys(tuple(extra_keys))
         hits: list[KVBlock] = []
@@ -149,7 +191,7 @@ class KVCacheManager:
                 break
             hits.append(block)
             prev_hash, prev_gen = block_hashes[i], block.cache_gen
-        return hits
+        return PrefixHit(tuple(hits), len(hits) * bs)
 
     # ---- allocation -----------------------------------------------------------------------------------
     @property
@@ -166,10 +208,10 @@ class KVCacheManager:
         if num_tokens > self.capacity_tokens:
             raise PromptTooLongError(num_tokens, self.capacity_tokens, what="pool")
 
-    def _check_hits(self, cached_blocks: list[KVBlock]) -> None:
+    def _check_hits(self, cached_blocks: tuple[KVBlock, ...]) -> None:
         """Raise ``StaleCacheHitError`` unless ``cached_blocks`` is still a valid chain of cache entries."""
         if cached_blocks and not self.enable_caching:
-            raise ValueError("prefix caching is disabled; cached_blocks must be empty")
+            raise ValueError("prefix caching is disabled; the prefix hit must be empty")
         prev_gen: int | None = None
         for i, block in enumerate(cached_blocks):
             if not self.pool.is_registered(block) or block.parent_gen != prev_gen:
@@ -179,7 +221,7 @@ class KVCacheManager:
                 )
             prev_gen = block.cache_gen
 
-    def _fresh_blocks_needed(self, num_tokens: int, cached_blocks: list[KVBlock]) -> int:
+    def _fresh_blocks_needed(self, num_tokens: int, cached_blocks: tuple[KVBlock, ...]) -> int:
         """Blocks to allocate so hits + fresh cover ``num_tokens`` tokens."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -187,22 +229,22 @@ class KVCacheManager:
         self._check_hits(cached_blocks)
         return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks))
 
-    def _available_besides(self, cached_blocks: list[KVBlock]) -> int:
+    def _available_besides(self, cached_blocks: tuple[KVBlock, ...]) -> int:
         """Blocks a fresh allocation may take when ``cached_blocks`` are taken too (they leave the LRU)."""
         return self.pool.num_available() - sum(1 for b in cached_blocks if b.ref_cnt == 0)
 
-    def can_allocate(self, num_tokens: int, cached_blocks: list[KVBlock]) -> bool:
-        """Whether ``allocate(_, num_tokens, cached_blocks)`` would succeed now. Changes nothing.
+    def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Whether ``allocate(_, num_tokens, hit)`` would succeed now. Changes nothing.
 
         Raises:
             PromptTooLongError: ``num_tokens`` exceeds the whole pool.
             StaleCacheHitError: a hit block was evicted since ``find_cached_prefix``.
             ValueError: ``num_tokens`` < 0, or hits given while caching is off.
         """
-        need = self._fresh_blocks_needed(num_tokens, cached_blocks)
-        return need <= self._available_besides(cached_blocks)
+        need = self._fresh_blocks_needed(num_tokens, hit._blocks)
+        return need <= self._available_besides(hit._blocks)
 
-    def allocate(self, request_id: str, num_tokens: int, cached_blocks: list[KVBlock]) -> list[int] | None:
+    def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> list[int] | None:
         """Give a new request a block table: the hit blocks, then fresh blocks up to ``num_tokens`` tokens.
 
         Takes a reference on every hit block (an unreferenced one leaves the LRU queue), then fresh
@@ -211,7 +253,7 @@ class KVCacheManager:
         Args:
             request_id: a request that holds no blocks yet.
             num_tokens: tokens the table must cover (prompt, or the first prefill chunk's end).
-            cached_blocks: ``find_cached_prefix``'s result, unchanged, from this scheduling step.
+            hit: ``find_cached_prefix``'s result, unchanged, from this scheduling step (default: no hit).
 
         Returns:
             The block table (physical block ids), or None when there are not enough blocks now; then
@@ -224,6 +266,7 @@ class KVCacheManager:
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; use append_slots")
+        cached_blocks = hit._blocks
         need = self._fresh_blocks_needed(num_tokens, cached_blocks)
         if need > self._available_besides(cached_blocks):
             return None
@@ -254,6 +297,51 @@ class KVCacheManager:
             return False
         req.blocks.extend(self.pool.allocate(need))
         return True
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | bool:
+        """Give ``child_id`` a block table that shares ``parent_id``'s first ``num_tokens`` tokens (``n > 1``).
+
+        The full blocks are shared by reference (one more reference each, so each is freed only when its last
+        holder frees it); a partial last block is copy-on-write: the child gets a fresh block, and the caller
+        must copy the parent's block's KV into it before the next forward (both sequences are about to write
+        their next token into that block). The child's chain of proven cache entries is the parent's.
+
+        Args:
+            parent_id: a live request whose KV for tokens ``[0, num_tokens)`` is computed.
+            child_id: a request that holds no blocks yet.
+            num_tokens: tokens to share (the prompt), ``<=`` what the parent's table covers.
+
+        Returns:
+            ``(src_block_id, dst_block_id)``, the KV copy to make, when the last block is partial; True when
+            every shared block is full (nothing to copy); False, with no change, when no block is available for
+            the copy now.
+
+        Raises:
+            KeyError: unknown ``parent_id``. ValueError: ``child_id`` already holds blocks, or ``num_tokens`` is
+                beyond the parent's table.
+        """
+        parent = self._request(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        bs = self.block_size
+        num_full, partial = divmod(num_tokens, bs)
+        if num_tokens < 0 or cdiv(num_tokens, bs) > len(parent.blocks):
+            raise ValueError(f"{num_tokens} tokens are beyond {parent_id!r}'s {len(parent.blocks)} blocks")
+        if partial and self.pool.num_available() < 1:
+            return False
+        shared = parent.blocks[:num_full]
+        self.pool.touch(shared)
+        blocks = list(shared)
+        copy: tuple[int, int] | bool = True
+        if partial:
+            fresh = self.pool.allocate(1)[0]
+            blocks.append(fresh)
+            copy = (parent.blocks[num_full].block_id, fresh.block_id)
+        k = min(num_full, len(parent.hashes))
+        self._requests[child_id] = _RequestBlocks(
+            blocks=blocks, hashes=list(parent.hashes[:k]), chain_gens=list(parent.chain_gens[:k])
+        )
+        return copy
 
     # ---- caching --------------------------------------------------------------------------------------
     def cache_full_blocks(
@@ -352,7 +440,7 @@ class KVCacheManager:
         return (b for b in self.pool.blocks if b.block_hash is not None and self.pool.is_registered(b))
 
     def install_blocks(
-        self, hit: list[KVBlock], loaded: Sequence[BlockIdentity], write_kv: Callable[[int, int], None]
+        self, hit: PrefixHit, loaded: Sequence[BlockIdentity], write_kv: Callable[[int, int], None]
     ) -> int:
         """Register blocks read back from a tier as cached entries chained right after ``hit``.
 
@@ -374,8 +462,8 @@ class KVCacheManager:
         """
         if not loaded or not self.enable_caching:
             return 0
-        self._check_hits(hit)
-        prefix = list(hit)
+        self._check_hits(hit._blocks)
+        prefix = list(hit._blocks)
         if loaded[0].parent_hash != (prefix[-1].block_hash if prefix else None):
             return 0
         self.pool.touch(prefix)
@@ -431,7 +519,7 @@ class KVCacheManager:
         """Blocks held by pins (a block in two pins counts twice)."""
         return sum(len(b) for b in self._pins.values())
 
-    def pin(self, pin_id: str, hit: list[KVBlock]) -> int:
+    def pin(self, pin_id: str, hit: PrefixHit) -> int:
         """Pin the blocks of ``hit`` (a prefix found this step): they stay in RAM until ``unpin``.
 
         Returns:
@@ -444,9 +532,9 @@ class KVCacheManager:
         """
         if pin_id in self._pins:
             raise ValueError(f"pin {pin_id!r} already exists")
-        self._check_hits(hit)
-        self.check_pin_room(len(hit))
-        blocks = list(hit)
+        self._check_hits(hit._blocks)
+        self.check_pin_room(hit.num_blocks)
+        blocks = list(hit._blocks)
         self.pool.touch(blocks)
         self._pins[pin_id] = blocks
         return len(blocks)

@@ -77,20 +77,31 @@ class DenseWeight(nn.Module):
         self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
         self.packed: torch.Tensor | None = None
-        if pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packing_available():
+        if (
+            pack
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and onednn_packing_available()
+        ):
             self.packed = self._make_packed(weight)
 
     def _make_packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         with torch.inference_mode():
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_FOR_ROWS)
-                probe = torch.randn(_PACK_FOR_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+                probe = torch.randn(
+                    _PACK_FOR_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)
+                )
                 got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
                 want = self._plain(probe)
             except RuntimeError:
                 return None
         scale = want.abs().max().item() + 1e-30
-        return packed if (got - want).abs().max().item() <= 1e-5 * scale * max(1, weight.shape[1] ** 0.5) else None
+        return (
+            packed
+            if (got - want).abs().max().item() <= 1e-5 * scale * max(1, weight.shape[1] ** 0.5)
+            else None
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -125,7 +136,9 @@ class DenseWeight(nn.Module):
         return self._plain(x)
 
     @classmethod
-    def concat(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> DenseWeight:
+    def concat(
+        cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None
+    ) -> DenseWeight:
         """One weight computing several projections of the same input in one matmul (fused q/k/v, gate/up).
 
         Rows are stacked in the order given; a missing bias among present ones is zero-filled.
@@ -133,6 +146,9 @@ class DenseWeight(nn.Module):
         bias = None
         if biases is not None and any(b is not None for b in biases):
             bias = torch.cat(
-                [b if b is not None else weights[i].new_zeros(weights[i].shape[0]) for i, b in enumerate(biases)]
+                [
+                    b if b is not None else weights[i].new_zeros(weights[i].shape[0])
+                    for i, b in enumerate(biases)
+                ]
             )
         return cls(torch.cat(weights, dim=0), bias)

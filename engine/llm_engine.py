@@ -1,15 +1,22 @@
-"""The synchronous engine core: requests in, one step at a time, token and text deltas out.
+"""The synchronous engine core: the step loop. Requests in, one step at a time, token and text deltas out.
 
-``LLMEngine`` ties the scheduler (which requests run, how many tokens each), the KV cache manager (block tables,
-prefix cache), the model runner (flattened forward + sampling) and per-request output processing
-(detokenization, stop strings, EOS, ``max_tokens``). It is single-threaded; ``engine.async_engine`` drives it
-from one background thread and splits ``step`` into its three phases (``schedule_step`` and
-``finish_step`` under a lock, ``run_step`` without) so a cancel can free blocks while a forward runs.
+``LLMEngine`` owns the live requests and ties together input processing (``engine.input_processor``:
+checks, engine requests), the scheduler (which requests run, how many tokens each), the KV cache manager
+(block tables, prefix cache), the model runner (flattened forward + sampling) and output processing
+(``engine.output_processor``: detokenization, stop checks, final outputs). It is single-threaded;
+``engine.async_engine`` drives it from one background thread and splits ``step`` into its three phases
+(``schedule_step`` and ``finish_step`` under a lock, ``run_step`` without) so a cancel can free blocks while a
+forward runs.
 
 A step, in order: plan (``Scheduler.schedule``), flatten + forward + sample (``ModelRunner``), then for each
 scheduled request: advance ``num_computed_tokens``, register its newly full blocks in the prefix cache
-(``KVCacheManager.cache_full_blocks``, so a request admitted next step hits them: in-flight sharing), append
-the sampled token, detokenize, check stop conditions, and free the blocks of finished requests.
+(``KVCacheManager.cache_full_blocks``, so a request admitted next step hits them: in-flight sharing), hand the
+sampled token to output processing, and free the blocks of finished requests. A request with ``n > 1`` forks
+when its prompt is computed: its ``n - 1`` forks share the prompt's blocks (``KVCacheManager.fork``; the
+partial last block copied, ``ModelRunner.copy_block``) and take their first tokens from the same logits row.
+
+Invariant: a request is in ``requests`` from ``add_request`` until its final output is built; a finished
+request's blocks are freed in the same call that builds that output.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, Usage, WarmResult
-from engine.block_hash import HashFn, hash_block, hash_request_blocks
-from engine.detokenizer import Decoder, OutputText
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob, WarmResult
+from engine.block_hash import HashFn, hash_block
+from engine.constrained import ConstraintCompiler
+from engine.detokenizer import Decoder
+from engine.errors import InvalidRequestError
+from engine.input_processor import InputProcessor
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers.catalog import CachedPrefix, PrefixCatalog, PrefixRecord
 from engine.kv_tiers.config import check_tier_names, deployment_hash_fn
@@ -34,35 +43,18 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
+from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling import make_generator
+from engine.sampling import SampledToken
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineCounters
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: the request.
-        new_token_ids: tokens generated this step (0 or 1).
-        text: new text to emit (may be "" while a character or a stop string is pending).
-        finished: True on the request's last output.
-        finish_reason: set when finished.
-        usage: set when finished.
-        ttft_s: seconds from submit to the first token (None if none was generated).
-        full_text: all text generated (stop-string trimmed), set when finished.
-    """
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    ttft_s: float | None = None
-    full_text: str = ""
+def token_logprob(sample: SampledToken) -> TokenLogprob | None:
+    """The API's logprob entry of a sampled token (None when its request asked for no logprobs)."""
+    if sample.logprob is None:
+        return None
+    return TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs)
 
 
 @dataclass
@@ -71,42 +63,6 @@ class StepPlan:
 
     sched: SchedulerOutput
     model_input: ModelInput | None
-
-
-def validate_params(params: SamplingParams) -> None:
-    """Check sampling parameters.
-
-    Raises:
-        InvalidRequestError: ``max_tokens`` < 1, ``temperature`` < 0, ``top_p`` not in (0, 1], ``top_k`` < 0,
-            an empty stop string, or a negative stop token id (``param`` names the field).
-    """
-    if params.max_tokens is not None and (not isinstance(params.max_tokens, int) or params.max_tokens < 1):
-        raise InvalidRequestError(
-            f"max_tokens must be an integer >= 1, got {params.max_tokens!r}", "max_tokens"
-        )
-    if not params.temperature >= 0.0:
-        raise InvalidRequestError(f"temperature must be >= 0, got {params.temperature!r}", "temperature")
-    if not 0.0 < params.top_p <= 1.0:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {params.top_p!r}", "top_p")
-    if not isinstance(params.top_k, int) or params.top_k < 0:
-        raise InvalidRequestError(f"top_k must be an integer >= 0, got {params.top_k!r}", "top_k")
-    if any(not isinstance(s, str) or not s for s in params.stop):
-        raise InvalidRequestError("stop strings must be non-empty strings", "stop")
-    if any(not isinstance(t, int) or t < 0 for t in params.stop_token_ids):
-        raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
-
-
-def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
-    """Check a prompt's token ids.
-
-    Raises:
-        InvalidRequestError: an empty prompt, or a token id that is not an int in ``[0, vocab_size)``.
-    """
-    if len(prompt_token_ids) == 0:
-        raise InvalidRequestError("the prompt is empty", "prompt")
-    for t in prompt_token_ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab_size})", "prompt")
 
 
 class LLMEngine:
@@ -151,7 +107,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.clock = clock
         mc = model.config
-        self.vocab_size = mc.vocab_size
         if config.max_model_len is not None and not 0 < config.max_model_len <= mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} is not in [1, {mc.max_position_embeddings}] "
@@ -160,7 +115,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if eos_token_ids is None:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
-        self.eos_token_ids = frozenset(eos_token_ids)
         if not 0.0 <= config.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {config.max_pinned_fraction}")
         if config.tiers:
@@ -170,6 +124,23 @@ class LLMEngine:
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
         self.kv.max_pinned_blocks = int(config.max_pinned_fraction * config.num_blocks)
         self.counters = EngineCounters()
+        backend = getattr(tokenizer, "backend", None)
+        self.constraints = (
+            ConstraintCompiler(backend.to_str(), mc.vocab_size, tuple(eos_token_ids))
+            if backend is not None and eos_token_ids
+            else None
+        )
+        self.input = InputProcessor(
+            self.kv,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            model_id=model_id,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
+            clock=clock,
+            constraints=self.constraints,
+        )
+        self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size)
         self.tiers: EngineTiers | None = None
         if config.tiers:
@@ -196,26 +167,13 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Validate a prompt and its parameters before anything is queued or allocated.
+        """Validate a prompt and its parameters before anything is queued or allocated (see
+        ``InputProcessor.check_prompt``).
 
         Raises:
-            InvalidRequestError: bad parameters or token ids; stop strings without a tokenizer.
-            PromptTooLongError: ``what="context"`` when ``prompt + 1 > max_model_len``, or when an explicit
-                ``max_tokens`` does not fit beside the prompt (``prompt + max_tokens > max_model_len``, as OpenAI
-                and vLLM refuse it); ``what="pool"`` when ``prompt + 1`` tokens exceed the whole block pool.
+            InvalidRequestError, PromptTooLongError: the prompt or its parameters cannot be served.
         """
-        validate_params(params)
-        validate_prompt(prompt_token_ids, self.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer", "stop")
-        n = len(prompt_token_ids)
-        if n + 1 > self.max_model_len:
-            raise PromptTooLongError(n + 1, self.max_model_len, what="context")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                n, self.max_model_len, what="context", completion_tokens=params.max_tokens
-            )
-        self.kv.check_fits(n + 1)
+        self.input.check_prompt(prompt_token_ids, params)
 
     def add_request(
         self,
@@ -283,23 +241,7 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        room = self.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(stop_ids),
-            extra_keys=(self.model_id, cache_salt),
-            arrival_time=self.clock(),
-            generator=make_generator(params.seed),
-            output=OutputText(self.tokenizer, params.stop) if self.tokenizer is not None else None,
-        )
-        req.update_block_hashes(self.kv.block_size, self._hasher(req))
+        req = self.input.make_request(rid, prompt_token_ids, params, cache_salt)
         if level_ends is not None:
             req.level_ends = tuple((int(e), str(lv)) for e, lv in level_ends)
         self.requests[rid] = req
@@ -312,12 +254,6 @@ class LLMEngine:
             )
         return req
 
-    def _hasher(self, req: Request):
-        extra = req.extra_keys
-        bs = self.kv.block_size
-        fn = self.kv.hash_fn
-        return lambda tokens, parent: hash_request_blocks(tokens, bs, extra, fn, parent)
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a waiting or running request and free its blocks at once.
 
@@ -328,6 +264,11 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         return self._finish(req, "abort")
+
+    def abort_family(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a request and every live fork of it (``n > 1``); return their final outputs."""
+        ids = [request_id] + [r.request_id for r in self.requests.values() if r.parent_id == request_id]
+        return [o for rid in ids if (o := self.abort_request(rid)) is not None]
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -366,8 +307,7 @@ class LLMEngine:
                     start=s.start,
                     block_table=self.kv.block_table(r.request_id),
                     needs_token=s.needs_token,
-                    params=r.params,
-                    generator=r.generator,
+                    sampler=r.sampler,
                 )
             )
         return StepPlan(sched, self.runner.prepare(seqs))
@@ -383,7 +323,7 @@ class LLMEngine:
     def finish_step(self, plan: StepPlan, run: tuple[StepResult | None, float]) -> list[RequestOutput]:
         """Phase 3: advance computed tokens, cache full blocks, append tokens, detokenize, finish requests."""
         result, seconds = run
-        outputs = [self._finish_output(r, r.finish_reason or "length") for r in plan.sched.finished]
+        outputs = [self._finish(r, r.finish_reason or "length") for r in plan.sched.finished]
         if result is None:
             return outputs
         self.num_steps += 1
@@ -391,7 +331,7 @@ class LLMEngine:
         self.counters.record_step(
             sched.num_prefill_tokens, sched.num_tokens - sched.num_prefill_tokens, seconds
         )
-        sampled = dict(zip(plan.model_input.sample_seqs, result.token_ids, strict=True))
+        sampled = dict(zip(plan.model_input.sample_seqs, result.samples, strict=True))
         rows = {seq: k for k, seq in enumerate(plan.model_input.sample_seqs)}
         now = self.clock()
         for i, s in enumerate(sched.scheduled):
@@ -403,66 +343,56 @@ class LLMEngine:
                 req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes, req.extra_keys
             )
             if i in sampled:
+                sample = sampled[i]
                 if result.logits is not None:
                     self.logits_log.setdefault(req.request_id, []).append(result.logits[rows[i]].clone())
-                outputs.append(self._on_token(req, sampled[i], now))
+                if sample.forks:
+                    outputs.extend(self._fork(req, sample, now))
+                out = self.output.process_token(req, sample.token_id, now, token_logprob(sample))
+                if out.finished:
+                    self._release(req)
+                outputs.append(out)
         return outputs
 
-    # ---- output processing -------------------------------------------------------------------------------
-    def _on_token(self, req: Request, token: int, now: float) -> RequestOutput:
-        """Record a sampled token; detokenize; finish on EOS / stop token, stop string or max_tokens."""
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.counters.ttft.observe(now - req.arrival_time)
-        elif req.last_token_time is not None:
-            self.counters.tpot.observe(now - req.last_token_time)
-        req.last_token_time = now
-        req.append_token(token)
-        if req.num_tokens // self.kv.block_size > len(req.block_hashes):  # a block just filled up
-            req.update_block_hashes(self.kv.block_size, self._hasher(req))
-        self.counters.decode_tokens += 1
-        text = ""
-        reason: FinishReason | None = None
-        if token in req.stop_token_ids:
-            reason = "stop"
-        elif req.output is not None:
-            text = req.output.add(token)
-            if req.output.stopped:
-                reason = "stop"
-        if reason is None and req.num_output_tokens >= req.max_tokens:
-            reason = "length"
-        if reason is None:
-            return RequestOutput(req.request_id, [token], text)
-        out = self._finish(req, reason)
-        out.new_token_ids = [token]
-        out.text = text + out.text
-        return out
+    def _fork(self, parent: Request, sample: SampledToken, now: float) -> list[RequestOutput]:
+        """Create the parent's pending forks (``n > 1``), its prompt just computed: each shares the prompt's
+        blocks (the partial last one copied) and takes its first token from ``sample.forks``. A fork that gets
+        no block for the copy now waits in the queue like a preempted request (recomputing what it must)."""
+        outputs = []
+        forks, parent.sampler.pending_forks = parent.sampler.pending_forks, []
+        n_prompt = parent.num_prompt_tokens
+        for sampler, first in zip(forks, sample.forks, strict=True):
+            child = self.input.make_fork(parent, sampler)
+            self.requests[child.request_id] = child
+            copy = self.kv.fork(parent.request_id, child.request_id, n_prompt)
+            if copy is False:
+                child.num_computed_tokens = 0
+                self.scheduler.add_request(child)
+            else:
+                if copy is not True:
+                    self.runner.copy_block(*copy)
+                self.scheduler.add_forked(child)
+                self.counters.forked_prefill_tokens_saved += n_prompt
+            self.counters.forks += 1
+            out = self.output.process_token(child, first.token_id, now, token_logprob(first))
+            if out.finished:
+                self._release(child)
+            outputs.append(out)
+        return outputs
 
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
-        """End a request (free its blocks at once) and build its final output."""
-        req.finish_reason = reason
-        if self.tiers is not None and req.request_id in self.kv:
-            self.tiers.on_finish(req)  # its levels go to its blocks before they are freed
-        self.scheduler.finish_request(req)
-        return self._finish_output(req, reason)
+        """End a request: build its final output, then free its blocks at once and forget it."""
+        out = self.output.finish(req, reason)
+        self._release(req)
+        return out
 
-    def _finish_output(self, req: Request, reason: FinishReason) -> RequestOutput:
-        self.counters.requests += 1
-        tail = req.output.finish() if req.output is not None else ""
+    def _release(self, req: Request) -> None:
+        """Free a finished request's blocks (unless the scheduler already did) and drop it from ``requests``."""
+        if not req.is_finished:
+            if self.tiers is not None:
+                self.tiers.on_finish(req)  # its levels go to its blocks before they are freed
+            self.scheduler.finish_request(req)
         self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            text=tail,
-            finished=True,
-            finish_reason=reason,
-            usage=Usage(
-                prompt_tokens=req.num_prompt_tokens,
-                cached_tokens=req.num_cached_tokens or 0,
-                completion_tokens=req.num_output_tokens,
-            ),
-            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-            full_text=req.output.text if req.output is not None else "",
-        )
 
     # ---- stats and helpers ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -554,13 +484,13 @@ class LLMEngine:
         hashes = self.kv.block_hashes(prompt, extra_keys)
         hit = self.kv.find_cached_prefix(prompt, hashes, extra_keys)
         pin_id, pinned = None, 0
-        if pin and hit:
+        if pin and hit.num_blocks:
             pin_id = f"pin-{next(self._pin_ids)}"
             pinned = self.kv.pin(pin_id, hit)
         key = prefix_key or (hashes[-1].hex() if hashes else "")
         if hashes:
             self._record_prefix(key, hashes, extra_keys, None, len(prompt), pin_id)
-        return WarmResult(key, len(prompt), len(hit) * self.kv.block_size, pinned, pin_id)
+        return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id)
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. Returns False when unknown."""

@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.arch_config import ArchConfig
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
 from engine.linear import DenseWeight, LinearWeight
-from engine.model_config import ModelConfig
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    config: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
     """The block pool's KV tensor, zero-filled.
 
@@ -44,7 +44,7 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim / 2]`` fp32: ``1 / theta ** (2i / head_dim)`` (Su et al. 2021),
     computed exactly as Hugging Face's default rope init does."""
     d = config.head_dim
@@ -96,12 +96,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer: ``h += o(attn(norm(h)))``; ``h += down(silu(gate) * up)(norm(h))``."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ArchConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         self.config = config
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
+
         def rope_order(name: str, heads: int) -> torch.Tensor | None:
             t = w.get(name)
             return None if t is None else interleave_rope_rows(t, heads, config.head_dim)
@@ -159,12 +160,14 @@ class LlamaModel(nn.Module):
         UnsupportedModelError: a weight is missing or has the wrong shape (names it).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ArchConfig, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
         check_weights(config, weights)
         self.config = config
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+        )
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
         head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head: LinearWeight = DenseWeight(head)
@@ -181,12 +184,19 @@ class LlamaModel(nn.Module):
     @property
     def weight_nbytes(self) -> int:
         """Bytes of linear-layer weights one decode step reads (every layer and the LM head; one copy each)."""
-        n = sum(layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
+        n = sum(
+            layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            for layer in self.layers
+        )
         return n + self.lm_head.nbytes
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -203,7 +213,9 @@ class LlamaModel(nn.Module):
             ValueError: inconsistent metadata (see ``engine.attention.plan_attention``).
         """
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
+            )
         dev = self.device
         plan = plan_attention(meta, dev, kv_cache.shape[2])
         positions = positions.to(dev)
@@ -219,7 +231,7 @@ class LlamaModel(nn.Module):
         return self.lm_head.forward(hidden).float()
 
 
-def check_weights(config: ModelConfig, w: dict[str, torch.Tensor]) -> None:
+def check_weights(config: ArchConfig, w: dict[str, torch.Tensor]) -> None:
     """Raise ``UnsupportedModelError`` naming the first missing or mis-shaped weight."""
     c = config
     expect: dict[str, tuple[int, ...]] = {

@@ -10,21 +10,20 @@ vLLM v1's ``gpu_model_runner`` and nano-vllm's ``prepare_prefill``/``prepare_dec
 - ``logit_rows``: int64 ``[N]``, the last row of each sequence that needs a token: a prefill chunk that
   reaches the end of its known tokens, and every decode. Only those rows go through the LM head.
 
-``execute`` runs the forward pass and samples with ``engine.sampling`` (each request's own generator).
+``execute`` runs the forward pass and samples with ``engine.sampling`` (each sequence's own sampler).
 The runner owns the KV tensor (``engine.model.allocate_kv_cache``); the block ids in it are the
 ``KVCacheManager``'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.api import SamplingParams
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
-from engine.sampling import sample
+from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 
 
 @dataclass
@@ -36,16 +35,14 @@ class SeqInput:
         start: position of the first of them (= tokens already computed).
         block_table: physical block ids covering positions ``[0, start + n)``.
         needs_token: True when a token is sampled after this step (the chunk reaches the sequence's end).
-        params: its sampling parameters (read when ``needs_token``).
-        generator: its own sampling generator (read when ``needs_token``).
+        sampler: its own sampling state (read when ``needs_token``).
     """
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     needs_token: bool
-    params: SamplingParams
-    generator: torch.Generator
+    sampler: SequenceSampler
 
 
 @dataclass
@@ -56,17 +53,18 @@ class ModelInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     logit_rows: torch.Tensor
-    sample_params: list[SamplingParams]
-    sample_generators: list[torch.Generator]
+    samplers: list[SequenceSampler]
     sample_seqs: list[int]
 
 
 @dataclass
 class StepResult:
-    """Sampled token ids, one per entry of ``ModelInput.sample_seqs``, and their float32 logits when asked."""
+    """Sampled tokens, one per entry of ``ModelInput.sample_seqs`` (ids, and logprobs / forks in ``samples``),
+    and their float32 logits when asked."""
 
     token_ids: list[int]
     logits: torch.Tensor | None
+    samples: list[SampledToken] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -79,7 +77,9 @@ class ModelRunner:
         kv_dtype: dtype of the KV cache (default: the model's).
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None
+    ):
         self.model = model
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
@@ -107,7 +107,9 @@ class ModelRunner:
             n = len(s.token_ids)
             end = s.start + n
             if n < 1 or len(s.block_table) * bs < end:
-                raise ValueError(f"sequence {i}: {n} tokens at {s.start} do not fit {len(s.block_table)} blocks")
+                raise ValueError(
+                    f"sequence {i}: {n} tokens at {s.start} do not fit {len(s.block_table)} blocks"
+                )
             ids.extend(s.token_ids)
             pos = range(s.start, end)
             positions.extend(pos)
@@ -133,10 +135,14 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64),
             meta=meta,
             logit_rows=torch.tensor(rows, dtype=torch.int64),
-            sample_params=[seqs[i].params for i in sample_seqs],
-            sample_generators=[seqs[i].generator for i in sample_seqs],
+            samplers=[seqs[i].sampler for i in sample_seqs],
             sample_seqs=sample_seqs,
         )
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K/V into block ``dst``, every layer (copy-on-write of a forked partial block)."""
+        self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput, return_logits: bool = False) -> StepResult:
@@ -151,5 +157,5 @@ class ModelRunner:
             return StepResult([], None)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.to(hidden.device)))
         logits = logits.float().cpu()
-        tokens = sample(logits, inp.sample_params, inp.sample_generators)
-        return StepResult(tokens, logits if return_logits else None)
+        samples = sample_sequences(logits, inp.samplers)
+        return StepResult([s.token_id for s in samples], logits if return_logits else None, samples)

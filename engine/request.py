@@ -15,11 +15,10 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.api import FinishReason, SamplingParams
 from engine.block_hash import BlockHash
 from engine.detokenizer import OutputText
+from engine.sampling import SequenceSampler
 
 
 class RequestStatus(enum.Enum):
@@ -46,7 +45,9 @@ class Request:
         stop_token_ids: token ids that end generation (EOS unless ``ignore_eos``, plus ``params.stop_token_ids``).
         extra_keys: prefix-cache extra keys ``(model_id, cache_salt)``.
         arrival_time: clock reading at submit, seconds.
-        generator: this request's own sampling generator.
+        sampler: this sequence's sampling state (generator, penalty counts, constraint, pending forks).
+        index: choice index within its request (0, or ``i`` for the ``i``-th fork of an ``n > 1`` request).
+        parent_id: the request this one was forked from (None for a request as submitted).
         output: detokenizer + stop-string matcher (None when the engine does not detokenize).
         output_token_ids: generated tokens so far.
         num_computed_tokens: tokens of ``all_token_ids`` whose K/V is in the request's blocks.
@@ -74,7 +75,7 @@ class Request:
     stop_token_ids: frozenset[int]
     extra_keys: tuple
     arrival_time: float
-    generator: torch.Generator
+    sampler: SequenceSampler
     output: OutputText | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -89,6 +90,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
+    index: int = 0
+    parent_id: str | None = None
     level_ends: tuple[tuple[int, str], ...] | None = None
     prefix_key: str | None = None
 
@@ -115,8 +118,14 @@ class Request:
         """True once the request has finished (any reason)."""
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def generator(self):
+        """This sequence's ``torch.Generator`` (its sampler's)."""
+        return self.sampler.generator
+
     def append_token(self, token_id: int) -> None:
-        """Record one generated token (its K/V is computed by the next decode step)."""
+        """Record one generated token (its K/V is computed by the next decode step); the sampler sees it too."""
+        self.sampler.accept(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

@@ -11,10 +11,11 @@ Continuous batching with chunked prefill, after vLLM v1's unified scheduler (eve
    runs alone has filled the whole pool: it finishes with ``"length"``.
 2. **prefill chunks** of running requests whose prompt is not computed yet (chunked prefill), oldest first.
 3. **admissions** from the waiting queue, ordered by the policy. Admission looks up the longest cached prefix
-   (the last prompt token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` blocks),
-   allocates the request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request
-   that cannot get blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller
-   ones), and schedules a first chunk.
+   (a ``PrefixHit``: the scheduler sees block ids, hashes and counts, never the pool's blocks; the last prompt
+   token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` blocks), allocates the
+   request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request that cannot get
+   blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller ones), and schedules
+   a first chunk.
 
 **In-flight sharing** (grouping by prefix). The *pending* blocks are the full blocks that running requests
 (and requests admitted earlier in this step) have not computed yet, keyed by block hash. A waiting request
@@ -44,8 +45,7 @@ from dataclasses import dataclass, field
 
 from engine.api import EngineConfig
 from engine.block_hash import BlockHash
-from engine.block_pool import KVBlock
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus
 from engine.stats import EngineCounters
 
@@ -158,6 +158,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
+    def add_forked(self, req: Request) -> None:
+        """Add a fork that already holds blocks with its prompt computed (``n > 1``) to the running set; it
+        decodes from the next step on, and is the newest running request (the first preemption victim)."""
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = next(self._admit_seq)
+        req.prefill_end = req.num_computed_tokens
+        self.running.append(req)
+
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
@@ -245,8 +253,8 @@ class Scheduler:
         return budget
 
     # ---- admission ----------------------------------------------------------------------------------------
-    def cached_prefix(self, req: Request) -> list[KVBlock]:
-        """The request's usable prefix-cache hits now: at most ``(num_tokens - 1) // block_size`` blocks."""
+    def cached_prefix(self, req: Request) -> PrefixHit:
+        """The request's usable prefix-cache hit now: at most ``(num_tokens - 1) // block_size`` blocks."""
         cap = (req.num_tokens - 1) // self.block_size
         return self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes[:cap], req.extra_keys)
 
@@ -277,10 +285,10 @@ class Scheduler:
         keyed = []
         group_rank: dict[tuple[int, int | None], int] = {}
         for pos, req in enumerate(reqs):
-            hits = self.cached_prefix(req)
-            group = (len(hits), hits[-1].block_id if hits else None)
+            hit = self.cached_prefix(req)
+            group = (hit.num_blocks, hit.last_block_id)
             rank = group_rank.setdefault(group, len(group_rank))
-            keyed.append((-len(hits), rank, pos, req))
+            keyed.append((-hit.num_blocks, rank, pos, req))
         keyed.sort(key=lambda k: k[:3])
         return [k[3] for k in keyed]
 
@@ -331,12 +339,12 @@ class Scheduler:
                 break
             if self.admission_gate is not None and not self.admission_gate(req):
                 continue  # its prefix is still being read back from a tier
-            hits = self.cached_prefix(req)
-            if self.inflight_sharing and self._waits_for_inflight(req, len(hits), pending):
+            hit = self.cached_prefix(req)
+            if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue
-            if self.kv.allocate(req.request_id, req.num_tokens, hits) is None:
+            if self.kv.allocate(req.request_id, req.num_tokens, hit) is None:
                 break  # not enough blocks now: wait (and keep the queue behind it waiting too)
-            n = self._admit(req, len(hits) * self.block_size, hits)
+            n = self._admit(req, hit)
             n = min(n, budget)
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
             budget -= n
@@ -354,8 +362,9 @@ class Scheduler:
             if entry is not None and entry[0] is not req:
                 req.inflight_wait_hashes.add(h)
 
-    def _admit(self, req: Request, num_cached: int, hits: list[KVBlock]) -> int:
-        """Move ``req`` to running with ``num_cached`` tokens served by the cache; return tokens left to compute."""
+    def _admit(self, req: Request, hit: PrefixHit) -> int:
+        """Move ``req`` to running with ``hit``'s tokens served by the cache; return tokens left to compute."""
+        num_cached = hit.num_tokens
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
@@ -363,7 +372,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.prefill_end = req.num_tokens
         if req.num_cached_tokens is None:
-            shared = sum(1 for b in hits if b.block_hash in req.inflight_wait_hashes) * self.block_size
+            shared = sum(1 for h in hit.block_hashes if h in req.inflight_wait_hashes) * self.block_size
             req.num_cached_tokens = num_cached
             req.num_inflight_shared_tokens = shared
             self.counters.record_admission(req.num_prompt_tokens, num_cached, shared)

@@ -16,12 +16,48 @@ from dataclasses import dataclass, field
 from engine.api import EngineStats, Histogram
 
 TTFT_BUCKETS_S: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 """Upper bounds of the TTFT histogram (seconds; vLLM's buckets)."""
 
 TPOT_BUCKETS_S: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 """Upper bounds of the TPOT histogram (seconds; vLLM's buckets)."""
 
@@ -73,6 +109,8 @@ class EngineCounters:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     preemptions: int = 0
+    forks: int = 0
+    forked_prefill_tokens_saved: int = 0
     ttft: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
     tpot: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TPOT_BUCKETS_S))
 
@@ -124,4 +162,6 @@ class EngineCounters:
             waiting=waiting,
             ttft=self.ttft.snapshot(),
             tpot=self.tpot.snapshot(),
+            forks=self.forks,
+            forked_prefill_tokens_saved=self.forked_prefill_tokens_saved,
         )

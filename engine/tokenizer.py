@@ -22,6 +22,12 @@ writes BOS itself when the model wants one). ``encode(add_special_tokens=True)``
 checkpoint's BOS rule: ``tokenizer.json``'s post-processor (transformers v5 ignores ``add_bos_token`` in
 ``tokenizer_config.json`` when a ``tokenizer.json`` exists, and so do we), or GGUF's
 ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``.
+
+Tools for every model: when the template reads ``tools`` (``template_renders_tools``), tools, tool calls and
+tool results go to it as given; when it does not (SmolLM2's), they are rendered in the generic format of
+``engine.tool_calls`` (``docs/tools.md``) into plain system / assistant / user messages first, and
+``tool_format`` is ``"generic"``: the model's calls are then parsed with ``engine.tool_calls.ToolCallParser``
+and constrained with a ``"tool_calls"`` ``engine.api.Constraint``.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.tool_calls import function_tools, render_messages_with_tools
 
 # GPT-2's split (llama.cpp "gpt2"/"default" BPE; the ByteLevel pre-tokenizer's own regex).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -62,7 +70,11 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table of byte-level BPE (Radford et al. 2019, ``encoder.py``)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -90,15 +102,26 @@ def gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
             f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_PRE)})"
         )
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 
-def bos_eos_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
+def bos_eos_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.TemplateProcessing:
     """Post-processor adding BOS and/or EOS around one sequence (transformers' ``update_post_processor``)."""
     single = " ".join([*(f"{bos[0]}:0" for _ in [0] if bos), "$A:0", *(f"{eos[0]}:0" for _ in [0] if eos)])
-    pair = single + " " + " ".join([*(f"{bos[0]}:1" for _ in [0] if bos), "$B:1", *(f"{eos[0]}:1" for _ in [0] if eos)])
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
+    pair = (
+        single
+        + " "
+        + " ".join([*(f"{bos[0]}:1" for _ in [0] if bos), "$B:1", *(f"{eos[0]}:1" for _ in [0] if eos)])
+    )
+    return processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t]
+    )
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -178,7 +201,9 @@ def normalize_message(message: object, index: int) -> dict:
         InvalidRequestError: not a dict, or a content part that is not text.
     """
     if not isinstance(message, dict):
-        raise InvalidRequestError(f"messages[{index}] must be an object, got {type(message).__name__}", "messages")
+        raise InvalidRequestError(
+            f"messages[{index}] must be an object, got {type(message).__name__}", "messages"
+        )
     msg = {k: v for k, v in message.items() if v is not None}
     content = msg.get("content")
     if isinstance(content, list):
@@ -186,12 +211,17 @@ def normalize_message(message: object, index: int) -> dict:
         for j, part in enumerate(content):
             if isinstance(part, str):
                 texts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            elif (
+                isinstance(part, dict)
+                and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 texts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InvalidRequestError(
-                    f"messages[{index}].content[{j}] has type {kind!r}; only text parts are supported", "messages"
+                    f"messages[{index}].content[{j}] has type {kind!r}; only text parts are supported",
+                    "messages",
                 )
         msg["content"] = "\n".join(texts)
     reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
@@ -245,10 +275,13 @@ class Tokenizer:
         spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab = {
-            t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
+            t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+            for i, t in enumerate(tokens)
         }
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE)
+        model = models.BPE(
+            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE
+        )
         backend = BackendTokenizer(model)
         backend.pre_tokenizer = pre_tok
         backend.decoder = decoders.ByteLevel()
@@ -280,10 +313,20 @@ class Tokenizer:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and special["bos_token"] is not None
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and special["eos_token"] is not None
         backend.post_processor = bos_eos_processor(
-            (special["bos_token"], int(bos_id)) if add_bos else None, (special["eos_token"], int(eos_id)) if add_eos else None
+            (special["bos_token"], int(bos_id)) if add_bos else None,
+            (special["eos_token"], int(eos_id)) if add_eos else None,
         )
-        eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
-        return cls(backend, meta.get("tokenizer.chat_template"), special, [int(e) for e in eos if e is not None])
+        eos = [
+            meta.get(k)
+            for k in (
+                "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id",
+            )
+        ]
+        return cls(
+            backend, meta.get("tokenizer.chat_template"), special, [int(e) for e in eos if e is not None]
+        )
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -365,6 +408,27 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    @cached_property
+    def template_renders_tools(self) -> bool:
+        """True when the chat template reads the ``tools`` variable (or has a ``tool_use`` named template)."""
+        source = self.chat_template
+        if isinstance(source, dict):
+            if "tool_use" in source:
+                return True
+            source = source.get("default")
+        if not source:
+            return False
+        env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        except jinja2.TemplateSyntaxError:
+            return False
+
+    @property
+    def tool_format(self) -> str:
+        """``"template"`` when the chat template renders tools itself, else ``"generic"`` (``engine.tool_calls``)."""
+        return "template" if self.template_renders_tools else "generic"
+
     def _template(self, tools) -> jinja2.Template:
         source = self.chat_template
         if isinstance(source, dict):
@@ -373,10 +437,13 @@ class Tokenizer:
             elif "default" in source:
                 source = source["default"]
             else:
-                raise InvalidRequestError(f"the checkpoint has named chat templates {sorted(source)} but no default")
+                raise InvalidRequestError(
+                    f"the checkpoint has named chat templates {sorted(source)} but no default"
+                )
         if not source:
             raise InvalidRequestError(
-                "this model has no chat template; send a raw prompt (/v1/completions) instead of messages", "messages"
+                "this model has no chat template; send a raw prompt (/v1/completions) instead of messages",
+                "messages",
             )
         if source not in self._compiled:
             try:
@@ -386,9 +453,15 @@ class Tokenizer:
         return self._compiled[source]
 
     def apply_chat_template(
-        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text the chat template renders for ``messages`` (and ``tools``, OpenAI JSON schemas).
+
+        A template that does not read ``tools`` gets them, and any tool calls / results in ``messages``, in the
+        generic format (module docstring).
 
         Raises:
             InvalidRequestError: no chat template, empty/ill-formed messages, or the template rejected them
@@ -400,6 +473,10 @@ class Tokenizer:
         chat = [normalize_message(m, i) for i, m in enumerate(messages)]
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise InvalidRequestError("tools must be JSON schema objects", "tools")
+        has_tool_history = any(m.get("role") == "tool" or m.get("tool_calls") for m in chat)
+        if (tools or has_tool_history) and not self.template_renders_tools:
+            chat = render_messages_with_tools(chat, function_tools(list(tools)) if tools else None)
+            tools = None
         try:
             return template.render(
                 messages=chat,
@@ -411,11 +488,15 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from e
         except (TypeError, KeyError, AttributeError) as e:
-            raise InvalidRequestError(f"the chat template could not render the messages: {e}", "messages") from e
+            raise InvalidRequestError(
+                f"the chat template could not render the messages: {e}", "messages"
+            ) from e
 
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat (generation prompt added), encoded without adding special tokens."""
-        return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt=True), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, tools, add_generation_prompt=True), add_special_tokens=False
+        )
 
 
 def _token_content(value) -> str | None:

@@ -1,1 +1,6 @@
-"""prefixgate's HTTP face: OpenAI and Anthropic protocols, config, routing, stats, CLI."""
+"""The prefixgate HTTP gateway, in layers (lowest first; a layer imports only itself and lower layers)::
+
+    core -> config -> {protocols, transport} -> backends -> service -> http -> cli
+
+``tests/test_layers.py`` checks the order; docs/architecture.md follows a request through it.
+"""

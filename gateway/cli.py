@@ -5,10 +5,18 @@
     prefixgate serve [--config FILE] [--host H] [--port P]
     prefixgate rules check FILE...
     prefixgate rules apply [--rules FILE...] [--placement WHERE] REQUEST.json
+    prefixgate rules replay [--config FILE] [--tokenizer smollm2|cl100k] TRACE.jsonl
+    prefixgate rules learned [--url URL] [--token TOKEN] [--model M] [--tenant T] > learned.yaml
 
 ``serve`` without ``--config`` runs the embedded default (SmolLM2-135M-Instruct, rules ``[default]``).
 Listen address precedence: ``--host``/``--port``, then ``PREFIXGATE_HOST``/``PREFIXGATE_PORT``, then the
 config's ``server:``, then 127.0.0.1:8000. (The Makefile's ``HOST``/``PORT`` reach us as flags.)
+
+``rules replay`` runs a request log through the canonicalizer the config builds (its rules, transcript memory
+bounds, Redis and learning mode; the default config without ``--config``), as the gateway would. ``rules
+learned`` asks a running gateway (``GET /admin/rules/learned`` at ``--url``, default
+``http://127.0.0.1:8000``, with ``--token`` or ``PREFIXGATE_ADMIN_TOKEN`` as the admin bearer token) for the
+slots it learned and prints them as a rule file.
 Exit status: 0 success, 1 runtime failure, 2 bad usage or bad config.
 """
 
@@ -21,7 +29,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gateway.config import ConfigError, GatewayConfig, default_config, load_config
+from gateway.config.loader import default_config, load_config
+from gateway.config.schema import ConfigError, GatewayConfig
 
 EXIT_BAD_CONFIG = 2
 
@@ -47,12 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     apply.add_argument("--placement", default=None, help="override every hoist rule's placement")
     apply.add_argument("request", metavar="REQUEST.json", nargs="?")
+    replay = rule_commands.add_parser(
+        "replay", help="replay a request log (JSON lines) and print the prefix each request shares"
+    )
+    replay.add_argument("trace", metavar="TRACE.jsonl")
+    replay.add_argument("--config", help="YAML config whose rules, memory and learning to use")
+    replay.add_argument("--tokenizer", choices=("smollm2", "cl100k"), default=None)
+    learned = rule_commands.add_parser(
+        "learned", help="print a running gateway's learned slots as a rule file"
+    )
+    learned.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
+    learned.add_argument("--token", default=None, help="admin token (default: $PREFIXGATE_ADMIN_TOKEN)")
+    learned.add_argument("--model", default=None)
+    learned.add_argument("--tenant", default=None)
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last one
-    is the request when no separate positional is left."""
+    """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last
+    one is the request when no separate positional is left."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "rules" and args.rules_command == "apply" and args.request is None:
@@ -69,11 +91,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "serve":
         return serve(args.config, args.host, args.port, args.log_level)
-    from rules import cli as rules_cli
+    from gateway.service.canonicalize import run_rules_command
 
     if args.rules_command == "check":
-        return rules_cli.check(args.files)
-    return rules_cli.apply(args.rules, args.request, args.placement)
+        return run_rules_command("check", args.files)
+    if args.rules_command == "replay":
+        return replay(args.trace, args.config, args.tokenizer)
+    if args.rules_command == "learned":
+        return learned(args.url, args.token, args.model, args.tenant)
+    return run_rules_command("apply", args.rules, args.request, args.placement)
+
+
+def replay(trace: str, config_path: str | None, tokenizer: str | None) -> int:
+    """``prefixgate rules replay``: the config's canonicalizer over the trace (see the module docstring)."""
+    from gateway.service.canonicalize import Canonicalizer, RuleError, run_replay
+
+    try:
+        config = load_config(config_path) if config_path else default_config()
+        canonicalizer = Canonicalizer(config.rules, config.transcript, config.rules_learning)
+    except (ConfigError, RuleError) as exc:
+        print(f"prefixgate: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        return run_replay(trace, canonicalizer, tokenizer)
+    finally:
+        canonicalizer.close()
+
+
+def learned(url: str, token: str | None, model: str | None, tenant: str | None) -> int:
+    """``prefixgate rules learned``: GET ``/admin/rules/learned`` and print the YAML; 1 when the gateway cannot
+    be reached or refuses (the reason on stderr)."""
+    import httpx
+
+    token = token or os.environ.get("PREFIXGATE_ADMIN_TOKEN") or None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    params = {key: value for key, value in (("model", model), ("tenant", tenant)) if value is not None}
+    try:
+        response = httpx.get(
+            url.rstrip("/") + "/admin/rules/learned", headers=headers, params=params, timeout=30
+        )
+    except httpx.HTTPError as exc:
+        print(f"prefixgate: cannot reach the gateway at {url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
+        print(f"prefixgate: {url} answered {response.status_code}: {response.text[:200]}", file=sys.stderr)
+        return 1
+    sys.stdout.write(response.text)
+    return 0
 
 
 def resolve_config(config_path: str | None, host: str | None, port: int | None) -> GatewayConfig:
@@ -98,11 +162,11 @@ def resolve_config(config_path: str | None, host: str | None, port: int | None) 
 def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
     """Load the config, build the app and run uvicorn until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rules import RuleError
+    from gateway.service.canonicalize import RuleError
 
     try:
         config = resolve_config(config_path, host, port)
-        from gateway.app import create_app
+        from gateway.http.app import create_app
 
         app = create_app(config)
     except ConfigError as exc:
@@ -119,7 +183,7 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         port=config.server.port,
         log_config=None,
         log_level=log_level,
-        access_log=False,  # gateway.request_log writes one line per request instead
+        access_log=False,  # gateway.service.request_log writes one line per request instead
         timeout_graceful_shutdown=10,
     )
     return 0

@@ -12,12 +12,13 @@ left-to-right rebuild, so the work is linear in the text length however many mat
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
 from typing import Any
 
-from rules.markdown import fenced_code_ranges, overlaps
+from rules.markdown import code_ranges, overlaps
 from rules.model import ROUND_UNITS, NormalizeOptions, Rule
 from rules.patterns import base_group_name, group_span, group_texts
 
@@ -31,8 +32,10 @@ def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
 
     Returns:
         (new text, number of applications, hoisted values in order of appearance). Hoisted values are the
-        matched span stripped of surrounding whitespace.
+        matched span stripped of surrounding whitespace and of a trailing item separator (`` |``).
     """
+    if rule.action == "keep":
+        return text, 0, []  # a keep rule changes nothing itself: it protects text from the other rules
     if rule.action in ("hoist", "drop"):
         return _remove_matches(rule, text)
     edits: list[tuple[int, int, str]] = []
@@ -60,7 +63,7 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
         start, end = group_span(match, rule.group)
         if start < 0 or not text[start:end].strip():
             continue  # a group that did not take part, or only whitespace: nothing to move or drop
-        values.append(text[start:end].strip())
+        values.append(_trim_separator(text[start:end].strip()))
         ranges.append(removal_range(text, start, end))
     if not ranges:
         return text, 0, []
@@ -74,21 +77,116 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
     return new_text, len(values), (values if rule.action == "hoist" else [])
 
 
+_ITEM_SEPARATORS = ("|", "·", "•")
+
+
+def _trim_separator(value: str) -> str:
+    """A hoisted value without the item separator (`` | ``) a pattern took along so that the text it leaves
+    reads right ("A | B | C" without B is "A | C")."""
+    if value.endswith(_ITEM_SEPARATORS) and value[:-1].rstrip() != value[:-1]:
+        return value[:-1].rstrip()
+    return value
+
+
 def _matches(rule: Rule, text: str) -> list[Any]:
-    """Non-empty matches of the rule's pattern, left to right, minus those overlapping fenced code when
-    ``rule.skip_code``."""
-    matches = [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
-    if rule.skip_code and matches and ("```" in text or "~~~" in text):
-        code = fenced_code_ranges(text)
-        matches = [m for m in matches if not overlaps(code, m.start(), m.end())]
-    return matches
+    """Non-empty matches of the rule's pattern, left to right, minus those whose acted-on span (the rule's
+    group for hoist, drop and replace) overlaps text a ``keep`` rule of the same rule set protects
+    (``rule.kept_by``) or, when ``rule.skip_code``, a fenced or indented code block.
+
+    A rejected match does not hide a later one that overlaps it: the search goes on from just after the
+    rejected match's start (from near the end of the protected range when the match starts inside it, so
+    the work stays linear in the number of protected ranges).
+    """
+    if not rule.kept_by and not rule.skip_code:
+        return [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
+    protected: tuple[tuple[int, int], ...] | None = None
+    acted = rule.group if rule.action in ("hoist", "drop", "replace") else 0
+    out: list[Any] = []
+    pos: int | None = 0
+    while pos is not None and pos <= len(text):
+        resume = None
+        for match in rule.pattern.finditer(text, pos):  # one scan while nothing is rejected
+            if match.end() == match.start():
+                continue
+            if protected is None:
+                protected = _protected_ranges(rule.kept_by, rule.skip_code, text)
+            if protected and overlaps(protected, *_acted_span(match, acted)):
+                inside = _range_containing(protected, match.start())
+                resume = match.start() + 1
+                if inside is not None:
+                    resume = max(resume, inside[1] - _RESUME_SLACK)
+                break
+            out.append(match)
+        pos = resume
+    return out
+
+
+_RESUME_SLACK = 8
+"""Characters before the end of a protected range where the search resumes after a match that started inside
+it: a pattern may consume a few characters before what it acts on (the end of the previous sentence)."""
+
+
+def _range_containing(ranges: tuple[tuple[int, int], ...], pos: int) -> tuple[int, int] | None:
+    """The range of the sorted, disjoint ``ranges`` holding ``pos``, or None."""
+    lo, hi = 0, len(ranges)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ranges[mid][1] <= pos:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < len(ranges) and ranges[lo][0] <= pos:
+        return ranges[lo]
+    return None
+
+
+def _acted_span(match: Any, group: int | str) -> tuple[int, int]:
+    """The span a rule acts on (its group; the whole match when the group did not take part): text
+    consumed around it, such as the end of the previous sentence, may be protected."""
+    start, end = group_span(match, group)
+    return (start, end) if start >= 0 else match.span()
+
+
+@functools.lru_cache(maxsize=16)
+def _protected_ranges(
+    keep_rules: tuple[Rule, ...], skip_code: bool, text: str
+) -> tuple[tuple[int, int], ...]:
+    """Ranges of ``text`` that ``keep_rules`` protect, plus its code blocks when ``skip_code``. Cached: every
+    rule of a pass asks about the same texts (a hit costs the hash of the text, which Python keeps; at most
+    16 texts are held)."""
+    protected = kept_ranges(keep_rules, text)
+    if skip_code:
+        protected = _merge(protected + code_ranges(text))
+    return tuple(protected)
+
+
+def kept_ranges(keep_rules: tuple[Rule, ...], text: str) -> list[tuple[int, int]]:
+    """Sorted, merged [start, end) ranges of ``text`` that ``keep`` rules protect (each rule's ``group``)."""
+    ranges: list[tuple[int, int]] = []
+    for keep in keep_rules:
+        for match in keep.pattern.finditer(text):
+            start, end = group_span(match, keep.group)
+            if end > start:
+                ranges.append((start, end))
+    return _merge(ranges)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
     """The range to delete so that removing ``text[start:end]`` leaves tidy text.
 
-    A line that would be left blank goes with one of its line breaks; otherwise one of two space runs
-    that would meet is removed, and a space run left at a line's end or start is removed.
+    A line that would be left blank goes with one of its line breaks; the last item of a line of items
+    ("A | B") takes its separator along; otherwise one of two space runs that would meet is removed, and a
+    space run left at a line's end or start is removed.
     """
     line_start = text.rfind("\n", 0, start) + 1
     line_end = text.find("\n", end)
@@ -100,6 +198,10 @@ def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
         if line_end < len(text):
             return line_start, line_end + 1
         return max(line_start - 1, 0), line_end
+    trimmed = before.rstrip(" \t")
+    if trimmed.endswith(_ITEM_SEPARATORS) and trimmed[:-1].strip() and not after.strip(" \t\r"):
+        # the last item of "A | B": its separator goes with it
+        return line_start + len(trimmed[:-1].rstrip(" \t")), end + (len(after) - len(after.lstrip(" \t")))
     spaces_before = len(before) - len(before.rstrip(" \t"))
     spaces_after = len(after) - len(after.lstrip(" \t"))
     if spaces_before and spaces_after:
@@ -141,8 +243,11 @@ def round_match(match: Any, unit: str) -> str:
         if start >= 0:
             spans.append((start - base, end - base, base_group_name(name)))
     twelve_hour = any(kind == "ampm" for _, _, kind in spans)
-    zeroed = {"minute": ("second", "fraction"), "hour": ("second", "fraction", "minute"),
-              "day": ("second", "fraction", "minute", "hour")}[unit]
+    zeroed = {
+        "minute": ("second", "fraction"),
+        "hour": ("second", "fraction", "minute"),
+        "day": ("second", "fraction", "minute", "hour"),
+    }[unit]
     edits: list[tuple[int, int, str]] = []
     for start, end, kind in spans:
         value = text[start:end]
@@ -181,17 +286,71 @@ def am_form(ampm: str) -> str:
 def normalize_text(text: str, options: NormalizeOptions) -> str:
     """``text`` with Unicode normalized, line endings made LF, trailing spaces and tabs removed from every
     line, and runs of blank lines cut to ``options.blank_lines`` (in that order; with trailing spaces kept,
-    only empty lines count as blank). The result is a fixed point: normalizing it again changes nothing."""
+    only empty lines count as blank).
+
+    With ``options.skip_code`` the lines of fenced and indented code blocks (``rules.markdown.code_ranges``,
+    fences included) keep their trailing spaces and their blank-line runs. With ``options.hard_breaks`` a
+    Markdown hard line break (a line of text ending in two or more spaces, followed by a line of text,
+    CommonMark 6.7) keeps exactly two trailing spaces. The result is a fixed point: normalizing it again
+    changes nothing.
+    """
     if options.unicode:
         text = unicodedata.normalize(options.unicode, text)
     if options.line_endings:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if options.trailing_spaces:
-        text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
-    if options.blank_lines is not None:
-        keep = options.blank_lines + 1
-        text = re.sub("\n{" + str(keep + 1) + ",}", "\n" * keep, text)
-    return text
+    if not options.skip_code and not options.hard_breaks:
+        if options.trailing_spaces:
+            text = "\n".join(line.rstrip(" \t") for line in text.split("\n"))
+        if options.blank_lines is not None:
+            keep = options.blank_lines + 1
+            text = re.sub("\n{" + str(keep + 1) + ",}", "\n" * keep, text)
+        return text
+    return _normalize_lines(text, options)
+
+
+def _normalize_lines(text: str, options: NormalizeOptions) -> str:
+    """``normalize_text``'s line pass when code blocks or hard breaks are kept."""
+    lines = text.split("\n")
+    code_line = [False] * len(lines)
+    if options.skip_code:
+        starts = [0]
+        for line in lines[:-1]:
+            starts.append(starts[-1] + len(line) + 1)
+        index = 0
+        for start, end in code_ranges(text):
+            while index < len(lines) and starts[index] < start:
+                index += 1
+            while index < len(lines) and starts[index] < end:
+                code_line[index] = True
+                index += 1
+    out: list[str] = []
+    blank_run = 0
+    for i, line in enumerate(lines):
+        if code_line[i]:
+            out.append(line)
+            blank_run = 0
+            continue
+        if options.trailing_spaces:
+            stripped = line.rstrip(" \t")
+            if (
+                options.hard_breaks
+                and stripped.strip()
+                and line.endswith("  ")
+                and i + 1 < len(lines)
+                and lines[i + 1].strip(" \t")
+                and not code_line[i + 1]
+            ):
+                stripped += "  "
+            line = stripped
+        blank = not line if options.trailing_spaces else line == ""
+        if blank:
+            blank_run += 1
+            if options.blank_lines is not None and blank_run > options.blank_lines:
+                continue
+        else:
+            blank_run = 0
+        out.append(line)
+    return "\n".join(out)
 
 
 def canonical_json_value(value: Any) -> Any:

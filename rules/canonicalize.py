@@ -3,9 +3,14 @@
 Invariants:
 
 - pure and deterministic: the inputs are never mutated and the same input gives byte-identical output
-  (rules run in load order; matches left to right; hoisted values keep that order).
+  (rules run in load order; matches left to right; hoisted values keep that order). With a transcript
+  memory the result also depends on what the memory holds (and the request is remembered).
+- history never moves: a request is canonicalized turn by turn, each turn as it was when it was the
+  newest, so the canonical form of ``messages[:a]`` (``a`` an assistant reply's index) is a prefix of the
+  canonical form of ``messages`` whenever the system prompt's hoisted values did not change; with the
+  memory, also when they did (docs/history-stability.md).
 - idempotent: ``apply(apply(r)) == apply(r)``. Hoisted-value blocks from an earlier run are taken out
-  first (``placement.extract_blocks``) and put back with the new values; the rules then run to a fixed
+  first (``placement.extract_turn_blocks``) and put back in the same turn with the new values; the rules then run to a fixed
   point (at most ``MAX_PASSES`` passes), so text a rule's action creates or uncovers is already handled.
   A user rule that never reaches a fixed point (e.g. replace ``a`` with ``aa``) is cut off after
   ``MAX_PASSES`` passes; the result is still deterministic but not idempotent.
@@ -22,13 +27,42 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rules.actions import apply_span_action, normalize_text, sort_tools
-from rules.messages import check_shape, get_text, set_text, text_parts
-from rules.model import Rule
-from rules.placement import LOCATIONS, extract_blocks, insert_blocks, resolve_location, strip_tail_newlines
-from rules.segments import Position, Segment, compute_segments, normalize_position, stable_material
+from rules.messages import check_shape, get_text, leading_system_count, set_text, text_parts
+from rules.model import PLACEMENTS, Rule, with_keep_rules
+from rules.placement import (
+    LOCATIONS,
+    extract_turn_blocks,
+    insert_turn_blocks,
+    resolve_location,
+    turn_spans,
+)
+from rules.segments import (
+    Position,
+    Segment,
+    SegmentLevel,
+    compute_segments,
+    normalize_position,
+    stable_material,
+)
+from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory
 
 MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
+
+
+@dataclass
+class HistoryInfo:
+    """How the history of a request was canonicalized.
+
+    Attributes:
+        turns: the request's turns (``rules.placement.turn_spans``).
+        reused_turns: leading turns taken verbatim from the transcript memory (0: none, stateless form).
+        reused_messages: canonical messages taken from the memory.
+    """
+
+    turns: int = 0
+    reused_turns: int = 0
+    reused_messages: int = 0
 
 
 @dataclass
@@ -49,12 +83,14 @@ class Canonical:
     segments: list[Segment]
     applied: dict[str, int] = field(default_factory=dict)
     hoisted: list[str] = field(default_factory=list)
+    history: HistoryInfo = field(default_factory=HistoryInfo)
 
-    def stable_prefix_material(self, level: int = 3) -> bytes:
+    def stable_prefix_material(self, level: SegmentLevel = SegmentLevel.HISTORY) -> bytes:
         """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable segments, tools and
-        messages up to the end of the last leading segment of level <= ``level`` (1: tools+system;
-        2: + documents; 3, the default: + history). The gateway hashes this into the prefix key. Requests
-        whose stable prefixes are identical give identical bytes."""
+        messages up to the end of the last leading segment of level <= ``level`` (``TOOLS_SYSTEM``;
+        ``DOCUMENTS``: + documents; ``HISTORY``, the default: + history; a plain 1-3 works too). The
+        gateway hashes this into the prefix key. Requests whose stable prefixes are identical give identical
+        bytes."""
         return stable_material(self.messages, self.tools, self.segments, level)
 
     @property
@@ -62,7 +98,7 @@ class Canonical:
         """Where the stable prefix ends: the start of the volatile tail (``Position(len(messages))`` when
         the whole prompt is stable)."""
         for segment in self.segments:
-            if segment.level == 4:
+            if segment.level == SegmentLevel.VOLATILE:
                 return Position(segment.start_message, segment.start_part, segment.start_char)
         return Position(len(self.messages))
 
@@ -88,7 +124,7 @@ class RuleSet:
     """
 
     def __init__(self, rules: list[Rule] | tuple[Rule, ...] = (), sources: list[str] | tuple[str, ...] = ()):
-        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.rules: tuple[Rule, ...] = with_keep_rules(rules)
         self.sources: tuple[str, ...] = tuple(sources)
         self._hoists = any(r.action == "hoist" for r in self.rules)
 
@@ -103,13 +139,29 @@ class RuleSet:
     def __repr__(self) -> str:
         return f"RuleSet({len(self.rules)} rules from {list(self.sources)})"
 
-    def apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Canonical:
-        """Canonicalize one chat request.
+    def apply(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        memory: TranscriptMemory | None = None,
+        scope: str = "",
+    ) -> Canonical:
+        """Canonicalize one chat request, turn by turn (see ``rules.placement.turn_spans``).
+
+        Each turn is canonicalized as it was when it was the newest (rules select messages as in that
+        request; its hoisted values go into a block inside that turn), so the canonical form of the earlier
+        turns is exactly what was sent for them. Values hoisted from the system prompt go into the first
+        turn's block. With ``memory``, the stored canonical messages of the longest earlier request of this
+        conversation (same ``scope`` and tools) are reused verbatim, blocks with their old values included,
+        and the system values that changed since that request go into a block in the first new turn.
 
         Args:
             messages: OpenAI chat messages (``role``; ``content`` a string, a list of parts, or null;
                 other keys are kept as they are).
             tools: OpenAI (or Anthropic) tool schemas, or None.
+            memory: the canonical transcript memory, or None (stateless: the result depends on the
+                request alone).
+            scope: what separates conversations in the memory (the gateway passes model and tenant).
 
         Returns:
             the ``Canonical`` request (new objects).
@@ -122,59 +174,173 @@ class RuleSet:
         tools = copy.deepcopy(tools)
         if not self.rules:
             return Canonical(messages, tools, compute_segments(messages, tools, []))
-        carried = extract_blocks(messages) if self._hoists else {}
-        locations = {p: resolve_location(p, messages) for p in ("last_user_prefix", "before_last_user",
-                                                                 "system_end")}
-        new_values: dict[str, list[str]] = {}
         applied: Counter[str] = Counter()
+        tools = self._apply_tool_rules(tools, applied)
+        spans = turn_spans(messages)
+        carried: list[dict[str, list[str]]] = [{} for _ in spans]
+        if self._hoists:
+            for j in range(len(spans) - 1, -1, -1):
+                carried[j], _ = extract_turn_blocks(messages, *spans[j])
+            spans = turn_spans(messages)
+            if len(spans) != len(
+                carried
+            ):  # only a hand-edited request gets here: keep every value, last turn
+                merged = {loc: [v for c in carried for v in c.get(loc, [])] for loc in LOCATIONS}
+                carried = [{} for _ in spans]
+                if spans:
+                    carried[-1] = {loc: v for loc, v in merged.items() if v}
+        systems = leading_system_count(messages)
+        own: list[dict[str, list[str]]] = []
+        system_values: list[tuple[str, str]] = []
+        for j, (start, end) in enumerate(spans):
+            own.append(self._apply_turn(messages, start, end, j, systems, applied, system_values))
+        present_now = [v for _, v in system_values]
+
+        reused: list[dict[str, Any]] = []
+        first_new = 0
+        present = present_now
+        history = HistoryInfo(turns=len(spans))
+        keys: list[bytes] = []
+        if memory is not None:
+            hasher = PrefixHasher(scope, tools)
+            keys = hasher.keys(messages, [s for s, _ in spans[1:]] + [len(messages)])
+            if len(spans) > 1:
+                memory.count(lookups=1)
+                found = self._reuse(memory, keys[:-1], messages, spans)
+                if found is not None:
+                    first_new, entry = found
+                    reused = entry.messages
+                    present = entry.present
+                    memory.count(hits=1, reused_messages=len(reused))
+                    history.reused_turns = first_new
+                    history.reused_messages = len(reused)
+
+        final = copy.deepcopy(reused)
+        starts: list[Position] = []
+        hoisted: list[str] = [v for c in _blocks_of(final) for v in c]
+        for j in range(first_new, len(spans)):
+            start, end = spans[j]
+            values = {loc: list(carried[j].get(loc, [])) + own[j].get(loc, []) for loc in LOCATIONS}
+            if j == first_new > 0:
+                # the reused history holds the system values of its time: those that changed since the
+                # previous request go into this turn (a value said before and still current is not repeated)
+                for placement, value in system_values:
+                    if value not in present:
+                        values[resolve_location(placement, messages, start, end)].append(value)
+            offset = len(final) - start
+            turn = copy.deepcopy(messages[start:end])
+            final.extend(turn)
+            turn_starts, _ = insert_turn_blocks(
+                final, start + offset, end + offset, {loc: v for loc, v in values.items() if v}
+            )
+            hoisted.extend(v for loc in LOCATIONS for v in values[loc])
+            starts.extend(turn_starts)
+        if memory is not None and keys:
+            memory.remember(keys[-1], TranscriptEntry(final, present_now or present))
+        starts = [normalize_position(final, s) for s in starts]
+        segments = compute_segments(final, tools, starts)
+        return Canonical(final, tools, segments, dict(applied), hoisted, history)
+
+    def _apply_turn(
+        self,
+        messages: list[dict[str, Any]],
+        start: int,
+        end: int,
+        turn: int,
+        systems: int,
+        applied: Counter[str],
+        system_values: list[tuple[str, str]],
+    ) -> dict[str, list[str]]:
+        """Run the span and normalize rules to a fixed point on the turn ``messages[start:end]`` (in place),
+        selecting messages as in the request ``messages[:end]``. Values hoisted from the leading system
+        messages are appended to ``system_values`` (with their placement) and, in the first turn, also
+        returned; the others are returned by the location they take in this turn."""
+        view = messages[:end]
+        locations = {p: resolve_location(p, view, start, end) for p in PLACEMENTS}
+        values: dict[str, list[str]] = {}
         for _ in range(MAX_PASSES):
             changed = False
             for rule in self.rules:
-                count, tools = self._apply_rule(rule, messages, tools, locations, new_values)
+                if rule.action == "sort_tools":
+                    continue
+                count = 0
+                for index in rule.selector.select(view):
+                    if index < start:
+                        continue
+                    n, hoisted = self._apply_to_message(rule, messages[index])
+                    count += n
+                    for value in hoisted:
+                        if index < systems:
+                            system_values.append((rule.placement, value))
+                        if index >= systems or turn == 0:
+                            values.setdefault(locations[rule.placement], []).append(value)
                 if count:
                     applied[rule.id] += count
                     changed = True
-            if (carried.get("user_prefix") or new_values.get("user_prefix")) and strip_tail_newlines(messages):
-                changed = True
             if not changed:
                 break
-        blocks = {loc: carried.get(loc, []) + new_values.get(loc, []) for loc in LOCATIONS}
-        starts = insert_blocks(messages, {loc: v for loc, v in blocks.items() if v})
-        starts = [normalize_position(messages, s) for s in starts]
-        hoisted = [v for loc in LOCATIONS for v in blocks[loc]]
-        segments = compute_segments(messages, tools, starts)
-        return Canonical(messages, tools, segments, dict(applied), hoisted)
+        return values
+
+    def _apply_tool_rules(
+        self, tools: list[dict[str, Any]] | None, applied: Counter[str]
+    ) -> list[dict[str, Any]] | None:
+        for rule in self.rules:
+            if rule.action == "sort_tools" and tools:
+                sorted_tools = sort_tools(tools)
+                if _differs(sorted_tools, tools):
+                    applied[rule.id] += 1
+                    tools = sorted_tools
+        return tools
 
     @staticmethod
-    def _apply_rule(rule: Rule, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    locations: dict[str, str], new_values: dict[str, list[str]]
-                    ) -> tuple[int, list[dict[str, Any]] | None]:
-        """Apply one rule to every selected text (in place); return (applications, tools)."""
-        if rule.action == "sort_tools":
-            if not tools:
-                return 0, tools
-            sorted_tools = sort_tools(tools)
-            if _differs(sorted_tools, tools):
-                return 1, sorted_tools
-            return 0, tools
+    def _reuse(
+        memory: TranscriptMemory,
+        keys: list[bytes],
+        messages: list[dict[str, Any]],
+        spans: list[tuple[int, int]],
+    ) -> tuple[int, TranscriptEntry] | None:
+        """(index of the first turn not covered, entry) for the longest earlier request in the memory whose
+        blocks taken out give exactly ``messages`` up to that turn; None when there is none."""
+        for back, entry in memory.candidates(keys[::-1]):
+            turn = len(keys) - back
+            stripped = copy.deepcopy(entry.messages)
+            for start, end in reversed(turn_spans(stripped)):
+                extract_turn_blocks(stripped, start, end)
+            if stripped == messages[: spans[turn][0]]:
+                return turn, entry
+            memory.count(rejected=1)
+        return None
+
+    @staticmethod
+    def _apply_to_message(rule: Rule, message: dict[str, Any]) -> tuple[int, list[str]]:
+        """Apply one span or normalize rule to every text slot of ``message`` (in place); return
+        (applications, hoisted values)."""
         count = 0
-        for index in rule.selector.select(messages):
-            message = messages[index]
-            for part in text_parts(message):
-                text = get_text(message, part)
-                if rule.action == "normalize":
-                    new_text = normalize_text(text, rule.normalize)
-                    if new_text != text:
-                        count += 1
-                        set_text(message, part, new_text)
-                    continue
-                new_text, n, values = apply_span_action(rule, text)
-                if n:
-                    count += n
+        hoisted: list[str] = []
+        for part in text_parts(message):
+            text = get_text(message, part)
+            if rule.action == "normalize":
+                new_text = normalize_text(text, rule.normalize)
+                if new_text != text:
+                    count += 1
                     set_text(message, part, new_text)
-                    if values:
-                        new_values.setdefault(locations[rule.placement], []).extend(values)
-        return count, tools
+                continue
+            new_text, n, values = apply_span_action(rule, text)
+            if n:
+                count += n
+                set_text(message, part, new_text)
+                hoisted.extend(values)
+        return count, hoisted
+
+
+def _blocks_of(messages: list[dict[str, Any]]) -> list[list[str]]:
+    """The values of every block in ``messages`` (canonical messages), in prompt order."""
+    copied = copy.deepcopy(messages)
+    per_turn: list[list[list[str]]] = []
+    for start, end in reversed(turn_spans(copied)):  # last turn first: a removed note shifts later turns only
+        found, _ = extract_turn_blocks(copied, start, end)
+        per_turn.append([found[loc] for loc in LOCATIONS if found.get(loc)])
+    return [values for turn in reversed(per_turn) for values in turn]
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -114,8 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     check_parser = sub.add_parser("check", help="validate rule files or pack names")
     check_parser.add_argument("paths", nargs="+", metavar="FILE")
     apply_parser = sub.add_parser("apply", help="print the canonical form of a request body")
-    apply_parser.add_argument("--rules", nargs="+", metavar="FILE", default=None,
-                              help="rule files or pack names (default: the default pack)")
+    apply_parser.add_argument(
+        "--rules",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="rule files or pack names (default: the default pack)",
+    )
     apply_parser.add_argument("--placement", default=None, help="override every hoist rule's placement")
     apply_parser.add_argument("request", metavar="REQUEST.json")
     args = parser.parse_args(argv)

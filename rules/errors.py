@@ -19,8 +19,9 @@ class RuleError(Exception):
     ``str(error)`` is ``"FILE:LINE: rule 'ID': REASON"``; parts that are None are left out.
     """
 
-    def __init__(self, reason: str, file: str | None = None, line: int | None = None,
-                 rule_id: str | None = None) -> None:
+    def __init__(
+        self, reason: str, file: str | None = None, line: int | None = None, rule_id: str | None = None
+    ) -> None:
         self.reason = reason
         self.file = file
         self.line = line

@@ -14,14 +14,16 @@ A rule file is a YAML mapping::
           position: any                          # first | last | any (default), among those roles
           index: 0                               # or an absolute message index (negative from the end)
           pattern: '(?m)^Ticket: %{TICKET}$'     # RE2 syntax (linear time)
-          skip_code: true                        # ignore matches inside fenced code blocks (default false)
-        action: hoist                            # hoist | replace | round | drop | normalize | sort_tools | reorder
-        placement: last_user_prefix              # hoist: last_user_prefix | before_last_user | system_end
+          skip_code: true                        # ignore matches inside code blocks (default false)
+        action: hoist                            # hoist | replace | round | drop | normalize | sort_tools | reorder | keep
+        placement: tail_end                      # hoist: tail_end | last_user_prefix | before_last_user | system_end
         group: 0                                 # hoist/drop/replace: the group acted on (number or name)
 
 Action keys: ``replace`` takes ``with`` (a ``{group}`` template), ``reorder`` takes ``template``, ``round``
 takes ``unit`` (minute/hour/day), ``normalize`` takes ``line_endings``, ``trailing_spaces`` (bools),
-``blank_lines`` (int or null) and ``unicode`` (NFC/NFD/NFKC/NFKD or false). ``sort_tools`` takes no match.
+``blank_lines`` (int or null), ``unicode`` (NFC/NFD/NFKC/NFKD or false) and ``hard_breaks`` (bool; its
+``match.skip_code`` leaves code blocks alone). ``sort_tools`` takes no match. ``keep`` takes ``group``: the
+text it matches is left alone by every other span rule of the loaded set.
 
 Everything is checked at load time; the first problem raises ``RuleError`` naming the file, the line of
 the offending YAML node and the rule id. Line numbers come from PyYAML's composed node tree
@@ -42,6 +44,7 @@ from rules.canonicalize import RuleSet
 from rules.errors import RuleError
 from rules.model import (
     ACTIONS,
+    DEFAULT_PLACEMENT,
     PLACEMENTS,
     POSITIONS,
     ROLES,
@@ -79,8 +82,9 @@ _ACTION_KEYS: dict[str, tuple[str, ...]] = {
     "replace": ("group", "with"),
     "round": ("unit",),
     "reorder": ("template",),
-    "normalize": ("line_endings", "trailing_spaces", "blank_lines", "unicode"),
+    "normalize": ("line_endings", "trailing_spaces", "blank_lines", "unicode", "hard_breaks"),
     "sort_tools": (),
+    "keep": ("group",),
 }
 _MATCH_KEYS = ("role", "position", "index", "pattern", "skip_code")
 _UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
@@ -147,8 +151,11 @@ def _resolve(source: Any, base: Path | None, where: tuple[str, int] | None) -> t
     if not is_path:
         pack = PACK_DIR / f"{source}.yaml"
         if source.startswith("_") or not pack.is_file():
-            raise RuleError(f"unknown rule pack '{source}' (shipped packs: {', '.join(list_packs())})",
-                            file or source, line)
+            raise RuleError(
+                f"unknown rule pack '{source}' (shipped packs: {', '.join(list_packs())})",
+                file or source,
+                line,
+            )
         return pack.resolve(), str(pack)
     path = Path(source).expanduser()
     if base is not None and not path.is_absolute():
@@ -225,10 +232,14 @@ def _flatten_merges(node: yaml.MappingNode, rule_id: str | None, _active: tuple[
             own.append((key, value))
         elif isinstance(value, yaml.MappingNode):
             sources.append(value)
-        elif isinstance(value, yaml.SequenceNode) and all(isinstance(v, yaml.MappingNode) for v in value.value):
+        elif isinstance(value, yaml.SequenceNode) and all(
+            isinstance(v, yaml.MappingNode) for v in value.value
+        ):
             sources.extend(value.value)
         else:
-            raise RuleError("bad merge key: expected a mapping or a list of mappings", None, _line(value), rule_id)
+            raise RuleError(
+                "bad merge key: expected a mapping or a list of mappings", None, _line(value), rule_id
+            )
     seen = {key.value for key, _ in own if isinstance(key, yaml.ScalarNode)}
     merged: list[tuple[yaml.Node, yaml.Node]] = []
     for source in sources:
@@ -242,7 +253,9 @@ def _flatten_merges(node: yaml.MappingNode, rule_id: str | None, _active: tuple[
     node.value = merged + own
 
 
-def _mapping(node: yaml.Node, file: str, rule_id: str | None, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+def _mapping(
+    node: yaml.Node, file: str, rule_id: str | None, what: str
+) -> dict[str, tuple[yaml.Node, yaml.Node]]:
     """Key -> (key node, value node) of a mapping node (YAML merge keys applied); duplicate or non-string keys
     are errors."""
     if not isinstance(node, yaml.MappingNode):
@@ -289,8 +302,9 @@ def _load_file_checked(path: Path, display: str, state: _LoadState, stack: tuple
     keys = _mapping(root, display, None, "a rule file")
     for key, (key_node, _) in keys.items():
         if key not in _TOP_KEYS:
-            raise RuleError(f"unknown top-level key '{key}' (allowed: {', '.join(_TOP_KEYS)})", display,
-                            _line(key_node))
+            raise RuleError(
+                f"unknown top-level key '{key}' (allowed: {', '.join(_TOP_KEYS)})", display, _line(key_node)
+            )
     if "description" in keys and not isinstance(_value(keys["description"][1]), str):
         raise RuleError("description must be a string", display, _line(keys["description"][1]))
     if "include" in keys:
@@ -325,8 +339,9 @@ def _load_file_checked(path: Path, display: str, state: _LoadState, stack: tuple
             raise _located(e, display, _rule_id_of(rule_node)) from None
         if rule.id in state.rule_sites:
             first_file, first_line = state.rule_sites[rule.id]
-            raise RuleError(f"duplicate rule id (first defined at {first_file}:{first_line})", display,
-                            rule.line, rule.id)
+            raise RuleError(
+                f"duplicate rule id (first defined at {first_file}:{first_line})", display, rule.line, rule.id
+            )
         state.rule_sites[rule.id] = (display, rule.line)
         state.rules.append(rule)
 
@@ -338,8 +353,9 @@ def _read_patterns(node: yaml.Node, file: str, fragments: dict[str, str], builti
         if not FRAGMENT_NAME.match(name):
             raise RuleError(f"fragment name '{name}' must be UPPER_CASE (A-Z, 0-9, _)", file, _line(key_node))
         if name in builtin:
-            raise RuleError(f"fragment '{name}' is already defined by the shipped fragments", file,
-                            _line(key_node))
+            raise RuleError(
+                f"fragment '{name}' is already defined by the shipped fragments", file, _line(key_node)
+            )
         source = _value(value_node)
         if not isinstance(source, str) or not source:
             raise RuleError(f"fragment '{name}' must be a non-empty string", file, _line(value_node))
@@ -361,8 +377,9 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
     id_node = keys["id"][1]
     raw_id = _value(id_node)
     if not isinstance(raw_id, str) or not _ID.match(raw_id):
-        raise RuleError(f"bad rule id {raw_id!r} (letters, digits, '_', '.', ':', '-'; no spaces)", file,
-                        _line(id_node))
+        raise RuleError(
+            f"bad rule id {raw_id!r} (letters, digits, '_', '.', ':', '-'; no spaces)", file, _line(id_node)
+        )
     rule_id = raw_id
 
     def fail(reason: str, at: yaml.Node) -> RuleError:
@@ -380,14 +397,21 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
             continue
         owners = [a for a, ks in _ACTION_KEYS.items() if key in ks]
         if owners:
-            raise fail(f"key '{key}' does not apply to action '{action}' (it belongs to: {', '.join(owners)})",
-                       key_node)
+            raise fail(
+                f"key '{key}' does not apply to action '{action}' (it belongs to: {', '.join(owners)})",
+                key_node,
+            )
         raise fail(f"unknown key '{key}' (allowed for action '{action}': {', '.join(allowed)})", key_node)
     if "description" in keys and not isinstance(_value(keys["description"][1]), str):
         raise fail("description must be a string", keys["description"][1])
 
-    fields: dict[str, Any] = {"id": rule_id, "action": action, "file": file, "line": rule_line,
-                              "description": _value(keys["description"][1]) if "description" in keys else ""}
+    fields: dict[str, Any] = {
+        "id": rule_id,
+        "action": action,
+        "file": file,
+        "line": rule_line,
+        "description": _value(keys["description"][1]) if "description" in keys else "",
+    }
     compiled = None
     if action == "sort_tools":
         if "match" in keys:
@@ -397,7 +421,13 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
             raise fail(f"action '{action}' needs a 'match' with a 'pattern'", node)
         if "match" in keys:
             selector, compiled, pattern_source, skip_code = _build_match(
-                keys["match"][1], file, rule_id, fragments, needs_pattern=action in SPAN_ACTIONS)
+                keys["match"][1],
+                file,
+                rule_id,
+                fragments,
+                needs_pattern=action in SPAN_ACTIONS,
+                allow_skip_code=action == "normalize",
+            )
             fields["selector"] = selector
             fields["skip_code"] = skip_code
             fields["pattern"] = compiled
@@ -412,9 +442,11 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
             raise fail(str(e), keys["group"][1]) from None
         fields["group"] = group
     if action == "hoist":
-        chosen = _value(keys["placement"][1]) if "placement" in keys else "last_user_prefix"
+        chosen = _value(keys["placement"][1]) if "placement" in keys else DEFAULT_PLACEMENT
         if chosen not in PLACEMENTS:
-            raise fail(f"unknown placement {chosen!r} (one of: {', '.join(PLACEMENTS)})", keys["placement"][1])
+            raise fail(
+                f"unknown placement {chosen!r} (one of: {', '.join(PLACEMENTS)})", keys["placement"][1]
+            )
         fields["placement"] = placement or chosen
     if action in ("replace", "reorder"):
         key = "with" if action == "replace" else "template"
@@ -435,10 +467,11 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
             raise fail(f"unknown unit {unit!r} (one of: {', '.join(ROUND_UNITS)})", keys["unit"][1])
         fields["unit"] = unit
         if not any(base_group_name(n) in ROUND_GROUPS for n in compiled.groupindex):
-            raise fail("round needs a pattern with named groups among: " + ", ".join(ROUND_GROUPS),
-                       pattern_node)
+            raise fail(
+                "round needs a pattern with named groups among: " + ", ".join(ROUND_GROUPS), pattern_node
+            )
     if action == "normalize":
-        fields["normalize"] = _build_normalize(keys, fail)
+        fields["normalize"] = _build_normalize(keys, fail, fields.get("skip_code", False))
     return Rule(**fields)
 
 
@@ -451,8 +484,14 @@ def _pattern_node(keys: dict[str, tuple[yaml.Node, yaml.Node]]) -> yaml.Node | N
     return keys["match"][1]
 
 
-def _build_match(node: yaml.Node, file: str, rule_id: str, fragments: dict[str, str],
-                 needs_pattern: bool) -> tuple[MessageSelector, Any, str | None, bool]:
+def _build_match(
+    node: yaml.Node,
+    file: str,
+    rule_id: str,
+    fragments: dict[str, str],
+    needs_pattern: bool,
+    allow_skip_code: bool = False,
+) -> tuple[MessageSelector, Any, str | None, bool]:
     keys = _mapping(node, file, rule_id, "'match'")
 
     def fail(reason: str, at: yaml.Node) -> RuleError:
@@ -502,14 +541,18 @@ def _build_match(node: yaml.Node, file: str, rule_id: str, fragments: dict[str, 
         skip_code = _value(keys["skip_code"][1])
         if not isinstance(skip_code, bool):
             raise fail("skip_code must be true or false", keys["skip_code"][1])
-        if not needs_pattern:
-            raise fail("skip_code applies only to actions with a pattern", keys["skip_code"][0])
+        if not needs_pattern and not allow_skip_code:
+            raise fail(
+                "skip_code applies only to actions with a pattern and to normalize", keys["skip_code"][0]
+            )
     return MessageSelector(roles=roles, position=position, index=index), compiled, source, skip_code
 
 
-def _build_normalize(keys: dict[str, tuple[yaml.Node, yaml.Node]], fail: Any) -> NormalizeOptions:
-    options: dict[str, Any] = {}
-    for key in ("line_endings", "trailing_spaces"):
+def _build_normalize(
+    keys: dict[str, tuple[yaml.Node, yaml.Node]], fail: Any, skip_code: bool
+) -> NormalizeOptions:
+    options: dict[str, Any] = {"skip_code": skip_code}
+    for key in ("line_endings", "trailing_spaces", "hard_breaks"):
         if key in keys:
             value = _value(keys[key][1])
             if not isinstance(value, bool):

@@ -52,7 +52,9 @@ def text_parts(message: dict[str, Any]) -> list[int]:
     if isinstance(content, str):
         return [0]
     if isinstance(content, list):
-        return [j for j, p in enumerate(content) if p.get("type") == "text" and isinstance(p.get("text"), str)]
+        return [
+            j for j, p in enumerate(content) if p.get("type") == "text" and isinstance(p.get("text"), str)
+        ]
     return []
 
 

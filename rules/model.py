@@ -7,19 +7,20 @@ unit, ``replace``/``reorder`` always a parsed template whose group references ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-ACTIONS: tuple[str, ...] = ("hoist", "replace", "round", "drop", "normalize", "sort_tools", "reorder")
+ACTIONS: tuple[str, ...] = ("hoist", "replace", "round", "drop", "normalize", "sort_tools", "reorder", "keep")
 """Every action a rule may name."""
 
-SPAN_ACTIONS: frozenset[str] = frozenset({"hoist", "replace", "round", "drop", "reorder"})
-"""Actions that act on regex matches inside message text (they need ``match.pattern``)."""
+SPAN_ACTIONS: frozenset[str] = frozenset({"hoist", "replace", "round", "drop", "reorder", "keep"})
+"""Actions that act on regex matches inside message text (they need ``match.pattern``). ``keep`` changes
+nothing itself: the text it matches (its ``group``) is left alone by every other span rule of the set."""
 
-PLACEMENTS: tuple[str, ...] = ("last_user_prefix", "before_last_user", "system_end")
+PLACEMENTS: tuple[str, ...] = ("tail_end", "last_user_prefix", "before_last_user", "system_end")
 """Where hoisted values are re-inserted (see ``rules.placement``). The first is the default."""
 
-DEFAULT_PLACEMENT = "last_user_prefix"
+DEFAULT_PLACEMENT = "tail_end"
 
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
 """Roles a ``match.role`` may name (``any`` selects every role)."""
@@ -99,12 +100,18 @@ class NormalizeOptions:
         trailing_spaces: spaces and tabs at the end of every line are removed.
         blank_lines: the longest run of blank lines kept (runs longer are cut to it); None keeps all.
         unicode: a ``unicodedata`` normal form (``NFC``, ``NFKC``, ...) or None.
+        skip_code: lines of fenced and indented code blocks keep their trailing spaces and blank-line runs
+            (``match.skip_code`` of a normalize rule).
+        hard_breaks: a Markdown hard line break (two or more trailing spaces before a line of text) keeps
+            two trailing spaces.
     """
 
     line_endings: bool = True
     trailing_spaces: bool = True
     blank_lines: int | None = 1
     unicode: str | None = "NFC"
+    skip_code: bool = False
+    hard_breaks: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,10 @@ class Rule:
         template: for replace (``with``) and reorder (``template``).
         unit: for round: a key of ``ROUND_UNITS``.
         normalize: for normalize.
-        skip_code: span actions ignore matches that overlap a fenced code block (``match.skip_code``).
+        skip_code: span actions ignore matches that overlap a fenced or indented code block
+            (``match.skip_code``).
+        kept_by: the ``keep`` rules of the rule set this rule belongs to (set by ``with_keep_rules``): a
+            match overlapping text one of them protects is ignored.
         description: free text from the file.
         file: the file the rule came from; line: its 1-based line.
     """
@@ -138,6 +148,28 @@ class Rule:
     unit: str | None = None
     normalize: NormalizeOptions | None = None
     skip_code: bool = False
+    kept_by: tuple[Rule, ...] = ()
     description: str = ""
     file: str = ""
     line: int = 0
+
+
+def with_keep_rules(rules: tuple[Rule, ...] | list[Rule]) -> tuple[Rule, ...]:
+    """``rules`` with every span rule other than ``keep`` given, as ``kept_by``, the ``keep`` rules of the list
+    (wherever they stand in it: protection does not depend on load order) whose roles cover all of the rule's
+    roles: a keep rule for system text never blocks a rule that also acts on user text."""
+    keeps = tuple(r for r in rules if r.action == "keep")
+    if not keeps:
+        return tuple(rules)
+
+    def covers(keep: Rule, rule: Rule) -> bool:
+        if keep.selector.roles is None:
+            return True
+        return rule.selector.roles is not None and rule.selector.roles <= keep.selector.roles
+
+    out: list[Rule] = []
+    for rule in rules:
+        if rule.action in SPAN_ACTIONS and rule.action != "keep":
+            rule = replace(rule, kept_by=tuple(k for k in keeps if covers(k, rule)))
+        out.append(rule)
+    return tuple(out)

@@ -54,7 +54,9 @@ def _expand(source: str, fragments: Mapping[str, str], counter: Iterator[int], s
             raise PatternError(f"fragment %{{{name}}} refers to itself ({' -> '.join(stack + (name,))})")
         body = _expand(fragments[name], fragments, counter, stack + (name,))
         suffix = f"__{next(counter)}"
-        body = _NAMED_GROUP.sub(lambda g: g.group(0)[:-1 - len(g.group(1))] + g.group(1) + suffix + ">", body)
+        body = _NAMED_GROUP.sub(
+            lambda g: g.group(0)[: -1 - len(g.group(1))] + g.group(1) + suffix + ">", body
+        )
         return "(?:" + body + ")"
 
     return _FRAGMENT_REF.sub(substitute, source)
@@ -116,7 +118,7 @@ def parse_template(source: str, compiled: Any) -> Template:
     pos = 0
     for m in _TEMPLATE_TOKEN.finditer(source):
         if m.start() > pos:
-            pieces.append(source[pos:m.start()])
+            pieces.append(source[pos : m.start()])
         token = m.group(0)
         if token in ("{{", "}}"):
             pieces.append(token[0])

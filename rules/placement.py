@@ -1,4 +1,4 @@
-"""Where hoisted values go: one block per place, rendered, inserted, and found again.
+"""Where hoisted values go: one block per place and turn, rendered, inserted, and found again.
 
 A hoisted value is put back into the prompt inside one block::
 
@@ -7,48 +7,91 @@ A hoisted value is put back into the prompt inside one block::
     Session ID: 3f2c...
     </request_context>
 
-Placements (``hoist`` rule key ``placement``):
+A conversation is cut into *turns* (``turn_spans``): the first turn runs from the start to the first
+assistant reply; each later turn runs from an assistant reply to the next one (the reply, then the user
+message or tool results that answer it). Turn ``j`` plus everything before it is exactly the request a
+client sent when turn ``j`` was the newest one. Blocks are placed per turn, inside that turn only, so the
+canonical form of earlier turns never depends on later ones (see docs/history-stability.md).
 
-- ``last_user_prefix`` (the default): at the start of the last user turn, after its document region if it
-  has one. Tools, system, documents and the whole history stay byte-identical between requests and
-  between turns, and no message is added, so templates that demand strict user/assistant alternation
-  (Llama 2, Mistral, Gemma...) still render. The cost is one short block in the uncached tail. In a
-  multi-turn chat the previous turn's user message held its own block, which the client does not send
-  back, so the new request re-uses the cache up to the start of the previous user turn.
-- ``before_last_user``: a separate ``user`` message right before the last user turn. Same caching as the
-  default, but two user messages in a row break templates that require alternation.
-- ``system_end``: appended to the last leading system/developer message. Only tools and system are
-  cacheable: the volatile text then precedes the whole history, so every turn's history misses.
+Placements (``hoist`` rule key ``placement``), inside a turn:
 
-When the chosen place does not exist (no user message, or no system message), the next one in this
-order is used: last user turn, end of system, a new user message at the end.
+- ``tail_end`` (the default): at the end of the turn's newest user or tool message (after its content,
+  separated by a blank line). The next turn resends that message, so a 4,000-token tool result before
+  the block stays cached even when a value changed. In the *first* turn the block goes at the start of
+  its last user message instead (after its document region): values moved out of the system prompt then
+  still precede all conversation text, so a client that later rewrites the first message (compaction, an
+  edit) never caches less than without rules (docs/history-stability.md).
+- ``last_user_prefix``: at the start of the turn's last user message, after its document region. When the
+  turn holds only tool results it falls back to the end of the system prompt (first turn) or to
+  ``tail_end``.
+- ``before_last_user``: a separate ``user`` message right before the turn's last user message (two user
+  messages in a row break templates that require alternation).
+- ``system_end``: appended to the last leading system/developer message (first turn only; in later turns
+  it is ``tail_end``, because the system prompt is history by then). A value that changes makes the whole
+  history after the system prompt miss.
 
-Inserting the block at the start of the last user turn also removes line breaks at the start of that
-turn's text (after its documents), so that the block is always followed by exactly one blank line.
+When the chosen place does not exist, the next one is used: the turn's last user message (prefix), the end
+of the system prompt (first turn only), a new user message at the end of the turn.
 
-Blocks are found again exactly where they were inserted (``extract_blocks``) before rules run, so
-canonicalizing a canonical request changes nothing: the values are carried over and re-inserted.
+The text around a block is left as sent (a user message that starts with line breaks keeps them after
+the block's blank line), so inserting and extracting a block are exact inverses.
+
+Blocks are found again exactly where they were inserted (``extract_turn_blocks``) before rules run, so
+canonicalizing a canonical request changes nothing: the values are carried over and re-inserted in the
+same turn at the same place.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rules.messages import last_user_index, leading_system_count
+from rules.messages import leading_system_count
 from rules.segments import Position, document_end, document_end_in_text
 
 BLOCK_OPEN = "<request_context>"
 BLOCK_CLOSE = "</request_context>"
 SEP = "\n\n"
 
-LOCATIONS: tuple[str, ...] = ("system_end", "note", "user_prefix", "new_user")
-"""Physical places a block can occupy, in prompt order."""
+LOCATIONS: tuple[str, ...] = ("system_end", "note", "user_prefix", "tail_end", "new_user")
+"""Physical places a block can occupy inside one turn, in prompt order."""
+
+_FIRST_TURN_TAIL_END = ("user_prefix", "system_end", "tail_end")
+"""``tail_end`` in the first turn: the start of its last user message (after documents). Text moved out of
+the system prompt then still comes before any text of the conversation, so a conversation whose first
+message is later rewritten (client-side compaction, an edit) never caches less than without rules."""
 
 _PLACEMENT_ORDER = {
-    "last_user_prefix": ("user_prefix", "system_end"),
-    "before_last_user": ("note", "system_end"),
-    "system_end": ("system_end", "user_prefix"),
+    "tail_end": ("tail_end", "system_end"),
+    "last_user_prefix": ("user_prefix", "system_end", "tail_end"),
+    "before_last_user": ("note", "system_end", "tail_end"),
+    "system_end": ("system_end", "tail_end", "user_prefix"),
 }
+
+_REPLY_ROLE = "assistant"
+_TAIL_ROLES_EXCLUDED = ("assistant", "system", "developer")
+
+
+def turn_spans(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The turns of a conversation as ``[start, end)`` message ranges covering ``messages`` in order.
+
+    A new turn begins at every assistant message that starts a run of assistant messages (index > 0) and is
+    followed by a non-assistant message somewhere after the run, i.e. at every reply that a later request
+    answered. ``messages[:start]`` of turn ``j > 0`` is the request that reply answered. An empty list gives
+    ``[]``; otherwise the spans are never empty.
+    """
+    n = len(messages)
+    if n == 0:
+        return []
+    starts = [0]
+    last_non_reply = max((i for i, m in enumerate(messages) if m.get("role") != _REPLY_ROLE), default=-1)
+    for i in range(1, n):
+        if (
+            messages[i].get("role") == _REPLY_ROLE
+            and messages[i - 1].get("role") != _REPLY_ROLE
+            and i < last_non_reply
+        ):
+            starts.append(i)
+    return [(s, e) for s, e in zip(starts, [*starts[1:], n], strict=True)]
 
 
 def render_block(values: list[str]) -> str:
@@ -64,7 +107,7 @@ def parse_block_at(text: str, at: int) -> tuple[list[str], int] | None:
     close = text.find("\n" + BLOCK_CLOSE, at + len(head))
     if close < 0:
         return None
-    return text[at + len(head):close].split("\n"), close + 1 + len(BLOCK_CLOSE)
+    return text[at + len(head) : close].split("\n"), close + 1 + len(BLOCK_CLOSE)
 
 
 def parse_whole_block(text: Any) -> list[str] | None:
@@ -77,12 +120,36 @@ def parse_whole_block(text: Any) -> list[str] | None:
     return parsed[0]
 
 
-def resolve_location(placement: str, messages: list[dict[str, Any]]) -> str:
-    """The physical location a placement uses for these (block-free) messages."""
-    has_user = last_user_index(messages) is not None
-    has_system = leading_system_count(messages) > 0
-    for location in _PLACEMENT_ORDER[placement]:
+def _last_user(messages: list[dict[str, Any]], start: int, end: int) -> int | None:
+    for i in range(end - 1, start - 1, -1):
+        if messages[i].get("role") == "user":
+            return i
+    return None
+
+
+def _tail_message(messages: list[dict[str, Any]], start: int, end: int) -> int | None:
+    """The turn's newest message that is neither a reply nor a system message (a user turn or a tool
+    result), or None."""
+    for i in range(end - 1, start - 1, -1):
+        if messages[i].get("role") not in _TAIL_ROLES_EXCLUDED:
+            return i
+    return None
+
+
+def resolve_location(placement: str, messages: list[dict[str, Any]], start: int, end: int) -> str:
+    """The physical location ``placement`` uses inside the turn ``messages[start:end]`` (block-free).
+
+    Raises:
+        KeyError: an unknown placement (the loader only lets the names in ``rules.model.PLACEMENTS`` in).
+    """
+    has_user = _last_user(messages, start, end) is not None
+    has_tail = _tail_message(messages, start, end) is not None
+    has_system = start == 0 and leading_system_count(messages) > 0
+    order = _FIRST_TURN_TAIL_END if placement == "tail_end" and start == 0 else _PLACEMENT_ORDER[placement]
+    for location in order:
         if location in ("user_prefix", "note") and has_user:
+            return location
+        if location == "tail_end" and has_tail:
             return location
         if location == "system_end" and has_system:
             return location
@@ -93,29 +160,51 @@ def _is_plain_text_part(part: Any) -> bool:
     return isinstance(part, dict) and set(part) == {"type", "text"} and part["type"] == "text"
 
 
-def extract_blocks(messages: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """Remove blocks this module inserted (exactly where ``insert_blocks`` puts them) from ``messages``
-    in place; return their values by location (``user_prefix`` also covers ``new_user``)."""
+def _is_block_message(message: dict[str, Any]) -> list[str] | None:
+    if message.get("role") == "user" and set(message) == {"role", "content"}:
+        return parse_whole_block(message.get("content"))
+    return None
+
+
+def extract_turn_blocks(
+    messages: list[dict[str, Any]], start: int, end: int
+) -> tuple[dict[str, list[str]], int]:
+    """Remove the blocks this module inserted into the turn ``messages[start:end]`` (exactly where
+    ``insert_turn_blocks`` puts them) in place.
+
+    Returns:
+        (values by location, the turn's new end index: a removed note or new user message shortens it).
+    """
     found: dict[str, list[str]] = {}
-    last = last_user_index(messages)
-    if last is not None and last >= 1:
-        note = messages[last - 1]
-        if note.get("role") == "user" and set(note) == {"role", "content"}:
-            values = parse_whole_block(note.get("content"))
-            if values is not None:
-                found["note"] = values
-                del messages[last - 1]
-    last = last_user_index(messages)
+    if end - start >= 2:
+        values = _is_block_message(messages[end - 1])
+        if values is not None:
+            found["new_user"] = values
+            del messages[end - 1]
+            end -= 1
+    last = _last_user(messages, start, end)
+    if last is not None and last - 1 >= start:
+        values = _is_block_message(messages[last - 1])
+        if values is not None:
+            found["note"] = values
+            del messages[last - 1]
+            end -= 1
+    tail = _tail_message(messages, start, end)
+    if tail is not None:
+        values = _extract_tail_end(messages[tail])
+        if values is not None:
+            found["tail_end"] = values
+    last = _last_user(messages, start, end)
     if last is not None:
         values = _extract_user_prefix(messages[last])
         if values is not None:
             found["user_prefix"] = values
     systems = leading_system_count(messages)
-    if systems:
+    if start == 0 and systems:
         values = _extract_system_end(messages[systems - 1])
         if values is not None:
             found["system_end"] = values
-    return found
+    return found, end
 
 
 def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
@@ -132,7 +221,7 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
         if end == len(content):
             rest = ""
         elif content.startswith(SEP, end) and len(content) > end + len(SEP):
-            rest = content[end + len(SEP):]
+            rest = content[end + len(SEP) :]
         else:
             return None
         message["content"] = content[:end_docs] + rest
@@ -146,7 +235,7 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
         if q + 1 < len(content):
             if not text.endswith(SEP):
                 return None
-            text = text[:-len(SEP)]
+            text = text[: -len(SEP)]
         values = parse_whole_block(text)
         if values is None:
             return None
@@ -155,14 +244,16 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
     return None
 
 
-def _extract_system_end(message: dict[str, Any]) -> list[str] | None:
+def _extract_text_end(message: dict[str, Any]) -> list[str] | None:
+    """A block at the very end of a message: after ``SEP`` in a string content (or the whole content), or
+    as the last (plain text) part of a list content."""
     content = message.get("content")
     if isinstance(content, str):
         # the block inserted last is the last one: look for "\n\n<block>" at the end first, so that text
         # before it that happens to start with the block's tag is never taken for part of it
         at = content.rfind(SEP + BLOCK_OPEN + "\n")
         if at >= 0:
-            values = parse_whole_block(content[at + len(SEP):])
+            values = parse_whole_block(content[at + len(SEP) :])
             if values is not None:
                 message["content"] = content[:at]
                 return values
@@ -178,44 +269,46 @@ def _extract_system_end(message: dict[str, Any]) -> list[str] | None:
     return None
 
 
-def strip_tail_newlines(messages: list[dict[str, Any]]) -> bool:
-    """Remove line breaks where the ``user_prefix`` block goes (start of the last user turn, after its
-    documents), so that inserting and extracting the block are exact inverses. Returns whether it changed
-    anything."""
-    last = last_user_index(messages)
-    if last is None or not isinstance(messages[last].get("content"), str):
-        return False
-    text = messages[last]["content"]
-    end_docs = document_end_in_text(text)
-    stripped = text[end_docs:].lstrip("\r\n")
-    if len(stripped) == len(text) - end_docs:
-        return False
-    messages[last]["content"] = text[:end_docs] + stripped
-    return True
+_extract_tail_end = _extract_text_end
+_extract_system_end = _extract_text_end
 
 
-def insert_blocks(messages: list[dict[str, Any]], values: dict[str, list[str]]) -> list[Position]:
-    """Insert one block per location with values (in place); return where each block begins (its
-    separator included), as positions in the final messages."""
+def insert_turn_blocks(
+    messages: list[dict[str, Any]], start: int, end: int, values: dict[str, list[str]]
+) -> tuple[list[Position], int]:
+    """Insert one block per location with values into the turn ``messages[start:end]`` (in place).
+
+    Returns:
+        (where each block begins, its separator included, as positions in the final messages; the turn's
+        new end index).
+    """
     starts: list[Position] = []
-    last = last_user_index(messages)
-    systems = leading_system_count(messages)
-    user_block: Position | None = None
-    if values.get("user_prefix") and last is not None:
-        user_block = _insert_user_prefix(messages[last], render_block(values["user_prefix"]), last)
+    last = _last_user(messages, start, end)
+    tail = _tail_message(messages, start, end)
+    systems = leading_system_count(messages) if start == 0 else 0
+    shift = 0
     if values.get("system_end") and systems:
-        starts.append(_insert_system_end(messages[systems - 1], render_block(values["system_end"]), systems - 1))
+        starts.append(
+            _insert_text_end(messages[systems - 1], render_block(values["system_end"]), systems - 1)
+        )
     if values.get("note") and last is not None:
         messages.insert(last, {"role": "user", "content": render_block(values["note"])})
         starts.append(Position(last))
-        if user_block is not None:
-            user_block = Position(user_block.message + 1, user_block.part, user_block.char)
-    if user_block is not None:
-        starts.append(user_block)
+        shift = 1
+    if values.get("user_prefix") and last is not None:
+        starts.append(
+            _insert_user_prefix(messages[last + shift], render_block(values["user_prefix"]), last + shift)
+        )
+    if values.get("tail_end") and tail is not None:
+        starts.append(
+            _insert_text_end(messages[tail + shift], render_block(values["tail_end"]), tail + shift)
+        )
+    end += shift
     if values.get("new_user"):
-        messages.append({"role": "user", "content": render_block(values["new_user"])})
-        starts.append(Position(len(messages) - 1))
-    return starts
+        messages.insert(end, {"role": "user", "content": render_block(values["new_user"])})
+        starts.append(Position(end))
+        end += 1
+    return starts, end
 
 
 def _insert_user_prefix(message: dict[str, Any], block: str, index: int) -> Position:
@@ -233,7 +326,7 @@ def _insert_user_prefix(message: dict[str, Any], block: str, index: int) -> Posi
     return Position(index, 0, end_docs)
 
 
-def _insert_system_end(message: dict[str, Any], block: str, index: int) -> Position:
+def _insert_text_end(message: dict[str, Any], block: str, index: int) -> Position:
     content = message.get("content")
     if isinstance(content, list):
         content.append({"type": "text", "text": block})

@@ -1,20 +1,20 @@
 """Segments of a canonical prompt: which part is stable (cacheable as a prefix) and which is volatile.
 
-Levels, in prompt order (the note's hierarchy: system, + documents, + history):
+Levels (``SegmentLevel``), in prompt order, most stable first:
 
-1. ``tools+system``: the tools and the leading run of ``system``/``developer`` messages.
-2. ``documents``: the *document region* of a user message: from the start of the message to the end of
-   its last ``</document>``, ``</documents>`` or ``</doc>`` closing tag (an opening tag must come first;
-   case-insensitive). For list content the region is every part up to and including the last text part
-   holding such a closing tag. Documents are recognized in the first message after the system block
+1. ``TOOLS_SYSTEM`` (``tools+system``): the tools and the leading run of ``system``/``developer`` messages.
+2. ``DOCUMENTS`` (``documents``): the *document region* of a user message: from the start of the message
+   to the end of its last ``</document>``, ``</documents>`` or ``</doc>`` closing tag (an opening tag must
+   come first; case-insensitive). For list content the region is every part up to and including the last
+   text part holding such a closing tag. Documents are recognized in the first message after the system block
    (when it is a user message) and in the last user message: so a RAG request
    ``[system][user: <document>...</document> question]`` has the document as level 2 and only the
    question as volatile tail, and every question about the same document shares the prefix key. To make
    documents the client sends elsewhere level 2, a ``reorder`` rule moves them to the front of the
    message inside ``<document>`` tags.
-3. ``history``: every message before the last user turn (after the first two levels).
-4. ``volatile``: the last user turn (after its document region) and everything after it, plus the
-   hoisted values; it begins at the first hoisted block if that comes earlier (``system_end`` or
+3. ``HISTORY`` (``history``): every message before the last user turn (after the first two levels).
+4. ``VOLATILE`` (``volatile``): the last user turn (after its document region) and everything after it,
+   plus the hoisted values; it begins at the first hoisted block if that comes earlier (``system_end`` or
    ``before_last_user`` placement), because nothing after a changing byte can be a cached prefix.
 
 Segments are contiguous and cover the whole prompt in order; levels 1-3 come before level 4, but a
@@ -24,6 +24,7 @@ level-2 segment may follow level 3 (documents in the last user turn). A position
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,23 @@ from rules.messages import get_text, last_user_index, leading_system_count, part
 _DOC_OPEN = re2.compile(r"(?i)<(?:documents?|doc)(?:\s[^>]*)?>")
 _DOC_CLOSE = re2.compile(r"(?i)</(?:documents?|doc)>")
 
-LEVEL_NAMES = {1: "tools+system", 2: "documents", 3: "history", 4: "volatile"}
+
+class SegmentLevel(enum.IntEnum):
+    """How stable a segment is, in prompt order (see the module docstring). An ``IntEnum``: levels compare and
+    serialize as the plain numbers 1-4."""
+
+    TOOLS_SYSTEM = 1
+    DOCUMENTS = 2
+    HISTORY = 3
+    VOLATILE = 4
+
+
+LEVEL_NAMES = {
+    SegmentLevel.TOOLS_SYSTEM: "tools+system",
+    SegmentLevel.DOCUMENTS: "documents",
+    SegmentLevel.HISTORY: "history",
+    SegmentLevel.VOLATILE: "volatile",
+}
 
 
 @dataclass(frozen=True, order=True)
@@ -53,7 +70,7 @@ class Segment:
     """A contiguous range of the canonical prompt.
 
     Attributes:
-        level: 1 tools+system, 2 documents, 3 history, 4 volatile tail.
+        level: its ``SegmentLevel``.
         name: ``LEVEL_NAMES[level]``.
         start_message, end_message: the messages the segment touches (``end_message`` exclusive), indices
             into ``Canonical.messages``. A level-1 segment holding only tools has start == end == 0.
@@ -62,7 +79,7 @@ class Segment:
             runs to the end of that message.
     """
 
-    level: int
+    level: SegmentLevel
     name: str
     start_message: int
     end_message: int
@@ -72,12 +89,20 @@ class Segment:
     end_char: int | None = None
 
     @classmethod
-    def between(cls, level: int, start: Position, end: Position) -> Segment:
+    def between(cls, level: SegmentLevel, start: Position, end: Position) -> Segment:
         """The segment [start, end) (both normalized positions)."""
         if end.part == 0 and end.char == 0:
             return cls(level, LEVEL_NAMES[level], start.message, end.message, start.part, start.char)
-        return cls(level, LEVEL_NAMES[level], start.message, end.message + 1, start.part, start.char,
-                   end.part, end.char)
+        return cls(
+            level,
+            LEVEL_NAMES[level],
+            start.message,
+            end.message + 1,
+            start.part,
+            start.char,
+            end.part,
+            end.char,
+        )
 
     @property
     def end(self) -> Position:
@@ -88,9 +113,16 @@ class Segment:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict of the fields."""
-        return {"level": self.level, "name": self.name, "start_message": self.start_message,
-                "end_message": self.end_message, "start_part": self.start_part, "start_char": self.start_char,
-                "end_part": self.end_part, "end_char": self.end_char}
+        return {
+            "level": int(self.level),
+            "name": self.name,
+            "start_message": self.start_message,
+            "end_message": self.end_message,
+            "start_part": self.start_part,
+            "start_char": self.start_char,
+            "end_part": self.end_part,
+            "end_char": self.end_char,
+        }
 
 
 def normalize_position(messages: list[dict[str, Any]], pos: Position) -> Position:
@@ -149,8 +181,9 @@ def document_end(message: dict[str, Any]) -> Position | None:
     return Position(0, last + 1, 0) if last is not None else None
 
 
-def compute_segments(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     block_starts: list[Position]) -> list[Segment]:
+def compute_segments(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, block_starts: list[Position]
+) -> list[Segment]:
     """The segments of a canonical prompt (see the module docstring).
 
     Args:
@@ -176,64 +209,68 @@ def compute_segments(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
         tail = last_docs
     volatile = min([tail, *(normalize_position(messages, b) for b in block_starts)])
 
-    cuts: list[tuple[int, Position, Position]] = []
+    cuts: list[tuple[SegmentLevel, Position, Position]] = []
     start = Position(0)
     if system_end > 0 or tools:
-        cuts.append((1, start, Position(system_end)))
+        cuts.append((SegmentLevel.TOOLS_SYSTEM, start, Position(system_end)))
         start = Position(system_end)
     first_docs = doc_region(system_end)
     if first_docs is not None:
-        cuts.append((2, start, first_docs))
+        cuts.append((SegmentLevel.DOCUMENTS, start, first_docs))
         start = first_docs
     if last_user is not None and start < Position(last_user):
-        cuts.append((3, start, Position(last_user)))
+        cuts.append((SegmentLevel.HISTORY, start, Position(last_user)))
         start = Position(last_user)
     elif last_user is None and start < Position(n):
-        cuts.append((3, start, Position(n)))
+        cuts.append((SegmentLevel.HISTORY, start, Position(n)))
         start = Position(n)
     if last_docs is not None and start < last_docs:
-        cuts.append((2, start, last_docs))
+        cuts.append((SegmentLevel.DOCUMENTS, start, last_docs))
 
     segments: list[Segment] = []
     for level, seg_start, seg_end in cuts:
         seg_end = min(seg_end, volatile)
-        if seg_start > seg_end or (seg_start == seg_end and level != 1):
+        if seg_start > seg_end or (seg_start == seg_end and level != SegmentLevel.TOOLS_SYSTEM):
             continue
         if seg_start == seg_end and segments:
             continue
         segments.append(Segment.between(level, seg_start, seg_end))
     if volatile < Position(n):
-        segments.append(Segment.between(4, volatile, Position(n)))
+        segments.append(Segment.between(SegmentLevel.VOLATILE, volatile, Position(n)))
     return segments
 
 
 def message_prefix(messages: list[dict[str, Any]], end: Position) -> list[dict[str, Any]]:
     """The messages before ``end``; a message cut in the middle keeps its other keys and the part of its
     content before the cut."""
-    out = [dict(m) for m in messages[:end.message]]
+    out = [dict(m) for m in messages[: end.message]]
     if end.message < len(messages) and (end.part or end.char):
         message = dict(messages[end.message])
         content = message.get("content")
         if isinstance(content, str):
-            message["content"] = content[:end.char]
+            message["content"] = content[: end.char]
         else:
-            parts = [dict(p) for p in content[:end.part]]
+            parts = [dict(p) for p in content[: end.part]]
             if end.char:
-                parts.append({**content[end.part], "text": content[end.part]["text"][:end.char]})
+                parts.append({**content[end.part], "text": content[end.part]["text"][: end.char]})
             message["content"] = parts
         out.append(message)
     return out
 
 
-def stable_material(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    segments: list[Segment], level: int = 3) -> bytes:
+def stable_material(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    segments: list[Segment],
+    level: SegmentLevel = SegmentLevel.HISTORY,
+) -> bytes:
     """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable prefix up to ``level``:
     ``{"messages": [...], "tools": ...}`` holding the tools and the messages of the leading run of
     segments whose level is at most ``level`` (never the volatile tail), a message cut mid-way holding
     only the part before the cut."""
     end = Position(0)
     for segment in segments:
-        if segment.level > level or segment.level == 4:
+        if segment.level > level or segment.level == SegmentLevel.VOLATILE:
             break
         end = segment.end
     return canonical_json({"messages": message_prefix(messages, end), "tools": tools}).encode("utf-8")

@@ -28,7 +28,7 @@ import torch
 
 from engine.block_hash import BlockHash
 from engine.block_pool import KVBlock
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.kv_tiers.entry import BlockMeta
 from engine.kv_tiers.stack import LoadedBlock, TierStack
 
@@ -148,7 +148,7 @@ class PoolTiers:
         self._prefetches.pop(request_id, None)
 
     # ---- load-back ------------------------------------------------------------------------------------
-    def install(self, hit: list[KVBlock], loaded: list[LoadedBlock]) -> int:
+    def install(self, hit: PrefixHit, loaded: list[LoadedBlock]) -> int:
         """Copy ``loaded`` (the chain right after ``hit``) into fresh pool blocks and register them
         (``KVCacheManager.install_blocks``). Returns blocks installed."""
         device = self.kv_cache.device

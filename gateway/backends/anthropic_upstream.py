@@ -1,22 +1,10 @@
 """``backend: anthropic``: the Anthropic Messages API (or a server speaking it) over HTTP.
 
-Per request it POSTs ``{base_url}/v1/messages`` with ``x-api-key`` and ``anthropic-version`` on the replica the
-prefix-affinity ring picks. Two ways in:
-
-- **Native passthrough** (Anthropic-face requests): the client's body is kept (``thinking``, ``metadata``,
-  ``service_tier``, ... untouched), its ``system`` / ``messages`` / ``tools`` replaced by the canonical ones
-  translated back (``anthropic_face.openai_to_anthropic``; exactly the client's own when rules are off),
-  ``model`` mapped to ``upstream_model``, and automatic cache breakpoints added
-  (``gateway.breakpoints``; the client's ``cache_control``, ``ttl`` included, stays as it was). ``stream``
-  yields ``anthropic_face.NativeDelta`` events carrying the upstream's own events (or whole Message), which the
-  Anthropic face relays verbatim: thinking, citations, server tools and signatures survive.
-- **Translation** (OpenAI-face requests): the request is built from the ``ChatRequest`` fields, and ``stream``
-  turns Anthropic events into ``Delta`` / ``Finish`` (text and tool use; thinking and server-tool blocks are
-  not part of an OpenAI answer and are left out).
-
-Usage: ``cache_read_input_tokens`` -> ``BackendUsage.cached_tokens``, ``cache_creation_input_tokens`` ->
-``cache_creation_tokens``, ``prompt_tokens`` = input + cache read + cache write (Anthropic's ``input_tokens``
-excludes both).
+Per request it POSTs ``{base_url}/v1/messages`` on the replica the prefix-affinity ring picks. Anthropic-face
+requests go natively (the client's body with the canonical prompt, automatic cache breakpoints, the upstream's
+own events relayed as ``NativeDelta``); OpenAI-face requests are translated and their answer turned into
+``Delta`` / ``Finish``. Token counts come from the upstream's ``/v1/messages/count_tokens``. Details:
+docs/upstreams.md. Reference: https://docs.anthropic.com/en/api/messages
 """
 
 from __future__ import annotations
@@ -26,31 +14,32 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Unpack
 
-import jiter
-
-from gateway.anthropic_face import (
-    FINISH_REASONS,
-    FORWARDED_HEADERS,
+from gateway.backends.anthropic_events import EventReader, MessageAssembler, anthropic_events, checked_usage
+from gateway.backends.base import TokenCount
+from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
+from gateway.config.schema import AnthropicUpstream
+from gateway.core.errors import InvalidRequestError
+from gateway.core.events import BackendEvent, BackendUsage, Finish
+from gateway.core.request import SAMPLING_FIELDS, ChatRequest
+from gateway.core.tokens import TokenCounter
+from gateway.protocols.anthropic.boundaries import boundaries_from_segments, default_boundaries
+from gateway.protocols.anthropic.cache_control import (
+    CacheControlError,
+    CachePlan,
+    check_client_cache_control,
+    has_client_cache_control,
+    plan_cache_control,
+)
+from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, FORWARDED_HEADERS, MESSAGES_ONLY_FIELDS
+from gateway.protocols.anthropic.prompt import (
     AnthropicPrompt,
-    NativeDelta,
-    backend_usage_from_anthropic,
     openai_to_anthropic,
     openai_to_anthropic_tool_choice,
 )
-from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
-from gateway.backends.registry import register_backend
-from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
-from gateway.breakpoints import (
-    BreakpointPlan,
-    TokenCounter,
-    add_breakpoints,
-    boundaries_from_segments,
-    default_boundaries,
-)
-from gateway.config import ModelConfig
-from gateway.errors import InvalidRequestError
-from gateway.request import ChatRequest
-from gateway.upstream_http import OpenedResponse, UpstreamStreamCut, redact_url
+from gateway.protocols.anthropic.render import FINISH_REASONS, NativeDelta
+from gateway.protocols.provider_usage import anthropic_miss_reason
+from gateway.transport.failures import FailureKind
+from gateway.transport.upstream_http import OpenedResponse
 
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 4096
@@ -64,12 +53,18 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         name: the client-facing model name.
         base_urls: one base URL per replica (``https://api.anthropic.com``); ``/v1/messages`` is appended.
         anthropic_version: the ``anthropic-version`` header.
-        auto_breakpoints: add cache breakpoints at the segment boundaries.
-        min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the built-in table).
+        auto_breakpoints: where the client set no ``cache_control``, choose automatic caching or breakpoints at
+            the segment boundaries (``protocols.anthropic.cache_control``), with TTLs from ``cache_ttl``.
+        min_tokens_overrides: model-name prefix -> minimum cacheable tokens (before the price table's and the
+            built-in table).
+        prices: the model's prices (``gateway.config.price_table.ModelPrices``): its minimum cacheable length
+            and the TTL options; None = TTL ``5m`` always.
+        ttl_chooser: ``(request, body) -> {"stable": ttl, "history": ttl}`` (the service's retention choice,
+            given by the registry); None = ``5m`` for every marker.
         counter: token counter for the thresholds (default ``breakpoints.default_counter()``).
-        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
-            ``ring``, ``sleep``); the key goes out as ``x-api-key``; ``upstream_model`` also picks the minimum
-            cacheable length.
+        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
+            ``client``, ``ring``, ``sleep``); the key goes out as ``x-api-key``; ``upstream_model`` also picks
+            the minimum cacheable length.
     """
 
     def __init__(
@@ -81,6 +76,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         auto_breakpoints: bool = True,
         min_tokens_overrides: Mapping[str, int] | None = None,
         counter: TokenCounter | None = None,
+        prices: Any = None,
+        ttl_chooser: Any = None,
         **options: Unpack[UpstreamOptions],
     ) -> None:
         super().__init__(name, base_urls, **options)
@@ -88,13 +85,29 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         self.auto_breakpoints = auto_breakpoints
         self.min_tokens_overrides = dict(min_tokens_overrides or {})
         self.counter = counter
+        self.prices = prices
+        self.ttl_chooser = ttl_chooser
+
+    def min_tokens(self) -> int | None:
+        """The minimum cacheable prefix: a config override, else the price table's, else the built-in table
+        (None: let ``cache_control`` read the built-in table)."""
+        model = self.upstream_model
+        matches = [(len(p), n) for p, n in self.min_tokens_overrides.items() if model.startswith(p)]
+        if matches:
+            return max(matches)[1]
+        if self.prices is not None and self.prices.min_cacheable_tokens is not None:
+            return int(self.prices.min_cacheable_tokens)
+        return None
 
     # ---- request ------------------------------------------------------------------------------------------
-    def build_body(self, request: ChatRequest, stream: bool) -> tuple[dict[str, Any], BreakpointPlan | None]:
-        """The Messages body sent upstream, and the breakpoint plan (None when automatic breakpoints are off).
+    def build_body(self, request: ChatRequest, stream: bool) -> tuple[dict[str, Any], CachePlan | None]:
+        """The Messages body sent upstream, and the cache plan (None when automatic breakpoints are off).
 
         Raises:
-            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face requests).
+            InvalidRequestError: a client ``cache_control`` the provider would refuse (a fifth breakpoint, a 1h
+                after a 5m, ...), answered in Anthropic's error shape before any upstream call.
+            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face
+                requests).
         """
         if request.kind != "chat":
             raise InvalidRequestError(
@@ -102,10 +115,11 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 param="prompt",
             )
         prompt = None
-        if request.protocol == "anthropic" and request.body:
-            # with rules on, system / messages / tools are replaced below (in place, key order kept): not copied
+        if request.anthropic_body:
+            # with rules on, system / messages / tools are replaced below (in place, key order kept): not
+            # copied
             replaced = ("system", "messages", "tools") if request.rules_enabled else ()
-            body = {k: v if k in replaced else copy.deepcopy(v) for k, v in request.body.items()}
+            body = {k: v if k in replaced else copy.deepcopy(v) for k, v in request.anthropic_body.items()}
             if request.rules_enabled:
                 prompt = openai_to_anthropic(request.messages, request.tools)
                 _set_or_drop(body, "system", prompt.system)
@@ -118,15 +132,23 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         body["model"] = self.upstream_model
         body["stream"] = stream
         plan = None
-        if self.auto_breakpoints:
-            boundaries = self._boundaries(request, body, prompt)
-            body, plan = add_breakpoints(
-                body,
-                boundaries,
-                self.upstream_model,
-                min_tokens_overrides=self.min_tokens_overrides,
-                counter=self.counter,
-            )
+        try:
+            if self.auto_breakpoints or has_client_cache_control(body):
+                check_client_cache_control(body)
+            if self.auto_breakpoints:
+                boundaries = self._boundaries(request, body, prompt)
+                ttl = self.ttl_chooser(request, body) if self.ttl_chooser is not None else "5m"
+                plan = plan_cache_control(
+                    body,
+                    boundaries,
+                    self.upstream_model,
+                    ttl=ttl,
+                    min_tokens=self.min_tokens(),
+                    counter=self.counter,
+                )
+                body = dict(plan.body)
+        except CacheControlError as exc:
+            raise InvalidRequestError(exc.args[0], param=exc.param) from None
         return body, plan
 
     @staticmethod
@@ -135,7 +157,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
     ) -> dict[str, Any]:
         """Segment ends from the rules when the body was built from the canonical messages, else read off the
         body (rules off)."""
-        segments = getattr(request.canonical, "segments", None)
+        segments = request.canonical.segments if request.canonical is not None else None
         if segments and prompt is not None:
             return boundaries_from_segments(
                 segments, prompt.part_blocks, prompt.last_block, len(body.get("tools") or [])
@@ -153,15 +175,12 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             body["system"] = prompt.system
         if prompt.tools is not None:
             body["tools"] = prompt.tools
-            parallel = request.body.get("parallel_tool_calls") if request.protocol == "openai" else None
-            choice = openai_to_anthropic_tool_choice(request.tool_choice, parallel)
+            choice = openai_to_anthropic_tool_choice(request.tool_choice, request.parallel_tool_calls)
             if choice is not None:
                 body["tool_choice"] = choice
-        native = request.body if request.protocol == "openai" else {}
-        if native.get("temperature") is not None:
-            body["temperature"] = params.temperature
-        if native.get("top_p") is not None:
-            body["top_p"] = params.top_p
+        for name in SAMPLING_FIELDS:  # only what the client set: Anthropic's defaults are not OpenAI's
+            if name in request.sampling_given:
+                body[name] = getattr(params, name)
         if params.top_k:
             body["top_k"] = params.top_k
         if params.stop:
@@ -169,6 +188,36 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         if request.user:
             body["metadata"] = {"user_id": request.user}
         return body
+
+    async def count_tokens(self, request: ChatRequest) -> TokenCount:
+        """The upstream's own count: ``POST {base_url}/v1/messages/count_tokens`` with the body a
+        ``/v1/messages`` passthrough would send (``build_body``: rules applied, ``model`` mapped, automatic
+        breakpoints) less ``MESSAGES_ONLY_FIELDS``, with the same key, headers, replica choice, retries and
+        error mapping (``post``). Reference: https://docs.anthropic.com/en/api/messages-count-tokens
+
+        Raises:
+            UpstreamCallError: refused (4xx passes through) or failed after retries, as for ``/v1/messages``.
+            UpstreamStreamCut: kind ``protocol`` (502): the answer is not JSON with an integer
+                ``input_tokens``.
+            InvalidRequestError / UnsupportedContentError: what ``build_body`` refuses.
+        """
+        body, _ = self.build_body(request, stream=False)
+        body = {key: value for key, value in body.items() if key not in MESSAGES_ONLY_FIELDS}
+        headers = self.headers_for(
+            request
+        )  # the key, version and forwarded headers, as /v1/messages sends them
+        opened = await self.post(request.prefix_key or request.request_id, COUNT_TOKENS_PATH, headers, body)
+        try:
+            answer = opened.json_object(await opened.read(), "a token count")
+            tokens = answer.get("input_tokens")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise opened.cut(
+                    "the upstream answered a token count without an integer input_tokens",
+                    kind=FailureKind.PROTOCOL,
+                )
+        finally:
+            await opened.aclose()
+        return TokenCount(tokens, "upstream")
 
     def headers_for(self, request: ChatRequest) -> dict[str, str]:
         """The headers of an upstream call for ``request``: content type, ``anthropic-version``, ``x-api-key``
@@ -187,14 +236,14 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             request.prefix_key or request.request_id, "/v1/messages", self.headers_for(request), body
         )
 
-    # ---- the backend stream ------------------------------------------------------------------------------------
+    # ---- the backend stream --------------------------------------------------------------------------------
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` events then one ``Finish``.
 
-        Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed request:
-        every event from ``message_start`` to ``message_stop``; a non-streamed one: the whole Message), and a
-        ``Finish`` with ``extra["native"] = True``. Others get text and tool-call deltas in OpenAI's streaming
-        shape (thinking and server-tool blocks are not part of an OpenAI answer and are left out).
+        Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed
+        request: every event from ``message_start`` to ``message_stop``; a non-streamed one: the whole
+        Message), and a ``Finish`` with ``native=True``. Others get text and tool-call deltas in OpenAI's
+        streaming shape (thinking and server-tool blocks are not part of an OpenAI answer and are left out).
 
         Raises:
             UpstreamCallError: failed before the first byte (after retries), or refused (4xx passes through).
@@ -202,7 +251,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 ``upstream_error`` is the upstream's ``error`` object).
             InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry.
         """
-        native = request.protocol == "anthropic" and bool(request.body)
+        native = bool(request.anthropic_body)
         started = time.monotonic()
         if native and not request.stream:
             message, usage = await self._message(request)
@@ -215,18 +264,23 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 FINISH_REASONS.get(message.get("stop_reason") or "", "stop"),
                 usage,
                 time.monotonic() - started,
-                {"native": True, "anthropic_stop_reason": message.get("stop_reason")},
+                native=True,
+                anthropic_stop_reason=stop_reason
+                if isinstance(stop_reason := message.get("stop_reason"), str)
+                else None,
+                cache_miss_reason=anthropic_miss_reason(message),
             )
             return
         opened = await self._open(request, stream=True)
         try:
-            reader = _EventReader()
-            async for data in _anthropic_events(opened):
+            reader = EventReader()
+            async for data in anthropic_events(opened):
                 try:
                     delta = reader.read(data)
                 except (AttributeError, TypeError, ValueError):
                     raise opened.cut(
-                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
+                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape",
+                        kind=FailureKind.PROTOCOL,
                     ) from None
                 if delta is not None and reader.ttft_s is None:
                     reader.ttft_s = time.monotonic() - started
@@ -240,18 +294,24 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                     yield delta
             try:
                 finish = reader.finish(opened.replica, native)
-            except (TypeError, ValueError):  # a stop_reason that is not a string, usage counts that are not ints
-                raise opened.cut("the upstream sent a malformed stop_reason or usage", kind="protocol") from None
+            except (
+                TypeError,
+                ValueError,
+            ):  # a stop_reason that is not a string, usage counts that are not ints
+                raise opened.cut(
+                    "the upstream sent a malformed stop_reason or usage", kind=FailureKind.PROTOCOL
+                ) from None
             yield finish
         finally:
             await opened.aclose()
 
     async def _message(self, request: ChatRequest) -> tuple[dict[str, Any], BackendUsage]:
-        """The Message JSON for a non-streamed request, assembled from a streamed upstream call, and its usage.
+        """The Message JSON for a non-streamed request, assembled from a streamed upstream call, and its
+        usage.
 
         The upstream is always asked to stream: a non-streamed answer sends its first byte only when the whole
-        generation is done, so the read timeout (seconds between two bytes) would have to cover all of it and a
-        timeout, counted as a failure before the first byte, would be retried, running the generation again.
+        generation is done, so the read timeout (seconds between two bytes) would have to cover all of it and
+        a timeout, counted as a failure before the first byte, would be retried, running the generation again.
         Streamed, the upstream's events (and its pings) keep every wait short. An upstream that answers a JSON
         Message anyway (a proxy that ignores ``stream``) is read as one.
         """
@@ -260,175 +320,23 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             if opened.content_type != "text/event-stream":  # an upstream that answered JSON all the same
                 message = opened.json_object(await opened.read(), "an answer")
                 if message.get("type") != "message":
-                    raise opened.cut("the upstream answered JSON that is not a Message", kind="protocol")
-                return message, _checked_usage(opened, message)
-            builder = _MessageBuilder(opened)
-            async for data in _anthropic_events(opened):
+                    raise opened.cut(
+                        "the upstream answered JSON that is not a Message", kind=FailureKind.PROTOCOL
+                    )
+                return message, checked_usage(opened, message)
+            builder = MessageAssembler(opened)
+            async for data in anthropic_events(opened):
                 try:
                     builder.add(data)
                 except (AttributeError, TypeError, ValueError):
                     raise opened.cut(
-                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape", kind="protocol"
+                        f"the upstream sent a {data.get('type')!r} event of an unexpected shape",
+                        kind=FailureKind.PROTOCOL,
                     ) from None
             message = builder.message()
-            return message, _checked_usage(opened, message)
+            return message, checked_usage(opened, message)
         finally:
             await opened.aclose()
-
-
-def _checked_usage(opened: OpenedResponse, message: dict[str, Any]) -> BackendUsage:
-    """The usage of a Message; a cut (protocol, 502) when its ``stop_reason`` is not a string or its usage counts
-    are not integers."""
-    stop = message.get("stop_reason")
-    usage = message.get("usage")
-    try:
-        if stop is not None and not isinstance(stop, str):
-            raise TypeError("stop_reason")
-        return backend_usage_from_anthropic(usage if isinstance(usage, dict) else {})
-    except (TypeError, ValueError):
-        raise opened.cut("the upstream sent a malformed stop_reason or usage", kind="protocol") from None
-
-
-class _MessageBuilder:
-    """Anthropic stream events -> the Message a non-streamed call returns (the accumulation the Anthropic SDKs do:
-    https://docs.anthropic.com/en/docs/build-with-claude/streaming, "Event types" and "Content block delta types").
-
-    Deltas: ``text_delta`` (appended to ``text``), ``input_json_delta`` (``partial_json`` pieces parsed into
-    ``input`` at ``content_block_stop``, in jiter's partial mode as the SDKs do, so an input cut short by
-    ``max_tokens`` keeps its complete members), ``thinking_delta``, ``signature_delta``, ``citations_delta`` (appended to
-    ``citations``). Blocks that arrive whole (server tool results) are kept as they come. A delta type this list
-    does not know raises a protocol cut rather than return a Message missing part of its content.
-    """
-
-    def __init__(self, opened: OpenedResponse) -> None:
-        self._opened = opened
-        self._message: dict[str, Any] | None = None
-        self._blocks: dict[int, dict[str, Any]] = {}
-        self._json: dict[int, str] = {}
-
-    def _fail(self, what: str) -> UpstreamStreamCut:
-        return self._opened.cut(f"cannot assemble the upstream's Message: {what}", kind="protocol")
-
-    def add(self, data: dict[str, Any]) -> None:
-        """Fold one event in (``ping`` and ``message_stop`` change nothing)."""
-        kind = data.get("type")
-        if kind == "message_start":
-            message = data.get("message")
-            if not isinstance(message, dict):
-                raise self._fail("message_start without a message")
-            self._message = {**message, "content": []}
-            return
-        if self._message is None:
-            if kind == "ping":
-                return
-            raise self._fail(f"{kind!r} before message_start")
-        index = data.get("index")
-        if kind == "content_block_start":
-            block = data.get("content_block")
-            if not isinstance(index, int) or not isinstance(block, dict):
-                raise self._fail("content_block_start without an index and a block")
-            self._blocks[index] = copy.deepcopy(block)
-        elif kind == "content_block_delta":
-            self._delta(index, data.get("delta"))
-        elif kind == "content_block_stop":
-            block = self._blocks.get(index)  # type: ignore[arg-type]
-            if block is None:
-                raise self._fail(f"content_block_stop for unknown block {index!r}")
-            if index in self._json:
-                text = self._json.pop(index)  # type: ignore[arg-type]
-                try:
-                    # partial mode, as the Anthropic SDKs parse it: a tool input cut short by max_tokens keeps
-                    # its complete members (the stop reason says it was cut) instead of failing the answer
-                    block["input"] = jiter.from_json(text.encode(), partial_mode=True) if text else {}
-                except ValueError:
-                    raise self._fail(f"block {index} has tool input that is not JSON") from None
-        elif kind == "message_delta":
-            delta = data.get("delta") if isinstance(data.get("delta"), dict) else {}
-            self._message.update(delta)
-            usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-            merged = dict(self._message.get("usage") or {})
-            merged.update({k: v for k, v in usage.items() if v is not None})
-            self._message["usage"] = merged
-
-    def _delta(self, index: Any, delta: Any) -> None:
-        block = self._blocks.get(index) if isinstance(index, int) else None
-        if block is None or not isinstance(delta, dict):
-            raise self._fail(f"content_block_delta for unknown block {index!r}")
-        kind = delta.get("type")
-        if kind == "text_delta":
-            block["text"] = block.get("text", "") + str(delta.get("text", ""))
-        elif kind == "input_json_delta":
-            self._json[index] = self._json.get(index, "") + str(delta.get("partial_json", ""))
-        elif kind == "thinking_delta":
-            block["thinking"] = block.get("thinking", "") + str(delta.get("thinking", ""))
-        elif kind == "signature_delta":
-            block["signature"] = delta.get("signature", "")
-        elif kind == "citations_delta":
-            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]  # a start may say null
-        else:
-            raise self._fail(f"a delta of unknown type {kind!r} (stream the request to receive it)")
-
-    def message(self) -> dict[str, Any]:
-        """The assembled Message (after ``message_stop``)."""
-        if self._message is None:
-            raise self._fail("no message_start")
-        self._message["content"] = [self._blocks[i] for i in sorted(self._blocks)]
-        return self._message
-
-
-class _EventReader:
-    """Anthropic stream events -> OpenAI-shaped ``Delta`` (text, tool calls) and the final usage / stop reason."""
-
-    def __init__(self) -> None:
-        self.usage: dict[str, Any] = {}
-        self.block_tool: dict[int, int] = {}  # content block index -> OpenAI tool-call index
-        self.stop_reason: str | None = None
-        self.stop_sequence: str | None = None
-        self.ttft_s: float | None = None
-
-    def read(self, data: dict[str, Any]) -> Delta | None:
-        """Update the state with one event; the Delta it implies, if any."""
-        kind = data.get("type")
-        if kind == "message_start":
-            self.usage.update((data.get("message") or {}).get("usage") or {})
-        elif kind == "content_block_start":
-            block = data.get("content_block") or {}
-            if block.get("type") == "tool_use":
-                index = self.block_tool.setdefault(data.get("index", 0), len(self.block_tool))
-                call = {"index": index, "id": block.get("id"), "type": "function"}
-                return Delta(
-                    tool_calls=[{**call, "function": {"name": block.get("name", ""), "arguments": ""}}]
-                )
-            if block.get("type") == "text" and block.get("text"):
-                return Delta(text=block["text"])
-        elif kind == "content_block_delta":
-            change = data.get("delta") or {}
-            if change.get("type") == "text_delta" and change.get("text"):
-                return Delta(text=change["text"])
-            if change.get("type") == "input_json_delta" and data.get("index") in self.block_tool:
-                if change.get("partial_json"):
-                    fragment = {"arguments": change["partial_json"]}
-                    return Delta(tool_calls=[{"index": self.block_tool[data["index"]], "function": fragment}])
-        elif kind == "message_delta":
-            delta = data.get("delta") or {}
-            self.stop_reason = delta.get("stop_reason") or self.stop_reason
-            self.stop_sequence = delta.get("stop_sequence")
-            self.usage.update({k: v for k, v in (data.get("usage") or {}).items() if v is not None})
-        return None
-
-    def finish(self, replica: str, native: bool) -> Finish:
-        """The ``Finish`` after ``message_stop``."""
-        extra: dict[str, Any] = {"replica": redact_url(replica)}
-        if native:
-            extra["native"] = True
-        if self.stop_reason:
-            extra["anthropic_stop_reason"] = self.stop_reason
-        if self.stop_sequence:
-            extra["stop_sequence"] = self.stop_sequence
-        if self.stop_reason is not None and not isinstance(self.stop_reason, str):
-            raise TypeError(f"stop_reason {self.stop_reason!r} is not a string")
-        reason = FINISH_REASONS.get(self.stop_reason or "", "stop")
-        return Finish(reason, backend_usage_from_anthropic(self.usage), self.ttft_s, extra)
 
 
 def _set_or_drop(body: dict[str, Any], key: str, value: Any) -> None:
@@ -438,28 +346,12 @@ def _set_or_drop(body: dict[str, Any], key: str, value: Any) -> None:
         body[key] = value
 
 
-async def _anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, Any]]:
-    """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error`` event,
-    bad JSON, or an end before ``message_stop``."""
-    async for event in opened.events():
-        data = opened.json_object(event.data, "an event")
-        if event.event == "error" or data.get("type") == "error":
-            error = data.get("error") if isinstance(data.get("error"), dict) else {"type": "api_error"}
-            raise opened.cut(
-                f"the upstream reported an error mid-stream: {error.get('message', '')}", upstream_error=error
-            )
-        yield data
-        if data.get("type") == "message_stop":
-            return
-    raise opened.cut("the upstream stream ended before message_stop")
-
-
-@register_backend("anthropic")
-def create_anthropic_backend(model: ModelConfig) -> AnthropicUpstreamBackend:
+def create_anthropic_backend(model: AnthropicUpstream) -> AnthropicUpstreamBackend:
     """The backend of a ``backend: anthropic`` model entry."""
     return AnthropicUpstreamBackend(
         **upstream_settings(model),
         anthropic_version=model.anthropic_version,
         auto_breakpoints=model.auto_breakpoints,
         min_tokens_overrides=dict(model.min_cacheable_tokens),
+        prices=model.prices,
     )

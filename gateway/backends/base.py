@@ -1,70 +1,123 @@
-"""What every backend (embedded engine, OpenAI-compatible upstream, Anthropic upstream) yields.
+"""The ``Backend`` base every backend (embedded engine, OpenAI-compatible upstream, Anthropic upstream)
+derives from: the stream of events it yields, and the capabilities the service and HTTP layers may ask of it.
 
 A backend turns a ``ChatRequest`` (already canonicalized by the rules, with its prefix key) into an async
-stream of ``Delta`` events and exactly one final ``Finish``. The protocol faces format these as OpenAI or
+stream of ``Delta`` events and exactly one final ``Finish``; the protocol renderers format these as OpenAI or
 Anthropic JSON/SSE. Closing the stream early (client disconnect) must cancel the work behind it.
+
+Capabilities are methods with a default here (``count_tokens``: a local estimate; ``engine_stats``,
+``replicas``, ``system_fingerprint``, ``prompt_tokenizer``: none), so the layers above call them on any backend and never test a
+backend's class or look up its attributes: a new backend overrides what it can do better and touches no HTTP
+code.
 """
 
 from __future__ import annotations
 
+import json
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
-from gateway.request import ChatRequest
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Generated text, and/or tool-call fragments in OpenAI's streaming shape (``choices[].delta.tool_calls``)."""
-
-    text: str = ""
-    tool_calls: list[dict[str, Any]] | None = None
+from engine.api import EngineStats
+from gateway.core.events import BackendEvent
+from gateway.core.request import ChatRequest
+from gateway.core.tokens import default_counter
+from gateway.protocols.anthropic.strip import plain_messages, plain_tools
 
 
 @dataclass(frozen=True)
-class BackendUsage:
-    """Token counts as the backend reports them.
+class TokenCount:
+    """The input tokens of a request, counted without running it.
 
     Attributes:
-        prompt_tokens: all input tokens (cached ones included).
-        completion_tokens: generated tokens.
-        cached_tokens: input tokens served from a prefix cache (ours or the provider's).
-        cache_creation_tokens: input tokens written to a provider cache (Anthropic), else 0.
-        counted_by: how the counts were made (``"engine"``, ``"upstream"``, ``"tiktoken:cl100k_base"``, ...).
+        input_tokens: tokens of the prompt.
+        counted_by: how they were counted (``chat-template:<model id>``, ``upstream``, or a counter's name
+            such as ``tiktoken:cl100k_base``).
+        estimate: True when the count is a local estimate rather than the model's own tokenizer's.
     """
 
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    cache_creation_tokens: int = 0
-    counted_by: str = "engine"
+    input_tokens: int
+    counted_by: str
+    estimate: bool = False
 
 
-@dataclass(frozen=True)
-class Finish:
-    """The last event: OpenAI-style finish reason (stop, length, tool_calls, content_filter) and usage."""
-
-    finish_reason: str
-    usage: BackendUsage
-    ttft_s: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+ReplicaStates = dict[str, dict[str, object]]
+"""Replica base URL (without credentials or query string) -> ``{"state", "inflight", "failures"}``."""
 
 
-BackendEvent = Delta | Finish
+class Backend(ABC):
+    """A model backend. ``name`` is the client-facing model name it serves.
 
-
-class Backend(Protocol):
-    """A model backend. ``name`` is the client-facing model name it serves."""
+    ``estimate_target`` names the backend in the errors of the local token estimate ("... cannot be sent to
+    <target> model").
+    """
 
     name: str
+    estimate_target: str = "this"
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - a backend with nothing to acquire keeps this
         """Acquire resources (load weights, open HTTP clients)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a backend with nothing to release keeps this
         """Release resources; cancel work in flight."""
 
+    @abstractmethod
     def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
-        """Yield ``Delta`` events then one ``Finish``. Raises ``gateway.errors`` API errors on bad input."""
-        ...
+        """Yield ``Delta`` events then one ``Finish``. Raises ``gateway.core.errors`` API errors on bad
+        input."""
+
+    async def count_tokens(self, request: ChatRequest) -> TokenCount:
+        """The input tokens of a canonical request, without running it. Default: ``estimate_tokens``.
+
+        Raises:
+            InvalidRequestError / UnsupportedContentError: content the backend cannot take (the same 400 a
+                completion of the request gets).
+        """
+        return estimate_tokens(request, self.estimate_target)
+
+    def engine_stats(self) -> EngineStats | None:
+        """The counters of the engine behind this backend; None when there is none (or it is not started)."""
+        return None
+
+    def replicas(self) -> ReplicaStates | None:
+        """Replica health and load for ``/admin/stats``; None for a backend without replicas."""
+        return None
+
+    def system_fingerprint(self) -> str | None:
+        """OpenAI's ``system_fingerprint`` for this backend's answers (changes with its weights or config)."""
+        return None
+
+    def prompt_tokenizer(self) -> Any:
+        """The model's own chat template and tokenizer as a
+        ``gateway.service.canonicalize.replay.PromptTokenizer`` (``render(messages, tools,
+        add_generation_prompt) -> str``, ``encode(text) -> (ids, start offsets)``), for the miss explanation;
+        None when the backend has none (upstreams: the explanation falls back to ``cl100k_base``)."""
+        return None
+
+
+def estimate_text(request: ChatRequest, target: str = "an OpenAI-compatible") -> str:
+    """The text a local estimate counts: the JSON (``json.dumps``, ``ensure_ascii=False``, default separators)
+    of the messages, then, when there are tools, a newline and the JSON of the tools, both as an
+    OpenAI-compatible upstream would receive them (``plain_messages`` / ``plain_tools``).
+
+    Raises:
+        UnsupportedContentError: Anthropic-only content such a backend cannot take; ``target`` names it.
+    """
+    text = json.dumps(plain_messages(request.messages, target), ensure_ascii=False)
+    tools = plain_tools(request.tools, target)
+    if tools:
+        text += "\n" + json.dumps(tools, ensure_ascii=False)
+    return text
+
+
+def estimate_tokens(request: ChatRequest, target: str = "an OpenAI-compatible") -> TokenCount:
+    """``gateway.core.tokens.default_counter()`` over ``estimate_text``: JSON punctuation is counted (an
+    overcount of a few tokens per message against a chat template), so is an image part's URL, and the
+    model's own tokenizer may differ from cl100k.
+
+    Raises:
+        UnsupportedContentError: see ``estimate_text``.
+    """
+    counter = default_counter()
+    return TokenCount(counter.count(estimate_text(request, target)), counter.counted_by, estimate=True)

@@ -21,12 +21,12 @@ from typing import Any
 
 from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
 from engine.errors import EngineError
-from gateway.anthropic_face import OPAQUE, THINKING_TYPES
-from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
-from gateway.backends.registry import register_backend
-from gateway.config import ModelConfig
-from gateway.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
-from gateway.request import ChatRequest
+from gateway.backends.base import Backend, TokenCount
+from gateway.config.schema import EmbeddedModel
+from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
@@ -55,13 +55,12 @@ TOOL_CHOICES = (None, "none", "auto")
 _ROLE_FOR_TEMPLATE = {"developer": "system"}
 
 
-@register_backend("embedded")
-def create_embedded_backend(model: ModelConfig) -> EmbeddedBackend:
+def create_embedded_backend(model: EmbeddedModel) -> EmbeddedBackend:
     """Factory for ``backend: embedded`` entries."""
     return EmbeddedBackend(model)
 
 
-class EmbeddedBackend:
+class EmbeddedBackend(Backend):
     """Serves one model from an in-process ``AsyncEngine``.
 
     Args:
@@ -69,14 +68,14 @@ class EmbeddedBackend:
         engine: an already-built engine (tests); None = build it from ``model`` in ``start``.
     """
 
-    def __init__(self, model: ModelConfig, engine: Any = None) -> None:
+    def __init__(self, model: EmbeddedModel, engine: Any = None) -> None:
         self.name = model.name
         self.model = model
         self.engine = engine
         digest = hashlib.blake2b(
             json.dumps([model.name, model.path, asdict(model.engine)], sort_keys=True).encode(), digest_size=5
         )
-        self.system_fingerprint = f"fp_{digest.hexdigest()}"
+        self._fingerprint = f"fp_{digest.hexdigest()}"
 
     async def start(self) -> None:
         """Load the weights and tokenizer (in a worker thread: it takes seconds) and start the step loop."""
@@ -97,6 +96,39 @@ class EmbeddedBackend:
         """The engine's counters (None before ``start``)."""
         return self.engine.stats() if self.engine is not None else None
 
+    def system_fingerprint(self) -> str | None:
+        """``fp_`` + a hash of the model's name, path and engine config."""
+        return self._fingerprint
+
+    def prompt_tokenizer(self) -> EnginePromptTokenizer | None:
+        """The engine's chat template and tokenizer, rendering messages as ``generation_request`` does (None
+        before ``start``)."""
+        if self.engine is None:
+            return None
+        return EnginePromptTokenizer(self.engine.tokenizer, self.engine.model_id)
+
+    async def count_tokens(self, request: ChatRequest) -> TokenCount:
+        """The number of prompt token ids the engine would prefill for ``request``: the engine request a
+        completion would get (``generation_request``) rendered by the checkpoint's chat template
+        (``AsyncEngine.prompt_token_ids``), the generation prompt included, i.e. the ``prompt_tokens`` a
+        completion reports. Nothing is scheduled: no block is taken, no prefix-cache entry is touched, no
+        step runs; the count is returned even when the prompt would not fit the context window.
+
+        Raises:
+            ServiceUnavailableError: the engine is not started.
+            InvalidRequestError: what ``generation_request`` refuses, or a template failure (engine error
+                mapped).
+        """
+        engine = self.engine
+        if engine is None:
+            raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
+        generation = generation_request(request)
+        try:
+            token_ids = engine.prompt_token_ids(generation)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+        return TokenCount(len(token_ids), f"chat-template:{engine.model_id}")
+
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` per non-empty text piece, then one ``Finish``.
 
@@ -109,11 +141,13 @@ class EmbeddedBackend:
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
         generation = generation_request(request)
         try:
+            first = True  # the first non-empty delta carries the cached count (headers of a stream)
             async with aclosing(self.engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         if event.text:
-                            yield Delta(text=event.text)
+                            yield Delta(text=event.text, cached_tokens=event.cached_tokens if first else None)
+                            first = False
                     elif isinstance(event, Finished):
                         if event.finish_reason == "abort":
                             raise ServiceUnavailableError("The engine stopped before the request finished.")
@@ -135,6 +169,37 @@ class EmbeddedBackend:
             raise error from exc
 
 
+class EnginePromptTokenizer:
+    """The checkpoint's chat template and tokenizer as the miss explanation's ``PromptTokenizer``: the text
+    the engine prefills for canonical messages (``template_message`` / ``template_tools`` applied, generation
+    prompt added) and its token ids with start offsets, equal to ``AsyncEngine.prompt_token_ids``.
+
+    Args:
+        tokenizer: the engine's ``engine.tokenizer.Tokenizer``.
+        model_id: the engine's model id (the name).
+    """
+
+    def __init__(self, tokenizer: Any, model_id: str) -> None:
+        self._tokenizer = tokenizer
+        self.name = f"chat-template:{model_id}"
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        """The prompt text of ``messages`` (+ ``tools``).
+
+        Raises:
+            InvalidRequestError: a content part the engine cannot take; engine errors of the template.
+        """
+        shaped = [template_message(message, index) for index, message in enumerate(messages)]
+        return self._tokenizer.apply_chat_template(shaped, template_tools(tools), add_generation_prompt)
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, start character of each token), without special tokens added."""
+        encoding = self._tokenizer.backend.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+
+
 def generation_request(request: ChatRequest) -> GenerationRequest:
     """The engine request for a canonical ``ChatRequest``.
 
@@ -142,8 +207,8 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
         InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies, ``TOOL_CHOICES``),
             non-text content parts, or server tools.
     """
-    if request.protocol == "openai":
-        check_supported(request.body)
+    if request.openai_body is not None:
+        check_supported(request.openai_body)
     if request.tool_choice not in TOOL_CHOICES:
         raise InvalidRequestError(
             "The embedded engine cannot force a tool call: tool_choice must be 'auto' or 'none'.",
@@ -162,7 +227,8 @@ def check_supported(body: dict[str, Any]) -> None:
     for name, accepted in UNSUPPORTED.items():
         if name in body and not any(_same(body[name], value) for value in accepted):
             raise InvalidRequestError(
-                f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is supported.",
+                f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is "
+                "supported.",
                 param=name,
                 code="unsupported_value",
             )
@@ -183,7 +249,8 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
                 continue  # an Anthropic thinking block from an earlier turn: not prompt text for this model
             if part.get("type") not in ("text", "input_text", "refusal"):
                 raise InvalidRequestError(
-                    f"Content part type '{part.get('type')}' is not supported by the embedded engine (text only).",
+                    f"Content part type '{part.get('type')}' is not supported by the embedded engine "
+                    "(text only).",
                     param=f"messages[{index}].content[{part_index}].type",
                     code="unsupported_value",
                 )
@@ -207,7 +274,8 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     for index, tool in enumerate(tools):
         if tool.get("type") != "function":
             raise InvalidRequestError(
-                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools only).",
+                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools "
+                "only).",
                 param=f"tools[{index}]",
                 code="unsupported_value",
             )

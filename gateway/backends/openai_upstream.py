@@ -1,41 +1,32 @@
 """``backend: openai``: any OpenAI-compatible server (vLLM, SGLang, TGI, the OpenAI API) over HTTP.
 
-Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-prompt requests) on the replica
-the prefix-affinity ring picks for the request's prefix key, always streaming, and turns the stream into
-``Delta`` / ``Finish`` events:
-
-- the canonical messages and tools are sent (the rules' output), ``model`` is mapped to ``upstream_model``;
-- an OpenAI-face body is forwarded with every other field the client set (``response_format``, ``seed``,
-  ``logit_bias``, ...); an Anthropic-face request is translated (Anthropic-only content: thinking blocks are
-  dropped, anything else Anthropic-only is a 400);
-- ``prompt_cache_key`` is set to the prefix key when the client did not set one (OpenAI routes requests with the
-  same key to the same cache; https://platform.openai.com/docs/guides/prompt-caching);
-- ``stream_options.include_usage`` is always requested, so the final usage chunk (``choices: []``) arrives; its
-  ``usage.prompt_tokens_details.cached_tokens`` becomes ``BackendUsage.cached_tokens``. Whether the client sees
-  that chunk is the face's business (``ChatRequest.include_usage``);
-- a server that answers with plain JSON instead of SSE is understood too;
-- a server that sends no usage gets its prompt and completion counted with ``breakpoints.default_counter``
-  (``counted_by`` says so).
-
-Failures: retries before the first byte (``gateway.upstream_http``); after it, an ``UpstreamStreamCut``.
+Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-prompt requests), always
+streaming, on the replica the prefix-affinity ring picks, and turns the answer (SSE, or plain JSON) into
+``Delta`` / ``Finish`` events. An OpenAI-face body is forwarded with the canonical messages and tools; an
+Anthropic-face request is translated (``gateway.protocols.anthropic.strip``). ``prompt_cache_key`` = the
+prefix key unless the client set one; usage always requested. Details: docs/upstreams.md.
+Reference: https://platform.openai.com/docs/api-reference/chat/create
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Unpack
 
-from gateway.anthropic_face import plain_messages, plain_tools
-from gateway.backends.base import BackendEvent, BackendUsage, Delta, Finish
-from gateway.backends.registry import register_backend
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
-from gateway.breakpoints import default_counter
-from gateway.config import ModelConfig
-from gateway.request import ChatRequest
-from gateway.upstream_http import OpenedResponse, redact_url
+from gateway.config.schema import OpenAIUpstream
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.request import SAMPLING_FIELDS, ChatRequest
+from gateway.core.tokens import default_counter
+from gateway.protocols.anthropic.strip import plain_messages, plain_tools
+from gateway.protocols.provider_usage import UpstreamUsageError, deepseek_cache_usage, openai_cache_usage
+from gateway.transport.failures import FailureKind
+from gateway.transport.redact import redact_url
+from gateway.transport.upstream_http import OpenedResponse
 
 PROMPT_CACHE_KEY_MAX = 64  # characters OpenAI accepts in prompt_cache_key
 
@@ -48,9 +39,18 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: one base URL per replica, ending in the API root (``https://api.openai.com/v1``,
             ``http://vllm:8000/v1``).
         set_prompt_cache_key: send ``prompt_cache_key`` = prefix key when the client did not.
-        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``, ``client``,
-            ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
+        prices: the model's prices (``gateway.config.price_table.ModelPrices``) or None.
+        retention_chooser: ``request -> retention or None`` (the service's choice, attached by the app), for
+            ``prompt_cache_retention`` where the client set none; None = never sent.
+        cache_salt: the upstream (vLLM, SGLang) accepts ``cache_salt``: send the request's tenant in it.
+        retention_auto: the config allows ``prompt_cache_retention`` to be chosen (``auto``).
+        options: ``UpstreamBackend``'s (``api_key``, ``upstream_model``, ``timeout_s``, ``retries``,
+            ``client``, ``ring``, ``sleep``); the key goes out as ``Authorization: Bearer`` (None sends none).
+
+    Token counts (``count_tokens``) are the base's local estimate: OpenAI has no count endpoint.
     """
+
+    estimate_target = "an OpenAI-compatible"
 
     def __init__(
         self,
@@ -58,10 +58,18 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         base_urls: Sequence[str],
         *,
         set_prompt_cache_key: bool = True,
+        prices: Any = None,
+        retention_chooser: Any = None,
+        cache_salt: bool = False,
+        retention_auto: bool = True,
         **options: Unpack[UpstreamOptions],
     ) -> None:
         super().__init__(name, base_urls, **options)
         self.set_prompt_cache_key = set_prompt_cache_key
+        self.prices = prices
+        self.retention_chooser = retention_chooser
+        self.cache_salt = cache_salt
+        self.retention_auto = retention_auto
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -71,12 +79,15 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             UnsupportedContentError: Anthropic-only content an OpenAI server cannot take.
         """
         if request.kind == "completion":
-            body = copy.deepcopy(request.body) if request.protocol == "openai" and request.body else {}
+            body = copy.deepcopy(request.openai_body) if request.openai_body else {}
             body["prompt"] = request.prompt if request.prompt is not None else body.get("prompt", "")
-            _fill_sampling(body, request, only_missing=bool(request.body))
-        elif request.protocol == "openai" and request.body:
+            _fill_sampling(body, request, only_missing=bool(request.openai_body))
+        elif request.openai_body:
             # the client's messages and tools are replaced below (in place, so key order stays): not copied
-            body = {k: v if k in ("messages", "tools") else copy.deepcopy(v) for k, v in request.body.items()}
+            body = {
+                k: v if k in ("messages", "tools") else copy.deepcopy(v)
+                for k, v in request.openai_body.items()
+            }
             body["messages"] = copy.deepcopy(request.messages)
             if request.tools is not None:
                 body["tools"] = copy.deepcopy(request.tools)
@@ -90,6 +101,12 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         body["stream_options"] = {**options, "include_usage": True}
         if self.set_prompt_cache_key and request.prefix_key and "prompt_cache_key" not in body:
             body["prompt_cache_key"] = request.prefix_key[:PROMPT_CACHE_KEY_MAX]
+        if self.retention_chooser is not None and "prompt_cache_retention" not in body:
+            retention = self.retention_chooser(request)
+            if retention is not None:
+                body["prompt_cache_retention"] = retention
+        if self.cache_salt and request.tenant and "cache_salt" not in body:
+            body["cache_salt"] = request.tenant
         return body
 
     def _translated_body(self, request: ChatRequest) -> dict[str, Any]:
@@ -100,8 +117,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             body["tools"] = tools
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
-        native_choice = request.body.get("tool_choice") if request.protocol == "anthropic" else None
-        if isinstance(native_choice, dict) and native_choice.get("disable_parallel_tool_use") and tools:
+        if request.parallel_tool_calls is False and tools:
             body["parallel_tool_calls"] = False
         if request.user:
             body["user"] = request.user
@@ -131,13 +147,16 @@ class OpenAIUpstreamBackend(UpstreamBackend):
                 events = _events_from_json(opened, request, started)
             else:
                 events = _events_from_sse(opened, request, started)
+            retention = body.get("prompt_cache_retention")
             async for event in events:
+                if isinstance(event, Finish) and isinstance(retention, str):
+                    event = dataclasses.replace(event, cache_retention=retention)
                 yield event
         finally:
             await opened.aclose()
 
 
-# ---- translation helpers ------------------------------------------------------------------------------------
+# ---- translation helpers -----------------------------------------------------------------------------------
 
 
 def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: bool) -> None:
@@ -145,11 +164,10 @@ def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: boo
     values: dict[str, Any] = {}
     if params.max_tokens is not None:
         values["max_tokens"] = params.max_tokens
-    native = request.body if request.protocol == "anthropic" else {}
-    if request.protocol != "anthropic" or native.get("temperature") is not None:
-        values["temperature"] = params.temperature
-    if request.protocol != "anthropic" or native.get("top_p") is not None:
-        values["top_p"] = params.top_p
+    # an Anthropic client that left temperature / top_p unset gets the upstream's default, not Anthropic's
+    for name in SAMPLING_FIELDS:
+        if request.anthropic_body is None or name in request.sampling_given:
+            values[name] = getattr(params, name)
     if params.top_k:
         values["top_k"] = params.top_k  # vLLM / SGLang / TGI extension
     if params.stop:
@@ -162,12 +180,26 @@ def _fill_sampling(body: dict[str, Any], request: ChatRequest, only_missing: boo
 
 
 def backend_usage(usage: dict[str, Any]) -> BackendUsage:
-    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` from ``prompt_tokens_details``)."""
-    details = usage.get("prompt_tokens_details") or {}
+    """OpenAI ``usage`` -> BackendUsage (``cached_tokens`` / ``cache_write_tokens`` from
+    ``prompt_tokens_details``; DeepSeek's ``prompt_cache_hit_tokens`` when that is what the upstream sends).
+
+    Raises:
+        UpstreamUsageError (a ValueError): a count that is not an integer >= 0 (the caller answers 502).
+    """
+    if "prompt_cache_hit_tokens" in usage and "prompt_tokens_details" not in usage:
+        cache = deepseek_cache_usage(usage)
+    else:
+        cache = openai_cache_usage(usage)
+    completion = usage.get("completion_tokens")
+    if completion is not None and (
+        isinstance(completion, bool) or not isinstance(completion, int) or completion < 0
+    ):
+        raise UpstreamUsageError("completion_tokens", completion)
     return BackendUsage(
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=cache.prompt_tokens,
+        completion_tokens=completion or 0,
+        cached_tokens=cache.cache_read_tokens,
+        cache_creation_tokens=cache.written,
         counted_by="upstream",
     )
 
@@ -186,11 +218,11 @@ def _counted_usage(request: ChatRequest, completion_text: str) -> BackendUsage:
 
 
 def _chunk_choice(choice: dict[str, Any], kind: str) -> tuple[str, Any, str | None, dict[str, Any]]:
-    """One choice of a streamed chunk: (text, tool-call deltas, finish reason, finish extra).
+    """One choice of a streamed chunk: (text, tool-call deltas, finish reason, matched stop string).
 
     Raises:
-        AttributeError / TypeError: the choice is not shaped like an OpenAI chunk choice (the caller turns that
-            into a protocol cut).
+        AttributeError / TypeError: the choice is not shaped like an OpenAI chunk choice (the caller turns
+            that into a protocol cut).
     """
     if kind == "completion":
         text, calls = choice.get("text") or "", None
@@ -200,19 +232,19 @@ def _chunk_choice(choice: dict[str, Any], kind: str) -> tuple[str, Any, str | No
     if not isinstance(text, str) or not (calls is None or isinstance(calls, list)):
         raise TypeError("content is not a string or tool_calls not a list")
     finish = choice.get("finish_reason")
-    return text, calls, finish or None, _finish_extra(choice) if finish else {}
+    return text, calls, finish or None, _stop_sequence(choice) if finish else None
 
 
-def _finish_extra(choice: dict[str, Any]) -> dict[str, Any]:
+def _stop_sequence(choice: dict[str, Any]) -> str | None:
     stop = choice.get("stop_reason")  # vLLM: the stop string that matched (or a token id)
-    return {"stop_sequence": stop} if isinstance(stop, str) else {}
+    return stop if isinstance(stop, str) else None
 
 
 async def _events_from_sse(
     opened: OpenedResponse, request: ChatRequest, started: float
 ) -> AsyncIterator[BackendEvent]:
     finish_reason: str | None = None
-    extra: dict[str, Any] = {}
+    stop_sequence: str | None = None
     usage: BackendUsage | None = None
     ttft: float | None = None
     done = False
@@ -239,20 +271,22 @@ async def _events_from_sse(
                 usage = backend_usage(chunk["usage"])
             pieces = [_chunk_choice(choice, request.kind) for choice in chunk.get("choices") or []]
         except (AttributeError, TypeError, ValueError):
-            raise opened.cut("the upstream sent a chunk that is not a completion chunk", kind="protocol") from None
-        for text, calls, choice_finish, choice_extra in pieces:
+            raise opened.cut(
+                "the upstream sent a chunk that is not a completion chunk", kind=FailureKind.PROTOCOL
+            ) from None
+        for text, calls, choice_finish, choice_stop in pieces:
             if text or calls:
                 if ttft is None:
                     ttft = time.monotonic() - started
                 text_parts.append(text)
                 yield Delta(text=text, tool_calls=calls)
             if choice_finish:
-                finish_reason, extra = choice_finish, choice_extra
+                finish_reason, stop_sequence = choice_finish, choice_stop
     if finish_reason is None or not (done or usage is not None):
         raise opened.cut("the upstream stream ended before its final chunk")
     if usage is None:
         usage = _counted_usage(request, "".join(text_parts))
-    yield Finish(finish_reason, usage, ttft, {**extra, "replica": redact_url(opened.replica)})
+    yield Finish(finish_reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))
 
 
 async def _events_from_json(
@@ -263,7 +297,9 @@ async def _events_from_json(
         data = json.loads(raw)
         choice = data["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
+        raise opened.cut(
+            "the upstream answered JSON that is not a completion", kind=FailureKind.PROTOCOL
+        ) from None
     ttft = time.monotonic() - started
     try:
         if request.kind == "completion":
@@ -275,21 +311,30 @@ async def _events_from_json(
         if not isinstance(text, str):
             raise TypeError("content is not a string")
         usage = (
-            backend_usage(data["usage"]) if isinstance(data.get("usage"), dict) else _counted_usage(request, text)
+            backend_usage(data["usage"])
+            if isinstance(data.get("usage"), dict)
+            else _counted_usage(request, text)
         )
-        extra = {**_finish_extra(choice), "replica": redact_url(opened.replica)}
+        stop_sequence = _stop_sequence(choice)
         reason = choice.get("finish_reason") or "stop"
     except (AttributeError, TypeError, ValueError):
-        raise opened.cut("the upstream answered JSON that is not a completion", kind="protocol") from None
+        raise opened.cut(
+            "the upstream answered JSON that is not a completion", kind=FailureKind.PROTOCOL
+        ) from None
     if text or calls:
         yield Delta(text=text, tool_calls=calls)
-    yield Finish(reason, usage, ttft, extra)
+    yield Finish(reason, usage, ttft, stop_sequence=stop_sequence, replica=redact_url(opened.replica))
 
 
-# ---- registry -----------------------------------------------------------------------------------------------
+# ---- registry ----------------------------------------------------------------------------------------------
 
 
-@register_backend("openai")
-def create_openai_backend(model: ModelConfig) -> OpenAIUpstreamBackend:
+def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:
     """The backend of a ``backend: openai`` model entry."""
-    return OpenAIUpstreamBackend(**upstream_settings(model), set_prompt_cache_key=model.prompt_cache_key)
+    return OpenAIUpstreamBackend(
+        **upstream_settings(model),
+        set_prompt_cache_key=model.prompt_cache_key,
+        prices=model.prices,
+        cache_salt=model.cache_salt,
+        retention_auto=model.prompt_cache_retention == "auto",
+    )

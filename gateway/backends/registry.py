@@ -1,63 +1,31 @@
-"""Backend registry: a config ``backend:`` kind -> the factory that builds a ``Backend`` from its model entry.
+"""Which backend serves a config model entry: one factory per entry class, written out in ``create_backend``.
 
-A backend module registers its factory at import time::
-
-    @register_backend("openai")
-    def create_openai_backend(model: ModelConfig) -> Backend: ...
-
-``create_backend`` imports the module named for a kind in ``BACKEND_MODULES`` on first use (so the embedded
-engine's torch import is only paid when an embedded model is configured), then calls the factory.
+Each backend module has a ``create_*_backend(entry)`` factory that reads its own entry class
+(``EmbeddedModel``, ``OpenAIUpstream``, ``AnthropicUpstream``). Importing the embedded backend does not import
+torch (the engine is imported when the backend starts), so the table needs no lazy module loading.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
+from gateway.backends.anthropic_upstream import create_anthropic_backend
 from gateway.backends.base import Backend
-from gateway.config import ConfigError, ModelConfig
-
-BackendFactory = Callable[[ModelConfig], Backend]
-
-BACKEND_MODULES: dict[str, str] = {
-    "embedded": "gateway.backends.embedded",
-    "openai": "gateway.backends.openai_upstream",
-    "anthropic": "gateway.backends.anthropic_upstream",
-}
-"""The module that registers each kind's factory when imported."""
-
-_FACTORIES: dict[str, BackendFactory] = {}
+from gateway.backends.embedded import create_embedded_backend
+from gateway.backends.openai_upstream import create_openai_backend
+from gateway.config.schema import AnthropicUpstream, EmbeddedModel, ModelEntry, OpenAIUpstream
 
 
-def register_backend(kind: str) -> Callable[[BackendFactory], BackendFactory]:
-    """Decorator: make ``factory`` build the backends of config kind ``kind`` (a later registration wins)."""
-
-    def decorate(factory: BackendFactory) -> BackendFactory:
-        _FACTORIES[kind] = factory
-        return factory
-
-    return decorate
-
-
-def backend_factory(kind: str) -> BackendFactory:
-    """The factory of ``kind``, importing its module first if needed.
+def create_backend(model: ModelEntry) -> Backend:
+    """Build (not start) the backend for one model entry.
 
     Raises:
-        ConfigError: no module provides that kind (names ``backend`` and the kinds available).
+        TypeError: ``model`` is not one of the ``ModelEntry`` classes (a programming error: the loader builds
+            only those).
     """
-    if kind not in _FACTORIES and kind in BACKEND_MODULES:
-        module = BACKEND_MODULES[kind]
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-    factory = _FACTORIES.get(kind)
-    if factory is None:
-        raise ConfigError("<config>", "backend", f"no backend of kind {kind!r} is installed (have: {', '.join(sorted(_FACTORIES)) or 'none'})")
-    return factory
-
-
-def create_backend(model: ModelConfig) -> Backend:
-    """Build (not start) the backend for one model entry."""
-    return backend_factory(model.backend)(model)
+    match model:
+        case EmbeddedModel():
+            return create_embedded_backend(model)
+        case OpenAIUpstream():
+            return create_openai_backend(model)
+        case AnthropicUpstream():
+            return create_anthropic_backend(model)
+    raise TypeError(f"no backend for a {type(model).__name__} entry")

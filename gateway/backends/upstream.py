@@ -1,6 +1,6 @@
-"""What the remote backends (``backend: openai``, ``backend: anthropic``) share: the replicas on a prefix-affinity
-ring, the process's one HTTP client, timeouts and retries, the API key (never logged), and one JSON POST with
-retries before the first byte (``gateway.upstream_http.open_response``).
+"""What the remote backends (``backend: openai``, ``backend: anthropic``) share: the replicas on a
+prefix-affinity ring, the process's one HTTP client, timeouts and retries, the API key (never logged), and one
+JSON POST with retries before the first byte (``gateway.upstream_http.open_response``).
 
 A subclass builds the body and headers of its protocol and reads the answer; ``UpstreamBackend.post`` sends it
 to the replica the ring picks for the request's prefix key.
@@ -15,16 +15,12 @@ from typing import Any, TypedDict
 
 import httpx
 
-from gateway.affinity import AffinityRing
-from gateway.config import ModelConfig
-from gateway.upstream_http import (
-    OpenedResponse,
-    RetryPolicy,
-    SharedClient,
-    Upstream,
-    open_response,
-    redact_url,
-)
+from gateway.backends.base import Backend, ReplicaStates
+from gateway.config.schema import UpstreamModel
+from gateway.transport.affinity import AffinityRing
+from gateway.transport.redact import redact_url
+from gateway.transport.retry import RetryPolicy
+from gateway.transport.upstream_http import OpenedResponse, SharedClient, Upstream, open_response
 
 
 class UpstreamOptions(TypedDict, total=False):
@@ -39,7 +35,7 @@ class UpstreamOptions(TypedDict, total=False):
     sleep: Callable[[float], Awaitable[Any]]
 
 
-class UpstreamBackend:
+class UpstreamBackend(Backend):
     """Base of the remote backends: replica choice, the shared client, retries and the key.
 
     Args:
@@ -47,8 +43,8 @@ class UpstreamBackend:
         base_urls: one base URL per replica (a trailing slash is dropped); the subclass appends its path.
         api_key: the provider key; never logged or put in errors (``Upstream.secrets``).
         upstream_model: the provider's model name (default ``name``).
-        timeout_s: connect (at most 10 s) and read timeout per attempt, seconds (read = most seconds between two
-            bytes, the first included).
+        timeout_s: connect (at most 10 s) and read timeout per attempt, seconds (read = most seconds between
+            two bytes, the first included).
         retries: extra attempts before the first byte.
         client: an ``httpx.AsyncClient`` to use instead of the process's shared one (tests).
         ring: replica choice (default: an ``AffinityRing`` over ``base_urls`` with its default settings).
@@ -92,14 +88,14 @@ class UpstreamBackend:
             self._client = None
             await SharedClient.release()
 
-    def replicas(self) -> dict[str, dict[str, object]]:
+    def replicas(self) -> ReplicaStates | None:
         """Replica health and load for ``/admin/stats``: URL without credentials or query string ->
         ``{"state", "inflight", "failures"}``."""
         return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
 
     async def post(self, key: str, path: str, headers: Mapping[str, str], body: Any) -> OpenedResponse:
-        """POST ``body`` as compact JSON to ``{base_url}{path}`` of the replica the ring picks for ``key`` and wait
-        for the first body byte, retrying before it (``gateway.upstream_http.open_response``).
+        """POST ``body`` as compact JSON to ``{base_url}{path}`` of the replica the ring picks for ``key`` and
+        wait for the first body byte, retrying before it (``gateway.upstream_http.open_response``).
 
         Raises:
             UpstreamCallError: refused (4xx), or failed on every attempt; its message is redacted.
@@ -116,7 +112,7 @@ class UpstreamBackend:
         return await open_response(client, self.upstream, key, build, sleep=self._sleep)
 
 
-def upstream_settings(model: ModelConfig) -> dict[str, Any]:
+def upstream_settings(model: UpstreamModel) -> dict[str, Any]:
     """The ``UpstreamBackend`` arguments of a config model entry, its ring built from ``model.ring``."""
     ring = model.ring
     return {

@@ -63,7 +63,9 @@ def training_text(seed: int = 0, lines: int = 400) -> list[str]:
     out = []
     for i in range(lines):
         words = [str(w) for w in rng.choice(_WORDS, size=int(rng.integers(4, 14)))]
-        out.append(f"{' '.join(words).capitalize()}, {i * 37 % 1000} items at 12:{i % 60:02d}! café déjà vu? x = f(y) + 42;")
+        out.append(
+            f"{' '.join(words).capitalize()}, {i * 37 % 1000} items at 12:{i % 60:02d}! café déjà vu? x = f(y) + 42;"
+        )
     return out
 
 
@@ -130,7 +132,9 @@ def tiny_hf_model(tok, *, seed: int, qkv_bias: bool, tie: bool):
     """A randomized tiny ``transformers`` model whose vocabulary is ``tok``'s."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
-    cfg = hf_config(tok.get_vocab_size(), qkv_bias=qkv_bias, tie=tie, bos=tok.token_to_id(BOS), eos=tok.token_to_id(EOS))
+    cfg = hf_config(
+        tok.get_vocab_size(), qkv_bias=qkv_bias, tie=tie, bos=tok.token_to_id(BOS), eos=tok.token_to_id(EOS)
+    )
     torch.manual_seed(seed)
     model = (Qwen2ForCausalLM if qkv_bias else LlamaForCausalLM)(cfg)
     randomize(model, seed)
@@ -140,7 +144,12 @@ def tiny_hf_model(tok, *, seed: int, qkv_bias: bool, tie: bool):
 
 
 def make_tiny_hf_llama(
-    dir: str | Path, *, seed: int = 0, qkv_bias: bool = False, tie_word_embeddings: bool = False, vocab: int = 384
+    dir: str | Path,
+    *,
+    seed: int = 0,
+    qkv_bias: bool = False,
+    tie_word_embeddings: bool = False,
+    vocab: int = 384,
 ) -> Path:
     """Write a tiny Hugging Face folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
 

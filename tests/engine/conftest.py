@@ -19,7 +19,9 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """A tiny random ``Qwen2ForCausalLM`` folder (q/k/v bias, tied embeddings)."""
-    return make_tiny_hf_llama(tmp_path_factory.mktemp("tiny") / "hf-qwen2", seed=1, qkv_bias=True, tie_word_embeddings=True)
+    return make_tiny_hf_llama(
+        tmp_path_factory.mktemp("tiny") / "hf-qwen2", seed=1, qkv_bias=True, tie_word_embeddings=True
+    )
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,9 @@ class Seq:
         self.computed = 0
 
 
-def step(model: LlamaModel, kv_cache: torch.Tensor, seqs: list[Seq], counts: list[int], block_size: int) -> torch.Tensor:
+def step(
+    model: LlamaModel, kv_cache: torch.Tensor, seqs: list[Seq], counts: list[int], block_size: int
+) -> torch.Tensor:
     """Run ``counts[i]`` not-yet-computed tokens of each seq in one forward; return the hidden state ``[B, H]``
     of each seq's last token in this step."""
     ids, pos, slots, qsl, lens = [], [], [], [0], []
@@ -52,7 +54,12 @@ def prefill_logits(
 
 
 def greedy(
-    model: LlamaModel, kv_cache: torch.Tensor, prompt: list[int], n: int, block_size: int, blocks: list[int] | None = None
+    model: LlamaModel,
+    kv_cache: torch.Tensor,
+    prompt: list[int],
+    n: int,
+    block_size: int,
+    blocks: list[int] | None = None,
 ) -> list[int]:
     """Greedy continuation of ``n`` tokens with a contiguous (or given) block table."""
     need = -(-(len(prompt) + n) // block_size)

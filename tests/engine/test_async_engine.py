@@ -47,9 +47,13 @@ async def test_stream_is_deltas_then_finished_with_usage(engine):
 async def test_second_request_reports_cached_tokens(engine):
     system = {"role": "system", "content": "You answer questions about the cache of prefix blocks. " * 4}
     first = await collect(engine, GenerationRequest(messages=[system, *MESSAGES], params=greedy(2)))
-    second = await collect(engine, GenerationRequest(messages=[system, MESSAGES[0] | {"content": "hello"}], params=greedy(2)))
+    second = await collect(
+        engine, GenerationRequest(messages=[system, MESSAGES[0] | {"content": "hello"}], params=greedy(2))
+    )
     assert first[-1].usage.cached_tokens == 0
     assert second[-1].usage.cached_tokens > 0 and second[-1].usage.cached_tokens % 16 == 0
+    # the first delta already says it (a streamed answer's headers report it before the end)
+    assert [first[0].cached_tokens, second[0].cached_tokens] == [0, second[-1].usage.cached_tokens]
     assert engine.stats().prefix_hit_tokens == second[-1].usage.cached_tokens
     assert engine.reset_prefix_cache() is True
     assert engine.stats().blocks_cached == 0
@@ -76,7 +80,9 @@ async def test_cancelled_consumer_task_frees_blocks(engine):
     started = asyncio.Event()
 
     async def consume():
-        async for _ in engine.generate(GenerationRequest(prompt_token_ids=random_tokens(50, 2), params=greedy(500))):
+        async for _ in engine.generate(
+            GenerationRequest(prompt_token_ids=random_tokens(50, 2), params=greedy(500))
+        ):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -102,12 +108,18 @@ async def test_prompt_too_long_is_raised_before_any_block_is_taken():
         # an explicit max_tokens that cannot fit beside the prompt is refused too (OpenAI, vLLM)
         with pytest.raises(PromptTooLongError) as both:
             eng.generate(GenerationRequest(prompt_token_ids=random_tokens(100, 3), params=greedy(201)))
-        assert (both.value.what, both.value.prompt_tokens, both.value.completion_tokens) == ("context", 100, 201)
+        assert (both.value.what, both.value.prompt_tokens, both.value.completion_tokens) == (
+            "context",
+            100,
+            201,
+        )
         assert "301 tokens (100 in the messages, 201 in the completion)" in str(both.value)
         s = eng.stats()
         assert s.blocks_used == 0 and s.waiting == 0 and s.running == 0 and s.prefix_query_tokens == 0
         # the longest prompt that fits still runs
-        events = await collect(eng, GenerationRequest(prompt_token_ids=random_tokens(127, 3), params=greedy(1)))
+        events = await collect(
+            eng, GenerationRequest(prompt_token_ids=random_tokens(127, 3), params=greedy(1))
+        )
         assert events[-1].usage.prompt_tokens == 127
     finally:
         await eng.shutdown()
@@ -147,7 +159,10 @@ async def test_stop_string_ends_the_stream_and_is_never_emitted(engine):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text.index(stop)
     events = await collect(
-        engine, GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,)))
+        engine,
+        GenerationRequest(
+            prompt_token_ids=prompt, params=SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))
+        ),
     )
     fin = events[-1]
     assert fin.finish_reason == "stop" and fin.text == text[:cut]
@@ -160,10 +175,15 @@ async def test_stop_string_ends_the_stream_and_is_never_emitted(engine):
 
 async def test_stop_token_ends_generation(engine):
     prompt = random_tokens(20, 5)
-    first = (await collect(engine, GenerationRequest(prompt_token_ids=prompt, params=greedy(1))))[0].token_ids[0]
+    first = (await collect(engine, GenerationRequest(prompt_token_ids=prompt, params=greedy(1))))[
+        0
+    ].token_ids[0]
     events = await collect(
         engine,
-        GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(first,))),
+        GenerationRequest(
+            prompt_token_ids=prompt,
+            params=SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(first,)),
+        ),
     )
     fin = events[-1]
     assert fin.finish_reason == "stop" and fin.usage.completion_tokens == 1
@@ -178,13 +198,27 @@ async def test_seed_reproducibility_alone_and_in_a_crowd(engine):
 
     a = ids(await collect(engine, GenerationRequest(prompt_token_ids=prompt, params=params)))
     crowd = [
-        collect(engine, GenerationRequest(prompt_token_ids=random_tokens(25, 50 + i), params=SamplingParams(max_tokens=16, seed=i)))
+        collect(
+            engine,
+            GenerationRequest(
+                prompt_token_ids=random_tokens(25, 50 + i), params=SamplingParams(max_tokens=16, seed=i)
+            ),
+        )
         for i in range(5)
     ]
-    results = await asyncio.gather(collect(engine, GenerationRequest(prompt_token_ids=prompt, params=params)), *crowd)
+    results = await asyncio.gather(
+        collect(engine, GenerationRequest(prompt_token_ids=prompt, params=params)), *crowd
+    )
     assert ids(results[0]) == a
-    other_seed = ids(await collect(engine, GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(
-        max_tokens=16, temperature=1.0, top_k=50, seed=124, ignore_eos=True))))
+    other_seed = ids(
+        await collect(
+            engine,
+            GenerationRequest(
+                prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=124, ignore_eos=True),
+            ),
+        )
+    )
     assert other_seed != a
 
 
@@ -245,7 +279,9 @@ def test_streams_on_different_event_loops_are_served():
     eng = AsyncEngine(make_engine(ckpt), ckpt.tokenizer)
 
     async def one(seed: int):
-        return await collect(eng, GenerationRequest(prompt_token_ids=random_tokens(12, seed), params=greedy(4)))
+        return await collect(
+            eng, GenerationRequest(prompt_token_ids=random_tokens(12, seed), params=greedy(4))
+        )
 
     first = asyncio.run(one(1))
     second = asyncio.run(one(2))

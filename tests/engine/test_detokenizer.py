@@ -24,7 +24,10 @@ class ByteTokenizer:
         return list(text.encode())
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        data = b"".join(self.pieces.get(i, b"") if i != self.SPECIAL else b"<eos>" * (not skip_special_tokens) for i in ids)
+        data = b"".join(
+            self.pieces.get(i, b"") if i != self.SPECIAL else b"<eos>" * (not skip_special_tokens)
+            for i in ids
+        )
         return data.decode("utf-8", errors="replace")
 
 

@@ -126,7 +126,9 @@ def test_random_submit_cancel_step_never_leaks_a_block(ops):
     for op, k in ops:
         if op == "submit":
             prompt = prefixes[k % 3][: 10 + 5 * k] + random_tokens(k + 1, 200 + len(live))
-            live.append(eng.add_request(prompt, SamplingParams(max_tokens=1 + k, temperature=0.0, ignore_eos=True)))
+            live.append(
+                eng.add_request(prompt, SamplingParams(max_tokens=1 + k, temperature=0.0, ignore_eos=True))
+            )
         elif op == "cancel" and live:
             eng.abort_request(live[k % len(live)].request_id)
         elif eng.has_unfinished():

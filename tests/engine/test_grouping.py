@@ -97,7 +97,10 @@ def test_followers_arriving_mid_chunked_prefill_attach_to_the_leaders_blocks():
 
 def test_seeded_sampling_in_a_shared_burst_equals_alone():
     prompts = burst(64, 4, 8, seed=4)
-    params = [SamplingParams(max_tokens=N_NEW, temperature=0.9, top_p=0.95, seed=10 + i, ignore_eos=True) for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=N_NEW, temperature=0.9, top_p=0.95, seed=10 + i, ignore_eos=True)
+        for i in range(4)
+    ]
     eng = make_engine()
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     eng.run_to_completion()

@@ -75,8 +75,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         hashes = self.m.block_hashes(prompt, tenant)
         hits = self.m.find_cached_prefix(prompt, hashes[: (len(prompt) - 1) // BLOCK_SIZE], tenant)
-        for j, block in enumerate(hits):  # a hit serves exactly this tenant's KV of exactly this prefix
-            assert self.kv.get(block.block_id) == (tenant, tuple(prompt[: (j + 1) * BLOCK_SIZE]))
+        for j, block_id in enumerate(hits.block_ids):  # a hit serves exactly this tenant's KV of this prefix
+            assert self.kv.get(block_id) == (tenant, tuple(prompt[: (j + 1) * BLOCK_SIZE]))
         before = self.snapshot()
         if len(prompt) > NUM_BLOCKS * BLOCK_SIZE:
             for call in (
@@ -99,9 +99,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         assert ok
-        assert table[: len(hits)] == [b.block_id for b in hits]
+        assert table[: len(hits)] == hits.block_ids
         assert len(table) == -(-len(prompt) // BLOCK_SIZE)
-        self.reqs[rid] = Req(list(prompt), hashes, len(hits) * BLOCK_SIZE, tenant)
+        self.reqs[rid] = Req(list(prompt), hashes, hits.num_tokens, tenant)
         if prefill_now:
             self.write(rid, len(prompt))
 

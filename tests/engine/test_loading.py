@@ -23,7 +23,12 @@ def test_hf_folder_config_and_weights(tiny_hf_dir):
 
     ck = load_checkpoint(str(tiny_hf_dir))
     c = ck.config
-    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size) == ("LlamaForCausalLM", 384, 64, 128)
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size) == (
+        "LlamaForCausalLM",
+        384,
+        64,
+        128,
+    )
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
     assert c.rope_theta == 5000.0 and c.rms_norm_eps == 1e-5 and c.max_position_embeddings == 512
     assert not c.tie_word_embeddings and not c.attention_bias
@@ -113,7 +118,13 @@ def test_default_resolves_to_bundled_smollm2(monkeypatch):
 def test_smollm2_config(smollm2_path):
     ck = load_checkpoint(str(smollm2_path))
     c = ck.config
-    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert c.vocab_size == 49152 and c.tie_word_embeddings and c.rope_theta == 100000.0
     assert c.eos_token_ids == (2,) and ck.tokenizer.eos_token_ids == (2,)
     assert ck.model_id.startswith("SmolLM2-135M-Instruct.Q4_1.gguf@")
@@ -221,7 +232,10 @@ def test_folder_without_config_or_weights(tmp_path, tiny_hf_dir):
     no_weights.mkdir()
     shutil.copy(tiny_hf_dir / "config.json", no_weights / "config.json")
     (no_weights / "pytorch_model.bin").write_bytes(b"\0" * 10)
-    with pytest.raises(UnsupportedModelError, match=r"no \*\.safetensors weights \(found: \['config.json', 'pytorch_model.bin'\]"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"no \*\.safetensors weights \(found: \['config.json', 'pytorch_model.bin'\]",
+    ):
         load_checkpoint(str(no_weights))
 
 

@@ -13,7 +13,7 @@ from engine.api import EngineConfig, SamplingParams
 from engine.block_hash import hash_request_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling import make_generator
+from engine.sampling import SequenceSampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineCounters
 
@@ -46,16 +46,19 @@ class Sim:
 
     def add(self, ids: list[int], max_tokens: int = 3, rid: str | None = None) -> Request:
         req = Request(
-            request_id=rid or f"r{len(self.sched.waiting) + len(self.sched.running) + len(self.finished)}-{ids[:2]}",
+            request_id=rid
+            or f"r{len(self.sched.waiting) + len(self.sched.running) + len(self.finished)}-{ids[:2]}",
             prompt_token_ids=list(ids),
             params=SamplingParams(max_tokens=max_tokens),
             max_tokens=max_tokens,
             stop_token_ids=frozenset(),
             extra_keys=("m", ""),
             arrival_time=self.clock(),
-            generator=make_generator(0),
+            sampler=SequenceSampler(SamplingParams(max_tokens=max_tokens, seed=0), list(ids)),
         )
-        req.update_block_hashes(BS, lambda toks, parent: hash_request_blocks(toks, BS, ("m", ""), parent=parent))
+        req.update_block_hashes(
+            BS, lambda toks, parent: hash_request_blocks(toks, BS, ("m", ""), parent=parent)
+        )
         self.sched.add_request(req)
         return req
 
@@ -68,7 +71,9 @@ class Sim:
             r = s.request
             r.num_computed_tokens = s.end
             self.counters.prefill_tokens += s.num_prefill_tokens
-            self.kv.cache_full_blocks(r.request_id, r.all_token_ids, r.num_computed_tokens, r.block_hashes, r.extra_keys)
+            self.kv.cache_full_blocks(
+                r.request_id, r.all_token_ids, r.num_computed_tokens, r.block_hashes, r.extra_keys
+            )
             if s.needs_token:
                 r.append_token(7)
                 r.update_block_hashes(
@@ -192,7 +197,10 @@ def test_lpm_groups_requests_sharing_a_prefix_into_one_step():
     sim.add(pb + [1], max_tokens=1)
     sim.run()
     # interleaved arrivals of two prefix groups; both prefixes are cached (4 blocks each)
-    arrivals = [sim.add((pa if i % 2 == 0 else pb) + [10 + i], max_tokens=1, rid=f"{'ab'[i % 2]}{i}") for i in range(6)]
+    arrivals = [
+        sim.add((pa if i % 2 == 0 else pb) + [10 + i], max_tokens=1, rid=f"{'ab'[i % 2]}{i}")
+        for i in range(6)
+    ]
     out = sim.step()
     names = [s.request.request_id for s in out.scheduled]
     assert names == ["a0", "a2", "a4", "b1"]

@@ -29,7 +29,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Weather in a city (café-friendly)",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -74,10 +78,13 @@ def test_hf_folder_chat_template_matches_transformers(pair, conv, tools, gen):
     text = ours.apply_chat_template(conv, tools=tools, add_generation_prompt=gen)
     assert text == ref.apply_chat_template(conv, tools=tools, add_generation_prompt=gen, tokenize=False)
     if gen:
-        expect = ref.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        expect = ref.apply_chat_template(
+            conv, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids = ours.render_chat(conv, tools)
         assert ids == list(expect)
-        assert ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id  # BOS once, from the template
+        # BOS once, from the template
+        assert ids.count(ours.bos_token_id) == 1 and ids[0] == ours.bos_token_id
     if tools:
         assert '"description": "Weather in a city (café-friendly)"' in text  # tojson: no ASCII escaping
 
@@ -102,7 +109,9 @@ def test_gguf_tokenizer_matches_transformers_and_hf_folder(tiny_gguf_path, pair)
         assert ours.encode(text, add_special_tokens=True) == ref.encode(text)
         assert ours.decode(ours.encode(text)) == ref.decode(ours.encode(text), skip_special_tokens=True)
     for conv in CONVERSATIONS:
-        assert ours.apply_chat_template(conv) == ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        assert ours.apply_chat_template(conv) == ref.apply_chat_template(
+            conv, add_generation_prompt=True, tokenize=False
+        )
         assert ours.render_chat(conv) == list(
             ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
@@ -114,7 +123,15 @@ def test_gguf_tokenizer_matches_transformers_and_hf_folder(tiny_gguf_path, pair)
 # Texts where a whitespace run precedes a digit: SmolLM2's real tokenizer (tokenizer.json: Digits(individual)
 # then ByteLevel; llama.cpp pre-tokenizer "smollm": \p{N} then the GPT-2 split) keeps the run whole, while
 # transformers' GGUF conversion, which has no split rule for "smollm", cuts it into single spaces.
-DIGIT_TEXTS = ["a  1", "x   2024", "\n\n12", "  9 lives", "Call 555 1234 now", "3.14159", "v1.2.3 (2024-05-01)"]
+DIGIT_TEXTS = [
+    "a  1",
+    "x   2024",
+    "\n\n12",
+    "  9 lives",
+    "Call 555 1234 now",
+    "3.14159",
+    "v1.2.3 (2024-05-01)",
+]
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +187,16 @@ def test_smollm2_digits_split_individually_like_the_real_tokenizer(smollm2_pair)
 
 def test_content_parts_are_joined_and_none_values_dropped(pair):
     ours, _ = pair
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
-    assert ours.apply_chat_template(parts) == ours.apply_chat_template([{"role": "user", "content": "Hello\nworld"}])
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}
+    ]
+    assert ours.apply_chat_template(parts) == ours.apply_chat_template(
+        [{"role": "user", "content": "Hello\nworld"}]
+    )
     with_none = [{"role": "user", "content": "Hi", "name": None, "tool_calls": None}]
-    assert ours.apply_chat_template(with_none) == ours.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert ours.apply_chat_template(with_none) == ours.apply_chat_template(
+        [{"role": "user", "content": "Hi"}]
+    )
 
 
 def test_bad_messages_raise_invalid_request(pair):
@@ -214,7 +237,12 @@ def test_template_sandbox_and_helpers():
         )
 
     assert render("{{ bos_token }}{% for m in messages %}{{ m.content | tojson }}{% endfor %}") == '<s>"x"'
-    assert render("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}") == "1"
+    assert (
+        render(
+            "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+        )
+        == "1"
+    )
     assert len(render("{{ strftime_now('%Y') }}")) == 4
     assert render("{% generation %}a{% endgeneration %}b") == "ab"
     with pytest.raises(InvalidRequestError):
@@ -236,7 +264,11 @@ def test_unsupported_gguf_tokenizers_are_named(tmp_path):
 
 @pytest.mark.parametrize(
     "pre,digit_pieces",
-    [("smollm", ["Ġ", "2", "0", "2", "4"]), ("llama-bpe", ["Ġ", "202", "4"]), ("qwen2", ["Ġ", "2", "0", "2", "4"])],
+    [
+        ("smollm", ["Ġ", "2", "0", "2", "4"]),
+        ("llama-bpe", ["Ġ", "202", "4"]),
+        ("qwen2", ["Ġ", "2", "0", "2", "4"]),
+    ],
 )
 def test_gguf_pre_tokenizers_follow_llama_cpp_splits(tmp_path, pre, digit_pieces):
     """The split rule named by tokenizer.ggml.pre (llama.cpp's regexes): digits one by one, or up to 3."""

@@ -31,7 +31,13 @@ def tiny_config_data(checkpoint: Path, **engine) -> dict:
                 "name": TINY_MODEL,
                 "backend": "embedded",
                 "path": str(checkpoint),
-                "engine": {"block_size": BLOCK_SIZE, "num_blocks": 128, "max_batch": 8, "device": "cpu", **engine},
+                "engine": {
+                    "block_size": BLOCK_SIZE,
+                    "num_blocks": 128,
+                    "max_batch": 8,
+                    "device": "cpu",
+                    **engine,
+                },
             }
         ],
     }
@@ -40,7 +46,9 @@ def tiny_config_data(checkpoint: Path, **engine) -> dict:
 @pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
     """The real gateway (uvicorn, default rules, admin token) over the tiny checkpoint."""
-    config = write_config(tmp_path_factory.mktemp("config") / "prefixgate.yaml", tiny_config_data(tiny_checkpoint))
+    config = write_config(
+        tmp_path_factory.mktemp("config") / "prefixgate.yaml", tiny_config_data(tiny_checkpoint)
+    )
     running = RunningServer(config).start()
     yield running
     running.stop()

@@ -11,8 +11,9 @@ import httpx
 import uvicorn
 import yaml
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig, load_config
+from gateway.config.loader import load_config
+from gateway.config.schema import GatewayConfig
+from gateway.http.app import create_app
 
 ADMIN_TOKEN = "test-admin-token"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -33,8 +34,12 @@ class RunningServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on")
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
 
     def start(self, timeout_s: float = 120.0) -> RunningServer:
         """Start and wait until the lifespan finished (models loaded)."""
@@ -61,8 +66,9 @@ class RunningServer:
         return response.json()
 
     def wait_blocks_released(self, model: str, attempts: int = 200) -> dict:
-        """Poll ``/admin/stats`` until ``model`` has no block in use and no running/waiting request (an abort is
-        processed by the engine asynchronously); return the last snapshot. Bounded by ``attempts`` polls."""
+        """Poll ``/admin/stats`` until ``model`` has no block in use and no running/waiting request (an abort
+        is processed by the engine asynchronously); return the last snapshot. Bounded by ``attempts``
+        polls."""
         doc = {}
         for _ in range(attempts):
             doc = self.stats()

@@ -73,6 +73,7 @@ class StubState:
         self.fail_next: list[int] = []  # statuses to answer before the first byte, one per request
         self.cut_next = 0  # requests to cut off after the first events
         self.seen_prefixes: set[str] = set()
+        self.diagnostics: dict[str, Any] | None = None  # Anthropic ``diagnostics`` sent in ``message_delta``
 
     def enter(self, body: dict[str, Any], headers: dict[str, str]) -> tuple[int | None, bool]:
         with self.lock:
@@ -132,8 +133,13 @@ def openai_stub(state: StubState) -> Starlette:
         words = ["served", " by", f" {state.name}"]
 
         def chunk(delta: dict, finish: str | None = None) -> bytes:
-            data = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+            data = {
+                "id": "chatcmpl-stub",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
             return f"data: {json.dumps(data)}\n\n".encode()
 
         async def events() -> AsyncIterator[bytes]:
@@ -165,7 +171,7 @@ def openai_stub(state: StubState) -> Starlette:
 def _anthropic_events(state: StubState, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The events of one answer: a recorded stream when the request asks for thinking, else text."""
     if body.get("thinking"):
-        from gateway.sse import parse_sse
+        from gateway.transport.sse import parse_sse
 
         return [
             (e.event, json.loads(e.data))
@@ -175,10 +181,22 @@ def _anthropic_events(state: StubState, body: dict[str, Any]) -> list[tuple[str,
     marked = "cache_control" in json.dumps(body)
     read = state.cached(json.dumps(body.get("system")), prompt_tokens) if marked else 0
     written = 0 if read or not marked else (prompt_tokens // CACHE_GRANULE) * CACHE_GRANULE
-    usage = {"input_tokens": prompt_tokens - read - written, "cache_creation_input_tokens": written,
-             "cache_read_input_tokens": read, "output_tokens": 1}  # fmt: skip
-    start = {"id": "msg_stub", "type": "message", "role": "assistant", "content": [], "model": body["model"],
-             "stop_reason": None, "stop_sequence": None, "usage": usage}  # fmt: skip
+    usage = {
+        "input_tokens": prompt_tokens - read - written,
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": read,
+        "output_tokens": 1,
+    }
+    start = {
+        "id": "msg_stub",
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": body["model"],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
     text = ["served", " by", f" {state.name}"]
     events = [("message_start", {"type": "message_start", "message": start})]
     events.append(
@@ -189,11 +207,24 @@ def _anthropic_events(state: StubState, body: dict[str, Any]) -> list[tuple[str,
     )
     events.append(("ping", {"type": "ping"}))
     for word in text:
-        events.append(("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                               "delta": {"type": "text_delta", "text": word}}))  # fmt: skip
+        events.append(
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}},
+            )
+        )
     events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
-    events.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                                     "usage": {"output_tokens": 3}}))  # fmt: skip
+    events.append(
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": 3},
+                **({"diagnostics": state.diagnostics} if state.diagnostics is not None else {}),
+            },
+        )
+    )
     events.append(("message_stop", {"type": "message_stop"}))
     return events
 

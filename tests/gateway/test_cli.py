@@ -44,7 +44,10 @@ def test_listen_address_precedence(tmp_path, monkeypatch):
     path.write_text("server: {host: 10.0.0.1, port: 7000}\n")
     monkeypatch.delenv("PREFIXGATE_HOST", raising=False)
     monkeypatch.delenv("PREFIXGATE_PORT", raising=False)
-    assert (resolve_config(str(path), None, None).server.host, resolve_config(str(path), None, None).server.port) == ("10.0.0.1", 7000)
+    assert (
+        resolve_config(str(path), None, None).server.host,
+        resolve_config(str(path), None, None).server.port,
+    ) == ("10.0.0.1", 7000)
     monkeypatch.setenv("PREFIXGATE_HOST", "0.0.0.0")
     monkeypatch.setenv("PREFIXGATE_PORT", "7100")
     env = resolve_config(str(path), None, None).server
@@ -57,7 +60,11 @@ def test_listen_address_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv("PREFIXGATE_PORT")
     monkeypatch.delenv("PREFIXGATE_HOST")
     default = resolve_config(None, None, None)
-    assert (default.server.host, default.server.port, default.models[0].path) == ("127.0.0.1", 8000, "default")
+    assert (default.server.host, default.server.port, default.models[0].path) == (
+        "127.0.0.1",
+        8000,
+        "default",
+    )
 
 
 def test_rules_commands_dispatch_to_the_rules_cli(tmp_path, capsys):
@@ -69,7 +76,14 @@ def test_rules_commands_dispatch_to_the_rules_cli(tmp_path, capsys):
     assert str(bad) in capsys.readouterr().err
     request = tmp_path / "request.json"
     request.write_text(
-        json.dumps({"messages": [{"role": "system", "content": "Current time: 2025-05-14 09:45:12\nBe brief."}, {"role": "user", "content": "hi"}]})
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Current time: 2025-05-14 09:45:12\nBe brief."},
+                    {"role": "user", "content": "hi"},
+                ]
+            }
+        )
     )
     assert main(["rules", "apply", str(request)]) == 0
     canonical = json.loads(capsys.readouterr().out)
@@ -118,7 +132,12 @@ def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, t
         secret = "SECRET-PROMPT-TEXT-do-not-log"
         response = httpx.post(
             f"{base}/v1/chat/completions",
-            json={"model": TINY_MODEL, "messages": [{"role": "user", "content": secret}], "max_tokens": 2, "user": "u-secret"},
+            json={
+                "model": TINY_MODEL,
+                "messages": [{"role": "user", "content": secret}],
+                "max_tokens": 2,
+                "user": "u-secret",
+            },
             headers={"Authorization": "Bearer sk-client-key-never-logged"},
             timeout=60,
         )
@@ -132,3 +151,46 @@ def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, t
     assert "cached_tokens=" in lines[0] and "completion_tokens=2" in lines[0] and "ttft_ms=" in lines[0]
     assert secret not in output and "sk-client-key" not in output and "u-secret" not in output
     assert process.returncode == 0
+
+
+def test_rules_replay_runs_the_configured_canonicalizer_and_names_broken_lines(tmp_path, capsys):
+    system = "You are Nova, the assistant of ACME Corp. Answer politely.\nCurrent time: 09:45:{s}\nBe brief."
+    lines, history = [], [{"role": "user", "content": "Question 0?"}]
+    for turn in range(3):
+        body = {
+            "model": "m",
+            "messages": [{"role": "system", "content": system.format(s=10 + turn)}, *history],
+        }
+        lines.append(json.dumps(body))
+        history += [
+            {"role": "assistant", "content": f"Answer {turn}: refunds are possible within 30 days."},
+            {"role": "user", "content": f"Question {turn + 1}?"},
+        ]
+    lines.insert(1, "{not json")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["rules", "replay", "--tokenizer", "cl100k", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "line 2: skipped" in out
+    totals = json.loads(out.strip().splitlines()[-1])
+    assert totals["requests"] == 3 and totals["broken"] == 1
+    assert totals["turns_worse_than_off"] == 0
+    # the memory keeps the history byte-identical while the time changes: more is shared than without it
+    from gateway.service.canonicalize.replay import Cl100kTokenizer, replay, rules_canonicalizer
+    from rules import load_ruleset
+
+    stateless = replay(lines, rules_canonicalizer(load_ruleset(["default"])), Cl100kTokenizer()).totals()
+    assert totals["common_tokens_on"] > stateless["common_tokens_on"] >= totals["common_tokens_off"]
+
+
+def test_rules_replay_of_a_missing_trace_exits_2(tmp_path, capsys):
+    assert main(["rules", "replay", "--tokenizer", "cl100k", str(tmp_path / "nope.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_rules_learned_without_a_gateway_exits_1(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["rules", "learned", "--url", f"http://127.0.0.1:{port}"]) == 1
+    assert "cannot reach" in capsys.readouterr().err

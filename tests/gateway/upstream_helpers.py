@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
 from engine.api import SamplingParams
-from gateway.request import ChatRequest
+from gateway.core.request import ChatRequest, given_sampling
+from gateway.protocols.anthropic.parse import parallel_tool_calls as anthropic_parallel_tool_calls
 
 FIXTURES = Path(__file__).parent / "fixtures" / "protocol"
 API_KEY = "sk-test-upstream-key-0123456789abcdef"
@@ -69,7 +70,7 @@ def chat_request(
     *,
     model: str = "gw-model",
     body: dict[str, Any] | None = None,
-    protocol: str = "openai",
+    protocol: Literal["openai", "anthropic"] = "openai",
     tools: list[dict[str, Any]] | None = None,
     stream: bool = True,
     prefix_key: str = "0123456789abcdef0123456789abcdef",
@@ -82,12 +83,28 @@ def chat_request(
         params=params or SamplingParams(max_tokens=64),
         tools=tools,
         stream=stream,
-        protocol=protocol,  # type: ignore[arg-type]
-        body=body if body is not None else {},
+        **_client_body(protocol, body if body is not None else {}),
         prefix_key=prefix_key,
         request_id="req0123456789",
         **kwargs,
     )
+
+
+def _client_body(protocol: Literal["openai", "anthropic"], body: dict[str, Any]) -> dict[str, Any]:
+    """The ``ChatRequest`` fields the face of ``protocol`` sets from a client body."""
+    if protocol == "anthropic":
+        parallel = anthropic_parallel_tool_calls(body)
+        return {
+            "anthropic_body": body,
+            "sampling_given": given_sampling(body),
+            "parallel_tool_calls": parallel,
+        }
+    parallel = body.get("parallel_tool_calls")
+    return {
+        "openai_body": body,
+        "sampling_given": given_sampling(body),
+        "parallel_tool_calls": parallel if isinstance(parallel, bool) else None,
+    }
 
 
 async def drain(events: AsyncIterator[Any]) -> list[Any]:

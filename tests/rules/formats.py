@@ -1,5 +1,5 @@
 """Generators of volatile values in every form the shipped packs support, and the anchors that make
-them volatile. Used by the stability, preservation and idempotence tests and by bench.rules."""
+them volatile. Used by the stability, preservation and idempotence tests."""
 
 from __future__ import annotations
 
@@ -40,10 +40,16 @@ DATE_FORMATS: dict[str, Callable[[datetime], str]] = {
     "rfc2822-gmt": lambda d: email.utils.format_datetime(d.astimezone(UTC), usegmt=True),
     "js-date": lambda d: d.strftime("%a %b %d %Y %H:%M:%S GMT%z") + " (Central European Summer Time)",
     "long-us": lambda d: d.strftime("%A, %B ") + f"{d.day}, {d.year}",
-    "long-us-at-12h": lambda d: d.strftime("%A, %B ") + f"{d.day}, {d.year} at {_h12(d)[0]}:"
-                                + d.strftime("%M:%S ") + _h12(d)[1],
-    "long-us-12h-zone-name": lambda d: d.strftime("%A, %B ") + f"{d.day}, {d.year} at {_h12(d)[0]}:"
-                                       + d.strftime("%M:%S ") + _h12(d)[1] + " Central European Summer Time",
+    "long-us-at-12h": lambda d: (
+        d.strftime("%A, %B ") + f"{d.day}, {d.year} at {_h12(d)[0]}:" + d.strftime("%M:%S ") + _h12(d)[1]
+    ),
+    "long-us-12h-zone-name": lambda d: (
+        d.strftime("%A, %B ")
+        + f"{d.day}, {d.year} at {_h12(d)[0]}:"
+        + d.strftime("%M:%S ")
+        + _h12(d)[1]
+        + " Central European Summer Time"
+    ),
     "ordinal-dmy": lambda d: f"{_ordinal(d.day)} {d.strftime('%B')}, {d.year}",
     "dmy": lambda d: f"{d.day} {d.strftime('%B %Y')}",
     "us-numeric-gmt": lambda d: d.strftime("%m/%d/%Y, %H:%M GMT"),
@@ -55,14 +61,18 @@ DATE_FORMATS: dict[str, Callable[[datetime], str]] = {
     "clock-12-dots": lambda d: f"{_h12(d)[0]}:{d.minute:02d} {'a.m.' if d.hour < 12 else 'p.m.'}",
     "ko-full": lambda d: f"{d.year}년 {d.month}월 {d.day}일 {_ko_time(d)}",
     "ko-weekday-24h": lambda d: f"{d.year}년 {d.month}월 {d.day}일 ({KO_WEEKDAYS[d.weekday()]}) {d:%H:%M}",
-    "ko-locale": lambda d: f"{d.year}. {d.month}. {d.day}. {'오전' if d.hour < 12 else '오후'} "
-                           f"{_h12(d)[0]}:{d:%M:%S}",
+    "ko-locale": lambda d: (
+        f"{d.year}. {d.month}. {d.day}. {'오전' if d.hour < 12 else '오후'} {_h12(d)[0]}:{d:%M:%S}"
+    ),
     "ja-full": lambda d: f"{d.year}年{d.month}月{d.day}日 {d.hour}時{d.minute}分",
-    "ja-weekday-12h": lambda d: f"{d.year}年{d.month}月{d.day}日({JA_WEEKDAYS[d.weekday()]}) "
-                                f"{'午前' if d.hour < 12 else '午後'}{_h12(d)[0]}時{d.minute}分",
+    "ja-weekday-12h": lambda d: (
+        f"{d.year}年{d.month}月{d.day}日({JA_WEEKDAYS[d.weekday()]}) "
+        f"{'午前' if d.hour < 12 else '午後'}{_h12(d)[0]}時{d.minute}分"
+    ),
     "ja-locale": lambda d: f"{d.year}/{d.month}/{d.day} {d:%H:%M:%S}",
-    "zh-full": lambda d: f"{d.year}年{d.month}月{d.day}日 {'上午' if d.hour < 12 else '下午'}"
-                         f"{_h12(d)[0]}点{d.minute}分",
+    "zh-full": lambda d: (
+        f"{d.year}年{d.month}月{d.day}日 {'上午' if d.hour < 12 else '下午'}{_h12(d)[0]}点{d.minute}分"
+    ),
     "zh-weekday-24h": lambda d: f"{d.year}年{d.month}月{d.day}日 星期{ZH_WEEKDAYS[d.weekday()]} {d:%H:%M}",
 }
 """Every date/time form of the dates pack: name -> render(aware datetime)."""
@@ -90,10 +100,15 @@ DATE_ANCHORS: dict[str, str] = {
 """Anchors that make a date volatile: name -> template with {v}."""
 
 ANCHOR_REMAINDER: dict[str, str] = {
-    "env-block": "<env>\nWorking directory: /home/user/project\nIs git repo: yes\n</env>",
+    "env-block": "<env>\nIs git repo: yes\n</env>",
     "sentence-mid-paragraph": "You are a careful assistant. Use it for relative dates.",
 }
 """What an anchor line becomes after hoisting (absent: nothing is left)."""
+
+ANCHOR_OTHER_HOISTED: dict[str, list[str]] = {
+    "env-block": ["Working directory: /home/user/project"],
+}
+"""Per-user lines of an anchor hoisted besides the date (the per_user pack's environment lines)."""
 
 
 def random_datetime(rng: random.Random) -> datetime:
@@ -119,10 +134,23 @@ OTHER_VOLATILE: dict[str, Callable[[random.Random], str]] = {
     "epoch-sentence": lambda r: f"The current Unix timestamp is {r.randrange(1_000_000_000, 2_000_000_000)}.",
     "nonce": lambda r: f"Nonce: {_hex(r, r.randrange(16, 65))}",
     "cache-buster": lambda r: f"Cache-buster: {_hex(r, 24).upper()}",
-    "location": lambda r: "User location: " + r.choice(["Berlin, Germany", "Seoul, South Korea",
-                                                         "San Francisco, CA, United States", "Zürich, Switzerland"]),
-    "timezone": lambda r: "Timezone: " + r.choice(["Europe/Berlin", "Asia/Seoul", "America/New_York", "UTC+09:00"]),
-    "location-sentence": lambda r: "The user is located in " + r.choice(["Berlin, Germany", "Osaka, Japan"]) + ".",
+    "location": lambda r: (
+        "User location: "
+        + r.choice(
+            [
+                "Berlin, Germany",
+                "Seoul, South Korea",
+                "San Francisco, CA, United States",
+                "Zürich, Switzerland",
+            ]
+        )
+    ),
+    "timezone": lambda r: (
+        "Timezone: " + r.choice(["Europe/Berlin", "Asia/Seoul", "America/New_York", "UTC+09:00"])
+    ),
+    "location-sentence": lambda r: (
+        "The user is located in " + r.choice(["Berlin, Germany", "Osaka, Japan"]) + "."
+    ),
     "location-ko": lambda r: "현재 위치: " + r.choice(["서울", "부산"]),
     "location-ja": lambda r: "タイムゾーン: " + r.choice(["Asia/Tokyo", "UTC+9"]),
     "location-zh": lambda r: "用户位置：" + r.choice(["北京", "上海"]),

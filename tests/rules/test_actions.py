@@ -22,20 +22,45 @@ HOIST_SESSION = """
     """
 
 
-def test_hoist_default_places_value_at_start_of_last_user_turn(tmp_path: Path) -> None:
+def test_hoist_default_places_value_in_the_first_turn_and_keeps_later_turns_raw(tmp_path: Path) -> None:
     ruleset = ruleset_from(tmp_path, HOIST_SESSION)
-    messages = [{"role": "system", "content": "You are terse.\nSession: 0a1b2c\nAnswer in English."},
-                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                {"role": "user", "content": "tell me more"}]
+    messages = [
+        {"role": "system", "content": "You are terse.\nSession: 0a1b2c\nAnswer in English."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "tell me more"},
+    ]
+    canon = ruleset.apply(messages)
+    first_turn = ruleset.apply(messages[:2])
+    assert canon.messages == [
+        {"role": "system", "content": "You are terse.\nAnswer in English."},
+        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\nhi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "tell me more"},
+    ]
+    assert canon.messages[:2] == first_turn.messages  # the first turn as it was sent
+    assert canon.hoisted == ["Session: 0a1b2c"]
+    assert canon.applied == {"session": 1}
+    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [(1, 0, 1), (4, 1, 4)]
+
+
+def test_hoist_last_user_prefix_places_value_at_start_of_the_turns_last_user_message(tmp_path: Path) -> None:
+    ruleset = ruleset_from(tmp_path, HOIST_SESSION, placement="last_user_prefix")
+    messages = [
+        {"role": "system", "content": "You are terse.\nSession: 0a1b2c\nAnswer in English."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "tell me more"},
+    ]
     canon = ruleset.apply(messages)
     assert canon.messages == [
         {"role": "system", "content": "You are terse.\nAnswer in English."},
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\ntell me more"},
+        {"role": "user", "content": "<request_context>\nSession: 0a1b2c\n</request_context>\n\nhi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "tell me more"},
     ]
-    assert canon.hoisted == ["Session: 0a1b2c"]
-    assert canon.applied == {"session": 1}
-    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [(1, 0, 1), (3, 1, 3), (4, 3, 4)]
+    assert canon.messages[:2] == ruleset.apply(messages[:2]).messages
+    assert ruleset.apply(canon.messages).messages == canon.messages
 
 
 def test_hoist_before_last_user_adds_a_note_message(tmp_path: Path) -> None:
@@ -50,31 +75,42 @@ def test_hoist_before_last_user_adds_a_note_message(tmp_path: Path) -> None:
 
 
 def test_hoist_system_end_appends_to_system(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: session
             match: {role: system, pattern: '(?m)^Session: [0-9a-f]+$'}
             action: hoist
             placement: system_end
-        """)
+        """,
+    )
     canon = ruleset.apply(chat("Session: ff00\nBe kind."))
     assert canon.messages[0]["content"] == "Be kind.\n\n<request_context>\nSession: ff00\n</request_context>"
     assert canon.messages[1]["content"] == "What should I do next?"
     end = canon.stable_end
     assert (end.message, end.part, end.char) == (0, 0, len("Be kind."))
-    assert canon.stable_prefix_material() == ruleset.apply(chat("Session: 1234\nBe kind.")).stable_prefix_material()
+    assert (
+        canon.stable_prefix_material()
+        == ruleset.apply(chat("Session: 1234\nBe kind.")).stable_prefix_material()
+    )
 
 
 def test_hoist_falls_back_when_the_place_is_missing(tmp_path: Path) -> None:
     ruleset = ruleset_from(tmp_path, HOIST_SESSION)
     only_system = ruleset.apply([{"role": "system", "content": "A\nSession: ab"}])
-    assert only_system.messages == [{"role": "system", "content": "A\n\n<request_context>\nSession: ab\n</request_context>"}]
-    anywhere = ruleset_from(tmp_path, """
+    assert only_system.messages == [
+        {"role": "system", "content": "A\n\n<request_context>\nSession: ab\n</request_context>"}
+    ]
+    anywhere = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: s
             match: {pattern: 'Session: [0-9a-f]+'}
             action: hoist
-        """)
+        """,
+    )
     no_user_no_system = anywhere.apply([{"role": "assistant", "content": "Session: ab then"}])
     assert no_user_no_system.messages == [
         {"role": "assistant", "content": "then"},
@@ -84,7 +120,9 @@ def test_hoist_falls_back_when_the_place_is_missing(tmp_path: Path) -> None:
 
 
 def test_hoist_tidies_inline_removal_and_keeps_order(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: ref
             match: {pattern: 'Ref [0-9]+\\.'}
@@ -92,23 +130,34 @@ def test_hoist_tidies_inline_removal_and_keeps_order(tmp_path: Path) -> None:
           - id: tag
             match: {pattern: '#[a-z]+'}
             action: hoist
-        """)
+        """,
+    )
     canon = ruleset.apply(chat("Hello. Ref 12. Bye. Ref 7.\n#alpha line\n  #beta  \nEnd"))
     assert canon.messages[0]["content"] == "Hello. Bye.\nline\nEnd"
     assert canon.hoisted == ["Ref 12.", "Ref 7.", "#alpha", "#beta"]
 
 
 def test_hoist_group_and_list_content(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: id
             match: {role: [system, developer], pattern: 'id=(?P<v>[0-9]+)'}
             action: hoist
             group: v
-        """)
-    messages = [{"role": "developer", "content": [{"type": "text", "text": "call id=42 now"}]},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}},
-                                             {"type": "text", "text": "what is this?"}]}]
+        """,
+    )
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "call id=42 now"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:x"}},
+                {"type": "text", "text": "what is this?"},
+            ],
+        },
+    ]
     canon = ruleset.apply(messages)
     assert canon.messages[0]["content"] == [{"type": "text", "text": "call id= now"}]
     assert canon.messages[1]["content"] == [
@@ -120,30 +169,42 @@ def test_hoist_group_and_list_content(tmp_path: Path) -> None:
 
 
 def test_selection_by_role_position_and_index(tmp_path: Path) -> None:
-    messages = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"},
-                {"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+    messages = [
+        {"role": "system", "content": "x"},
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "x"},
+    ]
 
     def dropped(match: str) -> list[str]:
-        ruleset = ruleset_from(tmp_path, f"""
+        ruleset = ruleset_from(
+            tmp_path,
+            f"""
             rules:
               - id: r
                 match: {{pattern: 'x', {match}}}
                 action: replace
                 with: 'y'
-            """)
+            """,
+        )
         return [m["content"] for m in ruleset.apply(messages).messages]
 
     assert dropped("role: user") == ["x", "y", "x", "y"]
     assert dropped("role: user, position: first") == ["x", "y", "x", "x"]
-    assert dropped("role: [user, assistant], position: last") == ["x", "x", "x", "y"]
+    # positions and negative indices select as in the request each turn was the newest in: a turn's
+    # "last" message stays selected in later requests, so history never changes
+    assert dropped("role: [user, assistant], position: last") == ["x", "y", "x", "y"]
     assert dropped("index: 2") == ["x", "x", "y", "x"]
-    assert dropped("index: -4") == ["y", "x", "x", "x"]
+    assert dropped("index: -1") == ["x", "y", "x", "y"]
+    assert dropped("index: -4") == ["x", "x", "x", "x"]  # message 0 was never 4th from the end of its turn
     assert dropped("index: 2, role: user") == ["x", "x", "x", "x"]
     assert dropped("role: any") == ["y", "y", "y", "y"]
 
 
 def test_replace_with_groups_counts_only_changes(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: swap
             match: {pattern: '(?P<last>[A-Z][a-z]+), (?P<first>[A-Z][a-z]+)'}
@@ -153,34 +214,41 @@ def test_replace_with_groups_counts_only_changes(tmp_path: Path) -> None:
             match: {pattern: '(?i)acme corp'}
             action: replace
             with: 'ACME Corp'
-        """)
+        """,
+    )
     canon = ruleset.apply(chat("Lovelace, Ada works at acme corp and ACME Corp."))
     assert canon.messages[0]["content"] == "Ada Lovelace {name} works at ACME Corp and ACME Corp."
     assert canon.applied == {"swap": 1, "acme": 1}
 
 
-@pytest.mark.parametrize(("text", "unit", "expected"), [
-    ("Now: 13:17:44.123", "minute", "Now: 13:17:00.000"),
-    ("Now: 13:17:44", "hour", "Now: 13:00:00"),
-    ("Now: 2025-05-14T13:17:44Z", "day", "Now: 2025-05-14T00:00:00Z"),
-    ("Now: Friday, April 24, 2026 at 1:17:44 PM", "day", "Now: Friday, April 24, 2026 at 12:00:00 AM"),
-    ("Now: 1:17 p.m.", "day", "Now: 12:00 a.m."),
-    ("Now: 1:17 PM", "hour", "Now: 1:00 PM"),
-    ("Now: 2025년 5월 14일 오후 3시 20분", "day", "Now: 2025년 5월 14일 오전 12시 00분"),
-    ("Now: 2025年5月14日 午後3時20分", "hour", "Now: 2025年5月14日 午後3時00分"),
-    ("Now: 2025年5月14日 下午3点20分", "day", "Now: 2025年5月14日 上午12点00分"),
-    ("Now: 2025年5月14日 15時20分", "day", "Now: 2025年5月14日 00時00分"),
-    ("Now: 1715692999", "hour", "Now: 1715691600"),
-    ("Now: 1715692999123", "day", "Now: 1715644800000"),
-])
+@pytest.mark.parametrize(
+    ("text", "unit", "expected"),
+    [
+        ("Now: 13:17:44.123", "minute", "Now: 13:17:00.000"),
+        ("Now: 13:17:44", "hour", "Now: 13:00:00"),
+        ("Now: 2025-05-14T13:17:44Z", "day", "Now: 2025-05-14T00:00:00Z"),
+        ("Now: Friday, April 24, 2026 at 1:17:44 PM", "day", "Now: Friday, April 24, 2026 at 12:00:00 AM"),
+        ("Now: 1:17 p.m.", "day", "Now: 12:00 a.m."),
+        ("Now: 1:17 PM", "hour", "Now: 1:00 PM"),
+        ("Now: 2025년 5월 14일 오후 3시 20분", "day", "Now: 2025년 5월 14일 오전 12시 00분"),
+        ("Now: 2025年5月14日 午後3時20分", "hour", "Now: 2025年5月14日 午後3時00分"),
+        ("Now: 2025年5月14日 下午3点20分", "day", "Now: 2025年5月14日 上午12点00分"),
+        ("Now: 2025年5月14日 15時20分", "day", "Now: 2025年5月14日 00時00分"),
+        ("Now: 1715692999", "hour", "Now: 1715691600"),
+        ("Now: 1715692999123", "day", "Now: 1715644800000"),
+    ],
+)
 def test_round_truncates_in_the_original_format(tmp_path: Path, text: str, unit: str, expected: str) -> None:
-    ruleset = ruleset_from(tmp_path, f"""
+    ruleset = ruleset_from(
+        tmp_path,
+        f"""
         rules:
           - id: round-now
             match: {{pattern: 'Now: (?:%{{DATETIME}}|%{{EPOCH}})'}}
             action: round
             unit: {unit}
-        """)
+        """,
+    )
     canon = ruleset.apply(chat(text))
     assert canon.messages[0]["content"] == expected
     assert canon.applied == {"round-now": 1}
@@ -188,13 +256,16 @@ def test_round_truncates_in_the_original_format(tmp_path: Path, text: str, unit:
 
 
 def test_round_makes_same_hour_requests_identical(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: r
             match: {pattern: 'Current time: %{DATETIME}'}
             action: round
             unit: hour
-        """)
+        """,
+    )
     a = ruleset.apply(chat("Current time: 2025-05-14 13:05:09 UTC"))
     b = ruleset.apply(chat("Current time: 2025-05-14 13:59:59 UTC"))
     c = ruleset.apply(chat("Current time: 2025-05-14 14:00:00 UTC"))
@@ -202,12 +273,15 @@ def test_round_makes_same_hour_requests_identical(tmp_path: Path) -> None:
 
 
 def test_drop_removes_lines_and_counts(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: debug
             match: {pattern: '(?m)^DEBUG:.*$'}
             action: drop
-        """)
+        """,
+    )
     canon = ruleset.apply(chat("One\nDEBUG: a\nTwo\nDEBUG: b"))
     assert canon.messages[0]["content"] == "One\nTwo"
     assert canon.applied == {"debug": 2}
@@ -215,18 +289,23 @@ def test_drop_removes_lines_and_counts(tmp_path: Path) -> None:
 
 
 def test_normalize_all_options_and_none(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: n
             match: {role: system}
             action: normalize
-        """)
+        """,
+    )
     text = "Cafe\u0301  \r\nline two\t\r\n\r\n\r\n\r\nthree\rfour   "
     canon = ruleset.apply(chat(text, "  keep  \r\n"))
     assert canon.messages[0]["content"] == "Caf\u00e9\nline two\n\nthree\nfour"
     assert canon.messages[1]["content"] == "  keep  \r\n"
     assert canon.applied == {"n": 1}
-    off = ruleset_from(tmp_path, """
+    off = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: n
             action: normalize
@@ -234,24 +313,35 @@ def test_normalize_all_options_and_none(tmp_path: Path) -> None:
             trailing_spaces: false
             blank_lines: null
             unicode: false
-        """)
+        """,
+    )
     assert off.apply(chat(text)).messages[0]["content"] == text
-    two = ruleset_from(tmp_path, """
+    two = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: n
             action: normalize
             blank_lines: 0
             unicode: NFKC
-        """)
+        """,
+    )
     assert two.apply(chat("a\n\n\nb\uff21")).messages[0]["content"] == "a\nbA"
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "weather", "description": "Weather for a city.",
-                                      "parameters": {"type": "object",
-                                                     "properties": {"unit": {"enum": ["c", "f"], "type": "string"},
-                                                                    "city": {"type": "string"}},
-                                                     "required": ["city", "unit"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["c", "f"], "type": "string"}, "city": {"type": "string"}},
+                "required": ["city", "unit"],
+            },
+        },
+    },
     {"function": {"parameters": {"properties": {}, "type": "object"}, "name": "clock"}, "type": "function"},
 ]
 
@@ -264,11 +354,14 @@ def test_sort_tools_canonical_output() -> None:
         '[{"function":{"name":"clock","parameters":{"properties":{},"type":"object"}},"type":"function"},'
         '{"function":{"description":"Weather for a city.","name":"weather","parameters":{"properties":'
         '{"city":{"type":"string"},"unit":{"enum":["c","f"],"type":"string"}},"required":["city","unit"],'
-        '"type":"object"}},"type":"function"}]')
+        '"type":"object"}},"type":"function"}]'
+    )
     # key order is sorted everywhere, so any serializer (json.dumps, jinja tojson) writes the same bytes
     assert json.dumps(canon.tools) == json.dumps(canon.tools, sort_keys=True)
     # semantics: the same tools, as values
-    assert sorted(canon.tools, key=lambda t: t["function"]["name"]) == sorted(TOOLS, key=lambda t: t["function"]["name"])
+    assert sorted(canon.tools, key=lambda t: t["function"]["name"]) == sorted(
+        TOOLS, key=lambda t: t["function"]["name"]
+    )
     # arrays keep their order (enum, required)
     assert canon.tools[1]["function"]["parameters"]["required"] == ["city", "unit"]
     assert canon.applied == {"tools.sort": 1}
@@ -277,12 +370,18 @@ def test_sort_tools_canonical_output() -> None:
     assert canonical_json(again.tools) == canonical_json(canon.tools)
     shuffled = [TOOLS[1], TOOLS[0]]
     assert ruleset.apply(chat("s"), shuffled).stable_prefix_material() == canon.stable_prefix_material()
-    assert TOOLS[1]["function"]["name"] == "clock" and list(TOOLS[1]) == ["function", "type"]  # input untouched
+    assert TOOLS[1]["function"]["name"] == "clock" and list(TOOLS[1]) == [
+        "function",
+        "type",
+    ]  # input untouched
 
 
 def test_sort_tools_anthropic_shape_and_no_tools() -> None:
     ruleset = load_ruleset(["tools"])
-    tools = [{"name": "b", "input_schema": {"type": "object"}}, {"name": "a", "input_schema": {"type": "object"}}]
+    tools = [
+        {"name": "b", "input_schema": {"type": "object"}},
+        {"name": "a", "input_schema": {"type": "object"}},
+    ]
     assert [t["name"] for t in ruleset.apply(chat("s"), tools).tools] == ["a", "b"]
     assert ruleset.apply(chat("s"), None).tools is None
     assert ruleset.apply(chat("s"), []).tools == []
@@ -314,13 +413,23 @@ def test_reorder_puts_the_document_first_as_level_2(tmp_path: Path) -> None:
 
 def test_hoist_goes_after_documents_in_the_last_user_turn(tmp_path: Path) -> None:
     ruleset = load_ruleset(["default", str(ruleset_path(tmp_path))])
-    canon = ruleset.apply(chat("Current date: 2025-05-14\nYou answer from documents.",
-                               "Question: who?\nDocument:\nA long text."))
-    assert canon.messages[1]["content"] == ("<document>\nA long text.\n</document>\n\n<request_context>\n"
-                                            "Current date: 2025-05-14\n</request_context>\n\nQuestion: who?")
+    canon = ruleset.apply(
+        chat(
+            "Current date: 2025-05-14\nYou answer from documents.", "Question: who?\nDocument:\nA long text."
+        )
+    )
+    # the text after the documents keeps the line breaks the reorder template gave it
+    assert canon.messages[1]["content"] == (
+        "<document>\nA long text.\n</document>\n\n<request_context>\n"
+        "Current date: 2025-05-14\n</request_context>\n\n\n\nQuestion: who?"
+    )
     document = canon.segments[1]
     assert (document.level, document.end_message, document.end_part, document.end_char) == (
-        2, 2, 0, len("<document>\nA long text.\n</document>"))
+        2,
+        2,
+        0,
+        len("<document>\nA long text.\n</document>"),
+    )
 
 
 def ruleset_path(tmp_path: Path) -> Path:

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rules import Canonical, RequestShapeError, RuleSet, load_ruleset
+from rules import Canonical, RequestShapeError, RuleSet, SegmentLevel, load_ruleset
 from rules.loader import PACK_DIR
+from rules.transcript import TranscriptMemory
 from tests.rules.formats import DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
 from tests.rules.helpers import all_text, chat, ruleset_from, write_rules
 
@@ -47,8 +48,10 @@ rules:
 
 def rulesets(tmp_dir: Path) -> dict[str, RuleSet]:
     extra = write_rules(tmp_dir, ALL_ACTIONS, "all_actions.yaml")
-    return {placement: load_ruleset(["default", str(extra)], placement=placement)
-            for placement in ("last_user_prefix", "before_last_user", "system_end")}
+    return {
+        placement: load_ruleset(["default", str(extra)], placement=placement)
+        for placement in ("last_user_prefix", "before_last_user", "system_end")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,7 @@ def all_rulesets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RuleSet]
 
 
 # --- request generator -------------------------------------------------------------------------------------
+
 
 def _volatile_line(seed: int) -> str:
     rng = random.Random(seed)
@@ -67,11 +71,28 @@ def _volatile_line(seed: int) -> str:
     return OTHER_VOLATILE[rng.choice(sorted(OTHER_VOLATILE))](rng)
 
 
-ORDINARY_LINES = ["You are a helpful assistant.", "Version 1.2.3 costs $12.50.", "Knowledge cutoff: 2024-06",
-                  "Deadline: 13:47 sharp.", "DEBUG: internal flag", "Work for acme corp.", "NONCE-123 here",
-                  "", "   ", "```", "<document>inline doc</document>", "Question: why?", "Document:",
-                  "<request_context>", "</request_context>", "Example: Current date: 2024-01-01",
-                  "<documents>", "</document>", "<doc id=1>x</doc>", "Session ID: abc123"]
+ORDINARY_LINES = [
+    "You are a helpful assistant.",
+    "Version 1.2.3 costs $12.50.",
+    "Knowledge cutoff: 2024-06",
+    "Deadline: 13:47 sharp.",
+    "DEBUG: internal flag",
+    "Work for acme corp.",
+    "NONCE-123 here",
+    "",
+    "   ",
+    "```",
+    "<document>inline doc</document>",
+    "Question: why?",
+    "Document:",
+    "<request_context>",
+    "</request_context>",
+    "Example: Current date: 2024-01-01",
+    "<documents>",
+    "</document>",
+    "<doc id=1>x</doc>",
+    "Session ID: abc123",
+]
 noise = st.text(alphabet=st.sampled_from(list("ab :\n\r\t<>/`-.0123456789Cé\u0301년")), max_size=30)
 line = st.one_of(st.integers(0, 10**6).map(_volatile_line), st.sampled_from(ORDINARY_LINES), noise)
 text = st.lists(line, max_size=6).map("\n".join)
@@ -84,7 +105,9 @@ def content(draw: st.DrawFn) -> str | list[dict]:
     if draw(st.integers(0, 3)) == 0:
         parts: list[dict] = [{"type": "text", "text": draw(text)} for _ in range(draw(st.integers(1, 3)))]
         if draw(st.booleans()):
-            parts.insert(draw(st.integers(0, len(parts))), {"type": "image_url", "image_url": {"url": "data:,x"}})
+            parts.insert(
+                draw(st.integers(0, len(parts))), {"type": "image_url", "image_url": {"url": "data:,x"}}
+            )
         return parts
     return body
 
@@ -101,14 +124,22 @@ def chat_request(draw: st.DrawFn) -> tuple[list[dict], list[dict] | None]:
             message["tool_call_id"] = "call_1"
         messages.append(message)
     if draw(st.booleans()):
-        question = draw(st.sampled_from(["Question: who?\nDocument:\nSome text.", "<document>D</document>\n\nQ?",
-                                         "plain question"]))
+        question = draw(
+            st.sampled_from(
+                ["Question: who?\nDocument:\nSome text.", "<document>D</document>\n\nQ?", "plain question"]
+            )
+        )
         messages.append({"role": "user", "content": question + draw(sep) + draw(text)})
     tools = None
     if draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(["b", "a", "c", "d"]), max_size=3))
-        tools = [{"type": "function", "function": {"parameters": {"type": "object", "properties": {"z": {}, "y": {}}},
-                                                   "name": n}} for n in names]
+        tools = [
+            {
+                "type": "function",
+                "function": {"parameters": {"type": "object", "properties": {"z": {}, "y": {}}}, "name": n},
+            }
+            for n in names
+        ]
     return messages, tools
 
 
@@ -116,10 +147,17 @@ def dump(canon: Canonical) -> str:
     return json.dumps(canon.to_dict(), ensure_ascii=False)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
-@given(request=chat_request(), placement=st.sampled_from(["last_user_prefix", "before_last_user", "system_end"]))
-def test_idempotent_and_deterministic(all_rulesets: dict[str, RuleSet], request: tuple, placement: str) -> None:
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    request=chat_request(), placement=st.sampled_from(["last_user_prefix", "before_last_user", "system_end"])
+)
+def test_idempotent_and_deterministic(
+    all_rulesets: dict[str, RuleSet], request: tuple, placement: str
+) -> None:
     messages, tools = request
     ruleset = all_rulesets[placement]
     before = copy.deepcopy(request)
@@ -149,10 +187,10 @@ def test_segments_cover_the_prompt_in_order(all_rulesets: dict[str, RuleSet], re
     for a, b in zip(segments, segments[1:], strict=False):
         end = a.end
         assert (end.message, end.part, end.char) == (b.start_message, b.start_part, b.start_char)
-    if segments and segments[-1].level == 4:
+    if segments and segments[-1].level == SegmentLevel.VOLATILE:
         assert segments[-1].end_message == n and segments[-1].end_part is None
-    assert [s.level for s in segments].count(4) <= 1
-    assert all(s.level != 4 for s in segments[:-1])
+    assert [s.level for s in segments].count(SegmentLevel.VOLATILE) <= 1
+    assert all(s.level != SegmentLevel.VOLATILE for s in segments[:-1])
 
 
 def test_preservation_of_each_value_and_nothing_else_lost() -> None:
@@ -172,66 +210,65 @@ def test_preservation_of_each_value_and_nothing_else_lost() -> None:
 
 def test_multi_turn_history_stays_stable_across_turns() -> None:
     ruleset = load_ruleset(["default"])
-    turn1 = [{"role": "system", "content": "Bot.\nCurrent time: 2025-05-14 13:17:44"},
-             {"role": "user", "content": "q1"}]
-    turn2 = [{"role": "system", "content": "Bot.\nCurrent time: 2025-05-14 13:19:02"},
-             {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
-             {"role": "user", "content": "q2"}]
+    turn1 = [
+        {"role": "system", "content": "Bot.\nCurrent time: 2025-05-14 13:17:44"},
+        {"role": "user", "content": "q1"},
+    ]
+    turn2 = [
+        {"role": "system", "content": "Bot.\nCurrent time: 2025-05-14 13:19:02"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
     c1, c2 = ruleset.apply(turn1), ruleset.apply(turn2)
-    assert c1.stable_prefix_material(level=1) == c2.stable_prefix_material(level=1)
-    assert c2.messages[:3] == [{"role": "system", "content": "Bot."}, {"role": "user", "content": "q1"},
-                               {"role": "assistant", "content": "a1"}]
-    assert [s.name for s in c2.segments] == ["tools+system", "history", "volatile"]
-    assert b"a1" in c2.stable_prefix_material() and b"q2" not in c2.stable_prefix_material()
+    assert c1.stable_prefix_material(SegmentLevel.TOOLS_SYSTEM) == c2.stable_prefix_material(
+        SegmentLevel.TOOLS_SYSTEM
+    )
+    # stateless: the same values give the same first turn; changed values cost the first turn's block on
+    assert ruleset.apply([turn1[0], *turn2[1:]]).messages[:2] == c1.messages
+    assert c2.messages[0] == {"role": "system", "content": "Bot."}
+    assert c2.messages[2:] == [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    # the first turn's block holds this request's value: the volatile tail starts there
+    assert [s.name for s in c2.segments] == ["tools+system", "volatile"]
+    assert b"13:19" not in c2.stable_prefix_material()
+    # with the memory the first turn comes back exactly as sent, and the new time goes into the new turn
+    memory = TranscriptMemory()
+    m1 = ruleset.apply(turn1, memory=memory, scope="m")
+    m2 = ruleset.apply(turn2, memory=memory, scope="m")
+    assert m2.messages[:2] == m1.messages
+    assert (
+        m2.messages[3]["content"]
+        == "q2\n\n<request_context>\nCurrent time: 2025-05-14 13:19:02\n</request_context>"
+    )
+    assert m2.history.reused_turns == 1
 
 
-def test_segments_for_single_turn_rag_and_tools_only() -> None:
-    ruleset = load_ruleset(["default"])
-    canon = ruleset.apply([{"role": "user", "content": "<document>Doc</document>\nQ?"}],
-                          [{"type": "function", "function": {"name": "f"}}])
-    assert [(s.level, s.start_message, s.end_message, s.end_part, s.end_char) for s in canon.segments] == [
-        (1, 0, 0, None, None), (2, 0, 1, 0, len("<document>Doc</document>")), (4, 0, 1, None, None)]
-    assert json.loads(canon.stable_prefix_material()) == {
-        "messages": [{"content": "<document>Doc</document>", "role": "user"}],
-        "tools": [{"function": {"name": "f"}, "type": "function"}]}
-    everything_stable = ruleset.apply([{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}])
-    assert [s.level for s in everything_stable.segments] == [1, 3]
-    assert everything_stable.stable_end.message == 2
-
-
-def test_list_content_documents_and_block(tmp_path: Path) -> None:
-    ruleset = load_ruleset(["default"])
-    messages = [{"role": "system", "content": "S\nCurrent date: 2025-05-14"},
-                {"role": "user", "content": [{"type": "text", "text": "<documents><document>A</document>"},
-                                             {"type": "text", "text": "<document>B</document></documents>"},
-                                             {"type": "text", "text": "Which is longer?"}]}]
-    canon = ruleset.apply(messages)
-    assert canon.messages[1]["content"][2] == {"type": "text", "text": "<request_context>\nCurrent date: 2025-05-14\n"
-                                                                      "</request_context>\n\n"}
-    docs = canon.segments[1]
-    assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (2, 2, 2, 0)
-    material = json.loads(canon.stable_prefix_material())
-    assert len(material["messages"][1]["content"]) == 2
-    assert ruleset.apply(canon.messages).messages == canon.messages
-
-
-@pytest.mark.parametrize(("messages", "tools", "words"), [
-    ("not a list", None, "messages must be a list"),
-    ([["role", "user"]], None, "messages[0] must be an object"),
-    ([{"content": "x"}], None, "messages[0].role must be a string"),
-    ([{"role": "user", "content": 5}], None, "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "text", "text": None}]}], None, "content[0].text must be a string"),
-    ([{"role": "user", "content": ["x"]}], None, "content[0] must be an object"),
-    ([{"role": "user", "content": "x"}], {"a": 1}, "tools must be a list"),
-    ([{"role": "user", "content": "x"}], ["f"], "tools[0] must be an object"),
-])
+@pytest.mark.parametrize(
+    ("messages", "tools", "words"),
+    [
+        ("not a list", None, "messages must be a list"),
+        ([["role", "user"]], None, "messages[0] must be an object"),
+        ([{"content": "x"}], None, "messages[0].role must be a string"),
+        ([{"role": "user", "content": 5}], None, "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": None}]}],
+            None,
+            "content[0].text must be a string",
+        ),
+        ([{"role": "user", "content": ["x"]}], None, "content[0] must be an object"),
+        ([{"role": "user", "content": "x"}], {"a": 1}, "tools must be a list"),
+        ([{"role": "user", "content": "x"}], ["f"], "tools[0] must be an object"),
+    ],
+)
 def test_bad_request_shape_raises_named_error(messages: object, tools: object, words: str) -> None:
     with pytest.raises(RequestShapeError, match=words.replace("[", r"\[").replace("]", r"\]")):
         load_ruleset(["default"]).apply(messages, tools)  # type: ignore[arg-type]
 
 
 def test_pathological_pattern_on_100k_prompt_returns_correct_result(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: evil-nested
             match: {pattern: '(a+)+$'}
@@ -239,7 +276,8 @@ def test_pathological_pattern_on_100k_prompt_returns_correct_result(tmp_path: Pa
           - id: evil-pairs
             match: {pattern: '(x+x+)+y'}
             action: drop
-        """)
+        """,
+    )
     no_match = "a" * 99_999 + "b"
     canon = ruleset.apply(chat(no_match, "x" * 100_000))
     assert canon.messages[0]["content"] == no_match
@@ -249,32 +287,41 @@ def test_pathological_pattern_on_100k_prompt_returns_correct_result(tmp_path: Pa
     canon = ruleset.apply(chat("b" + all_a))
     assert canon.messages[0]["content"] == "b"
     assert canon.hoisted == [all_a]
-    assert canon.messages[1]["content"] == "<request_context>\n" + all_a + "\n</request_context>\n\nWhat should I do next?"
+    assert (
+        canon.messages[1]["content"]
+        == "<request_context>\n" + all_a + "\n</request_context>\n\nWhat should I do next?"
+    )
 
 
 def test_many_matches_on_a_long_text_are_linear(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: every-a
             match: {pattern: 'a'}
             action: drop
-        """)
+        """,
+    )
     canon = ruleset.apply(chat("ab" * 50_000, "Go on."))
     assert canon.messages[0]["content"] == "b" * 50_000
     assert canon.applied == {"every-a": 50_000}
 
 
 def test_non_converging_rule_is_cut_off_deterministically(tmp_path: Path) -> None:
-    ruleset = ruleset_from(tmp_path, """
+    ruleset = ruleset_from(
+        tmp_path,
+        """
         rules:
           - id: grow
             match: {role: system, pattern: 'a'}
             action: replace
             with: 'aa'
-        """)
+        """,
+    )
     first = ruleset.apply(chat("a"))
-    assert first.messages[0]["content"] == "a" * 2 ** 8
-    assert first.applied == {"grow": 2 ** 8 - 1}  # 1 + 2 + ... + 128 matches over the 8 passes
+    assert first.messages[0]["content"] == "a" * 2**8
+    assert first.applied == {"grow": 2**8 - 1}  # 1 + 2 + ... + 128 matches over the 8 passes
     assert ruleset.apply(chat("a")).messages == first.messages
 
 

@@ -35,17 +35,28 @@ def test_check_duplicate_ids_across_files(tmp_path: Path, capsys: pytest.Capture
     assert "duplicate rule id" in capsys.readouterr().err
 
 
-def test_apply_prints_canonical_request_and_stable_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    body = {"model": "m", "messages": [{"role": "system", "content": "Bot.\nCurrent date: 2025-05-14"},
-                                       {"role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "function": {"name": "z"}}, {"type": "function", "function": {"name": "a"}}]}
+def test_apply_prints_canonical_request_and_stable_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Bot.\nCurrent date: 2025-05-14"},
+            {"role": "user", "content": "hi"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "z"}},
+            {"type": "function", "function": {"name": "a"}},
+        ],
+    }
     request = tmp_path / "req.json"
     request.write_text(json.dumps(body), encoding="utf-8")
     assert cli.apply(None, str(request)) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["messages"] == [{"role": "system", "content": "Bot."},
-                               {"role": "user", "content": "<request_context>\nCurrent date: 2025-05-14\n"
-                                                           "</request_context>\n\nhi"}]
+    assert out["messages"] == [
+        {"role": "system", "content": "Bot."},
+        {"role": "user", "content": "<request_context>\nCurrent date: 2025-05-14\n</request_context>\n\nhi"},
+    ]
     assert [t["function"]["name"] for t in out["tools"]] == ["a", "z"]
     assert out["stable_prefix_end"] == {"message": 1, "part": 0, "char": 0}
     assert [s["name"] for s in out["segments"]] == ["tools+system", "volatile"]
@@ -55,19 +66,32 @@ def test_apply_prints_canonical_request_and_stable_end(tmp_path: Path, capsys: p
     assert out["stable_prefix_sha256"] == hashlib.sha256(canon.stable_prefix_material()).hexdigest()
 
 
-def test_apply_with_rules_placement_and_anthropic_body(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_apply_with_rules_placement_and_anthropic_body(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     request = tmp_path / "anthropic.json"
-    request.write_text(json.dumps({"system": "Today's date is Monday, May 13, 2024.",
-                                   "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
-                       encoding="utf-8")
+    request.write_text(
+        json.dumps(
+            {
+                "system": "Today's date is Monday, May 13, 2024.",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            }
+        ),
+        encoding="utf-8",
+    )
     assert cli.apply(["dates"], str(request), placement="system_end") == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["messages"][0] == {"role": "system", "content": "<request_context>\nToday's date is Monday, May 13, "
-                                                               "2024.\n</request_context>"}
+    assert out["messages"][0] == {
+        "role": "system",
+        "content": "<request_context>\nToday's date is Monday, May 13, 2024.\n</request_context>",
+    }
     assert out["stable_prefix_end"] == {"message": 0, "part": 0, "char": 0}
     empty = write_rules(tmp_path, "rules: []\n", "empty.yaml")
     assert cli.apply([str(empty)], str(request)) == 0
-    assert json.loads(capsys.readouterr().out)["messages"][0]["content"] == "Today's date is Monday, May 13, 2024."
+    assert (
+        json.loads(capsys.readouterr().out)["messages"][0]["content"]
+        == "Today's date is Monday, May 13, 2024."
+    )
 
 
 def test_apply_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,7 +119,9 @@ def test_module_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     request = tmp_path / "req.json"
     request.write_text('{"messages": [{"role": "user", "content": "x"}]}', encoding="utf-8")
     assert cli.main(["apply", "--rules", str(good), "--", str(request)]) == 0
-    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["messages"] == [{"role": "user", "content": ""}]
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["messages"] == [
+        {"role": "user", "content": ""}
+    ]
 
 
 def test_check_accepts_every_shipped_pack_file(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,7 +143,10 @@ def test_readme_rule_example_loads_and_hoists(tmp_path: Path) -> None:
     path.write_text(blocks[0])
     ruleset = load_ruleset([str(path)])
     canon = ruleset.apply(
-        [{"role": "system", "content": "You are terse.\nBuild: 0123456789ab"}, {"role": "user", "content": "hi"}]
+        [
+            {"role": "system", "content": "You are terse.\nBuild: 0123456789ab"},
+            {"role": "user", "content": "hi"},
+        ]
     )
     assert canon.applied == {"my.build-id": 1}
     assert canon.messages[0]["content"] == "You are terse."

@@ -8,7 +8,14 @@ import random
 import pytest
 
 from rules import load_ruleset
-from tests.rules.formats import ANCHOR_REMAINDER, DATE_ANCHORS, DATE_FORMATS, OTHER_VOLATILE, random_datetime
+from tests.rules.formats import (
+    ANCHOR_OTHER_HOISTED,
+    ANCHOR_REMAINDER,
+    DATE_ANCHORS,
+    DATE_FORMATS,
+    OTHER_VOLATILE,
+    random_datetime,
+)
 from tests.rules.helpers import all_text
 
 DEFAULT = load_ruleset(["default"])
@@ -17,9 +24,12 @@ TAIL = "\nAnswer briefly and cite sources."
 
 
 def request(line: str) -> list[dict]:
-    return [{"role": "system", "content": HEAD + line + TAIL},
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "What day is it?"}]
+    return [
+        {"role": "system", "content": HEAD + line + TAIL},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What day is it?"},
+    ]
 
 
 @pytest.mark.parametrize("anchor", sorted(DATE_ANCHORS))
@@ -34,10 +44,11 @@ def test_dates_in_every_form_and_anchor_give_identical_stable_prefix(anchor: str
     expected_system = HEAD + remainder + TAIL if remainder else HEAD.rstrip("\n") + TAIL
     for canon, value in zip(canons, values, strict=True):
         assert canon.messages[0]["content"] == expected_system
-        assert canon.messages[1:3] == request("")[1:3]  # history untouched
-        assert len(canon.hoisted) == 1 and value in canon.hoisted[0]
-        assert value in canon.messages[3]["content"]  # preserved, in the last user turn
-        assert canon.messages[3]["content"].endswith("\n\nWhat day is it?")
+        assert canon.messages[2:] == request("")[2:]  # later turns untouched
+        assert sum(value in h for h in canon.hoisted) == 1
+        assert [h for h in canon.hoisted if value not in h] == ANCHOR_OTHER_HOISTED.get(anchor, [])
+        assert value in canon.messages[1]["content"]  # preserved, at the end of the first turn
+        assert canon.messages[1]["content"].endswith("\n</request_context>\n\nHi")
 
 
 @pytest.mark.parametrize("kind", sorted(OTHER_VOLATILE))
@@ -51,7 +62,7 @@ def test_ids_epochs_nonces_locations_give_identical_stable_prefix(kind: str) -> 
     for canon, line in zip(canons, lines, strict=True):
         assert canon.messages[0]["content"] == HEAD.rstrip("\n") + TAIL
         assert canon.hoisted == [line]
-        assert line in canon.messages[3]["content"]
+        assert line in canon.messages[1]["content"]
 
 
 def test_many_volatile_lines_together_are_all_preserved_in_order() -> None:
@@ -107,7 +118,12 @@ def test_no_false_hoists_on_ordinary_text() -> None:
 
 
 def test_user_and_assistant_text_is_not_hoisted_by_the_packs() -> None:
-    messages = [{"role": "user", "content": "Current date: 2025-05-14\nSession ID: 3f2c8a9e-1b2c-4d5e-8f90-1234567890ab"},
-                {"role": "assistant", "content": "Today's date is Monday, May 13, 2024."},
-                {"role": "user", "content": "Timestamp: 1715692800"}]
+    messages = [
+        {
+            "role": "user",
+            "content": "Current date: 2025-05-14\nSession ID: 3f2c8a9e-1b2c-4d5e-8f90-1234567890ab",
+        },
+        {"role": "assistant", "content": "Today's date is Monday, May 13, 2024."},
+        {"role": "user", "content": "Timestamp: 1715692800"},
+    ]
     assert DEFAULT.apply(messages).messages == messages

@@ -123,7 +123,7 @@ class TieredKVMachine(KVCacheMachine):
         """A request takes every available block and leaves: every cached unreferenced block is evicted
         (written down through the pool's eviction hook)."""
         n = self.m.num_free_blocks()
-        if n and self.m.allocate("pressure", n * BLOCK_SIZE, []) is not None:
+        if n and self.m.allocate("pressure", n * BLOCK_SIZE) is not None:
             self.m.free("pressure")
         assert self.m.blocks_cached == 0
 

@@ -39,7 +39,7 @@ def make_stack(layout, tmp_path, redis_prefix, tiers=("disk",)):
 def compute(kv, tensor, rid, prompt):
     """Allocate, "prefill" (random KV), cache and free one request; return its KV per block."""
     hashes = kv.block_hashes(prompt, EXTRA)
-    table = kv.allocate(rid, len(prompt), [])
+    table = kv.allocate(rid, len(prompt))
     for b in table:
         tensor[:, :, b] = torch.randn(tensor[:, :, b].shape)
     kv.cache_full_blocks(rid, prompt, len(prompt), hashes, EXTRA)
@@ -64,8 +64,8 @@ def test_evicted_blocks_are_loaded_into_a_new_pool(layout, tmp_path, redis_prefi
     assert link2.ready("b", prompt, hashes, EXTRA)
     hits = kv2.find_cached_prefix(prompt, hashes[:5], EXTRA)
     assert len(hits) == 5  # all usable blocks (the last token's block is partial)
-    for block, expected in zip(hits, blocks_kv, strict=True):
-        assert torch.equal(tensor2[:, :, block.block_id], expected)
+    for block_id, expected in zip(hits.block_ids, blocks_kv, strict=True):
+        assert torch.equal(tensor2[:, :, block_id], expected)
     assert kv2.blocks_cached == 5 and kv2.blocks_used == 0
     kv2.check_invariants()
     assert not link2.start_prefetch("c", prompt, hashes, EXTRA)  # all in RAM now: no read
@@ -83,7 +83,7 @@ def test_install_chains_on_pool_hits_and_stops_when_the_pool_is_full(layout, tmp
     stack.flush()
     kv2, tensor2, link2 = pool(layout, stack)
     compute(kv2, tensor2, "x", prompt[: 2 * layout.block_size])  # the pool already has blocks 0-1
-    held = kv2.allocate("holder", 10 * layout.block_size, [])  # 10 of 16 blocks held by a live request
+    held = kv2.allocate("holder", 10 * layout.block_size)  # 10 of 16 blocks held by a live request
     assert held is not None
     link2.start_prefetch("b", prompt, hashes, EXTRA)
     link2._prefetches["b"].future.result(10)

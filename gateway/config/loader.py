@@ -1,0 +1,496 @@
+"""The gateway's YAML config: loading, ``env:NAME`` values, and validation that names file, key and
+expectation.
+
+Every key is optional; the defaults are the embedded SmolLM2 with the shipped default rules. The keys are
+listed in README.md ("Configuration") and ``examples/config.yaml``; each entry of ``models:`` becomes the
+class of its ``backend:`` kind (``gateway.config.schema``). A string value ``env:NAME`` is replaced by the
+environment variable ``NAME`` (an unset or empty variable is an error, so a forgotten admin token never
+silently disables auth). Any bad key or value raises ``ConfigError`` naming the file, the key path
+(``models[0].engine.block_size``) and what was expected. Relative rule-file and model paths are resolved
+against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from engine.api import EngineConfig
+from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
+from gateway.config.schema import (
+    BACKEND_KINDS,
+    DEFAULT_MODEL_NAME,
+    LEARNING_MODES,
+    AdminConfig,
+    AnthropicUpstream,
+    ConfigError,
+    EmbeddedModel,
+    GatewayConfig,
+    LearningConfig,
+    ModelEntry,
+    OpenAIUpstream,
+    RingConfig,
+    ServerConfig,
+    TranscriptConfig,
+)
+from gateway.core.json_types import yaml_kind
+
+
+def default_config() -> GatewayConfig:
+    """The embedded default: SmolLM2-135M-Instruct (``path: default``) with the ``default`` rule pack."""
+    return GatewayConfig()
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML (with its line), unknown key, wrong type, bad value.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot read the file ({exc.strerror or exc})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(
+            source, "", f"{where}invalid YAML ({getattr(exc, 'problem', None) or exc})"
+        ) from exc
+    return parse_config({} if data is None else data, source=source, base_dir=Path(path).resolve().parent)
+
+
+def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None) -> GatewayConfig:
+    """Validate an already-parsed mapping (see the module docstring for the keys).
+
+    Args:
+        data: the YAML document.
+        source: named in errors.
+        base_dir: folder that relative rule-file and model paths are resolved against; None = leave them.
+
+    Raises:
+        ConfigError: on the first problem found.
+    """
+    reader = _Reader(source)
+    top = reader.mapping(
+        data, "", {"server", "admin", "rules", "models", "transcript", "redis", "rules_learning"}
+    )
+    server = _parse_server(reader, top.get("server"))
+    admin = _parse_admin(reader, top.get("admin"))
+    rules = _parse_rules(reader, top.get("rules", ["default"]), base_dir)
+    models = _parse_models(reader, top.get("models"), base_dir)
+    transcript = _parse_transcript(reader, top.get("transcript"), top.get("redis"))
+    learning = _parse_learning(reader, top.get("rules_learning"))
+    return GatewayConfig(
+        server=server,
+        admin=admin,
+        rules=rules,
+        models=models,
+        transcript=transcript,
+        rules_learning=learning,
+        source=source,
+    )
+
+
+def _parse_transcript(reader: _Reader, value: Any, redis_section: Any) -> TranscriptConfig:
+    """``transcript:`` (bounds and an optional ``redis_url``); a shared ``redis: {url: ...}`` section gives the
+    URL when ``transcript.redis_url`` is not set."""
+    keys = {f.name for f in dataclasses.fields(TranscriptConfig)}
+    section = reader.mapping({} if value is None else value, "transcript", keys)
+    shared = reader.mapping({} if redis_section is None else redis_section, "redis", {"url"})
+    default = TranscriptConfig()
+    values: dict[str, Any] = {}
+    for name, expected in (
+        ("max_entries", int),
+        ("max_bytes", int),
+        ("ttl_s", float),
+        ("socket_timeout_s", float),
+        ("retry_after_s", float),
+    ):
+        values[name] = reader.typed(section, "transcript", name, expected, getattr(default, name))
+        if not values[name] > 0:
+            reader.fail(f"transcript.{name}", f"expected a positive number, got {values[name]}")
+    url = reader.typed(section, "transcript", "redis_url", str | None, None)
+    if url is None:
+        url = reader.typed(shared, "redis", "url", str | None, None)
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        reader.fail("transcript.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    prefix = reader.typed(section, "transcript", "redis_prefix", str, default.redis_prefix)
+    return TranscriptConfig(redis_url=url or None, redis_prefix=prefix, **values)
+
+
+def _parse_learning(reader: _Reader, value: Any) -> LearningConfig:
+    """``rules_learning: off|suggest|apply`` or ``rules_learning: {mode: ..., min_distinct: N}``."""
+    default = LearningConfig()
+    if value is None:
+        return default
+    section = value if isinstance(value, dict) else {"mode": value}
+    section = dict(reader.mapping(section, "rules_learning", {"mode", "min_distinct"}))
+    if section.get("mode") is False:  # YAML 1.1 reads a bare ``off`` as false
+        section["mode"] = "off"
+    mode = reader.typed(section, "rules_learning", "mode", str, default.mode)
+    if mode not in LEARNING_MODES:
+        reader.fail("rules_learning.mode", f"expected one of {', '.join(LEARNING_MODES)}, got {mode!r}")
+    min_distinct = reader.typed(section, "rules_learning", "min_distinct", int, default.min_distinct)
+    if min_distinct < 2:
+        reader.fail("rules_learning.min_distinct", f"expected an integer >= 2, got {min_distinct}")
+    return LearningConfig(mode=mode, min_distinct=min_distinct)
+
+
+def _parse_server(reader: _Reader, value: Any) -> ServerConfig:
+    section = reader.mapping({} if value is None else value, "server", {"host", "port", "max_body_bytes"})
+    default = ServerConfig()
+    host = reader.typed(section, "server", "host", str, default.host)
+    port = reader.typed(section, "server", "port", int, default.port)
+    max_body = reader.typed(section, "server", "max_body_bytes", int, default.max_body_bytes)
+    if not 0 <= port <= 65535:
+        reader.fail("server.port", f"expected a TCP port 0..65535, got {port}")
+    if max_body < 1:
+        reader.fail("server.max_body_bytes", f"expected a positive number of bytes, got {max_body}")
+    return ServerConfig(host=host, port=port, max_body_bytes=max_body)
+
+
+def _parse_admin(reader: _Reader, value: Any) -> AdminConfig:
+    section = reader.mapping({} if value is None else value, "admin", {"token"})
+    token = reader.typed(section, "admin", "token", str | None, None)
+    return AdminConfig(token=token or None)
+
+
+def _parse_rules(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        reader.fail("rules", f"expected a list of rule pack names or YAML file paths, got {yaml_kind(value)}")
+    names = []
+    for index, item in enumerate(value):
+        item = reader.resolve_env(item, f"rules[{index}]")
+        if not isinstance(item, str) or not item:
+            reader.fail(
+                f"rules[{index}]", f"expected a rule pack name or a YAML file path, got {yaml_kind(item)}"
+            )
+        names.append(_resolve_rule_path(item, base_dir))
+    return tuple(names)
+
+
+def _resolve_rule_path(item: str, base_dir: Path | None) -> str:
+    """A pack name stays as is; a path (has a separator or a .yaml/.yml suffix) is made absolute."""
+    is_path = "/" in item or os.sep in item or item.endswith((".yaml", ".yml"))
+    if is_path and base_dir is not None and not os.path.isabs(item):
+        return str((base_dir / item).resolve())
+    return item
+
+
+_MODEL_COMMON = {"name", "backend"}
+_MODEL_EMBEDDED = {"path", "engine"}
+_MODEL_UPSTREAM = {"base_url", "api_key", "upstream_model", "timeout_s", "retries", "prices", "ring"}
+_MODEL_BACKEND_ONLY = {
+    "openai": {"prompt_cache_key", "prompt_cache_retention", "cache_salt"},
+    "anthropic": {"anthropic_version", "auto_breakpoints", "min_cacheable_tokens"},
+}
+"""Settings of one upstream kind only."""
+
+
+def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[ModelEntry, ...]:
+    if value is None:
+        return (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
+    if not isinstance(value, list) or not value:
+        reader.fail("models", f"expected a non-empty list of model entries, got {yaml_kind(value)}")
+    models: list[ModelEntry] = []
+    for index, entry in enumerate(value):
+        model = _parse_model(reader, entry, f"models[{index}]", base_dir)
+        if any(m.name == model.name for m in models):
+            reader.fail(f"models[{index}].name", f"expected a unique model name, got a second {model.name!r}")
+        models.append(model)
+    return tuple(models)
+
+
+def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None) -> ModelEntry:
+    every_key = _MODEL_COMMON | _MODEL_EMBEDDED | _MODEL_UPSTREAM | set().union(*_MODEL_BACKEND_ONLY.values())
+    raw = reader.mapping(entry, where, every_key)
+    name = reader.typed(raw, where, "name", str, None, required=True)
+    if not name:
+        reader.fail(f"{where}.name", "expected a non-empty model name")
+    backend = reader.typed(raw, where, "backend", str, "embedded")
+    if backend not in BACKEND_KINDS:
+        reader.fail(f"{where}.backend", f"expected one of {', '.join(BACKEND_KINDS)}, got {backend!r}")
+    if backend == "embedded":
+        allowed = _MODEL_COMMON | _MODEL_EMBEDDED
+    else:
+        allowed = _MODEL_COMMON | _MODEL_UPSTREAM | _MODEL_BACKEND_ONLY[backend]
+    for key in raw:
+        if key not in allowed:
+            reader.fail(
+                f"{where}.{key}",
+                f"is not a setting of backend {backend!r} (valid: {', '.join(sorted(allowed))})",
+            )
+    if backend == "embedded":
+        path = reader.typed(raw, where, "path", str, "default")
+        if path != "default" and base_dir is not None and not os.path.isabs(path):
+            path = str((base_dir / path).resolve())
+        engine = _parse_engine(reader, raw.get("engine"), f"{where}.engine")
+        return EmbeddedModel(name=name, path=path, engine=engine)
+    return _parse_upstream(reader, raw, where, name, backend)
+
+
+def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
+    """``api_key`` with surrounding whitespace removed (a secret file or ``echo`` leaves a newline); a key
+    with whitespace, control or non-ASCII characters inside is refused, without echoing it (it goes out as an
+    HTTP header, which the client library would reject at the first call, quoting the key)."""
+    key = reader.typed(raw, where, "api_key", str | None, None)
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or any(ch.isspace() or not ch.isprintable() or not ch.isascii() for ch in key):
+        reader.fail(
+            f"{where}.api_key", "the key is empty or has whitespace, control or non-ASCII characters inside"
+        )
+    return key
+
+
+def _parse_upstream(
+    reader: _Reader, raw: dict, where: str, name: str, backend: str
+) -> OpenAIUpstream | AnthropicUpstream:
+    base_url = reader.resolve_env(raw.get("base_url"), f"{where}.base_url")
+    if isinstance(base_url, str):
+        base_url = [base_url]
+    if not isinstance(base_url, list) or not base_url:
+        reader.fail(
+            f"{where}.base_url", f"expected a URL or a non-empty list of URLs, got {yaml_kind(base_url)}"
+        )
+    urls = []
+    for index, url in enumerate(base_url):
+        url = reader.resolve_env(url, f"{where}.base_url[{index}]")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            reader.fail(f"{where}.base_url[{index}]", f"expected an http:// or https:// URL, got {url!r}")
+        try:
+            host = httpx.URL(url).host
+        except (httpx.InvalidURL, ValueError) as exc:
+            reader.fail(f"{where}.base_url[{index}]", f"not a valid URL ({exc}): {url!r}")
+        if not host:
+            reader.fail(f"{where}.base_url[{index}]", f"the URL has no host: {url!r}")
+        urls.append(url.rstrip("/"))
+    timeout = reader.typed(raw, where, "timeout_s", float, 60.0)
+    retries = reader.typed(raw, where, "retries", int, 2)
+    if timeout <= 0:
+        reader.fail(f"{where}.timeout_s", f"expected a positive number of seconds, got {timeout}")
+    if retries < 0:
+        reader.fail(f"{where}.retries", f"expected a count >= 0, got {retries}")
+    upstream_model = reader.typed(raw, where, "upstream_model", str | None, None)
+    table = shipped_price_table()
+    prices = table.lookup(upstream_model or name, backend) or table.lookup(upstream_model or name)
+    if raw.get("prices") is not None:
+        try:
+            prices = override_prices(
+                prices, raw["prices"], f"{where}.prices", provider=backend, model=upstream_model or name
+            )
+        except PriceTableError as exc:
+            key, _, problem = str(exc).partition(": ")
+            reader.fail(key, problem)
+    common = {
+        "name": name,
+        "base_url": tuple(urls),
+        "api_key": _parse_api_key(reader, raw, where),
+        "upstream_model": upstream_model,
+        "timeout_s": timeout,
+        "retries": retries,
+        "prices": prices,
+        "ring": _parse_ring(reader, raw.get("ring"), f"{where}.ring"),
+    }
+    if backend == "openai":
+        retention = reader.typed(raw, where, "prompt_cache_retention", str, "auto")
+        if retention not in ("auto", "off"):
+            reader.fail(f"{where}.prompt_cache_retention", f"expected 'auto' or 'off', got {retention!r}")
+        return OpenAIUpstream(
+            **common,
+            prompt_cache_key=reader.typed(raw, where, "prompt_cache_key", bool, True),
+            prompt_cache_retention=retention,
+            cache_salt=reader.typed(raw, where, "cache_salt", bool, False),
+        )
+    return AnthropicUpstream(
+        **common,
+        anthropic_version=_parse_anthropic_version(reader, raw, where),
+        auto_breakpoints=reader.typed(raw, where, "auto_breakpoints", bool, True),
+        min_cacheable_tokens=_parse_min_cacheable(
+            reader, raw.get("min_cacheable_tokens"), f"{where}.min_cacheable_tokens"
+        ),
+    )
+
+
+def _parse_ring(reader: _Reader, value: Any, where: str) -> RingConfig:
+    default = RingConfig()
+    section = reader.mapping(
+        {} if value is None else value, where, {f.name for f in dataclasses.fields(RingConfig)}
+    )
+    load_factor = reader.typed(section, where, "load_factor", float, default.load_factor)
+    vnodes = reader.typed(section, where, "vnodes", int, default.vnodes)
+    cooldown = reader.typed(section, where, "cooldown_s", float, default.cooldown_s)
+    max_cooldown = reader.typed(
+        section, where, "max_cooldown_s", float, max(default.max_cooldown_s, cooldown)
+    )
+    if not load_factor > 1.0:
+        reader.fail(
+            f"{where}.load_factor",
+            f"expected a number > 1 (the bound on a replica's share), got {load_factor}",
+        )
+    if vnodes < 1:
+        reader.fail(f"{where}.vnodes", f"expected an integer >= 1, got {vnodes}")
+    if not cooldown > 0:
+        reader.fail(f"{where}.cooldown_s", f"expected a positive number of seconds, got {cooldown}")
+    if max_cooldown < cooldown:
+        reader.fail(
+            f"{where}.max_cooldown_s",
+            f"expected a number of seconds >= cooldown_s ({cooldown}), got {max_cooldown}",
+        )
+    return RingConfig(
+        load_factor=load_factor, vnodes=vnodes, cooldown_s=cooldown, max_cooldown_s=max_cooldown
+    )
+
+
+def _parse_anthropic_version(reader: _Reader, raw: dict, where: str) -> str:
+    version = reader.typed(raw, where, "anthropic_version", str, "2023-06-01")
+    if not version or any(ch in version for ch in "\r\n"):
+        reader.fail(
+            f"{where}.anthropic_version", f"expected an API version such as '2023-06-01', got {version!r}"
+        )
+    return version
+
+
+def _parse_min_cacheable(reader: _Reader, value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        reader.fail(where, f"expected a mapping of model-name prefix -> tokens, got {yaml_kind(value)}")
+    out = {}
+    for prefix, tokens in value.items():
+        if not isinstance(prefix, str) or not prefix:
+            reader.fail(
+                where, f"expected non-empty model-name prefixes as keys, got {yaml_kind(prefix)} {prefix!r}"
+            )
+        tokens = reader.typed(value, where, prefix, int, None, required=True)
+        if tokens < 1:
+            reader.fail(f"{where}.{prefix}", f"expected a number of tokens >= 1, got {tokens}")
+        out[prefix] = tokens
+    return tuple(out.items())
+
+
+def _parse_engine(reader: _Reader, value: Any, where: str) -> EngineConfig:
+    """Validate an ``engine:`` mapping against ``EngineConfig``'s fields and their annotated types."""
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    section = reader.mapping({} if value is None else value, where, set(fields))
+    hints = typing.get_type_hints(EngineConfig)
+    values = {}
+    for key in section:
+        values[key] = reader.typed(section, where, key, hints[key], None, required=True)
+    for key in ("block_size", "num_blocks", "max_batch", "max_num_batched_tokens"):
+        if key in values and values[key] < 1:
+            reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
+    return EngineConfig(**values)
+
+
+class _Reader:
+    """Type checks with key paths; every failure raises ``ConfigError`` for ``source``."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, problem: str) -> typing.NoReturn:
+        raise ConfigError(self.source, key, problem)
+
+    def mapping(self, value: Any, where: str, allowed: set[str]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(where or "(top level)", f"expected a mapping, got {yaml_kind(value)}")
+        for key in value:
+            if not isinstance(key, str) or key not in allowed:
+                path = f"{where}.{key}" if where else str(key)
+                self.fail(path, f"unknown key (valid keys: {', '.join(sorted(allowed))})")
+        return value
+
+    def resolve_env(self, value: Any, where: str) -> Any:
+        """``env:NAME`` -> the variable's value; anything else unchanged."""
+        if isinstance(value, str) and value.startswith("env:"):
+            name = value[4:]
+            if not name:
+                self.fail(where, "expected env:NAME with a variable name")
+            resolved = os.environ.get(name)
+            if not resolved:
+                self.fail(where, f"environment variable {name} (from {value!r}) is not set or empty")
+            return resolved
+        return value
+
+    def typed(
+        self, section: dict, where: str, key: str, expected: Any, default: Any, required: bool = False
+    ) -> Any:
+        """``section[key]`` checked against ``expected`` (str, int, float, bool, or ``X | None``)."""
+        path = f"{where}.{key}" if where else key
+        if key not in section:
+            if required:
+                self.fail(path, "missing required key")
+            return default
+        raw = section[key]
+        from_env = isinstance(raw, str) and raw.startswith("env:")
+        return _coerce(self, self.resolve_env(raw, path), expected, path, from_env)
+
+
+def _coerce(reader: _Reader, value: Any, expected: Any, path: str, from_env: bool = False) -> Any:
+    """Check ``value`` against ``expected``; a string read from the environment may be parsed as a number."""
+    options = (
+        typing.get_args(expected)
+        if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union
+        else (expected,)
+    )
+    if value is None:
+        if type(None) in options:
+            return None
+        reader.fail(path, f"expected {_describe(options)}, got null")
+    for option in options:
+        if option is type(None):
+            continue
+        converted = _convert(value, option, from_env)
+        if converted is not _NO:
+            return converted
+    reader.fail(path, f"expected {_describe(options)}, got {yaml_kind(value)} {value!r}")
+
+
+_NO = object()
+
+
+def _convert(value: Any, option: type, from_env: bool) -> Any:
+    if option is bool:
+        if isinstance(value, bool):
+            return value
+        if from_env and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return _NO
+    if option is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_env and value.strip().lstrip("-").isdigit():
+            return int(value)
+        return _NO
+    if option is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if from_env:
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
+        return _NO
+    if option is str:
+        return value if isinstance(value, str) else _NO
+    return _NO
+
+
+def _describe(options: tuple) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return " or ".join(names.get(option, str(option)) for option in options)

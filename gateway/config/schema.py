@@ -1,0 +1,218 @@
+"""The gateway's validated config as typed, frozen dataclasses (what ``gateway.config.loader`` builds).
+
+One class per backend kind (``EmbeddedModel``, ``OpenAIUpstream``, ``AnthropicUpstream``; ``ModelEntry`` is
+their union), so an entry holds only the settings of its kind; ``backend`` is a class attribute giving each
+class's ``backend:`` key in the YAML. The class names say "upstream" / "model" rather than "config" so that
+none is confused with ``engine.model_config``'s class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from engine.api import EngineConfig
+from gateway.config.price_table import ModelPrices
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+BACKEND_KINDS = ("embedded", "openai", "anthropic")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used. ``str()`` reads ``<file>: <key path>: <problem>``.
+
+    Attributes:
+        source: the file (or ``<default>`` / ``<dict>``).
+        key: the key path at fault, e.g. ``models[0].engine.num_blocks`` (empty for the whole file).
+        problem: what was expected and what was found.
+    """
+
+    def __init__(self, source: str, key: str, problem: str) -> None:
+        self.source, self.key, self.problem = source, key, problem
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP listener. ``max_body_bytes``: largest request body accepted (bytes); larger gets 413."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """``token``: when set, ``/admin/*`` and ``/metrics`` need ``Authorization: Bearer <token>``."""
+
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """Prefix affinity over an upstream's replicas (``gateway.transport.affinity.AffinityRing``).
+
+    Attributes:
+        load_factor: ``c`` of consistent hashing with bounded loads, > 1: no replica holds more than
+            ``ceil(c * (in flight + 1) / replicas)`` requests.
+        vnodes: ring points per replica, >= 1.
+        cooldown_s: seconds a failed replica is skipped before one probe request, > 0.
+        max_cooldown_s: cap of the cool-down, which doubles on each failed probe, >= ``cooldown_s``.
+    """
+
+    load_factor: float = 1.25
+    vnodes: int = 160
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model served by the in-process engine (``backend: embedded``).
+
+    Attributes:
+        name: the ``model`` clients send.
+        path: a ``.gguf`` file, a Hugging Face folder, or ``default`` (bundled SmolLM2).
+        engine: the engine's settings (``engine.api.EngineConfig``).
+    """
+
+    backend: ClassVar[str] = "embedded"
+
+    name: str
+    path: str = "default"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class UpstreamModel:
+    """What every remote model entry has (the base of ``OpenAIUpstream`` and ``AnthropicUpstream``).
+
+    Attributes:
+        name: the ``model`` clients send.
+        base_url: one URL per replica (a YAML string becomes a one-element tuple).
+        api_key: the provider key (use ``env:NAME``); never logged.
+        upstream_model: the provider's model name; None = ``name``.
+        timeout_s: seconds per upstream attempt.
+        retries: extra attempts on connection errors / 5xx / 429.
+        prices: the model's cache prices (``gateway.config.price_table.ModelPrices``): the shipped table's entry
+            for ``upstream_model`` (or ``name``) with the config's ``prices`` applied over it; None = unknown.
+        ring: prefix-affinity settings (``RingConfig``).
+    """
+
+    backend: ClassVar[str]
+
+    name: str
+    base_url: tuple[str, ...] = ()
+    api_key: str | None = None
+    upstream_model: str | None = None
+    timeout_s: float = 60.0
+    retries: int = 2
+    prices: ModelPrices | None = None
+    ring: RingConfig = field(default_factory=RingConfig)
+
+
+@dataclass(frozen=True)
+class OpenAIUpstream(UpstreamModel):
+    """An OpenAI-compatible upstream (``backend: openai``): OpenAI, vLLM, SGLang, TGI, ...
+
+    Attributes:
+        prompt_cache_key: send ``prompt_cache_key`` = the prefix key when the client set none.
+        prompt_cache_retention: ``auto``: set ``prompt_cache_retention`` by the reuse the gateway observes where
+            the model offers more than one retention (and the client set none); ``off``: never.
+        cache_salt: the upstream accepts vLLM / SGLang's ``cache_salt`` field: send the tenant's salt in it.
+    """
+
+    backend: ClassVar[str] = "openai"
+
+    prompt_cache_key: bool = True
+    prompt_cache_retention: str = "auto"
+    cache_salt: bool = False
+
+
+@dataclass(frozen=True)
+class AnthropicUpstream(UpstreamModel):
+    """An Anthropic Messages API upstream (``backend: anthropic``).
+
+    Attributes:
+        anthropic_version: the ``anthropic-version`` header.
+        auto_breakpoints: add ``cache_control`` breakpoints at the rules' segment boundaries where the client
+            set none.
+        min_cacheable_tokens: (model-name prefix, minimum cacheable prompt length in tokens) pairs, consulted
+            before the built-in table ``gateway.protocols.anthropic.breakpoints.MIN_CACHEABLE_TOKENS`` (same
+            shape); the longest matching prefix wins. YAML: a mapping.
+    """
+
+    backend: ClassVar[str] = "anthropic"
+
+    anthropic_version: str = "2023-06-01"
+    auto_breakpoints: bool = True
+    min_cacheable_tokens: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class TranscriptConfig:
+    """The canonical transcript memory (``rules.transcript``; docs/history-stability.md): one per gateway.
+
+    Attributes:
+        max_entries: most transcripts kept in this process (LRU).
+        max_bytes: most bytes of stored transcripts in this process (zlib-compressed JSON).
+        ttl_s: seconds a transcript lives after it was last stored (also the Redis entries' TTL).
+        redis_url: a redis-py URL (``redis://host:6379/0``) to share the memory between gateways; None = this
+            process only. Redis down or slow costs no request: the process's own store answers.
+        redis_prefix: prefix of every Redis key.
+        socket_timeout_s: connect and read timeout of each Redis call (seconds).
+        retry_after_s: seconds Redis is left alone after a failed or slow call.
+    """
+
+    max_entries: int = 10_000
+    max_bytes: int = 256 << 20
+    ttl_s: float = 3600.0
+    redis_url: str | None = None
+    redis_prefix: str = "prefixgate:transcript:"
+    socket_timeout_s: float = 0.05
+    retry_after_s: float = 10.0
+
+
+LEARNING_MODES = ("off", "suggest", "apply")
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    """Learned volatile slots (``rules.learned.SlotLearner``).
+
+    Attributes:
+        mode: ``off`` (learn nothing), ``suggest`` (learn, list in ``/admin/stats``, export with
+            ``prefixgate rules learned``; never rewrite), ``apply`` (learned slots are hoisted like rules).
+        min_distinct: distinct values a span needs before it becomes a slot (>= 2).
+    """
+
+    mode: str = "suggest"
+    min_distinct: int = 3
+
+
+ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
+"""One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The whole config. ``source`` is the file it came from (``<default>`` for the built-in one);
+    ``transcript`` the canonical transcript memory, ``rules_learning`` the learned volatile slots."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    rules: tuple[str, ...] = ("default",)
+    models: tuple[ModelEntry, ...] = (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
+    transcript: TranscriptConfig = field(default_factory=TranscriptConfig)
+    rules_learning: LearningConfig = field(default_factory=LearningConfig)
+    source: str = "<default>"
+
+    def model(self, name: str) -> ModelEntry | None:
+        """The model entry called ``name``, or None."""
+        return next((m for m in self.models if m.name == name), None)
+
+    def prices(self, name: str) -> ModelPrices | None:
+        """The price table of the upstream model ``name``; None for an embedded or unknown model."""
+        model = self.model(name)
+        return model.prices if isinstance(model, UpstreamModel) else None

@@ -1,0 +1,48 @@
+"""The prefixgate request headers every face reads: ``x-prefixgate-tenant`` (cache salt) and
+``x-prefixgate-rules: on|off`` (rules opt-out). Bad values raise ``InvalidRequestError`` naming the header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gateway.core.errors import InvalidRequestError
+
+RULES_HEADER = "x-prefixgate-rules"
+
+
+TENANT_HEADER = "x-prefixgate-tenant"
+MAX_TENANT_CHARS = 256
+
+
+def rules_enabled(headers: Mapping[str, str]) -> bool:
+    """Whether a request wants rules: header absent or ``on`` -> True, ``off`` -> False (case-insensitive).
+
+    Raises:
+        InvalidRequestError: any other header value (param ``x-prefixgate-rules``).
+    """
+    value = headers.get(RULES_HEADER)
+    if value is None:
+        return True
+    value = value.strip().lower()
+    if value in ("on", "off"):
+        return value == "on"
+    raise InvalidRequestError(
+        f"Invalid header {RULES_HEADER}: expected 'on' or 'off'.", param=RULES_HEADER, code="invalid_value"
+    )
+
+
+def tenant(headers: Mapping[str, str]) -> str:
+    """The cache salt from ``x-prefixgate-tenant`` ("" when absent).
+
+    Raises:
+        InvalidRequestError: longer than 256 characters.
+    """
+    value = headers.get(TENANT_HEADER, "")
+    if len(value) > MAX_TENANT_CHARS:
+        raise InvalidRequestError(
+            f"Header {TENANT_HEADER} is longer than {MAX_TENANT_CHARS} characters.",
+            param=TENANT_HEADER,
+            code="invalid_value",
+        )
+    return value

@@ -1,0 +1,73 @@
+"""Admin endpoints: ``GET /admin/stats`` (JSON), ``GET /metrics`` (Prometheus text) and
+``GET /admin/rules/learned`` (the learned volatile slots as a YAML rule file; ``?model=`` and ``?tenant=``
+narrow it), which ``prefixgate rules learned`` fetches.
+
+When ``admin.token`` is configured all of them need ``Authorization: Bearer <token>`` (else 401): ``/metrics`` names
+the rules and models in use and reveals traffic volumes, and Prometheus sends bearer tokens natively
+(``authorization: {credentials: ...}`` in a scrape config). Without a token both are open, which suits a
+gateway bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.core.errors import AuthenticationError
+from gateway.http.request_context import gateway_of
+from gateway.service.metrics import CONTENT_TYPE, render
+
+
+def require_admin(http_request: Request) -> None:
+    """Check the bearer token when one is configured (constant-time comparison).
+
+    Raises:
+        AuthenticationError: missing or wrong ``Authorization: Bearer <token>`` (401).
+    """
+    token = gateway_of(http_request).config.admin.token
+    if not token:
+        return
+    header = http_request.headers.get("authorization", "")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token.encode()):
+        raise AuthenticationError(
+            "Admin endpoints need 'Authorization: Bearer <admin token>' (config admin.token)."
+            if not header
+            else "Incorrect admin token provided."
+        )
+
+
+async def admin_stats(http_request: Request) -> Response:
+    """``GET /admin/stats``: the stats document (see ``gateway.service.stats``)."""
+    require_admin(http_request)
+    return JSONResponse(gateway_of(http_request).stats_snapshot())
+
+
+async def metrics(http_request: Request) -> Response:
+    """``GET /metrics``: the same counters in the Prometheus text format."""
+    require_admin(http_request)
+    gateway = gateway_of(http_request)
+    if gateway.metrics is None:
+        return Response(b"", media_type=CONTENT_TYPE)
+    return Response(render(gateway.metrics), media_type=CONTENT_TYPE)
+
+
+async def learned_rules(http_request: Request) -> Response:
+    """``GET /admin/rules/learned``: the slots the running gateway learned, as a rule file (``application/yaml``)
+    for a person to review and commit: anchors (template text), never a value."""
+    require_admin(http_request)
+    params = http_request.query_params
+    text = gateway_of(http_request).canonicalizer.learned_yaml(params.get("model"), params.get("tenant"))
+    return Response(text, media_type="application/yaml")
+
+
+def routes() -> list[BaseRoute]:
+    """The admin route table."""
+    return [
+        Route("/admin/stats", admin_stats, methods=["GET"]),
+        Route("/admin/rules/learned", learned_rules, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]

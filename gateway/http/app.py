@@ -1,0 +1,173 @@
+"""The Starlette app: route table, lifespan (start and close backends; close the transcript memory's Redis
+connections), and the one exception handler.
+
+Routes come from ``gateway.http.routes.route_table`` (written out, no discovery); a caller can also pass
+``extra_routes`` to ``create_app``.
+
+Every error raised by a handler (``gateway.core.errors.APIError``, an engine error, Starlette's 404/405)
+becomes one JSON error response in ``handle_error``, shaped for the protocol of the path (OpenAI by default,
+Anthropic on ``/v1/messages``), and is counted in the stats and logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.errors import EngineError
+from gateway.backends.base import Backend
+from gateway.backends.registry import create_backend
+from gateway.config.price_table import shipped_price_table
+from gateway.config.schema import GatewayConfig
+from gateway.core.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
+from gateway.http.request_context import ClientDisconnected, request_id_of
+from gateway.http.routes import route_table
+from gateway.service.cache_explain import CacheExplanations
+from gateway.service.canonicalize import Canonicalizer
+from gateway.service.gateway import Gateway
+from gateway.service.metrics import build_registry
+from gateway.service.registry import ModelRegistry
+from gateway.service.request_log import RequestRecord, log_request
+from gateway.service.retention import RetentionPolicy, attach_retention_policy
+from gateway.service.stats import GatewayStats
+
+logger = logging.getLogger("prefixgate.app")
+
+
+def create_app(
+    config: GatewayConfig,
+    backends: Mapping[str, Backend] | None = None,
+    extra_routes: Sequence[BaseRoute] = (),
+) -> Starlette:
+    """Build the ASGI app for ``config``.
+
+    Args:
+        config: validated config.
+        backends: model name -> backend to use instead of building them from ``config`` (tests).
+        extra_routes: routes added after the faces' routes.
+
+    Raises:
+        ConfigError: a model's backend kind is not installed.
+        whatever ``rules.load_ruleset`` raises for a bad rule file.
+    """
+    if backends is None:
+        backends = {model.name: create_backend(model) for model in config.models}
+    attach_retention_policy(backends, RetentionPolicy())
+    registry = ModelRegistry(backends)
+    stats = GatewayStats(
+        {name: config.prices(name) for name in registry.names()}, prices_checked=shipped_price_table().checked
+    )
+    canonicalizer = Canonicalizer(config.rules, config.transcript, config.rules_learning)
+    gateway = Gateway(
+        config=config,
+        registry=registry,
+        canonicalizer=canonicalizer,
+        stats=stats,
+        cache=CacheExplanations(canonicalizer),
+    )
+    gateway.metrics = build_registry(gateway.stats_snapshot, gateway.engine_stats)
+
+    app = Starlette(
+        routes=[*route_table(), *extra_routes],
+        middleware=[Middleware(_StartClock)],
+        exception_handlers={
+            APIError: handle_error,
+            EngineError: handle_error,
+            HTTPException: handle_error,
+            ClientDisconnected: handle_disconnect,
+            Exception: handle_error,
+        },
+        lifespan=_lifespan(gateway),
+    )
+    app.state.gateway = gateway
+    return app
+
+
+def _lifespan(gateway: Gateway):
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        backends = [backend for _, backend in gateway.registry.items()]
+        started: list[Backend] = []
+        try:
+            for backend in backends:
+                await backend.start()
+                started.append(backend)
+                logger.info("model %s ready (%s)", backend.name, type(backend).__name__)
+            yield
+        finally:
+            await asyncio.gather(*(backend.close() for backend in started), return_exceptions=True)
+            gateway.canonicalizer.close()
+
+    return lifespan
+
+
+class _StartClock:
+    """Stamps ``request.state.started_at`` (monotonic seconds) as the request arrives, for durations and
+    TTFT."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["started_at"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
+async def handle_error(http_request: Request, exc: Exception) -> Response:
+    """The one exception handler: typed error -> protocol-shaped JSON, counted and logged once."""
+    error = request_error(http_request, exc)
+    gateway = getattr(http_request.app.state, "gateway", None)
+    model = getattr(http_request.state, "model", None)
+    if gateway is not None:
+        gateway.stats.record_error(model, error.status_code)
+    started = getattr(http_request.state, "started_at", None)
+    log_request(
+        RequestRecord(
+            request_id=request_id_of(http_request),
+            path=http_request.url.path,
+            status=error.status_code,
+            model=model,
+            stream=bool(getattr(http_request.state, "stream", False)),
+            duration_s=time.monotonic() - started if started is not None else None,
+            error_code=error.code or error.error_type,
+        )
+    )
+    headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthenticationError) else {}
+    retry_after = getattr(error, "retry_after_s", None)
+    if (
+        isinstance(retry_after, int | float) and 0 <= retry_after < 10**9
+    ):  # an upstream's Retry-After (RFC 9110)
+        headers["retry-after"] = str(math.ceil(retry_after))
+    body = error_shape_for(http_request.url.path)(error)
+    return JSONResponse(body, status_code=error.status_code, headers=headers or None)
+
+
+async def handle_disconnect(http_request: Request, exc: Exception) -> Response:
+    """A client that left before its non-streamed answer: already logged as 499; nobody reads this."""
+    return Response(status_code=499)
+
+
+def request_error(http_request: Request, exc: Exception) -> APIError:
+    """Any exception as the API error the client gets: Starlette's 404/405 by status, the rest by
+    ``gateway.errors.as_api_error`` (an unexpected one as a 500; the server logs its traceback)."""
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            return status_error(404, f"Invalid URL ({http_request.method} {http_request.url.path})")
+        return status_error(exc.status_code, exc.detail if isinstance(exc.detail, str) else None)
+    if not isinstance(exc, APIError | EngineError):
+        name, path = type(exc).__name__, http_request.url.path
+        logger.error("unhandled %s on %s (traceback logged by the server)", name, path)
+    return as_api_error(exc)

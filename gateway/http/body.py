@@ -1,0 +1,64 @@
+"""Reading a JSON request body with a hard size limit enforced while reading.
+
+``Content-Length`` is checked first (a quick 413 for honest clients) but never trusted alone: the streamed
+bytes are counted as they arrive, so a chunked body or a lying header cannot push more than
+``max_bytes`` (+ one network chunk) into memory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from gateway.core.errors import InvalidRequestError, PayloadTooLargeError
+
+_NOT_JSON = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP "
+    "library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)"
+)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, at most ``max_bytes`` bytes.
+
+    Raises:
+        PayloadTooLargeError: the declared or the actual body is larger than ``max_bytes``.
+        InvalidRequestError: a ``Content-Length`` that is not a number.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise InvalidRequestError("Invalid Content-Length header.", code="invalid_header")
+        if int(declared) > max_bytes:
+            raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body parsed as a JSON object.
+
+    Raises:
+        PayloadTooLargeError: see ``read_body``.
+        InvalidRequestError: not UTF-8 JSON, or JSON that is not an object (code ``invalid_json``).
+    """
+    raw = await read_body(request, max_bytes)
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(_NOT_JSON, code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _too_large(max_bytes: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"Request body too large: the limit is {max_bytes} bytes.")

@@ -1,0 +1,83 @@
+"""Per-HTTP-request context the handlers and the exception handler share: the app's ``Gateway``
+(``gateway_of``), the request id (made on first use), the arrival time stamped by the app's middleware, and
+cancelling a non-streamed answer when the client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from gateway.core.request import ChatRequest
+from gateway.service.gateway import Gateway
+from gateway.service.pipeline import OpenedStream
+
+T = TypeVar("T")
+
+
+def new_request_id() -> str:
+    """A random 24-hex-digit id for logs and response ids."""
+    return uuid.uuid4().hex[:24]
+
+
+def begin(http_request: Request, request: ChatRequest) -> None:
+    """Note the parsed request on the HTTP request so the exception handler can attribute errors to it."""
+    if not request.request_id:
+        request.request_id = getattr(http_request.state, "request_id", "") or new_request_id()
+    http_request.state.request_id = request.request_id
+    http_request.state.model = request.model
+    http_request.state.stream = request.stream
+
+
+def request_id_of(http_request: Request) -> str:
+    """The request's id (made on first use)."""
+    request_id = getattr(http_request.state, "request_id", None)
+    if not request_id:
+        request_id = new_request_id()
+        http_request.state.request_id = request_id
+    return request_id
+
+
+def started_at(http_request: Request) -> float:
+    """``time.monotonic()`` when the app first saw the request (set by the app's middleware)."""
+    return getattr(http_request.state, "started_at", None) or time.monotonic()
+
+
+async def run_unless_disconnected(http_request: Request, work: Awaitable[T], opened: OpenedStream) -> T:
+    """Await ``work`` (a non-streamed answer being collected) unless the client disconnects first; then cancel
+    it, close ``opened`` (freeing the backend's work) and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        await opened.aclose()
+        raise ClientDisconnected()
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its non-streamed answer was ready (nobody reads the response)."""
+
+
+async def _wait_disconnect(http_request: Request) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The ``Gateway`` of the app serving ``request`` (``request.app.state.gateway``, set by
+    ``create_app``)."""
+    return request.app.state.gateway

@@ -1,0 +1,124 @@
+"""Backend events -> Anthropic SSE bytes in Anthropic's event order: ``message_start``, per content block
+``content_block_start`` (``ping`` after the first), ``content_block_delta``..., ``content_block_stop``; then
+``message_delta`` (``stop_reason``, usage) and ``message_stop``. A failure after the start ends the stream
+with an ``error`` event. Reference: https://docs.anthropic.com/en/docs/build-with-claude/streaming
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.core.errors import APIError, anthropic_error_body
+from gateway.core.event_stream import encode_event
+from gateway.core.events import Delta, Finish
+from gateway.protocols.anthropic.render import MessageBuilder, anthropic_usage, message_id, stop_fields
+
+if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
+    pass
+
+
+# ==== errors ================================================================================================
+
+
+def encode_error_event(error: APIError) -> bytes:
+    """The SSE ``error`` event that ends a stream which failed after it started (body:
+    ``gateway.errors.anthropic_error_body``, the same as the error responses of this path)."""
+    return encode_event(anthropic_error_body(error), event="error")
+
+
+class StreamFormatter:
+    """Backend events -> Anthropic SSE bytes, in Anthropic's event order.
+
+    ``message_start`` carries ``usage`` with ``input_tokens`` 0 (backends report usage at the end); the final
+    ``message_delta`` carries the whole usage (the SDKs overwrite the start's counts with it).
+    """
+
+    def __init__(self, model: str, request_id: str) -> None:
+        self.model = model
+        self.id = message_id(request_id)
+        self.builder = MessageBuilder()
+        self._open: int | None = None
+        self._pinged = False
+        self.started = False
+        self.finish: Finish | None = None
+
+    def start(self) -> bytes:
+        """The ``message_start`` event."""
+        self.started = True
+        message = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "output_tokens": 0,
+            },
+        }
+        return encode_event({"type": "message_start", "message": message}, "message_start")
+
+    def feed(self, event: Delta | Finish) -> bytes:
+        """SSE bytes for one backend event (``message_start`` first if not sent yet)."""
+        out = b"" if self.started else self.start()
+        if isinstance(event, Finish):
+            return out + self._finish(event)
+        for step, index, value in self.builder.add(event):
+            if step == "start":
+                out += self._stop_open()
+                out += encode_event(
+                    {"type": "content_block_start", "index": index, "content_block": value},
+                    "content_block_start",
+                )
+                self._open = index
+                if not self._pinged:
+                    out += encode_event({"type": "ping"}, "ping")
+                    self._pinged = True
+            elif step == "text":
+                out += encode_event(
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "text_delta", "text": value},
+                    },
+                    "content_block_delta",
+                )
+            else:
+                out += encode_event(
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": value},
+                    },
+                    "content_block_delta",
+                )
+        return out
+
+    def _stop_open(self) -> bytes:
+        if self._open is None:
+            return b""
+        index, self._open = self._open, None
+        return encode_event({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+    def _finish(self, finish: Finish) -> bytes:
+        self.finish = finish
+        stop_reason, stop_sequence = stop_fields(finish)
+        out = self._stop_open()
+        out += encode_event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": anthropic_usage(finish.usage),
+            },
+            "message_delta",
+        )
+        return out + encode_event({"type": "message_stop"}, "message_stop")
+
+    def error(self, error: APIError) -> bytes:
+        """The ``error`` event that ends a broken stream (after closing nothing: Anthropic sends it bare)."""
+        out = b"" if self.started else self.start()
+        return out + encode_error_event(error)

@@ -1,0 +1,219 @@
+"""Validation of Anthropic Messages request bodies: field types, ranges, content blocks, tools,
+``tool_choice``, ``cache_control``. Raises ``InvalidRequestError`` naming the offending ``param``; accepts
+exactly what the Messages API documents (https://docs.anthropic.com/en/api/messages). Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gateway.core.errors import InvalidRequestError
+from gateway.core.json_types import json_kind
+
+if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
+    pass
+
+
+_TOOL_RESULT_BLOCKS = frozenset({"text", "image", "document", "search_result"})
+_CACHE_TTLS = frozenset({"5m", "1h"})
+_TOOL_CHOICE_TYPES = frozenset({"auto", "any", "tool", "none"})
+
+
+# ==== validation ============================================================================================
+
+
+def bad_param(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _require_str(value: Any, param: str, allow_empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise bad_param(f"expected a string, got {json_kind(value)}", param)
+    if not allow_empty and not value:
+        raise bad_param("must not be empty", param)
+    return value
+
+
+def _number(value: Any, param: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_param(f"expected a number, got {json_kind(value)}", param)
+    if not low <= value <= high:
+        raise bad_param(f"expected a number in [{low}, {high}], got {value}", param)
+    return float(value)
+
+
+def _integer(value: Any, param: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_param(f"expected an integer, got {json_kind(value)}", param)
+    if value < low:
+        raise bad_param(f"expected an integer >= {low}, got {value}", param)
+    return value
+
+
+def validate_cache_control(value: Any, param: str) -> None:
+    """``{"type": "ephemeral", "ttl"?: "5m" | "1h"}``. Raises ``InvalidRequestError``."""
+    if not isinstance(value, dict):
+        raise bad_param(f"expected an object, got {json_kind(value)}", param)
+    if value.get("type") != "ephemeral":
+        raise bad_param("type must be 'ephemeral'", f"{param}.type")
+    if "ttl" in value and value["ttl"] not in _CACHE_TTLS:
+        raise bad_param("ttl must be '5m' or '1h'", f"{param}.ttl")
+
+
+def _validate_block(block: Any, param: str, role: str) -> None:
+    if not isinstance(block, dict):
+        raise bad_param(f"expected a content block object, got {json_kind(block)}", param)
+    kind = block.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise bad_param("content block needs a string 'type'", f"{param}.type")
+    if "cache_control" in block:
+        validate_cache_control(block["cache_control"], f"{param}.cache_control")
+    if kind == "text":
+        _require_str(block.get("text"), f"{param}.text")
+    elif kind == "image":
+        source = block.get("source")
+        if not isinstance(source, dict):
+            raise bad_param("image block needs a 'source' object", f"{param}.source")
+        stype = source.get("type")
+        if stype == "base64":
+            _require_str(source.get("media_type"), f"{param}.source.media_type", allow_empty=False)
+            _require_str(source.get("data"), f"{param}.source.data", allow_empty=False)
+        elif stype == "url":
+            _require_str(source.get("url"), f"{param}.source.url", allow_empty=False)
+        elif stype != "file":
+            raise bad_param("image source type must be 'base64', 'url' or 'file'", f"{param}.source.type")
+    elif kind == "tool_use":
+        if role != "assistant":
+            raise bad_param("tool_use blocks belong to assistant messages", param)
+        _require_str(block.get("id"), f"{param}.id", allow_empty=False)
+        _require_str(block.get("name"), f"{param}.name", allow_empty=False)
+        if not isinstance(block.get("input"), dict):
+            raise bad_param(f"expected an object, got {json_kind(block.get('input'))}", f"{param}.input")
+    elif kind == "tool_result":
+        if role != "user":
+            raise bad_param("tool_result blocks belong to user messages", param)
+        _require_str(block.get("tool_use_id"), f"{param}.tool_use_id", allow_empty=False)
+        content = block.get("content", "")
+        if isinstance(content, list):
+            for j, inner in enumerate(content):
+                _validate_block(inner, f"{param}.content[{j}]", "user")
+                if inner["type"] not in _TOOL_RESULT_BLOCKS:
+                    raise bad_param(
+                        f"tool_result content cannot hold a {inner['type']!r} block", f"{param}.content[{j}]"
+                    )
+        elif not isinstance(content, str):
+            raise bad_param(
+                f"expected a string or an array of blocks, got {json_kind(content)}", f"{param}.content"
+            )
+        if "is_error" in block and not isinstance(block["is_error"], bool):
+            raise bad_param("expected a boolean", f"{param}.is_error")
+
+
+def _validate_tool(tool: Any, param: str) -> None:
+    if not isinstance(tool, dict):
+        raise bad_param(f"expected a tool object, got {json_kind(tool)}", param)
+    if "cache_control" in tool:
+        validate_cache_control(tool["cache_control"], f"{param}.cache_control")
+    _require_str(tool.get("name"), f"{param}.name", allow_empty=False)
+    if tool.get("type", "custom") == "custom":
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_param(
+                f"expected a JSON schema object, got {json_kind(schema)}", f"{param}.input_schema"
+            )
+        if "description" in tool:
+            _require_str(tool["description"], f"{param}.description")
+
+
+def _validate_tool_choice(choice: Any, tool_names: set[str]) -> None:
+    if not isinstance(choice, dict) or choice.get("type") not in _TOOL_CHOICE_TYPES:
+        raise bad_param("expected {'type': 'auto' | 'any' | 'tool' | 'none', ...}", "tool_choice")
+    if choice["type"] == "tool":
+        name = _require_str(choice.get("name"), "tool_choice.name", allow_empty=False)
+        if tool_names and name not in tool_names:
+            raise bad_param(f"names a tool that is not in tools: {name!r}", "tool_choice.name")
+    if "disable_parallel_tool_use" in choice and not isinstance(choice["disable_parallel_tool_use"], bool):
+        raise bad_param("expected a boolean", "tool_choice.disable_parallel_tool_use")
+
+
+def validate_body(body: Any, require_max_tokens: bool = True) -> None:
+    """Check a Messages request body (the fields prefixgate reads; other fields pass through untouched).
+
+    Args:
+        body: the parsed JSON body.
+        require_max_tokens: False for ``/v1/messages/count_tokens`` bodies, which have no ``max_tokens``
+            (one that is there is still checked).
+
+    Raises:
+        InvalidRequestError: with ``param`` naming the field (``messages[2].content[0].text``).
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
+    if "model" not in body:
+        raise bad_param("field required", "model")
+    _require_str(body["model"], "model", allow_empty=False)
+    if "max_tokens" in body:
+        _integer(body["max_tokens"], "max_tokens", 1)
+    elif require_max_tokens:
+        raise bad_param("field required", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise bad_param(f"expected an array of messages, got {json_kind(messages)}", "messages")
+    if not messages:
+        raise bad_param("at least one message is required", "messages")
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_param(f"expected a message object, got {json_kind(message)}", param)
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_param(f"role must be 'user' or 'assistant', got {role!r}", f"{param}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, block in enumerate(content):
+                _validate_block(block, f"{param}.content[{j}]", role)
+        elif not isinstance(content, str):
+            raise bad_param(
+                f"expected a string or an array of content blocks, got {json_kind(content)}",
+                f"{param}.content",
+            )
+    system = body.get("system")
+    if isinstance(system, list):
+        for j, block in enumerate(system):
+            _validate_block(block, f"system[{j}]", "system")
+            if block["type"] != "text":
+                raise bad_param("system blocks must be text blocks", f"system[{j}].type")
+    elif system is not None and not isinstance(system, str):
+        raise bad_param(f"expected a string or an array of text blocks, got {json_kind(system)}", "system")
+    tools = body.get("tools")
+    names: set[str] = set()
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_param(f"expected an array of tools, got {json_kind(tools)}", "tools")
+        for j, tool in enumerate(tools):
+            _validate_tool(tool, f"tools[{j}]")
+            if tool["name"] in names:
+                raise bad_param(f"duplicate tool name {tool['name']!r}", f"tools[{j}].name")
+            names.add(tool["name"])
+    if body.get("tool_choice") is not None:
+        _validate_tool_choice(body["tool_choice"], names)
+    if body.get("temperature") is not None:
+        _number(body["temperature"], "temperature", 0.0, 1.0)
+    if body.get("top_p") is not None:
+        _number(body["top_p"], "top_p", 0.0, 1.0)
+    if body.get("top_k") is not None:
+        _integer(body["top_k"], "top_k", 0)
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad_param("expected an array of non-empty strings", "stop_sequences")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_param(f"expected a boolean, got {json_kind(body['stream'])}", "stream")
+    if "cache_control" in body:
+        validate_cache_control(body["cache_control"], "cache_control")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise bad_param(f"expected an object, got {json_kind(metadata)}", "metadata")
+        if metadata.get("user_id") is not None:
+            _require_str(metadata["user_id"], "metadata.user_id")

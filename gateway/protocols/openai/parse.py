@@ -1,0 +1,351 @@
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) -> ``ChatRequest``, with OpenAI's own
+error messages and codes for bad input. Pure functions, no I/O.
+Reference: https://platform.openai.com/docs/api-reference/chat/create
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.api import SamplingParams
+from gateway.core.errors import InvalidRequestError
+from gateway.core.headers import rules_enabled, tenant
+from gateway.core.json_types import json_kind
+from gateway.core.request import ChatRequest, given_sampling
+
+MAX_STOP_SEQUENCES = 4
+
+CHAT_FIELDS = frozenset(
+    {
+        "model", "messages", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "stop",
+        "seed", "user", "n", "stream", "stream_options", "tools", "tool_choice",
+        # accepted and passed on (upstreams); the embedded backend refuses values it cannot honour
+        "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
+        "parallel_tool_calls", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
+        "reasoning_effort", "functions", "function_call", "web_search_options", "verbosity",
+        "prompt_cache_key", "safety_identifier",
+    }
+)  # fmt: skip
+COMPLETION_FIELDS = frozenset(
+    {
+        "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "user", "n",
+        "stream", "stream_options", "echo", "suffix", "logprobs", "best_of", "presence_penalty",
+        "frequency_penalty", "logit_bias",
+    }
+)  # fmt: skip
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's documented default of ``max_tokens`` for ``/v1/completions`` (chat has no default: up to the
+context window)."""
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------
+
+
+def parse_chat_request(body: dict[str, Any], headers: Mapping[str, str]) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body into a ``ChatRequest``.
+
+    Raises:
+        InvalidRequestError: a missing, unknown or ill-typed field, or a value out of range (``n`` != 1...).
+    """
+    _reject_unknown(body, CHAT_FIELDS)
+    model = _model(body)
+    messages = _messages(body)
+    tools = _tools(body)
+    stream, include_usage = _stream(body)
+    max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        params=_sampling(body, max_tokens),
+        tools=tools,
+        tool_choice=body.get("tool_choice"),
+        parallel_tool_calls=_parallel_tool_calls(body),
+        stream=stream,
+        include_usage=include_usage,
+        user=_optional_str(body, "user"),
+        tenant=tenant(headers),
+        kind="chat",
+        openai_body=body,
+        sampling_given=given_sampling(body),
+        rules_enabled=rules_enabled(headers),
+    )
+
+
+def parse_completion_request(body: dict[str, Any], headers: Mapping[str, str]) -> ChatRequest:
+    """Validate a ``/v1/completions`` body (a single string prompt) into a ``ChatRequest`` of kind completion.
+
+    Raises:
+        InvalidRequestError: as ``parse_chat_request``; also a prompt that is not one string.
+    """
+    _reject_unknown(body, COMPLETION_FIELDS)
+    model = _model(body)
+    if "prompt" not in body:
+        raise _missing("prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidRequestError(
+            "Invalid 'prompt': prefixgate accepts one string prompt per request.",
+            param="prompt",
+            code="invalid_type",
+        )
+    stream, include_usage = _stream(body)
+    max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    return ChatRequest(
+        model=model,
+        messages=[],
+        params=_sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens),
+        stream=stream,
+        include_usage=include_usage,
+        user=_optional_str(body, "user"),
+        tenant=tenant(headers),
+        kind="completion",
+        prompt=prompt,
+        openai_body=body,
+        sampling_given=given_sampling(body),
+        rules_enabled=rules_enabled(headers),
+    )
+
+
+def _parallel_tool_calls(body: dict[str, Any]) -> bool | None:
+    value = body.get("parallel_tool_calls")
+    return value if isinstance(value, bool) else None
+
+
+def _reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter"
+            )
+
+
+def _model(body: dict[str, Any]) -> str:
+    if "model" not in body:
+        raise _missing("model")
+    model = body["model"]
+    if not isinstance(model, str) or not model:
+        raise _invalid_type("model", "a non-empty string", model)
+    return model
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    if "messages" not in body:
+        raise _missing("messages")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise _invalid_type("messages", "an array", messages)
+    if not messages:
+        raise InvalidRequestError(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
+            "array instead.",
+            param="messages",
+            code="empty_array",
+        )
+    return [_message(message, index) for index, message in enumerate(messages)]
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise _invalid_type(where, "an object", message)
+    if "role" not in message:
+        raise _missing(f"{where}.role")
+    role = message["role"]
+    if role not in ROLES:
+        raise InvalidRequestError(
+            f"Invalid value: '{role}'. Supported values are: {', '.join(sorted(ROLES))}.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    content = message.get("content")
+    has_tool_calls = role == "assistant" and bool(message.get("tool_calls"))
+    if content is None:
+        if not (has_tool_calls or (role == "assistant" and "function_call" in message)):
+            raise _missing(f"{where}.content")
+    elif isinstance(content, list):
+        for part_index, part in enumerate(content):
+            _content_part(part, f"{where}.content[{part_index}]")
+    elif not isinstance(content, str):
+        raise _invalid_type(f"{where}.content", "a string or array of content parts", content)
+    if "name" in message and not isinstance(message["name"], str):
+        raise _invalid_type(f"{where}.name", "a string", message["name"])
+    if role == "tool":
+        if "tool_call_id" not in message:
+            raise _missing(f"{where}.tool_call_id")
+        if not isinstance(message["tool_call_id"], str):
+            raise _invalid_type(f"{where}.tool_call_id", "a string", message["tool_call_id"])
+    if "tool_calls" in message and message["tool_calls"] is not None:
+        calls = message["tool_calls"]
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise _invalid_type(f"{where}.tool_calls", "an array of objects", calls)
+    return message
+
+
+def _content_part(part: Any, where: str) -> None:
+    if not isinstance(part, dict):
+        raise _invalid_type(where, "an object", part)
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise _missing(f"{where}.type")
+    if kind == "text" and not isinstance(part.get("text"), str):
+        raise _invalid_type(f"{where}.text", "a string", part.get("text"))
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _invalid_type("tools", "an array", tools)
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise _invalid_type(where, "an object", tool)
+        if tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"Invalid value for '{where}.type': supported values are: 'function'.",
+                param=f"{where}.type",
+                code="invalid_value",
+            )
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _missing(f"{where}.function")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _missing(f"{where}.function.name")
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise _invalid_type(f"{where}.function.parameters", "an object", function["parameters"])
+    return tools
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _invalid_type("stream", "a boolean", stream)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise InvalidRequestError(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+            code="invalid_value",
+        )
+    if not isinstance(options, dict):
+        raise _invalid_type("stream_options", "an object", options)
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise _invalid_type("stream_options.include_usage", "a boolean", include_usage)
+    return stream, include_usage
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingParams:
+    n = _optional_int(body, "n", minimum=1)
+    if n is not None and n != 1:
+        raise InvalidRequestError(
+            f"Invalid 'n': prefixgate generates one choice per request (n=1), got {n}.",
+            param="n",
+            code="invalid_value",
+        )
+    temperature = _optional_number(body, "temperature", 0.0, 2.0)
+    top_p = _optional_number(body, "top_p", 0.0, 1.0)
+    top_k = _optional_int(body, "top_k", minimum=0)
+    seed = _optional_int(body, "seed")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None else top_k,
+        seed=seed,
+        stop=_stop(body),
+    )
+    if params.top_p == 0.0:
+        # The nucleus of mass -> 0 is the single most likely token: greedy decoding.
+        params = SamplingParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
+    return params
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _invalid_type("stop", "a string or an array of strings", stop)
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequestError(
+            f"Invalid 'stop': array too long. Expected at most {MAX_STOP_SEQUENCES} items, got {len(stop)}.",
+            param="stop",
+            code="array_above_max_length",
+        )
+    if any(s == "" for s in stop):
+        raise InvalidRequestError(
+            "Invalid 'stop': stop sequences must not be empty.", param="stop", code="invalid_value"
+        )
+    return tuple(stop)
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid_type(name, "an integer", value)
+    if minimum is not None and value < minimum:
+        raise InvalidRequestError(
+            f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, but got "
+            f"{value} instead.",
+            param=name,
+            code="integer_below_min_value",
+        )
+    return value
+
+
+def _optional_number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _invalid_type(name, "a number", value)
+    if not low <= value <= high:
+        raise InvalidRequestError(
+            f"Invalid '{name}': expected a value between {low:g} and {high:g}, but got {value} instead.",
+            param=name,
+            code="invalid_value",
+        )
+    return float(value)
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _invalid_type(name, "a string", value)
+    return value
+
+
+def _missing(param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+def _invalid_type(param: str, expected: str, value: Any) -> InvalidRequestError:
+    got = json_kind(value)
+    return InvalidRequestError(
+        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+# ---- formatting ------------------------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""The live miss explanation of each request: the ``x-prefixgate-cache`` header and the counters by cause.
+
+After the backend answers, ``CacheExplanations.explain`` renders the request's canonical prompt with the
+model's tokenizer (the embedded engine's own template and tokenizer, so its token ids are the ones the engine
+prefilled; ``cl100k_base`` over a plain layout for upstreams, whose own tokenizers we do not have), finds its
+segments and stable prefix as token ranges, and asks ``gateway.service.miss_explain.MissExplainer`` where and
+why the reported cached prefix stopped short of the stable prefix. The prompt is then recorded for the next
+request of the same model and tenant, and its full blocks noted as cached.
+
+Invariants: never prompt text in what leaves this module (the header value and the counters hold counts,
+cause names, segment names and token offsets); never an exception to the request: any failure (a template
+that refuses the messages, a tokenizer missing) is counted in ``errors`` and the request goes on without a
+header.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from gateway.core.request import ChatRequest
+from gateway.service.canonicalize import Canonicalizer
+from gateway.service.canonicalize.replay import Cl100kTokenizer, PromptTokenizer
+from gateway.service.miss_explain import HEADER, MissCounters, MissExplainer, MissExplanation
+
+__all__ = ["HEADER", "CacheExplanations"]
+
+logger = logging.getLogger("prefixgate.cache_explain")
+
+_TOOLS_PREAMBLE = "<|tools|>\n"
+
+
+class CacheExplanations:
+    """One per app: the explainer's index of recent prompts, the counters by cause, and the fallback
+    tokenizer.
+
+    Args:
+        canonicalizer: renders canonical requests and knows the learned slots.
+        block_size: tokens per block of the chain hashes (the engines' block size).
+    """
+
+    def __init__(self, canonicalizer: Canonicalizer, block_size: int = 16) -> None:
+        self.canonicalizer = canonicalizer
+        self.explainer = MissExplainer(block_size=block_size)
+        self.counters: dict[str, MissCounters] = {}
+        self.errors = 0
+        self._fallback: PromptTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def _tokenizer(self, own: PromptTokenizer | None) -> PromptTokenizer:
+        if own is not None:
+            return own
+        if self._fallback is None:
+            self._fallback = Cl100kTokenizer()
+        return self._fallback
+
+    def explain(
+        self,
+        request: ChatRequest,
+        cached_tokens: int,
+        tokenizer: PromptTokenizer | None = None,
+        provider_cause: str | None = None,
+        min_cacheable: int | None = None,
+        granularity: int | None = None,
+    ) -> MissExplanation | None:
+        """Explain one finished chat request's cache result, count it, and record its prompt.
+
+        Args:
+            request: the canonicalized request (completion requests get no explanation: None).
+            cached_tokens: prompt tokens the engine or upstream reported cached.
+            tokenizer: the model's own (``Backend.prompt_tokenizer``); ``cl100k_base`` when None.
+            provider_cause: an upstream's own cache diagnostic, when it gave one.
+            min_cacheable: the upstream's minimum cacheable prompt length, when it has one.
+            granularity: the cache's unit in tokens (an engine's block size); the explainer's block size
+                when None.
+
+        Returns:
+            the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
+        """
+        if request.kind != "chat" or request.canonical is None:
+            return None
+        try:
+            rendered, spans = self.canonicalizer.render(request, self._tokenizer(tokenizer))
+            shift = 0
+            if (
+                tokenizer is not None
+                and rendered.text.startswith(_TOOLS_PREAMBLE)
+                and rendered.segments
+                and rendered.segments[0].name == "tools"
+            ):
+                # the engine's template ignores tools: the preamble the explainer sees is not in its prompt
+                shift = rendered.segments[0].end
+            model, tenant = request.model, request.tenant
+            explanation = self.explainer.explain(
+                model,
+                tenant,
+                rendered.tokens,
+                rendered.segments,
+                rendered.stable_tokens,
+                max(0, cached_tokens) + shift,
+                min_cacheable=min_cacheable,
+                granularity=granularity,
+                volatile_spans=spans,
+                provider_cause=provider_cause,
+            )
+            self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
+            self.explainer.mark_cached(model, tenant, rendered.tokens)
+        except Exception as exc:  # noqa: BLE001 - an explanation must never fail a request
+            with self._lock:
+                self.errors += 1
+            logger.warning("no cache explanation for a request of %s (%s)", request.model, type(exc).__name__)
+            return None
+        with self._lock:
+            self.counters.setdefault(request.model, MissCounters()).add(explanation)
+        return explanation
+
+    def snapshot(self) -> dict[str, Any]:
+        """``/admin/stats``'s ``cache_misses``: per model the counters by cause and segment, the explainer's
+        footprint, and ``errors`` (requests left unexplained)."""
+        with self._lock:
+            models = {name: c.snapshot() for name, c in self.counters.items()}
+            errors = self.errors
+        return {"models": models, "errors": errors, "index": self.explainer.footprint()}

@@ -1,0 +1,64 @@
+"""The running gateway's services (one per app): config, model registry, canonicalizer (rules, transcript
+memory, learned slots), miss explanations, stats, metrics. The stats document asks each backend for its engine
+counters and replicas (``Backend`` capabilities)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from engine.api import EngineStats
+from gateway.config.schema import GatewayConfig
+from gateway.service.cache_explain import CacheExplanations
+from gateway.service.canonicalize import Canonicalizer
+from gateway.service.registry import ModelRegistry
+from gateway.service.stats import GatewayStats
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs.
+
+    Attributes:
+        config: the validated config.
+        registry: model name -> backend.
+        canonicalizer: the configured rules, the transcript memory and the slot learner.
+        stats: gateway-side counters.
+        cache: the miss explanations (``x-prefixgate-cache``) and their counters by cause.
+        metrics: this app's Prometheus registry (reads ``stats_snapshot`` at scrape time).
+        created: Unix time the gateway was built (the ``created`` of ``/v1/models`` entries).
+    """
+
+    config: GatewayConfig
+    registry: ModelRegistry
+    canonicalizer: Canonicalizer
+    stats: GatewayStats
+    cache: CacheExplanations | None = None
+    metrics: CollectorRegistry | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def engine_stats(self) -> dict[str, EngineStats | None]:
+        """Model name -> its engine's counters (None for backends without an engine, or not started)."""
+        result: dict[str, EngineStats | None] = {}
+        for name, backend in self.registry.items():
+            result[name] = backend.engine_stats()
+        return result
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials
+        or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring. Also:
+        ``rule_packs`` (the configured packs), ``transcript`` (memory, store and Redis counters), ``learned``
+        (mode, footprint, and each learned slot's shape and counts, never a value) and ``cache_misses`` (per
+        model, misses by cause and by segment)."""
+        doc = self.stats.snapshot(self.engine_stats())
+        doc.update(self.canonicalizer.stats())
+        if self.cache is not None:
+            doc["cache_misses"] = self.cache.snapshot()
+        for name, backend in self.registry.items():
+            replicas = backend.replicas()
+            if replicas is not None and name in doc["models"]:
+                doc["models"][name]["replicas"] = replicas
+        return doc

@@ -1,0 +1,192 @@
+"""``/metrics``: the ``/admin/stats`` counters in the Prometheus text format, through ``prometheus-client``.
+
+A per-app ``CollectorRegistry`` holds one custom collector that reads the same snapshot as ``/admin/stats``
+at scrape time, so the two can never disagree and several apps (tests) never share global metrics.
+Prefix groups are left out on purpose (one series per prefix key would be unbounded cardinality).
+Format: https://prometheus.io/docs/instrumenting/exposition_formats/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.api import EngineStats, Histogram
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_COUNTERS = (
+    ("requests", "Requests the backend finished."),
+    ("aborted", "Requests whose client disconnected before the end."),
+    ("prompt_tokens", "Prompt tokens reported in usage."),
+    (
+        "cached_tokens",
+        "Prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens).",
+    ),
+    ("cache_creation_tokens", "Prompt tokens written to a provider cache."),
+    ("completion_tokens", "Generated tokens reported in usage."),
+    ("prefill_tokens", "Prompt tokens actually computed (prefilled)."),
+    ("prefill_tokens_saved", "Prompt tokens not computed thanks to the prefix cache."),
+    ("evictions", "Cached KV blocks evicted."),
+    ("inflight_shared_tokens", "Prefill tokens saved by in-flight sharing."),
+    ("preemptions", "Running requests preempted."),
+)
+
+
+class StatsCollector(Collector):
+    """Yields gateway and engine metrics from ``snapshot()`` and ``engine_stats()`` at every scrape.
+
+    Args:
+        snapshot: returns the ``/admin/stats`` document.
+        engine_stats: returns model name -> ``EngineStats`` (None for upstream models).
+    """
+
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        engine_stats: Callable[[], Mapping[str, EngineStats | None]],
+    ) -> None:
+        self._snapshot = snapshot
+        self._engine_stats = engine_stats
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self._snapshot()
+        models: dict[str, dict[str, Any]] = doc["models"]
+        for key, help_text in _COUNTERS:
+            family = CounterMetricFamily(f"prefixgate_{key}", help_text, labels=["model"])
+            for name, m in models.items():
+                family.add_metric([name], m[key])
+            yield family
+        yield _gauge("prefixgate_hit_rate", "cached_tokens / prompt_tokens.", models, lambda m: m["hit_rate"])
+        saved = CounterMetricFamily(
+            "prefixgate_prefill_seconds_saved",
+            "Estimated prefill seconds saved (saved tokens at the measured prefill rate).",
+            labels=["model"],
+        )
+        for name, m in models.items():
+            if m["prefill_seconds_saved"] is not None:
+                saved.add_metric([name], m["prefill_seconds_saved"])
+        yield saved
+        blocks = GaugeMetricFamily("prefixgate_blocks", "KV blocks by state.", labels=["model", "state"])
+        for name, m in models.items():
+            for state in ("total", "used", "cached", "free"):
+                blocks.add_metric([name, state], m["blocks"][state])
+        yield blocks
+        rules = CounterMetricFamily(
+            "prefixgate_rule_applications", "Times each rule rewrote a request.", labels=["model", "rule"]
+        )
+        for name, m in models.items():
+            for rule, count in m["rules"].items():
+                rules.add_metric([name, rule], count)
+        yield rules
+        errors = CounterMetricFamily(
+            "prefixgate_errors", "Error responses by HTTP status.", labels=["status"]
+        )
+        for status, count in doc["errors"].items():
+            errors.add_metric([status], count)
+        yield errors
+        yield from _cache_miss_metrics(doc.get("cache_misses"))
+        yield from _transcript_metrics(doc.get("transcript"))
+        yield from self._engine_histograms()
+
+    def _engine_histograms(self) -> Iterator[Metric]:
+        stats = {name: s for name, s in self._engine_stats().items() if s is not None}
+        for attr, help_text in (
+            ("ttft", "Engine time to first token (seconds)."),
+            ("tpot", "Engine time per output token (seconds)."),
+        ):
+            family = HistogramMetricFamily(f"prefixgate_engine_{attr}_seconds", help_text, labels=["model"])
+            for name, s in stats.items():
+                histogram: Histogram = getattr(s, attr)
+                family.add_metric([name], _buckets(histogram), histogram.sum)
+            yield family
+
+
+def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
+    """Misses by cause (``gateway.service.miss_explain.MISS_CAUSES``) and the stable tokens they cost."""
+    if not doc:
+        return
+    misses = CounterMetricFamily(
+        "prefixgate_cache_misses",
+        "Requests whose cached prefix stopped short, by cause.",
+        labels=["model", "cause"],
+    )
+    tokens = CounterMetricFamily(
+        "prefixgate_cache_missed_tokens",
+        "Stable prompt tokens not served from the cache, by miss cause.",
+        labels=["model", "cause"],
+    )
+    explained = CounterMetricFamily(
+        "prefixgate_cache_explained", "Chat requests whose cache result was explained.", labels=["model"]
+    )
+    for model, counters in doc["models"].items():
+        explained.add_metric([model], counters["requests"])
+        for cause, count in counters["by_cause"].items():
+            misses.add_metric([model, cause], count)
+            tokens.add_metric([model, cause], counters["missed_tokens_by_cause"][cause])
+    yield explained
+    yield misses
+    yield tokens
+    unexplained = CounterMetricFamily(
+        "prefixgate_cache_explain_errors", "Requests left unexplained after an internal failure."
+    )
+    unexplained.add_metric([], doc["errors"])
+    yield unexplained
+
+
+def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
+    """The canonical transcript memory's lookups and hits, and Redis errors."""
+    if not doc:
+        return
+    memory = doc["memory"]
+    family = CounterMetricFamily(
+        "prefixgate_transcript", "Canonical transcript memory events.", labels=["event"]
+    )
+    for event in ("lookups", "hits", "rejected", "stored"):
+        family.add_metric([event], memory[event])
+    redis = doc.get("redis")
+    if redis is not None:
+        for event in ("errors", "skipped", "redis_hits", "writes"):
+            family.add_metric([f"redis_{event}" if not event.startswith("redis_") else event], redis[event])
+    yield family
+
+
+def _gauge(
+    name: str, help_text: str, models: dict[str, dict[str, Any]], value: Callable[[dict], float]
+) -> Metric:
+    family = GaugeMetricFamily(name, help_text, labels=["model"])
+    for model, m in models.items():
+        family.add_metric([model], value(m))
+    return family
+
+
+def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    """Cumulative ``(le, count)`` pairs ending with ``+Inf`` = total count, as Prometheus requires."""
+    pairs = [
+        (_le(bound), float(count)) for bound, count in zip(histogram.buckets, histogram.counts, strict=True)
+    ]
+    if not pairs or pairs[-1][0] != "+Inf":
+        pairs.append(("+Inf", float(histogram.count)))
+    return pairs
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def build_registry(
+    snapshot: Callable[[], dict[str, Any]], engine_stats: Callable[[], Mapping[str, EngineStats | None]]
+) -> CollectorRegistry:
+    """A fresh registry holding one ``StatsCollector`` (never the process-global default registry)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(snapshot, engine_stats))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of ``registry``."""
+    return generate_latest(registry)

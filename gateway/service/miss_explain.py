@@ -1,0 +1,622 @@
+"""Every miss explained: where a request's cached prefix stopped short of its stable prefix, and why.
+
+``MissExplainer`` keeps, per model+tenant, a bounded index of recent prompts (token ids with their
+block-hash chains at ``block_size`` 16 for the cached-chain set; least recently used dropped first, bounded in entries and bytes) and
+the set of block chains known to have been cached (with when). For one request it is given the prompt's
+token ids, its segments as token ranges (``tools``, ``system``, ``documents``, ``history``, ``tail``), where
+its stable prefix ends and how many tokens the engine or upstream reported cached, and answers with a
+``MissExplanation``: a miss or not, the cause, the segment and token offset where the prompt diverged from
+the nearest earlier prompt of the same model+tenant, the learned-slot candidate, and for ``evicted`` how
+long ago the prefix was known cached.
+
+Causes (``MISS_CAUSES``), decided in this order:
+
+- ``below_minimum``: the stable prefix is shorter than the upstream's minimum cacheable length.
+- ``evicted``: the first uncached block's chain was known cached before (it was cached, and is not now).
+- ``cold``: nothing earlier shares a token with the prompt, the shared part was never known cached, or the
+  prompt only extends an earlier one (new content: nothing to hit).
+- at the divergence from the nearest earlier prompt, by segment: ``tools_changed`` (tools),
+  ``volatile`` (a known volatile span covers it, or in system/documents text the prompts re-converge after a
+  short span), ``system_changed`` (system), ``history_rewritten`` (history: client compaction, an edited or
+  retried turn, a template that rewrites earlier turns), ``cold`` (a new document).
+
+A provider's own diagnostic, when an upstream returns one, is mapped to the same causes
+(``map_provider_cause``) and takes precedence over the local cause; the local segment and offset are kept.
+
+Invariants: nothing here holds or returns prompt text (token ids stay inside the index and never leave it);
+memory is bounded by ``max_keys``, ``max_prompts_per_key``, ``max_bytes`` and ``max_cached_chains``
+(``footprint``); chain hashes are BLAKE2b-128 rooted in model and tenant; divergence offsets are found on
+the stored token ids (binary search over array slice compares). Pure Python, no HTTP.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MISS_CAUSES: tuple[str, ...] = (
+    "volatile",
+    "tools_changed",
+    "system_changed",
+    "history_rewritten",
+    "evicted",
+    "cold",
+    "below_minimum",
+)
+"""Every cause a miss may have."""
+
+SEGMENT_NAMES: tuple[str, ...] = ("tools", "system", "documents", "history", "tail")
+"""Segment names a prompt's token ranges may carry (``rules`` levels: tools+system split, documents,
+history, volatile tail)."""
+
+HEADER = "x-prefixgate-cache"
+"""The response header ``format_cache_header`` writes the value of."""
+
+DEFAULT_BLOCK_SIZE = 16
+
+_MAX_TOKEN = (1 << 32) - 1
+_ENTRY_OVERHEAD = 256
+_REJOIN_WINDOW = 8
+
+# Provider diagnostics: (keywords, cause), first match wins; an exact cause name maps to itself.
+_PROVIDER_KEYWORDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("below", "minimum", "too short", "min_tokens", "insufficient", "too few"), "below_minimum"),
+    (("expired", "ttl", "evict"), "evicted"),
+    (("tool",), "tools_changed"),
+    (("system", "instruction"), "system_changed"),
+    (("history", "conversation", "compact", "rewrit"), "history_rewritten"),
+    (("volatile", "dynamic", "timestamp"), "volatile"),
+    (("cold", "not found", "no cache", "first request", "not cached", "new prefix"), "cold"),
+)
+
+
+class MissExplainError(ValueError):
+    """Bad input to the explainer (token ids that are not 32-bit non-negative integers, segments that are
+    not contiguous ranges with known names, a negative count, an unknown model/tenant type); the message
+    names the argument. The gateway treats it as "no explanation", never as a failed request."""
+
+
+@dataclass(frozen=True)
+class PromptSegment:
+    """A token range ``[start, end)`` of the prompt and its segment name (one of ``SEGMENT_NAMES``)."""
+
+    name: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class VolatileSpan:
+    """A token range ``[start, end)`` holding a known volatile value: a learned slot's match (``slot`` is its
+    rule id, e.g. ``learned.1a2b3c4d5e6f``) or another known volatile span (``slot`` None)."""
+
+    start: int
+    end: int
+    slot: str | None = None
+
+
+@dataclass(frozen=True)
+class MissExplanation:
+    """What the explainer concluded for one request.
+
+    Attributes:
+        cached: tokens reported cached (clamped to the prompt length).
+        stable: the stable prefix the cache could have served, in tokens (rounded down to the cache
+            granularity, and short of the last prompt token, which is always computed).
+        miss: ``cached < stable``.
+        cause: one of ``MISS_CAUSES`` when ``miss``, else None.
+        segment, offset: where the miss starts: the divergence from the nearest earlier prompt, the first
+            uncached token (``evicted``, ``cold``), or the end of the stable prefix (``below_minimum``, whose
+            segment is the one holding the last stable token); None on a hit.
+        slot: the learned-slot candidate (``volatile`` only), or None.
+        cached_ago: ``evicted``: seconds since the prefix was last known cached; else None.
+        source: ``local``, or ``provider`` when the upstream's diagnostic gave the cause; None on a hit.
+    """
+
+    cached: int
+    stable: int
+    miss: bool
+    cause: str | None = None
+    segment: str | None = None
+    offset: int | None = None
+    slot: str | None = None
+    cached_ago: float | None = None
+    source: str | None = None
+
+    @property
+    def missed_tokens(self) -> int:
+        """Stable tokens that were not served from the cache (0 on a hit)."""
+        return max(0, self.stable - self.cached)
+
+    def header_value(self) -> str:
+        """The ``x-prefixgate-cache`` value (see ``format_cache_header``)."""
+        return format_cache_header(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields plus ``missed_tokens``."""
+        return {
+            "cached": self.cached,
+            "stable": self.stable,
+            "miss": self.miss,
+            "cause": self.cause,
+            "segment": self.segment,
+            "offset": self.offset,
+            "slot": self.slot,
+            "cached_ago": self.cached_ago,
+            "source": self.source,
+            "missed_tokens": self.missed_tokens,
+        }
+
+
+def volatile_spans_from_chars(
+    spans: Iterable[tuple[int, int, str | None]], token_starts: Sequence[int]
+) -> list[VolatileSpan]:
+    """Character ranges of volatile values in the rendered prompt (e.g. ``SlotLearner.match_slots`` ranges
+    shifted by where that message's text begins in the prompt) as token ranges.
+
+    Args:
+        spans: ``(start, end, slot id or None)`` character ranges, ``start <= end``.
+        token_starts: the start character of every prompt token, ascending (a tokenizer's offsets).
+
+    Returns:
+        ``VolatileSpan``s from the token holding ``start`` to the first token at or after ``end`` (at least one
+        token each).
+    """
+    out = []
+    for start, end, slot in spans:
+        first = max(0, bisect.bisect_right(token_starts, start) - 1)
+        last = max(first + 1, bisect.bisect_left(token_starts, end))
+        out.append(VolatileSpan(first, last, slot))
+    return out
+
+
+def format_cache_header(explanation: MissExplanation) -> str:
+    """``cached=<n>; miss=<cause>; at=<segment>:<offset>``, then ``; slot=<id>`` for a volatile span with a
+    learned-slot candidate and ``; cached_ago=<seconds>`` for ``evicted``; a hit is ``cached=<n>; miss=none``.
+    Holds no prompt text."""
+    if not explanation.miss:
+        return f"cached={explanation.cached}; miss=none"
+    parts = [f"cached={explanation.cached}", f"miss={explanation.cause}"]
+    if explanation.segment is not None and explanation.offset is not None:
+        parts.append(f"at={explanation.segment}:{explanation.offset}")
+    if explanation.slot is not None:
+        parts.append(f"slot={explanation.slot}")
+    if explanation.cached_ago is not None:
+        parts.append(f"cached_ago={int(explanation.cached_ago)}")
+    return "; ".join(parts)
+
+
+def map_provider_cause(text: str | None) -> str | None:
+    """One of ``MISS_CAUSES`` for a provider's own cache diagnostic (an exact cause name, or a phrase such as
+    ``"cache expired"``, ``"prompt below minimum length"``, ``"tools changed"``), or None when it says
+    nothing we know (or is not a string)."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    lowered = text.strip().lower()
+    if lowered in MISS_CAUSES:
+        return lowered
+    for keywords, cause in _PROVIDER_KEYWORDS:
+        if any(k in lowered for k in keywords):
+            return cause
+    return None
+
+
+@dataclass
+class MissCounters:
+    """Counts by cause, for ``/admin/stats`` and ``/metrics`` (each cause a label value).
+
+    Attributes:
+        requests, hits, misses: requests explained, and how many were hits and misses.
+        by_cause: cause -> misses (every cause present, zero when unseen).
+        missed_tokens_by_cause: cause -> stable tokens not served from the cache.
+        by_segment: segment name -> misses located there.
+    """
+
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))
+    missed_tokens_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))
+    by_segment: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SEGMENT_NAMES, 0))
+
+    def add(self, explanation: MissExplanation) -> None:
+        """Count one explanation."""
+        self.requests += 1
+        if not explanation.miss:
+            self.hits += 1
+            return
+        self.misses += 1
+        self.by_cause[explanation.cause] += 1
+        self.missed_tokens_by_cause[explanation.cause] += explanation.missed_tokens
+        if explanation.segment in self.by_segment:
+            self.by_segment[explanation.segment] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {
+            "requests": self.requests,
+            "hits": self.hits,
+            "misses": self.misses,
+            "by_cause": dict(self.by_cause),
+            "missed_tokens_by_cause": dict(self.missed_tokens_by_cause),
+            "by_segment": dict(self.by_segment),
+        }
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """BLAKE2b-128 chain hash of every full block: ``h[i] = H(h[i-1] || tokens of block i as uint32 LE)``,
+    ``h[-1] = root``. Shape: ``len(tokens) // block_size`` digests of 16 bytes."""
+    out: list[bytes] = []
+    parent = root
+    data = array("I", tokens)
+    if data.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    raw = data.tobytes()
+    width = 4 * block_size
+    for i in range(len(tokens) // block_size):
+        parent = hashlib.blake2b(parent + raw[i * width : (i + 1) * width], digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+@dataclass
+class _Entry:
+    tokens: array
+    segments: tuple[PromptSegment, ...]
+    seen_at: float
+
+    @property
+    def nbytes(self) -> int:
+        return _ENTRY_OVERHEAD + 4 * len(self.tokens)
+
+
+class MissExplainer:
+    """The per-model+tenant index of recent prompts and known cached chains, and the explanation of a miss.
+
+    Args:
+        block_size: tokens per block of the chain hashes (the engine's block size, 16).
+        max_keys: model+tenant keys kept.
+        max_prompts_per_key: prompts kept per key.
+        max_bytes: bytes of prompts kept in all (4 per token + 256 per prompt, estimated).
+        max_cached_chains: known cached block chains kept (LRU).
+        max_volatile_tokens: longest span after which two prompts must re-converge for a divergence in
+            system or document text to count as ``volatile``.
+        clock: seconds since the epoch (``time.time``; tests pass their own).
+
+    Per request the gateway calls ``explain`` (with the reported cached count), then ``record`` (the prompt is
+    now known), then ``mark_cached`` with how far the prompt is now cached. Thread-safe (one lock).
+    """
+
+    def __init__(
+        self,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_keys: int = 1024,
+        max_prompts_per_key: int = 64,
+        max_bytes: int = 64 << 20,
+        max_cached_chains: int = 200_000,
+        max_volatile_tokens: int = 32,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("max_keys", max_keys),
+            ("max_prompts_per_key", max_prompts_per_key),
+            ("max_bytes", max_bytes),
+            ("max_cached_chains", max_cached_chains),
+            ("max_volatile_tokens", max_volatile_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MissExplainError(f"{name} must be a positive integer, not {value!r}")
+        self.block_size = block_size
+        self.max_keys = max_keys
+        self.max_prompts_per_key = max_prompts_per_key
+        self.max_bytes = max_bytes
+        self.max_cached_chains = max_cached_chains
+        self.max_volatile_tokens = max_volatile_tokens
+        self._clock = clock
+        self._keys: OrderedDict[tuple[str, str], OrderedDict[int, _Entry]] = OrderedDict()
+        self._lru: OrderedDict[tuple[tuple[str, str], int], None] = OrderedDict()
+        self._bytes = 0
+        self._seq = 0
+        self._cached: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ----- inputs -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _root(model: str, tenant: str) -> bytes:
+        if not isinstance(model, str) or not isinstance(tenant, str):
+            raise MissExplainError("model and tenant must be strings")
+        return hashlib.blake2b(f"{len(model)}:{model}\x00{tenant}".encode(), digest_size=16).digest()
+
+    @staticmethod
+    def _tokens(tokens: Iterable[int]) -> array:
+        try:
+            data = array("I", tokens)
+        except (TypeError, OverflowError, ValueError):
+            raise MissExplainError(f"tokens must be integers in [0, {_MAX_TOKEN}]") from None
+        return data
+
+    @staticmethod
+    def _segments(segments: Iterable[PromptSegment], n: int) -> tuple[PromptSegment, ...]:
+        out = tuple(segments)
+        pos = 0
+        for i, s in enumerate(out):
+            if not isinstance(s, PromptSegment) or s.name not in SEGMENT_NAMES:
+                raise MissExplainError(f"segments[{i}] must be a PromptSegment named one of {SEGMENT_NAMES}")
+            if s.start != pos or s.end < s.start:
+                raise MissExplainError(f"segments[{i}] must start where the previous one ended ({pos})")
+            pos = s.end
+        if out and pos != n:
+            raise MissExplainError(f"segments must cover the prompt's {n} tokens (they end at {pos})")
+        return out
+
+    @staticmethod
+    def _count(value: Any, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MissExplainError(f"{name} must be a non-negative integer, not {value!r}")
+        return value
+
+    # ----- explaining -------------------------------------------------------------------------------------
+    def explain(
+        self,
+        model: str,
+        tenant: str,
+        tokens: Sequence[int],
+        segments: Iterable[PromptSegment],
+        stable_end: int,
+        cached_tokens: int,
+        *,
+        min_cacheable: int | None = None,
+        granularity: int | None = None,
+        volatile_spans: Iterable[VolatileSpan] = (),
+        provider_cause: str | None = None,
+    ) -> MissExplanation:
+        """Explain one request's cache result (read-only: call ``record`` and ``mark_cached`` after).
+
+        Args:
+            model, tenant: the key (the prefix key's model id and cache salt).
+            tokens: the prompt's token ids (ints in [0, 2**32)), as the engine or a tokenizer of the model
+                saw them.
+            segments: contiguous ``PromptSegment`` token ranges covering the prompt, in order.
+            stable_end: token offset where the stable prefix ends (the start of the volatile tail).
+            cached_tokens: tokens the engine or upstream reported cached (clamped to the prompt length).
+            min_cacheable: the upstream's minimum cacheable prompt length in tokens (e.g. 1024), or None.
+            granularity: the cache's unit in tokens (the engine's block size, an upstream's 128-token steps);
+                ``block_size`` when None.
+            volatile_spans: token ranges of known volatile values (learned-slot matches).
+            provider_cause: the upstream's own diagnostic, if it gave one (see ``map_provider_cause``).
+
+        Raises:
+            MissExplainError: bad tokens, segments or counts.
+        """
+        root = self._root(model, tenant)
+        data = self._tokens(tokens)
+        n = len(data)
+        segs = self._segments(segments, n)
+        stable_end = min(self._count(stable_end, "stable_end"), n)
+        cached = min(self._count(cached_tokens, "cached_tokens"), n)
+        unit = self.block_size if granularity is None else self._count(granularity, "granularity") or 1
+        reach = min(stable_end, max(n - 1, 0))
+        reach -= reach % unit
+        if cached >= reach:
+            return MissExplanation(cached, reach, False)
+        provider = map_provider_cause(provider_cause)
+        chains = chain_hashes(data, self.block_size, root)
+        local = self._local_cause(
+            model,
+            tenant,
+            data,
+            chains,
+            segs,
+            stable_end,
+            cached,
+            reach,
+            unit,
+            min_cacheable,
+            tuple(volatile_spans),
+        )
+        cause, at, slot, ago = local
+        where = _segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
+        if provider is not None and provider != cause:
+            return MissExplanation(
+                cached,
+                reach,
+                True,
+                provider,
+                where,
+                at,
+                slot if provider == "volatile" else None,
+                None,
+                "provider",
+            )
+        return MissExplanation(cached, reach, True, cause, where, at, slot, ago, "local")
+
+    def _local_cause(
+        self,
+        model: str,
+        tenant: str,
+        data: array,
+        chains: list[bytes],
+        segs: tuple[PromptSegment, ...],
+        stable_end: int,
+        cached: int,
+        reach: int,
+        unit: int,
+        min_cacheable: int | None,
+        spans: tuple[VolatileSpan, ...],
+    ) -> tuple[str, int, str | None, float | None]:
+        """(cause, offset, slot, cached_ago) of a miss."""
+        if min_cacheable is not None and reach < self._count(min_cacheable, "min_cacheable"):
+            return "below_minimum", stable_end, None, None
+        bs = self.block_size
+        with self._lock:
+            first = cached // bs
+            if first < len(chains) and first * bs < reach and chains[first] in self._cached:
+                return "evicted", cached, None, max(0.0, self._clock() - self._cached[chains[first]])
+            nearest = self._nearest(model, tenant, data)
+        if nearest is None:
+            return "cold", cached, None, None
+        entry, d = nearest
+        if d == 0 or cached < d - d % unit:
+            return "cold", cached, None, None
+        old_len = len(entry.tokens)
+        if d >= old_len - old_len % bs:
+            return "cold", d, None, None  # the earlier prompt is all shared: what follows it is new
+        slot_span = next((s for s in spans if s.start - 1 <= d < s.end), None)
+        names = {_segment_at(segs, d), _segment_at(entry.segments, d)}
+        if "tools" in names:
+            return "tools_changed", d, None, None
+        if slot_span is not None:
+            return "volatile", d, slot_span.slot, None
+        if "system" in names:
+            if self._rejoins(data, entry.tokens, d):
+                return "volatile", d, None, None
+            return "system_changed", d, None, None
+        if "history" in names:
+            return "history_rewritten", d, None, None
+        if "documents" in names and self._rejoins(data, entry.tokens, d):
+            return "volatile", d, None, None
+        return "cold", d, None, None
+
+    def _nearest(self, model: str, tenant: str, data: array) -> tuple[_Entry, int] | None:
+        """The recorded prompt of the key sharing the longest token prefix with ``data``, and that length
+        (ties: the most recent)."""
+        entries = self._keys.get((model, tenant))
+        if not entries:
+            return None
+        best: tuple[_Entry, int] | None = None
+        for entry in reversed(entries.values()):
+            d = _common_tokens(data, entry.tokens, 0)
+            if best is None or d > best[1]:
+                best = (entry, d)
+        return best
+
+    def _rejoins(self, new: array, old: array, d: int) -> bool:
+        """True when, within ``max_volatile_tokens`` after ``d``, both prompts continue with the same
+        ``_REJOIN_WINDOW`` tokens (the divergence is a short span with identical text after it)."""
+        limit = self.max_volatile_tokens
+        windows = {
+            tuple(old[d + j : d + j + _REJOIN_WINDOW]): j
+            for j in range(limit + 1)
+            if d + j + _REJOIN_WINDOW <= len(old)
+        }
+        for i in range(limit + 1):
+            if d + i + _REJOIN_WINDOW > len(new):
+                break
+            j = windows.get(tuple(new[d + i : d + i + _REJOIN_WINDOW]))
+            if j is not None and (i, j) != (0, 0):
+                return True
+        return False
+
+    # ----- recording --------------------------------------------------------------------------------------
+    def record(
+        self, model: str, tenant: str, tokens: Sequence[int], segments: Iterable[PromptSegment]
+    ) -> None:
+        """Add a prompt to the key's index (an identical prompt is only refreshed).
+
+        Raises:
+            MissExplainError: bad tokens or segments.
+        """
+        self._root(model, tenant)
+        data = self._tokens(tokens)
+        segs = self._segments(segments, len(data))
+        key = (model, tenant)
+        with self._lock:
+            entries = self._keys.get(key)
+            if entries is None:
+                entries = self._keys[key] = OrderedDict()
+                while len(self._keys) > self.max_keys:
+                    self._drop_key(next(iter(self._keys)))
+            else:
+                self._keys.move_to_end(key)
+            for seq, entry in entries.items():
+                if entry.tokens == data:
+                    entry.seen_at = self._clock()
+                    entries.move_to_end(seq)
+                    self._lru.move_to_end((key, seq))
+                    return
+            entry = _Entry(data, segs, self._clock())
+            if entry.nbytes > self.max_bytes:
+                return
+            self._seq += 1
+            entries[self._seq] = entry
+            self._lru[(key, self._seq)] = None
+            self._bytes += entry.nbytes
+            while len(entries) > self.max_prompts_per_key:
+                self._drop_entry(key, next(iter(entries)))
+            while self._bytes > self.max_bytes:
+                self._drop_entry(*next(iter(self._lru)))
+
+    def mark_cached(self, model: str, tenant: str, tokens: Sequence[int], upto: int | None = None) -> int:
+        """Note that the prompt's full blocks within its first ``upto`` tokens (all when None) are now cached.
+
+        Returns:
+            the number of block chains noted.
+
+        Raises:
+            MissExplainError: bad tokens or ``upto``.
+        """
+        root = self._root(model, tenant)
+        data = self._tokens(tokens)
+        limit = len(data) if upto is None else min(self._count(upto, "upto"), len(data))
+        chains = chain_hashes(data[:limit], self.block_size, root)
+        now = self._clock()
+        with self._lock:
+            for h in chains:
+                self._cached[h] = now
+                self._cached.move_to_end(h)
+            while len(self._cached) > self.max_cached_chains:
+                self._cached.popitem(last=False)
+        return len(chains)
+
+    def _drop_key(self, key: tuple[str, str]) -> None:
+        for seq in list(self._keys[key]):
+            self._drop_entry(key, seq)
+        self._keys.pop(key, None)
+
+    def _drop_entry(self, key: tuple[str, str], seq: int) -> None:
+        entries = self._keys.get(key)
+        entry = entries.pop(seq) if entries is not None else None
+        self._lru.pop((key, seq), None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+        if entries is not None and not entries:
+            self._keys.pop(key, None)
+
+    def footprint(self) -> dict[str, int]:
+        """``keys``, ``prompts``, ``bytes`` (estimated, as bounded by ``max_bytes``), ``cached_chains``."""
+        with self._lock:
+            return {
+                "keys": len(self._keys),
+                "prompts": len(self._lru),
+                "bytes": self._bytes,
+                "cached_chains": len(self._cached),
+            }
+
+
+def _common_tokens(a: array, b: array, start: int) -> int:
+    """How many tokens from ``start`` on are equal in both (binary search over slice compares)."""
+    lo, hi = 0, max(0, min(len(a), len(b)) - start)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[start : start + mid] == b[start : start + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _segment_at(segments: Sequence[PromptSegment], offset: int) -> str:
+    """The name of the segment holding token ``offset`` (``tail`` past the end or with no segments); an
+    empty segment never holds a token."""
+    for s in segments:
+        if s.start <= offset < s.end:
+            return s.name
+    return "tail"

@@ -1,0 +1,298 @@
+"""The protocol-independent path of one request: canonicalize, key, route, open the backend stream, and keep
+the stats and the request log exactly once per request; explain its cache result (``cache_header``) and
+feed the slot learner once it finished.
+
+An HTTP face (``gateway.http.openai``, ``gateway.http.anthropic``) parses its body into a ``ChatRequest``,
+calls ``open_stream`` with the request's path and arrival time (this layer sees no HTTP request object), and
+renders the ``OpenedStream``'s events. ``open_stream`` waits for the backend's first
+event before returning, so errors raised before any output (unknown model, prompt too long, bad parameter)
+become a proper HTTP error status instead of a broken stream.
+
+Exactly one of these ends each request's bookkeeping:
+- the backend's ``Finish`` (``OpenedStream`` records usage and logs status 200);
+- the stream closed before ``Finish`` without an error (client disconnect: recorded as aborted, logged 499);
+- an error after the response started (``OpenedStream.fail``: recorded and logged with the error's status);
+- any other error propagates to the app's exception handler, which records and logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from engine.errors import EngineError
+from gateway.config.schema import AnthropicUpstream, EmbeddedModel
+from gateway.core.errors import APIError, as_api_error, from_engine_error
+from gateway.core.events import BackendEvent, Delta, Finish
+from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
+from gateway.service.cache_explain import HEADER as CACHE_HEADER
+from gateway.service.canonicalize import Canonicalizer
+from gateway.service.cost_ledger import COST_HEADER, RequestCost
+from gateway.service.gateway import Gateway
+from gateway.service.provider_diagnostics import provider_miss_cause
+from gateway.service.registry import prefix_key
+from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
+
+T = TypeVar("T")
+logger = logging.getLogger("prefixgate.pipeline")
+
+
+def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
+    """Apply the configured rules to ``request`` (none with ``x-prefixgate-rules: off``) and set its prefix
+    key (``gateway.routing.prefix_key`` of the stable material; "" when there is none). Records nothing in the
+    stats.
+
+    Raises:
+        InvalidRequestError: a request shape the rules refuse.
+    """
+    gateway.canonicalizer.apply(request)
+    material = gateway.canonicalizer.stable_material(request)
+    request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
+
+
+async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started: float) -> OpenedStream:
+    """Canonicalize ``request``, compute its prefix key, and open its backend stream up to the first event.
+
+    Raises:
+        ModelNotFoundError: unknown model (404).
+        APIError: whatever the backend raises before its first event (engine errors are mapped).
+    """
+    backend = gateway.registry.get(request.model)
+    canonicalize(gateway, request)
+    gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
+    iterator = backend.stream(request)
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        raise APIError("The backend ended the response without an answer.") from None
+    except EngineError as exc:
+        await _aclose(iterator)
+        raise from_engine_error(exc) from exc
+    except BaseException:
+        await _aclose(iterator)
+        raise
+    return OpenedStream(gateway, request, iterator, first, path, started)
+
+
+class OpenedStream:
+    """A backend stream whose first event has arrived; ``events()`` yields it and the rest.
+
+    Records the request's outcome in the stats and the request log exactly once (see module docstring).
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: ChatRequest,
+        iterator: AsyncIterator[BackendEvent],
+        first: BackendEvent,
+        path: str,
+        started: float,
+    ) -> None:
+        self.gateway = gateway
+        self.request = request
+        self._iterator = iterator
+        self._first: BackendEvent | None = first
+        self._path = path
+        self._started = started
+        self._ttft_s: float | None = None
+        self._done = False
+        self._closed = False
+        self._explained = False
+        self._cache_header: str | None = None
+        self.cost: RequestCost | None = None
+        """The request's cache cost once it finished (None before, or when the model has no prices)."""
+
+    def cost_headers(self) -> dict[str, str]:
+        """``{COST_HEADER: RequestCost.header_value()}`` once the request finished with a priced model, else
+        ``{}`` (a streamed answer's headers go out before its usage is known)."""
+        return {COST_HEADER: self.cost.header_value()} if self.cost is not None else {}
+
+    @property
+    def first_event(self) -> BackendEvent | None:
+        """The event that opened the stream, until ``events()`` hands it out."""
+        return self._first
+
+    def reported_cached_tokens(self, finish: Finish | None = None) -> int | None:
+        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said before
+        the answer (the embedded engine's first delta), else None."""
+        if finish is not None:
+            return finish.usage.cached_tokens
+        first = self._first
+        if isinstance(first, Delta):
+            return first.cached_tokens
+        return None
+
+    async def cache_header(self) -> dict[str, str]:
+        """``{"x-prefixgate-cache": "cached=…; miss=…; at=…"}`` for the response's headers, or ``{}`` when the
+        cached count is not known yet (a stream from an upstream that reports it only at the end) or the
+        request cannot be explained (completions; a failure, counted). Computed once, in a worker thread;
+        never raises."""
+        if not self._explained:
+            cached = self.reported_cached_tokens()
+            if cached is not None:
+                await self._explain(cached)
+        return {CACHE_HEADER: self._cache_header} if self._cache_header is not None else {}
+
+    async def _explain(self, cached: int, provider_reason: str | None = None) -> None:
+        """Explain the request's cache result once (``provider_reason``: the upstream's own miss reason, which
+        takes precedence over the local cause, so the providers' diagnostics land in the same counters)."""
+        self._explained = True
+        cache = self.gateway.cache
+        if cache is None:
+            return
+        try:
+            backend = self.gateway.registry.get(self.request.model)
+            tokenizer = backend.prompt_tokenizer()
+            minimum, granularity = _cache_unit(self.gateway, self.request.model)
+            provider_cause = provider_miss_cause(provider_reason)
+            explanation = await asyncio.to_thread(
+                cache.explain, self.request, cached, tokenizer, provider_cause, minimum, granularity
+            )
+        except Exception:  # noqa: BLE001 - an explanation never fails a request
+            cache.errors += 1
+            return
+        if explanation is not None:
+            self._cache_header = explanation.header_value()
+
+    async def events(self) -> AsyncIterator[BackendEvent]:
+        """Every event of the backend, ``Finish`` last. Closing this iterator closes the backend's.
+
+        Raises:
+            APIError: raised by the backend mid-stream (engine errors mapped).
+        """
+        try:
+            while True:
+                event = await self._next_event()
+                if isinstance(event, Delta) and self._ttft_s is None and (event.text or event.tool_calls):
+                    self._ttft_s = time.monotonic() - self._started
+                if isinstance(event, Finish):
+                    self._record_finish(event)
+                    if not self._explained:
+                        await self._explain(event.usage.cached_tokens, event.cache_miss_reason)
+                    self.gateway.canonicalizer.learn(self.request)
+                    yield event
+                    return
+                yield event
+        except EngineError as exc:
+            self._done = True
+            raise from_engine_error(exc) from exc
+        except Exception:
+            self._done = True
+            raise
+        finally:
+            await self.aclose()
+
+    async def guarded_events(
+        self, encode_error: Callable[[APIError], bytes]
+    ) -> AsyncIterator[BackendEvent | bytes]:
+        """``events()``, except that a failure after the response started (an API error, or a backend bug as a
+        500 naming its class, traceback logged) is recorded with ``fail`` and becomes the last item:
+        ``encode_error(error)``, the face's in-band error event (bytes). Never raises for a backend
+        failure."""
+        events = self.events()
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # noqa: BLE001 - the response has started: the client must hear of it in-band
+            if not isinstance(exc, APIError):
+                name = type(exc).__name__
+                logger.error(
+                    "backend of %s failed mid-stream with %s", self.request.model, name, exc_info=exc
+                )
+            error = as_api_error(exc)
+            self.fail(error)
+            yield encode_error(error)
+        finally:
+            await events.aclose()
+
+    async def _next_event(self) -> BackendEvent:
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        try:
+            return await anext(self._iterator)
+        except StopAsyncIteration:
+            raise APIError("The backend ended the response without a finish.") from None
+
+    async def aclose(self) -> None:
+        """Close the backend stream (cancelling its work); count a client abort if it had not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        await _aclose(self._iterator)
+        if not self._done:
+            self._done = True
+            self.gateway.stats.record_abort(self.request.model)
+            self._log(CLIENT_CLOSED)
+
+    def fail(self, error: APIError) -> None:
+        """Record and log an error that happened after the response started (it went out in the stream)."""
+        self._done = True
+        self.gateway.stats.record_error(self.request.model, error.status_code)
+        self._log(error.status_code, error_code=error.code)
+
+    def _record_finish(self, finish: Finish) -> None:
+        self._done = True
+        ttft = self._ttft_s if self._ttft_s is not None else finish.ttft_s
+        self.cost = self.gateway.stats.record_finish(
+            self.request.model,
+            finish.usage,
+            ttft,
+            self.request.prefix_key,
+            tenant=self.request.tenant,
+            retention=finish.cache_retention,
+            cache_miss_reason=finish.cache_miss_reason,
+        )
+        self._log(200, finish=finish, ttft_s=ttft)
+
+    def _log(
+        self,
+        status: int,
+        finish: Finish | None = None,
+        ttft_s: float | None = None,
+        error_code: str | None = None,
+    ):
+        request = self.request
+        applied = Canonicalizer.applied(request)
+        log_request(
+            RequestRecord(
+                request_id=request.request_id,
+                path=self._path,
+                status=status,
+                model=request.model,
+                stream=request.stream,
+                prompt_tokens=finish.usage.prompt_tokens if finish else None,
+                cached_tokens=finish.usage.cached_tokens if finish else None,
+                completion_tokens=finish.usage.completion_tokens if finish else None,
+                ttft_s=ttft_s,
+                duration_s=time.monotonic() - self._started,
+                finish_reason=finish.finish_reason if finish else None,
+                error_code=error_code,
+                prefix_key=request.prefix_key or None,
+                rules_applied=sum(applied.values()) if request.kind == "chat" else None,
+            )
+        )
+
+
+def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:
+    """(minimum cacheable prompt length, cache granularity) in tokens of the model's cache: an Anthropic
+    upstream's minimum; an embedded engine's block size; None where unknown."""
+    entry = gateway.config.model(model)
+    if isinstance(entry, AnthropicUpstream):
+        return min_cacheable_tokens(
+            entry.upstream_model or entry.name, dict(entry.min_cacheable_tokens)
+        ), None
+    if isinstance(entry, EmbeddedModel):
+        return None, entry.engine.block_size
+    return None, None
+
+
+async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()

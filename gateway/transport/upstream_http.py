@@ -1,0 +1,324 @@
+"""One upstream call: the shared ``httpx.AsyncClient``, replica choice through ``AffinityRing``, retries
+before the first byte (``gateway.transport.retry``), failures typed (``gateway.transport.failures``) and
+redacted (``gateway.transport.redact``). Protocol-blind: the backends build bodies and read answers; SSE
+parsing is ``gateway.transport.sse``'s.
+
+Retry rule: a request is retried (on the replica the ring picks next, after exponential backoff with full
+jitter) only while nothing of the upstream's response body has arrived: connection errors and resets,
+timeouts, 5xx, and 429 (waiting ``Retry-After`` when given). Once the first body byte is read, the response
+belongs to the
+client: a later failure is an ``UpstreamStreamCut``, never a silent retry that could duplicate output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
+from gateway.transport.failures import (
+    FailureKind,
+    UpstreamCallError,
+    UpstreamStreamCut,
+    error_from_status,
+    is_replica_fault,
+    status_for_error_event,
+    transport_failure,
+)
+from gateway.transport.redact import redact, redact_json, redact_url
+from gateway.transport.retry import RetryPolicy
+from gateway.transport.sse import SSEEvent, iter_sse
+
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read
+
+# ---- the shared client and one upstream call ---------------------------------------------------------------
+
+
+def make_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.AsyncClient:
+    """A client for upstream calls (connection pooling; timeouts are set per request)."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive),
+        follow_redirects=False,
+    )
+
+
+class SharedClient:
+    """The one ``httpx.AsyncClient`` all remote backends of a process share, reference-counted: the first
+    ``acquire`` creates it, the last ``release`` closes it (backends call them from ``start`` / ``close``)."""
+
+    _client: httpx.AsyncClient | None = None
+    _users: int = 0
+
+    @classmethod
+    def acquire(cls) -> httpx.AsyncClient:
+        """The shared client (created on first use)."""
+        if cls._client is None or cls._client.is_closed:
+            cls._client = make_client()
+            cls._users = 0
+        cls._users += 1
+        return cls._client
+
+    @classmethod
+    async def release(cls) -> None:
+        """Drop one user; close the client when none is left."""
+        cls._users = max(cls._users - 1, 0)
+        if cls._users == 0 and cls._client is not None:
+            client, cls._client = cls._client, None
+            await client.aclose()
+
+
+@dataclass
+class Upstream:
+    """One remote model endpoint: its replicas (the ring), credentials, timeouts and retry policy.
+
+    Attributes:
+        ring: replica choice; replica names are base URLs without a trailing slash.
+        timeout: httpx timeout per attempt (``read`` = most seconds between two bytes, first byte included).
+        policy: retries before the first byte.
+        secrets: strings that must never leave the process (the resolved API key); redacted from every error.
+    """
+
+    ring: AffinityRing
+    timeout: httpx.Timeout
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    secrets: tuple[str, ...] = ()
+
+
+class OpenedResponse:
+    """An upstream response whose status was OK and whose first body byte has arrived.
+
+    Iterate ``lines()`` (or call ``read()``) once, then ``aclose()`` (always; it releases the replica lease).
+    Failures while reading raise ``UpstreamStreamCut`` and mark the replica failed.
+    """
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
+        lease: Lease,
+        upstream: Upstream,
+    ) -> None:
+        self.response = response
+        self.lease = lease
+        self.upstream = upstream
+        self._chunks = chunks
+        self._first: bytes | None = first
+        self._closed = False
+
+    @property
+    def replica(self) -> str:
+        """The replica (base URL) that is answering."""
+        return self.lease.replica
+
+    @property
+    def content_type(self) -> str:
+        """The media type of the response, lower case, without parameters."""
+        return self.response.headers.get("content-type", "").split(";")[0].strip().lower()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes, the first chunk included. Raises ``UpstreamStreamCut`` on a read failure."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        try:
+            async for chunk in self._chunks:
+                if chunk:
+                    yield chunk
+        except httpx.RequestError as exc:  # transport or decoding
+            self.upstream.ring.report_failure(self.lease.replica)
+            kind = FailureKind.TIMEOUT if isinstance(exc, httpx.TimeoutException) else FailureKind.CONNECTION
+            raise UpstreamStreamCut(
+                502,
+                FailureKind.STREAM_CUT,
+                redact(
+                    f"upstream stream from {redact_url(self.replica)} broke off ({kind}: {exc!r})",
+                    self.upstream.secrets,
+                ),
+                upstream_status=self.response.status_code,
+            ) from None
+
+    def events(self) -> AsyncIterator[SSEEvent]:
+        """The body's server-sent events (``gateway.sse.iter_sse``). Raises ``UpstreamStreamCut`` on a read
+        failure."""
+        return iter_sse(self.chunks())
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    def json_object(self, text: str | bytes, what: str) -> dict[str, Any]:
+        """``text`` (an event's data, a body) parsed as a JSON object.
+
+        Raises:
+            UpstreamStreamCut: kind ``protocol``, "the upstream sent {what} that is not JSON" (or not an
+                object).
+        """
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise self.cut(f"the upstream sent {what} that is not JSON", kind=FailureKind.PROTOCOL) from None
+        if not isinstance(value, dict):
+            raise self.cut(f"the upstream sent {what} that is not a JSON object", kind=FailureKind.PROTOCOL)
+        return value
+
+    def cut(
+        self,
+        message: str,
+        kind: FailureKind = FailureKind.STREAM_CUT,
+        upstream_error: dict[str, Any] | None = None,
+    ) -> UpstreamStreamCut:
+        """An ``UpstreamStreamCut`` for a protocol-level failure seen by the caller (e.g. EOF before the
+        terminal event); marks the replica failed unless the upstream itself reported an error event."""
+        if upstream_error is None:
+            self.upstream.ring.report_failure(self.lease.replica)
+        return UpstreamStreamCut(
+            502 if upstream_error is None else status_for_error_event(upstream_error),
+            kind,
+            redact(message, self.upstream.secrets),
+            upstream_status=self.response.status_code,
+            upstream_error=redact_json(upstream_error, self.upstream.secrets) if upstream_error else None,
+        )
+
+    async def aclose(self) -> None:
+        """Close the upstream response (cancels the upstream's work) and release the lease. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.response.aclose()
+        finally:
+            self.lease.release()
+
+
+async def open_response(
+    client: httpx.AsyncClient,
+    upstream: Upstream,
+    key: str,
+    build_request: Callable[[str], httpx.Request],
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+) -> OpenedResponse:
+    """Send a request to the replica the ring picks for ``key`` and wait for the first body byte, retrying
+    (per ``upstream.policy``) on timeouts, connection errors, 5xx and 429.
+
+    Args:
+        client: the shared client.
+        upstream: replicas, timeouts, policy, secrets.
+        key: the prefix key (affinity).
+        build_request: makes the ``httpx.Request`` for a replica's base URL (called once per attempt).
+        sleep: the backoff sleep (injectable for tests).
+
+    Returns:
+        an ``OpenedResponse`` holding the replica lease (close it).
+
+    Raises:
+        UpstreamCallError: a non-retryable answer (4xx other than 408/429), or the last failure once retries
+            are exhausted; its message is redacted.
+    """
+    attempt = 0
+    while True:
+        try:
+            lease = upstream.ring.acquire(key)
+        except NoReplicaAvailable as exc:
+            raise UpstreamCallError(503, FailureKind.NO_REPLICA, str(exc), attempts=attempt) from None
+        error = await _attempt(client, upstream, lease, build_request, attempt + 1)
+        if isinstance(error, OpenedResponse):
+            return error
+        if is_replica_fault(error):
+            upstream.ring.report_failure(lease.replica)
+        lease.release()
+        too_long = error.retry_after_s is not None and error.retry_after_s > upstream.policy.max_retry_after_s
+        if not error.retryable or attempt >= upstream.policy.retries or too_long:
+            raise error
+        await sleep(upstream.policy.delay(attempt, error.retry_after_s))
+        attempt += 1
+
+
+async def _attempt(
+    client: httpx.AsyncClient,
+    upstream: Upstream,
+    lease: Lease,
+    build_request: Callable[[str], httpx.Request],
+    attempts: int,
+) -> OpenedResponse | UpstreamCallError:
+    """One attempt: an ``OpenedResponse`` on success, else the error (the lease is still held by the
+    caller)."""
+    secrets = upstream.secrets
+    where = "(a replica whose URL cannot be parsed)"  # never the raw URL: it may hold user:password@
+    response: httpx.Response | None = None
+    try:
+        where = redact_url(lease.replica)
+        request = build_request(lease.replica)
+        request.extensions["timeout"] = upstream.timeout.as_dict()
+        response = await client.send(request, stream=True)
+        if 300 <= response.status_code < 400:  # redirects are not followed: a misconfigured base_url
+            location = response.headers.get("location", "")
+            await response.aclose()
+            upstream.ring.report_success(lease.replica)  # the replica answered; the URL is what is wrong
+            return UpstreamCallError(
+                502,
+                FailureKind.PROTOCOL,
+                redact(
+                    f"upstream {where} answered {response.status_code} (Location: {location}); check "
+                    "base_url",
+                    secrets,
+                ),
+                attempts=attempts,
+                upstream_status=response.status_code,
+            )
+        if response.status_code >= 400:
+            body = await _read_limited(response)
+            await response.aclose()
+            if response.status_code < 500 and response.status_code != 408:
+                upstream.ring.report_success(lease.replica)  # the replica works; the request was refused
+            return error_from_status(response, body, lease.replica, secrets, attempts)
+        chunks = response.aiter_bytes()
+        first = b""
+        async for chunk in chunks:
+            if chunk:
+                first = chunk
+                break
+        if not first:
+            await response.aclose()
+            return UpstreamCallError(
+                502,
+                FailureKind.SERVER_ERROR,
+                f"upstream {where} sent an empty body",
+                attempts=attempts,
+                upstream_status=response.status_code,
+            )
+        upstream.ring.report_success(lease.replica)
+        return OpenedResponse(response, chunks, first, lease, upstream)
+    except (httpx.RequestError, httpx.InvalidURL) as exc:  # transport, decoding, bad URL
+        await _close_quietly(response)
+        status, kind, message = transport_failure(exc, where)
+        return UpstreamCallError(status, kind, redact(message, secrets), attempts=attempts)
+    except BaseException:
+        await _close_quietly(response)
+        lease.release()
+        raise
+
+
+async def _read_limited(response: httpx.Response) -> bytes:
+    body = b""
+    try:
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) >= _ERROR_BODY_LIMIT:
+                break
+    except httpx.RequestError:  # transport or decoding: report what arrived
+        pass
+    return body[:_ERROR_BODY_LIMIT]
+
+
+async def _close_quietly(response: httpx.Response | None) -> None:
+    if response is not None:
+        try:
+            await response.aclose()
+        except Exception:  # noqa: BLE001 - closing a broken response must not mask the original error
+            pass

@@ -1,0 +1,269 @@
+"""Canonical transcript memory: the canonical messages a conversation was sent as, by prefix.
+
+Each canonicalized request is remembered under a key naming its *stable form*: the model + tenant scope,
+the canonical tools and the messages after the rules ran, hoisted values taken out (so two requests that
+differ only in a volatile value share a key). The value is the canonical messages exactly as they were
+sent (hoisted-value blocks with their values of that time included) and the hoisted values that were
+current then. A later request of the same conversation looks up the stable forms of its earlier requests
+(the prefixes that end before each assistant reply, newest first), reuses the stored canonical messages
+of the longest one verbatim and canonicalizes only what follows (``RuleSet.apply(..., memory=...)``).
+
+Invariants:
+
+- keys are blake2b-256 digests (never ``hash()``), so they agree across processes and gateways;
+- a stored entry is reused only when taking its blocks out gives back exactly the current request's
+  stable form of that prefix (a corrupt, foreign or colliding entry is a miss, counted as ``rejected``);
+- the in-process store is bounded by entries, bytes and age (TTL, injectable clock) and evicts the least
+  recently used entry first; a store never raises to the caller for a missing or expired key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rules.actions import canonical_json
+
+KEY_BYTES = 32
+"""Length of a transcript key (blake2b digest size)."""
+
+ENTRY_VERSION = 1
+
+
+@runtime_checkable
+class TranscriptStore(Protocol):
+    """Where transcript entries live: opaque ``bytes`` keys (``KEY_BYTES`` long) to opaque ``bytes``.
+
+    Implementations must never raise for a missing, expired or unreadable key (that is a miss) and must
+    bound themselves; ``put`` may drop an entry (too big, store unavailable) without raising.
+    """
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The stored value for each key, or None, in the order of ``keys``."""
+        ...
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """Store ``value`` under ``key`` (replacing any value there)."""
+        ...
+
+
+@dataclass
+class StoreStats:
+    """Counters of an in-process store (``entries`` and ``bytes`` are current, the rest cumulative)."""
+
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evicted: int = 0
+    expired: int = 0
+    too_big: int = 0
+
+
+class InProcessTranscriptStore:
+    """A bounded LRU map in this process (thread-safe).
+
+    Args:
+        max_entries: most entries kept (>= 1).
+        max_bytes: most value bytes kept in total (>= 1); a single value larger than this is not stored.
+        ttl_s: seconds an entry lives after it was last put (> 0).
+        clock: monotonic seconds (``time.monotonic`` by default; tests inject their own).
+
+    Raises:
+        ValueError: a bound that is not positive.
+    """
+
+    def __init__(
+        self,
+        max_entries: int = 10_000,
+        max_bytes: int = 256 << 20,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_entries < 1 or max_bytes < 1 or not ttl_s > 0:
+            raise ValueError("transcript store bounds must be positive (max_entries, max_bytes, ttl_s)")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.ttl_s = float(ttl_s)
+        self._clock = clock
+        self._data: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = StoreStats()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """See ``TranscriptStore.get_many``; a hit becomes the most recently used entry."""
+        now = self._clock()
+        out: list[bytes | None] = []
+        with self._lock:
+            for key in keys:
+                item = self._data.get(key)
+                if item is not None and item[1] <= now:
+                    self._remove(key)
+                    self.stats.expired += 1
+                    item = None
+                if item is None:
+                    self.stats.misses += 1
+                    out.append(None)
+                    continue
+                self._data.move_to_end(key)
+                self.stats.hits += 1
+                out.append(item[0])
+        return out
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """See ``TranscriptStore.put``; evicts least recently used entries until the bounds hold."""
+        if len(value) > self.max_bytes:
+            self.stats.too_big += 1
+            return
+        with self._lock:
+            if key in self._data:
+                self._remove(key)
+            self._data[key] = (value, self._clock() + self.ttl_s)
+            self.stats.bytes += len(value)
+            self.stats.entries = len(self._data)
+            self.stats.puts += 1
+            while len(self._data) > self.max_entries or self.stats.bytes > self.max_bytes:
+                oldest = next(iter(self._data))
+                self._remove(oldest)
+                self.stats.evicted += 1
+
+    def _remove(self, key: bytes) -> None:
+        value, _ = self._data.pop(key)
+        self.stats.bytes -= len(value)
+        self.stats.entries = len(self._data)
+
+
+@dataclass
+class MemoryStats:
+    """Counters of a ``TranscriptMemory`` (cumulative).
+
+    Attributes:
+        lookups: requests that looked for an earlier prefix (they had at least one assistant reply).
+        hits: lookups that reused a stored prefix.
+        reused_messages: canonical messages taken from the memory, summed over hits.
+        rejected: stored entries found but not reused (undecodable, or not the request's stable form).
+        stored: entries written.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    reused_messages: int = 0
+    rejected: int = 0
+    stored: int = 0
+
+
+@dataclass(frozen=True)
+class TranscriptEntry:
+    """What was sent for one request: its canonical messages and the system's hoisted values then."""
+
+    messages: list[dict[str, Any]]
+    present: list[str] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        """zlib-compressed compact JSON (``{"v": 1, "messages": [...], "present": [...]}``); objects keep
+        their key order, so the messages come back exactly as they were sent."""
+        body = {"v": ENTRY_VERSION, "messages": self.messages, "present": self.present}
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        return zlib.compress(text.encode("utf-8"), 1)
+
+    @classmethod
+    def decode(cls, data: bytes) -> TranscriptEntry | None:
+        """The entry in ``data``, or None when it is not one (never raises)."""
+        try:
+            body = json.loads(zlib.decompress(data).decode("utf-8"))
+        except (zlib.error, UnicodeDecodeError, ValueError, TypeError):
+            return None
+        if not isinstance(body, dict) or body.get("v") != ENTRY_VERSION:
+            return None
+        messages, present = body.get("messages"), body.get("present")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None
+        if not isinstance(present, list) or not all(isinstance(v, str) for v in present):
+            return None
+        return cls(messages, present)
+
+
+class PrefixHasher:
+    """Keys of a request's stable form and of its prefixes, in one pass (blake2b-256, length-framed).
+
+    Args:
+        scope: the model and tenant (any string; the gateway passes ``model + "\\0" + tenant``).
+        tools: the canonical tools (or None).
+    """
+
+    def __init__(self, scope: str, tools: list[dict[str, Any]] | None) -> None:
+        self._h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"pg-transcript-1")
+        self._feed(scope)
+        self._feed(canonical_json(tools))
+        self._count = 0
+
+    def _feed(self, text: str) -> None:
+        data = text.encode("utf-8")
+        self._h.update(len(data).to_bytes(8, "big"))
+        self._h.update(data)
+
+    def keys(self, messages: list[dict[str, Any]], ends: Sequence[int]) -> list[bytes]:
+        """The key of ``messages[:end]`` for each ``end`` (ascending, each <= len(messages))."""
+        out: list[bytes] = []
+        for end in ends:
+            while self._count < end:
+                self._feed(canonical_json(messages[self._count]))
+                self._count += 1
+            out.append(self._h.copy().digest())
+        return out
+
+
+class TranscriptMemory:
+    """The canonical transcript memory over a ``TranscriptStore`` (in-process by default).
+
+    ``RuleSet.apply(messages, tools, memory=m, scope=...)`` uses it; nothing else needs to call it.
+
+    Args:
+        store: where entries live (default: a fresh ``InProcessTranscriptStore()``).
+    """
+
+    def __init__(self, store: TranscriptStore | None = None) -> None:
+        self.store: TranscriptStore = store if store is not None else InProcessTranscriptStore()
+        self.stats = MemoryStats()
+        self._lock = threading.Lock()
+
+    def candidates(self, keys: Sequence[bytes]) -> Iterator[tuple[int, TranscriptEntry]]:
+        """(index into ``keys``, decoded entry) for each key found, in the order of ``keys``, fetched lazily:
+        the first key alone (the common hit, one small read), then the rest in one ``get_many``. An
+        undecodable value is skipped and counted as ``rejected``."""
+        if not keys:
+            return
+        batches = [(0, list(keys[:1])), (1, list(keys[1:]))]
+        for offset, batch in batches:
+            if not batch:
+                continue
+            for i, data in enumerate(self.store.get_many(batch)):
+                if data is None:
+                    continue
+                entry = TranscriptEntry.decode(data)
+                if entry is None:
+                    self.count(rejected=1)
+                    continue
+                yield offset + i, entry
+
+    def remember(self, key: bytes, entry: TranscriptEntry) -> None:
+        """Store ``entry`` under ``key``."""
+        self.store.put(key, entry.encode())
+        self.count(stored=1)
+
+    def count(self, **deltas: int) -> None:
+        """Add to the named ``MemoryStats`` counters."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)

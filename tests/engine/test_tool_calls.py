@@ -1,0 +1,189 @@
+"""The generic tool format: canonical tool rendering before the system text, history rendered back exactly as the
+model writes calls, and the incremental parser (any split of the stream gives the same calls and content)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.errors import InvalidRequestError
+from engine.tool_calls import (
+    ContentDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallParser,
+    ToolCallStart,
+    function_tools,
+    parse_tool_calls,
+    render_call,
+    render_messages_with_tools,
+    render_tools_prompt,
+)
+from tests.engine.engine_helpers import tiny_checkpoint
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"name": "get_time", "parameters": {"properties": {"tz": {"type": "string"}}, "type": "object"}}
+
+
+def ids():
+    c = itertools.count()
+    return lambda: f"call_{next(c)}"
+
+
+def test_tools_render_identically_whatever_the_key_order():
+    reordered = {
+        "function": {
+            "parameters": WEATHER["function"]["parameters"],
+            "description": "Weather of a city",
+            "name": "get_weather",
+        },
+        "type": "function",
+    }
+    a = render_tools_prompt(function_tools([WEATHER, TIME]))
+    b = render_tools_prompt(function_tools([reordered, {"type": "function", "function": TIME}]))
+    assert a == b
+    assert '{"function": {"description": "Weather of a city", "name": "get_weather"' in a
+
+
+def test_tools_go_before_the_system_text_and_history_renders_as_the_model_writes():
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and the time?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"tz":"CET"}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c2", "content": "09:00"},
+    ]
+    out = render_messages_with_tools(msgs, function_tools([WEATHER, TIME]))
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("# Tools")
+    assert out[0]["content"].endswith("</tool_call>\n\nBe brief.")
+    assistant = out[2]["content"]
+    assert assistant == "Checking.\n" + render_call("get_weather", {"city": "Paris"}) + "\n" + render_call(
+        "get_time", {"tz": "CET"}
+    )
+    content, calls = parse_tool_calls(assistant, ids())
+    assert content == "Checking." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert out[3] == {
+        "role": "user",
+        "content": "<tool_response>\n18C\n</tool_response>\n<tool_response>\n09:00\n</tool_response>",
+    }
+    assert len(out) == 4
+
+
+def test_no_system_message_gets_one_with_the_tools():
+    out = render_messages_with_tools([{"role": "user", "content": "hi"}], function_tools([TIME]))
+    assert out[0]["role"] == "system" and out[1] == {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [{"type": "retrieval"}],
+        [{"function": {"description": "x"}}],
+        [TIME, TIME],
+        [{"name": "f", "parameters": 3}],
+        "x",
+    ],
+)
+def test_bad_tools_are_refused(tools):
+    with pytest.raises(InvalidRequestError) as err:
+        function_tools(tools)
+    assert err.value.param == "tools"
+
+
+def test_bad_arguments_in_history_are_refused():
+    msgs = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}]
+    with pytest.raises(InvalidRequestError):
+        render_messages_with_tools(msgs, None)
+
+
+OUTPUT = (
+    "Sure.\n"
+    + render_call("get_weather", {"city": 'Pa"ris }', "deep": {"a": [1, {"b": "}"}]}})
+    + "\n"
+    + render_call("get_time", {})
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(OUTPUT)), max_size=12))
+def test_incremental_parse_equals_whole_parse_for_any_split(cuts):
+    bounds = sorted(set([0, len(OUTPUT), *cuts]))
+    parser = ToolCallParser(ids())
+    events = []
+    for a, b in itertools.pairwise(bounds):
+        events += parser.feed(OUTPUT[a:b])
+    events += parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    args = [
+        "".join(e.text for e in events if isinstance(e, ToolCallArgumentsDelta) and e.index == i)
+        for i in (0, 1)
+    ]
+    whole_content, whole_calls = parse_tool_calls(OUTPUT, ids())
+    assert content == whole_content == "Sure."
+    assert [s.name for s in starts] == [c.name for c in whole_calls] == ["get_weather", "get_time"]
+    assert [e.call for e in ends] == whole_calls
+    assert args == [c.arguments_json for c in whole_calls]
+    assert events.index(starts[0]) < events.index(ends[0]) < events.index(starts[1])
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "names"),
+    [
+        ("just text", "just text", []),
+        ("a <tool_call> inline mention", "a <tool_call> inline mention", []),
+        ('<tool_call>\n{"name": 3}\n</tool_call>', '<tool_call>\n{"name": 3}\n</tool_call>', []),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": ', "", []),  # cut by max_tokens: not a call
+        (render_call("f", {}) + "\nafter", "\nafter", ["f"]),
+    ],
+)
+def test_parser_edge_cases(text, content, names):
+    got_content, calls = parse_tool_calls(text, ids())
+    assert got_content == content and [c.name for c in calls] == names
+
+
+def test_tiny_template_renders_tools_itself_and_smollm2_style_does_not():
+    tok = tiny_checkpoint().tokenizer
+    assert tok.template_renders_tools and tok.tool_format == "template"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], [WEATHER])
+    assert "You may call these tools" in prompt  # the template's own tool section
+
+
+def test_generic_format_when_the_template_has_no_tool_section():
+    from engine.tokenizer import Tokenizer
+
+    base = tiny_checkpoint().tokenizer
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+    tok = Tokenizer(base.backend, template, base.special_tokens, base.eos_token_ids)
+    assert not tok.template_renders_tools and tok.tool_format == "generic"
+    msgs = [{"role": "user", "content": "hi"}]
+    with_tools = tok.apply_chat_template(msgs, [WEATHER])
+    assert with_tools.startswith("<system># Tools") and with_tools.endswith("<user>hi</user>")
+    assert with_tools == tok.apply_chat_template(msgs, [WEATHER])
+    assert tok.render_chat(msgs, [WEATHER]) != tok.render_chat(msgs)  # tools are no longer dropped

@@ -1,0 +1,361 @@
+"""Config loading: defaults, env: values, and errors that name file, key path and expectation."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.api import EngineConfig
+from gateway.config.loader import default_config, load_config, parse_config
+from gateway.config.schema import AnthropicUpstream, ConfigError, OpenAIUpstream, RingConfig
+
+OPENAI = "models: [{name: a, backend: openai, base_url: http://x,"
+ANTHROPIC = "models: [{name: a, backend: anthropic, base_url: http://x,"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "prefixgate.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_default_config_is_embedded_smollm2_with_default_rules():
+    config = default_config()
+    assert config.rules == ("default",)
+    assert [(m.name, m.backend, m.path) for m in config.models] == [
+        ("smollm2-135m-instruct", "embedded", "default")
+    ]
+    assert (config.server.host, config.server.port, config.server.max_body_bytes) == (
+        "127.0.0.1",
+        8000,
+        4194304,
+    )
+    assert config.admin.token is None
+
+
+def test_issue_example_config_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "s3cret")
+    path = write(
+        tmp_path,
+        """
+        server: {host: 127.0.0.1, port: 8000, max_body_bytes: 4194304}
+        admin: {token: env:PREFIXGATE_ADMIN_TOKEN}
+        rules: [default]
+        models:
+          - name: smollm2-135m-instruct
+            backend: embedded
+            path: default
+            engine: {block_size: 16, num_blocks: 1024, dtype: float32, max_batch: 16}
+        """,
+    )
+    config = load_config(path)
+    assert config.admin.token == "s3cret"
+    assert config.models[0].engine == EngineConfig(
+        block_size=16, num_blocks=1024, dtype="float32", max_batch=16
+    )
+    assert config.source == str(path)
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        rules: [default, my-rules.yaml]
+        models: [{name: tiny, path: ckpt/tiny}]
+        """,
+    )
+    config = load_config(path)
+    assert config.rules == ("default", str(tmp_path / "my-rules.yaml"))
+    assert config.models[0].path == str(tmp_path / "ckpt" / "tiny")
+
+
+def test_empty_rules_list_turns_rewriting_off(tmp_path):
+    assert load_config(write(tmp_path, "rules: []\n")).rules == ()
+
+
+def test_upstream_model_fields(tmp_path, monkeypatch):
+    monkeypatch.setenv("UPSTREAM_KEY", "sk-test")
+    path = write(
+        tmp_path,
+        """
+        models:
+          - name: gpt
+            backend: openai
+            base_url: [https://a.example/v1/, https://b.example/v1]
+            api_key: env:UPSTREAM_KEY
+            upstream_model: gpt-4o-mini
+            timeout_s: 30
+            retries: 1
+            prices: {input: 0.15, cached_input: 0.075}
+        """,
+    )
+    model = load_config(path).models[0]
+    assert model.base_url == ("https://a.example/v1", "https://b.example/v1")
+    assert (model.api_key, model.upstream_model, model.timeout_s, model.retries) == (
+        "sk-test",
+        "gpt-4o-mini",
+        30.0,
+        1,
+    )
+    # the old shape (cached_input) is converted over the shipped table's gpt-4o-mini entry
+    assert (model.prices.input, model.prices.cache_read, model.prices.source) == (0.15, 0.075, "config")
+
+
+def test_upstream_tuning_fields(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        models:
+          - name: gpt
+            backend: openai
+            base_url: https://a.example/v1
+            prompt_cache_key: false
+            ring: {load_factor: 1.5, vnodes: 40, cooldown_s: 2, max_cooldown_s: 30}
+          - name: claude
+            backend: anthropic
+            base_url: https://api.anthropic.test
+            anthropic_version: "2024-01-01"
+            auto_breakpoints: false
+            min_cacheable_tokens: {claude-sonnet: 512, claude-sonnet-4-5: 3000}
+        """,
+    )
+    gpt, claude = load_config(path).models
+    assert gpt.prompt_cache_key is False
+    assert (gpt.ring.load_factor, gpt.ring.vnodes, gpt.ring.cooldown_s, gpt.ring.max_cooldown_s) == (
+        1.5,
+        40,
+        2.0,
+        30.0,
+    )
+    assert (claude.anthropic_version, claude.auto_breakpoints) == ("2024-01-01", False)
+    assert claude.min_cacheable_tokens == (("claude-sonnet", 512), ("claude-sonnet-4-5", 3000))
+    assert claude.ring == RingConfig()  # defaults
+    # one class per backend kind: an entry holds only the settings of its kind
+    assert isinstance(gpt, OpenAIUpstream) and isinstance(claude, AnthropicUpstream)
+    assert not hasattr(claude, "prompt_cache_key") and not hasattr(gpt, "anthropic_version")
+    hash(claude)  # a model entry stays hashable (frozen, tuples only)
+
+
+def test_ring_max_cooldown_defaults_to_at_least_the_cooldown():
+    config = parse_config(
+        {"models": [{"name": "g", "backend": "openai", "base_url": "http://x", "ring": {"cooldown_s": 90}}]}
+    )
+    assert (config.models[0].ring.cooldown_s, config.models[0].ring.max_cooldown_s) == (90.0, 90.0)
+
+
+def test_transcript_and_learning_settings(tmp_path):
+    config = parse_config(
+        yaml.safe_load(
+            "transcript: {max_entries: 50, max_bytes: 4096, ttl_s: 60, socket_timeout_s: 0.2}\n"
+            "redis: {url: 'redis://127.0.0.1:6379/1'}\n"
+            "rules_learning: off\n"
+        )
+    )
+    t = config.transcript
+    assert (t.max_entries, t.max_bytes, t.ttl_s, t.socket_timeout_s) == (50, 4096, 60.0, 0.2)
+    assert t.redis_url == "redis://127.0.0.1:6379/1"  # the shared redis: section
+    assert config.rules_learning.mode == "off"
+    own = parse_config(
+        {
+            "transcript": {"redis_url": "redis://a:1/0"},
+            "redis": {"url": "redis://b:2/0"},
+            "rules_learning": {"mode": "apply", "min_distinct": 4},
+        }
+    )
+    assert own.transcript.redis_url == "redis://a:1/0"
+    assert (own.rules_learning.mode, own.rules_learning.min_distinct) == ("apply", 4)
+    default = parse_config({})
+    assert default.transcript.redis_url is None and default.rules_learning.mode == "suggest"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ("serverr: {}\n", "serverr", "unknown key"),
+        ("server: {port: '8000'}\n", "server.port", "expected an integer"),
+        ("server: {port: 70000}\n", "server.port", "TCP port"),
+        ("server: {max_body_bytes: 0}\n", "server.max_body_bytes", "positive"),
+        ("server: [1]\n", "server", "expected a mapping"),
+        ("admin: {token: 5}\n", "admin.token", "expected a string"),
+        ("rules: default\n", "rules", "expected a list"),
+        ("models: []\n", "models", "non-empty list"),
+        ("models: [{backend: embedded}]\n", "models[0].name", "missing required key"),
+        (
+            "models: [{name: a, backend: vllm}]\n",
+            "models[0].backend",
+            "expected one of embedded, openai, anthropic",
+        ),
+        ("models: [{name: a, engine: {block_size: 0}}]\n", "models[0].engine.block_size", ">= 1"),
+        ("models: [{name: a, engine: {blocksize: 16}}]\n", "models[0].engine.blocksize", "unknown key"),
+        ("models: [{name: a, engine: {dtype: 32}}]\n", "models[0].engine.dtype", "expected a string"),
+        (
+            "models: [{name: a, engine: {max_model_len: nope}}]\n",
+            "models[0].engine.max_model_len",
+            "an integer or null",
+        ),
+        (
+            "models: [{name: a, engine: {enable_prefix_caching: 1}}]\n",
+            "models[0].engine.enable_prefix_caching",
+            "a boolean",
+        ),
+        ("models: [{name: a}, {name: a}]\n", "models[1].name", "unique"),
+        (
+            "models: [{name: a, base_url: http://x}]\n",
+            "models[0].base_url",
+            "not a setting of backend 'embedded'",
+        ),
+        ("models: [{name: a, backend: openai}]\n", "models[0].base_url", "URL"),
+        ("models: [{name: a, backend: openai, base_url: ftp://x}]\n", "models[0].base_url[0]", "http://"),
+        (
+            "models: [{name: a, backend: openai, base_url: 'http://[::1'}]\n",
+            "models[0].base_url[0]",
+            "not a valid URL",
+        ),
+        ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
+        (
+            f"{OPENAI} api_key: 'sk-abc def'}}]\n",
+            "models[0].api_key",
+            "whitespace, control or non-ASCII characters",
+        ),
+        (f"{OPENAI} api_key: '  '}}]\n", "models[0].api_key", "empty"),
+        (f"{OPENAI} api_key: 'sk-caf\u00e9'}}]\n", "models[0].api_key", "non-ASCII"),
+        (
+            "models: [{name: a, backend: openai, base_url: http://x, engine: {}}]\n",
+            "models[0].engine",
+            "not a setting",
+        ),
+        (
+            "models: [{name: a, backend: openai, base_url: http://x, prices: {input: -1}}]\n",
+            "models[0].prices.input",
+            ">= 0",
+        ),
+        (
+            "admin: {token: env:PREFIXGATE_TEST_UNSET_VARIABLE}\n",
+            "admin.token",
+            "PREFIXGATE_TEST_UNSET_VARIABLE",
+        ),
+        (f"{OPENAI} prompt_cache_key: 'yes'}}]\n", "models[0].prompt_cache_key", "expected a boolean"),
+        (
+            f"{OPENAI} auto_breakpoints: true}}]\n",
+            "models[0].auto_breakpoints",
+            "not a setting of backend 'openai'",
+        ),
+        (
+            f"{ANTHROPIC} prompt_cache_key: true}}]\n",
+            "models[0].prompt_cache_key",
+            "not a setting of backend 'anthropic'",
+        ),
+        (f"{ANTHROPIC} auto_breakpoints: 1}}]\n", "models[0].auto_breakpoints", "expected a boolean"),
+        (f"{ANTHROPIC} anthropic_version: 2023}}]\n", "models[0].anthropic_version", "expected a string"),
+        (f"{ANTHROPIC} anthropic_version: ''}}]\n", "models[0].anthropic_version", "API version"),
+        (
+            f"{ANTHROPIC} min_cacheable_tokens: [1]}}]\n",
+            "models[0].min_cacheable_tokens",
+            "mapping of model-name prefix",
+        ),
+        (
+            f"{ANTHROPIC} min_cacheable_tokens: {{claude: 0}}}}]\n",
+            "models[0].min_cacheable_tokens.claude",
+            ">= 1",
+        ),
+        (
+            f"{ANTHROPIC} min_cacheable_tokens: {{claude: many}}}}]\n",
+            "models[0].min_cacheable_tokens.claude",
+            "an integer",
+        ),
+        (
+            f"{ANTHROPIC} min_cacheable_tokens: {{1: 5}}}}]\n",
+            "models[0].min_cacheable_tokens",
+            "non-empty model-name prefixes",
+        ),
+        (f"{OPENAI} ring: [1]}}]\n", "models[0].ring", "expected a mapping"),
+        (f"{OPENAI} ring: {{vnode: 3}}}}]\n", "models[0].ring.vnode", "unknown key"),
+        (f"{OPENAI} ring: {{load_factor: 1}}}}]\n", "models[0].ring.load_factor", "> 1"),
+        (f"{OPENAI} ring: {{vnodes: 0}}}}]\n", "models[0].ring.vnodes", ">= 1"),
+        (f"{OPENAI} ring: {{cooldown_s: 0}}}}]\n", "models[0].ring.cooldown_s", "positive"),
+        (
+            f"{OPENAI} ring: {{cooldown_s: 10, max_cooldown_s: 5}}}}]\n",
+            "models[0].ring.max_cooldown_s",
+            ">= cooldown_s",
+        ),
+        ("models: [{name: a, ring: {}}]\n", "models[0].ring", "not a setting of backend 'embedded'"),
+        ("transcript: {max_entries: 0}\n", "transcript.max_entries", "positive"),
+        ("transcript: {ttl_s: soon}\n", "transcript.ttl_s", "a number"),
+        ("transcript: {redis_url: 'http://x'}\n", "transcript.redis_url", "redis://"),
+        ("transcript: {redis: x}\n", "transcript.redis", "unknown key"),
+        ("redis: {host: x}\n", "redis.host", "unknown key"),
+        ("rules_learning: always\n", "rules_learning.mode", "off, suggest, apply"),
+        ("rules_learning: {min_distinct: 1}\n", "rules_learning.min_distinct", ">= 2"),
+    ],
+)
+def test_bad_config_names_file_key_and_expectation(tmp_path, monkeypatch, text, key, expected):
+    monkeypatch.delenv("PREFIXGATE_TEST_UNSET_VARIABLE", raising=False)
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.source == str(path)
+    assert caught.value.key == key
+    assert expected in caught.value.problem
+    assert str(caught.value).startswith(f"{path}: {key}: ")
+
+
+def test_invalid_yaml_reports_the_line(tmp_path):
+    path = write(tmp_path, "server:\n  port: [1,\n")
+    with pytest.raises(ConfigError, match=r"line \d+, column \d+: invalid YAML"):
+        load_config(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_env_values_are_parsed_for_numbers(monkeypatch):
+    monkeypatch.setenv("PG_PORT", "9001")
+    monkeypatch.setenv("PG_BLOCKS", "64")
+    config = parse_config(
+        {
+            "server": {"port": "env:PG_PORT"},
+            "models": [{"name": "m", "engine": {"num_blocks": "env:PG_BLOCKS"}}],
+        }
+    )
+    assert config.server.port == 9001
+    assert config.models[0].engine.num_blocks == 64
+
+
+def test_empty_document_is_the_default(tmp_path):
+    config = load_config(write(tmp_path, ""))
+    assert config.models == default_config().models and config.rules == ("default",)
+
+
+def test_example_config_loads_and_matches_the_default_model():
+    example = load_config(Path(__file__).resolve().parents[3] / "examples" / "config.yaml")
+    assert example.models == default_config().models and example.rules == ("default",)
+
+
+def test_readme_config_examples_load(monkeypatch):
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "t")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-readme")
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:]]
+    configs = [
+        parse_config(yaml.safe_load(b)) for b in blocks if b.lstrip().startswith(("server:", "models:"))
+    ]
+    assert len(configs) >= 2
+    remote = next(m for c in configs for m in c.models if m.backend == "anthropic")
+    assert remote.min_cacheable_tokens == (("claude-sonnet-4-5", 1024),) and remote.ring.vnodes == 160
+
+
+def test_an_api_key_read_with_a_trailing_newline_is_stripped_and_a_bad_one_never_echoed(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PREFIXGATE_TEST_KEY", "sk-from-a-secret-file\n")
+    path = write(tmp_path, f"{OPENAI} api_key: env:PREFIXGATE_TEST_KEY}}]\n")
+    assert load_config(path).models[0].api_key == "sk-from-a-secret-file"
+    monkeypatch.setenv("PREFIXGATE_TEST_KEY", "sk-two\nlines")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.key == "models[0].api_key" and "sk-two" not in str(caught.value)

@@ -1,0 +1,238 @@
+"""Issue 11 through the real server and the official SDKs, over the embedded tiny model: conversations resent
+whole every turn keep their history cached with the rules on (the canonical transcript memory), an agent loop
+whose time line changes every turn hits its whole history, a fork keeps both branches, and every answer says
+in ``x-prefixgate-cache`` how much was cached and why the rest missed.
+
+Every test uses its own tenant (cache salt), so the session server's prefix cache and transcript memory of
+other tests never help or hurt it."""
+
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import BLOCK_SIZE, TINY_MODEL
+from tests.gateway.server import ADMIN_HEADERS
+
+SYSTEM = (
+    "You are the assistant of the prefix cache test. Answer every question about the capital of france, the "
+    "quick brown fox and the lazy dog in one short answer.\nCurrent date: 2026-12-01\n"
+    "Each answer names the document and the block table it used."
+)
+USER_TURNS = (
+    "what is the capital of france ?",
+    "and the quick brown fox ?",
+    "how many blocks in the table ?",
+    "what is the key value of the query head ?",
+)
+REPLIES = ("paris is the capital.", "it jumps over the lazy dog.", "eight blocks.", "the key of the head.")
+
+
+def tenant() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def chat(client: openai.OpenAI, messages, who: str, rules: str = "on", stream: bool = False, tools=None):
+    """(usage, x-prefixgate-cache header) of one chat completion."""
+    kwargs = dict(model=TINY_MODEL, messages=messages, max_tokens=2, temperature=0)
+    if tools is not None:
+        kwargs["tools"] = tools
+    headers = {"x-prefixgate-tenant": who, "x-prefixgate-rules": rules}
+    if stream:
+        raw = client.chat.completions.with_raw_response.create(
+            stream=True, stream_options={"include_usage": True}, extra_headers=headers, **kwargs
+        )
+        usage = None
+        for chunk in raw.parse():
+            usage = chunk.usage or usage
+        return usage, raw.headers.get("x-prefixgate-cache")
+    raw = client.chat.completions.with_raw_response.create(extra_headers=headers, **kwargs)
+    return raw.parse().usage, raw.headers.get("x-prefixgate-cache")
+
+
+def conversation(turn: int) -> list[dict]:
+    """The request a chat client sends for turn ``turn`` (1-based): the whole history, then the new question."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    for k in range(turn):
+        messages.append({"role": "user", "content": USER_TURNS[k]})
+        if k < turn - 1:
+            messages.append({"role": "assistant", "content": REPLIES[k]})
+    return messages
+
+
+def cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_four_turn_chat_caches_at_least_as_much_with_rules_on_on_every_turn(client):
+    on_tenant, off_tenant = tenant(), tenant()
+    on, off = [], []
+    for turn in range(1, 5):
+        on.append(chat(client, conversation(turn), on_tenant)[0])
+        off.append(chat(client, conversation(turn), off_tenant, rules="off")[0])
+    for turn in range(1, 4):
+        assert cached(on[turn]) >= cached(off[turn])
+        # the whole previous prompt is served from the cache (up to its last partial block and the reply)
+        previous = on[turn - 1].prompt_tokens
+        assert cached(on[turn]) >= previous - previous % BLOCK_SIZE - BLOCK_SIZE
+    # the date line sits in the system prompt with the rules off: the history is cached there too, and the
+    # rules on never cost a token of it
+    assert [cached(u) for u in on[1:]] >= [cached(u) for u in off[1:]]
+
+
+def test_agent_loop_whose_time_changes_every_turn_hits_the_whole_history(client):
+    who, who_off = tenant(), tenant()
+    result = " ".join(["the block table of the document lists every cached prefix block"] * 3)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_document",
+                "description": "read a document",
+                "parameters": {"type": "object", "properties": {"name": {"type": "string"}}},
+            },
+        }
+    ]
+
+    def request(turn: int) -> list[dict]:
+        system = (
+            f"You are a coding agent of the prefix cache test.\nCurrent time: 09:4{turn}:1{turn}\nBe brief."
+        )
+        messages: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": "read it"}]
+        for k in range(turn):
+            call = {
+                "id": f"call_{k}",
+                "type": "function",
+                "function": {"name": "read_document", "arguments": "{}"},
+            }
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": f"{k}: {result}"})
+        return messages
+
+    on = [chat(client, request(turn), who, tools=tools)[0] for turn in range(1, 3)]
+    off = [chat(client, request(turn), who_off, rules="off", tools=tools)[0] for turn in range(1, 3)]
+    previous = on[0].prompt_tokens
+    assert previous > 120  # a large tool result
+    assert cached(on[1]) >= previous - previous % BLOCK_SIZE - BLOCK_SIZE
+    assert cached(off[1]) < 64  # the time line at the top of the system prompt ends the prefix early
+    assert cached(on[1]) >= cached(off[1])
+
+
+def test_a_fork_keeps_both_branches(client, server):
+    who = tenant()
+    history = conversation(2) + [{"role": "assistant", "content": REPLIES[1]}]
+    branches = {
+        "a": history + [{"role": "user", "content": "what is the capital of france ?"}],
+        "b": history + [{"role": "user", "content": "what is the lazy dog ?"}],
+    }
+    for turn in (conversation(1), conversation(2)):
+        chat(client, turn, who)
+    first = {name: chat(client, messages, who)[0] for name, messages in branches.items()}
+    second = {}
+    for name, messages in branches.items():
+        follow = messages + [
+            {"role": "assistant", "content": f"answer {name}."},
+            {"role": "user", "content": "thanks ."},
+        ]
+        second[name] = chat(client, follow, who)[0]
+        canon = server.app.state.gateway.canonicalizer.canonicalize(follow, None, TINY_MODEL, who)
+        texts = [m["content"] for m in canon.messages if isinstance(m.get("content"), str)]
+        assert any(messages[-1]["content"] in t for t in texts)  # its own turn 3
+        assert canon.history.reused_turns >= 3  # turn 4 continues its own branch's transcript
+        other = branches["b" if name == "a" else "a"][-1]["content"]
+        assert not any(t.endswith(other) for t in texts[-3:])
+    for name in branches:
+        previous = first[name].prompt_tokens
+        assert cached(second[name]) >= previous - previous % BLOCK_SIZE - BLOCK_SIZE
+
+
+def header_fields(value: str | None) -> dict[str, str]:
+    assert value is not None
+    return dict(part.strip().split("=", 1) for part in value.split(";"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cache_header_names_cold_volatile_and_tools_changed(client, stream):
+    who = tenant()
+    system = SYSTEM.replace("2026-12-01", "2026-12-0{day}")
+    ask = [{"role": "user", "content": USER_TURNS[0]}]
+
+    def send(day: int, rules: str = "off", tools=None):
+        return chat(
+            client, [{"role": "system", "content": system.format(day=day)}, *ask], who, rules, stream, tools
+        )
+
+    usage, header = send(1)
+    fields = header_fields(header)
+    assert fields["miss"] == "cold" and int(fields["cached"]) == cached(usage) == 0
+    usage, header = send(2)  # rules off: the changed date sits inside the system prompt
+    fields = header_fields(header)
+    assert fields["miss"] == "volatile" and fields["at"].startswith("system:")
+    assert int(fields["cached"]) == cached(usage)
+    usage, header = send(2, rules="on")  # the rules hoist the date: nothing stable missed... once cached
+    usage, header = send(3, rules="on")
+    assert header_fields(header)["miss"] == "none"
+    tool = {
+        "type": "function",
+        "function": {"name": "lookup", "description": "look {x} up", "parameters": {}},
+    }
+    first_tools = [{**tool, "function": {**tool["function"], "description": "look one up"}}]
+    other_tools = [{**tool, "function": {**tool["function"], "description": "look two up"}}]
+    send(3, rules="on", tools=first_tools)
+    usage, header = send(3, rules="on", tools=other_tools)
+    assert header_fields(header)["miss"] == "tools_changed"
+    assert "capital" not in header and "look" not in header  # never prompt text
+
+
+def test_cache_header_on_the_anthropic_face_streamed_and_not(server):
+    who = tenant()
+    with anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=60) as ant:
+        for stream in (False, True):
+            kwargs = dict(
+                model=TINY_MODEL,
+                max_tokens=2,
+                system=SYSTEM,
+                messages=[{"role": "user", "content": USER_TURNS[0]}],
+                extra_headers={"x-prefixgate-tenant": who + str(stream)},
+            )
+            if stream:
+                with ant.messages.with_streaming_response.create(stream=True, **kwargs) as raw:
+                    header = raw.headers.get("x-prefixgate-cache")
+                    for _ in raw.iter_lines():
+                        pass
+            else:
+                header = ant.messages.with_raw_response.create(**kwargs).headers.get("x-prefixgate-cache")
+            assert header_fields(header)["miss"] == "cold"
+    doc = server.stats()
+    assert doc["cache_misses"]["models"][TINY_MODEL]["by_cause"]["cold"] >= 2
+    assert doc["transcript"]["memory"]["stored"] >= 1
+
+
+def test_rules_off_requests_never_touch_the_transcript_memory(client, server):
+    before = server.stats()["transcript"]["memory"]
+    chat(client, conversation(3), tenant(), rules="off")
+    after = server.stats()["transcript"]["memory"]
+    assert (after["lookups"], after["stored"]) == (before["lookups"], before["stored"])
+
+
+def test_a_failing_explanation_costs_no_request(client, server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("explainer bug")
+
+    monkeypatch.setattr(server.app.state.gateway.cache.explainer, "explain", broken)
+    errors = server.stats()["cache_misses"]["errors"]
+    for stream in (False, True):
+        usage, header = chat(client, conversation(1), tenant(), stream=stream)
+        assert usage.completion_tokens >= 1 and header is None
+    assert server.stats()["cache_misses"]["errors"] == errors + 2
+
+
+def test_metrics_count_misses_by_cause(client, server):
+    chat(client, conversation(1), tenant())
+    text = httpx.get(f"{server.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text
+    assert f'prefixgate_cache_misses_total{{cause="cold",model="{TINY_MODEL}"}}' in text
+    assert 'prefixgate_transcript_total{event="stored"}' in text

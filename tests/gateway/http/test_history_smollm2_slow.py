@@ -1,0 +1,119 @@
+"""Issue 11's four-turn table on the real default model (SmolLM2-135M-Instruct) through the server, with the
+official openai and anthropic SDKs: a system prompt with ``Current date: 2026-12-01`` (the same value every
+turn), four turns resending the whole history; cached tokens per turn with the rules on and off. Run with
+``-s`` to see the table."""
+
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import openai
+import pytest
+
+from gateway.config.schema import DEFAULT_MODEL_NAME
+from tests.gateway.server import RunningServer, write_config
+
+POLICY = (
+    "Our offices are in Paris, Lisbon and Seoul. Bookings can be changed up to 24 hours before departure. "
+    "Refunds take five business days. Never invent prices; say that an agent will confirm them. Be polite, "
+    "be brief, and do not use lists. When a traveller asks about luggage, explain that one cabin bag and one "
+    "checked bag are included on every long-haul flight, and that sports equipment must be declared. "
+)
+SYSTEM = (
+    "You are a helpful assistant for a travel company. Answer in one short sentence.\n"
+    "Current date: 2026-12-01\n" + POLICY * 8
+)
+QUESTIONS = (
+    "Where are your offices?",
+    "How long do refunds take?",
+    "Can I change my booking tomorrow?",
+    "Is a checked bag included?",
+)
+REPLIES = (
+    "Our offices are in Paris, Lisbon and Seoul.",
+    "Refunds take five business days.",
+    "Yes, up to 24 hours before departure.",
+    "Yes, on every long-haul flight.",
+)
+BLOCK = 16
+
+
+def history(turn: int) -> list[dict]:
+    messages: list[dict] = []
+    for k in range(turn):
+        messages.append({"role": "user", "content": QUESTIONS[k]})
+        if k < turn - 1:
+            messages.append({"role": "assistant", "content": REPLIES[k]})
+    return messages
+
+
+@pytest.mark.slow
+def test_four_turn_table_rules_on_caches_at_least_rules_off(tmp_path):
+    config = write_config(
+        tmp_path / "prefixgate.yaml",
+        {
+            "models": [
+                {
+                    "name": DEFAULT_MODEL_NAME,
+                    "path": "default",
+                    "engine": {"num_blocks": 512, "device": "cpu"},
+                }
+            ]
+        },
+    )
+    server = RunningServer(config).start(timeout_s=300)
+    table: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    try:
+        with (
+            openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300) as oai,
+            anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=300) as ant,
+        ):
+            for face in ("openai", "anthropic"):
+                for rules in ("on", "off"):
+                    headers = {"x-prefixgate-rules": rules, "x-prefixgate-tenant": uuid.uuid4().hex}
+                    rows = table[(face, rules)] = []
+                    for turn in range(1, 5):
+                        if face == "openai":
+                            raw = oai.chat.completions.with_raw_response.create(
+                                model=DEFAULT_MODEL_NAME,
+                                messages=[{"role": "system", "content": SYSTEM}, *history(turn)],
+                                max_tokens=4,
+                                temperature=0,
+                                extra_headers=headers,
+                            )
+                            usage = raw.parse().usage
+                            prompt, cached = usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+                        else:
+                            raw = ant.messages.with_raw_response.create(
+                                model=DEFAULT_MODEL_NAME,
+                                system=SYSTEM,
+                                messages=history(turn),
+                                max_tokens=4,
+                                extra_headers=headers,
+                            )
+                            usage = raw.parse().usage
+                            cached = usage.cache_read_input_tokens or 0
+                            prompt = usage.input_tokens + cached + (usage.cache_creation_input_tokens or 0)
+                        rows.append((prompt, cached, raw.headers.get("x-prefixgate-cache", "")))
+    finally:
+        server.stop()
+    print("\nface       rules  turn1  turn2  turn3  turn4   (cached tokens; prompt tokens in brackets)")
+    for (face, rules), rows in table.items():
+        cells = "  ".join(f"{c:>5} [{p}]" for p, c, _ in rows)
+        print(f"{face:<10} {rules:<5} {cells}")
+        for turn, (_, _, header) in enumerate(rows, start=1):
+            print(f"    turn {turn}: x-prefixgate-cache: {header}")
+    for face in ("openai", "anthropic"):
+        on, off = table[(face, "on")], table[(face, "off")]
+        for turn in range(1, 4):
+            assert on[turn][1] >= off[turn][1], (face, turn)
+            previous = on[turn - 1][0]
+            # every full block of the previous turn's prompt is served from the cache
+            assert on[turn][1] == previous - previous % BLOCK, (face, turn)
+            # what missed is the new turn itself (the reply and question the cache never saw): cold, after
+            # the previous prompt
+            fields = dict(part.split("=", 1) for part in on[turn][2].split("; "))
+            assert fields["miss"] in ("none", "cold"), (face, turn, on[turn][2])
+            if fields["miss"] == "cold":
+                assert int(fields["at"].split(":")[1]) >= previous - previous % BLOCK

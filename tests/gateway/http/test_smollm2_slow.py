@@ -1,0 +1,67 @@
+"""The real default model (SmolLM2-135M-Instruct, ``path: default``) behind the gateway, streamed with the
+official openai SDK, as a newcomer following README.md would use it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from gateway.config.schema import DEFAULT_MODEL_NAME
+from tests.gateway.server import RunningServer, write_config
+
+SYSTEM = (
+    "You are a helpful assistant for a travel company. Answer in one short sentence. "
+    "Our offices are in Paris, Lisbon and Seoul. Bookings can be changed up to 24 hours before departure. "
+    "Refunds take five business days. Never invent prices; say that an agent will confirm them. "
+    "Be polite, be brief, and do not use lists."
+)
+
+
+@pytest.mark.slow
+def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
+    config = write_config(
+        tmp_path / "prefixgate.yaml",
+        {
+            "models": [
+                {
+                    "name": DEFAULT_MODEL_NAME,
+                    "path": "default",
+                    "engine": {"num_blocks": 256, "device": "cpu"},
+                }
+            ]
+        },
+    )
+    server = RunningServer(config).start(timeout_s=300)
+    try:
+        engine = server.app.state.gateway.registry.get(DEFAULT_MODEL_NAME).engine
+        n_system = len(engine.tokenizer.encode(SYSTEM))
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(question: str):
+            stream = client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return text, chunks[-1].usage
+
+        text, usage = ask("Where are your offices?")
+        assert text.strip(), "the model answered nothing"
+        assert usage.completion_tokens <= 24 and usage.prompt_tokens > n_system
+        text2, usage2 = ask("How long do refunds take?")
+        assert text2.strip()
+        assert usage2.prompt_tokens_details.cached_tokens >= n_system // 16 * 16
+        stats = server.stats()
+        assert (
+            stats["requests"] == 2
+            and stats["cached_tokens"]
+            == usage.prompt_tokens_details.cached_tokens + usage2.prompt_tokens_details.cached_tokens
+        )
+        assert stats["models"][DEFAULT_MODEL_NAME]["blocks"]["used"] == 0
+    finally:
+        server.stop()

@@ -1,0 +1,586 @@
+"""The Anthropic Messages face: validation, translation both ways, SSE/JSON formatting
+(gateway.protocols.anthropic.validate).
+
+End-to-end tests with the official SDKs through the real gateway are in test_upstream_e2e.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from gateway.core.errors import APIError, InvalidRequestError, anthropic_error_body
+from gateway.core.events import BackendUsage, Delta, Finish
+from gateway.http.anthropic import message_sse
+from gateway.protocols.anthropic.parse import parse_messages_body
+from gateway.protocols.anthropic.prompt import (
+    UnsupportedContentError,
+    openai_to_anthropic,
+    openai_to_anthropic_tool_choice,
+)
+from gateway.protocols.anthropic.render import NativeDelta, anthropic_usage, build_message
+from gateway.protocols.anthropic.stream import StreamFormatter
+from gateway.service.pipeline import OpenedStream
+from gateway.transport.failures import UpstreamCallError
+from gateway.transport.sse import parse_sse
+from tests.gateway.upstream_helpers import fixture_bytes
+
+RICH_BODY = {
+    "model": "claude",
+    "max_tokens": 300,
+    "system": [
+        {"type": "text", "text": "You are helpful."},
+        {"type": "text", "text": "Long rules.", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+    ],
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "text",
+                    "text": "<document>Doc</document> What is it?",
+                    "cache_control": {"type": "ephemeral"},
+                },
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                },
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+                {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "c2ln"},
+                {"type": "text", "text": "Let me look."},
+                {
+                    "type": "tool_use",
+                    "id": "t1",
+                    "name": "search",
+                    "input": {"q": "x", "n": 2},
+                    "cache_control": {"type": "ephemeral"},
+                },
+                {"type": "tool_use", "id": "t2", "name": "search", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [{"type": "text", "text": "found"}],
+                    "is_error": False,
+                    "cache_control": {"type": "ephemeral"},
+                },
+                {"type": "tool_result", "tool_use_id": "t2", "content": "nothing", "is_error": True},
+                {"type": "text", "text": "And now?"},
+            ],
+        },
+        {"role": "assistant", "content": "plain answer"},
+        {"role": "user", "content": "plain question"},
+    ],
+    "tools": [
+        {
+            "name": "search",
+            "description": "Search.",
+            "input_schema": {"type": "object"},
+            "strict": True,
+            "cache_control": {"type": "ephemeral"},
+        },
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+    ],
+    "tool_choice": {"type": "tool", "name": "search"},
+    "temperature": 0.3,
+    "top_p": 0.9,
+    "top_k": 40,
+    "stop_sequences": ["END", "STOP"],
+    "stream": True,
+    "metadata": {"user_id": "user-42"},
+}
+
+
+# ---- parsing
+# ------------------------------------------------------------------------------------------------
+
+
+def test_parse_builds_the_internal_request():
+    request = parse_messages_body(copy.deepcopy(RICH_BODY), request_id="abc")
+    assert request.openai_body is None and request.model == "claude" and request.stream
+    assert request.anthropic_body == RICH_BODY
+    params = request.params
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (300, 0.3, 0.9, 40)
+    assert params.stop == ("END", "STOP") and request.user == "user-42"
+    assert request.tool_choice == {"type": "function", "function": {"name": "search"}}
+    assert [m["role"] for m in request.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert request.messages[3] == {
+        "role": "tool",
+        "tool_call_id": "t1",
+        "content": [{"type": "text", "text": "found"}],
+        "is_error": False,
+        "cache_control": {"type": "ephemeral"},
+    }
+    assert request.messages[1]["content"][1] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+    }
+    assert request.tools[0] == {
+        "type": "function",
+        "function": {"name": "search", "description": "Search.", "parameters": {"type": "object"}},
+        "x-anthropic": {"strict": True, "cache_control": {"type": "ephemeral"}},
+    }
+
+
+def test_defaults_follow_the_messages_api():
+    request = parse_messages_body(
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert (request.params.temperature, request.params.top_p, request.params.top_k) == (1.0, 1.0, 0)
+    assert (
+        request.messages == [{"role": "user", "content": "hi"}]
+        and request.tools is None
+        and not request.stream
+    )
+
+
+def test_round_trip_restores_the_body_exactly():
+    request = parse_messages_body(copy.deepcopy(RICH_BODY))
+    prompt = openai_to_anthropic(request.messages, request.tools)
+    assert prompt.system == RICH_BODY["system"]
+    assert prompt.messages == RICH_BODY["messages"]
+    assert prompt.tools == RICH_BODY["tools"]
+
+
+def test_round_trip_of_a_string_system_prompt():
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    request = parse_messages_body(body)
+    prompt = openai_to_anthropic(request.messages, request.tools)
+    assert (prompt.system, prompt.messages) == ("Be brief.", body["messages"])
+    assert prompt.part_blocks == [[("system", 0)], [("messages", 0, 0)]]
+
+
+def test_part_blocks_map_every_canonical_part():
+    request = parse_messages_body(copy.deepcopy(RICH_BODY))
+    prompt = openai_to_anthropic(request.messages, request.tools)
+    assert prompt.part_blocks[0] == [("system", 0), ("system", 1)]
+    assert prompt.part_blocks[1] == [("messages", 0, j) for j in range(4)]
+    assert prompt.part_blocks[2] == [("messages", 1, 0), ("messages", 1, 1)]  # tool uses are not parts
+    assert prompt.part_blocks[3] == prompt.part_blocks[4] == []  # tool results are single blocks
+    assert prompt.part_blocks[5] == [("messages", 2, 2)]  # merged after the two tool results
+    assert prompt.last_block[2] == ("messages", 1, 3) and prompt.last_block[4] == ("messages", 2, 1)
+
+
+def test_empty_text_parts_are_sent_as_no_block_and_hand_their_breakpoint_back():
+    # what the default rules leave after hoisting a system block that held only the date
+    messages = [
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "Be brief."},
+                {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+            ],
+        },
+        {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": ""}]},
+        {
+            "role": "tool",
+            "tool_call_id": "t1",
+            "content": [{"type": "text", "text": ""}, {"type": "text", "text": "ok"}],
+        },
+    ]
+    prompt = openai_to_anthropic(messages, None)
+    assert prompt.system == [
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    ]
+    assert prompt.messages == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "ok"}]},
+            ],
+        },
+    ]
+    assert prompt.part_blocks[:3] == [
+        [("system", 0), None],
+        [None, ("messages", 0, 0)],
+        [("messages", 1, 0), None],
+    ]
+    assert prompt.last_block[:3] == [("system", 0), ("messages", 0, 0), ("messages", 1, 0)]
+
+
+def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
+    marked = {"type": "ephemeral"}
+    messages = [
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "A", "cache_control": marked},
+                {"type": "text", "text": "", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+            ],
+        },
+        {"role": "user", "content": "hi"},
+    ]
+    assert openai_to_anthropic(messages, None).system == [
+        {"type": "text", "text": "A", "cache_control": marked}
+    ]
+    assert openai_to_anthropic([{"role": "system", "content": ""}, *messages[1:]], None).system is None
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        (lambda b: b.pop("model"), "model"),
+        (lambda b: b.pop("max_tokens"), "max_tokens"),
+        (lambda b: b.update(max_tokens=0), "max_tokens"),
+        (lambda b: b.update(messages=[]), "messages"),
+        (lambda b: b.update(messages="hi"), "messages"),
+        (lambda b: b["messages"][0].update(role="system"), "messages[0].role"),
+        (lambda b: b["messages"][0].update(content=5), "messages[0].content"),
+        (lambda b: b["messages"][0].update(content=[{"type": "text"}]), "messages[0].content[0].text"),
+        (lambda b: b["messages"][0].update(content=[{"text": "x"}]), "messages[0].content[0].type"),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "tool_use", "id": "1", "name": "n", "input": {}}]
+            ),
+            "messages[0].content[0]",
+        ),
+        (
+            lambda b: b["messages"][0].update(content=[{"type": "image", "source": {"type": "svg"}}]),
+            "messages[0].content[0].source.type",
+        ),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]
+            ),
+            "messages[0].content[0].cache_control.ttl",
+        ),
+        (
+            lambda b: b.update(system=[{"type": "image", "source": {"type": "url", "url": "u"}}]),
+            "system[0].type",
+        ),
+        (lambda b: b.update(temperature=1.5), "temperature"),
+        (lambda b: b.update(top_k=-1), "top_k"),
+        (lambda b: b.update(stop_sequences=["ok", ""]), "stop_sequences"),
+        (lambda b: b.update(stream="yes"), "stream"),
+        (lambda b: b.update(tools=[{"name": "a"}]), "tools[0].input_schema"),
+        (
+            lambda b: b.update(tools=[{"name": "a", "input_schema": {}}, {"name": "a", "input_schema": {}}]),
+            "tools[1].name",
+        ),
+        (
+            lambda b: b.update(
+                tool_choice={"type": "tool", "name": "missing"}, tools=[{"name": "a", "input_schema": {}}]
+            ),
+            "tool_choice.name",
+        ),
+        (lambda b: b.update(metadata={"user_id": 7}), "metadata.user_id"),
+    ],
+)
+def test_bad_bodies_name_the_field(change, param):
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    change(body)
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages_body(body)
+    assert info.value.param == param and info.value.status_code == 400
+    assert anthropic_error_body(info.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_non_object_body():
+    with pytest.raises(InvalidRequestError):
+        parse_messages_body(["not", "an", "object"])
+
+
+# ---- OpenAI-shaped messages to Anthropic
+# ---------------------------------------------------------------------
+
+
+def test_openai_messages_translate_to_anthropic():
+    messages = [
+        {"role": "system", "content": "Sys A"},
+        {"role": "developer", "content": [{"type": "text", "text": "Sys B"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": "calling",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+                {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "r2"},
+        {"role": "system", "content": "Current time: 09:45"},
+        {"role": "user", "content": "next"},
+    ]
+    prompt = openai_to_anthropic(messages, None)
+    assert prompt.system == [{"type": "text", "text": "Sys A"}, {"type": "text", "text": "Sys B"}]
+    assert prompt.messages == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "/9j/"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "calling"},
+                {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}},
+                {"type": "tool_use", "id": "c2", "name": "f", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "c1", "content": "r1"},
+                {"type": "tool_result", "tool_use_id": "c2", "content": "r2"},
+                {"type": "text", "text": "Current time: 09:45"},
+            ],
+        },  # joins the results' turn
+        {"role": "user", "content": "next"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (
+            {
+                "role": "user",
+                "content": [{"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}],
+            },
+            "messages[0].content[0].type",
+        ),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}],
+            },
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ({"role": "tool", "content": "r"}, "messages[0].tool_call_id"),
+    ],
+)
+def test_content_anthropic_cannot_carry_is_a_400(message, param):
+    with pytest.raises(InvalidRequestError) as info:
+        openai_to_anthropic([message], None)
+    assert info.value.param == param
+
+
+def test_tool_choice_translation():
+    assert openai_to_anthropic_tool_choice("auto") == {"type": "auto"}
+    assert openai_to_anthropic_tool_choice("required") == {"type": "any"}
+    assert openai_to_anthropic_tool_choice("none") == {"type": "none"}
+    assert openai_to_anthropic_tool_choice({"type": "function", "function": {"name": "f"}}) == {
+        "type": "tool",
+        "name": "f",
+    }
+    assert openai_to_anthropic_tool_choice(None, parallel_tool_calls=False) == {
+        "type": "auto",
+        "disable_parallel_tool_use": True,
+    }
+    assert openai_to_anthropic_tool_choice(None) is None
+    with pytest.raises(InvalidRequestError):
+        openai_to_anthropic_tool_choice(3)
+    with pytest.raises(UnsupportedContentError):
+        openai_to_anthropic([{"role": "user", "content": "x"}], [{"type": "retrieval"}])
+
+
+# ---- formatting
+# -----------------------------------------------------------------------------------------------
+
+
+def deltas_from_openai_fixture(name: str) -> list[Delta]:
+    events = parse_sse(fixture_bytes("openai", name))
+    out = []
+    for event in events:
+        if event.data == "[DONE]":
+            break
+        for choice in json.loads(event.data)["choices"]:
+            delta = choice["delta"]
+            if delta.get("content") or delta.get("tool_calls"):
+                out.append(Delta(text=delta.get("content") or "", tool_calls=delta.get("tool_calls")))
+    return out
+
+
+USAGE = BackendUsage(prompt_tokens=2000, completion_tokens=60, cached_tokens=1536, cache_creation_tokens=256)
+
+
+def test_usage_as_anthropic_defines_it():
+    assert anthropic_usage(USAGE) == {
+        "input_tokens": 208,
+        "cache_creation_input_tokens": 256,
+        "cache_read_input_tokens": 1536,
+        "output_tokens": 60,
+    }
+
+
+def test_stream_event_order_and_content_for_text_then_parallel_tools():
+    formatter = StreamFormatter("claude", "req1")
+    events = [Delta(text="Checking"), Delta(text=" both.")] + deltas_from_openai_fixture("f82268f2fefd.sse")
+    raw = b"".join(formatter.feed(e) for e in events) + formatter.feed(Finish("tool_calls", USAGE))
+    parsed = [(e.event, json.loads(e.data)) for e in parse_sse(raw)]
+    names = [name for name, _ in parsed]
+    assert names[:4] == ["message_start", "content_block_start", "ping", "content_block_delta"]
+    assert names[-2:] == ["message_delta", "message_stop"]
+    assert all(name == data["type"] for name, data in parsed)
+    starts = [d for n, d in parsed if n == "content_block_start"]
+    stops = [d["index"] for n, d in parsed if n == "content_block_stop"]
+    assert [s["content_block"]["type"] for s in starts] == ["text", "tool_use", "tool_use"] and stops == [
+        0,
+        1,
+        2,
+    ]
+    assert [s["content_block"].get("name") for s in starts[1:]] == ["GetWeatherArgs", "get_stock_price"]
+    # every block's events sit between its start and its stop
+    for index in range(3):
+        positions = [i for i, (_, d) in enumerate(parsed) if d.get("index") == index]
+        assert (
+            parsed[positions[0]][0] == "content_block_start"
+            and parsed[positions[-1]][0] == "content_block_stop"
+        )
+    inputs = {}
+    for name, data in parsed:
+        if name == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
+            inputs[data["index"]] = inputs.get(data["index"], "") + data["delta"]["partial_json"]
+    assert json.loads(inputs[2]) == {"ticker": "AAPL", "exchange": "NASDAQ"}
+    final = parsed[-2][1]
+    assert final["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert final["usage"]["cache_read_input_tokens"] == 1536 and final["usage"]["input_tokens"] == 208
+    assert parsed[0][1]["message"]["model"] == "claude" and parsed[0][1]["message"]["id"].startswith("msg_")
+
+
+async def _events(items):
+    for item in items:
+        yield item
+
+
+async def test_build_message_non_stream():
+    items = [Delta(text="I'll check. ")] + deltas_from_openai_fixture("2018feb66ae1.sse")
+    items.append(Finish("tool_calls", USAGE))
+    message, finish = await build_message(_events(items), "claude", "r2")
+    assert message["type"] == "message" and message["role"] == "assistant" and message["model"] == "claude"
+    assert message["content"] == [
+        {"type": "text", "text": "I'll check. "},
+        {
+            "type": "tool_use",
+            "id": "call_4XzlGBLtUe9dy3GVNV4jhq7h",
+            "name": "get_weather",
+            "input": {"city": "New York City"},
+        },
+    ]
+    assert message["stop_reason"] == "tool_use" and message["usage"] == anthropic_usage(USAGE)
+
+
+async def test_stop_sequence_and_native_stop_reasons():
+    message, _ = await build_message(
+        _events([Delta(text="a"), Finish("stop", USAGE, stop_sequence="END")]), "m", "r"
+    )
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "END")
+    message, _ = await build_message(_events([Finish("length", USAGE)]), "m", "r")
+    assert message["stop_reason"] == "max_tokens" and message["content"] == []
+    message, _ = await build_message(
+        _events([Finish("stop", USAGE, anthropic_stop_reason="pause_turn")]), "m", "r"
+    )
+    assert message["stop_reason"] == "pause_turn"
+
+
+async def test_build_message_needs_a_finish():
+    with pytest.raises(APIError):
+        await build_message(_events([Delta(text="a")]), "m", "r")
+
+
+class FakeOpened:
+    """The parts of ``gateway.service.pipeline.OpenedStream`` the face uses (its real ``guarded_events``)."""
+
+    guarded_events = OpenedStream.guarded_events
+
+    def __init__(self, request, items):
+        self.request = request
+        self.items = items
+        self.failed: list[APIError] = []
+        self.closed = False
+
+    async def events(self):
+        try:
+            for item in self.items:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self.closed = True
+
+    def fail(self, error):
+        self.failed.append(error)
+
+
+async def test_native_events_are_relayed_with_the_client_model_name():
+    request = parse_messages_body(
+        {"model": "my-claude", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    recorded = [json.loads(e.data) for e in parse_sse(fixture_bytes("anthropic", "stream-b-fallback.sse"))]
+    items = [NativeDelta(events=(e,)) for e in recorded] + [Finish("stop", USAGE, native=True)]
+    opened = FakeOpened(request, items)
+    out = parse_sse(b"".join([chunk async for chunk in message_sse(opened)]))
+    relayed = [json.loads(e.data) for e in out]
+    assert relayed[0]["message"]["model"] == "my-claude"
+    relayed[0]["message"]["model"] = recorded[0]["message"]["model"]
+    assert relayed == recorded and [e.event for e in out] == [r["type"] for r in recorded]
+    assert opened.closed and not opened.failed
+
+
+async def test_an_error_mid_stream_ends_with_an_error_event():
+    request = parse_messages_body(
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    cut = UpstreamCallError(502, "stream_cut", "upstream broke off")
+    opened = FakeOpened(request, [Delta(text="partial"), cut])
+    out = parse_sse(b"".join([chunk async for chunk in message_sse(opened)]))
+    assert [e.event for e in out] == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        "content_block_delta",
+        "error",
+    ]
+    assert json.loads(out[-1].data) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "upstream broke off"},
+    }
+    assert opened.failed == [cut] and opened.closed

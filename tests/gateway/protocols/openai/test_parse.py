@@ -1,0 +1,256 @@
+"""Parsing OpenAI bodies into ChatRequest, and formatting responses and chunks like OpenAI's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.api import SamplingParams
+from gateway.core.errors import InvalidRequestError
+from gateway.core.events import BackendUsage, Finish
+from gateway.core.request import ChatRequest
+from gateway.protocols.openai.parse import parse_chat_request, parse_completion_request
+from gateway.protocols.openai.render import (
+    ResponseMeta,
+    chat_chunk,
+    chat_completion_body,
+    completion_body,
+    merge_tool_call_deltas,
+    usage_body,
+    usage_chunk,
+)
+from gateway.transport.sse import parse_sse
+from tests.gateway.upstream_helpers import fixture_bytes
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def chat(**fields):
+    return parse_chat_request({"model": "m", "messages": MESSAGES, **fields}, {})
+
+
+def test_minimal_chat_body():
+    request = chat()
+    assert request.model == "m" and request.kind == "chat" and request.anthropic_body is None
+    assert request.messages == MESSAGES
+    assert request.params == SamplingParams(
+        max_tokens=None, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=()
+    )
+    assert (request.stream, request.include_usage, request.rules_enabled, request.tenant) == (
+        False,
+        False,
+        True,
+        "",
+    )
+
+
+def test_sampling_fields_map_to_sampling_params():
+    request = chat(temperature=0.5, top_p=0.9, max_tokens=7, stop="\n", seed=3, user="u1", n=1, top_k=40)
+    assert request.params == SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=("\n",)
+    )
+    assert request.user == "u1"
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert chat(max_tokens=5, max_completion_tokens=9).params.max_tokens == 9
+
+
+def test_top_p_zero_is_greedy():
+    params = chat(top_p=0, temperature=0.7).params
+    assert (params.temperature, params.top_p) == (0.0, 1.0)
+
+
+def test_stream_options_and_headers():
+    request = parse_chat_request(
+        {"model": "m", "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}},
+        {"x-prefixgate-rules": "OFF", "x-prefixgate-tenant": "acme"},
+    )
+    assert (request.stream, request.include_usage, request.rules_enabled, request.tenant) == (
+        True,
+        True,
+        False,
+        "acme",
+    )
+
+
+def test_content_parts_and_tool_messages_are_accepted():
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = parse_chat_request({"model": "m", "messages": messages, "tools": tools}, {})
+    assert request.messages == messages and request.tools == tools
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"model": None}, "model", "invalid_type"),
+        ({"messages": "hi"}, "messages", "invalid_type"),
+        ({"messages": []}, "messages", "empty_array"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role", "missing_required_parameter"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+            "messages[0].content[0].text",
+            "invalid_type",
+        ),
+        ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]", "invalid_type"),
+        (
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+            "missing_required_parameter",
+        ),
+        ({"temperature": "hot"}, "temperature", "invalid_type"),
+        ({"temperature": 3}, "temperature", "invalid_value"),
+        ({"top_p": 1.5}, "top_p", "invalid_value"),
+        ({"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
+        ({"max_tokens": 1.5}, "max_tokens", "invalid_type"),
+        ({"max_completion_tokens": True}, "max_completion_tokens", "invalid_type"),
+        ({"n": 2}, "n", "invalid_value"),
+        ({"n": "1"}, "n", "invalid_type"),
+        ({"seed": "x"}, "seed", "invalid_type"),
+        ({"stop": 5}, "stop", "invalid_type"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "array_above_max_length"),
+        ({"stop": [""]}, "stop", "invalid_value"),
+        ({"stream": "yes"}, "stream", "invalid_type"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+        (
+            {"stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+            "invalid_type",
+        ),
+        ({"user": 7}, "user", "invalid_type"),
+        ({"tools": {}}, "tools", "invalid_type"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "invalid_value"),
+        (
+            {"tools": [{"type": "function", "function": {}}]},
+            "tools[0].function.name",
+            "missing_required_parameter",
+        ),
+        ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ],
+)
+def test_bad_chat_fields_are_400_with_param_and_code(fields, param, code):
+    body = {"model": "m", "messages": MESSAGES, **fields}
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request(body, {})
+    error = caught.value
+    assert (error.status_code, error.param, error.code) == (400, param, code)
+    assert error.openai_body()["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_model_and_messages():
+    for body, param in (({"messages": MESSAGES}, "model"), ({"model": "m"}, "messages")):
+        with pytest.raises(InvalidRequestError) as caught:
+            parse_chat_request(body, {})
+        assert (caught.value.param, caught.value.code) == (param, "missing_required_parameter")
+
+
+def test_bad_headers():
+    with pytest.raises(InvalidRequestError, match="x-prefixgate-rules"):
+        parse_chat_request({"model": "m", "messages": MESSAGES}, {"x-prefixgate-rules": "maybe"})
+    with pytest.raises(InvalidRequestError, match="x-prefixgate-tenant"):
+        parse_chat_request({"model": "m", "messages": MESSAGES}, {"x-prefixgate-tenant": "t" * 300})
+
+
+def test_completion_body():
+    request = parse_completion_request({"model": "m", "prompt": "Once"}, {})
+    assert (request.kind, request.prompt, request.messages, request.params.max_tokens) == (
+        "completion",
+        "Once",
+        [],
+        16,
+    )
+    assert (
+        parse_completion_request({"model": "m", "prompt": ["Once"], "max_tokens": 3}, {}).params.max_tokens
+        == 3
+    )
+    for prompt in (["a", "b"], [1, 2], None):
+        with pytest.raises(InvalidRequestError) as caught:
+            parse_completion_request({"model": "m", "prompt": prompt}, {})
+        assert caught.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_completion_request({"model": "m"}, {})
+    assert caught.value.code == "missing_required_parameter"
+
+
+USAGE = BackendUsage(prompt_tokens=40, completion_tokens=5, cached_tokens=32)
+
+
+def meta(kind="chat"):
+    request = ChatRequest(model="m", messages=[], params=SamplingParams(), kind=kind, request_id="abc")
+    return ResponseMeta(request, "fp_test")
+
+
+def test_usage_reports_cached_tokens():
+    body = usage_body(USAGE)
+    assert body["prompt_tokens"] == 40 and body["total_tokens"] == 45
+    assert body["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_chat_completion_body_shape():
+    body = chat_completion_body(meta(), "hello", [], Finish("stop", USAGE))
+    assert body["id"] == "chatcmpl-abc" and body["object"] == "chat.completion"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def recorded_chunks(name: str) -> list[dict]:
+    """The JSON chunks of a recorded OpenAI stream (without ``[DONE]``)."""
+    return [e.json() for e in parse_sse(fixture_bytes("openai", name)) if e.data != "[DONE]"]
+
+
+def test_tool_call_fragments_merge_like_the_sdk():
+    events = recorded_chunks("f82268f2fefd.sse")
+    calls: dict = {}
+    for chunk in events:
+        for choice in chunk["choices"]:
+            merge_tool_call_deltas(calls, choice["delta"].get("tool_calls") or [])
+    merged = [calls[i] for i in sorted(calls)]
+    assert len(merged) == 2
+    assert (
+        merged[0]["id"] == "call_JMW1whyEaYG438VE1OIflxA2"
+        and merged[0]["function"]["name"] == "GetWeatherArgs"
+    )
+    assert json.loads(merged[0]["function"]["arguments"])["city"] == "Edinburgh"
+    body = chat_completion_body(meta(), "", merged, Finish("tool_calls", USAGE))
+    assert (
+        body["choices"][0]["message"]["content"] is None
+        and body["choices"][0]["message"]["tool_calls"] == merged
+    )
+
+
+def test_chunks_have_the_recorded_streams_key_layout():
+    recorded = recorded_chunks("2018feb66ae1.sse")
+    ours = chat_chunk(meta(), {"content": "x"})
+    assert list(ours) == list(recorded[1])
+    assert list(ours["choices"][0]) == list(recorded[1]["choices"][0])
+    final = chat_chunk(meta(), {}, "stop")
+    assert final["choices"][0]["delta"] == {} and final["choices"][0]["finish_reason"] == "stop"
+    usage = usage_chunk(meta(), "chat.completion.chunk", USAGE)
+    assert list(usage)[:6] == list(recorded[-1])[:6] and usage["choices"] == []
+    assert set(recorded[-1]["usage"]) <= set(usage["usage"])
+
+
+def test_completion_body_shape():
+    body = completion_body(meta("completion"), "text", Finish("length", USAGE))
+    assert body["id"] == "cmpl-abc" and body["object"] == "text_completion"
+    assert body["choices"] == [{"text": "text", "index": 0, "logprobs": None, "finish_reason": "length"}]

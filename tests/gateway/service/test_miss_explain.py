@@ -1,0 +1,322 @@
+"""Every miss explained: each cause with its exact segment, offset and header."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.service.miss_explain import (
+    MISS_CAUSES,
+    MissCounters,
+    MissExplainer,
+    MissExplainError,
+    MissExplanation,
+    PromptSegment,
+    VolatileSpan,
+    chain_hashes,
+    format_cache_header,
+    map_provider_cause,
+    volatile_spans_from_chars,
+)
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build(
+    tools: list[int], system: list[int], history: list[int], tail: list[int]
+) -> tuple[list[int], list[PromptSegment], int]:
+    """(tokens, segments, stable_end) of a prompt made of the four parts."""
+    segments, pos = [], 0
+    for name, part in (("tools", tools), ("system", system), ("history", history), ("tail", tail)):
+        segments.append(PromptSegment(name, pos, pos + len(part)))
+        pos += len(part)
+    return tools + system + history + tail, segments, pos - len(tail)
+
+
+TOOLS = list(range(1000, 1020))  # 20 tokens: [0, 20)
+SYSTEM = list(range(2000, 2060))  # 60 tokens: [20, 80)
+HISTORY = list(range(3000, 3040))  # 40 tokens: [80, 120)
+TAIL = list(range(4000, 4010))  # 10 tokens: [120, 130)
+
+
+def served(ex: MissExplainer, tokens: list[int], segments: list[PromptSegment]) -> None:
+    """What the gateway does after serving a request from the embedded engine."""
+    ex.record("m", "t", tokens, segments)
+    ex.mark_cached("m", "t", tokens)
+
+
+def test_hit_is_not_a_miss() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, tokens, segments)
+    e = ex.explain("m", "t", tokens, segments, stable, 112)
+    assert e == MissExplanation(cached=112, stable=112, miss=False)
+    assert e.header_value() == "cached=112; miss=none"
+    assert e.missed_tokens == 0
+
+
+def test_cold_when_nothing_was_seen() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert (e.miss, e.cause, e.segment, e.offset, e.source) == (True, "cold", "tools", 0, "local")
+    assert e.header_value() == "cached=0; miss=cold; at=tools:0"
+    assert e.missed_tokens == 112
+
+
+def test_cold_when_seen_but_never_cached() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    ex.record("m", "t", tokens, segments)  # e.g. still in flight, or an upstream that cached nothing
+    e = ex.explain("m", "t", tokens, segments, stable, 16)
+    assert (e.cause, e.segment, e.offset) == ("cold", "tools", 16)
+
+
+def test_cold_when_the_prompt_extends_an_earlier_one() -> None:
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)  # 130 tokens
+    served(ex, first, first_segments)
+    reply = list(range(5000, 5030))
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + reply, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 128)
+    assert (e.cause, e.segment, e.offset) == ("cold", "history", 130)
+    assert e.header_value() == "cached=128; miss=cold; at=history:130"
+
+
+def test_below_minimum() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 0, min_cacheable=1024, granularity=128)
+    assert e.stable == 0 and not e.miss  # 120 stable tokens round down to 0 steps of 128: nothing to miss
+    e = ex.explain("m", "t", tokens, segments, stable, 0, min_cacheable=1024)
+    assert (e.cause, e.segment, e.offset) == ("below_minimum", "history", 120)
+    assert e.header_value() == "cached=0; miss=below_minimum; at=history:120"
+
+
+def test_evicted_says_when() -> None:
+    clock = Clock(1000.0)
+    ex = MissExplainer(clock=clock)
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, tokens, segments)
+    clock.now = 1312.5
+    e = ex.explain("m", "t", tokens, segments, stable, 32)
+    assert (e.cause, e.segment, e.offset, e.cached_ago) == ("evicted", "system", 32, 312.5)
+    assert e.header_value() == "cached=32; miss=evicted; at=system:32; cached_ago=312"
+
+
+def test_tools_changed() -> None:
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    tools = TOOLS[:5] + [1999] + TOOLS[6:]
+    tokens, segments, stable = build(tools, SYSTEM, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert (e.cause, e.segment, e.offset) == ("tools_changed", "tools", 5)
+    # tools removed altogether: the template's wrapper stays, the divergence is where the tools were
+    ex = MissExplainer()
+    served(ex, *build([1, 2] + TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    tokens, segments, stable = build([1, 2], SYSTEM, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert (e.cause, e.segment, e.offset) == ("tools_changed", "system", 2)
+    # nothing at all in common with the earlier prompt: cold
+    tokens, segments, stable = build([], SYSTEM, HISTORY, TAIL)
+    assert ex.explain("m", "t", tokens, segments, stable, 0).cause == "cold"
+
+
+def test_system_changed() -> None:
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    system = SYSTEM[:20] + list(range(7000, 7040))  # the second half of the system prompt is rewritten
+    tokens, segments, stable = build(TOOLS, system, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 32)
+    assert (e.cause, e.segment, e.offset, e.slot) == ("system_changed", "system", 40, None)
+    assert e.header_value() == "cached=32; miss=system_changed; at=system:40"
+
+
+def test_volatile_short_span_with_identical_text_after_it() -> None:
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    system = SYSTEM[:20] + [8001, 8002, 8003] + SYSTEM[22:]  # two tokens of a date became three
+    tokens, segments, stable = build(TOOLS, system, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 32)
+    assert (e.cause, e.segment, e.offset, e.slot) == ("volatile", "system", 40, None)
+    e = ex.explain(
+        "m", "t", tokens, segments, stable, 32, volatile_spans=[VolatileSpan(40, 43, "learned.0a1b2c3d4e5f")]
+    )
+    assert (e.cause, e.slot) == ("volatile", "learned.0a1b2c3d4e5f")
+    assert e.header_value() == "cached=32; miss=volatile; at=system:40; slot=learned.0a1b2c3d4e5f"
+
+
+def test_history_rewritten() -> None:
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    history = HISTORY[:10] + [9000] + HISTORY[11:]  # a client compacted or re-rendered an earlier turn
+    tokens, segments, stable = build(TOOLS, SYSTEM, history, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 80)
+    assert (e.cause, e.segment, e.offset) == ("history_rewritten", "history", 90)
+    assert e.header_value() == "cached=80; miss=history_rewritten; at=history:90"
+
+
+def test_a_new_document_is_cold_and_a_changed_value_in_it_volatile() -> None:
+    ex = MissExplainer()
+    doc = list(range(6000, 6040))
+
+    def with_doc(document: list[int]) -> tuple[list[int], list[PromptSegment], int]:
+        tokens = TOOLS + SYSTEM + document + TAIL
+        segments = [
+            PromptSegment("tools", 0, 20),
+            PromptSegment("system", 20, 80),
+            PromptSegment("documents", 80, 80 + len(document)),
+            PromptSegment("tail", 80 + len(document), len(tokens)),
+        ]
+        return tokens, segments, 80 + len(document)
+
+    served(ex, *with_doc(doc)[:2])
+    e = ex.explain("m", "t", *with_doc(list(range(6500, 6540))), 80)
+    assert (e.cause, e.segment, e.offset) == ("cold", "documents", 80)
+    e = ex.explain("m", "t", *with_doc(doc[:5] + [6999] + doc[6:]), 80)
+    assert (e.cause, e.segment, e.offset) == ("volatile", "documents", 85)
+
+
+def test_other_tenant_and_model_are_separate() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, tokens, segments)
+    assert ex.explain("m", "other", tokens, segments, stable, 0).cause == "cold"
+    assert ex.explain("m2", "t", tokens, segments, stable, 0).cause == "cold"
+
+
+def test_provider_diagnostic_takes_precedence_and_keeps_the_place() -> None:
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    system = SYSTEM[:20] + list(range(7000, 7040))
+    tokens, segments, stable = build(TOOLS, system, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 32, provider_cause="Cache entry expired (TTL)")
+    assert (e.cause, e.segment, e.offset, e.source) == ("evicted", "system", 40, "provider")
+    e = ex.explain("m", "t", tokens, segments, stable, 32, provider_cause="something new we do not know")
+    assert (e.cause, e.source) == ("system_changed", "local")
+
+
+def test_map_provider_cause() -> None:
+    assert {c: map_provider_cause(c) for c in MISS_CAUSES} == {c: c for c in MISS_CAUSES}
+    assert map_provider_cause("  Tools_Changed ") == "tools_changed"
+    assert map_provider_cause("prompt is below the minimum cacheable length") == "below_minimum"
+    assert map_provider_cause("cache TTL expired") == "evicted"
+    assert map_provider_cause("tool definitions changed") == "tools_changed"
+    assert map_provider_cause("system prompt changed") == "system_changed"
+    assert map_provider_cause("conversation history was modified") == "history_rewritten"
+    assert map_provider_cause("dynamic content in prefix") == "volatile"
+    assert map_provider_cause("no cache entry found") == "cold"
+    assert map_provider_cause("weather") is None
+    assert map_provider_cause("") is None
+    assert map_provider_cause(None) is None
+    assert map_provider_cause(42) is None
+
+
+def test_granularity_and_the_last_token() -> None:
+    ex = MissExplainer()
+    tokens = list(range(1100))
+    segments = [PromptSegment("system", 0, 1100)]
+    e = ex.explain("m", "t", tokens, segments, 1100, 1024, granularity=128)
+    assert (e.stable, e.miss) == (1024, False)  # 1,099 computable tokens round down to 8 steps of 128
+    e = ex.explain("m", "t", tokens, segments, 1100, 1024)
+    assert (e.stable, e.miss, e.cause) == (1088, True, "cold")
+
+
+def test_explain_is_read_only() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    ex.explain("m", "t", tokens, segments, stable, 0)
+    assert ex.footprint() == {"keys": 0, "prompts": 0, "bytes": 0, "cached_chains": 0}
+    served(ex, tokens, segments)
+    assert ex.footprint() == {"keys": 1, "prompts": 1, "bytes": 256 + 4 * 130, "cached_chains": 8}
+    served(ex, tokens, segments)  # the same prompt again is refreshed, not added
+    assert ex.footprint()["prompts"] == 1
+
+
+def test_counters_by_cause() -> None:
+    counters = MissCounters()
+    counters.add(MissExplanation(112, 112, False))
+    counters.add(MissExplanation(32, 112, True, "volatile", "system", 40, None, None, "local"))
+    counters.add(MissExplanation(0, 112, True, "cold", "tools", 0, None, None, "local"))
+    counters.add(MissExplanation(32, 112, True, "volatile", "system", 41, None, None, "local"))
+    snap = counters.snapshot()
+    assert (snap["requests"], snap["hits"], snap["misses"]) == (4, 1, 3)
+    assert snap["by_cause"] == {
+        "volatile": 2,
+        "tools_changed": 0,
+        "system_changed": 0,
+        "history_rewritten": 0,
+        "evicted": 0,
+        "cold": 1,
+        "below_minimum": 0,
+    }
+    assert snap["missed_tokens_by_cause"]["volatile"] == 160 and snap["missed_tokens_by_cause"]["cold"] == 112
+    assert snap["by_segment"] == {"tools": 1, "system": 2, "documents": 0, "history": 0, "tail": 0}
+
+
+def test_bad_input_is_a_named_error() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    with pytest.raises(MissExplainError, match="tokens"):
+        ex.explain("m", "t", [1, -2, 3], [], 0, 0)
+    with pytest.raises(MissExplainError, match="tokens"):
+        ex.record("m", "t", ["a"], [])
+    with pytest.raises(MissExplainError, match=r"segments\[1\]"):
+        ex.explain(
+            "m", "t", tokens, [PromptSegment("tools", 0, 20), PromptSegment("system", 25, 130)], 120, 0
+        )
+    with pytest.raises(MissExplainError, match="cover"):
+        ex.explain("m", "t", tokens, [PromptSegment("tools", 0, 20)], 120, 0)
+    with pytest.raises(MissExplainError, match=r"segments\[0\]"):
+        ex.explain("m", "t", tokens, [PromptSegment("prologue", 0, 130)], 120, 0)
+    with pytest.raises(MissExplainError, match="cached_tokens"):
+        ex.explain("m", "t", tokens, segments, stable, -1)
+    with pytest.raises(MissExplainError, match="model and tenant"):
+        ex.explain(None, "t", tokens, segments, stable, 0)
+    with pytest.raises(MissExplainError, match="block_size"):
+        MissExplainer(block_size=0)
+    # a report of more cached tokens than the prompt holds is clamped, not an error
+    assert ex.explain("m", "t", tokens, segments, stable, 10_000).cached == 130
+
+
+def test_memory_is_bounded_under_a_flood() -> None:
+    ex = MissExplainer(max_keys=10, max_prompts_per_key=5, max_bytes=40_000, max_cached_chains=300)
+    for i in range(3000):
+        tenant = f"tenant-{i % 37}"
+        tokens = [i] * (16 + i % 300)
+        served_segments = [PromptSegment("system", 0, len(tokens))]
+        ex.explain("m", tenant, tokens, served_segments, len(tokens), 0)
+        ex.record("m", tenant, tokens, served_segments)
+        ex.mark_cached("m", tenant, tokens)
+        fp = ex.footprint()
+        assert (
+            fp["keys"] <= 10 and fp["prompts"] <= 50 and fp["bytes"] <= 40_000 and fp["cached_chains"] <= 300
+        )
+
+
+def test_chain_hashes_shape_and_rooting() -> None:
+    a = chain_hashes(list(range(40)), 16, b"root-a")
+    assert len(a) == 2 and all(len(h) == 16 for h in a)
+    assert chain_hashes(list(range(40)), 16, b"root-b")[0] != a[0]
+    assert chain_hashes(list(range(32)) + [0] * 8, 16, b"root-a") == a
+    assert chain_hashes([0] + list(range(1, 40)), 16, b"root-a") == a
+    assert chain_hashes([99] + list(range(1, 40)), 16, b"root-a")[1] != a[1]
+
+
+def test_format_cache_header_never_holds_more_than_counts_and_names() -> None:
+    e = MissExplanation(0, 64, True, "cold", "tail", 64, None, None, "local")
+    assert format_cache_header(e) == "cached=0; miss=cold; at=tail:64"
+
+
+def test_volatile_spans_from_character_ranges() -> None:
+    starts = [0, 4, 9, 10, 16, 20]  # six tokens
+    assert volatile_spans_from_chars([(9, 16, "learned.a"), (5, 6, None), (20, 25, "b")], starts) == [
+        VolatileSpan(2, 4, "learned.a"),
+        VolatileSpan(1, 2, None),
+        VolatileSpan(5, 6, "b"),
+    ]

@@ -1,0 +1,96 @@
+"""Tests of ``rules.segments``: segment levels, segment boundaries (documents, history, volatile tail) and the
+stable prefix material."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rules import SegmentLevel, load_ruleset
+from rules.segments import LEVEL_NAMES, Position, Segment, stable_material
+
+
+def test_segment_levels_are_the_numbers_1_to_4_in_prompt_order() -> None:
+    assert [int(level) for level in SegmentLevel] == [1, 2, 3, 4]
+    assert SegmentLevel.TOOLS_SYSTEM < SegmentLevel.DOCUMENTS < SegmentLevel.HISTORY < SegmentLevel.VOLATILE
+    assert SegmentLevel.HISTORY == 3 and SegmentLevel(4) is SegmentLevel.VOLATILE
+    assert [LEVEL_NAMES[level] for level in SegmentLevel] == [
+        "tools+system",
+        "documents",
+        "history",
+        "volatile",
+    ]
+    with pytest.raises(ValueError):
+        SegmentLevel(5)
+
+
+def test_segments_carry_their_level_and_serialize_it_as_a_plain_number() -> None:
+    canon = load_ruleset([]).apply([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])
+    assert [type(s.level) for s in canon.segments] == [SegmentLevel, SegmentLevel]
+    dumped = canon.to_dict()["segments"]
+    assert [d["level"] for d in dumped] == [1, 4] and all(type(d["level"]) is int for d in dumped)
+    assert json.loads(json.dumps(dumped))[0] == {**dumped[0], "level": 1}
+    segment = Segment.between(SegmentLevel.HISTORY, Position(0), Position(1))
+    assert (segment.level, segment.name) == (SegmentLevel.HISTORY, "history")
+
+
+def test_stable_material_accepts_a_level_or_its_number() -> None:
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "Q"},
+    ]
+    segments = load_ruleset([]).apply(messages).segments
+    system_only = stable_material(messages, None, segments, SegmentLevel.TOOLS_SYSTEM)
+    assert system_only == stable_material(messages, None, segments, 1)
+    assert b'"A"' not in system_only and b'"A"' in stable_material(messages, None, segments)
+    assert b'"Q"' not in stable_material(messages, None, segments, SegmentLevel.VOLATILE)
+
+
+def test_segments_for_single_turn_rag_and_tools_only() -> None:
+    ruleset = load_ruleset(["default"])
+    canon = ruleset.apply(
+        [{"role": "user", "content": "<document>Doc</document>\nQ?"}],
+        [{"type": "function", "function": {"name": "f"}}],
+    )
+    assert [(s.level, s.start_message, s.end_message, s.end_part, s.end_char) for s in canon.segments] == [
+        (SegmentLevel.TOOLS_SYSTEM, 0, 0, None, None),
+        (SegmentLevel.DOCUMENTS, 0, 1, 0, len("<document>Doc</document>")),
+        (SegmentLevel.VOLATILE, 0, 1, None, None),
+    ]
+    assert json.loads(canon.stable_prefix_material()) == {
+        "messages": [{"content": "<document>Doc</document>", "role": "user"}],
+        "tools": [{"function": {"name": "f"}, "type": "function"}],
+    }
+    everything_stable = ruleset.apply(
+        [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]
+    )
+    assert [s.level for s in everything_stable.segments] == [SegmentLevel.TOOLS_SYSTEM, SegmentLevel.HISTORY]
+    assert everything_stable.stable_end.message == 2
+
+
+def test_list_content_documents_and_block(tmp_path: Path) -> None:
+    ruleset = load_ruleset(["default"])
+    messages = [
+        {"role": "system", "content": "S\nCurrent date: 2025-05-14"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "<documents><document>A</document>"},
+                {"type": "text", "text": "<document>B</document></documents>"},
+                {"type": "text", "text": "Which is longer?"},
+            ],
+        },
+    ]
+    canon = ruleset.apply(messages)
+    assert canon.messages[1]["content"][2] == {
+        "type": "text",
+        "text": "<request_context>\nCurrent date: 2025-05-14\n</request_context>\n\n",
+    }
+    docs = canon.segments[1]
+    assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (SegmentLevel.DOCUMENTS, 2, 2, 0)
+    material = json.loads(canon.stable_prefix_material())
+    assert len(material["messages"][1]["content"]) == 2
+    assert ruleset.apply(canon.messages).messages == canon.messages
