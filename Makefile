@@ -3,8 +3,11 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-HOST   ?= 127.0.0.1
-PORT   ?= 8000
+# HOST / PORT are passed to `prefixgate serve` only when given (`make run HOST=0.0.0.0 PORT=9000`); unset,
+# the listen address is the config's server.host / server.port (127.0.0.1:8000 without a config).
+# Precedence (gateway/cli.py): --host/--port, then PREFIXGATE_HOST/PREFIXGATE_PORT, then the config.
+HOST   ?=
+PORT   ?=
 CONFIG ?=
 
 .PHONY: run test test-fast lint bench clean
@@ -25,11 +28,14 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.run-installed
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
+RUN_ARGS = $(if $(CONFIG),--config $(CONFIG)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
+
 run: $(VENV)/.run-installed
-	$(BIN)/prefixgate serve --host $(HOST) --port $(PORT) $(if $(CONFIG),--config $(CONFIG))
+	$(BIN)/prefixgate serve $(RUN_ARGS)
 
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
 
 test-fast: $(VENV)/.test-installed

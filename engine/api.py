@@ -113,6 +113,8 @@ class GenerationRequest:
         messages: OpenAI-style chat messages ``{"role": str, "content": str}``; rendered with the checkpoint's
             chat template and ``add_generation_prompt=True``.
         tools: OpenAI-style tool schemas passed to the chat template.
+        continue_final_message: the last message (an assistant prefill) is continued: rendered without its
+            end-of-turn and without a generation prompt.
         prompt: a raw text prompt (``/v1/completions``); tokenized with the checkpoint's BOS rule.
         params: sampling parameters.
         cache_salt: isolates prefix-cache entries (tenant); part of every block hash's extra keys.
@@ -126,6 +128,7 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     tools: list[dict] | None = None
+    continue_final_message: bool = False
     prompt: str | None = None
     cache_salt: str = ""
     request_id: str = ""
@@ -176,6 +179,8 @@ class TextDelta:
         cached_tokens: prompt tokens served from the prefix cache at the request's first admission (known
             once its prefill ran, so the first delta already has it; the same number as ``Usage.cached_tokens``),
             or None.
+        prompt_tokens: the request's prompt length in tokens (``Usage.prompt_tokens``), known from the first
+            delta on.
     """
 
     text: str
@@ -183,6 +188,7 @@ class TextDelta:
     cached_tokens: int | None = None
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,8 @@ class Finished:
         text: the text generated in total (after stop-string trimming).
         index: the choice (0 .. n-1). Every choice's ``usage`` has the shared prompt's ``prompt_tokens`` and
             ``cached_tokens`` and its own ``completion_tokens``.
+        stop_string: the stop string (``SamplingParams.stop``) that ended generation, None when it ended
+            otherwise (EOS, a stop token, a length).
     """
 
     finish_reason: FinishReason
@@ -204,6 +212,7 @@ class Finished:
     ttft_s: float | None
     text: str
     index: int = 0
+    stop_string: str | None = None
 
 
 StreamEvent = TextDelta | Finished

@@ -115,14 +115,20 @@ class AsyncEngine:
         template renders them itself (docs/tools.md)."""
         return self._tokenizer.tool_format
 
-    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (tools, tool calls
-        and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section).
+        and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section;
+        the final message left open when ``continue_final_message``, see ``Tokenizer.apply_chat_template``).
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.
         """
-        return self._tokenizer.render_chat(messages, tools)
+        return self._tokenizer.render_chat(messages, tools, continue_final_message)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and gauges."""
@@ -192,10 +198,19 @@ class AsyncEngine:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
                 events.append(
-                    TextDelta(o.text, tuple(o.new_token_ids), o.cached_tokens, o.index, tuple(o.logprobs))
+                    TextDelta(
+                        o.text,
+                        tuple(o.new_token_ids),
+                        cached_tokens=o.cached_tokens,
+                        index=o.index,
+                        logprobs=tuple(o.logprobs),
+                        prompt_tokens=o.prompt_tokens,
+                    )
                 )
             if o.finished:
-                events.append(Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.index))
+                events.append(
+                    Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.index, o.stop_string)
+                )
                 no_tokens = replace(o.usage, completion_tokens=0)
                 events.extend(Finished(o.finish_reason, no_tokens, None, "", i) for i in o.unforked)
             for event in events:
@@ -241,7 +256,7 @@ class AsyncEngine:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            return self.render_chat(req.messages, req.tools)
+            return self.render_chat(req.messages, req.tools, req.continue_final_message)
         if not isinstance(req.prompt, str) or not req.prompt:
             raise InvalidRequestError("prompt must be a non-empty string", "prompt")
         return self._tokenizer.encode(req.prompt, add_special_tokens=True)

@@ -87,6 +87,8 @@ class StopStringMatcher:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text (the earliest occurrence; first in ``stops`` on a tie)."""
 
     def _held_tail(self) -> int:
         """Length of the longest tail of the unemitted text that is a proper prefix of some stop string."""
@@ -108,9 +110,10 @@ class StopStringMatcher:
             return out
         search_from = max(self.emitted, len(self.text) - self._max_len + 1)
         self.text += delta
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            end = min(hits)
+            end = min(i for i, _ in hits)
+            self.matched = next(s for i, s in hits if i == end)
             out = self.text[self.emitted : end]
             self.text = self.text[:end]
             self.emitted = end
@@ -144,6 +147,11 @@ class OutputText:
     def stopped(self) -> bool:
         """True once a stop string has been seen; nothing more is emitted."""
         return self.matcher.stopped
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended generation, or None."""
+        return self.matcher.matched
 
     @property
     def text(self) -> str:

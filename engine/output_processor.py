@@ -43,6 +43,8 @@ class RequestOutput:
         logprobs: one entry per token of ``new_token_ids`` when the request asked for logprobs.
         unforked: choice indexes of forks that were never created because this request ended before its
             prompt was computed (aborted); they end with it, with no output tokens.
+        stop_string: the stop string that ended the request (finish reason ``stop``), else None.
+        prompt_tokens: the request's prompt length in tokens.
     """
 
     request_id: str
@@ -58,6 +60,8 @@ class RequestOutput:
     parent_id: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     unforked: tuple[int, ...] = ()
+    stop_string: str | None = None
+    prompt_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -123,6 +127,7 @@ class OutputProcessor:
                 index=req.index,
                 parent_id=req.parent_id,
                 logprobs=lps,
+                prompt_tokens=req.num_prompt_tokens,
             )
         out = self.finish(req, reason)
         out.new_token_ids = [token]
@@ -154,4 +159,6 @@ class OutputProcessor:
             index=req.index,
             parent_id=req.parent_id,
             unforked=tuple(f.index for f in req.sampler.pending_forks),
+            stop_string=req.output.stop_string if req.output is not None and reason == "stop" else None,
+            prompt_tokens=req.num_prompt_tokens,
         )

@@ -408,9 +408,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
-    @cached_property
+    @property
     def template_renders_tools(self) -> bool:
-        """True when the chat template reads the ``tools`` variable (or has a ``tool_use`` named template)."""
+        """True when the chat template reads the ``tools`` variable (or has a ``tool_use`` named template).
+        Worked out once per template source, so a changed ``chat_template`` is seen."""
         source = self.chat_template
         if isinstance(source, dict):
             if "tool_use" in source:
@@ -418,11 +419,14 @@ class Tokenizer:
             source = source.get("default")
         if not source:
             return False
-        env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-        try:
-            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
-        except jinja2.TemplateSyntaxError:
-            return False
+        cache = self.__dict__.setdefault("_renders_tools", {})
+        if source not in cache:
+            env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+            try:
+                cache[source] = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+            except jinja2.TemplateSyntaxError:
+                cache[source] = False
+        return cache[source]
 
     @property
     def tool_format(self) -> str:
@@ -457,16 +461,37 @@ class Tokenizer:
         messages: Sequence[dict],
         tools: Sequence[dict] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text the chat template renders for ``messages`` (and ``tools``, OpenAI JSON schemas).
 
         A template that does not read ``tools`` gets them, and any tool calls / results in ``messages``, in the
         generic format (module docstring).
+        ``continue_final_message``: the last message (an assistant prefill) is left open: the text is cut right
+        after its content, without the template's end-of-turn, so generation continues it (no generation
+        prompt is added). Cut as ``transformers``' ``apply_chat_template(continue_final_message=True)``
+        cuts: after the last occurrence of the content (its trailing spaces kept where the template keeps them).
 
         Raises:
             InvalidRequestError: no chat template, empty/ill-formed messages, or the template rejected them
-                (its ``raise_exception``).
+                (its ``raise_exception``); a final message to continue whose content the template did not
+                render verbatim.
         """
+        if continue_final_message:
+            rendered = self.apply_chat_template(messages, tools, add_generation_prompt=False)
+            final = normalize_message(messages[-1], len(messages) - 1).get("content")
+            final = final if isinstance(final, str) else ""
+            if not final.strip() or final.strip() not in rendered:
+                raise InvalidRequestError(
+                    "the final assistant message cannot be continued: the chat template does not render "
+                    "its content verbatim",
+                    f"messages[{len(messages) - 1}].content",
+                )
+            start = rendered.rindex(final.strip())
+            kept = len(final.lstrip())
+            if rendered[start : start + kept] != final.lstrip():  # the template trimmed trailing spaces
+                kept = len(final.strip())
+            return rendered[: start + kept]
         template = self._template(tools)
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
@@ -492,11 +517,21 @@ class Tokenizer:
                 f"the chat template could not render the messages: {e}", "messages"
             ) from e
 
-    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """Token ids of the rendered chat (generation prompt added), encoded without adding special tokens."""
-        return self.encode(
-            self.apply_chat_template(messages, tools, add_generation_prompt=True), add_special_tokens=False
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Token ids of the rendered chat (generation prompt added, or the final message left open, see
+        ``apply_chat_template``), encoded without adding special tokens."""
+        text = self.apply_chat_template(
+            messages,
+            tools,
+            add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message,
         )
+        return self.encode(text, add_special_tokens=False)
 
 
 def _token_content(value) -> str | None:

@@ -146,7 +146,11 @@ class EmbeddedBackend(Backend):
                 async for event in events:
                     if isinstance(event, TextDelta):
                         if event.text:
-                            yield Delta(text=event.text, cached_tokens=event.cached_tokens if first else None)
+                            yield Delta(
+                                text=event.text,
+                                cached_tokens=event.cached_tokens if first else None,
+                                prompt_tokens=event.prompt_tokens if first else None,
+                            )
                             first = False
                     elif isinstance(event, Finished):
                         if event.finish_reason == "abort":
@@ -160,6 +164,7 @@ class EmbeddedBackend(Backend):
                                 counted_by="engine",
                             ),
                             ttft_s=event.ttft_s,
+                            stop_sequence=event.stop_string,
                         )
                         return
         except EngineError as exc:
@@ -209,6 +214,8 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
     """
     if request.openai_body is not None:
         check_supported(request.openai_body)
+    if request.anthropic_body is not None:
+        check_supported_anthropic(request.anthropic_body)
     if request.tool_choice not in TOOL_CHOICES:
         raise InvalidRequestError(
             "The embedded engine cannot force a tool call: tool_choice must be 'auto' or 'none'.",
@@ -219,7 +226,12 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
     if request.kind == "completion":
         return GenerationRequest(prompt=request.prompt or "", **common)
     messages = [template_message(message, index) for index, message in enumerate(request.messages)]
-    return GenerationRequest(messages=messages, tools=template_tools(request.tools), **common)
+    return GenerationRequest(
+        messages=messages,
+        tools=template_tools(request.tools),
+        continue_final_message=request.continue_final_message and messages[-1]["role"] == "assistant",
+        **common,
+    )
 
 
 def check_supported(body: dict[str, Any]) -> None:
@@ -232,6 +244,27 @@ def check_supported(body: dict[str, Any]) -> None:
                 param=name,
                 code="unsupported_value",
             )
+
+
+def check_supported_anthropic(body: dict[str, Any]) -> None:
+    """Refuse Anthropic fields the engine cannot honour rather than ignore them: ``thinking`` other than
+    ``{"type": "disabled"}`` (the checkpoint has no extended thinking) and ``output_config`` (effort and
+    structured output formats), each a 400 naming the field."""
+    thinking = body.get("thinking")
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+        raise InvalidRequestError(
+            "thinking: the embedded engine has no extended thinking; omit 'thinking' or send "
+            '{"type": "disabled"}.',
+            param="thinking",
+            code="unsupported_value",
+        )
+    if body.get("output_config") is not None:
+        raise InvalidRequestError(
+            "output_config: not supported by the embedded engine (no effort levels, no output formats); "
+            "omit it.",
+            param="output_config",
+            code="unsupported_value",
+        )
 
 
 def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
@@ -248,9 +281,11 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
             if part.get("type") == OPAQUE and (part.get("block") or {}).get("type") in THINKING_TYPES:
                 continue  # an Anthropic thinking block from an earlier turn: not prompt text for this model
             if part.get("type") not in ("text", "input_text", "refusal"):
+                kind = part.get("type")
+                if kind == OPAQUE:  # an Anthropic block riding through: name it by its own type
+                    kind = (part.get("block") or {}).get("type")
                 raise InvalidRequestError(
-                    f"Content part type '{part.get('type')}' is not supported by the embedded engine "
-                    "(text only).",
+                    f"Content part type '{kind}' is not supported by the embedded engine (text only).",
                     param=f"messages[{index}].content[{part_index}].type",
                     code="unsupported_value",
                 )

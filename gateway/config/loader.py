@@ -147,8 +147,13 @@ def _parse_learning(reader: _Reader, value: Any) -> LearningConfig:
     return LearningConfig(mode=mode, min_distinct=min_distinct)
 
 
+UNKNOWN_FIELD_MODES = ("refuse", "ignore")
+
+
 def _parse_server(reader: _Reader, value: Any) -> ServerConfig:
-    section = reader.mapping({} if value is None else value, "server", {"host", "port", "max_body_bytes"})
+    section = reader.mapping(
+        {} if value is None else value, "server", {"host", "port", "max_body_bytes", "unknown_fields"}
+    )
     default = ServerConfig()
     host = reader.typed(section, "server", "host", str, default.host)
     port = reader.typed(section, "server", "port", int, default.port)
@@ -157,7 +162,10 @@ def _parse_server(reader: _Reader, value: Any) -> ServerConfig:
         reader.fail("server.port", f"expected a TCP port 0..65535, got {port}")
     if max_body < 1:
         reader.fail("server.max_body_bytes", f"expected a positive number of bytes, got {max_body}")
-    return ServerConfig(host=host, port=port, max_body_bytes=max_body)
+    unknown = reader.typed(section, "server", "unknown_fields", str, default.unknown_fields)
+    if unknown not in UNKNOWN_FIELD_MODES:
+        reader.fail("server.unknown_fields", f"expected 'refuse' or 'ignore', got {unknown!r}")
+    return ServerConfig(host=host, port=port, max_body_bytes=max_body, unknown_fields=unknown)
 
 
 def _parse_admin(reader: _Reader, value: Any) -> AdminConfig:

@@ -35,11 +35,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP listener. ``max_body_bytes``: largest request body accepted (bytes); larger gets 413."""
+    """HTTP listener. ``max_body_bytes``: largest request body accepted (bytes); larger gets 413.
+    ``unknown_fields``: ``refuse`` (default, as OpenAI and Anthropic answer) a request body's unknown
+    top-level field with a 400 naming it, or ``ignore`` it (it is still passed on to upstreams)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
+    unknown_fields: str = "refuse"
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,14 @@ class Delta:
 
     ``cached_tokens``: prompt tokens served from a prefix cache, when the backend knows it before ``Finish``
     (the embedded engine sets it on its first delta), so a streamed answer's headers can report it; None
-    otherwise. Renderers ignore it."""
+    otherwise. ``prompt_tokens``: all input tokens, when the backend knows them before ``Finish`` (the embedded
+    engine, on the same first delta), so a streamed Anthropic ``message_start`` can report real input counts.
+    """
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     cached_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

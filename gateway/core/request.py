@@ -92,6 +92,8 @@ class ChatRequest:
         sampling_given: the ``SAMPLING_FIELDS`` the client set; an upstream of the other protocol receives
             only these (the providers' defaults differ), see ``given_sampling``.
         rules_enabled: False when the client sent ``x-prefixgate-rules: off``.
+        continue_final_message: the last message is an assistant prefill to continue (Anthropic: a final
+            assistant turn), not a closed turn.
         request_id: the gateway's id for logs and response ids.
         canonical: the rules' result (a ``CanonicalPrompt``), set by ``gateway.service.canonicalize``.
         prefix_key: hex prefix key (model id, tenant salt, hash of the stable segments), set by routing.
@@ -117,6 +119,7 @@ class ChatRequest:
     anthropic_body: dict[str, Any] | None = None
     sampling_given: frozenset[str] = frozenset()
     rules_enabled: bool = True
+    continue_final_message: bool = False
     request_id: str = ""
     canonical: CanonicalPrompt | None = None
     prefix_key: str = ""

@@ -17,7 +17,14 @@ from starlette.routing import BaseRoute, Route
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Finish
 from gateway.http.body import read_json_object
-from gateway.http.request_context import begin, gateway_of, request_id_of, run_unless_disconnected, started_at
+from gateway.http.request_context import (
+    begin,
+    gateway_of,
+    refuse_unknown_fields,
+    request_id_of,
+    run_unless_disconnected,
+    started_at,
+)
 from gateway.protocols.anthropic.parse import apply_request_headers, parse_messages_body
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter
@@ -66,7 +73,9 @@ async def messages_endpoint(http_request: Request) -> Response:
 
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
-    request = parse_messages_body(body, request_id=request_id_of(http_request))
+    request = parse_messages_body(
+        body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
+    )
     apply_request_headers(request, http_request.headers)
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))

@@ -151,6 +151,10 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
         isinstance(retry_after, int | float) and 0 <= retry_after < 10**9
     ):  # an upstream's Retry-After (RFC 9110)
         headers["retry-after"] = str(math.ceil(retry_after))
+    if error.status_code >= 500:
+        # Starlette re-raises an unexpected exception after this response, and the server then drops the
+        # connection: say so, so the client opens a new one for its next request instead of being reset.
+        headers["connection"] = "close"
     body = error_shape_for(http_request.url.path)(error)
     return JSONResponse(body, status_code=error.status_code, headers=headers or None)
 

@@ -7,17 +7,12 @@ bytes are counted as they arrive, so a chunked body or a lying header cannot pus
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
 
 from gateway.core.errors import InvalidRequestError, PayloadTooLargeError
-
-_NOT_JSON = (
-    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP "
-    "library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)"
-)
+from gateway.core.json_body import loads_request_json
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -48,13 +43,10 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 
     Raises:
         PayloadTooLargeError: see ``read_body``.
-        InvalidRequestError: not UTF-8 JSON, or JSON that is not an object (code ``invalid_json``).
+        InvalidRequestError: not UTF-8 JSON, or JSON that is not an object (code ``invalid_json``), too deep
+            or with a lone surrogate (``gateway.core.json_body.loads_request_json``).
     """
-    raw = await read_body(request, max_bytes)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(_NOT_JSON, code="invalid_json") from exc
+    body = loads_request_json(await read_body(request, max_bytes))
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
     return body

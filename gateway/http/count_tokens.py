@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.http.body import read_json_object
-from gateway.http.request_context import begin, gateway_of, request_id_of, started_at
+from gateway.http.request_context import begin, gateway_of, refuse_unknown_fields, request_id_of, started_at
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, apply_request_headers, parse_count_body
 from gateway.service.pipeline import canonicalize
 from gateway.service.request_log import RequestRecord, log_request
@@ -44,7 +44,9 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
     """
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
-    request = parse_count_body(body, request_id=request_id_of(http_request))
+    request = parse_count_body(
+        body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
+    )
     apply_request_headers(request, http_request.headers)
     begin(http_request, request)
     backend = gateway.registry.get(request.model)

@@ -21,7 +21,13 @@ from gateway.core.event_stream import DONE, encode_event
 from gateway.core.events import Delta, Finish
 from gateway.core.request import ChatRequest
 from gateway.http.body import read_json_object
-from gateway.http.request_context import begin, gateway_of, run_unless_disconnected, started_at
+from gateway.http.request_context import (
+    begin,
+    gateway_of,
+    refuse_unknown_fields,
+    run_unless_disconnected,
+    started_at,
+)
 from gateway.protocols.openai.parse import parse_chat_request, parse_completion_request
 from gateway.protocols.openai.render import (
     ResponseMeta,
@@ -95,7 +101,7 @@ async def chat_completions(http_request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
-    request = parse_chat_request(body, http_request.headers)
+    request = parse_chat_request(body, http_request.headers, refuse_unknown_fields(gateway))
     return await _serve(http_request, request, chat_sse, _collect_chat)
 
 
@@ -103,7 +109,7 @@ async def completions(http_request: Request) -> Response:
     """``POST /v1/completions`` (one string prompt)."""
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
-    request = parse_completion_request(body, http_request.headers)
+    request = parse_completion_request(body, http_request.headers, refuse_unknown_fields(gateway))
     return await _serve(http_request, request, completion_sse, _collect_completion)
 
 

@@ -81,3 +81,8 @@ def gateway_of(request: Request) -> Gateway:
     """The ``Gateway`` of the app serving ``request`` (``request.app.state.gateway``, set by
     ``create_app``)."""
     return request.app.state.gateway
+
+
+def refuse_unknown_fields(gateway: Gateway) -> bool:
+    """Whether the faces refuse an unknown top-level body field (``server.unknown_fields: refuse``)."""
+    return gateway.config.server.unknown_fields == "refuse"

@@ -1,9 +1,11 @@
 """The app's route table, written out: every path the gateway serves, in matching order.
 
 OpenAI face (https://platform.openai.com/docs/api-reference): ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /healthz``.
+``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /healthz``;
+``POST /v1/responses`` (stateless Responses API).
 Anthropic face (https://docs.anthropic.com/en/api/messages): ``POST /v1/messages``,
-``POST /v1/messages/count_tokens``. Admin: ``/admin/*`` and ``/metrics``.
+``POST /v1/messages/count_tokens``. ``GET /openapi.json``: both faces' request schemas.
+Admin: ``/admin/*`` and ``/metrics``.
 
 Each face module keeps its own ``routes()`` list; this module only joins them, so a new route is one line in
 its face's module and the whole table is visible here. The faces are not wrapped in a ``Mount`` each: both
@@ -15,9 +17,16 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
-from gateway.http import admin, anthropic, count_tokens, openai
+from gateway.http import admin, anthropic, count_tokens, openai, openapi, responses
 
 
 def route_table() -> list[BaseRoute]:
-    """Every face's routes: OpenAI, Anthropic, Anthropic token counting, admin (first match wins)."""
-    return [*openai.routes(), *anthropic.routes(), *count_tokens.routes(), *admin.routes()]
+    """Every face's routes: OpenAI, OpenAI Responses, Anthropic, Anthropic token counting, admin (first match wins)."""
+    return [
+        *openai.routes(),
+        *responses.routes(),
+        *anthropic.routes(),
+        *count_tokens.routes(),
+        *admin.routes(),
+        *openapi.routes(),
+    ]

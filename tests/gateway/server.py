@@ -27,8 +27,8 @@ class RunningServer:
         app: the Starlette app (``app.state.gateway`` is the live gateway).
     """
 
-    def __init__(self, config: GatewayConfig, backends: dict | None = None) -> None:
-        self.app = create_app(config, backends=backends)
+    def __init__(self, config: GatewayConfig, backends: dict | None = None, extra_routes: tuple = ()) -> None:
+        self.app = create_app(config, backends=backends, extra_routes=extra_routes)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -194,3 +196,21 @@ def test_rules_learned_without_a_gateway_exits_1(capsys):
         port = s.getsockname()[1]
     assert main(["rules", "learned", "--url", f"http://127.0.0.1:{port}"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def _make_run_line(*assignments: str) -> str:
+    """The ``prefixgate serve`` command ``make run`` would execute (dry run: nothing is installed or run)."""
+    assert shutil.which("make"), "make is needed to check the Makefile"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        ["make", "-n", "-C", str(root), "run", *assignments], capture_output=True, text=True, check=True
+    ).stdout
+    return next(line for line in out.splitlines() if "prefixgate serve" in line)
+
+
+def test_make_run_with_a_config_leaves_the_address_to_the_config():
+    line = _make_run_line("CONFIG=x.yaml")
+    assert "--config x.yaml" in line
+    assert "--host" not in line and "--port" not in line
+    line = _make_run_line("CONFIG=x.yaml", "HOST=0.0.0.0", "PORT=9001")
+    assert "--host 0.0.0.0" in line and "--port 9001" in line

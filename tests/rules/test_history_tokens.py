@@ -26,6 +26,7 @@ STRIPS_REASONING = (
     "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user %}{% set c = c.split('</think>')[-1] %}{% endif %}"
     "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}{% endif %}"  # reads ``tools``: tool turns reach it as they are (no generic tool rendering)
 )
 
 

@@ -138,7 +138,9 @@ def anthropic_to_openai_tool_choice(choice: Mapping[str, Any] | None) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
-def parse_messages_body(body: Any, request_id: str = "", require_max_tokens: bool = True) -> ChatRequest:
+def parse_messages_body(
+    body: Any, request_id: str = "", require_max_tokens: bool = True, refuse_unknown: bool = True
+) -> ChatRequest:
     """Validate a ``/v1/messages`` body and build the internal request (``rules_enabled``, ``tenant`` and
     ``forward_headers`` are the endpoint's to set from headers, see ``apply_request_headers``).
 
@@ -147,11 +149,12 @@ def parse_messages_body(body: Any, request_id: str = "", require_max_tokens: boo
         request_id: the gateway's id (a ``msg_`` id is made from it when formatting).
         require_max_tokens: False for ``/v1/messages/count_tokens`` bodies (then ``params.max_tokens`` is None
             when the body has none).
+        refuse_unknown: refuse an unknown top-level field (``server.unknown_fields: refuse``).
 
     Raises:
         InvalidRequestError: a missing or ill-typed field (``param`` names it).
     """
-    validate_body(body, require_max_tokens)
+    validate_body(body, require_max_tokens, refuse_unknown)
     stops = tuple(body.get("stop_sequences") or ())
     params = SamplingParams(
         max_tokens=body.get("max_tokens"),
@@ -174,7 +177,20 @@ def parse_messages_body(body: Any, request_id: str = "", require_max_tokens: boo
         anthropic_body=body,
         sampling_given=given_sampling(body),
         request_id=request_id or uuid.uuid4().hex,
+        continue_final_message=is_prefill(body["messages"][-1]),
     )
+
+
+def is_prefill(message: Mapping[str, Any]) -> bool:
+    """Whether a final message is an assistant prefill the answer continues (Anthropic's semantics): an
+    assistant turn with text and no ``tool_use``."""
+    if message["role"] != "assistant":
+        return False
+    content = message["content"]
+    if isinstance(content, str):
+        return bool(content.strip())
+    texts = [block.get("text", "") for block in content if block["type"] == "text"]
+    return any(block["type"] == "tool_use" for block in content) is False and bool("".join(texts).strip())
 
 
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -188,14 +204,16 @@ the prompt). They are checked as ``/v1/messages`` checks them, then left out of 
 count request; any other field is sent on, as the Messages passthrough does."""
 
 
-def parse_count_body(body: Any, request_id: str = "") -> ChatRequest:
+def parse_count_body(body: Any, request_id: str = "", refuse_unknown: bool = True) -> ChatRequest:
     """Validate a ``/v1/messages/count_tokens`` body (a Messages body without ``max_tokens``) and build the
     internal request ``/v1/messages`` would build (not streamed).
 
     Raises:
         InvalidRequestError: a missing or ill-typed field (``param`` names it), as ``/v1/messages`` answers.
     """
-    request = parse_messages_body(body, request_id=request_id, require_max_tokens=False)
+    request = parse_messages_body(
+        body, request_id=request_id, require_max_tokens=False, refuse_unknown=refuse_unknown
+    )
     request.stream = False
     return request
 

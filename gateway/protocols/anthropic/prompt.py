@@ -153,7 +153,7 @@ def _tool_use_block(call: Any, param: str) -> dict[str, Any]:
     arguments = function.get("arguments") or "{}"
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except (ValueError, RecursionError):
         raise bad_param("function.arguments is not valid JSON", f"{param}.function.arguments") from None
     if not isinstance(parsed, dict):
         raise bad_param("function.arguments must be a JSON object", f"{param}.function.arguments")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from gateway.core.errors import APIError, anthropic_error_body
 from gateway.core.event_stream import encode_event
-from gateway.core.events import Delta, Finish
+from gateway.core.events import BackendUsage, Delta, Finish
 from gateway.protocols.anthropic.render import MessageBuilder, anthropic_usage, message_id, stop_fields
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
@@ -29,8 +29,9 @@ def encode_error_event(error: APIError) -> bytes:
 class StreamFormatter:
     """Backend events -> Anthropic SSE bytes, in Anthropic's event order.
 
-    ``message_start`` carries ``usage`` with ``input_tokens`` 0 (backends report usage at the end); the final
-    ``message_delta`` carries the whole usage (the SDKs overwrite the start's counts with it).
+    ``message_start`` carries the input counts the first event knows (a ``Delta`` with ``prompt_tokens``, as
+    the embedded engine sends, or a ``Finish``), else 0; the final ``message_delta`` carries the whole usage
+    (the SDKs overwrite the start's counts with it).
     """
 
     def __init__(self, model: str, request_id: str) -> None:
@@ -42,9 +43,15 @@ class StreamFormatter:
         self.started = False
         self.finish: Finish | None = None
 
-    def start(self) -> bytes:
-        """The ``message_start`` event."""
+    def start(self, first: Delta | Finish | None = None) -> bytes:
+        """The ``message_start`` event, with the input counts ``first`` knows (see the class docstring)."""
         self.started = True
+        usage = {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        if isinstance(first, Finish):
+            usage = {**anthropic_usage(first.usage), "output_tokens": 0}
+        elif isinstance(first, Delta) and first.prompt_tokens is not None:
+            known = BackendUsage(first.prompt_tokens, 0, cached_tokens=first.cached_tokens or 0)
+            usage = anthropic_usage(known)
         message = {
             "id": self.id,
             "type": "message",
@@ -53,18 +60,13 @@ class StreamFormatter:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": 0,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
-                "output_tokens": 0,
-            },
+            "usage": {**usage, "output_tokens": 0},
         }
         return encode_event({"type": "message_start", "message": message}, "message_start")
 
     def feed(self, event: Delta | Finish) -> bytes:
         """SSE bytes for one backend event (``message_start`` first if not sent yet)."""
-        out = b"" if self.started else self.start()
+        out = b"" if self.started else self.start(event)
         if isinstance(event, Finish):
             return out + self._finish(event)
         for step, index, value in self.builder.add(event):

@@ -17,6 +17,16 @@ if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation hel
 _TOOL_RESULT_BLOCKS = frozenset({"text", "image", "document", "search_result"})
 _CACHE_TTLS = frozenset({"5m", "1h"})
 _TOOL_CHOICE_TYPES = frozenset({"auto", "any", "tool", "none"})
+MESSAGES_FIELDS = frozenset(
+    {
+        "model", "messages", "max_tokens", "system", "metadata", "stop_sequences", "stream", "temperature",
+        "top_p", "top_k", "tools", "tool_choice", "thinking", "service_tier", "container", "mcp_servers",
+        "context_management", "output_config", "output_format", "cache_control", "inference_geo",
+        "diagnostics", "speed", "user_profile_id", "workspace_id",
+    }
+)  # fmt: skip
+"""Top-level fields of a Messages body (https://docs.anthropic.com/en/api/messages); any other is refused as
+Anthropic refuses it ("Extra inputs are not permitted") unless ``server.unknown_fields: ignore``."""
 
 
 # ==== validation ============================================================================================
@@ -136,19 +146,26 @@ def _validate_tool_choice(choice: Any, tool_names: set[str]) -> None:
         raise bad_param("expected a boolean", "tool_choice.disable_parallel_tool_use")
 
 
-def validate_body(body: Any, require_max_tokens: bool = True) -> None:
+def validate_body(body: Any, require_max_tokens: bool = True, refuse_unknown: bool = True) -> None:
     """Check a Messages request body (the fields prefixgate reads; other fields pass through untouched).
 
     Args:
         body: the parsed JSON body.
         require_max_tokens: False for ``/v1/messages/count_tokens`` bodies, which have no ``max_tokens``
             (one that is there is still checked).
+        refuse_unknown: refuse a top-level field not in ``MESSAGES_FIELDS`` (else it passes through).
 
     Raises:
         InvalidRequestError: with ``param`` naming the field (``messages[2].content[0].text``).
     """
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
+    if refuse_unknown:
+        for key in body:
+            if key not in MESSAGES_FIELDS:
+                raise InvalidRequestError(
+                    f"{key}: Extra inputs are not permitted", param=key, code="unknown_parameter"
+                )
     if "model" not in body:
         raise bad_param("field required", "model")
     _require_str(body["model"], "model", allow_empty=False)

@@ -24,7 +24,7 @@ CHAT_FIELDS = frozenset(
         "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
         "parallel_tool_calls", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
         "reasoning_effort", "functions", "function_call", "web_search_options", "verbosity",
-        "prompt_cache_key", "safety_identifier",
+        "prompt_cache_key", "safety_identifier", "prompt_cache_retention", "prompt_cache_options", "moderation",
     }
 )  # fmt: skip
 COMPLETION_FIELDS = frozenset(
@@ -35,6 +35,9 @@ COMPLETION_FIELDS = frozenset(
     }
 )  # fmt: skip
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Range of every integer field (OpenAI's are 64-bit; ``seed`` is documented as one): larger values are a
+400, never an overflow deeper down."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's documented default of ``max_tokens`` for ``/v1/completions`` (chat has no default: up to the
 context window)."""
@@ -43,13 +46,19 @@ context window)."""
 # ---- parsing ---------------------------------------------------------------------------------------------
 
 
-def parse_chat_request(body: dict[str, Any], headers: Mapping[str, str]) -> ChatRequest:
+def parse_chat_request(
+    body: dict[str, Any], headers: Mapping[str, str], refuse_unknown: bool = True
+) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body into a ``ChatRequest``.
+
+    Args:
+        refuse_unknown: refuse an unknown top-level field (``server.unknown_fields: refuse``), else keep it.
 
     Raises:
         InvalidRequestError: a missing, unknown or ill-typed field, or a value out of range (``n`` != 1...).
     """
-    _reject_unknown(body, CHAT_FIELDS)
+    if refuse_unknown:
+        _reject_unknown(body, CHAT_FIELDS)
     model = _model(body)
     messages = _messages(body)
     tools = _tools(body)
@@ -62,7 +71,7 @@ def parse_chat_request(body: dict[str, Any], headers: Mapping[str, str]) -> Chat
         messages=messages,
         params=_sampling(body, max_tokens),
         tools=tools,
-        tool_choice=body.get("tool_choice"),
+        tool_choice=_tool_choice(body, tools),
         parallel_tool_calls=_parallel_tool_calls(body),
         stream=stream,
         include_usage=include_usage,
@@ -75,13 +84,16 @@ def parse_chat_request(body: dict[str, Any], headers: Mapping[str, str]) -> Chat
     )
 
 
-def parse_completion_request(body: dict[str, Any], headers: Mapping[str, str]) -> ChatRequest:
+def parse_completion_request(
+    body: dict[str, Any], headers: Mapping[str, str], refuse_unknown: bool = True
+) -> ChatRequest:
     """Validate a ``/v1/completions`` body (a single string prompt) into a ``ChatRequest`` of kind completion.
 
     Raises:
         InvalidRequestError: as ``parse_chat_request``; also a prompt that is not one string.
     """
-    _reject_unknown(body, COMPLETION_FIELDS)
+    if refuse_unknown:
+        _reject_unknown(body, COMPLETION_FIELDS)
     model = _model(body)
     if "prompt" not in body:
         raise _missing("prompt")
@@ -223,6 +235,45 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools
 
 
+TOOL_CHOICE_MODES = frozenset({"none", "auto", "required"})
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
+    """``tool_choice``: ``"none" | "auto" | "required"`` or ``{"type": "function", "function": {"name"}}``,
+    only with ``tools`` (OpenAI answers 400 ``tool_choice`` without ``tools``, whatever its value)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_MODES:
+            raise InvalidRequestError(
+                f"Invalid value: '{choice}'. Supported values are: 'none', 'auto', and 'required'.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+    elif isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise InvalidRequestError(
+                "Invalid value for 'tool_choice.type': supported values are: 'function'.",
+                param="tool_choice.type",
+                code="invalid_value",
+            )
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise _missing("tool_choice.function")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _missing("tool_choice.function.name")
+    else:
+        raise _invalid_type("tool_choice", "a string or an object", choice)
+    if not tools:
+        raise InvalidRequestError(
+            "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+            param="tool_choice",
+            code=None,
+        )
+    return choice
+
+
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = body.get("stream")
     if stream is None:
@@ -305,6 +356,20 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int | None = None) -
             f"{value} instead.",
             param=name,
             code="integer_below_min_value",
+        )
+    if value < INT64_MIN:
+        raise InvalidRequestError(
+            f"Invalid '{name}': integer below minimum value. Expected a value >= {INT64_MIN}, but got "
+            f"{value} instead.",
+            param=name,
+            code="integer_below_min_value",
+        )
+    if value > INT64_MAX:
+        raise InvalidRequestError(
+            f"Invalid '{name}': integer above maximum value. Expected a value <= {INT64_MAX}, but got "
+            f"{value} instead.",
+            param=name,
+            code="integer_above_max_value",
         )
     return value
 

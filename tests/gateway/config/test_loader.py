@@ -33,6 +33,7 @@ def test_default_config_is_embedded_smollm2_with_default_rules():
         8000,
         4194304,
     )
+    assert config.server.unknown_fields == "refuse"
     assert config.admin.token is None
 
 
@@ -178,6 +179,7 @@ def test_transcript_and_learning_settings(tmp_path):
         ("server: {port: '8000'}\n", "server.port", "expected an integer"),
         ("server: {port: 70000}\n", "server.port", "TCP port"),
         ("server: {max_body_bytes: 0}\n", "server.max_body_bytes", "positive"),
+        ("server: {unknown_fields: warn}\n", "server.unknown_fields", "'refuse' or 'ignore'"),
         ("server: [1]\n", "server", "expected a mapping"),
         ("admin: {token: 5}\n", "admin.token", "expected a string"),
         ("rules: default\n", "rules", "expected a list"),

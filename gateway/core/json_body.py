@@ -1,0 +1,103 @@
+"""Decoding a request body's JSON safely: a nesting-depth limit checked before the parser runs, and strings
+that are valid Unicode. The one place a client's bytes become Python values.
+
+Invariants: ``loads_request_json`` never lets the stdlib parser recurse deeper than ``MAX_JSON_DEPTH`` (so no
+``RecursionError``, whatever the body), and every string it returns, keys included, encodes as UTF-8 (a lone
+UTF-16 surrogate such as ``"\\ud800"``, which JSON's escapes allow, is refused: nothing downstream, the
+tokenizer, the regex engine or a log line, can choke on it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from gateway.core.errors import InvalidRequestError
+
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays and objects accepted in a request body. Real bodies (messages, content parts,
+tool JSON schemas) stay well under it; the stdlib parser recurses once per level."""
+
+NOT_JSON = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP "
+    "library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)"
+)
+
+_STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+"""A whole JSON string (skipped as one match, so brackets inside strings do not count) or one bracket."""
+
+
+def json_depth_exceeds(raw: bytes, limit: int) -> bool:
+    """True when ``raw`` nests arrays/objects deeper than ``limit`` levels (brackets inside strings ignored;
+    run over the raw bytes before parsing, in C-speed regex steps, one per string or bracket)."""
+    depth = 0
+    for match in _STRING_OR_BRACKET.finditer(raw):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
+def loads_request_json(raw: bytes) -> Any:
+    """Parse a request body.
+
+    Raises:
+        InvalidRequestError: not UTF-8 JSON (code ``invalid_json``), nested deeper than ``MAX_JSON_DEPTH``
+            (code ``json_too_deep``), or a string holding a lone surrogate (code ``invalid_unicode``, ``param``
+            the path of the first such string).
+    """
+    if json_depth_exceeds(raw, MAX_JSON_DEPTH):
+        raise InvalidRequestError(
+            f"The JSON body of your request is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays "
+            "and objects are accepted.",
+            code="json_too_deep",
+        )
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequestError(NOT_JSON, code="invalid_json") from exc
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        path = _surrogate_path(value, "") or "body"
+        raise InvalidRequestError(
+            f"Invalid string at '{path}': it holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+            "valid Unicode.",
+            param=path if path != "body" else None,
+            code="invalid_unicode",
+        ) from exc
+    return value
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The JSON path of the first string (key or value) that does not encode as UTF-8, or None (bounded by
+    ``MAX_JSON_DEPTH``, checked before)."""
+    if isinstance(value, str):
+        return path if not _encodes(value) else None
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _surrogate_path(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if not _encodes(key):
+                return where.encode("utf-8", "backslashreplace").decode("ascii")
+            found = _surrogate_path(item, where)
+            if found is not None:
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -1,0 +1,100 @@
+"""HTTP route of the OpenAI Responses API: ``POST /v1/responses`` (stateless). The body is translated into the
+equivalent Chat Completions body (``gateway.protocols.openai.responses``) and parsed by the chat parser, so the
+request takes the chat path (``gateway.service.pipeline``: rules, prefix key, prefix cache, backends); the
+answer is a ``Response`` object or its SSE stream of typed events. Errors are OpenAI error JSON (before the
+response starts) or an in-band ``error`` event (after). Reference:
+https://platform.openai.com/docs/api-reference/responses
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.core.errors import APIError, InvalidRequestError
+from gateway.core.event_stream import encode_event
+from gateway.core.events import Delta, Finish
+from gateway.http.body import read_json_object
+from gateway.http.request_context import (
+    begin,
+    gateway_of,
+    refuse_unknown_fields,
+    run_unless_disconnected,
+    started_at,
+)
+from gateway.protocols.openai.parse import parse_chat_request
+from gateway.protocols.openai.responses import ResponseBuilder, responses_to_chat_body
+from gateway.service.pipeline import OpenedStream, open_stream
+from gateway.transport.sse import EventStreamResponse
+
+_CHAT_TO_RESPONSES_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+async def responses_endpoint(http_request: Request) -> Response:
+    """``POST /v1/responses``: a ``Response`` object, or with ``stream: true`` its events as SSE."""
+    gateway = gateway_of(http_request)
+    body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
+    chat_body = responses_to_chat_body(body, refuse_unknown_fields(gateway))
+    try:
+        request = parse_chat_request(chat_body, http_request.headers, refuse_unknown=False)
+    except InvalidRequestError as error:
+        error.param = _CHAT_TO_RESPONSES_PARAM.get(error.param or "", error.param)
+        raise
+    begin(http_request, request)
+    opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
+    builder = ResponseBuilder(body, request.model, request.request_id)
+    headers = {"x-request-id": request.request_id}
+    if request.stream:
+        headers.update(await opened.cache_header())
+        return EventStreamResponse(response_sse(opened, builder), headers=headers)
+    result = await run_unless_disconnected(http_request, collect_response(opened, builder), opened)
+    headers.update(await opened.cache_header())
+    return JSONResponse(result, headers=headers)
+
+
+async def response_sse(opened: OpenedStream, builder: ResponseBuilder) -> AsyncIterator[bytes]:
+    """The SSE bytes of a streamed response (``event: <type>`` + ``data: <json>`` per event)."""
+    for event in builder.start():
+        yield encode_event(event, event["type"])
+    guarded = opened.guarded_events(lambda error: _error_event(builder, error))
+    async with aclosing(guarded) as events:
+        async for event in events:
+            if isinstance(event, bytes):
+                yield event
+                continue
+            for out in _events_of(builder, event):
+                yield encode_event(out, out["type"])
+
+
+async def collect_response(opened: OpenedStream, builder: ResponseBuilder) -> dict[str, Any]:
+    """The ``Response`` object of a non-streamed request."""
+    async for event in opened.events():
+        _events_of(builder, event)
+        if isinstance(event, Finish):
+            return builder.response("incomplete" if event.finish_reason == "length" else "completed", event)
+    raise APIError("The backend ended the response without a finish.")
+
+
+def _events_of(builder: ResponseBuilder, event: Delta | Finish) -> list[dict[str, Any]]:
+    if isinstance(event, Finish):
+        return builder.finish(event)
+    out = builder.text(event.text) if event.text else []
+    if event.tool_calls:
+        out += builder.tool_calls(event.tool_calls)
+    return out
+
+
+def _error_event(builder: ResponseBuilder, error: APIError) -> bytes:
+    """The ``error`` event that ends a stream which failed after it started."""
+    event = builder.event("error", code=error.code, message=error.message, param=error.param)
+    return encode_event(event, "error")
+
+
+def routes() -> list[BaseRoute]:
+    """This face's route table (``gateway.http.routes`` collects it)."""
+    return [Route("/v1/responses", responses_endpoint, methods=["POST"])]

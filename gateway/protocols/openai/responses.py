@@ -1,0 +1,480 @@
+"""OpenAI Responses API (``POST /v1/responses``), stateless: a Responses body -> the equivalent Chat Completions
+body (parsed by ``gateway.protocols.openai.parse``, so the request takes the chat path: canonicalization, prefix
+cache, every backend), and backend events -> the ``Response`` object or its stream of typed events.
+
+Supported: ``input`` as a string or a list of items (messages with ``input_text`` / ``output_text`` parts,
+``function_call`` and ``function_call_output`` items), ``instructions`` (a leading system message), function
+``tools`` and ``tool_choice``, ``text.format`` (as ``response_format``), ``max_output_tokens``, sampling,
+``stream``. Refused with a 400 naming the field: ``previous_response_id``, ``conversation``, ``store: true``,
+``background: true``, ``prompt`` (all need stored state), non-function tools, item references.
+Reference: https://platform.openai.com/docs/api-reference/responses (shapes checked against the openai-python
+SDK's ``types/responses``: ``Response``, ``ResponseTextDeltaEvent``, ``ResponseCompletedEvent``, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.core.errors import InvalidRequestError
+from gateway.core.events import BackendUsage, Finish
+from gateway.core.json_types import json_kind
+
+RESPONSES_FIELDS = frozenset(
+    {
+        "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
+        "stream", "stream_options", "metadata", "store", "previous_response_id", "parallel_tool_calls",
+        "text", "reasoning", "truncation", "user", "include", "prompt_cache_key", "prompt_cache_retention",
+        "prompt_cache_options", "safety_identifier", "service_tier", "background", "conversation", "prompt",
+        "top_logprobs", "max_tool_calls", "access_programs", "background_options", "context_management",
+        "image", "moderation",
+    }
+)  # fmt: skip
+"""Top-level fields of a Responses body (the openai-python SDK's ``responses.create`` arguments)."""
+
+STATEFUL = ("previous_response_id", "conversation", "prompt", "context_management")
+"""Fields that need response storage, which this gateway does not keep: refused when set."""
+
+PASSED_ON = ("temperature", "top_p", "metadata", "parallel_tool_calls", "user", "prompt_cache_key",
+             "safety_identifier", "service_tier")  # fmt: skip
+"""Fields with the same name and meaning in a Chat Completions body."""
+
+
+def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) -> dict[str, Any]:
+    """The Chat Completions body equivalent to a Responses body (``stream_options.include_usage`` set when
+    streamed, so usage is always known).
+
+    Raises:
+        InvalidRequestError: an unknown field (when ``refuse_unknown``), a stateful field, an ill-typed value,
+            an unsupported tool or input item; ``param`` names it in the Responses body's terms.
+    """
+    if refuse_unknown:
+        for key in body:
+            if key not in RESPONSES_FIELDS:
+                raise InvalidRequestError(f"Unknown parameter: '{key}'.", param=key, code="unknown_parameter")
+    for key in STATEFUL:
+        if body.get(key) is not None:
+            raise _unsupported(key, "prefixgate's Responses API is stateless (no stored responses)")
+    if body.get("store") is True:
+        raise _unsupported("store", "prefixgate stores no responses; send store: false or omit it")
+    if body.get("background") is True:
+        raise _unsupported("background", "background responses need stored state")
+    if "input" not in body:
+        raise InvalidRequestError(
+            "Missing required parameter: 'input'.", param="input", code="missing_required_parameter"
+        )
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
+    if "model" not in body:
+        del chat["model"]  # parse_chat_request names it missing
+    for key in PASSED_ON:
+        if key in body:
+            chat[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if "stream" in body:
+        chat["stream"] = body["stream"]
+        if body["stream"] is True:
+            chat["stream_options"] = {"include_usage": True}
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    _text_config(body.get("text"), chat)
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise _invalid_type("reasoning", "an object", reasoning)
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
+    if body.get("top_logprobs") is not None:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body["top_logprobs"]
+    return chat
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _invalid_type("instructions", "a string", instructions)
+        messages.append({"role": "system", "content": instructions})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        return messages
+    if not isinstance(items, list):
+        raise _invalid_type("input", "a string or an array of input items", items)
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise _invalid_type(where, "an object", item)
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _string(item, "name", where),
+                    "arguments": _string(item, "arguments", where),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("content") is None:
+                last["tool_calls"].append(call)  # parallel calls of one turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):
+                output = _parts(output, f"{where}.output")
+            elif not isinstance(output, str):
+                raise _invalid_type(f"{where}.output", "a string or an array of content parts", output)
+            messages.append(
+                {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
+            )
+        elif kind == "item_reference":
+            raise _unsupported(where, "item references need stored items (prefixgate is stateless)")
+        else:
+            raise InvalidRequestError(
+                f"Invalid value for '{where}.type': prefixgate accepts 'message', 'function_call' and "
+                f"'function_call_output' input items, got {kind!r}.",
+                param=f"{where}.type",
+                code="invalid_value",
+            )
+    if not messages:
+        raise InvalidRequestError(
+            "Invalid 'input': empty array. Expected at least one input item.",
+            param="input",
+            code="empty_array",
+        )
+    return messages
+
+
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise InvalidRequestError(
+            f"Invalid value for '{where}.role': supported values are 'user', 'assistant', 'system' and "
+            "'developer'.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise _invalid_type(f"{where}.content", "a string or an array of content parts", content)
+    return {"role": role, "content": _parts(content, f"{where}.content")}
+
+
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
+
+
+def _parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
+    """Responses content parts -> chat content parts: text kinds become ``text``; other kinds keep their type
+    (a backend that cannot take them names them in its 400)."""
+    out = []
+    for index, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise _invalid_type(f"{where}[{index}]", "an object", part)
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise InvalidRequestError(
+                f"Missing required parameter: '{where}[{index}].type'.",
+                param=f"{where}[{index}].type",
+                code="missing_required_parameter",
+            )
+        if kind in _TEXT_PARTS:
+            text = part.get("refusal") if kind == "refusal" else part.get("text")
+            if not isinstance(text, str):
+                raise _invalid_type(f"{where}[{index}].text", "a string", text)
+            out.append({"type": "text", "text": text})
+        else:
+            out.append(dict(part))
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise _invalid_type("tools", "an array", tools)
+    out = []
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise _invalid_type(where, "an object", tool)
+        if tool.get("type") != "function":
+            raise _unsupported(
+                f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}"
+            )
+        function = {"name": _string(tool, "name", where)}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, str):
+        return choice  # none | auto | required: checked by the chat parser
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+    if isinstance(choice, dict):
+        raise _unsupported(
+            "tool_choice.type", f"only function tools are supported, got {choice.get('type')!r}"
+        )
+    raise _invalid_type("tool_choice", "a string or an object", choice)
+
+
+def _text_config(text: Any, chat: dict[str, Any]) -> None:
+    if text is None:
+        return
+    if not isinstance(text, dict):
+        raise _invalid_type("text", "an object", text)
+    if text.get("verbosity") is not None:
+        chat["verbosity"] = text["verbosity"]
+    fmt = text.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict):
+        raise _invalid_type("text.format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif kind == "json_schema":
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    else:
+        raise InvalidRequestError(
+            "Invalid value for 'text.format.type': supported values are 'text', 'json_object' and "
+            "'json_schema'.",
+            param="text.format.type",
+            code="invalid_value",
+        )
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        if value is None:
+            raise InvalidRequestError(
+                f"Missing required parameter: '{where}.{key}'.",
+                param=f"{where}.{key}",
+                code="missing_required_parameter",
+            )
+        raise _invalid_type(f"{where}.{key}", "a string", value)
+    return value
+
+
+def _invalid_type(param: str, expected: str, value: Any) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Invalid type for '{param}': expected {expected}, but got {json_kind(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def _unsupported(param: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Unsupported parameter: '{param}': {why}.", param=param, code="unsupported_parameter"
+    )
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+
+
+def responses_usage(usage: BackendUsage) -> dict[str, Any]:
+    """Responses ``usage``: ``input_tokens`` (cached ones included) with ``input_tokens_details.cached_tokens``,
+    ``output_tokens``, ``total_tokens``."""
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class ResponseBuilder:
+    """The ``Response`` object of one request, and the streamed events that build it, in the order OpenAI sends
+    them: ``response.created``, ``response.in_progress``; per output item ``response.output_item.added``, for a
+    message ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
+    ``response.content_part.done``, for a function call ``response.function_call_arguments.delta``...,
+    ``response.function_call_arguments.done``; ``response.output_item.done``; then ``response.completed`` (or
+    ``response.incomplete`` when ``max_output_tokens`` cut the answer). Every event has a ``sequence_number``.
+
+    Args:
+        body: the client's Responses body (echoed fields: instructions, tools, sampling...).
+        model: the model name.
+        request_id: the gateway's id (``resp_`` + it is the response id).
+    """
+
+    def __init__(self, body: dict[str, Any], model: str, request_id: str) -> None:
+        self.body = body
+        self.model = model
+        self.id = f"resp_{request_id}"
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self._sequence = 0
+        self._message: dict[str, Any] | None = None
+        self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> function_call item
+
+    def response(self, status: str, finish: Finish | None = None) -> dict[str, Any]:
+        """The ``Response`` object as it stands (``status``: in_progress, completed or incomplete)."""
+        body = self.body
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "model": self.model,
+            "output": self.output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "temperature": body.get("temperature", 1.0),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0),
+            "truncation": body.get("truncation", "disabled"),
+            "usage": responses_usage(finish.usage) if finish is not None else None,
+            "user": body.get("user"),
+            "metadata": body.get("metadata") or {},
+        }
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """One stream event: ``{"type": kind, **fields, "sequence_number": n}``."""
+        out = {"type": kind, **fields, "sequence_number": self._sequence}
+        self._sequence += 1
+        return out
+
+    def start(self) -> list[dict[str, Any]]:
+        """``response.created`` and ``response.in_progress``."""
+        snapshot = self.response("in_progress")
+        return [
+            self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot),
+        ]
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        """Events for a piece of answer text (opening the message item first when needed)."""
+        events = []
+        if self._message is None:
+            self._message = {
+                "id": f"msg_{self.id[5:]}",
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            self.output.append(self._message)
+            index = len(self.output) - 1
+            events.append(
+                self.event(
+                    "response.output_item.added", output_index=index, item=dict(self._message, content=[])
+                )
+            )
+            self._message["content"].append(
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            )
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self._message["id"],
+                    output_index=index,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                )
+            )
+        self._message["content"][0]["text"] += delta
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self._message["id"],
+                output_index=self.output.index(self._message),
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def tool_calls(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Events for tool-call deltas in the chat streaming shape (a new index opens a ``function_call`` item)."""
+        events = []
+        for delta in deltas:
+            index = delta.get("index", 0)
+            function = delta.get("function") or {}
+            item = self._calls.get(index)
+            if item is None:
+                call_id = delta.get("id") or f"call_{self.id[5:]}_{index}"
+                item = {
+                    "id": f"fc_{self.id[5:]}_{index}",
+                    "type": "function_call",
+                    "status": "in_progress",
+                    "call_id": call_id,
+                    "name": function.get("name") or "",
+                    "arguments": "",
+                }
+                self._calls[index] = item
+                self.output.append(item)
+                events.append(
+                    self.event(
+                        "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
+                    )
+                )
+            piece = function.get("arguments") or ""
+            if piece:
+                item["arguments"] += piece
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self.output.index(item),
+                        delta=piece,
+                    )
+                )
+        return events
+
+    def finish(self, finish: Finish) -> list[dict[str, Any]]:
+        """The closing events of every open item, then ``response.completed`` / ``response.incomplete``."""
+        events = []
+        status = "incomplete" if finish.finish_reason == "length" else "completed"
+        for index, item in enumerate(self.output):
+            item["status"] = status
+            if item["type"] == "message":
+                part = item["content"][0]
+                common = {"item_id": item["id"], "output_index": index, "content_index": 0}
+                events.append(
+                    self.event("response.output_text.done", **common, text=part["text"], logprobs=[])
+                )
+                events.append(self.event("response.content_part.done", **common, part=dict(part)))
+            else:
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
+            events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        events.append(self.event(kind, response=self.response(status, finish)))
+        return events

@@ -1,0 +1,199 @@
+"""``POST /v1/responses`` (stateless OpenAI Responses API) through the real server with the official SDK:
+text and item inputs, instructions, streaming events in OpenAI's order, cached tokens in usage, the chat
+path's prefix cache, clear refusals of stateful fields; no block left in use."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import TINY_MODEL
+from tests.gateway.http.test_protocol_exact_e2e import assert_no_block_in_use, openai_error, post_raw
+
+LONG = "You are a careful assistant for a bakery. " * 6
+
+
+def test_text_input_gives_a_completed_response(server, client):
+    response = client.responses.create(model=TINY_MODEL, input="Say hi", max_output_tokens=4)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status in ("completed", "incomplete")
+    assert response.output[0].type == "message" and response.output[0].role == "assistant"
+    assert response.output_text == response.output[0].content[0].text
+    usage = response.usage
+    assert usage.input_tokens > 0 and 0 < usage.output_tokens <= 4
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert_no_block_in_use(server)
+
+
+def test_instructions_and_items_take_the_chat_path_and_its_prefix_cache(server, client):
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "What do you sell?"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Bread."}]},
+        {"type": "message", "role": "user", "content": "And cakes?"},
+    ]
+    first = client.responses.create(model=TINY_MODEL, instructions=LONG, input=items, max_output_tokens=2)
+    second = client.responses.create(model=TINY_MODEL, instructions=LONG, input=items, max_output_tokens=2)
+    assert second.usage.input_tokens == first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    chat = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=[
+            {"role": "system", "content": LONG},
+            {"role": "user", "content": "What do you sell?"},
+            {"role": "assistant", "content": "Bread."},
+            {"role": "user", "content": "And cakes?"},
+        ],
+        max_tokens=2,
+    )
+    assert chat.usage.prompt_tokens == first.usage.input_tokens  # the same prompt as the chat request
+    assert chat.usage.prompt_tokens_details.cached_tokens == second.usage.input_tokens_details.cached_tokens
+    assert_no_block_in_use(server)
+
+
+def test_streamed_events_come_in_openai_order(server, client):
+    with client.responses.stream(model=TINY_MODEL, input="Tell me a story", max_output_tokens=6) as stream:
+        events = list(stream)
+    # A max_output_tokens cut ends with response.incomplete, as OpenAI sends it; the SDK's
+    # get_final_response() only knows response.completed (openai-python PR #3538), so read the last event.
+    final = events[-1].response
+    if events[-1].type == "response.completed":
+        assert stream.get_final_response().output_text == final.output_text
+    else:
+        assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
+    assert final.usage.input_tokens_details.cached_tokens >= 0
+    assert_no_block_in_use(server)
+
+
+def test_create_with_stream_true_yields_the_same_events(server, client):
+    events = list(client.responses.create(model=TINY_MODEL, input="Hi", max_output_tokens=3, stream=True))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens > 0
+    assert_no_block_in_use(server)
+
+
+def test_function_call_items_and_outputs_render_as_a_tool_round_trip(server, client):
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    response = client.responses.create(model=TINY_MODEL, input=items, max_output_tokens=2)
+    assert response.usage.input_tokens > 0
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ],
+)
+def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, extra, param):
+    body = {"model": TINY_MODEL, "input": "hi", "max_output_tokens": 2, **extra}
+    response = post_raw(server, "/v1/responses", json.dumps(body))
+    error = openai_error(response, 400, param=param)
+    assert error["message"]
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"model": TINY_MODEL}, "missing_required_parameter", "input"),
+        ({"model": TINY_MODEL, "input": 5}, "invalid_type", "input"),
+        ({"model": TINY_MODEL, "input": []}, "empty_array", "input"),
+        (
+            {"model": TINY_MODEL, "input": "x", "max_output_tokens": 0},
+            "integer_below_min_value",
+            "max_output_tokens",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "frobnicate": 1}, "unknown_parameter", "frobnicate"),
+        (
+            {"model": TINY_MODEL, "input": [{"role": "robot", "content": "x"}]},
+            "invalid_value",
+            "input[0].role",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "tool_choice": "auto"}, None, "tool_choice"),
+        ({"input": "x"}, "missing_required_parameter", "model"),
+    ],
+)
+def test_bad_bodies_get_openai_errors(server, body, code, param):
+    error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400, param=param)
+    if code is not None:
+        assert error["code"] == code
+    assert_no_block_in_use(server)
+
+
+def test_store_false_is_accepted_and_store_is_reported_false(server, client):
+    response = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2, store=False)
+    assert response.store is False
+    assert_no_block_in_use(server)
+
+
+def test_a_surrogate_in_a_responses_body_is_a_400(server):
+    response = httpx.post(
+        server.base_url + "/v1/responses",
+        content='{"model": "tiny", "input": "\\ud800"}',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    openai_error(response, 400, code="invalid_unicode", param="input")
+    assert_no_block_in_use(server)
+
+
+def test_unsupported_sampling_is_refused_like_chat(server):
+    body = {"model": TINY_MODEL, "input": "hi", "text": {"format": {"type": "json_object"}}}
+    error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400)
+    assert error["param"] in ("text.format", "response_format")
+    assert_no_block_in_use(server)
+
+
+def test_the_sdk_raises_on_a_refused_request(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=TINY_MODEL, input="hi", previous_response_id="resp_1")
+    assert_no_block_in_use(server)
+
+
+def test_function_tools_are_passed_to_the_backend_as_chat_tools(server, client):
+    tools = [
+        {
+            "type": "function",
+            "name": "weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    with_tools = client.responses.create(model=TINY_MODEL, input="hi", tools=tools, max_output_tokens=2)
+    chat = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}],
+        max_tokens=2,
+    )
+    assert with_tools.usage.input_tokens == chat.usage.prompt_tokens
+    assert with_tools.tools[0].name == "weather"
+    assert_no_block_in_use(server)
