@@ -22,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.kv_tiers.policy import TierPolicies
+from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -116,6 +119,9 @@ class GenerationRequest:
         params: sampling parameters.
         cache_salt: isolates prefix-cache entries (tenant); part of every block hash's extra keys.
         request_id: caller's id, for logs; the engine makes one when empty.
+        level_ends: ``(end token, level)`` pairs: where the prompt's levels (``system``, ``documents``,
+            ``history``) end in its tokens; they choose its blocks' TTL and budget share in the tiers.
+        prefix_key: the gateway's prefix key of the prompt's stable head (listed by ``list_cached``).
     """
 
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -126,6 +132,8 @@ class GenerationRequest:
     prompt: str | None = None
     cache_salt: str = ""
     request_id: str = ""
+    level_ends: list[tuple[int, str]] | None = None
+    prefix_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,27 @@ StreamEvent = TextDelta | Finished
 
 
 @dataclass(frozen=True)
+class WarmResult:
+    """What warming a prompt did (``LLMEngine.warm`` / ``AsyncEngine.warm``).
+
+    Attributes:
+        prefix_key: the prefix key it is listed under (the caller's, or the hex chain hash of its last full
+            block).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: tokens of its full blocks now in the prefix cache (``prompt_tokens`` rounded down to
+            whole blocks).
+        pinned_blocks: blocks pinned (0 without ``pin``).
+        pin_id: the pin to ``unpin`` later, or None.
+    """
+
+    prefix_key: str
+    prompt_tokens: int
+    cached_tokens: int
+    pinned_blocks: int
+    pin_id: str | None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine settings (the ``engine:`` mapping of a model in the gateway's YAML config).
 
@@ -230,6 +259,17 @@ class EngineConfig:
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        tiers: tiers below the RAM pool, any of ``"disk"``, ``"redis"`` (looked up in that order); none by
+            default (``engine.kv_tiers.settings`` says why).
+        tier_disk / tier_redis: settings of each tier (directory, URL, key prefix, byte budgets, timeouts).
+        tier_policies: TTL and byte-budget share per level (system, documents, history) per tier.
+        tier_writeback_capacity: blocks the write-back queue holds; more are dropped (counted), never waited
+            for.
+        tier_flush_on_close: ``close()`` writes every cached block down, so a restart finds them.
+        max_pinned_fraction: most of the pool pinned prefixes may hold (pins are never evicted from RAM).
+        deployment_secret: keys the block hash when tiers are on, so persisted and shared entries are found
+            by every process of the deployment and by no one outside it (>= 16 bytes; required with Redis;
+            a disk tier alone keeps one of its own in its directory when unset).
     """
 
     block_size: int = 16
@@ -244,6 +284,14 @@ class EngineConfig:
     max_wait_s: float = 2.0
     device: str = "auto"
     num_threads: int | None = None
+    tiers: tuple[str, ...] = ()
+    tier_disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    tier_redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    tier_policies: TierPolicies = field(default_factory=TierPolicies)
+    tier_writeback_capacity: int = 256
+    tier_flush_on_close: bool = True
+    max_pinned_fraction: float = 0.25
+    deployment_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +327,11 @@ class EngineStats:
         forks: sequences forked from a request's computed prompt (``n > 1``: ``n - 1`` per request).
         forked_prefill_tokens_saved: prompt tokens the forks did not prefill (the prompt's length per fork
             that shared the parent's blocks).
+        tier_counters: counters of the tiers below the pool (``engine.kv_tiers.counters``: hits and misses
+            per tier in tokens, bytes per tier, writes dropped, entries rejected by cause, expirations per
+            level, ...); empty without tiers.
+        tier_load_seconds: load-back latency histogram (None without tiers).
+        pinned_blocks: blocks held by pins (gauge).
     """
 
     requests: int
@@ -302,3 +355,6 @@ class EngineStats:
     tpot: Histogram
     forks: int = 0
     forked_prefill_tokens_saved: int = 0
+    tier_counters: dict[str, int] = field(default_factory=dict)
+    tier_load_seconds: Histogram | None = None
+    pinned_blocks: int = 0

@@ -15,6 +15,7 @@ returns, even while a forward pass that includes it is running (its results are 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -22,8 +23,18 @@ from dataclasses import replace
 
 import torch
 
-from engine.api import EngineConfig, EngineStats, Finished, GenerationRequest, StreamEvent, TextDelta
+from engine.api import (
+    EngineConfig,
+    EngineStats,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    StreamEvent,
+    TextDelta,
+    WarmResult,
+)
 from engine.errors import EngineClosedError, InvalidRequestError
+from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
 
@@ -55,6 +66,7 @@ class AsyncEngine:
         self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        core.prefetch_wait_s = 0.0  # never wait for a tier read under the lock; the loop polls instead
 
     # ---- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -152,6 +164,7 @@ class AsyncEngine:
         with self._cond:
             outs = [o for rid in list(self.core.requests) if (o := self.core.abort_request(rid)) is not None]
         self._post(outs)
+        await asyncio.to_thread(self.core.close)  # tiers: cached blocks written down, threads stopped
 
     # ---- the step thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -261,8 +274,56 @@ class AsyncEngine:
         prompt = self.prompt_token_ids(req)
         with self._cond:
             self.core.check_prompt(prompt, req.params)
+            self.core.check_level_ends(req.level_ends)
         rid = f"{req.request_id or 'req'}#{next(self._ids)}"
         return self._stream(rid, prompt, req)
+
+    # ---- cache administration ----------------------------------------------------------------------------
+    async def warm(self, req: GenerationRequest, *, pin: bool = False) -> WarmResult:
+        """Prefill ``req``'s prompt (token ids, messages or text; its ``params`` are ignored) and keep its
+        blocks cached, pinned in RAM with ``pin``; listed under ``req.prefix_key`` (or its chain hash).
+
+        Returns:
+            The prefix key, tokens now cached (whole blocks), blocks pinned and the pin id.
+
+        Raises:
+            InvalidRequestError, PromptTooLongError: the prompt cannot be served (nothing is queued).
+            PinCapError: ``pin`` and the prompt's blocks would exceed the pin cap.
+            EngineClosedError: the engine was shut down.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine has been shut down")
+        prompt = self.prompt_token_ids(req)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        with self._cond:
+            self.core.check_prompt(prompt, params)
+            self.core.check_level_ends(req.level_ends)
+            if pin:
+                self.core.kv.check_pin_room(len(prompt) // self.core.kv.block_size)
+        rid = f"{req.request_id or 'warm'}#{next(self._ids)}"
+        async for _ in self._stream(rid, prompt, dataclasses.replace(req, params=params)):
+            pass
+        with self._cond:
+            return self.core.finish_warm(prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin made by ``warm(pin=True)``. False when unknown."""
+        with self._cond:
+            return self.core.unpin(pin_id)
+
+    def list_cached(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> list[CachedPrefix]:
+        """``LLMEngine.list_cached`` under the engine lock."""
+        with self._cond:
+            return self.core.list_cached(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
+
+    def drop_cached(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> dict[str, int]:
+        """``LLMEngine.drop_cached`` under the engine lock."""
+        with self._cond:
+            return self.core.drop_cached(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
 
     async def _stream(
         self, rid: str, prompt: list[int], req: GenerationRequest
@@ -274,7 +335,14 @@ class AsyncEngine:
         choices_left = req.params.n
         try:
             with self._cond:
-                self.core.add_checked_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
+                self.core.add_checked_request(
+                    prompt,
+                    req.params,
+                    request_id=rid,
+                    cache_salt=req.cache_salt,
+                    level_ends=req.level_ends,
+                    prefix_key=req.prefix_key,
+                )
                 self._cond.notify()
             while True:
                 event = await queue.get()

@@ -15,13 +15,15 @@ Invariants (checked by ``check_invariants``; every operation keeps them and cost
    *cached* ``ref_cnt == 0`` and holds a hash (in ``_evictable``),
    *free*   ``ref_cnt == 0`` and holds no hash (in ``_free``).
    Hence ``blocks_used + blocks_cached + blocks_free == num_blocks`` always.
-2. Who holds a reference: each request whose block table lists the block holds exactly one reference
-   (``KVCacheManager`` takes and drops them); nothing else does. The pool never evicts, overwrites or
+2. Who holds a reference: each request whose block table lists the block, and each pin that lists it,
+   holds exactly one reference (``KVCacheManager`` takes and drops them); nothing else does. The pool never evicts, overwrites or
    re-hashes a block with ``ref_cnt > 0``.
 3. A block with ``ref_cnt == 0`` and a hash stays cached and reusable (a prefix hit takes it back out of
    ``_evictable``) until it is evicted.
 4. Fresh blocks come from ``_free`` first; only when it is empty is the least recently used block of
-   ``_evictable`` evicted (its hash entry dropped, ``evictions`` incremented).
+   ``_evictable`` evicted (its hash entry dropped, ``evictions`` incremented). ``on_evict``, when set, sees
+   the block (hash, tokens, levels, id) right before it is cleared, while its KV is still intact: the tiers
+   write it down from there.
 5. ``release`` queues blocks in the order given; ``KVCacheManager.free`` passes a block table tail first,
    so a chain's tail is less recently used than its parents and is evicted before them.
 6. ``_cached[h].block_hash == h`` for every entry, and a block holds a hash iff it is an entry of
@@ -35,7 +37,7 @@ Counters (kept by the structure, so they cannot drift): ``evictions`` (monotonic
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
@@ -55,6 +57,8 @@ class KVBlock:
         cache_gen: unique number of this registration (None when not registered).
         parent_gen: ``cache_gen`` of the parent entry this block's KV was computed on (None for a first
             block).
+        levels: prompt levels (``engine.kv_tiers.policy.LEVELS``) of the requests that used it; they choose
+            its TTL and budget share in the tiers below the pool.
     """
 
     block_id: int
@@ -65,6 +69,7 @@ class KVBlock:
     extra_keys: tuple = ()
     cache_gen: int | None = None
     parent_gen: int | None = None
+    levels: frozenset[str] = frozenset()
 
     def clear_hash(self) -> None:
         """Forget the cache registration (the block becomes plain storage)."""
@@ -74,6 +79,7 @@ class KVBlock:
         self.extra_keys = ()
         self.cache_gen = None
         self.parent_gen = None
+        self.levels = frozenset()
 
 
 class BlockPool:
@@ -97,6 +103,8 @@ class BlockPool:
         self._next_gen = 0
         self.blocks_used = 0
         self.evictions = 0
+        self.on_evict: Callable[[KVBlock], None] | None = None
+        """Called with each cached block right before eviction clears it (the tiers' write-back)."""
 
     # ---- gauges -------------------------------------------------------------------------------------
     @property
@@ -195,6 +203,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         """Drop an unreferenced block's hash entry (it is about to be reused)."""
         assert block.ref_cnt == 0 and block.block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block)
         del self._cached[block.block_hash]
         block.clear_hash()
         self.evictions += 1
@@ -218,16 +228,16 @@ class BlockPool:
                 else:
                     self._evictable[block.block_id] = block
 
-    def drop_unreferenced_cached(self) -> int:
-        """Un-register every unreferenced cached block (they become free). O(cached). Returns how many."""
-        dropped = 0
-        while self._evictable:
-            _, block = self._evictable.popitem(last=False)
+    def drop_unreferenced_cached(self, match: Callable[[KVBlock], bool] | None = None) -> int:
+        """Un-register every unreferenced cached block (that ``match`` accepts, when given); they become free.
+        O(cached). Returns how many."""
+        doomed = [b for b in self._evictable.values() if match is None or match(b)]
+        for block in doomed:
+            del self._evictable[block.block_id]
             del self._cached[block.block_hash]
             block.clear_hash()
             self._free.append(block)
-            dropped += 1
-        return dropped
+        return len(doomed)
 
     # ---- introspection (tests, admin) -----------------------------------------------------------------
     def free_ids(self) -> Iterator[int]:

@@ -61,3 +61,21 @@ class InvalidRequestError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine was shut down while a request was waiting or running."""
+
+
+class PinCapError(EngineError):
+    """Pinning a prefix would take more of the block pool than ``EngineConfig.max_pinned_fraction`` allows.
+
+    Attributes:
+        requested: blocks the new pin needs (beyond those already pinned).
+        pinned: blocks pinned now.
+        cap: most blocks pins may hold.
+    """
+
+    def __init__(self, requested: int, pinned: int, cap: int) -> None:
+        super().__init__(
+            f"pinning {requested} more blocks would exceed the pin cap: {pinned} of {cap} pinned blocks used"
+        )
+        self.requested = requested
+        self.pinned = pinned
+        self.cap = cap

@@ -24,6 +24,10 @@ Invariants (on top of ``block_pool``'s):
    prompt's KV.
 4. ``allocate`` / ``append_slots`` either do everything or change nothing (they check first).
 5. Every operation costs O(blocks touched), never O(pool); only ``reset_prefix_cache`` walks the cache.
+6. A *pin* holds one reference on each of its blocks, like a request (``pin`` / ``unpin``), so a pinned
+   block is never evicted; pins hold at most ``max_pinned_blocks`` blocks in all.
+7. ``install_blocks`` (load-back from a tier) registers blocks exactly as ``cache_full_blocks`` would have,
+   chained on the hit's entries, and leaves them unreferenced and cached.
 
 A prefix lookup's result is a ``PrefixHit`` (vLLM v1's ``KVCacheBlocks``): callers see block ids, hashes
 and counts, never a ``KVBlock``, so the pool's internals stay private to this module and ``block_pool``. A
@@ -34,12 +38,22 @@ that was evicted in between.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_hash import BlockHash, HashFn, encode_extra_keys, hash_block, hash_request_blocks
 from engine.block_pool import BlockPool, KVBlock
-from engine.errors import PromptTooLongError
+from engine.errors import PinCapError, PromptTooLongError
+
+
+class BlockIdentity(Protocol):
+    """What identifies a block's content (``engine.kv_tiers.entry.BlockMeta`` is one)."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple
 
 
 class StaleCacheHitError(ValueError):
@@ -132,6 +146,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
         self._requests: dict[str, _RequestBlocks] = {}
+        self._pins: dict[str, list[KVBlock]] = {}
+        self.max_pinned_blocks = num_blocks // 4
+        """Most blocks all pins together may hold (the engine sets it from ``max_pinned_fraction``)."""
 
     # ---- hashing and lookup ---------------------------------------------------------------------------
     def block_hashes(self, token_ids: Sequence[int], extra_keys: tuple) -> list[BlockHash]:
@@ -413,6 +430,128 @@ class KVCacheManager:
         self.pool.drop_unreferenced_cached()
         return self.pool.num_cached_entries() == 0
 
+    # ---- tiers: eviction listener, load-back, levels ---------------------------------------------------
+    def set_evict_listener(self, listener: Callable[[KVBlock], None] | None) -> None:
+        """Call ``listener(block)`` with every cached block right before eviction clears it (write-back)."""
+        self.pool.on_evict = listener
+
+    def registered_blocks(self) -> Iterator[KVBlock]:
+        """Every block registered in the prefix cache, referenced or not (write everything down)."""
+        return (b for b in self.pool.blocks if b.block_hash is not None and self.pool.is_registered(b))
+
+    def install_blocks(
+        self, hit: PrefixHit, loaded: Sequence[BlockIdentity], write_kv: Callable[[int, int], None]
+    ) -> int:
+        """Register blocks read back from a tier as cached entries chained right after ``hit``.
+
+        Args:
+            hit: the pool's current hit for the prompt (from ``find_cached_prefix``, this step).
+            loaded: identities of the next blocks of the chain, in order (``loaded[0]``'s parent is the
+                hit's last block).
+            write_kv: ``write_kv(block_id, i)`` copies the KV of ``loaded[i]`` into physical block
+                ``block_id``.
+
+        Returns:
+            Blocks installed: fewer than ``len(loaded)`` when the pool has no more room, or when a hash is
+            already registered (then the chain stops there). The hit's blocks are held while fresh blocks
+            are taken, so they are never evicted by this call; the installed blocks end unreferenced and
+            cached (tail first in the LRU order).
+
+        Raises:
+            StaleCacheHitError: ``hit`` names a block evicted since it was found.
+        """
+        if not loaded or not self.enable_caching:
+            return 0
+        self._check_hits(hit._blocks)
+        prefix = list(hit._blocks)
+        if loaded[0].parent_hash != (prefix[-1].block_hash if prefix else None):
+            return 0
+        self.pool.touch(prefix)
+        fresh = self.pool.allocate(min(len(loaded), self.pool.num_available()))
+        installed: list[KVBlock] = []
+        parent_gen = prefix[-1].cache_gen if prefix else None
+        for i, (block, item) in enumerate(zip(fresh, loaded, strict=False)):
+            if self.pool.get_cached(item.block_hash) is not None:
+                break
+            write_kv(block.block_id, i)
+            self.pool.register(
+                block,
+                item.block_hash,
+                tuple(item.token_ids),
+                item.parent_hash,
+                parent_gen,
+                tuple(item.extra_keys),
+            )
+            parent_gen = block.cache_gen
+            installed.append(block)
+        self.pool.release(fresh[len(installed) :])
+        self.pool.release(reversed(installed))
+        self.pool.release(reversed(prefix))
+        return len(installed)
+
+    def count_cached_leading(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes of a chain are registered in the pool now (listing; no token check)."""
+        n = 0
+        for h in block_hashes:
+            if self.pool.get_cached(h) is None:
+                break
+            n += 1
+        return n
+
+    def tag_levels(self, request_id: str, levels: Sequence[frozenset[str]]) -> None:
+        """Add ``levels[i]`` to the levels of the request's block ``i`` (registered blocks only).
+
+        Raises:
+            KeyError: unknown ``request_id``.
+        """
+        for block, lv in zip(self._request(request_id).blocks, levels, strict=False):
+            if lv and self.pool.is_registered(block) and not lv <= block.levels:
+                block.levels = block.levels | lv
+
+    def drop_unreferenced_where(self, match: Callable[[KVBlock], bool]) -> int:
+        """Un-register every unreferenced cached block ``match`` accepts (admin: drop a tenant's or a model's
+        prefixes). O(cached). Returns how many."""
+        return self.pool.drop_unreferenced_cached(match)
+
+    # ---- pins -----------------------------------------------------------------------------------------
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks held by pins (a block in two pins counts twice)."""
+        return sum(len(b) for b in self._pins.values())
+
+    def pin(self, pin_id: str, hit: PrefixHit) -> int:
+        """Pin the blocks of ``hit`` (a prefix found this step): they stay in RAM until ``unpin``.
+
+        Returns:
+            Blocks pinned.
+
+        Raises:
+            ValueError: ``pin_id`` already in use.
+            StaleCacheHitError: ``hit`` names a block evicted since it was found.
+            PinCapError: the pins would hold more than ``max_pinned_blocks`` blocks (nothing pinned).
+        """
+        if pin_id in self._pins:
+            raise ValueError(f"pin {pin_id!r} already exists")
+        self._check_hits(hit._blocks)
+        self.check_pin_room(hit.num_blocks)
+        blocks = list(hit._blocks)
+        self.pool.touch(blocks)
+        self._pins[pin_id] = blocks
+        return len(blocks)
+
+    def check_pin_room(self, num_blocks: int) -> None:
+        """Raise ``PinCapError`` unless ``num_blocks`` more blocks could be pinned now."""
+        if self.pinned_blocks + num_blocks > self.max_pinned_blocks:
+            raise PinCapError(num_blocks, self.pinned_blocks, self.max_pinned_blocks)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin (its blocks become evictable unless a request holds them). False when unknown."""
+        blocks = self._pins.pop(pin_id, None)
+        if blocks is None:
+            return False
+        self.pool.release(reversed(blocks))
+        return True
+
     # ---- queries --------------------------------------------------------------------------------------
     def _request(self, request_id: str) -> _RequestBlocks:
         try:
@@ -482,12 +621,14 @@ class KVCacheManager:
         """
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks
-        for req in self._requests.values():
-            ids = [b.block_id for b in req.blocks]
+        tables = [[b.block_id for b in req.blocks] for req in self._requests.values()]
+        tables += [[b.block_id for b in blocks] for blocks in self._pins.values()]
+        for ids in tables:
             assert len(set(ids)) == len(ids), "a block is twice in one block table"
             for block_id in ids:
                 refs[block_id] += 1
+        assert self.pinned_blocks <= self.max_pinned_blocks
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs[block.block_id]} live tables"
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs[block.block_id]} live tables and pins"
             )

@@ -21,6 +21,7 @@ request's blocks are freed in the same call that builds that output.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -28,12 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob
+from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob, WarmResult
 from engine.block_hash import HashFn, hash_block
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
+from engine.errors import InvalidRequestError
 from engine.input_processor import InputProcessor
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_tiers.catalog import CachedPrefix, PrefixCatalog, PrefixRecord
+from engine.kv_tiers.config import check_tier_names, deployment_hash_fn
+from engine.kv_tiers.engine_tiers import EngineTiers
+from engine.kv_tiers.entry import KVLayout
+from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
 from engine.output_processor import OutputProcessor, RequestOutput
@@ -69,11 +76,16 @@ class LLMEngine:
         eos_token_ids: ids that end generation unless ``ignore_eos`` (default: the tokenizer's, else the
             model config's).
         clock: monotonic clock in seconds (tests pass a fake one).
-        hash_fn: block hash function (tests swap in a weak one).
+        hash_fn: block hash function (tests swap in a weak one). With tiers and the default, the block hash
+            is keyed by the deployment secret (``engine.kv_tiers.keys``) so persisted entries outlive the
+            process.
         record_logits: keep the float32 logits of every sampled row per request in ``logits_log`` (tests).
+        tier_clock: wall-clock seconds of the tiers' TTLs (tests pass a fake one).
 
     Raises:
-        ValueError: bad config values (policy, sizes, a ``max_model_len`` beyond the checkpoint's context).
+        ValueError: bad config values (policy, sizes, a ``max_model_len`` beyond the checkpoint's context,
+            ``max_pinned_fraction`` outside [0, 1]).
+        TierConfigError: a tier cannot start (key and reason).
     """
 
     def __init__(
@@ -87,6 +99,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         hash_fn: HashFn = hash_block,
         record_logits: bool = False,
+        tier_clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
         self.config = config
@@ -102,7 +115,14 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if eos_token_ids is None:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
+        if not 0.0 <= config.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {config.max_pinned_fraction}")
+        if config.tiers:
+            check_tier_names(tuple(config.tiers))
+            if hash_fn is hash_block:
+                hash_fn = deployment_hash_fn(tuple(config.tiers), config.deployment_secret, config.tier_disk)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
+        self.kv.max_pinned_blocks = int(config.max_pinned_fraction * config.num_blocks)
         self.counters = EngineCounters()
         backend = getattr(tokenizer, "backend", None)
         self.constraints = (
@@ -121,8 +141,24 @@ class LLMEngine:
             constraints=self.constraints,
         )
         self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
-        self.scheduler = Scheduler(self.kv, config, self.counters, clock=clock)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.tiers: EngineTiers | None = None
+        if config.tiers:
+            layout = KVLayout.of_model(model, model_id, config.block_size, self.runner.kv_cache.dtype)
+            self.tiers = EngineTiers(config, self.kv, self.runner.kv_cache, layout, tier_clock)
+        self.scheduler = Scheduler(
+            self.kv,
+            config,
+            self.counters,
+            clock=clock,
+            admission_gate=self.tiers.ready if self.tiers else None,
+        )
+        self.tier_clock = tier_clock
+        self.catalog = PrefixCatalog()
+        """Prefixes warmed or named by a request's prefix key (listing and dropping)."""
+        self.prefetch_wait_s = 1.0
+        """Longest wait for a tier read in a step that has nothing else to run."""
+        self._pin_ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.record_logits = record_logits
         self.logits_log: dict[str, list[torch.Tensor]] = {}
@@ -146,6 +182,8 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         cache_salt: str = "",
+        level_ends: Sequence[tuple[int, str]] | None = None,
+        prefix_key: str | None = None,
     ) -> Request:
         """Validate and queue a request (it takes no block until the scheduler admits it).
 
@@ -154,6 +192,10 @@ class LLMEngine:
             params: sampling parameters.
             request_id: unique id; made up when None or empty.
             cache_salt: tenant isolation of prefix-cache entries.
+            level_ends: ``(end token, level)`` pairs: where the prompt's levels (``system``, ``documents``,
+                ``history``) end; they choose its blocks' TTL and budget share in the tiers.
+            prefix_key: the gateway's prefix key of the prompt's stable head (up to the last level end):
+                the prefix is listed under it (``list_cached``) and can be dropped by it.
 
         Returns:
             The queued request.
@@ -163,7 +205,22 @@ class LLMEngine:
         """
         prompt = list(prompt_token_ids)
         self.check_prompt(prompt, params)
-        return self.add_checked_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+        self.check_level_ends(level_ends)
+        return self.add_checked_request(
+            prompt,
+            params,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            level_ends=level_ends,
+            prefix_key=prefix_key,
+        )
+
+    def check_level_ends(self, level_ends: Sequence[tuple[int, str]] | None) -> None:
+        """Raise ``InvalidRequestError`` (param ``level_ends``) for unknown levels or ends that decrease."""
+        try:
+            level_of_blocks(0, self.kv.block_size, level_ends, "history")
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(str(e), "level_ends") from None
 
     def add_checked_request(
         self,
@@ -172,6 +229,8 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         cache_salt: str = "",
+        level_ends: Sequence[tuple[int, str]] | None = None,
+        prefix_key: str | None = None,
     ) -> Request:
         """``add_request`` for a prompt that already passed ``check_prompt`` (which depends only on the config,
         so a check made before taking the engine lock stays valid): queue it without validating it again.
@@ -183,8 +242,16 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = self.input.make_request(rid, prompt_token_ids, params, cache_salt)
+        if level_ends is not None:
+            req.level_ends = tuple((int(e), str(lv)) for e, lv in level_ends)
         self.requests[rid] = req
         self.scheduler.add_request(req)
+        if self.tiers is not None:
+            self.tiers.on_submit(req)
+        if prefix_key:
+            self._record_prefix(
+                prefix_key, req.block_hashes, req.extra_keys, req.level_ends, len(prompt_token_ids)
+            )
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -217,6 +284,18 @@ class LLMEngine:
     def schedule_step(self) -> StepPlan:
         """Phase 1: plan the step and flatten its input (mutates queues and block tables)."""
         sched = self.scheduler.schedule()
+        if (
+            sched.is_empty
+            and self.tiers is not None
+            and self.tiers.has_pending()
+            and not self.scheduler.running
+        ):
+            # Nothing runs but a prefix is being read back: wait for it here (no decode is delayed).
+            self.tiers.wait_pending(self.prefetch_wait_s)
+            again = self.scheduler.schedule()
+            again.finished[:0] = sched.finished
+            again.preempted[:0] = sched.preempted
+            sched = again
         if sched.is_empty:
             return StepPlan(sched, None)
         seqs = []
@@ -310,6 +389,8 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         """Free a finished request's blocks (unless the scheduler already did) and drop it from ``requests``."""
         if not req.is_finished:
+            if self.tiers is not None:
+                self.tiers.on_finish(req)  # its levels go to its blocks before they are freed
             self.scheduler.finish_request(req)
         self.requests.pop(req.request_id, None)
 
@@ -317,7 +398,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters and gauges."""
         kv = self.kv
-        return self.counters.snapshot(
+        snap = self.counters.snapshot(
             blocks_total=kv.blocks_total,
             blocks_used=kv.blocks_used,
             blocks_cached=kv.blocks_cached,
@@ -325,6 +406,14 @@ class LLMEngine:
             evictions=kv.evictions,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
+        )
+        if self.tiers is None:
+            return dataclasses.replace(snap, pinned_blocks=kv.pinned_blocks)
+        return dataclasses.replace(
+            snap,
+            tier_counters=self.tiers.stats(),
+            tier_load_seconds=self.tiers.counters.load_histogram(),
+            pinned_blocks=kv.pinned_blocks,
         )
 
     def run_to_completion(self, max_steps: int | None = None) -> dict[str, RequestOutput]:
@@ -349,7 +438,173 @@ class LLMEngine:
         return finals
 
     def _last_step_idle(self) -> bool:
-        return self.scheduler.has_unfinished() and not self.scheduler.running
+        pending = self.tiers is not None and self.tiers.has_pending()
+        return self.scheduler.has_unfinished() and not self.scheduler.running and not pending
+
+    # ---- tiers, warming, pins -----------------------------------------------------------------------------
+    def warm(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        level_ends: Sequence[tuple[int, str]] | None = None,
+        pin: bool = False,
+        prefix_key: str | None = None,
+    ) -> WarmResult:
+        """Prefill a prompt and keep its blocks cached (pinned in RAM with ``pin``); steps the engine until
+        it is done (other requests step too). For a synchronously driven engine; ``AsyncEngine.warm`` is the
+        same through the step loop.
+
+        Returns:
+            The prefix key, the tokens now cached (whole blocks) and the pin.
+
+        Raises:
+            InvalidRequestError, PromptTooLongError: the prompt cannot be served (nothing is queued).
+            PinCapError: ``pin`` and the prompt's blocks would exceed the pin cap (checked before prefill).
+        """
+        prompt = list(prompt_token_ids)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.check_prompt(prompt, params)
+        self.check_level_ends(level_ends)
+        if pin:
+            self.kv.check_pin_room(len(prompt) // self.kv.block_size)
+        req = self.add_checked_request(prompt, params, cache_salt=cache_salt, level_ends=level_ends)
+        while not req.is_finished:
+            self.step()
+        return self.finish_warm(prompt, req.extra_keys, pin, prefix_key)
+
+    def finish_warm(
+        self, prompt: list[int], extra_keys: tuple, pin: bool, prefix_key: str | None
+    ) -> WarmResult:
+        """After a warming request finished: look its full blocks up, pin them when asked, name the prefix.
+
+        Raises:
+            PinCapError: the pin cap was reached meanwhile (nothing pinned).
+        """
+        hashes = self.kv.block_hashes(prompt, extra_keys)
+        hit = self.kv.find_cached_prefix(prompt, hashes, extra_keys)
+        pin_id, pinned = None, 0
+        if pin and hit.num_blocks:
+            pin_id = f"pin-{next(self._pin_ids)}"
+            pinned = self.kv.pin(pin_id, hit)
+        key = prefix_key or (hashes[-1].hex() if hashes else "")
+        if hashes:
+            self._record_prefix(key, hashes, extra_keys, None, len(prompt), pin_id)
+        return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin made by ``warm(pin=True)``. Returns False when unknown."""
+        for rec in self.catalog.select():
+            if rec.pin_id == pin_id:
+                rec.pin_id = None
+        return self.kv.unpin(pin_id)
+
+    def _record_prefix(
+        self,
+        key: str,
+        hashes: Sequence[bytes],
+        extra_keys: tuple,
+        level_ends: Sequence[tuple[int, str]] | None,
+        num_prompt_tokens: int,
+        pin_id: str | None = None,
+    ) -> None:
+        """List the prompt's stable head (up to its last level end; all full blocks without levels)."""
+        bs = self.kv.block_size
+        end = min(level_ends[-1][0], num_prompt_tokens) if level_ends else num_prompt_tokens
+        n = min(end // bs, len(hashes))
+        policies = self.config.tier_policies
+        levels = level_of_blocks(n, bs, level_ends, policies.default_level)
+        level, _ = policies.resolve("disk", frozenset().union(*levels) if levels else frozenset())
+        model_id, salt = (tuple(extra_keys) + ("", ""))[:2]
+        rec = PrefixRecord(
+            key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, self.tier_clock(), pin_id
+        )
+        self.catalog.record(rec)
+
+    def list_cached(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> list[CachedPrefix]:
+        """The listed prefixes matching every filter given, with where their blocks are now (tokens of
+        their leading blocks in RAM and in each tier) and when their first block expires per tier. Never
+        any text. O(listed blocks) pool lookups and tier checks."""
+        out = []
+        bs = self.kv.block_size
+        for rec in self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id):
+            where = {"ram": self.kv.count_cached_leading(rec.block_hashes) * bs}
+            expires: dict[str, float | None] = {}
+            if self.tiers is not None:
+                for name, (n, expires_at) in self.tiers.stack.presence(rec.block_hashes).items():
+                    where[name] = n * bs
+                    expires[name] = expires_at
+            out.append(
+                CachedPrefix(
+                    rec.prefix_key,
+                    rec.model_id,
+                    rec.tenant,
+                    rec.level,
+                    rec.num_tokens,
+                    where,
+                    rec.last_use,
+                    expires,
+                    rec.pin_id is not None,
+                )
+            )
+        return out
+
+    def drop_cached(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> dict[str, int]:
+        """Drop cached prefixes in RAM and in every tier: by prefix key (its blocks), or every block of a
+        tenant and/or a model. Pins on them are released; blocks a running request holds stay in RAM (they
+        are its KV) but leave the tiers.
+
+        Returns:
+            ``{"prefixes": listed prefixes dropped, "ram": blocks, "disk": entries, "redis": entries}``.
+
+        Raises:
+            ValueError: no filter given (dropping everything needs ``reset_prefix_cache``).
+        """
+        if prefix_key is None and tenant is None and model_id is None:
+            raise ValueError("give a prefix key, a tenant or a model to drop")
+        recs = self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
+        for rec in recs:
+            if rec.pin_id is not None:
+                self.kv.unpin(rec.pin_id)
+            self.catalog.remove(rec.prefix_key)
+        out = {"prefixes": len(recs)}
+        if prefix_key is not None:  # the listed prefix's own blocks (the filters chose the records)
+            chain = [h for rec in recs for h in rec.block_hashes]
+            doomed = set(chain)
+            out["ram"] = self.kv.drop_unreferenced_where(lambda b: b.block_hash in doomed)
+            if self.tiers is not None:
+                out |= self.tiers.stack.delete_chain(chain)
+            return out
+
+        def owned(extra_keys: tuple) -> bool:
+            keys = tuple(extra_keys) + ("", "")
+            return (model_id is None or keys[0] == model_id) and (tenant is None or keys[1] == tenant)
+
+        out["ram"] = self.kv.drop_unreferenced_where(lambda b: owned(b.extra_keys))
+        if self.tiers is not None:
+            out |= self.tiers.stack.drop_where(lambda m: owned(m.extra_keys))
+        return out
+
+    def flush_tiers(self, write_cached: bool = True, timeout_s: float = 60.0) -> bool:
+        """Write every cached block down (when ``write_cached``) and wait for the write-back queue to drain
+        (a gateway persisting its cache; tests). False on timeout; True at once without tiers."""
+        return self.tiers.flush(write_cached, timeout_s) if self.tiers is not None else True
+
+    def tier_stats(self) -> dict[str, int]:
+        """Tier counters (``engine.kv_tiers.counters``); empty without tiers."""
+        return self.tiers.stats() if self.tiers is not None else {}
+
+    def close(self) -> None:
+        """Release the tiers: write cached blocks down (``tier_flush_on_close``), stop their threads. The
+        engine must not step afterwards. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+            self.scheduler.admission_gate = None
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

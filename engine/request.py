@@ -64,6 +64,8 @@ class Request:
         num_preemptions: times this request was preempted.
         first_token_time / last_token_time: clock readings of the first and latest generated token.
         finish_reason: set when finished.
+        level_ends: ``(end token, level)`` pairs of its prompt's levels (``engine.kv_tiers.policy``), or None.
+        prefix_key: the gateway's prefix key of its stable head (``engine.kv_tiers.catalog``), or None.
     """
 
     request_id: str
@@ -90,6 +92,8 @@ class Request:
     finish_reason: FinishReason | None = None
     index: int = 0
     parent_id: str | None = None
+    level_ends: tuple[tuple[int, str], ...] | None = None
+    prefix_key: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

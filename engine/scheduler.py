@@ -116,6 +116,8 @@ class Scheduler:
             again; ignored when prefix caching is off).
         counters: the engine's counters (admissions, preemptions).
         clock: monotonic clock in seconds (tests pass a fake one to count steps instead of seconds).
+        admission_gate: ``gate(request) -> bool``; a waiting request it refuses is skipped this step (the
+            ones behind it may go): the tiers refuse a request while its prefix is being read back.
 
     Raises:
         ValueError: an unknown policy or a non-positive budget.
@@ -128,6 +130,7 @@ class Scheduler:
         counters: EngineCounters,
         *,
         clock: Callable[[], float] = time.monotonic,
+        admission_gate: Callable[[Request], bool] | None = None,
     ) -> None:
         if config.scheduling not in POLICIES:
             raise ValueError(f"scheduling must be one of {POLICIES}, got {config.scheduling!r}")
@@ -142,6 +145,7 @@ class Scheduler:
         self.counters = counters
         self.inflight_sharing = config.enable_inflight_sharing and kv.enable_caching
         self.clock = clock
+        self.admission_gate = admission_gate
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         """Admitted requests in admission order (``admit_seq`` ascending): ``_admit`` appends, removals keep
@@ -333,6 +337,8 @@ class Scheduler:
         for req in self._ordered_waiting(out.preempted):
             if budget < 1 or len(out.scheduled) >= self.max_batch or len(self.running) >= self.max_batch:
                 break
+            if self.admission_gate is not None and not self.admission_gate(req):
+                continue  # its prefix is still being read back from a tier
             hit = self.cached_prefix(req)
             if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue

@@ -1,0 +1,118 @@
+"""The prefix catalog: which prefixes an engine has cached, under which prefix key, for listing and dropping.
+
+A *prefix* is the stable head of a prompt (DESIGN.md: tools + system, documents, history), named by the
+gateway's prefix key (or, when none is given, by the hex chain hash of its last full block). The engine
+records one when it warms a prompt or serves a request that names its prefix key; a record keeps the chain
+hashes of the prefix's full blocks, the model id, the tenant (cache salt), the longest level it carries,
+its token count, its last use and its pin. Where the blocks are (RAM, disk, Redis) is read live when
+listing, never stored: a record cannot claim blocks that were evicted or expired.
+
+The catalog is bounded (``max_entries``, least recently used dropped first); dropping a record never drops
+blocks, ``LLMEngine.drop_cached`` does that.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash
+
+
+@dataclass
+class PrefixRecord:
+    """One cached prefix.
+
+    Attributes:
+        prefix_key: the gateway's prefix key, or the hex chain hash of the last full block.
+        model_id: the model it was computed by.
+        tenant: its cache salt ("" = shared).
+        level: the longest level among its blocks (``system``, ``documents``, ``history``).
+        block_hashes: chain hashes of its full blocks, in order (tier keys derive from them).
+        num_tokens: tokens of those blocks.
+        last_use: wall-clock seconds of its last warm or request.
+        pin_id: the pin holding it in RAM, or None.
+    """
+
+    prefix_key: str
+    model_id: str
+    tenant: str
+    level: str
+    block_hashes: list[BlockHash] = field(repr=False)
+    num_tokens: int
+    last_use: float
+    pin_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A row of ``LLMEngine.list_cached`` (never any text).
+
+    Attributes:
+        prefix_key, model_id, tenant, level, last_use: as in ``PrefixRecord``.
+        tokens: tokens of its full blocks.
+        tiers: tokens of its leading blocks found in each place now: ``{"ram": n, "disk": m, "redis": k}``.
+        expires_at: per tier, when its last block written there expires (clock seconds; None = never or
+            not there).
+        pinned: held in RAM by a pin.
+    """
+
+    prefix_key: str
+    model_id: str
+    tenant: str
+    level: str
+    tokens: int
+    tiers: dict[str, int]
+    last_use: float
+    expires_at: dict[str, float | None]
+    pinned: bool
+
+
+class PrefixCatalog:
+    """Prefix records by prefix key, least recently used first out when full.
+
+    Args:
+        max_entries: most records kept (>= 1).
+    """
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._records: OrderedDict[str, PrefixRecord] = OrderedDict()
+
+    def record(self, rec: PrefixRecord) -> PrefixRecord:
+        """Add or refresh a record (a pin already held under the key is kept)."""
+        old = self._records.pop(rec.prefix_key, None)
+        if old is not None and rec.pin_id is None:
+            rec.pin_id = old.pin_id
+        self._records[rec.prefix_key] = rec
+        while len(self._records) > self.max_entries:  # pinned records stay (pins are capped by the pool)
+            victim = next((k for k, r in self._records.items() if r.pin_id is None), None)
+            if victim is None:
+                break
+            del self._records[victim]
+        return rec
+
+    def get(self, prefix_key: str) -> PrefixRecord | None:
+        """The record of ``prefix_key``, or None."""
+        return self._records.get(prefix_key)
+
+    def select(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> list[PrefixRecord]:
+        """Records matching every filter given (all records when none is)."""
+        return [
+            r
+            for r in self._records.values()
+            if (prefix_key is None or r.prefix_key == prefix_key)
+            and (tenant is None or r.tenant == tenant)
+            and (model_id is None or r.model_id == model_id)
+        ]
+
+    def remove(self, prefix_key: str) -> PrefixRecord | None:
+        """Forget a record (its blocks stay). Returns it, or None."""
+        return self._records.pop(prefix_key, None)
+
+    def __len__(self) -> int:
+        return len(self._records)

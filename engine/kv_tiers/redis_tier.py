@@ -1,0 +1,361 @@
+"""The Redis tier: KV block entries shared by every gateway of a deployment, one Redis key per block.
+
+Keys, under the deployment's prefix ``p`` (``EngineConfig.tier_redis.prefix``):
+
+- ``{p}:kv:{tier key}``: the entry bytes (``engine.kv_tiers.entry``), with a Redis TTL (``PX``) of its
+  level's TTL, so Redis drops it by itself;
+- ``{p}:lru:{level}``: sorted set, entry key -> time of its last write (the LRU order of the level);
+- ``{p}:bytes:{level}``: bytes the level's entries take (its share of the budget is enforced on it);
+- ``{p}:meta``: hash, entry key -> ``"{level} {bytes} {expires_at}"``.
+
+A write is one Lua script (atomic, one round trip, safe with several gateways on one Redis): it first drops
+the level's entries older than its TTL (on the writer's clock) from the bookkeeping, replaces an older
+copy of the key, stores the entry, and then evicts the level's least recently written entries until the
+level is back inside its share of the budget. A read is one pipelined ``GET`` + ``HGET``; an entry past
+its expiry on the reader's clock is a miss (``redis.expired.{level}``) and is dropped.
+
+Redis never costs a request: every call has short socket timeouts and no retries. A connection error or a
+timeout counts (``redis.write_errors`` / ``redis.read_errors``) and marks the tier *down* for
+``retry_s`` seconds, during which operations are skipped at once (``redis.skipped_down``); the first call
+after that tries again, so the tier comes back when Redis does. A write refused because Redis is at
+``maxmemory`` is counted as ``redis.write_refused`` (the tier stays up). A URL that does not parse is a
+``TierConfigError`` at start; an unreachable Redis at start is a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.kv_tiers.counters import TierCounters
+from engine.kv_tiers.disk import TierConfigError
+from engine.kv_tiers.policy import LEVELS, TierPolicies
+
+log = logging.getLogger(__name__)
+
+_DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+# Both scripts start with a shebang: Redis 7 then refuses the whole script (before it runs) when it is at
+# maxmemory, instead of running it half (scripts without one are not checked for memory at all).
+# KEYS: 1 entry key, 2 level lru zset, 3 level bytes counter, 4 meta hash
+# ARGV: 1 value, 2 ttl ms (0 = none), 3 now, 4 expires_at ("" = never), 5 level, 6 level budget,
+#       7 prefix, 8 ttl s ("" = none)
+_WRITE = """#!lua
+local key, lru, bytes_key, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local value, ttl_ms, now, expires_at = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local level, budget, prefix, ttl_s = ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local function drop(member)
+  local m = redis.call('HGET', meta, member)
+  if m then
+    local lv, size = string.match(m, '^(%S+) (%d+)')
+    redis.call('ZREM', prefix .. ':lru:' .. lv, member)
+    redis.call('DECRBY', prefix .. ':bytes:' .. lv, tonumber(size))
+    redis.call('HDEL', meta, member)
+  end
+  return redis.call('DEL', member)
+end
+local expired = 0
+if ttl_s ~= '' then
+  local old = redis.call('ZRANGEBYSCORE', lru, '-inf', '(' .. (now - tonumber(ttl_s)), 'LIMIT', 0, 64)
+  for _, member in ipairs(old) do drop(member); expired = expired + 1 end
+end
+drop(key)
+if ttl_ms > 0 then
+  redis.call('SET', key, value, 'PX', ttl_ms)
+else
+  redis.call('SET', key, value)
+end
+local size = string.len(value)
+redis.call('ZADD', lru, now, key)
+redis.call('HSET', meta, key, level .. ' ' .. size .. ' ' .. expires_at)
+local total = redis.call('INCRBY', bytes_key, size)
+local evicted = 0
+while total > budget do
+  local victim = redis.call('ZRANGE', lru, 0, 0)
+  if #victim == 0 then break end
+  drop(victim[1])
+  evicted = evicted + 1
+  total = tonumber(redis.call('GET', bytes_key) or '0')
+end
+return {evicted, expired}
+"""
+
+# KEYS: 1 entry key, 2 meta hash. ARGV: 1 prefix
+_DROP = """#!lua flags=allow-oom
+local m = redis.call('HGET', KEYS[2], KEYS[1])
+if m then
+  local lv, size = string.match(m, '^(%S+) (%d+)')
+  redis.call('ZREM', ARGV[1] .. ':lru:' .. lv, KEYS[1])
+  redis.call('DECRBY', ARGV[1] .. ':bytes:' .. lv, tonumber(size))
+  redis.call('HDEL', KEYS[2], KEYS[1])
+end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+def connect(url: str, timeout_s: float) -> redis.Redis:
+    """A Redis client with short timeouts and no retries (a slow Redis must not slow a request).
+
+    Raises:
+        TierConfigError: the URL does not parse (``engine.tier_redis.url``).
+    """
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+    except (ValueError, TypeError) as e:
+        raise TierConfigError("engine.tier_redis.url", f"does not parse ({e})") from e
+
+
+class RedisTier:
+    """KV block entries in Redis with per-level TTLs and byte budgets (see the module docstring).
+
+    Args:
+        url: ``redis://host:port/db``.
+        prefix: the deployment's key prefix (every key this tier touches starts with it).
+        budget_bytes: the tier's byte budget (> 0), shared between levels by ``policies``.
+        policies: per-level policies (``policies.policy("redis", level)``).
+        counters: where to count.
+        clock: seconds, for TTLs and LRU order (default ``time.time``; every gateway's clock should agree).
+        timeout_s: socket connect / read timeout of every call.
+        retry_s: how long the tier stays down after a connection error or a timeout.
+
+    Raises:
+        TierConfigError: the URL does not parse, an empty prefix, or a budget that is not positive.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        budget_bytes: int,
+        policies: TierPolicies,
+        counters: TierCounters,
+        clock: Callable[[], float] = time.time,
+        timeout_s: float = 0.25,
+        retry_s: float = 2.0,
+    ) -> None:
+        if not prefix:
+            raise TierConfigError("engine.tier_redis.prefix", "must not be empty")
+        if budget_bytes <= 0:
+            raise TierConfigError("engine.tier_redis.budget_bytes", f"must be > 0, got {budget_bytes}")
+        self.client = connect(url, timeout_s)
+        self.prefix = prefix
+        self.budget_bytes = budget_bytes
+        self.policies = policies
+        self.counters = counters
+        self.clock = clock
+        self.retry_s = retry_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._write = self.client.register_script(_WRITE)
+        self._drop = self.client.register_script(_DROP)
+        try:
+            self.client.ping()
+        except _DOWN_ERRORS as e:
+            log.warning("Redis tier at %s is unreachable (%s); it will retry in the background", url, e)
+            self._mark_down()
+
+    # ---- availability ---------------------------------------------------------------------------------
+    @property
+    def is_down(self) -> bool:
+        """True while the tier waits before trying an unreachable Redis again."""
+        return time.monotonic() < self._down_until
+
+    def _mark_down(self) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_s
+
+    def _skip(self) -> bool:
+        if self.is_down:
+            self.counters.add("redis.skipped_down")
+            return True
+        return False
+
+    def entry_key(self, key: str) -> str:
+        """The Redis key of tier key ``key``."""
+        return f"{self.prefix}:kv:{key}"
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        """The entry under ``key``, or None (absent, expired, Redis down or slow)."""
+        if self._skip():
+            return None
+        rkey = self.entry_key(key)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(rkey)
+            pipe.hget(f"{self.prefix}:meta", rkey)
+            value, meta = pipe.execute()
+        except _DOWN_ERRORS as e:
+            self.counters.add("redis.read_errors")
+            log.debug("Redis tier read failed: %s", e)
+            self._mark_down()
+            return None
+        except redis.RedisError as e:
+            self.counters.add("redis.read_errors")
+            log.debug("Redis tier read failed: %s", e)
+            return None
+        if value is None:
+            return None
+        if meta is not None:
+            level, _, expires_at = meta.decode().split(" ")
+            if expires_at and self.clock() >= float(expires_at):
+                self.counters.add(f"redis.expired.{level}")
+                self._drop_key(rkey)
+                return None
+        return bytes(value)
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def put(self, key: str, data: bytes, levels: frozenset[str]) -> bool:
+        """Store ``data`` under ``key`` in the level (of ``levels``) with the longest policy.
+
+        Returns:
+            True when written; False when skipped, refused or failed (counted).
+        """
+        if self._skip():
+            return False
+        level, policy = self.policies.resolve(self.name, levels)
+        budget = int(self.budget_bytes * policy.budget_share)
+        if len(data) > budget:
+            self.counters.add("redis.write_errors")
+            return False
+        now = self.clock()
+        ttl = policy.ttl_s
+        try:
+            evicted, expired = self._write(
+                keys=[
+                    self.entry_key(key),
+                    f"{self.prefix}:lru:{level}",
+                    f"{self.prefix}:bytes:{level}",
+                    f"{self.prefix}:meta",
+                ],
+                args=[
+                    data,
+                    0 if ttl is None else max(1, int(ttl * 1000)),
+                    repr(now),
+                    "" if ttl is None else repr(now + ttl),
+                    level,
+                    budget,
+                    self.prefix,
+                    "" if ttl is None else repr(ttl),
+                ],
+            )
+        except _DOWN_ERRORS as e:
+            self.counters.add("redis.write_errors")
+            log.warning("Redis tier write skipped: %s", e)
+            self._mark_down()
+            return False
+        except redis.ResponseError as e:
+            if "OOM" in str(e) or "maxmemory" in str(e):
+                self.counters.add("redis.write_refused")
+            else:
+                self.counters.add("redis.write_errors")
+            log.warning("Redis tier write refused: %s", e)
+            return False
+        except redis.RedisError as e:
+            self.counters.add("redis.write_errors")
+            log.warning("Redis tier write failed: %s", e)
+            return False
+        self.counters.add("redis.writes")
+        self.counters.add("redis.bytes_written", len(data))
+        if evicted:
+            self.counters.add("redis.evicted", int(evicted))
+        if expired:
+            self.counters.add(f"redis.expired.{level}", int(expired))
+        return True
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` (and its bookkeeping). Returns True when an entry was removed."""
+        return self._drop_key(self.entry_key(key))
+
+    def _drop_key(self, rkey: str) -> bool:
+        if self._skip():
+            return False
+        try:
+            return bool(self._drop(keys=[rkey, f"{self.prefix}:meta"], args=[self.prefix]))
+        except _DOWN_ERRORS:
+            self.counters.add("redis.write_errors")
+            self._mark_down()
+        except redis.RedisError:
+            self.counters.add("redis.write_errors")
+        return False
+
+    # ---- introspection --------------------------------------------------------------------------------
+    def level_bytes(self, level: str) -> int:
+        """Bytes the level's entries take (its bookkeeping counter)."""
+        return int(self.client.get(f"{self.prefix}:bytes:{level}") or 0)
+
+    def level_limit(self, level: str) -> int:
+        """The level's byte budget."""
+        return int(self.budget_bytes * self.policies.policy(self.name, level).budget_share)
+
+    def nbytes(self) -> int:
+        """Bytes of every level's entries; 0 while Redis is down."""
+        if self.is_down:
+            return 0
+        try:
+            values = self.client.mget([f"{self.prefix}:bytes:{lv}" for lv in LEVELS])
+        except (redis.RedisError, OSError):
+            return 0
+        return sum(int(v or 0) for v in values)
+
+    def keys(self) -> Iterator[tuple[str, str]]:
+        """``(level, tier key)`` of every entry this deployment has (admin listing; O(entries))."""
+        start = len(self.prefix) + len(":kv:")
+        for rkey, meta in self.client.hscan_iter(f"{self.prefix}:meta"):
+            yield meta.decode().split(" ")[0], rkey.decode()[start:]
+
+    def peek(self, key: str) -> tuple[bool, float | None]:
+        """Whether ``key`` is stored (and unexpired on the tier's clock), and its expiry (None = never)."""
+        if self._skip():
+            return False, None
+        rkey = self.entry_key(key)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.exists(rkey)
+            pipe.hget(f"{self.prefix}:meta", rkey)
+            exists, meta = pipe.execute()
+        except _DOWN_ERRORS:
+            self.counters.add("redis.read_errors")
+            self._mark_down()
+            return False, None
+        except redis.RedisError:
+            self.counters.add("redis.read_errors")
+            return False, None
+        if not exists:
+            return False, None
+        expires_at = meta.decode().split(" ")[2] if meta is not None else ""
+        if expires_at and self.clock() >= float(expires_at):
+            return False, None
+        return True, float(expires_at) if expires_at else None
+
+    def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
+        """``(tier key, first head_bytes bytes of its entry)`` of every entry of this deployment (admin:
+        listing, dropping by tenant or model; O(entries), one ``GETRANGE`` each)."""
+        start = len(self.prefix) + len(":kv:")
+        for rkey, _ in self.client.hscan_iter(f"{self.prefix}:meta"):
+            head = self.client.getrange(rkey, 0, head_bytes - 1)
+            if head:
+                yield rkey.decode()[start:], bytes(head)
+
+    def clear(self) -> None:
+        """Remove every key under the prefix (tests, admin)."""
+        for k in self.client.scan_iter(match=f"{self.prefix}:*", count=500):
+            self.client.delete(k)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.client.close()

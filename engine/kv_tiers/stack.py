@@ -1,0 +1,241 @@
+"""The tier stack: the tiers below the RAM pool, in lookup order (disk, then Redis), as one object.
+
+What the engine calls:
+
+- ``write_back(meta, levels, kv)`` when a cached block leaves the pool: ``kv`` is a copy of its KV
+  (taken on the step thread, before the block is reused); encoding and tier writes happen on the write-back
+  thread (``engine.kv_tiers.writeback``), never on the step thread;
+- ``prefetch(metas)`` when a request's prefix lookup stops in the pool: the rest of its hash chain is read on
+  the prefetch thread, tier by tier per block (disk first, then Redis), stopping at the first block no tier
+  has; it returns a future of the blocks found, decoded and checked (``engine.kv_tiers.entry``);
+- ``lookup(metas)``: the same, synchronously (tests, benchmarks, warming).
+
+An entry that fails a check is counted by cause (``rejected.{cause}``), removed from that tier, and the next
+tier is asked for the block; a block no tier serves ends the chain. Nothing a tier does raises into the
+engine: failures are counted misses or skipped writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.kv_tiers.counters import TierCounters
+from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
+from engine.kv_tiers.writeback import WriteBackQueue
+
+log = logging.getLogger(__name__)
+
+
+class Tier(Protocol):
+    """One tier: ``engine.kv_tiers.disk.DiskTier`` or ``engine.kv_tiers.redis_tier.RedisTier``."""
+
+    name: str
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, data: bytes, levels: frozenset[str]) -> bool: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def nbytes(self) -> int: ...
+
+    def scan_heads(self) -> Iterator[tuple[str, bytes]]: ...
+
+    def peek(self, key: str) -> tuple[bool, float | None]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class LoadedBlock:
+    """A block read back from a tier: its identity, its KV (``layout.block_shape``, CPU) and the tier."""
+
+    meta: BlockMeta
+    kv: torch.Tensor
+    tier: str
+
+
+@dataclass
+class _Write:
+    meta: BlockMeta
+    levels: frozenset[str]
+    kv: torch.Tensor
+
+
+class TierStack:
+    """The tiers below the RAM pool, their write-back queue, prefetch thread and counters.
+
+    Args:
+        layout: the engine's KV layout (keys and entry format).
+        tiers: tiers in lookup order (disk first, then Redis).
+        counters: shared with the tiers.
+        writeback_capacity: blocks the write-back queue holds before it drops.
+    """
+
+    def __init__(
+        self, layout: KVLayout, tiers: list[Tier], counters: TierCounters, writeback_capacity: int = 256
+    ) -> None:
+        self.layout = layout
+        self.tiers = list(tiers)
+        self.counters = counters
+        self._bytes: dict[str, int] = {t.name: 0 for t in self.tiers}
+        self._bytes_at = 0.0
+        self.bytes_refresh_s = 1.0
+        """Tier sizes are measured on the writer thread at most this often (``stats`` does no I/O)."""
+        self.queue: WriteBackQueue[_Write] = WriteBackQueue(writeback_capacity, self._write, counters)
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+        self._measure_bytes()
+
+    @property
+    def tier_names(self) -> list[str]:
+        """Names of the tiers, in lookup order."""
+        return [t.name for t in self.tiers]
+
+    def key(self, meta: BlockMeta) -> str:
+        """The block's key in every tier."""
+        return self.layout.tier_key(meta.block_hash)
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def write_back(self, meta: BlockMeta, levels: frozenset[str], kv: torch.Tensor) -> bool:
+        """Queue one block for every tier without waiting. ``kv`` must be the caller's own copy.
+
+        Returns:
+            False when the queue was full (the block is dropped and counted).
+        """
+        return self.queue.offer(_Write(meta, levels, kv))
+
+    def write_now(self, meta: BlockMeta, levels: frozenset[str], kv: torch.Tensor) -> None:
+        """Encode and write one block to every tier on the calling thread (tests, warming at start)."""
+        self._write(_Write(meta, levels, kv))
+
+    def _write(self, item: _Write) -> None:
+        data = encode_entry(self.layout, item.meta, item.kv)
+        key = self.key(item.meta)
+        for tier in self.tiers:
+            tier.put(key, data, item.levels)
+        if time.monotonic() - self._bytes_at >= self.bytes_refresh_s:
+            self._measure_bytes()
+
+    def _measure_bytes(self) -> None:
+        self._bytes = self.nbytes()
+        self._bytes_at = time.monotonic()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is done (then measure the tiers' sizes). Returns False on timeout."""
+        done = self.queue.flush(timeout_s)
+        self._measure_bytes()
+        return done
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def lookup(self, metas: list[BlockMeta]) -> list[LoadedBlock]:
+        """Read the longest run of ``metas`` (a hash chain, in order) the tiers hold, checked.
+
+        Counts per tier ``{t}.hit_tokens`` (blocks it served) and ``{t}.miss_tokens`` (blocks it was asked
+        for and did not serve), ``rejected.{cause}``, and the load-back latency.
+
+        Returns:
+            The blocks found, in chain order (a prefix of ``metas``).
+        """
+        t0 = time.perf_counter()
+        bs = self.layout.block_size
+        out: list[LoadedBlock] = []
+        for meta in metas:
+            found = self._read_one(meta, bs)
+            if found is None:
+                break
+            out.append(found)
+        if out:
+            self.counters.observe_load(time.perf_counter() - t0)
+        return out
+
+    def _read_one(self, meta: BlockMeta, block_size: int) -> LoadedBlock | None:
+        key = self.key(meta)
+        for tier in self.tiers:
+            data = tier.get(key)
+            if data is not None:
+                try:
+                    kv = decode_entry(self.layout, meta, data)
+                except EntryRejected as e:
+                    self.counters.add(f"rejected.{e.cause}")
+                    log.info("tier %s entry %s rejected: %s", tier.name, key[:16], e)
+                    tier.delete(key)
+                else:
+                    self.counters.add(f"{tier.name}.hit_tokens", block_size)
+                    return LoadedBlock(meta, kv, tier.name)
+            self.counters.add(f"{tier.name}.miss_tokens", block_size)
+        return None
+
+    def prefetch(self, metas: list[BlockMeta]) -> Future[list[LoadedBlock]]:
+        """``lookup(metas)`` on the prefetch thread."""
+        return self._prefetcher.submit(self.lookup, metas)
+
+    # ---- admin ----------------------------------------------------------------------------------------
+    def delete(self, meta: BlockMeta) -> int:
+        """Remove the block from every tier. Returns how many tiers held it."""
+        key = self.key(meta)
+        return sum(1 for t in self.tiers if t.delete(key))
+
+    def presence(self, hashes: list[BlockHash]) -> dict[str, tuple[int, float | None]]:
+        """Per tier: how many leading blocks of a chain it holds, and when the first of them expires."""
+        out: dict[str, tuple[int, float | None]] = {}
+        for tier in self.tiers:
+            n, first_expiry = 0, None
+            for h in hashes:
+                present, expires_at = tier.peek(self.layout.tier_key(h))
+                if not present:
+                    break
+                if n == 0:
+                    first_expiry = expires_at
+                n += 1
+            out[tier.name] = (n, first_expiry)
+        return out
+
+    def delete_chain(self, hashes: list[BlockHash]) -> dict[str, int]:
+        """Remove the blocks of a chain from every tier. Returns entries removed per tier."""
+        return {t.name: sum(1 for h in hashes if t.delete(self.layout.tier_key(h))) for t in self.tiers}
+
+    def drop_where(self, match: Callable[[BlockMeta], bool]) -> dict[str, int]:
+        """Remove every entry (of any tier) whose claimed identity ``match``es, e.g. a tenant's or a model's.
+
+        O(entries): reads the head of every entry.
+
+        Returns:
+            Entries removed per tier.
+        """
+        out: dict[str, int] = {}
+        for tier in self.tiers:
+            doomed = []
+            for key, head in tier.scan_heads():
+                meta = entry_meta(head)
+                if meta is not None and match(meta):
+                    doomed.append(key)
+            out[tier.name] = sum(1 for key in doomed if tier.delete(key))
+        return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes per tier."""
+        return {t.name: t.nbytes() for t in self.tiers}
+
+    def stats(self) -> dict[str, int]:
+        """Every counter, ``{t}.bytes`` per tier (as last measured by the writer thread: no I/O here, so the
+        engine lock is never held for a tier call) and ``writeback.depth``."""
+        out = self.counters.snapshot()
+        for name, n in self._bytes.items():
+            out[f"{name}.bytes"] = n
+        out["writeback.depth"] = self.queue.depth()
+        return out
+
+    def close(self) -> None:
+        """Write what is queued, stop the threads, close the tiers."""
+        self.queue.close()
+        self._prefetcher.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,36 @@
+"""The prefix catalog: records by prefix key, filters, refresh keeps a pin, bounded with pinned records kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_tiers.catalog import PrefixCatalog, PrefixRecord
+
+
+def rec(key: str, tenant: str = "", model: str = "m", pin: str | None = None) -> PrefixRecord:
+    return PrefixRecord(key, model, tenant, "system", [b"h"], 4, 0.0, pin)
+
+
+def test_select_by_key_tenant_and_model():
+    cat = PrefixCatalog()
+    cat.record(rec("a", "t1"))
+    cat.record(rec("b", "t2"))
+    cat.record(rec("c", "t1", model="other"))
+    assert [r.prefix_key for r in cat.select(tenant="t1")] == ["a", "c"]
+    assert [r.prefix_key for r in cat.select(model_id="m")] == ["a", "b"]
+    assert [r.prefix_key for r in cat.select(prefix_key="b", tenant="t2")] == ["b"]
+    assert cat.select(prefix_key="b", tenant="t1") == []
+    assert len(cat.select()) == 3 and cat.get("a").num_tokens == 4
+    assert cat.remove("a").prefix_key == "a" and cat.get("a") is None
+
+
+def test_refresh_keeps_the_pin_and_the_bound_keeps_pinned_records():
+    cat = PrefixCatalog(max_entries=2)
+    cat.record(rec("p", pin="pin-1"))
+    cat.record(rec("p"))  # a later request on the same prefix
+    assert cat.get("p").pin_id == "pin-1"
+    cat.record(rec("x"))
+    cat.record(rec("y"))  # over the bound: the oldest unpinned record goes, the pinned one stays
+    assert [r.prefix_key for r in cat.select()] == ["p", "y"]
+    with pytest.raises(ValueError):
+        PrefixCatalog(0)
