@@ -17,8 +17,12 @@ from tests.gateway.server import RunningServer, write_config
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
     "required": ["city"],
+    "additionalProperties": False,
 }
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
@@ -47,10 +51,12 @@ def test_smollm2_tool_round_trip_with_both_sdks(tmp_path):
             messages=QUESTION,
             tools=tools,
             tool_choice="required",
-            max_tokens=60,
+            parallel_tool_calls=False,
+            max_tokens=120,
             seed=0,
         )
         message = first.choices[0].message
+        assert len(message.tool_calls or []) == 1, first
         assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
         for call in message.tool_calls:
             assert call.function.name == "get_weather"
@@ -78,10 +84,10 @@ def test_smollm2_tool_round_trip_with_both_sdks(tmp_path):
         claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
         with claude.messages.stream(
             model=DEFAULT_MODEL_NAME,
-            max_tokens=60,
+            max_tokens=120,
             messages=QUESTION,
             tools=[{"name": "get_weather", "input_schema": WEATHER}],
-            tool_choice={"type": "any"},
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
         ) as stream:
             reply = stream.get_final_message()
         uses = [block for block in reply.content if block.type == "tool_use"]
