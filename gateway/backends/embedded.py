@@ -31,7 +31,7 @@ from engine.api import Constraint, EngineStats, Finished, GenerationRequest, Tex
 from engine.api import TokenLogprob as EngineTokenLogprob
 from engine.errors import EngineError
 from engine.tool_calls import ContentDelta as ToolContentDelta
-from engine.tool_calls import ToolCallArgumentsDelta, ToolCallParser, ToolCallStart
+from engine.tool_calls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
 from gateway.backends.base import Backend, TokenCount
 from gateway.config.schema import EmbeddedModel
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
@@ -145,7 +145,9 @@ class EmbeddedBackend(Backend):
         generation = generation_request(request, engine)
         n = generation.params.n
         parse = generation.params.constraint is not None and generation.params.constraint.kind == "tool_calls"
-        choices = [_Choice(ToolCallParser() if parse else None) for _ in range(n)]
+        choices = [
+            _Choice(ToolCallParser() if parse else None, whole_calls=not request.stream) for _ in range(n)
+        ]
         spelled = _TokenSpeller(engine.tokenizer) if generation.params.logprobs is not None else None
         try:
             first = True  # the first non-empty delta carries the cached count (headers of a stream)
@@ -179,9 +181,12 @@ class EmbeddedBackend(Backend):
 @dataclass
 class _Choice:
     """One choice's output state: its tool-call parser (None when the output is plain text), whether it
-    called a tool, and logprobs waiting for the text the parser holds back."""
+    called a tool, and logprobs waiting for the text the parser holds back. With ``whole_calls`` (a
+    non-streamed answer) a call is sent only once complete (``ToolCallEnd``), so a call cut by ``max_tokens``
+    is not a call; a stream sends each call's fragments as they come."""
 
     parser: ToolCallParser | None
+    whole_calls: bool = False
     called: bool = False
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -213,6 +218,17 @@ class _Choice:
             if isinstance(event, ToolContentDelta):
                 if event.text:
                     out.append(Delta(text=event.text, index=index))
+            elif isinstance(event, ToolCallEnd) and self.whole_calls:
+                self.called = True
+                call = {
+                    "index": event.index,
+                    "id": event.call.id,
+                    "type": "function",
+                    "function": {"name": event.call.name, "arguments": event.call.arguments_json},
+                }
+                out.append(Delta(tool_calls=[call], index=index))
+            elif self.whole_calls:
+                continue
             elif isinstance(event, ToolCallStart):
                 self.called = True
                 fragment = {

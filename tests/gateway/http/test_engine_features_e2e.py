@@ -486,3 +486,14 @@ def test_anthropic_tool_choice_without_tools_is_400(server):
         timeout=60,
     )
     assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+def test_a_call_cut_by_max_tokens_is_not_a_call(client, claude):
+    cut = client.chat.completions.create(
+        model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="required", max_tokens=12, seed=3
+    )
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    message = claude.messages.create(
+        model=TINY_MODEL, max_tokens=12, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}
+    )
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
