@@ -17,12 +17,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from tests.engine.checkpoints import CHAT_TEMPLATE, make_tiny_hf_llama
+from tests.engine.test_constrained import SCHEMAS as RANDOM_SCHEMAS
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
 from tests.gateway.server import RunningServer, write_config
 
 CONTEXT = 2048
+OBJECT = {"type": "object", "additionalProperties": False}
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -497,3 +500,38 @@ def test_a_call_cut_by_max_tokens_is_not_a_call(client, claude):
         model=TINY_MODEL, max_tokens=12, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}
     )
     assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    schema=RANDOM_SCHEMAS,
+    parameters=RANDOM_SCHEMAS.map(lambda s: {**OBJECT, "properties": {"x": s}, "required": ["x"]}),
+)
+def test_random_schemas_hold_through_the_server(client, schema, parameters):
+    """Over random bounded schemas (the engine's property-test generator): a ``json_schema`` answer and a forced
+    tool call's arguments always parse and validate, as the SDK receives them."""
+    result = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "out", "schema": schema, "strict": True},
+        },
+        max_tokens=400,
+        seed=0,
+    )
+    assert result.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(result.choices[0].message.content), schema)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    called = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=400,
+        seed=0,
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    (call,) = called.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
