@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Unpack
 
 from gateway.backends.anthropic_events import EventReader, MessageAssembler, anthropic_events, checked_usage
-from gateway.backends.base import TokenCount
+from gateway.backends.base import TokenCount, refuse_choices_and_logprobs
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.config.schema import AnthropicUpstream
 from gateway.core.errors import InvalidRequestError
@@ -251,6 +251,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 ``upstream_error`` is the upstream's ``error`` object).
             InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry.
         """
+        refuse_choices_and_logprobs(request, "an Anthropic upstream")
         native = bool(request.anthropic_body)
         started = time.monotonic()
         if native and not request.stream:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.api import EngineStats
+from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent
 from gateway.core.request import ChatRequest
 from gateway.core.tokens import default_counter
@@ -121,3 +122,26 @@ def estimate_tokens(request: ChatRequest, target: str = "an OpenAI-compatible") 
     """
     counter = default_counter()
     return TokenCount(counter.count(estimate_text(request, target)), counter.counted_by, estimate=True)
+
+
+def refuse_choices_and_logprobs(request: ChatRequest, target: str) -> None:
+    """Refuse ``n`` > 1 and logprobs for a backend that relays one choice of text only (the upstream backends:
+    their events carry neither a choice index nor logprobs), so no choice is merged into another and no
+    requested field is silently dropped.
+
+    Raises:
+        InvalidRequestError: ``n`` > 1 (param ``n``) or logprobs asked for (param ``logprobs``).
+    """
+    if request.params.n != 1:
+        raise InvalidRequestError(
+            f"Invalid 'n': {target} model answers one choice per request through prefixgate (n=1), got "
+            f"{request.params.n}.",
+            param="n",
+            code="unsupported_value",
+        )
+    if request.params.logprobs is not None:
+        raise InvalidRequestError(
+            f"'logprobs' is not relayed from {target} model by prefixgate.",
+            param="logprobs",
+            code="unsupported_value",
+        )

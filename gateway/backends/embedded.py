@@ -5,6 +5,14 @@ tenant as cache salt), streams ``TextDelta`` events as ``Delta`` and the final `
 and maps the engine's named errors to API errors. Closing the stream (client disconnect) closes the engine's
 iterator, which aborts the request and frees its blocks at once.
 
+Tools: the engine renders them for every checkpoint (docs/tools.md). When its ``tool_format`` is
+``"generic"``, the request's ``tool_choice`` becomes a ``"tool_calls"`` ``Constraint`` (``none``: no constraint)
+and each choice's output is parsed by ``engine.tool_calls.ToolCallParser`` into OpenAI tool-call deltas
+(``Delta.tool_calls``; the Anthropic face turns them into ``tool_use`` blocks); a choice that called a tool
+finishes with ``tool_calls``. ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
+(usage of all choices, each choice's reason in ``finish_reasons``). Logprobs carry each token's text and bytes
+from the engine's tokenizer.
+
 OpenAI parameters the engine cannot honour are refused with 400 rather than silently ignored (see
 ``UNSUPPORTED``); parameters that only carry bookkeeping (``metadata``, ``store``, ``user``...) are accepted.
 """
@@ -16,25 +24,22 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
+from engine.api import Constraint, EngineStats, Finished, GenerationRequest, TextDelta
+from engine.api import TokenLogprob as EngineTokenLogprob
 from engine.errors import EngineError
+from engine.tool_calls import ContentDelta as ToolContentDelta
+from engine.tool_calls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
 from gateway.backends.base import Backend, TokenCount
 from gateway.config.schema import EmbeddedModel
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
-from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish, TokenLogprob, TopLogprob
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -48,9 +53,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
 }
 """OpenAI body fields the embedded engine cannot honour -> the values it accepts (the neutral ones)."""
-
-TOOL_CHOICES = (None, "none", "auto")
-"""``ChatRequest.tool_choice`` values the engine honours: it cannot force a tool call."""
 
 _ROLE_FOR_TEMPLATE = {"developer": "system"}
 
@@ -122,7 +124,7 @@ class EmbeddedBackend(Backend):
         engine = self.engine
         if engine is None:
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
-        generation = generation_request(request)
+        generation = generation_request(request, engine)
         try:
             token_ids = engine.prompt_token_ids(generation)
         except EngineError as exc:
@@ -137,41 +139,171 @@ class EmbeddedBackend(Backend):
             ContextLengthExceededError: the prompt does not fit (``PromptTooLongError``), before any block.
             ServiceUnavailableError: the engine was shut down under the request.
         """
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
-        generation = generation_request(request)
+        generation = generation_request(request, engine)
+        n = generation.params.n
+        parse = generation.params.constraint is not None and generation.params.constraint.kind == "tool_calls"
+        choices = [
+            _Choice(ToolCallParser() if parse else None, whole_calls=not request.stream) for _ in range(n)
+        ]
+        spelled = _TokenSpeller(engine.tokenizer) if generation.params.logprobs is not None else None
         try:
             first = True  # the first non-empty delta carries the cached count (headers of a stream)
-            async with aclosing(self.engine.generate(generation)) as events:
+            finished: dict[int, Finished] = {}
+            async with aclosing(engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
-                        if event.text:
-                            yield Delta(
-                                text=event.text,
-                                cached_tokens=event.cached_tokens if first else None,
-                                prompt_tokens=event.prompt_tokens if first else None,
-                            )
-                            first = False
+                        choice = choices[event.index]
+                        logprobs = spelled.logprobs(event.logprobs) if spelled is not None else ()
+                        for delta in choice.deltas(event.text, event.index, logprobs):
+                            if first:
+                                delta = replace(
+                                    delta,
+                                    cached_tokens=event.cached_tokens,
+                                    prompt_tokens=event.prompt_tokens,
+                                )
+                                first = False
+                            yield delta
                     elif isinstance(event, Finished):
                         if event.finish_reason == "abort":
                             raise ServiceUnavailableError("The engine stopped before the request finished.")
-                        yield Finish(
-                            finish_reason=event.finish_reason,
-                            usage=BackendUsage(
-                                prompt_tokens=event.usage.prompt_tokens,
-                                completion_tokens=event.usage.completion_tokens,
-                                cached_tokens=event.usage.cached_tokens,
-                                counted_by="engine",
-                            ),
-                            ttft_s=event.ttft_s,
-                            stop_sequence=event.stop_string,
-                        )
-                        return
+                        for delta in choices[event.index].close(event.index):
+                            yield delta
+                        finished[event.index] = event
+                        if len(finished) == n:
+                            yield _finish(finished, choices)
+                            return
         except EngineError as exc:
             error = from_engine_error(exc)
             if request.kind == "completion" and error.param == "messages":
                 error.param = "prompt"
             raise error from exc
+
+
+@dataclass
+class _Choice:
+    """One choice's output state: its tool-call parser (None when the output is plain text), whether it
+    called a tool, and logprobs waiting for the text the parser holds back. With ``whole_calls`` (a
+    non-streamed answer) a call is sent only once complete (``ToolCallEnd``), so a call cut by ``max_tokens``
+    is not a call; a stream sends each call's fragments as they come."""
+
+    parser: ToolCallParser | None
+    whole_calls: bool = False
+    called: bool = False
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def deltas(self, text: str, index: int, logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
+        """The ``Delta`` events of ``text`` (parsed into content and tool-call fragments when tools are on)."""
+        self.pending_logprobs.extend(logprobs)
+        if self.parser is None:
+            return self._flush([Delta(text=text, index=index)] if text else [], index)
+        return self._flush(self._map(self.parser.feed(text), index) if text else [], index)
+
+    def close(self, index: int) -> list[Delta]:
+        """The events of the held-back end of the output, and any logprobs not yet sent."""
+        out = self._map(self.parser.finish(), index) if self.parser is not None else []
+        out = self._flush(out, index)
+        if self.pending_logprobs:
+            out.append(Delta(index=index, logprobs=tuple(self.pending_logprobs)))
+            self.pending_logprobs.clear()
+        return out
+
+    def _flush(self, deltas: list[Delta], index: int) -> list[Delta]:
+        if deltas and self.pending_logprobs:
+            deltas[0] = replace(deltas[0], logprobs=tuple(self.pending_logprobs))
+            self.pending_logprobs.clear()
+        return deltas
+
+    def _map(self, events: list[Any], index: int) -> list[Delta]:
+        out = []
+        for event in events:
+            if isinstance(event, ToolContentDelta):
+                if event.text:
+                    out.append(Delta(text=event.text, index=index))
+            elif isinstance(event, ToolCallEnd) and self.whole_calls:
+                self.called = True
+                call = {
+                    "index": event.index,
+                    "id": event.call.id,
+                    "type": "function",
+                    "function": {"name": event.call.name, "arguments": event.call.arguments_json},
+                }
+                out.append(Delta(tool_calls=[call], index=index))
+            elif self.whole_calls:
+                continue
+            elif isinstance(event, ToolCallStart):
+                self.called = True
+                fragment = {
+                    "index": event.index,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+                out.append(Delta(tool_calls=[fragment], index=index))
+            elif isinstance(event, ToolCallArgumentsDelta):
+                fragment = {"index": event.index, "function": {"arguments": event.text}}
+                out.append(Delta(tool_calls=[fragment], index=index))
+        return out
+
+
+def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:
+    """One ``Finish`` for all choices: the prompt counted once, every choice's completion tokens; a choice that
+    called a tool and stopped finishes with ``tool_calls``."""
+    reasons = []
+    for index in range(len(finished)):
+        reason = finished[index].finish_reason
+        reasons.append("tool_calls" if reason == "stop" and choices[index].called else reason)
+    first = finished[0]
+    return Finish(
+        finish_reason=reasons[0],
+        usage=BackendUsage(
+            prompt_tokens=first.usage.prompt_tokens,
+            completion_tokens=sum(event.usage.completion_tokens for event in finished.values()),
+            cached_tokens=first.usage.cached_tokens,
+            counted_by="engine",
+        ),
+        ttft_s=min((e.ttft_s for e in finished.values() if e.ttft_s is not None), default=None),
+        finish_reasons=tuple(reasons) if len(reasons) > 1 else (),
+        stop_sequence=first.stop_string,
+    )
+
+
+class _TokenSpeller:
+    """Token id -> (text, UTF-8 bytes) through the engine's tokenizer: byte-level BPE spellings are mapped back
+    to their bytes (GPT-2's byte table, ``engine.tokenizer.bytes_to_unicode``); a part of a multi-byte
+    character shows as U+FFFD in the text, whole in the bytes (OpenAI's ``bytes`` field)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from engine.tokenizer import bytes_to_unicode
+
+        self._tokenizer = tokenizer
+        self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        self._cache: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def spell(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        """``(text, bytes)`` of one token."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        spelling = self._tokenizer.id_to_token(token_id) or ""
+        if spelling and all(char in self._byte_of for char in spelling):
+            raw = bytes(self._byte_of[char] for char in spelling)
+        else:
+            raw = self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        out = (raw.decode("utf-8", errors="replace"), tuple(raw))
+        self._cache[token_id] = out
+        return out
+
+    def logprobs(self, entries: tuple[EngineTokenLogprob, ...]) -> tuple[TokenLogprob, ...]:
+        """The engine's logprobs with each token spelled."""
+        out = []
+        for entry in entries:
+            text, raw = self.spell(entry.token_id)
+            top = tuple(TopLogprob(*self.spell(tid), logprob) for tid, logprob in entry.top_logprobs)
+            out.append(TokenLogprob(text, raw, entry.logprob, top))
+        return tuple(out)
 
 
 class EnginePromptTokenizer:
@@ -205,32 +337,131 @@ class EnginePromptTokenizer:
         return list(encoding.ids), [start for start, _ in encoding.offsets]
 
 
-def generation_request(request: ChatRequest) -> GenerationRequest:
-    """The engine request for a canonical ``ChatRequest``.
+def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRequest:
+    """The engine request for a canonical ``ChatRequest``: its sampling parameters with ``logit_bias`` checked
+    against the vocabulary and the tools' ``Constraint`` (``tool_constraint``) when the engine's tool format
+    is generic.
+
+    Args:
+        request: the canonical request.
+        engine: the ``AsyncEngine`` (its tokenizer and tool format); None checks no vocabulary and adds no
+            tool constraint.
 
     Raises:
-        InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies, ``TOOL_CHOICES``),
-            non-text content parts, or server tools.
+        InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies), a bad ``tool_choice``,
+            a ``logit_bias`` token outside the vocabulary, non-text content parts, or server tools.
     """
     if request.openai_body is not None:
         check_supported(request.openai_body)
     if request.anthropic_body is not None:
         check_supported_anthropic(request.anthropic_body)
-    if request.tool_choice not in TOOL_CHOICES:
-        raise InvalidRequestError(
-            "The embedded engine cannot force a tool call: tool_choice must be 'auto' or 'none'.",
-            param="tool_choice",
-            code="unsupported_value",
-        )
-    common = {"params": request.params, "cache_salt": request.tenant, "request_id": request.request_id}
+    params = request.params
+    if engine is not None and params.logit_bias:
+        vocab = engine.tokenizer.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise InvalidRequestError(
+                    f"Invalid 'logit_bias': token id {token_id} is not in the vocabulary [0, {vocab}).",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+    common = {"cache_salt": request.tenant, "request_id": request.request_id}
     if request.kind == "completion":
-        return GenerationRequest(prompt=request.prompt or "", **common)
+        return GenerationRequest(prompt=request.prompt or "", params=params, **common)
+    tools = template_tools(request.tools)
+    constraint = tool_constraint(request, tools, engine.tool_format if engine is not None else "template")
+    if constraint is not None:
+        if params.constraint is not None:
+            raise InvalidRequestError(
+                "The embedded engine cannot combine 'response_format' with tool calls; send one of them "
+                "(or tool_choice 'none').",
+                param="response_format",
+                code="unsupported_value",
+            )
+        params = replace(params, constraint=constraint)
     messages = [template_message(message, index) for index, message in enumerate(request.messages)]
     return GenerationRequest(
         messages=messages,
-        tools=template_tools(request.tools),
+        tools=tools,
+        params=params,
         continue_final_message=request.continue_final_message and messages[-1]["role"] == "assistant",
         **common,
+    )
+
+
+def tool_constraint(
+    request: ChatRequest, tools: list[dict[str, Any]] | None, tool_format: str
+) -> Constraint | None:
+    """The output ``Constraint`` of the request's tools: ``tool_choice`` (OpenAI's shape; Anthropic's is
+    translated at parsing) ``auto`` (the default) / ``required`` / a named function -> a ``"tool_calls"``
+    constraint, ``none`` -> None. Only for the generic tool format; a template that renders tools itself has
+    its own call syntax, so only ``auto`` / ``none`` are honoured there (unconstrained).
+
+    Raises:
+        InvalidRequestError: a ``tool_choice`` that is not one of those values, names a function that is not
+            among the tools, is given without tools, or forces a call the template format cannot enforce.
+    """
+    choice = request.tool_choice
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict):
+            raise _bad_tool_choice(choice)
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(
+                "Missing required parameter: 'tool_choice.function.name'.",
+                param="tool_choice.function.name",
+                code="missing_required_parameter",
+            )
+        mode = "function"
+    elif choice is None:
+        mode = "auto"
+    elif choice in ("none", "auto", "required"):
+        mode = choice
+    else:
+        raise _bad_tool_choice(choice)
+    if not tools:
+        if choice is not None and mode != "none":
+            raise InvalidRequestError(
+                "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        return None
+    if name is not None and name not in {tool["function"]["name"] for tool in tools}:
+        raise InvalidRequestError(
+            f"Invalid value for 'tool_choice': no function named '{name}' in 'tools'.",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if mode == "none":
+        return None
+    if tool_format != "generic":
+        if mode != "auto":
+            raise InvalidRequestError(
+                "This model's chat template renders tools itself; the embedded engine cannot force a tool "
+                "call with it: tool_choice must be 'auto' or 'none'.",
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        return None
+    return Constraint(
+        kind="tool_calls",
+        tools=tuple(tools),
+        tool_choice=mode,
+        tool_name=name,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+    )
+
+
+def _bad_tool_choice(choice: Any) -> InvalidRequestError:
+    return InvalidRequestError(
+        "Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}, '
+        f"but got {json.dumps(choice)[:100]} instead.",
+        param="tool_choice",
+        code="invalid_value",
     )
 
 

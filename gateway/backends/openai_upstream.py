@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Unpack
 
+from gateway.backends.base import refuse_choices_and_logprobs
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.config.schema import OpenAIUpstream
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
@@ -138,6 +139,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             UpstreamStreamCut: the stream broke after the first byte.
             UnsupportedContentError: content the server cannot take (400).
         """
+        refuse_choices_and_logprobs(request, "an OpenAI-compatible upstream")
         started = time.monotonic()
         body = self.build_body(request)
         path = "/completions" if request.kind == "completion" else "/chat/completions"

@@ -9,6 +9,26 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One candidate token: its text, UTF-8 bytes (a token may hold part of a character) and logprob."""
+
+    token: str
+    token_bytes: tuple[int, ...]
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's text, bytes and natural-log probability, with its most likely alternatives
+    (OpenAI ``logprobs``; ``top`` is empty unless the client asked for ``top_logprobs``)."""
+
+    token: str
+    token_bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     """Generated text, and/or tool-call fragments in OpenAI's streaming shape
     (``choices[].delta.tool_calls``).
@@ -17,12 +37,16 @@ class Delta:
     (the embedded engine sets it on its first delta), so a streamed answer's headers can report it; None
     otherwise. ``prompt_tokens``: all input tokens, when the backend knows them before ``Finish`` (the embedded
     engine, on the same first delta), so a streamed Anthropic ``message_start`` can report real input counts.
+    Renderers ignore it. ``index``: the choice (0 .. n-1, OpenAI ``n``). ``logprobs``: one entry per token this
+    delta's text came from, when the client asked for logprobs.
     """
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,9 @@ class Finish:
         cache_miss_reason: the provider's own word on why the prompt cache missed (Anthropic
             ``diagnostics.cache_miss_reason.type``), when it gave one.
         cache_retention: the cache retention the request asked for (``5m``, ``1h``, ``24h``, ...), if any.
+        finish_reasons: each choice's finish reason when the request asked for ``n`` > 1 choices (index =
+            choice; ``finish_reason`` is choice 0's); empty for one choice. ``usage`` covers all choices (the
+            prompt once, the completion tokens of every choice).
     """
 
     finish_reason: str
@@ -75,6 +102,7 @@ class Finish:
     replica: str | None = None
     cache_miss_reason: str | None = None
     cache_retention: str | None = None
+    finish_reasons: tuple[str, ...] = ()
 
 
 BackendEvent = Delta | Finish

@@ -72,8 +72,8 @@ class ChatRequest:
             ``anthropic_body``.
         tools: OpenAI-style tool schemas (``{"type": "function", "function": {...}}``) or None.
         tool_choice: OpenAI ``tool_choice``, the JSON value as the client sent it (the OpenAI face passes it
-            on unchecked, as OpenAI-compatible servers judge it), passed to upstreams; the embedded engine
-            accepts only ``auto`` / ``none``.
+            on unchecked, as OpenAI-compatible servers judge it), passed to upstreams; the embedded backend
+            checks it and turns it into a ``tool_calls`` constraint (``gateway.backends.embedded``).
         parallel_tool_calls: False when the client asked for at most one tool call per turn (OpenAI
             ``parallel_tool_calls: false``, Anthropic ``tool_choice.disable_parallel_tool_use: true``), True
             when it asked for parallel calls (OpenAI), None when it did not say.

@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.core.errors import APIError, openai_error_body
 from gateway.core.event_stream import DONE, encode_event
-from gateway.core.events import Delta, Finish
+from gateway.core.events import Delta, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
@@ -31,10 +31,15 @@ from gateway.http.request_context import (
 from gateway.protocols.openai.parse import parse_chat_request, parse_completion_request
 from gateway.protocols.openai.render import (
     ResponseMeta,
+    chat_choice,
     chat_chunk,
     chat_completion_body,
+    chat_logprobs,
+    choice_count,
     completion_body,
     completion_chunk,
+    completion_logprobs,
+    finish_reason_of,
     merge_tool_call_deltas,
     usage_chunk,
 )
@@ -44,15 +49,18 @@ from gateway.transport.sse import EventStreamResponse
 
 
 async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[bytes]:
-    """The SSE bytes of a streamed chat completion (role chunk, text chunks, finish chunk, usage, [DONE])."""
+    """The SSE bytes of a streamed chat completion (role chunk per choice, text / tool-call chunks with their
+    choice's ``index`` and logprobs, a finish chunk per choice, usage once, [DONE])."""
     first = opened.first_event
     starts_with_tools = isinstance(first, Delta) and bool(first.tool_calls) and not first.text
-    role: dict[str, Any] = {
-        "role": "assistant",
-        "content": None if starts_with_tools else "",
-        "refusal": None,
-    }
-    yield encode_event(chat_chunk(meta, role))
+    choices = opened.request.params.n
+    for index in range(choices):
+        role: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if starts_with_tools and index == first.index else "",
+            "refusal": None,
+        }
+        yield encode_event(chat_chunk(meta, role, index=index))
     async with aclosing(_guarded(opened)) as events:
         async for event in events:
             if isinstance(event, Delta):
@@ -61,10 +69,12 @@ async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[by
                     delta["content"] = event.text
                 if event.tool_calls:
                     delta["tool_calls"] = event.tool_calls
-                if delta:
-                    yield encode_event(chat_chunk(meta, delta))
+                logprobs = chat_logprobs(event.logprobs) if event.logprobs else None
+                if delta or logprobs:
+                    yield encode_event(chat_chunk(meta, delta, index=event.index, logprobs=logprobs))
             elif isinstance(event, Finish):
-                yield encode_event(chat_chunk(meta, {}, event.finish_reason))
+                for index in range(choice_count(event)):
+                    yield encode_event(chat_chunk(meta, {}, finish_reason_of(event, index), index=index))
                 if opened.request.include_usage:
                     yield encode_event(usage_chunk(meta, "chat.completion.chunk", event.usage))
                 yield DONE
@@ -73,14 +83,26 @@ async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[by
 
 
 async def completion_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[bytes]:
-    """The SSE bytes of a streamed legacy completion."""
+    """The SSE bytes of a streamed legacy completion (chunks carry their choice's ``index``)."""
+    offsets: dict[int, int] = {}  # choice -> characters of its text so far (logprobs' text_offset)
     async with aclosing(_guarded(opened)) as events:
         async for event in events:
             if isinstance(event, Delta):
-                if event.text:
-                    yield encode_event(completion_chunk(meta, event.text))
+                if event.text or event.logprobs:
+                    logprobs = None
+                    if event.logprobs:
+                        logprobs = completion_logprobs(event.logprobs, offsets.get(event.index, 0))
+                        offsets[event.index] = offsets.get(event.index, 0) + sum(
+                            len(entry.token) for entry in event.logprobs
+                        )
+                    yield encode_event(
+                        completion_chunk(meta, event.text, index=event.index, logprobs=logprobs)
+                    )
             elif isinstance(event, Finish):
-                yield encode_event(completion_chunk(meta, "", event.finish_reason))
+                for index in range(choice_count(event)):
+                    yield encode_event(
+                        completion_chunk(meta, "", finish_reason_of(event, index), index=index)
+                    )
                 if opened.request.include_usage:
                     yield encode_event(usage_chunk(meta, "text_completion", event.usage))
                 yield DONE
@@ -129,25 +151,48 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
 
 
 async def _collect_chat(opened: OpenedStream, meta: ResponseMeta) -> dict[str, Any]:
-    text: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
+    want_logprobs = opened.request.params.logprobs is not None
+    text: dict[int, list[str]] = {}
+    calls: dict[int, dict[int, dict[str, Any]]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     async for event in opened.events():
         if isinstance(event, Delta):
-            text.append(event.text)
+            text.setdefault(event.index, []).append(event.text)
+            logprobs.setdefault(event.index, []).extend(event.logprobs)
             if event.tool_calls:
-                merge_tool_call_deltas(calls, event.tool_calls)
+                merge_tool_call_deltas(calls.setdefault(event.index, {}), event.tool_calls)
         elif isinstance(event, Finish):
-            return chat_completion_body(meta, "".join(text), [calls[i] for i in sorted(calls)], event)
+            choices = []
+            for index in range(choice_count(event)):
+                merged = calls.get(index, {})
+                choices.append(
+                    chat_choice(
+                        index,
+                        "".join(text.get(index, [])),
+                        [merged[i] for i in sorted(merged)],
+                        event,
+                        logprobs.get(index, []) if want_logprobs else None,
+                    )
+                )
+            body = chat_completion_body(meta, "", [], event, more_choices=choices[1:])
+            body["choices"][0] = choices[0]
+            return body
     raise APIError("The backend ended the response without a finish.")
 
 
 async def _collect_completion(opened: OpenedStream, meta: ResponseMeta) -> dict[str, Any]:
-    text: list[str] = []
+    want_logprobs = opened.request.params.logprobs is not None
+    text: dict[int, list[str]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     async for event in opened.events():
         if isinstance(event, Delta):
-            text.append(event.text)
+            text.setdefault(event.index, []).append(event.text)
+            logprobs.setdefault(event.index, []).extend(event.logprobs)
         elif isinstance(event, Finish):
-            return completion_body(meta, "".join(text), event)
+            count = choice_count(event)
+            texts = ["".join(text.get(index, [])) for index in range(count)]
+            per_choice = [logprobs.get(index, []) for index in range(count)] if want_logprobs else None
+            return completion_body(meta, texts, event, per_choice)
     raise APIError("The backend ended the response without a finish.")
 
 

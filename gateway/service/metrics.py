@@ -34,6 +34,8 @@ _COUNTERS = (
     ("evictions", "Cached KV blocks evicted."),
     ("inflight_shared_tokens", "Prefill tokens saved by in-flight sharing."),
     ("preemptions", "Running requests preempted."),
+    ("forks", "Sequences forked from a computed prompt (n > 1 choices: n - 1 per request)."),
+    ("forked_prefill_tokens_saved", "Prompt tokens the n > 1 forks shared instead of prefilling."),
 )
 
 

@@ -297,6 +297,8 @@ def _engine_fields(engine: EngineStats) -> dict[str, Any]:
         "evictions": engine.evictions,
         "inflight_shared_tokens": engine.inflight_shared_tokens,
         "preemptions": engine.preemptions,
+        "forks": engine.forks,
+        "forked_prefill_tokens_saved": engine.forked_prefill_tokens_saved,
         "engine": {
             "requests": engine.requests,
             "prompt_tokens": engine.prompt_tokens,
@@ -321,6 +323,8 @@ def _upstream_fields(c: ModelCounters) -> dict[str, Any]:
         "evictions": 0,
         "inflight_shared_tokens": 0,
         "preemptions": 0,
+        "forks": 0,
+        "forked_prefill_tokens_saved": 0,
     }
 
 
@@ -336,6 +340,8 @@ _SUMMED = (
     "evictions",
     "inflight_shared_tokens",
     "preemptions",
+    "forks",
+    "forked_prefill_tokens_saved",
 )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.api import SamplingParams
+from engine.api import Constraint, SamplingParams
 from gateway.core.errors import InvalidRequestError
 from gateway.core.headers import rules_enabled, tenant
 from gateway.core.json_types import json_kind
@@ -25,19 +25,23 @@ CHAT_FIELDS = frozenset(
         "parallel_tool_calls", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
         "reasoning_effort", "functions", "function_call", "web_search_options", "verbosity",
         "prompt_cache_key", "safety_identifier", "prompt_cache_retention", "prompt_cache_options", "moderation",
+        "repetition_penalty",
     }
 )  # fmt: skip
 COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "user", "n",
         "stream", "stream_options", "echo", "suffix", "logprobs", "best_of", "presence_penalty",
-        "frequency_penalty", "logit_bias",
+        "frequency_penalty", "logit_bias", "repetition_penalty",
     }
 )  # fmt: skip
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Range of every integer field (OpenAI's are 64-bit; ``seed`` is documented as one): larger values are a
 400, never an overflow deeper down."""
+MAX_TOP_LOGPROBS = 20
+SEED_RANGE = (-(1 << 63), 1 << 64)
+"""``seed`` must be a signed or unsigned 64-bit integer: ``[-2**63, 2**64)``."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's documented default of ``max_tokens`` for ``/v1/completions`` (chat has no default: up to the
 context window)."""
@@ -69,7 +73,7 @@ def parse_chat_request(
     return ChatRequest(
         model=model,
         messages=messages,
-        params=_sampling(body, max_tokens),
+        params=_sampling(body, max_tokens, "chat"),
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         parallel_tool_calls=_parallel_tool_calls(body),
@@ -111,7 +115,9 @@ def parse_completion_request(
     return ChatRequest(
         model=model,
         messages=[],
-        params=_sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens),
+        params=_sampling(
+            body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, "completion"
+        ),
         stream=stream,
         include_usage=include_usage,
         user=_optional_str(body, "user"),
@@ -297,18 +303,27 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int | None, kind: str) -> SamplingParams:
     n = _optional_int(body, "n", minimum=1)
-    if n is not None and n != 1:
-        raise InvalidRequestError(
-            f"Invalid 'n': prefixgate generates one choice per request (n=1), got {n}.",
-            param="n",
-            code="invalid_value",
-        )
     temperature = _optional_number(body, "temperature", 0.0, 2.0)
     top_p = _optional_number(body, "top_p", 0.0, 1.0)
     top_k = _optional_int(body, "top_k", minimum=0)
     seed = _optional_int(body, "seed")
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise InvalidRequestError(
+            f"Invalid 'seed': expected a 64-bit integer in [-2**63, 2**64), but got {seed} instead.",
+            param="seed",
+            code="invalid_value",
+        )
+    presence = _optional_number(body, "presence_penalty", -2.0, 2.0)
+    frequency = _optional_number(body, "frequency_penalty", -2.0, 2.0)
+    repetition = _optional_number(body, "repetition_penalty", 0.0, float("inf"))
+    if repetition is not None and repetition <= 0.0:
+        raise InvalidRequestError(
+            f"Invalid 'repetition_penalty': expected a value > 0, but got {repetition:g} instead.",
+            param="repetition_penalty",
+            code="invalid_value",
+        )
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -316,11 +331,112 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingParams:
         top_k=0 if top_k is None else top_k,
         seed=seed,
         stop=_stop(body),
+        n=1 if n is None else n,
+        logprobs=_chat_logprobs(body) if kind == "chat" else _completion_logprobs(body),
+        presence_penalty=0.0 if presence is None else presence,
+        frequency_penalty=0.0 if frequency is None else frequency,
+        repetition_penalty=1.0 if repetition is None else repetition,
+        logit_bias=_logit_bias(body),
+        constraint=_response_format(body) if kind == "chat" else None,
     )
     if params.top_p == 0.0:
         # The nucleus of mass -> 0 is the single most likely token: greedy decoding.
         params = SamplingParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
     return params
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat ``logprobs: true`` (+ ``top_logprobs: k``) -> the engine's ``logprobs`` k; None when off."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _invalid_type("logprobs", "a boolean", logprobs)
+    top = _optional_int(body, "top_logprobs", minimum=0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"Invalid 'top_logprobs': integer above maximum value. Expected a value <= {MAX_TOP_LOGPROBS}, "
+            f"but got {top} instead.",
+            param="top_logprobs",
+            code="integer_above_max_value",
+        )
+    if top is not None and not logprobs:
+        raise InvalidRequestError(
+            "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used.",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    return (top or 0) if logprobs else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions ``logprobs: k`` (the chosen token plus the k most likely ones) -> the engine's ``logprobs``."""
+    top = _optional_int(body, "logprobs", minimum=0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"Invalid 'logprobs': integer above maximum value. Expected a value <= {MAX_TOP_LOGPROBS}, but "
+            f"got {top} instead.",
+            param="logprobs",
+            code="integer_above_max_value",
+        )
+    return top
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """``{"token id as a string": bias}`` -> ``((token_id, bias), ...)``; bias in [-100, 100] (OpenAI). Whether
+    each id is in the vocabulary is the backend's to check (it knows the tokenizer)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise _invalid_type("logit_bias", "an object", bias)
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidRequestError(
+                f"Invalid 'logit_bias': key {key!r} is not a token id (a non-negative integer as a string).",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise InvalidRequestError(
+                f"Invalid 'logit_bias': the bias of token {key} must be a number in [-100, 100].",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def _response_format(body: dict[str, Any]) -> Constraint | None:
+    """``response_format`` -> the engine's output ``Constraint``: ``json_object`` (any JSON object) or
+    ``json_schema`` (``json_schema.schema``, enforced whether ``strict`` or not); ``text`` -> None."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _invalid_type("response_format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(kind="json_object")
+    if kind != "json_schema":
+        raise InvalidRequestError(
+            f"Invalid value for 'response_format.type': {json_kind(kind) if not isinstance(kind, str) else kind!r}"
+            ". Supported values are: 'text', 'json_object' and 'json_schema'.",
+            param="response_format.type",
+            code="invalid_value",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _missing("response_format.json_schema")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _missing("response_format.json_schema.name")
+    if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+        raise _invalid_type("response_format.json_schema.strict", "a boolean", spec["strict"])
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _invalid_type("response_format.json_schema.schema", "an object", schema)
+    return Constraint(kind="json_schema", json_schema=schema)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.core.events import BackendUsage, Finish
+from gateway.core.events import BackendUsage, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
 
 
@@ -60,10 +60,58 @@ def merge_tool_call_deltas(calls: dict[int, dict[str, Any]], fragments: list[dic
             call["function"]["arguments"] += function["arguments"]
 
 
-def chat_completion_body(
-    meta: ResponseMeta, text: str, tool_calls: list[dict[str, Any]], finish: Finish
+def finish_reason_of(finish: Finish, index: int) -> str:
+    """Choice ``index``'s finish reason (``Finish.finish_reasons`` when there are several choices)."""
+    return finish.finish_reasons[index] if finish.finish_reasons else finish.finish_reason
+
+
+def choice_count(finish: Finish) -> int:
+    """How many choices the request had (``n``)."""
+    return max(1, len(finish.finish_reasons))
+
+
+def chat_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """Chat ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``.
+    Reference: https://platform.openai.com/docs/api-reference/chat/object#chat/object-choices"""
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": entry.logprob,
+                "bytes": list(entry.token_bytes),
+                "top_logprobs": [
+                    {"token": top.token, "logprob": top.logprob, "bytes": list(top.token_bytes)}
+                    for top in entry.top
+                ],
+            }
+            for entry in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob] | tuple[TokenLogprob, ...], offset: int
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` object."""
+    """Legacy completions ``choices[].logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (one
+    ``{token: logprob}`` object per token, the chosen token among them) and ``text_offset`` (each token's
+    start, in characters from the start of the completion text; ``offset`` is where ``entries`` begin)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [entry.token for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [
+            {entry.token: entry.logprob, **{top.token: top.logprob for top in entry.top}} for entry in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_message(text: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """One choice's assistant ``message``."""
     message: dict[str, Any] = {
         "role": "assistant",
         "content": text if text or not tool_calls else None,
@@ -72,23 +120,56 @@ def chat_completion_body(
     if tool_calls:
         message["tool_calls"] = tool_calls
     message["annotations"] = []
+    return message
+
+
+def chat_completion_body(
+    meta: ResponseMeta,
+    text: str,
+    tool_calls: list[dict[str, Any]],
+    finish: Finish,
+    logprobs: list[TokenLogprob] | None = None,
+    more_choices: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A whole ``chat.completion`` object; ``logprobs`` (choice 0's tokens) when the client asked for them;
+    ``more_choices`` the whole ``choices[]`` entries of choices 1 .. n-1 (``chat_choice``)."""
     return {
         **meta.header("chat.completion"),
-        "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish.finish_reason}
-        ],
+        "choices": [chat_choice(0, text, tool_calls, finish, logprobs), *(more_choices or [])],
         "usage": usage_body(finish.usage),
         "service_tier": "default",
         "system_fingerprint": meta.system_fingerprint,
     }
 
 
-def chat_chunk(meta: ResponseMeta, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+def chat_choice(
+    index: int,
+    text: str,
+    tool_calls: list[dict[str, Any]],
+    finish: Finish,
+    logprobs: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    """One ``choices[]`` entry of a ``chat.completion``."""
+    return {
+        "index": index,
+        "message": chat_message(text, tool_calls),
+        "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+        "finish_reason": finish_reason_of(finish, index),
+    }
+
+
+def chat_chunk(
+    meta: ResponseMeta,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One ``chat.completion.chunk`` with a single choice."""
     return {
         **meta.header("chat.completion.chunk"),
         "system_fingerprint": meta.system_fingerprint,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
@@ -102,20 +183,40 @@ def usage_chunk(meta: ResponseMeta, object_name: str, usage: BackendUsage) -> di
     }
 
 
-def completion_body(meta: ResponseMeta, text: str, finish: Finish) -> dict[str, Any]:
-    """A whole ``text_completion`` object."""
+def completion_body(
+    meta: ResponseMeta,
+    texts: list[str],
+    finish: Finish,
+    logprobs: list[list[TokenLogprob]] | None = None,
+) -> dict[str, Any]:
+    """A whole ``text_completion`` object: ``texts[i]`` is choice i's text, ``logprobs[i]`` its tokens when the
+    client asked for logprobs."""
     return {
         **meta.header("text_completion"),
         "system_fingerprint": meta.system_fingerprint,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish.finish_reason}],
+        "choices": [
+            {
+                "text": text,
+                "index": index,
+                "logprobs": completion_logprobs(logprobs[index], 0) if logprobs is not None else None,
+                "finish_reason": finish_reason_of(finish, index),
+            }
+            for index, text in enumerate(texts)
+        ],
         "usage": usage_body(finish.usage),
     }
 
 
-def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+def completion_chunk(
+    meta: ResponseMeta,
+    text: str,
+    finish_reason: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk."""
     return {
         **meta.header("text_completion"),
         "system_fingerprint": meta.system_fingerprint,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}],
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import SamplingParams
+from engine.api import Constraint, SamplingParams
 from gateway.backends.embedded import generation_request
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
@@ -83,18 +83,7 @@ def test_completion_requests_send_the_prompt():
             {"tools": [{"type": "x-anthropic", "tool": {"type": "web_search"}}]},
             "tools[0]",
         ),
-        ([{"role": "user", "content": "x"}], {"tool_choice": "required"}, "tool_choice"),
-        ([{"role": "user", "content": "x"}], {"openai_body": {"logprobs": True}}, "logprobs"),
-        (
-            [{"role": "user", "content": "x"}],
-            {"openai_body": {"frequency_penalty": 0.5}},
-            "frequency_penalty",
-        ),
-        (
-            [{"role": "user", "content": "x"}],
-            {"openai_body": {"response_format": {"type": "json_object"}}},
-            "response_format",
-        ),
+        ([{"role": "user", "content": "x"}], {"openai_body": {"best_of": 2}}, "best_of"),
     ],
 )
 def test_what_the_engine_cannot_honour_is_a_400(messages, fields, param):
@@ -115,8 +104,98 @@ def test_neutral_values_and_bookkeeping_fields_are_accepted():
         "metadata": {"a": "b"},
         "store": True,
     }
-    generation_request(request([{"role": "user", "content": "x"}], openai_body=body, tool_choice="auto"))
+    generation_request(request([{"role": "user", "content": "x"}], openai_body=body, tool_choice="none"))
     # an Anthropic body is not checked against OpenAI's fields (its own face validated it)
     generation_request(
         request([{"role": "user", "content": "x"}], anthropic_body={"tool_choice": {"type": "auto"}})
     )
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+
+
+class _GenericEngine:
+    """What ``generation_request`` reads of an engine: its tool format and tokenizer's vocabulary size."""
+
+    tool_format = "generic"
+
+    class tokenizer:  # noqa: N801 - an attribute holder standing in for the engine's tokenizer
+        vocab_size = 100
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "expected"),
+    [
+        (None, None, ("auto", None, True)),
+        ("auto", False, ("auto", None, False)),
+        ("required", True, ("required", None, True)),
+        ({"type": "function", "function": {"name": "get_time"}}, None, ("function", "get_time", True)),
+    ],
+)
+def test_tool_choice_becomes_a_tool_calls_constraint(tool_choice, parallel, expected):
+    generation = generation_request(
+        request(
+            [{"role": "user", "content": "x"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel,
+        ),
+        _GenericEngine(),
+    )
+    constraint = generation.params.constraint
+    assert constraint.kind == "tool_calls" and [t["function"]["name"] for t in constraint.tools] == [
+        "get_weather",
+        "get_time",
+    ]
+    assert (constraint.tool_choice, constraint.tool_name, constraint.parallel_tool_calls) == expected
+
+
+def test_tool_choice_none_renders_tools_without_a_constraint():
+    generation = generation_request(
+        request([{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"), _GenericEngine()
+    )
+    assert generation.params.constraint is None and len(generation.tools) == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+        ({"tools": TOOLS, "tool_choice": 5}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+        (
+            {
+                "tools": TOOLS,
+                "params": SamplingParams(constraint=Constraint(kind="json_object")),
+            },
+            "response_format",
+        ),
+        ({"params": SamplingParams(logit_bias=((100, 1.0),))}, "logit_bias"),
+    ],
+)
+def test_bad_tool_choice_and_logit_bias_are_400s(fields, param):
+    fields = dict(fields)
+    params = fields.pop("params", SamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(
+            ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], params=params, **fields),
+            _GenericEngine(),
+        )
+    assert (caught.value.status_code, caught.value.param) == (400, param)
+
+
+def test_a_template_tool_format_cannot_force_a_call():
+    engine = _GenericEngine()
+    engine.tool_format = "template"
+    generation = generation_request(request([{"role": "user", "content": "x"}], tools=TOOLS), engine)
+    assert generation.params.constraint is None
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(
+            request([{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="required"), engine
+        )
+    assert (caught.value.param, caught.value.code) == ("tool_choice", "unsupported_value")

@@ -567,3 +567,16 @@ async def test_a_string_error_mid_stream_keeps_its_text(http):
     )
     with pytest.raises(UpstreamStreamCut, match="the upstream reported an error mid-stream: boom"):
         await drain(backend(http).stream(chat_request(MESSAGES)))
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("params", "param"), [(SamplingParams(n=2), "n"), (SamplingParams(logprobs=0), "logprobs")]
+)
+async def test_choices_and_logprobs_are_refused_before_any_call(http, params, param):
+    from gateway.core.errors import InvalidRequestError
+
+    route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
+    with pytest.raises(InvalidRequestError) as caught:
+        await drain(backend(http).stream(chat_request(MESSAGES, params=params)))
+    assert (caught.value.status_code, caught.value.param) == (400, param) and not route.called

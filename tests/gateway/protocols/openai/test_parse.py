@@ -117,7 +117,29 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
         ({"max_tokens": 1.5}, "max_tokens", "invalid_type"),
         ({"max_completion_tokens": True}, "max_completion_tokens", "invalid_type"),
-        ({"n": 2}, "n", "invalid_value"),
+        ({"n": 0}, "n", "integer_below_min_value"),
+        ({"seed": 1 << 64}, "seed", "invalid_value"),
+        ({"seed": -(1 << 63) - 1}, "seed", "invalid_value"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+        ({"frequency_penalty": "x"}, "frequency_penalty", "invalid_type"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": [1]}, "logit_bias", "invalid_type"),
+        ({"logprobs": 1}, "logprobs", "invalid_type"),
+        ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "missing_required_parameter",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 1}}},
+            "response_format.json_schema.schema",
+            "invalid_type",
+        ),
         ({"n": "1"}, "n", "invalid_type"),
         ({"seed": "x"}, "seed", "invalid_type"),
         ({"stop": 5}, "stop", "invalid_type"),
@@ -251,6 +273,35 @@ def test_chunks_have_the_recorded_streams_key_layout():
 
 
 def test_completion_body_shape():
-    body = completion_body(meta("completion"), "text", Finish("length", USAGE))
+    body = completion_body(meta("completion"), ["text"], Finish("length", USAGE))
     assert body["id"] == "cmpl-abc" and body["object"] == "text_completion"
     assert body["choices"] == [{"text": "text", "index": 0, "logprobs": None, "finish_reason": "length"}]
+
+
+def test_sampling_fields_reach_the_engine_parameters():
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": (1 << 64) - 1,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"42": -100, "7": 3.5},
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object"}},
+        },
+    }
+    params = parse_chat_request(body, {}).params
+    assert (params.n, params.seed, params.logprobs) == (3, (1 << 64) - 1, 2)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.logit_bias == ((42, -100.0), (7, 3.5))
+    assert (params.constraint.kind, params.constraint.json_schema) == ("json_schema", {"type": "object"})
+    assert parse_chat_request(
+        {**body, "response_format": {"type": "json_object"}}, {}
+    ).params.constraint.kind == ("json_object")
+    assert parse_chat_request({"model": "m", "messages": MESSAGES, "logprobs": True}, {}).params.logprobs == 0
+    completion = parse_completion_request({"model": "m", "prompt": "a", "logprobs": 3, "n": 2}, {}).params
+    assert (completion.logprobs, completion.n, completion.constraint) == (3, 2, None)

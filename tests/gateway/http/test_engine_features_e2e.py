@@ -1,0 +1,537 @@
+"""The engine's features through the server with the official SDKs: tools (OpenAI ``tool_calls``, Anthropic
+``tool_use``), ``response_format``, logprobs, ``n`` > 1, penalties, ``logit_bias`` and ``seed``.
+
+The model is a tiny random checkpoint whose chat template has no tool section (like SmolLM2's), so the engine
+uses the generic tool format and the gateway constrains and parses its output. Random output is fine: the
+grammar forces every call and every JSON answer to be valid, whatever the model picks, so the tests check
+validity against the schema, never a particular answer. After each test no KV block is left in use.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.engine.checkpoints import CHAT_TEMPLATE, make_tiny_hf_llama
+from tests.engine.test_constrained import SCHEMAS as RANDOM_SCHEMAS
+from tests.gateway.conftest import TINY_MODEL, tiny_config_data
+from tests.gateway.server import RunningServer, write_config
+
+CONTEXT = 2048
+OBJECT = {"type": "object", "additionalProperties": False}
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Lisbon", "Seoul"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME_PARAMETERS = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}},
+]
+ANTHROPIC_TOOLS = [
+    {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER_PARAMETERS},
+    {"name": "get_time", "input_schema": TIME_PARAMETERS},
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def generic_tool_checkpoint(folder: Path) -> Path:
+    """The tiny random Llama with a ChatML template that has no tool section (SmolLM2's kind), so the engine's
+    ``tool_format`` is ``"generic"``; context raised to ``CONTEXT`` tokens for the tool preamble."""
+    checkpoint = make_tiny_hf_llama(folder, seed=0)
+    lines = CHAT_TEMPLATE.split("\n")
+    assert lines[1] == "{%- if tools %}" and lines[7].startswith("{%- elif")
+    template = "\n".join([lines[0], lines[7].replace("elif", "if", 1), *lines[8:]])
+    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    tokenizer_config.update(chat_template=template, model_max_length=CONTEXT)
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    model_config = json.loads((checkpoint / "config.json").read_text())
+    model_config["max_position_embeddings"] = CONTEXT
+    (checkpoint / "config.json").write_text(json.dumps(model_config))
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("generic-tools")
+    checkpoint = generic_tool_checkpoint(folder / "tiny")
+    config = write_config(folder / "prefixgate.yaml", tiny_config_data(checkpoint, num_blocks=256))
+    running = RunningServer(config).start()
+    assert running.app.state.gateway.registry.get(TINY_MODEL).engine.tool_format == "generic"
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def claude(server):
+    with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaked(server):
+    yield
+    stats = server.wait_blocks_released(TINY_MODEL)
+    assert stats["models"][TINY_MODEL]["blocks"]["used"] == 0
+
+
+def engine_of(server):
+    return server.app.state.gateway.registry.get(TINY_MODEL).engine
+
+
+def check_openai_calls(calls) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def tool_results(message) -> list[dict]:
+    return [
+        {"role": "tool", "tool_call_id": call.id, "content": f"{call.function.name}: 18C, sunny"}
+        for call in message.tool_calls
+    ]
+
+
+# ---- OpenAI --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_openai_tool_round_trip(client, tool_choice):
+    first = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=OPENAI_TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=200,
+        seed=3,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_openai_calls(choice.message.tool_calls)
+    if isinstance(tool_choice, dict):
+        assert {call.function.name for call in choice.message.tool_calls} == {"get_time"}
+    history = [*QUESTION, choice.message.model_dump(exclude_none=True), *tool_results(choice.message)]
+    answer = client.chat.completions.create(
+        model=TINY_MODEL, messages=history, tools=OPENAI_TOOLS, tool_choice="none", max_tokens=8, seed=3
+    )
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
+    # the results are in the prompt: it is longer than the first turn's
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_openai_streamed_tool_calls_assemble_as_the_sdk_does(client):
+    with client.chat.completions.stream(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=OPENAI_TOOLS,
+        tool_choice="required",
+        max_tokens=200,
+        seed=5,
+    ) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    check_openai_calls(choice.message.tool_calls)
+    history = [*QUESTION, choice.message.model_dump(exclude_none=True), *tool_results(choice.message)]
+    chunks = list(
+        client.chat.completions.create(
+            model=TINY_MODEL, messages=history, tools=OPENAI_TOOLS, max_tokens=200, seed=5, stream=True
+        )
+    )
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish and finish[0] in ("stop", "length", "tool_calls")
+
+
+def test_openai_auto_tool_choice_gives_text_or_valid_calls(client):
+    for seed in range(3):
+        result = client.chat.completions.create(
+            model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, max_tokens=200, seed=seed
+        )
+        choice = result.choices[0]
+        if choice.message.tool_calls:
+            check_openai_calls(choice.message.tool_calls)
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_parallel_tool_calls_false_gives_one_call_at_most(client):
+    for seed in range(3):
+        result = client.chat.completions.create(
+            model=TINY_MODEL,
+            messages=QUESTION,
+            tools=OPENAI_TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            seed=seed,
+        )
+        assert len(result.choices[0].message.tool_calls) == 1
+
+
+def test_json_schema_output_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "enum": ["yes", "no"]},
+            "sure": {"type": "boolean"},
+            "level": {"type": "integer", "enum": [1, 2, 3]},
+        },
+        "required": ["answer", "sure", "level"],
+        "additionalProperties": False,
+    }
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": schema, "strict": True},
+    }
+    for stream in (False, True):
+        if stream:
+            chunks = list(
+                client.chat.completions.create(
+                    model=TINY_MODEL,
+                    messages=QUESTION,
+                    response_format=response_format,
+                    max_tokens=200,
+                    seed=1,
+                    stream=True,
+                )
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][
+                0
+            ]
+        else:
+            result = client.chat.completions.create(
+                model=TINY_MODEL, messages=QUESTION, response_format=response_format, max_tokens=200, seed=1
+            )
+            text, reason = result.choices[0].message.content, result.choices[0].finish_reason
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_output_is_an_object(client):
+    result = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        response_format={"type": "json_object"},
+        max_tokens=300,
+        seed=2,
+    )
+    if result.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(result.choices[0].message.content), dict)
+    else:  # cut by max_tokens: a prefix of an object
+        assert result.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_chat_logprobs_shapes(server, client):
+    result = client.chat.completions.create(
+        model=TINY_MODEL, messages=QUESTION, logprobs=True, top_logprobs=3, max_tokens=6, seed=1
+    )
+    choice = result.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == result.usage.completion_tokens == 6
+    assert (
+        b"".join(bytes(entry.bytes) for entry in content).decode("utf-8", "replace") == choice.message.content
+    )
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+    streamed = list(
+        client.chat.completions.create(
+            model=TINY_MODEL, messages=QUESTION, logprobs=True, max_tokens=6, seed=1, stream=True
+        )
+    )
+    entries = [
+        e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in entries] == [e.token for e in content]  # same seed, same tokens
+    assert all(e.top_logprobs == [] for e in entries)
+    plain = client.chat.completions.create(model=TINY_MODEL, messages=QUESTION, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_shapes(client):
+    result = client.completions.create(model=TINY_MODEL, prompt="Once upon", logprobs=2, max_tokens=5, seed=4)
+    logprobs = result.choices[0].logprobs
+    count = result.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == count
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(count)]
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert top[token] == logprob and 2 <= len(top) <= 3
+    chunks = list(
+        client.completions.create(
+            model=TINY_MODEL, prompt="Once upon", logprobs=2, max_tokens=5, seed=4, stream=True
+        )
+    )
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [
+        o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert tokens == logprobs.tokens and offsets == logprobs.text_offset
+
+
+def test_n_choices_prefill_the_prompt_once(server, client):
+    engine = engine_of(server)
+    before = engine.stats()
+    prompt = [{"role": "user", "content": "A prompt no other test sends, long enough for a few blocks. " * 4}]
+    result = client.chat.completions.create(model=TINY_MODEL, messages=prompt, n=3, max_tokens=5, seed=7)
+    after = engine.stats()
+    usage = result.usage
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert (
+        after.prefill_tokens - before.prefill_tokens
+        == usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+    )
+    assert after.forks - before.forks == 2
+    assert after.forked_prefill_tokens_saved - before.forked_prefill_tokens_saved == 2 * usage.prompt_tokens
+    assert usage.completion_tokens == after.decode_tokens - before.decode_tokens  # every choice's tokens
+    stats = server.stats()["models"][TINY_MODEL]
+    assert (
+        stats["forks"] == after.forks
+        and stats["forked_prefill_tokens_saved"] == after.forked_prefill_tokens_saved
+    )
+    # streamed: chunks per index, a finish chunk per choice, usage once
+    chunks = list(
+        client.chat.completions.create(
+            model=TINY_MODEL,
+            messages=prompt,
+            n=3,
+            max_tokens=5,
+            seed=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    finishes = {
+        c.choices[0].index: c.choices[0].finish_reason
+        for c in chunks
+        if c.choices and c.choices[0].finish_reason
+    }
+    assert sorted(finishes) == [0, 1, 2]
+    texts = {
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    }
+    assert texts == {c.index: c.message.content for c in result.choices}  # seed + i per choice, same as above
+    assert [c.usage is not None for c in chunks].count(True) == 1 and chunks[
+        -1
+    ].usage.completion_tokens == usage.completion_tokens
+
+
+def test_completions_n(client):
+    result = client.completions.create(model=TINY_MODEL, prompt="Once upon", n=2, max_tokens=3, seed=1)
+    assert [c.index for c in result.choices] == [0, 1] and result.usage.completion_tokens == 6
+
+
+def test_logit_bias_and_penalties_are_honoured(server, client):
+    engine = engine_of(server)
+    token = engine.tokenizer.encode(" the")[0]
+    result = client.completions.create(
+        model=TINY_MODEL, prompt="Once upon", logit_bias={str(token): 100}, max_tokens=4, seed=1, logprobs=0
+    )
+    assert result.choices[0].text == engine.tokenizer.decode([token] * 4)
+    penalized = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        max_tokens=4,
+        seed=(1 << 64) - 1,
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert penalized.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"n": 17}, "n"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": OPENAI_TOOLS, "tool_choice": 5}, "tool_choice"),
+        (
+            {"tools": OPENAI_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+            "response_format",
+        ),
+    ],
+)
+def test_bad_values_are_400_with_param(server, fields, param):
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"model": TINY_MODEL, "messages": QUESTION, "max_tokens": 2, **fields},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+# ---- Anthropic -----------------------------------------------------------------------------------------------
+
+
+def check_tool_use(message) -> list:
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and message.stop_reason == "tool_use"
+    for block in uses:
+        jsonschema.validate(block.input, SCHEMAS[block.name])
+    return uses
+
+
+def anthropic_results(message) -> dict:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": block.id, "content": f"{block.name}: 18C, sunny"}
+            for block in message.content
+            if block.type == "tool_use"
+        ],
+    }
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_anthropic_tool_round_trip(claude, tool_choice):
+    first = claude.messages.create(
+        model=TINY_MODEL, max_tokens=200, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice=tool_choice
+    )
+    uses = check_tool_use(first)
+    if tool_choice["type"] == "tool":
+        assert {block.name for block in uses} == {"get_weather"}
+    history = [*QUESTION, {"role": "assistant", "content": first.content}, anthropic_results(first)]
+    answer = claude.messages.create(
+        model=TINY_MODEL, max_tokens=8, messages=history, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"}
+    )
+    assert all(block.type == "text" for block in answer.content)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens > (
+        first.usage.input_tokens + first.usage.cache_read_input_tokens
+    )
+
+
+def test_anthropic_streamed_tool_use(claude):
+    with claude.messages.stream(
+        model=TINY_MODEL,
+        max_tokens=200,
+        messages=QUESTION,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        message = stream.get_final_message()
+    assert "input_json" in kinds and kinds.count("content_block_start") == 1
+    assert len(check_tool_use(message)) == 1
+    history = [*QUESTION, {"role": "assistant", "content": message.content}, anthropic_results(message)]
+    with claude.messages.stream(
+        model=TINY_MODEL, max_tokens=200, messages=history, tools=ANTHROPIC_TOOLS
+    ) as stream:
+        answer = stream.get_final_message()
+    if answer.stop_reason == "tool_use":
+        check_tool_use(answer)
+    else:
+        assert answer.stop_reason in ("end_turn", "max_tokens")
+        assert all("<tool_call>" not in block.text for block in answer.content if block.type == "text")
+
+
+def test_anthropic_tool_choice_without_tools_is_400(server):
+    response = httpx.post(
+        f"{server.base_url}/v1/messages",
+        json={"model": TINY_MODEL, "max_tokens": 2, "messages": QUESTION, "tool_choice": {"type": "any"}},
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+def test_a_call_cut_by_max_tokens_is_not_a_call(client, claude):
+    cut = client.chat.completions.create(
+        model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="required", max_tokens=12, seed=3
+    )
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    message = claude.messages.create(
+        model=TINY_MODEL, max_tokens=12, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}
+    )
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    schema=RANDOM_SCHEMAS,
+    parameters=RANDOM_SCHEMAS.map(lambda s: {**OBJECT, "properties": {"x": s}, "required": ["x"]}),
+)
+def test_random_schemas_hold_through_the_server(client, schema, parameters):
+    """Over random bounded schemas (the engine's property-test generator): a ``json_schema`` answer and a forced
+    tool call's arguments always parse and validate, as the SDK receives them."""
+    result = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "out", "schema": schema, "strict": True},
+        },
+        max_tokens=400,
+        seed=0,
+    )
+    assert result.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(result.choices[0].message.content), schema)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    called = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=400,
+        seed=0,
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    (call,) = called.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
