@@ -40,8 +40,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Range of every integer field (OpenAI's are 64-bit; ``seed`` is documented as one): larger values are a
 400, never an overflow deeper down."""
 MAX_TOP_LOGPROBS = 20
-SEED_RANGE = (-(1 << 63), 1 << 64)
-"""``seed`` must be a signed or unsigned 64-bit integer: ``[-2**63, 2**64)``."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's documented default of ``max_tokens`` for ``/v1/completions`` (chat has no default: up to the
 context window)."""
@@ -309,12 +307,6 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, kind: str) -> Sampli
     top_p = _optional_number(body, "top_p", 0.0, 1.0)
     top_k = _optional_int(body, "top_k", minimum=0)
     seed = _optional_int(body, "seed")
-    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise InvalidRequestError(
-            f"Invalid 'seed': expected a 64-bit integer in [-2**63, 2**64), but got {seed} instead.",
-            param="seed",
-            code="invalid_value",
-        )
     presence = _optional_number(body, "presence_penalty", -2.0, 2.0)
     frequency = _optional_number(body, "frequency_penalty", -2.0, 2.0)
     repetition = _optional_number(body, "repetition_penalty", 0.0, float("inf"))

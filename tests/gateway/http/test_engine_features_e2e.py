@@ -378,7 +378,7 @@ def test_logit_bias_and_penalties_are_honoured(server, client):
         presence_penalty=1.5,
         frequency_penalty=-0.5,
         max_tokens=4,
-        seed=(1 << 64) - 1,
+        seed=(1 << 63) - 1,
         extra_body={"repetition_penalty": 1.3},
     )
     assert penalized.usage.completion_tokens == 4
@@ -535,3 +535,31 @@ def test_random_schemas_hold_through_the_server(client, schema, parameters):
     assert called.choices[0].finish_reason == "tool_calls"
     (call,) = called.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+def test_responses_forced_tool_call_is_a_function_call_item(client):
+    """The embedded engine's constrained tool call, through the Responses face: a ``function_call`` output item
+    whose arguments validate against the tool's schema (whatever the random tiny model chose to put in them)."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "name": "weather", "description": "Weather in a city", "parameters": schema}
+    ]
+    response = client.responses.create(
+        model=TINY_MODEL,
+        input="What is the weather in Paris?",
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    if response.status == "completed":
+        assert len(calls) == 1 and calls[0].name == "weather"
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+    else:  # cut by max_output_tokens: no half call is reported as one
+        assert response.status == "incomplete" and all(call.status != "completed" for call in calls)

@@ -165,10 +165,20 @@ def test_a_surrogate_in_a_responses_body_is_a_400(server):
     assert_no_block_in_use(server)
 
 
-def test_unsupported_sampling_is_refused_like_chat(server):
-    body = {"model": TINY_MODEL, "input": "hi", "text": {"format": {"type": "json_object"}}}
+def test_text_format_json_object_is_honoured_like_chat(server, client):
+    """``text.format`` becomes chat's ``response_format``: the embedded engine constrains the output to JSON."""
+    response = client.responses.create(
+        model=TINY_MODEL, input="hi", text={"format": {"type": "json_object"}}, max_output_tokens=64
+    )
+    if response.status == "completed":
+        assert isinstance(json.loads(response.output_text), dict)
+    assert_no_block_in_use(server)
+
+
+def test_unsupported_format_is_refused(server):
+    body = {"model": TINY_MODEL, "input": "hi", "text": {"format": {"type": "xml"}}}
     error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400)
-    assert error["param"] in ("text.format", "response_format")
+    assert error["param"] in ("text.format", "text.format.type", "response_format")
     assert_no_block_in_use(server)
 
 

@@ -118,8 +118,8 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"max_tokens": 1.5}, "max_tokens", "invalid_type"),
         ({"max_completion_tokens": True}, "max_completion_tokens", "invalid_type"),
         ({"n": 0}, "n", "integer_below_min_value"),
-        ({"seed": 1 << 64}, "seed", "invalid_value"),
-        ({"seed": -(1 << 63) - 1}, "seed", "invalid_value"),
+        ({"seed": 1 << 64}, "seed", "integer_above_max_value"),
+        ({"seed": -(1 << 63) - 1}, "seed", "integer_below_min_value"),
         ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
         ({"frequency_penalty": "x"}, "frequency_penalty", "invalid_type"),
         ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
@@ -283,7 +283,7 @@ def test_sampling_fields_reach_the_engine_parameters():
         "model": "m",
         "messages": MESSAGES,
         "n": 3,
-        "seed": (1 << 64) - 1,
+        "seed": (1 << 63) - 1,
         "logprobs": True,
         "top_logprobs": 2,
         "presence_penalty": 0.5,
@@ -295,7 +295,7 @@ def test_sampling_fields_reach_the_engine_parameters():
         },
     }
     params = parse_chat_request(body, {}).params
-    assert (params.n, params.seed, params.logprobs) == (3, (1 << 64) - 1, 2)
+    assert (params.n, params.seed, params.logprobs) == (3, (1 << 63) - 1, 2)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert params.logit_bias == ((42, -100.0), (7, 3.5))
     assert (params.constraint.kind, params.constraint.json_schema) == ("json_schema", {"type": "object"})
