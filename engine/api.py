@@ -139,6 +139,13 @@ class EngineConfig:
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        weights: weight format of the linear layers, ``auto | native | int8 | int4 | bf16 | float32``
+            (``engine.weight_format``: ``auto`` runs the checkpoint's own format, e.g. Q4_1 as int4, where the
+            hardware has the kernels, else float32).
+        kv_dtype: dtype of the KV cache, ``float32`` or ``bfloat16`` (half the memory and attention bandwidth).
+        dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights for inputs of at least this
+            many rows (prefill chunks, where a bf16 GEMM is faster than the weight-only kernel); ``None`` = no
+            copy (less memory, slower prefill).
     """
 
     block_size: int = 16
@@ -153,6 +160,9 @@ class EngineConfig:
     max_wait_s: float = 2.0
     device: str = "auto"
     num_threads: int | None = None
+    weights: str = "auto"
+    kv_dtype: str = "float32"
+    dense_min_rows: int | None = 16
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,19 @@ def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
             raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab_size})", "prompt")
 
 
+def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
+    """The KV cache dtype for ``EngineConfig.kv_dtype``; the model's own dtype when that is not fp32.
+
+    Raises:
+        ValueError: not ``float32`` / ``bfloat16``.
+    """
+    from engine.weight_format import KV_DTYPES
+
+    if name not in KV_DTYPES:
+        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
+    return KV_DTYPES[name] if model.dtype == torch.float32 else model.dtype
+
+
 class LLMEngine:
     """Synchronous engine: ``add_request``, ``step`` until ``has_unfinished()`` is False, ``abort_request``.
 
@@ -150,7 +163,9 @@ class LLMEngine:
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
         self.counters = EngineCounters()
         self.scheduler = Scheduler(self.kv, config, self.counters, clock=clock)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.runner = ModelRunner(
+            model, config.num_blocks, config.block_size, kv_dtype_of(config.kv_dtype, model)
+        )
         self.requests: dict[str, Request] = {}
         self.record_logits = record_logits
         self.logits_log: dict[str, list[torch.Tensor]] = {}
