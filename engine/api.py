@@ -146,6 +146,9 @@ class EngineConfig:
         dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights for inputs of at least this
             many rows (prefill chunks, where a bf16 GEMM is faster than the weight-only kernel); ``None`` = no
             copy (less memory, slower prefill).
+        shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
+            users) read those blocks once per step (cascade attention, ``engine.attention.SharedPrefix``);
+            false = each sequence gathers its whole context (for comparison).
     """
 
     block_size: int = 16
@@ -163,6 +166,7 @@ class EngineConfig:
     weights: str = "auto"
     kv_dtype: str = "float32"
     dense_min_rows: int | None = 16
+    shared_prefix_attention: bool = True
 
 
 @dataclass(frozen=True)

@@ -163,8 +163,9 @@ class LLMEngine:
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
         self.counters = EngineCounters()
         self.scheduler = Scheduler(self.kv, config, self.counters, clock=clock)
+        kv_dtype = kv_dtype_of(config.kv_dtype, model)
         self.runner = ModelRunner(
-            model, config.num_blocks, config.block_size, kv_dtype_of(config.kv_dtype, model)
+            model, config.num_blocks, config.block_size, kv_dtype, config.shared_prefix_attention
         )
         self.requests: dict[str, Request] = {}
         self.record_logits = record_logits

@@ -226,7 +226,12 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        shared_prefix: bool = True,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -235,6 +240,8 @@ class LlamaModel(nn.Module):
             positions: int64 ``[T]`` position of each token in its sequence.
             kv_cache: from ``allocate_kv_cache``; this step's K/V are written at ``meta.slot_mapping``.
             meta: the step's attention metadata.
+            shared_prefix: allow cascade attention over blocks shared by decode sequences
+                (``engine.attention.SharedPrefix``).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states in the model dtype.
@@ -245,7 +252,7 @@ class LlamaModel(nn.Module):
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
         dev = self.device
-        plan = plan_attention(meta, dev, kv_cache.shape[2])
+        plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix)
         positions = positions.to(dev)
         rotation = rope_rotation(self.inv_freq, positions)
         h = self.embed_tokens(input_ids.to(dev))
