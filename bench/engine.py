@@ -132,6 +132,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--weights", default="auto", help="engine.weights: auto | native | int8 | int4 | bf16 | float32")
+    ap.add_argument("--kv-dtype", default="float32", help="engine.kv_dtype: float32 | bfloat16")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument(
         "--peers",
         action="store_true",
@@ -160,10 +163,10 @@ def main() -> None:
         print_table(out)
         print(json.dumps(out))
         return
-    ck = load_checkpoint(path)
+    ck = load_checkpoint(path, device=args.device, weights=args.weights)
     tok = ck.tokenizer
     system = system_prompt(tok, args.system_tokens)
-    config = EngineConfig(num_blocks=512, max_num_batched_tokens=2048)
+    config = EngineConfig(num_blocks=512, max_num_batched_tokens=2048, weights=args.weights, kv_dtype=args.kv_dtype)
 
     def engine() -> LLMEngine:
         return LLMEngine(ck.model, config, ck.model_id, tok)
@@ -204,6 +207,7 @@ def main() -> None:
     hf_cold, hf_b1, b1, b8 = med["hf_cold"], med["hf_b1"], med["b1"], med["b8"]
     result = {
         "model": ck.model_id,
+        "weights": ck.model.weight_formats,
         "threads": torch.get_num_threads(),
         "transformers_process": "none" if args.no_hf else ("same" if args.hf_same_process else "own"),
         "prompt_tokens": len(cold_prompt),

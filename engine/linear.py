@@ -143,9 +143,12 @@ def _int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Pack uint8 codes ``[N, K]`` (0..15) into the layout of torch's int4 weight-only kernel on ``device``."""
     if device.type == "cpu":
         return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    # CUDA (tinygemm): codes two per byte, high nibble first, then the kernel's own tiling (inner K tiles 8)
+    # CUDA (tinygemm): codes two per byte, high nibble first, then the kernel's own tiling (inner K tiles of
+    # 16 weights: 8, 4 or 2 of them, whichever divides in_features)
+    k = q.shape[1]
+    inner = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
     pairs = q.to(device=device, dtype=torch.uint8).view(q.shape[0], -1, 2)
-    return torch._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).contiguous(), 8)
+    return torch._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).contiguous(), inner)
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:

@@ -295,3 +295,23 @@ def test_smollm2_int4_agrees_with_fp32_reference_on_2000_positions():
     agree, total = teacher_forced_agreement(ck, ref, prompts, 100)
     assert total >= 2000
     assert agree / total >= 0.99, (agree, total)
+
+
+@needs_bf16
+@pytest.mark.parametrize("shared_prefix_attention", [True, False])
+def test_bf16_kv_cache_keeps_cache_and_batch_parity(shared_prefix_attention):
+    ck = tiny("Q4_1", "auto")
+    base = random_tokens(200, 5)
+    prompts = [base[:150] + random_tokens(4 + i, 60 + i) for i in range(4)]
+    kw = dict(kv_dtype="bfloat16", shared_prefix_attention=shared_prefix_attention)
+    alone = [make_engine(ck, enable_prefix_caching=False, **kw).generate([p], greedy(10))[0] for p in prompts]
+    eng = make_engine(ck, **kw)
+    assert eng.runner.kv_cache.dtype == torch.bfloat16
+    eng.generate([base], greedy(1))
+    assert eng.generate(prompts, greedy(10)) == alone
+    assert eng.stats().prefix_hit_tokens == 4 * 144
+
+
+def test_unknown_kv_dtype_is_refused_by_the_engine():
+    with pytest.raises(ValueError, match="engine.kv_dtype must be one of"):
+        make_engine(kv_dtype="int8")
