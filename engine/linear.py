@@ -2,12 +2,38 @@
 
 Decoding one token on a CPU reads every weight once, so its speed is bound by the bytes of weights read per
 token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` therefore holds a ``LinearWeight``
-rather than a bare tensor: ``DenseWeight`` is fp32 / bf16 / fp16; int8 and int4 weight-only formats
-(quantized blocks + scales, dequantized inside a fused matmul kernel) plug in here next by implementing the
-same two members, without touching the model.
+(``forward`` + ``nbytes``) rather than a bare tensor; ``engine.weight_format`` picks the class per layer
+(``engine.weights``):
 
-Kernel choice of ``DenseWeight`` (fp32 on CPU, SmolLM2-135M shapes, one thread, weights streamed from memory;
-measured with ``time.thread_time`` so other processes do not distort it):
+- ``DenseWeight``: fp32 (or the model dtype), stored transposed; the reference.
+- ``BF16Weight``: dense bf16 with ``F.linear`` (oneDNN bf16 GEMM); fp32 in and out.
+- ``Int4Weight``: 4-bit codes in groups of 32 with a scale and zero each (the GGUF's Q4_0/Q4_1 blocks, exact)
+  on torch's int4 weight-only kernel.
+- ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact, as two 4-bit planes on the same kernel.
+
+Kernel choice per row count (CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
+layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
+weights fit the cache here, so the decode rows understate what streaming 30 layers from memory saves):
+
+| rows | fp32 ``x @ W.T`` | bf16 dense GEMM | int4 kernel, bf16 activations | int4 kernel, fp32 activations |
+|---|---|---|---|---|
+| 1 (decode) | 0.225 ms | 0.284 ms | **0.103 ms** | 5.5 ms (scalar loop) |
+| 8 (batched decode) | 1.42 ms | 0.51 ms | **0.34 ms** | 43 ms |
+| 16 (gate/up only) | | **0.21 ms** | 0.32 ms | |
+| 64 | 5.6 ms | **1.4 ms** | 2.9 ms | |
+| 512 (prefill chunk) | 38 ms | **9.3 ms** | 23 ms | |
+| 1,080 | 75 ms | **18 ms** | 46 ms | |
+
+LM head (49,152 x 576, Q8_0 in SmolLM2), one row: fp32 4.3 ms, bf16 ``F.linear`` 3.7 ms, torch's
+``_weight_int8pack_mm`` (one scale per row; would need re-quantizing) 1.9 ms with bf16 activations and 19 ms
+with fp32, the int4 kernel 1.2 ms per plane (2 planes: ~2.4 ms, exact).
+
+So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x slower); from
+``DENSE_MIN_ROWS`` = 16 rows (prefill chunks) a quantized layer uses a dense bf16 copy of its dequantized
+weight (``engine.dense_min_rows``; None = no copy, int4 kernel at every row count, ~2 bytes per weight less
+memory); below, the int4 kernel. The LM head runs on the few logit rows only and keeps no copy.
+
+``DenseWeight`` in fp32 (30 layers, weights streamed from memory, one thread):
 
 | rows (tokens) | ``F.linear(x, W[out,in])`` | ``x @ W.T`` stored ``[in,out]`` | oneDNN prepacked (packed for 8 rows) |
 |---|---|---|---|
@@ -15,7 +41,7 @@ measured with ``time.thread_time`` so other processes do not distort it):
 | 8 (batched decode) | 79 ms | 72 ms | **52 ms** |
 | 512 (prefill chunk) | | **687 ms** | 714 ms |
 
-So the weight is stored transposed and used by a plain GEMM, and on CPU in fp32 a second, prepacked copy
+So the fp32 weight is stored transposed and used by a plain GEMM, and on CPU a second, prepacked copy
 (oneDNN's blocked layout, ``torch.ops.mkldnn._reorder_linear_weight``, the format PyTorch's own compiler uses
 for CPU linears) serves batches of ``PACKED_ROWS`` rows: it costs a second copy of the weights in memory, not
 in bytes read per token (each step reads one copy).
