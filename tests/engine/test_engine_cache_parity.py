@@ -30,12 +30,16 @@ def run_alone_uncached(ckpt, prompt: list[int], n_new: int = N_NEW) -> tuple[lis
 
 
 def assert_same(ckpt, eng, req, prompt, n_new: int = N_NEW, relative: bool = False) -> None:
-    """Same greedy tokens; logits within ``ATOL`` (``relative``: within ``ATOL * max |logit|`` of the reference,
-    for a real model whose fp32 matmuls round differently with the number of rows)."""
+    """Same greedy tokens; logits within ``ATOL * max(1, max |logit|)`` of the reference: the linear kernels are
+    chosen by row count (``engine.linear``: oneDNN's prepacked fp32 GEMM for 2-48 rows, the plain GEMM
+    otherwise), so a suffix computed after a cache hit, or a decode batched with others, rounds differently
+    from the same rows computed alone (measured: up to 1.2e-5 on the tiny Qwen2 with logits near 10).
+    ``relative``: ``ATOL * max |logit|`` (the real model)."""
     ref_tokens, ref_logits = run_alone_uncached(ckpt, prompt, n_new)
     assert req.output_token_ids == ref_tokens
     logits = torch.stack(eng.logits_log[req.request_id])
-    tol = ATOL * float(ref_logits.abs().max()) if relative else ATOL
+    scale = float(ref_logits.abs().max())
+    tol = ATOL * scale if relative else ATOL * max(1.0, scale)
     torch.testing.assert_close(logits[0], ref_logits[0], atol=tol, rtol=0)  # the last prompt position
     torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
 
