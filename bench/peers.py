@@ -218,7 +218,7 @@ def concurrent(server: Server, system: str, questions: list[str], max_tokens: in
     return tokens / span, tokens
 
 
-def run_peers(gguf: str, llama_server: str, threads: int, repeats: int, system_words: int = 720) -> dict:
+def run_peers(gguf: str, llama_server: str, threads: int, repeats: int, system_words: int = 590) -> dict:
     """Start both servers, run W1..W5 alternated, stop them; return the figures (see the module docstring)."""
     ctx = 16384  # tokens: 8 slots x 2048 for llama-server, 1,024 blocks of 16 for us
     workdir = Path(tempfile.mkdtemp(prefix="prefixgate-peers-"))
