@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.linear import BF16Weight, GroupedEmbedding, Int4Weight, Int8Weight
+from engine.model import allocate_kv_cache
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize
 from engine.weight_format import (
     UnsupportedHardwareError,
@@ -182,24 +184,30 @@ def test_cache_on_equals_cache_off_and_batched_equals_alone(tensor_type, weights
     assert together == alone
 
 
-def teacher_forced_agreement(ck, ref_ck, prompts: list[list[int]], n: int) -> tuple[int, int]:
-    """(agreeing, total) top-1 over positions: ``ref_ck``'s greedy continuation of each prompt, then both
-    models' argmax at every generated position, fed the reference tokens. With the prefix cache on, each
-    position computes only the rows past its last full cached block (1-16 rows), so the weight-only kernels
-    run, not only the dense prefill copies."""
+@torch.inference_mode()
+def all_logits(model, tokens: list[int], chunk: int) -> torch.Tensor:
+    """fp32 logits ``[len(tokens), vocab]`` at every position, the sequence fed ``chunk`` tokens per forward
+    through the paged cache (``chunk`` < ``dense_min_rows``: the weight-only kernels run, as in decode)."""
+    kv = allocate_kv_cache(model.config, -(-len(tokens) // 16), 16, torch.float32, "cpu")
+    table = torch.arange(kv.shape[2])[None, :]
+    out = []
+    for start in range(0, len(tokens), chunk):
+        ids = tokens[start : start + chunk]
+        pos = torch.arange(start, start + len(ids))
+        meta = AttentionMetadata(pos.clone(), [0, len(ids)], [start + len(ids)], table, 16)
+        out.append(model.compute_logits(model(torch.tensor(ids), pos, kv, meta)))
+    return torch.cat(out)
+
+
+def teacher_forced_agreement(ck, ref_ck, prompts: list[list[int]], n: int, chunk: int = 8) -> tuple[int, int]:
+    """(agreeing, total) top-1 over positions: ``ref_ck``'s greedy continuation of each prompt (the fp32
+    reference of the same dequantized weights), then both models' argmax at every generated position, fed the
+    reference tokens ``chunk`` at a time."""
     agree = total = 0
     for p in prompts:
-        ref_eng = make_engine(ref_ck, record_logits=True)
-        r = ref_eng.add_request(p, greedy(n))
-        ref_eng.run_to_completion()
-        ref_tokens = r.output_token_ids
-        eng = make_engine(ck, record_logits=True)
-        logits = []
-        for k in range(n):  # the model sees prompt + reference tokens [:k], predicts token k
-            q = eng.add_request(p + ref_tokens[:k], greedy(1))
-            eng.run_to_completion()
-            logits.append(eng.logits_log[q.request_id][0])
-        got = [int(x.argmax()) for x in logits]
+        ref_tokens = make_engine(ref_ck).generate([p], greedy(n))[0]
+        seq = p + ref_tokens
+        got = all_logits(ck.model, seq, chunk)[len(p) - 1 : -1].argmax(-1).tolist()
         agree += sum(a == b for a, b in zip(got, ref_tokens, strict=True))
         total += n
     return agree, total
