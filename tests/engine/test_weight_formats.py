@@ -281,7 +281,7 @@ def test_smollm2_int4_agrees_with_fp32_reference():
     """The GGUF's own Q4_1/Q8_0 weights on the int4 kernel (bf16 activations and bf16 scale/zero) against the
     fp32 reference of the same dequantized weights, teacher-forced over 10 prompts x 100 positions.
 
-    Issue 12 asks for >= 99% top-1 agreement over >= 2,000 positions; measured here: 98.5% after 400 positions
+    Issue 12 asks for >= 99% top-1 agreement over >= 2,000 positions; measured here: 984 of these 1,000 (98.4%)
     (the bf16 rounding of the f16 scales is the largest error), so that target is NOT met and this test guards
     the measured level (>= 98%) over 1,000 positions, which keeps it within CI time."""
     from tests.engine.engine_helpers import smollm2_checkpoint
