@@ -22,7 +22,8 @@ Workload (SmolLM2-135M-Instruct by default, fp32, CPU):
 Every number is the median of ``--repeats`` runs, ours and transformers interleaved (this machine is shared, so load
 from other processes hits both alike). Targets (issue 3, on a 2-core CPU): cached_ttft_s <= 0.08 x
 cold_ttft_s; cold_ttft_s <= hf_cold_ttft_s; decode_tps_b8 >= 4 x decode_tps_b1; decode_tps_b1 >= hf_decode_tps_b1.
-Run: ``python -m bench.engine``. Prints a table, then one JSON line (last).
+Run: ``python -m bench.engine``. Prints a table, then one JSON line (last). ``--peers`` instead serves the GGUF
+from prefixgate and from llama.cpp's ``llama-server`` side by side over HTTP (``bench.peers``, issue 12).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -133,6 +135,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument(
+        "--weights", default="auto", help="engine.weights: auto | native | int8 | int4 | bf16 | float32"
+    )
+    ap.add_argument("--kv-dtype", default="float32", help="engine.kv_dtype: float32 | bfloat16")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="serve the GGUF from prefixgate and llama.cpp's llama-server side by side over HTTP (bench.peers)",
+    )
+    ap.add_argument(
+        "--llama-server",
+        default=str(Path(__file__).parent / ".peers" / "build" / "bin" / "llama-server"),
+        help="llama-server binary (bench/build_llama_server.sh builds it)",
+    )
+    ap.add_argument(
         "--hf-same-process",
         action="store_true",
         help="run transformers in this process (it then shares our heap and our allocator settings)",
@@ -141,10 +158,21 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = default_model_path() if args.model == "default" else args.model
-    ck = load_checkpoint(path)
+    if args.peers:
+        from bench.peers import print_table, run_peers
+
+        if not Path(args.llama_server).is_file():
+            raise SystemExit(f"no llama-server at {args.llama_server}: run bash bench/build_llama_server.sh")
+        out = run_peers(path, args.llama_server, args.threads or 2, args.repeats)
+        print_table(out)
+        print(json.dumps(out))
+        return
+    ck = load_checkpoint(path, device=args.device, weights=args.weights)
     tok = ck.tokenizer
     system = system_prompt(tok, args.system_tokens)
-    config = EngineConfig(num_blocks=512, max_num_batched_tokens=2048)
+    config = EngineConfig(
+        num_blocks=512, max_num_batched_tokens=2048, weights=args.weights, kv_dtype=args.kv_dtype
+    )
 
     def engine() -> LLMEngine:
         return LLMEngine(ck.model, config, ck.model_id, tok)
@@ -185,6 +213,7 @@ def main() -> None:
     hf_cold, hf_b1, b1, b8 = med["hf_cold"], med["hf_b1"], med["b1"], med["b8"]
     result = {
         "model": ck.model_id,
+        "weights": ck.model.weight_formats,
         "threads": torch.get_num_threads(),
         "transformers_process": "none" if args.no_hf else ("same" if args.hf_same_process else "own"),
         "prompt_tokens": len(cold_prompt),

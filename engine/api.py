@@ -270,6 +270,16 @@ class EngineConfig:
         deployment_secret: keys the block hash when tiers are on, so persisted and shared entries are found
             by every process of the deployment and by no one outside it (>= 16 bytes; required with Redis;
             a disk tier alone keeps one of its own in its directory when unset).
+        weights: weight format of the linear layers, ``auto | native | int8 | int4 | bf16 | float32``
+            (``engine.weight_format``: ``auto`` runs the checkpoint's own format, e.g. Q4_1 as int4, where the
+            hardware has the kernels, else float32).
+        kv_dtype: dtype of the KV cache, ``float32`` or ``bfloat16`` (half the memory and attention bandwidth).
+        dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights for inputs of at least this
+            many rows (prefill chunks, where a bf16 GEMM is faster than the weight-only kernel); ``None`` = no
+            copy (less memory, slower prefill).
+        shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
+            users) read those blocks once per step (cascade attention, ``engine.attention.SharedPrefix``);
+            false = each sequence gathers its whole context (for comparison).
     """
 
     block_size: int = 16
@@ -292,6 +302,10 @@ class EngineConfig:
     tier_flush_on_close: bool = True
     max_pinned_fraction: float = 0.25
     deployment_secret: str | None = None
+    weights: str = "auto"
+    kv_dtype: str = "float32"
+    dense_min_rows: int | None = 16
+    shared_prefix_attention: bool = True
 
 
 @dataclass(frozen=True)

@@ -80,15 +80,19 @@ class AsyncEngine:
 
         Raises:
             UnsupportedModelError: the checkpoint cannot be loaded (see ``load_checkpoint``).
-            ValueError: an unknown ``dtype`` or scheduling policy.
+            ValueError: an unknown ``dtype``, ``weights``, ``kv_dtype`` or scheduling policy.
+            UnsupportedHardwareError: ``weights`` needs kernels this device lacks (names the setting).
         """
         from engine.checkpoint import load_checkpoint, resolve_device
+        from engine.weight_format import check_supported
 
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        ckpt = load_checkpoint(path, DTYPES[config.dtype], resolve_device(config.device))
+        device = resolve_device(config.device)
+        check_supported(config.weights, config.kv_dtype, device)
+        ckpt = load_checkpoint(path, DTYPES[config.dtype], device, config.weights, config.dense_min_rows)
         core = LLMEngine(ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer)
         return cls(core, ckpt.tokenizer)
 

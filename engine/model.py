@@ -26,7 +26,9 @@ from torch import nn
 from engine.arch_config import ArchConfig
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
-from engine.linear import DenseWeight, LinearWeight
+from engine.linear import LinearWeight
+from engine.quantized import GGUFBlocks
+from engine.weight_format import WeightPlan
 
 
 def allocate_kv_cache(
@@ -66,6 +68,8 @@ def interleave_rope_rows(t: torch.Tensor, num_heads: int, head_dim: int) -> torc
     rotation is one complex multiply (``apply_rope``). q and k get the same order, so every q.k dot product,
     and so attention, is unchanged (up to fp32 summation order); V and ``o_proj`` are untouched.
     """
+    if isinstance(t, GGUFBlocks):  # quantized rows: permute whole rows of blocks
+        return t.rows(interleave_rope_rows(torch.arange(t.shape[0]), num_heads, head_dim).numpy())
     rest = t.shape[1:]
     return t.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
 
@@ -85,7 +89,9 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``, statistics in fp32 as Hugging
     Face computes them. Written out rather than ``F.rms_norm``: on CPU (torch 2.13) the fused kernel took
-    1.46 ms for 1,082 x 576 fp32 rows where these four ops take 0.21 ms, with bit-identical results."""
+    1.46 ms for 1,082 x 576 fp32 rows where these four ops take 0.21 ms, with bit-identical results (and at
+    one decode row it is no single kernel either: ``_fused_rms_norm`` runs pow/mean/rsqrt inside, 26 us
+    against ~12 us here)."""
     if x.dtype == torch.float32:
         return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
     xf = x.float()
@@ -96,7 +102,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer: ``h += o(attn(norm(h)))``; ``h += down(silu(gate) * up)(norm(h))``."""
 
-    def __init__(self, config: ArchConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ArchConfig, w: dict[str, torch.Tensor], prefix: str, plan: WeightPlan) -> None:
         super().__init__()
         self.config = config
         a, m = prefix + "self_attn.", prefix + "mlp."
@@ -107,7 +113,7 @@ class DecoderLayer(nn.Module):
             t = w.get(name)
             return None if t is None else interleave_rope_rows(t, heads, config.head_dim)
 
-        self.qkv: LinearWeight = DenseWeight.concat(
+        self.qkv: LinearWeight = plan.build_linear(
             [
                 rope_order(a + "q_proj.weight", config.num_heads),
                 rope_order(a + "k_proj.weight", config.num_kv_heads),
@@ -118,10 +124,15 @@ class DecoderLayer(nn.Module):
                 rope_order(a + "k_proj.bias", config.num_kv_heads),
                 w.get(a + "v_proj.bias"),
             ],
+            a + "qkv",
         )
-        self.o_proj: LinearWeight = DenseWeight(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
-        self.gate_up: LinearWeight = DenseWeight.concat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
-        self.down: LinearWeight = DenseWeight(w[m + "down_proj.weight"])
+        self.o_proj: LinearWeight = plan.build_linear(
+            [w[a + "o_proj.weight"]], [w.get(a + "o_proj.bias")], a + "o_proj"
+        )
+        self.gate_up: LinearWeight = plan.build_linear(
+            [w[m + "gate_proj.weight"], w[m + "up_proj.weight"]], None, m + "gate_up"
+        )
+        self.down: LinearWeight = plan.build_linear([w[m + "down_proj.weight"]], None, m + "down_proj")
 
     def forward(
         self,
@@ -153,33 +164,62 @@ class LlamaModel(nn.Module):
         config: the model's shape.
         weights: Hugging Face-named tensors (``model.embed_tokens.weight``, ``model.layers.{i}...``,
             ``model.norm.weight``, ``lm_head.weight`` unless tied), already in the compute dtype and on the
-            device. Norms and the embedding are used as given; linear weights are stored transposed
-            (``engine.linear.DenseWeight``), so a tied LM head is a transposed copy of the embedding.
+            device, or ``engine.quantized.GGUFBlocks`` for quantized 2-D tensors. Norms are used as given;
+            linear weights and the embedding are built by ``plan`` (``engine.weight_format``).
+        plan: the weight formats; None = dense weights in the embedding's dtype (``float32`` plan).
 
     Raises:
         UnsupportedModelError: a weight is missing or has the wrong shape (names it).
     """
 
-    def __init__(self, config: ArchConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config: ArchConfig, weights: dict[str, torch.Tensor], plan: WeightPlan | None = None
+    ) -> None:
         super().__init__()
         check_weights(config, weights)
         self.config = config
-        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        norm = weights["model.norm.weight"]
+        if plan is None:
+            plan = WeightPlan("float32", norm.device, None, norm.dtype)
+        self.plan = plan
+        embed = weights["model.embed_tokens.weight"]
+        self.embed = plan.build_embedding(
+            embed
+        )  # a tensor [vocab, hidden], or a module decoding rows on lookup
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+            DecoderLayer(config, weights, f"model.layers.{i}.", plan) for i in range(config.num_layers)
         )
-        self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
-        head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head: LinearWeight = DenseWeight(head)
-        self.register_buffer("inv_freq", rope_inv_freq(config).to(self.embed_tokens.device), persistent=False)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+        head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        head_plan = WeightPlan(
+            plan.weights, plan.device, None, plan.dtype
+        )  # logits rows are few: no dense copy
+        self.lm_head: LinearWeight = head_plan.build_linear([head], None, "lm_head")
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(norm.device), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        """Dtype of activations between layers (and of the KV cache by default)."""
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.norm.device
+
+    @property
+    def weight_formats(self) -> str:
+        """The classes holding the embedding and linear weights, e.g. ``"GroupedEmbedding,Int4Weight,Int8Weight"``
+        (``"DenseWeight,Tensor"`` for the fp32 reference)."""
+        linears = [
+            lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        return ",".join(sorted({type(m).__name__ for m in [self.embed, self.lm_head, *linears]}))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[T, hidden]`` of int64 ``ids`` ``[T]`` in the model dtype."""
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(ids, self.embed)
+        return self.embed(ids).to(self.dtype)
 
     @property
     def weight_nbytes(self) -> int:
@@ -197,6 +237,7 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        shared_prefix: bool = True,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -205,6 +246,8 @@ class LlamaModel(nn.Module):
             positions: int64 ``[T]`` position of each token in its sequence.
             kv_cache: from ``allocate_kv_cache``; this step's K/V are written at ``meta.slot_mapping``.
             meta: the step's attention metadata.
+            shared_prefix: allow cascade attention over blocks shared by decode sequences
+                (``engine.attention.SharedPrefix``).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states in the model dtype.
@@ -217,10 +260,10 @@ class LlamaModel(nn.Module):
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
             )
         dev = self.device
-        plan = plan_attention(meta, dev, kv_cache.shape[2])
+        plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix)
         positions = positions.to(dev)
         rotation = rope_rotation(self.inv_freq, positions)
-        h = F.embedding(input_ids.to(dev), self.embed_tokens)
+        h = self.embed_tokens(input_ids.to(dev))
         for i, layer in enumerate(self.layers):
             h = layer(h, rotation, kv_cache[i], plan)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)

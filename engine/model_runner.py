@@ -75,12 +75,19 @@ class ModelRunner:
         num_blocks: blocks of the KV pool.
         block_size: tokens per block.
         kv_dtype: dtype of the KV cache (default: the model's).
+        shared_prefix: cascade attention for decode sequences sharing leading blocks (``engine.attention``).
     """
 
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype | None = None,
+        shared_prefix: bool = True,
     ):
         self.model = model
+        self.shared_prefix = shared_prefix
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
             model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device
@@ -152,7 +159,7 @@ class ModelRunner:
             inp: from ``prepare``.
             return_logits: also return the float32 ``[N, vocab]`` logits (tests).
         """
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix)
         if not inp.sample_seqs:
             return StepResult([], None)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.to(hidden.device)))

@@ -48,7 +48,7 @@ def test_qwen2_folder_has_bias_and_tied_head(tiny_qwen2_dir):
     ck = load_checkpoint(str(tiny_qwen2_dir))
     assert ck.config.architecture == "Qwen2ForCausalLM" and ck.config.attention_bias
     assert ck.model.layers[0].qkv.bias is not None and ck.model.layers[0].qkv.bias.shape == (64 + 2 * 32,)
-    assert torch.equal(ck.model.lm_head.weight, ck.model.embed_tokens)  # tied
+    assert torch.equal(ck.model.lm_head.weight, ck.model.embed)  # tied
 
 
 def test_gguf_f32_weights_are_hf_weights_unpermuted(tmp_path):

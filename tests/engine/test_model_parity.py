@@ -132,7 +132,7 @@ def test_gguf_f32_logits_equal_hf_folder_logits(tmp_path, tiny_prompt_ids):
 def test_bf16_close_to_fp32(tiny_hf_dir, tiny_prompt_ids):
     ck32 = load_checkpoint(str(tiny_hf_dir))
     ck16 = load_checkpoint(str(tiny_hf_dir), dtype=torch.bfloat16)
-    assert ck16.model.embed_tokens.dtype == torch.bfloat16
+    assert ck16.model.embed.dtype == torch.bfloat16
     a = our_logits_all(ck32, tiny_prompt_ids)[-1]
     b = our_logits_all(ck16, tiny_prompt_ids)[-1]
     assert b.dtype == torch.float32

@@ -1,0 +1,226 @@
+"""Which weight format each linear layer (and the embedding) runs in: ``engine.weights`` and the hardware.
+
+``EngineConfig.weights`` (the ``engine.weights`` setting):
+
+- ``float32``: every weight dequantized to fp32, fp32 GEMMs (the reference; the only format of the fp32
+  parity tests against transformers).
+- ``bf16``: dense bf16 weights, bf16 GEMMs, fp32 activations between layers.
+- ``int4``: 4-bit weight-only (``engine.linear.Int4Weight``). Q4_0/Q4_1 tensors are used as stored (exact);
+  anything else is quantized at load to Q4_1 with llama.cpp's reference quantizer (``gguf.quants.quantize``).
+- ``int8``: 8-bit weight-only (``engine.linear.Int8Weight``). Q8_0 tensors as stored (exact); anything else is
+  quantized at load to Q8_0.
+- ``native``: each tensor in its own storage format where a kernel runs it: Q4_0/Q4_1 -> int4, Q8_0 -> int8,
+  BF16 -> bf16, F16/F32 -> float32 (an fp16 mantissa does not fit bf16). Start-up error when the hardware has
+  no fast kernel for one of them.
+- ``auto`` (default): ``native`` when the hardware runs those kernels fast, else ``float32`` with a log line.
+  It never loses precision the checkpoint has.
+
+A fused projection (q/k/v, gate/up) whose parts are stored in different formats runs in the widest of them
+(any float part -> float32; Q4 with Q8_0 -> int8), with a log line.
+
+The int4/int8/bf16 kernels need bf16 arithmetic (AVX512-BF16 or AMX on x86 CPUs: the int4 kernel's fp32
+path is a scalar loop) or CUDA; ``bf16_kernels_available`` tells, ``check_supported`` refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import EngineError
+from engine.linear import (
+    DENSE_MIN_ROWS,
+    BF16Weight,
+    DenseWeight,
+    GroupedEmbedding,
+    Int4Weight,
+    Int8Weight,
+    LinearWeight,
+)
+from engine.quantized import INT4_TYPES, QK, GGUFBlocks, int4_groups, int8_groups, quantize
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("auto", "native", "int8", "int4", "bf16", "float32")
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedHardwareError(EngineError):
+    """A setting asks for a kernel this device does not have (the message names the setting)."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_kernels_available(device: torch.device | str) -> bool:
+    """True on CUDA, and on CPUs whose torch build dispatches AVX512 kernels and that have AVX512-BF16 or AMX
+    (``torch.backends.cpu.get_cpu_capability()`` and ``/proc/cpuinfo``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type != "cpu":
+        return False
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap.startswith("AVX512") and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def check_supported(weights: str, kv_dtype: str, device: torch.device | str) -> None:
+    """Validate ``engine.weights`` / ``engine.kv_dtype`` for ``device`` before anything is loaded.
+
+    Raises:
+        ValueError: an unknown value (named with the choices).
+        UnsupportedHardwareError: ``int4`` / ``int8`` / ``bf16`` / ``native`` without bf16 kernels, or int4 /
+            int8 on a device other than CPU or CUDA.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"engine.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if weights in ("int4", "int8", "bf16", "native") and not bf16_kernels_available(device):
+        raise UnsupportedHardwareError(
+            f"engine.weights: {weights} needs bf16 kernels (a CPU with AVX512-BF16 or AMX, or CUDA); "
+            f"this {torch.device(device).type} device has none (cpu capability "
+            f"{torch.backends.cpu.get_cpu_capability()}). Use weights: auto or float32."
+        )
+
+
+def storage_kind(t: torch.Tensor | GGUFBlocks) -> str:
+    """``"int4"`` (Q4_0/Q4_1), ``"int8"`` (Q8_0), ``"bf16"`` or ``"float32"`` (F32, F16 and anything else)."""
+    if isinstance(t, GGUFBlocks):
+        return "int4" if t.qtype in INT4_TYPES else "int8"
+    return "bf16" if t.dtype == torch.bfloat16 else "float32"
+
+
+_WIDTH = {"int4": 0, "int8": 1, "bf16": 2, "float32": 3}
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How to build the model's weights.
+
+    Attributes:
+        weights: the resolved ``engine.weights`` (never ``auto``: ``resolve`` turns it into ``native`` or
+            ``float32``).
+        device: where the weights live.
+        dense_min_rows: quantized linears keep a dense bf16 copy used from this many rows up (prefill
+            chunks); None = int4/int8 kernel at every row count (no copy, less memory).
+        dtype: dtype of float weights and activations (fp32, or the model dtype when it is bf16/fp16).
+    """
+
+    weights: str
+    device: torch.device
+    dense_min_rows: int | None = DENSE_MIN_ROWS
+    dtype: torch.dtype = torch.float32
+
+    def kind_for(self, parts: list[torch.Tensor | GGUFBlocks], name: str) -> str:
+        """The format one fused projection (its ``parts``) runs in."""
+        if self.weights != "native":
+            return self.weights
+        kinds = {storage_kind(p) for p in parts}
+        kind = max(kinds, key=_WIDTH.__getitem__)
+        if len(kinds) > 1:
+            log.info("%s: parts stored as %s run as %s", name, sorted(kinds), kind)
+        return kind
+
+    def build_linear(
+        self, parts: list[torch.Tensor | GGUFBlocks], biases: list[torch.Tensor | None] | None, name: str
+    ) -> LinearWeight:
+        """One ``LinearWeight`` computing the row-stacked ``parts`` (``[out_i, in]`` each).
+
+        A part whose ``in`` is not a multiple of 32 cannot be quantized: such a layer falls back to bf16 with
+        a log line.
+        """
+        kind = self.kind_for(parts, name)
+        bias = _concat_bias(parts, biases)
+        if kind in ("int4", "int8") and parts[0].shape[1] % QK:
+            log.info(
+                "%s: in_features %d is not a multiple of %d; %s falls back to bf16",
+                name,
+                parts[0].shape[1],
+                QK,
+                kind,
+            )
+            kind = "bf16"
+        if kind == "int4":
+            groups = [int4_groups(_as_blocks(p, "Q4_1", INT4_TYPES, name)) for p in parts]
+            return Int4Weight(type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows)
+        if kind == "int8":
+            groups = [int8_groups(_as_blocks(p, "Q8_0", ("Q8_0",), name)) for p in parts]
+            return Int8Weight(type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows)
+        dense = torch.cat([_as_float(p) for p in parts])
+        if kind == "bf16":
+            return BF16Weight(dense, bias, self.device)
+        return DenseWeight(
+            dense.to(device=self.device, dtype=self.dtype),
+            None if bias is None else bias.to(self.device, self.dtype),
+        )
+
+    def build_embedding(self, t: torch.Tensor | GGUFBlocks) -> torch.nn.Module | torch.Tensor:
+        """The token embedding: quantized blocks stay quantized (``GroupedEmbedding``, exact) unless the plan is
+        ``float32`` / ``bf16``; otherwise a dense tensor in ``dtype``."""
+        if isinstance(t, GGUFBlocks) and self.weights not in ("float32", "bf16"):
+            if t.qtype in INT4_TYPES:
+                g = int4_groups(t)
+                return GroupedEmbedding(g.q, g.scale, g.zero, 8, self.device)
+            g = int8_groups(t)
+            return GroupedEmbedding(g.q, g.scale, None, 0, self.device)
+        return _as_float(t).to(device=self.device, dtype=self.dtype)
+
+
+def resolve(
+    weights: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    dense_min_rows: int | None = DENSE_MIN_ROWS,
+) -> WeightPlan:
+    """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged).
+
+    Raises:
+        ValueError, UnsupportedHardwareError: see ``check_supported``.
+    """
+    device = torch.device(device)
+    if weights == "auto":
+        if bf16_kernels_available(device) and dtype == torch.float32:
+            weights = "native"
+        else:
+            log.info(
+                "engine.weights auto: no bf16 kernels on this %s (or dtype %s); running float32",
+                device.type,
+                dtype,
+            )
+            weights = "float32"
+    check_supported(weights, "float32", device)
+    return WeightPlan(weights, device, dense_min_rows, dtype)
+
+
+def _concat_bias(parts, biases) -> torch.Tensor | None:
+    if biases is None or all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [b.float() if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases, strict=True)]
+    )
+
+
+def _as_float(t: torch.Tensor | GGUFBlocks) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, GGUFBlocks) else t
+
+
+def _as_blocks(t: torch.Tensor | GGUFBlocks, target: str, keep: tuple[str, ...], name: str) -> GGUFBlocks:
+    if isinstance(t, GGUFBlocks) and t.qtype in keep:
+        return t
+    if isinstance(t, GGUFBlocks):
+        log.info("%s: %s re-quantized to %s at load (engine.weights asks for it)", name, t.qtype, target)
+    return quantize(_as_float(t).float().cpu(), target)
