@@ -42,7 +42,7 @@ from gateway.service.canonicalize.replay import (
     replay,
 )
 from gateway.service.canonicalize.transcript_store import RedisTranscriptStore
-from gateway.service.miss_explain import VolatileSpan, volatile_spans_from_chars
+from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
 from rules import RequestShapeError, RuleError, RuleSet, load_ruleset
 from rules import cli as rules_cli
 from rules.learned import LEARNED_ROLES, LearnConfig, SlotLearner

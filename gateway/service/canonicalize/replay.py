@@ -34,9 +34,9 @@ from typing import Any, Protocol
 from gateway.core.errors import APIError
 from gateway.protocols.anthropic.parse import anthropic_to_openai_messages, anthropic_to_openai_tools
 from gateway.protocols.anthropic.validate import validate_body
-from gateway.service.miss_explain import (
+from gateway.service.miss_explain import MissExplainer
+from gateway.service.miss_explanation import (
     MISS_CAUSES,
-    MissExplainer,
     PromptSegment,
     VolatileSpan,
     volatile_spans_from_chars,
