@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.core.request import ChatRequest
 from gateway.service.canonicalize import Canonicalizer
-from gateway.service.canonicalize.replay import Cl100kTokenizer, PromptTokenizer
+from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer, PromptTokenizer
 from gateway.service.miss_counters import MissCounters
 from gateway.service.miss_explain import MissExplainer
 from gateway.service.miss_explanation import HEADER, MissExplanation

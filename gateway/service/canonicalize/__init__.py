@@ -34,13 +34,9 @@ from typing import Any, TextIO
 from gateway.config.schema import LearningConfig, TranscriptConfig
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
-from gateway.service.canonicalize.replay import (
-    PromptTokenizer,
-    RenderedPrompt,
-    default_tokenizer,
-    render_canonical,
-    replay,
-)
+from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer, default_tokenizer
+from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, render_canonical
+from gateway.service.canonicalize.replay import replay
 from gateway.service.canonicalize.transcript_store import RedisTranscriptStore
 from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
 from rules import RequestShapeError, RuleError, RuleSet, load_ruleset
