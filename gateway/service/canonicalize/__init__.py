@@ -41,7 +41,8 @@ from gateway.service.canonicalize.transcript_store import RedisTranscriptStore
 from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
 from rules import RequestShapeError, RuleError, RuleSet, load_ruleset
 from rules import cli as rules_cli
-from rules.learned import LEARNED_ROLES, LearnConfig, SlotLearner
+from rules.learn_config import LearnConfig
+from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.messages import get_text, text_parts
 from rules.transcript import InProcessTranscriptStore, TranscriptMemory
 
