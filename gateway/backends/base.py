@@ -91,7 +91,7 @@ class Backend(ABC):
 
     def prompt_tokenizer(self) -> Any:
         """The model's own chat template and tokenizer as a
-        ``gateway.service.canonicalize.replay.PromptTokenizer`` (``render(messages, tools,
+        ``gateway.service.canonicalize.prompt_tokenizers.PromptTokenizer`` (``render(messages, tools,
         add_generation_prompt) -> str``, ``encode(text) -> (ids, start offsets)``), for the miss explanation;
         None when the backend has none (upstreams: the explanation falls back to ``cl100k_base``)."""
         return None

@@ -21,8 +21,10 @@ from typing import Any
 
 from gateway.core.request import ChatRequest
 from gateway.service.canonicalize import Canonicalizer
-from gateway.service.canonicalize.replay import Cl100kTokenizer, PromptTokenizer
-from gateway.service.miss_explain import HEADER, MissCounters, MissExplainer, MissExplanation
+from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer, PromptTokenizer
+from gateway.service.miss_counters import MissCounters
+from gateway.service.miss_explain import MissExplainer
+from gateway.service.miss_explanation import HEADER, MissExplanation
 
 __all__ = ["HEADER", "CacheExplanations"]
 

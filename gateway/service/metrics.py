@@ -109,7 +109,7 @@ class StatsCollector(Collector):
 
 
 def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
-    """Misses by cause (``gateway.service.miss_explain.MISS_CAUSES``) and the stable tokens they cost."""
+    """Misses by cause (``gateway.service.miss_explanation.MISS_CAUSES``) and the stable tokens they cost."""
     if not doc:
         return
     misses = CounterMetricFamily(

@@ -5,7 +5,7 @@ that carries ``"diagnostics": {"previous_message_id": <id of the previous respon
 ``diagnostics`` object whose ``cache_miss_reason`` has a ``type`` (``model_changed``, ``system_changed``,
 ``tools_changed``, ``messages_changed``, ``previous_message_not_found``, ``unavailable``; null while the
 comparison still runs) and ``cache_missed_input_tokens``. The comparison is about the request structure, not
-about whether the cache hit. Mapping onto ``miss_explain.MISS_CAUSES``:
+about whether the cache hit. Mapping onto ``miss_explanation.MISS_CAUSES``:
 
 ==============================  ======================================================================
 provider reason                 gateway cause
@@ -16,7 +16,7 @@ provider reason                 gateway cause
 ``messages_changed``            ``history_rewritten``
 ``previous_message_not_found``  none (no comparison was possible)
 ``unavailable``                 none
-anything else (a phrase)        ``miss_explain.map_provider_cause`` (keywords), else none
+anything else (a phrase)        ``miss_explanation.map_provider_cause`` (keywords), else none
 ==============================  ======================================================================
 
 Other providers document no miss reason today; a ``diagnostics`` / ``cache_miss_reason`` string anywhere in the
@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.service.miss_explain import MissCounters, MissExplanation, map_provider_cause
+from gateway.service.miss_counters import MissCounters
+from gateway.service.miss_explanation import MissExplanation, map_provider_cause
 
 ANTHROPIC_MISS_REASONS: Mapping[str, str | None] = {
     "model_changed": "cold",

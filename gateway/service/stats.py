@@ -39,7 +39,8 @@ from gateway.config.price_table import ModelPrices
 from gateway.core.cache_usage import CacheUsage, CacheUsageError
 from gateway.core.events import BackendUsage
 from gateway.service.cost_ledger import CostLedger, RequestCost
-from gateway.service.miss_explain import MissCounters, map_provider_cause
+from gateway.service.miss_counters import MissCounters
+from gateway.service.miss_explanation import map_provider_cause
 from gateway.service.provider_diagnostics import (
     ANTHROPIC_MISS_REASONS,
     ProviderDiagnostic,

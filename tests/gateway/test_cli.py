@@ -178,7 +178,8 @@ def test_rules_replay_runs_the_configured_canonicalizer_and_names_broken_lines(t
     assert totals["requests"] == 3 and totals["broken"] == 1
     assert totals["turns_worse_than_off"] == 0
     # the memory keeps the history byte-identical while the time changes: more is shared than without it
-    from gateway.service.canonicalize.replay import Cl100kTokenizer, replay, rules_canonicalizer
+    from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer
+    from gateway.service.canonicalize.replay import replay, rules_canonicalizer
     from rules import load_ruleset
 
     stateless = replay(lines, rules_canonicalizer(load_ruleset(["default"])), Cl100kTokenizer()).totals()

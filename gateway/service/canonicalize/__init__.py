@@ -34,18 +34,15 @@ from typing import Any, TextIO
 from gateway.config.schema import LearningConfig, TranscriptConfig
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
-from gateway.service.canonicalize.replay import (
-    PromptTokenizer,
-    RenderedPrompt,
-    default_tokenizer,
-    render_canonical,
-    replay,
-)
+from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer, default_tokenizer
+from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, render_canonical
+from gateway.service.canonicalize.replay import replay
 from gateway.service.canonicalize.transcript_store import RedisTranscriptStore
-from gateway.service.miss_explain import VolatileSpan, volatile_spans_from_chars
+from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
 from rules import RequestShapeError, RuleError, RuleSet, load_ruleset
 from rules import cli as rules_cli
-from rules.learned import LEARNED_ROLES, LearnConfig, SlotLearner
+from rules.learn_config import LearnConfig
+from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.messages import get_text, text_parts
 from rules.transcript import InProcessTranscriptStore, TranscriptMemory
 

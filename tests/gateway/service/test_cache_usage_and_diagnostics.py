@@ -15,7 +15,7 @@ from gateway.protocols.provider_usage import (
     gemini_cache_usage,
     openai_cache_usage,
 )
-from gateway.service.miss_explain import MissCounters
+from gateway.service.miss_counters import MissCounters
 from gateway.service.provider_diagnostics import (
     ANTHROPIC_MISS_REASONS,
     anthropic_diagnostic,

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.service.miss_explain import (
-    MISS_CAUSES,
-    MissCounters,
-    MissExplainer,
+from gateway.service.miss_explain import MissExplainer
+from gateway.service.miss_explanation import (
     MissExplainError,
     MissExplanation,
     PromptSegment,
     VolatileSpan,
-    chain_hashes,
-    format_cache_header,
-    map_provider_cause,
-    volatile_spans_from_chars,
 )
 
 
@@ -201,22 +195,6 @@ def test_provider_diagnostic_takes_precedence_and_keeps_the_place() -> None:
     assert (e.cause, e.source) == ("system_changed", "local")
 
 
-def test_map_provider_cause() -> None:
-    assert {c: map_provider_cause(c) for c in MISS_CAUSES} == {c: c for c in MISS_CAUSES}
-    assert map_provider_cause("  Tools_Changed ") == "tools_changed"
-    assert map_provider_cause("prompt is below the minimum cacheable length") == "below_minimum"
-    assert map_provider_cause("cache TTL expired") == "evicted"
-    assert map_provider_cause("tool definitions changed") == "tools_changed"
-    assert map_provider_cause("system prompt changed") == "system_changed"
-    assert map_provider_cause("conversation history was modified") == "history_rewritten"
-    assert map_provider_cause("dynamic content in prefix") == "volatile"
-    assert map_provider_cause("no cache entry found") == "cold"
-    assert map_provider_cause("weather") is None
-    assert map_provider_cause("") is None
-    assert map_provider_cause(None) is None
-    assert map_provider_cause(42) is None
-
-
 def test_granularity_and_the_last_token() -> None:
     ex = MissExplainer()
     tokens = list(range(1100))
@@ -236,27 +214,6 @@ def test_explain_is_read_only() -> None:
     assert ex.footprint() == {"keys": 1, "prompts": 1, "bytes": 256 + 4 * 130, "cached_chains": 8}
     served(ex, tokens, segments)  # the same prompt again is refreshed, not added
     assert ex.footprint()["prompts"] == 1
-
-
-def test_counters_by_cause() -> None:
-    counters = MissCounters()
-    counters.add(MissExplanation(112, 112, False))
-    counters.add(MissExplanation(32, 112, True, "volatile", "system", 40, None, None, "local"))
-    counters.add(MissExplanation(0, 112, True, "cold", "tools", 0, None, None, "local"))
-    counters.add(MissExplanation(32, 112, True, "volatile", "system", 41, None, None, "local"))
-    snap = counters.snapshot()
-    assert (snap["requests"], snap["hits"], snap["misses"]) == (4, 1, 3)
-    assert snap["by_cause"] == {
-        "volatile": 2,
-        "tools_changed": 0,
-        "system_changed": 0,
-        "history_rewritten": 0,
-        "evicted": 0,
-        "cold": 1,
-        "below_minimum": 0,
-    }
-    assert snap["missed_tokens_by_cause"]["volatile"] == 160 and snap["missed_tokens_by_cause"]["cold"] == 112
-    assert snap["by_segment"] == {"tools": 1, "system": 2, "documents": 0, "history": 0, "tail": 0}
 
 
 def test_bad_input_is_a_named_error() -> None:
@@ -297,26 +254,3 @@ def test_memory_is_bounded_under_a_flood() -> None:
         assert (
             fp["keys"] <= 10 and fp["prompts"] <= 50 and fp["bytes"] <= 40_000 and fp["cached_chains"] <= 300
         )
-
-
-def test_chain_hashes_shape_and_rooting() -> None:
-    a = chain_hashes(list(range(40)), 16, b"root-a")
-    assert len(a) == 2 and all(len(h) == 16 for h in a)
-    assert chain_hashes(list(range(40)), 16, b"root-b")[0] != a[0]
-    assert chain_hashes(list(range(32)) + [0] * 8, 16, b"root-a") == a
-    assert chain_hashes([0] + list(range(1, 40)), 16, b"root-a") == a
-    assert chain_hashes([99] + list(range(1, 40)), 16, b"root-a")[1] != a[1]
-
-
-def test_format_cache_header_never_holds_more_than_counts_and_names() -> None:
-    e = MissExplanation(0, 64, True, "cold", "tail", 64, None, None, "local")
-    assert format_cache_header(e) == "cached=0; miss=cold; at=tail:64"
-
-
-def test_volatile_spans_from_character_ranges() -> None:
-    starts = [0, 4, 9, 10, 16, 20]  # six tokens
-    assert volatile_spans_from_chars([(9, 16, "learned.a"), (5, 6, None), (20, 25, "b")], starts) == [
-        VolatileSpan(2, 4, "learned.a"),
-        VolatileSpan(1, 2, None),
-        VolatileSpan(5, 6, "b"),
-    ]

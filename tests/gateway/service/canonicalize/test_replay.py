@@ -7,16 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway.service.canonicalize.replay import (
-    Cl100kTokenizer,
-    SmolLM2Tokenizer,
-    TraceLineError,
-    main,
-    parse_line,
-    render_canonical,
-    replay,
-    rules_canonicalizer,
-)
+from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer, SmolLM2Tokenizer
+from gateway.service.canonicalize.rendered_prompt import render_canonical
+from gateway.service.canonicalize.replay import main, replay, rules_canonicalizer
 from rules import RuleSet, load_ruleset
 from rules.learned import SlotLearner
 
@@ -117,31 +110,6 @@ def test_canonicalize_is_injected_with_model_and_tenant() -> None:
     assert calls == [("m", "acme", 2), ("m", "", 2)]
     # tenants are separate: the second request shares nothing with the first
     assert report.requests[1].on.common_chars == 0
-
-
-def test_anthropic_bodies_are_converted() -> None:
-    body = {
-        "model": "claude",
-        "max_tokens": 5,
-        "system": "Be terse and exact in every single reply you give.",
-        "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-            {
-                "role": "assistant",
-                "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}],
-            },
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
-        ],
-        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-    }
-    request = parse_line(json.dumps(body), 1)
-    assert request.protocol == "anthropic"
-    assert [m["role"] for m in request.messages] == ["system", "user", "assistant", "tool"]
-    assert request.tools[0]["function"]["name"] == "f"
-    with pytest.raises(TraceLineError, match="anthropic"):
-        parse_line(json.dumps({**body, "messages": [{"role": "robot", "content": "x"}]}), 2)
-    with pytest.raises(TraceLineError, match="envelope 'protocol'"):
-        parse_line(json.dumps({"protocol": "grpc", "body": body}), 3)
 
 
 def test_tools_are_a_segment_and_a_change_is_tools_changed() -> None:

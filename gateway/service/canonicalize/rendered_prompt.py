@@ -1,0 +1,120 @@
+"""A canonical request rendered as prompt text and tokens, with its segments located as token ranges.
+
+Owns ``render_canonical`` and ``RenderedPrompt``: the rendered text, its token ids and start offsets, the
+segments (``tools``, ``system``, ``documents``, ``history``, ``tail``) as ``PromptSegment`` token ranges, and
+where the stable prefix ends. A template that ignores tools (SmolLM2's does) gets the tools' canonical JSON as
+a preamble, since the upstream models users replay for do see them.
+
+Invariants: the segments are contiguous, in order, and cover every token; ``stable_tokens`` never exceeds
+the token count. ``common_prefix`` is the longest common prefix of two sequences (binary search).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer
+from gateway.service.miss_explanation import PromptSegment
+from rules import Canonical, Position
+from rules.actions import canonical_json
+from rules.segments import message_prefix
+
+_LEVEL_SEGMENT = {1: "system", 2: "documents", 3: "history", 4: "tail"}
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A canonical request as prompt text and tokens, with its segments as token ranges."""
+
+    text: str
+    tokens: list[int]
+    starts: list[int]
+    segments: list[PromptSegment]
+    stable_tokens: int
+
+
+def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPrompt:
+    """Render ``canon`` and locate its segments: each boundary is where the rendering of the messages cut at
+    that position (``rules.segments.message_prefix``) stops agreeing with the full rendering; the tools'
+    range is where the renderings with and without tools differ, or a canonical-JSON preamble when the
+    template ignores tools.
+
+    Raises:
+        TraceLineError: the template refused the messages.
+    """
+    messages, tools = canon.messages, canon.tools
+    body = tokenizer.render(messages, tools, True)
+    preamble = ""
+    tools_at = (0, 0)
+    if tools:
+        without = tokenizer.render(messages, None, True)
+        if without == body:
+            preamble = "<|tools|>\n" + canonical_json(tools) + "\n\n"
+            tools_at = (0, len(preamble))
+        else:
+            start = common_prefix(body, without)
+            end = len(body) - _common_suffix(body, without, len(body) - start)
+            tools_at = (start, end)
+    text = preamble + body
+
+    def boundary(pos: Position) -> int:
+        prefix = message_prefix(messages, pos)
+        if not prefix:
+            return len(preamble)
+        cut = tokenizer.render(prefix, tools, False)
+        return len(preamble) + common_prefix(body, cut)
+
+    cuts: list[tuple[int, str]] = []
+    for segment in canon.segments:
+        start = boundary(Position(segment.start_message, segment.start_part, segment.start_char))
+        cuts.append((start, _LEVEL_SEGMENT[segment.level]))
+    stable_chars = boundary(canon.stable_end) if canon.stable_end.message < len(messages) else len(text)
+    ids, starts = tokenizer.encode(text)
+
+    def tok(c: int) -> int:
+        return bisect.bisect_left(starts, c)
+
+    named: list[tuple[int, str]] = []
+    if tools_at[1] > tools_at[0]:
+        named.append((tools_at[0], "tools"))
+        named.append((tools_at[1], "system"))
+    named.extend(cuts)
+    named.sort(key=lambda x: x[0])
+    if not named or named[0][0] > 0:
+        named.insert(0, (0, named[0][1] if named else "tail"))
+    segments: list[PromptSegment] = []
+    pos = 0
+    for k, (_, name) in enumerate(named):
+        end = tok(named[k + 1][0]) if k + 1 < len(named) else len(ids)
+        end = max(end, pos)
+        if segments and segments[-1].name == name:
+            segments[-1] = PromptSegment(name, segments[-1].start, end)
+        else:
+            segments.append(PromptSegment(name, pos, end))
+        pos = end
+    return RenderedPrompt(text, ids, starts, segments, min(tok(stable_chars), len(ids)))
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    lo, hi = 0, min(len(a), len(b), limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid :] == b[len(b) - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
