@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from engine.api import EngineConfig
 from gateway.config.pricing import Prices
+from gateway.core.keys import ClientKey
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 BACKEND_KINDS = ("embedded", "openai", "anthropic")
@@ -144,6 +145,21 @@ class AnthropicUpstream(UpstreamModel):
     min_cacheable_tokens: tuple[tuple[str, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """One ``shared_prefixes:`` declaration: a prompt prefix cached once for every tenant.
+
+    Attributes:
+        kind: ``segment`` (value: segment level ``1`` tools+system or ``2`` documents), ``rule`` (value: a rule
+            id; the tools+system segment of requests that rule rewrote), or ``content_hash`` (value: sha256 hex
+            of the tools+system segment's stable material).
+        value: as above, a string.
+    """
+
+    kind: str
+    value: str
+
+
 ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
 """One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
 
@@ -157,6 +173,10 @@ class GatewayConfig:
     rules: tuple[str, ...] = ("default",)
     models: tuple[ModelEntry, ...] = (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
     source: str = "<default>"
+    keys: tuple[ClientKey, ...] = ()
+    """Client keys (``gateway.config.keys``); none: the gateway runs open."""
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
+    """Declared public prefixes (``gateway.config.keys.parse_shared_prefixes``)."""
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``, or None."""

@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Finish
+from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import begin, gateway_of, request_id_of, run_unless_disconnected, started_at
 from gateway.protocols.anthropic.parse import apply_request_headers, parse_messages_body
@@ -62,11 +63,12 @@ async def messages_endpoint(http_request: Request) -> Response:
     Headers: ``x-prefixgate-rules: on|off``, ``x-prefixgate-tenant`` (cache salt), ``anthropic-beta``
     (forwarded to Anthropic upstreams).
     """
-
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     request = parse_messages_body(body, request_id=request_id_of(http_request))
     apply_request_headers(request, http_request.headers)
+    authorize(http_request, request, key)
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}

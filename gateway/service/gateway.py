@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from engine.api import EngineStats
 from gateway.config.schema import GatewayConfig
+from gateway.core.keys import KeyTable
 from gateway.service.canonicalize import Canonicalizer
+from gateway.service.limits import ClientUsage
 from gateway.service.registry import ModelRegistry
 from gateway.service.stats import GatewayStats
 
@@ -27,6 +29,8 @@ class Gateway:
         stats: gateway-side counters.
         metrics: this app's Prometheus registry (reads ``stats_snapshot`` at scrape time).
         created: Unix time the gateway was built (the ``created`` of ``/v1/models`` entries).
+        keys: the client keys (empty: the gateway runs open).
+        clients: per-key limits and per-key / per-tenant usage.
     """
 
     config: GatewayConfig
@@ -35,6 +39,8 @@ class Gateway:
     stats: GatewayStats
     metrics: CollectorRegistry | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    keys: KeyTable = field(default_factory=KeyTable)
+    clients: ClientUsage = field(default_factory=lambda: ClientUsage(()))
 
     def engine_stats(self) -> dict[str, EngineStats | None]:
         """Model name -> its engine's counters (None for backends without an engine, or not started)."""
@@ -47,6 +53,7 @@ class Gateway:
         """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials
         or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring."""
         doc = self.stats.snapshot(self.engine_stats())
+        doc.update(self.clients.snapshot())
         for name, backend in self.registry.items():
             replicas = backend.replicas()
             if replicas is not None and name in doc["models"]:

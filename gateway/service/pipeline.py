@@ -179,6 +179,8 @@ class OpenedStream:
         self._done = True
         ttft = self._ttft_s if self._ttft_s is not None else finish.ttft_s
         self.gateway.stats.record_finish(self.request.model, finish.usage, ttft, self.request.prefix_key)
+        request = self.request
+        self.gateway.clients.record_finish(request.client_key, request.tenant, request.model, finish.usage)
         self._log(200, finish=finish, ttft_s=ttft)
 
     def _log(
