@@ -112,6 +112,17 @@ class KeyTable:
         return sorted({key.tenant for key in self._by_digest.values()})
 
 
+def tenant_cache_key(tenant: str, value: str) -> str:
+    """A client's own upstream ``prompt_cache_key`` salted with its tenant: 32 hex digits of BLAKE2b-128
+    (RFC 7693, personalized) over the length-prefixed tenant and value, so two tenants choosing the same
+    value never share a provider's cache placement, and the tenant cannot be read back."""
+    digest = hashlib.blake2b(digest_size=16, person=b"prefixgate-tpck1")
+    for part in (tenant.encode("utf-8"), value.encode("utf-8")):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The key a client sent: ``Authorization: Bearer <key>`` (scheme case-insensitive), else ``x-api-key``.
 
