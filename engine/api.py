@@ -63,6 +63,10 @@ class GenerationRequest:
         params: sampling parameters.
         cache_salt: isolates prefix-cache entries (tenant); part of every block hash's extra keys.
         request_id: caller's id, for logs; the engine makes one when empty.
+        shared_prefix_messages: the first this many ``messages`` (with ``tools``) are a declared public prefix:
+            its full blocks are keyed by ``shared_salt`` instead of ``cache_salt`` (``block_hash.LayeredKeys``),
+            so every tenant hits them; every later block keeps ``cache_salt``. 0 = none.
+        shared_salt: the public prefix's salt (kept apart from every tenant's salt).
     """
 
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -72,6 +76,8 @@ class GenerationRequest:
     prompt: str | None = None
     cache_salt: str = ""
     request_id: str = ""
+    shared_prefix_messages: int = 0
+    shared_salt: str = ""
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,27 @@ class AsyncEngine:
             raise InvalidRequestError("prompt must be a non-empty string", "prompt")
         return self._tokenizer.encode(req.prompt, add_special_tokens=True)
 
+    def shared_prefix_tokens(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """Leading tokens of ``prompt`` that render ``req``'s declared public messages (the first
+        ``shared_prefix_messages``, with the tools): the common prefix of ``prompt`` and those messages rendered
+        without a generation prompt. 0 when none are declared or they cannot be rendered alone."""
+        count = req.shared_prefix_messages
+        if count <= 0 or not req.messages:
+            return 0
+        try:
+            text = self._tokenizer.apply_chat_template(
+                req.messages[:count], req.tools, add_generation_prompt=False
+            )
+        except InvalidRequestError:
+            return 0
+        head = self._tokenizer.encode(text, add_special_tokens=False)
+        n = 0
+        for a, b in zip(head, prompt, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
     def generate(self, req: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
 
@@ -243,9 +264,17 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         done = False
+        shared = self.shared_prefix_tokens(req, prompt)
         try:
             with self._cond:
-                self.core.add_checked_request(prompt, req.params, request_id=rid, cache_salt=req.cache_salt)
+                self.core.add_checked_request(
+                    prompt,
+                    req.params,
+                    request_id=rid,
+                    cache_salt=req.cache_salt,
+                    shared_prefix_tokens=shared,
+                    shared_salt=req.shared_salt,
+                )
                 self._cond.notify()
             while True:
                 event = await queue.get()

@@ -154,6 +154,8 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         cache_salt: str = "",
+        shared_prefix_tokens: int = 0,
+        shared_salt: str = "",
     ) -> Request:
         """``add_request`` for a prompt that already passed ``check_prompt`` (which depends only on the config,
         so a check made before taking the engine lock stays valid): queue it without validating it again.
@@ -164,7 +166,9 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = self.input.make_request(rid, prompt_token_ids, params, cache_salt)
+        req = self.input.make_request(
+            rid, prompt_token_ids, params, cache_salt, shared_prefix_tokens, shared_salt
+        )
         self.requests[rid] = req
         self.scheduler.add_request(req)
         return req

@@ -1,9 +1,10 @@
 """The embedded backend: a ``Backend`` over the in-process engine (``engine.async_engine.AsyncEngine``).
 
 It turns a canonical ``ChatRequest`` into an ``engine.api.GenerationRequest`` (text-only messages, the
-tenant as cache salt), streams ``TextDelta`` events as ``Delta`` and the final ``Finished`` as ``Finish``,
-and maps the engine's named errors to API errors. Closing the stream (client disconnect) closes the engine's
-iterator, which aborts the request and frees its blocks at once.
+tenant as cache salt, a declared public prefix under its shared salt), streams ``TextDelta`` events as
+``Delta`` and the final ``Finished`` as ``Finish``, and maps the engine's named errors to API errors.
+Closing the stream (client disconnect) closes the engine's iterator, which aborts the request and frees its
+blocks at once.
 
 OpenAI parameters the engine cannot honour are refused with 400 rather than silently ignored (see
 ``UNSUPPORTED``); parameters that only carry bookkeeping (``metadata``, ``store``, ``user``...) are accepted.
@@ -179,7 +180,13 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
     if request.kind == "completion":
         return GenerationRequest(prompt=request.prompt or "", **common)
     messages = [template_message(message, index) for index, message in enumerate(request.messages)]
-    return GenerationRequest(messages=messages, tools=template_tools(request.tools), **common)
+    return GenerationRequest(
+        messages=messages,
+        tools=template_tools(request.tools),
+        shared_prefix_messages=request.shared_prefix_messages,
+        shared_salt=request.shared_salt,
+        **common,
+    )
 
 
 def check_supported(body: dict[str, Any]) -> None:

@@ -86,6 +86,7 @@ class ChatRequest:
         client_key: the name of the client key that authenticated the request ("" when the gateway is open).
         shared_prefix_messages: how many leading canonical messages (with the tools) form a declared public
             prefix (``shared_prefixes:``), cached under the shared salt; 0 = none.
+        shared_salt: the salt of that public prefix (names the matching declaration); "" when none.
         kind: ``"chat"`` or ``"completion"`` (``/v1/completions``, then ``prompt`` is set and messages is
             empty).
         prompt: the raw prompt of a completion request.
@@ -117,6 +118,7 @@ class ChatRequest:
     tenant: str = ""
     client_key: str = ""
     shared_prefix_messages: int = 0
+    shared_salt: str = ""
     kind: Literal["chat", "completion"] = "chat"
     prompt: str | None = None
     openai_body: dict[str, Any] | None = None

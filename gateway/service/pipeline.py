@@ -29,6 +29,7 @@ from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
+from gateway.service.shared_prefix import mark_public_prefix
 
 T = TypeVar("T")
 logger = logging.getLogger("prefixgate.pipeline")
@@ -43,6 +44,7 @@ def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
         InvalidRequestError: a request shape the rules refuse.
     """
     gateway.canonicalizer.apply(request)
+    mark_public_prefix(request, gateway.config.shared_prefixes)
     material = gateway.canonicalizer.stable_material(request)
     request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
 
