@@ -186,3 +186,22 @@ def test_invalid_key_flood_is_cheap(keyed):
             assert response.status_code == 401
     assert gateway.clients.state_size() == size
     assert keyed.stats()["models"][TINY_MODEL]["engine"]["requests"] == engine_requests
+
+
+def test_start_up_log_says_whether_the_gateway_is_open(caplog):
+    from starlette.testclient import TestClient
+
+    from gateway.config.schema import GatewayConfig
+    from gateway.core.keys import ClientKey, key_digest
+    from gateway.http.app import create_app
+
+    caplog.set_level("INFO", logger="prefixgate.app")
+    with TestClient(create_app(GatewayConfig(), backends={})):
+        pass
+    assert "the gateway is OPEN" in caplog.text
+    caplog.clear()
+    keys = (ClientKey(name="a", digest=key_digest(ALICE), tenant="acme"),)
+    with TestClient(create_app(GatewayConfig(keys=keys), backends={})):
+        pass
+    assert "1 client keys, 1 tenants" in caplog.text and "OPEN" not in caplog.text
+    assert ALICE not in caplog.text
