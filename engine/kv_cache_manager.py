@@ -21,9 +21,9 @@ Invariants (on top of ``block_pool``'s):
 3. A hit is served only when, for every block from the start, the stored token ids, parent hash, extra
    keys (model id, cache salt; the block's own keys under ``LayeredKeys``) and parent entry all match. So a
    tenant only ever hits blocks whose every salt, from the first block on, is one its request carries for
-   that block: the shared salt inside a declared public prefix, its own salt after it. A hash collision, a stale child whose parent
-   was evicted and replaced, or another tenant's block therefore ends the hit; it can never serve another
-   prompt's KV.
+   that block: the shared salt inside a declared public prefix, its own salt after it. A hash collision, a
+   stale child whose parent was evicted and replaced, or another tenant's block therefore ends the hit; it
+   can never serve another prompt's KV.
 4. ``allocate`` / ``append_slots`` either do everything or change nothing (they check first).
 5. Every operation costs O(blocks touched), never O(pool); only ``reset_prefix_cache`` walks the cache.
 
