@@ -122,6 +122,10 @@ class GenerationRequest:
         level_ends: ``(end token, level)`` pairs: where the prompt's levels (``system``, ``documents``,
             ``history``) end in its tokens; they choose its blocks' TTL and budget share in the tiers.
         prefix_key: the gateway's prefix key of the prompt's stable head (listed by ``list_cached``).
+        shared_prefix_messages: the first this many ``messages`` (with ``tools``) are a declared public prefix:
+            its full blocks are keyed by ``shared_salt`` instead of ``cache_salt`` (``block_hash.LayeredKeys``),
+            so every tenant hits them; every later block keeps ``cache_salt``. 0 = none.
+        shared_salt: the public prefix's salt (kept apart from every tenant's salt).
     """
 
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -134,6 +138,8 @@ class GenerationRequest:
     request_id: str = ""
     level_ends: list[tuple[int, str]] | None = None
     prefix_key: str | None = None
+    shared_prefix_messages: int = 0
+    shared_salt: str = ""
 
 
 @dataclass(frozen=True)

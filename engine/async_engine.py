@@ -265,6 +265,27 @@ class AsyncEngine:
             raise InvalidRequestError("prompt must be a non-empty string", "prompt")
         return self._tokenizer.encode(req.prompt, add_special_tokens=True)
 
+    def shared_prefix_tokens(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """Leading tokens of ``prompt`` that render ``req``'s declared public messages (the first
+        ``shared_prefix_messages``, with the tools): the common prefix of ``prompt`` and those messages rendered
+        without a generation prompt. 0 when none are declared or they cannot be rendered alone."""
+        count = req.shared_prefix_messages
+        if count <= 0 or not req.messages:
+            return 0
+        try:
+            text = self._tokenizer.apply_chat_template(
+                req.messages[:count], req.tools, add_generation_prompt=False
+            )
+        except InvalidRequestError:
+            return 0
+        head = self._tokenizer.encode(text, add_special_tokens=False)
+        n = 0
+        for a, b in zip(head, prompt, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
     def generate(self, req: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
 
@@ -337,6 +358,7 @@ class AsyncEngine:
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         done = False
         choices_left = req.params.n
+        shared = self.shared_prefix_tokens(req, prompt)
         try:
             with self._cond:
                 self.core.add_checked_request(
@@ -346,6 +368,8 @@ class AsyncEngine:
                     cache_salt=req.cache_salt,
                     level_ends=req.level_ends,
                     prefix_key=req.prefix_key,
+                    shared_prefix_tokens=shared,
+                    shared_salt=req.shared_salt,
                 )
                 self._cond.notify()
             while True:

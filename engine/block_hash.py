@@ -14,6 +14,12 @@ The seed is 16 random bytes drawn from ``os.urandom`` once per process, so block
 processes (a Redis tier) must key by content, not by these hashes.
 
 Only *full* blocks are hashed: a partial tail block can still change and is never cached.
+
+Layered sharing: a request's extra keys may be a ``LayeredKeys``, which switches them once, at a block
+boundary: its first ``shared_blocks`` blocks are keyed by the ``shared`` keys (a public prefix cached once for
+every tenant: shared salt), every later block by the ``private`` keys (the tenant's salt). The chain runs on
+across the switch, so a private block still depends on every token before it. ``block_extra_keys`` gives a
+block's own keys; the KV cache manager stores and compares those per block.
 """
 
 from __future__ import annotations
@@ -24,12 +30,45 @@ import os
 import struct
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes
 """32 bytes of sha256 output (a weak test hash may return any ``bytes``)."""
 
 HashFn = Callable[[BlockHash | None, Sequence[int], tuple], BlockHash]
 """Signature of a block hash function: ``(parent hash or None, token ids of the block, extra keys) -> hash``."""
+
+
+@dataclass(frozen=True)
+class LayeredKeys:
+    """Extra keys that switch at a block boundary: ``shared`` for blocks ``[0, shared_blocks)``, ``private``
+    for every later block (see the module docstring).
+
+    Attributes:
+        shared: extra keys of the public prefix's blocks, e.g. ``(model_id, ("shared", salt))``.
+        shared_blocks: full blocks of the public prefix (>= 0).
+        private: extra keys of every later block, e.g. ``(model_id, tenant)``.
+    """
+
+    shared: tuple
+    shared_blocks: int
+    private: tuple
+
+    def for_block(self, index: int) -> tuple:
+        """The extra keys of block ``index`` (0-based)."""
+        return self.shared if index < self.shared_blocks else self.private
+
+
+ExtraKeys = tuple | LayeredKeys
+"""A request's extra keys: one tuple for every block, or ``LayeredKeys``."""
+
+
+def block_extra_keys(extra_keys: ExtraKeys, index: int) -> tuple:
+    """The extra keys of block ``index`` of a request whose extra keys are ``extra_keys``."""
+    if isinstance(extra_keys, LayeredKeys):
+        return extra_keys.for_block(index)
+    return tuple(extra_keys)
+
 
 _SEED: bytes = os.urandom(16)
 
@@ -130,18 +169,20 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 def hash_request_blocks(
     token_ids: Sequence[int],
     block_size: int,
-    extra_keys: tuple,
+    extra_keys: ExtraKeys,
     hash_fn: HashFn = hash_block,
     parent: BlockHash | None = None,
+    first_block: int = 0,
 ) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``token_ids`` (a partial tail block gets none).
 
     Args:
         token_ids: the prompt (or prompt + output) token ids.
         block_size: tokens per block (> 0).
-        extra_keys: model id, cache salt, ...; the same tuple is mixed into every block.
+        extra_keys: model id, cache salt, ...: one tuple mixed into every block, or ``LayeredKeys``.
         hash_fn: the block hash function (tests swap in a weak one to force collisions).
         parent: hash of the block before ``token_ids[0]`` when hashing a continuation; None from the start.
+        first_block: index of the block ``token_ids[0]`` starts (for ``LayeredKeys``); 0 from the start.
 
     Returns:
         ``len(token_ids) // block_size`` hashes; element i keys tokens ``[i*block_size, (i+1)*block_size)``.
@@ -152,16 +193,21 @@ def hash_request_blocks(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_fn(parent, token_ids[start : start + block_size], extra_keys)
+    for n, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        keys = block_extra_keys(extra_keys, first_block + n)
+        parent = hash_fn(parent, token_ids[start : start + block_size], keys)
         hashes.append(parent)
     return hashes
 
 
 def block_hasher(
-    block_size: int, extra_keys: tuple, hash_fn: HashFn = hash_block
-) -> Callable[[list[int], BlockHash | None], list[BlockHash]]:
+    block_size: int, extra_keys: ExtraKeys, hash_fn: HashFn = hash_block
+) -> Callable[..., list[BlockHash]]:
     """``hash_request_blocks`` with the block size, extra keys and hash function bound: the ``BlockHasher``
-    one request extends its ``block_hashes`` with, ``(whole-block token ids, parent hash or None) -> hashes``.
+    one request extends its ``block_hashes`` with, ``(whole-block token ids, parent hash or None) -> hashes``
+    (an optional third argument: the index of the first of those blocks, 0 by default, for ``LayeredKeys``;
+    a request extending its hashes past its prompt binds ``block_extra_keys(keys, index)`` instead).
     """
-    return lambda tokens, parent: hash_request_blocks(tokens, block_size, extra_keys, hash_fn, parent)
+    return lambda tokens, parent, first_block=0: hash_request_blocks(
+        tokens, block_size, extra_keys, hash_fn, parent, first_block
+    )

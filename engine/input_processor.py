@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engine.api import SamplingParams
-from engine.block_hash import block_hasher
+from engine.block_hash import LayeredKeys, block_hasher
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder, OutputText
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -172,13 +172,21 @@ class InputProcessor:
         self.kv.check_fits(n + 1)
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+        shared_prefix_tokens: int = 0,
+        shared_salt: str = "",
     ) -> Request:
         """The engine request for a prompt that passed ``check_prompt`` (not queued, holding no block).
 
         ``max_tokens`` is the room left in the context window, or the explicit value when smaller; the block
         hashes of the prompt's full blocks are computed here, once. For ``n > 1`` the request's sampler gets the
-        ``n - 1`` pending fork samplers (choices 1 .. n-1), forked when its prompt is computed.
+        ``n - 1`` pending fork samplers (choices 1 .. n-1), forked when its prompt is computed. When
+        ``shared_prefix_tokens`` covers at least one full block, those blocks are keyed ``(model_id, ("shared", shared_salt))`` and the rest
+        ``(model_id, cache_salt)`` (``block_hash.LayeredKeys``).
         """
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -186,6 +194,10 @@ class InputProcessor:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         extra_keys = (self.model_id, cache_salt)
+        shared_blocks = min(shared_prefix_tokens, len(prompt_token_ids)) // self.kv.block_size
+        if shared_blocks > 0:
+            shared = (self.model_id, ("shared", shared_salt))
+            extra_keys = LayeredKeys(shared=shared, shared_blocks=shared_blocks, private=extra_keys)
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

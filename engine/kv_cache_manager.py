@@ -19,9 +19,11 @@ Invariants (on top of ``block_pool``'s):
    request's chain is itself provably equal to a live cache entry. Registration records the exact parent
    entry (``parent_gen``) the block's KV was computed on.
 3. A hit is served only when, for every block from the start, the stored token ids, parent hash, extra
-   keys (model id, cache salt) and parent entry all match. A hash collision, a stale child whose parent
-   was evicted and replaced, or another tenant's block therefore ends the hit; it can never serve another
-   prompt's KV.
+   keys (model id, cache salt; the block's own keys under ``LayeredKeys``) and parent entry all match. So a
+   tenant only ever hits blocks whose every salt, from the first block on, is one its request carries for
+   that block: the shared salt inside a declared public prefix, its own salt after it. A hash collision, a
+   stale child whose parent was evicted and replaced, or another tenant's block therefore ends the hit; it
+   can never serve another prompt's KV.
 4. ``allocate`` / ``append_slots`` either do everything or change nothing (they check first).
 5. Every operation costs O(blocks touched), never O(pool); only ``reset_prefix_cache`` walks the cache.
 6. A *pin* holds one reference on each of its blocks, like a request (``pin`` / ``unpin``), so a pinned
@@ -42,7 +44,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.block_hash import BlockHash, HashFn, encode_extra_keys, hash_block, hash_request_blocks
+from engine.block_hash import (
+    BlockHash,
+    ExtraKeys,
+    HashFn,
+    LayeredKeys,
+    block_extra_keys,
+    encode_extra_keys,
+    hash_block,
+    hash_request_blocks,
+)
 from engine.block_pool import BlockPool, KVBlock
 from engine.errors import PinCapError, PromptTooLongError
 
@@ -117,6 +128,11 @@ class _RequestBlocks:
     chain_gens: list[int | None] = field(default_factory=list)
 
 
+def _keys(extra_keys: ExtraKeys) -> ExtraKeys:
+    """``LayeredKeys`` as they are; any other sequence as a tuple."""
+    return extra_keys if isinstance(extra_keys, LayeredKeys) else tuple(extra_keys)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling of a / b for a >= 0, b > 0."""
     return -(-a // b)
@@ -151,12 +167,12 @@ class KVCacheManager:
         """Most blocks all pins together may hold (the engine sets it from ``max_pinned_fraction``)."""
 
     # ---- hashing and lookup ---------------------------------------------------------------------------
-    def block_hashes(self, token_ids: Sequence[int], extra_keys: tuple) -> list[BlockHash]:
+    def block_hashes(self, token_ids: Sequence[int], extra_keys: ExtraKeys) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``token_ids`` (``len(token_ids) // block_size`` of them)."""
-        return hash_request_blocks(token_ids, self.block_size, tuple(extra_keys), self.hash_fn)
+        return hash_request_blocks(token_ids, self.block_size, _keys(extra_keys), self.hash_fn)
 
     def find_cached_prefix(
-        self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: tuple
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: ExtraKeys
     ) -> PrefixHit:
         """Longest chain of cached blocks serving ``token_ids`` from its start.
 
@@ -175,7 +191,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return NO_HIT
         bs = self.block_size
-        extra = encode_extra_keys(tuple(extra_keys))
+        extra_keys = _keys(extra_keys)
         hits: list[KVBlock] = []
         prev_hash: BlockHash | None = None
         prev_gen: int | None = None
@@ -185,7 +201,7 @@ class KVCacheManager:
                 block is None
                 or block.parent_hash != prev_hash
                 or block.parent_gen != prev_gen
-                or encode_extra_keys(block.extra_keys) != extra
+                or encode_extra_keys(block.extra_keys) != encode_extra_keys(block_extra_keys(extra_keys, i))
                 or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs])
             ):
                 break
@@ -350,7 +366,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         block_hashes: list[BlockHash],
-        extra_keys: tuple,
+        extra_keys: ExtraKeys,
     ) -> None:
         """Register the request's blocks that are full and computed, so other requests hit them next step.
 
@@ -375,16 +391,15 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         bs = self.block_size
-        extra_keys = tuple(extra_keys)
+        extra_keys = _keys(extra_keys)
         num_full = min(num_computed_tokens // bs, len(req.blocks), len(token_ids) // bs)
         for i in range(len(req.hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent_hash = req.hashes[i - 1] if i else None
-            block_hash = (
-                block_hashes[i] if i < len(block_hashes) else self.hash_fn(parent_hash, tokens, extra_keys)
-            )
+            keys = block_extra_keys(extra_keys, i)
+            block_hash = block_hashes[i] if i < len(block_hashes) else self.hash_fn(parent_hash, tokens, keys)
             req.hashes.append(block_hash)
-            req.chain_gens.append(self._register(req, i, block_hash, tokens, parent_hash, extra_keys))
+            req.chain_gens.append(self._register(req, i, block_hash, tokens, parent_hash, keys))
 
     def _register(
         self,

@@ -247,6 +247,8 @@ class LLMEngine:
         cache_salt: str = "",
         level_ends: Sequence[tuple[int, str]] | None = None,
         prefix_key: str | None = None,
+        shared_prefix_tokens: int = 0,
+        shared_salt: str = "",
     ) -> Request:
         """``add_request`` for a prompt that already passed ``check_prompt`` (which depends only on the config,
         so a check made before taking the engine lock stays valid): queue it without validating it again.
@@ -257,7 +259,9 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = self.input.make_request(rid, prompt_token_ids, params, cache_salt)
+        req = self.input.make_request(
+            rid, prompt_token_ids, params, cache_salt, shared_prefix_tokens, shared_salt
+        )
         if level_ends is not None:
             req.level_ends = tuple((int(e), str(lv)) for e, lv in level_ends)
         self.requests[rid] = req

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.api import FinishReason, TokenLogprob, Usage
-from engine.block_hash import HashFn, block_hasher
+from engine.block_hash import HashFn, block_extra_keys, block_hasher
 from engine.request import Request
 from engine.stats import EngineCounters
 
@@ -101,7 +101,9 @@ class OutputProcessor:
         req.append_token(token)
         bs = self.block_size
         if req.num_tokens // bs > len(req.block_hashes):  # a block just filled up
-            req.update_block_hashes(bs, block_hasher(bs, req.extra_keys, self.hash_fn))
+            # generated blocks lie past any public prefix: the keys of the next block (the tenant's own)
+            keys = block_extra_keys(req.extra_keys, len(req.block_hashes))
+            req.update_block_hashes(bs, block_hasher(bs, keys, self.hash_fn))
         self.counters.decode_tokens += 1
         text = ""
         reason: FinishReason | None = None

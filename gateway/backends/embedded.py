@@ -1,9 +1,10 @@
 """The embedded backend: a ``Backend`` over the in-process engine (``engine.async_engine.AsyncEngine``).
 
 It turns a canonical ``ChatRequest`` into an ``engine.api.GenerationRequest`` (text-only messages, the
-tenant as cache salt), streams ``TextDelta`` events as ``Delta`` and the final ``Finished`` as ``Finish``,
-and maps the engine's named errors to API errors. Closing the stream (client disconnect) closes the engine's
-iterator, which aborts the request and frees its blocks at once.
+tenant as cache salt, a declared public prefix under its shared salt), streams ``TextDelta`` events as
+``Delta`` and the final ``Finished`` as ``Finish``, and maps the engine's named errors to API errors.
+Closing the stream (client disconnect) closes the engine's iterator, which aborts the request and frees its
+blocks at once.
 
 Tools: the engine renders them for every checkpoint (docs/tools.md). When its ``tool_format`` is
 ``"generic"``, the request's ``tool_choice`` becomes a ``"tool_calls"`` ``Constraint`` (``none``: no constraint)
@@ -384,6 +385,8 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
         messages=messages,
         tools=tools,
         params=params,
+        shared_prefix_messages=request.shared_prefix_messages,
+        shared_salt=request.shared_salt,
         continue_final_message=request.continue_final_message and messages[-1]["role"] == "assistant",
         **common,
     )

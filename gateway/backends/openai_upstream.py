@@ -4,7 +4,8 @@ Per request it POSTs ``{base_url}/chat/completions`` (``/completions`` for raw-p
 streaming, on the replica the prefix-affinity ring picks, and turns the answer (SSE, or plain JSON) into
 ``Delta`` / ``Finish`` events. An OpenAI-face body is forwarded with the canonical messages and tools; an
 Anthropic-face request is translated (``gateway.protocols.anthropic.strip``). ``prompt_cache_key`` = the
-prefix key unless the client set one; usage always requested. Details: docs/upstreams.md.
+prefix key (which includes the tenant) unless the client set one, which is then salted with the tenant
+(``gateway.core.keys.tenant_cache_key``); usage always requested. Details: docs/upstreams.md.
 Reference: https://platform.openai.com/docs/api-reference/chat/create
 """
 
@@ -21,6 +22,7 @@ from gateway.backends.base import refuse_choices_and_logprobs
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
 from gateway.config.schema import OpenAIUpstream
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.keys import tenant_cache_key
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
 from gateway.protocols.anthropic.strip import plain_messages, plain_tools
@@ -102,6 +104,8 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         body["stream_options"] = {**options, "include_usage": True}
         if self.set_prompt_cache_key and request.prefix_key and "prompt_cache_key" not in body:
             body["prompt_cache_key"] = request.prefix_key[:PROMPT_CACHE_KEY_MAX]
+        elif request.tenant and isinstance(body.get("prompt_cache_key"), str):
+            body["prompt_cache_key"] = tenant_cache_key(request.tenant, body["prompt_cache_key"])
         if self.retention_chooser is not None and "prompt_cache_retention" not in body:
             retention = self.retention_chooser(request)
             if retention is not None:

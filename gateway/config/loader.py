@@ -23,6 +23,7 @@ import httpx
 import yaml
 
 from engine.api import EngineConfig
+from gateway.config.keys import entry_lines, parse_keys, parse_shared_prefixes
 from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
 from gateway.config.schema import (
     BACKEND_KINDS,
@@ -69,23 +70,43 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
         raise ConfigError(
             source, "", f"{where}invalid YAML ({getattr(exc, 'problem', None) or exc})"
         ) from exc
-    return parse_config({} if data is None else data, source=source, base_dir=Path(path).resolve().parent)
+    return parse_config(
+        {} if data is None else data,
+        source=source,
+        base_dir=Path(path).resolve().parent,
+        key_lines=entry_lines(text, "keys"),
+    )
 
 
-def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None) -> GatewayConfig:
+def parse_config(
+    data: Any, source: str = "<dict>", base_dir: Path | None = None, key_lines: list[int] | None = None
+) -> GatewayConfig:
     """Validate an already-parsed mapping (see the module docstring for the keys).
 
     Args:
         data: the YAML document.
         source: named in errors.
         base_dir: folder that relative rule-file and model paths are resolved against; None = leave them.
+        key_lines: 1-based line of each inline ``keys:`` entry, for errors.
 
     Raises:
         ConfigError: on the first problem found.
     """
     reader = _Reader(source)
     top = reader.mapping(
-        data, "", {"server", "admin", "rules", "models", "transcript", "redis", "rules_learning"}
+        data,
+        "",
+        {
+            "server",
+            "admin",
+            "rules",
+            "models",
+            "transcript",
+            "redis",
+            "rules_learning",
+            "keys",
+            "shared_prefixes",
+        },
     )
     server = _parse_server(reader, top.get("server"))
     admin = _parse_admin(reader, top.get("admin"))
@@ -93,6 +114,15 @@ def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None
     models = _parse_models(reader, top.get("models"), base_dir)
     transcript = _parse_transcript(reader, top.get("transcript"), top.get("redis"))
     learning = _parse_learning(reader, top.get("rules_learning"))
+    keys = parse_keys(
+        reader.resolve_env(top.get("keys"), "keys"),
+        source,
+        base_dir,
+        {m.name for m in models},
+        key_lines,
+        reader.resolve_env,
+    )
+    shared = parse_shared_prefixes(top.get("shared_prefixes"), source)
     return GatewayConfig(
         server=server,
         admin=admin,
@@ -101,6 +131,8 @@ def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None
         transcript=transcript,
         rules_learning=learning,
         source=source,
+        keys=keys,
+        shared_prefixes=shared,
     )
 
 

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from engine.api import EngineConfig
 from gateway.config.price_table import ModelPrices
+from gateway.core.keys import ClientKey
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 BACKEND_KINDS = ("embedded", "openai", "anthropic")
@@ -220,6 +221,21 @@ class LearningConfig:
     min_distinct: int = 3
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """One ``shared_prefixes:`` declaration: a prompt prefix cached once for every tenant.
+
+    Attributes:
+        kind: ``segment`` (value: segment level ``1`` tools+system or ``2`` documents), ``rule`` (value: a rule
+            id; the tools+system segment of requests that rule rewrote), or ``content_hash`` (value: sha256 hex
+            of the tools+system segment's stable material).
+        value: as above, a string.
+    """
+
+    kind: str
+    value: str
+
+
 ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
 """One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
 
@@ -236,6 +252,10 @@ class GatewayConfig:
     transcript: TranscriptConfig = field(default_factory=TranscriptConfig)
     rules_learning: LearningConfig = field(default_factory=LearningConfig)
     source: str = "<default>"
+    keys: tuple[ClientKey, ...] = ()
+    """Client keys (``gateway.config.keys``); none: the gateway runs open."""
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
+    """Declared public prefixes (``gateway.config.keys.parse_shared_prefixes``)."""
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``, or None."""

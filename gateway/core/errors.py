@@ -79,6 +79,14 @@ class AuthenticationError(APIError):
     default_code = "invalid_api_key"
 
 
+class PermissionDeniedError(APIError):
+    """403: the key is valid but may not use this resource (a model outside its ``models``)."""
+
+    status_code = 403
+    error_type = "invalid_request_error"
+    default_code = "permission_denied"
+
+
 class NotFoundError(APIError):
     """404: no such route."""
 

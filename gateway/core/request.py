@@ -81,7 +81,12 @@ class ChatRequest:
         stream: answer as server-sent events.
         include_usage: OpenAI ``stream_options.include_usage``.
         user: OpenAI ``user`` / Anthropic ``metadata.user_id``; never logged.
-        tenant: cache salt; requests of different tenants never share cached prefixes.
+        tenant: cache salt; requests of different tenants never share cached prefixes. With client keys
+            configured it is the key's tenant (``gateway.http.auth``).
+        client_key: the name of the client key that authenticated the request ("" when the gateway is open).
+        shared_prefix_messages: how many leading canonical messages (with the tools) form a declared public
+            prefix (``shared_prefixes:``), cached under the shared salt; 0 = none.
+        shared_salt: the salt of that public prefix (names the matching declaration); "" when none.
         kind: ``"chat"`` or ``"completion"`` (``/v1/completions``, then ``prompt`` is set and messages is
             empty).
         prompt: the raw prompt of a completion request.
@@ -113,6 +118,9 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     tenant: str = ""
+    client_key: str = ""
+    shared_prefix_messages: int = 0
+    shared_salt: str = ""
     kind: Literal["chat", "completion"] = "chat"
     prompt: str | None = None
     openai_body: dict[str, Any] | None = None

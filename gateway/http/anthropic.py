@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Finish
+from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
     begin,
@@ -70,13 +71,14 @@ async def messages_endpoint(http_request: Request) -> Response:
     (forwarded to Anthropic upstreams). The answer carries ``x-prefixgate-cache`` when the cached count is
     known.
     """
-
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     request = parse_messages_body(
         body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
     )
     apply_request_headers(request, http_request.headers)
+    authorize(http_request, request, key)
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}

@@ -32,11 +32,13 @@ from gateway.backends.registry import create_backend
 from gateway.config.price_table import shipped_price_table
 from gateway.config.schema import GatewayConfig
 from gateway.core.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
+from gateway.core.keys import KeyTable
 from gateway.http.request_context import ClientDisconnected, request_id_of
 from gateway.http.routes import route_table
 from gateway.service.cache_explain import CacheExplanations
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
+from gateway.service.limits import ClientUsage
 from gateway.service.metrics import build_registry
 from gateway.service.registry import ModelRegistry
 from gateway.service.request_log import RequestRecord, log_request
@@ -76,6 +78,8 @@ def create_app(
         canonicalizer=canonicalizer,
         stats=stats,
         cache=CacheExplanations(canonicalizer),
+        keys=KeyTable(config.keys),
+        clients=ClientUsage(config.keys),
     )
     gateway.metrics = build_registry(gateway.stats_snapshot, gateway.engine_stats)
 
@@ -100,6 +104,17 @@ def _lifespan(gateway: Gateway):
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         backends = [backend for _, backend in gateway.registry.items()]
         started: list[Backend] = []
+        if gateway.keys:
+            logger.info(
+                "%d client keys, %d tenants: requests need a key; cache salt = the key's tenant",
+                len(gateway.keys),
+                len(gateway.keys.tenants()),
+            )
+        else:
+            logger.warning(
+                "no client keys configured: the gateway is OPEN (no authentication; the cache salt is the "
+                "client's x-prefixgate-tenant header)"
+            )
         try:
             for backend in backends:
                 await backend.start()

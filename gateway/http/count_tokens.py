@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import begin, gateway_of, refuse_unknown_fields, request_id_of, started_at
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, apply_request_headers, parse_count_body
@@ -42,12 +43,14 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
     cannot take, 404 unknown model, 413 body over ``server.max_body_bytes``, 503 an embedded model not
     started, and the upstream's errors mapped as for ``/v1/messages``.
     """
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     request = parse_count_body(
         body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
     )
     apply_request_headers(request, http_request.headers)
+    authorize(http_request, request, key, admit=False)
     begin(http_request, request)
     backend = gateway.registry.get(request.model)
     canonicalize(gateway, request)

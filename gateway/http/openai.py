@@ -16,10 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.core.errors import APIError, openai_error_body
+from gateway.core.errors import APIError, ModelNotFoundError, openai_error_body
 from gateway.core.event_stream import DONE, encode_event
 from gateway.core.events import Delta, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
+from gateway.http.auth import authenticate, authorize, visible_models
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
     begin,
@@ -121,17 +122,21 @@ def _guarded(opened: OpenedStream) -> AsyncIterator[Any]:
 
 async def chat_completions(http_request: Request) -> Response:
     """``POST /v1/chat/completions``."""
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     request = parse_chat_request(body, http_request.headers, refuse_unknown_fields(gateway))
+    authorize(http_request, request, key)
     return await _serve(http_request, request, chat_sse, _collect_chat)
 
 
 async def completions(http_request: Request) -> Response:
     """``POST /v1/completions`` (one string prompt)."""
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     request = parse_completion_request(body, http_request.headers, refuse_unknown_fields(gateway))
+    authorize(http_request, request, key)
     return await _serve(http_request, request, completion_sse, _collect_completion)
 
 
@@ -198,16 +203,20 @@ async def _collect_completion(opened: OpenedStream, meta: ResponseMeta) -> dict[
 
 async def list_models(http_request: Request) -> Response:
     """``GET /v1/models``: the configured model names."""
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
-    data = [_model_object(gateway, name) for name in gateway.registry.names()]
+    data = [_model_object(gateway, name) for name in visible_models(http_request, key)]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def retrieve_model(http_request: Request) -> Response:
     """``GET /v1/models/{model}``; 404 ``model_not_found`` for an unknown name."""
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     name = http_request.path_params["model"]
     gateway.registry.get(name)
+    if name not in visible_models(http_request, key):
+        raise ModelNotFoundError(name)
     return JSONResponse(_model_object(gateway, name))
 
 

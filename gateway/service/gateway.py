@@ -12,8 +12,10 @@ from prometheus_client import CollectorRegistry
 
 from engine.api import EngineStats
 from gateway.config.schema import GatewayConfig
+from gateway.core.keys import KeyTable
 from gateway.service.cache_explain import CacheExplanations
 from gateway.service.canonicalize import Canonicalizer
+from gateway.service.limits import ClientUsage
 from gateway.service.registry import ModelRegistry
 from gateway.service.stats import GatewayStats
 
@@ -30,6 +32,8 @@ class Gateway:
         cache: the miss explanations (``x-prefixgate-cache``) and their counters by cause.
         metrics: this app's Prometheus registry (reads ``stats_snapshot`` at scrape time).
         created: Unix time the gateway was built (the ``created`` of ``/v1/models`` entries).
+        keys: the client keys (empty: the gateway runs open).
+        clients: per-key limits and per-key / per-tenant usage.
     """
 
     config: GatewayConfig
@@ -39,6 +43,8 @@ class Gateway:
     cache: CacheExplanations | None = None
     metrics: CollectorRegistry | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    keys: KeyTable = field(default_factory=KeyTable)
+    clients: ClientUsage = field(default_factory=lambda: ClientUsage(()))
 
     def engine_stats(self) -> dict[str, EngineStats | None]:
         """Model name -> its engine's counters (None for backends without an engine, or not started)."""
@@ -57,6 +63,7 @@ class Gateway:
         doc.update(self.canonicalizer.stats())
         if self.cache is not None:
             doc["cache_misses"] = self.cache.snapshot()
+        doc.update(self.clients.snapshot())
         for name, backend in self.registry.items():
             replicas = backend.replicas()
             if replicas is not None and name in doc["models"]:

@@ -93,6 +93,7 @@ class StatsCollector(Collector):
         yield errors
         yield from _cache_miss_metrics(doc.get("cache_misses"))
         yield from _transcript_metrics(doc.get("transcript"))
+        yield from _usage_families(doc)
         yield from self._engine_histograms()
 
     def _engine_histograms(self) -> Iterator[Metric]:
@@ -155,6 +156,39 @@ def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
         for event in ("errors", "skipped", "redis_hits", "writes"):
             family.add_metric([f"redis_{event}" if not event.startswith("redis_") else event], redis[event])
     yield family
+
+
+_USAGE = (
+    ("requests", "Requests finished"),
+    ("prompt_tokens", "Prompt tokens reported in usage"),
+    ("cached_tokens", "Prompt tokens served from a prefix cache"),
+    ("completion_tokens", "Generated tokens reported in usage"),
+    ("spend_usd", "Input spend in USD (priced models)"),
+    ("rate_limited", "Requests refused with 429 by a key's limits"),
+)
+
+
+def _usage_families(doc: dict[str, Any]) -> Iterator[Metric]:
+    """Per client key (label: the key's name, never the key) and per tenant (``gateway.service.limits``)."""
+    for scope, label in (("keys", "key"), ("tenants", "tenant")):
+        entries: dict[str, dict[str, Any]] = doc.get(scope, {})
+        for field, help_text in _USAGE:
+            if scope == "tenants" and field == "rate_limited":
+                continue
+            family = CounterMetricFamily(
+                f"prefixgate_{label}_{field}", f"{help_text}, per {label}.", labels=[label]
+            )
+            for name, counters in entries.items():
+                family.add_metric([name], counters[field])
+            yield family
+    ignored = CounterMetricFamily(
+        "prefixgate_key_tenant_header_ignored",
+        "x-prefixgate-tenant headers ignored because the key is not trusted.",
+        labels=["key"],
+    )
+    for name, counters in doc.get("keys", {}).items():
+        ignored.add_metric([name], counters["tenant_header_ignored"])
+    yield ignored
 
 
 def _gauge(

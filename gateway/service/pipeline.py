@@ -36,6 +36,7 @@ from gateway.service.gateway import Gateway
 from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
+from gateway.service.shared_prefix import mark_public_prefix
 
 T = TypeVar("T")
 logger = logging.getLogger("prefixgate.pipeline")
@@ -50,6 +51,7 @@ def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
         InvalidRequestError: a request shape the rules refuse.
     """
     gateway.canonicalizer.apply(request)
+    mark_public_prefix(request, gateway.config.shared_prefixes)
     material = gateway.canonicalizer.stable_material(request)
     request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
 
@@ -247,6 +249,11 @@ class OpenedStream:
             tenant=self.request.tenant,
             retention=finish.cache_retention,
             cache_miss_reason=finish.cache_miss_reason,
+        )
+        request = self.request
+        paid = self.cost.paid if self.cost is not None else 0.0
+        self.gateway.clients.record_finish(
+            request.client_key, request.tenant, request.model, finish.usage, paid
         )
         self._log(200, finish=finish, ttft_s=ttft)
 

@@ -5,6 +5,11 @@ computed from). After every step we check that the manager never leaks or double
 failed allocation changes nothing, that a block is written only while exclusively held, that no block
 held by a live request is ever evicted or overwritten, and that every prefix hit serves exactly the KV of
 the requested prefix, with a strong hash and with a weak one that collides all the time.
+
+Tenants include layered ones (``LayeredKeys``: a public prefix of 1 or 2 blocks under a shared salt, then the
+tenant's salt). The shadow records, per block, the salt of every block of the chain it was computed on, so
+the hit check is the isolation invariant: a tenant only ever hits blocks whose every salt, from the first
+block on, is the one its own request carries for that block.
 """
 
 from __future__ import annotations
@@ -17,13 +22,27 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_hash import BlockHash, hash_block
+from engine.block_hash import BlockHash, LayeredKeys, block_extra_keys, hash_block
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
 
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
 BASES = [[(b * 7 + i) % 5 for i in range(32)] for b in range(3)]  # 3 prompt families sharing prefixes
-TENANTS = [("m", ""), ("m", "tenant-b")]
+SHARED = ("m", ("shared", "public"))
+TENANTS = [
+    ("m", ""),
+    ("m", "tenant-b"),
+    LayeredKeys(SHARED, 1, ("m", "")),
+    LayeredKeys(SHARED, 2, ("m", "")),
+    LayeredKeys(SHARED, 1, ("m", "tenant-b")),
+    LayeredKeys(SHARED, 2, ("m", "tenant-b")),
+    LayeredKeys(SHARED, 2, ("m", "tenant-c")),
+]
+
+
+def salts(extra, j: int) -> tuple:
+    """The extra keys of blocks 0..j of a request with extra keys ``extra``: what its block j depends on."""
+    return tuple(block_extra_keys(extra, i) for i in range(j + 1))
 
 
 def weak_hash(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple) -> BlockHash:
@@ -60,7 +79,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
 
     def expected_kv(self, req: Req, j: int, upto: int) -> tuple:
-        return (req.extra, tuple(req.tokens[: min(upto, (j + 1) * BLOCK_SIZE)]))
+        return (salts(req.extra, j), tuple(req.tokens[: min(upto, (j + 1) * BLOCK_SIZE)]))
 
     @rule(
         base=st.integers(0, len(BASES) - 1),
@@ -76,7 +95,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         hashes = self.m.block_hashes(prompt, tenant)
         hits = self.m.find_cached_prefix(prompt, hashes[: (len(prompt) - 1) // BLOCK_SIZE], tenant)
         for j, block_id in enumerate(hits.block_ids):  # a hit serves exactly this tenant's KV of this prefix
-            assert self.kv.get(block_id) == (tenant, tuple(prompt[: (j + 1) * BLOCK_SIZE]))
+            assert self.kv.get(block_id) == (salts(tenant, j), tuple(prompt[: (j + 1) * BLOCK_SIZE]))
         before = self.snapshot()
         if len(prompt) > NUM_BLOCKS * BLOCK_SIZE:
             for call in (
