@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_hash import BlockHash
+from engine.block_hash import BlockHash, ExtraKeys, block_extra_keys
 from engine.block_pool import KVBlock
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.kv_tiers.entry import BlockMeta
@@ -88,26 +88,30 @@ class PoolTiers:
         return (len(token_ids) - 1) // self.kv.block_size
 
     def metas(
-        self, token_ids: list[int], hashes: list[BlockHash], extra_keys: tuple, start: int, end: int
+        self, token_ids: list[int], hashes: list[BlockHash], extra_keys: ExtraKeys, start: int, end: int
     ) -> list[BlockMeta]:
-        """Identities of blocks ``[start, end)`` of a prompt."""
+        """Identities of blocks ``[start, end)`` of a prompt (each block with its own extra keys: a layered
+        request's public blocks carry the shared salt, ``engine.block_hash.LayeredKeys``)."""
         bs = self.kv.block_size
         return [
             BlockMeta(
-                hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys
+                hashes[i],
+                hashes[i - 1] if i else None,
+                tuple(token_ids[i * bs : (i + 1) * bs]),
+                block_extra_keys(extra_keys, i),
             )
             for i in range(start, end)
         ]
 
     def start_prefetch(
-        self, request_id: str, token_ids: list[int], hashes: list[BlockHash], extra_keys: tuple
+        self, request_id: str, token_ids: list[int], hashes: list[BlockHash], extra_keys: ExtraKeys
     ) -> bool:
         """Start reading the part of the prompt's chain the pool lacks. Returns True when a read started."""
         cap = min(self.usable_blocks(token_ids), len(hashes))
         ram = len(self.kv.find_cached_prefix(token_ids, hashes[:cap], extra_keys))
         if ram >= cap:
             return False
-        metas = self.metas(token_ids, hashes, tuple(extra_keys), ram, cap)
+        metas = self.metas(token_ids, hashes, extra_keys, ram, cap)
         self._prefetches[request_id] = _Prefetch(ram, self.stack.prefetch(metas))
         return True
 
@@ -116,7 +120,7 @@ class PoolTiers:
         return [p.future for p in self._prefetches.values() if not p.future.done()]
 
     def ready(
-        self, request_id: str, token_ids: list[int], hashes: list[BlockHash], extra_keys: tuple
+        self, request_id: str, token_ids: list[int], hashes: list[BlockHash], extra_keys: ExtraKeys
     ) -> bool:
         """False while the request's tier read runs; when it is done, install what it found and return True."""
         p = self._prefetches.get(request_id)
@@ -135,7 +139,7 @@ class PoolTiers:
         hit = self.kv.find_cached_prefix(token_ids, hashes[:cap], extra_keys)
         if len(hit) < p.start and not p.retried:
             # The pool lost part of the prefix while the read ran: read again from where it now stops.
-            metas = self.metas(token_ids, hashes, tuple(extra_keys), len(hit), cap)
+            metas = self.metas(token_ids, hashes, extra_keys, len(hit), cap)
             self._prefetches[request_id] = _Prefetch(len(hit), self.stack.prefetch(metas), retried=True)
             self.counters.add("prefetch.retried")
             return False

@@ -22,13 +22,21 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant, precondition, rule
 
+from engine.block_hash import block_extra_keys
 from engine.kv_tiers.config import build_tier_stack
 from engine.kv_tiers.entry import KVLayout, decode_entry, entry_meta
 from engine.kv_tiers.keys import keyed_block_hash
 from engine.kv_tiers.policy import TierPolicies
 from engine.kv_tiers.pool_link import PoolTiers
 from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
-from tests.engine.test_kv_cache_property import BASES, BLOCK_SIZE, NUM_BLOCKS, TENANTS, KVCacheMachine
+from tests.engine.test_kv_cache_property import (
+    BASES,
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    TENANTS,
+    KVCacheMachine,
+    salts,
+)
 
 LAYOUT = KVLayout("m", "test", "float32", BLOCK_SIZE, 1, 1, 2)
 
@@ -76,15 +84,15 @@ class TieredKVMachine(KVCacheMachine):
         self.kv = TensorShadow(tensor)
         self.link = PoolTiers(self.m, tensor, self.stack)
         self.m.pool.on_evict = self.link.on_evict
-        self.prefix_of: dict[
-            bytes, tuple
-        ] = {}  # block hash -> (tenant, token prefix), from every prompt seen
+        # block hash -> (the block's own extra keys, its shadow: salts of its chain and token prefix)
+        self.prefix_of: dict[bytes, tuple] = {}
         self.loads = 0
 
     def remember(self, prompt: list[int], tenant: tuple) -> list[bytes]:
         hashes = self.m.block_hashes(prompt, tenant)
         for j, h in enumerate(hashes):
-            self.prefix_of[h] = (tenant, tuple(prompt[: (j + 1) * BLOCK_SIZE]))
+            shadow = (salts(tenant, j), tuple(prompt[: (j + 1) * BLOCK_SIZE]))
+            self.prefix_of[h] = (block_extra_keys(tenant, j), shadow)
         return hashes
 
     @rule(
@@ -145,9 +153,9 @@ class TieredKVMachine(KVCacheMachine):
             meta = entry_meta(data)
             assert meta is not None and LAYOUT.tier_key(meta.block_hash) == key
             kv = decode_entry(LAYOUT, meta, data)
-            tenant, prefix = self.prefix_of[meta.block_hash]
-            assert meta.extra_keys == tenant and meta.token_ids == prefix[-BLOCK_SIZE:]
-            assert torch.equal(kv, code((tenant, prefix)))
+            keys, shadow = self.prefix_of[meta.block_hash]
+            assert meta.extra_keys == keys and meta.token_ids == shadow[1][-BLOCK_SIZE:]
+            assert torch.equal(kv, code(shadow))
 
     def teardown(self) -> None:
         super().teardown()
