@@ -16,11 +16,12 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
-from engine.api import EngineStats, Finished, GenerationRequest, TextDelta
-from engine.errors import EngineError
+from engine.api import EngineStats, Finished, GenerationRequest, TextDelta, WarmResult
+from engine.errors import EngineError, PinCapError
+from engine.kv_tiers.catalog import CachedPrefix
 from gateway.backends.base import Backend, TokenCount
 from gateway.config.schema import EmbeddedModel
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
@@ -99,6 +100,41 @@ class EmbeddedBackend(Backend):
     def system_fingerprint(self) -> str | None:
         """``fp_`` + a hash of the model's name, path and engine config."""
         return self._fingerprint
+
+    async def warm(
+        self, request: ChatRequest, level_ends: list[tuple[int, str]] | None, pin: bool
+    ) -> WarmResult | None:
+        """Prefill ``request``'s prompt (``AsyncEngine.warm``) under its prefix key and tenant.
+
+        Raises:
+            ServiceUnavailableError: the engine is not started.
+            InvalidRequestError / ContextLengthExceededError: engine errors mapped; a pin over the engine's
+                cap is a 400 with param ``pin``.
+        """
+        engine = self.engine
+        if engine is None:
+            raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
+        generation = replace(generation_request(request), level_ends=level_ends)
+        try:
+            return await engine.warm(generation, pin=pin)
+        except PinCapError as exc:
+            raise InvalidRequestError(str(exc), param="pin", code="pin_cap_exceeded") from exc
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+
+    def cached_prefixes(self, *, prefix_key: str | None, tenant: str | None) -> list[CachedPrefix] | None:
+        """``AsyncEngine.list_cached`` for this model (empty before ``start``)."""
+        if self.engine is None:
+            return []
+        return self.engine.list_cached(prefix_key=prefix_key, tenant=tenant)
+
+    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, int] | None:
+        """``AsyncEngine.drop_cached`` (every prefix of this model when neither filter is given)."""
+        if self.engine is None:
+            return {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
+        if prefix_key is None and tenant is None:
+            return self.engine.drop_cached(model_id=self.engine.model_id)
+        return self.engine.drop_cached(prefix_key=prefix_key, tenant=tenant)
 
     def prompt_tokenizer(self) -> EnginePromptTokenizer | None:
         """The engine's chat template and tokenizer, rendering messages as ``generation_request`` does (None
@@ -222,7 +258,12 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
             param="tool_choice",
             code="unsupported_value",
         )
-    common = {"params": request.params, "cache_salt": request.tenant, "request_id": request.request_id}
+    common = {
+        "params": request.params,
+        "cache_salt": request.tenant,
+        "request_id": request.request_id,
+        "prefix_key": request.prefix_key or None,
+    }
     if request.kind == "completion":
         return GenerationRequest(prompt=request.prompt or "", **common)
     messages = [template_message(message, index) for index, message in enumerate(request.messages)]

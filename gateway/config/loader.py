@@ -33,6 +33,7 @@ from gateway.config.schema import (
     DEFAULT_MODEL_NAME,
     LEARNING_MODES,
     ROUTING_POLICIES,
+    WARM_CONTENT_KEYS,
     AdminConfig,
     AnthropicUpstream,
     ConfigError,
@@ -45,6 +46,7 @@ from gateway.config.schema import (
     RoutingShareConfig,
     ServerConfig,
     TranscriptConfig,
+    WarmEntry,
 )
 from gateway.core.json_types import yaml_kind
 
@@ -89,7 +91,19 @@ def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None
     """
     reader = _Reader(source)
     top = reader.mapping(
-        data, "", {"server", "admin", "rules", "models", "transcript", "redis", "rules_learning"}
+        data,
+        "",
+        {
+            "server",
+            "admin",
+            "rules",
+            "models",
+            "transcript",
+            "redis",
+            "rules_learning",
+            "warm",
+            "warm_before_ready",
+        },
     )
     server = _parse_server(reader, top.get("server"))
     admin = _parse_admin(reader, top.get("admin"))
@@ -97,6 +111,8 @@ def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None
     models = _parse_models(reader, top.get("models"), base_dir)
     transcript = _parse_transcript(reader, top.get("transcript"), top.get("redis"))
     learning = _parse_learning(reader, top.get("rules_learning"))
+    warm = _parse_warm(reader, top.get("warm"), models, base_dir)
+    warm_before_ready = reader.typed(top, "", "warm_before_ready", bool, True)
     return GatewayConfig(
         server=server,
         admin=admin,
@@ -104,8 +120,63 @@ def parse_config(data: Any, source: str = "<dict>", base_dir: Path | None = None
         models=models,
         transcript=transcript,
         rules_learning=learning,
+        warm=warm,
+        warm_before_ready=warm_before_ready,
         source=source,
     )
+
+
+def _parse_warm(
+    reader: _Reader, value: Any, models: tuple[ModelEntry, ...], base_dir: Path | None
+) -> tuple[WarmEntry, ...]:
+    """``warm:``: a list of ``WarmEntry`` mappings. Checked here: keys, types, that the model is embedded, and
+    that an entry has something to prefill; the prompt itself is checked when it is warmed."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        reader.fail("warm", f"expected a list of entries, got {yaml_kind(value)}")
+    embedded = [m.name for m in models if isinstance(m, EmbeddedModel)]
+    content_files = {f"{key}_file" for key in WARM_CONTENT_KEYS}
+    out: list[WarmEntry] = []
+    for index, raw in enumerate(value):
+        where = f"warm[{index}]"
+        entry = reader.mapping(raw, where, {"model", "tenant", "pin", *WARM_CONTENT_KEYS, *content_files})
+        model = reader.typed(entry, where, "model", str | None, None)
+        if model is None:
+            if not embedded:
+                reader.fail(where, "warming needs an embedded model (models: has none)")
+            model = embedded[0]
+        elif model not in embedded:
+            reader.fail(
+                f"{where}.model",
+                f"expected an embedded model ({', '.join(embedded) or 'none'}), got {model!r}",
+            )
+        given = [key for key in WARM_CONTENT_KEYS if key in entry or f"{key}_file" in entry]
+        if not given:
+            reader.fail(where, f"expected one of {', '.join(WARM_CONTENT_KEYS)} (or a *_file of one)")
+        for key in WARM_CONTENT_KEYS:
+            if key in entry and f"{key}_file" in entry:
+                reader.fail(f"{where}.{key}_file", f"give {key} or {key}_file, not both")
+        if "messages" in given and len(given) > 1:
+            reader.fail(where, "messages is a whole prompt: give it alone, or system and/or documents")
+        files = []
+        for key in WARM_CONTENT_KEYS:
+            if f"{key}_file" in entry:
+                path = reader.typed(entry, where, f"{key}_file", str, None)
+                resolved = Path(path) if base_dir is None or Path(path).is_absolute() else base_dir / path
+                files.append((key, str(resolved)))
+        out.append(
+            WarmEntry(
+                model=model,
+                tenant=reader.typed(entry, where, "tenant", str, ""),
+                pin=reader.typed(entry, where, "pin", bool, False),
+                system=reader.typed(entry, where, "system", str | None, None),
+                documents=reader.typed(entry, where, "documents", str | None, None),
+                messages=entry.get("messages"),
+                files=tuple(files),
+            )
+        )
+    return tuple(out)
 
 
 def _parse_transcript(reader: _Reader, value: Any, redis_section: Any) -> TranscriptConfig:

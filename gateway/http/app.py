@@ -35,6 +35,7 @@ from gateway.core.errors import APIError, AuthenticationError, as_api_error, err
 from gateway.http.request_context import ClientDisconnected, request_id_of
 from gateway.http.routes import route_table
 from gateway.service.cache_explain import CacheExplanations
+from gateway.service.cache_warm import warm_entries
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
 from gateway.service.metrics import build_registry
@@ -100,13 +101,22 @@ def _lifespan(gateway: Gateway):
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         backends = [backend for _, backend in gateway.registry.items()]
         started: list[Backend] = []
+        warming: asyncio.Task | None = None
         try:
             for backend in backends:
                 await backend.start()
                 started.append(backend)
                 logger.info("model %s ready (%s)", backend.name, type(backend).__name__)
+            config = gateway.config
+            if config.warm and config.warm_before_ready:
+                await warm_entries(gateway, config.warm)
+            elif config.warm:
+                warming = asyncio.create_task(warm_entries(gateway, config.warm), name="prefixgate-warm")
             yield
         finally:
+            if warming is not None and not warming.done():
+                warming.cancel()
+                await asyncio.gather(warming, return_exceptions=True)
             await asyncio.gather(*(backend.close() for backend in started), return_exceptions=True)
             gateway.canonicalizer.close()
 

@@ -116,3 +116,51 @@ def test_disk_directory_that_cannot_be_created_stops_the_start(tmp_path: Path):
     error = error_of({"tiers": ["disk"], "tier_disk": {"directory": str(blocker / "kv")}})
     assert error.key == "models[0].engine.tier_disk.directory"
     assert "cannot create" in error.problem
+
+
+def warm_config(warm, **top):
+    return parse_config(
+        {
+            "models": [
+                {"name": "m", "path": "default"},
+                {"name": "up", "backend": "openai", "base_url": "http://x"},
+            ],
+            "warm": warm,
+            **top,
+        },
+        source="c.yaml",
+        base_dir=Path("/etc/pg"),
+    )
+
+
+def test_warm_entries_parse_with_defaults_and_files():
+    config = warm_config(
+        [{"system": "be brief", "tenant": "acme", "pin": True}, {"messages_file": "w.json", "model": "m"}],
+        warm_before_ready=False,
+    )
+    first, second = config.warm
+    assert (first.model, first.tenant, first.pin, first.system) == ("m", "acme", True, "be brief")
+    assert second.files == (("messages", "/etc/pg/w.json"),)
+    assert config.warm_before_ready is False
+    assert parse_config({}).warm == () and parse_config({}).warm_before_ready is True
+
+
+@pytest.mark.parametrize(
+    ("warm", "key", "problem"),
+    [
+        ("system", "warm", "expected a list of entries"),
+        (["x"], "warm[0]", "expected a mapping"),
+        ([{"tenant": "a"}], "warm[0]", "expected one of system, documents, messages"),
+        ([{"system": "a", "prompt": "b"}], "warm[0].prompt", "unknown key"),
+        ([{"system": "a", "model": "up"}], "warm[0].model", "expected an embedded model (m), got 'up'"),
+        ([{"system": "a", "system_file": "s.txt"}], "warm[0].system_file", "not both"),
+        ([{"messages": [], "documents": "d"}], "warm[0]", "give it alone"),
+        ([{"system": "a", "pin": "yes"}], "warm[0].pin", "expected a boolean"),
+        ([{"system": 3}], "warm[0].system", "expected a string"),
+    ],
+)
+def test_bad_warm_entries_name_file_key_and_expectation(warm, key: str, problem: str):
+    with pytest.raises(ConfigError) as caught:
+        warm_config(warm)
+    assert (caught.value.source, caught.value.key) == ("c.yaml", key)
+    assert problem in caught.value.problem
