@@ -102,6 +102,11 @@ class Backend(ABC):
         """
         return None
 
+    def wants_level_ends(self) -> bool:
+        """Whether ``stream`` uses ``ChatRequest.level_ends`` (computing them renders the prompt again, so the
+        pipeline does it only for a backend that asks)."""
+        return False
+
     def cached_prefixes(self, *, prefix_key: str | None, tenant: str | None) -> list[CachedPrefix] | None:
         """The prefixes cached now (``engine.kv_tiers.catalog.CachedPrefix`` rows, never text), narrowed by
         prefix key and tenant; None without a cache of its own."""

@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from engine.api import EngineStats, Finished, GenerationRequest, TextDelta, WarmResult
@@ -114,13 +114,18 @@ class EmbeddedBackend(Backend):
         engine = self.engine
         if engine is None:
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
-        generation = replace(generation_request(request), level_ends=level_ends)
+        request.level_ends = level_ends
+        generation = generation_request(request)
         try:
             return await engine.warm(generation, pin=pin)
         except PinCapError as exc:
             raise InvalidRequestError(str(exc), param="pin", code="pin_cap_exceeded") from exc
         except EngineError as exc:
             raise from_engine_error(exc) from exc
+
+    def wants_level_ends(self) -> bool:
+        """True with KV tiers configured: the levels choose the blocks' TTL and budget share there."""
+        return bool(self.model.engine.tiers)
 
     def cached_prefixes(self, *, prefix_key: str | None, tenant: str | None) -> list[CachedPrefix] | None:
         """``AsyncEngine.list_cached`` for this model (empty before ``start``)."""
@@ -263,6 +268,7 @@ def generation_request(request: ChatRequest) -> GenerationRequest:
         "cache_salt": request.tenant,
         "request_id": request.request_id,
         "prefix_key": request.prefix_key or None,
+        "level_ends": request.level_ends,
     }
     if request.kind == "completion":
         return GenerationRequest(prompt=request.prompt or "", **common)

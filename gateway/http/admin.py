@@ -22,7 +22,14 @@ from starlette.routing import BaseRoute, Route
 from gateway.core.errors import AuthenticationError
 from gateway.http.body import read_json_object
 from gateway.http.request_context import gateway_of
-from gateway.service.cache_warm import drop_cached, entry_messages, list_cached, warm_body, warm_messages
+from gateway.service.cache_warm import (
+    drop_cached,
+    entry_messages,
+    entry_tail_level,
+    list_cached,
+    warm_body,
+    warm_messages,
+)
 from gateway.service.metrics import CONTENT_TYPE, render
 
 
@@ -104,7 +111,9 @@ async def cache_warm(http_request: Request) -> Response:
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     default_model = next((m.name for m in gateway.config.models if m.backend == "embedded"), None)
     entry = warm_body(body, default_model)
-    outcome = await warm_messages(gateway, entry.model or "", entry.tenant, entry_messages(entry), entry.pin)
+    outcome = await warm_messages(
+        gateway, entry.model or "", entry.tenant, entry_messages(entry), entry.pin, 0, entry_tail_level(entry)
+    )
     return JSONResponse(outcome.to_dict())
 
 

@@ -26,14 +26,11 @@ from engine.api import WarmResult
 from gateway.config.schema import WARM_CONTENT_KEYS, WarmEntry
 from gateway.core.errors import APIError, InvalidRequestError
 from gateway.protocols.openai.parse import parse_chat_request
-from gateway.service.canonicalize.replay import TraceLineError, render_canonical
 from gateway.service.gateway import Gateway
 from gateway.service.pipeline import canonicalize
+from gateway.service.prompt_levels import level_ends
 
 logger = logging.getLogger("prefixgate.warm")
-
-_SEGMENT_LEVEL = {"tools": "system", "system": "system", "documents": "documents", "history": "history"}
-"""``render_canonical`` segment names -> the tier policy levels (``engine.kv_tiers.policy.LEVELS``)."""
 
 
 class WarmEntryError(ValueError):
@@ -70,6 +67,16 @@ class WarmOutcome:
         }
 
 
+def entry_tail_level(entry: WarmEntry) -> str:
+    """The level of a warm entry's last part: ``history`` for a message list, ``documents`` when it has
+    documents, else ``system``."""
+    if entry.messages is not None or any(key == "messages" for key, _ in entry.files):
+        return "history"
+    if entry.documents is not None or any(key == "documents" for key, _ in entry.files):
+        return "documents"
+    return "system"
+
+
 def entry_messages(entry: WarmEntry) -> list[Any]:
     """The message list an entry prefills: ``messages``, or ``system`` then ``documents`` as a user message;
     ``*_file`` values read now.
@@ -104,32 +111,19 @@ def entry_messages(entry: WarmEntry) -> list[Any]:
     return messages
 
 
-def level_ends(gateway: Gateway, request: Any, backend: Any) -> list[tuple[int, str]] | None:
-    """``(end token, level)`` of a canonicalized request's segments in the model's rendering of its prompt
-    (``render_canonical``); None without canonical segments or the model's tokenizer."""
-    tokenizer = backend.prompt_tokenizer()
-    if request.canonical is None or tokenizer is None:
-        return None
-    try:
-        rendered = render_canonical(request.canonical, tokenizer)
-    except TraceLineError:
-        return None
-    ends: list[tuple[int, str]] = []
-    for segment in rendered.segments:
-        level = _SEGMENT_LEVEL.get(segment.name)
-        if level is None or segment.end <= (ends[-1][0] if ends else 0):
-            continue
-        if ends and ends[-1][1] == level:
-            ends[-1] = (segment.end, level)
-        else:
-            ends.append((segment.end, level))
-    return ends or None
-
-
 async def warm_messages(
-    gateway: Gateway, model: str, tenant: str, messages: Any, pin: bool, index: int = 0
+    gateway: Gateway,
+    model: str,
+    tenant: str,
+    messages: Any,
+    pin: bool,
+    index: int = 0,
+    tail_level: str | None = None,
 ) -> WarmOutcome:
     """Canonicalize ``messages`` as a chat request of ``model`` and ``tenant`` and prefill it.
+
+    ``tail_level``: the level of the prompt's last part (``entry_tail_level``); None: ``system`` for a lone
+    system message, else ``history``.
 
     Raises:
         InvalidRequestError: not a valid message list, or the model keeps no cache of its own (400).
@@ -142,7 +136,10 @@ async def warm_messages(
     request.tenant = tenant
     backend = gateway.registry.get(model)
     canonicalize(gateway, request)
-    result = await backend.warm(request, level_ends(gateway, request, backend), pin)
+    tail = "history" if len(messages) > 2 or messages[-1].get("role") != "system" else "system"
+    if tail_level is not None:
+        tail = tail_level
+    result = await backend.warm(request, level_ends(request, backend, tail), pin)
     if result is None:
         raise InvalidRequestError(
             f"The model `{model}` keeps no prefix cache of its own (only embedded models can be warmed).",
@@ -169,7 +166,13 @@ async def warm_entries(gateway: Gateway, entries: Sequence[WarmEntry]) -> list[W
             try:
                 messages = entry_messages(entry)
                 outcome = await warm_messages(
-                    gateway, entry.model or "", entry.tenant, messages, entry.pin, index
+                    gateway,
+                    entry.model or "",
+                    entry.tenant,
+                    messages,
+                    entry.pin,
+                    index,
+                    entry_tail_level(entry),
                 )
             except (WarmEntryError, APIError) as exc:
                 logger.warning("warm[%d] skipped: %s", index, _reason(exc))

@@ -8,6 +8,7 @@ blocks."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -89,6 +90,12 @@ def test_a_prefix_survives_a_restart_through_the_disk_tier(tmp_path, tiny_checkp
         assert counters["disk.hit_tokens"] == cached(after)
         metrics = httpx.get(f"{second.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text
         assert 'prefixgate_tier_hit_tokens_total{model="tiny",tier="disk"}' in metrics
+        (row,) = httpx.get(
+            f"{second.base_url}/admin/cache", params={"tenant": "acme"}, headers=ADMIN_HEADERS, timeout=30
+        ).json()["data"]
+        assert row["level"] == "system"  # the request's segments tagged its blocks (system outlives the rest)
+        assert 0 < row["tokens"] <= usable(after["prompt_tokens"]) and row["tokens"] % BLOCK_SIZE == 0
+        assert row["tiers"]["disk"] == row["tokens"]  # the restarted gateway found all of it on disk
         other_tenant = chat(second, messages, "other")
         assert cached(other_tenant) == 0
     finally:
@@ -154,7 +161,12 @@ def test_warm_at_start_then_admin_warm_list_and_delete(tmp_path, tiny_checkpoint
         rows = httpx.get(f"{server.base_url}/admin/cache", headers=ADMIN_HEADERS, timeout=30).json()["data"]
         assert len(rows) == 1
         (row,) = rows
-        assert (row["model"], row["tenant"], row["pinned"]) == (TINY_MODEL, "acme", True)
+        assert (row["model"], row["tenant"], row["pinned"], row["level"]) == (
+            TINY_MODEL,
+            "acme",
+            True,
+            "system",
+        )
         assert row["tokens"] > 0 and row["tiers"]["ram"] == row["tokens"]
 
         response = httpx.post(
@@ -212,3 +224,32 @@ def test_cache_admin_needs_the_token(server, method, path):
         timeout=30,
     )
     assert wrong.status_code == 401
+
+
+def test_warm_after_ready_and_an_unreachable_redis_cost_no_start(tmp_path, tiny_checkpoint, caplog):
+    caplog.set_level(logging.WARNING)
+    server = start(
+        tmp_path,
+        tiny_checkpoint,
+        "late",
+        top={"warm": [{"system": SYSTEM, "tenant": "late"}], "warm_before_ready": False},
+        tiers=["redis"],
+        tier_redis={"url": "redis://127.0.0.1:1/0", "prefix": "pgtest-unreachable", "retry_s": 60},
+        deployment_secret=SECRET,
+    )
+    try:
+        assert httpx.get(f"{server.base_url}/healthz", timeout=30).status_code == 200
+        rows: list = []
+        for _ in range(600):  # bounded poll: the warm task runs in the background
+            rows = httpx.get(
+                f"{server.base_url}/admin/cache", params={"tenant": "late"}, headers=ADMIN_HEADERS, timeout=30
+            ).json()["data"]
+            if rows:
+                break
+            time.sleep(0.05)
+        assert [(r["tenant"], r["level"]) for r in rows] == [("late", "system")]
+        usage = chat(server, conversation("hello ?"), "late")
+        assert usage["prompt_tokens"] > 0
+    finally:
+        server.stop()
+    assert any("redis" in r.getMessage().lower() for r in caplog.records if r.levelno >= logging.WARNING)
