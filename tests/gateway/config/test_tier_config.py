@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.kv_tiers.policy import TierPolicy
+from gateway.cli import EXIT_BAD_CONFIG, main
 from gateway.config.loader import parse_config
 from gateway.config.schema import ConfigError
 
@@ -164,3 +166,22 @@ def test_bad_warm_entries_name_file_key_and_expectation(warm, key: str, problem:
         warm_config(warm)
     assert (caught.value.source, caught.value.key) == ("c.yaml", key)
     assert problem in caught.value.problem
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (
+            {"tiers": ["redis"], "tier_redis": {"url": "localhost:6379"}, "deployment_secret": SECRET},
+            "not a Redis URL",
+        ),
+        ({"tiers": ["disk"], "tier_disk": {"directory": "/dev/null/kv"}}, "cannot create /dev/null/kv"),
+    ],
+)
+def test_prefixgate_serve_refuses_a_misconfigured_tier(tmp_path: Path, capsys, engine: dict, message: str):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "path": "default", "engine": engine}]}))
+    assert main(["serve", "--config", str(path)]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    key = "tier_redis.url" if "redis" in engine["tiers"] else "tier_disk.directory"
+    assert f"{path}: models[0].engine.{key}: " in err and message in err
