@@ -329,7 +329,9 @@ class AsyncEngine:
         async for _ in self._stream(rid, prompt, dataclasses.replace(req, params=params)):
             pass
         with self._cond:
-            return self.core.finish_warm(prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key)
+            return self.core.finish_warm(
+                prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key, req.level_ends
+            )
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. False when unknown."""

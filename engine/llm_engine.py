@@ -491,12 +491,18 @@ class LLMEngine:
         req = self.add_checked_request(prompt, params, cache_salt=cache_salt, level_ends=level_ends)
         while not req.is_finished:
             self.step()
-        return self.finish_warm(prompt, req.extra_keys, pin, prefix_key)
+        return self.finish_warm(prompt, req.extra_keys, pin, prefix_key, level_ends)
 
     def finish_warm(
-        self, prompt: list[int], extra_keys: tuple, pin: bool, prefix_key: str | None
+        self,
+        prompt: list[int],
+        extra_keys: tuple,
+        pin: bool,
+        prefix_key: str | None,
+        level_ends: Sequence[tuple[int, str]] | None = None,
     ) -> WarmResult:
-        """After a warming request finished: look its full blocks up, pin them when asked, name the prefix.
+        """After a warming request finished: look its full blocks up, pin them when asked, name the prefix
+        (listed with the longest level of ``level_ends``, as its blocks were tagged).
 
         Raises:
             PinCapError: the pin cap was reached meanwhile (nothing pinned).
@@ -509,7 +515,7 @@ class LLMEngine:
             pinned = self.kv.pin(pin_id, hit)
         key = prefix_key or (hashes[-1].hex() if hashes else "")
         if hashes:
-            self._record_prefix(key, hashes, extra_keys, None, len(prompt), pin_id)
+            self._record_prefix(key, hashes, extra_keys, level_ends, len(prompt), pin_id)
         return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id)
 
     def unpin(self, pin_id: str) -> bool:

@@ -6,7 +6,8 @@ stream of ``Delta`` events and exactly one final ``Finish``; the protocol render
 Anthropic JSON/SSE. Closing the stream early (client disconnect) must cancel the work behind it.
 
 Capabilities are methods with a default here (``count_tokens``: a local estimate; ``engine_stats``,
-``replicas``, ``system_fingerprint``, ``prompt_tokenizer``: none), so the layers above call them on any backend and never test a
+``replicas``, ``system_fingerprint``, ``prompt_tokenizer``: none; ``warm``, ``cached_prefixes``,
+``drop_cached``: the prefix cache's admin, None where the backend keeps no cache of its own), so the layers above call them on any backend and never test a
 backend's class or look up its attributes: a new backend overrides what it can do better and touches no HTTP
 code.
 """
@@ -19,7 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.api import EngineStats
+from engine.api import EngineStats, WarmResult
+from engine.kv_tiers.catalog import CachedPrefix
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent
 from gateway.core.request import ChatRequest
@@ -87,6 +89,33 @@ class Backend(ABC):
 
     def system_fingerprint(self) -> str | None:
         """OpenAI's ``system_fingerprint`` for this backend's answers (changes with its weights or config)."""
+        return None
+
+    async def warm(
+        self, request: ChatRequest, level_ends: list[tuple[int, str]] | None, pin: bool
+    ) -> WarmResult | None:
+        """Prefill a canonical request's prompt into the backend's prefix cache (no output), its blocks
+        tagged with ``level_ends`` (``(end token, level)``), pinned in RAM with ``pin``. None: the backend
+        keeps no cache of its own (upstreams).
+
+        Raises:
+            InvalidRequestError / ContextLengthExceededError: the prompt cannot be served.
+        """
+        return None
+
+    def wants_level_ends(self) -> bool:
+        """Whether ``stream`` uses ``ChatRequest.level_ends`` (computing them renders the prompt again, so the
+        pipeline does it only for a backend that asks)."""
+        return False
+
+    def cached_prefixes(self, *, prefix_key: str | None, tenant: str | None) -> list[CachedPrefix] | None:
+        """The prefixes cached now (``engine.kv_tiers.catalog.CachedPrefix`` rows, never text), narrowed by
+        prefix key and tenant; None without a cache of its own."""
+        return None
+
+    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, int] | None:
+        """Drop cached prefixes in every tier (all of this backend's with neither filter): counts
+        ``{"prefixes", "ram", "disk", "redis"}``; None without a cache of its own."""
         return None
 
     def prompt_tokenizer(self) -> Any:

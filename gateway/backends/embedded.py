@@ -28,9 +28,10 @@ from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine.api import Constraint, EngineStats, Finished, GenerationRequest, TextDelta
+from engine.api import Constraint, EngineStats, Finished, GenerationRequest, TextDelta, WarmResult
 from engine.api import TokenLogprob as EngineTokenLogprob
-from engine.errors import EngineError
+from engine.errors import EngineError, PinCapError
+from engine.kv_tiers.catalog import CachedPrefix
 from engine.tool_calls import ContentDelta as ToolContentDelta
 from engine.tool_calls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
 from gateway.backends.base import Backend, TokenCount
@@ -102,6 +103,46 @@ class EmbeddedBackend(Backend):
     def system_fingerprint(self) -> str | None:
         """``fp_`` + a hash of the model's name, path and engine config."""
         return self._fingerprint
+
+    async def warm(
+        self, request: ChatRequest, level_ends: list[tuple[int, str]] | None, pin: bool
+    ) -> WarmResult | None:
+        """Prefill ``request``'s prompt (``AsyncEngine.warm``) under its prefix key and tenant.
+
+        Raises:
+            ServiceUnavailableError: the engine is not started.
+            InvalidRequestError / ContextLengthExceededError: engine errors mapped; a pin over the engine's
+                cap is a 400 with param ``pin``.
+        """
+        engine = self.engine
+        if engine is None:
+            raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
+        request.level_ends = level_ends
+        generation = generation_request(request)
+        try:
+            return await engine.warm(generation, pin=pin)
+        except PinCapError as exc:
+            raise InvalidRequestError(str(exc), param="pin", code="pin_cap_exceeded") from exc
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+
+    def wants_level_ends(self) -> bool:
+        """True with KV tiers configured: the levels choose the blocks' TTL and budget share there."""
+        return bool(self.model.engine.tiers)
+
+    def cached_prefixes(self, *, prefix_key: str | None, tenant: str | None) -> list[CachedPrefix] | None:
+        """``AsyncEngine.list_cached`` for this model (empty before ``start``)."""
+        if self.engine is None:
+            return []
+        return self.engine.list_cached(prefix_key=prefix_key, tenant=tenant)
+
+    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, int] | None:
+        """``AsyncEngine.drop_cached`` (every prefix of this model when neither filter is given)."""
+        if self.engine is None:
+            return {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
+        if prefix_key is None and tenant is None:
+            return self.engine.drop_cached(model_id=self.engine.model_id)
+        return self.engine.drop_cached(prefix_key=prefix_key, tenant=tenant)
 
     def prompt_tokenizer(self) -> EnginePromptTokenizer | None:
         """The engine's chat template and tokenizer, rendering messages as ``generation_request`` does (None
@@ -366,7 +407,12 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
                     param="logit_bias",
                     code="invalid_value",
                 )
-    common = {"cache_salt": request.tenant, "request_id": request.request_id}
+    common = {
+        "cache_salt": request.tenant,
+        "request_id": request.request_id,
+        "prefix_key": request.prefix_key or None,
+        "level_ends": request.level_ends,
+    }
     if request.kind == "completion":
         return GenerationRequest(prompt=request.prompt or "", params=params, **common)
     tools = template_tools(request.tools)

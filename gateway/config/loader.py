@@ -20,9 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 import yaml
 
 from engine.api import EngineConfig
+from engine.kv_tiers.keys import MIN_SECRET_BYTES
+from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
+from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
 from gateway.config.keys import entry_lines, parse_keys, parse_shared_prefixes
 from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
 from gateway.config.schema import (
@@ -30,6 +34,7 @@ from gateway.config.schema import (
     DEFAULT_MODEL_NAME,
     LEARNING_MODES,
     ROUTING_POLICIES,
+    WARM_CONTENT_KEYS,
     AdminConfig,
     AnthropicUpstream,
     ConfigError,
@@ -42,6 +47,7 @@ from gateway.config.schema import (
     RoutingShareConfig,
     ServerConfig,
     TranscriptConfig,
+    WarmEntry,
 )
 from gateway.core.json_types import yaml_kind
 
@@ -106,6 +112,8 @@ def parse_config(
             "rules_learning",
             "keys",
             "shared_prefixes",
+            "warm",
+            "warm_before_ready",
         },
     )
     server = _parse_server(reader, top.get("server"))
@@ -123,6 +131,8 @@ def parse_config(
         reader.resolve_env,
     )
     shared = parse_shared_prefixes(top.get("shared_prefixes"), source)
+    warm = _parse_warm(reader, top.get("warm"), models, base_dir)
+    warm_before_ready = reader.typed(top, "", "warm_before_ready", bool, True)
     return GatewayConfig(
         server=server,
         admin=admin,
@@ -130,10 +140,65 @@ def parse_config(
         models=models,
         transcript=transcript,
         rules_learning=learning,
+        warm=warm,
+        warm_before_ready=warm_before_ready,
         source=source,
         keys=keys,
         shared_prefixes=shared,
     )
+
+
+def _parse_warm(
+    reader: _Reader, value: Any, models: tuple[ModelEntry, ...], base_dir: Path | None
+) -> tuple[WarmEntry, ...]:
+    """``warm:``: a list of ``WarmEntry`` mappings. Checked here: keys, types, that the model is embedded, and
+    that an entry has something to prefill; the prompt itself is checked when it is warmed."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        reader.fail("warm", f"expected a list of entries, got {yaml_kind(value)}")
+    embedded = [m.name for m in models if isinstance(m, EmbeddedModel)]
+    content_files = {f"{key}_file" for key in WARM_CONTENT_KEYS}
+    out: list[WarmEntry] = []
+    for index, raw in enumerate(value):
+        where = f"warm[{index}]"
+        entry = reader.mapping(raw, where, {"model", "tenant", "pin", *WARM_CONTENT_KEYS, *content_files})
+        model = reader.typed(entry, where, "model", str | None, None)
+        if model is None:
+            if not embedded:
+                reader.fail(where, "warming needs an embedded model (models: has none)")
+            model = embedded[0]
+        elif model not in embedded:
+            reader.fail(
+                f"{where}.model",
+                f"expected an embedded model ({', '.join(embedded) or 'none'}), got {model!r}",
+            )
+        given = [key for key in WARM_CONTENT_KEYS if key in entry or f"{key}_file" in entry]
+        if not given:
+            reader.fail(where, f"expected one of {', '.join(WARM_CONTENT_KEYS)} (or a *_file of one)")
+        for key in WARM_CONTENT_KEYS:
+            if key in entry and f"{key}_file" in entry:
+                reader.fail(f"{where}.{key}_file", f"give {key} or {key}_file, not both")
+        if "messages" in given and len(given) > 1:
+            reader.fail(where, "messages is a whole prompt: give it alone, or system and/or documents")
+        files = []
+        for key in WARM_CONTENT_KEYS:
+            if f"{key}_file" in entry:
+                path = reader.typed(entry, where, f"{key}_file", str, None)
+                resolved = Path(path) if base_dir is None or Path(path).is_absolute() else base_dir / path
+                files.append((key, str(resolved)))
+        out.append(
+            WarmEntry(
+                model=model,
+                tenant=reader.typed(entry, where, "tenant", str, ""),
+                pin=reader.typed(entry, where, "pin", bool, False),
+                system=reader.typed(entry, where, "system", str | None, None),
+                documents=reader.typed(entry, where, "documents", str | None, None),
+                messages=entry.get("messages"),
+                files=tuple(files),
+            )
+        )
+    return tuple(out)
 
 
 def _parse_transcript(reader: _Reader, value: Any, redis_section: Any) -> TranscriptConfig:
@@ -474,13 +539,125 @@ def _parse_engine(reader: _Reader, value: Any, where: str) -> EngineConfig:
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     section = reader.mapping({} if value is None else value, where, set(fields))
     hints = typing.get_type_hints(EngineConfig)
-    values = {}
+    values: dict[str, Any] = {}
     for key in section:
-        values[key] = reader.typed(section, where, key, hints[key], None, required=True)
+        if key in _TIER_SECTIONS:
+            values[key] = _TIER_SECTIONS[key](reader, section[key], f"{where}.{key}")
+        else:
+            values[key] = reader.typed(section, where, key, hints[key], None, required=True)
     for key in ("block_size", "num_blocks", "max_batch", "max_num_batched_tokens"):
         if key in values and values[key] < 1:
             reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
+    if "max_pinned_fraction" in values and not 0 <= values["max_pinned_fraction"] <= 1:
+        reader.fail(
+            f"{where}.max_pinned_fraction",
+            f"expected a number in [0, 1], got {values['max_pinned_fraction']}",
+        )
+    if "tier_writeback_capacity" in values and values["tier_writeback_capacity"] < 1:
+        reader.fail(
+            f"{where}.tier_writeback_capacity",
+            f"expected an integer >= 1, got {values['tier_writeback_capacity']}",
+        )
+    _check_tiers(reader, values, where)
     return EngineConfig(**values)
+
+
+def _parse_tier_names(reader: _Reader, value: Any, where: str) -> tuple[str, ...]:
+    """``engine.tiers``: a list of distinct names from ``TIER_NAMES``."""
+    if not isinstance(value, list):
+        reader.fail(where, f"expected a list of tier names ({', '.join(TIER_NAMES)}), got {yaml_kind(value)}")
+    for index, name in enumerate(value):
+        if name not in TIER_NAMES:
+            reader.fail(f"{where}[{index}]", f"expected one of {', '.join(TIER_NAMES)}, got {name!r}")
+    if len(set(value)) != len(value):
+        reader.fail(where, f"a tier is named twice in {value}")
+    return tuple(value)
+
+
+def _parse_plain(cls: type, reader: _Reader, value: Any, where: str) -> Any:
+    """A mapping checked against the scalar fields of the frozen dataclass ``cls``."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    section = reader.mapping({} if value is None else value, where, fields)
+    hints = typing.get_type_hints(cls)
+    values = {key: reader.typed(section, where, key, hints[key], None, required=True) for key in section}
+    for key in ("budget_bytes",):
+        if key in values and values[key] < 1:
+            reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
+    for key in ("timeout_s", "retry_s"):
+        if key in values and not values[key] > 0:
+            reader.fail(f"{where}.{key}", f"expected a number > 0, got {values[key]}")
+    return cls(**values)
+
+
+def _parse_tier_policies(reader: _Reader, value: Any, where: str) -> TierPolicies:
+    """``engine.tier_policies``: ``default_level`` and, per tier, per level ``{ttl_s, budget_share}``."""
+    section = reader.mapping({} if value is None else value, where, {"default_level", *TIER_NAMES})
+    default_level = reader.typed(section, where, "default_level", str, "history")
+    if default_level not in LEVELS:
+        reader.fail(f"{where}.default_level", f"expected one of {', '.join(LEVELS)}, got {default_level!r}")
+    per_tier: dict[str, dict[str, TierPolicy]] = {}
+    for tier in TIER_NAMES:
+        if tier not in section:
+            continue
+        levels = reader.mapping(
+            {} if section[tier] is None else section[tier], f"{where}.{tier}", set(LEVELS)
+        )
+        per_tier[tier] = {}
+        for level, raw in levels.items():
+            path = f"{where}.{tier}.{level}"
+            body = reader.mapping(raw, path, {"ttl_s", "budget_share"})
+            default = DEFAULT_POLICIES[level]
+            ttl = reader.typed(body, path, "ttl_s", float | None, default.ttl_s)
+            share = reader.typed(body, path, "budget_share", float, default.budget_share)
+            try:
+                per_tier[tier][level] = TierPolicy(ttl_s=ttl, budget_share=share)
+            except ValueError as exc:
+                reader.fail(path, str(exc))
+    try:
+        return TierPolicies(per_tier=per_tier, default_level=default_level)
+    except ValueError as exc:
+        reader.fail(where, str(exc))
+
+
+_TIER_SECTIONS: dict[str, typing.Callable[[_Reader, Any, str], Any]] = {
+    "tiers": _parse_tier_names,
+    "tier_disk": lambda reader, value, where: _parse_plain(DiskTierConfig, reader, value, where),
+    "tier_redis": lambda reader, value, where: _parse_plain(RedisTierConfig, reader, value, where),
+    "tier_policies": _parse_tier_policies,
+}
+"""``engine:`` keys whose values are nested sections, each with its parser."""
+
+
+def _check_tiers(reader: _Reader, values: dict[str, Any], where: str) -> None:
+    """What stops a start before the engine loads: a disk tier without a writable directory, a Redis URL that
+    does not parse, a Redis tier without a deployment secret. An unreachable Redis is not checked here (the
+    tier warns and retries in the background)."""
+    tiers = values.get("tiers", ())
+    secret = values.get("deployment_secret")
+    if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
+        reader.fail(f"{where}.deployment_secret", f"expected at least {MIN_SECRET_BYTES} bytes")
+    if "disk" in tiers:
+        directory = values.get("tier_disk", DiskTierConfig()).directory
+        path = f"{where}.tier_disk.directory"
+        if directory is None:
+            reader.fail(path, "missing required key (a disk tier needs a directory)")
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            reader.fail(path, f"cannot create {directory} ({exc.strerror or exc})")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            reader.fail(path, f"{directory} is not writable")
+    if "redis" in tiers:
+        url = values.get("tier_redis", RedisTierConfig()).url
+        try:
+            redis.connection.parse_url(url)
+        except ValueError as exc:
+            reader.fail(f"{where}.tier_redis.url", f"not a Redis URL ({exc})")
+        if secret is None:
+            reader.fail(
+                f"{where}.deployment_secret",
+                "missing required key (a Redis tier needs it: every gateway must hash blocks alike)",
+            )
 
 
 class _Reader:

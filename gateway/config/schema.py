@@ -9,7 +9,7 @@ none is confused with ``engine.model_config``'s class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from engine.api import EngineConfig
 from gateway.config.price_table import ModelPrices
@@ -236,6 +236,38 @@ class SharedPrefix:
     value: str
 
 
+WARM_CONTENT_KEYS = ("system", "documents", "messages")
+"""What a ``warm:`` entry prefills; each may instead be read from ``<key>_file``."""
+
+
+@dataclass(frozen=True)
+class WarmEntry:
+    """One ``warm:`` entry: a prompt head prefilled into an embedded model's prefix cache.
+
+    The prompt is ``messages`` (a whole OpenAI message list), or a ``system`` prompt and/or ``documents``
+    (sent as the first user message after it). A ``*_file`` key names a file holding that value instead
+    (``messages_file``: JSON or YAML; the others: UTF-8 text), resolved against the config's folder. The
+    content is checked when the entry is warmed, not when the config loads: a bad entry is reported with its
+    index and skipped, the rest warms.
+
+    Attributes:
+        model: the embedded model's name (None: the first embedded model).
+        tenant: the cache salt the prefix is cached under (the ``x-prefixgate-tenant`` requests send).
+        pin: keep the prefix's blocks in RAM (never evicted; the engine caps pins).
+        system / documents: text, or None.
+        messages: the message list as written (checked at warm time), or None.
+        files: ``(content key, path)`` pairs read at warm time.
+    """
+
+    model: str | None = None
+    tenant: str = ""
+    pin: bool = False
+    system: str | None = None
+    documents: str | None = None
+    messages: Any = None
+    files: tuple[tuple[str, str], ...] = ()
+
+
 ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
 """One ``models:`` entry: a client-facing model and the backend kind serving it (its ``backend`` key)."""
 
@@ -243,7 +275,8 @@ ModelEntry = EmbeddedModel | OpenAIUpstream | AnthropicUpstream
 @dataclass(frozen=True)
 class GatewayConfig:
     """The whole config. ``source`` is the file it came from (``<default>`` for the built-in one);
-    ``transcript`` the canonical transcript memory, ``rules_learning`` the learned volatile slots."""
+    ``transcript`` the canonical transcript memory, ``rules_learning`` the learned volatile slots; ``warm`` the
+    prompt heads prefilled at start, before the app serves (``warm_before_ready``) or in the background after."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
@@ -251,6 +284,8 @@ class GatewayConfig:
     models: tuple[ModelEntry, ...] = (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
     transcript: TranscriptConfig = field(default_factory=TranscriptConfig)
     rules_learning: LearningConfig = field(default_factory=LearningConfig)
+    warm: tuple[WarmEntry, ...] = ()
+    warm_before_ready: bool = True
     source: str = "<default>"
     keys: tuple[ClientKey, ...] = ()
     """Client keys (``gateway.config.keys``); none: the gateway runs open."""

@@ -33,12 +33,18 @@ def rules_enabled(headers: Mapping[str, str]) -> bool:
 
 
 def tenant(headers: Mapping[str, str]) -> str:
-    """The cache salt from ``x-prefixgate-tenant`` ("" when absent).
+    """The ``x-prefixgate-tenant`` value as sent ("" when absent). It becomes a cache salt only once
+    ``check_tenant`` accepted it: in open mode, or for a trusted key (``gateway.http.auth.authorize``); an
+    untrusted key's header is ignored whatever it holds."""
+    return headers.get(TENANT_HEADER, "")
+
+
+def check_tenant(value: str) -> str:
+    """``value`` when it may be used as a cache salt.
 
     Raises:
         InvalidRequestError: longer than 256 characters.
     """
-    value = headers.get(TENANT_HEADER, "")
     if len(value) > MAX_TENANT_CHARS:
         raise InvalidRequestError(
             f"Header {TENANT_HEADER} is longer than {MAX_TENANT_CHARS} characters.",

@@ -102,6 +102,8 @@ class ChatRequest:
         request_id: the gateway's id for logs and response ids.
         canonical: the rules' result (a ``CanonicalPrompt``), set by ``gateway.service.canonicalize``.
         prefix_key: hex prefix key (model id, tenant salt, hash of the stable segments), set by routing.
+        level_ends: ``(end token, level)`` of the canonical segments in the model's tokens, set by the pipeline
+            for backends that tag cached blocks with levels (``Backend.wants_level_ends``); None otherwise.
         forward_headers: client headers an upstream of the same protocol receives too, lower-case name ->
             value (the Anthropic face sets ``anthropic-beta`` here;
             ``gateway.protocols.anthropic.parse.FORWARDED_HEADERS`` lists them).
@@ -131,4 +133,5 @@ class ChatRequest:
     request_id: str = ""
     canonical: CanonicalPrompt | None = None
     prefix_key: str = ""
+    level_ends: list[tuple[int, str]] | None = None
     forward_headers: dict[str, str] = field(default_factory=dict)

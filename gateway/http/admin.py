@@ -1,6 +1,9 @@
 """Admin endpoints: ``GET /admin/stats`` (JSON), ``GET /metrics`` (Prometheus text) and
 ``GET /admin/rules/learned`` (the learned volatile slots as a YAML rule file; ``?model=`` and ``?tenant=``
-narrow it), which ``prefixgate rules learned`` fetches.
+narrow it), which ``prefixgate rules learned`` fetches. The prefix cache: ``GET /admin/cache`` (cached prefixes,
+never text; ``?prefix_key=``, ``?tenant=``, ``?model=`` narrow it), ``DELETE /admin/cache`` (drops in every tier
+by the same filters, at least one), ``POST /admin/cache/warm`` (prefills a prompt head; returns its prefix key
+and token counts).
 
 When ``admin.token`` is configured all of them need ``Authorization: Bearer <token>`` (else 401): ``/metrics`` names
 the rules and models in use and reveals traffic volumes, and Prometheus sends bearer tokens natively
@@ -17,7 +20,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.core.errors import AuthenticationError
+from gateway.http.body import read_json_object
 from gateway.http.request_context import gateway_of
+from gateway.service.cache_warm import (
+    drop_cached,
+    entry_messages,
+    entry_tail_level,
+    list_cached,
+    warm_body,
+    warm_messages,
+)
 from gateway.service.metrics import CONTENT_TYPE, render
 
 
@@ -64,10 +76,54 @@ async def learned_rules(http_request: Request) -> Response:
     return Response(text, media_type="application/yaml")
 
 
+async def cache_list(http_request: Request) -> Response:
+    """``GET /admin/cache``: ``{"object": "list", "data": [rows]}`` (``gateway.service.cache_warm.list_cached``)."""
+    require_admin(http_request)
+    params = http_request.query_params
+    rows = list_cached(
+        gateway_of(http_request),
+        prefix_key=params.get("prefix_key"),
+        tenant=params.get("tenant"),
+        model=params.get("model"),
+    )
+    return JSONResponse({"object": "list", "data": rows})
+
+
+async def cache_drop(http_request: Request) -> Response:
+    """``DELETE /admin/cache?prefix_key=|tenant=|model=``: ``{"dropped": {"prefixes", "ram", "disk",
+    "redis"}}``; 400 without a filter."""
+    require_admin(http_request)
+    params = http_request.query_params
+    dropped = drop_cached(
+        gateway_of(http_request),
+        prefix_key=params.get("prefix_key"),
+        tenant=params.get("tenant"),
+        model=params.get("model"),
+    )
+    return JSONResponse({"dropped": dropped})
+
+
+async def cache_warm(http_request: Request) -> Response:
+    """``POST /admin/cache/warm``: body ``{model?, tenant?, pin?, messages | system and/or documents}``;
+    answers the prefix key and token counts (``WarmOutcome.to_dict``)."""
+    require_admin(http_request)
+    gateway = gateway_of(http_request)
+    body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
+    default_model = next((m.name for m in gateway.config.models if m.backend == "embedded"), None)
+    entry = warm_body(body, default_model)
+    outcome = await warm_messages(
+        gateway, entry.model or "", entry.tenant, entry_messages(entry), entry.pin, 0, entry_tail_level(entry)
+    )
+    return JSONResponse(outcome.to_dict())
+
+
 def routes() -> list[BaseRoute]:
     """The admin route table."""
     return [
         Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/admin/rules/learned", learned_rules, methods=["GET"]),
+        Route("/admin/cache", cache_list, methods=["GET"]),
+        Route("/admin/cache", cache_drop, methods=["DELETE"]),
+        Route("/admin/cache/warm", cache_warm, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -36,6 +36,7 @@ from gateway.core.keys import KeyTable
 from gateway.http.request_context import ClientDisconnected, request_id_of
 from gateway.http.routes import route_table
 from gateway.service.cache_explain import CacheExplanations
+from gateway.service.cache_warm import warm_entries
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
 from gateway.service.limits import ClientUsage
@@ -115,13 +116,22 @@ def _lifespan(gateway: Gateway):
                 "no client keys configured: the gateway is OPEN (no authentication; the cache salt is the "
                 "client's x-prefixgate-tenant header)"
             )
+        warming: asyncio.Task | None = None
         try:
             for backend in backends:
                 await backend.start()
                 started.append(backend)
                 logger.info("model %s ready (%s)", backend.name, type(backend).__name__)
+            config = gateway.config
+            if config.warm and config.warm_before_ready:
+                await warm_entries(gateway, config.warm)
+            elif config.warm:
+                warming = asyncio.create_task(warm_entries(gateway, config.warm), name="prefixgate-warm")
             yield
         finally:
+            if warming is not None and not warming.done():
+                warming.cancel()
+                await asyncio.gather(warming, return_exceptions=True)
             await asyncio.gather(*(backend.close() for backend in started), return_exceptions=True)
             gateway.canonicalizer.close()
 

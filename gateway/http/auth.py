@@ -20,7 +20,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from gateway.core.errors import AuthenticationError, ModelNotFoundError, PermissionDeniedError
-from gateway.core.headers import TENANT_HEADER
+from gateway.core.headers import TENANT_HEADER, check_tenant
 from gateway.core.keys import ClientKey, presented_key
 from gateway.core.request import ChatRequest
 from gateway.http.request_context import gateway_of
@@ -60,7 +60,8 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
         PermissionDeniedError: the key may not use the model (Anthropic face, 403).
         RateLimitError: a limit of the key is reached (429, ``retry_after_s`` for rpm / tpm).
     """
-    if key is None:
+    if key is None:  # open mode: the client's header is the cache salt
+        check_tenant(request.tenant)
         return
     gateway = gateway_of(http_request)
     if not key.allows(request.model):
@@ -71,7 +72,7 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
         raise ModelNotFoundError(request.model)
     header = http_request.headers.get(TENANT_HEADER)
     if header and key.trusted:
-        request.tenant = f"{key.tenant}/{header}"
+        request.tenant = f"{key.tenant}/{check_tenant(header)}"
     else:
         request.tenant = key.tenant
         if header:

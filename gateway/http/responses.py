@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute, Route
 from gateway.core.errors import APIError, InvalidRequestError
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Delta, Finish
+from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
     begin,
@@ -36,7 +37,9 @@ _CHAT_TO_RESPONSES_PARAM = {"max_completion_tokens": "max_output_tokens", "respo
 
 
 async def responses_endpoint(http_request: Request) -> Response:
-    """``POST /v1/responses``: a ``Response`` object, or with ``stream: true`` its events as SSE."""
+    """``POST /v1/responses``: a ``Response`` object, or with ``stream: true`` its events as SSE. Client keys,
+    model access, tenant and limits apply as on ``/v1/chat/completions`` (``gateway.http.auth``)."""
+    key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     chat_body = responses_to_chat_body(body, refuse_unknown_fields(gateway))
@@ -45,6 +48,7 @@ async def responses_endpoint(http_request: Request) -> Response:
     except InvalidRequestError as error:
         error.param = _CHAT_TO_RESPONSES_PARAM.get(error.param or "", error.param)
         raise
+    authorize(http_request, request, key)
     begin(http_request, request)
     opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     builder = ResponseBuilder(body, request.model, request.request_id)

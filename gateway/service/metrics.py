@@ -98,6 +98,7 @@ class StatsCollector(Collector):
 
     def _engine_histograms(self) -> Iterator[Metric]:
         stats = {name: s for name, s in self._engine_stats().items() if s is not None}
+        yield from tier_metrics(stats)
         for attr, help_text in (
             ("ttft", "Engine time to first token (seconds)."),
             ("tpot", "Engine time per output token (seconds)."),
@@ -107,6 +108,69 @@ class StatsCollector(Collector):
                 histogram: Histogram = getattr(s, attr)
                 family.add_metric([name], _buckets(histogram), histogram.sum)
             yield family
+
+
+_TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("hit_tokens", "prefixgate_tier_hit_tokens", "Prompt tokens a lookup found in the tier."),
+    ("miss_tokens", "prefixgate_tier_miss_tokens", "Prompt tokens a lookup did not find in the tier."),
+    ("bytes_written", "prefixgate_tier_written_bytes", "Bytes of entries written to the tier."),
+    ("writes", "prefixgate_tier_writes", "Entries written to the tier."),
+    ("write_errors", "prefixgate_tier_write_errors", "Writes that failed (disk full, Redis down or slow)."),
+    ("write_refused", "prefixgate_tier_write_refused", "Writes Redis refused (maxmemory)."),
+    ("read_errors", "prefixgate_tier_read_errors", "Reads that failed (counted as misses)."),
+    ("evicted", "prefixgate_tier_evicted", "Entries dropped to keep a level inside its byte budget."),
+)
+"""``engine.kv_tiers.counters`` per-tier names -> metric name (``_total`` added) and help."""
+
+
+def tier_metrics(stats: Mapping[str, EngineStats]) -> Iterator[Metric]:
+    """The KV tiers' counters (``EngineStats.tier_counters``, names of ``engine.kv_tiers.counters``) per model:
+    per tier hits, misses, bytes, writes and failures; expirations per tier and level; entries rejected by
+    cause; write-back queue drops; blocks loaded back; pinned blocks; the load-back latency histogram."""
+    per_tier = {
+        suffix: CounterMetricFamily(name, help_text, labels=["model", "tier"])
+        for suffix, name, help_text in _TIER_COUNTERS
+    }
+    expired = CounterMetricFamily(
+        "prefixgate_tier_expired",
+        "Entries found older than their level's TTL.",
+        labels=["model", "tier", "level"],
+    )
+    rejected = CounterMetricFamily(
+        "prefixgate_tier_rejected",
+        "Tier entries refused by the integrity check, by cause.",
+        labels=["model", "cause"],
+    )
+    dropped = CounterMetricFamily(
+        "prefixgate_tier_writes_dropped",
+        "Blocks dropped because the write-back queue was full.",
+        labels=["model"],
+    )
+    loaded = CounterMetricFamily(
+        "prefixgate_tier_loaded_blocks", "Blocks loaded back into the pool.", labels=["model"]
+    )
+    pinned = GaugeMetricFamily("prefixgate_pinned_blocks", "KV blocks held in RAM by pins.", labels=["model"])
+    latency = HistogramMetricFamily(
+        "prefixgate_tier_load_seconds", "Load-back latency from the tiers (seconds).", labels=["model"]
+    )
+    for model, s in stats.items():
+        pinned.add_metric([model], s.pinned_blocks)
+        if s.tier_load_seconds is not None:
+            latency.add_metric([model], _buckets(s.tier_load_seconds), s.tier_load_seconds.sum)
+        for name, value in sorted(s.tier_counters.items()):
+            parts = name.split(".")
+            if parts == ["writeback", "dropped"]:
+                dropped.add_metric([model], value)
+            elif parts == ["loaded_blocks"]:
+                loaded.add_metric([model], value)
+            elif parts[0] == "rejected" and len(parts) == 2:
+                rejected.add_metric([model, parts[1]], value)
+            elif len(parts) == 3 and parts[1] == "expired":
+                expired.add_metric([model, parts[0], parts[2]], value)
+            elif len(parts) == 2 and parts[1] in per_tier:
+                per_tier[parts[1]].add_metric([model, parts[0]], value)
+    yield from per_tier.values()
+    yield from (expired, rejected, dropped, loaded, pinned, latency)
 
 
 def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:

@@ -33,6 +33,7 @@ from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
+from gateway.service.prompt_levels import level_ends
 from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
@@ -65,6 +66,8 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     """
     backend = gateway.registry.get(request.model)
     canonicalize(gateway, request)
+    if backend.wants_level_ends():
+        request.level_ends = level_ends(request, backend)
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
     iterator = backend.stream(request)
     try:

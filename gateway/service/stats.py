@@ -309,6 +309,13 @@ def _engine_fields(engine: EngineStats) -> dict[str, Any]:
             "decode_seconds": engine.decode_seconds,
             "running": engine.running,
             "waiting": engine.waiting,
+            "pinned_blocks": engine.pinned_blocks,
+            "tier_counters": dict(engine.tier_counters),
+            "tier_load_seconds": (
+                None
+                if engine.tier_load_seconds is None
+                else {"count": engine.tier_load_seconds.count, "sum": engine.tier_load_seconds.sum}
+            ),
         },
     }
 

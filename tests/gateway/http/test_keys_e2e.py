@@ -137,6 +137,9 @@ def test_trusted_header_is_honoured_and_untrusted_is_ignored_and_counted(keyed):
     # alice claims bob's tenant: ignored (her own salt: at most her own chat-template head is cached), counted
     assert ask(keyed, ALICE, other, **{"x-prefixgate-tenant": "globex"}) < bob_repeat
     assert keyed.stats()["keys"]["alice"]["tenant_header_ignored"] == before + 1
+    # whatever an untrusted key's header holds, it is ignored (not a 400): even one over the length limit
+    ask(keyed, ALICE, other, **{"x-prefixgate-tenant": "g" * 300})
+    assert keyed.stats()["keys"]["alice"]["tenant_header_ignored"] == before + 2
 
 
 def test_rate_limit_answers_429_with_retry_after(keyed):
@@ -205,3 +208,23 @@ def test_start_up_log_says_whether_the_gateway_is_open(caplog):
         pass
     assert "1 client keys, 1 tenants" in caplog.text and "OPEN" not in caplog.text
     assert ALICE not in caplog.text
+
+
+def test_responses_face_needs_a_key_and_applies_its_tenant(keyed):
+    """``/v1/responses`` is behind the same keys as chat: 401 without one, the key's model list, its tenant."""
+    no_key = httpx.post(
+        f"{keyed.base_url}/v1/responses", json={"model": TINY_MODEL, "input": "hi"}, timeout=10
+    )
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    with oai(keyed, "sk-wrong") as sdk, pytest.raises(openai.AuthenticationError):
+        sdk.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=1)
+    with oai(keyed, BOB) as sdk:
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.create(model=OTHER_MODEL, input="hi", max_output_tokens=1)
+        prompt = "Responses isolation. " + PROMPT
+        sdk.responses.create(model=TINY_MODEL, input=prompt, max_output_tokens=1)
+        again = sdk.responses.create(model=TINY_MODEL, input=prompt, max_output_tokens=1)
+    assert again.usage.input_tokens_details.cached_tokens > 0  # bob's own repeat hits
+    with oai(keyed, ALICE) as sdk:  # another tenant: none of bob's blocks
+        other = sdk.responses.create(model=TINY_MODEL, input=prompt, max_output_tokens=1)
+    assert other.usage.input_tokens_details.cached_tokens < again.usage.input_tokens_details.cached_tokens

@@ -9,6 +9,7 @@ import pytest
 from engine.api import SamplingParams
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendUsage, Finish
+from gateway.core.headers import check_tenant
 from gateway.core.request import ChatRequest
 from gateway.protocols.openai.parse import parse_chat_request, parse_completion_request
 from gateway.protocols.openai.render import (
@@ -182,8 +183,11 @@ def test_missing_model_and_messages():
 def test_bad_headers():
     with pytest.raises(InvalidRequestError, match="x-prefixgate-rules"):
         parse_chat_request({"model": "m", "messages": MESSAGES}, {"x-prefixgate-rules": "maybe"})
+    # the tenant header is read as sent; whether it may become a cache salt is decided by authorization
+    request = parse_chat_request({"model": "m", "messages": MESSAGES}, {"x-prefixgate-tenant": "t" * 300})
+    assert request.tenant == "t" * 300
     with pytest.raises(InvalidRequestError, match="x-prefixgate-tenant"):
-        parse_chat_request({"model": "m", "messages": MESSAGES}, {"x-prefixgate-tenant": "t" * 300})
+        check_tenant(request.tenant)
 
 
 def test_completion_body():
