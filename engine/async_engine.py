@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -37,6 +38,8 @@ from engine.errors import EngineClosedError, InvalidRequestError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
+
+logger = logging.getLogger("prefixgate.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -231,6 +234,7 @@ class AsyncEngine:
             pass
 
     def _fail(self, error: BaseException) -> None:
+        logger.error("the engine's step loop failed; every request is aborted", exc_info=error)
         with self._cond:
             self._error = error
             self._closed = True

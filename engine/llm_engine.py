@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob, WarmResult
-from engine.block_hash import HashFn, hash_block
+from engine.block_hash import ExtraKeys, HashFn, LayeredKeys, hash_block
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
 from engine.errors import InvalidRequestError
@@ -529,19 +529,21 @@ class LLMEngine:
         self,
         key: str,
         hashes: Sequence[bytes],
-        extra_keys: tuple,
+        extra_keys: ExtraKeys,
         level_ends: Sequence[tuple[int, str]] | None,
         num_prompt_tokens: int,
         pin_id: str | None = None,
     ) -> None:
-        """List the prompt's stable head (up to its last level end; all full blocks without levels)."""
+        """List the prompt's stable head (up to its last level end; all full blocks without levels), under the
+        request's own model id and tenant (a layered request's private keys: its public blocks are shared)."""
         bs = self.kv.block_size
         end = min(level_ends[-1][0], num_prompt_tokens) if level_ends else num_prompt_tokens
         n = min(end // bs, len(hashes))
         policies = self.config.tier_policies
         levels = level_of_blocks(n, bs, level_ends, policies.default_level)
         level, _ = policies.resolve("disk", frozenset().union(*levels) if levels else frozenset())
-        model_id, salt = (tuple(extra_keys) + ("", ""))[:2]
+        own = extra_keys.private if isinstance(extra_keys, LayeredKeys) else tuple(extra_keys)
+        model_id, salt = (own + ("", ""))[:2]
         rec = PrefixRecord(
             key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, self.tier_clock(), pin_id
         )
