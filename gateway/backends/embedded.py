@@ -395,9 +395,12 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
     """
     if request.openai_body is not None:
         check_supported(request.openai_body)
+    output_format = None
     if request.anthropic_body is not None:
-        check_supported_anthropic(request.anthropic_body)
+        output_format = check_supported_anthropic(request.anthropic_body)
     params = request.params
+    if output_format is not None:  # Anthropic structured outputs: the same constraint as json_schema
+        params = replace(params, constraint=output_format)
     if engine is not None and params.logit_bias:
         vocab = engine.tokenizer.vocab_size
         for token_id, _ in params.logit_bias:
@@ -419,10 +422,11 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
     constraint = tool_constraint(request, tools, engine.tool_format if engine is not None else "template")
     if constraint is not None:
         if params.constraint is not None:
+            param = "output_config.format" if output_format is not None else "response_format"
             raise InvalidRequestError(
-                "The embedded engine cannot combine 'response_format' with tool calls; send one of them "
+                f"The embedded engine cannot combine '{param}' with tool calls; send one of them "
                 "(or tool_choice 'none').",
-                param="response_format",
+                param=param,
                 code="unsupported_value",
             )
         params = replace(params, constraint=constraint)
@@ -526,10 +530,16 @@ def check_supported(body: dict[str, Any]) -> None:
             )
 
 
-def check_supported_anthropic(body: dict[str, Any]) -> None:
-    """Refuse Anthropic fields the engine cannot honour rather than ignore them: ``thinking`` other than
-    ``{"type": "disabled"}`` (the checkpoint has no extended thinking) and ``output_config`` (effort and
-    structured output formats), each a 400 naming the field."""
+def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
+    """Refuse Anthropic fields the engine cannot honour rather than ignore them, and return the output
+    constraint of Anthropic's structured outputs (``output_config.format`` ``{"type": "json_schema", "schema":
+    {...}}``, https://platform.claude.com/docs/en/build-with-claude/structured-outputs), or None.
+
+    Raises:
+        InvalidRequestError: ``thinking`` other than ``{"type": "disabled"}`` (the checkpoint has no extended
+            thinking); ``output_config.effort`` (no effort levels); an ``output_config`` / ``format`` that is not
+            an object, or a format that is not ``json_schema`` with an object ``schema`` (400 naming the field).
+    """
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
         raise InvalidRequestError(
@@ -538,13 +548,36 @@ def check_supported_anthropic(body: dict[str, Any]) -> None:
             param="thinking",
             code="unsupported_value",
         )
-    if body.get("output_config") is not None:
+    config = body.get("output_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise InvalidRequestError("output_config: Input should be an object", param="output_config")
+    if config.get("effort") is not None:
         raise InvalidRequestError(
-            "output_config: not supported by the embedded engine (no effort levels, no output formats); "
-            "omit it.",
-            param="output_config",
+            "output_config.effort: the embedded engine has no effort levels; omit it.",
+            param="output_config.effort",
             code="unsupported_value",
         )
+    extra = sorted(set(config) - {"effort", "format"})
+    if extra:
+        raise InvalidRequestError(
+            f"output_config.{extra[0]}: Extra inputs are not permitted", param=f"output_config.{extra[0]}"
+        )
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise InvalidRequestError(
+            'output_config.format: expected {"type": "json_schema", "schema": {...}}',
+            param="output_config.format",
+        )
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            "output_config.format.schema: Input should be an object", param="output_config.format.schema"
+        )
+    return Constraint(kind="json_schema", json_schema=schema)
 
 
 def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:

@@ -563,3 +563,25 @@ def test_responses_forced_tool_call_is_a_function_call_item(client):
         jsonschema.validate(json.loads(calls[0].arguments), schema)
     else:  # cut by max_output_tokens: no half call is reported as one
         assert response.status == "incomplete" and all(call.status != "completed" for call in calls)
+
+
+def test_anthropic_structured_output_validates(claude):
+    """Anthropic's structured outputs (``output_config.format``) constrain the embedded engine like OpenAI's
+    ``json_schema``: the text parses and validates, streamed and not (the tiny model's weights are random)."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+    }
+    extra = {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    message = claude.messages.create(model=TINY_MODEL, messages=QUESTION, max_tokens=64, extra_body=extra)
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+    with claude.messages.stream(
+        model=TINY_MODEL, messages=QUESTION, max_tokens=64, extra_body=extra
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text), schema)

@@ -224,7 +224,8 @@ def test_unknown_fields_are_ignored_when_configured(lenient):
     ("extra", "field"),
     [
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-        ({"output_config": {"effort": "low"}}, "output_config"),
+        ({"output_config": {"effort": "low"}}, "output_config.effort"),
+        ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
