@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 import yaml
 
-from engine.api import EngineConfig
-from engine.kv_tiers.keys import MIN_SECRET_BYTES
-from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
-from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
+from gateway.config.engine_section import parse_engine
 from gateway.config.keys import entry_lines, parse_keys, parse_shared_prefixes
 from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
+from gateway.config.reader import Reader
 from gateway.config.schema import (
     BACKEND_KINDS,
     DEFAULT_MODEL_NAME,
@@ -98,7 +93,7 @@ def parse_config(
     Raises:
         ConfigError: on the first problem found.
     """
-    reader = _Reader(source)
+    reader = Reader(source)
     top = reader.mapping(
         data,
         "",
@@ -149,7 +144,7 @@ def parse_config(
 
 
 def _parse_warm(
-    reader: _Reader, value: Any, models: tuple[ModelEntry, ...], base_dir: Path | None
+    reader: Reader, value: Any, models: tuple[ModelEntry, ...], base_dir: Path | None
 ) -> tuple[WarmEntry, ...]:
     """``warm:``: a list of ``WarmEntry`` mappings. Checked here: keys, types, that the model is embedded, and
     that an entry has something to prefill; the prompt itself is checked when it is warmed."""
@@ -201,7 +196,7 @@ def _parse_warm(
     return tuple(out)
 
 
-def _parse_transcript(reader: _Reader, value: Any, redis_section: Any) -> TranscriptConfig:
+def _parse_transcript(reader: Reader, value: Any, redis_section: Any) -> TranscriptConfig:
     """``transcript:`` (bounds and an optional ``redis_url``); a shared ``redis: {url: ...}`` section gives the
     URL when ``transcript.redis_url`` is not set."""
     keys = {f.name for f in dataclasses.fields(TranscriptConfig)}
@@ -228,7 +223,7 @@ def _parse_transcript(reader: _Reader, value: Any, redis_section: Any) -> Transc
     return TranscriptConfig(redis_url=url or None, redis_prefix=prefix, **values)
 
 
-def _parse_learning(reader: _Reader, value: Any) -> LearningConfig:
+def _parse_learning(reader: Reader, value: Any) -> LearningConfig:
     """``rules_learning: off|suggest|apply`` or ``rules_learning: {mode: ..., min_distinct: N}``."""
     default = LearningConfig()
     if value is None:
@@ -249,7 +244,7 @@ def _parse_learning(reader: _Reader, value: Any) -> LearningConfig:
 UNKNOWN_FIELD_MODES = ("refuse", "ignore")
 
 
-def _parse_server(reader: _Reader, value: Any) -> ServerConfig:
+def _parse_server(reader: Reader, value: Any) -> ServerConfig:
     section = reader.mapping(
         {} if value is None else value, "server", {"host", "port", "max_body_bytes", "unknown_fields"}
     )
@@ -267,13 +262,13 @@ def _parse_server(reader: _Reader, value: Any) -> ServerConfig:
     return ServerConfig(host=host, port=port, max_body_bytes=max_body, unknown_fields=unknown)
 
 
-def _parse_admin(reader: _Reader, value: Any) -> AdminConfig:
+def _parse_admin(reader: Reader, value: Any) -> AdminConfig:
     section = reader.mapping({} if value is None else value, "admin", {"token"})
     token = reader.typed(section, "admin", "token", str | None, None)
     return AdminConfig(token=token or None)
 
 
-def _parse_rules(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[str, ...]:
+def _parse_rules(reader: Reader, value: Any, base_dir: Path | None) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -317,7 +312,7 @@ _MODEL_BACKEND_ONLY = {
 """Settings of one upstream kind only."""
 
 
-def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[ModelEntry, ...]:
+def _parse_models(reader: Reader, value: Any, base_dir: Path | None) -> tuple[ModelEntry, ...]:
     if value is None:
         return (EmbeddedModel(name=DEFAULT_MODEL_NAME),)
     if not isinstance(value, list) or not value:
@@ -331,7 +326,7 @@ def _parse_models(reader: _Reader, value: Any, base_dir: Path | None) -> tuple[M
     return tuple(models)
 
 
-def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None) -> ModelEntry:
+def _parse_model(reader: Reader, entry: Any, where: str, base_dir: Path | None) -> ModelEntry:
     every_key = _MODEL_COMMON | _MODEL_EMBEDDED | _MODEL_UPSTREAM | set().union(*_MODEL_BACKEND_ONLY.values())
     raw = reader.mapping(entry, where, every_key)
     name = reader.typed(raw, where, "name", str, None, required=True)
@@ -354,12 +349,12 @@ def _parse_model(reader: _Reader, entry: Any, where: str, base_dir: Path | None)
         path = reader.typed(raw, where, "path", str, "default")
         if path != "default" and base_dir is not None and not os.path.isabs(path):
             path = str((base_dir / path).resolve())
-        engine = _parse_engine(reader, raw.get("engine"), f"{where}.engine")
+        engine = parse_engine(reader, raw.get("engine"), f"{where}.engine")
         return EmbeddedModel(name=name, path=path, engine=engine)
     return _parse_upstream(reader, raw, where, name, backend)
 
 
-def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
+def _parse_api_key(reader: Reader, raw: dict, where: str) -> str | None:
     """``api_key`` with surrounding whitespace removed (a secret file or ``echo`` leaves a newline); a key
     with whitespace, control or non-ASCII characters inside is refused, without echoing it (it goes out as an
     HTTP header, which the client library would reject at the first call, quoting the key)."""
@@ -375,7 +370,7 @@ def _parse_api_key(reader: _Reader, raw: dict, where: str) -> str | None:
 
 
 def _parse_upstream(
-    reader: _Reader, raw: dict, where: str, name: str, backend: str
+    reader: Reader, raw: dict, where: str, name: str, backend: str
 ) -> OpenAIUpstream | AnthropicUpstream:
     base_url = reader.resolve_env(raw.get("base_url"), f"{where}.base_url")
     if isinstance(base_url, str):
@@ -450,7 +445,7 @@ def _parse_upstream(
     )
 
 
-def _parse_ring(reader: _Reader, value: Any, where: str) -> RingConfig:
+def _parse_ring(reader: Reader, value: Any, where: str) -> RingConfig:
     default = RingConfig()
     section = reader.mapping(
         {} if value is None else value, where, {f.name for f in dataclasses.fields(RingConfig)}
@@ -480,14 +475,14 @@ def _parse_ring(reader: _Reader, value: Any, where: str) -> RingConfig:
     )
 
 
-def _parse_routing(reader: _Reader, raw: dict, where: str) -> str:
+def _parse_routing(reader: Reader, raw: dict, where: str) -> str:
     routing = reader.typed(raw, where, "routing", str, "consistent_hash")
     if routing not in ROUTING_POLICIES:
         reader.fail(f"{where}.routing", f"expected one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
     return routing
 
 
-def _parse_routing_share(reader: _Reader, value: Any, where: str) -> RoutingShareConfig | None:
+def _parse_routing_share(reader: Reader, value: Any, where: str) -> RoutingShareConfig | None:
     """``routing_share: redis://...`` (a URL) or a mapping of ``RoutingShareConfig``'s fields; absent = None."""
     if value is None:
         return None
@@ -507,7 +502,7 @@ def _parse_routing_share(reader: _Reader, value: Any, where: str) -> RoutingShar
     return RoutingShareConfig(redis_url=url, **numbers)
 
 
-def _parse_anthropic_version(reader: _Reader, raw: dict, where: str) -> str:
+def _parse_anthropic_version(reader: Reader, raw: dict, where: str) -> str:
     version = reader.typed(raw, where, "anthropic_version", str, "2023-06-01")
     if not version or any(ch in version for ch in "\r\n"):
         reader.fail(
@@ -516,7 +511,7 @@ def _parse_anthropic_version(reader: _Reader, raw: dict, where: str) -> str:
     return version
 
 
-def _parse_min_cacheable(reader: _Reader, value: Any, where: str) -> tuple[tuple[str, int], ...]:
+def _parse_min_cacheable(reader: Reader, value: Any, where: str) -> tuple[tuple[str, int], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
@@ -532,228 +527,3 @@ def _parse_min_cacheable(reader: _Reader, value: Any, where: str) -> tuple[tuple
             reader.fail(f"{where}.{prefix}", f"expected a number of tokens >= 1, got {tokens}")
         out[prefix] = tokens
     return tuple(out.items())
-
-
-def _parse_engine(reader: _Reader, value: Any, where: str) -> EngineConfig:
-    """Validate an ``engine:`` mapping against ``EngineConfig``'s fields and their annotated types."""
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    section = reader.mapping({} if value is None else value, where, set(fields))
-    hints = typing.get_type_hints(EngineConfig)
-    values: dict[str, Any] = {}
-    for key in section:
-        if key in _TIER_SECTIONS:
-            values[key] = _TIER_SECTIONS[key](reader, section[key], f"{where}.{key}")
-        else:
-            values[key] = reader.typed(section, where, key, hints[key], None, required=True)
-    for key in ("block_size", "num_blocks", "max_batch", "max_num_batched_tokens"):
-        if key in values and values[key] < 1:
-            reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
-    if "max_pinned_fraction" in values and not 0 <= values["max_pinned_fraction"] <= 1:
-        reader.fail(
-            f"{where}.max_pinned_fraction",
-            f"expected a number in [0, 1], got {values['max_pinned_fraction']}",
-        )
-    if "tier_writeback_capacity" in values and values["tier_writeback_capacity"] < 1:
-        reader.fail(
-            f"{where}.tier_writeback_capacity",
-            f"expected an integer >= 1, got {values['tier_writeback_capacity']}",
-        )
-    _check_tiers(reader, values, where)
-    return EngineConfig(**values)
-
-
-def _parse_tier_names(reader: _Reader, value: Any, where: str) -> tuple[str, ...]:
-    """``engine.tiers``: a list of distinct names from ``TIER_NAMES``."""
-    if not isinstance(value, list):
-        reader.fail(where, f"expected a list of tier names ({', '.join(TIER_NAMES)}), got {yaml_kind(value)}")
-    for index, name in enumerate(value):
-        if name not in TIER_NAMES:
-            reader.fail(f"{where}[{index}]", f"expected one of {', '.join(TIER_NAMES)}, got {name!r}")
-    if len(set(value)) != len(value):
-        reader.fail(where, f"a tier is named twice in {value}")
-    return tuple(value)
-
-
-def _parse_plain(cls: type, reader: _Reader, value: Any, where: str) -> Any:
-    """A mapping checked against the scalar fields of the frozen dataclass ``cls``."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    section = reader.mapping({} if value is None else value, where, fields)
-    hints = typing.get_type_hints(cls)
-    values = {key: reader.typed(section, where, key, hints[key], None, required=True) for key in section}
-    for key in ("budget_bytes",):
-        if key in values and values[key] < 1:
-            reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
-    for key in ("timeout_s", "retry_s"):
-        if key in values and not values[key] > 0:
-            reader.fail(f"{where}.{key}", f"expected a number > 0, got {values[key]}")
-    return cls(**values)
-
-
-def _parse_tier_policies(reader: _Reader, value: Any, where: str) -> TierPolicies:
-    """``engine.tier_policies``: ``default_level`` and, per tier, per level ``{ttl_s, budget_share}``."""
-    section = reader.mapping({} if value is None else value, where, {"default_level", *TIER_NAMES})
-    default_level = reader.typed(section, where, "default_level", str, "history")
-    if default_level not in LEVELS:
-        reader.fail(f"{where}.default_level", f"expected one of {', '.join(LEVELS)}, got {default_level!r}")
-    per_tier: dict[str, dict[str, TierPolicy]] = {}
-    for tier in TIER_NAMES:
-        if tier not in section:
-            continue
-        levels = reader.mapping(
-            {} if section[tier] is None else section[tier], f"{where}.{tier}", set(LEVELS)
-        )
-        per_tier[tier] = {}
-        for level, raw in levels.items():
-            path = f"{where}.{tier}.{level}"
-            body = reader.mapping(raw, path, {"ttl_s", "budget_share"})
-            default = DEFAULT_POLICIES[level]
-            ttl = reader.typed(body, path, "ttl_s", float | None, default.ttl_s)
-            share = reader.typed(body, path, "budget_share", float, default.budget_share)
-            try:
-                per_tier[tier][level] = TierPolicy(ttl_s=ttl, budget_share=share)
-            except ValueError as exc:
-                reader.fail(path, str(exc))
-    try:
-        return TierPolicies(per_tier=per_tier, default_level=default_level)
-    except ValueError as exc:
-        reader.fail(where, str(exc))
-
-
-_TIER_SECTIONS: dict[str, typing.Callable[[_Reader, Any, str], Any]] = {
-    "tiers": _parse_tier_names,
-    "tier_disk": lambda reader, value, where: _parse_plain(DiskTierConfig, reader, value, where),
-    "tier_redis": lambda reader, value, where: _parse_plain(RedisTierConfig, reader, value, where),
-    "tier_policies": _parse_tier_policies,
-}
-"""``engine:`` keys whose values are nested sections, each with its parser."""
-
-
-def _check_tiers(reader: _Reader, values: dict[str, Any], where: str) -> None:
-    """What stops a start before the engine loads: a disk tier without a writable directory, a Redis URL that
-    does not parse, a Redis tier without a deployment secret. An unreachable Redis is not checked here (the
-    tier warns and retries in the background)."""
-    tiers = values.get("tiers", ())
-    secret = values.get("deployment_secret")
-    if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
-        reader.fail(f"{where}.deployment_secret", f"expected at least {MIN_SECRET_BYTES} bytes")
-    if "disk" in tiers:
-        directory = values.get("tier_disk", DiskTierConfig()).directory
-        path = f"{where}.tier_disk.directory"
-        if directory is None:
-            reader.fail(path, "missing required key (a disk tier needs a directory)")
-        try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            reader.fail(path, f"cannot create {directory} ({exc.strerror or exc})")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            reader.fail(path, f"{directory} is not writable")
-    if "redis" in tiers:
-        url = values.get("tier_redis", RedisTierConfig()).url
-        try:
-            redis.connection.parse_url(url)
-        except ValueError as exc:
-            reader.fail(f"{where}.tier_redis.url", f"not a Redis URL ({exc})")
-        if secret is None:
-            reader.fail(
-                f"{where}.deployment_secret",
-                "missing required key (a Redis tier needs it: every gateway must hash blocks alike)",
-            )
-
-
-class _Reader:
-    """Type checks with key paths; every failure raises ``ConfigError`` for ``source``."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, key: str, problem: str) -> typing.NoReturn:
-        raise ConfigError(self.source, key, problem)
-
-    def mapping(self, value: Any, where: str, allowed: set[str]) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            self.fail(where or "(top level)", f"expected a mapping, got {yaml_kind(value)}")
-        for key in value:
-            if not isinstance(key, str) or key not in allowed:
-                path = f"{where}.{key}" if where else str(key)
-                self.fail(path, f"unknown key (valid keys: {', '.join(sorted(allowed))})")
-        return value
-
-    def resolve_env(self, value: Any, where: str) -> Any:
-        """``env:NAME`` -> the variable's value; anything else unchanged."""
-        if isinstance(value, str) and value.startswith("env:"):
-            name = value[4:]
-            if not name:
-                self.fail(where, "expected env:NAME with a variable name")
-            resolved = os.environ.get(name)
-            if not resolved:
-                self.fail(where, f"environment variable {name} (from {value!r}) is not set or empty")
-            return resolved
-        return value
-
-    def typed(
-        self, section: dict, where: str, key: str, expected: Any, default: Any, required: bool = False
-    ) -> Any:
-        """``section[key]`` checked against ``expected`` (str, int, float, bool, or ``X | None``)."""
-        path = f"{where}.{key}" if where else key
-        if key not in section:
-            if required:
-                self.fail(path, "missing required key")
-            return default
-        raw = section[key]
-        from_env = isinstance(raw, str) and raw.startswith("env:")
-        return _coerce(self, self.resolve_env(raw, path), expected, path, from_env)
-
-
-def _coerce(reader: _Reader, value: Any, expected: Any, path: str, from_env: bool = False) -> Any:
-    """Check ``value`` against ``expected``; a string read from the environment may be parsed as a number."""
-    options = (
-        typing.get_args(expected)
-        if isinstance(expected, types.UnionType) or typing.get_origin(expected) is typing.Union
-        else (expected,)
-    )
-    if value is None:
-        if type(None) in options:
-            return None
-        reader.fail(path, f"expected {_describe(options)}, got null")
-    for option in options:
-        if option is type(None):
-            continue
-        converted = _convert(value, option, from_env)
-        if converted is not _NO:
-            return converted
-    reader.fail(path, f"expected {_describe(options)}, got {yaml_kind(value)} {value!r}")
-
-
-_NO = object()
-
-
-def _convert(value: Any, option: type, from_env: bool) -> Any:
-    if option is bool:
-        if isinstance(value, bool):
-            return value
-        if from_env and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        return _NO
-    if option is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if from_env and value.strip().lstrip("-").isdigit():
-            return int(value)
-        return _NO
-    if option is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if from_env:
-            try:
-                return float(value)
-            except ValueError:
-                return _NO
-        return _NO
-    if option is str:
-        return value if isinstance(value, str) else _NO
-    return _NO
-
-
-def _describe(options: tuple) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null"}
-    return " or ".join(names.get(option, str(option)) for option in options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import Constraint, SamplingParams
-from gateway.backends.embedded import generation_request
+from gateway.backends.embedded_request import generation_request
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 

@@ -1,0 +1,293 @@
+"""A gateway ``ChatRequest`` as the embedded engine's ``GenerationRequest``: sampling parameters, the output
+constraint of tools / ``response_format`` / Anthropic structured outputs, template-ready messages and tools, and
+the refusal (a 400 naming the field) of what the engine cannot honour. Pure functions; no engine call here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from engine.api import Constraint, GenerationRequest
+from gateway.core.errors import InvalidRequestError
+from gateway.core.request import ChatRequest
+from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
+
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+"""OpenAI body fields the embedded engine cannot honour -> the values it accepts (the neutral ones)."""
+
+_ROLE_FOR_TEMPLATE = {"developer": "system"}
+
+
+def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRequest:
+    """The engine request for a canonical ``ChatRequest``: its sampling parameters with ``logit_bias`` checked
+    against the vocabulary and the tools' ``Constraint`` (``tool_constraint``) when the engine's tool format
+    is generic.
+
+    Args:
+        request: the canonical request.
+        engine: the ``AsyncEngine`` (its tokenizer and tool format); None checks no vocabulary and adds no
+            tool constraint.
+
+    Raises:
+        InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies), a bad ``tool_choice``,
+            a ``logit_bias`` token outside the vocabulary, non-text content parts, or server tools.
+    """
+    if request.openai_body is not None:
+        check_supported(request.openai_body)
+    output_format = None
+    if request.anthropic_body is not None:
+        output_format = check_supported_anthropic(request.anthropic_body)
+    params = request.params
+    if output_format is not None:  # Anthropic structured outputs: the same constraint as json_schema
+        params = replace(params, constraint=output_format)
+    if engine is not None and params.logit_bias:
+        vocab = engine.tokenizer.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise InvalidRequestError(
+                    f"Invalid 'logit_bias': token id {token_id} is not in the vocabulary [0, {vocab}).",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+    common = {
+        "cache_salt": request.tenant,
+        "request_id": request.request_id,
+        "prefix_key": request.prefix_key or None,
+        "level_ends": request.level_ends,
+    }
+    if request.kind == "completion":
+        return GenerationRequest(prompt=request.prompt or "", params=params, **common)
+    tools = template_tools(request.tools)
+    constraint = tool_constraint(request, tools, engine.tool_format if engine is not None else "template")
+    if constraint is not None:
+        if params.constraint is not None:
+            param = "output_config.format" if output_format is not None else "response_format"
+            raise InvalidRequestError(
+                f"The embedded engine cannot combine '{param}' with tool calls; send one of them "
+                "(or tool_choice 'none').",
+                param=param,
+                code="unsupported_value",
+            )
+        params = replace(params, constraint=constraint)
+    messages = [template_message(message, index) for index, message in enumerate(request.messages)]
+    return GenerationRequest(
+        messages=messages,
+        tools=tools,
+        params=params,
+        shared_prefix_messages=request.shared_prefix_messages,
+        shared_salt=request.shared_salt,
+        continue_final_message=request.continue_final_message and messages[-1]["role"] == "assistant",
+        **common,
+    )
+
+
+def tool_constraint(
+    request: ChatRequest, tools: list[dict[str, Any]] | None, tool_format: str
+) -> Constraint | None:
+    """The output ``Constraint`` of the request's tools: ``tool_choice`` (OpenAI's shape; Anthropic's is
+    translated at parsing) ``auto`` (the default) / ``required`` / a named function -> a ``"tool_calls"``
+    constraint, ``none`` -> None. Only for the generic tool format; a template that renders tools itself has
+    its own call syntax, so only ``auto`` / ``none`` are honoured there (unconstrained).
+
+    Raises:
+        InvalidRequestError: a ``tool_choice`` that is not one of those values, names a function that is not
+            among the tools, is given without tools, or forces a call the template format cannot enforce.
+    """
+    choice = request.tool_choice
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict):
+            raise _bad_tool_choice(choice)
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(
+                "Missing required parameter: 'tool_choice.function.name'.",
+                param="tool_choice.function.name",
+                code="missing_required_parameter",
+            )
+        mode = "function"
+    elif choice is None:
+        mode = "auto"
+    elif choice in ("none", "auto", "required"):
+        mode = choice
+    else:
+        raise _bad_tool_choice(choice)
+    if not tools:
+        if choice is not None and mode != "none":
+            raise InvalidRequestError(
+                "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        return None
+    if name is not None and name not in {tool["function"]["name"] for tool in tools}:
+        raise InvalidRequestError(
+            f"Invalid value for 'tool_choice': no function named '{name}' in 'tools'.",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if mode == "none":
+        return None
+    if tool_format != "generic":
+        if mode != "auto":
+            raise InvalidRequestError(
+                "This model's chat template renders tools itself; the embedded engine cannot force a tool "
+                "call with it: tool_choice must be 'auto' or 'none'.",
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        return None
+    return Constraint(
+        kind="tool_calls",
+        tools=tuple(tools),
+        tool_choice=mode,
+        tool_name=name,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+    )
+
+
+def _bad_tool_choice(choice: Any) -> InvalidRequestError:
+    return InvalidRequestError(
+        "Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}, '
+        f"but got {json.dumps(choice)[:100]} instead.",
+        param="tool_choice",
+        code="invalid_value",
+    )
+
+
+def check_supported(body: dict[str, Any]) -> None:
+    """Refuse body fields with values the engine cannot honour (400 naming the field)."""
+    for name, accepted in UNSUPPORTED.items():
+        if name in body and not any(_same(body[name], value) for value in accepted):
+            raise InvalidRequestError(
+                f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is "
+                "supported.",
+                param=name,
+                code="unsupported_value",
+            )
+
+
+def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
+    """Refuse Anthropic fields the engine cannot honour rather than ignore them, and return the output
+    constraint of Anthropic's structured outputs (``output_config.format`` ``{"type": "json_schema", "schema":
+    {...}}``, https://platform.claude.com/docs/en/build-with-claude/structured-outputs), or None.
+
+    Raises:
+        InvalidRequestError: ``thinking`` other than ``{"type": "disabled"}`` (the checkpoint has no extended
+            thinking); ``output_config.effort`` (no effort levels); an ``output_config`` / ``format`` that is not
+            an object, or a format that is not ``json_schema`` with an object ``schema`` (400 naming the field).
+    """
+    thinking = body.get("thinking")
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+        raise InvalidRequestError(
+            "thinking: the embedded engine has no extended thinking; omit 'thinking' or send "
+            '{"type": "disabled"}.',
+            param="thinking",
+            code="unsupported_value",
+        )
+    config = body.get("output_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise InvalidRequestError("output_config: Input should be an object", param="output_config")
+    if config.get("effort") is not None:
+        raise InvalidRequestError(
+            "output_config.effort: the embedded engine has no effort levels; omit it.",
+            param="output_config.effort",
+            code="unsupported_value",
+        )
+    extra = sorted(set(config) - {"effort", "format"})
+    if extra:
+        raise InvalidRequestError(
+            f"output_config.{extra[0]}: Extra inputs are not permitted", param=f"output_config.{extra[0]}"
+        )
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise InvalidRequestError(
+            'output_config.format: expected {"type": "json_schema", "schema": {...}}',
+            param="output_config.format",
+        )
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            "output_config.format.schema: Input should be an object", param="output_config.format.schema"
+        )
+    return Constraint(kind="json_schema", json_schema=schema)
+
+
+def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message as the chat template expects it: ``content`` a string (text parts joined by newlines),
+    ``developer`` rendered as ``system``; tool-call fields kept.
+
+    Raises:
+        InvalidRequestError: a content part that is not text (images, audio, files).
+    """
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if part.get("type") == OPAQUE and (part.get("block") or {}).get("type") in THINKING_TYPES:
+                continue  # an Anthropic thinking block from an earlier turn: not prompt text for this model
+            if part.get("type") not in ("text", "input_text", "refusal"):
+                kind = part.get("type")
+                if kind == OPAQUE:  # an Anthropic block riding through: name it by its own type
+                    kind = (part.get("block") or {}).get("type")
+                raise InvalidRequestError(
+                    f"Content part type '{kind}' is not supported by the embedded engine (text only).",
+                    param=f"messages[{index}].content[{part_index}].type",
+                    code="unsupported_value",
+                )
+            texts.append(part.get("text", part.get("refusal", "")))
+        content = "\n".join(texts)
+    out = {key: value for key, value in message.items() if key != "content"}
+    out["role"] = _ROLE_FOR_TEMPLATE.get(message["role"], message["role"])
+    out["content"] = "" if content is None else content
+    return out
+
+
+def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Function tools for the chat template, without the Anthropic-only extras riding under ``x-anthropic``.
+
+    Raises:
+        InvalidRequestError: an Anthropic server tool (``type: x-anthropic``), which only Anthropic can run.
+    """
+    if not tools:
+        return None
+    out = []
+    for index, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools "
+                "only).",
+                param=f"tools[{index}]",
+                code="unsupported_value",
+            )
+        out.append({key: value for key, value in tool.items() if key != OPAQUE})
+    return out
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """Equal and of the same JSON type (so ``false`` is not ``0``)."""
+    return type(value) is type(accepted) and value == accepted
+
+
+def _accepted(values: tuple[Any, ...]) -> str:
+    shown = [json.dumps(v) for v in values if v is not None]
+    return " or ".join(shown) if shown else "omitting it"
