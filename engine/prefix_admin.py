@@ -1,0 +1,190 @@
+"""What an engine does with its prefix cache besides serving requests: warming (prefill and keep, optionally
+pinned), the prefix catalog (list and drop cached prefixes by prefix key, tenant or model, in RAM and every
+tier), flushing and closing the KV tiers. ``PrefixAdmin`` is a base of ``engine.llm_engine.LLMEngine`` and works on
+its state (``kv``, ``tiers``, ``catalog``, ``input``, ``config``); it holds none of its own. Never called from
+the step loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.api import SamplingParams, WarmResult
+from engine.block_hash import ExtraKeys, LayeredKeys
+from engine.kv_tiers.catalog import CachedPrefix, PrefixRecord
+from engine.kv_tiers.policy import level_of_blocks
+
+
+class PrefixAdmin:
+    """Warming, pins, the prefix catalog and the tiers' lifetime of an ``LLMEngine`` (see the module docstring)."""
+
+    def warm(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str = "",
+        level_ends: Sequence[tuple[int, str]] | None = None,
+        pin: bool = False,
+        prefix_key: str | None = None,
+    ) -> WarmResult:
+        """Prefill a prompt and keep its blocks cached (pinned in RAM with ``pin``); steps the engine until
+        it is done (other requests step too). For a synchronously driven engine; ``AsyncEngine.warm`` is the
+        same through the step loop.
+
+        Returns:
+            The prefix key, the tokens now cached (whole blocks) and the pin.
+
+        Raises:
+            InvalidRequestError, PromptTooLongError: the prompt cannot be served (nothing is queued).
+            PinCapError: ``pin`` and the prompt's blocks would exceed the pin cap (checked before prefill).
+        """
+        prompt = list(prompt_token_ids)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.check_prompt(prompt, params)
+        self.check_level_ends(level_ends)
+        if pin:
+            self.kv.check_pin_room(len(prompt) // self.kv.block_size)
+        req = self.add_checked_request(prompt, params, cache_salt=cache_salt, level_ends=level_ends)
+        while not req.is_finished:
+            self.step()
+        return self.finish_warm(prompt, req.extra_keys, pin, prefix_key, level_ends)
+
+    def finish_warm(
+        self,
+        prompt: list[int],
+        extra_keys: tuple,
+        pin: bool,
+        prefix_key: str | None,
+        level_ends: Sequence[tuple[int, str]] | None = None,
+    ) -> WarmResult:
+        """After a warming request finished: look its full blocks up, pin them when asked, name the prefix
+        (listed with the longest level of ``level_ends``, as its blocks were tagged).
+
+        Raises:
+            PinCapError: the pin cap was reached meanwhile (nothing pinned).
+        """
+        hashes = self.kv.block_hashes(prompt, extra_keys)
+        hit = self.kv.find_cached_prefix(prompt, hashes, extra_keys)
+        pin_id, pinned = None, 0
+        if pin and hit.num_blocks:
+            pin_id = f"pin-{next(self._pin_ids)}"
+            pinned = self.kv.pin(pin_id, hit)
+        key = prefix_key or (hashes[-1].hex() if hashes else "")
+        if hashes:
+            self._record_prefix(key, hashes, extra_keys, level_ends, len(prompt), pin_id)
+        return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin made by ``warm(pin=True)``. Returns False when unknown."""
+        for rec in self.catalog.select():
+            if rec.pin_id == pin_id:
+                rec.pin_id = None
+        return self.kv.unpin(pin_id)
+
+    def _record_prefix(
+        self,
+        key: str,
+        hashes: Sequence[bytes],
+        extra_keys: ExtraKeys,
+        level_ends: Sequence[tuple[int, str]] | None,
+        num_prompt_tokens: int,
+        pin_id: str | None = None,
+    ) -> None:
+        """List the prompt's stable head (up to its last level end; all full blocks without levels), under the
+        request's own model id and tenant (a layered request's private keys: its public blocks are shared)."""
+        bs = self.kv.block_size
+        end = min(level_ends[-1][0], num_prompt_tokens) if level_ends else num_prompt_tokens
+        n = min(end // bs, len(hashes))
+        policies = self.config.tier_policies
+        levels = level_of_blocks(n, bs, level_ends, policies.default_level)
+        level, _ = policies.resolve("disk", frozenset().union(*levels) if levels else frozenset())
+        own = extra_keys.private if isinstance(extra_keys, LayeredKeys) else tuple(extra_keys)
+        model_id, salt = (own + ("", ""))[:2]
+        rec = PrefixRecord(
+            key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, self.tier_clock(), pin_id
+        )
+        self.catalog.record(rec)
+
+    def list_cached(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> list[CachedPrefix]:
+        """The listed prefixes matching every filter given, with where their blocks are now (tokens of
+        their leading blocks in RAM and in each tier) and when their first block expires per tier. Never
+        any text. O(listed blocks) pool lookups and tier checks."""
+        out = []
+        bs = self.kv.block_size
+        for rec in self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id):
+            where = {"ram": self.kv.count_cached_leading(rec.block_hashes) * bs}
+            expires: dict[str, float | None] = {}
+            if self.tiers is not None:
+                for name, (n, expires_at) in self.tiers.stack.presence(rec.block_hashes).items():
+                    where[name] = n * bs
+                    expires[name] = expires_at
+            out.append(
+                CachedPrefix(
+                    rec.prefix_key,
+                    rec.model_id,
+                    rec.tenant,
+                    rec.level,
+                    rec.num_tokens,
+                    where,
+                    rec.last_use,
+                    expires,
+                    rec.pin_id is not None,
+                )
+            )
+        return out
+
+    def drop_cached(
+        self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
+    ) -> dict[str, int]:
+        """Drop cached prefixes in RAM and in every tier: by prefix key (its blocks), or every block of a
+        tenant and/or a model. Pins on them are released; blocks a running request holds stay in RAM (they
+        are its KV) but leave the tiers.
+
+        Returns:
+            ``{"prefixes": listed prefixes dropped, "ram": blocks, "disk": entries, "redis": entries}``.
+
+        Raises:
+            ValueError: no filter given (dropping everything needs ``reset_prefix_cache``).
+        """
+        if prefix_key is None and tenant is None and model_id is None:
+            raise ValueError("give a prefix key, a tenant or a model to drop")
+        recs = self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
+        for rec in recs:
+            if rec.pin_id is not None:
+                self.kv.unpin(rec.pin_id)
+            self.catalog.remove(rec.prefix_key)
+        out = {"prefixes": len(recs)}
+        if prefix_key is not None:  # the listed prefix's own blocks (the filters chose the records)
+            chain = [h for rec in recs for h in rec.block_hashes]
+            doomed = set(chain)
+            out["ram"] = self.kv.drop_unreferenced_where(lambda b: b.block_hash in doomed)
+            if self.tiers is not None:
+                out |= self.tiers.stack.delete_chain(chain)
+            return out
+
+        def owned(extra_keys: tuple) -> bool:
+            keys = tuple(extra_keys) + ("", "")
+            return (model_id is None or keys[0] == model_id) and (tenant is None or keys[1] == tenant)
+
+        out["ram"] = self.kv.drop_unreferenced_where(lambda b: owned(b.extra_keys))
+        if self.tiers is not None:
+            out |= self.tiers.stack.drop_where(lambda m: owned(m.extra_keys))
+        return out
+
+    def flush_tiers(self, write_cached: bool = True, timeout_s: float = 60.0) -> bool:
+        """Write every cached block down (when ``write_cached``) and wait for the write-back queue to drain
+        (a gateway persisting its cache; tests). False on timeout; True at once without tiers."""
+        return self.tiers.flush(write_cached, timeout_s) if self.tiers is not None else True
+
+    def tier_stats(self) -> dict[str, int]:
+        """Tier counters (``engine.kv_tiers.counters``); empty without tiers."""
+        return self.tiers.stats() if self.tiers is not None else {}
+
+    def close(self) -> None:
+        """Release the tiers: write cached blocks down (``tier_flush_on_close``), stop their threads. The
+        engine must not step afterwards. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+            self.scheduler.admission_gate = None
