@@ -18,8 +18,10 @@ Invariants:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
+from typing import Any
 
 from rules.learn_config import LearnConfig
 
@@ -44,8 +46,9 @@ class Span:
     at_end: bool
 
 
-def common_prefix_len(a: str, b: str) -> int:
-    """Length of the longest common prefix (binary search over slice compares: C-speed)."""
+def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences (strings or token id lists; binary search over
+    slice compares: C-speed)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -56,7 +59,7 @@ def common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
-def common_suffix_len(a: str, b: str, limit: int) -> int:
+def common_suffix_len(a: Sequence[Any], b: Sequence[Any], limit: int) -> int:
     """Length of the longest common suffix, at most ``limit`` (binary search over slice compares)."""
     lo, hi = 0, min(len(a), len(b), limit)
     while lo < hi:

@@ -6,21 +6,20 @@ where the stable prefix ends. A template that ignores tools (SmolLM2's does) get
 a preamble, since the upstream models users replay for do see them.
 
 Invariants: the segments are contiguous, in order, and cover every token; ``stable_tokens`` never exceeds
-the token count. ``common_prefix`` is the longest common prefix of two sequences (binary search).
+the token count. Common prefixes and suffixes come from ``rules.span_diff``.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer
 from gateway.service.miss_explanation import PromptSegment
 from rules import Canonical, Position
 from rules.actions import canonical_json
 from rules.segments import message_prefix
+from rules.span_diff import common_prefix_len, common_suffix_len
 
 _LEVEL_SEGMENT = {1: "system", 2: "documents", 3: "history", 4: "tail"}
 
@@ -55,8 +54,8 @@ def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPr
             preamble = "<|tools|>\n" + canonical_json(tools) + "\n\n"
             tools_at = (0, len(preamble))
         else:
-            start = common_prefix(body, without)
-            end = len(body) - _common_suffix(body, without, len(body) - start)
+            start = common_prefix_len(body, without)
+            end = len(body) - common_suffix_len(body, without, len(body) - start)
             tools_at = (start, end)
     text = preamble + body
 
@@ -65,7 +64,7 @@ def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPr
         if not prefix:
             return len(preamble)
         cut = tokenizer.render(prefix, tools, False)
-        return len(preamble) + common_prefix(body, cut)
+        return len(preamble) + common_prefix_len(body, cut)
 
     cuts: list[tuple[int, str]] = []
     for segment in canon.segments:
@@ -96,25 +95,3 @@ def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPr
             segments.append(PromptSegment(name, pos, end))
         pos = end
     return RenderedPrompt(text, ids, starts, segments, min(tok(stable_chars), len(ids)))
-
-
-def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _common_suffix(a: str, b: str, limit: int) -> int:
-    lo, hi = 0, min(len(a), len(b), limit)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid :] == b[len(b) - mid :]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

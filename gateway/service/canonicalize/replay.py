@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer, default_tokenizer
-from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, common_prefix, render_canonical
+from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, render_canonical
 from gateway.service.canonicalize.replay_report import ReplayReport, RequestReport, SideResult
 from gateway.service.canonicalize.trace import BrokenLine, TraceLineError, TraceRequest, parse_line
 from gateway.service.miss_explain import MissExplainer
@@ -37,6 +37,7 @@ from rules import Canonical, RequestShapeError, RuleSet, load_ruleset
 from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.loader import DEFAULT_PACKS
 from rules.messages import get_text, text_parts
+from rules.span_diff import common_prefix_len
 
 Canonicalize = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None", str, str], Canonical]
 """``(messages, tools, model, tenant) -> Canonical``: the rules on (a conversation memory keyed by model and
@@ -69,8 +70,8 @@ class _Side:
     ) -> SideResult:
         key = (request.model, request.tenant)
         earlier = self.seen.setdefault(key, [])
-        chars = max((common_prefix(rendered.text, t) for t, _ in earlier), default=0)
-        tokens = max((common_prefix(rendered.tokens, ids) for _, ids in earlier), default=0)
+        chars = max((common_prefix_len(rendered.text, t) for t, _ in earlier), default=0)
+        tokens = max((common_prefix_len(rendered.tokens, ids) for _, ids in earlier), default=0)
         cached = tokens - tokens % BLOCK_SIZE
         e = self.explainer.explain(
             request.model,
