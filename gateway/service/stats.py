@@ -34,7 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.api import EngineStats
+from engine.api import EngineStats, Histogram
+from engine.stats import TTFT_BUCKETS_S, HistogramBuilder
 from gateway.config.price_table import ModelPrices
 from gateway.core.cache_usage import CacheUsage, CacheUsageError
 from gateway.core.events import BackendUsage
@@ -50,7 +51,8 @@ from gateway.service.provider_diagnostics import (
 
 @dataclass
 class ModelCounters:
-    """Counters of one model (tokens, seconds, dollars)."""
+    """Counters of one model (tokens, seconds, dollars). ``rules_requests``: requests at least one rule
+    rewrote; ``ttft_hit`` / ``ttft_miss``: gateway TTFT (seconds) of requests with / without cached tokens."""
 
     requests: int = 0
     aborted: int = 0
@@ -62,7 +64,10 @@ class ModelCounters:
     ttft_count: int = 0
     cost_usd: float = 0.0
     cost_saved_usd: float = 0.0
+    rules_requests: int = 0
     rules: Counter[str] = field(default_factory=Counter)
+    ttft_hit: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
+    ttft_miss: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
     errors: Counter[int] = field(default_factory=Counter)
 
 
@@ -72,6 +77,7 @@ class PrefixGroup:
 
     key: str
     model: str
+    tenant: str = ""
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -93,18 +99,22 @@ class PrefixGroups:
         self.capacity = capacity
         self._groups: dict[str, PrefixGroup] = {}
 
-    def record(self, key: str, model: str, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count one finished request of prefix group ``key``."""
+    def record(self, key: str, model: str, prompt_tokens: int, cached_tokens: int, tenant: str = "") -> None:
+        """Count one finished request of prefix group ``key`` (of ``tenant``, the cache salt)."""
         group = self._groups.get(key)
         if group is None:
             if len(self._groups) >= self.capacity:
                 smallest = min(self._groups.values(), key=lambda g: g.requests)
                 del self._groups[smallest.key]
                 group = PrefixGroup(
-                    key=key, model=model, requests=smallest.requests, overcount=smallest.requests
+                    key=key,
+                    model=model,
+                    tenant=tenant,
+                    requests=smallest.requests,
+                    overcount=smallest.requests,
                 )
             else:
-                group = PrefixGroup(key=key, model=model)
+                group = PrefixGroup(key=key, model=model, tenant=tenant)
             self._groups[key] = group
         group.requests += 1
         group.prompt_tokens += prompt_tokens
@@ -119,6 +129,7 @@ class PrefixGroups:
             {
                 "prefix_key": g.key,
                 "model": g.model,
+                "tenant": g.tenant,
                 "requests": g.requests,
                 "prompt_tokens": g.prompt_tokens,
                 "cached_tokens": g.cached_tokens,
@@ -159,6 +170,8 @@ class GatewayStats:
 
     def record_rules(self, model: str, applied: Mapping[str, int]) -> None:
         """Add one request's rule applications (rule id -> times applied)."""
+        if any(applied.values()):
+            self.models[model].rules_requests += 1
         self.models[model].rules.update({rule: count for rule, count in applied.items() if count})
 
     def record_finish(
@@ -188,8 +201,9 @@ class GatewayStats:
         if ttft_s is not None:
             counters.ttft_seconds_sum += ttft_s
             counters.ttft_count += 1
+            (counters.ttft_hit if usage.cached_tokens > 0 else counters.ttft_miss).observe(ttft_s)
         if prefix_key:
-            self.prefixes.record(prefix_key, model, usage.prompt_tokens, usage.cached_tokens)
+            self.prefixes.record(prefix_key, model, usage.prompt_tokens, usage.cached_tokens, tenant)
         if cache_miss_reason:
             cause = ANTHROPIC_MISS_REASONS.get(cache_miss_reason, map_provider_cause(cache_miss_reason))
             diagnostic = ProviderDiagnostic("upstream", cache_miss_reason, cause)
@@ -227,6 +241,13 @@ class GatewayStats:
         if model in self.models:
             self.models[model].errors[status] += 1
 
+    def ttft_histograms(self) -> dict[str, dict[str, Histogram]]:
+        """Model -> ``{"hit": h, "miss": h}``: gateway TTFT (seconds, ``engine.stats.TTFT_BUCKETS_S``) of
+        requests that had cached prompt tokens and of those that had none."""
+        return {
+            name: {"hit": c.ttft_hit.snapshot(), "miss": c.ttft_miss.snapshot()} for name, c in self.models.items()
+        }
+
     def snapshot(self, engine_stats: Mapping[str, EngineStats | None]) -> dict[str, Any]:
         """The ``/admin/stats`` document.
 
@@ -257,6 +278,7 @@ class GatewayStats:
             "cached_tokens": c.cached_tokens,
             "cache_creation_tokens": c.cache_creation_tokens,
             "completion_tokens": c.completion_tokens,
+            "rules_requests": c.rules_requests,
             "hit_rate": _ratio(c.cached_tokens, c.prompt_tokens),
             "ttft_mean_s": c.ttft_seconds_sum / c.ttft_count if c.ttft_count else None,
         }
@@ -338,6 +360,7 @@ def _upstream_fields(c: ModelCounters) -> dict[str, Any]:
 
 _SUMMED = (
     "requests",
+    "rules_requests",
     "aborted",
     "prompt_tokens",
     "cached_tokens",

@@ -125,6 +125,8 @@ class AffinityRing:
         self._points = [p for p, _ in points]
         self._owners = [idx for _, idx in points]
         self.inflight: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self.leases: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self.away: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self.health: dict[str, ReplicaHealth] = {name: ReplicaHealth() for name in self.replicas}
 
     # ---- ring walk -------------------------------------------------------------------------------------
@@ -214,6 +216,9 @@ class AffinityRing:
             health.state = "half_open"
             health.probe_inflight = True
         self.inflight[chosen] += 1
+        self.leases[chosen] += 1
+        if chosen != home:
+            self.away[chosen] += 1
         return Lease(
             replica=chosen,
             key=key,
@@ -232,12 +237,16 @@ class AffinityRing:
             health.probe_inflight = False
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per replica: state, in-flight count, failures in a row (for /admin/stats; names only, no keys)."""
+        """Per replica: state, in-flight count, failures in a row, requests sent there (``requests``) and how
+        many of them had another home replica (``away``: spilled by load or health) (for /admin/stats; names
+        only, no keys)."""
         return {
             name: {
                 "state": self._refresh(name).state,
                 "inflight": self.inflight[name],
                 "failures": self.health[name].failures,
+                "requests": self.leases[name],
+                "away": self.away[name],
             }
             for name in self.replicas
         }

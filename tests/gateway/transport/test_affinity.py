@@ -133,7 +133,11 @@ def test_cooldown_half_open_probe_and_recovery():
     probe = ring.acquire(key)
     ring.report_success(REPLICAS[0])
     probe.release()
-    assert ring.snapshot()[REPLICAS[0]] == {"state": "up", "inflight": 0, "failures": 0}
+    assert {k: ring.snapshot()[REPLICAS[0]][k] for k in ("state", "inflight", "failures")} == {
+        "state": "up",
+        "inflight": 0,
+        "failures": 0,
+    }
     assert ring.acquire(key).replica == REPLICAS[0]
 
 
@@ -186,3 +190,14 @@ def test_bad_arguments(kwargs):
     replicas = kwargs.pop("replicas")
     with pytest.raises(ValueError):
         AffinityRing(replicas, **kwargs)
+
+
+def test_snapshot_counts_requests_per_replica_and_those_sent_away_from_home():
+    ring = AffinityRing(REPLICAS[:2], load_factor=1.25)
+    key = "spilling-prefix"
+    home, second = ring.ring_order(key)
+    leases = [ring.acquire(key) for _ in range(3)]  # as above: the third spills to the next replica
+    assert [lease.replica for lease in leases] == [home, home, second]
+    snapshot = ring.snapshot()
+    assert (snapshot[home]["requests"], snapshot[home]["away"]) == (2, 0)
+    assert (snapshot[second]["requests"], snapshot[second]["away"]) == (1, 1)
