@@ -1,5 +1,5 @@
-"""The Starlette app: route table, lifespan (start and close backends; close the transcript memory's Redis
-connections), and the one exception handler.
+"""The Starlette app: route table, lifespan (start and close backends; sample the stats history for the
+dashboard; close the transcript memory's Redis connections), and the one exception handler.
 
 Routes come from ``gateway.http.routes.route_table`` (written out, no discovery); a caller can also pass
 ``extra_routes`` to ``create_app``.
@@ -45,6 +45,7 @@ from gateway.service.registry import ModelRegistry
 from gateway.service.request_log import RequestRecord, log_request
 from gateway.service.retention import RetentionPolicy, attach_retention_policy
 from gateway.service.stats import GatewayStats
+from gateway.service.timeseries import StatsHistory, sample_every
 
 logger = logging.getLogger("prefixgate.app")
 
@@ -83,6 +84,7 @@ def create_app(
         clients=ClientUsage(config.keys),
     )
     gateway.metrics = build_registry(gateway.stats_snapshot, gateway.engine_stats)
+    gateway.history = StatsHistory(gateway.stats_snapshot)
 
     app = Starlette(
         routes=[*route_table(), *extra_routes],
@@ -117,6 +119,7 @@ def _lifespan(gateway: Gateway):
                 "client's x-prefixgate-tenant header)"
             )
         warming: asyncio.Task | None = None
+        sampling: asyncio.Task | None = None
         try:
             for backend in backends:
                 await backend.start()
@@ -127,11 +130,14 @@ def _lifespan(gateway: Gateway):
                 await warm_entries(gateway, config.warm)
             elif config.warm:
                 warming = asyncio.create_task(warm_entries(gateway, config.warm), name="prefixgate-warm")
+            if gateway.history is not None:
+                sampling = asyncio.create_task(sample_every(gateway.history), name="prefixgate-stats-history")
             yield
         finally:
-            if warming is not None and not warming.done():
-                warming.cancel()
-                await asyncio.gather(warming, return_exceptions=True)
+            for task in (warming, sampling):
+                if task is not None and not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await asyncio.gather(*(backend.close() for backend in started), return_exceptions=True)
             gateway.canonicalizer.close()
 

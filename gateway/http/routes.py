@@ -5,7 +5,7 @@ OpenAI face (https://platform.openai.com/docs/api-reference): ``POST /v1/chat/co
 ``POST /v1/responses`` (stateless Responses API).
 Anthropic face (https://docs.anthropic.com/en/api/messages): ``POST /v1/messages``,
 ``POST /v1/messages/count_tokens``. ``GET /openapi.json``: both faces' request schemas.
-Admin: ``/admin/*`` and ``/metrics``.
+Admin: ``/admin/*`` and ``/metrics``; the dashboard: ``/admin/`` and its login, data and static files.
 
 Each face module keeps its own ``routes()`` list; this module only joins them, so a new route is one line in
 its face's module and the whole table is visible here. The faces are not wrapped in a ``Mount`` each: both
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
-from gateway.http import admin, anthropic, count_tokens, openai, openapi, responses
+from gateway.http import admin, anthropic, count_tokens, dashboard, openai, openapi, responses
 
 
 def route_table() -> list[BaseRoute]:
@@ -28,5 +28,6 @@ def route_table() -> list[BaseRoute]:
         *anthropic.routes(),
         *count_tokens.routes(),
         *admin.routes(),
+        *dashboard.routes(),
         *openapi.routes(),
     ]

@@ -18,6 +18,7 @@ from gateway.service.canonicalize import Canonicalizer
 from gateway.service.limits import ClientUsage
 from gateway.service.registry import ModelRegistry
 from gateway.service.stats import GatewayStats
+from gateway.service.timeseries import StatsHistory
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Gateway:
         created: Unix time the gateway was built (the ``created`` of ``/v1/models`` entries).
         keys: the client keys (empty: the gateway runs open).
         clients: per-key limits and per-key / per-tenant usage.
+        history: periodic samples of the stats document (the dashboard's charts).
     """
 
     config: GatewayConfig
@@ -45,6 +47,7 @@ class Gateway:
     created: int = field(default_factory=lambda: int(time.time()))
     keys: KeyTable = field(default_factory=KeyTable)
     clients: ClientUsage = field(default_factory=lambda: ClientUsage(()))
+    history: StatsHistory | None = None
 
     def engine_stats(self) -> dict[str, EngineStats | None]:
         """Model name -> its engine's counters (None for backends without an engine, or not started)."""

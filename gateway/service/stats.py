@@ -245,7 +245,8 @@ class GatewayStats:
         """Model -> ``{"hit": h, "miss": h}``: gateway TTFT (seconds, ``engine.stats.TTFT_BUCKETS_S``) of
         requests that had cached prompt tokens and of those that had none."""
         return {
-            name: {"hit": c.ttft_hit.snapshot(), "miss": c.ttft_miss.snapshot()} for name, c in self.models.items()
+            name: {"hit": c.ttft_hit.snapshot(), "miss": c.ttft_miss.snapshot()}
+            for name, c in self.models.items()
         }
 
     def snapshot(self, engine_stats: Mapping[str, EngineStats | None]) -> dict[str, Any]:

@@ -1,0 +1,163 @@
+"""The dashboard in a real browser: headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven by
+Selenium) against a running gateway with traffic on an embedded and an upstream model.
+
+Logged out, ``/admin/`` redirects to the login form; a wrong token is refused with a message (after the
+wrong-token delay, counted) and no hint of the real one; the right one opens the page, whose every panel
+gets data and draws its chart (the panel's own screenshot holds pixels of its series' colours), without a
+console error, polling at most once per second, and readable on a phone's width. A forged or expired cookie
+is a redirect to the login form. ``.ci/run`` installs Chromium where it is missing; without it this test
+fails (never skips).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from gateway.http.dashboard_session import SESSION_COOKIE, DashboardAuth, sign_session
+from tests.gateway.http.dashboard_traffic import VALUES, dashboard_gateway, send_traffic
+from tests.gateway.server import ADMIN_TOKEN
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+PANELS = (
+    "panel-hit-rate",
+    "panel-requests",
+    "panel-saved",
+    "panel-money",
+    "panel-misses",
+    "panel-pool",
+    "panel-tiers",
+    "panel-ttft",
+    "panel-decode",
+    "panel-prefixes",
+    "panel-replicas",
+)
+SERIES_COLOURS = ((0x25, 0x63, 0xEB), (0xD9, 0x77, 0x06), (0x05, 0x96, 0x69), (0xDC, 0x26, 0x26))
+"""The first series colours of ``gateway/http/static/dashboard.js`` (RGB)."""
+
+
+def browser():
+    """Headless Chromium through Debian's chromedriver (Selenium Manager downloads nothing)."""
+    if not (shutil.which("chromium") or Path(CHROMIUM).exists()) or not Path(CHROMEDRIVER).exists():
+        pytest.fail(
+            "the dashboard browser test needs Debian's chromium and chromium-driver "
+            "(apt-get install -y chromium chromium-driver; .ci/run installs them)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def colour_pixels(png: bytes) -> int:
+    """Pixels of a PNG within a small distance of one of the series colours."""
+    data = Image.open(io.BytesIO(png)).convert("RGB").tobytes()
+    count = 0
+    for i in range(0, len(data), 3):
+        r, g, b = data[i], data[i + 1], data[i + 2]
+        if any(abs(r - cr) + abs(g - cg) + abs(b - cb) < 60 for cr, cg, cb in SERIES_COLOURS):
+            count += 1
+    return count
+
+
+def log_in(driver, base_url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.ID, "login-submit").click()
+
+
+def test_dashboard_in_headless_chromium(tiny_checkpoint, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with dashboard_gateway(tiny_checkpoint, tmp_path) as server:
+        auth = DashboardAuth(failure_delay_s=0.05)
+        server.app.state.dashboard_auth = auth
+        send_traffic(server)
+        time.sleep(1.2)  # a second sample interval with traffic, so every rate has a value
+        send_traffic(server)
+        driver = browser()
+        try:
+            # logged out: the page redirects to the login form
+            driver.get(f"{server.base_url}/admin/")
+            assert driver.current_url == f"{server.base_url}/admin/login"
+
+            # a wrong token: refused after the delay, with a message and no hint of the real token
+            log_in(driver, server.base_url, "not-the-token")
+            message = driver.find_element(By.ID, "login-message").text
+            assert message == "Wrong admin token." and auth.failed_logins == 1
+            assert ADMIN_TOKEN not in driver.page_source and driver.current_url.endswith("/admin/login")
+
+            log_in(driver, server.base_url, ADMIN_TOKEN)
+            assert driver.current_url == f"{server.base_url}/admin/"
+            cookie = driver.get_cookie(SESSION_COOKIE)
+            assert (
+                cookie["httpOnly"] and cookie["sameSite"] == "Strict" and ADMIN_TOKEN not in cookie["value"]
+            )
+
+            def panel_states(d) -> dict[str, str]:
+                return {p: d.find_element(By.ID, p).get_attribute("data-state") for p in PANELS}
+
+            WebDriverWait(driver, 60, poll_frequency=0.25).until(
+                lambda d: all(state == "ready" for state in panel_states(d).values())
+            )
+            assert not any(value in driver.page_source for value in VALUES)  # no prompt text on the page
+            driver.set_window_size(1400, 3600)  # the whole page in one screenshot
+            time.sleep(0.5)
+            driver.save_screenshot(str(tmp_path / "dashboard.png"))
+            assert (tmp_path / "dashboard.png").stat().st_size > 0
+            for panel in PANELS:
+                canvas = driver.find_element(By.CSS_SELECTOR, f"#{panel} canvas")
+                driver.execute_script("arguments[0].scrollIntoView()", canvas)
+                assert colour_pixels(canvas.screenshot_as_png) > 20, f"{panel} drew no series"
+            rows = driver.find_elements(By.CSS_SELECTOR, "#prefix-table tbody tr")
+            assert (
+                len(rows) >= 2 and len(driver.find_elements(By.CSS_SELECTOR, "#replica-table tbody tr")) == 2
+            )
+            assert driver.find_element(By.ID, "learned-count").text == "1"
+
+            # polling: one request at a time, the next at least a second after the previous started
+            time.sleep(3.5)
+            starts = driver.execute_script(
+                "return performance.getEntriesByType('resource')"
+                ".filter(e => e.name.endsWith('/admin/dashboard/data')).map(e => e.startTime)"
+            )
+            assert len(starts) >= 3
+            assert all(b - a >= 990 for a, b in zip(starts, starts[1:], strict=False)), starts
+
+            # a phone's width: one column, nothing wider than the screen
+            driver.set_window_size(390, 844)
+            time.sleep(1.5)
+            overflow = driver.execute_script(
+                "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+            )
+            assert overflow <= 1 and all(state == "ready" for state in panel_states(driver).values())
+            driver.save_screenshot(str(tmp_path / "dashboard-phone.png"))
+
+            errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+            # the wrong token's 401 page load is the one expected error entry
+            assert [e for e in errors if "/admin/login" not in e["message"]] == [], errors
+
+            # a forged cookie, then an expired one: back to the login form
+            for value in (
+                "9999999999.nonce." + "0" * 64,
+                sign_session(ADMIN_TOKEN, time.time() - 10, ttl_s=1),
+            ):
+                driver.delete_all_cookies()
+                driver.add_cookie({"name": SESSION_COOKIE, "value": value, "path": "/admin"})
+                driver.get(f"{server.base_url}/admin/")
+                assert driver.current_url == f"{server.base_url}/admin/login"
+        finally:
+            driver.quit()
