@@ -22,8 +22,14 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Redire
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from gateway.core.errors import AuthenticationError, PermissionDeniedError
+from gateway.core.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+)
 from gateway.http.admin import require_admin
+from gateway.http.body import read_body
 from gateway.http.dashboard_session import (
     COOKIE_PATH,
     CSRF_COOKIE,
@@ -106,15 +112,19 @@ async def login_form(http_request: Request) -> Response:
 async def login(http_request: Request) -> Response:
     """``POST /admin/login`` (form ``token``, ``csrf``): on the right token a session cookie and a redirect to
     the page; on a wrong one, after ``DashboardAuth.failure_delay_s``, the form again with "Wrong admin
-    token." (401). A cross-origin post or a missing / wrong CSRF value is 403 without checking the token."""
+    token." (401). A cross-origin post or a missing / wrong CSRF value is 403 without checking the token; a
+    form over ``MAX_LOGIN_BODY`` bytes is 413 (counted while read, ``gateway.http.body.read_body``)."""
     token = _admin_token(http_request)
     if token is None:
         return RedirectResponse("/admin/", status_code=303)
     if not same_origin(http_request):
         return _login_form("Cross-origin login refused.", 403)
-    body = await http_request.body()
-    if len(body) > MAX_LOGIN_BODY:
+    try:
+        body = await read_body(http_request, MAX_LOGIN_BODY)
+    except PayloadTooLargeError:
         return _login_form("Login form too large.", 413)
+    except InvalidRequestError:
+        return _login_form("Invalid login request.", 400)
     form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
     presented = (form.get("token") or [""])[0]
     csrf = (form.get("csrf") or [""])[0]

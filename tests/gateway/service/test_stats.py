@@ -200,3 +200,16 @@ def test_upstream_models_report_replicas_without_credentials(monkeypatch):
     lease.release()
     text = json.dumps(doc) + render(gateway.metrics).decode()
     assert key not in text and "pa55word" not in text and "user:" not in text
+
+
+def test_rules_requests_and_ttft_split_by_hit_and_miss():
+    stats = GatewayStats({"m": None})
+    stats.record_rules("m", {"a": 2, "b": 0})
+    stats.record_rules("m", {"b": 0})
+    stats.record_finish("m", BackendUsage(prompt_tokens=10, completion_tokens=1, cached_tokens=4), 0.03, "k")
+    stats.record_finish("m", BackendUsage(prompt_tokens=10, completion_tokens=1, cached_tokens=0), 0.3, "k")
+    stats.record_finish("m", BackendUsage(prompt_tokens=10, completion_tokens=1, cached_tokens=0), None, "k")
+    assert stats.snapshot({"m": None})["models"]["m"]["rules_requests"] == 1
+    split = stats.ttft_histograms()["m"]
+    assert (split["hit"].count, split["hit"].sum) == (1, 0.03)
+    assert (split["miss"].count, split["miss"].sum) == (1, 0.3)
