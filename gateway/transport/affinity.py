@@ -125,8 +125,8 @@ class AffinityRing:
         self._points = [p for p, _ in points]
         self._owners = [idx for _, idx in points]
         self.inflight: dict[str, int] = dict.fromkeys(self.replicas, 0)
-        self.leases: dict[str, int] = dict.fromkeys(self.replicas, 0)
-        self.away: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self.spilled: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self.health: dict[str, ReplicaHealth] = {name: ReplicaHealth() for name in self.replicas}
 
     # ---- ring walk -------------------------------------------------------------------------------------
@@ -216,9 +216,9 @@ class AffinityRing:
             health.state = "half_open"
             health.probe_inflight = True
         self.inflight[chosen] += 1
-        self.leases[chosen] += 1
+        self.served[chosen] += 1
         if chosen != home:
-            self.away[chosen] += 1
+            self.spilled[chosen] += 1
         return Lease(
             replica=chosen,
             key=key,
@@ -245,8 +245,8 @@ class AffinityRing:
                 "state": self._refresh(name).state,
                 "inflight": self.inflight[name],
                 "failures": self.health[name].failures,
-                "requests": self.leases[name],
-                "away": self.away[name],
+                "requests": self.served[name],
+                "away": self.spilled[name],
             }
             for name in self.replicas
         }
