@@ -66,7 +66,7 @@
               const step = Math.max(1, Math.ceil(spec.x.length * 90 / Math.max(u.width, 1)));
               return splits.map((i) => (Number.isInteger(i) && i % step === 0 ? spec.x[i] || "" : ""));
             } }
-        : { label: "time (local)", size: 44 }];
+        : { label: "time (local)", size: 62 }];
       for (const [name, s] of Object.entries(spec.scales)) {
         scales[name] = s.range ? { range: s.range } : { range: (u, min, max) => [Math.min(0, min), max > 0 ? max * 1.1 : 1] };
         axes.push(Object.assign(axis(s.label, s.fmt, s.side || 3), { scale: name }));
