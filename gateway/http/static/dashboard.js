@@ -113,7 +113,7 @@
     const s = doc.series;
     const t = s.t;
     tiles(doc);
-    lines("panel-hit-rate", t, perModel(s, "hit_rate"), "pct", { label: "hit rate (% of prompt tokens)", fmt: pct, range: [0, 1] });
+    lines("panel-hit-rate", t, perModel(s, "hit_rate"), "pct", { label: "hit rate (%)", fmt: pct, range: [0, 1] });
     lines("panel-requests", t, perModel(s, "rps").map((c) => ({ label: c.label + " req/s", col: c.col })), "rps",
       { label: "requests (req/s)", fmt: fmt.rps },
       { cols: perModel(s, "rules_share").map((c) => ({ label: c.label + " rules on", col: c.col })), scaleName: "pct",
