@@ -35,7 +35,7 @@ QUESTION = "Passenger {n} asks: can I take my bicycle on the evening train to th
 """The user turn; ``n`` numbers the requests, so every request asks a new question behind the same system
 prompt (what a chatbot's traffic looks like; a gateway cannot answer from a cache of whole requests)."""
 EXPECT = b"forty-two"  # in the stub's reply, streamed or not
-AUTH = {"authorization": "Bearer sk-bench"}
+AUTH = {"authorization": f"Bearer {servers.CLIENT_KEY}"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Plan:
     warmup: int
 
 
-FULL = Plan(rounds=8, requests_1=150, requests_8=400, warmup=100)
+FULL = Plan(rounds=5, requests_1=60, requests_8=160, warmup=40)
 QUICK = Plan(rounds=2, requests_1=10, requests_8=16, warmup=4)
 CONNECTIONS = (1, 8)
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the options, run the bench, print the table and the JSON line."""
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a few requests per batch (a smoke run)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8; quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 2)")
     parser.add_argument("--litellm", default=None, help="LiteLLM's `litellm` script, or the venv holding it")
     parser.add_argument("--no-litellm", action="store_true", help="direct and prefixgate only")
     parser.add_argument("--no-stream", action="store_true", help="non-streamed answers only")

@@ -24,6 +24,10 @@ import yaml
 MODEL = "bench-model"
 """The model name clients send to either gateway."""
 
+CLIENT_KEY = "sk-bench-" + "5f0c" * 16
+"""The bearer every request carries: LiteLLM's master key (it refuses to start open); prefixgate runs open and
+the stub ignores it."""
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
@@ -93,16 +97,26 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def start(name: str, argv: list[str], port: int, health: str, workdir: Path, env: dict[str, str]) -> Server:
-    """Start ``argv`` (stdout and stderr to ``workdir/name.log``) and wait up to 120 s for ``health`` (a path)
-    to answer 200.
+def start(
+    name: str,
+    argv: list[str],
+    port: int,
+    health: str,
+    workdir: Path,
+    env: dict[str, str],
+    cwd: Path | None = None,
+) -> Server:
+    """Start ``argv`` in ``cwd`` (stdout and stderr to ``workdir/name.log``) and wait up to 120 s for ``health``
+    (a path) to answer 200.
 
     Raises:
         RuntimeError: the process exited or never answered (the log's tail in the message).
     """
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=cwd
+        )
     server = Server(name, port, process, log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -165,6 +179,7 @@ def start_litellm(workdir: Path, stub_port: int, litellm: str) -> Server:
             }
         ],
         "litellm_settings": {"telemetry": False},
+        "general_settings": {"master_key": CLIENT_KEY},
     }
     path = workdir / "litellm.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
