@@ -6,8 +6,8 @@ before (the same system prompt, tool preamble or document in request after reque
 instead of one RE2 scan per rule. One cache per ``RuleSet`` (the index is the rule's place in it).
 
 Invariants: a stored result is exactly what the action returned for that rule and text; the characters held
-(texts and rewritten texts) never exceed ``max_chars``; a text longer than ``max_text_chars`` is never stored;
-safe to share between threads.
+(texts and rewritten texts) never exceed ``max_chars`` nor the entries ``max_entries``; a text longer than
+``max_text_chars`` is never stored; safe to share between threads.
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ Result = tuple[str, int, tuple[str, ...]]
 
 
 class TextActionCache:
-    """``(rule index, text) -> Result``, bounded by characters held.
+    """``(rule index, text) -> Result``, bounded by characters and entries held.
 
     Args:
         max_chars: most characters held over all entries (a key's text plus a rewritten text).
+        max_entries: most entries (each costs ~300 bytes besides its characters; a rule set of ~40 rules adds
+            one per rule for every new text, e.g. each new user question).
         max_text_chars: texts longer than this are computed every time, never stored.
     """
 
-    def __init__(self, max_chars: int = 4_000_000, max_text_chars: int = 200_000) -> None:
+    def __init__(
+        self, max_chars: int = 2_000_000, max_entries: int = 16_384, max_text_chars: int = 200_000
+    ) -> None:
         self.max_chars = max_chars
+        self.max_entries = max_entries
         self.max_text_chars = max_text_chars
         self._entries: OrderedDict[tuple[int, str], Result] = OrderedDict()
         self._chars = 0
@@ -69,7 +74,9 @@ class TextActionCache:
             if key not in self._entries:
                 self._entries[key] = result
                 self._chars += size
-                while self._chars > self.max_chars and self._entries:
+                while (
+                    self._chars > self.max_chars or len(self._entries) > self.max_entries
+                ) and self._entries:
                     old_key, old = self._entries.popitem(last=False)
                     self._chars -= _size(old_key, old)
         return result
@@ -77,7 +84,7 @@ class TextActionCache:
     def check(self) -> None:
         """Assert the invariants (tests)."""
         assert self._chars == sum(_size(k, v) for k, v in self._entries.items())
-        assert self._chars <= self.max_chars
+        assert self._chars <= self.max_chars and len(self._entries) <= self.max_entries
         assert all(len(text) <= self.max_text_chars for _, text in self._entries)
 
 

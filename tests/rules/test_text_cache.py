@@ -35,6 +35,11 @@ def test_the_cache_is_bounded_by_characters_and_skips_long_texts():
     cache.get(1, "abcd", changed)
     assert cache.chars <= 20
     cache.check()
+    few = TextActionCache(max_entries=3)
+    for i in range(10):
+        few.get(0, str(i), same)
+    assert len(few) == 3
+    few.check()
 
 
 def test_the_least_recently_used_entry_goes_first():

@@ -127,8 +127,8 @@ class Cl100kTokenizer:
             return []
         chars, inside = self._tables()
         index = np.asarray(ids, dtype=np.int64)
-        ends = np.cumsum(chars[index])
-        starts = ends - chars[index] - inside[index]
+        counts = chars[index].astype(np.int64)
+        starts = np.cumsum(counts) - counts - inside[index]
         return np.maximum(starts, 0).tolist()
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -136,8 +136,8 @@ class Cl100kTokenizer:
         continuation byte (built once, ~100k ids)."""
         if self._offset_tables is None:
             size = self._encoding.max_token_value + 1
-            chars = np.zeros(size, dtype=np.int64)
-            inside = np.zeros(size, dtype=np.int64)
+            chars = np.zeros(size, dtype=np.int16)  # a token is at most a few hundred bytes
+            inside = np.zeros(size, dtype=np.int8)
             for token in range(size):
                 try:
                     data = self._encoding.decode_single_token_bytes(token)
