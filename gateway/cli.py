@@ -162,6 +162,8 @@ def resolve_config(config_path: str | None, host: str | None, port: int | None) 
 def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
     """Load the config, build the app and run uvicorn until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream call at INFO; prefixgate.request already logs one line per request
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(log_level.upper())))
     from gateway.service.canonicalize import RuleError
 
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,8 @@ from rules.segments import (
     normalize_position,
     stable_material,
 )
+from rules.text_cache import Result as TextResult
+from rules.text_cache import TextActionCache
 from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory
 
 MAX_PASSES = 8
@@ -127,6 +130,15 @@ class RuleSet:
         self.rules: tuple[Rule, ...] = with_keep_rules(rules)
         self.sources: tuple[str, ...] = tuple(sources)
         self._hoists = any(r.action == "hoist" for r in self.rules)
+        selectors: dict[Any, int] = {}
+        self._turn_rules = tuple(
+            (i, selectors.setdefault(r.selector, len(selectors)), r, _action_of(r))
+            for i, r in enumerate(self.rules)
+            if r.action != "sort_tools"
+        )
+        self._selectors = tuple(selectors)  # the distinct selectors, each evaluated once per turn
+        self.text_cache = TextActionCache()
+        """What each rule did to each text seen lately (the actions are pure: a repeated text is not rescanned)."""
 
     @property
     def rule_ids(self) -> list[str]:
@@ -258,16 +270,14 @@ class RuleSet:
         view = messages[:end]
         locations = {p: resolve_location(p, view, start, end) for p in PLACEMENTS}
         values: dict[str, list[str]] = {}
+        # rules change texts, never roles or the message count: each selector picks the same messages all along
+        chosen = [[i for i in selector.select(view) if i >= start] for selector in self._selectors]
         for _ in range(MAX_PASSES):
             changed = False
-            for rule in self.rules:
-                if rule.action == "sort_tools":
-                    continue
+            for position, selector, rule, action in self._turn_rules:
                 count = 0
-                for index in rule.selector.select(view):
-                    if index < start:
-                        continue
-                    n, hoisted = self._apply_to_message(rule, messages[index])
+                for index in chosen[selector]:
+                    n, hoisted = self._apply_to_message(position, action, messages[index])
                     count += n
                     for value in hoisted:
                         if index < systems:
@@ -311,26 +321,38 @@ class RuleSet:
             memory.count(rejected=1)
         return None
 
-    @staticmethod
-    def _apply_to_message(rule: Rule, message: dict[str, Any]) -> tuple[int, list[str]]:
-        """Apply one span or normalize rule to every text slot of ``message`` (in place); return
-        (applications, hoisted values)."""
+    def _apply_to_message(
+        self, position: int, action: Callable[[str], TextResult], message: dict[str, Any]
+    ) -> tuple[int, list[str]]:
+        """Apply one span or normalize rule (``self.rules[position]``, its ``action``) to every text slot of
+        ``message`` (in place); return (applications, hoisted values)."""
         count = 0
         hoisted: list[str] = []
         for part in text_parts(message):
             text = get_text(message, part)
-            if rule.action == "normalize":
-                new_text = normalize_text(text, rule.normalize)
-                if new_text != text:
-                    count += 1
-                    set_text(message, part, new_text)
-                continue
-            new_text, n, values = apply_span_action(rule, text)
+            new_text, n, values = self.text_cache.get(position, text, action)
             if n:
                 count += n
                 set_text(message, part, new_text)
                 hoisted.extend(values)
         return count, hoisted
+
+
+def _action_of(rule: Rule) -> Callable[[str], TextResult]:
+    """``text -> (new text, applications, hoisted values)`` of a span or normalize rule (pure)."""
+    if rule.action == "normalize":
+
+        def normalize(text: str) -> tuple[str, int, tuple[str, ...]]:
+            new_text = normalize_text(text, rule.normalize)
+            return (new_text, 1, ()) if new_text != text else (text, 0, ())
+
+        return normalize
+
+    def span(text: str) -> tuple[str, int, tuple[str, ...]]:
+        new_text, n, values = apply_span_action(rule, text)
+        return new_text, n, tuple(values)
+
+    return span
 
 
 def _blocks_of(messages: list[dict[str, Any]]) -> list[list[str]]:

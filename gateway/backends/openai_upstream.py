@@ -258,6 +258,7 @@ async def _events_from_sse(
     async for event in opened.events():
         if event.data.strip() == "[DONE]":
             done = True
+            opened.completed()
             break
         chunk = opened.json_object(event.data, "a chunk")
         if chunk.get("error") is not None or chunk.get("object") == "error":

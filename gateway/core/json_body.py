@@ -28,9 +28,17 @@ _STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 """A whole JSON string (skipped as one match, so brackets inside strings do not count) or one bracket."""
 
 
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""Where a lone surrogate can come from in UTF-8 JSON: a ``\\uD800``-``\\uDFFF`` escape, or the UTF-8 form of a
+surrogate (which ``json.loads`` decodes with ``surrogatepass``). Without either, the full check is skipped (a
+body ``json.loads`` reads as UTF-16/32 or with a BOM always gets it)."""
+
+
 def json_depth_exceeds(raw: bytes, limit: int) -> bool:
     """True when ``raw`` nests arrays/objects deeper than ``limit`` levels (brackets inside strings ignored;
     run over the raw bytes before parsing, in C-speed regex steps, one per string or bracket)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # nesting needs an opening bracket per level: no scan (the common case)
     depth = 0
     for match in _STRING_OR_BRACKET.finditer(raw):
         token = match.group()
@@ -61,6 +69,8 @@ def loads_request_json(raw: bytes) -> Any:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequestError(NOT_JSON, code="invalid_json") from exc
+    if json.detect_encoding(raw) == "utf-8" and _MAY_HOLD_SURROGATE.search(raw) is None:
+        return value  # neither an escaped nor a raw surrogate in UTF-8 JSON: every string encodes
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -42,6 +42,11 @@ from gateway.service.shared_prefix import mark_public_prefix
 T = TypeVar("T")
 logger = logging.getLogger("prefixgate.pipeline")
 
+INLINE_EXPLAIN_CHARS = 8_000
+"""Prompts up to this many characters of text are explained on the event loop (tokenizing them takes well
+under a millisecond; a worker thread would cost more in the hand-over and in the GIL it then holds while this
+loop waits for it, docs/overhead.md); longer ones in a worker thread, so the loop never stalls on them."""
+
 
 def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
     """Apply the configured rules to ``request`` (none with ``x-prefixgate-rules: off``) and set its prefix
@@ -135,8 +140,8 @@ class OpenedStream:
     async def cache_header(self) -> dict[str, str]:
         """``{"x-prefixgate-cache": "cached=…; miss=…; at=…"}`` for the response's headers, or ``{}`` when the
         cached count is not known yet (a stream from an upstream that reports it only at the end) or the
-        request cannot be explained (completions; a failure, counted). Computed once, in a worker thread;
-        never raises."""
+        request cannot be explained (completions; a failure, counted). Computed once: inline for a prompt of
+        at most ``INLINE_EXPLAIN_CHARS`` characters, in a worker thread for a longer one; never raises."""
         if not self._explained:
             cached = self.reported_cached_tokens()
             if cached is not None:
@@ -155,9 +160,11 @@ class OpenedStream:
             tokenizer = backend.prompt_tokenizer()
             minimum, granularity = _cache_unit(self.gateway, self.request.model)
             provider_cause = provider_miss_cause(provider_reason)
-            explanation = await asyncio.to_thread(
-                cache.explain, self.request, cached, tokenizer, provider_cause, minimum, granularity
-            )
+            args = (self.request, cached, tokenizer, provider_cause, minimum, granularity)
+            if _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
+                explanation = cache.explain(*args)
+            else:
+                explanation = await asyncio.to_thread(cache.explain, *args)
         except Exception:  # noqa: BLE001 - an explanation never fails a request
             cache.errors += 1
             return
@@ -300,6 +307,18 @@ def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:
     if isinstance(entry, EmbeddedModel):
         return None, entry.engine.block_size
     return None, None
+
+
+def _prompt_chars(request: ChatRequest) -> int:
+    """Characters of the request's prompt text (string contents, text parts, and the rest as its ``str``), an
+    upper bound's worth of an estimate for choosing where to explain it."""
+    total = 0
+    for message in request.messages:
+        content = message.get("content") if isinstance(message, dict) else message
+        total += len(content) if isinstance(content, str) else len(str(content))
+    if request.tools:
+        total += len(str(request.tools))
+    return total
 
 
 async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:

@@ -5,6 +5,7 @@ user-info and query string. Every message the transport builds passes through ``
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -48,8 +49,10 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     return _KEY_PATTERN.sub(mask, text)
 
 
+@functools.lru_cache(maxsize=1024)
 def redact_url(url: str) -> str:
-    """A URL without user-info or query string (names of replicas in stats and logs)."""
+    """A URL without user-info or query string (names of replicas in stats and logs). Memoized: the same few
+    replica URLs come back on every request, and parsing one costs more than the rest of the call."""
     parsed = httpx.URL(url)
     return str(parsed.copy_with(username=None, password=None, query=None, fragment=None))
 

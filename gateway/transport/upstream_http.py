@@ -36,6 +36,8 @@ from gateway.transport.routing_policy import RouteRequest, RoutingPolicy
 from gateway.transport.sse import SSEEvent, iter_sse
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read
+_DRAIN_LIMIT = 64 * 1024  # bytes read after a stream's terminal event to keep its connection
+_DRAIN_TIMEOUT_S = 1.0  # seconds waited for the end of such a body
 
 # ---- the shared client and one upstream call ---------------------------------------------------------------
 
@@ -111,7 +113,9 @@ class OpenedResponse:
     """An upstream response whose status was OK and whose first body byte has arrived.
 
     Iterate ``lines()`` (or call ``read()``) once, then ``aclose()`` (always; it releases the replica lease).
-    Failures while reading raise ``UpstreamStreamCut`` and mark the replica failed.
+    Failures while reading raise ``UpstreamStreamCut`` and mark the replica failed. A caller that saw the
+    protocol's terminal event calls ``completed()`` first, so ``aclose`` reads the (empty) rest of the body and
+    the connection goes back to the pool instead of being closed (a new TCP, and TLS, handshake per request).
     """
 
     def __init__(
@@ -128,6 +132,7 @@ class OpenedResponse:
         self._chunks = chunks
         self._first: bytes | None = first
         self._closed = False
+        self._completed = False
 
     @property
     def replica(self) -> str:
@@ -203,15 +208,36 @@ class OpenedResponse:
             upstream_error=redact_json(upstream_error, self.upstream.secrets) if upstream_error else None,
         )
 
+    def completed(self) -> None:
+        """Note that the protocol's terminal event arrived (``[DONE]``, ``message_stop``): what follows is the end
+        of the body, which ``aclose`` then reads to keep the connection."""
+        self._completed = True
+
     async def aclose(self) -> None:
-        """Close the upstream response (cancels the upstream's work) and release the lease. Idempotent."""
+        """Close the upstream response (cancels the upstream's work) and release the lease. Idempotent.
+
+        After ``completed()``, first reads the rest of the body (at most 64 KiB, 1 s), so the connection is
+        kept alive; a stream closed early (a client that left) is cut, which stops the upstream's work."""
         if self._closed:
             return
         self._closed = True
         try:
+            if self._completed and not self.response.is_closed:
+                await self._drain()
             await self.response.aclose()
         finally:
             self.lease.release()
+
+    async def _drain(self) -> None:
+        read = 0
+        try:
+            async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                async for chunk in self._chunks:
+                    read += len(chunk)
+                    if read > _DRAIN_LIMIT:
+                        return
+        except (httpx.RequestError, TimeoutError):  # the connection is closed by aclose then
+            pass
 
 
 async def open_response(

@@ -1,0 +1,93 @@
+"""A bounded memo of what one rule does to one text: ``(rule index, text) -> (new text, applications, hoisted
+values)``, least recently used first out.
+
+The span and normalize actions are pure functions of the rule and the text (``rules.actions``), so a text seen
+before (the same system prompt, tool preamble or document in request after request) gets the stored result
+instead of one RE2 scan per rule. One cache per ``RuleSet`` (the index is the rule's place in it).
+
+Invariants: a stored result is exactly what the action returned for that rule and text; the characters held
+(texts and rewritten texts) never exceed ``max_chars`` nor the entries ``max_entries``; a text longer than
+``max_text_chars`` is never stored; safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+Result = tuple[str, int, tuple[str, ...]]
+"""(new text, number of applications, hoisted values in order)."""
+
+
+class TextActionCache:
+    """``(rule index, text) -> Result``, bounded by characters and entries held.
+
+    Args:
+        max_chars: most characters held over all entries (a key's text plus a rewritten text).
+        max_entries: most entries (each costs ~300 bytes besides its characters; a rule set of ~40 rules adds
+            one per rule for every new text, e.g. each new user question).
+        max_text_chars: texts longer than this are computed every time, never stored.
+    """
+
+    def __init__(
+        self, max_chars: int = 2_000_000, max_entries: int = 16_384, max_text_chars: int = 200_000
+    ) -> None:
+        self.max_chars = max_chars
+        self.max_entries = max_entries
+        self.max_text_chars = max_text_chars
+        self._entries: OrderedDict[tuple[int, str], Result] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def chars(self) -> int:
+        """Characters held now."""
+        return self._chars
+
+    def get(self, index: int, text: str, compute: Callable[[str], Result]) -> Result:
+        """The result of rule ``index`` on ``text``: stored, or ``compute(text)`` (then stored if it fits).
+
+        Raises:
+            whatever ``compute`` raises (nothing is stored then).
+        """
+        key = (index, text)
+        found = self._entries.get(key)  # one atomic step under the GIL: no lock on the hit path
+        if found is not None:
+            try:
+                self._entries.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile: the result is still right
+                pass
+            self.hits += 1
+            return found
+        self.misses += 1
+        result = compute(text)
+        if len(text) > self.max_text_chars:
+            return result
+        size = _size(key, result)
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = result
+                self._chars += size
+                while (
+                    self._chars > self.max_chars or len(self._entries) > self.max_entries
+                ) and self._entries:
+                    old_key, old = self._entries.popitem(last=False)
+                    self._chars -= _size(old_key, old)
+        return result
+
+    def check(self) -> None:
+        """Assert the invariants (tests)."""
+        assert self._chars == sum(_size(k, v) for k, v in self._entries.items())
+        assert self._chars <= self.max_chars and len(self._entries) <= self.max_entries
+        assert all(len(text) <= self.max_text_chars for _, text in self._entries)
+
+
+def _size(key: tuple[int, str], result: Result) -> int:
+    text, new_text = key[1], result[0]
+    return len(text) + (0 if new_text is text else len(new_text))

@@ -1,0 +1,130 @@
+"""bench.overhead in its quick mode (direct and prefixgate only: LiteLLM is not in the test environment), and
+its pieces: the stub upstream, the load client, the report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.overhead import servers
+from bench.overhead.load import AnswerError, Batch, build_request, percentile, run_batch
+from bench.overhead.run import EXPECT, QUICK, chat_body, report, summarize
+from bench.overhead.stub import COMPLETION, STREAM, app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_prints_the_table_and_the_json_keys():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overhead", "--quick", "--no-litellm"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert {"overhead_p50_ms", "rps_vs_litellm", "prefixgate_rps_8", "prefixgate_rss_mb"} <= set(doc)
+    assert doc["rps_vs_litellm"] is None and doc["litellm_rps_8"] is None  # LiteLLM was left out
+    assert isinstance(doc["overhead_p50_ms"], float)
+    assert doc["prefixgate_rps_8"] > 0 and doc["prefixgate_rss_mb"] > 0
+    rows = [line.split() for line in lines if line.startswith(("json", "stream"))]
+    assert len(rows) == 8  # 2 answer kinds x 2 connection counts x (direct, prefixgate)
+    assert {row[2] for row in rows} == {"direct", "prefixgate"}
+
+
+def test_find_litellm_takes_a_script_or_a_venv(tmp_path):
+    assert servers.find_litellm(str(tmp_path)) is None
+    script = tmp_path / "bin" / "litellm"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    assert servers.find_litellm(str(tmp_path)) == str(script)
+    assert servers.find_litellm(str(script)) == str(script)
+
+
+async def _asgi(body: bytes, path: str = "/v1/chat/completions", method: str = "POST"):
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    await app({"type": "http", "method": method, "path": path}, receive, send)
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+
+async def test_stub_answers_json_sse_and_refuses_a_bad_body():
+    status, headers, body = await _asgi(json.dumps(chat_body(False)).encode())
+    assert (status, headers[b"content-type"], body) == (200, b"application/json", COMPLETION)
+    assert json.loads(body)["choices"][0]["message"]["content"] == "The answer is forty-two."
+    status, headers, body = await _asgi(json.dumps(chat_body(True)).encode())
+    assert (status, headers[b"content-type"], body) == (200, b"text/event-stream", STREAM)
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 6
+    assert json.loads(events[-2][6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    assert (await _asgi(b"{not json"))[0] == 400
+    assert (await _asgi(b"{}", path="/v1/embeddings"))[0] == 404
+
+
+def test_chat_body_numbers_the_question_and_keeps_the_system_prompt():
+    a, b = chat_body(False, 1), chat_body(True, 2)
+    assert a["messages"][0] == b["messages"][0]
+    assert a["messages"][1] != b["messages"][1]
+    assert "stream" not in a and b["stream"] is True
+    assert 190 <= len(a["messages"][0]["content"].split()) <= 210  # the issue's 200-word system prompt
+
+
+async def _serve_once(answer: bytes) -> tuple[asyncio.AbstractServer, int]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(answer)
+            await writer.drain()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_run_batch_times_every_request_over_its_connections():
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\nsay forty-two!!"
+    server, port = await _serve_once(ok)
+    async with server:
+        requests = [build_request("127.0.0.1", port, "/x", {"n": i}, {}) for i in range(7)]
+        batch = await run_batch("127.0.0.1", port, requests, 3, EXPECT)
+    assert len(batch.latencies) == 7 and batch.wall_s > 0
+
+
+async def test_run_batch_fails_on_an_error_answer():
+    bad = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\nboom"
+    server, port = await _serve_once(bad)
+    async with server:
+        with pytest.raises(AnswerError, match="answered 500"):
+            await run_batch("127.0.0.1", port, [build_request("127.0.0.1", port, "/x", {}, {})], 1, EXPECT)
+
+
+def test_percentile_and_report_use_the_direct_path_as_baseline():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0
+    results = {
+        ("direct", 1, False): [Batch([0.001, 0.001], 0.002, 0.0)],
+        ("prefixgate", 1, False): [Batch([0.003, 0.003], 0.006, 0.004)],
+        ("direct", 8, False): [Batch([0.001] * 4, 0.001, 0.0)],
+        ("prefixgate", 8, False): [Batch([0.002] * 4, 0.002, 0.004)],
+        ("litellm", 8, False): [Batch([0.008] * 4, 0.008, 0.02)],
+    }
+    doc = report(summarize(results), {"prefixgate": 50.0}, QUICK, 1.0)
+    assert doc["overhead_p50_ms"] == 2.0
+    assert doc["prefixgate_rps_8"] == 2000.0 and doc["litellm_rps_8"] == 500.0
+    assert doc["rps_vs_litellm"] == 4.0
+    assert doc["prefixgate_cpu_ms_per_request"] == 1.5  # (2 ms + 1 ms) / 2 rows
