@@ -203,7 +203,9 @@ async def anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, An
             raise opened.cut(
                 f"the upstream reported an error mid-stream: {error.get('message', '')}", upstream_error=error
             )
-        yield data
         if data.get("type") == "message_stop":
+            opened.completed()  # the rest of the body is read on close: the connection is kept
+            yield data
             return
+        yield data
     raise opened.cut("the upstream stream ended before message_stop")

@@ -1,10 +1,11 @@
-"""An upstream stream read to its terminal event gives its connection back to the pool
+"""An upstream stream read to its terminal event (OpenAI ``[DONE]``, Anthropic ``message_stop``) gives its connection back to the pool
 (``OpenedResponse.completed``); one closed early is cut."""
 
 from __future__ import annotations
 
 import httpx
 
+from gateway.backends.anthropic_events import anthropic_events
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.upstream_http import Upstream, open_response
 
@@ -61,4 +62,20 @@ async def test_a_stream_closed_early_is_not_read_further():
     await opened.aclose()  # never completed: e.g. the client left
     assert body.sent == 1 and body.closed
     assert opened.upstream.ring.snapshot()["http://up/v1"]["inflight"] == 0
+    await client.aclose()
+
+
+async def test_an_anthropic_stream_read_to_message_stop_keeps_its_connection():
+    body = _Body(
+        [
+            b'event: message_start\ndata: {"type": "message_start"}\n\n',
+            b'event: message_stop\ndata: {"type": "message_stop"}\n\n',
+            b"",
+        ]
+    )
+    client, opened = await _opened(body)
+    types = [event["type"] async for event in anthropic_events(opened)]
+    assert types == ["message_start", "message_stop"]
+    await opened.aclose()
+    assert body.sent == 3 and opened.response.is_stream_consumed
     await client.aclose()
