@@ -64,8 +64,10 @@ class _Gateway:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
+        trace_dir = os.environ.get("SOAK_MEMTRACE_DIR")  # leak diagnosis: bench.fleet.memtrace
+        trace = ["-m", "bench.fleet.memtrace", trace_dir] if trace_dir else ["-m"]
         self._args = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
+            sys.executable, *trace, "gateway.cli", "serve", "--config", str(config_path),
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error",
         ]  # fmt: skip
         self._log_path = log_path

@@ -275,8 +275,8 @@ class LeastLoadPolicy(RoutingPolicy):
         self._counter = itertools.count()
 
     def choose(self, request: RouteRequest, available: list[str]) -> str:
-        least = min(self.ring.inflight[r] for r in available)
-        tied = [r for r in self.ring.replicas if r in available and self.ring.inflight[r] == least]
+        least = min(self.ring.load(r) for r in available)
+        tied = [r for r in self.ring.replicas if r in available and self.ring.load(r) == least]
         return tied[next(self._counter) % len(tied)]
 
 
@@ -290,7 +290,7 @@ class ConsistentHashPolicy(RoutingPolicy):
 
     def choose(self, request: RouteRequest, available: list[str]) -> str:
         cap = self.ring.capacity(len(available))
-        return next((r for r in available if self.ring.inflight[r] < cap), available[0])
+        return next((r for r in available if self.ring.load(r) < cap), available[0])
 
 
 @dataclass
@@ -395,7 +395,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def choose(self, request: RouteRequest, available: list[str]) -> str:
         cap = self.ring.capacity(len(available))
-        under = [r for r in available if self.ring.inflight[r] < cap]
+        under = [r for r in available if self.ring.load(r) < cap]
         if not under:  # cannot happen while n * cap > m; kept for safety
             under = available
         blocks = request.blocks
@@ -430,6 +430,12 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def replica_restarted(self, replica: str) -> None:
         self.approx.clear(replica)
+        self.exact.clear(replica)
+
+    def kv_stream_lost(self, replica: str) -> None:
+        """``replica``'s KV event stream ended: forget its exact view; the approximate index routes it until
+        the stream is back (``gateway.transport.kv_events``)."""
+        self._reporting.discard(replica)
         self.exact.clear(replica)
 
     def apply_kv_events(self, replica: str, batch: Mapping[str, object]) -> int:
