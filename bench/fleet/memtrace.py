@@ -1,8 +1,9 @@
 """Run a module under tracemalloc and dump what grew: the soak's leak diagnosis (``SOAK_MEMTRACE_DIR``).
 
-``python -m bench.fleet.memtrace DIR MODULE [ARGS...]`` starts ``tracemalloc`` (8 frames), then runs
-``MODULE`` as ``__main__`` with ``ARGS``. A daemon thread writes, every ``SOAK_MEMTRACE_EVERY_S`` seconds
-(default 60), ``DIR/<pid>-<n>.snap`` (``tracemalloc.Snapshot.dump``) and appends one JSON line to
+``python -m bench.fleet.memtrace DIR MODULE [ARGS...]`` runs ``MODULE`` as ``__main__`` with ``ARGS``; a
+daemon thread starts ``tracemalloc`` (8 frames) after ``SOAK_MEMTRACE_START_S`` seconds (default 60: past
+the imports and the warm-up, so only what is allocated later is traced and start-up stays fast), then writes,
+every ``SOAK_MEMTRACE_EVERY_S`` seconds (default 60), ``DIR/<pid>-<n>.snap`` (``tracemalloc.Snapshot.dump``) and appends one JSON line to
 ``DIR/<pid>.jsonl``: seconds since start, RSS MB, traced MB, ``gc.get_count()``, and the 15 object types
 with the most live instances (``gc.get_objects``). Compare two snapshots with
 ``Snapshot.compare_to(old, "traceback")`` to see which lines allocated the growth.
@@ -30,8 +31,10 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def _watch(out: Path, every_s: float) -> None:
+def _watch(out: Path, start_s: float, every_s: float) -> None:
     t0 = time.monotonic()
+    time.sleep(start_s)
+    tracemalloc.start(8)
     n = 0
     while True:
         time.sleep(every_s)
@@ -53,9 +56,9 @@ def main() -> None:
     """Entry point: see the module docstring."""
     out, module, *args = sys.argv[1:]
     Path(out).mkdir(parents=True, exist_ok=True)
-    tracemalloc.start(8)
+    start = float(os.environ.get("SOAK_MEMTRACE_START_S", "60"))
     every = float(os.environ.get("SOAK_MEMTRACE_EVERY_S", "60"))
-    threading.Thread(target=_watch, args=(Path(out), every), daemon=True).start()
+    threading.Thread(target=_watch, args=(Path(out), start, every), daemon=True).start()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
