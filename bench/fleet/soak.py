@@ -54,25 +54,31 @@ class SoakConfig:
     embedded_share: float = 0.25
     disconnect_share: float = 0.05
     seed: int = 18
+    first_gateway_env: tuple[tuple[str, str], ...] = ()
+    """Extra environment of gateway 0 only: an A/B of a process setting under the same traffic (e.g.
+    ``(("MALLOC_ARENA_MAX", "2"),)``); the RSS slope is reported per gateway too."""
 
 
 class _Gateway:
     """One prefixgate process (``python -m gateway.cli serve``) on a free loopback port."""
 
-    def __init__(self, config_path: Path, log_path: Path) -> None:
+    def __init__(self, config_path: Path, log_path: Path, env: dict[str, str] | None = None) -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
+        trace_dir = os.environ.get("SOAK_MEMTRACE_DIR")  # leak diagnosis: bench.fleet.memtrace
+        trace = ["-m", "bench.fleet.memtrace", trace_dir] if trace_dir else ["-m"]
         self._args = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
+            sys.executable, *trace, "gateway.cli", "serve", "--config", str(config_path),
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error",
         ]  # fmt: skip
         self._log_path = log_path
+        self._env = env or {}
         self.proc: subprocess.Popen | None = None
 
     async def start(self, timeout_s: float = 120.0) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **self._env}
         self.proc = subprocess.Popen(
             self._args, stdout=subprocess.DEVNULL, stderr=self._log_path.open("w"), env=env
         )
@@ -161,7 +167,10 @@ async def run_soak(cfg: SoakConfig) -> dict:
     }
     config_path = tmp / "prefixgate.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    gateways = [_Gateway(config_path, tmp / f"gateway{i}.log") for i in range(cfg.gateways)]
+    gateways = [
+        _Gateway(config_path, tmp / f"gateway{i}.log", dict(cfg.first_gateway_env) if i == 0 else None)
+        for i in range(cfg.gateways)
+    ]
     for g in gateways:
         await g.start()
 
@@ -169,6 +178,7 @@ async def run_soak(cfg: SoakConfig) -> dict:
     failures: list[str] = []
     killing: list[tuple[float, float]] = []  # (start, end) of each replica kill, monotonic seconds
     rss: list[tuple[float, float]] = []  # (seconds, MB summed over the gateway processes)
+    rss_each: list[list[tuple[float, float]]] = [[] for _ in gateways]  # per gateway process
     t0 = time.monotonic()
     deadline = t0 + cfg.duration_s
     client = httpx.AsyncClient(
@@ -269,7 +279,10 @@ async def run_soak(cfg: SoakConfig) -> dict:
                 )
                 next_kill += step
             if not rss or now - rss[-1][0] - t0 >= 2.0:
-                rss.append((now - t0, sum(g.rss_mb() for g in gateways)))
+                each = [g.rss_mb() for g in gateways]
+                rss.append((now - t0, sum(each)))
+                for samples, mb in zip(rss_each, each, strict=True):
+                    samples.append((now - t0, mb))
             await asyncio.sleep(0.1)
 
     fault_task = asyncio.create_task(faults())
@@ -278,7 +291,7 @@ async def run_soak(cfg: SoakConfig) -> dict:
     await client.aclose()
 
     leaked = 0
-    async with httpx.AsyncClient(timeout=30) as admin:
+    async with httpx.AsyncClient(timeout=120) as admin:
         for g in gateways:
             for _ in range(200):
                 r = await admin.get(
@@ -305,6 +318,11 @@ async def run_soak(cfg: SoakConfig) -> dict:
         "soak_leaked_blocks": leaked,
         "soak_rss_mb": round(rss[-1][1], 1) if rss else None,
         "soak_rss_slope_mb_per_min": round(_slope_per_min(warm), 3),
+        "soak_rss_slope_per_gateway": [
+            round(_slope_per_min([x for x in samples if x[0] >= cfg.duration_s / 4]), 3)
+            for samples in rss_each
+        ],
+        "soak_first_gateway_env": dict(cfg.first_gateway_env),
         "soak_failures_sample": failures[:5],
         "soak_kills": len(killing),
     }
@@ -314,5 +332,11 @@ if __name__ == "__main__":  # python -m bench.fleet.soak [SECONDS]
     import sys
 
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0
+    # SOAK_FIRST_GATEWAY_ENV="NAME=VALUE,...": gateway 0's extra environment (an A/B, see SoakConfig).
+    extra = tuple(
+        tuple(item.split("=", 1))
+        for item in os.environ.get("SOAK_FIRST_GATEWAY_ENV", "").split(",")
+        if "=" in item
+    )
     with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(asyncio.run(run_soak(SoakConfig(duration_s=seconds)))))
+        print(json.dumps(asyncio.run(run_soak(SoakConfig(duration_s=seconds, first_gateway_env=extra)))))

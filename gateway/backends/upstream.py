@@ -16,8 +16,10 @@ from typing import Any, TypedDict
 import httpx
 
 from gateway.backends.base import Backend, ReplicaStates
-from gateway.config.schema import RoutingShareConfig, UpstreamModel
+from gateway.backends.kv_blocks import KVBlockHasher
+from gateway.config.schema import KVEventsConfig, RoutingShareConfig, UpstreamModel
 from gateway.transport.affinity import AffinityRing
+from gateway.transport.kv_events import KVEventFeed
 from gateway.transport.redact import redact_url
 from gateway.transport.retry import RetryPolicy
 from gateway.transport.routing_policy import CacheAwarePolicy, make_policy, text_block_hashes
@@ -36,6 +38,7 @@ class UpstreamOptions(TypedDict, total=False):
     ring: AffinityRing | None
     routing: str
     routing_share: RoutingShareConfig | None
+    kv_events: KVEventsConfig | None
     sleep: Callable[[float], Awaitable[Any]]
 
 
@@ -54,11 +57,13 @@ class UpstreamBackend(Backend):
         ring: the replicas (default: an ``AffinityRing`` over ``base_urls`` with its default settings).
         routing: the replica choice over the ring, one of ``ROUTING_POLICIES`` (default ``consistent_hash``:
             the ring's own walk from the prefix key).
-        routing_share: share the cache-aware index with other gateways through Redis (``cache_aware`` only).
+        routing_share: share load (and the cache-aware index) with other gateways through Redis.
+        kv_events: follow the replicas' KV event streams into the cache-aware index's exact view, and hash
+            requests as their engine does (``cache_aware`` only).
         sleep: the backoff sleep (tests).
 
     Raises:
-        ValueError: an unknown ``routing``, or ``routing_share`` with another policy than ``cache_aware``.
+        ValueError: an unknown ``routing``, or ``kv_events`` with another policy than ``cache_aware``.
     """
 
     def __init__(
@@ -74,17 +79,28 @@ class UpstreamBackend(Backend):
         ring: AffinityRing | None = None,
         routing: str = "consistent_hash",
         routing_share: RoutingShareConfig | None = None,
+        kv_events: KVEventsConfig | None = None,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self.upstream_model = upstream_model or name
         self.api_key = api_key
         ring = ring or AffinityRing([url.rstrip("/") for url in base_urls])
-        policy = make_policy(routing, ring)
+        if kv_events is not None and routing != "cache_aware":
+            raise ValueError(f"kv_events needs routing: cache_aware, not {routing!r}")
+        policy = make_policy(routing, ring, **({"use_kv_events": True} if kv_events is not None else {}))
+        self.kv_hasher = KVBlockHasher(kv_events) if kv_events is not None else None
+        self.kv_feed: KVEventFeed | None = None
+        if kv_events is not None:
+            assert isinstance(policy, CacheAwarePolicy)
+            self.kv_feed = KVEventFeed(
+                policy,
+                self._http_client,
+                path=kv_events.path,
+                headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            )
         self.routing_share: RoutingShare | None = None
         if routing_share is not None:
-            if not isinstance(policy, CacheAwarePolicy):
-                raise ValueError(f"routing_share needs routing: cache_aware, not {routing!r}")
             self.routing_share = RoutingShare(
                 policy,
                 self.upstream_model,
@@ -110,9 +126,17 @@ class UpstreamBackend(Backend):
             self._client = SharedClient.acquire()
         if self.routing_share is not None:
             self.routing_share.start()
+        if self.kv_feed is not None:
+            self.kv_feed.start()
+
+    def _http_client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "start() takes the client first"
+        return self._client
 
     async def close(self) -> None:
         """Give the shared client back (closing responses in flight is up to their streams)."""
+        if self.kv_feed is not None:
+            await self.kv_feed.close()
         if self.routing_share is not None:
             await self.routing_share.close()
         if self._own_client is None and self._client is not None:
@@ -141,9 +165,10 @@ class UpstreamBackend(Backend):
             return client.build_request("POST", f"{base_url}{path}", headers=dict(headers), content=content)
 
         routing = self.upstream.routing
-        blocks = (
-            routing_blocks(body, self.upstream_model) if routing is not None and routing.wants_blocks else ()
-        )
+        blocks: tuple[int, ...] = ()
+        if routing is not None and routing.wants_blocks:
+            hasher = self.kv_hasher
+            blocks = hasher(body) if hasher is not None else routing_blocks(body, self.upstream_model)
         return await open_response(client, self.upstream, key, build, sleep=self._sleep, blocks=blocks)
 
 
@@ -192,4 +217,5 @@ def upstream_settings(model: UpstreamModel) -> dict[str, Any]:
         ),
         "routing": model.routing,
         "routing_share": model.routing_share,
+        "kv_events": model.kv_events,
     }

@@ -24,11 +24,11 @@ from gateway.config.engine_section import parse_engine
 from gateway.config.keys import entry_lines, parse_keys, parse_shared_prefixes
 from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
 from gateway.config.reader import Reader
+from gateway.config.routing_section import parse_routing
 from gateway.config.schema import (
     BACKEND_KINDS,
     DEFAULT_MODEL_NAME,
     LEARNING_MODES,
-    ROUTING_POLICIES,
     WARM_CONTENT_KEYS,
     AdminConfig,
     AnthropicUpstream,
@@ -39,7 +39,6 @@ from gateway.config.schema import (
     ModelEntry,
     OpenAIUpstream,
     RingConfig,
-    RoutingShareConfig,
     ServerConfig,
     TranscriptConfig,
     WarmEntry,
@@ -304,6 +303,7 @@ _MODEL_UPSTREAM = {
     "ring",
     "routing",
     "routing_share",
+    "kv_events",
 }
 _MODEL_BACKEND_ONLY = {
     "openai": {"prompt_cache_key", "prompt_cache_retention", "cache_salt"},
@@ -417,14 +417,8 @@ def _parse_upstream(
         "retries": retries,
         "prices": prices,
         "ring": _parse_ring(reader, raw.get("ring"), f"{where}.ring"),
-        "routing": _parse_routing(reader, raw, where),
-        "routing_share": _parse_routing_share(reader, raw.get("routing_share"), f"{where}.routing_share"),
+        **parse_routing(reader, raw, where),
     }
-    if common["routing_share"] is not None and common["routing"] != "cache_aware":
-        reader.fail(
-            f"{where}.routing_share",
-            f"shares the cache-aware index: needs routing: cache_aware, not {common['routing']!r}",
-        )
     if backend == "openai":
         retention = reader.typed(raw, where, "prompt_cache_retention", str, "auto")
         if retention not in ("auto", "off"):
@@ -473,33 +467,6 @@ def _parse_ring(reader: Reader, value: Any, where: str) -> RingConfig:
     return RingConfig(
         load_factor=load_factor, vnodes=vnodes, cooldown_s=cooldown, max_cooldown_s=max_cooldown
     )
-
-
-def _parse_routing(reader: Reader, raw: dict, where: str) -> str:
-    routing = reader.typed(raw, where, "routing", str, "consistent_hash")
-    if routing not in ROUTING_POLICIES:
-        reader.fail(f"{where}.routing", f"expected one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
-    return routing
-
-
-def _parse_routing_share(reader: Reader, value: Any, where: str) -> RoutingShareConfig | None:
-    """``routing_share: redis://...`` (a URL) or a mapping of ``RoutingShareConfig``'s fields; absent = None."""
-    if value is None:
-        return None
-    value = reader.resolve_env(value, where)
-    if isinstance(value, str):
-        value = {"redis_url": value}
-    default = RoutingShareConfig()
-    section = reader.mapping(value, where, {f.name for f in dataclasses.fields(RoutingShareConfig)})
-    url = reader.typed(section, where, "redis_url", str, default.redis_url)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        reader.fail(f"{where}.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
-    numbers = {}
-    for key in ("interval_s", "timeout_s", "retry_after_s"):
-        numbers[key] = reader.typed(section, where, key, float, getattr(default, key))
-        if not numbers[key] > 0:
-            reader.fail(f"{where}.{key}", f"expected a positive number of seconds, got {numbers[key]}")
-    return RoutingShareConfig(redis_url=url, **numbers)
 
 
 def _parse_anthropic_version(reader: Reader, raw: dict, where: str) -> str:

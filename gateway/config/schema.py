@@ -93,6 +93,32 @@ class RoutingShareConfig:
     retry_after_s: float = 5.0
 
 
+KV_EVENT_TOKENIZERS = ("cl100k_base",)
+"""Tokenizers ``kv_events.tokenizer`` names (tiktoken, offline copy)."""
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """The replicas' KV event streams, for ``routing: cache_aware``'s exact view (``gateway.transport.kv_events``).
+
+    The gateway hashes each request as the engine does: every message rendered with ``message_format``,
+    tokenized with ``tokenizer``, chained hashes of full ``block_size`` blocks
+    (``gateway.transport.routing_policy.block_hashes``). It helps only where the replicas publish those
+    hashes (the fleet simulator's replicas do; docs/routing.md).
+
+    Attributes:
+        path: appended to each ``base_url`` for ``GET`` (one JSON ``KVEventBatch`` per line).
+        tokenizer: one of ``KV_EVENT_TOKENIZERS``.
+        message_format: ``str.format`` template of one message with ``{role}`` and ``{content}``.
+        block_size: tokens per block, >= 1.
+    """
+
+    path: str = "/kv_events"
+    tokenizer: str = "cl100k_base"
+    message_format: str = "<|{role}|>{content}\n"
+    block_size: int = 16
+
+
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A model served by the in-process engine (``backend: embedded``).
@@ -125,7 +151,10 @@ class UpstreamModel:
             for ``upstream_model`` (or ``name``) with the config's ``prices`` applied over it; None = unknown.
         ring: prefix-affinity settings (``RingConfig``).
         routing: replica choice, one of ``ROUTING_POLICIES`` (default ``consistent_hash``, the ring's walk).
-        routing_share: share the cache-aware index with other gateways through Redis; None = local only.
+        routing_share: share load (and the cache-aware index) with other gateways through Redis; None =
+            local only.
+        kv_events: follow the replicas' KV event streams (``routing: cache_aware`` only); None = the
+            approximate index only.
     """
 
     backend: ClassVar[str]
@@ -140,6 +169,7 @@ class UpstreamModel:
     ring: RingConfig = field(default_factory=RingConfig)
     routing: str = "consistent_hash"
     routing_share: RoutingShareConfig | None = None
+    kv_events: KVEventsConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ more than ``capacity`` requests at once.
 Invariants:
 - ``inflight[r]`` counts the leases of replica ``r`` that are not yet released; only ``acquire`` raises it and
   only ``Lease.release`` lowers it (once per lease), so it cannot drift.
+- ``remote_load[r]`` is the in-flight count other gateways last reported for ``r`` (``routing_share``; empty
+  when there is none or Redis is lost); the bound and every policy read ``load(r) = inflight[r] +
+  remote_load[r]``, so several gateways sharing their counts bound a replica's total load, each within the
+  staleness of the exchange.
 - The ring depends only on the replica names (blake2b, no per-process seed): every gateway process routes the
   same prefix key to the same home replica.
 - A replica is ``up``, ``down`` (until its cool-down ends; never chosen) or ``half_open`` (cool-down over: at
@@ -127,6 +131,7 @@ class AffinityRing:
         self.inflight: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self.spilled: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self.remote_load: dict[str, int] = {}
         self.health: dict[str, ReplicaHealth] = {name: ReplicaHealth() for name in self.replicas}
 
     # ---- ring walk -------------------------------------------------------------------------------------
@@ -181,11 +186,16 @@ class AffinityRing:
         health.probe_inflight = False
 
     # ---- bounded-load choice -----------------------------------------------------------------------------
+    def load(self, name: str) -> int:
+        """Requests in flight on replica ``name``: this gateway's plus what other gateways last reported."""
+        return self.inflight[name] + self.remote_load.get(name, 0)
+
     def capacity(self, n_available: int | None = None) -> int:
-        """``ceil(c * (m + 1) / n)``: the most requests one replica may hold once a new one is admitted."""
+        """``ceil(c * (m + 1) / n)``: the most requests one replica may hold once a new one is admitted
+        (``m``: requests in flight on every replica, other gateways' included, see ``load``)."""
         n = n_available if n_available is not None else sum(self.is_available(r) for r in self.replicas)
         n = max(n, 1)
-        total = sum(self.inflight.values())
+        total = sum(self.inflight.values()) + sum(self.remote_load.values())
         return math.ceil(self.load_factor * (total + 1) / n)
 
     def acquire(self, key: str, exclude: frozenset[str] | set[str] = frozenset()) -> Lease:
@@ -206,7 +216,7 @@ class AffinityRing:
         available = [name for name in order if self.is_available(name)]
         if available:
             cap = self.capacity(len(available))
-            chosen = next((name for name in available if self.inflight[name] < cap), available[0])
+            chosen = next((name for name in available if self.load(name) < cap), available[0])
         else:
             chosen = min(order, key=lambda name: self.health[name].down_until)
             cap = self.capacity(1)
@@ -223,7 +233,7 @@ class AffinityRing:
             replica=chosen,
             key=key,
             home=home,
-            load=self.inflight[chosen],
+            load=self.load(chosen),
             capacity=cap,
             probe=probe,
             _ring=self,

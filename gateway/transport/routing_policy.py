@@ -275,8 +275,8 @@ class LeastLoadPolicy(RoutingPolicy):
         self._counter = itertools.count()
 
     def choose(self, request: RouteRequest, available: list[str]) -> str:
-        least = min(self.ring.inflight[r] for r in available)
-        tied = [r for r in self.ring.replicas if r in available and self.ring.inflight[r] == least]
+        least = min(self.ring.load(r) for r in available)
+        tied = [r for r in self.ring.replicas if r in available and self.ring.load(r) == least]
         return tied[next(self._counter) % len(tied)]
 
 
@@ -290,7 +290,7 @@ class ConsistentHashPolicy(RoutingPolicy):
 
     def choose(self, request: RouteRequest, available: list[str]) -> str:
         cap = self.ring.capacity(len(available))
-        return next((r for r in available if self.ring.inflight[r] < cap), available[0])
+        return next((r for r in available if self.ring.load(r) < cap), available[0])
 
 
 @dataclass
@@ -343,7 +343,9 @@ class CacheAwarePolicy(RoutingPolicy):
     Among the replicas under the ring's bound, when the best expected match covers at least
     ``cache_threshold`` of the request's blocks, the replica with the least cost
     ``overlap_weight * (blocks to prefill there) + (blocks this gateway has pending there)`` (Dynamo's KV
-    router cost with temperature 0; ties in ring order); otherwise the first one under the bound in the key's
+    router cost with temperature 0; ties in ring order), taken among the replicas holding some of the prefix
+    whose load stays within the real-valued ``c * (m + 1) / n`` when there are any (the ring's bound rounds up,
+    which at small ``m`` lets one replica reach 1.5 times the mean); otherwise the first one under the bound in the key's
     ring order (consistent hashing with bounded load), so gateways that share nothing agree on a new prefix.
     Pending blocks are the blocks each in-flight request has to prefill, counted until the replica's first byte
     (``PendingLease.prefill_done``) or the lease's release.
@@ -395,7 +397,7 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def choose(self, request: RouteRequest, available: list[str]) -> str:
         cap = self.ring.capacity(len(available))
-        under = [r for r in available if self.ring.inflight[r] < cap]
+        under = [r for r in available if self.ring.load(r) < cap]
         if not under:  # cannot happen while n * cap > m; kept for safety
             under = available
         blocks = request.blocks
@@ -408,8 +410,13 @@ class CacheAwarePolicy(RoutingPolicy):
                 # Dynamo's cost: overlap weight x blocks to prefill there + blocks already pending there.
                 rank = {r: i for i, r in enumerate(available)}
                 self.stats.by_match += 1
+                # The bound's ceil lets a replica reach 1.5x the mean at 16 in flight over 8: among the
+                # replicas that hold some of the prefix, prefer those within the real-valued c x mean.
+                total = sum(self.ring.load(r) for r in self.ring.replicas)
+                limit = self.ring.load_factor * (total + 1) / len(available)
+                strict = [r for r in under if matches[r] > 0 and self.ring.load(r) + 1 <= limit]
                 return min(
-                    under,
+                    strict or under,
                     key=lambda r: (
                         self.overlap_weight * (len(blocks) - matches[r]) + self.pending_blocks.get(r, 0),
                         rank[r],
@@ -430,6 +437,12 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def replica_restarted(self, replica: str) -> None:
         self.approx.clear(replica)
+        self.exact.clear(replica)
+
+    def kv_stream_lost(self, replica: str) -> None:
+        """``replica``'s KV event stream ended: forget its exact view; the approximate index routes it until
+        the stream is back (``gateway.transport.kv_events``)."""
+        self._reporting.discard(replica)
         self.exact.clear(replica)
 
     def apply_kv_events(self, replica: str, batch: Mapping[str, object]) -> int:

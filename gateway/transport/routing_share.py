@@ -1,8 +1,15 @@
-"""The cache-aware index shared by several gateways through Redis, with bounded staleness.
+"""What several gateways share for routing through Redis, with bounded staleness: load and the cache-aware index.
 
-``RoutingShare`` is attached to one upstream's ``CacheAwarePolicy``. Each placement this gateway makes
-(replica, block hashes) goes into a bounded outbox; every ``interval_s`` one pipelined exchange writes the
-outbox to Redis and reads what every gateway wrote since the last exchange:
+``RoutingShare`` is attached to one upstream's routing policy. Every ``interval_s`` one pipelined exchange
+writes this gateway's state to Redis and reads the other gateways':
+
+- load (every policy): one hash ``{prefix}{upstream}:load`` with a field per gateway (a random id per
+  process) holding ``{"t": ms since the epoch, "inflight": {replica: count}}``; the fields of the other
+  gateways not older than ``load_stale_s`` are summed into the ring's ``remote_load``, which the load bound
+  of every policy adds to this gateway's own counts (``AffinityRing.load``). A gateway that stops writing
+  (crashed, cut from Redis) drops out of the sum after ``load_stale_s``; its field expires after ``ttl_s``.
+- the index (``cache_aware`` only): each placement this gateway makes (replica, block hashes) goes into a
+  bounded outbox, written to and read back from:
 
 - per replica one sorted set ``{prefix}{upstream}:{replica}`` of block hashes scored by the time they were
   last routed there (milliseconds since the epoch), trimmed to the index's capacity (``ZREMRANGEBYRANK``:
@@ -10,18 +17,20 @@ outbox to Redis and reads what every gateway wrote since the last exchange:
 - read back with ``ZRANGEBYSCORE`` from a little before the last exchange (``2 * interval_s`` of slack for
   other gateways' clocks and delays; re-reading a hash is harmless) into the policy's approximate index.
 
-So another gateway's placement is seen here at most ``interval_s`` plus one exchange later. Redis is an
-accelerator, never a dependency: an error, a refused connection or a reply slower than ``timeout_s`` is
-counted and Redis is left alone for ``retry_after_s`` (routing goes on with the local index; the outbox keeps
-the newest ``outbox_limit`` placements for when it is back). Nothing here raises to the request path. Load
-(in-flight counts) stays per gateway: each gateway bounds its own share of every replica.
+So another gateway's placement or load is seen here at most ``interval_s`` plus one exchange later. Redis is
+an accelerator, never a dependency: an error, a refused connection or a reply slower than ``timeout_s`` is
+counted, the other gateways' load is forgotten (the local view: each gateway bounds its own share again) and
+Redis is left alone for ``retry_after_s`` (routing goes on with the local index; the outbox keeps the newest
+``outbox_limit`` placements for when it is back). Nothing here raises to the request path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +38,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from gateway.transport.routing_policy import CacheAwarePolicy
+from gateway.transport.routing_policy import CacheAwarePolicy, RoutingPolicy
 
 DEFAULT_PREFIX = "prefixgate:route:"
 
@@ -37,7 +46,8 @@ DEFAULT_PREFIX = "prefixgate:route:"
 @dataclass
 class RoutingShareStats:
     """Counters (cumulative): exchanges done, placements written, hashes read, errors, skipped exchanges,
-    placements dropped from a full outbox."""
+    placements dropped from a full outbox; ``gateways``: other gateways whose load was counted at the last
+    exchange."""
 
     exchanges: int = 0
     written: int = 0
@@ -45,14 +55,16 @@ class RoutingShareStats:
     errors: int = 0
     skipped: int = 0
     dropped: int = 0
+    gateways: int = 0
 
 
 class RoutingShare:
-    """Exchange one upstream's cache-aware placements with other gateways through Redis.
+    """Exchange one upstream's load (and cache-aware placements) with other gateways through Redis.
 
     Args:
-        policy: the upstream's ``CacheAwarePolicy`` (its ``approx`` index is read into; its placements are
-            recorded through ``policy.on_route``).
+        policy: the upstream's routing policy; its ring's ``inflight`` is written and its ``remote_load`` set.
+            For a ``CacheAwarePolicy`` the ``approx`` index is read into too and its placements are recorded
+            through ``policy.on_route``.
         upstream: the upstream's name (part of every key; gateways serving the same upstream share it).
         url: a redis-py URL; ignored when ``client`` is given.
         client: a ready ``redis.asyncio.Redis`` (tests).
@@ -61,13 +73,14 @@ class RoutingShare:
         retry_after_s: seconds Redis is left alone after a failure.
         ttl_s: a replica's set expires this long after its last write.
         outbox_limit: most placements waiting to be written.
+        load_stale_s: another gateway's load older than this is ignored (default ``max(1, 5 * interval_s)``).
         prefix: prefix of every key.
         clock: wall-clock seconds (``time.time``; scores must agree across processes).
     """
 
     def __init__(
         self,
-        policy: CacheAwarePolicy,
+        policy: RoutingPolicy,
         upstream: str,
         *,
         url: str = "redis://127.0.0.1:6379/0",
@@ -77,6 +90,7 @@ class RoutingShare:
         retry_after_s: float = 5.0,
         ttl_s: float = 3600.0,
         outbox_limit: int = 10_000,
+        load_stale_s: float | None = None,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -85,6 +99,10 @@ class RoutingShare:
         self.interval_s = interval_s
         self.retry_after_s = retry_after_s
         self.ttl_ms = int(ttl_s * 1000)
+        self.load_stale_ms = int(
+            1000 * (load_stale_s if load_stale_s is not None else max(1.0, 5 * interval_s))
+        )
+        self.gateway_id = uuid.uuid4().hex
         self.prefix = prefix
         self._clock = clock
         self._client = client or aioredis.Redis.from_url(
@@ -99,11 +117,17 @@ class RoutingShare:
         self._paused_until = float("-inf")
         self._task: asyncio.Task | None = None
         self.stats = RoutingShareStats()
-        policy.on_route.append(self.record)
+        self._index = policy if isinstance(policy, CacheAwarePolicy) else None
+        if self._index is not None:
+            self._index.on_route.append(self.record)
 
     def key(self, replica: str) -> str:
         """The sorted set of ``replica``'s block hashes."""
         return f"{self.prefix}{self.upstream}:{replica}"
+
+    def load_key(self) -> str:
+        """The hash of every gateway's in-flight counts (one field per gateway)."""
+        return f"{self.prefix}{self.upstream}:load"
 
     def record(self, replica: str, blocks: tuple[int, ...]) -> None:
         """Queue one placement for the next exchange (the oldest queued one is dropped when full)."""
@@ -114,47 +138,80 @@ class RoutingShare:
         self._outbox.append((replica, blocks, int(self._clock() * 1000)))
 
     async def exchange(self) -> bool:
-        """One write + read round trip. Returns False (and changes nothing) when Redis is paused or failed."""
+        """One write + read round trip. Returns False when Redis is paused or failed (then the other gateways'
+        load is forgotten and the index is left as it is)."""
+        ring = self.policy.ring
         if time.monotonic() < self._paused_until:
             self.stats.skipped += 1
+            ring.remote_load = {}
             return False
         pending = list(self._outbox)
         now_ms = int(self._clock() * 1000)
         since = (
             self._last_read_ms - int(2 * self.interval_s * 1000) if self._last_read_ms is not None else "-inf"
         )
-        cap = self.policy.approx.capacity_blocks
         replicas = self.policy.replicas
+        mine = json.dumps({"t": now_ms, "inflight": {r: n for r, n in ring.inflight.items() if n}})
         try:
             pipe = self._client.pipeline(transaction=False)
-            touched: set[str] = set()
-            for replica, blocks, at_ms in pending:
-                pipe.zadd(self.key(replica), {str(b): at_ms for b in blocks})
-                touched.add(replica)
-            for replica in touched:
-                pipe.zremrangebyrank(self.key(replica), 0, -(cap + 1))
-                pipe.pexpire(self.key(replica), self.ttl_ms)
-            for replica in replicas:
-                pipe.zrangebyscore(self.key(replica), since, "+inf")
+            pipe.hset(self.load_key(), self.gateway_id, mine)
+            pipe.pexpire(self.load_key(), self.ttl_ms)
+            pipe.hgetall(self.load_key())
+            if self._index is not None:
+                cap = self._index.approx.capacity_blocks
+                touched: set[str] = set()
+                for replica, blocks, at_ms in pending:
+                    pipe.zadd(self.key(replica), {str(b): at_ms for b in blocks})
+                    touched.add(replica)
+                for replica in touched:
+                    pipe.zremrangebyrank(self.key(replica), 0, -(cap + 1))
+                    pipe.pexpire(self.key(replica), self.ttl_ms)
+                for replica in replicas:
+                    pipe.zrangebyscore(self.key(replica), since, "+inf")
             results = await pipe.execute()
         except (TimeoutError, redis.RedisError, OSError):
             self.stats.errors += 1
             self._paused_until = time.monotonic() + self.retry_after_s
+            ring.remote_load = {}
             return False
-        for _ in pending:
-            self._outbox.popleft()
-        self.stats.written += len(pending)
-        for replica, hashes in zip(replicas, results[-len(replicas) :], strict=True):
-            blocks = []
-            for h in hashes or ():
-                with contextlib.suppress(ValueError, TypeError):
-                    blocks.append(int(h))
-            if blocks:
-                self.policy.approx.add(replica, reversed(blocks))
-                self.stats.read += len(blocks)
+        ring.remote_load = self._remote_load(results[2], now_ms)
+        if self._index is not None:
+            for _ in pending:
+                self._outbox.popleft()
+            self.stats.written += len(pending)
+            for replica, hashes in zip(replicas, results[-len(replicas) :], strict=True):
+                blocks = []
+                for h in hashes or ():
+                    with contextlib.suppress(ValueError, TypeError):
+                        blocks.append(int(h))
+                if blocks:
+                    self._index.approx.add(replica, reversed(blocks))
+                    self.stats.read += len(blocks)
         self._last_read_ms = now_ms
         self.stats.exchanges += 1
         return True
+
+    def _remote_load(self, fields: object, now_ms: int) -> dict[str, int]:
+        """Sum of the other gateways' fresh in-flight counts per known replica (malformed fields ignored)."""
+        total: dict[str, int] = {}
+        gateways = 0
+        known = set(self.policy.replicas)
+        for gateway, raw in (fields or {}).items() if isinstance(fields, dict) else ():
+            gid = gateway.decode() if isinstance(gateway, bytes) else str(gateway)
+            if gid == self.gateway_id:
+                continue
+            try:
+                entry = json.loads(raw)
+                fresh = now_ms - int(entry["t"]) <= self.load_stale_ms
+                counts = entry["inflight"] if fresh else {}
+                items = [(r, int(n)) for r, n in counts.items() if r in known and int(n) > 0]
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+            gateways += fresh
+            for replica, n in items:
+                total[replica] = total.get(replica, 0) + n
+        self.stats.gateways = gateways
+        return total
 
     def start(self) -> None:
         """Run ``exchange`` every ``interval_s`` in the running loop (idempotent)."""
@@ -168,11 +225,14 @@ class RoutingShare:
             await asyncio.sleep(self.interval_s)
 
     async def close(self) -> None:
-        """Stop exchanging and close the Redis connection."""
+        """Stop exchanging, withdraw this gateway's load and close the Redis connection."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self.policy.ring.remote_load = {}
+        with contextlib.suppress(Exception):
+            await self._client.hdel(self.load_key(), self.gateway_id)
         with contextlib.suppress(Exception):
             await self._client.aclose()

@@ -13,6 +13,7 @@ from gateway.config.loader import default_config, load_config, parse_config
 from gateway.config.schema import (
     AnthropicUpstream,
     ConfigError,
+    KVEventsConfig,
     OpenAIUpstream,
     RingConfig,
     RoutingShareConfig,
@@ -292,7 +293,27 @@ def test_transcript_and_learning_settings(tmp_path):
         ("models: [{name: a, ring: {}}]\n", "models[0].ring", "not a setting of backend 'embedded'"),
         (f"{OPENAI} routing: random}}]\n", "models[0].routing", "cache_aware"),
         (f"{OPENAI} routing: 3}}]\n", "models[0].routing", "expected a string"),
-        (f"{OPENAI} routing_share: redis://x}}]\n", "models[0].routing_share", "needs routing: cache_aware"),
+        (f"{OPENAI} kv_events: true}}]\n", "models[0].kv_events", "needs routing: cache_aware"),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{tokenizer: gpt2}}}}]\n",
+            "models[0].kv_events.tokenizer",
+            "cl100k_base",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{message_format: '{{role}}'}}}}]\n",
+            "models[0].kv_events.message_format",
+            "{content}",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{path: kv}}}}]\n",
+            "models[0].kv_events.path",
+            "starting with '/'",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{block_size: 0}}}}]\n",
+            "models[0].kv_events.block_size",
+            ">= 1",
+        ),
         (
             f"{OPENAI} routing: cache_aware, routing_share: http://x}}]\n",
             "models[0].routing_share.redis_url",
@@ -405,13 +426,31 @@ def test_routing_per_upstream():
                     "base_url": "http://z",
                     "routing": "cache_aware",
                     "routing_share": {"interval_s": 0.5, "retry_after_s": 2},
+                    "kv_events": {"path": "/v1/kv_events", "block_size": 32},
                 },
                 {"name": "d", "backend": "openai", "base_url": "http://w"},
+                {
+                    "name": "e",
+                    "backend": "openai",
+                    "base_url": "http://v",
+                    "routing": "least_load",
+                    "routing_share": "redis://127.0.0.1:6379/0",
+                },
+                {
+                    "name": "f",
+                    "backend": "openai",
+                    "base_url": "http://u",
+                    "routing": "cache_aware",
+                    "kv_events": True,
+                },
             ]
         }
     )
-    a, b, c, d = config.models
-    assert (a.routing, a.routing_share) == ("round_robin", None)
+    a, b, c, d, e, f = config.models
+    assert (a.routing, a.routing_share, a.kv_events) == ("round_robin", None, None)
+    assert c.kv_events == KVEventsConfig(path="/v1/kv_events", block_size=32)
+    assert e.routing_share is not None  # load is shared by every policy
+    assert f.kv_events == KVEventsConfig()
     assert b.routing_share == RoutingShareConfig(redis_url="redis://127.0.0.1:6379/2")
     assert (c.routing_share.interval_s, c.routing_share.retry_after_s) == (0.5, 2.0)
     assert (d.routing, d.routing_share) == ("consistent_hash", None)  # today's ring walk by default

@@ -15,7 +15,7 @@ from bench.fleet.netfault import TcpProxy
 from bench.fleet.replica import EngineTiming, StubReplica
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 from gateway.backends.upstream import routing_blocks
-from gateway.config.schema import ROUTING_POLICIES, RoutingShareConfig
+from gateway.config.schema import ROUTING_POLICIES, KVEventsConfig, RoutingShareConfig
 from gateway.transport.routing_policy import POLICIES, CacheAwarePolicy
 from tests.gateway.upstream_helpers import Sleeps, chat_request, drain
 
@@ -147,10 +147,10 @@ async def test_redis_loss_degrades_to_the_local_view(fleet):
         await g.routing_share.close()
 
 
-def test_routing_share_needs_cache_aware():
+def test_kv_events_need_cache_aware():
     with pytest.raises(ValueError, match="cache_aware"):
         OpenAIUpstreamBackend(
-            "m", ["http://127.0.0.1:9/v1"], routing="round_robin", routing_share=RoutingShareConfig()
+            "m", ["http://127.0.0.1:9/v1"], routing="round_robin", kv_events=KVEventsConfig()
         )
     with pytest.raises(ValueError, match="unknown routing policy"):
         OpenAIUpstreamBackend("m", ["http://127.0.0.1:9/v1"], routing="random")

@@ -189,6 +189,28 @@ def test_cache_aware_pending_blocks_spread_equal_matches():
     assert set(policy.pending_blocks.values()) == {0}
 
 
+def test_cache_aware_prefers_matching_replicas_within_the_real_valued_bound():
+    policy = CacheAwarePolicy(ring())
+    tokens = SYSTEM + list(range(64))
+    hashes = block_hashes(tokens)
+    a, b, c, d = REPLICAS
+    policy.approx.add(a, hashes)  # all of it
+    policy.approx.add(b, hashes[: len(hashes) * 3 // 4])  # three quarters
+    held = [policy.pin(r, "busy") for r, n in ((a, 2), (b, 1), (c, 3), (d, 2)) for _ in range(n)]
+    # m = 8 over 4: the ring's bound ceil(1.25 * 9 / 4) = 3 admits a (2 in flight, cost 0), but a third
+    # request there is over 1.25 x 9 / 4 = 2.81; b (1 in flight, 2 after) holds three quarters and is within.
+    lease = policy.acquire(req("k", tokens))
+    assert lease.replica == b
+    lease.release()
+    assert policy.approx.match(b, hashes) == len(hashes)  # b holds all of it now
+    for h in held:
+        h.release()
+    # With nothing in flight no replica is within the real-valued bound (1 > 1.25 / 4): the ring's bound
+    # alone decides, and a and b tie at cost 0 (ring order).
+    first = next(r for r in policy.ring.ring_order("k") if r in (a, b))
+    assert policy.acquire(req("k", tokens)).replica == first
+
+
 def test_lying_kv_events_cannot_exceed_the_load_bound():
     policy = CacheAwarePolicy(ring(), use_kv_events=True)
     liar = REPLICAS[2]

@@ -1,0 +1,94 @@
+"""The routing settings of one upstream model entry: ``routing``, ``routing_share`` and ``kv_events``.
+
+Each bad value is a ``ConfigError`` naming its key; ``kv_events`` needs ``routing: cache_aware`` (the only
+policy with an index to feed), ``routing_share`` works with every policy (load is shared; the index too
+with ``cache_aware``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any
+
+from gateway.config.reader import Reader
+from gateway.config.schema import (
+    KV_EVENT_TOKENIZERS,
+    ROUTING_POLICIES,
+    KVEventsConfig,
+    RoutingShareConfig,
+)
+
+
+def parse_routing(reader: Reader, raw: dict, where: str) -> dict[str, Any]:
+    """``{"routing", "routing_share", "kv_events"}`` of the model entry ``raw`` at ``where``.
+
+    Raises:
+        ConfigError: an unknown policy, a bad ``routing_share`` or ``kv_events`` value, or ``kv_events``
+            without ``routing: cache_aware``.
+    """
+    routing = reader.typed(raw, where, "routing", str, "consistent_hash")
+    if routing not in ROUTING_POLICIES:
+        reader.fail(f"{where}.routing", f"expected one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+    kv_events = _parse_kv_events(reader, raw.get("kv_events"), f"{where}.kv_events")
+    if kv_events is not None and routing != "cache_aware":
+        reader.fail(
+            f"{where}.kv_events", f"feeds the cache-aware index: needs routing: cache_aware, not {routing!r}"
+        )
+    return {
+        "routing": routing,
+        "routing_share": _parse_routing_share(reader, raw.get("routing_share"), f"{where}.routing_share"),
+        "kv_events": kv_events,
+    }
+
+
+def _parse_routing_share(reader: Reader, value: Any, where: str) -> RoutingShareConfig | None:
+    """``routing_share: redis://...`` (a URL) or a mapping of ``RoutingShareConfig``'s fields; absent = None."""
+    if value is None:
+        return None
+    value = reader.resolve_env(value, where)
+    if isinstance(value, str):
+        value = {"redis_url": value}
+    default = RoutingShareConfig()
+    section = reader.mapping(value, where, {f.name for f in dataclasses.fields(RoutingShareConfig)})
+    url = reader.typed(section, where, "redis_url", str, default.redis_url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        reader.fail(f"{where}.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    numbers = {}
+    for key in ("interval_s", "timeout_s", "retry_after_s"):
+        numbers[key] = reader.typed(section, where, key, float, getattr(default, key))
+        if not numbers[key] > 0:
+            reader.fail(f"{where}.{key}", f"expected a positive number of seconds, got {numbers[key]}")
+    return RoutingShareConfig(redis_url=url, **numbers)
+
+
+def _parse_kv_events(reader: Reader, value: Any, where: str) -> KVEventsConfig | None:
+    """``kv_events: true`` (the defaults) or a mapping of ``KVEventsConfig``'s fields; absent or false = None."""
+    if value is None or value is False:
+        return None
+    default = KVEventsConfig()
+    section = reader.mapping(
+        {} if value is True else value, where, {f.name for f in dataclasses.fields(KVEventsConfig)}
+    )
+    path = reader.typed(section, where, "path", str, default.path)
+    if not path.startswith("/") or any(ch in path for ch in " ?#\r\n"):
+        reader.fail(f"{where}.path", f"expected a URL path starting with '/', got {path!r}")
+    tokenizer = reader.typed(section, where, "tokenizer", str, default.tokenizer)
+    if tokenizer not in KV_EVENT_TOKENIZERS:
+        reader.fail(
+            f"{where}.tokenizer", f"expected one of {', '.join(KV_EVENT_TOKENIZERS)}, got {tokenizer!r}"
+        )
+    fmt = reader.typed(section, where, "message_format", str, default.message_format)
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(fmt) if name is not None}
+    except ValueError as exc:
+        reader.fail(f"{where}.message_format", f"not a format string: {exc}")
+    if fields != {"role", "content"}:
+        reader.fail(
+            f"{where}.message_format",
+            f"expected exactly the fields {{role}} and {{content}}, got {sorted(fields) or 'none'}",
+        )
+    block_size = reader.typed(section, where, "block_size", int, default.block_size)
+    if block_size < 1:
+        reader.fail(f"{where}.block_size", f"expected an integer >= 1, got {block_size}")
+    return KVEventsConfig(path=path, tokenizer=tokenizer, message_format=fmt, block_size=block_size)
