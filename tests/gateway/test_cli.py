@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.cli import EXIT_BAD_CONFIG, main, parse_args, resolve_config
+from gateway.cli import EXIT_BAD_CONFIG, limit_malloc_arenas, main, parse_args, resolve_config
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
 from tests.gateway.server import write_config
 
@@ -215,3 +215,11 @@ def test_make_run_with_a_config_leaves_the_address_to_the_config():
     assert "--host" not in line and "--port" not in line
     line = _make_run_line("CONFIG=x.yaml", "HOST=0.0.0.0", "PORT=9001")
     assert "--host 0.0.0.0" in line and "--port 9001" in line
+
+
+def test_malloc_arenas_are_capped_on_glibc_unless_the_environment_says(monkeypatch):
+    """glibc's mallopt(M_ARENA_MAX) accepts the cap (returns 1); an operator's MALLOC_ARENA_MAX wins."""
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert limit_malloc_arenas() is True  # this project runs on glibc Linux (Debian)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_malloc_arenas() is False
