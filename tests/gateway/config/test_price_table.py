@@ -104,7 +104,9 @@ def test_a_missing_price_names_the_file_and_the_key(tmp_path):
 def test_a_missing_output_price_stops_the_table():
     raw = _table()
     del raw["providers"]["anthropic"]["models"]["claude-x"]["output"]
-    with pytest.raises(PriceTableError, match=r"^p.yaml: providers.anthropic.models.claude-x.output: missing"):
+    with pytest.raises(
+        PriceTableError, match=r"^p.yaml: providers.anthropic.models.claude-x.output: missing"
+    ):
         parse_price_table(raw, "p.yaml")
 
 
