@@ -316,40 +316,8 @@ def public_system_prompt(tok, target_tokens: int, align_to: int | None = None) -
     raise RuntimeError(f"could not pad the public prompt to a multiple of {align_to} tokens")
 
 
-@torch.inference_mode()
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="a .gguf file, a HF folder, or 'default' (SmolLM2)")
-    ap.add_argument("--pairs", type=int, default=30)
-    ap.add_argument(
-        "--prefix-tokens", type=int, default=256, help="side channel: secret / cold prefix length"
-    )
-    ap.add_argument("--public-tokens", type=int, default=256, help="layered sharing: public system prompt")
-    ap.add_argument(
-        "--baseline-max",
-        type=int,
-        default=16,
-        help="largest tenant count the isolated / open baselines run at (256 isolated prefills 256 prompts)",
-    )
-    ap.add_argument(
-        "--tiers", default="disk,redis", help="tiers to measure the side channel through ('' none)"
-    )
-    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    if args.pairs < 30:
-        ap.error("--pairs must be >= 30")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = default_model_path() if args.model == "default" else args.model
-    ck = load_checkpoint(path)
-    tok = ck.tokenizer
-    config = EngineConfig(num_blocks=2048, max_batch=BURST, max_num_batched_tokens=2048)
-
-    def make_engine() -> LLMEngine:
-        return LLMEngine(ck.model, config, ck.model_id, tok)
-
+def run_side_channels(args, ck, config: EngineConfig, make_engine) -> dict:
+    """Part 1 and 1b of the module docstring: print their table, return their JSON fields."""
     eng = make_engine()
     vocab = eng.input.vocab_size
     ttft(eng, list(range(100, 100 + args.prefix_tokens)), "warm-up")
@@ -375,39 +343,65 @@ def main() -> None:
     print(
         f"side channel ({channel['pairs']} pairs, {channel['prefix_tokens']}-token prefixes, {channel['test']})"
     )
-    print(f"{'where A prefix lives':<14} {'measurement':<40} {'median TTFT s':>14}")
-    sources = [("pool", channel)] + [(t, r) for t, r in tiered.items()]
-    for where, r in sources:
+    print(f"{'where A prefix lives':<20} {'measurement':<40} {'median TTFT s':>14}")
+    for where, r in [("pool", channel)] + list(tiered.items()):
         for label, key in (
             ("B on a prefix A cached (isolated)", "b_on_a_prefix_ttft_s"),
             ("B on a cold prefix of the same length", "b_cold_ttft_s"),
             ("A's own repeat (hit)", "a_repeat_ttft_s"),
         ):
-            print(f"{where:<14} {label:<40} {r[key]:>14.4f}")
+            print(f"{where:<20} {label:<40} {r[key]:>14.4f}")
     print(
-        f"{'where':<8} {'p isolated':>11} {'p open':>9} {'B cached tok':>13} {'B tier hits':>12} {'A tier hits':>12}"
+        f"{'where':<8} {'p isolated':>11} {'p open':>9} {'B cached tok':>13} {'B tier hit tok':>15} "
+        f"{'A tier hit tok':>15}"
     )
     print(
         f"{'pool':<8} {channel['side_channel_p_value']:>11.4f} {channel['open_namespace_p_value']:>9.2g} "
-        f"{channel['b_cached_tokens_on_a_prefix']:>13} {'-':>12} {'-':>12}"
+        f"{channel['b_cached_tokens_on_a_prefix']:>13} {'-':>15} {'-':>15}"
     )
     for tier, r in tiered.items():
+        hit = f"{r['a_tier_hit_tokens']}/{r['a_usable_tokens']}"
         print(
             f"{tier:<8} {r['side_channel_p_value']:>11.4f} {r['open_namespace_p_value']:>9.2g} "
-            f"{r['b_cached_tokens']:>13} {r['b_tier_hit_tokens']:>12} "
-            f"{r['a_tier_hit_tokens']:>7}/{r['a_usable_tokens']}"
+            f"{r['b_cached_tokens']:>13} {r['b_tier_hit_tokens']:>15} {hit:>15}"
         )
+    result = {
+        "side_channel_p_value": round(channel["side_channel_p_value"], 6),
+        "open_namespace_p_value": channel["open_namespace_p_value"],
+        "side_channel_test": channel["test"],
+        "pairs": channel["pairs"],
+        "prefix_tokens": channel["prefix_tokens"],
+        "b_cached_tokens_on_a_prefix": channel["b_cached_tokens_on_a_prefix"],
+        "b_on_a_prefix_ttft_s": round(channel["b_on_a_prefix_ttft_s"], 6),
+        "b_cold_ttft_s": round(channel["b_cold_ttft_s"], 6),
+        "a_repeat_ttft_s": round(channel["a_repeat_ttft_s"], 6),
+    }
+    for tier, r in tiered.items():
+        result |= {
+            f"side_channel_p_value_{tier}": round(r["side_channel_p_value"], 6),
+            f"open_namespace_p_value_{tier}": r["open_namespace_p_value"],
+            f"b_cached_tokens_{tier}": r["b_cached_tokens"],
+            f"b_tier_hit_tokens_{tier}": r["b_tier_hit_tokens"],
+            f"a_tier_hit_tokens_{tier}": r["a_tier_hit_tokens"],
+            f"a_repeat_cached_tokens_{tier}": r["a_cached_tokens"],
+            f"a_usable_tokens_{tier}": r["a_usable_tokens"],
+            f"b_on_a_prefix_ttft_s_{tier}": round(r["b_on_a_prefix_ttft_s"], 6),
+            f"b_cold_ttft_s_{tier}": round(r["b_cold_ttft_s"], 6),
+            f"a_repeat_ttft_s_{tier}": round(r["a_repeat_ttft_s"], 6),
+        }
+    return result
 
+
+def run_layered(args, tok, make_engine) -> dict:
+    """Part 2 of the module docstring: print its table, return its JSON fields."""
     rows = [
         layered_prefill(make_engine, tok, args.public_tokens, policy, n, align=True)
         for n in TENANT_COUNTS
         for policy in ("isolated", "layered", "open")
         if policy == "layered" or n <= args.baseline_max
     ]
-    rows += [
-        layered_prefill(make_engine, tok, args.public_tokens, "layered", n, align=False)
-        for n in (1, TENANT_COUNTS[-1])
-    ]
+    m = args.unaligned_tenants
+    rows += [layered_prefill(make_engine, tok, args.public_tokens, "layered", k, align=False) for k in (1, m)]
     print()
     aligned = next(r for r in rows if r["aligned"])
     unaligned = next(r for r in rows if not r["aligned"])
@@ -429,38 +423,65 @@ def main() -> None:
     full = {(r["policy"], r["tenants"], r["aligned"]): r["public_full_block_prefill_tokens"] for r in rows}
     n = TENANT_COUNTS[-1]
     result = {
-        "side_channel_p_value": round(channel["side_channel_p_value"], 6),
-        "open_namespace_p_value": channel["open_namespace_p_value"],
-        "side_channel_test": channel["test"],
-        "pairs": channel["pairs"],
-        "b_cached_tokens_on_a_prefix": channel["b_cached_tokens_on_a_prefix"],
-        "b_on_a_prefix_ttft_s": round(channel["b_on_a_prefix_ttft_s"], 6),
-        "b_cold_ttft_s": round(channel["b_cold_ttft_s"], 6),
-        "a_repeat_ttft_s": round(channel["a_repeat_ttft_s"], 6),
-    }
-    for tier, r in tiered.items():
-        result |= {
-            f"side_channel_p_value_{tier}": round(r["side_channel_p_value"], 6),
-            f"open_namespace_p_value_{tier}": r["open_namespace_p_value"],
-            f"b_cached_tokens_{tier}": r["b_cached_tokens"],
-            f"b_tier_hit_tokens_{tier}": r["b_tier_hit_tokens"],
-            f"a_tier_hit_tokens_{tier}": r["a_tier_hit_tokens"],
-            f"a_repeat_cached_tokens_{tier}": r["a_cached_tokens"],
-            f"a_usable_tokens_{tier}": r["a_usable_tokens"],
-            f"b_on_a_prefix_ttft_s_{tier}": round(r["b_on_a_prefix_ttft_s"], 6),
-            f"b_cold_ttft_s_{tier}": round(r["b_cold_ttft_s"], 6),
-            f"a_repeat_ttft_s_{tier}": round(r["a_repeat_ttft_s"], 6),
-        }
-    result |= {
         f"shared_prefill_ratio_{n}": by[("layered", n, True)] / by[("layered", 1, True)],
-        f"shared_prefill_ratio_{n}_unaligned": by[("layered", n, False)] / by[("layered", 1, False)],
-        f"public_full_block_prefill_ratio_{n}_unaligned": full[("layered", n, False)]
+        f"shared_prefill_ratio_{m}_unaligned": by[("layered", m, False)] / by[("layered", 1, False)],
+        f"public_full_block_prefill_ratio_{m}_unaligned": full[("layered", m, False)]
         / full[("layered", 1, False)],
-        "isolated_prefill_ratio_16": by[("isolated", 16, True)] / by[("isolated", 1, True)],
-        "open_prefill_ratio_16": by[("open", 16, True)] / by[("open", 1, True)],
         "public_tokens": aligned["public_tokens"],
         "public_tokens_unaligned": unaligned["public_tokens"],
     }
+    for policy in ("isolated", "open"):
+        if (policy, 16, True) in by:
+            result[f"{policy}_prefill_ratio_16"] = by[(policy, 16, True)] / by[(policy, 1, True)]
+    return result
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="a .gguf file, a HF folder, or 'default' (SmolLM2)")
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument(
+        "--prefix-tokens", type=int, default=256, help="side channel: secret / cold prefix length"
+    )
+    ap.add_argument("--public-tokens", type=int, default=256, help="layered sharing: public system prompt")
+    ap.add_argument(
+        "--baseline-max",
+        type=int,
+        default=16,
+        help="largest tenant count the isolated / open baselines run at (256 isolated prefills 256 prompts)",
+    )
+    ap.add_argument(
+        "--tiers", default="disk,redis", help="tiers to measure the side channel through ('' none)"
+    )
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument(
+        "--parts", default="side,layered", help="what to run: 'side' (side channels), 'layered', or both"
+    )
+    ap.add_argument(
+        "--unaligned-tenants", type=int, default=256, help="tenant count of the unaligned layered run"
+    )
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.pairs < 30:
+        ap.error("--pairs must be >= 30")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = default_model_path() if args.model == "default" else args.model
+    ck = load_checkpoint(path)
+    tok = ck.tokenizer
+    config = EngineConfig(num_blocks=2048, max_batch=BURST, max_num_batched_tokens=2048)
+
+    def make_engine() -> LLMEngine:
+        return LLMEngine(ck.model, config, ck.model_id, tok)
+
+    parts = set(args.parts.split(","))
+    result: dict = {}
+    if "side" in parts:
+        result |= run_side_channels(args, ck, config, make_engine)
+    if "layered" in parts:
+        result |= run_layered(args, tok, make_engine)
     print(json.dumps(result))
 
 
