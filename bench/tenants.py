@@ -37,7 +37,9 @@ Engine: ``engine.llm_engine.LLMEngine`` over SmolLM2-135M-Instruct (``--model de
    baselines run up to ``--baseline-max`` tenants (16 by default: isolated at 256 prefills the whole
    prompt 256 times, which takes long on a CPU and tells nothing new).
 
-Run: ``python -m bench.tenants`` (a few minutes on 2 cores). Prints tables, then one JSON line (last).
+Run: ``python -m bench.tenants`` (a few minutes on 2 idle cores; much longer on a loaded machine, where
+``--parts side`` and ``--parts layered`` can run as two processes and ``--prefix-tokens`` /
+``--public-tokens`` / ``--unaligned-tenants`` shrink the work). Prints tables, then one JSON line (last).
 """
 
 from __future__ import annotations
