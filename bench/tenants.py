@@ -318,12 +318,15 @@ def public_system_prompt(tok, target_tokens: int, align_to: int | None = None) -
     raise RuntimeError(f"could not pad the public prompt to a multiple of {align_to} tokens")
 
 
-def run_side_channels(args, ck, config: EngineConfig, make_engine) -> dict:
-    """Part 1 and 1b of the module docstring: print their table, return their JSON fields."""
+def run_side_channels(args, ck, config: EngineConfig, make_engine, pool: bool = True) -> dict:
+    """Part 1 (``pool``) and 1b (the tiers in ``args.tiers``) of the module docstring: print their table,
+    return their JSON fields."""
     eng = make_engine()
     vocab = eng.input.vocab_size
-    ttft(eng, list(range(100, 100 + args.prefix_tokens)), "warm-up")
-    channel = side_channel(eng, args.pairs, args.prefix_tokens, vocab, args.seed)
+    channel = None
+    if pool:
+        ttft(eng, list(range(100, 100 + args.prefix_tokens)), "warm-up")
+        channel = side_channel(eng, args.pairs, args.prefix_tokens, vocab, args.seed)
     eng.close()
 
     tiered: dict[str, dict] = {}
@@ -342,11 +345,10 @@ def run_side_channels(args, ck, config: EngineConfig, make_engine) -> dict:
 
             drop_deployment(args.redis_url, redis_prefix)
 
-    print(
-        f"side channel ({channel['pairs']} pairs, {channel['prefix_tokens']}-token prefixes, {channel['test']})"
-    )
+    test = (channel or next(iter(tiered.values()), {})).get("test", "")
+    print(f"side channel ({args.pairs} pairs, {args.prefix_tokens}-token prefixes, {test})")
     print(f"{'where A prefix lives':<20} {'measurement':<40} {'median TTFT s':>14}")
-    for where, r in [("pool", channel)] + list(tiered.items()):
+    for where, r in ([("pool", channel)] if channel else []) + list(tiered.items()):
         for label, key in (
             ("B on a prefix A cached (isolated)", "b_on_a_prefix_ttft_s"),
             ("B on a cold prefix of the same length", "b_cold_ttft_s"),
@@ -357,27 +359,27 @@ def run_side_channels(args, ck, config: EngineConfig, make_engine) -> dict:
         f"{'where':<8} {'p isolated':>11} {'p open':>9} {'B cached tok':>13} {'B tier hit tok':>15} "
         f"{'A tier hit tok':>15}"
     )
-    print(
-        f"{'pool':<8} {channel['side_channel_p_value']:>11.4f} {channel['open_namespace_p_value']:>9.2g} "
-        f"{channel['b_cached_tokens_on_a_prefix']:>13} {'-':>15} {'-':>15}"
-    )
+    if channel:
+        print(
+            f"{'pool':<8} {channel['side_channel_p_value']:>11.4f} {channel['open_namespace_p_value']:>9.2g} "
+            f"{channel['b_cached_tokens_on_a_prefix']:>13} {'-':>15} {'-':>15}"
+        )
     for tier, r in tiered.items():
         hit = f"{r['a_tier_hit_tokens']}/{r['a_usable_tokens']}"
         print(
             f"{tier:<8} {r['side_channel_p_value']:>11.4f} {r['open_namespace_p_value']:>9.2g} "
             f"{r['b_cached_tokens']:>13} {r['b_tier_hit_tokens']:>15} {hit:>15}"
         )
-    result = {
-        "side_channel_p_value": round(channel["side_channel_p_value"], 6),
-        "open_namespace_p_value": channel["open_namespace_p_value"],
-        "side_channel_test": channel["test"],
-        "pairs": channel["pairs"],
-        "prefix_tokens": channel["prefix_tokens"],
-        "b_cached_tokens_on_a_prefix": channel["b_cached_tokens_on_a_prefix"],
-        "b_on_a_prefix_ttft_s": round(channel["b_on_a_prefix_ttft_s"], 6),
-        "b_cold_ttft_s": round(channel["b_cold_ttft_s"], 6),
-        "a_repeat_ttft_s": round(channel["a_repeat_ttft_s"], 6),
-    }
+    result: dict = {"side_channel_test": test, "pairs": args.pairs, "prefix_tokens": args.prefix_tokens}
+    if channel:
+        result |= {
+            "side_channel_p_value": round(channel["side_channel_p_value"], 6),
+            "open_namespace_p_value": channel["open_namespace_p_value"],
+            "b_cached_tokens_on_a_prefix": channel["b_cached_tokens_on_a_prefix"],
+            "b_on_a_prefix_ttft_s": round(channel["b_on_a_prefix_ttft_s"], 6),
+            "b_cold_ttft_s": round(channel["b_cold_ttft_s"], 6),
+            "a_repeat_ttft_s": round(channel["a_repeat_ttft_s"], 6),
+        }
     for tier, r in tiered.items():
         result |= {
             f"side_channel_p_value_{tier}": round(r["side_channel_p_value"], 6),
@@ -458,7 +460,9 @@ def main() -> None:
     )
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument(
-        "--parts", default="side,layered", help="what to run: 'side' (side channels), 'layered', or both"
+        "--parts",
+        default="side,layered",
+        help="what to run: 'side' (= 'pool' and 'tiers': the side channels), 'layered', or a list",
     )
     ap.add_argument(
         "--unaligned-tenants", type=int, default=256, help="tenant count of the unaligned layered run"
@@ -480,8 +484,11 @@ def main() -> None:
 
     parts = set(args.parts.split(","))
     result: dict = {}
-    if "side" in parts:
-        result |= run_side_channels(args, ck, config, make_engine)
+    if parts & {"side", "pool", "tiers"}:
+        pool = bool(parts & {"side", "pool"})
+        if not parts & {"side", "tiers"}:
+            args.tiers = ""
+        result |= run_side_channels(args, ck, config, make_engine, pool=pool)
     if "layered" in parts:
         result |= run_layered(args, tok, make_engine)
     print(json.dumps(result))
