@@ -467,6 +467,7 @@ def main() -> None:
     ap.add_argument(
         "--unaligned-tenants", type=int, default=256, help="tenant count of the unaligned layered run"
     )
+    ap.add_argument("--num-blocks", type=int, default=2048, help="block pool size of every engine")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -477,7 +478,7 @@ def main() -> None:
     path = default_model_path() if args.model == "default" else args.model
     ck = load_checkpoint(path)
     tok = ck.tokenizer
-    config = EngineConfig(num_blocks=2048, max_batch=BURST, max_num_batched_tokens=2048)
+    config = EngineConfig(num_blocks=args.num_blocks, max_batch=BURST, max_num_batched_tokens=2048)
 
     def make_engine() -> LLMEngine:
         return LLMEngine(ck.model, config, ck.model_id, tok)
