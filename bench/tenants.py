@@ -157,6 +157,11 @@ def side_channel(eng: LLMEngine, pairs: int, length: int, vocab: int, seed: int)
     }
 
 
+def warm_up_prompt(length: int, vocab: int) -> list[int]:
+    """``length`` ordinary token ids shared by no measured prompt (the measured ones are random)."""
+    return [64 + i % (vocab - 128) for i in range(length)]
+
+
 def demote_to_tier(eng: LLMEngine) -> None:
     """Write every cached block of the pool down to the engine's tiers, then drop them all from the pool, so
     what was cached now lives only in the tiers."""
@@ -325,7 +330,7 @@ def run_side_channels(args, ck, config: EngineConfig, make_engine, pool: bool = 
     vocab = eng.input.vocab_size
     channel = None
     if pool:
-        ttft(eng, list(range(100, 100 + args.prefix_tokens)), "warm-up")
+        ttft(eng, warm_up_prompt(args.prefix_tokens, vocab), "warm-up")
         channel = side_channel(eng, args.pairs, args.prefix_tokens, vocab, args.seed)
     eng.close()
 
@@ -335,7 +340,7 @@ def run_side_channels(args, ck, config: EngineConfig, make_engine, pool: bool = 
     try:
         for tier in [t for t in args.tiers.split(",") if t]:
             teng = tier_engine(ck, config, tier, work, args.redis_url, redis_prefix)
-            ttft(teng, list(range(100, 100 + args.prefix_tokens)), "warm-up")
+            ttft(teng, warm_up_prompt(args.prefix_tokens, vocab), "warm-up")
             tiered[tier] = tier_side_channel(teng, tier, args.pairs, args.prefix_tokens, vocab, args.seed + 1)
             teng.close()
     finally:
