@@ -3,7 +3,7 @@
 ``gateway/config/data/prices.yaml`` (package data) holds, per provider, the cache *retentions* a request may ask for
 (Anthropic ``5m`` / ``1h``, OpenAI ``in_memory`` / ``24h``, ...) with the lifetime used for planning, and per
 model the prices in USD per million tokens: ``input`` (uncached), ``cache_read``, ``cache_write`` per retention,
-and ``storage_per_hour`` (per million tokens per hour) where the provider bills storage (Gemini explicit caches).
+``output`` (a generated token), and ``storage_per_hour`` (per million tokens per hour) where the provider bills storage (Gemini explicit caches).
 The file says on which date it was checked (``checked``) and from which page (``source``).
 
 Invariants: every price is a finite number >= 0, every model prices every retention its provider lists unless it
@@ -31,7 +31,7 @@ TOKENS_PER_PRICE_UNIT = 1_000_000
 SHIPPED_TABLE = "data/prices.yaml"
 """The shipped table, inside the ``gateway.config`` package."""
 
-LEGACY_PRICE_KEYS = frozenset({"input", "cached_input", "cache_write", "cache_write_1h"})
+LEGACY_PRICE_KEYS = frozenset({"input", "cached_input", "cache_write", "cache_write_1h", "output"})
 """The old per-model config keys (``gateway.pricing.Prices``), still accepted by ``apply_overrides``."""
 
 
@@ -53,6 +53,8 @@ class ModelPrices:
         cache_write: retention name -> price of an input token written with that retention.
         retentions: retention name -> planning lifetime in seconds (only those this model supports).
         default_retention: what the provider uses when a request names none.
+        output: a generated (output) token; None only for a model the table lacks whose config override
+            names no ``output`` price (its output is then not priced).
         storage_per_hour: per million tokens per hour, where storage is billed; else None.
         min_cacheable_tokens: the provider's minimum cacheable prefix for this model, or None when unknown.
         source: page the prices were read from.
@@ -65,6 +67,7 @@ class ModelPrices:
     cache_write: Mapping[str, float]
     retentions: Mapping[str, float]
     default_retention: str
+    output: float | None = None
     storage_per_hour: float | None = None
     min_cacheable_tokens: int | None = None
     source: str = ""
@@ -133,7 +136,7 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-_MODEL_KEYS = {"input", "cache_read", "cache_write", "storage_per_hour", "min_cacheable_tokens"}
+_MODEL_KEYS = {"input", "cache_read", "cache_write", "output", "storage_per_hour", "min_cacheable_tokens"}
 _PROVIDER_KEYS = {"source", "retentions", "default_retention", "min_cacheable_tokens", "models"}
 
 
@@ -157,7 +160,7 @@ def _model_entry(
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
         raise PriceTableError(f"{where}: unknown key(s) {sorted(unknown)}; expected {sorted(_MODEL_KEYS)}")
-    for key in ("input", "cache_read", "cache_write"):
+    for key in ("input", "cache_read", "cache_write", "output"):
         if key not in raw:
             raise PriceTableError(f"{where}.{key}: missing (required)")
     writes_raw = _mapping(raw["cache_write"], f"{where}.cache_write")
@@ -181,6 +184,7 @@ def _model_entry(
         cache_write=writes,
         retentions={name: retentions[name] for name in writes},
         default_retention=default,
+        output=_number(raw["output"], f"{where}.output"),
         storage_per_hour=None if storage is None else _number(storage, f"{where}.storage_per_hour"),
         min_cacheable_tokens=(
             _min_tokens(raw["min_cacheable_tokens"], f"{where}.min_cacheable_tokens")
@@ -293,10 +297,11 @@ def override_prices(
     """A model's prices with a config override applied.
 
     ``raw`` is either the table's own shape (``input``, ``cache_read``, ``cache_write: {retention: price}``,
-    ``storage_per_hour``, ``min_cacheable_tokens``; any subset when ``base`` exists) or the old config shape
+    ``output``, ``storage_per_hour``, ``min_cacheable_tokens``; any subset when ``base`` exists) or the old config shape
     (``input``, ``cached_input``, ``cache_write``, ``cache_write_1h``: the 5-minute / default and the 1-hour
     write), which is converted. Without ``base`` (a model the table lacks) ``input`` is required, ``cache_read``
-    defaults to ``input`` (no discount), write prices to ``input``, retentions to one ``default``.
+    defaults to ``input`` (no discount), write prices to ``input``, retentions to one ``default``, and ``output``
+    to None (output not priced) unless given.
 
     Raises:
         PriceTableError: a negative, missing or ill-typed price, an unknown key or retention; the message
@@ -317,6 +322,8 @@ def override_prices(
         converted: dict[str, Any] = {}
         if "input" in raw:
             converted["input"] = raw["input"]
+        if "output" in raw:
+            converted["output"] = raw["output"]
         if "cached_input" in raw:
             converted["cache_read"] = raw["cached_input"]
         writes: dict[str, Any] = {}
@@ -355,6 +362,7 @@ def override_prices(
             cache_write=writes_out,
             retentions=dict.fromkeys(writes_out, 300.0),
             default_retention=default,
+            output=_number(raw["output"], f"{where}.output") if "output" in raw else None,
             storage_per_hour=None if storage is None else _number(storage, f"{where}.storage_per_hour"),
             min_cacheable_tokens=(
                 _min_tokens(raw["min_cacheable_tokens"], f"{where}.min_cacheable_tokens")
@@ -368,6 +376,8 @@ def override_prices(
         updates["input"] = _number(raw["input"], f"{where}.input")
     if "cache_read" in raw:
         updates["cache_read"] = _number(raw["cache_read"], f"{where}.cache_read")
+    if "output" in raw:
+        updates["output"] = _number(raw["output"], f"{where}.output")
     if "cache_write" in raw:
         writes_raw = _mapping(raw["cache_write"], f"{where}.cache_write")
         merged = dict(base.cache_write)

@@ -9,7 +9,9 @@ with retention ``t`` (prices per million tokens from ``price_table.ModelPrices``
     write_premium = sum W_t * (write_t - input)              what the cache writes cost on top of input
     uncached      = P * input                                the same prompt with no cache at all
 
-so ``paid = uncached - saved + write_premium``. **Write waste** is the premium of writes that were never read
+so ``paid = uncached - saved + write_premium``. The ``C`` completion (output) tokens cost ``output = C * output``
+(0 for a model with no output price), and a request's **spend** (what a key's budget is charged) is
+``paid + output``. **Write waste** is the premium of writes that were never read
 before they expired: each write is kept as an outstanding region ``[R, R + W)`` of its prefix key with an expiry
 ``now + lifetime_t``; a later request of the same model, tenant and prefix key that reads ``R' > start`` before
 the expiry consumes the part of the region below ``R'`` (the rest stays outstanding); a region still outstanding
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config.price_table import TOKENS_PER_PRICE_UNIT, ModelPrices
-from gateway.core.cache_usage import CacheUsage
+from gateway.core.cache_usage import CacheUsage, CacheUsageError
 
 COST_HEADER = "x-prefixgate-cost"
 """The response header ``RequestCost.header_value`` fills."""
@@ -41,25 +43,38 @@ COST_HEADER = "x-prefixgate-cost"
 
 @dataclass(frozen=True)
 class RequestCost:
-    """One request's input-side cost in USD (see the module docstring for the formulas)."""
+    """One request's cost in USD (see the module docstring for the formulas): ``paid``, ``saved``,
+    ``write_premium`` and ``uncached`` are input-side; ``output`` is the completion tokens'."""
 
     paid: float
     saved: float
     write_premium: float
     uncached: float
+    output: float = 0.0
+
+    @property
+    def spend(self) -> float:
+        """What the request cost in all: input paid plus output (USD)."""
+        return self.paid + self.output
 
     def header_value(self) -> str:
-        """``paid=0.00123400; saved=0.00045600; write_premium=0.00000000`` (USD, 8 decimals)."""
-        return f"paid={self.paid:.8f}; saved={self.saved:.8f}; write_premium={self.write_premium:.8f}"
+        """``paid=0.00123400; saved=0.00045600; write_premium=0.00000000; output=0.00100000`` (USD, 8
+        decimals; ``paid`` is input only)."""
+        return (
+            f"paid={self.paid:.8f}; saved={self.saved:.8f}; write_premium={self.write_premium:.8f}; "
+            f"output={self.output:.8f}"
+        )
 
 
-def request_cost(prices: ModelPrices, usage: CacheUsage) -> RequestCost:
-    """The cost of one request's input tokens.
+def request_cost(prices: ModelPrices, usage: CacheUsage, completion_tokens: int = 0) -> RequestCost:
+    """The cost of one request: its input tokens (by cache class) and its ``completion_tokens`` output tokens.
 
     Raises:
-        CacheUsageError: counts that cannot be priced (``CacheUsage.check``).
+        CacheUsageError: counts that cannot be priced (``CacheUsage.check``), or negative completion tokens.
     """
     usage.check(prices)
+    if completion_tokens < 0:
+        raise CacheUsageError("usage: completion tokens must be >= 0")
     plain = usage.prompt_tokens - usage.cache_read_tokens - usage.written
     writes = sum(tokens * prices.write_price(ret) for ret, tokens in usage.cache_write_tokens.items())
     premium = sum(
@@ -71,6 +86,7 @@ def request_cost(prices: ModelPrices, usage: CacheUsage) -> RequestCost:
         saved=usage.cache_read_tokens * (prices.input - prices.cache_read) / unit,
         write_premium=premium / unit,
         uncached=usage.prompt_tokens * prices.input / unit,
+        output=completion_tokens * (prices.output or 0.0) / unit,
     )
 
 
@@ -84,6 +100,7 @@ class CostTotals:
     write_premium: float = 0.0
     write_waste: float = 0.0
     uncached: float = 0.0
+    output: float = 0.0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     wasted_write_tokens: int = 0
@@ -97,6 +114,7 @@ class CostTotals:
             "write_premium_usd": round(self.write_premium, 8),
             "write_waste_usd": round(self.write_waste, 8),
             "uncached_cost_usd": round(self.uncached, 8),
+            "output_cost_usd": round(self.output, 8),
             "cache_read_tokens": self.cache_read_tokens,
             "cache_write_tokens": self.cache_write_tokens,
             "wasted_write_tokens": self.wasted_write_tokens,
@@ -184,6 +202,7 @@ class CostLedger:
         key: str = "",
         entry_key: Hashable = None,
         now: float | None = None,
+        completion_tokens: int = 0,
     ) -> RequestCost:
         """Price one request, consume the outstanding writes its cache read covers, and keep its own writes.
 
@@ -195,11 +214,12 @@ class CostLedger:
             entry_key: what identifies the cached prefix across requests (the prefix key); reads match writes of
                 the same model, tenant and entry key.
             now: seconds on the ledger's clock (default: the clock).
+            completion_tokens: the request's output tokens (priced at ``prices.output``).
 
         Raises:
             CacheUsageError: counts that cannot be priced.
         """
-        cost = request_cost(prices, usage)
+        cost = request_cost(prices, usage, completion_tokens)
         now = self._clock() if now is None else now
         owners = (model, key, tenant)
         entry = (model, tenant, entry_key)
@@ -243,6 +263,7 @@ class CostLedger:
                 totals.saved += cost.saved
                 totals.write_premium += cost.write_premium
                 totals.uncached += cost.uncached
+                totals.output += cost.output
                 totals.cache_read_tokens += usage.cache_read_tokens
                 totals.cache_write_tokens += usage.written
         return cost

@@ -8,9 +8,9 @@ on an injectable monotonic clock:
   completion tokens are charged (the bucket may go negative, which delays later requests: the tokens are
   only known afterwards). ``Retry-After`` = the seconds until the bucket is back to one token.
 - ``budget_usd``: once a key's spend reaches it, requests get 429 ``insufficient_quota`` (no Retry-After:
-  a budget does not refill). Spend is what the request's input cost by the price table
-  (``gateway.service.cost_ledger.RequestCost.paid``: cached reads and cache writes at their rates); models
-  without prices cost nothing.
+  a budget does not refill). Spend is what the request cost by the price table
+  (``gateway.service.cost_ledger.RequestCost.spend``: uncached input, cache reads and cache writes at their
+  rates, plus output tokens at the output price); models without prices cost nothing.
 
 Invariants: state exists only for configured keys (built at start-up) and for tenants of admitted requests,
 the latter bounded by ``max_tenants`` (the rest counted under ``OTHER_TENANTS``), so requests with invalid
@@ -169,7 +169,8 @@ class ClientUsage:
         self, key_name: str, tenant: str, model: str, usage: BackendUsage, cost: float = 0.0
     ) -> None:
         """Count a finished request of key ``key_name`` ("" in open mode: tenant only) and charge its tokens and
-        ``cost`` (USD paid for its input, ``gateway.service.cost_ledger.RequestCost.paid``; 0 when unpriced)."""
+        ``cost`` (USD for its input and output, ``gateway.service.cost_ledger.RequestCost.spend``; 0 when
+        unpriced)."""
         counters = [self._tenant(tenant)]
         state = self._keys.get(key_name)
         if state is not None:

@@ -227,7 +227,7 @@ _USAGE = (
     ("prompt_tokens", "Prompt tokens reported in usage"),
     ("cached_tokens", "Prompt tokens served from a prefix cache"),
     ("completion_tokens", "Generated tokens reported in usage"),
-    ("spend_usd", "Input spend in USD (priced models)"),
+    ("spend_usd", "Spend in USD, input and output (priced models)"),
     ("rate_limited", "Requests refused with 429 by a key's limits"),
 )
 

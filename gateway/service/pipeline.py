@@ -261,9 +261,9 @@ class OpenedStream:
             cache_miss_reason=finish.cache_miss_reason,
         )
         request = self.request
-        paid = self.cost.paid if self.cost is not None else 0.0
+        spend = self.cost.spend if self.cost is not None else 0.0
         self.gateway.clients.record_finish(
-            request.client_key, request.tenant, request.model, finish.usage, paid
+            request.client_key, request.tenant, request.model, finish.usage, spend
         )
         self._log(200, finish=finish, ttft_s=ttft)
 

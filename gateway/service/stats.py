@@ -22,8 +22,8 @@ Derived values:
 - Upstream models: the provider computes, so ``prefill_tokens = prompt_tokens - cached_tokens`` as reported,
   ``prefill_tokens_saved = cached_tokens``, and ``prefill_seconds_saved`` is null (no rate is measurable).
 - Models with prices (``gateway.config.price_table``): cost paid, saved by cache reads, write premium and write
-  waste per model, prefix key and tenant (``gateway.service.cost_ledger``; ``cost_usd`` / ``cost_saved_usd``
-  per model), the table's ``prices_checked`` date, and the providers' own miss reasons folded into miss-cause
+  waste per model, prefix key and tenant (``gateway.service.cost_ledger``; ``cost_usd`` (input paid) / ``cost_saved_usd`` /
+  ``output_cost_usd`` per model), the table's ``prices_checked`` date, and the providers' own miss reasons folded into miss-cause
   counters (``provider_cache_misses``, ``gateway.service.provider_diagnostics``).
 """
 
@@ -65,6 +65,7 @@ class ModelCounters:
     cost_usd: float = 0.0
     cost_saved_usd: float = 0.0
     rules_requests: int = 0
+    output_cost_usd: float = 0.0
     rules: Counter[str] = field(default_factory=Counter)
     ttft_hit: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
     ttft_miss: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
@@ -224,11 +225,13 @@ class GatewayStats:
                 tenant=tenant,
                 key=prefix_key,
                 entry_key=prefix_key,
+                completion_tokens=usage.completion_tokens,
             )
         except CacheUsageError:
             return None
         counters.cost_usd += cost.paid
         counters.cost_saved_usd += cost.saved
+        counters.output_cost_usd += cost.output
         return cost
 
     def record_abort(self, model: str) -> None:
@@ -287,6 +290,7 @@ class GatewayStats:
         if self._prices.get(name) is not None:
             doc["cost_usd"] = round(c.cost_usd, 9)
             doc["cost_saved_usd"] = round(c.cost_saved_usd, 9)
+            doc["output_cost_usd"] = round(c.output_cost_usd, 9)
         doc["rules"] = dict(sorted(c.rules.items()))
         doc["errors"] = {str(status): count for status, count in sorted(c.errors.items())}
         doc["prefixes"] = self.prefixes.top(self.top_prefixes, model=name)
@@ -385,6 +389,7 @@ def _sum_models(models: list[dict[str, Any]]) -> dict[str, Any]:
     if any("cost_usd" in m for m in models):
         total["cost_usd"] = round(sum(m.get("cost_usd", 0.0) for m in models), 9)
         total["cost_saved_usd"] = round(sum(m.get("cost_saved_usd", 0.0) for m in models), 9)
+        total["output_cost_usd"] = round(sum(m.get("output_cost_usd", 0.0) for m in models), 9)
     rules: Counter[str] = Counter()
     for m in models:
         rules.update(m["rules"])

@@ -39,3 +39,41 @@ def test_layered_prefill_counts_the_public_prompt_once(tmp_path):
     assert many["public_prefill_tokens"] == public + 15 * (public % block)
     assert many["public_full_block_prefill_tokens"] == public // block * block
     assert isolated["public_prefill_tokens"] == 16 * public
+
+
+def test_an_aligned_public_prompt_is_prefilled_once_for_every_tenant(tmp_path):
+    ck = load_checkpoint(make_tiny_hf_llama(tmp_path / "tiny", seed=0))
+    config = EngineConfig(block_size=16, num_blocks=256, max_batch=16, device="cpu")
+
+    def make_engine() -> LLMEngine:
+        return LLMEngine(ck.model, config, ck.model_id, ck.tokenizer)
+
+    one = layered_prefill(make_engine, ck.tokenizer, 48, "layered", 1, align=True)
+    many = layered_prefill(make_engine, ck.tokenizer, 48, "layered", 16, align=True)
+    assert one["public_tokens"] % 16 == 0 and one["public_tokens"] >= 48
+    assert many["public_prefill_tokens"] == one["public_prefill_tokens"] == one["public_tokens"]
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_tier_side_channel_counts(tmp_path, tier):
+    """The tier part of the bench on the tiny checkpoint: B never hits A's tier entries, A's repeat always
+    does (exact token counts; the p-values are timing and not asserted)."""
+    import uuid
+
+    from bench.tenants import tier_engine, tier_side_channel
+    from bench.tiers import drop_deployment
+
+    ck = load_checkpoint(make_tiny_hf_llama(tmp_path / "tiny", seed=0))
+    config = EngineConfig(block_size=16, num_blocks=256, max_batch=16, device="cpu")
+    prefix = f"pgtest-bench-{uuid.uuid4().hex[:10]}"
+    url = "redis://127.0.0.1:6379/0"
+    eng = tier_engine(ck, config, tier, tmp_path / "tiers", url, prefix)
+    try:
+        r = tier_side_channel(eng, tier, pairs=8, length=64, vocab=ck.config.vocab_size, seed=3)
+    finally:
+        eng.close()
+        drop_deployment(url, prefix)
+    assert (r["b_cached_tokens"], r["b_tier_hit_tokens"]) == (0, 0)
+    assert r["a_usable_tokens"] == 8 * 48  # (64 - 1) // 16 = 3 blocks per pair
+    assert r["a_tier_hit_tokens"] == r["a_cached_tokens"] == r["a_usable_tokens"]
+    assert 0.0 < r["side_channel_p_value"] <= 1.0

@@ -188,7 +188,9 @@ def test_stats_show_cost_saved_and_write_waste_per_model_key_and_tenant():
         clock=lambda: now[0]))  # fmt: skip
     write = BackendUsage(6_050, 12, 0, 6_000, cache_writes=(("1h", 5_000), ("5m", 1_000)))
     cost = stats.record_finish("claude", write, None, "pk1", tenant="t1")
-    assert cost.header_value() == "paid=0.01130000; saved=0.00000000; write_premium=0.00525000"
+    assert cost.header_value() == (  # 12 output tokens at Haiku 4.5's $5 / MTok
+        "paid=0.01130000; saved=0.00000000; write_premium=0.00525000; output=0.00006000"
+    )
     now[0] = 1_200.0  # 20 minutes later: the 1h part is read, the 5m part expired unread
     read = BackendUsage(5_100, 9, 5_000, 0)
     stats.record_finish("claude", read, None, "pk1", tenant="t1", cache_miss_reason="system_changed")

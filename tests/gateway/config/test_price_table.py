@@ -16,7 +16,7 @@ from gateway.config.price_table import (
 
 
 def _table(**model: object) -> dict:
-    entry = {"input": 3.0, "cache_read": 0.3, "cache_write": {"5m": 3.75, "1h": 6.0}}
+    entry = {"input": 3.0, "cache_read": 0.3, "output": 15.0, "cache_write": {"5m": 3.75, "1h": 6.0}}
     entry.update(model)
     return {
         "checked": "2026-12-01",
@@ -45,6 +45,19 @@ def test_shipped_table_loads_with_its_date_and_anthropic_multipliers():
     assert math.isclose(table.lookup("claude-fable-5-1").cache_read, 0.25)
 
 
+def test_every_shipped_model_prices_output_above_input():
+    """Output prices are in the table for every model (issue 14: spend prices output too); on every listed
+    model a generated token costs 4x to 8x an uncached input token (the providers' pages)."""
+    table = load_price_table()
+    for provider, models in table.models.items():
+        for name, prices in models.items():
+            assert prices.output is not None, (provider, name)
+            ratio = prices.output / prices.input
+            assert 3.9 <= ratio <= 24.0, (provider, name, ratio)
+    assert (table.lookup("claude-sonnet-4-5").output, table.lookup("gpt-4o-mini").output) == (15.0, 0.6)
+    assert table.lookup("claude-opus-4-1-20250805").output == 75.0
+
+
 def test_lookup_takes_the_longest_model_prefix_and_ignores_a_provider_prefix():
     table = load_price_table()
     assert table.lookup("claude-opus-4-5-20251101").model == "claude-opus-4-5"
@@ -67,6 +80,8 @@ def test_lookup_takes_the_longest_model_prefix_and_ignores_a_provider_prefix():
         ({"input": True}, "providers.anthropic.models.claude-x.input"),
         ({"input": float("nan")}, "providers.anthropic.models.claude-x.input"),
         ({"bogus": 1}, "providers.anthropic.models.claude-x"),
+        ({"output": -15.0}, "providers.anthropic.models.claude-x.output"),
+        ({"output": "a lot"}, "providers.anthropic.models.claude-x.output"),
     ],
 )
 def test_a_bad_price_names_the_file_and_the_key(change, key):
@@ -84,6 +99,15 @@ def test_a_missing_price_names_the_file_and_the_key(tmp_path):
         PriceTableError, match=r"prices.yaml: providers.anthropic.models.claude-x.cache_read: missing"
     ):
         load_price_table(path)
+
+
+def test_a_missing_output_price_stops_the_table():
+    raw = _table()
+    del raw["providers"]["anthropic"]["models"]["claude-x"]["output"]
+    with pytest.raises(
+        PriceTableError, match=r"^p.yaml: providers.anthropic.models.claude-x.output: missing"
+    ):
+        parse_price_table(raw, "p.yaml")
 
 
 def test_missing_date_bad_lifetime_and_unreadable_file(tmp_path):
@@ -117,6 +141,11 @@ def test_override_in_the_table_shape_and_in_the_old_config_shape():
         model="m",
     )
     assert (old.input, old.cache_read, dict(old.cache_write)) == (2.0, 0.2, {"5m": 2.5, "1h": 4.0})
+    assert old.output == 15.0  # kept from the table
+    assert override_prices(base, {"output": 12.0}, "cfg", provider="anthropic", model="m").output == 12.0
+    assert override_prices(base, {"input": 2.0, "output": 9.0}, "cfg", provider="a", model="m").output == 9.0
+    with pytest.raises(PriceTableError, match=r"^cfg.output: expected a number >= 0"):
+        override_prices(base, {"output": -1}, "cfg", provider="anthropic", model="m")
 
 
 def test_override_errors_name_the_config_place():
@@ -143,3 +172,6 @@ def test_override_of_a_model_the_table_lacks():
         None, {"input": 1.0, "cached_input": 0.25}, "cfg", provider="openai", model="local"
     )
     assert (prices.input, prices.cache_read, prices.write_price(None)) == (1.0, 0.25, 1.0)
+    assert prices.output is None  # not given: output not priced
+    priced = override_prices(None, {"input": 1.0, "output": 4.0}, "cfg", provider="openai", model="local")
+    assert priced.output == 4.0

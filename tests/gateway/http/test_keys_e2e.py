@@ -228,3 +228,27 @@ def test_responses_face_needs_a_key_and_applies_its_tenant(keyed):
     with oai(keyed, ALICE) as sdk:  # another tenant: none of bob's blocks
         other = sdk.responses.create(model=TINY_MODEL, input=prompt, max_output_tokens=1)
     assert other.usage.input_tokens_details.cached_tokens < again.usage.input_tokens_details.cached_tokens
+
+
+def test_keys_never_appear_in_logs_or_error_bodies(keyed, caplog):
+    """Every log line the gateway writes while serving good, wrong, over-limit and other-model requests
+    names keys by name or digest prefix only; error bodies never echo the presented key."""
+    caplog.set_level("DEBUG")
+    guess = "sk-guess-SECRET-0123456789"
+    ask(keyed, ALICE, "log check")
+    ask(keyed, PLATFORM, "log check", **{"x-prefixgate-tenant": "user-9"})
+    bodies = []
+    with httpx.Client(base_url=keyed.base_url, timeout=30) as http:
+        body = {"model": OTHER_MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        for key in (guess, BOB, LIMITED, LIMITED):
+            for path, headers in (
+                ("/v1/chat/completions", {"authorization": f"Bearer {key}"}),
+                ("/v1/messages", {"x-api-key": key}),
+            ):
+                response = http.post(path, headers=headers, json=body)
+                assert response.status_code in (401, 403, 404, 429), response.text
+                bodies.append(response.text)
+    text = caplog.text + "".join(bodies)
+    assert "prefixgate.request" in {r.name for r in caplog.records}  # the request log was captured
+    for secret in (ALICE, BOB, CAROL, DAVE, PLATFORM, LIMITED, guess):
+        assert secret not in text

@@ -36,7 +36,48 @@ def test_request_cost_arithmetic_per_model(prices, usage, paid, saved, premium):
 
 def test_header_value():
     cost = request_cost(HAIKU, CacheUsage(10_500, 8_000, {"5m": 2_000}))
-    assert cost.header_value() == "paid=0.00380000; saved=0.00720000; write_premium=0.00050000"
+    assert cost.header_value() == (
+        "paid=0.00380000; saved=0.00720000; write_premium=0.00050000; output=0.00000000"
+    )
+    with_output = request_cost(HAIKU, CacheUsage(10_500, 8_000, {"5m": 2_000}), completion_tokens=200)
+    assert with_output.header_value().endswith("; output=0.00100000")
+
+
+@pytest.mark.parametrize(
+    ("prices", "usage", "completion", "spend"),
+    [
+        # Haiku 4.5: 500 plain x $1 + 8000 read x $0.1 + 2000 5m-write x $1.25 + 200 out x $5 (per MTok)
+        (HAIKU, CacheUsage(10_500, 8_000, {"5m": 2_000}), 200, 0.0038 + 0.001),
+        # Opus 4.5: 4000 plain x $5 + 16000 read x $0.5 + 1000 out x $25
+        (OPUS, CacheUsage(20_000, 16_000, {}), 1_000, 0.028 + 0.025),
+        # gpt-5.6: 928 plain x $1.25 + 2048 read x $0.125 + 1024 24h-write x $1.5625 + 100 out x $30
+        (GPT, CacheUsage(4_000, 2_048, {"24h": 1_024}), 100, 0.003016 + 0.003),
+    ],
+)
+def test_spend_is_input_by_cache_class_plus_output(prices, usage, completion, spend):
+    cost = request_cost(prices, usage, completion)
+    assert cost.output == pytest.approx(completion * prices.output / 1e6)
+    assert cost.spend == pytest.approx(spend)
+    assert cost.spend == pytest.approx(cost.paid + cost.output)
+
+
+def test_output_of_a_model_without_an_output_price_costs_nothing_and_negative_counts_are_refused():
+    from dataclasses import replace
+
+    unpriced = replace(HAIKU, output=None)
+    assert request_cost(unpriced, CacheUsage(1_000), 500).output == 0.0
+    with pytest.raises(CacheUsageError, match="completion tokens"):
+        request_cost(HAIKU, CacheUsage(1_000), -1)
+
+
+def test_ledger_totals_count_output_cost():
+    ledger = CostLedger(clock=lambda: 0.0)
+    ledger.record(
+        model="haiku", prices=HAIKU, usage=CacheUsage(1_000), tenant="t", key="k", completion_tokens=400
+    )
+    snap = ledger.snapshot(now=0.0)
+    assert snap["by_tenant"]["t"]["output_cost_usd"] == pytest.approx(0.002)
+    assert snap["by_model"]["haiku"]["cost_paid_usd"] == pytest.approx(0.001)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,16 @@ def engine_stats(**overrides) -> EngineStats:
     return EngineStats(**fields)
 
 
+def test_record_finish_returns_the_spend_a_key_is_charged():
+    """The pipeline charges a key ``RequestCost.spend``: input by cache class plus output (issue 14)."""
+    stats = GatewayStats({"remote": shipped_price_table().lookup("claude-haiku-4-5")})
+    cost = stats.record_finish(
+        "remote", BackendUsage(1000, 200, 800, cache_creation_tokens=100, counted_by="upstream"), None, "k"
+    )
+    # 100 plain x $1 + 800 read x $0.1 + 100 5m-write x $1.25 + 200 out x $5, per MTok
+    assert cost.spend == pytest.approx((100 * 1.0 + 800 * 0.1 + 100 * 1.25 + 200 * 5.0) / 1e6)
+
+
 def test_prefill_seconds_saved_uses_the_measured_rate():
     assert prefill_seconds_saved(32, 68, 0.34) == pytest.approx(0.16)
     assert prefill_seconds_saved(32, 0, 0.0) == 0.0
@@ -85,6 +95,8 @@ def test_snapshot_per_model_and_totals():
     )
     assert remote["cost_usd"] == pytest.approx((200 * 1.0 + 800 * 0.1) / 1e6)
     assert remote["cost_saved_usd"] == pytest.approx(800 * 0.9 / 1e6)
+    assert remote["output_cost_usd"] == pytest.approx(10 * 5.0 / 1e6)  # Haiku 4.5 output: $5 / MTok
+    assert doc["output_cost_usd"] == remote["output_cost_usd"]
 
     assert (doc["requests"], doc["prompt_tokens"], doc["cached_tokens"]) == (3, 1100, 832)
     assert doc["hit_rate"] == pytest.approx(832 / 1100)
