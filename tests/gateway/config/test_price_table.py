@@ -63,7 +63,7 @@ def test_lookup_takes_the_longest_model_prefix_and_ignores_a_provider_prefix():
     assert table.lookup("claude-opus-4-5-20251101").model == "claude-opus-4-5"
     assert table.lookup("claude-opus-4-20250514").model == "claude-opus-4"
     assert table.lookup("anthropic/claude-haiku-4-5").model == "claude-haiku-4-5"
-    assert table.lookup("gpt-5.6-sol").cache_write == {"in_memory": 1.5625, "24h": 1.5625}
+    assert table.lookup("gpt-5.6-sol").cache_write == {"in_memory": 6.25, "24h": 6.25}
     assert table.lookup("gpt-4o-mini").retentions == {"in_memory": 300.0}
     assert table.lookup("claude-opus-4-5", provider="openai") is None
     assert table.lookup("no-such-model") is None

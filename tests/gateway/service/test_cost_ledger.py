@@ -11,7 +11,7 @@ from gateway.service.cost_ledger import CostLedger, request_cost
 TABLE = load_price_table()
 HAIKU = TABLE.lookup("claude-haiku-4-5")  # input 1, read 0.1, 5m write 1.25, 1h write 2 (USD / MTok)
 OPUS = TABLE.lookup("claude-opus-4-5")  # input 5, read 0.5, 5m write 6.25, 1h write 10
-GPT = TABLE.lookup("gpt-5.6")  # input 1.25, read 0.125, writes 1.5625
+GPT = TABLE.lookup("gpt-5.6")  # input 5, read 0.5, writes 6.25
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ GPT = TABLE.lookup("gpt-5.6")  # input 1.25, read 0.125, writes 1.5625
         (HAIKU, CacheUsage(10_500, 8_000, {"5m": 2_000}), 0.0038, 0.0072, 0.0005),
         (HAIKU, CacheUsage(10_000, 0, {"1h": 6_000, "5m": 2_000}), 0.0165, 0.0, 0.0065),
         (OPUS, CacheUsage(20_000, 16_000, {}), 0.028, 0.072, 0.0),
-        (GPT, CacheUsage(4_000, 2_048, {"24h": 1_024}), 0.003016, 0.002304, 0.00032),
+        (GPT, CacheUsage(4_000, 2_048, {"24h": 1_024}), 0.012064, 0.009216, 0.00128),
     ],
 )
 def test_request_cost_arithmetic_per_model(prices, usage, paid, saved, premium):
@@ -50,8 +50,8 @@ def test_header_value():
         (HAIKU, CacheUsage(10_500, 8_000, {"5m": 2_000}), 200, 0.0038 + 0.001),
         # Opus 4.5: 4000 plain x $5 + 16000 read x $0.5 + 1000 out x $25
         (OPUS, CacheUsage(20_000, 16_000, {}), 1_000, 0.028 + 0.025),
-        # gpt-5.6: 928 plain x $1.25 + 2048 read x $0.125 + 1024 24h-write x $1.5625 + 100 out x $30
-        (GPT, CacheUsage(4_000, 2_048, {"24h": 1_024}), 100, 0.003016 + 0.003),
+        # gpt-5.6: 928 plain x $5 + 2048 read x $0.5 + 1024 24h-write x $6.25 + 100 out x $30
+        (GPT, CacheUsage(4_000, 2_048, {"24h": 1_024}), 100, 0.012064 + 0.003),
     ],
 )
 def test_spend_is_input_by_cache_class_plus_output(prices, usage, completion, spend):
