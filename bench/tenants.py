@@ -22,7 +22,10 @@ Engine: ``engine.llm_engine.LLMEngine`` over SmolLM2-135M-Instruct (``--model de
    ends in the tenant's own tokens); ``public_full_block_prefill_ratio_256`` leaves that block out.
    ``shared_prefill_ratio_256`` = layered public-prompt prefill tokens with 256 tenants / with 1. The
    baselines run up to ``--baseline-max`` tenants (16 by default: isolated at 256 prefills the whole
-   prompt 256 times, which takes long on a CPU and tells nothing new).
+   prompt 256 times, which takes long on a CPU and tells nothing new). ``--tenant-counts`` changes N (the
+   ``_256`` ratios then use the largest count, ``largest_tenant_count``); ``--tiny`` runs the tests' tiny
+   random checkpoint (a smoke run). The JSON line also holds every side-channel TTFT (``ttft_samples_s``) and
+   the layered-sharing rows (``layered_rows``).
 
 Run: ``python -m bench.tenants`` (a few minutes on 2 cores). Prints tables, then one JSON line (last).
 """
@@ -132,6 +135,7 @@ def side_channel(eng: LLMEngine, pairs: int, length: int, vocab: int, seed: int)
         "side_channel_p_value": p_isolated,
         "open_namespace_p_value": p_open,
         "b_cached_tokens_on_a_prefix": leaked,
+        "samples_s": {"b_on_a_prefix": x, "b_cold": y, "a_repeat": own},
     }
 
 
@@ -213,13 +217,26 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny random checkpoint (a smoke run)")
+    ap.add_argument(
+        "--tenant-counts",
+        default=",".join(map(str, TENANT_COUNTS)),
+        help="layered sharing: tenant counts (must include 1 and 16)",
+    )
     args = ap.parse_args()
     if args.pairs < 30:
         ap.error("--pairs must be >= 30")
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = default_model_path() if args.model == "default" else args.model
-    ck = load_checkpoint(path)
+    if args.tiny:
+        from tests.engine.engine_helpers import tiny_checkpoint
+
+        ck = tiny_checkpoint()
+    else:
+        ck = load_checkpoint(default_model_path() if args.model == "default" else args.model)
+    counts = sorted({int(n) for n in args.tenant_counts.split(",")})
+    if 1 not in counts or 16 not in counts:
+        ap.error("--tenant-counts must include 1 and 16 (the ratios' baselines)")
     tok = ck.tokenizer
     config = EngineConfig(num_blocks=2048, max_batch=BURST, max_num_batched_tokens=2048)
 
@@ -249,7 +266,7 @@ def main() -> None:
 
     rows = [
         layered_prefill(make_engine, tok, args.public_tokens, policy, n)
-        for n in TENANT_COUNTS
+        for n in counts
         for policy in ("isolated", "layered", "open")
         if policy == "layered" or n <= args.baseline_max
     ]
@@ -265,6 +282,7 @@ def main() -> None:
             f"{r['public_full_block_prefill_tokens']:>15} {r['prefill_tokens']:>18} "
             f"{r['inflight_shared_tokens']:>16} {r['preemptions']:>12}"
         )
+    top = max(counts)
     by = {(r["policy"], r["tenants"]): r["public_prefill_tokens"] for r in rows}
     full = {(r["policy"], r["tenants"]): r["public_full_block_prefill_tokens"] for r in rows}
     result = {
@@ -276,11 +294,14 @@ def main() -> None:
         "b_on_a_prefix_ttft_s": round(channel["b_on_a_prefix_ttft_s"], 6),
         "b_cold_ttft_s": round(channel["b_cold_ttft_s"], 6),
         "a_repeat_ttft_s": round(channel["a_repeat_ttft_s"], 6),
-        "shared_prefill_ratio_256": by[("layered", 256)] / by[("layered", 1)],
-        "public_full_block_prefill_ratio_256": full[("layered", 256)] / full[("layered", 1)],
+        "shared_prefill_ratio_256": by[("layered", top)] / by[("layered", 1)],
+        "public_full_block_prefill_ratio_256": full[("layered", top)] / full[("layered", 1)],
+        "largest_tenant_count": top,
         "isolated_prefill_ratio_16": by[("isolated", 16)] / by[("isolated", 1)],
         "open_prefill_ratio_16": by[("open", 16)] / by[("open", 1)],
         "public_tokens": rows[0]["public_tokens"],
+        "ttft_samples_s": {k: [round(v, 6) for v in vs] for k, vs in channel["samples_s"].items()},
+        "layered_rows": rows,
     }
     print(json.dumps(result))
 
