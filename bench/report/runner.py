@@ -125,7 +125,7 @@ def benches(llama_server: str | None) -> list[Bench]:
         Bench(
             "fleet",
             "bench.fleet",
-            ("--sessions", "80", "--gateways", "1", "2", "4"),
+            ("--sessions", "40", "--gateways", "1", "4"),
             ("--sessions", "12", "--gateways", "1", "4", "--policies", "round_robin", "cache_aware"),
             "routing policies over 8 stub replicas: hit rate and TTFT by gateways and load",
         ),
