@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bench.report import markdown, plots
-from bench.report.provenance import collect
+from bench.report.provenance import Provenance, collect
 from bench.report.runner import ROOT, BenchError, Record, benches, read_records, run_bench
 
 DEFAULT_LLAMA_SERVER = ROOT / "bench" / ".peers" / "build" / "bin" / "llama-server"
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     if "peers" not in records and server is None:
         skipped.setdefault("peers", peer_reason)
     results = {name: r.result for name, r in records.items()}
+    if records and (args.no_run or args.reuse):  # figures say where and when the numbers were measured
+        first = records.get("note") or next(iter(records.values()))
+        prov = Provenance(**first.provenance)
     for name, draw in plots.PLOTS.items():
         if draw is plots.engine_vs_llamacpp:
             draw(results, prov, out / name, skipped.get("peers", peer_reason) or "it failed")

@@ -7,6 +7,7 @@ why (nothing is drawn in its place). Matplotlib runs headless (Agg).
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,21 @@ OURS, PEER, THIRD, FOURTH = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
 
 
 def _figure(title: str, prov: Provenance, what: str, ncols: int = 1, nrows: int = 1, width: float = 10.0):
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 3.6 * nrows + 1.2), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 3.6 * nrows + 1.0), squeeze=False)
     fig.suptitle(title, fontsize=12, fontweight="bold", y=0.995)
-    fig.text(0.5, 0.935 if nrows == 1 else 0.955, f"{what}\n{prov.line()}", ha="center", va="top", fontsize=8)
+    fig.text(
+        0.5,
+        0.93 if nrows == 1 else 0.96,
+        textwrap.fill(what, 150) + f"\n{prov.line()}",
+        ha="center",
+        va="top",
+        fontsize=8,
+    )
     return fig, axes
 
 
 def _save(fig: Figure, path: Path, nrows: int = 1) -> None:
-    fig.tight_layout(rect=(0, 0, 1, 0.80 if nrows == 1 else 0.89))
+    fig.tight_layout(rect=(0, 0, 1, 0.85 if nrows == 1 else 0.92))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -137,7 +145,7 @@ def hit_rate_by_corpus(results: Results, prov: Provenance, path: Path) -> None:
     labels = [*kinds, "all"]
     series = {
         name: [100 * kinds[k][mode] for k in kinds] + [100 * rules[f"hit_rate_prompts_{mode}"]]
-        for name, mode in (("as sent", "off"), ("default rules", "rules"), ("ideal (max)", "ideal"))
+        for name, mode in (("as sent", "off"), ("default rules", "rules"), ("ideal (oracle rules)", "ideal"))
     }
     fig, axes = _figure(
         title,
@@ -175,7 +183,7 @@ def hit_rate_by_turn(results: Results, prov: Provenance, path: Path) -> None:
         ("off", "as sent", PEER),
         ("stateless", "rules, no transcript memory", FOURTH),
         ("on", "rules + transcript memory", OURS),
-        ("ideal", "ideal (max)", THIRD),
+        ("ideal", "ideal: no volatile value left", THIRD),
     ):
         share = [
             100

@@ -182,3 +182,24 @@ def test_note_cost_without_prefixgate_bills_every_token_as_input():
     agent = note.provider_requests(ck.tokenizer, workloads[3])
     assert [len(r.breakpoints) for r in agent] == [1, 2, 2]
     assert all(a.tokens < b.tokens for a, b in zip(agent, agent[1:], strict=False))
+
+
+def test_no_run_redraws_from_results_with_the_measurement_provenance(tmp_path):
+    from bench.report.__main__ import main
+
+    record = Record("note", ["python", "-m", "bench.note"], 5.0, note_result(), PROV.as_dict())
+    (tmp_path / "results.jsonl").write_text(record.to_json() + "\n")
+    assert main(["--no-run", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "Date: 2026-12-01 00:00 UTC. Commit: `abc1234`." in report
+    assert "| Prefill time | 90% reduction | -95 % | -50 % | 1 of 2 reach -90 % |" in report
+    assert "| engine | not run" not in report  # --no-run runs nothing and reports nothing as failed
+    for name in plots.PLOTS:
+        assert png_size(tmp_path / name)[0] > 100
+
+
+def test_only_refuses_an_unknown_benchmark(tmp_path):
+    from bench.report.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--only", "nonesuch", "--out", str(tmp_path)])
