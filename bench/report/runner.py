@@ -101,7 +101,7 @@ def benches(llama_server: str | None) -> list[Bench]:
         Bench(
             "tiers",
             "bench.tiers",
-            ("--sizes", "1000,4000", "--repeats", "1", "--ram-rounds", "3"),
+            ("--sizes", "1000,4000", "--repeats", "1", "--ram-rounds", "2"),
             ("--tiny", "--sizes", "64,128", "--ram-rounds", "1"),
             "TTFT with the prefix recomputed, in RAM, or restored from the disk / Redis tier after a restart",
         ),
