@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         records[bench.name] = record
         print(f"[report] {bench.name}: {record.seconds:.0f} s", flush=True)
         (out / "results.jsonl").write_text("".join(r.to_json() + "\n" for r in records.values()))
+    for bench in benches(server):
+        if bench.name not in records and bench.name not in skipped and (args.no_run or args.reuse):
+            skipped[bench.name] = "no record in results.jsonl (not run, or did not finish)"
     if "peers" not in records and server is None:
         skipped.setdefault("peers", peer_reason)
     results = {name: r.result for name, r in records.items()}

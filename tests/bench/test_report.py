@@ -193,7 +193,7 @@ def test_no_run_redraws_from_results_with_the_measurement_provenance(tmp_path):
     report = (tmp_path / "REPORT.md").read_text()
     assert "Date: 2026-12-01 00:00 UTC. Commit: `abc1234`." in report
     assert "| Prefill time | 90% reduction | -95 % | -50 % | 1 of 2 reach -90 % |" in report
-    assert "| engine | not run" not in report  # --no-run runs nothing and reports nothing as failed
+    assert "| engine | not run: no record in results.jsonl (not run, or did not finish) | | |" in report
     for name in plots.PLOTS:
         assert png_size(tmp_path / name)[0] > 100
 
