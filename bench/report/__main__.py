@@ -86,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         first = records.get("note") or next(iter(records.values()))
         prov = Provenance(**first.provenance)
     for name, draw in plots.PLOTS.items():
+        source = next((records[b] for b in plots.SOURCES[name] if b in records), None)
+        where = Provenance(**source.provenance) if source is not None else prov  # where it was measured
         if draw is plots.engine_vs_llamacpp:
-            draw(results, prov, out / name, skipped.get("peers", peer_reason) or "it failed")
+            draw(results, where, out / name, skipped.get("peers", peer_reason) or "it failed")
         else:
-            draw(results, prov, out / name)
+            draw(results, where, out / name)
     command = "python -m bench.report " + shlex.join(argv if argv is not None else sys.argv[1:])
     text = markdown.render(
         prov, records, skipped, skipped.get("peers", peer_reason), args.quick, command.strip()

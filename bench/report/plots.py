@@ -377,5 +377,17 @@ PLOTS: dict[str, Callable[..., None]] = {
     "note_table.png": note_table,
     "note_latency.png": note_latency,
 }
+SOURCES: dict[str, tuple[str, ...]] = {
+    "engine_vs_llamacpp.png": ("peers", "engine"),
+    "hit_rate_by_corpus.png": ("rules",),
+    "hit_rate_by_turn.png": ("traces",),
+    "tiers_ttft.png": ("tiers",),
+    "tenants_ttft.png": ("tenants",),
+    "fleet_policies.png": ("fleet",),
+    "note_table.png": ("note",),
+    "note_latency.png": ("note",),
+}
+"""The benchmarks each figure is drawn from (the first one present gives its subtitle's provenance)."""
+
 """Every figure of the report: file name -> drawing function (``engine_vs_llamacpp`` also takes the reason
 the peer did not run)."""

@@ -95,6 +95,7 @@ def test_quick_report_writes_every_plot_and_the_note_table(tmp_path):
 
 
 def test_every_plot_says_not_run_without_its_benchmark(tmp_path):
+    assert set(plots.SOURCES) == set(plots.PLOTS)
     for name, draw in plots.PLOTS.items():
         if draw is plots.engine_vs_llamacpp:
             draw({}, PROV, tmp_path / name, "no binary")
