@@ -10,7 +10,7 @@ HOST   ?=
 PORT   ?=
 CONFIG ?=
 
-.PHONY: run test test-fast lint bench clean
+.PHONY: run test test-fast lint bench report clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench: $(VENV)/.test-installed
 	$(BIN)/python -m bench.engine
 	$(BIN)/python -m bench.rules
 	$(BIN)/python -m bench.grouping
+
+# The benchmark report with plots, committed in bench/results/ (docs/benchmarks.md).
+report: $(VENV)/.test-installed
+	$(BIN)/python -m bench.report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

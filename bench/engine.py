@@ -129,6 +129,9 @@ def linear_seconds(model, rows: int, repeats: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="a .gguf file, a HF folder, or 'default' (SmolLM2)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="the tests' tiny random checkpoint (a smoke run; no transformers)"
+    )
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--new", type=int, default=64, help="tokens decoded per request in the decode runs")
     ap.add_argument("--repeats", type=int, default=5)
@@ -167,7 +170,13 @@ def main() -> None:
         print_table(out)
         print(json.dumps(out))
         return
-    ck = load_checkpoint(path, device=args.device, weights=args.weights)
+    if args.tiny:
+        from tests.engine.engine_helpers import tiny_checkpoint
+
+        ck = tiny_checkpoint(max_position_embeddings=8192)
+        args.no_hf = True
+    else:
+        ck = load_checkpoint(path, device=args.device, weights=args.weights)
     tok = ck.tokenizer
     system = system_prompt(tok, args.system_tokens)
     config = EngineConfig(

@@ -255,6 +255,10 @@ def prompts_section(ctx: Context) -> Section:
             "prompt_requests": total.requests,
             "missed_spans": missed,
             "false_hoists_in_prompts": len(extra),
+            "hit_rate_by_kind": {
+                kind: {mode: round(t.hit_tokens[mode] / t.tokens, 4) for mode in ("off", "rules", "ideal")}
+                for kind, t in sorted(by_kind.items())
+            },
         },
     )
 

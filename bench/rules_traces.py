@@ -20,7 +20,7 @@ tokens / sum of ideal tokens; ``turns_worse_than_off`` counts requests where on 
 (``..._stateless``: the same for the stateless form).
 
 ``python -m bench.rules_traces [TRACE.jsonl ...]`` prints the per-request table and a final JSON line
-(default: every trace in ``bench/corpora/traces``).
+(default: every trace in ``bench/corpora/traces``): the summary and ``turns``, one entry per request.
 """
 
 from __future__ import annotations
@@ -333,6 +333,20 @@ def format_table(report: TraceReport) -> str:
     return "\n".join(out)
 
 
+def turn_rows(report: TraceReport) -> list[dict[str, Any]]:
+    """Every request as a dict (trace, turn = its index in the trace from 1, line, prompt tokens, cached
+    tokens per way): the per-turn data of the JSON line's ``turns``."""
+    out: list[dict[str, Any]] = []
+    turn: dict[str, int] = {}
+    for r in report.rows:
+        turn[r.trace] = turn.get(r.trace, 0) + 1
+        out.append(
+            {"trace": r.trace, "turn": turn[r.trace], "line": r.line, "prompt_tokens": r.prompt_tokens}
+            | {f"cached_{way}": r.tokens[way] for way in WAYS}
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table and the JSON line; exit status 0."""
     parser = argparse.ArgumentParser(prog="python -m bench.rules_traces", description=__doc__.split("\n")[0])
@@ -340,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = run_traces(args.traces or None)
     print(format_table(report))
-    print(json.dumps(report.summary, sort_keys=True))
+    print(json.dumps(report.summary | {"turns": turn_rows(report)}, sort_keys=True))
     return 0
 
 

@@ -35,7 +35,10 @@ Engine: ``engine.llm_engine.LLMEngine`` over SmolLM2-135M-Instruct (``--model de
    prompt. The same prompt without the padding (``shared_prefill_ratio_256_unaligned``, layered only) shows
    the cost of a boundary inside a block: each further tenant recomputes ``public % block_size`` tokens. The
    baselines run up to ``--baseline-max`` tenants (16 by default: isolated at 256 prefills the whole
-   prompt 256 times, which takes long on a CPU and tells nothing new).
+   prompt 256 times, which takes long on a CPU and tells nothing new). ``--tenant-counts`` changes N (the
+   ``_256`` ratios then use the largest count, ``largest_tenant_count``); ``--tiny`` runs the tests' tiny
+   random checkpoint (a smoke run). The JSON line also holds every side-channel TTFT (``ttft_samples_s``) and
+   the layered-sharing rows (``layered_rows``).
 
 Run: ``python -m bench.tenants`` (a few minutes on 2 idle cores; much longer on a loaded machine, where
 ``--parts side`` and ``--parts layered`` can run as two processes and ``--prefix-tokens`` /
@@ -154,6 +157,7 @@ def side_channel(eng: LLMEngine, pairs: int, length: int, vocab: int, seed: int)
         "side_channel_p_value": p_isolated,
         "open_namespace_p_value": p_open,
         "b_cached_tokens_on_a_prefix": leaked,
+        "samples_s": {"b_on_a_prefix": x, "b_cold": y, "a_repeat": own},
     }
 
 
@@ -384,6 +388,7 @@ def run_side_channels(args, ck, config: EngineConfig, make_engine, pool: bool = 
             "b_on_a_prefix_ttft_s": round(channel["b_on_a_prefix_ttft_s"], 6),
             "b_cold_ttft_s": round(channel["b_cold_ttft_s"], 6),
             "a_repeat_ttft_s": round(channel["a_repeat_ttft_s"], 6),
+            "ttft_samples_s": {k: [round(v, 6) for v in vs] for k, vs in channel["samples_s"].items()},
         }
     for tier, r in tiered.items():
         result |= {
@@ -401,11 +406,12 @@ def run_side_channels(args, ck, config: EngineConfig, make_engine, pool: bool = 
     return result
 
 
-def run_layered(args, tok, make_engine) -> dict:
-    """Part 2 of the module docstring: print its table, return its JSON fields."""
+def run_layered(args, tok, make_engine, counts: list[int]) -> dict:
+    """Part 2 of the module docstring over ``counts`` tenants (must include 1 and 16): print its table, return
+    its JSON fields (the ``_256`` ratio uses the largest count, named in ``largest_tenant_count``)."""
     rows = [
         layered_prefill(make_engine, tok, args.public_tokens, policy, n, align=True)
-        for n in TENANT_COUNTS
+        for n in counts
         for policy in ("isolated", "layered", "open")
         if policy == "layered" or n <= args.baseline_max
     ]
@@ -430,9 +436,11 @@ def run_layered(args, tok, make_engine) -> dict:
         )
     by = {(r["policy"], r["tenants"], r["aligned"]): r["public_prefill_tokens"] for r in rows}
     full = {(r["policy"], r["tenants"], r["aligned"]): r["public_full_block_prefill_tokens"] for r in rows}
-    n = TENANT_COUNTS[-1]
+    n = max(counts)
     result = {
-        f"shared_prefill_ratio_{n}": by[("layered", n, True)] / by[("layered", 1, True)],
+        "shared_prefill_ratio_256": by[("layered", n, True)] / by[("layered", 1, True)],
+        "largest_tenant_count": n,
+        "layered_rows": rows,
         f"shared_prefill_ratio_{m}_unaligned": by[("layered", m, False)] / by[("layered", 1, False)],
         f"public_full_block_prefill_ratio_{m}_unaligned": full[("layered", m, False)]
         / full[("layered", 1, False)],
@@ -475,13 +483,26 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=2048, help="block pool size of every engine")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny random checkpoint (a smoke run)")
+    ap.add_argument(
+        "--tenant-counts",
+        default=",".join(map(str, TENANT_COUNTS)),
+        help="layered sharing: tenant counts (must include 1 and 16)",
+    )
     args = ap.parse_args()
     if args.pairs < 30:
         ap.error("--pairs must be >= 30")
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = default_model_path() if args.model == "default" else args.model
-    ck = load_checkpoint(path)
+    if args.tiny:
+        from tests.engine.engine_helpers import tiny_checkpoint
+
+        ck = tiny_checkpoint()
+    else:
+        ck = load_checkpoint(default_model_path() if args.model == "default" else args.model)
+    counts = sorted({int(n) for n in args.tenant_counts.split(",")})
+    if 1 not in counts or 16 not in counts:
+        ap.error("--tenant-counts must include 1 and 16 (the ratios' baselines)")
     tok = ck.tokenizer
     config = EngineConfig(num_blocks=args.num_blocks, max_batch=BURST, max_num_batched_tokens=2048)
 
@@ -496,7 +517,7 @@ def main() -> None:
             args.tiers = ""
         result |= run_side_channels(args, ck, config, make_engine, pool=pool)
     if "layered" in parts:
-        result |= run_layered(args, tok, make_engine)
+        result |= run_layered(args, tok, make_engine, counts)
     print(json.dumps(result))
 
 

@@ -4,7 +4,8 @@ Prints one table row per (gateways, policy, load) and ends with one JSON line:
 ``cache_aware_share_of_single`` and ``max_over_mean_load`` (cache-aware, 1 gateway, high load),
 ``gateways4_share_of_1`` (cache-aware hit rate with 4 gateways / with 1, high load),
 ``cache_aware_p99_ttft_over_round_robin_low`` (1 gateway, low load), and with ``--soak SECONDS`` the soak's
-``soak_failed``, ``soak_leaked_blocks`` and ``soak_rss_slope_mb_per_min`` (``bench.fleet.soak``).
+``soak_failed``, ``soak_leaked_blocks`` and ``soak_rss_slope_mb_per_min`` (``bench.fleet.soak``), and ``rows``:
+hit rate, share of single, load balance and TTFT p50/p99 of every (gateways, policy, load) run.
 ``--quick`` runs small sizes for CI, with a 15-second soak of 16 streams.
 """
 
@@ -74,6 +75,11 @@ async def main_async(args: argparse.Namespace) -> dict:
     out["cache_aware_p99_ttft_over_round_robin_low"] = ca_low / rr_low if ca_low and rr_low else None
     out["cache_aware_kv_share_of_single"] = get(1, "cache_aware_kv", "high", "share_of_single")
     out["errors"] = sum(r["errors"] for r in results.values())
+    out["rows"] = [
+        {"gateways": g, "policy": p, "load": level}
+        | {k: r[k] for k in ("hit_rate", "share_of_single", "max_over_mean_load", "ttft_p50_s", "ttft_p99_s")}
+        for (g, p, level), r in results.items()
+    ]
     if args.soak > 0:
         soak = await run_soak(SoakConfig(duration_s=args.soak, streams=args.soak_streams))
         print(f"soak: {json.dumps(soak)}", flush=True)
