@@ -229,6 +229,7 @@ class Int4Weight(nn.Module):
         bias: torch.Tensor | None,
         device: torch.device,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
+        dense_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
         n, k = groups.q.shape
@@ -242,7 +243,7 @@ class Int4Weight(nn.Module):
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.dense_min_rows = dense_min_rows
         self.dense = (
-            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=torch.bfloat16)
+            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=dense_dtype)
         )
 
     @property
@@ -259,7 +260,7 @@ class Int4Weight(nn.Module):
         if exact:
             y = _int4_mm(x2.float(), self.packed, self.scale_zero)
         elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
-            y = F.linear(x2.to(torch.bfloat16), self.dense)
+            y = F.linear(x2.to(self.dense.dtype), self.dense)
         else:
             y = _int4_mm(x2.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
         y = y.to(x.dtype)
@@ -293,6 +294,7 @@ class Int8Weight(nn.Module):
         bias: torch.Tensor | None,
         device: torch.device,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
+        dense_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
         from engine.quantized import Int4Groups
@@ -307,7 +309,7 @@ class Int8Weight(nn.Module):
         self.out_features, self.in_features = groups.q.shape
         self.dense_min_rows = dense_min_rows
         self.dense = (
-            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=torch.bfloat16)
+            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=dense_dtype)
         )
 
     @property
@@ -321,7 +323,7 @@ class Int8Weight(nn.Module):
             and self.dense is not None
             and x.reshape(-1, x.shape[-1]).shape[0] >= self.dense_min_rows
         ):
-            y = F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
             return y if self.inner.bias is None else y.add_(self.inner.bias.to(y.dtype))
         return self.inner.forward(torch.cat([x, x], dim=-1), exact)
 
