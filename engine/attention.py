@@ -13,9 +13,10 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
 - prefill rows (``query_len > 1``) go one sequence at a time through ``F.scaled_dot_product_attention``; a
   sequence with nothing cached (``query_len == seq_len``) attends to its fresh K/V directly (``is_causal``),
   otherwise its context is gathered block-wise with one ``index_select`` and a bottom-right causal mask is used;
-- decode rows (``query_len == 1``) of all sequences are batched: their blocks are gathered with ONE
-  ``index_select`` per layer into ``[B_dec, max_len, kv_heads, head_dim]``, padded positions masked, and query
-  heads folded into their KV group (``[B, kv_heads, group, head_dim]``) so grouped-query attention needs no copy.
+- decode rows (``query_len == 1``): one sequence attends over a view of its blocks (or one ``index_select``
+  when they are not consecutive) with ``F.scaled_dot_product_attention``; several attend one by one
+  (``per_sequence_decode``), each over a view of its own blocks, so no padded context is copied. Query heads are
+  folded into their KV group (``[B, kv_heads, group, head_dim]``) so grouped-query attention needs no copy.
 - decode rows whose block tables start with the same blocks (at least ``SHARED_PREFIX_MIN_TOKENS`` positions:
   one cached system prompt, many users) use cascade attention (``SharedPrefix``): the shared blocks are read
   once and attended by every query of each KV group in one matmul, the private rest per sequence, and the two
