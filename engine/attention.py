@@ -114,9 +114,7 @@ class DecodePlan:
     """All sequences with exactly one new token, batched."""
 
     rows: torch.Tensor | None  # int64 [B_dec] rows of the step; None when the rows are exactly 0..T-1
-    blocks: (
-        BlockGather | None
-    )  # the B_dec block tables, each padded to max_blocks, concatenated (None: shared)
+    blocks: BlockGather | None  # the one decode sequence's blocks (None: shared or per_seq)
     mask: (
         torch.Tensor | None
     )  # bool [B_dec, 1, 1, max_len], True = a real context position; None if all equal
