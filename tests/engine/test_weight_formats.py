@@ -309,9 +309,8 @@ def test_smollm2_int4_agrees_with_fp32_reference():
     fp32 reference of the same dequantized weights, teacher-forced over 20 prompts x 100 positions (issue 12:
     top-1 agreement >= 99% over >= 2,000 positions). The LM head runs dense fp32 where bf16 GEMMs are slow
     (AVX2) and on its int8 planes elsewhere; the bf16 rounding of the activations and of the f16 scales is the
-    error left. Measured before: 984 / 1,000 (98.4%, AVX512-BF16 machine, 10 prompts); this 20-prompt run
-    did not finish on the loaded AVX2 machine of issue 12's last session, so the test guards that measured
-    level (>= 98%) and prints the agreement."""
+    error left. Measured: 1,975 of 2,000 (98.75%; AVX2 EPYC, fp32 head); earlier 984 / 1,000 on an
+    AVX512-BF16 machine. The 99% target is NOT met; this test guards the measured level (>= 98%)."""
     from tests.engine.engine_helpers import smollm2_checkpoint
 
     ref = smollm2_checkpoint()
