@@ -4,12 +4,18 @@ Measures (best of ``--repeats`` timed calls, seconds): a 1,000-token prefill (lo
 engines need), one decode step of 1 sequence and of 8 sequences, each at ``--context`` tokens of context.
 transformers runs ``LlamaForCausalLM`` loaded from the same GGUF with its own KV cache (``logits_to_keep=1``
 on prefill). Run: ``python -m bench.model_forward``. Prints a table, then one JSON line.
+
+``--step-profile`` instead profiles whole engine decode steps (``LLMEngine``, weights ``--weights``) of 1 and
+of 8 sequences at ``--context`` tokens (8 private contexts, and 8 sharing one system prompt): median
+milliseconds per step of each phase (schedule + flatten the input, forward + sample, finish) and the aten ops
+one step dispatches (``torch.profiler``), then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -98,6 +104,52 @@ def transformers_times(
     return out
 
 
+def step_profile(ck, context: int, steps: int) -> dict[str, dict[str, float]]:
+    """Per-phase milliseconds (median over ``steps``, ``CLOCK``) and aten ops per engine decode step, for
+    ``b1``, ``b8`` (private contexts) and ``b8_shared`` (one shared ~``context``-token prefix)."""
+    from engine.api import EngineConfig, SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(100, ck.config.vocab_size, (context,), generator=g).tolist()
+    out: dict[str, dict[str, float]] = {}
+    for name, n, share in (("b1", 1, True), ("b8", 8, False), ("b8_shared", 8, True)):
+        eng = LLMEngine(
+            ck.model, EngineConfig(num_blocks=80 * n + 16, max_num_batched_tokens=2048), ck.model_id
+        )
+        for _ in range(n):
+            own = torch.randint(100, ck.config.vocab_size, (context if not share else 40,), generator=g)
+            prompt = (shared if share else []) + own.tolist()
+            eng.add_request(
+                prompt, SamplingParams(max_tokens=steps * 2 + 8, temperature=0.0, ignore_eos=True)
+            )
+        while eng.num_steps < 2 or any(
+            r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.requests.values()
+        ):
+            eng.step()
+        eng.step()
+        phases: dict[str, list[float]] = {"schedule_ms": [], "forward_sample_ms": [], "finish_ms": []}
+        for _ in range(steps):
+            t0 = CLOCK()
+            plan = eng.schedule_step()
+            t1 = CLOCK()
+            res = eng.run_step(plan)
+            t2 = CLOCK()
+            eng.finish_step(plan, res)
+            t3 = CLOCK()
+            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                phases[k].append(dt * 1e3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                eng.step()
+        ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 2
+        row = {k: statistics.median(v) for k, v in phases.items()}
+        row["step_ms"] = sum(row.values())
+        row["aten_ops_per_step"] = ops
+        out[name] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="default")
@@ -105,6 +157,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="context length of decode steps in tokens")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--weights", default="float32", help="engine.weights (float32 reference by default)")
+    ap.add_argument("--step-profile", action="store_true", help="profile engine decode steps (docstring)")
     ap.add_argument(
         "--cpu-time",
         action="store_true",
@@ -117,7 +171,15 @@ def main() -> None:
         torch.set_num_threads(1)
     torch.manual_seed(0)
     path = default_model_path() if args.model == "default" else args.model
-    ck = load_checkpoint(path)
+    ck = load_checkpoint(path, weights=args.weights)
+    if args.step_profile:
+        prof = step_profile(ck, args.context, args.repeats * 4)
+        print(f"threads={torch.get_num_threads()}  weights={ck.model.weight_formats}  context={args.context}")
+        print(f"{'step':<12}" + "".join(f"{k:>20}" for k in next(iter(prof.values()))))
+        for name, row in prof.items():
+            print(f"{name:<12}" + "".join(f"{v:>20.2f}" for v in row.values()))
+        print(json.dumps({"step_profile": prof, "weights": args.weights, "context": args.context}))
+        return
     with torch.inference_mode():
         mine = ours(ck, args.prompt, args.context, args.repeats)
     ref = (

@@ -33,6 +33,21 @@ So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x s
 weight (``engine.dense_min_rows``; None = no copy, int4 kernel at every row count, ~2 bytes per weight less
 memory); below, the int4 kernel. The LM head runs on the few logit rows only and keeps no copy.
 
+On an AVX2 CPU without bf16 arithmetic (AMD EPYC, AVX2+FMA; same shapes, one thread, thread time, one layer's
+weights hot in cache; the machine was loaded) bf16 GEMMs are emulated and lose everywhere, and the int4 kernel
+(bf16 widened to fp32 inside) wins only where weights stream from memory:
+
+| rows | fp32 ``x @ W.T`` | bf16 dense GEMM | int4 kernel, bf16 activations | int4, fp32 activations |
+|---|---|---|---|---|
+| 1 | 0.46 ms | 1.34 ms | 0.89 ms | 20 ms |
+| 8 | 3.0 ms | 9.7 ms | 3.4 ms | 165 ms |
+| 64 | **15 ms** | 86 ms | 31 ms | |
+| 512 | **106 ms** | 669 ms | 221 ms | |
+
+30 layers streamed from memory, one decode row: int4 25 ms against fp32 40 ms (8 rows: 106 ms against 126 ms);
+the Q8_0 LM head on the int4 kernel's two planes took 14.5 ms a row against 7 ms in fp32. So there the dense
+prefill copy is fp32 (``dense_dtype``, ``engine.weight_format.resolve``) and the head runs dense fp32 (exact).
+
 ``DenseWeight`` in fp32 (30 layers, weights streamed from memory, one thread):
 
 | rows (tokens) | ``F.linear(x, W[out,in])`` | ``x @ W.T`` stored ``[in,out]`` | oneDNN prepacked (packed for 8 rows) |
@@ -229,6 +244,7 @@ class Int4Weight(nn.Module):
         bias: torch.Tensor | None,
         device: torch.device,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
+        dense_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
         n, k = groups.q.shape
@@ -242,7 +258,7 @@ class Int4Weight(nn.Module):
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.dense_min_rows = dense_min_rows
         self.dense = (
-            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=torch.bfloat16)
+            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=dense_dtype)
         )
 
     @property
@@ -259,7 +275,7 @@ class Int4Weight(nn.Module):
         if exact:
             y = _int4_mm(x2.float(), self.packed, self.scale_zero)
         elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
-            y = F.linear(x2.to(torch.bfloat16), self.dense)
+            y = F.linear(x2.to(self.dense.dtype), self.dense)
         else:
             y = _int4_mm(x2.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
         y = y.to(x.dtype)
@@ -293,6 +309,7 @@ class Int8Weight(nn.Module):
         bias: torch.Tensor | None,
         device: torch.device,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
+        dense_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
         from engine.quantized import Int4Groups
@@ -307,7 +324,7 @@ class Int8Weight(nn.Module):
         self.out_features, self.in_features = groups.q.shape
         self.dense_min_rows = dense_min_rows
         self.dense = (
-            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=torch.bfloat16)
+            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=dense_dtype)
         )
 
     @property
@@ -321,7 +338,7 @@ class Int8Weight(nn.Module):
             and self.dense is not None
             and x.reshape(-1, x.shape[-1]).shape[0] >= self.dense_min_rows
         ):
-            y = F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
             return y if self.inner.bias is None else y.add_(self.inner.bias.to(y.dtype))
         return self.inner.forward(torch.cat([x, x], dim=-1), exact)
 

@@ -12,14 +12,19 @@
 - ``native``: each tensor in its own storage format where a kernel runs it: Q4_0/Q4_1 -> int4, Q8_0 -> int8,
   BF16 -> bf16, F16/F32 -> float32 (an fp16 mantissa does not fit bf16). Start-up error when the hardware has
   no fast kernel for one of them.
-- ``auto`` (default): ``native`` when the hardware runs those kernels fast, else ``float32`` with a log line.
-  It never loses precision the checkpoint has.
+- ``auto`` (default): ``native`` when the hardware runs the int4 kernel (AVX2 / AVX-512 CPUs, CUDA), else
+  ``float32`` with a log line. It never loses precision the checkpoint has.
 
 A fused projection (q/k/v, gate/up) whose parts are stored in different formats runs in the widest of them
 (any float part -> float32; Q4 with Q8_0 -> int8), with a log line.
 
-The int4/int8/bf16 kernels need bf16 arithmetic (AVX512-BF16 or AMX on x86 CPUs: the int4 kernel's fp32
-path is a scalar loop) or CUDA; ``bf16_kernels_available`` tells, ``check_supported`` refuses otherwise.
+Hardware: the int4/int8 formats run torch's int4 weight-only kernel with bf16 activations (its fp32-activation
+path is a scalar loop), which is vectorized for AVX2 and AVX-512 CPUs and CUDA (``int4_kernels_available``);
+without native bf16 arithmetic (an AVX2 CPU) it widens bf16 to fp32 inside, still reading 4 bits per weight.
+Dense bf16 GEMMs only pay with AVX512-BF16 / AMX or CUDA (``bf16_kernels_available``): on an AVX2 EPYC they
+ran 3-6x slower than fp32 (``engine.linear`` docstring), so there the ``bf16`` format is refused and a
+quantized layer's dense prefill copy is fp32 (``WeightPlan.dense_dtype``). ``check_supported`` refuses a
+format whose kernel the device lacks, naming the setting.
 """
 
 from __future__ import annotations
@@ -77,21 +82,39 @@ def bf16_kernels_available(device: torch.device | str) -> bool:
     return cap.startswith("AVX512") and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def int4_kernels_available(device: torch.device | str) -> bool:
+    """True where torch's int4 weight-only kernel is vectorized: CUDA, and CPUs whose torch build dispatches
+    AVX2 or AVX-512 kernels (``torch.backends.cpu.get_cpu_capability()``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type != "cpu":
+        return False
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap.startswith("AVX512") or cap.startswith("AVX2")
+
+
 def check_supported(weights: str, kv_dtype: str, device: torch.device | str) -> None:
     """Validate ``engine.weights`` / ``engine.kv_dtype`` for ``device`` before anything is loaded.
 
     Raises:
         ValueError: an unknown value (named with the choices).
-        UnsupportedHardwareError: ``int4`` / ``int8`` / ``bf16`` / ``native`` without bf16 kernels, or int4 /
-            int8 on a device other than CPU or CUDA.
+        UnsupportedHardwareError: ``int4`` / ``int8`` / ``native`` without the int4 kernel
+            (``int4_kernels_available``), ``bf16`` without bf16 kernels (``bf16_kernels_available``).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"engine.weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if weights in ("int4", "int8", "bf16", "native") and not bf16_kernels_available(device):
+    if weights in ("int4", "int8", "native") and not int4_kernels_available(device):
         raise UnsupportedHardwareError(
-            f"engine.weights: {weights} needs bf16 kernels (a CPU with AVX512-BF16 or AMX, or CUDA); "
+            f"engine.weights: {weights} needs the int4 weight-only kernel (a CPU with AVX2 or AVX-512, or "
+            f"CUDA); this {torch.device(device).type} device has none (cpu capability "
+            f"{torch.backends.cpu.get_cpu_capability()}). Use weights: auto or float32."
+        )
+    if weights == "bf16" and not bf16_kernels_available(device):
+        raise UnsupportedHardwareError(
+            f"engine.weights: bf16 needs bf16 kernels (a CPU with AVX512-BF16 or AMX, or CUDA); "
             f"this {torch.device(device).type} device has none (cpu capability "
             f"{torch.backends.cpu.get_cpu_capability()}). Use weights: auto or float32."
         )
@@ -115,15 +138,17 @@ class WeightPlan:
         weights: the resolved ``engine.weights`` (never ``auto``: ``resolve`` turns it into ``native`` or
             ``float32``).
         device: where the weights live.
-        dense_min_rows: quantized linears keep a dense bf16 copy used from this many rows up (prefill
+        dense_min_rows: quantized linears keep a dense copy used from this many rows up (prefill
             chunks); None = int4/int8 kernel at every row count (no copy, less memory).
         dtype: dtype of float weights and activations (fp32, or the model dtype when it is bf16/fp16).
+        dense_dtype: dtype of that dense copy: bf16 where bf16 GEMMs are fast, fp32 elsewhere (``resolve``).
     """
 
     weights: str
     device: torch.device
     dense_min_rows: int | None = DENSE_MIN_ROWS
     dtype: torch.dtype = torch.float32
+    dense_dtype: torch.dtype = torch.bfloat16
 
     def kind_for(self, parts: list[torch.Tensor | GGUFBlocks], name: str) -> str:
         """The format one fused projection (its ``parts``) runs in."""
@@ -156,10 +181,14 @@ class WeightPlan:
             kind = "bf16"
         if kind == "int4":
             groups = [int4_groups(_as_blocks(p, "Q4_1", INT4_TYPES, name)) for p in parts]
-            return Int4Weight(type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows)
+            return Int4Weight(
+                type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows, self.dense_dtype
+            )
         if kind == "int8":
             groups = [int8_groups(_as_blocks(p, "Q8_0", ("Q8_0",), name)) for p in parts]
-            return Int8Weight(type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows)
+            return Int8Weight(
+                type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows, self.dense_dtype
+            )
         dense = torch.cat([_as_float(p) for p in parts])
         if kind == "bf16":
             return BF16Weight(dense, bias, self.device)
@@ -186,24 +215,26 @@ def resolve(
     dtype: torch.dtype = torch.float32,
     dense_min_rows: int | None = DENSE_MIN_ROWS,
 ) -> WeightPlan:
-    """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged).
+    """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged); the
+    dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32.
 
     Raises:
         ValueError, UnsupportedHardwareError: see ``check_supported``.
     """
     device = torch.device(device)
     if weights == "auto":
-        if bf16_kernels_available(device) and dtype == torch.float32:
+        if int4_kernels_available(device) and dtype == torch.float32:
             weights = "native"
         else:
             log.info(
-                "engine.weights auto: no bf16 kernels on this %s (or dtype %s); running float32",
+                "engine.weights auto: no int4 kernel on this %s (or dtype %s); running float32",
                 device.type,
                 dtype,
             )
             weights = "float32"
     check_supported(weights, "float32", device)
-    return WeightPlan(weights, device, dense_min_rows, dtype)
+    dense_dtype = torch.bfloat16 if bf16_kernels_available(device) else torch.float32
+    return WeightPlan(weights, device, dense_min_rows, dtype, dense_dtype)
 
 
 def _concat_bias(parts, biases) -> torch.Tensor | None:

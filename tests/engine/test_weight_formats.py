@@ -31,12 +31,14 @@ from engine.weight_format import (
     UnsupportedHardwareError,
     bf16_kernels_available,
     check_supported,
+    int4_kernels_available,
     resolve,
 )
 from tests.engine.checkpoints import make_tiny_gguf_llama
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens
 
 needs_bf16 = pytest.mark.skipif(not bf16_kernels_available("cpu"), reason="CPU has no AVX512-BF16/AMX")
+needs_int4 = pytest.mark.skipif(not int4_kernels_available("cpu"), reason="CPU has no AVX2/AVX-512")
 CPU = torch.device("cpu")
 
 
@@ -75,7 +77,7 @@ def test_grouped_embedding_rows_are_exact(qtype):
     ref = b.dequantize()
     emb = (
         resolve("int4" if qtype != "Q8_0" else "int8", CPU).build_embedding(b)
-        if bf16_kernels_available(CPU)
+        if int4_kernels_available(CPU)
         else None
     )
     if emb is None:
@@ -98,7 +100,7 @@ def test_quantize_refuses_columns_not_in_groups_of_32():
         quantize(torch.randn(4, 40), "Q4_1")
 
 
-@needs_bf16
+@needs_int4
 @pytest.mark.parametrize("rows", [1, 3, 8, 15, 16, 40])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_fast_kernels_agree_with_fp32_reference(qtype, rows):
@@ -138,14 +140,14 @@ FORMATS = [
     ("Q4_1", "auto"),
     ("Q4_0", "native"),
     ("Q8_0", "auto"),
-    ("BF16", "native"),
+    pytest.param("BF16", "native", marks=needs_bf16),
     ("F32", "int4"),
     ("F32", "int8"),
-    ("F32", "bf16"),
+    pytest.param("F32", "bf16", marks=needs_bf16),
 ]
 
 
-@needs_bf16
+@needs_int4
 @pytest.mark.parametrize(("tensor_type", "weights"), FORMATS)
 def test_formats_load_as_asked(tensor_type, weights):
     ck = tiny(tensor_type, weights)
@@ -158,11 +160,13 @@ def test_formats_load_as_asked(tensor_type, weights):
         ("F32", "int8"): "Int8Weight,Tensor",
         ("F32", "bf16"): "BF16Weight,Tensor",
     }[(tensor_type, weights)]
+    if not bf16_kernels_available(CPU):  # AVX2: the LM head runs dense fp32 (engine.model.LlamaModel)
+        expected = ",".join(sorted({*expected.split(","), "DenseWeight"}))
     assert ck.model.weight_formats == expected
     assert ck.model_id != tiny(tensor_type, "float32").model_id  # KV of another format never shares a key
 
 
-@needs_bf16
+@needs_int4
 @pytest.mark.parametrize(("tensor_type", "weights"), FORMATS)
 def test_cache_on_equals_cache_off_and_batched_equals_alone(tensor_type, weights):
     ck = tiny(tensor_type, weights)
@@ -213,8 +217,11 @@ def teacher_forced_agreement(ck, ref_ck, prompts: list[list[int]], n: int, chunk
     return agree, total
 
 
-@needs_bf16
-@pytest.mark.parametrize(("tensor_type", "weights"), [("Q4_1", "auto"), ("Q8_0", "auto"), ("F32", "bf16")])
+@needs_int4
+@pytest.mark.parametrize(
+    ("tensor_type", "weights"),
+    [("Q4_1", "auto"), ("Q8_0", "auto"), pytest.param("F32", "bf16", marks=needs_bf16)],
+)
 def test_greedy_tokens_agree_with_fp32_reference_of_the_same_weights(tensor_type, weights):
     agree, total = teacher_forced_agreement(
         tiny(tensor_type, weights),
@@ -233,19 +240,39 @@ def test_unknown_settings_are_named():
         check_supported("auto", "float16", "cpu")
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "native"])
+@pytest.mark.parametrize("weights", ["int4", "int8", "native"])
 def test_format_without_kernel_is_a_startup_error_naming_the_setting(monkeypatch, weights):
-    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: False)
-    with pytest.raises(UnsupportedHardwareError, match=f"engine.weights: {weights} needs bf16 kernels"):
+    monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: False)
+    with pytest.raises(
+        UnsupportedHardwareError, match=f"engine.weights: {weights} needs the int4 weight-only"
+    ):
         check_supported(weights, "float32", "cpu")
 
 
-def test_auto_without_kernels_falls_back_to_float32_with_a_log_line(monkeypatch, caplog):
+def test_bf16_without_bf16_kernels_is_a_startup_error_naming_the_setting(monkeypatch):
     monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: False)
+    with pytest.raises(UnsupportedHardwareError, match="engine.weights: bf16 needs bf16 kernels"):
+        check_supported("bf16", "float32", "cpu")
+
+
+def test_auto_without_kernels_falls_back_to_float32_with_a_log_line(monkeypatch, caplog):
+    monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: False)
     with caplog.at_level(logging.INFO, logger="engine.weight_format"):
         plan = resolve("auto", "cpu")
     assert plan.weights == "float32"
     assert "running float32" in caplog.text
+
+
+def test_dense_prefill_copy_is_fp32_without_bf16_kernels(monkeypatch):
+    """On an AVX2 CPU (int4 kernel, no bf16 GEMMs) quantized layers run int4 and their prefill copy is fp32."""
+    monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: True)
+    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: False)
+    plan = resolve("auto", "cpu")
+    assert (plan.weights, plan.dense_dtype) == ("native", torch.float32)
+    lin = plan.build_linear([random_blocks("Q4_1", rows=64, cols=128)], None, "x")
+    assert isinstance(lin, Int4Weight) and lin.dense.dtype == torch.float32
+    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: True)
+    assert resolve("auto", "cpu").dense_dtype == torch.bfloat16
 
 
 def test_mixed_storage_in_one_projection_runs_in_the_widest_format(caplog):
@@ -276,14 +303,14 @@ def test_smollm2_q4_1_tensors_decode_bit_exactly():
 
 
 @pytest.mark.slow
-@needs_bf16
+@needs_int4
 def test_smollm2_int4_agrees_with_fp32_reference():
     """The GGUF's own Q4_1/Q8_0 weights on the int4 kernel (bf16 activations and bf16 scale/zero) against the
-    fp32 reference of the same dequantized weights, teacher-forced over 10 prompts x 100 positions.
-
-    Issue 12 asks for >= 99% top-1 agreement over >= 2,000 positions; measured here: 984 of these 1,000 (98.4%)
-    (the bf16 rounding of the f16 scales is the largest error), so that target is NOT met and this test guards
-    the measured level (>= 98%) over 1,000 positions, which keeps it within CI time."""
+    fp32 reference of the same dequantized weights, teacher-forced over 20 prompts x 100 positions (issue 12:
+    top-1 agreement >= 99% over >= 2,000 positions). The LM head runs dense fp32 where bf16 GEMMs are slow
+    (AVX2) and on its int8 planes elsewhere; the bf16 rounding of the activations and of the f16 scales is the
+    error left. Measured: 1,975 of 2,000 (98.75%; AVX2 EPYC, fp32 head); earlier 984 / 1,000 on an
+    AVX512-BF16 machine. The 99% target is NOT met; this test guards the measured level (>= 98%)."""
     from tests.engine.engine_helpers import smollm2_checkpoint
 
     ref = smollm2_checkpoint()
@@ -300,8 +327,19 @@ def test_smollm2_int4_agrees_with_fp32_reference():
         "rain",
         "music",
         "paris",
+        "volcanoes",
+        "bicycles",
+        "the ocean",
+        "honey bees",
+        "winter",
+        "coffee",
+        "libraries",
+        "mountains",
+        "electricity",
+        "gardens",
     ]
     prompts = [tok.render_chat([{"role": "user", "content": f"Tell me about {topic}."}]) for topic in topics]
     agree, total = teacher_forced_agreement(ck, ref, prompts, 100)
-    assert total == 1000
+    print(f"int4 top-1 agreement: {agree} / {total}")
+    assert total == 2000
     assert agree / total >= 0.98, (agree, total)
