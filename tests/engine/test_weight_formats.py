@@ -7,7 +7,7 @@
   output each carry a relative error <= 2^-9; the bound used is ``2^-6 * (|x| @ |W|^T)`` per output element.
 - For every format on tiny checkpoints: cache on == cache off and batched == alone give identical greedy
   tokens; greedy tokens agree with the fp32 reference (same dequantized weights) at >= 99% of teacher-forced
-  positions (slow test, the real SmolLM2: >= 98% over 1,000 positions, see its docstring).
+  positions (slow test, the real SmolLM2: >= 98% over 500 positions; ``bench.weight_agreement`` measures 2,000).
 - Bad settings: unknown values and formats the hardware has no kernel for are start-up errors naming the setting.
 """
 
@@ -17,15 +17,15 @@ import logging
 import tempfile
 from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from bench.weight_agreement import chat_prompts, teacher_forced_agreement
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.linear import BF16Weight, GroupedEmbedding, Int4Weight, Int8Weight
-from engine.model import allocate_kv_cache
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize
 from engine.weight_format import (
     UnsupportedHardwareError,
@@ -37,7 +37,6 @@ from engine.weight_format import (
 from tests.engine.checkpoints import make_tiny_gguf_llama
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens
 
-needs_bf16 = pytest.mark.skipif(not bf16_kernels_available("cpu"), reason="CPU has no AVX512-BF16/AMX")
 needs_int4 = pytest.mark.skipif(not int4_kernels_available("cpu"), reason="CPU has no AVX2/AVX-512")
 CPU = torch.device("cpu")
 
@@ -119,7 +118,6 @@ def test_fast_kernels_agree_with_fp32_reference(qtype, rows):
     assert ((y - ref).abs() <= bound(x, w)).all()
 
 
-@needs_bf16
 def test_bf16_weight_agrees_with_fp32_reference():
     w = torch.randn(64, 96)
     x = torch.randn(5, 96)
@@ -131,8 +129,14 @@ def test_bf16_weight_agrees_with_fp32_reference():
 # ---- engine level, tiny GGUF checkpoints ---------------------------------------------------------------------
 @cache
 def tiny(tensor_type: str, weights: str):
+    """A tiny GGUF checkpoint of ``tensor_type`` loaded with ``engine.weights: weights``. ``bf16`` is loaded as
+    if the CPU had bf16 kernels (on one without, the setting is a start-up error, tested below; torch still
+    runs bf16 GEMMs there, slowly), so the bf16 path's correctness is checked on every machine."""
     root = Path(tempfile.mkdtemp(prefix="prefixgate-formats-"))
     path = make_tiny_gguf_llama(root / f"tiny-{tensor_type}.gguf", tensor_type=tensor_type, seed=1)
+    if weights == "bf16" and not bf16_kernels_available(CPU):
+        with mock.patch("engine.weight_format.bf16_kernels_available", lambda device: True):
+            return load_checkpoint(str(path), weights=weights)
     return load_checkpoint(str(path), weights=weights)
 
 
@@ -140,10 +144,10 @@ FORMATS = [
     ("Q4_1", "auto"),
     ("Q4_0", "native"),
     ("Q8_0", "auto"),
-    pytest.param("BF16", "native", marks=needs_bf16),
+    ("BF16", "native"),
     ("F32", "int4"),
     ("F32", "int8"),
-    pytest.param("F32", "bf16", marks=needs_bf16),
+    ("F32", "bf16"),
 ]
 
 
@@ -160,7 +164,7 @@ def test_formats_load_as_asked(tensor_type, weights):
         ("F32", "int8"): "Int8Weight,Tensor",
         ("F32", "bf16"): "BF16Weight,Tensor",
     }[(tensor_type, weights)]
-    if not bf16_kernels_available(CPU):  # AVX2: the LM head runs dense fp32 (engine.model.LlamaModel)
+    if not bf16_kernels_available(CPU) and weights != "bf16":  # AVX2: LM head dense fp32 (engine.model)
         expected = ",".join(sorted({*expected.split(","), "DenseWeight"}))
     assert ck.model.weight_formats == expected
     assert ck.model_id != tiny(tensor_type, "float32").model_id  # KV of another format never shares a key
@@ -188,42 +192,13 @@ def test_cache_on_equals_cache_off_and_batched_equals_alone(tensor_type, weights
     assert together == alone
 
 
-@torch.inference_mode()
-def all_logits(model, tokens: list[int], chunk: int) -> torch.Tensor:
-    """fp32 logits ``[len(tokens), vocab]`` at every position, the sequence fed ``chunk`` tokens per forward
-    through the paged cache (``chunk`` < ``dense_min_rows``: the weight-only kernels run, as in decode)."""
-    kv = allocate_kv_cache(model.config, -(-len(tokens) // 16), 16, torch.float32, "cpu")
-    table = torch.arange(kv.shape[2])[None, :]
-    out = []
-    for start in range(0, len(tokens), chunk):
-        ids = tokens[start : start + chunk]
-        pos = torch.arange(start, start + len(ids))
-        meta = AttentionMetadata(pos.clone(), [0, len(ids)], [start + len(ids)], table, 16)
-        out.append(model.compute_logits(model(torch.tensor(ids), pos, kv, meta)))
-    return torch.cat(out)
-
-
-def teacher_forced_agreement(ck, ref_ck, prompts: list[list[int]], n: int, chunk: int = 8) -> tuple[int, int]:
-    """(agreeing, total) top-1 over positions: ``ref_ck``'s greedy continuation of each prompt (the fp32
-    reference of the same dequantized weights), then both models' argmax at every generated position, fed the
-    reference tokens ``chunk`` at a time."""
-    agree = total = 0
-    for p in prompts:
-        ref_tokens = make_engine(ref_ck).generate([p], greedy(n))[0]
-        seq = p + ref_tokens
-        got = all_logits(ck.model, seq, chunk)[len(p) - 1 : -1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(got, ref_tokens, strict=True))
-        total += n
-    return agree, total
-
-
 @needs_int4
 @pytest.mark.parametrize(
     ("tensor_type", "weights"),
-    [("Q4_1", "auto"), ("Q8_0", "auto"), pytest.param("F32", "bf16", marks=needs_bf16)],
+    [("Q4_1", "auto"), ("Q8_0", "auto"), ("F32", "bf16")],
 )
 def test_greedy_tokens_agree_with_fp32_reference_of_the_same_weights(tensor_type, weights):
-    agree, total = teacher_forced_agreement(
+    agree, total, _ = teacher_forced_agreement(
         tiny(tensor_type, weights),
         tiny(tensor_type, "float32"),
         [random_tokens(20 + 7 * i, 50 + i) for i in range(6)],
@@ -305,41 +280,17 @@ def test_smollm2_q4_1_tensors_decode_bit_exactly():
 @pytest.mark.slow
 @needs_int4
 def test_smollm2_int4_agrees_with_fp32_reference():
-    """The GGUF's own Q4_1/Q8_0 weights on the int4 kernel (bf16 activations and bf16 scale/zero) against the
-    fp32 reference of the same dequantized weights, teacher-forced over 20 prompts x 100 positions (issue 12:
-    top-1 agreement >= 99% over >= 2,000 positions). The LM head runs dense fp32 where bf16 GEMMs are slow
-    (AVX2) and on its int8 planes elsewhere; the bf16 rounding of the activations and of the f16 scales is the
-    error left. Measured: 1,975 of 2,000 (98.75%; AVX2 EPYC, fp32 head); earlier 984 / 1,000 on an
-    AVX512-BF16 machine. The 99% target is NOT met; this test guards the measured level (>= 98%)."""
+    """The GGUF's own Q4_1/Q8_0 weights on the int4 kernel against the fp32 reference of the same dequantized
+    weights, teacher-forced (``bench.weight_agreement``). Issue 12 asks top-1 agreement >= 99% over >= 2,000
+    positions: ``python -m bench.weight_agreement`` measures that (1,975 / 2,000 = 98.75% on an AVX2 EPYC with
+    the fp32 head, 984 / 1,000 earlier on an AVX512-BF16 machine: the 99% target is NOT met; the bf16 rounding
+    of activations and f16 scales is the error left). This test runs 20 prompts x 25 positions, the size CI
+    affords, and guards the measured level (>= 98%)."""
     from tests.engine.engine_helpers import smollm2_checkpoint
 
     ref = smollm2_checkpoint()
     ck = load_checkpoint(default_model_path(), weights="auto")
-    tok = ref.tokenizer
-    topics = [
-        "trains",
-        "the moon",
-        "bread",
-        "a cat",
-        "rivers",
-        "chess",
-        "python lists",
-        "rain",
-        "music",
-        "paris",
-        "volcanoes",
-        "bicycles",
-        "the ocean",
-        "honey bees",
-        "winter",
-        "coffee",
-        "libraries",
-        "mountains",
-        "electricity",
-        "gardens",
-    ]
-    prompts = [tok.render_chat([{"role": "user", "content": f"Tell me about {topic}."}]) for topic in topics]
-    agree, total = teacher_forced_agreement(ck, ref, prompts, 100)
-    print(f"int4 top-1 agreement: {agree} / {total}")
-    assert total == 2000
+    agree, total, misses = teacher_forced_agreement(ck, ref, chat_prompts(ref, 20), 25)
+    print(f"int4 top-1 agreement: {agree} / {total}, disagreeing at {misses}")
+    assert total == 500
     assert agree / total >= 0.98, (agree, total)
