@@ -205,7 +205,7 @@ class RuleSet:
         own: list[dict[str, list[str]]] = []
         system_values: list[tuple[str, str]] = []
         for j, (start, end) in enumerate(spans):
-            own.append(self._apply_turn(messages, start, end, j, systems, applied, system_values))
+            own.append(self._apply_turn(messages, start, end, j, systems, applied, system_values, scope))
         present_now = [v for _, v in system_values]
 
         reused: list[dict[str, Any]] = []
@@ -262,6 +262,7 @@ class RuleSet:
         systems: int,
         applied: Counter[str],
         system_values: list[tuple[str, str]],
+        scope: str = "",
     ) -> dict[str, list[str]]:
         """Run the span and normalize rules to a fixed point on the turn ``messages[start:end]`` (in place),
         selecting messages as in the request ``messages[:end]``. Values hoisted from the leading system
@@ -277,7 +278,7 @@ class RuleSet:
             for position, selector, rule, action in self._turn_rules:
                 count = 0
                 for index in chosen[selector]:
-                    n, hoisted = self._apply_to_message(position, action, messages[index])
+                    n, hoisted = self._apply_to_message(position, action, messages[index], scope)
                     count += n
                     for value in hoisted:
                         if index < systems:
@@ -322,15 +323,16 @@ class RuleSet:
         return None
 
     def _apply_to_message(
-        self, position: int, action: Callable[[str], TextResult], message: dict[str, Any]
+        self, position: int, action: Callable[[str], TextResult], message: dict[str, Any], scope: str = ""
     ) -> tuple[int, list[str]]:
         """Apply one span or normalize rule (``self.rules[position]``, its ``action``) to every text slot of
-        ``message`` (in place); return (applications, hoisted values)."""
+        ``message`` (in place); return (applications, hoisted values). ``scope`` (model and tenant) separates
+        the rule-result memo's entries between tenants (``rules.text_cache``)."""
         count = 0
         hoisted: list[str] = []
         for part in text_parts(message):
             text = get_text(message, part)
-            new_text, n, values = self.text_cache.get(position, text, action)
+            new_text, n, values = self.text_cache.get(position, text, action, scope)
             if n:
                 count += n
                 set_text(message, part, new_text)

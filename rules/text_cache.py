@@ -1,9 +1,13 @@
-"""A bounded memo of what one rule does to one text: ``(rule index, text) -> (new text, applications, hoisted
-values)``, least recently used first out.
+"""A bounded memo of what one rule does to one text: ``(scope, rule index, text) -> (new text, applications,
+hoisted values)``, least recently used first out.
 
 The span and normalize actions are pure functions of the rule and the text (``rules.actions``), so a text seen
 before (the same system prompt, tool preamble or document in request after request) gets the stored result
 instead of one RE2 scan per rule. One cache per ``RuleSet`` (the index is the rule's place in it).
+
+Entries are separated by ``scope`` (the gateway passes model and tenant, the cache salt): a stored result is
+faster than a computed one, so a memo shared across tenants would let one tenant learn from its latency whether
+another sent a text, the prompt-cache timing side channel (docs/tenants.md) one layer up.
 
 Invariants: a stored result is exactly what the action returned for that rule and text; the characters held
 (texts and rewritten texts) never exceed ``max_chars`` nor the entries ``max_entries``; a text longer than
@@ -21,7 +25,7 @@ Result = tuple[str, int, tuple[str, ...]]
 
 
 class TextActionCache:
-    """``(rule index, text) -> Result``, bounded by characters and entries held.
+    """``(scope, rule index, text) -> Result``, bounded by characters and entries held.
 
     Args:
         max_chars: most characters held over all entries (a key's text plus a rewritten text).
@@ -36,7 +40,7 @@ class TextActionCache:
         self.max_chars = max_chars
         self.max_entries = max_entries
         self.max_text_chars = max_text_chars
-        self._entries: OrderedDict[tuple[int, str], Result] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, str], Result] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -50,13 +54,14 @@ class TextActionCache:
         """Characters held now."""
         return self._chars
 
-    def get(self, index: int, text: str, compute: Callable[[str], Result]) -> Result:
-        """The result of rule ``index`` on ``text``: stored, or ``compute(text)`` (then stored if it fits).
+    def get(self, index: int, text: str, compute: Callable[[str], Result], scope: str = "") -> Result:
+        """The result of rule ``index`` on ``text`` within ``scope``: stored, or ``compute(text)`` (then stored
+        if it fits). A result stored under one scope is never returned under another.
 
         Raises:
             whatever ``compute`` raises (nothing is stored then).
         """
-        key = (index, text)
+        key = (scope, index, text)
         found = self._entries.get(key)  # one atomic step under the GIL: no lock on the hit path
         if found is not None:
             try:
@@ -85,9 +90,9 @@ class TextActionCache:
         """Assert the invariants (tests)."""
         assert self._chars == sum(_size(k, v) for k, v in self._entries.items())
         assert self._chars <= self.max_chars and len(self._entries) <= self.max_entries
-        assert all(len(text) <= self.max_text_chars for _, text in self._entries)
+        assert all(len(text) <= self.max_text_chars for _, _, text in self._entries)
 
 
-def _size(key: tuple[int, str], result: Result) -> int:
-    text, new_text = key[1], result[0]
+def _size(key: tuple[str, int, str], result: Result) -> int:
+    text, new_text = key[2], result[0]
     return len(text) + (0 if new_text is text else len(new_text))

@@ -79,3 +79,35 @@ def test_a_cached_ruleset_canonicalizes_exactly_as_a_fresh_one():
         got = warm.apply(copy.deepcopy(other)).to_dict()
         assert got == RuleSet(warm.rules, warm.sources).apply(copy.deepcopy(other)).to_dict()
     warm.text_cache.check()
+
+
+def test_scopes_never_share_an_entry():
+    """A memo hit is faster than a scan: across tenants it would be a timing side channel, so a result stored
+    under one scope (model + tenant) is never returned under another."""
+    cache = TextActionCache()
+    calls: list[str] = []
+
+    def compute(text: str):
+        calls.append(text)
+        return text.upper(), 1, ()
+
+    cache.get(0, "secret", compute, scope="m\0tenant-a")
+    cache.get(0, "secret", compute, scope="m\0tenant-b")
+    assert calls == ["secret", "secret"] and cache.hits == 0
+    cache.get(0, "secret", compute, scope="m\0tenant-a")
+    assert cache.hits == 1 and len(calls) == 2
+
+
+def test_ruleset_apply_keeps_each_tenants_memo_apart():
+    alone = load_ruleset(["default"])
+    alone.apply(copy.deepcopy(REQUEST), scope="m\0tenant-b")
+    own_hits = alone.text_cache.hits  # the fixed-point passes re-meet their own texts within one request
+    rules = load_ruleset(["default"])
+    rules.apply(copy.deepcopy(REQUEST), scope="m\0tenant-a")
+    hits = rules.text_cache.hits
+    other = rules.apply(copy.deepcopy(REQUEST), scope="m\0tenant-b")
+    assert rules.text_cache.hits - hits == own_hits  # tenant B's first request finds nothing of tenant A's
+    hits = rules.text_cache.hits
+    again = rules.apply(copy.deepcopy(REQUEST), scope="m\0tenant-b")
+    assert rules.text_cache.hits - hits > own_hits  # its own second request does
+    assert other.to_dict() == again.to_dict()
