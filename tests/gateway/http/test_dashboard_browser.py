@@ -74,8 +74,18 @@ def colour_pixels(png: bytes) -> int:
 def log_in(driver, base_url: str, token: str) -> None:
     from selenium.webdriver.common.by import By
 
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old_page = driver.find_element(By.TAG_NAME, "html")
     driver.find_element(By.ID, "token").send_keys(token)
     driver.find_element(By.ID, "login-submit").click()
+    # the click can return before the form's response replaces the page: wait for the new document, or a
+    # lookup right after may find the old page's elements (stale once the navigation lands)
+    WebDriverWait(driver, 30, poll_frequency=0.05).until(expected_conditions.staleness_of(old_page))
+    WebDriverWait(driver, 30, poll_frequency=0.05).until(
+        lambda d: d.execute_script("return document.readyState") == "complete"
+    )
 
 
 def test_dashboard_in_headless_chromium(tiny_checkpoint, tmp_path):
