@@ -40,7 +40,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,37 +145,31 @@ def build_workloads(tok: Any, scale: float, requests: int, sessions: int) -> lis
     def question(i: int) -> str:
         return QUESTIONS[i % len(QUESTIONS)].format(i=i)
 
-    out = []
+    def shared_head(name: str, describe: str, head: str, ask: Callable[[int], str], gap_s: float) -> Workload:
+        """A workload of one shared head + a new question per request (latency pass: questions 0..n-1;
+        serving pass: one wave of questions 100..100+n-1)."""
+        return Workload(
+            name,
+            describe.format(tokens=len(tok.encode(head))),
+            [_ask(head, ask(i)) for i in range(requests)],
+            [[_ask(head, ask(100 + i)) for i in range(requests)]],
+            gap_s=gap_s,
+        )
+
     system = _fill(SYSTEM, tok, size(1000))
-    out.append(
-        Workload(
-            "chatbot",
-            f"{len(tok.encode(system))}-token system prompt + ~50-token questions",
-            [_ask(system, question(i)) for i in range(requests)],
-            [[_ask(system, question(100 + i)) for i in range(requests)]],
-            gap_s=10.0,
-        )
-    )
     document = "Answer from this document only.\n" + _fill(DOCUMENT, tok, size(5000))
-    out.append(
-        Workload(
-            "rag",
-            f"{len(tok.encode(document))}-token document + questions",
-            [_ask(document, question(i)) for i in range(requests)],
-            [[_ask(document, question(100 + i)) for i in range(requests)]],
-            gap_s=20.0,
-        )
-    )
     shots = "Classify each input with one label.\n" + _fill(EXAMPLES, tok, size(2000))
-    out.append(
-        Workload(
+    out = [
+        shared_head("chatbot", "{tokens}-token system prompt + ~50-token questions", system, question, 10.0),
+        shared_head("rag", "{tokens}-token document + questions", document, question, 20.0),
+        shared_head(
             "few_shot",
-            f"{len(tok.encode(shots))} tokens of examples + new inputs",
-            [_ask(shots, f"Input: {question(i)}\nLabel:") for i in range(requests)],
-            [[_ask(shots, f"Input: {question(100 + i)}\nLabel:") for i in range(requests)]],
-            gap_s=5.0,
-        )
-    )
+            "{tokens} tokens of examples + new inputs",
+            shots,
+            lambda i: f"Input: {question(i)}\nLabel:",
+            5.0,
+        ),
+    ]
     tools = _fill(TOOLS, tok, size(1500))
     result_tokens = size(250)
 

@@ -7,6 +7,7 @@ from a record; a benchmark that did not run is listed with its reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bench.report import note_table
@@ -100,35 +101,47 @@ def _hit_rates(records: dict[str, Record]) -> list[str]:
     return out + [_command(records, "rules", "traces"), ""]
 
 
+def _one_row_section(
+    records: dict[str, Record], heading: str, image: str, bench: str, header: str, row: Callable[[dict], str]
+) -> list[str]:
+    """A section of one bench: its heading, its plot, a one-row table (``header`` cells joined by " | ",
+    ``row(result)`` the row's cells likewise) when the bench ran, and the command that ran it."""
+    out = [f"## {heading}", "", f"![{heading}]({image})", ""]
+    if bench in records:
+        cells = header.count(" | ") + 1
+        out += [f"| {header} |", "|" + "---|" * cells, f"| {row(records[bench].result)} |", ""]
+    return out + [_command(records, bench), ""]
+
+
 def _tiers(records: dict[str, Record]) -> list[str]:
-    out = ["## KV tiers", "", "![tiers TTFT](tiers_ttft.png)", ""]
-    if "tiers" in records:
-        t = records["tiers"].result
-        out += [
-            "| disk / recompute | Redis / recompute | RAM hit overhead (tiers on / off) | restart hit share |",
-            "|---|---|---|---|",
-            f"| {_f(t.get('disk_over_recompute'))} | {_f(t.get('redis_over_recompute'))} | "
-            f"{_f(t.get('ram_hit_overhead'))} | {_f(t.get('restart_hit_share'))} |",
-            "",
-        ]
-    return out + [_command(records, "tiers"), ""]
+    return _one_row_section(
+        records,
+        "KV tiers",
+        "tiers_ttft.png",
+        "tiers",
+        "disk / recompute | Redis / recompute | RAM hit overhead (tiers on / off) | restart hit share",
+        lambda t: (
+            f"{_f(t.get('disk_over_recompute'))} | {_f(t.get('redis_over_recompute'))} | "
+            f"{_f(t.get('ram_hit_overhead'))} | {_f(t.get('restart_hit_share'))}"
+        ),
+    )
 
 
 def _tenants(records: dict[str, Record]) -> list[str]:
-    out = ["## Tenants", "", "![tenants TTFT](tenants_ttft.png)", ""]
-    if "tenants" in records:
-        t = records["tenants"].result
-        out += [
-            "| B on A's prefix ms | B cold ms | A repeat ms | p isolated | p open namespace | "
-            "layered prefill ratio (largest N / 1) |",
-            "|---|---|---|---|---|---|",
-            f"| {1000 * t['b_on_a_prefix_ttft_s']:.1f} | {1000 * t['b_cold_ttft_s']:.1f} | "
+    return _one_row_section(
+        records,
+        "Tenants",
+        "tenants_ttft.png",
+        "tenants",
+        "B on A's prefix ms | B cold ms | A repeat ms | p isolated | p open namespace | "
+        "layered prefill ratio (largest N / 1)",
+        lambda t: (
+            f"{1000 * t['b_on_a_prefix_ttft_s']:.1f} | {1000 * t['b_cold_ttft_s']:.1f} | "
             f"{1000 * t['a_repeat_ttft_s']:.1f} | {_f(t['side_channel_p_value'], 4)} | "
             f"{t['open_namespace_p_value']:.2g} | {_f(t['shared_prefill_ratio_256'])} "
-            f"(N = {t.get('largest_tenant_count', 256)}) |",
-            "",
-        ]
-    return out + [_command(records, "tenants"), ""]
+            f"(N = {t.get('largest_tenant_count', 256)})"
+        ),
+    )
 
 
 def _fleet(records: dict[str, Record]) -> list[str]:

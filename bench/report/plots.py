@@ -205,9 +205,8 @@ def hit_rate_by_turn(results: Results, prov: Provenance, path: Path) -> None:
 def tiers_ttft(results: Results, prov: Provenance, path: Path) -> None:
     """TTFT per prefix size with the prefix recomputed, hit in RAM (tiers off / on), or restored after a restart."""
     title = "TTFT by KV tier"
-    tiers = results.get("tiers")
+    tiers = _record_or_placeholder(results, "tiers", prov, path, title)
     if tiers is None:
-        _not_run(path, title, prov, "bench.tiers did not run")
         return
     sizes = sorted({int(k.rsplit("_", 1)[1]) for k in tiers if k.startswith("recompute_ttft_s_")})
     kinds = [
@@ -299,12 +298,19 @@ def fleet_policies(results: Results, prov: Provenance, path: Path) -> None:
     _save(fig, path, nrows=2)
 
 
+def _record_or_placeholder(results: Results, bench: str, prov: Provenance, path: Path, title: str) -> Any:
+    """``results[bench]``, or None after drawing the "not run" placeholder at ``path``."""
+    record = results.get(bench)
+    if record is None:
+        _not_run(path, title, prov, f"bench.{bench} did not run")
+    return record
+
+
 def note_table(results: Results, prov: Provenance, path: Path) -> None:
     """The note's four promised improvements (shaded range) beside ours, per workload."""
     title = "The note's table, measured: prefix caching on vs off"
-    note = results.get("note")
+    note = _record_or_placeholder(results, "note", prov, path, title)
     if note is None:
-        _not_run(path, title, prov, "bench.note did not run")
         return
     workloads = list(note["workloads"])
     fig, axes = _figure(
@@ -340,9 +346,8 @@ def note_table(results: Results, prov: Provenance, path: Path) -> None:
 def note_latency(results: Results, prov: Provenance, path: Path) -> None:
     """Prefill (TTFT) and end-to-end seconds per workload, prefix caching on vs off."""
     title = "The note's workloads: latency with prefix caching on vs off"
-    note = results.get("note")
+    note = _record_or_placeholder(results, "note", prov, path, title)
     if note is None:
-        _not_run(path, title, prov, "bench.note did not run")
         return
     workloads = list(note["workloads"])
     fig, axes = _figure(
