@@ -139,6 +139,11 @@ class RuleSet:
         self._selectors = tuple(selectors)  # the distinct selectors, each evaluated once per turn
         self.text_cache = TextActionCache()
         """What each rule did to each text seen lately (the actions are pure: a repeated text is not rescanned)."""
+        self.pass_cache = TextActionCache()
+        """What one whole pass (every rule selecting a message, in order) did to each text seen lately: (final
+        text, applications, per-rule steps), so a repeated system prompt costs one lookup per pass, not one
+        per rule."""
+        self._pass_ids: dict[tuple[int, ...], int] = {}
 
     @property
     def rule_ids(self) -> list[str]:
@@ -273,24 +278,60 @@ class RuleSet:
         values: dict[str, list[str]] = {}
         # rules change texts, never roles or the message count: each selector picks the same messages all along
         chosen = [[i for i in selector.select(view) if i >= start] for selector in self._selectors]
+        # a rule only touches the messages it selects, so a message's texts go through its own rules in rule
+        # order whatever the other messages do: one memoized pass per text, replayed below in rule-major order
+        slots_of: dict[int, list[int]] = {}
+        for slot, (_, selector, _, _) in enumerate(self._turn_rules):
+            for index in chosen[selector]:
+                slots_of.setdefault(index, []).append(slot)
+        plans = [
+            (index, self._pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())
+        ]
         for _ in range(MAX_PASSES):
-            changed = False
-            for position, selector, rule, action in self._turn_rules:
-                count = 0
-                for index in chosen[selector]:
-                    n, hoisted = self._apply_to_message(position, action, messages[index], scope)
-                    count += n
-                    for value in hoisted:
-                        if index < systems:
-                            system_values.append((rule.placement, value))
-                        if index >= systems or turn == 0:
-                            values.setdefault(locations[rule.placement], []).append(value)
-                if count:
-                    applied[rule.id] += count
-                    changed = True
-            if not changed:
+            steps: list[tuple[int, int, int, int, tuple[str, ...]]] = []  # (slot, message, part, n, hoisted)
+            for index, pass_id, slots in plans:
+                message = messages[index]
+                for part in text_parts(message):
+                    text = get_text(message, part)
+                    new_text, n, done = self.pass_cache.get(
+                        pass_id, text, lambda t, slots=slots: self._run_pass(slots, t, scope), scope
+                    )
+                    if n:
+                        set_text(message, part, new_text)
+                        steps.extend((slot, index, part, count, hoisted) for slot, count, hoisted in done)
+            if not steps:
                 break
+            steps.sort(key=lambda step: step[:3])  # what the rule-major loop over messages and parts gives
+            for slot, index, _, count, hoisted in steps:
+                rule = self._turn_rules[slot][2]
+                applied[rule.id] += count
+                for value in hoisted:
+                    if index < systems:
+                        system_values.append((rule.placement, value))
+                    if index >= systems or turn == 0:
+                        values.setdefault(locations[rule.placement], []).append(value)
         return values
+
+    def _pass_id(self, slots: tuple[int, ...]) -> int:
+        """A small number naming one sequence of rule slots (the pass memo's index)."""
+        found = self._pass_ids.get(slots)
+        if found is None:
+            found = self._pass_ids.setdefault(slots, len(self._pass_ids))
+        return found
+
+    def _run_pass(self, slots: tuple[int, ...], text: str, scope: str) -> TextResult:
+        """One pass of the rules in ``slots`` (``self._turn_rules`` places, in order) over ``text``: (final
+        text, applications, ((slot, applications, hoisted values), ...) for each rule that applied)."""
+        done: list[tuple[int, int, tuple[str, ...]]] = []
+        total = 0
+        for slot in slots:
+            position, _, _, action = self._turn_rules[slot]
+            new_text, n, hoisted = self.text_cache.get(position, text, action, scope)
+            if n:
+                done.append((slot, n, hoisted))
+                total += n
+                text = new_text
+        return text, total, tuple(done)
 
     def _apply_tool_rules(
         self, tools: list[dict[str, Any]] | None, applied: Counter[str]
@@ -321,23 +362,6 @@ class RuleSet:
                 return turn, entry
             memory.count(rejected=1)
         return None
-
-    def _apply_to_message(
-        self, position: int, action: Callable[[str], TextResult], message: dict[str, Any], scope: str = ""
-    ) -> tuple[int, list[str]]:
-        """Apply one span or normalize rule (``self.rules[position]``, its ``action``) to every text slot of
-        ``message`` (in place); return (applications, hoisted values). ``scope`` (model and tenant) separates
-        the rule-result memo's entries between tenants (``rules.text_cache``)."""
-        count = 0
-        hoisted: list[str] = []
-        for part in text_parts(message):
-            text = get_text(message, part)
-            new_text, n, values = self.text_cache.get(position, text, action, scope)
-            if n:
-                count += n
-                set_text(message, part, new_text)
-                hoisted.extend(values)
-        return count, hoisted
 
 
 def _action_of(rule: Rule) -> Callable[[str], TextResult]:

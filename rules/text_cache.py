@@ -19,9 +19,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
-Result = tuple[str, int, tuple[str, ...]]
-"""(new text, number of applications, hoisted values in order)."""
+Result = tuple[str, int, tuple[Any, ...]]
+"""(new text, number of applications, hoisted values in order; for a whole pass of rules, the steps of the
+rules that applied)."""
 
 
 class TextActionCache:

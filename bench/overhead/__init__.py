@@ -15,5 +15,6 @@ Run: ``python -m bench.overhead`` (LiteLLM from ``--litellm PATH``, default the 
 Python or in ``bench/.peers/litellm``; ``--no-litellm`` leaves it out). Prints a table, then one JSON line
 (last) with ``overhead_p50_ms`` (prefixgate's added p50 at 1 connection, non-streamed) and ``rps_vs_litellm``
 (prefixgate's requests/s over LiteLLM's at 8 connections; null without LiteLLM), and the rest.
-Targets: ``overhead_p50_ms`` <= 1, ``rps_vs_litellm`` >= 5. Where the time goes: docs/overhead.md.
+Targets: ``overhead_p50_ms`` <= 1, ``rps_vs_litellm`` >= 5. Where the time goes: docs/overhead.md, and
+``python -m bench.overhead.profile`` (py-spy on the gateway under this load, CPU per request by category).
 """

@@ -143,7 +143,8 @@ async def completions(http_request: Request) -> Response:
 async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> Response:
     gateway = gateway_of(http_request)
     begin(http_request, request)
-    opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
+    path = http_request.scope["path"]  # what ``url.path`` gives for this route's fixed path, without the URL
+    opened = await open_stream(gateway, request, path, started_at(http_request))
     meta = ResponseMeta(request, gateway.registry.get(request.model).system_fingerprint())
     headers = {"x-request-id": request.request_id}
     if request.stream:

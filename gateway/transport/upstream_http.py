@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
+from gateway.transport.aiohttp_transport import AiohttpTransport
 from gateway.transport.failures import (
     FailureKind,
     UpstreamCallError,
@@ -43,11 +44,12 @@ _DRAIN_TIMEOUT_S = 1.0  # seconds waited for the end of such a body
 
 
 def make_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.AsyncClient:
-    """A client for upstream calls (connection pooling; timeouts are set per request)."""
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive),
-        follow_redirects=False,
-    )
+    """A client for upstream calls (connection pooling; timeouts are set per request), sending over aiohttp's
+    pool (``gateway.transport.aiohttp_transport``: a third of httpcore's CPU per call, docs/overhead.md).
+    Proxies from the environment still go through httpx's own proxy transports. ``max_keepalive`` bounds the
+    idle connections kept where the transport has such a bound (aiohttp keeps any under ``max_connections``)."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive)
+    return httpx.AsyncClient(limits=limits, follow_redirects=False, transport=AiohttpTransport(limits))
 
 
 class SharedClient:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,28 @@ def test_percentile_and_report_use_the_direct_path_as_baseline():
     assert doc["prefixgate_rps_8"] == 2000.0 and doc["litellm_rps_8"] == 500.0
     assert doc["rps_vs_litellm"] == 4.0
     assert doc["prefixgate_cpu_ms_per_request"] == 1.5  # (2 ms + 1 ms) / 2 rows
+
+
+def test_profile_charges_each_sample_to_its_innermost_category_and_leaves_waits_out(tmp_path):
+    from bench.overhead.profile import attribute, breakdown, read_collapsed
+
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        "run (uvicorn/main.py:1);apply (rules/canonicalize.py:9) 6\n"
+        # httpx called from the backend: the innermost matching frame (httpx) wins over the backend's
+        "stream (gateway/backends/openai_upstream.py:5);send (httpx/_client.py:3) 3\n"
+        "send (httpx/_client.py:3);write (anyio/_backends/_asyncio.py:1);"
+        "_SelectorSocketTransport.write (asyncio/selector_events.py:1057) 5\n"
+        "main (somewhere.py:1) 1\n"
+    )
+    samples = read_collapsed(raw)
+    assert samples[0] == (["run (uvicorn/main.py:1)", "apply (rules/canonicalize.py:9)"], 6)
+    shares, waiting = attribute(samples)
+    assert waiting == 5
+    assert shares == {"rules (RuleSet.apply)": 6, "HTTP client (httpx, transport)": 3, "other": 1}
+    assert breakdown(shares, 2.0) == {
+        "rules (RuleSet.apply)": 1.2,
+        "HTTP client (httpx, transport)": 0.6,
+        "other": 0.2,
+    }
+    assert breakdown(Counter(), 2.0) == {}

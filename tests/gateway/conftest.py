@@ -9,6 +9,7 @@ import pytest
 
 from tests.engine.checkpoints import make_tiny_hf_llama
 from tests.gateway.server import ADMIN_TOKEN, RunningServer, write_config
+from tests.gateway.upstream_helpers import httpcore_client
 
 TINY_MODEL = "tiny"
 BLOCK_SIZE = 16
@@ -61,3 +62,10 @@ def client(server):
 
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
         yield sdk
+
+
+@pytest.fixture
+def respx_upstreams(monkeypatch):
+    """Gateways and backends made in the test share an httpcore client for their upstream calls, so that
+    ``respx`` (which intercepts httpcore) can mock the upstreams."""
+    monkeypatch.setattr("gateway.transport.upstream_http.make_client", httpcore_client)

@@ -109,3 +109,12 @@ def _client_body(protocol: Literal["openai", "anthropic"], body: dict[str, Any])
 
 async def drain(events: AsyncIterator[Any]) -> list[Any]:
     return [event async for event in events]
+
+
+def httpcore_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.AsyncClient:
+    """An upstream client on httpx's default transport (httpcore), the one respx intercepts: the gateway's
+    shared client sends over aiohttp (``gateway.transport.aiohttp_transport``), which respx cannot see."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive),
+        follow_redirects=False,
+    )

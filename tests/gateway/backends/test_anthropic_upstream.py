@@ -550,6 +550,7 @@ def test_factory_reads_the_model_entry():
 
 
 @respx.mock
+@pytest.mark.usefixtures("respx_upstreams")
 async def test_factory_passes_version_breakpoint_settings_and_ring():
     route = respx.post(URL).mock(return_value=sse_response(CACHE_STREAM))
     system = " ".join(f"rule{i}" for i in range(60))  # far below the built-in 4096-token minimum of haiku 4.5

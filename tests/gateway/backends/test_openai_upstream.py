@@ -456,6 +456,7 @@ def test_factory_reads_the_model_entry():
 
 
 @respx.mock
+@pytest.mark.usefixtures("respx_upstreams")
 async def test_factory_passes_prompt_cache_key_and_ring_settings():
     route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
     model = OpenAIUpstream(

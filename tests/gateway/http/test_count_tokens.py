@@ -241,7 +241,7 @@ OPENAI_KEY = "sk-count-tokens-openai-key-8899aabbccdd"
 
 
 @pytest.fixture
-def upstream_gateway():
+def upstream_gateway(respx_upstreams):
     """A gateway serving ``an`` (backend anthropic, one retry) and ``oa`` (backend openai), default rules."""
     config = parse_config(
         {

@@ -1,0 +1,261 @@
+"""``AiohttpTransport`` against scripted HTTP/1.1 servers on real loopback sockets: the bytes on the wire are
+httpx's, connections are kept or cut as httpcore's are, and every failure is the httpx error httpcore gives."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from gateway.transport.aiohttp_transport import AiohttpTransport
+from gateway.transport.upstream_http import make_client
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 5\r\n\r\nhello"
+
+
+class Server:
+    """A loopback server running ``handler`` per connection; records request heads and counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/chat/completions"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bool:
+        """Read one request (head and Content-Length body); False at EOF."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return False
+        self.heads.append(head)
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        self.bodies.append(await reader.readexactly(length))
+        return True
+
+
+def _answer(*responses: bytes) -> Callable[[Server], Handler]:
+    """A handler answering each request on a connection with the next of ``responses``."""
+
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for response in responses:
+                if not await server.read_request(reader):
+                    return
+                writer.write(response)
+                await writer.drain()
+            await reader.read()  # hold the connection open until the client closes it
+
+        return handler
+
+    return make
+
+
+async def _serving(make: Callable[[Server], Handler]) -> Server:
+    server = Server(lambda r, w: asyncio.sleep(0))
+    server.handler = make(server)
+    return await server.__aenter__()
+
+
+def _client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=AiohttpTransport(), timeout=httpx.Timeout(5.0))
+
+
+def _post(client: httpx.AsyncClient, url: str) -> httpx.Request:
+    return client.build_request(
+        "POST",
+        url,
+        headers={"content-type": "application/json", "authorization": "Bearer sk-test"},
+        content=b'{"model": "m"}',
+    )
+
+
+def _header_lines(head: bytes) -> list[tuple[bytes, bytes]]:
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    return sorted((n.strip().lower(), v.strip()) for n, _, v in (line.partition(b":") for line in lines[1:]))
+
+
+async def test_the_request_on_the_wire_is_the_one_httpcore_sends():
+    server = await _serving(_answer(OK))
+    try:
+        async with httpx.AsyncClient() as plain, _client() as ours:
+            for client in (plain, ours):
+                response = await client.send(_post(client, server.url))
+                assert (response.status_code, response.content) == (200, b"hello")
+        default, sent = server.heads
+        assert sent.split(b"\r\n")[0] == default.split(b"\r\n")[0] == b"POST /v1/chat/completions HTTP/1.1"
+        assert _header_lines(sent) == _header_lines(default)
+        assert server.bodies == [b'{"model": "m"}', b'{"model": "m"}']
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_body_read_to_its_end_keeps_the_connection_and_one_closed_early_cuts_it():
+    long = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n01234"  # 5 of 10 bytes now, the rest never
+    server = await _serving(_answer(OK, OK, long, OK))
+    try:
+        async with _client() as client:
+            for _ in range(2):
+                response = await client.send(_post(client, server.url), stream=True)
+                assert [chunk async for chunk in response.aiter_bytes()] == [b"hello"]
+                await response.aclose()
+            assert server.connections == 1
+            response = await client.send(_post(client, server.url), stream=True)
+            async for chunk in response.aiter_raw():
+                assert chunk == b"01234"
+                break
+            await response.aclose()  # closed before its end: the connection is cut
+            response = await client.send(_post(client, server.url))
+            assert response.content == b"hello" and server.connections == 2
+    finally:
+        await server.__aexit__()
+
+
+async def test_an_encoded_body_reaches_httpx_undecoded_and_httpx_decodes_it():
+    text = b'{"answer": "forty-two"}' * 20
+    packed = gzip.compress(text)
+    head = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(packed)
+    server = await _serving(_answer(head + packed, head + packed))
+    try:
+        async with _client() as client:
+            response = await client.send(_post(client, server.url))
+            assert response.content == text
+            response = await client.send(_post(client, server.url), stream=True)
+            assert b"".join([chunk async for chunk in response.aiter_raw()]) == packed
+            await response.aclose()
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_refused_connection_is_a_connect_error():
+    server = await _serving(_answer(OK))
+    url = server.url
+    await server.__aexit__()
+    server.server.close()
+    await server.server.wait_closed()
+    async with _client() as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.send(_post(client, url))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"", b"HTTP/1.1 200 OK\r\ncontent-le", b"garbage that is not http\r\n\r\n"],
+    ids=["closed-before-answering", "closed-inside-the-head", "garbled-status-line"],
+)
+async def test_a_server_that_closes_or_garbles_the_head_is_a_remote_protocol_error(answer):
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        async with _client() as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.send(_post(client, server.url))
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_body_cut_short_is_a_remote_protocol_error():
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+            await writer.drain()
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        async with _client() as client:
+            response = await client.send(_post(client, server.url), stream=True)
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for _ in response.aiter_bytes():
+                    pass
+            await response.aclose()
+    finally:
+        await server.__aexit__()
+
+
+async def test_silence_longer_than_the_read_timeout_is_a_read_timeout():
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nfirst")
+            await writer.drain()
+            await reader.read()
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        async with httpx.AsyncClient(transport=AiohttpTransport(), timeout=httpx.Timeout(0.2)) as client:
+            response = await client.send(_post(client, server.url), stream=True)
+            with pytest.raises(httpx.ReadTimeout):
+                async for _ in response.aiter_bytes():
+                    pass
+            await response.aclose()
+            with pytest.raises(httpx.ReadTimeout):  # no answer at all: the first byte is waited for as long
+                await client.send(_post(client, server.url))
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_header_value_that_cannot_be_sent_is_a_local_protocol_error_that_does_not_quote_it():
+    server = await _serving(_answer(OK))
+    try:
+        async with _client() as client:
+            request = client.build_request(
+                "POST", server.url, headers={"authorization": "Bearer hunter2\r\nx-evil: 1"}, content=b"{}"
+            )
+            with pytest.raises(httpx.LocalProtocolError) as info:
+                await client.send(request)
+            assert "hunter2" not in str(info.value)
+            assert server.heads == []
+    finally:
+        await server.__aexit__()
+
+
+async def test_the_shared_client_uses_it_with_the_configured_limits():
+    client = make_client(max_connections=7)
+    try:
+        transport = client._transport
+        assert isinstance(transport, AiohttpTransport) and transport._limit == 7
+    finally:
+        await client.aclose()
