@@ -73,7 +73,6 @@ def colour_pixels(png: bytes) -> int:
 
 def log_in(driver, base_url: str, token: str) -> None:
     from selenium.webdriver.common.by import By
-
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
