@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import redis.asyncio as aioredis
@@ -624,3 +624,19 @@ def _single_hit_rate(ok: list[Outcome], capacity_tokens: int) -> float:
         cache.insert(o.ids, o.hashes)
         total += len(o.ids)
     return hit / max(total, 1)
+
+
+def index_blocks_for(capacity_tokens: int, workload: WorkloadConfig, sample: int = 200) -> int:
+    """A replica's prefix cache in the approximate index's 64-character blocks for this workload's text.
+
+    ``capacity_tokens / 16`` token blocks times the measured ratio of text blocks
+    (``gateway.backends.upstream.routing_blocks``) to token blocks over the first ``sample`` sessions' first
+    requests: the index then ages out about what the replica evicts (llm-d's ``LRUCapacityPerServer`` is sized
+    the same way, from the pod's KV capacity).
+    """
+    text = tokens = 0
+    for s in build_sessions(replace(workload, n_sessions=min(sample, workload.n_sessions)), 1.0):
+        messages = [{"role": "system", "content": s.system}, {"role": "user", "content": s.user_messages[0]}]
+        text += len(routing_blocks({"messages": messages}, "fleet"))
+        tokens += len(chat_tokens(messages)) // 16
+    return max(1, round(capacity_tokens / 16 * text / max(tokens, 1)))
