@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -39,9 +40,9 @@ LOADS = {"low": 0.3, "mid": 0.9, "high": 1.5}
 """Offered work over the fleet's capacity with nothing cached (1.0: every replica busy without a hit)."""
 
 
-def _row(r: dict, level: str) -> str:
+def _row(r: dict, level: str, seed: int) -> str:
     return (
-        f"| {r['gateways']} | {r['policy']} | {level} | {r['requests']} | {r['util']:.2f} | {r['hit_rate']:.3f} | "
+        f"| {r['gateways']} | {seed} | {r['policy']} | {level} | {r['requests']} | {r['util']:.2f} | {r['hit_rate']:.3f} | "
         f"{r['share_of_single']:.3f} | {r['max_over_mean_load']:.2f} | {r['max_over_mean_served']:.2f} | "
         f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['errors']} | {r['retries']} | {r['wall_s']:.1f} |"
     )
@@ -72,6 +73,8 @@ async def _run_cell(args: argparse.Namespace, cfg: SimConfig) -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    """Run the matrix (and the soak); returns the JSON line's object."""
+    seeds = [args.seed + i for i in range(max(1, args.seeds))]
     wl = WorkloadConfig(n_sessions=args.sessions, seed=args.seed)
     index_blocks = args.index_blocks or index_blocks_for(args.capacity_tokens, wl)
     base = SimConfig(
@@ -86,39 +89,61 @@ async def main_async(args: argparse.Namespace) -> dict:
     )
     out: dict = {"mode": "realtime" if args.realtime else "virtual_time", "index_blocks": index_blocks}
     out["load_avg_start"] = round(os.getloadavg()[0], 2)
-    results: dict[tuple[int, str, str], dict] = {}
+    results: dict[tuple[int, str, str, int], dict] = {}
     print(f"loads (offered / capacity with nothing cached): {json.dumps({k: LOADS[k] for k in args.loads})}")
     print(
-        "| gateways | policy | load | requests | util | hit rate | share of single | max/mean load "
+        "| gateways | seed | policy | load | requests | util | hit rate | share of single | max/mean load "
         "| max/mean served | TTFT p50 s | TTFT p99 s | errors | retries | wall s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for gateways in args.gateways:
-        for level in args.loads:
-            for policy in args.policies:
-                cfg = replace(base, policy=policy, n_gateways=gateways, load=LOADS[level])
-                r = await _run_cell(args, cfg)
-                results[(gateways, policy, level)] = r
-                print(_row(r, level), flush=True)
+        # Several seeds at 1 gateway (cheap cells: the headline is their mean); one at 2 and 4 gateways,
+        # whose cells pay a real Redis round trip per gateway every 0.2 s of virtual time.
+        levels = args.loads if gateways == 1 else [lv for lv in args.loads if lv in args.multi_gateway_loads]
+        for seed in seeds if gateways == 1 else seeds[:1]:
+            for level in levels:
+                for policy in args.policies:
+                    cfg = replace(
+                        base,
+                        policy=policy,
+                        n_gateways=gateways,
+                        load=LOADS[level],
+                        workload=replace(wl, seed=seed),
+                    )
+                    r = await _run_cell(args, cfg)
+                    results[(gateways, policy, level, seed)] = r
+                    print(_row(r, level, seed), flush=True)
 
-    def get(g: int, p: str, level: str, key: str) -> float | None:
-        r = results.get((g, p, level))
-        return None if r is None else r[key]
+    def each(g: int, p: str, level: str, key: str) -> list[float]:
+        return [r[key] for (g2, p2, l2, _), r in results.items() if (g2, p2, l2) == (g, p, level)]
 
-    out["cache_aware_share_of_single"] = get(1, "cache_aware", "high", "share_of_single")
-    out["max_over_mean_load"] = get(1, "cache_aware", "high", "max_over_mean_load")
+    def mean(g: int, p: str, level: str, key: str) -> float | None:
+        values = each(g, p, level, key)
+        return statistics.mean(values) if values else None
+
+    out["seeds"] = seeds
+    out["cache_aware_share_of_single"] = mean(1, "cache_aware", "high", "share_of_single")
+    out["max_over_mean_load"] = mean(1, "cache_aware", "high", "max_over_mean_load")
+    out["cache_aware_share_of_single_by_seed"] = each(1, "cache_aware", "high", "share_of_single")
+    out["max_over_mean_load_by_seed"] = each(1, "cache_aware", "high", "max_over_mean_load")
     out["cache_aware_share_of_single_by_load"] = {
-        level: get(1, "cache_aware", level, "share_of_single") for level in args.loads
+        level: mean(1, "cache_aware", level, "share_of_single") for level in args.loads
     }
     out["max_over_mean_load_by_load"] = {
-        level: get(1, "cache_aware", level, "max_over_mean_load") for level in args.loads
+        level: mean(1, "cache_aware", level, "max_over_mean_load") for level in args.loads
     }
-    one, four = get(1, "cache_aware", "high", "hit_rate"), get(4, "cache_aware", "high", "hit_rate")
-    out["gateways4_share_of_1"] = four / one if one and four is not None else None
-    ca_low, rr_low = get(1, "cache_aware", "low", "ttft_p99_s"), get(1, "round_robin", "low", "ttft_p99_s")
-    out["cache_aware_p99_ttft_over_round_robin_low"] = ca_low / rr_low if ca_low and rr_low else None
-    out["cache_aware_kv_share_of_single"] = get(1, "cache_aware_kv", "high", "share_of_single")
-    out["cache_aware_kv_max_over_mean_load"] = get(1, "cache_aware_kv", "high", "max_over_mean_load")
+    one = results.get((1, "cache_aware", "high", seeds[0]))
+    four = results.get((4, "cache_aware", "high", seeds[0]))
+    out["gateways4_share_of_1"] = four["hit_rate"] / one["hit_rate"] if one and four else None
+    p99 = [
+        results[(1, "cache_aware", "low", seed)]["ttft_p99_s"]
+        / results[(1, "round_robin", "low", seed)]["ttft_p99_s"]
+        for seed in seeds
+        if (1, "cache_aware", "low", seed) in results and (1, "round_robin", "low", seed) in results
+    ]
+    out["cache_aware_p99_ttft_over_round_robin_low"] = max(p99) if p99 else None  # the worst seed
+    out["cache_aware_kv_share_of_single"] = mean(1, "cache_aware_kv", "high", "share_of_single")
+    out["cache_aware_kv_max_over_mean_load"] = mean(1, "cache_aware_kv", "high", "max_over_mean_load")
     out["errors"] = sum(r["errors"] for r in results.values())
     out["load_avg_matrix_end"] = round(os.getloadavg()[0], 2)
     if args.soak > 0:
@@ -130,12 +155,12 @@ async def main_async(args: argparse.Namespace) -> dict:
         out["soak_failed"] = None
         out["soak_leaked_blocks"] = None
     out["rows"] = [
-        {"gateways": g, "policy": p, "load": level}
+        {"gateways": g, "policy": p, "load": level, "seed": seed}
         | {
             k: r[k]
             for k in ("util", "hit_rate", "share_of_single", "max_over_mean_load", "ttft_p50_s", "ttft_p99_s")
         }
-        for (g, p, level), r in results.items()
+        for (g, p, level, seed), r in results.items()
     ]
     return _rounded(out)
 
@@ -159,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
     parser.add_argument("--no-faults", action="store_true", help="no replica joining, failing or restarting")
     parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="workload seeds at 1 gateway (seed, seed+1, ...)"
+    )
+    parser.add_argument(
+        "--multi-gateway-loads",
+        nargs="+",
+        choices=list(LOADS),
+        default=["low", "high"],
+        help="loads run with 2 and 4 gateways",
+    )
     parser.add_argument("--capacity-tokens", type=int, default=8000, help="prefix cache tokens per replica")
     parser.add_argument("--load-factor", type=float, default=1.25, help="the ring's bound c")
     parser.add_argument(
@@ -169,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--realtime", action="store_true", help="real HTTP replicas instead of virtual time")
     parser.add_argument("--time-scale", type=float, default=0.04, help="--realtime: real s per engine s")
-    parser.add_argument("--soak", type=float, default=0.0, help="soak seconds after the matrix (0: none)")
+    parser.add_argument(
+        "--soak",
+        type=float,
+        default=None,
+        help="soak seconds after the matrix (default 0: none; --quick: 15)",
+    )
     parser.add_argument("--soak-streams", type=int, default=64, help="concurrent streams of the soak")
     args = parser.parse_args(argv)
     if args.quick:
@@ -177,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         args.gateways = [1, 2]
         args.policies = ["round_robin", "cache_aware"]
         args.loads = ["low", "high"]
-        args.soak = min(args.soak, 15.0) if args.soak else 15.0
+        args.seeds = 1
+        args.soak = 15.0 if args.soak is None else min(args.soak, 15.0)
         args.soak_streams = min(args.soak_streams, 16)
+    if args.soak is None:
+        args.soak = 0.0
     out = asyncio.run(until_signal(main_async(args)))
     if out is None:
         print("bench.fleet: stopped by a signal", file=sys.stderr)

@@ -389,7 +389,7 @@ class CacheAwarePolicy(RoutingPolicy):
         index_capacity_blocks: int = 31_250,
         use_kv_events: bool = False,
         balance_abs_threshold: int = 3,
-        load_weight: float = 4.0,
+        load_weight: float = 10.0,
     ) -> None:
         super().__init__(ring)
         if not 0.0 <= cache_threshold <= 1.0:
