@@ -24,13 +24,16 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import yaml
@@ -40,6 +43,7 @@ from bench.fleet.replica import EngineTiming, StubReplica
 from bench.fleet.workload import prefix_text
 
 ADMIN_TOKEN = "soak-admin-token"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,11 @@ class _Gateway:
     async def start(self, timeout_s: float = 120.0) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **self._env}
         self.proc = subprocess.Popen(
-            self._args, stdout=subprocess.DEVNULL, stderr=self._log_path.open("w"), env=env
+            self._args,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log_path.open("w"),
+            env=env,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2) as probe:
@@ -106,6 +114,15 @@ class _Gateway:
                 self.proc.kill()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the bench process dies, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def _rss_mb(pid: int | str = "self") -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -125,6 +142,30 @@ def _slope_per_min(samples: list[tuple[float, float]]) -> float:
     return 0.0 if var == 0 else 60 * sum((t - mt) * (v - mv) for t, v in samples) / var
 
 
+async def until_signal(work: Coroutine[Any, Any, T]) -> T | None:
+    """Await ``work`` in a task that SIGTERM or SIGINT cancels (its ``finally`` blocks run, so children are
+    stopped); returns None when a signal stopped it."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    stopped: list[int] = []
+
+    def stop(signum: int) -> None:
+        stopped.append(signum)
+        task.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+        return None
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
 async def run_soak(cfg: SoakConfig) -> dict:
     """Run one soak (see the module docstring); returns its counts and the RSS slope."""
     from tests.engine.checkpoints import make_tiny_hf_llama
@@ -134,9 +175,38 @@ async def run_soak(cfg: SoakConfig) -> dict:
     checkpoint = make_tiny_hf_llama(tmp / "tiny-llama", seed=0)
     timing = EngineTiming(time_scale=cfg.time_scale)
     replicas = [StubReplica(f"r{i}", 20_000, timing) for i in range(cfg.n_replicas)]
+    proxy = TcpProxy(6379)
+    gateways: list[_Gateway] = []
+    restarts: list[asyncio.TimerHandle] = []
+    try:
+        return await _soak_body(cfg, rng, tmp, checkpoint, timing, replicas, proxy, gateways, restarts)
+    finally:
+        # Also on cancellation (SIGTERM, SIGINT): no gateway process, replica or proxy outlives the soak.
+        for handle in restarts:
+            handle.cancel()
+        for g in gateways:
+            with contextlib.suppress(Exception):
+                await g.stop()
+        for r in replicas:
+            with contextlib.suppress(Exception):
+                await r.kill()
+        with contextlib.suppress(Exception):
+            await proxy.cut()
+
+
+async def _soak_body(
+    cfg: SoakConfig,
+    rng: random.Random,
+    tmp: Path,
+    checkpoint: Path,
+    timing: EngineTiming,
+    replicas: list[StubReplica],
+    proxy: TcpProxy,
+    gateways: list[_Gateway],
+    restarts: list[asyncio.TimerHandle],
+) -> dict:
     for r in replicas:
         await r.start()
-    proxy = TcpProxy(6379)
     await proxy.start()
     config = {
         "admin": {"token": ADMIN_TOKEN},
@@ -167,10 +237,10 @@ async def run_soak(cfg: SoakConfig) -> dict:
     }
     config_path = tmp / "prefixgate.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    gateways = [
+    gateways.extend(
         _Gateway(config_path, tmp / f"gateway{i}.log", dict(cfg.first_gateway_env) if i == 0 else None)
         for i in range(cfg.gateways)
-    ]
+    )
     for g in gateways:
         await g.start()
 
@@ -274,8 +344,10 @@ async def run_soak(cfg: SoakConfig) -> dict:
                 k0 = time.monotonic()
                 killing.append((k0, k0 + step / 2))  # before the kill: its streams break while it runs
                 await victim.kill()
-                asyncio.get_running_loop().call_later(
-                    step / 2, lambda v=victim: asyncio.ensure_future(v.start())
+                restarts.append(
+                    asyncio.get_running_loop().call_later(
+                        step / 2, lambda v=victim: asyncio.ensure_future(v.start())
+                    )
                 )
                 next_kill += step
             if not rss or now - rss[-1][0] - t0 >= 2.0:
@@ -286,9 +358,14 @@ async def run_soak(cfg: SoakConfig) -> dict:
             await asyncio.sleep(0.1)
 
     fault_task = asyncio.create_task(faults())
-    await asyncio.gather(*(stream_loop(i) for i in range(cfg.streams)))
-    await fault_task
-    await client.aclose()
+    try:
+        await asyncio.gather(*(stream_loop(i) for i in range(cfg.streams)))
+        await fault_task
+    finally:
+        fault_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await fault_task
+        await client.aclose()
 
     leaked = 0
     async with httpx.AsyncClient(timeout=120) as admin:
@@ -302,11 +379,6 @@ async def run_soak(cfg: SoakConfig) -> dict:
                     break
                 await asyncio.sleep(0.05)
             leaked += m["blocks"]["used"]
-    for g in gateways:
-        await g.stop()
-    for r in replicas:
-        await r.kill()
-    await proxy.cut()
     warm = [s for s in rss if s[0] >= cfg.duration_s / 4]
     return {
         "soak_duration_s": round(time.monotonic() - t0, 1),
@@ -338,5 +410,8 @@ if __name__ == "__main__":  # python -m bench.fleet.soak [SECONDS]
         for item in os.environ.get("SOAK_FIRST_GATEWAY_ENV", "").split(",")
         if "=" in item
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(asyncio.run(run_soak(SoakConfig(duration_s=seconds, first_gateway_env=extra)))))
+    result = asyncio.run(until_signal(run_soak(SoakConfig(duration_s=seconds, first_gateway_env=extra))))
+    if result is None:
+        print("bench.fleet.soak: stopped by a signal", file=sys.stderr)
+        sys.exit(130)
+    print(json.dumps(result))

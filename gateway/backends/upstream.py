@@ -17,7 +17,7 @@ import httpx
 
 from gateway.backends.base import Backend, ReplicaStates
 from gateway.backends.kv_blocks import KVBlockHasher
-from gateway.config.schema import KVEventsConfig, RoutingShareConfig, UpstreamModel
+from gateway.config.schema import CacheAwareConfig, KVEventsConfig, RoutingShareConfig, UpstreamModel
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.kv_events import KVEventFeed
 from gateway.transport.redact import redact_url
@@ -41,6 +41,7 @@ class UpstreamOptions(TypedDict, total=False):
     routing: str
     routing_share: RoutingShareConfig | None
     kv_events: KVEventsConfig | None
+    cache_aware: CacheAwareConfig | None
     sleep: Callable[[float], Awaitable[Any]]
 
 
@@ -62,10 +63,12 @@ class UpstreamBackend(Backend):
         routing_share: share load (and the cache-aware index) with other gateways through Redis.
         kv_events: follow the replicas' KV event streams into the cache-aware index's exact view, and hash
             requests as their engine does (``cache_aware`` only).
+        cache_aware: the cache-aware policy's settings (``cache_aware`` only; None = its defaults).
         sleep: the backoff sleep (tests).
 
     Raises:
-        ValueError: an unknown ``routing``, or ``kv_events`` with another policy than ``cache_aware``.
+        ValueError: an unknown ``routing``, or ``kv_events`` or ``cache_aware`` with another policy than
+            ``cache_aware``.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class UpstreamBackend(Backend):
         routing: str = "consistent_hash",
         routing_share: RoutingShareConfig | None = None,
         kv_events: KVEventsConfig | None = None,
+        cache_aware: CacheAwareConfig | None = None,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
         self.name = name
@@ -90,7 +94,18 @@ class UpstreamBackend(Backend):
         ring = ring or AffinityRing([url.rstrip("/") for url in base_urls])
         if kv_events is not None and routing != "cache_aware":
             raise ValueError(f"kv_events needs routing: cache_aware, not {routing!r}")
-        policy = make_policy(routing, ring, **({"use_kv_events": True} if kv_events is not None else {}))
+        if cache_aware is not None and routing != "cache_aware":
+            raise ValueError(f"cache_aware settings need routing: cache_aware, not {routing!r}")
+        options: dict[str, Any] = {"use_kv_events": True} if kv_events is not None else {}
+        if cache_aware is not None:
+            options.update(
+                index_capacity_blocks=cache_aware.index_blocks,
+                cache_threshold=cache_aware.cache_threshold,
+                overlap_weight=cache_aware.overlap_weight,
+                balance_abs_threshold=cache_aware.balance_abs_threshold,
+                load_weight=cache_aware.load_weight,
+            )
+        policy = make_policy(routing, ring, **options)
         self.kv_hasher = KVBlockHasher(kv_events) if kv_events is not None else None
         self.kv_feed: KVEventFeed | None = None
         if kv_events is not None:
@@ -236,4 +251,5 @@ def upstream_settings(model: UpstreamModel) -> dict[str, Any]:
         "routing": model.routing,
         "routing_share": model.routing_share,
         "kv_events": model.kv_events,
+        "cache_aware": model.cache_aware,
     }

@@ -304,6 +304,7 @@ _MODEL_UPSTREAM = {
     "routing",
     "routing_share",
     "kv_events",
+    "cache_aware",
 }
 _MODEL_BACKEND_ONLY = {
     "openai": {"prompt_cache_key", "prompt_cache_retention", "cache_salt"},

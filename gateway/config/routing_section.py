@@ -1,8 +1,9 @@
-"""The routing settings of one upstream model entry: ``routing``, ``routing_share`` and ``kv_events``.
+"""The routing settings of one upstream model entry: ``routing``, ``routing_share``, ``kv_events`` and
+``cache_aware``.
 
-Each bad value is a ``ConfigError`` naming its key; ``kv_events`` needs ``routing: cache_aware`` (the only
-policy with an index to feed), ``routing_share`` works with every policy (load is shared; the index too
-with ``cache_aware``).
+Each bad value is a ``ConfigError`` naming its key; ``kv_events`` and ``cache_aware`` need
+``routing: cache_aware`` (the only policy with an index), ``routing_share`` works with every policy (load is
+shared; the index too with ``cache_aware``).
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ from gateway.config.reader import Reader
 from gateway.config.schema import (
     KV_EVENT_TOKENIZERS,
     ROUTING_POLICIES,
+    CacheAwareConfig,
     KVEventsConfig,
     RoutingShareConfig,
 )
 
 
 def parse_routing(reader: Reader, raw: dict, where: str) -> dict[str, Any]:
-    """``{"routing", "routing_share", "kv_events"}`` of the model entry ``raw`` at ``where``.
+    """``{"routing", "routing_share", "kv_events", "cache_aware"}`` of the model entry ``raw`` at ``where``.
 
     Raises:
-        ConfigError: an unknown policy, a bad ``routing_share`` or ``kv_events`` value, or ``kv_events``
-            without ``routing: cache_aware``.
+        ConfigError: an unknown policy, a bad ``routing_share``, ``kv_events`` or ``cache_aware`` value, or
+            ``kv_events`` or ``cache_aware`` without ``routing: cache_aware``.
     """
     routing = reader.typed(raw, where, "routing", str, "consistent_hash")
     if routing not in ROUTING_POLICIES:
@@ -35,11 +37,37 @@ def parse_routing(reader: Reader, raw: dict, where: str) -> dict[str, Any]:
         reader.fail(
             f"{where}.kv_events", f"feeds the cache-aware index: needs routing: cache_aware, not {routing!r}"
         )
+    cache_aware = _parse_cache_aware(reader, raw.get("cache_aware"), f"{where}.cache_aware")
+    if cache_aware is not None and routing != "cache_aware":
+        reader.fail(f"{where}.cache_aware", f"configures routing: cache_aware, not {routing!r}")
     return {
         "routing": routing,
         "routing_share": _parse_routing_share(reader, raw.get("routing_share"), f"{where}.routing_share"),
         "kv_events": kv_events,
+        "cache_aware": cache_aware,
     }
+
+
+def _parse_cache_aware(reader: Reader, value: Any, where: str) -> CacheAwareConfig | None:
+    """``cache_aware:`` a mapping of ``CacheAwareConfig``'s fields; absent = None (the defaults)."""
+    if value is None:
+        return None
+    default = CacheAwareConfig()
+    section = reader.mapping(value, where, {f.name for f in dataclasses.fields(CacheAwareConfig)})
+    out: dict[str, Any] = {}
+    for key, kind, low, high in (
+        ("index_blocks", int, 1, None),
+        ("cache_threshold", float, 0.0, 1.0),
+        ("overlap_weight", float, 0.0, None),
+        ("balance_abs_threshold", int, 0, None),
+        ("load_weight", float, 0.0, None),
+    ):
+        number = reader.typed(section, where, key, kind, getattr(default, key))
+        if number < low or (high is not None and number > high):
+            bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            reader.fail(f"{where}.{key}", f"expected a number {bounds}, got {number}")
+        out[key] = number
+    return CacheAwareConfig(**out)
 
 
 def _parse_routing_share(reader: Reader, value: Any, where: str) -> RoutingShareConfig | None:

@@ -120,6 +120,28 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class CacheAwareConfig:
+    """Settings of ``routing: cache_aware`` (``gateway.transport.routing_policy.CacheAwarePolicy``; the
+    anchors' parameters and the fleet bench's measurements are in docs/routing.md).
+
+    Attributes:
+        index_blocks: block hashes the approximate index keeps per replica, >= 1: about the replica's prefix
+            cache in 64-character blocks (llm-d's ``LRUCapacityPerServer``, default 31,250).
+        cache_threshold: least matched share of a request's blocks to follow the match, in [0, 1] (SGLang).
+        overlap_weight: weight of the blocks to prefill against pending blocks, >= 0 (Dynamo).
+        balance_abs_threshold: a replica within this many requests of the least loaded one may take the
+            request even over the ring's bound, >= 0 (SGLang's ``balance_abs_threshold``).
+        load_weight: blocks the cost charges per request in flight on a replica, >= 0.
+    """
+
+    index_blocks: int = 31_250
+    cache_threshold: float = 0.5
+    overlap_weight: float = 1.0
+    balance_abs_threshold: int = 3
+    load_weight: float = 10.0
+
+
+@dataclass(frozen=True)
 class EmbeddedModel:
     """A model served by the in-process engine (``backend: embedded``).
 
@@ -155,6 +177,7 @@ class UpstreamModel:
             local only.
         kv_events: follow the replicas' KV event streams (``routing: cache_aware`` only); None = the
             approximate index only.
+        cache_aware: the cache-aware policy's settings (``routing: cache_aware`` only); None = defaults.
     """
 
     backend: ClassVar[str]
@@ -170,6 +193,7 @@ class UpstreamModel:
     routing: str = "consistent_hash"
     routing_share: RoutingShareConfig | None = None
     kv_events: KVEventsConfig | None = None
+    cache_aware: CacheAwareConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ Policies (``routing:`` per upstream; the reasoning and the anchors' parameters a
 - ``consistent_hash``: the ring's bounded-load walk from the prefix key (Mirrokni et al. 2018; KubeAI's
   CHWBL "PrefixHash"): today's behaviour, unchanged.
 - ``cache_aware``: among the replicas under the load bound ``ceil(c * (m + 1) / n)`` (the ring's
-  ``capacity``), if the best expected prefix match covers at least ``cache_threshold`` of the request (SGLang
-  router, default 0.5), the one with the least ``overlap_weight * blocks to prefill + blocks pending`` there
-  (Dynamo's KV router cost, temperature 0); otherwise the consistent-hash walk, so gateways that share
+  ``capacity``) or within ``balance_abs_threshold`` requests of the least loaded one (SGLang router), if the
+  best expected prefix match covers at least ``cache_threshold`` of the request (SGLang router, default 0.5),
+  the one with the least ``overlap_weight * blocks to prefill + blocks pending + load_weight * in flight``
+  there (Dynamo's KV router cost, temperature 0); otherwise the consistent-hash walk, so gateways that share
   nothing still agree where a new prefix goes. The expected match comes from an approximate per-replica
   index of the block hashes routed there (LRU aged, bounded; llm-d's approximate prefix scorer), or, for a
   replica that publishes vLLM-style KV events, from the blocks it says it holds (llm-d's precise scorer,
@@ -23,8 +24,8 @@ Policies (``routing:`` per upstream; the reasoning and the anchors' parameters a
 
 Invariants:
 - Whatever the index or the KV events say, a replica is only chosen while its in-flight count is under the
-  ring's capacity (or when it is the only candidate left), so a lying KV event stream cannot send one replica
-  more than the bound allows.
+  ring's capacity or within ``balance_abs_threshold`` of the least loaded replica (or when it is the only
+  candidate left), so a lying KV event stream cannot send one replica more than that bound allows.
 - ``BlockIndex`` never holds more than ``capacity_blocks`` hashes per replica; the oldest go first.
 - Block hashes are chained (each covers its parent), so "leading blocks present" is a prefix match.
 """
@@ -340,25 +341,40 @@ class PendingLease:
 class CacheAwarePolicy(RoutingPolicy):
     """Longest expected prefix match under the load bound; the bounded-load ring walk otherwise.
 
-    Among the replicas under the ring's bound, when the best expected match covers at least
-    ``cache_threshold`` of the request's blocks, the replica with the least cost
-    ``overlap_weight * (blocks to prefill there) + (blocks this gateway has pending there)`` (Dynamo's KV
-    router cost with temperature 0; ties in ring order), taken among the replicas holding some of the prefix
-    whose load stays within the real-valued ``c * (m + 1) / n`` when there are any (the ring's bound rounds up,
-    which at small ``m`` lets one replica reach 1.5 times the mean); otherwise the first one under the bound in the key's
-    ring order (consistent hashing with bounded load), so gateways that share nothing agree on a new prefix.
-    Pending blocks are the blocks each in-flight request has to prefill, counted until the replica's first byte
-    (``PendingLease.prefill_done``) or the lease's release.
+    *Eligible* replicas: those under the ring's bound ``ceil(c * (m + 1) / n)``, and those within
+    ``balance_abs_threshold`` requests of the least loaded available replica (SGLang's router: the cache
+    decides unless the load gap passes an absolute threshold; at a handful of requests in flight the ring's
+    bound alone is 1 or 2 per replica, and a spill costs a whole prefill, far more than queueing behind one
+    cached request). Among the eligible, when the best expected match covers at least ``cache_threshold`` of
+    the request's blocks, the replica with the least cost ``overlap_weight * (blocks to prefill there) +
+    (blocks this gateway has pending there) + load_weight * (requests in flight there)`` (Dynamo's KV router
+    cost with temperature 0, plus a per-request term for the decode slots; ties in ring order), taken among
+    the replicas holding some of the prefix whose load stays within the real-valued ``c * (m + 1) / n`` when
+    there are any (the ring's bound rounds up, which at small ``m`` lets one replica reach 1.5 times the
+    mean); otherwise the first eligible one in the key's ring order (consistent hashing with bounded load),
+    so gateways that share nothing agree on a new prefix. Pending blocks are the blocks each in-flight request
+    has to prefill, counted until the replica's first byte (``PendingLease.prefill_done``) or the lease's
+    release.
+
+    No replica ever takes a request while it holds ``max(ceil(c * (m + 1) / n), least load +
+    balance_abs_threshold)`` or more (unless it is the only candidate left), whatever the index or the KV
+    events say.
 
     Args:
         ring: the replica ring; its ``load_factor`` is the load bound ``c``.
         cache_threshold: least matched fraction of the request's blocks to follow the match (SGLang: 0.5).
         overlap_weight: weight of the prefill blocks against pending blocks (Dynamo: 1.0).
-        index_capacity_blocks: hashes kept per replica by the approximate index (llm-d: 31,250).
+        index_capacity_blocks: hashes kept per replica by the approximate index (llm-d: 31,250); about the
+            replica's prefix cache in blocks is best (the index then ages out what the replica evicts).
         use_kv_events: take the blocks a replica reports in KV events as its cache, once it has reported any.
+        balance_abs_threshold: requests over the least loaded replica a replica may hold and still be
+            eligible past the ring's bound (SGLang's ``balance_abs_threshold``, default 32 for its large
+            batches; 3 here, measured in ``bench.fleet``: docs/routing.md).
+        load_weight: blocks charged per request in flight on a replica (0: Dynamo's cost alone).
 
     Raises:
-        ValueError: ``cache_threshold`` outside ``[0, 1]`` or ``overlap_weight < 0``.
+        ValueError: ``cache_threshold`` outside ``[0, 1]``, or ``overlap_weight``, ``load_weight`` or
+            ``balance_abs_threshold`` below 0.
     """
 
     name = "cache_aware"
@@ -372,14 +388,22 @@ class CacheAwarePolicy(RoutingPolicy):
         overlap_weight: float = 1.0,
         index_capacity_blocks: int = 31_250,
         use_kv_events: bool = False,
+        balance_abs_threshold: int = 3,
+        load_weight: float = 10.0,
     ) -> None:
         super().__init__(ring)
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be in [0, 1]")
         if not overlap_weight >= 0.0:
             raise ValueError("overlap_weight must be >= 0")
+        if not load_weight >= 0.0:
+            raise ValueError("load_weight must be >= 0")
+        if balance_abs_threshold < 0:
+            raise ValueError("balance_abs_threshold must be >= 0")
         self.cache_threshold = float(cache_threshold)
         self.overlap_weight = float(overlap_weight)
+        self.balance_abs_threshold = int(balance_abs_threshold)
+        self.load_weight = float(load_weight)
         self.pending_blocks: dict[str, int] = {}
         self.on_route: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.record
         self.use_kv_events = use_kv_events
@@ -395,11 +419,15 @@ class CacheAwarePolicy(RoutingPolicy):
             return self.exact.match(replica, blocks)
         return self.approx.match(replica, blocks)
 
-    def choose(self, request: RouteRequest, available: list[str]) -> str:
+    def eligible(self, available: list[str]) -> list[str]:
+        """The replicas of ``available`` that may take one more request (see the class docstring)."""
+        loads = {r: self.ring.load(r) for r in available}
         cap = self.ring.capacity(len(available))
-        under = [r for r in available if self.ring.load(r) < cap]
-        if not under:  # cannot happen while n * cap > m; kept for safety
-            under = available
+        floor = min(loads.values())
+        return [r for r in available if loads[r] < cap or loads[r] + 1 - floor <= self.balance_abs_threshold]
+
+    def choose(self, request: RouteRequest, available: list[str]) -> str:
+        under = self.eligible(available)
         blocks = request.blocks
         if blocks:
             matches = {r: self.expected_match(r, blocks) for r in available}
@@ -418,7 +446,9 @@ class CacheAwarePolicy(RoutingPolicy):
                 return min(
                     strict or under,
                     key=lambda r: (
-                        self.overlap_weight * (len(blocks) - matches[r]) + self.pending_blocks.get(r, 0),
+                        self.overlap_weight * (len(blocks) - matches[r])
+                        + self.pending_blocks.get(r, 0)
+                        + self.load_weight * self.ring.load(r),
                         rank[r],
                     ),
                 )

@@ -12,6 +12,7 @@ from engine.api import EngineConfig
 from gateway.config.loader import default_config, load_config, parse_config
 from gateway.config.schema import (
     AnthropicUpstream,
+    CacheAwareConfig,
     ConfigError,
     KVEventsConfig,
     OpenAIUpstream,
@@ -314,6 +315,27 @@ def test_transcript_and_learning_settings(tmp_path):
             "models[0].kv_events.block_size",
             ">= 1",
         ),
+        (f"{OPENAI} cache_aware: {{index_blocks: 9}}}}]\n", "models[0].cache_aware", "routing: cache_aware"),
+        (
+            f"{OPENAI} routing: cache_aware, cache_aware: {{index_blocks: 0}}}}]\n",
+            "models[0].cache_aware.index_blocks",
+            ">= 1",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, cache_aware: {{cache_threshold: 2}}}}]\n",
+            "models[0].cache_aware.cache_threshold",
+            "in [0.0, 1.0]",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, cache_aware: {{load_weight: -1}}}}]\n",
+            "models[0].cache_aware.load_weight",
+            ">= 0.0",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, cache_aware: {{balance: 3}}}}]\n",
+            "models[0].cache_aware.balance",
+            "unknown key",
+        ),
         (
             f"{OPENAI} routing: cache_aware, routing_share: http://x}}]\n",
             "models[0].routing_share.redis_url",
@@ -427,6 +449,7 @@ def test_routing_per_upstream():
                     "routing": "cache_aware",
                     "routing_share": {"interval_s": 0.5, "retry_after_s": 2},
                     "kv_events": {"path": "/v1/kv_events", "block_size": 32},
+                    "cache_aware": {"index_blocks": 670, "balance_abs_threshold": 0, "load_weight": 0},
                 },
                 {"name": "d", "backend": "openai", "base_url": "http://w"},
                 {
@@ -449,6 +472,8 @@ def test_routing_per_upstream():
     a, b, c, d, e, f = config.models
     assert (a.routing, a.routing_share, a.kv_events) == ("round_robin", None, None)
     assert c.kv_events == KVEventsConfig(path="/v1/kv_events", block_size=32)
+    assert c.cache_aware == CacheAwareConfig(index_blocks=670, balance_abs_threshold=0, load_weight=0.0)
+    assert f.cache_aware is None  # the policy's defaults
     assert e.routing_share is not None  # load is shared by every policy
     assert f.kv_events == KVEventsConfig()
     assert b.routing_share == RoutingShareConfig(redis_url="redis://127.0.0.1:6379/2")

@@ -15,7 +15,12 @@ from bench.fleet.netfault import TcpProxy
 from bench.fleet.replica import EngineTiming, StubReplica
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 from gateway.backends.upstream import routing_blocks
-from gateway.config.schema import ROUTING_POLICIES, KVEventsConfig, RoutingShareConfig
+from gateway.config.schema import (
+    ROUTING_POLICIES,
+    CacheAwareConfig,
+    KVEventsConfig,
+    RoutingShareConfig,
+)
 from gateway.transport.routing_policy import POLICIES, CacheAwarePolicy
 from tests.gateway.upstream_helpers import Sleeps, chat_request, drain
 
@@ -94,8 +99,9 @@ async def test_two_gateways_follow_a_spilled_conversation_through_redis(fleet):
         assert walk[0] == "r0"
         try:
             x1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
-            # 1. r0 is busy on gateway A (2 requests in flight = the bound ceil(1.25 * 3 / 3)): X spills.
-            held = [ga.upstream.routing.pin(r0, "busy"), ga.upstream.routing.pin(r0, "busy")]
+            # 1. r0 is busy on gateway A (3 requests in flight: over the ring's bound ceil(1.25 * 4 / 3) = 2,
+            # and 3 + 1 over the idle replicas passes the balance threshold 3): X spills.
+            held = [ga.upstream.routing.pin(r0, "busy") for _ in range(3)]
             assert await send(ga, replicas, x1, kx) == walk[1]
             for lease in held:
                 lease.release()
@@ -154,6 +160,21 @@ def test_kv_events_need_cache_aware():
         )
     with pytest.raises(ValueError, match="unknown routing policy"):
         OpenAIUpstreamBackend("m", ["http://127.0.0.1:9/v1"], routing="random")
+    with pytest.raises(ValueError, match="cache_aware settings"):
+        OpenAIUpstreamBackend("m", ["http://127.0.0.1:9/v1"], cache_aware=CacheAwareConfig())
+
+
+def test_cache_aware_settings_reach_the_policy():
+    settings = CacheAwareConfig(
+        index_blocks=670, cache_threshold=0.25, overlap_weight=2.0, balance_abs_threshold=1, load_weight=0.5
+    )
+    backend = OpenAIUpstreamBackend(
+        "m", ["http://127.0.0.1:9/v1"], routing="cache_aware", cache_aware=settings
+    )
+    policy = backend.upstream.routing
+    assert isinstance(policy, CacheAwarePolicy)
+    assert (policy.approx.capacity_blocks, policy.cache_threshold, policy.overlap_weight) == (670, 0.25, 2.0)
+    assert (policy.balance_abs_threshold, policy.load_weight) == (1, 0.5)
 
 
 async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):
@@ -170,7 +191,7 @@ async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
             await proxy.cut()  # Redis is gone (every connection reset, the port refuses)
             kx = key_with_home(ga, replicas[0].base_url, "cut")
-            held = [ga.upstream.routing.pin(replicas[0].base_url, "busy") for _ in range(2)]
+            held = [ga.upstream.routing.pin(replicas[0].base_url, "busy") for _ in range(3)]
             msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "while redis is down"}]
             placed = await send(ga, replicas, msgs, kx)  # routing works without Redis
             for lease in held:

@@ -57,11 +57,12 @@ async def test_a_replica_busy_on_another_gateway_is_over_the_bound_here(fleet, r
         walk = [by_url[u] for u in gb.upstream.ring.ring_order(key)]
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
         try:
-            # Gateway A holds 2 requests on r0; B alone would send the key home (0 in flight here).
-            held = [ga.upstream.routing.pin(r0, "busy") for _ in range(2)]
+            # Gateway A holds 4 requests on r0; B alone would send the key home (0 in flight here).
+            held = [ga.upstream.routing.pin(r0, "busy") for _ in range(4)]
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
-            assert gb.upstream.ring.remote_load == {r0: 2} and gb.routing_share.stats.gateways == 1
-            # B's bound: ceil(1.25 * (2 + 1) / 3) = 2 and r0 holds 2 (A's): the request spills.
+            assert gb.upstream.ring.remote_load == {r0: 4} and gb.routing_share.stats.gateways == 1
+            # B's bound: ceil(1.25 * (4 + 1) / 3) = 3 and r0 holds 4 (A's), 5 over the idle replicas after
+            # this one (past cache_aware's balance threshold 3): the request spills.
             assert await send(gb, replicas, msgs, key) == walk[1]
             # A releases; after one exchange each, B sees r0 free again and sends the key home.
             for lease in held:
