@@ -148,17 +148,34 @@ def _fleet(records: dict[str, Record]) -> list[str]:
     out = ["## Fleet routing", "", "![fleet policies](fleet_policies.png)", ""]
     if "fleet" in records:
         f = records["fleet"].result
+        headline = (
+            f"cache-aware at high load: {_f(f.get('cache_aware_share_of_single'))} of one cache's hit rate at "
+            f"max/mean load {_f(f.get('max_over_mean_load'))}; 4 gateways keep {_f(f.get('gateways4_share_of_1'))}"
+            " of one gateway's hit rate"
+        )
         out += [
-            "| gateways | policy | load | hit rate | share of single | max/mean load | TTFT p50 s | TTFT p99 s |",
-            "|---|---|---|---|---|---|---|---|",
+            headline + (f" (mean over seeds {f['seeds']})." if f.get("seeds") else "."),
+            "",
+            "| gateways | seed | policy | load | busy | hit rate | share of single | max/mean load | TTFT p50 s | "
+            "TTFT p99 s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *[
-                f"| {r['gateways']} | {r['policy']} | {r['load']} | {r['hit_rate']:.3f} | "
-                f"{r['share_of_single']:.3f} | {r['max_over_mean_load']:.2f} | {r['ttft_p50_s']:.3f} | "
-                f"{r['ttft_p99_s']:.3f} |"
+                f"| {r['gateways']} | {r.get('seed', '-')} | {r['policy']} | {r['load']} | {_f(r.get('util'))} | "
+                f"{r['hit_rate']:.3f} | {r['share_of_single']:.3f} | {r['max_over_mean_load']:.2f} | "
+                f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |"
                 for r in f.get("rows", [])
             ],
             "",
         ]
+        if f.get("soak_failed") is not None:
+            out += [
+                "| soak s | requests | failed | leaked blocks | RSS MB | RSS slope MB/min |",
+                "|---|---|---|---|---|---|",
+                f"| {_f(f.get('soak_duration_s'), 0)} | {f.get('soak_requests')} | {f['soak_failed']} | "
+                f"{f.get('soak_leaked_blocks')} | {_f(f.get('soak_rss_mb'), 1)} | "
+                f"{_f(f.get('soak_rss_slope_mb_per_min'))} |",
+                "",
+            ]
     return out + [_command(records, "fleet"), ""]
 
 
