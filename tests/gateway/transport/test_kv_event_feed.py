@@ -17,7 +17,7 @@ from gateway.config.schema import KVEventsConfig
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.kv_events import KVEventFeed
 from gateway.transport.routing_policy import CacheAwarePolicy, block_hashes
-from tests.gateway.transport.test_routing_fleet import SYSTEM, key_with_home, send
+from tests.gateway.transport.fleet_helpers import SYSTEM, key_with_home, send
 from tests.gateway.upstream_helpers import Sleeps
 
 FAST = EngineTiming(time_scale=0.001)

@@ -9,10 +9,8 @@ import uuid
 
 import httpx
 import pytest
-import redis
 
 from bench.fleet.netfault import TcpProxy
-from bench.fleet.replica import EngineTiming, StubReplica
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 from gateway.backends.upstream import routing_blocks
 from gateway.config.schema import (
@@ -22,10 +20,13 @@ from gateway.config.schema import (
     RoutingShareConfig,
 )
 from gateway.transport.routing_policy import POLICIES, CacheAwarePolicy
-from tests.gateway.upstream_helpers import Sleeps, chat_request, drain
-
-FAST = EngineTiming(time_scale=0.001)
-SYSTEM = "You answer questions about the fleet. " + "Replicas keep their prefixes warm. " * 40
+from tests.gateway.transport.fleet_helpers import (
+    SYSTEM,
+    forget_routing_keys,
+    gateway,
+    key_with_home,
+    send,
+)
 
 
 def test_config_names_every_policy():
@@ -42,47 +43,6 @@ def test_routing_blocks_share_the_leading_blocks_of_a_growing_conversation():
     assert len(a) > 10 and b[: len(a)] == a
     assert routing_blocks(turn1, "other-model")[0] != a[0]
     assert routing_blocks("not a body", "m") == ()
-
-
-def key_with_home(backend: OpenAIUpstreamBackend, home: str, tag: str) -> str:
-    """The first key ``{tag}-{i}`` whose home on the ring is ``home`` (placements below are then exact)."""
-    return next(f"{tag}-{i}" for i in range(10_000) if backend.upstream.ring.home(f"{tag}-{i}") == home)
-
-
-async def send(
-    backend: OpenAIUpstreamBackend, replicas: list[StubReplica], messages: list[dict], key: str
-) -> str:
-    """Send one request; returns the name of the replica that served it (by its own served count)."""
-    before = [r.engine.served for r in replicas]
-    events = await drain(backend.stream(chat_request(messages, prefix_key=key)))
-    assert events, "no events"
-    served = [r.name for r, b in zip(replicas, before, strict=True) if r.engine.served == b + 1]
-    assert len(served) == 1, served
-    return served[0]
-
-
-@pytest.fixture
-async def fleet():
-    replicas = [StubReplica(f"r{i}", 50_000, FAST) for i in range(3)]
-    for r in replicas:
-        await r.start()
-    yield replicas
-    for r in replicas:
-        await r.kill()
-
-
-def gateway(
-    replicas: list[StubReplica], http: httpx.AsyncClient, model: str, share: RoutingShareConfig | None
-) -> OpenAIUpstreamBackend:
-    return OpenAIUpstreamBackend(
-        model,
-        [r.base_url for r in replicas],
-        client=http,
-        retries=1,
-        sleep=Sleeps(),
-        routing="cache_aware",
-        routing_share=share,
-    )
 
 
 async def test_two_gateways_follow_a_spilled_conversation_through_redis(fleet):
@@ -127,9 +87,7 @@ async def test_two_gateways_follow_a_spilled_conversation_through_redis(fleet):
             assert sum(ga.upstream.ring.inflight.values()) == sum(gb.upstream.ring.inflight.values()) == 0
             assert ga.routing_share.stats.errors == gb.routing_share.stats.errors == 0
         finally:
-            client = redis.Redis()
-            for key in client.scan_iter(f"prefixgate:route:{model}:*"):
-                client.delete(key)
+            forget_routing_keys(model)
             await ga.close()
             await gb.close()
 
@@ -212,9 +170,7 @@ async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):
             more = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "and now?"}]
             assert await send(gb, replicas, more, kx) == placed  # gateway B learned it after the outage
         finally:
-            client = redis.Redis()
-            for key in client.scan_iter(f"prefixgate:route:{model}:*"):
-                client.delete(key)
+            forget_routing_keys(model)
             await ga.close()
             await gb.close()
             with contextlib.suppress(Exception):

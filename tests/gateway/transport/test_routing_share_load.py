@@ -11,36 +11,16 @@ import httpx
 import pytest
 import redis
 
-from bench.fleet.replica import EngineTiming, StubReplica
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 from gateway.config.schema import RoutingShareConfig
 from gateway.transport.routing_share import RoutingShare
-from tests.gateway.transport.test_routing_fleet import SYSTEM, key_with_home, send
-from tests.gateway.upstream_helpers import Sleeps
-
-FAST = EngineTiming(time_scale=0.001)
-
-
-@pytest.fixture
-async def fleet():
-    replicas = [StubReplica(f"r{i}", 50_000, FAST) for i in range(3)]
-    for r in replicas:
-        await r.start()
-    yield replicas
-    for r in replicas:
-        await r.kill()
-
-
-def gateway(replicas, http, model, share, routing):
-    return OpenAIUpstreamBackend(
-        model,
-        [r.base_url for r in replicas],
-        client=http,
-        retries=1,
-        sleep=Sleeps(),
-        routing=routing,
-        routing_share=share,
-    )
+from tests.gateway.transport.fleet_helpers import (
+    SYSTEM,
+    forget_routing_keys,
+    gateway,
+    key_with_home,
+    send,
+)
 
 
 @pytest.mark.parametrize("routing", ["consistent_hash", "cache_aware"])
@@ -76,9 +56,7 @@ async def test_a_replica_busy_on_another_gateway_is_over_the_bound_here(fleet, r
             assert await send(gb, replicas, other, key) == "r0"
             assert ga.routing_share.stats.errors == gb.routing_share.stats.errors == 0
         finally:
-            client = redis.Redis()
-            for k in client.scan_iter(f"prefixgate:route:{model}:*"):
-                client.delete(k)
+            forget_routing_keys(model)
             await ga.close()
             await gb.close()
 
@@ -123,9 +101,7 @@ async def test_stale_or_lost_peers_fall_back_to_the_local_view(fleet):
             await ga.close()
             assert redis.Redis().hget(ga.routing_share.load_key(), ga.routing_share.gateway_id) is None
         finally:
-            client = redis.Redis()
-            for k in client.scan_iter(f"prefixgate:route:{model}:*"):
-                client.delete(k)
+            forget_routing_keys(model)
             await ga.close()
             await gb.close()
 
