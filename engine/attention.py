@@ -22,6 +22,9 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
   once and attended by every query of each KV group in one matmul, the private rest per sequence, and the two
   softmaxes merged by their log-sum-exp. ``plan_attention(..., shared_prefix=False)`` switches it off.
 
+Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and plain decode attention are computed
+in bf16 as the cache stores them (``attention_dtype``); the cascade merge stays fp32.
+
 Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
 zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
 2023), paged KV cache (Kwon et al. 2023, vLLM).
