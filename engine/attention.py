@@ -22,6 +22,9 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
   once and attended by every query of each KV group in one matmul, the private rest per sequence, and the two
   softmaxes merged by their log-sum-exp. ``plan_attention(..., shared_prefix=False)`` switches it off.
 
+Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and plain decode attention are computed
+in bf16 as the cache stores them (``attention_dtype``); the cascade merge stays fp32.
+
 Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
 zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
 2023), paged KV cache (Kwon et al. 2023, vLLM).
@@ -29,6 +32,7 @@ zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-que
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -252,6 +256,30 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     layer_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v.to(layer_cache.dtype))
 
 
+@functools.cache
+def _bf16_fast(device: torch.device) -> bool:
+    from engine.weight_format import bf16_kernels_available
+
+    return bf16_kernels_available(device)
+
+
+def attention_dtype(cache_dtype: torch.dtype, query_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Dtype attention is computed in (prefill and plain decode; the cascade merge stays fp32): the cache's
+    bf16 where the CPU has bf16 kernels (AVX512-BF16 / AMX, or CUDA), so the cached context is read as
+    stored instead of widened to fp32 every layer of every step, else the query's dtype.
+
+    Measured on a 2-core Xeon with AMX (one thread, thread time, SmolLM2 shapes: 9 query heads, 3 KV heads,
+    head_dim 64): causal prefill of 1,070 tokens 29 ms fp32 against 12 ms bf16 per layer; one decode query
+    over 1,072 cached bf16 positions 0.56 ms (widen to fp32, fp32 attention) against 0.26 ms (bf16 as stored)
+    per layer. Inputs are already bf16 (the cache holds bf16 K/V); q and the probabilities are rounded to bf16
+    too (softmax statistics and accumulation stay fp32 inside ``scaled_dot_product_attention``): a relative
+    difference of ~3e-3 in the attention output against fp32 compute of the same cache.
+    """
+    if cache_dtype == torch.bfloat16 and _bf16_fast(device):
+        return torch.bfloat16
+    return query_dtype
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,16 +304,20 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     dec = plan.decode
+    adt = attention_dtype(layer_cache.dtype, q.dtype, q.device)
     if dec is not None and not plan.prefills and dec.rows is None:
-        return decode_attention(q, layer_cache, dec, scale, group).reshape(num_tokens, num_heads * head_dim)
+        return decode_attention(q, layer_cache, dec, scale, group, adt).reshape(
+            num_tokens, num_heads * head_dim
+        )
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for p in plan.prefills:
-        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-        if p.blocks is None:
-            ks, vs = k[p.start : p.end], v[p.start : p.end]
+        qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]
+        if p.blocks is None:  # fresh K/V, rounded as the cache stores them
+            ks, vs = k[p.start : p.end].to(layer_cache.dtype), v[p.start : p.end].to(layer_cache.dtype)
         else:
-            kv = p.blocks.read(layer_cache)[:, : p.seq_len].to(q.dtype)
+            kv = p.blocks.read(layer_cache)[:, : p.seq_len]
             ks, vs = kv[0], kv[1]
+        ks, vs = ks.to(adt), vs.to(adt)
         o = F.scaled_dot_product_attention(
             qs,
             ks.transpose(0, 1).unsqueeze(0),
@@ -298,7 +330,7 @@ def paged_attention(
         out[p.start : p.end] = o[0].transpose(0, 1)
     if dec is not None:
         qd = q if dec.rows is None else q.index_select(0, dec.rows)
-        od = decode_attention(qd, layer_cache, dec, scale, group)
+        od = decode_attention(qd, layer_cache, dec, scale, group, adt)
         if dec.rows is None:
             out.copy_(od.view_as(out))
         else:
@@ -307,25 +339,32 @@ def paged_attention(
 
 
 def decode_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, dec: DecodePlan, scale: float, group: int
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    dec: DecodePlan,
+    scale: float,
+    group: int,
+    adt: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Batched one-token attention: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+    """Batched one-token attention: ``q`` ``[B, H, D]`` -> ``[B, H, D]`` in q's dtype, computed in ``adt``
+    (``attention_dtype``; default q's dtype) except the cascade, which merges in fp32.
 
     K/V of all B sequences come from one ``index_select`` (or a view when their blocks are consecutive); query heads are folded into their KV group
     (``[B, kv_heads, group, D]``), so each KV head is read once and no K/V is repeated.
     """
+    adt = adt or q.dtype
     if dec.shared is not None:
         return cascade_decode_attention(q, layer_cache, dec.shared, scale, group)
     if dec.per_seq is not None:
-        return per_sequence_decode(q, layer_cache, dec.per_seq, scale, group)
+        return per_sequence_decode(q, layer_cache, dec.per_seq, scale, group, adt)
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
     kv = dec.blocks.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : dec.max_len]
-    kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, kv_heads, L, D]
+    kv = kv.transpose(2, 3).to(adt)  # [2, B, kv_heads, L, D]
     o = F.scaled_dot_product_attention(
-        q.view(b, kvh, group, head_dim), kv[0], kv[1], attn_mask=dec.mask, scale=scale
+        q.view(b, kvh, group, head_dim).to(adt), kv[0], kv[1], attn_mask=dec.mask, scale=scale
     )
-    return o.reshape(b, num_heads, head_dim)
+    return o.reshape(b, num_heads, head_dim).to(q.dtype)
 
 
 def per_sequence_decode(
@@ -334,6 +373,7 @@ def per_sequence_decode(
     seqs: list[tuple[BlockGather, int]],
     scale: float,
     group: int,
+    adt: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``B > 1`` sequences one by one: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
 
@@ -345,6 +385,17 @@ def per_sequence_decode(
     """
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
+    if adt is not None and adt != q.dtype:  # bf16 as the cache stores it (``attention_dtype``)
+        qg = q.view(b, kvh, group, head_dim).to(adt)
+        out = torch.stack(
+            [
+                F.scaled_dot_product_attention(
+                    qg[i], *blocks.read(layer_cache)[:, :n].transpose(1, 2), scale=scale
+                )
+                for i, (blocks, n) in enumerate(seqs)
+            ]
+        )
+        return out.view(b, num_heads, head_dim).to(q.dtype)
     out = q.new_empty(b, kvh, group, head_dim)
     qg = q.view(b, kvh, group, head_dim)
     for i, (blocks, n) in enumerate(seqs):

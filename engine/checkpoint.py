@@ -8,6 +8,8 @@ weights do): the file name plus a sha256 fingerprint of the config, the size of 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import importlib.util
 import json
@@ -90,6 +92,23 @@ def model_id_for(name: str, config: ArchConfig, files: list[Path], variant: str 
     return f"{name}@{h.hexdigest()[:16]}"
 
 
+def release_freed_heap() -> bool:
+    """Return freed heap pages to the OS (glibc ``malloc_trim(0)``); True when it ran.
+
+    Loading allocates and frees many mid-sized buffers (file bytes, codes, fp32 dequantized copies on the way
+    to bf16/int4); glibc keeps such freed chunks in its arenas, so the resident set stayed ~140 MB above the
+    model's own tensors after loading SmolLM2 (704 MB with the trim against 844 MB without). A no-op where
+    the C library is not glibc.
+    """
+    gc.collect()
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"`` -> CUDA when present else CPU; anything else as given."""
     if str(device) == "auto":
@@ -126,6 +145,7 @@ def load_checkpoint(
     dev = resolve_device(device)
     plan = resolve(weights, dev, dtype, dense_min_rows)
     keep = plan.weights != "float32"
+    gg = hf = None
     if not resolved.exists():
         raise UnsupportedModelError(f"no such model file or folder: {resolved}")
     if resolved.is_dir():
@@ -152,6 +172,8 @@ def load_checkpoint(
         files = [resolved]
     model = LlamaModel(config, weights, plan)
     model.eval()
+    weights = gg = hf = None  # the loader's tensors (file bytes, fp32 copies): only the model's own stay
+    release_freed_heap()
     formats = model.weight_formats
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
     model_id = model_id_for(resolved.name, config, files, variant)

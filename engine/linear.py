@@ -196,10 +196,20 @@ class DenseWeight(nn.Module):
         return cls(torch.cat(weights, dim=0), bias)
 
 
+_PACK_CHUNK_ROWS = 4096  # rows packed at a time (a multiple of the kernel's 64-row blocks)
+
+
 def _int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Pack uint8 codes ``[N, K]`` (0..15) into the layout of torch's int4 weight-only kernel on ``device``."""
     if device.type == "cpu":
-        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # the kernel's packing is per block of 64 rows (tail rows at the end), so packing whole blocks of rows
+        # at a time gives the same bytes while the int32 copy it needs stays small (a 49,152-row head at once:
+        # 226 MB of transient int32, the process's peak RSS)
+        chunks = [
+            torch._convert_weight_to_int4pack_for_cpu(q[i : i + _PACK_CHUNK_ROWS].to(torch.int32), 1)
+            for i in range(0, q.shape[0], _PACK_CHUNK_ROWS)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     # CUDA (tinygemm): codes two per byte, high nibble first, then the kernel's own tiling (inner K tiles of
     # 16 weights: 8, 4 or 2 of them, whichever divides in_features)
     k = q.shape[1]

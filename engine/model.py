@@ -26,7 +26,7 @@ from torch import nn
 from engine.arch_config import ArchConfig
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
-from engine.linear import LinearWeight
+from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight
 from engine.quantized import GGUFBlocks
 from engine.weight_format import WeightPlan
 
@@ -97,6 +97,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+RESCORE_TOP_K = 32  # logits recomputed exactly per row when the head's kernel rounds (``compute_logits``)
 
 
 class DecoderLayer(nn.Module):
@@ -197,6 +200,13 @@ class LlamaModel(nn.Module):
         head_kind = "float32" if plan.dense_dtype == torch.float32 else plan.weights
         head_plan = WeightPlan(head_kind, plan.device, None, plan.dtype)
         self.lm_head: LinearWeight = head_plan.build_linear([head], None, "lm_head")
+        # a quantized head's kernel returns bf16 logits (resolution 1/8 at |logit| ~ 20): the top candidates
+        # are rescored from the exact fp32 rows of the head (``compute_logits``)
+        self.head_rows: nn.Module | None = None
+        if isinstance(self.lm_head, Int4Weight | Int8Weight):
+            self.head_rows = self.embed if config.tie_word_embeddings else plan.build_embedding(head)
+            if not isinstance(self.head_rows, GroupedEmbedding):
+                self.head_rows = None
         self.register_buffer("inv_freq", rope_inv_freq(config).to(norm.device), persistent=False)
 
     @property
@@ -272,8 +282,24 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab_size]`` float32 of hidden rows ``[N, hidden_size]`` (pass only the rows needed)."""
-        return self.lm_head.forward(hidden).float()
+        """Logits ``[N, vocab_size]`` float32 of hidden rows ``[N, hidden_size]`` (pass only the rows needed).
+
+        With a quantized head (``Int4Weight`` / ``Int8Weight``) the weight-only kernel takes bf16 activations and
+        returns bf16 logits: rounded to 8 significant bits, two candidates 0.1 apart at a logit of 20 can swap.
+        The ``RESCORE_TOP_K`` largest logits of each row are therefore recomputed in fp32 from the head's exact
+        rows (``GroupedEmbedding``, decoded from the same blocks, bit-exact) against the fp32 hidden state, so
+        greedy decoding picks the token the fp32 reference of the same weights would pick unless the true
+        maximum lies outside the kernel's top ``RESCORE_TOP_K`` (its logit would have to be off by more than
+        the gap to the 32nd candidate). The other logits keep the kernel's bf16 values.
+        """
+        logits = self.lm_head.forward(hidden).float()
+        if self.head_rows is None or hidden.shape[0] == 0:
+            return logits
+        k = min(RESCORE_TOP_K, logits.shape[1])
+        top = logits.topk(k, dim=-1).indices  # [N, k]
+        rows = self.head_rows(top.reshape(-1)).view(top.shape[0], k, -1)  # [N, k, hidden] fp32, exact
+        exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, k]
+        return logits.scatter_(1, top, exact)
 
 
 def check_weights(config: ArchConfig, w: dict[str, torch.Tensor]) -> None:

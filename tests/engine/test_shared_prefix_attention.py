@@ -7,12 +7,15 @@ greedy tokens with the switch on and off, and the cascade really planned)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from engine.attention import (
     SHARED_PREFIX_MIN_TOKENS,
     AttentionMetadata,
+    attention_dtype,
     paged_attention,
     plan_attention,
     shared_prefix_blocks,
@@ -60,8 +63,14 @@ def test_cascade_equals_plain_decode_attention(cache_dtype, lens):
     assert cascade.decode.shared is not None and cascade.decode.shared.num_tokens == 80
     assert plain.decode.shared is None
     got = paged_attention(q, k, v, cache.clone(), cascade, d**-0.5)
-    want = paged_attention(q, k, v, cache.clone(), plain, d**-0.5)
+    with mock.patch("engine.attention.attention_dtype", lambda cache, query, device: query):
+        want = paged_attention(q, k, v, cache.clone(), plain, d**-0.5)  # fp32 compute of the same cache
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # the plain path as it runs: bf16 compute over a bf16 cache where the CPU has bf16 kernels
+    # (``attention_dtype``): q and the probabilities rounded to 8 significant bits
+    fast = paged_attention(q, k, v, cache.clone(), plain, d**-0.5)
+    bf16 = attention_dtype(cache_dtype, torch.float32, torch.device("cpu")) == torch.bfloat16
+    torch.testing.assert_close(fast, want, atol=2e-2 if bf16 else 2e-6, rtol=2e-2 if bf16 else 1e-5)
 
 
 def test_too_short_a_shared_prefix_uses_the_plain_path():

@@ -118,6 +118,43 @@ def test_fast_kernels_agree_with_fp32_reference(qtype, rows):
     assert ((y - ref).abs() <= bound(x, w)).all()
 
 
+@needs_int4
+def test_int4_packing_in_row_chunks_gives_the_same_bytes(monkeypatch):
+    """The head is packed a few thousand rows at a time (bounded transient memory): same bytes as at once,
+    also with a row count that is not a multiple of the kernel's 64-row blocks."""
+    from engine import linear
+
+    q = torch.randint(0, 16, (208, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    whole = linear._int4_pack(q, CPU)
+    monkeypatch.setattr(linear, "_PACK_CHUNK_ROWS", 64)
+    assert torch.equal(linear._int4_pack(q, CPU), whole)
+
+
+@needs_int4
+@pytest.mark.parametrize(("tensor_type", "weights"), [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_0", "native")])
+def test_quantized_head_rescores_its_top_logits_exactly(tensor_type, weights):
+    """A quantized head's kernel rounds logits to bf16; ``compute_logits`` recomputes each row's
+    ``RESCORE_TOP_K`` largest in fp32 from the head's exact rows: those equal the fp32 product of the hidden
+    state and the dequantized weights (to fp32 summation order), the rest are the kernel's."""
+    from engine.model import RESCORE_TOP_K
+
+    ck = tiny(tensor_type, weights)
+    model = ck.model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    kernel = model.lm_head.forward(hidden).float()
+    logits = model.compute_logits(hidden)
+    assert model.head_rows is not None
+    w = model.lm_head.dequantize()  # the GGUF's values (tested bit-exact above)
+    exact = hidden @ w.t()
+    top = kernel.topk(RESCORE_TOP_K, dim=-1).indices
+    rest = torch.ones_like(kernel, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.allclose(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits[rest], kernel[rest])
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    float_ck = tiny(tensor_type, "float32")
+    assert float_ck.model.head_rows is None  # an exact head is left alone
+
+
 def test_bf16_weight_agrees_with_fp32_reference():
     w = torch.randn(64, 96)
     x = torch.randn(5, 96)
@@ -283,8 +320,10 @@ def test_smollm2_int4_agrees_with_fp32_reference():
     """The GGUF's own Q4_1/Q8_0 weights on the int4 kernel against the fp32 reference of the same dequantized
     weights, teacher-forced (``bench.weight_agreement``). Issue 12 asks top-1 agreement >= 99% over >= 2,000
     positions: ``python -m bench.weight_agreement`` measures that (1,975 / 2,000 = 98.75% on an AVX2 EPYC with
-    the fp32 head, 984 / 1,000 earlier on an AVX512-BF16 machine: the 99% target is NOT met; the bf16 rounding
-    of activations and f16 scales is the error left). This test runs 20 prompts x 25 positions, the size CI
+    the fp32 head; on a Xeon with AMX 1,964 / 2,000 = 98.2% before the head rescored its top logits exactly,
+    1,979 / 2,000 = 98.95% after: the 99% target is NOT met by one position. The kernel itself is exact
+    inside; what is left is its bf16 interface: activations and f16 scales rounded to bf16 on the way in, each
+    layer's output rounded to bf16 on the way out). This test runs 20 prompts x 25 positions, the size CI
     affords, and guards the measured level (>= 98%)."""
     from tests.engine.engine_helpers import smollm2_checkpoint
 
