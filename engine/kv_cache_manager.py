@@ -31,18 +31,14 @@ Invariants (on top of ``block_pool``'s):
 7. ``install_blocks`` (load-back from a tier) registers blocks exactly as ``cache_full_blocks`` would have,
    chained on the hit's entries, and leaves them unreferenced and cached.
 
-A prefix lookup's result is a ``PrefixHit`` (vLLM v1's ``KVCacheBlocks``): callers see block ids, hashes
-and counts, never a ``KVBlock``, so the pool's internals stay private to this module and ``block_pool``. A
-``PrefixHit`` is valid until the next call that can evict (``allocate``, ``append_slots``,
-``reset_prefix_cache``); ``allocate`` checks it and raises ``StaleCacheHitError`` rather than serve a block
-that was evicted in between.
+A prefix lookup's result is a ``PrefixHit`` (``engine.prefix_hit``), valid until the next call that can evict;
+``allocate`` checks it and raises ``StaleCacheHitError`` rather than serve a block that was evicted in between.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine.block_hash import (
     BlockHash,
@@ -56,62 +52,7 @@ from engine.block_hash import (
 )
 from engine.block_pool import BlockPool, KVBlock
 from engine.errors import PinCapError, PromptTooLongError
-
-
-class BlockIdentity(Protocol):
-    """What identifies a block's content (``engine.kv_tiers.entry.BlockMeta`` is one)."""
-
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-    extra_keys: tuple
-
-
-class StaleCacheHitError(ValueError):
-    """A ``PrefixHit`` given to ``allocate`` / ``can_allocate`` names a block no longer that cache entry.
-
-    Raised before any change. Call ``find_cached_prefix`` again right before ``allocate``.
-    """
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """The result of one prefix lookup: the cached blocks serving a prompt's first ``num_tokens`` tokens.
-
-    Built only by ``KVCacheManager.find_cached_prefix``; pass it unchanged to ``allocate`` / ``can_allocate``.
-    Holders read block ids, hashes and counts; the blocks themselves stay private (``_blocks``).
-    """
-
-    _blocks: tuple[KVBlock, ...] = ()
-    num_tokens: int = 0
-    """Tokens served by the hit: ``num_blocks * block_size``."""
-
-    @property
-    def num_blocks(self) -> int:
-        """Hit blocks."""
-        return len(self._blocks)
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Physical block ids of the hit, in token order."""
-        return [b.block_id for b in self._blocks]
-
-    @property
-    def block_hashes(self) -> list[BlockHash]:
-        """Block hashes of the hit, in token order."""
-        return [b.block_hash for b in self._blocks]
-
-    @property
-    def last_block_id(self) -> int | None:
-        """Physical id of the hit's last block (where the cached prefix ends), or None for no hit."""
-        return self._blocks[-1].block_id if self._blocks else None
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-
-NO_HIT = PrefixHit()
-"""The empty lookup result (a new prompt, caching off)."""
+from engine.prefix_hit import NO_HIT, BlockIdentity, PrefixHit, StaleCacheHitError
 
 
 @dataclass(slots=True)

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 from engine.api import EngineConfig
 from engine.block_hash import BlockHash
-from engine.kv_cache_manager import KVCacheManager, PrefixHit
+from engine.kv_cache_manager import KVCacheManager
+from engine.prefix_hit import PrefixHit
 from engine.request import Request, RequestStatus
 from engine.stats import EngineCounters
 

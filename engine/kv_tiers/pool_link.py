@@ -28,9 +28,10 @@ import torch
 
 from engine.block_hash import BlockHash, ExtraKeys, block_extra_keys
 from engine.block_pool import KVBlock
-from engine.kv_cache_manager import KVCacheManager, PrefixHit
+from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers.entry import BlockMeta
 from engine.kv_tiers.stack import LoadedBlock, TierStack
+from engine.prefix_hit import PrefixHit
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import pytest
 import engine.scheduler
 from engine.block_hash import BlockHash, hash_block, hash_request_blocks
 from engine.errors import PromptTooLongError
-from engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, StaleCacheHitError
+from engine.kv_cache_manager import KVCacheManager
+from engine.prefix_hit import NO_HIT, PrefixHit, StaleCacheHitError
 
 EXTRA = ("tiny-model", "")
 
