@@ -91,6 +91,11 @@ def test_bounded_by_entries_and_characters():
         small.encode(_TOKENIZER, f"<|user|>\nquestion {k}\n\n", "s")
         small.check()
     assert small.chars <= 30
+    few = PieceTokenMemo(max_tokens=12)
+    for k in range(5):
+        few.encode(_TOKENIZER, f"<|user|>\nquestion number {k}\n\n", "s")
+        few.check()
+    assert 0 < few.tokens <= 12 and len(few) < 5
 
 
 def test_refuses_a_tokenizer_it_is_not_exact_for():
