@@ -184,6 +184,16 @@ def limit_malloc_arenas(arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
         return False
 
 
+def event_loop() -> str:
+    """uvicorn's ``loop`` for ``serve``: ``"uvloop"`` when it imports (a dependency: its loop costs less CPU per
+    request than asyncio's, see docs/overhead.md), else ``"asyncio"``."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
 def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
     """Load the config, build the app and run uvicorn until interrupted."""
     limit_malloc_arenas()
@@ -205,10 +215,13 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         return EXIT_BAD_CONFIG
     import uvicorn
 
+    loop = event_loop()
+    logging.getLogger("prefixgate.server").info("event loop: %s", loop)
     uvicorn.run(
         app,
         host=config.server.host,
         port=config.server.port,
+        loop=loop,
         log_config=None,
         log_level=log_level,
         access_log=False,  # gateway.service.request_log writes one line per request instead

@@ -22,6 +22,7 @@ from typing import Any
 from gateway.core.request import ChatRequest
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer, PromptTokenizer
+from gateway.service.canonicalize.token_memo import PieceTokenMemo
 from gateway.service.miss_counters import MissCounters
 from gateway.service.miss_explain import MissExplainer
 from gateway.service.miss_explanation import HEADER, MissExplanation
@@ -48,6 +49,7 @@ class CacheExplanations:
         self.counters: dict[str, MissCounters] = {}
         self.errors = 0
         self._fallback: PromptTokenizer | None = None
+        self.token_memo = PieceTokenMemo()
         self._lock = threading.Lock()
 
     def _tokenizer(self, own: PromptTokenizer | None) -> PromptTokenizer:
@@ -83,7 +85,12 @@ class CacheExplanations:
         if request.kind != "chat" or request.canonical is None:
             return None
         try:
-            rendered, spans = self.canonicalizer.render(request, self._tokenizer(tokenizer))
+            own = self._tokenizer(tokenizer)
+            encode = None
+            if isinstance(own, Cl100kTokenizer):  # per message, memoized within the model and tenant
+                scope = Canonicalizer.scope(request)
+                encode = lambda text: self.token_memo.encode(own, text, scope)  # noqa: E731
+            rendered, spans = self.canonicalizer.render(request, own, encode)
             shift = 0
             if (
                 tokenizer is not None

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.cli import EXIT_BAD_CONFIG, limit_malloc_arenas, main, parse_args, resolve_config
+from gateway.cli import EXIT_BAD_CONFIG, event_loop, limit_malloc_arenas, main, parse_args, resolve_config
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
 from tests.gateway.server import write_config
 
@@ -152,6 +152,7 @@ def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, t
     assert "status=200" in lines[0] and f"model={TINY_MODEL}" in lines[0] and "prompt_tokens=" in lines[0]
     assert "cached_tokens=" in lines[0] and "completion_tokens=2" in lines[0] and "ttft_ms=" in lines[0]
     assert secret not in output and "sk-client-key" not in output and "u-secret" not in output
+    assert "prefixgate.server: event loop: uvloop" in output  # uvloop is a dependency
     assert process.returncode == 0
 
 
@@ -223,3 +224,9 @@ def test_malloc_arenas_are_capped_on_glibc_unless_the_environment_says(monkeypat
     assert limit_malloc_arenas() is True  # this project runs on glibc Linux (Debian)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert limit_malloc_arenas() is False
+
+
+def test_serve_runs_on_uvloop_when_it_imports_else_asyncio(monkeypatch):
+    assert event_loop() == "uvloop"
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # an import of it raises ImportError
+    assert event_loop() == "asyncio"

@@ -27,7 +27,7 @@ import json
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
@@ -175,10 +175,14 @@ class Canonicalizer:
             self.learn_errors += 1
 
     def render(
-        self, request: ChatRequest, tokenizer: PromptTokenizer
+        self,
+        request: ChatRequest,
+        tokenizer: PromptTokenizer,
+        encode: Callable[[str], tuple[list[int], list[int]]] | None = None,
     ) -> tuple[RenderedPrompt, list[VolatileSpan]]:
         """The canonical request as the model's prompt (token ids, segments as token ranges, stable end) and
-        the token ranges of the learned slots' values in its system/developer texts.
+        the token ranges of the learned slots' values in its system/developer texts (``encode``: in place of
+        ``tokenizer.encode``, same result; see ``render_canonical``).
 
         Raises:
             ValueError: a completion request (no canonical messages), or messages the template refuses.
@@ -186,7 +190,7 @@ class Canonicalizer:
         canonical = request.canonical
         if canonical is None:
             raise ValueError("only canonicalized chat requests can be rendered")
-        rendered = render_canonical(canonical, tokenizer)  # type: ignore[arg-type]
+        rendered = render_canonical(canonical, tokenizer, encode)  # type: ignore[arg-type]
         found: list[tuple[int, int, str | None]] = []
         for message in canonical.messages:  # type: ignore[attr-defined]
             if message.get("role") not in LEARNED_ROLES:

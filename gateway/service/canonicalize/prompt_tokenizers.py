@@ -116,8 +116,12 @@ class Cl100kTokenizer:
         return "".join(out)
 
     def encode(self, text: str) -> tuple[list[int], list[int]]:
-        ids = self._encoding.encode(text, disallowed_special=())
+        ids = self.encode_ids(text)
         return ids, self.offsets(ids)
+
+    def encode_ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` (special tokens' texts encoded as plain text)."""
+        return self._encoding.encode(text, disallowed_special=())
 
     def offsets(self, ids: list[int]) -> list[int]:
         """The start character offset of each token: tiktoken's ``decode_with_offsets`` rule (characters =

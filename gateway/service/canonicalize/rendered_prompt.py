@@ -12,6 +12,7 @@ the token count. Common prefixes and suffixes come from ``rules.span_diff``.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer
@@ -35,11 +36,16 @@ class RenderedPrompt:
     stable_tokens: int
 
 
-def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPrompt:
+def render_canonical(
+    canon: Canonical,
+    tokenizer: PromptTokenizer,
+    encode: Callable[[str], tuple[list[int], list[int]]] | None = None,
+) -> RenderedPrompt:
     """Render ``canon`` and locate its segments: each boundary is where the rendering of the messages cut at
     that position (``rules.segments.message_prefix``) stops agreeing with the full rendering; the tools'
     range is where the renderings with and without tools differ, or a canonical-JSON preamble when the
-    template ignores tools.
+    template ignores tools. ``encode`` replaces ``tokenizer.encode`` for the text (it must return the same:
+    ``token_memo.PieceTokenMemo.encode`` does, from a memo per message).
 
     Raises:
         TraceLineError: the template refused the messages.
@@ -71,7 +77,7 @@ def render_canonical(canon: Canonical, tokenizer: PromptTokenizer) -> RenderedPr
         start = boundary(Position(segment.start_message, segment.start_part, segment.start_char))
         cuts.append((start, _LEVEL_SEGMENT[segment.level]))
     stable_chars = boundary(canon.stable_end) if canon.stable_end.message < len(messages) else len(text)
-    ids, starts = tokenizer.encode(text)
+    ids, starts = (encode or tokenizer.encode)(text)
 
     def tok(c: int) -> int:
         return bisect.bisect_left(starts, c)

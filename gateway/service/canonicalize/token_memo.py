@@ -1,0 +1,138 @@
+"""A bounded memo of cl100k token ids per rendered message: ``(scope, piece) -> ids``.
+
+The cache explanation tokenizes the whole rendered prompt of every request, although most of it (the system
+prompt, tools, earlier turns) repeats from the previous request. ``PieceTokenMemo.encode`` cuts the text at
+every ``"\\n"`` that is followed by ``"<|"`` (where ``Cl100kTokenizer``'s layout starts a message), encodes
+each piece on its own (or takes it from the memo), joins the ids and computes the start offsets of all of
+them in one vectorized pass (``Cl100kTokenizer.offsets``, a function of the ids alone, as in ``encode``).
+
+Why that is exact for ``cl100k_base``: tiktoken splits text into pieces with its pattern (``'s|'t|...|
+[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+``) and runs BPE
+inside each piece only. No alternative matches a newline followed by a non-whitespace character, so no piece
+crosses such a point; and a match that ends there ends on a newline, which ``\\s*[\\r\\n]+`` (tried before the
+only lookahead, ``\\s+(?!\\S)``) takes whatever follows, so the split before it is the same whether the text
+goes on or ends. Special tokens are encoded as plain text (``disallowed_special=()``), so nothing else crosses
+the cut. ``tests/gateway/test_token_memo.py`` checks the equality on generated prompts.
+
+Entries are separated by ``scope`` (model and tenant): a memo hit is faster than an encode, so a memo shared
+across tenants would let one tenant time whether another sent a text (the same reason as
+``rules.text_cache``).
+
+Invariants: ``encode(tokenizer, text, scope)`` equals ``tokenizer.encode(text)``; the characters held never
+exceed ``max_chars``, the token ids ``max_tokens`` (~36 bytes each as a tuple of ints) nor the entries
+``max_entries``; a piece longer than ``max_piece_chars`` is never stored;
+safe to share between threads (the explanation of a long prompt runs in a worker thread).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+
+from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer
+
+_CUT = re.compile(r"\n(?=<\|)")
+
+
+class PieceTokenMemo:
+    """``(scope, piece) -> token ids`` for ``Cl100kTokenizer``, least recently used first out.
+
+    Args:
+        max_chars: most characters of pieces held over all entries.
+        max_tokens: most token ids held over all entries.
+        max_entries: most entries (each new user turn adds one).
+        max_piece_chars: pieces longer than this are encoded every time, never stored.
+    """
+
+    def __init__(
+        self,
+        max_chars: int = 2_000_000,
+        max_tokens: int = 250_000,
+        max_entries: int = 8_192,
+        max_piece_chars: int = 200_000,
+    ) -> None:
+        self.max_chars = max_chars
+        self.max_tokens = max_tokens
+        self.max_entries = max_entries
+        self.max_piece_chars = max_piece_chars
+        self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def chars(self) -> int:
+        """Characters of pieces held now."""
+        return self._chars
+
+    @property
+    def tokens(self) -> int:
+        """Token ids held now."""
+        return self._tokens
+
+    def encode(self, tokenizer: Cl100kTokenizer, text: str, scope: str = "") -> tuple[list[int], list[int]]:
+        """``tokenizer.encode(text)`` (ids, start character offsets), the pieces seen before within ``scope``
+        taken from the memo. A piece stored under one scope is never used under another.
+
+        Raises:
+            TypeError: ``tokenizer`` is not a ``Cl100kTokenizer`` (the cut is exact only for its encoding).
+        """
+        if not isinstance(tokenizer, Cl100kTokenizer):
+            raise TypeError(
+                f"the per-message memo is exact only for cl100k_base, not {type(tokenizer).__name__}"
+            )
+        ids: list[int] = []
+        at = 0
+        for cut in _CUT.finditer(text):
+            self._add(tokenizer, text[at : cut.end()], scope, ids)
+            at = cut.end()
+        self._add(tokenizer, text[at:], scope, ids)
+        return ids, tokenizer.offsets(ids)
+
+    def _add(self, tokenizer: Cl100kTokenizer, piece: str, scope: str, ids: list[int]) -> None:
+        if not piece:
+            return
+        key = (scope, piece)
+        found = self._entries.get(key)  # one atomic step under the GIL: no lock on the hit path
+        if found is not None:
+            try:
+                self._entries.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile: the result is still right
+                pass
+            self.hits += 1
+        else:
+            self.misses += 1
+            found = tuple(tokenizer.encode_ids(piece))
+            if len(piece) <= self.max_piece_chars:
+                self._store(key, found)
+        ids.extend(found)
+
+    def _store(self, key: tuple[str, str], value: tuple[int, ...]) -> None:
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = value
+            self._chars += len(key[1])
+            self._tokens += len(value)
+            while (
+                self._chars > self.max_chars
+                or self._tokens > self.max_tokens
+                or len(self._entries) > self.max_entries
+            ) and self._entries:
+                old_key, old = self._entries.popitem(last=False)
+                self._chars -= len(old_key[1])
+                self._tokens -= len(old)
+
+    def check(self) -> None:
+        """Assert the invariants (tests)."""
+        assert self._chars == sum(len(piece) for _, piece in self._entries)
+        assert self._tokens == sum(len(ids) for ids in self._entries.values())
+        assert self._chars <= self.max_chars and self._tokens <= self.max_tokens
+        assert len(self._entries) <= self.max_entries
+        assert all(len(piece) <= self.max_piece_chars for _, piece in self._entries)
