@@ -13,6 +13,7 @@ client: a later failure is an ``UpstreamStreamCut``, never a silent retry that c
 from __future__ import annotations
 
 import asyncio
+import http.cookiejar
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,38 @@ def make_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.As
     Proxies from the environment still go through httpx's own proxy transports. ``max_keepalive`` bounds the
     idle connections kept where the transport has such a bound (aiohttp keeps any under ``max_connections``)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive)
-    return httpx.AsyncClient(limits=limits, follow_redirects=False, transport=AiohttpTransport(limits))
+    return httpx.AsyncClient(
+        limits=limits,
+        follow_redirects=False,
+        transport=AiohttpTransport(limits),
+        cookies=http.cookiejar.CookieJar(policy=NoCookies()),
+    )
+
+
+class NoCookies(http.cookiejar.CookiePolicy):
+    """A cookie policy that stores and sends nothing: the upstream client is shared by every client key and
+    tenant, so a ``Set-Cookie`` an upstream answered one tenant with must never ride on another's request
+    (httpx's default jar would keep it and send it on every later request to that host)."""
+
+    netscape = True  # read by CookieJar.make_cookies / add_cookie_header
+    rfc2965 = False
+    hide_cookie2 = False
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
+        """Never store a cookie."""
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: object) -> bool:
+        """Never send a stored cookie."""
+        return False
+
+    def domain_return_ok(self, domain: str, request: object) -> bool:
+        """No domain has cookies to send."""
+        return False
+
+    def path_return_ok(self, path: str, request: object) -> bool:
+        """No path has cookies to send."""
+        return False
 
 
 class SharedClient:

@@ -259,3 +259,34 @@ async def test_the_shared_client_uses_it_with_the_configured_limits():
         assert isinstance(transport, AiohttpTransport) and transport._limit == 7
     finally:
         await client.aclose()
+
+
+async def test_the_shared_upstream_client_keeps_no_cookie_between_requests():
+    """The upstream client serves every key and tenant: a cookie set on one answer rides on no later request,
+    neither through httpx's jar nor through aiohttp's."""
+    with_cookie = (
+        b"HTTP/1.1 200 OK\r\nset-cookie: session=tenant-a-secret; Path=/\r\n"
+        b"set-cookie: other=1; Domain=127.0.0.1; Path=/\r\ncontent-length: 5\r\n\r\nhello"
+    )
+    server = await _serving(_answer(with_cookie, OK, OK))
+    try:
+        async with make_client() as client:
+            for _ in range(3):
+                response = await client.send(_post(client, server.url))
+                assert (response.status_code, response.content[:5]) == (200, b"hello")
+            assert len(client.cookies.jar) == 0
+        assert len(server.heads) == 3 and server.connections == 1  # one kept connection, three requests
+        assert all(b"cookie" not in dict(_header_lines(head)) for head in server.heads)
+        # the server did set it: a plain httpx client would have sent it back
+        plain_server = await _serving(_answer(with_cookie, OK))
+        try:
+            async with httpx.AsyncClient() as plain:
+                for _ in range(2):
+                    await plain.send(_post(plain, plain_server.url))
+            assert b"session=tenant-a-secret" in dict(_header_lines(plain_server.heads[1])).get(
+                b"cookie", b""
+            )
+        finally:
+            await plain_server.__aexit__()
+    finally:
+        await server.__aexit__()
