@@ -61,6 +61,8 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
             path=http_request.url.path,
             status=200,
             model=request.model,
+            key=request.client_key or None,
+            tenant=request.tenant or None,
             prompt_tokens=count.input_tokens,
             duration_s=time.monotonic() - started_at(http_request),
             prefix_key=request.prefix_key or None,

@@ -282,6 +282,8 @@ class OpenedStream:
                 path=self._path,
                 status=status,
                 model=request.model,
+                key=request.client_key or None,
+                tenant=request.tenant or None,
                 stream=request.stream,
                 prompt_tokens=finish.usage.prompt_tokens if finish else None,
                 cached_tokens=finish.usage.cached_tokens if finish else None,

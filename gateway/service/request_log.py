@@ -1,11 +1,14 @@
 """One log line per request, in logfmt (``key=value`` pairs), on the ``prefixgate.request`` logger.
 
-The line carries the model, token counts (prompt / cached / completion), TTFT, duration, status and finish
-reason. It never carries prompt or completion text, API keys, admin tokens or the ``user`` field.
+The line carries the model, the client key's name and the tenant (cache salt), token counts (prompt / cached /
+completion), TTFT, duration, status and finish reason. It never carries prompt or completion text, API keys (a
+key's configured name only), admin tokens or the ``user`` field. Values a client chose (model, tenant header in
+open mode) are quoted with every control character escaped: one request is always exactly one line.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -23,6 +26,9 @@ class RequestRecord:
     path: str
     status: int
     model: str | None = None
+    key: str | None = None
+    """The configured name of the client key that authenticated the request (never the key itself)."""
+    tenant: str | None = None
     stream: bool = False
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
@@ -42,8 +48,10 @@ CLIENT_CLOSED = 499
 def format_record(record: RequestRecord) -> str:
     """The logfmt line: fields in a fixed order, ``None`` fields left out, seconds as milliseconds."""
     parts = [f"request_id={record.request_id}", f"path={record.path}", f"status={record.status}"]
-    if record.model is not None:
-        parts.append(f"model={_quote(record.model)}")
+    for name in ("model", "key", "tenant"):
+        value = getattr(record, name)
+        if value is not None:
+            parts.append(f"{name}={_quote(value)}")
     parts.append(f"stream={'true' if record.stream else 'false'}")
     for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
         value = getattr(record, name)
@@ -67,6 +75,8 @@ def log_request(record: RequestRecord) -> None:
 
 
 def _quote(value: str) -> str:
-    if value and all(c.isalnum() or c in "-_.:/" for c in value):
+    """``value`` bare when it is plain (ASCII letters, digits, ``-_.:/``), else a JSON string: quotes,
+    backslashes and control characters (newlines included) escaped."""
+    if value and all((c.isascii() and c.isalnum()) or c in "-_.:/" for c in value):
         return value
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return json.dumps(value)  # ASCII only: no raw U+2028 or other line breaks either

@@ -250,5 +250,8 @@ def test_keys_never_appear_in_logs_or_error_bodies(keyed, caplog):
                 bodies.append(response.text)
     text = caplog.text + "".join(bodies)
     assert "prefixgate.request" in {r.name for r in caplog.records}  # the request log was captured
+    request_lines = [r.getMessage() for r in caplog.records if r.name == "prefixgate.request"]
+    assert any(" key=alice tenant=acme " in line and " status=200 " in line for line in request_lines)
+    assert any(" key=platform tenant=" in line and "user-9" in line for line in request_lines)
     for secret in (ALICE, BOB, CAROL, DAVE, PLATFORM, LIMITED, guess):
         assert secret not in text

@@ -173,6 +173,18 @@ def test_request_log_line_has_counts_and_never_text(caplog):
         log_request(RequestRecord(request_id="r2", path="/x", status=400, model='we"ird name'))
     assert caplog.records[-1].levelno == logging.WARNING
     assert 'model="we\\"ird name"' in caplog.records[-1].getMessage()
+    # the key's name and the tenant; a client-chosen value with a line break stays on one line
+    line = format_record(
+        RequestRecord(
+            request_id="r3", path="/x", status=200, model="m", key="alice", tenant="acme\nstatus=500"
+        )
+    )
+    assert (
+        line == 'request_id=r3 path=/x status=200 model=m key=alice tenant="acme\\nstatus=500" stream=false'
+    )
+    assert format_record(RequestRecord("r4", "/x", 200, tenant="t\u2028x")).endswith(
+        'tenant="t\\u2028x" stream=false'
+    )
 
 
 def test_upstream_models_report_replicas_without_credentials(monkeypatch):
