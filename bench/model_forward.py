@@ -104,9 +104,13 @@ def transformers_times(
     return out
 
 
-def step_profile(ck, context: int, steps: int) -> dict[str, dict[str, float]]:
+def step_profile(
+    ck, context: int, steps: int, kv_dtype: str = "float32", top_ops: int = 0
+) -> dict[str, dict[str, float]]:
     """Per-phase milliseconds (median over ``steps``, ``CLOCK``) and aten ops per engine decode step, for
-    ``b1``, ``b8`` (private contexts) and ``b8_shared`` (one shared ~``context``-token prefix)."""
+    ``b1``, ``b8`` (private contexts) and ``b8_shared`` (one shared ~``context``-token prefix), over a KV cache
+    of ``kv_dtype``; ``top_ops > 0`` also prints, per case, the ``top_ops`` aten ops of most self CPU time
+    per step (``torch.profiler``, milliseconds per step and calls per step)."""
     from engine.api import EngineConfig, SamplingParams
     from engine.llm_engine import LLMEngine
 
@@ -115,7 +119,9 @@ def step_profile(ck, context: int, steps: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, n, share in (("b1", 1, True), ("b8", 8, False), ("b8_shared", 8, True)):
         eng = LLMEngine(
-            ck.model, EngineConfig(num_blocks=80 * n + 16, max_num_batched_tokens=2048), ck.model_id
+            ck.model,
+            EngineConfig(num_blocks=80 * n + 16, max_num_batched_tokens=2048, kv_dtype=kv_dtype),
+            ck.model_id,
         )
         for _ in range(n):
             own = torch.randint(100, ck.config.vocab_size, (context if not share else 40,), generator=g)
@@ -142,7 +148,12 @@ def step_profile(ck, context: int, steps: int) -> dict[str, dict[str, float]]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(2):
                 eng.step()
-        ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 2
+        events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        ops = sum(e.count for e in events) / 2
+        if top_ops:
+            print(f"{name}: top aten ops per step (self CPU ms, calls)")
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top_ops]:
+                print(f"  {e.key:<52}{e.self_cpu_time_total / 2e3:>9.3f}{e.count / 2:>8.0f}")
         row = {k: statistics.median(v) for k, v in phases.items()}
         row["step_ms"] = sum(row.values())
         row["aten_ops_per_step"] = ops
@@ -160,6 +171,10 @@ def main() -> None:
     ap.add_argument("--weights", default="float32", help="engine.weights (float32 reference by default)")
     ap.add_argument("--step-profile", action="store_true", help="profile engine decode steps (docstring)")
     ap.add_argument(
+        "--kv-dtype", default="float32", help="--step-profile: engine.kv_dtype float32 | bfloat16"
+    )
+    ap.add_argument("--top-ops", type=int, default=0, help="--step-profile: print this many top aten ops")
+    ap.add_argument(
         "--cpu-time",
         action="store_true",
         help="one torch thread, timed by this thread's CPU time: immune to other processes on a shared machine",
@@ -173,12 +188,22 @@ def main() -> None:
     path = default_model_path() if args.model == "default" else args.model
     ck = load_checkpoint(path, weights=args.weights)
     if args.step_profile:
-        prof = step_profile(ck, args.context, args.repeats * 4)
+        prof = step_profile(ck, args.context, args.repeats * 4, args.kv_dtype, args.top_ops)
         print(f"threads={torch.get_num_threads()}  weights={ck.model.weight_formats}  context={args.context}")
         print(f"{'step':<12}" + "".join(f"{k:>20}" for k in next(iter(prof.values()))))
         for name, row in prof.items():
             print(f"{name:<12}" + "".join(f"{v:>20.2f}" for v in row.values()))
-        print(json.dumps({"step_profile": prof, "weights": args.weights, "context": args.context}))
+        print(
+            json.dumps(
+                {
+                    "step_profile": prof,
+                    "weights": args.weights,
+                    "kv_dtype": args.kv_dtype,
+                    "context": args.context,
+                    "threads": torch.get_num_threads(),
+                }
+            )
+        )
         return
     with torch.inference_mode():
         mine = ours(ck, args.prompt, args.context, args.repeats)

@@ -252,8 +252,9 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     """Store the step's keys/values ``[T, kv_heads, head_dim]`` at flat ``slots`` ``[T]`` of one layer's cache
     ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
     kvh, hd = layer_cache.shape[-2:]
-    layer_cache[0].view(-1, kvh, hd).index_copy_(0, slots, k.to(layer_cache.dtype))
-    layer_cache[1].view(-1, kvh, hd).index_copy_(0, slots, v.to(layer_cache.dtype))
+    dt = layer_cache.dtype
+    # one copy for K and V together: [2, T, kvh, hd] into the cache viewed as [2, slots, kvh, hd]
+    layer_cache.view(2, -1, kvh, hd).index_copy_(1, slots, torch.stack((k.to(dt), v.to(dt))))
 
 
 @functools.cache
@@ -287,6 +288,7 @@ def paged_attention(
     layer_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Causal attention of one layer for one step, after writing the step's K/V into the cache.
 
@@ -296,20 +298,23 @@ def paged_attention(
         layer_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of this layer (0 = K, 1 = V).
         plan: from ``plan_attention``.
         scale: softmax scale (``head_dim ** -0.5``).
+        out_dtype: dtype of the output (default q's): bf16 when the next linear rounds its input to bf16
+            anyway (``engine.linear.bf16_in_out``), so bf16 attention output is not widened and narrowed again.
 
     Returns:
-        ``[T, num_heads * head_dim]`` attention output in q's dtype.
+        ``[T, num_heads * head_dim]`` attention output in ``out_dtype``.
     """
     write_kv(layer_cache, k, v, plan.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     dec = plan.decode
     adt = attention_dtype(layer_cache.dtype, q.dtype, q.device)
+    out_dtype = out_dtype or q.dtype
     if dec is not None and not plan.prefills and dec.rows is None:
-        return decode_attention(q, layer_cache, dec, scale, group, adt).reshape(
+        return decode_attention(q, layer_cache, dec, scale, group, adt, out_dtype).reshape(
             num_tokens, num_heads * head_dim
         )
-    out = q.new_empty(num_tokens, num_heads, head_dim)
+    out = q.new_empty(num_tokens, num_heads, head_dim, dtype=out_dtype)
     for p in plan.prefills:
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]
         if p.blocks is None:  # fresh K/V, rounded as the cache stores them
@@ -330,7 +335,7 @@ def paged_attention(
         out[p.start : p.end] = o[0].transpose(0, 1)
     if dec is not None:
         qd = q if dec.rows is None else q.index_select(0, dec.rows)
-        od = decode_attention(qd, layer_cache, dec, scale, group, adt)
+        od = decode_attention(qd, layer_cache, dec, scale, group, adt, out_dtype)
         if dec.rows is None:
             out.copy_(od.view_as(out))
         else:
@@ -345,18 +350,20 @@ def decode_attention(
     scale: float,
     group: int,
     adt: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Batched one-token attention: ``q`` ``[B, H, D]`` -> ``[B, H, D]`` in q's dtype, computed in ``adt``
-    (``attention_dtype``; default q's dtype) except the cascade, which merges in fp32.
+    """Batched one-token attention: ``q`` ``[B, H, D]`` -> ``[B, H, D]`` in ``out_dtype`` (default q's dtype),
+    computed in ``adt`` (``attention_dtype``; default q's dtype) except the cascade, which merges in fp32.
 
     K/V of all B sequences come from one ``index_select`` (or a view when their blocks are consecutive); query heads are folded into their KV group
     (``[B, kv_heads, group, D]``), so each KV head is read once and no K/V is repeated.
     """
     adt = adt or q.dtype
+    out_dtype = out_dtype or q.dtype
     if dec.shared is not None:
-        return cascade_decode_attention(q, layer_cache, dec.shared, scale, group)
+        return cascade_decode_attention(q, layer_cache, dec.shared, scale, group).to(out_dtype)
     if dec.per_seq is not None:
-        return per_sequence_decode(q, layer_cache, dec.per_seq, scale, group, adt)
+        return per_sequence_decode(q, layer_cache, dec.per_seq, scale, group, adt).to(out_dtype)
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
     kv = dec.blocks.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : dec.max_len]
@@ -364,7 +371,7 @@ def decode_attention(
     o = F.scaled_dot_product_attention(
         q.view(b, kvh, group, head_dim).to(adt), kv[0], kv[1], attn_mask=dec.mask, scale=scale
     )
-    return o.reshape(b, num_heads, head_dim).to(q.dtype)
+    return o.reshape(b, num_heads, head_dim).to(out_dtype)
 
 
 def per_sequence_decode(

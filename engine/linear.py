@@ -381,6 +381,21 @@ class BF16Weight(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def bf16_in_out(linear: LinearWeight) -> bool:
+    """Whether ``linear.forward`` rounds its input to bf16 and its output is the bf16 result of its kernel with
+    no fp32 step after it (no fp32 bias add, no fp32 dense copy): then feeding it bf16 and keeping its bf16
+    output is bit-identical to the fp32 round trip, and a decoder layer may skip both casts
+    (``engine.model.DecoderLayer``). True for ``BF16Weight`` and for bias-free ``Int4Weight`` / ``Int8Weight``
+    whose dense prefill copy (if any) is bf16; False for ``DenseWeight`` and anything else."""
+    if isinstance(linear, BF16Weight):
+        return True
+    if isinstance(linear, Int8Weight):
+        return linear.inner.bias is None and (linear.dense is None or linear.dense.dtype == torch.bfloat16)
+    if isinstance(linear, Int4Weight):
+        return linear.bias is None and (linear.dense is None or linear.dense.dtype == torch.bfloat16)
+    return False
+
+
 class GroupedEmbedding(nn.Module):
     """A token embedding kept in its quantized groups, rows decoded on lookup (exact, fp32):
     ``row = (q - offset) * scale + zero`` per group of 32 (Q8_0: offset 0, no zero; Q4_x: offset 8).

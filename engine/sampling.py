@@ -302,7 +302,8 @@ def sample_sequences(logits: torch.Tensor, samplers: list[SequenceSampler]) -> l
         and not s.pending_forks
     ]
     if plain:
-        ids = torch.argmax(logits[plain], dim=-1).tolist()
+        rows = logits if len(plain) == len(samplers) else logits[plain]  # no copy when every row is plain
+        ids = torch.argmax(rows, dim=-1).tolist()
         for i, tok in zip(plain, ids, strict=True):
             out[i] = SampledToken(int(tok))
     for i, s in enumerate(samplers):

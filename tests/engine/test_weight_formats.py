@@ -25,7 +25,7 @@ import torch
 
 from bench.weight_agreement import chat_prompts, teacher_forced_agreement
 from engine.checkpoint import default_model_path, load_checkpoint
-from engine.linear import BF16Weight, GroupedEmbedding, Int4Weight, Int8Weight
+from engine.linear import BF16Weight, DenseWeight, GroupedEmbedding, Int4Weight, Int8Weight, bf16_in_out
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize
 from engine.weight_format import (
     UnsupportedHardwareError,
@@ -116,6 +116,27 @@ def test_fast_kernels_agree_with_fp32_reference(qtype, rows):
     assert y.dtype == torch.float32 and y.shape == (rows, 64)
     ref = x @ w.t() + bias
     assert ((y - ref).abs() <= bound(x, w)).all()
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_bf16_in_out_linears_give_the_same_bits_from_bf16_input(qtype, rows):
+    """``bf16_in_out``: feeding bf16 and keeping the bf16 output equals the fp32 round trip bit for bit (the
+    decoder layer relies on it); a bias, or an fp32 dense copy, rules a linear out."""
+    b = random_blocks(qtype, rows=64, cols=128)
+    make = Int8Weight if qtype == "Q8_0" else Int4Weight
+    groups = int8_groups(b) if qtype == "Q8_0" else int4_groups(b)
+    lin = make(groups, None, CPU, 16)
+    assert bf16_in_out(lin)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    y16 = lin.forward(x.to(torch.bfloat16))
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16.float(), lin.forward(x.to(torch.bfloat16).float()))
+    assert not bf16_in_out(make(groups, torch.randn(64), CPU, 16))
+    assert not bf16_in_out(make(groups, None, CPU, 16, torch.float32))
+    assert bf16_in_out(BF16Weight(torch.randn(64, 128), torch.randn(64), CPU))
+    assert not bf16_in_out(DenseWeight(torch.randn(64, 128)))
 
 
 @needs_int4
