@@ -26,6 +26,7 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -67,14 +68,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def mean_prompt_tokens(sessions: list[Session], max_tokens: int) -> float:
-    """Mean prompt tokens of the requests the sessions will send (a reply counted as ``2 * max_tokens``)."""
+def mean_prompt_tokens(
+    sessions: list[Session], max_tokens: int, encode: Callable[[Sequence[dict]], list[int]] = encode_chat
+) -> float:
+    """Mean prompt tokens of the requests the sessions will send (a reply counted as ``2 * max_tokens``);
+    ``encode`` renders and tokenizes chat messages (``encode_chat`` or the simulator's memoized equal)."""
     total, n = 0, 0
     for s in sessions:
-        base = len(encode_chat([{"role": "system", "content": s.system}]))
+        base = len(encode([{"role": "system", "content": s.system}]))
         history = 0
         for user in s.user_messages:
-            history += len(encode_chat([{"role": "user", "content": user}]))
+            history += len(encode([{"role": "user", "content": user}]))
             total += base + history
             history += 2 * max_tokens
             n += 1

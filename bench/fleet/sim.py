@@ -47,6 +47,7 @@ from functools import lru_cache
 import redis.asyncio as aioredis
 
 from bench.fleet.replica import EngineTiming, PrefixLRU, _word
+from bench.fleet.run import mean_prompt_tokens, percentile
 from bench.fleet.tokens import _encoding
 from bench.fleet.workload import Session, WorkloadConfig, build_sessions, mean_turns
 from gateway.backends.upstream import routing_blocks
@@ -129,15 +130,6 @@ def chat_tokens(messages: Sequence[dict]) -> list[int]:
     for m in messages:
         out.extend(_message_tokens(m["role"], m["content"]))
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 100]) of a non-empty list; 0.0 for an empty one."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 class Clock:
@@ -402,7 +394,7 @@ async def simulate(cfg: SimConfig) -> dict:
     timing = cfg.timing
     clock = Clock()
     probe = build_sessions(wl, 1.0)
-    mean_tokens = _mean_prompt_tokens(probe, wl.max_tokens)
+    mean_tokens = mean_prompt_tokens(probe, wl.max_tokens, chat_tokens)
     cost = timing.request_cost_s(round(mean_tokens), 0, wl.max_tokens)
     request_rate = cfg.load * cfg.n_replicas / cost
     sessions = build_sessions(wl, request_rate / mean_turns(wl))
@@ -600,20 +592,6 @@ def _schedule_share(share: RoutingShare, clock: Clock, first: float, live: dict)
             clock.after(share.interval_s, tick)
 
     clock.at(first, tick)
-
-
-def _mean_prompt_tokens(sessions: list[Session], max_tokens: int) -> float:
-    """Mean prompt tokens of the requests the sessions will send (a reply counted as ``2 * max_tokens``)."""
-    total, n = 0, 0
-    for s in sessions:
-        base = len(chat_tokens([{"role": "system", "content": s.system}]))
-        history = 0
-        for user in s.user_messages:
-            history += len(chat_tokens([{"role": "user", "content": user}]))
-            total += base + history
-            history += 2 * max_tokens
-            n += 1
-    return total / max(n, 1)
 
 
 def _single_hit_rate(ok: list[Outcome], capacity_tokens: int) -> float:
