@@ -16,10 +16,10 @@ Invariants: a stored result is exactly what the action returned for that rule an
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+
+from rules.bounded_lru import BoundedLRU
 
 Result = tuple[str, int, tuple[Any, ...]]
 """(new text, number of applications, hoisted values in order; for a whole pass of rules, the steps of the
@@ -42,19 +42,25 @@ class TextActionCache:
         self.max_chars = max_chars
         self.max_entries = max_entries
         self.max_text_chars = max_text_chars
-        self._entries: OrderedDict[tuple[str, int, str], Result] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._memo: BoundedLRU[tuple[str, int, str], Result] = BoundedLRU(max_entries, (max_chars,), _size)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._memo)
 
     @property
     def chars(self) -> int:
         """Characters held now."""
-        return self._chars
+        return self._memo.totals[0]
+
+    @property
+    def hits(self) -> int:
+        """Lookups answered from the memo (cumulative)."""
+        return self._memo.hits
+
+    @property
+    def misses(self) -> int:
+        """Lookups computed (cumulative)."""
+        return self._memo.misses
 
     def get(self, index: int, text: str, compute: Callable[[str], Result], scope: str = "") -> Result:
         """The result of rule ``index`` on ``text`` within ``scope``: stored, or ``compute(text)`` (then stored
@@ -64,37 +70,20 @@ class TextActionCache:
             whatever ``compute`` raises (nothing is stored then).
         """
         key = (scope, index, text)
-        found = self._entries.get(key)  # one atomic step under the GIL: no lock on the hit path
+        found = self._memo.get(key)
         if found is not None:
-            try:
-                self._entries.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile: the result is still right
-                pass
-            self.hits += 1
             return found
-        self.misses += 1
         result = compute(text)
-        if len(text) > self.max_text_chars:
-            return result
-        size = _size(key, result)
-        with self._lock:
-            if key not in self._entries:
-                self._entries[key] = result
-                self._chars += size
-                while (
-                    self._chars > self.max_chars or len(self._entries) > self.max_entries
-                ) and self._entries:
-                    old_key, old = self._entries.popitem(last=False)
-                    self._chars -= _size(old_key, old)
+        if len(text) <= self.max_text_chars:
+            self._memo.put(key, result)
         return result
 
     def check(self) -> None:
         """Assert the invariants (tests)."""
-        assert self._chars == sum(_size(k, v) for k, v in self._entries.items())
-        assert self._chars <= self.max_chars and len(self._entries) <= self.max_entries
-        assert all(len(text) <= self.max_text_chars for _, _, text in self._entries)
+        self._memo.check()
+        assert all(len(text) <= self.max_text_chars for _, _, text in self._memo.keys())
 
 
-def _size(key: tuple[str, int, str], result: Result) -> int:
+def _size(key: tuple[str, int, str], result: Result) -> tuple[int]:
     text, new_text = key[2], result[0]
-    return len(text) + (0 if new_text is text else len(new_text))
+    return (len(text) + (0 if new_text is text else len(new_text)),)

@@ -27,10 +27,9 @@ safe to share between threads (the explanation of a long prompt runs in a worker
 from __future__ import annotations
 
 import re
-import threading
-from collections import OrderedDict
 
 from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer
+from rules.bounded_lru import BoundedLRU
 
 _CUT = re.compile(r"\n(?=<\|)")
 
@@ -56,25 +55,32 @@ class PieceTokenMemo:
         self.max_tokens = max_tokens
         self.max_entries = max_entries
         self.max_piece_chars = max_piece_chars
-        self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
-        self._chars = 0
-        self._tokens = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._memo: BoundedLRU[tuple[str, str], tuple[int, ...]] = BoundedLRU(
+            max_entries, (max_chars, max_tokens), _cost
+        )
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._memo)
 
     @property
     def chars(self) -> int:
         """Characters of pieces held now."""
-        return self._chars
+        return self._memo.totals[0]
 
     @property
     def tokens(self) -> int:
         """Token ids held now."""
-        return self._tokens
+        return self._memo.totals[1]
+
+    @property
+    def hits(self) -> int:
+        """Pieces taken from the memo (cumulative)."""
+        return self._memo.hits
+
+    @property
+    def misses(self) -> int:
+        """Pieces encoded (cumulative)."""
+        return self._memo.misses
 
     def encode(self, tokenizer: Cl100kTokenizer, text: str, scope: str = "") -> tuple[list[int], list[int]]:
         """``tokenizer.encode(text)`` (ids, start character offsets), the pieces seen before within ``scope``
@@ -99,40 +105,18 @@ class PieceTokenMemo:
         if not piece:
             return
         key = (scope, piece)
-        found = self._entries.get(key)  # one atomic step under the GIL: no lock on the hit path
-        if found is not None:
-            try:
-                self._entries.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile: the result is still right
-                pass
-            self.hits += 1
-        else:
-            self.misses += 1
+        found = self._memo.get(key)
+        if found is None:
             found = tuple(tokenizer.encode_ids(piece))
             if len(piece) <= self.max_piece_chars:
-                self._store(key, found)
+                self._memo.put(key, found)
         ids.extend(found)
-
-    def _store(self, key: tuple[str, str], value: tuple[int, ...]) -> None:
-        with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = value
-            self._chars += len(key[1])
-            self._tokens += len(value)
-            while (
-                self._chars > self.max_chars
-                or self._tokens > self.max_tokens
-                or len(self._entries) > self.max_entries
-            ) and self._entries:
-                old_key, old = self._entries.popitem(last=False)
-                self._chars -= len(old_key[1])
-                self._tokens -= len(old)
 
     def check(self) -> None:
         """Assert the invariants (tests)."""
-        assert self._chars == sum(len(piece) for _, piece in self._entries)
-        assert self._tokens == sum(len(ids) for ids in self._entries.values())
-        assert self._chars <= self.max_chars and self._tokens <= self.max_tokens
-        assert len(self._entries) <= self.max_entries
-        assert all(len(piece) <= self.max_piece_chars for _, piece in self._entries)
+        self._memo.check()
+        assert all(len(piece) <= self.max_piece_chars for _, piece in self._memo.keys())
+
+
+def _cost(key: tuple[str, str], ids: tuple[int, ...]) -> tuple[int, int]:
+    return len(key[1]), len(ids)

@@ -85,7 +85,7 @@ def test_bounded_by_entries_and_characters():
     long = "<|user|>\n" + "x" * 60 + "\n\n"
     memo.encode(_TOKENIZER, long, "s")
     memo.check()
-    assert ("s", long) not in memo._entries
+    assert ("s", long) not in memo._memo.keys()
     small = PieceTokenMemo(max_chars=30, max_entries=100)
     for k in range(5):
         small.encode(_TOKENIZER, f"<|user|>\nquestion {k}\n\n", "s")
