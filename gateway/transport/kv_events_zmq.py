@@ -198,7 +198,7 @@ class _Follower:
         """Batches ``>= start`` from the replay socket, in order; None when it does not answer in time or
         garbles its answer."""
         feed = self.feed
-        assert self.replay_endpoint is not None
+        assert self.replay_endpoint is not None and feed.context is not None
         feed.stats.replays += 1
         sock = feed.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -282,13 +282,17 @@ class ZmqKVEventFeed:
         self.stats = ZmqKVEventFeedStats()
         replay = dict(replay_endpoints or {})
         self.followers = {r: _Follower(self, r, replay.get(r)) for r in policy.replicas}
-        self.context = zmq.asyncio.Context()
+        self.context: zmq.asyncio.Context | None = (
+            None  # made by start (a feed never started holds no sockets)
+        )
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
         """Subscribe to every replica's publisher in the running loop (idempotent)."""
         if not self._tasks:
             loop = asyncio.get_running_loop()
+            if self.context is None:
+                self.context = zmq.asyncio.Context()
             self._tasks = [loop.create_task(self._follow(f)) for f in self.followers.values()]
 
     async def close(self) -> None:
@@ -299,9 +303,12 @@ class ZmqKVEventFeed:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self.context.destroy(linger=0)
+        if self.context is not None:
+            self.context.destroy(linger=0)
+            self.context = None
 
     async def _follow(self, follower: _Follower) -> None:
+        assert self.context is not None
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB high-water mark

@@ -246,6 +246,14 @@ async def test_a_replayed_duplicate_is_skipped_and_an_unseen_restart_is_caught_b
         await feed.close()
 
 
+def test_an_upstream_with_zmq_kv_events_needs_one_endpoint_per_replica():
+    urls = ["http://10.0.0.1/v1", "http://10.0.0.2/v1"]
+    for endpoints, replay in ((("tcp://h:1",), ()), (("tcp://h:1", "tcp://h:2"), ("tcp://h:3",))):
+        config = KVEventsConfig(transport="zmq", endpoints=endpoints, replay_endpoints=replay)
+        with pytest.raises(ValueError, match="one endpoint"):
+            OpenAIUpstreamBackend("m", urls, routing="cache_aware", kv_events=config)
+
+
 def test_the_feed_needs_an_event_policy_and_every_endpoint():
     ring = AffinityRing([A, B])
     with pytest.raises(ValueError, match="use_kv_events"):
