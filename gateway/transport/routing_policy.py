@@ -77,7 +77,7 @@ def block_hashes(
     ``h[i] = blake2b(h[i-1] || token ids of block i as 4-byte big-endian)``, ``h[-1]`` = hash of ``salt`` (model
     id, tenant). Stable across processes (no seed), so every gateway and the fleet simulator's replicas compute
     the same chain for the same tokens. A real engine's KV events carry its own hashes (vLLM: sha256 over its
-    own encoding); the exact path only helps where the gateway can compute the engine's scheme.
+    own encoding); the ZeroMQ path maps them onto this chain through the token ids they carry.
 
     Args:
         token_ids: prompt token ids (ints >= 0).
