@@ -13,7 +13,10 @@ multiplies every simulated duration (0.04: 25 times faster than the engine) so a
 scheduled (capped like vLLM: at least one prompt token is always computed). Cache changes are published as
 vLLM-style KV event batches (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) on
 ``GET /v1/kv_events`` (one JSON batch per line); a new subscriber first gets ``AllBlocksCleared`` and one
-``BlockStored`` with everything held, so it never needs history.
+``BlockStored`` with everything held, so it never needs history. With ``kv_zmq`` they are also published over
+ZeroMQ in vLLM's wire format (``bench.fleet.kv_zmq``: a PUB socket and a replay ROUTER socket, each stored run
+of blocks with its parent's hash and its token ids, as vLLM's ``BlockStored``); there, as with vLLM, a late
+subscriber gets history only from the replay buffer.
 
 Invariants: the cache never holds more than ``capacity_tokens // 16`` blocks; a stored block's token ids are
 compared on lookup (a hash collision is a miss); ``kill`` fails every queued and running request mid-stream,
@@ -37,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bench.fleet.kv_zmq import ZmqKVPublisher
 from bench.fleet.tokens import encode_chat
 from gateway.transport.routing_policy import BLOCK_SIZE, block_hashes
 
@@ -156,6 +160,7 @@ class SimEngine:
         self.served = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.zmq_publisher: ZmqKVPublisher | None = None  # also publish over ZeroMQ (vLLM's wire format)
 
     def start(self) -> None:
         """Start the step loop (in the running event loop)."""
@@ -208,6 +213,34 @@ class SimEngine:
     def _batch(events: list[dict]) -> dict:
         return {"ts": time.time(), "events": events}
 
+    def _publish_zmq(self, seq: _Sequence, stored: list[int], removed: list[int]) -> None:
+        """vLLM's events for one prefill: a ``BlockStored`` per contiguous run of new blocks (its parent, its
+        token ids), then a ``BlockRemoved``."""
+        publisher = self.zmq_publisher
+        if publisher is None or not (stored or removed):
+            return
+        new = set(stored)
+        events: list[dict] = []
+        run: list[int] = []
+        for i, h in enumerate([*seq.hashes, None]):
+            if h is not None and h in new:
+                run.append(i)
+                continue
+            if run:
+                events.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [seq.hashes[j] for j in run],
+                        "parent_block_hash": seq.hashes[run[0] - 1] if run[0] > 0 else None,
+                        "token_ids": seq.token_ids[run[0] * BLOCK_SIZE : (run[-1] + 1) * BLOCK_SIZE],
+                        "block_size": BLOCK_SIZE,
+                    }
+                )
+                run = []
+        if removed:
+            events.append({"type": "BlockRemoved", "block_hashes": removed})
+        publisher.publish(events)
+
     def _publish(self, stored: list[int], removed: list[int], parent: int | None) -> None:
         events: list[dict] = []
         if stored:
@@ -249,6 +282,7 @@ class SimEngine:
                 cached = self.cache.lookup(seq.token_ids, seq.hashes)
                 await self._sleep((len(seq.token_ids) - cached) * self.timing.prefill_s_per_token)
                 stored, removed = self.cache.insert(seq.token_ids, seq.hashes)
+                self._publish_zmq(seq, stored, removed)
                 first_new = seq.hashes.index(stored[0]) if stored else 0
                 self._publish(stored, removed, seq.hashes[first_new - 1] if first_new > 0 else None)
                 self.prompt_tokens += len(seq.token_ids)
@@ -296,10 +330,22 @@ class StubReplica:
         capacity_tokens: prefix cache capacity.
         timing: cost model.
         port: fixed port (0: a free one, reserved now and kept across restarts).
+        kv_zmq: also publish KV events over ZeroMQ (``bench.fleet.kv_zmq.ZmqKVPublisher``, free ports kept
+            across restarts, a replay socket, ``kv_zmq_layout`` ``map`` or ``array``).
     """
 
-    def __init__(self, name: str, capacity_tokens: int, timing: EngineTiming, port: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity_tokens: int,
+        timing: EngineTiming,
+        port: int = 0,
+        *,
+        kv_zmq: bool = False,
+        kv_zmq_layout: str = "map",
+    ) -> None:
         self.name = name
+        self.kv_publisher = ZmqKVPublisher(layout=kv_zmq_layout) if kv_zmq else None
         self.capacity_tokens = capacity_tokens
         self.timing = timing
         # The port is reserved from the start (bound, not listening: connections are refused, as to a replica
@@ -338,6 +384,9 @@ class StubReplica:
         if self._server is not None:
             return
         self.engine = SimEngine(self.capacity_tokens, self.timing)
+        if self.kv_publisher is not None:
+            await self.kv_publisher.start()
+            self.engine.zmq_publisher = self.kv_publisher
         self.engine.start()
         config = uvicorn.Config(self.app(), log_level="critical", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
@@ -374,6 +423,8 @@ class StubReplica:
             if transport is not None:
                 transport.abort()
         await self.engine.kill()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         self.history.append(self.stats())
         self._server.should_exit = True
         self._server.force_exit = True

@@ -20,6 +20,7 @@ from gateway.backends.kv_blocks import KVBlockHasher
 from gateway.config.schema import CacheAwareConfig, KVEventsConfig, RoutingShareConfig, UpstreamModel
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.kv_events import KVEventFeed
+from gateway.transport.kv_events_zmq import ZmqKVEventFeed
 from gateway.transport.redact import redact_url
 from gateway.transport.retry import RetryPolicy
 from gateway.transport.routing_policy import CacheAwarePolicy, make_policy, text_block_hashes
@@ -68,7 +69,7 @@ class UpstreamBackend(Backend):
 
     Raises:
         ValueError: an unknown ``routing``, or ``kv_events`` or ``cache_aware`` with another policy than
-            ``cache_aware``.
+            ``cache_aware``, or ``kv_events`` over ``zmq`` without one endpoint per replica.
     """
 
     def __init__(
@@ -107,8 +108,22 @@ class UpstreamBackend(Backend):
             )
         policy = make_policy(routing, ring, **options)
         self.kv_hasher = KVBlockHasher(kv_events) if kv_events is not None else None
-        self.kv_feed: KVEventFeed | None = None
-        if kv_events is not None:
+        self.kv_feed: KVEventFeed | ZmqKVEventFeed | None = None
+        if kv_events is not None and kv_events.transport == "zmq":
+            assert isinstance(policy, CacheAwarePolicy)
+            if len(kv_events.endpoints) != len(ring.replicas) or len(kv_events.replay_endpoints) not in (
+                0,
+                len(ring.replicas),
+            ):
+                raise ValueError("kv_events over zmq needs one endpoint (and replay endpoint) per replica")
+            self.kv_feed = ZmqKVEventFeed(
+                policy,
+                dict(zip(ring.replicas, kv_events.endpoints, strict=True)),
+                replay_endpoints=dict(zip(ring.replicas, kv_events.replay_endpoints, strict=False)),
+                topic=kv_events.topic,
+                block_size=kv_events.block_size,
+            )
+        elif kv_events is not None:
             assert isinstance(policy, CacheAwarePolicy)
             self.kv_feed = KVEventFeed(
                 policy,

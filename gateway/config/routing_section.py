@@ -15,6 +15,7 @@ from typing import Any
 from gateway.config.reader import Reader
 from gateway.config.schema import (
     KV_EVENT_TOKENIZERS,
+    KV_EVENT_TRANSPORTS,
     ROUTING_POLICIES,
     CacheAwareConfig,
     KVEventsConfig,
@@ -32,7 +33,9 @@ def parse_routing(reader: Reader, raw: dict, where: str) -> dict[str, Any]:
     routing = reader.typed(raw, where, "routing", str, "consistent_hash")
     if routing not in ROUTING_POLICIES:
         reader.fail(f"{where}.routing", f"expected one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
-    kv_events = _parse_kv_events(reader, raw.get("kv_events"), f"{where}.kv_events")
+    base_url = raw.get("base_url")
+    replicas = len(base_url) if isinstance(base_url, list) else 1
+    kv_events = _parse_kv_events(reader, raw.get("kv_events"), f"{where}.kv_events", replicas)
     if kv_events is not None and routing != "cache_aware":
         reader.fail(
             f"{where}.kv_events", f"feeds the cache-aware index: needs routing: cache_aware, not {routing!r}"
@@ -90,14 +93,52 @@ def _parse_routing_share(reader: Reader, value: Any, where: str) -> RoutingShare
     return RoutingShareConfig(redis_url=url, **numbers)
 
 
-def _parse_kv_events(reader: Reader, value: Any, where: str) -> KVEventsConfig | None:
-    """``kv_events: true`` (the defaults) or a mapping of ``KVEventsConfig``'s fields; absent or false = None."""
+def _endpoints(reader: Reader, section: dict, where: str, key: str, replicas: int) -> tuple[str, ...]:
+    """``section[key]``: a list of ZeroMQ endpoints (``tcp://host:port`` or ``ipc://path``), one per replica."""
+    value = section.get(key, [])
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        reader.fail(f"{where}.{key}", f"expected a list of ZeroMQ endpoints, got {type(value).__name__}")
+    out = []
+    for index, endpoint in enumerate(value):
+        endpoint = reader.resolve_env(endpoint, f"{where}.{key}[{index}]")
+        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")) or "*" in endpoint:
+            reader.fail(
+                f"{where}.{key}[{index}]",
+                f"expected a tcp://host:port or ipc://path endpoint to connect to, got {endpoint!r}",
+            )
+        out.append(endpoint)
+    if out and len(out) != replicas:
+        reader.fail(f"{where}.{key}", f"expected one endpoint per base_url ({replicas}), got {len(out)}")
+    return tuple(out)
+
+
+def _parse_kv_events(reader: Reader, value: Any, where: str, replicas: int) -> KVEventsConfig | None:
+    """``kv_events: true`` (the defaults) or a mapping of ``KVEventsConfig``'s fields; absent or false = None.
+
+    ``replicas`` is the number of ``base_url`` entries (``zmq`` needs one endpoint per replica).
+    """
     if value is None or value is False:
         return None
     default = KVEventsConfig()
     section = reader.mapping(
         {} if value is True else value, where, {f.name for f in dataclasses.fields(KVEventsConfig)}
     )
+    transport = reader.typed(section, where, "transport", str, default.transport)
+    if transport not in KV_EVENT_TRANSPORTS:
+        reader.fail(
+            f"{where}.transport", f"expected one of {', '.join(KV_EVENT_TRANSPORTS)}, got {transport!r}"
+        )
+    endpoints = _endpoints(reader, section, where, "endpoints", replicas)
+    replay = _endpoints(reader, section, where, "replay_endpoints", replicas)
+    topic = reader.typed(section, where, "topic", str, default.topic)
+    if transport == "zmq" and not endpoints:
+        reader.fail(f"{where}.endpoints", "transport: zmq needs one publisher endpoint per base_url")
+    if transport == "http":
+        for key in ("endpoints", "replay_endpoints", "topic"):
+            if key in section:
+                reader.fail(f"{where}.{key}", "is a transport: zmq setting (this one is http)")
     path = reader.typed(section, where, "path", str, default.path)
     if not path.startswith("/") or any(ch in path for ch in " ?#\r\n"):
         reader.fail(f"{where}.path", f"expected a URL path starting with '/', got {path!r}")
@@ -119,4 +160,13 @@ def _parse_kv_events(reader: Reader, value: Any, where: str) -> KVEventsConfig |
     block_size = reader.typed(section, where, "block_size", int, default.block_size)
     if block_size < 1:
         reader.fail(f"{where}.block_size", f"expected an integer >= 1, got {block_size}")
-    return KVEventsConfig(path=path, tokenizer=tokenizer, message_format=fmt, block_size=block_size)
+    return KVEventsConfig(
+        transport=transport,
+        path=path,
+        tokenizer=tokenizer,
+        message_format=fmt,
+        block_size=block_size,
+        endpoints=endpoints,
+        replay_endpoints=replay,
+        topic=topic,
+    )

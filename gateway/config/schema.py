@@ -96,6 +96,10 @@ class RoutingShareConfig:
 KV_EVENT_TOKENIZERS = ("cl100k_base",)
 """Tokenizers ``kv_events.tokenizer`` names (tiktoken, offline copy)."""
 
+KV_EVENT_TRANSPORTS = ("http", "zmq")
+"""How ``kv_events`` reaches the gateway: ``http`` (NDJSON on ``GET {base_url}{path}``,
+``gateway.transport.kv_events``) or ``zmq`` (vLLM's ZeroMQ publisher, ``gateway.transport.kv_events_zmq``)."""
+
 
 @dataclass(frozen=True)
 class KVEventsConfig:
@@ -104,19 +108,30 @@ class KVEventsConfig:
     The gateway hashes each request as the engine does: every message rendered with ``message_format``,
     tokenized with ``tokenizer``, chained hashes of full ``block_size`` blocks
     (``gateway.transport.routing_policy.block_hashes``). It helps only where the replicas publish those
-    hashes (the fleet simulator's replicas do; docs/routing.md).
+    hashes (the fleet simulator's replicas do over HTTP), or, over ``zmq``, the token ids of the blocks they
+    store (vLLM does; the gateway then maps the engine's blocks onto its own hashes: docs/routing.md).
 
     Attributes:
-        path: appended to each ``base_url`` for ``GET`` (one JSON ``KVEventBatch`` per line).
+        transport: one of ``KV_EVENT_TRANSPORTS``.
+        path: ``http`` only: appended to each ``base_url`` for ``GET`` (one JSON ``KVEventBatch`` per line).
         tokenizer: one of ``KV_EVENT_TOKENIZERS``.
         message_format: ``str.format`` template of one message with ``{role}`` and ``{content}``.
         block_size: tokens per block, >= 1.
+        endpoints: ``zmq`` only: the PUB endpoint of each replica's engine (vLLM ``kv_events_config.endpoint``
+            with its host, e.g. ``tcp://10.0.0.5:5557``), one per ``base_url`` in the same order.
+        replay_endpoints: ``zmq`` only: each replica's ROUTER replay endpoint (vLLM ``replay_endpoint``), one
+            per ``base_url``, or empty (gaps then resync instead of replaying).
+        topic: ``zmq`` only: the publishers' topic (vLLM ``topic``, default empty).
     """
 
+    transport: str = "http"
     path: str = "/kv_events"
     tokenizer: str = "cl100k_base"
     message_format: str = "<|{role}|>{content}\n"
     block_size: int = 16
+    endpoints: tuple[str, ...] = ()
+    replay_endpoints: tuple[str, ...] = ()
+    topic: str = ""
 
 
 @dataclass(frozen=True)

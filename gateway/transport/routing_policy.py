@@ -69,18 +69,23 @@ def _chain(parent: int, payload: bytes) -> int:
     return int.from_bytes(digest, "big")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: str = "") -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: str = "", parent: int | None = None
+) -> list[int]:
     """Chained 64-bit hashes of the full blocks of ``token_ids`` (a trailing partial block is not hashed).
 
     ``h[i] = blake2b(h[i-1] || token ids of block i as 4-byte big-endian)``, ``h[-1]`` = hash of ``salt`` (model
     id, tenant). Stable across processes (no seed), so every gateway and the fleet simulator's replicas compute
     the same chain for the same tokens. A real engine's KV events carry its own hashes (vLLM: sha256 over its
-    own encoding); the exact path only helps where the gateway can compute the engine's scheme.
+    own encoding); the ZeroMQ path maps them onto this chain through the token ids they carry.
 
     Args:
         token_ids: prompt token ids (ints >= 0).
         block_size: tokens per block (>= 1).
         salt: namespace of the chain.
+        parent: continue the chain after this block hash (one this function returned) instead of starting at
+            the salt's root; ``salt`` is then unused (the ZMQ KV event path maps an engine's stored blocks
+            onto this chain: ``gateway.transport.kv_event_wire``).
 
     Returns:
         ``len(token_ids) // block_size`` ints in ``[0, 2**64)``.
@@ -90,7 +95,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, salt: s
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
-    parent = _chain(0, salt.encode("utf-8"))
+    if parent is None:
+        parent = _chain(0, salt.encode("utf-8"))
     out: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         payload = b"".join(int(t).to_bytes(4, "big") for t in token_ids[start : start + block_size])

@@ -8,11 +8,14 @@ import json
 
 import httpx
 import pytest
+import zmq
+import zmq.asyncio
 
 from bench.fleet.replica import EngineTiming, PrefixLRU, StubReplica
 from bench.fleet.router import BenchRouter
 from bench.fleet.run import percentile, single_cache_hit_rate
 from bench.fleet.tokens import encode_chat
+from gateway.transport.kv_event_wire import BlockRemoved, BlockStored, decode_batch, decode_seq
 from gateway.transport.routing_policy import block_hashes
 
 FAST = EngineTiming(time_scale=0.001)
@@ -134,3 +137,51 @@ async def test_router_fails_over_before_the_first_byte_and_placements_follow_the
     finally:
         for r in replicas:
             await r.kill()
+
+
+async def test_replica_publishes_vllms_zmq_wire_format_with_token_ids():
+    replica = StubReplica("z", 64, FAST, kv_zmq=True)  # 4 blocks of 16 tokens
+    await replica.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        publisher = replica.kv_publisher
+        assert publisher is not None and publisher.replay_endpoint is not None
+        ids = list(range(40))  # 2 full blocks
+        engine = replica.engine
+        assert engine is not None
+        seq = engine.submit(ids, 1)
+        while (await seq.out.get())[0] != "done":
+            pass
+        longer = list(range(56))  # the same 2 blocks, then one more
+        seq = engine.submit(longer, 1)
+        while (await seq.out.get())[0] != "done":
+            pass
+        other = list(range(500, 548))  # 3 new blocks: 2 of the 6 held are evicted
+        seq = engine.submit(other, 1)
+        while (await seq.out.get())[0] != "done":
+            pass
+        # Every batch of this life is in the replay buffer (the live PUB stream is tested in
+        # tests/gateway/transport/test_kv_events_zmq.py).
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(publisher.replay_endpoint)
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        frames = []
+        while True:
+            _, seq_frame, payload = await dealer.recv_multipart()
+            if decode_seq(seq_frame) == -1:
+                break
+            frames.append((decode_seq(seq_frame), decode_batch(payload)))
+        dealer.close(linger=0)
+        assert [s for s, _ in frames] == [0, 1, 2]
+        h_ids, h_longer, h_other = block_hashes(ids), block_hashes(longer), block_hashes(other)
+        assert frames[0][1].events == (BlockStored(tuple(h_ids), None, tuple(ids[:32]), 16, medium="GPU"),)
+        assert frames[1][1].events == (
+            BlockStored((h_longer[2],), h_longer[1], tuple(longer[32:48]), 16, medium="GPU"),
+        )
+        stored, removed = frames[2][1].events
+        assert stored == BlockStored(tuple(h_other), None, tuple(other), 16, medium="GPU")
+        assert isinstance(removed, BlockRemoved) and len(removed.block_hashes) == 2
+        assert set(removed.block_hashes) <= set(h_longer)
+    finally:
+        ctx.destroy(linger=0)
+        await replica.kill()

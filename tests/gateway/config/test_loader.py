@@ -315,6 +315,52 @@ def test_transcript_and_learning_settings(tmp_path):
             "models[0].kv_events.block_size",
             ">= 1",
         ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: nats}}}}]\n",
+            "models[0].kv_events.transport",
+            "http, zmq",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq}}}}]\n",
+            "models[0].kv_events.endpoints",
+            "one publisher endpoint per base_url",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq, endpoints: ['tcp://*:5557']}}}}]\n",
+            "models[0].kv_events.endpoints[0]",
+            "to connect to",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq, endpoints: ['http://h:1']}}}}]\n",
+            "models[0].kv_events.endpoints[0]",
+            "tcp://host:port",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq, endpoints: {{a: 1}}}}}}]\n",
+            "models[0].kv_events.endpoints",
+            "a list of ZeroMQ endpoints",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq, endpoints: ['tcp://h:1', 'tcp://h:2']}}}}]\n",
+            "models[0].kv_events.endpoints",
+            "one endpoint per base_url (1), got 2",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq, endpoints: ['tcp://h:1'],"
+            f" replay_endpoints: ['tcp://h:2', 'tcp://h:3']}}}}]\n",
+            "models[0].kv_events.replay_endpoints",
+            "one endpoint per base_url",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{endpoints: ['tcp://h:1']}}}}]\n",
+            "models[0].kv_events.endpoints",
+            "transport: zmq setting",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, kv_events: {{transport: zmq, endpoints: ['tcp://h:1'], topic: 3}}}}]\n",
+            "models[0].kv_events.topic",
+            "expected a string",
+        ),
         (f"{OPENAI} cache_aware: {{index_blocks: 9}}}}]\n", "models[0].cache_aware", "routing: cache_aware"),
         (
             f"{OPENAI} routing: cache_aware, cache_aware: {{index_blocks: 0}}}}]\n",
@@ -466,16 +512,34 @@ def test_routing_per_upstream():
                     "routing": "cache_aware",
                     "kv_events": True,
                 },
+                {
+                    "name": "g",
+                    "backend": "openai",
+                    "base_url": ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"],
+                    "routing": "cache_aware",
+                    "kv_events": {
+                        "transport": "zmq",
+                        "endpoints": ["tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557"],
+                        "replay_endpoints": ["tcp://10.0.0.1:5558", "tcp://10.0.0.2:5558"],
+                        "topic": "kv",
+                    },
+                },
             ]
         }
     )
-    a, b, c, d, e, f = config.models
+    a, b, c, d, e, f, g = config.models
     assert (a.routing, a.routing_share, a.kv_events) == ("round_robin", None, None)
     assert c.kv_events == KVEventsConfig(path="/v1/kv_events", block_size=32)
     assert c.cache_aware == CacheAwareConfig(index_blocks=670, balance_abs_threshold=0, load_weight=0.0)
     assert f.cache_aware is None  # the policy's defaults
     assert e.routing_share is not None  # load is shared by every policy
     assert f.kv_events == KVEventsConfig()
+    assert g.kv_events == KVEventsConfig(
+        transport="zmq",
+        endpoints=("tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557"),
+        replay_endpoints=("tcp://10.0.0.1:5558", "tcp://10.0.0.2:5558"),
+        topic="kv",
+    )
     assert b.routing_share == RoutingShareConfig(redis_url="redis://127.0.0.1:6379/2")
     assert (c.routing_share.interval_s, c.routing_share.retry_after_s) == (0.5, 2.0)
     assert (d.routing, d.routing_share) == ("consistent_hash", None)  # today's ring walk by default
