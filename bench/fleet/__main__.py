@@ -15,8 +15,9 @@ and ``max_over_mean_load`` (cache-aware, 1 gateway, high load), the same at ever
 (``cache_aware_share_of_single_by_load``, ``max_over_mean_load_by_load``), ``gateways4_share_of_1``
 (cache-aware hit rate with 4 gateways / with 1, high load), ``cache_aware_p99_ttft_over_round_robin_low``
 (1 gateway, low load), ``cache_aware_kv_share_of_single`` and ``cache_aware_kv_max_over_mean_load``, the
-soak's ``soak_failed``, ``soak_leaked_blocks``, ``soak_rss_slope_mb_per_min`` (``bench.fleet.soak``; None with
-``--soak 0``), the load average at the start and end, and ``rows``. ``--quick`` runs small sizes for CI.
+soak's ``soak_failed``, ``soak_leaked_blocks``, ``soak_rss_slope_mb_per_min``,
+``soak_rss_slope_second_half_mb_per_min`` and ``soak_rss_mb_by_quarter`` (``bench.fleet.soak``; the first two
+None with ``--soak 0``), the load average at the start and end, and ``rows``. ``--quick`` runs small sizes for CI.
 SIGTERM or SIGINT stops the run cleanly (gateway processes and replicas included) and exits 130.
 """
 

@@ -386,7 +386,8 @@ async def simulate(cfg: SimConfig) -> dict:
     Measures: ``hit_rate`` (cached / prompt tokens over successful requests, as the replicas counted them);
     ``single_hit_rate`` (one ``PrefixLRU`` with the fleet's total capacity replaying the same prompts in send
     order: a bound for any placement) and ``share_of_single``; ``max_over_mean_load`` (per replica, the time
-    average of requests inside it over its up time; max over mean) and ``max_over_mean_served`` (requests
+    average of requests inside it over its up time, ``load_by_replica``; max over mean) and
+    ``max_over_mean_served`` (requests
     served per up second); ``util`` (mean busy share of the replicas); TTFT p50 / p99 (send to first token at
     the gateway, retries included); ``errors`` (failed or cut requests) and ``retries``.
     """
@@ -561,6 +562,7 @@ async def simulate(cfg: SimConfig) -> dict:
         if served and statistics.mean(served)
         else 0.0,
         "util": statistics.mean(r.busy_s / r.up_s for r in up) if up else 0.0,
+        "load_by_replica": [round(v, 3) for v in loads],
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
         "sim_s": clock.now,

@@ -14,7 +14,9 @@ A request is *ok* when its stream ends with ``[DONE]``, a *disconnect* when the 
 (the failure was already upstream's: the gateway must not retry after the first byte), and *failed*
 otherwise. Leaked blocks: KV blocks of the embedded engines still in use once every stream has ended
 (``/admin/stats``). RSS: the gateway processes' resident memory summed, sampled every 2 s; the slope is a
-least-squares fit after the first quarter (warm-up), in MB per minute.
+least-squares fit after the first quarter (warm-up), in MB per minute, also over the second half alone (a
+growth that levels off, a cache filling up to its bound, shows a lower second-half slope than the overall
+one; an unbounded one does not), summed and per gateway, with the mean RSS of each quarter.
 """
 
 from __future__ import annotations
@@ -140,6 +142,17 @@ def _slope_per_min(samples: list[tuple[float, float]]) -> float:
     mv = sum(v for _, v in samples) / n
     var = sum((t - mt) ** 2 for t, _ in samples)
     return 0.0 if var == 0 else 60 * sum((t - mt) * (v - mv) for t, v in samples) / var
+
+
+def _by_quarter(samples: list[tuple[float, float]], duration_s: float) -> list[float]:
+    """Mean of the (seconds, MB) samples in each quarter of the run, MB (a plateau shows as equal quarters;
+    a quarter without samples is left out)."""
+    out = []
+    for q in range(4):
+        values = [v for t, v in samples if q * duration_s / 4 <= t < (q + 1) * duration_s / 4]
+        if values:
+            out.append(round(sum(values) / len(values), 1))
+    return out
 
 
 async def until_signal(work: Coroutine[Any, Any, T]) -> T | None:
@@ -380,6 +393,7 @@ async def _soak_body(
                 await asyncio.sleep(0.05)
             leaked += m["blocks"]["used"]
     warm = [s for s in rss if s[0] >= cfg.duration_s / 4]
+    second_half = [s for s in rss if s[0] >= cfg.duration_s / 2]
     return {
         "soak_duration_s": round(time.monotonic() - t0, 1),
         "soak_requests": sum(counts.values()),
@@ -394,6 +408,12 @@ async def _soak_body(
             round(_slope_per_min([x for x in samples if x[0] >= cfg.duration_s / 4]), 3)
             for samples in rss_each
         ],
+        "soak_rss_slope_second_half_mb_per_min": round(_slope_per_min(second_half), 3),
+        "soak_rss_slope_second_half_per_gateway": [
+            round(_slope_per_min([x for x in samples if x[0] >= cfg.duration_s / 2]), 3)
+            for samples in rss_each
+        ],
+        "soak_rss_mb_by_quarter": _by_quarter(rss, cfg.duration_s),
         "soak_first_gateway_env": dict(cfg.first_gateway_env),
         "soak_failures_sample": failures[:5],
         "soak_kills": len(killing),

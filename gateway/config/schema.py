@@ -153,7 +153,7 @@ class CacheAwareConfig:
     cache_threshold: float = 0.5
     overlap_weight: float = 1.0
     balance_abs_threshold: int = 3
-    load_weight: float = 10.0
+    load_weight: float = 12.0
 
 
 @dataclass(frozen=True)

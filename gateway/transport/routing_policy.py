@@ -16,8 +16,9 @@ Policies (``routing:`` per upstream; the reasoning and the anchors' parameters a
   ``capacity``) or within ``balance_abs_threshold`` requests of the least loaded one (SGLang router), if the
   best expected prefix match covers at least ``cache_threshold`` of the request (SGLang router, default 0.5),
   the one with the least ``overlap_weight * blocks to prefill + blocks pending + load_weight * in flight``
-  there (Dynamo's KV router cost, temperature 0); otherwise the consistent-hash walk, so gateways that share
-  nothing still agree where a new prefix goes. The expected match comes from an approximate per-replica
+  there (Dynamo's KV router cost, temperature 0); otherwise the consistent-hash walk (to the first eligible
+  replica within the real-valued bound ``c * (m + 1) / n`` when there is one), so gateways that share
+  nothing but the load view still agree where a new prefix goes. The expected match comes from an approximate per-replica
   index of the block hashes routed there (LRU aged, bounded; llm-d's approximate prefix scorer), or, for a
   replica that publishes vLLM-style KV events, from the blocks it says it holds (llm-d's precise scorer,
   Dynamo's KV indexer).
@@ -357,8 +358,10 @@ class CacheAwarePolicy(RoutingPolicy):
     cost with temperature 0, plus a per-request term for the decode slots; ties in ring order), taken among
     the replicas holding some of the prefix whose load stays within the real-valued ``c * (m + 1) / n`` when
     there are any (the ring's bound rounds up, which at small ``m`` lets one replica reach 1.5 times the
-    mean); otherwise the first eligible one in the key's ring order (consistent hashing with bounded load),
-    so gateways that share nothing agree on a new prefix. Pending blocks are the blocks each in-flight request
+    mean); otherwise the first eligible one in the key's ring order that stays within that real-valued
+    bound, or the first eligible one when none does (consistent hashing with bounded load, the bound taken
+    before its ceil), so gateways that share the load view agree on a new prefix, and new prefixes go to
+    replicas with room (one that joined or restarted empty fills up) rather than to the busiest eligible. Pending blocks are the blocks each in-flight request
     has to prefill, counted until the replica's first byte (``PendingLease.prefill_done``) or the lease's
     release.
 
@@ -376,7 +379,8 @@ class CacheAwarePolicy(RoutingPolicy):
         balance_abs_threshold: requests over the least loaded replica a replica may hold and still be
             eligible past the ring's bound (SGLang's ``balance_abs_threshold``, default 32 for its large
             batches; 3 here, measured in ``bench.fleet``: docs/routing.md).
-        load_weight: blocks charged per request in flight on a replica (0: Dynamo's cost alone).
+        load_weight: blocks charged per request in flight on a replica (0: Dynamo's cost alone; 12 measured
+            in ``bench.fleet`` over 16 workload seeds: docs/routing.md).
 
     Raises:
         ValueError: ``cache_threshold`` outside ``[0, 1]``, or ``overlap_weight``, ``load_weight`` or
@@ -395,7 +399,7 @@ class CacheAwarePolicy(RoutingPolicy):
         index_capacity_blocks: int = 31_250,
         use_kv_events: bool = False,
         balance_abs_threshold: int = 3,
-        load_weight: float = 10.0,
+        load_weight: float = 12.0,
     ) -> None:
         super().__init__(ring)
         if not 0.0 <= cache_threshold <= 1.0:
@@ -432,8 +436,16 @@ class CacheAwarePolicy(RoutingPolicy):
         floor = min(loads.values())
         return [r for r in available if loads[r] < cap or loads[r] + 1 - floor <= self.balance_abs_threshold]
 
+    def mean_bound(self, available: list[str]) -> float:
+        """The real-valued load bound ``c * (m + 1) / n`` (``m`` requests in flight on every replica, ``n``
+        available replicas): the ring's ``capacity`` before its ceil, which at a few requests per replica
+        lets one replica reach 1.5 to 2 times the mean."""
+        total = sum(self.ring.load(r) for r in self.ring.replicas)
+        return self.ring.load_factor * (total + 1) / len(available)
+
     def choose(self, request: RouteRequest, available: list[str]) -> str:
         under = self.eligible(available)
+        limit = self.mean_bound(available)
         blocks = request.blocks
         if blocks:
             matches = {r: self.expected_match(r, blocks) for r in available}
@@ -444,10 +456,7 @@ class CacheAwarePolicy(RoutingPolicy):
                 # Dynamo's cost: overlap weight x blocks to prefill there + blocks already pending there.
                 rank = {r: i for i, r in enumerate(available)}
                 self.stats.by_match += 1
-                # The bound's ceil lets a replica reach 1.5x the mean at 16 in flight over 8: among the
-                # replicas that hold some of the prefix, prefer those within the real-valued c x mean.
-                total = sum(self.ring.load(r) for r in self.ring.replicas)
-                limit = self.ring.load_factor * (total + 1) / len(available)
+                # Among the replicas that hold some of the prefix, prefer those within the real-valued bound.
                 strict = [r for r in under if matches[r] > 0 and self.ring.load(r) + 1 <= limit]
                 return min(
                     strict or under,
@@ -458,8 +467,12 @@ class CacheAwarePolicy(RoutingPolicy):
                         rank[r],
                     ),
                 )
+        # No replica holds enough of it: a new prefix (a miss wherever it goes). The ring walk from its key,
+        # skipping the replicas past the real-valued bound: gateways that share the load view still agree,
+        # and new prefixes (and later their turns) land on the replicas that have room, such as one that
+        # just joined or restarted empty, instead of piling onto the holders of hot prefixes.
         self.stats.by_ring += 1
-        return under[0]
+        return next((r for r in under if self.ring.load(r) + 1 <= limit), under[0])
 
     def acquire(self, request: RouteRequest, exclude: Iterable[str] = ()) -> PendingLease:  # type: ignore[override]
         lease = super().acquire(request, exclude)

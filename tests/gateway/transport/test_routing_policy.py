@@ -211,6 +211,25 @@ def test_cache_aware_prefers_matching_replicas_within_the_real_valued_bound():
     assert policy.acquire(req("k", tokens)).replica == first
 
 
+def test_cache_aware_new_prefix_walks_the_ring_past_replicas_over_the_real_valued_bound():
+    policy = CacheAwarePolicy(ring())
+    order = policy.ring.ring_order("new")
+    held = [policy.pin(r, "busy") for r, n in zip(order, (2, 2, 0, 0), strict=True) for _ in range(n)]
+    # m = 4 over 4: every replica is eligible (within 3 of the least loaded), but the real-valued bound is
+    # 1.25 x 5 / 4 = 1.56: the key's home and the next one (2 in flight, 3 after) are past it, so the new
+    # prefix (nothing matches) goes to the third replica of its ring walk, not home.
+    assert policy.eligible(list(REPLICAS)) == list(REPLICAS)
+    assert policy.mean_bound(order) == pytest.approx(1.5625)
+    lease = policy.acquire(req("new", SYSTEM + list(range(16))))
+    assert lease.replica == order[2] and policy.stats.by_ring == 1
+    lease.release()
+    for h in held:
+        h.release()
+    # Nothing in flight: no replica is within 1.25 / 4, and the walk falls back to the first eligible (home).
+    assert policy.acquire(req("new", list(range(500, 532)))).replica == order[0]
+    assert policy.stats.by_ring == 2
+
+
 @pytest.mark.parametrize("threshold", [0, 3])
 def test_lying_kv_events_cannot_exceed_the_load_bound(threshold):
     policy = CacheAwarePolicy(ring(), use_kv_events=True, balance_abs_threshold=threshold)

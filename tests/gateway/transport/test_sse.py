@@ -37,6 +37,18 @@ def test_encode_event_is_compact_json_and_blank_line():
     assert DONE == b"data: [DONE]\n\n"
 
 
+def test_encode_event_escapes_the_unicode_line_ends_of_splitlines_readers():
+    """U+0085, U+2028 and U+2029 are line ends to ``str.splitlines`` (httpx's ``aiter_lines``): written as
+    JSON escapes, the data line stays one line there and decodes to the same text; other non-ASCII stays
+    UTF-8."""
+    text = "a\x85b\u2028c\u2029d é"
+    payload = encode_event({"t": text})
+    assert payload == 'data: {"t":"a\\u0085b\\u2028c\\u2029d é"}\n\n'.encode()
+    lines = payload.decode().splitlines()
+    assert lines == [lines[0], ""] and json.loads(lines[0][len("data: ") :]) == {"t": text}
+    assert parse_sse(payload)[0].json() == {"t": text}
+
+
 def test_line_splitter_handles_every_line_end_and_split_characters():
     splitter = LineSplitter()
     lines = splitter.feed(b"a\r")  # CR at a chunk end may be the first half of CRLF
