@@ -177,9 +177,16 @@ def layer_regions(layer: DecoderLayer):
 
 
 def compile_ab(
-    model: LlamaModel, batches: list[int], dynamic: bool, mode: str | None, lock: str | None, clock
+    model: LlamaModel,
+    batches: list[int],
+    dynamic: bool,
+    mode: str | None,
+    lock: str | None,
+    clock,
+    timed: bool = True,
 ) -> dict[str, dict[str, float]]:
-    """Per-layer ms of the attention-free regions, eager vs compiled, per batch size (module docstring)."""
+    """Per-layer ms of the attention-free regions, eager vs compiled, per batch size (module docstring);
+    ``timed=False``: only the first compiled call (compile time) and the difference from eager."""
     layer = model.layers[0]
     pre_eager, post_eager, pre_fn, post_fn, pre_args, post_args = layer_regions(layer)
     pre_c = torch.compile(pre_fn, dynamic=dynamic, mode=mode)
@@ -202,6 +209,9 @@ def compile_ab(
         diff = max(
             diff, (post_eager(h.clone(), attn) - post_c(*post_args(h.clone(), attn))).abs().max().item()
         )
+        out[f"b{b}"] = {"first_call_s": first_call_s, "max_abs_diff": diff, "load1": os.getloadavg()[0]}
+        if not timed:
+            continue
         with bench_lock(lock):
             load = os.getloadavg()[0]
             row = interleaved_ms(
@@ -233,6 +243,7 @@ def main() -> None:
     ap.add_argument(
         "--mode", default=None, help="compile A/B: torch.compile mode (e.g. max-autotune-no-cudagraphs)"
     )
+    ap.add_argument("--compile-only", action="store_true", help="compile A/B: compile time only, no timing")
     ap.add_argument("--lock", default=None, help="flock this file around timed loops (/work/wt/bench.lock)")
     args = ap.parse_args()
     if args.threads:
@@ -247,7 +258,9 @@ def main() -> None:
     else:
         load = os.getloadavg()[0]
         batches = [int(b) for b in args.batches.split(",")]
-        res = compile_ab(model, batches, args.dynamic, args.mode, args.lock, clock)
+        res = compile_ab(
+            model, batches, args.dynamic, args.mode, args.lock, clock, timed=not args.compile_only
+        )
     for name, row in res.items():
         print(f"{name:<4}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
