@@ -13,6 +13,12 @@ embeddings), rearranged for serving:
 - ``forward`` returns the final-normed hidden states; the caller turns only the rows it needs into logits
   with ``compute_logits`` (the last prompt position of a finished prefill, decode rows).
 
+Step overhead (issue 12; ``docs/engine-step.md``, ``bench/decode_compile.py``): at batch 1 the int4 kernel calls
+and the attention kernel are two thirds to three quarters of a decode step and the ~60 small ops per layer
+between them (norms, RoPE, casts, residual adds, views) the rest. ``torch.compile`` (inductor, C++) of the two
+attention-free regions of a layer gave bit-identical outputs but 10-28 % slower layers with two threads and
+1-2 % faster steps with one, for 5-49 s of compile per batch size, so the forward stays eager.
+
 Weights come in as a dict of Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...), the layout
 ``engine.gguf_loader`` and ``engine.hf_loader`` both produce.
 """

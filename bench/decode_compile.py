@@ -1,0 +1,271 @@
+"""Where a decode step's time goes, and whether ``torch.compile`` pays on the parts with stable shapes.
+
+Two measurements of SmolLM2-135M (``--weights``, default ``auto``: Q4_1 as int4), bf16 KV cache, one new token
+per sequence at ``--context`` tokens of context, batch 1 and 8:
+
+- ``--breakdown``: medians (ms per step) of the whole forward + LM head, of the step's int4 kernel calls alone
+  (121 ``_weight_int4pack_mm_for_cpu`` calls on inputs of the same shapes) and of its 30 ``paged_attention``
+  calls alone; ``rest`` = the difference (norms, RoPE, casts, residual adds, views: Python and dispatch).
+- default: one decoder layer's two attention-free regions, eager (``engine.model.DecoderLayer``'s own code)
+  against ``torch.compile`` (inductor, C++ codegen) of the same math written as plain functions with the
+  weights as inputs (one graph serves all 30 layers): pre-attention (RMSNorm + QKV + RoPE) and post-attention
+  (o_proj + residual + RMSNorm + gate/up + SiLU * up + down + residual). Prints the first compiled call of each
+  batch size (compile time: cold, or warm from inductor's FX graph cache in ``TORCHINDUCTOR_CACHE_DIR``), the
+  largest difference from eager, and per-layer ms interleaved eager/compiled.
+
+Compilation runs before ``--lock`` is taken; only the timed loops hold it. ``--threads 1`` times with this
+thread's CPU time (``time.thread_time``), which other processes on a shared machine do not inflate.
+Results and what they decided: ``docs/engine-step.md``. Run: ``python -m bench.decode_compile [--breakdown]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention, plan_attention
+from engine.checkpoint import default_model_path, load_checkpoint
+from engine.linear import Int4Weight, Int8Weight, LinearWeight
+from engine.model import DecoderLayer, LlamaModel, allocate_kv_cache, apply_rope, rms_norm, rope_rotation
+
+BLOCK = 16
+
+
+@contextlib.contextmanager
+def bench_lock(path: str | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (None: no lock) so timed loops of several processes never overlap."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int, clock) -> dict[str, float]:
+    """Median over ``rounds`` of ms per call of each of ``fns``, the functions taking turns every round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for f in fns.values():
+        f()
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t = clock()
+            for _ in range(calls):
+                f()
+            times[name].append((clock() - t) * 1e3 / calls)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def decode_meta(b: int, context: int, blocks_per_seq: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of one decode step of ``b`` sequences, each with ``context`` cached tokens in its own
+    consecutive blocks; and the int64 positions ``[b]``."""
+    slots, qsl, tables = [], [0], []
+    for i in range(b):
+        base = i * blocks_per_seq
+        slots.append((base + context // BLOCK) * BLOCK + context % BLOCK)
+        qsl.append(qsl[-1] + 1)
+        tables.append(list(range(base, base + blocks_per_seq)))
+    meta = AttentionMetadata(torch.tensor(slots), qsl, [context + 1] * b, torch.tensor(tables), BLOCK)
+    return meta, torch.full((b,), context, dtype=torch.int64)
+
+
+def _int4(lin: LinearWeight) -> Int4Weight:
+    """The ``Int4Weight`` running ``lin`` (an ``Int8Weight``'s two planes are one); TypeError otherwise."""
+    inner = lin.inner if isinstance(lin, Int8Weight) else lin
+    if not isinstance(inner, Int4Weight):
+        raise TypeError(f"{type(lin).__name__} is not an int4/int8 weight-only linear (use --weights auto)")
+    return inner
+
+
+def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, dict[str, float]]:
+    """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``."""
+    c = model.config
+    bps = -(-(context + 64) // BLOCK)
+    kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
+    lins = [_int4(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
+    lins.append(_int4(model.lm_head))
+    out = {}
+    for b in (1, 8):
+        meta, pos = decode_meta(b, context, bps)
+        tok = torch.randint(100, 1000, (b,))
+        xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
+        plan = plan_attention(meta, model.device, kv.shape[2])
+        q = torch.randn(b, c.num_heads, c.head_dim)
+        k, v = torch.randn(2, b, c.num_kv_heads, c.head_dim)
+
+        def int4_only(xs=xs) -> None:
+            for lin, x in zip(lins, xs, strict=True):
+                torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+
+        def attn_only(q=q, k=k, v=v, plan=plan) -> None:
+            for i in range(c.num_layers):
+                paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
+
+        fns = {
+            "full": lambda tok=tok, pos=pos, meta=meta: model.compute_logits(model(tok, pos, kv, meta)),
+            "int4_only": int4_only,
+            "attn_only": attn_only,
+        }
+        row = interleaved_ms(fns, rounds, 1, clock)
+        row["rest"] = row["full"] - row["int4_only"] - row["attn_only"]
+        out[f"b{b}"] = row
+    return out
+
+
+def layer_regions(layer: DecoderLayer):
+    """Eager and plain-function forms of a layer's pre- and post-attention regions (module docstring).
+
+    Returns ``(pre_eager, post_eager, pre_fn, post_fn, pre_args, post_args)``; the ``_fn`` forms take the
+    weights as arguments (``pre_args(h, cos, sin)``, ``post_args(h, attn)`` build them) so one compiled graph
+    serves every layer."""
+    c = layer.config
+    nh, nkv, hd, inter, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
+    qkv, o, gu, down = (_int4(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+
+    def pre_eager(h, rotation):
+        t = h.shape[0]
+        x = rms_norm(h, layer.input_norm, eps)
+        y = layer.qkv.forward(x).view(t, nh + 2 * nkv, hd)
+        qk = apply_rope(y[:, : nh + nkv], rotation)
+        return qk[:, :nh], qk[:, nh:], y[:, nh + nkv :]
+
+    def post_eager(h, attn):
+        h = h.add_(layer.o_proj.forward(attn))
+        x = rms_norm(h, layer.post_norm, eps)
+        g, u = layer.gate_up.forward(x).split(inter, dim=-1)
+        act = F.silu(g, inplace=True).mul_(u).to(torch.bfloat16)
+        return h.add_(layer.down.forward(act))
+
+    def mm(x, p, sz):
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p, 32, sz)
+
+    def pre_fn(h, norm_w, p, sz, cos, sin):
+        t = h.shape[0]
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+        y = mm(x, p, sz).float().view(t, nh + 2 * nkv, hd)
+        pairs = y[:, : nh + nkv].unflatten(-1, (hd // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        qk = torch.stack((a * cos - b * sin, b * cos + a * sin), -1).flatten(-2)
+        return qk[:, :nh], qk[:, nh:], y[:, nh + nkv :]
+
+    def post_fn(h, attn, po, szo, norm_w, pgu, szgu, pd, szd):
+        h = h + mm(attn, po, szo)
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+        g, u = mm(x, pgu, szgu).float().split(inter, dim=-1)
+        return h + mm(F.silu(g) * u, pd, szd)
+
+    def pre_args(h, cos, sin):
+        return (h, layer.input_norm, qkv.packed, qkv.scale_zero_bf16, cos, sin)
+
+    def post_args(h, attn):
+        w = (o.packed, o.scale_zero_bf16, layer.post_norm, gu.packed, gu.scale_zero_bf16)
+        return (h, attn, *w, down.packed, down.scale_zero_bf16)
+
+    return pre_eager, post_eager, pre_fn, post_fn, pre_args, post_args
+
+
+def compile_ab(
+    model: LlamaModel,
+    batches: list[int],
+    dynamic: bool,
+    mode: str | None,
+    lock: str | None,
+    clock,
+    timed: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Per-layer ms of the attention-free regions, eager vs compiled, per batch size (module docstring);
+    ``timed=False``: only the first compiled call (compile time) and the difference from eager."""
+    layer = model.layers[0]
+    pre_eager, post_eager, pre_fn, post_fn, pre_args, post_args = layer_regions(layer)
+    pre_c = torch.compile(pre_fn, dynamic=dynamic, mode=mode)
+    post_c = torch.compile(post_fn, dynamic=dynamic, mode=mode)
+    c = model.config
+    out = {}
+    for b in batches:
+        h = torch.randn(b, c.hidden_size)
+        rot = rope_rotation(model.inv_freq, torch.full((b,), 1070))
+        cos, sin = rot.real.contiguous(), rot.imag.contiguous()
+        attn = torch.randn(b, c.num_heads * c.head_dim).to(torch.bfloat16)
+        t = time.perf_counter()
+        pre_c(*pre_args(h, cos, sin))
+        post_c(*post_args(h.clone(), attn))
+        first_call_s = time.perf_counter() - t
+        diff = max(
+            (e - g).abs().max().item()
+            for e, g in zip(pre_eager(h, rot), pre_c(*pre_args(h, cos, sin)), strict=True)
+        )
+        diff = max(
+            diff, (post_eager(h.clone(), attn) - post_c(*post_args(h.clone(), attn))).abs().max().item()
+        )
+        out[f"b{b}"] = {"first_call_s": first_call_s, "max_abs_diff": diff, "load1": os.getloadavg()[0]}
+        if not timed:
+            continue
+        with bench_lock(lock):
+            load = os.getloadavg()[0]
+            row = interleaved_ms(
+                {
+                    "eager": lambda h=h, rot=rot, attn=attn: (pre_eager(h, rot), post_eager(h.clone(), attn)),
+                    "compiled": lambda h=h, cos=cos, sin=sin, attn=attn: (
+                        pre_c(*pre_args(h, cos, sin)),
+                        post_c(*post_args(h.clone(), attn)),
+                    ),
+                },
+                rounds=9,
+                calls=100,
+                clock=clock,
+            )
+        out[f"b{b}"] = {"first_call_s": first_call_s, "max_abs_diff": diff, "load1": load, **row}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--breakdown", action="store_true", help="whole-step breakdown instead of the compile A/B"
+    )
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--context", type=int, default=1070)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads; 1 = timed by thread CPU time")
+    ap.add_argument("--batches", default="1,8", help="compile A/B: batch sizes, in order")
+    ap.add_argument("--dynamic", action="store_true", help="compile A/B: dynamic batch dimension")
+    ap.add_argument(
+        "--mode", default=None, help="compile A/B: torch.compile mode (e.g. max-autotune-no-cudagraphs)"
+    )
+    ap.add_argument("--compile-only", action="store_true", help="compile A/B: compile time only, no timing")
+    ap.add_argument("--lock", default=None, help="flock this file around timed loops (/work/wt/bench.lock)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    torch.set_grad_enabled(False)
+    model = load_checkpoint(default_model_path(), weights=args.weights).model
+    if args.breakdown:
+        with torch.inference_mode(), bench_lock(args.lock):
+            load = os.getloadavg()[0]
+            res = breakdown(model, args.context, 15, clock)
+    else:
+        load = os.getloadavg()[0]
+        batches = [int(b) for b in args.batches.split(",")]
+        res = compile_ab(
+            model, batches, args.dynamic, args.mode, args.lock, clock, timed=not args.compile_only
+        )
+    for name, row in res.items():
+        print(f"{name:<4}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
+    info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
+    print(json.dumps({"result": res, **info, "dynamic": args.dynamic, "mode": args.mode}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""``bench.decode_compile``: its plain-function regions are the decoder layer's own math (so the compile A/B
+compares like with like), and its decode metadata addresses each sequence's next slot."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.decode_compile import BLOCK, decode_meta, layer_regions
+from engine.checkpoint import load_checkpoint
+from engine.model import rope_rotation
+from tests.engine.checkpoints import make_tiny_gguf_llama
+
+
+def test_plain_regions_equal_the_eager_layer(tmp_path):
+    path = make_tiny_gguf_llama(tmp_path / "tiny-q41.gguf", tensor_type="Q4_1", seed=3)
+    model = load_checkpoint(str(path), weights="int4").model
+    c = model.config
+    pre_eager, post_eager, pre_fn, post_fn, pre_args, post_args = layer_regions(model.layers[1])
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for b in (1, 3):
+            h = torch.randn(b, c.hidden_size, generator=g)
+            rot = rope_rotation(model.inv_freq, torch.arange(5, 5 + b))
+            cos, sin = rot.real.contiguous(), rot.imag.contiguous()
+            for want, got in zip(pre_eager(h, rot), pre_fn(*pre_args(h, cos, sin)), strict=True):
+                assert got.shape == want.shape
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            attn = torch.randn(b, c.num_heads * c.head_dim, generator=g).to(torch.bfloat16)
+            want = post_eager(h.clone(), attn)
+            got = post_fn(*post_args(h.clone(), attn))
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_meta_points_at_each_sequences_next_slot():
+    meta, pos = decode_meta(3, 20, blocks_per_seq=4)
+    assert pos.tolist() == [20, 20, 20]
+    assert meta.query_start_loc == [0, 1, 2, 3] and meta.seq_lens == [21, 21, 21]
+    # position 20 is offset 4 of logical block 1; sequence i owns blocks 4i .. 4i + 3
+    assert meta.slot_mapping.tolist() == [(4 * i + 1) * BLOCK + 4 for i in range(3)]
+    assert meta.block_tables[2].tolist() == [8, 9, 10, 11]
