@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--py-spy", default=None, help="the py-spy executable (default: on PATH or beside Python)"
     )
+    parser.add_argument("--raw", default=None, help="also copy py-spy's raw stacks to this file")
     args = parser.parse_args(argv)
     spy = args.py_spy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).is_file():
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             if not out.is_file():
                 raise SystemExit(f"py-spy wrote nothing: {err.decode(errors='replace')[-2000:]}")
             shares, waiting = attribute(read_collapsed(out))
+            if args.raw:
+                shutil.copyfile(out, args.raw)
         finally:
             if gate is not None:
                 gate.stop()

@@ -114,6 +114,7 @@ class OpenedStream:
         self._closed = False
         self._explained = False
         self._cache_header: str | None = None
+        self._finish_log: RequestRecord | None = None
         self.cost: RequestCost | None = None
         """The request's cache cost once it finished (None before, or when the model has no prices)."""
 
@@ -236,7 +237,12 @@ class OpenedStream:
         if self._closed:
             return
         self._closed = True
-        await _aclose(self._iterator)
+        try:
+            await _aclose(self._iterator)
+        finally:
+            record, self._finish_log = self._finish_log, None
+            if record is not None:
+                log_request(record)
         if not self._done:
             self._done = True
             self.gateway.stats.record_abort(self.request.model)
@@ -246,7 +252,7 @@ class OpenedStream:
         """Record and log an error that happened after the response started (it went out in the stream)."""
         self._done = True
         self.gateway.stats.record_error(self.request.model, error.status_code)
-        self._log(error.status_code, error_code=error.code)
+        self._log(error.status_code, error.code)
 
     def _record_finish(self, finish: Finish) -> None:
         self._done = True
@@ -265,36 +271,38 @@ class OpenedStream:
         self.gateway.clients.record_finish(
             request.client_key, request.tenant, request.model, finish.usage, spend
         )
-        self._log(200, finish=finish, ttft_s=ttft)
+        # written when the stream closes (after a JSON answer went out); measured now
+        self._finish_log = self._record(200, finish=finish, ttft_s=ttft)
 
-    def _log(
+    def _log(self, status: int, error_code: str | None = None) -> None:
+        log_request(self._record(status, error_code=error_code))
+
+    def _record(
         self,
         status: int,
         finish: Finish | None = None,
         ttft_s: float | None = None,
         error_code: str | None = None,
-    ):
+    ) -> RequestRecord:
         request = self.request
         applied = Canonicalizer.applied(request)
-        log_request(
-            RequestRecord(
-                request_id=request.request_id,
-                path=self._path,
-                status=status,
-                model=request.model,
-                key=request.client_key or None,
-                tenant=request.tenant or None,
-                stream=request.stream,
-                prompt_tokens=finish.usage.prompt_tokens if finish else None,
-                cached_tokens=finish.usage.cached_tokens if finish else None,
-                completion_tokens=finish.usage.completion_tokens if finish else None,
-                ttft_s=ttft_s,
-                duration_s=time.monotonic() - self._started,
-                finish_reason=finish.finish_reason if finish else None,
-                error_code=error_code,
-                prefix_key=request.prefix_key or None,
-                rules_applied=sum(applied.values()) if request.kind == "chat" else None,
-            )
+        return RequestRecord(
+            request_id=request.request_id,
+            path=self._path,
+            status=status,
+            model=request.model,
+            key=request.client_key or None,
+            tenant=request.tenant or None,
+            stream=request.stream,
+            prompt_tokens=finish.usage.prompt_tokens if finish else None,
+            cached_tokens=finish.usage.cached_tokens if finish else None,
+            completion_tokens=finish.usage.completion_tokens if finish else None,
+            ttft_s=ttft_s,
+            duration_s=time.monotonic() - self._started,
+            finish_reason=finish.finish_reason if finish else None,
+            error_code=error_code,
+            prefix_key=request.prefix_key or None,
+            rules_applied=sum(applied.values()) if request.kind == "chat" else None,
         )
 
 
