@@ -163,15 +163,7 @@ def start_prefixgate(
     }
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    argv = [
-        sys.executable,
-        *([os.environ["OVH_WRAP"]] if os.environ.get("OVH_WRAP") else ["-m", "gateway.cli"]),
-        "serve",
-        "--config",
-        str(path),
-        "--log-level",
-        log_level,
-    ]
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-level", log_level]
     env = {"PYTHONPATH": str(tree)} if tree is not None else {}
     return start(name, argv, port, "/healthz", workdir, env, cwd=tree)
 
