@@ -30,6 +30,7 @@ from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
+from gateway.service.cache_explain import PreparedPrompt
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
@@ -74,6 +75,7 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     if backend.wants_level_ends():
         request.level_ends = level_ends(request, backend)
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
+    prepared = PromptPreparation.schedule(gateway, request)
     iterator = backend.stream(request)
     try:
         first = await anext(iterator)
@@ -85,7 +87,56 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     except BaseException:
         await _aclose(iterator)
         raise
-    return OpenedStream(gateway, request, iterator, first, path, started)
+    return OpenedStream(gateway, request, iterator, first, path, started, prepared)
+
+
+class PromptPreparation:
+    """The cache explanation's render of one request (``CacheExplanations.prepare``), computed at most once:
+    ahead, on the event loop while the backend works on the request, or when the explanation needs it.
+
+    ``schedule`` queues it two loop iterations ahead: the backend's ``stream`` runs up to its first wait in
+    the iteration that schedules it, and what it queued then (aiohttp writes a request's body in a task of its
+    own on Python < 3.12) runs in the next, so the request is on the wire before the render takes the loop.
+    With a real upstream (tens of milliseconds or more before its first byte) the render is off the request's
+    path; with a fast one, as much of it as the upstream's own time covers. Only prompts explained inline
+    (``INLINE_EXPLAIN_CHARS``) are prepared ahead: a long one is rendered in a worker thread, as before.
+    """
+
+    def __init__(self, gateway: Gateway, request: ChatRequest) -> None:
+        self.gateway = gateway
+        self.request = request
+        self._done = False
+        self._value: PreparedPrompt | None = None
+
+    @classmethod
+    def schedule(cls, gateway: Gateway, request: ChatRequest) -> PromptPreparation | None:
+        """A preparation of ``request`` queued on the running loop, or None when it will not be explained
+        inline (no explanations, not a canonical chat request, a long prompt)."""
+        if gateway.cache is None or request.kind != "chat" or request.canonical is None:
+            return None
+        if _prompt_chars(request) > INLINE_EXPLAIN_CHARS:
+            return None
+        preparation = cls(gateway, request)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, preparation.run)
+        return preparation
+
+    def run(self) -> None:
+        """Render the request once (a failure leaves None: ``explain`` then tries again and counts it)."""
+        if self._done:
+            return
+        self._done = True
+        cache = self.gateway.cache
+        try:
+            backend = self.gateway.registry.get(self.request.model)
+            self._value = cache.prepare(self.request, backend.prompt_tokenizer()) if cache else None
+        except Exception:  # noqa: BLE001 - an explanation never fails a request; explain() counts it
+            self._value = None
+
+    def result(self) -> PreparedPrompt | None:
+        """The render (computed now when it has not run yet), or None after a failure."""
+        self.run()
+        return self._value
 
 
 class OpenedStream:
@@ -102,8 +153,10 @@ class OpenedStream:
         first: BackendEvent,
         path: str,
         started: float,
+        prepared: PromptPreparation | None = None,
     ) -> None:
         self.gateway = gateway
+        self._prepared = prepared
         self.request = request
         self._iterator = iterator
         self._first: BackendEvent | None = first
@@ -162,7 +215,9 @@ class OpenedStream:
             minimum, granularity = _cache_unit(self.gateway, self.request.model)
             provider_cause = provider_miss_cause(provider_reason)
             args = (self.request, cached, tokenizer, provider_cause, minimum, granularity)
-            if _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
+            if self._prepared is not None:  # rendered ahead (or now), inline
+                explanation = cache.explain(*args, prepared=self._prepared.result())
+            elif _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
                 explanation = cache.explain(*args)
             else:
                 explanation = await asyncio.to_thread(cache.explain, *args)
