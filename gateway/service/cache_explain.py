@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,7 @@ class CacheExplanations:
         min_cacheable: int | None = None,
         granularity: int | None = None,
         prepared: PreparedPrompt | None = None,
+        later: list[Callable[[], None]] | None = None,
     ) -> MissExplanation | None:
         """Explain one finished chat request's cache result, count it, and record its prompt.
 
@@ -122,6 +124,9 @@ class CacheExplanations:
                 when None.
             prepared: ``prepare(request, tokenizer)``'s result when it was computed ahead (while the backend
                 worked); computed here when None.
+            later: when given, the recording of the prompt (for the explanations of later requests) is
+                appended to it, for the caller to run once the answer is sent (``record_prompt``), instead
+                of being done here.
 
         Returns:
             the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
@@ -145,8 +150,10 @@ class CacheExplanations:
                 volatile_spans=spans,
                 provider_cause=provider_cause,
             )
-            self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
-            self.explainer.mark_cached(model, tenant, rendered.tokens)
+            if later is None:
+                self._record(model, tenant, rendered)
+            else:
+                later.append(lambda: self.record_prompt(request, rendered))
         except Exception as exc:  # noqa: BLE001 - an explanation must never fail a request
             with self._lock:
                 self.errors += 1
@@ -155,6 +162,21 @@ class CacheExplanations:
         with self._lock:
             self.counters.setdefault(request.model, MissCounters()).add(explanation)
         return explanation
+
+    def _record(self, model: str, tenant: str, rendered: RenderedPrompt) -> None:
+        self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
+        self.explainer.mark_cached(model, tenant, rendered.tokens)
+
+    def record_prompt(self, request: ChatRequest, rendered: RenderedPrompt) -> None:
+        """Record an explained request's prompt for the explanations of later requests, and its full blocks as
+        cached (what ``explain`` does unless given ``later``). Never raises: a failure is counted in
+        ``errors``."""
+        try:
+            self._record(request.model, request.tenant, rendered)
+        except Exception as exc:  # noqa: BLE001 - never fails a request
+            with self._lock:
+                self.errors += 1
+            logger.warning("prompt of a request of %s not recorded (%s)", request.model, type(exc).__name__)
 
     def snapshot(self) -> dict[str, Any]:
         """``/admin/stats``'s ``cache_misses``: per model the counters by cause and segment, the explainer's

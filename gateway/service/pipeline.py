@@ -168,6 +168,8 @@ class OpenedStream:
         self._explained = False
         self._cache_header: str | None = None
         self._finish_log: RequestRecord | None = None
+        self._after_answer: list[Callable[[], None]] = []
+        """Work that shapes nothing of the answer (recording the explained prompt), run by ``aclose``."""
         self.cost: RequestCost | None = None
         """The request's cache cost once it finished (None before, or when the model has no prices)."""
 
@@ -215,8 +217,8 @@ class OpenedStream:
             minimum, granularity = _cache_unit(self.gateway, self.request.model)
             provider_cause = provider_miss_cause(provider_reason)
             args = (self.request, cached, tokenizer, provider_cause, minimum, granularity)
-            if self._prepared is not None:  # rendered ahead (or now), inline
-                explanation = cache.explain(*args, prepared=self._prepared.result())
+            if self._prepared is not None:  # rendered ahead (or now), inline; recorded once answered
+                explanation = cache.explain(*args, prepared=self._prepared.result(), later=self._after_answer)
             elif _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
                 explanation = cache.explain(*args)
             else:
@@ -288,10 +290,15 @@ class OpenedStream:
             raise APIError("The backend ended the response without a finish.") from None
 
     async def aclose(self) -> None:
-        """Close the backend stream (cancelling its work); count a client abort if it had not finished."""
+        """Close the backend stream (cancelling its work); count a client abort if it had not finished. Runs
+        what was kept for after the answer (recording the explained prompt; the request's log line), which
+        for a JSON answer is once it was sent (``gateway.http.openai``)."""
         if self._closed:
             return
         self._closed = True
+        after, self._after_answer = self._after_answer, []
+        for work in after:
+            work()
         try:
             await _aclose(self._iterator)
         finally:
