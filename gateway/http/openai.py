@@ -157,7 +157,13 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     headers.update(opened.cost_headers())
     # the stream is closed once the answer is sent (the upstream connection drained and pooled, the request's
     # log line written): work that shapes nothing of the answer is kept off the client's wait
-    return JSONResponse(body, headers=headers, background=BackgroundTask(events.aclose))
+    return JSONResponse(body, headers=headers, background=BackgroundTask(_close, events))
+
+
+async def _close(events: AsyncIterator[BackendEvent]) -> None:
+    """Close ``events`` (an async function: Starlette runs a plain callable such as ``events.aclose`` in a
+    worker thread, where the awaitable it returns would be dropped unawaited)."""
+    await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _collect_chat(
