@@ -99,7 +99,8 @@ class PromptPreparation:
     own on Python < 3.12) runs in the next, so the request is on the wire before the render takes the loop.
     With a real upstream (tens of milliseconds or more before its first byte) the render is off the request's
     path; with a fast one, as much of it as the upstream's own time covers. Only prompts explained inline
-    (``INLINE_EXPLAIN_CHARS``) are prepared ahead: a long one is rendered in a worker thread, as before.
+    (``INLINE_EXPLAIN_CHARS``) of upstream models (``cl100k_base``) are prepared ahead: a long one is rendered
+    in a worker thread, and an embedded model's with its engine's tokenizer once the engine answered, as before.
     """
 
     def __init__(self, gateway: Gateway, request: ChatRequest) -> None:
@@ -111,11 +112,14 @@ class PromptPreparation:
     @classmethod
     def schedule(cls, gateway: Gateway, request: ChatRequest) -> PromptPreparation | None:
         """A preparation of ``request`` queued on the running loop, or None when it will not be explained
-        inline (no explanations, not a canonical chat request, a long prompt)."""
+        inline (no explanations, not a canonical chat request, a long prompt) or its model has its own
+        tokenizer (an embedded engine's)."""
         if gateway.cache is None or request.kind != "chat" or request.canonical is None:
             return None
         if _prompt_chars(request) > INLINE_EXPLAIN_CHARS:
             return None
+        if gateway.registry.get(request.model).prompt_tokenizer() is not None:
+            return None  # an engine's own tokenizer is the engine's, busy with this very request now
         preparation = cls(gateway, request)
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, preparation.run)
