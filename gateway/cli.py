@@ -215,13 +215,21 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         return EXIT_BAD_CONFIG
     import uvicorn
 
+    from gateway.http.server_protocol import coalescing_protocol
+
     loop = event_loop()
-    logging.getLogger("prefixgate.server").info("event loop: %s", loop)
+    protocol = coalescing_protocol()
+    logging.getLogger("prefixgate.server").info(
+        "event loop: %s; HTTP protocol: %s",
+        loop,
+        "httptools, head and body in one write" if protocol else "auto",
+    )
     uvicorn.run(
         app,
         host=config.server.host,
         port=config.server.port,
         loop=loop,
+        http=protocol or "auto",
         log_config=None,
         log_level=log_level,
         access_log=False,  # gateway.service.request_log writes one line per request instead

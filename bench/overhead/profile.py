@@ -9,8 +9,10 @@ HTTP client, ...), and a category's milliseconds per request are its share of th
 
 py-spy counts a thread as active while it is runnable, also when another process holds the core: on a
 shared machine a socket write that wakes the peer often shows up as a long sample although the process uses
-little CPU there. So samples whose innermost frame is a socket write or the event loop's ``select`` are left
-out before the shares are taken (their count is printed); the rest approximates the CPU profile.
+little CPU there. So samples whose innermost frame is a socket write (asyncio's transport write; under uvloop,
+whose write is C, the line of uvicorn, aiohttp or ``gateway.http.server_protocol`` that calls
+``transport.write``) or the event loop's ``select`` are left out before the shares are taken (their count is
+printed); the rest approximates the CPU profile.
 
 Needs py-spy (the ``bench`` extra; ``--py-spy PATH`` otherwise) and the right to trace a child process.
 Prints the table, then one JSON line (``cpu_ms_per_request``, ``categories`` in ms per request, ``samples``).
@@ -69,6 +71,28 @@ _WAITING = re.compile(r"(_SelectorSocketTransport\.write \(asyncio/|\.select \(s
 """Innermost frames left out: a socket write (the kernel hands the bytes to the peer and wakes it) and the
 loop's wait for events."""
 
+_WRITERS = ("uvicorn.protocols.http.httptools_impl", "aiohttp.http_writer", "gateway.http.server_protocol")
+"""Modules whose ``transport.write`` calls are socket writes: under uvloop the write is C code, so py-spy's
+innermost frame is the Python line that calls it."""
+
+
+def socket_write_lines() -> set[str]:
+    """``file:line`` (as py-spy shows them, from the package folder on) of every line in ``_WRITERS`` that
+    calls ``transport.write`` / ``writelines``: samples ending there are socket writes, left out as waiting."""
+    import importlib
+
+    found: set[str] = set()
+    for name in _WRITERS:
+        try:
+            path = Path(importlib.import_module(name).__file__ or "")
+        except ImportError:
+            continue
+        short = "/".join(path.parts[-(name.count(".") + 1) :])
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"transport\.write(lines)?\(", line):
+                found.add(f"{short}:{number})")
+    return found
+
 
 def read_collapsed(path: Path) -> list[tuple[list[str], int]]:
     """py-spy's raw output (``frame;frame;... count`` per line, outermost first) as (frames, count)."""
@@ -84,10 +108,11 @@ def attribute(samples: list[tuple[list[str], int]]) -> tuple[Counter[str], int]:
     """(samples per category, samples left out as waiting): each sample goes to the category of its innermost
     frame that matches one (``CATEGORIES``), else ``other``."""
     compiled = [(name, re.compile(pattern)) for name, pattern in CATEGORIES]
+    writes = socket_write_lines()
     shares: Counter[str] = Counter()
     waiting = 0
     for frames, count in samples:
-        if frames and _WAITING.search(frames[-1]):
+        if frames and (_WAITING.search(frames[-1]) or frames[-1].endswith(tuple(writes))):
             waiting += count
             continue
         category = "other"
@@ -118,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--py-spy", default=None, help="the py-spy executable (default: on PATH or beside Python)"
     )
+    parser.add_argument("--raw", default=None, help="also copy py-spy's raw stacks to this file")
     args = parser.parse_args(argv)
     spy = args.py_spy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).is_file():
@@ -164,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
             if not out.is_file():
                 raise SystemExit(f"py-spy wrote nothing: {err.decode(errors='replace')[-2000:]}")
             shares, waiting = attribute(read_collapsed(out))
+            if args.raw:
+                shutil.copyfile(out, args.raw)
         finally:
             if gate is not None:
                 gate.stop()

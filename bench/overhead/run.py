@@ -175,6 +175,9 @@ def report(summary: dict[tuple, dict[str, float]], rss: dict[str, float], plan: 
         "prefixgate_stream_rps_8": rps("prefixgate", True),
         "litellm_stream_rps_8": rps("litellm", True),
         "prefixgate_rss_mb": rss.get("prefixgate"),
+        "baseline_overhead_p50_ms": added("baseline", 1, False),
+        "baseline_cpu_ms_per_request": cpu("baseline"),
+        "baseline_rps_8": rps("baseline"),
         "litellm_rss_mb": rss.get("litellm"),
         "stub_rss_mb": rss.get("stub"),
         "rounds": plan.rounds,
@@ -193,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-litellm", action="store_true", help="direct and prefixgate only")
     parser.add_argument("--no-stream", action="store_true", help="non-streamed answers only")
     parser.add_argument("--log-level", default="info", help="prefixgate's --log-level (default info)")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="TREE",
+        help="also run prefixgate from the checkout at TREE (target `baseline`, interleaved with the others): "
+        "a before / after in one run",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.rounds:
@@ -211,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
             stub = servers.start_stub(workdir)
             started.append(stub)
             started.append(servers.start_prefixgate(workdir, stub.port, args.log_level))
+            if args.baseline:
+                tree = Path(args.baseline).resolve()
+                started.append(servers.start_prefixgate(workdir, stub.port, args.log_level, tree, "baseline"))
             if litellm is not None:
                 started.append(servers.start_litellm(workdir, stub.port, litellm))
             targets = {"direct": stub, **{s.name: s for s in started[1:]}}

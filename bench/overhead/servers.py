@@ -140,8 +140,12 @@ def start_stub(workdir: Path) -> Server:
     return start("stub", argv, port, "/healthz", workdir, {})
 
 
-def start_prefixgate(workdir: Path, stub_port: int, log_level: str = "info") -> Server:
-    """prefixgate with one OpenAI upstream (the stub) and the default rules, at ``log_level``."""
+def start_prefixgate(
+    workdir: Path, stub_port: int, log_level: str = "info", tree: Path | None = None, name: str = "prefixgate"
+) -> Server:
+    """prefixgate with one OpenAI upstream (the stub) and the default rules, at ``log_level``; from the checkout
+    at ``tree`` (its ``gateway``, ``rules`` and ``engine`` packages first on the import path) when given, else
+    from this one. ``name`` names the target (and its config and log files)."""
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port},
@@ -157,10 +161,11 @@ def start_prefixgate(workdir: Path, stub_port: int, log_level: str = "info") -> 
             }
         ],
     }
-    path = workdir / "prefixgate.yaml"
+    path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-level", log_level]
-    return start("prefixgate", argv, port, "/healthz", workdir, {})
+    env = {"PYTHONPATH": str(tree)} if tree is not None else {}
+    return start(name, argv, port, "/healthz", workdir, env, cwd=tree)
 
 
 def start_litellm(workdir: Path, stub_port: int, litellm: str) -> Server:

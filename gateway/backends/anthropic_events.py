@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import jiter
@@ -196,16 +197,18 @@ class EventReader:
 async def anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, Any]]:
     """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error``
     event, bad JSON, or an end before ``message_stop``."""
-    async for event in opened.events():
-        data = opened.json_object(event.data, "an event")
-        if event.event == "error" or data.get("type") == "error":
-            error = data.get("error") if isinstance(data.get("error"), dict) else {"type": "api_error"}
-            raise opened.cut(
-                f"the upstream reported an error mid-stream: {error.get('message', '')}", upstream_error=error
-            )
-        if data.get("type") == "message_stop":
-            opened.completed()  # the rest of the body is read on close: the connection is kept
+    async with aclosing(opened.events()) as events:
+        async for event in events:
+            data = opened.json_object(event.data, "an event")
+            if event.event == "error" or data.get("type") == "error":
+                error = data.get("error") if isinstance(data.get("error"), dict) else {"type": "api_error"}
+                raise opened.cut(
+                    f"the upstream reported an error mid-stream: {error.get('message', '')}",
+                    upstream_error=error,
+                )
+            if data.get("type") == "message_stop":
+                opened.completed()  # the rest of the body is read on close: the connection is kept
+                yield data
+                return
             yield data
-            return
-        yield data
     raise opened.cut("the upstream stream ended before message_stop")

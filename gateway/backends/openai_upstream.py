@@ -16,6 +16,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any, Unpack
 
 from gateway.backends.base import refuse_choices_and_logprobs
@@ -154,10 +155,11 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             else:
                 events = _events_from_sse(opened, request, started)
             retention = body.get("prompt_cache_retention")
-            async for event in events:
-                if isinstance(event, Finish) and isinstance(retention, str):
-                    event = dataclasses.replace(event, cache_retention=retention)
-                yield event
+            async with aclosing(events):  # closed here, not by the loop's async-generator finalizer (a task)
+                async for event in events:
+                    if isinstance(event, Finish) and isinstance(retention, str):
+                        event = dataclasses.replace(event, cache_retention=retention)
+                    yield event
         finally:
             await opened.aclose()
 
@@ -255,40 +257,41 @@ async def _events_from_sse(
     ttft: float | None = None
     done = False
     text_parts: list[str] = []
-    async for event in opened.events():
-        if event.data.strip() == "[DONE]":
-            done = True
-            opened.completed()
-            break
-        chunk = opened.json_object(event.data, "a chunk")
-        if chunk.get("error") is not None or chunk.get("object") == "error":
-            raw_error = chunk.get("error")
-            if isinstance(raw_error, dict):
-                error = raw_error
-            elif isinstance(raw_error, str):  # {"error": "boom"} from some OpenAI-compatible servers
-                error = {"message": raw_error}
-            else:
-                error = chunk
-            raise opened.cut(
-                f"the upstream reported an error mid-stream: {error.get('message', '')}",
-                upstream_error={"type": "api_error", **error},
-            )
-        try:
-            if isinstance(chunk.get("usage"), dict):
-                usage = backend_usage(chunk["usage"])
-            pieces = [_chunk_choice(choice, request.kind) for choice in chunk.get("choices") or []]
-        except (AttributeError, TypeError, ValueError):
-            raise opened.cut(
-                "the upstream sent a chunk that is not a completion chunk", kind=FailureKind.PROTOCOL
-            ) from None
-        for text, calls, choice_finish, choice_stop in pieces:
-            if text or calls:
-                if ttft is None:
-                    ttft = time.monotonic() - started
-                text_parts.append(text)
-                yield Delta(text=text, tool_calls=calls)
-            if choice_finish:
-                finish_reason, stop_sequence = choice_finish, choice_stop
+    async with aclosing(opened.events()) as events:
+        async for event in events:
+            if event.data.strip() == "[DONE]":
+                done = True
+                opened.completed()
+                break
+            chunk = opened.json_object(event.data, "a chunk")
+            if chunk.get("error") is not None or chunk.get("object") == "error":
+                raw_error = chunk.get("error")
+                if isinstance(raw_error, dict):
+                    error = raw_error
+                elif isinstance(raw_error, str):  # {"error": "boom"} from some OpenAI-compatible servers
+                    error = {"message": raw_error}
+                else:
+                    error = chunk
+                raise opened.cut(
+                    f"the upstream reported an error mid-stream: {error.get('message', '')}",
+                    upstream_error={"type": "api_error", **error},
+                )
+            try:
+                if isinstance(chunk.get("usage"), dict):
+                    usage = backend_usage(chunk["usage"])
+                pieces = [_chunk_choice(choice, request.kind) for choice in chunk.get("choices") or []]
+            except (AttributeError, TypeError, ValueError):
+                raise opened.cut(
+                    "the upstream sent a chunk that is not a completion chunk", kind=FailureKind.PROTOCOL
+                ) from None
+            for text, calls, choice_finish, choice_stop in pieces:
+                if text or calls:
+                    if ttft is None:
+                        ttft = time.monotonic() - started
+                    text_parts.append(text)
+                    yield Delta(text=text, tool_calls=calls)
+                if choice_finish:
+                    finish_reason, stop_sequence = choice_finish, choice_stop
     if finish_reason is None or not (done or usage is not None):
         raise opened.cut("the upstream stream ended before its final chunk")
     if usage is None:

@@ -12,18 +12,20 @@ Anthropic on ``/v1/messages``), and is counted in the stats and logged once.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import EngineError
@@ -54,8 +56,9 @@ def create_app(
     config: GatewayConfig,
     backends: Mapping[str, Backend] | None = None,
     extra_routes: Sequence[BaseRoute] = (),
-) -> Starlette:
-    """Build the ASGI app for ``config``.
+) -> GatewayApp:
+    """Build the ASGI app for ``config`` (a Starlette app with a short path for the model routes,
+    ``GatewayApp``).
 
     Args:
         config: validated config.
@@ -86,7 +89,7 @@ def create_app(
     gateway.metrics = build_registry(gateway.stats_snapshot, gateway.engine_stats)
     gateway.history = StatsHistory(gateway.stats_snapshot)
 
-    app = Starlette(
+    app = GatewayApp(
         routes=[*route_table(), *extra_routes],
         middleware=[Middleware(_StartClock)],
         exception_handlers={
@@ -142,6 +145,94 @@ def _lifespan(gateway: Gateway):
             gateway.canonicalizer.close()
 
     return lifespan
+
+
+class GatewayApp(Starlette):
+    """The Starlette app, with a short path for the model routes: a ``POST`` to a fixed ``/v1/`` path (chat
+    completions, completions, messages, responses) goes straight to its handler instead of through
+    Starlette's middleware stack, router and per-route wrapper (five nested ASGI calls, a ``send`` wrapper at
+    two of them, and a route scan per request; docs/overhead.md, session 6).
+
+    What the short path keeps of the long one: the arrival time (``_StartClock``), ``scope["app"]``, the
+    exception handlers with Starlette's rules (the handler of the exception's nearest class; a handled
+    exception after the response started is a ``RuntimeError``; anything unhandled goes to the ``Exception``
+    handler, whose response is sent when the response had not started, and is raised again so the server
+    logs it and drops the connection), and the route it serves: a pair is short only when Starlette's router
+    would pick that same route for it (first full match). Every other request (other paths and methods, a
+    ``root_path``, lifespan) is Starlette's.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._direct: dict[tuple[str, str], Any] | None = None
+        self._handled: dict[Any, Any] = {}
+        self._server_error: Any = None
+
+    def _direct_routes(self) -> dict[tuple[str, str], Any]:
+        direct: dict[tuple[str, str], Any] = {}
+        for route in self.router.routes:
+            path, methods = getattr(route, "path", ""), getattr(route, "methods", None) or ()
+            endpoint = getattr(route, "endpoint", None)
+            if (
+                not isinstance(route, Route)
+                or "{" in path
+                or not path.startswith("/v1/")
+                or "POST" not in methods
+            ):
+                continue
+            if not inspect.iscoroutinefunction(endpoint):
+                continue
+            probe = {"type": "http", "path": path, "method": "POST", "root_path": ""}
+            first = next((r for r in self.router.routes if r.matches(probe)[0] == Match.FULL), None)
+            if first is route and ("POST", path) not in direct:
+                direct[("POST", path)] = endpoint
+        for key, handler in self.exception_handlers.items():
+            if key in (500, Exception):
+                self._server_error = handler
+            elif not isinstance(key, int):
+                self._handled[key] = handler
+        return direct
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._direct is None:
+            self._direct = self._direct_routes()
+        endpoint = None
+        if scope["type"] == "http" and not scope.get("root_path"):
+            endpoint = self._direct.get((scope["method"], scope["path"]))
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        scope.setdefault("state", {})["started_at"] = time.monotonic()
+        started = False
+
+        async def sender(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        request = Request(scope, receive, send)
+        try:
+            try:
+                response = await endpoint(request)
+                await response(scope, receive, sender)
+            except Exception as exc:
+                handler = next((self._handled[c] for c in type(exc).__mro__ if c in self._handled), None)
+                if handler is None:
+                    raise
+                if started:
+                    raise RuntimeError("Caught handled exception, but response already started.") from exc
+                response = await handler(request, exc)
+                await response(scope, receive, sender)
+                exc.__traceback__ = None
+        except Exception as exc:
+            if self._server_error is None:
+                raise
+            response = await self._server_error(Request(scope), exc)
+            if not started:
+                await response(scope, receive, send)
+            raise
 
 
 class _StartClock:

@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.core.errors import APIError, ModelNotFoundError, openai_error_body
 from gateway.core.event_stream import DONE, encode_event
-from gateway.core.events import Delta, Finish, TokenLogprob
+from gateway.core.events import BackendEvent, Delta, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
 from gateway.http.auth import authenticate, authorize, visible_models
 from gateway.http.body import read_json_object
@@ -150,18 +151,30 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(sse(opened, meta), headers=headers)
-    body = await run_unless_disconnected(http_request, collect(opened, meta), opened)
+    events = opened.events()
+    body = await run_unless_disconnected(http_request, collect(opened, events, meta), opened)
     headers.update(await opened.cache_header())
     headers.update(opened.cost_headers())
-    return JSONResponse(body, headers=headers)
+    # the stream is closed once the answer is sent (the upstream connection drained and pooled, the request's
+    # log line written): work that shapes nothing of the answer is kept off the client's wait
+    return JSONResponse(body, headers=headers, background=BackgroundTask(_close, events))
 
 
-async def _collect_chat(opened: OpenedStream, meta: ResponseMeta) -> dict[str, Any]:
+async def _close(events: AsyncIterator[BackendEvent]) -> None:
+    """Close ``events`` (an async function: Starlette runs a plain callable such as ``events.aclose`` in a
+    worker thread, where the awaitable it returns would be dropped unawaited)."""
+    await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _collect_chat(
+    opened: OpenedStream, events: AsyncIterator[BackendEvent], meta: ResponseMeta
+) -> dict[str, Any]:
+    """The chat completion object, from ``events`` (``opened.events()``, left open at its ``Finish``)."""
     want_logprobs = opened.request.params.logprobs is not None
     text: dict[int, list[str]] = {}
     calls: dict[int, dict[int, dict[str, Any]]] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
-    async for event in opened.events():
+    async for event in events:
         if isinstance(event, Delta):
             text.setdefault(event.index, []).append(event.text)
             logprobs.setdefault(event.index, []).extend(event.logprobs)
@@ -186,11 +199,14 @@ async def _collect_chat(opened: OpenedStream, meta: ResponseMeta) -> dict[str, A
     raise APIError("The backend ended the response without a finish.")
 
 
-async def _collect_completion(opened: OpenedStream, meta: ResponseMeta) -> dict[str, Any]:
+async def _collect_completion(
+    opened: OpenedStream, events: AsyncIterator[BackendEvent], meta: ResponseMeta
+) -> dict[str, Any]:
+    """The completion object, from ``events`` (``opened.events()``, left open at its ``Finish``)."""
     want_logprobs = opened.request.params.logprobs is not None
     text: dict[int, list[str]] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
-    async for event in opened.events():
+    async for event in events:
         if isinstance(event, Delta):
             text.setdefault(event.index, []).append(event.text)
             logprobs.setdefault(event.index, []).extend(event.logprobs)

@@ -5,7 +5,9 @@ model's tokenizer (the embedded engine's own template and tokenizer, so its toke
 prefilled; ``cl100k_base`` over a plain layout for upstreams, whose own tokenizers we do not have), finds its
 segments and stable prefix as token ranges, and asks ``gateway.service.miss_explain.MissExplainer`` where and
 why the reported cached prefix stopped short of the stable prefix. The prompt is then recorded for the next
-request of the same model and tenant, and its full blocks noted as cached.
+request of the same model and tenant, and its full blocks noted as cached. The render and tokenization need
+no answer: ``prepare`` does them ahead (the pipeline runs it while the backend works) and ``explain`` takes
+its result.
 
 Invariants: never prompt text in what leaves this module (the header value and the counters hold counts,
 cause names, segment names and token offsets); never an exception to the request: any failure (a template
@@ -17,21 +19,35 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.core.request import ChatRequest
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer, PromptTokenizer
+from gateway.service.canonicalize.rendered_prompt import RenderedPrompt
 from gateway.service.canonicalize.token_memo import PieceTokenMemo
 from gateway.service.miss_counters import MissCounters
 from gateway.service.miss_explain import MissExplainer
-from gateway.service.miss_explanation import HEADER, MissExplanation
+from gateway.service.miss_explanation import HEADER, MissExplanation, VolatileSpan
 
-__all__ = ["HEADER", "CacheExplanations"]
+__all__ = ["HEADER", "CacheExplanations", "PreparedPrompt"]
 
 logger = logging.getLogger("prefixgate.cache_explain")
 
 _TOOLS_PREAMBLE = "<|tools|>\n"
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A request's prompt as the explainer sees it (``CacheExplanations.prepare``): the rendered prompt (token
+    ids, segments as token ranges, stable end), the learned slots' token spans, and ``shift``: tokens of a
+    tools preamble the model's own template leaves out (added to the reported cached count)."""
+
+    rendered: RenderedPrompt
+    spans: list[VolatileSpan]
+    shift: int
 
 
 class CacheExplanations:
@@ -59,6 +75,32 @@ class CacheExplanations:
             self._fallback = Cl100kTokenizer()
         return self._fallback
 
+    def prepare(self, request: ChatRequest, tokenizer: PromptTokenizer | None = None) -> PreparedPrompt:
+        """The part of ``explain`` that needs no answer: the canonical request rendered and tokenized with
+        ``tokenizer`` (``cl100k_base`` when None; its pieces memoized per model and tenant), the learned
+        slots' spans, and the tools-preamble shift. Reads the learned slots as they are now.
+
+        Raises:
+            ValueError: a request that cannot be rendered (completion; messages the template refuses), or
+                whatever the tokenizer raises (``explain`` counts it).
+        """
+        own = self._tokenizer(tokenizer)
+        encode = None
+        if isinstance(own, Cl100kTokenizer):  # per message, memoized within the model and tenant
+            scope = Canonicalizer.scope(request)
+            encode = lambda text: self.token_memo.encode(own, text, scope)  # noqa: E731
+        rendered, spans = self.canonicalizer.render(request, own, encode)
+        shift = 0
+        if (
+            tokenizer is not None
+            and rendered.text.startswith(_TOOLS_PREAMBLE)
+            and rendered.segments
+            and rendered.segments[0].name == "tools"
+        ):
+            # the engine's template ignores tools: the preamble the explainer sees is not in its prompt
+            shift = rendered.segments[0].end
+        return PreparedPrompt(rendered, spans, shift)
+
     def explain(
         self,
         request: ChatRequest,
@@ -67,6 +109,8 @@ class CacheExplanations:
         provider_cause: str | None = None,
         min_cacheable: int | None = None,
         granularity: int | None = None,
+        prepared: PreparedPrompt | None = None,
+        later: list[Callable[[], None]] | None = None,
     ) -> MissExplanation | None:
         """Explain one finished chat request's cache result, count it, and record its prompt.
 
@@ -78,6 +122,11 @@ class CacheExplanations:
             min_cacheable: the upstream's minimum cacheable prompt length, when it has one.
             granularity: the cache's unit in tokens (an engine's block size); the explainer's block size
                 when None.
+            prepared: ``prepare(request, tokenizer)``'s result when it was computed ahead (while the backend
+                worked); computed here when None.
+            later: when given, the recording of the prompt (for the explanations of later requests) is
+                appended to it, for the caller to run once the answer is sent (``record_prompt``), instead
+                of being done here.
 
         Returns:
             the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
@@ -85,21 +134,9 @@ class CacheExplanations:
         if request.kind != "chat" or request.canonical is None:
             return None
         try:
-            own = self._tokenizer(tokenizer)
-            encode = None
-            if isinstance(own, Cl100kTokenizer):  # per message, memoized within the model and tenant
-                scope = Canonicalizer.scope(request)
-                encode = lambda text: self.token_memo.encode(own, text, scope)  # noqa: E731
-            rendered, spans = self.canonicalizer.render(request, own, encode)
-            shift = 0
-            if (
-                tokenizer is not None
-                and rendered.text.startswith(_TOOLS_PREAMBLE)
-                and rendered.segments
-                and rendered.segments[0].name == "tools"
-            ):
-                # the engine's template ignores tools: the preamble the explainer sees is not in its prompt
-                shift = rendered.segments[0].end
+            if prepared is None:
+                prepared = self.prepare(request, tokenizer)
+            rendered, spans, shift = prepared.rendered, prepared.spans, prepared.shift
             model, tenant = request.model, request.tenant
             explanation = self.explainer.explain(
                 model,
@@ -113,8 +150,10 @@ class CacheExplanations:
                 volatile_spans=spans,
                 provider_cause=provider_cause,
             )
-            self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
-            self.explainer.mark_cached(model, tenant, rendered.tokens)
+            if later is None:
+                self._record(model, tenant, rendered)
+            else:
+                later.append(lambda: self.record_prompt(request, rendered))
         except Exception as exc:  # noqa: BLE001 - an explanation must never fail a request
             with self._lock:
                 self.errors += 1
@@ -123,6 +162,21 @@ class CacheExplanations:
         with self._lock:
             self.counters.setdefault(request.model, MissCounters()).add(explanation)
         return explanation
+
+    def _record(self, model: str, tenant: str, rendered: RenderedPrompt) -> None:
+        self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
+        self.explainer.mark_cached(model, tenant, rendered.tokens)
+
+    def record_prompt(self, request: ChatRequest, rendered: RenderedPrompt) -> None:
+        """Record an explained request's prompt for the explanations of later requests, and its full blocks as
+        cached (what ``explain`` does unless given ``later``). Never raises: a failure is counted in
+        ``errors``."""
+        try:
+            self._record(request.model, request.tenant, rendered)
+        except Exception as exc:  # noqa: BLE001 - never fails a request
+            with self._lock:
+                self.errors += 1
+            logger.warning("prompt of a request of %s not recorded (%s)", request.model, type(exc).__name__)
 
     def snapshot(self) -> dict[str, Any]:
         """``/admin/stats``'s ``cache_misses``: per model the counters by cause and segment, the explainer's

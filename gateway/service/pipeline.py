@@ -30,6 +30,7 @@ from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
+from gateway.service.cache_explain import PreparedPrompt
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
@@ -74,6 +75,7 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     if backend.wants_level_ends():
         request.level_ends = level_ends(request, backend)
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
+    prepared = PromptPreparation.schedule(gateway, request)
     iterator = backend.stream(request)
     try:
         first = await anext(iterator)
@@ -85,7 +87,60 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     except BaseException:
         await _aclose(iterator)
         raise
-    return OpenedStream(gateway, request, iterator, first, path, started)
+    return OpenedStream(gateway, request, iterator, first, path, started, prepared)
+
+
+class PromptPreparation:
+    """The cache explanation's render of one request (``CacheExplanations.prepare``), computed at most once:
+    ahead, on the event loop while the backend works on the request, or when the explanation needs it.
+
+    ``schedule`` queues it two loop iterations ahead: the backend's ``stream`` runs up to its first wait in
+    the iteration that schedules it, and what it queued then (aiohttp writes a request's body in a task of its
+    own on Python < 3.12) runs in the next, so the request is on the wire before the render takes the loop.
+    With a real upstream (tens of milliseconds or more before its first byte) the render is off the request's
+    path; with a fast one, as much of it as the upstream's own time covers. Only prompts explained inline
+    (``INLINE_EXPLAIN_CHARS``) of upstream models (``cl100k_base``) are prepared ahead: a long one is rendered
+    in a worker thread, and an embedded model's with its engine's tokenizer once the engine answered, as before.
+    """
+
+    def __init__(self, gateway: Gateway, request: ChatRequest) -> None:
+        self.gateway = gateway
+        self.request = request
+        self._done = False
+        self._value: PreparedPrompt | None = None
+
+    @classmethod
+    def schedule(cls, gateway: Gateway, request: ChatRequest) -> PromptPreparation | None:
+        """A preparation of ``request`` queued on the running loop, or None when it will not be explained
+        inline (no explanations, not a canonical chat request, a long prompt) or its model has its own
+        tokenizer (an embedded engine's)."""
+        if gateway.cache is None or request.kind != "chat" or request.canonical is None:
+            return None
+        if _prompt_chars(request) > INLINE_EXPLAIN_CHARS:
+            return None
+        if gateway.registry.get(request.model).prompt_tokenizer() is not None:
+            return None  # an engine's own tokenizer is the engine's, busy with this very request now
+        preparation = cls(gateway, request)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, preparation.run)
+        return preparation
+
+    def run(self) -> None:
+        """Render the request once (a failure leaves None: ``explain`` then tries again and counts it)."""
+        if self._done:
+            return
+        self._done = True
+        cache = self.gateway.cache
+        try:
+            backend = self.gateway.registry.get(self.request.model)
+            self._value = cache.prepare(self.request, backend.prompt_tokenizer()) if cache else None
+        except Exception:  # noqa: BLE001 - an explanation never fails a request; explain() counts it
+            self._value = None
+
+    def result(self) -> PreparedPrompt | None:
+        """The render (computed now when it has not run yet), or None after a failure."""
+        self.run()
+        return self._value
 
 
 class OpenedStream:
@@ -102,8 +157,10 @@ class OpenedStream:
         first: BackendEvent,
         path: str,
         started: float,
+        prepared: PromptPreparation | None = None,
     ) -> None:
         self.gateway = gateway
+        self._prepared = prepared
         self.request = request
         self._iterator = iterator
         self._first: BackendEvent | None = first
@@ -114,6 +171,9 @@ class OpenedStream:
         self._closed = False
         self._explained = False
         self._cache_header: str | None = None
+        self._finish_log: RequestRecord | None = None
+        self._after_answer: list[Callable[[], None]] = []
+        """Work that shapes nothing of the answer (recording the explained prompt), run by ``aclose``."""
         self.cost: RequestCost | None = None
         """The request's cache cost once it finished (None before, or when the model has no prices)."""
 
@@ -161,7 +221,9 @@ class OpenedStream:
             minimum, granularity = _cache_unit(self.gateway, self.request.model)
             provider_cause = provider_miss_cause(provider_reason)
             args = (self.request, cached, tokenizer, provider_cause, minimum, granularity)
-            if _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
+            if self._prepared is not None:  # rendered ahead (or now), inline; recorded once answered
+                explanation = cache.explain(*args, prepared=self._prepared.result(), later=self._after_answer)
+            elif _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
                 explanation = cache.explain(*args)
             else:
                 explanation = await asyncio.to_thread(cache.explain, *args)
@@ -232,11 +294,21 @@ class OpenedStream:
             raise APIError("The backend ended the response without a finish.") from None
 
     async def aclose(self) -> None:
-        """Close the backend stream (cancelling its work); count a client abort if it had not finished."""
+        """Close the backend stream (cancelling its work); count a client abort if it had not finished. Runs
+        what was kept for after the answer (recording the explained prompt; the request's log line), which
+        for a JSON answer is once it was sent (``gateway.http.openai``)."""
         if self._closed:
             return
         self._closed = True
-        await _aclose(self._iterator)
+        after, self._after_answer = self._after_answer, []
+        for work in after:
+            work()
+        try:
+            await _aclose(self._iterator)
+        finally:
+            record, self._finish_log = self._finish_log, None
+            if record is not None:
+                log_request(record)
         if not self._done:
             self._done = True
             self.gateway.stats.record_abort(self.request.model)
@@ -246,7 +318,7 @@ class OpenedStream:
         """Record and log an error that happened after the response started (it went out in the stream)."""
         self._done = True
         self.gateway.stats.record_error(self.request.model, error.status_code)
-        self._log(error.status_code, error_code=error.code)
+        self._log(error.status_code, error.code)
 
     def _record_finish(self, finish: Finish) -> None:
         self._done = True
@@ -265,36 +337,38 @@ class OpenedStream:
         self.gateway.clients.record_finish(
             request.client_key, request.tenant, request.model, finish.usage, spend
         )
-        self._log(200, finish=finish, ttft_s=ttft)
+        # written when the stream closes (after a JSON answer went out); measured now
+        self._finish_log = self._record(200, finish=finish, ttft_s=ttft)
 
-    def _log(
+    def _log(self, status: int, error_code: str | None = None) -> None:
+        log_request(self._record(status, error_code=error_code))
+
+    def _record(
         self,
         status: int,
         finish: Finish | None = None,
         ttft_s: float | None = None,
         error_code: str | None = None,
-    ):
+    ) -> RequestRecord:
         request = self.request
         applied = Canonicalizer.applied(request)
-        log_request(
-            RequestRecord(
-                request_id=request.request_id,
-                path=self._path,
-                status=status,
-                model=request.model,
-                key=request.client_key or None,
-                tenant=request.tenant or None,
-                stream=request.stream,
-                prompt_tokens=finish.usage.prompt_tokens if finish else None,
-                cached_tokens=finish.usage.cached_tokens if finish else None,
-                completion_tokens=finish.usage.completion_tokens if finish else None,
-                ttft_s=ttft_s,
-                duration_s=time.monotonic() - self._started,
-                finish_reason=finish.finish_reason if finish else None,
-                error_code=error_code,
-                prefix_key=request.prefix_key or None,
-                rules_applied=sum(applied.values()) if request.kind == "chat" else None,
-            )
+        return RequestRecord(
+            request_id=request.request_id,
+            path=self._path,
+            status=status,
+            model=request.model,
+            key=request.client_key or None,
+            tenant=request.tenant or None,
+            stream=request.stream,
+            prompt_tokens=finish.usage.prompt_tokens if finish else None,
+            cached_tokens=finish.usage.cached_tokens if finish else None,
+            completion_tokens=finish.usage.completion_tokens if finish else None,
+            ttft_s=ttft_s,
+            duration_s=time.monotonic() - self._started,
+            finish_reason=finish.finish_reason if finish else None,
+            error_code=error_code,
+            prefix_key=request.prefix_key or None,
+            rules_applied=sum(applied.values()) if request.kind == "chat" else None,
         )
 
 

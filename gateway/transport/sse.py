@@ -133,13 +133,20 @@ def parse_sse(payload: bytes) -> list[SSEEvent]:
 
 async def iter_sse(chunks: AsyncIterable[bytes]) -> AsyncIterator[SSEEvent]:
     """Events from a stream of body bytes (an upstream response), as they complete; the pending event at the
-    end of input too (see ``SSEParser``)."""
+    end of input too (see ``SSEParser``). Closing it closes ``chunks`` (when it has ``aclose``)."""
     parser = SSEParser()
-    async for chunk in chunks:
-        for event in parser.feed(chunk):
+    try:
+        async for chunk in chunks:
+            for event in parser.feed(chunk):
+                yield event
+        for event in parser.close():
             yield event
-    for event in parser.close():
-        yield event
+    finally:
+        aclose = getattr(
+            chunks, "aclose", None
+        )  # closed here, not left to the loop's async-generator finalizer
+        if aclose is not None:
+            await aclose()
 
 
 class EventStreamResponse:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import http.cookiejar
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +51,87 @@ def make_client(max_connections: int = 256, max_keepalive: int = 64) -> httpx.As
     Proxies from the environment still go through httpx's own proxy transports. ``max_keepalive`` bounds the
     idle connections kept where the transport has such a bound (aiohttp keeps any under ``max_connections``)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive)
-    return httpx.AsyncClient(
-        limits=limits,
-        follow_redirects=False,
-        transport=AiohttpTransport(limits),
-        cookies=http.cookiejar.CookieJar(policy=NoCookies()),
-    )
+    return UpstreamClient(limits=limits, transport=AiohttpTransport(limits))
+
+
+_httpx_logger = logging.getLogger("httpx")
+
+
+class UpstreamClient(httpx.AsyncClient):
+    """The upstream ``httpx.AsyncClient``: redirects not followed, a cookie jar that keeps nothing
+    (``NoCookies``), and a short ``send`` for what the backends send through it.
+
+    ``httpx.AsyncClient.send`` runs every request through its auth flow and redirect loop (two async
+    generators), event hooks, a response-stream wrapper that times the response, and cookie extraction
+    (``http.cookiejar`` walks every response's headers). With no auth, no credentials in the URL, no event
+    hooks, redirects off and a jar that keeps nothing, none of that changes a streamed request or its
+    response, and it cost about as much CPU per call as the aiohttp transport under it (docs/overhead.md,
+    session 6). So a streamed ``send`` on such a client hands the request to the URL's transport directly
+    (``AsyncClient._transport_for_url``: a proxy from the environment still gets its own transport), as
+    ``_send_single_request`` does: the timeout extension, the transport errors (with ``exc.request`` set),
+    ``response.request`` and the httpx logger's INFO line are the same. What differs: ``response.elapsed``
+    is not set (nothing reads it). Any other request (non-streamed, with auth, redirects, hooks, or after
+    the client was closed) takes ``httpx.AsyncClient.send``.
+
+    Args:
+        limits: the transport's and httpx's connection limits.
+        transport: the transport for direct (non-proxied) requests.
+    """
+
+    def __init__(self, *, limits: httpx.Limits, transport: httpx.AsyncBaseTransport) -> None:
+        super().__init__(
+            limits=limits,
+            follow_redirects=False,
+            transport=transport,
+            cookies=http.cookiejar.CookieJar(policy=NoCookies()),
+        )
+
+    async def send(
+        self,
+        request: httpx.Request,
+        *,
+        stream: bool = False,
+        auth: Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
+    ) -> httpx.Response:
+        """``httpx.AsyncClient.send``; a streamed request the client adds nothing to goes straight to its
+        transport (class docstring).
+
+        Raises:
+            httpx.RequestError: the transport's (``exc.request`` set), as from ``AsyncClient.send``.
+            RuntimeError: the client was closed.
+        """
+        if (
+            not stream
+            or self.is_closed
+            or auth is not httpx.USE_CLIENT_DEFAULT
+            or follow_redirects not in (httpx.USE_CLIENT_DEFAULT, False)
+            or self.follow_redirects
+            or self.auth is not None
+            or request.url.userinfo
+            or any(self.event_hooks.values())
+            or not isinstance(self.cookies.jar._policy, NoCookies)  # noqa: SLF001 - set by __init__
+        ):
+            return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
+        request.extensions.setdefault("timeout", self.timeout.as_dict())
+        transport = self._transport_for_url(request.url)
+        try:
+            response = await transport.handle_async_request(request)
+        except httpx.RequestError as exc:
+            exc.request = request
+            raise
+        response.request = request
+        response.default_encoding = self._default_encoding
+        if _httpx_logger.isEnabledFor(logging.INFO):
+            _httpx_logger.info(
+                'HTTP Request: %s %s "%s %d %s"',
+                request.method,
+                request.url,
+                response.http_version,
+                response.status_code,
+                response.reason_phrase,
+            )
+        return response
 
 
 class NoCookies(http.cookiejar.CookiePolicy):

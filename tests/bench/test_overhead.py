@@ -129,6 +129,12 @@ def test_percentile_and_report_use_the_direct_path_as_baseline():
     assert doc["prefixgate_rps_8"] == 2000.0 and doc["litellm_rps_8"] == 500.0
     assert doc["rps_vs_litellm"] == 4.0
     assert doc["prefixgate_cpu_ms_per_request"] == 1.5  # (2 ms + 1 ms) / 2 rows
+    assert doc["baseline_overhead_p50_ms"] is None and doc["baseline_rps_8"] is None  # no --baseline
+    results[("baseline", 1, False)] = [Batch([0.005, 0.005], 0.01, 0.002)]
+    results[("baseline", 8, False)] = [Batch([0.004] * 4, 0.004, 0.004)]
+    doc = report(summarize(results), {"prefixgate": 50.0}, QUICK, 1.0)
+    assert doc["baseline_overhead_p50_ms"] == 4.0 and doc["baseline_rps_8"] == 1000.0
+    assert doc["baseline_cpu_ms_per_request"] == 1.0  # (1 ms + 1 ms) / 2 rows
 
 
 def test_profile_charges_each_sample_to_its_innermost_category_and_leaves_waits_out(tmp_path):
@@ -154,3 +160,14 @@ def test_profile_charges_each_sample_to_its_innermost_category_and_leaves_waits_
         "other": 0.2,
     }
     assert breakdown(Counter(), 2.0) == {}
+
+
+def test_profile_leaves_out_socket_writes_under_uvloop_by_their_line():
+    from bench.overhead.profile import attribute, socket_write_lines
+
+    writes = socket_write_lines()
+    line = next(w for w in writes if w.startswith("uvicorn/protocols/http/httptools_impl.py:"))
+    head = "run (uvicorn/main.py:1);RequestResponseCycle.send (" + line
+    other = "run (uvicorn/main.py:1);RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:1)"
+    shares, waiting = attribute([(head.split(";"), 4), (other.split(";"), 2)])
+    assert waiting == 4 and shares == {"uvicorn": 2}

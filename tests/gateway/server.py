@@ -14,6 +14,7 @@ import yaml
 from gateway.config.loader import load_config
 from gateway.config.schema import GatewayConfig
 from gateway.http.app import create_app
+from gateway.http.server_protocol import coalescing_protocol
 
 ADMIN_TOKEN = "test-admin-token"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -35,7 +36,13 @@ class RunningServer:
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(
-            uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on")
+            uvicorn.Config(
+                self.app,
+                log_config=None,
+                access_log=False,
+                lifespan="on",
+                http=coalescing_protocol() or "auto",  # what `prefixgate serve` runs
+            )
         )
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True

@@ -290,3 +290,62 @@ async def test_the_shared_upstream_client_keeps_no_cookie_between_requests():
             await plain_server.__aexit__()
     finally:
         await server.__aexit__()
+
+
+async def test_a_streamed_send_on_the_upstream_client_goes_straight_to_the_transport(monkeypatch):
+    """``UpstreamClient.send`` with ``stream=True`` skips httpx's auth / redirect / cookie layers and answers as
+    ``AsyncClient.send`` does; any other send still takes those layers."""
+    with_cookie = (
+        b"HTTP/1.1 200 OK\r\nset-cookie: session=tenant-a-secret; Path=/\r\ncontent-length: 5\r\n\r\nhello"
+    )
+    server = await _serving(_answer(with_cookie, OK, OK, OK))
+    layered: list[httpx.Request] = []
+    original = httpx.AsyncClient._send_handling_auth
+
+    async def spy(self, request, *args, **kwargs):
+        layered.append(request)
+        return await original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncClient, "_send_handling_auth", spy)
+    try:
+        async with make_client() as client:
+            for _ in range(2):
+                request = _post(client, server.url)
+                response = await client.send(request, stream=True)
+                assert response.request is request and response.status_code == 200
+                assert response.headers["content-length"] == "5"
+                assert await response.aread() == b"hello"
+                await response.aclose()
+            assert layered == []  # straight to the transport
+            assert len(client.cookies.jar) == 0
+            request = _post(client, server.url)
+            response = await client.send(request)  # not streamed: httpx's own path
+            assert (response.status_code, response.content, layered) == (200, b"hello", [request])
+            hooked: list[httpx.Request] = []
+
+            async def hook(request: httpx.Request) -> None:
+                hooked.append(request)
+
+            client.event_hooks = {"request": [hook], "response": []}
+            request = _post(client, server.url)
+            response = await client.send(request, stream=True)  # a hook: httpx's own path
+            await response.aread()
+            assert layered[-1] is request and hooked == [request]
+        assert server.connections == 1 and len(server.heads) == 4
+        assert all(b"cookie" not in dict(_header_lines(head)) for head in server.heads)
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_streamed_send_on_the_upstream_client_raises_httpx_errors_with_their_request():
+    server = await _serving(_answer(OK))
+    url = server.url
+    await server.__aexit__()
+    await asyncio.sleep(0)
+    async with make_client() as client:
+        request = _post(client, url)
+        with pytest.raises(httpx.ConnectError) as caught:
+            await client.send(request, stream=True)
+        assert caught.value.request is request
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.send(_post(client, url), stream=True)

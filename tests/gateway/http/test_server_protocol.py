@@ -1,0 +1,114 @@
+"""``gateway.http.server_protocol``: uvicorn's httptools protocol holding a response's head until its first body
+message, on a real socket: the head never goes out alone, and every answer's bytes are uvicorn's."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from gateway.http.server_protocol import coalescing_protocol
+
+release = threading.Event()
+
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    path = scope["path"]
+    if path == "/held":  # the head, then the body only once the test says so
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/stream":  # chunked: head with the first chunk, then more chunks, then the terminator
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in (b"a", b"", b"bc"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    elif path == "/empty":
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+    else:
+        body = b"hello"
+        headers = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def port():
+    protocol = coalescing_protocol()
+    assert protocol is not None  # uvicorn and httptools are dependencies: the protocol is always there
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(app, http=protocol, log_config=None, access_log=False, loop="asyncio")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(10)
+
+
+def exchange(port: int, request: bytes, end: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(request)
+        data = b""
+        while not data.endswith(end):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_the_head_waits_for_the_first_body_message_and_goes_with_it(port):
+    release.clear()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            conn.recv(65536)  # uvicorn alone would have sent the head by now
+        release.set()
+        conn.settimeout(5)
+        data = b""
+        while not data.endswith(b"ok"):
+            data += conn.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\nok")
+
+
+def test_answers_are_whole_fixed_length_chunked_empty_and_head(port):
+    plain = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"hello")
+    assert plain.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 5\r\n" in plain
+    chunked = exchange(port, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n", b"0\r\n\r\n")
+    assert b"transfer-encoding: chunked\r\n" in chunked
+    assert chunked.endswith(b"\r\n\r\n1\r\na\r\n2\r\nbc\r\n0\r\n\r\n")
+    empty = exchange(port, b"GET /empty HTTP/1.1\r\nHost: x\r\n\r\n", b"\r\n\r\n")
+    assert empty.startswith(b"HTTP/1.1 204 No Content\r\n")
+    head = exchange(port, b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n", b"\r\n\r\n")  # no body message writes
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 5\r\n" in head
+    assert head.endswith(b"\r\n\r\n") and b"hello" not in head
+
+
+def test_keep_alive_requests_and_connection_close(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        for _ in range(3):
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while not data.endswith(b"hello"):
+                data += conn.recv(65536)
+            assert data.count(b"HTTP/1.1 200 OK") == 1
+    closing = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"hello")
+    assert b"connection: close\r\n" in closing and closing.endswith(b"hello")
