@@ -231,10 +231,17 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 
     Temperature 0 is greedy (argmax, the lowest id on a tie); otherwise logits are divided by the temperature,
     filtered by top-k then top-p, and one token is drawn with ``torch.multinomial`` from ``generator``.
+
+    The division is done in float64 after subtracting the row's maximum (softmax is shift-invariant): a
+    temperature under float32's range (e.g. ``5e-324``, which a float32 divisor would round to 0) or so small
+    that ``logit / temperature`` overflows then gives ``0`` for the top logits and ``-inf`` for the others (the
+    greedy limit, ties drawn at random) instead of ``0 / 0`` or ``inf / inf`` and a NaN distribution that
+    ``torch.multinomial`` refuses.
     """
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
+    scaled = logits.double()
+    scaled = (scaled - scaled.max()) / params.temperature
     scaled = apply_top_k(scaled, params.top_k)
     scaled = apply_top_p(scaled, params.top_p)
     probs = torch.softmax(scaled, dim=-1)

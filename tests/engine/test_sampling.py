@@ -87,3 +87,16 @@ def test_different_seeds_differ_and_distribution_follows_temperature():
 def test_sample_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="rows"):
         sample(torch.zeros(2, 4), [SamplingParams()], [make_generator(0)])
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-45])
+def test_a_vanishing_temperature_samples_the_argmax_instead_of_failing(temperature: float) -> None:
+    # logit / temperature overflows to inf here: without the max shift softmax gives NaN and multinomial raises
+    logits = torch.tensor([1.5, 3.0, -2.0, float("-inf")])
+    params = SamplingParams(temperature=temperature, top_k=3, top_p=0.9)
+    draws = {sample_row(logits, params, make_generator(s)) for s in range(10)}
+    assert draws == {1}
+    assert sample(logits[None].repeat(2, 1), [params, params], [make_generator(0), make_generator(1)]) == [
+        1,
+        1,
+    ]

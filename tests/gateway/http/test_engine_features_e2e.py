@@ -384,6 +384,18 @@ def test_logit_bias_and_penalties_are_honoured(server, client):
     assert penalized.usage.completion_tokens == 4
 
 
+def test_a_vanishing_temperature_is_served_and_the_engine_keeps_serving(server, client):
+    # 5e-324 passes the 0-2 range check; dividing logits by it overflowed and the NaN distribution made the
+    # step loop fail, which took the engine (every later request) down with it
+    for temperature in (5e-324, 1e-300):
+        tiny = client.chat.completions.create(
+            model=TINY_MODEL, messages=QUESTION, temperature=temperature, max_tokens=3, seed=3
+        )
+        assert tiny.usage.completion_tokens == 3
+    greedy = client.chat.completions.create(model=TINY_MODEL, messages=QUESTION, temperature=0, max_tokens=3)
+    assert greedy.usage.completion_tokens == 3
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
