@@ -339,7 +339,14 @@ def main() -> None:
             for w in workloads:
                 order = modes[i % len(modes) :] + modes[: i % len(modes)]
                 for mode in order:
-                    w.runs.setdefault(mode, []).append(run(mode, w))
+                    result = run(mode, w)
+                    w.runs.setdefault(mode, []).append(result)
+                    print(
+                        f"repeat {i} {w.name} {mode}: {result.decode_rate():.1f} tok/s, "
+                        f"load {os.getloadavg()[0]:.1f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         prompt_tokens = len(ck.tokenizer.render_chat(workloads[0].prompts[0]))
     finally:
         for s in servers.values():
