@@ -98,30 +98,31 @@ class Server:
             self.proc.kill()
 
 
+def prefixgate_engine_settings(threads: int, ctx_tokens: int) -> dict:
+    """The ``engine:`` mapping prefixgate is benchmarked with (``engine.api.EngineConfig`` fields): a KV pool
+    of ``ctx_tokens`` in blocks of 16, bf16 KV, batches of up to 16 sequences and 2,048 tokens."""
+    return {
+        "num_blocks": ctx_tokens // 16,
+        "block_size": 16,
+        "max_batch": 16,
+        "max_num_batched_tokens": 2048,
+        "num_threads": threads,
+        "weights": "auto",
+        "kv_dtype": "bfloat16",
+    }
+
+
 def start_prefixgate(
     gguf: str, threads: int, ctx_tokens: int, workdir: Path, shared_prefix: bool = True
 ) -> Server:
     port = free_port()
+    engine = prefixgate_engine_settings(threads, ctx_tokens)
+    if not shared_prefix:
+        engine["shared_prefix_attention"] = False
     cfg = {
         "server": {"host": "127.0.0.1", "port": port},
         "rules": [],
-        "models": [
-            {
-                "name": MODEL,
-                "backend": "embedded",
-                "path": gguf,
-                "engine": {
-                    "num_blocks": ctx_tokens // 16,
-                    "block_size": 16,
-                    "max_batch": 16,
-                    "max_num_batched_tokens": 2048,
-                    "num_threads": threads,
-                    "weights": "auto",
-                    "kv_dtype": "bfloat16",
-                    **({} if shared_prefix else {"shared_prefix_attention": False}),
-                },
-            }
-        ],
+        "models": [{"name": MODEL, "backend": "embedded", "path": gguf, "engine": engine}],
     }
     path = workdir / f"prefixgate-{port}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML

@@ -5,7 +5,8 @@ during the forward pass, so the event loop stays responsive). Engine state is gu
 while a step is planned (``schedule_step``) and while its outputs are processed (``finish_step``), never
 during the forward pass (``run_step``). Events reach each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe`` on the event loop that consumes that stream (so streams may live on different
-loops, e.g. one per test).
+loops, e.g. one per test): one call per loop per step, carrying every event of that step for that loop's
+streams, so a step wakes each loop once however many streams it serves (docs/serving-path.md).
 
 Cancellation: when a consumer closes its stream early (``aclose()``, ``GeneratorExit``, ``CancelledError``) the
 stream's ``finally`` takes the lock and aborts the request, so its blocks are free before ``aclose()``
@@ -49,6 +50,12 @@ class _EngineFailure:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
+    """Put each event on its stream's queue (on the queues' own event loop)."""
+    for queue, event in batch:
+        queue.put_nowait(event)
 
 
 class AsyncEngine:
@@ -200,7 +207,10 @@ class AsyncEngine:
         return True
 
     def _post(self, outs: list[RequestOutput]) -> None:
-        """Hand each output's events to its stream, on the event loop that stream lives on."""
+        """Hand each output's events to its stream, on the event loop that stream lives on: one
+        ``call_soon_threadsafe`` per loop for the whole step (one wake-up of that loop, however many streams
+        and events), the events of each stream in order."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamEvent]]] = {}
         for o in outs:
             events: list[StreamEvent] = []
             if o.new_token_ids or o.text:
@@ -220,8 +230,17 @@ class AsyncEngine:
                 )
                 no_tokens = replace(o.usage, completion_tokens=0)
                 events.extend(Finished(o.finish_reason, no_tokens, None, "", i) for i in o.unforked)
-            for event in events:
-                self._deliver(o.parent_id or o.request_id, event)
+            stream = self._streams.get(o.parent_id or o.request_id)
+            if stream is None:
+                continue
+            loop, queue = stream
+            batch = batches.setdefault(loop, [])
+            batch.extend((queue, event) for event in events)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
 
     def _deliver(self, rid: str, event: StreamEvent | _EngineFailure) -> None:
         stream = self._streams.get(rid)

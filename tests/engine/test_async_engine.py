@@ -233,6 +233,28 @@ async def test_concurrent_streams_all_finish_with_their_alone_output(engine):
     assert engine.stats().requests == 8 and engine.stats().blocks_used == 0
 
 
+async def test_a_step_wakes_the_event_loop_once_for_all_its_streams(engine, monkeypatch):
+    loop = asyncio.get_running_loop()
+    calls: list[int] = []
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        batch = args[0] if args else None
+        calls.append(len(batch) if isinstance(batch, list) else 1)  # events carried by this wake-up
+        return original(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    prompt = random_tokens(40, 5)
+    steps_before = engine.core.num_steps
+    results = await asyncio.gather(
+        *(collect(engine, GenerationRequest(prompt_token_ids=prompt, params=greedy(10))) for _ in range(4))
+    )
+    steps = engine.core.num_steps - steps_before
+    assert [len(events) for events in results] == [11] * 4  # 10 deltas and Finished, each stream
+    assert sum(calls) == 44  # every event delivered, through at most one wake-up per step
+    assert 0 < len(calls) <= steps < 44
+
+
 async def test_shutdown_aborts_open_streams_and_closes_the_engine():
     ckpt = tiny_checkpoint()
     eng = AsyncEngine(make_engine(ckpt), ckpt.tokenizer)
