@@ -281,7 +281,8 @@ class EngineConfig:
             hardware has the kernels, else float32).
         kv_dtype: dtype of the KV cache, ``float32`` or ``bfloat16`` (half the memory and attention bandwidth).
         dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights for inputs of at least this
-            many rows (prefill chunks, where a bf16 GEMM is faster than the weight-only kernel); ``None`` = no
+            many rows (prefill chunks, where a bf16 GEMM is faster than the weight-only kernel; 10: ``engine.linear``'s
+            measured table); ``None`` = no
             copy (less memory, slower prefill).
         shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
             users) read those blocks once per step (cascade attention, ``engine.attention.SharedPrefix``);
@@ -310,7 +311,7 @@ class EngineConfig:
     deployment_secret: str | None = None
     weights: str = "auto"
     kv_dtype: str = "float32"
-    dense_min_rows: int | None = 16
+    dense_min_rows: int | None = 10
     shared_prefix_attention: bool = True
 
 

@@ -12,7 +12,9 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
 
 - prefill rows (``query_len > 1``) go one sequence at a time through ``F.scaled_dot_product_attention``; a
   sequence with nothing cached (``query_len == seq_len``) attends to its fresh K/V directly (``is_causal``),
-  otherwise its context is gathered block-wise with one ``index_select`` and a bottom-right causal mask is used;
+  otherwise, on CPU, the cached prefix (read in place: a view of consecutive blocks) and the chunk's own K/V
+  (causal) are attended separately and merged by their log-sum-exp (``prefix_split_attention``), elsewhere its
+  context is gathered block-wise with one ``index_select`` and a bottom-right causal mask is used;
 - decode rows (``query_len == 1``): one sequence attends over a view of its blocks (or one ``index_select``
   when they are not consecutive) with ``F.scaled_dot_product_attention``; several attend one by one
   (``per_sequence_decode``), each over a view of its own blocks, so no padded context is copied. Query heads are
@@ -98,6 +100,9 @@ class PrefillPlan:
     seq_len: int
     blocks: BlockGather | None  # where its context lives; None when nothing is cached (fresh K/V used)
     mask: torch.Tensor | None  # bool [query_len, seq_len], True = attend; None when nothing is cached
+    prefix: BlockGather | None = (
+        None  # split path (``prefix_split_available``): blocks of [0, seq_len - qlen)
+    )
 
 
 @dataclass
@@ -197,6 +202,10 @@ def plan_attention(
             decode_seqs.append(i)
         elif qlen == seq_len:
             prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None))
+        elif prefix_split_available(device):
+            cached = seq_len - qlen
+            prefix = block_gather(tables[i][: -(-cached // bs)], pool_blocks, device)
+            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None, prefix))
         else:
             mask = torch.ones(qlen, seq_len, dtype=torch.bool, device=device).tril_(seq_len - qlen)
             prefills.append(
@@ -317,6 +326,10 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads, head_dim, dtype=out_dtype)
     for p in plan.prefills:
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]
+        if p.prefix is not None:
+            o = prefix_split_attention(qs, k[p.start : p.end], v[p.start : p.end], layer_cache, p, scale)
+            out[p.start : p.end] = o
+            continue
         if p.blocks is None:  # fresh K/V, rounded as the cache stores them
             ks, vs = k[p.start : p.end].to(layer_cache.dtype), v[p.start : p.end].to(layer_cache.dtype)
         else:
@@ -341,6 +354,61 @@ def paged_attention(
         else:
             out.index_copy_(0, dec.rows, od.view(-1, num_heads, head_dim))
     return out.view(num_tokens, num_heads * head_dim)
+
+
+@functools.cache
+def prefix_split_available(device: torch.device) -> bool:
+    """Whether prefill over a cached prefix runs split (``prefix_split_attention``): on CPU, where torch's
+    flash-attention kernel returns the log-sum-exp the merge needs."""
+    return torch.device(device).type == "cpu" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
+    )
+
+
+def prefix_split_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    p: PrefillPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one prefill chunk over a cached prefix, without gathering the prefix or a mask.
+
+    Every new row sees all ``c = seq_len - query_len`` cached positions and, causally, the chunk's own keys.
+    So the two parts are attended separately with torch's CPU flash-attention kernel, which returns each
+    row's log-sum-exp: the prefix read in place (a view of the cache when its blocks are consecutive, the
+    usual case, else one ``index_select``), no mask; the fresh K/V (rounded to the cache dtype, as the cache
+    holds them) with a square causal mask (``is_causal``). The partial softmaxes are merged exactly by their
+    log-sum-exp in fp32 (FlashAttention's online softmax, Dao et al. 2022): ``o = (o_1 e^{l_1} + o_2 e^{l_2})
+    / (e^{l_1} + e^{l_2})``. Against one masked pass over the gathered ``[0, seq_len)`` this copies no cached
+    K/V, builds no ``[query_len, seq_len]`` mask, and skips the masked scores.
+
+    Args:
+        q: ``[1, H, L, D]`` queries in the attention dtype. k, v: ``[L, kv_heads, D]`` the chunk's keys/values.
+        layer_cache: this layer's cache. p: the chunk's plan (``p.prefix`` set). scale: softmax scale.
+
+    Returns:
+        ``[L, H, D]`` fp32 attention output.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    adt = q.dtype
+    cached = p.seq_len - (p.end - p.start)
+    kv = p.prefix.read(layer_cache)[:, :cached]  # [2, c, kvh, D]
+    kp = kv[0].transpose(0, 1).unsqueeze(0)
+    vp = kv[1].transpose(0, 1).unsqueeze(0)
+    if kp.dtype != adt:
+        kp, vp = kp.to(adt), vp.to(adt)
+    dt = layer_cache.dtype
+    kn = k.to(dt).to(adt).transpose(0, 1).unsqueeze(0)
+    vn = v.to(dt).to(adt).transpose(0, 1).unsqueeze(0)
+    o1, l1 = flash(q, kp, vp, 0.0, False, scale=scale)  # [1, H, L, D], lse [1, H, L]
+    o2, l2 = flash(q, kn, vn, 0.0, True, scale=scale)
+    m = torch.maximum(l1, l2)
+    w1 = l1.sub_(m).exp_().unsqueeze(-1)
+    w2 = l2.sub_(m).exp_().unsqueeze(-1)
+    o = o1.float().mul_(w1).add_(o2.float().mul_(w2)).div_(w1.add_(w2))
+    return o[0].transpose(0, 1)
 
 
 def decode_attention(

@@ -11,7 +11,7 @@ token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` there
   on torch's int4 weight-only kernel.
 - ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact, as two 4-bit planes on the same kernel.
 
-Kernel choice per row count (CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
+Kernel choice per row count (first measured on a CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
 layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
 weights fit the cache here, so the decode rows understate what streaming 30 layers from memory saves):
 
@@ -28,10 +28,28 @@ LM head (49,152 x 576, Q8_0 in SmolLM2), one row: fp32 4.3 ms, bf16 ``F.linear``
 ``_weight_int8pack_mm`` (one scale per row; would need re-quantizing) 1.9 ms with bf16 activations and 19 ms
 with fp32, the int4 kernel 1.2 ms per plane (2 planes: ~2.4 ms, exact).
 
-So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x slower); from
-``DENSE_MIN_ROWS`` = 16 rows (prefill chunks) a quantized layer uses a dense bf16 copy of its dequantized
-weight (``engine.dense_min_rows``; None = no copy, int4 kernel at every row count, ~2 bytes per weight less
-memory); below, the int4 kernel. The LM head runs on the few logit rows only and keeps no copy.
+On a 2-core Xeon with AVX512-BF16 and AMX (same shapes, one thread, thread time; the machine was loaded, load
+average 7-9, so single numbers move by ~30%; "packed" is oneDNN's prepacked bf16 weight,
+``pack_bf16_dense``, bit-identical output to ``F.linear`` on the same bf16 weight):
+
+| rows | bf16 ``F.linear`` | bf16 packed | int4 kernel, bf16 activations | 30 layers streamed: packed / int4 |
+|---|---|---|---|---|
+| 1 | 0.70 ms | 0.43 ms | **0.24 ms** | 30 ms / **8.9 ms** |
+| 4 | 1.02 ms | 0.76 ms | **0.52 ms** | 37 ms / **16 ms** |
+| 8 | 0.94 ms | **0.58 ms** | 1.0 ms | 31 ms / 28 ms |
+| 13 | 0.79 ms | **0.63 ms** | 1.8 ms | **25 ms** / 47 ms |
+| 58 | 1.90 ms | **1.46 ms** | 7.6 ms | |
+| 512 | 6.8 ms | **3.6 ms** | 58 ms | |
+| 1,082 | 9.3 ms | 11.5 / 8.0 ms (packed for 64 / 1,024 rows) | 122 ms | |
+
+(an earlier run at load average 4.6: 58 rows 1.25 ms ``F.linear`` against 0.97 ms packed, 1,082 rows 8.4 against
+6.7 ms). Once the weights stream from memory the int4 kernel wins up to ~8 rows, the dense copy from ~10.
+
+So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x slower, and so is fp16); from
+``DENSE_MIN_ROWS`` = 10 rows (prefill chunks, the few-token tail of a prefix hit) a quantized layer uses a
+dense bf16 copy of its dequantized weight, prepacked by oneDNN on CPU (``engine.dense_min_rows``; None = no
+copy, int4 kernel at every row count, ~2 bytes per weight less memory); below, the int4 kernel. The LM head
+runs on the few logit rows only and keeps no copy.
 
 On an AVX2 CPU without bf16 arithmetic (AMD EPYC, AVX2+FMA; same shapes, one thread, thread time, one layer's
 weights hot in cache; the machine was loaded) bf16 GEMMs are emulated and lose everywhere, and the int4 kernel
@@ -218,6 +236,42 @@ def _int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).contiguous(), inner)
 
 
+_PACK_DENSE_FOR_ROWS = 64  # the row count oneDNN's bf16 packing is tuned for (the module docstring's table)
+
+
+def pack_bf16_dense(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a bf16 ``[out, in]`` weight on CPU (``torch.ops.mkldnn._reorder_linear_weight``,
+    the blocked layout PyTorch's own compiler uses for CPU linears; an opaque mkldnn tensor), or None where it
+    is not available or its product differs from ``F.linear``'s on a probe (then the plain weight is used).
+    The probe compares bit for bit: both run oneDNN's bf16 GEMM, only the weight's layout differs."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not onednn_packing_available():
+        return None
+    with torch.inference_mode():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_DENSE_FOR_ROWS)
+            probe = torch.randn(
+                _PACK_DENSE_FOR_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)
+            ).to(torch.bfloat16)
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        except RuntimeError:
+            return None
+        return packed if torch.equal(got, F.linear(probe, weight)) else None
+
+
+def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``x @ dense.T`` with ``x`` cast to the dense copy's dtype; ``dense`` plain or ``pack_bf16_dense``'s."""
+    if dense.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.to(dense.dtype), dense, None, "none", [], "")
+    return F.linear(x.to(dense.dtype), dense)
+
+
+def _dense_copy(groups, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight in ``dtype`` for large row counts: prepacked by oneDNN when bf16 on CPU."""
+    dense = groups.dequantize().to(device=device, dtype=dtype)
+    packed = pack_bf16_dense(dense)
+    return dense if packed is None else packed
+
+
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu":
         return torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
@@ -226,7 +280,7 @@ def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) ->
 
 GROUP = 32  # weights per quantization group (one GGUF block)
 DENSE_MIN_ROWS = (
-    16  # default: a quantized linear with a dense copy uses it from this many rows up (docstring)
+    10  # default: a quantized linear with a dense copy uses it from this many rows up (docstring)
 )
 
 
@@ -238,8 +292,8 @@ class Int4Weight(nn.Module):
 
     Activations enter the kernel in bf16 (its fp32-activation path on CPU is a scalar loop, ~50x slower);
     the output comes back in the input's dtype. With ``dense_min_rows`` set, a dense bf16 copy of the
-    dequantized weight serves inputs of at least that many rows (prefill chunks), where a GEMM beats the
-    weight-only kernel (module docstring).
+    dequantized weight (prepacked by oneDNN on CPU, ``pack_bf16_dense``) serves inputs of at least that many
+    rows (prefill chunks), where a GEMM beats the weight-only kernel (module docstring).
 
     Args:
         groups: codes and fp32 scale/zero (``engine.quantized.Int4Groups``), ``[out, in]``, ``in % 32 == 0``.
@@ -267,9 +321,7 @@ class Int4Weight(nn.Module):
         self.scale_zero_bf16 = sz.to(device=device, dtype=torch.bfloat16)
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.dense_min_rows = dense_min_rows
-        self.dense = (
-            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=dense_dtype)
-        )
+        self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -285,7 +337,7 @@ class Int4Weight(nn.Module):
         if exact:
             y = _int4_mm(x2.float(), self.packed, self.scale_zero)
         elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
-            y = F.linear(x2.to(self.dense.dtype), self.dense)
+            y = _dense_mm(x2, self.dense)
         else:
             y = _int4_mm(x2.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
         y = y.to(x.dtype)
@@ -333,9 +385,7 @@ class Int8Weight(nn.Module):
         self.inner = Int4Weight(planes, bias, device, None)
         self.out_features, self.in_features = groups.q.shape
         self.dense_min_rows = dense_min_rows
-        self.dense = (
-            None if dense_min_rows is None else groups.dequantize().to(device=device, dtype=dense_dtype)
-        )
+        self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -348,7 +398,7 @@ class Int8Weight(nn.Module):
             and self.dense is not None
             and x.reshape(-1, x.shape[-1]).shape[0] >= self.dense_min_rows
         ):
-            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+            y = _dense_mm(x, self.dense).to(x.dtype)
             return y if self.inner.bias is None else y.add_(self.inner.bias.to(y.dtype))
         return self.inner.forward(torch.cat([x, x], dim=-1), exact)
 

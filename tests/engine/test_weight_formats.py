@@ -25,7 +25,16 @@ import torch
 
 from bench.weight_agreement import chat_prompts, teacher_forced_agreement
 from engine.checkpoint import default_model_path, load_checkpoint
-from engine.linear import BF16Weight, DenseWeight, GroupedEmbedding, Int4Weight, Int8Weight, bf16_in_out
+from engine.linear import (
+    DENSE_MIN_ROWS,
+    BF16Weight,
+    DenseWeight,
+    GroupedEmbedding,
+    Int4Weight,
+    Int8Weight,
+    bf16_in_out,
+    pack_bf16_dense,
+)
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize
 from engine.weight_format import (
     UnsupportedHardwareError,
@@ -354,3 +363,21 @@ def test_smollm2_int4_agrees_with_fp32_reference():
     print(f"int4 top-1 agreement: {agree} / {total}, disagreeing at {misses}")
     assert total == 500
     assert agree / total >= 0.98, (agree, total)
+
+
+@needs_int4
+@pytest.mark.skipif(pack_bf16_dense(torch.ones(64, 128, dtype=torch.bfloat16)) is None, reason="oneDNN")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_dense_copy_is_prepacked_and_used_from_dense_min_rows(qtype):
+    """The bf16 dense copy is oneDNN-prepacked and gives ``F.linear``'s bits on the same bf16 weight; 9 rows run
+    the weight-only kernel, 10 (``DENSE_MIN_ROWS``) the copy."""
+    b = random_blocks(qtype, rows=64, cols=128)
+    make = Int8Weight if qtype == "Q8_0" else Int4Weight
+    groups = int8_groups(b) if qtype == "Q8_0" else int4_groups(b)
+    lin = make(groups, None, CPU)
+    assert lin.dense_min_rows == DENSE_MIN_ROWS == 10 and lin.dense.is_mkldnn
+    w16 = groups.dequantize().to(torch.bfloat16)
+    for rows in (9, 10, 40):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        dense = torch.nn.functional.linear(x.to(torch.bfloat16), w16).float()
+        assert torch.equal(lin.forward(x), dense) == (rows >= 10)
