@@ -65,12 +65,15 @@ def test_cascade_equals_plain_decode_attention(cache_dtype, lens):
     got = paged_attention(q, k, v, cache.clone(), cascade, d**-0.5)
     with mock.patch("engine.attention.attention_dtype", lambda cache, query, device: query):
         want = paged_attention(q, k, v, cache.clone(), plain, d**-0.5)  # fp32 compute of the same cache
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    # the plain path as it runs: bf16 compute over a bf16 cache where the CPU has bf16 kernels
-    # (``attention_dtype``): q and the probabilities rounded to 8 significant bits
+    # both paths as they run: bf16 compute over a bf16 cache where the CPU has bf16 kernels
+    # (``attention_dtype``; the cascade's two partial attentions too, merged in fp32): q and the probabilities
+    # rounded to 8 significant bits; fp32 compute otherwise
     fast = paged_attention(q, k, v, cache.clone(), plain, d**-0.5)
     bf16 = attention_dtype(cache_dtype, torch.float32, torch.device("cpu")) == torch.bfloat16
-    torch.testing.assert_close(fast, want, atol=2e-2 if bf16 else 2e-6, rtol=2e-2 if bf16 else 1e-5)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 2e-6, "rtol": 1e-5}
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(fast, want, **tol)
+    torch.testing.assert_close(got, fast, **tol)
 
 
 def test_too_short_a_shared_prefix_uses_the_plain_path():
