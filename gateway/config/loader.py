@@ -45,10 +45,16 @@ from gateway.config.schema import (
 )
 from gateway.core.json_types import yaml_kind
 
+ADMIN_TOKEN_ENV = "PREFIXGATE_ADMIN_TOKEN"
+"""The environment variable the embedded default reads its admin token from (README: ``admin: {token:
+env:PREFIXGATE_ADMIN_TOKEN}``, optional there: unset or empty leaves the admin endpoints open, as without a
+config)."""
+
 
 def default_config() -> GatewayConfig:
-    """The embedded default: SmolLM2-135M-Instruct (``path: default``) with the ``default`` rule pack."""
-    return GatewayConfig()
+    """The embedded default: SmolLM2-135M-Instruct (``path: default``) with the ``default`` rule pack, and the
+    admin token from ``$PREFIXGATE_ADMIN_TOKEN`` when it is set (then ``/admin/*`` and ``/metrics`` need it)."""
+    return GatewayConfig(admin=AdminConfig(token=os.environ.get(ADMIN_TOKEN_ENV) or None))
 
 
 def load_config(path: str | os.PathLike[str]) -> GatewayConfig:

@@ -30,7 +30,8 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_default_config_is_embedded_smollm2_with_default_rules():
+def test_default_config_is_embedded_smollm2_with_default_rules(monkeypatch):
+    monkeypatch.delenv("PREFIXGATE_ADMIN_TOKEN", raising=False)
     config = default_config()
     assert config.rules == ("default",)
     assert [(m.name, m.backend, m.path) for m in config.models] == [
@@ -43,6 +44,14 @@ def test_default_config_is_embedded_smollm2_with_default_rules():
     )
     assert config.server.unknown_fields == "refuse"
     assert config.admin.token is None
+
+
+@pytest.mark.parametrize(("value", "token"), [("s3cret-token-123", "s3cret-token-123"), ("", None)])
+def test_default_config_takes_the_admin_token_from_the_environment(monkeypatch, value, token):
+    # README: the embedded default is `admin: {token: env:PREFIXGATE_ADMIN_TOKEN}`, optional: a user who sets
+    # the variable without a config file must get the admin endpoints guarded, not open
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", value)
+    assert default_config().admin.token == token
 
 
 def test_issue_example_config_loads(tmp_path, monkeypatch):
