@@ -232,6 +232,19 @@ def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
     return Constraint(kind="json_schema", json_schema=schema)
 
 
+_PART_NOUNS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "file": "file",
+    "input_file": "file",
+    "document": "document",
+}
+"""What a non-text content part is, in words both protocols' users read (the canonical request names an
+Anthropic image ``image_url``, OpenAI's part type)."""
+
+
 def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     """A message as the chat template expects it: ``content`` a string (text parts joined by newlines),
     ``developer`` rendered as ``system``; tool-call fields kept.
@@ -249,8 +262,10 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
                 kind = part.get("type")
                 if kind == OPAQUE:  # an Anthropic block riding through: name it by its own type
                     kind = (part.get("block") or {}).get("type")
+                what = _PART_NOUNS.get(kind, f"'{kind}'")
                 raise InvalidRequestError(
-                    f"Content part type '{kind}' is not supported by the embedded engine (text only).",
+                    f"messages[{index}].content[{part_index}]: {what} content is not supported by the embedded "
+                    "engine (text only).",
                     param=f"messages[{index}].content[{part_index}].type",
                     code="unsupported_value",
                 )

@@ -199,3 +199,21 @@ def test_a_template_tool_format_cannot_force_a_call():
             request([{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="required"), engine
         )
     assert (caught.value.param, caught.value.code) == ("tool_choice", "unsupported_value")
+
+
+@pytest.mark.parametrize(
+    ("part", "words"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, "image content"),
+        ({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}, "audio content"),
+        ({"type": "bogus"}, "'bogus' content"),
+    ],
+)
+def test_a_non_text_part_is_named_in_words_with_its_place(part, words):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(request(messages))
+    assert caught.value.message == (
+        f"messages[0].content[1]: {words} is not supported by the embedded engine (text only)."
+    )
+    assert caught.value.param == "messages[0].content[1].type"

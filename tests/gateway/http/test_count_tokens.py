@@ -209,7 +209,7 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
         400,
         error(
             "invalid_request_error",
-            "Content part type 'image_url' is not supported by the embedded engine (text only).",
+            "messages[0].content[0]: image content is not supported by the embedded engine (text only).",
         ),
     )
     response = post(
