@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.core.errors import InvalidRequestError
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Finish
 from gateway.http.auth import authenticate, authorize
@@ -26,6 +27,7 @@ from gateway.http.request_context import (
     run_unless_disconnected,
     started_at,
 )
+from gateway.protocols.anthropic.cache_control import CacheControlError, check_client_cache_control
 from gateway.protocols.anthropic.parse import apply_request_headers, parse_messages_body
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter
@@ -77,6 +79,10 @@ async def messages_endpoint(http_request: Request) -> Response:
     request = parse_messages_body(
         body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
     )
+    try:  # the Messages API's own cache_control checks (at most 4, ttl order, ...), whatever the backend
+        check_client_cache_control(body)
+    except CacheControlError as exc:
+        raise InvalidRequestError(exc.args[0], param=exc.param) from None
     apply_request_headers(request, http_request.headers)
     authorize(http_request, request, key)
     begin(http_request, request)

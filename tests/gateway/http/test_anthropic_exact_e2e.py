@@ -114,3 +114,28 @@ def test_a_final_assistant_tool_use_is_not_a_prefill(server, sdk):
     counted = sdk.messages.count_tokens(model=TINY_MODEL, messages=messages, tools=tools)
     assert counted.input_tokens > 0
     assert_no_block_in_use(server)
+
+
+def test_cache_control_markers_the_messages_api_refuses_are_refused_here_too(server, sdk):
+    # more than 4 breakpoints: the real API answers 400, so a client tested against it must see the same here
+    text = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        sdk.messages.create(
+            model=TINY_MODEL, messages=[{"role": "user", "content": text}], max_tokens=2, extra_body=GREEDY
+        )
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "A maximum of 4 blocks with cache_control may be provided. Found 5." in caught.value.message
+    ordered = [
+        {"type": "text", "text": "a", "cache_control": {"type": "ephemeral", "ttl": "5m"}},
+        {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+    ]
+    with pytest.raises(anthropic.BadRequestError):
+        sdk.messages.create(
+            model=TINY_MODEL, messages=[{"role": "user", "content": ordered}], max_tokens=2, extra_body=GREEDY
+        )
+    four = text[:4]
+    message = sdk.messages.create(
+        model=TINY_MODEL, messages=[{"role": "user", "content": four}], max_tokens=2, extra_body=GREEDY
+    )
+    assert message.usage.output_tokens >= 1
+    assert_no_block_in_use(server)
