@@ -170,6 +170,8 @@ class GatewayApp(Starlette):
 
     def _direct_routes(self) -> dict[tuple[str, str], Any]:
         direct: dict[tuple[str, str], Any] = {}
+        if any(m.cls is not _StartClock for m in self.user_middleware):
+            return direct  # the short path stands in for ``_StartClock`` only: other middleware must see everything
         for route in self.router.routes:
             path, methods = getattr(route, "path", ""), getattr(route, "methods", None) or ()
             endpoint = getattr(route, "endpoint", None)

@@ -4,6 +4,7 @@ Starlette's own path answers them (answers, handled errors, an unhandled one).""
 from __future__ import annotations
 
 import pytest
+from starlette.middleware import Middleware
 from starlette.routing import Router
 from starlette.testclient import TestClient
 
@@ -95,3 +96,25 @@ def test_the_short_path_answers_what_starlettes_path_answers(make_client, body, 
     assert answers[0][0] == status
     if status == 500:
         assert answers[0][2]["connection"] == "close" and "RuntimeError" in answers[0][1]["error"]["message"]
+
+
+def test_a_middleware_other_than_the_start_clock_turns_the_short_path_off(make_client):
+    client = make_client(short=True)
+    app = client.app
+    seen: list[str] = []
+
+    class Spy:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            seen.append(scope.get("path", ""))
+            await self.inner(scope, receive, send)
+
+    app.user_middleware.append(Middleware(Spy))
+    app.middleware_stack = None  # rebuilt with the spy on the next request
+    assert app._direct_routes() == {}
+    app._direct = None
+    body = {"model": "ok", "messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert "/v1/chat/completions" in seen
