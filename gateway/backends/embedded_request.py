@@ -239,10 +239,9 @@ _PART_NOUNS = {
     "input_audio": "audio",
     "file": "file",
     "input_file": "file",
-    "document": "document",
 }
 """What a non-text content part is, in words both protocols' users read (the canonical request names an
-Anthropic image ``image_url``, OpenAI's part type)."""
+Anthropic image ``image_url``, OpenAI's part type); any other type is named as sent, in quotes."""
 
 
 def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
