@@ -117,6 +117,16 @@ class SharedPrefix:
     private: BlockGather  # each sequence's blocks after the shared ones, padded to the longest, concatenated
     private_len: int  # longest private part (tokens)
     private_mask: torch.Tensor | None  # bool [B_dec, 1, 1, private_len]; None when all are equally long
+    private_bias: torch.Tensor | None = None  # ``private_mask`` as an additive bf16 mask, made once per step
+
+    def additive_private_mask(self) -> torch.Tensor | None:
+        """``private_mask`` as the CPU flash kernel takes it: bf16 ``[B_dec, 1, 1, private_len]``, 0 where a
+        position is attended and ``-inf`` elsewhere; None when all are equally long. Built on the first call of
+        a step and kept for its other layers."""
+        if self.private_mask is not None and self.private_bias is None:
+            bias = torch.zeros(self.private_mask.shape, dtype=torch.bfloat16, device=self.private_mask.device)
+            self.private_bias = bias.masked_fill_(~self.private_mask, float("-inf"))
+        return self.private_bias
 
 
 @dataclass
@@ -545,10 +555,7 @@ def _cascade_bf16(
     lse_s = lse_s.reshape(kvh, b, group, 1).permute(1, 0, 2, 3)
     kv = shared.private.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : shared.private_len]
     kv = kv.transpose(2, 3)  # [2, B, kvh, Lp, D]
-    mask = None
-    if shared.private_mask is not None:  # the kernel takes an additive mask of the query's dtype
-        mask = torch.zeros(shared.private_mask.shape, dtype=torch.bfloat16, device=q.device)
-        mask.masked_fill_(~shared.private_mask, float("-inf"))
+    mask = shared.additive_private_mask()  # the kernel takes an additive mask of the query's dtype
     o_p, lse_p = flash(
         qg, kv[0], kv[1], 0.0, False, attn_mask=mask, scale=scale
     )  # [B, kvh, g, D], [B, kvh, g]

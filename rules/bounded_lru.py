@@ -89,6 +89,21 @@ class BoundedLRU(Generic[K, V]):
                 for i, c in enumerate(self._cost(old_key, old)):
                     self._totals[i] -= c
 
+    def get_or_compute(self, key: K, compute: Callable[[], V], store: bool = True) -> V:
+        """The stored value, or ``compute()``, stored when ``store`` (a caller's size rule, e.g. texts over a
+        length are never kept).
+
+        Raises:
+            whatever ``compute`` raises (nothing is stored then).
+        """
+        found = self.get(key)
+        if found is not None:
+            return found
+        value = compute()
+        if store:
+            self.put(key, value)
+        return value
+
     def keys(self) -> list[K]:
         """The keys held, least recently used first (a copy)."""
         return list(self._entries)
@@ -102,3 +117,22 @@ class BoundedLRU(Generic[K, V]):
         assert sums == self._totals, (sums, self._totals)
         assert all(t <= limit for t, limit in zip(self._totals, self.limits, strict=True))
         assert len(self._entries) <= self.max_entries
+
+
+class MemoCounters:
+    """What the memos built on one ``BoundedLRU`` (``self._memo``) report alike: entries held, hits, misses."""
+
+    _memo: BoundedLRU
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    @property
+    def hits(self) -> int:
+        """Lookups answered from the memo (cumulative)."""
+        return self._memo.hits
+
+    @property
+    def misses(self) -> int:
+        """Lookups computed (cumulative)."""
+        return self._memo.misses

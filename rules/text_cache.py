@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rules.bounded_lru import BoundedLRU
+from rules.bounded_lru import BoundedLRU, MemoCounters
 
 Result = tuple[str, int, tuple[Any, ...]]
 """(new text, number of applications, hoisted values in order; for a whole pass of rules, the steps of the
 rules that applied)."""
 
 
-class TextActionCache:
+class TextActionCache(MemoCounters):
     """``(scope, rule index, text) -> Result``, bounded by characters and entries held.
 
     Args:
@@ -44,23 +44,10 @@ class TextActionCache:
         self.max_text_chars = max_text_chars
         self._memo: BoundedLRU[tuple[str, int, str], Result] = BoundedLRU(max_entries, (max_chars,), _size)
 
-    def __len__(self) -> int:
-        return len(self._memo)
-
     @property
     def chars(self) -> int:
         """Characters held now."""
         return self._memo.totals[0]
-
-    @property
-    def hits(self) -> int:
-        """Lookups answered from the memo (cumulative)."""
-        return self._memo.hits
-
-    @property
-    def misses(self) -> int:
-        """Lookups computed (cumulative)."""
-        return self._memo.misses
 
     def get(self, index: int, text: str, compute: Callable[[str], Result], scope: str = "") -> Result:
         """The result of rule ``index`` on ``text`` within ``scope``: stored, or ``compute(text)`` (then stored
@@ -69,14 +56,9 @@ class TextActionCache:
         Raises:
             whatever ``compute`` raises (nothing is stored then).
         """
-        key = (scope, index, text)
-        found = self._memo.get(key)
-        if found is not None:
-            return found
-        result = compute(text)
-        if len(text) <= self.max_text_chars:
-            self._memo.put(key, result)
-        return result
+        return self._memo.get_or_compute(
+            (scope, index, text), lambda: compute(text), store=len(text) <= self.max_text_chars
+        )
 
     def check(self) -> None:
         """Assert the invariants (tests)."""

@@ -44,3 +44,16 @@ def test_negative_limits_are_refused() -> None:
         BoundedLRU(-1, (1,), _chars)
     with pytest.raises(ValueError, match="limits must be >= 0"):
         BoundedLRU(1, (-1,), _chars)
+
+
+def test_get_or_compute_computes_once_and_stores_only_when_told() -> None:
+    memo: BoundedLRU[str, str] = BoundedLRU(4, (100, 100), _chars)
+    calls: list[str] = []
+
+    def compute() -> str:
+        calls.append("x")
+        return "value"
+
+    assert memo.get_or_compute("k", compute) == memo.get_or_compute("k", compute) == "value"
+    assert memo.get_or_compute("big", compute, store=False) == "value"
+    assert (len(calls), memo.keys(), memo.hits, memo.misses) == (2, ["k"], 1, 2)

@@ -29,12 +29,12 @@ from __future__ import annotations
 import re
 
 from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer
-from rules.bounded_lru import BoundedLRU
+from rules.bounded_lru import BoundedLRU, MemoCounters
 
 _CUT = re.compile(r"\n(?=<\|)")
 
 
-class PieceTokenMemo:
+class PieceTokenMemo(MemoCounters):
     """``(scope, piece) -> token ids`` for ``Cl100kTokenizer``, least recently used first out.
 
     Args:
@@ -59,9 +59,6 @@ class PieceTokenMemo:
             max_entries, (max_chars, max_tokens), _cost
         )
 
-    def __len__(self) -> int:
-        return len(self._memo)
-
     @property
     def chars(self) -> int:
         """Characters of pieces held now."""
@@ -71,16 +68,6 @@ class PieceTokenMemo:
     def tokens(self) -> int:
         """Token ids held now."""
         return self._memo.totals[1]
-
-    @property
-    def hits(self) -> int:
-        """Pieces taken from the memo (cumulative)."""
-        return self._memo.hits
-
-    @property
-    def misses(self) -> int:
-        """Pieces encoded (cumulative)."""
-        return self._memo.misses
 
     def encode(self, tokenizer: Cl100kTokenizer, text: str, scope: str = "") -> tuple[list[int], list[int]]:
         """``tokenizer.encode(text)`` (ids, start character offsets), the pieces seen before within ``scope``
@@ -104,13 +91,13 @@ class PieceTokenMemo:
     def _add(self, tokenizer: Cl100kTokenizer, piece: str, scope: str, ids: list[int]) -> None:
         if not piece:
             return
-        key = (scope, piece)
-        found = self._memo.get(key)
-        if found is None:
-            found = tuple(tokenizer.encode_ids(piece))
-            if len(piece) <= self.max_piece_chars:
-                self._memo.put(key, found)
-        ids.extend(found)
+        ids.extend(
+            self._memo.get_or_compute(
+                (scope, piece),
+                lambda: tuple(tokenizer.encode_ids(piece)),
+                store=len(piece) <= self.max_piece_chars,
+            )
+        )
 
     def check(self) -> None:
         """Assert the invariants (tests)."""
