@@ -25,7 +25,9 @@ from typing import Literal
 from engine.kv_tiers.policy import TierPolicies
 from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a request ended; ``"error"`` only on the synchronous engine's ``RequestOutput`` of a request whose
+sampling failed (``engine.errors.SamplingError``): the async stream raises that error instead of a ``Finished``."""
 
 
 ConstraintKind = Literal["json_object", "json_schema", "tool_calls"]

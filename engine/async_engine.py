@@ -8,6 +8,10 @@ during the forward pass (``run_step``). Events reach each request's ``asyncio.Qu
 loops, e.g. one per test): one call per loop per step, carrying every event of that step for that loop's
 streams, so a step wakes each loop once however many streams it serves (docs/serving-path.md).
 
+A request whose sampling fails (``engine.errors.SamplingError``, see ``engine.llm_engine``) ends alone: its
+stream raises that error (the family's other choices are aborted), its blocks are already free, and the step
+loop and every other stream run on.
+
 Cancellation: when a consumer closes its stream early (``aclose()``, ``GeneratorExit``, ``CancelledError``) the
 stream's ``finally`` takes the lock and aborts the request, so its blocks are free before ``aclose()``
 returns, even while a forward pass that includes it is running (its results are then dropped).
@@ -35,7 +39,7 @@ from engine.api import (
     TextDelta,
     WarmResult,
 )
-from engine.errors import EngineClosedError, InvalidRequestError
+from engine.errors import EngineClosedError, InvalidRequestError, SamplingError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
@@ -49,6 +53,13 @@ class _EngineFailure:
     """An exception of the step thread, delivered to every open stream."""
 
     def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _RequestFailure:
+    """The named error one request (or one choice of it) failed with; its stream raises it."""
+
+    def __init__(self, error: SamplingError) -> None:
         self.error = error
 
 
@@ -210,10 +221,14 @@ class AsyncEngine:
         """Hand each output's events to its stream, on the event loop that stream lives on: one
         ``call_soon_threadsafe`` per loop for the whole step (one wake-up of that loop, however many streams
         and events), the events of each stream in order."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamEvent]]] = {}
+        batches: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamEvent | _RequestFailure]]
+        ] = {}
         for o in outs:
-            events: list[StreamEvent] = []
-            if o.new_token_ids or o.text:
+            events: list[StreamEvent | _RequestFailure] = []
+            if o.error is not None:
+                events.append(_RequestFailure(o.error))
+            elif o.new_token_ids or o.text:
                 events.append(
                     TextDelta(
                         o.text,
@@ -224,7 +239,7 @@ class AsyncEngine:
                         prompt_tokens=o.prompt_tokens,
                     )
                 )
-            if o.finished:
+            if o.finished and o.error is None:
                 events.append(
                     Finished(o.finish_reason, o.usage, o.ttft_s, o.full_text, o.index, o.stop_string)
                 )
@@ -316,6 +331,8 @@ class AsyncEngine:
             InvalidRequestError: bad parameters or prompt (see ``engine.input_processor.validate_params``).
             PromptTooLongError: the prompt + 1 token exceeds the context window or the whole block pool.
             EngineClosedError: the engine was shut down (or its step loop failed).
+
+        Raises (from the stream): ``SamplingError`` when sampling this request's tokens failed (it alone ends).
         """
         if self._closed:
             raise EngineClosedError("the engine has been shut down")
@@ -404,6 +421,8 @@ class AsyncEngine:
                     raise EngineClosedError(
                         f"the engine's step loop failed: {event.error!r}"
                     ) from event.error
+                if isinstance(event, _RequestFailure):
+                    raise event.error  # not done: the finally aborts the family's other choices
                 if isinstance(event, Finished):
                     choices_left -= 1
                     done = choices_left == 0

@@ -79,3 +79,20 @@ class PinCapError(EngineError):
         self.requested = requested
         self.pinned = pinned
         self.cap = cap
+
+
+class SamplingError(EngineError):
+    """Sampling one request's next token failed: its logits processors or its draw raised (e.g. a NaN
+    distribution from extreme parameters such as a vanishing ``repetition_penalty`` at a temperature > 0, or a
+    constraint state that fails to advance). Only that request ends with this error, its blocks freed at
+    once; every other request of the batch runs on as if alone (``LLMEngine.finish_step``).
+
+    Attributes:
+        request_id: the engine request that failed.
+        cause: ``"<exception class>: <message>"`` of what the sampler raised (no prompt text).
+    """
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        self.request_id = request_id
+        self.cause = cause
+        super().__init__(f"sampling the next token failed ({cause}); the request was ended")

@@ -17,12 +17,18 @@ partial last block copied, ``ModelRunner.copy_block``) and take their first toke
 
 Invariant: a request is in ``requests`` from ``add_request`` until its final output is built; a finished
 request's blocks are freed in the same call that builds that output.
+
+Failure isolation: when sampling one request's token raises (``SampledToken.error``) or taking the token does
+(its constraint, its detokenizer), that request alone ends: its final output has finish reason ``"error"`` and
+a ``SamplingError``, its blocks are freed in the same call. The other requests of the step are processed as
+if it were not there; their tokens never depend on it (each row is sampled from its own state).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +39,7 @@ from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, 
 from engine.block_hash import HashFn, hash_block
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, SamplingError
 from engine.input_processor import InputProcessor
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers.catalog import PrefixCatalog
@@ -49,6 +55,8 @@ from engine.request import Request, RequestStatus
 from engine.sampling import SampledToken
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineCounters
+
+logger = logging.getLogger("prefixgate.engine")
 
 
 def token_logprob(sample: SampledToken) -> TokenLogprob | None:
@@ -367,13 +375,34 @@ class LLMEngine(PrefixAdmin):
                 sample = sampled[i]
                 if result.logits is not None:
                     self.logits_log.setdefault(req.request_id, []).append(result.logits[rows[i]].clone())
+                if sample.error is not None:  # its sampler raised: it alone ends, the batch runs on
+                    outputs.append(self._fail(req, sample.error))
+                    continue
                 if sample.forks:
                     outputs.extend(self._fork(req, sample, now))
-                out = self.output.process_token(req, sample.token_id, now, token_logprob(sample))
-                if out.finished:
-                    self._release(req)
-                outputs.append(out)
+                outputs.append(self._process_token(req, sample, now))
         return outputs
+
+    def _process_token(self, req: Request, sample: SampledToken, now: float) -> RequestOutput:
+        """Hand a sampled token to output processing; free the request's blocks when it finished. When taking
+        the token raises (the request's own state: its constraint cannot advance, its detokenizer), the
+        request alone fails (``_fail``)."""
+        try:
+            out = self.output.process_token(req, sample.token_id, now, token_logprob(sample))
+        except Exception as exc:  # noqa: BLE001 - this request ends with it, the batch runs on
+            logger.warning("request %s failed taking its sampled token", req.request_id, exc_info=exc)
+            return self._fail(req, f"{type(exc).__name__}: {exc}")
+        if out.finished:
+            self._release(req)
+        return out
+
+    def _fail(self, req: Request, cause: str) -> RequestOutput:
+        """End a request whose sampling failed: its final output carries a ``SamplingError`` (finish reason
+        ``"error"``), its blocks are freed at once and it is forgotten, like any finished request."""
+        logger.warning("request %s failed in sampling: %s", req.request_id, cause)
+        out = self.output.fail(req, SamplingError(req.request_id, cause))
+        self._release(req)
+        return out
 
     def _fork(self, parent: Request, sample: SampledToken, now: float) -> list[RequestOutput]:
         """Create the parent's pending forks (``n > 1``), its prompt just computed: each shares the prompt's
@@ -395,10 +424,7 @@ class LLMEngine(PrefixAdmin):
                 self.scheduler.add_forked(child)
                 self.counters.forked_prefill_tokens_saved += n_prompt
             self.counters.forks += 1
-            out = self.output.process_token(child, first.token_id, now, token_logprob(first))
-            if out.finished:
-                self._release(child)
-            outputs.append(out)
+            outputs.append(self._process_token(child, first, now))
         return outputs
 
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.api import FinishReason, TokenLogprob, Usage
 from engine.block_hash import HashFn, block_extra_keys, block_hasher
+from engine.errors import SamplingError
 from engine.request import Request
 from engine.stats import EngineCounters
 
@@ -45,6 +46,7 @@ class RequestOutput:
             prompt was computed (aborted); they end with it, with no output tokens.
         stop_string: the stop string that ended the request (finish reason ``stop``), else None.
         prompt_tokens: the request's prompt length in tokens.
+        error: why the request failed (finish reason ``"error"``), else None.
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class RequestOutput:
     unforked: tuple[int, ...] = ()
     stop_string: str | None = None
     prompt_tokens: int | None = None
+    error: SamplingError | None = None
 
 
 class OutputProcessor:
@@ -163,4 +166,28 @@ class OutputProcessor:
             unforked=tuple(f.index for f in req.sampler.pending_forks),
             stop_string=req.output.stop_string if req.output is not None and reason == "stop" else None,
             prompt_tokens=req.num_prompt_tokens,
+        )
+
+    def fail(self, req: Request, error: SamplingError) -> RequestOutput:
+        """Build the final output of a request that failed (finish reason ``"error"``, ``error`` set, no text:
+        the detokenizer is not asked for what it held back, it may be what failed). Counts the request as
+        finished; frees nothing."""
+        req.finish_reason = "error"
+        self.counters.requests += 1
+        return RequestOutput(
+            request_id=req.request_id,
+            finished=True,
+            finish_reason="error",
+            usage=Usage(
+                prompt_tokens=req.num_prompt_tokens,
+                cached_tokens=req.num_cached_tokens or 0,
+                completion_tokens=req.num_output_tokens,
+            ),
+            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            cached_tokens=req.num_cached_tokens,
+            index=req.index,
+            parent_id=req.parent_id,
+            unforked=tuple(f.index for f in req.sampler.pending_forks),
+            prompt_tokens=req.num_prompt_tokens,
+            error=error,
         )

@@ -71,12 +71,15 @@ class SampledToken:
         top_logprobs: the ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, most likely first
             (``()`` when not asked; forbidden tokens are never listed, so there may be fewer).
         forks: first tokens of the sequence's pending forks, sampled from the same row (``n > 1``), fork order.
+        error: ``"<exception class>: <message>"`` when the sequence's sampler raised on this row (then
+            ``token_id`` is -1 and nothing else is set); None for a sampled token.
     """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     forks: tuple[SampledToken, ...] = ()
+    error: str | None = None
 
 
 class SequenceSampler:
@@ -291,7 +294,10 @@ def sample_sequences(logits: torch.Tensor, samplers: list[SequenceSampler]) -> l
 
     Returns:
         N ``SampledToken``s. Rows that need nothing beyond greedy argmax share one batched argmax (exact per
-        row); the others are processed and drawn one at a time from their own state.
+        row); the others are processed and drawn one at a time from their own state. A row whose sampler
+        raises (an ``Exception``: e.g. ``torch.multinomial`` refusing a NaN distribution) gets a
+        ``SampledToken`` with ``error`` set and ``token_id`` -1; the other rows are sampled as if it were not
+        there (each row reads only its own state), so one sequence's failure never fails the batch.
 
     Raises:
         ValueError: ``len(samplers) != N``.
@@ -315,5 +321,8 @@ def sample_sequences(logits: torch.Tensor, samplers: list[SequenceSampler]) -> l
             out[i] = SampledToken(int(tok))
     for i, s in enumerate(samplers):
         if out[i] is None:
-            out[i] = s.sample(logits[i])
+            try:
+                out[i] = s.sample(logits[i])
+            except Exception as exc:  # noqa: BLE001 - this sequence ends with it, the batch runs on
+                out[i] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
     return out  # type: ignore[return-value]

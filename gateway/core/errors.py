@@ -18,7 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.errors import EngineClosedError, EngineError, PromptTooLongError, UnsupportedModelError
+from engine.errors import (
+    EngineClosedError,
+    EngineError,
+    PromptTooLongError,
+    SamplingError,
+    UnsupportedModelError,
+)
 from engine.errors import InvalidRequestError as EngineInvalidRequestError
 
 
@@ -158,12 +164,20 @@ def from_engine_error(exc: EngineError) -> APIError:
     """Map a named engine exception to the API error a client sees.
 
     ``PromptTooLongError`` -> 400 ``context_length_exceeded`` (param ``messages``); engine
-    ``InvalidRequestError`` -> 400 with its ``param``; ``EngineClosedError`` -> 503; anything else -> 500.
+    ``InvalidRequestError`` -> 400 with its ``param``; ``SamplingError`` (sampling this request failed, from its
+    own parameters and state only: the engine and the other requests run on) -> 400 ``sampling_failed``;
+    ``EngineClosedError`` -> 503; anything else -> 500.
     """
     if isinstance(exc, PromptTooLongError):
         return ContextLengthExceededError(str(exc), param="messages")
     if isinstance(exc, EngineInvalidRequestError):
         return InvalidRequestError(str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, SamplingError):
+        return InvalidRequestError(
+            f"Sampling the next token failed with this request's sampling parameters ({exc.cause}); "
+            "try less extreme temperature, top_p, logit_bias or penalty values.",
+            code="sampling_failed",
+        )
     if isinstance(exc, EngineClosedError):
         return ServiceUnavailableError("The model's engine is shut down.")
     if isinstance(exc, UnsupportedModelError):

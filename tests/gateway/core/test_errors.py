@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.errors import EngineClosedError, PromptTooLongError
+from engine.errors import EngineClosedError, PromptTooLongError, SamplingError
 from engine.errors import InvalidRequestError as EngineInvalidRequestError
 from gateway.core.errors import (
     APIError,
@@ -41,6 +41,15 @@ def test_engine_errors_map_to_api_errors():
     bad = from_engine_error(EngineInvalidRequestError("max_tokens must be >= 1", param="max_tokens"))
     assert (bad.status_code, bad.param) == (400, "max_tokens")
     assert from_engine_error(EngineClosedError("closed")).status_code == 503
+    failed = from_engine_error(SamplingError("req#1", "RuntimeError: probability tensor contains nan"))
+    assert (failed.status_code, failed.error_type, failed.code) == (
+        400,
+        "invalid_request_error",
+        "sampling_failed",
+    )
+    assert "RuntimeError: probability tensor contains nan" in failed.message
+    assert anthropic_error_body(failed)["error"]["type"] == "invalid_request_error"
+    assert json.loads(parse_sse(encode_error_event(failed))[0].data) == anthropic_error_body(failed)
 
 
 def test_as_api_error_keeps_api_errors_maps_engine_errors_and_names_only_the_class_of_a_bug():

@@ -9,6 +9,7 @@ validity against the schema, never a particular answer. After each test no KV bl
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from pathlib import Path
 
@@ -394,6 +395,30 @@ def test_a_vanishing_temperature_is_served_and_the_engine_keeps_serving(server, 
         assert tiny.usage.completion_tokens == 3
     greedy = client.chat.completions.create(model=TINY_MODEL, messages=QUESTION, temperature=0, max_tokens=3)
     assert greedy.usage.completion_tokens == 3
+
+
+def test_a_request_whose_sampling_fails_gets_a_named_error_and_its_batch_runs_on(server):
+    # repetition_penalty 1e-40 passes the > 0 check, but a seen token's positive logit divided by it is inf in
+    # float32: at temperature 1 the distribution is NaN and torch.multinomial raises. Before the isolation the
+    # step loop died: every request in the batch failed and the engine refused all later ones (503).
+    url = f"{server.base_url}/v1/chat/completions"
+    neighbour = {"model": TINY_MODEL, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    alone = httpx.post(url, json=neighbour, timeout=60).json()["choices"][0]["message"]["content"]
+    poison = {**neighbour, "temperature": 1.0, "seed": 5, "repetition_penalty": 1e-40}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, url, json=body, timeout=60) for body in (neighbour, poison) * 2]
+        streamed = pool.submit(httpx.post, url, json={**poison, "stream": True}, timeout=60)
+        responses = [f.result() for f in futures]
+        streamed = streamed.result()
+    for failed in (responses[1], responses[3], streamed):
+        assert failed.status_code == 400, failed.text
+        error = failed.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "sampling_failed"
+        assert "RuntimeError" in error["message"]
+    for ok in (responses[0], responses[2]):
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["message"]["content"] == alone
+    assert httpx.post(url, json=neighbour, timeout=60).json()["choices"][0]["message"]["content"] == alone
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from engine.api import SamplingParams
+from engine.errors import SamplingError
 from gateway.backends.base import Backend
 from gateway.config.loader import parse_config
 from gateway.core.errors import UpstreamError
@@ -71,6 +72,9 @@ def scripted():
         "fails": ScriptedBackend("fails", [Delta("a"), UpstreamError("upstream went away")]),
         "crashes": ScriptedBackend("crashes", [Delta("a"), RuntimeError("bug")]),
         "early": ScriptedBackend("early", [UpstreamError("no replica")]),
+        "sampling": ScriptedBackend(
+            "sampling", [Delta("a"), SamplingError("req#1", "RuntimeError: probability tensor contains nan")]
+        ),
     }
     config = parse_config(
         {
@@ -153,3 +157,27 @@ def test_anthropic_face_error_after_the_stream_started_is_an_error_event(scripte
     assert crash[-1].event == "error" and error["type"] == "api_error" and "RuntimeError" in error["message"]
     assert server.stats()["errors"] == {"500": 1, "502": 1}
     assert backends["fails"].streams_closed == 1 and backends["crashes"].streams_closed == 1
+
+
+def test_a_sampling_failure_after_the_stream_started_is_a_named_error_event(scripted):
+    # the embedded engine ends one request whose sampling failed (engine.errors.SamplingError); mid-stream the
+    # client hears it in-band, in each face's error shape, and the gateway counts a 400
+    server, backends = scripted
+    response = post(server, "sampling", True)
+    assert response.status_code == 200
+    events = parse_sse(response.content)
+    assert json.loads(events[1].data)["choices"][0]["delta"] == {"content": "a"}
+    error = json.loads(events[-1].data)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "sampling_failed")
+    assert "RuntimeError" in error["message"]
+    body = {
+        "model": "sampling",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }
+    events = parse_sse(httpx.post(f"{server.base_url}/v1/messages", json=body, timeout=30).content)
+    assert events[-1].event == "error"
+    assert json.loads(events[-1].data)["error"]["type"] == "invalid_request_error"
+    assert server.stats()["errors"] == {"400": 2}
+    assert backends["sampling"].streams_closed == 2
