@@ -9,6 +9,14 @@ When ``admin.token`` is configured all of them need ``Authorization: Bearer <tok
 the rules and models in use and reveals traffic volumes, and Prometheus sends bearer tokens natively
 (``authorization: {credentials: ...}`` in a scrape config). Without a token both are open, which suits a
 gateway bound to 127.0.0.1.
+
+The dashboard's login session (``gateway.http.dashboard_session``) also opens the read-only endpoints under
+``/admin`` (``GET /admin/stats``, ``GET /admin/cache``, ``GET /admin/rules/learned``; ``require_admin_read``),
+so an operator logged in to the dashboard can open the documents behind its panels in the same browser; a
+cookie request from another origin is 403. The endpoints that change state (``DELETE /admin/cache``,
+``POST /admin/cache/warm``) take the bearer token only: a cookie is sent by the browser on its own, a bearer
+header never is, so no cross-site form or script can reach them (no CSRF). ``/metrics`` lies outside the
+cookie's ``Path=/admin`` and stays bearer-only.
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.core.errors import AuthenticationError
+from gateway.core.errors import AuthenticationError, PermissionDeniedError
 from gateway.http.body import read_json_object
+from gateway.http.dashboard_session import SESSION_COOKIE, dashboard_auth_of, same_origin, session_valid
 from gateway.http.request_context import gateway_of
 from gateway.service.cache_warm import (
     drop_cached,
@@ -52,9 +61,41 @@ def require_admin(http_request: Request) -> None:
         )
 
 
+def has_session(http_request: Request) -> bool:
+    """Whether the request carries a valid, unexpired dashboard session cookie (False without an admin token:
+    there is no session to have)."""
+    token = gateway_of(http_request).config.admin.token
+    if not token:
+        return False
+    auth = dashboard_auth_of(http_request)
+    return session_valid(token, http_request.cookies.get(SESSION_COOKIE), auth.clock())
+
+
+def require_admin_read(http_request: Request) -> None:
+    """Authorize a read-only (GET) admin endpoint: open without an admin token; else the dashboard's session
+    cookie from this origin, or ``Authorization: Bearer <token>`` (``require_admin``).
+
+    Raises:
+        PermissionDeniedError: a valid session cookie sent from another origin (403, see ``same_origin``).
+        AuthenticationError: neither a valid session nor the right bearer token (401).
+    """
+    if not gateway_of(http_request).config.admin.token:
+        return
+    if has_session(http_request):
+        if not same_origin(http_request):
+            raise PermissionDeniedError("Cross-origin requests to the admin endpoints are refused.")
+        return
+    if "authorization" not in http_request.headers:
+        raise AuthenticationError(
+            "Admin endpoints need 'Authorization: Bearer <admin token>' (config admin.token) or the "
+            "dashboard's login session (/admin/login)."
+        )
+    require_admin(http_request)
+
+
 async def admin_stats(http_request: Request) -> Response:
     """``GET /admin/stats``: the stats document (see ``gateway.service.stats``)."""
-    require_admin(http_request)
+    require_admin_read(http_request)
     return JSONResponse(gateway_of(http_request).stats_snapshot())
 
 
@@ -70,7 +111,7 @@ async def metrics(http_request: Request) -> Response:
 async def learned_rules(http_request: Request) -> Response:
     """``GET /admin/rules/learned``: the slots the running gateway learned, as a rule file (``application/yaml``)
     for a person to review and commit: anchors (template text), never a value."""
-    require_admin(http_request)
+    require_admin_read(http_request)
     params = http_request.query_params
     text = gateway_of(http_request).canonicalizer.learned_yaml(params.get("model"), params.get("tenant"))
     return Response(text, media_type="application/yaml")
@@ -78,7 +119,7 @@ async def learned_rules(http_request: Request) -> Response:
 
 async def cache_list(http_request: Request) -> Response:
     """``GET /admin/cache``: ``{"object": "list", "data": [rows]}`` (``gateway.service.cache_warm.list_cached``)."""
-    require_admin(http_request)
+    require_admin_read(http_request)
     params = http_request.query_params
     rows = list_cached(
         gateway_of(http_request),

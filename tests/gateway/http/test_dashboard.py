@@ -155,6 +155,53 @@ def test_data_endpoint_auth_and_cross_origin_refusal():
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
 
 
+READ_ENDPOINTS = ("/admin/stats", "/admin/cache", "/admin/rules/learned")
+
+
+def test_the_login_session_opens_the_read_only_admin_endpoints():
+    client, auth, _ = client_for(TOKEN)
+    for path in READ_ENDPOINTS:  # no cookie: 401 in the OpenAI error shape
+        refused = client.get(path)
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert "/admin/login" in refused.json()["error"]["message"]
+    assert log_in(client, TOKEN).status_code == 303
+    stats = client.get("/admin/stats")
+    assert stats.status_code == 200 and "models" in stats.json()
+    assert client.get("/admin/cache").json()["object"] == "list"
+    assert client.get("/admin/rules/learned").headers["content-type"].startswith("application/yaml")
+    for path in READ_ENDPOINTS:
+        assert client.get(path, headers={"sec-fetch-site": "same-origin"}).status_code == 200, path
+        for headers in ({"origin": "https://evil.example"}, {"sec-fetch-site": "cross-site"}):
+            cross = client.get(path, headers=headers)
+            assert cross.status_code == 403 and cross.json()["error"]["code"] == "permission_denied"
+    # the bearer token keeps working without a cookie; a wrong one is still refused
+    bearer, _, _ = client_for(TOKEN)
+    for path in READ_ENDPOINTS:
+        assert bearer.get(path, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200, path
+        assert bearer.get(path, headers={"authorization": "Bearer wrong"}).status_code == 401, path
+    # an expired or forged session opens nothing
+    for value in (sign_session(TOKEN, auth.clock() - 100, ttl_s=10), "9999999999.nonce." + "0" * 64):
+        bearer.cookies.set(SESSION_COOKIE, value)
+        assert all(bearer.get(path).status_code == 401 for path in READ_ENDPOINTS)
+
+
+def test_the_login_session_cannot_change_state_or_scrape_metrics():
+    # a cookie travels with any request the browser makes, so the endpoints that change the cache take the
+    # bearer token only (no CSRF); /metrics lies outside the cookie's Path=/admin
+    client, _, _ = client_for(TOKEN)
+    log_in(client, TOKEN)
+    assert client.get("/admin/stats").status_code == 200
+    same = {"origin": ORIGIN, "sec-fetch-site": "same-origin"}
+    dropped = client.delete("/admin/cache?model=gpt", headers=same)
+    assert dropped.status_code == 401 and dropped.json()["error"]["code"] == "invalid_api_key"
+    warmed = client.post("/admin/cache/warm", json={"model": "gpt", "system": "x"}, headers=same)
+    assert warmed.status_code == 401
+    value = client.cookies.get(SESSION_COOKIE)
+    assert client.get("/metrics", headers={"cookie": f"{SESSION_COOKIE}={value}"}).status_code == 401
+    assert client.get("/metrics", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
 def test_without_an_admin_token_the_dashboard_is_open_but_still_same_origin_only():
     client, _, _ = client_for(None)
     assert client.get("/admin/").status_code == 200
