@@ -87,6 +87,11 @@ class Backend(ABC):
         """Replica health and load for ``/admin/stats``; None for a backend without replicas."""
         return None
 
+    def kv_events(self) -> dict[str, Any] | None:
+        """The counters of the backend's KV event feed for ``/admin/stats`` (``models[name]["kv_events"]``,
+        docs/routing.md); None without a feed."""
+        return None
+
     def system_fingerprint(self) -> str | None:
         """OpenAI's ``system_fingerprint`` for this backend's answers (changes with its weights or config)."""
         return None

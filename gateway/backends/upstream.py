@@ -181,6 +181,16 @@ class UpstreamBackend(Backend):
         ``{"state", "inflight", "failures"}``."""
         return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
 
+    def kv_events(self) -> dict[str, Any] | None:
+        """The KV event feed's counters (``ZmqKVEventFeed.snapshot`` / ``KVEventFeed.snapshot``), replicas
+        named by their URL without credentials or query string; None without ``kv_events``."""
+        if self.kv_feed is None:
+            return None
+        doc = self.kv_feed.snapshot()
+        if "replicas" in doc:
+            doc["replicas"] = {redact_url(name): state for name, state in doc["replicas"].items()}
+        return doc
+
     def _url(self, text: str) -> httpx.URL:
         """``text`` parsed as an ``httpx.URL``, once per replica and path (a parsed URL is immutable; parsing
         it again was ~3 % of the gateway's CPU per request, docs/overhead.md).

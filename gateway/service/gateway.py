@@ -58,7 +58,8 @@ class Gateway:
 
     def stats_snapshot(self) -> dict[str, Any]:
         """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials
-        or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring. Also:
+        or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring, and with
+        ``kv_events`` configured ``kv_events`` (the feed's counters, ``Backend.kv_events``). Also:
         ``rule_packs`` (the configured packs), ``transcript`` (memory, store and Redis counters), ``learned``
         (mode, footprint, and each learned slot's shape and counts, never a value) and ``cache_misses`` (per
         model, misses by cause and by segment)."""
@@ -71,4 +72,7 @@ class Gateway:
             replicas = backend.replicas()
             if replicas is not None and name in doc["models"]:
                 doc["models"][name]["replicas"] = replicas
+            kv_events = backend.kv_events()
+            if kv_events is not None and name in doc["models"]:
+                doc["models"][name]["kv_events"] = kv_events
         return doc

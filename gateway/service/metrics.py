@@ -92,6 +92,7 @@ class StatsCollector(Collector):
             errors.add_metric([status], count)
         yield errors
         yield from _cache_miss_metrics(doc.get("cache_misses"))
+        yield from _kv_event_metrics(models)
         yield from _transcript_metrics(doc.get("transcript"))
         yield from _usage_families(doc)
         yield from self._engine_histograms()
@@ -203,6 +204,46 @@ def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
     )
     unexplained.add_metric([], doc["errors"])
     yield unexplained
+
+
+def _kv_event_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The KV event feeds' counters (``models[name]["kv_events"]``, docs/routing.md): events by kind, engine
+    blocks mapped and skipped by reason, and replicas connected / in sync."""
+    feeds = {name: m["kv_events"] for name, m in models.items() if m.get("kv_events")}
+    if not feeds:
+        return
+    counters = CounterMetricFamily(
+        "prefixgate_kv_events",
+        "KV event feed counters: connects, batches, events applied, refused, lost, gaps, replays, ...",
+        labels=["model", "transport", "counter"],
+    )
+    skipped = CounterMetricFamily(
+        "prefixgate_kv_event_blocks_skipped",
+        "Engine blocks of KV events the gateway could not map onto its own hashes, by reason.",
+        labels=["model", "reason"],
+    )
+    mapped = CounterMetricFamily(
+        "prefixgate_kv_event_blocks_mapped", "Engine blocks of KV events mapped.", labels=["model"]
+    )
+    replicas = GaugeMetricFamily(
+        "prefixgate_kv_event_replicas",
+        "Replicas whose KV event stream is connected (up) and in sync (synced).",
+        labels=["model", "state"],
+    )
+    for name, feed in feeds.items():
+        for key, value in feed.items():
+            if isinstance(value, int) and not isinstance(value, bool) and key != "mapped_blocks":
+                counters.add_metric([name, feed["transport"], key], value)
+        if "skipped_blocks" in feed:
+            mapped.add_metric([name], feed["mapped_blocks"])
+            for reason, count in feed["skipped_blocks"].items():
+                skipped.add_metric([name, reason], count)
+            for state in ("up", "synced"):
+                replicas.add_metric([name, state], sum(r[state] for r in feed["replicas"].values()))
+    yield counters
+    yield skipped
+    yield mapped
+    yield replicas
 
 
 def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:

@@ -30,6 +30,7 @@ gateway's memory without bound.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,8 +259,15 @@ class MapStats:
     bad_length: int = 0
 
     def skip(self, reason: str, blocks: int) -> None:
-        """Count ``blocks`` engine blocks left out for ``reason`` (one of the attributes above)."""
+        """Count ``blocks`` engine blocks left out for ``reason`` (one of ``SKIP_REASONS``)."""
         setattr(self, reason, getattr(self, reason) + blocks)
+
+
+SKIP_REASONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MapStats) if f.name != "mapped")
+"""Why ``EngineBlockMap`` leaves an engine block out: its parent is unknown (``orphan``), its size is not a
+multiple of the gateway's (``block_size``), it belongs to an adapter (``lora``) or hashes more than its tokens
+(``extra_keys``), it is not on the GPU (``other_medium``) or not in KV cache group 0 (``other_group``), its
+token count does not match its size (``bad_length``)."""
 
 
 class EngineBlockMap:

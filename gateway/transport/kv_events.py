@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -30,10 +32,12 @@ from gateway.transport.routing_policy import CacheAwarePolicy, KVEventError
 
 @dataclass
 class KVEventFeedStats:
-    """Counters (cumulative): streams opened, batches applied, batches refused, streams lost."""
+    """Counters (cumulative): streams opened, batches applied, events those batches applied, batches refused
+    (malformed), streams lost."""
 
     connects: int = 0
     batches: int = 0
+    events: int = 0
     refused: int = 0
     lost: int = 0
 
@@ -101,12 +105,18 @@ class KVEventFeed:
             self.stats.refused += 1
             return False
         try:
-            self.policy.apply_kv_events(replica, json.loads(line))
+            applied = self.policy.apply_kv_events(replica, json.loads(line))
         except (KVEventError, ValueError, AttributeError):
             self.stats.refused += 1
             return False
         self.stats.batches += 1
+        self.stats.events += applied
         return True
+
+    def snapshot(self) -> dict[str, Any]:
+        """The feed's counters for ``/admin/stats`` (``models[name]["kv_events"]``, docs/routing.md):
+        ``transport`` (``"http"``) and every ``KVEventFeedStats`` counter."""
+        return {"transport": "http", **dataclasses.asdict(self.stats)}
 
     async def _follow(self, replica: str) -> None:
         wait = self.reconnect_s

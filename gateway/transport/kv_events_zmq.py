@@ -39,15 +39,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from gateway.transport.kv_event_wire import END_SEQ, EngineBlockMap, KVWireError, decode_batch, decode_seq
+from gateway.transport.kv_event_wire import (
+    END_SEQ,
+    SKIP_REASONS,
+    EngineBlockMap,
+    KVWireError,
+    decode_batch,
+    decode_seq,
+)
 from gateway.transport.routing_policy import CacheAwarePolicy, KVEventError
 
 
@@ -58,6 +67,9 @@ class ZmqKVEventFeedStats:
     Attributes:
         connects: connections to a publisher made (the socket monitor's ``HANDSHAKE_SUCCEEDED``).
         batches: batches applied to the policy.
+        events: events those batches applied (in the gateway's hashes, after the block map).
+        unknown_events: events of a type this gateway does not know, skipped (the rest of their batch is
+            applied).
         refused: messages refused as malformed (also replayed ones).
         lost: streams lost while in sync (disconnect, or a gap the replay could not fill).
         gaps: sequence gaps seen.
@@ -69,6 +81,8 @@ class ZmqKVEventFeedStats:
 
     connects: int = 0
     batches: int = 0
+    events: int = 0
+    unknown_events: int = 0
     refused: int = 0
     lost: int = 0
     gaps: int = 0
@@ -178,6 +192,7 @@ class _Follower:
         except KVWireError:
             self.feed.stats.refused += 1
             return
+        self.feed.stats.unknown_events += batch.unknown
         translated = self.map.translate(batch)
         if not self.synced:
             events = translated["events"]
@@ -188,11 +203,12 @@ class _Follower:
             self.synced = True
             translated["events"] = events[clears[-1] :]
         try:
-            self.feed.policy.apply_kv_events(self.replica, translated)
+            applied = self.feed.policy.apply_kv_events(self.replica, translated)
         except KVEventError:
             self.feed.stats.refused += 1
             return
         self.feed.stats.batches += 1
+        self.feed.stats.events += applied
 
     async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
         """Batches ``>= start`` from the replay socket, in order; None when it does not answer in time or
@@ -286,6 +302,35 @@ class ZmqKVEventFeed:
             None  # made by start (a feed never started holds no sockets)
         )
         self._tasks: list[asyncio.Task] = []
+
+    def snapshot(self) -> dict[str, Any]:
+        """The feed's counters for ``/admin/stats`` (``models[name]["kv_events"]``, docs/routing.md):
+        ``transport`` (``"zmq"``), every ``ZmqKVEventFeedStats`` counter, ``skipped_blocks`` (engine blocks the
+        block maps left out, by reason: ``orphan``, ``block_size``, ``lora``, ``extra_keys``, ``other_medium``,
+        ``other_group``, ``bad_length``; summed over replicas), ``mapped_blocks`` (engine blocks mapped, summed)
+        and ``replicas``: replica -> ``{"up", "synced", "next_seq", "engine_blocks"}`` (connected now, in sync,
+        next expected sequence number or None, engine blocks its map holds)."""
+        skipped = dict.fromkeys(SKIP_REASONS, 0)
+        mapped = 0
+        replicas: dict[str, dict[str, Any]] = {}
+        for name, f in self.followers.items():
+            counts = dataclasses.asdict(f.map.stats)
+            mapped += counts["mapped"]
+            for reason in SKIP_REASONS:
+                skipped[reason] += counts[reason]
+            replicas[name] = {
+                "up": f.up,
+                "synced": f.synced,
+                "next_seq": f.expected,
+                "engine_blocks": len(f.map),
+            }
+        return {
+            "transport": "zmq",
+            **dataclasses.asdict(self.stats),
+            "mapped_blocks": mapped,
+            "skipped_blocks": skipped,
+            "replicas": replicas,
+        }
 
     def start(self) -> None:
         """Subscribe to every replica's publisher in the running loop (idempotent)."""

@@ -109,5 +109,13 @@ def test_the_feed_refuses_garbage_lines_whole():
     assert not feed.apply_line("http://z", good)  # unknown replica
     assert (feed.stats.batches, feed.stats.refused) == (1, 5)
     assert policy.exact.size("http://a") == 2
+    assert feed.snapshot() == {  # what /admin/stats shows under models[name]["kv_events"]
+        "transport": "http",
+        "connects": 0,
+        "batches": 1,
+        "events": 1,
+        "refused": 5,
+        "lost": 0,
+    }
     with pytest.raises(ValueError, match="use_kv_events"):
         KVEventFeed(CacheAwarePolicy(ring), lambda: httpx.AsyncClient())

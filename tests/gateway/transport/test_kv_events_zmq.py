@@ -7,6 +7,7 @@ loopback gateway routes on a stub replica's ZeroMQ events."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -104,6 +105,9 @@ async def test_a_gap_is_filled_from_the_replay_socket():
         assert policy.expected_match(A, MINE) == 6
         assert (feed.stats.gaps, feed.stats.lost, feed.stats.replayed >= 1) == (1, 0, True)
         assert feed.followers[A].expected == 3
+        snap = feed.snapshot()  # what /admin/stats shows
+        assert (snap["gaps"], snap["batches"], snap["events"], snap["mapped_blocks"]) == (1, 3, 3, 6)
+        assert snap["replays"] == feed.stats.replays >= 2 and snap["replicas"][A]["synced"]
     finally:
         await teardown(publisher, feed)
 
@@ -244,6 +248,76 @@ async def test_a_replayed_duplicate_is_skipped_and_an_unseen_restart_is_caught_b
         assert policy.expected_match(A, MINE) == 1 and follower.expected == 1 and follower.synced
     finally:
         await feed.close()
+
+
+def test_the_feeds_counters_are_on_admin_stats_and_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from gateway.config.loader import parse_config
+    from gateway.http.app import create_app
+
+    urls = ["http://user:secret@10.0.0.1/v1?k=1", "http://10.0.0.2/v1"]
+    kv = {"transport": "zmq", "endpoints": ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]}
+    data = {
+        "rules": [],
+        "models": [
+            {"name": "m", "backend": "openai", "base_url": urls, "routing": "cache_aware", "kv_events": kv},
+            {"name": "plain", "backend": "openai", "base_url": "http://10.0.0.3/v1"},
+        ],
+    }
+    app = create_app(parse_config(data))  # no lifespan: the feed never connects, the test drives it
+    feed = app.state.gateway.registry.get("m").kv_feed
+    assert isinstance(feed, ZmqKVEventFeed)
+    client = TestClient(app)
+    before = client.get("/admin/stats").json()["models"]
+    assert "kv_events" not in before["plain"]
+    assert before["m"]["kv_events"]["batches"] == 0 and before["m"]["kv_events"]["transport"] == "zmq"
+
+    encoder = ZmqKVPublisher()
+    follower = feed.followers[urls[0]]
+    orphan = stored(4, 4)  # its parent (engine block 103) was never stored
+    first = encoder.batch([stored(0, 1), orphan])
+    follower.sequence(0, first)
+    follower.sequence(0, first)  # a duplicate
+    follower.sequence(1, b"\xc1 not msgpack")  # refused
+    follower.sequence(3, encoder.batch([{"type": "BlockRemoved", "block_hashes": [100]}]))  # a gap: lost
+    follower.sequence(4, encoder.batch([{"type": "AllBlocksCleared"}]))  # in sync again
+    feed.followers[urls[1]].sequence(5, encoder.batch([stored(0, 0)]))  # joined late: unsynced too
+
+    doc = client.get("/admin/stats").json()["models"]["m"]["kv_events"]
+    counters = {k: doc[k] for k in ("batches", "events", "refused", "duplicates", "lost", "unsynced")}
+    assert counters == {"batches": 2, "events": 2, "refused": 1, "duplicates": 1, "lost": 1, "unsynced": 2}
+    assert (doc["gaps"], doc["replays"], doc["replay_failures"], doc["connects"]) == (0, 0, 0, 0)
+    assert doc["mapped_blocks"] == 2 + 1 and doc["skipped_blocks"]["orphan"] == 1
+    assert set(doc["skipped_blocks"]) == {
+        "orphan",
+        "block_size",
+        "lora",
+        "extra_keys",
+        "other_medium",
+        "other_group",
+        "bad_length",
+    }
+    assert doc["replicas"] == {
+        "http://10.0.0.1/v1": {"up": False, "synced": True, "next_seq": 5, "engine_blocks": 0},
+        "http://10.0.0.2/v1": {"up": False, "synced": False, "next_seq": 6, "engine_blocks": 1},
+    }
+    assert "secret" not in json.dumps(doc)
+
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    samples = {
+        s.labels["counter"]: s.value
+        for s in families["prefixgate_kv_events"].samples
+        if s.labels["model"] == "m"
+    }
+    assert {k: samples[k] for k in counters} == counters
+    skipped = {s.labels["reason"]: s.value for s in families["prefixgate_kv_event_blocks_skipped"].samples}
+    assert skipped["orphan"] == 1
+    synced = [
+        s.value for s in families["prefixgate_kv_event_replicas"].samples if s.labels["state"] == "synced"
+    ]
+    assert synced == [1]
 
 
 def test_an_upstream_with_zmq_kv_events_needs_one_endpoint_per_replica():
