@@ -17,6 +17,7 @@ header.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -130,6 +131,9 @@ class CacheExplanations:
 
         Returns:
             the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
+            Its counts and offsets are in the backend's prompt: ``cached`` is ``cached_tokens`` as reported
+            (clamped to the prompt), so the header never contradicts the backend's usage, and a miss's
+            ``offset`` is never inside the cached span.
         """
         if request.kind != "chat" or request.canonical is None:
             return None
@@ -150,6 +154,8 @@ class CacheExplanations:
                 volatile_spans=spans,
                 provider_cause=provider_cause,
             )
+            if shift:
+                explanation = _without_preamble(explanation, shift)
             if later is None:
                 self._record(model, tenant, rendered)
             else:
@@ -185,3 +191,14 @@ class CacheExplanations:
             models = {name: c.snapshot() for name, c in self.counters.items()}
             errors = self.errors
         return {"models": models, "errors": errors, "index": self.explainer.footprint()}
+
+
+def _without_preamble(explanation: MissExplanation, shift: int) -> MissExplanation:
+    """``explanation`` (made on a prompt that starts with a ``shift``-token tools preamble the engine's template
+    leaves out) in the engine's prompt: counts and the offset less the preamble, so ``cached`` is the count the
+    engine reported and the offset stays at or after it."""
+    cached = max(0, explanation.cached - shift)
+    offset = None if explanation.offset is None else max(cached, explanation.offset - shift)
+    return dataclasses.replace(
+        explanation, cached=cached, stable=max(0, explanation.stable - shift), offset=offset
+    )

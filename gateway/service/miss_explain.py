@@ -26,7 +26,10 @@ A provider's own diagnostic, when an upstream returns one, is mapped to the same
 The vocabulary (causes, segments, ``MissExplanation``, the header) lives in ``miss_explanation``; the
 counters in ``miss_counters``; the chain hashes in ``token_chains``.
 
-Invariants: nothing here holds or returns prompt text (token ids stay inside the index and never leave it);
+Invariants: a miss starts where the reported cached prefix ends or after it (``offset >= cached``: the
+explanation never places a miss inside the span the engine or upstream served; a divergence from a recorded
+prompt that lies inside it, which happens when the cache holds what the index never saw, is ``cold`` at
+``cached``); nothing here holds or returns prompt text (token ids stay inside the index and never leave it);
 memory is bounded by ``max_keys``, ``max_prompts_per_key``, ``max_bytes`` and ``max_cached_chains``
 (``footprint``); chain hashes are BLAKE2b-128 rooted in model and tenant; divergence offsets are found on
 the stored token ids (binary search over array slice compares). Pure Python, no HTTP.
@@ -258,7 +261,10 @@ class MissExplainer:
         if nearest is None:
             return "cold", cached, None, None
         entry, d = nearest
-        if d == 0 or cached < d - d % unit:
+        if d == 0 or cached < d - d % unit or d < cached:
+            # d < cached: the cache served past where this prompt leaves every prompt the index knows (a
+            # warmed prefix, generated tokens, a prompt dropped from the index, another gateway's): that
+            # divergence is not why the hit stopped, and lies inside what was served
             return "cold", cached, None, None
         old_len = len(entry.tokens)
         if d >= old_len - old_len % bs:

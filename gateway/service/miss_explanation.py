@@ -84,7 +84,8 @@ class MissExplanation:
         cause: one of ``MISS_CAUSES`` when ``miss``, else None.
         segment, offset: where the miss starts: the divergence from the nearest earlier prompt, the first
             uncached token (``evicted``, ``cold``), or the end of the stable prefix (``below_minimum``, whose
-            segment is the one holding the last stable token); None on a hit.
+            segment is the one holding the last stable token); None on a hit. Never inside the cached span:
+            ``offset >= cached``.
         slot: the learned-slot candidate (``volatile`` only), or None.
         cached_ago: ``evicted``: seconds since the prefix was last known cached; else None.
         source: ``local``, or ``provider`` when the upstream's diagnostic gave the cause; None on a hit.

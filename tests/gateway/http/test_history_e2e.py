@@ -236,3 +236,42 @@ def test_metrics_count_misses_by_cause(client, server):
     text = httpx.get(f"{server.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text
     assert f'prefixgate_cache_misses_total{{cause="cold",model="{TINY_MODEL}"}}' in text
     assert 'prefixgate_transcript_total{event="stored"}' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_cache_header_never_places_a_miss_inside_what_the_engine_served(server, client, stream):
+    # A system prompt warmed through /admin/cache/warm is cached in the engine but was never explained, so the
+    # explainer's nearest recorded prompt (another system prompt sharing only its first words) diverged inside
+    # the span the engine served. Seen as "cached=336; miss=system_changed; at=system:26".
+    who = tenant()
+    first = "You are the helper of the fleet. " + " ".join(
+        f"rule {i} says alpha beta gamma." for i in range(12)
+    )
+    warmed = "You are the helper of the fleet. " + " ".join(
+        f"law {i} reads delta epsilon zeta." for i in range(12)
+    )
+    history = [
+        {"role": "user", "content": USER_TURNS[0]},
+        {"role": "assistant", "content": REPLIES[0]},
+    ]
+
+    def messages(system: str, question: str) -> list[dict]:
+        return [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
+
+    chat(client, messages(first, USER_TURNS[1]), who, stream=stream)
+    response = httpx.post(
+        f"{server.base_url}/admin/cache/warm",
+        json={"model": TINY_MODEL, "tenant": who, "system": warmed},
+        headers=ADMIN_HEADERS,
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    warmed_tokens = response.json()["cached_tokens"]
+    usage, header = chat(client, messages(warmed, USER_TURNS[2]), who, stream=stream)
+    fields = header_fields(header)
+    assert cached(usage) >= warmed_tokens - BLOCK_SIZE > 0  # the engine served the warmed system prompt
+    assert int(fields["cached"]) == cached(usage)
+    if fields["miss"] != "none":
+        segment, offset = fields["at"].split(":")
+        assert int(offset) >= cached(usage), header
+        assert fields["miss"] == "cold"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.service.miss_explain import MissExplainer
 from gateway.service.miss_explanation import (
@@ -254,3 +256,71 @@ def test_memory_is_bounded_under_a_flood() -> None:
         assert (
             fp["keys"] <= 10 and fp["prompts"] <= 50 and fp["bytes"] <= 40_000 and fp["cached_chains"] <= 300
         )
+
+
+# ---- a miss never lies inside the span the cache served (x-prefixgate-cache vs the engine's cached_tokens) ----
+
+
+def test_a_divergence_inside_the_served_span_is_not_the_cause():
+    # The engine served 64 tokens of a system prompt the index never saw (warmed with /admin/cache/warm);
+    # the nearest recorded prompt leaves it at token 30. Before: "cached=64; miss=system_changed; at=system:30",
+    # a miss inside the 64 tokens the engine reported cached.
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    system = SYSTEM[:10] + list(range(7000, 7050))
+    tokens, segments, stable = build(TOOLS, system, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 64)
+    assert (e.miss, e.cause, e.segment, e.offset) == (True, "cold", "system", 64)
+    assert e.header_value() == "cached=64; miss=cold; at=system:64"
+    # a divergence at or after the served span still names its cause
+    assert ex.explain("m", "t", tokens, segments, stable, 16).cause in ("system_changed", "volatile")
+    assert ex.explain("m", "t", tokens, segments, stable, 16).offset == 30
+
+
+def test_generated_blocks_the_engine_cached_are_not_a_miss_inside_them():
+    # Turn 2 resends turn 1's prompt plus the reply; the engine cached the reply's blocks it generated, which
+    # the index (prompts only) never saw: cached 144 > the 130 tokens of the earlier prompt.
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, first, first_segments)
+    reply = list(range(5000, 5030))
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + reply, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 144)
+    assert (e.cause, e.segment, e.offset) == ("cold", "history", 144)
+
+
+def test_token_granular_hits_keep_the_cause_and_the_place():
+    # A prefix cache that serves up to the divergence token by token (not a multiple of 16)
+    ex = MissExplainer()
+    served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
+    system = SYSTEM[:17] + list(range(7000, 7043))
+    tokens, segments, stable = build(TOOLS, system, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 37)
+    assert (e.cached, e.cause, e.segment, e.offset) == (37, "system_changed", "system", 37)
+    assert e.header_value() == "cached=37; miss=system_changed; at=system:37"
+
+
+@given(
+    recorded=st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=80), max_size=4),
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    cached=st.integers(0, 90),
+    stable_cut=st.integers(0, 80),
+    marked=st.booleans(),
+    granularity=st.sampled_from([None, 1, 16]),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_miss_always_starts_at_or_after_the_reported_cached_tokens(
+    recorded, prompt, cached, stable_cut, marked, granularity
+):
+    ex = MissExplainer()
+    for old in recorded:
+        ex.record("m", "t", old, [PromptSegment("system", 0, len(old))])
+        if marked:
+            ex.mark_cached("m", "t", old)
+    half = len(prompt) // 2
+    segments = [PromptSegment("system", 0, half), PromptSegment("history", half, len(prompt))]
+    e = ex.explain("m", "t", prompt, segments, min(stable_cut, len(prompt)), cached, granularity=granularity)
+    assert e.cached == min(cached, len(prompt))
+    if e.miss:
+        assert e.offset is not None and e.offset >= e.cached
+        assert f"cached={e.cached}; " in e.header_value()
