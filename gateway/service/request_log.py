@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 logger = logging.getLogger("prefixgate.request")
@@ -74,9 +75,13 @@ def log_request(record: RequestRecord) -> None:
     logger.log(level, format_record(record))
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_.:/-]+")
+"""A value written bare: ASCII letters and digits, ``-_.:/`` (one C scan instead of a Python test per character)."""
+
+
 def _quote(value: str) -> str:
     """``value`` bare when it is plain (ASCII letters, digits, ``-_.:/``), else a JSON string: quotes,
     backslashes and control characters (newlines included) escaped."""
-    if value and all((c.isascii() and c.isalnum()) or c in "-_.:/" for c in value):
+    if _PLAIN.fullmatch(value):
         return value
     return json.dumps(value)  # ASCII only: no raw U+2028 or other line breaks either

@@ -151,6 +151,10 @@ class DirectResponse:
             raise mapped from exc
         await self.aclose()
 
+    def at_eof(self) -> bool:
+        """Whether the whole body has arrived and been read (nothing is left to drain)."""
+        return self._response.content.at_eof()
+
     async def aclose(self) -> None:
         """Give the connection back when the body was read to its end, else close it. Idempotent."""
         if self.is_closed:

@@ -399,7 +399,10 @@ class OpenedResponse:
         self._closed = True
         try:
             if self._completed and not self.response.is_closed:
-                await self._drain()
+                if isinstance(self.response, DirectResponse) and self.response.at_eof():
+                    await self._chunks.aclose()  # nothing left to read: no timer, no read
+                else:
+                    await self._drain()
             await self.response.aclose()
         finally:
             self.lease.release()
