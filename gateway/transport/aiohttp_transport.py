@@ -13,6 +13,11 @@ What the upstream sees is what httpx builds: the request's headers are sent as t
 its body as bytes (or chunked from an async stream). The answer's body is handed to httpx undecoded (httpx
 decodes ``Content-Encoding`` itself), chunk by chunk as it arrives.
 
+The shared upstream client also sends without httpx's request and response objects
+(``gateway.transport.upstream_http.UpstreamClient.send_direct``): ``AiohttpTransport.open`` takes the header
+list httpx would build and returns aiohttp's response, and a 2xx answer without ``Content-Encoding`` is read
+through ``DirectResponse`` (the rest becomes the ``httpx.Response`` of ``as_httpx_response``, as here).
+
 Invariants:
 - every aiohttp failure comes out as the ``httpx`` error httpcore gives for the same event (``ERRORS``):
   connect failures ``ConnectError``, connect timeouts ``ConnectTimeout``, a silence longer than the read

@@ -73,6 +73,11 @@ class UpstreamClient(httpx.AsyncClient):
     is not set (nothing reads it). Any other request (non-streamed, with auth, redirects, hooks, or after
     the client was closed) takes ``httpx.AsyncClient.send``.
 
+    ``send_direct`` goes one step further for the backends' POSTs (``open_response``'s ``send_direct``): the
+    header list httpx would build is made once per URL and headers, and a 2xx answer is read from aiohttp
+    without an ``httpx.Response`` (``DirectResponse``), which left httpx's request building, its response
+    model and its three nested body iterators off every upstream call (docs/overhead.md, session 7).
+
     Args:
         limits: the transport's and httpx's connection limits.
         transport: the transport for direct (non-proxied) requests.
