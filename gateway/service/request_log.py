@@ -72,7 +72,8 @@ def format_record(record: RequestRecord) -> str:
 def log_request(record: RequestRecord) -> None:
     """Emit the record's line at INFO (4xx/5xx at WARNING)."""
     level = logging.WARNING if record.status >= 400 and record.status != CLIENT_CLOSED else logging.INFO
-    logger.log(level, format_record(record))
+    if logger.isEnabledFor(level):  # the line is built only when it is written
+        logger.log(level, format_record(record))
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.:/-]+")
