@@ -77,7 +77,9 @@ class OpenAIUpstreamBackend(UpstreamBackend):
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest) -> dict[str, Any]:
-        """The JSON body sent upstream (always streaming, usage requested).
+        """The JSON body sent upstream (always streaming, usage requested). An OpenAI-face chat body holds the
+        request's canonical ``messages`` and ``tools`` themselves, not copies: the body is serialized once and
+        read, never changed (copying them was a deep copy of the whole conversation per request).
 
         Raises:
             UnsupportedContentError: Anthropic-only content an OpenAI server cannot take.
@@ -92,9 +94,9 @@ class OpenAIUpstreamBackend(UpstreamBackend):
                 k: v if k in ("messages", "tools") else copy.deepcopy(v)
                 for k, v in request.openai_body.items()
             }
-            body["messages"] = copy.deepcopy(request.messages)
+            body["messages"] = request.messages
             if request.tools is not None:
-                body["tools"] = copy.deepcopy(request.tools)
+                body["tools"] = request.tools
             else:
                 body.pop("tools", None)
         else:
