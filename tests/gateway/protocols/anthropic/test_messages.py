@@ -293,6 +293,46 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
             "tool_choice.name",
         ),
         (lambda b: b.update(metadata={"user_id": 7}), "metadata.user_id"),
+        # before: accepted (a tool name outside the API's pattern; a tool_result answering no tool_use)
+        (lambda b: b.update(tools=[{"name": "bad name!", "input_schema": {}}]), "tools[0].name"),
+        (lambda b: b.update(tools=[{"name": "x" * 129, "input_schema": {}}]), "tools[0].name"),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "tool_result", "tool_use_id": "nope", "content": "42"}]
+            ),
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            lambda b: b["messages"].extend(
+                [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t1"},
+                            {"type": "tool_result", "tool_use_id": "t0"},
+                        ],
+                    },
+                ]
+            ),
+            "messages[2].content[1].tool_use_id",
+        ),
+        (
+            lambda b: b["messages"].extend(
+                [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                    },
+                    {"role": "user", "content": "go on"},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+                ]
+            ),
+            "messages[3].content[0].tool_use_id",
+        ),
     ],
 )
 def test_bad_bodies_name_the_field(change, param):
@@ -584,3 +624,32 @@ async def test_an_error_mid_stream_ends_with_an_error_event():
         "error": {"type": "api_error", "message": "upstream broke off"},
     }
     assert opened.failed == [cut] and opened.closed
+
+
+def test_tool_results_answering_the_previous_tool_uses_and_long_names_are_accepted():
+    name = "get-weather_2" + "x" * 115  # 128 characters
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "tools": [{"name": name, "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": name, "input": {}},
+                    {"type": "tool_use", "id": "t2", "name": name, "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t2", "content": "2"},
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "1"},
+                    {"type": "text", "text": "and?"},
+                ],
+            },
+        ],
+    }
+    request = parse_messages_body(body)
+    assert [m.get("tool_call_id") for m in request.messages if m["role"] == "tool"] == ["t2", "t1"]
