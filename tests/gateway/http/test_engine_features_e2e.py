@@ -670,3 +670,28 @@ def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(clie
         assert calls == whole_calls[: len(calls)]  # complete calls only, the greedy ones, in order
         seen.add(len(calls))
     assert seen == set(range(len(whole_calls) + 1))
+
+
+def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_max_tokens(claude):
+    """The same rule on the Anthropic face (``tool_choice: {type: tool}``): for every ``max_tokens`` the
+    streamed Message (as the SDK assembles it) and the non-streamed one hold the same ``tool_use`` blocks and
+    ``stop_reason``."""
+    request = dict(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0.0},
+    )
+    full = claude.messages.create(max_tokens=400, **request)
+    assert full.stop_reason == "tool_use"
+    for max_tokens in range(1, full.usage.output_tokens + 1):
+        whole = claude.messages.create(max_tokens=max_tokens, **request)
+        with claude.messages.stream(max_tokens=max_tokens, **request) as stream:
+            streamed = stream.get_final_message()
+        uses = [(b.name, b.input) for b in whole.content if b.type == "tool_use"]
+        assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == uses
+        assert streamed.stop_reason == whole.stop_reason
+        assert whole.stop_reason == ("tool_use" if max_tokens == full.usage.output_tokens else "max_tokens")
+        for _, arguments in uses:
+            jsonschema.validate(arguments, WEATHER_PARAMETERS)
