@@ -653,3 +653,21 @@ def test_tool_results_answering_the_previous_tool_uses_and_long_names_are_accept
     }
     request = parse_messages_body(body)
     assert [m.get("tool_call_id") for m in request.messages if m["role"] == "tool"] == ["t2", "t1"]
+
+
+def test_count_tokens_takes_its_documented_fields_only():
+    """Before: a count body with max_tokens (a Messages-only field) was accepted while unknown fields were
+    refused."""
+    from gateway.protocols.anthropic.parse import parse_count_body
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "disabled"}}
+    assert parse_count_body(body).params.max_tokens is None
+    for field, value in [("max_tokens", 5), ("stream", True), ("top_k", 3), ("service_tier", "auto")]:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_count_body({**body, field: value})
+        assert (info.value.param, info.value.message) == (field, f"{field}: Extra inputs are not permitted")
+        # server.unknown_fields: ignore lets it through (checked, then left out of the count)
+        assert parse_count_body({**body, field: value}, refuse_unknown=False).model == "m"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_count_body({**body, "max_tokens": 0}, refuse_unknown=False)
+    assert info.value.param == "max_tokens"
