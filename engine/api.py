@@ -339,7 +339,8 @@ class EngineStats:
         requests: requests finished (any reason).
         prompt_tokens: prompt tokens of finished-or-admitted requests, counted once per request.
         prefix_query_tokens: prompt tokens looked up in the prefix cache (once per request).
-        prefix_hit_tokens: of those, tokens served from cached blocks (once per request; never recompute).
+        prefix_hit_tokens: of those, tokens served from cached blocks, the slots copied by token-granular hits
+            included (once per request; never recompute).
         prefill_tokens: prompt tokens actually computed (includes recomputation after preemption).
         prefill_seconds: wall time spent in forward passes of prefill tokens.
         inflight_shared_tokens: prefill tokens saved because a request waited for blocks another request was
