@@ -150,8 +150,8 @@ class Usage:
 
     Attributes:
         prompt_tokens: tokens in the rendered prompt.
-        cached_tokens: prompt tokens served from the prefix cache (block-aligned; recomputation after a
-            preemption never counts).
+        cached_tokens: prompt tokens served from the prefix cache: whole blocks plus, with token-granular hits,
+            the slots copied from a partly matching block (recomputation after a preemption never counts).
         completion_tokens: tokens generated.
     """
 
@@ -289,6 +289,11 @@ class EngineConfig:
         shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
             users) read those blocks once per step (cascade attention, ``engine.attention.SharedPrefix``);
             false = each sequence gathers its whole context (for comparison).
+        enable_partial_prefix_hits: token-granular prefix hits (needs prefix caching): a prompt that shares
+            only part of a block with a cached one (a question that differs in its last tokens) copies the
+            shared slots' KV into its own block instead of recomputing from the block boundary, and a finished
+            request's last partly filled block is kept as a cache entry for that (RAM only, never a tier);
+            false = hits stop at the last whole block (``engine.kv_cache_manager``, invariants 8-9).
     """
 
     block_size: int = 16
@@ -315,6 +320,7 @@ class EngineConfig:
     kv_dtype: str = "float32"
     dense_min_rows: int | None = 10
     shared_prefix_attention: bool = True
+    enable_partial_prefix_hits: bool = True
 
 
 @dataclass(frozen=True)
@@ -335,7 +341,8 @@ class EngineStats:
         requests: requests finished (any reason).
         prompt_tokens: prompt tokens of finished-or-admitted requests, counted once per request.
         prefix_query_tokens: prompt tokens looked up in the prefix cache (once per request).
-        prefix_hit_tokens: of those, tokens served from cached blocks (once per request; never recompute).
+        prefix_hit_tokens: of those, tokens served from cached blocks, the slots copied by token-granular hits
+            included (once per request; never recompute).
         prefill_tokens: prompt tokens actually computed (includes recomputation after preemption).
         prefill_seconds: wall time spent in forward passes of prefill tokens.
         inflight_shared_tokens: prefill tokens saved because a request waited for blocks another request was

@@ -5,15 +5,23 @@ Structure (after vLLM v1's ``block_pool.py`` and SGLang's ``radix_cache.py``; no
 - ``blocks[i]`` is the ``KVBlock`` describing physical block ``i`` of the preallocated KV tensor.
 - ``_cached``: block hash -> the one block registered under it (the prefix-cache index).
 - ``_free``: unreferenced blocks that hold no hash, FIFO.
-- ``_evictable``: unreferenced blocks that *do* hold a hash, in LRU order (oldest first); an
-  ``OrderedDict`` keyed by block id, so taking a block out of the middle is O(1).
+- ``_evictable``: unreferenced *entries* (blocks that hold a hash, or a partial entry), in LRU order (oldest
+  first); an ``OrderedDict`` keyed by block id, so taking a block out of the middle is O(1).
+- ``_children``: (parent entry's ``cache_gen`` or None for a first block, the block's own encoded extra keys)
+  -> the entries chained right after it, full or partial, in registration order: where a lookup that stops
+  inside a block looks for a sibling sharing the longest token prefix (``children``).
+
+A *partial entry* is a request's last, partly filled block kept when the request ends (``register_partial``):
+its first ``len(token_ids) < block_size`` slots hold computed KV. It holds no block hash (so it is never a
+parent, never written down to a KV tier, never listed), is found only through ``_children``, and is only ever
+read: a request that hits it gets a fresh block with the shared slots copied in (copy-on-write).
 
 Invariants (checked by ``check_invariants``; every operation keeps them and costs O(blocks touched)):
 
 1. Every block is in exactly one state:
    *used*   ``ref_cnt > 0`` (in no queue; may or may not hold a hash),
-   *cached* ``ref_cnt == 0`` and holds a hash (in ``_evictable``),
-   *free*   ``ref_cnt == 0`` and holds no hash (in ``_free``).
+   *cached* ``ref_cnt == 0`` and is an entry: holds a hash, or is a partial entry (in ``_evictable``),
+   *free*   ``ref_cnt == 0`` and is no entry (in ``_free``).
    Hence ``blocks_used + blocks_cached + blocks_free == num_blocks`` always.
 2. Who holds a reference: each request whose block table lists the block, and each pin that lists it,
    holds exactly one reference (``KVCacheManager`` takes and drops them); nothing else does. The pool never evicts, overwrites or
@@ -22,25 +30,34 @@ Invariants (checked by ``check_invariants``; every operation keeps them and cost
    ``_evictable``) until it is evicted.
 4. Fresh blocks come from ``_free`` first; only when it is empty is the least recently used block of
    ``_evictable`` evicted (its hash entry dropped, ``evictions`` incremented). ``on_evict``, when set, sees
-   the block (hash, tokens, levels, id) right before it is cleared, while its KV is still intact: the tiers
-   write it down from there.
+   every evicted *full* block (hash, tokens, levels, id) right before it is cleared, while its KV is still
+   intact: the tiers write it down from there. A partial entry is evicted like the others but never shown
+   to ``on_evict``.
 5. ``release`` queues blocks in the order given; ``KVCacheManager.free`` passes a block table tail first,
    so a chain's tail is less recently used than its parents and is evicted before them.
 6. ``_cached[h].block_hash == h`` for every entry, and a block holds a hash iff it is an entry of
    ``_cached``. ``cache_gen`` is unique per registration, so a child can name the exact parent entry it
    was computed on (see ``kv_cache_manager``).
+7. Every entry (full or partial) is in ``_children`` under its own (``parent_gen``, encoded extra keys), and
+   nothing else is; a partial entry has ``0 < len(token_ids) < block_size`` (the pool does not know the block
+   size: the manager checks it) and no hash.
 
-Counters (kept by the structure, so they cannot drift): ``evictions`` (monotonic), ``blocks_used``,
-``blocks_cached``, ``blocks_free``, ``num_blocks``.
+Counters (kept by the structure, so they cannot drift): ``evictions`` (monotonic, partial entries included),
+``blocks_used``, ``blocks_cached``, ``blocks_free``, ``num_blocks``, ``partial_entries``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash
+from engine.block_hash import BlockHash, encode_extra_keys
+
+ChildKey = tuple[int | None, bytes]
+"""Key of ``BlockPool._children``: the parent entry's ``cache_gen`` (None for a first block) and the child's own
+encoded extra keys (``engine.block_hash.encode_extra_keys``), so tenants never share a sibling list."""
 
 
 @dataclass(slots=True, eq=False)
@@ -50,8 +67,10 @@ class KVBlock:
     Attributes:
         block_id: index of the block in the KV tensor, ``0 <= block_id < num_blocks``.
         ref_cnt: number of live requests whose block table lists this block.
-        block_hash: the prefix-cache key the block is registered under, or None (private or free).
-        token_ids: the block's ``block_size`` token ids, stored when registered (compared on every hit).
+        block_hash: the prefix-cache key the block is registered under, or None (private, free, or a partial
+            entry).
+        token_ids: the block's ``block_size`` token ids, stored when registered (compared on every hit); for a
+            partial entry its fewer computed tokens.
         parent_hash: hash of the previous block in its chain (None for a first block).
         extra_keys: extra keys it was hashed with (model id, cache salt, ...).
         cache_gen: unique number of this registration (None when not registered).
@@ -59,6 +78,7 @@ class KVBlock:
             block).
         levels: prompt levels (``engine.kv_tiers.policy.LEVELS``) of the requests that used it; they choose
             its TTL and budget share in the tiers below the pool.
+        partial: True for a partial entry (see the module docstring).
     """
 
     block_id: int
@@ -70,9 +90,16 @@ class KVBlock:
     cache_gen: int | None = None
     parent_gen: int | None = None
     levels: frozenset[str] = frozenset()
+    partial: bool = False
+
+    @property
+    def is_entry(self) -> bool:
+        """True when the block is a prefix-cache entry: registered under a hash, or a partial entry."""
+        return self.block_hash is not None or self.partial
 
     def clear_hash(self) -> None:
         """Forget the cache registration (the block becomes plain storage)."""
+        self.partial = False
         self.block_hash = None
         self.token_ids = None
         self.parent_hash = None
@@ -100,6 +127,9 @@ class BlockPool:
         self._free: deque[KVBlock] = deque(self.blocks)
         self._evictable: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
+        self._children: dict[ChildKey, dict[int, KVBlock]] = {}
+        self.partial_entries = 0
+        """Partial entries now in the pool (referenced or not)."""
         self._next_gen = 0
         self.blocks_used = 0
         self.evictions = 0
@@ -109,7 +139,7 @@ class BlockPool:
     # ---- gauges -------------------------------------------------------------------------------------
     @property
     def blocks_cached(self) -> int:
-        """Unreferenced blocks holding a reusable hash (evictable)."""
+        """Unreferenced entries, full or partial (evictable)."""
         return len(self._evictable)
 
     @property
@@ -161,7 +191,77 @@ class BlockPool:
         block.cache_gen = self._next_gen
         self._next_gen += 1
         self._cached[block_hash] = block
+        self._add_child(block)
         return True
+
+    def register_partial(
+        self,
+        block: KVBlock,
+        token_ids: tuple[int, ...],
+        parent_hash: BlockHash | None,
+        parent_gen: int | None,
+        extra_keys: tuple,
+    ) -> None:
+        """Make a referenced block whose first ``len(token_ids)`` slots are computed a partial entry under its
+        parent entry (``parent_gen``); it stays referenced until its holder releases it.
+
+        Raises:
+            ValueError: the block is unreferenced or already an entry, or ``token_ids`` is empty.
+        """
+        if block.ref_cnt < 1:
+            raise ValueError(f"block {block.block_id} is not referenced; only a request's block is kept")
+        if block.is_entry:
+            raise ValueError(f"block {block.block_id} is already a cache entry")
+        if not token_ids:
+            raise ValueError("a partial entry holds at least one token")
+        block.partial = True
+        block.token_ids = tuple(token_ids)
+        block.parent_hash = parent_hash
+        block.parent_gen = parent_gen
+        block.extra_keys = tuple(extra_keys)
+        block.cache_gen = self._next_gen
+        self._next_gen += 1
+        self.partial_entries += 1
+        self._add_child(block)
+
+    def children(self, parent_gen: int | None, extra_keys: tuple, limit: int) -> list[KVBlock]:
+        """At most ``limit`` entries (full or partial) chained right after the parent entry ``parent_gen`` (None:
+        first blocks) with these extra keys, newest first. Takes no reference. O(limit)."""
+        kids = self._children.get((parent_gen, encode_extra_keys(extra_keys)))
+        if not kids:
+            return []
+        return list(itertools.islice(reversed(kids.values()), limit))
+
+    def drop_partial(self, block: KVBlock) -> None:
+        """Un-register an unreferenced partial entry now (a longer one replaces it); it becomes free.
+
+        Raises:
+            ValueError: not an unreferenced partial entry.
+        """
+        if not block.partial or block.ref_cnt != 0:
+            raise ValueError(f"block {block.block_id} is not an unreferenced partial entry")
+        del self._evictable[block.block_id]
+        self._unregister(block)
+        self._free.append(block)
+
+    def _child_key(self, block: KVBlock) -> ChildKey:
+        return (block.parent_gen, encode_extra_keys(block.extra_keys))
+
+    def _add_child(self, block: KVBlock) -> None:
+        self._children.setdefault(self._child_key(block), {})[block.block_id] = block
+
+    def _unregister(self, block: KVBlock) -> None:
+        """Drop an entry from the indexes and clear it (no queue changes)."""
+        key = self._child_key(block)
+        kids = self._children[key]
+        del kids[block.block_id]
+        if not kids:
+            del self._children[key]
+        if block.partial:
+            self.partial_entries -= 1
+        else:
+            del self._cached[block.block_hash]
+        block.clear_hash()
 
     # ---- references -----------------------------------------------------------------------------------
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -172,7 +272,7 @@ class BlockPool:
         """
         for block in blocks:
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if not block.is_entry:
                     raise ValueError(f"block {block.block_id} is free, not cached; it cannot be shared")
                 del self._evictable[block.block_id]
                 self.blocks_used += 1
@@ -201,12 +301,12 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVBlock) -> None:
-        """Drop an unreferenced block's hash entry (it is about to be reused)."""
-        assert block.ref_cnt == 0 and block.block_hash is not None
-        if self.on_evict is not None:
+        """Drop an unreferenced block's entry (it is about to be reused); only a full one is shown to
+        ``on_evict``."""
+        assert block.ref_cnt == 0 and block.is_entry
+        if self.on_evict is not None and not block.partial:
             self.on_evict(block)
-        del self._cached[block.block_hash]
-        block.clear_hash()
+        self._unregister(block)
         self.evictions += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -223,7 +323,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.blocks_used -= 1
-                if block.block_hash is None:
+                if not block.is_entry:
                     self._free.append(block)
                 else:
                     self._evictable[block.block_id] = block
@@ -234,8 +334,7 @@ class BlockPool:
         doomed = [b for b in self._evictable.values() if match is None or match(b)]
         for block in doomed:
             del self._evictable[block.block_id]
-            del self._cached[block.block_hash]
-            block.clear_hash()
+            self._unregister(block)
             self._free.append(block)
         return len(doomed)
 
@@ -263,19 +362,32 @@ class BlockPool:
         assert len(free_set) == len(free_ids), "a block is twice in the free queue"
         assert not free_set & set(self._evictable.keys()), "a block is both free and cached"
         used = 0
+        partial = 0
         for block in self.blocks:
             assert block.ref_cnt >= 0
             if block.ref_cnt > 0:
                 used += 1
                 assert block.block_id not in self._evictable and block.block_id not in free_set
-            elif block.block_hash is None:
+            elif not block.is_entry:
                 assert block.block_id in free_set, f"free block {block.block_id} not in the free queue"
             else:
                 assert self._evictable.get(block.block_id) is block, f"cached block {block.block_id} lost"
             if block.block_hash is not None:
+                assert not block.partial, f"partial block {block.block_id} holds a hash"
                 assert self._cached.get(block.block_hash) is block, f"block {block.block_id} not indexed"
+            if block.is_entry:
                 assert block.token_ids is not None and block.cache_gen is not None
+                assert self._children[self._child_key(block)].get(block.block_id) is block, "child index"
+            if block.partial:
+                partial += 1
+                assert block.token_ids, f"partial block {block.block_id} holds no token"
         for h, block in self._cached.items():
             assert block.block_hash == h
+        kids = sum(len(v) for v in self._children.values())
+        assert all(self._children.values()), "an empty sibling list is kept"
+        assert kids == len(self._cached) + partial, (
+            f"{kids} children != {len(self._cached)} + {partial} entries"
+        )
+        assert partial == self.partial_entries, f"partial_entries {self.partial_entries} != {partial}"
         assert used == self.blocks_used, f"blocks_used counter {self.blocks_used} != {used}"
         assert self.blocks_used + self.blocks_cached + self.blocks_free == self.num_blocks

@@ -3,12 +3,13 @@
 What the scheduler calls, per request (vLLM v1's ``kv_cache_manager.py`` has the same shape)::
 
     hashes = m.block_hashes(prompt_ids, extra_keys)                   # full blocks only
-    hit = m.find_cached_prefix(prompt_ids, hashes[:(len(prompt_ids) - 1) // m.block_size], extra_keys)
+    hit = m.find_cached_prefix(prompt_ids, hashes[:(len(prompt_ids) - 1) // m.block_size], extra_keys,
+                               partial=True)
     table = m.allocate(req_id, num_tokens, hit)                        # None: wait, nothing changed
     ... forward writes KV for tokens [hit.num_tokens, num_computed) ...
     m.cache_full_blocks(req_id, ids, num_computed, hashes, extra_keys) # right after that forward
     m.append_slots(req_id, num_total_tokens)                           # before each decode / chunk
-    m.free(req_id)                                                     # finished, cancelled, preempted
+    m.free(req_id, ids, num_computed, extra_keys)                      # finished, cancelled, preempted
 
 Invariants (on top of ``block_pool``'s):
 
@@ -30,6 +31,21 @@ Invariants (on top of ``block_pool``'s):
    block is never evicted; pins hold at most ``max_pinned_blocks`` blocks in all.
 7. ``install_blocks`` (load-back from a tier) registers blocks exactly as ``cache_full_blocks`` would have,
    chained on the hit's entries, and leaves them unreferenced and cached.
+
+8. Token-granular hits (``enable_partial_hits``, needs a slot copier: ``set_slot_copier``). When the chain
+   of whole blocks stops at block ``i``, the lookup (``find_cached_prefix(..., partial=True)``) looks at the
+   entries chained right after the same parent entry with the same extra keys (full blocks, and *partial
+   entries*: a finished request's last, partly computed block, kept by ``free``) and takes the one sharing
+   the longest token prefix ``j >= 1`` with the prompt's block ``i``; ``allocate`` then gives the request a
+   fresh block ``i`` and copies the source's first ``j`` slots into it (every layer, K and V) while holding
+   a reference on the source, so the source is never evicted during the copy and never written. The hit
+   serves ``16 * i + j`` tokens and never the prompt's last token (it is always computed). At most
+   ``partial_scan_limit`` siblings (the newest) are compared, so a lookup costs O(blocks + limit * block_size).
+9. A partial entry holds no block hash: it is never a parent, never written down to a KV tier
+   (``on_evict`` and ``registered_blocks`` see full blocks only), never pinned or listed; it is evictable like
+   any unreferenced cached block. ``free`` keeps a request's last partial block only when the chain before it
+   is a live cache entry, and not when a sibling already serves all its tokens; a shorter unreferenced
+   partial sibling it makes useless is dropped.
 
 A prefix lookup's result is a ``PrefixHit`` (``engine.prefix_hit``), valid until the next call that can evict;
 ``allocate`` checks it and raises ``StaleCacheHitError`` rather than serve a block that was evicted in between.
@@ -74,6 +90,22 @@ def _keys(extra_keys: ExtraKeys) -> ExtraKeys:
     return extra_keys if isinstance(extra_keys, LayeredKeys) else tuple(extra_keys)
 
 
+SlotCopier = Callable[[int, int, int], None]
+"""``copy(src_block_id, dst_block_id, n)``: copy the first ``n`` slots of a block's K and V, every layer."""
+
+PARTIAL_SCAN_LIMIT = 64
+"""Most sibling entries one token-granular lookup compares (the newest first)."""
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    j = 0
+    while j < n and a[j] == b[j]:
+        j += 1
+    return j
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling of a / b for a >= 0, b > 0."""
     return -(-a // b)
@@ -88,20 +120,35 @@ class KVCacheManager:
         enable_caching: share full blocks between requests by prefix; when False nothing is ever
             registered and ``find_cached_prefix`` returns ``NO_HIT``.
         hash_fn: block hash function ``(parent, token_ids, extra_keys) -> bytes`` (tests pass weak ones).
+        enable_partial_hits: token-granular hits (invariant 8); they also need a slot copier
+            (``set_slot_copier``) and caching on.
+        partial_scan_limit: most siblings one token-granular lookup compares (>= 1).
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` < 1.
+        ValueError: ``num_blocks``, ``block_size`` or ``partial_scan_limit`` < 1.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn: HashFn = hash_block
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_fn: HashFn = hash_block,
+        *,
+        enable_partial_hits: bool = True,
+        partial_scan_limit: int = PARTIAL_SCAN_LIMIT,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if partial_scan_limit < 1:
+            raise ValueError(f"partial_scan_limit must be >= 1, got {partial_scan_limit}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
+        self.enable_partial_hits = enable_partial_hits
+        self.partial_scan_limit = partial_scan_limit
+        self._copy_slots: SlotCopier | None = None
         self._requests: dict[str, _RequestBlocks] = {}
         self._pins: dict[str, list[KVBlock]] = {}
         self.max_pinned_blocks = num_blocks // 4
@@ -112,10 +159,26 @@ class KVCacheManager:
         """Chained hashes of the full blocks of ``token_ids`` (``len(token_ids) // block_size`` of them)."""
         return hash_request_blocks(token_ids, self.block_size, _keys(extra_keys), self.hash_fn)
 
+    def set_slot_copier(self, copier: SlotCopier | None) -> None:
+        """The KV copy of token-granular hits: ``copier(src, dst, n)`` copies the first ``n`` slots of block
+        ``src``'s K and V, every layer, into block ``dst`` (``engine.model_runner.ModelRunner.copy_slots``)."""
+        self._copy_slots = copier
+
+    @property
+    def partial_hits_active(self) -> bool:
+        """True when lookups may serve part of a block: caching and partial hits on, a slot copier set."""
+        return self.enable_caching and self.enable_partial_hits and self._copy_slots is not None
+
     def find_cached_prefix(
-        self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: ExtraKeys
+        self,
+        token_ids: Sequence[int],
+        block_hashes: list[BlockHash],
+        extra_keys: ExtraKeys,
+        *,
+        partial: bool = False,
     ) -> PrefixHit:
-        """Longest chain of cached blocks serving ``token_ids`` from its start.
+        """Longest chain of cached blocks serving ``token_ids`` from its start, and with ``partial`` the
+        longest cached token prefix of the next block (invariant 8).
 
         Every block's stored token ids, parent hash, parent entry and extra keys are compared, so a
         hash collision never serves another prompt's KV. Takes no reference and keeps the LRU order.
@@ -125,9 +188,12 @@ class KVCacheManager:
             block_hashes: hashes of its full blocks (``block_hashes(...)``), possibly cut short to cap the
                 hit (e.g. ``[:(len(token_ids) - 1) // block_size]`` so the last token is still computed).
             extra_keys: the extra keys the hashes were computed with.
+            partial: also look for a partial part after the whole blocks (when ``partial_hits_active``); it
+                never covers the last token of ``token_ids``.
 
         Returns:
-            The hit (``num_blocks`` blocks in order, ``num_tokens`` tokens); ``NO_HIT`` when caching is off.
+            The hit (``num_blocks`` whole blocks in order, ``partial_tokens`` more, ``num_tokens`` tokens);
+            ``NO_HIT`` when caching is off.
         """
         if not self.enable_caching:
             return NO_HIT
@@ -148,7 +214,38 @@ class KVCacheManager:
                 break
             hits.append(block)
             prev_hash, prev_gen = block_hashes[i], block.cache_gen
+        if partial and self.partial_hits_active:
+            source, j = self._partial_source(token_ids, len(hits), prev_hash, prev_gen, extra_keys)
+            if source is not None:
+                return PrefixHit(tuple(hits), len(hits) * bs + j, source, source.cache_gen, j)
         return PrefixHit(tuple(hits), len(hits) * bs)
+
+    def _partial_source(
+        self,
+        token_ids: Sequence[int],
+        i: int,
+        parent_hash: BlockHash | None,
+        parent_gen: int | None,
+        extra_keys: ExtraKeys,
+    ) -> tuple[KVBlock | None, int]:
+        """The sibling entry sharing the longest token prefix with block ``i`` of ``token_ids`` (never its last
+        token), and that length; ``(None, 0)`` when none shares a token."""
+        bs = self.block_size
+        start = i * bs
+        want = tuple(token_ids[start : min(start + bs, len(token_ids) - 1)])
+        if not want:
+            return None, 0
+        best, best_j = None, 0
+        for cand in self.pool.children(parent_gen, block_extra_keys(extra_keys, i), self.partial_scan_limit):
+            tokens = cand.token_ids
+            if tokens[0] != want[0] or cand.parent_hash != parent_hash:
+                continue
+            j = common_prefix_len(tokens, want)
+            if j > best_j:
+                best, best_j = cand, j
+                if j == len(want):
+                    break
+        return best, best_j
 
     # ---- allocation -----------------------------------------------------------------------------------
     @property
@@ -178,17 +275,37 @@ class KVCacheManager:
                 )
             prev_gen = block.cache_gen
 
-    def _fresh_blocks_needed(self, num_tokens: int, cached_blocks: tuple[KVBlock, ...]) -> int:
+    def _check_partial(self, hit: PrefixHit) -> None:
+        """Raise ``StaleCacheHitError`` unless ``hit``'s partial source is still the entry it was found as."""
+        src = hit._partial
+        if src is None:
+            return
+        if not self.partial_hits_active:
+            raise ValueError("partial prefix hits are off; the prefix hit must have no partial part")
+        if not src.is_entry or src.cache_gen != hit._partial_gen:
+            raise StaleCacheHitError(
+                f"the partial hit's source (block {src.block_id}) is no longer that cache entry; "
+                "call find_cached_prefix again right before allocate"
+            )
+
+    def _fresh_blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
         """Blocks to allocate so hits + fresh cover ``num_tokens`` tokens."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         self.check_fits(num_tokens)
-        self._check_hits(cached_blocks)
-        return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks))
+        self._check_hits(hit._blocks)
+        self._check_partial(hit)
+        if hit._partial is not None and num_tokens <= hit.num_tokens:
+            raise ValueError(
+                f"a partial hit of {hit.num_tokens} tokens must leave a token of {num_tokens} to compute"
+            )
+        return max(0, cdiv(num_tokens, self.block_size) - len(hit._blocks))
 
-    def _available_besides(self, cached_blocks: tuple[KVBlock, ...]) -> int:
-        """Blocks a fresh allocation may take when ``cached_blocks`` are taken too (they leave the LRU)."""
-        return self.pool.num_available() - sum(1 for b in cached_blocks if b.ref_cnt == 0)
+    def _available_besides(self, hit: PrefixHit) -> int:
+        """Blocks a fresh allocation may take when the hit's blocks and partial source are held too (they
+        leave the LRU)."""
+        held = hit._blocks + ((hit._partial,) if hit._partial is not None else ())
+        return self.pool.num_available() - sum(1 for b in held if b.ref_cnt == 0)
 
     def can_allocate(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Whether ``allocate(_, num_tokens, hit)`` would succeed now. Changes nothing.
@@ -198,14 +315,16 @@ class KVCacheManager:
             StaleCacheHitError: a hit block was evicted since ``find_cached_prefix``.
             ValueError: ``num_tokens`` < 0, or hits given while caching is off.
         """
-        need = self._fresh_blocks_needed(num_tokens, hit._blocks)
-        return need <= self._available_besides(hit._blocks)
+        need = self._fresh_blocks_needed(num_tokens, hit)
+        return need <= self._available_besides(hit)
 
     def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> list[int] | None:
         """Give a new request a block table: the hit blocks, then fresh blocks up to ``num_tokens`` tokens.
 
         Takes a reference on every hit block (an unreferenced one leaves the LRU queue), then fresh
-        blocks from the free queue, evicting least recently used cached blocks when it is empty.
+        blocks from the free queue, evicting least recently used cached blocks when it is empty. With a
+        partial hit, the first fresh block gets the source's first ``hit.partial_tokens`` slots copied in
+        (the source held by a reference during the copy).
 
         Args:
             request_id: a request that holds no blocks yet.
@@ -219,22 +338,50 @@ class KVCacheManager:
         Raises:
             PromptTooLongError: ``num_tokens`` exceeds the whole pool (before any change).
             StaleCacheHitError: a hit block was evicted since ``find_cached_prefix`` (before any change).
-            ValueError: ``request_id`` already holds blocks, or ``num_tokens`` < 0.
+            ValueError: ``request_id`` already holds blocks, ``num_tokens`` < 0, or a partial hit that leaves
+                nothing to compute.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; use append_slots")
         cached_blocks = hit._blocks
-        need = self._fresh_blocks_needed(num_tokens, cached_blocks)
-        if need > self._available_besides(cached_blocks):
+        need = self._fresh_blocks_needed(num_tokens, hit)
+        if need > self._available_besides(hit):
             return None
         self.pool.touch(cached_blocks)
-        blocks = list(cached_blocks) + self.pool.allocate(need)
+        if hit._partial is None:
+            fresh = self.pool.allocate(need)
+        else:
+            try:
+                fresh = self._allocate_with_copy(need, hit)
+            except BaseException:
+                self.pool.release(reversed(cached_blocks))
+                raise
+        blocks = list(cached_blocks) + fresh
         self._requests[request_id] = _RequestBlocks(
             blocks=blocks,
             hashes=[b.block_hash for b in cached_blocks],
             chain_gens=[b.cache_gen for b in cached_blocks],
         )
         return [b.block_id for b in blocks]
+
+    def _allocate_with_copy(self, need: int, hit: PrefixHit) -> list[KVBlock]:
+        """``need`` (>= 1) fresh blocks, the first holding a copy of the first ``hit.partial_tokens`` slots of
+        the hit's partial source. The source is referenced from before the allocation (so it cannot be
+        evicted to make room) until the copy is made. On a copy error every block taken here is released and
+        the error raised (the caller has taken the hit's references: it releases them)."""
+        src = hit._partial
+        assert src is not None and self._copy_slots is not None and need >= 1
+        self.pool.touch((src,))
+        try:
+            fresh = self.pool.allocate(need)
+            try:
+                self._copy_slots(src.block_id, fresh[0].block_id, hit.partial_tokens)
+            except BaseException:
+                self.pool.release(reversed(fresh))
+                raise
+        finally:
+            self.pool.release((src,))
+        return fresh
 
     def append_slots(self, request_id: str, num_total_tokens: int) -> bool:
         """Grow the request's block table to cover ``num_total_tokens`` tokens.
@@ -371,11 +518,65 @@ class KVCacheManager:
         return None
 
     # ---- release --------------------------------------------------------------------------------------
-    def free(self, request_id: str) -> None:
-        """Drop the request's references, tail block first (tails are evicted before parents). Unknown: no-op."""
+    def free(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | None = None,
+        num_computed_tokens: int = 0,
+        extra_keys: ExtraKeys = (),
+    ) -> None:
+        """Drop the request's references, tail block first (tails are evicted before parents). Unknown: no-op.
+
+        With ``token_ids`` (and partial hits active) the request's last, partly computed block is first kept
+        as a partial entry (invariant 9), so a later prompt sharing part of it copies its KV.
+
+        Args:
+            request_id: the request.
+            token_ids: all its tokens (prompt + generated), or None to keep nothing.
+            num_computed_tokens: tokens whose KV is written (the kept block holds the last
+                ``num_computed_tokens % block_size`` of them).
+            extra_keys: the extra keys of its block hashes.
+        """
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.pool.release(reversed(req.blocks))
+        if req is None:
+            return
+        if token_ids is not None and self.partial_hits_active:
+            self._keep_partial(req, token_ids, num_computed_tokens, _keys(extra_keys))
+        self.pool.release(reversed(req.blocks))
+
+    def _keep_partial(
+        self, req: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int, extra_keys: ExtraKeys
+    ) -> bool:
+        """Register ``req``'s last partly computed block as a partial entry when it is worth keeping (see
+        invariant 9). Returns True when kept."""
+        bs = self.block_size
+        num_full, k = divmod(min(num_computed_tokens, len(token_ids)), bs)
+        if not k or num_full >= len(req.blocks) or len(req.hashes) < num_full:
+            return False
+        parent_gen = req.chain_gens[num_full - 1] if num_full else None
+        parent_hash = req.hashes[num_full - 1] if num_full else None
+        if num_full and (parent_gen is None or not self._is_live_entry(parent_hash, parent_gen)):
+            return False
+        block = req.blocks[num_full]
+        if block.ref_cnt != 1 or block.is_entry:
+            return False
+        tokens = tuple(token_ids[num_full * bs : num_full * bs + k])
+        keys = block_extra_keys(extra_keys, num_full)
+        for sib in self.pool.children(parent_gen, keys, self.partial_scan_limit):
+            have = sib.token_ids
+            if sib.parent_hash != parent_hash:
+                continue
+            if len(have) >= k and have[:k] == tokens:
+                return False  # an entry already serves every token of this block
+            if sib.partial and sib.ref_cnt == 0 and tokens[: len(have)] == have:
+                self.pool.drop_partial(sib)  # this block serves all of it and more
+        self.pool.register_partial(block, tokens, parent_hash, parent_gen, keys)
+        return True
+
+    def _is_live_entry(self, block_hash: BlockHash | None, gen: int) -> bool:
+        """True when the entry registered under ``block_hash`` now is the registration ``gen``."""
+        entry = self.pool.get_cached(block_hash) if block_hash is not None else None
+        return entry is not None and entry.cache_gen == gen
 
     def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached entry (they become free blocks). O(cached); tests and admin.
@@ -530,6 +731,11 @@ class KVCacheManager:
         """Full blocks of the request already offered to the prefix cache (hits included)."""
         return len(self._request(request_id).hashes)
 
+    @property
+    def partial_entries(self) -> int:
+        """Partial entries kept in the pool (gauge)."""
+        return self.pool.partial_entries
+
     def num_free_blocks(self) -> int:
         """Blocks a fresh allocation can get now: free + evictable cached."""
         return self.pool.num_available()
@@ -546,7 +752,7 @@ class KVCacheManager:
 
     @property
     def blocks_cached(self) -> int:
-        """Unreferenced blocks holding a reusable hash (evictable)."""
+        """Unreferenced cache entries, full or partial (evictable)."""
         return self.pool.blocks_cached
 
     @property

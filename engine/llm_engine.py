@@ -14,6 +14,8 @@ scheduled request: advance ``num_computed_tokens``, register its newly full bloc
 sampled token to output processing, and free the blocks of finished requests. A request with ``n > 1`` forks
 when its prompt is computed: its ``n - 1`` forks share the prompt's blocks (``KVCacheManager.fork``; the
 partial last block copied, ``ModelRunner.copy_block``) and take their first tokens from the same logits row.
+A token-granular prefix hit copies the shared slots of a cached block into the request's own block at admission
+(``KVCacheManager.allocate`` through ``ModelRunner.copy_slots``), before the step's forward.
 
 Invariant: a request is in ``requests`` from ``add_request`` until its final output is built; a finished
 request's blocks are freed in the same call that builds that output.
@@ -143,7 +145,13 @@ class LLMEngine(PrefixAdmin):
             check_tier_names(tuple(config.tiers))
             if hash_fn is hash_block:
                 hash_fn = deployment_hash_fn(tuple(config.tiers), config.deployment_secret, config.tier_disk)
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, hash_fn)
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            hash_fn,
+            enable_partial_hits=config.enable_partial_prefix_hits,
+        )
         self.kv.max_pinned_blocks = int(config.max_pinned_fraction * config.num_blocks)
         self.counters = EngineCounters()
         backend = getattr(tokenizer, "backend", None)
@@ -167,6 +175,7 @@ class LLMEngine(PrefixAdmin):
         self.runner = ModelRunner(
             model, config.num_blocks, config.block_size, kv_dtype, config.shared_prefix_attention
         )
+        self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None
         if config.tiers:
             layout = KVLayout.of_model(model, model_id, config.block_size, self.runner.kv_cache.dtype)

@@ -152,6 +152,18 @@ class ModelRunner:
         self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
     @torch.inference_mode()
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` slots (token positions) of block ``src``'s K and V into block ``dst``, every
+        layer (a token-granular prefix hit, ``KVCacheManager.set_slot_copier``); ``src`` is only read.
+
+        Raises:
+            ValueError: ``n`` not in ``[1, block_size]``, or ``src == dst``.
+        """
+        if not 1 <= n <= self.block_size or src == dst:
+            raise ValueError(f"cannot copy {n} slots of block {src} into block {dst}")
+        self.kv_cache[:, :, dst, :n].copy_(self.kv_cache[:, :, src, :n])
+
+    @torch.inference_mode()
     def execute(self, inp: ModelInput, return_logits: bool = False) -> StepResult:
         """Forward the step, compute logits of ``logit_rows`` only, and sample one token for each.
 

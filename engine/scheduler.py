@@ -12,7 +12,8 @@ Continuous batching with chunked prefill, after vLLM v1's unified scheduler (eve
 2. **prefill chunks** of running requests whose prompt is not computed yet (chunked prefill), oldest first.
 3. **admissions** from the waiting queue, ordered by the policy. Admission looks up the longest cached prefix
    (a ``PrefixHit``: the scheduler sees block ids, hashes and counts, never the pool's blocks; the last prompt
-   token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` blocks), allocates the
+   token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` whole blocks and, with
+   token-granular hits, part of the next block up to the last token), allocates the
    request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request that cannot get
    blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller ones), and schedules
    a first chunk.
@@ -180,13 +181,17 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.kv.free(req.request_id)
+        self._free_blocks(req)
         req.status = RequestStatus.FINISHED
+
+    def _free_blocks(self, req: Request) -> None:
+        """Free ``req``'s blocks, keeping its last partly computed block as a partial cache entry."""
+        self.kv.free(req.request_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it at the front of the waiting queue (to recompute)."""
         self.running.remove(req)
-        self.kv.free(req.request_id)
+        self._free_blocks(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -254,10 +259,14 @@ class Scheduler:
         return budget
 
     # ---- admission ----------------------------------------------------------------------------------------
-    def cached_prefix(self, req: Request) -> PrefixHit:
-        """The request's usable prefix-cache hit now: at most ``(num_tokens - 1) // block_size`` blocks."""
+    def cached_prefix(self, req: Request, partial: bool = True) -> PrefixHit:
+        """The request's usable prefix-cache hit now: at most ``(num_tokens - 1) // block_size`` whole blocks
+        and, with ``partial`` (token-granular hits, when the KV cache manager has them on), part of the next
+        block; never the last token."""
         cap = (req.num_tokens - 1) // self.block_size
-        return self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes[:cap], req.extra_keys)
+        return self.kv.find_cached_prefix(
+            req.all_token_ids, req.block_hashes[:cap], req.extra_keys, partial=partial
+        )
 
     def _ordered_waiting(self, preempted_now: list[Request]) -> list[Request]:
         """Waiting requests in admission order: preempted, then starved (older than max_wait_s), then policy."""
@@ -286,7 +295,7 @@ class Scheduler:
         keyed = []
         group_rank: dict[tuple[int, int | None], int] = {}
         for pos, req in enumerate(reqs):
-            hit = self.cached_prefix(req)
+            hit = self.cached_prefix(req, partial=False)
             group = (hit.num_blocks, hit.last_block_id)
             rank = group_rank.setdefault(group, len(group_rank))
             keyed.append((-hit.num_blocks, rank, pos, req))
@@ -343,7 +352,12 @@ class Scheduler:
             hit = self.cached_prefix(req)
             if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue
-            if self.kv.allocate(req.request_id, req.num_tokens, hit) is None:
+            table = self.kv.allocate(req.request_id, req.num_tokens, hit)
+            if table is None and hit.partial_tokens:
+                # The copy's source is held while the blocks are taken: when it is in the way, go without it.
+                hit = hit.whole_blocks()
+                table = self.kv.allocate(req.request_id, req.num_tokens, hit)
+            if table is None:
                 break  # not enough blocks now: wait (and keep the queue behind it waiting too)
             n = self._admit(req, hit)
             n = min(n, budget)

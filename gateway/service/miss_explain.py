@@ -272,7 +272,9 @@ class MissExplainer:
             return "cold", cached, None, None
         old_len = len(entry.tokens)
         if d >= old_len - old_len % bs:
-            return "cold", d, None, None  # the earlier prompt is all shared: what follows it is new
+            # the earlier prompt is all shared: what follows it is new (past what the cache served: with
+            # token-granular hits it may also have served the earlier request's own generated tokens)
+            return "cold", max(d, cached), None, None
         slot_span = next((s for s in spans if s.start - 1 <= d < s.end), None)
         names = {_segment_at(segs, d), _segment_at(entry.segments, d)}
         if "tools" in names:

@@ -41,13 +41,15 @@ def test_requests_sharing_a_prefix_hold_its_blocks_once():
     s = eng.stats()
     assert s.requests == n
     assert s.prompt_tokens == s.prefix_query_tokens == n * (p + own)
-    assert s.prefix_hit_tokens == (n - 1) * shared_blocks * BS
+    assert (
+        s.prefix_hit_tokens == (n - 1) * p
+    )  # whole blocks, then the prefix's 4 tokens of the leader's block 6
     assert s.prefill_tokens == n * (p + own) - s.prefix_hit_tokens
     assert s.decode_tokens == n * 6
     assert s.ttft.count == n and s.tpot.count == n * 5  # one TTFT per request, one TPOT per later token
     assert s.ttft.counts[-1] <= s.ttft.count and list(s.ttft.counts) == sorted(s.ttft.counts)
     assert s.prefill_seconds > 0 and s.decode_seconds > 0
-    assert [r.num_cached_tokens for r in reqs] == [0] + [shared_blocks * BS] * (n - 1)
+    assert [r.num_cached_tokens for r in reqs] == [0] + [p] * (n - 1)
 
 
 def test_cancel_mid_prefill_frees_blocks_at_once():
@@ -102,10 +104,11 @@ def test_cached_blocks_are_reused_after_the_requests_end():
     prompt = random_tokens(80, 7)
     eng.add_request(prompt, greedy(2))
     eng.run_to_completion()
-    assert eng.stats().blocks_cached == 81 // BS  # full blocks of the 81 computed tokens (80 + 1 decoded)
+    # full blocks of the 81 computed tokens (80 + 1 decoded), and the last one's partial block (1 token)
+    assert eng.stats().blocks_cached == 81 // BS + 1 and eng.kv.partial_entries == 1
     again = eng.add_request(prompt, greedy(2))
     eng.run_to_completion()
-    assert again.num_cached_tokens == 64  # (80 - 1) // 16 blocks
+    assert again.num_cached_tokens == 79  # all but the last prompt token (4 whole blocks + 15 copied slots)
     assert_all_returned(eng)
 
 

@@ -45,10 +45,10 @@ def cases(base: list[int]) -> dict[str, tuple[list[int], int]]:
     """prompt and the tokens it must get from the cache once ``base`` (300 tokens) has run."""
     return {
         "shares 0 blocks": (random_tokens(90, 2), 0),
-        "shares 1 block": (base[:20] + random_tokens(30, 3), 16),
-        "shares many blocks": (base[:170] + random_tokens(25, 4), 160),
-        "wholly cached": (base[:250], 240),  # 15 full blocks; the last token's block is recomputed
-        "ends on a block boundary": (base[:240], 224),  # all 15 blocks cached; the last one is recomputed
+        "shares 1 block": (base[:20] + random_tokens(30, 3), 20),  # a block and 4 copied slots
+        "shares many blocks": (base[:170] + random_tokens(25, 4), 170),
+        "wholly cached": (base[:250], 249),  # 15 full blocks and 9 copied slots; the last token is recomputed
+        "ends on a block boundary": (base[:240], 239),  # 14 blocks and 15 slots; the last token is recomputed
     }
 
 
@@ -74,7 +74,7 @@ def test_wholly_cached_prompt_run_twice_is_identical():
     eng.run_to_completion()
     second = eng.add_request(prompt, greedy(N_NEW))
     eng.run_to_completion()
-    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 48)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 63)
     assert first.output_token_ids == second.output_token_ids
     torch.testing.assert_close(
         torch.stack(eng.logits_log[first.request_id]),
@@ -101,7 +101,7 @@ def test_batched_chunked_and_cached_together_equals_alone():
         mixed_steps += kinds == {True, False}
         eng.finish_step(plan, eng.run_step(plan))
     assert mixed_steps > 0  # prefill chunks really ran beside decodes
-    assert eng.stats().prefix_hit_tokens == 16 + 160 + 240 + 224
+    assert eng.stats().prefix_hit_tokens == 20 + 170 + 249 + 239
     for req, prompt in reqs:
         assert_same(ckpt, eng, req, prompt)
 

@@ -70,8 +70,9 @@ def test_unaligned_prefix_costs_at_most_one_block_per_request():
     eng.run_to_completion()
     s = eng.stats()
     assert 500 + 16 * 32 <= s.prefill_tokens <= 500 + 16 * 32 + 16 * BS
-    # followers share 31 full blocks (496 tokens) and recompute the block the prefix ends in
-    assert s.prefill_tokens == 532 + 15 * (532 - 496)
+    # followers share 31 full blocks (496 tokens) and copy the prefix's 4 tokens of the block it ends in
+    # (token-granular hits: they compute only their own 32 tokens)
+    assert s.prefill_tokens == 532 + 15 * (532 - 500)
     for r, p in zip(reqs, prompts, strict=True):
         assert r.output_token_ids == alone(tuple(p))
 
@@ -155,7 +156,8 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_and_hit_counters():
     assert b.preemptions == 0 and t.preemptions > 0
     assert [r.output_token_ids for r in tiny] == [r.output_token_ids for r in big]
     assert all(len(r.output_token_ids) == 64 for r in tiny)
-    assert t.prefix_hit_tokens == b.prefix_hit_tokens == 3 * 64
-    assert [r.num_cached_tokens for r in tiny] == [r.num_cached_tokens for r in big] == [0, 64, 64, 64]
+    # the shared blocks, and prompt 2 copies one more token: its suffix starts like prompt 0's (seed 6 data)
+    assert t.prefix_hit_tokens == b.prefix_hit_tokens == 3 * 64 + 1
+    assert [r.num_cached_tokens for r in tiny] == [r.num_cached_tokens for r in big] == [0, 64, 65, 64]
     assert t.prefill_tokens > b.prefill_tokens  # recomputation is counted as prefill, never as a hit
     assert t.blocks_used == 0 and t.blocks_free + t.blocks_cached == t.blocks_total

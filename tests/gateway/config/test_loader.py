@@ -90,6 +90,17 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path):
     assert config.models[0].path == str(tmp_path / "ckpt" / "tiny")
 
 
+def test_partial_prefix_hits_are_on_by_default_and_switch_off(tmp_path):
+    on = load_config(write(tmp_path, "models: [{name: a, path: x}]\n")).models[0].engine
+    assert on.enable_partial_prefix_hits is True
+    text = "models: [{name: a, path: x, engine: {enable_partial_prefix_hits: false}}]\n"
+    off = load_config(write(tmp_path, text)).models[0].engine
+    assert off.enable_partial_prefix_hits is False and off.enable_prefix_caching is True
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, "models: [{name: a, engine: {enable_partial_prefix_hits: 1}}]\n"))
+    assert caught.value.key == "models[0].engine.enable_partial_prefix_hits"
+
+
 def test_empty_rules_list_turns_rewriting_off(tmp_path):
     assert load_config(write(tmp_path, "rules: []\n")).rules == ()
 

@@ -109,8 +109,10 @@ def test_four_turn_table_rules_on_caches_at_least_rules_off(tmp_path):
         for turn in range(1, 4):
             assert on[turn][1] >= off[turn][1], (face, turn)
             previous = on[turn - 1][0]
-            # every full block of the previous turn's prompt is served from the cache
-            assert on[turn][1] == previous - previous % BLOCK, (face, turn)
+            # every token of the previous turn's prompt is served from the cache (token-granular hits: its
+            # last, partial block too), and of the reply the history repeats, the tokens the engine computed
+            # for that turn (at most max_tokens - 1 = 3)
+            assert previous <= on[turn][1] <= previous + 3, (face, turn)
             # what missed is the new turn itself (the reply and question the cache never saw): cold, after
             # the previous prompt
             fields = dict(part.split("=", 1) for part in on[turn][2].split("; "))

@@ -184,7 +184,8 @@ def test_warm_at_start_then_admin_warm_list_and_delete(tmp_path, tiny_checkpoint
         assert "capital of france" not in listing.text and "capital of france" not in response.text
 
         usage = chat(server, conversation("and the fox ?"), "globex")
-        assert cached(usage) == usable(usage["prompt_tokens"])
+        # the warmed prompt's whole blocks and its last, partial block (kept in RAM): all but the last token
+        assert cached(usage) == usage["prompt_tokens"] - 1
 
         dropped = httpx.delete(
             f"{server.base_url}/admin/cache",
