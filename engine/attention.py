@@ -36,6 +36,7 @@ zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-que
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,16 +118,39 @@ class SharedPrefix:
     private: BlockGather  # each sequence's blocks after the shared ones, padded to the longest, concatenated
     private_len: int  # longest private part (tokens)
     private_mask: torch.Tensor | None  # bool [B_dec, 1, 1, private_len]; None when all are equally long
-    private_bias: torch.Tensor | None = None  # ``private_mask`` as an additive bf16 mask, made once per step
 
-    def additive_private_mask(self) -> torch.Tensor | None:
-        """``private_mask`` as the CPU flash kernel takes it: bf16 ``[B_dec, 1, 1, private_len]``, 0 where a
-        position is attended and ``-inf`` elsewhere; None when all are equally long. Built on the first call of
-        a step and kept for its other layers."""
-        if self.private_mask is not None and self.private_bias is None:
-            bias = torch.zeros(self.private_mask.shape, dtype=torch.bfloat16, device=self.private_mask.device)
-            self.private_bias = bias.masked_fill_(~self.private_mask, float("-inf"))
-        return self.private_bias
+
+@dataclass
+class SplitDecode:
+    """Decode attention of ``B`` sequences as partial attentions merged by their log-sum-exp, none of which
+    copies a long stretch of context (``split_decode_attention``; CPU flash kernel over a bf16 cache):
+
+    - ``shared``: blocks every sequence starts with (cascade attention, ``SharedPrefix``), attended once by
+      all ``B * group`` queries of each KV head;
+    - ``heads``: per sequence, its longest run of consecutive block ids after the shared blocks (not its last
+      block), at least ``MIN_VIEW_BLOCKS`` long: attended in place, a view of the cache;
+    - ``rest``: every other block of every sequence (its last, partial block always among them), gathered
+      with ONE ``index_select`` into ``[B, rest_blocks * block_size]`` (each sequence's blocks in logical
+      order, padded with block 0) and attended by one masked call.
+
+    A sequence's parts depend only on its own block table (and the shared blocks), never on the other
+    sequences' contexts beyond the padding, which the mask zeroes exactly."""
+
+    shared: BlockGather | None  # the shared blocks, or None
+    heads: list[tuple[int, int, int]]  # (sequence index, first block id, tokens) of each view
+    rest: BlockGather  # B x rest_blocks blocks, sequence-major
+    rest_len: int  # longest rest (tokens)
+    rest_mask: torch.Tensor | None  # bool [B, 1, 1, rest_len]; None when all rests are equally long
+    chunks: int = 1  # each view is attended as this many equal chunks (``attention_chunks``)
+    rest_bias: torch.Tensor | None = None  # ``rest_mask`` as an additive bf16 mask, made once per step
+
+    def additive_rest_mask(self) -> torch.Tensor | None:
+        """``rest_mask`` as the CPU flash kernel takes it: bf16 ``[B, 1, 1, rest_len]``, 0 where a position is
+        attended and ``-inf`` elsewhere; None when all rests are equally long. Built once per step."""
+        if self.rest_mask is not None and self.rest_bias is None:
+            bias = torch.zeros(self.rest_mask.shape, dtype=torch.bfloat16, device=self.rest_mask.device)
+            self.rest_bias = bias.masked_fill_(~self.rest_mask, float("-inf"))
+        return self.rest_bias
 
 
 @dataclass
@@ -142,6 +166,7 @@ class DecodePlan:
     num_seqs: int
     shared: SharedPrefix | None = None  # set when cascade attention applies (``plan_attention``)
     per_seq: list[tuple[BlockGather, int]] | None = None  # (blocks, seq_len) each: ``per_sequence_decode``
+    split: SplitDecode | None = None  # the bf16 CPU path when it applies (``split_decode_attention``)
 
 
 @dataclass
@@ -155,6 +180,73 @@ class AttentionPlan:
 
 
 SHARED_PREFIX_MIN_TOKENS = 64  # cascade attention only when at least this many context positions are shared
+MIN_VIEW_BLOCKS = (
+    8  # a run of consecutive blocks is attended in place (``SplitDecode.heads``) from this length
+)
+
+
+def longest_run(ids: list[int]) -> tuple[int, int]:
+    """``(start, length)`` of the longest stretch of ``ids`` whose ids are consecutive (``ids[s + j] ==
+    ids[s] + j``); the first such stretch on ties, ``(0, 0)`` for an empty list."""
+    best = (0, 0)
+    start = 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            if j - start > best[1]:
+                best = (start, j - start)
+            start = j
+    return best
+
+
+def attention_chunks(num_kv_heads: int, threads: int | None = None) -> int:
+    """Into how many equal chunks ``split_decode_attention`` cuts a long run of context (the batch dimension of
+    one flash call), so that ``chunks * num_kv_heads`` tasks spread evenly over torch's ``threads`` (default:
+    ``torch.get_num_threads()``): torch's CPU flash kernel runs one task per (batch, head, query block), and one
+    decode query group over 3 KV heads on 2 threads leaves one thread idle a third of the call. 1 on one
+    thread; at most 4."""
+    threads = threads or torch.get_num_threads()
+    return min(4, threads // math.gcd(threads, num_kv_heads))
+
+
+def plan_split_decode(
+    tables: list[list[int]],
+    lens: list[int],
+    shared_blocks: int,
+    block_size: int,
+    pool_blocks: int,
+    device: torch.device,
+    chunks: int = 1,
+) -> SplitDecode:
+    """The ``SplitDecode`` of decode sequences with block tables ``tables`` (at least their used blocks) and
+    context lengths ``lens`` whose first ``shared_blocks`` blocks are common (0: no cascade). Views (the shared
+    blocks, each head) are cut into ``chunks`` equal chunks (``attention_chunks``): their lengths are rounded
+    down to a multiple of ``chunks`` blocks, the blocks left over go to the sequences' rests."""
+    bs = block_size
+    shared_used = shared_blocks - shared_blocks % chunks
+    heads: list[tuple[int, int, int]] = []
+    rests: list[list[int]] = []
+    rest_lens: list[int] = []
+    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        nb = -(-n // bs)
+        own = t[shared_used:nb]
+        start, length = longest_run(own[:-1])
+        length -= length % chunks
+        if length >= MIN_VIEW_BLOCKS:
+            heads.append((i, own[start], length * bs))
+            own = own[:start] + own[start + length :]
+        rests.append(own)
+        rest_lens.append(n - (nb - len(own)) * bs)
+    width = max(len(r) for r in rests)
+    ids = [b for r in rests for b in r + [0] * (width - len(r))]
+    shared = block_gather(tables[0][:shared_used], pool_blocks, device) if shared_used else None
+    return SplitDecode(
+        shared,
+        heads,
+        block_gather(ids, pool_blocks, device),
+        max(rest_lens),
+        length_mask(rest_lens, device),
+        chunks,
+    )
 
 
 def shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
@@ -169,7 +261,11 @@ def shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: i
 
 
 def plan_attention(
-    meta: AttentionMetadata, device: torch.device, pool_blocks: int, shared_prefix: bool = True
+    meta: AttentionMetadata,
+    device: torch.device,
+    pool_blocks: int,
+    shared_prefix: bool = True,
+    num_kv_heads: int = 1,
 ) -> AttentionPlan:
     """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
 
@@ -179,6 +275,7 @@ def plan_attention(
         pool_blocks: blocks in the KV cache (``kv_cache.shape[2]``).
         shared_prefix: allow cascade attention for decode sequences sharing at least
             ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``).
+        num_kv_heads: KV heads of the model (``attention_chunks``: how decode views are cut for threads).
 
     Raises:
         ValueError: inconsistent metadata (lengths, a query longer than its context, a block table too short,
@@ -234,6 +331,8 @@ def plan_attention(
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
         dec_tables = [tables[i] for i in decode_seqs]
         p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
+        split_ok = prefix_split_available(device)
+        chunks = attention_chunks(num_kv_heads) if split_ok else 1
         if p * bs >= SHARED_PREFIX_MIN_TOKENS:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
@@ -246,15 +345,23 @@ def plan_attention(
                 length_mask(priv_lens, device),
             )
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
+            if split_ok:
+                decode.split = plan_split_decode(dec_tables, lens, p, bs, pool_blocks, device, chunks)
         elif len(decode_seqs) > 1:
             per_seq = [
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
                 for t, n in zip(dec_tables, lens, strict=True)
             ]
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), per_seq=per_seq)
+            # all contexts consecutive on one thread: per-sequence views copy nothing and need no merge
+            if split_ok and (chunks > 1 or any(blocks.first is None for blocks, _ in per_seq)):
+                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device, chunks)
         else:
             ids = dec_tables[0][:nb]
             decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
+            if split_ok and (chunks > 1 or decode.blocks.first is None):
+                split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device, chunks)
+                decode.split = split if split.heads else None  # no long run: one gather, one call
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
 
@@ -439,6 +546,8 @@ def decode_attention(
     """
     adt = adt or q.dtype
     out_dtype = out_dtype or q.dtype
+    if dec.split is not None and adt == torch.bfloat16 and layer_cache.dtype == torch.bfloat16:
+        return split_decode_attention(q, layer_cache, dec.split, scale, group, out_dtype)
     if dec.shared is not None:
         return cascade_decode_attention(q, layer_cache, dec.shared, scale, group).to(out_dtype)
     if dec.per_seq is not None:
@@ -518,8 +627,6 @@ def cascade_decode_attention(
     """
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
-    if layer_cache.dtype == torch.bfloat16 and _bf16_fast(q.device) and prefix_split_available(q.device):
-        return _cascade_bf16(q, layer_cache, shared, scale, group)
     qf = q.float().view(b, kvh, group, head_dim)
     ks = shared.blocks.read(layer_cache).float().transpose(1, 2)  # [2, kvh, Ls, D]
     q_shared = qf.permute(1, 0, 2, 3).reshape(kvh, b * group, head_dim)
@@ -535,32 +642,84 @@ def cascade_decode_attention(
     return o.reshape(b, num_heads, head_dim).to(q.dtype)
 
 
-def _cascade_bf16(
-    q: torch.Tensor, layer_cache: torch.Tensor, shared: SharedPrefix, scale: float, group: int
+def _attend_chunks(
+    qx: torch.Tensor, kv: torch.Tensor, chunks: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qx`` ``[1, kvh, M, D]`` bf16 over ``kv`` ``[2, L, kvh, D]`` (a view of consecutive blocks or a gathered
+    copy; ``L % chunks == 0``) cut into ``chunks`` equal chunks, one flash call with the chunks as its batch.
+    Returns ``o`` ``[chunks, kvh, M, D]`` bf16 and ``lse`` ``[chunks, kvh, M]`` fp32, one partial softmax per
+    chunk."""
+    _, length, kvh, d = kv.shape
+    kvc = kv.view(2, chunks, length // chunks, kvh, d).transpose(2, 3)  # [2, c, kvh, L/c, D]
+    q = qx if chunks == 1 else qx.expand(chunks, -1, -1, -1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, kvc[0], kvc[1], 0.0, False, scale=scale
+    )
+
+
+def split_decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    split: SplitDecode,
+    scale: float,
+    group: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``cascade_decode_attention`` over a bf16 cache on a CPU with bf16 kernels: both partial attentions run
-    in torch's CPU flash kernel on the cache's bf16 as stored (it returns each row's log-sum-exp, fp32), only
-    the merge is fp32. Against widening the shared blocks to fp32 every layer and attending with fp32 matmuls:
-    0.20 against 0.58 ms per layer for the shared part (8 queries x 3 groups over 1,024 positions, SmolLM2
-    shapes, one thread, Xeon with AMX). ``q`` ``[B, H, D]`` -> ``[B, H, D]`` in q's dtype; the rounding is that
-    of ``decode_attention`` over a bf16 cache (``attention_dtype``)."""
+    """Decode attention of ``B`` sequences over a bf16 cache as ``SplitDecode``'s partial attentions, each in
+    torch's CPU flash kernel on the cache's bf16 as stored (it returns each row's log-sum-exp), merged in fp32:
+    ``o = sum_p o_p e^{l_p - m} / sum_p e^{l_p - m}`` with ``m = max_p l_p`` (FlashAttention's online
+    softmax, Dao et al. 2022; cascade inference, Ye et al. 2024). A sequence without a head view has
+    ``l = -inf`` and ``o = 0`` there, weight 0.
+
+    Against reading a context that is not one run of consecutive blocks with one ``index_select`` (a copy of
+    the whole context, every layer) this copies only the blocks outside the longest run; the rounding is that
+    of ``decode_attention`` over a bf16 cache (``attention_dtype``) plus each partial output's rounding to bf16
+    before the fp32 merge (relative ~4e-3).
+
+    Args:
+        q: ``[B, H, D]`` queries. layer_cache: this layer's bf16 cache. split: from ``plan_split_decode``.
+        scale: softmax scale. group: query heads per KV head. out_dtype: result dtype (default q's).
+
+    Returns:
+        ``[B, H, D]`` in ``out_dtype``.
+    """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     b, num_heads, head_dim = q.shape
-    kvh = layer_cache.shape[-2]
+    bs, kvh = layer_cache.shape[2], layer_cache.shape[-2]
+    c = split.chunks
     qg = q.view(b, kvh, group, head_dim).to(torch.bfloat16)
-    ks = shared.blocks.read(layer_cache).transpose(1, 2).unsqueeze(1)  # [2, 1, kvh, Ls, D]
-    q_shared = qg.permute(1, 0, 2, 3).reshape(1, kvh, b * group, head_dim)
-    o_s, lse_s = flash(q_shared, ks[0], ks[1], 0.0, False, scale=scale)  # [1, kvh, B*g, D], [1, kvh, B*g]
-    o_s = o_s.reshape(kvh, b, group, head_dim).permute(1, 0, 2, 3).float()
-    lse_s = lse_s.reshape(kvh, b, group, 1).permute(1, 0, 2, 3)
-    kv = shared.private.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : shared.private_len]
-    kv = kv.transpose(2, 3)  # [2, B, kvh, Lp, D]
-    mask = shared.additive_private_mask()  # the kernel takes an additive mask of the query's dtype
-    o_p, lse_p = flash(
-        qg, kv[0], kv[1], 0.0, False, attn_mask=mask, scale=scale
-    )  # [B, kvh, g, D], [B, kvh, g]
-    lse_p = lse_p.unsqueeze(-1)
-    m = torch.maximum(lse_s, lse_p)
-    w_s, w_p = (lse_s - m).exp_(), (lse_p - m).exp_()
-    o = o_s.mul_(w_s).add_(o_p.float().mul_(w_p)).div_(w_s.add_(w_p))
-    return o.reshape(b, num_heads, head_dim).to(q.dtype)
+    outs: list[torch.Tensor] = []  # [n, B, kvh, g, D] each: n partial attentions per sequence
+    lses: list[torch.Tensor] = []  # [n, B, kvh, g] each, fp32
+    if split.shared is not None:
+        q_shared = qg.permute(1, 0, 2, 3).reshape(1, kvh, b * group, head_dim)
+        o_s, lse_s = _attend_chunks(q_shared, split.shared.read(layer_cache), c, scale)
+        outs.append(o_s.view(c, kvh, b, group, head_dim).transpose(1, 2))
+        lses.append(lse_s.view(c, kvh, b, group).transpose(1, 2))
+    if split.heads:
+        views = [
+            _attend_chunks(
+                qg[i : i + 1], layer_cache[:, first : first + n // bs].view(2, n, kvh, head_dim), c, scale
+            )
+            for i, first, n in split.heads
+        ]
+        if len(views) == b:
+            outs.append(torch.stack([o for o, _ in views], 1))
+            lses.append(torch.stack([lse for _, lse in views], 1))
+        else:
+            o_h = qg.new_zeros(c, b, kvh, group, head_dim)
+            lse_h = torch.full((c, b, kvh, group), float("-inf"), device=q.device)
+            for (i, _, _), (o, lse) in zip(split.heads, views, strict=True):
+                o_h[:, i] = o
+                lse_h[:, i] = lse
+            outs.append(o_h)
+            lses.append(lse_h)
+    kv = split.rest.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : split.rest_len].transpose(2, 3)
+    o_r, lse_r = flash(qg, kv[0], kv[1], 0.0, False, attn_mask=split.additive_rest_mask(), scale=scale)
+    if not outs:
+        return o_r.reshape(b, num_heads, head_dim).to(out_dtype or q.dtype)
+    outs.append(o_r.unsqueeze(0))
+    lses.append(lse_r.unsqueeze(0))
+    lse = torch.cat(lses)  # [P, B, kvh, g]
+    w = lse.sub_(lse.amax(0)).exp_().unsqueeze(-1)  # [P, B, kvh, g, 1]
+    o = torch.cat(outs).float().mul_(w).sum(0).div_(w.sum(0))
+    return o.view(b, num_heads, head_dim).to(out_dtype or q.dtype)
