@@ -68,15 +68,19 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def decode_meta(b: int, context: int, blocks_per_seq: int) -> tuple[AttentionMetadata, torch.Tensor]:
+def decode_meta(
+    b: int, context: int, blocks_per_seq: int, shared_blocks: int = 0
+) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata of one decode step of ``b`` sequences, each with ``context`` cached tokens in its own
-    consecutive blocks; and the int64 positions ``[b]``."""
+    consecutive blocks, the first ``shared_blocks`` of them common to all (one cached system prompt: cascade
+    attention); and the int64 positions ``[b]``."""
     slots, qsl, tables = [], [0], []
     for i in range(b):
         base = i * blocks_per_seq
-        slots.append((base + context // BLOCK) * BLOCK + context % BLOCK)
+        table = list(range(shared_blocks)) + list(range(base + shared_blocks, base + blocks_per_seq))
+        slots.append(table[context // BLOCK] * BLOCK + context % BLOCK)
         qsl.append(qsl[-1] + 1)
-        tables.append(list(range(base, base + blocks_per_seq)))
+        tables.append(table)
     meta = AttentionMetadata(torch.tensor(slots), qsl, [context + 1] * b, torch.tensor(tables), BLOCK)
     return meta, torch.full((b,), context, dtype=torch.int64)
 
@@ -90,15 +94,22 @@ def _int4(lin: LinearWeight) -> Int4Weight:
 
 
 def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, dict[str, float]]:
-    """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``."""
+    """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``, and
+    ``attn_in_step``: each layer's int4 calls then its attention, as a step orders them, minus ``int4_only``.
+
+    ``attn_only`` reads the 30 layers' contexts back to back, which on a CPU whose last-level cache holds
+    them (SmolLM2 at ~1,000 tokens, bf16: 25 MB) finds them in cache; in a step ~66 MB of int4 weights stream
+    between two reads of a layer's context, so it comes from memory: ``attn_in_step`` is that cost.
+    ``rest = full - int4_only - attn_in_step``. Rows: ``b1``, ``b8`` (8 private contexts) and ``b8s`` (8
+    contexts sharing their first ``context // 16 * 16 - 64`` tokens: cascade attention)."""
     c = model.config
     bps = -(-(context + 64) // BLOCK)
     kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
     lins = [_int4(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
     lins.append(_int4(model.lm_head))
     out = {}
-    for b in (1, 8):
-        meta, pos = decode_meta(b, context, bps)
+    for name, b, shared in (("b1", 1, 0), ("b8", 8, 0), ("b8s", 8, context // BLOCK - 4)):
+        meta, pos = decode_meta(b, context, bps, shared)
         tok = torch.randint(100, 1000, (b,))
         xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
         plan = plan_attention(meta, model.device, kv.shape[2])
@@ -113,14 +124,23 @@ def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, 
             for i in range(c.num_layers):
                 paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
 
+        def int4_attn(xs=xs, q=q, k=k, v=v, plan=plan) -> None:
+            for i in range(c.num_layers):
+                for lin, x in zip(lins[4 * i : 4 * i + 4], xs[4 * i : 4 * i + 4], strict=True):
+                    torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+                paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
+            torch._weight_int4pack_mm_for_cpu(xs[-1], lins[-1].packed, 32, lins[-1].scale_zero_bf16)
+
         fns = {
             "full": lambda tok=tok, pos=pos, meta=meta: model.compute_logits(model(tok, pos, kv, meta)),
             "int4_only": int4_only,
             "attn_only": attn_only,
+            "int4_attn": int4_attn,
         }
         row = interleaved_ms(fns, rounds, 1, clock)
-        row["rest"] = row["full"] - row["int4_only"] - row["attn_only"]
-        out[f"b{b}"] = row
+        row["attn_in_step"] = row.pop("int4_attn") - row["int4_only"]
+        row["rest"] = row["full"] - row["int4_only"] - row["attn_in_step"]
+        out[name] = row
     return out
 
 

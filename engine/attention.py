@@ -24,9 +24,15 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
   once and attended by every query of each KV group in one matmul, the private rest per sequence, and the two
   softmaxes merged by their log-sum-exp. ``plan_attention(..., shared_prefix=False)`` switches it off.
 
-Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and plain decode attention are computed
-in bf16 as the cache stores them (``attention_dtype``); so are the cascade's two partial attentions, whose
-log-sum-exp merge stays fp32.
+Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and decode attention are computed in
+bf16 as the cache stores them (``attention_dtype``). Decode there takes one path for every batch
+(``SplitDecode``, ``split_decode_attention``): each layer copies the decode sequences' blocks into one buffer
+made once per step (one ``index_select``, or one copy when they are consecutive) and runs torch's CPU flash
+kernel on the copy: the shared blocks (cascade) once for all queries, the other blocks of all sequences in one
+masked call, the two merged by log-sum-exp in fp32. Copying first is faster than attending the cache in place:
+in a step ~66 MB of weights stream between two reads of a layer's context, so it is read from memory, and the
+flash kernel's per-head reads (128 of every 384 bytes per position) go slower from memory than one sequential
+copy (``docs/engine-step.md``). The per-sequence and view paths above serve fp32 caches and other CPUs.
 
 Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
 zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
@@ -36,7 +42,6 @@ zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-que
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +80,18 @@ class BlockGather:
     num_blocks: int  # n, blocks to read
     first: int | None = None
     rows: torch.Tensor | None = None
+
+    def read_into(self, layer_cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy the blocks' K and V into ``out`` (``[2 * n, block_size * kv_heads * head_dim]``, the cache's
+        dtype; reused by every layer of a step) and return it as ``[2, n, block_size, kv_heads, head_dim]``."""
+        bs, kvh, hd = layer_cache.shape[2:]
+        if self.first is not None:
+            out.view(2, self.num_blocks, bs, kvh, hd).copy_(
+                layer_cache[:, self.first : self.first + self.num_blocks]
+            )
+        else:
+            torch.index_select(layer_cache.view(2 * layer_cache.shape[1], -1), 0, self.rows, out=out)
+        return out.view(2, self.num_blocks, bs, kvh, hd)
 
     def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """``[2, n * block_size, kv_heads, head_dim]``: K (index 0) and V (index 1) of the blocks, in order."""
@@ -122,27 +139,26 @@ class SharedPrefix:
 
 @dataclass
 class SplitDecode:
-    """Decode attention of ``B`` sequences as partial attentions merged by their log-sum-exp, none of which
-    copies a long stretch of context (``split_decode_attention``; CPU flash kernel over a bf16 cache):
+    """Decode attention of ``B`` sequences over a bf16 cache on CPU (``split_decode_attention``): their context
+    is copied, every layer, into one buffer made once per step (ONE ``index_select``, or one copy when the
+    blocks are consecutive), and attended there by torch's CPU flash kernel:
 
-    - ``shared``: blocks every sequence starts with (cascade attention, ``SharedPrefix``), attended once by
-      all ``B * group`` queries of each KV head;
-    - ``heads``: per sequence, its longest run of consecutive block ids after the shared blocks (not its last
-      block), at least ``MIN_VIEW_BLOCKS`` long: attended in place, a view of the cache;
-    - ``rest``: every other block of every sequence (its last, partial block always among them), gathered
-      with ONE ``index_select`` into ``[B, rest_blocks * block_size]`` (each sequence's blocks in logical
-      order, padded with block 0) and attended by one masked call.
+    - ``num_shared`` blocks every sequence starts with (cascade attention, ``SharedPrefix``; 0 if none), copied
+      once and attended once by all ``B * group`` queries of each KV head;
+    - each sequence's other blocks (``rest``: its last, partial block last), padded with block 0 to the
+      longest, attended by one call with an additive mask; merged with the shared part by log-sum-exp.
 
-    A sequence's parts depend only on its own block table (and the shared blocks), never on the other
-    sequences' contexts beyond the padding, which the mask zeroes exactly."""
+    Why copy: the flash kernel reads K/V per head (128 of every 384 bytes of a SmolLM2 position), which from
+    memory (a decode step streams ~66 MB of weights between two reads of a layer's context, so the context is
+    never in cache) is slower than one sequential copy plus the kernel on the copy (``docs/engine-step.md``).
+    A sequence's result depends only on its own blocks: the padding is masked to exact zeros."""
 
-    shared: BlockGather | None  # the shared blocks, or None
-    heads: list[tuple[int, int, int]]  # (sequence index, first block id, tokens) of each view
-    rest: BlockGather  # B x rest_blocks blocks, sequence-major
+    blocks: BlockGather  # the shared blocks, then B x rest_blocks blocks, sequence-major
+    num_shared: int  # shared blocks (0: no cascade)
     rest_len: int  # longest rest (tokens)
     rest_mask: torch.Tensor | None  # bool [B, 1, 1, rest_len]; None when all rests are equally long
-    chunks: int = 1  # each view is attended as this many equal chunks (``attention_chunks``)
     rest_bias: torch.Tensor | None = None  # ``rest_mask`` as an additive bf16 mask, made once per step
+    buffer: torch.Tensor | None = None  # the copy of one layer's blocks, made once per step
 
     def additive_rest_mask(self) -> torch.Tensor | None:
         """``rest_mask`` as the CPU flash kernel takes it: bf16 ``[B, 1, 1, rest_len]``, 0 where a position is
@@ -151,6 +167,13 @@ class SplitDecode:
             bias = torch.zeros(self.rest_mask.shape, dtype=torch.bfloat16, device=self.rest_mask.device)
             self.rest_bias = bias.masked_fill_(~self.rest_mask, float("-inf"))
         return self.rest_bias
+
+    def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """This layer's blocks, copied into ``buffer``: ``[2, n, block_size, kv_heads, head_dim]``."""
+        if self.buffer is None:
+            row = layer_cache[0, 0].numel()
+            self.buffer = layer_cache.new_empty(2 * self.blocks.num_blocks, row)
+        return self.blocks.read_into(layer_cache, self.buffer)
 
 
 @dataclass
@@ -180,32 +203,6 @@ class AttentionPlan:
 
 
 SHARED_PREFIX_MIN_TOKENS = 64  # cascade attention only when at least this many context positions are shared
-MIN_VIEW_BLOCKS = (
-    8  # a run of consecutive blocks is attended in place (``SplitDecode.heads``) from this length
-)
-
-
-def longest_run(ids: list[int]) -> tuple[int, int]:
-    """``(start, length)`` of the longest stretch of ``ids`` whose ids are consecutive (``ids[s + j] ==
-    ids[s] + j``); the first such stretch on ties, ``(0, 0)`` for an empty list."""
-    best = (0, 0)
-    start = 0
-    for j in range(1, len(ids) + 1):
-        if j == len(ids) or ids[j] != ids[j - 1] + 1:
-            if j - start > best[1]:
-                best = (start, j - start)
-            start = j
-    return best
-
-
-def attention_chunks(num_kv_heads: int, threads: int | None = None) -> int:
-    """Into how many equal chunks ``split_decode_attention`` cuts a long run of context (the batch dimension of
-    one flash call), so that ``chunks * num_kv_heads`` tasks spread evenly over torch's ``threads`` (default:
-    ``torch.get_num_threads()``): torch's CPU flash kernel runs one task per (batch, head, query block), and one
-    decode query group over 3 KV heads on 2 threads leaves one thread idle a third of the call. 1 on one
-    thread; at most 4."""
-    threads = threads or torch.get_num_threads()
-    return min(4, threads // math.gcd(threads, num_kv_heads))
 
 
 def plan_split_decode(
@@ -215,37 +212,16 @@ def plan_split_decode(
     block_size: int,
     pool_blocks: int,
     device: torch.device,
-    chunks: int = 1,
 ) -> SplitDecode:
     """The ``SplitDecode`` of decode sequences with block tables ``tables`` (at least their used blocks) and
-    context lengths ``lens`` whose first ``shared_blocks`` blocks are common (0: no cascade). Views (the shared
-    blocks, each head) are cut into ``chunks`` equal chunks (``attention_chunks``): their lengths are rounded
-    down to a multiple of ``chunks`` blocks, the blocks left over go to the sequences' rests."""
+    context lengths ``lens`` whose first ``shared_blocks`` blocks are common (0: no cascade)."""
     bs = block_size
-    shared_used = shared_blocks - shared_blocks % chunks
-    heads: list[tuple[int, int, int]] = []
-    rests: list[list[int]] = []
-    rest_lens: list[int] = []
-    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
-        nb = -(-n // bs)
-        own = t[shared_used:nb]
-        start, length = longest_run(own[:-1])
-        length -= length % chunks
-        if length >= MIN_VIEW_BLOCKS:
-            heads.append((i, own[start], length * bs))
-            own = own[:start] + own[start + length :]
-        rests.append(own)
-        rest_lens.append(n - (nb - len(own)) * bs)
+    rests = [t[shared_blocks : -(-n // bs)] for t, n in zip(tables, lens, strict=True)]
+    rest_lens = [n - shared_blocks * bs for n in lens]
     width = max(len(r) for r in rests)
-    ids = [b for r in rests for b in r + [0] * (width - len(r))]
-    shared = block_gather(tables[0][:shared_used], pool_blocks, device) if shared_used else None
+    ids = tables[0][:shared_blocks] + [b for r in rests for b in r + [0] * (width - len(r))]
     return SplitDecode(
-        shared,
-        heads,
-        block_gather(ids, pool_blocks, device),
-        max(rest_lens),
-        length_mask(rest_lens, device),
-        chunks,
+        block_gather(ids, pool_blocks, device), shared_blocks, max(rest_lens), length_mask(rest_lens, device)
     )
 
 
@@ -265,7 +241,6 @@ def plan_attention(
     device: torch.device,
     pool_blocks: int,
     shared_prefix: bool = True,
-    num_kv_heads: int = 1,
 ) -> AttentionPlan:
     """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
 
@@ -275,7 +250,6 @@ def plan_attention(
         pool_blocks: blocks in the KV cache (``kv_cache.shape[2]``).
         shared_prefix: allow cascade attention for decode sequences sharing at least
             ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``).
-        num_kv_heads: KV heads of the model (``attention_chunks``: how decode views are cut for threads).
 
     Raises:
         ValueError: inconsistent metadata (lengths, a query longer than its context, a block table too short,
@@ -332,7 +306,6 @@ def plan_attention(
         dec_tables = [tables[i] for i in decode_seqs]
         p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
         split_ok = prefix_split_available(device)
-        chunks = attention_chunks(num_kv_heads) if split_ok else 1
         if p * bs >= SHARED_PREFIX_MIN_TOKENS:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
@@ -346,22 +319,20 @@ def plan_attention(
             )
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
             if split_ok:
-                decode.split = plan_split_decode(dec_tables, lens, p, bs, pool_blocks, device, chunks)
+                decode.split = plan_split_decode(dec_tables, lens, p, bs, pool_blocks, device)
         elif len(decode_seqs) > 1:
             per_seq = [
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
                 for t, n in zip(dec_tables, lens, strict=True)
             ]
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), per_seq=per_seq)
-            # all contexts consecutive on one thread: per-sequence views copy nothing and need no merge
-            if split_ok and (chunks > 1 or any(blocks.first is None for blocks, _ in per_seq)):
-                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device, chunks)
+            if split_ok:
+                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device)
         else:
             ids = dec_tables[0][:nb]
             decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
-            if split_ok and (chunks > 1 or decode.blocks.first is None):
-                split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device, chunks)
-                decode.split = split if split.heads else None  # no long run: one gather, one call
+            if split_ok:
+                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device)
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
 
@@ -642,21 +613,6 @@ def cascade_decode_attention(
     return o.reshape(b, num_heads, head_dim).to(q.dtype)
 
 
-def _attend_chunks(
-    qx: torch.Tensor, kv: torch.Tensor, chunks: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qx`` ``[1, kvh, M, D]`` bf16 over ``kv`` ``[2, L, kvh, D]`` (a view of consecutive blocks or a gathered
-    copy; ``L % chunks == 0``) cut into ``chunks`` equal chunks, one flash call with the chunks as its batch.
-    Returns ``o`` ``[chunks, kvh, M, D]`` bf16 and ``lse`` ``[chunks, kvh, M]`` fp32, one partial softmax per
-    chunk."""
-    _, length, kvh, d = kv.shape
-    kvc = kv.view(2, chunks, length // chunks, kvh, d).transpose(2, 3)  # [2, c, kvh, L/c, D]
-    q = qx if chunks == 1 else qx.expand(chunks, -1, -1, -1)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, kvc[0], kvc[1], 0.0, False, scale=scale
-    )
-
-
 def split_decode_attention(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -665,16 +621,16 @@ def split_decode_attention(
     group: int,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``B`` sequences over a bf16 cache as ``SplitDecode``'s partial attentions, each in
-    torch's CPU flash kernel on the cache's bf16 as stored (it returns each row's log-sum-exp), merged in fp32:
-    ``o = sum_p o_p e^{l_p - m} / sum_p e^{l_p - m}`` with ``m = max_p l_p`` (FlashAttention's online
-    softmax, Dao et al. 2022; cascade inference, Ye et al. 2024). A sequence without a head view has
-    ``l = -inf`` and ``o = 0`` there, weight 0.
+    """Decode attention of ``B`` sequences over a bf16 cache (``SplitDecode``): the blocks copied into the
+    step's buffer, then torch's CPU flash kernel on the copy, on the cache's bf16 as stored (it returns each
+    row's log-sum-exp): the shared part once for all queries, the rest of every sequence in one masked call,
+    the two merged in fp32, ``o = (o_s e^{l_s - m} + o_r e^{l_r - m}) / (e^{l_s - m} + e^{l_r - m})``,
+    ``m = max(l_s, l_r)`` (FlashAttention's online softmax, Dao et al. 2022; cascade inference, Ye et al.
+    2024). Without a shared part: one call, no merge.
 
-    Against reading a context that is not one run of consecutive blocks with one ``index_select`` (a copy of
-    the whole context, every layer) this copies only the blocks outside the longest run; the rounding is that
-    of ``decode_attention`` over a bf16 cache (``attention_dtype``) plus each partial output's rounding to bf16
-    before the fp32 merge (relative ~4e-3).
+    Rounding: that of ``decode_attention`` over a bf16 cache (``attention_dtype``: q and the probabilities in
+    bf16, statistics and accumulation fp32); with a shared part, each partial output is rounded to bf16 before
+    the fp32 merge as well.
 
     Args:
         q: ``[B, H, D]`` queries. layer_cache: this layer's bf16 cache. split: from ``plan_split_decode``.
@@ -685,41 +641,24 @@ def split_decode_attention(
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     b, num_heads, head_dim = q.shape
-    bs, kvh = layer_cache.shape[2], layer_cache.shape[-2]
-    c = split.chunks
+    kvh = layer_cache.shape[-2]
+    out_dtype = out_dtype or q.dtype
     qg = q.view(b, kvh, group, head_dim).to(torch.bfloat16)
-    outs: list[torch.Tensor] = []  # [n, B, kvh, g, D] each: n partial attentions per sequence
-    lses: list[torch.Tensor] = []  # [n, B, kvh, g] each, fp32
-    if split.shared is not None:
-        q_shared = qg.permute(1, 0, 2, 3).reshape(1, kvh, b * group, head_dim)
-        o_s, lse_s = _attend_chunks(q_shared, split.shared.read(layer_cache), c, scale)
-        outs.append(o_s.view(c, kvh, b, group, head_dim).transpose(1, 2))
-        lses.append(lse_s.view(c, kvh, b, group).transpose(1, 2))
-    if split.heads:
-        views = [
-            _attend_chunks(
-                qg[i : i + 1], layer_cache[:, first : first + n // bs].view(2, n, kvh, head_dim), c, scale
-            )
-            for i, first, n in split.heads
-        ]
-        if len(views) == b:
-            outs.append(torch.stack([o for o, _ in views], 1))
-            lses.append(torch.stack([lse for _, lse in views], 1))
-        else:
-            o_h = qg.new_zeros(c, b, kvh, group, head_dim)
-            lse_h = torch.full((c, b, kvh, group), float("-inf"), device=q.device)
-            for (i, _, _), (o, lse) in zip(split.heads, views, strict=True):
-                o_h[:, i] = o
-                lse_h[:, i] = lse
-            outs.append(o_h)
-            lses.append(lse_h)
-    kv = split.rest.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : split.rest_len].transpose(2, 3)
-    o_r, lse_r = flash(qg, kv[0], kv[1], 0.0, False, attn_mask=split.additive_rest_mask(), scale=scale)
-    if not outs:
-        return o_r.reshape(b, num_heads, head_dim).to(out_dtype or q.dtype)
-    outs.append(o_r.unsqueeze(0))
-    lses.append(lse_r.unsqueeze(0))
-    lse = torch.cat(lses)  # [P, B, kvh, g]
-    w = lse.sub_(lse.amax(0)).exp_().unsqueeze(-1)  # [P, B, kvh, g, 1]
-    o = torch.cat(outs).float().mul_(w).sum(0).div_(w.sum(0))
-    return o.view(b, num_heads, head_dim).to(out_dtype or q.dtype)
+    kv = split.read(layer_cache)  # [2, n, bs, kvh, D]
+    ns = split.num_shared
+    rest = kv[:, ns:].reshape(2, b, -1, kvh, head_dim)[:, :, : split.rest_len].transpose(2, 3)
+    o_r, lse_r = flash(qg, rest[0], rest[1], 0.0, False, attn_mask=split.additive_rest_mask(), scale=scale)
+    if not ns:
+        return o_r.reshape(b, num_heads, head_dim).to(out_dtype)
+    shared = kv[:, :ns].reshape(2, 1, -1, kvh, head_dim).transpose(2, 3)  # [2, 1, kvh, Ls, D]
+    q_shared = qg.permute(1, 0, 2, 3).reshape(1, kvh, b * group, head_dim)
+    o_s, lse_s = flash(
+        q_shared, shared[0], shared[1], 0.0, False, scale=scale
+    )  # [1, kvh, B*g, D], [1, kvh, B*g]
+    o_s = o_s.view(kvh, b, group, head_dim).transpose(0, 1).float()
+    lse_s = lse_s.view(kvh, b, group, 1).transpose(0, 1)
+    lse_r = lse_r.unsqueeze(-1)
+    m = torch.maximum(lse_s, lse_r)
+    w_s, w_r = lse_s.sub(m).exp_(), lse_r.sub_(m).exp_()
+    o = o_s.mul_(w_s).add_(o_r.float().mul_(w_r)).div_(w_s.add_(w_r))
+    return o.reshape(b, num_heads, head_dim).to(out_dtype)

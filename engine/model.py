@@ -293,7 +293,7 @@ class LlamaModel(nn.Module):
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
             )
         dev = self.device
-        plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.shape[-2])
+        plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix)
         positions = positions.to(dev)
         rotation = rope_rotation(self.inv_freq, positions)
         h = self.embed_tokens(input_ids.to(dev))

@@ -1,12 +1,10 @@
-"""Split decode attention (``engine.attention.SplitDecode``) equals one pass over the gathered context within bf16
-rounding, and covers every context position exactly once.
+"""Decode attention over a bf16 cache on CPU (``engine.attention.SplitDecode``): the context copied into a
+buffer made once per step, the shared prefix attended once, merged by log-sum-exp; equal to fp32 attention over
+the gathered context within bf16 rounding.
 
-Over a bf16 cache on CPU, decode attention reads a context that is not one run of consecutive blocks as partial
-attentions: the shared blocks (cascade), each sequence's longest run in place (cut into ``chunks`` for threads)
-and the rest gathered, merged by their log-sum-exp. Checked on one layer directly (random K/V, GQA, ragged
-lengths, sequences with and without a long run, 1-3 chunks) against fp32 attention over the gathered context,
-and through the engine on SmolLM2 with a bf16 KV cache: cache on == cache off and batched == alone, same greedy
-tokens."""
+Checked on one layer directly (random K/V, GQA, ragged lengths, consecutive and scattered blocks, with and
+without a shared prefix) against fp32 attention over the gathered context, and through the engine on SmolLM2
+with a bf16 KV cache: cache on == cache off and batched == alone, same greedy tokens."""
 
 from __future__ import annotations
 
@@ -14,10 +12,7 @@ import pytest
 import torch
 
 from engine.attention import (
-    MIN_VIEW_BLOCKS,
     AttentionMetadata,
-    attention_chunks,
-    longest_run,
     paged_attention,
     plan_attention,
     plan_split_decode,
@@ -45,115 +40,98 @@ def decode_meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
 
 RUN = list(range(40, 102))  # 62 consecutive blocks: a cached system prompt
 CASES = {
-    "one run": ([list(range(0, 68))], [1071]),
+    "consecutive blocks": ([list(range(0, 68))], [1071]),
     "prefix hit, fresh blocks elsewhere": ([RUN + [200, 201, 150]], [62 * BS + 40]),
-    "two sequences, both with a run": ([RUN + [200, 201, 150], list(range(110, 140)) + [299]], [1032, 483]),
-    "one sequence without a long run": ([RUN + [200], [3, 7, 9]], [62 * BS + 1, 40]),
+    "two sequences": ([RUN + [200, 201, 150], list(range(110, 140)) + [299]], [1032, 483]),
+    "ragged, scattered": ([RUN + [200], [3, 7, 9]], [62 * BS + 1, 40]),
     "cascade, short private parts": ([RUN[:20] + [200, 201], RUN[:20] + [150, 151, 152]], [340, 360]),
-    "cascade with a private run": (
+    "cascade, longer private parts": (
         [RUN[:5] + list(range(110, 125)) + [200], RUN[:5] + [150, 151]],
         [323, 100],
     ),
 }
 
 
-def test_longest_run():
-    assert longest_run([]) == (0, 0)
-    assert longest_run([5]) == (0, 1)
-    assert longest_run([9, 1, 2, 3, 7, 8]) == (1, 3)
-    assert longest_run([1, 2, 7, 8]) == (0, 2)  # the first on ties
-    assert longest_run([3, 2, 1]) == (0, 1)
+SHARED = {"cascade, short private parts": 20, "cascade, longer private parts": 5}
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_split_plan_covers_each_context_once(case, chunks):
+def test_split_plan_covers_each_context_once(case):
     tables, lens = CASES[case]
-    shared = 20 if case == "cascade, short private parts" else 5 if case.startswith("cascade") else 0
-    split = plan_split_decode(tables, lens, shared, BS, POOL, CPU, chunks)
-    shared_tokens = 0 if split.shared is None else split.shared.num_blocks * BS
-    assert shared_tokens % (chunks * BS) == 0
-    heads = {i: n for i, _, n in split.heads}
-    rest_lens = [lens[i] - shared_tokens - heads.get(i, 0) for i in range(len(lens))]
-    assert max(rest_lens) == split.rest_len
-    assert all(n % (chunks * BS) == 0 and n >= MIN_VIEW_BLOCKS * BS for n in heads.values())
-    width = split.rest.num_blocks // len(lens)
-    rows = split.rest.rows
-    rest_ids = (
-        list(range(split.rest.first, split.rest.first + split.rest.num_blocks))
-        if rows is None
-        else rows[: split.rest.num_blocks].tolist()
-    )
+    shared = SHARED.get(case, 0)
+    split = plan_split_decode(tables, lens, shared, BS, POOL, CPU)
+    assert split.num_shared == shared
+    blocks = split.blocks
+    ids = list(range(blocks.first, blocks.first + blocks.num_blocks)) if blocks.rows is None else None
+    ids = ids or blocks.rows[: blocks.num_blocks].tolist()
+    width = (len(ids) - shared) // len(lens)
+    rest_lens = [n - shared * BS for n in lens]
+    assert split.rest_len == max(rest_lens)
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
         nb = -(-n // BS)
-        used = rest_ids[i * width : i * width + -(-rest_lens[i] // BS)]
-        head = [first + j for j_, first, m in split.heads if j_ == i for j in range(m // BS)]
-        shared_ids = t[: shared_tokens // BS]
-        assert sorted(shared_ids + head + used) == sorted(t[:nb])  # every block once
-        assert used[-1] == t[nb - 1]  # the partial last block is the rest's last
+        assert ids[:shared] + ids[shared + i * width : shared + i * width + nb - shared] == t[:nb]
     if split.rest_mask is not None:
         assert split.rest_mask.sum(-1).flatten().tolist() == rest_lens
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_split_equals_fp32_attention_over_the_gathered_context(case, chunks, monkeypatch):
+def test_split_equals_fp32_attention_over_the_gathered_context(case):
     tables, lens = CASES[case]
-    g = torch.Generator().manual_seed(len(case) + chunks)
-    cache = torch.randn(2, POOL, BS, KVH, D, generator=g).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(len(case))
+    cache = torch.randn(2, 2, POOL, BS, KVH, D, generator=g).to(torch.bfloat16)  # two layers
     b = len(lens)
-    q = torch.randn(b, KVH * GROUP, D, generator=g)
-    k = torch.randn(b, KVH, D, generator=g)
-    v = torch.randn(b, KVH, D, generator=g)
-    monkeypatch.setattr("engine.attention.attention_chunks", lambda kvh, threads=None: chunks)
-    plan = plan_attention(decode_meta(tables, lens), CPU, POOL, num_kv_heads=KVH)
-    split = plan.decode.split
-    if split is None:  # one run on one thread: the plain view path; planned here to test the split anyway
-        shared = plan.decode.shared.num_tokens // BS if plan.decode.shared is not None else 0
-        split = plan_split_decode(tables, lens, shared, BS, POOL, CPU, chunks)
-    assert split.chunks == chunks
-    kv = cache.clone()
-    paged_attention(q, k, v, kv, plan, D**-0.5)  # writes this step's K/V
-    got = split_decode_attention(q, kv, split, D**-0.5, GROUP, torch.float32)
-    # reference: fp32 softmax attention of each query group over its gathered context
-    want = torch.empty(b, KVH, GROUP, D)
-    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
-        ctx = kv[:, t[: -(-n // BS)]].reshape(2, -1, KVH, D)[:, :n].float().transpose(1, 2)  # [2, kvh, n, D]
-        s = q[i].view(KVH, GROUP, D).to(torch.bfloat16).float() @ ctx[0].transpose(-1, -2) * D**-0.5
-        want[i] = torch.softmax(s, -1) @ ctx[1]
-    # bf16 query and probabilities (as the flash kernel rounds them) and bf16 partial outputs: 8 significant bits
-    torch.testing.assert_close(got, want.view(b, KVH * GROUP, D), atol=2e-2, rtol=2e-2)
+    meta = decode_meta(tables, lens)
+    plan = plan_attention(meta, CPU, POOL)
+    shared = SHARED.get(case, 0)
+    split = plan.decode.split or plan_split_decode(tables, lens, shared, BS, POOL, CPU)
+    assert split.num_shared == shared
+    for layer in range(2):
+        q = torch.randn(b, KVH * GROUP, D, generator=g)
+        k = torch.randn(b, KVH, D, generator=g)
+        v = torch.randn(b, KVH, D, generator=g)
+        kv = cache[layer]
+        paged_attention(q, k, v, kv, plan_attention(meta, CPU, POOL), D**-0.5)  # writes this step's K/V
+        got = split_decode_attention(q, kv, split, D**-0.5, GROUP, torch.float32)
+        # reference: fp32 softmax attention of each query group over its gathered context
+        want = torch.empty(b, KVH, GROUP, D)
+        for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+            ctx = (
+                kv[:, t[: -(-n // BS)]].reshape(2, -1, KVH, D)[:, :n].float().transpose(1, 2)
+            )  # [2, kvh, n, D]
+            s = q[i].view(KVH, GROUP, D).to(torch.bfloat16).float() @ ctx[0].transpose(-1, -2) * D**-0.5
+            want[i] = torch.softmax(s, -1) @ ctx[1]
+        # bf16 query and probabilities (as the flash kernel rounds them), bf16 partial outputs: 8 significant bits
+        torch.testing.assert_close(got, want.view(b, KVH * GROUP, D), atol=2e-2, rtol=2e-2)
+    assert split.buffer.shape == (2 * split.blocks.num_blocks, BS * KVH * D)  # one buffer, both layers
 
 
-def test_split_is_planned_for_non_consecutive_contexts_only_on_one_thread(monkeypatch):
-    monkeypatch.setattr("engine.attention.attention_chunks", lambda kvh, threads=None: 1)
-    one_run = plan_attention(decode_meta(*CASES["one run"]), CPU, POOL, num_kv_heads=KVH)
-    assert one_run.decode.split is None and one_run.decode.blocks.first == 0
-    hit = plan_attention(
-        decode_meta(*CASES["prefix hit, fresh blocks elsewhere"]), CPU, POOL, num_kv_heads=KVH
+def test_bf16_decode_goes_through_the_split_path_with_one_buffer(monkeypatch):
+    import engine.attention as attention
+
+    calls = []
+    real = attention.split_decode_attention
+    monkeypatch.setattr(
+        attention, "split_decode_attention", lambda *a, **k: calls.append(a[2]) or real(*a, **k)
     )
-    assert hit.decode.split.heads == [(0, 40, 62 * BS)] and hit.decode.split.rest.num_blocks == 3
-    short = plan_attention(decode_meta([[5, 9, 2]], [40]), CPU, POOL, num_kv_heads=KVH)
-    assert short.decode.split is None  # no long run: one gather, one call
-    monkeypatch.setattr("engine.attention.attention_chunks", lambda kvh, threads=None: 2)
-    one_run = plan_attention(decode_meta(*CASES["one run"]), CPU, POOL, num_kv_heads=KVH)
-    assert one_run.decode.split.heads == [
-        (0, 0, 66 * BS)
-    ]  # two chunks of 33 blocks; the last block in the rest
-
-
-def test_attention_chunks_spread_kv_heads_over_threads():
-    assert attention_chunks(3, 1) == 1
-    assert attention_chunks(3, 2) == 2
-    assert attention_chunks(3, 3) == 1
-    assert attention_chunks(2, 2) == 1
-    assert attention_chunks(3, 16) == 4
+    monkeypatch.setattr(attention, "_bf16_fast", lambda device: True)
+    tables, lens = CASES["two sequences"]
+    cache = torch.randn(3, 2, POOL, BS, KVH, D).to(torch.bfloat16)
+    plan = plan_attention(decode_meta(tables, lens), CPU, POOL)
+    q, k, v = torch.randn(2, KVH * GROUP, D), torch.randn(2, KVH, D), torch.randn(2, KVH, D)
+    for layer in range(3):
+        paged_attention(q, k, v, cache[layer], plan, D**-0.5)
+    assert len(calls) == 3 and all(c is plan.decode.split for c in calls)
+    assert plan.decode.split.buffer is not None
+    fp32 = plan_attention(decode_meta(tables, lens), CPU, POOL)
+    paged_attention(q, k, v, cache[0].float(), fp32, D**-0.5)  # an fp32 cache keeps the fp32 paths
+    assert len(calls) == 3 and fp32.decode.split.buffer is None
 
 
 @pytest.mark.slow
 def test_smollm2_bf16_cache_split_decode_keeps_greedy_tokens():
-    """SmolLM2 with a bf16 KV cache: a prompt whose system prefix is cached (blocks not consecutive, split
-    decode) and the same prompts batched get the greedy tokens each gets alone with caching off."""
+    """SmolLM2 with a bf16 KV cache: a prompt whose system prefix is cached (blocks not consecutive) and the
+    same prompts batched (cascade over the shared prefix) get the greedy tokens each gets alone with caching
+    off."""
     ckpt = smollm2_checkpoint()
     tok = ckpt.tokenizer
     system = "You are a helpful assistant for a train company. Answer briefly and politely. " * 8
