@@ -13,6 +13,11 @@ per sequence at ``--context`` tokens of context, batch 1 and 8:
   batch size (compile time: cold, or warm from inductor's FX graph cache in ``TORCHINDUCTOR_CACHE_DIR``), the
   largest difference from eager, and per-layer ms interleaved eager/compiled.
 
+- ``--attention-ab DIR``: attention inside a step (each layer's int4 calls, then its ``paged_attention``, minus
+  the int4 calls alone), ``DIR``'s ``engine/attention.py`` against this checkout's, interleaved, for one
+  sequence (consecutive blocks; a prefix hit whose fresh blocks lie elsewhere) and 8 (private; sharing 62
+  blocks).
+
 Compilation runs before ``--lock`` is taken; only the timed loops hold it. ``--threads 1`` times with this
 thread's CPU time (``time.thread_time``), which other processes on a shared machine do not inflate.
 Results and what they decided: ``docs/engine-step.md``. Run: ``python -m bench.decode_compile [--breakdown]``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import statistics
@@ -141,6 +147,84 @@ def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, 
         row["attn_in_step"] = row.pop("int4_attn") - row["int4_only"]
         row["rest"] = row["full"] - row["int4_only"] - row["attn_in_step"]
         out[name] = row
+    return out
+
+
+ATTN_CASES = ("b1 consecutive", "b1 prefix hit", "b8 private", "b8 shared")
+
+
+def attention_tables(case: str, context: int, bs: int = BLOCK) -> tuple[list[list[int]], list[int]]:
+    """Block tables and lengths (``context + 1`` each) of ``attention_ab``'s cases: one sequence in consecutive
+    blocks; one whose first 62 blocks (a cached system prompt) lie apart from its fresh ones; 8 such
+    sequences with private prompts and fresh blocks interleaved as the engine hands them out; the same 8
+    sharing their first 62 blocks (cascade)."""
+    n = context + 1
+    nb = -(-n // bs)
+    head = min(62, nb - 1)
+    if case == "b1 consecutive":
+        return [list(range(nb))], [n]
+    if case == "b1 prefix hit":
+        return [list(range(head)) + list(range(8 * nb, 9 * nb - head))], [n]
+    fresh = [[8 * nb + i + 8 * j for j in range(nb - head)] for i in range(8)]
+    if case == "b8 private":
+        return [list(range(i * head, (i + 1) * head)) + fresh[i] for i in range(8)], [n] * 8
+    return [list(range(head)) + fresh[i] for i in range(8)], [n] * 8
+
+
+def attention_ab(
+    model: LlamaModel, base_dir: str, context: int, rounds: int, clock
+) -> dict[str, dict[str, float]]:
+    """ms per decode step of attention inside a step, ``base`` (``engine/attention.py`` of checkout
+    ``base_dir``) against this checkout's, interleaved: per layer the layer's four int4 calls (real weights,
+    streamed from memory as in a step) then ``paged_attention``, minus the int4 calls alone (``none``)."""
+    import importlib.util
+    import sys
+
+    import engine.attention as new
+
+    spec = importlib.util.spec_from_file_location("base_attention", f"{base_dir}/engine/attention.py")
+    base = importlib.util.module_from_spec(spec)
+    sys.modules["base_attention"] = base  # dataclasses look their module up
+    spec.loader.exec_module(base)
+    c = model.config
+    nb = -(-(context + 1) // BLOCK)
+    kv = allocate_kv_cache(c, 9 * nb + 8, BLOCK, torch.bfloat16, "cpu").normal_()
+    lins = [[_int4(lin) for lin in (L.qkv, L.o_proj, L.gate_up, L.down)] for L in model.layers]
+    out = {}
+    for case in ATTN_CASES:
+        tables, lens = attention_tables(case, context)
+        b = len(lens)
+        width = max(len(t) for t in tables)
+        slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens, strict=True)]
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        plans = {
+            name: (
+                mod,
+                mod.plan_attention(
+                    mod.AttentionMetadata(torch.tensor(slots), list(range(b + 1)), lens, padded, BLOCK),
+                    model.device,
+                    kv.shape[2],
+                ),
+            )
+            for name, mod in (("base", base), ("new", new))
+        }
+        xs = [[torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in layer] for layer in lins]
+        q = torch.randn(b, c.num_heads, c.head_dim)
+        k, v = torch.randn(2, b, c.num_kv_heads, c.head_dim)
+
+        def step(which: str, xs=xs, q=q, k=k, v=v, plans=plans) -> None:
+            for i, layer in enumerate(lins):
+                for lin, x in zip(layer, xs[i], strict=True):
+                    torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+                if which != "none":
+                    mod, plan = plans[which]
+                    mod.paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
+
+        row = interleaved_ms(
+            {w: functools.partial(step, w) for w in ("none", "base", "new")}, rounds, 1, clock
+        )
+        out[case] = {"base": row["base"] - row["none"], "new": row["new"] - row["none"], "int4": row["none"]}
+        out[case]["base_over_new"] = out[case]["base"] / out[case]["new"]
     return out
 
 
@@ -265,13 +349,23 @@ def main() -> None:
     )
     ap.add_argument("--compile-only", action="store_true", help="compile A/B: compile time only, no timing")
     ap.add_argument("--lock", default=None, help="flock this file around timed loops (/work/wt/bench.lock)")
+    ap.add_argument(
+        "--attention-ab",
+        default=None,
+        metavar="DIR",
+        help="attention inside a step, DIR's engine/attention.py against this checkout's (e.g. a git archive of main)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     torch.set_grad_enabled(False)
     model = load_checkpoint(default_model_path(), weights=args.weights).model
-    if args.breakdown:
+    if args.attention_ab:
+        with torch.inference_mode(), bench_lock(args.lock):
+            load = os.getloadavg()[0]
+            res = attention_ab(model, args.attention_ab, args.context, 11, clock)
+    elif args.breakdown:
         with torch.inference_mode(), bench_lock(args.lock):
             load = os.getloadavg()[0]
             res = breakdown(model, args.context, 15, clock)
@@ -282,7 +376,7 @@ def main() -> None:
             model, batches, args.dynamic, args.mode, args.lock, clock, timed=not args.compile_only
         )
     for name, row in res.items():
-        print(f"{name:<4}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
+        print(f"{name:<15}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
     print(json.dumps({"result": res, **info, "dynamic": args.dynamic, "mode": args.mode}))
 
