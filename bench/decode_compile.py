@@ -61,12 +61,14 @@ def bench_lock(path: str | None) -> Iterator[None]:
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int, clock) -> dict[str, float]:
-    """Median over ``rounds`` of ms per call of each of ``fns``, the functions taking turns every round."""
+    """Median over ``rounds`` of ms per call of each of ``fns``, the functions taking turns every round, in an
+    order rotated by one every round (so none always runs right after the same other)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for f in fns.values():
         f()
-    for _ in range(rounds):
-        for name, f in fns.items():
+    items = list(fns.items())
+    for r in range(rounds):
+        for name, f in items[r % len(items) :] + items[: r % len(items)]:
             t = clock()
             for _ in range(calls):
                 f()

@@ -25,14 +25,14 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
   softmaxes merged by their log-sum-exp. ``plan_attention(..., shared_prefix=False)`` switches it off.
 
 Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and decode attention are computed in
-bf16 as the cache stores them (``attention_dtype``). Decode there takes one path for every batch
-(``SplitDecode``, ``split_decode_attention``): each layer copies the decode sequences' blocks into one buffer
-made once per step (one ``index_select``, or one copy when they are consecutive) and runs torch's CPU flash
-kernel on the copy: the shared blocks (cascade) once for all queries, the other blocks of all sequences in one
-masked call, the two merged by log-sum-exp in fp32. Copying first is faster than attending the cache in place:
-in a step ~66 MB of weights stream between two reads of a layer's context, so it is read from memory, and the
-flash kernel's per-head reads (128 of every 384 bytes per position) go slower from memory than one sequential
-copy (``docs/engine-step.md``). The per-sequence and view paths above serve fp32 caches and other CPUs.
+bf16 as the cache stores them (``attention_dtype``), and decode attends a copy of the context, never the cache
+in place: in a step ~66 MB of weights stream between two reads of a layer's context, so it is read from memory,
+and the flash kernel's per-head reads (128 of every 384 bytes per position) go slower from memory than one
+sequential copy followed by the kernel on the copy (``docs/engine-step.md``). One sequence, and the cascade,
+take ``SplitDecode`` (``split_decode_attention``): each layer copies the blocks into one buffer made once per
+step (one ``index_select``, or one copy when they are consecutive); the cascade's shared blocks are attended
+once for all queries, the other blocks of all sequences in one masked call, the two merged by log-sum-exp in
+fp32. Several sequences without a shared prefix go one by one (``per_sequence_decode``), each context copied.
 
 Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
 zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
@@ -325,9 +325,9 @@ def plan_attention(
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
                 for t, n in zip(dec_tables, lens, strict=True)
             ]
+            # no split: one buffer for B contexts outgrows the L2 cache the kernel should read it from (8 x
+            # 1,071 SmolLM2 positions: 6.6 MB), so each context is copied and attended in turn
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), per_seq=per_seq)
-            if split_ok:
-                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device)
         else:
             ids = dec_tables[0][:nb]
             decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
@@ -556,11 +556,13 @@ def per_sequence_decode(
         # 4-D inputs ([1, kvh, group, D] over [1, kvh, n, D]): torch's CPU flash kernel takes only 4-D inputs; a
         # 3-D call falls back to the unfused math path, 4.3x slower per call (0.37 vs 0.085 ms thread time at
         # 1,070 bf16 positions, SmolLM2 shapes, Xeon with AMX)
+        # each context copied first (a view of consecutive blocks too): the kernel reads it faster from cache
+        # than in place from memory (``SplitDecode``; docs/engine-step.md)
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(qg[i : i + 1], kv[0:1], kv[1:2], scale=scale)
                 for i, (blocks, n) in enumerate(seqs)
-                for kv in (blocks.read(layer_cache)[:, :n].transpose(1, 2),)
+                for kv in (blocks.read(layer_cache)[:, :n].contiguous().transpose(1, 2),)
             ]
         )
         return out.view(b, num_heads, head_dim).to(q.dtype)

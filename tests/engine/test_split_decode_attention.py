@@ -114,9 +114,12 @@ def test_bf16_decode_goes_through_the_split_path_with_one_buffer(monkeypatch):
         attention, "split_decode_attention", lambda *a, **k: calls.append(a[2]) or real(*a, **k)
     )
     monkeypatch.setattr(attention, "_bf16_fast", lambda device: True)
-    tables, lens = CASES["two sequences"]
+    tables, lens = CASES["cascade, short private parts"]
     cache = torch.randn(3, 2, POOL, BS, KVH, D).to(torch.bfloat16)
     plan = plan_attention(decode_meta(tables, lens), CPU, POOL)
+    assert (
+        plan_attention(decode_meta(*CASES["two sequences"]), CPU, POOL).decode.split is None
+    )  # per sequence
     q, k, v = torch.randn(2, KVH * GROUP, D), torch.randn(2, KVH, D), torch.randn(2, KVH, D)
     for layer in range(3):
         paged_attention(q, k, v, cache[layer], plan, D**-0.5)
