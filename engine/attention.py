@@ -533,6 +533,13 @@ def decode_attention(
     return o.reshape(b, num_heads, head_dim).to(out_dtype)
 
 
+def _copied(blocks: BlockGather, layer_cache: torch.Tensor) -> torch.Tensor:
+    """``blocks.read(layer_cache)``, copied when it is a view of the cache (consecutive blocks; a gather is a
+    copy already): ``[2, n * block_size, kv_heads, head_dim]``."""
+    kv = blocks.read(layer_cache)
+    return kv if blocks.first is None else kv.clone()
+
+
 def per_sequence_decode(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -562,7 +569,7 @@ def per_sequence_decode(
             [
                 F.scaled_dot_product_attention(qg[i : i + 1], kv[0:1], kv[1:2], scale=scale)
                 for i, (blocks, n) in enumerate(seqs)
-                for kv in (blocks.read(layer_cache)[:, :n].contiguous().transpose(1, 2),)
+                for kv in (_copied(blocks, layer_cache)[:, :n].transpose(1, 2),)
             ]
         )
         return out.view(b, num_heads, head_dim).to(q.dtype)

@@ -43,6 +43,7 @@ CASES = {
     "consecutive blocks": ([list(range(0, 68))], [1071]),
     "prefix hit, fresh blocks elsewhere": ([RUN + [200, 201, 150]], [62 * BS + 40]),
     "two sequences": ([RUN + [200, 201, 150], list(range(110, 140)) + [299]], [1032, 483]),
+    "two sequences, consecutive blocks": ([list(range(0, 10)), list(range(20, 30))], [150, 160]),
     "ragged, scattered": ([RUN + [200], [3, 7, 9]], [62 * BS + 1, 40]),
     "cascade, short private parts": ([RUN[:20] + [200, 201], RUN[:20] + [150, 151, 152]], [340, 360]),
     "cascade, longer private parts": (
@@ -90,7 +91,8 @@ def test_split_equals_fp32_attention_over_the_gathered_context(case):
         k = torch.randn(b, KVH, D, generator=g)
         v = torch.randn(b, KVH, D, generator=g)
         kv = cache[layer]
-        paged_attention(q, k, v, kv, plan_attention(meta, CPU, POOL), D**-0.5)  # writes this step's K/V
+        # as the step runs it (split, or one by one without a shared prefix), after writing this step's K/V
+        planned = paged_attention(q, k, v, kv, plan_attention(meta, CPU, POOL), D**-0.5)
         got = split_decode_attention(q, kv, split, D**-0.5, GROUP, torch.float32)
         # reference: fp32 softmax attention of each query group over its gathered context
         want = torch.empty(b, KVH, GROUP, D)
@@ -102,6 +104,9 @@ def test_split_equals_fp32_attention_over_the_gathered_context(case):
             want[i] = torch.softmax(s, -1) @ ctx[1]
         # bf16 query and probabilities (as the flash kernel rounds them), bf16 partial outputs: 8 significant bits
         torch.testing.assert_close(got, want.view(b, KVH * GROUP, D), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            planned.view(b, KVH * GROUP, D), want.view(b, KVH * GROUP, D), atol=2e-2, rtol=2e-2
+        )
     assert split.buffer.shape == (2 * split.blocks.num_blocks, BS * KVH * D)  # one buffer, both layers
 
 
