@@ -550,11 +550,13 @@ def per_sequence_decode(
 ) -> torch.Tensor:
     """Decode attention of ``B > 1`` sequences one by one: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
 
-    Each sequence reads its own blocks (a view of the cache when they are consecutive, the usual case, else
-    one ``index_select``) and attends with two matmuls and a softmax, its query heads folded into their KV group.
-    Against gathering all B contexts into one padded tensor and one masked ``scaled_dot_product_attention``,
-    this copies no K/V: at 8 x 1,080 tokens of SmolLM2 context, 30 layers, one thread, 127 ms against 176 ms
-    on an AVX2 EPYC (``bench/model_forward.py --step-profile`` shows the whole step).
+    Each sequence reads its own blocks (a view of the cache when they are consecutive, else one
+    ``index_select``) and attends with two matmuls and a softmax, its query heads folded into their KV group.
+    Against gathering all B contexts into one padded tensor and one masked ``scaled_dot_product_attention``:
+    at 8 x 1,080 tokens of SmolLM2 context, 30 layers, one thread, 127 ms against 176 ms on an AVX2 EPYC
+    (``bench/model_forward.py --step-profile`` shows the whole step). In bf16 (``adt``) each context is
+    attended by the flash kernel on a copy (a view is cloned), which reads it faster than the cache in place
+    (module docstring).
     """
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
