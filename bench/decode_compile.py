@@ -13,6 +13,11 @@ per sequence at ``--context`` tokens of context, batch 1 and 8:
   batch size (compile time: cold, or warm from inductor's FX graph cache in ``TORCHINDUCTOR_CACHE_DIR``), the
   largest difference from eager, and per-layer ms interleaved eager/compiled.
 
+- ``--attention-ab DIR``: attention inside a step (each layer's int4 calls, then its ``paged_attention``, minus
+  the int4 calls alone), ``DIR``'s ``engine/attention.py`` against this checkout's, interleaved, for one
+  sequence (consecutive blocks; a prefix hit whose fresh blocks lie elsewhere) and 8 (private; sharing 62
+  blocks).
+
 Compilation runs before ``--lock`` is taken; only the timed loops hold it. ``--threads 1`` times with this
 thread's CPU time (``time.thread_time``), which other processes on a shared machine do not inflate.
 Results and what they decided: ``docs/engine-step.md``. Run: ``python -m bench.decode_compile [--breakdown]``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import statistics
@@ -55,12 +61,14 @@ def bench_lock(path: str | None) -> Iterator[None]:
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int, clock) -> dict[str, float]:
-    """Median over ``rounds`` of ms per call of each of ``fns``, the functions taking turns every round."""
+    """Median over ``rounds`` of ms per call of each of ``fns``, the functions taking turns every round, in an
+    order rotated by one every round (so none always runs right after the same other)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for f in fns.values():
         f()
-    for _ in range(rounds):
-        for name, f in fns.items():
+    items = list(fns.items())
+    for r in range(rounds):
+        for name, f in items[r % len(items) :] + items[: r % len(items)]:
             t = clock()
             for _ in range(calls):
                 f()
@@ -68,15 +76,19 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def decode_meta(b: int, context: int, blocks_per_seq: int) -> tuple[AttentionMetadata, torch.Tensor]:
+def decode_meta(
+    b: int, context: int, blocks_per_seq: int, shared_blocks: int = 0
+) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata of one decode step of ``b`` sequences, each with ``context`` cached tokens in its own
-    consecutive blocks; and the int64 positions ``[b]``."""
+    consecutive blocks, the first ``shared_blocks`` of them common to all (one cached system prompt: cascade
+    attention); and the int64 positions ``[b]``."""
     slots, qsl, tables = [], [0], []
     for i in range(b):
         base = i * blocks_per_seq
-        slots.append((base + context // BLOCK) * BLOCK + context % BLOCK)
+        table = list(range(shared_blocks)) + list(range(base + shared_blocks, base + blocks_per_seq))
+        slots.append(table[context // BLOCK] * BLOCK + context % BLOCK)
         qsl.append(qsl[-1] + 1)
-        tables.append(list(range(base, base + blocks_per_seq)))
+        tables.append(table)
     meta = AttentionMetadata(torch.tensor(slots), qsl, [context + 1] * b, torch.tensor(tables), BLOCK)
     return meta, torch.full((b,), context, dtype=torch.int64)
 
@@ -90,15 +102,22 @@ def _int4(lin: LinearWeight) -> Int4Weight:
 
 
 def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, dict[str, float]]:
-    """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``."""
+    """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``, and
+    ``attn_in_step``: each layer's int4 calls then its attention, as a step orders them, minus ``int4_only``.
+
+    ``attn_only`` reads the 30 layers' contexts back to back, which on a CPU whose last-level cache holds
+    them (SmolLM2 at ~1,000 tokens, bf16: 25 MB) finds them in cache; in a step ~66 MB of int4 weights stream
+    between two reads of a layer's context, so it comes from memory: ``attn_in_step`` is that cost.
+    ``rest = full - int4_only - attn_in_step``. Rows: ``b1``, ``b8`` (8 private contexts) and ``b8s`` (8
+    contexts sharing their first ``context // 16 * 16 - 64`` tokens: cascade attention)."""
     c = model.config
     bps = -(-(context + 64) // BLOCK)
     kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
     lins = [_int4(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
     lins.append(_int4(model.lm_head))
     out = {}
-    for b in (1, 8):
-        meta, pos = decode_meta(b, context, bps)
+    for name, b, shared in (("b1", 1, 0), ("b8", 8, 0), ("b8s", 8, context // BLOCK - 4)):
+        meta, pos = decode_meta(b, context, bps, shared)
         tok = torch.randint(100, 1000, (b,))
         xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
         plan = plan_attention(meta, model.device, kv.shape[2])
@@ -113,14 +132,101 @@ def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, 
             for i in range(c.num_layers):
                 paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
 
+        def int4_attn(xs=xs, q=q, k=k, v=v, plan=plan) -> None:
+            for i in range(c.num_layers):
+                for lin, x in zip(lins[4 * i : 4 * i + 4], xs[4 * i : 4 * i + 4], strict=True):
+                    torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+                paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
+            torch._weight_int4pack_mm_for_cpu(xs[-1], lins[-1].packed, 32, lins[-1].scale_zero_bf16)
+
         fns = {
             "full": lambda tok=tok, pos=pos, meta=meta: model.compute_logits(model(tok, pos, kv, meta)),
             "int4_only": int4_only,
             "attn_only": attn_only,
+            "int4_attn": int4_attn,
         }
         row = interleaved_ms(fns, rounds, 1, clock)
-        row["rest"] = row["full"] - row["int4_only"] - row["attn_only"]
-        out[f"b{b}"] = row
+        row["attn_in_step"] = row.pop("int4_attn") - row["int4_only"]
+        row["rest"] = row["full"] - row["int4_only"] - row["attn_in_step"]
+        out[name] = row
+    return out
+
+
+ATTN_CASES = ("b1 consecutive", "b1 prefix hit", "b8 private", "b8 shared")
+
+
+def attention_tables(case: str, context: int, bs: int = BLOCK) -> tuple[list[list[int]], list[int]]:
+    """Block tables and lengths (``context + 1`` each) of ``attention_ab``'s cases: one sequence in consecutive
+    blocks; one whose first 62 blocks (a cached system prompt) lie apart from its fresh ones; 8 such
+    sequences with private prompts and fresh blocks interleaved as the engine hands them out; the same 8
+    sharing their first 62 blocks (cascade)."""
+    n = context + 1
+    nb = -(-n // bs)
+    head = min(62, nb - 1)
+    if case == "b1 consecutive":
+        return [list(range(nb))], [n]
+    if case == "b1 prefix hit":
+        return [list(range(head)) + list(range(8 * nb, 9 * nb - head))], [n]
+    fresh = [[8 * nb + i + 8 * j for j in range(nb - head)] for i in range(8)]
+    if case == "b8 private":
+        return [list(range(i * head, (i + 1) * head)) + fresh[i] for i in range(8)], [n] * 8
+    return [list(range(head)) + fresh[i] for i in range(8)], [n] * 8
+
+
+def attention_ab(
+    model: LlamaModel, base_dir: str, context: int, rounds: int, clock
+) -> dict[str, dict[str, float]]:
+    """ms per decode step of attention inside a step, ``base`` (``engine/attention.py`` of checkout
+    ``base_dir``) against this checkout's, interleaved: per layer the layer's four int4 calls (real weights,
+    streamed from memory as in a step) then ``paged_attention``, minus the int4 calls alone (``none``)."""
+    import importlib.util
+    import sys
+
+    import engine.attention as new
+
+    spec = importlib.util.spec_from_file_location("base_attention", f"{base_dir}/engine/attention.py")
+    base = importlib.util.module_from_spec(spec)
+    sys.modules["base_attention"] = base  # dataclasses look their module up
+    spec.loader.exec_module(base)
+    c = model.config
+    nb = -(-(context + 1) // BLOCK)
+    kv = allocate_kv_cache(c, 9 * nb + 8, BLOCK, torch.bfloat16, "cpu").normal_()
+    lins = [[_int4(lin) for lin in (L.qkv, L.o_proj, L.gate_up, L.down)] for L in model.layers]
+    out = {}
+    for case in ATTN_CASES:
+        tables, lens = attention_tables(case, context)
+        b = len(lens)
+        width = max(len(t) for t in tables)
+        slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens, strict=True)]
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        plans = {
+            name: (
+                mod,
+                mod.plan_attention(
+                    mod.AttentionMetadata(torch.tensor(slots), list(range(b + 1)), lens, padded, BLOCK),
+                    model.device,
+                    kv.shape[2],
+                ),
+            )
+            for name, mod in (("base", base), ("new", new))
+        }
+        xs = [[torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in layer] for layer in lins]
+        q = torch.randn(b, c.num_heads, c.head_dim)
+        k, v = torch.randn(2, b, c.num_kv_heads, c.head_dim)
+
+        def step(which: str, xs=xs, q=q, k=k, v=v, plans=plans) -> None:
+            for i, layer in enumerate(lins):
+                for lin, x in zip(layer, xs[i], strict=True):
+                    torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+                if which != "none":
+                    mod, plan = plans[which]
+                    mod.paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
+
+        row = interleaved_ms(
+            {w: functools.partial(step, w) for w in ("none", "base", "new")}, rounds, 1, clock
+        )
+        out[case] = {"base": row["base"] - row["none"], "new": row["new"] - row["none"], "int4": row["none"]}
+        out[case]["base_over_new"] = out[case]["base"] / out[case]["new"]
     return out
 
 
@@ -245,13 +351,23 @@ def main() -> None:
     )
     ap.add_argument("--compile-only", action="store_true", help="compile A/B: compile time only, no timing")
     ap.add_argument("--lock", default=None, help="flock this file around timed loops (/work/wt/bench.lock)")
+    ap.add_argument(
+        "--attention-ab",
+        default=None,
+        metavar="DIR",
+        help="attention inside a step, DIR's engine/attention.py against this checkout's (e.g. a git archive of main)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     torch.set_grad_enabled(False)
     model = load_checkpoint(default_model_path(), weights=args.weights).model
-    if args.breakdown:
+    if args.attention_ab:
+        with torch.inference_mode(), bench_lock(args.lock):
+            load = os.getloadavg()[0]
+            res = attention_ab(model, args.attention_ab, args.context, 11, clock)
+    elif args.breakdown:
         with torch.inference_mode(), bench_lock(args.lock):
             load = os.getloadavg()[0]
             res = breakdown(model, args.context, 15, clock)
@@ -262,7 +378,7 @@ def main() -> None:
             model, batches, args.dynamic, args.mode, args.lock, clock, timed=not args.compile_only
         )
     for name, row in res.items():
-        print(f"{name:<4}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
+        print(f"{name:<15}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
     print(json.dumps({"result": res, **info, "dynamic": args.dynamic, "mode": args.mode}))
 

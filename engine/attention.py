@@ -24,9 +24,15 @@ new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attend
   once and attended by every query of each KV group in one matmul, the private rest per sequence, and the two
   softmaxes merged by their log-sum-exp. ``plan_attention(..., shared_prefix=False)`` switches it off.
 
-Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and plain decode attention are computed
-in bf16 as the cache stores them (``attention_dtype``); so are the cascade's two partial attentions, whose
-log-sum-exp merge stays fp32.
+Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and decode attention are computed in
+bf16 as the cache stores them (``attention_dtype``), and decode attends a copy of the context, never the cache
+in place: in a step ~66 MB of weights stream between two reads of a layer's context, so it is read from memory,
+and the flash kernel's per-head reads (128 of every 384 bytes per position) go slower from memory than one
+sequential copy followed by the kernel on the copy (``docs/engine-step.md``). One sequence, and the cascade,
+take ``SplitDecode`` (``split_decode_attention``): each layer copies the blocks into one buffer made once per
+step (one ``index_select``, or one copy when they are consecutive); the cascade's shared blocks are attended
+once for all queries, the other blocks of all sequences in one masked call, the two merged by log-sum-exp in
+fp32. Several sequences without a shared prefix go one by one (``per_sequence_decode``), each context copied.
 
 Results do not depend on the batch a sequence runs in beyond fp32 rounding: masked padding contributes exact
 zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017), grouped-query attention (Ainslie et al.
@@ -75,6 +81,18 @@ class BlockGather:
     first: int | None = None
     rows: torch.Tensor | None = None
 
+    def read_into(self, layer_cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy the blocks' K and V into ``out`` (``[2 * n, block_size * kv_heads * head_dim]``, the cache's
+        dtype; reused by every layer of a step) and return it as ``[2, n, block_size, kv_heads, head_dim]``."""
+        bs, kvh, hd = layer_cache.shape[2:]
+        if self.first is not None:
+            out.view(2, self.num_blocks, bs, kvh, hd).copy_(
+                layer_cache[:, self.first : self.first + self.num_blocks]
+            )
+        else:
+            torch.index_select(layer_cache.view(2 * layer_cache.shape[1], -1), 0, self.rows, out=out)
+        return out.view(2, self.num_blocks, bs, kvh, hd)
+
     def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """``[2, n * block_size, kv_heads, head_dim]``: K (index 0) and V (index 1) of the blocks, in order."""
         kvh, hd = layer_cache.shape[-2:]
@@ -117,16 +135,45 @@ class SharedPrefix:
     private: BlockGather  # each sequence's blocks after the shared ones, padded to the longest, concatenated
     private_len: int  # longest private part (tokens)
     private_mask: torch.Tensor | None  # bool [B_dec, 1, 1, private_len]; None when all are equally long
-    private_bias: torch.Tensor | None = None  # ``private_mask`` as an additive bf16 mask, made once per step
 
-    def additive_private_mask(self) -> torch.Tensor | None:
-        """``private_mask`` as the CPU flash kernel takes it: bf16 ``[B_dec, 1, 1, private_len]``, 0 where a
-        position is attended and ``-inf`` elsewhere; None when all are equally long. Built on the first call of
-        a step and kept for its other layers."""
-        if self.private_mask is not None and self.private_bias is None:
-            bias = torch.zeros(self.private_mask.shape, dtype=torch.bfloat16, device=self.private_mask.device)
-            self.private_bias = bias.masked_fill_(~self.private_mask, float("-inf"))
-        return self.private_bias
+
+@dataclass
+class SplitDecode:
+    """Decode attention of ``B`` sequences over a bf16 cache on CPU (``split_decode_attention``): their context
+    is copied, every layer, into one buffer made once per step (ONE ``index_select``, or one copy when the
+    blocks are consecutive), and attended there by torch's CPU flash kernel:
+
+    - ``num_shared`` blocks every sequence starts with (cascade attention, ``SharedPrefix``; 0 if none), copied
+      once and attended once by all ``B * group`` queries of each KV head;
+    - each sequence's other blocks (``rest``: its last, partial block last), padded with block 0 to the
+      longest, attended by one call with an additive mask; merged with the shared part by log-sum-exp.
+
+    Why copy: the flash kernel reads K/V per head (128 of every 384 bytes of a SmolLM2 position), which from
+    memory (a decode step streams ~66 MB of weights between two reads of a layer's context, so the context is
+    never in cache) is slower than one sequential copy plus the kernel on the copy (``docs/engine-step.md``).
+    A sequence's result depends only on its own blocks: the padding is masked to exact zeros."""
+
+    blocks: BlockGather  # the shared blocks, then B x rest_blocks blocks, sequence-major
+    num_shared: int  # shared blocks (0: no cascade)
+    rest_len: int  # longest rest (tokens)
+    rest_mask: torch.Tensor | None  # bool [B, 1, 1, rest_len]; None when all rests are equally long
+    rest_bias: torch.Tensor | None = None  # ``rest_mask`` as an additive bf16 mask, made once per step
+    buffer: torch.Tensor | None = None  # the copy of one layer's blocks, made once per step
+
+    def additive_rest_mask(self) -> torch.Tensor | None:
+        """``rest_mask`` as the CPU flash kernel takes it: bf16 ``[B, 1, 1, rest_len]``, 0 where a position is
+        attended and ``-inf`` elsewhere; None when all rests are equally long. Built once per step."""
+        if self.rest_mask is not None and self.rest_bias is None:
+            bias = torch.zeros(self.rest_mask.shape, dtype=torch.bfloat16, device=self.rest_mask.device)
+            self.rest_bias = bias.masked_fill_(~self.rest_mask, float("-inf"))
+        return self.rest_bias
+
+    def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """This layer's blocks, copied into ``buffer``: ``[2, n, block_size, kv_heads, head_dim]``."""
+        if self.buffer is None:
+            row = layer_cache[0, 0].numel()
+            self.buffer = layer_cache.new_empty(2 * self.blocks.num_blocks, row)
+        return self.blocks.read_into(layer_cache, self.buffer)
 
 
 @dataclass
@@ -142,6 +189,7 @@ class DecodePlan:
     num_seqs: int
     shared: SharedPrefix | None = None  # set when cascade attention applies (``plan_attention``)
     per_seq: list[tuple[BlockGather, int]] | None = None  # (blocks, seq_len) each: ``per_sequence_decode``
+    split: SplitDecode | None = None  # the bf16 CPU path when it applies (``split_decode_attention``)
 
 
 @dataclass
@@ -157,6 +205,26 @@ class AttentionPlan:
 SHARED_PREFIX_MIN_TOKENS = 64  # cascade attention only when at least this many context positions are shared
 
 
+def plan_split_decode(
+    tables: list[list[int]],
+    lens: list[int],
+    shared_blocks: int,
+    block_size: int,
+    pool_blocks: int,
+    device: torch.device,
+) -> SplitDecode:
+    """The ``SplitDecode`` of decode sequences with block tables ``tables`` (at least their used blocks) and
+    context lengths ``lens`` whose first ``shared_blocks`` blocks are common (0: no cascade)."""
+    bs = block_size
+    rests = [t[shared_blocks : -(-n // bs)] for t, n in zip(tables, lens, strict=True)]
+    rest_lens = [n - shared_blocks * bs for n in lens]
+    width = max(len(r) for r in rests)
+    ids = tables[0][:shared_blocks] + [b for r in rests for b in r + [0] * (width - len(r))]
+    return SplitDecode(
+        block_gather(ids, pool_blocks, device), shared_blocks, max(rest_lens), length_mask(rest_lens, device)
+    )
+
+
 def shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
     """How many leading blocks every table in ``tables`` has in common (same physical ids), limited to blocks
     that lie wholly before each sequence's last position (its own new token stays in its private part)."""
@@ -169,7 +237,10 @@ def shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: i
 
 
 def plan_attention(
-    meta: AttentionMetadata, device: torch.device, pool_blocks: int, shared_prefix: bool = True
+    meta: AttentionMetadata,
+    device: torch.device,
+    pool_blocks: int,
+    shared_prefix: bool = True,
 ) -> AttentionPlan:
     """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
 
@@ -234,6 +305,7 @@ def plan_attention(
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
         dec_tables = [tables[i] for i in decode_seqs]
         p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
+        split_ok = prefix_split_available(device)
         if p * bs >= SHARED_PREFIX_MIN_TOKENS:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
@@ -246,15 +318,21 @@ def plan_attention(
                 length_mask(priv_lens, device),
             )
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
+            if split_ok:
+                decode.split = plan_split_decode(dec_tables, lens, p, bs, pool_blocks, device)
         elif len(decode_seqs) > 1:
             per_seq = [
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
                 for t, n in zip(dec_tables, lens, strict=True)
             ]
+            # no split: one buffer for B contexts outgrows the L2 cache the kernel should read it from (8 x
+            # 1,071 SmolLM2 positions: 6.6 MB), so each context is copied and attended in turn
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), per_seq=per_seq)
         else:
             ids = dec_tables[0][:nb]
             decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
+            if split_ok:
+                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device)
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
 
@@ -439,6 +517,8 @@ def decode_attention(
     """
     adt = adt or q.dtype
     out_dtype = out_dtype or q.dtype
+    if dec.split is not None and adt == torch.bfloat16 and layer_cache.dtype == torch.bfloat16:
+        return split_decode_attention(q, layer_cache, dec.split, scale, group, out_dtype)
     if dec.shared is not None:
         return cascade_decode_attention(q, layer_cache, dec.shared, scale, group).to(out_dtype)
     if dec.per_seq is not None:
@@ -453,6 +533,13 @@ def decode_attention(
     return o.reshape(b, num_heads, head_dim).to(out_dtype)
 
 
+def _copied(blocks: BlockGather, layer_cache: torch.Tensor) -> torch.Tensor:
+    """``blocks.read(layer_cache)``, copied when it is a view of the cache (consecutive blocks; a gather is a
+    copy already): ``[2, n * block_size, kv_heads, head_dim]``."""
+    kv = blocks.read(layer_cache)
+    return kv if blocks.first is None else kv.clone()
+
+
 def per_sequence_decode(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -463,11 +550,13 @@ def per_sequence_decode(
 ) -> torch.Tensor:
     """Decode attention of ``B > 1`` sequences one by one: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
 
-    Each sequence reads its own blocks (a view of the cache when they are consecutive, the usual case, else
-    one ``index_select``) and attends with two matmuls and a softmax, its query heads folded into their KV group.
-    Against gathering all B contexts into one padded tensor and one masked ``scaled_dot_product_attention``,
-    this copies no K/V: at 8 x 1,080 tokens of SmolLM2 context, 30 layers, one thread, 127 ms against 176 ms
-    on an AVX2 EPYC (``bench/model_forward.py --step-profile`` shows the whole step).
+    Each sequence reads its own blocks (a view of the cache when they are consecutive, else one
+    ``index_select``) and attends with two matmuls and a softmax, its query heads folded into their KV group.
+    Against gathering all B contexts into one padded tensor and one masked ``scaled_dot_product_attention``:
+    at 8 x 1,080 tokens of SmolLM2 context, 30 layers, one thread, 127 ms against 176 ms on an AVX2 EPYC
+    (``bench/model_forward.py --step-profile`` shows the whole step). In bf16 (``adt``) each context is
+    attended by the flash kernel on a copy (a view is cloned), which reads it faster than the cache in place
+    (module docstring).
     """
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
@@ -476,11 +565,13 @@ def per_sequence_decode(
         # 4-D inputs ([1, kvh, group, D] over [1, kvh, n, D]): torch's CPU flash kernel takes only 4-D inputs; a
         # 3-D call falls back to the unfused math path, 4.3x slower per call (0.37 vs 0.085 ms thread time at
         # 1,070 bf16 positions, SmolLM2 shapes, Xeon with AMX)
+        # each context copied first (a view of consecutive blocks too): the kernel reads it faster from cache
+        # than in place from memory (``SplitDecode``; docs/engine-step.md)
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(qg[i : i + 1], kv[0:1], kv[1:2], scale=scale)
                 for i, (blocks, n) in enumerate(seqs)
-                for kv in (blocks.read(layer_cache)[:, :n].transpose(1, 2),)
+                for kv in (_copied(blocks, layer_cache)[:, :n].transpose(1, 2),)
             ]
         )
         return out.view(b, num_heads, head_dim).to(q.dtype)
@@ -518,8 +609,6 @@ def cascade_decode_attention(
     """
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
-    if layer_cache.dtype == torch.bfloat16 and _bf16_fast(q.device) and prefix_split_available(q.device):
-        return _cascade_bf16(q, layer_cache, shared, scale, group)
     qf = q.float().view(b, kvh, group, head_dim)
     ks = shared.blocks.read(layer_cache).float().transpose(1, 2)  # [2, kvh, Ls, D]
     q_shared = qf.permute(1, 0, 2, 3).reshape(kvh, b * group, head_dim)
@@ -535,32 +624,52 @@ def cascade_decode_attention(
     return o.reshape(b, num_heads, head_dim).to(q.dtype)
 
 
-def _cascade_bf16(
-    q: torch.Tensor, layer_cache: torch.Tensor, shared: SharedPrefix, scale: float, group: int
+def split_decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    split: SplitDecode,
+    scale: float,
+    group: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``cascade_decode_attention`` over a bf16 cache on a CPU with bf16 kernels: both partial attentions run
-    in torch's CPU flash kernel on the cache's bf16 as stored (it returns each row's log-sum-exp, fp32), only
-    the merge is fp32. Against widening the shared blocks to fp32 every layer and attending with fp32 matmuls:
-    0.20 against 0.58 ms per layer for the shared part (8 queries x 3 groups over 1,024 positions, SmolLM2
-    shapes, one thread, Xeon with AMX). ``q`` ``[B, H, D]`` -> ``[B, H, D]`` in q's dtype; the rounding is that
-    of ``decode_attention`` over a bf16 cache (``attention_dtype``)."""
+    """Decode attention of ``B`` sequences over a bf16 cache (``SplitDecode``): the blocks copied into the
+    step's buffer, then torch's CPU flash kernel on the copy, on the cache's bf16 as stored (it returns each
+    row's log-sum-exp): the shared part once for all queries, the rest of every sequence in one masked call,
+    the two merged in fp32, ``o = (o_s e^{l_s - m} + o_r e^{l_r - m}) / (e^{l_s - m} + e^{l_r - m})``,
+    ``m = max(l_s, l_r)`` (FlashAttention's online softmax, Dao et al. 2022; cascade inference, Ye et al.
+    2024). Without a shared part: one call, no merge.
+
+    Rounding: that of ``decode_attention`` over a bf16 cache (``attention_dtype``: q and the probabilities in
+    bf16, statistics and accumulation fp32); with a shared part, each partial output is rounded to bf16 before
+    the fp32 merge as well.
+
+    Args:
+        q: ``[B, H, D]`` queries. layer_cache: this layer's bf16 cache. split: from ``plan_split_decode``.
+        scale: softmax scale. group: query heads per KV head. out_dtype: result dtype (default q's).
+
+    Returns:
+        ``[B, H, D]`` in ``out_dtype``.
+    """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     b, num_heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
+    out_dtype = out_dtype or q.dtype
     qg = q.view(b, kvh, group, head_dim).to(torch.bfloat16)
-    ks = shared.blocks.read(layer_cache).transpose(1, 2).unsqueeze(1)  # [2, 1, kvh, Ls, D]
+    kv = split.read(layer_cache)  # [2, n, bs, kvh, D]
+    ns = split.num_shared
+    rest = kv[:, ns:].reshape(2, b, -1, kvh, head_dim)[:, :, : split.rest_len].transpose(2, 3)
+    o_r, lse_r = flash(qg, rest[0], rest[1], 0.0, False, attn_mask=split.additive_rest_mask(), scale=scale)
+    if not ns:
+        return o_r.reshape(b, num_heads, head_dim).to(out_dtype)
+    shared = kv[:, :ns].reshape(2, 1, -1, kvh, head_dim).transpose(2, 3)  # [2, 1, kvh, Ls, D]
     q_shared = qg.permute(1, 0, 2, 3).reshape(1, kvh, b * group, head_dim)
-    o_s, lse_s = flash(q_shared, ks[0], ks[1], 0.0, False, scale=scale)  # [1, kvh, B*g, D], [1, kvh, B*g]
-    o_s = o_s.reshape(kvh, b, group, head_dim).permute(1, 0, 2, 3).float()
-    lse_s = lse_s.reshape(kvh, b, group, 1).permute(1, 0, 2, 3)
-    kv = shared.private.read(layer_cache).view(2, b, -1, kvh, head_dim)[:, :, : shared.private_len]
-    kv = kv.transpose(2, 3)  # [2, B, kvh, Lp, D]
-    mask = shared.additive_private_mask()  # the kernel takes an additive mask of the query's dtype
-    o_p, lse_p = flash(
-        qg, kv[0], kv[1], 0.0, False, attn_mask=mask, scale=scale
-    )  # [B, kvh, g, D], [B, kvh, g]
-    lse_p = lse_p.unsqueeze(-1)
-    m = torch.maximum(lse_s, lse_p)
-    w_s, w_p = (lse_s - m).exp_(), (lse_p - m).exp_()
-    o = o_s.mul_(w_s).add_(o_p.float().mul_(w_p)).div_(w_s.add_(w_p))
-    return o.reshape(b, num_heads, head_dim).to(q.dtype)
+    o_s, lse_s = flash(
+        q_shared, shared[0], shared[1], 0.0, False, scale=scale
+    )  # [1, kvh, B*g, D], [1, kvh, B*g]
+    o_s = o_s.view(kvh, b, group, head_dim).transpose(0, 1).float()
+    lse_s = lse_s.view(kvh, b, group, 1).transpose(0, 1)
+    lse_r = lse_r.unsqueeze(-1)
+    m = torch.maximum(lse_s, lse_r)
+    w_s, w_r = lse_s.sub(m).exp_(), lse_r.sub_(m).exp_()
+    o = o_s.mul_(w_s).add_(o_r.float().mul_(w_r)).div_(w_s.add_(w_r))
+    return o.reshape(b, num_heads, head_dim).to(out_dtype)

@@ -51,6 +51,20 @@ dense bf16 copy of its dequantized weight, prepacked by oneDNN on CPU (``engine.
 copy, int4 kernel at every row count, ~2 bytes per weight less memory); below, the int4 kernel. The LM head
 runs on the few logit rows only and keeps no copy.
 
+On a 2-core AMD EPYC (Zen 5: AVX512-BF16, no AMX; the machine ``bench.decode_compile`` last ran on) the same
+split holds (30 layers' q/k/v + o + gate/up + down, weights streamed from memory, one thread, thread time, load
+average ~6; ``_weight_int8pack_mm`` on a per-row int8 re-quantization, which would not be exact, for speed only):
+
+| rows | int4 kernel, bf16 activations | bf16 packed | int8, one scale per row |
+|---|---|---|---|
+| 1 | **4.7 ms** | 11.1 ms | 7.9 ms |
+| 4 | **6.7 ms** | 12.3 ms | 9.1 ms |
+| 8 | **12.3 ms** | 14.7 ms | 17.2 ms |
+| 10 | 19.6 ms | **16.7 ms** | 19.6 ms |
+| 16 | 22.6 ms | **17.7 ms** | 26.4 ms |
+
+so ``DENSE_MIN_ROWS`` = 10 is kept there too, and no per-machine choice is made at load.
+
 On an AVX2 CPU without bf16 arithmetic (AMD EPYC, AVX2+FMA; same shapes, one thread, thread time, one layer's
 weights hot in cache; the machine was loaded) bf16 GEMMs are emulated and lose everywhere, and the int4 kernel
 (bf16 widened to fp32 inside) wins only where weights stream from memory:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.decode_compile import BLOCK, decode_meta, layer_regions
+from bench.decode_compile import BLOCK, attention_tables, decode_meta, layer_regions
+from engine.attention import plan_attention
 from engine.checkpoint import load_checkpoint
 from engine.model import rope_rotation
 from tests.engine.checkpoints import make_tiny_gguf_llama
@@ -38,3 +39,28 @@ def test_decode_meta_points_at_each_sequences_next_slot():
     # position 20 is offset 4 of logical block 1; sequence i owns blocks 4i .. 4i + 3
     assert meta.slot_mapping.tolist() == [(4 * i + 1) * BLOCK + 4 for i in range(3)]
     assert meta.block_tables[2].tolist() == [8, 9, 10, 11]
+
+
+def test_decode_meta_with_shared_blocks_plans_the_cascade():
+    meta, _ = decode_meta(3, 70, blocks_per_seq=6, shared_blocks=4)
+    # blocks 0-3 are every sequence's first four; position 70 is offset 6 of logical block 4, its own
+    assert meta.block_tables.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 10, 11], [0, 1, 2, 3, 16, 17]]
+    assert meta.slot_mapping.tolist() == [4 * BLOCK + 6, 10 * BLOCK + 6, 16 * BLOCK + 6]
+    plan = plan_attention(meta, torch.device("cpu"), 18)
+    assert plan.decode.shared is not None and plan.decode.shared.num_tokens == 4 * BLOCK
+
+
+def test_attention_ab_cases_are_the_layouts_they_name():
+    n = 1070
+    nb = -(-(n + 1) // BLOCK)
+    (t,), lens = attention_tables("b1 consecutive", n)
+    assert t == list(range(nb)) and lens == [n + 1]
+    (t,), _ = attention_tables("b1 prefix hit", n)
+    assert t[:62] == list(range(62)) and t[62] == 8 * nb and len(t) == nb
+    private, lens = attention_tables("b8 private", n)
+    shared, _ = attention_tables("b8 shared", n)
+    assert lens == [n + 1] * 8 and all(len(t) == nb for t in private + shared)
+    ids = [b for t in private for b in t]
+    assert len(set(ids)) == len(ids)  # no block shared
+    assert all(t[:62] == list(range(62)) for t in shared)
+    assert len({b for t in shared for b in t[62:]}) == 8 * (nb - 62)
