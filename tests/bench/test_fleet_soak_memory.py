@@ -3,6 +3,8 @@ native counters (``bench.fleet.memtrace``)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from bench.fleet.memtrace import _mallinfo_mb, _smaps_mb
@@ -23,10 +25,17 @@ def test_slope_is_mb_per_minute_and_a_plateau_shows_in_the_second_half_and_the_q
 
 
 def test_native_counters_see_a_large_malloc_and_split_rss_by_mapping():
-    before = _mallinfo_mb()
-    assert set(before) == {"arena", "in_use", "free", "mmapped"}
-    block = bytearray(64 << 20)  # over glibc's largest mmap threshold (32 MiB): always its own mapping
-    after = _mallinfo_mb()
+    # The counters are the whole process's: in one pytest process after the engine tests, a cyclic collection
+    # set off by the allocation below could free earlier tests' large buffers between the two reads.
+    gc.collect()
+    gc.disable()
+    try:
+        before = _mallinfo_mb()
+        assert set(before) == {"arena", "in_use", "free", "mmapped"}
+        block = bytearray(64 << 20)  # over glibc's largest mmap threshold (32 MiB): always its own mapping
+        after = _mallinfo_mb()
+    finally:
+        gc.enable()
     assert after["mmapped"] - before["mmapped"] >= 63.0
     del block
     smaps = _smaps_mb()
