@@ -32,6 +32,8 @@ all (complete and unable to continue), only EOS is allowed, so the sequence ends
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +50,8 @@ from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, function_to
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance JSON options: no free whitespace (a small model otherwise loops on newlines), and
 ``json.dumps``' separators, so constrained JSON looks like what models were trained on."""
+
+log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 256
 """Compiled grammars kept per engine (keyed by the constraint's canonical JSON)."""
@@ -142,6 +146,24 @@ def grammar_for(constraint: Constraint) -> str:
     raise InvalidRequestError(f"unknown constraint kind {constraint.kind!r}", "response_format")
 
 
+_LISTING_LINE = re.compile(r"\s*\d+ \| ")
+
+
+def schema_problem(errors: str) -> str:
+    """llguidance's reason for refusing a grammar, without its grammar listing (numbered ``N | ...`` lines and
+    what follows) or the position prefix: ``Unimplemented keys: ["not"]``, ``Unknown format: x``, a regex's
+    parse error... One line."""
+    text = errors.split("failed to compile JSON schema: ", 1)[-1]
+    kept = []
+    for line in text.splitlines():
+        if _LISTING_LINE.match(line):
+            break
+        line = line.strip()
+        if line and set(line) != {"^"}:
+            kept.append(line)
+    return " ".join(kept) or "the schema cannot be compiled"
+
+
 def _param_of(constraint: Constraint) -> str:
     return "tools" if constraint.kind == "tool_calls" else "response_format"
 
@@ -203,12 +225,36 @@ class ConstraintCompiler:
         grammar = grammar_for(constraint)
         ok, errors = self._validate(grammar)
         if not ok:
-            raise InvalidRequestError(f"the constraint cannot be compiled: {errors}", _param_of(constraint))
+            # the client gets which schema and what in it; the grammar text (internals) goes to the log only
+            log.info("constraint compile failed (%s): %s", constraint.kind, errors)
+            raise InvalidRequestError(self._explain(constraint, errors), _param_of(constraint))
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def _explain(self, constraint: Constraint, errors: str) -> str:
+        """The client's message for a grammar llguidance refused: for tool calls, the first tool whose
+        parameters schema alone fails, by name, and llguidance's reason without the grammar listing."""
+        if constraint.kind == "tool_calls":
+            for tool in function_tools(list(constraint.tools)):
+                try:
+                    ok, tool_errors = self._validate(
+                        llguidance.LLMatcher.grammar_from_json_schema(_json_schema(tool.parameters))
+                    )
+                except (ValueError, TypeError) as exc:
+                    ok, tool_errors = False, str(exc)
+                if not ok:
+                    return (
+                        f"Invalid 'tools': the schema of tool '{tool.name}' is not supported by "
+                        f"constrained decoding: {schema_problem(tool_errors)}"
+                    )
+            return f"Invalid 'tools': the tool-call constraint cannot be compiled: {schema_problem(errors)}"
+        return (
+            f"Invalid 'response_format': the JSON schema is not supported by constrained decoding: "
+            f"{schema_problem(errors)}"
+        )
 
     def _validate(self, grammar: str) -> tuple[bool, str]:
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar)

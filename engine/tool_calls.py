@@ -293,12 +293,17 @@ class ToolCallParser:
             self._in_call = False
 
     def finish(self) -> list[ParseEvent]:
-        """Events for the end of the output: held-back text, and an unclosed call given back as content."""
+        """Events for the end of the output: held-back text; an unclosed call whose arguments are complete (a
+        JSON object: only the closing ``}`` and ``</tool_call>`` are missing, as when ``max_tokens`` cut the
+        output there) ends as a call; an unclosed call without a name is given back as content; one cut inside
+        its arguments is no call (``calls`` does not list it)."""
         events: list[ParseEvent] = []
         if self._in_call:
             text = CALL_OPEN + self._buf
             if self._started is None:
                 events.append(ContentDelta(text))
+            elif self._args_done:
+                events.extend(self._end_unclosed_call())
             self._in_call = False
         elif self._buf:
             events.append(ContentDelta(self._buf))
@@ -328,6 +333,21 @@ class ToolCallParser:
             self._args_sent = upto
         self._args_done = end is not None
         return events
+
+    def _end_unclosed_call(self) -> list[ParseEvent]:
+        start = self._started
+        assert start is not None
+        args = self._buf[self._args_start :]
+        end = _json_value_end(args)
+        try:
+            arguments = json.loads(args[:end]) if end is not None else None
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            return []
+        call = ToolCall(start.id, start.name, arguments, call_json(arguments))
+        self.calls.append(call)
+        return [ToolCallEnd(start.index, call)]
 
     def _close_call(self, block: str) -> list[ParseEvent]:
         try:

@@ -76,18 +76,25 @@ class BoundedLRU(Generic[K, V]):
         entry too, when its own cost is over a limit)."""
         costs = self._cost(key, value)
         with self._lock:
-            if key in self._entries:
+            entries = self._entries
+            if key in entries:
                 return
-            self._entries[key] = value
+            entries[key] = value
+            totals, limits = self._totals, self.limits
             for i, c in enumerate(costs):
-                self._totals[i] += c
-            while self._entries and (
-                len(self._entries) > self.max_entries
-                or any(t > limit for t, limit in zip(self._totals, self.limits, strict=True))
-            ):
-                old_key, old = self._entries.popitem(last=False)
+                totals[i] += c
+            # a full memo evicts about one entry per store (~40 stores per new user question under the default
+            # rules): the limit test is a plain loop, not a generator per test (docs/overhead.md, session 7)
+            while entries:
+                if len(entries) <= self.max_entries:
+                    for total, limit in zip(totals, limits):  # noqa: B905 - one total per limit (__init__)
+                        if total > limit:
+                            break
+                    else:
+                        return
+                old_key, old = entries.popitem(last=False)
                 for i, c in enumerate(self._cost(old_key, old)):
-                    self._totals[i] -= c
+                    totals[i] -= c
 
     def get_or_compute(self, key: K, compute: Callable[[], V], store: bool = True) -> V:
         """The stored value, or ``compute()``, stored when ``store`` (a caller's size rule, e.g. texts over a

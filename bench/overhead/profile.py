@@ -12,7 +12,11 @@ shared machine a socket write that wakes the peer often shows up as a long sampl
 little CPU there. So samples whose innermost frame is a socket write (asyncio's transport write; under uvloop,
 whose write is C, the line of uvicorn, aiohttp or ``gateway.http.server_protocol`` that calls
 ``transport.write``) or the event loop's ``select`` are left out before the shares are taken (their count is
-printed); the rest approximates the CPU profile.
+printed); the rest approximates the CPU profile. Under uvloop a sample whose innermost frame is the loop's
+``Runner.run`` itself is in the loop's C code, or runnable but waiting for a core (it was woken from the loop's
+wait and another process holds the core): those go to their own category, ``event loop (C) or waiting``, whose
+share grows with the machine's load (docs/overhead.md, session 7); the Python frames of the loop and its
+callbacks stay in ``asyncio event loop``.
 
 Needs py-spy (the ``bench`` extra; ``--py-spy PATH`` otherwise) and the right to trace a child process.
 Prints the table, then one JSON line (``cpu_ms_per_request``, ``categories`` in ms per request, ``samples``).
@@ -71,6 +75,10 @@ _WAITING = re.compile(r"(_SelectorSocketTransport\.write \(asyncio/|\.select \(s
 """Innermost frames left out: a socket write (the kernel hands the bytes to the peer and wakes it) and the
 loop's wait for events."""
 
+_IN_LOOP = re.compile(r"^Runner\.run \(asyncio/runners\.py")
+"""An innermost frame that is the event loop's run call itself (uvloop's loop is C: nothing of it shows)."""
+LOOP_OR_WAITING = "event loop (C) or waiting"
+
 _WRITERS = ("uvicorn.protocols.http.httptools_impl", "aiohttp.http_writer", "gateway.http.server_protocol")
 """Modules whose ``transport.write`` calls are socket writes: under uvloop the write is C code, so py-spy's
 innermost frame is the Python line that calls it."""
@@ -114,6 +122,9 @@ def attribute(samples: list[tuple[list[str], int]]) -> tuple[Counter[str], int]:
     for frames, count in samples:
         if frames and (_WAITING.search(frames[-1]) or frames[-1].endswith(tuple(writes))):
             waiting += count
+            continue
+        if frames and _IN_LOOP.search(frames[-1]):
+            shares[LOOP_OR_WAITING] += count
             continue
         category = "other"
         for frame in reversed(frames):

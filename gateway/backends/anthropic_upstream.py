@@ -30,6 +30,7 @@ from gateway.protocols.anthropic.cache_control import (
     has_client_cache_control,
     plan_cache_control,
 )
+from gateway.protocols.anthropic.openai_fields import check_openai_fields_for_anthropic
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, FORWARDED_HEADERS, MESSAGES_ONLY_FIELDS
 from gateway.protocols.anthropic.prompt import (
     AnthropicPrompt,
@@ -106,8 +107,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         Raises:
             InvalidRequestError: a client ``cache_control`` the provider would refuse (a fifth breakpoint, a 1h
                 after a 5m, ...), answered in Anthropic's error shape before any upstream call.
-            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry (OpenAI-face
-                requests).
+            InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry, or an OpenAI field
+                it cannot honour (``check_openai_fields_for_anthropic``; OpenAI-face requests).
         """
         if request.kind != "chat":
             raise InvalidRequestError(
@@ -127,6 +128,8 @@ class AnthropicUpstreamBackend(UpstreamBackend):
                 _set_or_drop(body, "tools", prompt.tools)
             # rules off: system / messages / tools go exactly as the client sent them
         else:
+            if request.openai_body is not None:
+                check_openai_fields_for_anthropic(request.openai_body)
             prompt = openai_to_anthropic(request.messages, request.tools)
             body = self._translated_body(request, prompt)
         body["model"] = self.upstream_model

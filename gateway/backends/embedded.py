@@ -9,8 +9,8 @@ blocks at once.
 Tools: the engine renders them for every checkpoint (docs/tools.md). When its ``tool_format`` is
 ``"generic"``, the request's ``tool_choice`` becomes a ``"tool_calls"`` ``Constraint`` (``none``: no constraint)
 and each choice's output is parsed by ``engine.tool_calls.ToolCallParser`` into OpenAI tool-call deltas
-(``Delta.tool_calls``; the Anthropic face turns them into ``tool_use`` blocks); a choice that called a tool
-finishes with ``tool_calls``. ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
+(``Delta.tool_calls``, one per complete call, streamed or not; the Anthropic face turns them into ``tool_use``
+blocks); a choice that called a tool and stopped finishes with ``tool_calls``. ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
 (usage of all choices, each choice's reason in ``finish_reasons``). Logprobs carry each token's text and bytes
 from the engine's tokenizer.
 
@@ -33,7 +33,7 @@ from engine.api import TokenLogprob as EngineTokenLogprob
 from engine.errors import EngineError, PinCapError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.tool_calls import ContentDelta as ToolContentDelta
-from engine.tool_calls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
+from engine.tool_calls import ToolCallEnd, ToolCallParser
 from gateway.backends.base import Backend, TokenCount
 from gateway.backends.embedded_request import generation_request, template_message, template_tools
 from gateway.config.schema import EmbeddedModel
@@ -170,9 +170,7 @@ class EmbeddedBackend(Backend):
         generation = generation_request(request, engine)
         n = generation.params.n
         parse = generation.params.constraint is not None and generation.params.constraint.kind == "tool_calls"
-        choices = [
-            _Choice(ToolCallParser() if parse else None, whole_calls=not request.stream) for _ in range(n)
-        ]
+        choices = [_Choice(ToolCallParser() if parse else None) for _ in range(n)]
         spelled = _TokenSpeller(engine.tokenizer) if generation.params.logprobs is not None else None
         try:
             first = True  # the first non-empty delta carries the cached count (headers of a stream)
@@ -210,12 +208,13 @@ class EmbeddedBackend(Backend):
 @dataclass
 class _Choice:
     """One choice's output state: its tool-call parser (None when the output is plain text), whether it
-    called a tool, and logprobs waiting for the text the parser holds back. With ``whole_calls`` (a
-    non-streamed answer) a call is sent only once complete (``ToolCallEnd``), so a call cut by ``max_tokens``
-    is not a call; a stream sends each call's fragments as they come."""
+    called a tool, and logprobs waiting for the text the parser holds back.
+
+    A call is delivered whole, once complete (``ToolCallEnd``: its arguments closed; at the end of the output,
+    a call cut by ``max_tokens`` after its arguments counts, one cut inside them does not), in a stream as in
+    a non-streamed answer, so both deliver the same calls (docs/tools.md, "Calls and max_tokens")."""
 
     parser: ToolCallParser | None
-    whole_calls: bool = False
     called: bool = False
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -247,7 +246,7 @@ class _Choice:
             if isinstance(event, ToolContentDelta):
                 if event.text:
                     out.append(Delta(text=event.text, index=index))
-            elif isinstance(event, ToolCallEnd) and self.whole_calls:
+            elif isinstance(event, ToolCallEnd):  # starts and argument fragments wait for the whole call
                 self.called = True
                 call = {
                     "index": event.index,
@@ -256,20 +255,6 @@ class _Choice:
                     "function": {"name": event.call.name, "arguments": event.call.arguments_json},
                 }
                 out.append(Delta(tool_calls=[call], index=index))
-            elif self.whole_calls:
-                continue
-            elif isinstance(event, ToolCallStart):
-                self.called = True
-                fragment = {
-                    "index": event.index,
-                    "id": event.id,
-                    "type": "function",
-                    "function": {"name": event.name, "arguments": ""},
-                }
-                out.append(Delta(tool_calls=[fragment], index=index))
-            elif isinstance(event, ToolCallArgumentsDelta):
-                fragment = {"index": event.index, "function": {"arguments": event.text}}
-                out.append(Delta(tool_calls=[fragment], index=index))
         return out
 
 

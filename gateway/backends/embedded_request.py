@@ -9,9 +9,11 @@ from dataclasses import replace
 from typing import Any
 
 from engine.api import Constraint, GenerationRequest
+from engine.input_processor import MAX_N
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
+from gateway.protocols.anthropic.strip import check_anthropic_only_fields
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
@@ -28,6 +30,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 """OpenAI body fields the embedded engine cannot honour -> the values it accepts (the neutral ones)."""
 
+EMBEDDED_HONOURS = frozenset({"thinking", "output_config"})
+"""Anthropic-only fields ``check_supported_anthropic`` checks (and, for ``output_config.format``, honours)."""
+
 _ROLE_FOR_TEMPLATE = {"developer": "system"}
 
 
@@ -42,15 +47,24 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
             tool constraint.
 
     Raises:
-        InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies), a bad ``tool_choice``,
+        InvalidRequestError: unsupported parameters (``UNSUPPORTED`` for OpenAI bodies, Anthropic-only fields
+            for Anthropic ones), ``n`` above the engine's ``MAX_N``, a bad ``tool_choice``,
             a ``logit_bias`` token outside the vocabulary, non-text content parts, or server tools.
     """
     if request.openai_body is not None:
         check_supported(request.openai_body)
     output_format = None
     if request.anthropic_body is not None:
+        check_anthropic_only_fields(request.anthropic_body, "the embedded", EMBEDDED_HONOURS)
         output_format = check_supported_anthropic(request.anthropic_body)
     params = request.params
+    if params.n > MAX_N:  # the engine's own check words it otherwise: worded here as the other 400s are
+        raise InvalidRequestError(
+            f"Invalid 'n': integer above maximum value. Expected a value <= {MAX_N} with the embedded engine, "
+            f"but got {params.n} instead.",
+            param="n",
+            code="integer_above_max_value",
+        )
     if output_format is not None:  # Anthropic structured outputs: the same constraint as json_schema
         params = replace(params, constraint=output_format)
     if engine is not None and params.logit_bias:

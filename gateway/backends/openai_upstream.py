@@ -26,7 +26,7 @@ from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.keys import tenant_cache_key
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
-from gateway.protocols.anthropic.strip import plain_messages, plain_tools
+from gateway.protocols.anthropic.strip import check_anthropic_only_fields, plain_messages, plain_tools
 from gateway.protocols.provider_usage import UpstreamUsageError, deepseek_cache_usage, openai_cache_usage
 from gateway.transport.failures import FailureKind
 from gateway.transport.redact import redact_url
@@ -77,7 +77,9 @@ class OpenAIUpstreamBackend(UpstreamBackend):
 
     # ---- request ------------------------------------------------------------------------------------------
     def build_body(self, request: ChatRequest) -> dict[str, Any]:
-        """The JSON body sent upstream (always streaming, usage requested).
+        """The JSON body sent upstream (always streaming, usage requested). An OpenAI-face chat body holds the
+        request's canonical ``messages`` and ``tools`` themselves, not copies: the body is serialized once and
+        read, never changed (copying them was a deep copy of the whole conversation per request).
 
         Raises:
             UnsupportedContentError: Anthropic-only content an OpenAI server cannot take.
@@ -92,9 +94,9 @@ class OpenAIUpstreamBackend(UpstreamBackend):
                 k: v if k in ("messages", "tools") else copy.deepcopy(v)
                 for k, v in request.openai_body.items()
             }
-            body["messages"] = copy.deepcopy(request.messages)
+            body["messages"] = request.messages
             if request.tools is not None:
-                body["tools"] = copy.deepcopy(request.tools)
+                body["tools"] = request.tools
             else:
                 body.pop("tools", None)
         else:
@@ -116,6 +118,8 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         return body
 
     def _translated_body(self, request: ChatRequest) -> dict[str, Any]:
+        if request.anthropic_body is not None:  # Anthropic-only fields: a 400, never silently dropped
+            check_anthropic_only_fields(request.anthropic_body, "an OpenAI-compatible upstream")
         body: dict[str, Any] = {"messages": plain_messages(request.messages, "an OpenAI-compatible")}
         _fill_sampling(body, request, only_missing=False)
         tools = plain_tools(request.tools, "an OpenAI-compatible")

@@ -19,13 +19,20 @@ from gateway.backends.base import Backend, ReplicaStates
 from gateway.backends.kv_blocks import KVBlockHasher
 from gateway.config.schema import CacheAwareConfig, KVEventsConfig, RoutingShareConfig, UpstreamModel
 from gateway.transport.affinity import AffinityRing
+from gateway.transport.aiohttp_transport import DirectResponse
 from gateway.transport.kv_events import KVEventFeed
 from gateway.transport.kv_events_zmq import ZmqKVEventFeed
 from gateway.transport.redact import redact_url
 from gateway.transport.retry import RetryPolicy
 from gateway.transport.routing_policy import CacheAwarePolicy, make_policy, text_block_hashes
 from gateway.transport.routing_share import RoutingShare
-from gateway.transport.upstream_http import OpenedResponse, SharedClient, Upstream, open_response
+from gateway.transport.upstream_http import (
+    OpenedResponse,
+    SharedClient,
+    Upstream,
+    UpstreamClient,
+    open_response,
+)
 
 _MAX_URLS = 1024  # parsed request URLs kept per backend (replicas x paths; more only with a changing ring)
 
@@ -222,12 +229,22 @@ class UpstreamBackend(Backend):
             url = self._url(f"{base_url}{path}")
             return client.build_request("POST", url, headers=dict(headers), content=content)
 
+        direct = None
+        if isinstance(client, UpstreamClient):
+
+            async def direct(
+                base_url: str, timeout: dict[str, Any]
+            ) -> DirectResponse | httpx.Response | None:
+                return await client.send_direct(self._url(f"{base_url}{path}"), headers, content, timeout)
+
         routing = self.upstream.routing
         blocks: tuple[int, ...] = ()
         if routing is not None and routing.wants_blocks:
             hasher = self.kv_hasher
             blocks = hasher(body) if hasher is not None else routing_blocks(body, self.upstream_model)
-        return await open_response(client, self.upstream, key, build, sleep=self._sleep, blocks=blocks)
+        return await open_response(
+            client, self.upstream, key, build, sleep=self._sleep, blocks=blocks, send_direct=direct
+        )
 
 
 ROUTED_FIELDS = ("tools", "system", "messages", "prompt")

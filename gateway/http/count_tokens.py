@@ -1,7 +1,8 @@
 """``POST /v1/messages/count_tokens``: the input tokens of a Messages request, without running it.
 
-Reference: https://docs.anthropic.com/en/api/messages-count-tokens. The body is a Messages body without
-``max_tokens``; the answer is ``{"input_tokens": <int>}``; errors are Anthropic error JSON, as on
+Reference: https://docs.anthropic.com/en/api/messages-count-tokens. The body is a Messages body without the
+generation's fields (``gateway.protocols.anthropic.validate.COUNT_TOKENS_FIELDS``: ``max_tokens``, ``stream``,
+``temperature``... are refused as unknown fields); the answer is ``{"input_tokens": <int>}``; errors are Anthropic error JSON, as on
 ``/v1/messages`` (the app's error handler shapes every path under ``/v1/messages`` so).
 
 The body is parsed, validated and canonicalized exactly as ``/v1/messages`` does it (same headers:

@@ -14,6 +14,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from gateway.core.request import ChatRequest
+from gateway.http.server_protocol import WATCH_DISCONNECT
 from gateway.service.gateway import Gateway
 from gateway.service.pipeline import OpenedStream
 
@@ -52,7 +53,9 @@ async def run_unless_disconnected(http_request: Request, work: Awaitable[T], ope
     """Await ``work`` (a non-streamed answer being collected) unless the client disconnects first; then cancel
     it, close ``opened`` (freeing the backend's work) and raise ``ClientDisconnected``.
 
-    ``work`` runs in the calling task; one watcher task waits for the disconnect and cancels the caller when it
+    Under ``prefixgate serve`` (``gateway.http.server_protocol``) the server calls back when the connection is
+    lost (the scope's ``WATCH_DISCONNECT`` extension) and no task is made; elsewhere ``work`` runs in the
+    calling task and one watcher task waits for the disconnect and cancels the caller when it
     comes (one task per request instead of two, and no ``asyncio.wait``); what the caller gets is what it got
     from the two-task form in every case (the answer, the work's own error, or ``ClientDisconnected`` when the
     work ended cancelled). The watcher's callback acts only
@@ -70,17 +73,25 @@ async def run_unless_disconnected(http_request: Request, work: Awaitable[T], ope
     active = True
     disconnected = False
 
-    def on_watcher_done(watcher: asyncio.Future[None]) -> None:
+    def gone() -> None:
         nonlocal disconnected
-        if watcher.cancelled():
-            return
-        watcher.exception()  # retrieved: a failed receive counts as the client gone, as it always did
         if active:
             disconnected = True
             current.cancel()
 
-    watcher = asyncio.ensure_future(_wait_disconnect(http_request))
-    watcher.add_done_callback(on_watcher_done)
+    def on_watcher_done(watcher: asyncio.Future[None]) -> None:
+        if watcher.cancelled():
+            return
+        watcher.exception()  # retrieved: a failed receive counts as the client gone, as it always did
+        gone()
+
+    watch = getattr(http_request, "scope", {}).get("extensions", {}).get(WATCH_DISCONNECT)
+    if watch is not None:  # the server calls ``gone`` when the connection is lost: no task per request
+        stop = watch(gone)
+    else:
+        watcher = asyncio.ensure_future(_wait_disconnect(http_request))
+        watcher.add_done_callback(on_watcher_done)
+        stop = watcher.cancel
     try:
         result = await work
     except asyncio.CancelledError:
@@ -96,7 +107,7 @@ async def run_unless_disconnected(http_request: Request, work: Awaitable[T], ope
         return result
     finally:
         active = False
-        watcher.cancel()
+        stop()
     await opened.aclose()
     raise ClientDisconnected()
 

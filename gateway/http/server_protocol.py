@@ -14,6 +14,13 @@ message whatever that message holds (an empty body, the chunked terminator, noth
 response never waits on anything but its own first body message, as the spec allows. Streams are not delayed:
 an SSE response's head goes out with its first event, which the handlers send right after the head.
 
+The protocol also tells the app of a client that leaves without a task waiting in ``receive``: a request's
+scope carries ``extensions["prefixgate.watch_disconnect"]``, a function taking a callback that is called once
+(from the connection's ``connection_lost``, or soon when the client is already gone) if the connection is lost
+before the response completes, and returning a function that takes the callback back. A non-streamed answer
+used a watcher task per request blocked in ``receive`` for this (``gateway.http.request_context``); uvicorn
+itself only learns of the disconnect in ``connection_lost``, which is where the callback runs.
+
 This reaches into two places of uvicorn (``HttpToolsProtocol._start_asgi_task``, where each request's cycle
 starts, and ``RequestResponseCycle.transport``); ``coalescing_protocol`` checks they are there and returns None
 otherwise (uvicorn's own protocol is then used, unchanged).
@@ -22,9 +29,14 @@ otherwise (uvicorn's own protocol is then used, unchanged).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["coalescing_protocol"]
+__all__ = ["WATCH_DISCONNECT", "coalescing_protocol"]
+
+WATCH_DISCONNECT = "prefixgate.watch_disconnect"
+"""The scope extension naming a request's disconnect watch: ``watch(callback) -> unwatch`` (module
+docstring)."""
 
 
 class _HeldWrites:
@@ -82,6 +94,30 @@ def coalescing_protocol() -> type[asyncio.Protocol] | None:
         """``RequestResponseCycle`` whose ``http.response.start`` is written with the first body message."""
 
         _held: list[bytes] | None = None
+        _watchers: list[Callable[[], None]] | None = None
+
+        def watch_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+            """Call ``callback()`` once if the client disconnects before the response completes (soon, when
+            it already has); returns the function that takes it back."""
+            if self.disconnected:
+                handle = asyncio.get_running_loop().call_soon(callback)
+                return handle.cancel
+            if self._watchers is None:
+                self._watchers = []
+            self._watchers.append(callback)
+
+            def unwatch() -> None:
+                if self._watchers and callback in self._watchers:
+                    self._watchers.remove(callback)
+
+            return unwatch
+
+        def lost(self) -> None:
+            """The connection is gone: call the watchers when that was before the response completed."""
+            watchers, self._watchers = self._watchers, None
+            if watchers and self.disconnected:
+                for callback in watchers:
+                    callback()
 
         async def send(self, message: Any) -> None:
             kind = message.get("type") if isinstance(message, dict) else None
@@ -114,6 +150,13 @@ def coalescing_protocol() -> type[asyncio.Protocol] | None:
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             if type(cycle) is RequestResponseCycle:
                 cycle.__class__ = HeadCoalescingCycle
+                cycle.scope.setdefault("extensions", {})[WATCH_DISCONNECT] = cycle.watch_disconnect
             super()._start_asgi_task(cycle, app)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            super().connection_lost(exc)
+            if isinstance(cycle, HeadCoalescingCycle):
+                cycle.lost()
 
     return HeadCoalescingProtocol

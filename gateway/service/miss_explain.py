@@ -92,6 +92,7 @@ class _Entry:
     tokens: array
     segments: tuple[PromptSegment, ...]
     seen_at: float
+    digest: bytes = b""  # BLAKE2b-128 of ``tokens``: the key of ``MissExplainer._seqs``
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +147,9 @@ class MissExplainer:
         self._clock = clock
         self._keys: OrderedDict[tuple[str, str], OrderedDict[int, _Entry]] = OrderedDict()
         self._lru: OrderedDict[tuple[tuple[str, str], int], None] = OrderedDict()
+        # (key, digest of the tokens) -> seq of the stored prompt: ``record`` finds an identical prompt without
+        # comparing it with every prompt of the key (docs/overhead.md, session 7)
+        self._seqs: dict[tuple[tuple[str, str], bytes], int] = {}
         self._bytes = 0
         self._seq = 0
         # chain -> (when last marked cached, the ``mark_cached`` call that first marked it)
@@ -390,6 +394,7 @@ class MissExplainer:
         data = self._tokens(tokens)
         segs = self._segments(segments, len(data))
         key = (model, tenant)
+        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
         with self._lock:
             entries = self._keys.get(key)
             if entries is None:
@@ -398,18 +403,20 @@ class MissExplainer:
                     self._drop_key(next(iter(self._keys)))
             else:
                 self._keys.move_to_end(key)
-            for seq, entry in entries.items():
-                if entry.tokens == data:
-                    entry.seen_at = self._clock()
-                    entries.move_to_end(seq)
-                    self._lru.move_to_end((key, seq))
-                    return
-            entry = _Entry(data, segs, self._clock())
+            seq = self._seqs.get((key, digest))
+            same = entries.get(seq) if seq is not None else None
+            if same is not None and same.tokens == data:
+                same.seen_at = self._clock()
+                entries.move_to_end(seq)
+                self._lru.move_to_end((key, seq))
+                return
+            entry = _Entry(data, segs, self._clock(), digest)
             if entry.nbytes > self.max_bytes:
                 return
             self._seq += 1
             entries[self._seq] = entry
             self._lru[(key, self._seq)] = None
+            self._seqs[(key, digest)] = self._seq
             self._bytes += entry.nbytes
             while len(entries) > self.max_prompts_per_key:
                 self._drop_entry(key, next(iter(entries)))
@@ -451,6 +458,8 @@ class MissExplainer:
         self._lru.pop((key, seq), None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            if self._seqs.get((key, entry.digest)) == seq:
+                del self._seqs[(key, entry.digest)]
         if entries is not None and not entries:
             self._keys.pop(key, None)
 

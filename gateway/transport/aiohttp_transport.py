@@ -13,6 +13,11 @@ What the upstream sees is what httpx builds: the request's headers are sent as t
 its body as bytes (or chunked from an async stream). The answer's body is handed to httpx undecoded (httpx
 decodes ``Content-Encoding`` itself), chunk by chunk as it arrives.
 
+The shared upstream client also sends without httpx's request and response objects
+(``gateway.transport.upstream_http.UpstreamClient.send_direct``): ``AiohttpTransport.open`` takes the header
+list httpx would build and returns aiohttp's response, and a 2xx answer without ``Content-Encoding`` is read
+through ``DirectResponse`` (the rest becomes the ``httpx.Response`` of ``as_httpx_response``, as here).
+
 Invariants:
 - every aiohttp failure comes out as the ``httpx`` error httpcore gives for the same event (``ERRORS``):
   connect failures ``ConnectError``, connect timeouts ``ConnectTimeout``, a silence longer than the read
@@ -57,6 +62,7 @@ ERRORS: tuple[tuple[type[BaseException], type[httpx.TransportError]], ...] = (
 
 _MAX_HEADER_BYTES = 100 * 1024  # httpcore's limit on a response's status line and headers (h11 event size)
 _MAX_HEADERS = 1000
+_MAX_URLS = 256  # parsed URLs (and timeouts) kept; a handful in practice
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """The headers aiohttp would add when a request has none of them: httpx already set what it sends."""
 
@@ -94,6 +100,78 @@ class _ResponseStream(httpx.AsyncByteStream):
             response.close()
 
 
+def as_httpx_response(response: aiohttp.ClientResponse) -> httpx.Response:
+    """aiohttp's ``response`` (status and headers arrived) as the ``httpx.Response`` httpcore would give: its
+    body streams undecoded (httpx decodes ``Content-Encoding``); closing it releases or closes the connection
+    (``_ResponseStream``)."""
+    return httpx.Response(
+        response.status,
+        headers=[(name, value) for name, value in response.raw_headers],
+        stream=_ResponseStream(response),
+        extensions={
+            "http_version": b"HTTP/%d.%d" % (response.version.major, response.version.minor)
+            if response.version
+            else b"HTTP/1.1",
+            "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
+        },
+    )
+
+
+class DirectResponse:
+    """An upstream response read straight from aiohttp, with the parts of ``httpx.Response`` the upstream
+    call reads (``status_code``, ``headers.get``, ``is_closed``, ``aiter_bytes``, ``aclose``): what
+    ``UpstreamClient.send_direct`` returns for a 2xx answer without a ``Content-Encoding`` (any other answer is
+    given to httpx, ``as_httpx_response``). The body comes as aiohttp hands it; read failures are raised as
+    ``ERRORS`` maps them; a body read to its end releases its connection to the pool, and ``aclose`` before the
+    end closes it (as ``_ResponseStream`` does).
+
+    Args:
+        response: aiohttp's response, status and headers arrived.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status_code: int = response.status
+        self.is_closed = False
+
+    @property
+    def headers(self) -> Any:
+        """The response headers (aiohttp's case-insensitive multidict: ``.get(name, default)``)."""
+        return self._response.headers
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive; closes the response at the end of the body (as httpx's ``aiter_raw``
+        does).
+
+        Raises:
+            httpx.TransportError: a read failure, as ``ERRORS`` maps it.
+        """
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - mapped to httpx's errors, the rest re-raised as it is
+            mapped = httpx_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+        await self.aclose()
+
+    def at_eof(self) -> bool:
+        """Whether the whole body has arrived and been read (nothing is left to drain)."""
+        return self._response.content.at_eof()
+
+    async def aclose(self) -> None:
+        """Give the connection back when the body was read to its end, else close it. Idempotent."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        response = self._response
+        if response.content.is_eof():
+            response.release()
+        else:
+            response.close()
+
+
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncBaseTransport`` over one ``aiohttp.ClientSession`` (made on the first request, inside the
     running event loop).
@@ -115,6 +193,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         else:
             self._ssl = httpx.create_ssl_context(verify=verify) if verify else False
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}
+        self._timeouts: dict[tuple[float | None, ...], aiohttp.ClientTimeout] = {}
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -133,32 +213,34 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             )
         return self._session
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Send ``request`` and return its response once the status and headers arrived (the body streams).
+    async def open(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: Any, timeout: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        """Send a request as it is (``headers`` in order, none added) and return aiohttp's response once its
+        status and headers arrived (the body streams; release or close it).
+
+        Args:
+            method: the HTTP method.
+            url: the absolute URL, already encoded (as ``str(httpx.URL)`` gives it).
+            headers: (name, value) pairs, sent in this order.
+            body: bytes, or an async iterable of bytes (sent chunked).
+            timeout: httpx's ``Timeout.as_dict()`` (``connect``, ``read``, ``pool`` seconds or None).
 
         Raises:
             httpx.TransportError: the failure, as ``ERRORS`` maps it.
         """
-        timeout = request.extensions.get("timeout", {})
         connect, read, pool = timeout.get("connect"), timeout.get("read"), timeout.get("pool")
-        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw]
-        body: Any = request.content if isinstance(request.stream, httpx.ByteStream) else request.stream
         try:
-            response = await self._open().request(
-                request.method,
-                URL(str(request.url), encoded=True),
+            return await self._open().request(
+                method,
+                self._yarl(url),
                 headers=headers,
                 skip_auto_headers=_SKIP_AUTO_HEADERS,
                 data=body,
                 allow_redirects=False,
                 compress=None,
                 chunked=None,
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    connect=None if pool is None or connect is None else pool + connect,
-                    sock_connect=connect,
-                    sock_read=read,
-                ),
+                timeout=self._timeout(connect, read, pool),
             )
         except ValueError as exc:
             if isinstance(exc, aiohttp.ClientError):
@@ -170,17 +252,47 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             if mapped is None:
                 raise
             raise mapped from exc
-        return httpx.Response(
-            response.status,
-            headers=[(name, value) for name, value in response.raw_headers],
-            stream=_ResponseStream(response),
-            extensions={
-                "http_version": b"HTTP/%d.%d" % (response.version.major, response.version.minor)
-                if response.version
-                else b"HTTP/1.1",
-                "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
-            },
+
+    def _yarl(self, url: str) -> URL:
+        """``url`` as an encoded ``yarl.URL``, parsed once per URL (a few replicas and paths; bounded)."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parsed = URL(url, encoded=True)
+            if len(self._urls) >= _MAX_URLS:
+                self._urls.clear()
+            self._urls[url] = parsed
+        return parsed
+
+    def _timeout(
+        self, connect: float | None, read: float | None, pool: float | None
+    ) -> aiohttp.ClientTimeout:
+        """aiohttp's timeout for httpx's ``connect`` / ``read`` / ``pool`` (made once per triple)."""
+        key = (connect, read, pool)
+        found = self._timeouts.get(key)
+        if found is None:
+            found = aiohttp.ClientTimeout(
+                total=None,
+                connect=None if pool is None or connect is None else pool + connect,
+                sock_connect=connect,
+                sock_read=read,
+            )
+            if len(self._timeouts) >= _MAX_URLS:
+                self._timeouts.clear()
+            self._timeouts[key] = found
+        return found
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` and return its response once the status and headers arrived (the body streams).
+
+        Raises:
+            httpx.TransportError: the failure, as ``ERRORS`` maps it.
+        """
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw]
+        body: Any = request.content if isinstance(request.stream, httpx.ByteStream) else request.stream
+        response = await self.open(
+            request.method, str(request.url), headers, body, request.extensions.get("timeout", {})
         )
+        return as_httpx_response(response)
 
     async def aclose(self) -> None:
         """Close every pooled connection."""

@@ -16,14 +16,14 @@ import asyncio
 import http.cookiejar
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
-from gateway.transport.aiohttp_transport import AiohttpTransport
+from gateway.transport.aiohttp_transport import AiohttpTransport, DirectResponse, as_httpx_response
 from gateway.transport.failures import (
     FailureKind,
     UpstreamCallError,
@@ -73,6 +73,11 @@ class UpstreamClient(httpx.AsyncClient):
     is not set (nothing reads it). Any other request (non-streamed, with auth, redirects, hooks, or after
     the client was closed) takes ``httpx.AsyncClient.send``.
 
+    ``send_direct`` goes one step further for the backends' POSTs (``open_response``'s ``send_direct``): the
+    header list httpx would build is made once per URL and headers, and a 2xx answer is read from aiohttp
+    without an ``httpx.Response`` (``DirectResponse``), which left httpx's request building, its response
+    model and its three nested body iterators off every upstream call (docs/overhead.md, session 7).
+
     Args:
         limits: the transport's and httpx's connection limits.
         transport: the transport for direct (non-proxied) requests.
@@ -85,6 +90,9 @@ class UpstreamClient(httpx.AsyncClient):
             transport=transport,
             cookies=http.cookiejar.CookieJar(policy=NoCookies()),
         )
+        self._direct_heads: dict[
+            tuple[str, tuple[tuple[str, str], ...]], tuple[list[tuple[str, str]], int]
+        ] = {}
 
     async def send(
         self,
@@ -103,14 +111,9 @@ class UpstreamClient(httpx.AsyncClient):
         """
         if (
             not stream
-            or self.is_closed
             or auth is not httpx.USE_CLIENT_DEFAULT
             or follow_redirects not in (httpx.USE_CLIENT_DEFAULT, False)
-            or self.follow_redirects
-            or self.auth is not None
-            or request.url.userinfo
-            or any(self.event_hooks.values())
-            or not isinstance(self.cookies.jar._policy, NoCookies)  # noqa: SLF001 - set by __init__
+            or not self._adds_nothing(request.url)
         ):
             return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
         request.extensions.setdefault("timeout", self.timeout.as_dict())
@@ -132,6 +135,74 @@ class UpstreamClient(httpx.AsyncClient):
                 response.reason_phrase,
             )
         return response
+
+    def _adds_nothing(self, url: httpx.URL) -> bool:
+        """Whether httpx's send layers would leave a request to ``url`` and its response as they are (open
+        client, no auth, no credentials in the URL, no hooks, redirects off, the ``NoCookies`` jar)."""
+        return not (
+            self.is_closed
+            or self.follow_redirects
+            or self.auth is not None
+            or url.userinfo
+            or any(self.event_hooks.values())
+            or not isinstance(self.cookies.jar._policy, NoCookies)  # noqa: SLF001 - set by __init__
+        )
+
+    async def send_direct(
+        self, url: httpx.URL, headers: Mapping[str, str], content: bytes, timeout: dict[str, Any]
+    ) -> DirectResponse | httpx.Response | None:
+        """POST ``content`` to ``url`` straight over the aiohttp transport, without building httpx's request
+        and response objects (docs/overhead.md, session 7); None, having sent nothing, when the request needs
+        httpx's path: a client that adds something (``send``'s conditions) or a URL whose transport is not an
+        ``AiohttpTransport`` (a proxy from the environment).
+
+        The bytes on the wire are what ``build_request("POST", url, headers=headers, content=content)`` then
+        ``send`` would send: the header list is that request's (made once per URL and headers, with its
+        ``Content-Length`` set to this body's). A 2xx answer without ``Content-Encoding`` comes back as a
+        ``DirectResponse``; any other as the ``httpx.Response`` the transport gives (httpx decodes bodies and
+        reads errors as before), without ``request`` set.
+
+        Raises:
+            httpx.TransportError: the transport's (``exc.request`` not set).
+        """
+        if not self._adds_nothing(url):
+            return None
+        transport = self._transport_for_url(url)
+        if not isinstance(transport, AiohttpTransport):
+            return None
+        key = (str(url), tuple(headers.items()))
+        template = self._direct_heads.get(key)
+        if template is None:
+            # the request httpx would build (a one-byte body: Content-Length sits where a non-empty body's does)
+            raw = self.build_request("POST", url, headers=dict(headers), content=b"-").headers.raw
+            pairs = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw]
+            length_at = next(i for i, (name, _) in enumerate(pairs) if name.lower() == "content-length")
+            template = (pairs, length_at)
+            if len(self._direct_heads) >= _DIRECT_HEADS:
+                self._direct_heads.clear()
+            self._direct_heads[key] = template
+        pairs, length_at = template
+        sent = pairs.copy()
+        sent[length_at] = (sent[length_at][0], str(len(content)))
+        response = await transport.open("POST", key[0], sent, content, timeout)
+        if _httpx_logger.isEnabledFor(logging.INFO):
+            _httpx_logger.info(
+                'HTTP Request: %s %s "HTTP/%d.%d %d %s"',
+                "POST",
+                url,
+                *(response.version or (1, 1)),
+                response.status,
+                response.reason or "",
+            )
+        if 200 <= response.status < 300 and "content-encoding" not in response.headers:
+            return DirectResponse(response)
+        return as_httpx_response(response)
+
+
+DirectSend = Callable[[str, dict[str, Any]], Awaitable[DirectResponse | httpx.Response | None]]
+"""``(replica base URL, timeout dict) -> response, or None`` (``open_response``'s ``send_direct``)."""
+
+_DIRECT_HEADS = 1024  # header templates kept by ``UpstreamClient.send_direct`` (replicas x paths x keys)
 
 
 class NoCookies(http.cookiejar.CookiePolicy):
@@ -230,7 +301,7 @@ class OpenedResponse:
 
     def __init__(
         self,
-        response: httpx.Response,
+        response: httpx.Response | DirectResponse,
         chunks: AsyncIterator[bytes],
         first: bytes,
         lease: Lease,
@@ -333,7 +404,10 @@ class OpenedResponse:
         self._closed = True
         try:
             if self._completed and not self.response.is_closed:
-                await self._drain()
+                if isinstance(self.response, DirectResponse) and self.response.at_eof():
+                    await self._chunks.aclose()  # nothing left to read: no timer, no read
+                else:
+                    await self._drain()
             await self.response.aclose()
         finally:
             self.lease.release()
@@ -357,6 +431,7 @@ async def open_response(
     build_request: Callable[[str], httpx.Request],
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     blocks: tuple[int, ...] = (),
+    send_direct: DirectSend | None = None,
 ) -> OpenedResponse:
     """Send a request to the replica the ring picks for ``key`` and wait for the first body byte, retrying
     (per ``upstream.policy``) on timeouts, connection errors, 5xx and 429.
@@ -369,6 +444,9 @@ async def open_response(
         sleep: the backoff sleep (injectable for tests).
         blocks: chained block hashes of the prompt (``routing_policy.text_block_hashes``), for cache-aware
             routing; empty otherwise.
+        send_direct: sends the request for a replica's base URL without httpx's request and response objects
+            (``UpstreamClient.send_direct`` with the body and headers ``build_request`` would use); it returns
+            None, having sent nothing, when the request must take ``build_request`` and ``client.send``.
 
     Returns:
         an ``OpenedResponse`` holding the replica lease (close it).
@@ -383,7 +461,7 @@ async def open_response(
             lease = upstream.acquire(key, blocks)
         except NoReplicaAvailable as exc:
             raise UpstreamCallError(503, FailureKind.NO_REPLICA, str(exc), attempts=attempt) from None
-        error = await _attempt(client, upstream, lease, build_request, attempt + 1)
+        error = await _attempt(client, upstream, lease, build_request, attempt + 1, send_direct)
         if isinstance(error, OpenedResponse):
             prefill_done = getattr(
                 lease, "prefill_done", None
@@ -407,17 +485,22 @@ async def _attempt(
     lease: Lease,
     build_request: Callable[[str], httpx.Request],
     attempts: int,
+    send_direct: DirectSend | None = None,
 ) -> OpenedResponse | UpstreamCallError:
     """One attempt: an ``OpenedResponse`` on success, else the error (the lease is still held by the
     caller)."""
     secrets = upstream.secrets
     where = "(a replica whose URL cannot be parsed)"  # never the raw URL: it may hold user:password@
-    response: httpx.Response | None = None
+    response: httpx.Response | DirectResponse | None = None
     try:
         where = redact_url(lease.replica)
-        request = build_request(lease.replica)
-        request.extensions["timeout"] = upstream.timeout.as_dict()
-        response = await client.send(request, stream=True)
+        timeout = upstream.timeout.as_dict()
+        if send_direct is not None:
+            response = await send_direct(lease.replica, timeout)
+        if response is None:
+            request = build_request(lease.replica)
+            request.extensions["timeout"] = timeout
+            response = await client.send(request, stream=True)
         if 300 <= response.status_code < 400:  # redirects are not followed: a misconfigured base_url
             location = response.headers.get("location", "")
             await response.aclose()
@@ -466,7 +549,7 @@ async def _attempt(
         raise
 
 
-async def _read_limited(response: httpx.Response) -> bytes:
+async def _read_limited(response: httpx.Response | DirectResponse) -> bytes:
     body = b""
     try:
         async for chunk in response.aiter_bytes():
@@ -478,7 +561,7 @@ async def _read_limited(response: httpx.Response) -> bytes:
     return body[:_ERROR_BODY_LIMIT]
 
 
-async def _close_quietly(response: httpx.Response | None) -> None:
+async def _close_quietly(response: httpx.Response | DirectResponse | None) -> None:
     if response is not None:
         try:
             await response.aclose()

@@ -171,3 +171,14 @@ def test_profile_leaves_out_socket_writes_under_uvloop_by_their_line():
     other = "run (uvicorn/main.py:1);RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:1)"
     shares, waiting = attribute([(head.split(";"), 4), (other.split(";"), 2)])
     assert waiting == 4 and shares == {"uvicorn": 2}
+
+
+def test_profile_puts_samples_in_the_loops_own_frame_in_their_own_category():
+    """Under uvloop a sample whose innermost frame is ``Runner.run`` is the loop's C code or a wait for a core:
+    it is counted apart, not as the loop's Python work."""
+    from bench.overhead.profile import LOOP_OR_WAITING, attribute
+
+    loop = "run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)"
+    callback = loop + ";_run (asyncio/events.py:80)"
+    shares, waiting = attribute([(loop.split(";"), 3), (callback.split(";"), 2)])
+    assert waiting == 0 and shares == {LOOP_OR_WAITING: 3, "asyncio event loop": 2}

@@ -185,3 +185,36 @@ def test_constraint_without_tokenizer_is_refused():
     with pytest.raises(InvalidRequestError) as err:
         eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("json_object")))
     assert err.value.param == "response_format"
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, 'Unimplemented keys: ["not"]'),
+        (
+            {"type": "object", "properties": {"a": {"type": "string", "format": "nope"}}},
+            "Unknown format: nope",
+        ),
+    ],
+)
+def test_an_unsupported_schema_names_its_tool_without_grammar_internals(schema, problem):
+    """Before: the message carried llguidance's grammar listing (``call: "<tool_call>\\n" body ...``)."""
+    fine = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    tools = (
+        {"type": "function", "function": {"name": "fine", "parameters": fine}},
+        {"type": "function", "function": {"name": "odd", "parameters": schema}},
+    )
+    eng = engine()
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("tool_calls", tools=tools)))
+    assert err.value.param == "tools"
+    assert str(err.value) == (
+        f"Invalid 'tools': the schema of tool 'odd' is not supported by constrained decoding: {problem}"
+    )
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("json_schema", json_schema=schema)))
+    assert (err.value.param, str(err.value)) == (
+        "response_format",
+        f"Invalid 'response_format': the JSON schema is not supported by constrained decoding: {problem}",
+    )
+    assert not eng.has_unfinished()

@@ -160,6 +160,12 @@ def test_incremental_parse_equals_whole_parse_for_any_split(cuts):
         ("a <tool_call> inline mention", "a <tool_call> inline mention", []),
         ('<tool_call>\n{"name": 3}\n</tool_call>', '<tool_call>\n{"name": 3}\n</tool_call>', []),
         ('<tool_call>\n{"name": "f", "arguments": {"a": ', "", []),  # cut by max_tokens: not a call
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1', "", []),  # cut inside the arguments: not a call
+        # cut by max_tokens after complete arguments, before "}" / "</tool_call>": a call
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}', "", ["f"]),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool', "", ["f"]),
+        (render_call("f", {}) + '\n<tool_call>\n{"name": "g", "arguments": {}}', "", ["f", "g"]),
+        ('<tool_call>\n{"name": "f", "arguments": [1]}', "", []),  # arguments that are not an object
         (render_call("f", {}) + "\nafter", "\nafter", ["f"]),
     ],
 )

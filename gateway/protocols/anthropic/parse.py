@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from engine.api import SamplingParams
 from gateway.core.json_types import compact_json
 from gateway.core.request import ChatRequest, given_sampling
-from gateway.protocols.anthropic.validate import validate_body
+from gateway.protocols.anthropic.validate import COUNT_TOKENS_FIELDS, MESSAGES_FIELDS, validate_body
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
     pass
@@ -139,7 +139,11 @@ def anthropic_to_openai_tool_choice(choice: Mapping[str, Any] | None) -> Any:
 
 
 def parse_messages_body(
-    body: Any, request_id: str = "", require_max_tokens: bool = True, refuse_unknown: bool = True
+    body: Any,
+    request_id: str = "",
+    require_max_tokens: bool = True,
+    refuse_unknown: bool = True,
+    fields: frozenset[str] = MESSAGES_FIELDS,
 ) -> ChatRequest:
     """Validate a ``/v1/messages`` body and build the internal request (``rules_enabled``, ``tenant`` and
     ``forward_headers`` are the endpoint's to set from headers, see ``apply_request_headers``).
@@ -150,11 +154,12 @@ def parse_messages_body(
         require_max_tokens: False for ``/v1/messages/count_tokens`` bodies (then ``params.max_tokens`` is None
             when the body has none).
         refuse_unknown: refuse an unknown top-level field (``server.unknown_fields: refuse``).
+        fields: the endpoint's known top-level fields (``validate.COUNT_TOKENS_FIELDS`` for a count).
 
     Raises:
         InvalidRequestError: a missing or ill-typed field (``param`` names it).
     """
-    validate_body(body, require_max_tokens, refuse_unknown)
+    validate_body(body, require_max_tokens, refuse_unknown, fields)
     stops = tuple(body.get("stop_sequences") or ())
     params = SamplingParams(
         max_tokens=body.get("max_tokens"),
@@ -196,23 +201,28 @@ def is_prefill(message: Mapping[str, Any]) -> bool:
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 """Anthropic's token counting endpoint (https://docs.anthropic.com/en/api/messages-count-tokens)."""
 
-MESSAGES_ONLY_FIELDS = frozenset(
-    {"max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "service_tier"}
-)
+MESSAGES_ONLY_FIELDS = MESSAGES_FIELDS - COUNT_TOKENS_FIELDS
 """Fields of a Messages body that ``/v1/messages/count_tokens`` does not take (they shape the generation, not
-the prompt). They are checked as ``/v1/messages`` checks them, then left out of the count and of an upstream's
-count request; any other field is sent on, as the Messages passthrough does."""
+the prompt): refused there as Anthropic refuses them; with ``server.unknown_fields: ignore`` they are checked
+as ``/v1/messages`` checks them, then left out of the count and of an upstream's count request. Any other
+field is sent on, as the Messages passthrough does."""
 
 
 def parse_count_body(body: Any, request_id: str = "", refuse_unknown: bool = True) -> ChatRequest:
-    """Validate a ``/v1/messages/count_tokens`` body (a Messages body without ``max_tokens``) and build the
-    internal request ``/v1/messages`` would build (not streamed).
+    """Validate a ``/v1/messages/count_tokens`` body (``COUNT_TOKENS_FIELDS``: a Messages body without the
+    generation's fields) and build the internal request ``/v1/messages`` would build (not streamed).
 
     Raises:
-        InvalidRequestError: a missing or ill-typed field (``param`` names it), as ``/v1/messages`` answers.
+        InvalidRequestError: a missing or ill-typed field (``param`` names it), as ``/v1/messages`` answers;
+            a field the count endpoint does not take (``max_tokens``, ``stream``...: "Extra inputs are not
+            permitted") unless ``refuse_unknown`` is False.
     """
     request = parse_messages_body(
-        body, request_id=request_id, require_max_tokens=False, refuse_unknown=refuse_unknown
+        body,
+        request_id=request_id,
+        require_max_tokens=False,
+        refuse_unknown=refuse_unknown,
+        fields=COUNT_TOKENS_FIELDS,
     )
     request.stream = False
     return request

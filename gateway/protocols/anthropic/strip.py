@@ -1,18 +1,40 @@
 """Anthropic-face messages and tools for a backend that is not Anthropic (an OpenAI-compatible server, the
 embedded engine): Anthropic-only keys removed, thinking blocks dropped, other Anthropic-only blocks refused
-with ``UnsupportedContentError``. The one copy of this stripping.
+with ``UnsupportedContentError``; Anthropic-only top-level fields refused unless they ask for nothing
+(``check_anthropic_only_fields``). The one copy of this stripping.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from gateway.core.errors import InvalidRequestError
 from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
 from gateway.protocols.anthropic.prompt import UnsupportedContentError
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
     pass
 
+
+ANTHROPIC_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
+    "thinking": (None, {"type": "disabled"}),
+    "output_config": (None, {}),
+    "output_format": (None,),
+    "container": (None,),
+    "mcp_servers": (None, []),
+    "context_management": (None,),
+    "inference_geo": (None,),
+    "diagnostics": (None,),
+    "speed": (None,),
+    "user_profile_id": (None,),
+    "workspace_id": (None,),
+}
+"""Top-level Messages fields with no equivalent outside Anthropic -> the values that ask for nothing. The
+other Messages fields are translated (``metadata.user_id`` -> ``user``, ``stop_sequences`` -> ``stop``, ...) or
+harmless to leave out (``service_tier``: capacity, not the answer; ``cache_control``: a caching hint, the
+gateway routes by prefix key). docs/upstreams.md lists the decisions."""
 
 _PLAIN_PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}}
 
@@ -78,3 +100,30 @@ def plain_tools(tools: list[dict[str, Any]] | None, target: str = "this") -> lis
             )
         out.append({k: v for k, v in tool.items() if k not in (OPAQUE, "cache_control")})
     return out
+
+
+def check_anthropic_only_fields(
+    body: Mapping[str, Any], target: str, honoured: frozenset[str] = frozenset()
+) -> None:
+    """Refuse the Anthropic-only top-level fields of ``body`` (``ANTHROPIC_ONLY_FIELDS``) set to a value that
+    asks for something, rather than drop them silently.
+
+    Args:
+        body: the client's Messages body.
+        target: the backend in words (``"an OpenAI-compatible upstream"``), for the message.
+        honoured: fields the backend checks and honours itself (the embedded engine: ``thinking``,
+            ``output_config``).
+
+    Raises:
+        InvalidRequestError: code ``unsupported_value``, ``param`` the field.
+    """
+    for name, accepted in ANTHROPIC_ONLY_FIELDS.items():
+        if name in honoured or name not in body or any(body[name] == value for value in accepted):
+            continue
+        neutral = [json.dumps(value) for value in accepted if value is not None]
+        hint = f"omit it or send {' or '.join(neutral)}" if neutral else "omit it"
+        raise InvalidRequestError(
+            f"{name}: '{name}' is Anthropic-only and {target} model cannot honour it; {hint}.",
+            param=name,
+            code="unsupported_value",
+        )

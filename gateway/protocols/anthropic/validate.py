@@ -5,6 +5,7 @@ exactly what the Messages API documents (https://docs.anthropic.com/en/api/messa
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from gateway.core.errors import InvalidRequestError
@@ -27,6 +28,19 @@ MESSAGES_FIELDS = frozenset(
 )  # fmt: skip
 """Top-level fields of a Messages body (https://docs.anthropic.com/en/api/messages); any other is refused as
 Anthropic refuses it ("Extra inputs are not permitted") unless ``server.unknown_fields: ignore``."""
+
+COUNT_TOKENS_FIELDS = frozenset(
+    {
+        "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "output_config",
+        "speed", "user_profile_id", "workspace_id",
+        # the beta count endpoint's (anthropic-beta): MCP connector, context editing, structured outputs
+        "mcp_servers", "context_management", "output_format",
+    }
+)  # fmt: skip
+"""Top-level fields of a ``/v1/messages/count_tokens`` body
+(https://docs.anthropic.com/en/api/messages-count-tokens): what shapes the prompt, not the generation. The
+Messages-only rest (``max_tokens``, ``stream``, ``temperature``, ``metadata``, ``service_tier``...) is refused
+as any unknown field is, unless ``server.unknown_fields: ignore``."""
 
 
 # ==== validation ============================================================================================
@@ -119,6 +133,30 @@ def _validate_block(block: Any, param: str, role: str) -> None:
             raise bad_param("expected a boolean", f"{param}.is_error")
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+"""A custom tool's name: ``^[a-zA-Z0-9_-]{1,128}$``, the Messages API reference's pattern (the tool-use guide
+asks for at most 64 characters; the API takes 128)."""
+
+
+def _check_tool_results(messages: list[Any]) -> None:
+    """Each ``tool_result`` block answers a ``tool_use`` block of the message just before (an assistant turn),
+    by its ``id``, as Anthropic requires."""
+    for i, message in enumerate(messages):
+        content = message["content"]
+        if not isinstance(content, list):
+            continue
+        previous = messages[i - 1] if i > 0 else None
+        blocks = previous["content"] if previous is not None and previous["role"] == "assistant" else []
+        used = {b["id"] for b in blocks if isinstance(b, dict) and b["type"] == "tool_use"}
+        for j, block in enumerate(content):
+            if block["type"] == "tool_result" and block["tool_use_id"] not in used:
+                raise bad_param(
+                    f"unexpected tool_use_id {block['tool_use_id']!r} in a tool_result block: each tool_result "
+                    "block must answer a tool_use block of the previous (assistant) message",
+                    f"messages[{i}].content[{j}].tool_use_id",
+                )
+
+
 def _validate_tool(tool: Any, param: str) -> None:
     if not isinstance(tool, dict):
         raise bad_param(f"expected a tool object, got {json_kind(tool)}", param)
@@ -126,6 +164,11 @@ def _validate_tool(tool: Any, param: str) -> None:
         validate_cache_control(tool["cache_control"], f"{param}.cache_control")
     _require_str(tool.get("name"), f"{param}.name", allow_empty=False)
     if tool.get("type", "custom") == "custom":
+        if not TOOL_NAME.fullmatch(tool["name"]):
+            raise bad_param(
+                f"String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$', got {tool['name']!r}",
+                f"{param}.name",
+            )
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise bad_param(
@@ -146,14 +189,20 @@ def _validate_tool_choice(choice: Any, tool_names: set[str]) -> None:
         raise bad_param("expected a boolean", "tool_choice.disable_parallel_tool_use")
 
 
-def validate_body(body: Any, require_max_tokens: bool = True, refuse_unknown: bool = True) -> None:
+def validate_body(
+    body: Any,
+    require_max_tokens: bool = True,
+    refuse_unknown: bool = True,
+    fields: frozenset[str] = MESSAGES_FIELDS,
+) -> None:
     """Check a Messages request body (the fields prefixgate reads; other fields pass through untouched).
 
     Args:
         body: the parsed JSON body.
         require_max_tokens: False for ``/v1/messages/count_tokens`` bodies, which have no ``max_tokens``
             (one that is there is still checked).
-        refuse_unknown: refuse a top-level field not in ``MESSAGES_FIELDS`` (else it passes through).
+        refuse_unknown: refuse a top-level field not in ``fields`` (else it passes through).
+        fields: the endpoint's top-level fields (``MESSAGES_FIELDS``, or ``COUNT_TOKENS_FIELDS``).
 
     Raises:
         InvalidRequestError: with ``param`` naming the field (``messages[2].content[0].text``).
@@ -162,7 +211,7 @@ def validate_body(body: Any, require_max_tokens: bool = True, refuse_unknown: bo
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
     if refuse_unknown:
         for key in body:
-            if key not in MESSAGES_FIELDS:
+            if key not in fields:
                 raise InvalidRequestError(
                     f"{key}: Extra inputs are not permitted", param=key, code="unknown_parameter"
                 )
@@ -194,6 +243,7 @@ def validate_body(body: Any, require_max_tokens: bool = True, refuse_unknown: bo
                 f"expected a string or an array of content blocks, got {json_kind(content)}",
                 f"{param}.content",
             )
+    _check_tool_results(messages)
     system = body.get("system")
     if isinstance(system, list):
         for j, block in enumerate(system):

@@ -5,6 +5,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -163,7 +164,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             param="messages",
             code="empty_array",
         )
-    return [_message(message, index) for index, message in enumerate(messages)]
+    checked = [_message(message, index) for index, message in enumerate(messages)]
+    _check_tool_messages(checked)
+    return checked
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:
@@ -234,9 +237,60 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise _missing(f"{where}.function")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise _missing(f"{where}.function.name")
+        _check_function_name(function["name"], f"{where}.function.name")
         if "parameters" in function and not isinstance(function["parameters"], dict):
             raise _invalid_type(f"{where}.function.parameters", "an object", function["parameters"])
     return tools
+
+
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+MAX_FUNCTION_NAME = 64
+"""OpenAI's function names: ``^[a-zA-Z0-9_-]{1,64}$``
+(https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools)."""
+
+
+def _check_function_name(name: str, param: str) -> None:
+    if len(name) > MAX_FUNCTION_NAME:
+        raise InvalidRequestError(
+            f"Invalid '{param}': string too long. Expected a string with maximum length {MAX_FUNCTION_NAME}, "
+            f"but got a string with length {len(name)} instead.",
+            param=param,
+            code="string_above_max_length",
+        )
+    if not FUNCTION_NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"Invalid '{param}': string does not match pattern. Expected a string that matches the pattern "
+            "'^[a-zA-Z0-9_-]+$'.",
+            param=param,
+            code="invalid_value",
+        )
+
+
+def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
+    """Each ``tool`` message answers a call of the assistant message with ``tool_calls`` before it (only
+    ``tool`` messages in between), by that call's ``id``, as OpenAI requires."""
+    calls: set[str] | None = None  # ids of the open assistant turn's calls; None: no such turn
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role == "tool":
+            if calls is None:
+                raise InvalidRequestError(
+                    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
+                    "with 'tool_calls'.",
+                    param=f"messages[{index}].role",
+                    code=None,
+                )
+            if message["tool_call_id"] not in calls:
+                raise InvalidRequestError(
+                    f"Invalid parameter: 'tool_call_id' of '{message['tool_call_id']}' not found in "
+                    "'tool_calls' of previous message.",
+                    param=f"messages[{index}].tool_call_id",
+                    code=None,
+                )
+        elif role == "assistant" and message.get("tool_calls"):
+            calls = {call.get("id") for call in message["tool_calls"] if isinstance(call.get("id"), str)}
+        else:
+            calls = None
 
 
 TOOL_CHOICE_MODES = frozenset({"none", "auto", "required"})

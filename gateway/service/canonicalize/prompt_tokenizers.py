@@ -135,6 +135,19 @@ class Cl100kTokenizer:
         starts = np.cumsum(counts) - counts - inside[index]
         return np.maximum(starts, 0).tolist()
 
+    def piece_offsets(self, ids: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """(start offsets of ``ids`` before the clamp at 0, characters they hold): ``offsets`` of a text is
+        ``max(0, start + characters of the ids before)`` for each id, so pieces' results add up (the clamp only
+        ever applies before the text's first character start). For ``PieceTokenMemo``, which keeps them per
+        piece."""
+        if not ids:
+            return (), 0
+        chars, inside = self._tables()
+        index = np.asarray(ids, dtype=np.int64)
+        counts = chars[index].astype(np.int64)
+        ends = np.cumsum(counts)
+        return tuple((ends - counts - inside[index]).tolist()), int(ends[-1])
+
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Per token id: characters it starts (non-continuation bytes) and whether its first byte is a
         continuation byte (built once, ~100k ids)."""

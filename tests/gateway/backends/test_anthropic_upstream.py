@@ -179,6 +179,8 @@ async def test_rules_off_sends_the_client_prompt_exactly(http):
     body = {
         "system": "short system",
         "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]},
             {
                 "role": "user",
                 "content": [{"type": "text", "text": "a"}, {"type": "tool_result", "tool_use_id": "x"}],
@@ -737,3 +739,95 @@ async def test_a_malformed_stop_reason_or_usage_is_a_protocol_cut(http, stream, 
     with pytest.raises(UpstreamStreamCut, match="malformed stop_reason or usage") as info:
         await drain(backend(http).stream(request))
     assert (info.value.kind, info.value.status_code) == ("protocol", 502)
+
+
+# ---- OpenAI fields an Anthropic model cannot honour ----------------------------------------------------------
+
+OPENAI_ONLY = [
+    ({"seed": 7}, "seed"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"logit_bias": {"15": 10}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            }
+        },
+        "response_format",
+    ),
+    ({"store": True}, "store"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"verbosity": "low"}, "verbosity"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"n": 2}, "n"),
+]
+
+
+@respx.mock
+@pytest.mark.parametrize(("fields", "param"), OPENAI_ONLY)
+async def test_openai_fields_an_anthropic_model_cannot_honour_are_400s(http, fields, param):
+    """Before: seed, penalties, logit_bias, response_format... were dropped from the forwarded body, 200."""
+    from gateway.protocols.openai.parse import parse_chat_request
+
+    route = respx.post(URL).mock(
+        return_value=sse_response(fixture_bytes("anthropic", "tool_use_response.txt"))
+    )
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}], **fields}
+    request = parse_chat_request(body, {})
+    with pytest.raises(APIError) as info:
+        await drain(backend(http).stream(request))
+    error = info.value
+    assert (error.status_code, error.param) == (400, param)
+    assert f"'{param}'" in error.message and "Anthropic upstream" in error.message
+    assert route.call_count == 0
+
+
+@respx.mock
+async def test_neutral_and_harmless_openai_fields_are_served(http):
+    from gateway.protocols.openai.parse import parse_chat_request
+
+    route = respx.post(URL).mock(
+        return_value=sse_response(fixture_bytes("anthropic", "tool_use_response.txt"))
+    )
+    body = {
+        "model": "claude",
+        "messages": [{"role": "user", "content": "hi"}],
+        "seed": None,
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "store": False,
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "metadata": {"run": "7"},
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "user": "u-1",
+        "temperature": 1,
+    }
+    events = await drain(backend(http).stream(parse_chat_request(body, {})))
+    assert isinstance(events[-1], Finish)
+    sent = json.loads(route.calls.last.request.content)
+    assert sent["metadata"] == {"user_id": "u-1"} and sent["temperature"] == 1.0
+    assert not {"seed", "logit_bias", "response_format", "store", "prompt_cache_key"} & set(sent)
+
+
+def test_every_openai_chat_field_is_decided_for_anthropic():
+    from gateway.protocols.anthropic.openai_fields import IGNORED, MAPPED, REFUSED
+    from gateway.protocols.openai.parse import CHAT_FIELDS
+
+    decided = [*MAPPED, *IGNORED, *REFUSED]
+    assert len(decided) == len(set(decided))  # one decision per field
+    assert set(decided) == CHAT_FIELDS

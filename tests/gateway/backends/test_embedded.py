@@ -217,3 +217,33 @@ def test_a_non_text_part_is_named_in_words_with_its_place(part, words):
         f"messages[0].content[1]: {words} is not supported by the embedded engine (text only)."
     )
     assert caught.value.param == "messages[0].content[1].type"
+
+
+def test_n_above_the_engine_limit_is_worded_as_the_other_400s():
+    """Before: "n must be an integer in [1, 16], got 17" (the engine's own wording)."""
+    asked = ChatRequest(
+        model="m", messages=[{"role": "user", "content": "x"}], params=SamplingParams(max_tokens=4, n=17)
+    )
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(asked)
+    error = caught.value
+    assert (error.param, error.code) == ("n", "integer_above_max_value")
+    assert error.message == (
+        "Invalid 'n': integer above maximum value. Expected a value <= 16 with the embedded engine, but got 17 "
+        "instead."
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"container": "c1"}, "container"),
+        ({"mcp_servers": [{"type": "url", "url": "https://m.test", "name": "m"}]}, "mcp_servers"),
+        ({"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
+    ],
+)
+def test_anthropic_only_fields_the_engine_cannot_honour_are_400s(fields, param):
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(request([{"role": "user", "content": "x"}], anthropic_body=fields))
+    assert (caught.value.param, caught.value.code) == (param, "unsupported_value")
+    assert "embedded" in caught.value.message

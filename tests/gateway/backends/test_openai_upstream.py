@@ -589,3 +589,46 @@ async def test_choices_and_logprobs_are_refused_before_any_call(http, params, pa
     with pytest.raises(InvalidRequestError) as caught:
         await drain(backend(http).stream(chat_request(MESSAGES, params=params)))
     assert (caught.value.status_code, caught.value.param) == (400, param) and not route.called
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+        ({"thinking": {"type": "adaptive"}}, "thinking"),
+        ({"output_config": {"effort": "low"}}, "output_config"),
+        ({"container": "container_1"}, "container"),
+        ({"mcp_servers": [{"type": "url", "url": "https://mcp.test", "name": "m"}]}, "mcp_servers"),
+        ({"context_management": {"edits": []}}, "context_management"),
+        ({"inference_geo": "us"}, "inference_geo"),
+    ],
+)
+async def test_anthropic_only_fields_are_400s_not_dropped(http, fields, param):
+    """Before: ``thinking: enabled`` (and the others) were dropped and the request answered 200."""
+    from gateway.core.errors import APIError
+
+    route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
+    body = {"model": "gw-model", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(APIError) as info:
+        await drain(backend(http).stream(parse_messages_body(body)))
+    assert (info.value.status_code, info.value.param) == (400, param)
+    assert info.value.message.startswith(f"{param}: ") and "OpenAI-compatible upstream" in info.value.message
+    assert route.call_count == 0
+
+
+@respx.mock
+async def test_neutral_anthropic_only_fields_are_served(http):
+    route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
+    body = {
+        "model": "gw-model",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "disabled"},
+        "service_tier": "auto",
+        "cache_control": {"type": "ephemeral"},
+        "mcp_servers": [],
+    }
+    await drain(backend(http).stream(parse_messages_body(body)))
+    sent = json.loads(route.calls.last.request.content)
+    assert not {"thinking", "service_tier", "cache_control", "mcp_servers"} & set(sent)

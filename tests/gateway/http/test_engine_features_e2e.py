@@ -629,3 +629,69 @@ def test_anthropic_structured_output_validates(claude):
         final = stream.get_final_message()
     assert final.stop_reason == "end_turn"
     jsonschema.validate(json.loads(text), schema)
+
+
+def streamed_calls(client, **request) -> tuple[list[tuple[str, str]], str]:
+    """The calls a stream delivers (assembled by index, as the SDK does) and its finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for choice in chunk.choices:
+            for fragment in choice.delta.tool_calls or []:
+                call = calls.setdefault(fragment.index, {"name": "", "arguments": ""})
+                call["name"] += fragment.function.name or ""
+                call["arguments"] += fragment.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(client, tool_choice):
+    """Greedy forced calls cut by every ``max_tokens`` from 1 to the whole answer: the stream and the
+    non-streamed answer list the same complete calls and the same finish reason; a call cut inside its
+    arguments is in neither (before: a call whose arguments were complete but whose closing tag was cut was
+    streamed, and left out of the non-streamed answer)."""
+    request = dict(
+        model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice=tool_choice, temperature=0
+    )
+    full = client.chat.completions.create(max_tokens=400, **request)
+    assert full.choices[0].finish_reason == "tool_calls"
+    whole_calls = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    seen = set()
+    for max_tokens in range(1, full.usage.completion_tokens + 1):
+        answer = client.chat.completions.create(max_tokens=max_tokens, **request)
+        choice = answer.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert streamed_calls(client, max_tokens=max_tokens, **request) == (calls, choice.finish_reason)
+        expected_reason = "tool_calls" if max_tokens == full.usage.completion_tokens else "length"
+        assert choice.finish_reason == expected_reason
+        assert calls == whole_calls[: len(calls)]  # complete calls only, the greedy ones, in order
+        seen.add(len(calls))
+    assert seen == set(range(len(whole_calls) + 1))
+
+
+def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_max_tokens(claude):
+    """The same rule on the Anthropic face (``tool_choice: {type: tool}``): for every ``max_tokens`` the
+    streamed Message (as the SDK assembles it) and the non-streamed one hold the same ``tool_use`` blocks and
+    ``stop_reason``."""
+    request = dict(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0.0},
+    )
+    full = claude.messages.create(max_tokens=400, **request)
+    assert full.stop_reason == "tool_use"
+    for max_tokens in range(1, full.usage.output_tokens + 1):
+        whole = claude.messages.create(max_tokens=max_tokens, **request)
+        with claude.messages.stream(max_tokens=max_tokens, **request) as stream:
+            streamed = stream.get_final_message()
+        uses = [(b.name, b.input) for b in whole.content if b.type == "tool_use"]
+        assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == uses
+        assert streamed.stop_reason == whole.stop_reason
+        assert whole.stop_reason == ("tool_use" if max_tokens == full.usage.output_tokens else "max_tokens")
+        for _, arguments in uses:
+            jsonschema.validate(arguments, WEATHER_PARAMETERS)

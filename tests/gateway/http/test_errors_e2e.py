@@ -57,7 +57,7 @@ def assert_nothing_lost(server):
             "invalid_type",
             "messages[0].content",
         ),
-        (json.dumps({**GOOD, "n": 17}).encode(), 400, "invalid_value", "n"),
+        (json.dumps({**GOOD, "n": 17}).encode(), 400, "integer_above_max_value", "n"),
         (json.dumps({**GOOD, "logprobs": 1}).encode(), 400, "invalid_type", "logprobs"),
         (
             json.dumps(

@@ -8,16 +8,32 @@ import asyncio
 import pytest
 
 from gateway.http.request_context import ClientDisconnected, run_unless_disconnected
+from gateway.http.server_protocol import WATCH_DISCONNECT
 
 
 class FakeRequest:
-    """``receive`` answers ``http.disconnect`` once ``gone`` is set (``fail``: raises instead)."""
+    """``receive`` answers ``http.disconnect`` once the client ``leave``s (``fail``: raises instead); with
+    ``watched``, the scope offers the server's disconnect watch (``WATCH_DISCONNECT``, what
+    ``gateway.http.server_protocol`` gives) and ``receive`` must not be called."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, watched: bool = False) -> None:
         self.gone = asyncio.Event()
         self.fail = fail
+        self.watched = watched
+        self.watchers: list = []
+        self.scope: dict = {"extensions": {WATCH_DISCONNECT: self.watch}} if watched else {}
+
+    def watch(self, callback):
+        self.watchers.append(callback)
+        return lambda: self.watchers.remove(callback)
+
+    def leave(self) -> None:
+        self.gone.set()
+        for callback in list(self.watchers):
+            callback()
 
     async def receive(self) -> dict:
+        assert not self.watched, "a watched request is not polled"
         await self.gone.wait()
         if self.fail:
             raise OSError("receive channel broken")
@@ -32,8 +48,8 @@ class FakeOpened:
         self.closed += 1
 
 
-async def test_the_answer_when_the_client_stays():
-    request, opened = FakeRequest(), FakeOpened()
+async def test_the_answer_when_the_client_stays(watched):
+    request, opened = FakeRequest(watched=watched), FakeOpened()
 
     async def work() -> str:
         await asyncio.sleep(0)
@@ -42,14 +58,20 @@ async def test_the_answer_when_the_client_stays():
     assert await run_unless_disconnected(request, work(), opened) == "answer"
     assert opened.closed == 0
     assert asyncio.current_task().cancelling() == 0
-    request.gone.set()  # a disconnect after the answer touches nothing
+    request.leave()  # a disconnect after the answer touches nothing
     await asyncio.sleep(0.01)
     assert asyncio.current_task().cancelling() == 0 and opened.closed == 0
 
 
+@pytest.fixture(params=[False, True], ids=["watcher-task", "server-watch"])
+def watched(request) -> bool:
+    """Each test runs with a watcher task polling ``receive`` and with the server's disconnect watch."""
+    return request.param
+
+
 @pytest.mark.parametrize("fail", [False, True])
-async def test_a_disconnect_cancels_the_work_and_closes_the_stream(fail):
-    request, opened = FakeRequest(fail), FakeOpened()
+async def test_a_disconnect_cancels_the_work_and_closes_the_stream(fail, watched):
+    request, opened = FakeRequest(fail, watched), FakeOpened()
     cancelled = asyncio.Event()
 
     async def work() -> str:
@@ -60,7 +82,7 @@ async def test_a_disconnect_cancels_the_work_and_closes_the_stream(fail):
             raise
         return "never"
 
-    asyncio.get_running_loop().call_later(0.01, request.gone.set)
+    asyncio.get_running_loop().call_later(0.01, request.leave)
     with pytest.raises(ClientDisconnected):
         await run_unless_disconnected(request, work(), opened)
     assert cancelled.is_set() and opened.closed == 1
@@ -68,8 +90,8 @@ async def test_a_disconnect_cancels_the_work_and_closes_the_stream(fail):
     await asyncio.sleep(0)  # no cancellation left pending on the caller
 
 
-async def test_work_that_swallows_the_cancellation_and_answers_gives_that_answer():
-    request, opened = FakeRequest(), FakeOpened()
+async def test_work_that_swallows_the_cancellation_and_answers_gives_that_answer(watched):
+    request, opened = FakeRequest(watched=watched), FakeOpened()
 
     async def work() -> str:
         try:
@@ -78,14 +100,14 @@ async def test_work_that_swallows_the_cancellation_and_answers_gives_that_answer
             return "partial"
         return "never"
 
-    asyncio.get_running_loop().call_later(0.01, request.gone.set)
+    asyncio.get_running_loop().call_later(0.01, request.leave)
     assert await run_unless_disconnected(request, work(), opened) == "partial"
     assert opened.closed == 0 and asyncio.current_task().cancelling() == 0
     await asyncio.sleep(0)
 
 
-async def test_an_error_raised_on_the_cancellation_goes_on():
-    request, opened = FakeRequest(), FakeOpened()
+async def test_an_error_raised_on_the_cancellation_goes_on(watched):
+    request, opened = FakeRequest(watched=watched), FakeOpened()
 
     async def work() -> str:
         try:
@@ -94,24 +116,24 @@ async def test_an_error_raised_on_the_cancellation_goes_on():
             raise ValueError("upstream read interrupted") from None
         return "never"
 
-    asyncio.get_running_loop().call_later(0.01, request.gone.set)
+    asyncio.get_running_loop().call_later(0.01, request.leave)
     with pytest.raises(ValueError, match="upstream read interrupted"):
         await run_unless_disconnected(request, work(), opened)
     assert opened.closed == 0 and asyncio.current_task().cancelling() == 0
     await asyncio.sleep(0)
 
 
-async def test_the_works_own_error_goes_on():
+async def test_the_works_own_error_goes_on(watched):
     async def work() -> str:
         await asyncio.sleep(0)
         raise KeyError("bad event")
 
     with pytest.raises(KeyError):
-        await run_unless_disconnected(FakeRequest(), work(), FakeOpened())
+        await run_unless_disconnected(FakeRequest(watched=watched), work(), FakeOpened())
 
 
-async def test_someone_elses_cancellation_is_passed_on():
-    request, opened = FakeRequest(), FakeOpened()
+async def test_someone_elses_cancellation_is_passed_on(watched):
+    request, opened = FakeRequest(watched=watched), FakeOpened()
     started = asyncio.Event()
 
     async def work() -> str:
@@ -125,3 +147,14 @@ async def test_someone_elses_cancellation_is_passed_on():
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert opened.closed == 0
+
+
+async def test_the_server_watch_is_taken_back_when_the_work_ends():
+    request, opened = FakeRequest(watched=True), FakeOpened()
+
+    async def work() -> str:
+        assert len(request.watchers) == 1  # watched while the work runs
+        return "answer"
+
+    assert await run_unless_disconnected(request, work(), opened) == "answer"
+    assert request.watchers == []

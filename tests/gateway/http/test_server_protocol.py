@@ -11,9 +11,10 @@ import time
 import pytest
 import uvicorn
 
-from gateway.http.server_protocol import coalescing_protocol
+from gateway.http.server_protocol import WATCH_DISCONNECT, coalescing_protocol
 
 release = threading.Event()
+watched: list[str] = []  # what the /watch requests' disconnect callbacks saw
 
 
 async def app(scope, receive, send):
@@ -23,6 +24,22 @@ async def app(scope, receive, send):
         await send({"type": "lifespan.shutdown.complete"})
         return
     path = scope["path"]
+    if path.startswith("/watch"):  # watch for the client leaving; /watch/answer answers, /watch waits
+        gone = asyncio.Event()
+        unwatch = scope["extensions"][WATCH_DISCONNECT](gone.set)
+        if path == "/watch/answer":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            await asyncio.sleep(0.2)  # the client hangs up after a complete answer: no callback
+            watched.append("gone" if gone.is_set() else "answered")
+            unwatch()
+            return
+        try:
+            await asyncio.wait_for(gone.wait(), 5)
+            watched.append("gone")
+        except TimeoutError:
+            watched.append("timed out")
+        return
     if path == "/held":  # the head, then the body only once the test says so
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         while not release.is_set():
@@ -112,3 +129,19 @@ def test_keep_alive_requests_and_connection_close(port):
             assert data.count(b"HTTP/1.1 200 OK") == 1
     closing = exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"hello")
     assert b"connection: close\r\n" in closing and closing.endswith(b"hello")
+
+
+def test_the_disconnect_watch_is_called_when_the_client_leaves_before_the_answer(port):
+    watched.clear()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"GET /watch HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while not watched and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watched == ["gone"]
+    assert exchange(port, b"GET /watch/answer HTTP/1.1\r\nHost: x\r\n\r\n", b"ok").endswith(b"ok")
+    deadline = time.monotonic() + 5
+    while len(watched) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watched == ["gone", "answered"]

@@ -265,6 +265,7 @@ def test_memory_is_bounded_under_a_flood() -> None:
         assert (
             fp["keys"] <= 10 and fp["prompts"] <= 50 and fp["bytes"] <= 40_000 and fp["cached_chains"] <= 300
         )
+        assert len(ex._seqs) == fp["prompts"]  # the digest index holds the stored prompts, no more
 
 
 # ---- a miss never lies inside the span the cache served (x-prefixgate-cache vs the engine's cached_tokens) ----
@@ -515,3 +516,25 @@ def test_the_classifier_follows_the_definition(
             and old[e.offset : e.offset + 1] != tokens[e.offset : e.offset + 1]
             for (old, _, _), _ in history
         )
+
+
+def test_an_identical_prompt_among_many_is_refreshed_and_the_index_follows_evictions() -> None:
+    """``record`` finds an identical earlier prompt through its digest index: refreshed (moved to the most
+    recent place), never stored twice; evicted prompts leave the index, and one recorded again is stored anew."""
+    clock = Clock()
+    ex = MissExplainer(max_prompts_per_key=4, clock=clock)
+    prompts = [[7, 7, i] * 20 for i in range(6)]
+    segments = [PromptSegment("system", 0, 60)]
+    for tokens in prompts[:4]:
+        ex.record("m", "t", tokens, segments)
+    clock.now += 5
+    ex.record("m", "t", prompts[0], segments)  # identical to the oldest: refreshed, not added
+    assert ex.footprint()["prompts"] == 4
+    ex.record("m", "t", prompts[4], segments)  # evicts the least recent: prompts[1], not the refreshed [0]
+    stored = [list(entry.tokens) for entry in ex._keys[("m", "t")].values()]
+    assert stored == [prompts[2], prompts[3], prompts[0], prompts[4]]
+    ex.record("m", "t", prompts[1], segments)  # evicted before: stored anew (evicting prompts[2])
+    stored = [list(entry.tokens) for entry in ex._keys[("m", "t")].values()]
+    assert stored == [prompts[3], prompts[0], prompts[4], prompts[1]]
+    index = {seq for (key, _), seq in ex._seqs.items()}
+    assert index == set(ex._keys[("m", "t")]) and len(ex._seqs) == 4

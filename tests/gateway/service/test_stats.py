@@ -237,3 +237,18 @@ def test_rules_requests_and_ttft_split_by_hit_and_miss():
     split = stats.ttft_histograms()["m"]
     assert (split["hit"].count, split["hit"].sum) == (1, 0.03)
     assert (split["miss"].count, split["miss"].sum) == (1, 0.3)
+
+
+def test_request_log_line_is_built_only_when_written(caplog, monkeypatch):
+    import gateway.service.request_log as request_log
+
+    built: list[str] = []
+    real = request_log.format_record
+    monkeypatch.setattr(
+        request_log, "format_record", lambda record: built.append(record.request_id) or real(record)
+    )
+    with caplog.at_level(logging.WARNING, logger="prefixgate.request"):
+        log_request(RequestRecord(request_id="quiet", path="/x", status=200))  # INFO: not written
+        log_request(RequestRecord(request_id="loud", path="/x", status=500))
+    assert built == ["loud"]
+    assert [r.getMessage().split()[0] for r in caplog.records] == ["request_id=loud"]

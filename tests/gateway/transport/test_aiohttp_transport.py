@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.transport.aiohttp_transport import AiohttpTransport
+from gateway.transport.aiohttp_transport import AiohttpTransport, DirectResponse
 from gateway.transport.upstream_http import make_client
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -349,3 +349,94 @@ async def test_a_streamed_send_on_the_upstream_client_raises_httpx_errors_with_t
         assert caught.value.request is request
     with pytest.raises(RuntimeError, match="closed"):
         await client.send(_post(client, url), stream=True)
+
+
+HEADERS = {"content-type": "application/json", "authorization": "Bearer sk-test"}
+TIMEOUT = httpx.Timeout(5.0).as_dict()
+
+
+async def test_a_direct_send_puts_on_the_wire_what_the_httpx_path_sends():
+    """``UpstreamClient.send_direct`` sends the head httpx builds, byte for byte (header order included), with
+    each body's length; its 2xx answer is a ``DirectResponse`` whose body read to its end keeps the
+    connection."""
+    server = await _serving(_answer(OK, OK, OK))
+    try:
+        async with make_client() as client:
+            response = await client.send(_post(client, server.url), stream=True)
+            assert await response.aread() == b"hello"
+            await response.aclose()
+            for content in (b'{"model": "m"}', b'{"model": "a longer one"}'):
+                direct = await client.send_direct(httpx.URL(server.url), HEADERS, content, TIMEOUT)
+                assert isinstance(direct, DirectResponse) and direct.status_code == 200
+                assert direct.headers.get("Content-Type") == "text/event-stream"
+                assert b"".join([chunk async for chunk in direct.aiter_bytes()]) == b"hello"
+                assert direct.is_closed  # read to its end: released
+        via_httpx, first, second = server.heads
+        assert first == via_httpx
+        assert second == via_httpx.replace(b"Content-Length: 14", b"Content-Length: 25")
+        assert server.bodies[1:] == [b'{"model": "m"}', b'{"model": "a longer one"}']
+        assert server.connections == 1
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_direct_send_hands_errors_and_encoded_bodies_to_httpx():
+    zipped = gzip.compress(b"hello")
+    encoded = (
+        b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(zipped) + zipped
+    )
+    failed = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 2\r\ncontent-length: 4\r\n\r\nbusy"
+    server = await _serving(_answer(encoded, failed))
+    try:
+        async with make_client() as client:
+            response = await client.send_direct(httpx.URL(server.url), HEADERS, b"{}", TIMEOUT)
+            assert isinstance(response, httpx.Response)
+            assert await response.aread() == b"hello"  # decoded by httpx
+            response = await client.send_direct(httpx.URL(server.url), HEADERS, b"{}", TIMEOUT)
+            assert isinstance(response, httpx.Response) and response.status_code == 503
+            assert response.headers["retry-after"] == "2" and await response.aread() == b"busy"
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_direct_send_closed_early_cuts_the_connection_and_maps_failures():
+    long = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n01234"  # 5 of 10 bytes now, the rest never
+    server = await _serving(_answer(long, OK))
+    try:
+        async with make_client() as client:
+            direct = await client.send_direct(httpx.URL(server.url), HEADERS, b"{}", TIMEOUT)
+            assert isinstance(direct, DirectResponse)
+            async for chunk in direct.aiter_bytes():
+                assert chunk == b"01234"
+                break
+            await direct.aclose()
+            direct = await client.send_direct(httpx.URL(server.url), HEADERS, b"{}", TIMEOUT)
+            assert isinstance(direct, DirectResponse)  # on a new connection: it answers `long` again
+            await direct.aclose()
+        assert server.connections == 2  # the cut one was not reused
+        url = server.url
+    finally:
+        await server.__aexit__()
+    await asyncio.sleep(0)
+    async with make_client() as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.send_direct(httpx.URL(url), HEADERS, b"{}", TIMEOUT)
+
+
+async def test_a_direct_send_declines_what_httpx_must_handle():
+    async with make_client() as client:
+        url = httpx.URL("http://127.0.0.1:9/v1/chat/completions")
+        assert (
+            await client.send_direct(httpx.URL("http://u:p@127.0.0.1:9/x"), HEADERS, b"{}", TIMEOUT) is None
+        )
+
+        async def hook(request: httpx.Request) -> None:
+            pass
+
+        client.event_hooks = {"request": [hook], "response": []}
+        assert await client.send_direct(url, HEADERS, b"{}", TIMEOUT) is None
+    async with make_client() as client:
+        client._mounts = {
+            httpx._utils.URLPattern("all://"): httpx.AsyncHTTPTransport()
+        }  # a proxy's transport
+        assert await client.send_direct(url, HEADERS, b"{}", TIMEOUT) is None

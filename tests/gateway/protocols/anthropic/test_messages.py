@@ -293,6 +293,46 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
             "tool_choice.name",
         ),
         (lambda b: b.update(metadata={"user_id": 7}), "metadata.user_id"),
+        # before: accepted (a tool name outside the API's pattern; a tool_result answering no tool_use)
+        (lambda b: b.update(tools=[{"name": "bad name!", "input_schema": {}}]), "tools[0].name"),
+        (lambda b: b.update(tools=[{"name": "x" * 129, "input_schema": {}}]), "tools[0].name"),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "tool_result", "tool_use_id": "nope", "content": "42"}]
+            ),
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            lambda b: b["messages"].extend(
+                [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t1"},
+                            {"type": "tool_result", "tool_use_id": "t0"},
+                        ],
+                    },
+                ]
+            ),
+            "messages[2].content[1].tool_use_id",
+        ),
+        (
+            lambda b: b["messages"].extend(
+                [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                    },
+                    {"role": "user", "content": "go on"},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+                ]
+            ),
+            "messages[3].content[0].tool_use_id",
+        ),
     ],
 )
 def test_bad_bodies_name_the_field(change, param):
@@ -584,3 +624,50 @@ async def test_an_error_mid_stream_ends_with_an_error_event():
         "error": {"type": "api_error", "message": "upstream broke off"},
     }
     assert opened.failed == [cut] and opened.closed
+
+
+def test_tool_results_answering_the_previous_tool_uses_and_long_names_are_accepted():
+    name = "get-weather_2" + "x" * 115  # 128 characters
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "tools": [{"name": name, "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": name, "input": {}},
+                    {"type": "tool_use", "id": "t2", "name": name, "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t2", "content": "2"},
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "1"},
+                    {"type": "text", "text": "and?"},
+                ],
+            },
+        ],
+    }
+    request = parse_messages_body(body)
+    assert [m.get("tool_call_id") for m in request.messages if m["role"] == "tool"] == ["t2", "t1"]
+
+
+def test_count_tokens_takes_its_documented_fields_only():
+    """Before: a count body with max_tokens (a Messages-only field) was accepted while unknown fields were
+    refused."""
+    from gateway.protocols.anthropic.parse import parse_count_body
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "disabled"}}
+    assert parse_count_body(body).params.max_tokens is None
+    for field, value in [("max_tokens", 5), ("stream", True), ("top_k", 3), ("service_tier", "auto")]:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_count_body({**body, field: value})
+        assert (info.value.param, info.value.message) == (field, f"{field}: Extra inputs are not permitted")
+        # server.unknown_fields: ignore lets it through (checked, then left out of the count)
+        assert parse_count_body({**body, field: value}, refuse_unknown=False).model == "m"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_count_body({**body, "max_tokens": 0}, refuse_unknown=False)
+    assert info.value.param == "max_tokens"

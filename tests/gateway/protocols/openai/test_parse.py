@@ -309,3 +309,92 @@ def test_sampling_fields_reach_the_engine_parameters():
     assert parse_chat_request({"model": "m", "messages": MESSAGES, "logprobs": True}, {}).params.logprobs == 0
     completion = parse_completion_request({"model": "m", "prompt": "a", "logprobs": 3, "n": 2}, {}).params
     assert (completion.logprobs, completion.n, completion.constraint) == (3, 2, None)
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "message"),
+    [
+        (
+            [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "nope", "content": "42"}],
+            "messages[1].role",
+            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+            "'tool_calls'.",
+        ),
+        (
+            [{"role": "tool", "tool_call_id": "c1", "content": "42"}],
+            "messages[0].role",
+            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+            "'tool_calls'.",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                {"role": "tool", "tool_call_id": "nope", "content": "43"},
+            ],
+            "messages[3].tool_call_id",
+            "Invalid parameter: 'tool_call_id' of 'nope' not found in 'tool_calls' of previous message.",
+        ),
+        (  # a user turn in between closes the assistant's calls
+            [
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            ],
+            "messages[2].role",
+            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+            "'tool_calls'.",
+        ),
+    ],
+)
+def test_a_tool_message_must_answer_a_preceding_call(messages, param, message):
+    """Before: a lone tool message with an unknown tool_call_id was served (200 and a generation)."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({"model": "m", "messages": messages}, {})
+    assert (info.value.status_code, info.value.param, info.value.message) == (400, param, message)
+
+
+def test_parallel_tool_results_answer_their_calls():
+    second = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL, second]},
+        {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "user", "content": "and?"},
+    ]
+    assert parse_chat_request({"model": "m", "messages": messages}, {}).messages == messages
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "message"),
+    [
+        (
+            "bad name!",
+            "invalid_value",
+            "Invalid 'tools[0].function.name': string does not match pattern. Expected a string that matches "
+            "the pattern '^[a-zA-Z0-9_-]+$'.",
+        ),
+        ("a.b", "invalid_value", None),
+        (
+            "x" * 65,
+            "string_above_max_length",
+            "Invalid 'tools[0].function.name': string too long. Expected a string with maximum length 64, but "
+            "got a string with length 65 instead.",
+        ),
+    ],
+)
+def test_function_names_follow_openai_pattern(name, code, message):
+    """Before: "bad name!" was accepted."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    with pytest.raises(InvalidRequestError) as info:
+        chat(tools=tools)
+    assert (info.value.param, info.value.code) == ("tools[0].function.name", code)
+    if message is not None:
+        assert info.value.message == message
+    ok = [{"type": "function", "function": {"name": "get-weather_2" + "x" * 51}}]
+    assert chat(tools=ok).tools == ok  # 64 characters, every allowed kind
