@@ -3,12 +3,16 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# HOST / PORT are passed to `prefixgate serve` only when given (`make run HOST=0.0.0.0 PORT=9000`); unset,
-# the listen address is the config's server.host / server.port (127.0.0.1:8000 without a config).
-# Precedence (gateway/cli.py): --host/--port, then PREFIXGATE_HOST/PREFIXGATE_PORT, then the config.
-HOST   ?=
-PORT   ?=
-CONFIG ?=
+# HOST / PORT / CONFIG are passed to `prefixgate serve` only when given on make's command line
+# (`make run HOST=0.0.0.0 PORT=9000`): an exported HOST or PORT in the shell's environment (many shells and
+# tools set one) is ignored. Unset, the listen address is PREFIXGATE_HOST / PREFIXGATE_PORT from the
+# environment (read by prefixgate itself), else the config's server.host / server.port (127.0.0.1:8000
+# without a config). Precedence (gateway/cli.py): --host/--port, then PREFIXGATE_HOST/PREFIXGATE_PORT, then
+# the config.
+from_command_line = $(if $(filter command line,$(origin $(1))),$($(1)))
+RUN_HOST   := $(call from_command_line,HOST)
+RUN_PORT   := $(call from_command_line,PORT)
+RUN_CONFIG := $(call from_command_line,CONFIG)
 
 .PHONY: run test test-fast lint bench report clean
 
@@ -28,7 +32,8 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.run-installed
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-RUN_ARGS = $(if $(CONFIG),--config $(CONFIG)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
+RUN_ARGS = $(if $(RUN_CONFIG),--config $(RUN_CONFIG)) $(if $(RUN_HOST),--host $(RUN_HOST)) \
+	$(if $(RUN_PORT),--port $(RUN_PORT))
 
 run: $(VENV)/.run-installed
 	$(BIN)/prefixgate serve $(RUN_ARGS)

@@ -10,7 +10,9 @@
 
 ``serve`` without ``--config`` runs the embedded default (SmolLM2-135M-Instruct, rules ``[default]``).
 Listen address precedence: ``--host``/``--port``, then ``PREFIXGATE_HOST``/``PREFIXGATE_PORT``, then the
-config's ``server:``, then 127.0.0.1:8000. (The Makefile's ``HOST``/``PORT`` reach us as flags.)
+config's ``server:``, then 127.0.0.1:8000. (The Makefile's ``HOST``/``PORT`` reach us as flags.) ``serve`` binds
+its listening socket before it loads any model: an address already in use fails at once (exit 1, naming
+host:port), not after the model load.
 
 ``rules replay`` runs a request log through the canonicalizer the config builds (its rules, transcript memory
 bounds, Redis and learning mode; the default config without ``--config``), as the gateway would. ``rules
@@ -26,6 +28,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +36,7 @@ from gateway.config.loader import default_config, load_config
 from gateway.config.schema import ConfigError, GatewayConfig
 
 EXIT_BAD_CONFIG = 2
+EXIT_CANNOT_LISTEN = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,8 +198,29 @@ def event_loop() -> str:
     return "uvloop"
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening: connections are refused until the server
+    starts accepting, once its models are loaded), as uvicorn binds one: IPv6 when ``host`` has a colon,
+    ``SO_REUSEADDR`` (a port in TIME_WAIT is free; one with a listener is not), inheritable.
+
+    Raises:
+        OSError: the address is in use, not local, or not permitted (the socket is closed).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
-    """Load the config, build the app and run uvicorn until interrupted."""
+    """Load the config, bind the listening socket (before any model loads: an address in use fails at once,
+    exit 1 naming host:port), build the app and run uvicorn on that socket until interrupted."""
     limit_malloc_arenas()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every upstream call at INFO; prefixgate.request already logs one line per request
@@ -204,15 +229,35 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
 
     try:
         config = resolve_config(config_path, host, port)
+    except ConfigError as exc:
+        print(f"prefixgate: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    address = f"{config.server.host}:{config.server.port}"
+    try:
+        listener = bind_listener(config.server.host, config.server.port)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        print(
+            f"prefixgate: cannot listen on {address}: {reason} (is another server using that port? choose "
+            "another with --port, PREFIXGATE_PORT or server.port)",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_LISTEN
+    try:
         from gateway.http.app import create_app
 
         app = create_app(config)
     except ConfigError as exc:
+        listener.close()
         print(f"prefixgate: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except RuleError as exc:  # names file, line and rule id
+        listener.close()
         print(f"prefixgate: bad rules: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except BaseException:
+        listener.close()
+        raise
     import uvicorn
 
     from gateway.http.server_protocol import coalescing_protocol
@@ -224,18 +269,26 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         loop,
         "httptools, head and body in one write" if protocol else "auto",
     )
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        loop=loop,
-        http=protocol or "auto",
-        log_config=None,
-        log_level=log_level,
-        access_log=False,  # gateway.service.request_log writes one line per request instead
-        timeout_graceful_shutdown=10,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            loop=loop,
+            http=protocol or "auto",
+            log_config=None,
+            log_level=log_level,
+            access_log=False,  # gateway.service.request_log writes one line per request instead
+            timeout_graceful_shutdown=10,
+        )
     )
-    return 0
+    try:
+        server.run(sockets=[listener])  # the models load in the app's lifespan, after the bind above
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as ``uvicorn.run`` does)
+        pass
+    finally:
+        listener.close()
+    return 0 if server.started else 1  # a failed start-up (a model that did not load) was logged by uvicorn
 
 
 if __name__ == "__main__":

@@ -178,11 +178,17 @@ class SlotLearner:
             self._bound_candidates(key)
         else:
             key.candidates.move_to_end(ident)
-        for value in (old[span.old_start : span.old_end], new[span.new_start : span.new_end]):
-            if not candidate.add_value(value, short_hash(value), cfg.max_value_hashes):
+        seen = 0
+        for i, value in enumerate((old[span.old_start : span.old_end], new[span.new_start : span.new_end])):
+            digest = short_hash(value)
+            # the new prompt's value is one more observation; the earlier prompt's only when its value is new
+            # to the candidate (it was sampled, and counted, when it was the new one): observations are the
+            # prompts whose value was seen here, so never fewer than the distinct values
+            seen += 1 if i == 1 or digest not in candidate.value_hashes else 0
+            if not candidate.add_value(value, digest, cfg.max_value_hashes):
                 key.candidates.pop(ident, None)
                 return 0
-        candidate.observations += 1
+        candidate.observations += seen
         candidate.last_seen = now
         if candidate.slot_since is None and len(candidate.value_hashes) >= cfg.min_distinct:
             candidate.slot_since = now
@@ -233,7 +239,8 @@ class SlotLearner:
             and ``right_anchor`` (each ``{"sha": 12 hex digits, "chars": length, "edge": bool}``),
             ``value_chars`` ([shortest, longest]), ``value_classes`` (class names, plus ``punct`` when the
             values held other characters), ``distinct_values`` (saturates at ``max_value_hashes``),
-            ``observations``, ``first_seen``, ``last_seen``, ``slot_since`` (epoch seconds or None); sorted
+            ``observations`` (prompts whose value at the slot was seen: never fewer than ``distinct_values``),
+            ``first_seen``, ``last_seen``, ``slot_since`` (epoch seconds or None); sorted
             by model, tenant, id.
         """
         with self._lock:

@@ -7,8 +7,14 @@ and token counts).
 
 When ``admin.token`` is configured all of them need ``Authorization: Bearer <token>`` (else 401): ``/metrics`` names
 the rules and models in use and reveals traffic volumes, and Prometheus sends bearer tokens natively
-(``authorization: {credentials: ...}`` in a scrape config). Without a token both are open, which suits a
-gateway bound to 127.0.0.1.
+(``authorization: {credentials: ...}`` in a scrape config). Without a token:
+
+- no client keys either (the local open mode, a gateway bound to 127.0.0.1): all of them are open, as the
+  chat endpoints are;
+- client keys configured (``keys:``): all of them, and the dashboard, are *closed*: 403 with the protocol's
+  error JSON (``permission_denied``) saying to set ``admin.token`` / ``PREFIXGATE_ADMIN_TOKEN``, and a
+  warning at start-up (``log_admin_mode``). 403 rather than 401: 401 asks for credentials, and none exists
+  that would be accepted; a tenant's API key never opens the admin endpoints.
 
 The dashboard's login session (``gateway.http.dashboard_session``) also opens the read-only endpoints under
 ``/admin`` (``GET /admin/stats``, ``GET /admin/cache``, ``GET /admin/rules/learned``; ``require_admin_read``),
@@ -22,6 +28,7 @@ cookie's ``Path=/admin`` and stays bearer-only.
 from __future__ import annotations
 
 import hmac
+import logging
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,17 +46,56 @@ from gateway.service.cache_warm import (
     warm_body,
     warm_messages,
 )
+from gateway.service.gateway import Gateway
 from gateway.service.metrics import CONTENT_TYPE, render
+
+logger = logging.getLogger("prefixgate.admin")
+
+
+ADMIN_CLOSED_MESSAGE = (
+    "The admin endpoints are closed: client keys are configured but no admin token is. Set admin.token in "
+    "the config (or the PREFIXGATE_ADMIN_TOKEN environment variable) and send 'Authorization: Bearer <admin "
+    "token>'."
+)
+"""The 403's message on every admin endpoint of a gateway with client keys and no admin token."""
+
+
+def admin_closed(gateway: Gateway) -> bool:
+    """Whether the admin endpoints are closed: client keys configured (``keys:``) but no ``admin.token``."""
+    return bool(gateway.keys) and not gateway.config.admin.token
+
+
+def log_admin_mode(gateway: Gateway) -> None:
+    """At start-up: a warning when the admin endpoints are closed (keys without an admin token); nothing
+    otherwise (the open mode has its own "gateway is OPEN" warning)."""
+    if admin_closed(gateway):
+        logger.warning(
+            "client keys are configured but no admin token: /admin/*, /metrics and the dashboard are CLOSED "
+            "(403); set admin.token in the config or PREFIXGATE_ADMIN_TOKEN to open them with a bearer token"
+        )
+
+
+def refuse_when_closed(http_request: Request) -> None:
+    """Raise when the admin endpoints are closed (``admin_closed``).
+
+    Raises:
+        PermissionDeniedError: client keys configured and no admin token (403).
+    """
+    if admin_closed(gateway_of(http_request)):
+        raise PermissionDeniedError(ADMIN_CLOSED_MESSAGE)
 
 
 def require_admin(http_request: Request) -> None:
-    """Check the bearer token when one is configured (constant-time comparison).
+    """Check the bearer token when one is configured (constant-time comparison); without one, open in the
+    open mode (no client keys) and closed with client keys.
 
     Raises:
         AuthenticationError: missing or wrong ``Authorization: Bearer <token>`` (401).
+        PermissionDeniedError: client keys configured and no admin token (403).
     """
     token = gateway_of(http_request).config.admin.token
     if not token:
+        refuse_when_closed(http_request)
         return
     header = http_request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
@@ -72,14 +118,17 @@ def has_session(http_request: Request) -> bool:
 
 
 def require_admin_read(http_request: Request) -> None:
-    """Authorize a read-only (GET) admin endpoint: open without an admin token; else the dashboard's session
-    cookie from this origin, or ``Authorization: Bearer <token>`` (``require_admin``).
+    """Authorize a read-only (GET) admin endpoint: without an admin token open (no client keys) or closed
+    (client keys); else the dashboard's session cookie from this origin, or ``Authorization: Bearer <token>``
+    (``require_admin``).
 
     Raises:
-        PermissionDeniedError: a valid session cookie sent from another origin (403, see ``same_origin``).
+        PermissionDeniedError: a valid session cookie sent from another origin (403, see ``same_origin``);
+            client keys configured and no admin token (403).
         AuthenticationError: neither a valid session nor the right bearer token (401).
     """
     if not gateway_of(http_request).config.admin.token:
+        refuse_when_closed(http_request)
         return
     if has_session(http_request):
         if not same_origin(http_request):

@@ -35,6 +35,7 @@ from gateway.config.price_table import shipped_price_table
 from gateway.config.schema import GatewayConfig
 from gateway.core.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
 from gateway.core.keys import KeyTable
+from gateway.http.admin import log_admin_mode
 from gateway.http.request_context import ClientDisconnected, request_id_of
 from gateway.http.routes import route_table
 from gateway.service.cache_explain import CacheExplanations
@@ -116,6 +117,7 @@ def _lifespan(gateway: Gateway):
                 len(gateway.keys),
                 len(gateway.keys.tenants()),
             )
+            log_admin_mode(gateway)
         else:
             logger.warning(
                 "no client keys configured: the gateway is OPEN (no authentication; the cache salt is the "

@@ -4,7 +4,8 @@ static files under ``/admin/static/`` (the page's script and style, uPlot; no bu
 
 With ``admin.token`` configured the page and its data need a login: the form posts the token once and gets a
 signed session cookie (``gateway.http.dashboard_session``); the token is never put in a URL. Without a token
-the dashboard is open like the other admin endpoints (a gateway bound to 127.0.0.1). Either way the data
+the dashboard is open like the other admin endpoints when no client keys are configured (a gateway bound to
+127.0.0.1), and closed like them (403, ``gateway.http.admin.admin_closed``) when client keys are. Either way the data
 endpoint refuses cross-origin use (403), and every page is sent with a Content-Security-Policy that allows
 only this origin's scripts and styles.
 """
@@ -27,7 +28,7 @@ from gateway.core.errors import (
     PayloadTooLargeError,
     PermissionDeniedError,
 )
-from gateway.http.admin import has_session, require_admin_read
+from gateway.http.admin import has_session, refuse_when_closed, require_admin_read
 from gateway.http.body import read_body
 from gateway.http.dashboard_session import (
     COOKIE_PATH,
@@ -75,7 +76,12 @@ def _to_login() -> Response:
 
 
 async def dashboard_page(http_request: Request) -> Response:
-    """``GET /admin/``: the page, or a redirect to the login form (no, expired or forged session)."""
+    """``GET /admin/``: the page, or a redirect to the login form (no, expired or forged session).
+
+    Raises:
+        PermissionDeniedError: client keys configured and no admin token (403).
+    """
+    refuse_when_closed(http_request)
     if not logged_in(http_request):
         return _to_login()
     return FileResponse(PAGES_DIR / "dashboard.html", media_type="text/html", headers=SECURITY_HEADERS)
@@ -97,7 +103,12 @@ def _login_form(message: str, status_code: int) -> Response:
 
 
 async def login_form(http_request: Request) -> Response:
-    """``GET /admin/login``: the login form (straight to the page when no admin token is configured)."""
+    """``GET /admin/login``: the login form (straight to the page when no admin token is configured).
+
+    Raises:
+        PermissionDeniedError: client keys configured and no admin token (403).
+    """
+    refuse_when_closed(http_request)
     if _admin_token(http_request) is None or logged_in(http_request):
         return RedirectResponse("/admin/", status_code=303)
     return _login_form("", 200)
@@ -107,7 +118,12 @@ async def login(http_request: Request) -> Response:
     """``POST /admin/login`` (form ``token``, ``csrf``): on the right token a session cookie and a redirect to
     the page; on a wrong one, after ``DashboardAuth.failure_delay_s``, the form again with "Wrong admin
     token." (401). A cross-origin post or a missing / wrong CSRF value is 403 without checking the token; a
-    form over ``MAX_LOGIN_BODY`` bytes is 413 (counted while read, ``gateway.http.body.read_body``)."""
+    form over ``MAX_LOGIN_BODY`` bytes is 413 (counted while read, ``gateway.http.body.read_body``).
+
+    Raises:
+        PermissionDeniedError: client keys configured and no admin token (403).
+    """
+    refuse_when_closed(http_request)
     token = _admin_token(http_request)
     if token is None:
         return RedirectResponse("/admin/", status_code=303)

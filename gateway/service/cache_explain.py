@@ -30,7 +30,7 @@ from gateway.service.canonicalize.prompt_tokenizers import Cl100kTokenizer, Prom
 from gateway.service.canonicalize.rendered_prompt import RenderedPrompt
 from gateway.service.canonicalize.token_memo import PieceTokenMemo
 from gateway.service.miss_counters import MissCounters
-from gateway.service.miss_explain import MissExplainer
+from gateway.service.miss_explain import Epoch, MissExplainer
 from gateway.service.miss_explanation import HEADER, MissExplanation, VolatileSpan
 
 __all__ = ["HEADER", "CacheExplanations", "PreparedPrompt"]
@@ -76,6 +76,12 @@ class CacheExplanations:
             self._fallback = Cl100kTokenizer()
         return self._fallback
 
+    def epoch(self) -> Epoch:
+        """What the explainer knows now; take it when a request begins and pass it to ``explain``, so what
+        requests finishing while it is in flight record is not taken as evidence about it (a concurrent first
+        request is ``cold``, not ``evicted``)."""
+        return self.explainer.epoch()
+
     def prepare(self, request: ChatRequest, tokenizer: PromptTokenizer | None = None) -> PreparedPrompt:
         """The part of ``explain`` that needs no answer: the canonical request rendered and tokenized with
         ``tokenizer`` (``cl100k_base`` when None; its pieces memoized per model and tenant), the learned
@@ -112,6 +118,7 @@ class CacheExplanations:
         granularity: int | None = None,
         prepared: PreparedPrompt | None = None,
         later: list[Callable[[], None]] | None = None,
+        epoch: Epoch | None = None,
     ) -> MissExplanation | None:
         """Explain one finished chat request's cache result, count it, and record its prompt.
 
@@ -128,6 +135,7 @@ class CacheExplanations:
             later: when given, the recording of the prompt (for the explanations of later requests) is
                 appended to it, for the caller to run once the answer is sent (``record_prompt``), instead
                 of being done here.
+            epoch: ``epoch()`` when the request began (None: everything recorded so far is evidence).
 
         Returns:
             the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
@@ -153,6 +161,7 @@ class CacheExplanations:
                 granularity=granularity,
                 volatile_spans=spans,
                 provider_cause=provider_cause,
+                epoch=epoch,
             )
             if shift:
                 explanation = _without_preamble(explanation, shift)

@@ -9,16 +9,31 @@ its stable prefix ends and how many tokens the engine or upstream reported cache
 the nearest earlier prompt of the same model+tenant, the learned-slot candidate, and for ``evicted`` how
 long ago the prefix was known cached.
 
-Causes (``MISS_CAUSES``), decided in this order:
+Terms: ``unit`` is the cache's granularity (the engine's block size; an upstream's step); the *target* is
+what the cache could have served: the stable prefix rounded down to ``unit`` and short of the last prompt
+token (always computed), or, when that is empty, the whole prompt so rounded (the engine caches every full
+block of a prompt, so a short system prompt with a long question is still cacheable). A request is a miss
+when fewer tokens were reported cached than the target, and whenever nothing was cached of a non-empty
+prompt (``cached=0`` is never ``miss=none``). *Evidence* is what the explainer knew when the request began
+(``epoch``): prompts recorded and blocks marked cached by requests that finished while this one was in
+flight are not evidence, since the cache lookup of this request could not have found them.
 
-- ``below_minimum``: the stable prefix is shorter than the upstream's minimum cacheable length.
-- ``evicted``: the first uncached block's chain was known cached before (it was cached, and is not now).
-- ``cold``: nothing earlier shares a token with the prompt, the shared part was never known cached, or the
-  prompt only extends an earlier one (new content: nothing to hit).
-- at the divergence from the nearest earlier prompt, by segment: ``tools_changed`` (tools),
-  ``volatile`` (a known volatile span covers it, or in system/documents text the prompts re-converge after a
-  short span), ``system_changed`` (system), ``history_rewritten`` (history: client compaction, an edited or
-  retried turn, a template that rewrites earlier turns), ``cold`` (a new document).
+Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
+
+- ``below_minimum``: the target is shorter than the upstream's minimum cacheable length, or empty (the whole
+  prompt is shorter than one ``unit`` plus its last token): nothing of it could be cached.
+- ``evicted``: the first uncached block's chain was marked cached before the request began (it was cached,
+  and the cache served less).
+- ``cold``: no earlier prompt shares a token with this one; or the shared part was never known cached; or the
+  cache served past where the nearest earlier prompt diverges; or this prompt only extends an earlier one
+  (new content); or the nearest earlier prompt shares less than one ``unit`` and the two do not re-converge
+  after the divergence (a new prompt, not an edit of an earlier one); or the divergence lies in a document or
+  in the volatile tail (new content).
+- otherwise, at the divergence ``d`` from the nearest earlier prompt (either prompt's segment at ``d``):
+  ``tools_changed`` (tools), ``volatile`` (a known volatile span, a learned slot's match, covers ``d``; its
+  slot id is reported), ``system_changed`` (system), ``history_rewritten`` (history: client compaction, an
+  edited or retried turn, a template that rewrites earlier turns). ``volatile`` is never guessed from the
+  shape of the edit: an ordinary edit of a system prompt is ``system_changed``.
 
 A provider's own diagnostic, when an upstream returns one, is mapped to the same causes
 (``gateway.service.miss_explanation.map_provider_cause``) and takes precedence over the local cause; the local segment and offset are kept.
@@ -44,7 +59,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.service.miss_explanation import (
     SEGMENT_NAMES,
@@ -61,6 +76,15 @@ DEFAULT_BLOCK_SIZE = 16
 _MAX_TOKEN = (1 << 32) - 1
 _ENTRY_OVERHEAD = 256
 _REJOIN_WINDOW = 8
+_REJOIN_RUN = 32
+
+
+class Epoch(NamedTuple):
+    """What the explainer knew at one moment (``MissExplainer.epoch``): the last prompt recorded and the last
+    ``mark_cached`` call then. A request's explanation takes as evidence only what was known when it began."""
+
+    prompts: int
+    marks: int
 
 
 @dataclass
@@ -84,12 +108,14 @@ class MissExplainer:
         max_prompts_per_key: prompts kept per key.
         max_bytes: bytes of prompts kept in all (4 per token + 256 per prompt, estimated).
         max_cached_chains: known cached block chains kept (LRU).
-        max_volatile_tokens: longest span after which two prompts must re-converge for a divergence in
-            system or document text to count as ``volatile``.
+        max_edit_tokens: longest changed span after which two prompts must re-converge (continue with the same
+            tokens) for a divergence within the first cache unit to count as an edit of the earlier prompt
+            (its segment's cause) rather than a new prompt (``cold``).
         clock: seconds since the epoch (``time.time``; tests pass their own).
 
-    Per request the gateway calls ``explain`` (with the reported cached count), then ``record`` (the prompt is
-    now known), then ``mark_cached`` with how far the prompt is now cached. Thread-safe (one lock).
+    Per request the gateway takes an ``epoch`` when the request begins, calls ``explain`` (with the reported
+    cached count and that epoch), then ``record`` (the prompt is now known), then ``mark_cached`` with how far
+    the prompt is now cached. Thread-safe (one lock).
     """
 
     def __init__(
@@ -99,7 +125,7 @@ class MissExplainer:
         max_prompts_per_key: int = 64,
         max_bytes: int = 64 << 20,
         max_cached_chains: int = 200_000,
-        max_volatile_tokens: int = 32,
+        max_edit_tokens: int = 64,
         clock: Callable[[], float] = time.time,
     ) -> None:
         for name, value in (
@@ -108,7 +134,7 @@ class MissExplainer:
             ("max_prompts_per_key", max_prompts_per_key),
             ("max_bytes", max_bytes),
             ("max_cached_chains", max_cached_chains),
-            ("max_volatile_tokens", max_volatile_tokens),
+            ("max_edit_tokens", max_edit_tokens),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MissExplainError(f"{name} must be a positive integer, not {value!r}")
@@ -117,7 +143,7 @@ class MissExplainer:
         self.max_prompts_per_key = max_prompts_per_key
         self.max_bytes = max_bytes
         self.max_cached_chains = max_cached_chains
-        self.max_volatile_tokens = max_volatile_tokens
+        self.max_edit_tokens = max_edit_tokens
         self._clock = clock
         self._keys: OrderedDict[tuple[str, str], OrderedDict[int, _Entry]] = OrderedDict()
         self._lru: OrderedDict[tuple[tuple[str, str], int], None] = OrderedDict()
@@ -126,7 +152,9 @@ class MissExplainer:
         self._seqs: dict[tuple[tuple[str, str], bytes], int] = {}
         self._bytes = 0
         self._seq = 0
-        self._cached: OrderedDict[bytes, float] = OrderedDict()
+        # chain -> (when last marked cached, the ``mark_cached`` call that first marked it)
+        self._cached: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+        self._marks = 0
         self._lock = threading.Lock()
 
     # ----- inputs -----------------------------------------------------------------------------------------
@@ -164,6 +192,12 @@ class MissExplainer:
             raise MissExplainError(f"{name} must be a non-negative integer, not {value!r}")
         return value
 
+    def epoch(self) -> Epoch:
+        """What is known now: pass it to ``explain`` for a request that begins now, so prompts and blocks that
+        requests finishing meanwhile record are not taken as evidence about this one."""
+        with self._lock:
+            return Epoch(self._seq, self._marks)
+
     # ----- explaining -------------------------------------------------------------------------------------
     def explain(
         self,
@@ -178,6 +212,7 @@ class MissExplainer:
         granularity: int | None = None,
         volatile_spans: Iterable[VolatileSpan] = (),
         provider_cause: str | None = None,
+        epoch: Epoch | None = None,
     ) -> MissExplanation:
         """Explain one request's cache result (read-only: call ``record`` and ``mark_cached`` after).
 
@@ -193,6 +228,7 @@ class MissExplainer:
                 ``block_size`` when None.
             volatile_spans: token ranges of known volatile values (learned-slot matches).
             provider_cause: the upstream's own diagnostic, if it gave one (see ``map_provider_cause``).
+            epoch: ``epoch()`` when the request began; None takes everything recorded so far as evidence.
 
         Raises:
             MissExplainError: bad tokens, segments or counts.
@@ -204,9 +240,13 @@ class MissExplainer:
         stable_end = min(self._count(stable_end, "stable_end"), n)
         cached = min(self._count(cached_tokens, "cached_tokens"), n)
         unit = self.block_size if granularity is None else self._count(granularity, "granularity") or 1
+        end = stable_end
         reach = min(stable_end, max(n - 1, 0))
         reach -= reach % unit
-        if cached >= reach:
+        if reach == 0:  # a stable prefix shorter than a unit: the target is the whole prompt's full units
+            end = n
+            reach = max(n - 1, 0) - max(n - 1, 0) % unit
+        if cached >= reach and (cached > 0 or n == 0):
             return MissExplanation(cached, reach, False)
         provider = map_provider_cause(provider_cause)
         chains = chain_hashes(data, self.block_size, root)
@@ -216,12 +256,13 @@ class MissExplainer:
             data,
             chains,
             segs,
-            stable_end,
+            end,
             cached,
             reach,
             unit,
             min_cacheable,
             tuple(volatile_spans),
+            epoch,
         )
         cause, at, slot, ago = local
         where = _segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
@@ -246,22 +287,24 @@ class MissExplainer:
         data: array,
         chains: list[bytes],
         segs: tuple[PromptSegment, ...],
-        stable_end: int,
+        end: int,
         cached: int,
         reach: int,
         unit: int,
         min_cacheable: int | None,
         spans: tuple[VolatileSpan, ...],
+        epoch: Epoch | None,
     ) -> tuple[str, int, str | None, float | None]:
-        """(cause, offset, slot, cached_ago) of a miss."""
-        if min_cacheable is not None and reach < self._count(min_cacheable, "min_cacheable"):
-            return "below_minimum", stable_end, None, None
+        """(cause, offset, slot, cached_ago) of a miss (``end``: where the target ends, unrounded)."""
+        if reach == 0 or (min_cacheable is not None and reach < self._count(min_cacheable, "min_cacheable")):
+            return "below_minimum", max(end, cached), None, None
         bs = self.block_size
         with self._lock:
             first = cached // bs
-            if first < len(chains) and first * bs < reach and chains[first] in self._cached:
-                return "evicted", cached, None, max(0.0, self._clock() - self._cached[chains[first]])
-            nearest = self._nearest(model, tenant, data)
+            known = self._cached.get(chains[first]) if first < len(chains) and first * bs < reach else None
+            if known is not None and (epoch is None or known[1] <= epoch.marks):
+                return "evicted", cached, None, max(0.0, self._clock() - known[0])
+            nearest = self._nearest(model, tenant, data, None if epoch is None else epoch.prompts)
         if nearest is None:
             return "cold", cached, None, None
         entry, d = nearest
@@ -275,6 +318,9 @@ class MissExplainer:
             # the earlier prompt is all shared: what follows it is new (past what the cache served: with
             # token-granular hits it may also have served the earlier request's own generated tokens)
             return "cold", max(d, cached), None, None
+        if d < unit and not self._rejoins(data, entry.tokens, d, segs, entry.segments):
+            # less than a unit in common (a template's header) and nothing in common after it: a new prompt
+            return "cold", cached, None, None
         slot_span = next((s for s in spans if s.start - 1 <= d < s.end), None)
         names = {_segment_at(segs, d), _segment_at(entry.segments, d)}
         if "tools" in names:
@@ -282,43 +328,59 @@ class MissExplainer:
         if slot_span is not None:
             return "volatile", d, slot_span.slot, None
         if "system" in names:
-            if self._rejoins(data, entry.tokens, d):
-                return "volatile", d, None, None
             return "system_changed", d, None, None
         if "history" in names:
             return "history_rewritten", d, None, None
-        if "documents" in names and self._rejoins(data, entry.tokens, d):
-            return "volatile", d, None, None
-        return "cold", d, None, None
+        return "cold", d, None, None  # a new or edited document, or the new question: content never cached
 
-    def _nearest(self, model: str, tenant: str, data: array) -> tuple[_Entry, int] | None:
-        """The recorded prompt of the key sharing the longest token prefix with ``data``, and that length
-        (ties: the most recent)."""
+    def _nearest(self, model: str, tenant: str, data: array, upto: int | None) -> tuple[_Entry, int] | None:
+        """The recorded prompt of the key (recorded as prompt ``upto`` or earlier; all when None) sharing the
+        longest token prefix with ``data``, and that length (ties: the most recent)."""
         entries = self._keys.get((model, tenant))
         if not entries:
             return None
         best: tuple[_Entry, int] | None = None
-        for entry in reversed(entries.values()):
+        for seq, entry in reversed(entries.items()):
+            if upto is not None and seq > upto:
+                continue
             d = common_tokens(data, entry.tokens, 0)
             if best is None or d > best[1]:
                 best = (entry, d)
         return best
 
-    def _rejoins(self, new: array, old: array, d: int) -> bool:
-        """True when, within ``max_volatile_tokens`` after ``d``, both prompts continue with the same
-        ``_REJOIN_WINDOW`` tokens (the divergence is a short span with identical text after it)."""
-        limit = self.max_volatile_tokens
-        windows = {
-            tuple(old[d + j : d + j + _REJOIN_WINDOW]): j
-            for j in range(limit + 1)
-            if d + j + _REJOIN_WINDOW <= len(old)
-        }
+    def _rejoins(
+        self,
+        new: array,
+        old: array,
+        d: int,
+        new_segments: Sequence[PromptSegment],
+        old_segments: Sequence[PromptSegment],
+    ) -> bool:
+        """True when, within ``max_edit_tokens`` after ``d``, both prompts continue identically, inside a
+        segment named as one holding ``d``, for ``_REJOIN_RUN`` tokens or to the end of that segment (at least
+        ``_REJOIN_WINDOW``): the divergence is an edit of that segment (or a segment inserted or removed before
+        it) with the same text after it. A whole new system prompt followed by the same question does not
+        re-converge inside the system prompt; nor do two prompts that merely share words."""
+        limit = self.max_edit_tokens
+        names = {_segment_at(new_segments, d), _segment_at(old_segments, d)}
+        windows: dict[tuple[int, ...], list[int]] = {}
+        for j in range(limit + 1):
+            if d + j + _REJOIN_WINDOW <= len(old) and _inside(old_segments, names, d + j):
+                windows.setdefault(tuple(old[d + j : d + j + _REJOIN_WINDOW]), []).append(j)
         for i in range(limit + 1):
             if d + i + _REJOIN_WINDOW > len(new):
                 break
-            j = windows.get(tuple(new[d + i : d + i + _REJOIN_WINDOW]))
-            if j is not None and (i, j) != (0, 0):
-                return True
+            if not _inside(new_segments, names, d + i):
+                continue
+            for j in windows.get(tuple(new[d + i : d + i + _REJOIN_WINDOW]), ()):
+                if (i, j) == (0, 0):
+                    continue
+                left = min(
+                    _segment_end(new_segments, d + i) - d - i, _segment_end(old_segments, d + j) - d - j
+                )
+                need = max(_REJOIN_WINDOW, min(_REJOIN_RUN, left))
+                if new[d + i : d + i + need] == old[d + j : d + j + need]:
+                    return True
         return False
 
     # ----- recording --------------------------------------------------------------------------------------
@@ -378,8 +440,10 @@ class MissExplainer:
         chains = chain_hashes(data[:limit], self.block_size, root)
         now = self._clock()
         with self._lock:
+            self._marks += 1
             for h in chains:
-                self._cached[h] = now
+                known = self._cached.get(h)
+                self._cached[h] = (now, self._marks if known is None else known[1])
                 self._cached.move_to_end(h)
             while len(self._cached) > self.max_cached_chains:
                 self._cached.popitem(last=False)
@@ -410,6 +474,22 @@ class MissExplainer:
                 "bytes": self._bytes,
                 "cached_chains": len(self._cached),
             }
+
+
+def _segment_end(segments: Sequence[PromptSegment], offset: int) -> int:
+    """Where the segment holding token ``offset`` ends (``offset`` itself past every segment)."""
+    for s in segments:
+        if s.start <= offset < s.end:
+            return s.end
+    return offset
+
+
+def _inside(segments: Sequence[PromptSegment], names: set[str], start: int) -> bool:
+    """Whether the ``_REJOIN_WINDOW`` tokens from ``start`` lie in segments named in ``names`` (a window that
+    reaches the next turn's identical template tokens is not a re-convergence of the edited text)."""
+    return (
+        _segment_at(segments, start) in names and _segment_at(segments, start + _REJOIN_WINDOW - 1) in names
+    )
 
 
 def _segment_at(segments: Sequence[PromptSegment], offset: int) -> str:

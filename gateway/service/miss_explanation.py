@@ -65,7 +65,8 @@ class PromptSegment:
 @dataclass(frozen=True)
 class VolatileSpan:
     """A token range ``[start, end)`` holding a known volatile value: a learned slot's match (``slot`` is its
-    rule id, e.g. ``learned.1a2b3c4d5e6f``) or another known volatile span (``slot`` None)."""
+    rule id, e.g. ``learned.1a2b3c4d5e6f``), a configured rule's match (``slot`` is the rule's id), or another
+    known volatile span (``slot`` None)."""
 
     start: int
     end: int
@@ -86,7 +87,8 @@ class MissExplanation:
             uncached token (``evicted``, ``cold``), or the end of the stable prefix (``below_minimum``, whose
             segment is the one holding the last stable token); None on a hit. Never inside the cached span:
             ``offset >= cached``.
-        slot: the learned-slot candidate (``volatile`` only), or None.
+        slot: the learned slot or rule that knows the volatile value at the divergence (``volatile`` only),
+            or None.
         cached_ago: ``evicted``: seconds since the prefix was last known cached; else None.
         source: ``local``, or ``provider`` when the upstream's diagnostic gave the cause; None on a hit.
     """
@@ -149,8 +151,8 @@ def volatile_spans_from_chars(
 
 
 def format_cache_header(explanation: MissExplanation) -> str:
-    """``cached=<n>; miss=<cause>; at=<segment>:<offset>``, then ``; slot=<id>`` for a volatile span with a
-    learned-slot candidate and ``; cached_ago=<seconds>`` for ``evicted``; a hit is ``cached=<n>; miss=none``.
+    """``cached=<n>; miss=<cause>; at=<segment>:<offset>``, then ``; slot=<id>`` for a volatile value a learned
+    slot or a rule knows (docs/cache-explanations.md) and ``; cached_ago=<seconds>`` for ``evicted``; a hit is ``cached=<n>; miss=none``.
     Holds no prompt text."""
     if not explanation.miss:
         return f"cached={explanation.cached}; miss=none"

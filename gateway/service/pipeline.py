@@ -18,6 +18,7 @@ Exactly one of these ends each request's bookkeeping:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ from gateway.service.cache_explain import PreparedPrompt
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
+from gateway.service.miss_explain import Epoch
 from gateway.service.prompt_levels import level_ends
 from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
@@ -76,6 +78,7 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
         request.level_ends = level_ends(request, backend)
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
     prepared = PromptPreparation.schedule(gateway, request)
+    epoch = gateway.cache.epoch() if gateway.cache is not None else None  # before the backend's cache lookup
     iterator = backend.stream(request)
     try:
         first = await anext(iterator)
@@ -87,7 +90,7 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     except BaseException:
         await _aclose(iterator)
         raise
-    return OpenedStream(gateway, request, iterator, first, path, started, prepared)
+    return OpenedStream(gateway, request, iterator, first, path, started, prepared, epoch)
 
 
 class PromptPreparation:
@@ -158,9 +161,11 @@ class OpenedStream:
         path: str,
         started: float,
         prepared: PromptPreparation | None = None,
+        epoch: Epoch | None = None,
     ) -> None:
         self.gateway = gateway
         self._prepared = prepared
+        self._epoch = epoch
         self.request = request
         self._iterator = iterator
         self._first: BackendEvent | None = first
@@ -221,12 +226,15 @@ class OpenedStream:
             minimum, granularity = _cache_unit(self.gateway, self.request.model)
             provider_cause = provider_miss_cause(provider_reason)
             args = (self.request, cached, tokenizer, provider_cause, minimum, granularity)
+            epoch = self._epoch
             if self._prepared is not None:  # rendered ahead (or now), inline; recorded once answered
-                explanation = cache.explain(*args, prepared=self._prepared.result(), later=self._after_answer)
+                explanation = cache.explain(
+                    *args, prepared=self._prepared.result(), later=self._after_answer, epoch=epoch
+                )
             elif _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
-                explanation = cache.explain(*args)
+                explanation = cache.explain(*args, epoch=epoch)
             else:
-                explanation = await asyncio.to_thread(cache.explain, *args)
+                explanation = await asyncio.to_thread(functools.partial(cache.explain, *args, epoch=epoch))
         except Exception:  # noqa: BLE001 - an explanation never fails a request
             cache.errors += 1
             return

@@ -156,6 +156,32 @@ def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, t
     assert process.returncode == 0
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_serve_on_a_port_in_use_fails_at_once_naming_it_before_any_model_loads(host, monkeypatch, capsys):
+    # Before: the bind came after the ~25 s model load (uvicorn binds once the app's lifespan started)
+    import gateway.http.app
+
+    def no_model_load(config):
+        raise AssertionError("the app (and its models) must not be built when the port is taken")
+
+    monkeypatch.setattr(gateway.http.app, "create_app", no_model_load)
+    monkeypatch.delenv("PREFIXGATE_HOST", raising=False)
+    monkeypatch.delenv("PREFIXGATE_PORT", raising=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        held = socket.socket(family, socket.SOCK_STREAM)
+        held.bind((host, 0))
+    except OSError:
+        pytest.fail(f"this machine cannot bind {host}: the test needs loopback on it")
+    with held:
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", "--host", host, "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on {host}:{port}: Address already in use" in err, err
+    assert "--port" in err and "PREFIXGATE_PORT" in err
+
+
 def test_rules_replay_runs_the_configured_canonicalizer_and_names_broken_lines(tmp_path, capsys):
     system = "You are Nova, the assistant of ACME Corp. Answer politely.\nCurrent time: 09:45:{s}\nBe brief."
     lines, history = [], [{"role": "user", "content": "Question 0?"}]
@@ -200,12 +226,18 @@ def test_rules_learned_without_a_gateway_exits_1(capsys):
     assert "cannot reach" in capsys.readouterr().err
 
 
-def _make_run_line(*assignments: str) -> str:
-    """The ``prefixgate serve`` command ``make run`` would execute (dry run: nothing is installed or run)."""
+def _make_run_line(*assignments: str, env: dict[str, str] | None = None) -> str:
+    """The ``prefixgate serve`` command ``make run`` would execute (dry run: nothing is installed or run), with
+    ``env`` added to a copy of this process's environment."""
     assert shutil.which("make"), "make is needed to check the Makefile"
     root = Path(__file__).resolve().parents[2]
+    environment = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT", "CONFIG", "MAKEFLAGS")}
     out = subprocess.run(
-        ["make", "-n", "-C", str(root), "run", *assignments], capture_output=True, text=True, check=True
+        ["make", "-n", "-C", str(root), "run", *assignments],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**environment, **(env or {})},
     ).stdout
     return next(line for line in out.splitlines() if "prefixgate serve" in line)
 
@@ -216,6 +248,19 @@ def test_make_run_with_a_config_leaves_the_address_to_the_config():
     assert "--host" not in line and "--port" not in line
     line = _make_run_line("CONFIG=x.yaml", "HOST=0.0.0.0", "PORT=9001")
     assert "--host 0.0.0.0" in line and "--port 9001" in line
+
+
+def test_make_run_ignores_an_exported_host_or_port():
+    # Before: `HOST=myworkstation PORT=3000 make -n run` printed `serve --host myworkstation --port 3000`
+    shell = {"HOST": "myworkstation", "PORT": "3000", "CONFIG": "stray.yaml"}
+    line = _make_run_line(env=shell)
+    assert line.split() == [".venv/bin/prefixgate", "serve"]
+    # make's own command line still counts, over the environment
+    line = _make_run_line("HOST=0.0.0.0", "PORT=9000", env=shell)
+    assert line.split() == [".venv/bin/prefixgate", "serve", "--host", "0.0.0.0", "--port", "9000"]
+    # the documented PREFIXGATE_* variables are left to prefixgate (resolve_config reads them)
+    line = _make_run_line(env={"PREFIXGATE_HOST": "0.0.0.0", "PREFIXGATE_PORT": "9000"})
+    assert "--host" not in line and "--port" not in line
 
 
 def test_malloc_arenas_are_capped_on_glibc_unless_the_environment_says(monkeypatch):

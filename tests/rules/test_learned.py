@@ -7,6 +7,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rules import RuleSet, load_ruleset
 from rules.learn_config import LearnConfig
@@ -48,7 +50,8 @@ def test_slot_is_learned_after_three_distinct_values_and_not_before() -> None:
     assert learner.observe("m", "t", _chat(TEMPLATE.format(date=_date(2), tz="UTC"))) == 1
     (slot,) = learner.slots("m", "t")
     assert slot["state"] == "slot"
-    assert slot["distinct_values"] == 3 and slot["observations"] == 2
+    # three prompts, three values (the first diff saw two of them); before: "3 distinct values, seen 2 times"
+    assert slot["distinct_values"] == 3 and slot["observations"] == 3
     assert slot["value_chars"] == [10, 10]
     assert slot["value_classes"] == ["digit", "punct"]
     assert slot["left_anchor"]["chars"] == len("Current date: ")
@@ -277,3 +280,16 @@ def test_what_the_rules_hoist_is_not_learned_again() -> None:
         assert "<request_context>" in canon.messages[0]["content"]
         learner.observe("m", "t", canon.messages)
     assert learner.slots(include_candidates=True) == []
+
+
+@given(days=st.lists(st.integers(0, 6), min_size=2, max_size=12))
+@settings(max_examples=60, deadline=None)
+def test_a_slot_never_has_more_distinct_values_than_observations(days: list[int]) -> None:
+    # `prefixgate rules learned` said "5 distinct values ..., seen 4 times": each diff added two values (the
+    # earlier prompt's and the new one's) but counted one observation
+    learner = SlotLearner(clock=Clock())
+    for day in days:
+        learner.observe("m", "t", _chat(TEMPLATE.format(date=_date(day), tz="UTC")))
+    for row in learner.slots("m", "t", include_candidates=True):
+        assert row["distinct_values"] <= row["observations"] <= len(days)
+        assert row["distinct_values"] == len(set(days))

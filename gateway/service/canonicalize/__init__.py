@@ -44,6 +44,7 @@ from rules import cli as rules_cli
 from rules.learn_config import LearnConfig
 from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.messages import get_text, text_parts
+from rules.patterns import group_span
 from rules.transcript import InProcessTranscriptStore, TranscriptMemory
 
 __all__ = ["PREFIX_KEY_LEVEL", "Canonicalizer", "RuleError", "run_replay", "run_rules_command"]
@@ -55,6 +56,10 @@ PREFIX_KEY_LEVEL = 2
 changes every turn, so a conversation's turns would land in different prefix groups and, behind several
 replicas, on different machines; level 2 keeps every turn of every conversation on one system prompt and
 document together)."""
+
+
+_VOLATILE_ACTIONS = frozenset({"hoist", "drop", "round"})
+"""Rule actions whose matches are volatile values (the cache explanation's known volatile spans)."""
 
 
 class Canonicalizer:
@@ -94,6 +99,7 @@ class Canonicalizer:
         learning = learning or LearningConfig()
         self.learner = SlotLearner(LearnConfig(mode=learning.mode, min_distinct=learning.min_distinct))
         self._learned: OrderedDict[tuple[str, ...], RuleSet] = OrderedDict()
+        self._value_spans: OrderedDict[str, list[tuple[int, int, str]]] = OrderedDict()
         self._lock = threading.Lock()
         self.learn_errors = 0
 
@@ -181,8 +187,11 @@ class Canonicalizer:
         encode: Callable[[str], tuple[list[int], list[int]]] | None = None,
     ) -> tuple[RenderedPrompt, list[VolatileSpan]]:
         """The canonical request as the model's prompt (token ids, segments as token ranges, stable end) and
-        the token ranges of the learned slots' values in its system/developer texts (``encode``: in place of
-        ``tokenizer.encode``, same result; see ``render_canonical``).
+        the token ranges of the known volatile values in its system/developer texts: the learned slots'
+        values (slot id ``learned.…``) and, for a rules-off request, what the configured rules'
+        ``hoist``/``drop``/``round`` patterns match (its date; the rule's id; a rules-on request no longer
+        holds those in its system prompt, and is not scanned). ``encode``: in place of ``tokenizer.encode``,
+        same result; see ``render_canonical``.
 
         Raises:
             ValueError: a completion request (no canonical messages), or messages the template refuses.
@@ -201,7 +210,35 @@ class Canonicalizer:
                 if at >= 0:
                     for start, end, slot in self.learner.match_slots(request.model, request.tenant, text):
                         found.append((at + start, at + end, slot))
+                    if not request.rules_enabled:  # rules on: what they act on has left the system prompt
+                        for start, end, rule in self.rule_value_spans(text):
+                            found.append((at + start, at + end, rule))
         return rendered, volatile_spans_from_chars(found, rendered.starts)
+
+    def rule_value_spans(self, text: str) -> list[tuple[int, int, str]]:
+        """``(start, end, rule id)`` of every value the configured rules would hoist, drop or round in
+        ``text`` (a rules-on request no longer holds them in its system prompt; a rules-off one does: they are
+        its known volatile values). Memoized for the last 256 texts (a system prompt repeats)."""
+        if self._ruleset is None or not text:
+            return []
+        with self._lock:
+            known = self._value_spans.get(text)
+            if known is not None:
+                self._value_spans.move_to_end(text)
+                return known
+        spans = [
+            (start, end, rule.id)
+            for rule in self._ruleset.rules
+            if rule.action in _VOLATILE_ACTIONS and rule.pattern is not None
+            for match in rule.pattern.finditer(text)
+            for start, end in (group_span(match, rule.group),)
+            if 0 <= start < end
+        ]
+        with self._lock:
+            self._value_spans[text] = spans
+            while len(self._value_spans) > 256:
+                self._value_spans.popitem(last=False)
+        return spans
 
     def learned_yaml(self, model: str | None = None, tenant: str | None = None) -> str:
         """The learned slots as a rule file (``SlotLearner.export_yaml``): anchors, never values."""

@@ -471,6 +471,32 @@ def test_example_config_loads_and_matches_the_default_model():
     assert example.models == default_config().models and example.rules == ("default",)
 
 
+def test_example_configs_commented_upstreams_load_with_the_documented_price_form(monkeypatch):
+    # examples/config.yaml showed the old `prices: {input, cached_input, cache_write}` while the README documents
+    # `{input, cache_read, cache_write: {5m, 1h}, output}`: uncomment its upstream models and load them
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-example")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-example")
+    text = (Path(__file__).resolve().parents[3] / "examples" / "config.yaml").read_text()
+    lines = text.splitlines()
+    models, block = [], None
+    for line in lines:
+        if line.startswith("  # - name:"):
+            block = [line.replace("  # ", "  ", 1)]
+            models.append(block)
+        elif block is not None and line.startswith("  #   "):
+            block.append(line.replace("  # ", "  ", 1))
+        else:
+            block = None
+    raw = yaml.safe_load("models:\n" + "\n".join("\n".join(b) for b in models))
+    assert {m["backend"] for m in raw["models"]} == {"openai", "anthropic"}
+    documented = {"input", "cache_read", "cache_write", "output", "storage_per_hour", "min_cacheable_tokens"}
+    for model in raw["models"]:
+        assert set(model["prices"]) <= documented, model["prices"]
+        assert not isinstance(model["prices"].get("cache_write", {}), (int, float))
+    config = parse_config(raw)
+    assert [m.backend for m in config.models] == ["openai", "anthropic"]
+
+
 def test_readme_config_examples_load(monkeypatch):
     monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "t")
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-readme")

@@ -38,7 +38,10 @@ class Sleeps:
         self.calls.append(seconds)
 
 
-def client_for(token: str | None) -> tuple[TestClient, DashboardAuth, Sleeps]:
+TENANT_KEY = "sk-tenant-0123456789"
+
+
+def client_for(token: str | None, keys: bool = False) -> tuple[TestClient, DashboardAuth, Sleeps]:
     data = {
         "rules": [],
         "models": [
@@ -47,6 +50,8 @@ def client_for(token: str | None) -> tuple[TestClient, DashboardAuth, Sleeps]:
     }
     if token:
         data["admin"] = {"token": token}
+    if keys:
+        data["keys"] = [{"name": "acme", "key": TENANT_KEY, "tenant": "acme"}]
     app = create_app(parse_config(data))
     sleeps = Sleeps()
     auth = DashboardAuth(failure_delay_s=0.75, sleep=sleeps)
@@ -311,3 +316,62 @@ def test_session_signing():
 def test_other_methods_are_refused(method):
     client, _, _ = client_for(TOKEN)
     assert client.request(method, "/admin/dashboard/data").status_code == 405
+
+
+ADMIN_ENDPOINTS = (
+    ("GET", "/admin/stats"),
+    ("GET", "/admin/cache"),
+    ("GET", "/admin/rules/learned"),
+    ("DELETE", "/admin/cache?model=gpt"),
+    ("POST", "/admin/cache/warm"),
+    ("GET", "/metrics"),
+    ("GET", "/admin/"),
+    ("GET", "/admin/login"),
+    ("POST", "/admin/login"),
+    ("GET", "/admin/dashboard/data"),
+)
+
+
+@pytest.mark.parametrize("bearer", [None, TENANT_KEY, "anything"])
+def test_with_client_keys_and_no_admin_token_every_admin_endpoint_is_closed(bearer, caplog):
+    # Before: /admin/*, DELETE /admin/cache and /metrics answered anyone once keys were configured without
+    # an admin token, and nothing was logged.
+    client, _, _ = client_for(None, keys=True)
+    headers = {"origin": ORIGIN, **({"authorization": f"Bearer {bearer}"} if bearer else {})}
+    with caplog.at_level("WARNING"), client:
+        for method, path in ADMIN_ENDPOINTS:
+            response = client.request(method, path, headers=headers, json={"system": "x"})
+            assert response.status_code == 403, (method, path, response.status_code)
+            error = response.json()["error"]
+            assert error["code"] == "permission_denied", path
+            assert "admin.token" in error["message"] and "PREFIXGATE_ADMIN_TOKEN" in error["message"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("no admin token" in w and "CLOSED" in w for w in warnings), warnings
+    assert not any("gateway is OPEN" in w for w in warnings)
+
+
+def test_without_client_keys_and_admin_token_the_admin_endpoints_stay_open_with_the_open_warning(caplog):
+    client, _, _ = client_for(None)
+    with caplog.at_level("WARNING"), client:
+        assert client.get("/admin/stats").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        assert client.delete("/admin/cache?model=gpt").status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("gateway is OPEN" in w for w in warnings) and not any("CLOSED" in w for w in warnings)
+
+
+def test_with_client_keys_and_an_admin_token_the_bearer_and_the_dashboard_login_work(caplog):
+    client, _, _ = client_for(TOKEN, keys=True)
+    with caplog.at_level("WARNING"), client:
+        assert client.get("/admin/stats").status_code == 401
+        assert (
+            client.get("/admin/stats", headers={"authorization": f"Bearer {TENANT_KEY}"}).status_code == 401
+        )
+        assert client.get("/metrics", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+        assert client.get("/admin/").headers["location"] == "/admin/login"
+        ok = log_in(client, TOKEN)
+        assert ok.status_code == 303 and ok.headers["location"] == "/admin/"
+        assert client.get("/admin/").status_code == 200
+        assert client.get("/admin/dashboard/data").status_code == 200
+        assert client.get("/admin/stats").status_code == 200
+    assert not any("CLOSED" in r.getMessage() for r in caplog.records)

@@ -38,8 +38,15 @@ PANELS = (
     "panel-prefixes",
     "panel-replicas",
 )
-SERIES_COLOURS = ((0x25, 0x63, 0xEB), (0xD9, 0x77, 0x06), (0x05, 0x96, 0x69), (0xDC, 0x26, 0x26))
-"""The first series colours of ``gateway/http/static/dashboard.js`` (RGB)."""
+SERIES_COLOURS = tuple(
+    (int(c[1:3], 16), int(c[3:5], 16), int(c[5:7], 16))
+    for c in (
+        "#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d", "#4d7c0f", "#92400e",
+        "#475569",
+    )
+)  # fmt: skip
+"""Every series colour of ``gateway/http/static/dashboard.js`` (RGB): a panel of seven miss causes whose
+non-zero lines coincide is drawn in whichever colour comes last."""
 
 
 def browser():

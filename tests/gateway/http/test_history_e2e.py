@@ -8,6 +8,7 @@ other tests never help or hurt it."""
 
 from __future__ import annotations
 
+import random
 import uuid
 
 import anthropic
@@ -171,7 +172,9 @@ def test_cache_header_names_cold_volatile_and_tools_changed(client, stream):
     assert fields["miss"] == "cold" and int(fields["cached"]) == cached(usage) == 0
     usage, header = send(2)  # rules off: the changed date sits inside the system prompt
     fields = header_fields(header)
-    assert fields["miss"] == "volatile" and fields["at"].startswith("system:")
+    # a value the configured rules would hoist (rules off here: it stayed in the system prompt) is a known
+    # volatile value: the rule names it
+    assert fields["miss"] == "volatile" and fields["at"].startswith("system:") and fields["slot"], header
     assert int(fields["cached"]) == cached(usage)
     usage, header = send(2, rules="on")  # the rules hoist the date: nothing stable missed... once cached
     usage, header = send(3, rules="on")
@@ -186,6 +189,76 @@ def test_cache_header_names_cold_volatile_and_tools_changed(client, stream):
     usage, header = send(3, rules="on", tools=other_tools)
     assert header_fields(header)["miss"] == "tools_changed"
     assert "capital" not in header and "look" not in header  # never prompt text
+
+
+@pytest.mark.parametrize("rules", ["off", "on"])
+def test_cache_header_calls_an_ordinary_edit_system_changed_and_a_first_prompt_cold(client, rules):
+    # The tryout: "Alpha helper. ..." then "Beta helper. ..." (fresh tenant) said "miss=volatile; at=system:3"
+    # with no slot; a sentence inserted before an unchanged time too; and a first "You are terse." + a
+    # question said "cached=0; miss=none".
+    who = tenant()
+    body = "helper. You answer questions about the fleet, its ships and their crews, briefly and politely."
+    ask = [{"role": "user", "content": USER_TURNS[0]}]
+    usage, header = chat(
+        client, [{"role": "system", "content": "Alpha " + body}, *ask], who, rules, False, None
+    )
+    assert header_fields(header)["miss"] == "cold" and cached(usage) == 0
+    usage, header = chat(
+        client, [{"role": "system", "content": "Beta " + body}, *ask], who, rules, False, None
+    )
+    fields = header_fields(header)
+    assert fields["miss"] == "system_changed" and fields["at"].startswith("system:") and "slot" not in fields
+    timed = "Gamma helper. Current time: 09:45:12. Answer briefly."
+    inserted = "Gamma helper. Be exact. Current time: 09:45:12. Answer briefly."
+    chat(client, [{"role": "system", "content": timed}, *ask], who, rules, False, None)
+    usage, header = chat(client, [{"role": "system", "content": inserted}, *ask], who, rules, False, None)
+    fields = header_fields(header)
+    assert fields["miss"] == "system_changed" and "slot" not in fields, header
+    fresh = tenant()
+    terse = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": USER_TURNS[1]}]
+    usage, header = chat(client, terse, fresh, rules, False, None)
+    fields = header_fields(header)
+    assert cached(usage) == 0 and fields["miss"] in ("cold", "below_minimum"), header
+    usage, header = chat(client, terse, fresh, rules, False, None)
+    assert header_fields(header)["miss"] == "none" and cached(usage) > 0, header
+
+
+def test_concurrent_first_requests_are_cold_never_evicted(server):
+    # The tryout: 10 concurrent requests (AsyncOpenAI, max_tokens 20) sharing a never-seen system prompt; the
+    # one that computed the prefix sometimes said "cached=0; miss=evicted; cached_ago=0" while the engine had
+    # evicted nothing (peers that finished first had recorded the prompt before it was explained). Each
+    # run's prompt is new, so no block of it can have been cached before the run: never "evicted".
+    import asyncio
+
+    async def burst(who: str, system: str) -> list[tuple[int, str]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120
+        ) as sdk:
+
+            async def one(i: int) -> tuple[int, str]:
+                raw = await sdk.chat.completions.with_raw_response.create(
+                    model=TINY_MODEL,
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": f"q{i}?"}],
+                    max_tokens=20,
+                    temperature=0,
+                    extra_headers={"x-prefixgate-tenant": who},
+                )
+                return cached(raw.parse().usage), raw.headers["x-prefixgate-cache"]
+
+            return await asyncio.gather(*(one(i) for i in range(10)))
+
+    who = tenant()
+    words = SYSTEM.replace("\n", " ").split()
+    for run in range(3):
+        # a never-seen system prompt each run: the same words, shuffled (nothing in common but the template's
+        # header with the previous runs'; an edit of an earlier prompt would be named as that edit)
+        system = " ".join(random.Random(run).sample(words, len(words)))
+        for count, header in asyncio.run(burst(who, system)):
+            fields = header_fields(header)
+            assert int(fields["cached"]) == count
+            assert fields["miss"] != "evicted", header
+            if count == 0:
+                assert fields["miss"] == "cold" and fields["at"] == "system:0", header
 
 
 def test_cache_header_on_the_anthropic_face_streamed_and_not(server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.server import RunningServer, write_config
+from tests.gateway.server import ADMIN_TOKEN, RunningServer, write_config
 from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
 
 SPENDER = "sk-spender-0123456789"
@@ -32,6 +32,7 @@ def priced(tmp_path_factory):
             }
         ],
         "keys": [{"name": "spender", "key": SPENDER, "tenant": "acme", "budget_usd": 2.0}],
+        "admin": {"token": ADMIN_TOKEN},  # with client keys, the admin endpoints need one (else closed, 403)
     }
     config = write_config(tmp_path_factory.mktemp("spend") / "prefixgate.yaml", data)
     gateway = RunningServer(config).start()

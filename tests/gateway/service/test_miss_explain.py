@@ -88,7 +88,8 @@ def test_below_minimum() -> None:
     ex = MissExplainer()
     tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
     e = ex.explain("m", "t", tokens, segments, stable, 0, min_cacheable=1024, granularity=128)
-    assert e.stable == 0 and not e.miss  # 120 stable tokens round down to 0 steps of 128: nothing to miss
+    # 120 stable tokens round down to 0 steps of 128: the target is the whole prompt's 128, below 1,024
+    assert (e.stable, e.miss, e.cause, e.segment, e.offset) == (128, True, "below_minimum", "tail", 130)
     e = ex.explain("m", "t", tokens, segments, stable, 0, min_cacheable=1024)
     assert (e.cause, e.segment, e.offset) == ("below_minimum", "history", 120)
     assert e.header_value() == "cached=0; miss=below_minimum; at=history:120"
@@ -133,13 +134,18 @@ def test_system_changed() -> None:
     assert e.header_value() == "cached=32; miss=system_changed; at=system:40"
 
 
-def test_volatile_short_span_with_identical_text_after_it() -> None:
+def test_volatile_only_where_a_known_volatile_span_is_what_differs() -> None:
     ex = MissExplainer()
     served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])
     system = SYSTEM[:20] + [8001, 8002, 8003] + SYSTEM[22:]  # two tokens of a date became three
     tokens, segments, stable = build(TOOLS, system, HISTORY, TAIL)
+    # a short edit with identical text after it, and no known volatile span there: an edit of the system
+    # prompt (before: "volatile" with no slot, guessed from the edit's shape)
     e = ex.explain("m", "t", tokens, segments, stable, 32)
-    assert (e.cause, e.segment, e.offset, e.slot) == ("volatile", "system", 40, None)
+    assert (e.cause, e.segment, e.offset, e.slot) == ("system_changed", "system", 40, None)
+    # a known volatile span elsewhere does not make it volatile either
+    e = ex.explain("m", "t", tokens, segments, stable, 32, volatile_spans=[VolatileSpan(60, 63, "learned.x")])
+    assert (e.cause, e.slot) == ("system_changed", None)
     e = ex.explain(
         "m", "t", tokens, segments, stable, 32, volatile_spans=[VolatileSpan(40, 43, "learned.0a1b2c3d4e5f")]
     )
@@ -157,7 +163,7 @@ def test_history_rewritten() -> None:
     assert e.header_value() == "cached=80; miss=history_rewritten; at=history:90"
 
 
-def test_a_new_document_is_cold_and_a_changed_value_in_it_volatile() -> None:
+def test_a_new_or_edited_document_is_cold_and_a_known_volatile_value_in_it_volatile() -> None:
     ex = MissExplainer()
     doc = list(range(6000, 6040))
 
@@ -175,7 +181,10 @@ def test_a_new_document_is_cold_and_a_changed_value_in_it_volatile() -> None:
     e = ex.explain("m", "t", *with_doc(list(range(6500, 6540))), 80)
     assert (e.cause, e.segment, e.offset) == ("cold", "documents", 80)
     e = ex.explain("m", "t", *with_doc(doc[:5] + [6999] + doc[6:]), 80)
-    assert (e.cause, e.segment, e.offset) == ("volatile", "documents", 85)
+    assert (e.cause, e.segment, e.offset) == ("cold", "documents", 85)
+    edited = with_doc(doc[:5] + [6999] + doc[6:])
+    e = ex.explain("m", "t", *edited, 80, volatile_spans=[VolatileSpan(85, 86, "learned.0a1b2c3d4e5f")])
+    assert (e.cause, e.segment, e.offset, e.slot) == ("volatile", "documents", 85, "learned.0a1b2c3d4e5f")
 
 
 def test_other_tenant_and_model_are_separate() -> None:
@@ -325,6 +334,188 @@ def test_a_miss_always_starts_at_or_after_the_reported_cached_tokens(
     if e.miss:
         assert e.offset is not None and e.offset >= e.cached
         assert f"cached={e.cached}; " in e.header_value()
+
+
+# ---- the tryout's three inconsistencies (A1 concurrency, A2 volatile for edits, A3 miss=none at cached=0) ----
+
+TEMPLATE_HEAD = [1, 2, 3]  # "<|im_start|>system\n": what any two system prompts share
+
+
+def test_a_concurrent_first_request_is_cold_not_evicted() -> None:
+    # 10 requests share a never-seen system prompt; the one that computed it (cached=0) is explained after
+    # peers that finished first recorded the same prompt and marked its blocks. Before: "miss=evicted;
+    # cached_ago=0" (by_cause.evicted grew while the engine evicted nothing).
+    ex = MissExplainer()
+    tokens, segments, stable = build([], TEMPLATE_HEAD + SYSTEM, HISTORY, TAIL)
+    started = ex.epoch()  # the computing request begins
+    for _ in range(9):  # its peers finish first, served from the blocks it computed
+        served(ex, tokens, segments)
+    e = ex.explain("m", "t", tokens, segments, stable, 0, epoch=started)
+    assert (e.cause, e.segment, e.offset, e.cached_ago) == ("cold", "system", 0, None)
+    assert e.header_value() == "cached=0; miss=cold; at=system:0"
+    # without the epoch the peers' records are taken as evidence: the tryout's wrong answer
+    assert ex.explain("m", "t", tokens, segments, stable, 0).cause == "evicted"
+    # a later request that really lost those blocks is evicted
+    e = ex.explain("m", "t", tokens, segments, stable, 0, epoch=ex.epoch())
+    assert (e.cause, e.offset) == ("evicted", 0)
+
+
+def test_a_concurrent_first_request_is_cold_whatever_an_unrelated_earlier_prompt_was() -> None:
+    # A never-seen system prompt after an unrelated one of the same tenant (sharing only the template's header)
+    ex = MissExplainer()
+    served(ex, *build([], TEMPLATE_HEAD + list(range(7000, 7060)), HISTORY, TAIL)[:2])
+    tokens, segments, stable = build([], TEMPLATE_HEAD + SYSTEM, HISTORY, TAIL)
+    started = ex.epoch()
+    answers = set()
+    for peers in range(4):  # however many peers finished before its explanation
+        for _ in range(peers):
+            served(ex, tokens, segments)
+        answers.add(ex.explain("m", "t", tokens, segments, stable, 0, epoch=started).header_value())
+    assert answers == {"cached=0; miss=cold; at=system:0"}
+
+
+def test_an_ordinary_edit_of_the_system_prompt_is_system_changed() -> None:
+    # "Alpha helper. ..." then "Beta helper. ...": they differ at system:3, inside the first block. Before:
+    # "cached=0; miss=volatile; at=system:3" with no slot.
+    ex = MissExplainer()
+    served(ex, *build([], TEMPLATE_HEAD + [500] + SYSTEM, HISTORY, TAIL)[:2])
+    tokens, segments, stable = build([], TEMPLATE_HEAD + [501] + SYSTEM, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert e.header_value() == "cached=0; miss=system_changed; at=system:3"
+    # a sentence inserted before an unchanged value: system_changed too
+    inserted = TEMPLATE_HEAD + [500] + SYSTEM[:20] + [8800, 8801, 8802, 8803, 8804] + SYSTEM[20:]
+    tokens, segments, stable = build([], inserted, HISTORY, TAIL)
+    e = ex.explain("m", "t", tokens, segments, stable, 16)
+    assert e.header_value() == "cached=16; miss=system_changed; at=system:24"
+
+
+def test_cached_zero_is_never_a_hit_of_a_cacheable_prompt() -> None:
+    # system "You are terse." (stable prefix shorter than a block) + a question: before, "cached=0; miss=none"
+    ex = MissExplainer()
+    tokens, segments, stable = build([], list(range(2000, 2010)), [], list(range(4000, 4030)))
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert (e.miss, e.stable, e.cause, e.segment, e.offset) == (True, 32, "cold", "system", 0)
+    assert e.header_value() == "cached=0; miss=cold; at=system:0"
+    served(ex, tokens, segments)
+    assert ex.explain("m", "t", tokens, segments, stable, 32).header_value() == "cached=32; miss=none"
+    # a user message only
+    tokens, segments, stable = build([], [], [], list(range(4100, 4140)))
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert (e.miss, e.stable, e.cause, e.offset) == (True, 32, "cold", 0)
+    # a prompt shorter than a block and its last token: nothing of it can be cached
+    tokens, segments, stable = build([], [2000, 2001, 2002], [], [4000, 4001])
+    e = ex.explain("m", "t", tokens, segments, stable, 0)
+    assert e.header_value() == "cached=0; miss=below_minimum; at=tail:5"
+    # the empty prompt is nothing to miss
+    assert not ex.explain("m", "t", [], [], 0, 0).miss
+
+
+# ---- the definition (docs/cache-explanations.md) as properties ----
+
+SEGMENTS_OF = ("tools", "system", "documents", "history")
+
+
+@st.composite
+def prompts(draw):
+    """A prompt of up to four stable segments and a tail over a small alphabet (so prompts share prefixes)."""
+    parts = [draw(st.lists(st.integers(0, 3), max_size=40)) for _ in SEGMENTS_OF]
+    tail = draw(st.lists(st.integers(0, 3), min_size=1, max_size=20))
+    segments, pos = [], 0
+    for name, part in zip((*SEGMENTS_OF, "tail"), (*parts, tail), strict=True):
+        segments.append(PromptSegment(name, pos, pos + len(part)))
+        pos += len(part)
+    return sum(parts, []) + tail, segments, pos - len(tail)
+
+
+@given(
+    history=st.lists(st.tuples(prompts(), st.booleans()), max_size=4),
+    concurrent=st.lists(prompts(), max_size=3),
+    prompt=prompts(),
+    cached=st.integers(0, 200),
+    granularity=st.sampled_from([None, 1, 16]),
+    min_cacheable=st.sampled_from([None, 32]),
+    spans=st.lists(st.tuples(st.integers(0, 180), st.integers(1, 5)), max_size=2),
+)
+@settings(max_examples=400, deadline=None)
+def test_the_classifier_follows_the_definition(
+    history, concurrent, prompt, cached, granularity, min_cacheable, spans
+):
+    ex = MissExplainer(clock=Clock())
+    for (tokens, segments, _), marked in history:
+        ex.record("m", "t", tokens, segments)
+        if marked:
+            ex.mark_cached("m", "t", tokens)
+    before = ex.epoch()
+    for tokens, segments, _ in concurrent:  # requests finishing while this one is in flight
+        served(ex, tokens, segments)
+    tokens, segments, stable = prompt
+    volatile = [VolatileSpan(a, a + k, f"learned.{a}") for a, k in spans]
+    e = ex.explain(
+        "m",
+        "t",
+        tokens,
+        segments,
+        stable,
+        cached,
+        granularity=granularity,
+        min_cacheable=min_cacheable,
+        volatile_spans=volatile,
+        epoch=before,
+    )
+    n, unit = len(tokens), granularity or 16
+    # the concurrent requests change nothing: the same answer as before they finished
+    fresh = MissExplainer(clock=Clock())
+    for (old, old_segments, _), marked in history:
+        fresh.record("m", "t", old, old_segments)
+        if marked:
+            fresh.mark_cached("m", "t", old)
+    again = fresh.explain(
+        "m",
+        "t",
+        tokens,
+        segments,
+        stable,
+        cached,
+        granularity=granularity,
+        min_cacheable=min_cacheable,
+        volatile_spans=volatile,
+    )
+    assert e == again
+    assert e.cached == min(cached, n)
+    # a miss exactly when fewer tokens were served than the target, or nothing at all
+    target = min(stable, n - 1) - min(stable, n - 1) % unit or (n - 1) - (n - 1) % unit
+    assert e.stable == target
+    assert e.miss == (e.cached < target or e.cached == 0)
+    if not e.miss:
+        assert e.header_value() == f"cached={e.cached}; miss=none"
+        return
+    assert e.offset >= e.cached and e.segment in ("tools", "system", "documents", "history", "tail")
+    assert (e.cause == "below_minimum") == (
+        target == 0 or (min_cacheable is not None and target < min_cacheable)
+    )
+    # volatile only where a known volatile span covers the divergence, and it names the slot
+    if e.cause == "volatile":
+        covering = [s for s in volatile if s.start - 1 <= e.offset < s.end]
+        assert covering and e.slot == covering[0].slot
+    else:
+        assert e.slot is None
+    # evicted only when the first uncached block was marked cached before the request began
+    first = e.cached // 16
+    known_before = any(
+        marked and len(old) >= 16 * (first + 1) and old[: 16 * (first + 1)] == tokens[: 16 * (first + 1)]
+        for (old, _, _), marked in history
+    )
+    if e.cause == "evicted":
+        assert known_before and e.cached_ago is not None
+    elif e.cause != "below_minimum" and first * 16 < target:
+        assert not known_before
+    # a divergence cause needs an earlier prompt that shares the tokens up to the offset
+    if e.cause in ("tools_changed", "system_changed", "history_rewritten", "volatile"):
+        assert any(
+            old[: e.offset] == tokens[: e.offset]
+            and old[e.offset : e.offset + 1] != tokens[e.offset : e.offset + 1]
+            for (old, _, _), _ in history
+        )
 
 
 def test_an_identical_prompt_among_many_is_refreshed_and_the_index_follows_evictions() -> None:
