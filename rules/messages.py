@@ -8,9 +8,27 @@ a string ``content`` is part 0.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from rules.errors import RequestShapeError
+
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
+def copy_json(value: Any) -> Any:
+    """A deep copy of JSON data (``dict``, ``list``, ``str``, ``int``, ``float``, ``bool``, ``None``), several
+    times cheaper than ``copy.deepcopy``; any other value inside is copied with ``copy.deepcopy``. Unlike
+    ``copy.deepcopy`` it does not keep objects that occur twice shared in the copy (JSON parsed from a request
+    never shares objects, so the copies are the same)."""
+    t = type(value)
+    if t is dict:
+        return {k: v if type(v) in _ATOMS else copy_json(v) for k, v in value.items()}
+    if t is list:
+        return [v if type(v) in _ATOMS else copy_json(v) for v in value]
+    if t in _ATOMS:
+        return value
+    return copy.deepcopy(value)
 
 
 def check_shape(messages: Any, tools: Any) -> None:
