@@ -97,7 +97,8 @@ def run(rounds: int, requests: int) -> dict[str, Any]:
                 samples.setdefault((turns, side.name), []).append(side.timed(turns, qs))
             question += requests
     return {
-        turns: {side.name: statistics.median(samples[(turns, side.name)]) for side in sides} for turns in TURNS
+        turns: {side.name: statistics.median(samples[(turns, side.name)]) for side in sides}
+        for turns in TURNS
     }
 
 
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=100)
     args = parser.parse_args(argv)
     result = run(args.rounds, args.requests)
-    print(f"RuleSet.apply, default rules + transcript memory, µs per request (median of {args.rounds} rounds)")
+    print(
+        f"RuleSet.apply, default rules + transcript memory, µs per request (median of {args.rounds} rounds)"
+    )
     print(f"{'earlier turns':>14} {'before':>9} {'after':>9} {'ratio':>7}")
     for turns, row in result.items():
         print(f"{turns:>14} {row['before']:>9.1f} {row['after']:>9.1f} {row['before'] / row['after']:>6.1f}x")
