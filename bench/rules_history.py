@@ -1,7 +1,8 @@
 """Rules cost of a resent conversation: microseconds per ``RuleSet.apply`` at 0, 5, 20 and 40 earlier turns.
 
 The request shape is bench/overhead's (``bench.overhead.run``: its system prompt, with a date the default rules
-hoist, and a new passenger question each request), grown into a conversation: every earlier turn is a question
+hoist, and a new passenger question each request; ``clock``: the same prompt with the current time to the
+second instead, new in every request), grown into a conversation: every earlier turn is a question
 and the assistant's reply, then the new question. Each measured request is what a client sends next: the
 conversation so far plus a new question, through the default rules with the canonical transcript memory (what
 the gateway does), after the conversation was sent turn by turn once (so the memory and the memos hold it, as
@@ -35,9 +36,18 @@ SCOPE = "model\0tenant"
 REPLY = "Yes: bicycles travel free outside the morning and evening peaks, in the marked carriages only ({n})."
 
 
-def conversation(turns: int, question: int) -> list[dict[str, Any]]:
+SHAPES = ("date", "clock")
+"""``date``: bench/overhead's system prompt as it is (its date is the same all day); ``clock``: the same prompt
+with the current time to the second instead, so its first turn is new in every request (an agent's prompt)."""
+
+
+def conversation(turns: int, question: int, shape: str = "date") -> list[dict[str, Any]]:
     """``turns`` earlier (question, reply) turns, then new question number ``question``."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    system = SYSTEM_PROMPT
+    if shape == "clock":
+        clock = f"{10 + question // 3600 % 12:02d}:{question // 60 % 60:02d}:{question % 60:02d}"
+        system = system.replace("Current date: 2026-12-01.", f"Current time: 2026-12-01 {clock}.")
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     for t in range(turns):
         messages.append({"role": "user", "content": QUESTION.format(n=t)})
         messages.append({"role": "assistant", "content": REPLY.format(n=t)})
@@ -62,43 +72,48 @@ class Side:
             canon = self.ruleset.apply(messages, None, memory=self.memory, scope=SCOPE)
         return canon.to_dict()
 
-    def warm(self, turns: int) -> None:
+    def warm(self, turns: int, shape: str) -> None:
         """Send the conversation turn by turn up to ``turns`` earlier turns."""
         for t in range(turns + 1):
-            self.apply(conversation(t, t))
+            self.apply(conversation(t, t, shape))
 
-    def timed(self, turns: int, questions: range) -> float:
+    def timed(self, turns: int, questions: range, shape: str) -> float:
         """Mean microseconds per request over ``questions`` (each a new question after ``turns`` turns)."""
-        requests = [conversation(turns, q) for q in questions]
+        requests = [conversation(turns, q, shape) for q in questions]
         t0 = time.perf_counter()
         for messages in requests:
             self.apply(messages)
         return (time.perf_counter() - t0) / len(requests) * 1e6
 
 
-def run(rounds: int, requests: int) -> dict[str, Any]:
-    """Interleaved rounds; (turns -> {before, after} median microseconds)."""
+def run(rounds: int, requests: int) -> dict[str, dict[int, dict[str, float]]]:
+    """Interleaved rounds; shape -> turns -> {before, after} median microseconds."""
     sides = [Side("before", True), Side("after", False)]
     for side in sides:
+        for shape in SHAPES:
+            for turns in TURNS:
+                side.warm(turns, shape)
+    for shape in SHAPES:  # the same output, request by request
         for turns in TURNS:
-            side.warm(turns)
-    for turns in TURNS:  # the same output, request by request
-        for q in range(3):
-            messages = conversation(turns, 10_000 + q)
-            outs = [json.dumps(side.apply(messages), ensure_ascii=False) for side in sides]
-            assert outs[0] == outs[1], f"outputs differ at {turns} turns"
-    samples: dict[tuple[int, str], list[float]] = {}
+            for q in range(3):
+                messages = conversation(turns, 10_000 + q, shape)
+                outs = [json.dumps(side.apply(messages), ensure_ascii=False) for side in sides]
+                assert outs[0] == outs[1], f"outputs differ at {turns} turns ({shape})"
+    samples: dict[tuple[str, int, str], list[float]] = {}
     question = 20_000
     for r in range(rounds):
-        for turns in TURNS:
-            order = sides if r % 2 == 0 else sides[::-1]
-            for side in order:
-                qs = range(question, question + requests)
-                samples.setdefault((turns, side.name), []).append(side.timed(turns, qs))
-            question += requests
+        for shape in SHAPES:
+            for turns in TURNS:
+                for side in sides if r % 2 == 0 else sides[::-1]:
+                    qs = range(question, question + requests)
+                    samples.setdefault((shape, turns, side.name), []).append(side.timed(turns, qs, shape))
+                question += requests
     return {
-        turns: {side.name: statistics.median(samples[(turns, side.name)]) for side in sides}
-        for turns in TURNS
+        shape: {
+            turns: {side.name: statistics.median(samples[(shape, turns, side.name)]) for side in sides}
+            for turns in TURNS
+        }
+        for shape in SHAPES
     }
 
 

@@ -54,6 +54,7 @@ MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
 
 _REPLY_ROLE = "assistant"
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 HISTORY_MEMO_ENTRIES = 4_096
 """Most conversation prefixes a ``RuleSet`` keeps (``RuleSet.history_memo``)."""
@@ -689,7 +690,7 @@ def _raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:
             if type(content) is str and type(role) is str and len(m) == 2 and next(iter(m)) == "role":
                 out.append((role, content))
             else:
-                out.append(json.dumps(m, separators=(",", ":"), ensure_ascii=False))
+                out.append(_COMPACT.encode(m))
     except (TypeError, ValueError):
         return None
     return out

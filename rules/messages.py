@@ -23,7 +23,11 @@ def copy_json(value: Any) -> Any:
     never shares objects, so the copies are the same)."""
     t = type(value)
     if t is dict:
-        return {k: v if type(v) in _ATOMS else copy_json(v) for k, v in value.items()}
+        out = value.copy()
+        for k, v in out.items():
+            if type(v) not in _ATOMS:
+                out[k] = copy_json(v)  # an existing key: the dict does not change size while iterated
+        return out
     if t is list:
         return [v if type(v) in _ATOMS else copy_json(v) for v in value]
     if t in _ATOMS:

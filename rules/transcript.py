@@ -315,15 +315,16 @@ class TranscriptMemory:
         done = len(base.messages) if base is not None else 0
         new = messages[done:]
         pieces = [base.text] if base is not None and base.text else []
-        pieces.extend(_message_json(m) for m in new)
+        new_text = ",".join(_message_json(m) for m in new)
+        if new_text:
+            pieces.append(new_text)
         text = ",".join(pieces)
-        present_json = json.dumps(present, separators=(",", ":"), ensure_ascii=False)
+        present_json = _COMPACT.encode(present)
         body = '{"v":' + str(ENTRY_VERSION) + ',"messages":[' + text + '],"present":' + present_json + "}"
         data = zlib.compress(body.encode("utf-8"), 1)
         self.store.put(key, data)
         self.count(stored=1)
-        own = (base.messages if base is not None else ()) + tuple(copy_json(new))
-        self.recalled.put(data, Recalled(own, tuple(present), len(body), text, base))
+        self.recalled.put(data, Recalled(None, tuple(present), len(body), text, base, new_text))
 
     def candidates(self, keys: Sequence[bytes]) -> Iterator[tuple[int, TranscriptEntry]]:
         """(index into ``keys``, decoded entry) for each key found, in the order of ``keys``, fetched lazily:
@@ -356,14 +357,18 @@ class TranscriptMemory:
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""``json.dumps(..., separators=(",", ":"), ensure_ascii=False)`` without building an encoder per call."""
+
+
 def _message_json(message: dict[str, Any]) -> str:
     """A message as ``TranscriptEntry.encode`` writes it inside its list (compact, key order kept)."""
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+    return _COMPACT.encode(message)
 
 
 def _messages_json(messages: list[dict[str, Any]]) -> str:
     """The JSON of a message list without its brackets (``encode``'s text of the list, ``[`` and ``]`` cut)."""
-    return json.dumps(messages, separators=(",", ":"), ensure_ascii=False)[1:-1]
+    return _COMPACT.encode(messages)[1:-1]
 
 
 class Recalled:
@@ -373,29 +378,42 @@ class Recalled:
     Nothing here is handed to callers (they copy ``messages``); nothing here is mutated once computed.
 
     Args:
-        messages: the entry's canonical messages.
+        messages: the entry's canonical messages, or None: ``base``'s followed by those of ``new_text``, parsed
+            when first asked for (an entry no request reuses is never parsed).
         present: the entry's system values.
         chars: characters of its JSON text (the memo's cost).
         text: the JSON of ``messages`` without the list's brackets, if known.
         base: a ``Recalled`` whose messages ``messages`` begins with (its turns are taken from it).
+        new_text: the JSON of the messages after ``base``'s, without the list's brackets.
     """
 
-    __slots__ = ("messages", "present", "chars", "_text", "_base", "_derived")
+    __slots__ = ("_messages", "present", "chars", "_text", "_base", "_new_text", "_derived")
 
     def __init__(
         self,
-        messages: tuple[dict[str, Any], ...],
+        messages: tuple[dict[str, Any], ...] | None,
         present: tuple[str, ...],
         chars: int,
         text: str | None = None,
         base: Recalled | None = None,
+        new_text: str = "",
     ) -> None:
-        self.messages = messages
+        self._messages = messages
         self.present = present
         self.chars = chars
         self._text = text
         self._base = base
+        self._new_text = new_text
         self._derived: tuple[Any, ...] | None = None
+
+    @property
+    def messages(self) -> tuple[dict[str, Any], ...]:
+        """The entry's canonical messages (never to be handed out or changed: callers copy them)."""
+        if self._messages is None:
+            base = self._base.messages if self._base is not None else ()
+            self._messages = base + tuple(json.loads("[" + self._new_text + "]"))
+            self._new_text = ""
+        return self._messages
 
     @property
     def text(self) -> str:
@@ -435,7 +453,7 @@ class Recalled:
         turns over the base's messages are the base's, those turns are taken from the base."""
         if self._derived is not None:
             return self._derived
-        messages = list(self.messages)
+        messages = list(self.messages)  # parsed before the base is let go
         spans = turn_spans(messages)
         base = self._base
         kept = 0
