@@ -678,22 +678,17 @@ def _select_in_turn(
 
 def _raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:
     """Each message as sent, as a hashable value equal only for equal messages (key order included): a
-    ``{"role": str, "content": str}`` message as the tuple of its two strings, any other as its JSON text (which
-    tells ``1``, ``1.0`` and ``true`` apart); None when a message is not JSON data. ``RuleSet.history_memo`` is
-    keyed by (scope, tools, a tuple of these): a lookup compares the keys in full, so a hit is never a collision.
-    """
-    out: list[Any] = []
+    two-key message with a string ``content`` (so ``{"role": str, "content": str}`` in either order, after
+    ``check_shape``) as the tuple of its items, any other as its JSON text (which tells ``1``, ``1.0`` and
+    ``true`` apart); None when a message is not JSON data. ``RuleSet.history_memo`` is keyed by tuples of these:
+    a lookup compares the keys in full, so a hit is never a collision."""
     try:
-        for m in messages:
-            content = m.get("content")
-            role = m.get("role")
-            if type(content) is str and type(role) is str and len(m) == 2 and next(iter(m)) == "role":
-                out.append((role, content))
-            else:
-                out.append(_COMPACT.encode(m))
+        return [
+            tuple(m.items()) if len(m) == 2 and type(m.get("content")) is str else _COMPACT.encode(m)
+            for m in messages
+        ]
     except (TypeError, ValueError):
         return None
-    return out
 
 
 def _json_chars(value: Any) -> int:

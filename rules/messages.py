@@ -29,7 +29,18 @@ def copy_json(value: Any) -> Any:
                 out[k] = copy_json(v)  # an existing key: the dict does not change size while iterated
         return out
     if t is list:
-        return [v if type(v) in _ATOMS else copy_json(v) for v in value]
+        items: list[Any] = []
+        for v in value:  # a message list: its dicts copied here, one call fewer per message
+            tv = type(v)
+            if tv is dict:
+                c = v.copy()
+                for k, x in c.items():
+                    if type(x) not in _ATOMS:
+                        c[k] = copy_json(x)
+                items.append(c)
+            else:
+                items.append(v if tv in _ATOMS else copy_json(v))
+        return items
     if t in _ATOMS:
         return value
     return copy.deepcopy(value)
