@@ -474,7 +474,10 @@ class RuleSet:
             first = _FirstTurn(
                 tuple(w0), carried0, own0, tuple(applied0.items()), tuple(values0), tuple(items0)
             )
-            self.history_memo.put(first_key, first)
+            if len(raw_spans) > 1:
+                # kept once the conversation has a second turn: a one-turn request (a chatbot's single question)
+                # stores nothing here, and its next turn recomputes the first from the pass memo, once
+                self.history_memo.put(first_key, first)
         later: _LaterTurns | None = None
         k = 1
         n_turns = len(raw_spans)
