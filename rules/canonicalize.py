@@ -14,6 +14,10 @@ Invariants:
   point (at most ``MAX_PASSES`` passes), so text a rule's action creates or uncovers is already handled.
   A user rule that never reaches a fixed point (e.g. replace ``a`` with ``aa``) is cut off after
   ``MAX_PASSES`` passes; the result is still deterministic but not idempotent.
+- incremental: what the turns of an earlier request of the conversation gave is taken from ``history_memo``
+  (keys hold the messages as sent, compared in full) and only the new turns are canonicalized; the result is
+  the same as canonicalizing every turn (tests/rules/test_incremental.py, against the previous algorithm).
+  Nothing a memo holds is handed out or changed.
 - preserving: every hoisted value is in the final messages (inside a block); text is removed only by
   ``drop``, by ``replace`` and ``reorder`` (matched text their template does not use), and by ``round``
   and ``normalize`` (digits and whitespace they rewrite).
