@@ -409,11 +409,14 @@ class Recalled:
     @property
     def messages(self) -> tuple[dict[str, Any], ...]:
         """The entry's canonical messages (never to be handed out or changed: callers copy them)."""
-        if self._messages is None:
-            base = self._base.messages if self._base is not None else ()
-            self._messages = base + tuple(json.loads("[" + self._new_text + "]"))
-            self._new_text = ""
-        return self._messages
+        messages = self._messages
+        if messages is None:  # two threads may both parse: each gets the same value, one is kept
+            base = self._base  # read once: ``_derive`` lets it go once the messages are parsed
+            messages = (base.messages if base is not None else ()) + tuple(
+                json.loads("[" + self._new_text + "]")
+            )
+            self._messages = messages
+        return messages
 
     @property
     def text(self) -> str:

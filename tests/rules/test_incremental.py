@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +215,36 @@ def test_outputs_share_nothing_with_the_memos() -> None:
                 message["content"][0]["text"] = "changed"
             message["content"] = "changed"
     assert json.dumps(ruleset.apply(second, memory=memory, scope="s").to_dict()) == expected
+
+
+def test_threads_sharing_a_rule_set_and_a_memory_get_the_same_requests() -> None:
+    ruleset, memory = load_ruleset(["default"]), TranscriptMemory()
+    system = {"role": "system", "content": "Current date: 2026-12-01. Be brief."}
+
+    def conversation(n: int) -> list[list[dict[str, Any]]]:
+        history: list[dict[str, Any]] = [{"role": "user", "content": f"q0 of {n % 3}"}]
+        requests = []
+        for t in range(6):
+            requests.append([system, *copy.deepcopy(history)])
+            history += [{"role": "assistant", "content": f"a{t}"}, {"role": "user", "content": f"q{t + 1}"}]
+        return requests
+
+    def expected(n: int) -> list[str]:
+        pair = Pair(default_rules())
+        return [dump(pair.send(m, scope=f"s{n % 3}")) for m in conversation(n)]
+
+    want = {n: expected(n) for n in range(3)}
+    got: dict[int, list[str]] = {}
+
+    def run(n: int) -> None:
+        got[n] = [dump(ruleset.apply(m, memory=memory, scope=f"s{n % 3}")) for m in conversation(n)]
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for n in range(12):  # a conversation sent twice at once is the same conversation resent: same prompts
+        assert [json.loads(x)[0]["messages"] for x in got[n]] == [
+            json.loads(x)[0]["messages"] for x in want[n % 3]
+        ]
