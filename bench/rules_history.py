@@ -127,10 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"RuleSet.apply, default rules + transcript memory, µs per request (median of {args.rounds} rounds)"
     )
-    print(f"{'earlier turns':>14} {'before':>9} {'after':>9} {'ratio':>7}")
-    for turns, row in result.items():
-        print(f"{turns:>14} {row['before']:>9.1f} {row['after']:>9.1f} {row['before'] / row['after']:>6.1f}x")
-    print(json.dumps({"us_per_apply": {str(t): row for t, row in result.items()}}, sort_keys=True))
+    print(f"{'system prompt':>14} {'earlier turns':>14} {'before':>9} {'after':>9} {'ratio':>7}")
+    for shape, rows in result.items():
+        for turns, row in rows.items():
+            ratio = row["before"] / row["after"]
+            print(f"{shape:>14} {turns:>14} {row['before']:>9.1f} {row['after']:>9.1f} {ratio:>6.1f}x")
+    out = {shape: {str(t): row for t, row in rows.items()} for shape, rows in result.items()}
+    print(json.dumps({"us_per_apply": out}, sort_keys=True))
 
 
 if __name__ == "__main__":
