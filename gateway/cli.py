@@ -218,11 +218,25 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The gateway's log line; it names no thread, process or multiprocessing field (see ``quiet_log_records``)."""
+
+
+def quiet_log_records() -> None:
+    """Turn off the documented ``logging`` switches for ``LogRecord`` fields ``LOG_FORMAT`` does not use
+    (``logThreads``: thread and threadName, ``logProcesses``: process, ``logMultiprocessing``: processName), so
+    each record skips those look-ups: ~0.6 µs of ~7 µs per line (``python -m bench.logging_flags``)."""
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+
+
 def serve(config_path: str | None, host: str | None, port: int | None, log_level: str = "info") -> int:
     """Load the config, bind the listening socket (before any model loads: an address in use fails at once,
     exit 1 naming host:port), build the app and run uvicorn on that socket until interrupted."""
     limit_malloc_arenas()
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    quiet_log_records()
     # httpx logs every upstream call at INFO; prefixgate.request already logs one line per request
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(log_level.upper())))
     from gateway.service.canonicalize import RuleError

@@ -14,6 +14,10 @@ Invariants:
   point (at most ``MAX_PASSES`` passes), so text a rule's action creates or uncovers is already handled.
   A user rule that never reaches a fixed point (e.g. replace ``a`` with ``aa``) is cut off after
   ``MAX_PASSES`` passes; the result is still deterministic but not idempotent.
+- incremental: what the turns of an earlier request of the conversation gave is taken from ``history_memo``
+  (keys hold the messages as sent, compared in full) and only the new turns are canonicalized; the result is
+  the same as canonicalizing every turn (tests/rules/test_incremental.py, against the previous algorithm).
+  Nothing a memo holds is handed out or changed.
 - preserving: every hoisted value is in the final messages (inside a block); text is removed only by
   ``drop``, by ``replace`` and ``reorder`` (matched text their template does not use), and by ``round``
   and ``normalize`` (digits and whitespace they rewrite).
@@ -21,15 +25,17 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
+import itertools
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rules.actions import apply_span_action, normalize_text, sort_tools
-from rules.messages import check_shape, get_text, leading_system_count, set_text, text_parts
-from rules.model import PLACEMENTS, Rule, with_keep_rules
+from rules.actions import apply_span_action, canonical_json, normalize_text, sort_tools
+from rules.bounded_lru import BoundedLRU
+from rules.messages import check_shape, copy_json, get_text, leading_system_count, set_text, text_parts
+from rules.model import PLACEMENTS, MessageSelector, Rule, with_keep_rules
 from rules.placement import (
     LOCATIONS,
     extract_turn_blocks,
@@ -47,10 +53,125 @@ from rules.segments import (
 )
 from rules.text_cache import Result as TextResult
 from rules.text_cache import TextActionCache
-from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory
+from rules.transcript import PrefixHasher, Recalled, TranscriptMemory
 
 MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
+
+_REPLY_ROLE = "assistant"
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+HISTORY_MEMO_ENTRIES = 4_096
+"""Most conversation prefixes a ``RuleSet`` keeps (``RuleSet.history_memo``; learned rule sets share their base
+rule set's memo, so this bounds them all together)."""
+
+_RULESET_TAGS = itertools.count()
+"""A tag per ``RuleSet``, the second item of its ``history_memo`` keys (a memo may be shared)."""
+
+HISTORY_MEMO_CHARS = 16_000_000
+"""Most characters those prefixes hold, summed per prefix (a conversation's prefixes share their messages, so
+the memory held is at most this)."""
+
+
+class _FirstTurn:
+    """What the first turn of a request gave (blocks taken out, rules run), kept under the turn as sent
+    (``RuleSet.history_memo``, key ``("first", rule set tag, scope, messages as sent)``). Never mutated, never handed out.
+
+    Attributes:
+        processed: its messages, blocks out and rules run.
+        carried, own: values of the blocks taken out / values the rules hoisted, by location.
+        applied: rule id -> applications, in first-application order.
+        system_values: (placement, value) hoisted from the leading system messages.
+        items: ``_raw_items(processed)``: the first turn in the keys of the later turns' memo.
+        chars: about how many characters it holds (the memo's cost).
+    """
+
+    __slots__ = ("processed", "carried", "own", "applied", "system_values", "items", "chars")
+
+    def __init__(
+        self,
+        processed: tuple[dict[str, Any], ...],
+        carried: dict[str, list[str]],
+        own: dict[str, list[str]],
+        applied: tuple[tuple[str, int], ...],
+        system_values: tuple[tuple[str, str], ...],
+        items: tuple[Any, ...],
+    ) -> None:
+        self.processed = processed
+        self.carried = carried
+        self.own = own
+        self.applied = applied
+        self.system_values = system_values
+        self.items = items
+        self.chars = sum(_json_chars(m) for m in processed)
+
+
+class _LaterTurns:
+    """What the turns after the first of one request gave, kept to go on from when a later request of the
+    conversation begins with that request (``RuleSet.history_memo``, key ``("later", scope, canonical tools,
+    the first turn as processed, the later turns as sent)``: a first turn whose hoisted values changed, e.g. a
+    system prompt with the current time, still finds them). Never mutated once stored, never handed out.
+
+    Attributes:
+        processed: the later turns' messages, blocks out and rules run.
+        spans: their turns (indices in the whole request, the first turn's processed messages before them).
+        carried, own: per turn, values of the blocks taken out / values the rules hoisted, by location.
+        applied: rule id -> applications in these turns, in first-application order.
+        hasher: the transcript key hasher fed with the whole request's processed messages (or None).
+        keys: the transcript keys of the processed request up to each later turn, then of all of it.
+        key: its key in the memo.
+        chars: about how many characters it holds (the memo's cost).
+    """
+
+    __slots__ = ("processed", "spans", "carried", "own", "applied", "hasher", "keys", "key", "chars")
+
+    def __init__(
+        self,
+        processed: tuple[dict[str, Any], ...],
+        spans: tuple[tuple[int, int], ...],
+        carried: tuple[dict[str, list[str]], ...],
+        own: tuple[dict[str, list[str]], ...],
+        applied: tuple[tuple[str, int], ...],
+        hasher: PrefixHasher | None,
+        keys: tuple[bytes, ...],
+        key: tuple[Any, ...],
+        chars: int,
+    ) -> None:
+        self.processed = processed
+        self.spans = spans
+        self.carried = carried
+        self.own = own
+        self.applied = applied
+        self.hasher = hasher
+        self.keys = keys
+        self.key = key
+        self.chars = chars
+
+
+@dataclass
+class _Turns:
+    """The turns of one request, blocks taken out and rules run (``RuleSet._turns_full`` / ``_turns_incremental``).
+
+    Attributes:
+        work: the messages, blocks out and rules run; spans: their turns.
+        carried, own: per turn, values of the blocks taken out / hoisted by the rules, by location.
+        applied: rule id -> applications over the turns, in first-application order.
+        system_values: (placement, value) hoisted from the leading system messages.
+        merged: the turns changed when the blocks came out, and every carried value went to the last turn.
+        first: the first turn's memo entry (incremental only); later: the later turns' entry it went on from.
+        later_applied: applications in the turns after the first (incremental only).
+    """
+
+    work: list[dict[str, Any]]
+    spans: list[tuple[int, int]]
+    carried: list[dict[str, list[str]]]
+    own: list[dict[str, list[str]]]
+    applied: Counter[str]
+    system_values: list[tuple[str, str]]
+    merged: bool = False
+    first: _FirstTurn | None = None
+    later: _LaterTurns | None = None
+    later_applied: Counter[str] | None = None
 
 
 @dataclass
@@ -124,9 +245,17 @@ class RuleSet:
     Attributes:
         rules: the rules in application order.
         sources: the files they came from, in load order.
+        history_memo: the memo of earlier turns (``history_memo``); pass another rule set's to share one bound
+            (a learned rule set shares its base's); None: its own.
     """
 
-    def __init__(self, rules: list[Rule] | tuple[Rule, ...] = (), sources: list[str] | tuple[str, ...] = ()):
+    def __init__(
+        self,
+        rules: list[Rule] | tuple[Rule, ...] = (),
+        sources: list[str] | tuple[str, ...] = (),
+        *,
+        history_memo: BoundedLRU[tuple[Any, ...], Any] | None = None,
+    ):
         self.rules: tuple[Rule, ...] = with_keep_rules(rules)
         self.sources: tuple[str, ...] = tuple(sources)
         self._hoists = any(r.action == "hoist" for r in self.rules)
@@ -144,6 +273,16 @@ class RuleSet:
         text, applications, per-rule steps), so a repeated system prompt costs one lookup per pass, not one
         per rule."""
         self._pass_ids: dict[tuple[int, ...], int] = {}
+        self.history_memo: BoundedLRU[tuple[Any, ...], Any] = (
+            history_memo
+            if history_memo is not None
+            else BoundedLRU(HISTORY_MEMO_ENTRIES, (HISTORY_MEMO_CHARS,), lambda _, state: (state.chars,))
+        )
+        self._memo_tag = next(_RULESET_TAGS)  # this rule set's keys in a memo shared with others
+        """What canonicalizing the turns of earlier requests gave: ``("first", scope, first turn as sent)`` ->
+        ``_FirstTurn``; ``("later", scope, canonical tools, first turn as processed, later turns as sent)`` ->
+        ``_LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
+        conversation extends them)."""
 
     @property
     def rule_ids(self) -> list[str]:
@@ -172,9 +311,16 @@ class RuleSet:
         conversation (same ``scope`` and tools) are reused verbatim, blocks with their old values included,
         and the system values that changed since that request go into a block in the first new turn.
 
+        A conversation resent turn after turn costs about its new turn: what the turns of an earlier request
+        gave is kept (``history_memo``, keyed by a digest of the scope, the tools and the messages as sent)
+        and only the turns after the longest remembered request are canonicalized; the memory's entries are
+        decoded, stripped and encoded incrementally too (``TranscriptMemory.recall``, ``remember_after``).
+        The result is the same as canonicalizing every turn again (tests/rules/test_incremental.py).
+
         Args:
             messages: OpenAI chat messages (``role``; ``content`` a string, a list of parts, or null;
-                other keys are kept as they are).
+                other keys are kept as they are). JSON data: a message object that occurs twice in the list
+                is treated as two equal messages.
             tools: OpenAI (or Anthropic) tool schemas, or None.
             memory: the canonical transcript memory, or None (stateless: the result depends on the
                 request alone).
@@ -187,54 +333,84 @@ class RuleSet:
             RequestShapeError: messages or tools are not in that shape.
         """
         check_shape(messages, tools)
-        messages = copy.deepcopy(messages)
-        tools = copy.deepcopy(tools)
+        tools = copy_json(tools)
         if not self.rules:
+            messages = copy_json(messages)
             return Canonical(messages, tools, compute_segments(messages, tools, []))
         applied: Counter[str] = Counter()
         tools = self._apply_tool_rules(tools, applied)
-        spans = turn_spans(messages)
-        carried: list[dict[str, list[str]]] = [{} for _ in spans]
-        if self._hoists:
-            for j in range(len(spans) - 1, -1, -1):
-                carried[j], _ = extract_turn_blocks(messages, *spans[j])
-            spans = turn_spans(messages)
-            if len(spans) != len(
-                carried
-            ):  # only a hand-edited request gets here: keep every value, last turn
-                merged = {loc: [v for c in carried for v in c.get(loc, [])] for loc in LOCATIONS}
-                carried = [{} for _ in spans]
-                if spans:
-                    carried[-1] = {loc: v for loc, v in merged.items() if v}
-        systems = leading_system_count(messages)
-        own: list[dict[str, list[str]]] = []
-        system_values: list[tuple[str, str]] = []
-        for j, (start, end) in enumerate(spans):
-            own.append(self._apply_turn(messages, start, end, j, systems, applied, system_values, scope))
+        tools_json = canonical_json(tools)
+        raw_spans = turn_spans(messages)
+        items = _raw_items(messages)
+        done = self._turns_incremental(messages, raw_spans, items, scope, tools_json) if items else None
+        if done is None:
+            done = self._turns_full(messages, raw_spans, scope)
+        work, spans, carried, own, system_values = (
+            done.work,
+            done.spans,
+            done.carried,
+            done.own,
+            done.system_values,
+        )
+        for rule_id, count in done.applied.items():
+            applied[rule_id] += count
         present_now = [v for _, v in system_values]
 
-        reused: list[dict[str, Any]] = []
         first_new = 0
         present = present_now
         history = HistoryInfo(turns=len(spans))
         keys: list[bytes] = []
+        hasher: PrefixHasher | None = None
+        found: tuple[int, Recalled] | None = None
+        later = done.later
         if memory is not None:
-            hasher = PrefixHasher(scope, tools)
-            keys = hasher.keys(messages, [s for s, _ in spans[1:]] + [len(messages)])
+            ends = [s for s, _ in spans[1:]] + [len(work)]
+            if later is not None and later.hasher is not None:
+                hasher = later.hasher.copy()
+                keys = list(later.keys[:-1]) + hasher.keys(work, [e for e in ends if e >= hasher.count])
+            else:
+                hasher = PrefixHasher(scope, tools, tools_json)
+                keys = hasher.keys(work, ends)
             if len(spans) > 1:
                 memory.count(lookups=1)
-                found = self._reuse(memory, keys[:-1], messages, spans)
+                found = self._reuse(memory, keys[:-1], work, spans)
                 if found is not None:
-                    first_new, entry = found
-                    reused = entry.messages
-                    present = entry.present
-                    memory.count(hits=1, reused_messages=len(reused))
+                    first_new, recalled = found
+                    present = list(recalled.present)
+                    memory.count(hits=1, reused_messages=len(recalled.messages))
                     history.reused_turns = first_new
-                    history.reused_messages = len(reused)
+                    history.reused_messages = len(recalled.messages)
 
-        final = copy.deepcopy(reused)
+        first = done.first
+        if first is not None and items and len(spans) > 1 and work[-1].get("role") != _REPLY_ROLE:
+            # the later turns of this request, for the next request of the conversation to go on from
+            e0 = raw_spans[0][1]
+            later_items = items[e0:]
+            key_scope, key_tools = scope, tools_json
+            if later is not None:  # the prefix's strings, not this request's equal copies
+                key_scope, key_tools = later.key[1], later.key[2]
+                later_items[: len(later.key[4])] = later.key[4]
+            done_before = len(first.processed) + (len(later.processed) if later is not None else 0)
+            chars = (later.chars if later is not None else 0) + sum(
+                _json_chars(m) for m in work[done_before:]
+            )
+            assert done.later_applied is not None
+            state = _LaterTurns(
+                tuple(work[len(first.processed) :]),
+                tuple(spans[1:]),
+                tuple(carried[1:]),
+                tuple(own[1:]),
+                tuple(done.later_applied.items()),
+                hasher,
+                tuple(keys),
+                ("later", self._memo_tag, key_scope, key_tools, first.items, tuple(later_items)),
+                chars,
+            )
+            self.history_memo.put(state.key, state)
+
+        final = copy_json(list(found[1].messages)) if found is not None else []
         starts: list[Position] = []
-        hoisted: list[str] = [v for c in _blocks_of(final) for v in c]
+        hoisted: list[str] = [v for c in found[1].blocks for v in c] if found is not None else []
         for j in range(first_new, len(spans)):
             start, end = spans[j]
             values = {loc: list(carried[j].get(loc, [])) + own[j].get(loc, []) for loc in LOCATIONS}
@@ -243,20 +419,139 @@ class RuleSet:
                 # previous request go into this turn (a value said before and still current is not repeated)
                 for placement, value in system_values:
                     if value not in present:
-                        values[resolve_location(placement, messages, start, end)].append(value)
+                        values[resolve_location(placement, work, start, end)].append(value)
             offset = len(final) - start
-            turn = copy.deepcopy(messages[start:end])
-            final.extend(turn)
+            final.extend(copy_json(work[start:end]))
             turn_starts, _ = insert_turn_blocks(
                 final, start + offset, end + offset, {loc: v for loc, v in values.items() if v}
             )
             hoisted.extend(v for loc in LOCATIONS for v in values[loc])
             starts.extend(turn_starts)
         if memory is not None and keys:
-            memory.remember(keys[-1], TranscriptEntry(final, present_now or present))
+            memory.remember_after(
+                keys[-1], final, present_now or present, found[1] if found is not None else None
+            )
         starts = [normalize_position(final, s) for s in starts]
         segments = compute_segments(final, tools, starts)
         return Canonical(final, tools, segments, dict(applied), hoisted, history)
+
+    def _turns_full(
+        self, messages: list[dict[str, Any]], raw_spans: list[tuple[int, int]], scope: str
+    ) -> _Turns:
+        """Take the blocks out of every turn of a copy of ``messages`` and run the rules on every turn."""
+        work = copy_json(messages)
+        carried: list[dict[str, list[str]]] = [{} for _ in raw_spans]
+        spans = raw_spans
+        merged = False
+        if self._hoists:
+            for j in range(len(raw_spans) - 1, -1, -1):
+                carried[j], _ = extract_turn_blocks(work, *raw_spans[j])
+            spans = turn_spans(work)
+            if len(spans) != len(
+                carried
+            ):  # only a hand-edited request gets here: keep every value, last turn
+                merged_values = {loc: [v for c in carried for v in c.get(loc, [])] for loc in LOCATIONS}
+                carried = [{} for _ in spans]
+                if spans:
+                    carried[-1] = {loc: v for loc, v in merged_values.items() if v}
+                merged = True
+        systems = leading_system_count(work)
+        applied: Counter[str] = Counter()
+        system_values: list[tuple[str, str]] = []
+        firsts: dict[Any, int | None] = {}
+        own = [
+            self._apply_turn(work, start, end, j, systems, applied, system_values, scope, firsts)
+            for j, (start, end) in enumerate(spans)
+        ]
+        return _Turns(work, spans, carried, own, applied, system_values, merged)
+
+    def _turns_incremental(
+        self,
+        messages: list[dict[str, Any]],
+        raw_spans: list[tuple[int, int]],
+        items: list[Any],
+        scope: str,
+        tools_json: str,
+    ) -> _Turns | None:
+        """What ``_turns_full`` gives, from the memo: the first turn by its messages as sent, the later turns of
+        the longest earlier request of the conversation by the first turn as processed and their messages as
+        sent; only the turns after those are canonicalized. None (go the full way) when taking the blocks out
+        changed the turns (a hand-edited request)."""
+        e0 = raw_spans[0][1]
+        first_key = ("first", self._memo_tag, scope, tuple(items[:e0]))
+        first = self.history_memo.get(first_key)
+        if first is None:
+            w0 = copy_json(messages[:e0])
+            carried0: dict[str, list[str]] = {}
+            if self._hoists:
+                carried0, _ = extract_turn_blocks(w0, 0, e0)
+            applied0: Counter[str] = Counter()
+            values0: list[tuple[str, str]] = []
+            own0 = self._apply_turn(w0, 0, len(w0), 0, leading_system_count(w0), applied0, values0, scope, {})
+            items0 = _raw_items(w0)
+            if items0 is None:
+                return None
+            first = _FirstTurn(
+                tuple(w0), carried0, own0, tuple(applied0.items()), tuple(values0), tuple(items0)
+            )
+            if len(raw_spans) > 1:
+                # kept once the conversation has a second turn: a one-turn request (a chatbot's single question)
+                # stores nothing here, and its next turn recomputes the first from the pass memo, once
+                self.history_memo.put(first_key, first)
+        later: _LaterTurns | None = None
+        k = 1
+        n_turns = len(raw_spans)
+        if n_turns > 2:
+            for j in range(n_turns - 1, 1, -1):  # the longest earlier request first
+                later = self.history_memo.get(
+                    (
+                        "later",
+                        self._memo_tag,
+                        scope,
+                        tools_json,
+                        first.items,
+                        tuple(items[e0 : raw_spans[j][0]]),
+                    )
+                )
+                if later is not None:
+                    k = j
+                    break
+        raw_from = raw_spans[k][0] if k < n_turns else len(messages)
+        work = list(first.processed)
+        if later is not None:
+            work.extend(later.processed)
+        work.extend(copy_json(messages[raw_from:]))
+        shift = len(work) - len(messages)
+        carried: list[dict[str, list[str]]] = [first.carried]
+        if later is not None:
+            carried.extend(later.carried)
+        new_carried: list[dict[str, list[str]]] = [{} for _ in raw_spans[k:]]
+        if self._hoists:
+            for j in range(n_turns - 1, k - 1, -1):
+                start, end = raw_spans[j]
+                new_carried[j - k], _ = extract_turn_blocks(work, start + shift, end + shift)
+        carried.extend(new_carried)
+        spans = turn_spans(work)
+        if len(spans) != n_turns or spans[0] != (0, len(first.processed)):
+            return None
+        if later is not None and tuple(spans[1:k]) != later.spans:
+            return None
+        own = [first.own]
+        if later is not None:
+            own.extend(later.own)
+        later_applied: Counter[str] = Counter(dict(later.applied)) if later is not None else Counter()
+        system_values = list(first.system_values)
+        systems = leading_system_count(work)
+        firsts: dict[Any, int | None] = {}
+        for j in range(k, n_turns):
+            start, end = spans[j]
+            own.append(
+                self._apply_turn(work, start, end, j, systems, later_applied, system_values, scope, firsts)
+            )
+        applied: Counter[str] = Counter(dict(first.applied))
+        for rule_id, count in later_applied.items():
+            applied[rule_id] += count
+        return _Turns(work, spans, carried, own, applied, system_values, False, first, later, later_applied)
 
     def _apply_turn(
         self,
@@ -268,16 +563,19 @@ class RuleSet:
         applied: Counter[str],
         system_values: list[tuple[str, str]],
         scope: str = "",
+        firsts: dict[Any, int | None] | None = None,
     ) -> dict[str, list[str]]:
         """Run the span and normalize rules to a fixed point on the turn ``messages[start:end]`` (in place),
         selecting messages as in the request ``messages[:end]``. Values hoisted from the leading system
         messages are appended to ``system_values`` (with their placement) and, in the first turn, also
-        returned; the others are returned by the location they take in this turn."""
-        view = messages[:end]
-        locations = {p: resolve_location(p, view, start, end) for p in PLACEMENTS}
+        returned; the others are returned by the location they take in this turn. Reads only the turn (and,
+        for a ``first`` selector, the messages up to its first match: ``firsts`` keeps those per request)."""
+        locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}
         values: dict[str, list[str]] = {}
         # rules change texts, never roles or the message count: each selector picks the same messages all along
-        chosen = [[i for i in selector.select(view) if i >= start] for selector in self._selectors]
+        if firsts is None:
+            firsts = {}
+        chosen = [_select_in_turn(selector, messages, start, end, firsts) for selector in self._selectors]
         # a rule only touches the messages it selects, so a message's texts go through its own rules in rule
         # order whatever the other messages do: one memoized pass per text, replayed below in rule-major order
         slots_of: dict[int, list[int]] = {}
@@ -350,16 +648,13 @@ class RuleSet:
         keys: list[bytes],
         messages: list[dict[str, Any]],
         spans: list[tuple[int, int]],
-    ) -> tuple[int, TranscriptEntry] | None:
-        """(index of the first turn not covered, entry) for the longest earlier request in the memory whose
-        blocks taken out give exactly ``messages`` up to that turn; None when there is none."""
-        for back, entry in memory.candidates(keys[::-1]):
+    ) -> tuple[int, Recalled] | None:
+        """(index of the first turn not covered, recalled entry) for the longest earlier request in the memory
+        whose blocks taken out give exactly ``messages`` up to that turn; None when there is none."""
+        for back, recalled in memory.recall(keys[::-1]):
             turn = len(keys) - back
-            stripped = copy.deepcopy(entry.messages)
-            for start, end in reversed(turn_spans(stripped)):
-                extract_turn_blocks(stripped, start, end)
-            if stripped == messages[: spans[turn][0]]:
-                return turn, entry
+            if recalled.stripped == messages[: spans[turn][0]]:
+                return turn, recalled
             memory.count(rejected=1)
         return None
 
@@ -381,14 +676,62 @@ def _action_of(rule: Rule) -> Callable[[str], TextResult]:
     return span
 
 
-def _blocks_of(messages: list[dict[str, Any]]) -> list[list[str]]:
-    """The values of every block in ``messages`` (canonical messages), in prompt order."""
-    copied = copy.deepcopy(messages)
-    per_turn: list[list[list[str]]] = []
-    for start, end in reversed(turn_spans(copied)):  # last turn first: a removed note shifts later turns only
-        found, _ = extract_turn_blocks(copied, start, end)
-        per_turn.append([found[loc] for loc in LOCATIONS if found.get(loc)])
-    return [values for turn in reversed(per_turn) for values in turn]
+def _select_in_turn(
+    selector: MessageSelector,
+    messages: list[dict[str, Any]],
+    start: int,
+    end: int,
+    firsts: dict[Any, int | None],
+) -> list[int]:
+    """``[i for i in selector.select(messages[:end]) if i >= start]``, reading only the turn (and, for a
+    ``first`` selector, the messages up to its first match, found once per request in ``firsts``)."""
+    roles = selector.roles
+    if selector.index is not None:
+        i = selector.index if selector.index >= 0 else end + selector.index
+        ok = 0 <= i < end and i >= start and (roles is None or messages[i].get("role") in roles)
+        return [i] if ok else []
+    if selector.position == "first":
+        if selector not in firsts:
+            firsts[selector] = next(
+                (i for i, m in enumerate(messages) if roles is None or m.get("role") in roles), None
+            )
+        first = firsts[selector]
+        return [first] if first is not None and start <= first < end else []
+    if roles is None:
+        indices: list[int] = list(range(start, end))
+    else:
+        indices = [i for i in range(start, end) if messages[i].get("role") in roles]
+    if selector.position == "last":
+        return indices[-1:]
+    return indices
+
+
+def _raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:
+    """Each message as sent, as a hashable value equal only for equal messages (key order included): a
+    two-key message with a string ``content`` (so ``{"role": str, "content": str}`` in either order, after
+    ``check_shape``) as the tuple of its items, any other as its JSON text (which tells ``1``, ``1.0`` and
+    ``true`` apart); None when a message is not JSON data. ``RuleSet.history_memo`` is keyed by tuples of these:
+    a lookup compares the keys in full, so a hit is never a collision."""
+    try:
+        return [
+            tuple(m.items()) if len(m) == 2 and type(m.get("content")) is str else _COMPACT.encode(m)
+            for m in messages
+        ]
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_chars(value: Any) -> int:
+    """About how many characters ``value`` holds (strings' lengths, 8 per other value): the cost of a
+    message in ``history_memo``."""
+    t = type(value)
+    if t is str:
+        return len(value)
+    if t is dict:
+        return sum(len(k) + _json_chars(v) for k, v in value.items()) + 8
+    if t is list:
+        return sum(_json_chars(v) for v in value) + 8
+    return 8
 
 
 def _differs(a: Any, b: Any) -> bool:

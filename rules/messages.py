@@ -8,9 +8,42 @@ a string ``content`` is part 0.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from rules.errors import RequestShapeError
+
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
+def copy_json(value: Any) -> Any:
+    """A deep copy of JSON data (``dict``, ``list``, ``str``, ``int``, ``float``, ``bool``, ``None``), several
+    times cheaper than ``copy.deepcopy``; any other value inside is copied with ``copy.deepcopy``. Unlike
+    ``copy.deepcopy`` it does not keep objects that occur twice shared in the copy (JSON parsed from a request
+    never shares objects, so the copies are the same)."""
+    t = type(value)
+    if t is dict:
+        out = value.copy()
+        for k, v in out.items():
+            if type(v) not in _ATOMS:
+                out[k] = copy_json(v)  # an existing key: the dict does not change size while iterated
+        return out
+    if t is list:
+        items: list[Any] = []
+        for v in value:  # a message list: its dicts copied here, one call fewer per message
+            tv = type(v)
+            if tv is dict:
+                c = v.copy()
+                for k, x in c.items():
+                    if type(x) not in _ATOMS:
+                        c[k] = copy_json(x)
+                items.append(c)
+            else:
+                items.append(v if tv in _ATOMS else copy_json(v))
+        return items
+    if t in _ATOMS:
+        return value
+    return copy.deepcopy(value)
 
 
 def check_shape(messages: Any, tools: Any) -> None:

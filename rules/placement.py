@@ -82,16 +82,15 @@ def turn_spans(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
     n = len(messages)
     if n == 0:
         return []
+    roles = [m.get("role") for m in messages]
+    last_non_reply = n - 1
+    while last_non_reply >= 0 and roles[last_non_reply] == _REPLY_ROLE:
+        last_non_reply -= 1
     starts = [0]
-    last_non_reply = max((i for i, m in enumerate(messages) if m.get("role") != _REPLY_ROLE), default=-1)
-    for i in range(1, n):
-        if (
-            messages[i].get("role") == _REPLY_ROLE
-            and messages[i - 1].get("role") != _REPLY_ROLE
-            and i < last_non_reply
-        ):
-            starts.append(i)
-    return [(s, e) for s, e in zip(starts, [*starts[1:], n], strict=True)]
+    starts.extend(
+        i for i in range(1, last_non_reply) if roles[i] == _REPLY_ROLE and roles[i - 1] != _REPLY_ROLE
+    )
+    return list(zip(starts, [*starts[1:], n], strict=True))
 
 
 def render_block(values: list[str]) -> str:

@@ -14,7 +14,11 @@ Invariants:
 - a stored entry is reused only when taking its blocks out gives back exactly the current request's
   stable form of that prefix (a corrupt, foreign or colliding entry is a miss, counted as ``rejected``);
 - the in-process store is bounded by entries, bytes and age (TTL, injectable clock) and evicts the least
-  recently used entry first; a store never raises to the caller for a missing or expired key.
+  recently used entry first; a store never raises to the caller for a missing or expired key;
+- what a stored value decodes to is kept by ``TranscriptMemory`` in a bounded memo keyed by the value's bytes
+  (``Recalled``: the entry, its blocks taken out, turn by turn), so a conversation resent turn after turn
+  decodes, strips and re-encodes only its new turn: the next entry is the reused one's JSON text plus the new
+  messages' (``remember_after``), byte-identical to ``TranscriptEntry.encode`` of the whole entry.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rules.actions import canonical_json
+from rules.bounded_lru import BoundedLRU
+from rules.messages import copy_json
+from rules.placement import LOCATIONS, extract_turn_blocks, turn_spans
 
 KEY_BYTES = 32
 """Length of a transcript key (blake2b digest size)."""
@@ -180,8 +187,15 @@ class TranscriptEntry:
     @classmethod
     def decode(cls, data: bytes) -> TranscriptEntry | None:
         """The entry in ``data``, or None when it is not one (never raises)."""
+        found = cls.decode_sized(data)
+        return found[0] if found is not None else None
+
+    @classmethod
+    def decode_sized(cls, data: bytes) -> tuple[TranscriptEntry, int] | None:
+        """(the entry in ``data``, characters of its JSON text), or None when it is not one (never raises)."""
         try:
-            body = json.loads(zlib.decompress(data).decode("utf-8"))
+            text = zlib.decompress(data).decode("utf-8")
+            body = json.loads(text)
         except (zlib.error, UnicodeDecodeError, ValueError, TypeError):
             return None
         if not isinstance(body, dict) or body.get("v") != ENTRY_VERSION:
@@ -191,7 +205,7 @@ class TranscriptEntry:
             return None
         if not isinstance(present, list) or not all(isinstance(v, str) for v in present):
             return None
-        return cls(messages, present)
+        return cls(messages, present), len(text)
 
 
 class PrefixHasher:
@@ -202,11 +216,24 @@ class PrefixHasher:
         tools: the canonical tools (or None).
     """
 
-    def __init__(self, scope: str, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(self, scope: str, tools: list[dict[str, Any]] | None, tools_json: str | None = None) -> None:
         self._h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"pg-transcript-1")
         self._feed(scope)
-        self._feed(canonical_json(tools))
+        self._feed(canonical_json(tools) if tools_json is None else tools_json)
         self._count = 0
+
+    @property
+    def count(self) -> int:
+        """How many messages have been fed."""
+        return self._count
+
+    def copy(self) -> PrefixHasher:
+        """An independent hasher in the same state (the rules' prefix memo keeps one per conversation prefix
+        and goes on from a copy)."""
+        other = PrefixHasher.__new__(PrefixHasher)
+        other._h = self._h.copy()
+        other._count = self._count
+        return other
 
     def _feed(self, text: str) -> None:
         data = text.encode("utf-8")
@@ -214,7 +241,8 @@ class PrefixHasher:
         self._h.update(data)
 
     def keys(self, messages: list[dict[str, Any]], ends: Sequence[int]) -> list[bytes]:
-        """The key of ``messages[:end]`` for each ``end`` (ascending, each <= len(messages))."""
+        """The key of ``messages[:end]`` for each ``end`` (ascending, each >= ``count`` and <= len(messages));
+        ``messages[:count]`` must be the messages already fed."""
         out: list[bytes] = []
         for end in ends:
             while self._count < end:
@@ -231,12 +259,72 @@ class TranscriptMemory:
 
     Args:
         store: where entries live (default: a fresh ``InProcessTranscriptStore()``).
+        recall_chars: most characters (JSON text of the entries' messages) the memo of decoded entries holds.
+        recall_entries: most entries that memo holds.
     """
 
-    def __init__(self, store: TranscriptStore | None = None) -> None:
+    def __init__(
+        self,
+        store: TranscriptStore | None = None,
+        recall_chars: int = 16_000_000,
+        recall_entries: int = 4_096,
+    ) -> None:
         self.store: TranscriptStore = store if store is not None else InProcessTranscriptStore()
         self.stats = MemoryStats()
         self._lock = threading.Lock()
+        self.recalled: BoundedLRU[bytes, Recalled] = BoundedLRU(
+            recall_entries, (recall_chars,), lambda data, rec: (rec.chars + len(data),)
+        )
+        """Stored value bytes -> what they decode to (values are immutable: a value seen again, from this
+        process or from Redis, is not decoded again)."""
+
+    def recall(self, keys: Sequence[bytes]) -> Iterator[tuple[int, Recalled]]:
+        """``candidates`` through the memo of decoded values: (index into ``keys``, ``Recalled``) for each key
+        found, in the order of ``keys``, fetched lazily the same way. An undecodable value is skipped and
+        counted as ``rejected``."""
+        if not keys:
+            return
+        batches = [(0, list(keys[:1])), (1, list(keys[1:]))]
+        for offset, batch in batches:
+            if not batch:
+                continue
+            for i, data in enumerate(self.store.get_many(batch)):
+                if data is None:
+                    continue
+                rec = self.recalled.get(data)
+                if rec is None:
+                    found = TranscriptEntry.decode_sized(data)
+                    if found is None:
+                        self.count(rejected=1)
+                        continue
+                    rec = Recalled(tuple(found[0].messages), tuple(found[0].present), found[1])
+                    self.recalled.put(data, rec)
+                yield offset + i, rec
+
+    def remember_after(
+        self,
+        key: bytes,
+        messages: list[dict[str, Any]],
+        present: list[str],
+        base: Recalled | None,
+    ) -> None:
+        """Store ``TranscriptEntry(messages, present)`` under ``key`` (the same bytes as ``remember``), where
+        ``messages`` begins with ``base``'s messages (a copy of them, when ``base`` is given): only the
+        messages after those are serialized, stripped and copied (``messages`` is not kept: the caller owns it).
+        """
+        done = len(base.messages) if base is not None else 0
+        new = messages[done:]
+        pieces = [base.text] if base is not None and base.text else []
+        new_text = ",".join(_message_json(m) for m in new)
+        if new_text:
+            pieces.append(new_text)
+        text = ",".join(pieces)
+        present_json = _COMPACT.encode(present)
+        body = '{"v":' + str(ENTRY_VERSION) + ',"messages":[' + text + '],"present":' + present_json + "}"
+        data = zlib.compress(body.encode("utf-8"), 1)
+        self.store.put(key, data)
+        self.count(stored=1)
+        self.recalled.put(data, Recalled(None, tuple(present), len(body), text, base, new_text))
 
     def candidates(self, keys: Sequence[bytes]) -> Iterator[tuple[int, TranscriptEntry]]:
         """(index into ``keys``, decoded entry) for each key found, in the order of ``keys``, fetched lazily:
@@ -267,3 +355,129 @@ class TranscriptMemory:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""``json.dumps(..., separators=(",", ":"), ensure_ascii=False)`` without building an encoder per call."""
+
+
+def _message_json(message: dict[str, Any]) -> str:
+    """A message as ``TranscriptEntry.encode`` writes it inside its list (compact, key order kept)."""
+    return _COMPACT.encode(message)
+
+
+def _messages_json(messages: list[dict[str, Any]]) -> str:
+    """The JSON of a message list without its brackets (``encode``'s text of the list, ``[`` and ``]`` cut)."""
+    return _COMPACT.encode(messages)[1:-1]
+
+
+class Recalled:
+    """A decoded entry with what reusing it needs, each part computed once per stored value, when first asked
+    for (an entry no later request reuses, e.g. a one-question chat, costs no stripping).
+
+    Nothing here is handed to callers (they copy ``messages``); nothing here is mutated once computed.
+
+    Args:
+        messages: the entry's canonical messages, or None: ``base``'s followed by those of ``new_text``, parsed
+            when first asked for (an entry no request reuses is never parsed).
+        present: the entry's system values.
+        chars: characters of its JSON text (the memo's cost).
+        text: the JSON of ``messages`` without the list's brackets, if known.
+        base: a ``Recalled`` whose messages ``messages`` begins with (its turns are taken from it).
+        new_text: the JSON of the messages after ``base``'s, without the list's brackets.
+    """
+
+    __slots__ = ("_messages", "present", "chars", "_text", "_base", "_new_text", "_derived")
+
+    def __init__(
+        self,
+        messages: tuple[dict[str, Any], ...] | None,
+        present: tuple[str, ...],
+        chars: int,
+        text: str | None = None,
+        base: Recalled | None = None,
+        new_text: str = "",
+    ) -> None:
+        self._messages = messages
+        self.present = present
+        self.chars = chars
+        self._text = text
+        self._base = base
+        self._new_text = new_text
+        self._derived: tuple[Any, ...] | None = None
+
+    @property
+    def messages(self) -> tuple[dict[str, Any], ...]:
+        """The entry's canonical messages (never to be handed out or changed: callers copy them)."""
+        messages = self._messages
+        if messages is None:  # two threads may both parse: each gets the same value, one is kept
+            base = self._base  # read once: ``_derive`` lets it go once the messages are parsed
+            messages = (base.messages if base is not None else ()) + tuple(
+                json.loads("[" + self._new_text + "]")
+            )
+            self._messages = messages
+        return messages
+
+    @property
+    def text(self) -> str:
+        """The JSON of ``messages`` without the list's brackets (``encode``'s text of the list)."""
+        if self._text is None:
+            self._text = _messages_json(list(self.messages))
+        return self._text
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """``turn_spans(messages)``."""
+        return self._derive()[0]
+
+    @property
+    def turn_stripped(self) -> list[list[dict[str, Any]]]:
+        """Per turn, its messages with the hoisted-value blocks taken out (``extract_turn_blocks``)."""
+        return self._derive()[1]
+
+    @property
+    def turn_blocks(self) -> list[list[list[str]]]:
+        """Per turn, the values of each block taken out, in ``LOCATIONS`` order."""
+        return self._derive()[2]
+
+    @property
+    def stripped(self) -> list[dict[str, Any]]:
+        """``messages`` with every turn's blocks taken out (the turns' concatenated)."""
+        return self._derive()[3]
+
+    @property
+    def blocks(self) -> list[list[str]]:
+        """Every block's values, in prompt order."""
+        return self._derive()[4]
+
+    def _derive(self) -> tuple[Any, ...]:
+        """Strip the blocks turn by turn, last turn first (each turn's extraction reads only that turn and, for
+        the first, the leading system messages), as ``RuleSet.apply`` did on a copy of the whole entry. When the
+        turns over the base's messages are the base's, those turns are taken from the base."""
+        if self._derived is not None:
+            return self._derived
+        messages = list(self.messages)  # parsed before the base is let go
+        spans = turn_spans(messages)
+        base = self._base
+        kept = 0
+        if base is not None and base.spans and spans[: len(base.spans)] == base.spans:
+            kept = len(base.spans)
+        work = messages
+        new_stripped: list[list[dict[str, Any]]] = []
+        new_blocks: list[list[list[str]]] = []
+        for start, end in reversed(spans[kept:]):
+            work[start:end] = copy_json(work[start:end])
+            found, new_end = extract_turn_blocks(work, start, end)
+            new_stripped.append(work[start:new_end])
+            new_blocks.append([found[loc] for loc in LOCATIONS if found.get(loc)])
+        turn_stripped = (base.turn_stripped[:kept] if base is not None else []) + new_stripped[::-1]
+        turn_blocks = (base.turn_blocks[:kept] if base is not None else []) + new_blocks[::-1]
+        self._derived = (
+            spans,
+            turn_stripped,
+            turn_blocks,
+            [m for turn in turn_stripped for m in turn],
+            [values for turn in turn_blocks for values in turn],
+        )
+        self._base = None
+        return self._derived

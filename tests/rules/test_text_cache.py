@@ -78,7 +78,12 @@ def test_a_cached_ruleset_canonicalizes_exactly_as_a_fresh_one():
         other[-1]["content"] = f"Question {n} at 10:0{n}, id {n}f3a9c2e-1b4d-4e8f-9a6b-0c5d2e1f3a4b"
         got = warm.apply(copy.deepcopy(other)).to_dict()
         assert got == RuleSet(warm.rules, warm.sources).apply(copy.deepcopy(other)).to_dict()
-    assert warm.pass_cache.hits > 0  # the system prompt's passes come from the pass memo
+    assert warm.history_memo.hits >= 5  # new last questions: the first turn comes from the history memo
+    first_turn = copy.deepcopy(REQUEST[:2])
+    first_turn[1]["content"] = "Another first question at 11:15."
+    got = warm.apply(copy.deepcopy(first_turn)).to_dict()
+    assert got == RuleSet(warm.rules, warm.sources).apply(copy.deepcopy(first_turn)).to_dict()
+    assert warm.pass_cache.hits > 0  # a new first turn: the system prompt's passes come from the pass memo
     warm.text_cache.check()
     warm.pass_cache.check()
 

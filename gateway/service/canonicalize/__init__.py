@@ -120,7 +120,11 @@ class Canonicalizer:
         with self._lock:
             ruleset = self._learned.get(ids)
             if ruleset is None:
-                ruleset = RuleSet(self._ruleset.rules + learned, self._ruleset.sources)
+                ruleset = RuleSet(
+                    self._ruleset.rules + learned,
+                    self._ruleset.sources,
+                    history_memo=self._ruleset.history_memo,  # one bound for the base and all learned sets
+                )
                 self._learned[ids] = ruleset
                 while len(self._learned) > _MAX_LEARNED_RULESETS:
                     self._learned.popitem(last=False)
