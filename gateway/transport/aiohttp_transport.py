@@ -71,8 +71,17 @@ def httpx_error(exc: BaseException) -> httpx.TransportError | None:
     """The httpx error for an aiohttp (or OS) error ``exc``, or None when it is neither (``ERRORS``)."""
     for source, target in ERRORS:
         if isinstance(exc, source):
-            return target(str(exc) or type(exc).__name__)
+            return target(_message(exc))
     return None
+
+
+def _message(exc: BaseException) -> str:
+    """``exc``'s text; a plain connect failure as ``Cannot connect to host H:P: <reason>``, without the
+    ``ssl:default`` aiohttp appends even to an ``http://`` URL (TLS errors keep theirs)."""
+    if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(exc, aiohttp.ClientSSLError):
+        reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
+        return f"Cannot connect to host {exc.host}:{exc.port}: {reason}"
+    return str(exc) or type(exc).__name__
 
 
 class _ResponseStream(httpx.AsyncByteStream):
