@@ -159,6 +159,12 @@ class SplitDecode:
     rest_mask: torch.Tensor | None  # bool [B, 1, 1, rest_len]; None when all rests are equally long
     rest_bias: torch.Tensor | None = None  # ``rest_mask`` as an additive bf16 mask, made once per step
     buffer: torch.Tensor | None = None  # the copy of one layer's blocks, made once per step
+    chunks: int = (
+        1  # one sequence's context cut into this many equal parts, attended as a batch (``decode_chunks``)
+    )
+    chunk_bias: torch.Tensor | None = (
+        None  # additive bf16 ``[chunks, 1, 1, chunk_len]``: -inf past the context
+    )
 
     def additive_rest_mask(self) -> torch.Tensor | None:
         """``rest_mask`` as the CPU flash kernel takes it: bf16 ``[B, 1, 1, rest_len]``, 0 where a position is
@@ -219,10 +225,36 @@ def plan_split_decode(
     rests = [t[shared_blocks : -(-n // bs)] for t, n in zip(tables, lens, strict=True)]
     rest_lens = [n - shared_blocks * bs for n in lens]
     width = max(len(r) for r in rests)
+    chunks = decode_chunks(width) if len(tables) == 1 and not shared_blocks else 1
+    if chunks > 1:  # one sequence: its blocks in ``chunks`` equal parts, the last padded with block 0
+        per = -(-width // chunks)
+        ids = rests[0] + [0] * (per * chunks - width)
+        split = SplitDecode(block_gather(ids, pool_blocks, device), 0, rest_lens[0], None, chunks=chunks)
+        pos = torch.arange(per * chunks * bs, device=device).view(chunks, 1, 1, per * bs)
+        bias = torch.zeros(pos.shape, dtype=torch.bfloat16, device=device)
+        split.chunk_bias = bias.masked_fill_(pos >= rest_lens[0], float("-inf"))
+        return split
     ids = tables[0][:shared_blocks] + [b for r in rests for b in r + [0] * (width - len(r))]
     return SplitDecode(
         block_gather(ids, pool_blocks, device), shared_blocks, max(rest_lens), length_mask(rest_lens, device)
     )
+
+
+DECODE_CHUNK_MIN_BLOCKS = 8
+"""Shortest context (blocks) one decode sequence is cut into parts for (``decode_chunks``)."""
+
+
+def decode_chunks(num_blocks: int, threads: int | None = None) -> int:
+    """Parts to cut one decode sequence's ``num_blocks``-block context into so torch's CPU flash kernel, which
+    runs one task per (batch row, KV head) for a one-token query, keeps every thread busy: with 3 KV heads on 2
+    threads one call has 3 tasks and one thread idles a third of it; as 2 parts, 6 tasks. The parts are merged
+    by log-sum-exp (``split_decode_attention``). ``threads``: default ``torch.get_num_threads()``; 1 part when
+    it is 1 or the context is shorter than ``DECODE_CHUNK_MIN_BLOCKS`` blocks (never a part of padding only:
+    each part starts before the context's last block)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads <= 1 or num_blocks < max(DECODE_CHUNK_MIN_BLOCKS, threads):
+        return 1
+    return threads
 
 
 def shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
@@ -656,6 +688,23 @@ def split_decode_attention(
     out_dtype = out_dtype or q.dtype
     qg = q.view(b, kvh, group, head_dim).to(torch.bfloat16)
     kv = split.read(layer_cache)  # [2, n, bs, kvh, D]
+    if (
+        split.chunks > 1
+    ):  # one sequence in ``c`` parts: a batch of c rows, each part's result merged by its lse
+        c = split.chunks
+        parts = kv.reshape(2, c, -1, kvh, head_dim).transpose(2, 3)  # [2, c, kvh, Lc, D]
+        o, lse = flash(
+            qg.expand(c, -1, -1, -1).contiguous(),
+            parts[0],
+            parts[1],
+            0.0,
+            False,
+            attn_mask=split.chunk_bias,
+            scale=scale,
+        )  # [c, kvh, g, D], [c, kvh, g]
+        w = lse.sub_(lse.amax(0)).exp_().unsqueeze(-1)  # [c, kvh, g, 1]
+        o = (o.float() * w).sum(0).div_(w.sum(0))
+        return o.reshape(b, num_heads, head_dim).to(out_dtype)
     ns = split.num_shared
     rest = kv[:, ns:].reshape(2, b, -1, kvh, head_dim)[:, :, : split.rest_len].transpose(2, 3)
     o_r, lse_r = flash(qg, rest[0], rest[1], 0.0, False, attn_mask=split.additive_rest_mask(), scale=scale)

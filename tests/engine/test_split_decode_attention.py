@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import (
     AttentionMetadata,
+    decode_chunks,
     paged_attention,
     plan_attention,
     plan_split_decode,
@@ -173,3 +174,42 @@ def test_smollm2_bf16_cache_split_decode_keeps_greedy_tokens():
         )  # cached prefix, fresh blocks elsewhere
         assert eng.generate(prompts, greedy(n_new)) == refs  # batched, cascade over the shared prefix
     assert sum(plans) >= 2 * (n_new - 1)
+
+
+ONE_SEQUENCE = {
+    "consecutive, whole blocks": ([list(range(0, 68))], [68 * BS]),
+    "consecutive, last block partial": ([list(range(0, 68))], [1071]),
+    "scattered, odd block count": ([RUN[:8] + [200, 201, 150]], [10 * BS + 3]),
+    "eight blocks": ([list(range(30, 38))], [8 * BS - 5]),
+    "short: one part": ([[5, 9, 11]], [40]),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("case", list(ONE_SEQUENCE))
+def test_one_sequence_in_parts_equals_fp32_attention(case, threads):
+    # one decode sequence's context cut into one part per thread (``decode_chunks``), merged by log-sum-exp
+    tables, lens = ONE_SEQUENCE[case]
+    t = tables[0][: -(-lens[0] // BS)]
+    split = plan_split_decode(tables, lens, 0, BS, POOL, CPU)
+    split_parts = decode_chunks(len(t), threads)
+    if split.chunks != split_parts:  # the plan follows torch's thread count: re-plan with the one asked for
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            split = plan_split_decode(tables, lens, 0, BS, POOL, CPU)
+        finally:
+            torch.set_num_threads(previous)
+    assert split.chunks == split_parts == (1 if threads == 1 or len(t) < 8 else threads)
+    if split.chunks > 1:
+        per = split.chunk_bias.shape[-1]
+        assert per * split.chunks >= lens[0] > per * (split.chunks - 1)  # every part holds context
+        assert int((split.chunk_bias == 0).sum()) == lens[0]  # each position attended once
+    g = torch.Generator().manual_seed(threads)
+    kv = torch.randn(2, POOL, BS, KVH, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, KVH * GROUP, D, generator=g)
+    got = split_decode_attention(q, kv, split, D**-0.5, GROUP, torch.float32)
+    ctx = kv[:, t].reshape(2, -1, KVH, D)[:, : lens[0]].float().transpose(1, 2)
+    s = q[0].view(KVH, GROUP, D).to(torch.bfloat16).float() @ ctx[0].transpose(-1, -2) * D**-0.5
+    want = (torch.softmax(s, -1) @ ctx[1]).view(1, KVH * GROUP, D)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
