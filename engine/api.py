@@ -63,6 +63,10 @@ class Constraint:
     parallel_tool_calls: bool = True
 
 
+MAX_N = 16
+"""Most sequences one request may ask for (``n``; checked by ``engine.input_processor.validate_params``)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.api import SamplingParams
+from engine.api import MAX_N, SamplingParams
 from engine.block_hash import LayeredKeys, block_hasher
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder, OutputText
@@ -22,9 +22,6 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling import MAX_TOP_LOGPROBS, SequenceSampler
-
-MAX_N = 16
-"""Most sequences one request may ask for (``n``)."""
 
 
 def validate_params(params: SamplingParams) -> None:

@@ -264,3 +264,18 @@ def test_torch_side_follows_module_level_imports_only():
         "engine.typed": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
     }
     assert torch_side(engine) == {"engine.model", "engine.runner"}
+
+
+def test_the_gateway_app_and_cli_load_without_torch():
+    """A gateway serving only upstreams never loads torch (~200 MB of RSS and seconds of start-up): the embedded
+    backend's module may import the torch side of ``engine`` only inside functions. A module-level import of
+    a torch-side engine module anywhere on the app's import path (e.g. a constant from
+    ``engine.input_processor``) fails here."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gateway.cli, gateway.http.app, gateway.backends.registry; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -8,8 +8,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from engine.api import Constraint, GenerationRequest
-from engine.input_processor import MAX_N
+from engine.api import MAX_N, Constraint, GenerationRequest
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
