@@ -282,24 +282,16 @@ class TranscriptMemory:
         """``candidates`` through the memo of decoded values: (index into ``keys``, ``Recalled``) for each key
         found, in the order of ``keys``, fetched lazily the same way. An undecodable value is skipped and
         counted as ``rejected``."""
-        if not keys:
-            return
-        batches = [(0, list(keys[:1])), (1, list(keys[1:]))]
-        for offset, batch in batches:
-            if not batch:
-                continue
-            for i, data in enumerate(self.store.get_many(batch)):
-                if data is None:
+        for index, data in self._stored(keys):
+            rec = self.recalled.get(data)
+            if rec is None:
+                found = TranscriptEntry.decode_sized(data)
+                if found is None:
+                    self.count(rejected=1)
                     continue
-                rec = self.recalled.get(data)
-                if rec is None:
-                    found = TranscriptEntry.decode_sized(data)
-                    if found is None:
-                        self.count(rejected=1)
-                        continue
-                    rec = Recalled(tuple(found[0].messages), tuple(found[0].present), found[1])
-                    self.recalled.put(data, rec)
-                yield offset + i, rec
+                rec = Recalled(tuple(found[0].messages), tuple(found[0].present), found[1])
+                self.recalled.put(data, rec)
+            yield index, rec
 
     def remember_after(
         self,
@@ -330,20 +322,22 @@ class TranscriptMemory:
         """(index into ``keys``, decoded entry) for each key found, in the order of ``keys``, fetched lazily:
         the first key alone (the common hit, one small read), then the rest in one ``get_many``. An
         undecodable value is skipped and counted as ``rejected``."""
-        if not keys:
-            return
-        batches = [(0, list(keys[:1])), (1, list(keys[1:]))]
-        for offset, batch in batches:
+        for index, data in self._stored(keys):
+            entry = TranscriptEntry.decode(data)
+            if entry is None:
+                self.count(rejected=1)
+                continue
+            yield index, entry
+
+    def _stored(self, keys: Sequence[bytes]) -> Iterator[tuple[int, bytes]]:
+        """(index into ``keys``, stored bytes) for each key found, in order, fetched lazily: the first key alone
+        (the common hit, one small read), then the rest in one ``get_many``."""
+        for offset, batch in ((0, list(keys[:1])), (1, list(keys[1:]))):
             if not batch:
                 continue
             for i, data in enumerate(self.store.get_many(batch)):
-                if data is None:
-                    continue
-                entry = TranscriptEntry.decode(data)
-                if entry is None:
-                    self.count(rejected=1)
-                    continue
-                yield offset + i, entry
+                if data is not None:
+                    yield offset + i, data
 
     def remember(self, key: bytes, entry: TranscriptEntry) -> None:
         """Store ``entry`` under ``key``."""
