@@ -271,6 +271,11 @@ class EngineConfig:
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        small_step_threads: torch threads of decode-only steps of at most ``SMALL_STEP_MAX_ROWS`` (2) rows (one or
+            two streams decoding), where OpenMP's fork and join cost more than a second core gives back:
+            ``"auto"`` (1, measured on a 2-core Zen 5: docs/engine-step.md), an integer >= 1, or ``"off"``
+            (every step runs with ``num_threads``). Speed only: tokens never depend on it
+            (``engine.step_threads``).
         tiers: tiers below the RAM pool, any of ``"disk"``, ``"redis"`` (looked up in that order); none by
             default (``engine.kv_tiers.settings`` says why).
         tier_disk / tier_redis: settings of each tier (directory, URL, key prefix, byte budgets, timeouts).
@@ -312,6 +317,7 @@ class EngineConfig:
     max_wait_s: float = 2.0
     device: str = "auto"
     num_threads: int | None = None
+    small_step_threads: int | str = "auto"
     tiers: tuple[str, ...] = ()
     tier_disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     tier_redis: RedisTierConfig = field(default_factory=RedisTierConfig)

@@ -43,6 +43,7 @@ from engine.errors import EngineClosedError, InvalidRequestError, SamplingError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
+from engine.step_threads import StepThreads
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -101,7 +102,8 @@ class AsyncEngine:
 
         Raises:
             UnsupportedModelError: the checkpoint cannot be loaded (see ``load_checkpoint``).
-            ValueError: an unknown ``dtype``, ``weights``, ``kv_dtype`` or scheduling policy.
+            ValueError: an unknown ``dtype``, ``weights``, ``kv_dtype`` or scheduling policy, a bad ``num_threads``
+                or ``small_step_threads``.
             UnsupportedHardwareError: ``weights`` needs kernels this device lacks (names the setting).
         """
         from engine.checkpoint import load_checkpoint, resolve_device
@@ -109,6 +111,9 @@ class AsyncEngine:
 
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        StepThreads.from_setting(
+            config.num_threads, config.small_step_threads
+        )  # bad values fail before loading
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)

@@ -59,6 +59,9 @@ class AttentionMetadata:
         block_tables: int64 ``[B, max_blocks]``; physical block ids of each seq's logical blocks. Entries past
             a sequence's last block are padding and never read (any value, e.g. 0 or -1).
         block_size: tokens per block.
+        split_threads: the thread count one decode sequence's context is cut into parts for (``decode_chunks``):
+            the engine's configured ``num_threads``, so the parts, and so the rounding, never follow a per-step
+            thread count (``engine.step_threads``); None = torch's live count.
     """
 
     slot_mapping: torch.Tensor
@@ -66,6 +69,7 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: torch.Tensor
     block_size: int
+    split_threads: int | None = None
 
 
 @dataclass
@@ -218,14 +222,16 @@ def plan_split_decode(
     block_size: int,
     pool_blocks: int,
     device: torch.device,
+    threads: int | None = None,
 ) -> SplitDecode:
     """The ``SplitDecode`` of decode sequences with block tables ``tables`` (at least their used blocks) and
-    context lengths ``lens`` whose first ``shared_blocks`` blocks are common (0: no cascade)."""
+    context lengths ``lens`` whose first ``shared_blocks`` blocks are common (0: no cascade); ``threads`` as
+    ``decode_chunks``'."""
     bs = block_size
     rests = [t[shared_blocks : -(-n // bs)] for t, n in zip(tables, lens, strict=True)]
     rest_lens = [n - shared_blocks * bs for n in lens]
     width = max(len(r) for r in rests)
-    chunks = decode_chunks(width) if len(tables) == 1 and not shared_blocks else 1
+    chunks = decode_chunks(width, threads) if len(tables) == 1 and not shared_blocks else 1
     if chunks > 1:  # one sequence: its blocks in ``chunks`` equal parts, the last padded with block 0
         per = -(-width // chunks)
         ids = rests[0] + [0] * (per * chunks - width)
@@ -351,7 +357,9 @@ def plan_attention(
             )
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
             if split_ok:
-                decode.split = plan_split_decode(dec_tables, lens, p, bs, pool_blocks, device)
+                decode.split = plan_split_decode(
+                    dec_tables, lens, p, bs, pool_blocks, device, meta.split_threads
+                )
         elif len(decode_seqs) > 1:
             per_seq = [
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
@@ -364,7 +372,9 @@ def plan_attention(
             ids = dec_tables[0][:nb]
             decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
             if split_ok:
-                decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device)
+                decode.split = plan_split_decode(
+                    dec_tables, lens, 0, bs, pool_blocks, device, meta.split_threads
+                )
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
 

@@ -57,6 +57,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling import SampledToken
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineCounters
+from engine.step_threads import StepThreads
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -108,7 +109,8 @@ class LLMEngine(PrefixAdmin):
 
     Raises:
         ValueError: bad config values (policy, sizes, a ``max_model_len`` beyond the checkpoint's context,
-            ``max_pinned_fraction`` outside [0, 1]).
+            ``max_pinned_fraction`` outside [0, 1], ``num_threads`` < 1, a ``small_step_threads`` other than
+            ``auto``, ``off`` or an integer >= 1).
         TierConfigError: a tier cannot start (key and reason).
     """
 
@@ -141,6 +143,9 @@ class LLMEngine(PrefixAdmin):
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
         if not 0.0 <= config.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {config.max_pinned_fraction}")
+        step_threads = StepThreads.from_setting(
+            config.num_threads, config.small_step_threads, torch.get_num_threads()
+        )
         if config.tiers:
             check_tier_names(tuple(config.tiers))
             if hash_fn is hash_block:
@@ -173,7 +178,12 @@ class LLMEngine(PrefixAdmin):
         self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
         kv_dtype = kv_dtype_of(config.kv_dtype, model)
         self.runner = ModelRunner(
-            model, config.num_blocks, config.block_size, kv_dtype, config.shared_prefix_attention
+            model,
+            config.num_blocks,
+            config.block_size,
+            kv_dtype,
+            config.shared_prefix_attention,
+            step_threads,
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None

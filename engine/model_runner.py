@@ -10,13 +10,15 @@ vLLM v1's ``gpu_model_runner`` and nano-vllm's ``prepare_prefill``/``prepare_dec
 - ``logit_rows``: int64 ``[N]``, the last row of each sequence that needs a token: a prefill chunk that
   reaches the end of its known tokens, and every decode. Only those rows go through the LM head.
 
-``execute`` runs the forward pass and samples with ``engine.sampling`` (each sequence's own sampler).
+``execute`` runs the forward pass and samples with ``engine.sampling`` (each sequence's own sampler), with the
+torch thread count ``engine.step_threads`` picks for the step, set by the thread that calls it.
 The runner owns the KV tensor (``engine.model.allocate_kv_cache``); the block ids in it are the
 ``KVCacheManager``'s.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +26,16 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
+from engine.step_threads import StepThreads
+
+
+def use_threads(n: int) -> bool:
+    """Set the calling thread's torch intra-op thread count to ``n`` unless it already is (a change costs
+    microseconds, a read less: docs/engine-step.md). Returns True when it changed."""
+    if torch.get_num_threads() == n:
+        return False
+    torch.set_num_threads(n)
+    return True
 
 
 @dataclass
@@ -76,6 +88,12 @@ class ModelRunner:
         block_size: tokens per block.
         kv_dtype: dtype of the KV cache (default: the model's).
         shared_prefix: cascade attention for decode sequences sharing leading blocks (``engine.attention``).
+        step_threads: the torch thread count of each step (``engine.step_threads``); None = torch's live count,
+            never changed (and the decode split follows it).
+
+    Attributes:
+        steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
+        thread_switches: ``torch.set_num_threads`` calls made (only when a step's count differed).
     """
 
     def __init__(
@@ -85,9 +103,13 @@ class ModelRunner:
         block_size: int,
         kv_dtype: torch.dtype | None = None,
         shared_prefix: bool = True,
+        step_threads: StepThreads | None = None,
     ):
         self.model = model
         self.shared_prefix = shared_prefix
+        self.step_threads = step_threads
+        self.steps_by_threads: Counter[int] = Counter()
+        self.thread_switches = 0
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(
             model.config, num_blocks, block_size, kv_dtype or model.dtype, model.device
@@ -136,6 +158,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=tables,
             block_size=bs,
+            split_threads=self.step_threads.num_threads if self.step_threads else None,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -171,6 +194,11 @@ class ModelRunner:
             inp: from ``prepare``.
             return_logits: also return the float32 ``[N, vocab]`` logits (tests).
         """
+        if self.step_threads is not None:
+            n = self.step_threads.for_step(inp.meta.query_start_loc[-1], len(inp.meta.seq_lens))
+            if self.step_threads.switches:  # off: torch's count is left alone, as before the setting existed
+                self.thread_switches += use_threads(n)
+            self.steps_by_threads[n] += 1
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix)
         if not inp.sample_seqs:
             return StepResult([], None)

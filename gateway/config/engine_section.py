@@ -16,6 +16,7 @@ from engine.api import EngineConfig
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
+from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
 from gateway.core.json_types import yaml_kind
 
@@ -34,6 +35,16 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
     for key in ("block_size", "num_blocks", "max_batch", "max_num_batched_tokens"):
         if key in values and values[key] < 1:
             reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
+    if values.get("num_threads") is not None and values["num_threads"] < 1:
+        reader.fail(f"{where}.num_threads", f"expected an integer >= 1 or null, got {values['num_threads']}")
+    if "small_step_threads" in values:
+        try:
+            check_small_step_threads(values["small_step_threads"])
+        except ValueError:
+            reader.fail(
+                f"{where}.small_step_threads",
+                f"expected 'auto', 'off' or an integer >= 1, got {values['small_step_threads']!r}",
+            )
     if "max_pinned_fraction" in values and not 0 <= values["max_pinned_fraction"] <= 1:
         reader.fail(
             f"{where}.max_pinned_fraction",

@@ -1,0 +1,122 @@
+"""How many torch threads a step should run with: one decode step of B sequences, and a prefill chunk, at 1
+thread against ``--threads``, and what switching the count between steps costs (``engine.step_threads``).
+
+SmolLM2-135M (``--weights``, default ``auto``: Q4_1 as int4), bf16 KV cache, each sequence ``--context`` tokens
+of context in its own blocks (no shared prefix). Each case runs the model's forward and its LM head over the
+sampled rows (what ``ModelRunner.execute`` runs, less sampling), at every thread count in turn, the order
+rotated every round, median ms per step; the attention plan is the same at every count (``split_threads`` =
+``--threads``, as the engine plans it). ``switch`` times ``torch.set_num_threads`` alternating 1 and
+``--threads`` with a parallel op between (so OpenMP's team really changes size) against the op alone.
+
+Run: ``python -m bench.step_threads --threads 2 --lock /work/wt/bench.lock``. Results: docs/engine-step.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from bench.decode_compile import BLOCK, bench_lock, decode_meta, interleaved_ms
+from engine.attention import AttentionMetadata
+from engine.checkpoint import default_model_path, load_checkpoint
+from engine.model import LlamaModel, allocate_kv_cache
+
+
+def step_fn(model: LlamaModel, kv: torch.Tensor, meta: AttentionMetadata, ids, positions, rows, threads: int):
+    """One step's forward + LM head of ``rows``, run with ``threads`` torch threads."""
+
+    def run() -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        hidden = model(ids, positions, kv, meta)
+        model.compute_logits(hidden.index_select(0, rows))
+
+    return run
+
+
+def switch_cost(threads: int, rounds: int) -> dict[str, float]:
+    """Microseconds one ``set_num_threads`` change adds to a small parallel op (median over ``rounds``)."""
+    x = torch.randn(1 << 17)
+    y = torch.empty_like(x)
+    n = 200
+    plain, switched = [], []
+    for _ in range(rounds):
+        torch.set_num_threads(threads)
+        t = time.perf_counter()
+        for _ in range(2 * n):
+            torch.mul(x, 2.0, out=y)
+        plain.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for i in range(2 * n):
+            torch.set_num_threads(1 if i % 2 else threads)
+            torch.mul(x, 2.0, out=y)
+        switched.append(time.perf_counter() - t)
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    for _ in range(10_000):
+        torch.get_num_threads()
+    get_us = (time.perf_counter() - t) * 1e6 / 10_000
+    per = (statistics.median(switched) - statistics.median(plain)) * 1e6 / (2 * n)
+    return {"set_num_threads_us": per, "get_num_threads_us": get_us}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2, help="the configured engine.num_threads")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--context", type=int, default=968)
+    ap.add_argument("--batches", default="1,2,3,4,8", help="decode steps of this many sequences")
+    ap.add_argument("--prefill", default="16,512", help="prefill chunks of this many tokens (no context)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--calls", type=int, default=5, help="steps per timed call")
+    ap.add_argument("--lock", default=None, help="flock this file around timed loops (/work/wt/bench.lock)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model = load_checkpoint(default_model_path(), weights=args.weights).model
+    batches = [int(b) for b in args.batches.split(",") if b]
+    chunks = [int(c) for c in args.prefill.split(",") if c]
+    per_seq = -(-(args.context + 1) // BLOCK)
+    blocks = max(max(batches, default=1) * per_seq, -(-max(chunks, default=1) // BLOCK)) + 1
+    kv = allocate_kv_cache(model.config, blocks, BLOCK, torch.bfloat16, model.device)
+    kv.normal_()
+    cases: dict[str, tuple] = {}
+    for b in batches:
+        meta, positions = decode_meta(b, args.context, per_seq)
+        meta.split_threads = args.threads
+        ids = torch.randint(0, model.config.vocab_size, (b,))
+        cases[f"decode b{b}"] = (meta, ids, positions, torch.arange(b))
+    for c in chunks:
+        nb = -(-c // BLOCK)
+        meta = AttentionMetadata(
+            torch.arange(c), [0, c], [c], torch.arange(nb).view(1, nb), BLOCK, args.threads
+        )
+        ids = torch.randint(0, model.config.vocab_size, (c,))
+        cases[f"prefill {c}"] = (meta, ids, torch.arange(c), torch.tensor([c - 1]))
+    counts = sorted({1, args.threads})
+    res: dict[str, dict[str, float]] = {}
+    with torch.inference_mode(), bench_lock(args.lock):
+        load = os.getloadavg()
+        switch = switch_cost(args.threads, args.rounds)
+        for name, (meta, ids, positions, rows) in cases.items():
+            fns = {f"t{n}": step_fn(model, kv, meta, ids, positions, rows, n) for n in counts}
+            res[name] = interleaved_ms(fns, args.rounds, args.calls, time.perf_counter)
+        load_end = os.getloadavg()
+    torch.set_num_threads(args.threads)
+    hi = f"t{args.threads}"
+    print(f"context {args.context}  load {load[0]:.2f} -> {load_end[0]:.2f}  switch {switch}")
+    print(f"{'case':<14}" + "".join(f"{f't{n} ms':>10}" for n in counts) + f"{'t1/' + hi:>10}")
+    for name, row in res.items():
+        ratio = row["t1"] / row[hi]
+        print(f"{name:<14}" + "".join(f"{row[f't{n}']:>10.2f}" for n in counts) + f"{ratio:>10.2f}")
+    info = {"threads": args.threads, "context": args.context, "load1": [load[0], load_end[0]], **switch}
+    print(json.dumps({"result": res, **info}))
+
+
+if __name__ == "__main__":
+    main()
