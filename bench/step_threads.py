@@ -39,6 +39,17 @@ def step_fn(model: LlamaModel, kv: torch.Tensor, meta: AttentionMetadata, ids, p
     return run
 
 
+def max_diff_across_counts(model, kv, meta, ids, positions, rows, counts: list[int]) -> float:
+    """Largest |logit difference| of one step's sampled rows run at each of ``counts`` threads against the
+    last count (0.0: bit-identical, as ``engine.step_threads`` promises). The step's K/V write is the same at
+    every count, so rerunning it is harmless."""
+    out = []
+    for n in counts:
+        torch.set_num_threads(n)
+        out.append(model.compute_logits(model(ids, positions, kv, meta).index_select(0, rows)).float())
+    return max(float((o - out[-1]).abs().max()) for o in out)
+
+
 def switch_cost(threads: int, rounds: int) -> dict[str, float]:
     """Microseconds one ``set_num_threads`` change adds to a small parallel op (median over ``rounds``)."""
     x = torch.randn(1 << 17)
@@ -71,9 +82,9 @@ def main() -> None:
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--context", type=int, default=968)
     ap.add_argument("--batches", default="1,2,3,4,8", help="decode steps of this many sequences")
-    ap.add_argument("--prefill", default="16,512", help="prefill chunks of this many tokens (no context)")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--calls", type=int, default=5, help="steps per timed call")
+    ap.add_argument("--prefill", default="16,128", help="prefill chunks of this many tokens (no context)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=3, help="steps per timed call")
     ap.add_argument("--lock", default=None, help="flock this file around timed loops (/work/wt/bench.lock)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,17 +114,23 @@ def main() -> None:
     with torch.inference_mode(), bench_lock(args.lock):
         load = os.getloadavg()
         switch = switch_cost(args.threads, args.rounds)
+        print(f"load {load[0]:.2f}  switch {switch}", flush=True)
         for name, (meta, ids, positions, rows) in cases.items():
             fns = {f"t{n}": step_fn(model, kv, meta, ids, positions, rows, n) for n in counts}
             res[name] = interleaved_ms(fns, args.rounds, args.calls, time.perf_counter)
+            res[name]["max_logit_diff"] = max_diff_across_counts(
+                model, kv, meta, ids, positions, rows, counts
+            )
+            print(name, res[name], f"load {os.getloadavg()[0]:.2f}", flush=True)
         load_end = os.getloadavg()
     torch.set_num_threads(args.threads)
     hi = f"t{args.threads}"
     print(f"context {args.context}  load {load[0]:.2f} -> {load_end[0]:.2f}  switch {switch}")
-    print(f"{'case':<14}" + "".join(f"{f't{n} ms':>10}" for n in counts) + f"{'t1/' + hi:>10}")
+    print(f"{'case':<14}" + "".join(f"{f't{n} ms':>10}" for n in counts) + f"{'t1/' + hi:>10}  max |dlogit|")
     for name, row in res.items():
         ratio = row["t1"] / row[hi]
-        print(f"{name:<14}" + "".join(f"{row[f't{n}']:>10.2f}" for n in counts) + f"{ratio:>10.2f}")
+        cells = "".join(f"{row[f't{n}']:>10.2f}" for n in counts)
+        print(f"{name:<14}{cells}{ratio:>10.2f}  {row['max_logit_diff']:.3g}")
     info = {"threads": args.threads, "context": args.context, "load1": [load[0], load_end[0]], **switch}
     print(json.dumps({"result": res, **info}))
 
