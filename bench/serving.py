@@ -6,6 +6,8 @@ settings: bf16 KV, 1,024 blocks, batch 16), then runs the same greedy requests, 
 - ``engine``: ``LLMEngine.step()`` in a loop in this process (what ``bench.engine`` times);
 - ``async``: ``AsyncEngine`` in this process, its streams consumed on an asyncio loop (the step thread and the
   hand-off to the loop; no gateway, no HTTP);
+- ``engine-off`` / ``async-off`` (only when ``--modes`` names them): the same with ``engine.small_step_threads:
+  off`` (every step on ``--threads`` threads; ``engine.step_threads``), for an interleaved A/B of that setting;
 - ``http`` (one per ``--server NAME=DIR``, default ``http=.``): ``prefixgate serve`` run from checkout ``DIR``
   in a subprocess, streamed OpenAI chat completions (``/v1/chat/completions``) read by httpx client threads in
   this process. Several servers compare checkouts (``--server main=/work/main --server new=.``) in one run.
@@ -40,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -304,14 +306,24 @@ def main() -> None:
     gguf = default_model_path() if args.model == "default" else args.model
     servers_spec = [s.split("=", 1) for s in (args.server or ["http=."])]
     workdir = Path(tempfile.mkdtemp(prefix="prefixgate-serving-"))
+    modes = ["engine", "async", *(name for name, _ in servers_spec)]
+    if args.modes:
+        known = ["engine", "engine-off", "async", "async-off", *(name for name, _ in servers_spec)]
+        modes = [m for m in args.modes.split(",") if m in known]
     servers = {
-        name: start_server(name, Path(root), gguf, args.threads, workdir) for name, root in servers_spec
+        name: start_server(name, Path(root), gguf, args.threads, workdir)
+        for name, root in servers_spec
+        if name in modes
     }
     try:
         config = EngineConfig(**prefixgate_engine_settings(args.threads, CTX_TOKENS))
         ck = load_checkpoint(gguf, weights=config.weights)
-        eng = LLMEngine(ck.model, config, ck.model_id, ck.tokenizer)
-        aeng = AsyncEngine(LLMEngine(ck.model, config, ck.model_id, ck.tokenizer), ck.tokenizer)
+        engines = {}
+        for mode in ("engine", "engine-off", "async", "async-off"):
+            if mode in modes:
+                cfg = replace(config, small_step_threads="off") if mode.endswith("-off") else config
+                core = LLMEngine(ck.model, cfg, ck.model_id, ck.tokenizer)
+                engines[mode] = AsyncEngine(core, ck.tokenizer) if mode.startswith("async") else core
         for s in servers.values():
             s.wait_ready()
         system = system_text(590, "serving")
@@ -321,15 +333,13 @@ def main() -> None:
         if "b8" in args.workloads:
             n = args.streams
             workloads.append(Workload(f"b{n}", [messages(system, STORY[i % 8]) for i in range(n)], args.new))
-        modes = ["engine", "async", *servers]
-        if args.modes:
-            modes = [m for m in modes if m in args.modes.split(",")]
 
         def run(mode: str, w: Workload) -> Run:
-            if mode == "engine":
-                return run_engine(eng, [ck.tokenizer.render_chat(m) for m in w.prompts], w.max_tokens)
-            if mode == "async":
-                return run_async(aeng, w.prompts, w.max_tokens)
+            if mode.startswith("engine"):
+                prompts = [ck.tokenizer.render_chat(m) for m in w.prompts]
+                return run_engine(engines[mode], prompts, w.max_tokens)
+            if mode.startswith("async"):
+                return run_async(engines[mode], w.prompts, w.max_tokens)
             return run_http(servers[mode], w.prompts, w.max_tokens)
 
         for mode in modes:  # warm-up: the system prompt cached everywhere, allocators and pools warm
