@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -51,29 +50,47 @@ def max_diff_across_counts(model, kv, meta, ids, positions, rows, counts: list[i
 
 
 def switch_cost(threads: int, rounds: int) -> dict[str, float]:
-    """Microseconds one ``set_num_threads`` change adds to a small parallel op (median over ``rounds``)."""
+    """Microseconds (best of ``rounds`` loops of 2,000) of a ``torch.set_num_threads`` call alternating 1 and
+    ``threads``, of ``torch.get_num_threads``, and what a change adds to the next small parallel op (OpenMP's
+    team resized): the op with a change before each call, less the mean of the op at each fixed count."""
     x = torch.randn(1 << 17)
     y = torch.empty_like(x)
-    n = 200
-    plain, switched = [], []
-    for _ in range(rounds):
-        torch.set_num_threads(threads)
-        t = time.perf_counter()
-        for _ in range(2 * n):
-            torch.mul(x, 2.0, out=y)
-        plain.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for i in range(2 * n):
+    n = 2000
+
+    def best(body) -> float:
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            body()
+            times.append(time.perf_counter() - t)
+        return min(times) * 1e6 / n
+
+    def sets() -> None:
+        for i in range(n):
+            torch.set_num_threads(1 if i % 2 else threads)
+
+    def gets() -> None:
+        for _ in range(n):
+            torch.get_num_threads()
+
+    def op_at(count: int):
+        def body() -> None:
+            torch.set_num_threads(count)
+            for _ in range(n):
+                torch.mul(x, 2.0, out=y)
+
+        return body
+
+    def op_switching() -> None:
+        for i in range(n):
             torch.set_num_threads(1 if i % 2 else threads)
             torch.mul(x, 2.0, out=y)
-        switched.append(time.perf_counter() - t)
+
+    fixed = (best(op_at(1)) + best(op_at(threads))) / 2
+    out = {"set_num_threads_us": best(sets), "get_num_threads_us": best(gets)}
+    out["switch_before_op_us"] = best(op_switching) - fixed
     torch.set_num_threads(threads)
-    t = time.perf_counter()
-    for _ in range(10_000):
-        torch.get_num_threads()
-    get_us = (time.perf_counter() - t) * 1e6 / 10_000
-    per = (statistics.median(switched) - statistics.median(plain)) * 1e6 / (2 * n)
-    return {"set_num_threads_us": per, "get_num_threads_us": get_us}
+    return out
 
 
 def main() -> None:

@@ -10,9 +10,13 @@ loader validates ``engine.small_step_threads`` with ``check_small_step_threads``
 
 Invariants:
 
-- the count a step runs with changes its speed, never its numbers: nothing in a step's forward reads torch's
-  live thread count (one decode sequence's context is cut into ``num_threads`` parts, the configured count,
-  through ``AttentionMetadata.split_threads``; the weight kernels choose by row count only);
+- nothing in a step's plan reads torch's live thread count: one decode sequence's context is cut into
+  ``num_threads`` parts, the configured count, through ``AttentionMetadata.split_threads``, and the weight
+  kernels choose by row count only (their outputs were bit-identical at 1 and 2 threads, 1-8 rows);
+- torch's CPU flash-attention kernel itself can round a bf16 output 1 ulp differently when its tasks are spread
+  over another number of threads (data-dependent; seen on some inputs, at 2 threads against 1 and 3, on the
+  per-sequence decode path), so across a change of count a step's logits agree to bf16 rounding of attention,
+  the same order as what batch composition already changes (docs/engine-step.md), not always bit for bit;
 - the count is set by the thread that runs the forward (``ModelRunner.execute``): OpenMP's thread count and
   MKL's are per calling thread (``at::set_num_threads`` also stores the process default a new thread starts
   from).
