@@ -7,13 +7,16 @@ they differ); torch's bf16 flash kernel can round 1 ulp apart across thread coun
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections import Counter
 
 import pytest
 import torch
 
 import engine.model_runner as runner_mod
-from engine.api import EngineConfig
+from engine.api import EngineConfig, GenerationRequest
+from engine.async_engine import AsyncEngine
 from engine.step_threads import SMALL_STEP_MAX_ROWS, StepThreads, check_small_step_threads
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
@@ -169,3 +172,28 @@ def test_batched_and_cached_equal_alone_with_small_steps(threads):
     eng.run_to_completion()
     assert again.num_cached_tokens == 180
     assert again.output_token_ids == alone[0]
+
+
+def test_the_async_engine_step_thread_sets_its_own_count(monkeypatch):
+    torch.set_num_threads(2)
+    ran: list[tuple[str, int]] = []
+    real = runner_mod.ModelRunner.execute
+
+    def spy(self, inp, return_logits=False):
+        out = real(self, inp, return_logits)
+        ran.append((threading.current_thread().name, torch.get_num_threads()))
+        return out
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy)
+    ckpt = tiny_checkpoint()
+    eng = AsyncEngine(make_engine(ckpt, num_threads=2, small_step_threads="auto"), ckpt.tokenizer)
+
+    async def main() -> None:
+        req = GenerationRequest(prompt_token_ids=random_tokens(40, 9), params=greedy(4))
+        async for _ in eng.generate(req):
+            pass
+        await eng.shutdown()
+
+    asyncio.run(main())
+    assert ran == [("prefixgate-engine", 2)] + [("prefixgate-engine", 1)] * 3
+    assert torch.get_num_threads() == 2  # this (the event loop's) thread kept its count
