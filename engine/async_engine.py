@@ -111,9 +111,8 @@ class AsyncEngine:
 
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        StepThreads.from_setting(
-            config.num_threads, config.small_step_threads
-        )  # bad values fail before loading
+        # bad thread settings fail before anything loads
+        StepThreads.from_setting(config.num_threads, config.small_step_threads, torch.get_num_threads())
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)

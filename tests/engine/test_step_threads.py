@@ -197,3 +197,12 @@ def test_the_async_engine_step_thread_sets_its_own_count(monkeypatch):
     asyncio.run(main())
     assert ran == [("prefixgate-engine", 2)] + [("prefixgate-engine", 1)] * 3
     assert torch.get_num_threads() == 2  # this (the event loop's) thread kept its count
+
+
+@pytest.mark.parametrize(("key", "bad"), [("small_step_threads", "fast"), ("num_threads", 0)])
+def test_from_config_names_a_bad_thread_setting_before_loading(key, bad):
+    config = EngineConfig(num_blocks=32, device="cpu", **{key: bad})
+    with pytest.raises(ValueError, match=rf"engine\.{key}"):
+        AsyncEngine.from_config(
+            None, "/nonexistent/checkpoint.gguf", config
+        )  # never read: the check is first
