@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.block_gather import BlockGather, block_gather, length_mask
+
 
 @dataclass
 class AttentionMetadata:
@@ -66,48 +68,6 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: torch.Tensor
     block_size: int
-
-
-@dataclass
-class BlockGather:
-    """How to read a list of blocks' K and V from one layer's cache ``[2, num_blocks, block_size, kvh, hd]``.
-
-    Either ``first`` (the blocks are ``first, first+1, ...``: a view, no copy) or ``rows``: int64
-    ``[2 * n]`` = ``ids`` then ``ids + num_blocks``, rows of the cache viewed as ``[2 * num_blocks, -1]``, so
-    K and V of every block come from ONE ``index_select`` on the leading dimension.
-    """
-
-    num_blocks: int  # n, blocks to read
-    first: int | None = None
-    rows: torch.Tensor | None = None
-
-    def read_into(self, layer_cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Copy the blocks' K and V into ``out`` (``[2 * n, block_size * kv_heads * head_dim]``, the cache's
-        dtype; reused by every layer of a step) and return it as ``[2, n, block_size, kv_heads, head_dim]``."""
-        bs, kvh, hd = layer_cache.shape[2:]
-        if self.first is not None:
-            out.view(2, self.num_blocks, bs, kvh, hd).copy_(
-                layer_cache[:, self.first : self.first + self.num_blocks]
-            )
-        else:
-            torch.index_select(layer_cache.view(2 * layer_cache.shape[1], -1), 0, self.rows, out=out)
-        return out.view(2, self.num_blocks, bs, kvh, hd)
-
-    def read(self, layer_cache: torch.Tensor) -> torch.Tensor:
-        """``[2, n * block_size, kv_heads, head_dim]``: K (index 0) and V (index 1) of the blocks, in order."""
-        kvh, hd = layer_cache.shape[-2:]
-        if self.first is not None:
-            return layer_cache[:, self.first : self.first + self.num_blocks].reshape(2, -1, kvh, hd)
-        flat = layer_cache.view(2 * layer_cache.shape[1], -1)
-        return flat.index_select(0, self.rows).view(2, -1, kvh, hd)
-
-
-def block_gather(ids: list[int], pool_blocks: int, device: torch.device) -> BlockGather:
-    """A ``BlockGather`` for block ids ``ids`` of a pool of ``pool_blocks`` blocks."""
-    if all(b == ids[0] + i for i, b in enumerate(ids)):
-        return BlockGather(len(ids), first=ids[0])
-    t = torch.tensor(ids, dtype=torch.long)
-    return BlockGather(len(ids), rows=torch.cat((t, t + pool_blocks)).to(device))
 
 
 @dataclass
@@ -367,15 +327,6 @@ def plan_attention(
                 decode.split = plan_split_decode(dec_tables, lens, 0, bs, pool_blocks, device)
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
-
-
-def length_mask(lens: list[int], device: torch.device) -> torch.Tensor | None:
-    """bool ``[B, 1, 1, max(lens)]``, True at positions ``< lens[b]``; None when all lengths are equal."""
-    max_len = max(lens)
-    if min(lens) == max_len:
-        return None
-    len_t = torch.tensor(lens, dtype=torch.long, device=device)
-    return (torch.arange(max_len, device=device)[None, :] < len_t[:, None])[:, None, None, :]
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
