@@ -291,7 +291,7 @@ class EngineConfig:
             measured table); ``None`` = no
             copy (less memory, slower prefill).
         shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
-            users) read those blocks once per step (cascade attention, ``engine.attention.SharedPrefix``);
+            users) read those blocks once per step (cascade attention, ``engine.decode_attention.SharedPrefix``);
             false = each sequence gathers its whole context (for comparison).
         enable_partial_prefix_hits: token-granular prefix hits (needs prefix caching): a prompt that shares
             only part of a block with a cached one (a question that differs in its last tokens) copies the
