@@ -21,6 +21,8 @@ MAPPED = frozenset(
         "parallel_tool_calls", "temperature", "top_p", "top_k", "user",
         # n and logprobs / top_logprobs: n = 1 and logprobs off only (``refuse_choices_and_logprobs``)
         "n", "logprobs", "top_logprobs",
+        # json_schema -> output_config.format; json_object is a 400 (``structured_outputs.anthropic_output_config``)
+        "response_format",
         # the face's own business (the usage chunk is rendered by the gateway, whatever the backend)
         "stream_options",
     }
@@ -39,7 +41,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
