@@ -27,7 +27,8 @@ MAPPED = frozenset(
         "stream_options",
     }
 )  # fmt: skip
-"""Fields the translation carries (``AnthropicUpstreamBackend._translated_body``) or the gateway honours itself."""
+"""Fields the translation carries (``AnthropicUpstreamBackend._translated_body``; ``response_format`` through
+``structured_outputs.anthropic_output_config``) or the gateway honours itself."""
 
 IGNORED = frozenset({"metadata", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"})
 """Fields that by OpenAI's own documentation do not change the answer, so leaving them out is harmless:
