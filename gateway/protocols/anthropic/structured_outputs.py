@@ -154,11 +154,13 @@ class _SchemaWalk:
         if fmt is not None and fmt not in ANTHROPIC_STRING_FORMATS:
             formats = ", ".join(sorted(ANTHROPIC_STRING_FORMATS))
             raise _refused(f"{path}.format", f"Anthropic's structured outputs support the formats {formats}")
-        for keyword in ("enum", "const"):
-            values = node.get(keyword, []) if keyword == "enum" else [node.get("const")]
-            if keyword in node and not (isinstance(values, list) and all(map(_primitive, values))):
-                raise _refused(f"{path}.{keyword}", f"Anthropic's structured outputs need a {keyword} of "
-                               "strings, numbers, booleans or null")  # fmt: skip
+        enum = node.get("enum", [])
+        if not (isinstance(enum, list) and all(map(_primitive, enum))) or not _primitive(node.get("const")):
+            keyword = "const" if "const" in node and not _primitive(node["const"]) else "enum"
+            raise _refused(
+                f"{path}.{keyword}",
+                f"Anthropic's structured outputs need a {keyword} of strings, numbers, booleans or null",
+            )
         for keyword in _SUBSCHEMA_MAPS:
             children = node.get(keyword)
             if isinstance(children, dict):
