@@ -231,7 +231,11 @@ def test_a_pinned_warm_reports_what_the_next_request_reuses(tmp_path, tiny_check
         assert warmed["pinned_blocks"] == warmed["cached_tokens"] // BLOCK_SIZE
         # the user turn leaves the warmed generation prompt at token 111, inside the last whole block (96-112):
         # the next request reuses 6 whole blocks and 15 tokens copied from the 7th, not all 112 tokens
-        assert (warmed["prompt_tokens"], warmed["cached_tokens"], warmed["reusable_tokens"]) == (119, 112, 111)
+        assert (warmed["prompt_tokens"], warmed["cached_tokens"], warmed["reusable_tokens"]) == (
+            119,
+            112,
+            111,
+        )
         usage = chat(
             server, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}], "acme"
         )
