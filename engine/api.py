@@ -239,9 +239,13 @@ class WarmResult:
             block).
         prompt_tokens: tokens in the prompt.
         cached_tokens: tokens of its full blocks now in the prefix cache (``prompt_tokens`` rounded down to
-            whole blocks).
+            whole blocks): what a pin holds and what the KV tiers store.
         pinned_blocks: blocks pinned (0 without ``pin``).
         pin_id: the pin to ``unpin`` later, or None.
+        reusable_tokens: tokens a following request that continues the warmed prompt reuses now, token-granular
+            (docs/prefix-cache.md): its whole blocks and the kept partial block, up to where the continuation
+            departs from the warmed prompt (for messages, the next turn; see ``AsyncEngine.warm``). The
+            partial block is not pinned: eviction can take it, leaving ``cached_tokens``.
     """
 
     prefix_key: str
@@ -249,6 +253,7 @@ class WarmResult:
     cached_tokens: int
     pinned_blocks: int
     pin_id: str | None
+    reusable_tokens: int = 0
 
 
 @dataclass(frozen=True)
