@@ -173,21 +173,45 @@ def attention_tables(case: str, context: int, bs: int = BLOCK) -> tuple[list[lis
     return [list(range(head)) + fresh[i] for i in range(8)], [n] * 8
 
 
+BASE_ATTENTION_MODULES = ("block_gather", "decode_attention", "attention")
+"""The attention modules of ``engine/``, in import order (a checkout before their split has only ``attention``)."""
+
+
+def load_base_attention(base_dir: str):
+    """``base_dir``'s ``engine/attention.py`` as module ``base_attention``, the attention modules it imports
+    (``BASE_ATTENTION_MODULES`` that ``base_dir`` has) read from ``base_dir`` too, not from this checkout: each
+    is loaded as ``base_<name>`` and stands in for ``engine.<name>`` only while the next ones load."""
+    import importlib.util
+    import sys
+
+    names = [n for n in BASE_ATTENTION_MODULES if os.path.exists(f"{base_dir}/engine/{n}.py")]
+    saved = {n: sys.modules.get(f"engine.{n}") for n in names}
+    try:
+        for n in names:
+            spec = importlib.util.spec_from_file_location(f"base_{n}", f"{base_dir}/engine/{n}.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[f"base_{n}"] = mod  # dataclasses look their module up
+            sys.modules[f"engine.{n}"] = mod
+            spec.loader.exec_module(mod)
+    finally:
+        for n, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(f"engine.{n}", None)
+            else:
+                sys.modules[f"engine.{n}"] = mod
+    return sys.modules["base_attention"]
+
+
 def attention_ab(
     model: LlamaModel, base_dir: str, context: int, rounds: int, clock
 ) -> dict[str, dict[str, float]]:
     """ms per decode step of attention inside a step, ``base`` (``engine/attention.py`` of checkout
-    ``base_dir``) against this checkout's, interleaved: per layer the layer's four int4 calls (real weights,
-    streamed from memory as in a step) then ``paged_attention``, minus the int4 calls alone (``none``)."""
-    import importlib.util
-    import sys
-
+    ``base_dir``, ``load_base_attention``) against this checkout's, interleaved: per layer the layer's four int4
+    calls (real weights, streamed from memory as in a step) then ``paged_attention``, minus the int4 calls alone
+    (``none``)."""
     import engine.attention as new
 
-    spec = importlib.util.spec_from_file_location("base_attention", f"{base_dir}/engine/attention.py")
-    base = importlib.util.module_from_spec(spec)
-    sys.modules["base_attention"] = base  # dataclasses look their module up
-    spec.loader.exec_module(base)
+    base = load_base_attention(base_dir)
     c = model.config
     nb = -(-(context + 1) // BLOCK)
     kv = allocate_kv_cache(c, 9 * nb + 8, BLOCK, torch.bfloat16, "cpu").normal_()

@@ -239,9 +239,13 @@ class WarmResult:
             block).
         prompt_tokens: tokens in the prompt.
         cached_tokens: tokens of its full blocks now in the prefix cache (``prompt_tokens`` rounded down to
-            whole blocks).
+            whole blocks): what a pin holds and what the KV tiers store.
         pinned_blocks: blocks pinned (0 without ``pin``).
         pin_id: the pin to ``unpin`` later, or None.
+        reusable_tokens: tokens a following request that continues the warmed prompt reuses now, token-granular
+            (docs/prefix-cache.md): its whole blocks and the kept partial block, up to where the continuation
+            departs from the warmed prompt (for messages, the next turn; see ``AsyncEngine.warm``). The
+            partial block is not pinned: eviction can take it, leaving ``cached_tokens``.
     """
 
     prefix_key: str
@@ -249,6 +253,7 @@ class WarmResult:
     cached_tokens: int
     pinned_blocks: int
     pin_id: str | None
+    reusable_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,7 +301,7 @@ class EngineConfig:
             measured table); ``None`` = no
             copy (less memory, slower prefill).
         shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
-            users) read those blocks once per step (cascade attention, ``engine.attention.SharedPrefix``);
+            users) read those blocks once per step (cascade attention, ``engine.decode_attention.SharedPrefix``);
             false = each sequence gathers its whole context (for comparison).
         enable_partial_prefix_hits: token-granular prefix hits (needs prefix caching): a prompt that shares
             only part of a block with a cached one (a question that differs in its last tokens) copies the

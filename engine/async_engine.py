@@ -353,7 +353,11 @@ class AsyncEngine:
         blocks cached, pinned in RAM with ``pin``; listed under ``req.prefix_key`` (or its chain hash).
 
         Returns:
-            The prefix key, tokens now cached (whole blocks), blocks pinned and the pin id.
+            The prefix key, tokens now cached (whole blocks), blocks pinned, the pin id, and
+            ``reusable_tokens``: what a following request reuses now, token-granular. For ``messages`` that
+            request continues the conversation with its next turn (``next_turn_tokens``): the warmed prompt
+            ends with the generation prompt, which the next turn shares only in part (ChatML: ``<|im_start|>``,
+            not ``assistant``); for token ids or text, it starts with the whole prompt.
 
         Raises:
             InvalidRequestError, PromptTooLongError: the prompt cannot be served (nothing is queued).
@@ -372,10 +376,33 @@ class AsyncEngine:
         rid = f"{req.request_id or 'warm'}#{next(self._ids)}"
         async for _ in self._stream(rid, prompt, dataclasses.replace(req, params=params)):
             pass
+        shared = self.next_turn_tokens(req, prompt)
         with self._cond:
             return self.core.finish_warm(
-                prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key, req.level_ends
+                prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key, req.level_ends, shared
             )
+
+    def next_turn_tokens(self, req: GenerationRequest, prompt: list[int]) -> int | None:
+        """Leading tokens of ``prompt`` (``req``'s messages rendered with the generation prompt) that a request
+        continuing the conversation shares: the common prefix of ``prompt`` and the messages followed by the
+        next turn (a user turn after a system, assistant or tool message; the assistant's reply after a user
+        message), rendered. None (all of ``prompt``) for token ids or text, or when the template cannot render
+        that turn. The next turn's content never counts: it is past where the turns part."""
+        if req.messages is None or req.continue_final_message or not req.messages:
+            return None
+        role = "assistant" if req.messages[-1].get("role") == "user" else "user"
+        turn = [*req.messages, {"role": role, "content": "?"}]
+        try:
+            text = self._tokenizer.apply_chat_template(turn, req.tools, add_generation_prompt=False)
+        except InvalidRequestError:
+            return None
+        following = self._tokenizer.encode(text, add_special_tokens=False)
+        n = 0
+        for a, b in zip(prompt, following, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. False when unknown."""

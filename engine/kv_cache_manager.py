@@ -47,6 +47,9 @@ Invariants (on top of ``block_pool``'s):
    is a live cache entry, and not when a sibling already serves all its tokens; a shorter unreferenced
    partial sibling it makes useless is dropped.
 
+Invariants 8 and 9 are kept by ``engine.partial_hits`` (lookup, copy-on-write, partial entries), which this
+manager calls from ``find_cached_prefix``, ``allocate`` and ``free``.
+
 A prefix lookup's result is a ``PrefixHit`` (``engine.prefix_hit``), valid until the next call that can evict;
 ``allocate`` checks it and raises ``StaleCacheHitError`` rather than serve a block that was evicted in between.
 """
@@ -68,6 +71,14 @@ from engine.block_hash import (
 )
 from engine.block_pool import BlockPool, KVBlock
 from engine.errors import PinCapError, PromptTooLongError
+from engine.partial_hits import (
+    PARTIAL_SCAN_LIMIT,
+    SlotCopier,
+    allocate_with_copy,
+    check_partial_hit,
+    find_partial_source,
+    keep_partial,
+)
 from engine.prefix_hit import NO_HIT, BlockIdentity, PrefixHit, StaleCacheHitError
 
 
@@ -88,22 +99,6 @@ class _RequestBlocks:
 def _keys(extra_keys: ExtraKeys) -> ExtraKeys:
     """``LayeredKeys`` as they are; any other sequence as a tuple."""
     return extra_keys if isinstance(extra_keys, LayeredKeys) else tuple(extra_keys)
-
-
-SlotCopier = Callable[[int, int, int], None]
-"""``copy(src_block_id, dst_block_id, n)``: copy the first ``n`` slots of a block's K and V, every layer."""
-
-PARTIAL_SCAN_LIMIT = 64
-"""Most sibling entries one token-granular lookup compares (the newest first)."""
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    j = 0
-    while j < n and a[j] == b[j]:
-        j += 1
-    return j
 
 
 def cdiv(a: int, b: int) -> int:
@@ -215,37 +210,12 @@ class KVCacheManager:
             hits.append(block)
             prev_hash, prev_gen = block_hashes[i], block.cache_gen
         if partial and self.partial_hits_active:
-            source, j = self._partial_source(token_ids, len(hits), prev_hash, prev_gen, extra_keys)
+            source, j = find_partial_source(
+                self.pool, bs, self.partial_scan_limit, token_ids, len(hits), prev_hash, prev_gen, extra_keys
+            )
             if source is not None:
                 return PrefixHit(tuple(hits), len(hits) * bs + j, source, source.cache_gen, j)
         return PrefixHit(tuple(hits), len(hits) * bs)
-
-    def _partial_source(
-        self,
-        token_ids: Sequence[int],
-        i: int,
-        parent_hash: BlockHash | None,
-        parent_gen: int | None,
-        extra_keys: ExtraKeys,
-    ) -> tuple[KVBlock | None, int]:
-        """The sibling entry sharing the longest token prefix with block ``i`` of ``token_ids`` (never its last
-        token), and that length; ``(None, 0)`` when none shares a token."""
-        bs = self.block_size
-        start = i * bs
-        want = tuple(token_ids[start : min(start + bs, len(token_ids) - 1)])
-        if not want:
-            return None, 0
-        best, best_j = None, 0
-        for cand in self.pool.children(parent_gen, block_extra_keys(extra_keys, i), self.partial_scan_limit):
-            tokens = cand.token_ids
-            if tokens[0] != want[0] or cand.parent_hash != parent_hash:
-                continue
-            j = common_prefix_len(tokens, want)
-            if j > best_j:
-                best, best_j = cand, j
-                if j == len(want):
-                    break
-        return best, best_j
 
     # ---- allocation -----------------------------------------------------------------------------------
     @property
@@ -275,26 +245,13 @@ class KVCacheManager:
                 )
             prev_gen = block.cache_gen
 
-    def _check_partial(self, hit: PrefixHit) -> None:
-        """Raise ``StaleCacheHitError`` unless ``hit``'s partial source is still the entry it was found as."""
-        src = hit._partial
-        if src is None:
-            return
-        if not self.partial_hits_active:
-            raise ValueError("partial prefix hits are off; the prefix hit must have no partial part")
-        if not src.is_entry or src.cache_gen != hit._partial_gen:
-            raise StaleCacheHitError(
-                f"the partial hit's source (block {src.block_id}) is no longer that cache entry; "
-                "call find_cached_prefix again right before allocate"
-            )
-
     def _fresh_blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
         """Blocks to allocate so hits + fresh cover ``num_tokens`` tokens."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         self.check_fits(num_tokens)
         self._check_hits(hit._blocks)
-        self._check_partial(hit)
+        check_partial_hit(hit, self.partial_hits_active)
         if hit._partial is not None and num_tokens <= hit.num_tokens:
             raise ValueError(
                 f"a partial hit of {hit.num_tokens} tokens must leave a token of {num_tokens} to compute"
@@ -352,7 +309,7 @@ class KVCacheManager:
             fresh = self.pool.allocate(need)
         else:
             try:
-                fresh = self._allocate_with_copy(need, hit)
+                fresh = allocate_with_copy(self.pool, self._copy_slots, need, hit)
             except BaseException:
                 self.pool.release(reversed(cached_blocks))
                 raise
@@ -363,25 +320,6 @@ class KVCacheManager:
             chain_gens=[b.cache_gen for b in cached_blocks],
         )
         return [b.block_id for b in blocks]
-
-    def _allocate_with_copy(self, need: int, hit: PrefixHit) -> list[KVBlock]:
-        """``need`` (>= 1) fresh blocks, the first holding a copy of the first ``hit.partial_tokens`` slots of
-        the hit's partial source. The source is referenced from before the allocation (so it cannot be
-        evicted to make room) until the copy is made. On a copy error every block taken here is released and
-        the error raised (the caller has taken the hit's references: it releases them)."""
-        src = hit._partial
-        assert src is not None and self._copy_slots is not None and need >= 1
-        self.pool.touch((src,))
-        try:
-            fresh = self.pool.allocate(need)
-            try:
-                self._copy_slots(src.block_id, fresh[0].block_id, hit.partial_tokens)
-            except BaseException:
-                self.pool.release(reversed(fresh))
-                raise
-        finally:
-            self.pool.release((src,))
-        return fresh
 
     def append_slots(self, request_id: str, num_total_tokens: int) -> bool:
         """Grow the request's block table to cover ``num_total_tokens`` tokens.
@@ -541,42 +479,18 @@ class KVCacheManager:
         if req is None:
             return
         if token_ids is not None and self.partial_hits_active:
-            self._keep_partial(req, token_ids, num_computed_tokens, _keys(extra_keys))
+            keep_partial(
+                self.pool,
+                self.block_size,
+                self.partial_scan_limit,
+                req.blocks,
+                req.hashes,
+                req.chain_gens,
+                token_ids,
+                num_computed_tokens,
+                _keys(extra_keys),
+            )
         self.pool.release(reversed(req.blocks))
-
-    def _keep_partial(
-        self, req: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int, extra_keys: ExtraKeys
-    ) -> bool:
-        """Register ``req``'s last partly computed block as a partial entry when it is worth keeping (see
-        invariant 9). Returns True when kept."""
-        bs = self.block_size
-        num_full, k = divmod(min(num_computed_tokens, len(token_ids)), bs)
-        if not k or num_full >= len(req.blocks) or len(req.hashes) < num_full:
-            return False
-        parent_gen = req.chain_gens[num_full - 1] if num_full else None
-        parent_hash = req.hashes[num_full - 1] if num_full else None
-        if num_full and (parent_gen is None or not self._is_live_entry(parent_hash, parent_gen)):
-            return False
-        block = req.blocks[num_full]
-        if block.ref_cnt != 1 or block.is_entry:
-            return False
-        tokens = tuple(token_ids[num_full * bs : num_full * bs + k])
-        keys = block_extra_keys(extra_keys, num_full)
-        for sib in self.pool.children(parent_gen, keys, self.partial_scan_limit):
-            have = sib.token_ids
-            if sib.parent_hash != parent_hash:
-                continue
-            if len(have) >= k and have[:k] == tokens:
-                return False  # an entry already serves every token of this block
-            if sib.partial and sib.ref_cnt == 0 and tokens[: len(have)] == have:
-                self.pool.drop_partial(sib)  # this block serves all of it and more
-        self.pool.register_partial(block, tokens, parent_hash, parent_gen, keys)
-        return True
-
-    def _is_live_entry(self, block_hash: BlockHash | None, gen: int) -> bool:
-        """True when the entry registered under ``block_hash`` now is the registration ``gen``."""
-        entry = self.pool.get_cached(block_hash) if block_hash is not None else None
-        return entry is not None and entry.cache_gen == gen
 
     def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached entry (they become free blocks). O(cached); tests and admin.

@@ -280,7 +280,7 @@ class LlamaModel(nn.Module):
             kv_cache: from ``allocate_kv_cache``; this step's K/V are written at ``meta.slot_mapping``.
             meta: the step's attention metadata.
             shared_prefix: allow cascade attention over blocks shared by decode sequences
-                (``engine.attention.SharedPrefix``).
+                (``engine.decode_attention.SharedPrefix``).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states in the model dtype.

@@ -87,7 +87,7 @@ class ModelRunner:
         num_blocks: blocks of the KV pool.
         block_size: tokens per block.
         kv_dtype: dtype of the KV cache (default: the model's).
-        shared_prefix: cascade attention for decode sequences sharing leading blocks (``engine.attention``).
+        shared_prefix: cascade attention for decode sequences sharing leading blocks (``engine.decode_attention``).
         step_threads: the torch thread count of each step (``engine.step_threads``); None = torch's live count,
             never changed (and the decode split follows it).
 

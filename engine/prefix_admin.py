@@ -31,7 +31,8 @@ class PrefixAdmin:
         same through the step loop.
 
         Returns:
-            The prefix key, the tokens now cached (whole blocks) and the pin.
+            The prefix key, the tokens now cached (whole blocks), the pin, and the tokens a longer prompt
+            starting with ``prompt_token_ids`` reuses (``reusable_tokens``).
 
         Raises:
             InvalidRequestError, PromptTooLongError: the prompt cannot be served (nothing is queued).
@@ -55,9 +56,15 @@ class PrefixAdmin:
         pin: bool,
         prefix_key: str | None,
         level_ends: Sequence[tuple[int, str]] | None = None,
+        shared_tokens: int | None = None,
     ) -> WarmResult:
         """After a warming request finished: look its full blocks up, pin them when asked, name the prefix
-        (listed with the longest level of ``level_ends``, as its blocks were tagged).
+        (listed with the longest level of ``level_ends``, as its blocks were tagged), and count what a
+        following request reuses.
+
+        Args:
+            shared_tokens: leading tokens of ``prompt`` a following request shares (``AsyncEngine.warm``: up
+                to where the next turn departs from the generation prompt); None = all of them.
 
         Raises:
             PinCapError: the pin cap was reached meanwhile (nothing pinned).
@@ -71,7 +78,23 @@ class PrefixAdmin:
         key = prefix_key or (hashes[-1].hex() if hashes else "")
         if hashes:
             self._record_prefix(key, hashes, extra_keys, level_ends, len(prompt), pin_id)
-        return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id)
+        reusable = self.reusable_tokens(prompt, hashes, extra_keys, shared_tokens)
+        return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id, reusable)
+
+    def reusable_tokens(
+        self, prompt: list[int], hashes: Sequence[bytes], extra_keys: tuple, shared_tokens: int | None = None
+    ) -> int:
+        """Tokens a request whose prompt starts with ``prompt[:shared_tokens]`` and goes on past it reuses from
+        the cache now: the scheduler's own lookup (whole blocks, then the longest partial entry) of those
+        tokens followed by one more. A lookup never covers a prompt's last token, so the extra token (its
+        value is never compared) lets it cover all of them, as it does for a longer following prompt."""
+        n = len(prompt) if shared_tokens is None else max(0, min(shared_tokens, len(prompt)))
+        if n == 0:
+            return 0
+        probe = [*prompt[:n], prompt[n - 1]]
+        return self.kv.find_cached_prefix(
+            probe, list(hashes[: n // self.kv.block_size]), extra_keys, partial=True
+        ).num_tokens
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. Returns False when unknown."""

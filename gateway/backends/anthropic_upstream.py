@@ -38,6 +38,7 @@ from gateway.protocols.anthropic.prompt import (
     openai_to_anthropic_tool_choice,
 )
 from gateway.protocols.anthropic.render import FINISH_REASONS, NativeDelta
+from gateway.protocols.anthropic.structured_outputs import anthropic_output_config
 from gateway.protocols.provider_usage import anthropic_miss_reason
 from gateway.transport.failures import FailureKind
 from gateway.transport.upstream_http import OpenedResponse
@@ -190,6 +191,9 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             body["stop_sequences"] = list(params.stop)
         if request.user:
             body["metadata"] = {"user_id": request.user}
+        output_config = anthropic_output_config((request.openai_body or {}).get("response_format"))
+        if output_config is not None:  # structured outputs, generally available: no beta header
+            body["output_config"] = output_config
         return body
 
     async def count_tokens(self, request: ChatRequest) -> TokenCount:

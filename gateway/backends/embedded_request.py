@@ -13,6 +13,7 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
 from gateway.protocols.anthropic.strip import check_anthropic_only_fields
+from gateway.protocols.anthropic.structured_outputs import anthropic_output_schema
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
@@ -29,8 +30,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 """OpenAI body fields the embedded engine cannot honour -> the values it accepts (the neutral ones)."""
 
-EMBEDDED_HONOURS = frozenset({"thinking", "output_config"})
-"""Anthropic-only fields ``check_supported_anthropic`` checks (and, for ``output_config.format``, honours)."""
+EMBEDDED_HONOURS = frozenset({"thinking", "output_config", "output_format"})
+"""Anthropic-only fields ``check_supported_anthropic`` checks (and, for ``output_config.format`` /
+``output_format``, honours)."""
 
 _ROLE_FOR_TEMPLATE = {"developer": "system"}
 
@@ -87,7 +89,7 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
     constraint = tool_constraint(request, tools, engine.tool_format if engine is not None else "template")
     if constraint is not None:
         if params.constraint is not None:
-            param = "output_config.format" if output_format is not None else "response_format"
+            param = _format_param(request.anthropic_body) if output_format is not None else "response_format"
             raise InvalidRequestError(
                 f"The embedded engine cannot combine '{param}' with tool calls; send one of them "
                 "(or tool_choice 'none').",
@@ -105,6 +107,11 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
         continue_final_message=request.continue_final_message and messages[-1]["role"] == "assistant",
         **common,
     )
+
+
+def _format_param(body: dict[str, Any] | None) -> str:
+    """The field an Anthropic-face body asked for its output format in."""
+    return "output_format" if (body or {}).get("output_format") is not None else "output_config.format"
 
 
 def tool_constraint(
@@ -198,12 +205,14 @@ def check_supported(body: dict[str, Any]) -> None:
 def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
     """Refuse Anthropic fields the engine cannot honour rather than ignore them, and return the output
     constraint of Anthropic's structured outputs (``output_config.format`` ``{"type": "json_schema", "schema":
-    {...}}``, https://platform.claude.com/docs/en/build-with-claude/structured-outputs), or None.
+    {...}}``, or the deprecated top-level ``output_format``; ``structured_outputs.anthropic_output_schema``;
+    https://platform.claude.com/docs/en/build-with-claude/structured-outputs), or None.
 
     Raises:
         InvalidRequestError: ``thinking`` other than ``{"type": "disabled"}`` (the checkpoint has no extended
             thinking); ``output_config.effort`` (no effort levels); an ``output_config`` / ``format`` that is not
-            an object, or a format that is not ``json_schema`` with an object ``schema`` (400 naming the field).
+            an object, a format that is not ``json_schema`` with an object ``schema``, or both forms at once (400
+            naming the field).
     """
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
@@ -213,36 +222,8 @@ def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
             param="thinking",
             code="unsupported_value",
         )
-    config = body.get("output_config")
-    if config is None:
-        return None
-    if not isinstance(config, dict):
-        raise InvalidRequestError("output_config: Input should be an object", param="output_config")
-    if config.get("effort") is not None:
-        raise InvalidRequestError(
-            "output_config.effort: the embedded engine has no effort levels; omit it.",
-            param="output_config.effort",
-            code="unsupported_value",
-        )
-    extra = sorted(set(config) - {"effort", "format"})
-    if extra:
-        raise InvalidRequestError(
-            f"output_config.{extra[0]}: Extra inputs are not permitted", param=f"output_config.{extra[0]}"
-        )
-    fmt = config.get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise InvalidRequestError(
-            'output_config.format: expected {"type": "json_schema", "schema": {...}}',
-            param="output_config.format",
-        )
-    schema = fmt.get("schema")
-    if not isinstance(schema, dict):
-        raise InvalidRequestError(
-            "output_config.format.schema: Input should be an object", param="output_config.format.schema"
-        )
-    return Constraint(kind="json_schema", json_schema=schema)
+    schema = anthropic_output_schema(body, "the embedded")
+    return None if schema is None else Constraint(kind="json_schema", json_schema=schema)
 
 
 _PART_NOUNS = {

@@ -27,12 +27,16 @@ from gateway.core.keys import tenant_cache_key
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
 from gateway.protocols.anthropic.strip import check_anthropic_only_fields, plain_messages, plain_tools
+from gateway.protocols.anthropic.structured_outputs import anthropic_output_schema, openai_response_format
 from gateway.protocols.provider_usage import UpstreamUsageError, deepseek_cache_usage, openai_cache_usage
 from gateway.transport.failures import FailureKind
 from gateway.transport.redact import redact_url
 from gateway.transport.upstream_http import OpenedResponse
 
 PROMPT_CACHE_KEY_MAX = 64  # characters OpenAI accepts in prompt_cache_key
+STRUCTURED_OUTPUT_FIELDS = frozenset({"output_config", "output_format"})
+"""Anthropic-only fields an Anthropic-face request to this backend may set: its output format becomes
+``response_format`` (``structured_outputs.anthropic_output_schema``); ``output_config.effort`` is a 400."""
 
 
 class OpenAIUpstreamBackend(UpstreamBackend):
@@ -118,9 +122,14 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         return body
 
     def _translated_body(self, request: ChatRequest) -> dict[str, Any]:
+        schema = None
         if request.anthropic_body is not None:  # Anthropic-only fields: a 400, never silently dropped
-            check_anthropic_only_fields(request.anthropic_body, "an OpenAI-compatible upstream")
+            target = "an OpenAI-compatible upstream"
+            check_anthropic_only_fields(request.anthropic_body, target, STRUCTURED_OUTPUT_FIELDS)
+            schema = anthropic_output_schema(request.anthropic_body, target)
         body: dict[str, Any] = {"messages": plain_messages(request.messages, "an OpenAI-compatible")}
+        if schema is not None:  # Anthropic's structured outputs: the same schema, strictly
+            body["response_format"] = openai_response_format(schema)
         _fill_sampling(body, request, only_missing=False)
         tools = plain_tools(request.tools, "an OpenAI-compatible")
         if tools is not None:

@@ -45,7 +45,8 @@ class WarmOutcome:
         index: the entry's index (in the config's ``warm:`` list; 0 for an admin call).
         model: the model it was warmed on.
         tenant: its cache salt.
-        result: the engine's answer (prefix key, prompt tokens, cached tokens, pinned blocks, pin id).
+        result: the engine's answer (prefix key, prompt tokens, cached tokens (whole blocks), pinned blocks,
+            pin id, reusable tokens (what the conversation's next request reuses, token-granular)).
     """
 
     index: int
@@ -62,6 +63,7 @@ class WarmOutcome:
             "prefix_key": r.prefix_key,
             "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens,
+            "reusable_tokens": r.reusable_tokens,
             "pinned_blocks": r.pinned_blocks,
             "pin_id": r.pin_id,
         }
@@ -179,12 +181,14 @@ async def warm_entries(gateway: Gateway, entries: Sequence[WarmEntry]) -> list[W
             else:
                 outcomes.append(outcome)
                 logger.info(
-                    "warm[%d] %s tenant=%r: prefix %s, %d tokens cached%s",
+                    "warm[%d] %s tenant=%r: prefix %s, %d tokens cached in whole blocks, %d reused by the "
+                    "next turn%s",
                     index,
                     outcome.model,
                     outcome.tenant,
                     outcome.result.prefix_key,
                     outcome.result.cached_tokens,
+                    outcome.result.reusable_tokens,
                     f", {outcome.result.pinned_blocks} blocks pinned" if entry.pin else "",
                 )
             bar.update(1)

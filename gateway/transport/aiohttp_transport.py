@@ -35,7 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -84,6 +84,28 @@ def _message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+async def _body_chunks(
+    response: aiohttp.ClientResponse, at_end: Callable[[], Awaitable[None]] | None = None
+) -> AsyncIterator[bytes]:
+    """``response``'s body chunks as they arrive, read failures raised as ``ERRORS`` maps them (any other
+    exception as it is); ``at_end`` awaited once the body was read to its end. The one reader of both
+    ``_ResponseStream`` and ``DirectResponse``, returned by them as it is (no generator layer in between).
+
+    Raises:
+        httpx.TransportError: a read failure, as ``ERRORS`` maps it.
+    """
+    try:
+        async for chunk in response.content.iter_any():
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - mapped to httpx's errors, the rest re-raised as it is
+        mapped = httpx_error(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+    if at_end is not None:
+        await at_end()
+
+
 class _ResponseStream(httpx.AsyncByteStream):
     """An aiohttp response's body as httpx reads it: chunks as they arrive; closing releases the connection
     to the pool when the body was read to its end, else closes it."""
@@ -91,15 +113,8 @@ class _ResponseStream(httpx.AsyncByteStream):
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except Exception as exc:  # noqa: BLE001 - mapped to httpx's errors, the rest re-raised as it is
-            mapped = httpx_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _body_chunks(self._response)
 
     async def aclose(self) -> None:
         response = self._response
@@ -148,22 +163,14 @@ class DirectResponse:
         """The response headers (aiohttp's case-insensitive multidict: ``.get(name, default)``)."""
         return self._response.headers
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive; closes the response at the end of the body (as httpx's ``aiter_raw``
         does).
 
         Raises:
             httpx.TransportError: a read failure, as ``ERRORS`` maps it.
         """
-        try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except Exception as exc:  # noqa: BLE001 - mapped to httpx's errors, the rest re-raised as it is
-            mapped = httpx_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
-        await self.aclose()
+        return _body_chunks(self._response, at_end=self.aclose)
 
     def at_eof(self) -> bool:
         """Whether the whole body has arrived and been read (nothing is left to drain)."""

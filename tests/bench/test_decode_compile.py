@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from bench.decode_compile import BLOCK, attention_tables, decode_meta, layer_regions
+from bench.decode_compile import (
+    BASE_ATTENTION_MODULES,
+    BLOCK,
+    attention_tables,
+    decode_meta,
+    layer_regions,
+    load_base_attention,
+)
 from engine.attention import plan_attention
 from engine.checkpoint import load_checkpoint
 from engine.model import rope_rotation
@@ -64,3 +71,25 @@ def test_attention_ab_cases_are_the_layouts_they_name():
     assert len(set(ids)) == len(ids)  # no block shared
     assert all(t[:62] == list(range(62)) for t in shared)
     assert len({b for t in shared for b in t[62:]}) == 8 * (nb - 62)
+
+
+def test_attention_ab_base_reads_its_decode_paths_from_its_own_checkout(tmp_path):
+    import sys
+    from pathlib import Path
+
+    import engine.attention
+    import engine.decode_attention
+
+    root = Path(__file__).resolve().parents[2]
+    base_dir = tmp_path / "base"
+    (base_dir / "engine").mkdir(parents=True)
+    for name in BASE_ATTENTION_MODULES:
+        (base_dir / "engine" / f"{name}.py").write_text((root / "engine" / f"{name}.py").read_text())
+    base = load_base_attention(str(base_dir))
+    assert base is not engine.attention and base.__file__ == str(base_dir / "engine" / "attention.py")
+    base_decode = sys.modules["base_decode_attention"]
+    assert base_decode.__file__ == str(base_dir / "engine" / "decode_attention.py")
+    assert base.decode_attention is base_decode.decode_attention  # not this checkout's
+    assert base.decode_attention is not engine.decode_attention.decode_attention
+    assert sys.modules["engine.decode_attention"] is engine.decode_attention  # restored
+    assert sys.modules["engine.attention"] is engine.attention

@@ -10,8 +10,8 @@ import pytest
 
 from engine.api import GenerationRequest
 from engine.async_engine import AsyncEngine
-from engine.kv_cache_manager import common_prefix_len
 from engine.kv_tiers.settings import DiskTierConfig
+from engine.partial_hits import common_prefix_len
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 from tests.engine.test_engine_cache_parity import assert_same
 

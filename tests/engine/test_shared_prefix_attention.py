@@ -1,6 +1,6 @@
 """Shared-prefix (cascade) decode attention equals the plain per-sequence gather within fp32 rounding.
 
-Decode sequences whose block tables start with the same blocks read them once (``engine.attention.SharedPrefix``);
+Decode sequences whose block tables start with the same blocks read them once (``engine.decode_attention.SharedPrefix``);
 the softmax over the shared part and over each private part are merged by their log-sum-exp. Checked on one
 layer's attention directly (random K/V, GQA, ragged private lengths, bf16 cache) and through the engine (same
 greedy tokens with the switch on and off, and the cascade really planned)."""
@@ -12,14 +12,8 @@ from unittest import mock
 import pytest
 import torch
 
-from engine.attention import (
-    SHARED_PREFIX_MIN_TOKENS,
-    AttentionMetadata,
-    attention_dtype,
-    paged_attention,
-    plan_attention,
-    shared_prefix_blocks,
-)
+from engine.attention import AttentionMetadata, attention_dtype, paged_attention, plan_attention
+from engine.decode_attention import SHARED_PREFIX_MIN_TOKENS, shared_prefix_blocks
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
 BS = 16

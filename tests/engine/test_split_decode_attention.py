@@ -1,4 +1,4 @@
-"""Decode attention over a bf16 cache on CPU (``engine.attention.SplitDecode``): the context copied into a
+"""Decode attention over a bf16 cache on CPU (``engine.decode_attention.SplitDecode``): the context copied into a
 buffer made once per step, the shared prefix attended once, merged by log-sum-exp; equal to fp32 attention over
 the gathered context within bf16 rounding.
 
@@ -11,14 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import (
-    AttentionMetadata,
-    decode_chunks,
-    paged_attention,
-    plan_attention,
-    plan_split_decode,
-    split_decode_attention,
-)
+from engine.attention import AttentionMetadata, paged_attention, plan_attention
+from engine.decode_attention import decode_chunks, plan_split_decode, split_decode_attention
 from tests.engine.engine_helpers import greedy, make_engine, smollm2_checkpoint
 
 BS = 16
@@ -113,11 +107,12 @@ def test_split_equals_fp32_attention_over_the_gathered_context(case):
 
 def test_bf16_decode_goes_through_the_split_path_with_one_buffer(monkeypatch):
     import engine.attention as attention
+    import engine.decode_attention as decode_attention
 
     calls = []
-    real = attention.split_decode_attention
+    real = decode_attention.split_decode_attention
     monkeypatch.setattr(
-        attention, "split_decode_attention", lambda *a, **k: calls.append(a[2]) or real(*a, **k)
+        decode_attention, "split_decode_attention", lambda *a, **k: calls.append(a[2]) or real(*a, **k)
     )
     monkeypatch.setattr(attention, "_bf16_fast", lambda device: True)
     tables, lens = CASES["cascade, short private parts"]

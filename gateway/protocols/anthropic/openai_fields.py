@@ -21,11 +21,14 @@ MAPPED = frozenset(
         "parallel_tool_calls", "temperature", "top_p", "top_k", "user",
         # n and logprobs / top_logprobs: n = 1 and logprobs off only (``refuse_choices_and_logprobs``)
         "n", "logprobs", "top_logprobs",
+        # json_schema -> output_config.format; json_object is a 400 (``structured_outputs.anthropic_output_config``)
+        "response_format",
         # the face's own business (the usage chunk is rendered by the gateway, whatever the backend)
         "stream_options",
     }
 )  # fmt: skip
-"""Fields the translation carries (``AnthropicUpstreamBackend._translated_body``) or the gateway honours itself."""
+"""Fields the translation carries (``AnthropicUpstreamBackend._translated_body``; ``response_format`` through
+``structured_outputs.anthropic_output_config``) or the gateway honours itself."""
 
 IGNORED = frozenset({"metadata", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"})
 """Fields that by OpenAI's own documentation do not change the answer, so leaving them out is harmless:
@@ -39,7 +42,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),

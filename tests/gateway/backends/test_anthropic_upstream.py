@@ -749,15 +749,6 @@ OPENAI_ONLY = [
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"logit_bias": {"15": 10}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    (
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object"}},
-            }
-        },
-        "response_format",
-    ),
     ({"store": True}, "store"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"modalities": ["text", "audio"]}, "modalities"),
@@ -831,3 +822,149 @@ def test_every_openai_chat_field_is_decided_for_anthropic():
     decided = [*MAPPED, *IGNORED, *REFUSED]
     assert len(decided) == len(set(decided))  # one decision per field
     assert set(decided) == CHAT_FIELDS
+
+
+# ---- structured outputs: response_format json_schema -> output_config.format -----------------------------------
+
+CONTACT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "plan": {"type": "string", "enum": ["free", "pro"]},
+        "email": {"type": "string", "format": "email"},
+    },
+    "required": ["name", "plan", "email"],
+    "additionalProperties": False,
+}
+JSON_TEXT_STREAM = anthropic_sse(
+    [
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_s",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": "claude-sonnet-4-5",
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 30, "output_tokens": 1},
+            },
+        },
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "text_delta", "text": '{"name": "Ada",'},
+        },
+        {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "text_delta", "text": ' "plan": "pro", "email": "ada@example.com"}'},
+        },
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 20}},
+        {"type": "message_stop"},
+    ]
+)
+
+
+@respx.mock
+@pytest.mark.parametrize("strict", [True, False, None])
+async def test_openai_json_schema_goes_to_anthropic_as_output_config_format(http, strict):
+    """Before: a 400 (``response_format`` was refused for Anthropic upstreams). Now the schema goes as Anthropic's
+    generally available ``output_config.format``, byte for byte, with no beta header; ``name`` has no place
+    there and ``strict`` false is enforced all the same."""
+    from gateway.protocols.openai.parse import parse_chat_request
+
+    route = respx.post(URL).mock(return_value=sse_response(JSON_TEXT_STREAM))
+    spec = {"name": "contact", "schema": CONTACT} | ({} if strict is None else {"strict": strict})
+    body = {
+        "model": "claude",
+        "messages": [{"role": "user", "content": "Ada, pro plan, ada@example.com"}],
+        "max_tokens": 64,
+        "response_format": {"type": "json_schema", "json_schema": spec},
+    }
+    events = await drain(backend(http, auto_breakpoints=False).stream(parse_chat_request(body, {})))
+    sent_request = route.calls.last.request
+    assert json.loads(sent_request.content) == {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Ada, pro plan, ada@example.com"}],
+        "output_config": {"format": {"type": "json_schema", "schema": CONTACT}},
+        "stream": True,
+    }
+    headers = sent_request.headers
+    assert headers["anthropic-version"] == "2023-06-01" and headers["x-api-key"] == API_KEY
+    assert "anthropic-beta" not in headers
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    assert json.loads(text) == {"name": "Ada", "plan": "pro", "email": "ada@example.com"}
+    assert events[-1].finish_reason == "stop"
+
+
+@respx.mock
+async def test_the_format_description_is_sent_as_the_schema_description(http):
+    from gateway.protocols.openai.parse import parse_chat_request
+
+    route = respx.post(URL).mock(return_value=sse_response(JSON_TEXT_STREAM))
+    spec = {"name": "contact", "description": "A contact card.", "schema": CONTACT, "strict": True}
+    body = {
+        "model": "claude",
+        "messages": [{"role": "user", "content": "Ada"}],
+        "response_format": {"type": "json_schema", "json_schema": spec},
+    }
+    await drain(backend(http, auto_breakpoints=False).stream(parse_chat_request(body, {})))
+    sent = json.loads(route.calls.last.request.content)
+    assert sent["output_config"] == {
+        "format": {"type": "json_schema", "schema": {**CONTACT, "description": "A contact card."}}
+    }
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("schema", "param"),
+    [
+        (
+            {**CONTACT, "properties": {**CONTACT["properties"], "age": {"type": "integer", "minimum": 0}}},
+            "response_format.json_schema.schema.properties.age.minimum",
+        ),
+        ({"type": "object", "properties": {}}, "response_format.json_schema.schema.additionalProperties"),
+        (
+            {"$defs": {"N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}},
+                             "additionalProperties": False}}, "$ref": "#/$defs/N"},
+            "response_format.json_schema.schema.$defs.N.properties.next.$ref",
+        ),
+    ],
+)  # fmt: skip
+async def test_a_schema_anthropic_cannot_enforce_is_a_400_before_any_call(http, schema, param):
+    from gateway.protocols.openai.parse import parse_chat_request
+
+    route = respx.post(URL).mock(return_value=sse_response(JSON_TEXT_STREAM))
+    body = {
+        "model": "claude",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    with pytest.raises(APIError) as info:
+        await drain(backend(http).stream(parse_chat_request(body, {})))
+    assert (info.value.status_code, info.value.param, info.value.code) == (400, param, "unsupported_value")
+    assert route.call_count == 0
+
+
+@respx.mock
+async def test_count_tokens_sends_the_output_format_too(http):
+    """The count endpoint takes ``output_config`` (the format's schema counts as input)."""
+    from gateway.protocols.openai.parse import parse_chat_request
+
+    route = respx.post(f"{BASE}/v1/messages/count_tokens").mock(
+        return_value=httpx.Response(200, json={"input_tokens": 91})
+    )
+    body = {
+        "model": "claude",
+        "messages": [{"role": "user", "content": "Ada"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CONTACT}},
+    }
+    count = await backend(http, auto_breakpoints=False).count_tokens(parse_chat_request(body, {}))
+    assert (count.input_tokens, count.counted_by) == (91, "upstream")
+    sent = json.loads(route.calls.last.request.content)
+    assert sent["output_config"] == {"format": {"type": "json_schema", "schema": CONTACT}}

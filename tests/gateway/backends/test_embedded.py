@@ -239,7 +239,6 @@ def test_n_above_the_engine_limit_is_worded_as_the_other_400s():
     [
         ({"container": "c1"}, "container"),
         ({"mcp_servers": [{"type": "url", "url": "https://m.test", "name": "m"}]}, "mcp_servers"),
-        ({"output_format": {"type": "json_schema", "schema": {}}}, "output_format"),
     ],
 )
 def test_anthropic_only_fields_the_engine_cannot_honour_are_400s(fields, param):
@@ -247,3 +246,26 @@ def test_anthropic_only_fields_the_engine_cannot_honour_are_400s(fields, param):
         generation_request(request([{"role": "user", "content": "x"}], anthropic_body=fields))
     assert (caught.value.param, caught.value.code) == (param, "unsupported_value")
     assert "embedded" in caught.value.message
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+        {"output_format": {"type": "json_schema", "schema": SCHEMA}},  # the deprecated beta form (was a 400)
+    ],
+)
+def test_anthropic_structured_outputs_are_the_engine_json_schema_constraint(fields):
+    generation = generation_request(request([{"role": "user", "content": "x"}], anthropic_body=fields))
+    assert generation.params.constraint == Constraint(kind="json_schema", json_schema=SCHEMA)
+
+
+def test_both_anthropic_output_formats_at_once_are_a_400():
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    body = {"output_format": fmt, "output_config": {"format": fmt}}
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(request([{"role": "user", "content": "x"}], anthropic_body=body))
+    assert caught.value.param == "output_format"

@@ -597,7 +597,7 @@ async def test_choices_and_logprobs_are_refused_before_any_call(http, params, pa
     [
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
         ({"thinking": {"type": "adaptive"}}, "thinking"),
-        ({"output_config": {"effort": "low"}}, "output_config"),
+        ({"output_config": {"effort": "low"}}, "output_config.effort"),
         ({"container": "container_1"}, "container"),
         ({"mcp_servers": [{"type": "url", "url": "https://mcp.test", "name": "m"}]}, "mcp_servers"),
         ({"context_management": {"edits": []}}, "context_management"),
@@ -632,3 +632,74 @@ async def test_neutral_anthropic_only_fields_are_served(http):
     await drain(backend(http).stream(parse_messages_body(body)))
     sent = json.loads(route.calls.last.request.content)
     assert not {"thinking", "service_tier", "cache_control", "mcp_servers"} & set(sent)
+
+
+# ---- Anthropic structured outputs -> response_format json_schema -------------------------------------------
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}}},
+        {"output_format": {"type": "json_schema", "schema": ANSWER_SCHEMA}},  # the deprecated beta form
+    ],
+)
+async def test_anthropic_output_format_goes_as_a_strict_json_schema_response_format(http, fields):
+    """Before: a 400 (``output_config`` / ``output_format`` were Anthropic-only). Anthropic always enforces its
+    format, so the upstream is asked for ``strict`` json_schema; the schema goes byte for byte."""
+    route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
+    body = {
+        "model": "gw-model",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "Yes?"}],
+        **fields,
+    }
+    await drain(backend(http, set_prompt_cache_key=False).stream(parse_messages_body(body)))
+    sent = json.loads(route.calls.last.request.content)
+    assert sent == {
+        "messages": [{"role": "user", "content": "Yes?"}],
+        "max_tokens": 10,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "response", "schema": ANSWER_SCHEMA, "strict": True},
+        },
+        "model": "up-model",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert route.calls.last.request.headers["authorization"] == f"Bearer {API_KEY}"
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {
+                "output_format": {"type": "json_schema", "schema": ANSWER_SCHEMA},
+                "output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}},
+            },
+            "output_format",
+        ),
+        ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}, "effort": "high"}},
+         "output_config.effort"),
+    ],
+)  # fmt: skip
+async def test_an_anthropic_output_format_the_upstream_cannot_take_is_a_400(http, fields, param):
+    from gateway.core.errors import APIError
+
+    route = respx.post(URL).mock(return_value=sse_response(CACHED_STREAM))
+    body = {"model": "gw-model", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(APIError) as info:
+        await drain(backend(http).stream(parse_messages_body(body)))
+    assert (info.value.status_code, info.value.param) == (400, param)
+    assert route.call_count == 0

@@ -186,6 +186,8 @@ def test_warm_at_start_then_admin_warm_list_and_delete(tmp_path, tiny_checkpoint
         usage = chat(server, conversation("and the fox ?"), "globex")
         # the warmed prompt's whole blocks and its last, partial block (kept in RAM): all but the last token
         assert cached(usage) == usage["prompt_tokens"] - 1
+        # its next turn (the reply, then a question) starts with the whole warmed prompt
+        assert warmed["reusable_tokens"] == warmed["prompt_tokens"] == usage["prompt_tokens"]
 
         dropped = httpx.delete(
             f"{server.base_url}/admin/cache",
@@ -206,6 +208,38 @@ def test_warm_at_start_then_admin_warm_list_and_delete(tmp_path, tiny_checkpoint
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded"
         no_filter = httpx.delete(f"{server.base_url}/admin/cache", headers=ADMIN_HEADERS, timeout=30)
         assert no_filter.status_code == 400
+    finally:
+        server.stop()
+
+
+def test_a_pinned_warm_reports_what_the_next_request_reuses(tmp_path, tiny_checkpoint):
+    """``POST /admin/cache/warm`` of a system prompt: ``cached_tokens`` counts its whole blocks (pinned),
+    ``reusable_tokens`` what a request with that system prompt then reuses, token-granular, which the request's
+    own ``cached_tokens`` matches exactly (before: only the whole blocks were reported, here more than the
+    request could use)."""
+    server = start(tmp_path, tiny_checkpoint, "r")
+    try:
+        response = httpx.post(
+            f"{server.base_url}/admin/cache/warm",
+            json={"tenant": "acme", "system": SYSTEM, "pin": True},
+            headers=ADMIN_HEADERS,
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        warmed = response.json()
+        assert warmed["cached_tokens"] == warmed["prompt_tokens"] // BLOCK_SIZE * BLOCK_SIZE
+        assert warmed["pinned_blocks"] == warmed["cached_tokens"] // BLOCK_SIZE
+        # the user turn leaves the warmed generation prompt at token 111, inside the last whole block (96-112):
+        # the next request reuses 6 whole blocks and 15 tokens copied from the 7th, not all 112 tokens
+        assert (warmed["prompt_tokens"], warmed["cached_tokens"], warmed["reusable_tokens"]) == (
+            119,
+            112,
+            111,
+        )
+        usage = chat(
+            server, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}], "acme"
+        )
+        assert cached(usage) == warmed["reusable_tokens"]
     finally:
         server.stop()
 

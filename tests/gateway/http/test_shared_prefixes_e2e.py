@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.api import GenerationRequest
-from engine.kv_cache_manager import common_prefix_len
+from engine.partial_hits import common_prefix_len
 from tests.gateway.conftest import BLOCK_SIZE, TINY_MODEL, tiny_config_data
 from tests.gateway.server import RunningServer, write_config
 

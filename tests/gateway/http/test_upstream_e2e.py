@@ -4,12 +4,15 @@ engine."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+from typing import Literal
 
 import anthropic
 import httpx
 import openai
+import pydantic
 import pytest
 
 from gateway.transport.sse import parse_sse
@@ -311,3 +314,85 @@ def test_stats_count_upstream_cache_and_savings_without_keys(upstreams, ant, oai
     assert OPENAI_KEY not in text and ANTHROPIC_KEY not in text
     metrics = httpx.get(f"{gateway.base_url}/metrics", headers=ADMIN_HEADERS, timeout=10).text
     assert OPENAI_KEY not in metrics and ANTHROPIC_KEY not in metrics
+
+
+# ---- structured outputs across protocols -------------------------------------------------------------------
+
+
+class Address(pydantic.BaseModel):
+    city: str
+    zip: str | None
+
+
+class Contact(pydantic.BaseModel):
+    name: str
+    plan: Literal["free", "pro"]
+    when: datetime.datetime
+    home: Address
+    work: Address | None
+    tags: list[str]
+
+
+def test_openai_sdk_parse_reaches_an_anthropic_upstream_as_output_config(upstreams, oai):
+    """The openai SDK's ``parse(response_format=Model)`` (its strict schema of a pydantic model) goes to the
+    Anthropic upstream as ``output_config.format``, the schema byte for byte (the stub answers prose, which
+    the SDK then fails to parse: the request is what is checked here)."""
+    _, states = upstreams
+    with pytest.raises(pydantic.ValidationError):
+        oai.chat.completions.parse(
+            model="an", messages=[{"role": "user", "content": "Ada"}], max_tokens=50, response_format=Contact
+        )
+    sent = states["anthropic"].requests[-1]
+    schema = sent["output_config"]["format"]["schema"]
+    assert sent["output_config"] == {"format": {"type": "json_schema", "schema": schema}}
+    assert schema["title"] == "Contact" and schema["additionalProperties"] is False
+    assert schema["$defs"]["Address"]["additionalProperties"] is False
+    assert "response_format" not in sent and "anthropic-beta" not in states["anthropic"].headers[-1]
+
+
+def test_a_schema_an_anthropic_upstream_cannot_enforce_is_a_400_through_the_sdk(upstreams, oai):
+    _, states = upstreams
+    before = len(states["anthropic"].requests)
+    schema = {
+        "type": "object",
+        "properties": {"age": {"type": "integer", "minimum": 0}},
+        "required": ["age"],
+        "additionalProperties": False,
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(
+            model="an",
+            messages=[{"role": "user", "content": "How old?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "age", "schema": schema}},
+        )
+    error = info.value.body
+    assert error["param"] == "response_format.json_schema.schema.properties.age.minimum"
+    assert error["code"] == "unsupported_value"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(
+            model="an",
+            messages=[{"role": "user", "content": "JSON?"}],
+            response_format={"type": "json_object"},
+        )
+    assert info.value.body["param"] == "response_format"
+    assert len(states["anthropic"].requests) == before  # refused before any upstream call
+
+
+def test_anthropic_sdk_output_config_reaches_an_openai_upstream_as_strict_response_format(upstreams, ant):
+    _, states = upstreams
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    ant.messages.create(
+        model="oa",
+        max_tokens=20,
+        messages=[{"role": "user", "content": "Yes?"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert states["openai"].requests[-1]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "response", "schema": schema, "strict": True},
+    }

@@ -444,3 +444,41 @@ async def test_a_direct_send_declines_what_httpx_must_handle():
             httpx._utils.URLPattern("all://"): httpx.AsyncHTTPTransport()
         }  # a proxy's transport
         assert await client.send_direct(url, HEADERS, b"{}", TIMEOUT) is None
+
+
+async def test_a_body_cut_short_is_the_same_error_through_httpx_and_direct():
+    """Both readers of an aiohttp body (httpx's stream and ``DirectResponse``) share one reader: a body cut
+    short is a ``RemoteProtocolError`` after the bytes that came, and the direct response is not closed as if
+    read to its end."""
+    cut = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 100\r\n\r\nonly this"
+
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(cut)
+            await writer.drain()
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        async with make_client() as client:
+            response = await client.send(_post(client, server.url), stream=True)
+            got = []
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for chunk in response.aiter_raw():
+                    got.append(chunk)
+            assert b"".join(got) == b"only this"
+            await response.aclose()
+            direct = await client.send_direct(httpx.URL(server.url), HEADERS, b"{}", TIMEOUT)
+            assert isinstance(direct, DirectResponse)
+            got = []
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for chunk in direct.aiter_bytes():
+                    got.append(chunk)
+            assert b"".join(got) == b"only this" and not direct.is_closed
+            await direct.aclose()
+            assert direct.is_closed
+        assert server.connections == 2  # the cut connection was not reused
+    finally:
+        await server.__aexit__()
