@@ -196,9 +196,8 @@ class ModelRunner:
         """
         if self.step_threads is not None:
             n = self.step_threads.for_step(inp.meta.query_start_loc[-1], len(inp.meta.seq_lens))
-            self.thread_switches += use_threads(
-                n
-            )  # off too: a count another engine left here is not inherited
+            # set under ``off`` too: a count another engine left in this thread is not inherited
+            self.thread_switches += use_threads(n)
             self.steps_by_threads[n] += 1
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix)
         if not inp.sample_seqs:
