@@ -58,6 +58,9 @@ from rules.transcript import PrefixHasher, Recalled, TranscriptMemory
 MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
 
+PLAN_MEMO_ENTRIES = 1_024
+"""Most selections a ``RuleSet`` keeps the pass plan of (``RuleSet._plan``; cleared when full)."""
+
 _REPLY_ROLE = "assistant"
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -273,6 +276,9 @@ class RuleSet:
         text, applications, per-rule steps), so a repeated system prompt costs one lookup per pass, not one
         per rule."""
         self._pass_ids: dict[tuple[int, ...], int] = {}
+        self._plans: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, int, tuple[int, ...]], ...]] = {}
+        """``_plan``'s results by the messages each selector chose (at most ``PLAN_MEMO_ENTRIES``)."""
+        self._tool_rules = tuple(r for r in self.rules if r.action == "sort_tools")
         self.history_memo: BoundedLRU[tuple[Any, ...], Any] = (
             history_memo
             if history_memo is not None
@@ -570,21 +576,18 @@ class RuleSet:
         messages are appended to ``system_values`` (with their placement) and, in the first turn, also
         returned; the others are returned by the location they take in this turn. Reads only the turn (and,
         for a ``first`` selector, the messages up to its first match: ``firsts`` keeps those per request)."""
-        locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}
+        # rules change texts, never roles or the message count: each selector picks the same messages all along,
+        # and the placements' locations (which read roles only) are the same before and after the passes
+        locations: dict[str, str] | None = None
         values: dict[str, list[str]] = {}
-        # rules change texts, never roles or the message count: each selector picks the same messages all along
         if firsts is None:
             firsts = {}
-        chosen = [_select_in_turn(selector, messages, start, end, firsts) for selector in self._selectors]
-        # a rule only touches the messages it selects, so a message's texts go through its own rules in rule
-        # order whatever the other messages do: one memoized pass per text, replayed below in rule-major order
-        slots_of: dict[int, list[int]] = {}
-        for slot, (_, selector, _, _) in enumerate(self._turn_rules):
-            for index in chosen[selector]:
-                slots_of.setdefault(index, []).append(slot)
-        plans = [
-            (index, self._pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())
-        ]
+        chosen = tuple(
+            _select_in_turn(selector, messages, start, end, firsts) for selector in self._selectors
+        )
+        plans = self._plans.get(chosen)
+        if plans is None:
+            plans = self._plan(chosen)
         for _ in range(MAX_PASSES):
             steps: list[tuple[int, int, int, int, tuple[str, ...]]] = []  # (slot, message, part, n, hoisted)
             for index, pass_id, slots in plans:
@@ -607,8 +610,29 @@ class RuleSet:
                     if index < systems:
                         system_values.append((rule.placement, value))
                     if index >= systems or turn == 0:
+                        if locations is None:
+                            locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}
                         values.setdefault(locations[rule.placement], []).append(value)
         return values
+
+    def _plan(self, chosen: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """(message index, pass id, rule slots) for each message some rule selects, in message order, given the
+        messages each distinct selector chose (``chosen``, in ``self._selectors`` order); kept in ``_plans``
+        (a pure function of ``chosen``: a chatbot's turns all choose alike).
+
+        A rule only touches the messages it selects, so a message's texts go through its own rules in rule
+        order whatever the other messages do: one memoized pass per text, replayed in rule-major order."""
+        slots_of: dict[int, list[int]] = {}
+        for slot, (_, selector, _, _) in enumerate(self._turn_rules):
+            for index in chosen[selector]:
+                slots_of.setdefault(index, []).append(slot)
+        plans = tuple(
+            (index, self._pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())
+        )
+        if len(self._plans) >= PLAN_MEMO_ENTRIES:
+            self._plans.clear()
+        self._plans[chosen] = plans
+        return plans
 
     def _pass_id(self, slots: tuple[int, ...]) -> int:
         """A small number naming one sequence of rule slots (the pass memo's index)."""
@@ -634,8 +658,8 @@ class RuleSet:
     def _apply_tool_rules(
         self, tools: list[dict[str, Any]] | None, applied: Counter[str]
     ) -> list[dict[str, Any]] | None:
-        for rule in self.rules:
-            if rule.action == "sort_tools" and tools:
+        for rule in self._tool_rules:
+            if tools:
                 sorted_tools = sort_tools(tools)
                 if _differs(sorted_tools, tools):
                     applied[rule.id] += 1
@@ -682,25 +706,25 @@ def _select_in_turn(
     start: int,
     end: int,
     firsts: dict[Any, int | None],
-) -> list[int]:
-    """``[i for i in selector.select(messages[:end]) if i >= start]``, reading only the turn (and, for a
+) -> tuple[int, ...]:
+    """``tuple(i for i in selector.select(messages[:end]) if i >= start)``, reading only the turn (and, for a
     ``first`` selector, the messages up to its first match, found once per request in ``firsts``)."""
     roles = selector.roles
     if selector.index is not None:
         i = selector.index if selector.index >= 0 else end + selector.index
         ok = 0 <= i < end and i >= start and (roles is None or messages[i].get("role") in roles)
-        return [i] if ok else []
+        return (i,) if ok else ()
     if selector.position == "first":
         if selector not in firsts:
             firsts[selector] = next(
                 (i for i, m in enumerate(messages) if roles is None or m.get("role") in roles), None
             )
         first = firsts[selector]
-        return [first] if first is not None and start <= first < end else []
+        return (first,) if first is not None and start <= first < end else ()
     if roles is None:
-        indices: list[int] = list(range(start, end))
+        indices: tuple[int, ...] = tuple(range(start, end))
     else:
-        indices = [i for i in range(start, end) if messages[i].get("role") in roles]
+        indices = tuple(i for i in range(start, end) if messages[i].get("role") in roles)
     if selector.position == "last":
         return indices[-1:]
     return indices
