@@ -25,8 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from typing import Any
 
 from rules.actions import apply_span_action, canonical_json, normalize_text, sort_tools
 from rules.bounded_lru import BoundedLRU
+from rules.history_memo import RULESET_TAGS, FirstTurn, LaterTurns, json_chars, new_history_memo, raw_items
 from rules.messages import check_shape, copy_json, get_text, leading_system_count, set_text, text_parts
 from rules.model import PLACEMENTS, MessageSelector, Rule, with_keep_rules
 from rules.placement import (
@@ -62,93 +61,6 @@ PLAN_MEMO_ENTRIES = 1_024
 """Most selections a ``RuleSet`` keeps the pass plan of (``RuleSet._plan``; cleared when full)."""
 
 _REPLY_ROLE = "assistant"
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-
-HISTORY_MEMO_ENTRIES = 4_096
-"""Most conversation prefixes a ``RuleSet`` keeps (``RuleSet.history_memo``; learned rule sets share their base
-rule set's memo, so this bounds them all together)."""
-
-_RULESET_TAGS = itertools.count()
-"""A tag per ``RuleSet``, the second item of its ``history_memo`` keys (a memo may be shared)."""
-
-HISTORY_MEMO_CHARS = 16_000_000
-"""Most characters those prefixes hold, summed per prefix (a conversation's prefixes share their messages, so
-the memory held is at most this)."""
-
-
-class _FirstTurn:
-    """What the first turn of a request gave (blocks taken out, rules run), kept under the turn as sent
-    (``RuleSet.history_memo``, key ``("first", rule set tag, scope, messages as sent)``). Never mutated, never handed out.
-
-    Attributes:
-        processed: its messages, blocks out and rules run.
-        carried, own: values of the blocks taken out / values the rules hoisted, by location.
-        applied: rule id -> applications, in first-application order.
-        system_values: (placement, value) hoisted from the leading system messages.
-        items: ``_raw_items(processed)``: the first turn in the keys of the later turns' memo.
-        chars: about how many characters it holds (the memo's cost).
-    """
-
-    __slots__ = ("processed", "carried", "own", "applied", "system_values", "items", "chars")
-
-    def __init__(
-        self,
-        processed: tuple[dict[str, Any], ...],
-        carried: dict[str, list[str]],
-        own: dict[str, list[str]],
-        applied: tuple[tuple[str, int], ...],
-        system_values: tuple[tuple[str, str], ...],
-        items: tuple[Any, ...],
-    ) -> None:
-        self.processed = processed
-        self.carried = carried
-        self.own = own
-        self.applied = applied
-        self.system_values = system_values
-        self.items = items
-        self.chars = sum(_json_chars(m) for m in processed)
-
-
-class _LaterTurns:
-    """What the turns after the first of one request gave, kept to go on from when a later request of the
-    conversation begins with that request (``RuleSet.history_memo``, key ``("later", scope, canonical tools,
-    the first turn as processed, the later turns as sent)``: a first turn whose hoisted values changed, e.g. a
-    system prompt with the current time, still finds them). Never mutated once stored, never handed out.
-
-    Attributes:
-        processed: the later turns' messages, blocks out and rules run.
-        spans: their turns (indices in the whole request, the first turn's processed messages before them).
-        carried, own: per turn, values of the blocks taken out / values the rules hoisted, by location.
-        applied: rule id -> applications in these turns, in first-application order.
-        hasher: the transcript key hasher fed with the whole request's processed messages (or None).
-        keys: the transcript keys of the processed request up to each later turn, then of all of it.
-        key: its key in the memo.
-        chars: about how many characters it holds (the memo's cost).
-    """
-
-    __slots__ = ("processed", "spans", "carried", "own", "applied", "hasher", "keys", "key", "chars")
-
-    def __init__(
-        self,
-        processed: tuple[dict[str, Any], ...],
-        spans: tuple[tuple[int, int], ...],
-        carried: tuple[dict[str, list[str]], ...],
-        own: tuple[dict[str, list[str]], ...],
-        applied: tuple[tuple[str, int], ...],
-        hasher: PrefixHasher | None,
-        keys: tuple[bytes, ...],
-        key: tuple[Any, ...],
-        chars: int,
-    ) -> None:
-        self.processed = processed
-        self.spans = spans
-        self.carried = carried
-        self.own = own
-        self.applied = applied
-        self.hasher = hasher
-        self.keys = keys
-        self.key = key
-        self.chars = chars
 
 
 @dataclass
@@ -172,8 +84,8 @@ class _Turns:
     applied: Counter[str]
     system_values: list[tuple[str, str]]
     merged: bool = False
-    first: _FirstTurn | None = None
-    later: _LaterTurns | None = None
+    first: FirstTurn | None = None
+    later: LaterTurns | None = None
     later_applied: Counter[str] | None = None
 
 
@@ -280,14 +192,12 @@ class RuleSet:
         """``_plan``'s results by the messages each selector chose (at most ``PLAN_MEMO_ENTRIES``)."""
         self._tool_rules = tuple(r for r in self.rules if r.action == "sort_tools")
         self.history_memo: BoundedLRU[tuple[Any, ...], Any] = (
-            history_memo
-            if history_memo is not None
-            else BoundedLRU(HISTORY_MEMO_ENTRIES, (HISTORY_MEMO_CHARS,), lambda _, state: (state.chars,))
+            history_memo if history_memo is not None else new_history_memo()
         )
-        self._memo_tag = next(_RULESET_TAGS)  # this rule set's keys in a memo shared with others
+        self._memo_tag = next(RULESET_TAGS)  # this rule set's keys in a memo shared with others
         """What canonicalizing the turns of earlier requests gave: ``("first", scope, first turn as sent)`` ->
-        ``_FirstTurn``; ``("later", scope, canonical tools, first turn as processed, later turns as sent)`` ->
-        ``_LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
+        ``FirstTurn``; ``("later", scope, canonical tools, first turn as processed, later turns as sent)`` ->
+        ``LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
         conversation extends them)."""
 
     @property
@@ -347,7 +257,7 @@ class RuleSet:
         tools = self._apply_tool_rules(tools, applied)
         tools_json = canonical_json(tools)
         raw_spans = turn_spans(messages)
-        items = _raw_items(messages)
+        items = raw_items(messages)
         done = self._turns_incremental(messages, raw_spans, items, scope, tools_json) if items else None
         if done is None:
             done = self._turns_full(messages, raw_spans, scope)
@@ -397,11 +307,9 @@ class RuleSet:
                 key_scope, key_tools = later.key[1], later.key[2]
                 later_items[: len(later.key[4])] = later.key[4]
             done_before = len(first.processed) + (len(later.processed) if later is not None else 0)
-            chars = (later.chars if later is not None else 0) + sum(
-                _json_chars(m) for m in work[done_before:]
-            )
+            chars = (later.chars if later is not None else 0) + sum(json_chars(m) for m in work[done_before:])
             assert done.later_applied is not None
-            state = _LaterTurns(
+            state = LaterTurns(
                 tuple(work[len(first.processed) :]),
                 tuple(spans[1:]),
                 tuple(carried[1:]),
@@ -494,17 +402,17 @@ class RuleSet:
             applied0: Counter[str] = Counter()
             values0: list[tuple[str, str]] = []
             own0 = self._apply_turn(w0, 0, len(w0), 0, leading_system_count(w0), applied0, values0, scope, {})
-            items0 = _raw_items(w0)
+            items0 = raw_items(w0)
             if items0 is None:
                 return None
-            first = _FirstTurn(
+            first = FirstTurn(
                 tuple(w0), carried0, own0, tuple(applied0.items()), tuple(values0), tuple(items0)
             )
             if len(raw_spans) > 1:
                 # kept once the conversation has a second turn: a one-turn request (a chatbot's single question)
                 # stores nothing here, and its next turn recomputes the first from the pass memo, once
                 self.history_memo.put(first_key, first)
-        later: _LaterTurns | None = None
+        later: LaterTurns | None = None
         k = 1
         n_turns = len(raw_spans)
         if n_turns > 2:
@@ -728,34 +636,6 @@ def _select_in_turn(
     if selector.position == "last":
         return indices[-1:]
     return indices
-
-
-def _raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:
-    """Each message as sent, as a hashable value equal only for equal messages (key order included): a
-    two-key message with a string ``content`` (so ``{"role": str, "content": str}`` in either order, after
-    ``check_shape``) as the tuple of its items, any other as its JSON text (which tells ``1``, ``1.0`` and
-    ``true`` apart); None when a message is not JSON data. ``RuleSet.history_memo`` is keyed by tuples of these:
-    a lookup compares the keys in full, so a hit is never a collision."""
-    try:
-        return [
-            tuple(m.items()) if len(m) == 2 and type(m.get("content")) is str else _COMPACT.encode(m)
-            for m in messages
-        ]
-    except (TypeError, ValueError):
-        return None
-
-
-def _json_chars(value: Any) -> int:
-    """About how many characters ``value`` holds (strings' lengths, 8 per other value): the cost of a
-    message in ``history_memo``."""
-    t = type(value)
-    if t is str:
-        return len(value)
-    if t is dict:
-        return sum(len(k) + _json_chars(v) for k, v in value.items()) + 8
-    if t is list:
-        return sum(_json_chars(v) for v in value) + 8
-    return 8
 
 
 def _differs(a: Any, b: Any) -> bool:
