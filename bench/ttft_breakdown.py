@@ -32,8 +32,11 @@ PROBES = (
     "gateway.service.pipeline:canonicalize",
     "gateway.backends.embedded_request:generation_request",
     "engine.async_engine:AsyncEngine.generate",
+    "engine.tokenizer:Tokenizer.render_chat",
     "engine.tokenizer:Tokenizer.apply_chat_template",
     "engine.tokenizer:Tokenizer.encode",
+    "engine.piece_memo:PieceMemo.encode_ids",
+    "engine.piece_memo:PieceMemo.encode",
     "engine.llm_engine:LLMEngine.check_prompt",
     "engine.async_engine:AsyncEngine.shared_prefix_tokens",
     "engine.llm_engine:LLMEngine.add_checked_request",
@@ -52,6 +55,10 @@ PROBES = (
     "engine.async_engine:AsyncEngine._post",
     "gateway.service.pipeline:OpenedStream._explain",
     "gateway.service.cache_explain:CacheExplanations.explain",
+    "gateway.service.cache_explain:CacheExplanations.prepare",
+    "gateway.backends.embedded:EnginePromptTokenizer.encode",
+    "gateway.backends.embedded:EnginePromptTokenizer.encode_in_scope",
+    "gateway.service.miss_explain:MissExplainer.explain",
 )
 
 _EVENTS: list[tuple[str, float, float, str]] = []
@@ -95,12 +102,15 @@ def install_probes(probes: tuple[str, ...] = PROBES) -> list[str]:
     installed = []
     for spec in probes:
         module_name, qual = spec.split(":")
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
         parts = qual.split(".")
         owner = module
         for p in parts[:-1]:
-            owner = getattr(owner, p)
-        if not hasattr(owner, parts[-1]):
+            owner = getattr(owner, p, None)
+        if owner is None or not hasattr(owner, parts[-1]):
             continue
         original = getattr(owner, parts[-1])
         _wrap(owner, parts[-1], qual)
@@ -133,7 +143,7 @@ def serve_with_probes(config: str, events_path: str) -> int:
     return gateway.cli.main(["serve", "--config", config, "--log-level", "warning"])
 
 
-def run(threads: int, repeats: int, system_words: int) -> dict:
+def run(threads: int, repeats: int, system_words: int, checkout: str | None = None) -> dict:
     from bench.engine import QUESTIONS
     from bench.peers import Server, chat, free_port, prefixgate_engine_settings, system_text
     from engine.checkpoint import default_model_path
@@ -157,8 +167,10 @@ def run(threads: int, repeats: int, system_words: int) -> dict:
     events_path = workdir / "events.json"
     log = workdir / "server.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if checkout is not None:  # that checkout's gateway and engine, this file's probes
+        env["PYTHONPATH"] = str(Path(checkout).resolve())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.ttft_breakdown", "--serve", str(config), str(events_path)],
+        [sys.executable, str(Path(__file__).resolve()), "--serve", str(config), str(events_path)],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -240,13 +252,16 @@ def gaps(events: list, t0: float, t1: float) -> dict[str, float]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        here = Path(__file__).resolve().parent  # run as a file: its folder (bench/, with engine.py) goes first
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         raise SystemExit(serve_with_probes(sys.argv[2], sys.argv[3]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--system-words", type=int, default=590)
+    ap.add_argument("--checkout", default=None, help="serve this checkout's code (default: this one)")
     args = ap.parse_args()
-    out = run(args.threads, args.repeats, args.system_words)
+    out = run(args.threads, args.repeats, args.system_words, args.checkout)
     print(f"load average {os.getloadavg()}")
     print(f"{'probe (mean ms inside the TTFT window)':<48}{'W1':>9}{'W2':>9}{'W4':>9}")
     for name in [*out["probes"], *GAPS]:
