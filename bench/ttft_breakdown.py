@@ -252,7 +252,9 @@ def gaps(events: list, t0: float, t1: float) -> dict[str, float]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        here = Path(__file__).resolve().parent  # run as a file: its folder (bench/, with engine.py) goes first
+        here = (
+            Path(__file__).resolve().parent
+        )  # run as a file: its folder (bench/, with engine.py) goes first
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         raise SystemExit(serve_with_probes(sys.argv[2], sys.argv[3]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
