@@ -332,7 +332,6 @@ async def test_a_failing_forward_ends_every_stream_with_a_named_error_and_frees_
     await eng.shutdown()
 
 
-
 async def test_prompts_from_the_tokenizer_memo_equal_whole_encodes_per_tenant(engine):
     """A repeated system prompt comes from the tokenizer's piece memo of its tenant (engine.piece_memo): the
     prompt ids, tokens and cached counts are those of a whole-text encode of the rendered chat."""
