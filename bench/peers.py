@@ -3,7 +3,9 @@
 Both serve the same GGUF with the same thread count; llama-server with 8 parallel slots and the same total
 context as our KV pool. Every request goes to one server and then the same request to the other (the order
 alternates), so load from other processes on this shared machine falls on both. Figures are client-side,
-from streamed OpenAI chat completions (``/v1/chat/completions``, greedy):
+from streamed OpenAI chat completions (``/v1/chat/completions``, greedy) sent through one keep-alive
+``httpx.Client`` per server (``Server.http_client``, as an SDK client is reused; until session 8 each request
+built its own client, whose set-up was inside every TTFT, both servers'):
 
 - W1 cold TTFT: a new ~1,000-token system prompt (a fresh session line first, so no server has it cached) and
   a ~50-token question, ``max_tokens=1``.
@@ -70,6 +72,7 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+    _client: httpx.Client | None = None
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         t0 = time.monotonic()
@@ -90,7 +93,17 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout} s; log: {self.log}")
 
+    def http_client(self) -> httpx.Client:
+        """The one keep-alive client of this server (made on first use), as an SDK client is reused: a new
+        ``httpx.Client`` per request (what ``httpx.stream`` builds) costs tens of milliseconds of SSL context
+        set-up on this machine, before the request is sent, inside every TTFT measured from the call."""
+        if self._client is None:
+            self._client = httpx.Client(timeout=600)
+        return self._client
+
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
         self.proc.terminate()
         try:
             self.proc.wait(10)
@@ -164,11 +177,12 @@ def chat(server: Server, system: str, question: str, max_tokens: int) -> Result:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    client = server.http_client()
     t0 = time.perf_counter()
     first = last = None
     chunks = 0
     usage_tokens = None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with client.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{server.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():

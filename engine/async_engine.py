@@ -149,15 +149,17 @@ class AsyncEngine:
         messages: Sequence[dict],
         tools: Sequence[dict] | None = None,
         continue_final_message: bool = False,
+        scope: str = "",
     ) -> list[int]:
         """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (tools, tool calls
         and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section;
         the final message left open when ``continue_final_message``, see ``Tokenizer.apply_chat_template``).
+        ``scope``: the tokenizer memo's partition (the tenant: ``engine.piece_memo``); the ids never depend on it.
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.
         """
-        return self._tokenizer.render_chat(messages, tools, continue_final_message)
+        return self._tokenizer.render_chat(messages, tools, continue_final_message, scope)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and gauges."""
@@ -302,7 +304,7 @@ class AsyncEngine:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            return self.render_chat(req.messages, req.tools, req.continue_final_message)
+            return self.render_chat(req.messages, req.tools, req.continue_final_message, req.cache_salt)
         if not isinstance(req.prompt, str) or not req.prompt:
             raise InvalidRequestError("prompt must be a non-empty string", "prompt")
         return self._tokenizer.encode(req.prompt, add_special_tokens=True)

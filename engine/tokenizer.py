@@ -47,6 +47,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.piece_memo import PieceMemo
 from engine.tool_calls import function_tools, render_messages_with_tools
 
 # GPT-2's split (llama.cpp "gpt2"/"default" BPE; the ByteLevel pre-tokenizer's own regex).
@@ -252,6 +253,9 @@ class Tokenizer:
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self._compiled: dict[str, jinja2.Template] = {}
+        self.pieces = PieceMemo(backend)
+        """The memo of encoded pieces between special tokens (``engine.piece_memo``) ``render_chat`` and
+        ``encode_with_offsets`` use."""
 
     # ----- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -370,6 +374,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` applies the checkpoint's BOS/EOS rule."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str, scope: str = "") -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` (no special tokens added) and the start character of each, as
+        ``backend.encode(text).offsets`` gives them; the pieces between special tokens memoized under ``scope``
+        (the caller's tenant, ``engine.piece_memo``)."""
+        return self.pieces.encode(text, scope)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids (incomplete UTF-8 sequences come out as U+FFFD)."""
@@ -522,16 +532,19 @@ class Tokenizer:
         messages: Sequence[dict],
         tools: Sequence[dict] | None = None,
         continue_final_message: bool = False,
+        scope: str = "",
     ) -> list[int]:
         """Token ids of the rendered chat (generation prompt added, or the final message left open, see
-        ``apply_chat_template``), encoded without adding special tokens."""
+        ``apply_chat_template``), encoded without adding special tokens: equal to ``encode(text)``, the pieces
+        between special tokens (a system prompt, earlier turns) taken from the memo of ``scope`` (the caller's
+        tenant) when they were encoded before (``engine.piece_memo``)."""
         text = self.apply_chat_template(
             messages,
             tools,
             add_generation_prompt=not continue_final_message,
             continue_final_message=continue_final_message,
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.pieces.encode_ids(text, scope)
 
 
 def _token_content(value) -> str | None:

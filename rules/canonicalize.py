@@ -25,8 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from typing import Any
 
 from rules.actions import apply_span_action, canonical_json, normalize_text, sort_tools
 from rules.bounded_lru import BoundedLRU
+from rules.history_memo import RULESET_TAGS, FirstTurn, LaterTurns, json_chars, new_history_memo, raw_items
 from rules.messages import check_shape, copy_json, get_text, leading_system_count, set_text, text_parts
 from rules.model import PLACEMENTS, MessageSelector, Rule, with_keep_rules
 from rules.placement import (
@@ -58,94 +57,10 @@ from rules.transcript import PrefixHasher, Recalled, TranscriptMemory
 MAX_PASSES = 8
 """Upper bound on rule passes per request (a pass that changes nothing ends the loop)."""
 
+PLAN_MEMO_ENTRIES = 1_024
+"""Most selections a ``RuleSet`` keeps the pass plan of (``RuleSet._plan``; cleared when full)."""
+
 _REPLY_ROLE = "assistant"
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-
-HISTORY_MEMO_ENTRIES = 4_096
-"""Most conversation prefixes a ``RuleSet`` keeps (``RuleSet.history_memo``; learned rule sets share their base
-rule set's memo, so this bounds them all together)."""
-
-_RULESET_TAGS = itertools.count()
-"""A tag per ``RuleSet``, the second item of its ``history_memo`` keys (a memo may be shared)."""
-
-HISTORY_MEMO_CHARS = 16_000_000
-"""Most characters those prefixes hold, summed per prefix (a conversation's prefixes share their messages, so
-the memory held is at most this)."""
-
-
-class _FirstTurn:
-    """What the first turn of a request gave (blocks taken out, rules run), kept under the turn as sent
-    (``RuleSet.history_memo``, key ``("first", rule set tag, scope, messages as sent)``). Never mutated, never handed out.
-
-    Attributes:
-        processed: its messages, blocks out and rules run.
-        carried, own: values of the blocks taken out / values the rules hoisted, by location.
-        applied: rule id -> applications, in first-application order.
-        system_values: (placement, value) hoisted from the leading system messages.
-        items: ``_raw_items(processed)``: the first turn in the keys of the later turns' memo.
-        chars: about how many characters it holds (the memo's cost).
-    """
-
-    __slots__ = ("processed", "carried", "own", "applied", "system_values", "items", "chars")
-
-    def __init__(
-        self,
-        processed: tuple[dict[str, Any], ...],
-        carried: dict[str, list[str]],
-        own: dict[str, list[str]],
-        applied: tuple[tuple[str, int], ...],
-        system_values: tuple[tuple[str, str], ...],
-        items: tuple[Any, ...],
-    ) -> None:
-        self.processed = processed
-        self.carried = carried
-        self.own = own
-        self.applied = applied
-        self.system_values = system_values
-        self.items = items
-        self.chars = sum(_json_chars(m) for m in processed)
-
-
-class _LaterTurns:
-    """What the turns after the first of one request gave, kept to go on from when a later request of the
-    conversation begins with that request (``RuleSet.history_memo``, key ``("later", scope, canonical tools,
-    the first turn as processed, the later turns as sent)``: a first turn whose hoisted values changed, e.g. a
-    system prompt with the current time, still finds them). Never mutated once stored, never handed out.
-
-    Attributes:
-        processed: the later turns' messages, blocks out and rules run.
-        spans: their turns (indices in the whole request, the first turn's processed messages before them).
-        carried, own: per turn, values of the blocks taken out / values the rules hoisted, by location.
-        applied: rule id -> applications in these turns, in first-application order.
-        hasher: the transcript key hasher fed with the whole request's processed messages (or None).
-        keys: the transcript keys of the processed request up to each later turn, then of all of it.
-        key: its key in the memo.
-        chars: about how many characters it holds (the memo's cost).
-    """
-
-    __slots__ = ("processed", "spans", "carried", "own", "applied", "hasher", "keys", "key", "chars")
-
-    def __init__(
-        self,
-        processed: tuple[dict[str, Any], ...],
-        spans: tuple[tuple[int, int], ...],
-        carried: tuple[dict[str, list[str]], ...],
-        own: tuple[dict[str, list[str]], ...],
-        applied: tuple[tuple[str, int], ...],
-        hasher: PrefixHasher | None,
-        keys: tuple[bytes, ...],
-        key: tuple[Any, ...],
-        chars: int,
-    ) -> None:
-        self.processed = processed
-        self.spans = spans
-        self.carried = carried
-        self.own = own
-        self.applied = applied
-        self.hasher = hasher
-        self.keys = keys
-        self.key = key
-        self.chars = chars
 
 
 @dataclass
@@ -169,8 +84,8 @@ class _Turns:
     applied: Counter[str]
     system_values: list[tuple[str, str]]
     merged: bool = False
-    first: _FirstTurn | None = None
-    later: _LaterTurns | None = None
+    first: FirstTurn | None = None
+    later: LaterTurns | None = None
     later_applied: Counter[str] | None = None
 
 
@@ -273,15 +188,16 @@ class RuleSet:
         text, applications, per-rule steps), so a repeated system prompt costs one lookup per pass, not one
         per rule."""
         self._pass_ids: dict[tuple[int, ...], int] = {}
+        self._plans: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, int, tuple[int, ...]], ...]] = {}
+        """``_plan``'s results by the messages each selector chose (at most ``PLAN_MEMO_ENTRIES``)."""
+        self._tool_rules = tuple(r for r in self.rules if r.action == "sort_tools")
         self.history_memo: BoundedLRU[tuple[Any, ...], Any] = (
-            history_memo
-            if history_memo is not None
-            else BoundedLRU(HISTORY_MEMO_ENTRIES, (HISTORY_MEMO_CHARS,), lambda _, state: (state.chars,))
+            history_memo if history_memo is not None else new_history_memo()
         )
-        self._memo_tag = next(_RULESET_TAGS)  # this rule set's keys in a memo shared with others
+        self._memo_tag = next(RULESET_TAGS)  # this rule set's keys in a memo shared with others
         """What canonicalizing the turns of earlier requests gave: ``("first", scope, first turn as sent)`` ->
-        ``_FirstTurn``; ``("later", scope, canonical tools, first turn as processed, later turns as sent)`` ->
-        ``_LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
+        ``FirstTurn``; ``("later", scope, canonical tools, first turn as processed, later turns as sent)`` ->
+        ``LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
         conversation extends them)."""
 
     @property
@@ -341,7 +257,7 @@ class RuleSet:
         tools = self._apply_tool_rules(tools, applied)
         tools_json = canonical_json(tools)
         raw_spans = turn_spans(messages)
-        items = _raw_items(messages)
+        items = raw_items(messages)
         done = self._turns_incremental(messages, raw_spans, items, scope, tools_json) if items else None
         if done is None:
             done = self._turns_full(messages, raw_spans, scope)
@@ -391,11 +307,9 @@ class RuleSet:
                 key_scope, key_tools = later.key[1], later.key[2]
                 later_items[: len(later.key[4])] = later.key[4]
             done_before = len(first.processed) + (len(later.processed) if later is not None else 0)
-            chars = (later.chars if later is not None else 0) + sum(
-                _json_chars(m) for m in work[done_before:]
-            )
+            chars = (later.chars if later is not None else 0) + sum(json_chars(m) for m in work[done_before:])
             assert done.later_applied is not None
-            state = _LaterTurns(
+            state = LaterTurns(
                 tuple(work[len(first.processed) :]),
                 tuple(spans[1:]),
                 tuple(carried[1:]),
@@ -488,17 +402,17 @@ class RuleSet:
             applied0: Counter[str] = Counter()
             values0: list[tuple[str, str]] = []
             own0 = self._apply_turn(w0, 0, len(w0), 0, leading_system_count(w0), applied0, values0, scope, {})
-            items0 = _raw_items(w0)
+            items0 = raw_items(w0)
             if items0 is None:
                 return None
-            first = _FirstTurn(
+            first = FirstTurn(
                 tuple(w0), carried0, own0, tuple(applied0.items()), tuple(values0), tuple(items0)
             )
             if len(raw_spans) > 1:
                 # kept once the conversation has a second turn: a one-turn request (a chatbot's single question)
                 # stores nothing here, and its next turn recomputes the first from the pass memo, once
                 self.history_memo.put(first_key, first)
-        later: _LaterTurns | None = None
+        later: LaterTurns | None = None
         k = 1
         n_turns = len(raw_spans)
         if n_turns > 2:
@@ -570,21 +484,18 @@ class RuleSet:
         messages are appended to ``system_values`` (with their placement) and, in the first turn, also
         returned; the others are returned by the location they take in this turn. Reads only the turn (and,
         for a ``first`` selector, the messages up to its first match: ``firsts`` keeps those per request)."""
-        locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}
+        # rules change texts, never roles or the message count: each selector picks the same messages all along,
+        # and the placements' locations (which read roles only) are the same before and after the passes
+        locations: dict[str, str] | None = None
         values: dict[str, list[str]] = {}
-        # rules change texts, never roles or the message count: each selector picks the same messages all along
         if firsts is None:
             firsts = {}
-        chosen = [_select_in_turn(selector, messages, start, end, firsts) for selector in self._selectors]
-        # a rule only touches the messages it selects, so a message's texts go through its own rules in rule
-        # order whatever the other messages do: one memoized pass per text, replayed below in rule-major order
-        slots_of: dict[int, list[int]] = {}
-        for slot, (_, selector, _, _) in enumerate(self._turn_rules):
-            for index in chosen[selector]:
-                slots_of.setdefault(index, []).append(slot)
-        plans = [
-            (index, self._pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())
-        ]
+        chosen = tuple(
+            _select_in_turn(selector, messages, start, end, firsts) for selector in self._selectors
+        )
+        plans = self._plans.get(chosen)
+        if plans is None:
+            plans = self._plan(chosen)
         for _ in range(MAX_PASSES):
             steps: list[tuple[int, int, int, int, tuple[str, ...]]] = []  # (slot, message, part, n, hoisted)
             for index, pass_id, slots in plans:
@@ -607,8 +518,29 @@ class RuleSet:
                     if index < systems:
                         system_values.append((rule.placement, value))
                     if index >= systems or turn == 0:
+                        if locations is None:
+                            locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}
                         values.setdefault(locations[rule.placement], []).append(value)
         return values
+
+    def _plan(self, chosen: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """(message index, pass id, rule slots) for each message some rule selects, in message order, given the
+        messages each distinct selector chose (``chosen``, in ``self._selectors`` order); kept in ``_plans``
+        (a pure function of ``chosen``: a chatbot's turns all choose alike).
+
+        A rule only touches the messages it selects, so a message's texts go through its own rules in rule
+        order whatever the other messages do: one memoized pass per text, replayed in rule-major order."""
+        slots_of: dict[int, list[int]] = {}
+        for slot, (_, selector, _, _) in enumerate(self._turn_rules):
+            for index in chosen[selector]:
+                slots_of.setdefault(index, []).append(slot)
+        plans = tuple(
+            (index, self._pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())
+        )
+        if len(self._plans) >= PLAN_MEMO_ENTRIES:
+            self._plans.clear()
+        self._plans[chosen] = plans
+        return plans
 
     def _pass_id(self, slots: tuple[int, ...]) -> int:
         """A small number naming one sequence of rule slots (the pass memo's index)."""
@@ -634,8 +566,8 @@ class RuleSet:
     def _apply_tool_rules(
         self, tools: list[dict[str, Any]] | None, applied: Counter[str]
     ) -> list[dict[str, Any]] | None:
-        for rule in self.rules:
-            if rule.action == "sort_tools" and tools:
+        for rule in self._tool_rules:
+            if tools:
                 sorted_tools = sort_tools(tools)
                 if _differs(sorted_tools, tools):
                     applied[rule.id] += 1
@@ -682,56 +614,28 @@ def _select_in_turn(
     start: int,
     end: int,
     firsts: dict[Any, int | None],
-) -> list[int]:
-    """``[i for i in selector.select(messages[:end]) if i >= start]``, reading only the turn (and, for a
+) -> tuple[int, ...]:
+    """``tuple(i for i in selector.select(messages[:end]) if i >= start)``, reading only the turn (and, for a
     ``first`` selector, the messages up to its first match, found once per request in ``firsts``)."""
     roles = selector.roles
     if selector.index is not None:
         i = selector.index if selector.index >= 0 else end + selector.index
         ok = 0 <= i < end and i >= start and (roles is None or messages[i].get("role") in roles)
-        return [i] if ok else []
+        return (i,) if ok else ()
     if selector.position == "first":
         if selector not in firsts:
             firsts[selector] = next(
                 (i for i, m in enumerate(messages) if roles is None or m.get("role") in roles), None
             )
         first = firsts[selector]
-        return [first] if first is not None and start <= first < end else []
+        return (first,) if first is not None and start <= first < end else ()
     if roles is None:
-        indices: list[int] = list(range(start, end))
+        indices: tuple[int, ...] = tuple(range(start, end))
     else:
-        indices = [i for i in range(start, end) if messages[i].get("role") in roles]
+        indices = tuple(i for i in range(start, end) if messages[i].get("role") in roles)
     if selector.position == "last":
         return indices[-1:]
     return indices
-
-
-def _raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:
-    """Each message as sent, as a hashable value equal only for equal messages (key order included): a
-    two-key message with a string ``content`` (so ``{"role": str, "content": str}`` in either order, after
-    ``check_shape``) as the tuple of its items, any other as its JSON text (which tells ``1``, ``1.0`` and
-    ``true`` apart); None when a message is not JSON data. ``RuleSet.history_memo`` is keyed by tuples of these:
-    a lookup compares the keys in full, so a hit is never a collision."""
-    try:
-        return [
-            tuple(m.items()) if len(m) == 2 and type(m.get("content")) is str else _COMPACT.encode(m)
-            for m in messages
-        ]
-    except (TypeError, ValueError):
-        return None
-
-
-def _json_chars(value: Any) -> int:
-    """About how many characters ``value`` holds (strings' lengths, 8 per other value): the cost of a
-    message in ``history_memo``."""
-    t = type(value)
-    if t is str:
-        return len(value)
-    if t is dict:
-        return sum(len(k) + _json_chars(v) for k, v in value.items()) + 8
-    if t is list:
-        return sum(_json_chars(v) for v in value) + 8
-    return 8
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -37,6 +37,14 @@ _DOC_OPEN = re2.compile(r"(?i)<(?:documents?|doc)(?:\s[^>]*)?>")
 _DOC_CLOSE = re2.compile(r"(?i)</(?:documents?|doc)>")
 
 
+def may_open_document(text: str) -> bool:
+    """False only when ``text`` holds no opening document tag (``_DOC_OPEN``): every match begins with ``<d``
+    or ``<D`` (RE2's case folding pairs ``d`` with ``D`` alone). Two substring scans in C instead of an RE2
+    search, whose Python wrapper encodes the text and maps offsets on every call: most texts hold no
+    document, and this runs several times per request (docs/overhead.md, session 8)."""
+    return "<d" in text or "<D" in text
+
+
 class SegmentLevel(enum.IntEnum):
     """How stable a segment is, in prompt order (see the module docstring). An ``IntEnum``: levels compare and
     serialize as the plain numbers 1-4."""
@@ -146,7 +154,7 @@ def normalize_position(messages: list[dict[str, Any]], pos: Position) -> Positio
 def document_end_in_text(text: str) -> int:
     """End offset of the document region of ``text`` (0 when it has none): the end of the last closing
     document tag that follows an opening one."""
-    opening = _DOC_OPEN.search(text)
+    opening = _DOC_OPEN.search(text) if may_open_document(text) else None
     if opening is None:
         return 0
     end = 0
@@ -170,7 +178,7 @@ def document_end(message: dict[str, Any]) -> Position | None:
     for part in text_parts(message):
         text = get_text(message, part)
         if not opened:
-            opening = _DOC_OPEN.search(text)
+            opening = _DOC_OPEN.search(text) if may_open_document(text) else None
             if opening is None:
                 continue
             opened = True

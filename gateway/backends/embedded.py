@@ -343,5 +343,10 @@ class EnginePromptTokenizer:
 
     def encode(self, text: str) -> tuple[list[int], list[int]]:
         """(token ids, start character of each token), without special tokens added."""
-        encoding = self._tokenizer.backend.encode(text, add_special_tokens=False)
-        return list(encoding.ids), [start for start, _ in encoding.offsets]
+        return self._tokenizer.encode_with_offsets(text)
+
+    def encode_in_scope(self, text: str, scope: str) -> tuple[list[int], list[int]]:
+        """``encode(text)``, the pieces between special tokens memoized under ``scope``: the tenant, whose
+        scope the engine renders the same request's prompt in (``engine.piece_memo``), so the explanation
+        of a request finds its prompt's long pieces already encoded."""
+        return self._tokenizer.encode_with_offsets(text, scope)

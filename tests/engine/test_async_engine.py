@@ -330,3 +330,28 @@ async def test_a_failing_forward_ends_every_stream_with_a_named_error_and_frees_
     with pytest.raises(EngineClosedError):
         eng.generate(GenerationRequest(prompt_token_ids=[5], params=greedy(1)))
     await eng.shutdown()
+
+
+async def test_prompts_from_the_tokenizer_memo_equal_whole_encodes_per_tenant(engine):
+    """A repeated system prompt comes from the tokenizer's piece memo of its tenant (engine.piece_memo): the
+    prompt ids, tokens and cached counts are those of a whole-text encode of the rendered chat."""
+    system = {"role": "system", "content": "You answer questions about the cache of prefix blocks. " * 8}
+    memo = engine.tokenizer.pieces
+    assert memo.exact
+    memo.clear()
+    hits, cached, tokens = [], [], []
+    core = make_engine()
+    for salt, question in [("a", "hi"), ("a", "what now?"), ("b", "what now?")]:
+        messages = [system, {"role": "user", "content": question}]
+        req = GenerationRequest(messages=messages, params=greedy(3), cache_salt=salt)
+        whole = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+        before = memo.hits
+        assert engine.prompt_token_ids(req) == whole
+        hits.append(memo.hits - before)
+        events = await collect(engine, req)
+        assert events[-1].usage.prompt_tokens == len(whole)
+        cached.append(events[-1].usage.cached_tokens)
+        tokens.append([t for e in events[:-1] for t in e.token_ids])
+        assert tokens[-1] == core.generate([whole], greedy(3))[0]
+    assert hits == [0, 1, 0]  # the first render of tenant a stored the system piece; b has its own scope
+    assert cached[0] == 0 and cached[1] > 16 and cached[2] == 0

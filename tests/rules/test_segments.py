@@ -7,9 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rules import SegmentLevel, load_ruleset
-from rules.segments import LEVEL_NAMES, Position, Segment, stable_material
+from rules.segments import (
+    _DOC_OPEN,
+    LEVEL_NAMES,
+    Position,
+    Segment,
+    document_end,
+    document_end_in_text,
+    may_open_document,
+    stable_material,
+)
 
 
 def test_segment_levels_are_the_numbers_1_to_4_in_prompt_order() -> None:
@@ -94,3 +105,27 @@ def test_list_content_documents_and_block(tmp_path: Path) -> None:
     material = json.loads(canon.stable_prefix_material())
     assert len(material["messages"][1]["content"]) == 2
     assert ruleset.apply(canon.messages).messages == canon.messages
+
+
+_TAG_ALPHABET = "<>/ dDoOcCuUmMeEnNtTsSſKk\u212a\u0130x\n"
+"""Characters of the document tags, their case variants (long s, Kelvin sign, dotted I: RE2 folds some of them)
+and a few others."""
+
+
+@given(st.text(alphabet=_TAG_ALPHABET, max_size=40))
+def test_the_document_prefilter_never_hides_an_opening_tag(text: str) -> None:
+    # may_open_document stands in front of _DOC_OPEN's search: False must mean RE2 finds nothing
+    if _DOC_OPEN.search(text) is not None:
+        assert may_open_document(text)
+    if not may_open_document(text):
+        assert document_end_in_text(text) == 0
+        assert document_end({"role": "user", "content": [{"type": "text", "text": text}]}) is None
+
+
+def test_the_document_prefilter_passes_every_tag_spelling() -> None:
+    for tag in ("<doc>", "<DOC>", "<Document>", "<documents id=1>", "<dOcUmEnTs>"):
+        text = f"before {tag}body</doc> after"
+        assert may_open_document(text) and _DOC_OPEN.search(text) is not None
+        assert document_end_in_text(text) == len(f"before {tag}body</doc>")
+    assert not may_open_document("no tags <request_context> here </docs>")
+    assert document_end_in_text("no tags <request_context> here </doc>") == 0

@@ -125,3 +125,27 @@ def test_ruleset_apply_keeps_each_tenants_memo_apart():
     assert other.to_dict() == again.to_dict()
     rules.text_cache.check()
     rules.pass_cache.check()
+
+
+def test_the_pass_plan_memo_gives_what_planning_afresh_gives_and_stays_bounded(monkeypatch) -> None:
+    from rules import canonicalize as canonical_module
+
+    ruleset = load_ruleset(["default"])
+    messages = [
+        {"role": "system", "content": "You are a bot. Today is 2026-12-01 09:45:12."},
+        {"role": "user", "content": "Session 6f1c9a2e-0b7d-4f7a-9c1e-2a4b8d0e1f3a: what now?"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "And at 10:15:00?"},
+    ]
+    fresh = load_ruleset(["default"]).apply(messages).to_dict()
+    assert ruleset.apply(messages).to_dict() == fresh
+    assert ruleset._plans  # the plans were kept
+    assert ruleset.apply(messages).to_dict() == fresh  # and give the same result when taken from the memo
+    monkeypatch.setattr(canonical_module, "PLAN_MEMO_ENTRIES", 2)
+    for n in range(6):  # conversations of different lengths choose different messages
+        ruleset.apply(
+            messages[:1]
+            + [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "a"}] * n
+            + messages[1:2]
+        )
+        assert len(ruleset._plans) <= 2

@@ -82,6 +82,11 @@ class SmolLM2Tokenizer:
         return list(enc.ids), [start for start, _ in enc.offsets]
 
 
+SHORT_PIECE_IDS = 256
+"""``Cl100kTokenizer.piece_offsets`` runs a Python loop up to this many ids (a question's piece: numpy's per-call
+costs are larger than the loop there) and numpy above it; both give the same offsets (tested)."""
+
+
 class Cl100kTokenizer:
     """tiktoken ``cl100k_base`` (offline copy) over a plain layout: per message a ``<|role|>`` line, then its
     text parts (other parts and ``tool_calls`` as canonical JSON), then a blank line; ``<|assistant|>`` at the
@@ -97,6 +102,7 @@ class Cl100kTokenizer:
         except ValueError:
             self._encoding = tiktoken.get_encoding("cl100k_base")
         self._offset_tables: tuple[np.ndarray, np.ndarray] | None = None
+        self._offset_lists: tuple[list[int], list[int]] | None = None
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
@@ -142,11 +148,26 @@ class Cl100kTokenizer:
         piece."""
         if not ids:
             return (), 0
+        if len(ids) <= SHORT_PIECE_IDS:  # a new question: a Python loop costs less than numpy's calls
+            chars_of, inside_of = self._list_tables()
+            starts: list[int] = []
+            at = 0
+            for token in ids:
+                starts.append(at - inside_of[token])
+                at += chars_of[token]
+            return tuple(starts), at
         chars, inside = self._tables()
         index = np.asarray(ids, dtype=np.int64)
         counts = chars[index].astype(np.int64)
         ends = np.cumsum(counts)
         return tuple((ends - counts - inside[index]).tolist()), int(ends[-1])
+
+    def _list_tables(self) -> tuple[list[int], list[int]]:
+        """``_tables`` as Python lists (indexing a list with an int is cheaper than a numpy scalar)."""
+        if self._offset_lists is None:
+            chars, inside = self._tables()
+            self._offset_lists = (chars.tolist(), inside.tolist())
+        return self._offset_lists
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Per token id: characters it starts (non-continuation bytes) and whether its first byte is a
