@@ -221,6 +221,8 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
             rest = ""
         elif content.startswith(SEP, end) and len(content) > end + len(SEP):
             rest = content[end + len(SEP) :]
+        elif not end_docs and len(content) == end + len(SEP) and content.endswith(SEP):
+            rest = ""  # an empty message's block (``_insert_user_prefix``)
         else:
             return None
         message["content"] = content[:end_docs] + rest
@@ -321,6 +323,11 @@ def _insert_user_prefix(message: dict[str, Any], block: str, index: int) -> Posi
     text = content if isinstance(content, str) else ""
     end_docs = document_end_in_text(text)
     rest = text[end_docs:]
+    if not text:
+        # an empty user message keeps a separator after its block: a message that is exactly one block is a
+        # ``new_user`` or ``note`` message this module created, which ``extract_turn_blocks`` removes whole
+        message["content"] = block + SEP
+        return Position(index, 0, 0)
     message["content"] = text[:end_docs] + (SEP if end_docs else "") + block + (SEP + rest if rest else "")
     return Position(index, 0, end_docs)
 

@@ -70,3 +70,25 @@ def test_canonicalization_is_idempotent_and_keeps_every_hoisted_value(system: st
 def test_whitespace_normalization_is_a_fixed_point(text: str, options: NormalizeOptions) -> None:
     once = normalize_text(text, options)
     assert normalize_text(once, options) == once
+
+
+def test_a_block_in_an_empty_user_message_is_not_taken_for_a_created_message(tmp_path) -> None:
+    """A value hoisted into an empty user message (``user_prefix``) must come back out of that message, not as a
+    ``new_user`` message the rules created: the second run removed the emptied message, merged two turns and moved
+    the block to the end (a hypothesis example from ``test_canonical``)."""
+    rules = tmp_path / "hoist_any.yaml"
+    rules.write_text(
+        "rules:\n  - id: t.hoist-any\n    match: {role: any, pattern: 'NONCE-[0-9]+'}\n    action: hoist\n"
+    )
+    ruleset = load_ruleset(["default", str(rules)], placement="last_user_prefix")
+    messages = [
+        {"role": "assistant", "content": [{"type": "text", "text": "NONCE-123 here"}]},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+        {"role": "user", "content": "Question: who?"},
+    ]
+    once = ruleset.apply(messages, None)
+    assert "NONCE-123" in once.messages[1]["content"] and once.messages[1]["role"] == "user"
+    twice = ruleset.apply(once.messages, once.tools)
+    assert twice.messages == once.messages
+    assert [m["role"] for m in twice.messages] == ["assistant", "user", "assistant", "user"]
