@@ -173,27 +173,34 @@ class EmbeddedBackend(Backend):
         choices = [_Choice(ToolCallParser() if parse else None) for _ in range(n)]
         spelled = _TokenSpeller(engine.tokenizer) if generation.params.logprobs is not None else None
         try:
-            first = True  # the first non-empty delta carries the cached count (headers of a stream)
+            # the first delta carries the prompt's counts (the headers of a stream go out once it arrived),
+            # whichever engine event it came from: a text piece, or the end of an output the tool-call parser
+            # held back whole (an answer that is only a call cut by max_tokens)
+            counts: tuple[int | None, int | None] | None = None
+            first = True
             finished: dict[int, Finished] = {}
             async with aclosing(engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
+                        if counts is None and event.cached_tokens is not None:
+                            counts = (event.cached_tokens, event.prompt_tokens)
                         choice = choices[event.index]
                         logprobs = spelled.logprobs(event.logprobs) if spelled is not None else ()
-                        for delta in choice.deltas(event.text, event.index, logprobs):
-                            if first:
-                                delta = replace(
-                                    delta,
-                                    cached_tokens=event.cached_tokens,
-                                    prompt_tokens=event.prompt_tokens,
-                                )
-                                first = False
-                            yield delta
+                        deltas = choice.deltas(event.text, event.index, logprobs)
                     elif isinstance(event, Finished):
                         if event.finish_reason == "abort":
                             raise ServiceUnavailableError("The engine stopped before the request finished.")
-                        for delta in choices[event.index].close(event.index):
-                            yield delta
+                        if counts is None:
+                            counts = (event.usage.cached_tokens, event.usage.prompt_tokens)
+                        deltas = choices[event.index].close(event.index, cut=event.finish_reason == "length")
+                    else:
+                        continue
+                    for delta in deltas:
+                        if first and counts is not None:
+                            delta = replace(delta, cached_tokens=counts[0], prompt_tokens=counts[1])
+                            first = False
+                        yield delta
+                    if isinstance(event, Finished):
                         finished[event.index] = event
                         if len(finished) == n:
                             yield _finish(finished, choices)
@@ -225,9 +232,10 @@ class _Choice:
             return self._flush([Delta(text=text, index=index)] if text else [], index)
         return self._flush(self._map(self.parser.feed(text), index) if text else [], index)
 
-    def close(self, index: int) -> list[Delta]:
-        """The events of the held-back end of the output, and any logprobs not yet sent."""
-        out = self._map(self.parser.finish(), index) if self.parser is not None else []
+    def close(self, index: int, cut: bool = False) -> list[Delta]:
+        """The events of the held-back end of the output, and any logprobs not yet sent (``cut``: the output
+        was cut by ``max_tokens``, see ``ToolCallParser.finish``)."""
+        out = self._map(self.parser.finish(cut=cut), index) if self.parser is not None else []
         out = self._flush(out, index)
         if self.pending_logprobs:
             out.append(Delta(index=index, logprobs=tuple(self.pending_logprobs)))

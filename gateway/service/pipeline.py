@@ -193,13 +193,16 @@ class OpenedStream:
         return self._first
 
     def reported_cached_tokens(self, finish: Finish | None = None) -> int | None:
-        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said before
-        the answer (the embedded engine's first delta), else None."""
+        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said (the
+        embedded engine's first delta, whatever it holds: text, a tool call, logprobs; or a ``Finish`` that
+        opened the stream, an answer with nothing to deliver), else None."""
         if finish is not None:
             return finish.usage.cached_tokens
         first = self._first
         if isinstance(first, Delta):
             return first.cached_tokens
+        if isinstance(first, Finish):
+            return first.usage.cached_tokens
         return None
 
     async def cache_header(self) -> dict[str, str]:
