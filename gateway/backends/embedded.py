@@ -185,6 +185,7 @@ class EmbeddedBackend(Backend):
                         if counts is None and event.cached_tokens is not None:
                             counts = (event.cached_tokens, event.prompt_tokens)
                         choice = choices[event.index]
+                        choice.note_tokens(event)
                         logprobs = spelled.logprobs(event.logprobs) if spelled is not None else ()
                         deltas = choice.deltas(event.text, event.index, logprobs)
                     elif isinstance(event, Finished):
@@ -224,6 +225,26 @@ class _Choice:
     parser: ToolCallParser | None
     called: bool = False
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    last_was_silent: bool = False
+    """The last token delta produced no text (a stop token's, when the choice then stops)."""
+
+    def note_tokens(self, event: TextDelta) -> None:
+        """Keep the generated token ids of ``event`` (for ``answer_token_ids``)."""
+        self.token_ids.extend(event.token_ids)
+        self.last_was_silent = not event.text
+
+    def answer_token_ids(self, finished: Finished) -> tuple[int, ...]:
+        """The choice's generated ids as a client resending its answer unedited renders them (``Finish``'s
+        ``answer_token_ids``): without the stop token that ended them (it produced no text; the chat
+        template writes its own end of turn); none when a stop string cut the text (its ids are not the
+        text the client got)."""
+        if finished.stop_string is not None:
+            return ()
+        ids = self.token_ids
+        if finished.finish_reason == "stop" and self.last_was_silent and ids:
+            ids = ids[:-1]
+        return tuple(ids)
 
     def deltas(self, text: str, index: int, logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
         """The ``Delta`` events of ``text`` (parsed into content and tool-call fragments when tools are on)."""
@@ -285,6 +306,7 @@ def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:
         ttft_s=min((e.ttft_s for e in finished.values() if e.ttft_s is not None), default=None),
         finish_reasons=tuple(reasons) if len(reasons) > 1 else (),
         stop_sequence=first.stop_string,
+        answer_token_ids=choices[0].answer_token_ids(first),
     )
 
 
