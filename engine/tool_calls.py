@@ -255,6 +255,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._buf = ""
         self._in_call = False
+        self._opened = False  # a call block began (text after one is never more than further calls)
         self._started: ToolCallStart | None = None
         self._args_sent = 0  # characters of the arguments already emitted
         self._args_done = False
@@ -282,6 +283,7 @@ class ToolCallParser:
                 if before:
                     events.append(ContentDelta(before))
                 self._buf = self._buf[i + len(CALL_OPEN) :]
+                self._opened = True
                 self._in_call, self._started, self._args_sent, self._args_done = True, None, 0, False
             j = self._buf.find(CALL_CLOSE)
             if j < 0:
@@ -292,20 +294,28 @@ class ToolCallParser:
             events.extend(self._close_call(block))
             self._in_call = False
 
-    def finish(self) -> list[ParseEvent]:
-        """Events for the end of the output: held-back text; an unclosed call whose arguments are complete (a
-        JSON object: only the closing ``}`` and ``</tool_call>`` are missing, as when ``max_tokens`` cut the
-        output there) ends as a call; an unclosed call without a name is given back as content; one cut inside
-        its arguments is no call (``calls`` does not list it)."""
+    def finish(self, cut: bool = False) -> list[ParseEvent]:
+        """Events for the end of the output.
+
+        An unclosed call whose arguments are complete (a JSON object: only the closing ``}`` and
+        ``</tool_call>`` are missing, as when ``max_tokens`` cut the output there) ends as a call. Any other
+        unclosed call (cut before its name, or inside its arguments) is no call (``calls`` does not list it)
+        and no content either: the constrained grammar (``engine.constrained.tool_call_grammar``) lets only a
+        call follow ``<tool_call>``, so its text is always a cut call's markup.
+
+        Held-back text that may begin a call tag (a proper prefix of ``\n<tool_call>\n``) is content only
+        when the output ended by itself (``cut`` False) before any call began (the grammar allows nothing but
+        further calls after one); otherwise it is the cut start of the next call's markup, and dropped.
+
+        Args:
+            cut: the output was cut by ``max_tokens`` (finish reason ``length``).
+        """
         events: list[ParseEvent] = []
         if self._in_call:
-            text = CALL_OPEN + self._buf
-            if self._started is None:
-                events.append(ContentDelta(text))
-            elif self._args_done:
+            if self._started is not None and self._args_done:
                 events.extend(self._end_unclosed_call())
             self._in_call = False
-        elif self._buf:
+        elif self._buf and not cut and not self._opened:
             events.append(ContentDelta(self._buf))
         self._buf = ""
         return events
@@ -410,9 +420,12 @@ def _json_value_end(text: str) -> int | None:
     return None
 
 
-def parse_tool_calls(text: str, new_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
-    """The whole output at once: ``(content, calls)`` (content is the text outside call blocks)."""
+def parse_tool_calls(
+    text: str, new_id: Callable[[], str] = new_call_id, cut: bool = False
+) -> tuple[str, list[ToolCall]]:
+    """The whole output at once: ``(content, calls)`` (content is the text outside call blocks; ``cut``: the
+    output was cut by ``max_tokens``, see ``ToolCallParser.finish``)."""
     parser = ToolCallParser(new_id)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut=cut)
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     return content, parser.calls

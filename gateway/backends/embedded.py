@@ -173,27 +173,35 @@ class EmbeddedBackend(Backend):
         choices = [_Choice(ToolCallParser() if parse else None) for _ in range(n)]
         spelled = _TokenSpeller(engine.tokenizer) if generation.params.logprobs is not None else None
         try:
-            first = True  # the first non-empty delta carries the cached count (headers of a stream)
+            # the first delta carries the prompt's counts (the headers of a stream go out once it arrived),
+            # whichever engine event it came from: a text piece, or the end of an output the tool-call parser
+            # held back whole (an answer that is only a call cut by max_tokens)
+            counts: tuple[int | None, int | None] | None = None
+            first = True
             finished: dict[int, Finished] = {}
             async with aclosing(engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
+                        if counts is None and event.cached_tokens is not None:
+                            counts = (event.cached_tokens, event.prompt_tokens)
                         choice = choices[event.index]
+                        choice.note_tokens(event)
                         logprobs = spelled.logprobs(event.logprobs) if spelled is not None else ()
-                        for delta in choice.deltas(event.text, event.index, logprobs):
-                            if first:
-                                delta = replace(
-                                    delta,
-                                    cached_tokens=event.cached_tokens,
-                                    prompt_tokens=event.prompt_tokens,
-                                )
-                                first = False
-                            yield delta
+                        deltas = choice.deltas(event.text, event.index, logprobs)
                     elif isinstance(event, Finished):
                         if event.finish_reason == "abort":
                             raise ServiceUnavailableError("The engine stopped before the request finished.")
-                        for delta in choices[event.index].close(event.index):
-                            yield delta
+                        if counts is None:
+                            counts = (event.usage.cached_tokens, event.usage.prompt_tokens)
+                        deltas = choices[event.index].close(event.index, cut=event.finish_reason == "length")
+                    else:
+                        continue
+                    for delta in deltas:
+                        if first and counts is not None:
+                            delta = replace(delta, cached_tokens=counts[0], prompt_tokens=counts[1])
+                            first = False
+                        yield delta
+                    if isinstance(event, Finished):
                         finished[event.index] = event
                         if len(finished) == n:
                             yield _finish(finished, choices)
@@ -217,6 +225,26 @@ class _Choice:
     parser: ToolCallParser | None
     called: bool = False
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    last_was_silent: bool = False
+    """The last token delta produced no text (a stop token's, when the choice then stops)."""
+
+    def note_tokens(self, event: TextDelta) -> None:
+        """Keep the generated token ids of ``event`` (for ``answer_token_ids``)."""
+        self.token_ids.extend(event.token_ids)
+        self.last_was_silent = not event.text
+
+    def answer_token_ids(self, finished: Finished) -> tuple[int, ...]:
+        """The choice's generated ids as a client resending its answer unedited renders them (``Finish``'s
+        ``answer_token_ids``): without the stop token that ended them (it produced no text; the chat
+        template writes its own end of turn); none when a stop string cut the text (its ids are not the
+        text the client got)."""
+        if finished.stop_string is not None:
+            return ()
+        ids = self.token_ids
+        if finished.finish_reason == "stop" and self.last_was_silent and ids:
+            ids = ids[:-1]
+        return tuple(ids)
 
     def deltas(self, text: str, index: int, logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
         """The ``Delta`` events of ``text`` (parsed into content and tool-call fragments when tools are on)."""
@@ -225,9 +253,10 @@ class _Choice:
             return self._flush([Delta(text=text, index=index)] if text else [], index)
         return self._flush(self._map(self.parser.feed(text), index) if text else [], index)
 
-    def close(self, index: int) -> list[Delta]:
-        """The events of the held-back end of the output, and any logprobs not yet sent."""
-        out = self._map(self.parser.finish(), index) if self.parser is not None else []
+    def close(self, index: int, cut: bool = False) -> list[Delta]:
+        """The events of the held-back end of the output, and any logprobs not yet sent (``cut``: the output
+        was cut by ``max_tokens``, see ``ToolCallParser.finish``)."""
+        out = self._map(self.parser.finish(cut=cut), index) if self.parser is not None else []
         out = self._flush(out, index)
         if self.pending_logprobs:
             out.append(Delta(index=index, logprobs=tuple(self.pending_logprobs)))
@@ -277,6 +306,7 @@ def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:
         ttft_s=min((e.ttft_s for e in finished.values() if e.ttft_s is not None), default=None),
         finish_reasons=tuple(reasons) if len(reasons) > 1 else (),
         stop_sequence=first.stop_string,
+        answer_token_ids=choices[0].answer_token_ids(first),
     )
 
 

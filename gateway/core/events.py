@@ -91,6 +91,11 @@ class Finish:
         finish_reasons: each choice's finish reason when the request asked for ``n`` > 1 choices (index =
             choice; ``finish_reason`` is choice 0's); empty for one choice. ``usage`` covers all choices (the
             prompt once, the completion tokens of every choice).
+        answer_token_ids: choice 0's answer as token ids of the model, as its engine cached them behind the
+            prompt and as a client resending the answer unedited renders it (the embedded engine: its
+            generated ids, less the stop token that ended them); empty when unknown (upstreams, whose caches
+            hold prompts only; an answer a stop string cut, whose ids hold text the client never got). The
+            cache explanation of a later request compares its history with it (an edited newest reply).
     """
 
     finish_reason: str
@@ -103,6 +108,7 @@ class Finish:
     cache_miss_reason: str | None = None
     cache_retention: str | None = None
     finish_reasons: tuple[str, ...] = ()
+    answer_token_ids: tuple[int, ...] = ()
 
 
 BackendEvent = Delta | Finish

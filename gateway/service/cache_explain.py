@@ -184,6 +184,22 @@ class CacheExplanations:
         self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
         self.explainer.mark_cached(model, tenant, rendered.tokens)
 
+    def record_answer(self, request: ChatRequest, prepared: PreparedPrompt, answer: tuple[int, ...]) -> None:
+        """Record an explained request's prompt followed by its answer as the engine cached it (token ids of
+        the model, ``Finish.answer_token_ids``), so the explanation of the client's next request knows the
+        newest reply: an edit of it is ``history_rewritten`` where it differs, not ``cold``. Its blocks are not
+        marked cached (what of the answer the engine kept is not known here). Never raises: a failure is
+        counted in ``errors``."""
+        rendered = prepared.rendered
+        try:
+            self.explainer.record_answer(
+                request.model, request.tenant, rendered.tokens, rendered.segments, answer
+            )
+        except Exception as exc:  # noqa: BLE001 - never fails a request
+            with self._lock:
+                self.errors += 1
+            logger.warning("answer of a request of %s not recorded (%s)", request.model, type(exc).__name__)
+
     def record_prompt(self, request: ChatRequest, rendered: RenderedPrompt) -> None:
         """Record an explained request's prompt for the explanations of later requests, and its full blocks as
         cached (what ``explain`` does unless given ``later``). Never raises: a failure is counted in

@@ -1,7 +1,8 @@
 """Every miss explained: where a request's cached prefix stopped short of its stable prefix, and why.
 
 ``MissExplainer`` keeps, per model+tenant, a bounded index of recent prompts (token ids with their
-block-hash chains at ``block_size`` 16 for the cached-chain set; least recently used dropped first, bounded in entries and bytes) and
+block-hash chains at ``block_size`` 16 for the cached-chain set; least recently used dropped first, bounded in entries and bytes;
+a prompt followed by the answer served to it, ``record_answer``, is one more prompt whose last segment is that answer, as ``history``) and
 the set of block chains known to have been cached (with when). For one request it is given the prompt's
 token ids, its segments as token ranges (``tools``, ``system``, ``documents``, ``history``, ``tail``), where
 its stable prefix ends and how many tokens the engine or upstream reported cached, and answers with a
@@ -115,7 +116,8 @@ class MissExplainer:
 
     Per request the gateway takes an ``epoch`` when the request begins, calls ``explain`` (with the reported
     cached count and that epoch), then ``record`` (the prompt is now known), then ``mark_cached`` with how far
-    the prompt is now cached. Thread-safe (one lock).
+    the prompt is now cached, and once answered ``record_answer`` when the answer's tokens are known (the
+    embedded engine). Thread-safe (one lock).
     """
 
     def __init__(
@@ -424,6 +426,28 @@ class MissExplainer:
                 self._drop_entry(key, next(iter(entries)))
             while self._bytes > self.max_bytes:
                 self._drop_entry(*next(iter(self._lru)))
+
+    def record_answer(
+        self,
+        model: str,
+        tenant: str,
+        tokens: Sequence[int],
+        segments: Iterable[PromptSegment],
+        answer: Sequence[int],
+    ) -> None:
+        """Record a prompt followed by the answer served to it (the model's token ids as its engine cached
+        them): one prompt of the key whose last segment, ``history``, is the answer, as it is in the client's
+        next request. A later prompt that resends the answer edited diverges from it inside that history
+        (``history_rewritten``); one that resends it unedited shares all of it (``cold`` past it: a new turn).
+
+        Raises:
+            MissExplainError: bad tokens, segments or answer tokens.
+        """
+        prompt = self._tokens(tokens)
+        segs = self._segments(segments, len(prompt)) or (PromptSegment("tail", 0, len(prompt)),)
+        reply = self._tokens(answer)
+        end = len(prompt) + len(reply)
+        self.record(model, tenant, prompt + reply, (*segs, PromptSegment("history", len(prompt), end)))
 
     def mark_cached(self, model: str, tenant: str, tokens: Sequence[int], upto: int | None = None) -> int:
         """Note that the prompt's full blocks within its first ``upto`` tokens (all when None) are now cached.

@@ -31,11 +31,13 @@ from gateway.core.events import BackendEvent, Delta, Finish
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
-from gateway.service.cache_explain import PreparedPrompt
+from gateway.service.cache_explain import CacheExplanations, PreparedPrompt
 from gateway.service.canonicalize import Canonicalizer
+from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer
 from gateway.service.cost_ledger import COST_HEADER, RequestCost
 from gateway.service.gateway import Gateway
 from gateway.service.miss_explain import Epoch
+from gateway.service.miss_explanation import MissExplanation
 from gateway.service.prompt_levels import level_ends
 from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
@@ -176,6 +178,8 @@ class OpenedStream:
         self._closed = False
         self._explained = False
         self._cache_header: str | None = None
+        self._rendered: PreparedPrompt | None = None
+        """The explained prompt (``CacheExplanations.prepare``), for recording the answer behind it."""
         self._finish_log: RequestRecord | None = None
         self._after_answer: list[Callable[[], None]] = []
         """Work that shapes nothing of the answer (recording the explained prompt), run by ``aclose``."""
@@ -193,13 +197,16 @@ class OpenedStream:
         return self._first
 
     def reported_cached_tokens(self, finish: Finish | None = None) -> int | None:
-        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said before
-        the answer (the embedded engine's first delta), else None."""
+        """Prompt tokens the backend reported cached: ``finish``'s usage, else what the first event said (the
+        embedded engine's first delta, whatever it holds: text, a tool call, logprobs; or a ``Finish`` that
+        opened the stream, an answer with nothing to deliver), else None."""
         if finish is not None:
             return finish.usage.cached_tokens
         first = self._first
         if isinstance(first, Delta):
             return first.cached_tokens
+        if isinstance(first, Finish):
+            return first.usage.cached_tokens
         return None
 
     async def cache_header(self) -> dict[str, str]:
@@ -228,18 +235,29 @@ class OpenedStream:
             args = (self.request, cached, tokenizer, provider_cause, minimum, granularity)
             epoch = self._epoch
             if self._prepared is not None:  # rendered ahead (or now), inline; recorded once answered
+                self._rendered = self._prepared.result()
                 explanation = cache.explain(
-                    *args, prepared=self._prepared.result(), later=self._after_answer, epoch=epoch
+                    *args, prepared=self._rendered, later=self._after_answer, epoch=epoch
                 )
             elif _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
-                explanation = cache.explain(*args, epoch=epoch)
+                self._rendered = _prepare_if_chat(cache, self.request, tokenizer)
+                explanation = cache.explain(*args, prepared=self._rendered, epoch=epoch)
             else:
-                explanation = await asyncio.to_thread(functools.partial(cache.explain, *args, epoch=epoch))
+                explain = functools.partial(_prepare_and_explain, cache, args, epoch)
+                self._rendered, explanation = await asyncio.to_thread(explain)
         except Exception:  # noqa: BLE001 - an explanation never fails a request
             cache.errors += 1
             return
         if explanation is not None:
             self._cache_header = explanation.header_value()
+
+    def _record_answer(self, finish: Finish) -> None:
+        """Record the explained prompt followed by the answer as its engine cached it (``answer_token_ids``),
+        before the answer's last event goes out: the explanation of the client's next request then knows the
+        newest reply (an edit of it is ``history_rewritten``, docs/cache-explanations.md). Never raises."""
+        cache = self.gateway.cache
+        if cache is not None and self._rendered is not None and finish.answer_token_ids:
+            cache.record_answer(self.request, self._rendered, finish.answer_token_ids)
 
     async def events(self) -> AsyncIterator[BackendEvent]:
         """Every event of the backend, ``Finish`` last. Closing this iterator closes the backend's.
@@ -256,6 +274,7 @@ class OpenedStream:
                     self._record_finish(event)
                     if not self._explained:
                         await self._explain(event.usage.cached_tokens, event.cache_miss_reason)
+                    self._record_answer(event)
                     self.gateway.canonicalizer.learn(self.request)
                     yield event
                     return
@@ -378,6 +397,27 @@ class OpenedStream:
             prefix_key=request.prefix_key or None,
             rules_applied=sum(applied.values()) if request.kind == "chat" else None,
         )
+
+
+def _prepare_if_chat(
+    cache: CacheExplanations, request: ChatRequest, tokenizer: PromptTokenizer | None
+) -> PreparedPrompt | None:
+    """``cache.prepare(request, tokenizer)``, or None for a request ``explain`` does not explain, or when it
+    failed (``explain`` then tries again, and logs and counts the failure)."""
+    if request.kind != "chat" or request.canonical is None:
+        return None
+    try:
+        return cache.prepare(request, tokenizer)
+    except Exception:  # noqa: BLE001 - counted by explain, which meets the same failure
+        return None
+
+
+def _prepare_and_explain(
+    cache: CacheExplanations, args: tuple, epoch: Epoch | None
+) -> tuple[PreparedPrompt | None, MissExplanation | None]:
+    """(the render, the explanation) of ``cache.explain(*args)``, in one worker-thread hop."""
+    prepared = _prepare_if_chat(cache, args[0], args[2])
+    return prepared, cache.explain(*args, prepared=prepared, epoch=epoch)
 
 
 def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:

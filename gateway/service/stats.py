@@ -260,6 +260,7 @@ class GatewayStats:
         """
         models = {name: self._model_snapshot(name, engine_stats.get(name)) for name in self.models}
         total = _sum_models(list(models.values()))
+        total["ttft_mean_s"] = self._ttft_mean_s()
         total["errors"] = {str(status): count for status, count in sorted(self.errors.items())}
         total["prefixes"] = self.prefixes.top(self.top_prefixes)
         total["models"] = models
@@ -272,6 +273,12 @@ class GatewayStats:
                 doc["write_waste_usd"] = costs["by_model"][name]["write_waste_usd"]
         total["provider_cache_misses"] = self.provider_misses.snapshot()
         return total
+
+    def _ttft_mean_s(self) -> float | None:
+        """Mean gateway TTFT (seconds) over every model's requests that measured one, each request weighing
+        the same (not a mean of the models' means); None before any."""
+        count = sum(c.ttft_count for c in self.models.values())
+        return sum(c.ttft_seconds_sum for c in self.models.values()) / count if count else None
 
     def _model_snapshot(self, name: str, engine: EngineStats | None) -> dict[str, Any]:
         c = self.models[name]

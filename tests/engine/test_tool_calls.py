@@ -174,6 +174,48 @@ def test_parser_edge_cases(text, content, names):
     assert got_content == content and [c.name for c in calls] == names
 
 
+CUT_OUTPUT = (
+    "Let me check.\n" + render_call("get_weather", {"city": "Paris"}) + "\n" + render_call("get_time", {})
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "cut", "content", "names"),
+    [
+        # the user's report: a second call cut by max_tokens before its name leaked '<tool_call>\n{"name":'
+        (
+            render_call("get_weather", {"city": "Paris"}) + '\n<tool_call>\n{"name":',
+            True,
+            "",
+            ["get_weather"],
+        ),
+        ('<tool_call>\n{"na', True, "", []),
+        ("<tool_call>\n", True, "", []),
+        ('<tool_call>\n{"name": "f"', False, "", []),  # a stop string cut it: still no call, no markup
+        (render_call("f", {}) + "\n<tool_", True, "", ["f"]),  # the next call's tag, cut
+        (render_call("f", {}) + "\n", True, "", ["f"]),  # its separator
+        ("Let me check.\n<tool_ca", True, "Let me check.", []),  # text before a tag cut: the text only
+        ("Let me check.\n<tool_ca", False, "Let me check.\n<tool_ca", []),  # ended by itself: all text
+        ("a < b", True, "a < b", []),
+        ("Let me check.\n" + render_call("f", {}), True, "Let me check.", ["f"]),
+    ],
+)
+def test_a_cut_call_leaves_no_markup_in_the_content(text, cut, content, names):
+    got_content, calls = parse_tool_calls(text, ids(), cut=cut)
+    assert (got_content, [c.name for c in calls]) == (content, names)
+
+
+@pytest.mark.parametrize("end", range(len(CUT_OUTPUT) + 1))
+def test_every_cut_of_text_and_two_calls_gives_the_text_and_whole_calls_only(end):
+    """Cut after every character (as ``max_tokens`` may): the content is the text before the calls as far as
+    it was written (never a character of a tag, a separator or a call's JSON), and the calls are the complete
+    ones, in order."""
+    content, calls = parse_tool_calls(CUT_OUTPUT[:end], ids(), cut=end < len(CUT_OUTPUT))
+    assert content == CUT_OUTPUT[: min(end, len("Let me check."))]
+    whole = [(c.name, c.arguments) for c in parse_tool_calls(CUT_OUTPUT, ids())[1]]
+    assert [(c.name, c.arguments) for c in calls] == whole[: len(calls)]
+
+
 def test_tiny_template_renders_tools_itself_and_smollm2_style_does_not():
     tok = tiny_checkpoint().tokenizer
     assert tok.template_renders_tools and tok.tool_format == "template"

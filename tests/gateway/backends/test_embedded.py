@@ -269,3 +269,27 @@ def test_both_anthropic_output_formats_at_once_are_a_400():
     with pytest.raises(InvalidRequestError) as caught:
         generation_request(request([{"role": "user", "content": "x"}], anthropic_body=body))
     assert caught.value.param == "output_format"
+
+
+@pytest.mark.parametrize(
+    ("deltas", "reason", "stop_string", "expected"),
+    [
+        ([("a", (5, 6)), ("b", (7,))], "length", None, (5, 6, 7)),  # cut: every generated token is text
+        ([("a", (5, 6)), ("", (2,))], "stop", None, (5, 6)),  # the stop token (no text) ends it: not resent
+        ([("a", (5,)), ("}", (9,))], "stop", None, (5, 9)),  # a grammar that ended on a token of text
+        ([("a", (5,)), ("", (8,))], "stop", "xy", ()),  # a stop string cut the text: the ids are not it
+    ],
+)
+def test_the_answer_recorded_for_the_next_explanation_is_what_a_client_resends(
+    deltas, reason, stop_string, expected
+):
+    """``Finish.answer_token_ids`` (the cache explanation's record of the served answer) holds the generated
+    ids as the resent reply renders them: without the silent stop token, none when a stop string cut it."""
+    from engine.api import Finished, TextDelta, Usage
+    from gateway.backends.embedded import _Choice
+
+    choice = _Choice(None)
+    for text, ids in deltas:
+        choice.note_tokens(TextDelta(text, ids))
+    finished = Finished(reason, Usage(10, 0, 3), None, "", stop_string=stop_string)
+    assert choice.answer_token_ids(finished) == expected

@@ -609,6 +609,32 @@ def test_responses_forced_tool_call_is_a_function_call_item(client):
         assert response.status == "incomplete" and all(call.status != "completed" for call in calls)
 
 
+def test_responses_streams_of_a_forced_call_carry_the_cache_header_whatever_max_output_tokens(client):
+    """The Responses face's streams of a forced call, cut by every ``max_output_tokens``: each carries
+    ``x-prefixgate-cache`` with the cached count its usage reports (before: none when the call arrived whole at
+    the end of the output, or nothing was delivered), and no output item is a message (no markup as text)."""
+    request = dict(
+        model=TINY_MODEL,
+        input="What is the weather in Paris?",
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}],
+        tool_choice="required",
+        temperature=0,
+    )
+    full = client.responses.create(max_output_tokens=400, **request)
+    assert full.status == "completed"
+    for max_tokens in range(1, full.usage.output_tokens + 1):
+        raw = client.responses.with_raw_response.create(stream=True, max_output_tokens=max_tokens, **request)
+        done = [
+            event.response
+            for event in raw.parse()
+            if event.type in ("response.completed", "response.incomplete")
+        ]
+        assert len(done) == 1
+        header = cached_in_header(raw.headers.get("x-prefixgate-cache"))
+        assert header == done[0].usage.input_tokens_details.cached_tokens, max_tokens
+        assert [item.type for item in done[0].output if item.type != "function_call"] == [], max_tokens
+
+
 def test_anthropic_structured_output_validates(claude):
     """Anthropic's structured outputs (``output_config.format``) constrain the embedded engine like OpenAI's
     ``json_schema``: the text parses and validates, streamed and not (the tiny model's weights are random)."""
@@ -631,18 +657,36 @@ def test_anthropic_structured_output_validates(claude):
     jsonschema.validate(json.loads(text), schema)
 
 
-def streamed_calls(client, **request) -> tuple[list[tuple[str, str]], str]:
-    """The calls a stream delivers (assembled by index, as the SDK does) and its finish reason."""
+def cached_in_header(header: str | None) -> int | None:
+    """The ``cached=`` count of an ``x-prefixgate-cache`` value (None: no header)."""
+    if header is None:
+        return None
+    fields = dict(part.strip().split("=", 1) for part in header.split(";"))
+    return int(fields["cached"])
+
+
+def streamed_calls(client, **request) -> tuple[list[tuple[str, str]], str, str, int | None, int]:
+    """What a stream delivers: its calls (assembled by index, as the SDK does), finish reason, content, the
+    ``cached=`` count of its ``x-prefixgate-cache`` header, and the cached count of its usage."""
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(stream=True, **request):
+    content = ""
+    raw = client.chat.completions.with_raw_response.create(
+        stream=True, stream_options={"include_usage": True}, **request
+    )
+    usage = None
+    for chunk in raw.parse():
+        usage = chunk.usage or usage
         for choice in chunk.choices:
+            content += choice.delta.content or ""
             for fragment in choice.delta.tool_calls or []:
                 call = calls.setdefault(fragment.index, {"name": "", "arguments": ""})
                 call["name"] += fragment.function.name or ""
                 call["arguments"] += fragment.function.arguments or ""
             finish = choice.finish_reason or finish
-    return [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], finish
+    assembled = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    header = cached_in_header(raw.headers.get("x-prefixgate-cache"))
+    return assembled, finish, content, header, usage.prompt_tokens_details.cached_tokens
 
 
 @pytest.mark.parametrize(
@@ -652,7 +696,10 @@ def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(clie
     """Greedy forced calls cut by every ``max_tokens`` from 1 to the whole answer: the stream and the
     non-streamed answer list the same complete calls and the same finish reason; a call cut inside its
     arguments is in neither (before: a call whose arguments were complete but whose closing tag was cut was
-    streamed, and left out of the non-streamed answer)."""
+    streamed, and left out of the non-streamed answer), nor is any of its markup in the content (before: a
+    second call cut before its name left ``<tool_call>\\n{"name":`` there). Every stream carries
+    ``x-prefixgate-cache`` with its cached count, also when its first event is a call the parser held back
+    to the end of the output, or the finish of an answer with nothing to deliver (before: no header)."""
     request = dict(
         model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice=tool_choice, temperature=0
     )
@@ -664,7 +711,12 @@ def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(clie
         answer = client.chat.completions.create(max_tokens=max_tokens, **request)
         choice = answer.choices[0]
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        assert streamed_calls(client, max_tokens=max_tokens, **request) == (calls, choice.finish_reason)
+        streamed, finish, content, header_cached, usage_cached = streamed_calls(
+            client, max_tokens=max_tokens, **request
+        )
+        assert (streamed, finish) == (calls, choice.finish_reason)
+        assert not choice.message.content and content == ""  # forced calls: no text, no markup
+        assert header_cached == usage_cached, max_tokens
         expected_reason = "tool_calls" if max_tokens == full.usage.completion_tokens else "length"
         assert choice.finish_reason == expected_reason
         assert calls == whole_calls[: len(calls)]  # complete calls only, the greedy ones, in order
@@ -675,7 +727,7 @@ def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(clie
 def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_max_tokens(claude):
     """The same rule on the Anthropic face (``tool_choice: {type: tool}``): for every ``max_tokens`` the
     streamed Message (as the SDK assembles it) and the non-streamed one hold the same ``tool_use`` blocks and
-    ``stop_reason``."""
+    ``stop_reason``, no text block, and the stream carries ``x-prefixgate-cache``."""
     request = dict(
         model=TINY_MODEL,
         messages=QUESTION,
@@ -689,6 +741,9 @@ def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_
         whole = claude.messages.create(max_tokens=max_tokens, **request)
         with claude.messages.stream(max_tokens=max_tokens, **request) as stream:
             streamed = stream.get_final_message()
+            header = stream.response.headers.get("x-prefixgate-cache")
+        assert cached_in_header(header) == streamed.usage.cache_read_input_tokens, max_tokens
+        assert [b.type for b in whole.content + streamed.content if b.type != "tool_use"] == []  # no text
         uses = [(b.name, b.input) for b in whole.content if b.type == "tool_use"]
         assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == uses
         assert streamed.stop_reason == whole.stop_reason

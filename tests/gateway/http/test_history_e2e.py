@@ -285,6 +285,49 @@ def test_cache_header_on_the_anthropic_face_streamed_and_not(server):
     assert doc["transcript"]["memory"]["stored"] >= 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_edit_of_the_newest_reply_is_history_rewritten_at_the_edited_token(server, client, stream):
+    """The tryout: a client edits the reply it got ("." -> "!") before sending its next turn. The explainer
+    knew only the prompts, never the reply, so the edit was ``cold`` (or ``none``); it now records the answer
+    as the engine cached it, and the edit is ``history_rewritten`` at the edited token. The reply is made of
+    two one-byte tokens the tiny BPE never merges (``logit_bias``), so it resends as the very tokens the model
+    generated, one per character: the edit at character ``k`` is token ``prompt_tokens + k``."""
+    engine = server.app.state.gateway.registry.get(TINY_MODEL).engine
+    q, z = (
+        engine.tokenizer.encode("Q", add_special_tokens=False),
+        engine.tokenizer.encode("Z", add_special_tokens=False),
+    )
+    assert len(q) == len(z) == 1
+    who = tenant()
+    system = "You are the assistant of the reply edit test. Answer every question with letters only. " * 3
+    first = [{"role": "system", "content": system}, {"role": "user", "content": USER_TURNS[0]}]
+    headers = {"x-prefixgate-tenant": who}
+    kwargs = dict(model=TINY_MODEL, temperature=0, extra_headers=headers)
+    answer = client.chat.completions.create(
+        messages=first, max_tokens=40, logit_bias={str(q[0]): 100, str(z[0]): 100}, **kwargs
+    )
+    reply = answer.choices[0].message.content
+    assert len(reply) == 40 and set(reply) <= {"Q", "Z"} and answer.choices[0].finish_reason == "length"
+    start = answer.usage.prompt_tokens  # the reply's first token in the next prompts
+
+    def next_turn(content: str, question: str) -> dict[str, str]:
+        messages = [*first, {"role": "assistant", "content": content}, {"role": "user", "content": question}]
+        raw = client.chat.completions.with_raw_response.create(
+            messages=messages, max_tokens=2, stream=stream, **kwargs
+        )
+        if stream:
+            list(raw.parse())
+        return header_fields(raw.headers.get("x-prefixgate-cache"))
+
+    k = 27
+    edited = reply[:k] + ("Z" if reply[k] == "Q" else "Q") + reply[k + 1 :]
+    fields = next_turn(edited, USER_TURNS[2])  # the first prompt that holds the reply
+    assert (fields["miss"], fields["at"]) == ("history_rewritten", f"history:{start + k}"), fields
+    assert int(fields["cached"]) <= start + k
+    unedited = next_turn(reply, USER_TURNS[1])
+    assert unedited["miss"] in ("none", "cold"), unedited  # a new turn: the reply itself was served
+
+
 def test_rules_off_requests_never_touch_the_transcript_memory(client, server):
     before = server.stats()["transcript"]["memory"]
     chat(client, conversation(3), tenant(), rules="off")

@@ -299,6 +299,47 @@ def test_generated_blocks_the_engine_cached_are_not_a_miss_inside_them():
     assert (e.cause, e.segment, e.offset) == ("cold", "history", 144)
 
 
+def test_an_edit_of_the_newest_reply_is_history_rewritten_where_it_differs():
+    # The tryout: the client edits the reply it got ("." -> "!") before sending its next turn. The prompts
+    # alone never held that reply: before, it was "cold" (at the cached count), whatever the edit. With the
+    # served answer recorded as the engine cached it, the divergence lies in the reply, in the new history.
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, first, first_segments)
+    reply = list(range(5000, 5030))  # 30 tokens: [130, 160)
+    ex.record_answer("m", "t", first, first_segments, reply)
+    edited = reply[:17] + [5999] + reply[18:]  # token 147 edited
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + edited, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 144)  # the engine served its blocks up to the edit
+    assert e.header_value() == "cached=144; miss=history_rewritten; at=history:147"
+    # the reply resent as served: the earlier prompt and its answer are all shared, the next turn is new
+    # (the block of the reply's last token, never computed, is not cached: cold where the cache stopped)
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + reply, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 144)
+    assert e.header_value() == "cached=144; miss=cold; at=history:144"
+    assert not ex.explain("m", "t", tokens, segments, stable, 160).miss
+    # an edit of an older turn is found as before, at its place
+    history = HISTORY[:10] + [9000] + HISTORY[11:]
+    tokens, segments, stable = build(TOOLS, SYSTEM, history + TAIL + reply, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 80)
+    assert e.header_value() == "cached=80; miss=history_rewritten; at=history:90"
+
+
+def test_a_recorded_answer_is_checked_and_bounded_like_a_prompt():
+    ex = MissExplainer(max_prompts_per_key=2)
+    tokens, segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    with pytest.raises(MissExplainError):
+        ex.record_answer("m", "t", tokens, segments, [-1])
+    with pytest.raises(MissExplainError):
+        ex.record_answer("m", "t", tokens, segments[:-1], [5000])  # segments short of the prompt
+    for k in range(3):
+        ex.record_answer("m", "t", tokens, segments, [5000 + k])
+    ex.record_answer("m", "t", tokens, segments, [5002])  # identical: refreshed, not stored twice
+    assert ex.footprint()["prompts"] == 2
+    ex.record_answer("m", "t", [1, 2, 3], [], [4])  # a prompt without segments: the answer still its history
+    assert ex.footprint()["prompts"] == 2
+
+
 def test_token_granular_hits_keep_the_cause_and_the_place():
     # A prefix cache that serves up to the divergence token by token (not a multiple of 16)
     ex = MissExplainer()
@@ -428,7 +469,9 @@ def prompts(draw):
 
 
 @given(
-    history=st.lists(st.tuples(prompts(), st.booleans()), max_size=4),
+    history=st.lists(
+        st.tuples(prompts(), st.booleans(), st.none() | st.lists(st.integers(0, 3), max_size=40)), max_size=4
+    ),
     concurrent=st.lists(prompts(), max_size=3),
     prompt=prompts(),
     cached=st.integers(0, 200),
@@ -440,11 +483,16 @@ def prompts(draw):
 def test_the_classifier_follows_the_definition(
     history, concurrent, prompt, cached, granularity, min_cacheable, spans
 ):
+    def replay(explainer: MissExplainer) -> None:  # earlier requests, some with their served answer
+        for (old, old_segments, _), marked, answer in history:
+            explainer.record("m", "t", old, old_segments)
+            if marked:
+                explainer.mark_cached("m", "t", old)
+            if answer is not None:
+                explainer.record_answer("m", "t", old, old_segments, answer)
+
     ex = MissExplainer(clock=Clock())
-    for (tokens, segments, _), marked in history:
-        ex.record("m", "t", tokens, segments)
-        if marked:
-            ex.mark_cached("m", "t", tokens)
+    replay(ex)
     before = ex.epoch()
     for tokens, segments, _ in concurrent:  # requests finishing while this one is in flight
         served(ex, tokens, segments)
@@ -465,10 +513,7 @@ def test_the_classifier_follows_the_definition(
     n, unit = len(tokens), granularity or 16
     # the concurrent requests change nothing: the same answer as before they finished
     fresh = MissExplainer(clock=Clock())
-    for (old, old_segments, _), marked in history:
-        fresh.record("m", "t", old, old_segments)
-        if marked:
-            fresh.mark_cached("m", "t", old)
+    replay(fresh)
     again = fresh.explain(
         "m",
         "t",
@@ -503,18 +548,20 @@ def test_the_classifier_follows_the_definition(
     first = e.cached // 16
     known_before = any(
         marked and len(old) >= 16 * (first + 1) and old[: 16 * (first + 1)] == tokens[: 16 * (first + 1)]
-        for (old, _, _), marked in history
+        for (old, _, _), marked, _ in history
     )
     if e.cause == "evicted":
         assert known_before and e.cached_ago is not None
     elif e.cause != "below_minimum" and first * 16 < target:
         assert not known_before
-    # a divergence cause needs an earlier prompt that shares the tokens up to the offset
+    # a divergence cause needs an earlier prompt (or one followed by its served answer) that shares the
+    # tokens up to the offset
     if e.cause in ("tools_changed", "system_changed", "history_rewritten", "volatile"):
         assert any(
             old[: e.offset] == tokens[: e.offset]
             and old[e.offset : e.offset + 1] != tokens[e.offset : e.offset + 1]
-            for (old, _, _), _ in history
+            for (prompt_tokens, _, _), _, answer in history
+            for old in (prompt_tokens, prompt_tokens + (answer or []))
         )
 
 

@@ -252,3 +252,19 @@ def test_request_log_line_is_built_only_when_written(caplog, monkeypatch):
         log_request(RequestRecord(request_id="loud", path="/x", status=500))
     assert built == ["loud"]
     assert [r.getMessage().split()[0] for r in caplog.records] == ["request_id=loud"]
+
+
+def test_top_level_ttft_mean_weighs_every_request_the_same():
+    """``ttft_mean_s`` (README's /admin/stats table) is at the top level too: the mean over all models'
+    requests that measured a TTFT (0.2, 0.1 and 0.9 s: 0.4), not the mean of the models' means (0.525);
+    requests without one (None) count in neither; None before any."""
+    stats = GatewayStats({"a": None, "b": None, "idle": None})
+    assert stats.snapshot({"a": None, "b": None, "idle": None})["ttft_mean_s"] is None
+    stats.record_finish("a", BackendUsage(10, 1, 0), 0.2, "k")
+    stats.record_finish("a", BackendUsage(10, 1, 0), 0.1, "k")
+    stats.record_finish("a", BackendUsage(10, 1, 0), None, "k")
+    stats.record_finish("b", BackendUsage(10, 1, 0), 0.9, "k")
+    doc = stats.snapshot({"a": None, "b": None, "idle": None})
+    assert doc["models"]["a"]["ttft_mean_s"] == pytest.approx(0.15)
+    assert doc["models"]["idle"]["ttft_mean_s"] is None
+    assert doc["ttft_mean_s"] == pytest.approx(0.4)
