@@ -43,6 +43,7 @@ from engine.errors import EngineClosedError, InvalidRequestError, SamplingError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
+from engine.partial_hits import common_prefix_len
 from engine.step_threads import StepThreads
 
 logger = logging.getLogger("prefixgate.engine")
@@ -322,13 +323,7 @@ class AsyncEngine:
             )
         except InvalidRequestError:
             return 0
-        head = self._tokenizer.encode(text, add_special_tokens=False)
-        n = 0
-        for a, b in zip(head, prompt, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix_len(self._tokenizer.encode(text, add_special_tokens=False), prompt)
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
@@ -398,13 +393,7 @@ class AsyncEngine:
             text = self._tokenizer.apply_chat_template(turn, req.tools, add_generation_prompt=False)
         except InvalidRequestError:
             return None
-        following = self._tokenizer.encode(text, add_special_tokens=False)
-        n = 0
-        for a, b in zip(prompt, following, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix_len(prompt, self._tokenizer.encode(text, add_special_tokens=False))
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. False when unknown."""
