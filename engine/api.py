@@ -278,8 +278,8 @@ class EngineConfig:
         num_threads: torch intra-op threads; ``None`` leaves torch's default.
         small_step_threads: torch threads of decode-only steps of at most ``SMALL_STEP_MAX_ROWS`` (2) rows (one or
             two streams decoding), where OpenMP's fork and join cost more than a second core gives back:
-            ``"auto"`` (1, measured on a 2-core Zen 5: docs/engine-step.md), an integer >= 1, or ``"off"``
-            (every step runs with ``num_threads``). Speed only: the step's plan never depends on it; torch's bf16
+            ``"auto"`` (1 when ``num_threads`` is at most 2, measured on a 2-core Zen 5: docs/engine-step.md;
+            with more threads as ``"off"``), an integer >= 1, or ``"off"`` (every step runs with ``num_threads``). Speed only: the step's plan never depends on it; torch's bf16
             flash kernel may round attention 1 ulp differently on another count (``engine.step_threads``).
         tiers: tiers below the RAM pool, any of ``"disk"``, ``"redis"`` (looked up in that order); none by
             default (``engine.kv_tiers.settings`` says why).

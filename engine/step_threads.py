@@ -32,6 +32,11 @@ SMALL_STEP_MAX_ROWS = 2
 SMALL_STEP_AUTO_THREADS = 1
 """Threads of a small step under ``small_step_threads: auto`` (measured on a 2-core AMD EPYC, Zen 5)."""
 
+SMALL_STEP_AUTO_MAX_THREADS = 2
+"""``auto`` switches only when ``num_threads`` is at most this: the one-thread gain was measured at 2 threads
+with a 135M model; with more cores (or a larger model, whose decode GEMVs need the memory bandwidth of several
+cores) it is not measured, so ``auto`` keeps every step on ``num_threads`` there (set an int to switch)."""
+
 
 @dataclass(frozen=True)
 class StepThreads:
@@ -51,8 +56,8 @@ class StepThreads:
     @classmethod
     def from_setting(cls, num_threads: int | None, setting: int | str, default_threads: int) -> StepThreads:
         """The policy of ``engine.num_threads`` (None: ``default_threads``, torch's count at start) and
-        ``engine.small_step_threads``: ``"auto"`` (``SMALL_STEP_AUTO_THREADS``), ``"off"`` (always
-        ``num_threads``) or an int >= 1.
+        ``engine.small_step_threads``: ``"auto"`` (``SMALL_STEP_AUTO_THREADS`` when ``num_threads`` is at most
+        ``SMALL_STEP_AUTO_MAX_THREADS``, else as ``"off"``), ``"off"`` (always ``num_threads``) or an int >= 1.
 
         Raises:
             ValueError: ``num_threads`` < 1 or a bad ``small_step_threads``, naming the key.
@@ -61,7 +66,7 @@ class StepThreads:
         if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
             raise ValueError(f"engine.num_threads must be an integer >= 1 or null, got {num_threads!r}")
         n = default_threads if num_threads is None else num_threads
-        if setting == "off":
+        if setting == "off" or (setting == "auto" and n > SMALL_STEP_AUTO_MAX_THREADS):
             return cls(n, n, 0)
         return cls(n, SMALL_STEP_AUTO_THREADS if setting == "auto" else setting)
 

@@ -81,7 +81,14 @@ def test_a_decode_joining_a_prefill_runs_with_every_thread(monkeypatch):
 
 @pytest.mark.parametrize(
     ("setting", "threads", "expected"),
-    [("off", 2, [2, 2, 2]), (1, 3, [3, 1, 1]), (3, 3, [3, 3, 3]), ("auto", 1, [1, 1, 1])],
+    [
+        ("off", 2, [2, 2, 2]),
+        (1, 3, [3, 1, 1]),
+        (3, 3, [3, 3, 3]),
+        ("auto", 1, [1, 1, 1]),
+        ("auto", 2, [2, 1, 1]),
+        ("auto", 3, [3, 3, 3]),
+    ],
 )
 def test_the_setting_picks_the_small_step_count(monkeypatch, setting, threads, expected):
     torch.set_num_threads(threads)
@@ -115,7 +122,12 @@ def test_a_bad_thread_count_names_the_key(bad):
 
 
 def test_policy_from_setting():
-    assert StepThreads.from_setting(None, "auto", 4) == StepThreads(4, 1, SMALL_STEP_MAX_ROWS)
+    assert StepThreads.from_setting(None, "auto", 2) == StepThreads(2, 1, SMALL_STEP_MAX_ROWS)
+    assert StepThreads.from_setting(None, "auto", 4) == StepThreads(4, 4, 0)  # not measured beyond 2: off
+    assert StepThreads.from_setting(3, "auto", 1) == StepThreads(3, 3, 0)
+    assert StepThreads.from_setting(4, 1, 2) == StepThreads(
+        4, 1, SMALL_STEP_MAX_ROWS
+    )  # an int always switches
     assert StepThreads.from_setting(2, "off", 4) == StepThreads(2, 2, 0)
     policy = StepThreads.from_setting(3, 2, 1)
     assert [policy.for_step(t, s) for t, s in [(1, 1), (2, 2), (3, 3), (2, 1), (40, 1)]] == [2, 2, 3, 3, 3]
@@ -151,7 +163,7 @@ def test_tokens_and_logits_do_not_depend_on_the_step_count(threads):
     ckpt = tiny_checkpoint()
     for prompt in PROMPTS:
         off_tokens, off_logits, _ = run(ckpt, [prompt], threads, "off", enable_prefix_caching=False)
-        on_tokens, on_logits, eng = run(ckpt, [prompt], threads, "auto", enable_prefix_caching=False)
+        on_tokens, on_logits, eng = run(ckpt, [prompt], threads, 1, enable_prefix_caching=False)
         assert on_tokens == off_tokens
         assert torch.equal(on_logits[0], off_logits[0])  # bit for bit: same kernels, same parts
         if threads > 1:
@@ -162,12 +174,12 @@ def test_tokens_and_logits_do_not_depend_on_the_step_count(threads):
 def test_batched_and_cached_equal_alone_with_small_steps(threads):
     ckpt = tiny_checkpoint()
     alone = [run(ckpt, [p], threads, "off", enable_prefix_caching=False)[0][0] for p in PROMPTS]
-    tokens, _, _ = run(ckpt, PROMPTS, threads, "auto")  # batched: 3 rows, then 2, then 1 as they finish
+    tokens, _, _ = run(ckpt, PROMPTS, threads, 1)  # batched: 3 rows, then 2, then 1 as they finish
     assert tokens == alone
     # cache on: a first request leaves the prompt's blocks cached; the second is served from them
     base = PROMPTS[0]
     torch.set_num_threads(threads)
-    eng = make_engine(ckpt, num_threads=threads, small_step_threads="auto", kv_dtype="bfloat16")
+    eng = make_engine(ckpt, num_threads=threads, small_step_threads=1, kv_dtype="bfloat16")
     eng.generate([base[:180]], greedy(2))
     again = eng.add_request(base, greedy(N_NEW))
     eng.run_to_completion()
