@@ -29,11 +29,10 @@ from gateway.http.request_context import (
     started_at,
 )
 from gateway.protocols.openai.parse import parse_chat_request
-from gateway.protocols.openai.responses import ResponseBuilder, responses_to_chat_body
+from gateway.protocols.openai.responses import ResponseBuilder, chat_message_origins, responses_to_chat_body
+from gateway.protocols.openai.responses_params import to_responses_error
 from gateway.service.pipeline import OpenedStream, open_stream
 from gateway.transport.sse import EventStreamResponse
-
-_CHAT_TO_RESPONSES_PARAM = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 async def responses_endpoint(http_request: Request) -> Response:
@@ -43,14 +42,14 @@ async def responses_endpoint(http_request: Request) -> Response:
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     chat_body = responses_to_chat_body(body, refuse_unknown_fields(gateway))
-    try:
+    try:  # the chat parser, the rules and the backend name fields in chat terms: rename them
         request = parse_chat_request(chat_body, http_request.headers, refuse_unknown=False)
+        authorize(http_request, request, key)
+        begin(http_request, request)
+        opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     except InvalidRequestError as error:
-        error.param = _CHAT_TO_RESPONSES_PARAM.get(error.param or "", error.param)
+        to_responses_error(error, chat_message_origins(body))
         raise
-    authorize(http_request, request, key)
-    begin(http_request, request)
-    opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
     builder = ResponseBuilder(body, request.model, request.request_id)
     headers = {"x-request-id": request.request_id}
     if request.stream:

@@ -19,6 +19,7 @@ from typing import Any
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendUsage, Finish
 from gateway.core.json_types import json_kind
+from gateway.protocols.openai.responses_params import MessageOrigin
 
 RESPONSES_FIELDS = frozenset(
     {
@@ -92,17 +93,35 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
     return chat
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_message_origins(body: dict[str, Any]) -> list[MessageOrigin]:
+    """Where each message of the chat body ``responses_to_chat_body`` builds came from in the Responses body
+    (``instructions``, ``input`` or one input item), index for index, so an error the chat path raises about
+    ``messages[k]...`` can name the client's own field (``gateway.protocols.openai.responses_params``).
+
+    Raises:
+        InvalidRequestError: as ``responses_to_chat_body`` does for a bad ``input`` or ``instructions``.
+    """
+    origins: list[MessageOrigin] = []
+    _messages(body, origins)
+    return origins
+
+
+def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) -> list[dict[str, Any]]:
+    """The chat messages of a Responses body; ``origins``, when given, gets one ``MessageOrigin`` per message."""
     messages: list[dict[str, Any]] = []
+    origins = [] if origins is None else origins
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise _invalid_type("instructions", "a string", instructions)
         messages.append({"role": "system", "content": instructions})
+        origins.append(MessageOrigin("instructions", "instructions"))
     items = body["input"]
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
+        origins.append(MessageOrigin("input", "input_text"))
         return messages
+    open_calls: set[str] | None = None  # call ids of the open function_call run; None: no such run
     if not isinstance(items, list):
         raise _invalid_type("input", "a string or an array of input items", items)
     for index, item in enumerate(items):
@@ -112,6 +131,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, where))
+            origins.append(MessageOrigin(where, "message"))
+            open_calls = None
         elif kind == "function_call":
             call = {
                 "id": _string(item, "call_id", where),
@@ -124,17 +145,30 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("content") is None:
                 last["tool_calls"].append(call)  # parallel calls of one turn
+                origins[-1].calls.append(where)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(MessageOrigin(where, "function_call", [where]))
+                open_calls = set()
+            if open_calls is not None:
+                open_calls.add(call["id"])
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):
                 output = _parts(output, f"{where}.output")
             elif not isinstance(output, str):
                 raise _invalid_type(f"{where}.output", "a string or an array of content parts", output)
-            messages.append(
-                {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
-            )
+            call_id = _string(item, "call_id", where)
+            if open_calls is None or call_id not in open_calls:
+                raise InvalidRequestError(
+                    f"No tool call found for function call output with call_id {call_id!r}: a "
+                    "function_call_output item answers a function_call item of the same turn (only other "
+                    "function_call / function_call_output items in between).",
+                    param=f"{where}.call_id",
+                    code="invalid_value",
+                )
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            origins.append(MessageOrigin(where, "function_call_output"))
         elif kind == "item_reference":
             raise _unsupported(where, "item references need stored items (prefixgate is stateless)")
         else:

@@ -207,3 +207,116 @@ def test_function_tools_are_passed_to_the_backend_as_chat_tools(server, client):
     assert with_tools.usage.input_tokens == chat.usage.prompt_tokens
     assert with_tools.tools[0].name == "weather"
     assert_no_block_in_use(server)
+
+
+CALL_ITEM = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"}
+WEATHER_TOOL = {"type": "function", "name": "weather", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "named"),
+    [
+        ({"max_output_tokens": "5"}, "max_output_tokens", "'max_output_tokens'"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort", "'reasoning.effort'"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": 5}]},
+            "tools[0].parameters",
+            "tools[0].parameters",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+            "input[0].content[0].type",
+            "input[0].content[0]:",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "schema": {}}}},
+            "text.format.name",
+            "'text.format.name'",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}},
+            "text.format.schema",
+            "text.format.schema",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+            "text.format",
+            "'text.format'",
+        ),
+        ({"instructions": "x", "input": "the quick brown fox jumps over the lazy dog " * 200}, "input", None),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {**CALL_ITEM, "arguments": "{bad"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                ],
+                "tools": [WEATHER_TOOL],
+            },
+            "input[1].arguments",
+            "'input[1].arguments'",
+        ),
+        (
+            {"input": [{"role": "user", "content": "hi"}, {**CALL_ITEM, "call_id": 5}]},
+            "input[1].call_id",
+            "'input[1].call_id'",
+        ),
+    ],
+)
+def test_errors_name_the_responses_fields_not_the_chat_ones(server, fields, param, named):
+    """Before: the chat path's names leaked out (``max_completion_tokens``, ``reasoning_effort``,
+    ``tools[0].function.parameters``, ``messages[0].content[0]``, ``response_format.json_schema.name``), for fields
+    the client never sent."""
+    body = {"model": TINY_MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400, param=param)
+    for chat_name in (
+        "max_completion_tokens",
+        "reasoning_effort",
+        "response_format",
+        "function.",
+        "messages[",
+    ):
+        assert chat_name not in error["message"], error["message"]
+    if named is not None:
+        assert named in error["message"]
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9", "output": "x"}],
+        [
+            {"role": "user", "content": "hi"},
+            CALL_ITEM,
+            {"role": "assistant", "content": "thinking aloud"},
+            {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        ],
+    ],
+)
+def test_an_output_without_its_call_names_the_output_item(server, items):
+    """Before: "messages with role 'tool' must be a response to a preceeding message with 'tool_calls'", param
+    ``messages[1].role``: chat words for a body that has neither."""
+    body = {"model": TINY_MODEL, "input": items, "tools": [WEATHER_TOOL], "max_output_tokens": 2}
+    error = openai_error(
+        post_raw(server, "/v1/responses", json.dumps(body)), 400, param=f"input[{len(items) - 1}].call_id"
+    )
+    assert error["message"].startswith("No tool call found for function call output with call_id")
+    assert "role 'tool'" not in error["message"]
+    assert_no_block_in_use(server)
+
+
+def test_a_function_call_round_trip_still_takes_the_chat_path(server, client):
+    items = [
+        {"role": "user", "content": "weather?"},
+        CALL_ITEM,
+        {**CALL_ITEM, "call_id": "c2", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c2", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
+    ]
+    response = client.responses.create(
+        model=TINY_MODEL, input=items, tools=[WEATHER_TOOL], max_output_tokens=2
+    )
+    assert response.usage.input_tokens > 0
+    assert_no_block_in_use(server)
