@@ -243,8 +243,11 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     ``developer`` rendered as ``system``; tool-call fields kept.
 
     Raises:
-        InvalidRequestError: a content part that is not text (images, audio, files).
+        InvalidRequestError: a content part that is not text (images, audio, files); a tool call whose
+            ``function.arguments`` is not JSON (the template renders each call's arguments as JSON), named by
+            its full path (``messages[1].tool_calls[0].function.arguments``).
     """
+    _check_call_arguments(message.get("tool_calls"), index)
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -270,6 +273,25 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     return out
 
 
+def _check_call_arguments(calls: Any, index: int) -> None:
+    """Each call's ``function.arguments`` (a string, checked by the protocol parser) parses as JSON: an empty
+    string counts as ``{}``, as the engine renders it."""
+    for call_index, call in enumerate(calls or ()):
+        arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+        if not isinstance(arguments, str) or not arguments.strip():
+            continue
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            param = f"messages[{index}].tool_calls[{call_index}].function.arguments"
+            raise InvalidRequestError(
+                f"Invalid '{param}': not valid JSON ({exc.msg} at character {exc.pos}); the embedded engine "
+                "renders each earlier call's arguments into the prompt as JSON.",
+                param=param,
+                code="invalid_value",
+            ) from None
+
+
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Function tools for the chat template, without the Anthropic-only extras riding under ``x-anthropic``.
 
@@ -281,9 +303,12 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     out = []
     for index, tool in enumerate(tools):
         if tool.get("type") != "function":
+            kind = tool.get("type")
+            if kind == OPAQUE:  # an Anthropic server tool riding through: name it by its own type
+                kind = (tool.get("tool") or {}).get("type")
             raise InvalidRequestError(
-                f"Tool type '{tool.get('type')}' is not supported by the embedded engine (function tools "
-                "only).",
+                f"Tool type '{kind}' (tools[{index}]) is not supported by the embedded engine (function tools "
+                "only: a server tool runs only on Anthropic).",
                 param=f"tools[{index}]",
                 code="unsupported_value",
             )

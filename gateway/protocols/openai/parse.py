@@ -182,6 +182,8 @@ def _message(message: Any, index: int) -> dict[str, Any]:
             param=f"{where}.role",
             code="invalid_value",
         )
+    if message.get("tool_calls") is not None:
+        _check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
     content = message.get("content")
     has_tool_calls = role == "assistant" and bool(message.get("tool_calls"))
     if content is None:
@@ -199,11 +201,40 @@ def _message(message: Any, index: int) -> dict[str, Any]:
             raise _missing(f"{where}.tool_call_id")
         if not isinstance(message["tool_call_id"], str):
             raise _invalid_type(f"{where}.tool_call_id", "a string", message["tool_call_id"])
-    if "tool_calls" in message and message["tool_calls"] is not None:
-        calls = message["tool_calls"]
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise _invalid_type(f"{where}.tool_calls", "an array of objects", calls)
     return message
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's ``tool_calls``: an array of ``{id, type: "function", function: {name,
+    arguments}}``, each field required and a string, as OpenAI requires (``arguments`` is not parsed here: an
+    upstream takes any string; the embedded engine checks it is JSON)."""
+    if not isinstance(calls, list):
+        raise _invalid_type(where, "an array", calls)
+    for call_index, call in enumerate(calls):
+        at = f"{where}[{call_index}]"
+        if not isinstance(call, dict):
+            raise _invalid_type(at, "an object", call)
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(
+                f"Invalid value for '{at}.type': supported values are: 'function'.",
+                param=f"{at}.type",
+                code="invalid_value",
+            )
+        function = call.get("function")
+        if function is None:
+            raise _missing(f"{at}.function")
+        if not isinstance(function, dict):
+            raise _invalid_type(f"{at}.function", "an object", function)
+        for field_name, value in (("id", call.get("id")), ("function.name", function.get("name"))):
+            if value is None:
+                raise _missing(f"{at}.{field_name}")
+            if not isinstance(value, str):
+                raise _invalid_type(f"{at}.{field_name}", "a string", value)
+        arguments = function.get("arguments")
+        if arguments is None:
+            raise _missing(f"{at}.function.arguments")
+        if not isinstance(arguments, str):
+            raise _invalid_type(f"{at}.function.arguments", "a string", arguments)
 
 
 def _content_part(part: Any, where: str) -> None:

@@ -293,3 +293,50 @@ def test_the_answer_recorded_for_the_next_explanation_is_what_a_client_resends(
         choice.note_tokens(TextDelta(text, ids))
     finished = Finished(reason, Usage(10, 0, 3), None, "", stop_string=stop_string)
     assert choice.answer_token_ids(finished) == expected
+
+
+def test_a_tool_call_whose_arguments_are_not_json_is_named_by_its_full_path():
+    """Before: the engine's "tool_calls[0].function.arguments is not valid JSON", param ``messages`` (which
+    message?)."""
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "w", "arguments": "{}"}},
+                {"id": "b", "type": "function", "function": {"name": "w", "arguments": '{"city": "Par'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "x"},
+        {"role": "tool", "tool_call_id": "b", "content": "y"},
+    ]
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(request(messages))
+    error = caught.value
+    param = "messages[1].tool_calls[1].function.arguments"
+    assert (error.param, error.code) == (param, "invalid_value")
+    assert error.message.startswith(f"Invalid '{param}': not valid JSON (")
+
+
+def test_empty_tool_call_arguments_still_render_as_no_arguments():
+    messages = [
+        {"role": "user", "content": "ping"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "p", "arguments": ""}}],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "pong"},
+    ]
+    assert generation_request(request(messages)).messages[1]["tool_calls"][0]["function"]["arguments"] == ""
+
+
+def test_an_anthropic_server_tool_is_named_by_its_own_type():
+    """Before: "Tool type 'x-anthropic' is not supported" (the gateway's internal wrapper, not the client's
+    ``web_search_20250305``)."""
+    tools = [{"type": "x-anthropic", "tool": {"type": "web_search_20250305", "name": "web_search"}}]
+    with pytest.raises(InvalidRequestError) as caught:
+        generation_request(request([{"role": "user", "content": "x"}], tools=tools))
+    error = caught.value
+    assert (error.param, error.code) == ("tools[0]", "unsupported_value")
+    assert "'web_search_20250305'" in error.message and "x-anthropic" not in error.message

@@ -398,3 +398,56 @@ def test_function_names_follow_openai_pattern(name, code, message):
         assert info.value.message == message
     ok = [{"type": "function", "function": {"name": "get-weather_2" + "x" * 51}}]
     assert chat(tools=ok).tools == ok  # 64 characters, every allowed kind
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "param", "code"),
+    [
+        ({}, "messages[1].tool_calls", "invalid_type"),  # before: "Missing required parameter: content"
+        (["x"], "messages[1].tool_calls[0]", "invalid_type"),
+        (
+            [{"id": "c1", "type": "function"}],
+            "messages[1].tool_calls[0].function",
+            "missing_required_parameter",
+        ),
+        ([{**CALL, "id": None}], "messages[1].tool_calls[0].id", "missing_required_parameter"),
+        ([{**CALL, "id": 7}], "messages[1].tool_calls[0].id", "invalid_type"),
+        ([{**CALL, "type": "code"}], "messages[1].tool_calls[0].type", "invalid_value"),
+        ([{**CALL, "function": "f"}], "messages[1].tool_calls[0].function", "invalid_type"),
+        (
+            [{**CALL, "function": {"arguments": "{}"}}],
+            "messages[1].tool_calls[0].function.name",
+            "missing_required_parameter",
+        ),
+        (
+            [{**CALL, "function": {"name": "f"}}],
+            "messages[1].tool_calls[0].function.arguments",
+            "missing_required_parameter",
+        ),
+        (
+            [{**CALL, "function": {"name": "f", "arguments": {}}}],
+            "messages[1].tool_calls[0].function.arguments",
+            "invalid_type",
+        ),
+    ],
+)
+def test_an_ill_formed_assistant_tool_call_is_named_by_its_path(tool_calls, param, code):
+    """Before: a non-array ``tool_calls`` was reported as a missing ``content``, and a call without a function
+    name or with non-string arguments reached the engine, whose error named only ``messages``."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": tool_calls}]
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request({"model": "m", "messages": messages}, {})
+    assert (caught.value.param, caught.value.code) == (param, code)
+    assert param in caught.value.message
+
+
+def test_a_well_formed_tool_call_round_trip_parses():
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    assert parse_chat_request({"model": "m", "messages": messages}, {}).messages[1]["tool_calls"] == [CALL]
