@@ -218,6 +218,25 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serving_url(sock: socket.socket) -> str:
+    """The ``http://`` URL a bound socket serves, from its own address (the port it really got; an IPv6 host
+    in brackets), e.g. ``http://127.0.0.1:8000`` or ``http://[::1]:8000``."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def log_ready(url: str) -> None:
+    """The start-up line that says where the gateway answers, once its models are loaded (uvicorn's own
+    "running on" line is not written for a socket it did not bind itself)."""
+    logging.getLogger("prefixgate.server").info(
+        "ready: serving %s (OpenAI SDK base_url %s/v1, Anthropic SDK base_url %s; admin %s/admin/)",
+        url,
+        url,
+        url,
+        url,
+    )
+
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """The gateway's log line; it names no thread, process, multiprocessing or caller field (see ``quiet_log_records``)."""
 
@@ -286,7 +305,17 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         loop,
         "httptools, head and body in one write" if protocol else "auto",
     )
-    server = uvicorn.Server(
+    url = serving_url(listener)
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, saying where it answers once the lifespan (the model loads) has started."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                log_ready(url)
+
+    server = Server(
         uvicorn.Config(
             app,
             host=config.server.host,

@@ -15,7 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.cli import EXIT_BAD_CONFIG, event_loop, limit_malloc_arenas, main, parse_args, resolve_config
+from gateway.cli import (
+    EXIT_BAD_CONFIG,
+    bind_listener,
+    event_loop,
+    limit_malloc_arenas,
+    main,
+    parse_args,
+    resolve_config,
+    serving_url,
+)
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
 from tests.gateway.server import write_config
 
@@ -153,7 +162,19 @@ def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, t
     assert "cached_tokens=" in lines[0] and "completion_tokens=2" in lines[0] and "ttft_ms=" in lines[0]
     assert secret not in output and "sk-client-key" not in output and "u-secret" not in output
     assert "prefixgate.server: event loop: uvloop" in output  # uvloop is a dependency
+    # Before: no line said where the gateway listens (uvicorn writes "running on" only for sockets it binds)
+    assert f"prefixgate.server: ready: serving {base} (OpenAI SDK base_url {base}/v1" in output, output
     assert process.returncode == 0
+
+
+@pytest.mark.parametrize(("host", "shown"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_the_serving_url_is_the_bound_address_with_the_port_it_got(host, shown):
+    try:
+        sock = bind_listener(host, 0)
+    except OSError:
+        pytest.skip(f"this machine cannot bind {host}")
+    with sock:
+        assert serving_url(sock) == f"http://{shown}:{sock.getsockname()[1]}"
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
