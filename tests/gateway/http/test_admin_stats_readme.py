@@ -90,3 +90,14 @@ def test_every_field_of_readmes_stats_table_is_in_a_real_stats_answer(server):
     assert (
         set(MISS_FIELDS) <= set(doc["cache_misses"]["models"][TINY_MODEL]) and "errors" in doc["cache_misses"]
     )
+
+
+def test_readmes_replicas_fields_are_a_replica_snapshots():
+    """Before: README listed ``{state, inflight, failures}``; a replica's row also has ``requests`` and ``away``."""
+    from gateway.transport.affinity import AffinityRing
+
+    row = readme_stats_rows()["models"]
+    listed = row[row.index("`replicas`") :].split("}`", 1)[0]
+    fields = set(re.findall(r"\b([a-z_]+)\b", listed.split("{", 1)[1].replace("up\\|down\\|half_open", "")))
+    snapshot = AffinityRing(["http://a.test/v1", "http://b.test/v1"]).snapshot()
+    assert fields == set(snapshot["http://a.test/v1"]), (fields, snapshot)
