@@ -304,11 +304,11 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     for index, tool in enumerate(tools):
         if tool.get("type") != "function":
             kind = tool.get("type")
-            if kind == OPAQUE:  # an Anthropic server tool riding through: name it by its own type
+            if kind == OPAQUE:  # an Anthropic-defined tool riding through: name it by its own type
                 kind = (tool.get("tool") or {}).get("type")
             raise InvalidRequestError(
-                f"Tool type '{kind}' (tools[{index}]) is not supported by the embedded engine (function tools "
-                "only: a server tool runs only on Anthropic).",
+                f"Tool type '{kind}' (tools[{index}]) is not supported by the embedded engine: it takes custom "
+                "(function) tools only; Anthropic's own tool types (web search, bash, ...) need an Anthropic model.",
                 param=f"tools[{index}]",
                 code="unsupported_value",
             )
