@@ -91,10 +91,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status. A ``rules`` command whose reader went away
+    (``prefixgate rules apply req.json | head``) exits 1 quietly, as other Unix tools do, not with a
+    ``BrokenPipeError`` traceback (the recipe of the Python docs' "Note on SIGPIPE")."""
     args = parse_args(argv)
     if args.command == "serve":
         return serve(args.config, args.host, args.port, args.log_level)
+    try:
+        return rules_main(args)
+    except BrokenPipeError:
+        # Later writes (the interpreter's final flush) would fail again: point stdout at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+def rules_main(args: argparse.Namespace) -> int:
+    """The ``prefixgate rules ...`` commands (``check``, ``apply``, ``replay``, ``learned``)."""
     from gateway.service.canonicalize import run_rules_command
 
     if args.rules_command == "check":

@@ -296,3 +296,20 @@ def test_serve_runs_on_uvloop_when_it_imports_else_asyncio(monkeypatch):
     assert event_loop() == "uvloop"
     monkeypatch.setitem(sys.modules, "uvloop", None)  # an import of it raises ImportError
     assert event_loop() == "asyncio"
+
+
+def test_a_rules_command_whose_reader_left_exits_quietly(tmp_path):
+    """Before: ``prefixgate rules apply req.json | head -3`` ended in a ``BrokenPipeError`` traceback."""
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 2000}]}))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "rules", "apply", str(request)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    process.stdout.close()  # the reader leaves before the first write
+    stderr = process.stderr.read()
+    process.stderr.close()
+    assert process.wait(timeout=60) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
