@@ -140,21 +140,31 @@ asks for at most 64 characters; the API takes 128)."""
 
 def _check_tool_results(messages: list[Any]) -> None:
     """Each ``tool_result`` block answers a ``tool_use`` block of the message just before (an assistant turn),
-    by its ``id``, as Anthropic requires."""
+    by its ``id``, and each ``tool_use`` block of an assistant turn that has a next message is answered there,
+    as Anthropic requires (a final assistant turn, a prefill, is left alone)."""
     for i, message in enumerate(messages):
         content = message["content"]
-        if not isinstance(content, list):
-            continue
         previous = messages[i - 1] if i > 0 else None
         blocks = previous["content"] if previous is not None and previous["role"] == "assistant" else []
-        used = {b["id"] for b in blocks if isinstance(b, dict) and b["type"] == "tool_use"}
-        for j, block in enumerate(content):
-            if block["type"] == "tool_result" and block["tool_use_id"] not in used:
+        used = [b["id"] for b in blocks if isinstance(b, dict) and b["type"] == "tool_use"]
+        answered = set()
+        for j, block in enumerate(content if isinstance(content, list) else ()):
+            if block["type"] != "tool_result":
+                continue
+            if block["tool_use_id"] not in used:
                 raise bad_param(
                     f"unexpected tool_use_id {block['tool_use_id']!r} in a tool_result block: each tool_result "
                     "block must answer a tool_use block of the previous (assistant) message",
                     f"messages[{i}].content[{j}].tool_use_id",
                 )
+            answered.add(block["tool_use_id"])
+        missing = [tool_use_id for tool_use_id in used if tool_use_id not in answered]
+        if missing:
+            raise bad_param(
+                f"`tool_use` ids were found without `tool_result` blocks immediately after: {', '.join(missing)}. "
+                "Each `tool_use` block must have a corresponding `tool_result` block in the next message.",
+                f"messages[{i - 1}]",
+            )
 
 
 def _validate_tool(tool: Any, param: str) -> None:

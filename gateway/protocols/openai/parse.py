@@ -299,10 +299,20 @@ def _check_function_name(name: str, param: str) -> None:
 
 def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
     """Each ``tool`` message answers a call of the assistant message with ``tool_calls`` before it (only
-    ``tool`` messages in between), by that call's ``id``, as OpenAI requires."""
+    ``tool`` messages in between), by that call's ``id``, and every call is answered before the next other
+    message, as OpenAI requires (a trailing unanswered turn is left alone: it asks for nothing)."""
     calls: set[str] | None = None  # ids of the open assistant turn's calls; None: no such turn
+    unanswered: list[str] = []  # the open turn's call ids no tool message answered yet, in order
     for index, message in enumerate(messages):
         role = message["role"]
+        if role != "tool" and unanswered:
+            raise InvalidRequestError(
+                "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                "'tool_call_id'. The following tool_call_ids did not have response messages: "
+                f"{', '.join(unanswered)}",
+                param=f"messages[{index}].role",
+                code=None,
+            )
         if role == "tool":
             if calls is None:
                 raise InvalidRequestError(
@@ -318,8 +328,10 @@ def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
                     param=f"messages[{index}].tool_call_id",
                     code=None,
                 )
+            unanswered = [call_id for call_id in unanswered if call_id != message["tool_call_id"]]
         elif role == "assistant" and message.get("tool_calls"):
-            calls = {call.get("id") for call in message["tool_calls"] if isinstance(call.get("id"), str)}
+            unanswered = [call["id"] for call in message["tool_calls"]]
+            calls = set(unanswered)
         else:
             calls = None
 

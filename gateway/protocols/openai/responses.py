@@ -122,6 +122,7 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
         origins.append(MessageOrigin("input", "input_text"))
         return messages
     open_calls: set[str] | None = None  # call ids of the open function_call run; None: no such run
+    unanswered: dict[str, str] = {}  # the open run's call ids no output answered yet -> their item's path
     if not isinstance(items, list):
         raise _invalid_type("input", "a string or an array of input items", items)
     for index, item in enumerate(items):
@@ -129,6 +130,15 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
         if not isinstance(item, dict):
             raise _invalid_type(where, "an object", item)
         kind = item.get("type", "message")
+        starts_turn = kind == "message" or (kind == "function_call" and not _continues_calls(messages))
+        if starts_turn and unanswered:
+            call_id, call_where = next(iter(unanswered.items()))
+            raise InvalidRequestError(
+                f"No tool output found for function call {call_id}: each function_call item needs its "
+                "function_call_output item before the next message or turn.",
+                param=f"{call_where}.call_id",
+                code="invalid_value",
+            )
         if kind == "message":
             messages.append(_message(item, where))
             origins.append(MessageOrigin(where, "message"))
@@ -142,9 +152,8 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
                     "arguments": _string(item, "arguments", where),
                 },
             }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("content") is None:
-                last["tool_calls"].append(call)  # parallel calls of one turn
+            if _continues_calls(messages):
+                messages[-1]["tool_calls"].append(call)  # parallel calls of one turn
                 origins[-1].calls.append(where)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -152,6 +161,7 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
                 open_calls = set()
             if open_calls is not None:
                 open_calls.add(call["id"])
+                unanswered[call["id"]] = where
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):
@@ -167,6 +177,7 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
                     param=f"{where}.call_id",
                     code="invalid_value",
                 )
+            unanswered.pop(call_id, None)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             origins.append(MessageOrigin(where, "function_call_output"))
         elif kind == "item_reference":
@@ -185,6 +196,11 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
             code="empty_array",
         )
     return messages
+
+
+def _continues_calls(messages: list[dict[str, Any]]) -> bool:
+    """Whether a ``function_call`` item joins the last message (an assistant turn made of calls only)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and messages[-1].get("content") is None
 
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})

@@ -290,8 +290,9 @@ def test_errors_name_the_responses_fields_not_the_chat_ones(server, fields, para
         [
             {"role": "user", "content": "hi"},
             CALL_ITEM,
-            {"role": "assistant", "content": "thinking aloud"},
             {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            {"role": "user", "content": "and now?"},
+            {"type": "function_call_output", "call_id": "c1", "output": "again"},
         ],
     ],
 )
@@ -319,4 +320,41 @@ def test_a_function_call_round_trip_still_takes_the_chat_path(server, client):
         model=TINY_MODEL, input=items, tools=[WEATHER_TOOL], max_output_tokens=2
     )
     assert response.usage.input_tokens > 0
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize(
+    ("items", "param"),
+    [
+        (
+            [{"role": "user", "content": "hi"}, CALL_ITEM, {"role": "user", "content": "and?"}],
+            "input[1].call_id",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                CALL_ITEM,
+                {**CALL_ITEM, "call_id": "c2"},
+                {"type": "function_call_output", "call_id": "c2", "output": "x"},
+                {**CALL_ITEM, "call_id": "c3"},
+            ],
+            "input[1].call_id",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                CALL_ITEM,
+                {"role": "assistant", "content": "thinking aloud"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            ],
+            "input[1].call_id",
+        ),
+    ],
+)
+def test_a_function_call_without_its_output_names_the_call_item(server, items, param):
+    """Before: 200 (the chat path took an unanswered call turn; OpenAI answers "No tool output found for
+    function call ...")."""
+    body = {"model": TINY_MODEL, "input": items, "tools": [WEATHER_TOOL], "max_output_tokens": 2}
+    error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400, param=param)
+    assert error["message"].startswith("No tool output found for function call c1")
     assert_no_block_in_use(server)

@@ -327,11 +327,32 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
                         "role": "assistant",
                         "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
                     },
-                    {"role": "user", "content": "go on"},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
                 ]
             ),
             "messages[3].content[0].tool_use_id",
+        ),
+        (  # before: served (Anthropic answers 400: every tool_use needs its tool_result in the next message)
+            lambda b: b["messages"].extend(
+                [
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+                            {"type": "tool_use", "id": "t2", "name": "f", "input": {}},
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t2"},
+                            {"type": "text", "text": "go on"},
+                        ],
+                    },
+                ]
+            ),
+            "messages[1]",
         ),
     ],
 )
@@ -671,3 +692,39 @@ def test_count_tokens_takes_its_documented_fields_only():
     with pytest.raises(InvalidRequestError) as info:
         parse_count_body({**body, "max_tokens": 0}, refuse_unknown=False)
     assert info.value.param == "max_tokens"
+
+
+def test_a_tool_use_without_its_result_is_named_in_anthropics_words():
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}],
+            },
+            {"role": "user", "content": "go on"},
+        ],
+    }
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages_body(body)
+    assert info.value.message == (
+        "messages[1]: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1. Each "
+        "`tool_use` block must have a corresponding `tool_result` block in the next message."
+    )
+
+
+def test_a_final_assistant_tool_use_turn_is_left_alone():
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}],
+            },
+        ],
+    }
+    assert parse_messages_body(body) is not None

@@ -345,9 +345,9 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
                 {"role": "user", "content": "hi"},
                 {"role": "tool", "tool_call_id": "c1", "content": "42"},
             ],
-            "messages[2].role",
-            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
-            "'tool_calls'.",
+            "messages[1].role",
+            "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            "'tool_call_id'. The following tool_call_ids did not have response messages: c1",
         ),
     ],
 )
@@ -400,9 +400,6 @@ def test_function_names_follow_openai_pattern(name, code, message):
     assert chat(tools=ok).tools == ok  # 64 characters, every allowed kind
 
 
-CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-
-
 @pytest.mark.parametrize(
     ("tool_calls", "param", "code"),
     [
@@ -451,3 +448,43 @@ def test_a_well_formed_tool_call_round_trip_parses():
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ]
     assert parse_chat_request({"model": "m", "messages": messages}, {}).messages[1]["tool_calls"] == [CALL]
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "unanswered"),
+    [
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "user", "content": "next"},
+            ],
+            "messages[2].role",
+            "c1",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL, {**CALL, "id": "c2"}]},
+                {"role": "tool", "tool_call_id": "c2", "content": "42"},
+                {"role": "assistant", "content": "done"},
+            ],
+            "messages[3].role",
+            "c1",
+        ),
+    ],
+)
+def test_every_call_is_answered_before_the_next_other_message(messages, param, unanswered):
+    """Before: an assistant turn's calls with no tool message answering them were served (OpenAI answers 400)."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({"model": "m", "messages": messages}, {})
+    assert (info.value.status_code, info.value.param) == (400, param)
+    assert info.value.message.endswith(f"did not have response messages: {unanswered}")
+
+
+def test_a_trailing_unanswered_call_turn_is_left_alone():
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    ]
+    assert len(parse_chat_request({"model": "m", "messages": messages}, {}).messages) == 2
