@@ -17,7 +17,13 @@ from engine.native_decode import (
     reference_decode,
     resolve_decode_kernel,
 )
-from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from tests.engine.engine_helpers import (
+    greedy,
+    make_engine,
+    random_tokens,
+    smollm2_checkpoint,
+    tiny_checkpoint,
+)
 
 AVAILABLE = native_decode._cpu_ok()[0] and native_decode._compiler() is not None
 needs_kernel = pytest.mark.skipif(not AVAILABLE, reason="needs an AVX-512 x86-64 CPU and a C compiler")
@@ -203,3 +209,32 @@ def test_engine_tokens_equal_native_and_torch_and_batched_equal_alone(kind, kv_d
             alone = make_engine(ck, kv_dtype=kv_dtype, decode_kernel=setting)
             assert [alone.generate([p], greedy(12))[0] for p in prompts] == results[setting]
     assert results["native"] == results["torch"]
+
+
+@needs_kernel
+def test_smollm2_native_decode_batched_equals_alone_with_a_cached_system_prompt():
+    # the real model (bf16 cache): greedy tokens of 6 prompts sharing a system prompt, batched after it is cached
+    # (its blocks walked across the sequences), equal each prompt's alone with caching off
+    ckpt = smollm2_checkpoint()
+    tok = ckpt.tokenizer
+    system = "You are a helpful assistant for a train company. Answer briefly and politely. " * 8
+    questions = (
+        "When is the first train?",
+        "How much is a ticket?",
+        "Can I bring a bike?",
+        "Is there wifi on board?",
+        "Where do I buy a pass?",
+        "Are dogs allowed?",
+    )
+    prompts = [
+        tok.render_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in questions
+    ]
+    n_new = 16
+    refs = []
+    for p in prompts:
+        alone = make_engine(ckpt, kv_dtype="bfloat16", enable_prefix_caching=False, decode_kernel="native")
+        refs.append(alone.generate([p], greedy(n_new))[0])
+    eng = make_engine(ckpt, kv_dtype="bfloat16", decode_kernel="native")
+    eng.generate([prompts[0]], greedy(2))
+    assert eng.generate(prompts, greedy(n_new)) == refs
