@@ -78,7 +78,12 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int
 
 
 def decode_meta(
-    b: int, context: int, blocks_per_seq: int, shared_blocks: int = 0, decode_kernel=None
+    b: int,
+    context: int,
+    blocks_per_seq: int,
+    shared_blocks: int = 0,
+    decode_kernel=None,
+    native_for_shared: bool = True,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata of one decode step of ``b`` sequences, each with ``context`` cached tokens in its own
     consecutive blocks, the first ``shared_blocks`` of them common to all (one cached system prompt: cascade
@@ -91,7 +96,13 @@ def decode_meta(
         qsl.append(qsl[-1] + 1)
         tables.append(table)
     meta = AttentionMetadata(
-        torch.tensor(slots), qsl, [context + 1] * b, torch.tensor(tables), BLOCK, decode_kernel=decode_kernel
+        torch.tensor(slots),
+        qsl,
+        [context + 1] * b,
+        torch.tensor(tables),
+        BLOCK,
+        decode_kernel=decode_kernel,
+        native_for_shared=native_for_shared,
     )
     return meta, torch.full((b,), context, dtype=torch.int64)
 
@@ -105,7 +116,7 @@ def _int4(lin: LinearWeight) -> Int4Weight:
 
 
 def breakdown(
-    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None
+    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None, native_for_shared: bool = True
 ) -> dict[str, dict[str, float]]:
     """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``, and
     ``attn_in_step``: each layer's int4 calls then its attention, as a step orders them, minus ``int4_only``.
@@ -123,7 +134,7 @@ def breakdown(
     lins.append(_int4(model.lm_head))
     out = {}
     for name, b, shared in (("b1", 1, 0), ("b8", 8, 0), ("b8s", 8, context // BLOCK - 4)):
-        meta, pos = decode_meta(b, context, bps, shared, decode_kernel)
+        meta, pos = decode_meta(b, context, bps, shared, decode_kernel, native_for_shared)
         tok = torch.randint(100, 1000, (b,))
         xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
         plan = plan_attention(meta, model.device, kv.shape[2])
@@ -404,7 +415,7 @@ def main() -> None:
         with torch.inference_mode(), bench_lock(args.lock):
             load = os.getloadavg()[0]
             kernel = resolve_decode_kernel(args.decode_kernel, model.device)
-            res = breakdown(model, args.context, 15, clock, kernel)
+            res = breakdown(model, args.context, 15, clock, kernel, args.decode_kernel == "native")
     else:
         load = os.getloadavg()[0]
         batches = [int(b) for b in args.batches.split(",")]

@@ -64,8 +64,11 @@ class AttentionMetadata:
         split_threads: the thread count one decode sequence's context is cut into parts for (``decode_chunks``):
             the engine's configured ``num_threads``, so the parts, and so the rounding, never follow a per-step
             thread count (``engine.step_threads``); None = torch's live count.
-        decode_kernel: the native decode-attention kernel (``engine.native_decode``): on CPU every decode
-            sequence of the step is attended by it; None = torch's paths (``engine.decode_attention``).
+        decode_kernel: the native decode-attention kernel (``engine.native_decode``): on CPU the step's decode
+            sequences are attended by it; None = torch's paths (``engine.decode_attention``).
+        native_for_shared: the native kernel also for decode sequences sharing a cached prefix (cascade
+            attention); false = those steps take torch's cascade over a bf16 cache where it runs
+            (``prefix_split_available``), which read the shared blocks faster (``engine.decode_kernel: auto``).
     """
 
     slot_mapping: torch.Tensor
@@ -75,6 +78,7 @@ class AttentionMetadata:
     block_size: int
     split_threads: int | None = None
     decode_kernel: NativeDecodeKernel | None = None
+    native_for_shared: bool = True
 
 
 @dataclass
@@ -169,8 +173,13 @@ def plan_attention(
         if not (len(decode_seqs) == num_seqs and num_tokens == num_seqs):
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
         dec_tables = [tables[i] for i in decode_seqs]
-        if meta.decode_kernel is not None and device.type == "cpu":
-            p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
+        p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
+        cascade = p * bs >= SHARED_PREFIX_MIN_TOKENS
+        if (
+            meta.decode_kernel is not None
+            and device.type == "cpu"
+            and (meta.native_for_shared or not (cascade and prefix_split_available(device)))
+        ):
             native = NativeDecode(
                 meta.decode_kernel,
                 torch.tensor([t[:nb] for t in dec_tables], dtype=torch.int32),
@@ -182,9 +191,8 @@ def plan_attention(
             return AttentionPlan(
                 meta.slot_mapping.to(device=device, dtype=torch.long), num_tokens, prefills, decode
             )
-        p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
         split_ok = prefix_split_available(device)
-        if p * bs >= SHARED_PREFIX_MIN_TOKENS:
+        if cascade:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
             ids = [b if 0 <= b < pool_blocks else 0 for t in dec_tables for b in t[p:nb]]

@@ -186,6 +186,7 @@ class LLMEngine(PrefixAdmin):
             config.shared_prefix_attention,
             step_threads,
             resolve_decode_kernel(config.decode_kernel, model.device),
+            native_for_shared=config.decode_kernel == "native",
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None

@@ -93,6 +93,8 @@ class ModelRunner:
             never changed (and the decode split follows it).
         decode_kernel: the native decode-attention kernel (``engine.native_decode``), or None for torch's
             paths.
+        native_for_shared: the native kernel for decode steps sharing a cached prefix too (``native``); false
+            (``auto``): torch's cascade there (``AttentionMetadata.native_for_shared``).
 
     Attributes:
         steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
@@ -108,9 +110,11 @@ class ModelRunner:
         shared_prefix: bool = True,
         step_threads: StepThreads | None = None,
         decode_kernel: NativeDecodeKernel | None = None,
+        native_for_shared: bool = True,
     ):
         self.model = model
         self.decode_kernel = decode_kernel
+        self.native_for_shared = native_for_shared
         self.shared_prefix = shared_prefix
         self.step_threads = step_threads
         self.steps_by_threads: Counter[int] = Counter()
@@ -165,6 +169,7 @@ class ModelRunner:
             block_size=bs,
             split_threads=self.step_threads.num_threads if self.step_threads else None,
             decode_kernel=self.decode_kernel,
+            native_for_shared=self.native_for_shared,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),

@@ -238,3 +238,26 @@ def test_smollm2_native_decode_batched_equals_alone_with_a_cached_system_prompt(
     eng = make_engine(ckpt, kv_dtype="bfloat16", decode_kernel="native")
     eng.generate([prompts[0]], greedy(2))
     assert eng.generate(prompts, greedy(n_new)) == refs
+
+
+@needs_kernel
+def test_auto_leaves_shared_prefix_steps_to_the_cascade(kernel):
+    # ``auto`` (native_for_shared false): a decode step whose sequences share >= 64 cached positions over a bf16
+    # cache takes torch's cascade; private contexts, and ``native``, take the kernel
+    from engine.attention import AttentionMetadata, plan_attention, prefix_split_available
+
+    def plan(tables, native_for_shared):
+        lens = [len(t) * 16 - 3 for t in tables]
+        slots = torch.tensor([t[-1] * 16 + 12 for t in tables])
+        meta = AttentionMetadata(
+            slots, list(range(len(tables) + 1)), lens, torch.tensor(tables), 16,
+            decode_kernel=kernel, native_for_shared=native_for_shared,
+        )  # fmt: skip
+        return plan_attention(meta, torch.device("cpu"), 64).decode
+
+    shared = [[0, 1, 2, 3, 4, 10], [0, 1, 2, 3, 4, 11]]
+    private = [[0, 1, 2, 3, 4, 10], [5, 6, 7, 8, 9, 11]]
+    assert plan(private, False).native is not None
+    assert plan(shared, True).native is not None and plan(shared, True).native.shared_len == 80
+    auto = plan(shared, False)
+    assert (auto.native is None) == prefix_split_available(torch.device("cpu"))
