@@ -42,6 +42,7 @@ from engine.attention import AttentionMetadata, paged_attention, plan_attention
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.linear import Int4Weight, Int8Weight, LinearWeight
 from engine.model import DecoderLayer, LlamaModel, allocate_kv_cache, apply_rope, rms_norm, rope_rotation
+from engine.native_decode import resolve_decode_kernel
 
 BLOCK = 16
 
@@ -77,11 +78,16 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int
 
 
 def decode_meta(
-    b: int, context: int, blocks_per_seq: int, shared_blocks: int = 0
+    b: int,
+    context: int,
+    blocks_per_seq: int,
+    shared_blocks: int = 0,
+    decode_kernel=None,
+    native_for_shared: bool = True,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata of one decode step of ``b`` sequences, each with ``context`` cached tokens in its own
     consecutive blocks, the first ``shared_blocks`` of them common to all (one cached system prompt: cascade
-    attention); and the int64 positions ``[b]``."""
+    attention); and the int64 positions ``[b]``. ``decode_kernel``: the native kernel, or None for torch's."""
     slots, qsl, tables = [], [0], []
     for i in range(b):
         base = i * blocks_per_seq
@@ -89,7 +95,15 @@ def decode_meta(
         slots.append(table[context // BLOCK] * BLOCK + context % BLOCK)
         qsl.append(qsl[-1] + 1)
         tables.append(table)
-    meta = AttentionMetadata(torch.tensor(slots), qsl, [context + 1] * b, torch.tensor(tables), BLOCK)
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        qsl,
+        [context + 1] * b,
+        torch.tensor(tables),
+        BLOCK,
+        decode_kernel=decode_kernel,
+        native_for_shared=native_for_shared,
+    )
     return meta, torch.full((b,), context, dtype=torch.int64)
 
 
@@ -101,7 +115,9 @@ def _int4(lin: LinearWeight) -> Int4Weight:
     return inner
 
 
-def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, dict[str, float]]:
+def breakdown(
+    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None, native_for_shared: bool = True
+) -> dict[str, dict[str, float]]:
     """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``, and
     ``attn_in_step``: each layer's int4 calls then its attention, as a step orders them, minus ``int4_only``.
 
@@ -109,7 +125,8 @@ def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, 
     them (SmolLM2 at ~1,000 tokens, bf16: 25 MB) finds them in cache; in a step ~66 MB of int4 weights stream
     between two reads of a layer's context, so it comes from memory: ``attn_in_step`` is that cost.
     ``rest = full - int4_only - attn_in_step``. Rows: ``b1``, ``b8`` (8 private contexts) and ``b8s`` (8
-    contexts sharing their first ``context // 16 * 16 - 64`` tokens: cascade attention)."""
+    contexts sharing their first ``context // 16 * 16 - 64`` tokens: cascade attention). ``decode_kernel``:
+    the native decode kernel (``engine.native_decode``), or None for torch's paths."""
     c = model.config
     bps = -(-(context + 64) // BLOCK)
     kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
@@ -117,7 +134,7 @@ def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, 
     lins.append(_int4(model.lm_head))
     out = {}
     for name, b, shared in (("b1", 1, 0), ("b8", 8, 0), ("b8s", 8, context // BLOCK - 4)):
-        meta, pos = decode_meta(b, context, bps, shared)
+        meta, pos = decode_meta(b, context, bps, shared, decode_kernel, native_for_shared)
         tok = torch.randint(100, 1000, (b,))
         xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
         plan = plan_attention(meta, model.device, kv.shape[2])
@@ -366,6 +383,9 @@ def main() -> None:
         "--breakdown", action="store_true", help="whole-step breakdown instead of the compile A/B"
     )
     ap.add_argument("--weights", default="auto")
+    ap.add_argument(
+        "--decode-kernel", default="auto", help="--breakdown: engine.decode_kernel (auto | native | torch)"
+    )
     ap.add_argument("--context", type=int, default=1070)
     ap.add_argument("--threads", type=int, default=None, help="torch threads; 1 = timed by thread CPU time")
     ap.add_argument("--batches", default="1,8", help="compile A/B: batch sizes, in order")
@@ -394,7 +414,8 @@ def main() -> None:
     elif args.breakdown:
         with torch.inference_mode(), bench_lock(args.lock):
             load = os.getloadavg()[0]
-            res = breakdown(model, args.context, 15, clock)
+            kernel = resolve_decode_kernel(args.decode_kernel, model.device)
+            res = breakdown(model, args.context, 15, clock, kernel, args.decode_kernel == "native")
     else:
         load = os.getloadavg()[0]
         batches = [int(b) for b in args.batches.split(",")]
@@ -404,6 +425,7 @@ def main() -> None:
     for name, row in res.items():
         print(f"{name:<15}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
+    info["decode_kernel"] = args.decode_kernel
     print(json.dumps({"result": res, **info, "dynamic": args.dynamic, "mode": args.mode}))
 
 

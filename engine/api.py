@@ -308,6 +308,13 @@ class EngineConfig:
             shared slots' KV into its own block instead of recomputing from the block boundary, and a finished
             request's last partly filled block is kept as a cache entry for that (RAM only, never a tier);
             false = hits stop at the last whole block (``engine.kv_cache_manager``, invariants 8-9).
+        decode_kernel: decode attention, ``auto | native | torch``: ``native`` = the C kernel over the paged
+            cache for every decode step (``engine.native_decode``: built once per machine with the system C
+            compiler; x86-64 CPUs with AVX-512; each sequence's result independent of the rest of the step),
+            ``torch`` = torch's kernels on copies of the blocks (``engine.decode_attention``), ``auto`` = native
+            where it builds, except steps whose sequences share a cached prefix over a bf16 cache, where
+            torch's cascade reads the shared blocks faster (measured: docs/engine-step.md). ``native`` where it
+            cannot be built is a start-up error naming the reason.
     """
 
     block_size: int = 16
@@ -336,6 +343,7 @@ class EngineConfig:
     dense_min_rows: int | None = 10
     shared_prefix_attention: bool = True
     enable_partial_prefix_hits: bool = True
+    decode_kernel: str = "auto"
 
 
 @dataclass(frozen=True)

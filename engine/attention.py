@@ -41,11 +41,13 @@ from engine.block_gather import BlockGather, block_gather, length_mask
 from engine.decode_attention import (
     SHARED_PREFIX_MIN_TOKENS,
     DecodePlan,
+    NativeDecode,
     SharedPrefix,
     decode_attention,
     plan_split_decode,
     shared_prefix_blocks,
 )
+from engine.native_decode import NativeDecodeKernel
 
 
 @dataclass
@@ -62,6 +64,11 @@ class AttentionMetadata:
         split_threads: the thread count one decode sequence's context is cut into parts for (``decode_chunks``):
             the engine's configured ``num_threads``, so the parts, and so the rounding, never follow a per-step
             thread count (``engine.step_threads``); None = torch's live count.
+        decode_kernel: the native decode-attention kernel (``engine.native_decode``): on CPU the step's decode
+            sequences are attended by it; None = torch's paths (``engine.decode_attention``).
+        native_for_shared: the native kernel also for decode sequences sharing a cached prefix (cascade
+            attention); false = those steps take torch's cascade over a bf16 cache where it runs
+            (``prefix_split_available``), which read the shared blocks faster (``engine.decode_kernel: auto``).
     """
 
     slot_mapping: torch.Tensor
@@ -70,6 +77,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     block_size: int
     split_threads: int | None = None
+    decode_kernel: NativeDecodeKernel | None = None
+    native_for_shared: bool = True
 
 
 @dataclass
@@ -165,8 +174,25 @@ def plan_attention(
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
         dec_tables = [tables[i] for i in decode_seqs]
         p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
+        cascade = p * bs >= SHARED_PREFIX_MIN_TOKENS
+        if (
+            meta.decode_kernel is not None
+            and device.type == "cpu"
+            and (meta.native_for_shared or not (cascade and prefix_split_available(device)))
+        ):
+            native = NativeDecode(
+                meta.decode_kernel,
+                torch.tensor([t[:nb] for t in dec_tables], dtype=torch.int32),
+                torch.tensor(lens, dtype=torch.int32),
+                max_len,
+                shared_len=p * bs // 16 * 16,
+            )
+            decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), native=native)
+            return AttentionPlan(
+                meta.slot_mapping.to(device=device, dtype=torch.long), num_tokens, prefills, decode
+            )
         split_ok = prefix_split_available(device)
-        if p * bs >= SHARED_PREFIX_MIN_TOKENS:
+        if cascade:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
             ids = [b if 0 <= b < pool_blocks else 0 for t in dec_tables for b in t[p:nb]]

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.block_gather import BlockGather, block_gather, length_mask
+from engine.native_decode import NativeDecodeKernel, scratch_size
 
 
 @dataclass
@@ -98,6 +99,35 @@ class SplitDecode:
 
 
 @dataclass
+class NativeDecode:
+    """Decode attention by the native kernel (``engine.native_decode``): the step's decode sequences' block
+    tables and lengths as the kernel takes them, and one scratch buffer reused by every layer."""
+
+    kernel: NativeDecodeKernel
+    tables: torch.Tensor  # int32 [B_dec, blocks of the longest context]
+    lens: torch.Tensor  # int32 [B_dec]
+    max_len: int
+    shared_len: int = 0  # leading positions all sequences share, read once for all (a multiple of 16)
+    scratch: torch.Tensor | None = None  # fp32, made by the first layer
+
+    def attend(self, q: torch.Tensor, layer_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q`` ``[B, H, D]`` -> fp32 ``[B, H, D]`` (``NativeDecodeKernel.attend``)."""
+        if self.scratch is None:
+            size = scratch_size(q.shape[0], q.shape[1], q.shape[2], self.max_len)
+            self.scratch = torch.empty(size, dtype=torch.float32)
+        return self.kernel.attend(
+            q.contiguous(),
+            layer_cache,
+            self.tables,
+            self.lens,
+            self.max_len,
+            scale,
+            self.scratch,
+            self.shared_len,
+        )
+
+
+@dataclass
 class DecodePlan:
     """All sequences with exactly one new token, batched."""
 
@@ -111,6 +141,9 @@ class DecodePlan:
     shared: SharedPrefix | None = None  # set when cascade attention applies (``plan_attention``)
     per_seq: list[tuple[BlockGather, int]] | None = None  # (blocks, seq_len) each: ``per_sequence_decode``
     split: SplitDecode | None = None  # the bf16 CPU path when it applies (``split_decode_attention``)
+    native: NativeDecode | None = (
+        None  # the native kernel (``engine.native_decode``): every other path unused
+    )
 
 
 SHARED_PREFIX_MIN_TOKENS = 64  # cascade attention only when at least this many context positions are shared
@@ -192,6 +225,8 @@ def decode_attention(
     """
     adt = adt or q.dtype
     out_dtype = out_dtype or q.dtype
+    if dec.native is not None:
+        return dec.native.attend(q, layer_cache, scale).to(out_dtype)
     if dec.split is not None and adt == torch.bfloat16 and layer_cache.dtype == torch.bfloat16:
         return split_decode_attention(q, layer_cache, dec.split, scale, group, out_dtype)
     if dec.shared is not None:

@@ -51,6 +51,7 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
+from engine.native_decode import resolve_decode_kernel
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -184,6 +185,8 @@ class LLMEngine(PrefixAdmin):
             kv_dtype,
             config.shared_prefix_attention,
             step_threads,
+            resolve_decode_kernel(config.decode_kernel, model.device),
+            native_for_shared=config.decode_kernel == "native",
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None

@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
+from engine.native_decode import NativeDecodeKernel
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 from engine.step_threads import StepThreads
 
@@ -90,6 +91,10 @@ class ModelRunner:
         shared_prefix: cascade attention for decode sequences sharing leading blocks (``engine.decode_attention``).
         step_threads: the torch thread count of each step (``engine.step_threads``); None = torch's live count,
             never changed (and the decode split follows it).
+        decode_kernel: the native decode-attention kernel (``engine.native_decode``), or None for torch's
+            paths.
+        native_for_shared: the native kernel for decode steps sharing a cached prefix too (``native``); false
+            (``auto``): torch's cascade there (``AttentionMetadata.native_for_shared``).
 
     Attributes:
         steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
@@ -104,8 +109,12 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         shared_prefix: bool = True,
         step_threads: StepThreads | None = None,
+        decode_kernel: NativeDecodeKernel | None = None,
+        native_for_shared: bool = True,
     ):
         self.model = model
+        self.decode_kernel = decode_kernel
+        self.native_for_shared = native_for_shared
         self.shared_prefix = shared_prefix
         self.step_threads = step_threads
         self.steps_by_threads: Counter[int] = Counter()
@@ -159,6 +168,8 @@ class ModelRunner:
             block_tables=tables,
             block_size=bs,
             split_threads=self.step_threads.num_threads if self.step_threads else None,
+            decode_kernel=self.decode_kernel,
+            native_for_shared=self.native_for_shared,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),

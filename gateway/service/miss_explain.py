@@ -2,7 +2,7 @@
 
 ``MissExplainer`` keeps, per model+tenant, a bounded index of recent prompts (token ids with their
 block-hash chains at ``block_size`` 16 for the cached-chain set; least recently used dropped first, bounded in entries and bytes;
-a prompt followed by the answer served to it, ``record_answer``, is one more prompt whose last segment is that answer, as ``history``) and
+a prompt followed by the answer served to it, ``record_answer``, replaces that prompt's entry, its last segment, ``history``, the answer) and
 the set of block chains known to have been cached (with when). For one request it is given the prompt's
 token ids, its segments as token ranges (``tools``, ``system``, ``documents``, ``history``, ``tail``), where
 its stable prefix ends and how many tokens the engine or upstream reported cached, and answers with a
@@ -387,9 +387,18 @@ class MissExplainer:
 
     # ----- recording --------------------------------------------------------------------------------------
     def record(
-        self, model: str, tenant: str, tokens: Sequence[int], segments: Iterable[PromptSegment]
+        self,
+        model: str,
+        tenant: str,
+        tokens: Sequence[int],
+        segments: Iterable[PromptSegment],
+        extends: array | None = None,
     ) -> None:
         """Add a prompt to the key's index (an identical prompt is only refreshed).
+
+        ``extends``, a recorded prompt that ``tokens`` continues (``record_answer``: the prompt before its
+        answer), is replaced in place by this one, keeping its place in the index (its sequence number, so a
+        request whose epoch saw that prompt sees its continuation): one entry per answered request, not two.
 
         Raises:
             MissExplainError: bad tokens or segments.
@@ -400,6 +409,8 @@ class MissExplainer:
         key = (model, tenant)
         digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
         with self._lock:
+            if extends is not None and self._extend(key, extends, data, segs, digest):
+                return
             entries = self._keys.get(key)
             if entries is None:
                 entries = self._keys[key] = OrderedDict()
@@ -447,7 +458,43 @@ class MissExplainer:
         segs = self._segments(segments, len(prompt)) or (PromptSegment("tail", 0, len(prompt)),)
         reply = self._tokens(answer)
         end = len(prompt) + len(reply)
-        self.record(model, tenant, prompt + reply, (*segs, PromptSegment("history", len(prompt), end)))
+        history = PromptSegment("history", len(prompt), end)
+        self.record(model, tenant, prompt + reply, (*segs, history), extends=prompt)
+
+    def _extend(
+        self,
+        key: tuple[str, str],
+        prompt: array,
+        data: array,
+        segs: tuple[PromptSegment, ...],
+        digest: bytes,
+    ) -> bool:
+        """Replace the recorded ``prompt`` of ``key`` by its continuation ``data`` in place (caller holds the
+        lock). False when the prompt is not recorded (dropped, or never recorded), the continuation is
+        already recorded (the prompt's entry is then dropped: the continuation holds it) or is over the byte
+        bound: the caller then records ``data`` as usual."""
+        entries = self._keys.get(key)
+        old_digest = hashlib.blake2b(prompt.tobytes(), digest_size=16).digest()
+        seq = self._seqs.get((key, old_digest))
+        entry = entries.get(seq) if entries is not None and seq is not None else None
+        if entry is None or entry.tokens != prompt:
+            return False
+        if (key, digest) in self._seqs:
+            self._drop_entry(key, seq)
+            return False
+        new = _Entry(data, segs, self._clock(), digest)
+        if new.nbytes > self.max_bytes:
+            return False
+        entries[seq] = new
+        entries.move_to_end(seq)
+        self._keys.move_to_end(key)
+        self._lru.move_to_end((key, seq))
+        del self._seqs[(key, old_digest)]
+        self._seqs[(key, digest)] = seq
+        self._bytes += new.nbytes - entry.nbytes
+        while self._bytes > self.max_bytes:
+            self._drop_entry(*next(iter(self._lru)))
+        return True
 
     def mark_cached(self, model: str, tenant: str, tokens: Sequence[int], upto: int | None = None) -> int:
         """Note that the prompt's full blocks within its first ``upto`` tokens (all when None) are now cached.

@@ -96,12 +96,12 @@ def test_engine_tokens_equal_with_shared_prefix_attention_on_and_off(kind, monke
         return plan
 
     monkeypatch.setattr(model_mod, "plan_attention", spy)
-    on = make_engine(ck, shared_prefix_attention=True)
+    on = make_engine(ck, shared_prefix_attention=True, decode_kernel="torch")
     on.generate([system], greedy(1))
     got = on.generate(prompts, greedy(12))
     assert sum(planned) >= 11  # the 5 decodes ran together through the cascade
     planned.clear()
-    off = make_engine(ck, shared_prefix_attention=False)
+    off = make_engine(ck, shared_prefix_attention=False, decode_kernel="torch")
     off.generate([system], greedy(1))
     assert off.generate(prompts, greedy(12)) == got
     assert not any(planned)

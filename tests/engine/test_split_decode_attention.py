@@ -146,11 +146,11 @@ def test_smollm2_bf16_cache_split_decode_keeps_greedy_tokens():
     n_new = 12
 
     def alone(prompt: list[int]) -> list[int]:
-        eng = make_engine(ckpt, kv_dtype="bfloat16", enable_prefix_caching=False)
+        eng = make_engine(ckpt, kv_dtype="bfloat16", enable_prefix_caching=False, decode_kernel="torch")
         return eng.generate([prompt], greedy(n_new))[0]
 
     refs = [alone(p) for p in prompts]
-    eng = make_engine(ckpt, kv_dtype="bfloat16")
+    eng = make_engine(ckpt, kv_dtype="bfloat16", decode_kernel="torch")
     eng.generate([prompts[0]], greedy(2))
     plans = []
     import engine.model as model_mod

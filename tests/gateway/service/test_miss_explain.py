@@ -340,6 +340,35 @@ def test_a_recorded_answer_is_checked_and_bounded_like_a_prompt():
     assert ex.footprint()["prompts"] == 2
 
 
+def test_a_recorded_answer_extends_its_prompt_in_place():
+    # Each answered request is one entry (prompt + answer), not two: the answer replaces its prompt's entry,
+    # keeping its place, so a request that began after the prompt was recorded still sees it as evidence.
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, first, first_segments)
+    before = ex.footprint()
+    started = ex.epoch()  # a request begins after the prompt is recorded, before its answer
+    reply = list(range(5000, 5030))
+    ex.record_answer("m", "t", first, first_segments, reply)
+    after = ex.footprint()
+    assert after["prompts"] == before["prompts"] == 1
+    assert after["bytes"] == before["bytes"] + 4 * len(reply)
+    edited = reply[:17] + [5999] + reply[18:]
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + edited, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 144, epoch=started)
+    assert e.header_value() == "cached=144; miss=history_rewritten; at=history:147"
+    # the same answer again is a refresh; another answer to the same prompt (its entry is gone) a new entry
+    ex.record_answer("m", "t", first, first_segments, reply)
+    assert ex.footprint()["prompts"] == 1
+    ex.record_answer("m", "t", first, first_segments, reply[:5])
+    assert ex.footprint()["prompts"] == 2
+    # the prompt recorded again, then answered as before: that answer is recorded already and holds the prompt
+    served(ex, first, first_segments)
+    assert ex.footprint()["prompts"] == 3
+    ex.record_answer("m", "t", first, first_segments, reply)
+    assert ex.footprint()["prompts"] == 2
+
+
 def test_token_granular_hits_keep_the_cause_and_the_place():
     # A prefix cache that serves up to the divergence token by token (not a multiple of 16)
     ex = MissExplainer()

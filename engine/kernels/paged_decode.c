@@ -1,0 +1,336 @@
+/* Decode attention over a paged KV cache, one query token per sequence (prefixgate engine.native_decode).
+ *
+ * For each sequence b and KV head h, the `group` query heads of h attend positions 0..lens[b]-1 of the
+ * sequence's blocks (block_tables[b]) in one layer's cache [2][num_blocks][block_size][kv_heads][head_dim]
+ * (K = 0, V = 1), bf16 or fp32, read in place: scores = scale * q.k in fp32, softmax with its maximum
+ * subtracted, output = sum p v / sum p in fp32. Every sequence is computed alone, positions in order, so its
+ * result depends only on its query, its blocks and its length: not on the other sequences of the step, the
+ * thread count or which blocks other sequences share. Scaled dot-product attention (Vaswani et al. 2017),
+ * grouped-query attention (Ainslie et al. 2023).
+ *
+ * Built once per machine by engine.native_decode (gcc -O3, one AVX-512 / AVX2 / baseline build chosen from
+ * the CPU's flags); single-threaded: the caller decides what runs in parallel.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_GROUP 8  /* query heads per KV head held in registers on the vector path */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 16 consecutive elements at src[index] (bf16 when is_bf16, else fp32) as fp32 */
+INLINE v16 load16(const void *src, int64_t index, int is_bf16) {
+    v16 r;
+    if (is_bf16) {
+        u16x16 h;
+        memcpy(&h, (const uint16_t *)src + index, sizeof h);
+        u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&r, &w, sizeof r);
+    } else {
+        memcpy(&r, (const float *)src + index, sizeof r);
+    }
+    return r;
+}
+
+INLINE float load1(const void *src, int64_t index, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)src)[index]) : ((const float *)src)[index];
+}
+
+/* 16 vectors -> one whose lane t is the sum of the lanes of p[t] (a transposing tree: 15 shuffle pairs) */
+INLINE v16 hsum16(const v16 p[16]) {
+    const i32x16 e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i32x16 o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    const i32x16 e2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i32x16 o2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i32x16 e3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i32x16 o3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i32x16 e4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32x16 o4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    v16 c[8], d[4], e[2];
+    for (int m = 0; m < 8; m++)
+        c[m] = __builtin_shuffle(p[2 * m], p[2 * m + 1], e1) + __builtin_shuffle(p[2 * m], p[2 * m + 1], o1);
+    for (int m = 0; m < 4; m++)
+        d[m] = __builtin_shuffle(c[2 * m], c[2 * m + 1], e2) + __builtin_shuffle(c[2 * m], c[2 * m + 1], o2);
+    for (int m = 0; m < 2; m++)
+        e[m] = __builtin_shuffle(d[2 * m], d[2 * m + 1], e3) + __builtin_shuffle(d[2 * m], d[2 * m + 1], o3);
+    return __builtin_shuffle(e[0], e[1], e4) + __builtin_shuffle(e[0], e[1], o4);
+}
+
+/* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
+ * Cephes' expf (S. L. Moshier), 2^n from the exponent bits; ~2 ulp; lanes below -87 give ~1e-38, not 0. */
+INLINE v16 exp16(v16 x) {
+    const i32x16 below = x < -87.0f; /* lanes: -1 where true */
+    i32x16 xi;
+    const v16 lo = x - x - 87.0f;
+    i32x16 loi;
+    memcpy(&xi, &x, sizeof xi);
+    memcpy(&loi, &lo, sizeof loi);
+    xi = (xi & ~below) | (loi & below);
+    memcpy(&x, &xi, sizeof x);
+    const v16 t = x * 1.44269504088896341f - 0.5f;
+    const i32x16 n = __builtin_convertvector(t, i32x16); /* toward zero: round(x log2 e) for x <= 0 */
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i32x16 bits = (n + 127) << 23;
+    v16 two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order) */
+INLINE float softmax_numerators(float *restrict s, int64_t len) {
+    float m = s[0];
+    for (int64_t l = 1; l < len; l++) m = s[l] > m ? s[l] : m;
+    v16 acc = {0};
+    for (int64_t l0 = 0; l0 < len; l0 += 16) {
+        const int64_t n = len - l0 < 16 ? len - l0 : 16;
+        float buf[16];
+        for (int64_t t = 0; t < 16; t++) buf[t] = t < n ? s[l0 + t] - m : -100.0f;
+        v16 e;
+        memcpy(&e, buf, sizeof e);
+        e = exp16(e);
+        memcpy(buf, &e, sizeof buf);
+        for (int64_t t = 0; t < 16; t++) buf[t] = t < n ? buf[t] : 0.0f;
+        memcpy(&e, buf, sizeof e);
+        acc += e;
+        memcpy(s + l0, buf, (size_t)n * sizeof(float));
+    }
+    float lanes[16], sum = 0.0f;
+    memcpy(lanes, &acc, sizeof lanes);
+    for (int t = 0; t < 16; t++) sum += lanes[t];
+    return sum;
+}
+
+/* position l's element offset in the cache (K; V adds v_offset), for KV head h */
+INLINE int64_t position(const int32_t *table, int64_t l, int64_t block_size, int64_t block_elems,
+                        int64_t pos_elems, int64_t h, int64_t D) {
+    return (int64_t)table[l / block_size] * block_elems + (l % block_size) * pos_elems + h * D;
+}
+
+/* Tile (16 positions from l0) of one sequence's scores, every KV head, D % 16 == 0, group <= MAX_GROUP:
+ * scores[i * len + l] = scale * q_i . k(l), the 16 row sums of a query head at once (hsum16). The tile's rows
+ * (one block of 16 is 16 consecutive rows of all KV heads) are read once and stay in L1 for the heads' turns;
+ * the sequence's next tile is prefetched. */
+INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
+    const int64_t chunks = D / 16;
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    const int64_t esize = cache_bf16 ? 2 : 4;
+    int64_t at[16];
+    for (int64_t t = 0; t < 16; t++)
+        at[t] = t < n ? position(table, l0 + t, block_size, block_elems, pos_elems, 0, D) : 0;
+    if (l0 + 16 < len) {
+        const int64_t next = position(table, l0 + 16, block_size, block_elems, pos_elems, 0, D);
+        for (int64_t off = 0; off < 16 * pos_elems * esize; off += 64)
+            __builtin_prefetch((const char *)cache + next * esize + off);
+    }
+    for (int64_t h = 0; h < KVH; h++) {
+        v16 part[MAX_GROUP][16];
+        for (int64_t t = 0; t < 16; t++) {
+            v16 acc[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) acc[g] = (v16){0};
+            if (t < n) {
+                for (int64_t c = 0; c < chunks; c++) {
+                    const v16 k = load16(cache, at[t] + h * D + 16 * c, cache_bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        v16 qv;
+                        memcpy(&qv, q + (h * group + g) * D + 16 * c, sizeof qv);
+                        acc[g] += qv * k;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) part[g][t] = acc[g];
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float sc[16];
+            const v16 r = hsum16(part[g]) * scale;
+            memcpy(sc, &r, sizeof sc);
+            memcpy(scores + (h * group + g) * len + l0, sc, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+/* Tile of one sequence's weighted values: o[i] += sum over the tile's positions of p_i(l) v(l), per KV head
+ * its query heads' accumulators loaded, updated in registers, stored. p: the softmax numerators [H][len]. */
+INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+    const int64_t chunks = D / 16;
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    const int64_t esize = cache_bf16 ? 2 : 4;
+    int64_t at[16];
+    for (int64_t t = 0; t < n; t++)
+        at[t] = v_offset + position(table, l0 + t, block_size, block_elems, pos_elems, 0, D);
+    if (l0 + 16 < len) {
+        const int64_t next = v_offset + position(table, l0 + 16, block_size, block_elems, pos_elems, 0, D);
+        for (int64_t off = 0; off < 16 * pos_elems * esize; off += 64)
+            __builtin_prefetch((const char *)cache + next * esize + off);
+    }
+    for (int64_t h = 0; h < KVH; h++) {
+        v16 acc[MAX_GROUP][8];
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t c = 0; c < chunks; c++) memcpy(&acc[g][c], o + (h * group + g) * D + 16 * c, 64);
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t c = 0; c < chunks; c++) {
+                const v16 v = load16(cache, at[t] + h * D + 16 * c, cache_bf16);
+                for (int64_t g = 0; g < group; g++) acc[g][c] += p[(h * group + g) * len + l0 + t] * v;
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t c = 0; c < chunks; c++) memcpy(o + (h * group + g) * D + 16 * c, &acc[g][c], 64);
+    }
+}
+
+/* B sequences, D % 16 == 0, D <= 128, group <= MAX_GROUP. q: fp32 [B][H][D]; scores: [B][H * max_len];
+ * sums: [B][H]. shared_len (a multiple of 16, at most every length): leading positions whose blocks all the
+ * sequences share (one cached system prompt): walked tile by tile across the sequences, so each shared block
+ * comes from memory once and from cache for the others; the rest sequence by sequence. Either order sums each
+ * sequence's terms in the same order: the same bits. */
+INLINE void attend_vec(const float *restrict q, const void *cache, int cache_bf16, const int32_t *tables,
+                       int64_t table_stride, const int32_t *lens, int64_t B, int64_t KVH, int64_t group,
+                       int64_t D, int64_t block_size, int64_t block_elems, int64_t pos_elems, int64_t v_offset,
+                       float scale, float *restrict scores, float *restrict sums, int64_t max_len,
+                       float *restrict out, int64_t shared_len) {
+    const int64_t H = KVH * group;
+    const int64_t sstride = H * max_len;
+#define SEQ_ARGS(b) tables + (b) * table_stride, lens[b]
+    for (int64_t l0 = 0; l0 < shared_len; l0 += 16)
+        for (int64_t b = 0; b < B; b++)
+            scores_tile(q + b * H * D, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
+                        block_elems, pos_elems, scale, scores + b * sstride);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t l0 = shared_len; l0 < lens[b]; l0 += 16)
+            scores_tile(q + b * H * D, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
+                        block_elems, pos_elems, scale, scores + b * sstride);
+    for (int64_t b = 0; b < B; b++) {
+        float *o = out + b * H * D;
+        for (int64_t i = 0; i < H * D; i++) o[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < H; i++)
+            sums[b * H + i] = softmax_numerators(scores + b * sstride + i * lens[b], lens[b]);
+    for (int64_t l0 = 0; l0 < shared_len; l0 += 16)
+        for (int64_t b = 0; b < B; b++)
+            values_tile(scores + b * sstride, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
+                        block_elems, pos_elems, v_offset, out + b * H * D);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t l0 = shared_len; l0 < lens[b]; l0 += 16)
+            values_tile(scores + b * sstride, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
+                        block_elems, pos_elems, v_offset, out + b * H * D);
+#undef SEQ_ARGS
+    for (int64_t b = 0; b < B; b++) {
+        float *o = out + b * H * D;
+        const float *sb = sums + b * H;
+        for (int64_t i = 0; i < H; i++) {
+            const float inv = 1.0f / sb[i];
+            for (int64_t d = 0; d < D; d++) o[i * D + d] *= inv;
+        }
+    }
+}
+
+/* The same for any D and group (scalar loops). */
+INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+                       int64_t len, int64_t group, int64_t D, int64_t block_size, int64_t block_elems,
+                       int64_t pos_elems, int64_t v_offset, int64_t h, float scale, float *restrict scores,
+                       float *restrict o) {
+    for (int64_t g = 0; g < group; g++) {
+        float *restrict sg = scores + g * len;
+        const float *restrict qg = q + g * D;
+        for (int64_t l = 0; l < len; l++) {
+            const int64_t at = position(table, l, block_size, block_elems, pos_elems, h, D);
+            float s = 0.0f;
+            for (int64_t d = 0; d < D; d++) s += qg[d] * load1(cache, at + d, cache_bf16);
+            sg[l] = s * scale;
+        }
+        const float sum = softmax_numerators(sg, len);
+        float *restrict og = o + g * D;
+        for (int64_t d = 0; d < D; d++) og[d] = 0.0f;
+        for (int64_t l = 0; l < len; l++) {
+            const int64_t at = v_offset + position(table, l, block_size, block_elems, pos_elems, h, D);
+            for (int64_t d = 0; d < D; d++) og[d] += sg[l] * load1(cache, at + d, cache_bf16);
+        }
+        for (int64_t d = 0; d < D; d++) og[d] /= sum;
+    }
+}
+
+/* Decode attention of B sequences (see the top of the file). scratch: at least B * H * (max_len + D + 1)
+ * floats, max_len >= every lens[b]. shared_len: leading positions all sequences share (attend_vec; 0: none).
+ * Returns 0; -1 when an argument is out of range (a length, a block id, a table too short, a shape): checked
+ * for every sequence before anything is read or written. */
+int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
+                           const void *cache, int cache_bf16, /* [2][num_blocks][block_size][KVH][D] */
+                           const int32_t *block_tables, int64_t table_stride, /* [B][table_stride] */
+                           const int32_t *lens,                               /* [B] */
+                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                           int64_t num_blocks, float scale, float *out, /* [B][H][D] fp32 */
+                           float *scratch, int64_t max_len, int64_t shared_len) {
+    if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
+    const int64_t group = H / KVH;
+    const int64_t pos_elems = KVH * D;
+    const int64_t block_elems = block_size * pos_elems;
+    const int64_t v_offset = num_blocks * block_elems;
+    if (shared_len < 0 || shared_len % 16) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = lens[b];
+        if (len <= 0 || len > max_len || len < shared_len) return -1;
+        const int32_t *table = block_tables + b * table_stride;
+        for (int64_t t = 0; t * block_size < len; t++)
+            if (t >= table_stride || table[t] < 0 || table[t] >= num_blocks) return -1;
+    }
+    float *scores = scratch;                /* [B][H * max_len] */
+    float *qf = scratch + B * H * max_len;  /* [B][H][D] */
+    float *sums = qf + B * H * D;           /* [B][H] */
+    for (int64_t i = 0; i < B * H * D; i++) qf[i] = load1(q, i, q_bf16);
+    const int vec = D % 16 == 0 && D <= 128 && group <= MAX_GROUP && KVH <= 64;
+    if (!vec) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++)
+                attend_any(qf + (b * H + h * group) * D, cache, cache_bf16, block_tables + b * table_stride,
+                           lens[b], group, D, block_size, block_elems, pos_elems, v_offset, h, scale, scores,
+                           out + (b * H + h * group) * D);
+        return 0;
+    }
+#define ATTEND(G, DD)                                                                                          \
+    attend_vec(qf, cache, cache_bf16, block_tables, table_stride, lens, B, KVH, G, DD, block_size, block_elems, \
+               pos_elems, v_offset, scale, scores, sums, max_len, out, shared_len)
+    /* the common shapes with constant group and head_dim, so accumulators stay in registers */
+    switch (group * 1000 + D) {
+    case 1064: ATTEND(1, 64); break;
+    case 2064: ATTEND(2, 64); break;
+    case 3064: ATTEND(3, 64); break;
+    case 4064: ATTEND(4, 64); break;
+    case 5064: ATTEND(5, 64); break;
+    case 6064: ATTEND(6, 64); break;
+    case 7064: ATTEND(7, 64); break;
+    case 8064: ATTEND(8, 64); break;
+    case 1128: ATTEND(1, 128); break;
+    case 2128: ATTEND(2, 128); break;
+    case 3128: ATTEND(3, 128); break;
+    case 4128: ATTEND(4, 128); break;
+    case 5128: ATTEND(5, 128); break;
+    case 6128: ATTEND(6, 128); break;
+    case 7128: ATTEND(7, 128); break;
+    case 8128: ATTEND(8, 128); break;
+    default: ATTEND(group, D);
+    }
+#undef ATTEND
+    return 0;
+}

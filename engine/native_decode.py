@@ -1,0 +1,338 @@
+"""The native decode-attention kernel: one C function over the paged KV cache, built once per machine.
+
+Owns building, loading and calling ``engine/kernels/paged_decode.c`` (``paged_decode_attention``): decode
+attention (one query token per sequence) read in place from a layer's cache ``[2, num_blocks, block_size,
+kv_heads, head_dim]`` through the block tables, fp32 arithmetic, each sequence alone with its positions in
+order. Against torch's paths (``engine.decode_attention``: copy the blocks, then the flash kernel, merged by
+log-sum-exp where the context is cut or shared) it reads every K and V position once, copies nothing, and
+its result for a sequence depends only on that sequence: not on the batch, the thread count or a shared
+prefix (batched == alone, bit for bit). Measured: docs/engine-step.md ("The native decode kernel").
+
+Built with the system C compiler (``$CC``, else ``cc``) into ``$PREFIXGATE_KERNEL_DIR`` (default
+``~/.cache/prefixgate/kernels``), named by a hash of the source, the flags and the compiler's version, written
+to a temporary name and renamed (a half-written library is never loaded); ~1 s once per machine, at engine
+start, never per request. Only the AVX-512 build is used (``NativeDecodeKernel.build``): on AVX2 the 16-lane
+vectors it is written in are split in two and it measured slower than torch's path, so those CPUs keep
+torch's (``engine.decode_kernel: auto``). A new build is checked against a float64 reference on random inputs
+before use (``self_check``).
+
+Invariants: the kernel only reads the cache; an out-of-range argument (a block id outside the pool, a length
+past ``max_len``, a table too short) is refused by the kernel before anything is read (``ValueError`` here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+FLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-std=gnu11",
+    "-fopenmp-simd",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mfma",
+    "-Wno-psabi",
+)
+LIBS: tuple[str, ...] = ()
+DECODE_KERNELS = ("auto", "native", "torch")
+
+
+class NativeKernelError(RuntimeError):
+    """The native decode kernel cannot be built or loaded here (``engine.decode_kernel: native``)."""
+
+
+def kernel_dir() -> Path:
+    """Where built kernels are kept: ``$PREFIXGATE_KERNEL_DIR``, else ``~/.cache/prefixgate/kernels``."""
+    env = os.environ.get("PREFIXGATE_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "prefixgate" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
+def _cpu_ok() -> tuple[bool, str]:
+    from engine.weight_format import cpu_flags
+
+    if os.uname().machine != "x86_64":
+        return False, f"a {os.uname().machine} CPU (the kernel is built for x86-64 AVX-512)"
+    missing = {"avx512f", "avx512bw", "avx512vl", "fma"} - cpu_flags()
+    if missing:
+        return False, f"no {', '.join(sorted(missing))} on this CPU"
+    return True, ""
+
+
+class NativeDecodeKernel:
+    """The loaded ``paged_decode_attention`` function.
+
+    Args:
+        path: the built shared library.
+
+    Raises:
+        OSError: the library cannot be loaded.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.paged_decode_attention
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [
+            p,
+            i32,
+            p,
+            i32,
+            p,
+            i64,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+            p,
+            i64,
+            i32,
+        ]
+        fn.restype = ctypes.c_int
+        self._lib = lib
+        self._fn = fn
+
+    @classmethod
+    def build(cls, directory: Path | None = None) -> NativeDecodeKernel:
+        """Build (or find already built) and load the kernel for this machine.
+
+        Raises:
+            NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) and FMA, no C compiler, the compile
+                failed, or the build fails its ``self_check``; the message says which.
+        """
+        ok, why = _cpu_ok()
+        if not ok:
+            raise NativeKernelError(why)
+        cc = _compiler()
+        if cc is None:
+            raise NativeKernelError("no C compiler (set CC, or install gcc)")
+        try:
+            version = subprocess.run(
+                [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeKernelError(f"the C compiler {cc} does not run: {exc}") from exc
+        source = SOURCE.read_bytes()
+        digest = hashlib.sha256(source + repr((FLAGS, LIBS, version)).encode()).hexdigest()[:16]
+        directory = kernel_dir() if directory is None else directory
+        target = directory / f"paged_decode-{digest}.so"
+        if not target.exists():
+            _compile(cc, directory, target)
+        try:
+            kernel = cls(target)
+        except OSError as exc:
+            raise NativeKernelError(f"{target} does not load: {exc}") from exc
+        err = kernel.self_check()
+        if err is not None:
+            raise NativeKernelError(f"{target} fails its check against a float64 reference: {err}")
+        return kernel
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        max_len: int,
+        scale: float,
+        scratch: torch.Tensor | None = None,
+        shared_len: int = 0,
+    ) -> torch.Tensor:
+        """Decode attention of ``B`` sequences, one query token each.
+
+        Args:
+            q: ``[B, H, D]`` fp32 or bf16 queries (RoPE applied), contiguous.
+            layer_cache: ``[2, num_blocks, block_size, kv_heads, D]`` fp32 or bf16, contiguous (K = 0, V = 1).
+            tables: int32 ``[B, max_blocks]`` block tables, contiguous.
+            lens: int32 ``[B]`` context lengths (positions attended, the new token's included), each in
+                ``[1, max_len]``.
+            max_len: bound on ``lens`` (sizes the scratch).
+            scale: softmax scale (``D ** -0.5``).
+            scratch: fp32 of at least ``scratch_size(...)`` elements, reused across layers (allocated if None).
+            shared_len: leading positions whose blocks every sequence shares (one cached system prompt, many
+                users), a multiple of 16 within every length: walked 16 positions at a time across all the
+                sequences, so those blocks come from memory once per step, not once per sequence; 0: each
+                sequence alone (``engine.shared_prefix_attention: false``, for comparison). The result is the
+                same bits either way.
+
+        Returns:
+            fp32 ``[B, H, D]``.
+
+        Raises:
+            ValueError: a dtype, layout or device the kernel does not take, or an argument out of range
+                (a length outside ``[1, max_len]``, a block id outside the pool, a table too short, ``shared_len``
+                not a multiple of 16 or past a length).
+        """
+        b, h, d = q.shape
+        two, num_blocks, block_size, kvh, hd = layer_cache.shape
+        if two != 2 or hd != d or h % kvh:
+            raise ValueError(f"q {tuple(q.shape)} does not match a cache of shape {tuple(layer_cache.shape)}")
+        for name, t, dtypes in (
+            ("q", q, (torch.float32, torch.bfloat16)),
+            ("layer_cache", layer_cache, (torch.float32, torch.bfloat16)),
+            ("tables", tables, (torch.int32,)),
+            ("lens", lens, (torch.int32,)),
+        ):
+            if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    f"{name}: needs a contiguous CPU tensor of {dtypes}, got {t.dtype} on {t.device}"
+                )
+        if tables.dim() != 2 or tables.shape[0] != b or lens.shape != (b,):
+            raise ValueError(
+                f"tables {tuple(tables.shape)} / lens {tuple(lens.shape)} do not match {b} sequences"
+            )
+        need = scratch_size(b, h, d, max_len)
+        if scratch is None:
+            scratch = torch.empty(need, dtype=torch.float32)
+        elif scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
+            raise ValueError(f"scratch: needs {need} contiguous fp32 elements")
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        rc = self._fn(
+            q.data_ptr(),
+            int(q.dtype == torch.bfloat16),
+            layer_cache.data_ptr(),
+            int(layer_cache.dtype == torch.bfloat16),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            b,
+            h,
+            kvh,
+            d,
+            block_size,
+            num_blocks,
+            scale,
+            out.data_ptr(),
+            scratch.data_ptr(),
+            max_len,
+            shared_len,
+        )
+        if rc != 0:
+            raise ValueError(
+                f"paged_decode_attention refused its arguments: lens {lens.tolist()} (max_len {max_len}), "
+                f"block ids outside [0, {num_blocks}) or tables of {tables.shape[1]} blocks too short"
+            )
+        return out
+
+    def self_check(self) -> str | None:
+        """Compare the kernel with float64 attention on random caches (bf16 and fp32, shapes on and off the
+        vector path, ragged lengths, scattered blocks); None when every output is within 1e-4 relative,
+        else what differed."""
+        gen = torch.Generator().manual_seed(0)
+        for group, d, kvh, dtype in (
+            (3, 64, 3, torch.bfloat16),
+            (2, 128, 2, torch.float32),
+            (3, 24, 1, torch.float32),
+        ):
+            h, bs, nb = group * kvh, 16, 16
+            cache = torch.randn(2, nb, bs, kvh, d, generator=gen).to(dtype)
+            lens = torch.tensor([37, 1, 80], dtype=torch.int32)
+            tables = torch.randperm(nb, generator=gen)[:15].view(3, 5).to(torch.int32).contiguous()
+            q = torch.randn(3, h, d, generator=gen)
+            got = self.attend(q, cache, tables, lens, 80, d**-0.5)
+            want = reference_decode(q, cache, tables, lens, d**-0.5)
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            if not err <= 1e-4:
+                return f"group {group}, head_dim {d}, {dtype}: relative error {err:.2e}"
+        return None
+
+
+def scratch_size(num_seqs: int, num_heads: int, head_dim: int, max_len: int) -> int:
+    """fp32 elements of the kernel's scratch for ``num_seqs`` sequences: per sequence ``num_heads * max_len``
+    scores, ``num_heads * head_dim`` for the widened query and ``num_heads`` softmax sums."""
+    return num_seqs * num_heads * (max_len + head_dim + 1)
+
+
+def reference_decode(
+    q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """float64 decode attention (the kernel's specification; tests and ``self_check``): ``q`` ``[B, H, D]``,
+    ``cache`` ``[2, num_blocks, block_size, kv_heads, D]``, int ``tables`` ``[B, n]``, ``lens`` ``[B]`` ->
+    float64 ``[B, H, D]``."""
+    b, h, d = q.shape
+    kvh = cache.shape[3]
+    out = []
+    for i in range(b):
+        n = int(lens[i])
+        kv = cache[:, tables[i].long()].reshape(2, -1, kvh, d)[:, :n].double()  # [2, n, kvh, d]
+        qi = q[i].double().view(kvh, h // kvh, d)
+        s = torch.einsum("hgd,lhd->hgl", qi, kv[0]) * scale
+        out.append(torch.einsum("hgl,lhd->hgd", s.softmax(-1), kv[1]).reshape(h, d))
+    return torch.stack(out)
+
+
+def _compile(cc: str, directory: Path, target: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeKernelError(f"compiling {SOURCE.name} failed: {exc}") from exc
+        if res.returncode != 0:
+            raise NativeKernelError(f"compiling {SOURCE.name} failed: {res.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _shared_kernel() -> NativeDecodeKernel | str:
+    try:
+        return NativeDecodeKernel.build()
+    except NativeKernelError as exc:
+        return str(exc)
+
+
+def resolve_decode_kernel(setting: str, device: torch.device) -> NativeDecodeKernel | None:
+    """The kernel ``engine.decode_kernel`` asks for on ``device``: ``torch`` -> None (torch's paths);
+    ``native`` -> the kernel, or a start-up error; ``auto`` -> the kernel where it builds on a CPU, else None
+    with a log line saying why. Built once per process.
+
+    Raises:
+        ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
+            ``engine.decode_kernel`` and the reason).
+    """
+    if setting not in DECODE_KERNELS:
+        raise ValueError(f"engine.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {setting!r}")
+    if setting == "torch":
+        return None
+    if torch.device(device).type != "cpu":
+        if setting == "native":
+            raise ValueError(f"engine.decode_kernel: native runs on CPU only, not on {device}")
+        return None
+    kernel = _shared_kernel()
+    if isinstance(kernel, str):
+        if setting == "native":
+            raise ValueError(f"engine.decode_kernel: native is not available here: {kernel}")
+        logger.info("engine.decode_kernel auto: torch's decode attention (%s)", kernel)
+        return None
+    return kernel

@@ -1,0 +1,263 @@
+"""The native decode-attention kernel (``engine.native_decode``): against float64 attention, a sequence's result
+independent of the rest of the batch (bit for bit), bad arguments refused, the build cached and checked, and the
+engine setting ``engine.decode_kernel``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import native_decode
+from engine.native_decode import (
+    NativeDecodeKernel,
+    NativeKernelError,
+    reference_decode,
+    resolve_decode_kernel,
+)
+from tests.engine.engine_helpers import (
+    greedy,
+    make_engine,
+    random_tokens,
+    smollm2_checkpoint,
+    tiny_checkpoint,
+)
+
+AVAILABLE = native_decode._cpu_ok()[0] and native_decode._compiler() is not None
+needs_kernel = pytest.mark.skipif(not AVAILABLE, reason="needs an AVX-512 x86-64 CPU and a C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> NativeDecodeKernel:
+    if not AVAILABLE:
+        pytest.skip("needs an AVX-512 x86-64 CPU and a C compiler")
+    return NativeDecodeKernel.build(tmp_path_factory.mktemp("kernels"))
+
+
+def random_case(gen, b, group, kvh, d, lens, dtype, block_size=16, num_blocks=128):
+    cache = torch.randn(2, num_blocks, block_size, kvh, d, generator=gen).to(dtype)
+    width = max(-(-n // block_size) for n in lens) + 1
+    ids = torch.randperm(num_blocks, generator=gen)[: b * width]
+    tables = ids.view(b, width).to(torch.int32).contiguous()
+    q = torch.randn(b, group * kvh, d, generator=gen)
+    return q, cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "group, kvh, d, dtype",
+    [
+        (3, 3, 64, torch.bfloat16),  # SmolLM2's shapes, bf16 cache
+        (3, 3, 64, torch.float32),
+        (4, 2, 128, torch.bfloat16),  # Llama-style head_dim
+        (1, 4, 32, torch.float32),  # head_dim off the constant shapes, still 16-lane
+        (2, 1, 24, torch.bfloat16),  # head_dim not a multiple of 16: the scalar loops
+        (9, 1, 64, torch.float32),  # more query heads per KV head than the vector path holds
+    ],
+)
+def test_kernel_matches_float64_attention(kernel, group, kvh, d, dtype):
+    gen = torch.Generator().manual_seed(group * 100 + d)
+    lens = [1, 15, 16, 17, 100, 201]
+    q, cache, tables, lens_t = random_case(gen, len(lens), group, kvh, d, lens, dtype)
+    got = kernel.attend(q, cache, tables, lens_t, max(lens), d**-0.5)
+    want = reference_decode(q, cache, tables, lens_t, d**-0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_bf16_queries_are_widened_exactly(kernel):
+    gen = torch.Generator().manual_seed(1)
+    q, cache, tables, lens = random_case(gen, 2, 3, 3, 64, [50, 70], torch.bfloat16)
+    qb = q.to(torch.bfloat16)
+    assert torch.equal(
+        kernel.attend(qb, cache, tables, lens, 70, 0.125),
+        kernel.attend(qb.float(), cache, tables, lens, 70, 0.125),
+    )
+
+
+@needs_kernel
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel):
+    # batched == alone by construction: the kernel computes each sequence alone, its positions in order
+    gen = torch.Generator().manual_seed(2)
+    lens = [300, 17, 1, 129, 64]
+    q, cache, tables, lens_t = random_case(gen, 5, 3, 3, 64, lens, torch.bfloat16)
+    together = kernel.attend(q, cache, tables, lens_t, 300, 0.125)
+    for i in range(5):
+        alone = kernel.attend(q[i : i + 1], cache, tables[i : i + 1], lens_t[i : i + 1], lens[i], 0.125)
+        assert torch.equal(alone[0], together[i])
+    # the same sequence sharing its leading blocks with others (one system prompt, many users)
+    shared = tables.clone()
+    shared[1:, :4] = shared[0, :4]
+    lens2 = torch.tensor([300, 80, 90, 129, 70], dtype=torch.int32)
+    batch = kernel.attend(q, cache, shared, lens2, 300, 0.125)
+    alone = kernel.attend(q[2:3], cache, shared[2:3], lens2[2:3], 90, 0.125)
+    assert torch.equal(alone[0], batch[2])
+    # the shared blocks walked across the sequences (read once) or each sequence alone: the same bits
+    assert torch.equal(kernel.attend(q, cache, shared, lens2, 300, 0.125, shared_len=64), batch)
+
+
+@needs_kernel
+def test_bad_arguments_are_refused_before_any_read(kernel):
+    gen = torch.Generator().manual_seed(3)
+    q, cache, tables, lens = random_case(gen, 2, 3, 3, 64, [20, 40], torch.bfloat16)
+    bad = tables.clone()
+    bad[1, 0] = cache.shape[1]  # a block id outside the pool
+    with pytest.raises(ValueError, match="refused"):
+        kernel.attend(q, cache, bad, lens, 40, 0.125)
+    with pytest.raises(ValueError, match="refused"):
+        kernel.attend(q, cache, tables, torch.tensor([20, 41], dtype=torch.int32), 40, 0.125)  # past max_len
+    with pytest.raises(ValueError, match="refused"):
+        kernel.attend(q, cache, tables, torch.tensor([0, 40], dtype=torch.int32), 40, 0.125)  # empty context
+    with pytest.raises(ValueError, match="refused"):  # a table too short for its length
+        kernel.attend(q, cache, tables[:, :1].contiguous(), lens, 40, 0.125)
+    with pytest.raises(ValueError, match="int32"):
+        kernel.attend(q, cache, tables.long(), lens, 40, 0.125)
+    with pytest.raises(ValueError, match="does not match"):
+        kernel.attend(q[:, :, :32].contiguous(), cache, tables, lens, 40, 0.125)
+    with pytest.raises(ValueError, match="refused"):  # shared positions not a multiple of 16
+        kernel.attend(q, cache, tables, lens, 40, 0.125, shared_len=8)
+    with pytest.raises(ValueError, match="refused"):  # shared positions past a length
+        kernel.attend(q, cache, tables, lens, 40, 0.125, shared_len=32)
+    with pytest.raises(ValueError, match="scratch"):
+        kernel.attend(q, cache, tables, lens, 40, 0.125, torch.empty(3))
+
+
+@needs_kernel
+def test_the_build_is_cached_by_source_and_compiler(tmp_path):
+    first = NativeDecodeKernel.build(tmp_path)
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
+    mtime = first.path.stat().st_mtime_ns
+    again = NativeDecodeKernel.build(tmp_path)
+    assert again.path == first.path and again.path.stat().st_mtime_ns == mtime  # found, not rebuilt
+
+
+def test_no_compiler_is_a_named_error_and_auto_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(native_decode, "_compiler", lambda: None)
+    monkeypatch.setattr(native_decode, "_cpu_ok", lambda: (True, ""))
+    with pytest.raises(NativeKernelError, match="no C compiler"):
+        NativeDecodeKernel.build(tmp_path)
+    native_decode._shared_kernel.cache_clear()
+    try:
+        assert resolve_decode_kernel("auto", torch.device("cpu")) is None
+        with pytest.raises(
+            ValueError, match="engine.decode_kernel: native is not available here: no C compiler"
+        ):
+            resolve_decode_kernel("native", torch.device("cpu"))
+    finally:
+        native_decode._shared_kernel.cache_clear()
+
+
+def test_a_failed_compile_leaves_no_library(monkeypatch, tmp_path):
+    monkeypatch.setattr(native_decode, "_cpu_ok", lambda: (True, ""))
+    monkeypatch.setattr(
+        native_decode, "FLAGS", (*native_decode.FLAGS, "-DPREFIXGATE_NO_SUCH=", "-Werror=unknown")
+    )
+    fake = tmp_path / "fake-cc"
+    fake.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\necho 'error: broken' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    out = tmp_path / "kernels"
+    with pytest.raises(NativeKernelError, match="compiling paged_decode.c failed: error: broken"):
+        NativeDecodeKernel.build(out)
+    assert list(out.iterdir()) == []  # no half-written library, no temporary left
+
+
+def test_the_setting_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match="engine.decode_kernel must be one of auto, native, torch"):
+        resolve_decode_kernel("fast", torch.device("cpu"))
+    assert resolve_decode_kernel("torch", torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_decode_kernel("native", torch.device("meta"))
+
+
+def test_other_cpus_are_refused_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    if os.uname().machine == "x86_64":
+        with pytest.raises(NativeKernelError, match="no avx512bw, avx512f, avx512vl on this CPU"):
+            NativeDecodeKernel.build(tmp_path)
+
+
+def test_kernel_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFIXGATE_KERNEL_DIR", str(tmp_path))
+    assert native_decode.kernel_dir() == tmp_path
+    monkeypatch.delenv("PREFIXGATE_KERNEL_DIR")
+    assert native_decode.kernel_dir() == Path.home() / ".cache" / "prefixgate" / "kernels"
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_engine_tokens_equal_native_and_torch_and_batched_equal_alone(kind, kv_dtype):
+    # the whole engine: greedy tokens of the native kernel equal torch's paths on a tiny model, and every
+    # prompt's tokens batched (a shared system prompt: the cascade on torch's side) equal the prompt alone
+    ck = tiny_checkpoint(kind)
+    system = random_tokens(150, 7)
+    prompts = [system + random_tokens(5 + 3 * i, 20 + i) for i in range(5)]
+    results = {}
+    for setting in ("native", "torch"):
+        engine = make_engine(ck, kv_dtype=kv_dtype, decode_kernel=setting)
+        assert (engine.runner.decode_kernel is not None) == (setting == "native")
+        engine.generate([system], greedy(1))
+        results[setting] = engine.generate(prompts, greedy(12))
+        if setting == "native":
+            alone = make_engine(ck, kv_dtype=kv_dtype, decode_kernel=setting)
+            assert [alone.generate([p], greedy(12))[0] for p in prompts] == results[setting]
+    assert results["native"] == results["torch"]
+
+
+@needs_kernel
+def test_smollm2_native_decode_batched_equals_alone_with_a_cached_system_prompt():
+    # the real model (bf16 cache): greedy tokens of 6 prompts sharing a system prompt, batched after it is cached
+    # (its blocks walked across the sequences), equal each prompt's alone with caching off
+    ckpt = smollm2_checkpoint()
+    tok = ckpt.tokenizer
+    system = "You are a helpful assistant for a train company. Answer briefly and politely. " * 8
+    questions = (
+        "When is the first train?",
+        "How much is a ticket?",
+        "Can I bring a bike?",
+        "Is there wifi on board?",
+        "Where do I buy a pass?",
+        "Are dogs allowed?",
+    )
+    prompts = [
+        tok.render_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in questions
+    ]
+    n_new = 16
+    refs = []
+    for p in prompts:
+        alone = make_engine(ckpt, kv_dtype="bfloat16", enable_prefix_caching=False, decode_kernel="native")
+        refs.append(alone.generate([p], greedy(n_new))[0])
+    eng = make_engine(ckpt, kv_dtype="bfloat16", decode_kernel="native")
+    eng.generate([prompts[0]], greedy(2))
+    assert eng.generate(prompts, greedy(n_new)) == refs
+
+
+@needs_kernel
+def test_auto_leaves_shared_prefix_steps_to_the_cascade(kernel):
+    # ``auto`` (native_for_shared false): a decode step whose sequences share >= 64 cached positions over a bf16
+    # cache takes torch's cascade; private contexts, and ``native``, take the kernel
+    from engine.attention import AttentionMetadata, plan_attention, prefix_split_available
+
+    def plan(tables, native_for_shared):
+        lens = [len(t) * 16 - 3 for t in tables]
+        slots = torch.tensor([t[-1] * 16 + 12 for t in tables])
+        meta = AttentionMetadata(
+            slots, list(range(len(tables) + 1)), lens, torch.tensor(tables), 16,
+            decode_kernel=kernel, native_for_shared=native_for_shared,
+        )  # fmt: skip
+        return plan_attention(meta, torch.device("cpu"), 64).decode
+
+    shared = [[0, 1, 2, 3, 4, 10], [0, 1, 2, 3, 4, 11]]
+    private = [[0, 1, 2, 3, 4, 10], [5, 6, 7, 8, 9, 11]]
+    assert plan(private, False).native is not None
+    assert plan(shared, True).native is not None and plan(shared, True).native.shared_len == 80
+    auto = plan(shared, False)
+    assert (auto.native is None) == prefix_split_available(torch.device("cpu"))
