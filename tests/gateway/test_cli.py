@@ -275,3 +275,26 @@ def test_serve_runs_on_uvloop_when_it_imports_else_asyncio(monkeypatch):
     assert event_loop() == "uvloop"
     monkeypatch.setitem(sys.modules, "uvloop", None)  # an import of it raises ImportError
     assert event_loop() == "asyncio"
+
+
+def test_serve_freezes_start_up_objects_while_serving_and_unfreezes_after(tmp_path, monkeypatch):
+    """Full collections skip what start-up built (gc.freeze) while uvicorn runs; nothing stays frozen after."""
+    import gc
+
+    import uvicorn
+
+    seen: list[int] = []
+
+    def fake_run(self, sockets=None):
+        seen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "server: {host: 127.0.0.1, port: 0}\n"
+        "models: [{name: m, backend: openai, base_url: 'http://127.0.0.1:9/v1', upstream_model: u}]\n"
+    )
+    gc.unfreeze()
+    main(["serve", "--config", str(config)])
+    assert seen and seen[0] > 1000
+    assert gc.get_freeze_count() == 0
