@@ -40,6 +40,24 @@ def test_quick_run_prints_the_table_and_the_json_keys():
     assert {row[2] for row in rows} == {"direct", "prefixgate"}
 
 
+def test_batch_sizes_can_be_set_and_must_be_positive():
+    base = [sys.executable, "-m", "bench.overhead", "--quick", "--no-litellm", "--no-stream", "--rounds", "1"]
+    out = subprocess.run(
+        [*base, "--requests-1", "3", "--requests-8", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["requests_per_batch"] == {"1": 3, "8": 8} and doc["rounds"] == 1
+    refused = subprocess.run(
+        [*base, "--requests-1", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "--requests-1 must be at least 1" in refused.stderr
+
+
 def test_find_litellm_takes_a_script_or_a_venv(tmp_path):
     assert servers.find_litellm(str(tmp_path)) is None
     script = tmp_path / "bin" / "litellm"
