@@ -366,7 +366,12 @@ def canonical_json_value(value: Any) -> Any:
 def canonical_json(value: Any) -> str:
     """Canonical JSON text: sorted keys, separators ``,`` and ``:`` without spaces, UTF-8 kept
     (``ensure_ascii=False``). Equal values give equal text."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return _CANONICAL_JSON.encode(value)
+
+
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+"""``canonical_json``'s encoder, made once (``json.dumps`` with arguments builds one per call; the rules and the
+transcript memory call it several times per request)."""
 
 
 def tool_name(tool: dict[str, Any]) -> str:

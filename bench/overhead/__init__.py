@@ -16,5 +16,8 @@ Python or in ``bench/.peers/litellm``; ``--no-litellm`` leaves it out). Prints a
 (last) with ``overhead_p50_ms`` (prefixgate's added p50 at 1 connection, non-streamed) and ``rps_vs_litellm``
 (prefixgate's requests/s over LiteLLM's at 8 connections; null without LiteLLM), and the rest.
 Targets: ``overhead_p50_ms`` <= 1, ``rps_vs_litellm`` >= 5. Where the time goes: docs/overhead.md, and
-``python -m bench.overhead.profile`` (py-spy on the gateway under this load, CPU per request by category).
+``python -m bench.overhead.profile`` (py-spy on the gateway under this load, CPU per request by category) and
+``python -m bench.overhead.phases`` (thread CPU between marks along one request at one connection). For an A/B
+of two builds (``--baseline TREE``) at one connection, ``--requests-1 500`` makes each batch long enough for the
+CPU per request (``/proc`` ticks of 10 ms) to separate builds a few percent apart.
 """

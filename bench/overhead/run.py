@@ -197,6 +197,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-stream", action="store_true", help="non-streamed answers only")
     parser.add_argument("--log-level", default="info", help="prefixgate's --log-level (default info)")
     parser.add_argument(
+        "--requests-1",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per batch at 1 connection (default 60; quick 10). An A/B of builds a few %% apart needs "
+        "~500: the CPU per request is read from /proc in 10 ms ticks",
+    )
+    parser.add_argument(
+        "--requests-8",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per batch at 8 connections (default 160)",
+    )
+    parser.add_argument(
         "--baseline",
         default=None,
         metavar="TREE",
@@ -205,8 +220,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    if args.rounds:
-        plan = Plan(args.rounds, plan.requests_1, plan.requests_8, plan.warmup)
+    for name in ("rounds", "requests_1", "requests_8"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    plan = Plan(
+        args.rounds or plan.rounds,
+        args.requests_1 or plan.requests_1,
+        args.requests_8 or plan.requests_8,
+        plan.warmup,
+    )
     litellm = None
     if not args.no_litellm:
         litellm = servers.find_litellm(args.litellm)

@@ -141,11 +141,19 @@ def start_stub(workdir: Path) -> Server:
 
 
 def start_prefixgate(
-    workdir: Path, stub_port: int, log_level: str = "info", tree: Path | None = None, name: str = "prefixgate"
+    workdir: Path,
+    stub_port: int,
+    log_level: str = "info",
+    tree: Path | None = None,
+    name: str = "prefixgate",
+    launcher: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Server:
     """prefixgate with one OpenAI upstream (the stub) and the default rules, at ``log_level``; from the checkout
     at ``tree`` (its ``gateway``, ``rules`` and ``engine`` packages first on the import path) when given, else
-    from this one. ``name`` names the target (and its config and log files)."""
+    from this one. ``name`` names the target (and its config and log files). ``launcher`` replaces
+    ``python -m gateway.cli`` (``serve --config ...`` follows it; ``bench.overhead.phases`` wraps the server);
+    ``env`` adds to the environment."""
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port},
@@ -163,9 +171,10 @@ def start_prefixgate(
     }
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--log-level", log_level]
-    env = {"PYTHONPATH": str(tree)} if tree is not None else {}
-    return start(name, argv, port, "/healthz", workdir, env, cwd=tree)
+    argv = [*(launcher or [sys.executable, "-m", "gateway.cli"]), "serve", "--config", str(path)]
+    argv += ["--log-level", log_level]
+    extra = {**(env or {}), **({"PYTHONPATH": str(tree)} if tree is not None else {})}
+    return start(name, argv, port, "/healthz", workdir, extra, cwd=tree)
 
 
 def start_litellm(workdir: Path, stub_port: int, litellm: str) -> Server:

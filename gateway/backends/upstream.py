@@ -35,6 +35,8 @@ from gateway.transport.upstream_http import (
 )
 
 _MAX_URLS = 1024  # parsed request URLs kept per backend (replicas x paths; more only with a changing ring)
+_BODY_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""The upstream body's encoder (``json.dumps`` with arguments builds a new encoder on every call)."""
 
 
 class UpstreamOptions(TypedDict, total=False):
@@ -223,7 +225,9 @@ class UpstreamBackend(Backend):
             await self.start()
         client = self._client
         assert client is not None
-        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        content = _BODY_JSON.encode(
+            body
+        ).encode()  # json.dumps(body, ensure_ascii=False, compact), one encoder
 
         def build(base_url: str) -> httpx.Request:
             url = self._url(f"{base_url}{path}")

@@ -13,6 +13,7 @@ import json
 import re
 from typing import Any
 
+from gateway.core import json_decode
 from gateway.core.errors import InvalidRequestError
 
 MAX_JSON_DEPTH = 128
@@ -66,7 +67,7 @@ def loads_request_json(raw: bytes) -> Any:
             code="json_too_deep",
         )
     try:
-        value = json.loads(raw)
+        value = json_decode.loads(raw)  # json.loads's value (msgspec's parser where it agrees)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequestError(NOT_JSON, code="invalid_json") from exc
     if json.detect_encoding(raw) == "utf-8" and _MAY_HOLD_SURROGATE.search(raw) is None:

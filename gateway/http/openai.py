@@ -8,14 +8,15 @@ Reference: https://platform.openai.com/docs/api-reference/chat
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from gateway.core.errors import APIError, ModelNotFoundError, openai_error_body
 from gateway.core.event_stream import DONE, encode_event
@@ -157,13 +158,42 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     headers.update(opened.cost_headers())
     # the stream is closed once the answer is sent (the upstream connection drained and pooled, the request's
     # log line written): work that shapes nothing of the answer is kept off the client's wait
-    return JSONResponse(body, headers=headers, background=BackgroundTask(_close, events))
+    return JSONAnswer(body, headers, events.aclose)  # type: ignore[attr-defined]
 
 
-async def _close(events: AsyncIterator[BackendEvent]) -> None:
-    """Close ``events`` (an async function: Starlette runs a plain callable such as ``events.aclose`` in a
-    worker thread, where the awaitable it returns would be dropped unawaited)."""
-    await events.aclose()  # type: ignore[attr-defined]
+class JSONAnswer(Response):
+    """A 200 JSON answer with the bytes and headers Starlette's ``JSONResponse(content, headers=headers)``
+    sends (compact JSON, ``ensure_ascii=False``, NaN refused; ``headers`` lower-cased in order, then
+    ``content-length`` and ``content-type: application/json``), followed by ``await after()`` once the body
+    was sent (what a ``BackgroundTask`` of an async function does), without Starlette's per-response
+    look-ups (docs/overhead.md, session 9).
+
+    Raises (at construction):
+        ValueError: a float that is NaN or infinite in ``content``; TypeError: a value JSON cannot hold.
+    """
+
+    media_type = "application/json"
+
+    def __init__(
+        self, content: Any, headers: Mapping[str, str], after: Callable[[], Awaitable[None]]
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.after = after
+        self.body = _ANSWER_JSON.encode(content).encode("utf-8")
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers.append((b"content-length", str(len(self.body)).encode("latin-1")))
+        self.raw_headers.append((b"content-type", b"application/json"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+        await self.after()
+
+
+_ANSWER_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+"""``JSONResponse.render``'s ``json.dumps`` arguments, as one encoder (``json.dumps`` with arguments builds an
+encoder per call)."""
 
 
 async def _collect_chat(

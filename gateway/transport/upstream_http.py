@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import http.cookiejar
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from gateway.core import json_decode
 from gateway.transport.affinity import AffinityRing, Lease, NoReplicaAvailable
 from gateway.transport.aiohttp_transport import AiohttpTransport, DirectResponse, as_httpx_response
 from gateway.transport.failures import (
@@ -364,7 +364,7 @@ class OpenedResponse:
                 object).
         """
         try:
-            value = json.loads(text)
+            value = json_decode.loads(text)
         except ValueError:
             raise self.cut(f"the upstream sent {what} that is not JSON", kind=FailureKind.PROTOCOL) from None
         if not isinstance(value, dict):

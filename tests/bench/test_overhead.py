@@ -40,6 +40,24 @@ def test_quick_run_prints_the_table_and_the_json_keys():
     assert {row[2] for row in rows} == {"direct", "prefixgate"}
 
 
+def test_batch_sizes_can_be_set_and_must_be_positive():
+    base = [sys.executable, "-m", "bench.overhead", "--quick", "--no-litellm", "--no-stream", "--rounds", "1"]
+    out = subprocess.run(
+        [*base, "--requests-1", "3", "--requests-8", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["requests_per_batch"] == {"1": 3, "8": 8} and doc["rounds"] == 1
+    refused = subprocess.run(
+        [*base, "--requests-1", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "--requests-1 must be at least 1" in refused.stderr
+
+
 def test_find_litellm_takes_a_script_or_a_venv(tmp_path):
     assert servers.find_litellm(str(tmp_path)) is None
     script = tmp_path / "bin" / "litellm"
@@ -182,3 +200,38 @@ def test_profile_puts_samples_in_the_loops_own_frame_in_their_own_category():
     callback = loop + ";_run (asyncio/events.py:80)"
     shares, waiting = attribute([(loop.split(";"), 3), (callback.split(";"), 2)])
     assert waiting == 0 and shares == {LOOP_OR_WAITING: 3, "asyncio event loop": 2}
+
+
+def test_phases_table_from_marks():
+    """Each request runs from its first mark to the next request's; the rows follow the most common sequence."""
+    from bench.overhead.phases import FIRST, phases
+
+    lines = []
+    for n in range(3):
+        at = 1_000_000 * n
+        lines += [
+            f"{FIRST} {at} {at}",
+            f"step one< {at + 2000} {at + 2000}",
+            f"step one> {at + 5000} {at + 9000}",
+        ]
+    rows, count, total = phases(lines)
+    assert (count, total) == (2, 2)  # the last request has no next one to end it
+    assert rows == [
+        (FIRST, "step one<", 2.0, 2.0),
+        ("step one<", "step one>", 3.0, 7.0),
+        ("step one>", "next " + FIRST, 995.0, 991.0),
+    ]
+    assert phases([]) == ([], 0, 0)
+
+
+def test_phases_run_finds_every_mark_and_prints_the_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overhead.phases", "--requests", "20", "--warmup", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "left out" not in out.stderr, out.stderr[-3000:]
+    assert "most common sequence" in out.stdout and "canonicalize<" in out.stdout and "explain<" in out.stdout

@@ -313,3 +313,26 @@ def test_a_rules_command_whose_reader_left_exits_quietly(tmp_path):
     process.stderr.close()
     assert process.wait(timeout=60) == 1
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_serve_freezes_start_up_objects_while_serving_and_unfreezes_after(tmp_path, monkeypatch):
+    """Full collections skip what start-up built (gc.freeze) while uvicorn runs; nothing stays frozen after."""
+    import gc
+
+    import uvicorn
+
+    seen: list[int] = []
+
+    def fake_run(self, sockets=None):
+        seen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "server: {host: 127.0.0.1, port: 0}\n"
+        "models: [{name: m, backend: openai, base_url: 'http://127.0.0.1:9/v1', upstream_model: u}]\n"
+    )
+    gc.unfreeze()
+    main(["serve", "--config", str(config)])
+    assert seen and seen[0] > 1000
+    assert gc.get_freeze_count() == 0
