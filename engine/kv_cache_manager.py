@@ -28,27 +28,19 @@ Invariants (on top of ``block_pool``'s):
 4. ``allocate`` / ``append_slots`` either do everything or change nothing (they check first).
 5. Every operation costs O(blocks touched), never O(pool); only ``reset_prefix_cache`` walks the cache.
 6. A *pin* holds one reference on each of its blocks, like a request (``pin`` / ``unpin``), so a pinned
-   block is never evicted; pins hold at most ``max_pinned_blocks`` blocks in all.
+   block is never evicted; pins hold at most ``max_pinned_blocks`` blocks in all (``engine.prefix_pins``).
 7. ``install_blocks`` (load-back from a tier) registers blocks exactly as ``cache_full_blocks`` would have,
-   chained on the hit's entries, and leaves them unreferenced and cached.
+   chained on the hit's entries, and leaves them unreferenced and cached (``engine.block_install``).
 
-8. Token-granular hits (``enable_partial_hits``, needs a slot copier: ``set_slot_copier``). When the chain
-   of whole blocks stops at block ``i``, the lookup (``find_cached_prefix(..., partial=True)``) looks at the
-   entries chained right after the same parent entry with the same extra keys (full blocks, and *partial
-   entries*: a finished request's last, partly computed block, kept by ``free``) and takes the one sharing
-   the longest token prefix ``j >= 1`` with the prompt's block ``i``; ``allocate`` then gives the request a
-   fresh block ``i`` and copies the source's first ``j`` slots into it (every layer, K and V) while holding
-   a reference on the source, so the source is never evicted during the copy and never written. The hit
-   serves ``16 * i + j`` tokens and never the prompt's last token (it is always computed). At most
-   ``partial_scan_limit`` siblings (the newest) are compared, so a lookup costs O(blocks + limit * block_size).
-9. A partial entry holds no block hash: it is never a parent, never written down to a KV tier
-   (``on_evict`` and ``registered_blocks`` see full blocks only), never pinned or listed; it is evictable like
-   any unreferenced cached block. ``free`` keeps a request's last partial block only when the chain before it
-   is a live cache entry, and not when a sibling already serves all its tokens; a shorter unreferenced
-   partial sibling it makes useless is dropped.
+8. Token-granular hits (``enable_partial_hits``, needs a slot copier: ``set_slot_copier``): when the chain of
+   whole blocks stops at block ``i``, the lookup takes the sibling entry sharing the longest token prefix
+   ``j >= 1`` with the prompt's block ``i``, and ``allocate`` copies its first ``j`` slots into a fresh block
+   while holding a reference on the source. The hit never serves the prompt's last token.
+9. A partial entry (a finished request's last, partly computed block, kept by ``free``) holds no block hash:
+   never a parent, never written to a tier, pinned or listed; evictable like any unreferenced cached block.
 
-Invariants 8 and 9 are kept by ``engine.partial_hits`` (lookup, copy-on-write, partial entries), which this
-manager calls from ``find_cached_prefix``, ``allocate`` and ``free``.
+Invariants 8 and 9, and the costs of those steps, are kept by ``engine.partial_hits``, which this manager calls
+from ``find_cached_prefix``, ``allocate`` and ``free``.
 
 A prefix lookup's result is a ``PrefixHit`` (``engine.prefix_hit``), valid until the next call that can evict;
 ``allocate`` checks it and raises ``StaleCacheHitError`` rather than serve a block that was evicted in between.
@@ -69,8 +61,9 @@ from engine.block_hash import (
     hash_block,
     hash_request_blocks,
 )
+from engine.block_install import install_blocks
 from engine.block_pool import BlockPool, KVBlock
-from engine.errors import PinCapError, PromptTooLongError
+from engine.errors import PromptTooLongError
 from engine.partial_hits import (
     PARTIAL_SCAN_LIMIT,
     SlotCopier,
@@ -80,6 +73,7 @@ from engine.partial_hits import (
     keep_partial,
 )
 from engine.prefix_hit import NO_HIT, BlockIdentity, PrefixHit, StaleCacheHitError
+from engine.prefix_pins import PrefixPins
 
 
 @dataclass(slots=True)
@@ -145,8 +139,7 @@ class KVCacheManager:
         self.partial_scan_limit = partial_scan_limit
         self._copy_slots: SlotCopier | None = None
         self._requests: dict[str, _RequestBlocks] = {}
-        self._pins: dict[str, list[KVBlock]] = {}
-        self.max_pinned_blocks = num_blocks // 4
+        self.pins = PrefixPins(self.pool, num_blocks // 4)
         """Most blocks all pins together may hold (the engine sets it from ``max_pinned_fraction``)."""
 
     # ---- hashing and lookup ---------------------------------------------------------------------------
@@ -534,31 +527,7 @@ class KVCacheManager:
         if not loaded or not self.enable_caching:
             return 0
         self._check_hits(hit._blocks)
-        prefix = list(hit._blocks)
-        if loaded[0].parent_hash != (prefix[-1].block_hash if prefix else None):
-            return 0
-        self.pool.touch(prefix)
-        fresh = self.pool.allocate(min(len(loaded), self.pool.num_available()))
-        installed: list[KVBlock] = []
-        parent_gen = prefix[-1].cache_gen if prefix else None
-        for i, (block, item) in enumerate(zip(fresh, loaded, strict=False)):
-            if self.pool.get_cached(item.block_hash) is not None:
-                break
-            write_kv(block.block_id, i)
-            self.pool.register(
-                block,
-                item.block_hash,
-                tuple(item.token_ids),
-                item.parent_hash,
-                parent_gen,
-                tuple(item.extra_keys),
-            )
-            parent_gen = block.cache_gen
-            installed.append(block)
-        self.pool.release(fresh[len(installed) :])
-        self.pool.release(reversed(installed))
-        self.pool.release(reversed(prefix))
-        return len(installed)
+        return install_blocks(self.pool, hit._blocks, loaded, write_kv)
 
     def count_cached_leading(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes of a chain are registered in the pool now (listing; no token check)."""
@@ -584,11 +553,20 @@ class KVCacheManager:
         prefixes). O(cached). Returns how many."""
         return self.pool.drop_unreferenced_cached(match)
 
-    # ---- pins -----------------------------------------------------------------------------------------
+    # ---- pins (``engine.prefix_pins``) ---------------------------------------------------------------
+    @property
+    def max_pinned_blocks(self) -> int:
+        """Most blocks all pins may hold."""
+        return self.pins.max_blocks
+
+    @max_pinned_blocks.setter
+    def max_pinned_blocks(self, value: int) -> None:
+        self.pins.max_blocks = value
+
     @property
     def pinned_blocks(self) -> int:
         """Blocks held by pins (a block in two pins counts twice)."""
-        return sum(len(b) for b in self._pins.values())
+        return self.pins.blocks_held
 
     def pin(self, pin_id: str, hit: PrefixHit) -> int:
         """Pin the blocks of ``hit`` (a prefix found this step): they stay in RAM until ``unpin``.
@@ -601,27 +579,16 @@ class KVCacheManager:
             StaleCacheHitError: ``hit`` names a block evicted since it was found.
             PinCapError: the pins would hold more than ``max_pinned_blocks`` blocks (nothing pinned).
         """
-        if pin_id in self._pins:
-            raise ValueError(f"pin {pin_id!r} already exists")
         self._check_hits(hit._blocks)
-        self.check_pin_room(hit.num_blocks)
-        blocks = list(hit._blocks)
-        self.pool.touch(blocks)
-        self._pins[pin_id] = blocks
-        return len(blocks)
+        return self.pins.pin(pin_id, hit)
 
     def check_pin_room(self, num_blocks: int) -> None:
         """Raise ``PinCapError`` unless ``num_blocks`` more blocks could be pinned now."""
-        if self.pinned_blocks + num_blocks > self.max_pinned_blocks:
-            raise PinCapError(num_blocks, self.pinned_blocks, self.max_pinned_blocks)
+        self.pins.check_room(num_blocks)
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin (its blocks become evictable unless a request holds them). False when unknown."""
-        blocks = self._pins.pop(pin_id, None)
-        if blocks is None:
-            return False
-        self.pool.release(reversed(blocks))
-        return True
+        return self.pins.unpin(pin_id)
 
     # ---- queries --------------------------------------------------------------------------------------
     def _request(self, request_id: str) -> _RequestBlocks:
@@ -698,7 +665,7 @@ class KVCacheManager:
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks
         tables = [[b.block_id for b in req.blocks] for req in self._requests.values()]
-        tables += [[b.block_id for b in blocks] for blocks in self._pins.values()]
+        tables += [[b.block_id for b in blocks] for blocks in self.pins.tables()]
         for ids in tables:
             assert len(set(ids)) == len(ids), "a block is twice in one block table"
             for block_id in ids:

@@ -16,6 +16,7 @@ from engine.api import EngineConfig
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
+from engine.native_decode import DECODE_KERNELS
 from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
 from gateway.core.json_types import yaml_kind
@@ -45,6 +46,11 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
                 f"{where}.small_step_threads",
                 f"expected 'auto', 'off' or an integer >= 1, got {values['small_step_threads']!r}",
             )
+    if "decode_kernel" in values and values["decode_kernel"] not in DECODE_KERNELS:
+        reader.fail(
+            f"{where}.decode_kernel",
+            f"expected one of {', '.join(DECODE_KERNELS)}, got {values['decode_kernel']!r}",
+        )
     if "max_pinned_fraction" in values and not 0 <= values["max_pinned_fraction"] <= 1:
         reader.fail(
             f"{where}.max_pinned_fraction",
