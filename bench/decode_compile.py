@@ -414,7 +414,10 @@ def main() -> None:
     elif args.breakdown:
         with torch.inference_mode(), bench_lock(args.lock):
             load = os.getloadavg()[0]
-            kernel = resolve_decode_kernel(args.decode_kernel, model.device)
+            c = model.config
+            kernel = resolve_decode_kernel(
+                args.decode_kernel, model.device, c.num_heads // c.num_kv_heads, c.head_dim
+            )
             res = breakdown(model, args.context, 15, clock, kernel, args.decode_kernel == "native")
     else:
         load = os.getloadavg()[0]

@@ -185,7 +185,12 @@ class LLMEngine(PrefixAdmin):
             kv_dtype,
             config.shared_prefix_attention,
             step_threads,
-            resolve_decode_kernel(config.decode_kernel, model.device),
+            resolve_decode_kernel(
+                config.decode_kernel,
+                model.device,
+                mc.num_heads // mc.num_kv_heads,
+                mc.head_dim,
+            ),
             native_for_shared=config.decode_kernel == "native",
         )
         self.kv.set_slot_copier(self.runner.copy_slots)

@@ -118,8 +118,14 @@ class NativeDecodeKernel:
         self._fn = fn
 
     @classmethod
-    def build(cls, directory: Path | None = None) -> NativeDecodeKernel:
+    def build(
+        cls, directory: Path | None = None, group: int | None = None, head_dim: int | None = None
+    ) -> NativeDecodeKernel:
         """Build (or find already built) and load the kernel for this machine.
+
+        ``group`` (query heads per KV head) and ``head_dim``: the model's shape, compiled with constants so its
+        accumulators stay in registers (``-DPD_GROUP -DPD_HEAD_DIM``; one shape keeps the build at ~1-2 s);
+        other shapes run the same code with runtime sizes.
 
         Raises:
             NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) and FMA, no C compiler, the compile
@@ -137,12 +143,16 @@ class NativeDecodeKernel:
             ).stdout
         except (OSError, subprocess.SubprocessError) as exc:
             raise NativeKernelError(f"the C compiler {cc} does not run: {exc}") from exc
+        shape = (
+            () if group is None or head_dim is None else (f"-DPD_GROUP={group}", f"-DPD_HEAD_DIM={head_dim}")
+        )
+        flags = (*FLAGS, *shape)
         source = SOURCE.read_bytes()
-        digest = hashlib.sha256(source + repr((FLAGS, LIBS, version)).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(source + repr((flags, LIBS, version)).encode()).hexdigest()[:16]
         directory = kernel_dir() if directory is None else directory
         target = directory / f"paged_decode-{digest}.so"
         if not target.exists():
-            _compile(cc, directory, target)
+            _compile(cc, flags, directory, target)
         try:
             kernel = cls(target)
         except OSError as exc:
@@ -286,12 +296,12 @@ def reference_decode(
     return torch.stack(out)
 
 
-def _compile(cc: str, directory: Path, target: Path) -> None:
+def _compile(cc: str, flags: tuple[str, ...], directory: Path, target: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
+        cmd = [cc, *flags, "-o", tmp, str(SOURCE), *LIBS]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -305,17 +315,20 @@ def _compile(cc: str, directory: Path, target: Path) -> None:
 
 
 @functools.cache
-def _shared_kernel() -> NativeDecodeKernel | str:
+def _shared_kernel(group: int | None, head_dim: int | None) -> NativeDecodeKernel | str:
     try:
-        return NativeDecodeKernel.build()
+        return NativeDecodeKernel.build(group=group, head_dim=head_dim)
     except NativeKernelError as exc:
         return str(exc)
 
 
-def resolve_decode_kernel(setting: str, device: torch.device) -> NativeDecodeKernel | None:
+def resolve_decode_kernel(
+    setting: str, device: torch.device, group: int | None = None, head_dim: int | None = None
+) -> NativeDecodeKernel | None:
     """The kernel ``engine.decode_kernel`` asks for on ``device``: ``torch`` -> None (torch's paths);
     ``native`` -> the kernel, or a start-up error; ``auto`` -> the kernel where it builds on a CPU, else None
-    with a log line saying why. Built once per process.
+    with a log line saying why. Built once per process and model shape (``group`` query heads per KV head,
+    ``head_dim``: compiled with constants, ``NativeDecodeKernel.build``).
 
     Raises:
         ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
@@ -329,7 +342,7 @@ def resolve_decode_kernel(setting: str, device: torch.device) -> NativeDecodeKer
         if setting == "native":
             raise ValueError(f"engine.decode_kernel: native runs on CPU only, not on {device}")
         return None
-    kernel = _shared_kernel()
+    kernel = _shared_kernel(group, head_dim)
     if isinstance(kernel, str):
         if setting == "native":
             raise ValueError(f"engine.decode_kernel: native is not available here: {kernel}")

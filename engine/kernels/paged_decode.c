@@ -311,26 +311,14 @@ int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
 #define ATTEND(G, DD)                                                                                          \
     attend_vec(qf, cache, cache_bf16, block_tables, table_stride, lens, B, KVH, G, DD, block_size, block_elems, \
                pos_elems, v_offset, scale, scores, sums, max_len, out, shared_len)
-    /* the common shapes with constant group and head_dim, so accumulators stay in registers */
-    switch (group * 1000 + D) {
-    case 1064: ATTEND(1, 64); break;
-    case 2064: ATTEND(2, 64); break;
-    case 3064: ATTEND(3, 64); break;
-    case 4064: ATTEND(4, 64); break;
-    case 5064: ATTEND(5, 64); break;
-    case 6064: ATTEND(6, 64); break;
-    case 7064: ATTEND(7, 64); break;
-    case 8064: ATTEND(8, 64); break;
-    case 1128: ATTEND(1, 128); break;
-    case 2128: ATTEND(2, 128); break;
-    case 3128: ATTEND(3, 128); break;
-    case 4128: ATTEND(4, 128); break;
-    case 5128: ATTEND(5, 128); break;
-    case 6128: ATTEND(6, 128); break;
-    case 7128: ATTEND(7, 128); break;
-    case 8128: ATTEND(8, 128); break;
-    default: ATTEND(group, D);
-    }
+    /* the model's shape (PD_GROUP, PD_HEAD_DIM: -D flags of the build) with constants, so accumulators stay in
+     * registers; any other shape with runtime sizes */
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+    if (group == PD_GROUP && D == PD_HEAD_DIM)
+        ATTEND(PD_GROUP, PD_HEAD_DIM);
+    else
+#endif
+        ATTEND(group, D);
 #undef ATTEND
     return 0;
 }

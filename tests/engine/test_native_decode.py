@@ -33,7 +33,7 @@ needs_kernel = pytest.mark.skipif(not AVAILABLE, reason="needs an AVX-512 x86-64
 def kernel(tmp_path_factory) -> NativeDecodeKernel:
     if not AVAILABLE:
         pytest.skip("needs an AVX-512 x86-64 CPU and a C compiler")
-    return NativeDecodeKernel.build(tmp_path_factory.mktemp("kernels"))
+    return NativeDecodeKernel.build(tmp_path_factory.mktemp("kernels"), group=3, head_dim=64)
 
 
 def random_case(gen, b, group, kvh, d, lens, dtype, block_size=16, num_blocks=128):
@@ -123,6 +123,21 @@ def test_bad_arguments_are_refused_before_any_read(kernel):
         kernel.attend(q, cache, tables, lens, 40, 0.125, shared_len=32)
     with pytest.raises(ValueError, match="scratch"):
         kernel.attend(q, cache, tables, lens, 40, 0.125, torch.empty(3))
+
+
+@needs_kernel
+def test_the_shape_compiled_with_constants_gives_the_generic_code_s_bits(kernel, tmp_path):
+    # the model's shape is compiled with constants (accumulators in registers); the arithmetic and its order are
+    # those of the runtime-sized code: the same bits
+    generic = NativeDecodeKernel.build(tmp_path)
+    assert generic.path != kernel.path
+    gen = torch.Generator().manual_seed(4)
+    lens = [1, 33, 500, 1071]
+    q, cache, tables, lens_t = random_case(gen, 4, 3, 3, 64, lens, torch.bfloat16, num_blocks=320)
+    assert torch.equal(
+        kernel.attend(q, cache, tables, lens_t, 1071, 0.125),
+        generic.attend(q, cache, tables, lens_t, 1071, 0.125),
+    )
 
 
 @needs_kernel
