@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,12 +80,12 @@ class _Turns:
     spans: list[tuple[int, int]]
     carried: list[dict[str, list[str]]]
     own: list[dict[str, list[str]]]
-    applied: Counter[str]
+    applied: dict[str, int]
     system_values: list[tuple[str, str]]
     merged: bool = False
     first: FirstTurn | None = None
     later: LaterTurns | None = None
-    later_applied: Counter[str] | None = None
+    later_applied: dict[str, int] | None = None
 
 
 @dataclass
@@ -253,7 +252,9 @@ class RuleSet:
         if not self.rules:
             messages = copy_json(messages)
             return Canonical(messages, tools, compute_segments(messages, tools, []))
-        applied: Counter[str] = Counter()
+        applied: dict[
+            str, int
+        ] = {}  # plain dicts in first-application order: cheaper to make than collections'
         tools = self._apply_tool_rules(tools, applied)
         tools_json = canonical_json(tools)
         raw_spans = turn_spans(messages)
@@ -269,7 +270,7 @@ class RuleSet:
             done.system_values,
         )
         for rule_id, count in done.applied.items():
-            applied[rule_id] += count
+            applied[rule_id] = applied.get(rule_id, 0) + count
         present_now = [v for _, v in system_values]
 
         first_new = 0
@@ -370,7 +371,7 @@ class RuleSet:
                     carried[-1] = {loc: v for loc, v in merged_values.items() if v}
                 merged = True
         systems = leading_system_count(work)
-        applied: Counter[str] = Counter()
+        applied: dict[str, int] = {}
         system_values: list[tuple[str, str]] = []
         firsts: dict[Any, int | None] = {}
         own = [
@@ -399,7 +400,7 @@ class RuleSet:
             carried0: dict[str, list[str]] = {}
             if self._hoists:
                 carried0, _ = extract_turn_blocks(w0, 0, e0)
-            applied0: Counter[str] = Counter()
+            applied0: dict[str, int] = {}
             values0: list[tuple[str, str]] = []
             own0 = self._apply_turn(w0, 0, len(w0), 0, leading_system_count(w0), applied0, values0, scope, {})
             items0 = raw_items(w0)
@@ -453,7 +454,7 @@ class RuleSet:
         own = [first.own]
         if later is not None:
             own.extend(later.own)
-        later_applied: Counter[str] = Counter(dict(later.applied)) if later is not None else Counter()
+        later_applied: dict[str, int] = dict(later.applied) if later is not None else {}
         system_values = list(first.system_values)
         systems = leading_system_count(work)
         firsts: dict[Any, int | None] = {}
@@ -462,9 +463,9 @@ class RuleSet:
             own.append(
                 self._apply_turn(work, start, end, j, systems, later_applied, system_values, scope, firsts)
             )
-        applied: Counter[str] = Counter(dict(first.applied))
+        applied: dict[str, int] = dict(first.applied)
         for rule_id, count in later_applied.items():
-            applied[rule_id] += count
+            applied[rule_id] = applied.get(rule_id, 0) + count
         return _Turns(work, spans, carried, own, applied, system_values, False, first, later, later_applied)
 
     def _apply_turn(
@@ -474,7 +475,7 @@ class RuleSet:
         end: int,
         turn: int,
         systems: int,
-        applied: Counter[str],
+        applied: dict[str, int],
         system_values: list[tuple[str, str]],
         scope: str = "",
         firsts: dict[Any, int | None] | None = None,
@@ -513,7 +514,7 @@ class RuleSet:
             steps.sort(key=lambda step: step[:3])  # what the rule-major loop over messages and parts gives
             for slot, index, _, count, hoisted in steps:
                 rule = self._turn_rules[slot][2]
-                applied[rule.id] += count
+                applied[rule.id] = applied.get(rule.id, 0) + count
                 for value in hoisted:
                     if index < systems:
                         system_values.append((rule.placement, value))
@@ -564,13 +565,13 @@ class RuleSet:
         return text, total, tuple(done)
 
     def _apply_tool_rules(
-        self, tools: list[dict[str, Any]] | None, applied: Counter[str]
+        self, tools: list[dict[str, Any]] | None, applied: dict[str, int]
     ) -> list[dict[str, Any]] | None:
         for rule in self._tool_rules:
             if tools:
                 sorted_tools = sort_tools(tools)
                 if _differs(sorted_tools, tools):
-                    applied[rule.id] += 1
+                    applied[rule.id] = applied.get(rule.id, 0) + 1
                     tools = sorted_tools
         return tools
 

@@ -45,7 +45,7 @@ class FirstTurn:
         chars: about how many characters it holds (the memo's cost).
     """
 
-    __slots__ = ("processed", "carried", "own", "applied", "system_values", "items", "chars")
+    __slots__ = ("processed", "carried", "own", "applied", "system_values", "items", "_chars")
 
     def __init__(
         self,
@@ -62,7 +62,16 @@ class FirstTurn:
         self.applied = applied
         self.system_values = system_values
         self.items = items
-        self.chars = sum(json_chars(m) for m in processed)
+        self._chars: int | None = None
+
+    @property
+    def chars(self) -> int:
+        """About how many characters it holds (the memo's cost), counted when first asked for: a one-turn
+        request's first turn is never stored, and never counted."""
+        chars = self._chars
+        if chars is None:
+            chars = self._chars = sum(json_chars(m) for m in self.processed)
+        return chars
 
 
 class LaterTurns:

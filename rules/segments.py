@@ -31,6 +31,7 @@ from typing import Any
 import re2
 
 from rules.actions import canonical_json
+from rules.message_json import canonical_message_json
 from rules.messages import get_text, last_user_index, leading_system_count, part_count, text_parts
 
 _DOC_OPEN = re2.compile(r"(?i)<(?:documents?|doc)(?:\s[^>]*)?>")
@@ -281,4 +282,10 @@ def stable_material(
         if segment.level > level or segment.level == SegmentLevel.VOLATILE:
             break
         end = segment.end
-    return canonical_json({"messages": message_prefix(messages, end), "tools": tools}).encode("utf-8")
+    # canonical_json of {"messages": [...], "tools": ...} (sorted keys: "messages" first), each whole message's
+    # text from the memo of ``rules.message_json`` (a system prompt is not encoded again), a cut one encoded here
+    texts = [canonical_message_json(m) for m in messages[: end.message]]
+    if end.message < len(messages) and (end.part or end.char):
+        texts.append(canonical_json(message_prefix(messages, end)[-1]))
+    text = '{"messages":[' + ",".join(texts) + '],"tools":' + canonical_json(tools) + "}"
+    return text.encode("utf-8")

@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rules.actions import canonical_json
 from rules.bounded_lru import BoundedLRU
+from rules.message_json import canonical_message_json, compact_message_json
 from rules.messages import copy_json
 from rules.placement import LOCATIONS, extract_turn_blocks, turn_spans
 
@@ -246,7 +247,7 @@ class PrefixHasher:
         out: list[bytes] = []
         for end in ends:
             while self._count < end:
-                self._feed(canonical_json(messages[self._count]))
+                self._feed(canonical_message_json(messages[self._count]))
                 self._count += 1
             out.append(self._h.copy().digest())
         return out
@@ -356,8 +357,9 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 def _message_json(message: dict[str, Any]) -> str:
-    """A message as ``TranscriptEntry.encode`` writes it inside its list (compact, key order kept)."""
-    return _COMPACT.encode(message)
+    """A message as ``TranscriptEntry.encode`` writes it inside its list (compact, key order kept; a long
+    system prompt's text comes from ``rules.message_json``'s memo)."""
+    return compact_message_json(message)
 
 
 def _messages_json(messages: list[dict[str, Any]]) -> str:
