@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.block_gather import BlockGather, block_gather, length_mask
+from engine.chunked_decode import plan_chunked_decode
 from engine.decode_attention import (
     SHARED_PREFIX_MIN_TOKENS,
     DecodePlan,
     SharedPrefix,
     decode_attention,
-    plan_split_decode,
     shared_prefix_blocks,
 )
 
@@ -59,9 +59,6 @@ class AttentionMetadata:
         block_tables: int64 ``[B, max_blocks]``; physical block ids of each seq's logical blocks. Entries past
             a sequence's last block are padding and never read (any value, e.g. 0 or -1).
         block_size: tokens per block.
-        split_threads: the thread count one decode sequence's context is cut into parts for (``decode_chunks``):
-            the engine's configured ``num_threads``, so the parts, and so the rounding, never follow a per-step
-            thread count (``engine.step_threads``); None = torch's live count.
     """
 
     slot_mapping: torch.Tensor
@@ -69,7 +66,6 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: torch.Tensor
     block_size: int
-    split_threads: int | None = None
 
 
 @dataclass
@@ -101,6 +97,7 @@ def plan_attention(
     device: torch.device,
     pool_blocks: int,
     shared_prefix: bool = True,
+    cache_dtype: torch.dtype | None = None,
 ) -> AttentionPlan:
     """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
 
@@ -109,7 +106,9 @@ def plan_attention(
         device: where the model runs.
         pool_blocks: blocks in the KV cache (``kv_cache.shape[2]``).
         shared_prefix: allow cascade attention for decode sequences sharing at least
-            ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``).
+            ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``; on CPU the shared
+            chunks of ``engine.chunked_decode``, over a bf16 cache only).
+        cache_dtype: the KV cache's dtype (None: unknown, no shared chunks on CPU).
 
     Raises:
         ValueError: inconsistent metadata (lengths, a query longer than its context, a block table too short,
@@ -165,8 +164,18 @@ def plan_attention(
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
         dec_tables = [tables[i] for i in decode_seqs]
         p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
-        split_ok = prefix_split_available(device)
-        if p * bs >= SHARED_PREFIX_MIN_TOKENS:
+        if p * bs < SHARED_PREFIX_MIN_TOKENS:
+            p = 0
+        if prefix_split_available(device):
+            # batch-invariant: fixed chunks, merged in a fixed order (``engine.chunked_decode``); shared chunks
+            # only where they are attended in bf16 (fp32 matmuls over a stride-0 batch round differently)
+            bf16 = (
+                cache_dtype is not None
+                and attention_dtype(cache_dtype, torch.float32, device) == torch.bfloat16
+            )
+            chunked = plan_chunked_decode(dec_tables, lens, p if bf16 else 0, bs, pool_blocks, device)
+            decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), chunked=chunked)
+        elif p:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
             ids = [b if 0 <= b < pool_blocks else 0 for t in dec_tables for b in t[p:nb]]
@@ -178,25 +187,14 @@ def plan_attention(
                 length_mask(priv_lens, device),
             )
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
-            if split_ok:
-                decode.split = plan_split_decode(
-                    dec_tables, lens, p, bs, pool_blocks, device, meta.split_threads
-                )
         elif len(decode_seqs) > 1:
             per_seq = [
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
                 for t, n in zip(dec_tables, lens, strict=True)
             ]
-            # no split: one buffer for B contexts outgrows the L2 cache the kernel should read it from (8 x
-            # 1,071 SmolLM2 positions: 6.6 MB), so each context is copied and attended in turn
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), per_seq=per_seq)
         else:
-            ids = dec_tables[0][:nb]
-            decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
-            if split_ok:
-                decode.split = plan_split_decode(
-                    dec_tables, lens, 0, bs, pool_blocks, device, meta.split_threads
-                )
+            decode = DecodePlan(rows, block_gather(dec_tables[0][:nb], pool_blocks, device), None, max_len, 1)
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
 

@@ -356,6 +356,7 @@ class LLMEngine(PrefixAdmin):
                     block_table=self.kv.block_table(r.request_id),
                     needs_token=s.needs_token,
                     sampler=r.sampler,
+                    prompt_len=r.num_prompt_tokens,
                 )
             )
         return StepPlan(sched, self.runner.prepare(seqs))

@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
+from engine.row_kernels import RowKernels
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 from engine.step_threads import StepThreads
 
@@ -48,6 +49,9 @@ class SeqInput:
         block_table: physical block ids covering positions ``[0, start + n)``.
         needs_token: True when a token is sampled after this step (the chunk reaches the sequence's end).
         sampler: its own sampling state (read when ``needs_token``).
+        prompt_len: its prompt's length: rows of positions before it run the quantized linears' dense copy,
+            the others their int4 kernel (``engine.row_kernels``); None for every sequence of a step = by the
+            step's row count.
     """
 
     token_ids: list[int]
@@ -55,6 +59,7 @@ class SeqInput:
     block_table: list[int]
     needs_token: bool
     sampler: SequenceSampler
+    prompt_len: int | None = None
 
 
 @dataclass
@@ -67,6 +72,7 @@ class ModelInput:
     logit_rows: torch.Tensor
     samplers: list[SequenceSampler]
     sample_seqs: list[int]
+    row_kernels: RowKernels | None = None
 
 
 @dataclass
@@ -149,6 +155,13 @@ class ModelRunner:
             if s.needs_token:
                 rows.append(qsl[-1] - 1)
                 sample_seqs.append(i)
+        row_kernels = None
+        if all(s.prompt_len is not None for s in seqs):
+            prompt = torch.tensor(positions, dtype=torch.int64) < torch.tensor(
+                [s.prompt_len for s in seqs for _ in s.token_ids], dtype=torch.int64
+            )
+            dense, kernel = prompt.nonzero().view(-1), (~prompt).nonzero().view(-1)
+            row_kernels = RowKernels(dense if dense.numel() else None, kernel if kernel.numel() else None)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
@@ -158,7 +171,6 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=tables,
             block_size=bs,
-            split_threads=self.step_threads.num_threads if self.step_threads else None,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -167,6 +179,7 @@ class ModelRunner:
             logit_rows=torch.tensor(rows, dtype=torch.int64),
             samplers=[seqs[i].sampler for i in sample_seqs],
             sample_seqs=sample_seqs,
+            row_kernels=row_kernels,
         )
 
     @torch.inference_mode()
@@ -199,7 +212,9 @@ class ModelRunner:
             # set under ``off`` too: a count another engine left in this thread is not inherited
             self.thread_switches += use_threads(n)
             self.steps_by_threads[n] += 1
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix)
+        hidden = self.model(
+            inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix, inp.row_kernels
+        )
         if not inp.sample_seqs:
             return StepResult([], None)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.to(hidden.device)))
