@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from inspect import signature
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +174,7 @@ def attention_tables(case: str, context: int, bs: int = BLOCK) -> tuple[list[lis
     return [list(range(head)) + fresh[i] for i in range(8)], [n] * 8
 
 
-BASE_ATTENTION_MODULES = ("block_gather", "decode_attention", "attention")
+BASE_ATTENTION_MODULES = ("block_gather", "chunked_decode", "decode_attention", "attention")
 """The attention modules of ``engine/``, in import order (a checkout before their split has only ``attention``)."""
 
 
@@ -230,6 +231,12 @@ def attention_ab(
                     mod.AttentionMetadata(torch.tensor(slots), list(range(b + 1)), lens, padded, BLOCK),
                     model.device,
                     kv.shape[2],
+                    # the cache's dtype, where the planner takes it (shared decode chunks are bf16-only)
+                    **(
+                        {"cache_dtype": kv.dtype}
+                        if "cache_dtype" in signature(mod.plan_attention).parameters
+                        else {}
+                    ),
                 ),
             )
             for name, mod in (("base", base), ("new", new))

@@ -142,7 +142,7 @@ def per_sequence_decode(
         # 3-D call falls back to the unfused math path, 4.3x slower per call (0.37 vs 0.085 ms thread time at
         # 1,070 bf16 positions, SmolLM2 shapes, Xeon with AMX)
         # each context copied first (a view of consecutive blocks too): the kernel reads it faster from cache
-        # than in place from memory (``SplitDecode``; docs/engine-step.md)
+        # than in place from memory (docs/engine-step.md)
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(qg[i : i + 1], kv[0:1], kv[1:2], scale=scale)
