@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from engine.block_gather import BlockGather, block_gather, length_mask
 from engine.chunked_decode import plan_chunked_decode
+from engine.chunked_prefill import ChunkedPrefill, chunked_prefill_attention, plan_chunked_prefill
 from engine.decode_attention import (
     SHARED_PREFIX_MIN_TOKENS,
     DecodePlan,
@@ -80,6 +81,7 @@ class PrefillPlan:
     prefix: BlockGather | None = (
         None  # split path (``prefix_split_available``): blocks of [0, seq_len - qlen)
     )
+    chunked: ChunkedPrefill | None = None  # chunk-invariant CPU path, bf16 cache (``engine.chunked_prefill``)
 
 
 @dataclass
@@ -126,6 +128,13 @@ def plan_attention(
     tables = meta.block_tables.tolist()  # block tables are small; planning happens once per step on the CPU
     prefills: list[PrefillPlan] = []
     decode_seqs: list[int] = []
+    # over a bf16 cache attended in bf16 on CPU: keys cut at fixed positions, prefill and decode alike
+    # (``engine.chunked_prefill``, ``engine.chunked_decode``); shared decode chunks need bf16 too
+    bf16 = (
+        prefix_split_available(device)
+        and cache_dtype is not None
+        and attention_dtype(cache_dtype, torch.float32, device) == torch.bfloat16
+    )
     for i, seq_len in enumerate(meta.seq_lens):
         qlen = qsl[i + 1] - qsl[i]
         if qlen <= 0 or qlen > seq_len:
@@ -141,6 +150,9 @@ def plan_attention(
             )
         if qlen == 1:
             decode_seqs.append(i)
+        elif bf16:
+            chunked = plan_chunked_prefill(tables[i], seq_len, qlen, bs, pool_blocks, device)
+            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None, chunked=chunked))
         elif qlen == seq_len:
             prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None))
         elif prefix_split_available(device):
@@ -169,10 +181,6 @@ def plan_attention(
         if prefix_split_available(device):
             # batch-invariant: fixed chunks, merged in a fixed order (``engine.chunked_decode``); shared chunks
             # only where they are attended in bf16 (fp32 matmuls over a stride-0 batch round differently)
-            bf16 = (
-                cache_dtype is not None
-                and attention_dtype(cache_dtype, torch.float32, device) == torch.bfloat16
-            )
             chunked = plan_chunked_decode(dec_tables, lens, p if bf16 else 0, bs, pool_blocks, device)
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), chunked=chunked)
         elif p:
@@ -267,6 +275,11 @@ def paged_attention(
         )
     out = q.new_empty(num_tokens, num_heads, head_dim, dtype=out_dtype)
     for p in plan.prefills:
+        if p.chunked is not None:
+            out[p.start : p.end] = chunked_prefill_attention(
+                q[p.start : p.end], layer_cache, p.chunked, scale
+            )
+            continue
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]
         if p.prefix is not None:
             o = prefix_split_attention(qs, k[p.start : p.end], v[p.start : p.end], layer_cache, p, scale)

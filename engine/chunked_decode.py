@@ -39,6 +39,10 @@ import torch
 
 from engine.block_gather import BlockGather, block_gather
 
+MIN_QUERY_ROWS = 4
+"""Fewest query rows per flash call: from 4 rows up a row's result does not depend on the row count or its place
+among the rows (measured, 4-1,100 rows, with masks, 1 and 2 threads); at 1-3 rows the kernel rounds otherwise."""
+
 DECODE_CHUNK_TOKENS = 256
 """Context positions per decode chunk (rounded down to whole blocks, at least one block): 1,070 positions are
 5 chunks, 15 flash tasks with 3 KV heads, enough to keep 2 threads busy (``docs/engine-step.md``)."""
@@ -169,6 +173,15 @@ def _attend_fp32(
     return torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.contiguous()), lse
 
 
+def pad_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[N, heads, M, D]`` with zero rows appended up to ``MIN_QUERY_ROWS`` rows (the flash kernel rounds
+    a row alike at any row count from 4 up, not below: module docstring); unchanged when ``M`` is enough."""
+    m = q.shape[2]
+    if m >= MIN_QUERY_ROWS:
+        return q
+    return torch.cat([q, q.new_zeros(*q.shape[:2], MIN_QUERY_ROWS - m, q.shape[3])], dim=2)
+
+
 def chunked_decode_attention(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -202,28 +215,36 @@ def chunked_decode_attention(
         kv = kv.to(adt)
     qp = qg.index_select(0, plan.private_seq) if plan.private_seq.shape[0] != b else qg
     if adt == torch.bfloat16:
-        o, lse = flash(qp, kv[0], kv[1], 0.0, False, attn_mask=bias, scale=scale)
+        o, lse = flash(pad_rows(qp), kv[0], kv[1], 0.0, False, attn_mask=bias, scale=scale)
+        o, lse = o[:, :, :group], lse[:, :, :group]
     else:
         o, lse = _attend_fp32(qp, kv[0], kv[1], bias, scale)
     if plan.merge_index is None and plan.max_chunks == 1:
         return o.reshape(b, num_heads, head_dim).to(out_dtype)
     if plan.merge_index is not None:
         outs, lses = [], []
-        if plan.shared is not None:  # one call per shared chunk: all queries, its K/V a stride-0 batch
-            skv = plan.read("shared", plan.shared, layer_cache).view(2, -1, c, kvh, head_dim).transpose(2, 3)
+        if plan.shared is not None:
+            # every query of a KV head as the rows of one call (cascade attention: the shared K/V read once per
+            # head and chunk), the shared chunks a batch, the queries a stride-0 batch over them
+            s = plan.shared_chunks
+            skv = plan.read("shared", plan.shared, layer_cache).view(2, s, c, kvh, head_dim).transpose(2, 3)
+            qs = pad_rows(qg.permute(1, 0, 2, 3).reshape(1, kvh, b * group, head_dim))
             zero = bias.new_zeros(1, 1, 1, c)
-            for j in range(plan.shared_chunks):
-                k, v = (skv[i, j : j + 1].expand(b, -1, -1, -1) for i in (0, 1))
-                o_s, lse_s = flash(qg, k, v, 0.0, False, attn_mask=zero, scale=scale)
-                outs.append(o_s)
-                lses.append(lse_s)
+            o_s, lse_s = flash(
+                qs.expand(s, -1, -1, -1), skv[0], skv[1], 0.0, False, attn_mask=zero, scale=scale
+            )
+            o_s = o_s[:, :, : b * group].reshape(s, kvh, b, group, head_dim).transpose(1, 2)
+            outs.append(o_s.reshape(s * b, kvh, group, head_dim))
+            lses.append(
+                lse_s[:, :, : b * group].reshape(s, kvh, b, group).transpose(1, 2).reshape(s * b, kvh, group)
+            )
         outs += [o, o.new_zeros(1, kvh, group, head_dim)]
         lses += [lse, lse.new_full((1, kvh, group), float("-inf"))]
         o = torch.cat(outs).index_select(0, plan.merge_index)
         lse = torch.cat(lses).index_select(0, plan.merge_index)
     n = plan.max_chunks
-    o = o.view(b, n, kvh, group, head_dim)
-    lse = lse.view(b, n, kvh, group)
+    o = o.reshape(b, n, kvh, group, head_dim)
+    lse = lse.reshape(b, n, kvh, group)
     d = lse.sub(lse.amax(1, keepdim=True)).unsqueeze(-1)
     w = d.expand(b, n, kvh, group, head_dim).exp()  # innermost dim head_dim: see the module docstring
     out = o.float().mul_(w).sum(1).div_(w.sum(1))

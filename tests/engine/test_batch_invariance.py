@@ -8,9 +8,10 @@ when a prefill chunk joins a decode's step. Kernel level: the properties the des
 kernel gives a row the same bits at any row count; the LM head's rescoring likewise), so a torch upgrade that
 breaks one fails here, not only on the real model (``bench.batch_invariance``).
 
-Not covered because not true: prefill attention over a prompt cut into other chunks (cache on vs off, another
-token budget) rounds differently (``docs/engine-step.md``); those keep token equality on the tiny checkpoints
-(``test_engine_cache_parity``), not bit equality.
+Prefill over a bf16 cache is chunk-invariant too (other token budgets, prefix caching off: bit-identical
+logits). Not covered because not true: prefill over an fp32 cache still takes torch's fused kernels over the
+chunk as scheduled, so there a prompt chunked otherwise (cache on vs off, another budget) keeps token equality
+on the tiny checkpoints (``test_engine_cache_parity``), not bit equality (``docs/engine-step.md``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,26 @@ def test_batched_logits_equal_alone_bit_for_bit(kv_dtype, shared_prefix, threads
     for (tokens, logits), (want_tokens, want_logits) in zip(batched, alone, strict=True):
         assert tokens == want_tokens
         assert torch.equal(logits, want_logits)  # every row, every bit
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"max_num_batched_tokens": 100},  # every prompt cut into chunks of other lengths than alone
+        {"max_num_batched_tokens": 37},  # chunks that end mid-block, a last chunk of a few rows
+        {"enable_prefix_caching": False},  # every prompt prefilled whole: no prefix hit
+        {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
+    ],
+    ids=["budget 100", "budget 37", "cache off", "cache off, budget 64"],
+)
+def test_chunked_and_uncached_prefills_give_the_same_bits_over_a_bf16_cache(config):
+    """Prefill attention over a bf16 cache cuts keys at fixed positions (``engine.chunked_prefill``): a prompt's
+    K/V, and so every logit, do not depend on how it was chunked or whether its prefix came from the cache."""
+    alone = run_alone(PROMPTS, kv_dtype="bfloat16", max_num_batched_tokens=4096)
+    got = run_batched(PROMPTS, kv_dtype="bfloat16", **config)
+    for (tokens, logits), (want_tokens, want_logits) in zip(got, alone, strict=True):
+        assert tokens == want_tokens
+        assert torch.equal(logits, want_logits)
 
 
 def test_a_decode_row_keeps_its_bits_when_a_prefill_chunk_joins_its_step():
