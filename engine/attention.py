@@ -81,7 +81,7 @@ class PrefillPlan:
     prefix: BlockGather | None = (
         None  # split path (``prefix_split_available``): blocks of [0, seq_len - qlen)
     )
-    chunked: ChunkedPrefill | None = None  # chunk-invariant CPU path, bf16 cache (``engine.chunked_prefill``)
+    chunked: ChunkedPrefill | None = None  # the chunk-invariant CPU path (``engine.chunked_prefill``)
 
 
 @dataclass
@@ -128,13 +128,11 @@ def plan_attention(
     tables = meta.block_tables.tolist()  # block tables are small; planning happens once per step on the CPU
     prefills: list[PrefillPlan] = []
     decode_seqs: list[int] = []
-    # over a bf16 cache attended in bf16 on CPU: keys cut at fixed positions, prefill and decode alike
-    # (``engine.chunked_prefill``, ``engine.chunked_decode``); shared decode chunks need bf16 too
-    bf16 = (
-        prefix_split_available(device)
-        and cache_dtype is not None
-        and attention_dtype(cache_dtype, torch.float32, device) == torch.bfloat16
-    )
+    # on CPU, keys cut at fixed positions, prefill and decode alike (``engine.chunked_prefill``,
+    # ``engine.chunked_decode``), when the compute dtype is known to be bf16 or fp32; shared decode chunks: bf16
+    adt = None if cache_dtype is None else attention_dtype(cache_dtype, torch.float32, device)
+    chunked_prefill = prefix_split_available(device) and adt in (torch.bfloat16, torch.float32)
+    bf16 = adt == torch.bfloat16
     for i, seq_len in enumerate(meta.seq_lens):
         qlen = qsl[i + 1] - qsl[i]
         if qlen <= 0 or qlen > seq_len:
@@ -150,7 +148,7 @@ def plan_attention(
             )
         if qlen == 1:
             decode_seqs.append(i)
-        elif bf16:
+        elif chunked_prefill:
             chunked = plan_chunked_prefill(tables[i], seq_len, qlen, bs, pool_blocks, device)
             prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None, chunked=chunked))
         elif qlen == seq_len:
@@ -277,7 +275,7 @@ def paged_attention(
     for p in plan.prefills:
         if p.chunked is not None:
             out[p.start : p.end] = chunked_prefill_attention(
-                q[p.start : p.end], layer_cache, p.chunked, scale
+                q[p.start : p.end], layer_cache, p.chunked, scale, adt
             )
             continue
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]

@@ -1,4 +1,4 @@
-"""Chunk-invariant prefill attention on CPU over a bf16 cache: keys cut at the decode chunks' fixed positions.
+"""Chunk-invariant prefill attention on CPU: keys cut at the decode chunks' fixed positions.
 
 A prompt's K/V must not depend on how it was cut into prefill chunks (the token budget, what else was in the
 step, a prefix-cache hit or not: issue 12 item 5). Torch's CPU flash kernel gives a query row the same bits at
@@ -33,17 +33,29 @@ class ChunkedPrefill:
     Attributes:
         blocks: the blocks of every key chunk, chunk after chunk (``chunk_blocks`` each, block 0 past the end).
         first_rows: per key chunk ``j``, the first of the chunk's rows (0-based) at a position ``>= jC``.
-        masks: per key chunk, bf16 ``[1, 1, max(rows, MIN_QUERY_ROWS), C]``: 0 where a row attends a key, ``-inf``
-            elsewhere (causal in absolute positions, nothing at or past the context's end).
+        allowed: per key chunk, bool ``[1, 1, max(rows, MIN_QUERY_ROWS), C]``: True where a row attends a key
+            (causal in absolute positions, nothing at or past the context's end).
         chunk_tokens: ``C``.
         buffer: the copy of one layer's key chunks, made once per step.
     """
 
     blocks: BlockGather
     first_rows: list[int]
-    masks: list[torch.Tensor]
+    allowed: list[torch.Tensor]
     chunk_tokens: int
     buffer: torch.Tensor | None = None
+    _masks: dict[tuple[int, torch.dtype], torch.Tensor] | None = None
+
+    def mask(self, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Key chunk ``j``'s ``allowed`` as an additive mask of ``dtype`` (0 / ``-inf``), made once per step."""
+        if self._masks is None:
+            self._masks = {}
+        key = (j, dtype)
+        if key not in self._masks:
+            allowed = self.allowed[j]
+            zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self._masks[key] = zeros.masked_fill_(~allowed, float("-inf"))
+        return self._masks[key]
 
 
 def plan_chunked_prefill(
@@ -57,7 +69,7 @@ def plan_chunked_prefill(
     used = -(-seq_len // block_size)
     ids: list[int] = []
     first_rows: list[int] = []
-    masks: list[torch.Tensor] = []
+    allowed: list[torch.Tensor] = []
     positions = torch.arange(start, seq_len, device=device)
     for j in range(-(-seq_len // c)):
         part = table[j * cb : min((j + 1) * cb, used)]
@@ -67,28 +79,47 @@ def plan_chunked_prefill(
         if rows.shape[0] < MIN_QUERY_ROWS:  # padding rows: copies of the last, dropped after the call
             rows = torch.cat([rows, rows[-1:].expand(MIN_QUERY_ROWS - rows.shape[0])])
         keys = torch.arange(j * c, (j + 1) * c, device=device)
-        allowed = (keys[None, :] <= rows[:, None]) & (keys[None, :] < seq_len)
-        mask = torch.zeros(allowed.shape, dtype=torch.bfloat16, device=device).masked_fill_(
-            ~allowed, float("-inf")
-        )
         first_rows.append(first)
-        masks.append(mask[None, None])
-    return ChunkedPrefill(block_gather(ids, pool_blocks, device), first_rows, masks, c)
+        allowed.append(((keys[None, :] <= rows[:, None]) & (keys[None, :] < seq_len))[None, None])
+    return ChunkedPrefill(block_gather(ids, pool_blocks, device), first_rows, allowed, c)
+
+
+def _attend_fp32_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention with log-sum-exp for the fp32 cache: ``q`` ``[1, H, M, D]`` (``M >= MIN_QUERY_ROWS``),
+    ``k``/``v`` ``[1, kv_heads, C, D]``, ``mask`` ``[1, 1, M, C]`` -> (``[1, H, M, D]``, ``[1, H, M]``). Each KV head's
+    query heads are stacked as rows of one matmul (fp32 GEMMs round a row alike at any row count from 4 up,
+    measured; torch's fp32 flash kernel rounds by thread instead: ``engine.chunked_decode``)."""
+    _, heads, m, d = q.shape
+    kvh = k.shape[1]
+    qg = q.view(kvh, heads // kvh * m, d)
+    s = torch.matmul(qg, k[0].transpose(-1, -2).contiguous()).mul_(scale)
+    s = s.view(kvh, heads // kvh, m, -1).add_(mask[0]).view(kvh, heads // kvh * m, -1)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v[0].contiguous())
+    return o.view(1, heads, m, d), lse.view(1, heads, m)
 
 
 def chunked_prefill_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, plan: ChunkedPrefill, scale: float
+    q: torch.Tensor, layer_cache: torch.Tensor, plan: ChunkedPrefill, scale: float, adt: torch.dtype
 ) -> torch.Tensor:
-    """Attention of one prefill chunk (module docstring) over a bf16 cache that already holds its K/V.
+    """Attention of one prefill chunk (module docstring) over a cache that already holds its K/V, computed in
+    ``adt``: bf16 (a bf16 cache on a CPU with bf16 kernels) on the flash kernel, fp32 with fp32 matmuls.
 
     Args:
-        q: ``[L, H, D]`` the chunk's queries (RoPE applied), any float dtype (rounded to bf16).
-        layer_cache: this layer's bf16 cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-        plan: from ``plan_chunked_prefill``. scale: softmax scale.
+        q: ``[L, H, D]`` the chunk's queries (RoPE applied), any float dtype (rounded to ``adt``).
+        layer_cache: this layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+        plan: from ``plan_chunked_prefill``. scale: softmax scale. adt: bf16 or fp32.
 
     Returns:
         ``[L, H, D]`` fp32.
+
+    Raises:
+        ValueError: ``adt`` neither bf16 nor fp32.
     """
+    if adt not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"chunked prefill attention computes in bf16 or fp32, not {adt}")
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     rows, heads, head_dim = q.shape
     kvh = layer_cache.shape[-2]
@@ -97,20 +128,19 @@ def chunked_prefill_attention(
     if plan.buffer is None:
         plan.buffer = layer_cache.new_empty(2 * plan.blocks.num_blocks, layer_cache[0, 0].numel())
     kv = plan.blocks.read_into(layer_cache, plan.buffer).view(2, n, c, kvh, head_dim).transpose(2, 3)
-    qh = q.to(torch.bfloat16).transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+    if kv.dtype != adt:
+        kv = kv.to(adt)
+    qh = q.to(adt).transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
     o_all = q.new_zeros(n, rows, heads, head_dim, dtype=torch.float32)
     lse_all = q.new_full((n, rows, heads), float("-inf"), dtype=torch.float32)
     for j, first in enumerate(plan.first_rows):
         m = rows - first
-        o, lse = flash(
-            pad_rows(qh[:, :, first:]),
-            kv[0, j : j + 1],
-            kv[1, j : j + 1],
-            0.0,
-            False,
-            attn_mask=plan.masks[j],
-            scale=scale,
-        )  # [1, H, max(m, 4), D], [1, H, max(m, 4)]
+        qj, k, v, mask = pad_rows(qh[:, :, first:]), kv[0, j : j + 1], kv[1, j : j + 1], plan.mask(j, adt)
+        if adt == torch.bfloat16:
+            o, lse = flash(qj, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        else:
+            o, lse = _attend_fp32_rows(qj.contiguous(), k, v, mask, scale)
+        # o: [1, H, max(m, 4), D], lse: [1, H, max(m, 4)]
         o_all[j, first:] = o[0, :, :m].transpose(0, 1)
         lse_all[j, first:] = lse[0, :, :m].transpose(0, 1)
     if n == 1:
