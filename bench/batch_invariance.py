@@ -44,7 +44,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_case(model, ck, config: EngineConfig, prompts: list[list[int]], new: int, mode: str) -> list[list[int]]:
+def run_case(
+    model, ck, config: EngineConfig, prompts: list[list[int]], new: int, mode: str
+) -> list[list[int]]:
     """Greedy tokens of every prompt in ``mode`` (module docstring) on a fresh engine."""
     params = SamplingParams(max_tokens=new, temperature=0.0)
     eng = LLMEngine(model, config, ck.model_id, ck.tokenizer)

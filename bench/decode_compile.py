@@ -121,7 +121,7 @@ def breakdown(model: LlamaModel, context: int, rounds: int, clock) -> dict[str, 
         meta, pos = decode_meta(b, context, bps, shared)
         tok = torch.randint(100, 1000, (b,))
         xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
-        plan = plan_attention(meta, model.device, kv.shape[2])
+        plan = plan_attention(meta, model.device, kv.shape[2], cache_dtype=kv.dtype)
         q = torch.randn(b, c.num_heads, c.head_dim)
         k, v = torch.randn(2, b, c.num_kv_heads, c.head_dim)
 

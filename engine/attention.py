@@ -10,22 +10,27 @@ One forward step runs a batch of ``B`` sequences flattened to ``T = sum(query_le
 new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attends causally to its whole context.
 ``plan_attention`` turns the metadata into index tensors once per step; ``paged_attention`` then runs per layer:
 
-- prefill rows (``query_len > 1``) go one sequence at a time through ``F.scaled_dot_product_attention``; a
-  sequence with nothing cached (``query_len == seq_len``) attends to its fresh K/V directly (``is_causal``),
-  otherwise, on CPU, the cached prefix (read in place: a view of consecutive blocks) and the chunk's own K/V
-  (causal) are attended separately and merged by their log-sum-exp (``prefix_split_attention``), elsewhere its
-  context is gathered block-wise with one ``index_select`` and a bottom-right causal mask is used;
-- decode rows (``query_len == 1``) go to ``engine.decode_attention`` (``DecodePlan``): one sequence over a view
-  of its blocks, several one by one, and cascade attention (``SharedPrefix``) for those whose block tables
-  start with the same blocks (at least ``SHARED_PREFIX_MIN_TOKENS`` positions: one cached system prompt, many
-  users); ``plan_attention(..., shared_prefix=False)`` switches the cascade off.
+- on CPU, when the cache dtype is given (``cache_dtype``, the engine always gives it), every sequence's keys
+  are cut at fixed positions: prefill rows (``query_len > 1``) go to ``engine.chunked_prefill`` and decode rows
+  to ``engine.chunked_decode`` (through ``engine.decode_attention``), merged in a fixed order, so a row's
+  result depends only on its query, its context and the chunk size: not on the rest of the batch, how its
+  prompt was chunked, or a prefix-cache hit (issue 12 item 5, ``docs/engine-step.md``);
+- otherwise (CUDA, or no ``cache_dtype``) prefill rows go one sequence at a time through
+  ``F.scaled_dot_product_attention``; a sequence with nothing cached (``query_len == seq_len``) attends to its
+  fresh K/V directly (``is_causal``), otherwise, on CPU, the cached prefix and the chunk's own K/V (causal) are
+  attended separately and merged by their log-sum-exp (``prefix_split_attention``), elsewhere its context is
+  gathered block-wise with one ``index_select`` and a bottom-right causal mask is used; decode rows
+  (``query_len == 1``) go to ``engine.decode_attention`` (``DecodePlan``): one sequence over a view of its
+  blocks, several one by one, and cascade attention (``SharedPrefix``) for those whose block tables start with
+  the same blocks (at least ``SHARED_PREFIX_MIN_TOKENS`` positions); these paths are not batch-invariant.
+  ``plan_attention(..., shared_prefix=False)`` switches the cascade (on CPU: shared chunks) off.
 
 Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and decode attention are computed in
-bf16 as the cache stores them (``attention_dtype``); the bf16 decode paths are ``engine.decode_attention``'s.
+bf16 as the cache stores them (``attention_dtype``).
 
 Invariants: the plan is built once per step and read by every layer; the cache is written only by
-``write_kv`` at the step's slots. Results do not depend on the batch a sequence runs in beyond fp32 rounding:
-masked padding contributes exact zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017),
+``write_kv`` at the step's slots, before any of the step's attention reads it. Masked padding contributes exact
+zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017),
 grouped-query attention (Ainslie et al. 2023), paged KV cache (Kwon et al. 2023, vLLM).
 """
 
