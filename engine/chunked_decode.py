@@ -167,10 +167,13 @@ def _attend_fp32(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention with log-sum-exp: ``q`` ``[N, kvh, g, D]``, ``k``/``v`` ``[N, kvh, C, D]``, ``bias``
     ``[N, 1, 1, C]`` -> (``[N, kvh, g, D]``, ``[N, kvh, g]``); contiguous batches (fp32 GEMMs are batch- and
-    thread-invariant over those, not over a stride-0 batch)."""
-    s = torch.matmul(q, k.transpose(-1, -2).contiguous()).mul_(scale).add_(bias)
+    thread-invariant over those, not over a stride-0 batch), rows padded to ``MIN_QUERY_ROWS`` (fp32 GEMMs,
+    like the flash kernel, round a row alike at any row count from 4 up: a decode then equals its prefill)."""
+    g = q.shape[2]
+    s = torch.matmul(pad_rows(q), k.transpose(-1, -2).contiguous()).mul_(scale).add_(bias)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.contiguous()), lse
+    o = torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.contiguous())
+    return o[:, :, :g], lse[:, :, :g]
 
 
 def pad_rows(q: torch.Tensor) -> torch.Tensor:
