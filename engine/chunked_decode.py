@@ -2,30 +2,34 @@
 
 Issue 12 item 5: a sequence's logits must not depend on what else is in its step. Measured on torch 2.13's CPU
 kernels (``docs/engine-step.md``, "Batch invariance"): the flash-attention kernel
-(``aten._scaled_dot_product_flash_attention_for_cpu``) gives a row a different result when the call has another
-number of query rows (its GEMMs change path with the row count), and another log-sum-exp when the same keys
-come padded to another length; it gives bit-identical rows whatever the BATCH dimension holds (other entries,
-their number, a stride-0 batch of one K/V, the thread count, bf16). Its fp32 version rounds differently on
-thread 0 and thread 1 (each thread's scratch buffer has its own alignment), while fp32 ``torch.matmul`` over
-contiguous batches is batch- and thread-invariant. So a decode step here:
+(``aten._scaled_dot_product_flash_attention_for_cpu``) gives a query row the same bits at any row count from
+``MIN_QUERY_ROWS`` = 4 up and wherever the row sits among them, but otherwise at 1-3 rows; another log-sum-exp
+when the same keys come padded to another length; and bit-identical rows whatever the BATCH dimension holds
+(other entries, their number, a stride-0 batch of one K/V or one query, the thread count). Its fp32 version
+rounds differently on thread 0 and thread 1 (each thread's scratch buffer has its own alignment), while fp32
+``torch.matmul`` over contiguous batches is batch- and thread-invariant from 4 rows up. So a decode step here:
 
 - cuts each decode sequence's context into chunks of ``chunk_tokens`` (``DECODE_CHUNK_TOKENS`` rounded to whole
   blocks) at positions ``0, C, 2C, ...``: chunk ``j`` of a sequence is the same computation whether the
   sequence runs alone or with others, and whether its blocks are shared or not;
-- attends every chunk with one query row group per KV head (``[kv_heads, group, D]``, the same M in every call)
-  over exactly ``C`` keys (the last chunk padded with block 0 and masked with an additive ``-inf``), chunks of
-  all sequences stacked on the batch dimension: bf16 caches on the flash kernel, fp32 caches with fp32 matmuls;
+- attends every chunk over exactly ``C`` keys (the last chunk padded with block 0 and masked with an additive
+  ``-inf``) with at least 4 query rows per call (a KV head's ``group`` query heads, zero rows appended when
+  fewer: ``pad_rows``), chunks of all sequences stacked on the batch dimension: bf16 on the flash kernel, fp32
+  with fp32 matmuls;
 - merges each sequence's chunks by their log-sum-exp in fp32, chunk 0 first, with a fixed number of terms per
   sequence (absent chunks contribute exact zeros): ``o = sum_j o_j e^{l_j - m} / sum_j e^{l_j - m}``,
   ``m = max_j l_j`` (FlashAttention's online softmax, Dao et al. 2022; split-KV decoding, "flash-decoding").
   The exponentials are taken on a tensor whose innermost dimension is ``head_dim``, so an element never moves
   between the vectorized and the scalar tail path of ``exp`` when the batch grows.
 
+``engine.chunked_prefill`` cuts prefill keys at the same positions, so a token's attention is the same bits as
+a one-token decode and in any prefill chunk.
+
 Cascade attention (Ye et al. 2024) survives as far as invariance allows: over a bf16 cache, the chunks that
-lie wholly inside the blocks every decode sequence shares are copied once and attended by all sequences in one
-call each, the K/V batch a stride-0 view (``shared_chunks``); their queries are NOT stacked into one GEMM
-(a different row count, a different rounding). An fp32 cache copies every chunk per sequence (fp32 matmul over
-a stride-0 batch takes another path: not invariant).
+lie wholly inside the blocks every decode sequence shares are copied once and attended in one call, all the
+batch's queries of a KV head as its rows (allowed: from 4 rows up the row count changes no row), the shared
+chunks as its batch. A partly shared chunk is attended per sequence. An fp32 cache shares no chunk (fp32
+matmul over a stride-0 batch takes another path: not invariant).
 
 Invariants: a sequence's output depends only on its query, its context and ``chunk_tokens``; the cache is only
 read. Timings: ``docs/engine-step.md``.
