@@ -280,7 +280,11 @@ def paged_attention(
     for p in plan.prefills:
         if p.chunked is not None:
             out[p.start : p.end] = chunked_prefill_attention(
-                q[p.start : p.end], layer_cache, p.chunked, scale, adt
+                q[p.start : p.end],
+                layer_cache,
+                p.chunked,
+                scale,
+                adt if adt == torch.bfloat16 else torch.float32,
             )
             continue
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]

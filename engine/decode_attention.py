@@ -93,8 +93,9 @@ def decode_attention(
     """
     adt = adt or q.dtype
     out_dtype = out_dtype or q.dtype
-    if dec.chunked is not None and adt in (torch.bfloat16, torch.float32):
-        return chunked_decode_attention(q, layer_cache, dec.chunked, scale, group, adt, out_dtype)
+    if dec.chunked is not None:  # another compute dtype (an fp16 model over an fp32 cache) runs in fp32
+        cdt = adt if adt in (torch.bfloat16, torch.float32) else torch.float32
+        return chunked_decode_attention(q, layer_cache, dec.chunked, scale, group, cdt, out_dtype)
     if dec.shared is not None:
         return cascade_decode_attention(q, layer_cache, dec.shared, scale, group).to(out_dtype)
     if dec.per_seq is not None:
