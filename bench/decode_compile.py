@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from inspect import signature
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,6 @@ def decode_meta(
     blocks_per_seq: int,
     shared_blocks: int = 0,
     decode_kernel=None,
-    native_for_shared: bool = True,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata of one decode step of ``b`` sequences, each with ``context`` cached tokens in its own
     consecutive blocks, the first ``shared_blocks`` of them common to all (one cached system prompt: cascade
@@ -102,7 +102,6 @@ def decode_meta(
         torch.tensor(tables),
         BLOCK,
         decode_kernel=decode_kernel,
-        native_for_shared=native_for_shared,
     )
     return meta, torch.full((b,), context, dtype=torch.int64)
 
@@ -116,7 +115,7 @@ def _int4(lin: LinearWeight) -> Int4Weight:
 
 
 def breakdown(
-    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None, native_for_shared: bool = True
+    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None
 ) -> dict[str, dict[str, float]]:
     """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``, and
     ``attn_in_step``: each layer's int4 calls then its attention, as a step orders them, minus ``int4_only``.
@@ -134,10 +133,10 @@ def breakdown(
     lins.append(_int4(model.lm_head))
     out = {}
     for name, b, shared in (("b1", 1, 0), ("b8", 8, 0), ("b8s", 8, context // BLOCK - 4)):
-        meta, pos = decode_meta(b, context, bps, shared, decode_kernel, native_for_shared)
+        meta, pos = decode_meta(b, context, bps, shared, decode_kernel)
         tok = torch.randint(100, 1000, (b,))
         xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
-        plan = plan_attention(meta, model.device, kv.shape[2])
+        plan = plan_attention(meta, model.device, kv.shape[2], cache_dtype=kv.dtype)
         q = torch.randn(b, c.num_heads, c.head_dim)
         k, v = torch.randn(2, b, c.num_kv_heads, c.head_dim)
 
@@ -190,7 +189,7 @@ def attention_tables(case: str, context: int, bs: int = BLOCK) -> tuple[list[lis
     return [list(range(head)) + fresh[i] for i in range(8)], [n] * 8
 
 
-BASE_ATTENTION_MODULES = ("block_gather", "decode_attention", "attention")
+BASE_ATTENTION_MODULES = ("block_gather", "chunked_decode", "decode_attention", "attention")
 """The attention modules of ``engine/``, in import order (a checkout before their split has only ``attention``)."""
 
 
@@ -247,6 +246,12 @@ def attention_ab(
                     mod.AttentionMetadata(torch.tensor(slots), list(range(b + 1)), lens, padded, BLOCK),
                     model.device,
                     kv.shape[2],
+                    # the cache's dtype, where the planner takes it (shared decode chunks are bf16-only)
+                    **(
+                        {"cache_dtype": kv.dtype}
+                        if "cache_dtype" in signature(mod.plan_attention).parameters
+                        else {}
+                    ),
                 ),
             )
             for name, mod in (("base", base), ("new", new))
@@ -418,7 +423,7 @@ def main() -> None:
             kernel = resolve_decode_kernel(
                 args.decode_kernel, model.device, c.num_heads // c.num_kv_heads, c.head_dim
             )
-            res = breakdown(model, args.context, 15, clock, kernel, args.decode_kernel == "native")
+            res = breakdown(model, args.context, 15, clock, kernel)
     else:
         load = os.getloadavg()[0]
         batches = [int(b) for b in args.batches.split(",")]

@@ -4,8 +4,8 @@ thread against ``--threads``, and what switching the count between steps costs (
 SmolLM2-135M (``--weights``, default ``auto``: Q4_1 as int4), bf16 KV cache, each sequence ``--context`` tokens
 of context in its own blocks (no shared prefix). Each case runs the model's forward and its LM head over the
 sampled rows (what ``ModelRunner.execute`` runs, less sampling), at every thread count in turn, the order
-rotated every round, median ms per step; the attention plan is the same at every count (``split_threads`` =
-``--threads``, as the engine plans it). ``switch`` times ``torch.set_num_threads`` alternating 1 and
+rotated every round, median ms per step; the attention plan is the same at every count (decode contexts are
+cut at fixed positions, ``engine.chunked_decode``). ``switch`` times ``torch.set_num_threads`` alternating 1 and
 ``--threads`` with a parallel op between (so OpenMP's team really changes size) against the op alone.
 
 Run: ``python -m bench.step_threads --threads 2 --lock /work/wt/bench.lock``. Results: docs/engine-step.md.
@@ -116,14 +116,11 @@ def main() -> None:
     cases: dict[str, tuple] = {}
     for b in batches:
         meta, positions = decode_meta(b, args.context, per_seq)
-        meta.split_threads = args.threads
         ids = torch.randint(0, model.config.vocab_size, (b,))
         cases[f"decode b{b}"] = (meta, ids, positions, torch.arange(b))
     for c in chunks:
         nb = -(-c // BLOCK)
-        meta = AttentionMetadata(
-            torch.arange(c), [0, c], [c], torch.arange(nb).view(1, nb), BLOCK, args.threads
-        )
+        meta = AttentionMetadata(torch.arange(c), [0, c], [c], torch.arange(nb).view(1, nb), BLOCK)
         ids = torch.randint(0, model.config.vocab_size, (c,))
         cases[f"prefill {c}"] = (meta, ids, torch.arange(c), torch.tensor([c - 1]))
     counts = sorted({1, args.threads})

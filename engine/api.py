@@ -296,13 +296,14 @@ class EngineConfig:
             (``engine.weight_format``: ``auto`` runs the checkpoint's own format, e.g. Q4_1 as int4, where the
             hardware has the kernels, else float32).
         kv_dtype: dtype of the KV cache, ``float32`` or ``bfloat16`` (half the memory and attention bandwidth).
-        dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights for inputs of at least this
-            many rows (prefill chunks, where a bf16 GEMM is faster than the weight-only kernel; 10: ``engine.linear``'s
-            measured table); ``None`` = no
-            copy (less memory, slower prefill).
+        dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights (any integer; ``None`` = no copy:
+            less memory, slower prefill). The engine runs prompt tokens' rows on the copy and generated tokens'
+            rows on the int4 kernel, whatever the step's row count (``engine.row_kernels``: batch invariance); the
+            number itself is the row count from which a direct ``forward`` call without row kinds uses the copy.
         shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
-            users) read those blocks once per step (cascade attention, ``engine.decode_attention.SharedPrefix``);
-            false = each sequence gathers its whole context (for comparison).
+            users) read those blocks once per step (cascade attention: on CPU the shared chunks of
+            ``engine.chunked_decode``, over a bf16 cache; elsewhere ``engine.decode_attention.SharedPrefix``);
+            false = each sequence gathers its whole context (for comparison). Tokens are the same either way.
         enable_partial_prefix_hits: token-granular prefix hits (needs prefix caching): a prompt that shares
             only part of a block with a cached one (a question that differs in its last tokens) copies the
             shared slots' KV into its own block instead of recomputing from the block boundary, and a finished

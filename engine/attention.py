@@ -10,22 +10,27 @@ One forward step runs a batch of ``B`` sequences flattened to ``T = sum(query_le
 new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attends causally to its whole context.
 ``plan_attention`` turns the metadata into index tensors once per step; ``paged_attention`` then runs per layer:
 
-- prefill rows (``query_len > 1``) go one sequence at a time through ``F.scaled_dot_product_attention``; a
-  sequence with nothing cached (``query_len == seq_len``) attends to its fresh K/V directly (``is_causal``),
-  otherwise, on CPU, the cached prefix (read in place: a view of consecutive blocks) and the chunk's own K/V
-  (causal) are attended separately and merged by their log-sum-exp (``prefix_split_attention``), elsewhere its
-  context is gathered block-wise with one ``index_select`` and a bottom-right causal mask is used;
-- decode rows (``query_len == 1``) go to ``engine.decode_attention`` (``DecodePlan``): one sequence over a view
-  of its blocks, several one by one, and cascade attention (``SharedPrefix``) for those whose block tables
-  start with the same blocks (at least ``SHARED_PREFIX_MIN_TOKENS`` positions: one cached system prompt, many
-  users); ``plan_attention(..., shared_prefix=False)`` switches the cascade off.
+- on CPU, when the cache dtype is given (``cache_dtype``, the engine always gives it), every sequence's keys
+  are cut at fixed positions: prefill rows (``query_len > 1``) go to ``engine.chunked_prefill`` and decode rows
+  to ``engine.chunked_decode`` (through ``engine.decode_attention``), merged in a fixed order, so a row's
+  result depends only on its query, its context and the chunk size: not on the rest of the batch, how its
+  prompt was chunked, or a prefix-cache hit (issue 12 item 5, ``docs/engine-step.md``);
+- otherwise (CUDA, or no ``cache_dtype``) prefill rows go one sequence at a time through
+  ``F.scaled_dot_product_attention``; a sequence with nothing cached (``query_len == seq_len``) attends to its
+  fresh K/V directly (``is_causal``), otherwise, on CPU, the cached prefix and the chunk's own K/V (causal) are
+  attended separately and merged by their log-sum-exp (``prefix_split_attention``), elsewhere its context is
+  gathered block-wise with one ``index_select`` and a bottom-right causal mask is used; decode rows
+  (``query_len == 1``) go to ``engine.decode_attention`` (``DecodePlan``): one sequence over a view of its
+  blocks, several one by one, and cascade attention (``SharedPrefix``) for those whose block tables start with
+  the same blocks (at least ``SHARED_PREFIX_MIN_TOKENS`` positions); these paths are not batch-invariant.
+  ``plan_attention(..., shared_prefix=False)`` switches the cascade (on CPU: shared chunks) off.
 
 Over a bf16 cache on a CPU with bf16 kernels (AVX512-BF16 / AMX) prefill and decode attention are computed in
-bf16 as the cache stores them (``attention_dtype``); the bf16 decode paths are ``engine.decode_attention``'s.
+bf16 as the cache stores them (``attention_dtype``).
 
 Invariants: the plan is built once per step and read by every layer; the cache is written only by
-``write_kv`` at the step's slots. Results do not depend on the batch a sequence runs in beyond fp32 rounding:
-masked padding contributes exact zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017),
+``write_kv`` at the step's slots, before any of the step's attention reads it. Masked padding contributes exact
+zeros. Formulas: scaled dot-product attention (Vaswani et al. 2017),
 grouped-query attention (Ainslie et al. 2023), paged KV cache (Kwon et al. 2023, vLLM).
 """
 
@@ -38,13 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.block_gather import BlockGather, block_gather, length_mask
+from engine.chunked_decode import plan_chunked_decode
+from engine.chunked_prefill import ChunkedPrefill, chunked_prefill_attention, plan_chunked_prefill
 from engine.decode_attention import (
     SHARED_PREFIX_MIN_TOKENS,
     DecodePlan,
     NativeDecode,
     SharedPrefix,
     decode_attention,
-    plan_split_decode,
     shared_prefix_blocks,
 )
 from engine.native_decode import NativeDecodeKernel
@@ -61,14 +67,11 @@ class AttentionMetadata:
         block_tables: int64 ``[B, max_blocks]``; physical block ids of each seq's logical blocks. Entries past
             a sequence's last block are padding and never read (any value, e.g. 0 or -1).
         block_size: tokens per block.
-        split_threads: the thread count one decode sequence's context is cut into parts for (``decode_chunks``):
-            the engine's configured ``num_threads``, so the parts, and so the rounding, never follow a per-step
-            thread count (``engine.step_threads``); None = torch's live count.
-        decode_kernel: the native decode-attention kernel (``engine.native_decode``): on CPU the step's decode
-            sequences are attended by it; None = torch's paths (``engine.decode_attention``).
-        native_for_shared: the native kernel also for decode sequences sharing a cached prefix (cascade
-            attention); false = those steps take torch's cascade over a bf16 cache where it runs
-            (``prefix_split_available``), which read the shared blocks faster (``engine.decode_kernel: auto``).
+        decode_kernel: the native decode-attention kernel (``engine.native_decode``): on CPU the step's generated
+            tokens (one new token past the prompt) are attended by it; None = torch's paths.
+        prompt_lens: each sequence's prompt length, or None (unknown): with ``decode_kernel``, a one-token query
+            that is still a prompt token (the last of a prompt whose rest was cached) takes the prefill path, so
+            every prompt token is attended by the same code however the prompt was chunked or cached.
     """
 
     slot_mapping: torch.Tensor
@@ -76,9 +79,8 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: torch.Tensor
     block_size: int
-    split_threads: int | None = None
     decode_kernel: NativeDecodeKernel | None = None
-    native_for_shared: bool = True
+    prompt_lens: list[int] | None = None
 
 
 @dataclass
@@ -93,6 +95,7 @@ class PrefillPlan:
     prefix: BlockGather | None = (
         None  # split path (``prefix_split_available``): blocks of [0, seq_len - qlen)
     )
+    chunked: ChunkedPrefill | None = None  # the chunk-invariant CPU path (``engine.chunked_prefill``)
 
 
 @dataclass
@@ -110,6 +113,7 @@ def plan_attention(
     device: torch.device,
     pool_blocks: int,
     shared_prefix: bool = True,
+    cache_dtype: torch.dtype | None = None,
 ) -> AttentionPlan:
     """Validate ``meta`` and precompute the gathers and masks of one step (see the module docstring).
 
@@ -118,7 +122,9 @@ def plan_attention(
         device: where the model runs.
         pool_blocks: blocks in the KV cache (``kv_cache.shape[2]``).
         shared_prefix: allow cascade attention for decode sequences sharing at least
-            ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``).
+            ``SHARED_PREFIX_MIN_TOKENS`` positions of leading blocks (``SharedPrefix``; on CPU the shared
+            chunks of ``engine.chunked_decode``, over a bf16 cache only).
+        cache_dtype: the KV cache's dtype (None: unknown, no shared chunks on CPU).
 
     Raises:
         ValueError: inconsistent metadata (lengths, a query longer than its context, a block table too short,
@@ -136,6 +142,11 @@ def plan_attention(
     tables = meta.block_tables.tolist()  # block tables are small; planning happens once per step on the CPU
     prefills: list[PrefillPlan] = []
     decode_seqs: list[int] = []
+    # on CPU, keys cut at fixed positions, prefill and decode alike (``engine.chunked_prefill``,
+    # ``engine.chunked_decode``), when the compute dtype is known to be bf16 or fp32; shared decode chunks: bf16
+    adt = None if cache_dtype is None else attention_dtype(cache_dtype, torch.float32, device)
+    chunked_prefill = prefix_split_available(device) and adt in (torch.bfloat16, torch.float32)
+    bf16 = adt == torch.bfloat16
     for i, seq_len in enumerate(meta.seq_lens):
         qlen = qsl[i + 1] - qsl[i]
         if qlen <= 0 or qlen > seq_len:
@@ -149,8 +160,12 @@ def plan_attention(
             raise ValueError(
                 f"sequence {i}: block table {tables[i][:nb]} has ids outside the pool of {pool_blocks}"
             )
-        if qlen == 1:
+        prompt_token = meta.prompt_lens is not None and seq_len <= meta.prompt_lens[i]
+        if qlen == 1 and not (meta.decode_kernel is not None and prompt_token and chunked_prefill):
             decode_seqs.append(i)
+        elif chunked_prefill:
+            chunked = plan_chunked_prefill(tables[i], seq_len, qlen, bs, pool_blocks, device)
+            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None, chunked=chunked))
         elif qlen == seq_len:
             prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None))
         elif prefix_split_available(device):
@@ -174,12 +189,8 @@ def plan_attention(
             rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.long, device=device)
         dec_tables = [tables[i] for i in decode_seqs]
         p = shared_prefix_blocks(dec_tables, lens, bs) if shared_prefix and len(decode_seqs) > 1 else 0
-        cascade = p * bs >= SHARED_PREFIX_MIN_TOKENS
-        if (
-            meta.decode_kernel is not None
-            and device.type == "cpu"
-            and (meta.native_for_shared or not (cascade and prefix_split_available(device)))
-        ):
+        if meta.decode_kernel is not None and device.type == "cpu":
+            # every sequence alone, so batched == alone; blocks all share walked across them (read once)
             native = NativeDecode(
                 meta.decode_kernel,
                 torch.tensor([t[:nb] for t in dec_tables], dtype=torch.int32),
@@ -191,8 +202,14 @@ def plan_attention(
             return AttentionPlan(
                 meta.slot_mapping.to(device=device, dtype=torch.long), num_tokens, prefills, decode
             )
-        split_ok = prefix_split_available(device)
-        if cascade:
+        if p * bs < SHARED_PREFIX_MIN_TOKENS:
+            p = 0
+        if prefix_split_available(device):
+            # batch-invariant: fixed chunks, merged in a fixed order (``engine.chunked_decode``); shared chunks
+            # only where they are attended in bf16 (fp32 matmuls over a stride-0 batch round differently)
+            chunked = plan_chunked_decode(dec_tables, lens, p if bf16 else 0, bs, pool_blocks, device)
+            decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), chunked=chunked)
+        elif p:
             priv_lens = [n - p * bs for n in lens]
             priv_len = max(priv_lens)
             ids = [b if 0 <= b < pool_blocks else 0 for t in dec_tables for b in t[p:nb]]
@@ -204,25 +221,14 @@ def plan_attention(
                 length_mask(priv_lens, device),
             )
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), shared)
-            if split_ok:
-                decode.split = plan_split_decode(
-                    dec_tables, lens, p, bs, pool_blocks, device, meta.split_threads
-                )
         elif len(decode_seqs) > 1:
             per_seq = [
                 (block_gather(t[: -(-n // bs)], pool_blocks, device), n)
                 for t, n in zip(dec_tables, lens, strict=True)
             ]
-            # no split: one buffer for B contexts outgrows the L2 cache the kernel should read it from (8 x
-            # 1,071 SmolLM2 positions: 6.6 MB), so each context is copied and attended in turn
             decode = DecodePlan(rows, None, None, max_len, len(decode_seqs), per_seq=per_seq)
         else:
-            ids = dec_tables[0][:nb]
-            decode = DecodePlan(rows, block_gather(ids, pool_blocks, device), None, max_len, 1)
-            if split_ok:
-                decode.split = plan_split_decode(
-                    dec_tables, lens, 0, bs, pool_blocks, device, meta.split_threads
-                )
+            decode = DecodePlan(rows, block_gather(dec_tables[0][:nb], pool_blocks, device), None, max_len, 1)
     slots = meta.slot_mapping.to(device=device, dtype=torch.long)
     return AttentionPlan(slots, num_tokens, prefills, decode)
 
@@ -295,6 +301,15 @@ def paged_attention(
         )
     out = q.new_empty(num_tokens, num_heads, head_dim, dtype=out_dtype)
     for p in plan.prefills:
+        if p.chunked is not None:
+            out[p.start : p.end] = chunked_prefill_attention(
+                q[p.start : p.end],
+                layer_cache,
+                p.chunked,
+                scale,
+                adt if adt == torch.bfloat16 else torch.float32,
+            )
+            continue
         qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0).to(adt)  # [1, H, L, D]
         if p.prefix is not None:
             o = prefix_split_attention(qs, k[p.start : p.end], v[p.start : p.end], layer_cache, p, scale)

@@ -343,14 +343,16 @@ class Int4Weight(nn.Module):
         n = self.packed.numel() * self.packed.element_size() + self.scale_zero_bf16.numel() * 2
         return n + (0 if self.bias is None else self.bias.numel() * 4)
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool = False, dense: bool | None = None) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype. ``exact`` runs the kernel on fp32 activations
-        and fp32 scale/zero (slow on CPU; tests)."""
+        and fp32 scale/zero (slow on CPU; tests). ``dense``: True = the dense copy (when there is one), False =
+        the int4 kernel, None = by row count (``dense_min_rows``); the engine chooses per row
+        (``forward_rows``)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if exact:
             y = _int4_mm(x2.float(), self.packed, self.scale_zero)
-        elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
+        elif self.dense is not None and (x2.shape[0] >= self.dense_min_rows if dense is None else dense):
             y = _dense_mm(x2, self.dense)
         else:
             y = _int4_mm(x2.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
@@ -405,13 +407,10 @@ class Int8Weight(nn.Module):
     def nbytes(self) -> int:
         return self.inner.nbytes
 
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool = False, dense: bool | None = None) -> torch.Tensor:
         """As ``Int4Weight.forward``."""
-        if (
-            not exact
-            and self.dense is not None
-            and x.reshape(-1, x.shape[-1]).shape[0] >= self.dense_min_rows
-        ):
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if not exact and self.dense is not None and (rows >= self.dense_min_rows if dense is None else dense):
             y = _dense_mm(x, self.dense).to(x.dtype)
             return y if self.inner.bias is None else y.add_(self.inner.bias.to(y.dtype))
         return self.inner.forward(torch.cat([x, x], dim=-1), exact)

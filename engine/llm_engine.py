@@ -191,7 +191,6 @@ class LLMEngine(PrefixAdmin):
                 mc.num_heads // mc.num_kv_heads,
                 mc.head_dim,
             ),
-            native_for_shared=config.decode_kernel == "native",
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None
@@ -364,6 +363,7 @@ class LLMEngine(PrefixAdmin):
                     block_table=self.kv.block_table(r.request_id),
                     needs_token=s.needs_token,
                     sampler=r.sampler,
+                    prompt_len=r.num_prompt_tokens,
                 )
             )
         return StepPlan(sched, self.runner.prepare(seqs))

@@ -34,6 +34,7 @@ from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, 
 from engine.errors import UnsupportedModelError
 from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight, bf16_in_out
 from engine.quantized import GGUFBlocks
+from engine.row_kernels import RowKernels, forward_rows
 from engine.weight_format import WeightPlan
 
 
@@ -162,23 +163,26 @@ class DecoderLayer(nn.Module):
         rotation: torch.Tensor,
         layer_cache: torch.Tensor,
         plan: AttentionPlan,
+        rows: RowKernels | None = None,
     ) -> torch.Tensor:
         c = self.config
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
-        qkv = self.qkv.forward(x).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qkv = forward_rows(self.qkv, x, rows).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         qk = apply_rope(qkv[:, : c.num_heads + c.num_kv_heads], rotation)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, c.num_heads + c.num_kv_heads :]
         attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5, self.o_bf16)
-        h = h.add_(self.o_proj.forward(attn))  # h is this step's own buffer: residual adds in place
+        h = h.add_(
+            forward_rows(self.o_proj, attn, rows)
+        )  # h is this step's own buffer: residual adds in place
         x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gu = self.gate_up.forward(x)
+        gu = forward_rows(self.gate_up, x, rows)
         g, u = gu.split(c.intermediate_size, dim=-1)
         act = F.silu(g, inplace=True).mul_(u)  # in gu's storage: no MLP-sized buffer allocated
         if self.down_bf16:
             act = act.to(torch.bfloat16)
-        return h.add_(self.down.forward(act))
+        return h.add_(forward_rows(self.down, act, rows))
 
 
 class LlamaModel(nn.Module):
@@ -271,6 +275,7 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         shared_prefix: bool = True,
+        row_kernels: RowKernels | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -281,6 +286,8 @@ class LlamaModel(nn.Module):
             meta: the step's attention metadata.
             shared_prefix: allow cascade attention over blocks shared by decode sequences
                 (``engine.decode_attention.SharedPrefix``).
+            row_kernels: which rows the quantized linears run on their dense copy and which on the int4 kernel
+                (``engine.row_kernels``); None = by the step's row count (``dense_min_rows``).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states in the model dtype.
@@ -293,12 +300,12 @@ class LlamaModel(nn.Module):
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
             )
         dev = self.device
-        plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix)
+        plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.dtype)
         positions = positions.to(dev)
         rotation = rope_rotation(self.inv_freq, positions)
         h = self.embed_tokens(input_ids.to(dev))
         for i, layer in enumerate(self.layers):
-            h = layer(h, rotation, kv_cache[i], plan)
+            h = layer(h, rotation, kv_cache[i], plan, row_kernels)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
@@ -319,7 +326,8 @@ class LlamaModel(nn.Module):
         k = min(RESCORE_TOP_K, logits.shape[1])
         top = logits.topk(k, dim=-1).indices  # [N, k]
         rows = self.head_rows(top.reshape(-1)).view(top.shape[0], k, -1)  # [N, k, hidden] fp32, exact
-        exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, k]
+        # a product and a sum per row, not ``bmm``: its GEMV for one row rounds otherwise than its batched GEMM
+        exact = rows.mul_(hidden.float().unsqueeze(1)).sum(-1)  # [N, k]
         return logits.scatter_(1, top, exact)
 
 

@@ -26,6 +26,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
 from engine.native_decode import NativeDecodeKernel
+from engine.row_kernels import RowKernels
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 from engine.step_threads import StepThreads
 
@@ -49,6 +50,9 @@ class SeqInput:
         block_table: physical block ids covering positions ``[0, start + n)``.
         needs_token: True when a token is sampled after this step (the chunk reaches the sequence's end).
         sampler: its own sampling state (read when ``needs_token``).
+        prompt_len: its prompt's length: rows of positions before it run the quantized linears' dense copy,
+            the others their int4 kernel (``engine.row_kernels``); None for every sequence of a step = by the
+            step's row count.
     """
 
     token_ids: list[int]
@@ -56,6 +60,7 @@ class SeqInput:
     block_table: list[int]
     needs_token: bool
     sampler: SequenceSampler
+    prompt_len: int | None = None
 
 
 @dataclass
@@ -68,6 +73,7 @@ class ModelInput:
     logit_rows: torch.Tensor
     samplers: list[SequenceSampler]
     sample_seqs: list[int]
+    row_kernels: RowKernels | None = None
 
 
 @dataclass
@@ -93,8 +99,6 @@ class ModelRunner:
             never changed (and the decode split follows it).
         decode_kernel: the native decode-attention kernel (``engine.native_decode``), or None for torch's
             paths.
-        native_for_shared: the native kernel for decode steps sharing a cached prefix too (``native``); false
-            (``auto``): torch's cascade there (``AttentionMetadata.native_for_shared``).
 
     Attributes:
         steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
@@ -110,11 +114,9 @@ class ModelRunner:
         shared_prefix: bool = True,
         step_threads: StepThreads | None = None,
         decode_kernel: NativeDecodeKernel | None = None,
-        native_for_shared: bool = True,
     ):
         self.model = model
         self.decode_kernel = decode_kernel
-        self.native_for_shared = native_for_shared
         self.shared_prefix = shared_prefix
         self.step_threads = step_threads
         self.steps_by_threads: Counter[int] = Counter()
@@ -158,6 +160,13 @@ class ModelRunner:
             if s.needs_token:
                 rows.append(qsl[-1] - 1)
                 sample_seqs.append(i)
+        row_kernels = None
+        if all(s.prompt_len is not None for s in seqs):
+            prompt = torch.tensor(positions, dtype=torch.int64) < torch.tensor(
+                [s.prompt_len for s in seqs for _ in s.token_ids], dtype=torch.int64
+            )
+            dense, kernel = prompt.nonzero().view(-1), (~prompt).nonzero().view(-1)
+            row_kernels = RowKernels(dense if dense.numel() else None, kernel if kernel.numel() else None)
         tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
@@ -167,9 +176,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=tables,
             block_size=bs,
-            split_threads=self.step_threads.num_threads if self.step_threads else None,
             decode_kernel=self.decode_kernel,
-            native_for_shared=self.native_for_shared,
+            prompt_lens=[s.prompt_len for s in seqs] if row_kernels is not None else None,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -178,6 +186,7 @@ class ModelRunner:
             logit_rows=torch.tensor(rows, dtype=torch.int64),
             samplers=[seqs[i].sampler for i in sample_seqs],
             sample_seqs=sample_seqs,
+            row_kernels=row_kernels,
         )
 
     @torch.inference_mode()
@@ -210,7 +219,9 @@ class ModelRunner:
             # set under ``off`` too: a count another engine left in this thread is not inherited
             self.thread_switches += use_threads(n)
             self.steps_by_threads[n] += 1
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix)
+        hidden = self.model(
+            inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix, inp.row_kernels
+        )
         if not inp.sample_seqs:
             return StepResult([], None)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.to(hidden.device)))

@@ -10,13 +10,12 @@ loader validates ``engine.small_step_threads`` with ``check_small_step_threads``
 
 Invariants:
 
-- nothing in a step's plan reads torch's live thread count: one decode sequence's context is cut into
-  ``num_threads`` parts, the configured count, through ``AttentionMetadata.split_threads``, and the weight
-  kernels choose by row count only (their outputs were bit-identical at 1 and 2 threads, 1-8 rows);
-- torch's CPU flash-attention kernel itself can round a bf16 output 1 ulp differently when its tasks are spread
-  over another number of threads (data-dependent; seen on some inputs, at 2 threads against 1 and 3, on the
-  per-sequence decode path), so across a change of count a step's logits agree to bf16 rounding of attention,
-  the same order as what batch composition already changes (docs/engine-step.md), not always bit for bit;
+- nothing in a step's plan reads torch's live thread count: decode contexts are cut at fixed positions
+  (``engine.chunked_decode``) and the weight kernels choose by the token's role (``engine.row_kernels``);
+- the kernels a step runs give bit-identical rows at 1 and 2 threads (measured: the int4 kernel, the dense bf16
+  copy, the LM head, the CPU flash kernel in bf16 over the fixed chunks, fp32 matmuls over contiguous batches;
+  ``tests/engine/test_batch_invariance.py``); torch's fp32 flash kernel does not (each thread's scratch buffer
+  has its own alignment), which is why fp32 caches attend with fp32 matmuls;
 - the count is set by the thread that runs the forward (``ModelRunner.execute``): OpenMP's thread count and
   MKL's are per calling thread (``at::set_num_threads`` also stores the process default a new thread starts
   from).

@@ -53,8 +53,12 @@ def test_decode_meta_with_shared_blocks_plans_the_cascade():
     # blocks 0-3 are every sequence's first four; position 70 is offset 6 of logical block 4, its own
     assert meta.block_tables.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 10, 11], [0, 1, 2, 3, 16, 17]]
     assert meta.slot_mapping.tolist() == [4 * BLOCK + 6, 10 * BLOCK + 6, 16 * BLOCK + 6]
-    plan = plan_attention(meta, torch.device("cpu"), 18)
-    assert plan.decode.shared is not None and plan.decode.shared.num_tokens == 4 * BLOCK
+    # on CPU the cascade is whole shared chunks of 256 positions (``engine.chunked_decode``): none here, one below
+    plan = plan_attention(meta, torch.device("cpu"), 18, cache_dtype=torch.bfloat16)
+    assert plan.decode.chunked is not None and plan.decode.chunked.shared_chunks == 0
+    meta, _ = decode_meta(3, 300, blocks_per_seq=20, shared_blocks=17)
+    plan = plan_attention(meta, torch.device("cpu"), 60, cache_dtype=torch.bfloat16)
+    assert plan.decode.chunked.shared_chunks == 1
 
 
 def test_attention_ab_cases_are_the_layouts_they_name():

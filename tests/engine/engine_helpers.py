@@ -24,11 +24,14 @@ FIRST_ORDINARY_ID = 3  # ids 0-2 are the tiny tokenizer's special tokens
 
 
 @functools.cache
-def tiny_checkpoint(kind: str = "hf", max_position_embeddings: int = 2048) -> LoadedCheckpoint:
+def tiny_checkpoint(
+    kind: str = "hf", max_position_embeddings: int = 2048, weights: str = "float32"
+) -> LoadedCheckpoint:
     """A tiny random checkpoint, written to a temp dir and loaded once per process.
 
     ``kind``: ``hf`` (Llama folder), ``qwen2`` (Qwen2 folder: q/k/v bias, tied embeddings) or ``gguf`` (Llama
-    GGUF, F32; its context stays 512 tokens).
+    GGUF, F32; its context stays 512 tokens). ``weights``: the weight format it is loaded in
+    (``engine.weight_format``; ``int4`` quantizes at load, with the dense prefill copy).
     """
     root = Path(tempfile.mkdtemp(prefix="prefixgate-tiny-"))
     if kind == "gguf":
@@ -41,7 +44,7 @@ def tiny_checkpoint(kind: str = "hf", max_position_embeddings: int = 2048) -> Lo
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = max_position_embeddings
     cfg_path.write_text(json.dumps(cfg))
-    return load_checkpoint(str(folder))
+    return load_checkpoint(str(folder), weights=weights)
 
 
 @functools.cache

@@ -256,23 +256,25 @@ def test_smollm2_native_decode_batched_equals_alone_with_a_cached_system_prompt(
 
 
 @needs_kernel
-def test_auto_leaves_shared_prefix_steps_to_the_cascade(kernel):
-    # ``auto`` (native_for_shared false): a decode step whose sequences share >= 64 cached positions over a bf16
-    # cache takes torch's cascade; private contexts, and ``native``, take the kernel
-    from engine.attention import AttentionMetadata, plan_attention, prefix_split_available
+def test_generated_tokens_go_to_the_kernel_and_a_lone_prompt_token_to_the_prefill_path(kernel):
+    # every generated token is attended by the kernel, blocks shared by the step's sequences walked across them;
+    # a one-token query that is still a prompt token (its prompt's rest cached) takes the prefill path, like
+    # every other prompt token
+    from engine.attention import AttentionMetadata, plan_attention
 
-    def plan(tables, native_for_shared):
+    def plan(tables, prompt_lens=None):
         lens = [len(t) * 16 - 3 for t in tables]
         slots = torch.tensor([t[-1] * 16 + 12 for t in tables])
         meta = AttentionMetadata(
             slots, list(range(len(tables) + 1)), lens, torch.tensor(tables), 16,
-            decode_kernel=kernel, native_for_shared=native_for_shared,
+            decode_kernel=kernel, prompt_lens=prompt_lens,
         )  # fmt: skip
-        return plan_attention(meta, torch.device("cpu"), 64).decode
+        return plan_attention(meta, torch.device("cpu"), 64, cache_dtype=torch.bfloat16)
 
     shared = [[0, 1, 2, 3, 4, 10], [0, 1, 2, 3, 4, 11]]
     private = [[0, 1, 2, 3, 4, 10], [5, 6, 7, 8, 9, 11]]
-    assert plan(private, False).native is not None
-    assert plan(shared, True).native is not None and plan(shared, True).native.shared_len == 80
-    auto = plan(shared, False)
-    assert (auto.native is None) == prefix_split_available(torch.device("cpu"))
+    assert plan(private).decode.native is not None and plan(private).decode.native.shared_len == 0
+    assert plan(shared).decode.native.shared_len == 80
+    mixed = plan(shared, prompt_lens=[50, 93])  # the second one's new token is its prompt's last
+    assert mixed.decode.native.lens.tolist() == [93] and len(mixed.prefills) == 1
+    assert mixed.prefills[0].start == 1 and mixed.prefills[0].chunked is not None

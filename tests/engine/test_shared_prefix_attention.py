@@ -1,9 +1,10 @@
 """Shared-prefix (cascade) decode attention equals the plain per-sequence gather within fp32 rounding.
 
-Decode sequences whose block tables start with the same blocks read them once (``engine.decode_attention.SharedPrefix``);
-the softmax over the shared part and over each private part are merged by their log-sum-exp. Checked on one
-layer's attention directly (random K/V, GQA, ragged private lengths, bf16 cache) and through the engine (same
-greedy tokens with the switch on and off, and the cascade really planned)."""
+Decode sequences whose block tables start with the same blocks read them once (``engine.decode_attention.SharedPrefix``
+off CPU; on CPU the shared chunks of ``engine.chunked_decode``, tested there); the softmax over the shared part
+and over each private part are merged by their log-sum-exp. Checked on one layer's attention directly (the
+off-CPU planner forced: random K/V, GQA, ragged private lengths, bf16 cache) and through the engine (same greedy
+tokens with the switch on and off, and the shared chunks really planned)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,15 @@ def test_shared_prefix_blocks_stops_at_the_first_difference_and_before_each_last
     assert shared_prefix_blocks([[7, 2], [1, 2]], [30, 30], BS) == 0
 
 
+@pytest.fixture
+def off_cpu_planner(monkeypatch):
+    """``plan_attention`` as off CPU (no flash kernel with log-sum-exp): the ``SharedPrefix`` cascade."""
+    monkeypatch.setattr("engine.attention.prefix_split_available", lambda device: False)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[100, 100, 100], [97, 130, 112, 160], [81, 82]])
-def test_cascade_equals_plain_decode_attention(cache_dtype, lens):
+def test_cascade_equals_plain_decode_attention(cache_dtype, lens, off_cpu_planner):
     kvh, group, d = 2, 3, 16
     g = torch.Generator().manual_seed(sum(lens))
     cache = torch.randn(2, 40, BS, kvh, d, generator=g).to(cache_dtype)
@@ -70,7 +77,7 @@ def test_cascade_equals_plain_decode_attention(cache_dtype, lens):
     torch.testing.assert_close(got, fast, **tol)
 
 
-def test_too_short_a_shared_prefix_uses_the_plain_path():
+def test_too_short_a_shared_prefix_uses_the_plain_path(off_cpu_planner):
     lens = [SHARED_PREFIX_MIN_TOKENS + 5] * 2
     tables = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 5]]  # 64 shared positions, but seq lens leave 4 whole blocks
     plan = plan_attention(decode_meta(tables, lens), torch.device("cpu"), 8)
@@ -83,7 +90,7 @@ def test_too_short_a_shared_prefix_uses_the_plain_path():
 @pytest.mark.parametrize("kind", ["hf", "qwen2"])
 def test_engine_tokens_equal_with_shared_prefix_attention_on_and_off(kind, monkeypatch):
     ck = tiny_checkpoint(kind)
-    system = random_tokens(150, 7)
+    system = random_tokens(300, 7)  # more than one decode chunk (256 positions): one shared chunk
     prompts = [system + random_tokens(5 + 3 * i, 20 + i) for i in range(5)]
     planned = []
     import engine.model as model_mod
@@ -92,16 +99,19 @@ def test_engine_tokens_equal_with_shared_prefix_attention_on_and_off(kind, monke
 
     def spy(*args, **kwargs):
         plan = real(*args, **kwargs)
-        planned.append(plan.decode is not None and plan.decode.shared is not None)
+        dec = plan.decode
+        planned.append(dec is not None and dec.chunked is not None and dec.chunked.shared is not None)
         return plan
 
     monkeypatch.setattr(model_mod, "plan_attention", spy)
-    on = make_engine(ck, shared_prefix_attention=True, decode_kernel="torch")
+    on = make_engine(
+        ck, shared_prefix_attention=True, kv_dtype="bfloat16", decode_kernel="torch"
+    )  # shared chunks: bf16 only
     on.generate([system], greedy(1))
     got = on.generate(prompts, greedy(12))
     assert sum(planned) >= 11  # the 5 decodes ran together through the cascade
     planned.clear()
-    off = make_engine(ck, shared_prefix_attention=False, decode_kernel="torch")
+    off = make_engine(ck, shared_prefix_attention=False, kv_dtype="bfloat16", decode_kernel="torch")
     off.generate([system], greedy(1))
     assert off.generate(prompts, greedy(12)) == got
     assert not any(planned)

@@ -138,7 +138,7 @@ def test_policy_from_setting():
 # ---- numerics: the per-step count never changes a token or a logit ----------------------------------------
 
 PROMPTS = [random_tokens(200, 21), random_tokens(170, 22), random_tokens(150, 23)]
-"""Long enough (>= 8 blocks) that one decode sequence's context is cut into parts (``decode_chunks``)."""
+"""Decode contexts of 150-200 positions (``engine.chunked_decode``: one chunk each)."""
 
 
 def run(ckpt, prompts, threads, setting, **kwargs):
