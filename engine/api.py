@@ -347,6 +347,10 @@ class EngineConfig:
     decode_kernel: str = "auto"
 
 
+DECODE_KERNELS = ("auto", "native", "torch")
+"""``EngineConfig.decode_kernel``'s values (``engine.native_decode``)."""
+
+
 @dataclass(frozen=True)
 class Histogram:
     """Cumulative histogram in seconds, Prometheus style: ``counts[i]`` observations <= ``buckets[i]``."""

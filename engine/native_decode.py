@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from engine.api import DECODE_KERNELS
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
@@ -50,7 +52,6 @@ FLAGS = (
     "-Wno-psabi",
 )
 LIBS: tuple[str, ...] = ()
-DECODE_KERNELS = ("auto", "native", "torch")
 
 
 class NativeKernelError(RuntimeError):

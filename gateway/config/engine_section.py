@@ -12,11 +12,10 @@ from typing import Any
 
 import redis
 
-from engine.api import EngineConfig
+from engine.api import DECODE_KERNELS, EngineConfig
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
-from engine.native_decode import DECODE_KERNELS
 from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
 from gateway.core.json_types import yaml_kind
