@@ -190,21 +190,7 @@ def extract_turn_blocks(
             found["note"] = values
             del messages[last - 1]
             end -= 1
-    tail = _tail_message(messages, start, end)
-    if tail is not None:
-        values = _extract_tail_end(messages[tail])
-        if values is not None:
-            found["tail_end"] = values
-    last = _last_user(messages, start, end)
-    if last is not None:
-        values = _extract_user_prefix(messages[last])
-        if values is not None:
-            found["user_prefix"] = values
-    systems = leading_system_count(messages)
-    if start == 0 and systems:
-        values = _extract_system_end(messages[systems - 1])
-        if values is not None:
-            found["system_end"] = values
+    found.update(extract_text_blocks(messages, start, end))
     return found, end
 
 
@@ -373,7 +359,7 @@ def _insert_text_end(message: dict[str, Any], block: str, index: int) -> Positio
     if text:
         message["content"] = text + SEP + block
     elif _is_block_message({**message, "content": block}) is not None:
-        # an empty user message that were exactly one block is a ``note`` or ``new_user`` message this module
+        # an empty user message that would be exactly one block is a ``note`` or ``new_user`` message this module
         # created: the next pass would remove it and move its block (``_extract_text_end`` takes the separator
         # back off)
         message["content"] = SEP + block
