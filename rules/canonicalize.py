@@ -496,9 +496,14 @@ class RuleSet:
         message). The canonical output's next pass would take that text for a block of ours, so this pass takes
         it too (``placement.extract_text_blocks``: blocks inside a message's text; rules never make or remove
         messages), and ``apply(apply(r)) == apply(r)`` holds (docs/history-stability.md, "Blocks the rules
-        uncover"). Text that is no block after the rules, the whole ordinary traffic, is untouched."""
+        uncover"). Text that is no block after the rules, the whole ordinary traffic, is untouched.
+
+        Only a turn whose text the rules changed is searched: ``extract_turn_blocks`` already searched the text as
+        sent (its text locations last, after any message it removed), so a turn the rules left alone has no block
+        left where nothing is put back, and the next pass leaves it alone too."""
+        before = sum(applied.values()) if self._hoists else 0
         own = self._apply_turn(messages, start, end, turn, systems, applied, system_values, scope, firsts)
-        if not self._hoists:
+        if not self._hoists or sum(applied.values()) == before:
             return own
         for _ in range(MAX_PASSES):
             uncovered = extract_text_blocks(messages, start, end)

@@ -77,10 +77,11 @@ def reference_apply(
     own: list[dict[str, list[str]]] = []
     system_values: list[tuple[str, str]] = []
     for j, (start, end) in enumerate(spans):
+        before = sum(applied.values())
         own.append(_reference_turn(rs, messages, start, end, j, systems, applied, system_values, scope))
         # session 9: blocks the rules uncovered are taken out too, and the rules run again (the canonical
-        # output's next pass would take them for blocks of ours: idempotence)
-        for _ in range(MAX_PASSES if rs._hoists else 0):
+        # output's next pass would take them for blocks of ours: idempotence); only a turn the rules changed
+        for _ in range(MAX_PASSES if rs._hoists and sum(applied.values()) != before else 0):
             uncovered = extract_text_blocks(messages, start, end)
             if not uncovered:
                 break
