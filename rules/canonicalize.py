@@ -11,7 +11,9 @@ Invariants:
   memory, also when they did (docs/history-stability.md).
 - idempotent: ``apply(apply(r)) == apply(r)``. Hoisted-value blocks from an earlier run are taken out
   first (``placement.extract_turn_blocks``) and put back in the same turn with the new values; the rules then run to a fixed
-  point (at most ``MAX_PASSES`` passes), so text a rule's action creates or uncovers is already handled.
+  point (at most ``MAX_PASSES`` passes), so text a rule's action creates or uncovers is already handled; a
+  block the rules uncover (user text that is a block after them) is taken out too (``RuleSet._turn``), so a
+  block is recognized the same before and after a pass.
   A user rule that never reaches a fixed point (e.g. replace ``a`` with ``aa``) is cut off after
   ``MAX_PASSES`` passes; the result is still deterministic but not idempotent.
 - incremental: what the turns of an earlier request of the conversation gave is taken from ``history_memo``
@@ -36,6 +38,7 @@ from rules.messages import check_shape, copy_json, get_text, leading_system_coun
 from rules.model import PLACEMENTS, MessageSelector, Rule, with_keep_rules
 from rules.placement import (
     LOCATIONS,
+    extract_text_blocks,
     extract_turn_blocks,
     insert_turn_blocks,
     resolve_location,
@@ -375,7 +378,7 @@ class RuleSet:
         system_values: list[tuple[str, str]] = []
         firsts: dict[Any, int | None] = {}
         own = [
-            self._apply_turn(work, start, end, j, systems, applied, system_values, scope, firsts)
+            self._turn(work, start, end, j, systems, applied, system_values, scope, firsts, carried)
             for j, (start, end) in enumerate(spans)
         ]
         return _Turns(work, spans, carried, own, applied, system_values, merged)
@@ -402,7 +405,10 @@ class RuleSet:
                 carried0, _ = extract_turn_blocks(w0, 0, e0)
             applied0: dict[str, int] = {}
             values0: list[tuple[str, str]] = []
-            own0 = self._apply_turn(w0, 0, len(w0), 0, leading_system_count(w0), applied0, values0, scope, {})
+            systems0 = leading_system_count(w0)
+            carried_first = [carried0]
+            own0 = self._turn(w0, 0, len(w0), 0, systems0, applied0, values0, scope, {}, carried_first)
+            carried0 = carried_first[0]
             items0 = raw_items(w0)
             if items0 is None:
                 return None
@@ -461,12 +467,59 @@ class RuleSet:
         for j in range(k, n_turns):
             start, end = spans[j]
             own.append(
-                self._apply_turn(work, start, end, j, systems, later_applied, system_values, scope, firsts)
+                self._turn(work, start, end, j, systems, later_applied, system_values, scope, firsts, carried)
             )
         applied: dict[str, int] = dict(first.applied)
         for rule_id, count in later_applied.items():
             applied[rule_id] = applied.get(rule_id, 0) + count
         return _Turns(work, spans, carried, own, applied, system_values, False, first, later, later_applied)
+
+    def _turn(
+        self,
+        messages: list[dict[str, Any]],
+        start: int,
+        end: int,
+        turn: int,
+        systems: int,
+        applied: Counter[str],
+        system_values: list[tuple[str, str]],
+        scope: str,
+        firsts: dict[Any, int | None],
+        carried: list[dict[str, list[str]]],
+    ) -> dict[str, list[str]]:
+        """``_apply_turn``, then the blocks the rules uncovered taken out (``carried[turn]`` gets their values,
+        a new dict) and the rules run again, until no block is found: the turn as the next canonicalization
+        of its output will see it.
+
+        A pass recognizes blocks on the text it was given, before the rules; a rule can turn user-authored text
+        into a block in a place a block is looked for (a hoisted line removed before a ``<request_context>``
+        block at the end of the system prompt, whitespace normalized in front of one at the end of a user
+        message). The canonical output's next pass would take that text for a block of ours, so this pass takes
+        it too (``placement.extract_text_blocks``: blocks inside a message's text; rules never make or remove
+        messages), and ``apply(apply(r)) == apply(r)`` holds (docs/history-stability.md, "Blocks the rules
+        uncover"). Text that is no block after the rules, the whole ordinary traffic, is untouched.
+
+        Only a turn whose text the rules changed is searched: ``extract_turn_blocks`` already searched the text as
+        sent (its text locations last, after any message it removed), so a turn the rules left alone has no block
+        left where nothing is put back, and the next pass leaves it alone too."""
+        before = sum(applied.values()) if self._hoists else 0
+        own = self._apply_turn(messages, start, end, turn, systems, applied, system_values, scope, firsts)
+        if not self._hoists or sum(applied.values()) == before:
+            return own
+        for _ in range(MAX_PASSES):
+            uncovered = extract_text_blocks(messages, start, end)
+            if not uncovered:
+                break
+            merged = dict(carried[turn])
+            for location, values in uncovered.items():
+                merged[location] = [*merged.get(location, []), *values]
+            carried[turn] = merged
+            more = self._apply_turn(
+                messages, start, end, turn, systems, applied, system_values, scope, firsts
+            )
+            for location, values in more.items():
+                own[location] = [*own.get(location, []), *values]
+        return own
 
     def _apply_turn(
         self,

@@ -38,7 +38,9 @@ the block's blank line), so inserting and extracting a block are exact inverses.
 
 Blocks are found again exactly where they were inserted (``extract_turn_blocks``) before rules run, so
 canonicalizing a canonical request changes nothing: the values are carried over and re-inserted in the
-same turn at the same place.
+same turn at the same place. Recognition is the same before and after a pass: ``extract_text_blocks`` finds
+the blocks the rules uncovered in a turn's text (``RuleSet.apply`` takes them too), and a block is never
+inserted so that its message becomes exactly one block unless it is a ``note`` or ``new_user`` message.
 """
 
 from __future__ import annotations
@@ -188,6 +190,22 @@ def extract_turn_blocks(
             found["note"] = values
             del messages[last - 1]
             end -= 1
+    found.update(extract_text_blocks(messages, start, end))
+    return found, end
+
+
+def extract_text_blocks(messages: list[dict[str, Any]], start: int, end: int) -> dict[str, list[str]]:
+    """Remove the blocks inside messages' text in the turn ``messages[start:end]`` (in place): the
+    ``tail_end``, ``user_prefix`` and ``system_end`` blocks ``extract_turn_blocks`` takes out, found the same
+    way; a message that is exactly a block (``note``, ``new_user``) is left, so the turn keeps its messages.
+
+    ``RuleSet.apply`` calls it after the rules ran on a turn whose blocks were taken out: text the rules turned
+    into a block where one is looked for is what the next canonicalization would take for one.
+
+    Returns:
+        values by location (only locations where a block was found).
+    """
+    found: dict[str, list[str]] = {}
     tail = _tail_message(messages, start, end)
     if tail is not None:
         values = _extract_tail_end(messages[tail])
@@ -203,7 +221,7 @@ def extract_turn_blocks(
         values = _extract_system_end(messages[systems - 1])
         if values is not None:
             found["system_end"] = values
-    return found, end
+    return found
 
 
 def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
@@ -338,5 +356,13 @@ def _insert_text_end(message: dict[str, Any], block: str, index: int) -> Positio
         content.append({"type": "text", "text": block})
         return Position(index, len(content) - 1, 0)
     text = content if isinstance(content, str) else ""
-    message["content"] = text + SEP + block if text else block
+    if text:
+        message["content"] = text + SEP + block
+    elif _is_block_message({**message, "content": block}) is not None:
+        # an empty user message that would be exactly one block is a ``note`` or ``new_user`` message this module
+        # created: the next pass would remove it and move its block (``_extract_text_end`` takes the separator
+        # back off)
+        message["content"] = SEP + block
+    else:
+        message["content"] = block
     return Position(index, 0, len(text))

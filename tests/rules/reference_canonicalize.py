@@ -13,7 +13,14 @@ from typing import Any
 from rules.canonicalize import MAX_PASSES, Canonical, HistoryInfo, RuleSet
 from rules.messages import check_shape, get_text, leading_system_count, set_text, text_parts
 from rules.model import PLACEMENTS
-from rules.placement import LOCATIONS, extract_turn_blocks, insert_turn_blocks, resolve_location, turn_spans
+from rules.placement import (
+    LOCATIONS,
+    extract_text_blocks,
+    extract_turn_blocks,
+    insert_turn_blocks,
+    resolve_location,
+    turn_spans,
+)
 from rules.segments import Position, compute_segments, normalize_position
 from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory
 
@@ -70,7 +77,17 @@ def reference_apply(
     own: list[dict[str, list[str]]] = []
     system_values: list[tuple[str, str]] = []
     for j, (start, end) in enumerate(spans):
+        before = sum(applied.values())
         own.append(_reference_turn(rs, messages, start, end, j, systems, applied, system_values, scope))
+        # session 9: blocks the rules uncovered are taken out too, and the rules run again (the canonical
+        # output's next pass would take them for blocks of ours: idempotence); only a turn the rules changed
+        for _ in range(MAX_PASSES if rs._hoists and sum(applied.values()) != before else 0):
+            uncovered = extract_text_blocks(messages, start, end)
+            if not uncovered:
+                break
+            carried[j] = {**carried[j], **{k: [*carried[j].get(k, []), *v] for k, v in uncovered.items()}}
+            more = _reference_turn(rs, messages, start, end, j, systems, applied, system_values, scope)
+            own[j] = {**own[j], **{k: [*own[j].get(k, []), *v] for k, v in more.items()}}
     present_now = [v for _, v in system_values]
 
     reused: list[dict[str, Any]] = []

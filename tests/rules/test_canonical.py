@@ -176,6 +176,84 @@ def test_idempotent_and_deterministic(
         assert value in final
 
 
+def _assert_idempotent(ruleset: RuleSet, messages: list[dict]) -> Canonical:
+    once = ruleset.apply(messages, None)
+    twice = ruleset.apply(once.messages, once.tools)
+    assert twice.messages == once.messages
+    assert twice.segments == once.segments
+    assert twice.hoisted == once.hoisted
+    assert twice.applied == {}
+    return once
+
+
+def test_a_user_block_the_hoist_leaves_at_the_end_of_the_system_prompt_is_one_of_ours(
+    all_rulesets: dict[str, RuleSet],
+) -> None:
+    """Hoisting the line before a user-written block leaves it alone at the end of the system prompt, where the
+    next pass looks for the gateway's block: this pass takes it as one too (a hypothesis example of
+    ``test_idempotent_and_deterministic``; the second pass used to hoist its value a second time)."""
+    block = "<request_context>\nYou are a helpful assistant.\n</request_context>"
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Timezone: Europe/Berlin\n" + block}]},
+        {"role": "user", "content": "Question: who?\nDocument:\nSome text.\n"},
+    ]
+    once = _assert_idempotent(all_rulesets["last_user_prefix"], messages)
+    assert once.messages[0] == {"role": "system", "content": [{"type": "text", "text": block}]}
+    assert once.hoisted == ["You are a helpful assistant.", "Timezone: Europe/Berlin"]
+    assert once.messages[1]["content"].startswith(
+        "<document>\nSome text.\n\n</document>\n\n<request_context>\nTimezone: Europe/Berlin\n</request_context>"
+    )
+
+
+def test_a_user_block_that_whitespace_normalization_puts_at_the_end_of_a_user_message_is_one_of_ours(
+    all_rulesets: dict[str, RuleSet],
+) -> None:
+    """``"\\n \\n"`` normalized to a blank line makes a user-written block at the end of the message look exactly
+    like a ``tail_end`` block: the pass that normalizes takes it, as the next pass will (a hypothesis example)."""
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": ""}]},
+        {"role": "user", "content": [{"type": "text", "text": ""}]},
+        {
+            "role": "user",
+            "content": "Timezone: Europe/Berlin\n \n<request_context>\nTimezone: Europe/Berlin\n</request_context>",
+        },
+    ]
+    once = _assert_idempotent(all_rulesets["last_user_prefix"], messages)
+    assert once.messages[2]["content"] == (
+        "Timezone: Europe/Berlin\n\n<request_context>\nTimezone: Europe/Berlin\n</request_context>"
+    )
+    assert once.hoisted == ["Timezone: Europe/Berlin"]
+    assert once.applied == {"t.normalize-user": 1}
+
+
+@pytest.mark.parametrize("placement", ["last_user_prefix", "before_last_user", "system_end"])
+def test_a_block_at_the_end_of_an_empty_user_message_is_not_taken_for_a_created_message(
+    all_rulesets: dict[str, RuleSet], placement: str
+) -> None:
+    """A later turn's value goes to the end of its newest message (``tail_end``); when that message is an empty
+    user message, a bare block would make it exactly a block, which the next pass takes for a ``new_user`` message
+    it created, removes, and puts back after the reply (a hypothesis example at 40,000 examples)."""
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "NONCE-123 here"},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "q3"},
+    ]
+    once = _assert_idempotent(all_rulesets[placement], messages)
+    assert [m["role"] for m in once.messages] == [
+        "user",
+        "assistant",
+        "user",
+        *(["user"] if placement == "before_last_user" else []),
+        "assistant",
+        "user",
+    ]
+    assert once.hoisted == ["NONCE-123"]
+    if placement == "system_end":
+        assert once.messages[2]["content"] == "\n\n<request_context>\nNONCE-123\n</request_context>"
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(request=chat_request())
 def test_segments_cover_the_prompt_in_order(all_rulesets: dict[str, RuleSet], request: tuple) -> None:
