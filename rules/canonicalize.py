@@ -481,7 +481,7 @@ class RuleSet:
         end: int,
         turn: int,
         systems: int,
-        applied: Counter[str],
+        applied: dict[str, int],
         system_values: list[tuple[str, str]],
         scope: str,
         firsts: dict[Any, int | None],
