@@ -309,13 +309,12 @@ class EngineConfig:
             shared slots' KV into its own block instead of recomputing from the block boundary, and a finished
             request's last partly filled block is kept as a cache entry for that (RAM only, never a tier);
             false = hits stop at the last whole block (``engine.kv_cache_manager``, invariants 8-9).
-        decode_kernel: decode attention, ``auto | native | torch``: ``native`` = the C kernel over the paged
-            cache for every decode step (``engine.native_decode``: built once per machine with the system C
-            compiler; x86-64 CPUs with AVX-512; each sequence's result independent of the rest of the step),
-            ``torch`` = torch's kernels on copies of the blocks (``engine.decode_attention``), ``auto`` = native
-            where it builds, except steps whose sequences share a cached prefix over a bf16 cache, where
-            torch's cascade reads the shared blocks faster (measured: docs/engine-step.md). ``native`` where it
-            cannot be built is a start-up error naming the reason.
+        decode_kernel: attention of generated tokens, ``auto | native | torch``: ``native`` = the C kernel over
+            the paged cache (``engine.native_decode``: built once per machine and model shape with the system C
+            compiler; x86-64 CPUs with AVX-512; each sequence alone, blocks the step's sequences share read
+            once), ``torch`` = torch's chunked kernels (``engine.chunked_decode``), ``auto`` = native where it
+            builds, else torch. Prompt tokens always take the prefill path. Either keeps batched == alone.
+            ``native`` where it cannot be built is a start-up error naming the reason.
     """
 
     block_size: int = 16

@@ -96,7 +96,7 @@ class ModelRunner:
         kv_dtype: dtype of the KV cache (default: the model's).
         shared_prefix: cascade attention for decode sequences sharing leading blocks (``engine.decode_attention``).
         step_threads: the torch thread count of each step (``engine.step_threads``); None = torch's live count,
-            never changed (and the decode split follows it).
+            never changed.
         decode_kernel: the native decode-attention kernel (``engine.native_decode``), or None for torch's
             paths.
 
