@@ -112,7 +112,7 @@ class NativeDecodeKernel:
             p,
             p,
             i64,
-            i32,
+            i64,
         ]
         fn.restype = ctypes.c_int
         self._lib = lib

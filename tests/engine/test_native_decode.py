@@ -121,6 +121,8 @@ def test_bad_arguments_are_refused_before_any_read(kernel):
         kernel.attend(q, cache, tables, lens, 40, 0.125, shared_len=8)
     with pytest.raises(ValueError, match="refused"):  # shared positions past a length
         kernel.attend(q, cache, tables, lens, 40, 0.125, shared_len=32)
+    with pytest.raises(ValueError, match="refused"):  # 64-bit arguments reach the kernel whole (2**32 + 16)
+        kernel.attend(q, cache, tables, lens, 40, 0.125, shared_len=2**32 + 16)
     with pytest.raises(ValueError, match="scratch"):
         kernel.attend(q, cache, tables, lens, 40, 0.125, torch.empty(3))
 
