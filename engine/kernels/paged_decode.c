@@ -124,6 +124,21 @@ INLINE int64_t position(const int32_t *table, int64_t l, int64_t block_size, int
     return (int64_t)table[l / block_size] * block_elems + (l % block_size) * pos_elems + h * D;
 }
 
+/* at[t] = offset + element offset of position l0 + t's row (t < n; 0 past n), and the sequence's next tile
+ * (16 rows from l0 + 16) prefetched */
+INLINE void tile_rows(const void *cache, int cache_bf16, const int32_t *table, int64_t len, int64_t l0, int64_t n,
+                      int64_t block_size, int64_t block_elems, int64_t pos_elems, int64_t D, int64_t offset,
+                      int64_t at[16]) {
+    const int64_t esize = cache_bf16 ? 2 : 4;
+    for (int64_t t = 0; t < 16; t++)
+        at[t] = t < n ? offset + position(table, l0 + t, block_size, block_elems, pos_elems, 0, D) : 0;
+    if (l0 + 16 < len) {
+        const int64_t next = offset + position(table, l0 + 16, block_size, block_elems, pos_elems, 0, D);
+        for (int64_t off = 0; off < 16 * pos_elems * esize; off += 64)
+            __builtin_prefetch((const char *)cache + next * esize + off);
+    }
+}
+
 /* Tile (16 positions from l0) of one sequence's scores, every KV head, D % 16 == 0, group <= MAX_GROUP:
  * scores[i * len + l] = scale * q_i . k(l), the 16 row sums of a query head at once (hsum16). The tile's rows
  * (one block of 16 is 16 consecutive rows of all KV heads) are read once and stay in L1 for the heads' turns;
@@ -133,15 +148,8 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
                         int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
     const int64_t chunks = D / 16;
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    const int64_t esize = cache_bf16 ? 2 : 4;
     int64_t at[16];
-    for (int64_t t = 0; t < 16; t++)
-        at[t] = t < n ? position(table, l0 + t, block_size, block_elems, pos_elems, 0, D) : 0;
-    if (l0 + 16 < len) {
-        const int64_t next = position(table, l0 + 16, block_size, block_elems, pos_elems, 0, D);
-        for (int64_t off = 0; off < 16 * pos_elems * esize; off += 64)
-            __builtin_prefetch((const char *)cache + next * esize + off);
-    }
+    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at);
     for (int64_t h = 0; h < KVH; h++) {
         v16 part[MAX_GROUP][16];
         for (int64_t t = 0; t < 16; t++) {
@@ -175,15 +183,8 @@ INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf
                         int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
     const int64_t chunks = D / 16;
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    const int64_t esize = cache_bf16 ? 2 : 4;
     int64_t at[16];
-    for (int64_t t = 0; t < n; t++)
-        at[t] = v_offset + position(table, l0 + t, block_size, block_elems, pos_elems, 0, D);
-    if (l0 + 16 < len) {
-        const int64_t next = v_offset + position(table, l0 + 16, block_size, block_elems, pos_elems, 0, D);
-        for (int64_t off = 0; off < 16 * pos_elems * esize; off += 64)
-            __builtin_prefetch((const char *)cache + next * esize + off);
-    }
+    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, v_offset, at);
     for (int64_t h = 0; h < KVH; h++) {
         v16 acc[MAX_GROUP][8];
         for (int64_t g = 0; g < group; g++)

@@ -14,7 +14,10 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from engine.api import EngineConfig, SamplingParams
+from engine.attention import AttentionMetadata
 from engine.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
 from engine.llm_engine import LLMEngine
 from tests.engine.checkpoints import make_tiny_gguf_llama, make_tiny_hf_llama
@@ -75,3 +78,18 @@ def random_tokens(n: int, seed: int, vocab: int = TINY_VOCAB) -> list[int]:
 def greedy(max_tokens: int) -> SamplingParams:
     """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored, so counts are exact)."""
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def decode_meta(tables: list[list[int]], lens: list[int], block_size: int = 16) -> AttentionMetadata:
+    """Metadata of one decode step (one new token per sequence) over block tables ``tables`` (padded with -1 to
+    the longest) and context lengths ``lens`` (the new token's included)."""
+    bs = block_size
+    width = max(len(t) for t in tables)
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=list(range(len(lens) + 1)),
+        seq_lens=lens,
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
+        block_size=bs,
+    )

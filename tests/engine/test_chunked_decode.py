@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention, plan_attention
+from engine.attention import paged_attention, plan_attention
 from engine.chunked_decode import chunk_blocks, chunked_decode_attention, plan_chunked_decode
-from tests.engine.engine_helpers import greedy, make_engine, smollm2_checkpoint
+from tests.engine.engine_helpers import decode_meta, greedy, make_engine, smollm2_checkpoint
 
 BS = 16
 POOL = 300
@@ -21,18 +21,6 @@ KVH, GROUP, D = 3, 3, 64
 CPU = torch.device("cpu")
 CB = chunk_blocks(BS)  # blocks per chunk
 C = CB * BS
-
-
-def decode_meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
-    width = max(len(t) for t in tables)
-    slots = [t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens, strict=True)]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=list(range(len(lens) + 1)),
-        seq_lens=lens,
-        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
-        block_size=BS,
-    )
 
 
 RUN = list(range(40, 102))  # 62 consecutive blocks: a cached system prompt

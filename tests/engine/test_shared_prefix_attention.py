@@ -13,23 +13,11 @@ from unittest import mock
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, attention_dtype, paged_attention, plan_attention
+from engine.attention import attention_dtype, paged_attention, plan_attention
 from engine.decode_attention import SHARED_PREFIX_MIN_TOKENS, shared_prefix_blocks
-from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from tests.engine.engine_helpers import decode_meta, greedy, make_engine, random_tokens, tiny_checkpoint
 
 BS = 16
-
-
-def decode_meta(tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
-    width = max(len(t) for t in tables)
-    slots = [t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens, strict=True)]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=list(range(len(lens) + 1)),
-        seq_lens=lens,
-        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
-        block_size=BS,
-    )
 
 
 def test_shared_prefix_blocks_stops_at_the_first_difference_and_before_each_last_token():
