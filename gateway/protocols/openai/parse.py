@@ -5,7 +5,6 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +13,13 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.headers import rules_enabled, tenant
 from gateway.core.json_types import json_kind
 from gateway.core.request import ChatRequest, given_sampling
+from gateway.protocols.openai.field_errors import invalid_type, missing_param
+from gateway.protocols.openai.tool_fields import (
+    check_tool_calls,
+    check_tool_messages,
+    parse_tool_choice,
+    parse_tools,
+)
 
 MAX_STOP_SEQUENCES = 4
 
@@ -64,7 +70,7 @@ def parse_chat_request(
         _reject_unknown(body, CHAT_FIELDS)
     model = _model(body)
     messages = _messages(body)
-    tools = _tools(body)
+    tools = parse_tools(body)
     stream, include_usage = _stream(body)
     max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
@@ -74,7 +80,7 @@ def parse_chat_request(
         messages=messages,
         params=_sampling(body, max_tokens, "chat"),
         tools=tools,
-        tool_choice=_tool_choice(body, tools),
+        tool_choice=parse_tool_choice(body, tools),
         parallel_tool_calls=_parallel_tool_calls(body),
         stream=stream,
         include_usage=include_usage,
@@ -99,7 +105,7 @@ def parse_completion_request(
         _reject_unknown(body, COMPLETION_FIELDS)
     model = _model(body)
     if "prompt" not in body:
-        raise _missing("prompt")
+        raise missing_param("prompt")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -144,19 +150,19 @@ def _reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
 
 def _model(body: dict[str, Any]) -> str:
     if "model" not in body:
-        raise _missing("model")
+        raise missing_param("model")
     model = body["model"]
     if not isinstance(model, str) or not model:
-        raise _invalid_type("model", "a non-empty string", model)
+        raise invalid_type("model", "a non-empty string", model)
     return model
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if "messages" not in body:
-        raise _missing("messages")
+        raise missing_param("messages")
     messages = body["messages"]
     if not isinstance(messages, list):
-        raise _invalid_type("messages", "an array", messages)
+        raise invalid_type("messages", "an array", messages)
     if not messages:
         raise InvalidRequestError(
             "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
@@ -165,16 +171,16 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             code="empty_array",
         )
     checked = [_message(message, index) for index, message in enumerate(messages)]
-    _check_tool_messages(checked)
+    check_tool_messages(checked)
     return checked
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise _invalid_type(where, "an object", message)
+        raise invalid_type(where, "an object", message)
     if "role" not in message:
-        raise _missing(f"{where}.role")
+        raise missing_param(f"{where}.role")
     role = message["role"]
     if role not in ROLES:
         raise InvalidRequestError(
@@ -183,196 +189,35 @@ def _message(message: Any, index: int) -> dict[str, Any]:
             code="invalid_value",
         )
     if message.get("tool_calls") is not None:
-        _check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
     content = message.get("content")
     has_tool_calls = role == "assistant" and bool(message.get("tool_calls"))
     if content is None:
         if not (has_tool_calls or (role == "assistant" and "function_call" in message)):
-            raise _missing(f"{where}.content")
+            raise missing_param(f"{where}.content")
     elif isinstance(content, list):
         for part_index, part in enumerate(content):
             _content_part(part, f"{where}.content[{part_index}]")
     elif not isinstance(content, str):
-        raise _invalid_type(f"{where}.content", "a string or array of content parts", content)
+        raise invalid_type(f"{where}.content", "a string or array of content parts", content)
     if "name" in message and not isinstance(message["name"], str):
-        raise _invalid_type(f"{where}.name", "a string", message["name"])
+        raise invalid_type(f"{where}.name", "a string", message["name"])
     if role == "tool":
         if "tool_call_id" not in message:
-            raise _missing(f"{where}.tool_call_id")
+            raise missing_param(f"{where}.tool_call_id")
         if not isinstance(message["tool_call_id"], str):
-            raise _invalid_type(f"{where}.tool_call_id", "a string", message["tool_call_id"])
+            raise invalid_type(f"{where}.tool_call_id", "a string", message["tool_call_id"])
     return message
-
-
-def _check_tool_calls(calls: Any, where: str) -> None:
-    """An assistant message's ``tool_calls``: an array of ``{id, type: "function", function: {name,
-    arguments}}``, each field required and a string, as OpenAI requires (``arguments`` is not parsed here: an
-    upstream takes any string; the embedded engine checks it is JSON)."""
-    if not isinstance(calls, list):
-        raise _invalid_type(where, "an array", calls)
-    for call_index, call in enumerate(calls):
-        at = f"{where}[{call_index}]"
-        if not isinstance(call, dict):
-            raise _invalid_type(at, "an object", call)
-        if call.get("type", "function") != "function":
-            raise InvalidRequestError(
-                f"Invalid value for '{at}.type': supported values are: 'function'.",
-                param=f"{at}.type",
-                code="invalid_value",
-            )
-        function = call.get("function")
-        if function is None:
-            raise _missing(f"{at}.function")
-        if not isinstance(function, dict):
-            raise _invalid_type(f"{at}.function", "an object", function)
-        for field_name, value in (("id", call.get("id")), ("function.name", function.get("name"))):
-            if value is None:
-                raise _missing(f"{at}.{field_name}")
-            if not isinstance(value, str):
-                raise _invalid_type(f"{at}.{field_name}", "a string", value)
-        arguments = function.get("arguments")
-        if arguments is None:
-            raise _missing(f"{at}.function.arguments")
-        if not isinstance(arguments, str):
-            raise _invalid_type(f"{at}.function.arguments", "a string", arguments)
 
 
 def _content_part(part: Any, where: str) -> None:
     if not isinstance(part, dict):
-        raise _invalid_type(where, "an object", part)
+        raise invalid_type(where, "an object", part)
     kind = part.get("type")
     if not isinstance(kind, str):
-        raise _missing(f"{where}.type")
+        raise missing_param(f"{where}.type")
     if kind == "text" and not isinstance(part.get("text"), str):
-        raise _invalid_type(f"{where}.text", "a string", part.get("text"))
-
-
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise _invalid_type("tools", "an array", tools)
-    for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise _invalid_type(where, "an object", tool)
-        if tool.get("type") != "function":
-            raise InvalidRequestError(
-                f"Invalid value for '{where}.type': supported values are: 'function'.",
-                param=f"{where}.type",
-                code="invalid_value",
-            )
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise _missing(f"{where}.function")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise _missing(f"{where}.function.name")
-        _check_function_name(function["name"], f"{where}.function.name")
-        if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise _invalid_type(f"{where}.function.parameters", "an object", function["parameters"])
-    return tools
-
-
-FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]+")
-MAX_FUNCTION_NAME = 64
-"""OpenAI's function names: ``^[a-zA-Z0-9_-]{1,64}$``
-(https://platform.openai.com/docs/api-reference/chat/create#chat-create-tools)."""
-
-
-def _check_function_name(name: str, param: str) -> None:
-    if len(name) > MAX_FUNCTION_NAME:
-        raise InvalidRequestError(
-            f"Invalid '{param}': string too long. Expected a string with maximum length {MAX_FUNCTION_NAME}, "
-            f"but got a string with length {len(name)} instead.",
-            param=param,
-            code="string_above_max_length",
-        )
-    if not FUNCTION_NAME.fullmatch(name):
-        raise InvalidRequestError(
-            f"Invalid '{param}': string does not match pattern. Expected a string that matches the pattern "
-            "'^[a-zA-Z0-9_-]+$'.",
-            param=param,
-            code="invalid_value",
-        )
-
-
-def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
-    """Each ``tool`` message answers a call of the assistant message with ``tool_calls`` before it (only
-    ``tool`` messages in between), by that call's ``id``, and every call is answered before the next other
-    message, as OpenAI requires (a trailing unanswered turn is left alone: it asks for nothing)."""
-    calls: set[str] | None = None  # ids of the open assistant turn's calls; None: no such turn
-    unanswered: list[str] = []  # the open turn's call ids no tool message answered yet, in order
-    for index, message in enumerate(messages):
-        role = message["role"]
-        if role != "tool" and unanswered:
-            raise InvalidRequestError(
-                "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
-                "'tool_call_id'. The following tool_call_ids did not have response messages: "
-                f"{', '.join(unanswered)}",
-                param=f"messages[{index}].role",
-                code=None,
-            )
-        if role == "tool":
-            if calls is None:
-                raise InvalidRequestError(
-                    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
-                    "with 'tool_calls'.",
-                    param=f"messages[{index}].role",
-                    code=None,
-                )
-            if message["tool_call_id"] not in calls:
-                raise InvalidRequestError(
-                    f"Invalid parameter: 'tool_call_id' of '{message['tool_call_id']}' not found in "
-                    "'tool_calls' of previous message.",
-                    param=f"messages[{index}].tool_call_id",
-                    code=None,
-                )
-            unanswered = [call_id for call_id in unanswered if call_id != message["tool_call_id"]]
-        elif role == "assistant" and message.get("tool_calls"):
-            unanswered = [call["id"] for call in message["tool_calls"]]
-            calls = set(unanswered)
-        else:
-            calls = None
-
-
-TOOL_CHOICE_MODES = frozenset({"none", "auto", "required"})
-
-
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
-    """``tool_choice``: ``"none" | "auto" | "required"`` or ``{"type": "function", "function": {"name"}}``,
-    only with ``tools`` (OpenAI answers 400 ``tool_choice`` without ``tools``, whatever its value)."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return None
-    if isinstance(choice, str):
-        if choice not in TOOL_CHOICE_MODES:
-            raise InvalidRequestError(
-                f"Invalid value: '{choice}'. Supported values are: 'none', 'auto', and 'required'.",
-                param="tool_choice",
-                code="invalid_value",
-            )
-    elif isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise InvalidRequestError(
-                "Invalid value for 'tool_choice.type': supported values are: 'function'.",
-                param="tool_choice.type",
-                code="invalid_value",
-            )
-        function = choice.get("function")
-        if not isinstance(function, dict):
-            raise _missing("tool_choice.function")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise _missing("tool_choice.function.name")
-    else:
-        raise _invalid_type("tool_choice", "a string or an object", choice)
-    if not tools:
-        raise InvalidRequestError(
-            "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
-            param="tool_choice",
-            code=None,
-        )
-    return choice
+        raise invalid_type(f"{where}.text", "a string", part.get("text"))
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -380,7 +225,7 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _invalid_type("stream", "a boolean", stream)
+        raise invalid_type("stream", "a boolean", stream)
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -391,10 +236,10 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
             code="invalid_value",
         )
     if not isinstance(options, dict):
-        raise _invalid_type("stream_options", "an object", options)
+        raise invalid_type("stream_options", "an object", options)
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise _invalid_type("stream_options.include_usage", "a boolean", include_usage)
+        raise invalid_type("stream_options.include_usage", "a boolean", include_usage)
     return stream, include_usage
 
 
@@ -438,7 +283,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat ``logprobs: true`` (+ ``top_logprobs: k``) -> the engine's ``logprobs`` k; None when off."""
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise _invalid_type("logprobs", "a boolean", logprobs)
+        raise invalid_type("logprobs", "a boolean", logprobs)
     top = _optional_int(body, "top_logprobs", minimum=0)
     if top is not None and top > MAX_TOP_LOGPROBS:
         raise InvalidRequestError(
@@ -476,7 +321,7 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     if bias is None:
         return ()
     if not isinstance(bias, dict):
-        raise _invalid_type("logit_bias", "an object", bias)
+        raise invalid_type("logit_bias", "an object", bias)
     pairs = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()):
@@ -502,7 +347,7 @@ def _response_format(body: dict[str, Any]) -> Constraint | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise _invalid_type("response_format", "an object", fmt)
+        raise invalid_type("response_format", "an object", fmt)
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -517,14 +362,14 @@ def _response_format(body: dict[str, Any]) -> Constraint | None:
         )
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
-        raise _missing("response_format.json_schema")
+        raise missing_param("response_format.json_schema")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise _missing("response_format.json_schema.name")
+        raise missing_param("response_format.json_schema.name")
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
-        raise _invalid_type("response_format.json_schema.strict", "a boolean", spec["strict"])
+        raise invalid_type("response_format.json_schema.strict", "a boolean", spec["strict"])
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
-        raise _invalid_type("response_format.json_schema.schema", "an object", schema)
+        raise invalid_type("response_format.json_schema.schema", "an object", schema)
     return Constraint(kind="json_schema", json_schema=schema)
 
 
@@ -535,7 +380,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _invalid_type("stop", "a string or an array of strings", stop)
+        raise invalid_type("stop", "a string or an array of strings", stop)
     if len(stop) > MAX_STOP_SEQUENCES:
         raise InvalidRequestError(
             f"Invalid 'stop': array too long. Expected at most {MAX_STOP_SEQUENCES} items, got {len(stop)}.",
@@ -554,7 +399,7 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int | None = None) -
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid_type(name, "an integer", value)
+        raise invalid_type(name, "an integer", value)
     if minimum is not None and value < minimum:
         raise InvalidRequestError(
             f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, but got "
@@ -584,7 +429,7 @@ def _optional_number(body: dict[str, Any], name: str, low: float, high: float) -
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _invalid_type(name, "a number", value)
+        raise invalid_type(name, "a number", value)
     if not low <= value <= high:
         raise InvalidRequestError(
             f"Invalid '{name}': expected a value between {low:g} and {high:g}, but got {value} instead.",
@@ -599,23 +444,8 @@ def _optional_str(body: dict[str, Any], name: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise _invalid_type(name, "a string", value)
+        raise invalid_type(name, "a string", value)
     return value
-
-
-def _missing(param: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
-    )
-
-
-def _invalid_type(param: str, expected: str, value: Any) -> InvalidRequestError:
-    got = json_kind(value)
-    return InvalidRequestError(
-        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
-        param=param,
-        code="invalid_type",
-    )
 
 
 # ---- formatting ------------------------------------------------------------------------------------------
