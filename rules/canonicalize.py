@@ -33,7 +33,16 @@ from typing import Any
 
 from rules.actions import apply_span_action, canonical_json, normalize_text, sort_tools
 from rules.bounded_lru import BoundedLRU
-from rules.history_memo import RULESET_TAGS, FirstTurn, LaterTurns, json_chars, new_history_memo, raw_items
+from rules.history_memo import (
+    RULESET_TAGS,
+    FirstTurn,
+    LaterTurns,
+    first_key,
+    json_chars,
+    later_key,
+    new_history_memo,
+    raw_items,
+)
 from rules.messages import check_shape, copy_json, get_text, leading_system_count, set_text, text_parts
 from rules.model import PLACEMENTS, MessageSelector, Rule, with_keep_rules
 from rules.placement import (
@@ -197,9 +206,8 @@ class RuleSet:
             history_memo if history_memo is not None else new_history_memo()
         )
         self._memo_tag = next(RULESET_TAGS)  # this rule set's keys in a memo shared with others
-        """What canonicalizing the turns of earlier requests gave: ``("first", scope, first turn as sent)`` ->
-        ``FirstTurn``; ``("later", scope, canonical tools, first turn as processed, later turns as sent)`` ->
-        ``LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
+        """What canonicalizing the turns of earlier requests gave: ``history_memo.first_key`` -> ``FirstTurn``;
+        ``history_memo.later_key`` -> ``LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
         conversation extends them)."""
 
     @property
@@ -308,8 +316,8 @@ class RuleSet:
             later_items = items[e0:]
             key_scope, key_tools = scope, tools_json
             if later is not None:  # the prefix's strings, not this request's equal copies
-                key_scope, key_tools = later.key[1], later.key[2]
-                later_items[: len(later.key[4])] = later.key[4]
+                key_scope, key_tools = later.scope, later.tools_json
+                later_items[: len(later.sent)] = later.sent
             done_before = len(first.processed) + (len(later.processed) if later is not None else 0)
             chars = (later.chars if later is not None else 0) + sum(json_chars(m) for m in work[done_before:])
             assert done.later_applied is not None
@@ -321,7 +329,7 @@ class RuleSet:
                 tuple(done.later_applied.items()),
                 hasher,
                 tuple(keys),
-                ("later", self._memo_tag, key_scope, key_tools, first.items, tuple(later_items)),
+                later_key(self._memo_tag, key_scope, key_tools, first.items, tuple(later_items)),
                 chars,
             )
             self.history_memo.put(state.key, state)
@@ -396,8 +404,8 @@ class RuleSet:
         sent; only the turns after those are canonicalized. None (go the full way) when taking the blocks out
         changed the turns (a hand-edited request)."""
         e0 = raw_spans[0][1]
-        first_key = ("first", self._memo_tag, scope, tuple(items[:e0]))
-        first = self.history_memo.get(first_key)
+        key0 = first_key(self._memo_tag, scope, tuple(items[:e0]))
+        first = self.history_memo.get(key0)
         if first is None:
             w0 = copy_json(messages[:e0])
             carried0: dict[str, list[str]] = {}
@@ -418,20 +426,15 @@ class RuleSet:
             if len(raw_spans) > 1:
                 # kept once the conversation has a second turn: a one-turn request (a chatbot's single question)
                 # stores nothing here, and its next turn recomputes the first from the pass memo, once
-                self.history_memo.put(first_key, first)
+                self.history_memo.put(key0, first)
         later: LaterTurns | None = None
         k = 1
         n_turns = len(raw_spans)
         if n_turns > 2:
             for j in range(n_turns - 1, 1, -1):  # the longest earlier request first
                 later = self.history_memo.get(
-                    (
-                        "later",
-                        self._memo_tag,
-                        scope,
-                        tools_json,
-                        first.items,
-                        tuple(items[e0 : raw_spans[j][0]]),
+                    later_key(
+                        self._memo_tag, scope, tools_json, first.items, tuple(items[e0 : raw_spans[j][0]])
                     )
                 )
                 if later is not None:

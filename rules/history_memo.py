@@ -34,7 +34,7 @@ the memory held is at most this)."""
 
 class FirstTurn:
     """What the first turn of a request gave (blocks taken out, rules run), kept under the turn as sent
-    (``RuleSet.history_memo``, key ``("first", rule set tag, scope, messages as sent)``). Never mutated, never handed out.
+    (``RuleSet.history_memo``, key ``first_key(...)``). Never mutated, never handed out.
 
     Attributes:
         processed: its messages, blocks out and rules run.
@@ -76,8 +76,7 @@ class FirstTurn:
 
 class LaterTurns:
     """What the turns after the first of one request gave, kept to go on from when a later request of the
-    conversation begins with that request (``RuleSet.history_memo``, key ``("later", scope, canonical tools,
-    the first turn as processed, the later turns as sent)``: a first turn whose hoisted values changed, e.g. a
+    conversation begins with that request (``RuleSet.history_memo``, key ``later_key(...)``: a first turn whose hoisted values changed, e.g. a
     system prompt with the current time, still finds them). Never mutated once stored, never handed out.
 
     Attributes:
@@ -114,6 +113,35 @@ class LaterTurns:
         self.keys = keys
         self.key = key
         self.chars = chars
+
+    @property
+    def scope(self) -> str:
+        """The scope of its key (the string object of the request that stored it)."""
+        return self.key[2]
+
+    @property
+    def tools_json(self) -> str:
+        """The canonical tools of its key."""
+        return self.key[3]
+
+    @property
+    def sent(self) -> tuple[Any, ...]:
+        """``raw_items`` of its later turns as sent (the last item of its key)."""
+        return self.key[5]
+
+
+def first_key(tag: int, scope: str, sent: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The memo key of a ``FirstTurn``: ``("first", rule set tag, scope, raw_items of the first turn as sent)``."""
+    return ("first", tag, scope, sent)
+
+
+def later_key(
+    tag: int, scope: str, tools_json: str, first: tuple[Any, ...], sent: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """The memo key of a ``LaterTurns``: ``("later", rule set tag, scope, canonical tools, the first turn as
+    processed (``FirstTurn.items``), raw_items of the later turns as sent)``; ``LaterTurns.scope``,
+    ``tools_json`` and ``sent`` read it back."""
+    return ("later", tag, scope, tools_json, first, sent)
 
 
 def raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:

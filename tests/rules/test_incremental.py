@@ -199,6 +199,36 @@ def test_a_long_agent_conversation_reuses_its_turns_and_keeps_the_memos_bounded(
     pair.memories[1].recalled.check()
 
 
+@pytest.mark.parametrize("clock", [False, True])
+def test_each_request_of_a_long_conversation_canonicalizes_only_its_new_turns(
+    clock: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a request that went on from an earlier request's later turns must store its own under a key the next
+    # request finds: each request from the third on runs the rules on its new turn alone (and on the first
+    # turn when the system prompt's clock moved), however long the conversation
+    turns_run: list[int] = []
+    real_turn = RuleSet._turn
+
+    def counting_turn(self: RuleSet, *args: Any, **kwargs: Any) -> Any:
+        turns_run[-1] += 1
+        return real_turn(self, *args, **kwargs)
+
+    monkeypatch.setattr(RuleSet, "_turn", counting_turn)
+    pair = Pair(default_rules())
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Question 0?"}]
+    for step in range(25):
+        system = f"You are Atlas. Current time: 2026-12-01 10:{step if clock else 0:02d}:00."
+        turns_run.append(0)
+        pair.send([{"role": "system", "content": system}, *history])
+        history += [
+            {"role": "assistant", "content": f"Answer {step}."},
+            {"role": "user", "content": f"Question {step + 1}?"},
+        ]
+    # the reference side runs its own turns (not through RuleSet._turn); these are the incremental side's
+    assert turns_run[:2] == [1, 2]
+    assert turns_run[2:] == [2 if clock else 1] * 23
+
+
 def test_outputs_share_nothing_with_the_memos() -> None:
     ruleset, memory = load_ruleset(["default"]), TranscriptMemory()
     first = [
