@@ -145,18 +145,26 @@ def later_key(
 
 
 def raw_items(messages: list[dict[str, Any]]) -> list[Any] | None:
-    """Each message as sent, as a hashable value equal only for equal messages (key order included): a
-    two-key message with a string ``content`` (so ``{"role": str, "content": str}`` in either order, after
-    ``check_shape``) as the tuple of its items, any other as its JSON text (which tells ``1``, ``1.0`` and
-    ``true`` apart); None when a message is not JSON data. ``RuleSet.history_memo`` is keyed by tuples of these:
-    a lookup compares the keys in full, so a hit is never a collision."""
+    """Each message as sent, as a hashable value equal only for equal messages (key order included): a message
+    whose values are all strings (``{"role": str, "content": str}``, a tool result's ``{"role", "tool_call_id",
+    "content"}``; keys are strings after ``check_shape``) as the tuple of its items, any other as its JSON text
+    (which tells ``1``, ``1.0`` and ``true`` apart, as tuples of items would not). None when a message is not
+    JSON data. ``RuleSet.history_memo`` is keyed by tuples of these: a lookup compares the keys in full, so a
+    hit is never a collision. An agent's tool results, the bulk of its transcript, are not JSON-encoded on
+    every request."""
+    out: list[Any] = []
     try:
-        return [
-            tuple(m.items()) if len(m) == 2 and type(m.get("content")) is str else _COMPACT.encode(m)
-            for m in messages
-        ]
+        for m in messages:
+            items = tuple(m.items())
+            for _, value in items:
+                if type(value) is not str:
+                    out.append(_COMPACT.encode(m))
+                    break
+            else:
+                out.append(items)
     except (TypeError, ValueError):
         return None
+    return out
 
 
 def json_chars(value: Any) -> int:

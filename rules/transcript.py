@@ -17,8 +17,9 @@ Invariants:
   recently used entry first; a store never raises to the caller for a missing or expired key;
 - what a stored value decodes to is kept by ``TranscriptMemory`` in a bounded memo keyed by the value's bytes
   (``Recalled``: the entry, its blocks taken out, turn by turn), so a conversation resent turn after turn
-  decodes, strips and re-encodes only its new turn: the next entry is the reused one's JSON text plus the new
-  messages' (``remember_after``), byte-identical to ``TranscriptEntry.encode`` of the whole entry.
+  decodes, strips, re-encodes and compresses only its new turn: the next entry is the reused one's message
+  frames as bytes plus a frame of the new messages (``remember_after``; the format: ``rules.transcript_entry``),
+  which decodes to what ``TranscriptEntry.encode`` of the whole entry decodes to.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ import hashlib
 import json
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rules.actions import canonical_json
@@ -38,11 +38,10 @@ from rules.bounded_lru import BoundedLRU
 from rules.message_json import canonical_message_json, compact_message_json
 from rules.messages import copy_json
 from rules.placement import LOCATIONS, extract_turn_blocks, turn_spans
+from rules.transcript_entry import TranscriptEntry, decode_entry, frame, framed, messages_json
 
 KEY_BYTES = 32
 """Length of a transcript key (blake2b digest size)."""
-
-ENTRY_VERSION = 1
 
 
 @runtime_checkable
@@ -171,44 +170,6 @@ class MemoryStats:
     stored: int = 0
 
 
-@dataclass(frozen=True)
-class TranscriptEntry:
-    """What was sent for one request: its canonical messages and the system's hoisted values then."""
-
-    messages: list[dict[str, Any]]
-    present: list[str] = field(default_factory=list)
-
-    def encode(self) -> bytes:
-        """zlib-compressed compact JSON (``{"v": 1, "messages": [...], "present": [...]}``); objects keep
-        their key order, so the messages come back exactly as they were sent."""
-        body = {"v": ENTRY_VERSION, "messages": self.messages, "present": self.present}
-        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-        return zlib.compress(text.encode("utf-8"), 1)
-
-    @classmethod
-    def decode(cls, data: bytes) -> TranscriptEntry | None:
-        """The entry in ``data``, or None when it is not one (never raises)."""
-        found = cls.decode_sized(data)
-        return found[0] if found is not None else None
-
-    @classmethod
-    def decode_sized(cls, data: bytes) -> tuple[TranscriptEntry, int] | None:
-        """(the entry in ``data``, characters of its JSON text), or None when it is not one (never raises)."""
-        try:
-            text = zlib.decompress(data).decode("utf-8")
-            body = json.loads(text)
-        except (zlib.error, UnicodeDecodeError, ValueError, TypeError):
-            return None
-        if not isinstance(body, dict) or body.get("v") != ENTRY_VERSION:
-            return None
-        messages, present = body.get("messages"), body.get("present")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            return None
-        if not isinstance(present, list) or not all(isinstance(v, str) for v in present):
-            return None
-        return cls(messages, present), len(text)
-
-
 class PrefixHasher:
     """Keys of a request's stable form and of its prefixes, in one pass (blake2b-256, length-framed).
 
@@ -286,11 +247,18 @@ class TranscriptMemory:
         for index, data in self._stored(keys):
             rec = self.recalled.get(data)
             if rec is None:
-                found = TranscriptEntry.decode_sized(data)
+                found = decode_entry(data)
                 if found is None:
                     self.count(rejected=1)
                     continue
-                rec = Recalled(tuple(found[0].messages), tuple(found[0].present), found[1])
+                entry = found.entry
+                rec = Recalled(
+                    tuple(entry.messages),
+                    tuple(entry.present),
+                    found.chars,
+                    data=data,
+                    frames=found.message_frames,
+                )
                 self.recalled.put(data, rec)
             yield index, rec
 
@@ -301,23 +269,23 @@ class TranscriptMemory:
         present: list[str],
         base: Recalled | None,
     ) -> None:
-        """Store ``TranscriptEntry(messages, present)`` under ``key`` (the same bytes as ``remember``), where
-        ``messages`` begins with ``base``'s messages (a copy of them, when ``base`` is given): only the
-        messages after those are serialized, stripped and copied (``messages`` is not kept: the caller owns it).
+        """Store ``TranscriptEntry(messages, present)`` under ``key``, where ``messages`` begins with ``base``'s
+        messages (a copy of them, when ``base`` is given): only the messages after those are serialized,
+        stripped, copied and compressed (``messages`` is not kept: the caller owns it); the entry's bytes hold
+        ``base``'s message frames as they are (``rules.transcript_entry``).
         """
         done = len(base.messages) if base is not None else 0
-        new = messages[done:]
-        pieces = [base.text] if base is not None and base.text else []
-        new_text = ",".join(_message_json(m) for m in new)
-        if new_text:
-            pieces.append(new_text)
-        text = ",".join(pieces)
-        present_json = _COMPACT.encode(present)
-        body = '{"v":' + str(ENTRY_VERSION) + ',"messages":[' + text + '],"present":' + present_json + "}"
-        data = zlib.compress(body.encode("utf-8"), 1)
+        new_text = ",".join(_message_json(m) for m in messages[done:])
+        base_text = base.text if base is not None else ""
+        piece = "," + new_text if base_text and new_text else new_text
+        text = base_text + piece
+        frames = (base.message_frames() if base is not None and base_text else b"") + (
+            frame(piece) if piece else b""
+        )
+        data, at = framed(present, frames)
         self.store.put(key, data)
         self.count(stored=1)
-        self.recalled.put(data, Recalled(None, tuple(present), len(body), text, base, new_text))
+        self.recalled.put(data, Recalled(None, tuple(present), len(text), text, base, new_text, data, at))
 
     def candidates(self, keys: Sequence[bytes]) -> Iterator[tuple[int, TranscriptEntry]]:
         """(index into ``keys``, decoded entry) for each key found, in the order of ``keys``, fetched lazily:
@@ -362,11 +330,6 @@ def _message_json(message: dict[str, Any]) -> str:
     return compact_message_json(message)
 
 
-def _messages_json(messages: list[dict[str, Any]]) -> str:
-    """The JSON of a message list without its brackets (``encode``'s text of the list, ``[`` and ``]`` cut)."""
-    return _COMPACT.encode(messages)[1:-1]
-
-
 class Recalled:
     """A decoded entry with what reusing it needs, each part computed once per stored value, when first asked
     for (an entry no later request reuses, e.g. a one-question chat, costs no stripping).
@@ -381,9 +344,21 @@ class Recalled:
         text: the JSON of ``messages`` without the list's brackets, if known.
         base: a ``Recalled`` whose messages ``messages`` begins with (its turns are taken from it).
         new_text: the JSON of the messages after ``base``'s, without the list's brackets.
+        data: the stored bytes it was read from or written as (the memo's key object, not a copy), if known.
+        frames: ``(start, end)`` of the message frames in ``data`` (a version-2 entry), or None.
     """
 
-    __slots__ = ("_messages", "present", "chars", "_text", "_base", "_new_text", "_derived")
+    __slots__ = (
+        "_messages",
+        "present",
+        "chars",
+        "_text",
+        "_base",
+        "_new_text",
+        "_derived",
+        "_data",
+        "_frames",
+    )
 
     def __init__(
         self,
@@ -393,8 +368,12 @@ class Recalled:
         text: str | None = None,
         base: Recalled | None = None,
         new_text: str = "",
+        data: bytes | None = None,
+        frames: tuple[int, int] | None = None,
     ) -> None:
         self._messages = messages
+        self._data = data
+        self._frames = frames
         self.present = present
         self.chars = chars
         self._text = text
@@ -418,8 +397,16 @@ class Recalled:
     def text(self) -> str:
         """The JSON of ``messages`` without the list's brackets (``encode``'s text of the list)."""
         if self._text is None:
-            self._text = _messages_json(list(self.messages))
+            self._text = messages_json(list(self.messages))
         return self._text
+
+    def message_frames(self) -> bytes:
+        """Its messages as ``rules.transcript_entry`` frames: the stored ones copied as bytes, or (a version-1
+        entry) one new frame of ``text``."""
+        data, frames = self._data, self._frames
+        if data is not None and frames is not None:
+            return data[frames[0] : frames[1]]
+        return frame(self.text) if self.text else b""
 
     @property
     def spans(self) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ asked again (``skipped``); the request goes on with the local store only. Nothin
 caller.
 
 Keys are ``{prefix}{hex of the 32-byte transcript key}``; values are the entries' bytes
-(``TranscriptEntry.encode``: zlib-compressed JSON).
+(``TranscriptEntry.encode``: framed zlib-compressed JSON, ``rules.transcript_entry``).
 """
 
 from __future__ import annotations
