@@ -694,21 +694,16 @@ def test_count_tokens_takes_its_documented_fields_only():
     assert info.value.param == "max_tokens"
 
 
+def tool_use_turn_body(*after: dict) -> dict:
+    """A Messages body whose assistant turn calls tool ``toolu_1``, then ``after``."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [call]}, *after]
+    return {"model": "m", "max_tokens": 5, "messages": messages}
+
+
 def test_a_tool_use_without_its_result_is_named_in_anthropics_words():
-    body = {
-        "model": "m",
-        "max_tokens": 5,
-        "messages": [
-            {"role": "user", "content": "hi"},
-            {
-                "role": "assistant",
-                "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}],
-            },
-            {"role": "user", "content": "go on"},
-        ],
-    }
     with pytest.raises(InvalidRequestError) as info:
-        parse_messages_body(body)
+        parse_messages_body(tool_use_turn_body({"role": "user", "content": "go on"}))
     assert info.value.message == (
         "messages[1]: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1. Each "
         "`tool_use` block must have a corresponding `tool_result` block in the next message."
@@ -716,15 +711,4 @@ def test_a_tool_use_without_its_result_is_named_in_anthropics_words():
 
 
 def test_a_final_assistant_tool_use_turn_is_left_alone():
-    body = {
-        "model": "m",
-        "max_tokens": 5,
-        "messages": [
-            {"role": "user", "content": "hi"},
-            {
-                "role": "assistant",
-                "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}],
-            },
-        ],
-    }
-    assert parse_messages_body(body) is not None
+    assert parse_messages_body(tool_use_turn_body()) is not None
