@@ -36,18 +36,34 @@ SCOPE = "model\0tenant"
 REPLY = "Yes: bicycles travel free outside the morning and evening peaks, in the marked carriages only ({n})."
 
 
-SHAPES = ("date", "clock")
+SHAPES = ("date", "clock", "agent")
 """``date``: bench/overhead's system prompt as it is (its date is the same all day); ``clock``: the same prompt
-with the current time to the second instead, so its first turn is new in every request (an agent's prompt)."""
+with the current time to the second instead, so its first turn is new in every request (an agent's prompt);
+``agent``: the ``date`` prompt, each earlier turn a tool call and its ~4 kB result (a coding agent's loop)."""
+
+TOOL_RESULT = "src/gateway/app.py:{n}: line of a large tool result, the file read back whole\n" * 55
+"""~4 kB of tool output per ``agent`` turn."""
 
 
 def conversation(turns: int, question: int, shape: str = "date") -> list[dict[str, Any]]:
-    """``turns`` earlier (question, reply) turns, then new question number ``question``."""
+    """``turns`` earlier (question, reply) turns, then new question number ``question``; ``agent``: the task,
+    ``turns`` earlier (tool call, result) turns, then a new call whose result is number ``question``."""
     system = SYSTEM_PROMPT
     if shape == "clock":
         clock = f"{10 + question // 3600 % 12:02d}:{question // 60 % 60:02d}:{question % 60:02d}"
         system = system.replace("Current date: 2026-12-01.", f"Current time: 2026-12-01 {clock}.")
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    if shape == "agent":  # the task, the earlier tool turns, then this request's new call and result
+        messages.append({"role": "user", "content": QUESTION.format(n=0)})
+        for n in [*range(turns), question]:
+            call = {
+                "id": f"call_{n}",
+                "type": "function",
+                "function": {"name": "read", "arguments": f'{{"n": {n}}}'},
+            }
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": f"call_{n}", "content": TOOL_RESULT.format(n=n)})
+        return messages
     for t in range(turns):
         messages.append({"role": "user", "content": QUESTION.format(n=t)})
         messages.append({"role": "assistant", "content": REPLY.format(n=t)})
