@@ -108,7 +108,8 @@ def test_bad_rule_file_in_config_exits_2_with_file_and_line(tmp_path, capsys):
     bad.write_text("rules:\n  - id: broken\n    action: explode\n")
     config = tmp_path / "c.yaml"
     config.write_text("rules: [bad.yaml]\nmodels: [{name: m, path: /nonexistent}]\n")
-    assert main(["serve", "--config", str(config)]) == EXIT_BAD_CONFIG
+    # port 0: the rules load after the bind, which must not depend on 8000 being free on the test machine
+    assert main(["serve", "--config", str(config), "--port", "0"]) == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert f"{bad}:" in err and "broken" in err
 
