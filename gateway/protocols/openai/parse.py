@@ -75,6 +75,7 @@ def parse_chat_request(
     max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    _check_metadata(body)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -437,6 +438,55 @@ def _optional_number(body: dict[str, Any], name: str, low: float, high: float) -
             code="invalid_value",
         )
     return float(value)
+
+
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
+"""OpenAI's ``metadata`` limits (Chat Completions and Responses references: "Set of 16 key-value pairs ...
+Keys are strings with a maximum length of 64 characters. Values are strings with a maximum length of 512
+characters.")."""
+
+
+def _check_metadata(body: dict[str, Any]) -> None:
+    """Validate ``metadata`` (absent or null, or an object of string values within OpenAI's limits): it is
+    passed on to upstreams and echoed by the Responses answer, so a value of another shape is refused here.
+
+    Raises:
+        InvalidRequestError: not an object (``invalid_type``, param ``metadata``), more than 16 pairs
+            (``object_above_max_properties``), a key over 64 characters or a value over 512
+            (``string_above_max_length``), a value that is not a string (``invalid_type``,
+            param ``metadata.<key>``).
+    """
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise invalid_type("metadata", "an object", metadata)
+    if len(metadata) > METADATA_MAX_PAIRS:
+        raise InvalidRequestError(
+            f"Invalid 'metadata': too many properties. Expected an object with at most {METADATA_MAX_PAIRS} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            param="metadata",
+            code="object_above_max_properties",
+        )
+    for key, value in metadata.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise InvalidRequestError(
+                f"Invalid 'metadata': key too long. Expected a key with maximum length "
+                f"{METADATA_MAX_KEY_CHARS}, but got a key with length {len(key)} instead.",
+                param="metadata",
+                code="string_above_max_length",
+            )
+        if not isinstance(value, str):
+            raise invalid_type(f"metadata.{key}", "a string", value)
+        if len(value) > METADATA_MAX_VALUE_CHARS:
+            raise InvalidRequestError(
+                f"Invalid 'metadata.{key}': string too long. Expected a string with maximum length "
+                f"{METADATA_MAX_VALUE_CHARS}, but got a string with length {len(value)} instead.",
+                param=f"metadata.{key}",
+                code="string_above_max_length",
+            )
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:

@@ -139,6 +139,14 @@ def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, ext
         ),
         ({"model": TINY_MODEL, "input": "x", "tool_choice": "auto"}, None, "tool_choice"),
         ({"input": "x"}, "missing_required_parameter", "model"),
+        # Before: 200 with the value echoed back as the Response's metadata (OpenAI: string values only)
+        ({"model": TINY_MODEL, "input": "x", "metadata": {"a": 5}}, "invalid_type", "metadata.a"),
+        ({"model": TINY_MODEL, "input": "x", "metadata": "tag"}, "invalid_type", "metadata"),
+        (
+            {"model": TINY_MODEL, "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}},
+            "object_above_max_properties",
+            "metadata",
+        ),
     ],
 )
 def test_bad_bodies_get_openai_errors(server, body, code, param):
@@ -151,6 +159,13 @@ def test_bad_bodies_get_openai_errors(server, body, code, param):
 def test_store_false_is_accepted_and_store_is_reported_false(server, client):
     response = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2, store=False)
     assert response.store is False
+    assert_no_block_in_use(server)
+
+
+def test_metadata_is_echoed_in_the_response(server, client):
+    metadata = {"run": "nightly", "team": "x" * 512}
+    response = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2, metadata=metadata)
+    assert response.metadata == metadata
     assert_no_block_in_use(server)
 
 
