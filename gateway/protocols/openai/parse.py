@@ -15,6 +15,7 @@ from gateway.core.json_types import json_kind
 from gateway.core.request import ChatRequest, given_sampling
 from gateway.protocols.openai.field_errors import invalid_type, missing_param
 from gateway.protocols.openai.tool_fields import (
+    check_function_name,
     check_tool_calls,
     check_tool_messages,
     parse_tool_choice,
@@ -343,7 +344,8 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 def _response_format(body: dict[str, Any]) -> Constraint | None:
     """``response_format`` -> the engine's output ``Constraint``: ``json_object`` (any JSON object) or
-    ``json_schema`` (``json_schema.schema``, enforced whether ``strict`` or not); ``text`` -> None."""
+    ``json_schema`` (``json_schema.schema``, enforced whether ``strict`` or not); ``text`` -> None. The schema's
+    ``name`` follows OpenAI's rule (``[a-zA-Z0-9_-]``, at most 64 characters), as a function name does."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -366,6 +368,9 @@ def _response_format(body: dict[str, Any]) -> Constraint | None:
         raise missing_param("response_format.json_schema")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise missing_param("response_format.json_schema.name")
+    check_function_name(
+        spec["name"], "response_format.json_schema.name"
+    )  # OpenAI: the same rule as a function's
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
         raise invalid_type("response_format.json_schema.strict", "a boolean", spec["strict"])
     schema = spec.get("schema", {})

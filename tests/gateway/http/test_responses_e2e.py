@@ -139,6 +139,15 @@ def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, ext
         ),
         ({"model": TINY_MODEL, "input": "x", "tool_choice": "auto"}, None, "tool_choice"),
         ({"input": "x"}, "missing_required_parameter", "model"),
+        (  # Before: 200 (OpenAI: the format's name matches ^[a-zA-Z0-9_-]+$)
+            {
+                "model": TINY_MODEL,
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}},
+            },
+            "invalid_value",
+            "text.format.name",
+        ),
         # Before: 200 with the value echoed back as the Response's metadata (OpenAI: string values only)
         ({"model": TINY_MODEL, "input": "x", "metadata": {"a": 5}}, "invalid_type", "metadata.a"),
         ({"model": TINY_MODEL, "input": "x", "metadata": "tag"}, "invalid_type", "metadata"),

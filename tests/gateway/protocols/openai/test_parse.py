@@ -162,6 +162,16 @@ def test_content_parts_and_tool_messages_are_accepted():
             "missing_required_parameter",
         ),
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        (  # before: accepted (OpenAI: a json_schema name matches ^[a-zA-Z0-9_-]+$, 64 characters at most)
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
+            "response_format.json_schema.name",
+            "invalid_value",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n" * 65, "schema": {}}}},
+            "response_format.json_schema.name",
+            "string_above_max_length",
+        ),
         ({"metadata": ["a"]}, "metadata", "invalid_type"),
         ({"metadata": {"a": 5}}, "metadata.a", "invalid_type"),
         ({"metadata": {"a": None}}, "metadata.a", "invalid_type"),
