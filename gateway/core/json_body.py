@@ -4,14 +4,18 @@ that are valid Unicode. The one place a client's bytes become Python values.
 Invariants: ``loads_request_json`` never lets the stdlib parser recurse deeper than ``MAX_JSON_DEPTH`` (so no
 ``RecursionError``, whatever the body), and every string it returns, keys included, encodes as UTF-8 (a lone
 UTF-16 surrogate such as ``"\\ud800"``, which JSON's escapes allow, is refused: nothing downstream, the
-tokenizer, the regex engine or a log line, can choke on it).
+tokenizer, the regex engine or a log line, can choke on it), and every number it returns is finite: ``NaN``,
+``Infinity``, ``-Infinity`` (which ``json.loads`` accepts, RFC 8259 does not) and a number outside the float
+range (``1e400``, which ``json.loads`` reads as infinity) are refused, so no value the gateway echoes (a
+Responses ``metadata``, a tool schema) can fail to serialize back into JSON.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from gateway.core import json_decode
 from gateway.core.errors import InvalidRequestError
@@ -35,6 +39,33 @@ surrogate (which ``json.loads`` decodes with ``surrogatepass``). Without either,
 body ``json.loads`` reads as UTF-16/32 or with a BOM always gets it)."""
 
 
+NOT_FINITE = (
+    "We could not parse the JSON body of your request: {token!r} is not a JSON number (RFC 8259 allows no "
+    "NaN or Infinity, and numbers must fit a 64-bit float)."
+)
+
+
+class _NonFiniteNumber(ValueError):
+    """A ``NaN`` / ``Infinity`` constant or an out-of-range number met while parsing (``token``: its text)."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__(token)
+        self.token = token
+
+
+def _refuse_constant(token: str) -> NoReturn:
+    """``json.loads``'s ``parse_constant`` hook: ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON."""
+    raise _NonFiniteNumber(token)
+
+
+def _finite_float(token: str) -> float:
+    """``json.loads``'s ``parse_float`` hook: the float of ``token``, refused when it overflows to infinity."""
+    value = float(token)
+    if not math.isfinite(value):
+        raise _NonFiniteNumber(token)
+    return value
+
+
 def json_depth_exceeds(raw: bytes, limit: int) -> bool:
     """True when ``raw`` nests arrays/objects deeper than ``limit`` levels (brackets inside strings ignored;
     run over the raw bytes before parsing, in C-speed regex steps, one per string or bracket)."""
@@ -56,7 +87,8 @@ def loads_request_json(raw: bytes) -> Any:
     """Parse a request body.
 
     Raises:
-        InvalidRequestError: not UTF-8 JSON (code ``invalid_json``), nested deeper than ``MAX_JSON_DEPTH``
+        InvalidRequestError: not UTF-8 JSON (code ``invalid_json``; also for ``NaN``, ``Infinity`` and numbers
+            outside the float range, which ``json.loads`` would accept), nested deeper than ``MAX_JSON_DEPTH``
             (code ``json_too_deep``), or a string holding a lone surrogate (code ``invalid_unicode``, ``param``
             the path of the first such string).
     """
@@ -67,7 +99,9 @@ def loads_request_json(raw: bytes) -> Any:
             code="json_too_deep",
         )
     try:
-        value = json_decode.loads(raw)  # json.loads's value (msgspec's parser where it agrees)
+        value = json_decode.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NonFiniteNumber as exc:
+        raise InvalidRequestError(NOT_FINITE.format(token=exc.token), code="invalid_json") from exc
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequestError(NOT_JSON, code="invalid_json") from exc
     if json.detect_encoding(raw) == "utf-8" and _MAY_HOLD_SURROGATE.search(raw) is None:

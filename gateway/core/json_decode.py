@@ -15,6 +15,7 @@ again by ``json.loads``, which then decides. Checked against ``json.loads`` by p
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -26,14 +27,22 @@ _FALL_BACK = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, 
 """What msgspec raises where ``json.loads`` may accept the text or must name the error itself."""
 
 
-def loads(text: str | bytes | bytearray) -> Any:
-    """``json.loads(text)``, faster on the strict JSON servers and clients send (module docstring).
+def loads(
+    text: str | bytes | bytearray,
+    *,
+    parse_constant: Callable[[str], Any] | None = None,
+    parse_float: Callable[[str], Any] | None = None,
+) -> Any:
+    """``json.loads(text, parse_constant=..., parse_float=...)``, faster on the strict JSON servers and clients
+    send (module docstring). The hooks are ``json.loads``'s; msgspec's strict parse never meets a constant
+    (``NaN``, ``Infinity``) or a float that overflows, so a hook that returns ``float(token)`` for finite
+    numbers sees the same values either way (msgspec's floats are ``float(token)``'s, bit for bit).
 
     Raises:
         json.JSONDecodeError / ValueError / UnicodeDecodeError / RecursionError: what ``json.loads(text)``
-            raises for this text.
+            (with the hooks) raises for this text.
     """
     try:
         return _DECODER.decode(text)
     except _FALL_BACK:
-        return json.loads(text)
+        return json.loads(text, parse_constant=parse_constant, parse_float=parse_float)

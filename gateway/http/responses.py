@@ -86,7 +86,9 @@ async def collect_response(opened: OpenedStream, builder: ResponseBuilder) -> di
 def _events_of(builder: ResponseBuilder, event: Delta | Finish) -> list[dict[str, Any]]:
     if isinstance(event, Finish):
         return builder.finish(event)
-    out = builder.text(event.text) if event.text else []
+    out = builder.text(event.text, event.logprobs) if event.text else []
+    if not event.text and not event.tool_calls:
+        builder.logprobs(event.logprobs)  # tokens whose text is held back: they go with the next text
     if event.tool_calls:
         out += builder.tool_calls(event.tool_calls)
     return out

@@ -43,6 +43,14 @@ Messages-only rest (``max_tokens``, ``stream``, ``temperature``, ``metadata``, `
 as any unknown field is, unless ``server.unknown_fields: ignore``."""
 
 
+EMPTY_MESSAGE = "all messages must have non-empty content except for the optional final assistant message"
+"""Anthropic's 400 for a message whose ``content`` is ``""`` or ``[]`` (a final assistant turn, a prefill, may
+be empty)."""
+
+EMPTY_TEXT_BLOCK = "text content blocks must be non-empty"
+"""Anthropic's 400 for a ``{"type": "text", "text": ""}`` block in a message."""
+
+
 # ==== validation ============================================================================================
 
 
@@ -248,11 +256,15 @@ def validate_body(
         if isinstance(content, list):
             for j, block in enumerate(content):
                 _validate_block(block, f"{param}.content[{j}]", role)
+                if block["type"] == "text" and not block["text"]:
+                    raise bad_param(EMPTY_TEXT_BLOCK, f"{param}.content[{j}].text")
         elif not isinstance(content, str):
             raise bad_param(
                 f"expected a string or an array of content blocks, got {json_kind(content)}",
                 f"{param}.content",
             )
+        if not content and not (role == "assistant" and i == len(messages) - 1):
+            raise bad_param(EMPTY_MESSAGE, param)
     _check_tool_results(messages)
     system = body.get("system")
     if isinstance(system, list):

@@ -15,6 +15,7 @@ from gateway.core.json_types import json_kind
 from gateway.core.request import ChatRequest, given_sampling
 from gateway.protocols.openai.field_errors import invalid_type, missing_param
 from gateway.protocols.openai.tool_fields import (
+    check_function_name,
     check_tool_calls,
     check_tool_messages,
     parse_tool_choice,
@@ -75,6 +76,7 @@ def parse_chat_request(
     max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    _check_metadata(body)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -342,7 +344,8 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 def _response_format(body: dict[str, Any]) -> Constraint | None:
     """``response_format`` -> the engine's output ``Constraint``: ``json_object`` (any JSON object) or
-    ``json_schema`` (``json_schema.schema``, enforced whether ``strict`` or not); ``text`` -> None."""
+    ``json_schema`` (``json_schema.schema``, enforced whether ``strict`` or not); ``text`` -> None. The schema's
+    ``name`` follows OpenAI's rule (``[a-zA-Z0-9_-]``, at most 64 characters), as a function name does."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -365,6 +368,9 @@ def _response_format(body: dict[str, Any]) -> Constraint | None:
         raise missing_param("response_format.json_schema")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise missing_param("response_format.json_schema.name")
+    check_function_name(
+        spec["name"], "response_format.json_schema.name"
+    )  # OpenAI: the same rule as a function's
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
         raise invalid_type("response_format.json_schema.strict", "a boolean", spec["strict"])
     schema = spec.get("schema", {})
@@ -437,6 +443,55 @@ def _optional_number(body: dict[str, Any], name: str, low: float, high: float) -
             code="invalid_value",
         )
     return float(value)
+
+
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
+"""OpenAI's ``metadata`` limits (Chat Completions and Responses references: "Set of 16 key-value pairs ...
+Keys are strings with a maximum length of 64 characters. Values are strings with a maximum length of 512
+characters.")."""
+
+
+def _check_metadata(body: dict[str, Any]) -> None:
+    """Validate ``metadata`` (absent or null, or an object of string values within OpenAI's limits): it is
+    passed on to upstreams and echoed by the Responses answer, so a value of another shape is refused here.
+
+    Raises:
+        InvalidRequestError: not an object (``invalid_type``, param ``metadata``), more than 16 pairs
+            (``object_above_max_properties``), a key over 64 characters or a value over 512
+            (``string_above_max_length``), a value that is not a string (``invalid_type``,
+            param ``metadata.<key>``).
+    """
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise invalid_type("metadata", "an object", metadata)
+    if len(metadata) > METADATA_MAX_PAIRS:
+        raise InvalidRequestError(
+            f"Invalid 'metadata': too many properties. Expected an object with at most {METADATA_MAX_PAIRS} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            param="metadata",
+            code="object_above_max_properties",
+        )
+    for key, value in metadata.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise InvalidRequestError(
+                f"Invalid 'metadata': key too long. Expected a key with maximum length "
+                f"{METADATA_MAX_KEY_CHARS}, but got a key with length {len(key)} instead.",
+                param="metadata",
+                code="string_above_max_length",
+            )
+        if not isinstance(value, str):
+            raise invalid_type(f"metadata.{key}", "a string", value)
+        if len(value) > METADATA_MAX_VALUE_CHARS:
+            raise InvalidRequestError(
+                f"Invalid 'metadata.{key}': string too long. Expected a string with maximum length "
+                f"{METADATA_MAX_VALUE_CHARS}, but got a string with length {len(value)} instead.",
+                param=f"metadata.{key}",
+                code="string_above_max_length",
+            )
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:

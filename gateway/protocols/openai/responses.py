@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from gateway.core.errors import InvalidRequestError
-from gateway.core.events import BackendUsage, Finish
+from gateway.core.events import BackendUsage, Finish, TokenLogprob
 from gateway.core.json_types import json_kind
+from gateway.protocols.openai.render import chat_logprobs
 from gateway.protocols.openai.responses_params import MessageOrigin
 
 RESPONSES_FIELDS = frozenset(
@@ -87,10 +88,33 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
             raise _invalid_type("reasoning", "an object", reasoning)
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
-    if body.get("top_logprobs") is not None:
+    if body.get("top_logprobs") is not None or LOGPROBS_INCLUDE in _include(body):
         chat["logprobs"] = True
-        chat["top_logprobs"] = body["top_logprobs"]
+        top = body.get("top_logprobs")
+        chat["top_logprobs"] = 0 if top is None else top
     return chat
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The ``include`` value that asks for the answer text's token logprobs (``output_text.logprobs``); so does
+``top_logprobs`` (0 alternatives per token when only ``include`` asks)."""
+
+
+def _include(body: dict[str, Any]) -> list[str]:
+    """The ``include`` list (empty when absent).
+
+    Raises:
+        InvalidRequestError: not an array of strings (``invalid_type``, param ``include`` / ``include[i]``).
+    """
+    include = body.get("include")
+    if include is None:
+        return []
+    if not isinstance(include, list):
+        raise _invalid_type("include", "an array of strings", include)
+    for index, value in enumerate(include):
+        if not isinstance(value, str):
+            raise _invalid_type(f"include[{index}]", "a string", value)
+    return include
 
 
 def chat_message_origins(body: dict[str, Any]) -> list[MessageOrigin]:
@@ -376,6 +400,7 @@ class ResponseBuilder:
         self._sequence = 0
         self._message: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> function_call item
+        self._pending_logprobs: list[dict[str, Any]] = []  # of tokens whose text has not come yet
 
     def response(self, status: str, finish: Finish | None = None) -> dict[str, Any]:
         """The ``Response`` object as it stands (``status``: in_progress, completed or incomplete)."""
@@ -421,8 +446,18 @@ class ResponseBuilder:
             self.event("response.in_progress", response=snapshot),
         ]
 
-    def text(self, delta: str) -> list[dict[str, Any]]:
-        """Events for a piece of answer text (opening the message item first when needed)."""
+    def logprobs(self, entries: tuple[TokenLogprob, ...]) -> None:
+        """Keep the logprobs of tokens whose text is still held back (an incomplete UTF-8 character, text that
+        may open a tool call): they go out with the next piece of text (``text``); a function call that follows
+        drops them (``tool_calls``: a call carries no logprobs); at the end they join the message's part."""
+        self._pending_logprobs += chat_logprobs(entries)["content"]
+
+    def text(self, delta: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
+        """Events for a piece of answer text (opening the message item first when needed); ``logprobs``: the
+        tokens it came from, when the client asked for them (``include`` / ``top_logprobs``), in OpenAI's ``Logprob`` shape
+        (token, logprob, bytes, top_logprobs), after any kept by ``logprobs``."""
+        entries = self._pending_logprobs + chat_logprobs(logprobs)["content"]
+        self._pending_logprobs = []
         events = []
         if self._message is None:
             self._message = {
@@ -452,6 +487,7 @@ class ResponseBuilder:
                 )
             )
         self._message["content"][0]["text"] += delta
+        self._message["content"][0]["logprobs"] += entries
         events.append(
             self.event(
                 "response.output_text.delta",
@@ -459,13 +495,14 @@ class ResponseBuilder:
                 output_index=self.output.index(self._message),
                 content_index=0,
                 delta=delta,
-                logprobs=[],
+                logprobs=entries,
             )
         )
         return events
 
     def tool_calls(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Events for tool-call deltas in the chat streaming shape (a new index opens a ``function_call`` item)."""
+        self._pending_logprobs = []  # the call's own tokens: a function_call item has no logprobs
         events = []
         for delta in deltas:
             index = delta.get("index", 0)
@@ -509,9 +546,13 @@ class ResponseBuilder:
             item["status"] = status
             if item["type"] == "message":
                 part = item["content"][0]
+                part["logprobs"] += self._pending_logprobs  # an incomplete character at the very end
+                self._pending_logprobs = []
                 common = {"item_id": item["id"], "output_index": index, "content_index": 0}
                 events.append(
-                    self.event("response.output_text.done", **common, text=part["text"], logprobs=[])
+                    self.event(
+                        "response.output_text.done", **common, text=part["text"], logprobs=part["logprobs"]
+                    )
                 )
                 events.append(self.event("response.content_part.done", **common, part=dict(part)))
             else:

@@ -85,7 +85,8 @@ MAX_FUNCTION_NAME = 64
 
 
 def check_function_name(name: str, param: str) -> None:
-    """A function name as OpenAI accepts it: ``[a-zA-Z0-9_-]``, at most ``MAX_FUNCTION_NAME`` (64) characters.
+    """A function name (or a ``json_schema`` response format's name) as OpenAI accepts it: ``[a-zA-Z0-9_-]``, at
+    most ``MAX_FUNCTION_NAME`` (64) characters.
 
     Raises:
         InvalidRequestError: naming ``param``.

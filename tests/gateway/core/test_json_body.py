@@ -47,3 +47,28 @@ def test_lone_surrogates_are_refused_however_they_arrive(raw):
 def test_valid_bodies_parse_as_json_does(value):
     for raw in (json.dumps(value).encode(), json.dumps(value, ensure_ascii=False).encode()):
         assert loads_request_json(raw) == value  # ensure_ascii=True sends 😀 as an escaped surrogate pair
+
+
+@pytest.mark.parametrize(
+    ("raw", "token"),
+    [
+        (b'{"temperature": NaN}', "NaN"),
+        (b'{"metadata": {"a": Infinity}}', "Infinity"),
+        (b'{"tools": [{"parameters": {"default": -Infinity}}]}', "-Infinity"),
+        (b'{"top_p": 1e400}', "1e400"),  # json.loads reads it as inf
+        (b"[-2.5e999]", "-2.5e999"),
+        ('{"a": NaN}'.encode("utf-16"), "NaN"),  # the json.loads path (msgspec reads UTF-8 only)
+    ],
+)
+def test_non_finite_numbers_are_refused_as_invalid_json(raw, token):
+    with pytest.raises(InvalidRequestError) as info:
+        loads_request_json(raw)
+    assert info.value.code == "invalid_json"
+    assert f"{token!r} is not a JSON number" in info.value.message
+
+
+def test_finite_floats_parse_as_json_does_on_both_paths():
+    value = {"a": [0.1, -2.5e-308, 1.7976931348623157e308, 3, "NaN"]}
+    raw = json.dumps(value).encode()
+    assert loads_request_json(raw) == value  # msgspec's path
+    assert loads_request_json(b"\xef\xbb\xbf" + raw) == value  # a BOM: json.loads's path, hooks on

@@ -83,6 +83,41 @@ def test_bad_bodies_get_openai_errors(server, content, status, code, param):
     assert_nothing_lost(server)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # Before: 500 (the Responses answer echoes metadata and tools; json.dumps refused the NaN in them)
+        ("/v1/responses", '{"model": "%s", "input": "hi", "max_output_tokens": 2, "metadata": {"a": NaN}}'),
+        (
+            "/v1/responses",
+            '{"model": "%s", "input": "hi", "max_output_tokens": 2, "tool_choice": "none", "tools": [{"type":'
+            ' "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"default": NaN}}}}]}',
+        ),
+        (URL, '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}'),
+        ("/v1/completions", '{"model": "%s", "prompt": "hi", "max_tokens": 2, "top_p": 1e400}'),
+        (
+            "/v1/messages",
+            '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -Infinity}',
+        ),
+    ],
+)
+def test_non_finite_numbers_are_invalid_json_on_every_face(server, path, body):
+    response = httpx.post(
+        server.base_url + path,
+        content=(body % TINY_MODEL).encode(),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    if path == "/v1/messages":
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        assert "is not a JSON number" in response.json()["error"]["message"]
+    else:
+        error = assert_openai_error(response, 400, "invalid_json", None)
+        assert "is not a JSON number" in error["message"]
+    assert_nothing_lost(server)
+
+
 def test_prompt_over_the_context_is_context_length_exceeded(server):
     long_text = "the quick brown fox jumps over the lazy dog " * 200  # far beyond the 512-token context
     for path, body, param in (

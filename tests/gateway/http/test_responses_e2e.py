@@ -139,6 +139,23 @@ def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, ext
         ),
         ({"model": TINY_MODEL, "input": "x", "tool_choice": "auto"}, None, "tool_choice"),
         ({"input": "x"}, "missing_required_parameter", "model"),
+        (  # Before: 200 (OpenAI: the format's name matches ^[a-zA-Z0-9_-]+$)
+            {
+                "model": TINY_MODEL,
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}},
+            },
+            "invalid_value",
+            "text.format.name",
+        ),
+        # Before: 200 with the value echoed back as the Response's metadata (OpenAI: string values only)
+        ({"model": TINY_MODEL, "input": "x", "metadata": {"a": 5}}, "invalid_type", "metadata.a"),
+        ({"model": TINY_MODEL, "input": "x", "metadata": "tag"}, "invalid_type", "metadata"),
+        (
+            {"model": TINY_MODEL, "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}},
+            "object_above_max_properties",
+            "metadata",
+        ),
     ],
 )
 def test_bad_bodies_get_openai_errors(server, body, code, param):
@@ -152,6 +169,58 @@ def test_store_false_is_accepted_and_store_is_reported_false(server, client):
     response = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2, store=False)
     assert response.store is False
     assert_no_block_in_use(server)
+
+
+def test_metadata_is_echoed_in_the_response(server, client):
+    metadata = {"run": "nightly", "team": "x" * 512}
+    response = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2, metadata=metadata)
+    assert response.metadata == metadata
+    assert_no_block_in_use(server)
+
+
+def test_logprobs_asked_by_include_come_back_as_the_chat_path_computes_them(server, client):
+    # Before: [] (the engine computed them for top_logprobs, the Response dropped them)
+    kwargs = {"model": TINY_MODEL, "max_output_tokens": 5, "temperature": 0}
+    for _ in range(2):  # the second is served the prompt's cached blocks, as every request below is
+        chat = client.chat.completions.create(
+            model=TINY_MODEL,
+            messages=[{"role": "user", "content": "Count to five"}],
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert len(expected) == chat.usage.completion_tokens and all(
+        len(e["top_logprobs"]) == 2 for e in expected
+    )
+    response = client.responses.create(
+        input="Count to five", include=["message.output_text.logprobs"], top_logprobs=2, **kwargs
+    )
+    assert [entry.model_dump() for entry in response.output[0].content[0].logprobs] == expected
+    with client.responses.stream(
+        input="Count to five", include=["message.output_text.logprobs"], top_logprobs=2, **kwargs
+    ) as stream:
+        done = [event for event in stream if event.type == "response.output_text.done"]
+    assert [entry.model_dump() for entry in done[0].logprobs] == expected
+    only_include = (
+        client.responses.create(input="Count to five", include=["message.output_text.logprobs"], **kwargs)
+        .output[0]
+        .content[0]
+        .logprobs
+    )
+    assert [(e.token, e.logprob, e.top_logprobs) for e in only_include] == [
+        (e["token"], e["logprob"], []) for e in expected
+    ]
+    plain = client.responses.create(input="Count to five", **kwargs)
+    assert plain.output[0].content[0].logprobs == []
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize(("include", "param"), [("logprobs", "include"), ([5], "include[0]")])
+def test_include_must_be_an_array_of_strings(server, include, param):
+    body = {"model": TINY_MODEL, "input": "x", "include": include}
+    openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400, code="invalid_type", param=param)
 
 
 def test_a_surrogate_in_a_responses_body_is_a_400(server):

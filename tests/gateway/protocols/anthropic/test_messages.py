@@ -354,6 +354,21 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
             ),
             "messages[1]",
         ),
+        # before: served (Anthropic answers 400 for an empty message or text block)
+        (lambda b: b["messages"][0].update(content=""), "messages[0]"),
+        (lambda b: b["messages"][0].update(content=[]), "messages[0]"),
+        (
+            lambda b: b["messages"][0].update(
+                content=[{"type": "text", "text": ""}, {"type": "text", "text": "x"}]
+            ),
+            "messages[0].content[0].text",
+        ),
+        (
+            lambda b: b["messages"].extend(
+                [{"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
+            ),
+            "messages[1]",
+        ),
     ],
 )
 def test_bad_bodies_name_the_field(change, param):
@@ -363,6 +378,22 @@ def test_bad_bodies_name_the_field(change, param):
         parse_messages_body(body)
     assert info.value.param == param and info.value.status_code == 400
     assert anthropic_error_body(info.value)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("content", ["", []])
+def test_only_a_final_assistant_message_may_be_empty(content):
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}],
+    }
+    assert [m["role"] for m in parse_messages_body(body).messages] == ["user", "assistant"]
+    body["messages"][0]["content"] = content
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages_body(body)
+    assert info.value.message == (
+        "messages[0]: all messages must have non-empty content except for the optional final assistant message"
+    )
 
 
 def test_non_object_body():

@@ -162,6 +162,22 @@ def test_content_parts_and_tool_messages_are_accepted():
             "missing_required_parameter",
         ),
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        (  # before: accepted (OpenAI: a json_schema name matches ^[a-zA-Z0-9_-]+$, 64 characters at most)
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
+            "response_format.json_schema.name",
+            "invalid_value",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n" * 65, "schema": {}}}},
+            "response_format.json_schema.name",
+            "string_above_max_length",
+        ),
+        ({"metadata": ["a"]}, "metadata", "invalid_type"),
+        ({"metadata": {"a": 5}}, "metadata.a", "invalid_type"),
+        ({"metadata": {"a": None}}, "metadata.a", "invalid_type"),
+        ({"metadata": {"a": "v" * 513}}, "metadata.a", "string_above_max_length"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata", "string_above_max_length"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "object_above_max_properties"),
     ],
 )
 def test_bad_chat_fields_are_400_with_param_and_code(fields, param, code):
@@ -171,6 +187,12 @@ def test_bad_chat_fields_are_400_with_param_and_code(fields, param, code):
     error = caught.value
     assert (error.status_code, error.param, error.code) == (400, param, code)
     assert error.openai_body()["error"]["type"] == "invalid_request_error"
+
+
+def test_metadata_within_openais_limits_is_accepted():
+    metadata = {f"k{i}": "v" * 512 for i in range(15)} | {"k" * 64: ""}
+    assert chat(metadata=metadata).openai_body["metadata"] == metadata
+    assert chat(metadata=None).openai_body["metadata"] is None
 
 
 def test_missing_model_and_messages():
