@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core.event_stream import encode_event
 from engine.api import SamplingParams
+from gateway.core.event_stream import encode_event
 from gateway.core.request import ChatRequest
 from gateway.protocols.openai.render import ContentChunkFrames, ResponseMeta, chat_chunk
 
