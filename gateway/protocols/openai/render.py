@@ -175,8 +175,8 @@ def chat_chunk(
 
 
 _CONTENT_SLOT = "\ufdd0prefixgate-content-slot\ufdd0"
-"""A stand-in for a chunk's content while its frame is cut out (U+FDD0 is a noncharacter: no model name or
-fingerprint the frame is built from holds it, and ``ContentChunkFrames`` checks that it occurs once)."""
+"""A stand-in for a chunk's content while its frame is cut out (U+FDD0 is a noncharacter, so no real model name
+or fingerprint is this string; ``ContentChunkFrames`` checks that its JSON string occurs once in the chunk)."""
 
 
 class ContentChunkFrames:
@@ -201,7 +201,7 @@ class ContentChunkFrames:
         frame = self._frames.get(index, False)
         if frame is False:
             frame = self._frames[index] = self._frame(index)
-        if frame is None:  # the slot was not found once (never, short of a name holding U+FDD0): no shortcut
+        if frame is None:  # a header field is the slot's very string: no frame, the general path
             return encode_event(chat_chunk(self._meta, {"content": text}, index=index))
         return b"".join((frame[0], encode_event_value(text), frame[1]))
 
