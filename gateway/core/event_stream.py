@@ -34,3 +34,10 @@ def encode_event(data: Any, event: str | None = None) -> bytes:
     bytes). U+0085, U+2028 and U+2029 are written as JSON escapes (see the module docstring)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {compact_json(data).translate(_LINE_SEPARATORS)}\n\n".encode()
+
+
+def encode_event_value(value: Any) -> bytes:
+    """The bytes ``encode_event`` writes for ``value`` where it stands inside an event's data (compact JSON,
+    U+0085 / U+2028 / U+2029 escaped, UTF-8): a piece of an event that is put together from a cached frame
+    (``gateway.protocols.openai.render.ContentChunkFrames``)."""
+    return compact_json(value).translate(_LINE_SEPARATORS).encode()

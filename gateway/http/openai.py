@@ -33,6 +33,7 @@ from gateway.http.request_context import (
 )
 from gateway.protocols.openai.parse import parse_chat_request, parse_completion_request
 from gateway.protocols.openai.render import (
+    ContentChunkFrames,
     ResponseMeta,
     chat_choice,
     chat_chunk,
@@ -57,6 +58,7 @@ async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[by
     first = opened.first_event
     starts_with_tools = isinstance(first, Delta) and bool(first.tool_calls) and not first.text
     choices = opened.request.params.n
+    frames = ContentChunkFrames(meta)
     for index in range(choices):
         role: dict[str, Any] = {
             "role": "assistant",
@@ -67,6 +69,9 @@ async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[by
     async with aclosing(_guarded(opened)) as events:
         async for event in events:
             if isinstance(event, Delta):
+                if event.text and not event.tool_calls and not event.logprobs:  # a token's text: most events
+                    yield frames.content(event.text, event.index)
+                    continue
                 delta: dict[str, Any] = {}
                 if event.text:
                     delta["content"] = event.text
