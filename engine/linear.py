@@ -8,8 +8,16 @@ token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` there
 - ``DenseWeight``: fp32 (or the model dtype), stored transposed; the reference.
 - ``BF16Weight``: dense bf16 with ``F.linear`` (oneDNN bf16 GEMM); fp32 in and out.
 - ``Int4Weight``: 4-bit codes in groups of 32 with a scale and zero each (the GGUF's Q4_0/Q4_1 blocks, exact)
-  on torch's int4 weight-only kernel.
-- ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact, as two 4-bit planes on the same kernel.
+  on a weight-only kernel: the native one (``engine.native_linear``: fp32 activations, exact f16 scales, fp32
+  output) where ``engine.linear_kernel`` gives one, else torch's int4 kernel (bf16 activations, scales and
+  output).
+- ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact: the native kernel's int8 path, or two 4-bit planes
+  on torch's int4 kernel.
+
+The tables below are torch's kernels; the native kernel against torch's int4 kernel (same rows, streamed weights,
+thread CPU time) is in ``docs/engine-step.md`` ("The native linear kernel"): at 1-8 rows it takes ~0.7-0.75x the
+time of torch's int4 kernel for the 30 layers and ~0.45x for the Q8_0 head, so ``engine.linear_kernel: auto``
+picks it wherever it builds; the dense prefill copy still serves prompt rows.
 
 Kernel choice per row count (first measured on a CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
 layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
