@@ -180,7 +180,7 @@ def load_checkpoint(
     release_freed_heap()
     formats = model.weight_formats
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
-    if plan.linear_kernel is not None:
+    if any(getattr(m, "fp32_kernel", False) for m in model.modules()):
         variant += "/native-linear"
     model_id = model_id_for(resolved.name, config, files, variant)
     return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))
