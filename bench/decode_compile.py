@@ -107,11 +107,35 @@ def decode_meta(
 
 
 def _int4(lin: LinearWeight) -> Int4Weight:
-    """The ``Int4Weight`` running ``lin`` (an ``Int8Weight``'s two planes are one); TypeError otherwise."""
+    """The ``Int4Weight`` running ``lin`` on torch's int4 kernel (an ``Int8Weight``'s two planes are one);
+    TypeError otherwise (the compile and attention A/Bs load the model with ``linear_kernel="torch"``)."""
     inner = lin.inner if isinstance(lin, Int8Weight) else lin
-    if not isinstance(inner, Int4Weight):
-        raise TypeError(f"{type(lin).__name__} is not an int4/int8 weight-only linear (use --weights auto)")
+    if not isinstance(inner, Int4Weight) or inner.packed is None:
+        raise TypeError(f"{type(lin).__name__} is not an int4/int8 linear on torch's kernel (--weights auto)")
     return inner
+
+
+def _quantized(lin: LinearWeight) -> Int4Weight | Int8Weight:
+    """``lin`` if it is an int4/int8 weight-only linear (either kernel); TypeError otherwise."""
+    if not isinstance(lin, Int4Weight | Int8Weight):
+        raise TypeError(f"{type(lin).__name__} is not an int4/int8 weight-only linear (use --weights auto)")
+    return lin
+
+
+def _kernel_input(lin: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype ``lin``'s kernel takes (fp32 native, bf16 torch's; ``[x, x]`` for torch's Q8_0
+    planes), so a timed loop of ``kernel_call`` times the kernel alone, as a step calls it."""
+    return x.float() if lin.fp32_kernel else x.to(torch.bfloat16)
+
+
+def kernel_call(lin: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
+    """The weight-only kernel of ``lin`` on ``x`` (``_kernel_input``'s dtype)."""
+    if lin.fp32_kernel:
+        return lin.native.mm(lin.native_packed, x)
+    inner = _int4(lin)
+    if isinstance(lin, Int8Weight):
+        x = torch.cat([x, x], dim=-1)
+    return torch._weight_int4pack_mm_for_cpu(x, inner.packed, 32, inner.scale_zero_bf16)
 
 
 def breakdown(
@@ -129,20 +153,20 @@ def breakdown(
     c = model.config
     bps = -(-(context + 64) // BLOCK)
     kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
-    lins = [_int4(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
-    lins.append(_int4(model.lm_head))
+    lins = [_quantized(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
+    lins.append(_quantized(model.lm_head))
     out = {}
     for name, b, shared in (("b1", 1, 0), ("b8", 8, 0), ("b8s", 8, context // BLOCK - 4)):
         meta, pos = decode_meta(b, context, bps, shared, decode_kernel)
         tok = torch.randint(100, 1000, (b,))
-        xs = [torch.randn(b, lin.in_features).to(torch.bfloat16) for lin in lins]
+        xs = [_kernel_input(lin, torch.randn(b, lin.in_features)) for lin in lins]
         plan = plan_attention(meta, model.device, kv.shape[2], cache_dtype=kv.dtype)
         q = torch.randn(b, c.num_heads, c.head_dim)
         k, v = torch.randn(2, b, c.num_kv_heads, c.head_dim)
 
         def int4_only(xs=xs) -> None:
             for lin, x in zip(lins, xs, strict=True):
-                torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+                kernel_call(lin, x)
 
         def attn_only(q=q, k=k, v=v, plan=plan) -> None:
             for i in range(c.num_layers):
@@ -151,9 +175,9 @@ def breakdown(
         def int4_attn(xs=xs, q=q, k=k, v=v, plan=plan) -> None:
             for i in range(c.num_layers):
                 for lin, x in zip(lins[4 * i : 4 * i + 4], xs[4 * i : 4 * i + 4], strict=True):
-                    torch._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zero_bf16)
+                    kernel_call(lin, x)
                 paged_attention(q, k, v, kv[i], plan, c.head_dim**-0.5, torch.bfloat16)
-            torch._weight_int4pack_mm_for_cpu(xs[-1], lins[-1].packed, 32, lins[-1].scale_zero_bf16)
+            kernel_call(lins[-1], xs[-1])
 
         fns = {
             "full": lambda tok=tok, pos=pos, meta=meta: model.compute_logits(model(tok, pos, kv, meta)),
@@ -165,6 +189,38 @@ def breakdown(
         row["attn_in_step"] = row.pop("int4_attn") - row["int4_only"]
         row["rest"] = row["full"] - row["int4_only"] - row["attn_in_step"]
         out[name] = row
+    return out
+
+
+def linear_ab(
+    models: dict[str, LlamaModel], context: int, rounds: int, clock, decode_kernel=None
+) -> dict[str, dict[str, float]]:
+    """ms per decode step (median) of the same model loaded with each linear kernel (``models``: name ->
+    model, e.g. ``torch`` / ``native``), interleaved: ``full_<name>`` (forward + logits) and ``lin_<name>``
+    (the step's 121 weight-only kernel calls alone, inputs in the kernel's dtype); rows ``b1`` and ``b8``
+    (8 private contexts), ``b4`` too."""
+    c = next(iter(models.values())).config
+    bps = -(-(context + 64) // BLOCK)
+    kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
+    out = {}
+    for name, b in (("b1", 1), ("b4", 4), ("b8", 8)):
+        meta, pos = decode_meta(b, context, bps, 0, decode_kernel)
+        tok = torch.randint(100, 1000, (b,))
+        fns = {}
+        for kname, model in models.items():
+            lins = [_quantized(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
+            lins.append(_quantized(model.lm_head))
+            xs = [_kernel_input(lin, torch.randn(b, lin.in_features)) for lin in lins]
+
+            def lin_only(lins=lins, xs=xs) -> None:
+                for lin, x in zip(lins, xs, strict=True):
+                    kernel_call(lin, x)
+
+            fns[f"full_{kname}"] = lambda m=model, tok=tok, pos=pos, meta=meta: m.compute_logits(
+                m(tok, pos, kv, meta)
+            )
+            fns[f"lin_{kname}"] = lin_only
+        out[name] = interleaved_ms(fns, rounds, 1, clock)
     return out
 
 
@@ -391,6 +447,16 @@ def main() -> None:
     ap.add_argument(
         "--decode-kernel", default="auto", help="--breakdown: engine.decode_kernel (auto | native | torch)"
     )
+    ap.add_argument(
+        "--linear-kernel",
+        default="auto",
+        help="--breakdown: engine.linear_kernel (auto | native | torch); the A/Bs below use torch's",
+    )
+    ap.add_argument(
+        "--linear-ab",
+        action="store_true",
+        help="whole steps and linears alone, the model on torch's int4 kernel against the native one, interleaved",
+    )
     ap.add_argument("--context", type=int, default=1070)
     ap.add_argument("--threads", type=int, default=None, help="torch threads; 1 = timed by thread CPU time")
     ap.add_argument("--batches", default="1,8", help="compile A/B: batch sizes, in order")
@@ -411,8 +477,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     torch.set_grad_enabled(False)
-    model = load_checkpoint(default_model_path(), weights=args.weights).model
-    if args.attention_ab:
+    kernel_setting = args.linear_kernel if args.breakdown else "torch"
+    model = load_checkpoint(default_model_path(), weights=args.weights, linear_kernel=kernel_setting).model
+    if args.linear_ab:
+        native = load_checkpoint(default_model_path(), weights=args.weights, linear_kernel="native").model
+        with torch.inference_mode(), bench_lock(args.lock):
+            load = os.getloadavg()[0]
+            c = model.config
+            kernel = resolve_decode_kernel(
+                args.decode_kernel, model.device, c.num_heads // c.num_kv_heads, c.head_dim
+            )
+            res = linear_ab({"torch": model, "native": native}, args.context, 15, clock, kernel)
+    elif args.attention_ab:
         with torch.inference_mode(), bench_lock(args.lock):
             load = os.getloadavg()[0]
             res = attention_ab(model, args.attention_ab, args.context, 11, clock)
@@ -434,6 +510,7 @@ def main() -> None:
         print(f"{name:<15}" + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
     info["decode_kernel"] = args.decode_kernel
+    info["linear_kernel"] = "torch vs native" if args.linear_ab else kernel_setting
     print(json.dumps({"result": res, **info, "dynamic": args.dynamic, "mode": args.mode}))
 
 

@@ -7,6 +7,9 @@ paged KV cache (fewer rows than ``dense_min_rows``, so the weight-only kernels r
 every generated position is compared with the reference token (teacher forcing: one disagreement does not
 derail the rest).
 
+``--linear-kernel`` (``engine.linear_kernel``): ``torch`` = torch's int4 kernel (bf16 activations, scales and
+outputs), ``native`` = ``engine.native_linear`` (fp32, exact scales); ``auto`` = native where it builds.
+
 Run: ``python -m bench.weight_agreement [--prompts 20 --positions 100]`` (the issue's >= 2,000 positions over
 >= 20 prompts; a few minutes on 2 cores). Prints each prompt's agreement, the total, the positions that
 disagree, and one JSON line (last) with ``agree``, ``total``, ``agreement``.
@@ -87,6 +90,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="a .gguf file or 'default' (SmolLM2 Q4_1)")
     ap.add_argument("--weights", default="auto", help="engine.weights of the model under test")
+    ap.add_argument(
+        "--linear-kernel",
+        default="auto",
+        help="engine.linear_kernel of the model under test (auto | native | torch: engine.native_linear)",
+    )
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--positions", type=int, default=100)
     ap.add_argument("--threads", type=int, default=None)
@@ -94,15 +102,27 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = default_model_path() if args.model == "default" else args.model
-    ck = load_checkpoint(path, weights=args.weights)
+    ck = load_checkpoint(path, weights=args.weights, linear_kernel=args.linear_kernel)
     ref = load_checkpoint(path, weights="float32")
     prompts = chat_prompts(ref, args.prompts)
     agree, total, misses = teacher_forced_agreement(ck, ref, prompts, args.positions)
-    print(f"weights {args.weights} ({ck.model.weight_formats}) vs float32 reference of the same weights")
+    print(
+        f"weights {args.weights} ({ck.model.weight_formats}, linear kernel {args.linear_kernel}) vs float32 "
+        "reference of the same weights"
+    )
     print(f"top-1 agreement: {agree} / {total} = {agree / total:.4f} over {len(prompts)} prompts")
     print(f"disagreeing (prompt, position): {misses}")
     result = {"agree": agree, "total": total, "agreement": round(agree / total, 5), "prompts": len(prompts)}
-    print(json.dumps(result | {"weights": args.weights, "formats": ck.model.weight_formats}))
+    print(
+        json.dumps(
+            result
+            | {
+                "weights": args.weights,
+                "linear_kernel": args.linear_kernel,
+                "formats": ck.model.weight_formats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

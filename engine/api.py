@@ -315,6 +315,13 @@ class EngineConfig:
             once), ``torch`` = torch's chunked kernels (``engine.chunked_decode``), ``auto`` = native where it
             builds, else torch. Prompt tokens always take the prefill path. Either keeps batched == alone.
             ``native`` where it cannot be built is a start-up error naming the reason.
+        linear_kernel: the weight-only kernel of int4/int8 linears (generated tokens' rows, the LM head),
+            ``auto | native | torch``: ``native`` = the C kernel on the GGUF's own codes with fp32 activations,
+            exact scales and fp32 output (``engine.native_linear``: built once per machine with the system C
+            compiler; x86-64 CPUs with AVX-512 and F16C), ``torch`` = torch's int4 kernel (bf16 activations,
+            scales and output), ``auto`` = native where it builds, else torch. Applied when the checkpoint is
+            loaded, like ``weights`` and ``dense_min_rows``; prompt tokens keep the dense prefill copy. Either
+            keeps batched == alone. ``native`` where it cannot be built is a start-up error naming the reason.
     """
 
     block_size: int = 16
@@ -344,10 +351,14 @@ class EngineConfig:
     shared_prefix_attention: bool = True
     enable_partial_prefix_hits: bool = True
     decode_kernel: str = "auto"
+    linear_kernel: str = "auto"
 
 
 DECODE_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.decode_kernel``'s values (``engine.native_decode``)."""
+
+LINEAR_KERNELS = ("auto", "native", "torch")
+"""``EngineConfig.linear_kernel``'s values (``engine.native_linear``)."""
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     weights: str = "float32",
     dense_min_rows: int | None = DENSE_MIN_ROWS,
+    linear_kernel: str = "auto",
 ) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
 
@@ -132,6 +133,9 @@ def load_checkpoint(
         weights: weight format, ``engine.weight_format.WEIGHT_FORMATS`` (default ``float32``: everything
             dequantized, the reference). The format is part of ``model_id`` (its KV differs).
         dense_min_rows: see ``engine.weight_format.WeightPlan``.
+        linear_kernel: the kernel of int4/int8 linears' generated-token rows and LM head, ``auto | native |
+            torch`` (``engine.native_linear``; ``engine.linear_kernel``). Part of ``model_id`` when native (a
+            generated token's K/V differs).
 
     Raises:
         UnsupportedModelError: missing path, unknown file type, garbage file, unsupported architecture, tensor
@@ -143,7 +147,7 @@ def load_checkpoint(
 
     resolved = Path(default_model_path() if path == "default" else path)
     dev = resolve_device(device)
-    plan = resolve(weights, dev, dtype, dense_min_rows)
+    plan = resolve(weights, dev, dtype, dense_min_rows, linear_kernel)
     keep = plan.weights != "float32"
     gg = hf = None
     if not resolved.exists():
@@ -176,5 +180,7 @@ def load_checkpoint(
     release_freed_heap()
     formats = model.weight_formats
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
+    if any(getattr(m, "fp32_kernel", False) for m in model.modules()):
+        variant += "/native-linear"
     model_id = model_id_for(resolved.name, config, files, variant)
     return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))

@@ -8,8 +8,16 @@ token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` there
 - ``DenseWeight``: fp32 (or the model dtype), stored transposed; the reference.
 - ``BF16Weight``: dense bf16 with ``F.linear`` (oneDNN bf16 GEMM); fp32 in and out.
 - ``Int4Weight``: 4-bit codes in groups of 32 with a scale and zero each (the GGUF's Q4_0/Q4_1 blocks, exact)
-  on torch's int4 weight-only kernel.
-- ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact, as two 4-bit planes on the same kernel.
+  on a weight-only kernel: the native one (``engine.native_linear``: fp32 activations, exact f16 scales, fp32
+  output) where ``engine.linear_kernel`` gives one, else torch's int4 kernel (bf16 activations, scales and
+  output).
+- ``Int8Weight``: Q8_0 (int8 codes, a scale per 32) exact: the native kernel's int8 path, or two 4-bit planes
+  on torch's int4 kernel.
+
+The tables below are torch's kernels; the native kernel against torch's int4 kernel (same rows, streamed weights,
+thread CPU time) is in ``docs/engine-step.md`` ("The native linear kernel"): at 1-8 rows it takes ~0.7-0.75x the
+time of torch's int4 kernel for the 30 layers and ~0.45x for the Q8_0 head, so ``engine.linear_kernel: auto``
+picks it wherever it builds; the dense prefill copy still serves prompt rows.
 
 Kernel choice per row count (first measured on a CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
 layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
@@ -96,11 +104,19 @@ in bytes read per token (each step reads one copy).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import logging
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.native_linear import pack_int4, pack_int8
+
+if TYPE_CHECKING:
+    from engine.native_linear import NativeLinearKernel
+
+log = logging.getLogger(__name__)
 
 PACKED_ROWS = range(2, 49)  # row counts served by the prepacked copy (decode batches)
 _PACK_FOR_ROWS = 8
@@ -292,6 +308,18 @@ def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) ->
     return torch._weight_int4pack_mm(x, packed, GROUP, scale_zero)
 
 
+def _native_pack(native, groups, device: torch.device, pack):
+    """(kernel, packed weight) for the native kernel, or (None, None) where there is none, the weight is not
+    on CPU, or its scales are not the GGUF's f16 values (then torch's kernel runs it; logged)."""
+    if native is None or torch.device(device).type != "cpu":
+        return None, None
+    try:
+        return native, pack(groups)
+    except ValueError as exc:
+        log.info("a %d x %d weight stays on torch's int4 kernel: %s", *groups.q.shape, exc)
+        return None, None
+
+
 GROUP = 32  # weights per quantization group (one GGUF block)
 DENSE_MIN_ROWS = (
     10  # default: a quantized linear with a dense copy uses it from this many rows up (docstring)
@@ -323,39 +351,67 @@ class Int4Weight(nn.Module):
         device: torch.device,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
         dense_dtype: torch.dtype = torch.bfloat16,
+        native: NativeLinearKernel | None = None,
     ) -> None:
         super().__init__()
         n, k = groups.q.shape
         if k % GROUP:
             raise ValueError(f"int4 weights need in_features % {GROUP} == 0, got {k}")
         self.out_features, self.in_features = n, k
-        self.packed = _int4_pack(groups.q, device)
-        sz = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).contiguous()  # [K/32, N, 2]
-        self.scale_zero = sz.to(device)  # fp32: the exact values (tests, fp32 activations)
-        self.scale_zero_bf16 = sz.to(device=device, dtype=torch.bfloat16)
+        self.native, self.native_packed = _native_pack(native, groups, device, pack_int4)
+        self.packed: torch.Tensor | None = None
+        self.scale_zero: torch.Tensor | None = None
+        self.scale_zero_bf16: torch.Tensor | None = None
+        if self.native is None:
+            self.packed = _int4_pack(groups.q, device)
+            sz = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).contiguous()  # [K/32, N, 2]
+            self.scale_zero = sz.to(device)  # fp32: the exact values (tests, fp32 activations)
+            self.scale_zero_bf16 = sz.to(device=device, dtype=torch.bfloat16)
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.dense_min_rows = dense_min_rows
         self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes one decode step reads: packed codes and bf16 scale/zero (and bias)."""
-        n = self.packed.numel() * self.packed.element_size() + self.scale_zero_bf16.numel() * 2
+        """Bytes one decode step reads: packed codes and scales (bf16 scale/zero for torch's kernel, the GGUF's
+        f16 ``d``/``m`` for the native one), and bias."""
+        if self.native_packed is not None:
+            n = self.native_packed.nbytes
+        else:
+            n = self.packed.numel() * self.packed.element_size() + self.scale_zero_bf16.numel() * 2
         return n + (0 if self.bias is None else self.bias.numel() * 4)
+
+    @property
+    def fp32_kernel(self) -> bool:
+        """Whether the weight-only kernel is the native one (fp32 activations, exact scales, fp32 output)."""
+        return self.native is not None
+
+    def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight-only kernel alone on ``x`` ``[M, in]``: the native kernel (fp32 in and out) or torch's
+        int4 kernel (bf16 in and out), no bias. Returns ``[M, out]`` (fp32 or bf16)."""
+        if self.native is not None:
+            return self.native.mm(self.native_packed, x)
+        return _int4_mm(x.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
 
     def forward(self, x: torch.Tensor, exact: bool = False, dense: bool | None = None) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype. ``exact`` runs the kernel on fp32 activations
-        and fp32 scale/zero (slow on CPU; tests). ``dense``: True = the dense copy (when there is one), False =
-        the int4 kernel, None = by row count (``dense_min_rows``); the engine chooses per row
-        (``forward_rows``)."""
+        and fp32 scale/zero (torch's kernel: slow on CPU, tests; the native kernel always does). ``dense``:
+        True = the dense copy (when there is one), False = the weight-only kernel, None = by row count
+        (``dense_min_rows``); the engine chooses per row (``forward_rows``)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if exact:
-            y = _int4_mm(x2.float(), self.packed, self.scale_zero)
-        elif self.dense is not None and (x2.shape[0] >= self.dense_min_rows if dense is None else dense):
+        if (
+            self.dense is not None
+            and not exact
+            and (x2.shape[0] >= self.dense_min_rows if dense is None else dense)
+        ):
             y = _dense_mm(x2, self.dense)
+        elif exact and self.native is None:
+            y = _int4_mm(x2.float(), self.packed, self.scale_zero)
+        elif x2.shape[0] == 0:
+            y = x2.new_zeros(0, self.out_features)
         else:
-            y = _int4_mm(x2.to(torch.bfloat16), self.packed, self.scale_zero_bf16)
+            y = self.kernel_mm(x2)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y.add_(self.bias.to(y.dtype))
@@ -364,21 +420,26 @@ class Int4Weight(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out, in]`` as the kernel sees it: the kernel applied to the identity with fp32 activations
         and scale/zero (one nonzero product per output, so no rounding beyond the weight's own)."""
+        if self.native is not None:
+            return self.native.mm(self.native_packed, torch.eye(self.in_features)).t().contiguous()
         eye = torch.eye(self.in_features, device=self.packed.device)
         return _int4_mm(eye, self.packed, self.scale_zero).t().contiguous()
 
 
 class Int8Weight(nn.Module):
-    """An 8-bit weight-only linear for Q8_0 groups (``w = q * d``, ``q`` int8, ``d`` per 32 weights), exact,
-    on torch's int4 kernel: with ``u = q + 128 = 16 hi + lo`` (``hi, lo`` in ``0..15``),
-    ``d q = (hi - 8) * 16 d + (lo - 8) * d + 8 d``, i.e. two 4-bit planes with scales ``16 d`` / ``d`` and zeros
-    ``0`` / ``8 d``, laid side by side along ``in_features`` so ONE kernel call on ``[x, x]`` sums both in fp32.
-    It reads 1 byte per weight like an int8 kernel; torch's own ``_weight_int8pack_mm`` has one scale per
-    output row only (Q8_0's groups would have to be re-quantized) and was slower here (module docstring).
+    """An 8-bit weight-only linear for Q8_0 groups (``w = q * d``, ``q`` int8, ``d`` per 32 weights), exact.
+
+    With the native kernel (``native``; ``engine.native_linear``): the int8 codes and f16 ``d`` as they are,
+    fp32 activations and output. Else on torch's int4 kernel: with ``u = q + 128 = 16 hi + lo`` (``hi, lo`` in
+    ``0..15``), ``d q = (hi - 8) * 16 d + (lo - 8) * d + 8 d``, i.e. two 4-bit planes with scales ``16 d`` / ``d``
+    and zeros ``0`` / ``8 d``, laid side by side along ``in_features`` so ONE kernel call on ``[x, x]`` sums both
+    in fp32 (``inner``). Either reads 1 byte per weight like an int8 kernel; torch's own ``_weight_int8pack_mm``
+    has one scale per output row only (Q8_0's groups would have to be re-quantized) and was slower here (module
+    docstring).
 
     Args:
         groups: ``engine.quantized.Int8Groups`` ``[out, in]``.
-        bias, device, dense_min_rows: as ``Int4Weight``.
+        bias, device, dense_min_rows, dense_dtype, native: as ``Int4Weight``.
     """
 
     def __init__(
@@ -388,35 +449,63 @@ class Int8Weight(nn.Module):
         device: torch.device,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
         dense_dtype: torch.dtype = torch.bfloat16,
+        native: NativeLinearKernel | None = None,
     ) -> None:
         super().__init__()
         from engine.quantized import Int4Groups
 
-        u = (groups.q.to(torch.int16) + 128).to(torch.uint8)
-        planes = Int4Groups(
-            torch.cat([u >> 4, u & 15], dim=1),
-            torch.cat([groups.scale * 16, groups.scale], dim=1),
-            torch.cat([torch.zeros_like(groups.scale), groups.scale * 8], dim=1),
-        )
-        self.inner = Int4Weight(planes, bias, device, None)
         self.out_features, self.in_features = groups.q.shape
+        self.native, self.native_packed = _native_pack(native, groups, device, pack_int8)
+        self.inner: Int4Weight | None = None
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
+        if self.native is None:
+            u = (groups.q.to(torch.int16) + 128).to(torch.uint8)
+            planes = Int4Groups(
+                torch.cat([u >> 4, u & 15], dim=1),
+                torch.cat([groups.scale * 16, groups.scale], dim=1),
+                torch.cat([torch.zeros_like(groups.scale), groups.scale * 8], dim=1),
+            )
+            self.inner = Int4Weight(planes, bias, device, None)
         self.dense_min_rows = dense_min_rows
         self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.inner.nbytes
+        if self.inner is not None:
+            return self.inner.nbytes
+        return self.native_packed.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
+
+    @property
+    def fp32_kernel(self) -> bool:
+        """As ``Int4Weight.fp32_kernel``."""
+        return self.native is not None
+
+    def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """As ``Int4Weight.kernel_mm`` (torch's kernel: on the two planes, ``[x, x]``)."""
+        if self.native is not None:
+            return self.native.mm(self.native_packed, x)
+        return self.inner.kernel_mm(torch.cat([x, x], dim=-1))
 
     def forward(self, x: torch.Tensor, exact: bool = False, dense: bool | None = None) -> torch.Tensor:
         """As ``Int4Weight.forward``."""
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         if not exact and self.dense is not None and (rows >= self.dense_min_rows if dense is None else dense):
             y = _dense_mm(x, self.dense).to(x.dtype)
-            return y if self.inner.bias is None else y.add_(self.inner.bias.to(y.dtype))
-        return self.inner.forward(torch.cat([x, x], dim=-1), exact)
+            return y if self.bias is None else y.add_(self.bias.to(y.dtype))
+        if self.inner is not None:
+            return self.inner.forward(torch.cat([x, x], dim=-1), exact)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = x2.new_zeros(0, self.out_features) if rows == 0 else self.kernel_mm(x2)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y.add_(self.bias.to(y.dtype))
+        return y.view(*shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 ``[out, in]`` as the kernel sees it (both planes summed; exact)."""
+        """fp32 ``[out, in]`` as the kernel sees it (exact; torch's kernel: both planes summed)."""
+        if self.native is not None:
+            return self.native.mm(self.native_packed, torch.eye(self.in_features)).t().contiguous()
         w = self.inner.dequantize()
         return w[:, : self.in_features] + w[:, self.in_features :]
 
@@ -449,13 +538,16 @@ def bf16_in_out(linear: LinearWeight) -> bool:
     no fp32 step after it (no fp32 bias add, no fp32 dense copy): then feeding it bf16 and keeping its bf16
     output is bit-identical to the fp32 round trip, and a decoder layer may skip both casts
     (``engine.model.DecoderLayer``). True for ``BF16Weight`` and for bias-free ``Int4Weight`` / ``Int8Weight``
-    whose dense prefill copy (if any) is bf16; False for ``DenseWeight`` and anything else."""
+    on torch's int4 kernel whose dense prefill copy (if any) is bf16; False for those on the native kernel
+    (fp32 in and out: ``engine.native_linear``), ``DenseWeight`` and anything else."""
     if isinstance(linear, BF16Weight):
         return True
-    if isinstance(linear, Int8Weight):
-        return linear.inner.bias is None and (linear.dense is None or linear.dense.dtype == torch.bfloat16)
-    if isinstance(linear, Int4Weight):
-        return linear.bias is None and (linear.dense is None or linear.dense.dtype == torch.bfloat16)
+    if isinstance(linear, Int4Weight | Int8Weight):
+        return (
+            not linear.fp32_kernel
+            and linear.bias is None
+            and (linear.dense is None or linear.dense.dtype == torch.bfloat16)
+        )
     return False
 
 

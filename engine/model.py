@@ -223,12 +223,12 @@ class LlamaModel(nn.Module):
         # a Q8_0 head on its two 4-bit planes took 14.5 ms per row against 7 ms for the exact fp32 weight
         # (SmolLM2, one thread, AVX2 EPYC), so the head runs dense fp32 there.
         head_kind = "float32" if plan.dense_dtype == torch.float32 else plan.weights
-        head_plan = WeightPlan(head_kind, plan.device, None, plan.dtype)
+        head_plan = WeightPlan(head_kind, plan.device, None, plan.dtype, linear_kernel=plan.linear_kernel)
         self.lm_head: LinearWeight = head_plan.build_linear([head], None, "lm_head")
-        # a quantized head's kernel returns bf16 logits (resolution 1/8 at |logit| ~ 20): the top candidates
-        # are rescored from the exact fp32 rows of the head (``compute_logits``)
+        # torch's int4 kernel returns bf16 logits (resolution 1/8 at |logit| ~ 20): the top candidates are
+        # rescored from the exact fp32 rows of the head (``compute_logits``); the native kernel's are fp32
         self.head_rows: nn.Module | None = None
-        if isinstance(self.lm_head, Int4Weight | Int8Weight):
+        if isinstance(self.lm_head, Int4Weight | Int8Weight) and not self.lm_head.fp32_kernel:
             self.head_rows = self.embed if config.tie_word_embeddings else plan.build_embedding(head)
             if not isinstance(self.head_rows, GroupedEmbedding):
                 self.head_rows = None
@@ -312,7 +312,9 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab_size]`` float32 of hidden rows ``[N, hidden_size]`` (pass only the rows needed).
 
-        With a quantized head (``Int4Weight`` / ``Int8Weight``) the weight-only kernel takes bf16 activations and
+        With a quantized head (``Int4Weight`` / ``Int8Weight``) on the native kernel (``engine.native_linear``) the
+        logits are fp32 of fp32 activations and exact scales: an fp32 product of the dequantized head up to
+        summation order, nothing to rescore. On torch's int4 kernel it takes bf16 activations and
         returns bf16 logits: rounded to 8 significant bits, two candidates 0.1 apart at a logit of 20 can swap.
         The ``RESCORE_TOP_K`` largest logits of each row are therefore recomputed in fp32 from the head's exact
         rows (``GroupedEmbedding``, decoded from the same blocks, bit-exact) against the fp32 hidden state, so

@@ -10,7 +10,8 @@ prefix (batched == alone, bit for bit). Measured: docs/engine-step.md ("The nati
 
 Built with the system C compiler (``$CC``, else ``cc``) into ``$PREFIXGATE_KERNEL_DIR`` (default
 ``~/.cache/prefixgate/kernels``), named by a hash of the source, the flags and the compiler's version, written
-to a temporary name and renamed (a half-written library is never loaded); ~1 s once per machine, at engine
+to a temporary name and renamed (a half-written library is never loaded; ``engine.native_build``); ~1 s once
+per machine, at engine
 start, never per request. Only the AVX-512 build is used (``NativeDecodeKernel.build``): on AVX2 the 16-lane
 vectors it is written in are split in two and it measured slower than torch's path, so those CPUs keep
 torch's (``engine.decode_kernel: auto``). A new build is checked against a float64 reference on random inputs
@@ -24,17 +25,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from engine import native_build
 from engine.api import DECODE_KERNELS
+from engine.native_build import NativeKernelError
 
 logger = logging.getLogger(__name__)
 
@@ -54,29 +52,17 @@ FLAGS = (
 LIBS: tuple[str, ...] = ()
 
 
-class NativeKernelError(RuntimeError):
-    """The native decode kernel cannot be built or loaded here (``engine.decode_kernel: native``)."""
-
-
 def kernel_dir() -> Path:
-    """Where built kernels are kept: ``$PREFIXGATE_KERNEL_DIR``, else ``~/.cache/prefixgate/kernels``."""
-    env = os.environ.get("PREFIXGATE_KERNEL_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "prefixgate" / "kernels"
+    """Where built kernels are kept (``engine.native_build.kernel_dir``)."""
+    return native_build.kernel_dir()
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    return native_build.compiler()
 
 
 def _cpu_ok() -> tuple[bool, str]:
-    from engine.weight_format import cpu_flags
-
-    if os.uname().machine != "x86_64":
-        return False, f"a {os.uname().machine} CPU (the kernel is built for x86-64 AVX-512)"
-    missing = {"avx512f", "avx512bw", "avx512vl", "fma"} - cpu_flags()
-    if missing:
-        return False, f"no {', '.join(sorted(missing))} on this CPU"
-    return True, ""
+    return native_build.cpu_ok(native_build.AVX512)
 
 
 class NativeDecodeKernel:
@@ -138,22 +124,10 @@ class NativeDecodeKernel:
         cc = _compiler()
         if cc is None:
             raise NativeKernelError("no C compiler (set CC, or install gcc)")
-        try:
-            version = subprocess.run(
-                [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
-            ).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeKernelError(f"the C compiler {cc} does not run: {exc}") from exc
         shape = (
             () if group is None or head_dim is None else (f"-DPD_GROUP={group}", f"-DPD_HEAD_DIM={head_dim}")
         )
-        flags = (*FLAGS, *shape)
-        source = SOURCE.read_bytes()
-        digest = hashlib.sha256(source + repr((flags, LIBS, version)).encode()).hexdigest()[:16]
-        directory = kernel_dir() if directory is None else directory
-        target = directory / f"paged_decode-{digest}.so"
-        if not target.exists():
-            _compile(cc, flags, directory, target)
+        target = native_build.build_library(SOURCE, cc, (*FLAGS, *shape), LIBS, directory)
         try:
             kernel = cls(target)
         except OSError as exc:
@@ -295,24 +269,6 @@ def reference_decode(
         s = torch.einsum("hgd,lhd->hgl", qi, kv[0]) * scale
         out.append(torch.einsum("hgl,lhd->hgd", s.softmax(-1), kv[1]).reshape(h, d))
     return torch.stack(out)
-
-
-def _compile(cc: str, flags: tuple[str, ...], directory: Path, target: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        cmd = [cc, *flags, "-o", tmp, str(SOURCE), *LIBS]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeKernelError(f"compiling {SOURCE.name} failed: {exc}") from exc
-        if res.returncode != 0:
-            raise NativeKernelError(f"compiling {SOURCE.name} failed: {res.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from engine.linear import (
     LinearWeight,
 )
 from engine.quantized import INT4_TYPES, QK, GGUFBlocks, int4_groups, int8_groups, quantize
+
+if TYPE_CHECKING:
+    from engine.native_linear import NativeLinearKernel
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +146,8 @@ class WeightPlan:
             chunks); None = int4/int8 kernel at every row count (no copy, less memory).
         dtype: dtype of float weights and activations (fp32, or the model dtype when it is bf16/fp16).
         dense_dtype: dtype of that dense copy: bf16 where bf16 GEMMs are fast, fp32 elsewhere (``resolve``).
+        linear_kernel: the native kernel int4/int8 linears run generated tokens' rows and the LM head on
+            (``engine.native_linear``, ``engine.linear_kernel``), or None for torch's int4 kernel.
     """
 
     weights: str
@@ -149,6 +155,7 @@ class WeightPlan:
     dense_min_rows: int | None = DENSE_MIN_ROWS
     dtype: torch.dtype = torch.float32
     dense_dtype: torch.dtype = torch.bfloat16
+    linear_kernel: NativeLinearKernel | None = None
 
     def kind_for(self, parts: list[torch.Tensor | GGUFBlocks], name: str) -> str:
         """The format one fused projection (its ``parts``) runs in."""
@@ -182,12 +189,22 @@ class WeightPlan:
         if kind == "int4":
             groups = [int4_groups(_as_blocks(p, "Q4_1", INT4_TYPES, name)) for p in parts]
             return Int4Weight(
-                type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows, self.dense_dtype
+                type(groups[0]).concat(groups),
+                bias,
+                self.device,
+                self.dense_min_rows,
+                self.dense_dtype,
+                self.linear_kernel,
             )
         if kind == "int8":
             groups = [int8_groups(_as_blocks(p, "Q8_0", ("Q8_0",), name)) for p in parts]
             return Int8Weight(
-                type(groups[0]).concat(groups), bias, self.device, self.dense_min_rows, self.dense_dtype
+                type(groups[0]).concat(groups),
+                bias,
+                self.device,
+                self.dense_min_rows,
+                self.dense_dtype,
+                self.linear_kernel,
             )
         dense = torch.cat([_as_float(p) for p in parts])
         if kind == "bf16":
@@ -214,13 +231,20 @@ def resolve(
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
     dense_min_rows: int | None = DENSE_MIN_ROWS,
+    linear_kernel: str = "auto",
 ) -> WeightPlan:
     """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged); the
-    dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32.
+    dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32; quantized
+    linears run their weight-only rows on the kernel ``linear_kernel`` names (``engine.linear_kernel``:
+    ``engine.native_linear.resolve_linear_kernel``; only built when some weights stay quantized).
 
     Raises:
-        ValueError, UnsupportedHardwareError: see ``check_supported``.
+        ValueError, UnsupportedHardwareError: see ``check_supported``; ``linear_kernel`` unknown, or
+            ``native`` where that kernel cannot be built (the message names ``engine.linear_kernel``).
     """
+    from engine.native_linear import check_linear_kernel, resolve_linear_kernel
+
+    check_linear_kernel(linear_kernel)
     device = torch.device(device)
     if weights == "auto":
         if int4_kernels_available(device) and dtype == torch.float32:
@@ -234,7 +258,8 @@ def resolve(
             weights = "float32"
     check_supported(weights, "float32", device)
     dense_dtype = torch.bfloat16 if bf16_kernels_available(device) else torch.float32
-    return WeightPlan(weights, device, dense_min_rows, dtype, dense_dtype)
+    kernel = None if weights in ("float32", "bf16") else resolve_linear_kernel(linear_kernel, device)
+    return WeightPlan(weights, device, dense_min_rows, dtype, dense_dtype, kernel)
 
 
 def _concat_bias(parts, biases) -> torch.Tensor | None:

@@ -8,8 +8,10 @@ import torch
 from bench.decode_compile import (
     BASE_ATTENTION_MODULES,
     BLOCK,
+    _kernel_input,
     attention_tables,
     decode_meta,
+    kernel_call,
     layer_regions,
     load_base_attention,
 )
@@ -21,7 +23,8 @@ from tests.engine.checkpoints import make_tiny_gguf_llama
 
 def test_plain_regions_equal_the_eager_layer(tmp_path):
     path = make_tiny_gguf_llama(tmp_path / "tiny-q41.gguf", tensor_type="Q4_1", seed=3)
-    model = load_checkpoint(str(path), weights="int4").model
+    # the compile A/B times torch's int4 kernel (``main`` loads the model so)
+    model = load_checkpoint(str(path), weights="int4", linear_kernel="torch").model
     c = model.config
     pre_eager, post_eager, pre_fn, post_fn, pre_args, post_args = layer_regions(model.layers[1])
     g = torch.Generator().manual_seed(0)
@@ -97,3 +100,17 @@ def test_attention_ab_base_reads_its_decode_paths_from_its_own_checkout(tmp_path
     assert base.decode_attention is not engine.decode_attention.decode_attention
     assert sys.modules["engine.decode_attention"] is engine.decode_attention  # restored
     assert sys.modules["engine.attention"] is engine.attention
+
+
+def test_kernel_call_is_the_linear_s_weight_only_kernel(tmp_path):
+    """``--breakdown`` / ``--linear-ab`` time ``kernel_call``: the kernel a generated token's row runs on,
+    torch's int4 kernel (bf16, Q8_0 as two planes) or the native one (fp32), without bias or casts."""
+    path = make_tiny_gguf_llama(tmp_path / "tiny-q80.gguf", tensor_type="Q8_0", seed=3)
+    for setting in ("torch", "auto"):
+        model = load_checkpoint(str(path), weights="native", linear_kernel=setting).model
+        for lin in (model.layers[0].qkv, model.lm_head):
+            x = _kernel_input(
+                lin, torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(1))
+            )
+            assert x.dtype == (torch.float32 if lin.fp32_kernel else torch.bfloat16)
+            assert torch.equal(kernel_call(lin, x).float(), lin.forward(x.float(), dense=False))

@@ -28,13 +28,17 @@ FIRST_ORDINARY_ID = 3  # ids 0-2 are the tiny tokenizer's special tokens
 
 @functools.cache
 def tiny_checkpoint(
-    kind: str = "hf", max_position_embeddings: int = 2048, weights: str = "float32"
+    kind: str = "hf",
+    max_position_embeddings: int = 2048,
+    weights: str = "float32",
+    linear_kernel: str = "auto",
 ) -> LoadedCheckpoint:
     """A tiny random checkpoint, written to a temp dir and loaded once per process.
 
     ``kind``: ``hf`` (Llama folder), ``qwen2`` (Qwen2 folder: q/k/v bias, tied embeddings) or ``gguf`` (Llama
     GGUF, F32; its context stays 512 tokens). ``weights``: the weight format it is loaded in
-    (``engine.weight_format``; ``int4`` quantizes at load, with the dense prefill copy).
+    (``engine.weight_format``; ``int4`` quantizes at load, with the dense prefill copy). ``linear_kernel``:
+    the int4/int8 kernel (``engine.native_linear``; ``auto`` = native where it builds).
     """
     root = Path(tempfile.mkdtemp(prefix="prefixgate-tiny-"))
     if kind == "gguf":
@@ -47,7 +51,7 @@ def tiny_checkpoint(
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = max_position_embeddings
     cfg_path.write_text(json.dumps(cfg))
-    return load_checkpoint(str(folder), weights=weights)
+    return load_checkpoint(str(folder), weights=weights, linear_kernel=linear_kernel)
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.linear import Int4Weight, Int8Weight
+from engine.native_linear import resolve_linear_kernel
 from engine.quantized import int4_groups, int8_groups, quantize
 from engine.row_kernels import RowKernels, forward_rows
 from engine.weight_format import bf16_kernels_available
@@ -35,14 +36,16 @@ SHARED = random_tokens(320, 31)  # 20 whole blocks: more than one decode chunk o
 PROMPTS = [SHARED + random_tokens(n, 40 + i) for i, n in enumerate((30, 45, 17))] + [random_tokens(290, 50)]
 
 
-def int4_checkpoint():
-    return tiny_checkpoint(weights="int4")
+def int4_checkpoint(linear_kernel: str = "auto"):
+    """The tiny checkpoint quantized to int4 at load; ``linear_kernel``: ``auto`` (the native kernel where it
+    builds, ``engine.native_linear``) or ``torch`` (torch's int4 kernel)."""
+    return tiny_checkpoint(weights="int4", linear_kernel=linear_kernel)
 
 
-def run_alone(prompts, **config):
+def run_alone(prompts, linear_kernel: str = "auto", **config):
     """Each prompt by itself, one after the other on one engine (later ones hit the shared prefix, as in a
     batch the followers wait for the leader's blocks): (tokens, logits ``[N_NEW, vocab]``) per prompt."""
-    eng = make_engine(int4_checkpoint(), record_logits=True, **config)
+    eng = make_engine(int4_checkpoint(linear_kernel), record_logits=True, **config)
     out = []
     for p in prompts:
         r = eng.add_request(p, greedy(N_NEW))
@@ -51,19 +54,22 @@ def run_alone(prompts, **config):
     return out
 
 
-def run_batched(prompts, **config):
-    eng = make_engine(int4_checkpoint(), record_logits=True, **config)
+def run_batched(prompts, linear_kernel: str = "auto", **config):
+    eng = make_engine(int4_checkpoint(linear_kernel), record_logits=True, **config)
     reqs = [eng.add_request(p, greedy(N_NEW)) for p in prompts]
     eng.run_to_completion()
     return [(r.output_token_ids, torch.stack(eng.logits_log[r.request_id])) for r in reqs]
 
 
+@pytest.mark.parametrize("linear_kernel", ["auto", "torch"])
 @pytest.mark.parametrize("decode_kernel", ["auto", "torch"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shared_prefix", [True, False])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
-def test_batched_logits_equal_alone_bit_for_bit(kv_dtype, shared_prefix, threads, decode_kernel):
-    assert "Int4Weight" in int4_checkpoint().model.weight_formats
+def test_batched_logits_equal_alone_bit_for_bit(
+    kv_dtype, shared_prefix, threads, decode_kernel, linear_kernel
+):
+    assert "Int4Weight" in int4_checkpoint(linear_kernel).model.weight_formats
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -76,8 +82,9 @@ def test_batched_logits_equal_alone_bit_for_bit(kv_dtype, shared_prefix, threads
             max_num_batched_tokens=4096,
             decode_kernel=decode_kernel,  # auto: the native kernel where it builds (engine.native_decode)
         )
-        alone = run_alone(PROMPTS, **config)
-        batched = run_batched(PROMPTS, **config)
+        # auto: the native linear kernel where it builds (engine.native_linear)
+        alone = run_alone(PROMPTS, linear_kernel, **config)
+        batched = run_batched(PROMPTS, linear_kernel, **config)
     finally:
         torch.set_num_threads(previous)
     for (tokens, logits), (want_tokens, want_logits) in zip(batched, alone, strict=True):
@@ -128,17 +135,24 @@ def test_a_decode_row_keeps_its_bits_when_a_prefill_chunk_joins_its_step():
 
 
 def quantized_linears() -> dict[str, Int4Weight | Int8Weight]:
+    """Int4 (Q4_1) and int8 (Q8_0) linears 96 x 128 on torch's int4 kernel, and (``native ...``) on the native
+    kernel where it builds (``engine.native_linear``)."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 128, generator=g) / 128**0.5
     cpu = torch.device("cpu")
-    return {
+    native = resolve_linear_kernel("auto", cpu)
+    out = {
         "int4": Int4Weight(int4_groups(quantize(w, "Q4_1")), None, cpu),
         "int8": Int8Weight(int8_groups(quantize(w, "Q8_0")), None, cpu),
     }
+    if native is not None:
+        out["native int4"] = Int4Weight(int4_groups(quantize(w, "Q4_1")), None, cpu, native=native)
+        out["native int8"] = Int8Weight(int8_groups(quantize(w, "Q8_0")), None, cpu, native=native)
+    return out
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", list(quantized_linears()))
 def test_each_linear_kernel_gives_a_row_the_same_bits_at_any_row_count(kind, threads):
     lin = quantized_linears()[kind]
     x = torch.randn(300, 128, generator=torch.Generator().manual_seed(4))
@@ -175,9 +189,26 @@ def test_the_lm_head_rescoring_gives_a_row_the_same_bits_in_any_batch(tmp_path):
     # a Q8_0 GGUF with a tied embedding: the head runs on the int4 kernel's two planes, its rows are decoded
     # from the same blocks for the rescoring (as SmolLM2's)
     path = make_tiny_gguf_llama(tmp_path / "q8.gguf", tensor_type="Q8_0")
-    model = load_checkpoint(str(path), weights="native").model
+    model = load_checkpoint(str(path), weights="native", linear_kernel="torch").model
     assert model.head_rows is not None  # the quantized head's top candidates are rescored in fp32
     h = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
     one = torch.cat([model.compute_logits(h[i : i + 1]) for i in range(16)])
+    for rows in (2, 3, 8, 16):
+        assert torch.equal(model.compute_logits(h[:rows]), one[:rows])
+
+
+def test_the_native_lm_head_gives_a_row_the_same_bits_in_any_batch_without_rescoring(tmp_path):
+    from engine.checkpoint import load_checkpoint
+    from tests.engine.checkpoints import make_tiny_gguf_llama
+
+    path = make_tiny_gguf_llama(tmp_path / "q8.gguf", tensor_type="Q8_0")
+    model = load_checkpoint(str(path), weights="native", linear_kernel="auto").model
+    native = resolve_linear_kernel("auto", torch.device("cpu")) is not None
+    assert model.lm_head.fp32_kernel == native
+    assert (model.head_rows is None) == native  # fp32 logits: nothing to rescore
+    h = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    one = torch.cat([model.compute_logits(h[i : i + 1]) for i in range(16)])
+    if native:
+        assert torch.equal(one, model.lm_head.forward(h))
     for rows in (2, 3, 8, 16):
         assert torch.equal(model.compute_logits(h[:rows]), one[:rows])

@@ -168,7 +168,7 @@ def test_quantized_head_rescores_its_top_logits_exactly(tensor_type, weights):
     state and the dequantized weights (to fp32 summation order), the rest are the kernel's."""
     from engine.model import RESCORE_TOP_K
 
-    ck = tiny(tensor_type, weights)
+    ck = tiny(tensor_type, weights, "torch")  # torch's int4 kernel (the native one's logits are fp32: below)
     model = ck.model
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     kernel = model.lm_head.forward(hidden).float()
@@ -185,6 +185,26 @@ def test_quantized_head_rescores_its_top_logits_exactly(tensor_type, weights):
     assert float_ck.model.head_rows is None  # an exact head is left alone
 
 
+@needs_int4
+@pytest.mark.parametrize(("tensor_type", "weights"), [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_0", "native")])
+def test_a_head_on_the_native_kernel_gives_fp32_logits_and_is_not_rescored(tensor_type, weights):
+    """On the native kernel (``engine.native_linear``, where it builds) every logit is the fp32 product of the
+    hidden state and the dequantized weights up to summation order, so nothing is rescored; elsewhere
+    ``engine.linear_kernel: auto`` keeps torch's kernel and its rescoring."""
+    from engine.native_linear import resolve_linear_kernel
+
+    model = tiny(tensor_type, weights, "auto").model
+    if resolve_linear_kernel("auto", CPU) is None:
+        assert model.head_rows is not None and not model.lm_head.fp32_kernel
+        return
+    assert model.head_rows is None and model.lm_head.fp32_kernel
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    logits = model.compute_logits(hidden)
+    exact = hidden.double() @ model.lm_head.dequantize().double().t()
+    assert torch.allclose(logits.double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
 def test_bf16_weight_agrees_with_fp32_reference():
     w = torch.randn(64, 96)
     x = torch.randn(5, 96)
@@ -195,16 +215,17 @@ def test_bf16_weight_agrees_with_fp32_reference():
 
 # ---- engine level, tiny GGUF checkpoints ---------------------------------------------------------------------
 @cache
-def tiny(tensor_type: str, weights: str):
-    """A tiny GGUF checkpoint of ``tensor_type`` loaded with ``engine.weights: weights``. ``bf16`` is loaded as
+def tiny(tensor_type: str, weights: str, linear_kernel: str = "auto"):
+    """A tiny GGUF checkpoint of ``tensor_type`` loaded with ``engine.weights: weights`` (and
+    ``engine.linear_kernel: linear_kernel``). ``bf16`` is loaded as
     if the CPU had bf16 kernels (on one without, the setting is a start-up error, tested below; torch still
     runs bf16 GEMMs there, slowly), so the bf16 path's correctness is checked on every machine."""
     root = Path(tempfile.mkdtemp(prefix="prefixgate-formats-"))
     path = make_tiny_gguf_llama(root / f"tiny-{tensor_type}.gguf", tensor_type=tensor_type, seed=1)
     if weights == "bf16" and not bf16_kernels_available(CPU):
         with mock.patch("engine.weight_format.bf16_kernels_available", lambda device: True):
-            return load_checkpoint(str(path), weights=weights)
-    return load_checkpoint(str(path), weights=weights)
+            return load_checkpoint(str(path), weights=weights, linear_kernel=linear_kernel)
+    return load_checkpoint(str(path), weights=weights, linear_kernel=linear_kernel)
 
 
 FORMATS = [

@@ -1,0 +1,99 @@
+"""Building and caching the engine's native C kernels (``engine/kernels/*.c``), shared by every kernel module.
+
+Owns: where built kernels live (``$PREFIXGATE_KERNEL_DIR``, default ``~/.cache/prefixgate/kernels``), which
+compiler builds them (``$CC``, else ``cc``, else ``gcc``), whether the CPU runs them (x86-64 with the AVX-512
+subsets a kernel names), and the build itself: ``<stem>-<hash>.so`` named by a hash of the source, the flags
+and the compiler's version, compiled to a temporary name in the same directory and renamed into place, so a
+half-written library is never loaded and two processes building at once both end with a whole one. Used by
+``engine.native_decode`` (decode attention) and ``engine.native_linear`` (quantized linears).
+
+Invariants: no kernel is built with ``-ffast-math`` (GCC 12 links ``crtfastmath.o`` into a shared library
+built with it, which sets flush-to-zero for the whole process); a library is only ever loaded from its final
+name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})
+"""CPU flags every native kernel needs (``engine.weight_format.cpu_flags`` names)."""
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel cannot be built or loaded here (the message says why: CPU, compiler, compile, check)."""
+
+
+def kernel_dir() -> Path:
+    """Where built kernels are kept: ``$PREFIXGATE_KERNEL_DIR``, else ``~/.cache/prefixgate/kernels``."""
+    env = os.environ.get("PREFIXGATE_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "prefixgate" / "kernels"
+
+
+def compiler() -> str | None:
+    """Path of the C compiler: ``$CC`` (default ``cc``) if on ``PATH``, else ``gcc``, else None."""
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
+def cpu_ok(required: frozenset[str] = AVX512) -> tuple[bool, str]:
+    """(True, "") when this is an x86-64 CPU with every flag of ``required``, else (False, the reason)."""
+    from engine.weight_format import cpu_flags
+
+    if os.uname().machine != "x86_64":
+        return False, f"a {os.uname().machine} CPU (the kernel is built for x86-64 AVX-512)"
+    missing = required - cpu_flags()
+    if missing:
+        return False, f"no {', '.join(sorted(missing))} on this CPU"
+    return True, ""
+
+
+def compiler_version(cc: str) -> str:
+    """``cc --version``'s output (part of the build's hash).
+
+    Raises:
+        NativeKernelError: the compiler does not run.
+    """
+    try:
+        return subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeKernelError(f"the C compiler {cc} does not run: {exc}") from exc
+
+
+def build_library(
+    source: Path, cc: str, flags: tuple[str, ...], libs: tuple[str, ...] = (), directory: Path | None = None
+) -> Path:
+    """The shared library of ``source`` built with ``cc flags ... libs`` in ``directory`` (default
+    ``kernel_dir()``): found by its hash if built before, else compiled to a temporary name and renamed.
+
+    Raises:
+        NativeKernelError: the compiler does not run or the compile fails (its last error lines quoted).
+    """
+    version = compiler_version(cc)
+    digest = hashlib.sha256(source.read_bytes() + repr((flags, libs, version)).encode()).hexdigest()[:16]
+    directory = kernel_dir() if directory is None else directory
+    target = directory / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-o", tmp, str(source), *libs]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeKernelError(f"compiling {source.name} failed: {exc}") from exc
+        if res.returncode != 0:
+            raise NativeKernelError(f"compiling {source.name} failed: {res.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -1,0 +1,317 @@
+"""The native quantized linear kernel: ``y = x @ W.T`` on the GGUF's own 4-bit and 8-bit codes, fp32 throughout.
+
+Owns building, loading and calling ``engine/kernels/quant_gemv.c`` (``q4_gemv``, ``q8_gemv``) and the weight
+layout it reads (``pack_int4`` / ``pack_int8``): tiles of 16 output rows, one 320-byte (int4) or 544-byte
+(int8) block per tile and group of 32 inputs, holding the 16 rows' f16 scales (the GGUF's ``d`` and, for int4,
+``m``: exact) and their codes interleaved so each vector lane owns one output row. Activations stay fp32,
+scales are exact, every product and sum is fp32, the output is fp32: the kernel computes the same function as
+an fp32 matmul on the dequantized weight, up to fp32 summation order (a few ulp), where torch's int4 kernel
+(``engine.linear.Int4Weight``) rounds activations, scales and outputs to bf16 (``docs/engine-step.md``, "The
+native linear kernel").
+
+It reads 4 (8) bits per weight plus 4 (2) bytes of scales per 32 weights, like the GGUF. Rows of the input are
+taken 4 at a time per tile (one decode of the codes serves 4 rows); output tiles are split over
+``torch.get_num_threads()`` threads (OpenMP, the runtime torch itself loaded). Each output element is computed
+by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
+of that row whatever ``M``, the other rows and the thread count (batch invariance).
+
+Measured (SmolLM2-135M, one decode step, 2-core AMD EPYC Zen 5, thread CPU time; ``bench.decode_compile
+--breakdown --linear-kernel``): see the tables in ``docs/engine-step.md``. ``engine.linear_kernel: auto``
+uses this kernel wherever it builds (x86-64 with AVX-512 F/BW/VL, F16C and FMA, and a C compiler), else
+torch's int4 kernel.
+
+Built like ``engine.native_decode`` (``engine.native_build``: once per machine, cached by hash, temp name
+renamed into place, checked against a float64 reference before use; no ``-ffast-math``).
+
+Invariants: the kernel only reads its inputs; an argument it cannot take (shape, dtype, alignment, an
+in_features that is not a multiple of 32) is refused before anything runs (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import native_build
+from engine.api import LINEAR_KERNELS
+from engine.native_build import NativeKernelError
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "quant_gemv.c"
+FLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-std=gnu11",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mf16c",
+    "-mfma",
+    "-Wno-psabi",
+)
+LIBS: tuple[str, ...] = ()
+REQUIRED = native_build.AVX512 | {"f16c"}
+TILE = 16  # output rows per tile (one 512-bit vector of fp32)
+QK = 32  # inputs per group
+BLOCK = {4: 320, 8: 544}  # bytes per tile and group: int4 32 f16 scales + 256 code bytes; int8 16 + 512
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class PackedQuant:
+    """A quantized ``[out_features, in_features]`` weight in the kernel's tiles (``pack_int4`` / ``pack_int8``).
+
+    Attributes:
+        bits: 4 (Q4_0 / Q4_1 codes) or 8 (Q8_0).
+        data: uint8 ``[tiles * groups * BLOCK[bits]]``, 64-byte aligned (a view into ``storage``).
+        storage: the allocation ``data`` lies in (kept alive with it).
+        out_features, in_features: the logical shape (``in_features % 32 == 0``).
+    """
+
+    bits: int
+    data: torch.Tensor
+    storage: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads (codes and scales, padding rows of the last tile included)."""
+        return self.data.numel()
+
+
+def _aligned(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    storage = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    off = (-storage.data_ptr()) % _ALIGN
+    return storage[off : off + nbytes], storage
+
+
+def _f16_exact(t: torch.Tensor, what: str) -> torch.Tensor:
+    h = t.to(torch.float16)
+    if not torch.equal(h.float(), t):
+        raise ValueError(f"{what} are not all f16 values (the native kernel stores the GGUF's f16 scales)")
+    return h
+
+
+def _tiles(t: torch.Tensor, fill: int | float) -> torch.Tensor:
+    """``[N, ...]`` -> ``[T, 16, ...]``, the last tile padded with ``fill``."""
+    n = t.shape[0]
+    pad = -n % TILE
+    if pad:
+        t = torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+    return t.view(-1, TILE, *t.shape[1:])
+
+
+def _pack(bits: int, n: int, k: int, scales: list[torch.Tensor], codes: torch.Tensor) -> PackedQuant:
+    """Blocks ``[T, G, BLOCK]`` from f16 ``scales`` (each ``[T, 16, G]``) and code bytes ``[T, G, C]``."""
+    t, g = codes.shape[0], codes.shape[1]
+    parts = [s.permute(0, 2, 1).contiguous().view(torch.uint8).view(t, g, 2 * TILE) for s in scales]
+    blocks = torch.cat([*parts, codes], dim=2)
+    if blocks.shape[2] != BLOCK[bits]:
+        raise AssertionError(f"block of {blocks.shape[2]} bytes, expected {BLOCK[bits]}")
+    data, storage = _aligned(blocks.numel())
+    data.copy_(blocks.reshape(-1))
+    return PackedQuant(bits, data, storage, n, k)
+
+
+def pack_int4(groups) -> PackedQuant:
+    """The kernel's tiles of ``engine.quantized.Int4Groups`` (``w = (q - 8) * scale + zero``).
+
+    Stores ``d = scale`` and ``m = zero - 8 * scale`` in f16 (the GGUF's own Q4_0 / Q4_1 values); the kernel
+    recomputes ``zero = m + 8 d`` in fp32, exactly (checked here).
+
+    Raises:
+        ValueError: ``in_features % 32 != 0``, or scales / zeros that are not such f16 pairs (not from a GGUF
+            Q4 block: the caller keeps torch's kernel).
+    """
+    q, scale, zero = groups.q, groups.scale.float(), groups.zero.float()
+    n, k = q.shape
+    if k % QK or scale.shape != (n, k // QK) or zero.shape != scale.shape:
+        raise ValueError(
+            f"int4 codes {tuple(q.shape)} / scales {tuple(scale.shape)}: need [N, K], K % 32 == 0"
+        )
+    m = zero - 8 * scale
+    d16, m16 = _f16_exact(scale, "int4 scales"), _f16_exact(m, "int4 zeros - 8 * scale")
+    if not torch.equal(m16.double() + 8 * d16.double(), zero.double()):
+        raise ValueError("int4 zeros are not m + 8 d exactly (the native kernel recomputes them so)")
+    codes = _tiles(q.to(torch.uint8), 8).view(-1, TILE, k // QK, QK)  # [T, 16, G, 32]
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).permute(0, 2, 3, 1)  # [T, G, 16 i, 16 rows]
+    t, g = packed.shape[0], packed.shape[1]
+    return _pack(4, n, k, [_tiles(d16, 0.0), _tiles(m16, 0.0)], packed.reshape(t, g, 256))
+
+
+def pack_int8(groups) -> PackedQuant:
+    """The kernel's tiles of ``engine.quantized.Int8Groups`` (``w = q * scale``, Q8_0).
+
+    Raises:
+        ValueError: ``in_features % 32 != 0`` or scales that are not f16 values.
+    """
+    q, scale = groups.q, groups.scale.float()
+    n, k = q.shape
+    if k % QK or scale.shape != (n, k // QK) or q.dtype != torch.int8:
+        raise ValueError(
+            f"int8 codes {tuple(q.shape)} {q.dtype} / scales {tuple(scale.shape)}: need int8 [N, K]"
+        )
+    d16 = _f16_exact(scale, "int8 scales")
+    codes = _tiles(q, 0).view(torch.uint8).view(-1, TILE, k // QK, QK).permute(0, 2, 3, 1)  # [T, G, 32 i, 16]
+    t, g = codes.shape[0], codes.shape[1]
+    return _pack(8, n, k, [_tiles(d16, 0.0)], codes.reshape(t, g, 512))
+
+
+class NativeLinearKernel:
+    """The loaded ``q4_gemv`` / ``q8_gemv`` functions.
+
+    Args:
+        path: the built shared library.
+
+    Raises:
+        OSError: the library cannot be loaded.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self._fns = {}
+        for bits, name in ((4, "q4_gemv"), (8, "q8_gemv")):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, i64, p, i64, p, i32]
+            fn.restype = ctypes.c_int
+            self._fns[bits] = fn
+        self._lib = lib
+
+    @classmethod
+    def build(cls, directory: Path | None = None) -> NativeLinearKernel:
+        """Build (or find already built) and load the kernel for this machine.
+
+        Raises:
+            NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL), F16C and FMA, no C compiler, the
+                compile failed, or the build fails its ``self_check``; the message says which.
+        """
+        ok, why = native_build.cpu_ok(REQUIRED)
+        if not ok:
+            raise NativeKernelError(why)
+        cc = native_build.compiler()
+        if cc is None:
+            raise NativeKernelError("no C compiler (set CC, or install gcc)")
+        target = native_build.build_library(SOURCE, cc, FLAGS, LIBS, directory)
+        try:
+            kernel = cls(target)
+        except OSError as exc:
+            raise NativeKernelError(f"{target} does not load: {exc}") from exc
+        err = kernel.self_check()
+        if err is not None:
+            raise NativeKernelError(f"{target} fails its check against a float64 reference: {err}")
+        return kernel
+
+    def mm(self, w: PackedQuant, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``x @ W.T``: ``x`` fp32 ``[M, in_features]`` (M >= 1; other float dtypes are widened to fp32) ->
+        fp32 ``[M, out_features]``, output tiles split over ``threads`` (default ``torch.get_num_threads()``).
+
+        Raises:
+            ValueError: ``x`` not 2-D ``[M, in_features]`` on CPU, ``M == 0``, or ``threads < 1``.
+        """
+        if x.dim() != 2 or x.shape[1] != w.in_features or x.shape[0] < 1 or x.device.type != "cpu":
+            raise ValueError(
+                f"x {tuple(x.shape)} on {x.device}: the native kernel takes [M >= 1, {w.in_features}] on CPU"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"x: a float tensor, not {x.dtype}")
+        x = x.to(torch.float32).contiguous()
+        threads = torch.get_num_threads() if threads is None else threads
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        rc = self._fns[w.bits](
+            w.data.data_ptr(), w.out_features, w.in_features, x.data_ptr(), x.shape[0], y.data_ptr(), threads
+        )
+        if rc != 0:
+            raise ValueError(
+                f"q{w.bits}_gemv refused its arguments (rc {rc}): weight {w.out_features} x {w.in_features}, "
+                f"x {tuple(x.shape)}, {threads} threads"
+            )
+        return y
+
+    def self_check(self) -> str | None:
+        """Compare the kernel with a float64 product on random Q4_0-, Q4_1- and Q8_0-like weights (a partial
+        tile, 1-6 rows, 1 and 2 threads) and check row invariance; None when every output is within 1e-5 of
+        the largest, else what differed."""
+        gen = torch.Generator().manual_seed(0)
+        for bits, n, k in ((4, 37, 96), (8, 21, 64)):
+            groups = random_groups(bits, n, k, gen)
+            packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
+            x = torch.randn(6, k, generator=gen)
+            want = x.double() @ groups.dequantize().double().T
+            alone = torch.cat([self.mm(packed, x[i : i + 1], 1) for i in range(6)])
+            for rows in (1, 5, 6):
+                for threads in (1, 2):
+                    got = self.mm(packed, x[:rows], threads)
+                    err = ((got.double() - want[:rows]).abs().max() / want.abs().max()).item()
+                    if not err <= 1e-5:
+                        return f"int{bits} {n}x{k}, {rows} rows, {threads} threads: relative error {err:.2e}"
+                    if not torch.equal(got, alone[:rows]):
+                        return (
+                            f"int{bits} {n}x{k}, {rows} rows, {threads} threads: rows differ from 1-row calls"
+                        )
+        return None
+
+
+def random_groups(bits: int, n: int, k: int, gen: torch.Generator):
+    """Random ``Int4Groups`` (Q4_1-like: f16 ``d > 0``, ``m`` f16, ``zero = m + 8 d``) or ``Int8Groups``
+    (Q8_0-like) ``[n, k]`` for checks and tests."""
+    from engine.quantized import Int4Groups, Int8Groups
+
+    g = k // QK
+    d = (torch.rand(n, g, generator=gen) * 0.05 + 0.001).half().float()
+    if bits == 8:
+        return Int8Groups(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), d)
+    m = (torch.randn(n, g, generator=gen) * 0.1).half().float()
+    return Int4Groups(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), d, m + 8 * d)
+
+
+@functools.cache
+def _shared_kernel() -> NativeLinearKernel | str:
+    try:
+        return NativeLinearKernel.build()
+    except NativeKernelError as exc:
+        return str(exc)
+
+
+def check_linear_kernel(setting: str) -> None:
+    """Raise ``ValueError`` naming ``engine.linear_kernel`` unless ``setting`` is one of ``LINEAR_KERNELS``."""
+    if setting not in LINEAR_KERNELS:
+        raise ValueError(f"engine.linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {setting!r}")
+
+
+def resolve_linear_kernel(setting: str, device: torch.device | str) -> NativeLinearKernel | None:
+    """The kernel ``engine.linear_kernel`` asks for on ``device``: ``torch`` -> None (torch's int4 kernel);
+    ``native`` -> the kernel, or a start-up error; ``auto`` -> the kernel where it builds on a CPU, else None
+    with a log line saying why. Built once per process.
+
+    Raises:
+        ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
+            ``engine.linear_kernel`` and the reason).
+    """
+    check_linear_kernel(setting)
+    if setting == "torch":
+        return None
+    if torch.device(device).type != "cpu":
+        if setting == "native":
+            raise ValueError(f"engine.linear_kernel: native runs on CPU only, not on {device}")
+        return None
+    kernel = _shared_kernel()
+    if isinstance(kernel, str):
+        if setting == "native":
+            raise ValueError(f"engine.linear_kernel: native is not available here: {kernel}")
+        logger.info("engine.linear_kernel auto: torch's int4 kernel (%s)", kernel)
+        return None
+    return kernel
