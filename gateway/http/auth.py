@@ -79,7 +79,7 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
             gateway.clients.record_tenant_header_ignored(key)
     request.client_key = key.name
     if admit:
-        gateway.clients.admit(key)
+        gateway.clients.admit(key, request.tenant)
 
 
 def visible_models(http_request: Request, key: ClientKey | None) -> list[str]:

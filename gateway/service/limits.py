@@ -130,8 +130,9 @@ class ClientUsage:
         """Entries held (keys + tenants): constant under a flood of requests with invalid keys."""
         return len(self._keys) + len(self._tenants)
 
-    def admit(self, key: ClientKey) -> None:
-        """Let one request of ``key`` in, or refuse it.
+    def admit(self, key: ClientKey, tenant: str | None = None) -> None:
+        """Let one request of ``key`` in, or refuse it; a refusal is counted for the key and for ``tenant``
+        (the request's tenant, when known).
 
         Raises:
             RateLimitError: 429 ``rate_limit_exceeded`` with ``retry_after_s`` (rpm or tpm exhausted), or 429
@@ -140,7 +141,7 @@ class ClientUsage:
         state = self._keys[key.name]
         now = self._clock()
         if key.budget_usd is not None and state.usage.spend_usd >= key.budget_usd:
-            state.usage.rate_limited += 1
+            self._refused(state, tenant)
             raise RateLimitError(
                 f"Key {key.name!r} has spent its budget of {key.budget_usd} USD.", code="insufficient_quota"
             )
@@ -151,7 +152,7 @@ class ClientUsage:
             waits.append(("tokens per minute", key.tpm, state.tpm.wait_s(1.0, now)))
         blocked = [(what, limit, wait) for what, limit, wait in waits if wait > 0]
         if blocked:
-            state.usage.rate_limited += 1
+            self._refused(state, tenant)
             what, limit, wait = max(blocked, key=lambda item: item[2])
             error = RateLimitError(
                 f"Rate limit reached for key {key.name!r}: {limit} {what}. Try again in {math.ceil(wait)}s."
@@ -160,6 +161,11 @@ class ClientUsage:
             raise error
         if state.rpm is not None:
             state.rpm.take(1.0, now)
+
+    def _refused(self, state: _KeyState, tenant: str | None) -> None:
+        state.usage.rate_limited += 1
+        if tenant is not None:
+            self._tenant(tenant).rate_limited += 1
 
     def record_tenant_header_ignored(self, key: ClientKey) -> None:
         """Count an ``x-prefixgate-tenant`` header sent with an untrusted key (ignored)."""

@@ -269,7 +269,7 @@ _USAGE = (
     ("cached_tokens", "Prompt tokens served from a prefix cache"),
     ("completion_tokens", "Generated tokens reported in usage"),
     ("spend_usd", "Spend in USD, input and output (priced models)"),
-    ("rate_limited", "Requests refused with 429 by a key's limits"),
+    ("rate_limited", "Requests refused with 429 by a key's limits (per tenant: by the limits of its keys)"),
 )
 
 
@@ -278,8 +278,6 @@ def _usage_families(doc: dict[str, Any]) -> Iterator[Metric]:
     for scope, label in (("keys", "key"), ("tenants", "tenant")):
         entries: dict[str, dict[str, Any]] = doc.get(scope, {})
         for field, help_text in _USAGE:
-            if scope == "tenants" and field == "rate_limited":
-                continue
             family = CounterMetricFamily(
                 f"prefixgate_{label}_{field}", f"{help_text}, per {label}.", labels=[label]
             )

@@ -158,7 +158,10 @@ def test_rate_limit_answers_429_with_retry_after(keyed):
     )
     assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"
     assert int(raw.headers["retry-after"]) >= 1
-    assert keyed.stats()["keys"]["limited"]["rate_limited"] == 2
+    stats = keyed.stats()
+    assert stats["keys"]["limited"]["rate_limited"] == 2
+    tenant = stats["keys"]["limited"]["tenant"]
+    assert stats["tenants"][tenant]["rate_limited"] == 2  # the dashboard's per-tenant view counts them too
 
 
 def test_usage_per_key_and_tenant_in_stats_and_metrics_never_the_key(keyed):

@@ -43,6 +43,19 @@ def test_rpm_bucket_refuses_with_retry_after_and_refills():
     assert limits.snapshot()["keys"]["a"]["rate_limited"] == 2
 
 
+def test_a_refusal_is_counted_for_the_requests_tenant_too():
+    clock = Clock()
+    k = key("a", rpm=1)
+    limits = ClientUsage([k], clock=clock)
+    limits.admit(k, "acme/bob")
+    for tenant in ("acme/bob", "acme/eve", "acme/eve"):
+        with pytest.raises(RateLimitError):
+            limits.admit(k, tenant)
+    snap = limits.snapshot()
+    assert snap["keys"]["a"]["rate_limited"] == 3
+    assert {name: c["rate_limited"] for name, c in snap["tenants"].items()} == {"acme/bob": 1, "acme/eve": 2}
+
+
 def test_tpm_charges_tokens_after_the_request():
     clock = Clock()
     k = key("a", tpm=600)  # 10 tokens per second
