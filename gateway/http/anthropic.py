@@ -31,6 +31,7 @@ from gateway.protocols.anthropic.cache_control import CacheControlError, check_c
 from gateway.protocols.anthropic.parse import apply_request_headers, parse_messages_body
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter
+from gateway.protocols.anthropic.structured_outputs import to_anthropic_format_error
 from gateway.service.pipeline import OpenedStream, open_stream
 from gateway.transport.sse import EventStreamResponse
 
@@ -86,7 +87,11 @@ async def messages_endpoint(http_request: Request) -> Response:
     apply_request_headers(request, http_request.headers)
     authorize(http_request, request, key)
     begin(http_request, request)
-    opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
+    try:  # the engine names the output schema in chat terms (response_format): the client sent output_config
+        opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
+    except InvalidRequestError as error:
+        to_anthropic_format_error(error, body)
+        raise
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}
     if request.stream:
         headers.update(await opened.cache_header())

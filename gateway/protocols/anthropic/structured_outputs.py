@@ -18,10 +18,11 @@ silently; annotations and keywords this module does not know pass to the upstrea
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.core.errors import InvalidRequestError
+from gateway.core.errors import APIError, InvalidRequestError
 from gateway.core.json_types import json_kind
 
 ANTHROPIC_STRING_FORMATS = frozenset(
@@ -307,3 +308,23 @@ def openai_response_format(schema: dict[str, Any]) -> dict[str, Any]:
         "type": "json_schema",
         "json_schema": {"name": OPENAI_FORMAT_NAME, "schema": schema, "strict": True},
     }
+
+
+_CHAT_FORMAT_PATH = re.compile(r"response_format(?:\.json_schema(?:\.schema)?)?")
+
+
+def to_anthropic_format_error(error: APIError, body: Mapping[str, Any]) -> APIError:
+    """``error`` naming OpenAI's ``response_format`` (what the embedded engine and the chat checks call the
+    output schema) renamed in place to the field the Anthropic body used: ``output_config.format`` (or the
+    deprecated ``output_format``), ``response_format.json_schema.schema`` -> ``<that>.schema``. An error that
+    does not name it is left as it is. Returns the same object."""
+    field = "output_format" if body.get("output_format") is not None else "output_config.format"
+
+    def rename(match: re.Match[str]) -> str:
+        return field + (".schema" if match.group(0).endswith(".schema") else "")
+
+    if error.param and _CHAT_FORMAT_PATH.match(error.param):
+        error.param = _CHAT_FORMAT_PATH.sub(rename, error.param, count=1)
+    error.message = _CHAT_FORMAT_PATH.sub(rename, error.message)
+    error.args = (error.message,)
+    return error

@@ -657,6 +657,21 @@ def test_anthropic_structured_output_validates(claude):
     jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_an_output_schema_the_engine_cannot_enforce_is_named_as_the_client_sent_it(claude, field):
+    """The engine refuses the schema in chat terms (``response_format``); the Anthropic face names
+    ``output_config.format`` (or the deprecated ``output_format``) in the 400."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}
+    fmt = {"type": "json_schema", "schema": schema}
+    extra = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=TINY_MODEL, messages=QUESTION, max_tokens=8, extra_body=extra)
+    error = caught.value.body["error"]
+    name = "output_config.format" if field == "output_config" else "output_format"
+    assert error["message"].startswith(f"Invalid '{name}': the JSON schema is not supported"), error
+    assert "response_format" not in error["message"]
+
+
 def cached_in_header(header: str | None) -> int | None:
     """The ``cached=`` count of an ``x-prefixgate-cache`` value (None: no header)."""
     if header is None:
