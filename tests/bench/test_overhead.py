@@ -235,3 +235,18 @@ def test_phases_run_finds_every_mark_and_prints_the_table():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "left out" not in out.stderr, out.stderr[-3000:]
     assert "most common sequence" in out.stdout and "canonicalize<" in out.stdout and "explain<" in out.stdout
+
+
+def test_client_comparison_prints_both_paths():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overhead.client", "--rounds", "1", "--calls", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["lean", "session"]
+    assert all("µs of thread CPU per call" in line and "median" in line for line in lines[:2])
+    assert lines[2].startswith("load average (1 min): ")
