@@ -189,6 +189,12 @@ def test_profile_leaves_out_socket_writes_under_uvloop_by_their_line():
     other = "run (uvicorn/main.py:1);RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:1)"
     shares, waiting = attribute([(head.split(";"), 4), (other.split(";"), 2)])
     assert waiting == 4 and shares == {"uvicorn": 2}
+    # the lean upstream path's write (AiohttpTransport._exchange) is one of them
+    lean = [w for w in writes if w.startswith("gateway/transport/aiohttp_transport.py:")]
+    source = (ROOT / "gateway/transport/aiohttp_transport.py").read_text().splitlines()
+    assert [source[int(w.rsplit(":", 1)[1][:-1]) - 1].strip() for w in lean] == [
+        "transport.writelines((data, body))"
+    ]
 
 
 def test_profile_puts_samples_in_the_loops_own_frame_in_their_own_category():
