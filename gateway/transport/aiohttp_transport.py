@@ -76,7 +76,6 @@ _MAX_HEADERS = 1000
 _MAX_URLS = 256  # parsed URLs (and timeouts) kept; a handful in practice
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """The headers aiohttp would add when a request has none of them: httpx already set what it sends."""
-_READ_BUFSIZE = 2**16  # ClientSession's default ``read_bufsize``
 _LEAN_DECLINES = (hdrs.TRANSFER_ENCODING, hdrs.EXPECT, hdrs.CONTENT_ENCODING)
 """Request headers that make ``ClientRequest`` do more than send the head and body as they are (chunking,
 100-continue, compression): a request holding one takes ``ClientSession``'s path."""
@@ -420,7 +419,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 read_until_eof=True,
                 auto_decompress=False,
                 read_timeout=timeout.sock_read,
-                read_bufsize=_READ_BUFSIZE,
+                read_bufsize=session._read_bufsize,  # the session's (its default, 256 KiB)
                 timeout_ceil_threshold=connector._timeout_ceil_threshold,
                 max_line_size=_MAX_HEADER_BYTES,
                 max_field_size=_MAX_HEADER_BYTES,

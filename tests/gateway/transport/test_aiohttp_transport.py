@@ -694,3 +694,25 @@ async def test_a_lean_request_cancelled_while_waiting_closes_its_connection():
     finally:
         await transport.aclose()
         await server.__aexit__()
+
+
+async def test_the_lean_path_reads_with_the_sessions_parameters(monkeypatch):
+    """The answer is parsed with what ``ClientSession._request`` would set on the connection's protocol
+    (buffer size, limits, read timeout, no decompression): recorded on both paths and compared."""
+    from aiohttp.client_proto import ResponseHandler
+
+    seen: list[dict] = []
+    original = ResponseHandler.set_response_params
+
+    def spy(self, **kwargs):
+        seen.append({k: v for k, v in kwargs.items() if k != "timer"} | {"timer": type(kwargs["timer"])})
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(ResponseHandler, "set_response_params", spy)
+    server = await _serving(_answer(OK, OK))
+    try:
+        await _open_both(server.url, [("Host", "h"), ("Content-Length", "2")], b"{}")
+        lean, session = seen
+        assert lean == session and lean["read_bufsize"] == 2**18 and lean["read_timeout"] == 0.5
+    finally:
+        await server.__aexit__()
