@@ -18,7 +18,16 @@ The shared upstream client also sends without httpx's request and response objec
 list httpx would build and returns aiohttp's response, and a 2xx answer without ``Content-Encoding`` is read
 through ``DirectResponse`` (the rest becomes the ``httpx.Response`` of ``as_httpx_response``, as here).
 
+A POST whose body is bytes (every upstream call of the chat path) takes a leaner route through aiohttp
+(``AiohttpTransport._exchange``): the session's connector and the connection's ``ResponseHandler`` directly,
+without ``ClientSession._request``, ``ClientRequest`` and ``ClientResponse``, which cost about as much again
+per call (docs/overhead.md, session 10). It keeps aiohttp's pool, TLS, timeouts, parser and errors, writes the
+head aiohttp's serializer makes from the multidict ``ClientRequest`` would build, and reads with the
+session's response parameters; anything ``ClientRequest`` would treat specially takes the session's path.
+
 Invariants:
+- the lean route and ``ClientSession.request`` put the same bytes on the wire, give the same answer and raise
+  the same errors (the tests run every case through both);
 - every aiohttp failure comes out as the ``httpx`` error httpcore gives for the same event (``ERRORS``):
   connect failures ``ConnectError``, connect timeouts ``ConnectTimeout``, a silence longer than the read
   timeout ``ReadTimeout``, a server that closes or garbles the answer ``RemoteProtocolError``, a reset
@@ -247,9 +256,9 @@ def _lean_head(
     """The request head ``ClientRequest`` would write for ``method url`` with ``headers`` and a body of
     ``length`` bytes (``ClientSession._prepare_headers`` then ``ClientRequest.update_headers``, step for step:
     Host first, then the headers in order, a Host among them replacing it in place; nothing added, every
-    automatic header being present or skipped), with the multidict it was
-    serialized from; None when the lean path would differ from ``ClientRequest``'s: a URL without a host or
-    with credentials, no ``Content-Length`` of ``length``, or a header in ``_LEAN_DECLINES``.
+    automatic header being present or skipped), with the multidict it was serialized from; None when the
+    lean path would differ from ``ClientRequest``'s: a URL without a host or with credentials, no
+    ``Content-Length`` of ``length``, or a header in ``_LEAN_DECLINES``.
 
     Raises:
         ValueError: a header or the request line holds a control character (aiohttp's serializer refuses it).
