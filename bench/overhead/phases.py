@@ -37,6 +37,7 @@ MARKS: tuple[tuple[str, str, str], ...] = (
     ("parse", "gateway.http.openai", "parse_chat_request"),
     ("canonicalize", "gateway.service.pipeline", "canonicalize"),
     ("backend body", "gateway.backends.openai_upstream", "OpenAIUpstreamBackend.build_body"),
+    ("upstream exchange", "gateway.transport.aiohttp_transport", "AiohttpTransport._exchange"),
     ("aiohttp request", "aiohttp.client_reqrep", "ClientRequest.__init__"),
     ("aiohttp send", "aiohttp.client_reqrep", "ClientRequest.send"),
     ("upstream write", "aiohttp.http_writer", "StreamWriter._writelines"),

@@ -79,7 +79,12 @@ _IN_LOOP = re.compile(r"^Runner\.run \(asyncio/runners\.py")
 """An innermost frame that is the event loop's run call itself (uvloop's loop is C: nothing of it shows)."""
 LOOP_OR_WAITING = "event loop (C) or waiting"
 
-_WRITERS = ("uvicorn.protocols.http.httptools_impl", "aiohttp.http_writer", "gateway.http.server_protocol")
+_WRITERS = (
+    "uvicorn.protocols.http.httptools_impl",
+    "aiohttp.http_writer",
+    "gateway.http.server_protocol",
+    "gateway.transport.aiohttp_transport",
+)
 """Modules whose ``transport.write`` calls are socket writes: under uvloop the write is C code, so py-spy's
 innermost frame is the Python line that calls it."""
 

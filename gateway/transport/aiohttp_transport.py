@@ -18,7 +18,16 @@ The shared upstream client also sends without httpx's request and response objec
 list httpx would build and returns aiohttp's response, and a 2xx answer without ``Content-Encoding`` is read
 through ``DirectResponse`` (the rest becomes the ``httpx.Response`` of ``as_httpx_response``, as here).
 
+A POST whose body is bytes (every upstream call of the chat path) takes a leaner route through aiohttp
+(``AiohttpTransport._exchange``): the session's connector and the connection's ``ResponseHandler`` directly,
+without ``ClientSession._request``, ``ClientRequest`` and ``ClientResponse``, which cost about as much again
+per call (docs/overhead.md, session 10). It keeps aiohttp's pool, TLS, timeouts, parser and errors, writes the
+head aiohttp's serializer makes from the multidict ``ClientRequest`` would build, and reads with the
+session's response parameters; anything ``ClientRequest`` would treat specially takes the session's path.
+
 Invariants:
+- the lean route and ``ClientSession.request`` put the same bytes on the wire, give the same answer and raise
+  the same errors (the tests run every case through both);
 - every aiohttp failure comes out as the ``httpx`` error httpcore gives for the same event (``ERRORS``):
   connect failures ``ConnectError``, connect timeouts ``ConnectTimeout``, a silence longer than the read
   timeout ``ReadTimeout``, a server that closes or garbles the answer ``RemoteProtocolError``, a reset
@@ -34,13 +43,24 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import httpx
+from aiohttp import hdrs
+from aiohttp.client_reqrep import ClientRequest, RequestInfo
+from aiohttp.helpers import TimerNoop
+from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
+
+try:  # aiohttp's own head serializer (C when built): the lean path's head is byte for byte the session's
+    from aiohttp.http_writer import _serialize_headers
+except ImportError:  # pragma: no cover - another aiohttp version: every request takes ClientSession's path
+    _serialize_headers = None
 
 __all__ = ["ERRORS", "AiohttpTransport"]
 
@@ -65,6 +85,9 @@ _MAX_HEADERS = 1000
 _MAX_URLS = 256  # parsed URLs (and timeouts) kept; a handful in practice
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """The headers aiohttp would add when a request has none of them: httpx already set what it sends."""
+_LEAN_DECLINES = (hdrs.TRANSFER_ENCODING, hdrs.EXPECT, hdrs.CONTENT_ENCODING)
+"""Request headers that make ``ClientRequest`` do more than send the head and body as they are (chunking,
+100-continue, compression): a request holding one takes ``ClientSession``'s path."""
 
 
 def httpx_error(exc: BaseException) -> httpx.TransportError | None:
@@ -85,7 +108,7 @@ def _message(exc: BaseException) -> str:
 
 
 async def _body_chunks(
-    response: aiohttp.ClientResponse, at_end: Callable[[], Awaitable[None]] | None = None
+    response: aiohttp.ClientResponse | LeanResponse, at_end: Callable[[], Awaitable[None]] | None = None
 ) -> AsyncIterator[bytes]:
     """``response``'s body chunks as they arrive, read failures raised as ``ERRORS`` maps them (any other
     exception as it is); ``at_end`` awaited once the body was read to its end. The one reader of both
@@ -110,7 +133,7 @@ class _ResponseStream(httpx.AsyncByteStream):
     """An aiohttp response's body as httpx reads it: chunks as they arrive; closing releases the connection
     to the pool when the body was read to its end, else closes it."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse | LeanResponse) -> None:
         self._response = response
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -124,7 +147,7 @@ class _ResponseStream(httpx.AsyncByteStream):
             response.close()
 
 
-def as_httpx_response(response: aiohttp.ClientResponse) -> httpx.Response:
+def as_httpx_response(response: aiohttp.ClientResponse | LeanResponse) -> httpx.Response:
     """aiohttp's ``response`` (status and headers arrived) as the ``httpx.Response`` httpcore would give: its
     body streams undecoded (httpx decodes ``Content-Encoding``); closing it releases or closes the connection
     (``_ResponseStream``)."""
@@ -141,6 +164,45 @@ def as_httpx_response(response: aiohttp.ClientResponse) -> httpx.Response:
     )
 
 
+class LeanResponse:
+    """The parts of ``aiohttp.ClientResponse`` this module reads (``status``, ``reason``, ``version``,
+    ``headers``, ``raw_headers``, ``content``, ``release``, ``close``), for a request sent by
+    ``AiohttpTransport``'s lean path: made from the message and payload aiohttp's ``ResponseHandler`` parsed,
+    as ``ClientResponse.start`` does. The connection goes back to the pool when the body has been read to its
+    end (``ClientResponse``'s end-of-payload callback does the same); ``close`` before that closes it.
+
+    Args:
+        connection: the aiohttp connection the request went out on (released or closed here, once).
+        message: the parsed status line and headers (``RawResponseMessage``).
+        payload: the body's ``StreamReader``.
+    """
+
+    __slots__ = ("_connection", "content", "headers", "raw_headers", "reason", "status", "version")
+
+    def __init__(self, connection: Any, message: Any, payload: aiohttp.StreamReader) -> None:
+        self._connection = connection
+        self.status: int = message.code
+        self.reason: str | None = message.reason
+        self.version = message.version
+        self.headers: CIMultiDictProxy[str] = message.headers
+        self.raw_headers: tuple[tuple[bytes, bytes], ...] = message.raw_headers
+        self.content = payload
+        payload.on_eof(self.release)
+
+    def release(self) -> None:
+        """Give the connection back (aiohttp closes it instead when the body was not read to its end or the
+        server asked to close). Idempotent."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.release()
+
+    def close(self) -> None:
+        """Close the connection (the upstream sees the request abandoned). Idempotent."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+
 class DirectResponse:
     """An upstream response read straight from aiohttp, with the parts of ``httpx.Response`` the upstream
     call reads (``status_code``, ``headers.get``, ``is_closed``, ``aiter_bytes``, ``aclose``): what
@@ -150,10 +212,10 @@ class DirectResponse:
     end closes it (as ``_ResponseStream`` does).
 
     Args:
-        response: aiohttp's response, status and headers arrived.
+        response: aiohttp's response (or the lean path's), status and headers arrived.
     """
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse | LeanResponse) -> None:
         self._response = response
         self.status_code: int = response.status
         self.is_closed = False
@@ -188,6 +250,43 @@ class DirectResponse:
             response.close()
 
 
+def _lean_head(
+    method: str, url: URL, headers: list[tuple[str, str]], length: int
+) -> tuple[bytes, CIMultiDict[str]] | None:
+    """The request head ``ClientRequest`` would write for ``method url`` with ``headers`` and a body of
+    ``length`` bytes (``ClientSession._prepare_headers`` then ``ClientRequest.update_headers``, step for step:
+    Host first, then the headers in order, a Host among them replacing it in place; nothing added, every
+    automatic header being present or skipped), with the multidict it was serialized from; None when the
+    lean path would differ from ``ClientRequest``'s: a URL without a host or with credentials, no
+    ``Content-Length`` of ``length``, or a header in ``_LEAN_DECLINES``.
+
+    Raises:
+        ValueError: a header or the request line holds a control character (aiohttp's serializer refuses it).
+    """
+    host = url.host_port_subcomponent
+    if not url.raw_host or host is None or url.raw_user or url.raw_password:
+        return None
+    prepared: CIMultiDict[str] = CIMultiDict()  # ClientSession._prepare_headers (no default headers)
+    added: set[str] = set()
+    for name, value in CIMultiDict(headers).items():
+        if name in added:
+            prepared.add(name, value)
+        else:
+            prepared[name] = value
+            added.add(name)
+    multi: CIMultiDict[str] = CIMultiDict()  # ClientRequest.update_headers
+    multi[hdrs.HOST] = host
+    for name, value in prepared.items():
+        if name in hdrs.HOST_ALL:
+            multi[name] = value
+        else:
+            multi.add(name, value)
+    if multi.get(hdrs.CONTENT_LENGTH) != str(length) or any(name in multi for name in _LEAN_DECLINES):
+        return None
+    assert _serialize_headers is not None
+    return _serialize_headers(f"{method} {url.raw_path_qs} HTTP/1.1", multi), multi
+
+
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """``httpx.AsyncBaseTransport`` over one ``aiohttp.ClientSession`` (made on the first request, inside the
     running event loop).
@@ -210,6 +309,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._ssl = httpx.create_ssl_context(verify=verify) if verify else False
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, URL] = {}
+        self._connect_requests: dict[URL, ClientRequest] = {}
         self._timeouts: dict[tuple[float | None, ...], aiohttp.ClientTimeout] = {}
 
     def _open(self) -> aiohttp.ClientSession:
@@ -229,11 +329,22 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             )
         return self._session
 
+    lean: bool = True
+    """Whether a POST with a bytes body goes over the lean path (``_exchange``); False sends every request
+    through ``ClientSession.request`` (the tests run both and compare them)."""
+
     async def open(
         self, method: str, url: str, headers: list[tuple[str, str]], body: Any, timeout: dict[str, Any]
-    ) -> aiohttp.ClientResponse:
+    ) -> aiohttp.ClientResponse | LeanResponse:
         """Send a request as it is (``headers`` in order, none added) and return aiohttp's response once its
         status and headers arrived (the body streams; release or close it).
+
+        A POST whose body is bytes (every upstream call of the chat path) skips ``ClientSession._request``,
+        ``ClientRequest`` and ``ClientResponse`` (``_exchange``): the connection still comes from the session's
+        connector (pool, TLS, connect timeouts), the head is what ``ClientRequest`` would write (aiohttp's own
+        serializer over the same multidict), and the answer is parsed by the connection's ``ResponseHandler``
+        with the session's settings (read timeout, limits), so the bytes, the pooling and the errors are the
+        same; about half of aiohttp's CPU per call goes (docs/overhead.md, session 10).
 
         Args:
             method: the HTTP method.
@@ -247,6 +358,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         """
         connect, read, pool = timeout.get("connect"), timeout.get("read"), timeout.get("pool")
         try:
+            if self.lean and method == "POST" and type(body) is bytes and _serialize_headers is not None:
+                yurl = self._yarl(url)
+                session = self._open()
+                head = _lean_head(method, yurl, headers, len(body))
+                if head is not None and session.connector is not None:
+                    return await self._exchange(session, yurl, head, body, self._timeout(connect, read, pool))
             return await self._open().request(
                 method,
                 self._yarl(url),
@@ -268,6 +385,79 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             if mapped is None:
                 raise
             raise mapped from exc
+
+    async def _exchange(
+        self,
+        session: aiohttp.ClientSession,
+        url: URL,
+        head: tuple[bytes, CIMultiDict[str]],
+        body: bytes,
+        timeout: aiohttp.ClientTimeout,
+    ) -> LeanResponse:
+        """``ClientSession._request``'s steps for one POST, without its request and response objects: a
+        connection from the connector (``ClientRequest`` made once per URL, for its connection key), the
+        response parameters the session sets, head and body in one write, the read timeout started, then
+        the answer's head (1xx skipped as ``ClientResponse.start`` does). Errors are wrapped as those steps
+        wrap them (``ConnectionTimeoutError``, ``ClientResponseError``, ``ClientOSError``); the connection is
+        closed on any failure after it was taken.
+
+        Raises:
+            aiohttp.ClientError: as ``ClientSession.request`` raises it for the same event.
+            OSError: as ``ClientSession.request`` lets it through.
+        """
+        connector = session.connector
+        assert connector is not None
+        template = self._connect_requests.get(url)
+        if template is None:
+            template = ClientRequest("POST", url, loop=asyncio.get_running_loop(), ssl=True)
+            if len(self._connect_requests) >= _MAX_URLS:
+                self._connect_requests.clear()
+            self._connect_requests[url] = template
+        data, headers = head
+        try:
+            connection = await connector.connect(template, traces=[], timeout=timeout)
+        except TimeoutError as exc:
+            raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {template.url}") from exc
+        try:
+            protocol = connection.protocol
+            transport = connection.transport
+            assert protocol is not None
+            protocol.set_response_params(
+                timer=TimerNoop(),
+                skip_payload=False,
+                read_until_eof=True,
+                auto_decompress=False,
+                read_timeout=timeout.sock_read,
+                read_bufsize=session._read_bufsize,  # the session's (its default, 256 KiB)
+                timeout_ceil_threshold=connector._timeout_ceil_threshold,
+                max_line_size=_MAX_HEADER_BYTES,
+                max_field_size=_MAX_HEADER_BYTES,
+                max_headers=_MAX_HEADERS,
+            )
+            if transport is None or transport.is_closing():
+                raise aiohttp.ClientConnectionError(
+                    f"Failed to send bytes into the underlying connection {connection!s}: "
+                    f"{aiohttp.ClientConnectionResetError('Cannot write to closing transport')!r}"
+                )
+            transport.writelines((data, body))
+            protocol.start_timeout()
+            while True:
+                try:
+                    message, payload = await protocol.read()
+                except HttpProcessingError as exc:
+                    info = RequestInfo(url, "POST", CIMultiDictProxy(headers), url)
+                    raise aiohttp.ClientResponseError(
+                        info, (), status=exc.code, message=exc.message, headers=exc.headers
+                    ) from exc
+                if message.code < 100 or message.code > 199 or message.code == 101:
+                    return LeanResponse(connection, message, payload)
+        except BaseException as exc:
+            connection.close()
+            if isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
+                if exc.errno is None and isinstance(exc, asyncio.TimeoutError):
+                    raise
+                raise aiohttp.ClientOSError(*exc.args) from exc
+            raise
 
     def _yarl(self, url: str) -> URL:
         """``url`` as an encoded ``yarl.URL``, parsed once per URL (a few replicas and paths; bounded)."""

@@ -189,6 +189,12 @@ def test_profile_leaves_out_socket_writes_under_uvloop_by_their_line():
     other = "run (uvicorn/main.py:1);RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:1)"
     shares, waiting = attribute([(head.split(";"), 4), (other.split(";"), 2)])
     assert waiting == 4 and shares == {"uvicorn": 2}
+    # the lean upstream path's write (AiohttpTransport._exchange) is one of them
+    lean = [w for w in writes if w.startswith("gateway/transport/aiohttp_transport.py:")]
+    source = (ROOT / "gateway/transport/aiohttp_transport.py").read_text().splitlines()
+    assert [source[int(w.rsplit(":", 1)[1][:-1]) - 1].strip() for w in lean] == [
+        "transport.writelines((data, body))"
+    ]
 
 
 def test_profile_puts_samples_in_the_loops_own_frame_in_their_own_category():
@@ -235,3 +241,18 @@ def test_phases_run_finds_every_mark_and_prints_the_table():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "left out" not in out.stderr, out.stderr[-3000:]
     assert "most common sequence" in out.stdout and "canonicalize<" in out.stdout and "explain<" in out.stdout
+
+
+def test_client_comparison_prints_both_paths():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overhead.client", "--rounds", "1", "--calls", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["lean", "session"]
+    assert all("µs of thread CPU per call" in line and "median" in line for line in lines[:2])
+    assert lines[2].startswith("load average (1 min): ")

@@ -1,5 +1,8 @@
 """``AiohttpTransport`` against scripted HTTP/1.1 servers on real loopback sockets: the bytes on the wire are
-httpx's, connections are kept or cut as httpcore's are, and every failure is the httpx error httpcore gives."""
+httpx's, connections are kept or cut as httpcore's are, and every failure is the httpx error httpcore gives.
+
+Every test runs twice: with the lean path for bytes POSTs (``AiohttpTransport.lean``, the default) and with every
+request through ``ClientSession.request``; the tests at the end compare the two paths directly."""
 
 from __future__ import annotations
 
@@ -7,11 +10,19 @@ import asyncio
 import gzip
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import httpx
 import pytest
 
 from gateway.transport.aiohttp_transport import AiohttpTransport, DirectResponse
 from gateway.transport.upstream_http import make_client
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["lean", "session"])
+def lean(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(AiohttpTransport, "lean", request.param)
+    return request.param
+
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 5\r\n\r\nhello"
@@ -480,5 +491,228 @@ async def test_a_body_cut_short_is_the_same_error_through_httpx_and_direct():
             await direct.aclose()
             assert direct.is_closed
         assert server.connections == 2  # the cut connection was not reused
+    finally:
+        await server.__aexit__()
+
+
+LEAN_HEADER_SETS: list[list[tuple[str, str]]] = [
+    [
+        ("Host", "HOSTPORT"),
+        ("Accept", "*/*"),
+        ("Connection", "keep-alive"),
+        ("Content-Type", "application/json"),
+    ],
+    [("host", "example.test"), ("X-Dup", "1"), ("x-dup", "2"), ("X-Dup", "3"), ("Authorization", "Bearer k")],
+    [("X-Latin", "caf\u00e9 \u00ff"), ("User-Agent", "ua/1"), ("Accept-Encoding", "gzip"), ("X-Tab", "a\tb")],
+    [("Content-Length", "LENGTH"), ("X-After", "z")],
+]
+"""Header lists for the lean-path comparison: an explicit Host (any case, which replaces aiohttp's in place),
+duplicates in different cases (``ClientSession._prepare_headers`` folds them), non-ASCII and tab values, the
+automatic headers present, Content-Length first."""
+
+
+async def _open_both(url: str, headers: list[tuple[str, str]], body: bytes) -> list[object]:
+    """Send one request through each path (lean, then the session's) and return what each gave: the body
+    read to its end, or the (type, text) of the httpx error raised."""
+    outcomes: list[object] = []
+    for lean in (True, False):
+        transport = AiohttpTransport()
+        transport.lean = lean
+        try:
+            response = await transport.open("POST", url, headers, body, httpx.Timeout(0.5).as_dict())
+            data = b"".join([chunk async for chunk in DirectResponse(response).aiter_bytes()])
+            outcomes.append((response.status, response.reason, tuple(response.raw_headers), data))
+        except httpx.TransportError as exc:
+            outcomes.append((type(exc), str(exc)))
+        finally:
+            await transport.aclose()
+    return outcomes
+
+
+@pytest.mark.parametrize("headers", LEAN_HEADER_SETS)
+async def test_the_lean_path_puts_on_the_wire_byte_for_byte_what_the_session_path_does(headers):
+    server = await _serving(_answer(OK))
+    try:
+        port = server.url.split("//", 1)[1].split("/", 1)[0]
+        body = b'{"model": "m", "q": "\xc3\xa9"}'
+        sent = [
+            (name, value.replace("HOSTPORT", port).replace("LENGTH", str(len(body))))
+            for name, value in headers
+        ]
+        if not any(name.lower() == "content-length" for name, _ in sent):
+            sent.append(("Content-Length", str(len(body))))
+        lean, session = await _open_both(server.url + "?a=1&b=%20", sent, body)
+        assert lean == session == (200, "OK", tuple(lean[2]), b"hello")  # type: ignore[index]
+        assert len(server.heads) == 2 and server.heads[0] == server.heads[1]
+        assert server.bodies == [body, body]
+    finally:
+        await server.__aexit__()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"",
+        b"HTTP/1.1 200 OK\r\ncontent-le",
+        b"garbage that is not http\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this",
+        b"HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+        None,  # no answer: the read timeout
+    ],
+    ids=[
+        "closed",
+        "inside-head",
+        "garbled",
+        "cut-body",
+        "bad-length",
+        "continue",
+        "chunked",
+        "until-eof",
+        "silent",
+    ],
+)
+async def test_the_lean_path_answers_and_fails_as_the_session_path_does(answer):
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            if answer is None:
+                await reader.read()
+                return
+            writer.write(answer)
+            await writer.drain()
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        headers = [("Host", "h"), ("Content-Length", "2")]
+        lean, session = await _open_both(server.url, headers, b"{}")
+        assert lean == session
+    finally:
+        await server.__aexit__()
+
+
+async def test_the_lean_path_refuses_what_the_session_path_refuses():
+    server = await _serving(_answer(OK))
+    url = server.url
+    try:
+        evil = [("Authorization", "Bearer hunter2\r\nx-evil: 1"), ("Content-Length", "2")]
+        lean, session = await _open_both(url, evil, b"{}")
+        assert (
+            lean
+            == session
+            == (httpx.LocalProtocolError, "a request header could not be sent (illegal value)")
+        )
+        assert server.heads == []
+    finally:
+        await server.__aexit__()
+    await asyncio.sleep(0)
+    lean, session = await _open_both(url, [("Content-Length", "2")], b"{}")  # refused
+    assert lean == session and lean[0] is httpx.ConnectError  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("method", "headers", "body"),
+    [
+        ("POST", [("Content-Length", "2")], b"{}"),
+        ("POST", [], b"{}"),  # no Content-Length: ClientRequest adds it
+        ("POST", [("Content-Length", "3")], b"{}"),  # not the body's
+        ("POST", [("Content-Length", "2"), ("Expect", "100-continue")], b"{}"),
+        ("POST", [("Transfer-Encoding", "chunked")], b"{}"),
+        ("POST", [("Content-Length", "2"), ("Content-Encoding", "gzip")], b"{}"),
+        ("POST", [("Content-Length", "2")], bytearray(b"{}")),
+        ("PUT", [("Content-Length", "2")], b"{}"),
+    ],
+    ids=["lean", "no-length", "wrong-length", "expect", "chunked", "encoded", "bytearray", "put"],
+)
+async def test_only_a_plain_bytes_post_takes_the_lean_path(monkeypatch, method, headers, body):
+    """The lean path is taken exactly for a POST of a bytes body whose headers ClientRequest sends as they are;
+    anything else goes through ``ClientSession.request``."""
+    taken: list[str] = []
+
+    class Taken(Exception):
+        pass
+
+    async def session_request(self, *args, **kwargs):
+        taken.append("session")
+        raise Taken
+
+    async def exchange(self, *args, **kwargs):
+        taken.append("lean")
+        raise Taken
+
+    monkeypatch.setattr(aiohttp.ClientSession, "request", session_request)
+    monkeypatch.setattr(AiohttpTransport, "_exchange", exchange)
+    transport = AiohttpTransport()
+    try:
+        with pytest.raises(Taken):
+            await transport.open(
+                method, "http://127.0.0.1:9/v1/x", headers, body, httpx.Timeout(1.0).as_dict()
+            )
+        lean_taken = method == "POST" and headers == [("Content-Length", "2")] and type(body) is bytes
+        assert taken == ["lean" if lean_taken and AiohttpTransport.lean else "session"]
+    finally:
+        await transport.aclose()
+
+
+async def test_a_lean_request_cancelled_while_waiting_closes_its_connection():
+    """A caller that leaves while the upstream works (the client went away) closes the connection, which is
+    what tells the upstream to stop; the pool does not reuse it."""
+    server = await _serving(_answer(OK, OK))
+    transport = AiohttpTransport()
+    try:
+        headers = [("Content-Length", "2")]
+        opened: list[AiohttpTransport] = []
+
+        def make(server: Server) -> Handler:
+            async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await server.read_request(reader)
+                opened.append(transport)
+                await reader.read()  # never answers; sees the close
+
+            return handler
+
+        slow = await _serving(make)
+        task = asyncio.create_task(
+            transport.open("POST", slow.url, headers, b"{}", httpx.Timeout(5.0).as_dict())
+        )
+        while not opened:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        connector = transport._open().connector
+        assert connector is not None and sum(len(v) for v in connector._conns.values()) == 0
+        await slow.__aexit__()
+        for _ in range(2):  # the pool still serves: one connection, two requests
+            response = await transport.open("POST", server.url, headers, b"{}", httpx.Timeout(5.0).as_dict())
+            assert b"".join([c async for c in DirectResponse(response).aiter_bytes()]) == b"hello"
+        assert server.connections == 1 and len(server.heads) == 2
+    finally:
+        await transport.aclose()
+        await server.__aexit__()
+
+
+async def test_the_lean_path_reads_with_the_sessions_parameters(monkeypatch):
+    """The answer is parsed with what ``ClientSession._request`` would set on the connection's protocol
+    (buffer size, limits, read timeout, no decompression): recorded on both paths and compared."""
+    from aiohttp.client_proto import ResponseHandler
+
+    seen: list[dict] = []
+    original = ResponseHandler.set_response_params
+
+    def spy(self, **kwargs):
+        seen.append({k: v for k, v in kwargs.items() if k != "timer"} | {"timer": type(kwargs["timer"])})
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(ResponseHandler, "set_response_params", spy)
+    server = await _serving(_answer(OK, OK))
+    try:
+        await _open_both(server.url, [("Host", "h"), ("Content-Length", "2")], b"{}")
+        lean, session = seen
+        assert lean == session and lean["read_bufsize"] == 2**18 and lean["read_timeout"] == 0.5
     finally:
         await server.__aexit__()
