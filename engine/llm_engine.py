@@ -209,6 +209,7 @@ class LLMEngine(PrefixAdmin):
         """Prefixes warmed or named by a request's prefix key (listing and dropping)."""
         self.prefetch_wait_s = 1.0
         """Longest wait for a tier read in a step that has nothing else to run."""
+        self._waited_for_tiers = False  # the last step waited for a tier read (``run_to_completion``)
         self._pin_ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.record_logits = record_logits
@@ -339,6 +340,7 @@ class LLMEngine(PrefixAdmin):
     def schedule_step(self) -> StepPlan:
         """Phase 1: plan the step and flatten its input (mutates queues and block tables)."""
         sched = self.scheduler.schedule()
+        self._waited_for_tiers = False
         if (
             sched.is_empty
             and self.tiers is not None
@@ -346,6 +348,7 @@ class LLMEngine(PrefixAdmin):
             and not self.scheduler.running
         ):
             # Nothing runs but a prefix is being read back: wait for it here (no decode is delayed).
+            self._waited_for_tiers = True
             self.tiers.wait_pending(self.prefetch_wait_s)
             again = self.scheduler.schedule()
             again.finished[:0] = sched.finished
@@ -504,7 +507,9 @@ class LLMEngine(PrefixAdmin):
             steps += 1
             if max_steps is not None and steps > max_steps:
                 raise RuntimeError(f"not finished after {max_steps} steps")
-            if not outs and self._last_step_idle():
+            # a step that waited for a tier read made progress even when the read finished after the
+            # scheduler looked again (a loaded machine): its request is scheduled next step
+            if not outs and not self._waited_for_tiers and self._last_step_idle():
                 raise RuntimeError("the scheduler made no progress with requests waiting")
             for o in outs:
                 if o.finished:

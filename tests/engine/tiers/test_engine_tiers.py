@@ -70,6 +70,32 @@ def test_spill_and_load_back_give_the_logits_of_a_run_that_never_evicted(tmp_pat
     eng.close()
 
 
+def test_a_tier_read_that_ends_after_the_step_gave_up_waiting_is_not_a_stuck_scheduler(tmp_path):
+    # on a loaded machine the step's wait for a tier read can time out and the read finish just after the
+    # scheduler looked again: the step produced nothing, yet the request runs next step
+    first = tiered(tmp_path, num_blocks=40)
+    base = random_tokens(200, 5)
+    run(first, base)
+    first.close()  # writes its cached blocks down
+    eng = tiered(tmp_path, num_blocks=40)
+    eng.prefetch_wait_s = 0.0
+    schedule = eng.scheduler.schedule
+    calls = []
+
+    def schedule_then_read_finishes():
+        sched = schedule()
+        calls.append(sched.is_empty)
+        if len(calls) == 2:  # the step's second look (after its wait) found nothing: the read ends now
+            eng.tiers.wait_pending(30.0)
+        return sched
+
+    eng.scheduler.schedule = schedule_then_read_finishes
+    req = run(eng, base[:192] + random_tokens(10, 6))
+    assert calls[:2] == [True, True]  # the read was pending at both looks of the first step
+    assert req.num_cached_tokens == 192 and len(req.output_token_ids) == N_NEW
+    eng.close()
+
+
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_a_restarted_engine_loads_instead_of_prefilling(tmp_path, redis_prefix, tier):
     first = tiered(tmp_path, (tier,), redis_prefix)
