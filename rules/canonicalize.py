@@ -207,8 +207,8 @@ class RuleSet:
         )
         self._memo_tag = next(RULESET_TAGS)  # this rule set's keys in a memo shared with others
         """What canonicalizing the turns of earlier requests gave: ``history_memo.first_key`` -> ``FirstTurn``;
-        ``history_memo.later_key`` -> ``LaterTurns`` (for requests that do not end with an assistant reply: a later request of the
-        conversation extends them)."""
+        ``history_memo.later_key`` -> ``LaterTurns`` (for requests that do not end with an assistant reply: a
+        later request of the conversation extends them)."""
 
     @property
     def rule_ids(self) -> list[str]:

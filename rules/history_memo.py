@@ -76,8 +76,9 @@ class FirstTurn:
 
 class LaterTurns:
     """What the turns after the first of one request gave, kept to go on from when a later request of the
-    conversation begins with that request (``RuleSet.history_memo``, key ``later_key(...)``: a first turn whose hoisted values changed, e.g. a
-    system prompt with the current time, still finds them). Never mutated once stored, never handed out.
+    conversation begins with that request (``RuleSet.history_memo``, key ``later_key(...)``: a first turn
+    whose hoisted values changed, e.g. a system prompt with the current time, still finds them). Never mutated
+    once stored, never handed out.
 
     Attributes:
         processed: the later turns' messages, blocks out and rules run.
