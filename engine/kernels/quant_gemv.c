@@ -158,6 +158,22 @@ static int bad_args(const void *w, int64_t n, int64_t k, const void *x, int64_t 
 #define SPLIT(T, threads, id, t0, t1)                                                                          \
     const int64_t t0 = (T) * (id) / (threads), t1 = (T) * ((id) + 1) / (threads)
 
+#ifdef _OPENMP
+extern int omp_get_thread_num(void);
+extern int omp_get_num_threads(void);
+#define THREAD_ID_AND_COUNT(id, nt) const int id = omp_get_thread_num(), nt = omp_get_num_threads()
+#else
+#define THREAD_ID_AND_COUNT(id, nt) const int id = 0, nt = 1
+#endif
+
+/* CALL (which reads t0, t1) on each of `threads` OpenMP threads, over that thread's SPLIT share of T tiles */
+#define EACH_THREAD(T, threads, CALL)                                                                          \
+    _Pragma("omp parallel num_threads(threads)") {                                                             \
+        THREAD_ID_AND_COUNT(id, nt);                                                                           \
+        SPLIT(T, nt, id, t0, t1);                                                                              \
+        CALL;                                                                                                  \
+    }
+
 /* Q4_0 / Q4_1: w = pack_int4's tiles (64-byte aligned), x fp32 [m][k], y fp32 [m][n]; threads >= 1 */
 int q4_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
     if (bad_args(w, n, k, x, m, y, threads)) return -1;
@@ -168,18 +184,7 @@ int q4_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, f
     if (threads == 1) {
         q4_tiles(w, n, k, x, m, y, s, 0, T);
     } else {
-#pragma omp parallel num_threads(threads)
-        {
-#ifdef _OPENMP
-            extern int omp_get_thread_num(void);
-            extern int omp_get_num_threads(void);
-            const int id = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-            const int id = 0, nt = 1;
-#endif
-            SPLIT(T, nt, id, t0, t1);
-            q4_tiles(w, n, k, x, m, y, s, t0, t1);
-        }
+        EACH_THREAD(T, threads, q4_tiles(w, n, k, x, m, y, s, t0, t1));
     }
     free(s);
     return 0;
@@ -192,18 +197,7 @@ int q8_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, f
     if (threads == 1) {
         q8_tiles(w, n, k, x, m, y, 0, T);
     } else {
-#pragma omp parallel num_threads(threads)
-        {
-#ifdef _OPENMP
-            extern int omp_get_thread_num(void);
-            extern int omp_get_num_threads(void);
-            const int id = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-            const int id = 0, nt = 1;
-#endif
-            SPLIT(T, nt, id, t0, t1);
-            q8_tiles(w, n, k, x, m, y, t0, t1);
-        }
+        EACH_THREAD(T, threads, q8_tiles(w, n, k, x, m, y, t0, t1));
     }
     return 0;
 }
