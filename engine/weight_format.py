@@ -186,19 +186,14 @@ class WeightPlan:
                 kind,
             )
             kind = "bf16"
-        if kind == "int4":
-            groups = [int4_groups(_as_blocks(p, "Q4_1", INT4_TYPES, name)) for p in parts]
-            return Int4Weight(
-                type(groups[0]).concat(groups),
-                bias,
-                self.device,
-                self.dense_min_rows,
-                self.dense_dtype,
-                self.linear_kernel,
+        if kind in ("int4", "int8"):
+            decode, target, keep, weight_class = (
+                (int4_groups, "Q4_1", INT4_TYPES, Int4Weight)
+                if kind == "int4"
+                else (int8_groups, "Q8_0", ("Q8_0",), Int8Weight)
             )
-        if kind == "int8":
-            groups = [int8_groups(_as_blocks(p, "Q8_0", ("Q8_0",), name)) for p in parts]
-            return Int8Weight(
+            groups = [decode(_as_blocks(p, target, keep, name)) for p in parts]
+            return weight_class(
                 type(groups[0]).concat(groups),
                 bias,
                 self.device,
