@@ -15,11 +15,14 @@ name.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})
 """CPU flags every native kernel needs (``engine.weight_format.cpu_flags`` names)."""
@@ -97,3 +100,72 @@ def build_library(
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+class CheckedKernel(Protocol):
+    """A loaded kernel that can check itself against a reference (``self_check``: None, or what is wrong)."""
+
+    def self_check(self) -> str | None: ...
+
+
+_log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=CheckedKernel)
+
+
+def build_checked(
+    load: Callable[[Path], K],
+    source: Path,
+    cpu: tuple[bool, str],
+    cc: str | None,
+    flags: tuple[str, ...],
+    libs: tuple[str, ...] = (),
+    directory: Path | None = None,
+) -> K:
+    """Build (or find built) ``source``, load it with ``load`` and check it: the steps both native kernels
+    share. ``cpu``: ``cpu_ok``'s answer for the kernel's instruction sets; ``cc``: ``compiler()``'s.
+
+    Raises:
+        NativeKernelError: the CPU lacks an instruction set, no C compiler, the compile failed, the library
+            does not load, or it fails its ``self_check``; the message says which.
+    """
+    ok, why = cpu
+    if not ok:
+        raise NativeKernelError(why)
+    if cc is None:
+        raise NativeKernelError("no C compiler (set CC, or install gcc)")
+    target = build_library(source, cc, flags, libs, directory)
+    try:
+        kernel = load(target)
+    except OSError as exc:
+        raise NativeKernelError(f"{target} does not load: {exc}") from exc
+    err = kernel.self_check()
+    if err is not None:
+        raise NativeKernelError(f"{target} fails its check against a float64 reference: {err}")
+    return kernel
+
+
+def resolve_setting(
+    setting_name: str, setting: str, device: str, shared: Callable[[], K | str], fallback: str
+) -> K | None:
+    """The kernel a ``native | auto | torch`` setting (already validated) asks for on ``device``: ``torch`` ->
+    None; ``native`` -> ``shared()``'s kernel, or a start-up error; ``auto`` -> the kernel where it builds on a
+    CPU, else None with a log line naming ``fallback`` and why. ``shared``: the kernel, or why it is not
+    available.
+
+    Raises:
+        ValueError: ``native`` where the kernel is not available (the message names ``setting_name``).
+    """
+    if setting == "torch":
+        return None
+    if device != "cpu":
+        if setting == "native":
+            raise ValueError(f"{setting_name}: native runs on CPU only, not on {device}")
+        return None
+    kernel = shared()
+    if isinstance(kernel, str):
+        if setting == "native":
+            raise ValueError(f"{setting_name}: native is not available here: {kernel}")
+        _log.info("%s auto: %s (%s)", setting_name, fallback, kernel)
+        return None
+    return kernel

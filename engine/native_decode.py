@@ -118,24 +118,12 @@ class NativeDecodeKernel:
             NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) and FMA, no C compiler, the compile
                 failed, or the build fails its ``self_check``; the message says which.
         """
-        ok, why = _cpu_ok()
-        if not ok:
-            raise NativeKernelError(why)
-        cc = _compiler()
-        if cc is None:
-            raise NativeKernelError("no C compiler (set CC, or install gcc)")
         shape = (
             () if group is None or head_dim is None else (f"-DPD_GROUP={group}", f"-DPD_HEAD_DIM={head_dim}")
         )
-        target = native_build.build_library(SOURCE, cc, (*FLAGS, *shape), LIBS, directory)
-        try:
-            kernel = cls(target)
-        except OSError as exc:
-            raise NativeKernelError(f"{target} does not load: {exc}") from exc
-        err = kernel.self_check()
-        if err is not None:
-            raise NativeKernelError(f"{target} fails its check against a float64 reference: {err}")
-        return kernel
+        return native_build.build_checked(
+            cls, SOURCE, _cpu_ok(), _compiler(), (*FLAGS, *shape), LIBS, directory
+        )
 
     def attend(
         self,
@@ -293,16 +281,10 @@ def resolve_decode_kernel(
     """
     if setting not in DECODE_KERNELS:
         raise ValueError(f"engine.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {setting!r}")
-    if setting == "torch":
-        return None
-    if torch.device(device).type != "cpu":
-        if setting == "native":
-            raise ValueError(f"engine.decode_kernel: native runs on CPU only, not on {device}")
-        return None
-    kernel = _shared_kernel(group, head_dim)
-    if isinstance(kernel, str):
-        if setting == "native":
-            raise ValueError(f"engine.decode_kernel: native is not available here: {kernel}")
-        logger.info("engine.decode_kernel auto: torch's decode attention (%s)", kernel)
-        return None
-    return kernel
+    return native_build.resolve_setting(
+        "engine.decode_kernel",
+        setting,
+        torch.device(device).type,
+        lambda: _shared_kernel(group, head_dim),
+        "torch's decode attention",
+    )

@@ -197,21 +197,9 @@ class NativeLinearKernel:
             NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL), F16C and FMA, no C compiler, the
                 compile failed, or the build fails its ``self_check``; the message says which.
         """
-        ok, why = native_build.cpu_ok(REQUIRED)
-        if not ok:
-            raise NativeKernelError(why)
-        cc = native_build.compiler()
-        if cc is None:
-            raise NativeKernelError("no C compiler (set CC, or install gcc)")
-        target = native_build.build_library(SOURCE, cc, FLAGS, LIBS, directory)
-        try:
-            kernel = cls(target)
-        except OSError as exc:
-            raise NativeKernelError(f"{target} does not load: {exc}") from exc
-        err = kernel.self_check()
-        if err is not None:
-            raise NativeKernelError(f"{target} fails its check against a float64 reference: {err}")
-        return kernel
+        return native_build.build_checked(
+            cls, SOURCE, native_build.cpu_ok(REQUIRED), native_build.compiler(), FLAGS, LIBS, directory
+        )
 
     def mm(self, w: PackedQuant, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """``x @ W.T``: ``x`` fp32 ``[M, in_features]`` (M >= 1; other float dtypes are widened to fp32) ->
@@ -302,16 +290,6 @@ def resolve_linear_kernel(setting: str, device: torch.device | str) -> NativeLin
             ``engine.linear_kernel`` and the reason).
     """
     check_linear_kernel(setting)
-    if setting == "torch":
-        return None
-    if torch.device(device).type != "cpu":
-        if setting == "native":
-            raise ValueError(f"engine.linear_kernel: native runs on CPU only, not on {device}")
-        return None
-    kernel = _shared_kernel()
-    if isinstance(kernel, str):
-        if setting == "native":
-            raise ValueError(f"engine.linear_kernel: native is not available here: {kernel}")
-        logger.info("engine.linear_kernel auto: torch's int4 kernel (%s)", kernel)
-        return None
-    return kernel
+    return native_build.resolve_setting(
+        "engine.linear_kernel", setting, torch.device(device).type, _shared_kernel, "torch's int4 kernel"
+    )
