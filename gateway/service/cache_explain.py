@@ -164,6 +164,7 @@ class CacheExplanations:
                 volatile_spans=spans,
                 provider_cause=provider_cause,
                 epoch=epoch,
+                tools_digest=rendered.tools_digest,
             )
             if shift:
                 explanation = _without_preamble(explanation, shift)
@@ -181,7 +182,9 @@ class CacheExplanations:
         return explanation
 
     def _record(self, model: str, tenant: str, rendered: RenderedPrompt) -> None:
-        self.explainer.record(model, tenant, rendered.tokens, rendered.segments)
+        self.explainer.record(
+            model, tenant, rendered.tokens, rendered.segments, tools_digest=rendered.tools_digest
+        )
         self.explainer.mark_cached(model, tenant, rendered.tokens)
 
     def record_answer(self, request: ChatRequest, prepared: PreparedPrompt, answer: tuple[int, ...]) -> None:
@@ -193,7 +196,12 @@ class CacheExplanations:
         rendered = prepared.rendered
         try:
             self.explainer.record_answer(
-                request.model, request.tenant, rendered.tokens, rendered.segments, answer
+                request.model,
+                request.tenant,
+                rendered.tokens,
+                rendered.segments,
+                answer,
+                tools_digest=rendered.tools_digest,
             )
         except Exception as exc:  # noqa: BLE001 - never fails a request
             with self._lock:

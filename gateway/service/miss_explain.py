@@ -31,7 +31,10 @@ Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
   after the divergence (a new prompt, not an edit of an earlier one); or the divergence lies in a document or
   in the volatile tail (new content).
 - otherwise, at the divergence ``d`` from the nearest earlier prompt (either prompt's segment at ``d``):
-  ``tools_changed`` (tools), ``volatile`` (a known volatile span, a learned slot's match, covers ``d``; its
+  ``tools_changed`` (tools, unless both prompts carry a tools digest and the digests are equal: the tools are
+  the same and only where the template cut them moved, e.g. a system text added after a tools-only system
+  message, so the other prompt's segment there, or the segment the tools lead into, names the cause),
+  ``volatile`` (a known volatile span, a learned slot's match, covers ``d``; its
   slot id is reported), ``system_changed`` (system), ``history_rewritten`` (history: client compaction, an
   edited or retried turn, a template that rewrites earlier turns). ``volatile`` is never guessed from the
   shape of the edit: an ordinary edit of a system prompt is ``system_changed``.
@@ -94,6 +97,7 @@ class _Entry:
     segments: tuple[PromptSegment, ...]
     seen_at: float
     digest: bytes = b""  # BLAKE2b-128 of ``tokens``: the key of ``MissExplainer._seqs``
+    tools: bytes | None = None  # the prompt's tools digest (``record``), None when not given
 
     @property
     def nbytes(self) -> int:
@@ -189,6 +193,12 @@ class MissExplainer:
         return out
 
     @staticmethod
+    def _digest(value: Any) -> bytes | None:
+        if value is not None and not isinstance(value, bytes):
+            raise MissExplainError(f"tools_digest must be bytes or None, not {type(value).__name__}")
+        return value
+
+    @staticmethod
     def _count(value: Any, name: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise MissExplainError(f"{name} must be a non-negative integer, not {value!r}")
@@ -215,6 +225,7 @@ class MissExplainer:
         volatile_spans: Iterable[VolatileSpan] = (),
         provider_cause: str | None = None,
         epoch: Epoch | None = None,
+        tools_digest: bytes | None = None,
     ) -> MissExplanation:
         """Explain one request's cache result (read-only: call ``record`` and ``mark_cached`` after).
 
@@ -231,6 +242,9 @@ class MissExplainer:
             volatile_spans: token ranges of known volatile values (learned-slot matches).
             provider_cause: the upstream's own diagnostic, if it gave one (see ``map_provider_cause``).
             epoch: ``epoch()`` when the request began; None takes everything recorded so far as evidence.
+            tools_digest: a digest of the request's tools as sent (``b""`` for none; ``RenderedPrompt``'s), or
+                None (unknown): with the nearest earlier prompt's, it tells whether the tools changed where
+                the two prompts' tools segments disagree at the divergence.
 
         Raises:
             MissExplainError: bad tokens, segments or counts.
@@ -265,6 +279,7 @@ class MissExplainer:
             min_cacheable,
             tuple(volatile_spans),
             epoch,
+            self._digest(tools_digest),
         )
         cause, at, slot, ago = local
         where = _segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
@@ -296,6 +311,7 @@ class MissExplainer:
         min_cacheable: int | None,
         spans: tuple[VolatileSpan, ...],
         epoch: Epoch | None,
+        tools: bytes | None,
     ) -> tuple[str, int, str | None, float | None]:
         """(cause, offset, slot, cached_ago) of a miss (``end``: where the target ends, unrounded)."""
         if reach == 0 or (min_cacheable is not None and reach < self._count(min_cacheable, "min_cacheable")):
@@ -325,6 +341,13 @@ class MissExplainer:
             return "cold", cached, None, None
         slot_span = next((s for s in spans if s.start - 1 <= d < s.end), None)
         names = {_segment_at(segs, d), _segment_at(entry.segments, d)}
+        if "tools" in names and tools is not None and tools == entry.tools:
+            # the same tools: the divergence only lies where a with/without-tools diff labels tools (a
+            # separator before an added system text, a closing token): what changed is the other prompt's
+            # segment there, or, when both say tools, the segment this prompt's tools lead into
+            names.discard("tools")
+            if not names:
+                names.add(_segment_at(segs, _segment_end(segs, d)))
         if "tools" in names:
             return "tools_changed", d, None, None
         if slot_span is not None:
@@ -393,23 +416,26 @@ class MissExplainer:
         tokens: Sequence[int],
         segments: Iterable[PromptSegment],
         extends: array | None = None,
+        tools_digest: bytes | None = None,
     ) -> None:
         """Add a prompt to the key's index (an identical prompt is only refreshed).
 
         ``extends``, a recorded prompt that ``tokens`` continues (``record_answer``: the prompt before its
         answer), is replaced in place by this one, keeping its place in the index (its sequence number, so a
         request whose epoch saw that prompt sees its continuation): one entry per answered request, not two.
+        ``tools_digest``: the prompt's tools digest (``explain``), None when unknown.
 
         Raises:
-            MissExplainError: bad tokens or segments.
+            MissExplainError: bad tokens, segments or digest.
         """
         self._root(model, tenant)
         data = self._tokens(tokens)
         segs = self._segments(segments, len(data))
+        tools = self._digest(tools_digest)
         key = (model, tenant)
         digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
         with self._lock:
-            if extends is not None and self._extend(key, extends, data, segs, digest):
+            if extends is not None and self._extend(key, extends, data, segs, digest, tools):
                 return
             entries = self._keys.get(key)
             if entries is None:
@@ -422,10 +448,11 @@ class MissExplainer:
             same = entries.get(seq) if seq is not None else None
             if same is not None and same.tokens == data:
                 same.seen_at = self._clock()
+                same.tools = tools
                 entries.move_to_end(seq)
                 self._lru.move_to_end((key, seq))
                 return
-            entry = _Entry(data, segs, self._clock(), digest)
+            entry = _Entry(data, segs, self._clock(), digest, tools)
             if entry.nbytes > self.max_bytes:
                 return
             self._seq += 1
@@ -445,6 +472,7 @@ class MissExplainer:
         tokens: Sequence[int],
         segments: Iterable[PromptSegment],
         answer: Sequence[int],
+        tools_digest: bytes | None = None,
     ) -> None:
         """Record a prompt followed by the answer served to it (the model's token ids as its engine cached
         them): one prompt of the key whose last segment, ``history``, is the answer, as it is in the client's
@@ -459,7 +487,9 @@ class MissExplainer:
         reply = self._tokens(answer)
         end = len(prompt) + len(reply)
         history = PromptSegment("history", len(prompt), end)
-        self.record(model, tenant, prompt + reply, (*segs, history), extends=prompt)
+        self.record(
+            model, tenant, prompt + reply, (*segs, history), extends=prompt, tools_digest=tools_digest
+        )
 
     def _extend(
         self,
@@ -468,6 +498,7 @@ class MissExplainer:
         data: array,
         segs: tuple[PromptSegment, ...],
         digest: bytes,
+        tools: bytes | None,
     ) -> bool:
         """Replace the recorded ``prompt`` of ``key`` by its continuation ``data`` in place (caller holds the
         lock). False when the prompt is not recorded (dropped, or never recorded), the continuation is
@@ -482,7 +513,7 @@ class MissExplainer:
         if (key, digest) in self._seqs:
             self._drop_entry(key, seq)
             return False
-        new = _Entry(data, segs, self._clock(), digest)
+        new = _Entry(data, segs, self._clock(), digest, tools)
         if new.nbytes > self.max_bytes:
             return False
         entries[seq] = new

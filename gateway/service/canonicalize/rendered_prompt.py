@@ -2,7 +2,8 @@
 
 Owns ``render_canonical`` and ``RenderedPrompt``: the rendered text, its token ids and start offsets, the
 segments (``tools``, ``system``, ``documents``, ``history``, ``tail``) as ``PromptSegment`` token ranges, and
-where the stable prefix ends. A template that ignores tools (SmolLM2's does) gets the tools' canonical JSON as
+where the stable prefix ends, and a digest of the tools (the miss explanation tells a changed tool from a
+moved cut by it). A template that ignores tools (SmolLM2's does) gets the tools' canonical JSON as
 a preamble, since the upstream models users replay for do see them.
 
 Invariants: the segments are contiguous, in order, and cover every token; ``stable_tokens`` never exceeds
@@ -12,6 +13,7 @@ the token count. Common prefixes and suffixes come from ``rules.span_diff``.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +36,8 @@ class RenderedPrompt:
     starts: list[int]
     segments: list[PromptSegment]
     stable_tokens: int
+    tools_digest: bytes = b""
+    """BLAKE2b-128 of the tools' canonical JSON in the order sent; ``b""`` when the request has none."""
 
 
 def render_canonical(
@@ -100,4 +104,5 @@ def render_canonical(
         else:
             segments.append(PromptSegment(name, pos, end))
         pos = end
-    return RenderedPrompt(text, ids, starts, segments, min(tok(stable_chars), len(ids)))
+    digest = hashlib.blake2b(canonical_json(tools).encode(), digest_size=16).digest() if tools else b""
+    return RenderedPrompt(text, ids, starts, segments, min(tok(stable_chars), len(ids)), digest)

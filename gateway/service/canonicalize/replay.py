@@ -81,8 +81,15 @@ class _Side:
             rendered.stable_tokens,
             cached,
             volatile_spans=volatile,
+            tools_digest=rendered.tools_digest,
         )
-        self.explainer.record(request.model, request.tenant, rendered.tokens, rendered.segments)
+        self.explainer.record(
+            request.model,
+            request.tenant,
+            rendered.tokens,
+            rendered.segments,
+            tools_digest=rendered.tools_digest,
+        )
         self.explainer.mark_cached(request.model, request.tenant, rendered.tokens)
         earlier.append((rendered.text, rendered.tokens))
         at = (f"{e.segment}:{e.offset}" + (f" {e.slot}" if e.slot else "")) if e.miss else None

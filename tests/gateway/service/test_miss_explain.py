@@ -124,6 +124,52 @@ def test_tools_changed() -> None:
     assert ex.explain("m", "t", tokens, segments, stable, 0).cause == "cold"
 
 
+def test_system_text_added_after_tools_only_system_message_is_system_changed_with_tools_digests() -> None:
+    # the engine's template writes the tools first in the system message: a tools-only system message ends
+    # with its closing token (labelled system), and a system text added later is separated from the tools by
+    # a separator the with/without-tools diff labels tools. The tools are the same (equal digests): the
+    # system prompt is what changed.
+    close, sep, text = [9000], [9001], list(range(6000, 6030))
+    old, old_segments, old_stable = build(TOOLS, close + SYSTEM, HISTORY, TAIL)
+    new = TOOLS + sep + text + close + SYSTEM + HISTORY + TAIL
+    t, s = len(TOOLS), len(TOOLS) + 1 + len(text) + 1 + len(SYSTEM)
+    new_segments = [
+        PromptSegment("tools", 0, t + 1),
+        PromptSegment("system", t + 1, s),
+        PromptSegment("history", s, s + len(HISTORY)),
+        PromptSegment("tail", s + len(HISTORY), len(new)),
+    ]
+    stable = s + len(HISTORY)
+    for digests, cause, segment in (
+        ((b"T", b"T"), "system_changed", "tools"),  # the same tools
+        ((b"T", b"U"), "tools_changed", "tools"),  # other tools
+        ((None, None), "tools_changed", "tools"),  # unknown: as before
+        ((b"T", None), "tools_changed", "tools"),
+    ):
+        ex = MissExplainer()
+        ex.record("m", "t", old, old_segments, tools_digest=digests[0])
+        ex.mark_cached("m", "t", old)
+        e = ex.explain("m", "t", new, new_segments, stable, 16, tools_digest=digests[1])
+        assert (e.cause, e.segment, e.offset) == (cause, segment, t), digests
+    # the digest is kept through ``record_answer``
+    ex = MissExplainer()
+    ex.record_answer("m", "t", old, old_segments, [5, 6, 7], tools_digest=b"T")
+    ex.mark_cached("m", "t", old)
+    e = ex.explain("m", "t", new, new_segments, stable, 16, tools_digest=b"T")
+    assert e.cause == "system_changed"
+    assert old_stable < len(old)
+
+
+@pytest.mark.parametrize("bad", ["T", 3, bytearray(b"T")])
+def test_tools_digest_must_be_bytes(bad) -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    with pytest.raises(MissExplainError, match="tools_digest"):
+        ex.explain("m", "t", tokens, segments, stable, 0, tools_digest=bad)
+    with pytest.raises(MissExplainError, match="tools_digest"):
+        ex.record("m", "t", tokens, segments, tools_digest=bad)
+
+
 def test_system_changed() -> None:
     ex = MissExplainer()
     served(ex, *build(TOOLS, SYSTEM, HISTORY, TAIL)[:2])

@@ -129,6 +129,40 @@ def test_tools_are_a_segment_and_a_change_is_tools_changed() -> None:
     assert rendered.text.startswith("<|tools|>\n")
 
 
+class ToolsFirstTokenizer(CharTokenizer):
+    """The engine's generic tool format's layout: the tools first in the system message (created when there is
+    none), then a blank line and the system text."""
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        if tools:
+            system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+            rest = messages[1:] if system is not None else messages
+            head = "[system]" + json.dumps(tools) + ("\n\n" + system if system else "") + "|"
+            return head + super().render(rest, None, add_generation_prompt)
+        return super().render(messages, None, add_generation_prompt)
+
+
+def test_a_system_text_added_after_tools_only_system_message_is_system_changed_not_tools_changed() -> None:
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": "Find it."}]
+    lines = [
+        json.dumps({"model": "m", "messages": ask, "tools": [tool]}),
+        json.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM}, *ask], "tools": [tool]}),
+    ]
+    report = replay(lines, rules_canonicalizer(RuleSet()), ToolsFirstTokenizer())
+    assert report.requests[1].off.cause == "system_changed"
+    # the rendered prompt's tools digest: the same tools give the same digest, none give b""
+    canon = RuleSet().apply(ask, [tool])
+    digest = render_canonical(canon, ToolsFirstTokenizer()).tools_digest
+    assert len(digest) == 16
+    assert render_canonical(RuleSet().apply(list(ask), [dict(tool)]), CharTokenizer()).tools_digest == digest
+    other = {"type": "function", "function": {"name": "browse", "parameters": {"type": "object"}}}
+    assert render_canonical(RuleSet().apply(ask, [other]), CharTokenizer()).tools_digest != digest
+    assert render_canonical(RuleSet().apply(ask, None), CharTokenizer()).tools_digest == b""
+
+
 @pytest.fixture(scope="module")
 def smollm2() -> SmolLM2Tokenizer:
     return SmolLM2Tokenizer()
