@@ -149,7 +149,9 @@ def test_a_system_text_added_after_tools_only_system_message_is_system_changed_n
     ask = [{"role": "user", "content": "Find it."}]
     lines = [
         json.dumps({"model": "m", "messages": ask, "tools": [tool]}),
-        json.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM}, *ask], "tools": [tool]}),
+        json.dumps(
+            {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, *ask], "tools": [tool]}
+        ),
     ]
     report = replay(lines, rules_canonicalizer(RuleSet()), ToolsFirstTokenizer())
     assert report.requests[1].off.cause == "system_changed"
