@@ -10,7 +10,7 @@ import copy
 from collections import Counter
 from typing import Any
 
-from rules.canonicalize import MAX_PASSES, Canonical, HistoryInfo, RuleSet
+from rules.canonicalize import Canonical, HistoryInfo, RuleSet
 from rules.messages import check_shape, get_text, leading_system_count, set_text, text_parts
 from rules.model import PLACEMENTS
 from rules.placement import (
@@ -23,6 +23,7 @@ from rules.placement import (
 )
 from rules.segments import Position, compute_segments, normalize_position
 from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory
+from rules.turn_rules import MAX_PASSES
 
 
 def reference_apply(
@@ -64,7 +65,7 @@ def reference_apply(
     tools = rs._apply_tool_rules(tools, applied)
     spans = turn_spans(messages)
     carried: list[dict[str, list[str]]] = [{} for _ in spans]
-    if rs._hoists:
+    if rs.turns.hoists:
         for j in range(len(spans) - 1, -1, -1):
             carried[j], _ = extract_turn_blocks(messages, *spans[j])
         spans = turn_spans(messages)
@@ -81,7 +82,7 @@ def reference_apply(
         own.append(_reference_turn(rs, messages, start, end, j, systems, applied, system_values, scope))
         # session 9: blocks the rules uncovered are taken out too, and the rules run again (the canonical
         # output's next pass would take them for blocks of ours: idempotence); only a turn the rules changed
-        for _ in range(MAX_PASSES if rs._hoists and sum(applied.values()) != before else 0):
+        for _ in range(MAX_PASSES if rs.turns.hoists and sum(applied.values()) != before else 0):
             uncovered = extract_text_blocks(messages, start, end)
             if not uncovered:
                 break
@@ -155,14 +156,16 @@ def _reference_turn(
     locations = {p: resolve_location(p, view, start, end) for p in PLACEMENTS}
     values: dict[str, list[str]] = {}
     # rules change texts, never roles or the message count: each selector picks the same messages all along
-    chosen = [[i for i in selector.select(view) if i >= start] for selector in rs._selectors]
+    chosen = [[i for i in selector.select(view) if i >= start] for selector in rs.turns.selectors]
     # a rule only touches the messages it selects, so a message's texts go through its own rules in rule
     # order whatever the other messages do: one memoized pass per text, replayed below in rule-major order
     slots_of: dict[int, list[int]] = {}
-    for slot, (_, selector, _, _) in enumerate(rs._turn_rules):
+    for slot, (_, selector, _, _) in enumerate(rs.turns.slots):
         for index in chosen[selector]:
             slots_of.setdefault(index, []).append(slot)
-    plans = [(index, rs._pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())]
+    plans = [
+        (index, rs.turns.pass_id(tuple(slots)), tuple(slots)) for index, slots in sorted(slots_of.items())
+    ]
     for _ in range(MAX_PASSES):
         steps: list[tuple[int, int, int, int, tuple[str, ...]]] = []  # (slot, message, part, n, hoisted)
         for index, pass_id, slots in plans:
@@ -170,7 +173,7 @@ def _reference_turn(
             for part in text_parts(message):
                 text = get_text(message, part)
                 new_text, n, done = rs.pass_cache.get(
-                    pass_id, text, lambda t, slots=slots: rs._run_pass(slots, t, scope), scope
+                    pass_id, text, lambda t, slots=slots: rs.turns.run_pass(slots, t, scope), scope
                 )
                 if n:
                     set_text(message, part, new_text)
@@ -179,7 +182,7 @@ def _reference_turn(
             break
         steps.sort(key=lambda step: step[:3])  # what the rule-major loop over messages and parts gives
         for slot, index, _, count, hoisted in steps:
-            rule = rs._turn_rules[slot][2]
+            rule = rs.turns.slots[slot][2]
             applied[rule.id] += count
             for value in hoisted:
                 if index < systems:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from bench.rules_traces import read_trace
 from rules import Canonical, RuleSet, load_ruleset
 from rules.transcript import InProcessTranscriptStore, TranscriptEntry, TranscriptMemory
+from rules.turn_rules import TurnRules
 from tests.rules.helpers import write_rules
 from tests.rules.history_traces import tool_turn
 from tests.rules.reference_canonicalize import reference_apply
@@ -213,13 +214,13 @@ def test_each_request_of_a_long_conversation_canonicalizes_only_its_new_turns(
     # request finds: each request from the third on runs the rules on its new turn alone (and on the first
     # turn when the system prompt's clock moved), however long the conversation
     turns_run: list[int] = []
-    real_turn = RuleSet._turn
+    real_turn = TurnRules.run
 
-    def counting_turn(self: RuleSet, *args: Any, **kwargs: Any) -> Any:
+    def counting_turn(self: TurnRules, *args: Any, **kwargs: Any) -> Any:
         turns_run[-1] += 1
         return real_turn(self, *args, **kwargs)
 
-    monkeypatch.setattr(RuleSet, "_turn", counting_turn)
+    monkeypatch.setattr(TurnRules, "run", counting_turn)
     pair = Pair(default_rules())
     history: list[dict[str, Any]] = [{"role": "user", "content": "Question 0?"}]
     for step in range(25):
@@ -230,7 +231,7 @@ def test_each_request_of_a_long_conversation_canonicalizes_only_its_new_turns(
             {"role": "assistant", "content": f"Answer {step}."},
             {"role": "user", "content": f"Question {step + 1}?"},
         ]
-    # the reference side runs its own turns (not through RuleSet._turn); these are the incremental side's
+    # the reference side runs its own turns (not through TurnRules.run); these are the incremental side's
     assert turns_run[:2] == [1, 2]
     assert turns_run[2:] == [2 if clock else 1] * 23
 

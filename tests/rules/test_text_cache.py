@@ -128,7 +128,7 @@ def test_ruleset_apply_keeps_each_tenants_memo_apart():
 
 
 def test_the_pass_plan_memo_gives_what_planning_afresh_gives_and_stays_bounded(monkeypatch) -> None:
-    from rules import canonicalize as canonical_module
+    from rules import turn_rules as turn_rules_module
 
     ruleset = load_ruleset(["default"])
     messages = [
@@ -139,13 +139,13 @@ def test_the_pass_plan_memo_gives_what_planning_afresh_gives_and_stays_bounded(m
     ]
     fresh = load_ruleset(["default"]).apply(messages).to_dict()
     assert ruleset.apply(messages).to_dict() == fresh
-    assert ruleset._plans  # the plans were kept
+    assert ruleset.turns._plans  # the plans were kept
     assert ruleset.apply(messages).to_dict() == fresh  # and give the same result when taken from the memo
-    monkeypatch.setattr(canonical_module, "PLAN_MEMO_ENTRIES", 2)
+    monkeypatch.setattr(turn_rules_module, "PLAN_MEMO_ENTRIES", 2)
     for n in range(6):  # conversations of different lengths choose different messages
         ruleset.apply(
             messages[:1]
             + [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "a"}] * n
             + messages[1:2]
         )
-        assert len(ruleset._plans) <= 2
+        assert len(ruleset.turns._plans) <= 2
