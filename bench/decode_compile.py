@@ -197,7 +197,8 @@ def linear_ab(
 ) -> dict[str, dict[str, float]]:
     """ms per decode step (median) of the same model loaded with each linear kernel (``models``: name ->
     model, e.g. ``torch`` / ``native``), interleaved: ``full_<name>`` (forward + logits) and ``lin_<name>``
-    (the step's 121 weight-only kernel calls alone, inputs in the kernel's dtype); rows ``b1`` and ``b8``
+    (the step's 121 weight-only kernel calls alone, inputs in the kernel's dtype; a dense head as it runs); rows
+    ``b1`` and ``b8``
     (8 private contexts), ``b4`` too."""
     c = next(iter(models.values())).config
     bps = -(-(context + 64) // BLOCK)
@@ -209,12 +210,18 @@ def linear_ab(
         fns = {}
         for kname, model in models.items():
             lins = [_quantized(lin) for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
-            lins.append(_quantized(model.lm_head))
+            head = model.lm_head  # dense fp32 on torch's side where bf16 GEMMs are slow (engine.model)
+            quantized_head = isinstance(head, Int4Weight | Int8Weight)
+            if quantized_head:
+                lins.append(head)
             xs = [_kernel_input(lin, torch.randn(b, lin.in_features)) for lin in lins]
+            hx = torch.randn(b, c.hidden_size)
 
-            def lin_only(lins=lins, xs=xs) -> None:
+            def lin_only(lins=lins, xs=xs, head=None if quantized_head else head, hx=hx) -> None:
                 for lin, x in zip(lins, xs, strict=True):
                     kernel_call(lin, x)
+                if head is not None:
+                    head.forward(hx)
 
             fns[f"full_{kname}"] = lambda m=model, tok=tok, pos=pos, meta=meta: m.compute_logits(
                 m(tok, pos, kv, meta)

@@ -92,6 +92,16 @@ def model_id_for(name: str, config: ArchConfig, files: list[Path], variant: str 
     return f"{name}@{h.hexdigest()[:16]}"
 
 
+def linear_kernel_variant(model: torch.nn.Module) -> str:
+    """The part of ``model_id`` naming the native linear kernel ``model``'s linears run on: ``""`` (torch's
+    kernels), ``"/native-linear"`` (the AVX-512 build) or ``"/native-linear-<isa>"`` (another build, named
+    apart: ``engine.native_linear``'s docstring). A generated token's K/V depends on it."""
+    native = next((m.native for m in model.modules() if getattr(m, "fp32_kernel", False)), None)
+    if native is None:
+        return ""
+    return "/native-linear" if native.isa == "avx512" else f"/native-linear-{native.isa}"
+
+
 def release_freed_heap() -> bool:
     """Return freed heap pages to the OS (glibc ``malloc_trim(0)``); True when it ran.
 
@@ -180,7 +190,6 @@ def load_checkpoint(
     release_freed_heap()
     formats = model.weight_formats
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
-    if any(getattr(m, "fp32_kernel", False) for m in model.modules()):
-        variant += "/native-linear"
+    variant += linear_kernel_variant(model)
     model_id = model_id_for(resolved.name, config, files, variant)
     return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))

@@ -219,10 +219,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = nn.Parameter(norm, requires_grad=False)
         head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
-        # logits rows are few: no dense copy. Where bf16 GEMMs are slow (AVX2 CPUs) the int4 kernel is too:
+        # logits rows are few: no dense copy. Where bf16 GEMMs are slow (AVX2 CPUs) torch's int4 kernel is too:
         # a Q8_0 head on its two 4-bit planes took 14.5 ms per row against 7 ms for the exact fp32 weight
-        # (SmolLM2, one thread, AVX2 EPYC), so the head runs dense fp32 there.
-        head_kind = "float32" if plan.dense_dtype == torch.float32 else plan.weights
+        # (SmolLM2, one thread, AVX2 EPYC), so the head runs dense fp32 there, unless the native kernel serves
+        # it (its AVX2 build reads the head's own 8-bit codes: a quarter of the fp32 weight's bytes).
+        native_head = plan.linear_kernel is not None and plan.kind_for([head], "lm_head") in ("int4", "int8")
+        head_kind = "float32" if plan.dense_dtype == torch.float32 and not native_head else plan.weights
         head_plan = WeightPlan(head_kind, plan.device, None, plan.dtype, linear_kernel=plan.linear_kernel)
         self.lm_head: LinearWeight = head_plan.build_linear([head], None, "lm_head")
         # torch's int4 kernel returns bf16 logits (resolution 1/8 at |logit| ~ 20): the top candidates are

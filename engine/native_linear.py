@@ -15,9 +15,14 @@ taken 4 at a time per tile (one decode of the codes serves 4 rows); output tiles
 by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
 of that row whatever ``M``, the other rows and the thread count (batch invariance).
 
-Measured (SmolLM2-135M, one decode step, 2-core AMD EPYC Zen 5, thread CPU time; ``bench.decode_compile
---breakdown --linear-kernel``): see the tables in ``docs/engine-step.md``. ``engine.linear_kernel: auto``
-uses this kernel wherever it builds (x86-64 with AVX-512 F/BW/VL, F16C and FMA, and a C compiler), else
+Two builds: AVX-512 (F/BW/VL) and AVX2, each with F16C and FMA; ``select_isa`` takes the best the CPU has.
+Both compute every output with the same sequence of fp32 operations per lane (``quant_gemv.c``), yet a model
+served by the AVX2 build is named apart (``isa``, in ``model_id``: ``engine.checkpoint``), since that equality
+was checked by construction, not on one machine running both.
+
+Measured (SmolLM2-135M, one decode step, thread CPU time; ``bench.decode_compile --breakdown
+--linear-kernel``): see the tables in ``docs/engine-step.md``. ``engine.linear_kernel: auto`` uses this
+kernel wherever it builds (x86-64 with AVX-512 F/BW/VL or AVX2, F16C and FMA, and a C compiler), else
 torch's int4 kernel.
 
 Built like ``engine.native_decode`` (``engine.native_build``: once per machine, cached by hash, temp name
@@ -51,15 +56,19 @@ FLAGS = (
     "-std=gnu11",
     "-fopenmp",
     "-ffp-contract=off",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
     "-mf16c",
     "-mfma",
     "-Wno-psabi",
 )
+"""Flags of every build; ``ISA_FLAGS`` adds the instruction set's."""
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl"), "avx2": ("-mavx2",)}
+"""The builds, best first: the AVX-512 one (a tile in one 512-bit vector) and the AVX2 one (two 8-lane halves)."""
+ISA_REQUIRED = {
+    "avx512": native_build.AVX512 | {"f16c"},
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+}
+"""CPU flags each build needs (``engine.weight_format.cpu_flags`` names)."""
 LIBS: tuple[str, ...] = ()
-REQUIRED = native_build.AVX512 | {"f16c"}
 TILE = 16  # output rows per tile (one 512-bit vector of fp32)
 QK = 32  # inputs per group
 BLOCK = {4: 320, 8: 544}  # bytes per tile and group: int4 32 f16 scales + 256 code bytes; int8 16 + 512
@@ -172,13 +181,15 @@ class NativeLinearKernel:
 
     Args:
         path: the built shared library.
+        isa: the instruction set it was built for (a key of ``ISA_FLAGS``).
 
     Raises:
         OSError: the library cannot be loaded.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, isa: str = "avx512") -> None:
         self.path = path
+        self.isa = isa
         lib = ctypes.CDLL(str(path))
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         self._fns = {}
@@ -190,15 +201,26 @@ class NativeLinearKernel:
         self._lib = lib
 
     @classmethod
-    def build(cls, directory: Path | None = None) -> NativeLinearKernel:
-        """Build (or find already built) and load the kernel for this machine.
+    def build(cls, directory: Path | None = None, isa: str | None = None) -> NativeLinearKernel:
+        """Build (or find already built) and load the kernel for this machine: the ``isa`` build (a key of
+        ``ISA_FLAGS``), by default the best this CPU runs (``select_isa``).
 
         Raises:
-            NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL), F16C and FMA, no C compiler, the
-                compile failed, or the build fails its ``self_check``; the message says which.
+            NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) or AVX2, and F16C and FMA; an unknown
+                ``isa``; no C compiler, the compile failed, or the build fails its ``self_check``; the message
+                says which.
         """
+        isa = select_isa() if isa is None else isa
+        if isa not in ISA_FLAGS:
+            raise NativeKernelError(f"no {isa!r} build of the linear kernel (builds: {', '.join(ISA_FLAGS)})")
         return native_build.build_checked(
-            cls, SOURCE, native_build.cpu_ok(REQUIRED), native_build.compiler(), FLAGS, LIBS, directory
+            lambda path: cls(path, isa),
+            SOURCE,
+            native_build.cpu_ok(ISA_REQUIRED[isa]),
+            native_build.compiler(),
+            (*FLAGS, *ISA_FLAGS[isa]),
+            LIBS,
+            directory,
         )
 
     def mm(self, w: PackedQuant, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -251,6 +273,12 @@ class NativeLinearKernel:
                             f"int{bits} {n}x{k}, {rows} rows, {threads} threads: rows differ from 1-row calls"
                         )
         return None
+
+
+def select_isa() -> str:
+    """The best build this CPU runs: ``avx512`` where it has AVX-512 F/BW/VL, F16C and FMA, else ``avx2`` (whose
+    build then says what is missing, if anything)."""
+    return "avx512" if native_build.cpu_ok(ISA_REQUIRED["avx512"])[0] else "avx2"
 
 
 def random_groups(bits: int, n: int, k: int, gen: torch.Generator):

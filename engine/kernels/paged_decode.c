@@ -178,7 +178,7 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
 
 /* Tile of one sequence's weighted values: o[i] += sum over the tile's positions of p_i(l) v(l), per KV head
  * its query heads' accumulators loaded, updated in registers, stored. p: the softmax numerators [H][len]. */
-INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
+INLINE void values_tile16(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
                         int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
     const int64_t chunks = D / 16;
@@ -199,6 +199,49 @@ INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf
             for (int64_t c = 0; c < chunks; c++) memcpy(o + (h * group + g) * D + 16 * c, &acc[g][c], 64);
     }
 }
+
+#ifdef __AVX512F__
+#define values_tile values_tile16
+#else
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* 8 consecutive elements at src[index] as fp32 (load16's first half) */
+INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
+    v8 r;
+    if (is_bf16) {
+        u16x8 h;
+        memcpy(&h, (const uint16_t *)src + index, sizeof h);
+        u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+        memcpy(&r, &w, sizeof r);
+    } else {
+        memcpy(&r, (const float *)src + index, sizeof r);
+    }
+    return r;
+}
+
+/* AVX2: values_tile16's lane arithmetic (per output element, the tile's positions in order, one multiply-add
+ * each), 8 lanes of every query head of a KV head at a time, so the accumulators fit 16 registers */
+INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    int64_t at[16];
+    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, v_offset, at);
+    for (int64_t h = 0; h < KVH; h++) {
+        for (int64_t c = 0; c < D / 8; c++) {
+            v8 acc[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) memcpy(&acc[g], o + (h * group + g) * D + 8 * c, 32);
+            for (int64_t t = 0; t < n; t++) {
+                const v8 v = load8(cache, at[t] + h * D + 8 * c, cache_bf16);
+                for (int64_t g = 0; g < group; g++) acc[g] += p[(h * group + g) * len + l0 + t] * v;
+            }
+            for (int64_t g = 0; g < group; g++) memcpy(o + (h * group + g) * D + 8 * c, &acc[g], 32);
+        }
+    }
+}
+#endif
 
 /* B sequences, D % 16 == 0, D <= 128, group <= MAX_GROUP. q: fp32 [B][H][D]; scores: [B][H * max_len];
  * sums: [B][H]. shared_len (a multiple of 16, at most every length): leading positions whose blocks all the

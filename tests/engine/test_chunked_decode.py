@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import paged_attention, plan_attention
+from engine.attention import attention_dtype, paged_attention, plan_attention
 from engine.chunked_decode import chunk_blocks, chunked_decode_attention, plan_chunked_decode
 from tests.engine.engine_helpers import decode_meta, greedy, make_engine, smollm2_checkpoint
 
@@ -94,8 +94,10 @@ def test_chunked_equals_fp32_attention_over_the_gathered_context(case, dtype):
     plan = plan_attention(meta, CPU, POOL, cache_dtype=dtype)
     chunked = plan.decode.chunked
     assert chunked is not None
+    # shared chunks where attention computes in bf16 (a bf16 cache on a CPU with bf16 kernels)
+    bf16_compute = attention_dtype(dtype, torch.float32, CPU) == torch.bfloat16
     assert chunked.shared_chunks == (
-        min(SHARED.get(case, 0) // CB, *(n // C for n in lens)) if dtype == torch.bfloat16 and b > 1 else 0
+        min(SHARED.get(case, 0) // CB, *(n // C for n in lens)) if bf16_compute and b > 1 else 0
     )
     for layer in range(2):
         q = torch.randn(b, KVH * GROUP, D, generator=g)
@@ -161,7 +163,7 @@ def test_shared_chunks_need_bf16_compute():
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_cache_chunked_decode_keeps_greedy_tokens():
+def test_smollm2_bf16_cache_chunked_decode_keeps_greedy_tokens(monkeypatch):
     """SmolLM2 with a bf16 KV cache: a prompt whose system prefix is cached (blocks not consecutive) and the
     same prompts batched (shared chunks over the system prompt) get the greedy tokens each gets alone with
     caching off."""
@@ -178,6 +180,8 @@ def test_smollm2_bf16_cache_chunked_decode_keeps_greedy_tokens():
         eng = make_engine(ckpt, kv_dtype="bfloat16", enable_prefix_caching=False, decode_kernel="torch")
         return eng.generate([prompt], greedy(n_new))[0]
 
+    # bf16 attention (shared chunks) as on a CPU with bf16 kernels; torch runs it on any CPU, slowly
+    monkeypatch.setattr("engine.attention._bf16_fast", lambda device: True)
     refs = [alone(p) for p in prompts]
     eng = make_engine(ckpt, kv_dtype="bfloat16", decode_kernel="torch")
     eng.generate([prompts[0]], greedy(2))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import native_build, native_linear
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import linear_kernel_variant, load_checkpoint
 from engine.linear import Int4Weight, Int8Weight
 from engine.native_build import NativeKernelError
 from engine.native_linear import (
@@ -29,8 +29,12 @@ from engine.native_linear import (
 from engine.quantized import int4_groups, int8_groups, quantize
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
-AVAILABLE = native_build.cpu_ok(native_linear.REQUIRED)[0] and native_build.compiler() is not None
-needs_kernel = pytest.mark.skipif(not AVAILABLE, reason="needs x86-64 AVX-512 + F16C and a C compiler")
+RUNNABLE = [isa for isa, flags in native_linear.ISA_REQUIRED.items() if native_build.cpu_ok(flags)[0]]
+"""The builds this CPU runs (AVX-512 and AVX2, or AVX2 alone)."""
+AVAILABLE = bool(RUNNABLE) and native_build.compiler() is not None
+needs_kernel = pytest.mark.skipif(
+    not AVAILABLE, reason="needs x86-64 AVX2 (or AVX-512) + F16C and a C compiler"
+)
 CPU = torch.device("cpu")
 EPS = 2.0**-24  # fp32 unit roundoff
 
@@ -87,6 +91,9 @@ def test_row_i_of_any_call_is_the_one_row_call_bit_for_bit(kernel, bits):
     packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
     x = torch.randn(17, 160, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([kernel.mm(packed, x[i : i + 1], threads=1) for i in range(17)])
+    for isa in RUNNABLE:  # every build this CPU runs computes the same bits (the same operations per lane)
+        other = NativeLinearKernel.build(isa=isa)
+        assert other.isa == isa and torch.equal(other.mm(packed, x), alone), isa
     for m in range(1, 18):
         for threads in (1, 2, 3):
             assert torch.equal(kernel.mm(packed, x[:m], threads=threads), alone[:m]), (m, threads)
@@ -198,10 +205,16 @@ def test_no_compiler_is_a_named_error_and_auto_falls_back(monkeypatch, tmp_path)
 
 
 def test_other_cpus_are_refused_with_the_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     if os.uname().machine == "x86_64":
+        monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+        assert native_linear.select_isa() == "avx2"
         with pytest.raises(NativeKernelError, match="no avx512bw, avx512f, avx512vl on this CPU"):
+            NativeLinearKernel.build(tmp_path, isa="avx512")
+        monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"sse4_2", "fma"}))
+        with pytest.raises(NativeKernelError, match="no avx2, f16c on this CPU"):
             NativeLinearKernel.build(tmp_path)
+    with pytest.raises(NativeKernelError, match="no 'neon' build of the linear kernel"):
+        NativeLinearKernel.build(tmp_path, isa="neon")
 
 
 def test_the_setting_is_checked():
@@ -215,7 +228,7 @@ def test_the_setting_is_checked():
 
 
 @needs_kernel
-def test_the_setting_picks_the_kernel_and_the_model_id():
+def test_the_setting_picks_the_kernel_and_the_model_id(monkeypatch):
     native = tiny_checkpoint(weights="int4", linear_kernel="native")
     plain = tiny_checkpoint(weights="int4", linear_kernel="torch")
     lins = [
@@ -223,8 +236,17 @@ def test_the_setting_picks_the_kernel_and_the_model_id():
         *(lin for L in native.model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)),
     ]
     assert all(lin.fp32_kernel for lin in lins)
-    assert not plain.model.lm_head.fp32_kernel and plain.model.layers[0].qkv.packed is not None
+    # torch's kernel: the head is int4 where bf16 GEMMs are fast, else dense fp32 (engine.model)
+    assert (
+        not getattr(plain.model.lm_head, "fp32_kernel", False)
+        and plain.model.layers[0].qkv.packed is not None
+    )
     assert native.model_id != plain.model_id  # a generated token's K/V differs
+    kernel = native.model.lm_head.native
+    assert linear_kernel_variant(plain.model) == ""
+    for isa, variant in (("avx512", "/native-linear"), ("avx2", "/native-linear-avx2")):
+        monkeypatch.setattr(kernel, "isa", isa)
+        assert linear_kernel_variant(native.model) == variant
     assert native.model.weight_nbytes < plain.model.weight_nbytes * 1.05
 
 

@@ -92,6 +92,9 @@ def test_engine_tokens_equal_with_shared_prefix_attention_on_and_off(kind, monke
         return plan
 
     monkeypatch.setattr(model_mod, "plan_attention", spy)
+    # shared chunks are planned where attention computes in bf16: as on a CPU with bf16 kernels (on one
+    # without, torch still runs bf16 attention, slowly), so the cascade is checked on every machine
+    monkeypatch.setattr("engine.attention._bf16_fast", lambda device: True)
     on = make_engine(
         ck, shared_prefix_attention=True, kv_dtype="bfloat16", decode_kernel="torch"
     )  # shared chunks: bf16 only

@@ -35,6 +35,7 @@ from engine.linear import (
     bf16_in_out,
     pack_bf16_dense,
 )
+from engine.native_linear import resolve_linear_kernel
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize
 from engine.weight_format import (
     UnsupportedHardwareError,
@@ -168,7 +169,12 @@ def test_quantized_head_rescores_its_top_logits_exactly(tensor_type, weights):
     state and the dequantized weights (to fp32 summation order), the rest are the kernel's."""
     from engine.model import RESCORE_TOP_K
 
-    ck = tiny(tensor_type, weights, "torch")  # torch's int4 kernel (the native one's logits are fp32: below)
+    # torch's int4 kernel (the native one's logits are fp32: below), as loaded where bf16 GEMMs are fast: where
+    # they are slow (AVX2) the head on torch's kernel is dense fp32 instead (engine.model), checked here too
+    assert isinstance(
+        tiny(tensor_type, weights, "torch").model.lm_head, DenseWeight
+    ) or bf16_kernels_available(CPU)
+    ck = tiny(tensor_type, weights, "torch", as_bf16_cpu=True)
     model = ck.model
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     kernel = model.lm_head.forward(hidden).float()
@@ -191,8 +197,6 @@ def test_a_head_on_the_native_kernel_gives_fp32_logits_and_is_not_rescored(tenso
     """On the native kernel (``engine.native_linear``, where it builds) every logit is the fp32 product of the
     hidden state and the dequantized weights up to summation order, so nothing is rescored; elsewhere
     ``engine.linear_kernel: auto`` keeps torch's kernel and its rescoring."""
-    from engine.native_linear import resolve_linear_kernel
-
     model = tiny(tensor_type, weights, "auto").model
     if resolve_linear_kernel("auto", CPU) is None:
         assert model.head_rows is not None and not model.lm_head.fp32_kernel
@@ -215,14 +219,14 @@ def test_bf16_weight_agrees_with_fp32_reference():
 
 # ---- engine level, tiny GGUF checkpoints ---------------------------------------------------------------------
 @cache
-def tiny(tensor_type: str, weights: str, linear_kernel: str = "auto"):
+def tiny(tensor_type: str, weights: str, linear_kernel: str = "auto", as_bf16_cpu: bool = False):
     """A tiny GGUF checkpoint of ``tensor_type`` loaded with ``engine.weights: weights`` (and
-    ``engine.linear_kernel: linear_kernel``). ``bf16`` is loaded as
+    ``engine.linear_kernel: linear_kernel``). ``bf16`` (and anything with ``as_bf16_cpu``) is loaded as
     if the CPU had bf16 kernels (on one without, the setting is a start-up error, tested below; torch still
     runs bf16 GEMMs there, slowly), so the bf16 path's correctness is checked on every machine."""
     root = Path(tempfile.mkdtemp(prefix="prefixgate-formats-"))
     path = make_tiny_gguf_llama(root / f"tiny-{tensor_type}.gguf", tensor_type=tensor_type, seed=1)
-    if weights == "bf16" and not bf16_kernels_available(CPU):
+    if (weights == "bf16" or as_bf16_cpu) and not bf16_kernels_available(CPU):
         with mock.patch("engine.weight_format.bf16_kernels_available", lambda device: True):
             return load_checkpoint(str(path), weights=weights, linear_kernel=linear_kernel)
     return load_checkpoint(str(path), weights=weights, linear_kernel=linear_kernel)
@@ -252,8 +256,12 @@ def test_formats_load_as_asked(tensor_type, weights):
         ("F32", "int8"): "Int8Weight,Tensor",
         ("F32", "bf16"): "BF16Weight,Tensor",
     }[(tensor_type, weights)]
-    if not bf16_kernels_available(CPU) and weights != "bf16":  # AVX2: LM head dense fp32 (engine.model)
-        expected = ",".join(sorted({*expected.split(","), "DenseWeight"}))
+    quantized = "Int4Weight" in expected or "Int8Weight" in expected
+    native_head = quantized and resolve_linear_kernel("auto", CPU) is not None  # the head on its own codes
+    if not bf16_kernels_available(CPU) and weights != "bf16" and not native_head:
+        expected = ",".join(
+            sorted({*expected.split(","), "DenseWeight"})
+        )  # AVX2: LM head dense fp32 (engine.model)
     assert ck.model.weight_formats == expected
     assert ck.model_id != tiny(tensor_type, "float32").model_id  # KV of another format never shares a key
 
