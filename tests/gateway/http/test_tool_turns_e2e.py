@@ -176,23 +176,37 @@ def test_the_responses_api_has_no_stop_sequences(server):
     assert response.json()["error"]["param"] == "stop"
 
 
-def test_an_agent_loop_is_served_from_the_cache_up_to_each_previous_reply(client):
-    """Forced calls answered by tool results, resent whole turn after turn (seeded sampling, so some calls are
-    spelled otherwise than the tokenizer would spell their text): each turn's cached tokens cover the previous
-    prompt and all of its reply that the engine computed (prompt + reply - 1: the last reply token's KV is
-    computed only by the next request)."""
-    messages = list(QUESTION)
+LOOKUP = {
+    "type": "object",
+    "properties": {
+        "query": {"enum": ["paris france", "lisbon", "the lazy dog"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["query", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_an_agent_loop_is_served_from_the_cache_up_to_each_previous_reply(server, client):
+    """Forced calls answered by tool results, resent whole turn after turn (seeded sampling: some calls are
+    spelled otherwise than the tokenizer spells their text, which the engine's served turns count): each turn's
+    cached tokens cover the previous prompt and all of its reply that the engine computed (prompt + reply - 1:
+    the last reply token's KV is computed only by the next request)."""
+    served = server.app.state.gateway.registry.get(TINY_MODEL).engine.tokenizer.served
+    recorded = served.recorded
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}}]
+    messages = [{"role": "system", "content": "the quick brown fox"}, *QUESTION]
     previous = None
     for turn in range(4):
         answer = client.chat.completions.create(
             model=TINY_MODEL,
             messages=messages,
-            tools=OPENAI_TOOLS,
+            tools=tools,
             tool_choice="required",
             parallel_tool_calls=False,
             max_tokens=200,
             temperature=1.0,
-            seed=turn,
+            seed=4 + turn,  # seed 4 spells the first call non-canonically
         )
         usage = answer.usage
         if previous is not None:
@@ -203,3 +217,4 @@ def test_an_agent_loop_is_served_from_the_cache_up_to_each_previous_reply(client
             {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
             {"role": "tool", "tool_call_id": call.id, "content": "18C, sunny"},
         ]
+    assert served.recorded > recorded  # the loop had replies that do not re-tokenize to their ids
