@@ -121,13 +121,19 @@ class Arm:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments_json},
+                    }
                     for c in calls
                 ],
             }
         )
         for c in calls:
-            self.messages.append({"role": "tool", "tool_call_id": c.id, "content": RESULTS[index % len(RESULTS)]})
+            self.messages.append(
+                {"role": "tool", "tool_call_id": c.id, "content": RESULTS[index % len(RESULTS)]}
+            )
         if not calls:
             self.messages.append({"role": "user", "content": RESULTS[index % len(RESULTS)]})
 

@@ -38,7 +38,6 @@ import json
 import re
 import threading
 from collections import OrderedDict
-
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as BackendTokenizer

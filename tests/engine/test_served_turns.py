@@ -1,18 +1,18 @@
 """Served turns (``engine.served_turns``): a reply whose generated ids are not the canonical encoding of its text
 comes back in the next prompt with the ids that were served, so the prefix cache serves it whole.
 
-Through the embedded engine: an agent loop of constrained tool calls on the tiny checkpoint (seeded sampling; the
-first call is spelled non-canonically, ``"paris`` + ``france"`` split otherwise than the tokenizer would), then
+Through the embedded engine: an agent loop of constrained tool calls on the tiny checkpoint (seeded sampling; seed 0
+spells the first call with other ids than the tokenizer gives its text), then
 each turn's cached tokens against the KV the previous turn computed, with and without the memo; cache on == cache
 off for a conversation that holds a served turn. Then the memo alone: what it stores, scopes, bounds, offsets.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from tokenizers import normalizers
-
-from dataclasses import replace
 
 from engine.api import Constraint, EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -92,7 +92,9 @@ def test_every_tool_call_turn_is_served_whole_from_the_cache():
 
 def test_without_served_turns_a_non_canonical_reply_is_recomputed():
     turns = agent_loop(fresh_tokenizer(served=False))
-    lost = [computed - cached for (_, _, computed, _), (_, cached, _, _) in zip(turns, turns[1:], strict=False)]
+    lost = [
+        computed - cached for (_, _, computed, _), (_, cached, _, _) in zip(turns, turns[1:], strict=False)
+    ]
     after_non_canonical = [loss for loss, (*_, canonical) in zip(lost, turns, strict=False) if not canonical]
     assert after_non_canonical and all(loss > 0 for loss in after_non_canonical)  # the defect, reproduced
 
@@ -108,10 +110,16 @@ def test_cache_on_equals_cache_off_with_a_served_turn():
         )
         first = eng.run_to_completion()[req.request_id]
         assert tok.served.recorded == 1  # seed 0 spells the call non-canonically (see the loop test)
-        messages = [*QUESTION, {"role": "assistant", "content": first.full_text}, {"role": "user", "content": "ok"}]
+        messages = [
+            *QUESTION,
+            {"role": "assistant", "content": first.full_text},
+            {"role": "user", "content": "ok"},
+        ]
         second = tok.render_chat(messages, scope="t")
         assert second[: len(prompt) + len(req.output_token_ids)] == prompt + req.output_token_ids
-        req2 = eng.add_request(second, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), cache_salt="t")
+        req2 = eng.add_request(
+            second, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), cache_salt="t"
+        )
         eng.run_to_completion()
         outputs.append((second, req2.output_token_ids))
     assert outputs[0] == outputs[1]
@@ -230,7 +238,11 @@ def test_prompts_and_offsets_take_the_served_ids_in_their_scope_only():
     prompt = tok.render_chat(QUESTION, scope="a")
     reply = spelled_apart(tok.backend, tok.encode("hello world"))
     assert tok.served.record("a", prompt, reply)
-    messages = [*QUESTION, {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "and?"}]
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": "hello world"},
+        {"role": "user", "content": "and?"},
+    ]
     text = tok.apply_chat_template(messages)
     ids = tok.render_chat(messages, scope="a")
     assert ids[: len(prompt) + len(reply)] == prompt + reply
