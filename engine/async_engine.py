@@ -157,7 +157,8 @@ class AsyncEngine:
         """Token ids of ``messages`` (+ ``tools``) rendered by the checkpoint's chat template (tools, tool calls
         and tool results in the generic format of ``engine.tool_calls`` when the template has no tool section;
         the final message left open when ``continue_final_message``, see ``Tokenizer.apply_chat_template``).
-        ``scope``: the tokenizer memo's partition (the tenant: ``engine.piece_memo``); the ids never depend on it.
+        ``scope``: the tokenizer memo's partition (the tenant: ``engine.piece_memo``); a reply the engine served
+        in ``scope`` keeps its served ids (``engine.served_turns``), otherwise the ids never depend on it.
 
         Raises:
             InvalidRequestError: no chat template, or messages the template rejects.
@@ -395,7 +396,7 @@ class AsyncEngine:
             text = self._tokenizer.apply_chat_template(turn, req.tools, add_generation_prompt=False)
         except InvalidRequestError:
             return None
-        return common_prefix_len(prompt, self._tokenizer.encode(text, add_special_tokens=False))
+        return common_prefix_len(prompt, self._tokenizer.pieces.encode_ids(text, req.cache_salt))
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. False when unknown."""

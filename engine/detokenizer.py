@@ -8,7 +8,11 @@ vLLM's ``detokenize_incrementally``, so each token costs O(window), not O(output
 
 ``StopStringMatcher`` ends generation *before* the first occurrence of any stop string (OpenAI semantics: the
 stop string is not returned) and holds back the longest tail of the text that could still grow into a stop
-string, so a stop string is never partially emitted.
+string, so a stop string is never partially emitted. Stop strings apply to the text of the answer only: given
+``markup`` (the tool-call markers, ``engine.tool_calls.CALL_MARKERS``), the answer's text ends where the first
+marker begins, and no stop string matches from there on (a forced call, whose output is all markup, is never cut
+by a stop string that occurs in its arguments; OpenAI applies stop sequences to generated text, not to tool-call
+arguments).
 """
 
 from __future__ import annotations
@@ -74,43 +78,72 @@ class StopStringMatcher:
 
     Args:
         stops: the stop strings (each non-empty).
+        markup: markers (each non-empty) where the text stop strings apply to ends: from the earliest
+            occurrence of any of them on, no stop string matches (a stop string must end before it); text that
+            may be the start of a marker is held back until decided. Empty: stop strings apply to all text.
 
     Raises:
-        ValueError: an empty stop string.
+        ValueError: an empty stop string or marker.
     """
 
-    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+    def __init__(self, stops: tuple[str, ...] | list[str], markup: tuple[str, ...] = ()) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(not m for m in markup):
+            raise ValueError("markup markers must be non-empty")
         self.stops = tuple(stops)
+        self.markup = tuple(markup)
         self._max_len = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.emitted = 0
         self.stopped = False
         self.matched: str | None = None
         """The stop string that ended the text (the earliest occurrence; first in ``stops`` on a tie)."""
+        self._searched = 0  # text before this held no whole stop string
+        self.markup_at: int | None = None
+        """Where the first markup marker begins in ``text`` (None until one is seen): stop strings end before."""
 
-    def _held_tail(self) -> int:
-        """Length of the longest tail of the unemitted text that is a proper prefix of some stop string."""
-        pending = len(self.text) - self.emitted
+    def _held_tail(self, end: int) -> int:
+        """Length of the longest tail of the unemitted ``text[:end]`` that is a proper prefix of a stop string."""
+        pending = end - self.emitted
         for k in range(min(self._max_len - 1, pending), 0, -1):
-            tail = self.text[-k:]
+            tail = self.text[end - k : end]
             if any(s.startswith(tail) for s in self.stops):
                 return k
         return 0
+
+    def _text_end(self, search_from: int) -> int:
+        """End of the text stop strings apply to: the first marker's start once one is seen, else before the
+        longest tail that may begin a marker (undecided yet)."""
+        if self.markup_at is None:
+            hits = [i for m in self.markup if (i := self.text.find(m, max(0, search_from))) >= 0]
+            if hits:
+                self.markup_at = min(hits)
+        if self.markup_at is not None:
+            return self.markup_at
+        longest = max((len(m) for m in self.markup), default=0)
+        for k in range(min(longest - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(m.startswith(tail) for m in self.markup):
+                return len(self.text) - k
+        return len(self.text)
 
     def push(self, delta: str) -> str:
         """Add new text; return what can be emitted now. Sets ``stopped`` when a stop string completes."""
         if self.stopped:
             return ""
-        if not self.stops:
+        if not self.stops or self.markup_at is not None:
             self.text += delta
             out = self.text[self.emitted :]
             self.emitted = len(self.text)
             return out
-        search_from = max(self.emitted, len(self.text) - self._max_len + 1)
+        longest = max((len(m) for m in self.markup), default=0)
+        search_from = max(self.emitted, self._searched - self._max_len + 1)
+        markup_from = len(self.text) - longest + 1
         self.text += delta
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        end = self._text_end(markup_from)
+        self._searched = end
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from, end)) >= 0]
         if hits:
             end = min(i for i, _ in hits)
             self.matched = next(s for i, s in hits if i == end)
@@ -119,7 +152,11 @@ class StopStringMatcher:
             self.emitted = end
             self.stopped = True
             return out
-        end = len(self.text) - self._held_tail()
+        if self.markup_at is not None:  # the answer's text ended without a stop: everything goes
+            out = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return out
+        end -= self._held_tail(end)
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
@@ -137,11 +174,12 @@ class OutputText:
     Args:
         tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``.
         stops: stop strings of the request.
+        markup: where the answer's text ends for stop strings (``StopStringMatcher``).
     """
 
-    def __init__(self, tokenizer: Decoder, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Decoder, stops: tuple[str, ...], markup: tuple[str, ...] = ()) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.matcher = StopStringMatcher(stops)
+        self.matcher = StopStringMatcher(stops, markup)
 
     @property
     def stopped(self) -> bool:

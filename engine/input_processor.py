@@ -3,7 +3,7 @@
 Owns every check a request passes before it takes anything (``InvalidRequestError`` for bad parameters or
 token ids, ``PromptTooLongError`` for the context window or the block pool), and the construction of the
 engine-side ``Request``: ``max_tokens`` resolved against the context window, stop token ids (EOS unless
-``ignore_eos``), prefix-cache extra keys ``(model_id, cache_salt)``, its sequence sampler and detokenizer,
+``ignore_eos``), the stop strings' reach (the answer's text, not its tool calls), prefix-cache extra keys ``(model_id, cache_salt)``, its sequence sampler and detokenizer,
 and the block hashes of its full prompt blocks.
 
 Invariants: the checks depend only on the engine's configuration, never on its state, so a prompt checked
@@ -22,6 +22,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling import MAX_TOP_LOGPROBS, SequenceSampler
+from engine.tool_calls import CALL_MARKERS
 
 
 def validate_params(params: SamplingParams) -> None:
@@ -208,12 +209,20 @@ class InputProcessor:
                 prompt_token_ids,
                 constraint=None if params.constraint is None else self.constraints.start(params.constraint),
             ),
-            output=OutputText(self.tokenizer, params.stop) if self.tokenizer is not None else None,
+            output=self._output_text(params),
         )
         req.sampler.pending_forks = [req.sampler.fork(i) for i in range(1, params.n)]
         bs = self.kv.block_size
         req.update_block_hashes(bs, block_hasher(bs, extra_keys, self.kv.hash_fn))
         return req
+
+    def _output_text(self, params: SamplingParams) -> OutputText | None:
+        """The request's detokenizer and stop matcher; with a tool-call constraint, stop strings apply to the
+        answer's text before its first call only (``engine.tool_calls.CALL_MARKERS``), never to the calls."""
+        if self.tokenizer is None:
+            return None
+        tool_calls = params.constraint is not None and params.constraint.kind == "tool_calls"
+        return OutputText(self.tokenizer, params.stop, CALL_MARKERS if tool_calls else ())
 
     def make_fork(self, parent: Request, sampler: SequenceSampler) -> Request:
         """Choice ``sampler.index`` of ``parent``'s prompt: a request with the parent's prompt, limits, keys and
@@ -227,7 +236,7 @@ class InputProcessor:
             extra_keys=parent.extra_keys,
             arrival_time=parent.arrival_time,
             sampler=sampler,
-            output=OutputText(self.tokenizer, parent.params.stop) if self.tokenizer is not None else None,
+            output=self._output_text(parent.params),
             num_cached_tokens=parent.num_cached_tokens,
             index=sampler.index,
             parent_id=parent.request_id,

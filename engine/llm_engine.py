@@ -11,7 +11,9 @@ forward runs.
 A step, in order: plan (``Scheduler.schedule``), flatten + forward + sample (``ModelRunner``), then for each
 scheduled request: advance ``num_computed_tokens``, register its newly full blocks in the prefix cache
 (``KVCacheManager.cache_full_blocks``, so a request admitted next step hits them: in-flight sharing), hand the
-sampled token to output processing, and free the blocks of finished requests. A request with ``n > 1`` forks
+sampled token to output processing, and free the blocks of finished requests (a finished reply whose ids are not
+its text's canonical encoding is remembered first, ``engine.served_turns``, so the conversation's next prompt
+holds the same ids). A request with ``n > 1`` forks
 when its prompt is computed: its ``n - 1`` forks share the prompt's blocks (``KVCacheManager.fork``; the
 partial last block copied, ``ModelRunner.copy_block``) and take their first tokens from the same logits row.
 A token-granular prefix hit copies the shared slots of a cached block into the request's own block at admission
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob
-from engine.block_hash import HashFn, hash_block
+from engine.block_hash import HashFn, LayeredKeys, hash_block
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
 from engine.errors import InvalidRequestError, SamplingError
@@ -57,6 +59,7 @@ from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
 from engine.sampling import SampledToken
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.served_turns import ServedTurns
 from engine.stats import EngineCounters
 from engine.step_threads import StepThreads
 
@@ -132,6 +135,8 @@ class LLMEngine(PrefixAdmin):
         self.config = config
         self.model_id = model_id
         self.tokenizer = tokenizer
+        self.served: ServedTurns | None = getattr(tokenizer, "served", None)
+        """The tokenizer's served turns (``engine.served_turns``): each finished reply is offered to it."""
         self.clock = clock
         mc = model.config
         if config.max_model_len is not None and not 0 < config.max_model_len <= mc.max_position_embeddings:
@@ -464,12 +469,28 @@ class LLMEngine(PrefixAdmin):
         return out
 
     def _release(self, req: Request) -> None:
-        """Free a finished request's blocks (unless the scheduler already did) and drop it from ``requests``."""
+        """Free a finished request's blocks (unless the scheduler already did) and drop it from ``requests``;
+        remember its reply's served ids when they are not its text's canonical encoding (``_remember_served``)."""
+        self._remember_served(req)
         if not req.is_finished:
             if self.tiers is not None:
                 self.tiers.on_finish(req)  # its levels go to its blocks before they are freed
             self.scheduler.finish_request(req)
         self.requests.pop(req.request_id, None)
+
+    def _remember_served(self, req: Request) -> None:
+        """Offer a reply that ended by itself or by length to the served turns, under the request's tenant salt:
+        its generated ids less the stop token that ended them. Not an aborted or failed one, nor one a stop
+        string cut (the client never got its tail, so the text never comes back)."""
+        if self.served is None or req.finish_reason not in ("stop", "length"):
+            return
+        if req.output is not None and req.output.stop_string is not None:
+            return
+        out = req.output_token_ids
+        if out and out[-1] in req.stop_token_ids:
+            out = out[:-1]
+        keys = req.extra_keys.private if isinstance(req.extra_keys, LayeredKeys) else req.extra_keys
+        self.served.record(keys[1], req.prompt_token_ids, out)  # keys: (model_id, cache_salt)
 
     # ---- stats and helpers ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

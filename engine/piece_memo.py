@@ -18,12 +18,16 @@ When the tokenizer does not meet those conditions (``piece_split_is_exact``: a n
 is the backend's own whole-text encode, every time. ``tests/engine/test_piece_memo.py`` checks equality on
 generated prompts, cut points between pieces that BPE would merge if they were not cut included.
 
+A piece equal to a turn the engine served in the same scope (``engine.served_turns``: a reply whose generated
+ids are not the canonical encoding of its text) takes the ids that were served instead of its encoding, so the
+prompt holds the tokens whose KV the prefix cache has; such a piece's ids decode to exactly its text.
+
 Entries are kept per ``scope`` (the caller passes the request's cache salt, i.e. its tenant): a memo hit is
 faster than an encode, so a memo shared across tenants would let one tenant time whether another sent a text
 (the same reason as the prefix cache's salt and ``gateway.service.canonicalize.token_memo``).
 
 Invariants: ``encode(text, scope)`` equals ``(backend.encode(text, add_special_tokens=False).ids, [start of
-each offset])``; pieces shorter than ``min_piece_chars`` or longer than ``max_piece_chars`` are never stored;
+each offset])`` except for the pieces that are served turns of ``scope``, whose ids are the served ones; pieces shorter than ``min_piece_chars`` or longer than ``max_piece_chars`` are never stored;
 the characters held never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first);
 safe to share between threads (a lock around every read and write of the memo; encodes run outside it).
 """
@@ -34,8 +38,12 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as BackendTokenizer
+
+if TYPE_CHECKING:
+    from engine.served_turns import ServedTurns
 
 _PIECEWISE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Sequence"})
 
@@ -80,6 +88,7 @@ class PieceMemo:
         min_piece_chars: pieces shorter than this are encoded every time (a question, a role name): storing
             them would only push out the long pieces that repeat.
         max_piece_chars: pieces longer than this are encoded every time, never stored.
+        served: the tokenizer's served turns (``engine.served_turns``), or None: pieces are always encoded.
 
     Attributes:
         exact: ``piece_split_is_exact(backend)``; when False every ``encode`` is the backend's whole-text one.
@@ -93,7 +102,9 @@ class PieceMemo:
         max_entries: int = 4_096,
         min_piece_chars: int = 256,
         max_piece_chars: int = 400_000,
+        served: ServedTurns | None = None,
     ) -> None:
+        self.served = served
         self.backend = backend
         self.max_chars = max_chars
         self.max_entries = max_entries
@@ -134,7 +145,7 @@ class PieceMemo:
             text: any text.
             scope: the memo's partition (the caller's tenant, module docstring).
         """
-        if not self.exact or self._cut is None or len(text) < self.min_piece_chars:
+        if not self._cuts(text, scope):
             return self._whole(text)
         ids: list[int] = []
         starts: list[int] = []
@@ -143,11 +154,18 @@ class PieceMemo:
 
     def encode_ids(self, text: str, scope: str = "") -> list[int]:
         """The token ids of ``encode(text, scope)`` (the offsets are not computed)."""
-        if not self.exact or self._cut is None or len(text) < self.min_piece_chars:
+        if not self._cuts(text, scope):
             return self.backend.encode(text, add_special_tokens=False).ids
         ids: list[int] = []
         self._join(text, scope, ids, None)
         return ids
+
+    def _cuts(self, text: str, scope: str) -> bool:
+        """True when ``text`` is encoded piece by piece: the cut is exact, and the text is long enough to have
+        pieces worth remembering or ``scope`` has served turns to find in it."""
+        if not self.exact or self._cut is None:
+            return False
+        return len(text) >= self.min_piece_chars or (self.served is not None and self.served.holds(scope))
 
     def _join(self, text: str, scope: str, ids: list[int], starts: list[int] | None) -> None:
         at = 0
@@ -168,6 +186,12 @@ class PieceMemo:
     def _piece(self, piece: str, at: int, scope: str, ids: list[int], starts: list[int] | None) -> None:
         """Append the ids of ``piece`` to ``ids`` and, unless ``starts`` is None, their offsets shifted by
         ``at`` to ``starts``."""
+        served = self.served.lookup(scope, piece) if self.served is not None else None
+        if served is not None:
+            ids.extend(served[0])
+            if starts is not None:
+                starts.extend([s + at for s in served[1]] if at else served[1])
+            return
         store = self.min_piece_chars <= len(piece) <= self.max_piece_chars
         key = (scope, piece)
         hit = None

@@ -48,6 +48,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.piece_memo import PieceMemo
+from engine.served_turns import ServedTurns
 from engine.tool_calls import function_tools, render_messages_with_tools
 
 # GPT-2's split (llama.cpp "gpt2"/"default" BPE; the ByteLevel pre-tokenizer's own regex).
@@ -253,7 +254,10 @@ class Tokenizer:
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self._compiled: dict[str, jinja2.Template] = {}
-        self.pieces = PieceMemo(backend)
+        self.served = ServedTurns(backend)
+        """The turns the engine served whose ids are not their text's canonical encoding
+        (``engine.served_turns``): the engine records them, ``pieces`` gives them back in prompts."""
+        self.pieces = PieceMemo(backend, served=self.served)
         """The memo of encoded pieces between special tokens (``engine.piece_memo``) ``render_chat`` and
         ``encode_with_offsets`` use."""
 
@@ -378,7 +382,8 @@ class Tokenizer:
     def encode_with_offsets(self, text: str, scope: str = "") -> tuple[list[int], list[int]]:
         """Token ids of ``text`` (no special tokens added) and the start character of each, as
         ``backend.encode(text).offsets`` gives them; the pieces between special tokens memoized under ``scope``
-        (the caller's tenant, ``engine.piece_memo``)."""
+        (the caller's tenant, ``engine.piece_memo``), served replies of ``scope`` with their served ids, as
+        ``render_chat`` gives them."""
         return self.pieces.encode(text, scope)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -537,7 +542,8 @@ class Tokenizer:
         """Token ids of the rendered chat (generation prompt added, or the final message left open, see
         ``apply_chat_template``), encoded without adding special tokens: equal to ``encode(text)``, the pieces
         between special tokens (a system prompt, earlier turns) taken from the memo of ``scope`` (the caller's
-        tenant) when they were encoded before (``engine.piece_memo``)."""
+        tenant) when they were encoded before (``engine.piece_memo``), except that a reply the engine served in
+        ``scope`` keeps the ids it was served with (``engine.served_turns``; they decode to the same text)."""
         text = self.apply_chat_template(
             messages,
             tools,

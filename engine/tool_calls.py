@@ -30,6 +30,9 @@ from engine.errors import InvalidRequestError
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
 CALL_SEPARATOR = "\n"
+CALL_MARKERS = (CALL_SEPARATOR + CALL_OPEN, CALL_OPEN)
+"""Where the text of an answer ends and call markup begins (the separator before the first call included): stop
+strings apply to the text before the earliest of them, never to calls (``engine.detokenizer``)."""
 RESPONSE_OPEN = "<tool_response>\n"
 RESPONSE_CLOSE = "\n</tool_response>"
 

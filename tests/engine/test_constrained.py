@@ -121,6 +121,46 @@ def test_tool_calls_parse_and_validate_for_every_tool_choice(params, choice, par
             assert json.loads(call.arguments_json) == call.arguments
 
 
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": _object({"city": {"enum": ["Paris", "Lisbon"]}}, [True]),
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", "function", "auto"])
+def test_stop_strings_never_cut_a_call_and_still_cut_the_text_before_one(choice):
+    """Stop strings apply to the answer's text, not to its tool calls (OpenAI's stop sequences): stop strings
+    that occur in every call (its name, its JSON, its arguments) leave every call whole."""
+    c = Constraint("tool_calls", tools=(CITY_TOOL,), tool_choice=choice, tool_name="weather")
+    eng = engine()
+    stops = ["weather", '"', "Paris", "Lisbon", "</tool_call>"]
+    reqs = [
+        eng.add_request(
+            random_tokens(12, s), SamplingParams(max_tokens=120, seed=s, constraint=c, stop=stops)
+        )
+        for s in range(4)
+    ]
+    finals = eng.run_to_completion()
+    assert eng.stats().blocks_used == 0
+    called = 0
+    for req in reqs:
+        out = finals[req.request_id]
+        content, calls = parse_tool_calls(out.full_text)
+        if calls:
+            called += 1
+            assert out.finish_reason in ("stop", "length") and out.stop_string is None
+            assert all(call.arguments["city"] in ("Paris", "Lisbon") for call in calls)
+            assert not any(stop in content for stop in stops)
+        else:  # only auto may answer with text, which the stop strings do cut
+            assert choice == "auto"
+            assert not any(stop in out.full_text for stop in stops)
+    if choice != "auto":
+        assert called == len(reqs)
+
+
 def test_json_object_forks_each_keep_their_own_grammar_state():
     outs = run(engine(), Constraint("json_object"), seeds=[5], n=3, max_tokens=300)
     assert len(outs) == 3

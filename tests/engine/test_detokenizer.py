@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer, OutputText, StopStringMatcher
+from engine.tool_calls import CALL_MARKERS
 from tests.engine.engine_helpers import smollm2_checkpoint
 
 
@@ -110,6 +111,40 @@ def test_output_text_flushes_held_tail_at_finish():
 def test_empty_stop_string_is_rejected():
     with pytest.raises(ValueError):
         StopStringMatcher(("",))
+    with pytest.raises(ValueError):
+        StopStringMatcher(("x",), markup=("",))
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_stop_strings_never_match_inside_tool_call_markup(step):
+    """A forced call (all markup) is never cut, however the text arrives; its arguments hold the stop string."""
+    m = StopStringMatcher(("Paris", "tool", "\n"), markup=CALL_MARKERS)
+    out = "".join(m.push(CALL[i : i + step]) for i in range(0, len(CALL), step)) + m.flush()
+    assert not m.stopped and out == CALL and m.matched is None
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_stop_strings_apply_to_the_text_before_the_first_call(step):
+    text = "Let me check Paris.\n" + CALL
+    m = StopStringMatcher(("Paris",), markup=CALL_MARKERS)
+    out = "".join(m.push(text[i : i + step]) for i in range(0, len(text), step))
+    assert m.stopped and out == "Let me check " and m.matched == "Paris"
+    text = "Let me check.\n" + CALL  # the stop string only in the call: the text and the call come whole
+    m = StopStringMatcher(("Paris", "\n"), markup=CALL_MARKERS)
+    out = "".join(m.push(text[i : i + step]) for i in range(0, len(text), step)) + m.flush()
+    assert not m.stopped and out == text
+
+
+def test_a_stop_string_that_overlaps_the_start_of_the_markup_does_not_match():
+    m = StopStringMatcher((".\n<tool",), markup=CALL_MARKERS)
+    out = m.push("Sure.\n<tool") + m.push("_call>\n{") + m.flush()
+    assert not m.stopped and out == "Sure.\n<tool_call>\n{"
+    m = StopStringMatcher((".\n<tool",), markup=CALL_MARKERS)  # not markup after all: the stop string matches
+    assert m.push("Sure.\n<tool") + m.push("s") == "Sure"
+    assert m.stopped and m.matched == ".\n<tool"
 
 
 @pytest.mark.slow

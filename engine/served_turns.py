@@ -1,0 +1,232 @@
+"""The token ids the engine served for each generated turn, per tenant, so a resent conversation reuses their KV.
+
+The engine caches the KV of the tokens a model *generated*. When the client resends the conversation, the
+reply comes back as text and is rendered and tokenized again; a tokenizer's canonical encoding of that text is
+not always the ids the model wrote. Constrained decoding makes this common (the grammar allows every spelling of
+the same bytes, and a small model picks ``"}`` + ``}`` where the text tokenizes as ``"`` + ``}}``), and sampling
+does it too. The prompt then differs from the cached tokens a few tokens before the end of the reply, and the
+KV of everything after that point, up to a whole block before it, is computed again on every turn: an agent
+loop of tool calls lost 8 tokens per turn that way with SmolLM2 (docs/prefix-cache.md, "Served turns").
+
+``ServedTurns`` remembers, for a finished request whose output does not re-tokenize to itself, the text of its
+*turn piece* (the text between the last special token of its prompt and the end of its output: with ChatML
+``"assistant\\n" + reply``) and the ids the engine holds for it (the prompt's ids after that special token, then
+the generated ids). ``engine.piece_memo.PieceMemo`` cuts every prompt at special tokens and encodes each piece
+alone; a piece that equals a remembered turn piece of the same scope takes the served ids instead of its
+canonical encoding. That is the whole mechanism, and it is general:
+
+- any tokenizer the piece memo can cut exactly (``piece_split_is_exact``) with a byte-level decoder (the ids'
+  bytes are then exactly the text's UTF-8): the remembered ids decode to exactly the piece's text, so the prompt
+  still spells the same text, and the pieces around it are encoded as before (no merge crosses a special
+  token); for any other tokenizer ``enabled`` is False and nothing changes;
+- any reply: tool-call JSON, plain text, any split, cut by ``max_tokens`` or ended by EOS (a reply cut by a stop
+  string is not remembered: the client never got its tail);
+- the ids are what the model wrote, so the next turn's model sees its own tokens, and the prefix cache (which
+  holds the KV of exactly those ids) serves the reply whole.
+
+Alternatives not taken: forbidding non-canonical splits in the tool-call grammar covers only constrained JSON
+(not sampled text), needs a vocabulary-wide canonicality check per step, and changes what the model may write;
+re-prefilling the canonical tail after the fact only moves the same computation to another time.
+
+Entries are kept per ``scope`` (the cache salt, i.e. the tenant), as ``engine.piece_memo`` keeps its own: a
+remembered turn changes the prompt's ids (and makes its encode faster), so one tenant must never see another's.
+
+Invariants: an entry's ids decode (byte-level) to exactly its text, contain no added token, and differ from the
+canonical encoding of that text (turns that re-tokenize to themselves are not stored); the characters held
+never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first); thread-safe (one
+lock around the memo). The ids a prompt gets depend only on the entries, never on the prefix cache's state, so
+a request's tokens are the same with the cache on or off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.piece_memo import piece_split_is_exact
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable character -> byte table of byte-level BPE, inverted (``engine.tokenizer``'s table)."""
+    from engine.tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+def decoder_is_byte_level(backend: BackendTokenizer) -> bool:
+    """True when the tokenizer's decoder is ``ByteLevel`` (a token's text is its vocabulary string's bytes)."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return decoder.get("type") == "ByteLevel"
+
+
+class ServedTurns:
+    """``(scope, turn piece text) -> (served token ids, start character of each)`` for one tokenizer.
+
+    Args:
+        backend: the checkpoint's ``tokenizers.Tokenizer``.
+        max_chars: most characters of turn pieces held over all entries.
+        max_entries: most entries.
+        max_turn_chars: longer turn pieces are never stored.
+
+    Attributes:
+        enabled: the tokenizer meets the module docstring's conditions; when False ``record`` stores nothing.
+        recorded: turns stored (their ids were not the canonical encoding of their text).
+        canonical: turns not stored because their ids were already the canonical encoding.
+        hits: prompt pieces that took served ids.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        max_chars: int = 2_000_000,
+        max_entries: int = 4_096,
+        max_turn_chars: int = 200_000,
+    ) -> None:
+        self.backend = backend
+        self.max_chars = max_chars
+        self.max_entries = max_entries
+        self.max_turn_chars = max_turn_chars
+        self.enabled = piece_split_is_exact(backend) and decoder_is_byte_level(backend)
+        added = backend.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        contents = sorted((t.content for t in added.values() if t.content), key=len, reverse=True)
+        self._added_text = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
+        self._byte_of = _byte_level_alphabet()
+        self._memo: OrderedDict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
+        self._per_scope: Counter[str] = Counter()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.recorded = 0
+        self.canonical = 0
+        self.hits = 0
+
+    @property
+    def entries(self) -> int:
+        """Turns held now."""
+        return len(self._memo)
+
+    @property
+    def chars(self) -> int:
+        """Characters of the turn pieces held now."""
+        return self._chars
+
+    def clear(self) -> None:
+        """Forget every turn."""
+        with self._lock:
+            self._memo.clear()
+            self._per_scope.clear()
+            self._chars = 0
+
+    def holds(self, scope: str) -> bool:
+        """True when ``scope`` has at least one turn (its prompts must be cut into pieces to find them)."""
+        return self._per_scope.get(scope, 0) > 0
+
+    def record(self, scope: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> bool:
+        """Remember a finished request's turn when its ids are not the canonical encoding of its text.
+
+        Args:
+            scope: the request's cache salt (tenant).
+            prompt_token_ids: its prompt (the turn piece starts after the prompt's last added token).
+            output_token_ids: the ids it generated, less the stop token that ended them (EOS is never part of
+                the reply's text); the caller leaves out replies a stop string cut.
+
+        Returns:
+            True when the turn was stored. Never raises for any ids: a turn that holds an added token or the
+            text of one, bytes that are not whole UTF-8, or more than ``max_turn_chars`` characters is skipped.
+        """
+        if not self.enabled or not output_token_ids:
+            return False
+        if any(t in self._added_ids for t in output_token_ids):
+            return False
+        start = len(prompt_token_ids)
+        while start > 0 and prompt_token_ids[start - 1] not in self._added_ids:
+            start -= 1
+        ids = tuple(prompt_token_ids[start:]) + tuple(output_token_ids)
+        text = self._text(ids)
+        if text is None or len(text) > self.max_turn_chars:
+            return False
+        if self._added_text is not None and self._added_text.search(text):
+            return False  # the prompt would cut this text at that special token: it never comes back whole
+        if tuple(self.backend.encode(text, add_special_tokens=False).ids) == ids:
+            self._forget((scope, text))  # an older reply of the same text, split otherwise, is not the latest
+            with self._lock:
+                self.canonical += 1
+            return False
+        self._put((scope, text), (ids, self._starts(text, ids)))
+        return True
+
+    def lookup(self, scope: str, piece: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The served ids of ``piece`` in ``scope`` and the start character of each token in it, or None."""
+        if not self.holds(scope):
+            return None
+        key = (scope, piece)
+        with self._lock:
+            hit = self._memo.get(key)
+            if hit is not None:
+                self._memo.move_to_end(key)
+                self.hits += 1
+        return hit
+
+    def _text(self, ids: Sequence[int]) -> str | None:
+        """The exact text of byte-level ids (strict UTF-8), or None when their bytes do not form one."""
+        out = bytearray()
+        for token_id in ids:
+            spelling = self.backend.id_to_token(token_id)
+            if spelling is None:
+                return None
+            for ch in spelling:
+                b = self._byte_of.get(ch)
+                if b is None:
+                    return None
+                out.append(b)
+        try:
+            return out.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def _starts(self, text: str, ids: Sequence[int]) -> tuple[int, ...]:
+        """Start character of each token: the character that holds its first byte."""
+        char_bytes = []
+        at = 0
+        for ch in text:
+            char_bytes.append(at)
+            at += len(ch.encode("utf-8"))
+        starts = []
+        at = 0
+        for token_id in ids:
+            starts.append(bisect.bisect_right(char_bytes, at) - 1)
+            at += len(self.backend.id_to_token(token_id))  # one character per byte (byte-level alphabet)
+        return tuple(max(0, s) for s in starts)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            if self._memo.pop(key, None) is not None:
+                self._chars -= len(key[1])
+                self._drop_scope(key[0])
+
+    def _drop_scope(self, scope: str) -> None:
+        self._per_scope[scope] -= 1
+        if self._per_scope[scope] <= 0:
+            del self._per_scope[scope]
+
+    def _put(self, key: tuple[str, str], value: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+        size = len(key[1])
+        with self._lock:
+            if key in self._memo:
+                self._memo[key] = value
+                self._memo.move_to_end(key)
+                return
+            self.recorded += 1
+            self._memo[key] = value
+            self._per_scope[key[0]] += 1
+            self._chars += size
+            while self._memo and (self._chars > self.max_chars or len(self._memo) > self.max_entries):
+                (scope, old), _ = self._memo.popitem(last=False)
+                self._chars -= len(old)
+                self._drop_scope(scope)
