@@ -143,7 +143,7 @@ INLINE void tile_rows(const void *cache, int cache_bf16, const int32_t *table, i
  * scores[i * len + l] = scale * q_i . k(l), the 16 row sums of a query head at once (hsum16). The tile's rows
  * (one block of 16 is 16 consecutive rows of all KV heads) are read once and stay in L1 for the heads' turns;
  * the sequence's next tile is prefetched. */
-INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+INLINE void scores_tile16(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
                         int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
     const int64_t chunks = D / 16;
@@ -176,6 +176,82 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
     }
 }
 
+#ifdef __AVX512F__
+#define scores_tile scores_tile16
+#else
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* 8 consecutive elements at src[index] as fp32 (load16's first half) */
+INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
+    v8 r;
+    if (is_bf16) {
+        u16x8 h;
+        memcpy(&h, (const uint16_t *)src + index, sizeof h);
+        u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+        memcpy(&r, &w, sizeof r);
+    } else {
+        memcpy(&r, (const float *)src + index, sizeof r);
+    }
+    return r;
+}
+
+#include <immintrin.h>
+typedef float v8s __attribute__((vector_size(32)));
+
+/* 8 vectors -> lane t = the balanced tree sum of v[t]'s lanes ((0+1)+(2+3))+((4+5)+(6+7)) */
+INLINE __m256 hsum8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* AVX2: scores_tile16's arithmetic in 8-lane halves: lane j of a position's dot product sums q[16 c + j]
+ * k[16 c + j] over c in order (lo: j < 8, hi: j >= 8), and hsum16's tree is tree(lo) + tree(hi) */
+INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
+    const int64_t chunks = D / 16;
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    int64_t at[16];
+    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at);
+    for (int64_t h = 0; h < KVH; h++) {
+        __m256 plo[MAX_GROUP][16], phi[MAX_GROUP][16];
+        for (int64_t t = 0; t < 16; t++) {
+            v8s lo[MAX_GROUP], hi[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) lo[g] = hi[g] = (v8s){0};
+            if (t < n) {
+                for (int64_t c = 0; c < chunks; c++) {
+                    const v8 klo = load8(cache, at[t] + h * D + 16 * c, cache_bf16);
+                    const v8 khi = load8(cache, at[t] + h * D + 16 * c + 8, cache_bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        v8s qlo, qhi;
+                        memcpy(&qlo, q + (h * group + g) * D + 16 * c, 32);
+                        memcpy(&qhi, q + (h * group + g) * D + 16 * c + 8, 32);
+                        lo[g] += qlo * klo;
+                        hi[g] += qhi * khi;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                memcpy(&plo[g][t], &lo[g], 32);
+                memcpy(&phi[g][t], &hi[g], 32);
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float sc[16];
+            const __m256 s0 = _mm256_mul_ps(_mm256_add_ps(hsum8(plo[g]), hsum8(phi[g])), _mm256_set1_ps(scale));
+            const __m256 s1 =
+                _mm256_mul_ps(_mm256_add_ps(hsum8(plo[g] + 8), hsum8(phi[g] + 8)), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(sc, s0);
+            _mm256_storeu_ps(sc + 8, s1);
+            memcpy(scores + (h * group + g) * len + l0, sc, (size_t)n * sizeof(float));
+        }
+    }
+}
+#endif
+
 /* Tile of one sequence's weighted values: o[i] += sum over the tile's positions of p_i(l) v(l), per KV head
  * its query heads' accumulators loaded, updated in registers, stored. p: the softmax numerators [H][len]. */
 INLINE void values_tile16(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
@@ -203,24 +279,6 @@ INLINE void values_tile16(const float *restrict p, const void *cache, int cache_
 #ifdef __AVX512F__
 #define values_tile values_tile16
 #else
-typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-/* 8 consecutive elements at src[index] as fp32 (load16's first half) */
-INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
-    v8 r;
-    if (is_bf16) {
-        u16x8 h;
-        memcpy(&h, (const uint16_t *)src + index, sizeof h);
-        u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-        memcpy(&r, &w, sizeof r);
-    } else {
-        memcpy(&r, (const float *)src + index, sizeof r);
-    }
-    return r;
-}
-
 /* AVX2: values_tile16's lane arithmetic (per output element, the tile's positions in order, one multiply-add
  * each), 8 lanes of every query head of a KV head at a time, so the accumulators fit 16 registers */
 INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
