@@ -26,12 +26,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from engine import native_build
-from engine.api import DECODE_KERNELS
+from engine.api import DECODE_KERNELS, PREFILL_KERNELS
 from engine.native_build import NativeKernelError
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,20 @@ the same C operations) only for checking and measuring the kernel's arithmetic o
 (``NativeDecodeKernel.build(isa="avx2")``: tests, ``bench.prefill_attention``)."""
 ISA_CPU_FLAGS = {"avx512": native_build.AVX512, "avx2": frozenset({"avx2", "fma"})}
 LIBS: tuple[str, ...] = ()
+
+
+def build_isa() -> str:
+    """The instruction set the engine builds the kernel for: ``$PREFIXGATE_ATTENTION_ISA`` if set (``avx2``: to
+    check or measure the kernel's arithmetic on a CPU without AVX-512, where it is slower than torch's paths),
+    else ``avx512``.
+
+    Raises:
+        ValueError: an unknown value.
+    """
+    isa = os.environ.get("PREFIXGATE_ATTENTION_ISA") or "avx512"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"PREFIXGATE_ATTENTION_ISA must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    return isa
 
 
 def kernel_dir() -> Path:
@@ -106,7 +121,26 @@ class NativeDecodeKernel:
         ]
         fn.restype = ctypes.c_int
         pf = lib.paged_prefill_attention
-        pf.argtypes = [p, i32, p, i32, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, i64, i32]
+        pf.argtypes = [
+            p,
+            i32,
+            p,
+            i32,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+            p,
+            i64,
+            i32,
+        ]
         pf.restype = ctypes.c_int
         size = lib.paged_prefill_scratch_floats
         size.argtypes = [i64] * 6
@@ -232,7 +266,9 @@ class NativeDecodeKernel:
             )
         return out
 
-    def prefill_scratch_size(self, rows: int, heads: int, kv_heads: int, head_dim: int, seq_len: int, threads: int) -> int:
+    def prefill_scratch_size(
+        self, rows: int, heads: int, kv_heads: int, head_dim: int, seq_len: int, threads: int
+    ) -> int:
         """fp32 elements of ``prefill``'s scratch: the widened queries, each position's cache offset, and per
         thread a row tile's scores and softmax sums; -1 for a shape the kernel does not take."""
         return int(self._prefill_size(rows, heads, kv_heads, head_dim, seq_len, threads))
@@ -371,9 +407,9 @@ def reference_decode(
 
 
 @functools.cache
-def _shared_kernel(group: int | None, head_dim: int | None) -> NativeDecodeKernel | str:
+def _shared_kernel(group: int | None, head_dim: int | None, isa: str = "avx512") -> NativeDecodeKernel | str:
     try:
-        return NativeDecodeKernel.build(group=group, head_dim=head_dim)
+        return NativeDecodeKernel.build(group=group, head_dim=head_dim, isa=isa)
     except NativeKernelError as exc:
         return str(exc)
 
@@ -396,6 +432,34 @@ def resolve_decode_kernel(
         "engine.decode_kernel",
         setting,
         torch.device(device).type,
-        lambda: _shared_kernel(group, head_dim),
+        lambda: _shared_kernel(group, head_dim, build_isa()),
         "torch's decode attention",
+    )
+
+
+def resolve_prefill_kernel(
+    setting: str, device: torch.device, group: int | None = None, head_dim: int | None = None
+) -> NativeDecodeKernel | None:
+    """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``torch`` and
+    ``auto`` -> None (torch's chunked prefill; ``auto`` stays there until the kernel is measured faster: on this
+    project's AVX2 machine its avx2 build is slower, an AVX-512 machine was not available to measure,
+    ``docs/engine-step.md``); ``native`` -> the kernel (the same library as the decode kernel, built once per
+    process and model shape), or a start-up error.
+
+    Raises:
+        ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
+            ``engine.prefill_kernel`` and the reason).
+    """
+    if setting not in PREFILL_KERNELS:
+        raise ValueError(
+            f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
+        )
+    if setting == "auto":
+        return None
+    return native_build.resolve_setting(
+        "engine.prefill_kernel",
+        setting,
+        torch.device(device).type,
+        lambda: _shared_kernel(group, head_dim, build_isa()),
+        "torch's chunked prefill",
     )
