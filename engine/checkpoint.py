@@ -148,8 +148,8 @@ def load_checkpoint(
             ``prefill_kernel``, or ``native`` where the kernel is not available.
     """
     from engine.gguf_loader import load_gguf
-    from engine.native_decode import resolve_prefill_kernel
     from engine.hf_loader import load_hf, safetensors_files
+    from engine.native_decode import resolve_prefill_kernel
 
     resolved = Path(default_model_path() if path == "default" else path)
     dev = resolve_device(device)
