@@ -373,6 +373,22 @@ int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
 /* positions per vector in prefill's scores: 16 (a 512-bit register); 8 where registers are 256-bit (-DPD_LANES=8,
  * the avx2 build). The per-position arithmetic is the same either way. */
 typedef float vl __attribute__((vector_size(PD_LANES * 4)));
+typedef uint16_t u16l __attribute__((vector_size(PD_LANES * 2)));
+typedef uint32_t u32l __attribute__((vector_size(PD_LANES * 4)));
+
+/* load16's PD_LANES-wide twin: PD_LANES consecutive elements at src[index] as fp32 (the same values) */
+INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
+    vl r;
+    if (is_bf16) {
+        u16l h;
+        memcpy(&h, (const uint16_t *)src + index, sizeof h);
+        u32l w = __builtin_convertvector(h, u32l) << 16;
+        memcpy(&r, &w, sizeof r);
+    } else {
+        memcpy(&r, (const float *)src + index, sizeof r);
+    }
+    return r;
+}
 
 extern int omp_get_thread_num(void);
 
@@ -442,16 +458,19 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
             const int64_t n = len - l0 < 16 ? len - l0 : 16;
             if (n <= 0) continue;
             for (int64_t g = 0; g < group; g++) {
+                /* decode's values_tile per element (lane-wise: vectors of PD_LANES, so a 256-bit build
+                 * broadcasts p[t] with one instruction) */
                 float *o = O + (r * group + g) * D;
                 const float *p = S + (r * group + g) * sstride + l0;
-                v16 acc[8];
-                for (int64_t c = 0; c < chunks; c++) memcpy(&acc[c], o + 16 * c, 64);
+                const int64_t parts = D / PD_LANES;
+                vl acc[128 / PD_LANES];
+                for (int64_t c = 0; c < parts; c++) memcpy(&acc[c], o + PD_LANES * c, sizeof acc[c]);
                 for (int64_t t = 0; t < n; t++)
-                    for (int64_t c = 0; c < chunks; c++) {
-                        const v16 v = load16(cache, offs[l0 + t] + vo + 16 * c, cache_bf16);
+                    for (int64_t c = 0; c < parts; c++) {
+                        const vl v = loadl(cache, offs[l0 + t] + vo + PD_LANES * c, cache_bf16);
                         acc[c] += p[t] * v;
                     }
-                for (int64_t c = 0; c < chunks; c++) memcpy(o + 16 * c, &acc[c], 64);
+                for (int64_t c = 0; c < parts; c++) memcpy(o + PD_LANES * c, &acc[c], sizeof acc[c]);
             }
         }
     }
