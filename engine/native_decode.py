@@ -176,7 +176,13 @@ class NativeDecodeKernel:
             () if group is None or head_dim is None else (f"-DPD_GROUP={group}", f"-DPD_HEAD_DIM={head_dim}")
         )
         return native_build.build_checked(
-            cls, SOURCE, _cpu_ok(isa), _compiler(), (*FLAGS, *ISA_FLAGS[isa], *shape), LIBS, directory
+            cls,
+            SOURCE,
+            _cpu_ok() if isa == "avx512" else _cpu_ok(isa),
+            _compiler(),
+            (*FLAGS, *ISA_FLAGS[isa], *shape),
+            LIBS,
+            directory,
         )
 
     def attend(
