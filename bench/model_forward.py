@@ -9,6 +9,12 @@ on prefill). Run: ``python -m bench.model_forward``. Prints a table, then one JS
 of 8 sequences at ``--context`` tokens (8 private contexts, and 8 sharing one system prompt): median
 milliseconds per step of each phase (schedule + flatten the input, forward + sample, finish) and the aten ops
 one step dispatches (``torch.profiler``), then one JSON line.
+
+``--prefill-ab`` instead times a whole prompt's prefill (``--ab-lengths`` tokens, cut into the engine's
+``--ab-chunk``-token chunks, over a ``--kv-dtype`` cache, weights ``--weights``) with torch's chunked prefill
+attention and with the native prefill kernel (``engine.prefill_kernel: native``; built for ``--isa``, default
+this CPU's best), interleaved in one run, at each of ``--ab-threads`` thread counts: wall seconds per prefill and
+the part inside attention (``paged_attention``), best of ``--repeats`` rounds; a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -161,6 +167,76 @@ def step_profile(
     return out
 
 
+def prefill_ab(
+    ck, lengths: list[int], threads: list[int], chunk: int, kv_dtype: str, repeats: int, isa: str
+) -> list[dict[str, float]]:
+    """Prefill seconds (wall) and the attention part of each, torch's chunked prefill against the native kernel
+    (module docstring): one row per (length, threads), best of ``repeats`` interleaved rounds."""
+    import engine.model as model_module
+    from engine.native_decode import NativeDecodeKernel
+
+    model, cfg = ck.model, ck.config
+    kernel = NativeDecodeKernel.build(group=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim, isa=isa)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv_dtype]
+    attn = [0.0]
+    inner = model_module.paged_attention
+
+    def timed(*a, **k):
+        t = CLOCK()
+        try:
+            return inner(*a, **k)
+        finally:
+            attn[0] += CLOCK() - t
+
+    model_module.paged_attention = timed
+    rows = []
+    try:
+        for n in lengths:
+            nb = -(-n // BLOCK)
+            kv = allocate_kv_cache(cfg, nb, BLOCK, dtype, "cpu")
+            ids = torch.randint(100, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+            table = torch.arange(nb).view(1, nb)
+
+            def prefill(k, n=n, table=table, ids=ids, kv=kv):
+                for s in range(0, n, chunk):
+                    e = min(n, s + chunk)
+                    meta = AttentionMetadata(
+                        torch.arange(s, e), [0, e - s], [e], table, BLOCK, prompt_lens=[n], prefill_kernel=k
+                    )
+                    model(ids[s:e], torch.arange(s, e), kv, meta)
+
+            for t in threads:
+                torch.set_num_threads(t)
+                best = {"torch": (float("inf"), 0.0), "native": (float("inf"), 0.0)}
+                for _ in range(repeats):
+                    for name, k in (("torch", None), ("native", kernel)):
+                        attn[0] = 0.0
+                        t0 = CLOCK()
+                        prefill(k)
+                        total = CLOCK() - t0
+                        if total < best[name][0]:
+                            best[name] = (total, attn[0])
+                rows.append(
+                    {
+                        "tokens": n,
+                        "threads": t,
+                        "torch_s": best["torch"][0],
+                        "torch_attention_s": best["torch"][1],
+                        "native_s": best["native"][0],
+                        "native_attention_s": best["native"][1],
+                    }
+                )
+                print(
+                    f"{n:>7}{t:>8}{best['torch'][0]:>10.2f}{best['torch'][1]:>12.2f}"
+                    f"{best['native'][0]:>10.2f}{best['native'][1]:>12.2f}"
+                    f"{best['torch'][1] / best['native'][1]:>16.2f}",
+                    flush=True,
+                )
+    finally:
+        model_module.paged_attention = inner
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="default")
@@ -174,6 +250,13 @@ def main() -> None:
         "--kv-dtype", default="float32", help="--step-profile: engine.kv_dtype float32 | bfloat16"
     )
     ap.add_argument("--top-ops", type=int, default=0, help="--step-profile: print this many top aten ops")
+    ap.add_argument("--prefill-ab", action="store_true", help="torch against native prefill (docstring)")
+    ap.add_argument("--ab-lengths", default="1024,4096", help="--prefill-ab: prompt lengths, comma-separated")
+    ap.add_argument("--ab-threads", default="1,2", help="--prefill-ab: thread counts, comma-separated")
+    ap.add_argument("--ab-chunk", type=int, default=512, help="--prefill-ab: prefill chunk (token budget)")
+    ap.add_argument(
+        "--isa", default=None, help="--prefill-ab: the kernel's build, avx512 | avx2 (default: best)"
+    )
     ap.add_argument(
         "--cpu-time",
         action="store_true",
@@ -187,6 +270,21 @@ def main() -> None:
     torch.manual_seed(0)
     path = default_model_path() if args.model == "default" else args.model
     ck = load_checkpoint(path, weights=args.weights)
+    if args.prefill_ab:
+        from engine.native_decode import _cpu_ok
+
+        isa = args.isa or ("avx512" if _cpu_ok("avx512")[0] else "avx2")
+        lengths = [int(x) for x in args.ab_lengths.split(",")]
+        threads = [int(x) for x in args.ab_threads.split(",")]
+        print(
+            f"weights={ck.model.weight_formats}  kv_dtype={args.kv_dtype}  chunk={args.ab_chunk}  isa={isa}"
+        )
+        print(f"{'tokens':>7}{'threads':>8}{'torch s':>10}{'attention':>12}{'native s':>10}{'attention':>12}"
+              f"{'attn speedup':>16}")  # fmt: skip
+        rows = prefill_ab(ck, lengths, threads, args.ab_chunk, args.kv_dtype, args.repeats, isa)
+        info = {"weights": args.weights, "kv_dtype": args.kv_dtype, "chunk": args.ab_chunk, "isa": isa}
+        print(json.dumps({"prefill_ab": rows, **info}))
+        return
     if args.step_profile:
         prof = step_profile(ck, args.context, args.repeats * 4, args.kv_dtype, args.top_ops)
         print(f"threads={torch.get_num_threads()}  weights={ck.model.weight_formats}  context={args.context}")

@@ -315,6 +315,13 @@ class EngineConfig:
             once), ``torch`` = torch's chunked kernels (``engine.chunked_decode``), ``auto`` = native where it
             builds, else torch. Prompt tokens always take the prefill path. Either keeps batched == alone.
             ``native`` where it cannot be built is a start-up error naming the reason.
+        prefill_kernel: attention of prompt tokens, ``auto | native | torch``: ``native`` = the C kernel of
+            ``decode_kernel`` run over a whole prefill chunk (``NativeDecodeKernel.prefill``: each prompt row with
+            exactly the arithmetic of decoding that position alone, K/V read in place, OpenMP over row tiles),
+            ``torch`` = torch's chunked prefill (``engine.chunked_prefill``), ``auto`` = torch (the kernel has not
+            been measured faster on any machine yet: ``docs/engine-step.md``). Either keeps a prompt row's result
+            independent of chunking and caching. Part of ``model_id`` when native (a prompt's K/V differs);
+            ``native`` where it cannot be built is a start-up error naming the reason.
         linear_kernel: the weight-only kernel of int4/int8 linears (generated tokens' rows, the LM head),
             ``auto | native | torch``: ``native`` = the C kernel on the GGUF's own codes with fp32 activations,
             exact scales and fp32 output (``engine.native_linear``: built once per machine with the system C
@@ -351,11 +358,15 @@ class EngineConfig:
     shared_prefix_attention: bool = True
     enable_partial_prefix_hits: bool = True
     decode_kernel: str = "auto"
+    prefill_kernel: str = "auto"
     linear_kernel: str = "auto"
 
 
 DECODE_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.decode_kernel``'s values (``engine.native_decode``)."""
+
+PREFILL_KERNELS = ("auto", "native", "torch")
+"""``EngineConfig.prefill_kernel``'s values (``engine.native_decode.resolve_prefill_kernel``)."""
 
 LINEAR_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.linear_kernel``'s values (``engine.native_linear``)."""

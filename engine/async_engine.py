@@ -119,7 +119,13 @@ class AsyncEngine:
         device = resolve_device(config.device)
         check_supported(config.weights, config.kv_dtype, device)
         ckpt = load_checkpoint(
-            path, DTYPES[config.dtype], device, config.weights, config.dense_min_rows, config.linear_kernel
+            path,
+            DTYPES[config.dtype],
+            device,
+            config.weights,
+            config.dense_min_rows,
+            config.linear_kernel,
+            config.prefill_kernel,
         )
         core = LLMEngine(ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer)
         return cls(core, ckpt.tokenizer)

@@ -10,6 +10,11 @@ One forward step runs a batch of ``B`` sequences flattened to ``T = sum(query_le
 new tokens are its positions ``seq_len - query_len .. seq_len - 1``; each attends causally to its whole context.
 ``plan_attention`` turns the metadata into index tensors once per step; ``paged_attention`` then runs per layer:
 
+- on CPU with the native prefill kernel (``AttentionMetadata.prefill_kernel``, ``engine.prefill_kernel: native``)
+  every prefill chunk, and every one-token query that is still a prompt token, is attended by
+  ``NativeDecodeKernel.prefill`` (``NativePrefill``): each row with exactly the arithmetic of the native decode
+  kernel at that position, K/V read in place, so a prompt row's result does not depend on chunking, caching,
+  the batch or the thread count; decode rows as below;
 - on CPU, when the cache dtype is given (``cache_dtype``, the engine always gives it), every sequence's keys
   are cut at fixed positions: prefill rows (``query_len > 1``) go to ``engine.chunked_prefill`` and decode rows
   to ``engine.chunked_decode`` (through ``engine.decode_attention``), merged in a fixed order, so a row's
@@ -69,9 +74,13 @@ class AttentionMetadata:
         block_size: tokens per block.
         decode_kernel: the native decode-attention kernel (``engine.native_decode``): on CPU the step's generated
             tokens (one new token past the prompt) are attended by it; None = torch's paths.
-        prompt_lens: each sequence's prompt length, or None (unknown): with ``decode_kernel``, a one-token query
-            that is still a prompt token (the last of a prompt whose rest was cached) takes the prefill path, so
-            every prompt token is attended by the same code however the prompt was chunked or cached.
+        prefill_kernel: the native kernel for prompt tokens (``NativeDecodeKernel.prefill``), or None: torch's
+            prefill paths.
+        prompt_lens: each sequence's prompt length, or None (unknown): with ``decode_kernel`` or
+            ``prefill_kernel``, a one-token query that is still a prompt token (the last of a prompt whose rest
+            was cached) takes the prefill path, so every prompt token is attended by the same code however the
+            prompt was chunked or cached. (With both kernels the two paths give the same bits anyway: the
+            prefill kernel computes each row as the decode kernel does.)
     """
 
     slot_mapping: torch.Tensor
@@ -81,6 +90,31 @@ class AttentionMetadata:
     block_size: int
     decode_kernel: NativeDecodeKernel | None = None
     prompt_lens: list[int] | None = None
+    prefill_kernel: NativeDecodeKernel | None = None
+
+
+@dataclass
+class NativePrefill:
+    """One prefill chunk attended by the native kernel (``NativeDecodeKernel.prefill``): the sequence's block
+    table as the kernel takes it, the chunk's first position, and a scratch buffer reused by every layer."""
+
+    kernel: NativeDecodeKernel
+    table: torch.Tensor  # int32 [blocks of the context]
+    start: int  # position of the chunk's first row (tokens before it are cached)
+    scratch: torch.Tensor | None = None  # fp32, made by the first layer
+
+    def attend(self, q: torch.Tensor, layer_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q`` ``[L, H, D]`` -> fp32 ``[L, H, D]`` (``NativeDecodeKernel.prefill``)."""
+        rows, heads, head_dim = q.shape
+        threads = torch.get_num_threads()
+        need = self.kernel.prefill_scratch_size(
+            rows, heads, layer_cache.shape[-2], head_dim, self.start + rows, threads
+        )
+        if self.scratch is None or self.scratch.numel() < need:
+            self.scratch = torch.empty(max(need, 1), dtype=torch.float32)
+        return self.kernel.prefill(
+            q.contiguous(), layer_cache, self.table, self.start, scale, self.scratch, threads
+        )
 
 
 @dataclass
@@ -96,6 +130,7 @@ class PrefillPlan:
         None  # split path (``prefix_split_available``): blocks of [0, seq_len - qlen)
     )
     chunked: ChunkedPrefill | None = None  # the chunk-invariant CPU path (``engine.chunked_prefill``)
+    native: NativePrefill | None = None  # the native kernel (``engine.prefill_kernel: native``)
 
 
 @dataclass
@@ -147,6 +182,8 @@ def plan_attention(
     adt = None if cache_dtype is None else attention_dtype(cache_dtype, torch.float32, device)
     chunked_prefill = prefix_split_available(device) and adt in (torch.bfloat16, torch.float32)
     bf16 = adt == torch.bfloat16
+    native_prefill = meta.prefill_kernel is not None and device.type == "cpu"
+    prompt_path = native_prefill or (meta.decode_kernel is not None and chunked_prefill)
     for i, seq_len in enumerate(meta.seq_lens):
         qlen = qsl[i + 1] - qsl[i]
         if qlen <= 0 or qlen > seq_len:
@@ -161,8 +198,12 @@ def plan_attention(
                 f"sequence {i}: block table {tables[i][:nb]} has ids outside the pool of {pool_blocks}"
             )
         prompt_token = meta.prompt_lens is not None and seq_len <= meta.prompt_lens[i]
-        if qlen == 1 and not (meta.decode_kernel is not None and prompt_token and chunked_prefill):
+        if qlen == 1 and not (prompt_path and prompt_token):
             decode_seqs.append(i)
+        elif native_prefill:
+            table = torch.tensor(tables[i][:nb], dtype=torch.int32)
+            native = NativePrefill(meta.prefill_kernel, table, seq_len - qlen)
+            prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None, native=native))
         elif chunked_prefill:
             chunked = plan_chunked_prefill(tables[i], seq_len, qlen, bs, pool_blocks, device)
             prefills.append(PrefillPlan(qsl[i], qsl[i + 1], seq_len, None, None, chunked=chunked))
@@ -301,6 +342,9 @@ def paged_attention(
         )
     out = q.new_empty(num_tokens, num_heads, head_dim, dtype=out_dtype)
     for p in plan.prefills:
+        if p.native is not None:
+            out[p.start : p.end] = p.native.attend(q[p.start : p.end], layer_cache, scale)
+            continue
         if p.chunked is not None:
             out[p.start : p.end] = chunked_prefill_attention(
                 q[p.start : p.end],

@@ -53,7 +53,7 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
-from engine.native_decode import resolve_decode_kernel
+from engine.native_decode import resolve_decode_kernel, resolve_prefill_kernel
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -195,6 +195,9 @@ class LLMEngine(PrefixAdmin):
                 model.device,
                 mc.num_heads // mc.num_kv_heads,
                 mc.head_dim,
+            ),
+            resolve_prefill_kernel(
+                config.prefill_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
             ),
         )
         self.kv.set_slot_copier(self.runner.copy_slots)

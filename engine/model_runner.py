@@ -99,6 +99,8 @@ class ModelRunner:
             never changed.
         decode_kernel: the native decode-attention kernel (``engine.native_decode``), or None for torch's
             paths.
+        prefill_kernel: the native kernel for prompt tokens (``NativeDecodeKernel.prefill``), or None for
+            torch's chunked prefill.
 
     Attributes:
         steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
@@ -114,9 +116,11 @@ class ModelRunner:
         shared_prefix: bool = True,
         step_threads: StepThreads | None = None,
         decode_kernel: NativeDecodeKernel | None = None,
+        prefill_kernel: NativeDecodeKernel | None = None,
     ):
         self.model = model
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.shared_prefix = shared_prefix
         self.step_threads = step_threads
         self.steps_by_threads: Counter[int] = Counter()
@@ -177,7 +181,10 @@ class ModelRunner:
             block_tables=tables,
             block_size=bs,
             decode_kernel=self.decode_kernel,
-            prompt_lens=[s.prompt_len for s in seqs] if row_kernels is not None else None,
+            prompt_lens=[s.prompt_len for s in seqs]
+            if row_kernels is not None or self.prefill_kernel is not None
+            else None,
+            prefill_kernel=self.prefill_kernel,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.int64),

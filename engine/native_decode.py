@@ -26,12 +26,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from engine import native_build
-from engine.api import DECODE_KERNELS
+from engine.api import DECODE_KERNELS, PREFILL_KERNELS
 from engine.native_build import NativeKernelError
 
 logger = logging.getLogger(__name__)
@@ -42,14 +43,32 @@ FLAGS = (
     "-shared",
     "-fPIC",
     "-std=gnu11",
-    "-fopenmp-simd",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mfma",
+    "-fopenmp",
     "-Wno-psabi",
 )
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-DPD_ROWS=16", "-DPD_LANES=16"),
+    "avx2": ("-mavx2", "-mfma", "-DPD_ROWS=32", "-DPD_LANES=8"),
+}
+"""Instruction-set flags of a build: ``avx512`` is what the engine uses; ``avx2`` (16-lane vectors split in two,
+the same C operations) only for checking and measuring the kernel's arithmetic on CPUs without AVX-512
+(``NativeDecodeKernel.build(isa="avx2")``: tests, ``bench.prefill_attention``)."""
+ISA_CPU_FLAGS = {"avx512": native_build.AVX512, "avx2": frozenset({"avx2", "fma"})}
 LIBS: tuple[str, ...] = ()
+
+
+def build_isa() -> str:
+    """The instruction set the engine builds the kernel for: ``$PREFIXGATE_ATTENTION_ISA`` if set (``avx2``: to
+    check or measure the kernel's arithmetic on a CPU without AVX-512, where it is slower than torch's paths),
+    else ``avx512``.
+
+    Raises:
+        ValueError: an unknown value.
+    """
+    isa = os.environ.get("PREFIXGATE_ATTENTION_ISA") or "avx512"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"PREFIXGATE_ATTENTION_ISA must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    return isa
 
 
 def kernel_dir() -> Path:
@@ -61,8 +80,8 @@ def _compiler() -> str | None:
     return native_build.compiler()
 
 
-def _cpu_ok() -> tuple[bool, str]:
-    return native_build.cpu_ok(native_build.AVX512)
+def _cpu_ok(isa: str = "avx512") -> tuple[bool, str]:
+    return native_build.cpu_ok(ISA_CPU_FLAGS[isa])
 
 
 class NativeDecodeKernel:
@@ -101,28 +120,69 @@ class NativeDecodeKernel:
             i64,
         ]
         fn.restype = ctypes.c_int
+        pf = lib.paged_prefill_attention
+        pf.argtypes = [
+            p,
+            i32,
+            p,
+            i32,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+            p,
+            i64,
+            i32,
+        ]
+        pf.restype = ctypes.c_int
+        size = lib.paged_prefill_scratch_floats
+        size.argtypes = [i64] * 6
+        size.restype = i64
         self._lib = lib
         self._fn = fn
+        self._prefill = pf
+        self._prefill_size = size
 
     @classmethod
     def build(
-        cls, directory: Path | None = None, group: int | None = None, head_dim: int | None = None
+        cls,
+        directory: Path | None = None,
+        group: int | None = None,
+        head_dim: int | None = None,
+        isa: str = "avx512",
     ) -> NativeDecodeKernel:
         """Build (or find already built) and load the kernel for this machine.
 
         ``group`` (query heads per KV head) and ``head_dim``: the model's shape, compiled with constants so its
         accumulators stay in registers (``-DPD_GROUP -DPD_HEAD_DIM``; one shape keeps the build at ~1-2 s);
-        other shapes run the same code with runtime sizes.
+        other shapes run the same code with runtime sizes. ``isa``: ``ISA_FLAGS``' key (``avx2``: checks and
+        measurements on CPUs without AVX-512 only).
 
         Raises:
-            NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) and FMA, no C compiler, the compile
-                failed, or the build fails its ``self_check``; the message says which.
+            NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) and FMA (or ``isa``'s flags), no C
+                compiler, the compile failed, or the build fails its ``self_check``; the message says which.
+            ValueError: an unknown ``isa``.
         """
+        if isa not in ISA_FLAGS:
+            raise ValueError(f"isa must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
         shape = (
             () if group is None or head_dim is None else (f"-DPD_GROUP={group}", f"-DPD_HEAD_DIM={head_dim}")
         )
         return native_build.build_checked(
-            cls, SOURCE, _cpu_ok(), _compiler(), (*FLAGS, *shape), LIBS, directory
+            cls,
+            SOURCE,
+            _cpu_ok() if isa == "avx512" else _cpu_ok(isa),
+            _compiler(),
+            (*FLAGS, *ISA_FLAGS[isa], *shape),
+            LIBS,
+            directory,
         )
 
     def attend(
@@ -212,6 +272,99 @@ class NativeDecodeKernel:
             )
         return out
 
+    def prefill_scratch_size(
+        self, rows: int, heads: int, kv_heads: int, head_dim: int, seq_len: int, threads: int
+    ) -> int:
+        """fp32 elements of ``prefill``'s scratch: the widened queries, each position's cache offset, and per
+        thread a row tile's scores and softmax sums; -1 for a shape the kernel does not take."""
+        return int(self._prefill_size(rows, heads, kv_heads, head_dim, seq_len, threads))
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        layer_cache: torch.Tensor,
+        table: torch.Tensor,
+        start: int,
+        scale: float,
+        scratch: torch.Tensor | None = None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of ``L`` consecutive query rows of one sequence (a prefill chunk), read in place from
+        the cache through its block table: row ``r`` (position ``start + r``) attends positions ``0 .. start + r``
+        with exactly the arithmetic ``attend`` gives one query at that position (bit for bit: the same per-row
+        operation sequence, whatever row tile, chunk or thread computes it; ``engine/kernels/paged_decode.c``).
+
+        Args:
+            q: ``[L, H, D]`` fp32 or bf16 queries (RoPE applied), contiguous.
+            layer_cache: ``[2, num_blocks, block_size, kv_heads, D]`` fp32 or bf16, contiguous, already holding the
+                K/V of positions ``0 .. start + L - 1``.
+            table: int32 ``[n]`` the sequence's block ids, covering positions ``0 .. start + L - 1``, contiguous.
+            start: position of the first row (the cached context before the chunk), ``>= 0``.
+            scale: softmax scale (``D ** -0.5``).
+            scratch: fp32 of at least ``prefill_scratch_size(...)`` elements, reused across layers (allocated if
+                None).
+            threads: OpenMP threads (default ``torch.get_num_threads()``); the result does not depend on it.
+
+        Returns:
+            fp32 ``[L, H, D]``.
+
+        Raises:
+            ValueError: a dtype, layout or device the kernel does not take, or an argument out of range (``start``
+                negative, a block id outside the pool, a table too short, a scratch too small).
+        """
+        rows, h, d = q.shape
+        two, num_blocks, block_size, kvh, hd = layer_cache.shape
+        if two != 2 or hd != d or h % kvh or rows == 0:
+            raise ValueError(f"q {tuple(q.shape)} does not match a cache of shape {tuple(layer_cache.shape)}")
+        for name, t, dtypes in (
+            ("q", q, (torch.float32, torch.bfloat16)),
+            ("layer_cache", layer_cache, (torch.float32, torch.bfloat16)),
+            ("table", table, (torch.int32,)),
+        ):
+            if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    f"{name}: needs a contiguous CPU tensor of {dtypes}, got {t.dtype} on {t.device}"
+                )
+        if table.dim() != 1:
+            raise ValueError(f"table: needs one dimension, got shape {tuple(table.shape)}")
+        threads = torch.get_num_threads() if threads is None else threads
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        need = self.prefill_scratch_size(rows, h, kvh, d, start + rows, threads)
+        if scratch is None:
+            scratch = torch.empty(need, dtype=torch.float32)
+        elif scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
+            raise ValueError(f"scratch: needs {need} contiguous fp32 elements")
+        out = torch.empty(rows, h, d, dtype=torch.float32)
+        rc = self._prefill(
+            q.data_ptr(),
+            int(q.dtype == torch.bfloat16),
+            layer_cache.data_ptr(),
+            int(layer_cache.dtype == torch.bfloat16),
+            table.data_ptr(),
+            table.shape[0],
+            start,
+            rows,
+            h,
+            kvh,
+            d,
+            block_size,
+            num_blocks,
+            scale,
+            out.data_ptr(),
+            scratch.data_ptr(),
+            scratch.numel(),
+            threads,
+        )
+        if rc != 0:
+            raise ValueError(
+                f"paged_prefill_attention refused its arguments: positions {start}..{start + rows - 1}, "
+                f"block ids outside [0, {num_blocks}) or a table of {table.shape[0]} blocks too short"
+            )
+        return out
+
     def self_check(self) -> str | None:
         """Compare the kernel with float64 attention on random caches (bf16 and fp32, shapes on and off the
         vector path, ragged lengths, scattered blocks); None when every output is within 1e-4 relative,
@@ -260,9 +413,9 @@ def reference_decode(
 
 
 @functools.cache
-def _shared_kernel(group: int | None, head_dim: int | None) -> NativeDecodeKernel | str:
+def _shared_kernel(group: int | None, head_dim: int | None, isa: str = "avx512") -> NativeDecodeKernel | str:
     try:
-        return NativeDecodeKernel.build(group=group, head_dim=head_dim)
+        return NativeDecodeKernel.build(group=group, head_dim=head_dim, isa=isa)
     except NativeKernelError as exc:
         return str(exc)
 
@@ -285,6 +438,34 @@ def resolve_decode_kernel(
         "engine.decode_kernel",
         setting,
         torch.device(device).type,
-        lambda: _shared_kernel(group, head_dim),
+        lambda: _shared_kernel(group, head_dim, build_isa()),
         "torch's decode attention",
+    )
+
+
+def resolve_prefill_kernel(
+    setting: str, device: torch.device, group: int | None = None, head_dim: int | None = None
+) -> NativeDecodeKernel | None:
+    """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``torch`` and
+    ``auto`` -> None (torch's chunked prefill; ``auto`` stays there until the kernel is measured faster: on this
+    project's AVX2 machine its avx2 build is slower, an AVX-512 machine was not available to measure,
+    ``docs/engine-step.md``); ``native`` -> the kernel (the same library as the decode kernel, built once per
+    process and model shape), or a start-up error.
+
+    Raises:
+        ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
+            ``engine.prefill_kernel`` and the reason).
+    """
+    if setting not in PREFILL_KERNELS:
+        raise ValueError(
+            f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
+        )
+    if setting == "auto":
+        return None
+    return native_build.resolve_setting(
+        "engine.prefill_kernel",
+        setting,
+        torch.device(device).type,
+        lambda: _shared_kernel(group, head_dim, build_isa()),
+        "torch's chunked prefill",
     )

@@ -8,8 +8,9 @@
  * thread count or which blocks other sequences share. Scaled dot-product attention (Vaswani et al. 2017),
  * grouped-query attention (Ainslie et al. 2023).
  *
- * Built once per machine by engine.native_decode (gcc -O3, one AVX-512 / AVX2 / baseline build chosen from
- * the CPU's flags); single-threaded: the caller decides what runs in parallel.
+ * Built once per machine by engine.native_decode (gcc -O3 -fopenmp, AVX-512). paged_decode_attention is
+ * single-threaded (the caller decides what runs in parallel); paged_prefill_attention (the end of the file: many
+ * query rows of one sequence, each with exactly the decode arithmetic) spreads its work over OpenMP threads.
  */
 #include <stdint.h>
 #include <string.h>
@@ -94,13 +95,39 @@ INLINE v16 exp16(v16 x) {
     return p * two_n;
 }
 
-/* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order) */
+/* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order: lane t
+ * sums the positions l = t mod 16 in order, then the lanes are summed 0..15). The maximum is exact in any order. */
 INLINE float softmax_numerators(float *restrict s, int64_t len) {
+    const int64_t full = len / 16 * 16;
     float m = s[0];
-    for (int64_t l = 1; l < len; l++) m = s[l] > m ? s[l] : m;
+    if (full) {
+        v16 mx;
+        memcpy(&mx, s, sizeof mx);
+        for (int64_t l0 = 16; l0 < full; l0 += 16) {
+            v16 x;
+            memcpy(&x, s + l0, sizeof x);
+            const i32x16 gt = x > mx;
+            i32x16 xi, mi;
+            memcpy(&xi, &x, sizeof xi);
+            memcpy(&mi, &mx, sizeof mi);
+            mi = (xi & gt) | (mi & ~gt);
+            memcpy(&mx, &mi, sizeof mx);
+        }
+        float lanes[16];
+        memcpy(lanes, &mx, sizeof lanes);
+        for (int t = 0; t < 16; t++) m = lanes[t] > m ? lanes[t] : m;
+    }
+    for (int64_t l = full; l < len; l++) m = s[l] > m ? s[l] : m;
     v16 acc = {0};
-    for (int64_t l0 = 0; l0 < len; l0 += 16) {
-        const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    for (int64_t l0 = 0; l0 < full; l0 += 16) {
+        v16 e;
+        memcpy(&e, s + l0, sizeof e);
+        e = exp16(e - m);
+        acc += e;
+        memcpy(s + l0, &e, sizeof e);
+    }
+    if (full < len) {
+        const int64_t l0 = full, n = len - full;
         float buf[16];
         for (int64_t t = 0; t < 16; t++) buf[t] = t < n ? s[l0 + t] - m : -100.0f;
         v16 e;
@@ -422,5 +449,209 @@ int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
 #endif
         ATTEND(group, D);
 #undef ATTEND
+    return 0;
+}
+
+/* ---- Prefill: many query rows of one sequence, each exactly as paged_decode_attention attends it alone ----
+ *
+ * Rows at positions start .. start + L - 1 of one sequence (its K/V already in the cache); row r attends
+ * positions 0 .. start + r (causal), i.e. it is a decode of length start + r + 1. Rows are taken ROWS at a time
+ * (a row tile; the last tile's missing rows repeat its last row and are dropped) per KV head, so each K and V
+ * vector read from the cache serves ROWS x group queries; every (row, query head) keeps the decode kernel's
+ * operation sequence: the same scores (q . k by fused multiply-adds over the 16-lane chunks in order, the
+ * transposing sum hsum16, times scale), the same softmax_numerators over exactly its own positions, the same
+ * values accumulation (positions in order, one fused multiply-add each), the same final 1 / sum. So a row's
+ * result equals the decode kernel's for that position, bit for bit, whatever tile, chunk or thread computes it.
+ * (KV head, row tile) pairs are independent and spread over OpenMP threads. */
+
+#ifndef PD_ROWS
+#define PD_ROWS 16
+#endif
+#define ROWS PD_ROWS /* query rows per tile (a -D flag of the build) */
+#ifndef PD_LANES
+#define PD_LANES 16
+#endif
+/* positions per vector in prefill's scores: 16 (a 512-bit register); 8 where registers are 256-bit (-DPD_LANES=8,
+ * the avx2 build). The per-position arithmetic is the same either way. */
+typedef float vl __attribute__((vector_size(PD_LANES * 4)));
+typedef uint16_t u16l __attribute__((vector_size(PD_LANES * 2)));
+typedef uint32_t u32l __attribute__((vector_size(PD_LANES * 4)));
+
+/* load16's PD_LANES-wide twin: PD_LANES consecutive elements at src[index] as fp32 (the same values) */
+INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
+    vl r;
+    if (is_bf16) {
+        u16l h;
+        memcpy(&h, (const uint16_t *)src + index, sizeof h);
+        u32l w = __builtin_convertvector(h, u32l) << 16;
+        memcpy(&r, &w, sizeof r);
+    } else {
+        memcpy(&r, (const float *)src + index, sizeof r);
+    }
+    return r;
+}
+
+extern int omp_get_thread_num(void);
+
+/* One row tile (rows row0 .. row0 + nrows - 1 at positions pos0 ..) and KV head h: out[row][h group + g][D].
+ * Positions are walked 16 at a time; each tile of 16 K (then V) rows of head h is read from memory once and
+ * stays in L1 while every (row, query head) of the tile takes its turn, as decode's scores_tile / values_tile
+ * (only the query, or the accumulators, change between turns). S: ROWS * group * sstride scores of this
+ * thread; sums: ROWS * group; O: ROWS * group * D accumulators. offs[l]: position l's element offset. */
+INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int64_t nrows, int64_t pos0,
+                         const void *cache, int cache_bf16, const int64_t *offs, int64_t h, int64_t group,
+                         int64_t D, int64_t v_offset, float scale, float *restrict S, int64_t sstride,
+                         float *restrict sums, float *restrict O, float *restrict KT, float *restrict out) {
+    const int64_t chunks = D / 16;
+    const int64_t last_len = pos0 + nrows;
+    const int64_t esize = cache_bf16 ? 2 : 4;
+    for (int64_t l0 = 0; l0 < last_len; l0 += 16) {
+        const int64_t nt = last_len - l0 < 16 ? last_len - l0 : 16;
+        for (int64_t t = 0; t < 16 && l0 + 16 + t < last_len; t++)
+            __builtin_prefetch((const char *)cache + (offs[l0 + 16 + t] + h * D) * esize);
+        /* the tile's keys transposed, KT[d][t] (zero past the tile's last position): position t in lane t */
+        for (int64_t t = 0; t < 16; t++)
+            for (int64_t d = 0; d < D; d++) KT[d * 16 + t] = t < nt ? load1(cache, offs[l0 + t] + h * D + d, cache_bf16) : 0.0f;
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t len = pos0 + r + 1;
+            const int64_t n = len - l0 < 16 ? len - l0 : 16;
+            if (n <= 0) continue;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qf + ((row0 + r) * H + h * group + g) * D;
+                float *dst = S + (r * group + g) * sstride + l0;
+                /* lane j of decode's 16-lane dot product (a fused multiply-add chain over the chunks c of
+                 * q[16 c + j] k[16 c + j]) is a[j] here, one position per lane; hsum16's tree over j becomes
+                 * the same tree of vector adds */
+                for (int64_t u0 = 0; u0 < n; u0 += PD_LANES) {
+                    vl half[2];
+                    for (int64_t hf = 0; hf < 2; hf++) {
+                        vl a[8];
+                        for (int64_t i = 0; i < 8; i++) a[i] = (vl){0};
+                        for (int64_t c = 0; c < chunks; c++)
+                            for (int64_t i = 0; i < 8; i++) {
+                                const int64_t j = 16 * c + 8 * hf + i;
+                                vl kt;
+                                memcpy(&kt, KT + j * 16 + u0, sizeof kt);
+                                a[i] += qg[j] * kt;
+                            }
+                        half[hf] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+                    }
+                    const vl res = (half[0] + half[1]) * scale;
+                    float sc[PD_LANES];
+                    memcpy(sc, &res, sizeof sc);
+                    const int64_t m = n - u0 < PD_LANES ? n - u0 : PD_LANES;
+                    memcpy(dst + u0, sc, (size_t)m * sizeof(float));
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        for (int64_t g = 0; g < group; g++) {
+            sums[r * group + g] = softmax_numerators(S + (r * group + g) * sstride, pos0 + r + 1);
+            for (int64_t d = 0; d < D; d++) O[(r * group + g) * D + d] = 0.0f;
+        }
+    const int64_t vo = v_offset + h * D;
+    for (int64_t l0 = 0; l0 < last_len; l0 += 16) {
+        for (int64_t t = 0; t < 16 && l0 + 16 + t < last_len; t++)
+            __builtin_prefetch((const char *)cache + (offs[l0 + 16 + t] + vo) * esize);
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t len = pos0 + r + 1;
+            const int64_t n = len - l0 < 16 ? len - l0 : 16;
+            if (n <= 0) continue;
+            for (int64_t g = 0; g < group; g++) {
+                /* decode's values_tile per element (lane-wise: vectors of PD_LANES, so a 256-bit build
+                 * broadcasts p[t] with one instruction) */
+                float *o = O + (r * group + g) * D;
+                const float *p = S + (r * group + g) * sstride + l0;
+                const int64_t parts = D / PD_LANES;
+                vl acc[128 / PD_LANES];
+                for (int64_t c = 0; c < parts; c++) memcpy(&acc[c], o + PD_LANES * c, sizeof acc[c]);
+                for (int64_t t = 0; t < n; t++)
+                    for (int64_t c = 0; c < parts; c++) {
+                        const vl v = loadl(cache, offs[l0 + t] + vo + PD_LANES * c, cache_bf16);
+                        acc[c] += p[t] * v;
+                    }
+                for (int64_t c = 0; c < parts; c++) memcpy(o + PD_LANES * c, &acc[c], sizeof acc[c]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        for (int64_t g = 0; g < group; g++) {
+            const float inv = 1.0f / sums[r * group + g];
+            const float *o = O + (r * group + g) * D;
+            float *dst = out + ((row0 + r) * H + h * group + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+        }
+}
+
+/* scratch floats per thread: the row tile's scores, sums and accumulators */
+static int64_t prefill_thread_floats(int64_t group, int64_t D, int64_t seq_len) {
+    return ROWS * group * ((seq_len + 15) / 16 * 16) + ROWS * group + ROWS * group * D + 16 * D + 16;
+}
+
+/* Prefill attention of L rows of one sequence at positions start .. start + L - 1 (see above).
+ * q: [L][H][D] (bf16 when q_bf16, else fp32); table: the sequence's block ids, table_len of them, covering
+ * positions 0 .. start + L - 1; out: fp32 [L][H][D]; scratch: at least
+ * paged_prefill_scratch_floats(L, H, KVH, D, start + L, threads) floats; threads >= 1 (OpenMP).
+ * Returns 0; -1 when an argument is out of range (a shape, start, a block id, a table too short), checked
+ * before anything is read or written. */
+int64_t paged_prefill_scratch_floats(int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t seq_len, int64_t threads) {
+    if (L <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || seq_len <= 0 || threads <= 0) return -1;
+    return (L * H * D + 1) / 2 * 2 + 2 * seq_len + threads * prefill_thread_floats(H / KVH, D, seq_len);
+}
+
+int paged_prefill_attention(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *table,
+                            int64_t table_len, int64_t start, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                            int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
+                            int64_t scratch_floats, int threads) {
+    if (start < 0 || L <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || num_blocks <= 0 ||
+        threads <= 0)
+        return -1;
+    const int64_t seq_len = start + L;
+    if (scratch_floats < paged_prefill_scratch_floats(L, H, KVH, D, seq_len, threads)) return -1;
+    for (int64_t t = 0; t * block_size < seq_len; t++)
+        if (t >= table_len || table[t] < 0 || table[t] >= num_blocks) return -1;
+    const int64_t group = H / KVH;
+    const int64_t pos_elems = KVH * D;
+    const int64_t block_elems = block_size * pos_elems;
+    const int64_t v_offset = num_blocks * block_elems;
+    float *qf = scratch;                             /* [L][H][D] */
+    int64_t *offs = (int64_t *)(qf + (L * H * D + 1) / 2 * 2); /* [seq_len]: 8-byte aligned when scratch is */
+    float *per_thread = (float *)(offs + seq_len);
+    const int64_t tf = prefill_thread_floats(group, D, seq_len);
+    const int64_t sstride = (seq_len + 15) / 16 * 16;
+    for (int64_t i = 0; i < L * H * D; i++) qf[i] = load1(q, i, q_bf16);
+    for (int64_t l = 0; l < seq_len; l++) offs[l] = position(table, l, block_size, block_elems, pos_elems, 0, D);
+    const int vec = D % 16 == 0 && D <= 128 && group <= MAX_GROUP && KVH <= 64;
+    if (!vec) { /* the decode kernel's scalar loops, row by row (its own bits) */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t w = 0; w < L * KVH; w++) {
+            const int64_t r = L - 1 - w / KVH, h = w % KVH;
+            float *S = per_thread + omp_get_thread_num() * tf;
+            attend_any(qf + (r * H + h * group) * D, cache, cache_bf16, table, start + r + 1, group, D, block_size,
+                       block_elems, pos_elems, v_offset, h, scale, S, out + (r * H + h * group) * D);
+        }
+        return 0;
+    }
+    const int64_t tiles = (L + ROWS - 1) / ROWS;
+#define PREFILL(G, DD)                                                                                        \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)") for (int64_t w = 0; w < tiles * KVH; \
+                                                                               w++) {                         \
+        const int64_t tile = tiles - 1 - w / KVH, h = w % KVH; /* longest rows first */                       \
+        const int64_t row0 = tile * ROWS, nrows = L - row0 < ROWS ? L - row0 : ROWS;                          \
+        float *S = per_thread + omp_get_thread_num() * tf;                                                    \
+        prefill_tile(qf, H, row0, nrows, start + row0, cache, cache_bf16, offs, h, G, DD, v_offset, scale, S, \
+                     sstride, S + ROWS * (G) * sstride, S + ROWS * (G) * (sstride + 1),                       \
+                     S + ROWS * (G) * (sstride + 1 + (DD)), out);                                             \
+    }
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+    if (group == PD_GROUP && D == PD_HEAD_DIM) {
+        PREFILL(PD_GROUP, PD_HEAD_DIM);
+    } else
+#endif
+    {
+        PREFILL(group, D);
+    }
+#undef PREFILL
     return 0;
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from engine.api import DECODE_KERNELS, LINEAR_KERNELS, EngineConfig
+from engine.api import DECODE_KERNELS, LINEAR_KERNELS, PREFILL_KERNELS, EngineConfig
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
@@ -49,6 +49,11 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
         reader.fail(
             f"{where}.decode_kernel",
             f"expected one of {', '.join(DECODE_KERNELS)}, got {values['decode_kernel']!r}",
+        )
+    if "prefill_kernel" in values and values["prefill_kernel"] not in PREFILL_KERNELS:
+        reader.fail(
+            f"{where}.prefill_kernel",
+            f"expected one of {', '.join(PREFILL_KERNELS)}, got {values['prefill_kernel']!r}",
         )
     if "linear_kernel" in values and values["linear_kernel"] not in LINEAR_KERNELS:
         reader.fail(
