@@ -113,7 +113,16 @@ async def run_unless_disconnected(http_request: Request, work: Awaitable[T], ope
 
 
 class ClientDisconnected(Exception):
-    """The client went away before its non-streamed answer was ready (nobody reads the response)."""
+    """The client went away before its answer was ready (nobody reads the response).
+
+    Args:
+        logged: whether the request's 499 line was already written (by the pipeline, for a request whose
+            backend stream was open); False when the client left while its body was being read.
+    """
+
+    def __init__(self, logged: bool = True) -> None:
+        super().__init__()
+        self.logged = logged
 
 
 async def _wait_disconnect(http_request: Request) -> None:
