@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -115,6 +116,33 @@ def summarize(results: dict[tuple, list[Batch]]) -> dict[tuple, dict[str, float]
             "cpu_ms": sum(batch.cpu_s for batch in batches) / len(latencies) * 1000 if latencies else 0.0,
         }
     return summary
+
+
+def paired_rounds(results: dict[tuple, list[Batch]], modes: tuple[bool, ...]) -> str:
+    """With a ``baseline`` target: per answer kind and connections, each round's CPU ms per request of
+    ``prefixgate`` and ``baseline`` (batches of the same round ran back to back, so they shared its load) and the
+    median of the rounds' ratios ``prefixgate / baseline``: a paired reading that the machine's drift between
+    rounds does not move."""
+    lines = []
+    for stream in modes:
+        for connections in CONNECTIONS:
+            ours = results.get(("prefixgate", connections, stream), [])
+            theirs = results.get(("baseline", connections, stream), [])
+            pairs = [
+                (a.cpu_s / len(a.latencies) * 1000, b.cpu_s / len(b.latencies) * 1000)
+                for a, b in zip(ours, theirs, strict=False)
+                if a.latencies and b.latencies and b.cpu_s > 0
+            ]
+            if not pairs:
+                continue
+            ratios = sorted(a / b for a, b in pairs)
+            rounds = " ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs)
+            lines.append(
+                f"{'stream' if stream else 'json'} {connections} conns: CPU ms/req prefixgate/baseline by round "
+                f"{rounds}; median ratio {statistics.median(ratios):.3f} (rounds below 1: "
+                f"{sum(r < 1 for r in ratios)} of {len(ratios)})"
+            )
+    return "\n".join(lines)
 
 
 def table(summary: dict[tuple, dict[str, float]], names: list[str], modes: tuple[bool, ...]) -> str:
@@ -257,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
                 server.stop()
     summary = summarize(results)
     print(table(summary, list(targets), modes))
+    if "baseline" in targets:
+        print(paired_rounds(results, modes))
     print("RSS MiB: " + ", ".join(f"{name} {value}" for name, value in rss.items()))
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.2f} on {os.cpu_count()} CPUs")

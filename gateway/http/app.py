@@ -45,7 +45,7 @@ from gateway.service.gateway import Gateway
 from gateway.service.limits import ClientUsage
 from gateway.service.metrics import build_registry
 from gateway.service.registry import ModelRegistry
-from gateway.service.request_log import RequestRecord, log_request
+from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
 from gateway.service.retention import RetentionPolicy, attach_retention_policy
 from gateway.service.stats import GatewayStats
 from gateway.service.timeseries import StatsHistory, sample_every
@@ -286,8 +286,20 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
 
 
 async def handle_disconnect(http_request: Request, exc: Exception) -> Response:
-    """A client that left before its non-streamed answer: already logged as 499; nobody reads this."""
-    return Response(status_code=499)
+    """A client that left before its answer (nobody reads this response): logged as 499 here when the pipeline
+    had not logged it (the client left while its body was read); not an error in the stats."""
+    if not getattr(exc, "logged", True):
+        started = getattr(http_request.state, "started_at", None)
+        log_request(
+            RequestRecord(
+                request_id=request_id_of(http_request),
+                path=http_request.url.path,
+                status=CLIENT_CLOSED,
+                model=getattr(http_request.state, "model", None),
+                duration_s=time.monotonic() - started if started is not None else None,
+            )
+        )
+    return Response(status_code=CLIENT_CLOSED)
 
 
 def request_error(http_request: Request, exc: Exception) -> APIError:

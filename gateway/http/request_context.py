@@ -6,8 +6,8 @@ cancelling a non-streamed answer when the client goes.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -22,8 +22,9 @@ T = TypeVar("T")
 
 
 def new_request_id() -> str:
-    """A random 24-hex-digit id for logs and response ids."""
-    return uuid.uuid4().hex[:24]
+    """A random 24-hex-digit id for logs and response ids: 96 bits from the OS's random source (``os.urandom``,
+    ~1 µs; ``uuid.uuid4().hex[:24]`` took ~5 µs for 90 random bits and a fixed version digit)."""
+    return os.urandom(12).hex()
 
 
 def begin(http_request: Request, request: ChatRequest) -> None:
@@ -113,7 +114,16 @@ async def run_unless_disconnected(http_request: Request, work: Awaitable[T], ope
 
 
 class ClientDisconnected(Exception):
-    """The client went away before its non-streamed answer was ready (nobody reads the response)."""
+    """The client went away before its answer was ready (nobody reads the response).
+
+    Args:
+        logged: whether the request's 499 line was already written (by the pipeline, for a request whose
+            backend stream was open); False when the client left while its body was being read.
+    """
+
+    def __init__(self, logged: bool = True) -> None:
+        super().__init__()
+        self.logged = logged
 
 
 async def _wait_disconnect(http_request: Request) -> None:

@@ -21,9 +21,13 @@ before the response completes, and returning a function that takes the callback 
 used a watcher task per request blocked in ``receive`` for this (``gateway.http.request_context``); uvicorn
 itself only learns of the disconnect in ``connection_lost``, which is where the callback runs.
 
-This reaches into two places of uvicorn (``HttpToolsProtocol._start_asgi_task``, where each request's cycle
-starts, and ``RequestResponseCycle.transport``); ``coalescing_protocol`` checks they are there and returns None
-otherwise (uvicorn's own protocol is then used, unchanged).
+The cycle's ``send`` is uvicorn's ``RequestResponseCycle.send`` written out with the hold built in (the same
+checks, errors, state changes and bytes, in the same order; the tests compare the wire bytes with uvicorn's
+own protocol): one coroutine per message, where wrapping uvicorn's ``send`` took a second coroutine and a
+transport stand-in object per message (docs/overhead.md, session 11). This reaches into uvicorn's
+``httptools_impl`` (``HttpToolsProtocol._start_asgi_task``, where each request's cycle starts, the cycle's
+state attributes, ``STATUS_LINE`` and the two header checks); ``coalescing_protocol`` checks they are there and
+returns None otherwise (uvicorn's own protocol is then used, unchanged).
 """
 
 from __future__ import annotations
@@ -39,52 +43,20 @@ WATCH_DISCONNECT = "prefixgate.watch_disconnect"
 docstring)."""
 
 
-class _HeldWrites:
-    """A transport stand-in that keeps what is written (the head) instead of sending it; everything else is the
-    real transport's."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self.data: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.data.append(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _FirstWriteWith:
-    """A transport stand-in whose first write is sent after ``head``, in one write; ``flush`` sends the head
-    alone when nothing was written."""
-
-    def __init__(self, transport: asyncio.Transport, head: list[bytes]) -> None:
-        self._transport = transport
-        self._head: list[bytes] | None = head
-
-    def write(self, data: bytes) -> None:
-        head, self._head = self._head, None
-        self._transport.write(b"".join([*head, data]) if head else data)
-
-    def flush(self) -> None:
-        head, self._head = self._head, None
-        if head:
-            self._transport.write(b"".join(head))
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
 def coalescing_protocol() -> type[asyncio.Protocol] | None:
     """uvicorn's ``HttpToolsProtocol`` holding each response's head until its first body message (module
     docstring), for ``uvicorn.run(http=...)``; None when httptools or the uvicorn internals it relies on are
     missing."""
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+        from uvicorn.protocols.http.httptools_impl import (
+            HEADER_RE,
+            HEADER_VALUE_RE,
+            STATUS_LINE,
+            HttpToolsProtocol,
+            RequestResponseCycle,
+            get_client_addr,
+            get_path_with_query_string,
+        )
     except ImportError:
         return None
     if not hasattr(HttpToolsProtocol, "_start_asgi_task") or not hasattr(RequestResponseCycle, "send"):
@@ -120,29 +92,105 @@ def coalescing_protocol() -> type[asyncio.Protocol] | None:
                     callback()
 
         async def send(self, message: Any) -> None:
-            kind = message.get("type") if isinstance(message, dict) else None
-            if kind == "http.response.start" and not self.response_started:
-                real = self.transport
-                held = _HeldWrites(real)
-                self.transport = held  # type: ignore[assignment]
-                try:
-                    await super().send(message)
-                finally:
-                    self.transport = real
-                self._held = held.data
+            """uvicorn's ``RequestResponseCycle.send``, step for step (the same checks, errors, state and bytes),
+            except that the head is kept (``_held``, its parts) instead of written, and written with the first
+            body message's bytes in one ``transport.write``."""
+            if self.flow.write_paused and not self.disconnected:
+                await self.flow.drain()
+            if self.disconnected:
                 return
+            if not self.response_started:
+                if message["type"] != "http.response.start":
+                    raise RuntimeError(
+                        f"Expected ASGI message 'http.response.start', but got '{message['type']}'."
+                    )
+                self.response_started = True
+                self.waiting_for_100_continue = False
+                status_code = message["status"]
+                headers = self.default_headers + list(message.get("headers", []))
+                if self.access_log:
+                    self.access_logger.info(
+                        '%s - "%s %s HTTP/%s" %d',
+                        get_client_addr(self.scope),
+                        self.scope["method"],
+                        get_path_with_query_string(self.scope),
+                        self.scope["http_version"],
+                        status_code,
+                    )
+                content = [STATUS_LINE[status_code]]
+                has_connection_close = False
+                for name, value in headers:
+                    if HEADER_RE.search(name):
+                        raise RuntimeError("Invalid HTTP header name.")
+                    if HEADER_VALUE_RE.search(value):
+                        raise RuntimeError("Invalid HTTP header value.")
+                    name = name.lower()
+                    if name == b"content-length" and self.chunked_encoding is None:
+                        self.expected_content_length = int(value.decode())
+                        self.chunked_encoding = False
+                    elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                        self.expected_content_length = 0
+                        self.chunked_encoding = True
+                    elif name == b"connection":
+                        connection = [token.lower().strip() for token in value.split(b",")]
+                        if b"close" in connection:
+                            self.keep_alive = False
+                            has_connection_close = True
+                    content.extend([name, b": ", value, b"\r\n"])
+                if not self.keep_alive and not has_connection_close:
+                    content.append(b"connection: close\r\n")
+                if (
+                    self.chunked_encoding is None
+                    and self.scope["method"] != "HEAD"
+                    and status_code not in (204, 304)
+                ):
+                    self.chunked_encoding = True
+                    content.append(b"transfer-encoding: chunked\r\n")
+                content.append(b"\r\n")
+                self._held = content  # written with the first body message
+                return
+            if self.response_complete:
+                raise RuntimeError(
+                    f"Unexpected ASGI message '{message['type']}' sent, after response already completed."
+                )
+            if message["type"] != "http.response.body":
+                raise RuntimeError(
+                    f"Expected ASGI message 'http.response.body', but got '{message['type']}'."
+                )
+            body = message.get("body", b"")
+            more_body = message.get("more_body", False)
             head, self._held = self._held, None
-            if head is None:
-                await super().send(message)
-                return
-            real = self.transport
-            first = _FirstWriteWith(real, head)
-            self.transport = first  # type: ignore[assignment]
-            try:
-                await super().send(message)
-            finally:
-                self.transport = real
-                first.flush()
+            if self.scope["method"] == "HEAD":
+                self.expected_content_length = 0
+                if head:
+                    self.transport.write(b"".join(head))
+            elif self.chunked_encoding:
+                content = head or []
+                if body:
+                    content += [b"%x\r\n" % len(body), body, b"\r\n"]
+                if not more_body:
+                    content.append(b"0\r\n\r\n")
+                self.transport.write(b"".join(content))
+            else:
+                num_bytes = len(body)
+                if num_bytes > self.expected_content_length:
+                    if head:
+                        self.transport.write(b"".join(head))
+                    raise RuntimeError("Response content longer than Content-Length")
+                self.expected_content_length -= num_bytes
+                if head:
+                    head.append(body)
+                    self.transport.write(b"".join(head))
+                else:
+                    self.transport.write(body)
+            if not more_body:
+                if self.expected_content_length != 0:
+                    raise RuntimeError("Response content shorter than Content-Length")
+                self.response_complete = True
+                self.message_event.set()
+                if not self.keep_alive:
+                    self.transport.close()
+                self.on_response()
 
     class HeadCoalescingProtocol(HttpToolsProtocol):
         """``HttpToolsProtocol`` whose requests run in ``HeadCoalescingCycle``."""

@@ -14,7 +14,7 @@ import pytest
 
 from bench.overhead import servers
 from bench.overhead.load import AnswerError, Batch, build_request, percentile, run_batch
-from bench.overhead.run import EXPECT, QUICK, chat_body, report, summarize
+from bench.overhead.run import EXPECT, QUICK, chat_body, paired_rounds, report, summarize
 from bench.overhead.stub import COMPLETION, STREAM, app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -256,3 +256,19 @@ def test_client_comparison_prints_both_paths():
     assert [line.split()[0] for line in lines[:2]] == ["lean", "session"]
     assert all("µs of thread CPU per call" in line and "median" in line for line in lines[:2])
     assert lines[2].startswith("load average (1 min): ")
+
+
+def test_paired_rounds_reads_each_rounds_ratio():
+    def batch(cpu_s: float, requests: int = 100) -> Batch:
+        return Batch(latencies=[0.001] * requests, wall_s=1.0, cpu_s=cpu_s)
+
+    results = {
+        ("prefixgate", 1, False): [batch(0.2), batch(0.3), batch(0.1)],
+        ("baseline", 1, False): [batch(0.4), batch(0.2), batch(0.2)],
+    }
+    text = paired_rounds(results, (False,))
+    assert text == (
+        "json 1 conns: CPU ms/req prefixgate/baseline by round 2.00/4.00 3.00/2.00 1.00/2.00; median ratio 0.500 "
+        "(rounds below 1: 2 of 3)"
+    )
+    assert paired_rounds({}, (False, True)) == ""

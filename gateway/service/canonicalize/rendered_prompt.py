@@ -74,6 +74,8 @@ def render_canonical(
         if not prefix:
             return len(preamble)
         cut = tokenizer.render(prefix, tools, False)
+        if body.startswith(cut):  # whole messages rendered alike: the common prefix is the cut (one compare)
+            return len(preamble) + len(cut)
         return len(preamble) + common_prefix_len(body, cut)
 
     cuts: list[tuple[int, str]] = []

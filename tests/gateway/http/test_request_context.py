@@ -1,13 +1,15 @@
-"""run_unless_disconnected: the answer when the client stays, ClientDisconnected (and the stream closed) when
-it goes, someone else's cancellation passed on, and no cancellation left behind on the caller."""
+"""new_request_id: 24 lowercase hex digits, fresh each time. run_unless_disconnected: the answer when the client
+stays, ClientDisconnected (and the stream closed) when it goes, someone else's cancellation passed on, and no
+cancellation left behind on the caller."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
-from gateway.http.request_context import ClientDisconnected, run_unless_disconnected
+from gateway.http.request_context import ClientDisconnected, new_request_id, run_unless_disconnected
 from gateway.http.server_protocol import WATCH_DISCONNECT
 
 
@@ -158,3 +160,10 @@ async def test_the_server_watch_is_taken_back_when_the_work_ends():
 
     assert await run_unless_disconnected(request, work(), opened) == "answer"
     assert request.watchers == []
+
+
+def test_request_ids_are_24_hex_digits_and_fresh():
+    ids = [new_request_id() for _ in range(2000)]
+    assert all(re.fullmatch(r"[0-9a-f]{24}", request_id) for request_id in ids)
+    assert len(set(ids)) == len(ids)
+    assert {request_id[12] for request_id in ids} != {"4"}  # every digit random (uuid4's 13th was always 4)

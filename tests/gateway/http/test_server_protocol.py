@@ -4,6 +4,7 @@ message, on a real socket: the head never goes out alone, and every answer's byt
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -50,6 +51,11 @@ async def app(scope, receive, send):
         for part in (b"a", b"", b"bc"):
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+    elif path in _ODD:  # answers uvicorn checks or shapes: the same bytes, or the same refusal, from both
+        status, headers, parts = _ODD[path]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        for index, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": index < len(parts) - 1})
     elif path == "/empty":
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
@@ -60,10 +66,19 @@ async def app(scope, receive, send):
         await send({"type": "http.response.body", "body": body})
 
 
-@pytest.fixture(scope="module")
-def port():
-    protocol = coalescing_protocol()
-    assert protocol is not None  # uvicorn and httptools are dependencies: the protocol is always there
+_ODD: dict[str, tuple[int, list[tuple[bytes, bytes]], list[bytes]]] = {
+    "/long": (200, [(b"content-length", b"2")], [b"abc"]),  # longer than declared: RuntimeError
+    "/short": (200, [(b"content-length", b"5")], [b"ab"]),  # shorter than declared: RuntimeError
+    "/bad-value": (200, [(b"x-bad", b"a\nb")], [b"x"]),  # a header value uvicorn refuses
+    "/close": (200, [(b"Connection", b"Keep-Alive, Close"), (b"Content-Length", b"1")], [b"x"]),
+    "/not-modified": (304, [], [b""]),
+    "/chunked": (201, [(b"Transfer-Encoding", b"chunked")], [b"ab", b"", b"c", b""]),
+    "/parts": (200, [(b"content-length", b"4"), (b"x-a", b"1"), (b"x-a", b"2")], [b"ab", b"cd"]),
+    "/status": (599, [(b"content-length", b"0")], [b""]),  # no reason phrase
+}
+
+
+def serve(protocol) -> tuple[int, uvicorn.Server, threading.Thread]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(
@@ -74,7 +89,26 @@ def port():
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
-    yield sock.getsockname()[1]
+    return sock.getsockname()[1], server, thread
+
+
+@pytest.fixture(scope="module")
+def port():
+    protocol = coalescing_protocol()
+    assert protocol is not None  # uvicorn and httptools are dependencies: the protocol is always there
+    number, server, thread = serve(protocol)
+    yield number
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def uvicorn_port():
+    """The same app on uvicorn's own httptools protocol: the reference for the bytes."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    number, server, thread = serve(HttpToolsProtocol)
+    yield number
     server.should_exit = True
     thread.join(10)
 
@@ -145,3 +179,36 @@ def test_the_disconnect_watch_is_called_when_the_client_leaves_before_the_answer
     while len(watched) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert watched == ["gone", "answered"]
+
+
+def read_all(port: int, request: bytes) -> bytes:
+    """Everything the server writes for ``request`` until it closes or stays silent for 0.5 s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(request)
+        conn.settimeout(0.5)
+        data = b""
+        while True:
+            try:
+                chunk = conn.recv(65536)
+            except TimeoutError:
+                return data
+            if not chunk:
+                return data
+            data += chunk
+
+
+def without_date(data: bytes) -> bytes:
+    return re.sub(rb"date: [^\r]*\r\n", b"date: -\r\n", data)
+
+
+@pytest.mark.parametrize("path", [*_ODD, "/", "/stream", "/empty"])
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_the_bytes_on_the_wire_are_uvicorns(port, uvicorn_port, path, method):
+    """Every answer, refused answer and connection handling is byte for byte what uvicorn's own protocol
+    writes (the date header aside): two keep-alive requests, then one with ``Connection: close``."""
+    request = f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    closing = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    for sent in (request * 2, closing, request + closing):
+        ours = without_date(read_all(port, sent))
+        theirs = without_date(read_all(uvicorn_port, sent))
+        assert ours == theirs
