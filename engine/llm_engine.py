@@ -53,7 +53,7 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
-from engine.native_decode import resolve_decode_kernel, resolve_prefill_kernel
+from engine.native_decode import decode_kernel_variant, resolve_decode_kernel, resolve_prefill_kernel
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -133,12 +133,17 @@ class LLMEngine(PrefixAdmin):
     ) -> None:
         self.model = model
         self.config = config
+        mc = model.config
+        decode_kernel = resolve_decode_kernel(
+            config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
+        )
+        # a generated token's K/V depends on the decode kernel: blocks of another kernel never share a key
+        model_id += decode_kernel_variant(decode_kernel)
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.served: ServedTurns | None = getattr(tokenizer, "served", None)
         """The tokenizer's served turns (``engine.served_turns``): each finished reply is offered to it."""
         self.clock = clock
-        mc = model.config
         if config.max_model_len is not None and not 0 < config.max_model_len <= mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} is not in [1, {mc.max_position_embeddings}] "
@@ -190,12 +195,7 @@ class LLMEngine(PrefixAdmin):
             kv_dtype,
             config.shared_prefix_attention,
             step_threads,
-            resolve_decode_kernel(
-                config.decode_kernel,
-                model.device,
-                mc.num_heads // mc.num_kv_heads,
-                mc.head_dim,
-            ),
+            decode_kernel,
             resolve_prefill_kernel(
                 config.prefill_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
             ),

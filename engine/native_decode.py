@@ -12,9 +12,10 @@ Built with the system C compiler (``$CC``, else ``cc``) into ``$PREFIXGATE_KERNE
 ``~/.cache/prefixgate/kernels``), named by a hash of the source, the flags and the compiler's version, written
 to a temporary name and renamed (a half-written library is never loaded; ``engine.native_build``); ~1 s once
 per machine, at engine
-start, never per request. Only the AVX-512 build is used (``NativeDecodeKernel.build``): on AVX2 the 16-lane
-vectors it is written in are split in two and it measured slower than torch's path, so those CPUs keep
-torch's (``engine.decode_kernel: auto``). A new build is checked against a float64 reference on random inputs
+start, never per request. The AVX-512 build where the CPU has it, else the AVX2 one (``build_isa``), whose
+scores and values passes are written for 8-lane registers (the generic 16-lane code split in two spilled its
+accumulators and was slower than torch's path); a model it serves is named apart in ``model_id``
+(``decode_kernel_variant``). A new build is checked against a float64 reference on random inputs
 before use (``self_check``).
 
 Invariants: the kernel only reads the cache; an out-of-range argument (a block id outside the pool, a length
@@ -50,22 +51,22 @@ ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-DPD_ROWS=16", "-DPD_LANES=16"),
     "avx2": ("-mavx2", "-mfma", "-DPD_ROWS=32", "-DPD_LANES=8"),
 }
-"""Instruction-set flags of a build: ``avx512`` is what the engine uses; ``avx2`` (16-lane vectors split in two,
-the same C operations) only for checking and measuring the kernel's arithmetic on CPUs without AVX-512
-(``NativeDecodeKernel.build(isa="avx2")``: tests, ``bench.prefill_attention``)."""
+"""Instruction-set flags of a build: ``avx512``, and ``avx2`` on CPUs without AVX-512 (the same C operations on
+16-lane vectors split in two; the scores and values passes of decode written for 8-lane registers with the same
+per-lane arithmetic: ``scores_tile`` / ``values_tile``, measured bit-identical to the generic code's AVX2 build)."""
 ISA_CPU_FLAGS = {"avx512": native_build.AVX512, "avx2": frozenset({"avx2", "fma"})}
 LIBS: tuple[str, ...] = ()
 
 
 def build_isa() -> str:
-    """The instruction set the engine builds the kernel for: ``$PREFIXGATE_ATTENTION_ISA`` if set (``avx2``: to
-    check or measure the kernel's arithmetic on a CPU without AVX-512, where it is slower than torch's paths),
-    else ``avx512``.
+    """The instruction set the engine builds the kernel for: ``$PREFIXGATE_ATTENTION_ISA`` if set (e.g. ``avx2``
+    to check the AVX2 build's arithmetic on an AVX-512 CPU), else ``avx512`` where the CPU has it, else ``avx2``
+    (whose build then says what is missing, if anything).
 
     Raises:
         ValueError: an unknown value.
     """
-    isa = os.environ.get("PREFIXGATE_ATTENTION_ISA") or "avx512"
+    isa = os.environ.get("PREFIXGATE_ATTENTION_ISA") or ("avx512" if _cpu_ok("avx512")[0] else "avx2")
     if isa not in ISA_FLAGS:
         raise ValueError(f"PREFIXGATE_ATTENTION_ISA must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
     return isa
@@ -89,13 +90,15 @@ class NativeDecodeKernel:
 
     Args:
         path: the built shared library.
+        isa: the instruction set it was built for (a key of ``ISA_FLAGS``).
 
     Raises:
         OSError: the library cannot be loaded.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, isa: str = "avx512") -> None:
         self.path = path
+        self.isa = isa
         lib = ctypes.CDLL(str(path))
         fn = lib.paged_decode_attention
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -156,27 +159,27 @@ class NativeDecodeKernel:
         directory: Path | None = None,
         group: int | None = None,
         head_dim: int | None = None,
-        isa: str = "avx512",
+        isa: str | None = None,
     ) -> NativeDecodeKernel:
         """Build (or find already built) and load the kernel for this machine.
 
         ``group`` (query heads per KV head) and ``head_dim``: the model's shape, compiled with constants so its
         accumulators stay in registers (``-DPD_GROUP -DPD_HEAD_DIM``; one shape keeps the build at ~1-2 s);
-        other shapes run the same code with runtime sizes. ``isa``: ``ISA_FLAGS``' key (``avx2``: checks and
-        measurements on CPUs without AVX-512 only).
+        other shapes run the same code with runtime sizes. ``isa``: ``ISA_FLAGS``' key (default ``build_isa()``).
 
         Raises:
             NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) and FMA (or ``isa``'s flags), no C
                 compiler, the compile failed, or the build fails its ``self_check``; the message says which.
             ValueError: an unknown ``isa``.
         """
+        isa = build_isa() if isa is None else isa
         if isa not in ISA_FLAGS:
             raise ValueError(f"isa must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
         shape = (
             () if group is None or head_dim is None else (f"-DPD_GROUP={group}", f"-DPD_HEAD_DIM={head_dim}")
         )
         return native_build.build_checked(
-            cls,
+            lambda path: cls(path, isa),
             SOURCE,
             _cpu_ok() if isa == "avx512" else _cpu_ok(isa),
             _compiler(),
@@ -418,6 +421,15 @@ def _shared_kernel(group: int | None, head_dim: int | None, isa: str = "avx512")
         return NativeDecodeKernel.build(group=group, head_dim=head_dim, isa=isa)
     except NativeKernelError as exc:
         return str(exc)
+
+
+def decode_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
+    """The part of ``model_id`` naming the decode kernel (``LLMEngine`` appends it): ``""`` for torch's paths,
+    ``"/native-decode"`` for the AVX-512 build, ``"/native-decode-<isa>"`` for another (named apart: their bits
+    are equal by construction, not checked on one machine running both)."""
+    if kernel is None:
+        return ""
+    return "/native-decode" if kernel.isa == "avx512" else f"/native-decode-{kernel.isa}"
 
 
 def resolve_decode_kernel(

@@ -14,6 +14,7 @@ from engine import native_decode
 from engine.native_decode import (
     NativeDecodeKernel,
     NativeKernelError,
+    decode_kernel_variant,
     reference_decode,
     resolve_decode_kernel,
 )
@@ -25,14 +26,16 @@ from tests.engine.engine_helpers import (
     tiny_checkpoint,
 )
 
-AVAILABLE = native_decode._cpu_ok()[0] and native_decode._compiler() is not None
-needs_kernel = pytest.mark.skipif(not AVAILABLE, reason="needs an AVX-512 x86-64 CPU and a C compiler")
+AVAILABLE = native_decode._cpu_ok(native_decode.build_isa())[0] and native_decode._compiler() is not None
+needs_kernel = pytest.mark.skipif(
+    not AVAILABLE, reason="needs an AVX-512 or AVX2 x86-64 CPU and a C compiler"
+)
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> NativeDecodeKernel:
     if not AVAILABLE:
-        pytest.skip("needs an AVX-512 x86-64 CPU and a C compiler")
+        pytest.skip("needs an AVX-512 or AVX2 x86-64 CPU and a C compiler")
     return NativeDecodeKernel.build(tmp_path_factory.mktemp("kernels"), group=3, head_dim=64)
 
 
@@ -154,7 +157,7 @@ def test_the_build_is_cached_by_source_and_compiler(tmp_path):
 
 def test_no_compiler_is_a_named_error_and_auto_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native_decode, "_compiler", lambda: None)
-    monkeypatch.setattr(native_decode, "_cpu_ok", lambda: (True, ""))
+    monkeypatch.setattr(native_decode, "_cpu_ok", lambda isa="avx512": (True, ""))
     with pytest.raises(NativeKernelError, match="no C compiler"):
         NativeDecodeKernel.build(tmp_path)
     native_decode._shared_kernel.cache_clear()
@@ -169,7 +172,7 @@ def test_no_compiler_is_a_named_error_and_auto_falls_back(monkeypatch, tmp_path)
 
 
 def test_a_failed_compile_leaves_no_library(monkeypatch, tmp_path):
-    monkeypatch.setattr(native_decode, "_cpu_ok", lambda: (True, ""))
+    monkeypatch.setattr(native_decode, "_cpu_ok", lambda isa="avx512": (True, ""))
     monkeypatch.setattr(
         native_decode, "FLAGS", (*native_decode.FLAGS, "-DPREFIXGATE_NO_SUCH=", "-Werror=unknown")
     )
@@ -194,10 +197,31 @@ def test_the_setting_is_checked(monkeypatch):
 
 
 def test_other_cpus_are_refused_with_the_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.delenv("PREFIXGATE_ATTENTION_ISA", raising=False)
     if os.uname().machine == "x86_64":
+        monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        assert native_decode.build_isa() == "avx2"  # AVX2 CPUs get the AVX2 build
         with pytest.raises(NativeKernelError, match="no avx512bw, avx512f, avx512vl on this CPU"):
+            NativeDecodeKernel.build(tmp_path, isa="avx512")
+        monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset({"sse4_2"}))
+        with pytest.raises(NativeKernelError, match="no avx2, fma on this CPU"):
             NativeDecodeKernel.build(tmp_path)
+
+
+def test_the_decode_kernel_names_its_build_in_the_model_id():
+    ck = tiny_checkpoint()
+    mc = ck.model.config
+    kernel = resolve_decode_kernel("auto", torch.device("cpu"), mc.num_heads // mc.num_kv_heads, mc.head_dim)
+    torch_engine = make_engine(ck, decode_kernel="torch")
+    assert torch_engine.model_id == ck.model_id  # torch's paths add nothing
+    assert decode_kernel_variant(None) == ""
+    if kernel is not None:
+        native_engine = make_engine(ck, decode_kernel="native")
+        assert native_engine.model_id == ck.model_id + decode_kernel_variant(kernel)
+    for isa, variant in (("avx512", "/native-decode"), ("avx2", "/native-decode-avx2")):
+        fake = NativeDecodeKernel.__new__(NativeDecodeKernel)
+        fake.isa = isa
+        assert decode_kernel_variant(fake) == variant
 
 
 def test_kernel_dir_follows_the_environment(monkeypatch, tmp_path):
