@@ -127,7 +127,9 @@ class AsyncEngine:
             config.linear_kernel,
             config.prefill_kernel,
         )
-        core = LLMEngine(ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer)
+        core = LLMEngine(
+            ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer, name_kernels=model_id is None
+        )
         return cls(core, ckpt.tokenizer)
 
     # ---- properties --------------------------------------------------------------------------------------

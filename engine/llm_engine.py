@@ -101,6 +101,7 @@ class LLMEngine(PrefixAdmin):
         model: the decoder (on its device, in its dtype).
         config: engine settings (block pool, batch limits, policy).
         model_id: stable id of the weights; with the cache salt it forms every block hash's extra keys.
+            Unless ``name_kernels`` is False, the decode kernel's part (``decode_kernel_variant``) is appended.
         tokenizer: decodes output text (and gives EOS ids); None = token ids only (no text, no stop strings).
         eos_token_ids: ids that end generation unless ``ignore_eos`` (default: the tokenizer's, else the
             model config's).
@@ -130,6 +131,7 @@ class LLMEngine(PrefixAdmin):
         hash_fn: HashFn = hash_block,
         record_logits: bool = False,
         tier_clock: Callable[[], float] = time.time,
+        name_kernels: bool = True,
     ) -> None:
         self.model = model
         self.config = config
@@ -137,8 +139,10 @@ class LLMEngine(PrefixAdmin):
         decode_kernel = resolve_decode_kernel(
             config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
         )
-        # a generated token's K/V depends on the decode kernel: blocks of another kernel never share a key
-        model_id += decode_kernel_variant(decode_kernel)
+        # a generated token's K/V depends on the decode kernel: blocks of another kernel never share a key (a
+        # model id the operator named is kept as named, as the checkpoint's other kernel parts are)
+        if name_kernels:
+            model_id += decode_kernel_variant(decode_kernel)
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.served: ServedTurns | None = getattr(tokenizer, "served", None)
