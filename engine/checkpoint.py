@@ -198,7 +198,8 @@ def load_checkpoint(
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
     variant += linear_kernel_variant(model)
     group = config.num_heads // config.num_kv_heads
-    if resolve_prefill_kernel(prefill_kernel, dev, group, config.head_dim) is not None:
-        variant += "/native-prefill"
+    prefill = resolve_prefill_kernel(prefill_kernel, dev, group, config.head_dim)
+    if prefill is not None:  # another build than AVX-512's is named apart, as the decode and linear kernels
+        variant += "/native-prefill" if prefill.isa == "avx512" else f"/native-prefill-{prefill.isa}"
     model_id = model_id_for(resolved.name, config, files, variant)
     return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))
