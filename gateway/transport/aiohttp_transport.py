@@ -35,6 +35,15 @@ Invariants:
   ``LocalProtocolError`` (whose text never quotes the value: it may be the API key);
 - a response read to its end gives its connection back to the pool; one closed before its end closes the
   connection (which is what stops the upstream's work);
+- a request whose body can be sent again (bytes, or none) and that fails on a reused keep-alive connection
+  before any byte of the answer (the server closed or reset it: ``ServerDisconnectedError``,
+  ``ClientOSError``, a transport already closing) is sent again on another connection, up to
+  ``STALE_RESENDS`` times, whatever its method; a failure on a new connection, a timeout or a malformed
+  answer is never sent again here (that is the caller's retry policy, which also marks the replica down).
+  An idle connection the server is closing is the keep-alive race of RFC 9112 section 9.3.1 (both sides'
+  idle limits are often 5 s: uvicorn's ``timeout_keep_alive``, httpx's ``keepalive_expiry``): the request
+  never reached the server's application, so sending it again is what the RFC's "some means to detect that
+  the original request was never applied" allows, and it is not the replica's failure;
 - timeouts come from the request's ``timeout`` extension (httpx's ``Timeout``): ``connect`` bounds the TCP
   and TLS set-up, ``read`` the wait for each chunk (the first byte included), ``pool`` + ``connect`` the
   wait for a free connection and its set-up together (aiohttp has one bound for both); there is no write
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -62,7 +72,7 @@ try:  # aiohttp's own head serializer (C when built): the lean path's head is by
 except ImportError:  # pragma: no cover - another aiohttp version: every request takes ClientSession's path
     _serialize_headers = None
 
-__all__ = ["ERRORS", "AiohttpTransport"]
+__all__ = ["ERRORS", "STALE_RESENDS", "AiohttpTransport"]
 
 ERRORS: tuple[tuple[type[BaseException], type[httpx.TransportError]], ...] = (
     (aiohttp.ConnectionTimeoutError, httpx.ConnectTimeout),
@@ -85,6 +95,45 @@ _MAX_HEADERS = 1000
 _MAX_URLS = 256  # parsed URLs (and timeouts) kept; a handful in practice
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """The headers aiohttp would add when a request has none of them: httpx already set what it sends."""
+STALE_RESENDS = 4
+"""Most times one request is sent again after a reused keep-alive connection failed before its answer began.
+Each resend takes another pooled connection (the failed one is closed) or a new one, and a new connection's
+failure is final, so the bound only matters when the pool holds several connections the server closed at
+once."""
+_STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""What a keep-alive connection the server closed or reset gives when a request is written to it (checked with
+``_stale``: a connect failure is a ``ClientOSError`` too, and never a stale connection)."""
+
+
+class _ClosingConnectionError(aiohttp.ClientConnectionError):
+    """The lean path's "transport already closing" failure (``ClientRequest``'s text and class for the
+    caller), told apart so that a reused connection in that state is replaced."""
+
+
+def _stale(exc: BaseException) -> bool:
+    """Whether ``exc``, raised before any byte of the answer, is what a closed or reset keep-alive connection
+    gives (``_STALE_ERRORS``, the lean path's closing transport, or an OS reset or broken pipe before
+    aiohttp wrapped it), not a connect failure or a timeout."""
+    if isinstance(exc, aiohttp.ClientConnectorError | asyncio.TimeoutError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)  # else the part of an answer's head that came before the close
+    return isinstance(exc, (*_STALE_ERRORS, _ClosingConnectionError, ConnectionResetError, BrokenPipeError))
+
+
+async def _note_reuse(session: Any, context: Any, params: Any) -> None:
+    """aiohttp trace hook (``on_connection_reuseconn``): mark the request's context as sent on a pooled
+    connection (the session path's way to know what the lean path reads off ``_carried``)."""
+    marks = context.trace_request_ctx
+    if isinstance(marks, dict):
+        marks["reused"] = True
+
+
+_REUSE_TRACE = aiohttp.TraceConfig()
+_REUSE_TRACE.on_connection_reuseconn.append(_note_reuse)
+_REUSE_TRACE.freeze()
+
+
 _LEAN_DECLINES = (hdrs.TRANSFER_ENCODING, hdrs.EXPECT, hdrs.CONTENT_ENCODING)
 """Request headers that make ``ClientRequest`` do more than send the head and body as they are (chunking,
 100-continue, compression): a request holding one takes ``ClientSession``'s path."""
@@ -311,6 +360,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._urls: dict[str, URL] = {}
         self._connect_requests: dict[URL, ClientRequest] = {}
         self._timeouts: dict[tuple[float | None, ...], aiohttp.ClientTimeout] = {}
+        self._carried: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The lean path's connections (their protocols) that have carried an answer: one of them taken from
+        the pool again is a reused keep-alive connection."""
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -326,6 +378,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 max_field_size=_MAX_HEADER_BYTES,
                 max_headers=_MAX_HEADERS,
                 requote_redirect_url=False,
+                trace_configs=[_REUSE_TRACE],
             )
         return self._session
 
@@ -346,6 +399,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         with the session's settings (read timeout, limits), so the bytes, the pooling and the errors are the
         same; about half of aiohttp's CPU per call goes (docs/overhead.md, session 10).
 
+        On both paths, a request with a bytes body (or none) that fails on a reused keep-alive connection
+        before its answer began is sent again on another connection (``STALE_RESENDS``; the module's
+        invariants say why that is safe).
+
         Args:
             method: the HTTP method.
             url: the absolute URL, already encoded (as ``str(httpx.URL)`` gives it).
@@ -364,17 +421,26 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 head = _lean_head(method, yurl, headers, len(body))
                 if head is not None and session.connector is not None:
                     return await self._exchange(session, yurl, head, body, self._timeout(connect, read, pool))
-            return await self._open().request(
-                method,
-                self._yarl(url),
-                headers=headers,
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
-                data=body,
-                allow_redirects=False,
-                compress=None,
-                chunked=None,
-                timeout=self._timeout(connect, read, pool),
-            )
+            resendable = body is None or isinstance(body, bytes | bytearray)
+            for resend in range(STALE_RESENDS + 1):
+                marks: dict[str, bool] = {}
+                try:
+                    return await self._open().request(
+                        method,
+                        self._yarl(url),
+                        headers=headers,
+                        skip_auto_headers=_SKIP_AUTO_HEADERS,
+                        data=body,
+                        allow_redirects=False,
+                        compress=None,
+                        chunked=None,
+                        timeout=self._timeout(connect, read, pool),
+                        trace_request_ctx=marks,
+                    )
+                except _STALE_ERRORS as exc:
+                    if not (resendable and marks.get("reused") and resend < STALE_RESENDS and _stale(exc)):
+                        raise
+            raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
         except ValueError as exc:
             if isinstance(exc, aiohttp.ClientError):
                 raise httpx_error(exc) or httpx.RemoteProtocolError(str(exc)) from exc
@@ -399,7 +465,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         response parameters the session sets, head and body in one write, the read timeout started, then
         the answer's head (1xx skipped as ``ClientResponse.start`` does). Errors are wrapped as those steps
         wrap them (``ConnectionTimeoutError``, ``ClientResponseError``, ``ClientOSError``); the connection is
-        closed on any failure after it was taken.
+        closed on any failure after it was taken. A connection that carried an answer before (``_carried``)
+        and fails before this one's head (``_stale``) is replaced, up to ``STALE_RESENDS`` times.
 
         Raises:
             aiohttp.ClientError: as ``ClientSession.request`` raises it for the same event.
@@ -414,50 +481,56 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 self._connect_requests.clear()
             self._connect_requests[url] = template
         data, headers = head
-        try:
-            connection = await connector.connect(template, traces=[], timeout=timeout)
-        except TimeoutError as exc:
-            raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {template.url}") from exc
-        try:
+        for resend in range(STALE_RESENDS + 1):
+            try:
+                connection = await connector.connect(template, traces=[], timeout=timeout)
+            except TimeoutError as exc:
+                raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host {template.url}") from exc
             protocol = connection.protocol
-            transport = connection.transport
-            assert protocol is not None
-            protocol.set_response_params(
-                timer=TimerNoop(),
-                skip_payload=False,
-                read_until_eof=True,
-                auto_decompress=False,
-                read_timeout=timeout.sock_read,
-                read_bufsize=session._read_bufsize,  # the session's (its default, 256 KiB)
-                timeout_ceil_threshold=connector._timeout_ceil_threshold,
-                max_line_size=_MAX_HEADER_BYTES,
-                max_field_size=_MAX_HEADER_BYTES,
-                max_headers=_MAX_HEADERS,
-            )
-            if transport is None or transport.is_closing():
-                raise aiohttp.ClientConnectionError(
-                    f"Failed to send bytes into the underlying connection {connection!s}: "
-                    f"{aiohttp.ClientConnectionResetError('Cannot write to closing transport')!r}"
+            reused = protocol in self._carried
+            try:
+                transport = connection.transport
+                assert protocol is not None
+                protocol.set_response_params(
+                    timer=TimerNoop(),
+                    skip_payload=False,
+                    read_until_eof=True,
+                    auto_decompress=False,
+                    read_timeout=timeout.sock_read,
+                    read_bufsize=session._read_bufsize,  # the session's (its default, 256 KiB)
+                    timeout_ceil_threshold=connector._timeout_ceil_threshold,
+                    max_line_size=_MAX_HEADER_BYTES,
+                    max_field_size=_MAX_HEADER_BYTES,
+                    max_headers=_MAX_HEADERS,
                 )
-            transport.writelines((data, body))
-            protocol.start_timeout()
-            while True:
-                try:
-                    message, payload = await protocol.read()
-                except HttpProcessingError as exc:
-                    info = RequestInfo(url, "POST", CIMultiDictProxy(headers), url)
-                    raise aiohttp.ClientResponseError(
-                        info, (), status=exc.code, message=exc.message, headers=exc.headers
-                    ) from exc
-                if message.code < 100 or message.code > 199 or message.code == 101:
-                    return LeanResponse(connection, message, payload)
-        except BaseException as exc:
-            connection.close()
-            if isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
-                if exc.errno is None and isinstance(exc, asyncio.TimeoutError):
-                    raise
-                raise aiohttp.ClientOSError(*exc.args) from exc
-            raise
+                if transport is None or transport.is_closing():
+                    raise _ClosingConnectionError(
+                        f"Failed to send bytes into the underlying connection {connection!s}: "
+                        f"{aiohttp.ClientConnectionResetError('Cannot write to closing transport')!r}"
+                    )
+                transport.writelines((data, body))
+                protocol.start_timeout()
+                while True:
+                    try:
+                        message, payload = await protocol.read()
+                    except HttpProcessingError as exc:
+                        info = RequestInfo(url, "POST", CIMultiDictProxy(headers), url)
+                        raise aiohttp.ClientResponseError(
+                            info, (), status=exc.code, message=exc.message, headers=exc.headers
+                        ) from exc
+                    if message.code < 100 or message.code > 199 or message.code == 101:
+                        self._carried.add(protocol)
+                        return LeanResponse(connection, message, payload)
+            except BaseException as exc:
+                connection.close()
+                if reused and resend < STALE_RESENDS and _stale(exc):
+                    continue  # the keep-alive race: nothing of the answer came; another connection
+                if isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
+                    if exc.errno is None and isinstance(exc, asyncio.TimeoutError):
+                        raise
+                    raise aiohttp.ClientOSError(*exc.args) from exc
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     def _yarl(self, url: str) -> URL:
         """``url`` as an encoded ``yarl.URL``, parsed once per URL (a few replicas and paths; bounded)."""

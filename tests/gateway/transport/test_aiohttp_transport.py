@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import httpx
 import pytest
 
+from gateway.transport import aiohttp_transport
 from gateway.transport.aiohttp_transport import AiohttpTransport, DirectResponse
 from gateway.transport.upstream_http import make_client
 
@@ -714,5 +717,134 @@ async def test_the_lean_path_reads_with_the_sessions_parameters(monkeypatch):
         await _open_both(server.url, [("Host", "h"), ("Content-Length", "2")], b"{}")
         lean, session = seen
         assert lean == session and lean["read_bufsize"] == 2**18 and lean["read_timeout"] == 0.5
+    finally:
+        await server.__aexit__()
+
+
+def _keepalive_then(after: bytes | None, *, reset: bool = False) -> Callable[[Server], Handler]:
+    """A handler answering the first request on each connection with ``OK`` and keeping the connection; once
+    the next request's first bytes arrive it writes ``after`` (None: nothing) and closes (``reset``: with an
+    RST instead of a FIN), as a server closing an idle keep-alive connection when the request crosses it."""
+
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not await server.read_request(reader):
+                return
+            writer.write(OK)
+            await writer.drain()
+            if not await reader.read(1):
+                return
+            if after:
+                writer.write(after)
+                await writer.drain()
+            if reset:
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort() if reset else writer.close()
+
+        return handler
+
+    return make
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
+async def test_a_request_crossing_the_servers_close_of_an_idle_connection_is_sent_again(reset):
+    server = await _serving(_keepalive_then(None, reset=reset))
+    try:
+        async with _client() as client:
+            first = await client.send(_post(client, server.url))
+            assert first.content == b"hello" and server.connections == 1
+            second = await client.send(_post(client, server.url))  # the pooled connection is closed under it
+            assert second.status_code == 200 and second.content == b"hello"
+            assert server.connections == 2
+            assert server.bodies == [b'{"model": "m"}', b'{"model": "m"}']  # the crossed one was never read
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_new_connection_closed_before_the_answer_is_not_sent_again():
+    def make(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        async with _client() as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.send(_post(client, server.url))
+            assert server.connections == 1
+    finally:
+        await server.__aexit__()
+
+
+@pytest.mark.parametrize(
+    "after",
+    [b"HTTP/1.1 200 OK\r\ncontent-le", b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n01234"],
+    ids=["inside-the-head", "inside-the-body"],
+)
+async def test_a_reused_connection_closed_after_the_answer_began_is_not_sent_again(after):
+    server = await _serving(_keepalive_then(after))
+    try:
+        async with _client() as client:
+            await client.send(_post(client, server.url))
+            with pytest.raises(httpx.RemoteProtocolError):
+                response = await client.send(_post(client, server.url))
+                await response.aread()
+            assert server.connections == 1
+    finally:
+        await server.__aexit__()
+
+
+async def test_a_streamed_body_is_not_sent_again_after_a_crossed_close():
+    server = await _serving(_keepalive_then(None))
+
+    async def chunks():
+        yield b'{"model": '
+        yield b'"m"}'
+
+    try:
+        async with _client() as client:
+            await client.send(_post(client, server.url))
+            request = client.build_request("POST", server.url, content=chunks())
+            with pytest.raises(httpx.TransportError):
+                await client.send(request)
+            assert server.connections == 1
+    finally:
+        await server.__aexit__()
+
+
+@pytest.mark.parametrize("bound", [3, 2])
+async def test_resends_take_each_stale_pooled_connection_then_a_new_one_within_the_bound(monkeypatch, bound):
+    """Three pooled connections the server closes at once: each resend takes the next one (and closes it), the
+    fourth attempt a new connection; with two resends allowed the third stale one's failure is raised."""
+    monkeypatch.setattr(aiohttp_transport, "STALE_RESENDS", bound)
+    three = asyncio.Event()
+
+    def make(server: Server) -> Handler:
+        inner = _keepalive_then(None)(server)
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if server.connections >= 3:
+                three.set()
+            if server.connections <= 3:
+                await three.wait()  # the first three requests are in flight at once: three connections
+            await inner(reader, writer)
+
+        return handler
+
+    server = await _serving(make)
+    try:
+        async with _client() as client:
+            answers = await asyncio.gather(*(client.send(_post(client, server.url)) for _ in range(3)))
+            assert [a.content for a in answers] == [b"hello"] * 3 and server.connections == 3
+            if bound >= 3:
+                response = await client.send(_post(client, server.url))
+                assert response.content == b"hello" and server.connections == 4
+            else:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await client.send(_post(client, server.url))
+                assert server.connections == 3
     finally:
         await server.__aexit__()
