@@ -33,9 +33,17 @@ from gateway.backends.base import Backend
 from gateway.backends.registry import create_backend
 from gateway.config.price_table import shipped_price_table
 from gateway.config.schema import GatewayConfig
-from gateway.core.errors import APIError, AuthenticationError, as_api_error, error_shape_for, status_error
+from gateway.core.errors import (
+    APIError,
+    AuthenticationError,
+    anthropic_error_body,
+    as_api_error,
+    error_shape_for,
+    status_error,
+)
 from gateway.core.keys import KeyTable
 from gateway.http.admin import log_admin_mode
+from gateway.http.anthropic_models import wants_anthropic_shape
 from gateway.http.request_context import ClientDisconnected, request_id_of
 from gateway.http.routes import route_table
 from gateway.service.cache_explain import CacheExplanations
@@ -281,7 +289,11 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
         # Starlette re-raises an unexpected exception after this response, and the server then drops the
         # connection: say so, so the client opens a new one for its next request instead of being reset.
         headers["connection"] = "close"
-    body = error_shape_for(http_request.url.path)(error)
+    path = http_request.url.path
+    shape = (
+        anthropic_error_body if wants_anthropic_shape(path, http_request.headers) else error_shape_for(path)
+    )
+    body = shape(error)
     return JSONResponse(body, status_code=error.status_code, headers=headers or None)
 
 

@@ -22,6 +22,8 @@ from gateway.core.errors import APIError, ModelNotFoundError, openai_error_body
 from gateway.core.event_stream import DONE, encode_event
 from gateway.core.events import BackendEvent, Delta, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
+from gateway.http.anthropic_models import model_object as anthropic_model_object
+from gateway.http.anthropic_models import model_page, wants_anthropic_shape
 from gateway.http.auth import authenticate, authorize, visible_models
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
@@ -254,21 +256,31 @@ async def _collect_completion(
 
 
 async def list_models(http_request: Request) -> Response:
-    """``GET /v1/models``: the configured model names."""
+    """``GET /v1/models``: the configured model names; in Anthropic's paged shape for a request with
+    ``anthropic-version`` (``gateway.http.anthropic_models``).
+
+    Raises:
+        InvalidRequestError: Anthropic's paging parameters out of range or naming no model.
+    """
     key = authenticate(http_request)
     gateway = gateway_of(http_request)
-    data = [_model_object(gateway, name) for name in visible_models(http_request, key)]
-    return JSONResponse({"object": "list", "data": data})
+    names = visible_models(http_request, key)
+    if wants_anthropic_shape(http_request.url.path, http_request.headers):
+        return JSONResponse(model_page(names, gateway.created, http_request.query_params))
+    return JSONResponse({"object": "list", "data": [_model_object(gateway, name) for name in names]})
 
 
 async def retrieve_model(http_request: Request) -> Response:
-    """``GET /v1/models/{model}``; 404 ``model_not_found`` for an unknown name."""
+    """``GET /v1/models/{model}``; 404 ``model_not_found`` for an unknown name (both shapes, as
+    ``list_models``)."""
     key = authenticate(http_request)
     gateway = gateway_of(http_request)
     name = http_request.path_params["model"]
     gateway.registry.get(name)
     if name not in visible_models(http_request, key):
         raise ModelNotFoundError(name)
+    if wants_anthropic_shape(http_request.url.path, http_request.headers):
+        return JSONResponse(anthropic_model_object(name, gateway.created))
     return JSONResponse(_model_object(gateway, name))
 
 
