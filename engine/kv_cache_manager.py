@@ -39,6 +39,8 @@ Invariants (on top of ``block_pool``'s):
 9. A partial entry (a finished request's last, partly computed block, kept by ``free``) holds no block hash:
    never a parent, never written to a tier, pinned or listed; evictable like any unreferenced cached block.
 
+Invariants 2 and 3 are kept by ``engine.prefix_chain`` (the chain of cache entries: lookup, registration, a
+hit's re-check), which this manager calls from ``find_cached_prefix``, ``cache_full_blocks`` and ``allocate``.
 Invariants 8 and 9, and the costs of those steps, are kept by ``engine.partial_hits``, which this manager calls
 from ``find_cached_prefix``, ``allocate`` and ``free``.
 
@@ -51,16 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from engine.block_hash import (
-    BlockHash,
-    ExtraKeys,
-    HashFn,
-    LayeredKeys,
-    block_extra_keys,
-    encode_extra_keys,
-    hash_block,
-    hash_request_blocks,
-)
+from engine.block_hash import BlockHash, ExtraKeys, HashFn, LayeredKeys, hash_block, hash_request_blocks
 from engine.block_install import install_blocks
 from engine.block_pool import BlockPool, KVBlock
 from engine.errors import PromptTooLongError
@@ -72,7 +65,9 @@ from engine.partial_hits import (
     find_partial_source,
     keep_partial,
 )
-from engine.prefix_hit import NO_HIT, BlockIdentity, PrefixHit, StaleCacheHitError
+from engine.prefix_chain import check_chain, count_cached_leading, find_chain, register_chain
+from engine.prefix_hit import NO_HIT, BlockIdentity, PrefixHit
+from engine.prefix_hit import StaleCacheHitError as StaleCacheHitError  # re-exported: this manager raises it
 from engine.prefix_pins import PrefixPins
 
 
@@ -187,21 +182,7 @@ class KVCacheManager:
             return NO_HIT
         bs = self.block_size
         extra_keys = _keys(extra_keys)
-        hits: list[KVBlock] = []
-        prev_hash: BlockHash | None = None
-        prev_gen: int | None = None
-        for i in range(min(len(block_hashes), len(token_ids) // bs)):
-            block = self.pool.get_cached(block_hashes[i])
-            if (
-                block is None
-                or block.parent_hash != prev_hash
-                or block.parent_gen != prev_gen
-                or encode_extra_keys(block.extra_keys) != encode_extra_keys(block_extra_keys(extra_keys, i))
-                or block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs])
-            ):
-                break
-            hits.append(block)
-            prev_hash, prev_gen = block_hashes[i], block.cache_gen
+        hits, prev_hash, prev_gen = find_chain(self.pool, bs, token_ids, block_hashes, extra_keys)
         if partial and self.partial_hits_active:
             source, j = find_partial_source(
                 self.pool, bs, self.partial_scan_limit, token_ids, len(hits), prev_hash, prev_gen, extra_keys
@@ -229,14 +210,7 @@ class KVCacheManager:
         """Raise ``StaleCacheHitError`` unless ``cached_blocks`` is still a valid chain of cache entries."""
         if cached_blocks and not self.enable_caching:
             raise ValueError("prefix caching is disabled; the prefix hit must be empty")
-        prev_gen: int | None = None
-        for i, block in enumerate(cached_blocks):
-            if not self.pool.is_registered(block) or block.parent_gen != prev_gen:
-                raise StaleCacheHitError(
-                    f"cached block {i} (block {block.block_id}) is no longer that cache entry; "
-                    "call find_cached_prefix again right before allocate"
-                )
-            prev_gen = block.cache_gen
+        check_chain(self.pool, cached_blocks)
 
     def _fresh_blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
         """Blocks to allocate so hits + fresh cover ``num_tokens`` tokens."""
@@ -391,9 +365,7 @@ class KVCacheManager:
 
         Call right after the forward that wrote them. Idempotent: blocks already offered are skipped, so the
         cost is O(new full blocks). Hashes missing from ``block_hashes`` (generated tokens) are computed
-        here. A block whose hash another block already holds stays private (the existing entry is kept);
-        when that entry has the same content and chain, later blocks still chain onto it, otherwise (a
-        collision) nothing after it is registered for this request.
+        here. A block whose hash another block already holds stays private (``engine.prefix_chain``).
 
         Args:
             request_id: a live request.
@@ -409,44 +381,18 @@ class KVCacheManager:
         req = self._request(request_id)
         if not self.enable_caching:
             return
-        bs = self.block_size
-        extra_keys = _keys(extra_keys)
-        num_full = min(num_computed_tokens // bs, len(req.blocks), len(token_ids) // bs)
-        for i in range(len(req.hashes), num_full):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent_hash = req.hashes[i - 1] if i else None
-            keys = block_extra_keys(extra_keys, i)
-            block_hash = block_hashes[i] if i < len(block_hashes) else self.hash_fn(parent_hash, tokens, keys)
-            req.hashes.append(block_hash)
-            req.chain_gens.append(self._register(req, i, block_hash, tokens, parent_hash, keys))
-
-    def _register(
-        self,
-        req: _RequestBlocks,
-        i: int,
-        block_hash: BlockHash,
-        tokens: tuple[int, ...],
-        parent_hash: BlockHash | None,
-        extra_keys: tuple,
-    ) -> int | None:
-        """Register block ``i`` of ``req`` if its chain is proven; return the proven entry's gen or None."""
-        if i and req.chain_gens[i - 1] is None:
-            return None
-        parent_gen = req.chain_gens[i - 1] if i else None
-        block = req.blocks[i]
-        if block.block_hash is not None:
-            return block.cache_gen if self.pool.is_registered(block) else None
-        if self.pool.register(block, block_hash, tokens, parent_hash, parent_gen, extra_keys):
-            return block.cache_gen
-        existing = self.pool.get_cached(block_hash)
-        if (
-            existing is not None
-            and existing.token_ids == tokens
-            and existing.parent_gen == parent_gen
-            and encode_extra_keys(existing.extra_keys) == encode_extra_keys(extra_keys)
-        ):
-            return existing.cache_gen
-        return None
+        register_chain(
+            self.pool,
+            self.block_size,
+            self.hash_fn,
+            req.blocks,
+            req.hashes,
+            req.chain_gens,
+            token_ids,
+            num_computed_tokens,
+            block_hashes,
+            _keys(extra_keys),
+        )
 
     # ---- release --------------------------------------------------------------------------------------
     def free(
@@ -531,12 +477,7 @@ class KVCacheManager:
 
     def count_cached_leading(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes of a chain are registered in the pool now (listing; no token check)."""
-        n = 0
-        for h in block_hashes:
-            if self.pool.get_cached(h) is None:
-                break
-            n += 1
-        return n
+        return count_cached_leading(self.pool, block_hashes)
 
     def tag_levels(self, request_id: str, levels: Sequence[frozenset[str]]) -> None:
         """Add ``levels[i]`` to the levels of the request's block ``i`` (registered blocks only).

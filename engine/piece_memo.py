@@ -28,7 +28,8 @@ faster than an encode, so a memo shared across tenants would let one tenant time
 
 Invariants: ``encode(text, scope)`` equals ``(backend.encode(text, add_special_tokens=False).ids, [start of
 each offset])`` except for the pieces that are served turns of ``scope``, whose ids are the served ones; pieces shorter than ``min_piece_chars`` or longer than ``max_piece_chars`` are never stored;
-the characters held never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first);
+the characters held never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first:
+``engine.bounded_memo``);
 safe to share between threads (a lock around every read and write of the memo; encodes run outside it).
 """
 
@@ -37,10 +38,11 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.bounded_memo import BoundedMemo
 
 if TYPE_CHECKING:
     from engine.served_turns import ServedTurns
@@ -106,8 +108,6 @@ class PieceMemo:
     ) -> None:
         self.served = served
         self.backend = backend
-        self.max_chars = max_chars
-        self.max_entries = max_entries
         self.min_piece_chars = min_piece_chars
         self.max_piece_chars = max_piece_chars
         self.exact = piece_split_is_exact(backend)
@@ -115,11 +115,22 @@ class PieceMemo:
         self._added_ids = added
         alternation = "|".join(re.escape(c) for c in sorted(added, key=len, reverse=True))
         self._cut = re.compile(alternation) if alternation else None
-        self._memo: OrderedDict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
-        self._chars = 0
+        self._memo: BoundedMemo[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = BoundedMemo(
+            max_entries, max_chars, _piece_chars
+        )
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+
+    @property
+    def max_chars(self) -> int:
+        """Most characters of pieces held over all entries."""
+        return self._memo.max_size
+
+    @property
+    def max_entries(self) -> int:
+        """Most entries."""
+        return self._memo.max_entries
 
     @property
     def entries(self) -> int:
@@ -129,13 +140,12 @@ class PieceMemo:
     @property
     def chars(self) -> int:
         """Characters of the pieces held now."""
-        return self._chars
+        return self._memo.size
 
     def clear(self) -> None:
         """Forget every piece."""
         with self._lock:
             self._memo.clear()
-            self._chars = 0
 
     def encode(self, text: str, scope: str = "") -> tuple[list[int], list[int]]:
         """Token ids of ``text`` (no special tokens added) and the start character of each token (as the
@@ -199,7 +209,6 @@ class PieceMemo:
             with self._lock:
                 hit = self._memo.get(key)
                 if hit is not None:
-                    self._memo.move_to_end(key)
                     self.hits += 1
         if hit is None:
             piece_ids, piece_starts = self._whole(piece)
@@ -211,13 +220,11 @@ class PieceMemo:
             starts.extend([s + at for s in hit[1]] if at else hit[1])
 
     def _put(self, key: tuple[str, str], value: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
-        size = len(key[1])
         with self._lock:
-            if key in self._memo:
-                return
-            self.misses += 1
-            self._memo[key] = value
-            self._chars += size
-            while self._memo and (self._chars > self.max_chars or len(self._memo) > self.max_entries):
-                (_, old), _ = self._memo.popitem(last=False)
-                self._chars -= len(old)
+            if self._memo.put(key, value) is not None:  # None: another thread stored it meanwhile
+                self.misses += 1
+
+
+def _piece_chars(key: tuple[str, str]) -> int:
+    """The size of a memo entry: the characters of its piece."""
+    return len(key[1])

@@ -33,8 +33,9 @@ remembered turn changes the prompt's ids (and makes its encode faster), so one t
 
 Invariants: an entry's ids decode (byte-level) to exactly its text, contain no added token, and differ from the
 canonical encoding of that text (turns that re-tokenize to themselves are not stored); the characters held
-never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first); thread-safe (one
-lock around the memo). The ids a prompt gets depend only on the entries, never on the prefix cache's state, so
+never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first:
+``engine.bounded_memo``); the turns counted per scope are the turns held in it; thread-safe (one lock around
+the memo and its counts). The ids a prompt gets depend only on the entries, never on the prefix cache's state, so
 a request's tokens are the same with the cache on or off.
 """
 
@@ -44,11 +45,12 @@ import bisect
 import json
 import re
 import threading
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from engine.bounded_memo import BoundedMemo
 from engine.piece_memo import piece_split_is_exact
 
 
@@ -89,8 +91,6 @@ class ServedTurns:
         max_turn_chars: int = 200_000,
     ) -> None:
         self.backend = backend
-        self.max_chars = max_chars
-        self.max_entries = max_entries
         self.max_turn_chars = max_turn_chars
         self.enabled = piece_split_is_exact(backend) and decoder_is_byte_level(backend)
         added = backend.get_added_tokens_decoder()
@@ -98,13 +98,24 @@ class ServedTurns:
         contents = sorted((t.content for t in added.values() if t.content), key=len, reverse=True)
         self._added_text = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
         self._byte_of = _byte_level_alphabet()
-        self._memo: OrderedDict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = OrderedDict()
-        self._per_scope: Counter[str] = Counter()
-        self._chars = 0
+        self._memo: BoundedMemo[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = BoundedMemo(
+            max_entries, max_chars, _turn_chars
+        )
+        self._per_scope: Counter[str] = Counter()  # scope -> turns held (> 0; a scope with none is not a key)
         self._lock = threading.Lock()
         self.recorded = 0
         self.canonical = 0
         self.hits = 0
+
+    @property
+    def max_chars(self) -> int:
+        """Most characters of turn pieces held over all entries."""
+        return self._memo.max_size
+
+    @property
+    def max_entries(self) -> int:
+        """Most entries."""
+        return self._memo.max_entries
 
     @property
     def entries(self) -> int:
@@ -114,18 +125,17 @@ class ServedTurns:
     @property
     def chars(self) -> int:
         """Characters of the turn pieces held now."""
-        return self._chars
+        return self._memo.size
 
     def clear(self) -> None:
         """Forget every turn."""
         with self._lock:
             self._memo.clear()
             self._per_scope.clear()
-            self._chars = 0
 
     def holds(self, scope: str) -> bool:
         """True when ``scope`` has at least one turn (its prompts must be cut into pieces to find them)."""
-        return self._per_scope.get(scope, 0) > 0
+        return scope in self._per_scope
 
     def record(self, scope: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> bool:
         """Remember a finished request's turn when its ids are not the canonical encoding of its text.
@@ -163,13 +173,11 @@ class ServedTurns:
 
     def lookup(self, scope: str, piece: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The served ids of ``piece`` in ``scope`` and the start character of each token in it, or None."""
-        if not self.holds(scope):
+        if scope not in self._per_scope:  # ``holds`` written out: every piece of every prompt asks
             return None
-        key = (scope, piece)
         with self._lock:
-            hit = self._memo.get(key)
+            hit = self._memo.get((scope, piece))
             if hit is not None:
-                self._memo.move_to_end(key)
                 self.hits += 1
         return hit
 
@@ -206,27 +214,27 @@ class ServedTurns:
 
     def _forget(self, key: tuple[str, str]) -> None:
         with self._lock:
-            if self._memo.pop(key, None) is not None:
-                self._chars -= len(key[1])
-                self._drop_scope(key[0])
+            if self._memo.pop(key) is not None:
+                self._drop_scopes((key,))
 
-    def _drop_scope(self, scope: str) -> None:
-        self._per_scope[scope] -= 1
-        if self._per_scope[scope] <= 0:
-            del self._per_scope[scope]
+    def _drop_scopes(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Count the turns of ``keys`` out of their scopes (under the lock)."""
+        per_scope = self._per_scope
+        for scope, _ in keys:
+            per_scope[scope] -= 1
+            if per_scope[scope] <= 0:
+                del per_scope[scope]
 
     def _put(self, key: tuple[str, str], value: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
-        size = len(key[1])
         with self._lock:
-            if key in self._memo:
-                self._memo[key] = value
-                self._memo.move_to_end(key)
+            evicted = self._memo.put(key, value, replace=True)
+            if evicted is None:  # the same text served again: the latest ids replace the held ones
                 return
             self.recorded += 1
-            self._memo[key] = value
             self._per_scope[key[0]] += 1
-            self._chars += size
-            while self._memo and (self._chars > self.max_chars or len(self._memo) > self.max_entries):
-                (scope, old), _ = self._memo.popitem(last=False)
-                self._chars -= len(old)
-                self._drop_scope(scope)
+            self._drop_scopes(evicted)
+
+
+def _turn_chars(key: tuple[str, str]) -> int:
+    """The size of a memo entry: the characters of its turn piece."""
+    return len(key[1])

@@ -49,7 +49,10 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
         "canonicalize, prefix key",
         r"canonicalize \(gateway/service/pipeline|Canonicalizer\.|prefix_key|mark_public",
     ),
-    ("cache explanation", r"_explain \(gateway/service/pipeline|cache_explain|miss_explain|rendered_prompt"),
+    (
+        "cache explanation",
+        r"_explain \(gateway/service/pipeline|cache_explain|miss_explain|miss_segments|rendered_prompt",
+    ),
     ("tokenizer", r"\(tiktoken/|prompt_tokenizers"),
     (
         "HTTP client (httpx, transport)",

@@ -43,7 +43,8 @@ A provider's own diagnostic, when an upstream returns one, is mapped to the same
 (``gateway.service.miss_explanation.map_provider_cause``) and takes precedence over the local cause; the local segment and offset are kept.
 
 The vocabulary (causes, segments, ``MissExplanation``, the header) lives in ``miss_explanation``; the
-counters in ``miss_counters``; the chain hashes in ``token_chains``.
+counters in ``miss_counters``; the chain hashes in ``token_chains``; the segment geometry (which segment holds an
+offset, whether two prompts re-converge after a divergence) in ``miss_segments``.
 
 Invariants: a miss starts where the reported cached prefix ends or after it (``offset >= cached``: the
 explanation never places a miss inside the span the engine or upstream served; a divergence from a recorded
@@ -66,21 +67,19 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gateway.service.miss_explanation import (
-    SEGMENT_NAMES,
     MissExplainError,
     MissExplanation,
     PromptSegment,
     VolatileSpan,
     map_provider_cause,
 )
+from gateway.service.miss_segments import divergence_segments, rejoins, segment_at, validated_segments
 from gateway.service.token_chains import chain_hashes, common_tokens
 
 DEFAULT_BLOCK_SIZE = 16
 
 _MAX_TOKEN = (1 << 32) - 1
 _ENTRY_OVERHEAD = 256
-_REJOIN_WINDOW = 8
-_REJOIN_RUN = 32
 
 
 class Epoch(NamedTuple):
@@ -179,20 +178,6 @@ class MissExplainer:
         return data
 
     @staticmethod
-    def _segments(segments: Iterable[PromptSegment], n: int) -> tuple[PromptSegment, ...]:
-        out = tuple(segments)
-        pos = 0
-        for i, s in enumerate(out):
-            if not isinstance(s, PromptSegment) or s.name not in SEGMENT_NAMES:
-                raise MissExplainError(f"segments[{i}] must be a PromptSegment named one of {SEGMENT_NAMES}")
-            if s.start != pos or s.end < s.start:
-                raise MissExplainError(f"segments[{i}] must start where the previous one ended ({pos})")
-            pos = s.end
-        if out and pos != n:
-            raise MissExplainError(f"segments must cover the prompt's {n} tokens (they end at {pos})")
-        return out
-
-    @staticmethod
     def _digest(value: Any) -> bytes | None:
         if value is not None and not isinstance(value, bytes):
             raise MissExplainError(f"tools_digest must be bytes or None, not {type(value).__name__}")
@@ -252,7 +237,7 @@ class MissExplainer:
         root = self._root(model, tenant)
         data = self._tokens(tokens)
         n = len(data)
-        segs = self._segments(segments, n)
+        segs = validated_segments(segments, n)
         stable_end = min(self._count(stable_end, "stable_end"), n)
         cached = min(self._count(cached_tokens, "cached_tokens"), n)
         unit = self.block_size if granularity is None else self._count(granularity, "granularity") or 1
@@ -282,7 +267,7 @@ class MissExplainer:
             self._digest(tools_digest),
         )
         cause, at, slot, ago = local
-        where = _segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
+        where = segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
         if provider is not None and provider != cause:
             return MissExplanation(
                 cached,
@@ -336,18 +321,11 @@ class MissExplainer:
             # the earlier prompt is all shared: what follows it is new (past what the cache served: with
             # token-granular hits it may also have served the earlier request's own generated tokens)
             return "cold", max(d, cached), None, None
-        if d < unit and not self._rejoins(data, entry.tokens, d, segs, entry.segments):
+        if d < unit and not rejoins(data, entry.tokens, d, segs, entry.segments, self.max_edit_tokens):
             # less than a unit in common (a template's header) and nothing in common after it: a new prompt
             return "cold", cached, None, None
         slot_span = next((s for s in spans if s.start - 1 <= d < s.end), None)
-        names = {_segment_at(segs, d), _segment_at(entry.segments, d)}
-        if "tools" in names and tools is not None and tools == entry.tools:
-            # the same tools: the divergence only lies where a with/without-tools diff labels tools (a
-            # separator before an added system text, a closing token): what changed is the other prompt's
-            # segment there, or, when both say tools, the segment this prompt's tools lead into
-            names.discard("tools")
-            if not names:
-                names.add(_segment_at(segs, _segment_end(segs, d)))
+        names = divergence_segments(segs, entry.segments, d, tools is not None and tools == entry.tools)
         if "tools" in names:
             return "tools_changed", d, None, None
         if slot_span is not None:
@@ -373,41 +351,6 @@ class MissExplainer:
                 best = (entry, d)
         return best
 
-    def _rejoins(
-        self,
-        new: array,
-        old: array,
-        d: int,
-        new_segments: Sequence[PromptSegment],
-        old_segments: Sequence[PromptSegment],
-    ) -> bool:
-        """True when, within ``max_edit_tokens`` after ``d``, both prompts continue identically, inside a
-        segment named as one holding ``d``, for ``_REJOIN_RUN`` tokens or to the end of that segment (at least
-        ``_REJOIN_WINDOW``): the divergence is an edit of that segment (or a segment inserted or removed before
-        it) with the same text after it. A whole new system prompt followed by the same question does not
-        re-converge inside the system prompt; nor do two prompts that merely share words."""
-        limit = self.max_edit_tokens
-        names = {_segment_at(new_segments, d), _segment_at(old_segments, d)}
-        windows: dict[tuple[int, ...], list[int]] = {}
-        for j in range(limit + 1):
-            if d + j + _REJOIN_WINDOW <= len(old) and _inside(old_segments, names, d + j):
-                windows.setdefault(tuple(old[d + j : d + j + _REJOIN_WINDOW]), []).append(j)
-        for i in range(limit + 1):
-            if d + i + _REJOIN_WINDOW > len(new):
-                break
-            if not _inside(new_segments, names, d + i):
-                continue
-            for j in windows.get(tuple(new[d + i : d + i + _REJOIN_WINDOW]), ()):
-                if (i, j) == (0, 0):
-                    continue
-                left = min(
-                    _segment_end(new_segments, d + i) - d - i, _segment_end(old_segments, d + j) - d - j
-                )
-                need = max(_REJOIN_WINDOW, min(_REJOIN_RUN, left))
-                if new[d + i : d + i + need] == old[d + j : d + j + need]:
-                    return True
-        return False
-
     # ----- recording --------------------------------------------------------------------------------------
     def record(
         self,
@@ -430,7 +373,7 @@ class MissExplainer:
         """
         self._root(model, tenant)
         data = self._tokens(tokens)
-        segs = self._segments(segments, len(data))
+        segs = validated_segments(segments, len(data))
         tools = self._digest(tools_digest)
         key = (model, tenant)
         digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
@@ -483,7 +426,7 @@ class MissExplainer:
             MissExplainError: bad tokens, segments or answer tokens.
         """
         prompt = self._tokens(tokens)
-        segs = self._segments(segments, len(prompt)) or (PromptSegment("tail", 0, len(prompt)),)
+        segs = validated_segments(segments, len(prompt)) or (PromptSegment("tail", 0, len(prompt)),)
         reply = self._tokens(answer)
         end = len(prompt) + len(reply)
         history = PromptSegment("history", len(prompt), end)
@@ -576,28 +519,3 @@ class MissExplainer:
                 "bytes": self._bytes,
                 "cached_chains": len(self._cached),
             }
-
-
-def _segment_end(segments: Sequence[PromptSegment], offset: int) -> int:
-    """Where the segment holding token ``offset`` ends (``offset`` itself past every segment)."""
-    for s in segments:
-        if s.start <= offset < s.end:
-            return s.end
-    return offset
-
-
-def _inside(segments: Sequence[PromptSegment], names: set[str], start: int) -> bool:
-    """Whether the ``_REJOIN_WINDOW`` tokens from ``start`` lie in segments named in ``names`` (a window that
-    reaches the next turn's identical template tokens is not a re-convergence of the edited text)."""
-    return (
-        _segment_at(segments, start) in names and _segment_at(segments, start + _REJOIN_WINDOW - 1) in names
-    )
-
-
-def _segment_at(segments: Sequence[PromptSegment], offset: int) -> str:
-    """The name of the segment holding token ``offset`` (``tail`` past the end or with no segments); an
-    empty segment never holds a token."""
-    for s in segments:
-        if s.start <= offset < s.end:
-            return s.name
-    return "tail"
