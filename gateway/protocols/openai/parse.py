@@ -198,6 +198,15 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         if not (has_tool_calls or (role == "assistant" and "function_call" in message)):
             raise missing_param(f"{where}.content")
     elif isinstance(content, list):
+        if (
+            not content and not has_tool_calls
+        ):  # as OpenAI answers it; an assistant turn's calls carry it alone
+            raise InvalidRequestError(
+                f"Invalid '{where}.content': empty array. Expected an array with minimum length 1, but got an "
+                "empty array instead.",
+                param=f"{where}.content",
+                code="empty_array",
+            )
         for part_index, part in enumerate(content):
             _content_part(part, f"{where}.content[{part_index}]")
     elif not isinstance(content, str):

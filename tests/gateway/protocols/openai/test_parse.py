@@ -89,6 +89,8 @@ def test_content_parts_and_tool_messages_are_accepted():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     request = parse_chat_request({"model": "m", "messages": messages, "tools": tools}, {})
     assert request.messages == messages and request.tools == tools
+    messages[1]["content"] = []  # an assistant turn of calls alone may say so with an empty array
+    assert parse_chat_request({"model": "m", "messages": messages, "tools": tools}, {}).messages == messages
 
 
 @pytest.mark.parametrize(
@@ -101,6 +103,12 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
         ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "empty_array"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": []}]},
+            "messages[1].content",
+            "empty_array",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
             "messages[0].content[0].text",
