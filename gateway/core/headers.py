@@ -35,8 +35,18 @@ def rules_enabled(headers: Mapping[str, str]) -> bool:
 def tenant(headers: Mapping[str, str]) -> str:
     """The ``x-prefixgate-tenant`` value as sent ("" when absent). It becomes a cache salt only once
     ``check_tenant`` accepted it: in open mode, or for a trusted key (``gateway.http.auth.authorize``); an
-    untrusted key's header is ignored whatever it holds."""
-    return headers.get(TENANT_HEADER, "")
+    untrusted key's header is ignored whatever it holds.
+
+    HTTP header values arrive as bytes, which the server hands over decoded as Latin-1 (RFC 9110 section 5.5);
+    a value that is valid UTF-8 (``"租户"`` sent by any HTTP client) is read as UTF-8, so stats, metrics and the
+    dashboard show the tenant as the client wrote it; other bytes stay as Latin-1 decoded them."""
+    value = headers.get(TENANT_HEADER, "")
+    if value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:  # not UTF-8 (or not from a Latin-1 decode): as it came
+        return value
 
 
 def check_tenant(value: str) -> str:
