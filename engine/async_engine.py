@@ -125,7 +125,6 @@ class AsyncEngine:
             config.weights,
             config.dense_min_rows,
             config.linear_kernel,
-            config.prefill_kernel,
         )
         core = LLMEngine(
             ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer, name_kernels=model_id is None

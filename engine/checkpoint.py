@@ -133,7 +133,6 @@ def load_checkpoint(
     weights: str = "float32",
     dense_min_rows: int | None = DENSE_MIN_ROWS,
     linear_kernel: str = "auto",
-    prefill_kernel: str = "auto",
 ) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
 
@@ -147,19 +146,14 @@ def load_checkpoint(
         linear_kernel: the kernel of int4/int8 linears' generated-token rows and LM head, ``auto | native |
             torch`` (``engine.native_linear``; ``engine.linear_kernel``). Part of ``model_id`` when native (a
             generated token's K/V differs).
-        prefill_kernel: ``engine.prefill_kernel`` (``engine.native_decode.resolve_prefill_kernel``): part of
-            ``model_id`` when it resolves to the native kernel (a prompt's K/V differs; the KV tiers key by it).
-            The engine resolves the same setting for the kernel it runs (``LLMEngine``).
 
     Raises:
         UnsupportedModelError: missing path, unknown file type, garbage file, unsupported architecture, tensor
             type or tokenizer (the message names what was found).
-        ValueError, UnsupportedHardwareError: a bad or unsupported ``weights`` (``engine.weight_format``); a bad
-            ``prefill_kernel``, or ``native`` where the kernel is not available.
+        ValueError, UnsupportedHardwareError: a bad or unsupported ``weights`` (``engine.weight_format``).
     """
     from engine.gguf_loader import load_gguf
     from engine.hf_loader import load_hf, safetensors_files
-    from engine.native_decode import resolve_prefill_kernel
 
     resolved = Path(default_model_path() if path == "default" else path)
     dev = resolve_device(device)
@@ -197,9 +191,5 @@ def load_checkpoint(
     formats = model.weight_formats
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
     variant += linear_kernel_variant(model)
-    group = config.num_heads // config.num_kv_heads
-    prefill = resolve_prefill_kernel(prefill_kernel, dev, group, config.head_dim)
-    if prefill is not None:  # another build than AVX-512's is named apart, as the decode and linear kernels
-        variant += "/native-prefill" if prefill.isa == "avx512" else f"/native-prefill-{prefill.isa}"
     model_id = model_id_for(resolved.name, config, files, variant)
     return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))

@@ -53,7 +53,12 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
-from engine.native_decode import decode_kernel_variant, resolve_decode_kernel, resolve_prefill_kernel
+from engine.native_decode import (
+    decode_kernel_variant,
+    prefill_kernel_variant,
+    resolve_decode_kernel,
+    resolve_prefill_kernel,
+)
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -101,7 +106,8 @@ class LLMEngine(PrefixAdmin):
         model: the decoder (on its device, in its dtype).
         config: engine settings (block pool, batch limits, policy).
         model_id: stable id of the weights; with the cache salt it forms every block hash's extra keys.
-            Unless ``name_kernels`` is False, the decode kernel's part (``decode_kernel_variant``) is appended.
+            Unless ``name_kernels`` is False, the decode and prefill kernels' parts (``decode_kernel_variant``,
+            ``prefill_kernel_variant``) are appended.
         tokenizer: decodes output text (and gives EOS ids); None = token ids only (no text, no stop strings).
         eos_token_ids: ids that end generation unless ``ignore_eos`` (default: the tokenizer's, else the
             model config's).
@@ -139,10 +145,14 @@ class LLMEngine(PrefixAdmin):
         decode_kernel = resolve_decode_kernel(
             config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
         )
-        # a generated token's K/V depends on the decode kernel: blocks of another kernel never share a key (a
-        # model id the operator named is kept as named, as the checkpoint's other kernel parts are)
+        kv_dtype = kv_dtype_of(config.kv_dtype, model)
+        prefill_kernel = resolve_prefill_kernel(
+            config.prefill_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim, kv_dtype
+        )
+        # a token's K/V depends on the decode and prefill kernels: blocks of another kernel never share a key
+        # (a model id the operator named is kept as named, as the checkpoint's other kernel parts are)
         if name_kernels:
-            model_id += decode_kernel_variant(decode_kernel)
+            model_id += decode_kernel_variant(decode_kernel) + prefill_kernel_variant(prefill_kernel)
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.served: ServedTurns | None = getattr(tokenizer, "served", None)
@@ -191,7 +201,6 @@ class LLMEngine(PrefixAdmin):
             constraints=self.constraints,
         )
         self.output = OutputProcessor(self.counters, config.block_size, hash_fn)
-        kv_dtype = kv_dtype_of(config.kv_dtype, model)
         self.runner = ModelRunner(
             model,
             config.num_blocks,
@@ -200,9 +209,7 @@ class LLMEngine(PrefixAdmin):
             config.shared_prefix_attention,
             step_threads,
             decode_kernel,
-            resolve_prefill_kernel(
-                config.prefill_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
-            ),
+            prefill_kernel,
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None

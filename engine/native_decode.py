@@ -455,14 +455,34 @@ def resolve_decode_kernel(
     )
 
 
+def prefill_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
+    """The part of ``model_id`` naming the prefill kernel (``LLMEngine`` appends it after the decode kernel's):
+    ``""`` for torch's chunked prefill, ``"/native-prefill"`` for the AVX-512 build, ``"/native-prefill-<isa>"``
+    for another (a prompt's K/V differs by kernel; the KV tiers key by ``model_id``)."""
+    if kernel is None:
+        return ""
+    return "/native-prefill" if kernel.isa == "avx512" else f"/native-prefill-{kernel.isa}"
+
+
 def resolve_prefill_kernel(
-    setting: str, device: torch.device, group: int | None = None, head_dim: int | None = None
+    setting: str,
+    device: torch.device,
+    group: int | None = None,
+    head_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> NativeDecodeKernel | None:
-    """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``torch`` and
-    ``auto`` -> None (torch's chunked prefill; ``auto`` stays there until the kernel is measured faster: on this
-    project's AVX2 machine its avx2 build is slower, an AVX-512 machine was not available to measure,
-    ``docs/engine-step.md``); ``native`` -> the kernel (the same library as the decode kernel, built once per
-    process and model shape), or a start-up error.
+    """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``torch`` ->
+    None (torch's chunked prefill); ``native`` -> the kernel (the same library as the decode kernel, built once
+    per process and model shape), or a start-up error; ``auto`` -> the kernel where it is measured faster than
+    torch's chunked prefill, else None: a CPU, the AVX-512 build (``build_isa``) and a float32 cache
+    (``kv_dtype``). ``python -m bench.model_forward --prefill-ab`` on a 2-core AMD EPYC with AVX-512 and
+    AVX512-BF16 (session 12, SmolLM2, whole prefill, native over torch): fp32 cache 1.29x / 1.55x at 1,024
+    tokens and 1.41x / 1.64x at 4,096 (1 / 2 threads); bf16 cache 0.98x / 1.08x and 0.80x / 0.80x (torch
+    attends a bf16 cache in bf16 there, the kernel widens it to fp32). The AVX2 build was slower than torch at
+    4,096 tokens on one thread (session 11). ``docs/engine-step.md``.
+
+    Args:
+        kv_dtype: the cache's dtype; None counts as not float32 for ``auto``.
 
     Raises:
         ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
@@ -472,12 +492,13 @@ def resolve_prefill_kernel(
         raise ValueError(
             f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
         )
-    if setting == "auto":
+    isa = build_isa()
+    if setting == "auto" and (kv_dtype != torch.float32 or isa != "avx512"):
         return None
     return native_build.resolve_setting(
         "engine.prefill_kernel",
         setting,
         torch.device(device).type,
-        lambda: _shared_kernel(group, head_dim, build_isa()),
+        lambda: _shared_kernel(group, head_dim, isa),
         "torch's chunked prefill",
     )

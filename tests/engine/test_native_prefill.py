@@ -13,7 +13,6 @@ import torch
 
 from engine import native_decode
 from engine.attention import AttentionMetadata, plan_attention
-from engine.checkpoint import load_checkpoint
 from engine.native_decode import NativeDecodeKernel, reference_decode, resolve_prefill_kernel
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
@@ -128,11 +127,15 @@ def test_bad_arguments_are_refused_before_any_read(kernel):
         kernel.prefill(q[:, :, :32].contiguous(), cache, table, 0, 0.125)
 
 
-def test_the_setting_is_checked_and_auto_keeps_torch():
+def test_the_setting_is_checked_and_auto_keeps_torch_off_avx512_or_a_float32_cache(monkeypatch):
     with pytest.raises(ValueError, match="engine.prefill_kernel must be one of auto, native, torch"):
         resolve_prefill_kernel("fast", torch.device("cpu"))
-    assert resolve_prefill_kernel("auto", torch.device("cpu"), 3, 64) is None
-    assert resolve_prefill_kernel("torch", torch.device("cpu"), 3, 64) is None
+    assert resolve_prefill_kernel("auto", torch.device("cpu"), 3, 64) is None  # no cache dtype given
+    assert resolve_prefill_kernel("auto", torch.device("cpu"), 3, 64, torch.bfloat16) is None
+    assert resolve_prefill_kernel("auto", torch.device("cuda"), 3, 64, torch.float32) is None
+    assert resolve_prefill_kernel("torch", torch.device("cpu"), 3, 64, torch.float32) is None
+    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx2")  # measured slower than torch at 4k tokens
+    assert resolve_prefill_kernel("auto", torch.device("cpu"), 3, 64, torch.float32) is None
     with pytest.raises(ValueError, match="native runs on CPU only"):
         resolve_prefill_kernel("native", torch.device("cuda"), 3, 64)
 
@@ -145,11 +148,30 @@ def test_an_unknown_isa_is_a_named_error(monkeypatch):
         NativeDecodeKernel.build(isa="sse2")
 
 
+@pytest.mark.skipif(
+    not native_decode._cpu_ok("avx512")[0] or native_decode._compiler() is None, reason="AVX-512"
+)
+def test_auto_takes_the_avx512_build_over_a_float32_cache(monkeypatch):
+    monkeypatch.delenv("PREFIXGATE_ATTENTION_ISA", raising=False)
+    kernel = resolve_prefill_kernel("auto", torch.device("cpu"), 3, 64, torch.float32)
+    assert kernel is not None and kernel.isa == "avx512"
+    assert kernel is resolve_prefill_kernel("native", torch.device("cpu"), 3, 64, torch.float32)
+
+
 @needs_kernel
-def test_native_prefill_is_part_of_the_model_id(engine_isa):
-    path = tiny_checkpoint("hf").path
-    ids = {s: load_checkpoint(path, prefill_kernel=s).model_id for s in ("auto", "torch", "native")}
-    assert ids["auto"] == ids["torch"] != ids["native"]
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_the_prefill_kernel_is_part_of_the_engines_model_id(engine_isa, kv_dtype):
+    ck = tiny_checkpoint("hf")
+    ids = {
+        s: make_engine(ck, kv_dtype=kv_dtype, prefill_kernel=s).model_id for s in ("auto", "torch", "native")
+    }
+    suffix = "/native-prefill" if ISA == "avx512" else f"/native-prefill-{ISA}"
+    assert ids["native"] == ids["torch"] + suffix
+    auto_native = ISA == "avx512" and kv_dtype == "float32"
+    assert ids["auto"] == (ids["native"] if auto_native else ids["torch"])
+    assert make_engine(ck, prefill_kernel="native").model_id.startswith(
+        ck.model_id
+    )  # the checkpoint's id + kernels
 
 
 @needs_kernel
