@@ -203,34 +203,67 @@ class SpecialText:
         or an end of ``text``)."""
         if not literal:
             return encode(text)
+        ids: list[int] = []
+        for start, end, as_text in self.stretches(text, literal):
+            ids.extend(self.encode_as_text(text[start:end]) if as_text else encode(text[start:end]))
+        return ids
+
+    def encode(
+        self,
+        text: str,
+        literal: Sequence[tuple[int, int]],
+        encode: Callable[[str], tuple[list[int], list[int]]],
+    ) -> tuple[list[int], list[int]]:
+        """``encode_ids`` with the start character of each token in ``text`` (as ``Encoding.offsets``); ``encode``
+        gives a stretch's ids and starts."""
+        if not literal:
+            return encode(text)
+        ids: list[int] = []
+        starts: list[int] = []
+        for start, end, as_text in self.stretches(text, literal):
+            if as_text:
+                encoding = self._text_encoder().encode(text[start:end], add_special_tokens=False)
+                part_ids, part_starts = encoding.ids, [s for s, _ in encoding.offsets]
+            else:
+                part_ids, part_starts = encode(text[start:end])
+            ids.extend(part_ids)
+            starts.extend(s + start for s in part_starts)
+        return ids, starts
+
+    def stretches(self, text: str, literal: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """``text`` as ``(start, end, as_text)`` stretches in order, covering it: ``as_text`` for each piece between
+        two of the other added-token matches (or an end of ``text``) that holds a ``literal`` span."""
         literal_starts = {start for start, _ in literal}
         cuts = [m.span() for m in self._added.finditer(text) if m.start() not in literal_starts]
-        ids: list[int] = []
-        at = 0  # text before ``at`` is encoded
+        out: list[tuple[int, int, bool]] = []
+        at = 0  # text before ``at`` is placed
         k = 0  # next cut
         for start, _ in literal:
             if start < at:
-                continue  # inside a piece already encoded
+                continue  # inside a piece already placed
             while k < len(cuts) and cuts[k][1] <= start:
                 k += 1
             piece_start = cuts[k - 1][1] if k > 0 else 0
             piece_end = cuts[k][0] if k < len(cuts) else len(text)
             if piece_start > at:
-                ids.extend(encode(text[at:piece_start]))
-            ids.extend(self.encode_as_text(text[piece_start:piece_end]))
+                out.append((at, piece_start, False))
+            out.append((piece_start, piece_end, True))
             at = piece_end
         if at < len(text):
-            ids.extend(encode(text[at:]))
-        return ids
+            out.append((at, len(text), False))
+        return out
 
     def encode_as_text(self, text: str) -> list[int]:
         """Token ids of ``text`` with its special tokens' texts encoded as text (the backend's
         ``encode_special_tokens``; non-special added tokens still match)."""
+        return self._text_encoder().encode(text, add_special_tokens=False).ids
+
+    def _text_encoder(self) -> BackendTokenizer:
         if self._text_backend is None:
             clone = BackendTokenizer.from_str(self._backend.to_str())
             clone.encode_special_tokens = True
             self._text_backend = clone
-        return self._text_backend.encode(text, add_special_tokens=False).ids
+        return self._text_backend
 
 
 def _not_verbatim() -> InvalidRequestError:

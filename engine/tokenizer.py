@@ -598,6 +598,12 @@ class Tokenizer:
             return self.special_text.encode_ids(text, literal, self.encode)
         return self.special_text.encode_ids(text, literal, lambda part: self.pieces.encode_ids(part, scope))
 
+    def encode_chat_with_offsets(
+        self, text: str, literal: Sequence[tuple[int, int]] = (), scope: str = ""
+    ) -> tuple[list[int], list[int]]:
+        """``encode_chat(text, literal, scope)`` and the start character of each token (``encode_with_offsets``)."""
+        return self.special_text.encode(text, literal, lambda part: self.pieces.encode(part, scope))
+
 
 def _token_content(value) -> str | None:
     """A special token from tokenizer_config.json: a string or an ``AddedToken`` dict with ``content``."""
