@@ -101,14 +101,16 @@ class SpecialText:
         heads = [s[:k] for s in self.specials for k in range(_MIN_PARTIAL, len(s))]
         tails = [s[k:] for s in self.specials for k in range(1, len(s) - _MIN_PARTIAL + 1)]
         self._window = max((len(s) for s in self.specials), default=0)
-        self._head = re.compile(f"(?:{_trie(heads)})\\Z") if heads else None
-        self._tail = re.compile(_trie(tails)) if tails else None
+        head = _trie(heads)
+        self._head = re.compile(f"(?:{head})\\Z") if heads else None
+        # (a quote, then a tail: matched at a string's start as ``'"' + text``, and found in the values' JSON)
+        self._tail = re.compile(f'"(?:{_trie(tails)})') if tails else None
         # One scan of the values' JSON finds every string that may need a mask (a special token's text, a tail
         # after a string's opening quote, a head before its closing one); the walk then runs only when it finds one.
         # (three regexes, not one alternation: each then scans at C speed from its first character)
         quick = [self._special] if self._special is not None else []
-        quick += [re.compile(f'"{_trie(tails)}')] if tails else []
-        quick += [re.compile(f'{_trie(heads)}"')] if heads else []
+        quick += [self._tail] if self._tail is not None else []
+        quick += [re.compile(f'(?:{head})"')] if heads else []
         json_safe = all(json.dumps(t, ensure_ascii=False) == f'"{t}"' for t in self.specials)
         self._quick = tuple(quick) if quick and json_safe else None
         self._backend = backend
@@ -150,8 +152,7 @@ class SpecialText:
 
     def _mask_str(self, text: str) -> tuple[str, int]:
         at = {m.start() for m in self._special.finditer(text)}
-        tail = self._tail.match(text) if self._tail is not None else None
-        if tail is not None:
+        if self._tail is not None and self._tail.match('"' + text[: self._window]):
             at.add(0)
         if self._head is not None:
             window = max(0, len(text) - self._window)

@@ -142,6 +142,12 @@ def test_injected_turns_are_text_on_smollm2(smollm2):
     expected = tok.encode(head) + tok.special_text.encode_as_text(user) + tok.encode(tail)
     assert ids == expected
     assert tok.decode(ids, skip_special_tokens=False) == text
+    with_offsets, starts = tok.encode_chat_with_offsets(*tok.render_chat_text(messages), scope="t")
+    assert with_offsets == ids
+    assert all(
+        text.startswith(tok.decode([i], skip_special_tokens=False), s)
+        for i, s in zip(ids, starts, strict=True)
+    )
     markup_only = tok.render_chat([{"role": "user", "content": "x"}])
     assert sum(i in specials for i in ids) == sum(i in specials for i in markup_only)
     assert len(ids) > len(tok.encode(text))  # it was 14 control/short tokens fewer before
