@@ -38,7 +38,8 @@ Invariants: a prompt whose message and tool strings hold no special token's text
 tail of one at a string's end) gets ``(text, ())`` and the ids it always got; a literal match never yields an
 added token's id unless the tokenizer's BPE itself spells one; non-special added tokens (llama.cpp's
 user-defined ones, Qwen's ``<tool_call>``) are matched in message text as before, as transformers and llama.cpp
-match them.
+match them. Not covered: a template that makes a special token's text out of message text that holds none
+(``| lower`` over ``<|IM_END|>``); no chat template this project met does.
 """
 
 from __future__ import annotations
