@@ -328,12 +328,12 @@ class AsyncEngine:
         if count <= 0 or not req.messages:
             return 0
         try:
-            text = self._tokenizer.apply_chat_template(
-                req.messages[:count], req.tools, add_generation_prompt=False
+            shared = self._tokenizer.render_chat(
+                req.messages[:count], req.tools, add_generation_prompt=False, scope=None
             )
         except InvalidRequestError:
             return 0
-        return common_prefix_len(self._tokenizer.encode(text, add_special_tokens=False), prompt)
+        return common_prefix_len(shared, prompt)
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
@@ -400,10 +400,12 @@ class AsyncEngine:
         role = "assistant" if req.messages[-1].get("role") == "user" else "user"
         turn = [*req.messages, {"role": role, "content": "?"}]
         try:
-            text = self._tokenizer.apply_chat_template(turn, req.tools, add_generation_prompt=False)
+            ids = self._tokenizer.render_chat(
+                turn, req.tools, add_generation_prompt=False, scope=req.cache_salt
+            )
         except InvalidRequestError:
             return None
-        return common_prefix_len(prompt, self._tokenizer.pieces.encode_ids(text, req.cache_salt))
+        return common_prefix_len(prompt, ids)
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. False when unknown."""

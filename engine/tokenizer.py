@@ -18,7 +18,9 @@ are normalized the same way (keys whose value is None dropped, reasoning fields 
 unlike transformers, a ``content`` given as a list of ``{"type": "text", "text": ...}`` parts is joined with
 ``"\\n"`` into one string first (as vLLM does), so string-only templates accept OpenAI content parts.
 ``render_chat`` encodes the rendered text without adding special tokens, as transformers does (the template
-writes BOS itself when the model wants one). ``encode(add_special_tokens=True)`` (raw prompts) follows the
+writes BOS itself when the model wants one), except that the text of a special token written inside a message or
+tool string is encoded as text, never as that token, so no message can forge a turn (``engine.special_text``;
+prompts whose strings hold none get the ids of the whole text, as before). ``encode(add_special_tokens=True)`` (raw prompts) follows the
 checkpoint's BOS rule: ``tokenizer.json``'s post-processor (transformers v5 ignores ``add_bos_token`` in
 ``tokenizer_config.json`` when a ``tokenizer.json`` exists, and so do we), or GGUF's
 ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``.
@@ -49,6 +51,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.piece_memo import PieceMemo
 from engine.served_turns import ServedTurns
+from engine.special_text import SpecialText
 from engine.tool_calls import function_tools, render_messages_with_tools
 
 # GPT-2's split (llama.cpp "gpt2"/"default" BPE; the ByteLevel pre-tokenizer's own regex).
@@ -260,6 +263,8 @@ class Tokenizer:
         self.pieces = PieceMemo(backend, served=self.served)
         """The memo of encoded pieces between special tokens (``engine.piece_memo``) ``render_chat`` and
         ``encode_with_offsets`` use."""
+        self.special_text = SpecialText(backend)
+        """Finds the special tokens' texts in messages and encodes them as text (``engine.special_text``)."""
 
     # ----- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -383,7 +388,8 @@ class Tokenizer:
         """Token ids of ``text`` (no special tokens added) and the start character of each, as
         ``backend.encode(text).offsets`` gives them; the pieces between special tokens memoized under ``scope``
         (the caller's tenant, ``engine.piece_memo``), served replies of ``scope`` with their served ids, as
-        ``render_chat`` gives them."""
+        ``render_chat`` gives them for a chat whose strings hold no special token's text (the text alone does not
+        say which special tokens came from messages: ``render_chat_text`` and ``encode_chat`` do)."""
         return self.pieces.encode(text, scope)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -537,20 +543,66 @@ class Tokenizer:
         messages: Sequence[dict],
         tools: Sequence[dict] | None = None,
         continue_final_message: bool = False,
-        scope: str = "",
+        scope: str | None = "",
+        add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of the rendered chat (generation prompt added, or the final message left open, see
-        ``apply_chat_template``), encoded without adding special tokens: equal to ``encode(text)``, the pieces
-        between special tokens (a system prompt, earlier turns) taken from the memo of ``scope`` (the caller's
-        tenant) when they were encoded before (``engine.piece_memo``), except that a reply the engine served in
-        ``scope`` keeps the ids it was served with (``engine.served_turns``; they decode to the same text)."""
-        text = self.apply_chat_template(
-            messages,
-            tools,
-            add_generation_prompt=not continue_final_message,
-            continue_final_message=continue_final_message,
-        )
-        return self.pieces.encode_ids(text, scope)
+        """Token ids of the rendered chat (generation prompt added unless ``add_generation_prompt`` is False, or
+        the final message left open, see ``apply_chat_template``), encoded without adding special tokens: equal
+        to ``encode(text)``, the pieces between special tokens (a system prompt, earlier turns) taken from the
+        memo of ``scope`` (the caller's tenant) when they were encoded before (``engine.piece_memo``), except
+        that a reply the engine served in ``scope`` keeps the ids it was served with (``engine.served_turns``;
+        they decode to the same text), and that the text of a special token written inside a message or tool
+        string is encoded as text, never as that token (``engine.special_text``). ``scope=None``: no memo nor
+        served turns, the backend's encode.
+
+        Raises:
+            InvalidRequestError: as ``apply_chat_template``; messages holding a special token's text that the
+                template does not render verbatim.
+        """
+        text, literal = self.render_chat_text(messages, tools, continue_final_message, add_generation_prompt)
+        return self.encode_chat(text, literal, scope)
+
+    def render_chat_text(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """The rendered chat (``apply_chat_template``) and the ``(start, end)`` character spans of the special
+        tokens' texts in it that came from message or tool strings (``engine.special_text``; ``()`` for every
+        prompt whose strings hold none: then the text is rendered once, as before).
+
+        Raises:
+            InvalidRequestError: as ``apply_chat_template``; messages holding a special token's text that the
+                template does not render verbatim.
+        """
+        flags = {
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "continue_final_message": continue_final_message,
+        }
+        text = self.apply_chat_template(messages, tools, **flags)
+        masked_messages, in_messages = self.special_text.mask(list(messages))
+        masked_tools, in_tools = self.special_text.mask(tools)
+        if not in_messages and not in_tools:
+            return text, ()
+        masked = self.apply_chat_template(masked_messages, masked_tools, **flags)
+        return text, self.special_text.literal_spans(text, masked)
+
+    def encode_chat(
+        self, text: str, literal: Sequence[tuple[int, int]] = (), scope: str | None = ""
+    ) -> list[int]:
+        """Token ids of a rendered chat (``render_chat_text``): the special tokens' texts at ``literal`` encoded
+        as text, the rest by the piece memo of ``scope`` (``scope=None``: the backend's encode)."""
+        if scope is None:
+            return self.special_text.encode_ids(text, literal, self.encode)
+        return self.special_text.encode_ids(text, literal, lambda part: self.pieces.encode_ids(part, scope))
+
+    def encode_chat_with_offsets(
+        self, text: str, literal: Sequence[tuple[int, int]] = (), scope: str = ""
+    ) -> tuple[list[int], list[int]]:
+        """``encode_chat(text, literal, scope)`` and the start character of each token (``encode_with_offsets``)."""
+        return self.special_text.encode(text, literal, lambda part: self.pieces.encode(part, scope))
 
 
 def _token_content(value) -> str | None:

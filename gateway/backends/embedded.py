@@ -351,14 +351,21 @@ class EnginePromptTokenizer:
     the engine prefills for canonical messages (``template_message`` / ``template_tools`` applied, generation
     prompt added) and its token ids with start offsets, equal to ``AsyncEngine.prompt_token_ids``.
 
+    A rendering whose message strings hold a special token's text (``engine.special_text``) is remembered with
+    where those texts are (the last ``LITERAL_RENDERS``): ``encode`` of that text, or of a text that ends with it
+    (the explanation puts a tools preamble first), encodes them as text, as the engine does.
+
     Args:
         tokenizer: the engine's ``engine.tokenizer.Tokenizer``.
         model_id: the engine's model id (the name).
     """
 
+    LITERAL_RENDERS = 64
+
     def __init__(self, tokenizer: Any, model_id: str) -> None:
         self._tokenizer = tokenizer
         self.name = f"chat-template:{model_id}"
+        self._literal: dict[str, tuple[tuple[int, int], ...]] = {}
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
@@ -369,14 +376,38 @@ class EnginePromptTokenizer:
             InvalidRequestError: a content part the engine cannot take; engine errors of the template.
         """
         shaped = [template_message(message, index) for index, message in enumerate(messages)]
-        return self._tokenizer.apply_chat_template(shaped, template_tools(tools), add_generation_prompt)
+        text, literal = self._tokenizer.render_chat_text(
+            shaped, template_tools(tools), add_generation_prompt=add_generation_prompt
+        )
+        if literal:
+            self._literal.pop(text, None)
+            self._literal[text] = literal
+            while len(self._literal) > self.LITERAL_RENDERS:
+                del self._literal[next(iter(self._literal))]
+        return text
 
     def encode(self, text: str) -> tuple[list[int], list[int]]:
         """(token ids, start character of each token), without special tokens added."""
-        return self._tokenizer.encode_with_offsets(text)
+        return self.encode_in_scope(text, "")
 
     def encode_in_scope(self, text: str, scope: str) -> tuple[list[int], list[int]]:
         """``encode(text)``, the pieces between special tokens memoized under ``scope``: the tenant, whose
         scope the engine renders the same request's prompt in (``engine.piece_memo``), so the explanation
         of a request finds its prompt's long pieces already encoded."""
-        return self._tokenizer.encode_with_offsets(text, scope)
+        literal = self._literal_in(text)
+        if not literal:
+            return self._tokenizer.encode_with_offsets(text, scope)
+        return self._tokenizer.encode_chat_with_offsets(text, literal, scope)
+
+    def _literal_in(self, text: str) -> tuple[tuple[int, int], ...]:
+        """Where the special tokens' texts from message strings are in ``text``: those of a remembered rendering
+        that ``text`` is or ends with (shifted by what comes before it), else none."""
+        if not self._literal:
+            return ()
+        if text in self._literal:
+            return self._literal[text]
+        for rendered, literal in reversed(self._literal.items()):
+            if text.endswith(rendered):
+                shift = len(text) - len(rendered)
+                return tuple((start + shift, end + shift) for start, end in literal)
+        return ()
