@@ -14,7 +14,11 @@ loop and every other stream run on.
 
 Cancellation: when a consumer closes its stream early (``aclose()``, ``GeneratorExit``, ``CancelledError``) the
 stream's ``finally`` takes the lock and aborts the request, so its blocks are free before ``aclose()``
-returns, even while a forward pass that includes it is running (its results are then dropped).
+returns, even while a forward pass that includes it is running (its results are then dropped). A request
+aborted in the middle of a chunked prefill therefore computes at most the chunk already running (at most
+``max_num_batched_tokens`` tokens) and no later one; that chunk's blocks are never registered in the prefix cache
+(``finish_step`` skips a request that is no longer running), so only its fully computed earlier chunks stay
+cached (tests/engine/test_prefill_abort.py).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from gateway.http.body import read_json_object
 from gateway.http.request_context import (
     begin,
     gateway_of,
+    open_unless_disconnected,
     refuse_unknown_fields,
     request_id_of,
     run_unless_disconnected,
@@ -32,7 +33,7 @@ from gateway.protocols.anthropic.parse import apply_request_headers, parse_messa
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter
 from gateway.protocols.anthropic.structured_outputs import to_anthropic_format_error
-from gateway.service.pipeline import OpenedStream, open_stream
+from gateway.service.pipeline import OpenedStream
 from gateway.transport.sse import EventStreamResponse
 
 
@@ -88,7 +89,9 @@ async def messages_endpoint(http_request: Request) -> Response:
     authorize(http_request, request, key)
     begin(http_request, request)
     try:  # the engine names the output schema in chat terms (response_format): the client sent output_config
-        opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
+        opened = await open_unless_disconnected(
+            http_request, gateway, request, http_request.url.path, started_at(http_request)
+        )
     except InvalidRequestError as error:
         to_anthropic_format_error(error, body)
         raise

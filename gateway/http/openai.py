@@ -29,6 +29,7 @@ from gateway.http.body import read_json_object
 from gateway.http.request_context import (
     begin,
     gateway_of,
+    open_unless_disconnected,
     refuse_unknown_fields,
     run_unless_disconnected,
     started_at,
@@ -50,7 +51,7 @@ from gateway.protocols.openai.render import (
     usage_chunk,
 )
 from gateway.service.gateway import Gateway
-from gateway.service.pipeline import OpenedStream, open_stream
+from gateway.service.pipeline import OpenedStream
 from gateway.transport.sse import EventStreamResponse
 
 
@@ -153,7 +154,7 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     gateway = gateway_of(http_request)
     begin(http_request, request)
     path = http_request.scope["path"]  # what ``url.path`` gives for this route's fixed path, without the URL
-    opened = await open_stream(gateway, request, path, started_at(http_request))
+    opened = await open_unless_disconnected(http_request, gateway, request, path, started_at(http_request))
     meta = ResponseMeta(request, gateway.registry.get(request.model).system_fingerprint())
     headers = {"x-request-id": request.request_id}
     if request.stream:

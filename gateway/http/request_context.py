@@ -1,6 +1,8 @@
 """Per-HTTP-request context the handlers and the exception handler share: the app's ``Gateway``
 (``gateway_of``), the request id (made on first use), the arrival time stamped by the app's middleware, and
-cancelling a non-streamed answer when the client goes.
+cancelling the backend's work when the client goes: while the stream opens (``open_unless_disconnected``: a
+prefill, for the embedded engine) and while a non-streamed answer is collected (``run_unless_disconnected``);
+a streamed answer's own watch is ``gateway.transport.sse.EventStreamResponse``'s.
 """
 
 from __future__ import annotations
@@ -9,14 +11,14 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from gateway.core.request import ChatRequest
 from gateway.http.server_protocol import WATCH_DISCONNECT
 from gateway.service.gateway import Gateway
-from gateway.service.pipeline import OpenedStream
+from gateway.service.pipeline import OpenedStream, open_stream, record_abandoned
 
 T = TypeVar("T")
 
@@ -50,23 +52,59 @@ def started_at(http_request: Request) -> float:
     return getattr(http_request.state, "started_at", None) or time.monotonic()
 
 
+async def open_unless_disconnected(
+    http_request: Request, gateway: Gateway, request: ChatRequest, path: str, started: float
+) -> OpenedStream:
+    """``open_stream`` (the backend's work up to its first event: for the embedded engine, the whole prefill)
+    unless the client disconnects first; then the opening is cancelled, which closes the backend's stream (the
+    engine request is aborted and its blocks freed at once, with at most the prefill chunk already running
+    computed: docs/serving-path.md), the request is counted aborted and logged 499, and ``ClientDisconnected``
+    is raised. The same watch as ``run_unless_disconnected``: the server's callback under ``prefixgate
+    serve``, no task per request.
+
+    Raises:
+        ClientDisconnected: the client went away before the first event (``logged``: its 499 line written).
+        CancelledError: the caller was cancelled by someone else.
+        whatever ``open_stream`` raises.
+    """
+    opened = await _unless_disconnected(http_request, open_stream(gateway, request, path, started))
+    if opened is _GONE:
+        record_abandoned(gateway, request, path, started)
+        raise ClientDisconnected()
+    return opened
+
+
 async def run_unless_disconnected(http_request: Request, work: Awaitable[T], opened: OpenedStream) -> T:
     """Await ``work`` (a non-streamed answer being collected) unless the client disconnects first; then cancel
     it, close ``opened`` (freeing the backend's work) and raise ``ClientDisconnected``.
-
-    Under ``prefixgate serve`` (``gateway.http.server_protocol``) the server calls back when the connection is
-    lost (the scope's ``WATCH_DISCONNECT`` extension) and no task is made; elsewhere ``work`` runs in the
-    calling task and one watcher task waits for the disconnect and cancels the caller when it
-    comes (one task per request instead of two, and no ``asyncio.wait``); what the caller gets is what it got
-    from the two-task form in every case (the answer, the work's own error, or ``ClientDisconnected`` when the
-    work ended cancelled). The watcher's callback acts only
-    while the caller is inside ``await work`` (``active``), so its cancellation always lands there; a
-    cancellation from elsewhere (the server shutting down) is passed on as it is.
 
     Raises:
         ClientDisconnected: the client went away first (``opened`` closed).
         CancelledError: the caller was cancelled by someone else.
         whatever ``work`` raises.
+    """
+    result = await _unless_disconnected(http_request, work)
+    if result is _GONE:
+        await opened.aclose()
+        raise ClientDisconnected()
+    return result
+
+
+_GONE: Any = object()
+"""What ``_unless_disconnected`` returns when the client left and the work ended cancelled."""
+
+
+async def _unless_disconnected(http_request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first: then cancel it and return ``_GONE``.
+
+    Under ``prefixgate serve`` (``gateway.http.server_protocol``) the server calls back when the connection is
+    lost (the scope's ``WATCH_DISCONNECT`` extension) and no task is made; elsewhere ``work`` runs in the
+    calling task and one watcher task waits for the disconnect and cancels the caller when it
+    comes (one task per request instead of two, and no ``asyncio.wait``); what the caller gets is what it got
+    from the two-task form in every case (the answer, the work's own error, or ``_GONE`` when the
+    work ended cancelled). The watcher's callback acts only
+    while the caller is inside ``await work`` (``active``), so its cancellation always lands there; a
+    cancellation from elsewhere (the server shutting down) is passed on as it is.
     """
     current = asyncio.current_task()
     if current is None:
@@ -109,8 +147,7 @@ async def run_unless_disconnected(http_request: Request, work: Awaitable[T], ope
     finally:
         active = False
         stop()
-    await opened.aclose()
-    raise ClientDisconnected()
+    return _GONE
 
 
 class ClientDisconnected(Exception):

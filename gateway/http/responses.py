@@ -24,6 +24,7 @@ from gateway.http.body import read_json_object
 from gateway.http.request_context import (
     begin,
     gateway_of,
+    open_unless_disconnected,
     refuse_unknown_fields,
     run_unless_disconnected,
     started_at,
@@ -31,7 +32,7 @@ from gateway.http.request_context import (
 from gateway.protocols.openai.parse import parse_chat_request
 from gateway.protocols.openai.responses import ResponseBuilder, chat_message_origins, responses_to_chat_body
 from gateway.protocols.openai.responses_params import to_responses_error
-from gateway.service.pipeline import OpenedStream, open_stream
+from gateway.service.pipeline import OpenedStream
 from gateway.transport.sse import EventStreamResponse
 
 
@@ -46,7 +47,9 @@ async def responses_endpoint(http_request: Request) -> Response:
         request = parse_chat_request(chat_body, http_request.headers, refuse_unknown=False)
         authorize(http_request, request, key)
         begin(http_request, request)
-        opened = await open_stream(gateway, request, http_request.url.path, started_at(http_request))
+        opened = await open_unless_disconnected(
+            http_request, gateway, request, http_request.url.path, started_at(http_request)
+        )
     except InvalidRequestError as error:
         to_responses_error(error, chat_message_origins(body))
         raise

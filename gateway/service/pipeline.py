@@ -11,6 +11,8 @@ become a proper HTTP error status instead of a broken stream.
 Exactly one of these ends each request's bookkeeping:
 - the backend's ``Finish`` (``OpenedStream`` records usage and logs status 200);
 - the stream closed before ``Finish`` without an error (client disconnect: recorded as aborted, logged 499);
+- the client left while ``open_stream`` waited for the first event (the HTTP layer cancels it, which closes the
+  backend's stream, and calls ``record_abandoned``: recorded as aborted, logged 499);
 - an error after the response started (``OpenedStream.fail``: recorded and logged with the error's status);
 - any other error propagates to the app's exception handler, which records and logs it.
 """
@@ -377,26 +379,47 @@ class OpenedStream:
         ttft_s: float | None = None,
         error_code: str | None = None,
     ) -> RequestRecord:
-        request = self.request
-        applied = Canonicalizer.applied(request)
-        return RequestRecord(
-            request_id=request.request_id,
-            path=self._path,
-            status=status,
-            model=request.model,
-            key=request.client_key or None,
-            tenant=request.tenant or None,
-            stream=request.stream,
-            prompt_tokens=finish.usage.prompt_tokens if finish else None,
-            cached_tokens=finish.usage.cached_tokens if finish else None,
-            completion_tokens=finish.usage.completion_tokens if finish else None,
-            ttft_s=ttft_s,
-            duration_s=time.monotonic() - self._started,
-            finish_reason=finish.finish_reason if finish else None,
-            error_code=error_code,
-            prefix_key=request.prefix_key or None,
-            rules_applied=sum(applied.values()) if request.kind == "chat" else None,
-        )
+        return request_record(self.request, self._path, self._started, status, finish, ttft_s, error_code)
+
+
+def request_record(
+    request: ChatRequest,
+    path: str,
+    started: float,
+    status: int,
+    finish: Finish | None = None,
+    ttft_s: float | None = None,
+    error_code: str | None = None,
+) -> RequestRecord:
+    """The request log's record of ``request`` (served on ``path``, arrived at ``started``, monotonic seconds)
+    ending now with HTTP ``status``."""
+    applied = Canonicalizer.applied(request)
+    return RequestRecord(
+        request_id=request.request_id,
+        path=path,
+        status=status,
+        model=request.model,
+        key=request.client_key or None,
+        tenant=request.tenant or None,
+        stream=request.stream,
+        prompt_tokens=finish.usage.prompt_tokens if finish else None,
+        cached_tokens=finish.usage.cached_tokens if finish else None,
+        completion_tokens=finish.usage.completion_tokens if finish else None,
+        ttft_s=ttft_s,
+        duration_s=time.monotonic() - started,
+        finish_reason=finish.finish_reason if finish else None,
+        error_code=error_code,
+        prefix_key=request.prefix_key or None,
+        rules_applied=sum(applied.values()) if request.kind == "chat" else None,
+    )
+
+
+def record_abandoned(gateway: Gateway, request: ChatRequest, path: str, started: float) -> None:
+    """End the bookkeeping of a request whose client left while its stream was opening (``open_stream``
+    cancelled, the backend's stream already closed by it): counted aborted and logged 499, as a stream closed
+    before its ``Finish``."""
+    gateway.stats.record_abort(request.model)
+    log_request(request_record(request, path, started, CLIENT_CLOSED))
 
 
 def _prepare_if_chat(

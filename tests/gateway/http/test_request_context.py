@@ -1,6 +1,7 @@
 """new_request_id: 24 lowercase hex digits, fresh each time. run_unless_disconnected: the answer when the client
 stays, ClientDisconnected (and the stream closed) when it goes, someone else's cancellation passed on, and no
-cancellation left behind on the caller."""
+cancellation left behind on the caller. open_unless_disconnected: the same watch over the stream's opening (a
+prefill), the opening cancelled and the request recorded aborted when the client goes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import re
 
 import pytest
 
-from gateway.http.request_context import ClientDisconnected, new_request_id, run_unless_disconnected
+from gateway.http import request_context
+from gateway.http.request_context import (
+    ClientDisconnected,
+    new_request_id,
+    open_unless_disconnected,
+    run_unless_disconnected,
+)
 from gateway.http.server_protocol import WATCH_DISCONNECT
 
 
@@ -160,6 +167,55 @@ async def test_the_server_watch_is_taken_back_when_the_work_ends():
 
     assert await run_unless_disconnected(request, work(), opened) == "answer"
     assert request.watchers == []
+
+
+class FakeOpening:
+    """Stands in for ``open_stream`` (waits until ``answer`` is set or it is cancelled) and ``record_abandoned``."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+        self.cancelled = 0
+        self.abandoned: list[tuple] = []
+
+    async def open_stream(self, gateway, request, path, started):
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1  # open_stream closes the backend's stream here (the engine request aborted)
+            raise
+        return "opened"
+
+    def record_abandoned(self, gateway, request, path, started) -> None:
+        self.abandoned.append((gateway, request, path, started))
+
+
+@pytest.fixture
+def opening(monkeypatch) -> FakeOpening:
+    fake = FakeOpening()
+    monkeypatch.setattr(request_context, "open_stream", fake.open_stream)
+    monkeypatch.setattr(request_context, "record_abandoned", fake.record_abandoned)
+    return fake
+
+
+async def test_a_disconnect_while_the_stream_opens_cancels_the_opening_and_records_it(opening, watched):
+    request = FakeRequest(watched=watched)
+    asyncio.get_running_loop().call_later(0.01, request.leave)
+    with pytest.raises(ClientDisconnected) as raised:
+        await open_unless_disconnected(request, "gw", "req", "/v1/messages", 1.0)
+    assert raised.value.logged  # its 499 line is written by record_abandoned, not by the app's handler
+    assert opening.cancelled == 1 and opening.abandoned == [("gw", "req", "/v1/messages", 1.0)]
+    assert asyncio.current_task().cancelling() == 0 and request.watchers == []
+    await asyncio.sleep(0)  # no cancellation left pending on the caller
+
+
+async def test_a_stream_that_opens_is_returned_and_the_watch_taken_back(opening, watched):
+    request = FakeRequest(watched=watched)
+    asyncio.get_running_loop().call_soon(opening.answer.set)
+    assert await open_unless_disconnected(request, "gw", "req", "/v1/responses", 1.0) == "opened"
+    assert opening.cancelled == 0 and opening.abandoned == [] and request.watchers == []
+    request.leave()  # a disconnect once the stream is open is the answer's own watch's business
+    await asyncio.sleep(0.01)
+    assert asyncio.current_task().cancelling() == 0 and opening.abandoned == []
 
 
 def test_request_ids_are_24_hex_digits_and_fresh():
