@@ -118,9 +118,19 @@ def render_tools_prompt(tools: Sequence[FunctionTool]) -> str:
     return TOOLS_PREAMBLE + lines + TOOLS_INSTRUCTIONS
 
 
+CALL_TAIL = "}"
+"""What closes a call body after its arguments (``call_head`` opens it)."""
+
+
+def call_head(name: str) -> str:
+    """The text of a call body before its arguments: ``{"name": NAME, "arguments": `` (NAME as ``call_json``)."""
+    return '{"name": ' + call_json(name) + ', "arguments": '
+
+
 def render_call(name: str, arguments: object) -> str:
-    """One call block, byte for byte what the constrained model writes."""
-    return CALL_OPEN + call_json({"name": name, "arguments": arguments}) + CALL_CLOSE
+    """One call block, byte for byte what the constrained model writes (``engine.constrained`` builds its
+    grammar from the same ``call_head`` / ``CALL_TAIL``)."""
+    return CALL_OPEN + call_head(name) + call_json(arguments) + CALL_TAIL + CALL_CLOSE
 
 
 def _call_arguments(call: object, index: int) -> tuple[str, object]:
