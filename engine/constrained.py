@@ -45,7 +45,7 @@ import torch
 
 from engine.api import Constraint
 from engine.errors import InvalidRequestError
-from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, function_tools
+from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, CALL_TAIL, call_head, function_tools
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance JSON options: no free whitespace (a small model otherwise loops on newlines), and
@@ -61,20 +61,6 @@ def _json_schema(schema: dict) -> dict:
     return {**schema, "x-guidance": JSON_OPTIONS}
 
 
-def _call_schema(tools) -> dict:
-    """The JSON Schema of one call body ``{"name": NAME, "arguments": ARGS}`` over ``tools``."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return _json_schema(options[0] if len(options) == 1 else {"anyOf": options})
-
-
 def lark_string(text: str) -> str:
     """``text`` as a Lark string literal."""
     return json.dumps(text)
@@ -86,6 +72,15 @@ def tool_call_grammar(constraint: Constraint) -> str:
     ``auto``: text that never contains ``<tool_call>``, or text followed by calls; ``required``: calls only;
     ``function``: calls of ``tool_name`` only. Calls are separated by ``\\n``; one at most when
     ``parallel_tool_calls`` is False.
+
+    A call body is Lark text around the arguments, ``{"name": NAME, "arguments": `` ARGS ``}`` (the bytes
+    ``render_call`` writes), and each tool's ARGS is its own ``%json`` sub-grammar whose root is the tool's
+    ``parameters`` schema exactly as the client sent it. So llguidance resolves the schema's references as
+    written: ``#/$defs/X`` and ``#/definitions/X`` at any depth, ``#`` (the tool's own schema), recursive ones
+    (a tree type referencing itself), and tools whose ``$defs`` share names do not see each other's. (Embedding
+    each schema under a ``properties.arguments`` of one call schema, as before, moved its root and broke every
+    root-relative pointer.) A pointer that does not resolve, or a remote ``$ref``, fails to compile; see
+    ``ConstraintCompiler.grammar`` for the 400 naming the tool.
 
     Raises:
         InvalidRequestError: no tools, bad tools, an unknown ``tool_choice``, or ``tool_name`` not among them.
@@ -106,8 +101,14 @@ def tool_call_grammar(constraint: Constraint) -> str:
     close = lark_string(CALL_CLOSE)
     lines = [
         f"call: {lark_string(CALL_OPEN)} body {close}",
-        f"body: %json {json.dumps(_call_schema(tools))}",
+        "body: " + " | ".join(f"body_{i}" for i in range(len(tools))),
     ]
+    for i, tool in enumerate(tools):
+        head = lark_string(call_head(tool.name))
+        lines += [
+            f"body_{i}: {head} args_{i} {lark_string(CALL_TAIL)}",
+            f"args_{i}: %json {json.dumps(_json_schema(tool.parameters))}",
+        ]
     if choice == "auto":
         lines += [
             f"start: TEXT | lead body {close} {more}",

@@ -25,6 +25,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import jiter
+
 from engine.errors import InvalidRequestError
 
 CALL_OPEN = "<tool_call>\n"
@@ -118,9 +120,19 @@ def render_tools_prompt(tools: Sequence[FunctionTool]) -> str:
     return TOOLS_PREAMBLE + lines + TOOLS_INSTRUCTIONS
 
 
+CALL_TAIL = "}"
+"""What closes a call body after its arguments (``call_head`` opens it)."""
+
+
+def call_head(name: str) -> str:
+    """The text of a call body before its arguments: ``{"name": NAME, "arguments": `` (NAME as ``call_json``)."""
+    return '{"name": ' + call_json(name) + ', "arguments": '
+
+
 def render_call(name: str, arguments: object) -> str:
-    """One call block, byte for byte what the constrained model writes."""
-    return CALL_OPEN + call_json({"name": name, "arguments": arguments}) + CALL_CLOSE
+    """One call block, byte for byte what the constrained model writes (``engine.constrained`` builds its
+    grammar from the same ``call_head`` / ``CALL_TAIL``)."""
+    return CALL_OPEN + call_head(name) + call_json(arguments) + CALL_TAIL + CALL_CLOSE
 
 
 def _call_arguments(call: object, index: int) -> tuple[str, object]:
@@ -189,12 +201,19 @@ def render_messages_with_tools(messages: Sequence[dict], tools: Sequence[Functio
 @dataclass(frozen=True)
 class ToolCall:
     """A parsed call: ``id`` (``call_`` + 24 hex digits), function ``name``, ``arguments`` (parsed JSON object)
-    and ``arguments_json`` (its JSON text, as OpenAI's ``function.arguments``)."""
+    and ``arguments_json`` (its JSON text, as OpenAI's ``function.arguments``).
+
+    ``complete`` is False for a call ``max_tokens`` cut inside its arguments (``ToolCallParser.finish``):
+    ``arguments_json`` is then the arguments' text as far as the model wrote it (not valid JSON; empty when
+    the cut came right after the name), and ``arguments`` what of it parses in jiter's partial mode, as the
+    OpenAI and Anthropic SDKs read a cut stream (an unfinished string, number or literal is left out; ``{}``
+    when nothing is complete)."""
 
     id: str
     name: str
     arguments: dict
     arguments_json: str
+    complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -232,6 +251,8 @@ class ToolCallEnd:
 ParseEvent = ContentDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+"""The head of a call cut after its complete name but before its arguments began."""
 
 
 def new_call_id() -> str:
@@ -301,10 +322,12 @@ class ToolCallParser:
         """Events for the end of the output.
 
         An unclosed call whose arguments are complete (a JSON object: only the closing ``}`` and
-        ``</tool_call>`` are missing, as when ``max_tokens`` cut the output there) ends as a call. Any other
-        unclosed call (cut before its name, or inside its arguments) is no call (``calls`` does not list it)
-        and no content either: the constrained grammar (``engine.constrained.tool_call_grammar``) lets only a
-        call follow ``<tool_call>``, so its text is always a cut call's markup.
+        ``</tool_call>`` are missing, as when ``max_tokens`` cut the output there) ends as a call. When
+        ``cut``, a call cut after its name but inside (or before) its arguments also ends as a call, marked
+        ``complete=False``, its ``arguments_json`` the text written so far (OpenAI returns a cut call so, with
+        finish reason ``length``). A call cut before its name is complete is no call (``calls`` does not list
+        it); no unclosed call is ever content: the constrained grammar (``engine.constrained.tool_call_grammar``)
+        lets only a call follow ``<tool_call>``, so its text is always a cut call's markup.
 
         Held-back text that may begin a call tag (a proper prefix of ``\n<tool_call>\n``) is content only
         when the output ended by itself (``cut`` False) before any call began (the grammar allows nothing but
@@ -315,8 +338,12 @@ class ToolCallParser:
         """
         events: list[ParseEvent] = []
         if self._in_call:
+            if self._started is None and cut:
+                events.extend(self._start_cut_call())
             if self._started is not None and self._args_done:
                 events.extend(self._end_unclosed_call())
+            elif self._started is not None and cut:
+                events.extend(self._end_cut_call())
             self._in_call = False
         elif self._buf and not cut and not self._opened:
             events.append(ContentDelta(self._buf))
@@ -346,6 +373,34 @@ class ToolCallParser:
             self._args_sent = upto
         self._args_done = end is not None
         return events
+
+    def _start_cut_call(self) -> list[ParseEvent]:
+        """Announce a call cut after its name, before its arguments (``"arguments": `` not yet complete)."""
+        head = _NAME.match(self._buf)
+        if head is None:
+            return []
+        try:
+            name = json.loads('"' + head.group(1) + '"')
+        except json.JSONDecodeError:
+            return []
+        self._started = ToolCallStart(len(self.calls), self.new_id(), name)
+        self._args_start = len(self._buf)  # no arguments text
+        return [self._started]
+
+    def _end_cut_call(self) -> list[ParseEvent]:
+        """End a call cut inside its arguments: the text so far, and what of it parses (partial mode)."""
+        start = self._started
+        assert start is not None
+        raw = self._buf[self._args_start :]
+        try:
+            arguments = jiter.from_json(raw.encode(), partial_mode=True) if raw.strip() else {}
+        except ValueError:
+            arguments = {}
+        call = ToolCall(
+            start.id, start.name, arguments if isinstance(arguments, dict) else {}, raw, complete=False
+        )
+        self.calls.append(call)
+        return [ToolCallEnd(start.index, call)]
 
     def _end_unclosed_call(self) -> list[ParseEvent]:
         start = self._started

@@ -9,8 +9,9 @@ blocks at once.
 Tools: the engine renders them for every checkpoint (docs/tools.md). When its ``tool_format`` is
 ``"generic"``, the request's ``tool_choice`` becomes a ``"tool_calls"`` ``Constraint`` (``none``: no constraint)
 and each choice's output is parsed by ``engine.tool_calls.ToolCallParser`` into OpenAI tool-call deltas
-(``Delta.tool_calls``, one per complete call, streamed or not; the Anthropic face turns them into ``tool_use``
-blocks); a choice that called a tool and stopped finishes with ``tool_calls``. ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
+(``Delta.tool_calls``, one per call once complete, or at the end of an output ``max_tokens`` cut inside a call's
+arguments, that call with its arguments text so far; streamed or not; the Anthropic face turns them into
+``tool_use`` blocks); a choice that called a tool and stopped finishes with ``tool_calls``. ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
 (usage of all choices, each choice's reason in ``finish_reasons``). Logprobs carry each token's text and bytes
 from the engine's tokenizer.
 
@@ -218,9 +219,10 @@ class _Choice:
     """One choice's output state: its tool-call parser (None when the output is plain text), whether it
     called a tool, and logprobs waiting for the text the parser holds back.
 
-    A call is delivered whole, once complete (``ToolCallEnd``: its arguments closed; at the end of the output,
-    a call cut by ``max_tokens`` after its arguments counts, one cut inside them does not), in a stream as in
-    a non-streamed answer, so both deliver the same calls (docs/tools.md, "Calls and max_tokens")."""
+    A call is delivered whole, once complete (``ToolCallEnd``: its arguments closed), or at the end of the
+    output when ``max_tokens`` cut it after its name (its arguments text as far as it got, finish reason
+    ``length``), in a stream as in a non-streamed answer, so both deliver the same calls (docs/tools.md,
+    "Calls and max_tokens")."""
 
     parser: ToolCallParser | None
     called: bool = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import llguidance
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from engine.api import Constraint, SamplingParams
 from engine.constrained import tool_call_grammar
 from engine.errors import InvalidRequestError
-from engine.tool_calls import parse_tool_calls
+from engine.tool_calls import parse_tool_calls, render_call
 from tests.engine.engine_helpers import make_engine, random_tokens
 
 NAMES = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
@@ -257,4 +258,153 @@ def test_an_unsupported_schema_names_its_tool_without_grammar_internals(schema, 
         "response_format",
         f"Invalid 'response_format': the JSON schema is not supported by constrained decoding: {problem}",
     )
+    assert not eng.has_unfinished()
+
+
+# ---- tool schemas with $ref ---------------------------------------------------------------------------------
+UNIT_SCHEMA = {  # what openai.pydantic_function_tool makes of ``class GetWeather(BaseModel): city: str; unit: Unit``
+    "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "title": "Unit", "type": "string"}},
+    "properties": {"city": {"title": "City", "type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"],
+    "title": "GetWeather",
+    "type": "object",
+    "additionalProperties": False,
+}
+TREE_SCHEMA = {  # recursive, through the old-style ``definitions``, nested two levels deep
+    "type": "object",
+    "properties": {"root": {"$ref": "#/definitions/Node"}},
+    "required": ["root"],
+    "additionalProperties": False,
+    "definitions": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/definitions/Node"}},
+            },
+            "required": ["v"],
+            "additionalProperties": False,
+        }
+    },
+}
+LIST_SCHEMA = {  # a linked list through ``#``, the tool's own schema
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}
+OTHER_UNIT_SCHEMA = {  # the same def name as UNIT_SCHEMA's, another type: each tool resolves its own
+    "$defs": {"Unit": {"type": "integer"}, "Wrap": {"$ref": "#/$defs/Unit"}},
+    "type": "object",
+    "properties": {"n": {"$ref": "#/$defs/Wrap"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+REF_TOOLS = tuple(
+    {"type": "function", "function": {"name": name, "parameters": schema}}
+    for name, schema in [
+        ("get_weather", UNIT_SCHEMA),
+        ("tree", TREE_SCHEMA),
+        ("chain", LIST_SCHEMA),
+        ("count", OTHER_UNIT_SCHEMA),
+    ]
+)
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    """Whether ``text`` (tokenized by the tiny checkpoint's tokenizer) is a complete instance of ``grammar``."""
+    lltok = engine().constraints.lltokenizer
+    matcher = llguidance.LLMatcher(lltok, grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    tokens = lltok.tokenize_str(text)
+    if matcher.validate_tokens(tokens) < len(tokens):
+        return False
+    assert matcher.consume_tokens(tokens)
+    return matcher.is_accepting()
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize(
+    ("name", "arguments", "valid"),
+    [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}, True),
+        ("get_weather", {"city": "Paris", "unit": "kelvin"}, False),
+        ("get_weather", {"city": "Paris"}, False),
+        ("tree", {"root": {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}, {"v": 4}]}}, True),
+        ("tree", {"root": {"v": 1, "kids": [{"v": 2, "kids": [{"v": "3"}]}]}}, False),
+        ("chain", {"v": 1, "next": {"v": 2, "next": {"v": 3, "next": None}}}, True),
+        ("chain", {"v": 1, "next": {"v": 2}}, False),
+        ("count", {"n": 5}, True),
+        ("count", {"n": "celsius"}, False),  # not get_weather's Unit
+    ],
+)
+def test_tool_schemas_with_refs_compile_and_hold_their_calls_to_the_schema(name, arguments, valid, choice):
+    """Before: every tool whose schema used ``$ref`` into ``$defs`` / ``definitions`` was refused
+    (``Pointer '/$defs/Unit' does not exist``: the schema was embedded under the call schema's
+    ``properties.arguments``, so root-relative pointers no longer resolved)."""
+    grammar = engine().constraints.grammar(Constraint("tool_calls", tools=REF_TOOLS, tool_choice=choice))
+    text = render_call(name, arguments)
+    assert _accepts(grammar, text) is valid
+    if valid:  # the cases are right about the schema
+        jsonschema.validate(arguments, REF_TOOLS_BY_NAME[name])
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(arguments, REF_TOOLS_BY_NAME[name])
+    both = render_call("count", {"n": 1}) + "\n" + text
+    assert _accepts(grammar, both) is valid
+
+
+REF_TOOLS_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in REF_TOOLS}
+
+
+def test_the_tool_grammar_writes_calls_byte_for_byte_as_render_call():
+    """The call's text around its arguments comes from ``call_head`` / ``CALL_TAIL`` (non-ASCII and quoted
+    names included), so a resent call is the model's own text."""
+    tools = ({"type": "function", "function": {"name": 'méteo"x', "parameters": UNIT_SCHEMA}},)
+    grammar = engine().constraints.grammar(Constraint("tool_calls", tools=tools, tool_choice="required"))
+    arguments = {"city": "Zürich", "unit": "celsius"}
+    assert _accepts(grammar, render_call('méteo"x', arguments))
+    assert not _accepts(grammar, render_call('méteo"x', arguments).replace('": ', '":'))
+
+
+def test_ref_tools_generate_calls_that_validate_on_a_random_model():
+    c = Constraint("tool_calls", tools=REF_TOOLS, tool_choice="required", parallel_tool_calls=True)
+    for out in run(engine(), c, seeds=[1, 2, 3], max_tokens=400):
+        assert out.finish_reason == "stop", out.full_text
+        content, calls = parse_tool_calls(out.full_text)
+        assert content == "" and calls
+        for call in calls:
+            jsonschema.validate(call.arguments, REF_TOOLS_BY_NAME[call.name])
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}, "$defs": {"Yes": {}}},
+            "Pointer '/$defs/Nope' does not exist",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/definitions/Nope"}}},
+            "Pointer '/definitions/Nope' does not exist",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "http://example.com/schema.json"}}},
+            "Resource 'http://example.com/schema.json' is not present in a registry",
+        ),
+    ],
+)
+def test_a_ref_that_does_not_resolve_names_the_tool_and_the_pointer(schema, problem):
+    tools = REF_TOOLS + ({"type": "function", "function": {"name": "broken", "parameters": schema}},)
+    eng = engine()
+    for choice in ("auto", "required"):
+        with pytest.raises(InvalidRequestError) as err:
+            eng.add_request(
+                [5, 6, 7],
+                SamplingParams(constraint=Constraint("tool_calls", tools=tools, tool_choice=choice)),
+            )
+        assert err.value.param == "tools"
+        message = str(err.value)
+        assert message.startswith("Invalid 'tools': the schema of tool 'broken' is not supported"), message
+        assert problem in message and "%json" not in message and "body_" not in message
     assert not eng.has_unfinished()

@@ -16,6 +16,7 @@ from engine.tool_calls import (
     ToolCallEnd,
     ToolCallParser,
     ToolCallStart,
+    canonical_json,
     function_tools,
     parse_tool_calls,
     render_call,
@@ -159,8 +160,9 @@ def test_incremental_parse_equals_whole_parse_for_any_split(cuts):
         ("just text", "just text", []),
         ("a <tool_call> inline mention", "a <tool_call> inline mention", []),
         ('<tool_call>\n{"name": 3}\n</tool_call>', '<tool_call>\n{"name": 3}\n</tool_call>', []),
-        ('<tool_call>\n{"name": "f", "arguments": {"a": ', "", []),  # cut by max_tokens: not a call
-        ('<tool_call>\n{"name": "f", "arguments": {"a": 1', "", []),  # cut inside the arguments: not a call
+        # ended inside the arguments without a cut (possible only unconstrained): not a call
+        ('<tool_call>\n{"name": "f", "arguments": {"a": ', "", []),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1', "", []),
         # cut by max_tokens after complete arguments, before "}" / "</tool_call>": a call
         ('<tool_call>\n{"name": "f", "arguments": {"a": 1}', "", ["f"]),
         ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool', "", ["f"]),
@@ -206,14 +208,70 @@ def test_a_cut_call_leaves_no_markup_in_the_content(text, cut, content, names):
 
 
 @pytest.mark.parametrize("end", range(len(CUT_OUTPUT) + 1))
-def test_every_cut_of_text_and_two_calls_gives_the_text_and_whole_calls_only(end):
+def test_every_cut_of_text_and_two_calls_gives_the_text_and_every_named_call(end):
     """Cut after every character (as ``max_tokens`` may): the content is the text before the calls as far as
-    it was written (never a character of a tag, a separator or a call's JSON), and the calls are the complete
-    ones, in order."""
+    it was written (never a character of a tag, a separator or a call's JSON); the calls are the complete ones,
+    in order, then the one cut after its name, if any, with its arguments text so far (a prefix of the whole
+    call's) and what of it parses (a subset of the whole call's arguments)."""
     content, calls = parse_tool_calls(CUT_OUTPUT[:end], ids(), cut=end < len(CUT_OUTPUT))
     assert content == CUT_OUTPUT[: min(end, len("Let me check."))]
-    whole = [(c.name, c.arguments) for c in parse_tool_calls(CUT_OUTPUT, ids())[1]]
-    assert [(c.name, c.arguments) for c in calls] == whole[: len(calls)]
+    whole = parse_tool_calls(CUT_OUTPUT, ids())[1]
+    done = [c for c in calls if c.complete]
+    assert [(c.name, c.arguments, c.arguments_json) for c in done] == [
+        (c.name, c.arguments, c.arguments_json) for c in whole[: len(done)]
+    ]
+    assert calls[: len(done)] == done and len(calls) - len(done) <= 1
+    if len(calls) > len(done):
+        cut, full = calls[-1], whole[len(calls) - 1]
+        assert cut.name == full.name and full.arguments_json.startswith(cut.arguments_json)
+        assert cut.arguments.items() <= full.arguments.items()
+        name_end = CUT_OUTPUT.index('"', CUT_OUTPUT.index(f'"{cut.name}') + 1) + 1
+        assert end >= name_end
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "arguments_json", "arguments"),
+    [
+        ('<tool_call>\n{"name": "lookup_order"', "lookup_order", "", {}),
+        ('<tool_call>\n{"name": "lookup_order", "argu', "lookup_order", "", {}),
+        ('<tool_call>\n{"name": "lookup_order", "arguments": ', "lookup_order", "", {}),
+        # the user's report: a runaway string cut by max_tokens; the call comes back, its text as written
+        (
+            '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "}}</tool_call>  # This is',
+            "lookup_order",
+            '{"order_id": "}}</tool_call>  # This is',
+            {},
+        ),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": [true, "x',
+            "f",
+            '{"a": 1, "b": [true, "x',
+            {"a": 1, "b": [True]},
+        ),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": {"b": 2', "f", '{"a": {"b": 2', {"a": {"b": 2}}),
+    ],
+)
+def test_a_call_cut_after_its_name_is_a_call_with_its_arguments_so_far(text, name, arguments_json, arguments):
+    """Before: a call cut inside its arguments was dropped, so ``tool_choice: required`` cut by ``max_tokens``
+    answered neither a call nor content. Now it is a call marked incomplete (OpenAI returns a cut call with
+    the arguments it got to), streamed events and the whole parse alike."""
+    content, calls = parse_tool_calls(text, ids(), cut=True)
+    assert content == "" and len(calls) == 1
+    call = calls[0]
+    assert (call.name, call.arguments_json, call.arguments, call.complete) == (
+        name,
+        arguments_json,
+        arguments,
+        False,
+    )
+    parser = ToolCallParser(ids())
+    events = [e for k in range(len(text)) for e in parser.feed(text[k])] + parser.finish(cut=True)
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    streamed = "".join(e.text for e in events if isinstance(e, ToolCallArgumentsDelta))
+    ends = [e.call for e in events if isinstance(e, ToolCallEnd)]
+    assert [s.name for s in starts] == [name] and streamed == arguments_json
+    assert [(c.name, c.arguments_json, c.complete) for c in ends] == [(name, arguments_json, False)]
+    assert parse_tool_calls(text, ids(), cut=False)[1] == []  # not cut (unconstrained output): no call
 
 
 def test_tiny_template_renders_tools_itself_and_smollm2_style_does_not():
@@ -235,3 +293,24 @@ def test_generic_format_when_the_template_has_no_tool_section():
     assert with_tools.startswith("<system># Tools") and with_tools.endswith("<user>hi</user>")
     assert with_tools == tok.apply_chat_template(msgs, [WEATHER])
     assert tok.render_chat(msgs, [WEATHER]) != tok.render_chat(msgs)  # tools are no longer dropped
+
+
+def test_a_ref_schema_reaches_the_prompt_as_the_client_sent_it():
+    """A tool whose schema uses ``$defs`` / ``$ref`` (pydantic's enums) is listed in the prompt with its
+    ``$defs`` and ``$ref`` as sent, in the generic listing (canonical JSON) and in a template's own section."""
+    from engine.tokenizer import Tokenizer
+
+    parameters = {
+        "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}},
+        "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["city", "unit"],
+        "type": "object",
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    base = tiny_checkpoint().tokenizer
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+    generic = Tokenizer(base.backend, template, base.special_tokens, base.eos_token_ids)
+    prompt = generic.apply_chat_template([{"role": "user", "content": "hi"}], [tool])
+    assert canonical_json(tool) in prompt and '"$ref": "#/$defs/Unit"' in prompt
+    templated = base.apply_chat_template([{"role": "user", "content": "hi"}], [tool])
+    assert "$defs" in templated and "#/$defs/Unit" in templated

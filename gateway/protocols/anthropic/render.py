@@ -7,11 +7,12 @@ Reference: https://docs.anthropic.com/en/api/messages
 from __future__ import annotations
 
 import copy
-import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import jiter
 
 from gateway.core.errors import APIError
 from gateway.core.events import BackendUsage, Delta, Finish
@@ -143,14 +144,17 @@ class MessageBuilder:
         return steps
 
     def content(self) -> list[dict[str, Any]]:
-        """The finished blocks; tool inputs parsed from their JSON (``{}`` when it is empty or cut short)."""
+        """The finished blocks; tool inputs parsed from their JSON in jiter's partial mode, as the Anthropic
+        SDK reads the same ``input_json_delta`` fragments of a stream: a call cut by ``max_tokens`` keeps the
+        members it completed (an unfinished string, number or literal is left out), so a streamed and a
+        non-streamed Message hold the same ``input``; ``{}`` when nothing parses or it is not an object."""
         out = []
         for i, block in enumerate(self.blocks):
             block = dict(block)
             if block["type"] == "tool_use":
                 raw = self._tool_json.get(i, "")
                 try:
-                    parsed = json.loads(raw) if raw else {}
+                    parsed = jiter.from_json(raw.encode(), partial_mode=True) if raw.strip() else {}
                 except ValueError:
                     parsed = {}
                 block["input"] = parsed if isinstance(parsed, dict) else {}

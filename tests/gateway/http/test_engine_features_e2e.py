@@ -10,6 +10,8 @@ validity against the schema, never a particular answer. After each test no KV bl
 from __future__ import annotations
 
 import concurrent.futures
+import copy
+import enum
 import json
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -535,15 +538,117 @@ def test_anthropic_tool_choice_without_tools_is_400(server):
     assert response.status_code == 400 and response.json()["type"] == "error"
 
 
-def test_a_call_cut_by_max_tokens_is_not_a_call(client, claude):
-    cut = client.chat.completions.create(
-        model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="required", max_tokens=12, seed=3
+class Unit(enum.StrEnum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)  # bounded, so the random model's string ends within max_tokens
+    unit: Unit
+
+
+PYDANTIC_TOOL = openai.pydantic_function_tool(GetWeather)
+"""The user trial's tool: ``unit`` is ``{"$ref": "#/$defs/Unit"}``, as pydantic, LangChain and MCP write enums."""
+
+
+@pytest.mark.parametrize(
+    "tool_choice", [None, "required", {"type": "function", "function": {"name": "GetWeather"}}]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_schema_with_refs_is_served_on_the_openai_face(client, tool_choice, stream):
+    """Before: 400 ``Pointer '/$defs/Unit' does not exist`` for every ``tool_choice``, the default included."""
+    parameters = PYDANTIC_TOOL["function"]["parameters"]
+    assert parameters["properties"]["unit"] == {"$ref": "#/$defs/Unit"}
+    request = dict(
+        model=TINY_MODEL,
+        messages=QUESTION,
+        tools=[PYDANTIC_TOOL],
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=0,
     )
-    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
-    message = claude.messages.create(
-        model=TINY_MODEL, max_tokens=12, messages=QUESTION, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}
+    if tool_choice is not None:
+        request["tool_choice"] = tool_choice
+    if stream:
+        calls, finish, _, _, _ = streamed_calls(client, **request)
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        finish = choice.finish_reason
+    if tool_choice is None and finish != "tool_calls":
+        assert calls == []  # auto: the random model may answer with text
+        return
+    assert finish == "tool_calls" and calls
+    for name, arguments in calls:
+        assert name == "GetWeather"
+        GetWeather.model_validate_json(arguments)
+        jsonschema.validate(json.loads(arguments), parameters)
+
+
+def test_a_tool_schema_with_refs_is_served_on_the_anthropic_face(claude):
+    schema = GetWeather.model_json_schema()
+    assert "$defs" in schema
+    request = dict(
+        model=TINY_MODEL,
+        max_tokens=200,
+        messages=QUESTION,
+        tools=[{"name": "get_weather", "input_schema": schema}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0},
     )
-    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
+    whole = claude.messages.create(**request)
+    with claude.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and uses
+        for block in uses:
+            jsonschema.validate(block.input, schema)
+    assert [b.input for b in whole.content] == [b.input for b in streamed.content]
+
+
+@pytest.mark.parametrize(
+    ("ref", "problem"),
+    [
+        ("#/$defs/Nope", "Pointer '/$defs/Nope' does not exist"),
+        ("#/definitions/Unit", "Pointer '/definitions/Unit' does not exist"),
+        ("http://example.com/unit.json", "'http://example.com/unit.json'"),
+    ],
+)
+def test_a_ref_that_does_not_resolve_is_400_naming_the_tool_and_the_pointer(server, ref, problem):
+    schema = copy.deepcopy(PYDANTIC_TOOL["function"]["parameters"])
+    schema["properties"]["unit"] = {"$ref": ref}
+    openai_body = {
+        "model": TINY_MODEL,
+        "messages": QUESTION,
+        "max_tokens": 2,
+        "tools": [PYDANTIC_TOOL, {"type": "function", "function": {"name": "broken", "parameters": schema}}],
+    }
+    anthropic_body = {
+        "model": TINY_MODEL,
+        "messages": QUESTION,
+        "max_tokens": 2,
+        "tools": [{"name": "broken", "input_schema": schema}],
+    }
+    for choice in (None, "required"):
+        body = openai_body if choice is None else {**openai_body, "tool_choice": choice}
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "tools" and error["code"] == "invalid_value"
+        assert error["message"].startswith("Invalid 'tools': the schema of tool 'broken' "), error
+        assert problem in error["message"], error
+    response = httpx.post(
+        f"{server.base_url}/v1/messages",
+        json=anthropic_body,
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "tool 'broken'" in error["error"]["message"] and problem in error["error"]["message"], error
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -709,10 +814,11 @@ def streamed_calls(client, **request) -> tuple[list[tuple[str, str]], str, str, 
 )
 def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(client, tool_choice):
     """Greedy forced calls cut by every ``max_tokens`` from 1 to the whole answer: the stream and the
-    non-streamed answer list the same complete calls and the same finish reason; a call cut inside its
-    arguments is in neither (before: a call whose arguments were complete but whose closing tag was cut was
-    streamed, and left out of the non-streamed answer), nor is any of its markup in the content (before: a
-    second call cut before its name left ``<tool_call>\\n{"name":`` there). Every stream carries
+    non-streamed answer list the same calls and the same finish reason: the complete calls, then the call
+    ``max_tokens`` cut once its name was written, with its arguments text as far as it got (before: a call cut
+    inside its arguments was in neither, so a forced call cut by ``max_tokens`` answered neither a call nor
+    content; earlier still, a call whose closing tag was cut was streamed only). No markup is ever content
+    (before: a second call cut before its name left ``<tool_call>\\n{"name":`` there). Every stream carries
     ``x-prefixgate-cache`` with its cached count, also when its first event is a call the parser held back
     to the end of the output, or the finish of an answer with nothing to deliver (before: no header)."""
     request = dict(
@@ -722,6 +828,8 @@ def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(clie
     assert full.choices[0].finish_reason == "tool_calls"
     whole_calls = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
     seen = set()
+    cut_inside = []  # max_tokens values that cut a call after its name, before its arguments closed
+    before = 0
     for max_tokens in range(1, full.usage.completion_tokens + 1):
         answer = client.chat.completions.create(max_tokens=max_tokens, **request)
         choice = answer.choices[0]
@@ -734,15 +842,27 @@ def test_streamed_and_whole_answers_deliver_the_same_calls_under_max_tokens(clie
         assert header_cached == usage_cached, max_tokens
         expected_reason = "tool_calls" if max_tokens == full.usage.completion_tokens else "length"
         assert choice.finish_reason == expected_reason
-        assert calls == whole_calls[: len(calls)]  # complete calls only, the greedy ones, in order
+        assert len(calls) >= before  # once a call is named, every longer answer holds it
+        before = len(calls)
+        assert calls[:-1] == whole_calls[: len(calls) - 1]  # all but the last are whole, the greedy ones
+        if calls:
+            (name, arguments), (whole_name, whole_arguments) = calls[-1], whole_calls[len(calls) - 1]
+            assert name == whole_name and whole_arguments.startswith(arguments), max_tokens
+            if arguments != whole_arguments:
+                cut_inside.append(max_tokens)
+            else:
+                jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         seen.add(len(calls))
     assert seen == set(range(len(whole_calls) + 1))
+    assert cut_inside  # a cut call came back as a call
 
 
 def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_max_tokens(claude):
     """The same rule on the Anthropic face (``tool_choice: {type: tool}``): for every ``max_tokens`` the
     streamed Message (as the SDK assembles it) and the non-streamed one hold the same ``tool_use`` blocks and
-    ``stop_reason``, no text block, and the stream carries ``x-prefixgate-cache``."""
+    ``stop_reason``, no text block, and the stream carries ``x-prefixgate-cache``. A ``tool_use`` cut inside
+    its input is delivered (``stop_reason`` ``max_tokens``), its ``input`` the members it completed, read in
+    jiter's partial mode as the SDK reads the stream's ``input_json_delta`` fragments (before: not delivered)."""
     request = dict(
         model=TINY_MODEL,
         messages=QUESTION,
@@ -752,6 +872,9 @@ def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_
     )
     full = claude.messages.create(max_tokens=400, **request)
     assert full.stop_reason == "tool_use"
+    full_uses = [(b.name, b.input) for b in full.content if b.type == "tool_use"]
+    cut_inside = []
+    before = 0
     for max_tokens in range(1, full.usage.output_tokens + 1):
         whole = claude.messages.create(max_tokens=max_tokens, **request)
         with claude.messages.stream(max_tokens=max_tokens, **request) as stream:
@@ -763,5 +886,15 @@ def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_
         assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == uses
         assert streamed.stop_reason == whole.stop_reason
         assert whole.stop_reason == ("tool_use" if max_tokens == full.usage.output_tokens else "max_tokens")
-        for _, arguments in uses:
-            jsonschema.validate(arguments, WEATHER_PARAMETERS)
+        assert len(uses) >= before
+        before = len(uses)
+        assert uses[:-1] == full_uses[: len(uses) - 1]
+        if uses:
+            (name, arguments), (full_name, full_arguments) = uses[-1], full_uses[len(uses) - 1]
+            assert name == full_name and arguments.items() <= full_arguments.items(), max_tokens
+            if arguments != full_arguments:
+                cut_inside.append(max_tokens)
+        if whole.stop_reason == "tool_use":
+            for _, arguments in uses:
+                jsonschema.validate(arguments, WEATHER_PARAMETERS)
+    assert cut_inside  # a tool_use cut inside its input came back

@@ -600,6 +600,27 @@ async def test_build_message_non_stream():
     assert message["stop_reason"] == "tool_use" and message["usage"] == anthropic_usage(USAGE)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ('{"order_id": "}}</tool_call>  # This is', {}),  # the user's runaway string, cut
+        ('{"city": "Paris", "days": 3, "unit": "cel', {"city": "Paris", "days": 3}),
+        ('{"a": {"b": [1, 2', {"a": {"b": [1, 2]}}),
+        ("", {}),  # cut right after the name
+        ("[1, 2", {}),  # not an object
+        ("nope", {}),  # not JSON at all
+    ],
+)
+async def test_a_tool_use_cut_by_max_tokens_keeps_the_input_members_it_completed(arguments, expected):
+    """A call cut inside its arguments arrives with its text so far; ``input`` (an object, always) is that
+    text read in jiter's partial mode, as the Anthropic SDK reads the same ``input_json_delta`` fragments of a
+    stream (before: ``{}`` whenever the text did not parse whole)."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    message, _ = await build_message(_events([Delta(tool_calls=[call]), Finish("length", USAGE)]), "m", "r")
+    assert message["content"] == [{"type": "tool_use", "id": "call_1", "name": "f", "input": expected}]
+    assert message["stop_reason"] == "max_tokens"
+
+
 async def test_stop_sequence_and_native_stop_reasons():
     message, _ = await build_message(
         _events([Delta(text="a"), Finish("stop", USAGE, stop_sequence="END")]), "m", "r"
