@@ -248,6 +248,13 @@ class _Choice:
             ids = ids[:-1]
         return tuple(ids)
 
+    def answer_uncomputed(self, finished: Finished) -> int:
+        """How many of ``answer_token_ids(finished)``' last ids have no KV in the engine (``Finish``'s
+        ``answer_uncomputed``): the last sampled token is never fed to the model, so it is 1 unless the answer
+        left that token out (a silent stop token) or is empty."""
+        answer = self.answer_token_ids(finished)
+        return 1 if answer and len(answer) == len(self.token_ids) else 0
+
     def deltas(self, text: str, index: int, logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
         """The ``Delta`` events of ``text`` (parsed into content and tool-call fragments when tools are on)."""
         self.pending_logprobs.extend(logprobs)
@@ -309,6 +316,7 @@ def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:
         finish_reasons=tuple(reasons) if len(reasons) > 1 else (),
         stop_sequence=first.stop_string,
         answer_token_ids=choices[0].answer_token_ids(first),
+        answer_uncomputed=choices[0].answer_uncomputed(first),
     )
 
 

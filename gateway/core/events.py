@@ -96,6 +96,10 @@ class Finish:
             generated ids, less the stop token that ended them); empty when unknown (upstreams, whose caches
             hold prompts only; an answer a stop string cut, whose ids hold text the client never got). The
             cache explanation of a later request compares its history with it (an edited newest reply).
+        answer_uncomputed: how many of ``answer_token_ids``' last ids the engine never computed KV for, so its
+            cache cannot hold them: 1 when the answer ends with the last token the model sampled (a reply cut
+            by ``max_tokens``; a stop token that has text), 0 when the stop token that ended it was left out
+            (the answer's last id was fed to the model to sample it) or the answer is empty.
     """
 
     finish_reason: str
@@ -109,6 +113,7 @@ class Finish:
     cache_retention: str | None = None
     finish_reasons: tuple[str, ...] = ()
     answer_token_ids: tuple[int, ...] = ()
+    answer_uncomputed: int = 0
 
 
 BackendEvent = Delta | Finish

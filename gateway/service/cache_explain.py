@@ -187,12 +187,20 @@ class CacheExplanations:
         )
         self.explainer.mark_cached(model, tenant, rendered.tokens)
 
-    def record_answer(self, request: ChatRequest, prepared: PreparedPrompt, answer: tuple[int, ...]) -> None:
+    def record_answer(
+        self,
+        request: ChatRequest,
+        prepared: PreparedPrompt,
+        answer: tuple[int, ...],
+        uncomputed: int = 0,
+        cut: bool = False,
+    ) -> None:
         """Record an explained request's prompt followed by its answer as the engine cached it (token ids of
         the model, ``Finish.answer_token_ids``), so the explanation of the client's next request knows the
-        newest reply: an edit of it is ``history_rewritten`` where it differs, not ``cold``. Its blocks are not
-        marked cached (what of the answer the engine kept is not known here). Never raises: a failure is
-        counted in ``errors``."""
+        newest reply: an edit of it is ``history_rewritten`` where it differs, not ``cold``. ``uncomputed``:
+        the answer's last ids the engine has no KV for (``Finish.answer_uncomputed``); ``cut``: the reply was
+        cut by ``max_tokens`` (``MissExplainer.record_answer``). Its blocks are not marked cached (what of the
+        answer the engine kept is not known here). Never raises: a failure is counted in ``errors``."""
         rendered = prepared.rendered
         try:
             self.explainer.record_answer(
@@ -202,6 +210,8 @@ class CacheExplanations:
                 rendered.segments,
                 answer,
                 tools_digest=rendered.tools_digest,
+                uncomputed=uncomputed,
+                cut=cut,
             )
         except Exception as exc:  # noqa: BLE001 - never fails a request
             with self._lock:

@@ -13,7 +13,10 @@ long ago the prefix was known cached.
 Terms: ``unit`` is the cache's granularity (the engine's block size; an upstream's step); the *target* is
 what the cache could have served: the stable prefix rounded down to ``unit`` and short of the last prompt
 token (always computed), or, when that is empty, the whole prompt so rounded (the engine caches every full
-block of a prompt, so a short system prompt with a long question is still cacheable). A request is a miss
+block of a prompt, so a short system prompt with a long question is still cacheable); and, when the nearest
+earlier prompt is a prompt followed by its served answer that this prompt shares all the engine computed of,
+no more than that computed part so rounded (the answer's last sampled token when it is part of the answer, the
+end of its turn and the new turn were never computed: ``record_answer``). A request is a miss
 when fewer tokens were reported cached than the target, and whenever nothing was cached of a non-empty
 prompt (``cached=0`` is never ``miss=none``). *Evidence* is what the explainer knew when the request began
 (``epoch``): prompts recorded and blocks marked cached by requests that finished while this one was in
@@ -30,6 +33,9 @@ Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
   (new content); or the nearest earlier prompt shares less than one ``unit`` and the two do not re-converge
   after the divergence (a new prompt, not an edit of an earlier one); or the divergence lies in a document or
   in the volatile tail (new content).
+- ``reply_cut``: the nearest earlier prompt is followed by a reply cut by ``max_tokens`` and the divergence lies
+  in that reply's last ``_CUT_TAIL`` tokens, before the last token the engine computed (the resent text spells
+  the cut end otherwise, e.g. U+FFFD for a character cut in two).
 - otherwise, at the divergence ``d`` from the nearest earlier prompt (either prompt's segment at ``d``):
   ``tools_changed`` (tools, unless both prompts carry a tools digest and the digests are equal: the tools are
   the same and only where the template cut them moved, e.g. a system text added after a tools-only system
@@ -90,6 +96,21 @@ class Epoch(NamedTuple):
     marks: int
 
 
+class _Reply(NamedTuple):
+    """What ``record_answer`` knows of an entry's answer: ``computed``, the entry's leading tokens the engine
+    computed KV for (all but the answer's ``uncomputed`` last ids), and ``cut_from``, where the tail that a
+    reply cut by ``max_tokens`` may resend re-tokenized starts (None when the reply was not cut)."""
+
+    computed: int
+    cut_from: int | None
+
+
+_CUT_TAIL = 3
+"""Tokens at the end of a reply cut by ``max_tokens`` that its resent text may spell otherwise: a cut inside a
+UTF-8 character leaves at most 3 of its bytes, in at most the reply's last 3 tokens, and the client gets U+FFFD
+in their place (``engine.detokenizer``), which tokenizes differently."""
+
+
 @dataclass
 class _Entry:
     tokens: array
@@ -97,6 +118,7 @@ class _Entry:
     seen_at: float
     digest: bytes = b""  # BLAKE2b-128 of ``tokens``: the key of ``MissExplainer._seqs``
     tools: bytes | None = None  # the prompt's tools digest (``record``), None when not given
+    reply: _Reply | None = None  # a prompt followed by its served answer (``record_answer``), else None
 
     @property
     def nbytes(self) -> int:
@@ -249,11 +271,17 @@ class MissExplainer:
             reach = max(n - 1, 0) - max(n - 1, 0) % unit
         if cached >= reach and (cached > 0 or n == 0):
             return MissExplanation(cached, reach, False)
+        with self._lock:
+            nearest = self._nearest(model, tenant, data, None if epoch is None else epoch.prompts)
+        held = self._held(nearest, unit)
+        if held is not None and held < reach:
+            # this prompt continues all the engine computed of an answered prompt: the cache cannot hold more
+            reach = held
+            if cached >= reach and cached > 0:
+                return MissExplanation(cached, reach, False)
         provider = map_provider_cause(provider_cause)
         chains = chain_hashes(data, self.block_size, root)
         local = self._local_cause(
-            model,
-            tenant,
             data,
             chains,
             segs,
@@ -265,6 +293,7 @@ class MissExplainer:
             tuple(volatile_spans),
             epoch,
             self._digest(tools_digest),
+            nearest,
         )
         cause, at, slot, ago = local
         where = segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
@@ -282,10 +311,21 @@ class MissExplainer:
             )
         return MissExplanation(cached, reach, True, cause, where, at, slot, ago, "local")
 
+    @staticmethod
+    def _held(nearest: tuple[_Entry, int] | None, unit: int) -> int | None:
+        """What the cache can hold of a prompt whose nearest earlier prompt is ``nearest`` (entry, shared
+        tokens), rounded down to ``unit``, when that entry is a prompt followed by its served answer and the
+        prompt shares all the engine computed of it: the tokens after it (the answer's last sampled token, which
+        is never fed to the model, the end of its turn, the new turn) were never computed. None otherwise."""
+        if nearest is None or nearest[0].reply is None:
+            return None
+        computed = nearest[0].reply.computed
+        if nearest[1] < computed:
+            return None
+        return computed - computed % unit
+
     def _local_cause(
         self,
-        model: str,
-        tenant: str,
         data: array,
         chains: list[bytes],
         segs: tuple[PromptSegment, ...],
@@ -297,8 +337,10 @@ class MissExplainer:
         spans: tuple[VolatileSpan, ...],
         epoch: Epoch | None,
         tools: bytes | None,
+        nearest: tuple[_Entry, int] | None,
     ) -> tuple[str, int, str | None, float | None]:
-        """(cause, offset, slot, cached_ago) of a miss (``end``: where the target ends, unrounded)."""
+        """(cause, offset, slot, cached_ago) of a miss (``end``: where the target ends, unrounded; ``nearest``:
+        the nearest earlier prompt of the evidence and the tokens it shares, ``_nearest``)."""
         if reach == 0 or (min_cacheable is not None and reach < self._count(min_cacheable, "min_cacheable")):
             return "below_minimum", max(end, cached), None, None
         bs = self.block_size
@@ -307,7 +349,6 @@ class MissExplainer:
             known = self._cached.get(chains[first]) if first < len(chains) and first * bs < reach else None
             if known is not None and (epoch is None or known[1] <= epoch.marks):
                 return "evicted", cached, None, max(0.0, self._clock() - known[0])
-            nearest = self._nearest(model, tenant, data, None if epoch is None else epoch.prompts)
         if nearest is None:
             return "cold", cached, None, None
         entry, d = nearest
@@ -316,6 +357,11 @@ class MissExplainer:
             # warmed prefix, generated tokens, a prompt dropped from the index, another gateway's): that
             # divergence is not why the hit stopped, and lies inside what was served
             return "cold", cached, None, None
+        reply = entry.reply
+        if reply is not None and reply.cut_from is not None and reply.cut_from <= d < reply.computed:
+            # the resent text of a reply cut by max_tokens spells its cut end otherwise (a character cut in
+            # two comes back as U+FFFD): the KV the engine computed for the reply from ``d`` is lost
+            return "reply_cut", d, None, None
         old_len = len(entry.tokens)
         if d >= old_len - old_len % bs:
             # the earlier prompt is all shared: what follows it is new (past what the cache served: with
@@ -371,6 +417,19 @@ class MissExplainer:
         Raises:
             MissExplainError: bad tokens, segments or digest.
         """
+        self._record(model, tenant, tokens, segments, extends, tools_digest, None)
+
+    def _record(
+        self,
+        model: str,
+        tenant: str,
+        tokens: Sequence[int],
+        segments: Iterable[PromptSegment],
+        extends: array | None,
+        tools_digest: bytes | None,
+        reply: _Reply | None,
+    ) -> None:
+        """``record``, the entry carrying ``reply`` (``record_answer``; None for a prompt)."""
         self._root(model, tenant)
         data = self._tokens(tokens)
         segs = validated_segments(segments, len(data))
@@ -378,7 +437,7 @@ class MissExplainer:
         key = (model, tenant)
         digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
         with self._lock:
-            if extends is not None and self._extend(key, extends, data, segs, digest, tools):
+            if extends is not None and self._extend(key, extends, data, segs, digest, tools, reply):
                 return
             entries = self._keys.get(key)
             if entries is None:
@@ -392,10 +451,11 @@ class MissExplainer:
             if same is not None and same.tokens == data:
                 same.seen_at = self._clock()
                 same.tools = tools
+                same.reply = reply
                 entries.move_to_end(seq)
                 self._lru.move_to_end((key, seq))
                 return
-            entry = _Entry(data, segs, self._clock(), digest, tools)
+            entry = _Entry(data, segs, self._clock(), digest, tools, reply)
             if entry.nbytes > self.max_bytes:
                 return
             self._seq += 1
@@ -416,23 +476,34 @@ class MissExplainer:
         segments: Iterable[PromptSegment],
         answer: Sequence[int],
         tools_digest: bytes | None = None,
+        uncomputed: int = 0,
+        cut: bool = False,
     ) -> None:
         """Record a prompt followed by the answer served to it (the model's token ids as its engine cached
         them): one prompt of the key whose last segment, ``history``, is the answer, as it is in the client's
         next request. A later prompt that resends the answer edited diverges from it inside that history
-        (``history_rewritten``); one that resends it unedited shares all of it (``cold`` past it: a new turn).
+        (``history_rewritten``); one that resends it unedited shares all of it, and the cache can hold no more
+        of it than the engine computed: the prompt and the answer less its ``uncomputed`` last ids (the last
+        sampled token is never fed to the model). Such a prompt is a hit once that much is cached; past it a
+        new turn starts. ``cut``: the reply was cut by ``max_tokens``, so its resent text may spell its last
+        ``_CUT_TAIL`` tokens otherwise (``reply_cut`` where it does, before what the engine computed ends).
 
         Raises:
-            MissExplainError: bad tokens, segments or answer tokens.
+            MissExplainError: bad tokens, segments, answer tokens or ``uncomputed`` (not in [0, answer length]).
         """
         prompt = self._tokens(tokens)
         segs = validated_segments(segments, len(prompt)) or (PromptSegment("tail", 0, len(prompt)),)
-        reply = self._tokens(answer)
-        end = len(prompt) + len(reply)
+        ids = self._tokens(answer)
+        missing = self._count(uncomputed, "uncomputed")
+        if missing > len(ids):
+            raise MissExplainError(
+                f"uncomputed must be at most the answer's {len(ids)} tokens, not {missing}"
+            )
+        end = len(prompt) + len(ids)
         history = PromptSegment("history", len(prompt), end)
-        self.record(
-            model, tenant, prompt + reply, (*segs, history), extends=prompt, tools_digest=tools_digest
-        )
+        cut_from = max(len(prompt), end - _CUT_TAIL) if cut else None
+        reply = _Reply(end - missing, cut_from)
+        self._record(model, tenant, prompt + ids, (*segs, history), prompt, tools_digest, reply)
 
     def _extend(
         self,
@@ -442,6 +513,7 @@ class MissExplainer:
         segs: tuple[PromptSegment, ...],
         digest: bytes,
         tools: bytes | None,
+        reply: _Reply | None,
     ) -> bool:
         """Replace the recorded ``prompt`` of ``key`` by its continuation ``data`` in place (caller holds the
         lock). False when the prompt is not recorded (dropped, or never recorded), the continuation is
@@ -456,7 +528,7 @@ class MissExplainer:
         if (key, digest) in self._seqs:
             self._drop_entry(key, seq)
             return False
-        new = _Entry(data, segs, self._clock(), digest, tools)
+        new = _Entry(data, segs, self._clock(), digest, tools, reply)
         if new.nbytes > self.max_bytes:
             return False
         entries[seq] = new

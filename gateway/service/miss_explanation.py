@@ -22,6 +22,7 @@ MISS_CAUSES: tuple[str, ...] = (
     "tools_changed",
     "system_changed",
     "history_rewritten",
+    "reply_cut",
     "evicted",
     "cold",
     "below_minimum",

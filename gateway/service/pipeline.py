@@ -259,7 +259,13 @@ class OpenedStream:
         newest reply (an edit of it is ``history_rewritten``, docs/cache-explanations.md). Never raises."""
         cache = self.gateway.cache
         if cache is not None and self._rendered is not None and finish.answer_token_ids:
-            cache.record_answer(self.request, self._rendered, finish.answer_token_ids)
+            cache.record_answer(
+                self.request,
+                self._rendered,
+                finish.answer_token_ids,
+                uncomputed=finish.answer_uncomputed,
+                cut=finish.finish_reason == "length",
+            )
 
     async def events(self) -> AsyncIterator[BackendEvent]:
         """Every event of the backend, ``Finish`` last. Closing this iterator closes the backend's.

@@ -272,19 +272,28 @@ def test_both_anthropic_output_formats_at_once_are_a_400():
 
 
 @pytest.mark.parametrize(
-    ("deltas", "reason", "stop_string", "expected"),
+    ("deltas", "reason", "stop_string", "expected", "uncomputed"),
     [
-        ([("a", (5, 6)), ("b", (7,))], "length", None, (5, 6, 7)),  # cut: every generated token is text
-        ([("a", (5, 6)), ("", (2,))], "stop", None, (5, 6)),  # the stop token (no text) ends it: not resent
-        ([("a", (5,)), ("}", (9,))], "stop", None, (5, 9)),  # a grammar that ended on a token of text
-        ([("a", (5,)), ("", (8,))], "stop", "xy", ()),  # a stop string cut the text: the ids are not it
+        ([("a", (5, 6)), ("b", (7,))], "length", None, (5, 6, 7), 1),  # cut: every generated token is text
+        (
+            [("a", (5, 6)), ("", (2,))],
+            "stop",
+            None,
+            (5, 6),
+            0,
+        ),  # the stop token (no text) ends it: not resent
+        ([("a", (5,)), ("}", (9,))], "stop", None, (5, 9), 1),  # a grammar that ended on a token of text
+        ([("a", (5,)), ("", (8,))], "stop", "xy", (), 0),  # a stop string cut the text: the ids are not it
+        ([("", (7,))], "length", None, (7,), 1),  # a one-token reply cut mid-character: its token has no KV
     ],
 )
 def test_the_answer_recorded_for_the_next_explanation_is_what_a_client_resends(
-    deltas, reason, stop_string, expected
+    deltas, reason, stop_string, expected, uncomputed
 ):
     """``Finish.answer_token_ids`` (the cache explanation's record of the served answer) holds the generated
-    ids as the resent reply renders them: without the silent stop token, none when a stop string cut it."""
+    ids as the resent reply renders them: without the silent stop token, none when a stop string cut it; and
+    ``answer_uncomputed`` says whether its last id is the last sampled token, which the engine never fed to the
+    model (so never cached)."""
     from engine.api import Finished, TextDelta, Usage
     from gateway.backends.embedded import _Choice
 
@@ -293,6 +302,7 @@ def test_the_answer_recorded_for_the_next_explanation_is_what_a_client_resends(
         choice.note_tokens(TextDelta(text, ids))
     finished = Finished(reason, Usage(10, 0, 3), None, "", stop_string=stop_string)
     assert choice.answer_token_ids(finished) == expected
+    assert choice.answer_uncomputed(finished) == uncomputed
 
 
 def test_a_tool_call_whose_arguments_are_not_json_is_named_by_its_full_path():

@@ -325,7 +325,70 @@ def test_an_edit_of_the_newest_reply_is_history_rewritten_at_the_edited_token(se
     assert (fields["miss"], fields["at"]) == ("history_rewritten", f"history:{start + k}"), fields
     assert int(fields["cached"]) <= start + k
     unedited = next_turn(reply, USER_TURNS[1])
-    assert unedited["miss"] in ("none", "cold"), unedited  # a new turn: the reply itself was served
+    assert unedited["miss"] == "none", unedited  # a new turn: the reply itself was served
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_turn_after_a_reply_cut_by_max_tokens_is_a_hit(server, client, stream):
+    """The trial: after a reply cut by ``max_tokens`` the next turn of the conversation said
+    ``cached=4734; miss=cold; at=history:4735`` about half the time. The engine never feeds the last token it
+    sampled, so the cache holds the prompt and the reply less that token, while the explanation's target (the
+    stable prefix, which now ends after the reply's end of turn, rounded down to a block) reached past it
+    whenever the prompt and the reply together were 14, 15 or 0 modulo 16 tokens. Each turn here is cut so that
+    they total 15 (the prompt counted ahead with ``count_tokens``), and replies are cut mid-word: the tiny BPE's
+    ``Q``, ``Z``, `` the`` and ``ab`` tokens (``logit_bias``) make words the cut splits."""
+    engine = server.app.state.gateway.registry.get(TINY_MODEL).engine
+    pieces = [engine.tokenizer.encode(text, add_special_tokens=False) for text in ("Q", "Z", " the", "ab")]
+    bias = {str(ids[0]): 100 for ids in pieces if len(ids) == 1}
+    assert len(bias) == 4
+    who = tenant()
+    headers = {"x-prefixgate-tenant": who}
+    turns: list[dict] = [{"role": "user", "content": USER_TURNS[0]}]
+    seen = []
+    with anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=60) as ant:
+        for turn in range(4):
+            counted = ant.messages.count_tokens(
+                model=TINY_MODEL, system=SYSTEM, messages=turns, extra_headers=headers
+            ).input_tokens
+            max_tokens = 16 + (15 - counted) % 16
+            raw = client.chat.completions.with_raw_response.create(
+                model=TINY_MODEL,
+                messages=[{"role": "system", "content": SYSTEM}, *turns],
+                max_tokens=max_tokens,
+                temperature=0,
+                logit_bias=bias,
+                stream=stream,
+                stream_options={"include_usage": True} if stream else None,
+                extra_headers=headers,
+            )
+            if stream:
+                chunks = list(raw.parse())
+                usage = chunks[-1].usage
+                reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = next(
+                    c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+                )
+            else:
+                answer = raw.parse()
+                usage, reply, finish = (
+                    answer.usage,
+                    answer.choices[0].message.content,
+                    answer.choices[0].finish_reason,
+                )
+            assert usage.prompt_tokens == counted and finish == "length"
+            assert (usage.prompt_tokens + usage.completion_tokens) % BLOCK_SIZE == 15
+            seen.append((header_fields(raw.headers.get("x-prefixgate-cache")), cached(usage), counted))
+            turns += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": USER_TURNS[(turn + 1) % len(USER_TURNS)]},
+            ]
+    assert seen[0][0]["miss"] == "cold"
+    for fields, served, _ in seen[1:]:
+        assert fields["miss"] == "none", seen
+        assert int(fields["cached"]) == served
+    # the cache served all the engine computed: the previous prompt and its reply less the last sampled token
+    for (_, served, _), (_, _, counted_before) in zip(seen[1:], seen, strict=False):
+        assert served >= counted_before
 
 
 def test_rules_off_requests_never_touch_the_transcript_memory(client, server):

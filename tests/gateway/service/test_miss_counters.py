@@ -19,6 +19,7 @@ def test_counters_by_cause() -> None:
         "tools_changed": 0,
         "system_changed": 0,
         "history_rewritten": 0,
+        "reply_cut": 0,
         "evicted": 0,
         "cold": 1,
         "below_minimum": 0,

@@ -371,6 +371,81 @@ def test_an_edit_of_the_newest_reply_is_history_rewritten_where_it_differs():
     assert e.header_value() == "cached=80; miss=history_rewritten; at=history:90"
 
 
+END_OF_TURN = [7000, 7001]  # the template's end of the reply's turn (``<|im_end|>``, ``\n``)
+
+
+def next_turn(reply: list[int]) -> tuple[list[int], list[PromptSegment], int]:
+    """The client's next request after ``first`` was answered ``reply``: the reply, the end of its turn, a new
+    question."""
+    return build(TOOLS, SYSTEM, HISTORY + TAIL + reply + END_OF_TURN, [4100, 4101])
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_the_next_turn_is_a_hit_once_all_the_engine_computed_of_the_reply_is_cached(cut: bool) -> None:
+    # The trial: after a reply cut by max_tokens the next turn said "cached=4734; miss=cold; at=history:4735"
+    # about half the time. The engine never feeds the last token it sampled, so its cache holds the prompt and
+    # the reply less that token (4734), while the target, the stable prefix rounded down to a block, reached
+    # past it whenever the reply's end and the end of its turn crossed a block boundary. A reply ended by EOS
+    # has all of its tokens computed (EOS, never fed, is not in the answer), and the same crossing made the end
+    # of its turn (2 tokens never computed) a miss too. The cache holds all it ever could: a hit.
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)  # 130 tokens
+    served(ex, first, first_segments)
+    reply = list(range(5000, 5029))  # 29 tokens: [130, 159); the next prompt's stable prefix ends at 161
+    ex.record_answer("m", "t", first, first_segments, reply, uncomputed=1 if cut else 0, cut=cut)
+    tokens, segments, stable = next_turn(reply)
+    computed = 158 if cut else 159  # the reply's last sampled token has no KV when it is in the answer
+    e = ex.explain("m", "t", tokens, segments, stable, computed)
+    assert e.header_value() == f"cached={computed}; miss=none"
+    assert not e.miss and e.missed_tokens == 0
+    # partial hits off: the engine serves whole blocks only, and 144 is all it holds in whole blocks
+    assert not ex.explain("m", "t", tokens, segments, stable, 144).miss
+    # less than that is lost for real: the cache held the block of [128, 144) and served less
+    e = ex.explain("m", "t", tokens, segments, stable, 128)
+    assert (e.miss, e.cause, e.offset, e.stable) == (True, "cold", 128, 144)
+    # an upstream's prompt-only history is unchanged: the reply was never cached there (a new turn, cold)
+    upstream = MissExplainer()
+    served(upstream, first, first_segments)
+    e = upstream.explain("m", "t", tokens, segments, stable, 128)
+    assert e.header_value() == "cached=128; miss=cold; at=history:130"
+
+
+def test_a_cut_reply_resent_with_its_cut_end_spelled_otherwise_is_reply_cut() -> None:
+    # A reply cut inside a UTF-8 character reaches the client with U+FFFD in place of the character's bytes,
+    # which tokenizes otherwise: where the resent reply leaves the served ids before the last computed token,
+    # the KV the engine computed from there is lost for real, and the cause names it.
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    served(ex, first, first_segments)
+    reply = list(range(5000, 5029))  # [130, 159); computed: [0, 158)
+    ex.record_answer("m", "t", first, first_segments, reply, uncomputed=1, cut=True)
+    resent = reply[:-2] + [6000, 6001, 6002]  # the character's first byte was in token 157
+    tokens, segments, stable = next_turn(resent)
+    e = ex.explain("m", "t", tokens, segments, stable, 157)
+    assert e.header_value() == "cached=157; miss=reply_cut; at=history:157"
+    # only the last sampled token spelled otherwise: nothing computed was lost
+    tokens, segments, stable = next_turn(reply[:-1] + [6000, 6001])
+    assert ex.explain("m", "t", tokens, segments, stable, 158).header_value() == "cached=158; miss=none"
+    # an edit before the cut end is the client's: history_rewritten, as for any edited reply
+    tokens, segments, stable = next_turn(reply[:10] + [6000] + reply[11:])
+    e = ex.explain("m", "t", tokens, segments, stable, 140)
+    assert e.header_value() == "cached=140; miss=history_rewritten; at=history:140"
+    # the same divergence after a reply that ended by itself (its text is whole) is not reply_cut
+    other = MissExplainer()
+    served(other, first, first_segments)
+    other.record_answer("m", "t", first, first_segments, reply)
+    tokens, segments, stable = next_turn(reply[:-2] + [6000, 6001, 6002])
+    assert other.explain("m", "t", tokens, segments, stable, 157).cause != "reply_cut"
+
+
+def test_uncomputed_is_checked() -> None:
+    ex = MissExplainer()
+    tokens, segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    for bad in (-1, 2, True, 1.0):
+        with pytest.raises(MissExplainError, match="uncomputed"):
+            ex.record_answer("m", "t", tokens, segments, [5000], uncomputed=bad)
+
+
 def test_a_recorded_answer_is_checked_and_bounded_like_a_prompt():
     ex = MissExplainer(max_prompts_per_key=2)
     tokens, segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
@@ -545,7 +620,10 @@ def prompts(draw):
 
 @given(
     history=st.lists(
-        st.tuples(prompts(), st.booleans(), st.none() | st.lists(st.integers(0, 3), max_size=40)), max_size=4
+        st.tuples(
+            prompts(), st.booleans(), st.none() | st.lists(st.integers(0, 3), max_size=40), st.booleans()
+        ),
+        max_size=4,
     ),
     concurrent=st.lists(prompts(), max_size=3),
     prompt=prompts(),
@@ -553,18 +631,20 @@ def prompts(draw):
     granularity=st.sampled_from([None, 1, 16]),
     min_cacheable=st.sampled_from([None, 32]),
     spans=st.lists(st.tuples(st.integers(0, 180), st.integers(1, 5)), max_size=2),
+    extends=st.none() | st.tuples(st.integers(0, 3), st.integers(0, 2)),
 )
 @settings(max_examples=400, deadline=None)
 def test_the_classifier_follows_the_definition(
-    history, concurrent, prompt, cached, granularity, min_cacheable, spans
+    history, concurrent, prompt, cached, granularity, min_cacheable, spans, extends
 ):
     def replay(explainer: MissExplainer) -> None:  # earlier requests, some with their served answer
-        for (old, old_segments, _), marked, answer in history:
+        for (old, old_segments, _), marked, answer, cut in history:
             explainer.record("m", "t", old, old_segments)
             if marked:
                 explainer.mark_cached("m", "t", old)
             if answer is not None:
-                explainer.record_answer("m", "t", old, old_segments, answer)
+                uncomputed = 1 if cut and answer else 0
+                explainer.record_answer("m", "t", old, old_segments, answer, uncomputed=uncomputed, cut=cut)
 
     ex = MissExplainer(clock=Clock())
     replay(ex)
@@ -572,6 +652,16 @@ def test_the_classifier_follows_the_definition(
     for tokens, segments, _ in concurrent:  # requests finishing while this one is in flight
         served(ex, tokens, segments)
     tokens, segments, stable = prompt
+    if extends is not None and history:  # the next turn of an earlier request: its prompt, its answer (less a
+        # few tokens: a cut end spelled otherwise), then this prompt
+        (old, _, _), _, answer, _ = history[extends[0] % len(history)]
+        lead = old + (answer or [])
+        lead = lead[: len(lead) - extends[1]] + [9] * extends[1]
+        segments = [PromptSegment("history", 0, len(lead))] + [
+            PromptSegment(s.name, s.start + len(lead), s.end + len(lead)) for s in segments
+        ]
+        tokens, stable = lead + tokens, stable + len(lead)
+        cached = max(0, len(lead) - cached % 20)  # around what the engine computed of it
     volatile = [VolatileSpan(a, a + k, f"learned.{a}") for a, k in spans]
     e = ex.explain(
         "m",
@@ -604,6 +694,30 @@ def test_the_classifier_follows_the_definition(
     assert e.cached == min(cached, n)
     # a miss exactly when fewer tokens were served than the target, or nothing at all
     target = min(stable, n - 1) - min(stable, n - 1) % unit or (n - 1) - (n - 1) % unit
+    # ... at most what the engine computed of the nearest earlier prompt, when that is a prompt followed by its
+    # served answer and this prompt shares all of that computed part (the index: one entry per prompt, an
+    # answer replacing its prompt's entry; the most recently recorded first among equals)
+    index: dict[tuple[int, ...], int | None] = {}
+    for (old, _, _), _, answer, cut in history:
+        index.pop(tuple(old), None)
+        index[tuple(old)] = None
+        if answer is not None:
+            del index[tuple(old)]
+            full = tuple(old) + tuple(answer)
+            index.pop(full, None)
+            index[full] = len(full) - (1 if cut and answer else 0)
+    nearest = None
+    for old, computed in reversed(index.items()):
+        d = next((i for i, (a, b) in enumerate(zip(tokens, old, strict=False)) if a != b), min(n, len(old)))
+        if nearest is None or d > nearest[0]:
+            nearest = (d, computed)
+    if (
+        min(cached, n) < target
+        and nearest is not None
+        and nearest[1] is not None
+        and nearest[0] >= nearest[1]
+    ):
+        target = min(target, nearest[1] - nearest[1] % unit)
     assert e.stable == target
     assert e.miss == (e.cached < target or e.cached == 0)
     if not e.miss:
@@ -623,7 +737,7 @@ def test_the_classifier_follows_the_definition(
     first = e.cached // 16
     known_before = any(
         marked and len(old) >= 16 * (first + 1) and old[: 16 * (first + 1)] == tokens[: 16 * (first + 1)]
-        for (old, _, _), marked, _ in history
+        for (old, _, _), marked, _, _ in history
     )
     if e.cause == "evicted":
         assert known_before and e.cached_ago is not None
@@ -631,11 +745,11 @@ def test_the_classifier_follows_the_definition(
         assert not known_before
     # a divergence cause needs an earlier prompt (or one followed by its served answer) that shares the
     # tokens up to the offset
-    if e.cause in ("tools_changed", "system_changed", "history_rewritten", "volatile"):
+    if e.cause in ("tools_changed", "system_changed", "history_rewritten", "volatile", "reply_cut"):
         assert any(
             old[: e.offset] == tokens[: e.offset]
             and old[e.offset : e.offset + 1] != tokens[e.offset : e.offset + 1]
-            for (prompt_tokens, _, _), _, answer in history
+            for (prompt_tokens, _, _), _, answer, _ in history
             for old in (prompt_tokens, prompt_tokens + (answer or []))
         )
 
