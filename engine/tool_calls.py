@@ -135,7 +135,15 @@ def render_call(name: str, arguments: object) -> str:
     return CALL_OPEN + call_head(name) + call_json(arguments) + CALL_TAIL + CALL_CLOSE
 
 
-def _call_arguments(call: object, index: int) -> tuple[str, object]:
+def _history_call(call: object, index: int) -> str:
+    """One earlier call of an assistant turn as its call block (``render_call``). Arguments that are not valid
+    JSON are a call cut by ``max_tokens`` as this engine returns it (``ToolCall.complete`` False: the
+    arguments' text as far as the model wrote it): its text goes in verbatim after ``call_head``, so the
+    resent turn renders the tokens the model wrote and their KV stays cached, then ``CALL_TAIL`` closes it.
+
+    Raises:
+        InvalidRequestError: a call that is not an object, or without a function name.
+    """
     if not isinstance(call, dict):
         raise InvalidRequestError(f"tool_calls[{index}] must be an object", "messages")
     fn = call.get("function", call)
@@ -146,11 +154,9 @@ def _call_arguments(call: object, index: int) -> tuple[str, object]:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(
-                f"tool_calls[{index}].function.arguments is not valid JSON: {e}", "messages"
-            ) from e
-    return name, args
+        except (json.JSONDecodeError, RecursionError):
+            return CALL_OPEN + call_head(name) + args + CALL_TAIL + CALL_CLOSE
+    return render_call(name, args)
 
 
 def render_messages_with_tools(messages: Sequence[dict], tools: Sequence[FunctionTool] | None) -> list[dict]:
@@ -171,7 +177,7 @@ def render_messages_with_tools(messages: Sequence[dict], tools: Sequence[Functio
         content = m.get("content")
         text = content if isinstance(content, str) else ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = [render_call(*_call_arguments(c, i)) for i, c in enumerate(m["tool_calls"])]
+            calls = [_history_call(c, i) for i, c in enumerate(m["tool_calls"])]
             body = CALL_SEPARATOR.join(calls)
             msg = {k: v for k, v in m.items() if k != "tool_calls"}
             msg["content"] = (text + CALL_SEPARATOR if text else "") + body

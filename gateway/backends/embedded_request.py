@@ -242,12 +242,13 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     """A message as the chat template expects it: ``content`` a string (text parts joined by newlines),
     ``developer`` rendered as ``system``; tool-call fields kept.
 
+    A tool call's ``function.arguments`` may be text that is not JSON: a call cut by ``max_tokens``, as the
+    engine returns it, sent back in the next turn; the engine renders it verbatim
+    (``engine.tool_calls._history_call``).
+
     Raises:
-        InvalidRequestError: a content part that is not text (images, audio, files); a tool call whose
-            ``function.arguments`` is not JSON (the template renders each call's arguments as JSON), named by
-            its full path (``messages[1].tool_calls[0].function.arguments``).
+        InvalidRequestError: a content part that is not text (images, audio, files).
     """
-    _check_call_arguments(message.get("tool_calls"), index)
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -271,25 +272,6 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     out["role"] = _ROLE_FOR_TEMPLATE.get(message["role"], message["role"])
     out["content"] = "" if content is None else content
     return out
-
-
-def _check_call_arguments(calls: Any, index: int) -> None:
-    """Each call's ``function.arguments`` (a string, checked by the protocol parser) parses as JSON: an empty
-    string counts as ``{}``, as the engine renders it."""
-    for call_index, call in enumerate(calls or ()):
-        arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
-        if not isinstance(arguments, str) or not arguments.strip():
-            continue
-        try:
-            json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            param = f"messages[{index}].tool_calls[{call_index}].function.arguments"
-            raise InvalidRequestError(
-                f"Invalid '{param}': not valid JSON ({exc.msg} at character {exc.pos}); the embedded engine "
-                "renders each earlier call's arguments into the prompt as JSON.",
-                param=param,
-                code="invalid_value",
-            ) from None
 
 
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

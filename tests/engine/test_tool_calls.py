@@ -116,10 +116,21 @@ def test_bad_tools_are_refused(tools):
     assert err.value.param == "tools"
 
 
-def test_bad_arguments_in_history_are_refused():
-    msgs = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}]
-    with pytest.raises(InvalidRequestError):
-        render_messages_with_tools(msgs, None)
+def test_a_call_cut_by_max_tokens_renders_back_as_the_model_wrote_it():
+    """Arguments that are not JSON are a call this engine returned cut by ``max_tokens``: resent, the call
+    renders its text verbatim after the call head (the tokens the model wrote, whose KV is cached), closed."""
+    cut = '{"city": "Pa'
+    msgs = [{"role": "assistant", "tool_calls": [{"function": {"name": "get_weather", "arguments": cut}}]}]
+    (out,) = render_messages_with_tools(msgs, None)
+    whole = render_call("get_weather", {"city": "Paris"})
+    assert out["content"] == whole.replace('{"city": "Paris"}', cut)
+    assert out["content"].startswith(whole[: whole.index(cut) + len(cut)])  # the model's text, to the cut
+
+
+def test_ill_formed_calls_in_history_are_refused():
+    for call in ({"function": {"arguments": "{}"}}, "f", {"function": {"name": "", "arguments": "{}"}}):
+        with pytest.raises(InvalidRequestError):
+            render_messages_with_tools([{"role": "assistant", "tool_calls": [call]}], None)
 
 
 OUTPUT = (

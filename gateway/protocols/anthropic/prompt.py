@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import jiter
+
 from gateway.core.errors import InvalidRequestError
 from gateway.core.json_types import json_kind
 from gateway.protocols.anthropic.parse import OPAQUE, extra_keys
@@ -154,7 +156,12 @@ def _tool_use_block(call: Any, param: str) -> dict[str, Any]:
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     except (ValueError, RecursionError):
-        raise bad_param("function.arguments is not valid JSON", f"{param}.function.arguments") from None
+        # a call cut by max_tokens as it came back to the client, resent: its members that were complete, read
+        # in jiter's partial mode as the Anthropic SDKs read a cut tool_use input
+        try:
+            parsed = jiter.from_json(arguments.encode(), partial_mode=True)
+        except ValueError:
+            raise bad_param("function.arguments is not valid JSON", f"{param}.function.arguments") from None
     if not isinstance(parsed, dict):
         raise bad_param("function.arguments must be a JSON object", f"{param}.function.arguments")
     block = {

@@ -898,3 +898,40 @@ def test_anthropic_streamed_and_whole_messages_deliver_the_same_tool_uses_under_
             for _, arguments in uses:
                 jsonschema.validate(arguments, WEATHER_PARAMETERS)
     assert cut_inside  # a tool_use cut inside its input came back
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_can_be_sent_back_and_keeps_its_cache(client, stream):
+    """The next turn of an agent loop resends the cut call as it came back (its arguments not valid JSON) with
+    a tool result: it is served, not refused (before: 400 "not valid JSON"), and the prompt reuses the KV of
+    every token of the cut call that was computed (all but its last: the engine never feeds the last sampled
+    token back)."""
+    request = dict(
+        model=TINY_MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="required", temperature=0
+    )
+    full = client.chat.completions.create(max_tokens=400, **request)
+    arguments = full.choices[0].message.tool_calls[0].function.arguments
+    resent = 0
+    for max_tokens in range(1, full.usage.completion_tokens):
+        first = client.chat.completions.create(max_tokens=max_tokens, **request)
+        message = first.choices[0].message
+        if not message.tool_calls or message.tool_calls[0].function.arguments in ("", arguments):
+            continue  # no call yet, or cut before its arguments began, or the first call is whole
+        cut = message.tool_calls[0].function.arguments
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(cut)
+        history = [*QUESTION, message.model_dump(exclude_none=True), *tool_results(message)]
+        follow = dict(
+            model=TINY_MODEL, messages=history, tools=OPENAI_TOOLS, tool_choice="none", max_tokens=2
+        )
+        if stream:
+            chunks = list(
+                client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **follow)
+            )
+            usage = chunks[-1].usage
+        else:
+            usage = client.chat.completions.create(**follow).usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1, (max_tokens, cut)
+        resent += 1
+    assert resent >= 3

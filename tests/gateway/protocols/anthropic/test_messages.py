@@ -764,3 +764,33 @@ def test_a_tool_use_without_its_result_is_named_in_anthropics_words():
 
 def test_a_final_assistant_tool_use_turn_is_left_alone():
     assert parse_messages_body(tool_use_turn_body()) is not None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [('{"city": "Par', {}), ('{"city": "Paris", "unit": "c', {"city": "Paris"}), ("{}", {})],
+)
+def test_a_cut_call_resent_to_an_anthropic_upstream_keeps_its_complete_members(arguments, expected):
+    """A call cut by ``max_tokens`` comes back to an OpenAI-face client with arguments that are not JSON; resent
+    to an Anthropic upstream, its ``tool_use`` input holds the members that were complete (jiter's partial mode,
+    as the Anthropic SDKs read a cut input); before: 400 "not valid JSON"."""
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    ]
+    (use,) = openai_to_anthropic(messages, None).messages[1]["content"]
+    assert use == {"type": "tool_use", "id": "c1", "name": "w", "input": expected}
+
+
+@pytest.mark.parametrize("arguments", ["nope", "[1, 2]"])
+def test_call_arguments_that_are_no_object_even_cut_are_400(arguments):
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    with pytest.raises(InvalidRequestError) as caught:
+        openai_to_anthropic(messages, None)
+    assert caught.value.param.endswith("function.arguments")
