@@ -16,6 +16,12 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* tiles of 16 positions ahead whose K (V) rows the scores (values) pass prefetches into L2, a row per position
+ * and KV head as it goes (on a Zen 4 EPYC at ~1k positions 1-3 measured the same, 4 slower; prefetching into L1,
+ * or a whole tile at once, was slower: docs/engine-step.md). Prefetches only: the arithmetic is untouched. */
+#ifndef PD_PF
+#define PD_PF 2
+#endif
 #define MAX_GROUP 8  /* query heads per KV head held in registers on the vector path */
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -151,35 +157,41 @@ INLINE int64_t position(const int32_t *table, int64_t l, int64_t block_size, int
     return (int64_t)table[l / block_size] * block_elems + (l % block_size) * pos_elems + h * D;
 }
 
-/* at[t] = offset + element offset of position l0 + t's row (t < n; 0 past n), and the sequence's next tile
- * (16 rows from l0 + 16) prefetched */
-INLINE void tile_rows(const void *cache, int cache_bf16, const int32_t *table, int64_t len, int64_t l0, int64_t n,
-                      int64_t block_size, int64_t block_elems, int64_t pos_elems, int64_t D, int64_t offset,
-                      int64_t at[16]) {
-    const int64_t esize = cache_bf16 ? 2 : 4;
-    for (int64_t t = 0; t < 16; t++)
+/* at[t] = offset + element offset of position l0 + t's row (t < n; 0 past n); ahead[t]: the same for position
+ * l0 + 16 PD_PF + t (-1 past len), whose head rows the tile's loops prefetch into L2 as they go */
+INLINE void tile_rows(const int32_t *table, int64_t len, int64_t l0, int64_t n, int64_t block_size,
+                      int64_t block_elems, int64_t pos_elems, int64_t D, int64_t offset, int64_t at[16],
+                      int64_t ahead[16]) {
+    for (int64_t t = 0; t < 16; t++) {
         at[t] = t < n ? offset + position(table, l0 + t, block_size, block_elems, pos_elems, 0, D) : 0;
-    if (l0 + 16 < len) {
-        const int64_t next = offset + position(table, l0 + 16, block_size, block_elems, pos_elems, 0, D);
-        for (int64_t off = 0; off < 16 * pos_elems * esize; off += 64)
-            __builtin_prefetch((const char *)cache + next * esize + off);
+        const int64_t l = l0 + 16 * PD_PF + t;
+        ahead[t] = l < len ? offset + position(table, l, block_size, block_elems, pos_elems, 0, D) : -1;
     }
+}
+
+/* head row (ahead + h D, D elements) prefetched into L2, if ahead >= 0 */
+INLINE void prefetch_row(const void *cache, int cache_bf16, int64_t ahead, int64_t h, int64_t D) {
+    if (ahead < 0) return;
+    const int64_t esize = cache_bf16 ? 2 : 4;
+    const char *row = (const char *)cache + (ahead + h * D) * esize;
+    for (int64_t off = 0; off < D * esize; off += 64) __builtin_prefetch(row + off, 0, 2); /* 2: prefetcht1, to L2 */
 }
 
 /* Tile (16 positions from l0) of one sequence's scores, every KV head, D % 16 == 0, group <= MAX_GROUP:
  * scores[i * len + l] = scale * q_i . k(l), the 16 row sums of a query head at once (hsum16). The tile's rows
  * (one block of 16 is 16 consecutive rows of all KV heads) are read once and stay in L1 for the heads' turns;
- * the sequence's next tile is prefetched. */
+ * the rows PD_PF tiles ahead are prefetched into L2, one (position, KV head) row per turn. */
 INLINE void scores_tile16(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
                         int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
     const int64_t chunks = D / 16;
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16];
-    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at);
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
         v16 part[MAX_GROUP][16];
         for (int64_t t = 0; t < 16; t++) {
+            prefetch_row(cache, cache_bf16, ahead[t], h, D);
             v16 acc[MAX_GROUP];
             for (int64_t g = 0; g < group; g++) acc[g] = (v16){0};
             if (t < n) {
@@ -241,11 +253,12 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
                         int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
     const int64_t chunks = D / 16;
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16];
-    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at);
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
         __m256 plo[MAX_GROUP][16], phi[MAX_GROUP][16];
         for (int64_t t = 0; t < 16; t++) {
+            prefetch_row(cache, cache_bf16, ahead[t], h, D);
             v8s lo[MAX_GROUP], hi[MAX_GROUP];
             for (int64_t g = 0; g < group; g++) lo[g] = hi[g] = (v8s){0};
             if (t < n) {
@@ -286,13 +299,14 @@ INLINE void values_tile16(const float *restrict p, const void *cache, int cache_
                         int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
     const int64_t chunks = D / 16;
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16];
-    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, v_offset, at);
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, D, v_offset, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
         v16 acc[MAX_GROUP][8];
         for (int64_t g = 0; g < group; g++)
             for (int64_t c = 0; c < chunks; c++) memcpy(&acc[g][c], o + (h * group + g) * D + 16 * c, 64);
         for (int64_t t = 0; t < n; t++) {
+            prefetch_row(cache, cache_bf16, ahead[t], h, D);
             for (int64_t c = 0; c < chunks; c++) {
                 const v16 v = load16(cache, at[t] + h * D + 16 * c, cache_bf16);
                 for (int64_t g = 0; g < group; g++) acc[g][c] += p[(h * group + g) * len + l0 + t] * v;
@@ -312,9 +326,10 @@ INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
                         int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16];
-    tile_rows(cache, cache_bf16, table, len, l0, n, block_size, block_elems, pos_elems, D, v_offset, at);
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, D, v_offset, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
+        for (int64_t t = 0; t < 16; t++) prefetch_row(cache, cache_bf16, ahead[t], h, D);
         for (int64_t c = 0; c < D / 8; c++) {
             v8 acc[MAX_GROUP];
             for (int64_t g = 0; g < group; g++) memcpy(&acc[g], o + (h * group + g) * D + 8 * c, 32);
