@@ -33,9 +33,10 @@ Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
   (new content); or the nearest earlier prompt shares less than one ``unit`` and the two do not re-converge
   after the divergence (a new prompt, not an edit of an earlier one); or the divergence lies in a document or
   in the volatile tail (new content).
-- ``reply_cut``: the nearest earlier prompt is followed by a reply cut by ``max_tokens`` and the divergence lies
-  in that reply's last ``_CUT_TAIL`` tokens, before the last token the engine computed (the resent text spells
-  the cut end otherwise, e.g. U+FFFD for a character cut in two).
+- ``reply_cut``: the nearest earlier prompt is followed by a reply cut by ``max_tokens`` inside a character (its
+  text ended in U+FFFD: the caller's ``record_answer(cut=True)``) and the divergence lies in that reply's last
+  ``_CUT_TAIL`` tokens, before the last token the engine computed (the resent text spells the cut end
+  otherwise). A reply cut between characters comes back as served; a divergence in it is an edit.
 - otherwise, at the divergence ``d`` from the nearest earlier prompt (either prompt's segment at ``d``):
   ``tools_changed`` (tools, unless both prompts carry a tools digest and the digests are equal: the tools are
   the same and only where the template cut them moved, e.g. a system text added after a tools-only system
@@ -485,7 +486,7 @@ class MissExplainer:
         (``history_rewritten``); one that resends it unedited shares all of it, and the cache can hold no more
         of it than the engine computed: the prompt and the answer less its ``uncomputed`` last ids (the last
         sampled token is never fed to the model). Such a prompt is a hit once that much is cached; past it a
-        new turn starts. ``cut``: the reply was cut by ``max_tokens``, so its resent text may spell its last
+        new turn starts. ``cut``: the reply was cut by ``max_tokens`` inside a character, so its resent text may spell its last
         ``_CUT_TAIL`` tokens otherwise (``reply_cut`` where it does, before what the engine computed ends).
 
         Raises:

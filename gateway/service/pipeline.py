@@ -176,6 +176,9 @@ class OpenedStream:
         self._path = path
         self._started = started
         self._ttft_s: float | None = None
+        self._ends_in_broken_char = False
+        """Whether the first choice's text so far ends in U+FFFD: a reply cut there by ``max_tokens`` ended
+        inside a character, whose resent text spells its last tokens otherwise (``reply_cut``)."""
         self._done = False
         self._closed = False
         self._explained = False
@@ -264,7 +267,9 @@ class OpenedStream:
                 self._rendered,
                 finish.answer_token_ids,
                 uncomputed=finish.answer_uncomputed,
-                cut=finish.finish_reason == "length",
+                # only a reply cut inside a character comes back spelled otherwise at its end (a reply cut
+                # between characters re-tokenizes to the ids served: engine.served_turns)
+                cut=finish.finish_reason == "length" and self._ends_in_broken_char,
             )
 
     async def events(self) -> AsyncIterator[BackendEvent]:
@@ -276,8 +281,11 @@ class OpenedStream:
         try:
             while True:
                 event = await self._next_event()
-                if isinstance(event, Delta) and self._ttft_s is None and (event.text or event.tool_calls):
-                    self._ttft_s = time.monotonic() - self._started
+                if isinstance(event, Delta):
+                    if self._ttft_s is None and (event.text or event.tool_calls):
+                        self._ttft_s = time.monotonic() - self._started
+                    if event.text and event.index == 0:
+                        self._ends_in_broken_char = event.text.endswith("\ufffd")
                 if isinstance(event, Finish):
                     self._record_finish(event)
                     if not self._explained:

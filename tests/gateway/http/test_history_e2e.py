@@ -454,3 +454,36 @@ def test_the_cache_header_never_places_a_miss_inside_what_the_engine_served(serv
         segment, offset = fields["at"].split(":")
         assert int(offset) >= cached(usage), header
         assert fields["miss"] == "cold"
+
+
+def test_a_reply_cut_between_characters_is_recorded_as_resent_unchanged(server, client, monkeypatch):
+    """Only a reply cut inside a character (text ending in U+FFFD) is recorded as one whose resent end may be
+    spelled otherwise (``record_answer(cut=True)``, ``reply_cut``). Before, every reply cut by ``max_tokens``
+    was, so a client edit (or another reply, sampled) diverging in its last 3 tokens read ``reply_cut``
+    instead of ``history_rewritten`` (seen in the SmolLM2 four-turn test)."""
+    cache = server.app.state.gateway.cache
+    seen: list[bool] = []
+    record = cache.record_answer
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("cut"))
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "record_answer", spy)
+    engine = server.app.state.gateway.registry.get(TINY_MODEL).engine
+    letters = [engine.tokenizer.encode(c, add_special_tokens=False) for c in ("Q", "Z")]
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    contents = []
+    for bias in ({str(ids[0]): 100 for ids in letters}, None):  # whole characters; then the model's own bytes
+        answer = client.chat.completions.create(
+            model=TINY_MODEL,
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            logit_bias=bias,
+            extra_headers={"x-prefixgate-tenant": tenant()},
+        )
+        assert answer.choices[0].finish_reason == "length"
+        contents.append(answer.choices[0].message.content)
+    assert [c.endswith("\ufffd") for c in contents] == [False, True], contents  # both kinds of cut happened
+    assert seen == [False, True]
