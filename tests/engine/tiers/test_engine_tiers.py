@@ -5,6 +5,8 @@ Redis costs no request."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -80,14 +82,23 @@ def test_a_tier_read_that_ends_after_the_step_gave_up_waiting_is_not_a_stuck_sch
     eng = tiered(tmp_path, num_blocks=40)
     eng.prefetch_wait_s = 0.0
     schedule = eng.scheduler.schedule
+    lookup = eng.tiers.stack.lookup
+    release = threading.Event()
     calls = []
+
+    def gated_lookup(metas):  # the read cannot end before the step's second look, however fast the disk is
+        assert release.wait(30.0)
+        return lookup(metas)
 
     def schedule_then_read_finishes():
         sched = schedule()
         calls.append(sched.is_empty)
         if len(calls) == 2:  # the step's second look (after its wait) found nothing: the read ends now
+            release.set()
             eng.tiers.wait_pending(30.0)
         return sched
+
+    eng.tiers.stack.lookup = gated_lookup
 
     eng.scheduler.schedule = schedule_then_read_finishes
     req = run(eng, base[:192] + random_tokens(10, 6))
