@@ -23,6 +23,7 @@ is our W5 aggregate over llama-server's W3 one-stream rate. ``cached_over_cold``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,7 @@ class Server:
     url: str
     log: Path
     _client: httpx.Client | None = None
+    resends: int = 0  # requests sent again after a keep-alive connection closed before any response byte
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         t0 = time.monotonic()
@@ -167,6 +170,36 @@ class Result:
     first_to_last_s: float
 
 
+STALE_RESENDS = 2
+"""Times ``chat`` sends a request again when its keep-alive connection was closed before any response byte."""
+
+
+@contextlib.contextmanager
+def open_stream(server: Server, client: httpx.Client, body: dict) -> Iterator[httpx.Response]:
+    """``client.stream`` of a chat completion, sent again (up to ``STALE_RESENDS`` times, counted in
+    ``server.resends``) when the server closed the reused connection before answering: llama-server (its
+    cpp-httplib) dropped ~1 in 120 back-to-back keep-alive requests that way here, which the official SDKs
+    retry by default (``max_retries=2``) and which stopped whole runs of this bench. An error after the
+    response began is raised."""
+    for attempt in range(STALE_RESENDS + 1):
+        cm = client.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600)
+        try:
+            r = cm.__enter__()
+        except httpx.RemoteProtocolError:
+            if attempt == STALE_RESENDS:
+                raise
+            server.resends += 1
+            continue
+        try:
+            yield r
+        except BaseException as e:
+            if not cm.__exit__(type(e), e, e.__traceback__):
+                raise
+        else:
+            cm.__exit__(None, None, None)
+        return
+
+
 def chat(server: Server, system: str, question: str, max_tokens: int) -> Result:
     """One streamed greedy chat completion; client-side TTFT, tokens and timings."""
     body = {
@@ -182,7 +215,7 @@ def chat(server: Server, system: str, question: str, max_tokens: int) -> Result:
     first = last = None
     chunks = 0
     usage_tokens = None
-    with client.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with open_stream(server, client, body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{server.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
@@ -284,8 +317,8 @@ def run_peers(gguf: str, llama_server: str, threads: int, repeats: int, system_w
     med = {n: {k: statistics.median(v) for k, v in f.items()} for n, f in figures.items()}
     a, b = med["prefixgate"], med["llama-server"]
     out = {
-        "prefixgate": a | {"peak_rss_mb": rss["prefixgate"]},
-        "llama_server": b | {"peak_rss_mb": rss["llama-server"]},
+        "prefixgate": a | {"peak_rss_mb": rss["prefixgate"], "stale_resends": ours.resends},
+        "llama_server": b | {"peak_rss_mb": rss["llama-server"], "stale_resends": peer.resends},
         "peer_ratios": {
             "w1_cold_ttft": a["w1_cold_ttft"] / b["w1_cold_ttft"],
             "w2_warm_ttft": a["w2_warm_ttft"] / b["w2_warm_ttft"],
