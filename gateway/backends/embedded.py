@@ -16,7 +16,8 @@ arguments, that call with its arguments text so far; streamed or not; the Anthro
 from the engine's tokenizer.
 
 OpenAI parameters the engine cannot honour are refused with 400 rather than silently ignored (see
-``UNSUPPORTED``); parameters that only carry bookkeeping (``metadata``, ``store``, ``user``...) are accepted.
+``UNSUPPORTED``; ``store: true`` among them, as the Responses face refuses it: no completion is stored);
+parameters that only carry bookkeeping (``metadata``, ``user``, ``service_tier``...) are accepted.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
+    # stored completions (distillation, evals, GET /v1/chat/completions): nothing stores one here
+    "store": (None, False),
 }
 """OpenAI body fields the embedded engine cannot honour -> the values it accepts (the neutral ones)."""
 

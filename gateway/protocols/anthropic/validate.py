@@ -149,16 +149,28 @@ asks for at most 64 characters; the API takes 128)."""
 def _check_tool_results(messages: list[Any]) -> None:
     """Each ``tool_result`` block answers a ``tool_use`` block of the message just before (an assistant turn),
     by its ``id``, and each ``tool_use`` block of an assistant turn that has a next message is answered there,
-    as Anthropic requires (a final assistant turn, a prefill, is left alone)."""
+    as Anthropic requires (a final assistant turn, a prefill, is left alone). The ``tool_result`` blocks of a
+    message come before any other block of it (Anthropic's tool-use guide: text goes after all tool results;
+    the API answers 400 otherwise)."""
     for i, message in enumerate(messages):
         content = message["content"]
         previous = messages[i - 1] if i > 0 else None
         blocks = previous["content"] if previous is not None and previous["role"] == "assistant" else []
         used = [b["id"] for b in blocks if isinstance(b, dict) and b["type"] == "tool_use"]
         answered = set()
+        other_first: int | None = None  # the first block that is not a tool_result
         for j, block in enumerate(content if isinstance(content, list) else ()):
             if block["type"] != "tool_result":
+                if other_first is None:
+                    other_first = j
                 continue
+            if other_first is not None:
+                raise bad_param(
+                    f"tool_result blocks must come first in a message's content: messages[{i}].content"
+                    f"[{other_first}] is a {content[other_first]['type']!r} block before this tool_result "
+                    "(any text goes after all tool results)",
+                    f"messages[{i}].content[{j}]",
+                )
             if block["tool_use_id"] not in used:
                 raise bad_param(
                     f"unexpected tool_use_id {block['tool_use_id']!r} in a tool_result block: each tool_result "

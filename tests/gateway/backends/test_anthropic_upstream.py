@@ -183,7 +183,7 @@ async def test_rules_off_sends_the_client_prompt_exactly(http):
             {"role": "assistant", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]},
             {
                 "role": "user",
-                "content": [{"type": "text", "text": "a"}, {"type": "tool_result", "tool_use_id": "x"}],
+                "content": [{"type": "tool_result", "tool_use_id": "x"}, {"type": "text", "text": "a"}],
             },
         ],
     }

@@ -794,3 +794,24 @@ def test_call_arguments_that_are_no_object_even_cut_are_400(arguments):
     with pytest.raises(InvalidRequestError) as caught:
         openai_to_anthropic(messages, None)
     assert caught.value.param.endswith("function.arguments")
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        {"type": "text", "text": "here"},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+    ],
+)
+def test_a_block_before_the_tool_results_is_refused_as_anthropic_does(first):
+    """Before: text before a tool_result was accepted (found by a user trial); an Anthropic upstream refuses
+    it, so the embedded model must too."""
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages_body(tool_use_turn_body({"role": "user", "content": [first, result]}))
+    assert info.value.param == "messages[2].content[1]"
+    assert "tool_result blocks must come first" in info.value.message
+    assert f"messages[2].content[0] is a {first['type']!r} block" in info.value.message
+    # after the results, text is fine
+    body = tool_use_turn_body({"role": "user", "content": [result, {"type": "text", "text": "here"}]})
+    assert [m["role"] for m in parse_messages_body(body).messages][-2:] == ["tool", "user"]
