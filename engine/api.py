@@ -246,6 +246,9 @@ class WarmResult:
             (docs/prefix-cache.md): its whole blocks and the kept partial block, up to where the continuation
             departs from the warmed prompt (for messages, the next turn; see ``AsyncEngine.warm``). The
             partial block is not pinned: eviction can take it, leaving ``cached_tokens``.
+        computed_tokens: prompt tokens this warm prefilled: 0 when the prompt was already cached, its whole
+            length when nothing of it was (what was found cached when it was admitted is the rest); None where
+            the engine did not report it.
     """
 
     prefix_key: str
@@ -254,6 +257,7 @@ class WarmResult:
     pinned_blocks: int
     pin_id: str | None
     reusable_tokens: int = 0
+    computed_tokens: int | None = None
 
 
 @dataclass(frozen=True)

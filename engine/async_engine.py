@@ -364,8 +364,8 @@ class AsyncEngine:
         blocks cached, pinned in RAM with ``pin``; listed under ``req.prefix_key`` (or its chain hash).
 
         Returns:
-            The prefix key, tokens now cached (whole blocks), blocks pinned, the pin id, and
-            ``reusable_tokens``: what a following request reuses now, token-granular. For ``messages`` that
+            The prefix key, tokens now cached (whole blocks), blocks pinned, the pin id, the tokens this warm
+            prefilled (``computed_tokens``), and ``reusable_tokens``: what a following request reuses now, token-granular. For ``messages`` that
             request continues the conversation with its next turn (``next_turn_tokens``): the warmed prompt
             ends with the generation prompt, which the next turn shares only in part (ChatML: ``<|im_start|>``,
             not ``assistant``); for token ids or text, it starts with the whole prompt.
@@ -385,13 +385,16 @@ class AsyncEngine:
             if pin:
                 self.core.kv.check_pin_room(len(prompt) // self.core.kv.block_size)
         rid = f"{req.request_id or 'warm'}#{next(self._ids)}"
-        async for _ in self._stream(rid, prompt, dataclasses.replace(req, params=params)):
-            pass
+        found = None  # prompt tokens found cached when the warm was admitted
+        async for event in self._stream(rid, prompt, dataclasses.replace(req, params=params)):
+            if isinstance(event, Finished):
+                found = event.usage.cached_tokens
         shared = self.next_turn_tokens(req, prompt)
         with self._cond:
-            return self.core.finish_warm(
+            result = self.core.finish_warm(
                 prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key, req.level_ends, shared
             )
+        return dataclasses.replace(result, computed_tokens=None if found is None else len(prompt) - found)
 
     def next_turn_tokens(self, req: GenerationRequest, prompt: list[int]) -> int | None:
         """Leading tokens of ``prompt`` (``req``'s messages rendered with the generation prompt) that a request

@@ -6,6 +6,7 @@ the step loop."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from engine.api import SamplingParams, WarmResult
@@ -31,8 +32,9 @@ class PrefixAdmin:
         same through the step loop.
 
         Returns:
-            The prefix key, the tokens now cached (whole blocks), the pin, and the tokens a longer prompt
-            starting with ``prompt_token_ids`` reuses (``reusable_tokens``).
+            The prefix key, the tokens now cached (whole blocks), the pin, the tokens a longer prompt
+            starting with ``prompt_token_ids`` reuses (``reusable_tokens``) and the tokens this warm prefilled
+            (``computed_tokens``).
 
         Raises:
             InvalidRequestError, PromptTooLongError: the prompt cannot be served (nothing is queued).
@@ -47,7 +49,8 @@ class PrefixAdmin:
         req = self.add_checked_request(prompt, params, cache_salt=cache_salt, level_ends=level_ends)
         while not req.is_finished:
             self.step()
-        return self.finish_warm(prompt, req.extra_keys, pin, prefix_key, level_ends)
+        result = self.finish_warm(prompt, req.extra_keys, pin, prefix_key, level_ends)
+        return dataclasses.replace(result, computed_tokens=len(prompt) - req.num_cached_tokens)
 
     def finish_warm(
         self,

@@ -63,6 +63,7 @@ class WarmOutcome:
             "prefix_key": r.prefix_key,
             "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens,
+            "computed_tokens": r.computed_tokens,
             "reusable_tokens": r.reusable_tokens,
             "pinned_blocks": r.pinned_blocks,
             "pin_id": r.pin_id,

@@ -89,3 +89,27 @@ def test_a_token_warm_is_reusable_whole_by_a_longer_prompt():
     eng.run_to_completion()
     assert req.num_cached_tokens == 53
     eng.kv.check_invariants()
+
+
+async def test_a_warm_says_how_much_it_prefilled():
+    """Before: a warm of new text and a repeat warm answered the same fields (``cached_tokens`` is what is cached
+    after it), so a caller could not tell whether it computed anything (found by a user trial)."""
+    eng = AsyncEngine(make_engine(), tiny_checkpoint().tokenizer)
+    try:
+        first = await eng.warm(GenerationRequest(messages=SYSTEM, cache_salt="t"))
+        again = await eng.warm(GenerationRequest(messages=SYSTEM, cache_salt="t"))
+        other = await eng.warm(GenerationRequest(messages=SYSTEM, cache_salt="another tenant"))
+        assert first.computed_tokens == first.prompt_tokens == 138  # nothing of it was cached
+        # all but the last token is found again (the last is always computed for its logits)
+        assert again.computed_tokens == 1 and again.cached_tokens == first.cached_tokens
+        assert other.computed_tokens == 138  # another tenant's salt shares nothing
+    finally:
+        await eng.shutdown()
+
+
+def test_the_synchronous_warm_counts_the_same_way():
+    eng = make_engine()
+    prompt = random_tokens(40, 3)
+    assert eng.warm(prompt).computed_tokens == 40
+    assert eng.warm(prompt).computed_tokens == 1
+    assert eng.warm(prompt + random_tokens(20, 4)).computed_tokens == 20
