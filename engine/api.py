@@ -43,7 +43,12 @@ class Constraint:
             ``"json_schema"`` (an instance of ``json_schema``: ``response_format: {"type": "json_schema"}``, strict
             or not, the schema is enforced as given), or ``"tool_calls"`` (the generic tool-call format of
             ``engine.tool_calls``, arguments valid for each tool's ``parameters``).
-        json_schema: the JSON Schema of ``"json_schema"`` (a dict).
+        json_schema: the JSON Schema of ``"json_schema"`` (a dict). On a ``"tool_calls"`` constraint with
+            ``tool_choice="auto"``, the answer's format when the request has a response format as well as tools
+            (OpenAI ``response_format`` / Responses ``text.format`` / Anthropic ``output_config.format``, with
+            ``json_object`` as ``{"type": "object"}``): the output is then calls, or instead of free text an
+            instance of this schema; None (the default) keeps free text. Ignored for ``"required"`` and
+            ``"function"``, which allow calls only.
         tools: the tools of ``"tool_calls"``: OpenAI ``{"type": "function", "function": {...}}`` objects or the
             bare function objects ``{"name", "description", "parameters"}``.
         tool_choice: ``"auto"`` (text, or calls of these tools), ``"required"`` (one or more calls), or

@@ -73,6 +73,12 @@ def tool_call_grammar(constraint: Constraint) -> str:
     ``function``: calls of ``tool_name`` only. Calls are separated by ``\\n``; one at most when
     ``parallel_tool_calls`` is False.
 
+    ``auto`` with the constraint's ``json_schema`` set (a response format sent with tools): calls (no text
+    before them), or an answer that is an instance of that schema, its own ``%json`` sub-grammar with the same
+    JSON options as a ``"json_schema"`` constraint. The two never share a first byte (a call opens with ``<``,
+    which no JSON value does), so the first token decides which one the output is
+    (``engine.tool_calls.ToolCallParser``'s ``json_answer``).
+
     A call body is Lark text around the arguments, ``{"name": NAME, "arguments": `` ARGS ``}`` (the bytes
     ``render_call`` writes), and each tool's ARGS is its own ``%json`` sub-grammar whose root is the tool's
     ``parameters`` schema exactly as the client sent it. So llguidance resolves the schema's references as
@@ -83,7 +89,8 @@ def tool_call_grammar(constraint: Constraint) -> str:
     ``ConstraintCompiler.grammar`` for the 400 naming the tool.
 
     Raises:
-        InvalidRequestError: no tools, bad tools, an unknown ``tool_choice``, or ``tool_name`` not among them.
+        InvalidRequestError: no tools, bad tools, an unknown ``tool_choice``, ``tool_name`` not among them, or
+            a ``json_schema`` that is not an object (``param="response_format"``).
     """
     tools = function_tools(list(constraint.tools))
     if not tools:
@@ -109,7 +116,14 @@ def tool_call_grammar(constraint: Constraint) -> str:
             f"body_{i}: {head} args_{i} {lark_string(CALL_TAIL)}",
             f"args_{i}: %json {json.dumps(_json_schema(tool.parameters))}",
         ]
-    if choice == "auto":
+    if choice == "auto" and constraint.json_schema is not None:
+        if not isinstance(constraint.json_schema, dict):
+            raise InvalidRequestError("json_schema must be a JSON Schema object", "response_format")
+        lines += [
+            f"start: answer | call {more}",
+            f"answer: %json {json.dumps(_json_schema(constraint.json_schema))}",
+        ]
+    elif choice == "auto":
         lines += [
             f"start: TEXT | lead body {close} {more}",
             f"lead[suffix={lark_string(CALL_OPEN)}]: /(.|\\n)*/",
@@ -163,10 +177,6 @@ def schema_problem(errors: str) -> str:
         if line and set(line) != {"^"}:
             kept.append(line)
     return " ".join(kept) or "the schema cannot be compiled"
-
-
-def _param_of(constraint: Constraint) -> str:
-    return "tools" if constraint.kind == "tool_calls" else "response_format"
 
 
 class ConstraintCompiler:
@@ -228,34 +238,47 @@ class ConstraintCompiler:
         if not ok:
             # the client gets which schema and what in it; the grammar text (internals) goes to the log only
             log.info("constraint compile failed (%s): %s", constraint.kind, errors)
-            raise InvalidRequestError(self._explain(constraint, errors), _param_of(constraint))
+            raise InvalidRequestError(*self._explain(constraint, errors))
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar
 
-    def _explain(self, constraint: Constraint, errors: str) -> str:
-        """The client's message for a grammar llguidance refused: for tool calls, the first tool whose
-        parameters schema alone fails, by name, and llguidance's reason without the grammar listing."""
+    def _explain(self, constraint: Constraint, errors: str) -> tuple[str, str]:
+        """The client's message and the field it names, for a grammar llguidance refused: for tool calls, the
+        first tool whose parameters schema alone fails, by name (``tools``), else the answer's schema of a
+        response format sent with tools (``response_format``); llguidance's reason without the grammar
+        listing."""
         if constraint.kind == "tool_calls":
             for tool in function_tools(list(constraint.tools)):
-                try:
-                    ok, tool_errors = self._validate(
-                        llguidance.LLMatcher.grammar_from_json_schema(_json_schema(tool.parameters))
-                    )
-                except (ValueError, TypeError) as exc:
-                    ok, tool_errors = False, str(exc)
-                if not ok:
+                problem = self._schema_errors(tool.parameters)
+                if problem is not None:
                     return (
                         f"Invalid 'tools': the schema of tool '{tool.name}' is not supported by "
-                        f"constrained decoding: {schema_problem(tool_errors)}"
+                        f"constrained decoding: {schema_problem(problem)}",
+                        "tools",
                     )
-            return f"Invalid 'tools': the tool-call constraint cannot be compiled: {schema_problem(errors)}"
+            answer = constraint.json_schema if constraint.tool_choice == "auto" else None
+            if answer is None or (problem := self._schema_errors(answer)) is None:
+                return (
+                    f"Invalid 'tools': the tool-call constraint cannot be compiled: {schema_problem(errors)}",
+                    "tools",
+                )
+            errors = problem
         return (
             f"Invalid 'response_format': the JSON schema is not supported by constrained decoding: "
-            f"{schema_problem(errors)}"
+            f"{schema_problem(errors)}",
+            "response_format",
         )
+
+    def _schema_errors(self, schema: dict) -> str | None:
+        """llguidance's errors for ``schema`` compiled alone (None: it compiles)."""
+        try:
+            ok, errors = self._validate(llguidance.LLMatcher.grammar_from_json_schema(_json_schema(schema)))
+        except (ValueError, TypeError) as exc:
+            ok, errors = False, str(exc)
+        return None if ok else errors
 
     def _validate(self, grammar: str) -> tuple[bool, str]:
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar)

@@ -276,12 +276,21 @@ class ToolCallParser:
     not ``{"name": str, "arguments": object}``, is given back as content when it closes (possible only for
     unconstrained output; constrained output always parses).
 
+    With ``json_answer`` (a response format sent with tools: the grammar allows calls, or a JSON answer and
+    nothing else, ``engine.constrained.tool_call_grammar``) the output's first character decides: ``<`` opens a
+    call and the output is calls, parsed as above; anything else begins the JSON answer, which is all content,
+    passed on as it arrives (nothing held back: it never holds call markup, a JSON string cannot hold the raw
+    newline of ``<tool_call>\\n``), cut by ``max_tokens`` or not.
+
     Args:
         new_id: makes call ids (tests pass a deterministic one).
+        json_answer: the output is either calls or a JSON answer (see above).
     """
 
-    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, new_id: Callable[[], str] = new_call_id, json_answer: bool = False) -> None:
         self.new_id = new_id
+        self.json_answer = json_answer
+        self._answering = False  # json_answer and the output began as an answer: all of it is content
         self.calls: list[ToolCall] = []
         self._buf = ""
         self._in_call = False
@@ -292,6 +301,10 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list[ParseEvent]:
         """Events for ``text`` appended to the output."""
+        if self.json_answer and not self._opened and not self._buf and text and not text.startswith("<"):
+            self._answering = True
+        if self._answering:
+            return [ContentDelta(text)] if text else []
         self._buf += text
         events: list[ParseEvent] = []
         while True:
@@ -485,11 +498,12 @@ def _json_value_end(text: str) -> int | None:
 
 
 def parse_tool_calls(
-    text: str, new_id: Callable[[], str] = new_call_id, cut: bool = False
+    text: str, new_id: Callable[[], str] = new_call_id, cut: bool = False, json_answer: bool = False
 ) -> tuple[str, list[ToolCall]]:
     """The whole output at once: ``(content, calls)`` (content is the text outside call blocks; ``cut``: the
-    output was cut by ``max_tokens``, see ``ToolCallParser.finish``)."""
-    parser = ToolCallParser(new_id)
+    output was cut by ``max_tokens``, see ``ToolCallParser.finish``; ``json_answer``: calls or a JSON answer,
+    see ``ToolCallParser``)."""
+    parser = ToolCallParser(new_id, json_answer=json_answer)
     events = parser.feed(text) + parser.finish(cut=cut)
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     return content, parser.calls

@@ -11,7 +11,9 @@ Tools: the engine renders them for every checkpoint (docs/tools.md). When its ``
 and each choice's output is parsed by ``engine.tool_calls.ToolCallParser`` into OpenAI tool-call deltas
 (``Delta.tool_calls``, one per call once complete, or at the end of an output ``max_tokens`` cut inside a call's
 arguments, that call with its arguments text so far; streamed or not; the Anthropic face turns them into
-``tool_use`` blocks); a choice that called a tool and stopped finishes with ``tool_calls``. ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
+``tool_use`` blocks); a choice that called a tool and stopped finishes with ``tool_calls``. With a response
+format as well (``tool_choice`` ``auto``), the output is calls or a JSON answer in that format, which is content
+(finish reason ``stop``). ``n`` > 1 choices stream with their ``index``; one ``Finish`` ends the stream
 (usage of all choices, each choice's reason in ``finish_reasons``). Logprobs carry each token's text and bytes
 from the engine's tokenizer.
 
@@ -171,8 +173,10 @@ class EmbeddedBackend(Backend):
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
         generation = generation_request(request, engine)
         n = generation.params.n
-        parse = generation.params.constraint is not None and generation.params.constraint.kind == "tool_calls"
-        choices = [_Choice(ToolCallParser() if parse else None) for _ in range(n)]
+        constraint = generation.params.constraint
+        parse = constraint is not None and constraint.kind == "tool_calls"
+        json_answer = parse and constraint.tool_choice == "auto" and constraint.json_schema is not None
+        choices = [_Choice(ToolCallParser(json_answer=json_answer) if parse else None) for _ in range(n)]
         spelled = _TokenSpeller(engine.tokenizer) if generation.params.logprobs is not None else None
         try:
             # the first delta carries the prompt's counts (the headers of a stream go out once it arrived),

@@ -90,15 +90,7 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
     tools = template_tools(request.tools)
     constraint = tool_constraint(request, tools, engine.tool_format if engine is not None else "template")
     if constraint is not None:
-        if params.constraint is not None:
-            param = _format_param(request.anthropic_body) if output_format is not None else "response_format"
-            raise InvalidRequestError(
-                f"The embedded engine cannot combine '{param}' with tool calls; send one of them "
-                "(or tool_choice 'none').",
-                param=param,
-                code="unsupported_value",
-            )
-        params = replace(params, constraint=constraint)
+        params = replace(params, constraint=with_answer_format(constraint, params.constraint))
     messages = [template_message(message, index) for index, message in enumerate(request.messages)]
     return GenerationRequest(
         messages=messages,
@@ -111,9 +103,16 @@ def generation_request(request: ChatRequest, engine: Any = None) -> GenerationRe
     )
 
 
-def _format_param(body: dict[str, Any] | None) -> str:
-    """The field an Anthropic-face body asked for its output format in."""
-    return "output_format" if (body or {}).get("output_format") is not None else "output_config.format"
+def with_answer_format(tools: Constraint, answer: Constraint | None) -> Constraint:
+    """The tool-call constraint of a request that also asked for a response format (OpenAI ``response_format``,
+    Responses ``text.format``, Anthropic ``output_config.format``): with ``tool_choice`` ``auto``, calls or an
+    answer in that format (``json_object`` as the schema ``{"type": "object"}``; ``Constraint.json_schema``);
+    a forced call (``required``, a named function) leaves no answer to format, so the tool constraint alone.
+    ``tools`` itself when ``answer`` is None (a request with tools only is constrained as before)."""
+    if answer is None or tools.tool_choice != "auto":
+        return tools
+    schema = {"type": "object"} if answer.kind == "json_object" else answer.json_schema
+    return replace(tools, json_schema=schema)
 
 
 def tool_constraint(

@@ -408,3 +408,102 @@ def test_a_ref_that_does_not_resolve_names_the_tool_and_the_pointer(schema, prob
         assert message.startswith("Invalid 'tools': the schema of tool 'broken' is not supported"), message
         assert problem in message and "%json" not in message and "body_" not in message
     assert not eng.has_unfinished()
+
+
+# ---- a response format with tools ---------------------------------------------------------------------------
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "level"],
+    "additionalProperties": False,
+}
+
+
+def _with_answer(schema, choice="auto", parallel=True) -> Constraint:
+    return Constraint(
+        "tool_calls",
+        tools=REF_TOOLS,
+        tool_choice=choice,
+        tool_name="count",
+        parallel_tool_calls=parallel,
+        json_schema=schema,
+    )
+
+
+CALL = render_call("count", {"n": 5})
+OTHER_CALL = render_call("get_weather", {"city": "Paris", "unit": "celsius"})
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "accepted"),
+    [
+        (ANSWER_SCHEMA, CALL, True),
+        (ANSWER_SCHEMA, CALL + "\n" + OTHER_CALL, True),
+        (ANSWER_SCHEMA, '{"answer": "yes", "level": 3}', True),
+        (ANSWER_SCHEMA, '{"answer": "maybe", "level": 3}', False),  # not an instance of the schema
+        (ANSWER_SCHEMA, '{"answer": "yes"}', False),
+        (ANSWER_SCHEMA, "Sure, here it is.", False),  # free text is no longer an answer
+        (ANSWER_SCHEMA, "Let me check.\n" + CALL, False),  # nor text before a call
+        (ANSWER_SCHEMA, '{"answer": "yes", "level": 3}\n' + CALL, False),  # an answer, then nothing
+        (ANSWER_SCHEMA, CALL + '\n{"answer": "yes", "level": 3}', False),  # calls, then nothing but calls
+        (ANSWER_SCHEMA, render_call("count", {"n": "x"}), False),  # a call is still held to its tool's schema
+        (ANSWER_SCHEMA, render_call("nope", {}), False),
+        ({"type": "object"}, '{"anything": [1, {"b": null}]}', True),  # json_object
+        ({"type": "object"}, "[1, 2]", False),
+        ({"type": "object"}, CALL, True),
+    ],
+)
+def test_a_response_format_with_tools_allows_calls_or_an_answer_in_the_format(schema, text, accepted):
+    grammar = engine().constraints.grammar(_with_answer(schema))
+    assert _accepts(grammar, text) is accepted
+
+
+def test_one_call_at_most_without_parallel_calls_and_a_forced_call_ignores_the_format():
+    compiler = engine().constraints
+    one = compiler.grammar(_with_answer(ANSWER_SCHEMA, parallel=False))
+    assert _accepts(one, CALL) and _accepts(one, '{"answer": "no", "level": 0}')
+    assert not _accepts(one, CALL + "\n" + OTHER_CALL)
+    for choice in ("required", "function"):  # calls only, the same grammar as without a format
+        forced = compiler.grammar(_with_answer(ANSWER_SCHEMA, choice))
+        assert forced == compiler.grammar(_with_answer(None, choice))
+        assert _accepts(forced, CALL) and not _accepts(forced, '{"answer": "no", "level": 0}')
+    plain = tool_call_grammar(_with_answer(None))
+    assert "start: TEXT | lead body" in plain and "answer" not in plain  # tools alone: the grammar as before
+
+
+def test_a_response_format_with_tools_gives_a_call_or_an_answer_on_a_random_model():
+    """Whatever the random model picks, a finished output is valid calls or a valid answer, never both, and
+    the first token decided which (the parser's ``json_answer`` reads it so)."""
+    by_kind = {"calls": 0, "answer": 0}
+    for out in run(engine(), _with_answer(ANSWER_SCHEMA), seeds=range(8), max_tokens=400):
+        assert out.finish_reason == "stop", out.full_text
+        content, calls = parse_tool_calls(out.full_text, json_answer=True)
+        if calls:
+            by_kind["calls"] += 1
+            assert content == "" and out.full_text.startswith("<tool_call>")
+            for call in calls:
+                jsonschema.validate(call.arguments, REF_TOOLS_BY_NAME[call.name])
+        else:
+            by_kind["answer"] += 1
+            assert content == out.full_text
+            jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
+    assert by_kind["calls"] + by_kind["answer"] == 8
+    assert by_kind["calls"] and by_kind["answer"], by_kind  # these seeds give both (fixed weights and prompts)
+
+
+def test_an_answer_schema_the_engine_cannot_enforce_names_the_response_format():
+    eng = engine()
+    bad = {"type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=_with_answer(bad)))
+    assert (err.value.param, str(err.value)) == (
+        "response_format",
+        "Invalid 'response_format': the JSON schema is not supported by constrained decoding: Unknown format: nope",
+    )
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=_with_answer(["not", "a schema"])))
+    assert err.value.param == "response_format"
+    assert not eng.has_unfinished()

@@ -285,6 +285,35 @@ def test_a_call_cut_after_its_name_is_a_call_with_its_arguments_so_far(text, nam
     assert parse_tool_calls(text, ids(), cut=False)[1] == []  # not cut (unconstrained output): no call
 
 
+JSON_ANSWERS = [
+    '{"a": "x <tool_c',  # a string that looks like the start of a tag, cut there
+    '{"a": "<tool_call>\\n", "b": [1, 2]}',  # the tag inside a string (its newline escaped, as JSON writes it)
+    '["x", "\\n<tool_call>"]',
+    '"just a string answer"',
+]
+
+
+@pytest.mark.parametrize("text", JSON_ANSWERS)
+@pytest.mark.parametrize("cut", [False, True])
+def test_with_json_answer_an_answer_is_all_content_as_it_arrives(text, cut):
+    """A response format sent with tools: an output that does not open with ``<`` is the JSON answer, every
+    character of it content as soon as it arrives, cut or not (without ``json_answer`` a trailing ``<tool_c``
+    would be held back, then dropped by a cut)."""
+    assert parse_tool_calls(text, ids(), cut=cut, json_answer=True) == (text, [])
+    parser = ToolCallParser(ids(), json_answer=True)
+    for k in range(len(text)):
+        assert parser.feed(text[k]) == [ContentDelta(text[k])]
+    assert parser.finish(cut=cut) == [] and parser.calls == []
+
+
+@pytest.mark.parametrize("end", range(len(OUTPUT.split("\n", 1)[1]) + 1))
+def test_with_json_answer_calls_parse_as_without_it_for_every_cut(end):
+    calls_only = OUTPUT.split("\n", 1)[1]  # the two calls, without the text before them
+    assert calls_only.startswith("<tool_call>")
+    text, cut = calls_only[:end], end < len(calls_only)
+    assert parse_tool_calls(text, ids(), cut=cut, json_answer=True) == parse_tool_calls(text, ids(), cut=cut)
+
+
 def test_tiny_template_renders_tools_itself_and_smollm2_style_does_not():
     tok = tiny_checkpoint().tokenizer
     assert tok.template_renders_tools and tok.tool_format == "template"

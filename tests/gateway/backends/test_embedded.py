@@ -10,8 +10,8 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 
 
-def request(messages, **fields) -> ChatRequest:
-    return ChatRequest(model="m", messages=messages, params=SamplingParams(max_tokens=3), **fields)
+def request(messages, params: SamplingParams | None = None, **fields) -> ChatRequest:
+    return ChatRequest(model="m", messages=messages, params=params or SamplingParams(max_tokens=3), **fields)
 
 
 def test_messages_become_template_messages():
@@ -155,6 +155,73 @@ def test_tool_choice_becomes_a_tool_calls_constraint(tool_choice, parallel, expe
     assert (constraint.tool_choice, constraint.tool_name, constraint.parallel_tool_calls) == expected
 
 
+FORMAT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("answer", "schema"),
+    [
+        (Constraint(kind="json_object"), {"type": "object"}),
+        (Constraint(kind="json_schema", json_schema=FORMAT_SCHEMA), FORMAT_SCHEMA),
+    ],
+)
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_a_response_format_with_tools_is_the_answer_branch_of_the_tool_constraint(
+    answer, schema, tool_choice
+):
+    """Before: 400 "The embedded engine cannot combine 'response_format' with tool calls" even for ``auto``."""
+    generation = generation_request(
+        request(
+            [{"role": "user", "content": "x"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            params=SamplingParams(max_tokens=3, constraint=answer),
+        ),
+        _GenericEngine(),
+    )
+    constraint = generation.params.constraint
+    assert (constraint.kind, constraint.tool_choice, constraint.json_schema) == ("tool_calls", "auto", schema)
+    assert len(constraint.tools) == 2 and generation.tools == TOOLS
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "expected"),
+    [
+        ("required", ("tool_calls", "required", None)),
+        ({"type": "function", "function": {"name": "get_time"}}, ("tool_calls", "function", None)),
+        ("none", ("json_object", "auto", None)),
+    ],
+)
+def test_a_forced_call_leaves_no_answer_to_format_and_none_leaves_only_the_format(tool_choice, expected):
+    constraint = generation_request(
+        request(
+            [{"role": "user", "content": "x"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            params=SamplingParams(max_tokens=3, constraint=Constraint(kind="json_object")),
+        ),
+        _GenericEngine(),
+    ).params.constraint
+    assert (constraint.kind, constraint.tool_choice, constraint.json_schema) == expected
+
+
+def test_anthropic_output_config_format_with_tools_is_the_answer_branch_too():
+    generation = generation_request(
+        request(
+            [{"role": "user", "content": "x"}],
+            tools=TOOLS,
+            anthropic_body={"output_config": {"format": {"type": "json_schema", "schema": FORMAT_SCHEMA}}},
+        ),
+        _GenericEngine(),
+    )
+    constraint = generation.params.constraint
+    assert (constraint.kind, constraint.tool_choice, constraint.json_schema) == (
+        "tool_calls",
+        "auto",
+        FORMAT_SCHEMA,
+    )
+
+
 def test_tool_choice_none_renders_tools_without_a_constraint():
     generation = generation_request(
         request([{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"), _GenericEngine()
@@ -170,13 +237,6 @@ def test_tool_choice_none_renders_tools_without_a_constraint():
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
-        (
-            {
-                "tools": TOOLS,
-                "params": SamplingParams(constraint=Constraint(kind="json_object")),
-            },
-            "response_format",
-        ),
         ({"params": SamplingParams(logit_bias=((100, 1.0),))}, "logit_bias"),
     ],
 )
