@@ -13,6 +13,7 @@ import concurrent.futures
 import copy
 import enum
 import json
+import typing
 from pathlib import Path
 
 import anthropic
@@ -935,3 +936,316 @@ def test_a_call_cut_by_max_tokens_can_be_sent_back_and_keeps_its_cache(client, s
         assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1, (max_tokens, cut)
         resent += 1
     assert resent >= 3
+
+
+# ---- a response format with tools ------------------------------------------------------------------------------
+VERDICT = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "level": {"type": "integer", "enum": [1, 2]},
+    },
+    "required": ["answer", "level"],
+    "additionalProperties": False,
+}
+VERDICT_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True},
+}
+
+
+def check_call_or_answer(calls, content, finish, schema, ended=("tool_calls", "stop")) -> str:
+    """An answer to tools + a response format: valid calls (finish ``tool_calls``, no content) or content
+    that is an instance of ``schema`` (finish ``stop``, no calls). Which of the two it was. ``json_object``'s
+    answer (any object: a random model's keys are unbounded) may run out of ``max_tokens``: then a prefix of one.
+    """
+    if calls:
+        check_openai_calls(calls)
+        assert not content and finish == ended[0]
+        return "calls"
+    if finish == "length" and schema == {"type": "object"}:
+        assert content.startswith("{")
+        return "answer"
+    assert finish == ended[1], (finish, content)
+    jsonschema.validate(json.loads(content), schema)
+    return "answer"
+
+
+@pytest.mark.parametrize(
+    ("response_format", "schema"), [(VERDICT_FORMAT, VERDICT), ({"type": "json_object"}, {"type": "object"})]
+)
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_a_response_format_with_tools_answers_with_calls_or_the_format(
+    client, response_format, schema, tool_choice
+):
+    """Before: 400 "The embedded engine cannot combine 'response_format' with tool calls" (agent frameworks
+    send both: the OpenAI Agents SDK's ``output_type`` with tools, LangChain's structured output with tools).
+    Each seed's answer, streamed and not, is valid calls or valid JSON of the format, and both give the same."""
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    kinds = set()
+    for seed in range(4):
+        request = dict(
+            model=TINY_MODEL,
+            messages=QUESTION,
+            tools=OPENAI_TOOLS,
+            response_format=response_format,
+            max_tokens=300,
+            seed=seed,
+            **extra,
+        )
+        choice = client.chat.completions.create(**request).choices[0]
+        kind = check_call_or_answer(
+            choice.message.tool_calls, choice.message.content, choice.finish_reason, schema
+        )
+        kinds.add(kind)
+        calls, finish, content, _, _ = streamed_calls(client, **request)
+        assert (calls, finish, content) == (
+            [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []],
+            choice.finish_reason,
+            choice.message.content or "",
+        )
+    assert kinds == {"calls", "answer"}  # these seeds draw both (fixed random weights)
+
+
+def test_the_user_trial_request_is_served(server):
+    """The exact body of the report: a tool without parameters and ``json_object``, ``tool_choice`` omitted."""
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "model": TINY_MODEL,
+            "messages": QUESTION,
+            "tools": [{"type": "function", "function": {"name": "x"}}],
+            "response_format": {"type": "json_object"},
+            "max_tokens": 300,
+            "seed": 0,
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    if choice["message"].get("tool_calls"):
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["x"]
+    else:
+        assert choice["finish_reason"] == "stop"
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_with_a_response_format_is_a_call_and_none_is_the_format(client, stream):
+    for tool_choice, expected in (
+        ("required", "calls"),
+        ({"type": "function", "function": {"name": "get_time"}}, "calls"),
+        ("none", "answer"),
+    ):
+        for seed in range(2):
+            request = dict(
+                model=TINY_MODEL,
+                messages=QUESTION,
+                tools=OPENAI_TOOLS,
+                tool_choice=tool_choice,
+                response_format=VERDICT_FORMAT,
+                max_tokens=300,
+                seed=seed,
+            )
+            if stream:
+                calls, finish, content, _, _ = streamed_calls(client, **request)
+                got = "calls" if calls else check_call_or_answer([], content, finish, VERDICT)
+                if calls:
+                    assert finish == "tool_calls" and content == ""
+                    for name, arguments in calls:
+                        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+            else:
+                choice = client.chat.completions.create(**request).choices[0]
+                got = check_call_or_answer(
+                    choice.message.tool_calls, choice.message.content, choice.finish_reason, VERDICT
+                )
+                if isinstance(tool_choice, dict):
+                    assert {c.function.name for c in choice.message.tool_calls} == {"get_time"}
+            assert got == expected, (tool_choice, seed)
+
+
+class Verdict(pydantic.BaseModel):
+    answer: typing.Literal["yes", "no"]
+    level: typing.Literal[1, 2]
+
+
+def test_the_sdk_parse_helper_gets_a_parsed_answer_or_parsed_calls(client):
+    """``client.chat.completions.parse`` with a pydantic ``response_format`` and a strict pydantic tool (what
+    the OpenAI Agents SDK sends for an ``output_type`` with tools): ``message.parsed`` or each call's
+    ``parsed_arguments``."""
+    kinds = set()
+    for seed in range(4):
+        completion = client.chat.completions.parse(
+            model=TINY_MODEL,
+            messages=QUESTION,
+            tools=[PYDANTIC_TOOL],
+            response_format=Verdict,
+            max_tokens=300,
+            seed=seed,
+        )
+        message = completion.choices[0].message
+        if message.tool_calls:
+            kinds.add("calls")
+            assert completion.choices[0].finish_reason == "tool_calls" and message.parsed is None
+            assert all(isinstance(call.function.parsed_arguments, GetWeather) for call in message.tool_calls)
+        else:
+            kinds.add("answer")
+            assert completion.choices[0].finish_reason == "stop" and isinstance(message.parsed, Verdict)
+    assert kinds  # whichever the random model picks, it parsed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [None, "required"])
+def test_responses_text_format_with_tools_gives_function_calls_or_a_json_message(client, stream, tool_choice):
+    """``text.format`` with tools on the Responses face: ``function_call`` items only, or one ``message`` whose
+    text is an instance of the format. The Responses API has no ``seed``: four draws at temperature 1 (one call
+    at most, so the answer is short), each checked whichever branch it took."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}]
+    text = {"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT, "strict": True}}
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    for _ in range(4):
+        request = dict(
+            model=TINY_MODEL,
+            input="What is the weather in Paris?",
+            tools=tools,
+            text=text,
+            parallel_tool_calls=False,
+            max_output_tokens=300,
+            temperature=1,
+            **extra,
+        )
+        if stream:
+            events = list(client.responses.create(stream=True, **request))
+            (response,) = [
+                e.response for e in events if e.type in ("response.completed", "response.incomplete")
+            ]
+        else:
+            response = client.responses.create(**request)
+        assert response.status == "completed"
+        kinds_of_items = [item.type for item in response.output]
+        if "function_call" in kinds_of_items:
+            (call,) = response.output
+            assert call.type == "function_call" and call.name == "get_weather"
+            jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+        else:
+            assert tool_choice is None and kinds_of_items == ["message"]
+            jsonschema.validate(json.loads(response.output_text), VERDICT)
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def check_tool_use_or_json_text(message, tool_choice) -> None:
+    if message.stop_reason == "tool_use":
+        assert tool_choice != {"type": "none"}
+        check_tool_use(message)
+        assert [b.type for b in message.content if b.type != "tool_use"] == []
+    else:
+        assert tool_choice not in ({"type": "any"}, {"type": "tool", "name": "get_time"})
+        assert message.stop_reason == "end_turn" and [b.type for b in message.content] == ["text"]
+        jsonschema.validate(json.loads(message.content[0].text), ANSWER)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "tool_choice",
+    [
+        None,
+        {"type": "auto", "disable_parallel_tool_use": True},
+        {"type": "any"},
+        {"type": "tool", "name": "get_time"},
+        {"type": "none"},
+    ],
+)
+def test_anthropic_output_config_format_with_tools_gives_tool_use_or_a_json_text(claude, stream, tool_choice):
+    """Before: 400 "The embedded engine cannot combine 'output_config.format' with tool calls". Greedy for
+    each ``tool_choice`` (``tool_use`` blocks and ``stop_reason`` ``tool_use``, or one text block of the
+    format and ``end_turn``), then, for ``auto`` with one call at most, three draws at temperature 1 (the
+    Messages API has no seed), each checked whichever branch it took."""
+    request = dict(
+        model=TINY_MODEL,
+        max_tokens=300,
+        messages=QUESTION,
+        tools=ANTHROPIC_TOOLS,
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": ANSWER}}},
+    )
+    if tool_choice is not None:
+        request["tool_choice"] = tool_choice
+    temperatures = [0.0] + (
+        [1.0] * 3 if tool_choice == {"type": "auto", "disable_parallel_tool_use": True} else []
+    )
+    for temperature in temperatures:
+        request["extra_body"]["temperature"] = temperature
+        if stream:
+            with claude.messages.stream(**request) as events:
+                message = events.get_final_message()
+        else:
+            message = claude.messages.create(**request)
+        check_tool_use_or_json_text(message, tool_choice)
+        if tool_choice is not None and tool_choice["type"] == "tool":
+            assert {b.name for b in message.content} == {"get_time"}
+
+
+UNENFORCEABLE = {"type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "none"])
+def test_a_format_schema_the_engine_cannot_enforce_with_tools_is_a_400_naming_the_format(server, tool_choice):
+    """As without tools: the 400 names the face's own format field (the answer's sub-grammar is refused)."""
+    choice = {} if tool_choice is None else {"tool_choice": tool_choice}
+    chat = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "model": TINY_MODEL,
+            "messages": QUESTION,
+            "tools": OPENAI_TOOLS,
+            "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": UNENFORCEABLE}},
+            **choice,
+        },
+        timeout=60,
+    )
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "response_format", chat.text
+    assert chat.json()["error"]["message"] == (
+        "Invalid 'response_format': the JSON schema is not supported by constrained decoding: Unknown format: nope"
+    )
+    responses = httpx.post(
+        f"{server.base_url}/v1/responses",
+        json={
+            "model": TINY_MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "get_time", "parameters": TIME_PARAMETERS}],
+            "max_output_tokens": 2,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": UNENFORCEABLE}},
+            **choice,
+        },
+        timeout=60,
+    )
+    assert responses.status_code == 400 and responses.json()["error"]["param"] == "text.format", (
+        responses.text
+    )
+    anthropic_choice = {} if tool_choice is None else {"tool_choice": {"type": tool_choice}}
+    messages = httpx.post(
+        f"{server.base_url}/v1/messages",
+        json={
+            "model": TINY_MODEL,
+            "max_tokens": 2,
+            "messages": QUESTION,
+            "tools": ANTHROPIC_TOOLS,
+            "output_config": {"format": {"type": "json_schema", "schema": UNENFORCEABLE}},
+            **anthropic_choice,
+        },
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert messages.status_code == 400, messages.text
+    error = messages.json()["error"]
+    assert error["message"].startswith("Invalid 'output_config.format': the JSON schema is not supported"), (
+        error
+    )
