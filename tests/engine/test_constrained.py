@@ -491,7 +491,9 @@ def test_a_response_format_with_tools_gives_a_call_or_an_answer_on_a_random_mode
             assert content == out.full_text
             jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
     assert by_kind["calls"] + by_kind["answer"] == 8
-    assert by_kind["calls"] and by_kind["answer"], by_kind  # these seeds give both (fixed weights and prompts)
+    assert by_kind["calls"] and by_kind["answer"], (
+        by_kind
+    )  # these seeds give both (fixed weights and prompts)
 
 
 def test_an_answer_schema_the_engine_cannot_enforce_names_the_response_format():
@@ -507,3 +509,31 @@ def test_an_answer_schema_the_engine_cannot_enforce_names_the_response_format():
         eng.add_request([5, 6, 7], SamplingParams(constraint=_with_answer(["not", "a schema"])))
     assert err.value.param == "response_format"
     assert not eng.has_unfinished()
+
+
+def test_stop_strings_cut_an_answer_in_the_format_and_never_a_call():
+    """With a response format and tools, stop strings apply to the answer (as to a format alone), never to
+    calls (as with tools alone)."""
+    c = Constraint("tool_calls", tools=(CITY_TOOL,), json_schema=ANSWER_SCHEMA)
+    eng = engine()
+    stops = ["weather", '"', "Paris", "Lisbon", "</tool_call>"]
+    reqs = [
+        eng.add_request(
+            random_tokens(12, s), SamplingParams(max_tokens=120, seed=s, constraint=c, stop=stops)
+        )
+        for s in range(8)
+    ]
+    finals = eng.run_to_completion()
+    assert eng.stats().blocks_used == 0
+    kinds = set()
+    for req in reqs:
+        out = finals[req.request_id]
+        content, calls = parse_tool_calls(out.full_text, json_answer=True)
+        if calls:
+            kinds.add("calls")
+            assert out.stop_string is None and content == ""
+            assert all(call.arguments["city"] in ("Paris", "Lisbon") for call in calls)
+        else:  # every answer has a key, so '"' cuts it right after its "{"
+            kinds.add("answer")
+            assert (out.full_text, out.finish_reason, out.stop_string) == ("{", "stop", '"')
+    assert kinds == {"calls", "answer"}, kinds
