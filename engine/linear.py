@@ -104,7 +104,9 @@ in bytes read per token (each step reads one copy).
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -288,10 +290,50 @@ def pack_bf16_dense(weight: torch.Tensor) -> torch.Tensor | None:
         return packed if torch.equal(got, F.linear(probe, weight)) else None
 
 
+ROW_INVARIANT_ROWS = 32
+"""Most rows one oneDNN bf16 GEMM call gets on CPUs with AMX (``row_slices_needed``)."""
+
+
+@functools.cache
+def row_slices_needed() -> bool:
+    """Whether bf16 GEMMs must be cut into calls of at most ``ROW_INVARIANT_ROWS`` rows to keep each row's
+    result independent of the call's other rows (batch invariance: batched == alone, cache on == cache off).
+
+    True on CPUs with AMX (``amx_bf16`` in ``/proc/cpuinfo``). Measured there (torch 2.13, a 2-core Xeon with
+    AMX; SmolLM2's four weight shapes, prepacked and plain ``F.linear`` alike, 1 and 2 threads): a call of
+    more than 32 rows computes some rows otherwise than the same rows computed alone (up to 0.0625 apart;
+    e.g. 111 of the first 700 rows of a 1,400-row call against a 700-row call), depending on the row count
+    in no simple way (padding to a multiple of 16-128 rows does not help, nor does hiding AMX from oneDNN),
+    while every call of at most 32 rows gives each row exactly its result alone. On AMD EPYCs with
+    AVX512-BF16 and no AMX whole calls were measured row-invariant ("Batch invariance" in
+    ``docs/engine-step.md``), so they stay whole there. Cost on the Xeon, one thread, 512 rows: ~2.5-3x the
+    time of one call (gate/up 1.2 -> 3.7 ms); under 32 rows nothing changes.
+    """
+    from engine.weight_format import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
+
+
+def _bf16_gemm(x: torch.Tensor, one_call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``one_call(x)`` for a 2-D bf16 ``x`` ``[rows, in]`` on CPU, in slices of ``ROW_INVARIANT_ROWS`` rows
+    where ``row_slices_needed`` (each row's result then does not depend on the others), else in one call."""
+    rows = x.shape[0]
+    if rows <= ROW_INVARIANT_ROWS or x.device.type != "cpu" or not row_slices_needed():
+        return one_call(x)
+    return torch.cat([one_call(x[s : s + ROW_INVARIANT_ROWS]) for s in range(0, rows, ROW_INVARIANT_ROWS)])
+
+
 def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """``x @ dense.T`` with ``x`` cast to the dense copy's dtype; ``dense`` plain or ``pack_bf16_dense``'s."""
+    """``x @ dense.T`` with ``x`` ``[..., in]`` cast to the dense copy's dtype -> ``[..., out]``; ``dense``
+    plain or ``pack_bf16_dense``'s; bf16 products row-invariant (``_bf16_gemm``)."""
     if dense.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.to(dense.dtype), dense, None, "none", [], "")
+        x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
+        y = _bf16_gemm(x2, lambda part: torch.ops.mkldnn._linear_pointwise(part, dense, None, "none", [], ""))
+        return y.view(*x.shape[:-1], y.shape[-1])
+    if dense.dtype == torch.bfloat16:
+        x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
+        y = _bf16_gemm(x2, lambda part: F.linear(part, dense))
+        return y.view(*x.shape[:-1], y.shape[-1])
     return F.linear(x.to(dense.dtype), dense)
 
 
@@ -529,7 +571,9 @@ class BF16Weight(nn.Module):
         return self.weight.numel() * 2 + (0 if self.bias is None else self.bias.numel() * 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight, self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        y = _bf16_gemm(x2, lambda part: F.linear(part, self.weight, self.bias)).view(*shape[:-1], -1)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

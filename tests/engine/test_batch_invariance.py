@@ -212,3 +212,39 @@ def test_the_native_lm_head_gives_a_row_the_same_bits_in_any_batch_without_resco
         assert torch.equal(one, model.lm_head.forward(h))
     for rows in (2, 3, 8, 16):
         assert torch.equal(model.compute_logits(h[:rows]), one[:rows])
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(3072, 576), (576, 1536)])
+def test_the_dense_copy_gives_a_prompt_row_the_same_bits_at_smollm2_sizes(out_features, in_features):
+    """Before: on a Xeon with AMX, oneDNN's bf16 GEMM computed ~15 % of the rows of a 700-row call otherwise
+    than alone (SmolLM2's gate/up and down shapes; the 128-wide layers above never showed it), so
+    ``bench.batch_invariance`` found 1-2 of 8 SmolLM2 streams differing batched vs alone and cache off vs on.
+    Calls there are now cut into ``ROW_INVARIANT_ROWS``-row slices (``engine.linear.row_slices_needed``)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(out_features, in_features, generator=g) / in_features**0.5
+    lin = Int4Weight(int4_groups(quantize(w, "Q4_1")), None, torch.device("cpu"))
+    assert lin.dense is not None
+    x = torch.randn(1100, in_features, generator=g)
+    alone = torch.cat([lin.forward(x[i : i + 1], dense=True) for i in range(0, 1100, 7)])
+    for rows in (33, 100, 512, 700, 1100):
+        batch = lin.forward(x[:rows], dense=True)
+        assert torch.equal(batch[::7], alone[: len(batch[::7])]), rows
+
+
+def test_bf16_gemms_are_cut_into_row_invariant_slices_where_needed(monkeypatch):
+    import engine.linear as linear
+
+    seen: list[int] = []
+
+    def one_call(part: torch.Tensor) -> torch.Tensor:
+        seen.append(part.shape[0])
+        return part * 2
+
+    x = torch.arange(70 * 3, dtype=torch.bfloat16).view(70, 3)
+    monkeypatch.setattr(linear, "row_slices_needed", lambda: True)
+    assert torch.equal(linear._bf16_gemm(x, one_call), x * 2)
+    assert seen == [32, 32, 6]
+    seen.clear()
+    monkeypatch.setattr(linear, "row_slices_needed", lambda: False)
+    assert torch.equal(linear._bf16_gemm(x, one_call), x * 2)
+    assert seen == [70]
