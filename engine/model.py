@@ -20,7 +20,7 @@ attention-free regions of a layer gave bit-identical outputs but 10-28 % slower 
 1-2 % faster steps with one, for 5-49 s of compile per batch size, so the forward stays eager.
 
 Layer glue kernel (``engine.native_glue``, ``engine.glue_kernel``): with ``forward(..., glue=kernel)`` a layer's
-elementwise work runs as four C calls instead of ~30 torch ops (``DecoderLayer.forward_glued``): the residual add
+elementwise work runs as four C calls instead of ~26 torch ops (``DecoderLayer.forward_glued``): the residual add
 fused with the next RMSNorm (the last layer's with the final norm), RoPE of q (into its own contiguous tensor) and
 k (in place) fused with the K/V store into the cache, and SiLU(gate) * up. Every row of every step takes that path
 when it is on, so batched == alone and cache on == off hold as with torch's ops; the RMSNorm's sum and SiLU's
