@@ -13,6 +13,9 @@ per sequence at ``--context`` tokens of context, batch 1 and 8:
   batch size (compile time: cold, or warm from inductor's FX graph cache in ``TORCHINDUCTOR_CACHE_DIR``), the
   largest difference from eager, and per-layer ms interleaved eager/compiled.
 
+- ``--breakdown --glue-ab``: the same rounds with a fourth contender, the whole step on the native layer-glue
+  kernel (``engine.native_glue``: norms, RoPE, K/V store, residual adds, SiLU * up in C): ``full_glue``,
+  ``rest_glue`` and ``glue_over_torch`` (ratios inside one run are what count on a shared machine).
 - ``--attention-ab DIR``: attention inside a step (each layer's int4 calls, then its ``paged_attention``, minus
   the int4 calls alone), ``DIR``'s ``engine/attention.py`` against this checkout's, interleaved, for one
   sequence (consecutive blocks; a prefix hit whose fresh blocks lie elsewhere) and 8 (private; sharing 62
@@ -44,6 +47,7 @@ from engine.checkpoint import default_model_path, load_checkpoint
 from engine.linear import Int4Weight, Int8Weight, LinearWeight
 from engine.model import DecoderLayer, LlamaModel, allocate_kv_cache, apply_rope, rms_norm, rope_rotation
 from engine.native_decode import resolve_decode_kernel
+from engine.native_glue import resolve_glue_kernel
 
 BLOCK = 16
 
@@ -139,7 +143,7 @@ def kernel_call(lin: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
 
 
 def breakdown(
-    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None
+    model: LlamaModel, context: int, rounds: int, clock, decode_kernel=None, glue=None
 ) -> dict[str, dict[str, float]]:
     """ms per decode step (median): ``full`` forward + logits, ``int4_only``, ``attn_only``, ``rest``, and
     ``attn_in_step``: each layer's int4 calls then its attention, as a step orders them, minus ``int4_only``.
@@ -149,7 +153,9 @@ def breakdown(
     between two reads of a layer's context, so it comes from memory: ``attn_in_step`` is that cost.
     ``rest = full - int4_only - attn_in_step``. Rows: ``b1``, ``b8`` (8 private contexts) and ``b8s`` (8
     contexts sharing their first ``context // 16 * 16 - 64`` tokens: cascade attention). ``decode_kernel``:
-    the native decode kernel (``engine.native_decode``), or None for torch's paths."""
+    the native decode kernel (``engine.native_decode``), or None for torch's paths. ``glue``: the native layer-glue
+    kernel (``engine.native_glue``): then ``full_glue`` (the same step with it) joins the interleaved rounds, with
+    ``rest_glue = full_glue - int4_only - attn_in_step`` and ``glue_over_torch = full_glue / full``."""
     c = model.config
     bps = -(-(context + 64) // BLOCK)
     kv = allocate_kv_cache(c, bps * 8, BLOCK, torch.bfloat16, "cpu").normal_()
@@ -185,9 +191,16 @@ def breakdown(
             "attn_only": attn_only,
             "int4_attn": int4_attn,
         }
+        if glue is not None:
+            fns["full_glue"] = lambda tok=tok, pos=pos, meta=meta: model.compute_logits(
+                model(tok, pos, kv, meta, glue=glue)
+            )
         row = interleaved_ms(fns, rounds, 1, clock)
         row["attn_in_step"] = row.pop("int4_attn") - row["int4_only"]
         row["rest"] = row["full"] - row["int4_only"] - row["attn_in_step"]
+        if glue is not None:
+            row["rest_glue"] = row["full_glue"] - row["int4_only"] - row["attn_in_step"]
+            row["glue_over_torch"] = row["full_glue"] / row["full"]
         out[name] = row
     return out
 
@@ -464,6 +477,11 @@ def main() -> None:
         action="store_true",
         help="whole steps and linears alone, the model on torch's int4 kernel against the native one, interleaved",
     )
+    ap.add_argument(
+        "--glue-ab",
+        action="store_true",
+        help="--breakdown: also the whole step with the native layer-glue kernel (engine.native_glue), interleaved",
+    )
     ap.add_argument("--context", type=int, default=1070)
     ap.add_argument("--threads", type=int, default=None, help="torch threads; 1 = timed by thread CPU time")
     ap.add_argument("--batches", default="1,8", help="compile A/B: batch sizes, in order")
@@ -506,7 +524,8 @@ def main() -> None:
             kernel = resolve_decode_kernel(
                 args.decode_kernel, model.device, c.num_heads // c.num_kv_heads, c.head_dim
             )
-            res = breakdown(model, args.context, 15, clock, kernel)
+            glue = resolve_glue_kernel("native", model.device) if args.glue_ab else None
+            res = breakdown(model, args.context, 15, clock, kernel, glue)
     else:
         load = os.getloadavg()[0]
         batches = [int(b) for b in args.batches.split(",")]
@@ -518,6 +537,8 @@ def main() -> None:
     info = {"threads": torch.get_num_threads(), "load1_start": load, "context": args.context}
     info["decode_kernel"] = args.decode_kernel
     info["linear_kernel"] = "torch vs native" if args.linear_ab else kernel_setting
+    info["glue_ab"] = args.glue_ab
+    info["load1_end"] = os.getloadavg()[0]
     print(json.dumps({"result": res, **info, "dynamic": args.dynamic, "mode": args.mode}))
 
 

@@ -10,6 +10,10 @@ of 8 sequences at ``--context`` tokens (8 private contexts, and 8 sharing one sy
 milliseconds per step of each phase (schedule + flatten the input, forward + sample, finish) and the aten ops
 one step dispatches (``torch.profiler``), then one JSON line.
 
+``--glue-prefill-ab`` instead times a whole prompt's prefill (``--ab-lengths``, ``--ab-chunk``, ``--kv-dtype``,
+``--weights``, at each of ``--ab-threads``) with torch's layer glue and with the native glue kernel
+(``engine.native_glue``), interleaved in one run: medians and bests of ``--repeats`` rounds, then one JSON line.
+
 ``--prefill-ab`` instead times a whole prompt's prefill (``--ab-lengths`` tokens, cut into the engine's
 ``--ab-chunk``-token chunks, over a ``--kv-dtype`` cache, weights ``--weights``) with torch's chunked prefill
 attention and with the native prefill kernel (``engine.prefill_kernel: native``; built for ``--isa``, default
@@ -237,6 +241,63 @@ def prefill_ab(
     return rows
 
 
+def glue_prefill_ab(
+    ck, lengths: list[int], threads: list[int], chunk: int, kv_dtype: str, repeats: int
+) -> list[dict[str, float]]:
+    """Whole-prefill seconds (``CLOCK``) with torch's layer glue against the native glue kernel
+    (``engine.native_glue``), interleaved, the order alternating every round; the prefill attention kernel as
+    ``engine.prefill_kernel: auto`` picks it for ``kv_dtype``. One row per (length, threads): the median and the
+    best of ``repeats`` rounds of each, and ``glue_over_torch`` of the medians."""
+    from engine.native_decode import resolve_prefill_kernel
+    from engine.native_glue import resolve_glue_kernel
+
+    model, cfg = ck.model, ck.config
+    glue = resolve_glue_kernel("native", model.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv_dtype]
+    pk = resolve_prefill_kernel("auto", model.device, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, dtype)
+    rows = []
+    for n in lengths:
+        nb = -(-n // BLOCK)
+        kv = allocate_kv_cache(cfg, nb, BLOCK, dtype, "cpu")
+        ids = torch.randint(100, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        table = torch.arange(nb).view(1, nb)
+
+        def prefill(g, n=n, table=table, ids=ids, kv=kv):
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                meta = AttentionMetadata(
+                    torch.arange(s, e), [0, e - s], [e], table, BLOCK, prompt_lens=[n], prefill_kernel=pk
+                )
+                model(ids[s:e], torch.arange(s, e), kv, meta, glue=g)
+
+        for t in threads:
+            torch.set_num_threads(t)
+            times: dict[str, list[float]] = {"torch": [], "glue": []}
+            order = [("torch", None), ("glue", glue)]
+            prefill(None)
+            for r in range(repeats):
+                for name, g in order if r % 2 == 0 else order[::-1]:
+                    t0 = CLOCK()
+                    prefill(g)
+                    times[name].append(CLOCK() - t0)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            row = {
+                "tokens": n,
+                "threads": t,
+                "torch_s": med["torch"],
+                "glue_s": med["glue"],
+                "torch_best_s": min(times["torch"]),
+                "glue_best_s": min(times["glue"]),
+                "glue_over_torch": med["glue"] / med["torch"],
+            }
+            rows.append(row)
+            print(
+                "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="default")
@@ -251,6 +312,11 @@ def main() -> None:
     )
     ap.add_argument("--top-ops", type=int, default=0, help="--step-profile: print this many top aten ops")
     ap.add_argument("--prefill-ab", action="store_true", help="torch against native prefill (docstring)")
+    ap.add_argument(
+        "--glue-prefill-ab",
+        action="store_true",
+        help="whole prefill, torch's layer glue against the native glue kernel, interleaved (docstring)",
+    )
     ap.add_argument("--ab-lengths", default="1024,4096", help="--prefill-ab: prompt lengths, comma-separated")
     ap.add_argument("--ab-threads", default="1,2", help="--prefill-ab: thread counts, comma-separated")
     ap.add_argument("--ab-chunk", type=int, default=512, help="--prefill-ab: prefill chunk (token budget)")
@@ -270,6 +336,22 @@ def main() -> None:
     torch.manual_seed(0)
     path = default_model_path() if args.model == "default" else args.model
     ck = load_checkpoint(path, weights=args.weights)
+    if args.glue_prefill_ab:
+        import os
+
+        lengths = [int(x) for x in args.ab_lengths.split(",")]
+        threads = [int(x) for x in args.ab_threads.split(",")]
+        load = os.getloadavg()[0]
+        with torch.inference_mode():
+            rows = glue_prefill_ab(ck, lengths, threads, args.ab_chunk, args.kv_dtype, args.repeats)
+        info = {"weights": args.weights, "kv_dtype": args.kv_dtype, "chunk": args.ab_chunk}
+        info |= {
+            "clock": "thread" if args.cpu_time else "wall",
+            "load1_start": load,
+            "load1_end": os.getloadavg()[0],
+        }
+        print(json.dumps({"glue_prefill_ab": rows, **info}))
+        return
     if args.prefill_ab:
         from engine.native_decode import _cpu_ok
 

@@ -339,6 +339,15 @@ class EngineConfig:
             scales and output), ``auto`` = native where it builds, else torch. Applied when the checkpoint is
             loaded, like ``weights`` and ``dense_min_rows``; prompt tokens keep the dense prefill copy. Either
             keeps batched == alone. ``native`` where it cannot be built is a start-up error naming the reason.
+        glue_kernel: a decoder layer's elementwise work between its linears and its attention (RMSNorm with the
+            residual add, RoPE with the K/V store, SiLU(gate) * up), ``auto | native | torch``: ``native`` = one
+            C call each (``engine.native_glue``: built once per machine with the system C compiler; x86-64 CPUs
+            with AVX-512 or AVX2; a float32 model), ``torch`` = torch's ops (``engine.model``), ``auto`` = native
+            where it builds and was measured faster (``engine.native_glue.resolve_glue_kernel``,
+            ``docs/engine-step.md``), else torch. Every row of every step (prompt and generated tokens) takes the
+            same path, so either keeps batched == alone and cache on == off. Part of ``model_id`` when native
+            (the RMSNorm's sum and SiLU's exponential round a few ulp apart from torch's); ``native`` where it
+            cannot be used is a start-up error naming the reason.
     """
 
     block_size: int = 16
@@ -370,6 +379,7 @@ class EngineConfig:
     decode_kernel: str = "auto"
     prefill_kernel: str = "auto"
     linear_kernel: str = "auto"
+    glue_kernel: str = "auto"
 
 
 DECODE_KERNELS = ("auto", "native", "torch")
@@ -380,6 +390,9 @@ PREFILL_KERNELS = ("auto", "native", "torch")
 
 LINEAR_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.linear_kernel``'s values (``engine.native_linear``)."""
+
+GLUE_KERNELS = ("auto", "native", "torch")
+"""``EngineConfig.glue_kernel``'s values (``engine.native_glue``)."""
 
 
 @dataclass(frozen=True)

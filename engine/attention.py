@@ -315,6 +315,7 @@ def paged_attention(
     plan: AttentionPlan,
     scale: float,
     out_dtype: torch.dtype | None = None,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
     """Causal attention of one layer for one step, after writing the step's K/V into the cache.
 
@@ -326,11 +327,13 @@ def paged_attention(
         scale: softmax scale (``head_dim ** -0.5``).
         out_dtype: dtype of the output (default q's): bf16 when the next linear rounds its input to bf16
             anyway (``engine.linear.bf16_in_out``), so bf16 attention output is not widened and narrowed again.
+        kv_stored: the step's K/V are in the cache already (the glue kernel stored them: ``engine.native_glue``).
 
     Returns:
         ``[T, num_heads * head_dim]`` attention output in ``out_dtype``.
     """
-    write_kv(layer_cache, k, v, plan.slot_mapping)
+    if not kv_stored:
+        write_kv(layer_cache, k, v, plan.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     dec = plan.decode

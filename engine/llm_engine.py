@@ -59,6 +59,7 @@ from engine.native_decode import (
     resolve_decode_kernel,
     resolve_prefill_kernel,
 )
+from engine.native_glue import glue_kernel_variant, resolve_glue_kernel
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -106,8 +107,8 @@ class LLMEngine(PrefixAdmin):
         model: the decoder (on its device, in its dtype).
         config: engine settings (block pool, batch limits, policy).
         model_id: stable id of the weights; with the cache salt it forms every block hash's extra keys.
-            Unless ``name_kernels`` is False, the decode and prefill kernels' parts (``decode_kernel_variant``,
-            ``prefill_kernel_variant``) are appended.
+            Unless ``name_kernels`` is False, the decode, prefill and glue kernels' parts (``decode_kernel_variant``,
+            ``prefill_kernel_variant``, ``engine.native_glue.glue_kernel_variant``) are appended.
         tokenizer: decodes output text (and gives EOS ids); None = token ids only (no text, no stop strings).
         eos_token_ids: ids that end generation unless ``ignore_eos`` (default: the tokenizer's, else the
             model config's).
@@ -149,10 +150,12 @@ class LLMEngine(PrefixAdmin):
         prefill_kernel = resolve_prefill_kernel(
             config.prefill_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim, kv_dtype
         )
-        # a token's K/V depends on the decode and prefill kernels: blocks of another kernel never share a key
-        # (a model id the operator named is kept as named, as the checkpoint's other kernel parts are)
+        glue_kernel = resolve_glue_kernel(config.glue_kernel, model.device, model.dtype)
+        # a token's K/V depends on the decode, prefill and glue kernels: blocks of another kernel never share a
+        # key (a model id the operator named is kept as named, as the checkpoint's other kernel parts are)
         if name_kernels:
             model_id += decode_kernel_variant(decode_kernel) + prefill_kernel_variant(prefill_kernel)
+            model_id += glue_kernel_variant(glue_kernel)
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.served: ServedTurns | None = getattr(tokenizer, "served", None)
@@ -210,6 +213,7 @@ class LLMEngine(PrefixAdmin):
             step_threads,
             decode_kernel,
             prefill_kernel,
+            glue_kernel,
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None

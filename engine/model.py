@@ -19,6 +19,14 @@ between them (norms, RoPE, casts, residual adds, views) the rest. ``torch.compil
 attention-free regions of a layer gave bit-identical outputs but 10-28 % slower layers with two threads and
 1-2 % faster steps with one, for 5-49 s of compile per batch size, so the forward stays eager.
 
+Layer glue kernel (``engine.native_glue``, ``engine.glue_kernel``): with ``forward(..., glue=kernel)`` a layer's
+elementwise work runs as four C calls instead of ~26 torch ops (``DecoderLayer.forward_glued``): the residual add
+fused with the next RMSNorm (the last layer's with the final norm), RoPE of q (into its own contiguous tensor) and
+k (in place) fused with the K/V store into the cache, and SiLU(gate) * up. Every row of every step takes that path
+when it is on, so batched == alone and cache on == off hold as with torch's ops; the RMSNorm's sum and SiLU's
+exponential round a few ulp apart from torch's, so the engine names it in ``model_id``. Measured in
+``docs/engine-step.md`` ("Layer glue kernel").
+
 Weights come in as a dict of Hugging Face names (``model.layers.{i}.self_attn.q_proj.weight`` ...), the layout
 ``engine.gguf_loader`` and ``engine.hf_loader`` both produce.
 """
@@ -33,6 +41,7 @@ from engine.arch_config import ArchConfig
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
 from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight, bf16_in_out
+from engine.native_glue import NativeGlueKernel
 from engine.quantized import GGUFBlocks
 from engine.row_kernels import RowKernels, forward_rows
 from engine.weight_format import WeightPlan
@@ -156,6 +165,10 @@ class DecoderLayer(nn.Module):
         # (bit-identical to widening them to fp32 first; 4 fewer dtype copies per layer and step)
         self.o_bf16 = torch.bfloat16 if bf16_in_out(self.o_proj) else None
         self.down_bf16 = bf16_in_out(self.down)
+        # with the glue kernel, gate/up's input is written in bf16 where gate/up rounds it to bf16 anyway (its bf16
+        # output then holds the values its fp32 output would: silu * up reads either)
+        self.gate_up_in = torch.bfloat16 if bf16_in_out(self.gate_up) else torch.float32
+        self.act_dtype = torch.bfloat16 if self.down_bf16 else torch.float32
 
     def forward(
         self,
@@ -183,6 +196,36 @@ class DecoderLayer(nn.Module):
         if self.down_bf16:
             act = act.to(torch.bfloat16)
         return h.add_(forward_rows(self.down, act, rows))
+
+    def forward_glued(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        plan: AttentionPlan,
+        rows: RowKernels | None,
+        glue: NativeGlueKernel,
+        next_norm: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer with its elementwise work on the glue kernel (``engine.native_glue``): ``x`` (fp32 ``[T,
+        hidden]``, ``h`` normed by ``input_norm``) in; ``h`` updated in place; returns ``norm(h) * next_norm``
+        in fp32 (the next layer's ``x``, or the model's output after the last layer). ``cos_sin``: fp32 ``[T,
+        head_dim / 2, 2]``; K/V are stored by the kernel (fp32 and bf16 caches), not by ``paged_attention``."""
+        c = self.config
+        t = h.shape[0]
+        eps = c.rms_norm_eps
+        qkv = forward_rows(self.qkv, x, rows)
+        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        stored = layer_cache.dtype in (torch.float32, torch.bfloat16)
+        cache, slots = (layer_cache, plan.slot_mapping) if stored else (None, None)
+        q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache, slots)  # q: its own contiguous [T, H, D]
+        kv = qkv.view(t, nh + 2 * nkv, hd)[:, nh:]
+        k, v = kv[:, :nkv], kv[:, nkv:]
+        attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5, self.o_bf16, kv_stored=stored)
+        x = glue.rmsnorm(h, self.post_norm, eps, forward_rows(self.o_proj, attn, rows), self.gate_up_in)
+        act = glue.silu_mul(forward_rows(self.gate_up, x, rows), self.act_dtype)
+        return glue.rmsnorm(h, next_norm, eps, forward_rows(self.down, act, rows))
 
 
 class LlamaModel(nn.Module):
@@ -278,6 +321,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         shared_prefix: bool = True,
         row_kernels: RowKernels | None = None,
+        glue: NativeGlueKernel | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -290,6 +334,8 @@ class LlamaModel(nn.Module):
                 (``engine.decode_attention.SharedPrefix``).
             row_kernels: which rows the quantized linears run on their dense copy and which on the int4 kernel
                 (``engine.row_kernels``); None = by the step's row count (``dense_min_rows``).
+            glue: the native layer-glue kernel (``engine.native_glue``; a float32 model on CPU) for every row's
+                norms, RoPE, K/V store, residual adds and SiLU * up, or None for torch's ops.
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states in the model dtype.
@@ -306,6 +352,14 @@ class LlamaModel(nn.Module):
         positions = positions.to(dev)
         rotation = rope_rotation(self.inv_freq, positions)
         h = self.embed_tokens(input_ids.to(dev))
+        if glue is not None:
+            eps = self.config.rms_norm_eps
+            cos_sin = torch.view_as_real(rotation).view(h.shape[0], -1, 2)
+            x = glue.rmsnorm(h, self.layers[0].input_norm, eps)
+            for i, layer in enumerate(self.layers):
+                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+                x = layer.forward_glued(h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt)
+            return x
         for i, layer in enumerate(self.layers):
             h = layer(h, rotation, kv_cache[i], plan, row_kernels)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)

@@ -26,6 +26,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
 from engine.native_decode import NativeDecodeKernel
+from engine.native_glue import NativeGlueKernel
 from engine.row_kernels import RowKernels
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 from engine.step_threads import StepThreads
@@ -101,6 +102,8 @@ class ModelRunner:
             paths.
         prefill_kernel: the native kernel for prompt tokens (``NativeDecodeKernel.prefill``), or None for
             torch's chunked prefill.
+        glue_kernel: the native layer-glue kernel (``engine.native_glue``) every row of every step runs its
+            norms, RoPE, K/V store and SiLU * up on, or None for torch's ops.
 
     Attributes:
         steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
@@ -117,8 +120,10 @@ class ModelRunner:
         step_threads: StepThreads | None = None,
         decode_kernel: NativeDecodeKernel | None = None,
         prefill_kernel: NativeDecodeKernel | None = None,
+        glue_kernel: NativeGlueKernel | None = None,
     ):
         self.model = model
+        self.glue_kernel = glue_kernel
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.shared_prefix = shared_prefix
@@ -227,7 +232,13 @@ class ModelRunner:
             self.thread_switches += use_threads(n)
             self.steps_by_threads[n] += 1
         hidden = self.model(
-            inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.shared_prefix, inp.row_kernels
+            inp.input_ids,
+            inp.positions,
+            self.kv_cache,
+            inp.meta,
+            self.shared_prefix,
+            inp.row_kernels,
+            self.glue_kernel,
         )
         if not inp.sample_seqs:
             return StepResult([], None)

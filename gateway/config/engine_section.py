@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from engine.api import DECODE_KERNELS, LINEAR_KERNELS, PREFILL_KERNELS, EngineConfig
+from engine.api import DECODE_KERNELS, GLUE_KERNELS, LINEAR_KERNELS, PREFILL_KERNELS, EngineConfig
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
@@ -59,6 +59,11 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
         reader.fail(
             f"{where}.linear_kernel",
             f"expected one of {', '.join(LINEAR_KERNELS)}, got {values['linear_kernel']!r}",
+        )
+    if "glue_kernel" in values and values["glue_kernel"] not in GLUE_KERNELS:
+        reader.fail(
+            f"{where}.glue_kernel",
+            f"expected one of {', '.join(GLUE_KERNELS)}, got {values['glue_kernel']!r}",
         )
     if "max_pinned_fraction" in values and not 0 <= values["max_pinned_fraction"] <= 1:
         reader.fail(

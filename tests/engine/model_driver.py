@@ -10,6 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.model import LlamaModel
+from engine.native_glue import NativeGlueKernel
 
 
 class Seq:
@@ -22,10 +23,15 @@ class Seq:
 
 
 def step(
-    model: LlamaModel, kv_cache: torch.Tensor, seqs: list[Seq], counts: list[int], block_size: int
+    model: LlamaModel,
+    kv_cache: torch.Tensor,
+    seqs: list[Seq],
+    counts: list[int],
+    block_size: int,
+    glue: NativeGlueKernel | None = None,
 ) -> torch.Tensor:
-    """Run ``counts[i]`` not-yet-computed tokens of each seq in one forward; return the hidden state ``[B, H]``
-    of each seq's last token in this step."""
+    """Run ``counts[i]`` not-yet-computed tokens of each seq in one forward (``glue``: the native layer-glue kernel,
+    or None for torch's ops); return the hidden state ``[B, H]`` of each seq's last token in this step."""
     ids, pos, slots, qsl, lens = [], [], [], [0], []
     for s, n in zip(seqs, counts, strict=True):
         for p in range(s.computed, s.computed + n):
@@ -38,18 +44,23 @@ def step(
     width = max(len(s.blocks) for s in seqs)
     tables = torch.tensor([s.blocks + [-1] * (width - len(s.blocks)) for s in seqs], dtype=torch.long)
     meta = AttentionMetadata(torch.tensor(slots), qsl, lens, tables, block_size)
-    hidden = model(torch.tensor(ids), torch.tensor(pos), kv_cache, meta)
+    hidden = model(torch.tensor(ids), torch.tensor(pos), kv_cache, meta, glue=glue)
     return hidden[torch.tensor(qsl[1:]) - 1]
 
 
 def prefill_logits(
-    model: LlamaModel, kv_cache: torch.Tensor, seq: Seq, chunks: list[int], block_size: int
+    model: LlamaModel,
+    kv_cache: torch.Tensor,
+    seq: Seq,
+    chunks: list[int],
+    block_size: int,
+    glue: NativeGlueKernel | None = None,
 ) -> torch.Tensor:
     """Prefill ``seq`` in the given chunk sizes; logits ``[vocab]`` of its last prompt token."""
     assert sum(chunks) == len(seq.tokens) - seq.computed
     hidden = None
     for n in chunks:
-        hidden = step(model, kv_cache, [seq], [n], block_size)
+        hidden = step(model, kv_cache, [seq], [n], block_size, glue)
     return model.compute_logits(hidden)[0]
 
 
@@ -60,15 +71,16 @@ def greedy(
     n: int,
     block_size: int,
     blocks: list[int] | None = None,
+    glue: NativeGlueKernel | None = None,
 ) -> list[int]:
     """Greedy continuation of ``n`` tokens with a contiguous (or given) block table."""
     need = -(-(len(prompt) + n) // block_size)
     seq = Seq(prompt, blocks if blocks is not None else list(range(need)))
-    logits = prefill_logits(model, kv_cache, seq, [len(prompt)], block_size)
+    logits = prefill_logits(model, kv_cache, seq, [len(prompt)], block_size, glue)
     out = []
     for _ in range(n):
         tok = int(logits.argmax())
         out.append(tok)
         seq.tokens.append(tok)
-        logits = model.compute_logits(step(model, kv_cache, [seq], [1], block_size))[0]
+        logits = model.compute_logits(step(model, kv_cache, [seq], [1], block_size, glue))[0]
     return out

@@ -11,6 +11,7 @@ from engine.api import EngineConfig, Finished, GenerationRequest, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
 from engine.native_decode import decode_kernel_variant, prefill_kernel_variant
+from engine.native_glue import glue_kernel_variant
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -277,9 +278,11 @@ async def test_shutdown_aborts_open_streams_and_closes_the_engine():
 async def test_from_config_loads_a_checkpoint_and_serves_text_prompts():
     ckpt = tiny_checkpoint()
     eng = AsyncEngine.from_config(None, ckpt.path, EngineConfig(num_blocks=32, device="cpu"))
-    # the checkpoint's id, and the decode and prefill kernels' parts where native (engine.native_decode)
+    # the checkpoint's id, and the decode, prefill and glue kernels' parts where native (engine.native_decode,
+    # engine.native_glue)
     runner = eng.core.runner
     kernels = decode_kernel_variant(runner.decode_kernel) + prefill_kernel_variant(runner.prefill_kernel)
+    kernels += glue_kernel_variant(runner.glue_kernel)
     assert eng.model_id == ckpt.model_id + kernels
     assert eng.max_model_len == 2048
     named = AsyncEngine.from_config("my-model", ckpt.path, EngineConfig(num_blocks=32, device="cpu"))

@@ -212,11 +212,11 @@ def test_the_decode_kernel_names_its_build_in_the_model_id():
     ck = tiny_checkpoint()
     mc = ck.model.config
     kernel = resolve_decode_kernel("auto", torch.device("cpu"), mc.num_heads // mc.num_kv_heads, mc.head_dim)
-    torch_engine = make_engine(ck, decode_kernel="torch", prefill_kernel="torch")
+    torch_engine = make_engine(ck, decode_kernel="torch", prefill_kernel="torch", glue_kernel="torch")
     assert torch_engine.model_id == ck.model_id  # torch's paths add nothing
     assert decode_kernel_variant(None) == ""
     if kernel is not None:
-        native_engine = make_engine(ck, decode_kernel="native", prefill_kernel="torch")
+        native_engine = make_engine(ck, decode_kernel="native", prefill_kernel="torch", glue_kernel="torch")
         assert native_engine.model_id == ck.model_id + decode_kernel_variant(kernel)
     for isa, variant in (("avx512", "/native-decode"), ("avx2", "/native-decode-avx2")):
         fake = NativeDecodeKernel.__new__(NativeDecodeKernel)

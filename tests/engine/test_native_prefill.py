@@ -163,7 +163,9 @@ def test_auto_takes_the_avx512_build_over_a_float32_cache(monkeypatch):
 def test_the_prefill_kernel_is_part_of_the_engines_model_id(engine_isa, kv_dtype):
     ck = tiny_checkpoint("hf")
     ids = {
-        s: make_engine(ck, kv_dtype=kv_dtype, prefill_kernel=s).model_id for s in ("auto", "torch", "native")
+        # glue_kernel torch: its part comes after the prefill kernel's (engine.native_glue)
+        s: make_engine(ck, kv_dtype=kv_dtype, prefill_kernel=s, glue_kernel="torch").model_id
+        for s in ("auto", "torch", "native")
     }
     suffix = "/native-prefill" if ISA == "avx512" else f"/native-prefill-{ISA}"
     assert ids["native"] == ids["torch"] + suffix
