@@ -273,9 +273,9 @@ class EngineConfig:
             first and take together at most this many tokens, the long prefill's chunk takes the rest of the
             budget (at least ``max_num_batched_tokens`` minus this minus the step's decodes; all of it when no
             short prompt is there). So a short prompt behind a long one gets its first token after about one
-            chunk, not after the whole long prefill (head-of-line blocking). Long prefills run one at a time in
-            the policy's order, each finished before the next starts: the lowest mean time to first token for
-            prompts of similar length (``engine.scheduler``). ``None`` (default) = half of
+            chunk, not after the whole long prefill (head-of-line blocking). Long prefills go oldest first, a
+            younger one taking only what the older ones leave, so several long prompts are prefilled one after
+            the other: the lowest mean time to first token for prompts of similar length (``engine.scheduler``). ``None`` (default) = half of
             ``max_num_batched_tokens``; 0 = off (a running prefill takes the budget first, waiting prompts get
             what is left); else in [1, ``max_num_batched_tokens`` - 1] (a ``ValueError`` otherwise).
         max_model_len: context window in tokens; ``None`` = the checkpoint's.

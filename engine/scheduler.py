@@ -26,13 +26,14 @@ least one). So a short prompt that arrives behind a long prefill is prefilled in
 the long prefill's chunks, instead of after its last one (head-of-line blocking: a 3,500-token prompt delayed a
 51-token one's first token by 13 s), and the long prefill still gets at least ``max_num_batched_tokens - T -
 decodes`` tokens every step however many short prompts arrive; with no short prefill it takes the whole budget.
-One long prefill runs at a time: a long waiting request is not admitted while another long prefill runs (short
-ones behind it in the queue pass it; it takes no blocks while skipped, and is admitted in its turn as soon as the
-running one is short, in the step of that one's last chunk). Several long prompts are thus prefilled one after
-the other, not side by side: the first finishes as early as it can and the last no later than side by side (one
-budget either way), the lowest mean time to first token for prompts of similar length; side by side, all would
-get their first token near the end. T = 0 turns all this off: running prefills take the budget first, oldest
-first, and admissions get what is left.
+Long prefills go oldest first: a younger one gets only what the older ones leave, and a long waiting request is
+admitted only in a step where the long prefills already in it leave room, in practice the step of the last chunk
+of the one before it (short ones behind it in the queue pass it; it takes no blocks while skipped). Several long
+prompts are thus prefilled one after the other, not side by side: the first finishes as early as it can and the
+last no later than side by side (one budget either way), the lowest mean time to first token for prompts of
+similar length; side by side, all would get their first token near the end. With no short prompt about, the
+plans are exactly those of T = 0, which turns all this off: running prefills take the budget first, oldest first,
+and admissions get what is left.
 
 **In-flight sharing** (grouping by prefix). The *pending* blocks are the full blocks that running requests
 (and requests admitted earlier in this step) have not computed yet, keyed by block hash. A waiting request
@@ -169,6 +170,12 @@ class PrefillBudget:
         ``threshold`` in all, leaving the long chunk at least one."""
         cap = min(self.threshold, self.tokens - 1) if self.long_chunks else self.tokens
         return max(0, cap - self.short_used)
+
+    @property
+    def long_room(self) -> int:
+        """Tokens left after the short chunks so far and the whole rest of every long prefill in the step: a long
+        waiting request is admitted only when this is positive (it gets what the older long prefills leave)."""
+        return self.tokens - self.short_used - sum(s.request.prefill_end - s.start for s in self.long_chunks)
 
     def take_short(self, num_tokens: int) -> int:
         """Give a short chunk up to ``num_tokens`` tokens of ``short_room``; return how many it got."""
@@ -442,8 +449,8 @@ class Scheduler:
             if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue
             long = budget.is_long(req.num_tokens - hit.num_tokens)
-            if long and budget.long_chunks:
-                continue  # one long prefill at a time; the short ones behind it may pass it
+            if long and budget.long_room < 1:
+                continue  # the older long prefills take the rest of the step; short ones behind it may pass
             table = self.kv.allocate(req.request_id, req.num_tokens, hit)
             if table is None and hit.partial_tokens:
                 # The copy's source is held while the blocks are taken: when it is in the way, go without it.
@@ -454,7 +461,7 @@ class Scheduler:
             n = self._admit(req, hit)
             chunk = ScheduledRequest(req, req.num_computed_tokens, 0)
             if long:
-                budget.long_chunks.append(chunk)  # sized by ``fill_long``: at least ``short_room`` (>= 1) now
+                budget.long_chunks.append(chunk)  # sized by ``fill_long``: what the older long chunks leave
             else:
                 chunk.num_new_tokens = budget.take_short(n)
             out.scheduled.append(chunk)

@@ -70,6 +70,25 @@ def test_a_short_prompt_passes_a_long_one_waiting_behind_a_long_prefill():
     assert not sim.sched.has_unfinished()
 
 
+def test_several_long_prompts_are_prefilled_one_after_the_other_as_before():
+    """Three long prompts at once (the trial's 6k-token report): one prefill at a time, the next one starting in
+    the step of the previous one's last chunk, step for step the plans of the old schedule (threshold 0)."""
+
+    def plans(threshold: int | None) -> list[list[tuple[str, int, int]]]:
+        sim = Sim(num_blocks=512, long_prefill_token_threshold=threshold)
+        for i in range(3):
+            sim.add(toks(150 + i, i), max_tokens=4, rid=f"L{i}")
+        out = []
+        while sim.sched.has_unfinished():
+            out.append(plan(sim.step()))
+        return out
+
+    new, old = plans(None), plans(0)
+    assert new == old
+    assert new[4] == [("L0", 128, 22), ("L1", 0, 10)]  # L1 starts with what L0's last chunk leaves
+    assert [p for p in new if any(r == "L2" for r, _, _ in p)][0] == [("L1", 135, 16), ("L2", 0, 16)]
+
+
 def test_short_prefills_take_at_most_the_threshold_while_a_long_prefill_runs():
     sim = Sim()
     sim.add(toks(100, 1), max_tokens=1, rid="L")
