@@ -220,3 +220,15 @@ def test_engine_short_prompt_between_long_chunks_gets_the_tokens_it_gets_alone()
     assert short.num_output_tokens == 4 and long.num_output_tokens == 4
     assert_same(ckpt, eng, long, long_prompt, 4)
     assert_same(ckpt, eng, short, short_prompt, 4)
+
+
+def test_at_a_long_prefills_last_chunk_the_next_long_one_and_a_short_one_share_what_it_leaves():
+    sim = Sim(num_blocks=512)
+    sim.add(toks(150, 0), max_tokens=1, rid="L0")
+    sim.add(toks(151, 1), max_tokens=1, rid="L1")
+    for _ in range(4):
+        sim.step()  # L0: 128 of 150 computed, L1 waiting
+    sim.add(toks(6, 2), max_tokens=1, rid="S")
+    # L0's last chunk first (oldest long), the short prompt within the threshold, L1 the rest
+    assert plan(sim.step()) == [("L0", 128, 22), ("L1", 0, 4), ("S", 0, 6)]
+    assert plan(sim.step()) == [("L1", 4, 32)]
