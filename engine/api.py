@@ -277,6 +277,16 @@ class EngineConfig:
         max_batch: most sequences in one step (continuous batching).
         max_num_batched_tokens: token budget of one step; a longer prompt is prefilled in chunks of at most
             this many tokens (chunked prefill), so running decodes are not stalled.
+        long_prefill_token_threshold: a prefill with more tokens than this left to compute (after its prefix hit)
+            is *long*. While a long prefill runs, short prompts still go in every step: their chunks are sized
+            first and take together at most this many tokens, the long prefill's chunk takes the rest of the
+            budget (at least ``max_num_batched_tokens`` minus this minus the step's decodes; all of it when no
+            short prompt is there). So a short prompt behind a long one gets its first token after about one
+            chunk, not after the whole long prefill (head-of-line blocking). Long prefills go oldest first, a
+            younger one taking only what the older ones leave, so several long prompts are prefilled one after
+            the other: the lowest mean time to first token for prompts of similar length (``engine.scheduler``). ``None`` (default) = half of
+            ``max_num_batched_tokens``; 0 = off (a running prefill takes the budget first, waiting prompts get
+            what is left); else in [1, ``max_num_batched_tokens`` - 1] (a ``ValueError`` otherwise).
         max_model_len: context window in tokens; ``None`` = the checkpoint's.
         enable_prefix_caching: share full blocks between requests by prefix.
         enable_inflight_sharing: a request whose next prefix block another request is prefilling right now
@@ -355,6 +365,7 @@ class EngineConfig:
     dtype: str = "float32"
     max_batch: int = 16
     max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_inflight_sharing: bool = True

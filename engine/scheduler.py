@@ -18,13 +18,30 @@ Continuous batching with chunked prefill, after vLLM v1's unified scheduler (eve
    blocks keeps waiting and blocks the queue behind it, so it is never starved by smaller ones), and schedules
    a first chunk.
 
+**Long and short prefills** (``long_prefill_token_threshold``, T; default half the budget). A prefill with more
+than T tokens left to compute (uncached tokens, for a waiting request) is *long*; the others are *short*. After
+the decodes, short prefill chunks (2, then 3) are sized first and the long prefill's chunk last, from what they
+leave; while a long prefill is in the step, the short chunks together take at most T tokens (and leave it at
+least one). So a short prompt that arrives behind a long prefill is prefilled in the next step, between two of
+the long prefill's chunks, instead of after its last one (head-of-line blocking: a 3,500-token prompt delayed a
+51-token one's first token by 13 s), and the long prefill still gets at least ``max_num_batched_tokens - T -
+decodes`` tokens every step however many short prompts arrive; with no short prefill it takes the whole budget.
+Long prefills go oldest first: a younger one gets only what the older ones leave, and a long waiting request is
+admitted only in a step where the long prefills already in it leave room, in practice the step of the last chunk
+of the one before it (short ones behind it in the queue pass it; it takes no blocks while skipped). Several long
+prompts are thus prefilled one after the other, not side by side: the first finishes as early as it can and the
+last no later than side by side (one budget either way), the lowest mean time to first token for prompts of
+similar length; side by side, all would get their first token near the end. With no short prompt about, the
+plans are exactly those of T = 0, which turns all this off: running prefills take the budget first, oldest first,
+and admissions get what is left.
+
 **In-flight sharing** (grouping by prefix). The *pending* blocks are the full blocks that running requests
 (and requests admitted earlier in this step) have not computed yet, keyed by block hash. A waiting request
 whose next uncached block is pending in another request does not compute it: it stays waiting, right behind
 that leader, and is admitted once the leader's blocks are written (the engine registers computed blocks in the
 prefix cache after every step, so they are ordinary hits by then). It then prefills only its own suffix. The
-hit tokens it waited for are counted as ``inflight_shared_tokens``. Since a leader's chunk is computed before
-any admission of the same step, followers never delay it; they only skip work.
+hit tokens it waited for are counted as ``inflight_shared_tokens``. A follower takes no tokens of the step while
+it waits, so it never delays its leader; it only skips work.
 
 **Policies** (``EngineConfig.scheduling``):
 
@@ -52,6 +69,25 @@ from engine.request import Request, RequestStatus
 from engine.stats import EngineCounters
 
 POLICIES = ("fcfs", "lpm")
+
+
+def long_threshold_of(config: EngineConfig) -> int:
+    """``config.long_prefill_token_threshold`` resolved: None = half of ``max_num_batched_tokens`` (rounded down).
+
+    Raises:
+        ValueError: neither 0 (off) nor in [1, ``max_num_batched_tokens`` - 1] (a long prefill must keep at
+            least one token of every step).
+    """
+    budget = config.max_num_batched_tokens
+    threshold = config.long_prefill_token_threshold
+    if threshold is None:
+        return budget // 2
+    if not 0 <= threshold < budget:
+        raise ValueError(
+            f"long_prefill_token_threshold must be 0 (off) or in [1, {budget - 1}] (below "
+            f"max_num_batched_tokens {budget}), got {threshold}"
+        )
+    return threshold
 
 
 @dataclass
@@ -108,21 +144,69 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class PrefillBudget:
+    """One step's prefill tokens (what the decodes left), split between short and long prefill chunks.
+
+    Attributes:
+        tokens: prefill tokens the step may compute.
+        threshold: a prefill with more tokens left than this is long; 0 = none is (no split).
+        short_used: tokens given to short chunks so far.
+        long_chunks: the step's long prefill chunks (also in the step's plan), sized last by ``fill_long``.
+    """
+
+    tokens: int
+    threshold: int
+    short_used: int = 0
+    long_chunks: list[ScheduledRequest] = field(default_factory=list)
+
+    def is_long(self, num_tokens: int) -> bool:
+        """True when a prefill with ``num_tokens`` tokens left to compute is long."""
+        return 0 < self.threshold < num_tokens
+
+    @property
+    def short_room(self) -> int:
+        """Tokens short chunks may still take: all that is left, or with a long chunk in the step at most
+        ``threshold`` in all, leaving the long chunk at least one."""
+        cap = min(self.threshold, self.tokens - 1) if self.long_chunks else self.tokens
+        return max(0, cap - self.short_used)
+
+    @property
+    def long_room(self) -> int:
+        """Tokens left after the short chunks so far and the whole rest of every long prefill in the step: a long
+        waiting request is admitted only when this is positive (it gets what the older long prefills leave)."""
+        return self.tokens - self.short_used - sum(s.request.prefill_end - s.start for s in self.long_chunks)
+
+    def take_short(self, num_tokens: int) -> int:
+        """Give a short chunk up to ``num_tokens`` tokens of ``short_room``; return how many it got."""
+        n = min(num_tokens, self.short_room)
+        self.short_used += n
+        return n
+
+    def fill_long(self) -> None:
+        """Size the long chunks, oldest first, from what the short chunks left (a chunk may get 0)."""
+        left = self.tokens - self.short_used
+        for s in self.long_chunks:
+            s.num_new_tokens = min(s.request.prefill_end - s.start, left)
+            left -= s.num_new_tokens
+
+
 class Scheduler:
     """Waiting queue, running set and block allocation of one engine.
 
     Args:
         kv: the KV cache manager (block tables, prefix cache).
-        config: ``block_size``, ``max_batch``, ``max_num_batched_tokens``, ``scheduling``, ``max_wait_s``,
-            ``enable_inflight_sharing`` (wait for blocks another request is computing instead of computing them
-            again; ignored when prefix caching is off).
+        config: ``block_size``, ``max_batch``, ``max_num_batched_tokens``, ``long_prefill_token_threshold``
+            (None = half the budget), ``scheduling``, ``max_wait_s``, ``enable_inflight_sharing`` (wait for blocks
+            another request is computing instead of computing them again; ignored when prefix caching is off).
         counters: the engine's counters (admissions, preemptions).
         clock: monotonic clock in seconds (tests pass a fake one to count steps instead of seconds).
         admission_gate: ``gate(request) -> bool``; a waiting request it refuses is skipped this step (the
             ones behind it may go): the tiers refuse a request while its prefix is being read back.
 
     Raises:
-        ValueError: an unknown policy or a non-positive budget.
+        ValueError: an unknown policy, a non-positive budget, or a ``long_prefill_token_threshold`` that is neither
+            0 nor in [1, ``max_num_batched_tokens`` - 1].
     """
 
     def __init__(
@@ -142,6 +226,7 @@ class Scheduler:
         self.block_size = kv.block_size
         self.max_batch = config.max_batch
         self.token_budget = config.max_num_batched_tokens
+        self.long_threshold = long_threshold_of(config)
         self.policy = config.scheduling
         self.max_wait_s = config.max_wait_s
         self.counters = counters
@@ -202,10 +287,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring). Mutates queues and block tables; runs nothing."""
         out = SchedulerOutput()
-        budget = self.token_budget
-        budget = self._schedule_decodes(out, budget)
-        budget = self._schedule_running_prefills(out, budget)
+        budget = PrefillBudget(self._schedule_decodes(out, self.token_budget), self.long_threshold)
+        self._schedule_running_prefills(out, budget)
         self._schedule_waiting(out, budget)
+        budget.fill_long()
+        out.scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
@@ -246,17 +332,23 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
-        for req in self.running:
-            remaining = req.prefill_end - req.num_computed_tokens
-            if remaining <= 0:
-                continue
-            if len(out.scheduled) >= self.max_batch or budget < 1:
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: PrefillBudget) -> None:
+        """Chunks of running prefills, in admission order: the long ones' chunks are sized last (``fill_long``),
+        so they are known before any short chunk is sized."""
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.prefill_end]
+        for req in prefilling:
+            if budget.is_long(req.prefill_end - req.num_computed_tokens):
+                budget.long_chunks.append(ScheduledRequest(req, req.num_computed_tokens, 0))
+        longs = {id(s.request): s for s in budget.long_chunks}
+        for req in prefilling:
+            if len(out.scheduled) >= self.max_batch:
                 break
-            n = min(remaining, budget)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
-            budget -= n
-        return budget
+            if id(req) in longs:
+                out.scheduled.append(longs[id(req)])
+                continue
+            n = budget.take_short(req.prefill_end - req.num_computed_tokens)
+            if n > 0:
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
 
     # ---- admission ----------------------------------------------------------------------------------------
     def cached_prefix(self, req: Request, partial: bool = True) -> PrefixHit:
@@ -340,18 +432,25 @@ class Scheduler:
             i += 1
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: PrefillBudget) -> None:
         if not self.waiting:
             return
         pending = self._pending_blocks() if self.inflight_sharing else {}
         for req in self._ordered_waiting(out.preempted):
-            if budget < 1 or len(out.scheduled) >= self.max_batch or len(self.running) >= self.max_batch:
+            if (
+                budget.short_room < 1
+                or len(out.scheduled) >= self.max_batch
+                or len(self.running) >= self.max_batch
+            ):
                 break
             if self.admission_gate is not None and not self.admission_gate(req):
                 continue  # its prefix is still being read back from a tier
             hit = self.cached_prefix(req)
             if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue
+            long = budget.is_long(req.num_tokens - hit.num_tokens)
+            if long and budget.long_room < 1:
+                continue  # the older long prefills take the rest of the step; short ones behind it may pass
             table = self.kv.allocate(req.request_id, req.num_tokens, hit)
             if table is None and hit.partial_tokens:
                 # The copy's source is held while the blocks are taken: when it is in the way, go without it.
@@ -360,9 +459,12 @@ class Scheduler:
             if table is None:
                 break  # not enough blocks now: wait (and keep the queue behind it waiting too)
             n = self._admit(req, hit)
-            n = min(n, budget)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
-            budget -= n
+            chunk = ScheduledRequest(req, req.num_computed_tokens, 0)
+            if long:
+                budget.long_chunks.append(chunk)  # sized by ``fill_long``: what the older long chunks leave
+            else:
+                chunk.num_new_tokens = budget.take_short(n)
+            out.scheduled.append(chunk)
             if self.inflight_sharing:
                 self._add_pending(pending, req)
         if pending:

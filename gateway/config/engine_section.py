@@ -35,6 +35,7 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
     for key in ("block_size", "num_blocks", "max_batch", "max_num_batched_tokens"):
         if key in values and values[key] < 1:
             reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
+    _check_long_prefill_threshold(reader, values, where)
     if values.get("num_threads") is not None and values["num_threads"] < 1:
         reader.fail(f"{where}.num_threads", f"expected an integer >= 1 or null, got {values['num_threads']}")
     if "small_step_threads" in values:
@@ -77,6 +78,21 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
         )
     _check_tiers(reader, values, where)
     return EngineConfig(**values)
+
+
+def _check_long_prefill_threshold(reader: Reader, values: dict[str, Any], where: str) -> None:
+    """``engine.long_prefill_token_threshold``: null (half the budget), 0 (off) or below ``max_num_batched_tokens``
+    (``engine.scheduler``: a long prefill keeps at least one token of every step)."""
+    threshold = values.get("long_prefill_token_threshold")
+    if threshold is None:
+        return
+    budget = values.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens)
+    if not 0 <= threshold < budget:
+        reader.fail(
+            f"{where}.long_prefill_token_threshold",
+            f"expected null, 0 (off) or an integer in [1, {budget - 1}] (below max_num_batched_tokens {budget}), "
+            f"got {threshold}",
+        )
 
 
 def _parse_tier_names(reader: Reader, value: Any, where: str) -> tuple[str, ...]:
