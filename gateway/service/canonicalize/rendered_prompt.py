@@ -45,7 +45,8 @@ def render_canonical(
     tokenizer: PromptTokenizer,
     encode: Callable[[str], tuple[list[int], list[int]]] | None = None,
 ) -> RenderedPrompt:
-    """Render ``canon`` and locate its segments: each boundary is where the rendering of the messages cut at
+    """Render ``canon`` and locate its segments (the segments of its turns, ``Canonical.turn_segments``, where a
+    hoisted-value block an earlier turn holds is history, not the start of the tail): each boundary is where the rendering of the messages cut at
     that position (``rules.segments.message_prefix``) stops agreeing with the full rendering; the tools'
     range is where the renderings with and without tools differ, or a canonical-JSON preamble when the
     template ignores tools. ``encode`` replaces ``tokenizer.encode`` for the text (it must return the same:
@@ -79,10 +80,13 @@ def render_canonical(
         return len(preamble) + common_prefix_len(body, cut)
 
     cuts: list[tuple[int, str]] = []
-    for segment in canon.segments:
+    # the turns' segments: a hoisted-value block an earlier turn holds is history (``Canonical.turn_segments``)
+    turn_segments = canon.turn_segments
+    for segment in turn_segments if turn_segments is not None else canon.segments:
         start = boundary(Position(segment.start_message, segment.start_part, segment.start_char))
         cuts.append((start, _LEVEL_SEGMENT[segment.level]))
-    stable_chars = boundary(canon.stable_end) if canon.stable_end.message < len(messages) else len(text)
+    stable_end = canon.turn_stable_end if turn_segments is not None else canon.stable_end
+    stable_chars = boundary(stable_end) if stable_end.message < len(messages) else len(text)
     ids, starts = (encode or tokenizer.encode)(text)
 
     def tok(c: int) -> int:
