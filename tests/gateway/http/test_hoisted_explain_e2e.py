@@ -2,8 +2,9 @@
 server and the official SDKs over the embedded tiny model (both faces, streamed and not).
 
 The trial: with a hoisted time in the system prompt, a conversation whose system prompt also changed said
-``cached=25; miss=none`` (the previous turn had 87 tokens), or ``miss=cold; at=system:15``. Every test uses its
-own tenant."""
+``cached=25; miss=none`` (the previous turn had 87 tokens), or ``miss=cold; at=system:15``; a first turn whose
+only change was the hoisted time said ``history_rewritten``; and a first user message resent as one text part
+instead of a string lost the cache. Every test uses its own tenant."""
 
 from __future__ import annotations
 
@@ -99,3 +100,18 @@ def test_the_anthropic_face_names_a_changed_system_prompt_with_a_hoisted_value(s
             fields = header_fields(header)
             assert fields["miss"] == "system_changed" and fields["at"].startswith("system:"), header
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": "ok ."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_turn_whose_only_change_is_a_hoisted_value_is_volatile(client, stream):
+    # a system prompt shorter than a cache unit: the target is the whole prompt, and the new time misses it
+    who = tenant()
+    for t in range(3):
+        system = f"Hi. Current time: 05:0{t}:1{t}"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
+        _, header = chat(client, messages, who, stream=stream)
+        fields = header_fields(header)
+        if t:
+            assert fields["miss"] == "volatile", header
+            assert fields["slot"].startswith("dates."), header
+            assert fields["at"].startswith("tail:"), header

@@ -230,6 +230,22 @@ def test_a_miss_inside_a_learned_slot_names_it() -> None:
     assert report.totals()["learned_slots"] == 1
 
 
+def test_a_repeated_first_turn_whose_only_change_is_a_hoisted_time_is_volatile() -> None:
+    # The trial: `prefixgate rules replay` labelled it `history_rewritten@tail:27` (after another conversation
+    # whose first question was the same); the new time is a value the rules hoisted: `volatile`, the rule named.
+    def line(messages: list[dict[str, Any]]) -> str:
+        return json.dumps({"model": "m", "messages": messages})
+
+    ask = {"role": "user", "content": "Name a fruit."}
+    earlier = [{"role": "system", "content": "Terse."}, ask, {"role": "assistant", "content": "Apple."}, ask]
+    timed = [[{"role": "system", "content": f"Terse. Current time: 05:0{t}:1{t}"}, ask] for t in range(3)]
+    report = replay([line(earlier), *(line(m) for m in timed)], tokenizer=CharTokenizer())
+    for request in report.requests[2:]:
+        assert request.on.cause == "volatile", request.on
+        assert request.on.at.startswith("tail:") and request.on.at.endswith(" dates.current-datetime-line")
+    assert report.totals()["causes_on"]["history_rewritten"] == 0
+
+
 def test_a_changed_system_prompt_with_a_hoisted_time_is_system_changed_not_a_hit() -> None:
     # The trial: turns whose system prompt changed ("Variant {t}") besides its hoisted time said `miss=none`:
     # the first turn's block (this request's time: the conversation was not remembered with this system
