@@ -96,10 +96,13 @@ def test_list_content_documents_and_block(tmp_path: Path) -> None:
         },
     ]
     canon = ruleset.apply(messages)
-    assert canon.messages[1]["content"][2] == {
-        "type": "text",
-        "text": "<request_context>\nCurrent date: 2025-05-14\n</request_context>\n\n",
-    }
+    # the block goes into the question's text part, as it would into a string content
+    assert canon.messages[1]["content"][2:] == [
+        {
+            "type": "text",
+            "text": "<request_context>\nCurrent date: 2025-05-14\n</request_context>\n\nWhich is longer?",
+        }
+    ]
     docs = canon.segments[1]
     assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (SegmentLevel.DOCUMENTS, 2, 2, 0)
     material = json.loads(canon.stable_prefix_material())

@@ -115,3 +115,36 @@ def test_a_first_turn_whose_only_change_is_a_hoisted_value_is_volatile(client, s
             assert fields["miss"] == "volatile", header
             assert fields["slot"].startswith("dates."), header
             assert fields["at"].startswith("tail:"), header
+
+
+def _parts(text: str) -> list[dict]:
+    return [{"type": "text", "text": text}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("variant", ["user parts", "assistant parts", "system parts"])
+def test_a_message_resent_as_one_text_part_keeps_the_cache_with_a_hoisted_value(client, stream, variant):
+    # The trial (/tmp/t/parts2.py "user parts"): turn 0 sent "Hi there" as a string, turn 1 resent it as one text
+    # part: the block became a part of its own, rendered one line break longer, and `cached=49` of 67.
+    who = tenant()
+    system = f"You are helper {random.randrange(10**6, 10**9)}. Current date: 2026-12-03."
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Hi there"}]
+    usage, _ = chat(client, first, who, stream=stream)
+    served = usage.prompt_tokens + usage.completion_tokens
+    reply = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=first,
+        max_tokens=2,
+        temperature=0,
+        extra_headers={"x-prefixgate-tenant": who},
+    )
+    text = reply.choices[0].message.content
+    resent = [
+        {"role": "system", "content": _parts(system) if variant == "system parts" else system},
+        {"role": "user", "content": _parts("Hi there") if variant == "user parts" else "Hi there"},
+        {"role": "assistant", "content": _parts(text) if variant == "assistant parts" else text},
+        {"role": "user", "content": "Next"},
+    ]
+    usage, header = chat(client, resent, who, stream=stream)
+    assert usage.prompt_tokens_details.cached_tokens >= served - 1, header
+    assert header_fields(header)["miss"] == "none", header
