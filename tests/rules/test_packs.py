@@ -150,6 +150,9 @@ INLINE_IDS: dict[str, tuple[str, str]] = {
     "bold-label": ("Be brief. **Session ID:** `{v}`. Cite sources.", "Be brief. Cite sources."),
     "item-separator": ("Assistant | Request-Id: {v} | English", "Assistant | English"),
     "developer-uuid-label": ("Help the user. UUID: {v}", "Help the user."),
+    # a one-digit number before the period still ends the sentence before the id
+    "after-one-digit": ("You are bot 5. Session {v} is active. Be brief.", "You are bot 5. Be brief."),
+    "date-after-one-digit": ("You are helper 7. Request-Id: {v}", "You are helper 7."),
 }
 
 
@@ -208,3 +211,14 @@ def test_inline_id_rules_leave_unlabelled_ids_and_ordinary_words(system: str) ->
     canon = DEFAULT.apply(messages)
     assert canon.hoisted == []
     assert canon.messages == messages
+
+
+def test_a_date_after_a_sentence_ending_in_a_one_digit_number_is_hoisted() -> None:
+    canon = DEFAULT.apply(
+        [
+            {"role": "system", "content": "You are helper 7. Current date: 2026-12-03."},
+            {"role": "user", "content": "Hi"},
+        ]
+    )
+    assert canon.messages[0]["content"] == "You are helper 7."
+    assert canon.hoisted == ["Current date: 2026-12-03."]
