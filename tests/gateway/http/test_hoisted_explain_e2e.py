@@ -8,6 +8,7 @@ instead of a string lost the cache. Every test uses its own tenant."""
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 
@@ -41,8 +42,6 @@ def _anthropic_turn(
                 header = raw.headers.get("x-prefixgate-cache")
                 lines = list(raw.iter_lines())
             usage = None
-            import json
-
             for line in lines:
                 if line.startswith("data: "):
                     event = json.loads(line[6:])
@@ -148,3 +147,14 @@ def test_a_message_resent_as_one_text_part_keeps_the_cache_with_a_hoisted_value(
     usage, header = chat(client, resent, who, stream=stream)
     assert usage.prompt_tokens_details.cached_tokens >= served - 1, header
     assert header_fields(header)["miss"] == "none", header
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_anthropic_face_calls_a_first_turn_with_only_a_new_hoisted_value_volatile(server, stream):
+    who = tenant()
+    for t in range(3):
+        ask = [{"role": "user", "content": [{"type": "text", "text": QUESTIONS[0]}]}]
+        _, _, header = _anthropic_turn(server, f"Hi. Session ID: sess-{t}a{t}b{t}", ask, who, stream)
+        if t:
+            fields = header_fields(header)
+            assert fields["miss"] == "volatile" and fields["slot"].startswith("ids."), header
