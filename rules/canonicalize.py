@@ -80,6 +80,14 @@ class Canonical:
         applied: rule id -> number of times the rule changed the prompt in this request.
         hoisted: every value inside a hoisted-value block, in prompt order (values carried over from an
             already canonical request included).
+        turn_segments: the segments of the prompt's turns, where only the newest turn's hoisted-value blocks
+            start the volatile tail: a block in an earlier turn is part of that turn (``history``), whatever
+            values it holds. None when that is ``segments`` (no earlier turn got a block in this request).
+            ``segments`` start the tail at the first block, since an earlier turn's block holds this request's
+            values when the transcript memory held no earlier request of the conversation (a new system
+            prompt, a stateless canonicalization), so the prefix key never hashes them; the miss explanation
+            takes ``turn_segments``: what the cache could have served is the whole history, and a change that
+            cost it (a new system prompt, a new value in that block) is its miss.
     """
 
     messages: list[dict[str, Any]]
@@ -88,6 +96,15 @@ class Canonical:
     applied: dict[str, int] = field(default_factory=dict)
     hoisted: list[str] = field(default_factory=list)
     history: HistoryInfo = field(default_factory=HistoryInfo)
+    turn_segments: list[Segment] | None = None
+
+    @property
+    def turn_stable_end(self) -> Position:
+        """Where the stable prefix of the prompt's turns ends (``stable_end`` of ``turn_segments``): the start of
+        the newest turn's volatile tail."""
+        return _tail_start(
+            self.turn_segments if self.turn_segments is not None else self.segments, self.messages
+        )
 
     def stable_prefix_material(self, level: SegmentLevel = SegmentLevel.HISTORY) -> bytes:
         """Canonical JSON bytes (UTF-8, sorted keys, no spaces) of the stable segments, tools and
@@ -101,10 +118,7 @@ class Canonical:
     def stable_end(self) -> Position:
         """Where the stable prefix ends: the start of the volatile tail (``Position(len(messages))`` when
         the whole prompt is stable)."""
-        for segment in self.segments:
-            if segment.level == SegmentLevel.VOLATILE:
-                return Position(segment.start_message, segment.start_part, segment.start_char)
-        return Position(len(self.messages))
+        return _tail_start(self.segments, self.messages)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: messages, tools, stable_prefix_end, segments, applied, hoisted."""
@@ -281,6 +295,7 @@ class RuleSet:
 
         final = copy_json(list(found[1].messages)) if found is not None else []
         starts: list[Position] = []
+        newest: list[Position] = []  # the blocks of the request's newest turn
         hoisted: list[str] = [v for c in found[1].blocks for v in c] if found is not None else []
         for j in range(first_new, len(spans)):
             start, end = spans[j]
@@ -298,13 +313,18 @@ class RuleSet:
             )
             hoisted.extend(v for loc in LOCATIONS for v in values[loc])
             starts.extend(turn_starts)
+            if j == len(spans) - 1:
+                newest = turn_starts
         if memory is not None and keys:
             memory.remember_after(
                 keys[-1], final, present_now or present, found[1] if found is not None else None
             )
         starts = [normalize_position(final, s) for s in starts]
         segments = compute_segments(final, tools, starts)
-        return Canonical(final, tools, segments, dict(applied), hoisted, history)
+        turn_segments = None
+        if len(newest) < len(starts):  # an earlier turn holds a block: it is history there
+            turn_segments = compute_segments(final, tools, [normalize_position(final, s) for s in newest])
+        return Canonical(final, tools, segments, dict(applied), hoisted, history, turn_segments)
 
     def _apply_tool_rules(
         self, tools: list[dict[str, Any]] | None, applied: dict[str, int]
@@ -332,6 +352,14 @@ class RuleSet:
                 return turn, recalled
             memory.count(rejected=1)
         return None
+
+
+def _tail_start(segments: list[Segment], messages: list[dict[str, Any]]) -> Position:
+    """The start of the volatile segment of ``segments`` (``Position(len(messages))`` when there is none)."""
+    for segment in segments:
+        if segment.level == SegmentLevel.VOLATILE:
+            return Position(segment.start_message, segment.start_part, segment.start_char)
+    return Position(len(messages))
 
 
 def _differs(a: Any, b: Any) -> bool:

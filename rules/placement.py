@@ -34,7 +34,11 @@ When the chosen place does not exist, the next one is used: the turn's last user
 of the system prompt (first turn only), a new user message at the end of the turn.
 
 The text around a block is left as sent (a user message that starts with line breaks keeps them after
-the block's blank line), so inserting and extracting a block are exact inverses.
+the block's blank line), so inserting and extracting a block are exact inverses. In a list content the block
+goes into the plain text part it lands next to (``block + blank line + text``, ``text + blank line +
+block``), so a message sent as one text part renders exactly as the same message sent as a string; it gets a
+text part of its own beside a part with other keys (``cache_control``), an empty part, text holding a block
+tag, or a part of a document region (a list's region is whole parts: the block stays out of it).
 
 Blocks are found again exactly where they were inserted (``extract_turn_blocks``) before rules run, so
 canonicalizing a canonical request changes nothing: the values are carried over and re-inserted in the
@@ -161,6 +165,18 @@ def _is_plain_text_part(part: Any) -> bool:
     return isinstance(part, dict) and set(part) == {"type", "text"} and part["type"] == "text"
 
 
+def _mergeable(part: Any, block: str) -> bool:
+    """Whether ``block`` goes into the text part ``part`` (its text + blank line + block, or the reverse), so a
+    message of one text part renders as its string form does: a plain text part with text, neither holding a
+    block tag of its own (the merged text then reads back one way only). Otherwise (a part with other keys
+    such as ``cache_control``, an empty one, one that holds a tag) the block gets a part of its own."""
+    if not _is_plain_text_part(part) or not isinstance(part["text"], str) or not part["text"]:
+        return False
+    text = part["text"]
+    tags = BLOCK_OPEN in text or BLOCK_CLOSE in text
+    return not tags and block.count(BLOCK_OPEN) == 1 and block.count(BLOCK_CLOSE) == 1
+
+
 def _is_block_message(message: dict[str, Any]) -> list[str] | None:
     if message.get("role") == "user" and set(message) == {"role", "content"}:
         return parse_whole_block(message.get("content"))
@@ -251,6 +267,11 @@ def _extract_user_prefix(message: dict[str, Any]) -> list[str] | None:
         if q >= len(content) or not _is_plain_text_part(content[q]):
             return None
         text = content[q]["text"]
+        parsed = parse_block_at(text, 0)
+        if parsed is not None and text.startswith(SEP, parsed[1]) and len(text) > parsed[1] + len(SEP):
+            # a block merged into the text part (``_insert_user_prefix``): the part keeps its own text
+            content[q] = {**content[q], "text": text[parsed[1] + len(SEP) :]}
+            return parsed[0]
         if q + 1 < len(content):
             if not text.endswith(SEP):
                 return None
@@ -281,10 +302,17 @@ def _extract_text_end(message: dict[str, Any]) -> list[str] | None:
             message["content"] = ""
         return values
     if isinstance(content, list) and content and _is_plain_text_part(content[-1]):
-        values = parse_whole_block(content[-1]["text"])
+        text = content[-1]["text"]
+        values = parse_whole_block(text)
         if values is not None:
             content.pop()
-        return values
+            return values
+        at = text.rfind(SEP + BLOCK_OPEN + "\n") if isinstance(text, str) else -1
+        if at > 0:  # a block merged into the last text part (``_insert_text_end``), after its own text
+            values = parse_whole_block(text[at + len(SEP) :])
+            if values is not None:
+                content[-1] = {**content[-1], "text": text[:at]}
+            return values
     return None
 
 
@@ -335,6 +363,10 @@ def _insert_user_prefix(message: dict[str, Any], block: str, index: int) -> Posi
     if isinstance(content, list):
         docs = document_end(message)
         q = docs.part if docs is not None else 0
+        if q < len(content) and _mergeable(content[q], block):
+            # into the text part itself: one text part renders as the same string content would
+            content[q] = {**content[q], "text": block + SEP + content[q]["text"]}
+            return Position(index, q, 0)
         text = block + (SEP if q < len(content) else "")
         content.insert(q, {"type": "text", "text": text})
         return Position(index, q, 0)
@@ -353,6 +385,13 @@ def _insert_user_prefix(message: dict[str, Any], block: str, index: int) -> Posi
 def _insert_text_end(message: dict[str, Any], block: str, index: int) -> Position:
     content = message.get("content")
     if isinstance(content, list):
+        docs = document_end(message)
+        in_docs = docs is not None and docs.part >= len(content)  # a list's document region is whole parts
+        if content and not in_docs and _mergeable(content[-1], block):
+            # at the end of the last text part: one text part renders as the same string content would
+            last = content[-1]["text"]
+            content[-1] = {**content[-1], "text": last + SEP + block}
+            return Position(index, len(content) - 1, len(last))
         content.append({"type": "text", "text": block})
         return Position(index, len(content) - 1, 0)
     text = content if isinstance(content, str) else ""

@@ -41,8 +41,8 @@ Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
   ``tools_changed`` (tools, unless both prompts carry a tools digest and the digests are equal: the tools are
   the same and only where the template cut them moved, e.g. a system text added after a tools-only system
   message, so the other prompt's segment there, or the segment the tools lead into, names the cause),
-  ``volatile`` (a known volatile span, a learned slot's match, covers ``d``; its
-  slot id is reported), ``system_changed`` (system), ``history_rewritten`` (history: client compaction, an
+  ``volatile`` (a known volatile span covers ``d``: a learned slot's match, a rule's value in a
+  rules-off system prompt, a value in a hoisted-value block; its slot id is reported), ``system_changed`` (system), ``history_rewritten`` (history: client compaction, an
   edited or retried turn, a template that rewrites earlier turns). ``volatile`` is never guessed from the
   shape of the edit: an ordinary edit of a system prompt is ``system_changed``.
 
@@ -247,7 +247,8 @@ class MissExplainer:
             min_cacheable: the upstream's minimum cacheable prompt length in tokens (e.g. 1024), or None.
             granularity: the cache's unit in tokens (the engine's block size, an upstream's 128-token steps);
                 ``block_size`` when None.
-            volatile_spans: token ranges of known volatile values (learned-slot matches).
+            volatile_spans: token ranges of known volatile values (learned-slot matches, a rules-off system
+                prompt's rule values, the values in hoisted-value blocks).
             provider_cause: the upstream's own diagnostic, if it gave one (see ``map_provider_cause``).
             epoch: ``epoch()`` when the request began; None takes everything recorded so far as evidence.
             tools_digest: a digest of the request's tools as sent (``b""`` for none; ``RenderedPrompt``'s), or

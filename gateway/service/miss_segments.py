@@ -6,7 +6,8 @@ token ranges) on either side of that divergence. This module owns those pure fun
 segments: checking that a request's segments tile its prompt (``validated_segments``), the segment holding an
 offset (``segment_at``) and where it ends (``segment_end``), the segments a divergence names
 (``divergence_segments``), and whether the two prompts continue identically shortly after it, inside the
-segments that hold it (``rejoins``: an edit of an earlier prompt rather than a new prompt).
+segments that hold it, or for a system prompt edit in a conversation, in the conversation after it
+(``rejoins``: an edit of an earlier prompt rather than a new prompt).
 
 Invariants: segments are contiguous ranges in order from token 0 (``validated_segments`` refuses others with a
 ``MissExplainError`` naming the segment); an offset past every segment, or in a prompt without segments, is in
@@ -22,6 +23,9 @@ from gateway.service.miss_explanation import SEGMENT_NAMES, MissExplainError, Pr
 
 _REJOIN_WINDOW = 8
 _REJOIN_RUN = 32
+_END_EDIT = 16
+"""The most tokens after the divergence to the end of either system prompt for an edit of its end to re-converge
+in the conversation after it (``rejoins``): a whole new system prompt is a new prompt."""
 
 
 def validated_segments(segments: Iterable[PromptSegment], n: int) -> tuple[PromptSegment, ...]:
@@ -92,7 +96,10 @@ def rejoins(
     named as one holding ``d``, for ``_REJOIN_RUN`` tokens or to the end of that segment (at least
     ``_REJOIN_WINDOW``): the divergence is an edit of that segment (or a segment inserted or removed before
     it) with the same text after it. A whole new system prompt followed by the same question does not
-    re-converge inside the system prompt; nor do two prompts that merely share words.
+    re-converge inside the system prompt; nor do two prompts that merely share words. A system prompt edited in
+    its last ``_END_EDIT`` tokens (in both prompts), in a conversation (the new prompt has history),
+    re-converges in the conversation after it: the new prompt's history, the earlier prompt's history or its
+    newest turn (which this prompt resends as history).
 
     Args:
         new, old: the two prompts' token ids (``array("I")``), equal before ``d``.
@@ -101,14 +108,24 @@ def rejoins(
         max_edit_tokens: the longest changed span, in tokens, on either side.
     """
     names = {segment_at(new_segments, d), segment_at(old_segments, d)}
+    new_names, old_names = names, names
+    if (
+        names == {"system"}
+        and segment_end(new_segments, d) - d <= _END_EDIT
+        and segment_end(old_segments, d) - d <= _END_EDIT
+        and any(s.name == "history" and s.end > s.start for s in new_segments)
+    ):
+        # an edit of the system prompt's last tokens in a conversation: the conversation after it re-converges,
+        # in the new prompt's history and in the earlier prompt's history or newest turn (history here)
+        new_names, old_names = names | {"history"}, names | {"history", "tail"}
     windows: dict[tuple[int, ...], list[int]] = {}
     for j in range(max_edit_tokens + 1):
-        if d + j + _REJOIN_WINDOW <= len(old) and _inside(old_segments, names, d + j):
+        if d + j + _REJOIN_WINDOW <= len(old) and _inside(old_segments, old_names, d + j):
             windows.setdefault(tuple(old[d + j : d + j + _REJOIN_WINDOW]), []).append(j)
     for i in range(max_edit_tokens + 1):
         if d + i + _REJOIN_WINDOW > len(new):
             break
-        if not _inside(new_segments, names, d + i):
+        if not _inside(new_segments, new_names, d + i):
             continue
         for j in windows.get(tuple(new[d + i : d + i + _REJOIN_WINDOW]), ()):
             if (i, j) == (0, 0):

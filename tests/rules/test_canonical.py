@@ -407,3 +407,56 @@ def test_shipped_pack_files_are_all_used_by_default() -> None:
     shipped = {p.stem for p in PACK_DIR.glob("*.yaml") if not p.name.startswith("_")} - {"default"}
     default = load_ruleset(["default"])
     assert {rule_id.split(".")[0] for rule_id in default.rule_ids} == shipped
+
+
+def _rendered(content) -> str:
+    """A message's text as the templates join a list of text parts (one line break between parts)."""
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_a_message_sent_as_one_text_part_renders_as_the_same_string_after_hoisting(turns: int) -> None:
+    # The trial: a first user message "Hi there" resent as [{"type": "text", "text": "Hi there"}] with a hoisted
+    # date: the block became a part of its own, rendered with one more line break, and the history missed.
+    ruleset = load_ruleset(["default"])
+    system = {"role": "system", "content": "You are helper 4821. Current date: 2026-12-03."}
+    history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    history = history[: 2 * turns - 1]
+    as_string = ruleset.apply([system, *history])
+    parts = [dict(m, content=[{"type": "text", "text": m["content"]}]) for m in history]
+    as_parts = ruleset.apply([system, *parts])
+    assert [_rendered(m["content"]) for m in as_parts.messages] == [
+        _rendered(m["content"]) for m in as_string.messages
+    ]
+    assert ruleset.apply(as_parts.messages).messages == as_parts.messages  # idempotent
+    # a later turn whose value changed gets its block at the end of its newest message: the same there
+    first = [
+        system,
+        *history[:1],
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Next"},
+    ]
+    system2 = {"role": "system", "content": "You are helper 4821. Current date: 2026-12-04."}
+    later = [system2, *first[1:], {"role": "assistant", "content": "Hi"}]
+    results = []
+    for last in ("Again", [{"type": "text", "text": "Again"}]):
+        memory = TranscriptMemory()
+        ruleset.apply(first, memory=memory)
+        results.append(ruleset.apply([*later, {"role": "user", "content": last}], memory=memory).messages[-1])
+    assert results[0]["content"].endswith("2026-12-04.\n</request_context>")
+    assert _rendered(results[1]["content"]) == results[0]["content"]
+    assert ruleset.apply([system2, *later[1:], results[1]]).messages[-1] == results[1]
+
+
+def test_a_block_goes_into_its_own_part_beside_a_part_with_other_keys_or_no_text() -> None:
+    ruleset = load_ruleset(["default"])
+    system = {"role": "system", "content": "You are helper 4821. Current date: 2026-12-03."}
+    for first in (
+        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": ""},
+    ):
+        user = {"role": "user", "content": [first, {"type": "text", "text": "there"}]}
+        canon = ruleset.apply([system, user])
+        content = canon.messages[1]["content"]
+        assert content[0]["text"].startswith("<request_context>\n") and content[1:] == user["content"]
+        assert ruleset.apply(canon.messages).messages == canon.messages

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import random
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -293,3 +294,24 @@ def test_a_slot_never_has_more_distinct_values_than_observations(days: list[int]
     for row in learner.slots("m", "t", include_candidates=True):
         assert row["distinct_values"] <= row["observations"] <= len(days)
         assert row["distinct_values"] == len(set(days))
+
+
+def test_a_value_that_is_a_large_share_of_a_short_prompt_is_not_learned_and_the_pack_hoists_it() -> None:
+    # The trial: 14 requests "You are bot R. Session <uuid> is active. ..." (about 100 characters, the UUID 36 of
+    # them) taught nothing: a differing span over 20 % of the text is not a template's slot (max_diff_share).
+    rng = random.Random(5)
+
+    def uid() -> str:
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+    short = "You are bot 4821. Session {u} is active. Always answer in English and keep it short please."
+    longer = short + " Be helpful, honest and kind; cite sources when you can and never invent any facts."
+    for template, learned in ((short, 0), (longer, 1)):
+        learner = SlotLearner(LearnConfig(mode="suggest"))
+        for _ in range(6):
+            learner.observe("m", "t", _chat(template.format(u=uid())))
+        assert len(learner.slots("m", "t")) == learned
+    canon = load_ruleset(["default"]).apply(_chat(short.format(u=uid())))
+    assert (
+        canon.messages[0]["content"] == "You are bot 4821. Always answer in English and keep it short please."
+    )

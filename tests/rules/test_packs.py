@@ -4,6 +4,7 @@ hoists of ordinary text."""
 from __future__ import annotations
 
 import random
+import uuid
 
 import pytest
 
@@ -127,3 +128,97 @@ def test_user_and_assistant_text_is_not_hoisted_by_the_packs() -> None:
         {"role": "user", "content": "Timestamp: 1715692800"},
     ]
     assert DEFAULT.apply(messages).messages == messages
+
+
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+INLINE_IDS: dict[str, tuple[str, str]] = {
+    # name -> (system prompt with {v}, what stays in the system prompt)
+    "request-id-uuid-sentence": ("You are terse. Request ID: {v}.", "You are terse."),
+    "request-id-token-line-end": ("You are terse. Request id: req-{t}", "You are terse."),
+    "request-parenthetical": ("You are terse (request {v}).", "You are terse."),
+    "request-parenthetical-after-sentence": ("You are terse. (request {v})", "You are terse."),
+    "session-sentence": ("You are bot 4821. Session {v} is active. Be brief.", "You are bot 4821. Be brief."),
+    "trace-is-hex": ("Answer in English. Your trace id is {h}. Be brief.", "Answer in English. Be brief."),
+    "correlation-mid-line": ("Be kind; correlation-id={v}. Cite sources.", "Be kind; Cite sources."),
+    "conversation-prefixed-token": (
+        "Hi there. Conversation conv_{t} started. Be brief.",
+        "Hi there. Be brief.",
+    ),
+    "bold-label": ("Be brief. **Session ID:** `{v}`. Cite sources.", "Be brief. Cite sources."),
+    "item-separator": ("Assistant | Request-Id: {v} | English", "Assistant | English"),
+    "developer-uuid-label": ("Help the user. UUID: {v}", "Help the user."),
+    # a one-digit number before the period still ends the sentence before the id
+    "after-one-digit": ("You are bot 5. Session {v} is active. Be brief.", "You are bot 5. Be brief."),
+    "date-after-one-digit": ("You are helper 7. Request-Id: {v}", "You are helper 7."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INLINE_IDS))
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_ids_inside_a_line_are_hoisted_like_dates(name: str, role: str) -> None:
+    template, stays = INLINE_IDS[name]
+    rng = random.Random(name)
+    systems = [
+        template.format(
+            v=_uuid(rng), t=f"{rng.randrange(16**8):08x}{rng.randrange(10)}", h=f"{rng.getrandbits(64):016x}"
+        )
+        for _ in range(2)
+    ]
+    assert systems[0] != systems[1]
+    canons = [
+        DEFAULT.apply([{"role": role, "content": s}, {"role": "user", "content": "Hi"}]) for s in systems
+    ]
+    assert canons[0].stable_prefix_material() == canons[1].stable_prefix_material()
+    for canon, system in zip(canons, systems, strict=True):
+        assert canon.messages[0]["content"] == stays
+        assert len(canon.hoisted) == 1
+        assert canon.hoisted[0] in system
+        assert canon.hoisted[0] in canon.messages[1]["content"]  # preserved in the request context
+        assert DEFAULT.apply(canon.messages).messages == canon.messages  # idempotent
+
+
+def test_inline_id_forms_are_hoisted_as_on_their_own_line() -> None:
+    value = "7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f"
+    user = {"role": "user", "content": "Hi"}
+    inline = DEFAULT.apply([{"role": "system", "content": f"You are terse. Request ID: {value}."}, user])
+    own_line = DEFAULT.apply([{"role": "system", "content": f"You are terse.\nRequest ID: {value}."}, user])
+    assert inline.messages[0]["content"] == own_line.messages[0]["content"] == "You are terse."
+    assert inline.hoisted == own_line.hoisted == [f"Request ID: {value}."]
+
+
+NOT_IDS = [
+    # a UUID or hex without an id label, in prose, an example, a URL, JSON, key=value strings, code
+    "The schema field holds a UUID like 7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f.",
+    "Commit deadbeefdeadbeef00112233 introduced the bug. Be brief.",
+    "Open https://example.com/?session=7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f to log in.",
+    'Config: {"session_id": "7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f"} is a sample. Be brief.',
+    "Send it as x_session=3f2c8a9e-1b2c-4d5e-8f90-1234567890ab in the form. Be brief.",
+    "Use `req-1a2b3c` in code. Be brief.\n```\nRequest ID: 7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f\n```",
+    # labels followed by ordinary words or numbers that are no ids
+    "Session 2 is about math. The request is simple. Be brief.",
+    "Request handling: be nice. The ID is required. Session time is short.",
+    "Each user ID must be unique. Mention the session ID when asked.",
+    "For example, Request ID: 7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f is what a log shows.",
+]
+
+
+@pytest.mark.parametrize("system", NOT_IDS)
+def test_inline_id_rules_leave_unlabelled_ids_and_ordinary_words(system: str) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    canon = DEFAULT.apply(messages)
+    assert canon.hoisted == []
+    assert canon.messages == messages
+
+
+def test_a_date_after_a_sentence_ending_in_a_one_digit_number_is_hoisted() -> None:
+    canon = DEFAULT.apply(
+        [
+            {"role": "system", "content": "You are helper 7. Current date: 2026-12-03."},
+            {"role": "user", "content": "Hi"},
+        ]
+    )
+    assert canon.messages[0]["content"] == "You are helper 7."
+    assert canon.hoisted == ["Current date: 2026-12-03."]

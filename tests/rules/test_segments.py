@@ -96,10 +96,13 @@ def test_list_content_documents_and_block(tmp_path: Path) -> None:
         },
     ]
     canon = ruleset.apply(messages)
-    assert canon.messages[1]["content"][2] == {
-        "type": "text",
-        "text": "<request_context>\nCurrent date: 2025-05-14\n</request_context>\n\n",
-    }
+    # the block goes into the question's text part, as it would into a string content
+    assert canon.messages[1]["content"][2:] == [
+        {
+            "type": "text",
+            "text": "<request_context>\nCurrent date: 2025-05-14\n</request_context>\n\nWhich is longer?",
+        }
+    ]
     docs = canon.segments[1]
     assert (docs.level, docs.end_message, docs.end_part, docs.end_char) == (SegmentLevel.DOCUMENTS, 2, 2, 0)
     material = json.loads(canon.stable_prefix_material())
@@ -129,3 +132,21 @@ def test_the_document_prefilter_passes_every_tag_spelling() -> None:
         assert document_end_in_text(text) == len(f"before {tag}body</doc>")
     assert not may_open_document("no tags <request_context> here </docs>")
     assert document_end_in_text("no tags <request_context> here </doc>") == 0
+
+
+def test_a_block_an_earlier_turn_holds_is_history_in_the_turn_segments() -> None:
+    # Stateless (no transcript memory, or a conversation it does not hold): the first turn's block holds this
+    # request's time, so the prefix key's segments end the stable prefix before it; the turns' segments, which
+    # the miss explanation takes, keep it in the history the cache could have served.
+    ruleset = load_ruleset(["default"])
+    system = {"role": "system", "content": "You are terse. Current time: 05:01:11"}
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    canon = ruleset.apply([system, *turns, {"role": "user", "content": "Bye"}])
+    assert canon.messages[1]["content"].startswith("<request_context>\nCurrent time: 05:01:11")
+    assert [s.name for s in canon.segments] == ["tools+system", "volatile"]
+    assert canon.stable_end == Position(1)
+    assert canon.turn_segments is not None
+    assert [s.name for s in canon.turn_segments] == ["tools+system", "history", "volatile"]
+    assert canon.turn_stable_end == Position(3)
+    single = ruleset.apply([system, turns[0]])  # one turn: its block starts its tail either way
+    assert single.turn_segments is None and single.turn_stable_end == single.stable_end == Position(1)

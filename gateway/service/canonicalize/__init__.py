@@ -35,7 +35,7 @@ from gateway.config.schema import LearningConfig, TranscriptConfig
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer, default_tokenizer
-from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, render_canonical
+from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, hoisted_value_spans, render_canonical
 from gateway.service.canonicalize.replay import replay
 from gateway.service.canonicalize.transcript_store import RedisTranscriptStore
 from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
@@ -194,7 +194,8 @@ class Canonicalizer:
         the token ranges of the known volatile values in its system/developer texts: the learned slots'
         values (slot id ``learned.…``) and, for a rules-off request, what the configured rules'
         ``hoist``/``drop``/``round`` patterns match (its date; the rule's id; a rules-on request no longer
-        holds those in its system prompt, and is not scanned). ``encode``: in place of ``tokenizer.encode``,
+        holds those in its system prompt, and is not scanned); for a rules-on request, the values inside its
+        hoisted-value blocks (``hoisted_value_spans``; the id of the rule whose pattern matches the value). ``encode``: in place of ``tokenizer.encode``,
         same result; see ``render_canonical``.
 
         Raises:
@@ -217,7 +218,15 @@ class Canonicalizer:
                     if not request.rules_enabled:  # rules on: what they act on has left the system prompt
                         for start, end, rule in self.rule_value_spans(text):
                             found.append((at + start, at + end, rule))
+        if request.rules_enabled:  # ... into <request_context> blocks: their values are known volatile values
+            found.extend(hoisted_value_spans(canonical, rendered.text, self.rule_of))  # type: ignore[arg-type]
         return rendered, volatile_spans_from_chars(found, rendered.starts)
+
+    def rule_of(self, value: str) -> str | None:
+        """The id of the first configured rule whose ``hoist``/``drop``/``round`` pattern matches in ``value`` (a
+        hoisted value standing alone, as in its block), or None (``rule_value_spans``, memoized)."""
+        spans = self.rule_value_spans(value)
+        return spans[0][2] if spans else None
 
     def rule_value_spans(self, text: str) -> list[tuple[int, int, str]]:
         """``(start, end, rule id)`` of every value the configured rules would hoist, drop or round in
@@ -312,7 +321,9 @@ def run_replay(
         return 2
     try:
         with open(trace, encoding="utf-8", errors="replace") as lines:
-            report = replay(lines, canonicalizer.canonicalize, chosen, canonicalizer.learner)
+            report = replay(
+                lines, canonicalizer.canonicalize, chosen, canonicalizer.learner, canonicalizer.rule_of
+            )
     except OSError as exc:
         print(f"error: cannot read {trace}: {exc.strerror or exc}", file=err)
         return 2

@@ -6,6 +6,9 @@ where the stable prefix ends, and a digest of the tools (the miss explanation te
 moved cut by it). A template that ignores tools (SmolLM2's does) gets the tools' canonical JSON as
 a preamble, since the upstream models users replay for do see them.
 
+``hoisted_value_spans`` finds the values the rules hoisted (their ``<request_context>`` blocks) in the
+rendered text: known volatile values for the miss explanation.
+
 Invariants: the segments are contiguous, in order, and cover every token; ``stable_tokens`` never exceeds
 the token count. Common prefixes and suffixes come from ``rules.span_diff``.
 """
@@ -14,13 +17,15 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer
 from gateway.service.miss_explanation import PromptSegment
 from rules import Canonical, Position
 from rules.actions import canonical_json
+from rules.messages import get_text, text_parts
+from rules.placement import BLOCK_OPEN, parse_block_at
 from rules.segments import message_prefix
 from rules.span_diff import common_prefix_len, common_suffix_len
 
@@ -45,7 +50,8 @@ def render_canonical(
     tokenizer: PromptTokenizer,
     encode: Callable[[str], tuple[list[int], list[int]]] | None = None,
 ) -> RenderedPrompt:
-    """Render ``canon`` and locate its segments: each boundary is where the rendering of the messages cut at
+    """Render ``canon`` and locate its segments (the segments of its turns, ``Canonical.turn_segments``, where a
+    hoisted-value block an earlier turn holds is history, not the start of the tail): each boundary is where the rendering of the messages cut at
     that position (``rules.segments.message_prefix``) stops agreeing with the full rendering; the tools'
     range is where the renderings with and without tools differ, or a canonical-JSON preamble when the
     template ignores tools. ``encode`` replaces ``tokenizer.encode`` for the text (it must return the same:
@@ -79,10 +85,13 @@ def render_canonical(
         return len(preamble) + common_prefix_len(body, cut)
 
     cuts: list[tuple[int, str]] = []
-    for segment in canon.segments:
+    # the turns' segments: a hoisted-value block an earlier turn holds is history (``Canonical.turn_segments``)
+    turn_segments = canon.turn_segments
+    for segment in turn_segments if turn_segments is not None else canon.segments:
         start = boundary(Position(segment.start_message, segment.start_part, segment.start_char))
         cuts.append((start, _LEVEL_SEGMENT[segment.level]))
-    stable_chars = boundary(canon.stable_end) if canon.stable_end.message < len(messages) else len(text)
+    stable_end = canon.turn_stable_end if turn_segments is not None else canon.stable_end
+    stable_chars = boundary(stable_end) if stable_end.message < len(messages) else len(text)
     ids, starts = (encode or tokenizer.encode)(text)
 
     def tok(c: int) -> int:
@@ -108,3 +117,40 @@ def render_canonical(
         pos = end
     digest = hashlib.blake2b(canonical_json(tools).encode(), digest_size=16).digest() if tools else b""
     return RenderedPrompt(text, ids, starts, segments, min(tok(stable_chars), len(ids)), digest)
+
+
+def hoisted_value_spans(
+    canon: Canonical, text: str, rule_of: Callable[[str], str | None] | None = None
+) -> Iterator[tuple[int, int, str]]:
+    """``(start, end, rule id)`` character ranges in ``text`` (the rendered prompt of ``canon``) of every value
+    inside a hoisted-value block, each message's blocks found where the template put that message's text
+    (searched in prompt order). The first value's range starts at its block's opening tag and the last one's
+    ends after the closing tag, so a prompt that gained or lost a block diverges inside one. ``rule_of`` names
+    the rule that knows a value (``Canonicalizer.rule_value_spans``); ``"hoisted"`` when it names none (or
+    is None). A value changed from one request to the next is a known volatile value (``volatile``).
+    """
+    cursor = 0
+    for message in canon.messages:
+        for part in text_parts(message):
+            body = get_text(message, part)
+            if BLOCK_OPEN not in body:
+                continue
+            at = text.find(body, cursor)
+            if at < 0:
+                continue
+            cursor = at + len(body)
+            pos = body.find(BLOCK_OPEN)
+            while pos >= 0:
+                parsed = parse_block_at(body, pos)
+                if parsed is None:
+                    pos = body.find(BLOCK_OPEN, pos + 1)
+                    continue
+                values, end = parsed
+                start = pos + len(BLOCK_OPEN) + 1
+                for k, value in enumerate(values):
+                    first = pos if k == 0 else start
+                    last = end if k == len(values) - 1 else start + len(value)
+                    name = rule_of(value) if rule_of is not None else None
+                    yield at + first, at + last, name or "hoisted"
+                    start += len(value) + 1
+                pos = body.find(BLOCK_OPEN, end)

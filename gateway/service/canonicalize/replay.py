@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer, default_tokenizer
-from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, render_canonical
+from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, hoisted_value_spans, render_canonical
 from gateway.service.canonicalize.replay_report import ReplayReport, RequestReport, SideResult
 from gateway.service.canonicalize.trace import BrokenLine, TraceLineError, TraceRequest, parse_line
 from gateway.service.miss_explain import MissExplainer
@@ -45,6 +45,21 @@ tenant may sit behind it)."""
 
 
 BLOCK_SIZE = 16
+
+_VOLATILE_ACTIONS = frozenset({"hoist", "drop", "round"})
+
+
+def first_rule_of(ruleset: RuleSet) -> Callable[[str], str | None]:
+    """``value -> the id of the first rule of ruleset whose hoist/drop/round pattern matches in it`` (None when
+    none does): names a hoisted value for the miss explanation."""
+
+    def rule_of(value: str) -> str | None:
+        for rule in ruleset.rules:
+            if rule.action in _VOLATILE_ACTIONS and rule.pattern is not None and rule.pattern.search(value):
+                return rule.id
+        return None
+
+    return rule_of
 
 
 def rules_canonicalizer(ruleset: RuleSet) -> Canonicalize:
@@ -99,10 +114,15 @@ class _Side:
 
 
 def learned_spans(
-    learner: SlotLearner, request: TraceRequest, canon: Canonical, rendered: RenderedPrompt
+    learner: SlotLearner,
+    request: TraceRequest,
+    canon: Canonical,
+    rendered: RenderedPrompt,
+    rule_of: Callable[[str], str | None] | None = None,
 ) -> list[VolatileSpan]:
     """Token ranges of the learned slots' matches in the canonical system/developer texts (each text found
-    where the template put it in the rendered prompt)."""
+    where the template put it in the rendered prompt), and of the values in hoisted-value blocks
+    (``hoisted_value_spans``, named by ``rule_of``)."""
     found: list[tuple[int, int, str | None]] = []
     for message in canon.messages:
         if message.get("role") not in LEARNED_ROLES:
@@ -113,6 +133,7 @@ def learned_spans(
             if at >= 0:
                 matches = learner.match_slots(request.model, request.tenant, text)
                 found.extend((at + start, at + end, slot) for start, end, slot in matches)
+    found.extend(hoisted_value_spans(canon, rendered.text, rule_of))
     return volatile_spans_from_chars(found, rendered.starts)
 
 
@@ -121,6 +142,7 @@ def replay(
     canonicalize: Canonicalize | None = None,
     tokenizer: PromptTokenizer | None = None,
     learner: SlotLearner | None = None,
+    rule_of: Callable[[str], str | None] | None = None,
 ) -> ReplayReport:
     """Replay a trace (see the module docstring).
 
@@ -130,12 +152,16 @@ def replay(
         tokenizer: ``default_tokenizer()`` when None.
         learner: learns volatile slots from the rules-on canonical system texts as the trace goes (a new
             ``SlotLearner()``, mode ``suggest``, when None); a miss inside a learned slot names it.
+        rule_of: names the rule that knows a hoisted value (``Canonicalizer.rule_of``); with the default
+            ``canonicalize``, the default pack's rules; else a hoisted value's slot is ``hoisted``.
 
     Returns:
         the report; broken lines are in ``report.broken``, never raised.
     """
     if canonicalize is None:
-        canonicalize = rules_canonicalizer(load_ruleset(list(DEFAULT_PACKS)))
+        default = load_ruleset(list(DEFAULT_PACKS))
+        canonicalize = rules_canonicalizer(default)
+        rule_of = rule_of or first_rule_of(default)
     tokenizer = tokenizer or default_tokenizer()
     learner = learner if learner is not None else SlotLearner()
     off_rules = RuleSet()
@@ -156,7 +182,7 @@ def replay(
         except RequestShapeError as e:
             report.broken.append(BrokenLine(number, f"wrong shape: {e}"))
             continue
-        volatile = learned_spans(learner, request, canon_on, rendered_on)
+        volatile = learned_spans(learner, request, canon_on, rendered_on, rule_of)
         on_result = on.measure(request, rendered_on, volatile)
         report.requests.append(
             RequestReport(number, request.model, on_result, off.measure(request, rendered_off))
@@ -189,7 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with open(args.trace, encoding="utf-8", errors="replace") as f:
-            report = replay(f, rules_canonicalizer(ruleset), default_tokenizer(args.tokenizer))
+            report = replay(
+                f,
+                rules_canonicalizer(ruleset),
+                default_tokenizer(args.tokenizer),
+                rule_of=first_rule_of(ruleset),
+            )
     except OSError as e:
         print(f"error: cannot read {args.trace}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -67,3 +67,35 @@ def test_rejoins_after_an_edit_inside_the_segment_only() -> None:
     split_new = (PromptSegment("system", 0, 5), PromptSegment("tail", 5, len(new)))
     split_old = (PromptSegment("system", 0, 4), PromptSegment("tail", 4, len(old)))
     assert not rejoins(new, old, 3, split_new, split_old, max_edit_tokens=8)
+
+
+def test_a_system_prompt_edited_at_its_end_rejoins_in_the_conversation_after_it() -> None:
+    # The trial: "You are a terse assistant. Request id: req-0abc0" then "... req-1abc1" (the id at the end of the
+    # system prompt, inside the first cache unit), the conversation resent after it, said "miss=cold".
+    system = [1, 2, 3, 4]
+    turn = list(range(100, 120))  # the first user message (its hoisted block included) and the answer
+    old = array("I", [*system, 7, *turn])
+    new = array("I", [*system, 8, *turn, 200, 201])
+    segs_old = (PromptSegment("system", 0, 5), PromptSegment("tail", 5, 15), PromptSegment("history", 15, 25))
+    segs_new = (PromptSegment("system", 0, 5), PromptSegment("history", 5, 25), PromptSegment("tail", 25, 27))
+    assert rejoins(new, old, 4, segs_new, segs_old, max_edit_tokens=8)
+    # a first turn (no history in the new prompt): a new system prompt, the same question, never an edit
+    first_new = (PromptSegment("system", 0, 5), PromptSegment("tail", 5, len(new)))
+    assert not rejoins(new, old, 4, first_new, segs_old, max_edit_tokens=8)
+    # nor does a conversation whose history merely shares a few template tokens with the earlier prompt
+    other = array("I", [*system, 8, *turn[:6], *range(300, 314), 200, 201])
+    assert not rejoins(other, old, 4, segs_new, segs_old, max_edit_tokens=8)
+    # a whole new system prompt before the same conversation: a new prompt, not an edit of its end
+    long_old = array("I", [*system, *range(500, 530), *turn])
+    long_new = array("I", [*system, *range(600, 630), *turn, 200, 201])
+    segs_long_old = (
+        PromptSegment("system", 0, 34),
+        PromptSegment("tail", 34, 44),
+        PromptSegment("history", 44, 54),
+    )
+    segs_long_new = (
+        PromptSegment("system", 0, 34),
+        PromptSegment("history", 34, 54),
+        PromptSegment("tail", 54, 56),
+    )
+    assert not rejoins(long_new, long_old, 4, segs_long_new, segs_long_old, max_edit_tokens=64)

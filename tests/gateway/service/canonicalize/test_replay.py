@@ -89,7 +89,10 @@ def test_common_prefix_in_characters_and_tokens_rules_on_and_off() -> None:
     # rules on: history never moves, so each turn extends the previous canonical prompt as a whole
     assert second.on.common_chars == first.on.prompt_chars and third.on.common_chars == second.on.prompt_chars
     assert second.on.common_chars > second.off.common_chars
-    assert second.on.cause is None and third.on.cause is None
+    # the replay's cache holds prompts, never replies: the previous reply is new content in the history, as
+    # with the rules off (the first turn's hoisted block is history there, not the start of the tail)
+    assert (second.on.cause, second.on.at) == ("cold", f"history:{first.on.prompt_tokens}")
+    assert (third.on.cause, third.on.at) == ("cold", f"history:{second.on.prompt_tokens}")
     totals = report.totals()
     assert totals["turns_worse_than_off"] == 0
     assert totals["common_tokens_off"] == second.off.common_tokens + third.off.common_tokens
@@ -225,3 +228,38 @@ def test_a_miss_inside_a_learned_slot_names_it() -> None:
     assert [r.on.cause for r in report.requests] == causes
     assert [r.on.at for r in report.requests[1:]] == [f"system:{at}"] * 2 + [f"system:{at} {slot['id']}"] * 2
     assert report.totals()["learned_slots"] == 1
+
+
+def test_a_repeated_first_turn_whose_only_change_is_a_hoisted_time_is_volatile() -> None:
+    # The trial: `prefixgate rules replay` labelled it `history_rewritten@tail:27` (after another conversation
+    # whose first question was the same); the new time is a value the rules hoisted: `volatile`, the rule named.
+    def line(messages: list[dict[str, Any]]) -> str:
+        return json.dumps({"model": "m", "messages": messages})
+
+    ask = {"role": "user", "content": "Name a fruit."}
+    earlier = [{"role": "system", "content": "Terse."}, ask, {"role": "assistant", "content": "Apple."}, ask]
+    timed = [[{"role": "system", "content": f"Terse. Current time: 05:0{t}:1{t}"}, ask] for t in range(3)]
+    report = replay([line(earlier), *(line(m) for m in timed)], tokenizer=CharTokenizer())
+    for request in report.requests[2:]:
+        assert request.on.cause == "volatile", request.on
+        assert request.on.at.startswith("tail:") and request.on.at.endswith(" dates.current-datetime-line")
+    assert report.totals()["causes_on"]["history_rewritten"] == 0
+
+
+def test_a_changed_system_prompt_with_a_hoisted_time_is_system_changed_not_a_hit() -> None:
+    # The trial: turns whose system prompt changed ("Variant {t}") besides its hoisted time said `miss=none`:
+    # the first turn's block (this request's time: the conversation was not remembered with this system
+    # prompt) started the tail, so the history was not in the target. It is now, and the change is the miss.
+    history: list[dict[str, Any]] = []
+    lines = []
+    for t in range(3):
+        system = f"You are Nova, the terse assistant of ACME Corp. Variant {t}. Current time: 05:0{t}:1{t}."
+        history.append({"role": "user", "content": f"Question {t}?"})
+        lines.append(
+            json.dumps({"model": "m", "messages": [{"role": "system", "content": system}, *history]})
+        )
+        history.append({"role": "assistant", "content": f"Answer {t}: refunds are possible within 30 days."})
+    report = replay(lines, tokenizer=CharTokenizer())
+    for request in report.requests[1:]:
+        assert request.on.cause == "system_changed", request.on
+        assert request.on.stable_tokens > request.on.common_tokens  # the history was in the target
