@@ -409,7 +409,8 @@ class MissExplainer:
         extends: array | None = None,
         tools_digest: bytes | None = None,
     ) -> None:
-        """Add a prompt to the key's index (an identical prompt is only refreshed).
+        """Add a prompt to the key's index (an identical prompt is only refreshed: its time and tools digest; the
+        served answer an identical entry carries, from ``record_answer``, is kept).
 
         ``extends``, a recorded prompt that ``tokens`` continues (``record_answer``: the prompt before its
         answer), is replaced in place by this one, keeping its place in the index (its sequence number, so a
@@ -453,7 +454,8 @@ class MissExplainer:
             if same is not None and same.tokens == data:
                 same.seen_at = self._clock()
                 same.tools = tools
-                same.reply = reply
+                if reply is not None:  # a prompt recorded again says nothing of the answer an entry carries:
+                    same.reply = reply  # keep it, or a request whose epoch saw the entry would read another
                 entries.move_to_end(seq)
                 self._lru.move_to_end((key, seq))
                 return

@@ -774,3 +774,25 @@ def test_an_identical_prompt_among_many_is_refreshed_and_the_index_follows_evict
     assert stored == [prompts[3], prompts[0], prompts[4], prompts[1]]
     index = {seq for (key, _), seq in ex._seqs.items()}
     assert index == set(ex._keys[("m", "t")]) and len(ex._seqs) == 4
+
+
+def test_a_prompt_recorded_again_keeps_the_answer_an_earlier_request_saw() -> None:
+    """Before: a concurrent request serving the same tokens as an answered entry (its answer empty) erased that
+    entry's answer record, so a request whose epoch predated it was explained otherwise (found by Hypothesis in
+    ``test_the_classifier_follows_the_definition``)."""
+    old = [0, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    old_segments = [PromptSegment("tail", 0, 18)]
+    prompt = old + [0] * 15
+    segments = [PromptSegment("history", 0, 32), PromptSegment("tail", 32, 33)]
+
+    def explained(concurrent: bool) -> MissExplanation:
+        ex = MissExplainer(clock=Clock())
+        ex.record("m", "t", old, old_segments)
+        ex.record_answer("m", "t", old, old_segments, [])
+        before = ex.epoch()
+        if concurrent:
+            served(ex, [0], [PromptSegment("tail", 0, 1)])
+            served(ex, old, old_segments)
+        return ex.explain("m", "t", prompt, segments, 32, 0, epoch=before)
+
+    assert explained(concurrent=True) == explained(concurrent=False)
