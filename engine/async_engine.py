@@ -365,8 +365,8 @@ class AsyncEngine:
 
         Returns:
             The prefix key, tokens now cached (whole blocks), blocks pinned, the pin id, the tokens this warm
-            prefilled (``computed_tokens``), and ``reusable_tokens``: what a following request reuses now, token-granular. For ``messages`` that
-            request continues the conversation with its next turn (``next_turn_tokens``): the warmed prompt
+            prefilled (``computed_tokens``), and ``reusable_tokens``: what a following request reuses now,
+            token-granular. For ``messages`` that request continues the conversation with its next turn (``next_turn_tokens``): the warmed prompt
             ends with the generation prompt, which the next turn shares only in part (ChatML: ``<|im_start|>``,
             not ``assistant``); for token ids or text, it starts with the whole prompt.
 
