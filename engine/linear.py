@@ -38,7 +38,7 @@ with fp32, the int4 kernel 1.2 ms per plane (2 planes: ~2.4 ms, exact).
 
 On a 2-core Xeon with AVX512-BF16 and AMX (same shapes, one thread, thread time; the machine was loaded, load
 average 7-9, so single numbers move by ~30%; "packed" is oneDNN's prepacked bf16 weight,
-``pack_bf16_dense``, bit-identical output to ``F.linear`` on the same bf16 weight):
+``engine.bf16_gemm.pack_bf16_dense``, bit-identical output to ``F.linear`` on the same bf16 weight):
 
 | rows | bf16 ``F.linear`` | bf16 packed | int4 kernel, bf16 activations | 30 layers streamed: packed / int4 |
 |---|---|---|---|---|
@@ -104,15 +104,14 @@ in bytes read per token (each step reads one copy).
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.bf16_gemm import bf16_gemm, dense_mm, onednn_packing_available, pack_bf16_dense
 from engine.native_linear import pack_int4, pack_int8
 
 if TYPE_CHECKING:
@@ -136,15 +135,6 @@ class LinearWeight(Protocol):
     def nbytes(self) -> int:
         """Bytes of weight (and bias) read by one forward pass."""
         ...
-
-
-def onednn_packing_available() -> bool:
-    """Whether this PyTorch build has the oneDNN prepacked linear ops (CPU builds with mkldnn)."""
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
 
 
 class DenseWeight(nn.Module):
@@ -268,75 +258,6 @@ def _int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).contiguous(), inner)
 
 
-_PACK_DENSE_FOR_ROWS = 64  # the row count oneDNN's bf16 packing is tuned for (the module docstring's table)
-
-
-def pack_bf16_dense(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of a bf16 ``[out, in]`` weight on CPU (``torch.ops.mkldnn._reorder_linear_weight``,
-    the blocked layout PyTorch's own compiler uses for CPU linears; an opaque mkldnn tensor), or None where it
-    is not available or its product differs from ``F.linear``'s on a probe (then the plain weight is used).
-    The probe compares bit for bit: both run oneDNN's bf16 GEMM, only the weight's layout differs."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not onednn_packing_available():
-        return None
-    with torch.inference_mode():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_DENSE_FOR_ROWS)
-            probe = torch.randn(
-                _PACK_DENSE_FOR_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)
-            ).to(torch.bfloat16)
-            got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        except RuntimeError:
-            return None
-        return packed if torch.equal(got, F.linear(probe, weight)) else None
-
-
-ROW_INVARIANT_ROWS = 32
-"""Most rows one oneDNN bf16 GEMM call gets on CPUs with AMX (``row_slices_needed``)."""
-
-
-@functools.cache
-def row_slices_needed() -> bool:
-    """Whether bf16 GEMMs must be cut into calls of at most ``ROW_INVARIANT_ROWS`` rows to keep each row's
-    result independent of the call's other rows (batch invariance: batched == alone, cache on == cache off).
-
-    True on CPUs with AMX (``amx_bf16`` in ``/proc/cpuinfo``). Measured there (torch 2.13, a 2-core Xeon with
-    AMX; SmolLM2's four weight shapes, prepacked and plain ``F.linear`` alike, 1 and 2 threads): a call of
-    more than 32 rows computes some rows otherwise than the same rows computed alone (up to 0.0625 apart;
-    e.g. 111 of the first 700 rows of a 1,400-row call against a 700-row call), depending on the row count
-    in no simple way (padding to a multiple of 16-128 rows does not help, nor does hiding AMX from oneDNN),
-    while every call of at most 32 rows gives each row exactly its result alone. On AMD EPYCs with
-    AVX512-BF16 and no AMX whole calls were measured row-invariant ("Batch invariance" in
-    ``docs/engine-step.md``), so they stay whole there. Cost on the Xeon, one thread, 512 rows: ~2.5-3x the
-    time of one call (gate/up 1.2 -> 3.7 ms); under 32 rows nothing changes.
-    """
-    from engine.weight_format import cpu_flags
-
-    return "amx_bf16" in cpu_flags()
-
-
-def _bf16_gemm(x: torch.Tensor, one_call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``one_call(x)`` for a 2-D bf16 ``x`` ``[rows, in]`` on CPU, in slices of ``ROW_INVARIANT_ROWS`` rows
-    where ``row_slices_needed`` (each row's result then does not depend on the others), else in one call."""
-    rows = x.shape[0]
-    if rows <= ROW_INVARIANT_ROWS or x.device.type != "cpu" or not row_slices_needed():
-        return one_call(x)
-    return torch.cat([one_call(x[s : s + ROW_INVARIANT_ROWS]) for s in range(0, rows, ROW_INVARIANT_ROWS)])
-
-
-def _dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """``x @ dense.T`` with ``x`` ``[..., in]`` cast to the dense copy's dtype -> ``[..., out]``; ``dense``
-    plain or ``pack_bf16_dense``'s; bf16 products row-invariant (``_bf16_gemm``)."""
-    if dense.is_mkldnn:
-        x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
-        y = _bf16_gemm(x2, lambda part: torch.ops.mkldnn._linear_pointwise(part, dense, None, "none", [], ""))
-        return y.view(*x.shape[:-1], y.shape[-1])
-    if dense.dtype == torch.bfloat16:
-        x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
-        y = _bf16_gemm(x2, lambda part: F.linear(part, dense))
-        return y.view(*x.shape[:-1], y.shape[-1])
-    return F.linear(x.to(dense.dtype), dense)
-
-
 def _dense_copy(groups, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The dequantized weight in ``dtype`` for large row counts: prepacked by oneDNN when bf16 on CPU."""
     dense = groups.dequantize().to(device=device, dtype=dtype)
@@ -447,7 +368,7 @@ class Int4Weight(nn.Module):
             and not exact
             and (x2.shape[0] >= self.dense_min_rows if dense is None else dense)
         ):
-            y = _dense_mm(x2, self.dense)
+            y = dense_mm(x2, self.dense)
         elif exact and self.native is None:
             y = _int4_mm(x2.float(), self.packed, self.scale_zero)
         elif x2.shape[0] == 0:
@@ -532,7 +453,7 @@ class Int8Weight(nn.Module):
         """As ``Int4Weight.forward``."""
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         if not exact and self.dense is not None and (rows >= self.dense_min_rows if dense is None else dense):
-            y = _dense_mm(x, self.dense).to(x.dtype)
+            y = dense_mm(x, self.dense).to(x.dtype)
             return y if self.bias is None else y.add_(self.bias.to(y.dtype))
         if self.inner is not None:
             return self.inner.forward(torch.cat([x, x], dim=-1), exact)
@@ -573,7 +494,7 @@ class BF16Weight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        y = _bf16_gemm(x2, lambda part: F.linear(part, self.weight, self.bias)).view(*shape[:-1], -1)
+        y = bf16_gemm(x2, lambda part: F.linear(part, self.weight, self.bias)).view(*shape[:-1], -1)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

@@ -219,7 +219,7 @@ def test_the_dense_copy_gives_a_prompt_row_the_same_bits_at_smollm2_sizes(out_fe
     """Before: on a Xeon with AMX, oneDNN's bf16 GEMM computed ~15 % of the rows of a 700-row call otherwise
     than alone (SmolLM2's gate/up and down shapes; the 128-wide layers above never showed it), so
     ``bench.batch_invariance`` found 1-2 of 8 SmolLM2 streams differing batched vs alone and cache off vs on.
-    Calls there are now cut into ``ROW_INVARIANT_ROWS``-row slices (``engine.linear.row_slices_needed``)."""
+    Calls there are now cut into ``ROW_INVARIANT_ROWS``-row slices (``engine.bf16_gemm.row_slices_needed``)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(out_features, in_features, generator=g) / in_features**0.5
     lin = Int4Weight(int4_groups(quantize(w, "Q4_1")), None, torch.device("cpu"))
@@ -232,7 +232,7 @@ def test_the_dense_copy_gives_a_prompt_row_the_same_bits_at_smollm2_sizes(out_fe
 
 
 def test_bf16_gemms_are_cut_into_row_invariant_slices_where_needed(monkeypatch):
-    import engine.linear as linear
+    import engine.bf16_gemm as gemm
 
     seen: list[int] = []
 
@@ -241,10 +241,10 @@ def test_bf16_gemms_are_cut_into_row_invariant_slices_where_needed(monkeypatch):
         return part * 2
 
     x = torch.arange(70 * 3, dtype=torch.bfloat16).view(70, 3)
-    monkeypatch.setattr(linear, "row_slices_needed", lambda: True)
-    assert torch.equal(linear._bf16_gemm(x, one_call), x * 2)
+    monkeypatch.setattr(gemm, "row_slices_needed", lambda: True)
+    assert torch.equal(gemm.bf16_gemm(x, one_call), x * 2)
     assert seen == [32, 32, 6]
     seen.clear()
-    monkeypatch.setattr(linear, "row_slices_needed", lambda: False)
-    assert torch.equal(linear._bf16_gemm(x, one_call), x * 2)
+    monkeypatch.setattr(gemm, "row_slices_needed", lambda: False)
+    assert torch.equal(gemm.bf16_gemm(x, one_call), x * 2)
     assert seen == [70]

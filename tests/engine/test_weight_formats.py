@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from bench.weight_agreement import chat_prompts, teacher_forced_agreement
+from engine.bf16_gemm import pack_bf16_dense
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.linear import (
     DENSE_MIN_ROWS,
@@ -33,7 +34,6 @@ from engine.linear import (
     Int4Weight,
     Int8Weight,
     bf16_in_out,
-    pack_bf16_dense,
 )
 from engine.native_linear import resolve_linear_kernel
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize

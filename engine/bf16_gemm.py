@@ -1,0 +1,95 @@
+"""Dense bf16 GEMMs on CPU: oneDNN's prepacked weights and row-invariant calls (``engine.linear``'s dense copies).
+
+Owns: whether this torch build has oneDNN's prepacked linear ops, packing a bf16 weight for them
+(``pack_bf16_dense``), and the product of activations with a dense weight (``dense_mm``) cut, where the CPU
+needs it, into calls of at most ``ROW_INVARIANT_ROWS`` rows (``bf16_gemm``).
+
+Invariant: a row's bf16 product does not depend on the other rows of its call (batch invariance: batched ==
+alone, cache on == cache off; ``docs/engine-step.md``, "Batch invariance"): whole calls where that was
+measured to hold (AMD EPYCs with AVX512-BF16), 32-row calls on CPUs with AMX, where it does not.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def onednn_packing_available() -> bool:
+    """Whether this PyTorch build has the oneDNN prepacked linear ops (CPU builds with mkldnn)."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+_PACK_DENSE_FOR_ROWS = 64  # the row count oneDNN's bf16 packing is tuned for (``engine.linear``'s tables)
+
+
+def pack_bf16_dense(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a bf16 ``[out, in]`` weight on CPU (``torch.ops.mkldnn._reorder_linear_weight``,
+    the blocked layout PyTorch's own compiler uses for CPU linears; an opaque mkldnn tensor), or None where it
+    is not available or its product differs from ``F.linear``'s on a probe (then the plain weight is used).
+    The probe compares bit for bit: both run oneDNN's bf16 GEMM, only the weight's layout differs."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not onednn_packing_available():
+        return None
+    with torch.inference_mode():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_DENSE_FOR_ROWS)
+            probe = torch.randn(
+                _PACK_DENSE_FOR_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)
+            ).to(torch.bfloat16)
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        except RuntimeError:
+            return None
+        return packed if torch.equal(got, F.linear(probe, weight)) else None
+
+
+ROW_INVARIANT_ROWS = 32
+"""Most rows one oneDNN bf16 GEMM call gets on CPUs with AMX (``row_slices_needed``)."""
+
+
+@functools.cache
+def row_slices_needed() -> bool:
+    """Whether bf16 GEMMs must be cut into calls of at most ``ROW_INVARIANT_ROWS`` rows to keep each row's
+    result independent of the call's other rows (batch invariance: batched == alone, cache on == cache off).
+
+    True on CPUs with AMX (``amx_bf16`` in ``/proc/cpuinfo``). Measured there (torch 2.13, a 2-core Xeon with
+    AMX; SmolLM2's four weight shapes, prepacked and plain ``F.linear`` alike, 1 and 2 threads): a call of
+    more than 32 rows computes some rows otherwise than the same rows computed alone (up to 0.0625 apart;
+    e.g. 111 of the first 700 rows of a 1,400-row call against a 700-row call), depending on the row count
+    in no simple way (padding to a multiple of 16-128 rows does not help, nor does hiding AMX from oneDNN),
+    while every call of at most 32 rows gives each row exactly its result alone. On AMD EPYCs with
+    AVX512-BF16 and no AMX whole calls were measured row-invariant ("Batch invariance" in
+    ``docs/engine-step.md``), so they stay whole there. Cost on the Xeon, one thread, 512 rows: ~2.5-3x the
+    time of one call (gate/up 1.2 -> 3.7 ms); under 32 rows nothing changes.
+    """
+    from engine.weight_format import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
+
+
+def bf16_gemm(x: torch.Tensor, one_call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``one_call(x)`` for a 2-D bf16 ``x`` ``[rows, in]`` on CPU, in slices of ``ROW_INVARIANT_ROWS`` rows
+    where ``row_slices_needed`` (each row's result then does not depend on the others), else in one call."""
+    rows = x.shape[0]
+    if rows <= ROW_INVARIANT_ROWS or x.device.type != "cpu" or not row_slices_needed():
+        return one_call(x)
+    return torch.cat([one_call(x[s : s + ROW_INVARIANT_ROWS]) for s in range(0, rows, ROW_INVARIANT_ROWS)])
+
+
+def dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``x @ dense.T`` with ``x`` ``[..., in]`` cast to the dense copy's dtype -> ``[..., out]`` in that dtype;
+    ``dense`` ``[out, in]``, plain or ``pack_bf16_dense``'s; bf16 products row-invariant (``bf16_gemm``)."""
+    if not dense.is_mkldnn and dense.dtype != torch.bfloat16:
+        return F.linear(x.to(dense.dtype), dense)
+    if dense.is_mkldnn:
+        one_call = lambda part: torch.ops.mkldnn._linear_pointwise(part, dense, None, "none", [], "")  # noqa: E731
+    else:
+        one_call = lambda part: F.linear(part, dense)  # noqa: E731
+    y = bf16_gemm(x.reshape(-1, x.shape[-1]).to(dense.dtype), one_call)
+    return y.view(*x.shape[:-1], y.shape[-1])
