@@ -6,7 +6,8 @@ needs it, into calls of at most ``ROW_INVARIANT_ROWS`` rows (``bf16_gemm``).
 
 Invariant: a row's bf16 product does not depend on the other rows of its call (batch invariance: batched ==
 alone, cache on == cache off; ``docs/engine-step.md``, "Batch invariance"): whole calls where that was
-measured to hold (AMD EPYCs with AVX512-BF16), 32-row calls on CPUs with AMX, where it does not.
+measured to hold (AMD EPYCs with AVX512-BF16), 32-row calls on CPUs with AMX, where it does not, and never a
+one-row call (a lone row runs as a two-row call: oneDNN's one-row kernel differed on a Zen 4).
 """
 
 from __future__ import annotations
@@ -75,11 +76,35 @@ def row_slices_needed() -> bool:
 
 def bf16_gemm(x: torch.Tensor, one_call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``one_call(x)`` for a 2-D bf16 ``x`` ``[rows, in]`` on CPU, in slices of ``ROW_INVARIANT_ROWS`` rows
-    where ``row_slices_needed`` (each row's result then does not depend on the others), else in one call."""
+    where ``row_slices_needed`` (each row's result then does not depend on the others), else in one call; a
+    one-row call (or last slice) runs as a two-row call (``_at_least_two_rows``). Off CPU: one call."""
     rows = x.shape[0]
-    if rows <= ROW_INVARIANT_ROWS or x.device.type != "cpu" or not row_slices_needed():
+    if x.device.type != "cpu":
         return one_call(x)
-    return torch.cat([one_call(x[s : s + ROW_INVARIANT_ROWS]) for s in range(0, rows, ROW_INVARIANT_ROWS)])
+    if rows <= ROW_INVARIANT_ROWS or not row_slices_needed():
+        return _at_least_two_rows(x, one_call)
+    return torch.cat(
+        [
+            _at_least_two_rows(x[s : s + ROW_INVARIANT_ROWS], one_call)
+            for s in range(0, rows, ROW_INVARIANT_ROWS)
+        ]
+    )
+
+
+def _at_least_two_rows(x: torch.Tensor, one_call: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``one_call(x)``, a one-row ``x`` computed as the first row of a two-row call (the row twice).
+
+    Measured on a 2-core AMD EPYC Zen 4 (AVX512-BF16, no AMX; torch 2.13, one and two threads): oneDNN runs a
+    one-row bf16 GEMM with another kernel than a call of several rows, and for SmolLM2's down projection (in
+    1,536) a few rows in a hundred came out one bf16 ulp apart (e.g. rows 1 and 20 of the first 32), while
+    every call of 2 to 1,100 rows gave each row the same bits as its two-row call. A prompt chunk of one token
+    (the only token a prefix hit leaves to compute) would otherwise differ from the same token computed in a
+    batch (cache on != cache off). Calls of at most 32 rows on AMX CPUs, and every call on Zen 5, gave one-row
+    results equal to the others', so the padding changes nothing there; it costs one extra row per such call.
+    """
+    if x.shape[0] != 1:
+        return one_call(x)
+    return one_call(x.expand(2, -1).contiguous())[:1]
 
 
 def dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:

@@ -248,3 +248,34 @@ def test_bf16_gemms_are_cut_into_row_invariant_slices_where_needed(monkeypatch):
     monkeypatch.setattr(gemm, "row_slices_needed", lambda: False)
     assert torch.equal(gemm.bf16_gemm(x, one_call), x * 2)
     assert seen == [70]
+
+
+@pytest.mark.parametrize("slices", [True, False])
+def test_a_lone_bf16_gemm_row_runs_as_a_two_row_call(monkeypatch, slices):
+    """oneDNN's one-row bf16 GEMM differed by an ulp from the same row in any bigger call on a Zen 4
+    (``engine.bf16_gemm._at_least_two_rows``): a lone row, or a last slice of one row, is computed twice."""
+    import engine.bf16_gemm as gemm
+
+    seen: list[int] = []
+
+    def one_call(part: torch.Tensor) -> torch.Tensor:
+        seen.append(part.shape[0])
+        return part * 2
+
+    monkeypatch.setattr(gemm, "row_slices_needed", lambda: slices)
+    x = torch.arange(65 * 3, dtype=torch.bfloat16).view(65, 3)
+    assert torch.equal(gemm.bf16_gemm(x[:1], one_call), x[:1] * 2)
+    assert torch.equal(gemm.bf16_gemm(x, one_call), x * 2)
+    assert seen == ([2, 32, 32, 2] if slices else [2, 65])
+
+
+def test_the_dense_copy_gives_a_lone_prompt_row_the_bits_it_has_in_a_chunk():
+    """A prefix hit leaves one prompt token to compute; its row must equal that token's row in a whole chunk
+    (cache on == cache off), at SmolLM2's down-projection shape, where a one-row call differed on a Zen 4."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(576, 1536, generator=g) / 1536**0.5
+    lin = Int4Weight(int4_groups(quantize(w, "Q4_1")), None, torch.device("cpu"))
+    x = torch.randn(64, 1536, generator=g)
+    chunk = lin.forward(x, dense=True)
+    alone = torch.cat([lin.forward(x[i : i + 1], dense=True) for i in range(64)])
+    assert torch.equal(alone, chunk)
