@@ -46,6 +46,7 @@ from engine.api import (
 from engine.errors import EngineClosedError, InvalidRequestError, SamplingError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
+from engine.openmp_threads import in_passing_thread
 from engine.output_processor import RequestOutput
 from engine.partial_hits import common_prefix_len
 from engine.step_threads import StepThreads
@@ -98,7 +99,8 @@ class AsyncEngine:
     # ---- construction ------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, model_id: str | None, path: str, config: EngineConfig) -> AsyncEngine:
-        """Load a checkpoint (``engine.checkpoint.load_checkpoint``) and build the engine on it.
+        """Load a checkpoint (``engine.checkpoint.load_checkpoint``) and build the engine on it, both in a
+        passing thread (``engine.openmp_threads.in_passing_thread``: no OpenMP team outlives the load).
 
         Args:
             model_id: the id to serve and hash under; None = the checkpoint's own stable id.
@@ -122,18 +124,25 @@ class AsyncEngine:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         check_supported(config.weights, config.kv_dtype, device)
-        ckpt = load_checkpoint(
-            path,
-            DTYPES[config.dtype],
-            device,
-            config.weights,
-            config.dense_min_rows,
-            config.linear_kernel,
-        )
-        core = LLMEngine(
-            ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer, name_kernels=model_id is None
-        )
-        return cls(core, ckpt.tokenizer)
+
+        def load() -> tuple[LLMEngine, object]:
+            ckpt = load_checkpoint(
+                path,
+                DTYPES[config.dtype],
+                device,
+                config.weights,
+                config.dense_min_rows,
+                config.linear_kernel,
+            )
+            core = LLMEngine(
+                ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer, name_kernels=model_id is None
+            )
+            return core, ckpt.tokenizer
+
+        # loaded in a thread that ends here: its OpenMP workers end with it, so the step thread's team is the
+        # process's only one (engine.openmp_threads)
+        core, tokenizer = in_passing_thread(load)
+        return cls(core, tokenizer)
 
     # ---- properties --------------------------------------------------------------------------------------
     @property

@@ -45,6 +45,7 @@ import torch
 
 from engine.api import Constraint
 from engine.errors import InvalidRequestError
+from engine.openmp_threads import serial_torch_thread
 from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, CALL_TAIL, call_head, function_tools
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -199,7 +200,9 @@ class ConstraintCompiler:
         self._lltok: llguidance.LLTokenizer | None = None
         self._grammars: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixgate-mask")
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixgate-mask", initializer=serial_torch_thread
+        )
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:

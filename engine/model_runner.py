@@ -11,7 +11,8 @@ vLLM v1's ``gpu_model_runner`` and nano-vllm's ``prepare_prefill``/``prepare_dec
   reaches the end of its known tokens, and every decode. Only those rows go through the LM head.
 
 ``execute`` runs the forward pass and samples with ``engine.sampling`` (each sequence's own sampler), with the
-torch thread count ``engine.step_threads`` picks for the step, set by the thread that calls it.
+torch thread count ``engine.step_threads`` picks for the step, set by the thread that calls it; the native
+weight kernel (``engine.native_linear``) runs with the engine's ``num_threads`` in every step.
 The runner owns the KV tensor (``engine.model.allocate_kv_cache``); the block ids in it are the
 ``KVCacheManager``'s.
 """
@@ -27,6 +28,7 @@ from engine.attention import AttentionMetadata
 from engine.model import LlamaModel, allocate_kv_cache
 from engine.native_decode import NativeDecodeKernel
 from engine.native_glue import NativeGlueKernel
+from engine.native_linear import set_kernel_threads
 from engine.row_kernels import RowKernels
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 from engine.step_threads import StepThreads
@@ -231,6 +233,7 @@ class ModelRunner:
             # set under ``off`` too: a count another engine left in this thread is not inherited
             self.thread_switches += use_threads(n)
             self.steps_by_threads[n] += 1
+            set_kernel_threads(self.step_threads.num_threads)  # weight GEMVs: every core, any step
         hidden = self.model(
             inp.input_ids,
             inp.positions,

@@ -11,7 +11,8 @@ native linear kernel").
 
 It reads 4 (8) bits per weight plus 4 (2) bytes of scales per 32 weights, like the GGUF. Rows of the input are
 taken 4 at a time per tile (one decode of the codes serves 4 rows); output tiles are split over
-``torch.get_num_threads()`` threads (OpenMP, the runtime torch itself loaded). Each output element is computed
+``kernel_threads()`` threads (OpenMP, the runtime torch itself loaded: the engine's ``num_threads`` in every
+step, ``set_kernel_threads``). Each output element is computed
 by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
 of that row whatever ``M``, the other rows and the thread count (batch invariance).
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,33 @@ TILE = 16  # output rows per tile (one 512-bit vector of fp32)
 QK = 32  # inputs per group
 BLOCK = {4: 320, 8: 544}  # bytes per tile and group: int4 32 f16 scales + 256 code bytes; int8 16 + 512
 _ALIGN = 64
+
+
+_calling_thread = threading.local()
+
+
+def set_kernel_threads(n: int | None) -> None:
+    """Set the OpenMP thread count of this kernel's calls made by the calling thread without ``threads``:
+    ``n`` (>= 1), or None for torch's live count (``torch.get_num_threads()``, the default).
+
+    ``engine.model_runner.ModelRunner.execute`` sets the engine's ``num_threads`` before each step, so a
+    one-thread small step (``engine.step_threads``) still splits its weight GEMVs over every core: those are
+    the step's memory-bound work (one decode step reads every weight once), while its ~1,000 small torch ops
+    run faster without a fork and join each (docs/engine-step.md, "Weight kernels on every thread"). Outputs
+    do not depend on the count.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n is not None and n < 1:
+        raise ValueError(f"kernel threads must be >= 1, got {n}")
+    _calling_thread.threads = n
+
+
+def kernel_threads() -> int:
+    """The count a call without ``threads`` runs with in the calling thread (``set_kernel_threads``)."""
+    n = getattr(_calling_thread, "threads", None)
+    return torch.get_num_threads() if n is None else n
 
 
 @dataclass(frozen=True)
@@ -225,7 +254,8 @@ class NativeLinearKernel:
 
     def mm(self, w: PackedQuant, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """``x @ W.T``: ``x`` fp32 ``[M, in_features]`` (M >= 1; other float dtypes are widened to fp32) ->
-        fp32 ``[M, out_features]``, output tiles split over ``threads`` (default ``torch.get_num_threads()``).
+        fp32 ``[M, out_features]``, output tiles split over ``threads`` (default ``kernel_threads()``: the
+        calling thread's ``set_kernel_threads`` count, else torch's live count).
 
         Raises:
             ValueError: ``x`` not 2-D ``[M, in_features]`` on CPU, ``M == 0``, or ``threads < 1``.
@@ -237,7 +267,7 @@ class NativeLinearKernel:
         if not x.is_floating_point():
             raise ValueError(f"x: a float tensor, not {x.dtype}")
         x = x.to(torch.float32).contiguous()
-        threads = torch.get_num_threads() if threads is None else threads
+        threads = kernel_threads() if threads is None else threads
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)

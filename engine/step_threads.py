@@ -5,7 +5,8 @@ costs more than the second core gives back, so one stream decodes faster on one 
 a batch of many decode rows wants every thread. ``StepThreads`` says which count a step runs with: decode-only
 steps (every sequence computes one token) of at most ``small_max_rows`` rows run with ``small_threads``, every
 other step (any prefill chunk, bigger batches) with the configured ``num_threads``. ``ModelRunner.execute``
-applies it (``engine.model_runner.use_threads``: only when it changes). Torch-free, so the gateway's config
+applies it (``engine.model_runner.use_threads``: only when it changes); the native weight kernel's GEMVs run on
+``num_threads`` in every step, small ones included (``engine.native_linear.set_kernel_threads``). Torch-free, so the gateway's config
 loader validates ``engine.small_step_threads`` with ``check_small_step_threads``.
 
 Invariants:

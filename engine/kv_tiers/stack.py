@@ -30,6 +30,7 @@ from engine.block_hash import BlockHash
 from engine.kv_tiers.counters import TierCounters
 from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
 from engine.kv_tiers.writeback import WriteBackQueue
+from engine.openmp_threads import serial_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ class TierStack:
         self.bytes_refresh_s = 1.0
         """Tier sizes are measured on the writer thread at most this often (``stats`` does no I/O)."""
         self.queue: WriteBackQueue[_Write] = WriteBackQueue(writeback_capacity, self._write, counters)
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+        self._prefetcher = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kv-prefetch", initializer=serial_torch_thread
+        )
         self._measure_bytes()
 
     @property

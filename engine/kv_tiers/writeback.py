@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from engine.kv_tiers.counters import TierCounters
+from engine.openmp_threads import serial_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class WriteBackQueue(Generic[T]):
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        serial_torch_thread()  # its copies never start an OpenMP team (engine.openmp_threads)
         while True:
             item = self._q.get()
             try:
