@@ -60,6 +60,7 @@ from engine.native_decode import (
     resolve_prefill_kernel,
 )
 from engine.native_glue import glue_kernel_variant, resolve_glue_kernel
+from engine.native_step import resolve_decode_step
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -214,6 +215,8 @@ class LLMEngine(PrefixAdmin):
             decode_kernel,
             prefill_kernel,
             glue_kernel,
+            # the same bits as the layer loop, so nothing in model_id names it
+            resolve_decode_step() if glue_kernel is not None and decode_kernel is not None else None,
         )
         self.kv.set_slot_copier(self.runner.copy_slots)
         self.tiers: EngineTiers | None = None

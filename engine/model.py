@@ -42,6 +42,7 @@ from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, 
 from engine.errors import UnsupportedModelError
 from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight, bf16_in_out
 from engine.native_glue import NativeGlueKernel
+from engine.native_step import NativeDecodeStep
 from engine.quantized import GGUFBlocks
 from engine.row_kernels import RowKernels, forward_rows
 from engine.weight_format import WeightPlan
@@ -322,6 +323,7 @@ class LlamaModel(nn.Module):
         shared_prefix: bool = True,
         row_kernels: RowKernels | None = None,
         glue: NativeGlueKernel | None = None,
+        decode_step: NativeDecodeStep | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -336,6 +338,8 @@ class LlamaModel(nn.Module):
                 (``engine.row_kernels``); None = by the step's row count (``dense_min_rows``).
             glue: the native layer-glue kernel (``engine.native_glue``; a float32 model on CPU) for every row's
                 norms, RoPE, K/V store, residual adds and SiLU * up, or None for torch's ops.
+            decode_step: with ``glue``, the one-call decode step (``engine.native_step``): a decode-only step
+                it can take runs every layer in one C call, with the same bits as the layer loop.
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states in the model dtype.
@@ -356,6 +360,10 @@ class LlamaModel(nn.Module):
             eps = self.config.rms_norm_eps
             cos_sin = torch.view_as_real(rotation).view(h.shape[0], -1, 2)
             x = glue.rmsnorm(h, self.layers[0].input_norm, eps)
+            if decode_step is not None:
+                out = decode_step.run(self, h, x, cos_sin, plan, kv_cache, row_kernels, glue)
+                if out is not None:
+                    return out
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
                 x = layer.forward_glued(h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt)

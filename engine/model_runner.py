@@ -29,6 +29,7 @@ from engine.model import LlamaModel, allocate_kv_cache
 from engine.native_decode import NativeDecodeKernel
 from engine.native_glue import NativeGlueKernel
 from engine.native_linear import set_kernel_threads
+from engine.native_step import NativeDecodeStep
 from engine.row_kernels import RowKernels
 from engine.sampling import SampledToken, SequenceSampler, sample_sequences
 from engine.step_threads import StepThreads
@@ -106,6 +107,8 @@ class ModelRunner:
             torch's chunked prefill.
         glue_kernel: the native layer-glue kernel (``engine.native_glue``) every row of every step runs its
             norms, RoPE, K/V store and SiLU * up on, or None for torch's ops.
+        decode_step: with the glue kernel, the one-call decode step (``engine.native_step``) decode-only steps
+            take where they can (the same bits as the layer loop), or None.
 
     Attributes:
         steps_by_threads: forward passes run, by the thread count they ran with (only with ``step_threads``).
@@ -123,9 +126,11 @@ class ModelRunner:
         decode_kernel: NativeDecodeKernel | None = None,
         prefill_kernel: NativeDecodeKernel | None = None,
         glue_kernel: NativeGlueKernel | None = None,
+        decode_step: NativeDecodeStep | None = None,
     ):
         self.model = model
         self.glue_kernel = glue_kernel
+        self.decode_step = decode_step if glue_kernel is not None else None
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.shared_prefix = shared_prefix
@@ -242,6 +247,7 @@ class ModelRunner:
             self.shared_prefix,
             inp.row_kernels,
             self.glue_kernel,
+            self.decode_step,
         )
         if not inp.sample_seqs:
             return StepResult([], None)

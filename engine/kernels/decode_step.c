@@ -1,0 +1,98 @@
+/* The layer loop of a decode step: every decoder layer of the model in one call (engine/native_step.py).
+ *
+ * A decode step of a small model is a few hundred kernel calls, and from Python each costs a wrapper, its
+ * argument checks, an output tensor and a ctypes crossing: on SmolLM2-135M that was a third of a one-stream
+ * step. This file runs the same calls, in the same order, with the same arguments, from C: the kernels are the
+ * caller's (engine/kernels/quant_gemv.c, layer_glue.c, paged_decode.c, each from its own shared library, built
+ * and checked by its module) and reached through the function pointers in `struct decode_step`, so every
+ * output is bit for bit what engine.model.DecoderLayer.forward_glued computes. Nothing here does arithmetic.
+ *
+ * Per layer, for T rows (one generated token per sequence), fp32 unless said:
+ *   qkv  = gemv(W_qkv, x)                            [T][(H + 2 KVH) D]
+ *   q    = rope_store(qkv) (K/V stored at slots)     [T][H][D]
+ *   attn = paged_decode_attention(q, cache)          [T][H][D]
+ *   o    = gemv(W_o, attn)                           [T][hidden]
+ *   x    = rmsnorm(h += o, post_norm)                [T][hidden]
+ *   gu   = gemv(W_gate_up, x)                        [T][2 I]
+ *   act  = silu(g) * u                               [T][I]
+ *   dn   = gemv(W_down, act)                         [T][hidden]
+ *   x    = rmsnorm(h += dn, next_norm)               [T][hidden]  (the next layer's input, or the output)
+ *
+ * Returns 0, or the first failing kernel's return code (nothing after it runs); `failed` then holds the
+ * layer and the stage (0 qkv, 1 rope_store, 2 attention, 3 o, 4 post norm, 5 gate_up, 6 silu_mul, 7 down,
+ * 8 next norm).
+ */
+#include <stdint.h>
+
+typedef int (*gemv_fn)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads);
+typedef int (*rmsnorm_fn)(float *h, const void *y, int y_bf16, const float *w, void *x, int x_bf16, int64_t rows,
+                          int64_t n, float eps, int threads);
+typedef int (*rope_fn)(float *qkv, float *q_out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                       const float *cs, void *cache, int cache_bf16, int64_t num_slots, const int64_t *slots,
+                       int threads);
+typedef int (*silu_fn)(const void *gu, int in_bf16, void *out, int out_bf16, int64_t rows, int64_t n, int threads);
+typedef int (*attend_fn)(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *tables,
+                         int64_t table_stride, const int32_t *lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                         int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
+                         int64_t max_len, int64_t shared_len);
+
+/* One decoder layer as the kernels take it (engine/native_step.py `_LAYER`). */
+struct decode_layer {
+    const uint8_t *qkv, *o, *gate_up, *down; /* the native linear kernel's packed tiles */
+    int32_t qkv_bits, o_bits, gate_up_bits, down_bits;
+    const float *post_norm, *next_norm; /* [hidden]; next_norm: the next layer's input norm, or the final norm */
+    void *cache;                        /* [2][num_blocks][block_size][KVH][D], fp32 or bf16 */
+};
+
+/* One step (engine/native_step.py `_STEP`). */
+struct decode_step {
+    gemv_fn gemv4, gemv8;
+    rmsnorm_fn rmsnorm;
+    rope_fn rope;
+    silu_fn silu;
+    attend_fn attend;
+    int64_t layers, rows, hidden, heads, kv_heads, head_dim, inter;
+    int64_t block_size, num_blocks, table_stride, max_len, shared_len;
+    int32_t cache_bf16, gemv_threads, glue_threads, pad;
+    float eps, scale;
+    const float *cos_sin; /* [rows][D / 2][2] */
+    const int64_t *slots; /* [rows] */
+    const int32_t *tables, *lens;
+    float *h, *x; /* [rows][hidden]: the residual (updated) and the normed input (layer 0's in, the output out) */
+    float *qkv, *q, *attn, *o, *gu, *act, *down, *scratch;
+};
+
+static int gemv(const struct decode_step *s, const uint8_t *w, int32_t bits, int64_t n, int64_t k, const float *x,
+                float *y) {
+    gemv_fn f = bits == 4 ? s->gemv4 : bits == 8 ? s->gemv8 : 0;
+    if (!f) return -100;
+    return f(w, n, k, x, s->rows, y, s->gemv_threads);
+}
+
+int decode_step_layers(const struct decode_step *s, const struct decode_layer *layers, int32_t *failed) {
+    const int64_t T = s->rows, hid = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
+    const int64_t width = (H + 2 * KVH) * D, slots = s->num_blocks * s->block_size;
+    for (int64_t i = 0; i < s->layers; i++) {
+        const struct decode_layer *L = layers + i;
+        int stage = 0, rc = gemv(s, L->qkv, L->qkv_bits, width, hid, s->x, s->qkv);
+        if (!rc)
+            stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
+                                    s->glue_threads);
+        if (!rc)
+            stage = 2, rc = s->attend(s->q, 0, L->cache, s->cache_bf16, s->tables, s->table_stride, s->lens, T, H,
+                                      KVH, D, s->block_size, s->num_blocks, s->scale, s->attn, s->scratch,
+                                      s->max_len, s->shared_len);
+        if (!rc) stage = 3, rc = gemv(s, L->o, L->o_bits, hid, H * D, s->attn, s->o);
+        if (!rc) stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+        if (!rc) stage = 5, rc = gemv(s, L->gate_up, L->gate_up_bits, 2 * s->inter, hid, s->x, s->gu);
+        if (!rc) stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
+        if (!rc) stage = 7, rc = gemv(s, L->down, L->down_bits, hid, s->inter, s->act, s->down);
+        if (!rc) stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+        if (rc) {
+            failed[0] = (int32_t)i;
+            failed[1] = stage;
+            return rc;
+        }
+    }
+    return 0;
+}

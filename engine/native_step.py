@@ -1,0 +1,403 @@
+"""The native decode step: every decoder layer of a decode-only step in one C call (issue 12 item 4).
+
+Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``), the per-model table of layer pointers it reads,
+and the test of whether a step can take it (``NativeDecodeStep.run`` returns None otherwise). The C file does
+no arithmetic: it calls the native linear, glue and decode-attention kernels (``engine.native_linear``,
+``engine.native_glue``, ``engine.native_decode``; each from its own built and checked library, reached through
+function pointers) in the order and with the arguments ``engine.model.DecoderLayer.forward_glued`` passes them,
+so a step's outputs, K/V and tokens are bit for bit those of the Python layer loop; what goes is the Python
+between the calls: ~9 wrapper calls per layer, each with argument checks, output tensors and a ctypes crossing
+(docs/engine-step.md, "The decode step in one call").
+
+A step takes it when every sequence computes one generated token (no prompt row: those run the dense copy),
+attention runs on the native decode kernel, the glue kernel runs the layer's elementwise work, every linear is
+an ``Int4Weight`` / ``Int8Weight`` on the native kernel without bias, and the cache is fp32 or bf16; any other
+step runs the Python loop.
+
+Invariants: the kernels' own checks run inside them (a block id or slot out of range is refused before
+anything is written, and the error names the layer and stage: ``DecodeStepError``); the layer table holds raw
+pointers into the model's weights and is rebuilt whenever the KV cache tensor changes, and kept on the model,
+whose tensors it points into, so it never outlives them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import native_build
+from engine.native_build import NativeKernelError
+from engine.native_decode import NativeDecodeKernel, scratch_size
+from engine.native_glue import NativeGlueKernel
+from engine.native_linear import NativeLinearKernel, kernel_threads
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "decode_step.c"
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11")
+"""No instruction-set flags: the file only sequences calls into the other kernels."""
+STAGES = ("qkv", "rope_store", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down", "next_norm")
+"""The C file's stage numbers, by name (``DecodeStepError``)."""
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    """``struct decode_layer``."""
+
+    _fields_ = [
+        ("qkv", _p),
+        ("o", _p),
+        ("gate_up", _p),
+        ("down", _p),
+        ("qkv_bits", _i32),
+        ("o_bits", _i32),
+        ("gate_up_bits", _i32),
+        ("down_bits", _i32),
+        ("post_norm", _p),
+        ("next_norm", _p),
+        ("cache", _p),
+    ]
+
+
+class _Step(ctypes.Structure):
+    """``struct decode_step``."""
+
+    _fields_ = [
+        *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend")),
+        *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
+        *((name, _i64) for name in ("block_size", "num_blocks", "table_stride", "max_len", "shared_len")),
+        *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "pad")),
+        ("eps", _f32),
+        ("scale", _f32),
+        *((name, _p) for name in ("cos_sin", "slots", "tables", "lens", "h", "x")),
+        *((name, _p) for name in ("qkv", "q", "attn", "o", "gu", "act", "down", "scratch")),
+    ]
+
+
+class DecodeStepError(ValueError):
+    """A kernel refused its arguments inside the one-call decode step (the message names the layer and stage);
+    nothing after it ran."""
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@dataclass
+class _ModelTable:
+    """A model's layers as ``struct decode_layer`` entries for one KV cache tensor."""
+
+    cache_key: tuple
+    layers: ctypes.Array
+    linear: NativeLinearKernel
+
+
+def _eligible_linear(lin) -> bool:
+    from engine.linear import Int4Weight, Int8Weight
+
+    return (
+        isinstance(lin, Int4Weight | Int8Weight)
+        and lin.native is not None
+        and lin.native_packed is not None
+        and lin.bias is None
+    )
+
+
+def model_takes_step(model) -> bool:
+    """Whether ``model``'s layers can run in one call: every linear on the native kernel (one kernel), no
+    bias, fp32 activations (cached on the model)."""
+    ok = getattr(model, "_decode_step_ok", None)
+    if ok is None:
+        lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        ok = (
+            model.dtype == torch.float32
+            and model.device.type == "cpu"
+            and all(_eligible_linear(lin) for lin in lins)
+            and len({id(lin.native) for lin in lins}) == 1
+        )
+        model._decode_step_ok = ok
+    return ok
+
+
+class NativeDecodeStep:
+    """The loaded ``decode_step_layers``.
+
+    Args:
+        path: the built shared library.
+
+    Raises:
+        OSError: the library cannot be loaded.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.steps = 0
+        """Steps run in one call (tests, benches)."""
+        lib = ctypes.CDLL(str(path))
+        self._fn = lib.decode_step_layers
+        self._fn.argtypes = [_p, _p, _p]
+        self._fn.restype = ctypes.c_int
+        self._lib = lib
+
+    @classmethod
+    def build(cls, directory: Path | None = None) -> NativeDecodeStep:
+        """Build (or find built) and load it, then check it against the Python layer loop (``self_check``).
+
+        Raises:
+            NativeKernelError: not x86-64, no C compiler, the compile failed, or the check failed (the native
+                linear, glue or decode kernel is not available here, or an output differed).
+        """
+        return native_build.build_checked(
+            cls, SOURCE, native_build.cpu_ok(frozenset()), native_build.compiler(), FLAGS, (), directory
+        )
+
+    def _table(self, model, kv_cache: torch.Tensor) -> _ModelTable:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        table: _ModelTable | None = getattr(model, "_decode_step_table", None)
+        if table is not None and table.cache_key == key:
+            return table
+        n = len(model.layers)
+        layers = (_Layer * n)()
+        for i, layer in enumerate(model.layers):
+            nxt = model.layers[i + 1].input_norm if i + 1 < n else model.norm
+            packed = [lin.native_packed for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            layers[i] = _Layer(
+                *(p.data.data_ptr() for p in packed),
+                *(p.bits for p in packed),
+                layer.post_norm.data_ptr(),
+                nxt.data_ptr(),
+                kv_cache[i].data_ptr(),
+            )
+        table = _ModelTable(key, layers, model.layers[0].qkv.native)
+        model._decode_step_table = table
+        return table
+
+    def run(
+        self,
+        model,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        plan,
+        kv_cache: torch.Tensor,
+        rows,
+        glue: NativeGlueKernel,
+    ) -> torch.Tensor | None:
+        """Every layer of ``model`` for a decode-only step, or None when the step cannot take this path.
+
+        Args:
+            model: the ``engine.model.LlamaModel``.
+            h: fp32 ``[T, hidden]`` residual after the embedding (updated in place).
+            x: fp32 ``[T, hidden]``, ``h`` normed by layer 0's input norm.
+            cos_sin: fp32 ``[T, head_dim / 2, 2]`` (``forward_glued``'s).
+            plan: the step's ``engine.attention.AttentionPlan``.
+            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16.
+            rows: the step's ``engine.row_kernels.RowKernels`` (every row must be a generated token's).
+            glue: the glue kernel the step runs.
+
+        Returns:
+            fp32 ``[T, hidden]``: the final-normed hidden states (``LlamaModel.forward``'s output).
+
+        Raises:
+            DecodeStepError: a kernel refused its arguments (a slot or block id out of range); names the
+                layer and stage.
+        """
+        dec = plan.decode
+        if (
+            dec is None
+            or plan.prefills
+            or dec.rows is not None
+            or dec.native is None
+            or rows is None
+            or rows.dense is not None
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or not kv_cache.is_contiguous()
+            or h.dtype != torch.float32
+            or not model_takes_step(model)
+        ):
+            return None
+        c = model.config
+        t = h.shape[0]
+        nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
+        table = self._table(model, kv_cache)
+        native = dec.native
+        width = (nh + 2 * nkv) * hd
+        sizes = (width, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
+        work = torch.empty(t * sum(sizes), dtype=torch.float32)
+        bufs, at = [], 0
+        for n in sizes:
+            bufs.append(work[at : at + t * n])
+            at += t * n
+        if native.scratch is None:
+            native.scratch = torch.empty(scratch_size(t, nh, hd, native.max_len), dtype=torch.float32)
+        x_out = x  # the kernels write each layer's normed output into x
+        cos_sin = cos_sin.contiguous()
+        slots = plan.slot_mapping
+        lin = table.linear
+        step = _Step(
+            _address(lin._fns[4]),
+            _address(lin._fns[8]),
+            _address(glue._rmsnorm),
+            _address(glue._rope),
+            _address(glue._silu),
+            _address(native.kernel._fn),
+            len(model.layers),
+            t,
+            hid,
+            nh,
+            nkv,
+            hd,
+            inter,
+            kv_cache.shape[3],
+            kv_cache.shape[2],
+            native.tables.shape[1],
+            native.max_len,
+            native.shared_len,
+            int(kv_cache.dtype == torch.bfloat16),
+            kernel_threads(),
+            torch.get_num_threads(),
+            0,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            cos_sin.data_ptr(),
+            slots.data_ptr(),
+            native.tables.data_ptr(),
+            native.lens.data_ptr(),
+            h.data_ptr(),
+            x_out.data_ptr(),
+            *(b.data_ptr() for b in bufs),
+            native.scratch.data_ptr(),
+        )
+        self.steps += 1
+        failed = (ctypes.c_int32 * 2)()
+        rc = self._fn(ctypes.addressof(step), ctypes.addressof(table.layers), ctypes.addressof(failed))
+        if rc != 0:
+            raise DecodeStepError(
+                f"the decode step's {STAGES[failed[1]]} kernel refused its arguments in layer {failed[0]} "
+                f"(rc {rc}): slots {slots.tolist()}, context lengths {native.lens.tolist()}"
+            )
+        return x_out
+
+    def self_check(self) -> str | None:
+        """Run a random two-layer step of three sequences through the library and through the kernels called
+        one by one from Python (``forward_glued``'s sequence); None when the residual, the output and the KV
+        cache are bit-identical, else what differed or which kernel is missing."""
+        from engine import native_decode, native_glue, native_linear
+
+        kernels = (
+            native_linear._shared_kernel(),
+            native_glue._shared_kernel(),
+            native_decode._shared_kernel(None, None),
+        )
+        for k in kernels:
+            if isinstance(k, str):
+                return f"needs the native linear, glue and decode kernels: {k}"
+        return _check_against_python(self, *kernels)
+
+
+def _check_against_python(
+    step: NativeDecodeStep, lin: NativeLinearKernel, glue: NativeGlueKernel, attend: NativeDecodeKernel
+) -> str | None:
+    """``self_check``'s body (also used by the tests with the kernels they build)."""
+    from types import SimpleNamespace
+
+    from engine.decode_attention import NativeDecode
+    from engine.native_linear import pack_int4, pack_int8, random_groups
+    from engine.row_kernels import RowKernels
+
+    gen = torch.Generator().manual_seed(0)
+    hid, nh, nkv, hd, inter, nl, bs, nb = 64, 4, 2, 16, 96, 2, 16, 12
+    lens = [37, 16, 5]
+    t = len(lens)
+
+    def linear(n: int, k: int, bits: int):
+        groups = random_groups(bits, n, k, gen)
+        packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
+        return SimpleNamespace(native=lin, native_packed=packed, bias=None)
+
+    layers = []
+    for i in range(nl):
+        layers.append(
+            SimpleNamespace(
+                qkv=linear((nh + 2 * nkv) * hd, hid, 4),
+                o_proj=linear(hid, nh * hd, 8 if i else 4),
+                gate_up=linear(2 * inter, hid, 4),
+                down=linear(hid, inter, 4),
+                input_norm=torch.rand(hid, generator=gen) + 0.5,
+                post_norm=torch.rand(hid, generator=gen) + 0.5,
+            )
+        )
+    config = SimpleNamespace(
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=inter,
+        hidden_size=hid,
+        rms_norm_eps=1e-5,
+    )
+    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
+    model._decode_step_ok = True
+    cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    h0 = torch.randn(t, hid, generator=gen)
+    cos_sin = torch.view_as_real(
+        torch.polar(torch.ones(t, hd // 2), torch.rand(t, hd // 2, generator=gen) * 6)
+    )
+
+    def plan():
+        native = NativeDecode(attend, tables, torch.tensor(lens, dtype=torch.int32), max(lens))
+        decode = SimpleNamespace(rows=None, native=native)
+        return SimpleNamespace(decode=decode, prefills=[], slot_mapping=slots)
+
+    # the Python loop, kernel by kernel (forward_glued's calls)
+    h_py, cache_py = h0.clone(), cache.clone()
+    x = glue.rmsnorm(h_py, layers[0].input_norm, 1e-5)
+    p = plan()
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
+        qkv = lin.mm(layer.qkv.native_packed, x)
+        q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
+        a = p.decode.native.attend(q, cache_py[i], hd**-0.5).reshape(t, nh * hd)
+        x = glue.rmsnorm(h_py, layer.post_norm, 1e-5, lin.mm(layer.o_proj.native_packed, a))
+        act = glue.silu_mul(lin.mm(layer.gate_up.native_packed, x))
+        x = glue.rmsnorm(h_py, nxt, 1e-5, lin.mm(layer.down.native_packed, act))
+    # the same step in one call
+    h_c, cache_c = h0.clone(), cache.clone()
+    x_c = glue.rmsnorm(h_c, layers[0].input_norm, 1e-5)
+    rows = RowKernels(None, torch.arange(t))
+    got = step.run(model, h_c, x_c, cos_sin, plan(), cache_c, rows, glue)
+    if got is None:
+        return "the step was not taken"
+    for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
+        if not torch.equal(a, b):
+            return f"{name} differs from the kernels called one by one"
+    return None
+
+
+@functools.cache
+def _shared_step() -> NativeDecodeStep | str:
+    try:
+        return NativeDecodeStep.build()
+    except NativeKernelError as exc:
+        return str(exc)
+
+
+def resolve_decode_step(enabled: bool = True) -> NativeDecodeStep | None:
+    """The one-call decode step, built once per process, or None (``enabled`` False, or it does not build
+    here: logged once with the reason; steps then run the Python layer loop, with the same bits)."""
+    if not enabled:
+        return None
+    step = _shared_step()
+    if isinstance(step, str):
+        logger.info(
+            "the one-call decode step is not available (%s); decode steps run the Python layer loop", step
+        )
+        return None
+    return step

@@ -1,0 +1,107 @@
+"""The one-call decode step (``engine.native_step``): the same bits as the layer loop, taken only by the steps
+it can run, and a refused argument named by layer and stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.native_step import DecodeStepError, NativeDecodeStep, _check_against_python, resolve_decode_step
+from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+
+step_kernel = resolve_decode_step()
+pytestmark = pytest.mark.skipif(
+    step_kernel is None, reason="needs the native linear, glue and decode kernels"
+)
+
+
+def engine_pair(ckpt, **kwargs) -> tuple[LLMEngine, LLMEngine]:
+    """Two engines on one checkpoint: the one-call decode step on, and off (the layer loop)."""
+    on = make_engine(ckpt, record_logits=True, **kwargs)
+    off = make_engine(ckpt, record_logits=True, **kwargs)
+    off.runner.decode_step = None
+    assert on.runner.decode_step is step_kernel
+    return on, off
+
+
+def test_the_build_checks_itself_against_the_kernels_called_one_by_one():
+    assert step_kernel.self_check() is None
+
+
+def test_the_check_fails_a_step_that_skips_the_layers():
+    from engine import native_decode, native_glue, native_linear
+
+    class Skips(NativeDecodeStep):
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def run(self, model, h, x, *args):
+            return x  # nothing computed
+
+    kernels = (
+        native_linear._shared_kernel(),
+        native_glue._shared_kernel(),
+        native_decode._shared_kernel(None, None),
+    )
+    assert _check_against_python(Skips(), *kernels) == "output differs from the kernels called one by one"
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_one_call_steps_give_the_layer_loops_tokens_and_logits(kv_dtype):
+    ckpt = tiny_checkpoint(weights="int4")
+    on, off = engine_pair(ckpt, kv_dtype=kv_dtype)
+    system = random_tokens(48, 1)  # three streams sharing whole blocks: the decode kernel's shared walk
+    prompts = [system + random_tokens(5 + 7 * i, 10 + i) for i in range(3)]
+    before = step_kernel.steps
+    got = on.generate(prompts, greedy(6))
+    assert step_kernel.steps - before == 5  # 6 tokens: the first from the prefill step, then 5 decode steps
+    assert got == off.generate(prompts, greedy(6))
+    for a, b in zip(sorted(on.logits_log), sorted(off.logits_log), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(on.logits_log[a], off.logits_log[b], strict=True))
+
+
+def test_a_prompt_token_computed_alone_takes_the_layer_loop():
+    """A prefix hit that leaves one prompt token makes a one-row step of a prompt row (the dense copy's):
+    not the one-call path, whose linears are the generated rows' kernel."""
+    ckpt = tiny_checkpoint(weights="int4")
+    eng = make_engine(ckpt)
+    prompt = random_tokens(33, 4)  # two whole blocks and one token
+    eng.generate([prompt], greedy(1))
+    before = step_kernel.steps
+    eng.add_request(prompt, greedy(2))
+    eng.step()  # the last prompt token, alone (32 cached)
+    assert step_kernel.steps == before
+    eng.step()  # the generated token's row
+    assert step_kernel.steps == before + 1
+
+
+def test_a_model_with_a_bias_runs_the_layer_loop():
+    ckpt = tiny_checkpoint("qwen2", weights="int4")
+    eng = make_engine(ckpt)
+    before = step_kernel.steps
+    eng.generate([random_tokens(20, 5)], greedy(4))
+    assert step_kernel.steps == before
+
+
+def test_a_slot_outside_the_cache_is_refused_by_layer_and_stage():
+    from dataclasses import replace
+
+    from engine.attention import plan_attention
+    from engine.row_kernels import RowKernels
+    from tests.engine.engine_helpers import decode_meta
+
+    eng = make_engine(tiny_checkpoint(weights="int4"))
+    model, runner = eng.model, eng.runner
+    meta = replace(
+        decode_meta([[0, 1]], [18]), decode_kernel=runner.decode_kernel, slot_mapping=torch.tensor([10**6])
+    )
+    plan = plan_attention(meta, model.device, runner.kv_cache.shape[2], True, runner.kv_cache.dtype)
+    h = torch.randn(1, model.config.hidden_size)
+    x = runner.glue_kernel.rmsnorm(h, model.layers[0].input_norm, model.config.rms_norm_eps)
+    cos_sin = torch.zeros(1, model.config.head_dim // 2, 2)
+    kv_before = runner.kv_cache.clone()
+    rows = RowKernels(None, torch.arange(1))
+    with pytest.raises(DecodeStepError, match="rope_store kernel refused its arguments in layer 0"):
+        step_kernel.run(model, h, x, cos_sin, plan, runner.kv_cache, rows, runner.glue_kernel)
+    assert torch.equal(runner.kv_cache, kv_before)  # nothing written
