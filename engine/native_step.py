@@ -39,8 +39,9 @@ from engine.native_linear import NativeLinearKernel, kernel_threads
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_step.c"
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11")
-"""No instruction-set flags: the file only sequences calls into the other kernels."""
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
+"""No instruction-set flags: the file only sequences calls into the other kernels (and splits the step's
+sequences over threads for attention: OpenMP, the runtime torch loaded, as the other kernels)."""
 STAGES = ("qkv", "rope_store", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down", "next_norm")
 """The C file's stage numbers, by name (``DecodeStepError``)."""
 
@@ -72,7 +73,7 @@ class _Step(ctypes.Structure):
         *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend")),
         *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
         *((name, _i64) for name in ("block_size", "num_blocks", "table_stride", "max_len", "shared_len")),
-        *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "pad")),
+        *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "attn_threads")),
         ("eps", _f32),
         ("scale", _f32),
         *((name, _p) for name in ("cos_sin", "slots", "tables", "lens", "h", "x")),
@@ -188,6 +189,7 @@ class NativeDecodeStep:
         kv_cache: torch.Tensor,
         rows,
         glue: NativeGlueKernel,
+        threads: int | None = None,
     ) -> torch.Tensor | None:
         """Every layer of ``model`` for a decode-only step, or None when the step cannot take this path.
 
@@ -200,6 +202,9 @@ class NativeDecodeStep:
             kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16.
             rows: the step's ``engine.row_kernels.RowKernels`` (every row must be a generated token's).
             glue: the glue kernel the step runs.
+            threads: the GEMVs' threads and the attention's runs of sequences (default
+                ``engine.native_linear.kernel_threads()``, the engine's ``num_threads``); the glue kernels run on
+                torch's count, as in the layer loop. Outputs do not depend on either.
 
         Returns:
             fp32 ``[T, hidden]``: the final-normed hidden states (``LlamaModel.forward``'s output).
@@ -226,6 +231,7 @@ class NativeDecodeStep:
         t = h.shape[0]
         nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
         table = self._table(model, kv_cache)
+        threads = kernel_threads() if threads is None else threads
         native = dec.native
         width = (nh + 2 * nkv) * hd
         sizes = (width, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
@@ -260,9 +266,9 @@ class NativeDecodeStep:
             native.max_len,
             native.shared_len,
             int(kv_cache.dtype == torch.bfloat16),
-            kernel_threads(),
+            threads,
             torch.get_num_threads(),
-            0,
+            threads,  # attention: runs of sequences, one per thread
             c.rms_norm_eps,
             c.head_dim**-0.5,
             cos_sin.data_ptr(),
@@ -285,9 +291,10 @@ class NativeDecodeStep:
         return x_out
 
     def self_check(self) -> str | None:
-        """Run a random two-layer step of three sequences through the library and through the kernels called
-        one by one from Python (``forward_glued``'s sequence); None when the residual, the output and the KV
-        cache are bit-identical, else what differed or which kernel is missing."""
+        """Run a random two-layer step of three sequences through the library (on 1, 2 and 3 threads) and
+        through the kernels called one by one from Python (``forward_glued``'s sequence); None when the
+        residual, the output and the KV cache are bit-identical, else what differed or which kernel is
+        missing."""
         from engine import native_decode, native_glue, native_linear
 
         kernels = (
@@ -368,16 +375,17 @@ def _check_against_python(
         x = glue.rmsnorm(h_py, layer.post_norm, 1e-5, lin.mm(layer.o_proj.native_packed, a))
         act = glue.silu_mul(lin.mm(layer.gate_up.native_packed, x))
         x = glue.rmsnorm(h_py, nxt, 1e-5, lin.mm(layer.down.native_packed, act))
-    # the same step in one call
-    h_c, cache_c = h0.clone(), cache.clone()
-    x_c = glue.rmsnorm(h_c, layers[0].input_norm, 1e-5)
-    rows = RowKernels(None, torch.arange(t))
-    got = step.run(model, h_c, x_c, cos_sin, plan(), cache_c, rows, glue)
-    if got is None:
-        return "the step was not taken"
-    for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
-        if not torch.equal(a, b):
-            return f"{name} differs from the kernels called one by one"
+    # the same step in one call, on 1-3 threads (the attention in 1-3 runs of sequences)
+    for threads in (1, 2, 3):
+        h_c, cache_c = h0.clone(), cache.clone()
+        x_c = glue.rmsnorm(h_c, layers[0].input_norm, 1e-5)
+        rows = RowKernels(None, torch.arange(t))
+        got = step.run(model, h_c, x_c, cos_sin, plan(), cache_c, rows, glue, threads)
+        if got is None:
+            return "the step was not taken"
+        for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
+            if not torch.equal(a, b):
+                return f"{name} differs from the kernels called one by one (threads={threads})"
     return None
 
 

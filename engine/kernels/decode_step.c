@@ -10,7 +10,7 @@
  * Per layer, for T rows (one generated token per sequence), fp32 unless said:
  *   qkv  = gemv(W_qkv, x)                            [T][(H + 2 KVH) D]
  *   q    = rope_store(qkv) (K/V stored at slots)     [T][H][D]
- *   attn = paged_decode_attention(q, cache)          [T][H][D]
+ *   attn = paged_decode_attention(q, cache)          [T][H][D]  (runs of sequences on attn_threads threads)
  *   o    = gemv(W_o, attn)                           [T][hidden]
  *   x    = rmsnorm(h += o, post_norm)                [T][hidden]
  *   gu   = gemv(W_gate_up, x)                        [T][2 I]
@@ -53,7 +53,7 @@ struct decode_step {
     attend_fn attend;
     int64_t layers, rows, hidden, heads, kv_heads, head_dim, inter;
     int64_t block_size, num_blocks, table_stride, max_len, shared_len;
-    int32_t cache_bf16, gemv_threads, glue_threads, pad;
+    int32_t cache_bf16, gemv_threads, glue_threads, attn_threads;
     float eps, scale;
     const float *cos_sin; /* [rows][D / 2][2] */
     const int64_t *slots; /* [rows] */
@@ -69,6 +69,25 @@ static int gemv(const struct decode_step *s, const uint8_t *w, int32_t bits, int
     return f(w, n, k, x, s->rows, y, s->gemv_threads);
 }
 
+/* Decode attention of the step's sequences, split into `attn_threads` contiguous runs of sequences, one call
+ * of the kernel per run on its own thread (each with its share of the scratch: the kernel's layout is per
+ * sequence). The kernel computes every sequence alone, so a sequence's output is the same bits in any run,
+ * and the blocks all sequences share are walked once per run. */
+static int attend(const struct decode_step *s, void *cache) {
+    const int64_t T = s->rows, H = s->heads, D = s->head_dim;
+    const int64_t per_seq = H * (s->max_len + D + 1); /* engine.native_decode.scratch_size for one sequence */
+    const int parts = s->attn_threads < T ? s->attn_threads : (int)T;
+    int rc = 0;
+#pragma omp parallel for num_threads(parts > 1 ? parts : 1) schedule(static, 1) reduction(| : rc)
+    for (int p = 0; p < parts; p++) {
+        const int64_t b0 = T * p / parts, b1 = T * (p + 1) / parts;
+        rc |= s->attend(s->q + b0 * H * D, 0, cache, s->cache_bf16, s->tables + b0 * s->table_stride,
+                        s->table_stride, s->lens + b0, b1 - b0, H, s->kv_heads, D, s->block_size, s->num_blocks,
+                        s->scale, s->attn + b0 * H * D, s->scratch + b0 * per_seq, s->max_len, s->shared_len);
+    }
+    return rc;
+}
+
 int decode_step_layers(const struct decode_step *s, const struct decode_layer *layers, int32_t *failed) {
     const int64_t T = s->rows, hid = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
     const int64_t width = (H + 2 * KVH) * D, slots = s->num_blocks * s->block_size;
@@ -78,10 +97,7 @@ int decode_step_layers(const struct decode_step *s, const struct decode_layer *l
         if (!rc)
             stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
                                     s->glue_threads);
-        if (!rc)
-            stage = 2, rc = s->attend(s->q, 0, L->cache, s->cache_bf16, s->tables, s->table_stride, s->lens, T, H,
-                                      KVH, D, s->block_size, s->num_blocks, s->scale, s->attn, s->scratch,
-                                      s->max_len, s->shared_len);
+        if (!rc) stage = 2, rc = attend(s, L->cache);
         if (!rc) stage = 3, rc = gemv(s, L->o, L->o_bits, hid, H * D, s->attn, s->o);
         if (!rc) stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
         if (!rc) stage = 5, rc = gemv(s, L->gate_up, L->gate_up_bits, 2 * s->inter, hid, s->x, s->gu);
