@@ -123,6 +123,11 @@ class NativeDecodeKernel:
             i64,
         ]
         fn.restype = ctypes.c_int
+        # the same over some of the cache's KV heads (the last argument: the cache's KV heads), for
+        # engine.native_step's split of a lone sequence's heads over threads; called from C only
+        self._kv_heads_fn = lib.paged_decode_attention_kv_heads
+        self._kv_heads_fn.argtypes = [*fn.argtypes, i64]
+        self._kv_heads_fn.restype = ctypes.c_int
         pf = lib.paged_prefill_attention
         pf.argtypes = [
             p,

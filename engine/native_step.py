@@ -70,7 +70,7 @@ class _Step(ctypes.Structure):
     """``struct decode_step``."""
 
     _fields_ = [
-        *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend")),
+        *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend", "attend_heads")),
         *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
         *((name, _i64) for name in ("block_size", "num_blocks", "table_stride", "max_len", "shared_len")),
         *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "attn_threads")),
@@ -253,6 +253,7 @@ class NativeDecodeStep:
             _address(glue._rope),
             _address(glue._silu),
             _address(native.kernel._fn),
+            _address(native.kernel._kv_heads_fn),
             len(model.layers),
             t,
             hid,
@@ -319,9 +320,7 @@ def _check_against_python(
     from engine.row_kernels import RowKernels
 
     gen = torch.Generator().manual_seed(0)
-    hid, nh, nkv, hd, inter, nl, bs, nb = 64, 4, 2, 16, 96, 2, 16, 12
-    lens = [37, 16, 5]
-    t = len(lens)
+    hid, nh, nkv, hd, inter, nl, bs, nb = 64, 6, 3, 16, 96, 2, 16, 12
 
     def linear(n: int, k: int, bits: int):
         groups = random_groups(bits, n, k, gen)
@@ -351,41 +350,43 @@ def _check_against_python(
     model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
     model._decode_step_ok = True
     cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen)
-    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
-    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
-    h0 = torch.randn(t, hid, generator=gen)
-    cos_sin = torch.view_as_real(
-        torch.polar(torch.ones(t, hd // 2), torch.rand(t, hd // 2, generator=gen) * 6)
-    )
+    # three sequences (attention split by sequences), then one (split by KV heads: 3 over 2 threads is 1 + 2)
+    for lens in ([37, 16, 5], [37]):
+        t = len(lens)
+        tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]][:t], dtype=torch.int32)
+        slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
+        h0 = torch.randn(t, hid, generator=gen)
+        angles = torch.rand(t, hd // 2, generator=gen) * 6
+        cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
 
-    def plan():
-        native = NativeDecode(attend, tables, torch.tensor(lens, dtype=torch.int32), max(lens))
-        decode = SimpleNamespace(rows=None, native=native)
-        return SimpleNamespace(decode=decode, prefills=[], slot_mapping=slots)
+        def plan(tables=tables, lens=lens, slots=slots):
+            native = NativeDecode(attend, tables, torch.tensor(lens, dtype=torch.int32), max(lens))
+            decode = SimpleNamespace(rows=None, native=native)
+            return SimpleNamespace(decode=decode, prefills=[], slot_mapping=slots)
 
-    # the Python loop, kernel by kernel (forward_glued's calls)
-    h_py, cache_py = h0.clone(), cache.clone()
-    x = glue.rmsnorm(h_py, layers[0].input_norm, 1e-5)
-    p = plan()
-    for i, layer in enumerate(layers):
-        nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
-        qkv = lin.mm(layer.qkv.native_packed, x)
-        q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
-        a = p.decode.native.attend(q, cache_py[i], hd**-0.5).reshape(t, nh * hd)
-        x = glue.rmsnorm(h_py, layer.post_norm, 1e-5, lin.mm(layer.o_proj.native_packed, a))
-        act = glue.silu_mul(lin.mm(layer.gate_up.native_packed, x))
-        x = glue.rmsnorm(h_py, nxt, 1e-5, lin.mm(layer.down.native_packed, act))
-    # the same step in one call, on 1-3 threads (the attention in 1-3 runs of sequences)
-    for threads in (1, 2, 3):
-        h_c, cache_c = h0.clone(), cache.clone()
-        x_c = glue.rmsnorm(h_c, layers[0].input_norm, 1e-5)
-        rows = RowKernels(None, torch.arange(t))
-        got = step.run(model, h_c, x_c, cos_sin, plan(), cache_c, rows, glue, threads)
-        if got is None:
-            return "the step was not taken"
-        for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
-            if not torch.equal(a, b):
-                return f"{name} differs from the kernels called one by one (threads={threads})"
+        # the Python loop, kernel by kernel (forward_glued's calls)
+        h_py, cache_py = h0.clone(), cache.clone()
+        x = glue.rmsnorm(h_py, layers[0].input_norm, 1e-5)
+        p = plan()
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
+            qkv = lin.mm(layer.qkv.native_packed, x)
+            q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
+            a = p.decode.native.attend(q, cache_py[i], hd**-0.5).reshape(t, nh * hd)
+            x = glue.rmsnorm(h_py, layer.post_norm, 1e-5, lin.mm(layer.o_proj.native_packed, a))
+            act = glue.silu_mul(lin.mm(layer.gate_up.native_packed, x))
+            x = glue.rmsnorm(h_py, nxt, 1e-5, lin.mm(layer.down.native_packed, act))
+        # the same step in one call, on 1-3 threads
+        for threads in (1, 2, 3):
+            h_c, cache_c = h0.clone(), cache.clone()
+            x_c = glue.rmsnorm(h_c, layers[0].input_norm, 1e-5)
+            rows = RowKernels(None, torch.arange(t))
+            got = step.run(model, h_c, x_c, cos_sin, plan(), cache_c, rows, glue, threads)
+            if got is None:
+                return "the step was not taken"
+            for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
+                if not torch.equal(a, b):
+                    return f"{name} differs from the kernels called one by one (sequences={t}, threads={threads})"
     return None
 
 

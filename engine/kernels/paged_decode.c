@@ -419,16 +419,14 @@ INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf1
  * floats, max_len >= every lens[b]. shared_len: leading positions all sequences share (attend_vec; 0: none).
  * Returns 0; -1 when an argument is out of range (a length, a block id, a table too short, a shape): checked
  * for every sequence before anything is read or written. */
-int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
-                           const void *cache, int cache_bf16, /* [2][num_blocks][block_size][KVH][D] */
-                           const int32_t *block_tables, int64_t table_stride, /* [B][table_stride] */
-                           const int32_t *lens,                               /* [B] */
-                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                           int64_t num_blocks, float scale, float *out, /* [B][H][D] fp32 */
-                           float *scratch, int64_t max_len, int64_t shared_len) {
+static int decode_attention(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                            const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int64_t cache_kvh) {
     if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
+    if (cache_kvh < KVH) return -1;
     const int64_t group = H / KVH;
-    const int64_t pos_elems = KVH * D;
+    const int64_t pos_elems = cache_kvh * D;
     const int64_t block_elems = block_size * pos_elems;
     const int64_t v_offset = num_blocks * block_elems;
     if (shared_len < 0 || shared_len % 16) return -1;
@@ -465,6 +463,30 @@ int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
         ATTEND(group, D);
 #undef ATTEND
     return 0;
+}
+
+int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
+                           const void *cache, int cache_bf16, /* [2][num_blocks][block_size][KVH][D] */
+                           const int32_t *block_tables, int64_t table_stride, /* [B][table_stride] */
+                           const int32_t *lens,                               /* [B] */
+                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                           int64_t num_blocks, float scale, float *out, /* [B][H][D] fp32 */
+                           float *scratch, int64_t max_len, int64_t shared_len) {
+    return decode_attention(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
+                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, KVH);
+}
+
+/* The same for KVH of the cache's cache_kvh KV heads (their H = KVH * group query heads): `cache` points at the
+ * first of them (the cache's base plus h0 * D elements), q and out hold only their query heads. Every KV head is
+ * attended alone (its scores, softmax and values never read another head's), so a head's output is the same
+ * bits as in the whole call: engine/kernels/decode_step.c splits a lone sequence's heads over threads so. */
+int paged_decode_attention_kv_heads(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                                    const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
+                                    float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
+                                    int64_t cache_kvh) {
+    return decode_attention(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
+                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, cache_kvh);
 }
 
 /* ---- Prefill: many query rows of one sequence, each exactly as paged_decode_attention attends it alone ----

@@ -46,7 +46,7 @@ def test_the_check_fails_a_step_that_skips_the_layers():
     )
     assert (
         _check_against_python(Skips(), *kernels)
-        == "output differs from the kernels called one by one (threads=1)"
+        == "output differs from the kernels called one by one (sequences=3, threads=1)"
     )
 
 
