@@ -299,7 +299,8 @@ class EngineConfig:
             two streams decoding), where OpenMP's fork and join cost more than a second core gives back:
             ``"auto"`` (1 when ``num_threads`` is at most 2, measured on a 2-core Zen 5: docs/engine-step.md;
             with more threads as ``"off"``), an integer >= 1, or ``"off"`` (every step runs with ``num_threads``). Speed only: the step's plan never depends on it; torch's bf16
-            flash kernel may round attention 1 ulp differently on another count (``engine.step_threads``).
+            flash kernel may round attention 1 ulp differently on another count (``engine.step_threads``). The
+            native weight GEMVs and the one-call decode step's attention use ``num_threads`` in every step.
         tiers: tiers below the RAM pool, any of ``"disk"``, ``"redis"`` (looked up in that order); none by
             default (``engine.kv_tiers.settings`` says why).
         tier_disk / tier_redis: settings of each tier (directory, URL, key prefix, byte budgets, timeouts).
