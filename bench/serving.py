@@ -4,8 +4,8 @@
 settings: bf16 KV, 1,024 blocks, batch 16), then runs the same greedy requests, in turn, through:
 
 - ``engine``: ``LLMEngine.step()`` in a loop in this process (what ``bench.engine`` times);
-- ``async``: ``AsyncEngine`` in this process, its streams consumed on an asyncio loop (the step thread and the
-  hand-off to the loop; no gateway, no HTTP);
+- ``async`` (only when ``--modes`` names it): ``AsyncEngine`` in this process, its streams consumed on an
+  asyncio loop (the step thread and the hand-off to the loop; no gateway, no HTTP);
 - ``engine-off`` / ``async-off`` (only when ``--modes`` names them): the same with ``engine.small_step_threads:
   off`` (every step on ``--threads`` threads; ``engine.step_threads``), for an interleaved A/B of that setting;
 - ``http`` (one per ``--server NAME=DIR``, default ``http=.``): ``prefixgate serve`` run from checkout ``DIR``
@@ -23,6 +23,12 @@ CPU: for each run, the CPU seconds of this process (in ``http`` runs: the client
 (``decode_seconds`` + ``prefill_seconds`` of its counters: ``run_step``, the forward pass and sampling) over the
 same wall time: ``forward_share`` near 1 means the steps run back to back; the per-token forward time says
 whether the forward pass itself slowed down (CPU contention) or time went between steps.
+
+In-process modes share this process's OpenMP runtime: each engine's stepping thread keeps its own OpenMP team, and
+with more teams than cores libgomp stops spinning between parallel regions (``engine.openmp_threads``), so two
+in-process modes in one run slow each other down (session 14: ``engine`` b1 47-54 tokens/s beside ``async``,
+106 alone; the ``http`` servers are processes of their own). Compare in-process modes one per run, or against
+``http`` servers; the run warns when it holds more than one.
 
 Every figure is the median of ``--repeats`` runs; modes rotate inside each repeat, so load from other processes
 on this shared machine falls on all of them. The figures to read are the ratios ``http / engine`` (and
@@ -296,7 +302,11 @@ def main() -> None:
         metavar="NAME=DIR",
         help="an HTTP mode: prefixgate serve run from checkout DIR (repeatable; default http=.)",
     )
-    ap.add_argument("--modes", default=None, help="comma-separated subset of modes to run (default: all)")
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated modes to run (default: engine and the servers; async, engine-off, async-off on request)",
+    )
     ap.add_argument("--workloads", default="b1,b8", help="b1, b8 or both")
     args = ap.parse_args()
     from gateway.cli import limit_malloc_arenas
@@ -306,10 +316,17 @@ def main() -> None:
     gguf = default_model_path() if args.model == "default" else args.model
     servers_spec = [s.split("=", 1) for s in (args.server or ["http=."])]
     workdir = Path(tempfile.mkdtemp(prefix="prefixgate-serving-"))
-    modes = ["engine", "async", *(name for name, _ in servers_spec)]
+    modes = ["engine", *(name for name, _ in servers_spec)]  # one in-process mode by default (see above)
     if args.modes:
         known = ["engine", "engine-off", "async", "async-off", *(name for name, _ in servers_spec)]
         modes = [m for m in args.modes.split(",") if m in known]
+    in_process = [m for m in modes if m.startswith(("engine", "async"))]
+    if len(in_process) > 1:
+        print(
+            f"warning: {len(in_process)} in-process modes ({', '.join(in_process)}) share this process's OpenMP "
+            "runtime and slow each other down (engine.openmp_threads); run them one per process to compare",
+            file=sys.stderr,
+        )
     servers = {
         name: start_server(name, Path(root), gguf, args.threads, workdir)
         for name, root in servers_spec
