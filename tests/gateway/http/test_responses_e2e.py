@@ -56,7 +56,11 @@ def test_instructions_and_items_take_the_chat_path_and_its_prefix_cache(server, 
 
 
 def test_streamed_events_come_in_openai_order(server, client):
-    with client.responses.stream(model=TINY_MODEL, input="Tell me a story", max_output_tokens=6) as stream:
+    # greedy: a sampled first token can be EOS (it happened in one make test run of session 14), ending the reply with no
+    # output item at all, so the order of the item events could not be checked
+    with client.responses.stream(
+        model=TINY_MODEL, input="Tell me a story", max_output_tokens=6, temperature=0
+    ) as stream:
         events = list(stream)
     # A max_output_tokens cut ends with response.incomplete, as OpenAI sends it; the SDK's
     # get_final_response() only knows response.completed (openai-python PR #3538), so read the last event.
