@@ -1,13 +1,17 @@
-"""Dense bf16 GEMMs on CPU: oneDNN's prepacked weights and row-invariant calls (``engine.linear``'s dense copies).
+"""Dense GEMMs of the prefill copies on CPU: oneDNN's prepacked bf16 weights and row-invariant calls
+(``engine.linear``'s dense copies).
 
 Owns: whether this torch build has oneDNN's prepacked linear ops, packing a bf16 weight for them
-(``pack_bf16_dense``), and the product of activations with a dense weight (``dense_mm``) cut, where the CPU
-needs it, into calls of at most ``ROW_INVARIANT_ROWS`` rows (``bf16_gemm``).
+(``pack_bf16_dense``), and the product of activations with a dense weight (``dense_mm``): bf16 cut, where the
+CPU needs it, into calls of at most ``ROW_INVARIANT_ROWS`` rows (``bf16_gemm``), fp32 padded to at least
+``FP32_MIN_ROWS`` rows (``fp32_gemm``).
 
-Invariant: a row's bf16 product does not depend on the other rows of its call (batch invariance: batched ==
-alone, cache on == cache off; ``docs/engine-step.md``, "Batch invariance"): whole calls where that was
+Invariant: a row's product does not depend on the other rows of its call (batch invariance: batched ==
+alone, cache on == cache off; ``docs/engine-step.md``, "Batch invariance"). bf16: whole calls where that was
 measured to hold (AMD EPYCs with AVX512-BF16), 32-row calls on CPUs with AMX, where it does not, and never a
-one-row call (a lone row runs as a two-row call: oneDNN's one-row kernel differed on a Zen 4).
+one-row call (a lone row runs as a two-row call: oneDNN's one-row kernel differed on a Zen 4). fp32 (the
+prefill copy of CPUs without bf16 arithmetic): never a call of fewer than 16 rows (those took other kernels
+on an AVX2-only Zen 3).
 """
 
 from __future__ import annotations
@@ -107,11 +111,38 @@ def _at_least_two_rows(x: torch.Tensor, one_call: Callable[[torch.Tensor], torch
     return one_call(x.expand(2, -1).contiguous())[:1]
 
 
+FP32_MIN_ROWS = 16
+"""Fewest rows one fp32 GEMM call gets on CPU (``fp32_gemm``)."""
+
+
+def fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for 2-D fp32 ``x`` ``[rows, in]`` and ``weight`` ``[out, in]`` -> ``[rows, out]``
+    fp32, a call of fewer than ``FP32_MIN_ROWS`` rows on CPU computed as the first rows of a
+    ``FP32_MIN_ROWS``-row call (zero rows appended), so each row's result does not depend on the call's row
+    count.
+
+    Measured on a 2-core AMD EPYC Zen 3 (AVX2 + FMA, no AVX-512; torch 2.13's CPU GEMM; SmolLM2's weight
+    shapes 576 x 576, 1,536 x 576, 576 x 1,536 and 192 x 576): against the rows of one 1,100-row call, calls of
+    1-3 rows differed in every row at every thread count (another kernel), and at 2 and 8 threads calls of
+    5-7 and 9-11 rows differed in their last rows (the call split between threads); every call of 12 rows or
+    more, at any offset, and of 4 or 8 rows, gave each row the 1,100-row call's bits at 1, 2, 3, 4 and 8
+    threads. Off CPU: one plain call.
+    """
+    rows = x.shape[0]
+    if x.device.type != "cpu" or rows >= FP32_MIN_ROWS:
+        return F.linear(x, weight)
+    padded = torch.cat([x, x.new_zeros(FP32_MIN_ROWS - rows, x.shape[1])])
+    return F.linear(padded, weight)[:rows]
+
+
 def dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """``x @ dense.T`` with ``x`` ``[..., in]`` cast to the dense copy's dtype -> ``[..., out]`` in that dtype;
-    ``dense`` ``[out, in]``, plain or ``pack_bf16_dense``'s; bf16 products row-invariant (``bf16_gemm``)."""
+    ``dense`` ``[out, in]``, plain or ``pack_bf16_dense``'s; products row-invariant (bf16: ``bf16_gemm``;
+    fp32: ``fp32_gemm``; other dtypes: one plain call)."""
     if not dense.is_mkldnn and dense.dtype != torch.bfloat16:
-        return F.linear(x.to(dense.dtype), dense)
+        x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
+        y = fp32_gemm(x2, dense) if dense.dtype == torch.float32 else F.linear(x2, dense)
+        return y.view(*x.shape[:-1], y.shape[-1])
     if dense.is_mkldnn:
         one_call = lambda part: torch.ops.mkldnn._linear_pointwise(part, dense, None, "none", [], "")  # noqa: E731
     else:

@@ -96,10 +96,23 @@ prefill copy is fp32 (``dense_dtype``, ``engine.weight_format.resolve``) and the
 | 8 (batched decode) | 79 ms | 72 ms | **52 ms** |
 | 512 (prefill chunk) | | **687 ms** | 714 ms |
 
-So the fp32 weight is stored transposed and used by a plain GEMM, and on CPU a second, prepacked copy
-(oneDNN's blocked layout, ``torch.ops.mkldnn._reorder_linear_weight``, the format PyTorch's own compiler uses
-for CPU linears) serves batches of ``PACKED_ROWS`` rows: it costs a second copy of the weights in memory, not
-in bytes read per token (each step reads one copy).
+So the fp32 weight is stored transposed, and on CPU a second, prepacked copy (oneDNN's blocked layout,
+``torch.ops.mkldnn._reorder_linear_weight``, the format PyTorch's own compiler uses for CPU linears) serves
+every row count: it costs a second copy of the weights in memory, not in bytes read per token (each step reads
+one copy). It once served only batches of 2-48 rows, the plain GEMM the rest, but the two kernels round
+differently (every row of a 300-row call differed), and so do the plain GEMM's own one-row and many-row calls,
+so a sequence's logits depended on its batch and a prompt's tail on whether its prefix came from the cache.
+The prepacked kernel gave each row the same bits at every row count from 1 to 300 (AVX2-only Zen 3, 1 and 2
+threads, SmolLM2's layer and head shapes). What that costs there (2 threads, time per call):
+
+| shape | rows | plain ``x @ W.T`` | prepacked |
+|---|---|---|---|
+| LM head 49,152 x 576 | 1 | 5.7 ms | 6.4 ms (1 thread: 5.6 against 9.0 ms) |
+| LM head 49,152 x 576 | 8 | 33.5 ms | **7.5 ms** |
+| 1,536 x 576 | 512 | 5.7 ms | 5.7 ms |
+| 576 x 1,536 | 512 | 5.3 ms | 5.9 ms |
+
+The plain GEMM serves where there is no prepacked copy (off CPU, other dtypes, no oneDNN).
 """
 
 from __future__ import annotations
@@ -119,7 +132,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PACKED_ROWS = range(2, 49)  # row counts served by the prepacked copy (decode batches)
 _PACK_FOR_ROWS = 8
 
 
@@ -141,8 +153,9 @@ class DenseWeight(nn.Module):
     """A dense weight applied as ``x @ W.T (+ b)``, stored transposed (``[in_features, out_features]``).
 
     See the module docstring for the kernels. On CPU in fp32 (and when oneDNN is available) a prepacked copy
-    serves 2-D inputs with a row count in ``PACKED_ROWS``; it is checked against the plain product when made
-    and dropped (plain GEMM used) if it disagrees beyond fp32 rounding.
+    serves every input (flattened to 2-D rows), so a row's result does not depend on the other rows of its call
+    (batch invariance); it is checked against the plain product when made and dropped (plain GEMM used) if it
+    disagrees beyond fp32 rounding.
 
     Args:
         weight: ``[out, in]`` tensor (the PyTorch / Hugging Face layout); its dtype is the compute dtype.
@@ -213,9 +226,13 @@ class DenseWeight(nn.Module):
         return torch.matmul(x, self.weight_t) + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] in PACKED_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return self._plain(x)
+        """``x`` ``[..., in]`` -> ``[..., out]``: the prepacked copy where there is one (any row count, same bits
+        per row), else the plain GEMM."""
+        if self.packed is None or x.numel() == 0:
+            return self._plain(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @classmethod
     def concat(

@@ -301,7 +301,7 @@ class NativeDecodeStep:
         kernels = (
             native_linear._shared_kernel(),
             native_glue._shared_kernel(),
-            native_decode._shared_kernel(None, None),
+            native_decode._shared_kernel(None, None, native_decode.build_isa()),
         )
         for k in kernels:
             if isinstance(k, str):

@@ -1,7 +1,7 @@
 """Batched == alone, bit for bit (issue 12 item 5): a sequence's logits do not depend on the rest of its step.
 
 Engine level, on a tiny random Llama quantized to int4 at load, so the steps reach the kernels SmolLM2 runs on
-(``Int4Weight`` with its dense bf16 prefill copy, in_features multiples of 32, 2 KV heads, decode contexts of
+(``Int4Weight`` with its dense prefill copy: bf16, or fp32 on CPUs without bf16 arithmetic; in_features multiples of 32, 2 KV heads, decode contexts of
 more than one chunk, shared chunks over a 320-token common prefix): every logit row of every sequence equals
 the row it gets alone, for bf16 and fp32 KV caches, shared-prefix attention on and off, 1 and 2 threads, and
 when a prefill chunk joins a decode's step. Kernel level: the properties the design rests on (each linear
@@ -23,13 +23,7 @@ from engine.linear import Int4Weight, Int8Weight
 from engine.native_linear import resolve_linear_kernel
 from engine.quantized import int4_groups, int8_groups, quantize
 from engine.row_kernels import RowKernels, forward_rows
-from engine.weight_format import bf16_kernels_available
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
-
-pytestmark = pytest.mark.skipif(
-    not bf16_kernels_available(torch.device("cpu")),
-    reason="the dense prefill copy is fp32 without bf16 kernels, and fp32 GEMMs are not row-invariant",
-)
 
 N_NEW = 6
 SHARED = random_tokens(320, 31)  # 20 whole blocks: more than one decode chunk of 256 positions
@@ -182,15 +176,25 @@ def test_forward_rows_runs_each_row_on_its_own_kernel():
     assert torch.equal(forward_rows(lin, x, None), lin.forward(x))  # by row count: 12 >= dense_min_rows
 
 
-def test_the_lm_head_rescoring_gives_a_row_the_same_bits_in_any_batch(tmp_path):
+@pytest.mark.parametrize("bf16_cpu", [True, False], ids=["bf16 CPU", "fp32 CPU"])
+def test_the_lm_head_on_torch_kernels_gives_a_row_the_same_bits_in_any_batch(tmp_path, monkeypatch, bf16_cpu):
+    """Without the native kernel, a Q8_0 head runs on torch's int4 kernel (two planes) with its top candidates
+    rescored in fp32 where the CPU has bf16 arithmetic, and as a dense fp32 ``DenseWeight`` where it has not
+    (``engine.weight_format.resolve``): both give a row the same logits alone and in any batch."""
+    import engine.weight_format as weight_format
     from engine.checkpoint import load_checkpoint
+    from engine.linear import DenseWeight
     from tests.engine.checkpoints import make_tiny_gguf_llama
 
-    # a Q8_0 GGUF with a tied embedding: the head runs on the int4 kernel's two planes, its rows are decoded
-    # from the same blocks for the rescoring (as SmolLM2's)
+    monkeypatch.setattr(weight_format, "bf16_kernels_available", lambda device: bf16_cpu)
+    # a Q8_0 GGUF with a tied embedding: on a bf16 CPU the head runs on the int4 kernel's two planes, its rows
+    # decoded from the same blocks for the rescoring (as SmolLM2's)
     path = make_tiny_gguf_llama(tmp_path / "q8.gguf", tensor_type="Q8_0")
     model = load_checkpoint(str(path), weights="native", linear_kernel="torch").model
-    assert model.head_rows is not None  # the quantized head's top candidates are rescored in fp32
+    if bf16_cpu:
+        assert model.head_rows is not None  # the quantized head's top candidates are rescored in fp32
+    else:
+        assert isinstance(model.lm_head, DenseWeight) and model.head_rows is None
     h = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
     one = torch.cat([model.compute_logits(h[i : i + 1]) for i in range(16)])
     for rows in (2, 3, 8, 16):
@@ -269,13 +273,33 @@ def test_a_lone_bf16_gemm_row_runs_as_a_two_row_call(monkeypatch, slices):
     assert seen == ([2, 32, 32, 2] if slices else [2, 65])
 
 
-def test_the_dense_copy_gives_a_lone_prompt_row_the_bits_it_has_in_a_chunk():
-    """A prefix hit leaves one prompt token to compute; its row must equal that token's row in a whole chunk
-    (cache on == cache off), at SmolLM2's down-projection shape, where a one-row call differed on a Zen 4."""
+@pytest.mark.parametrize("dense_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_dense_copy_gives_a_lone_prompt_row_the_bits_it_has_in_a_chunk(dense_dtype):
+    """A prefix hit leaves one prompt token (or a few) to compute; their rows must equal those tokens' rows in a
+    whole chunk (cache on == cache off), at SmolLM2's down-projection shape, where a one-row bf16 call differed
+    on a Zen 4 and fp32 calls of 1-3 and 5-11 rows differed on an AVX2 Zen 3 (``engine.bf16_gemm.fp32_gemm``)."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(576, 1536, generator=g) / 1536**0.5
-    lin = Int4Weight(int4_groups(quantize(w, "Q4_1")), None, torch.device("cpu"))
+    lin = Int4Weight(int4_groups(quantize(w, "Q4_1")), None, torch.device("cpu"), dense_dtype=dense_dtype)
+    assert lin.dense.dtype == dense_dtype
     x = torch.randn(64, 1536, generator=g)
     chunk = lin.forward(x, dense=True)
     alone = torch.cat([lin.forward(x[i : i + 1], dense=True) for i in range(64)])
     assert torch.equal(alone, chunk)
+    for rows in range(2, 16):  # the few-token tails of prefix hits
+        assert torch.equal(lin.forward(x[-rows:], dense=True), chunk[-rows:]), rows
+
+
+def test_a_dense_fp32_weight_gives_a_row_the_same_bits_at_any_row_count():
+    """``DenseWeight`` (``weights: float32`` layers; the fp32 LM head of CPUs without bf16 arithmetic): a decode
+    row alone, in a batch of 8 and in a 300-row prefill chunk comes out the same (the prepacked copy at every row
+    count; the plain GEMM's one-row and many-row calls round differently)."""
+    from engine.linear import DenseWeight
+
+    g = torch.Generator().manual_seed(8)
+    lin = DenseWeight(torch.randn(1536, 576, generator=g) / 24, torch.randn(1536, generator=g))
+    x = torch.randn(300, 576, generator=g)
+    alone = torch.cat([lin.forward(x[i : i + 1]) for i in range(300)])
+    for rows in (2, 3, 8, 13, 48, 49, 300):
+        assert torch.equal(lin.forward(x[:rows]), alone[:rows]), rows
+    assert torch.equal(lin.forward(x.view(3, 100, 576)).view(300, -1), alone)

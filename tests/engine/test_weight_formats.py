@@ -397,16 +397,18 @@ def test_smollm2_int4_agrees_with_fp32_reference():
 
 
 @needs_int4
-@pytest.mark.skipif(pack_bf16_dense(torch.ones(64, 128, dtype=torch.bfloat16)) is None, reason="oneDNN")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_dense_copy_is_prepacked_and_used_from_dense_min_rows(qtype):
-    """The bf16 dense copy is oneDNN-prepacked and gives ``F.linear``'s bits on the same bf16 weight; 9 rows run
-    the weight-only kernel, 10 (``DENSE_MIN_ROWS``) the copy."""
+    """The bf16 dense copy is oneDNN-prepacked where oneDNN packs bf16 here (CPUs with bf16 arithmetic; else
+    the plain bf16 weight) and gives ``F.linear``'s bits on the same bf16 weight either way; 9 rows run the
+    weight-only kernel, 10 (``DENSE_MIN_ROWS``) the copy."""
     b = random_blocks(qtype, rows=64, cols=128)
     make = Int8Weight if qtype == "Q8_0" else Int4Weight
     groups = int8_groups(b) if qtype == "Q8_0" else int4_groups(b)
     lin = make(groups, None, CPU)
-    assert lin.dense_min_rows == DENSE_MIN_ROWS == 10 and lin.dense.is_mkldnn
+    packs = pack_bf16_dense(torch.ones(64, 128, dtype=torch.bfloat16)) is not None
+    assert lin.dense_min_rows == DENSE_MIN_ROWS == 10 and lin.dense.is_mkldnn == packs
+    assert lin.dense.dtype == torch.bfloat16
     w16 = groups.dequantize().to(torch.bfloat16)
     for rows in (9, 10, 40):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
