@@ -117,7 +117,8 @@ def main() -> None:
     for kv in args.kv.split(","):
         for cascade in (True, False):
             config = replace(base, kv_dtype=kv, shared_prefix_attention=cascade)
-            alone = run_case(ck.model, ck, config, prompts, args.new, "alone")
+            needs_alone = any(m != "tails" for m in modes)  # tails compares with a cold prefill instead
+            alone = run_case(ck.model, ck, config, prompts, args.new, "alone") if needs_alone else []
             for mode in modes:
                 if mode == "cache_off" and not cascade:
                     continue  # the same prefills as with the cascade on; only decode attention differs
