@@ -588,9 +588,17 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
             for (int64_t d = 0; d < D; d++) O[(r * group + g) * D + d] = 0.0f;
         }
     const int64_t vo = v_offset + h * D;
+    float *restrict VT = KT; /* the tile's values as fp32, VT[t][d] (KT's room: the keys are done) */
     for (int64_t l0 = 0; l0 < last_len; l0 += 16) {
         for (int64_t t = 0; t < 16 && l0 + 16 + t < last_len; t++)
             __builtin_prefetch((const char *)cache + (offs[l0 + 16 + t] + vo) * esize);
+        /* each V row widened (exactly) once per tile rather than once per (row, query head) that reads it */
+        const int64_t nt = last_len - l0 < 16 ? last_len - l0 : 16;
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t c = 0; c < D / PD_LANES; c++) {
+                const vl v = loadl(cache, offs[l0 + t] + vo + PD_LANES * c, cache_bf16);
+                memcpy(VT + t * D + PD_LANES * c, &v, sizeof v);
+            }
         for (int64_t r = 0; r < nrows; r++) {
             const int64_t len = pos0 + r + 1;
             const int64_t n = len - l0 < 16 ? len - l0 : 16;
@@ -605,7 +613,8 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
                 for (int64_t c = 0; c < parts; c++) memcpy(&acc[c], o + PD_LANES * c, sizeof acc[c]);
                 for (int64_t t = 0; t < n; t++)
                     for (int64_t c = 0; c < parts; c++) {
-                        const vl v = loadl(cache, offs[l0 + t] + vo + PD_LANES * c, cache_bf16);
+                        vl v;
+                        memcpy(&v, VT + t * D + PD_LANES * c, sizeof v);
                         acc[c] += p[t] * v;
                     }
                 for (int64_t c = 0; c < parts; c++) memcpy(o + PD_LANES * c, &acc[c], sizeof acc[c]);
