@@ -1,12 +1,13 @@
 """Batched == alone, bit for bit (issue 12 item 5): a sequence's logits do not depend on the rest of its step.
 
 Engine level, on a tiny random Llama quantized to int4 at load, so the steps reach the kernels SmolLM2 runs on
-(``Int4Weight`` with its dense prefill copy: bf16, or fp32 on CPUs without bf16 arithmetic; in_features multiples of 32, 2 KV heads, decode contexts of
-more than one chunk, shared chunks over a 320-token common prefix): every logit row of every sequence equals
-the row it gets alone, for bf16 and fp32 KV caches, shared-prefix attention on and off, 1 and 2 threads, and
-when a prefill chunk joins a decode's step. Kernel level: the properties the design rests on (each linear
-kernel gives a row the same bits at any row count; the LM head's rescoring likewise), so a torch upgrade that
-breaks one fails here, not only on the real model (``bench.batch_invariance``).
+(``Int4Weight`` with its dense prefill copy: bf16, or fp32 on CPUs without bf16 arithmetic; in_features
+multiples of 32, 2 KV heads, decode contexts of more than one chunk, shared chunks over a 320-token common
+prefix): every logit row of every sequence equals the row it gets alone, for bf16 and fp32 KV caches,
+shared-prefix attention on and off, 1 and 2 threads, and when a prefill chunk joins a decode's step. Kernel
+level: the properties the design rests on (each linear kernel gives a row the same bits at any row count; the
+LM head likewise), so a torch upgrade that breaks one fails here, not only on the real model
+(``bench.batch_invariance``).
 
 Prefill is chunk-invariant too (other token budgets, prefix caching off: bit-identical logits, bf16 and fp32
 caches). Not covered because not true: a token generated in one request and found in the prompt of a later one
