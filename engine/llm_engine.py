@@ -149,7 +149,12 @@ class LLMEngine(PrefixAdmin):
         )
         kv_dtype = kv_dtype_of(config.kv_dtype, model)
         prefill_kernel = resolve_prefill_kernel(
-            config.prefill_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim, kv_dtype
+            config.prefill_kernel,
+            model.device,
+            mc.num_heads // mc.num_kv_heads,
+            mc.head_dim,
+            kv_dtype,
+            threads=config.num_threads or torch.get_num_threads(),
         )
         glue_kernel = resolve_glue_kernel(config.glue_kernel, model.device, model.dtype)
         # a token's K/V depends on the decode, prefill and glue kernels: blocks of another kernel never share a

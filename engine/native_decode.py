@@ -475,19 +475,25 @@ def resolve_prefill_kernel(
     group: int | None = None,
     head_dim: int | None = None,
     kv_dtype: torch.dtype | None = None,
+    threads: int = 1,
 ) -> NativeDecodeKernel | None:
     """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``torch`` ->
     None (torch's chunked prefill); ``native`` -> the kernel (the same library as the decode kernel, built once
     per process and model shape), or a start-up error; ``auto`` -> the kernel where it is measured faster than
-    torch's chunked prefill, else None: a CPU, the AVX-512 build (``build_isa``) and a float32 cache
-    (``kv_dtype``). ``python -m bench.model_forward --prefill-ab`` on a 2-core AMD EPYC with AVX-512 and
+    torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``) over a float32 cache
+    (``kv_dtype``), and the AVX2 build (CPUs without AVX-512) over any cache when the engine runs at least 2
+    ``threads``. ``python -m bench.model_forward --prefill-ab`` on a 2-core AMD EPYC with AVX-512 and
     AVX512-BF16 (session 12, SmolLM2, whole prefill, native over torch): fp32 cache 1.29x / 1.55x at 1,024
     tokens and 1.41x / 1.64x at 4,096 (1 / 2 threads); bf16 cache 0.98x / 1.08x and 0.80x / 0.80x (torch
-    attends a bf16 cache in bf16 there, the kernel widens it to fp32). The AVX2 build was slower than torch at
-    4,096 tokens on one thread (session 11). ``docs/engine-step.md``.
+    attends a bf16 cache in bf16 there, the kernel widens it to fp32). On an AVX2-only EPYC Zen 3 (session
+    15, each value row widened once per tile; attention time, bf16 cache, 512-token chunks): 1.12x / 1.28x at
+    1,024 tokens, 0.83x / 1.08x at 4,096 (1 / 2 threads); whole requests at 2 threads took 0.75x (4 prompt
+    tokens over 983 cached), 0.95x (48 over 1,600) and 0.79x (1,050 cold) of torch's time. Torch attends in
+    fp32 there whatever the cache (``engine.attention.attention_dtype``). ``docs/engine-step.md``.
 
     Args:
         kv_dtype: the cache's dtype; None counts as not float32 for ``auto``.
+        threads: the engine's thread count for prefill steps (``auto`` on AVX2 needs 2 or more).
 
     Raises:
         ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
@@ -498,7 +504,8 @@ def resolve_prefill_kernel(
             f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
         )
     isa = build_isa()
-    if setting == "auto" and (kv_dtype != torch.float32 or isa != "avx512"):
+    measured_faster = (isa == "avx512" and kv_dtype == torch.float32) or (isa == "avx2" and threads >= 2)
+    if setting == "auto" and not measured_faster:
         return None
     return native_build.resolve_setting(
         "engine.prefill_kernel",

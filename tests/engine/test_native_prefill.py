@@ -148,20 +148,27 @@ def test_an_unknown_isa_is_a_named_error(monkeypatch):
         NativeDecodeKernel.build(isa="sse2")
 
 
-def test_auto_takes_the_avx512_build_over_a_float32_cache_only(monkeypatch):
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, isa):
     """``auto`` takes the kernel where it was measured faster than torch's chunked prefill: the AVX-512 build
-    over a float32 cache; an AVX2-only CPU, or a bf16 cache, keeps torch's path."""
-    monkeypatch.delenv("PREFIXGATE_ATTENTION_ISA", raising=False)
+    over a float32 cache, the AVX2 build (CPUs without AVX-512) over any cache at 2 or more threads; else
+    torch's path. The build is forced (``PREFIXGATE_ATTENTION_ISA``) so that every CPU checks both rules."""
+    runs = native_decode._cpu_ok(isa)[0] and native_decode._compiler() is not None
+    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", isa)
     cpu = torch.device("cpu")
-    kernel = resolve_prefill_kernel("auto", cpu, 3, 64, torch.float32)
-    if native_decode._cpu_ok("avx512")[0] and native_decode._compiler() is not None:
-        assert kernel is not None and kernel.isa == "avx512"
-        assert kernel is resolve_prefill_kernel("native", cpu, 3, 64, torch.float32)
-    else:
-        assert kernel is None
-    assert resolve_prefill_kernel("auto", cpu, 3, 64, torch.bfloat16) is None
-    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx2")
-    assert resolve_prefill_kernel("auto", cpu, 3, 64, torch.float32) is None
+    cases = {
+        (torch.float32, 1): isa == "avx512",
+        (torch.float32, 2): True,
+        (torch.bfloat16, 1): False,
+        (torch.bfloat16, 2): isa == "avx2",
+    }
+    for (kv_dtype, threads), measured_faster in cases.items():
+        kernel = resolve_prefill_kernel("auto", cpu, 3, 64, kv_dtype, threads=threads)
+        # where the build does not run here, auto falls back to torch's path (logged)
+        assert (kernel is not None) == (measured_faster and runs), (kv_dtype, threads)
+        if kernel is not None:
+            assert kernel.isa == isa
+            assert kernel is resolve_prefill_kernel("native", cpu, 3, 64, kv_dtype)
 
 
 @needs_kernel
@@ -170,13 +177,17 @@ def test_the_prefill_kernel_is_part_of_the_engines_model_id(engine_isa, kv_dtype
     ck = tiny_checkpoint("hf")
     ids = {
         # glue_kernel torch: its part comes after the prefill kernel's (engine.native_glue)
-        s: make_engine(ck, kv_dtype=kv_dtype, prefill_kernel=s, glue_kernel="torch").model_id
+        s: make_engine(ck, kv_dtype=kv_dtype, prefill_kernel=s, glue_kernel="torch", num_threads=2).model_id
         for s in ("auto", "torch", "native")
     }
     suffix = "/native-prefill" if ISA == "avx512" else f"/native-prefill-{ISA}"
     assert ids["native"] == ids["torch"] + suffix
-    auto_native = ISA == "avx512" and kv_dtype == "float32"
+    auto_native = ISA == "avx2" or kv_dtype == "float32"  # at 2 threads (resolve_prefill_kernel)
     assert ids["auto"] == (ids["native"] if auto_native else ids["torch"])
+    one_thread = make_engine(ck, kv_dtype=kv_dtype, prefill_kernel="auto", glue_kernel="torch", num_threads=1)
+    assert one_thread.model_id == (
+        ids["native"] if ISA == "avx512" and kv_dtype == "float32" else ids["torch"]
+    )
     assert make_engine(ck, prefill_kernel="native").model_id.startswith(
         ck.model_id
     )  # the checkpoint's id + kernels
