@@ -296,17 +296,25 @@ class NativeDecodeStep:
         through the kernels called one by one from Python (``forward_glued``'s sequence); None when the
         residual, the output and the KV cache are bit-identical, else what differed or which kernel is
         missing."""
-        from engine import native_decode, native_glue, native_linear
-
-        kernels = (
-            native_linear._shared_kernel(),
-            native_glue._shared_kernel(),
-            native_decode._shared_kernel(None, None, native_decode.build_isa()),
-        )
+        kernels = step_kernels()
         for k in kernels:
             if isinstance(k, str):
                 return f"needs the native linear, glue and decode kernels: {k}"
         return _check_against_python(self, *kernels)
+
+
+def step_kernels() -> tuple:
+    """The kernels a decode step calls, each the build the engine uses on this CPU (``native_linear``'s,
+    ``native_glue``'s and ``native_decode.build_isa``'s decode kernel), shared per process: a
+    (``NativeLinearKernel``, ``NativeGlueKernel``, ``NativeDecodeKernel``) tuple whose entries are the reason
+    (str) where one does not build."""
+    from engine import native_decode, native_glue, native_linear
+
+    return (
+        native_linear._shared_kernel(),
+        native_glue._shared_kernel(),
+        native_decode._shared_kernel(None, None, native_decode.build_isa()),
+    )
 
 
 def _check_against_python(

@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native_decode, native_glue, native_linear
 from engine.llm_engine import LLMEngine
-from engine.native_step import DecodeStepError, NativeDecodeStep, _check_against_python, resolve_decode_step
+from engine.native_step import (
+    DecodeStepError,
+    NativeDecodeStep,
+    _check_against_python,
+    resolve_decode_step,
+    step_kernels,
+)
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
-KERNELS = (
-    native_linear._shared_kernel(),
-    native_glue._shared_kernel(),
-    native_decode._shared_kernel(None, None, native_decode.build_isa()),
-)
+KERNELS = step_kernels()
 """The kernels the step calls, each the build this CPU runs (a str where one does not build)."""
 step_kernel = resolve_decode_step()
 pytestmark = pytest.mark.skipif(
