@@ -10,7 +10,10 @@ an fp32 matmul on the dequantized weight, up to fp32 summation order (a few ulp)
 native linear kernel").
 
 It reads 4 (8) bits per weight plus 4 (2) bytes of scales per 32 weights, like the GGUF. Rows of the input are
-taken 4 at a time per tile (one decode of the codes serves 4 rows); output tiles are split over
+taken 4 at a time per tile (one decode of the codes serves 4 rows; AVX2: 2 rows per half tile, and from 16 rows
+the panel path, each half tile's codes widened once into floats that every row runs against, 6 rows at a time:
+prompt rows where there is no dense copy, ``engine.weight_format.auto_dense_min_rows``); output tiles are split
+over
 ``kernel_threads()`` threads (OpenMP, the runtime torch itself loaded: the engine's ``num_threads`` in every
 step, ``set_kernel_threads``). Each output element is computed
 by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
@@ -283,16 +286,16 @@ class NativeLinearKernel:
 
     def self_check(self) -> str | None:
         """Compare the kernel with a float64 product on random Q4_0-, Q4_1- and Q8_0-like weights (a partial
-        tile, 1-6 rows, 1 and 2 threads) and check row invariance; None when every output is within 1e-5 of
-        the largest, else what differed."""
+        tile, 1-20 rows: the AVX2 build's per-row and panel paths, 1 and 2 threads) and check row invariance;
+        None when every output is within 1e-5 of the largest, else what differed."""
         gen = torch.Generator().manual_seed(0)
         for bits, n, k in ((4, 37, 96), (8, 21, 64)):
             groups = random_groups(bits, n, k, gen)
             packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
-            x = torch.randn(6, k, generator=gen)
+            x = torch.randn(20, k, generator=gen)
             want = x.double() @ groups.dequantize().double().T
-            alone = torch.cat([self.mm(packed, x[i : i + 1], 1) for i in range(6)])
-            for rows in (1, 5, 6):
+            alone = torch.cat([self.mm(packed, x[i : i + 1], 1) for i in range(20)])
+            for rows in (1, 5, 6, 20):
                 for threads in (1, 2):
                     got = self.mm(packed, x[:rows], threads)
                     err = ((got.double() - want[:rows]).abs().max() / want.abs().max()).item()

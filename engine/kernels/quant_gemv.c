@@ -12,7 +12,7 @@
  * per group g the kernel computes, in fp32, acc = sum_i (q_i - 8) * x_i (four partial sums over i in a fixed
  * order, fused multiply-adds; q - 8 is exact) and y += d * acc + zero * S_g, S_g = sum of the group's 32 inputs.
  * int8: w = q * d, y += d * sum_i q_i x_i. Codes become floats by a table lookup (vpermps) or a widening
- * conversion; x[k] is broadcast; no horizontal sums.
+ * conversion; x[k] is broadcast.
  *
  * Every output element is computed by the same sequence of fp32 operations whatever M, the rows computed with
  * it, the tile range or the thread count: row i of an M-row call is bit-identical to the 1-row call of that
@@ -21,12 +21,14 @@
  *
  * Two builds (engine.native_linear picks one from the CPU's flags): AVX-512 F/BW/VL, a tile's 16 rows in one
  * 512-bit vector; AVX2, the same tile as two 8-lane halves (rows 0-7, then 8-15), taken 2 rows of x at a time
- * (16 ymm registers). Each lane (output row) goes through the same sequence of fp32 operations in both builds:
+ * (16 ymm registers), or from PANEL_MIN_ROWS rows of x up each half's codes widened once into a panel of floats
+ * that every row then runs against (the panel path, below: prompt rows). Each lane (output row) goes through the same sequence of fp32 operations in both builds:
  * codes become the same exact floats (q - 8 by a table or by integer subtraction and conversion), the same fused
  * multiply-adds into the same four partial sums, the same adds, and the group sums of x by one portable
  * function that adds in _mm512_reduce_add_ps's tree order.
  *
- * Built by engine.native_build (gcc -O3, -fopenmp for the tile split; no -ffast-math, -ffp-contract=off).
+ * Built by engine.native_build (gcc -O3, -fopenmp for the tile split and the panel path's row packing; no
+ * -ffast-math, -ffp-contract=off).
  * Returns 0, or -1 for bad arguments (nothing written), -2 out of memory.
  */
 #include <immintrin.h>
@@ -127,7 +129,8 @@ INLINE void q8_tile(const uint8_t *w, int64_t G, const float *x, int64_t k, int 
     } while (0)
 
 static void q4_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, const float *s,
-                     int64_t t0, int64_t t1) {
+                     int64_t t0, int64_t t1, float *panel, const float *xp) {
+    (void)panel, (void)xp;
     const int64_t G = k / QK;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *wt = w + t * G * Q4_BLOCK;
@@ -147,7 +150,8 @@ static void q4_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int
 }
 
 static void q8_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int64_t t0,
-                     int64_t t1) {
+                     int64_t t1, float *panel, const float *xp) {
+    (void)panel, (void)xp;
     const int64_t G = k / QK;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *wt = w + t * G * Q8_BLOCK;
@@ -164,6 +168,14 @@ static void q8_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int
         }
     }
 }
+
+#define PANEL_FLOATS(G) 0 /* no panels: a 512-bit tile's decode is already cheap beside its 4 rows' FMAs */
+#define PANEL_MIN_ROWS INT64_MAX
+#define PANEL_ROWS 1
+static void pack_rows(const float *x, int64_t m, int64_t k, int int4, float *xp, float *s, int64_t b0, int64_t b1) {
+    (void)x, (void)m, (void)k, (void)int4, (void)xp, (void)s, (void)b0, (void)b1;
+}
+#define THREAD_PANEL(panel, G, id) ((void)(panel), (void)(G), (void)(id), (float *)0)
 
 #else /* AVX2 + FMA + F16C */
 
@@ -230,21 +242,25 @@ INLINE void q8_half(const uint8_t *w, int64_t G, const float *x, int64_t k, int 
     for (int r = 0; r < R; r++) out[r] = y[r];
 }
 
+/* store o[0 .. R) of half tile (t, half) as rows r0 .. r0 + R of y, its `valid` (1..8) outputs */
+#define STORE_HALF(R)                                                                                          \
+    for (int r = 0; r < R; r++) {                                                                              \
+        float *dst = y + (r0 + r) * n + t * TILE + 8 * half;                                                   \
+        if (valid == 8) {                                                                                      \
+            _mm256_storeu_ps(dst, o[r]);                                                                       \
+        } else {                                                                                               \
+            float lanes[8];                                                                                    \
+            _mm256_storeu_ps(lanes, o[r]);                                                                     \
+            for (int j = 0; j < valid; j++) dst[j] = lanes[j];                                                 \
+        }                                                                                                      \
+    }
+
 /* one half tile, rows [r0, r0 + R), its `valid` (1..8) outputs stored */
 #define RUN_HALF(BITS, R, ...)                                                                                 \
     do {                                                                                                       \
         __m256 o[ROWS2];                                                                                       \
         BITS##_half(__VA_ARGS__, R, half, o);                                                                  \
-        for (int r = 0; r < R; r++) {                                                                          \
-            float *dst = y + (r0 + r) * n + t * TILE + 8 * half;                                               \
-            if (valid == 8) {                                                                                  \
-                _mm256_storeu_ps(dst, o[r]);                                                                   \
-            } else {                                                                                           \
-                float lanes[8];                                                                                \
-                _mm256_storeu_ps(lanes, o[r]);                                                                 \
-                for (int j = 0; j < valid; j++) dst[j] = lanes[j];                                             \
-            }                                                                                                  \
-        }                                                                                                      \
+        STORE_HALF(R);                                                                                         \
     } while (0)
 
 /* the halves of tiles [t0, t1) that hold output rows, each for every row of x, ROWS2 at a time */
@@ -259,9 +275,189 @@ INLINE void q8_half(const uint8_t *w, int64_t G, const float *x, int64_t k, int 
             }                                                                                                  \
         }
 
-static void q4_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, const float *s,
-                     int64_t t0, int64_t t1) {
+/* Many rows (PANEL_MIN_ROWS and up): a half tile's codes are widened once, for every group, into a panel of the
+ * exact floats q - 8 (int4) or q (int8) that q4_half / q8_half compute from them, with the group's d and zero
+ * beside them; then every row of x runs against the panel, PANEL_ROWS rows at a time.
+ *
+ * The panel pairs inputs: one vector holds 4 outputs x 2 inputs, lanes [o0 i, o0 i+1, o1 i, o1 i+1, .., o3 i+1],
+ * so one 64-bit broadcast of x[i], x[i + 1] feeds 8 lanes. Each group is two passes over pairs: int4 the low
+ * nibbles (inputs 0-15) then the high ones (16-31); int8 inputs i % 4 in {0, 1}, then {2, 3}. In a pass the lane
+ * of input parity e accumulates exactly the inputs q4_half's (q8_half's) partial sum a[e] (a[2 + e] in the second
+ * pass) accumulates, in the same order; at the pass's end adjacent lanes are added (a0 + a1, a2 + a3: one fp32
+ * add each), then the two passes (one add), giving outputs in the order [o0 o1 o4 o5 o2 o3 o6 o7] (swap_mid),
+ * which y, d and zero keep until the store swaps them back. So every output goes through q4_half's (q8_half's)
+ * sequence of fp32 operations: the same bits. Per pair of inputs and PANEL_ROWS rows: 2 weight loads and
+ * PANEL_ROWS broadcasts for 2 PANEL_ROWS fused multiply-adds (12 accumulators), where the decode-per-row path
+ * takes a decode and 4 broadcasts per 4. x is packed once per call (pack_rows, each thread its share of the row
+ * blocks before any tile runs) so that a block's broadcasts read one stream. Measured against the per-row path
+ * and the fp32 GEMM in docs/engine-step.md, "Prompt rows on the native kernel". */
+#define PANEL_ROWS 6
+#define PANEL_MIN_ROWS 16 /* from this many rows of x (fewer: the widening is not paid back) */
+#define PANEL_VECS 32     /* 8-float vectors per group: 2 passes x 8 pairs x outputs 0-3, 4-7 */
+
+/* 64-bit elements 0 2 1 3: lanes [o0 o1 o2 o3 o4 o5 o6 o7] <-> [o0 o1 o4 o5 o2 o3 o6 o7] (its own inverse) */
+INLINE __m256 swap_mid(__m256 v) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8)); }
+
+/* adjacent lanes added, as _mm256_hadd_ps: [a0+a1 a2+a3 b0+b1 b2+b3 | a4+a5 a6+a7 b4+b5 b6+b7] */
+INLINE __m256 pair_sums(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+}
+
+/* x[i], x[i + 1] in every lane pair */
+INLINE __m256 pair(const float *x) { return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)x)); }
+
+/* the codes of inputs (i, i + 1) of the half tile's 8 outputs, interleaved: byte 2 j + e = output j, input i + e */
+INLINE __m128i pair_codes(const uint8_t *q, int i) {
+    return _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(q + 16 * i)),
+                             _mm_loadl_epi64((const __m128i *)(q + 16 * (i + 1))));
+}
+
+/* the panel's d and zero (int8: d only), swap_mid-ordered: dz[16 g ..] */
+INLINE void store_dz(float *dz, __m256 d, __m256 zero) {
+    _mm256_store_ps(dz, swap_mid(d));
+    _mm256_store_ps(dz + 8, swap_mid(zero));
+}
+
+/* panel of one int4 half tile: vector 16 pass + 2 j + h of group g (h: outputs 0-3, 4-7) holds inputs
+ * 16 pass + 2 j and + 1, low nibbles in pass 0, high in pass 1 */
+static void q4_widen(const uint8_t *w, int64_t G, int half, float *p, float *dz) {
+    const __m256i low4 = _mm256_set1_epi32(15), eight_i = _mm256_set1_epi32(8);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q4_BLOCK;
+        const uint8_t *q = b + 64 + 8 * half;
+        float *pg = p + g * PANEL_VECS * 8;
+        for (int j = 0; j < 8; j++) {
+            const __m128i c = pair_codes(q, 2 * j);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_unpackhi_epi64(c, c) : c);
+                _mm256_store_ps(pg + 8 * (2 * j + h),
+                                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low4), eight_i)));
+                _mm256_store_ps(pg + 8 * (16 + 2 * j + h),
+                                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight_i)));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 16 * half)));
+        store_dz(dz + 16 * g, d,
+                 _mm256_fmadd_ps(eight, d, _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 32 + 16 * half)))));
+    }
+}
+
+/* panel of one int8 half tile: vector 16 pass + 2 j + h of group g holds inputs 4 j + 2 pass and + 1 */
+static void q8_widen(const uint8_t *w, int64_t G, int half, float *p, float *dz) {
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q8_BLOCK;
+        const uint8_t *q = b + 32 + 8 * half;
+        float *pg = p + g * PANEL_VECS * 8;
+        for (int pass = 0; pass < 2; pass++)
+            for (int j = 0; j < 8; j++) {
+                const __m128i c = pair_codes(q, 4 * j + 2 * pass);
+                for (int h = 0; h < 2; h++)
+                    _mm256_store_ps(pg + 8 * (16 * pass + 2 * j + h),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_unpackhi_epi64(c, c) : c)));
+            }
+        store_dz(dz + 16 * g, _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 16 * half))),
+                 _mm256_setzero_ps());
+    }
+}
+
+/* x packed for the panel path: rows in blocks of PANEL_ROWS (the last padded with zero rows), per block and
+ * group the pairs in the order the kernel takes them, each pair's PANEL_ROWS rows side by side, so a block's
+ * broadcasts read one stream: xp[(((b G + g) 2 + pass) 8 + j) PANEL_ROWS 2 + 2 r + e] = x[PANEL_ROWS b + r]
+ * [32 g + XSTEP j + XPASS pass + e] (int4: XSTEP 2, XPASS 16; int8: 4, 2). Blocks [b0, b1) only; with s (int4),
+ * their rows' group sums too, s[row G + g], zero for padding rows. */
+static void pack_rows(const float *x, int64_t m, int64_t k, int int4, float *xp, float *s, int64_t b0, int64_t b1) {
     const int64_t G = k / QK;
+    const int xstep = int4 ? 2 : 4, xpass = int4 ? 16 : 2;
+    for (int64_t bl = b0; bl < b1; bl++) {
+        for (int64_t g = 0; g < G; g++)
+            for (int pass = 0; pass < 2; pass++)
+                for (int j = 0; j < 8; j++) {
+                    float *dst = xp + (((bl * G + g) * 2 + pass) * 8 + j) * PANEL_ROWS * 2;
+                    for (int r = 0; r < PANEL_ROWS; r++) {
+                        const int64_t row = bl * PANEL_ROWS + r;
+                        const float *src = x + row * k + g * QK + xstep * j + xpass * pass;
+                        dst[2 * r] = row < m ? src[0] : 0.0f;
+                        dst[2 * r + 1] = row < m ? src[1] : 0.0f;
+                    }
+                }
+        if (s == 0) continue;
+        for (int64_t row = bl * PANEL_ROWS; row < (bl + 1) * PANEL_ROWS; row++)
+            for (int64_t g = 0; g < G; g++) s[row * G + g] = row < m ? sum32(x + row * k + g * QK) : 0.0f;
+    }
+}
+
+/* PANEL_ROWS rows of packed x (one block) against a panel; out swap_mid-ordered. ZERO: int4 (y += zero * S_g
+ * after y += d * acc). */
+INLINE void panel_rows(const float *p, const float *dz, int64_t G, const float *xp, const float *s, const int ZERO,
+                       __m256 *out) {
+    __m256 y[PANEL_ROWS];
+    for (int r = 0; r < PANEL_ROWS; r++) y[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const float *pg = p + g * PANEL_VECS * 8;
+        __m256 sums[2][PANEL_ROWS];
+        for (int pass = 0; pass < 2; pass++) {
+            const float *xg = xp + (g * 2 + pass) * 8 * PANEL_ROWS * 2;
+            __m256 a[PANEL_ROWS][2]; /* outputs 0-3, 4-7 */
+            for (int r = 0; r < PANEL_ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256 w0 = _mm256_load_ps(pg + 8 * (16 * pass + 2 * j));
+                const __m256 w1 = _mm256_load_ps(pg + 8 * (16 * pass + 2 * j + 1));
+                for (int r = 0; r < PANEL_ROWS; r++) {
+                    const __m256 xb = pair(xg + (j * PANEL_ROWS + r) * 2);
+                    a[r][0] = _mm256_fmadd_ps(w0, xb, a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(w1, xb, a[r][1]);
+                }
+            }
+            for (int r = 0; r < PANEL_ROWS; r++) sums[pass][r] = pair_sums(a[r][0], a[r][1]);
+        }
+        const __m256 d = _mm256_load_ps(dz + 16 * g);
+        for (int r = 0; r < PANEL_ROWS; r++) {
+            y[r] = _mm256_fmadd_ps(d, _mm256_add_ps(sums[0][r], sums[1][r]), y[r]);
+            if (ZERO) y[r] = _mm256_fmadd_ps(_mm256_load_ps(dz + 16 * g + 8), _mm256_broadcast_ss(s + r * G + g), y[r]);
+        }
+    }
+    for (int r = 0; r < PANEL_ROWS; r++) out[r] = y[r];
+}
+
+/* the panel path over tiles [t0, t1): per half tile, widen (BITS##_widen) then every block of packed rows,
+ * storing the block's real rows */
+#define PANEL_TILES(BITS, ZERO)                                                                                \
+    do {                                                                                                       \
+        float *dz = panel + G * PANEL_VECS * 8;                                                                \
+        for (int64_t t = t0; t < t1; t++)                                                                      \
+            for (int half = 0; half < 2; half++) {                                                             \
+                const int64_t left = n - t * TILE - 8 * half;                                                  \
+                if (left <= 0) break;                                                                          \
+                const int valid = left < 8 ? (int)left : 8;                                                    \
+                BITS##_widen(w + t * G * BITS##_BLOCK_BYTES, G, half, panel, dz);                              \
+                for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROWS) {                                               \
+                    __m256 o[PANEL_ROWS];                                                                      \
+                    panel_rows(panel, dz, G, xp + r0 * k, s + r0 * G, ZERO, o);                                \
+                    const int rows = m - r0 < PANEL_ROWS ? (int)(m - r0) : PANEL_ROWS;                         \
+                    for (int r = 0; r < rows; r++) o[r] = swap_mid(o[r]);                                      \
+                    STORE_HALF(rows);                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+    } while (0)
+#define q4_BLOCK_BYTES Q4_BLOCK
+#define q8_BLOCK_BYTES Q8_BLOCK
+
+#define PANEL_FLOATS(G) ((G) * (PANEL_VECS * 8 + 16)) /* one half tile's panel, then its d and zero */
+/* thread id's panel scratch in the call's buffer (NULL when the call takes no panels) */
+#define THREAD_PANEL(panel, G, id) ((panel) ? (panel) + (id) * PANEL_FLOATS(G) : (float *)0)
+
+/* panel: this thread's scratch of PANEL_FLOATS(G) floats (32-byte aligned); xp, s: the packed rows and their
+ * padded group sums (pack_rows), NULL below PANEL_MIN_ROWS rows */
+
+static void q4_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, const float *s,
+                     int64_t t0, int64_t t1, float *panel, const float *xp) {
+    const int64_t G = k / QK;
+    if (xp != 0) {
+        PANEL_TILES(q4, 1);
+        return;
+    }
     EACH_HALF({
         const uint8_t *wt = w + t * G * Q4_BLOCK;
         if (m - r0 < ROWS2)
@@ -272,8 +468,13 @@ static void q4_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int
 }
 
 static void q8_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int64_t t0,
-                     int64_t t1) {
+                     int64_t t1, float *panel, const float *xp) {
     const int64_t G = k / QK;
+    if (xp != 0) {
+        const float *s = 0;
+        PANEL_TILES(q8, 0);
+        return;
+    }
     EACH_HALF({
         const uint8_t *wt = w + t * G * Q8_BLOCK;
         if (m - r0 < ROWS2)
@@ -303,38 +504,85 @@ extern int omp_get_num_threads(void);
 #define THREAD_ID_AND_COUNT(id, nt) const int id = 0, nt = 1
 #endif
 
-/* CALL (which reads t0, t1) on each of `threads` OpenMP threads, over that thread's SPLIT share of T tiles */
-#define EACH_THREAD(T, threads, CALL)                                                                          \
-    _Pragma("omp parallel num_threads(threads)") {                                                             \
-        THREAD_ID_AND_COUNT(id, nt);                                                                           \
-        SPLIT(T, nt, id, t0, t1);                                                                              \
-        CALL;                                                                                                  \
-    }
+
+/* The panel path's buffers for an m-row call, or all NULL below PANEL_MIN_ROWS (or in the AVX-512 build): one
+ * allocation holding `threads` panels, then room for x packed by pack_rows, then (int4) its group sums.
+ * Returns 0, or -2 when it cannot be had. */
+typedef struct {
+    float *base, *panel, *xp, *s;
+} panel_bufs;
+
+static int panel_alloc(int64_t m, int64_t k, int threads, int int4, panel_bufs *b) {
+    b->base = b->panel = b->xp = b->s = 0;
+    const int64_t G = k / QK;
+    if (m < PANEL_MIN_ROWS || PANEL_FLOATS(G) == 0) return 0;
+    const int64_t padded = (m + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
+    const size_t floats = (size_t)threads * (size_t)PANEL_FLOATS(G) + (size_t)(padded * k) + (size_t)(padded * G);
+    b->base = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    if (b->base == 0) return -2;
+    b->panel = b->base;
+    b->xp = b->panel + (size_t)threads * (size_t)PANEL_FLOATS(G);
+    b->s = b->xp + padded * k;
+    if (!int4) b->s = 0;
+    return 0;
+}
+
+/* CALL on `threads` threads, each over its share [t0, t1) of T tiles, after PACK, each over its share [t0, t1)
+ * of B row blocks (pack_rows), has run on every thread */
+#define PACK_THEN_TILES(B, PACK, T, CALL)                                                                      \
+    do {                                                                                                       \
+        if (threads == 1) {                                                                                    \
+            const int id = 0;                                                                                  \
+            (void)id;                                                                                          \
+            {                                                                                                  \
+                const int64_t t0 = 0, t1 = (B);                                                                \
+                PACK;                                                                                          \
+            }                                                                                                  \
+            const int64_t t0 = 0, t1 = (T);                                                                    \
+            CALL;                                                                                              \
+        } else {                                                                                               \
+            _Pragma("omp parallel num_threads(threads)") {                                                     \
+                THREAD_ID_AND_COUNT(id, nt);                                                                   \
+                {                                                                                              \
+                    SPLIT(B, nt, id, t0, t1);                                                                  \
+                    PACK;                                                                                      \
+                }                                                                                              \
+                _Pragma("omp barrier");                                                                        \
+                SPLIT(T, nt, id, t0, t1);                                                                      \
+                CALL;                                                                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
 
 /* Q4_0 / Q4_1: w = pack_int4's tiles (64-byte aligned), x fp32 [m][k], y fp32 [m][n]; threads >= 1 */
 int q4_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
     if (bad_args(w, n, k, x, m, y, threads)) return -1;
-    float *s = malloc((size_t)(m * (k / QK)) * sizeof(float));
-    if (s == 0) return -2;
-    group_sums(x, m, k, s);
-    const int64_t T = (n + TILE - 1) / TILE;
-    if (threads == 1) {
-        q4_tiles(w, n, k, x, m, y, s, 0, T);
-    } else {
-        EACH_THREAD(T, threads, q4_tiles(w, n, k, x, m, y, s, t0, t1));
+    const int64_t G = k / QK, T = (n + TILE - 1) / TILE;
+    panel_bufs b;
+    if (panel_alloc(m, k, threads, 1, &b) != 0) return -2;
+    float *s = b.s;
+    if (s == 0) {
+        s = malloc((size_t)(m * G) * sizeof(float));
+        if (s == 0) return -2;
+        group_sums(x, m, k, s);
     }
-    free(s);
+    const int64_t B = b.xp ? (m + PANEL_ROWS - 1) / PANEL_ROWS : 0;
+    PACK_THEN_TILES(B, pack_rows(x, m, k, 1, b.xp, b.s, t0, t1), T,
+                    q4_tiles(w, n, k, x, m, y, s, t0, t1, THREAD_PANEL(b.panel, G, id), b.xp));
+    if (s != b.s) free(s);
+    free(b.base);
     return 0;
 }
 
 /* Q8_0: w = pack_int8's tiles (64-byte aligned); as q4_gemv */
 int q8_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
     if (bad_args(w, n, k, x, m, y, threads)) return -1;
-    const int64_t T = (n + TILE - 1) / TILE;
-    if (threads == 1) {
-        q8_tiles(w, n, k, x, m, y, 0, T);
-    } else {
-        EACH_THREAD(T, threads, q8_tiles(w, n, k, x, m, y, t0, t1));
-    }
+    const int64_t G = k / QK, T = (n + TILE - 1) / TILE;
+    panel_bufs b;
+    if (panel_alloc(m, k, threads, 0, &b) != 0) return -2;
+    const int64_t B = b.xp ? (m + PANEL_ROWS - 1) / PANEL_ROWS : 0;
+    PACK_THEN_TILES(B, pack_rows(x, m, k, 0, b.xp, 0, t0, t1), T,
+                    q8_tiles(w, n, k, x, m, y, t0, t1, THREAD_PANEL(b.panel, G, id), b.xp));
+    free(b.base);
     return 0;
 }

@@ -86,15 +86,21 @@ def test_the_kernel_is_an_fp32_product_of_the_dequantized_weights(kernel, qtype,
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-def test_row_i_of_any_call_is_the_one_row_call_bit_for_bit(kernel, bits):
-    groups = random_groups(bits, 53, 160, torch.Generator().manual_seed(bits))
+@pytest.mark.parametrize("n", [53, 61])
+def test_row_i_of_any_call_is_the_one_row_call_bit_for_bit(kernel, bits, n):
+    # n = 53: the last tile's first half partly filled; 61: its second half. Row counts from 1 to 41 take the
+    # AVX2 build's per-row path and its panel path (PANEL_MIN_ROWS = 16 rows and up), with 0, 1 and 2 rows
+    # left after the panel's groups of 3.
+    groups = random_groups(bits, n, 160, torch.Generator().manual_seed(bits))
     packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
-    x = torch.randn(17, 160, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([kernel.mm(packed, x[i : i + 1], threads=1) for i in range(17)])
+    x = torch.randn(41, 160, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kernel.mm(packed, x[i : i + 1], threads=1) for i in range(41)])
     for isa in RUNNABLE:  # every build this CPU runs computes the same bits (the same operations per lane)
         other = NativeLinearKernel.build(isa=isa)
-        assert other.isa == isa and torch.equal(other.mm(packed, x), alone), isa
-    for m in range(1, 18):
+        assert other.isa == isa, isa
+        for m in (1, 15, 16, 17, 41):
+            assert torch.equal(other.mm(packed, x[:m]), alone[:m]), (isa, m)
+    for m in [*range(1, 21), 32, 33, 41]:
         for threads in (1, 2, 3):
             assert torch.equal(kernel.mm(packed, x[:m], threads=threads), alone[:m]), (m, threads)
             # the same rows in another order and company: each keeps its bits
