@@ -316,10 +316,15 @@ class EngineConfig:
             (``engine.weight_format``: ``auto`` runs the checkpoint's own format, e.g. Q4_1 as int4, where the
             hardware has the kernels, else float32).
         kv_dtype: dtype of the KV cache, ``float32`` or ``bfloat16`` (half the memory and attention bandwidth).
-        dense_min_rows: int4/int8 linears keep a dense bf16 copy of their weights (any integer; ``None`` = no copy:
-            less memory, slower prefill). The engine runs prompt tokens' rows on the copy and generated tokens'
-            rows on the int4 kernel, whatever the step's row count (``engine.row_kernels``: batch invariance); the
-            number itself is the row count from which a direct ``forward`` call without row kinds uses the copy.
+        dense_min_rows: int4/int8 linears keep a dense copy of their weights for prompt rows (bf16 where the CPU
+            has bf16 GEMMs, else fp32): ``auto`` (default) = a copy except on CPUs without bf16 GEMMs whose
+            linears run on the native kernel (there prompt rows run on that kernel's panel path: a third of the
+            memory, faster prefix-hit tails, ~15% slower cold prefills; ``engine.weight_format.
+            auto_dense_min_rows``), an integer >= 1 = a copy, ``None`` = no copy (less memory; prefill slower with
+            torch's int4 kernel). The engine runs prompt tokens' rows on the copy and generated tokens' rows on the
+            int4 kernel, whatever the step's row count (``engine.row_kernels``: batch invariance); the number
+            itself is the row count from which a direct ``forward`` call without row kinds uses the copy. Part of
+            ``model_id`` (a prompt's K/V differs).
         shared_prefix_attention: decode sequences that share cached leading blocks (one system prompt, many
             users) read those blocks once per step (cascade attention: on CPU the shared chunks of
             ``engine.chunked_decode``, over a bf16 cache; elsewhere ``engine.decode_attention.SharedPrefix``);
@@ -386,7 +391,7 @@ class EngineConfig:
     deployment_secret: str | None = None
     weights: str = "auto"
     kv_dtype: str = "float32"
-    dense_min_rows: int | None = 10
+    dense_min_rows: int | None | str = "auto"
     shared_prefix_attention: bool = True
     enable_partial_prefix_hits: bool = True
     decode_kernel: str = "auto"

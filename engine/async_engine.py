@@ -114,7 +114,7 @@ class AsyncEngine:
             UnsupportedHardwareError: ``weights`` needs kernels this device lacks (names the setting).
         """
         from engine.checkpoint import load_checkpoint, resolve_device
-        from engine.weight_format import check_supported
+        from engine.weight_format import check_dense_min_rows, check_supported
 
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
@@ -124,6 +124,7 @@ class AsyncEngine:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         check_supported(config.weights, config.kv_dtype, device)
+        check_dense_min_rows(config.dense_min_rows)
 
         def load() -> tuple[LLMEngine, object]:
             ckpt = load_checkpoint(

@@ -20,7 +20,6 @@ import torch
 
 from engine.arch_config import ArchConfig
 from engine.errors import UnsupportedModelError
-from engine.linear import DENSE_MIN_ROWS
 from engine.model import LlamaModel
 from engine.tokenizer import Tokenizer
 from engine.weight_format import resolve
@@ -102,6 +101,25 @@ def linear_kernel_variant(model: torch.nn.Module) -> str:
     return "/native-linear" if native.isa == "avx512" else f"/native-linear-{native.isa}"
 
 
+def prompt_rows_variant(model: torch.nn.Module) -> str:
+    """The part of ``model_id`` naming what ``model``'s quantized linears run prompt rows on: ``""`` (no quantized
+    linear, or a dense bf16 copy: the ids of earlier releases), ``"/prompt-dense-fp32"`` (a dense fp32 copy,
+    CPUs without bf16 GEMMs) or ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``).
+    A prompt token's K/V depends on it, so entries shared between processes (KV tiers) never mix them."""
+    from engine.linear import Int4Weight, Int8Weight
+
+    lin = next((m for m in model.modules() if isinstance(m, Int4Weight | Int8Weight)), None)
+    if lin is None:
+        return ""
+    if lin.dense is None:
+        return "/prompt-kernel"
+    return (
+        ""
+        if lin.dense.dtype == torch.bfloat16
+        else f"/prompt-dense-{str(lin.dense.dtype).removeprefix('torch.')}"
+    )
+
+
 def release_freed_heap() -> bool:
     """Return freed heap pages to the OS (glibc ``malloc_trim(0)``); True when it ran.
 
@@ -131,7 +149,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     weights: str = "float32",
-    dense_min_rows: int | None = DENSE_MIN_ROWS,
+    dense_min_rows: int | None | str = "auto",
     linear_kernel: str = "auto",
 ) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
@@ -142,7 +160,8 @@ def load_checkpoint(
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         weights: weight format, ``engine.weight_format.WEIGHT_FORMATS`` (default ``float32``: everything
             dequantized, the reference). The format is part of ``model_id`` (its KV differs).
-        dense_min_rows: see ``engine.weight_format.WeightPlan``.
+        dense_min_rows: ``auto``, None or an integer >= 1: see ``engine.weight_format.resolve``. Whether prompt
+            rows run on a dense copy, and its dtype, are part of ``model_id`` (``prompt_rows_variant``).
         linear_kernel: the kernel of int4/int8 linears' generated-token rows and LM head, ``auto | native |
             torch`` (``engine.native_linear``; ``engine.linear_kernel``). Part of ``model_id`` when native (a
             generated token's K/V differs).
@@ -190,6 +209,6 @@ def load_checkpoint(
     release_freed_heap()
     formats = model.weight_formats
     variant = "" if formats == "DenseWeight,Tensor" and dtype == torch.float32 else f"{formats}/{dtype}"
-    variant += linear_kernel_variant(model)
+    variant += linear_kernel_variant(model) + prompt_rows_variant(model)
     model_id = model_id_for(resolved.name, config, files, variant)
     return LoadedCheckpoint(config, model, tokenizer, model_id, str(resolved))

@@ -17,7 +17,8 @@ token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` there
 The tables below are torch's kernels; the native kernel against torch's int4 kernel (same rows, streamed weights,
 thread CPU time) is in ``docs/engine-step.md`` ("The native linear kernel"): at 1-8 rows it takes ~0.7-0.75x the
 time of torch's int4 kernel for the 30 layers and ~0.45x for the Q8_0 head, so ``engine.linear_kernel: auto``
-picks it wherever it builds; the dense prefill copy still serves prompt rows.
+picks it wherever it builds; the dense prefill copy still serves prompt rows, except on CPUs without bf16 GEMMs
+(``engine.dense_min_rows: auto``, below).
 
 Kernel choice per row count (first measured on a CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
 layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
@@ -87,6 +88,10 @@ weights hot in cache; the machine was loaded) bf16 GEMMs are emulated and lose e
 30 layers streamed from memory, one decode row: int4 25 ms against fp32 40 ms (8 rows: 106 ms against 126 ms);
 the Q8_0 LM head on the int4 kernel's two planes took 14.5 ms a row against 7 ms in fp32. So there the dense
 prefill copy is fp32 (``dense_dtype``, ``engine.weight_format.resolve``) and the head runs dense fp32 (exact).
+Where the native kernel runs the linears there, ``engine.dense_min_rows: auto`` keeps no copy at all: its panel
+path takes prompt rows at 0.9-1.3x the fp32 copy's time while reading 7x fewer bytes, and the copy was a third of
+the peak RSS (``engine.weight_format.auto_dense_min_rows``; ``docs/engine-step.md``, "Prompt rows on the native
+kernel").
 
 ``DenseWeight`` in fp32 (30 layers, weights streamed from memory, one thread):
 

@@ -221,25 +221,52 @@ class WeightPlan:
         return _as_float(t).to(device=self.device, dtype=self.dtype)
 
 
+def check_dense_min_rows(setting: object) -> None:
+    """Raise ``ValueError`` naming ``engine.dense_min_rows`` unless ``setting`` is ``"auto"``, None or an integer
+    >= 1."""
+    ok = setting is None or setting == "auto" or (type(setting) is int and setting >= 1)
+    if not ok:
+        raise ValueError(f"engine.dense_min_rows must be auto, null or an integer >= 1, got {setting!r}")
+
+
+def auto_dense_min_rows(device: torch.device, kernel: NativeLinearKernel | None) -> int | None:
+    """``engine.dense_min_rows: auto``: no dense prefill copy (None) where the quantized linears run on the native
+    kernel on a CPU without fast bf16 GEMMs, else ``DENSE_MIN_ROWS``.
+
+    There the copy would be fp32, 4 bytes per weight beside the 0.56 of the codes (SmolLM2-135M: 424 MB), and
+    the native kernel's panel path (``quant_gemv.c``) runs prompt rows at 0.9x the copy's time at 64 rows and
+    1.1-1.3x at 300-1,070 rows while reading 7x fewer bytes per step; measured over HTTP on a 2-core AVX2 EPYC
+    (``docs/engine-step.md``, "Prompt rows on the native kernel"): peak RSS 0.68x, the few-token tails of
+    prefix hits (W4) 0.59x the time, a cold 1,070-token prefill 1.15x. With bf16 GEMMs the bf16 copy stays:
+    there it is ~4x faster than fp32 at prefill sizes.
+    """
+    if kernel is not None and device.type == "cpu" and not bf16_kernels_available(device):
+        return None
+    return DENSE_MIN_ROWS
+
+
 def resolve(
     weights: str,
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
-    dense_min_rows: int | None = DENSE_MIN_ROWS,
+    dense_min_rows: int | None | str = "auto",
     linear_kernel: str = "auto",
 ) -> WeightPlan:
     """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged); the
-    dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32; quantized
-    linears run their weight-only rows on the kernel ``linear_kernel`` names (``engine.linear_kernel``:
+    dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32, kept from
+    ``dense_min_rows`` rows (``auto``: ``auto_dense_min_rows``; None = no copy); quantized linears run their
+    weight-only rows on the kernel ``linear_kernel`` names (``engine.linear_kernel``:
     ``engine.native_linear.resolve_linear_kernel``; only built when some weights stay quantized).
 
     Raises:
         ValueError, UnsupportedHardwareError: see ``check_supported``; ``linear_kernel`` unknown, or
-            ``native`` where that kernel cannot be built (the message names ``engine.linear_kernel``).
+            ``native`` where that kernel cannot be built (the message names ``engine.linear_kernel``); a bad
+            ``dense_min_rows`` (``check_dense_min_rows``).
     """
     from engine.native_linear import check_linear_kernel, resolve_linear_kernel
 
     check_linear_kernel(linear_kernel)
+    check_dense_min_rows(dense_min_rows)
     device = torch.device(device)
     if weights == "auto":
         if int4_kernels_available(device) and dtype == torch.float32:
@@ -254,6 +281,13 @@ def resolve(
     check_supported(weights, "float32", device)
     dense_dtype = torch.bfloat16 if bf16_kernels_available(device) else torch.float32
     kernel = None if weights in ("float32", "bf16") else resolve_linear_kernel(linear_kernel, device)
+    if dense_min_rows == "auto":
+        dense_min_rows = auto_dense_min_rows(device, kernel)
+        if dense_min_rows is None and weights in ("native", "int4", "int8"):
+            log.info(
+                "engine.dense_min_rows auto: no dense prefill copy on this CPU (no bf16 GEMMs); prompt rows run "
+                "on the native linear kernel"
+            )
     return WeightPlan(weights, device, dense_min_rows, dtype, dense_dtype, kernel)
 
 

@@ -32,13 +32,16 @@ def tiny_checkpoint(
     max_position_embeddings: int = 2048,
     weights: str = "float32",
     linear_kernel: str = "auto",
+    dense_min_rows: int | None | str = "auto",
 ) -> LoadedCheckpoint:
     """A tiny random checkpoint, written to a temp dir and loaded once per process.
 
     ``kind``: ``hf`` (Llama folder), ``qwen2`` (Qwen2 folder: q/k/v bias, tied embeddings) or ``gguf`` (Llama
     GGUF, F32; its context stays 512 tokens). ``weights``: the weight format it is loaded in
-    (``engine.weight_format``; ``int4`` quantizes at load, with the dense prefill copy). ``linear_kernel``:
-    the int4/int8 kernel (``engine.native_linear``; ``auto`` = native where it builds).
+    (``engine.weight_format``; ``int4`` quantizes at load). ``linear_kernel``:
+    the int4/int8 kernel (``engine.native_linear``; ``auto`` = native where it builds). ``dense_min_rows``: the
+    dense prefill copy (``engine.weight_format.resolve``: ``auto``, an integer, or None = prompt rows on the
+    weight-only kernel).
     """
     root = Path(tempfile.mkdtemp(prefix="prefixgate-tiny-"))
     if kind == "gguf":
@@ -51,7 +54,9 @@ def tiny_checkpoint(
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = max_position_embeddings
     cfg_path.write_text(json.dumps(cfg))
-    return load_checkpoint(str(folder), weights=weights, linear_kernel=linear_kernel)
+    return load_checkpoint(
+        str(folder), weights=weights, linear_kernel=linear_kernel, dense_min_rows=dense_min_rows
+    )
 
 
 @functools.cache

@@ -31,16 +31,18 @@ SHARED = random_tokens(320, 31)  # 20 whole blocks: more than one decode chunk o
 PROMPTS = [SHARED + random_tokens(n, 40 + i) for i, n in enumerate((30, 45, 17))] + [random_tokens(290, 50)]
 
 
-def int4_checkpoint(linear_kernel: str = "auto"):
+def int4_checkpoint(linear_kernel: str = "auto", dense_min_rows: int | None | str = "auto"):
     """The tiny checkpoint quantized to int4 at load; ``linear_kernel``: ``auto`` (the native kernel where it
-    builds, ``engine.native_linear``) or ``torch`` (torch's int4 kernel)."""
-    return tiny_checkpoint(weights="int4", linear_kernel=linear_kernel)
+    builds, ``engine.native_linear``) or ``torch`` (torch's int4 kernel); ``dense_min_rows``: prompt rows on a
+    dense copy (an integer), on the weight-only kernel (None: the native kernel's panel path from 16 rows), or
+    as this CPU's default (``auto``)."""
+    return tiny_checkpoint(weights="int4", linear_kernel=linear_kernel, dense_min_rows=dense_min_rows)
 
 
-def run_alone(prompts, linear_kernel: str = "auto", **config):
+def run_alone(prompts, linear_kernel: str = "auto", dense_min_rows: int | None | str = "auto", **config):
     """Each prompt by itself, one after the other on one engine (later ones hit the shared prefix, as in a
     batch the followers wait for the leader's blocks): (tokens, logits ``[N_NEW, vocab]``) per prompt."""
-    eng = make_engine(int4_checkpoint(linear_kernel), record_logits=True, **config)
+    eng = make_engine(int4_checkpoint(linear_kernel, dense_min_rows), record_logits=True, **config)
     out = []
     for p in prompts:
         r = eng.add_request(p, greedy(N_NEW))
@@ -49,8 +51,8 @@ def run_alone(prompts, linear_kernel: str = "auto", **config):
     return out
 
 
-def run_batched(prompts, linear_kernel: str = "auto", **config):
-    eng = make_engine(int4_checkpoint(linear_kernel), record_logits=True, **config)
+def run_batched(prompts, linear_kernel: str = "auto", dense_min_rows: int | None | str = "auto", **config):
+    eng = make_engine(int4_checkpoint(linear_kernel, dense_min_rows), record_logits=True, **config)
     reqs = [eng.add_request(p, greedy(N_NEW)) for p in prompts]
     eng.run_to_completion()
     return [(r.output_token_ids, torch.stack(eng.logits_log[r.request_id])) for r in reqs]
@@ -62,7 +64,7 @@ def run_batched(prompts, linear_kernel: str = "auto", **config):
 @pytest.mark.parametrize("shared_prefix", [True, False])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
 def test_batched_logits_equal_alone_bit_for_bit(
-    kv_dtype, shared_prefix, threads, decode_kernel, linear_kernel
+    kv_dtype, shared_prefix, threads, decode_kernel, linear_kernel, dense_min_rows="auto"
 ):
     assert "Int4Weight" in int4_checkpoint(linear_kernel).model.weight_formats
     previous = torch.get_num_threads()
@@ -78,13 +80,22 @@ def test_batched_logits_equal_alone_bit_for_bit(
             decode_kernel=decode_kernel,  # auto: the native kernel where it builds (engine.native_decode)
         )
         # auto: the native linear kernel where it builds (engine.native_linear)
-        alone = run_alone(PROMPTS, linear_kernel, **config)
-        batched = run_batched(PROMPTS, linear_kernel, **config)
+        alone = run_alone(PROMPTS, linear_kernel, dense_min_rows, **config)
+        batched = run_batched(PROMPTS, linear_kernel, dense_min_rows, **config)
     finally:
         torch.set_num_threads(previous)
     for (tokens, logits), (want_tokens, want_logits) in zip(batched, alone, strict=True):
         assert tokens == want_tokens
         assert torch.equal(logits, want_logits)  # every row, every bit
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dense_min_rows", [10, None], ids=["dense copy", "kernel rows"])
+def test_batched_logits_equal_alone_with_prompt_rows_on_either_kernel(dense_min_rows, threads):
+    """As above with prompt rows on a dense copy and on the weight-only kernel, whichever this CPU's default
+    (``engine.dense_min_rows: auto``) is: four prompts' 350-row step takes the native AVX2 kernel's panel path,
+    each prompt alone its own row count."""
+    test_batched_logits_equal_alone_bit_for_bit("bfloat16", True, threads, "auto", "auto", dense_min_rows)
 
 
 @pytest.mark.parametrize(
@@ -98,11 +109,14 @@ def test_batched_logits_equal_alone_bit_for_bit(
     ids=["budget 100", "budget 37", "cache off", "cache off, budget 64"],
 )
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
-def test_chunked_and_uncached_prefills_give_the_same_bits(config, kv_dtype):
+@pytest.mark.parametrize("dense_min_rows", [10, None], ids=["dense copy", "kernel rows"])
+def test_chunked_and_uncached_prefills_give_the_same_bits(config, kv_dtype, dense_min_rows):
     """Prefill attention cuts keys at fixed positions (``engine.chunked_prefill``): a prompt's K/V, and so every
-    logit, do not depend on how it was chunked or whether its prefix came from the cache."""
-    alone = run_alone(PROMPTS, kv_dtype=kv_dtype, max_num_batched_tokens=4096)
-    got = run_batched(PROMPTS, kv_dtype=kv_dtype, **config)
+    logit, do not depend on how it was chunked or whether its prefix came from the cache, whether prompt rows
+    run on the dense copy or on the weight-only kernel (whose native AVX2 build switches to its panel path at
+    16 rows: chunks of 37 and 64 rows against tails of a few)."""
+    alone = run_alone(PROMPTS, kv_dtype=kv_dtype, max_num_batched_tokens=4096, dense_min_rows=dense_min_rows)
+    got = run_batched(PROMPTS, kv_dtype=kv_dtype, dense_min_rows=dense_min_rows, **config)
     for (tokens, logits), (want_tokens, want_logits) in zip(got, alone, strict=True):
         assert tokens == want_tokens
         assert torch.equal(logits, want_logits)

@@ -340,12 +340,39 @@ def test_dense_prefill_copy_is_fp32_without_bf16_kernels(monkeypatch):
     """On an AVX2 CPU (int4 kernel, no bf16 GEMMs) quantized layers run int4 and their prefill copy is fp32."""
     monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: True)
     monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: False)
-    plan = resolve("auto", "cpu")
+    plan = resolve("auto", "cpu", dense_min_rows=10)
     assert (plan.weights, plan.dense_dtype) == ("native", torch.float32)
     lin = plan.build_linear([random_blocks("Q4_1", rows=64, cols=128)], None, "x")
     assert isinstance(lin, Int4Weight) and lin.dense.dtype == torch.float32
     monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: True)
     assert resolve("auto", "cpu").dense_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("bf16_gemms", "native_kernel", "want"),
+    [(False, True, None), (False, False, DENSE_MIN_ROWS), (True, True, DENSE_MIN_ROWS), (True, False, 10)],
+)
+def test_dense_min_rows_auto_drops_the_copy_only_on_the_native_kernel_without_bf16_gemms(
+    monkeypatch, caplog, bf16_gemms, native_kernel, want
+):
+    """``auto``: no dense prefill copy where it would be fp32 and the native kernel runs prompt rows (its panel
+    path), a copy everywhere else; an explicit setting is kept as given."""
+    monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: True)
+    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: bf16_gemms)
+    kernel = object() if native_kernel else None
+    monkeypatch.setattr("engine.native_linear.resolve_linear_kernel", lambda setting, device: kernel)
+    with caplog.at_level(logging.INFO, logger="engine.weight_format"):
+        plan = resolve("auto", "cpu")
+    assert plan.dense_min_rows == want and plan.linear_kernel is kernel
+    assert ("no dense prefill copy" in caplog.text) == (want is None)
+    assert resolve("auto", "cpu", dense_min_rows=12).dense_min_rows == 12
+    assert resolve("auto", "cpu", dense_min_rows=None).dense_min_rows is None
+
+
+@pytest.mark.parametrize("bad", [0, -3, "always", 2.5, True, "10"])
+def test_a_bad_dense_min_rows_is_refused_naming_the_setting(bad):
+    with pytest.raises(ValueError, match="engine.dense_min_rows must be auto, null or an integer >= 1"):
+        resolve("float32", "cpu", dense_min_rows=bad)
 
 
 def test_mixed_storage_in_one_projection_runs_in_the_widest_format(caplog):
@@ -414,3 +441,19 @@ def test_dense_copy_is_prepacked_and_used_from_dense_min_rows(qtype):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
         dense = torch.nn.functional.linear(x.to(torch.bfloat16), w16).float()
         assert torch.equal(lin.forward(x), dense) == (rows >= 10)
+
+
+def test_what_prompt_rows_run_on_is_part_of_the_model_id():
+    """A prompt token's K/V depends on the kernel its rows ran on: a dense fp32 copy, a dense bf16 copy (the ids
+    of earlier releases) or the weight-only kernel; entries shared through KV tiers must never mix them."""
+    from engine.checkpoint import prompt_rows_variant
+    from tests.engine.engine_helpers import tiny_checkpoint
+
+    copy = tiny_checkpoint(weights="int4", dense_min_rows=10)
+    rows = tiny_checkpoint(weights="int4", dense_min_rows=None)
+    ref = tiny_checkpoint()
+    assert prompt_rows_variant(rows.model) == "/prompt-kernel" and prompt_rows_variant(ref.model) == ""
+    dense_dtype = copy.model.layers[0].qkv.dense.dtype
+    want = "" if dense_dtype == torch.bfloat16 else "/prompt-dense-float32"
+    assert prompt_rows_variant(copy.model) == want
+    assert len({copy.model_id, rows.model_id, ref.model_id}) == 3
