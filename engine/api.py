@@ -318,7 +318,7 @@ class EngineConfig:
         kv_dtype: dtype of the KV cache, ``float32`` or ``bfloat16`` (half the memory and attention bandwidth).
         dense_min_rows: int4/int8 linears keep a dense copy of their weights for prompt rows (bf16 where the CPU
             has bf16 GEMMs, else fp32): ``auto`` (default) = a copy except on CPUs without bf16 GEMMs whose
-            linears run on the native kernel (there prompt rows run on that kernel's panel path: a third of the
+            linears run on the native kernel's AVX2 build (there prompt rows run on that kernel's panel path: a third of the
             memory, faster prefix-hit tails, ~15% slower cold prefills; ``engine.weight_format.
             auto_dense_min_rows``), an integer >= 1 = a copy, ``None`` = no copy (less memory; prefill slower with
             torch's int4 kernel). The engine runs prompt tokens' rows on the copy and generated tokens' rows on the

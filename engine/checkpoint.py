@@ -103,8 +103,8 @@ def linear_kernel_variant(model: torch.nn.Module) -> str:
 
 def prompt_rows_variant(model: torch.nn.Module) -> str:
     """The part of ``model_id`` naming what ``model``'s quantized linears run prompt rows on: ``""`` (no quantized
-    linear, or a dense bf16 copy: the ids of earlier releases), ``"/prompt-dense-fp32"`` (a dense fp32 copy,
-    CPUs without bf16 GEMMs) or ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``).
+    linear, or a dense bf16 copy: the ids of earlier releases), ``"/prompt-dense-float32"`` (a dense fp32
+    copy, CPUs without bf16 GEMMs) or ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``).
     A prompt token's K/V depends on it, so entries shared between processes (KV tiers) never mix them."""
     from engine.linear import Int4Weight, Int8Weight
 

@@ -13,10 +13,8 @@ It reads 4 (8) bits per weight plus 4 (2) bytes of scales per 32 weights, like t
 taken 4 at a time per tile (one decode of the codes serves 4 rows; AVX2: 2 rows per half tile, and from 16 rows
 the panel path, each half tile's codes widened once into floats that every row runs against, 6 rows at a time:
 prompt rows where there is no dense copy, ``engine.weight_format.auto_dense_min_rows``); output tiles are split
-over
-``kernel_threads()`` threads (OpenMP, the runtime torch itself loaded: the engine's ``num_threads`` in every
-step, ``set_kernel_threads``). Each output element is computed
-by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
+over ``kernel_threads()`` threads (OpenMP, the runtime torch itself loaded: the engine's ``num_threads`` in every
+step, ``set_kernel_threads``). Each output element is computed by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
 of that row whatever ``M``, the other rows and the thread count (batch invariance).
 
 Two builds: AVX-512 (F/BW/VL) and AVX2, each with F16C and FMA; ``select_isa`` takes the best the CPU has.

@@ -15,6 +15,9 @@
 - ``auto`` (default): ``native`` when the hardware runs the int4 kernel (AVX2 / AVX-512 CPUs, CUDA), else
   ``float32`` with a log line. It never loses precision the checkpoint has.
 
+``engine.dense_min_rows`` (``auto`` by default, ``auto_dense_min_rows``): whether quantized layers keep a dense
+copy for prompt rows; ``auto`` keeps one except where it would be fp32 and the native AVX2 kernel runs prompt rows.
+
 A fused projection (q/k/v, gate/up) whose parts are stored in different formats runs in the widest of them
 (any float part -> float32; Q4 with Q8_0 -> int8), with a log line.
 
@@ -231,16 +234,18 @@ def check_dense_min_rows(setting: object) -> None:
 
 def auto_dense_min_rows(device: torch.device, kernel: NativeLinearKernel | None) -> int | None:
     """``engine.dense_min_rows: auto``: no dense prefill copy (None) where the quantized linears run on the native
-    kernel on a CPU without fast bf16 GEMMs, else ``DENSE_MIN_ROWS``.
+    kernel's AVX2 build (the one with the panel path) on a CPU without fast bf16 GEMMs, else ``DENSE_MIN_ROWS``.
 
     There the copy would be fp32, 4 bytes per weight beside the 0.56 of the codes (SmolLM2-135M: 424 MB), and
     the native kernel's panel path (``quant_gemv.c``) runs prompt rows at 0.9x the copy's time at 64 rows and
     1.1-1.3x at 300-1,070 rows while reading 7x fewer bytes per step; measured over HTTP on a 2-core AVX2 EPYC
     (``docs/engine-step.md``, "Prompt rows on the native kernel"): peak RSS 0.68x, the few-token tails of
     prefix hits (W4) 0.59x the time, a cold 1,070-token prefill 1.15x. With bf16 GEMMs the bf16 copy stays:
-    there it is ~4x faster than fp32 at prefill sizes.
+    there it is ~4x faster than fp32 at prefill sizes. The AVX-512 build has no panel path and was not measured
+    on many rows against an fp32 copy (every AVX-512 CPU this project ran on had bf16 GEMMs): it keeps the copy.
     """
-    if kernel is not None and device.type == "cpu" and not bf16_kernels_available(device):
+    isa = getattr(kernel, "isa", None)
+    if isa == "avx2" and device.type == "cpu" and not bf16_kernels_available(device):
         return None
     return DENSE_MIN_ROWS
 

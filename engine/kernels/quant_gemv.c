@@ -22,10 +22,11 @@
  * Two builds (engine.native_linear picks one from the CPU's flags): AVX-512 F/BW/VL, a tile's 16 rows in one
  * 512-bit vector; AVX2, the same tile as two 8-lane halves (rows 0-7, then 8-15), taken 2 rows of x at a time
  * (16 ymm registers), or from PANEL_MIN_ROWS rows of x up each half's codes widened once into a panel of floats
- * that every row then runs against (the panel path, below: prompt rows). Each lane (output row) goes through the same sequence of fp32 operations in both builds:
- * codes become the same exact floats (q - 8 by a table or by integer subtraction and conversion), the same fused
- * multiply-adds into the same four partial sums, the same adds, and the group sums of x by one portable
- * function that adds in _mm512_reduce_add_ps's tree order.
+ * that every row then runs against (the panel path, below: prompt rows). Each lane (output row) goes through
+ * the same sequence of fp32 operations in both builds and paths: codes become the same exact floats (q - 8 by
+ * a table or by integer subtraction and conversion), the same fused multiply-adds into the same four partial
+ * sums, the same adds, and the group sums of x by one portable function that adds in _mm512_reduce_add_ps's
+ * tree order.
  *
  * Built by engine.native_build (gcc -O3, -fopenmp for the tile split and the panel path's row packing; no
  * -ffast-math, -ffp-contract=off).
@@ -415,7 +416,8 @@ INLINE void panel_rows(const float *p, const float *dz, int64_t G, const float *
         const __m256 d = _mm256_load_ps(dz + 16 * g);
         for (int r = 0; r < PANEL_ROWS; r++) {
             y[r] = _mm256_fmadd_ps(d, _mm256_add_ps(sums[0][r], sums[1][r]), y[r]);
-            if (ZERO) y[r] = _mm256_fmadd_ps(_mm256_load_ps(dz + 16 * g + 8), _mm256_broadcast_ss(s + r * G + g), y[r]);
+            if (ZERO)
+                y[r] = _mm256_fmadd_ps(_mm256_load_ps(dz + 16 * g + 8), _mm256_broadcast_ss(s + r * G + g), y[r]);
         }
     }
     for (int r = 0; r < PANEL_ROWS; r++) out[r] = y[r];
@@ -449,8 +451,7 @@ INLINE void panel_rows(const float *p, const float *dz, int64_t G, const float *
 #define THREAD_PANEL(panel, G, id) ((panel) ? (panel) + (id) * PANEL_FLOATS(G) : (float *)0)
 
 /* panel: this thread's scratch of PANEL_FLOATS(G) floats (32-byte aligned); xp, s: the packed rows and their
- * padded group sums (pack_rows), NULL below PANEL_MIN_ROWS rows */
-
+ * padded group sums (pack_rows), xp NULL below PANEL_MIN_ROWS rows (then the per-row path) */
 static void q4_tiles(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, const float *s,
                      int64_t t0, int64_t t1, float *panel, const float *xp) {
     const int64_t G = k / QK;
@@ -503,7 +504,6 @@ extern int omp_get_num_threads(void);
 #else
 #define THREAD_ID_AND_COUNT(id, nt) const int id = 0, nt = 1
 #endif
-
 
 /* The panel path's buffers for an m-row call, or all NULL below PANEL_MIN_ROWS (or in the AVX-512 build): one
  * allocation holding `threads` panels, then room for x packed by pack_rows, then (int4) its group sums.

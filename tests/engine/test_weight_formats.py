@@ -17,6 +17,7 @@ import logging
 import tempfile
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
@@ -349,17 +350,24 @@ def test_dense_prefill_copy_is_fp32_without_bf16_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("bf16_gemms", "native_kernel", "want"),
-    [(False, True, None), (False, False, DENSE_MIN_ROWS), (True, True, DENSE_MIN_ROWS), (True, False, 10)],
+    ("bf16_gemms", "native_isa", "want"),
+    [
+        (False, "avx2", None),
+        (False, "avx512", DENSE_MIN_ROWS),
+        (False, None, DENSE_MIN_ROWS),
+        (True, "avx2", DENSE_MIN_ROWS),
+        (True, "avx512", DENSE_MIN_ROWS),
+        (True, None, 10),
+    ],
 )
-def test_dense_min_rows_auto_drops_the_copy_only_on_the_native_kernel_without_bf16_gemms(
-    monkeypatch, caplog, bf16_gemms, native_kernel, want
+def test_dense_min_rows_auto_drops_the_copy_only_on_the_native_avx2_kernel_without_bf16_gemms(
+    monkeypatch, caplog, bf16_gemms, native_isa, want
 ):
-    """``auto``: no dense prefill copy where it would be fp32 and the native kernel runs prompt rows (its panel
-    path), a copy everywhere else; an explicit setting is kept as given."""
+    """``auto``: no dense prefill copy where it would be fp32 and the native AVX2 kernel runs prompt rows (its
+    panel path), a copy everywhere else (torch's int4 kernel: None); an explicit setting is kept as given."""
     monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: True)
     monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: bf16_gemms)
-    kernel = object() if native_kernel else None
+    kernel = None if native_isa is None else SimpleNamespace(isa=native_isa)
     monkeypatch.setattr("engine.native_linear.resolve_linear_kernel", lambda setting, device: kernel)
     with caplog.at_level(logging.INFO, logger="engine.weight_format"):
         plan = resolve("auto", "cpu")
