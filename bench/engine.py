@@ -179,8 +179,15 @@ def main() -> None:
         ck = load_checkpoint(path, device=args.device, weights=args.weights)
     tok = ck.tokenizer
     system = system_prompt(tok, args.system_tokens)
+    # every engine gets the same thread count: read once here, since an engine's steps change the calling
+    # thread's count (one-row steps run on one thread) and a later engine would otherwise start from that
+    threads = torch.get_num_threads()
     config = EngineConfig(
-        num_blocks=512, max_num_batched_tokens=2048, weights=args.weights, kv_dtype=args.kv_dtype
+        num_blocks=512,
+        max_num_batched_tokens=2048,
+        weights=args.weights,
+        kv_dtype=args.kv_dtype,
+        num_threads=threads,
     )
 
     def engine() -> LLMEngine:
@@ -195,7 +202,7 @@ def main() -> None:
         hf_ttft_fn = lambda prompt: hf_ttft(hf, prompt)  # noqa: E731
         hf_decode_fn = lambda prompt, n: hf_decode_tps(hf, key, prompt, n)  # noqa: E731
     else:
-        reference = Reference(path, torch.get_num_threads())
+        reference = Reference(path, threads)
         hf_ttft_fn, hf_decode_fn = reference.ttft, reference.decode_tps
     cold_prompt = chat(tok, system, QUESTIONS[0])
     question_tokens = len(cold_prompt) - len(chat(tok, system, ""))
@@ -223,7 +230,7 @@ def main() -> None:
     result = {
         "model": ck.model_id,
         "weights": ck.model.weight_formats,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "transformers_process": "none" if args.no_hf else ("same" if args.hf_same_process else "own"),
         "prompt_tokens": len(cold_prompt),
         "question_tokens": question_tokens,
