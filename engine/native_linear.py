@@ -260,6 +260,8 @@ class NativeLinearKernel:
 
         Raises:
             ValueError: ``x`` not 2-D ``[M, in_features]`` on CPU, ``M == 0``, or ``threads < 1``.
+            MemoryError: the kernel could not allocate its scratch (group sums; from 16 rows on AVX2 the panel
+                path's panels and packed rows, ~4 bytes per input element); nothing was written.
         """
         if x.dim() != 2 or x.shape[1] != w.in_features or x.shape[0] < 1 or x.device.type != "cpu":
             raise ValueError(
@@ -275,11 +277,11 @@ class NativeLinearKernel:
         rc = self._fns[w.bits](
             w.data.data_ptr(), w.out_features, w.in_features, x.data_ptr(), x.shape[0], y.data_ptr(), threads
         )
+        shapes = f"weight {w.out_features} x {w.in_features}, x {tuple(x.shape)}, {threads} threads"
+        if rc == -2:
+            raise MemoryError(f"q{w.bits}_gemv could not allocate its scratch (nothing written): {shapes}")
         if rc != 0:
-            raise ValueError(
-                f"q{w.bits}_gemv refused its arguments (rc {rc}): weight {w.out_features} x {w.in_features}, "
-                f"x {tuple(x.shape)}, {threads} threads"
-            )
+            raise ValueError(f"q{w.bits}_gemv refused its arguments (rc {rc}): {shapes}")
         return y
 
     def self_check(self) -> str | None:

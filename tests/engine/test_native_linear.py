@@ -134,6 +134,16 @@ def test_the_dense_prefill_copy_and_a_bias_are_unchanged_by_the_kernel(kernel):
 
 
 @needs_kernel
+def test_a_kernel_out_of_memory_is_a_memory_error_naming_the_call(kernel, monkeypatch):
+    """The C kernel's -2 (its scratch could not be allocated; nothing written) is a ``MemoryError``, not a refusal
+    of the arguments."""
+    packed = pack_int4(random_groups(4, 20, 64, torch.Generator().manual_seed(5)))
+    monkeypatch.setitem(kernel._fns, 4, lambda *args: -2)
+    with pytest.raises(MemoryError, match=r"q4_gemv could not allocate its scratch .*x \(40, 64\)"):
+        kernel.mm(packed, torch.randn(40, 64))
+
+
+@needs_kernel
 def test_bad_arguments_are_refused_by_name(kernel):
     groups = random_groups(4, 20, 64, torch.Generator().manual_seed(5))
     packed = pack_int4(groups)
