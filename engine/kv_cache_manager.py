@@ -27,8 +27,8 @@ Invariants (on top of ``block_pool``'s):
    can never serve another prompt's KV.
 4. ``allocate`` / ``append_slots`` either do everything or change nothing (they check first).
 5. Every operation costs O(blocks touched), never O(pool); only ``reset_prefix_cache`` walks the cache.
-6. A *pin* holds one reference on each of its blocks, like a request (``pin`` / ``unpin``), so a pinned
-   block is never evicted; pins hold at most ``max_pinned_blocks`` blocks in all (``engine.prefix_pins``).
+6. A *pin* holds one reference on each of its blocks, like a request (``pins.pin`` / ``pins.unpin``), so a
+   pinned block is never evicted; pins hold at most ``pins.max_blocks`` blocks in all (``engine.prefix_pins``).
 7. ``install_blocks`` (load-back from a tier) registers blocks exactly as ``cache_full_blocks`` would have,
    chained on the hit's entries, and leaves them unreferenced and cached (``engine.block_install``).
 
@@ -135,7 +135,8 @@ class KVCacheManager:
         self._copy_slots: SlotCopier | None = None
         self._requests: dict[str, _RequestBlocks] = {}
         self.pins = PrefixPins(self.pool, num_blocks // 4)
-        """Most blocks all pins together may hold (the engine sets it from ``max_pinned_fraction``)."""
+        """The pin table (invariant 6): ``pins.pin`` / ``unpin`` / ``check_room``; ``pins.max_blocks`` (the engine
+        sets it from ``max_pinned_fraction``) and ``pins.blocks_held``."""
 
     # ---- hashing and lookup ---------------------------------------------------------------------------
     def block_hashes(self, token_ids: Sequence[int], extra_keys: ExtraKeys) -> list[BlockHash]:
@@ -494,43 +495,6 @@ class KVCacheManager:
         prefixes). O(cached). Returns how many."""
         return self.pool.drop_unreferenced_cached(match)
 
-    # ---- pins (``engine.prefix_pins``) ---------------------------------------------------------------
-    @property
-    def max_pinned_blocks(self) -> int:
-        """Most blocks all pins may hold."""
-        return self.pins.max_blocks
-
-    @max_pinned_blocks.setter
-    def max_pinned_blocks(self, value: int) -> None:
-        self.pins.max_blocks = value
-
-    @property
-    def pinned_blocks(self) -> int:
-        """Blocks held by pins (a block in two pins counts twice)."""
-        return self.pins.blocks_held
-
-    def pin(self, pin_id: str, hit: PrefixHit) -> int:
-        """Pin the blocks of ``hit`` (a prefix found this step): they stay in RAM until ``unpin``.
-
-        Returns:
-            Blocks pinned.
-
-        Raises:
-            ValueError: ``pin_id`` already in use.
-            StaleCacheHitError: ``hit`` names a block evicted since it was found.
-            PinCapError: the pins would hold more than ``max_pinned_blocks`` blocks (nothing pinned).
-        """
-        self._check_hits(hit._blocks)
-        return self.pins.pin(pin_id, hit)
-
-    def check_pin_room(self, num_blocks: int) -> None:
-        """Raise ``PinCapError`` unless ``num_blocks`` more blocks could be pinned now."""
-        self.pins.check_room(num_blocks)
-
-    def unpin(self, pin_id: str) -> bool:
-        """Release a pin (its blocks become evictable unless a request holds them). False when unknown."""
-        return self.pins.unpin(pin_id)
-
     # ---- queries --------------------------------------------------------------------------------------
     def _request(self, request_id: str) -> _RequestBlocks:
         try:
@@ -611,7 +575,7 @@ class KVCacheManager:
             assert len(set(ids)) == len(ids), "a block is twice in one block table"
             for block_id in ids:
                 refs[block_id] += 1
-        assert self.pinned_blocks <= self.max_pinned_blocks
+        assert self.pins.blocks_held <= self.pins.max_blocks
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs[block.block_id]} live tables and pins"

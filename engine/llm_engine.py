@@ -191,7 +191,7 @@ class LLMEngine(PrefixAdmin):
             hash_fn,
             enable_partial_hits=config.enable_partial_prefix_hits,
         )
-        self.kv.max_pinned_blocks = int(config.max_pinned_fraction * config.num_blocks)
+        self.kv.pins.max_blocks = int(config.max_pinned_fraction * config.num_blocks)
         self.counters = EngineCounters()
         backend = getattr(tokenizer, "backend", None)
         self.constraints = (
@@ -532,12 +532,12 @@ class LLMEngine(PrefixAdmin):
             waiting=len(self.scheduler.waiting),
         )
         if self.tiers is None:
-            return dataclasses.replace(snap, pinned_blocks=kv.pinned_blocks)
+            return dataclasses.replace(snap, pinned_blocks=kv.pins.blocks_held)
         return dataclasses.replace(
             snap,
             tier_counters=self.tiers.stats(),
             tier_load_seconds=self.tiers.counters.load_histogram(),
-            pinned_blocks=kv.pinned_blocks,
+            pinned_blocks=kv.pins.blocks_held,
         )
 
     def run_to_completion(self, max_steps: int | None = None) -> dict[str, RequestOutput]:

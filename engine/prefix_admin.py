@@ -45,7 +45,7 @@ class PrefixAdmin:
         self.check_prompt(prompt, params)
         self.check_level_ends(level_ends)
         if pin:
-            self.kv.check_pin_room(len(prompt) // self.kv.block_size)
+            self.kv.pins.check_room(len(prompt) // self.kv.block_size)
         req = self.add_checked_request(prompt, params, cache_salt=cache_salt, level_ends=level_ends)
         while not req.is_finished:
             self.step()
@@ -77,7 +77,7 @@ class PrefixAdmin:
         pin_id, pinned = None, 0
         if pin and hit.num_blocks:
             pin_id = f"pin-{next(self._pin_ids)}"
-            pinned = self.kv.pin(pin_id, hit)
+            pinned = self.kv.pins.pin(pin_id, hit)
         key = prefix_key or (hashes[-1].hex() if hashes else "")
         if hashes:
             self._record_prefix(key, hashes, extra_keys, level_ends, len(prompt), pin_id)
@@ -104,7 +104,7 @@ class PrefixAdmin:
         for rec in self.catalog.select():
             if rec.pin_id == pin_id:
                 rec.pin_id = None
-        return self.kv.unpin(pin_id)
+        return self.kv.pins.unpin(pin_id)
 
     def _record_prefix(
         self,
@@ -178,7 +178,7 @@ class PrefixAdmin:
         recs = self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
         for rec in recs:
             if rec.pin_id is not None:
-                self.kv.unpin(rec.pin_id)
+                self.kv.pins.unpin(rec.pin_id)
             self.catalog.remove(rec.prefix_key)
         out = {"prefixes": len(recs)}
         if prefix_key is not None:  # the listed prefix's own blocks (the filters chose the records)

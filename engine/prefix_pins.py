@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from engine.block_pool import BlockPool, KVBlock
 from engine.errors import PinCapError
+from engine.prefix_chain import check_chain
 from engine.prefix_hit import PrefixHit
 
 
@@ -43,15 +44,18 @@ class PrefixPins:
             raise PinCapError(num_blocks, self.blocks_held, self.max_blocks)
 
     def pin(self, pin_id: str, hit: PrefixHit) -> int:
-        """Hold the blocks of ``hit`` (checked by the caller as a live chain) under ``pin_id``.
+        """Hold the blocks of ``hit`` (a prefix found this step) under ``pin_id``: they stay in RAM until
+        ``unpin``.
 
         Returns:
             Blocks pinned.
 
         Raises:
             ValueError: ``pin_id`` already in use.
+            StaleCacheHitError: ``hit`` names a block evicted since it was found.
             PinCapError: the pins would hold more than ``max_blocks`` blocks (nothing pinned).
         """
+        check_chain(self.pool, hit._blocks)
         if pin_id in self._pins:
             raise ValueError(f"pin {pin_id!r} already exists")
         self.check_room(hit.num_blocks)

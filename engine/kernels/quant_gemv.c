@@ -383,8 +383,9 @@ static void pack_rows(const float *x, int64_t m, int64_t k, int int4, float *xp,
                     }
                 }
         if (s == 0) continue;
-        for (int64_t row = bl * PANEL_ROWS; row < (bl + 1) * PANEL_ROWS; row++)
-            for (int64_t g = 0; g < G; g++) s[row * G + g] = row < m ? sum32(x + row * k + g * QK) : 0.0f;
+        const int64_t row0 = bl * PANEL_ROWS, real = m - row0 < PANEL_ROWS ? m - row0 : PANEL_ROWS;
+        group_sums(x + row0 * k, real, k, s + row0 * G);
+        for (int64_t i = (row0 + real) * G; i < (row0 + PANEL_ROWS) * G; i++) s[i] = 0.0f;
     }
 }
 

@@ -300,6 +300,9 @@ async def test_bad_engine_settings_are_rejected():
     ckpt = tiny_checkpoint()
     with pytest.raises(ValueError, match="dtype"):
         AsyncEngine.from_config(None, ckpt.path, EngineConfig(dtype="int3"))
+    for bad in (0, "sometimes"):  # refused before anything loads, naming the setting
+        with pytest.raises(ValueError, match="engine.dense_min_rows must be auto, null or an integer >= 1"):
+            AsyncEngine.from_config(None, ckpt.path, EngineConfig(dense_min_rows=bad))
     with pytest.raises(ValueError, match="max_model_len"):
         make_engine(ckpt, max_model_len=4096)
     with pytest.raises(ValueError, match="scheduling"):
