@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.service.miss_explain import MissExplainer
@@ -618,6 +618,14 @@ def prompts(draw):
     return sum(parts, []) + tail, segments, pos - len(tail)
 
 
+def _tail_only(n: int) -> list[PromptSegment]:
+    """The segments of a prompt that is all tail (``prompts()``'s shape)."""
+    return [PromptSegment(name, 0, 0) for name in SEGMENTS_OF] + [PromptSegment("tail", 0, n)]
+
+
+_P14 = [0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0]
+
+
 @given(
     history=st.lists(
         st.tuples(
@@ -632,6 +640,21 @@ def prompts(draw):
     min_cacheable=st.sampled_from([None, 32]),
     spans=st.lists(st.tuples(st.integers(0, 180), st.integers(1, 5)), max_size=2),
     extends=st.none() | st.tuples(st.integers(0, 3), st.integers(0, 2)),
+)
+@example(  # found by Hypothesis: a prompt answered with nothing, then recorded again as a plain prompt, keeps
+    # its answer (the engine computed all 14 of its tokens: no full block), and the next turn extends it
+    history=[
+        ((_P14, _tail_only(14), 0), False, [], False),
+        (([0], _tail_only(1), 0), False, None, False),
+        ((_P14, _tail_only(14), 0), False, None, False),
+    ],
+    concurrent=[],
+    prompt=([0, 0, 0], _tail_only(3), 0),
+    cached=0,
+    granularity=None,
+    min_cacheable=None,
+    spans=[],
+    extends=(0, 0),
 )
 @settings(max_examples=400, deadline=None)
 def test_the_classifier_follows_the_definition(
@@ -699,8 +722,7 @@ def test_the_classifier_follows_the_definition(
     # answer replacing its prompt's entry; the most recently recorded first among equals)
     index: dict[tuple[int, ...], int | None] = {}
     for (old, _, _), _, answer, cut in history:
-        index.pop(tuple(old), None)
-        index[tuple(old)] = None
+        index[tuple(old)] = index.pop(tuple(old), None)  # a prompt recorded again keeps its entry's answer
         if answer is not None:
             del index[tuple(old)]
             full = tuple(old) + tuple(answer)
