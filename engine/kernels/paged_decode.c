@@ -74,6 +74,21 @@ INLINE v16 hsum16(const v16 p[16]) {
     return __builtin_shuffle(e[0], e[1], e4) + __builtin_shuffle(e[0], e[1], o4);
 }
 
+/* v[t][j] -> v[j][t] (16 x 16 fp32, exact moves): four rounds of the perfect shuffle, each row pair (m, m + 8)
+ * interleaved into rows 2 m (their lanes 0-7) and 2 m + 1 (lanes 8-15) */
+INLINE void transpose16(v16 v[16]) {
+    const i32x16 lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const i32x16 hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    for (int round = 0; round < 4; round++) {
+        v16 w[16];
+        for (int m = 0; m < 8; m++) {
+            w[2 * m] = __builtin_shuffle(v[m], v[m + 8], lo);
+            w[2 * m + 1] = __builtin_shuffle(v[m], v[m + 8], hi);
+        }
+        for (int m = 0; m < 16; m++) v[m] = w[m];
+    }
+}
+
 /* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
  * Cephes' expf (S. L. Moshier), 2^n from the exponent bits; ~2 ulp; lanes below -87 give ~1e-38, not 0. */
 INLINE v16 exp16(v16 x) {
@@ -528,6 +543,21 @@ INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
     return r;
 }
 
+/* query heads of one KV head that share each K (V) vector a prefill tile loads: as many as keep their
+ * accumulators in registers (scores: 8 vectors per head; values: D / PD_LANES): 512-bit, 32 registers; 256-bit,
+ * 16, one head at a time */
+#if PD_LANES == 16
+#define SCORE_HEADS 3
+#define VALUE_HEADS 4
+#else
+#define SCORE_HEADS 1
+#define VALUE_HEADS 1
+#endif
+
+/* keeps a loaded vector in a register (no instruction): the compiler would otherwise fold the load into every
+ * multiply-add that uses it, one load per query head */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+
 extern int omp_get_thread_num(void);
 
 /* One row tile (rows row0 .. row0 + nrows - 1 at positions pos0 ..) and KV head h: out[row][h group + g][D].
@@ -547,37 +577,48 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
         for (int64_t t = 0; t < 16 && l0 + 16 + t < last_len; t++)
             __builtin_prefetch((const char *)cache + (offs[l0 + 16 + t] + h * D) * esize);
         /* the tile's keys transposed, KT[d][t] (zero past the tile's last position): position t in lane t */
-        for (int64_t t = 0; t < 16; t++)
-            for (int64_t d = 0; d < D; d++) KT[d * 16 + t] = t < nt ? load1(cache, offs[l0 + t] + h * D + d, cache_bf16) : 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            v16 kv[16];
+            for (int64_t t = 0; t < 16; t++)
+                kv[t] = t < nt ? load16(cache, offs[l0 + t] + h * D + 16 * c, cache_bf16) : (v16){0};
+            transpose16(kv);
+            memcpy(KT + 16 * c * 16, kv, sizeof kv);
+        }
         for (int64_t r = 0; r < nrows; r++) {
             const int64_t len = pos0 + r + 1;
             const int64_t n = len - l0 < 16 ? len - l0 : 16;
             if (n <= 0) continue;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + ((row0 + r) * H + h * group + g) * D;
-                float *dst = S + (r * group + g) * sstride + l0;
+            const float *q0 = qf + ((row0 + r) * H + h * group) * D; /* query head g's at q0 + g D */
+            for (int64_t g0 = 0; g0 < group; g0 += SCORE_HEADS) {
+                const int64_t ng = group - g0 < SCORE_HEADS ? group - g0 : SCORE_HEADS;
                 /* lane j of decode's 16-lane dot product (a fused multiply-add chain over the chunks c of
-                 * q[16 c + j] k[16 c + j]) is a[j] here, one position per lane; hsum16's tree over j becomes
-                 * the same tree of vector adds */
+                 * q[16 c + j] k[16 c + j]) is a[g][j] here, one position per lane; hsum16's tree over j becomes
+                 * the same tree of vector adds. Each KT vector loaded serves the ng query heads in turn (their
+                 * chains stay apart: the same operations per query head as one at a time). */
                 for (int64_t u0 = 0; u0 < n; u0 += PD_LANES) {
-                    vl half[2];
+                    vl half[SCORE_HEADS][2];
                     for (int64_t hf = 0; hf < 2; hf++) {
-                        vl a[8];
-                        for (int64_t i = 0; i < 8; i++) a[i] = (vl){0};
+                        vl a[SCORE_HEADS][8];
+                        for (int64_t g = 0; g < ng; g++)
+                            for (int64_t i = 0; i < 8; i++) a[g][i] = (vl){0};
                         for (int64_t c = 0; c < chunks; c++)
                             for (int64_t i = 0; i < 8; i++) {
                                 const int64_t j = 16 * c + 8 * hf + i;
                                 vl kt;
                                 memcpy(&kt, KT + j * 16 + u0, sizeof kt);
-                                a[i] += qg[j] * kt;
+                                IN_REGISTER(kt);
+                                for (int64_t g = 0; g < ng; g++) a[g][i] += q0[(g0 + g) * D + j] * kt;
                             }
-                        half[hf] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+                        for (int64_t g = 0; g < ng; g++)
+                            half[g][hf] = ((a[g][0] + a[g][1]) + (a[g][2] + a[g][3])) +
+                                          ((a[g][4] + a[g][5]) + (a[g][6] + a[g][7]));
                     }
-                    const vl res = (half[0] + half[1]) * scale;
-                    float sc[PD_LANES];
-                    memcpy(sc, &res, sizeof sc);
-                    const int64_t m = n - u0 < PD_LANES ? n - u0 : PD_LANES;
-                    memcpy(dst + u0, sc, (size_t)m * sizeof(float));
+                    /* all PD_LANES lanes stored: a row's scores past its length lie inside its sstride (a
+                     * multiple of 16) and are never read */
+                    for (int64_t g = 0; g < ng; g++) {
+                        const vl res = (half[g][0] + half[g][1]) * scale;
+                        memcpy(S + (r * group + g0 + g) * sstride + l0 + u0, &res, sizeof res);
+                    }
                 }
             }
         }
@@ -603,21 +644,27 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
             const int64_t len = pos0 + r + 1;
             const int64_t n = len - l0 < 16 ? len - l0 : 16;
             if (n <= 0) continue;
-            for (int64_t g = 0; g < group; g++) {
+            for (int64_t g0 = 0; g0 < group; g0 += VALUE_HEADS) {
                 /* decode's values_tile per element (lane-wise: vectors of PD_LANES, so a 256-bit build
-                 * broadcasts p[t] with one instruction) */
-                float *o = O + (r * group + g) * D;
-                const float *p = S + (r * group + g) * sstride + l0;
+                 * broadcasts p[t] with one instruction); each V vector loaded serves VALUE_HEADS query heads,
+                 * every accumulator still taking the tile's positions in order */
+                const int64_t ng = group - g0 < VALUE_HEADS ? group - g0 : VALUE_HEADS;
                 const int64_t parts = D / PD_LANES;
-                vl acc[128 / PD_LANES];
-                for (int64_t c = 0; c < parts; c++) memcpy(&acc[c], o + PD_LANES * c, sizeof acc[c]);
+                vl acc[VALUE_HEADS][128 / PD_LANES];
+                for (int64_t g = 0; g < ng; g++)
+                    for (int64_t c = 0; c < parts; c++)
+                        memcpy(&acc[g][c], O + (r * group + g0 + g) * D + PD_LANES * c, sizeof acc[g][c]);
+                const float *p = S + (r * group + g0) * sstride + l0;
                 for (int64_t t = 0; t < n; t++)
                     for (int64_t c = 0; c < parts; c++) {
                         vl v;
                         memcpy(&v, VT + t * D + PD_LANES * c, sizeof v);
-                        acc[c] += p[t] * v;
+                        IN_REGISTER(v);
+                        for (int64_t g = 0; g < ng; g++) acc[g][c] += p[g * sstride + t] * v;
                     }
-                for (int64_t c = 0; c < parts; c++) memcpy(o + PD_LANES * c, &acc[c], sizeof acc[c]);
+                for (int64_t g = 0; g < ng; g++)
+                    for (int64_t c = 0; c < parts; c++)
+                        memcpy(O + (r * group + g0 + g) * D + PD_LANES * c, &acc[g][c], sizeof acc[g][c]);
             }
         }
     }
