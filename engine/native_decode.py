@@ -48,7 +48,15 @@ FLAGS = (
     "-Wno-psabi",
 )
 ISA_FLAGS = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-DPD_ROWS=16", "-DPD_LANES=16"),
+    "avx512": (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mfma",
+        "-mprefer-vector-width=512",
+        "-DPD_ROWS=16",
+        "-DPD_LANES=16",
+    ),
     "avx2": ("-mavx2", "-mfma", "-DPD_ROWS=32", "-DPD_LANES=8"),
 }
 """Instruction-set flags of a build: ``avx512``, and ``avx2`` on CPUs without AVX-512 (the same C operations on
