@@ -246,7 +246,7 @@ def glue_prefill_ab(
 ) -> list[dict[str, float]]:
     """Whole-prefill seconds (``CLOCK``) with torch's layer glue against the native glue kernel
     (``engine.native_glue``), interleaved, the order alternating every round; the prefill attention kernel as
-    ``engine.prefill_kernel: auto`` picks it for ``kv_dtype``. One row per (length, threads): the median and the
+    ``engine.prefill_kernel: auto`` picks it. One row per (length, threads): the median and the
     best of ``repeats`` rounds of each, and ``glue_over_torch`` of the medians."""
     from engine.native_decode import resolve_prefill_kernel
     from engine.native_glue import resolve_glue_kernel
@@ -254,7 +254,7 @@ def glue_prefill_ab(
     model, cfg = ck.model, ck.config
     glue = resolve_glue_kernel("native", model.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv_dtype]
-    pk = resolve_prefill_kernel("auto", model.device, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, dtype)
+    pk = resolve_prefill_kernel("auto", model.device, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
     rows = []
     for n in lengths:
         nb = -(-n // BLOCK)

@@ -344,8 +344,8 @@ class EngineConfig:
             ``decode_kernel`` run over a whole prefill chunk (``NativeDecodeKernel.prefill``: each prompt row with
             exactly the arithmetic of decoding that position alone, K/V read in place, OpenMP over row tiles),
             ``torch`` = torch's chunked prefill (``engine.chunked_prefill``), ``auto`` = native where it was
-            measured faster (the AVX-512 build over a float32 cache; the AVX2 build, on CPUs without AVX-512,
-            at 2 or more ``num_threads``), else torch
+            measured faster (the AVX-512 build; the AVX2 build, on CPUs without AVX-512, at 2 or more
+            ``num_threads``), else torch
             (``engine.native_decode.resolve_prefill_kernel``, ``docs/engine-step.md``). Either keeps a prompt row's result
             independent of chunking and caching. Part of ``model_id`` when native (a prompt's K/V differs);
             ``native`` where it cannot be built is a start-up error naming the reason.

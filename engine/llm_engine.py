@@ -153,7 +153,6 @@ class LLMEngine(PrefixAdmin):
             model.device,
             mc.num_heads // mc.num_kv_heads,
             mc.head_dim,
-            kv_dtype,
             threads=config.num_threads or torch.get_num_threads(),
         )
         glue_kernel = resolve_glue_kernel(config.glue_kernel, model.device, model.dtype)

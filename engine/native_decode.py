@@ -482,25 +482,25 @@ def resolve_prefill_kernel(
     device: torch.device,
     group: int | None = None,
     head_dim: int | None = None,
-    kv_dtype: torch.dtype | None = None,
     threads: int = 1,
 ) -> NativeDecodeKernel | None:
     """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``torch`` ->
     None (torch's chunked prefill); ``native`` -> the kernel (the same library as the decode kernel, built once
     per process and model shape), or a start-up error; ``auto`` -> the kernel where it is measured faster than
-    torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``) over a float32 cache
-    (``kv_dtype``), and the AVX2 build (CPUs without AVX-512) over any cache when the engine runs at least 2
-    ``threads``. ``python -m bench.model_forward --prefill-ab`` on a 2-core AMD EPYC with AVX-512 and
-    AVX512-BF16 (session 12, SmolLM2, whole prefill, native over torch): fp32 cache 1.29x / 1.55x at 1,024
-    tokens and 1.41x / 1.64x at 4,096 (1 / 2 threads); bf16 cache 0.98x / 1.08x and 0.80x / 0.80x (torch
-    attends a bf16 cache in bf16 there, the kernel widens it to fp32). On an AVX2-only EPYC Zen 3 (session
-    15, each value row widened once per tile; attention time, bf16 cache, 512-token chunks): 1.12x / 1.28x at
-    1,024 tokens, 0.83x / 1.08x at 4,096 (1 / 2 threads); whole requests at 2 threads took 0.75x (4 prompt
-    tokens over 983 cached), 0.95x (48 over 1,600) and 0.79x (1,050 cold) of torch's time. Torch attends in
-    fp32 there whatever the cache (``engine.attention.attention_dtype``). ``docs/engine-step.md``.
+    torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``), and the AVX2 build (CPUs
+    without AVX-512) when the engine runs at least 2 ``threads``. On a 2-core AMD EPYC Zen 4 with AVX512-BF16
+    (session 17, SmolLM2, 2 threads, whole requests from ``add_request`` to the first token, native over torch's
+    time): bf16 cache 0.74x cold at 1,082 tokens (930 vs 1,255 ms), 0.72x for 54 rows over 1,028 cached (80 vs
+    111 ms), 0.64x cold at ~4,000 tokens (6.8 vs 10.6 s); the fp32 cache runs the same kernel at the same speed
+    (938 / 81 ms). Session 12 had measured the bf16 cache at 0.80-1.08x of torch's speed, before the kernel's
+    K/V loads served every query head of a KV head and its build asked for 512-bit vectors. On an AVX2-only EPYC
+    Zen 3 (session 15, each value row widened once per tile; attention time, bf16 cache, 512-token chunks):
+    1.12x / 1.28x at 1,024 tokens, 0.83x / 1.08x at 4,096 (1 / 2 threads); whole requests at 2 threads took
+    0.75x (4 prompt tokens over 983 cached), 0.95x (48 over 1,600) and 0.79x (1,050 cold) of torch's time.
+    Torch attends in fp32 there whatever the cache (``engine.attention.attention_dtype``).
+    ``docs/engine-step.md``.
 
     Args:
-        kv_dtype: the cache's dtype; None counts as not float32 for ``auto``.
         threads: the engine's thread count for prefill steps (``auto`` on AVX2 needs 2 or more).
 
     Raises:
@@ -512,7 +512,7 @@ def resolve_prefill_kernel(
             f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
         )
     isa = build_isa()
-    measured_faster = (isa == "avx512" and kv_dtype == torch.float32) or (isa == "avx2" and threads >= 2)
+    measured_faster = isa == "avx512" or (isa == "avx2" and threads >= 2)
     if setting == "auto" and not measured_faster:
         return None
     return native_build.resolve_setting(
