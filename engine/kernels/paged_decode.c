@@ -12,10 +12,15 @@
  * single-threaded (the caller decides what runs in parallel); paged_prefill_attention (the end of the file: many
  * query rows of one sequence, each with exactly the decode arithmetic) spreads its work over OpenMP threads.
  */
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* keeps a loaded vector in a register (no instruction): the compiler would otherwise fold the load into every
+ * multiply-add that uses it, one load per query head */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#define QREG_MAX 16 /* query vectors decode's scores keep in registers (of 32 on AVX-512) */
 /* tiles of 16 positions ahead whose K (V) rows the scores (values) pass prefetches into L2, a row per position
  * and KV head as it goes (on a Zen 4 EPYC at ~1k positions 1-3 measured the same, 4 slower; prefetching into L1,
  * or a whole tile at once, was slower: docs/engine-step.md). Prefetches only: the arithmetic is untouched. */
@@ -40,9 +45,14 @@ INLINE float bf16_to_f32(uint16_t h) {
 INLINE v16 load16(const void *src, int64_t index, int is_bf16) {
     v16 r;
     if (is_bf16) {
+#ifdef __AVX512F__ /* one widening load (GCC splits __builtin_convertvector's into 256-bit halves) */
+        const __m512i w = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + index))), 16);
+#else
         u16x16 h;
         memcpy(&h, (const uint16_t *)src + index, sizeof h);
         u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+#endif
         memcpy(&r, &w, sizeof r);
     } else {
         memcpy(&r, (const float *)src + index, sizeof r);
@@ -205,6 +215,16 @@ INLINE void scores_tile16(const float *restrict q, const void *cache, int cache_
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, D, 0, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
         v16 part[MAX_GROUP][16];
+        /* the KV head's queries, loaded once per tile and kept in registers where they fit (the model's shape,
+         * group * chunks <= QREG_MAX vectors): each K vector loaded then feeds group multiply-adds, no query loads */
+        v16 qr[QREG_MAX];
+        const int qreg = group * chunks <= QREG_MAX;
+        if (qreg)
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < chunks; c++) {
+                    memcpy(&qr[g * chunks + c], q + (h * group + g) * D + 16 * c, sizeof(v16));
+                    IN_REGISTER(qr[g * chunks + c]);
+                }
         for (int64_t t = 0; t < 16; t++) {
             prefetch_row(cache, cache_bf16, ahead[t], h, D);
             v16 acc[MAX_GROUP];
@@ -214,7 +234,10 @@ INLINE void scores_tile16(const float *restrict q, const void *cache, int cache_
                     const v16 k = load16(cache, at[t] + h * D + 16 * c, cache_bf16);
                     for (int64_t g = 0; g < group; g++) {
                         v16 qv;
-                        memcpy(&qv, q + (h * group + g) * D + 16 * c, sizeof qv);
+                        if (qreg)
+                            qv = qr[g * chunks + c];
+                        else
+                            memcpy(&qv, q + (h * group + g) * D + 16 * c, sizeof qv);
                         acc[g] += qv * k;
                     }
                 }
@@ -251,7 +274,6 @@ INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
     return r;
 }
 
-#include <immintrin.h>
 typedef float v8s __attribute__((vector_size(32)));
 
 /* 8 vectors -> lane t = the balanced tree sum of v[t]'s lanes ((0+1)+(2+3))+((4+5)+(6+7)) */
@@ -533,9 +555,14 @@ typedef uint32_t u32l __attribute__((vector_size(PD_LANES * 4)));
 INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
     vl r;
     if (is_bf16) {
+#if PD_LANES == 16 && defined(__AVX512F__)
+        const __m512i w = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + index))), 16);
+#else
         u16l h;
         memcpy(&h, (const uint16_t *)src + index, sizeof h);
         u32l w = __builtin_convertvector(h, u32l) << 16;
+#endif
         memcpy(&r, &w, sizeof r);
     } else {
         memcpy(&r, (const float *)src + index, sizeof r);
@@ -553,10 +580,6 @@ INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
 #define SCORE_HEADS 1
 #define VALUE_HEADS 1
 #endif
-
-/* keeps a loaded vector in a register (no instruction): the compiler would otherwise fold the load into every
- * multiply-add that uses it, one load per query head */
-#define IN_REGISTER(v) __asm__("" : "+v"(v))
 
 extern int omp_get_thread_num(void);
 
