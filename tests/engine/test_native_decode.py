@@ -235,21 +235,25 @@ def test_kernel_dir_follows_the_environment(monkeypatch, tmp_path):
 @pytest.mark.parametrize("kind", ["hf", "gguf"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_engine_tokens_equal_native_and_torch_and_batched_equal_alone(kind, kv_dtype):
-    # the whole engine: greedy tokens of the native kernel equal torch's paths on a tiny model, and every
-    # prompt's tokens batched (a shared system prompt: the cascade on torch's side) equal the prompt alone
+    # the whole engine: greedy tokens of the native decode kernel equal torch's decode paths on a tiny model
+    # (prompt rows on torch's prefill in both: over a bf16 cache torch attends in bf16 and the native prefill
+    # kernel in fp32, which may flip a tiny model's token), and with every native kernel, prompt rows
+    # included, each prompt's tokens batched (a shared system prompt) equal the prompt alone
     ck = tiny_checkpoint(kind)
     system = random_tokens(150, 7)
     prompts = [system + random_tokens(5 + 3 * i, 20 + i) for i in range(5)]
     results = {}
     for setting in ("native", "torch"):
-        engine = make_engine(ck, kv_dtype=kv_dtype, decode_kernel=setting)
+        engine = make_engine(ck, kv_dtype=kv_dtype, decode_kernel=setting, prefill_kernel="torch")
         assert (engine.runner.decode_kernel is not None) == (setting == "native")
         engine.generate([system], greedy(1))
         results[setting] = engine.generate(prompts, greedy(12))
-        if setting == "native":
-            alone = make_engine(ck, kv_dtype=kv_dtype, decode_kernel=setting)
-            assert [alone.generate([p], greedy(12))[0] for p in prompts] == results[setting]
     assert results["native"] == results["torch"]
+    batched = make_engine(ck, kv_dtype=kv_dtype, decode_kernel="native", prefill_kernel="native")
+    batched.generate([system], greedy(1))
+    together = batched.generate(prompts, greedy(12))
+    alone = make_engine(ck, kv_dtype=kv_dtype, decode_kernel="native", prefill_kernel="native")
+    assert [alone.generate([p], greedy(12))[0] for p in prompts] == together
 
 
 @needs_kernel
