@@ -176,20 +176,28 @@ def test_smollm2_bf16_cache_chunked_decode_keeps_greedy_tokens(monkeypatch):
     ]
     n_new = 12
 
+    # torch's paths throughout (the native prefill kernel attends the bf16 cache in fp32, torch's decode in bf16).
     # torch's glue: this configuration is not bit-for-bit cache on == off on main either (torch's decode path and
     # bf16 prefill attention over a cached prefix: logits ~0.05-0.1 apart from the first token on, measured),
     # so its greedy tokens hold only while no near-tie flips; the native glue kernel's rounding flips one at the
     # 7th token of the second prompt. The glue kernel's own invariance is tested in test_native_glue.py.
     def alone(prompt: list[int]) -> list[int]:
         eng = make_engine(
-            ckpt, kv_dtype="bfloat16", enable_prefix_caching=False, decode_kernel="torch", glue_kernel="torch"
+            ckpt,
+            kv_dtype="bfloat16",
+            enable_prefix_caching=False,
+            decode_kernel="torch",
+            prefill_kernel="torch",
+            glue_kernel="torch",
         )
         return eng.generate([prompt], greedy(n_new))[0]
 
     # bf16 attention (shared chunks) as on a CPU with bf16 kernels; torch runs it on any CPU, slowly
     monkeypatch.setattr("engine.attention._bf16_fast", lambda device: True)
     refs = [alone(p) for p in prompts]
-    eng = make_engine(ckpt, kv_dtype="bfloat16", decode_kernel="torch", glue_kernel="torch")
+    eng = make_engine(
+        ckpt, kv_dtype="bfloat16", decode_kernel="torch", prefill_kernel="torch", glue_kernel="torch"
+    )
     eng.generate([prompts[0]], greedy(2))
     plans = []
     import engine.model as model_mod
