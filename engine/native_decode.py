@@ -61,7 +61,9 @@ ISA_FLAGS = {
 }
 """Instruction-set flags of a build: ``avx512``, and ``avx2`` on CPUs without AVX-512 (the same C operations on
 16-lane vectors split in two; the scores and values passes of decode written for 8-lane registers with the same
-per-lane arithmetic: ``scores_tile`` / ``values_tile``, measured bit-identical to the generic code's AVX2 build)."""
+per-lane arithmetic: ``scores_tile`` / ``values_tile``, measured bit-identical to the generic code's AVX2 build).
+``-mprefer-vector-width=512``: GCC's default tuning lowered some of the 16-lane vector code in 256-bit halves
+(the same bits, 1.4x the prefill attention's time on a Zen 4: docs/engine-step.md, session 17)."""
 ISA_CPU_FLAGS = {"avx512": native_build.AVX512, "avx2": frozenset({"avx2", "fma"})}
 LIBS: tuple[str, ...] = ()
 
