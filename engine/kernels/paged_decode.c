@@ -555,9 +555,8 @@ typedef uint32_t u32l __attribute__((vector_size(PD_LANES * 4)));
 INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
     vl r;
     if (is_bf16) {
-#if PD_LANES == 16 && defined(__AVX512F__)
-        const __m512i w = _mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + index))), 16);
+#if PD_LANES == 16
+        const v16 w = load16(src, index, 1); /* its one widening load on AVX-512 */
 #else
         u16l h;
         memcpy(&h, (const uint16_t *)src + index, sizeof h);
@@ -570,9 +569,10 @@ INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
     return r;
 }
 
-/* query heads of one KV head that share each K (V) vector a prefill tile loads: as many as keep their
- * accumulators in registers (scores: 8 vectors per head; values: D / PD_LANES): 512-bit, 32 registers; 256-bit,
- * 16, one head at a time */
+/* query heads of one KV head that share each K (V) vector a prefill tile loads, sized so that SmolLM2's
+ * accumulators (group 3, D 64; scores: 8 vectors per head, values: D / PD_LANES) stay in the 32 registers of a
+ * 512-bit build; 256-bit builds (16 registers) take one head at a time. Any group and D run correctly; larger
+ * ones spill. */
 #if PD_LANES == 16
 #define SCORE_HEADS 3
 #define VALUE_HEADS 4
