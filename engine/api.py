@@ -52,9 +52,10 @@ class Constraint:
         tools: the tools of ``"tool_calls"``: OpenAI ``{"type": "function", "function": {...}}`` objects or the
             bare function objects ``{"name", "description", "parameters"}``.
         tool_choice: ``"auto"`` (text, or calls of these tools), ``"required"`` (one or more calls), or
-            ``"function"`` (calls of ``tool_name`` only). OpenAI's ``"none"`` is no constraint at all.
+            ``"function"`` (one call of ``tool_name``). OpenAI's ``"none"`` is no constraint at all.
         tool_name: the function of ``tool_choice="function"``.
-        parallel_tool_calls: allow several calls in one answer (else at most one).
+        parallel_tool_calls: allow several calls in one answer (else at most one); a named ``tool_choice``
+            ("function") always gives exactly one.
 
     A finished constrained output is complete and valid (``finish_reason="stop"``); ``"length"`` means it was cut
     by ``max_tokens`` and may be a valid prefix only.

@@ -71,8 +71,9 @@ def tool_call_grammar(constraint: Constraint) -> str:
     """The Lark grammar (llguidance dialect) of a ``"tool_calls"`` constraint.
 
     ``auto``: text that never contains ``<tool_call>``, or text followed by calls; ``required``: calls only;
-    ``function``: calls of ``tool_name`` only. Calls are separated by ``\\n``; one at most when
-    ``parallel_tool_calls`` is False.
+    ``function``: exactly one call, of ``tool_name`` (as vLLM's and SGLang's named function calling: a forced
+    call is one call; letting a small model repeat it ran identical calls until ``max_tokens``). Calls are
+    separated by ``\\n``; one at most when ``parallel_tool_calls`` is False.
 
     ``auto`` with the constraint's ``json_schema`` set (a response format sent with tools): calls (no text
     before them), or an answer that is an instance of that schema, its own ``%json`` sub-grammar with the same
@@ -105,7 +106,8 @@ def tool_call_grammar(constraint: Constraint) -> str:
             )
     elif choice not in ("auto", "required"):
         raise InvalidRequestError(f"unknown tool_choice {choice!r}", "tool_choice")
-    more = f"({lark_string(CALL_SEPARATOR)} call)*" if constraint.parallel_tool_calls else ""
+    parallel = constraint.parallel_tool_calls and choice != "function"
+    more = f"({lark_string(CALL_SEPARATOR)} call)*" if parallel else ""
     close = lark_string(CALL_CLOSE)
     lines = [
         f"call: {lark_string(CALL_OPEN)} body {close}",

@@ -113,8 +113,8 @@ def test_tool_calls_parse_and_validate_for_every_tool_choice(params, choice, par
         assert out.finish_reason == "stop"
         if choice != "auto":
             assert calls and content == ""
-        if choice == "function":
-            assert {call.name for call in calls} == {"tool_0"}
+        if choice == "function":  # a named tool_choice is one call, parallel or not
+            assert [call.name for call in calls] == ["tool_0"]
         if not parallel:
             assert len(calls) <= 1
         for call in calls:
@@ -537,3 +537,22 @@ def test_stop_strings_cut_an_answer_in_the_format_and_never_a_call():
             kinds.add("answer")
             assert (out.full_text, out.finish_reason, out.stop_string) == ("{", "stop", '"')
     assert kinds == {"calls", "answer"}, kinds
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_named_tool_choice_is_exactly_one_call_even_with_parallel_calls_allowed(parallel):
+    """Before: ``tool_choice`` naming a function allowed repeated calls when ``parallel_tool_calls`` was on, and
+    SmolLM2 repeated one identical call until ``max_tokens`` (``finish_reason: length``). A forced call is one
+    call (vLLM's and SGLang's named function calling); ``required`` still allows several."""
+    one = render_call("count", {"n": 5})
+    named = engine().constraints.grammar(
+        Constraint(
+            "tool_calls", tools=REF_TOOLS, tool_choice="function", tool_name="count", parallel_tool_calls=parallel
+        )
+    )
+    assert _accepts(named, one)
+    assert not _accepts(named, one + "\n" + one)
+    required = engine().constraints.grammar(
+        Constraint("tool_calls", tools=REF_TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+    )
+    assert _accepts(required, one + "\n" + one) is parallel
