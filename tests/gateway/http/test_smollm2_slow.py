@@ -1,8 +1,9 @@
-"""The real default model (SmolLM2-135M-Instruct, ``path: default``) behind the gateway, streamed with the
-official openai SDK, as a newcomer following README.md would use it."""
+"""The real default model (SmolLM2-135M-Instruct, ``path: default``) behind the gateway, with the official openai
+and anthropic SDKs, as a newcomer following README.md would use them."""
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 
@@ -17,9 +18,8 @@ SYSTEM = (
 )
 
 
-@pytest.mark.slow
-def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
-    config = write_config(
+def _default_model_config(tmp_path):
+    return write_config(
         tmp_path / "prefixgate.yaml",
         {
             "models": [
@@ -31,7 +31,11 @@ def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
             ]
         },
     )
-    server = RunningServer(config).start(timeout_s=300)
+
+
+@pytest.mark.slow
+def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
+    server = RunningServer(_default_model_config(tmp_path)).start(timeout_s=300)
     try:
         engine = server.app.state.gateway.registry.get(DEFAULT_MODEL_NAME).engine
         n_system = len(engine.tokenizer.encode(SYSTEM))
@@ -63,5 +67,33 @@ def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
             == usage.prompt_tokens_details.cached_tokens + usage2.prompt_tokens_details.cached_tokens
         )
         assert stats["models"][DEFAULT_MODEL_NAME]["blocks"]["used"] == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_the_readme_anthropic_example_answers_greedily_and_reads_the_system_prompt_from_the_cache(tmp_path):
+    """README's Anthropic example: the SDK at the server root, ``temperature`` through ``extra_body`` (anthropic
+    2.x has no such argument), the same request twice: the same text, and the second reads all but its last
+    token from the cache (``input_tokens`` counts the rest, as Anthropic's prompt caching does)."""
+    server = RunningServer(_default_model_config(tmp_path)).start(timeout_s=300)
+    try:
+        client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+        def ask():
+            return client.messages.create(
+                model=DEFAULT_MODEL_NAME,
+                max_tokens=24,
+                system=SYSTEM,
+                messages=[{"role": "user", "content": "Where are your offices?"}],
+                extra_body={"temperature": 0},
+            )
+
+        first, second = ask(), ask()
+        assert first.content[0].text.strip() and second.content[0].text == first.content[0].text
+        total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+        assert first.usage.cache_read_input_tokens == 0
+        assert second.usage.input_tokens + second.usage.cache_read_input_tokens == total
+        assert second.usage.cache_read_input_tokens == total - 1
     finally:
         server.stop()
