@@ -547,7 +547,11 @@ def test_a_named_tool_choice_is_exactly_one_call_even_with_parallel_calls_allowe
     one = render_call("count", {"n": 5})
     named = engine().constraints.grammar(
         Constraint(
-            "tool_calls", tools=REF_TOOLS, tool_choice="function", tool_name="count", parallel_tool_calls=parallel
+            "tool_calls",
+            tools=REF_TOOLS,
+            tool_choice="function",
+            tool_name="count",
+            parallel_tool_calls=parallel,
         )
     )
     assert _accepts(named, one)
