@@ -71,6 +71,20 @@ def test_kernel_matches_float64_attention(kernel, group, kvh, d, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("block_size", [1, 8, 24, 32])
+def test_kernel_walks_blocks_of_any_size(kernel, block_size):
+    """The tiles of 16 positions find their rows block by block from one division per tile: blocks smaller than,
+    larger than and not a multiple of a tile still give every position's row (against float64)."""
+    gen = torch.Generator().manual_seed(block_size)
+    lens = [1, 7, 16, 33, 100, 229]
+    blocks = len(lens) * (-(-max(lens) // block_size) + 1)
+    q, cache, tables, lens_t = random_case(gen, len(lens), 3, 3, 64, lens, torch.bfloat16, block_size, blocks)
+    got = kernel.attend(q, cache, tables, lens_t, max(lens), 0.125)
+    want = reference_decode(q, cache, tables, lens_t, 0.125)
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6)
+
+
+@needs_kernel
 def test_bf16_queries_are_widened_exactly(kernel):
     gen = torch.Generator().manual_seed(1)
     q, cache, tables, lens = random_case(gen, 2, 3, 3, 64, [50, 70], torch.bfloat16)
