@@ -86,7 +86,7 @@ def engine_vs_llamacpp(results: Results, prov: Provenance, path: Path, peer_reas
         fig, axes = _figure(
             title,
             prov,
-            "same GGUF and threads, streamed /v1/chat/completions, greedy; medians (bench.engine --peers)",
+            "same GGUF and threads, streamed /v1/chat/completions, greedy; medians, W4 the mean of its turns (bench.engine --peers)",
             ncols=2,
         )
         ttft = [("W1 cold", "w1_cold_ttft"), ("W2 warm", "w2_warm_ttft"), ("W4 4 prompts", "w4_alternating")]
