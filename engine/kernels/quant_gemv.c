@@ -43,6 +43,19 @@
 #define Q8_BLOCK 544
 #define ROWS 4 /* x rows sharing one decode of a tile's codes */
 
+/* Weight bytes ahead of the block being decoded that each block's loop prefetches (a tile's blocks, then the next
+ * tiles', are one stream in memory). The hardware prefetchers stop at 4 KB pages; one GEMV row at one thread read
+ * its weights from memory at ~30 GB/s without this, ~35 with it (Zen 4; 8-16 KB ahead measured alike, 2 KB no
+ * gain). Prefetches only: never a fault, nothing computed differently. */
+#ifndef GEMV_PREFETCH_BYTES
+#define GEMV_PREFETCH_BYTES 8192
+#endif
+
+/* the cache lines of the block_bytes bytes GEMV_PREFETCH_BYTES past b, for reading once (non-temporal hint) */
+INLINE void prefetch_ahead(const uint8_t *b, int64_t block_bytes) {
+    for (int64_t o = 0; o < block_bytes; o += 64) __builtin_prefetch(b + GEMV_PREFETCH_BYTES + o, 0, 0);
+}
+
 /* The sum of p[0..31] in fp32, in a fixed order on every ISA: the two 16-element halves added lane by lane,
  * then the 16 lanes by the tree of GCC's _mm512_reduce_add_ps (upper 8 + lower 8, upper 4 + lower 4, lanes
  * {0, 1} + {2, 3}, then lane 0 + lane 1). fp32 addition is commutative, so the order of each pair's operands
@@ -72,6 +85,7 @@ INLINE void q4_tile(const uint8_t *w, int64_t G, const float *x, int64_t k, cons
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = w + g * Q4_BLOCK;
         const uint8_t *q = b + 64;
+        prefetch_ahead(b, Q4_BLOCK);
         __m512 a[ROWS][4];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();
@@ -103,6 +117,7 @@ INLINE void q8_tile(const uint8_t *w, int64_t G, const float *x, int64_t k, int 
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = w + g * Q8_BLOCK;
         const uint8_t *q = b + 32;
+        prefetch_ahead(b, Q8_BLOCK);
         __m512 a[ROWS][4];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();
@@ -193,6 +208,7 @@ INLINE void q4_half(const uint8_t *w, int64_t G, const float *x, int64_t k, cons
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = w + g * Q4_BLOCK;
         const uint8_t *q = b + 64 + 8 * half;
+        if (!half) prefetch_ahead(b, Q4_BLOCK); /* half 1 reads the tile half 0 brought in */
         __m256 a[ROWS2][4];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
@@ -225,6 +241,7 @@ INLINE void q8_half(const uint8_t *w, int64_t G, const float *x, int64_t k, int 
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = w + g * Q8_BLOCK;
         const uint8_t *q = b + 32 + 8 * half;
+        if (!half) prefetch_ahead(b, Q8_BLOCK);
         __m256 a[ROWS2][4];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
