@@ -325,10 +325,10 @@ def run_peers(gguf: str, llama_server: str, threads: int, repeats: int, system_w
     finally:
         ours.stop()
         peer.stop()
-    med = {n: {k: summary(k, v) for k, v in f.items()} for n, f in figures.items()}
+    fig = {n: {k: summary(k, v) for k, v in f.items()} for n, f in figures.items()}
     for n, f in figures.items():  # W4's median beside its mean, for runs before the mean (session 18)
-        med[n]["w4_alternating_median"] = statistics.median(f["w4_alternating"])
-    a, b = med["prefixgate"], med["llama-server"]
+        fig[n]["w4_alternating_median"] = statistics.median(f["w4_alternating"])
+    a, b = fig["prefixgate"], fig["llama-server"]
     out = {
         "prefixgate": a | {"peak_rss_mb": rss["prefixgate"], "stale_resends": ours.resends},
         "llama_server": b | {"peak_rss_mb": rss["llama-server"], "stale_resends": peer.resends},

@@ -99,17 +99,20 @@ INLINE void transpose16(v16 v[16]) {
     }
 }
 
+/* a where mask (lanes of -1), else b (exact moves; layer_glue.c, a separate library, has its own copy) */
+INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
+    i32x16 ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
 /* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
  * Cephes' expf (S. L. Moshier), 2^n from the exponent bits; ~2 ulp; lanes below -87 give ~1e-38, not 0. */
 INLINE v16 exp16(v16 x) {
-    const i32x16 below = x < -87.0f; /* lanes: -1 where true */
-    i32x16 xi;
-    const v16 lo = x - x - 87.0f;
-    i32x16 loi;
-    memcpy(&xi, &x, sizeof xi);
-    memcpy(&loi, &lo, sizeof loi);
-    xi = (xi & ~below) | (loi & below);
-    memcpy(&x, &xi, sizeof x);
+    x = select16(x < -87.0f, x - x - 87.0f, x);
     const v16 t = x * 1.44269504088896341f - 0.5f;
     const i32x16 n = __builtin_convertvector(t, i32x16); /* toward zero: round(x log2 e) for x <= 0 */
     const v16 nf = __builtin_convertvector(n, v16);
@@ -127,15 +130,7 @@ INLINE v16 exp16(v16 x) {
 }
 
 /* per lane: x where x > m, else m */
-INLINE v16 max16(v16 x, v16 m) {
-    const i32x16 gt = x > m;
-    i32x16 xi, mi;
-    memcpy(&xi, &x, sizeof xi);
-    memcpy(&mi, &m, sizeof mi);
-    mi = (xi & gt) | (mi & ~gt);
-    memcpy(&m, &mi, sizeof m);
-    return m;
-}
+INLINE v16 max16(v16 x, v16 m) { return select16(x > m, x, m); }
 
 /* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order: lane t
  * sums the positions l = t mod 16 in order, then the lanes are summed 0..15). The maximum is exact in any order. */
@@ -194,7 +189,8 @@ INLINE int64_t position(const int32_t *table, int64_t l, int64_t block_size, int
 }
 
 /* out[t] = offset + element offset of position l0 + t's row for t < n, else `past`: one division for the tile,
- * then block by block (a division per position, 32 a tile, was ~a third of a layer's time at 1k positions) */
+ * then block by block (a division per position, 32 a tile, was the kernel's hottest instruction: ~10 % of a layer's
+ * time with the cache in L2) */
 INLINE void rows_from(const int32_t *table, int64_t l0, int64_t n, int64_t block_size, int64_t block_elems,
                       int64_t pos_elems, int64_t offset, int64_t past, int64_t out[16]) {
     int64_t blk = l0 / block_size, off = l0 % block_size;

@@ -45,8 +45,8 @@
 
 /* Weight bytes ahead of the block being decoded that each block's loop prefetches (a tile's blocks, then the next
  * tiles', are one stream in memory). The hardware prefetchers stop at 4 KB pages; one GEMV row at one thread read
- * its weights from memory at ~30 GB/s without this, ~35 with it (Zen 4; 8-16 KB ahead measured alike, 2 KB no
- * gain). Prefetches only: never a fault, nothing computed differently. */
+ * its weights from memory at ~30 GB/s without this, ~35 with it (Zen 4; 8-16 KB ahead measured alike, 2 KB and
+ * 32 KB less). Prefetches only: never a fault, nothing computed differently. */
 #ifndef GEMV_PREFETCH_BYTES
 #define GEMV_PREFETCH_BYTES 8192
 #endif
