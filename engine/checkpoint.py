@@ -93,12 +93,14 @@ def model_id_for(name: str, config: ArchConfig, files: list[Path], variant: str 
 
 def linear_kernel_variant(model: torch.nn.Module) -> str:
     """The part of ``model_id`` naming the native linear kernel ``model``'s linears run on: ``""`` (torch's
-    kernels), ``"/native-linear"`` (the AVX-512 build) or ``"/native-linear-<isa>"`` (another build, named
-    apart: ``engine.native_linear``'s docstring). A generated token's K/V depends on it."""
+    kernels), ``"/native-linear"`` (the AVX-512 build), ``"/native-linear-<isa>"`` (another build, named
+    apart: ``engine.native_linear``'s docstring), with ``"-int8-activations"`` appended for
+    ``Int8ActivationKernel``. A generated token's K/V depends on it."""
     native = next((m.native for m in model.modules() if getattr(m, "fp32_kernel", False)), None)
     if native is None:
         return ""
-    return "/native-linear" if native.isa == "avx512" else f"/native-linear-{native.isa}"
+    name = "/native-linear" if native.isa == "avx512" else f"/native-linear-{native.isa}"
+    return name + ("-int8-activations" if native.activations == "int8" else "")
 
 
 def prompt_rows_variant(model: torch.nn.Module) -> str:

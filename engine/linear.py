@@ -368,7 +368,8 @@ class Int4Weight(nn.Module):
 
     @property
     def fp32_kernel(self) -> bool:
-        """Whether the weight-only kernel is the native one (fp32 activations, exact scales, fp32 output)."""
+        """Whether the weight-only kernel is the native one (exact scales, fp32 output; fp32 activations, or int8
+        ones for ``engine.native_linear.Int8ActivationKernel``)."""
         return self.native is not None
 
     def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -406,7 +407,7 @@ class Int4Weight(nn.Module):
         """fp32 ``[out, in]`` as the kernel sees it: the kernel applied to the identity with fp32 activations
         and scale/zero (one nonzero product per output, so no rounding beyond the weight's own)."""
         if self.native is not None:
-            return self.native.mm(self.native_packed, torch.eye(self.in_features)).t().contiguous()
+            return self.native.mm(self.native_packed, torch.eye(self.in_features), fp32=True).t().contiguous()
         eye = torch.eye(self.in_features, device=self.packed.device)
         return _int4_mm(eye, self.packed, self.scale_zero).t().contiguous()
 
@@ -490,7 +491,7 @@ class Int8Weight(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out, in]`` as the kernel sees it (exact; torch's kernel: both planes summed)."""
         if self.native is not None:
-            return self.native.mm(self.native_packed, torch.eye(self.in_features)).t().contiguous()
+            return self.native.mm(self.native_packed, torch.eye(self.in_features), fp32=True).t().contiguous()
         w = self.inner.dequantize()
         return w[:, : self.in_features] + w[:, self.in_features :]
 

@@ -28,6 +28,9 @@
  * sums, the same adds, and the group sums of x by one portable function that adds in _mm512_reduce_add_ps's
  * tree order.
  *
+ * A third build (-mavx512vnni -mavx512vbmi, engine.native_linear.Int8ActivationKernel) adds q4_gemv_i8 and
+ * q8_gemv_i8, the same weights with int8 activations (the end of the file).
+ *
  * Built by engine.native_build (gcc -O3, -fopenmp for the tile split and the panel path's row packing; no
  * -ffast-math, -ffp-contract=off).
  * Returns 0, or -1 for bad arguments (nothing written), -2 out of memory.
@@ -604,3 +607,225 @@ int q8_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, f
     free(b.base);
     return 0;
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+/* ---- int8 activations, two planes (engine.linear_kernel: int8-activations; the build with -mavx512vnni
+ * -mavx512vbmi) ------------------------------------------------------------------------------------------------
+ *
+ * The same weights and tiles; each row of x is cut per group of 32 inputs into two int8 planes, x ~ dx * xq +
+ * dr * rq: Q(v) rounds v to v ~ dv * vq with dv = amax / 127 (amax = the group's largest |v|) and vq = v * (127
+ * / amax) rounded to the nearest integer, ties to even (all 0 where amax < TINY_GROUP), the scheme of llama.cpp's Q8
+ * activation blocks; (xq, dx) = Q(x) and (rq, dr) = Q(r) of the remainder r = x - dx * xq (fp32, not fused),
+ * so about 15 bits of each group survive where one plane keeps 8 (one plane alone lost 7 % of SmolLM2's greedy
+ * tokens against fp32: docs/engine-step.md, "int8 activations"). Per group the codes' dot products with both
+ * planes are exact integer sums (vpdpbusd: unsigned weight bytes times signed activation bytes, four at a time
+ * into 32-bit lanes), then, in fp32, in this order:
+ *
+ *   int4: y += (d * dx) * sum_i q_i xq_i;  y += (d * dr) * sum_i q_i rq_i;  y += m * S_g
+ *         (q = 0..15 unsigned; S_g = the group's exact fp32 sum, sum32 above: the m term is not rounded)
+ *   int8: the same without the m term, each sum taken as sum_i (q_i + 128) v_i - 128 sum_i v_i (the codes made
+ *         unsigned)
+ *
+ * A tile block's code bytes are stored i-major (16 bytes per input i, byte j for output j); one vpermb turns 64
+ * of them (inputs i..i+3) into 16 lanes of 4 consecutive inputs each, the operand vpdpbusd wants. Each output
+ * element is one fixed sequence of operations whatever the call's rows, tiles or threads (batch invariance, as
+ * the fp32 functions); 8 rows share one decode of a tile's codes, each with two integer accumulators and one
+ * fp32 sum in registers. */
+
+#define ROWS_I8 8
+#define TINY_GROUP 1e-30f /* engine.native_linear.TINY_GROUP */
+
+/* Q(v) of one group of 32: the int8 codes to q, the scale to *dv, the codes' sum to *sv */
+INLINE void quantize_group(__m512 a, __m512 b, int8_t *q, float *dv, int32_t *sv) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    /* a group below TINY_GROUP quantizes to zeros: 127 / amax would overflow for subnormal maxima */
+    const __m512 id = _mm512_set1_ps(amax >= TINY_GROUP ? 127.0f / amax : 0.0f);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, id), rn);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, id), rn);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+    *dv = amax / 127.0f;
+    *sv = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+/* the activations of a call, group-major so that one block's rows lie together: for group g and row r, at
+ * i = g m + r, the planes q[64 i ..]: xq (32 int8) then rq (32 int8); the scales dx[i], dr[i]; the planes' sums
+ * sx[i], sr[i]; the group's exact fp32 sum S[i] (int4) */
+typedef struct {
+    int8_t *q;
+    float *dx, *dr, *S;
+    int32_t *sx, *sr;
+} planes;
+
+/* x [m][k] cut into planes: (xq, dx) = Q(x), then (rq, dr) = Q(x - dx * xq), the product then the difference */
+static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
+    const int64_t G = k / QK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *p = x + r * k + g * QK;
+            const int64_t i = g * m + r;
+            const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+            int8_t *q = P->q + 64 * i;
+            quantize_group(a, b, q, P->dx + i, P->sx + i);
+            const __m512 dx = _mm512_set1_ps(P->dx[i]);
+            const __m512 xa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+            const __m512 xb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+            quantize_group(_mm512_sub_ps(a, _mm512_mul_ps(dx, xa)), _mm512_sub_ps(b, _mm512_mul_ps(dx, xb)), q + 32,
+                           P->dr + i, P->sr + i);
+            if (sums) P->S[i] = sum32(p);
+        }
+}
+
+/* vpermb index: out byte 4 j + t = in byte 16 t + j (inputs i..i+3 of output j in lane j) */
+INLINE __m512i lanes_of_four(void) {
+    return _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42,
+                           26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52,
+                           36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+}
+
+/* acc + vpdpbusd(u, the 4 int8 at p in every lane): the activations as the instruction's broadcast memory
+ * operand, so the load unit does the broadcast (GCC otherwise loads them into a register and spends a shuffle
+ * on the vector pipes per broadcast: ~1.1x the fp32 kernel's time at 8 rows instead of ~0.7x) */
+INLINE __m512i dot4(__m512i acc, __m512i u, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+INLINE void q4i8_tile(const uint8_t *w, int64_t G, const planes *P, int64_t m, int64_t r0, int R, __m512 *out) {
+    const __m512i perm = lanes_of_four(), low4 = _mm512_set1_epi8(15);
+    __m512 y[ROWS_I8];
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q4_BLOCK;
+        prefetch_ahead(b, Q4_BLOCK);
+        __m512i ax[ROWS_I8], ar[ROWS_I8];
+        for (int r = 0; r < R; r++) ax[r] = ar[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int a = 0; a < 4; a++) {
+            const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_load_si512((const void *)(b + 64 + 64 * a)));
+            const __m512i lo = _mm512_and_si512(v, low4);                        /* inputs 4a .. 4a + 3 */
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4); /* inputs 16 + 4a .. */
+            const int8_t *q = P->q + 64 * (g * m + r0) + 4 * a;
+            for (int r = 0; r < R; r++) {
+                ax[r] = dot4(ax[r], lo, q + 64 * r);
+                ax[r] = dot4(ax[r], hi, q + 64 * r + 16);
+                ar[r] = dot4(ar[r], lo, q + 64 * r + 32);
+                ar[r] = dot4(ar[r], hi, q + 64 * r + 48);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)b));
+        const __m512 mins = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(b + 32)));
+        for (int r = 0; r < R; r++) {
+            const int64_t at = g * m + r0 + r;
+            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(P->dx[at])), _mm512_cvtepi32_ps(ax[r]), y[r]);
+            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(P->dr[at])), _mm512_cvtepi32_ps(ar[r]), y[r]);
+            y[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(P->S[at]), y[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = y[r];
+}
+
+INLINE void q8i8_tile(const uint8_t *w, int64_t G, const planes *P, int64_t m, int64_t r0, int R, __m512 *out) {
+    const __m512i perm = lanes_of_four(), flip = _mm512_set1_epi8((char)0x80);
+    __m512 y[ROWS_I8];
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q8_BLOCK;
+        prefetch_ahead(b, Q8_BLOCK);
+        __m512i ax[ROWS_I8], ar[ROWS_I8];
+        for (int r = 0; r < R; r++) {
+            ax[r] = _mm512_set1_epi32(-128 * P->sx[g * m + r0 + r]);
+            ar[r] = _mm512_set1_epi32(-128 * P->sr[g * m + r0 + r]);
+        }
+#pragma GCC unroll 8
+        for (int a = 0; a < 8; a++) {
+            const __m512i v = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(b + 32 + 64 * a))), flip);
+            const int8_t *q = P->q + 64 * (g * m + r0) + 4 * a;
+            for (int r = 0; r < R; r++) {
+                ax[r] = dot4(ax[r], v, q + 64 * r);
+                ar[r] = dot4(ar[r], v, q + 64 * r + 32);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        for (int r = 0; r < R; r++) {
+            const int64_t at = g * m + r0 + r;
+            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(P->dx[at])), _mm512_cvtepi32_ps(ax[r]), y[r]);
+            y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(P->dr[at])), _mm512_cvtepi32_ps(ar[r]), y[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = y[r];
+}
+
+#define RUN_TILE_I8(BITS, R)                                                                                   \
+    do {                                                                                                       \
+        __m512 o[ROWS_I8];                                                                                     \
+        BITS##i8_tile(wt, G, P, m, r0, R, o);                                                                   \
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (r0 + r) * n + t * TILE, mask, o[r]);          \
+    } while (0)
+
+#define ROW_CASES_I8(BITS)                                                                                     \
+    switch (m - r0 < ROWS_I8 ? m - r0 : ROWS_I8) {                                                             \
+    case 1: RUN_TILE_I8(BITS, 1); break;                                                                       \
+    case 2: RUN_TILE_I8(BITS, 2); break;                                                                       \
+    case 3: RUN_TILE_I8(BITS, 3); break;                                                                       \
+    case 4: RUN_TILE_I8(BITS, 4); break;                                                                       \
+    case 5: RUN_TILE_I8(BITS, 5); break;                                                                       \
+    case 6: RUN_TILE_I8(BITS, 6); break;                                                                       \
+    case 7: RUN_TILE_I8(BITS, 7); break;                                                                       \
+    default: RUN_TILE_I8(BITS, 8); break;                                                                      \
+    }
+
+/* the tiles [t0, t1) of an int8-activation call, x already cut into planes */
+static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m, float *y, const planes *P,
+                     int64_t t0, int64_t t1) {
+    const int64_t G = k / QK;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t valid = n - t * TILE < TILE ? n - t * TILE : TILE;
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS_I8) {
+            if (bits == 4) {
+                const uint8_t *wt = w + t * G * Q4_BLOCK;
+                ROW_CASES_I8(q4)
+            } else {
+                const uint8_t *wt = w + t * G * Q8_BLOCK;
+                ROW_CASES_I8(q8)
+            }
+        }
+    }
+}
+
+/* as q4_gemv / q8_gemv (the same arguments, tiles and returns), with x in two int8 planes */
+static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                   int threads) {
+    if (bad_args(w, n, k, x, m, y, threads)) return -1;
+    const int64_t G = k / QK, T = (n + TILE - 1) / TILE;
+    const size_t mg = (size_t)(m * G);
+    /* dx, dr, S [G][m] fp32; sx, sr [G][m] int32; the planes [G][m][64] int8 */
+    float *base = malloc(mg * (3 * sizeof(float) + 2 * sizeof(int32_t) + 64));
+    if (base == 0) return -2;
+    const planes P = {(int8_t *)(base + 5 * mg), base, base + mg, base + 2 * mg, (int32_t *)(base + 3 * mg),
+                      (int32_t *)(base + 4 * mg)};
+    cut_planes(x, m, k, bits == 4, &P);
+    if (threads == 1) {
+        i8_tiles(bits, w, n, k, m, y, &P, 0, T);
+    } else {
+        _Pragma("omp parallel num_threads(threads)") {
+            THREAD_ID_AND_COUNT(id, nt);
+            SPLIT(T, nt, id, t0, t1);
+            i8_tiles(bits, w, n, k, m, y, &P, t0, t1);
+        }
+    }
+    free(base);
+    return 0;
+}
+
+int q4_gemv_i8(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
+    return gemv_i8(4, w, n, k, x, m, y, threads);
+}
+
+int q8_gemv_i8(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
+    return gemv_i8(8, w, n, k, x, m, y, threads);
+}
+#endif

@@ -234,9 +234,13 @@ def test_other_cpus_are_refused_with_the_reason(monkeypatch, tmp_path):
 
 
 def test_the_setting_is_checked():
-    with pytest.raises(ValueError, match="engine.linear_kernel must be one of auto, native, torch"):
+    with pytest.raises(
+        ValueError, match="engine.linear_kernel must be one of auto, native, int8-activations, torch"
+    ):
         resolve_linear_kernel("fast", CPU)
-    with pytest.raises(ValueError, match="engine.linear_kernel must be one of auto, native, torch"):
+    with pytest.raises(
+        ValueError, match="engine.linear_kernel must be one of auto, native, int8-activations, torch"
+    ):
         load_checkpoint("default", weights="float32", linear_kernel="fast")
     assert resolve_linear_kernel("torch", CPU) is None
     with pytest.raises(ValueError, match="CPU only"):

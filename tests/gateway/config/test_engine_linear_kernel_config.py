@@ -1,4 +1,4 @@
-"""``engine.linear_kernel`` in the gateway's YAML: ``auto | native | torch`` parsed into ``EngineConfig``, anything
+"""``engine.linear_kernel`` in the gateway's YAML: ``auto | native | int8-activations | torch`` parsed into ``EngineConfig``, anything
 else a ``ConfigError`` naming the file, the key path and the choices (``engine.native_linear``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def engine_of(section: dict):
     return config.models[0].engine
 
 
-@pytest.mark.parametrize("value", ["auto", "native", "torch"])
+@pytest.mark.parametrize("value", ["auto", "native", "int8-activations", "torch"])
 def test_linear_kernel_values(value):
     assert engine_of({"linear_kernel": value}).linear_kernel == value
 
@@ -31,4 +31,4 @@ def test_a_bad_linear_kernel_names_file_key_and_choices(value, problem):
     assert caught.value.key == "models[0].engine.linear_kernel"
     assert problem in caught.value.problem
     if value == "fast":
-        assert "expected one of auto, native, torch" in caught.value.problem
+        assert "expected one of auto, native, int8-activations, torch" in caught.value.problem
