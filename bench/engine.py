@@ -141,6 +141,11 @@ def main() -> None:
         "--weights", default="auto", help="engine.weights: auto | native | int8 | int4 | bf16 | float32"
     )
     ap.add_argument("--kv-dtype", default="float32", help="engine.kv_dtype: float32 | bfloat16")
+    ap.add_argument(
+        "--linear-kernel",
+        default="auto",
+        help="engine.linear_kernel: auto | native | int8-activations | torch (--peers: prefixgate's)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument(
         "--peers",
@@ -166,7 +171,9 @@ def main() -> None:
 
         if not Path(args.llama_server).is_file():
             raise SystemExit(f"no llama-server at {args.llama_server}: run bash bench/build_llama_server.sh")
-        out = run_peers(path, args.llama_server, args.threads or 2, args.repeats)
+        out = run_peers(
+            path, args.llama_server, args.threads or 2, args.repeats, linear_kernel=args.linear_kernel
+        )
         print_table(out)
         print(json.dumps(out))
         return
@@ -176,7 +183,7 @@ def main() -> None:
         ck = tiny_checkpoint(max_position_embeddings=8192)
         args.no_hf = True
     else:
-        ck = load_checkpoint(path, device=args.device, weights=args.weights)
+        ck = load_checkpoint(path, device=args.device, weights=args.weights, linear_kernel=args.linear_kernel)
     tok = ck.tokenizer
     system = system_prompt(tok, args.system_tokens)
     # every engine gets the same thread count: read once here, since an engine's steps change the calling
@@ -188,6 +195,7 @@ def main() -> None:
         weights=args.weights,
         kv_dtype=args.kv_dtype,
         num_threads=threads,
+        linear_kernel=args.linear_kernel,
     )
 
     def engine() -> LLMEngine:

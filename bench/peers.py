@@ -117,10 +117,12 @@ class Server:
             self.proc.kill()
 
 
-def prefixgate_engine_settings(threads: int, ctx_tokens: int) -> dict:
+def prefixgate_engine_settings(threads: int, ctx_tokens: int, linear_kernel: str = "auto") -> dict:
     """The ``engine:`` mapping prefixgate is benchmarked with (``engine.api.EngineConfig`` fields): a KV pool
-    of ``ctx_tokens`` in blocks of 16, bf16 KV, batches of up to 16 sequences and 2,048 tokens."""
+    of ``ctx_tokens`` in blocks of 16, bf16 KV, batches of up to 16 sequences and 2,048 tokens;
+    ``linear_kernel``: ``engine.linear_kernel`` (``--linear-kernel``)."""
     return {
+        "linear_kernel": linear_kernel,
         "num_blocks": ctx_tokens // 16,
         "block_size": 16,
         "max_batch": 16,
@@ -132,10 +134,15 @@ def prefixgate_engine_settings(threads: int, ctx_tokens: int) -> dict:
 
 
 def start_prefixgate(
-    gguf: str, threads: int, ctx_tokens: int, workdir: Path, shared_prefix: bool = True
+    gguf: str,
+    threads: int,
+    ctx_tokens: int,
+    workdir: Path,
+    shared_prefix: bool = True,
+    linear_kernel: str = "auto",
 ) -> Server:
     port = free_port()
-    engine = prefixgate_engine_settings(threads, ctx_tokens)
+    engine = prefixgate_engine_settings(threads, ctx_tokens, linear_kernel)
     if not shared_prefix:
         engine["shared_prefix_attention"] = False
     cfg = {
@@ -277,11 +284,19 @@ def summary(key: str, values: list[float]) -> float:
     return statistics.mean(values) if key == "w4_alternating" else statistics.median(values)
 
 
-def run_peers(gguf: str, llama_server: str, threads: int, repeats: int, system_words: int = 590) -> dict:
-    """Start both servers, run W1..W5 alternated, stop them; return the figures (see the module docstring)."""
+def run_peers(
+    gguf: str,
+    llama_server: str,
+    threads: int,
+    repeats: int,
+    system_words: int = 590,
+    linear_kernel: str = "auto",
+) -> dict:
+    """Start both servers, run W1..W5 alternated, stop them; return the figures (see the module docstring).
+    ``linear_kernel``: prefixgate's ``engine.linear_kernel`` (``auto``; ``int8-activations`` for its int8 GEMVs)."""
     ctx = 16384  # tokens: 8 slots x 2048 for llama-server, 1,024 blocks of 16 for us
     workdir = Path(tempfile.mkdtemp(prefix="prefixgate-peers-"))
-    ours = start_prefixgate(gguf, threads, ctx, workdir)
+    ours = start_prefixgate(gguf, threads, ctx, workdir, linear_kernel=linear_kernel)
     peer = start_llama_server(llama_server, gguf, threads, ctx, workdir)
     try:
         ours.wait_ready()
@@ -343,11 +358,12 @@ def run_peers(gguf: str, llama_server: str, threads: int, repeats: int, system_w
             "peak_rss": rss["prefixgate"] / rss["llama-server"],
         },
         "cached_over_cold": a["w2_warm_ttft"] / a["w1_cold_ttft"],
+        "linear_kernel": linear_kernel,
         "runs": figures,
     }
     # shared-prefix attention off: a second prefixgate, W5 only (after the side-by-side part)
-    off = start_prefixgate(gguf, threads, ctx, workdir, shared_prefix=False)
-    on = start_prefixgate(gguf, threads, ctx, workdir)
+    off = start_prefixgate(gguf, threads, ctx, workdir, shared_prefix=False, linear_kernel=linear_kernel)
+    on = start_prefixgate(gguf, threads, ctx, workdir, linear_kernel=linear_kernel)
     try:
         off.wait_ready()
         on.wait_ready()
