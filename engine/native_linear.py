@@ -306,18 +306,27 @@ class NativeLinearKernel:
             raise ValueError(f"q{w.bits}_gemv refused its arguments (rc {rc}): {shapes}")
         return y
 
+    _check_rows = (1, 5, 6, 20)
+    """Row counts ``self_check`` runs: the AVX2 build's per-row and panel paths."""
+
+    def reference(self, groups, x: torch.Tensor) -> torch.Tensor:
+        """float64 ``[M, N]``: what ``mm`` computes, up to its fp32 rounding, for ``engine.quantized`` groups
+        ``[N, K]`` and fp32 ``x`` ``[M, K]``: the product with the dequantized weights."""
+        return x.double() @ groups.dequantize().double().T
+
     def self_check(self) -> str | None:
-        """Compare the kernel with a float64 product on random Q4_0-, Q4_1- and Q8_0-like weights (a partial
-        tile, 1-20 rows: the AVX2 build's per-row and panel paths, 1 and 2 threads) and check row invariance;
-        None when every output is within 1e-5 of the largest, else what differed."""
+        """Compare the kernel with ``reference`` on random Q4_1- and Q8_0-like weights (a partial tile,
+        ``_check_rows`` rows, 1 and 2 threads, a group of zero inputs) and check row invariance; None when every
+        output is within 1e-5 of the largest, else what differed."""
         gen = torch.Generator().manual_seed(0)
         for bits, n, k in ((4, 37, 96), (8, 21, 64)):
             groups = random_groups(bits, n, k, gen)
             packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
             x = torch.randn(20, k, generator=gen)
-            want = x.double() @ groups.dequantize().double().T
+            x[3, :32] = 0.0
+            want = self.reference(groups, x)
             alone = torch.cat([self.mm(packed, x[i : i + 1], 1) for i in range(20)])
-            for rows in (1, 5, 6, 20):
+            for rows in self._check_rows:
                 for threads in (1, 2):
                     got = self.mm(packed, x[:rows], threads)
                     err = ((got.double() - want[:rows]).abs().max() / want.abs().max()).item()
@@ -373,29 +382,11 @@ class Int8ActivationKernel(NativeLinearKernel):
             directory,
         )
 
-    def self_check(self) -> str | None:
-        """Compare with ``int8_activation_reference`` on random Q4_1- and Q8_0-like weights (a partial tile,
-        1-20 rows, 1 and 2 threads, a group of zeros) and check row invariance; None when every output is
-        within 1e-5 of the largest, else what differed."""
-        gen = torch.Generator().manual_seed(0)
-        for bits, n, k in ((4, 37, 96), (8, 21, 64)):
-            groups = random_groups(bits, n, k, gen)
-            packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
-            x = torch.randn(20, k, generator=gen)
-            x[3, :32] = 0.0  # a group of zeros quantizes to zeros
-            want = int8_activation_reference(groups, x)
-            alone = torch.cat([self.mm(packed, x[i : i + 1], 1) for i in range(20)])
-            for rows in (1, 5, 8, 9, 20):
-                for threads in (1, 2):
-                    got = self.mm(packed, x[:rows], threads)
-                    err = ((got.double() - want[:rows]).abs().max() / want.abs().max()).item()
-                    if not err <= 1e-5:
-                        return f"int{bits} {n}x{k}, {rows} rows, {threads} threads: relative error {err:.2e}"
-                    if not torch.equal(got, alone[:rows]):
-                        return (
-                            f"int{bits} {n}x{k}, {rows} rows, {threads} threads: rows differ from 1-row calls"
-                        )
-        return None
+    _check_rows = (1, 5, 8, 9, 20)  # 8 rows share a decode of the codes
+
+    def reference(self, groups, x: torch.Tensor) -> torch.Tensor:
+        """``int8_activation_reference``."""
+        return int8_activation_reference(groups, x)
 
 
 def quantize_groups(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
