@@ -8,7 +8,8 @@ every generated position is compared with the reference token (teacher forcing: 
 derail the rest).
 
 ``--linear-kernel`` (``engine.linear_kernel``): ``torch`` = torch's int4 kernel (bf16 activations, scales and
-outputs), ``native`` = ``engine.native_linear`` (fp32, exact scales); ``auto`` = native where it builds.
+outputs), ``native`` = ``engine.native_linear`` (fp32, exact scales), ``int8-activations`` = its int8-activation
+build (two int8 planes per group of 32); ``auto`` = native where it builds.
 
 Run: ``python -m bench.weight_agreement [--prompts 20 --positions 100]`` (the issue's >= 2,000 positions over
 >= 20 prompts; a few minutes on 2 cores). Prints each prompt's agreement, the total, the positions that
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument(
         "--linear-kernel",
         default="auto",
-        help="engine.linear_kernel of the model under test (auto | native | torch: engine.native_linear)",
+        help="engine.linear_kernel of the model under test (auto | native | int8-activations | torch)",
     )
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--positions", type=int, default=100)

@@ -165,8 +165,8 @@ def load_checkpoint(
         dense_min_rows: ``auto``, None or an integer >= 1: see ``engine.weight_format.resolve``. Whether prompt
             rows run on a dense copy, and its dtype, are part of ``model_id`` (``prompt_rows_variant``).
         linear_kernel: the kernel of int4/int8 linears' generated-token rows and LM head, ``auto | native |
-            torch`` (``engine.native_linear``; ``engine.linear_kernel``). Part of ``model_id`` when native (a
-            generated token's K/V differs).
+            int8-activations | torch`` (``engine.native_linear``; ``engine.linear_kernel``). Part of ``model_id``
+            when native (a generated token's K/V differs).
 
     Raises:
         UnsupportedModelError: missing path, unknown file type, garbage file, unsupported architecture, tensor
