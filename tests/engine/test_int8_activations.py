@@ -58,7 +58,6 @@ def test_the_kernel_computes_the_int8_activation_product(kernel, qtype, n, k):
     packed = pack_int8(groups) if qtype == "Q8_0" else pack_int4(groups)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(1))
     x[2, :32] = 0.0  # a group of zeros: xq = 0, dx = 0
-    x[4, 32:64] = 1e-38  # subnormal-sized: below TINY_GROUP, zeros too (127 / amax would overflow)
     want = int8_activation_reference(groups, x)
     exact = x.double() @ groups.dequantize().double().T
     for m in range(1, 18):
@@ -90,6 +89,10 @@ def test_activations_round_to_nearest_with_ties_to_even_and_two_planes_keep_15_b
         rtol=0,
         atol=1e-5,  # the fp32 rounding of the sum
     )
+    # a group whose largest input is below TINY_GROUP (127 / amax would overflow fp32) quantizes to zeros
+    tiny = torch.full((1, 32), 1e-38)
+    assert torch.equal(kernel.mm(packed, tiny), torch.zeros(1, 16))
+    assert quantize_activations(tiny)[0].abs().sum() == 0
 
 
 @needs_kernel
