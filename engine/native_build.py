@@ -149,23 +149,24 @@ def resolve_setting(
     setting_name: str, setting: str, device: str, shared: Callable[[], K | str], fallback: str
 ) -> K | None:
     """The kernel a ``native | auto | torch`` setting (already validated) asks for on ``device``: ``torch`` ->
-    None; ``native`` -> ``shared()``'s kernel, or a start-up error; ``auto`` -> the kernel where it builds on a
-    CPU, else None with a log line naming ``fallback`` and why. ``shared``: the kernel, or why it is not
-    available.
+    None; ``auto`` -> the kernel where it builds on a CPU, else None with a log line naming ``fallback`` and why;
+    any other value (``native``, or a named variant such as ``engine.linear_kernel: int8-activations``) ->
+    ``shared()``'s kernel, or a start-up error. ``shared``: the kernel, or why it is not available.
 
     Raises:
-        ValueError: ``native`` where the kernel is not available (the message names ``setting_name``).
+        ValueError: a value other than ``auto`` where the kernel is not available (the message names
+            ``setting_name`` and the value).
     """
     if setting == "torch":
         return None
     if device != "cpu":
-        if setting == "native":
-            raise ValueError(f"{setting_name}: native runs on CPU only, not on {device}")
+        if setting != "auto":
+            raise ValueError(f"{setting_name}: {setting} runs on CPU only, not on {device}")
         return None
     kernel = shared()
     if isinstance(kernel, str):
-        if setting == "native":
-            raise ValueError(f"{setting_name}: native is not available here: {kernel}")
+        if setting != "auto":
+            raise ValueError(f"{setting_name}: {setting} is not available here: {kernel}")
         _log.info("%s auto: %s (%s)", setting_name, fallback, kernel)
         return None
     return kernel

@@ -350,9 +350,9 @@ class Int8ActivationKernel(NativeLinearKernel):
     without the ``m`` term): ``int8_activation_reference`` in float64. Two planes keep about 15 bits of each
     group where one keeps 8 (one plane agreed with the fp32 reference on 93 % of SmolLM2's greedy tokens); at 8
     rows, where the fp32 kernel is bound by its multiply-adds, a GEMV takes ~0.8x its time, one row the same
-    (memory-bound either way) (docs/engine-step.md, "int8 activations"). Each output element is one fixed sequence of operations
-    whatever the call's rows and threads: row ``i`` of an ``M``-row call equals the 1-row call of that row
-    (batch invariance).
+    (memory-bound either way; docs/engine-step.md, "int8 activations"). Each output element is one fixed
+    sequence of operations whatever the call's rows and threads: row ``i`` of an ``M``-row call equals the 1-row
+    call of that row (batch invariance).
 
     Raises:
         OSError: the library cannot be loaded.
@@ -483,13 +483,7 @@ def resolve_linear_kernel(setting: str, device: torch.device | str) -> NativeLin
             (the message names ``engine.linear_kernel`` and the reason).
     """
     check_linear_kernel(setting)
-    if setting == "int8-activations":
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"engine.linear_kernel: int8-activations runs on CPU only, not on {device}")
-        kernel = _shared_int8_activation_kernel()
-        if isinstance(kernel, str):
-            raise ValueError(f"engine.linear_kernel: int8-activations is not available here: {kernel}")
-        return kernel
+    shared = _shared_int8_activation_kernel if setting == "int8-activations" else _shared_kernel
     return native_build.resolve_setting(
-        "engine.linear_kernel", setting, torch.device(device).type, _shared_kernel, "torch's int4 kernel"
+        "engine.linear_kernel", setting, torch.device(device).type, shared, "torch's int4 kernel"
     )

@@ -16,7 +16,6 @@ import torch
 
 from engine import native_build, native_linear
 from engine.checkpoint import linear_kernel_variant
-from engine.linear import Int4Weight, Int8Weight
 from engine.native_build import NativeKernelError
 from engine.native_linear import (
     INT8_ACTIVATION_REQUIRED,
@@ -26,11 +25,11 @@ from engine.native_linear import (
     pack_int4,
     pack_int8,
     quantize_activations,
-    random_groups,
     resolve_linear_kernel,
 )
-from engine.quantized import Int8Groups, int4_groups, int8_groups, quantize
+from engine.quantized import Int8Groups
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from tests.engine.test_native_linear import check_linears_on, check_rows_alone_and_in_company, groups_of
 
 AVAILABLE = native_build.cpu_ok(INT8_ACTIVATION_REQUIRED)[0] and native_build.compiler() is not None
 needs_kernel = pytest.mark.skipif(
@@ -42,12 +41,6 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def kernel() -> Int8ActivationKernel:
     return Int8ActivationKernel.build()
-
-
-def groups_of(qtype: str, n: int, k: int, seed: int):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
-    b = quantize(w, qtype)
-    return int8_groups(b) if qtype == "Q8_0" else int4_groups(b)
 
 
 @needs_kernel
@@ -99,28 +92,12 @@ def test_activations_round_to_nearest_with_ties_to_even_and_two_planes_keep_15_b
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n", [53, 61])
 def test_row_i_of_any_call_is_the_one_row_call_bit_for_bit(kernel, bits, n):
-    groups = random_groups(bits, n, 160, torch.Generator().manual_seed(bits))
-    packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
-    x = torch.randn(41, 160, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([kernel.mm(packed, x[i : i + 1], threads=1) for i in range(41)])
-    for m in [*range(1, 18), 24, 33, 41]:
-        for threads in (1, 2, 3):
-            assert torch.equal(kernel.mm(packed, x[:m], threads=threads), alone[:m]), (m, threads)
-            perm = torch.randperm(m, generator=torch.Generator().manual_seed(m))
-            assert torch.equal(kernel.mm(packed, x[:m][perm], threads=threads), alone[:m][perm])
+    check_rows_alone_and_in_company(kernel, bits, n, [*range(1, 18), 24, 33, 41])
 
 
 @needs_kernel
 def test_the_linears_dequantize_exactly_and_bad_inputs_are_refused(kernel):
-    for qtype, cls in (("Q4_1", Int4Weight), ("Q4_0", Int4Weight), ("Q8_0", Int8Weight)):
-        w = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
-        b = quantize(w, qtype)
-        groups = int8_groups(b) if qtype == "Q8_0" else int4_groups(b)
-        lin = cls(groups, None, CPU, None, native=kernel)
-        assert lin.fp32_kernel
-        assert torch.equal(lin.dequantize(), b.dequantize())  # through the library's fp32 function
-        x = torch.randn(3, 64)
-        assert torch.equal(lin.forward(x), kernel.mm(lin.native_packed, x))
+    check_linears_on(kernel)  # dequantize through the library's fp32 functions: exact
     packed = pack_int8(groups_of("Q8_0", 16, 64, 0))
     with pytest.raises(ValueError, match="the native kernel takes"):
         kernel.mm(packed, torch.randn(2, 32))

@@ -91,25 +91,34 @@ def test_row_i_of_any_call_is_the_one_row_call_bit_for_bit(kernel, bits, n):
     # n = 53: the last tile's first half partly filled; 61: its second half. Row counts from 1 to 41 take the
     # AVX2 build's per-row path and its panel path (PANEL_MIN_ROWS = 16 rows and up), with 0, 1 and 2 rows
     # left after the panel's groups of 3.
-    groups = random_groups(bits, n, 160, torch.Generator().manual_seed(bits))
-    packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
-    x = torch.randn(41, 160, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([kernel.mm(packed, x[i : i + 1], threads=1) for i in range(41)])
+    packed, x, alone = check_rows_alone_and_in_company(kernel, bits, n, [*range(1, 21), 32, 33, 41])
     for isa in RUNNABLE:  # every build this CPU runs computes the same bits (the same operations per lane)
         other = NativeLinearKernel.build(isa=isa)
         assert other.isa == isa, isa
         for m in (1, 15, 16, 17, 41):
             assert torch.equal(other.mm(packed, x[:m]), alone[:m]), (isa, m)
-    for m in [*range(1, 21), 32, 33, 41]:
+
+
+def check_rows_alone_and_in_company(kernel: NativeLinearKernel, bits: int, n: int, row_counts: list[int]):
+    """Assert that every row of ``kernel.mm`` calls of ``row_counts`` rows (1-3 threads, the rows in order and
+    shuffled) is the 1-row call of that row bit for bit, on random ``[n, 160]`` weights of ``bits``; returns
+    (packed weights, ``x`` ``[41, 160]``, the 1-row results ``[41, n]``)."""
+    groups = random_groups(bits, n, 160, torch.Generator().manual_seed(bits))
+    packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
+    x = torch.randn(41, 160, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kernel.mm(packed, x[i : i + 1], threads=1) for i in range(41)])
+    for m in row_counts:
         for threads in (1, 2, 3):
             assert torch.equal(kernel.mm(packed, x[:m], threads=threads), alone[:m]), (m, threads)
             # the same rows in another order and company: each keeps its bits
             perm = torch.randperm(m, generator=torch.Generator().manual_seed(m))
             assert torch.equal(kernel.mm(packed, x[:m][perm], threads=threads), alone[:m][perm])
+    return packed, x, alone
 
 
-@needs_kernel
-def test_the_linears_on_the_native_kernel_dequantize_exactly_and_are_fp32(kernel):
+def check_linears_on(kernel: NativeLinearKernel) -> None:
+    """Assert that Q4_1, Q4_0 and Q8_0 ``Int4Weight`` / ``Int8Weight`` on ``kernel`` dequantize to the GGUF's
+    values exactly, forward as ``kernel.mm`` and take zero rows."""
     for qtype, cls in (("Q4_1", Int4Weight), ("Q4_0", Int4Weight), ("Q8_0", Int8Weight)):
         w = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
         b = quantize(w, qtype)
@@ -120,6 +129,11 @@ def test_the_linears_on_the_native_kernel_dequantize_exactly_and_are_fp32(kernel
         x = torch.randn(3, 64)
         assert torch.equal(lin.forward(x), kernel.mm(lin.native_packed, x))
         assert lin.forward(x[:0]).shape == (0, 40)
+
+
+@needs_kernel
+def test_the_linears_on_the_native_kernel_dequantize_exactly_and_are_fp32(kernel):
+    check_linears_on(kernel)
 
 
 @needs_kernel
