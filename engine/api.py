@@ -351,15 +351,15 @@ class EngineConfig:
             independent of chunking and caching. Part of ``model_id`` when native (a prompt's K/V differs);
             ``native`` where it cannot be built is a start-up error naming the reason.
         linear_kernel: the weight-only kernel of int4/int8 linears (generated tokens' rows, the LM head),
-            ``auto | native | torch``: ``native`` = the C kernel on the GGUF's own codes with fp32 activations,
-            exact scales and fp32 output (``engine.native_linear``: built once per machine with the system C
-            compiler; x86-64 CPUs with AVX-512 and F16C), ``torch`` = torch's int4 kernel (bf16 activations,
-            scales and output), ``auto`` = native where it builds, else torch; ``int8-activations`` = the native
-            kernel with each row's activations cut into two int8 planes per group of 32 (about 15 bits kept;
-            top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2) and integer dot products
-            (``engine.native_linear.Int8ActivationKernel``: x86-64 CPUs with AVX-512 VNNI and VBMI; ~1.2x the fp32
-            kernel's speed at 8 rows, the same at one; never chosen by ``auto``; docs/engine-step.md, "int8
-            activations"). Applied when the checkpoint is loaded, like ``weights`` and ``dense_min_rows``; prompt tokens
+            ``auto | native | int8-activations | torch``: ``native`` = the C kernel on the GGUF's own codes with
+            fp32 activations, exact scales and fp32 output (``engine.native_linear``: built once per machine with
+            the system C compiler; x86-64 CPUs with AVX-512 and F16C), ``torch`` = torch's int4 kernel (bf16
+            activations, scales and output); ``int8-activations`` = the native kernel with each row's activations
+            cut into two int8 planes per group of 32 (about 15 bits kept; top-1 agreement with the fp32 reference
+            2,000 / 2,000 on SmolLM2) and integer dot products (``engine.native_linear.Int8ActivationKernel``:
+            x86-64 CPUs with AVX-512 VNNI and VBMI; ~1.2x the fp32 kernel's speed at 8 rows, ~1.05x at one;
+            docs/engine-step.md, "int8 activations"); ``auto`` = int8-activations where it builds, else native
+            where it builds, else torch. Applied when the checkpoint is loaded, like ``weights`` and ``dense_min_rows``; prompt tokens
             keep the dense prefill copy. Each keeps batched == alone. ``native`` or ``int8-activations`` where it
             cannot be built is a start-up error naming the reason.
         glue_kernel: a decoder layer's elementwise work between its linears and its attention (RMSNorm with the

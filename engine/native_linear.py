@@ -17,11 +17,12 @@ over ``kernel_threads()`` threads (OpenMP, the runtime torch itself loaded: the 
 step, ``set_kernel_threads``). Each output element is computed by one fixed sequence of fp32 operations, so row ``i`` of an ``M``-row call is bit-identical to the 1-row call
 of that row whatever ``M``, the other rows and the thread count (batch invariance).
 
-``engine.linear_kernel: int8-activations`` (``Int8ActivationKernel``, never chosen by ``auto``) runs the same
-packed weights with each row's activations cut into two int8 planes per group of 32 and integer dot products
-(``q4_gemv_i8`` / ``q8_gemv_i8``: a third build, AVX-512 with VNNI and VBMI): ~15 bits of each input kept,
-top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a decode step of 8 streams ~12 % faster
-(docs/engine-step.md, "int8 activations").
+``engine.linear_kernel: int8-activations`` (``Int8ActivationKernel``; what ``auto`` picks where it builds) runs
+the same packed weights with each row's activations cut into two int8 planes per group of 32 and integer dot
+products (``q4_gemv_i8`` / ``q8_gemv_i8``: a third build, AVX-512 with VNNI and VBMI): ~15 bits of each input
+kept (llama.cpp keeps one plane, 8 bits), top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a
+decode step of 8 streams ~12 % faster (docs/engine-step.md, "int8 activations"). ``native`` names the fp32
+kernel.
 
 Two builds: AVX-512 (F/BW/VL) and AVX2, each with F16C and FMA; ``select_isa`` takes the best the CPU has.
 Both compute every output with the same sequence of fp32 operations per lane (``quant_gemv.c``), yet a model
@@ -29,9 +30,9 @@ served by the AVX2 build is named apart (``isa``, in ``model_id``: ``engine.chec
 was checked by construction, not on one machine running both.
 
 Measured (SmolLM2-135M, one decode step, thread CPU time; ``bench.decode_compile --breakdown
---linear-kernel``): see the tables in ``docs/engine-step.md``. ``engine.linear_kernel: auto`` uses this
-kernel wherever it builds (x86-64 with AVX-512 F/BW/VL or AVX2, F16C and FMA, and a C compiler), else
-torch's int4 kernel.
+--linear-kernel``): see the tables in ``docs/engine-step.md``. ``engine.linear_kernel: auto`` uses the int8
+activation kernel where it builds, else this kernel wherever it builds (x86-64 with AVX-512 F/BW/VL or AVX2,
+F16C and FMA, and a C compiler), else torch's int4 kernel.
 
 Built like ``engine.native_decode`` (``engine.native_build``: once per machine, cached by hash, temp name
 renamed into place, checked against a float64 reference before use; no ``-ffast-math``).
@@ -474,15 +475,20 @@ def check_linear_kernel(setting: str) -> None:
 
 def resolve_linear_kernel(setting: str, device: torch.device | str) -> NativeLinearKernel | None:
     """The kernel ``engine.linear_kernel`` asks for on ``device``: ``torch`` -> None (torch's int4 kernel);
-    ``native`` -> the kernel, or a start-up error; ``int8-activations`` -> ``Int8ActivationKernel``, or a start-up
-    error; ``auto`` -> the (fp32) kernel where it builds on a CPU, else None with a log line saying why. Built
-    once per process.
+    ``native`` -> the (fp32) kernel, or a start-up error; ``int8-activations`` -> ``Int8ActivationKernel``, or a
+    start-up error; ``auto`` -> on a CPU, ``Int8ActivationKernel`` where it builds (AVX-512 with VNNI and VBMI),
+    else the fp32 kernel where it builds, else None, with a log line saying why. Built once per process.
 
     Raises:
         ValueError: an unknown setting, or ``native`` / ``int8-activations`` where that kernel is not available
             (the message names ``engine.linear_kernel`` and the reason).
     """
     check_linear_kernel(setting)
+    if setting == "auto" and torch.device(device).type == "cpu":
+        int8 = _shared_int8_activation_kernel()
+        if not isinstance(int8, str):
+            return int8
+        logger.info("engine.linear_kernel auto: the fp32 kernel, not int8 activations (%s)", int8)
     shared = _shared_int8_activation_kernel if setting == "int8-activations" else _shared_kernel
     return native_build.resolve_setting(
         "engine.linear_kernel", setting, torch.device(device).type, shared, "torch's int4 kernel"

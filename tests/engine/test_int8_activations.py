@@ -115,8 +115,25 @@ def test_the_setting_picks_the_kernel_and_names_it_in_the_model_id():
     assert all(lin.fp32_kernel and lin.native.activations == "int8" for lin in lins)
     assert linear_kernel_variant(i8.model) == linear_kernel_variant(fp32.model) + "-int8-activations"
     assert i8.model_id != fp32.model_id  # a generated token's K/V differs
+    # auto: int8 activations where they build (this test needs them), the fp32 kernel only on request
+    assert resolve_linear_kernel("auto", CPU) is i8.model.lm_head.native
+    native = resolve_linear_kernel("native", CPU)
+    assert type(native) is NativeLinearKernel and native.activations == "float32"
+    assert linear_kernel_variant(tiny_checkpoint(weights="int4").model) == linear_kernel_variant(i8.model)
+
+
+def test_auto_falls_back_to_the_fp32_kernel_where_int8_activations_cannot_be_built(monkeypatch):
+    """A CPU without VNNI / VBMI: ``auto`` takes the fp32 kernel (where it builds), ``int8-activations`` is a
+    start-up error naming the missing flags."""
+    monkeypatch.setattr(native_linear, "_shared_int8_activation_kernel", lambda: "no avx512_vnni on this CPU")
+    fp32 = native_linear._shared_kernel()
     auto = resolve_linear_kernel("auto", CPU)
-    assert type(auto) is NativeLinearKernel and auto.activations == "float32"  # never chosen by auto
+    if isinstance(fp32, str):  # no native kernel at all here: torch's
+        assert auto is None
+    else:
+        assert auto is fp32 and auto.activations == "float32"
+    with pytest.raises(ValueError, match="int8-activations is not available here: no avx512_vnni"):
+        resolve_linear_kernel("int8-activations", CPU)
 
 
 @needs_kernel

@@ -220,6 +220,7 @@ def test_no_compiler_is_a_named_error_and_auto_falls_back(monkeypatch, tmp_path)
     with pytest.raises(NativeKernelError, match="no C compiler"):
         NativeLinearKernel.build(tmp_path)
     native_linear._shared_kernel.cache_clear()
+    native_linear._shared_int8_activation_kernel.cache_clear()
     try:
         assert resolve_linear_kernel("auto", CPU) is None
         with pytest.raises(
@@ -232,6 +233,7 @@ def test_no_compiler_is_a_named_error_and_auto_falls_back(monkeypatch, tmp_path)
         assert not ck.model.layers[0].qkv.fp32_kernel and ck.model.layers[0].qkv.packed is not None
     finally:
         native_linear._shared_kernel.cache_clear()
+        native_linear._shared_int8_activation_kernel.cache_clear()
 
 
 def test_other_cpus_are_refused_with_the_reason(monkeypatch, tmp_path):

@@ -196,8 +196,9 @@ def test_quantized_head_rescores_its_top_logits_exactly(tensor_type, weights):
 @pytest.mark.parametrize(("tensor_type", "weights"), [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_0", "native")])
 def test_a_head_on_the_native_kernel_gives_fp32_logits_and_is_not_rescored(tensor_type, weights):
     """On the native kernel (``engine.native_linear``, where it builds) every logit is the fp32 product of the
-    hidden state and the dequantized weights up to summation order, so nothing is rescored; elsewhere
-    ``engine.linear_kernel: auto`` keeps torch's kernel and its rescoring."""
+    hidden state and the dequantized weights up to summation order (with int8 activations, ``auto`` where they
+    build: up to their ~15-bit rounding), so nothing is rescored; elsewhere ``engine.linear_kernel: auto`` keeps
+    torch's kernel and its rescoring."""
     model = tiny(tensor_type, weights, "auto").model
     if resolve_linear_kernel("auto", CPU) is None:
         assert model.head_rows is not None and not model.lm_head.fp32_kernel
@@ -206,7 +207,11 @@ def test_a_head_on_the_native_kernel_gives_fp32_logits_and_is_not_rescored(tenso
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     logits = model.compute_logits(hidden)
     exact = hidden.double() @ model.lm_head.dequantize().double().t()
-    assert torch.allclose(logits.double(), exact, rtol=1e-5, atol=1e-5)
+    if model.lm_head.native.activations == "int8":
+        err = ((logits.double() - exact).abs().max() / exact.abs().max()).item()
+        assert err < 1e-4  # two int8 planes per group of 32 (test_int8_activations bounds the kernel alone)
+    else:
+        assert torch.allclose(logits.double(), exact, rtol=1e-5, atol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
