@@ -44,6 +44,7 @@ from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight
 from engine.native_glue import NativeGlueKernel
 from engine.native_step import NativeDecodeStep
 from engine.quantized import GGUFBlocks
+from engine.rope_table import RopeTable
 from engine.row_kernels import RowKernels, forward_rows
 from engine.weight_format import WeightPlan
 
@@ -279,6 +280,7 @@ class LlamaModel(nn.Module):
             if not isinstance(self.head_rows, GroupedEmbedding):
                 self.head_rows = None
         self.register_buffer("inv_freq", rope_inv_freq(config).to(norm.device), persistent=False)
+        self.rope = RopeTable(self.inv_freq)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -353,8 +355,9 @@ class LlamaModel(nn.Module):
             )
         dev = self.device
         plan = plan_attention(meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.dtype)
-        positions = positions.to(dev)
-        rotation = rope_rotation(self.inv_freq, positions)
+        if self.rope.inv_freq is not self.inv_freq:  # the module was moved: a table on the new device
+            self.rope = RopeTable(self.inv_freq)
+        rotation = self.rope.rotations(positions)
         h = self.embed_tokens(input_ids.to(dev))
         if glue is not None:
             eps = self.config.rms_norm_eps

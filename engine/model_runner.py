@@ -158,34 +158,41 @@ class ModelRunner:
         seq_lens: list[int] = []
         rows: list[int] = []
         sample_seqs: list[int] = []
+        by_role = all(s.prompt_len is not None for s in seqs)
+        dense_rows: list[int] = []  # rows of prompt tokens (by_role)
+        kernel_rows: list[int] = []  # rows of generated tokens
         max_blocks = max(len(s.block_table) for s in seqs)
+        padded: list[list[int]] = []
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             end = s.start + n
-            if n < 1 or len(s.block_table) * bs < end:
-                raise ValueError(
-                    f"sequence {i}: {n} tokens at {s.start} do not fit {len(s.block_table)} blocks"
-                )
+            table = s.block_table
+            if n < 1 or len(table) * bs < end:
+                raise ValueError(f"sequence {i}: {n} tokens at {s.start} do not fit {len(table)} blocks")
             ids.extend(s.token_ids)
             pos = range(s.start, end)
             positions.extend(pos)
-            table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            qsl.append(qsl[-1] + n)
+            row = qsl[-1]
+            if (
+                by_role
+            ):  # positions before prompt_len are prompt tokens: the first min(n, prompt_len - start) rows
+                cut = row + min(n, max(0, s.prompt_len - s.start))
+                dense_rows.extend(range(row, cut))
+                kernel_rows.extend(range(cut, row + n))
+            qsl.append(row + n)
             seq_lens.append(end)
+            padded.append(table + [0] * (max_blocks - len(table)))
             if s.needs_token:
                 rows.append(qsl[-1] - 1)
                 sample_seqs.append(i)
         row_kernels = None
-        if all(s.prompt_len is not None for s in seqs):
-            prompt = torch.tensor(positions, dtype=torch.int64) < torch.tensor(
-                [s.prompt_len for s in seqs for _ in s.token_ids], dtype=torch.int64
+        if by_role:
+            row_kernels = RowKernels(
+                torch.tensor(dense_rows, dtype=torch.int64) if dense_rows else None,
+                torch.tensor(kernel_rows, dtype=torch.int64) if kernel_rows else None,
             )
-            dense, kernel = prompt.nonzero().view(-1), (~prompt).nonzero().view(-1)
-            row_kernels = RowKernels(dense if dense.numel() else None, kernel if kernel.numel() else None)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        tables = torch.tensor(padded, dtype=torch.int64)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start_loc=qsl,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.sampling import apply_top_k, apply_top_p, make_generator, sample, sample_row
+from engine.sampling import apply_top_k, apply_top_p, greedy_ids, make_generator, sample, sample_row
 
 
 def test_greedy_is_argmax_and_lowest_id_on_tie():
@@ -14,6 +14,33 @@ def test_greedy_is_argmax_and_lowest_id_on_tie():
     params = [SamplingParams(temperature=0.0)] * 2
     gens = [make_generator(0), make_generator(1)]
     assert sample(logits, params, gens) == [1, 0]
+
+
+def test_greedy_ids_are_torch_argmax_on_ties_nan_inf_and_any_float_dtype():
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 49152, generator=g)
+    rows[1, 7] = rows[1, 40000] = rows[1].max() + 1  # a tie: the lowest id
+    rows[2, 100], rows[2, 200] = float("nan"), float("nan")  # the first NaN
+    rows[3] = float("-inf")  # all -inf: id 0
+    rows[4, :] = 0.0
+    rows[5, 49151] = float("inf")
+    assert (
+        greedy_ids(rows)
+        == torch.argmax(rows, dim=-1).tolist()
+        == [
+            *greedy_ids(rows[:1]),
+            7,
+            100,
+            0,
+            0,
+            49151,
+            *torch.argmax(rows[6:], dim=-1).tolist(),
+        ]
+    )
+    assert greedy_ids(rows[1]) == [7]  # one [vocab] row
+    assert greedy_ids(rows[::2]) == torch.argmax(rows[::2], dim=-1).tolist()  # a non-contiguous view
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        assert greedy_ids(rows.to(dtype)) == torch.argmax(rows.to(dtype), dim=-1).tolist()
 
 
 def test_top_k_keeps_exactly_k():
