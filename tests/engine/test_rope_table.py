@@ -27,7 +27,8 @@ def test_a_position_has_the_same_rotation_in_any_step_and_thread_count(head_dim)
             torch.set_num_threads(threads)
             fresh = RopeTable(freqs)  # grown by this step alone
             for size in (2500, 1, 37):  # a long step (torch would split it over threads), shuffled, repeats
-                positions = torch.randperm(3000, generator=torch.Generator().manual_seed(threads + size))[:size]
+                g = torch.Generator().manual_seed(threads + size)
+                positions = torch.randperm(3000, generator=g)[:size]
                 positions[: size // 2] = positions[size // 2]
                 got = table.rotations(positions)
                 assert got.shape == (size, 1, head_dim // 2) and got.dtype == torch.complex64
