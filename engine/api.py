@@ -359,8 +359,8 @@ class EngineConfig:
             2,000 / 2,000 on SmolLM2) and integer dot products (``engine.native_linear.Int8ActivationKernel``:
             x86-64 CPUs with AVX-512 VNNI and VBMI; ~1.2x the fp32 kernel's speed at 8 rows, ~1.05x at one;
             docs/engine-step.md, "int8 activations"); ``auto`` = int8-activations where it builds, else native
-            where it builds, else torch. Applied when the checkpoint is loaded, like ``weights`` and ``dense_min_rows``; prompt tokens
-            keep the dense prefill copy. Each keeps batched == alone. ``native`` or ``int8-activations`` where it
+            where it builds, else torch. Applied when the checkpoint is loaded, like ``weights`` and
+            ``dense_min_rows``; prompt tokens keep the dense prefill copy. Each keeps batched == alone. ``native`` or ``int8-activations`` where it
             cannot be built is a start-up error naming the reason.
         glue_kernel: a decoder layer's elementwise work between its linears and its attention (RMSNorm with the
             residual add, RoPE with the K/V store, SiLU(gate) * up), ``auto | native | torch``: ``native`` = one

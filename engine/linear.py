@@ -17,8 +17,8 @@ token, not by arithmetic. Each linear layer of ``engine.model.LlamaModel`` there
 The tables below are torch's kernels; the native kernel against torch's int4 kernel (same rows, streamed weights,
 thread CPU time) is in ``docs/engine-step.md`` ("The native linear kernel"): at 1-8 rows it takes ~0.7-0.75x the
 time of torch's int4 kernel for the 30 layers and ~0.45x for the Q8_0 head, so ``engine.linear_kernel: auto``
-picks it wherever it builds (its int8-activation variant where that builds); the dense prefill copy still serves prompt rows, except on CPUs without bf16 GEMMs
-(``engine.dense_min_rows: auto``, below).
+picks it wherever it builds (its int8-activation variant where that builds); the dense prefill copy still serves
+prompt rows, except on CPUs without bf16 GEMMs (``engine.dense_min_rows: auto``, below).
 
 Kernel choice per row count (first measured on a CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
 layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's

@@ -174,9 +174,8 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             row = qsl[-1]
-            if (
-                by_role
-            ):  # positions before prompt_len are prompt tokens: the first min(n, prompt_len - start) rows
+            if by_role:
+                # positions before prompt_len are prompt tokens: the first min(n, prompt_len - start) rows
                 cut = row + min(n, max(0, s.prompt_len - s.start))
                 dense_rows.extend(range(row, cut))
                 kernel_rows.extend(range(cut, row + n))

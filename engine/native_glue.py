@@ -9,8 +9,8 @@ its linear kernels and its attention kernel, which torch runs as ~26 small ops p
 - ``rope_store``: RoPE of the q heads (into their own contiguous tensor, as attention takes them) and of the k
   heads (in place) of a fused ``[T, (H + 2 KV) * D]`` qkv buffer in
   ``engine.model.interleave_rope_rows`` pair order, with the step's ``(cos, sin)`` pairs (``engine.model.
-  rope_rotation``'s, computed once per step by torch, as Hugging Face computes them); then each row's K and V
-  stored at its cache slot (what ``engine.attention.write_kv`` does);
+  rope_rotation``'s, computed by torch as Hugging Face computes them, once per position: ``engine.rope_table``);
+  then each row's K and V stored at its cache slot (what ``engine.attention.write_kv`` does);
 - ``silu_mul``: ``silu(g) * u`` of a ``[T, 2 I]`` gate/up buffer into a new ``[T, I]`` fp32 or bf16 tensor.
 
 Numerics against torch's glue (``engine.model``): RoPE, the residual add, the products and the K/V store are the
