@@ -5,6 +5,9 @@ tiny random checkpoint on small sizes; write it elsewhere (``--out``) so the com
 The llama.cpp peer runs when a ``llama-server`` binary is given (``--llama-server``) or found at
 ``bench/.peers/build/bin/llama-server`` (``bench/build_llama_server.sh``); otherwise the report says it was not
 run. A benchmark that fails is reported as not run (its figure says so) and the exit status is 1.
+
+``--reuse`` keeps the records of ``OUT/results.jsonl`` and runs the benchmarks without one; with ``--only`` it
+runs the named ones again and keeps every other record (a named one that fails keeps its old record there).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         "--only", nargs="+", help="run only these benchmarks (note engine rules traces tiers ...)"
     )
     ap.add_argument(
-        "--reuse", action="store_true", help="keep the records already in OUT/results.jsonl, run the others"
+        "--reuse",
+        action="store_true",
+        help="keep the records already in OUT/results.jsonl, run the others (with --only: run those again)",
     )
     ap.add_argument("--no-run", action="store_true", help="run nothing: draw from OUT/results.jsonl")
     ap.add_argument("--llama-server", default=None, help="llama-server binary for the llama.cpp peer")
@@ -63,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     failed = False
     for bench in benches(server):
-        if bench.name in records or args.no_run or (args.only and bench.name not in args.only):
+        if args.no_run or (args.only and bench.name not in args.only):
+            continue
+        if bench.name in records and not args.only:  # --reuse: kept (--only names what to run again)
             continue
         print(f"[report] {bench.name}: {bench.what}", flush=True)
         try:

@@ -204,3 +204,38 @@ def test_only_refuses_an_unknown_benchmark(tmp_path):
 
     with pytest.raises(SystemExit):
         main(["--only", "nonesuch", "--out", str(tmp_path)])
+
+
+def test_reuse_with_only_runs_the_named_benchmark_again_and_keeps_the_others(tmp_path, monkeypatch):
+    """``--reuse --only note``: note's record is replaced by a new run, every other record stays; a rerun that
+    fails keeps the old record (nothing lost) and exits 1."""
+    import bench.report.__main__ as report
+
+    old_note = Record("note", ["python", "-m", "bench.note"], 5.0, note_result(), PROV.as_dict())
+    rules = Record("rules", ["python", "-m", "bench.rules"], 9.0, {"bench": "rules"}, PROV.as_dict())
+    (tmp_path / "results.jsonl").write_text(old_note.to_json() + "\n" + rules.to_json() + "\n")
+    ran: list[str] = []
+
+    def fake_run(bench, quick, raw, timeout, prov):
+        ran.append(bench.name)
+        return Record(bench.name, ["python", "-m", "bench.note"], 7.0, note_result(), PROV.as_dict())
+
+    monkeypatch.setattr(report, "run_bench", fake_run)
+    monkeypatch.setattr(report.plots, "PLOTS", {})  # the records' figures are not what this test draws
+    monkeypatch.setattr(report.markdown, "render", lambda *args: "report")
+    assert report.main(["--reuse", "--only", "note", "--out", str(tmp_path)]) == 0
+    assert ran == ["note"]
+    kept = read_records(tmp_path / "results.jsonl")
+    assert kept["note"].seconds == 7.0 and kept["rules"].seconds == 9.0
+
+    def failing_run(bench, quick, raw, timeout, prov):
+        raise BenchError(f"{bench.name} failed")
+
+    monkeypatch.setattr(report, "run_bench", failing_run)
+    assert report.main(["--reuse", "--only", "note", "--out", str(tmp_path)]) == 1
+    kept = read_records(tmp_path / "results.jsonl")
+    assert kept["note"].seconds == 7.0 and kept["rules"].seconds == 9.0
+    ran.clear()
+    monkeypatch.setattr(report, "run_bench", fake_run)
+    report.main(["--reuse", "--out", str(tmp_path)])  # without --only: note and rules are kept, not run
+    assert "note" not in ran and "rules" not in ran
