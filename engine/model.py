@@ -71,13 +71,6 @@ def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
     return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
 
-def rope_rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """RoPE rotations ``exp(i * position * inv_freq)`` as complex64 ``[T, 1, head_dim / 2]`` for int64
-    ``positions`` ``[T]``; the angle, its cos and its sin are computed in fp32 as Hugging Face computes them."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return torch.complex(freqs.cos(), freqs.sin())[:, None, :]
-
-
 def interleave_rope_rows(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """Reorder a q or k projection (weight ``[heads * head_dim, in]`` or bias ``[heads * head_dim]``) so that
     each head's output dims come as pairs ``(d, d + head_dim/2)``: ``0, h/2, 1, h/2 + 1, ...``.

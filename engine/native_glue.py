@@ -8,8 +8,8 @@ its linear kernels and its attention kernel, which torch runs as ~26 small ops p
   in the dtype the next linear takes (fp32, or bf16 rounded to nearest even);
 - ``rope_store``: RoPE of the q heads (into their own contiguous tensor, as attention takes them) and of the k
   heads (in place) of a fused ``[T, (H + 2 KV) * D]`` qkv buffer in
-  ``engine.model.interleave_rope_rows`` pair order, with the step's ``(cos, sin)`` pairs (``engine.model.
-  rope_rotation``'s, computed by torch as Hugging Face computes them, once per position: ``engine.rope_table``);
+  ``engine.model.interleave_rope_rows`` pair order, with the step's ``(cos, sin)`` pairs (``engine.rope_table.
+  rope_rotation``'s, computed by torch as Hugging Face computes them, once per position: ``RopeTable``);
   then each row's K and V stored at its cache slot (what ``engine.attention.write_kv`` does);
 - ``silu_mul``: ``silu(g) * u`` of a ``[T, 2 I]`` gate/up buffer into a new ``[T, I]`` fp32 or bf16 tensor.
 
@@ -210,7 +210,7 @@ class NativeGlueKernel:
             qkv: fp32 ``[T, (heads + 2 kv_heads) * head_dim]`` (or any contiguous shape of those ``T`` rows), q
                 heads, then k heads, then v heads, each head's dims in ``interleave_rope_rows`` pair order.
             cos_sin: fp32 ``[T, head_dim / 2, 2]``: each row's ``(cos, sin)`` per pair
-                (``torch.view_as_real`` of ``engine.model.rope_rotation``'s rotation, reshaped).
+                (``torch.view_as_real`` of ``engine.rope_table.rope_rotation``'s rotation, reshaped).
             heads, kv_heads, head_dim: the layout (``head_dim`` even).
             layer_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16, contiguous, or None.
             slots: int64 ``[T]`` flat slot of each row (``block * block_size + offset``), with ``layer_cache``.

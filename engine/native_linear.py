@@ -467,6 +467,15 @@ def _shared_int8_activation_kernel() -> Int8ActivationKernel | str:
         return str(exc)
 
 
+def _auto_kernel() -> NativeLinearKernel | str:
+    """``auto``'s kernel: int8 activations where they build, else the fp32 kernel (or why neither builds)."""
+    int8 = _shared_int8_activation_kernel()
+    if not isinstance(int8, str):
+        return int8
+    logger.info("engine.linear_kernel auto: the fp32 kernel, not int8 activations (%s)", int8)
+    return _shared_kernel()
+
+
 def check_linear_kernel(setting: str) -> None:
     """Raise ``ValueError`` naming ``engine.linear_kernel`` unless ``setting`` is one of ``LINEAR_KERNELS``."""
     if setting not in LINEAR_KERNELS:
@@ -484,12 +493,9 @@ def resolve_linear_kernel(setting: str, device: torch.device | str) -> NativeLin
             (the message names ``engine.linear_kernel`` and the reason).
     """
     check_linear_kernel(setting)
-    if setting == "auto" and torch.device(device).type == "cpu":
-        int8 = _shared_int8_activation_kernel()
-        if not isinstance(int8, str):
-            return int8
-        logger.info("engine.linear_kernel auto: the fp32 kernel, not int8 activations (%s)", int8)
-    shared = _shared_int8_activation_kernel if setting == "int8-activations" else _shared_kernel
+    shared = {"auto": _auto_kernel, "int8-activations": _shared_int8_activation_kernel}.get(
+        setting, _shared_kernel
+    )
     return native_build.resolve_setting(
         "engine.linear_kernel", setting, torch.device(device).type, shared, "torch's int4 kernel"
     )

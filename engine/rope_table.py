@@ -1,6 +1,6 @@
 """Each position's RoPE rotation computed once and looked up per step (issue 12: step overhead).
 
-``engine.model.rope_rotation`` computes ``exp(i * position * inv_freq)`` with six small torch ops (float cast,
+``rope_rotation`` computes ``exp(i * position * inv_freq)`` with six small torch ops (float cast,
 outer product, ``cos``, ``sin``, ``complex``, view); a decode step of SmolLM2 spent 60-95 us on them, cold after
 the C step streamed every weight through the caches (2-core Zen 4: docs/engine-step.md, "Step overhead in
 Python"). ``RopeTable`` holds the rotations of positions ``[0, n)``, computed by ``rope_rotation`` itself in
@@ -21,8 +21,16 @@ PIECE = 64
 """Positions per ``rope_rotation`` call when the table grows (64 x 32 = 2,048 elements for head_dim 64)."""
 
 
+def rope_rotation(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE rotations ``exp(i * position * inv_freq)`` as complex64 ``[T, 1, head_dim / 2]`` for int64
+    ``positions`` ``[T]`` and fp32 ``inv_freq`` ``[head_dim / 2]`` (``engine.model.rope_inv_freq``); the angle, its
+    cos and its sin are computed in fp32 as Hugging Face computes them."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return torch.complex(freqs.cos(), freqs.sin())[:, None, :]
+
+
 class RopeTable:
-    """RoPE rotations by position, complex64 ``[n, 1, head_dim / 2]`` (``engine.model.rope_rotation``'s layout).
+    """RoPE rotations by position, complex64 ``[n, 1, head_dim / 2]`` (``rope_rotation``'s layout).
 
     Args:
         inv_freq: fp32 ``[head_dim / 2]`` inverse frequencies (``engine.model.rope_inv_freq``); the table lives
@@ -52,8 +60,6 @@ class RopeTable:
 
     def _grow(self, n: int) -> None:
         """Extend the table to at least ``n`` positions (the next power of two, at least ``PIECE``)."""
-        from engine.model import rope_rotation
-
         size = max(PIECE, 1 << (n - 1).bit_length())
         have = self.table.shape[0]
         device = self.inv_freq.device

@@ -18,7 +18,7 @@ from bench.decode_compile import (
 from engine.attention import attention_dtype, plan_attention
 from engine.checkpoint import load_checkpoint
 from engine.linear import Int4Weight, Int8Weight
-from engine.model import rope_rotation
+from engine.rope_table import rope_rotation
 from tests.engine.checkpoints import make_tiny_gguf_llama
 
 

@@ -1,5 +1,6 @@
-"""``engine.rope_table.RopeTable``: each position's RoPE rotation is ``rope_rotation`` of that position alone,
-bit for bit, whatever the step's rows and torch's thread count, and the table grows as steps reach further."""
+"""``engine.rope_table.RopeTable``: a position's RoPE rotation is the same bits whatever the step's rows and
+torch's thread count (and, where each position is whole vectors, ``rope_rotation`` of that position alone), and
+the table grows as steps reach further."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.model import rope_inv_freq, rope_rotation
-from engine.rope_table import PIECE, RopeTable
+from engine.model import rope_inv_freq
+from engine.rope_table import PIECE, RopeTable, rope_rotation
 
 
 def inv_freq(head_dim: int = 64, theta: float = 100000.0) -> torch.Tensor:
