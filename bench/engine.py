@@ -108,8 +108,13 @@ def decode_tps(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> flo
 def linear_seconds(model, rows: int, repeats: int = 3) -> float:
     """Seconds for every linear layer of ``model`` (30 x q/k/v, o, gate/up, down, then the LM head on one row)
     at ``rows`` rows of random input, best of ``repeats``: the part of a prefill step no attention or engine
-    work can remove, with the weight formats and GEMM kernels ``engine.linear`` uses."""
+    work can remove, with the weight formats and GEMM kernels ``engine.linear`` uses, each row on the kernel the
+    engine gives a prompt token's row (``engine.row_kernels``: the dense copy, or the AVX2 int8-activation
+    build's fp32 functions)."""
+    from engine.row_kernels import RowKernels, forward_rows
+
     c = model.config
+    prompt = RowKernels(torch.arange(rows), None)
     x = torch.randn(rows, c.hidden_size, dtype=model.dtype, device=model.device)
     xq = torch.randn(rows, c.q_size, dtype=model.dtype, device=model.device)
     xi = torch.randn(rows, c.intermediate_size, dtype=model.dtype, device=model.device)
@@ -117,10 +122,10 @@ def linear_seconds(model, rows: int, repeats: int = 3) -> float:
     for _ in range(repeats + 1):  # the first is a warm-up
         t0 = time.perf_counter()
         for layer in model.layers:
-            layer.qkv.forward(x)
-            layer.o_proj.forward(xq)
-            layer.gate_up.forward(x)
-            layer.down.forward(xi)
+            forward_rows(layer.qkv, x, prompt)
+            forward_rows(layer.o_proj, xq, prompt)
+            forward_rows(layer.gate_up, x, prompt)
+            forward_rows(layer.down, xi, prompt)
         model.lm_head.forward(x[-1:])
         best = min(best, time.perf_counter() - t0)
     return best

@@ -357,10 +357,12 @@ class EngineConfig:
             activations, scales and output); ``int8-activations`` = the native kernel with each row's activations
             cut into two int8 planes per group of 32 (about 15 bits kept; top-1 agreement with the fp32 reference
             2,000 / 2,000 on SmolLM2) and integer dot products (``engine.native_linear.Int8ActivationKernel``:
-            x86-64 CPUs with AVX-512 VNNI and VBMI; ~1.2x the fp32 kernel's speed at 8 rows, ~1.05x at one;
-            docs/engine-step.md, "int8 activations"); ``auto`` = int8-activations where it builds, else native
-            where it builds, else torch. Applied when the checkpoint is loaded, like ``weights`` and
-            ``dense_min_rows``; prompt tokens keep the dense prefill copy. Each keeps batched == alone. ``native`` or ``int8-activations`` where it
+            x86-64 CPUs with AVX-512 VNNI and VBMI, ~1.2x the fp32 kernel's speed at 8 rows, ~1.05x at one; or
+            AVX2, the same bits, int4 weights only, ~1.3x at 8 rows and ~1.2x at one on a Zen 3;
+            docs/engine-step.md, "int8 activations"); ``auto`` = int8-activations where it builds for the CPU's
+            best instruction set, else native where it builds, else torch. Applied when the checkpoint is loaded,
+            like ``weights`` and ``dense_min_rows``; prompt tokens keep the dense prefill copy (without one, on
+            AVX2, the kernel's fp32 path). Each keeps batched == alone. ``native`` or ``int8-activations`` where it
             cannot be built is a start-up error naming the reason.
         glue_kernel: a decoder layer's elementwise work between its linears and its attention (RMSNorm with the
             residual add, RoPE with the K/V store, SiLU(gate) * up), ``auto | native | torch``: ``native`` = one

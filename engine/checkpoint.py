@@ -106,7 +106,8 @@ def linear_kernel_variant(model: torch.nn.Module) -> str:
 def prompt_rows_variant(model: torch.nn.Module) -> str:
     """The part of ``model_id`` naming what ``model``'s quantized linears run prompt rows on: ``""`` (no quantized
     linear, or a dense bf16 copy: the ids of earlier releases), ``"/prompt-dense-float32"`` (a dense fp32
-    copy, CPUs without bf16 GEMMs) or ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``).
+    copy, CPUs without bf16 GEMMs), ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``)
+    or ``"/prompt-kernel-fp32-activations"`` (no copy, the kernel's fp32 functions: ``Int4Weight.prompt_rows_fp32``).
     A prompt token's K/V depends on it, so entries shared between processes (KV tiers) never mix them."""
     from engine.linear import Int4Weight, Int8Weight
 
@@ -114,7 +115,7 @@ def prompt_rows_variant(model: torch.nn.Module) -> str:
     if lin is None:
         return ""
     if lin.dense is None:
-        return "/prompt-kernel"
+        return "/prompt-kernel-fp32-activations" if lin.prompt_rows_fp32 else "/prompt-kernel"
     return (
         ""
         if lin.dense.dtype == torch.bfloat16

@@ -19,10 +19,12 @@ of that row whatever ``M``, the other rows and the thread count (batch invarianc
 
 ``engine.linear_kernel: int8-activations`` (``Int8ActivationKernel``; what ``auto`` picks where it builds) runs
 the same packed weights with each row's activations cut into two int8 planes per group of 32 and integer dot
-products (``q4_gemv_i8`` / ``q8_gemv_i8``: a third build, AVX-512 with VNNI and VBMI): ~15 bits of each input
-kept (llama.cpp keeps one plane, 8 bits), top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a
-decode step of 8 streams ~12 % faster (docs/engine-step.md, "int8 activations"). ``native`` names the fp32
-kernel.
+products (``q4_gemv_i8`` / ``q8_gemv_i8``: a third build, AVX-512 with VNNI and VBMI; on other AVX2 CPUs the AVX2
+build's ``q4_gemv_i8``, the same bits by other instructions, int8 weights keeping fp32 activations there, and
+prompt rows of linears without a dense copy on the fp32 functions, ``prompt_fp32``): ~15 bits of each input kept
+(llama.cpp keeps one plane, 8 bits), top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a decode
+step of 8 streams ~12 % faster on AVX-512 and ~1.3x on an AVX2 Zen 3, one stream ~1.2x there
+(docs/engine-step.md, "int8 activations"; "int8 activations on AVX2"). ``native`` names the fp32 kernel.
 
 Two builds: AVX-512 (F/BW/VL) and AVX2, each with F16C and FMA; ``select_isa`` takes the best the CPU has.
 Both compute every output with the same sequence of fp32 operations per lane (``quant_gemv.c``), yet a model
@@ -31,8 +33,9 @@ was checked by construction, not on one machine running both.
 
 Measured (SmolLM2-135M, one decode step, thread CPU time; ``bench.decode_compile --breakdown
 --linear-kernel``): see the tables in ``docs/engine-step.md``. ``engine.linear_kernel: auto`` uses the int8
-activation kernel where it builds, else this kernel wherever it builds (x86-64 with AVX-512 F/BW/VL or AVX2,
-F16C and FMA, and a C compiler), else torch's int4 kernel.
+activation kernel where its build is the CPU's best (AVX-512 with VNNI and VBMI; AVX2 on CPUs without AVX-512),
+else this kernel wherever it builds (x86-64 with AVX-512 F/BW/VL or AVX2, F16C and FMA, and a C compiler), else
+torch's int4 kernel.
 
 Built like ``engine.native_decode`` (``engine.native_build``: once per machine, cached by hash, temp name
 renamed into place, checked against a float64 reference before use; no ``-ffast-math``).
@@ -78,11 +81,18 @@ ISA_REQUIRED = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
 """CPU flags each build needs (``engine.weight_format.cpu_flags`` names)."""
-INT8_ACTIVATION_FLAGS = (*ISA_FLAGS["avx512"], "-mavx512vnni", "-mavx512vbmi")
-"""The int8-activation build (``Int8ActivationKernel``): the AVX-512 build's flags plus VNNI (``vpdpbusd``) and
-VBMI (``vpermb``)."""
-INT8_ACTIVATION_REQUIRED = ISA_REQUIRED["avx512"] | {"avx512_vnni", "avx512vbmi"}
-"""CPU flags the int8-activation build needs."""
+INT8_ACTIVATION_FLAGS = {
+    "avx512": (*ISA_FLAGS["avx512"], "-mavx512vnni", "-mavx512vbmi"),
+    "avx2": ISA_FLAGS["avx2"],
+}
+"""The int8-activation builds (``Int8ActivationKernel``), best first: the AVX-512 build's flags plus VNNI
+(``vpdpbusd``) and VBMI (``vpermb``); the AVX2 build (the fp32 kernel's own library: ``vpmaddubsw`` sums, the
+same bits; int4 weights only)."""
+INT8_ACTIVATION_REQUIRED = {
+    "avx512": ISA_REQUIRED["avx512"] | {"avx512_vnni", "avx512vbmi"},
+    "avx2": ISA_REQUIRED["avx2"],
+}
+"""CPU flags each int8-activation build needs."""
 TINY_GROUP = 1e-30
 """A group of activations whose largest ``|x|`` is below this quantizes to zeros (``127 / amax`` would overflow fp32
 for subnormal maxima); what it drops is below ``1e-30`` per input."""
@@ -234,6 +244,10 @@ class NativeLinearKernel:
 
     activations = "float32"
     """What the kernel computes with: fp32 activations (``Int8ActivationKernel``: int8)."""
+    prompt_fp32 = False
+    """Whether a linear without a dense copy runs prompt rows on this library's fp32-activation functions rather
+    than on ``activations`` (``engine.row_kernels``): the AVX2 int8-activation build, whose int8 path lost to
+    the fp32 panel path at prefill sizes (``docs/engine-step.md``, "int8 activations on AVX2")."""
     _names = ((4, "q4_gemv"), (8, "q8_gemv"))
 
     def __init__(self, path: Path, isa: str = "avx512") -> None:
@@ -342,7 +356,11 @@ class NativeLinearKernel:
 
 class Int8ActivationKernel(NativeLinearKernel):
     """The kernel with int8 activations (``engine.linear_kernel: int8-activations``): ``q4_gemv_i8`` /
-    ``q8_gemv_i8`` of the build with AVX-512 VNNI and VBMI, on the same packed weights as ``NativeLinearKernel``.
+    ``q8_gemv_i8`` of the build with AVX-512 VNNI and VBMI (``isa`` ``avx512``), on the same packed weights as
+    ``NativeLinearKernel``; or (``isa`` ``avx2``) the AVX2 build's ``q4_gemv_i8``, whose integer sums come from
+    ``vpmaddubsw`` / ``vpmaddwd`` and give the same bits, with int8 weights (the LM head) on the fp32 ``q8_gemv``:
+    without VNNI an 8-bit code's products cost more instructions than fp32 fused multiply-adds
+    (``quant_gemv.c``).
 
     Each row of ``x`` is cut per group of 32 inputs into two int8 planes, ``x ~ dx * xq + dr * rq``
     (``quantize_activations``: the rounding of llama.cpp's Q8 activation blocks, applied to ``x`` and then to
@@ -355,38 +373,68 @@ class Int8ActivationKernel(NativeLinearKernel):
     sequence of operations whatever the call's rows and threads: row ``i`` of an ``M``-row call equals the 1-row
     call of that row (batch invariance).
 
+    Args:
+        path: the built shared library.
+        isa: which build (a key of ``INT8_ACTIVATION_FLAGS``).
+
     Raises:
         OSError: the library cannot be loaded.
     """
 
     activations = "int8"
-    _names = ((4, "q4_gemv_i8"), (8, "q8_gemv_i8"))
+    _names_by_isa = {
+        "avx512": ((4, "q4_gemv_i8"), (8, "q8_gemv_i8")),
+        "avx2": ((4, "q4_gemv_i8"), (8, "q8_gemv")),
+    }
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, "avx512")
+    def __init__(self, path: Path, isa: str = "avx512") -> None:
+        self._names = self._names_by_isa[isa]
+        super().__init__(path, isa)
+
+    @property
+    def prompt_fp32(self) -> bool:  # type: ignore[override]
+        """``NativeLinearKernel.prompt_fp32``: True for the AVX2 build."""
+        return self.isa == "avx2"
+
+    @property
+    def int8_bits(self) -> tuple[int, ...]:
+        """The weight widths (4, 8) whose calls take int8 activations; the others take fp32 ones."""
+        return tuple(bits for bits, name in self._names if name.endswith("_i8"))
 
     @classmethod
     def build(cls, directory: Path | None = None, isa: str | None = None) -> Int8ActivationKernel:
-        """Build (or find built), load and check the int8-activation kernel (``isa``: ignored, AVX-512 VNNI).
+        """Build (or find built), load and check the int8-activation kernel: the ``isa`` build (a key of
+        ``INT8_ACTIVATION_FLAGS``), by default the best this CPU runs (``select_int8_isa``).
 
         Raises:
-            NativeKernelError: the CPU lacks AVX-512 F/BW/VL, VNNI, VBMI, F16C or FMA; no C compiler; the
-                compile failed; or the build fails its ``self_check``; the message says which.
+            NativeKernelError: an unknown ``isa``; the CPU lacks what the build needs (AVX-512 F/BW/VL, VNNI and
+                VBMI, or AVX2; F16C and FMA); no C compiler; the compile failed; or the build fails its
+                ``self_check``; the message says which.
         """
+        isa = select_int8_isa() if isa is None else isa
+        if isa not in INT8_ACTIVATION_FLAGS:
+            raise NativeKernelError(
+                f"no {isa!r} build of the int8-activation kernel (builds: {', '.join(INT8_ACTIVATION_FLAGS)})"
+            )
         return native_build.build_checked(
-            cls,
+            lambda path: cls(path, isa),
             SOURCE,
-            native_build.cpu_ok(INT8_ACTIVATION_REQUIRED),
+            native_build.cpu_ok(INT8_ACTIVATION_REQUIRED[isa]),
             native_build.compiler(),
-            (*FLAGS, *INT8_ACTIVATION_FLAGS),
+            (*FLAGS, *INT8_ACTIVATION_FLAGS[isa]),
             LIBS,
             directory,
         )
 
-    _check_rows = (1, 5, 8, 9, 20)  # 8 rows share a decode of the codes
+    _check_rows = (1, 4, 5, 8, 9, 20)  # 8 rows (AVX2: 4) share a decode of the codes
 
     def reference(self, groups, x: torch.Tensor) -> torch.Tensor:
-        """``int8_activation_reference``."""
+        """``int8_activation_reference``; for int8 weights where they take fp32 activations (the AVX2 build), the
+        product with the dequantized weights."""
+        from engine.quantized import Int8Groups
+
+        if isinstance(groups, Int8Groups) and 8 not in self.int8_bits:
+            return super().reference(groups, x)
         return int8_activation_reference(groups, x)
 
 
@@ -438,6 +486,12 @@ def select_isa() -> str:
     return "avx512" if native_build.cpu_ok(ISA_REQUIRED["avx512"])[0] else "avx2"
 
 
+def select_int8_isa() -> str:
+    """The best int8-activation build this CPU runs: ``avx512`` where it has AVX-512 F/BW/VL with VNNI and VBMI,
+    F16C and FMA, else ``avx2`` (whose build then says what is missing, if anything)."""
+    return "avx512" if native_build.cpu_ok(INT8_ACTIVATION_REQUIRED["avx512"])[0] else "avx2"
+
+
 def random_groups(bits: int, n: int, k: int, gen: torch.Generator):
     """Random ``Int4Groups`` (Q4_1-like: f16 ``d > 0``, ``m`` f16, ``zero = m + 8 d``) or ``Int8Groups``
     (Q8_0-like) ``[n, k]`` for checks and tests."""
@@ -468,11 +522,20 @@ def _shared_int8_activation_kernel() -> Int8ActivationKernel | str:
 
 
 def _auto_kernel() -> NativeLinearKernel | str:
-    """``auto``'s kernel: int8 activations where they build, else the fp32 kernel (or why neither builds)."""
+    """``auto``'s kernel: int8 activations where they build for the best instruction set the CPU has (AVX-512 with
+    VNNI and VBMI, or AVX2 on a CPU without AVX-512), else the fp32 kernel (or why neither builds). An AVX-512 CPU
+    without VNNI or VBMI keeps the fp32 kernel's AVX-512 build: its int8 kernel would be the AVX2 build, never
+    measured against it."""
     int8 = _shared_int8_activation_kernel()
-    if not isinstance(int8, str):
+    if isinstance(int8, str):
+        logger.info("engine.linear_kernel auto: the fp32 kernel, not int8 activations (%s)", int8)
+    elif int8.isa == select_isa():
         return int8
-    logger.info("engine.linear_kernel auto: the fp32 kernel, not int8 activations (%s)", int8)
+    else:
+        logger.info(
+            "engine.linear_kernel auto: the fp32 kernel's %s build, not int8 activations on AVX2",
+            select_isa(),
+        )
     return _shared_kernel()
 
 
@@ -485,8 +548,9 @@ def check_linear_kernel(setting: str) -> None:
 def resolve_linear_kernel(setting: str, device: torch.device | str) -> NativeLinearKernel | None:
     """The kernel ``engine.linear_kernel`` asks for on ``device``: ``torch`` -> None (torch's int4 kernel);
     ``native`` -> the (fp32) kernel, or a start-up error; ``int8-activations`` -> ``Int8ActivationKernel``, or a
-    start-up error; ``auto`` -> on a CPU, ``Int8ActivationKernel`` where it builds (AVX-512 with VNNI and VBMI),
-    else the fp32 kernel where it builds, else None, with a log line saying why. Built once per process.
+    start-up error; ``auto`` -> on a CPU, ``Int8ActivationKernel`` where it builds for the CPU's best instruction
+    set (AVX-512 with VNNI and VBMI; AVX2 without AVX-512: ``_auto_kernel``), else the fp32 kernel where it builds,
+    else None, with a log line saying why. Built once per process.
 
     Raises:
         ValueError: an unknown setting, or ``native`` / ``int8-activations`` where that kernel is not available

@@ -608,9 +608,9 @@ int q8_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, f
     return 0;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || !defined(__AVX512F__)
 /* ---- int8 activations, two planes (engine.linear_kernel: int8-activations; the build with -mavx512vnni
- * -mavx512vbmi) ------------------------------------------------------------------------------------------------
+ * -mavx512vbmi, and the AVX2 build) ----------------------------------------------------------------------------
  *
  * The same weights and tiles; each row of x is cut per group of 32 inputs into two int8 planes, x ~ dx * xq +
  * dr * rq: Q(v) rounds v to v ~ dv * vq with dv = amax / 127 (amax = the group's largest |v|) and vq = v * (127
@@ -630,10 +630,33 @@ int q8_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, f
  * of them (inputs i..i+3) into 16 lanes of 4 consecutive inputs each, the operand vpdpbusd wants. Each output
  * element is one fixed sequence of operations whatever the call's rows, tiles or threads (batch invariance, as
  * the fp32 functions); 8 rows share one decode of a tile's codes, each with two integer accumulators and one
- * fp32 sum in registers. */
+ * fp32 sum in registers.
+ *
+ * The AVX2 build (no VNNI) computes the same integer sums another way, so every output is the same bits as the
+ * VNNI build's: a half tile (8 outputs) at a time, one unpack, one vpermq and one vpshufb turn 64 code bytes
+ * into 8 lanes of 4 consecutive inputs; vpmaddubsw multiplies them by the activations (4 bytes broadcast) into
+ * 16-bit pair sums, which add up in 16 bits over the group (each 16-bit element sums 16 products of a code
+ * 0..15 and an activation of at most 128 in magnitude: |sum| <= 30,720 < 2^15, so nothing saturates or wraps),
+ * and one vpmaddwd by ones makes each lane's 32-bit sum. The fp32 epilogue is the VNNI build's, lane for lane.
+ * Only int4 weights: for 8-bit codes a product pair can reach 2 * 255 * 127 (vpmaddubsw saturates), and the
+ * ways around that (the sign trick, or codes split into nibbles) cost more instructions per product than the
+ * fp32 kernel's fused multiply-adds, so the AVX2 build has no q8_gemv_i8 and int8 weights keep fp32 activations
+ * there (engine.native_linear.Int8ActivationKernel). */
+
+#define TINY_GROUP 1e-30f /* engine.native_linear.TINY_GROUP */
+
+/* the activations of a call, group-major so that one block's rows lie together: for group g and row r, at
+ * i = g m + r, the planes q[64 i ..]: xq (32 int8) then rq (32 int8); the scales dx[i], dr[i]; the planes' sums
+ * sx[i], sr[i]; the group's exact fp32 sum S[i] (int4) */
+typedef struct {
+    int8_t *q;
+    float *dx, *dr, *S;
+    int32_t *sx, *sr;
+} planes;
+
+#ifdef __AVX512F__
 
 #define ROWS_I8 8
-#define TINY_GROUP 1e-30f /* engine.native_linear.TINY_GROUP */
 
 /* Q(v) of one group of 32: the int8 codes to q, the scale to *dv, the codes' sum to *sv */
 INLINE void quantize_group(__m512 a, __m512 b, int8_t *q, float *dv, int32_t *sv) {
@@ -648,15 +671,6 @@ INLINE void quantize_group(__m512 a, __m512 b, int8_t *q, float *dv, int32_t *sv
     *dv = amax / 127.0f;
     *sv = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
-
-/* the activations of a call, group-major so that one block's rows lie together: for group g and row r, at
- * i = g m + r, the planes q[64 i ..]: xq (32 int8) then rq (32 int8); the scales dx[i], dr[i]; the planes' sums
- * sx[i], sr[i]; the group's exact fp32 sum S[i] (int4) */
-typedef struct {
-    int8_t *q;
-    float *dx, *dr, *S;
-    int32_t *sx, *sr;
-} planes;
 
 /* x [m][k] cut into planes: (xq, dx) = Q(x), then (rq, dr) = Q(x - dx * xq), the product then the difference */
 static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
@@ -796,6 +810,147 @@ static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m
     }
 }
 
+#else /* AVX2 */
+
+/* as EACH_HALF, rows of x taken `rows` at a time */
+#define EACH_HALF_ROWS(rows, BODY)                                                                             \
+    for (int64_t t = t0; t < t1; t++)                                                                          \
+        for (int half = 0; half < 2; half++) {                                                                 \
+            const int64_t left = n - t * TILE - 8 * half;                                                      \
+            if (left <= 0) break;                                                                              \
+            const int valid = left < 8 ? (int)left : 8;                                                        \
+            for (int64_t r0 = 0; r0 < m; r0 += (rows)) {                                                       \
+                BODY;                                                                                          \
+            }                                                                                                  \
+        }
+
+#ifndef ROWS_I8
+#define ROWS_I8 4 /* x rows sharing one decode of a half tile's codes (16 ymm registers) */
+#endif
+
+/* Q(v) of one group of 32 (v[0..3]: 8 inputs each), as the AVX-512 build's: the same amax, scale, rounding (to
+ * nearest, ties to even), saturation to int8 and sum */
+INLINE void quantize_group(const __m256 *v, int8_t *q, float *dv, int32_t *sv) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    /* a group below TINY_GROUP quantizes to zeros: 127 / amax would overflow for subnormal maxima */
+    const __m256 id = _mm256_set1_ps(amax >= TINY_GROUP ? 127.0f / amax : 0.0f);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i qi[4];
+    for (int j = 0; j < 4; j++) qi[j] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), rn));
+    /* int32 -> int8 with saturation (as vpmovsdb); packs interleave the 128-bit lanes, vpermd restores order */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *dv = amax / 127.0f;
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    *sv = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+}
+
+/* x [m][k] cut into planes: (xq, dx) = Q(x), then (rq, dr) = Q(x - dx * xq), the product then the difference,
+ * xq taken back from its int8 codes (as the AVX-512 build) */
+static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
+    const int64_t G = k / QK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *p = x + r * k + g * QK;
+            const int64_t i = g * m + r;
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(p + 8 * j);
+            int8_t *q = P->q + 64 * i;
+            quantize_group(v, q, P->dx + i, P->sx + i);
+            const __m256 dx = _mm256_set1_ps(P->dx[i]);
+            for (int j = 0; j < 4; j++) {
+                const __m256 xq = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j))));
+                v[j] = _mm256_sub_ps(v[j], _mm256_mul_ps(dx, xq));
+            }
+            quantize_group(v, q + 32, P->dr + i, P->sr + i);
+            if (sums) P->S[i] = sum32(p);
+        }
+}
+
+/* The codes of inputs i .. i + 3 of half tile `half` (outputs 8 half .. 8 half + 7) from the 64 code bytes at c
+ * (16 bytes per input, byte j = output j): lane j (32 bits) = bytes of output 8 half + j for inputs i, i + 1,
+ * i + 2, i + 3. unpack{lo,hi} pairs inputs (i, i + 2) in the low 128-bit lane and (i + 1, i + 3) in the high
+ * one, outputs 0-7 of the half in order; vpermq 0 2 1 3 brings outputs 0-3 of both pairs into the low lane and
+ * 4-7 into the high one; vpshufb orders each output's 4 bytes by input. */
+INLINE __m256i four_inputs(const uint8_t *c, int half) {
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)c), hi = _mm256_loadu_si256((const __m256i *)(c + 32));
+    const __m256i u = half ? _mm256_unpackhi_epi8(lo, hi) : _mm256_unpacklo_epi8(lo, hi);
+    const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10,
+                                           3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(u, 0xD8), order);
+}
+
+/* the 4 activation bytes at p in every 32-bit lane (a broadcast load) */
+INLINE __m256i four_acts(const int8_t *p) { return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p)); }
+
+/* rows r0 .. r0 + R of half tile `half` of one int4 tile (w: its first block), x in planes P */
+INLINE void q4i8_half(const uint8_t *w, int64_t G, const planes *P, int64_t m, int64_t r0, int R, int half,
+                      __m256 *out) {
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 y[ROWS_I8];
+    for (int r = 0; r < R; r++) y[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q4_BLOCK;
+        if (!half) prefetch_ahead(b, Q4_BLOCK); /* half 1 reads the tile half 0 brought in */
+        __m256i ax[ROWS_I8], ar[ROWS_I8];       /* 16-bit pair sums (the bound above) */
+        for (int r = 0; r < R; r++) ax[r] = ar[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int a = 0; a < 4; a++) {
+            const __m256i v = four_inputs(b + 64 + 64 * a, half);
+            const __m256i lo = _mm256_and_si256(v, low4);                        /* inputs 4a .. 4a + 3 */
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4); /* inputs 16 + 4a .. */
+            const int8_t *q = P->q + 64 * (g * m + r0) + 4 * a;
+            for (int r = 0; r < R; r++) {
+                const int8_t *qr = q + 64 * r;
+                ax[r] = _mm256_add_epi16(ax[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four_acts(qr)),
+                                                                 _mm256_maddubs_epi16(hi, four_acts(qr + 16))));
+                ar[r] = _mm256_add_epi16(ar[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four_acts(qr + 32)),
+                                                                 _mm256_maddubs_epi16(hi, four_acts(qr + 48))));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 16 * half)));
+        const __m256 mins = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 32 + 16 * half)));
+        for (int r = 0; r < R; r++) {
+            const int64_t at = g * m + r0 + r;
+            const __m256 dotx = _mm256_cvtepi32_ps(_mm256_madd_epi16(ax[r], ones));
+            const __m256 dotr = _mm256_cvtepi32_ps(_mm256_madd_epi16(ar[r], ones));
+            y[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(P->dx[at])), dotx, y[r]);
+            y[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(P->dr[at])), dotr, y[r]);
+            y[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(P->S[at]), y[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = y[r];
+}
+
+/* the tiles [t0, t1) of an int8-activation call (int4 weights), x already cut into planes */
+static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m, float *y, const planes *P,
+                     int64_t t0, int64_t t1) {
+    (void)bits; /* int4 only (gemv_i8's callers) */
+    const int64_t G = k / QK;
+    EACH_HALF_ROWS(ROWS_I8, {
+        const uint8_t *wt = w + t * G * Q4_BLOCK;
+        __m256 o[ROWS_I8];
+        const int R = m - r0 < ROWS_I8 ? (int)(m - r0) : ROWS_I8;
+        switch (R) {
+        case 1: q4i8_half(wt, G, P, m, r0, 1, half, o); break;
+        case 2: q4i8_half(wt, G, P, m, r0, 2, half, o); break;
+        case 3: q4i8_half(wt, G, P, m, r0, 3, half, o); break;
+        default: q4i8_half(wt, G, P, m, r0, ROWS_I8, half, o); break;
+        }
+        STORE_HALF(R);
+    })
+}
+
+#endif
+
 /* as q4_gemv / q8_gemv (the same arguments, tiles and returns), with x in two int8 planes */
 static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                    int threads) {
@@ -825,7 +980,9 @@ int q4_gemv_i8(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m
     return gemv_i8(4, w, n, k, x, m, y, threads);
 }
 
+#ifdef __AVX512F__
 int q8_gemv_i8(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
     return gemv_i8(8, w, n, k, x, m, y, threads);
 }
+#endif
 #endif

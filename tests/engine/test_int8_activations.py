@@ -1,10 +1,12 @@
 """The native linear kernel with int8 activations (``engine.linear_kernel: int8-activations``,
-``engine.native_linear.Int8ActivationKernel``, ``q4_gemv_i8`` / ``q8_gemv_i8`` in ``engine/kernels/quant_gemv.c``).
+``engine.native_linear.Int8ActivationKernel``, ``q4_gemv_i8`` / ``q8_gemv_i8`` in ``engine/kernels/quant_gemv.c``;
+the AVX-512 VNNI build and the AVX2 one).
 
 Against ``int8_activation_reference`` (the quantization emulated in torch, exact integer dot products, float64)
 within fp32 summation error, the rounding itself (ties to even) exactly, row invariance bit for bit across row
-counts and threads, the setting through ``load_checkpoint`` and ``model_id``, the engine's tokens batched ==
-alone and cache on == cache off, and the refusal on CPUs without VNNI / VBMI.
+counts and threads, the AVX2 build against the VNNI build bit for bit (where the CPU runs both), the AVX2 build's
+prompt rows on its fp32 functions, the setting through ``load_checkpoint`` and ``model_id``, the engine's tokens
+batched == alone and cache on == cache off (both builds), and the choice and refusal by CPU flags.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import pytest
 import torch
 
 from engine import native_build, native_linear
-from engine.checkpoint import linear_kernel_variant
+from engine.checkpoint import linear_kernel_variant, prompt_rows_variant
 from engine.native_build import NativeKernelError
 from engine.native_linear import (
     INT8_ACTIVATION_REQUIRED,
+    ISA_REQUIRED,
     Int8ActivationKernel,
     NativeLinearKernel,
     int8_activation_reference,
@@ -26,15 +29,24 @@ from engine.native_linear import (
     pack_int8,
     quantize_activations,
     resolve_linear_kernel,
+    select_int8_isa,
+    select_isa,
 )
-from engine.quantized import Int8Groups
+from engine.quantized import Int4Groups, Int8Groups
+from engine.row_kernels import RowKernels, forward_rows
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 from tests.engine.test_native_linear import check_linears_on, check_rows_alone_and_in_company, groups_of
 
-AVAILABLE = native_build.cpu_ok(INT8_ACTIVATION_REQUIRED)[0] and native_build.compiler() is not None
-needs_kernel = pytest.mark.skipif(
-    not AVAILABLE, reason="needs x86-64 AVX-512 with VNNI and VBMI, F16C, and a C compiler"
+AVAILABLE = (
+    native_build.cpu_ok(INT8_ACTIVATION_REQUIRED[select_int8_isa()])[0]
+    and native_build.compiler() is not None
 )
+needs_kernel = pytest.mark.skipif(
+    not AVAILABLE, reason="needs x86-64 AVX2 (or AVX-512 VNNI), F16C, FMA and a C compiler"
+)
+BOTH = native_build.cpu_ok(INT8_ACTIVATION_REQUIRED["avx512"])[0] and native_build.compiler() is not None
+# auto takes int8 activations where their build is the CPU's best instruction set (not on AVX-512 without VNNI)
+AUTO_IS_INT8 = AVAILABLE and select_int8_isa() == select_isa()
 CPU = torch.device("cpu")
 
 
@@ -51,7 +63,7 @@ def test_the_kernel_computes_the_int8_activation_product(kernel, qtype, n, k):
     packed = pack_int8(groups) if qtype == "Q8_0" else pack_int4(groups)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(1))
     x[2, :32] = 0.0  # a group of zeros: xq = 0, dx = 0
-    want = int8_activation_reference(groups, x)
+    want = kernel.reference(groups, x)  # int8 activations, or fp32 ones (AVX2: int8 weights)
     exact = x.double() @ groups.dequantize().double().T
     for m in range(1, 18):
         got = kernel.mm(packed, x[:m])
@@ -60,7 +72,8 @@ def test_the_kernel_computes_the_int8_activation_product(kernel, qtype, n, k):
         assert ((got.double() - want[:m]).abs().max() / want[:m].abs().max()).item() < 1e-5, (qtype, m)
     # the rounding of the activations is what separates it from the fp32 product, and two planes keep it small
     err = ((kernel.mm(packed, x).double() - exact).abs().max() / exact.abs().max()).item()
-    assert 1e-8 < err < 1e-4
+    int8 = (8 if qtype == "Q8_0" else 4) in kernel.int8_bits
+    assert 1e-8 < err < 1e-4 if int8 else err < 1e-5
 
 
 @needs_kernel
@@ -72,6 +85,16 @@ def test_activations_round_to_nearest_with_ties_to_even_and_two_planes_keep_15_b
     xq, dx, rq, dr = quantize_activations(x)
     assert xq[0, 0, :16].tolist() == [127, 2, 4, -2, -4, 0, 2, 126, -0, -127, 64, 65, 0, 0, -6, 6]
     assert dx[0, 0] == 1.0 and rq.abs().max() == 127 and dr[0, 0] == 0.5 / 127
+    # the kernel's int4 path: the same planes (its dot products with them are exact integers)
+    q4 = Int4Groups(
+        torch.randint(0, 16, (16, 32), generator=torch.Generator().manual_seed(3), dtype=torch.uint8),
+        torch.full((16, 1), 0.5),
+        torch.full((16, 1), 0.25),
+    )
+    want = int8_activation_reference(q4, x)[0]
+    assert ((kernel.mm(pack_int4(q4), x)[0].double() - want).abs().max() / want.abs().max()) < 1e-6
+    if 8 not in kernel.int8_bits:  # the AVX2 build: int8 weights keep fp32 activations
+        return
     # one-hot Q8_0 codes with d = 1: output j is x[j] as the two planes carry it
     packed = pack_int8(Int8Groups(torch.eye(16, 32, dtype=torch.int8), torch.ones(16, 1)))
     got = kernel.mm(packed, x)[0].double()
@@ -115,11 +138,14 @@ def test_the_setting_picks_the_kernel_and_names_it_in_the_model_id():
     assert all(lin.fp32_kernel and lin.native.activations == "int8" for lin in lins)
     assert linear_kernel_variant(i8.model) == linear_kernel_variant(fp32.model) + "-int8-activations"
     assert i8.model_id != fp32.model_id  # a generated token's K/V differs
-    # auto: int8 activations where they build (this test needs them), the fp32 kernel only on request
-    assert resolve_linear_kernel("auto", CPU) is i8.model.lm_head.native
+    # auto: int8 activations where their build is the CPU's best, the fp32 kernel only on request
     native = resolve_linear_kernel("native", CPU)
     assert type(native) is NativeLinearKernel and native.activations == "float32"
-    assert linear_kernel_variant(tiny_checkpoint(weights="int4").model) == linear_kernel_variant(i8.model)
+    auto = resolve_linear_kernel("auto", CPU)
+    assert auto is (i8.model.lm_head.native if AUTO_IS_INT8 else native)
+    assert (
+        linear_kernel_variant(tiny_checkpoint(weights="int4").model) == linear_kernel_variant(i8.model)
+    ) == (AUTO_IS_INT8)
 
 
 def test_auto_falls_back_to_the_fp32_kernel_where_int8_activations_cannot_be_built(monkeypatch):
@@ -163,13 +189,21 @@ def test_engine_tokens_batched_equal_alone_and_cache_on_equals_off(threads):
     assert runs["cache on"] == runs["cache off"]
 
 
-def test_cpus_without_vnni_are_refused_with_the_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(
-        "engine.weight_format.cpu_flags",
-        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}),
-    )
+def test_cpus_are_given_the_build_their_flags_allow_and_refused_with_the_reason(monkeypatch, tmp_path):
+    """AVX-512 without VNNI / VBMI: the VNNI build is refused naming them, the AVX2 build is the one chosen, and
+    ``auto`` keeps the fp32 kernel's AVX-512 build; a CPU without AVX2: refused naming it, a start-up error for
+    the setting."""
+    flags = {"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}
+    monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset(flags))
+    assert select_int8_isa() == "avx2" and select_isa() == "avx512"
     if os.uname().machine == "x86_64":
         with pytest.raises(NativeKernelError, match="no avx512_vnni, avx512vbmi on this CPU"):
+            Int8ActivationKernel.build(tmp_path, isa="avx512")
+    with pytest.raises(NativeKernelError, match="no 'sse' build of the int8-activation kernel"):
+        Int8ActivationKernel.build(tmp_path, isa="sse")
+    flags -= {"avx512f", "avx512bw", "avx512vl", "avx2"}
+    if os.uname().machine == "x86_64":
+        with pytest.raises(NativeKernelError, match="no avx2 on this CPU"):
             Int8ActivationKernel.build(tmp_path)
     native_linear._shared_int8_activation_kernel.cache_clear()
     try:
@@ -177,6 +211,7 @@ def test_cpus_without_vnni_are_refused_with_the_reason(monkeypatch, tmp_path):
             resolve_linear_kernel("int8-activations", CPU)
     finally:
         native_linear._shared_int8_activation_kernel.cache_clear()
+    assert ISA_REQUIRED["avx2"] <= INT8_ACTIVATION_REQUIRED["avx2"]
     with pytest.raises(ValueError, match="CPU only"):
         resolve_linear_kernel("int8-activations", torch.device("meta"))
 
@@ -202,3 +237,76 @@ def test_the_one_call_decode_step_runs_the_int8_kernel_with_the_layer_loop_s_bit
     assert step.steps > before
     for a, b in zip(sorted(on.logits_log), sorted(off.logits_log), strict=True):
         assert torch.equal(torch.stack(on.logits_log[a]), torch.stack(off.logits_log[b]))
+
+
+@pytest.mark.skipif(not BOTH, reason="needs a CPU that runs both builds: AVX-512 with VNNI and VBMI")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_avx2_build_gives_the_vnni_build_s_bits(threads):
+    """The AVX2 build sums the same integers with other instructions (``vpmaddubsw``) and runs the same fp32
+    epilogue, so int4 outputs are equal bit for bit, at 1-9 and 20 rows, on SmolLM2's shapes."""
+    vnni = Int8ActivationKernel.build(isa="avx512")
+    avx2 = Int8ActivationKernel.build(isa="avx2")
+    for n, k in ((37, 96), (576, 1536), (960, 576)):
+        groups = groups_of("Q4_1", n, k, seed=n)
+        packed = pack_int4(groups)
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(k)) * 3
+        x[1, :32] = 0.0
+        for m in (*range(1, 10), 20):
+            assert torch.equal(vnni.mm(packed, x[:m], threads), avx2.mm(packed, x[:m], threads)), (n, k, m)
+
+
+@needs_kernel
+def test_the_avx2_build_runs_prompt_rows_on_its_fp32_functions_and_names_them():
+    """The AVX2 build's int8 path loses to its fp32 panel path at prefill sizes, so a linear without a dense copy
+    sends prompt rows (``RowKernels.dense``) to the fp32 functions and generated rows to the int8 ones; each row
+    is its 1-row call of that function bit for bit; the prompt rows' numerics are named in ``model_id``."""
+    from engine.linear import Int4Weight, Int8Weight
+
+    avx2 = Int8ActivationKernel.build(isa="avx2")
+    assert avx2.prompt_fp32 and avx2.int8_bits == (4,)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
+    prompt, generated = torch.tensor([0, 1, 2, 4]), torch.tensor([3, 5, 6])
+    rows = RowKernels(prompt, generated)
+    for lin in (
+        Int4Weight(groups_of("Q4_1", 40, 96, 1), None, CPU, None, native=avx2),
+        Int8Weight(groups_of("Q8_0", 40, 96, 2), None, CPU, None, native=avx2),
+    ):
+        assert lin.prompt_rows_fp32
+        got = forward_rows(lin, x, rows)
+        for i in range(7):
+            fp32 = i in prompt.tolist()
+            assert torch.equal(got[i : i + 1], avx2.mm(lin.native_packed, x[i : i + 1], fp32=fp32)), (i, fp32)
+        if isinstance(lin, Int4Weight):  # int8 activations on generated rows: not the fp32 product
+            assert not torch.equal(got[3], avx2.mm(lin.native_packed, x[3:4], fp32=True)[0])
+        # without roles (rows None) every row takes the kernel's own activations, as before
+        assert torch.equal(forward_rows(lin, x, None), avx2.mm(lin.native_packed, x))
+    with_copy = Int4Weight(groups_of("Q4_1", 40, 96, 1), None, CPU, 10, native=avx2)
+    assert not with_copy.prompt_rows_fp32  # a dense copy takes prompt rows where there is one
+    model = torch.nn.ModuleList([Int4Weight(groups_of("Q4_1", 40, 96, 1), None, CPU, None, native=avx2)])
+    assert prompt_rows_variant(model) == "/prompt-kernel-fp32-activations"
+
+
+@pytest.mark.skipif(
+    not (native_build.cpu_ok(INT8_ACTIVATION_REQUIRED["avx2"])[0] and native_build.compiler()),
+    reason="needs x86-64 AVX2, F16C, FMA and a C compiler",
+)
+def test_engine_on_the_avx2_build_batched_equals_alone_and_cache_on_equals_off(monkeypatch):
+    """The AVX2 build (chosen here whatever the CPU's best), no dense copy: prompt rows on the fp32 functions,
+    generated rows on the int8 ones, through the engine; tokens batched == alone, cache on == cache off."""
+    avx2 = Int8ActivationKernel.build(isa="avx2")
+    monkeypatch.setattr(native_linear, "_shared_int8_activation_kernel", lambda: avx2)
+    ck = tiny_checkpoint.__wrapped__(weights="int4", linear_kernel="int8-activations", dense_min_rows=None)
+    lins = [ck.model.lm_head, *(lin for L in ck.model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down))]
+    assert all(lin.native is avx2 and lin.prompt_rows_fp32 for lin in lins)
+    assert prompt_rows_variant(ck.model) == "/prompt-kernel-fp32-activations"
+    shared = random_tokens(100, 70)
+    prompts = [shared + random_tokens(n, 71 + n) for n in (5, 23, 40)]
+    runs = {}
+    for name, config in (("cache on", {}), ("cache off", {"enable_prefix_caching": False})):
+        eng = make_engine(ck, record_logits=True, max_num_batched_tokens=4096, **config)
+        alone = [eng.generate([p], greedy(8))[0] for p in prompts]
+        reqs = [eng.add_request(p, greedy(8)) for p in prompts]
+        eng.run_to_completion()
+        assert [r.output_token_ids for r in reqs] == alone, name
+        runs[name] = alone
+    assert runs["cache on"] == runs["cache off"]
