@@ -112,7 +112,17 @@ INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
 /* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
  * Cephes' expf (S. L. Moshier), 2^n from the exponent bits; ~2 ulp; lanes below -87 give ~1e-38, not 0. */
 INLINE v16 exp16(v16 x) {
+#ifdef __AVX512F__
     x = select16(x < -87.0f, x - x - 87.0f, x);
+#else /* GCC turns a 16-lane compare into 16 scalar ones on AVX2: the same select on two 8-lane halves */
+    for (int half = 0; half < 2; half++) {
+        __m256 xh;
+        memcpy(&xh, (float *)&x + 8 * half, sizeof xh);
+        const __m256 low = _mm256_sub_ps(_mm256_sub_ps(xh, xh), _mm256_set1_ps(87.0f));
+        xh = _mm256_blendv_ps(xh, low, _mm256_cmp_ps(xh, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+        memcpy((float *)&x + 8 * half, &xh, sizeof xh);
+    }
+#endif
     const v16 t = x * 1.44269504088896341f - 0.5f;
     const i32x16 n = __builtin_convertvector(t, i32x16); /* toward zero: round(x log2 e) for x <= 0 */
     const v16 nf = __builtin_convertvector(n, v16);
@@ -130,7 +140,20 @@ INLINE v16 exp16(v16 x) {
 }
 
 /* per lane: x where x > m, else m */
-INLINE v16 max16(v16 x, v16 m) { return select16(x > m, x, m); }
+INLINE v16 max16(v16 x, v16 m) {
+#ifdef __AVX512F__
+    return select16(x > m, x, m);
+#else /* vmaxps a, b is a > b ? a : b, lane for lane (on two 8-lane halves: see exp16) */
+    for (int half = 0; half < 2; half++) {
+        __m256 xh, mh;
+        memcpy(&xh, (float *)&x + 8 * half, sizeof xh);
+        memcpy(&mh, (float *)&m + 8 * half, sizeof mh);
+        xh = _mm256_max_ps(xh, mh);
+        memcpy((float *)&x + 8 * half, &xh, sizeof xh);
+    }
+    return x;
+#endif
+}
 
 /* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order: lane t
  * sums the positions l = t mod 16 in order, then the lanes are summed 0..15). The maximum is exact in any order. */
@@ -295,10 +318,9 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 /* 8 consecutive elements at src[index] as fp32 (load16's first half) */
 INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
     v8 r;
-    if (is_bf16) {
-        u16x8 h;
-        memcpy(&h, (const uint16_t *)src + index, sizeof h);
-        u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    if (is_bf16) { /* one widening load and a shift (GCC compiled __builtin_convertvector's as two 128-bit halves) */
+        const __m256i w = _mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + index))), 16);
         memcpy(&r, &w, sizeof r);
     } else {
         memcpy(&r, (const float *)src + index, sizeof r);
@@ -326,26 +348,28 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, 0, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
         __m256 plo[MAX_GROUP][16], phi[MAX_GROUP][16];
+        const float *qh = q + h * group * D;
         for (int64_t t = 0; t < 16; t++) {
             prefetch_row(cache, cache_bf16, ahead[t], h, D);
-            v8s lo[MAX_GROUP], hi[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) lo[g] = hi[g] = (v8s){0};
+            /* in registers (as GNU C vectors GCC kept them on the stack, copied 16 bytes at a time) */
+            __m256 lo[MAX_GROUP], hi[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) lo[g] = hi[g] = _mm256_setzero_ps();
             if (t < n) {
                 for (int64_t c = 0; c < chunks; c++) {
-                    const v8 klo = load8(cache, at[t] + h * D + 16 * c, cache_bf16);
-                    const v8 khi = load8(cache, at[t] + h * D + 16 * c + 8, cache_bf16);
-                    for (int64_t g = 0; g < group; g++) {
-                        v8s qlo, qhi;
-                        memcpy(&qlo, q + (h * group + g) * D + 16 * c, 32);
-                        memcpy(&qhi, q + (h * group + g) * D + 16 * c + 8, 32);
-                        lo[g] += qlo * klo;
-                        hi[g] += qhi * khi;
+                    __m256 klo, khi;
+                    const v8 k0 = load8(cache, at[t] + h * D + 16 * c, cache_bf16);
+                    const v8 k1 = load8(cache, at[t] + h * D + 16 * c + 8, cache_bf16);
+                    memcpy(&klo, &k0, 32);
+                    memcpy(&khi, &k1, 32);
+                    for (int64_t g = 0; g < group; g++) { /* q k + acc, fused: what GCC made of acc += q * k */
+                        lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 16 * c), klo, lo[g]);
+                        hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 16 * c + 8), khi, hi[g]);
                     }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
-                memcpy(&plo[g][t], &lo[g], 32);
-                memcpy(&phi[g][t], &hi[g], 32);
+                plo[g][t] = lo[g];
+                phi[g][t] = hi[g];
             }
         }
         for (int64_t g = 0; g < group; g++) {
@@ -397,16 +421,30 @@ INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
     int64_t at[16], ahead[16];
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
+    /* VALUE_CHUNKS 8-lane chunks of every query head per pass: group * VALUE_CHUNKS accumulators and the group's
+     * numerators of a position fit the 16 ymm registers (3 heads: 4 chunks), so each numerator is broadcast once
+     * per pass, not once per chunk */
+    const int64_t chunks = D / 8; /* even: D % 16 == 0 */
+    const int64_t vc = group * 5 + 1 <= 16 && chunks % 4 == 0 ? 4 : group * 3 + 1 <= 16 ? 2 : 1;
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t t = 0; t < 16; t++) prefetch_row(cache, cache_bf16, ahead[t], h, D);
-        for (int64_t c = 0; c < D / 8; c++) {
-            v8 acc[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) memcpy(&acc[g], o + (h * group + g) * D + 8 * c, 32);
+        for (int64_t c0 = 0; c0 < chunks; c0 += vc) {
+            __m256 acc[MAX_GROUP][4];
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < vc; c++) acc[g][c] = _mm256_loadu_ps(o + (h * group + g) * D + 8 * (c0 + c));
             for (int64_t t = 0; t < n; t++) {
-                const v8 v = load8(cache, at[t] + h * D + 8 * c, cache_bf16);
-                for (int64_t g = 0; g < group; g++) acc[g] += p[(h * group + g) * len + l0 + t] * v;
+                __m256 pg[MAX_GROUP];
+                for (int64_t g = 0; g < group; g++) pg[g] = _mm256_set1_ps(p[(h * group + g) * len + l0 + t]);
+                for (int64_t c = 0; c < vc; c++) {
+                    __m256 v;
+                    const v8 v8v = load8(cache, at[t] + h * D + 8 * (c0 + c), cache_bf16);
+                    memcpy(&v, &v8v, sizeof v);
+                    /* p v + acc, fused: what GCC made of acc += p * v */
+                    for (int64_t g = 0; g < group; g++) acc[g][c] = _mm256_fmadd_ps(pg[g], v, acc[g][c]);
+                }
             }
-            for (int64_t g = 0; g < group; g++) memcpy(o + (h * group + g) * D + 8 * c, &acc[g], 32);
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < vc; c++) _mm256_storeu_ps(o + (h * group + g) * D + 8 * (c0 + c), acc[g][c]);
         }
     }
 }
