@@ -145,9 +145,9 @@ def test_one_thread_small_steps_split_the_weight_gemvs_over_num_threads(tmp_path
     calls: list[tuple[int, int]] = []  # (torch's count, the kernel's) per native call
     real_mm = native_linear.NativeLinearKernel.mm
 
-    def spy(self, w, x, threads=None):
+    def spy(self, w, x, threads=None, fp32=False):
         calls.append((torch.get_num_threads(), kernel_threads() if threads is None else threads))
-        return real_mm(self, w, x, threads)
+        return real_mm(self, w, x, threads, fp32)
 
     monkeypatch.setattr(native_linear.NativeLinearKernel, "mm", spy)
     eng = make_engine(ck, num_threads=2, small_step_threads="auto")
