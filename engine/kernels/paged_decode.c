@@ -312,8 +312,6 @@ INLINE void scores_tile16(const float *restrict q, const void *cache, int cache_
 #define scores_tile scores_tile16
 #else
 typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 /* 8 consecutive elements at src[index] as fp32 (load16's first half) */
 INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
@@ -327,8 +325,6 @@ INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
     }
     return r;
 }
-
-typedef float v8s __attribute__((vector_size(32)));
 
 /* 8 vectors -> lane t = the balanced tree sum of v[t]'s lanes ((0+1)+(2+3))+((4+5)+(6+7)) */
 INLINE __m256 hsum8(const __m256 *v) {

@@ -672,23 +672,15 @@ INLINE void quantize_group(__m512 a, __m512 b, int8_t *q, float *dv, int32_t *sv
     *sv = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
 
-/* x [m][k] cut into planes: (xq, dx) = Q(x), then (rq, dr) = Q(x - dx * xq), the product then the difference */
-static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
-    const int64_t G = k / QK;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *p = x + r * k + g * QK;
-            const int64_t i = g * m + r;
-            const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-            int8_t *q = P->q + 64 * i;
-            quantize_group(a, b, q, P->dx + i, P->sx + i);
-            const __m512 dx = _mm512_set1_ps(P->dx[i]);
-            const __m512 xa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-            const __m512 xb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-            quantize_group(_mm512_sub_ps(a, _mm512_mul_ps(dx, xa)), _mm512_sub_ps(b, _mm512_mul_ps(dx, xb)), q + 32,
-                           P->dr + i, P->sr + i);
-            if (sums) P->S[i] = sum32(p);
-        }
+/* one group of 32 inputs at p cut into its planes at q (xq, then rq): (xq, *dx) = Q(x), then (rq, *dr) = Q(x - dx *
+ * xq), the product then the difference, xq taken back from its int8 codes; *sx, *sr the codes' sums */
+INLINE void cut_group(const float *p, int8_t *q, float *dx, int32_t *sx, float *dr, int32_t *sr) {
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    quantize_group(a, b, q, dx, sx);
+    const __m512 d = _mm512_set1_ps(*dx);
+    const __m512 xa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    const __m512 xb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    quantize_group(_mm512_sub_ps(a, _mm512_mul_ps(d, xa)), _mm512_sub_ps(b, _mm512_mul_ps(d, xb)), q + 32, dr, sr);
 }
 
 /* vpermb index: out byte 4 j + t = in byte 16 t + j (inputs i..i+3 of output j in lane j) */
@@ -853,26 +845,17 @@ INLINE void quantize_group(const __m256 *v, int8_t *q, float *dv, int32_t *sv) {
     *sv = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
 }
 
-/* x [m][k] cut into planes: (xq, dx) = Q(x), then (rq, dr) = Q(x - dx * xq), the product then the difference,
- * xq taken back from its int8 codes (as the AVX-512 build) */
-static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
-    const int64_t G = k / QK;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *p = x + r * k + g * QK;
-            const int64_t i = g * m + r;
-            __m256 v[4];
-            for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(p + 8 * j);
-            int8_t *q = P->q + 64 * i;
-            quantize_group(v, q, P->dx + i, P->sx + i);
-            const __m256 dx = _mm256_set1_ps(P->dx[i]);
-            for (int j = 0; j < 4; j++) {
-                const __m256 xq = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j))));
-                v[j] = _mm256_sub_ps(v[j], _mm256_mul_ps(dx, xq));
-            }
-            quantize_group(v, q + 32, P->dr + i, P->sr + i);
-            if (sums) P->S[i] = sum32(p);
-        }
+/* cut_group of the AVX-512 build, the same operations on 8-lane vectors */
+INLINE void cut_group(const float *p, int8_t *q, float *dx, int32_t *sx, float *dr, int32_t *sr) {
+    __m256 v[4];
+    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(p + 8 * j);
+    quantize_group(v, q, dx, sx);
+    const __m256 d = _mm256_set1_ps(*dx);
+    for (int j = 0; j < 4; j++) {
+        const __m256 xq = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j))));
+        v[j] = _mm256_sub_ps(v[j], _mm256_mul_ps(d, xq));
+    }
+    quantize_group(v, q + 32, dr, sr);
 }
 
 /* The codes of inputs i .. i + 3 of half tile `half` (outputs 8 half .. 8 half + 7) from the 64 code bytes at c
@@ -950,6 +933,18 @@ static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m
 }
 
 #endif
+
+/* x [m][k] cut into planes, group by group (cut_group), with each group's exact fp32 sum where `sums` (int4) */
+static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
+    const int64_t G = k / QK;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *p = x + r * k + g * QK;
+            const int64_t i = g * m + r;
+            cut_group(p, P->q + 64 * i, P->dx + i, P->sx + i, P->dr + i, P->sr + i);
+            if (sums) P->S[i] = sum32(p);
+        }
+}
 
 /* as q4_gemv / q8_gemv (the same arguments, tiles and returns), with x in two int8 planes */
 static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
