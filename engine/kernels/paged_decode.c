@@ -99,6 +99,7 @@ INLINE void transpose16(v16 v[16]) {
     }
 }
 
+#ifdef __AVX512F__
 /* a where mask (lanes of -1), else b (exact moves; layer_glue.c, a separate library, has its own copy) */
 INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
     i32x16 ai, bi;
@@ -112,17 +113,7 @@ INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
 /* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
  * Cephes' expf (S. L. Moshier), 2^n from the exponent bits; ~2 ulp; lanes below -87 give ~1e-38, not 0. */
 INLINE v16 exp16(v16 x) {
-#ifdef __AVX512F__
     x = select16(x < -87.0f, x - x - 87.0f, x);
-#else /* GCC turns a 16-lane compare into 16 scalar ones on AVX2: the same select on two 8-lane halves */
-    for (int half = 0; half < 2; half++) {
-        __m256 xh;
-        memcpy(&xh, (float *)&x + 8 * half, sizeof xh);
-        const __m256 low = _mm256_sub_ps(_mm256_sub_ps(xh, xh), _mm256_set1_ps(87.0f));
-        xh = _mm256_blendv_ps(xh, low, _mm256_cmp_ps(xh, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
-        memcpy((float *)&x + 8 * half, &xh, sizeof xh);
-    }
-#endif
     const v16 t = x * 1.44269504088896341f - 0.5f;
     const i32x16 n = __builtin_convertvector(t, i32x16); /* toward zero: round(x log2 e) for x <= 0 */
     const v16 nf = __builtin_convertvector(n, v16);
@@ -140,20 +131,7 @@ INLINE v16 exp16(v16 x) {
 }
 
 /* per lane: x where x > m, else m */
-INLINE v16 max16(v16 x, v16 m) {
-#ifdef __AVX512F__
-    return select16(x > m, x, m);
-#else /* vmaxps a, b is a > b ? a : b, lane for lane (on two 8-lane halves: see exp16) */
-    for (int half = 0; half < 2; half++) {
-        __m256 xh, mh;
-        memcpy(&xh, (float *)&x + 8 * half, sizeof xh);
-        memcpy(&mh, (float *)&m + 8 * half, sizeof mh);
-        xh = _mm256_max_ps(xh, mh);
-        memcpy((float *)&x + 8 * half, &xh, sizeof xh);
-    }
-    return x;
-#endif
-}
+INLINE v16 max16(v16 x, v16 m) { return select16(x > m, x, m); }
 
 /* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order: lane t
  * sums the positions l = t mod 16 in order, then the lanes are summed 0..15). The maximum is exact in any order. */
@@ -204,6 +182,74 @@ INLINE float softmax_numerators(float *restrict s, int64_t len) {
     for (int t = 0; t < 16; t++) sum += lanes[t];
     return sum;
 }
+#else
+/* AVX2: exp16's lane arithmetic on 8 lanes (GCC kept 16-lane GNU C vectors on the stack here and moved them in
+ * 64-bit pieces, ~20 % of a decode layer's attention), the fused multiply-adds written where GCC formed them from
+ * exp16's expressions: t = x log2e - 1/2, r = (x - n a) + n b, p = p r + c, p r r + r as (p r) r + r. */
+INLINE __m256 exp8(__m256 x) {
+    const __m256 low = _mm256_sub_ps(_mm256_sub_ps(x, x), _mm256_set1_ps(87.0f));
+    x = _mm256_blendv_ps(x, low, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(-0.5f));
+    const __m256i n = _mm256_cvttps_epi32(t); /* toward zero: round(x log2 e) for x <= 0 */
+    const __m256 nf = _mm256_cvtepi32_ps(n);
+    const __m256 r = _mm256_fmadd_ps(nf, _mm256_set1_ps(2.12194440e-4f),
+                                     _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(1.9875691500e-4f), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* AVX2: the same softmax numerators and sum, lane for lane: each 16-lane vector of the AVX-512 build is a pair of
+ * 8-lane registers (lanes 0-7, 8-15), the maxima are vmaxps (a > b ? a : b, as max16), the sum takes lanes 0..15
+ * in order. */
+INLINE float softmax_numerators(float *restrict s, int64_t len) {
+    const int64_t full = len / 16 * 16;
+    float m = s[0];
+    if (full) {
+        __m256 mx[4][2];
+        for (int k = 0; k < 4; k++)
+            for (int hf = 0; hf < 2; hf++) mx[k][hf] = _mm256_loadu_ps(s + 8 * hf);
+        for (int64_t l0 = 16; l0 < full; l0 += 16) {
+            const int k = (int)(l0 / 16) & 3;
+            for (int hf = 0; hf < 2; hf++) mx[k][hf] = _mm256_max_ps(_mm256_loadu_ps(s + l0 + 8 * hf), mx[k][hf]);
+        }
+        float lanes[16];
+        for (int hf = 0; hf < 2; hf++) {
+            mx[0][hf] = _mm256_max_ps(mx[1][hf], mx[0][hf]);
+            mx[2][hf] = _mm256_max_ps(mx[3][hf], mx[2][hf]);
+            _mm256_storeu_ps(lanes + 8 * hf, _mm256_max_ps(mx[2][hf], mx[0][hf]));
+        }
+        for (int t = 0; t < 16; t++) m = lanes[t] > m ? lanes[t] : m;
+    }
+    for (int64_t l = full; l < len; l++) m = s[l] > m ? s[l] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t l0 = 0; l0 < full; l0 += 16)
+        for (int hf = 0; hf < 2; hf++) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l0 + 8 * hf), mv));
+            acc[hf] = _mm256_add_ps(acc[hf], e);
+            _mm256_storeu_ps(s + l0 + 8 * hf, e);
+        }
+    if (full < len) {
+        const int64_t l0 = full, n = len - full;
+        float buf[16];
+        for (int64_t t = 0; t < 16; t++) buf[t] = t < n ? s[l0 + t] - m : -100.0f;
+        for (int hf = 0; hf < 2; hf++) _mm256_storeu_ps(buf + 8 * hf, exp8(_mm256_loadu_ps(buf + 8 * hf)));
+        for (int64_t t = 0; t < 16; t++) buf[t] = t < n ? buf[t] : 0.0f;
+        for (int hf = 0; hf < 2; hf++) acc[hf] = _mm256_add_ps(acc[hf], _mm256_loadu_ps(buf + 8 * hf));
+        memcpy(s + l0, buf, (size_t)n * sizeof(float));
+    }
+    float lanes[16], sum = 0.0f;
+    for (int hf = 0; hf < 2; hf++) _mm256_storeu_ps(lanes + 8 * hf, acc[hf]);
+    for (int t = 0; t < 16; t++) sum += lanes[t];
+    return sum;
+}
+#endif
 
 /* position l's element offset in the cache (K; V adds v_offset), for KV head h */
 INLINE int64_t position(const int32_t *table, int64_t l, int64_t block_size, int64_t block_elems,
@@ -333,9 +379,67 @@ INLINE __m256 hsum8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-/* AVX2: scores_tile16's arithmetic in 8-lane halves: lane j of a position's dot product sums q[16 c + j]
- * k[16 c + j] over c in order (lo: j < 8, hi: j >= 8), and hsum16's tree is tree(lo) + tree(hi) */
-INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+/* AVX2 over a bf16 cache: scores_tile16's arithmetic with each 16-element chunk of a K row as one 32-byte load.
+ * Its bf16 pairs give two fp32 vectors, E = elements 16 c + 2 i (the pair's low half shifted up) and O = 16 c +
+ * 2 i + 1 (the high half masked); the queries are in the same order (pair_order, once per call), so lane i of E's
+ * (O's) accumulator is decode's lane j = 2 i (2 i + 1), the same fused multiply-add chain over c. E + O is the
+ * first level of hsum16's tree (lane pairs (0, 1), (2, 3), ...: lanes 0-3 of j < 8, 4-7 of j >= 8), so hsum8 of
+ * 8 positions' E + O is tree(j < 8) + tree(j >= 8), scores_tile's sums in its order. Per position 4 loads and 8
+ * integer operations widen K (were 8 widening loads and 8 shifts) and 3 vectors wait for the sums (were 6). */
+INLINE void scores_tile_pairs(const float *restrict q, const uint16_t *cache, const int32_t *table, int64_t len,
+                              int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                              int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
+    const int64_t chunks = D / 16;
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, 0, at, ahead);
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t h = 0; h < KVH; h++) {
+        __m256 pair[MAX_GROUP][16];
+        const float *qh = q + h * group * D; /* chunk c of query head g: E at qh + g D + 16 c, O 8 further */
+        for (int64_t t = 0; t < 16; t++) {
+            prefetch_row(cache, 1, ahead[t], h, D);
+            __m256 e[MAX_GROUP], o[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) e[g] = o[g] = _mm256_setzero_ps();
+            if (t < n) {
+                for (int64_t c = 0; c < chunks; c++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(cache + at[t] + h * D + 16 * c));
+                    const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                    const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+                    for (int64_t g = 0; g < group; g++) {
+                        e[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 16 * c), ke, e[g]);
+                        o[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 16 * c + 8), ko, o[g]);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) pair[g][t] = _mm256_add_ps(e[g], o[g]);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float sc[16];
+            _mm256_storeu_ps(sc, _mm256_mul_ps(hsum8(pair[g]), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(sc + 8, _mm256_mul_ps(hsum8(pair[g] + 8), _mm256_set1_ps(scale)));
+            store_scores(scores + (h * group + g) * len + l0, sc, n);
+        }
+    }
+}
+
+/* q's 16-element chunks (n of them) in place in scores_tile_pairs' order: elements 0, 2, ..., 14, then 1, 3, ...,
+ * 15 (exact moves) */
+INLINE void pair_order(float *q, int64_t n) {
+    for (int64_t c = 0; c < n; c++) {
+        float even[8], odd[8];
+        for (int i = 0; i < 8; i++) {
+            even[i] = q[16 * c + 2 * i];
+            odd[i] = q[16 * c + 2 * i + 1];
+        }
+        memcpy(q + 16 * c, even, sizeof even);
+        memcpy(q + 16 * c + 8, odd, sizeof odd);
+    }
+}
+
+/* AVX2 over an fp32 cache: scores_tile16's arithmetic in 8-lane halves: lane j of a position's dot product sums
+ * q[16 c + j] k[16 c + j] over c in order (lo: j < 8, hi: j >= 8), and hsum16's tree is tree(lo) + tree(hi) */
+INLINE void scores_tile_halves(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
                         int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
     const int64_t chunks = D / 16;
@@ -379,6 +483,18 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
         }
     }
 }
+
+/* the AVX2 scores of a tile: a bf16 cache with q in pair_order, an fp32 one with q as it is */
+INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
+    if (cache_bf16)
+        scores_tile_pairs(q, (const uint16_t *)cache, table, len, l0, KVH, group, D, block_size, block_elems,
+                          pos_elems, scale, scores);
+    else
+        scores_tile_halves(q, cache, 0, table, len, l0, KVH, group, D, block_size, block_elems, pos_elems, scale,
+                           scores);
+}
 #endif
 
 /* Tile of one sequence's weighted values: o[i] += sum over the tile's positions of p_i(l) v(l), per KV head
@@ -409,9 +525,51 @@ INLINE void values_tile16(const float *restrict p, const void *cache, int cache_
 #ifdef __AVX512F__
 #define values_tile values_tile16
 #else
-/* AVX2: values_tile16's lane arithmetic (per output element, the tile's positions in order, one multiply-add
- * each), 8 lanes of every query head of a KV head at a time, so the accumulators fit 16 registers */
-INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
+#ifndef PD_VALUE_CHUNKS
+#define PD_VALUE_CHUNKS 2
+#endif
+/* AVX2 over a bf16 cache: values_tile16's lane arithmetic (per output element, the tile's positions in order,
+ * one multiply-add each) with V's 16-element chunks widened as scores_tile_pairs widens K: the accumulators
+ * (o, across tiles) hold each chunk's even elements then its odd ones (pair_order's order; attend_vec's last
+ * loop puts them back). VALUE_CHUNKS chunks of every query head per pass, as many as group * 2 VALUE_CHUNKS
+ * accumulators and the group's numerators leave room for (3 heads: 2 chunks, one pass per half row). */
+INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, const int32_t *table, int64_t len,
+                              int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                              int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const int64_t chunks = D / 16;
+    const int64_t vc = group * (2 * PD_VALUE_CHUNKS + 1) + 1 <= 16 && chunks % PD_VALUE_CHUNKS == 0 ? PD_VALUE_CHUNKS : 1;
+    for (int64_t h = 0; h < KVH; h++) {
+        for (int64_t t = 0; t < 16; t++) prefetch_row(cache, 1, ahead[t], h, D);
+        for (int64_t c0 = 0; c0 < chunks; c0 += vc) {
+            __m256 acc[MAX_GROUP][2 * PD_VALUE_CHUNKS];
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < 2 * vc; i++) acc[g][i] = _mm256_loadu_ps(o + (h * group + g) * D + 16 * c0 + 8 * i);
+            for (int64_t t = 0; t < n; t++) {
+                __m256 pg[MAX_GROUP];
+                for (int64_t g = 0; g < group; g++) pg[g] = _mm256_set1_ps(p[(h * group + g) * len + l0 + t]);
+                for (int64_t c = 0; c < vc; c++) {
+                    const __m256i *src = (const __m256i *)(cache + at[t] + h * D + 16 * (c0 + c));
+                    const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(src), 16));
+                    for (int64_t g = 0; g < group; g++) acc[g][2 * c] = _mm256_fmadd_ps(pg[g], ve, acc[g][2 * c]);
+                    const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(src), high));
+                    for (int64_t g = 0; g < group; g++)
+                        acc[g][2 * c + 1] = _mm256_fmadd_ps(pg[g], vo, acc[g][2 * c + 1]);
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < 2 * vc; i++) _mm256_storeu_ps(o + (h * group + g) * D + 16 * c0 + 8 * i, acc[g][i]);
+        }
+    }
+}
+
+/* AVX2 over an fp32 cache: values_tile16's lane arithmetic (per output element, the tile's positions in order,
+ * one multiply-add each), 8 lanes of every query head of a KV head at a time, so the accumulators fit 16
+ * registers */
+INLINE void values_tile_halves(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
                         int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
@@ -443,6 +601,18 @@ INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf
                 for (int64_t c = 0; c < vc; c++) _mm256_storeu_ps(o + (h * group + g) * D + 8 * (c0 + c), acc[g][c]);
         }
     }
+}
+
+/* the AVX2 values of a tile: a bf16 cache into pair-ordered accumulators, an fp32 one in order */
+INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+    if (cache_bf16)
+        values_tile_pairs(p, (const uint16_t *)cache, table, len, l0, KVH, group, D, block_size, block_elems,
+                          pos_elems, v_offset, o);
+    else
+        values_tile_halves(p, cache, 0, table, len, l0, KVH, group, D, block_size, block_elems, pos_elems, v_offset,
+                           o);
 }
 #endif
 
@@ -488,6 +658,20 @@ INLINE void attend_vec(const float *restrict q, const void *cache, int cache_bf1
         const float *sb = sums + b * H;
         for (int64_t i = 0; i < H; i++) {
             const float inv = 1.0f / sb[i];
+#ifndef __AVX512F__
+            if (cache_bf16) { /* values_tile_pairs' accumulators back in order */
+                for (int64_t c = 0; c < D / 16; c++) {
+                    float *chunk = o + i * D + 16 * c, even[8], odd[8];
+                    memcpy(even, chunk, sizeof even);
+                    memcpy(odd, chunk + 8, sizeof odd);
+                    for (int j = 0; j < 8; j++) {
+                        chunk[2 * j] = even[j] * inv;
+                        chunk[2 * j + 1] = odd[j] * inv;
+                    }
+                }
+                continue;
+            }
+#endif
             for (int64_t d = 0; d < D; d++) o[i * D + d] *= inv;
         }
     }
@@ -545,6 +729,9 @@ static int decode_attention(const void *q, int q_bf16, const void *cache, int ca
     float *sums = qf + B * H * D;           /* [B][H] */
     for (int64_t i = 0; i < B * H * D; i++) qf[i] = load1(q, i, q_bf16);
     const int vec = D % 16 == 0 && D <= 128 && group <= MAX_GROUP && KVH <= 64;
+#ifndef __AVX512F__
+    if (vec && cache_bf16) pair_order(qf, B * H * D / 16); /* scores_tile_pairs' query order */
+#endif
     if (!vec) {
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < KVH; h++)
