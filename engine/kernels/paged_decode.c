@@ -541,13 +541,15 @@ INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, co
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     const int64_t chunks = D / 16;
-    const int64_t vc = group * (2 * PD_VALUE_CHUNKS + 1) + 1 <= 16 && chunks % PD_VALUE_CHUNKS == 0 ? PD_VALUE_CHUNKS : 1;
+    const int64_t vc =
+        group * (2 * PD_VALUE_CHUNKS + 1) + 1 <= 16 && chunks % PD_VALUE_CHUNKS == 0 ? PD_VALUE_CHUNKS : 1;
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t t = 0; t < 16; t++) prefetch_row(cache, 1, ahead[t], h, D);
         for (int64_t c0 = 0; c0 < chunks; c0 += vc) {
             __m256 acc[MAX_GROUP][2 * PD_VALUE_CHUNKS];
             for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < 2 * vc; i++) acc[g][i] = _mm256_loadu_ps(o + (h * group + g) * D + 16 * c0 + 8 * i);
+                for (int64_t i = 0; i < 2 * vc; i++)
+                    acc[g][i] = _mm256_loadu_ps(o + (h * group + g) * D + 16 * c0 + 8 * i);
             for (int64_t t = 0; t < n; t++) {
                 __m256 pg[MAX_GROUP];
                 for (int64_t g = 0; g < group; g++) pg[g] = _mm256_set1_ps(p[(h * group + g) * len + l0 + t]);
@@ -561,7 +563,8 @@ INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, co
                 }
             }
             for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < 2 * vc; i++) _mm256_storeu_ps(o + (h * group + g) * D + 16 * c0 + 8 * i, acc[g][i]);
+                for (int64_t i = 0; i < 2 * vc; i++)
+                    _mm256_storeu_ps(o + (h * group + g) * D + 16 * c0 + 8 * i, acc[g][i]);
         }
     }
 }
