@@ -134,10 +134,10 @@ class NativeDecodeKernel:
         ]
         fn.restype = ctypes.c_int
         # the same over some of the cache's KV heads (the last argument: the cache's KV heads), for
-        # engine.native_step's split of a lone sequence's heads over threads; called from C only
-        self._kv_heads_fn = lib.paged_decode_attention_kv_heads
-        self._kv_heads_fn.argtypes = [*fn.argtypes, i64]
-        self._kv_heads_fn.restype = ctypes.c_int
+        # a lone sequence over threads (attend's `threads`; engine.native_step's one-sequence steps)
+        self._threads_fn = lib.paged_decode_attention_threads
+        self._threads_fn.argtypes = [*fn.argtypes, ctypes.c_int]
+        self._threads_fn.restype = ctypes.c_int
         pf = lib.paged_prefill_attention
         pf.argtypes = [
             p,
@@ -213,6 +213,7 @@ class NativeDecodeKernel:
         scale: float,
         scratch: torch.Tensor | None = None,
         shared_len: int = 0,
+        threads: int = 1,
     ) -> torch.Tensor:
         """Decode attention of ``B`` sequences, one query token each.
 
@@ -230,6 +231,10 @@ class NativeDecodeKernel:
                 sequences, so those blocks come from memory once per step, not once per sequence; 0: each
                 sequence alone (``engine.shared_prefix_attention: false``, for comparison). The result is the
                 same bits either way.
+            threads: OpenMP threads for a lone sequence (``B == 1``): its scores split by positions, its softmax
+                by query heads, its values by (KV head, half of ``D``), each number computed as on one thread
+                (the same bits for any count; ``engine/kernels/decode_step.c`` calls it so for one-sequence
+                steps). Ignored for ``B > 1`` (the caller spreads sequences).
 
         Returns:
             fp32 ``[B, H, D]``.
@@ -237,8 +242,10 @@ class NativeDecodeKernel:
         Raises:
             ValueError: a dtype, layout or device the kernel does not take, or an argument out of range
                 (a length outside ``[1, max_len]``, a block id outside the pool, a table too short, ``shared_len``
-                not a multiple of 16 or past a length).
+                not a multiple of 16 or past a length, ``threads < 1``).
         """
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         b, h, d = q.shape
         two, num_blocks, block_size, kvh, hd = layer_cache.shape
         if two != 2 or hd != d or h % kvh:
@@ -263,7 +270,7 @@ class NativeDecodeKernel:
         elif scratch.dtype != torch.float32 or scratch.numel() < need or not scratch.is_contiguous():
             raise ValueError(f"scratch: needs {need} contiguous fp32 elements")
         out = torch.empty(b, h, d, dtype=torch.float32)
-        rc = self._fn(
+        rc = self._threads_fn(
             q.data_ptr(),
             int(q.dtype == torch.bfloat16),
             layer_cache.data_ptr(),
@@ -282,6 +289,7 @@ class NativeDecodeKernel:
             scratch.data_ptr(),
             max_len,
             shared_len,
+            threads,
         )
         if rc != 0:
             raise ValueError(

@@ -70,7 +70,7 @@ class _Step(ctypes.Structure):
     """``struct decode_step``."""
 
     _fields_ = [
-        *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend", "attend_heads")),
+        *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend", "attend_threads")),
         *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
         *((name, _i64) for name in ("block_size", "num_blocks", "table_stride", "max_len", "shared_len")),
         *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "attn_threads")),
@@ -253,7 +253,7 @@ class NativeDecodeStep:
             _address(glue._rope),
             _address(glue._silu),
             _address(native.kernel._fn),
-            _address(native.kernel._kv_heads_fn),
+            _address(native.kernel._threads_fn),
             len(model.layers),
             t,
             hid,

@@ -35,10 +35,11 @@ typedef int (*attend_fn)(const void *q, int q_bf16, const void *cache, int cache
                          int64_t table_stride, const int32_t *lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                          int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
                          int64_t max_len, int64_t shared_len);
-typedef int (*attend_heads_fn)(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *tables,
-                               int64_t table_stride, const int32_t *lens, int64_t B, int64_t H, int64_t KVH,
-                               int64_t D, int64_t block_size, int64_t num_blocks, float scale, float *out,
-                               float *scratch, int64_t max_len, int64_t shared_len, int64_t cache_kvh);
+typedef int (*attend_threads_fn)(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                                 const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                                 int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
+                                 float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
+                                 int threads);
 
 /* One decoder layer as the kernels take it (engine/native_step.py `_LAYER`). */
 struct decode_layer {
@@ -55,7 +56,7 @@ struct decode_step {
     rope_fn rope;
     silu_fn silu;
     attend_fn attend;
-    attend_heads_fn attend_heads;
+    attend_threads_fn attend_threads;
     int64_t layers, rows, hidden, heads, kv_heads, head_dim, inter;
     int64_t block_size, num_blocks, table_stride, max_len, shared_len;
     int32_t cache_bf16, gemv_threads, glue_threads, attn_threads;
@@ -77,25 +78,16 @@ static int gemv(const struct decode_step *s, const uint8_t *w, int32_t bits, int
 /* Decode attention of the step's sequences, split into `attn_threads` contiguous runs of sequences, one call
  * of the kernel per run on its own thread (each with its share of the scratch: the kernel's layout is per
  * sequence). The kernel computes every sequence alone, so a sequence's output is the same bits in any run,
- * and the blocks all sequences share are walked once per run. A lone sequence is split by KV heads instead
- * (paged_decode_attention_kv_heads: each head is attended alone, the same bits). */
+ * and the blocks all sequences share are walked once per run. A lone sequence is spread over the threads by
+ * the kernel itself (paged_decode_attention_threads: positions, heads, then halves of D; the same bits). */
 static int attend(const struct decode_step *s, void *cache) {
-    const int64_t T = s->rows, H = s->heads, D = s->head_dim, KVH = s->kv_heads, group = H / KVH;
+    const int64_t T = s->rows, H = s->heads, D = s->head_dim;
     const int64_t per_seq = H * (s->max_len + D + 1); /* engine.native_decode.scratch_size for one sequence */
     int rc = 0;
-    if (T == 1 && s->attn_threads > 1 && KVH > 1) { /* one sequence: runs of its KV heads, one per thread */
-        const int parts = s->attn_threads < KVH ? s->attn_threads : (int)KVH;
-        const int64_t elem = s->cache_bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : rc)
-        for (int p = 0; p < parts; p++) {
-            const int64_t h0 = KVH * p / parts, h1 = KVH * (p + 1) / parts;
-            rc |= s->attend_heads(s->q + h0 * group * D, 0, (char *)cache + h0 * D * elem, s->cache_bf16, s->tables,
-                                  s->table_stride, s->lens, 1, (h1 - h0) * group, h1 - h0, D, s->block_size,
-                                  s->num_blocks, s->scale, s->attn + h0 * group * D,
-                                  s->scratch + h0 * group * (s->max_len + D + 1), s->max_len, s->shared_len, KVH);
-        }
-        return rc;
-    }
+    if (T == 1 && s->attn_threads > 1)
+        return s->attend_threads(s->q, 0, cache, s->cache_bf16, s->tables, s->table_stride, s->lens, 1, H,
+                                 s->kv_heads, D, s->block_size, s->num_blocks, s->scale, s->attn, s->scratch,
+                                 s->max_len, s->shared_len, s->attn_threads);
     const int parts = s->attn_threads < T ? s->attn_threads : (int)T;
 #pragma omp parallel for num_threads(parts > 1 ? parts : 1) schedule(static, 1) reduction(| : rc)
     for (int p = 0; p < parts; p++) {

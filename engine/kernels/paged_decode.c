@@ -8,13 +8,17 @@
  * thread count or which blocks other sequences share. Scaled dot-product attention (Vaswani et al. 2017),
  * grouped-query attention (Ainslie et al. 2023).
  *
- * Built once per machine by engine.native_decode (gcc -O3 -fopenmp, AVX-512). paged_decode_attention is
- * single-threaded (the caller decides what runs in parallel); paged_prefill_attention (the end of the file: many
- * query rows of one sequence, each with exactly the decode arithmetic) spreads its work over OpenMP threads.
+ * Built once per machine by engine.native_decode (gcc -O3 -fopenmp, AVX-512 or AVX2). paged_decode_attention is
+ * single-threaded (the caller decides what runs in parallel); paged_decode_attention_threads spreads a lone
+ * sequence over OpenMP threads with the same bits; paged_prefill_attention (the end of the file: many query rows
+ * of one sequence, each with exactly the decode arithmetic) spreads its work over OpenMP threads.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+extern int omp_get_thread_num(void);
+extern int omp_get_num_threads(void);
 
 #define INLINE static inline __attribute__((always_inline))
 /* keeps a loaded vector in a register (no instruction): the compiler would otherwise fold the load into every
@@ -498,27 +502,28 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
 #endif
 
 /* Tile of one sequence's weighted values: o[i] += sum over the tile's positions of p_i(l) v(l), per KV head
- * its query heads' accumulators loaded, updated in registers, stored. p: the softmax numerators [H][len]. */
+ * its query heads' accumulators loaded, updated in registers, stored. p: the softmax numerators [H][len]. Only
+ * the 16-element chunks [c_lo, c_hi) of each head's D (every caller but attend_one: all of them). */
 INLINE void values_tile16(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
-    const int64_t chunks = D / 16;
+                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o, int64_t c_lo,
+                        int64_t c_hi) {
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
     int64_t at[16], ahead[16];
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
     for (int64_t h = 0; h < KVH; h++) {
         v16 acc[MAX_GROUP][8];
         for (int64_t g = 0; g < group; g++)
-            for (int64_t c = 0; c < chunks; c++) memcpy(&acc[g][c], o + (h * group + g) * D + 16 * c, 64);
+            for (int64_t c = c_lo; c < c_hi; c++) memcpy(&acc[g][c], o + (h * group + g) * D + 16 * c, 64);
         for (int64_t t = 0; t < n; t++) {
             prefetch_row(cache, cache_bf16, ahead[t], h, D);
-            for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t c = c_lo; c < c_hi; c++) {
                 const v16 v = load16(cache, at[t] + h * D + 16 * c, cache_bf16);
                 for (int64_t g = 0; g < group; g++) acc[g][c] += p[(h * group + g) * len + l0 + t] * v;
             }
         }
         for (int64_t g = 0; g < group; g++)
-            for (int64_t c = 0; c < chunks; c++) memcpy(o + (h * group + g) * D + 16 * c, &acc[g][c], 64);
+            for (int64_t c = c_lo; c < c_hi; c++) memcpy(o + (h * group + g) * D + 16 * c, &acc[g][c], 64);
     }
 }
 
@@ -532,20 +537,21 @@ INLINE void values_tile16(const float *restrict p, const void *cache, int cache_
  * one multiply-add each) with V's 16-element chunks widened as scores_tile_pairs widens K: the accumulators
  * (o, across tiles) hold each chunk's even elements then its odd ones (pair_order's order; attend_vec's last
  * loop puts them back). VALUE_CHUNKS chunks of every query head per pass, as many as group * 2 VALUE_CHUNKS
- * accumulators and the group's numerators leave room for (3 heads: 2 chunks, one pass per half row). */
+ * accumulators and the group's numerators leave room for (3 heads: 2 chunks, one pass per half row). Chunks
+ * [c_lo, c_hi) as values_tile16. */
 INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, const int32_t *table, int64_t len,
                               int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                              int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+                              int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o,
+                              int64_t c_lo, int64_t c_hi) {
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
     int64_t at[16], ahead[16];
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    const int64_t chunks = D / 16;
     const int64_t vc =
-        group * (2 * PD_VALUE_CHUNKS + 1) + 1 <= 16 && chunks % PD_VALUE_CHUNKS == 0 ? PD_VALUE_CHUNKS : 1;
+        group * (2 * PD_VALUE_CHUNKS + 1) + 1 <= 16 && (c_hi - c_lo) % PD_VALUE_CHUNKS == 0 ? PD_VALUE_CHUNKS : 1;
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t t = 0; t < 16; t++) prefetch_row(cache, 1, ahead[t], h, D);
-        for (int64_t c0 = 0; c0 < chunks; c0 += vc) {
+        for (int64_t c0 = c_lo; c0 < c_hi; c0 += vc) {
             __m256 acc[MAX_GROUP][2 * PD_VALUE_CHUNKS];
             for (int64_t g = 0; g < group; g++)
                 for (int64_t i = 0; i < 2 * vc; i++)
@@ -571,21 +577,22 @@ INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, co
 
 /* AVX2 over an fp32 cache: values_tile16's lane arithmetic (per output element, the tile's positions in order,
  * one multiply-add each), 8 lanes of every query head of a KV head at a time, so the accumulators fit 16
- * registers */
+ * registers. Chunks [c_lo, c_hi) of 16 elements as values_tile16. */
 INLINE void values_tile_halves(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
-                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+                               int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                               int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o,
+                               int64_t c_lo, int64_t c_hi) {
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
     int64_t at[16], ahead[16];
     tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
     /* VALUE_CHUNKS 8-lane chunks of every query head per pass: group * VALUE_CHUNKS accumulators and the group's
      * numerators of a position fit the 16 ymm registers (3 heads: 4 chunks), so each numerator is broadcast once
      * per pass, not once per chunk */
-    const int64_t chunks = D / 8; /* even: D % 16 == 0 */
+    const int64_t chunks = 2 * (c_hi - c_lo); /* of 8 elements, from 2 c_lo: even */
     const int64_t vc = group * 5 + 1 <= 16 && chunks % 4 == 0 ? 4 : group * 3 + 1 <= 16 ? 2 : 1;
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t t = 0; t < 16; t++) prefetch_row(cache, cache_bf16, ahead[t], h, D);
-        for (int64_t c0 = 0; c0 < chunks; c0 += vc) {
+        for (int64_t c0 = 2 * c_lo; c0 < 2 * c_hi; c0 += vc) {
             __m256 acc[MAX_GROUP][4];
             for (int64_t g = 0; g < group; g++)
                 for (int64_t c = 0; c < vc; c++) acc[g][c] = _mm256_loadu_ps(o + (h * group + g) * D + 8 * (c0 + c));
@@ -609,15 +616,41 @@ INLINE void values_tile_halves(const float *restrict p, const void *cache, int c
 /* the AVX2 values of a tile: a bf16 cache into pair-ordered accumulators, an fp32 one in order */
 INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
                         int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o, int64_t c_lo,
+                        int64_t c_hi) {
     if (cache_bf16)
         values_tile_pairs(p, (const uint16_t *)cache, table, len, l0, KVH, group, D, block_size, block_elems,
-                          pos_elems, v_offset, o);
+                          pos_elems, v_offset, o, c_lo, c_hi);
     else
         values_tile_halves(p, cache, 0, table, len, l0, KVH, group, D, block_size, block_elems, pos_elems, v_offset,
-                           o);
+                           o, c_lo, c_hi);
 }
 #endif
+
+/* o's H query heads (D values each), 16-element chunks [c_lo, c_hi): times 1 / sums[i] (values_tile_pairs'
+ * accumulators put back in order on the way: AVX2 over a bf16 cache) */
+INLINE void finish_heads(float *restrict o, const float *restrict sums, int64_t H, int64_t D, int64_t c_lo,
+                         int64_t c_hi, int cache_bf16) {
+    for (int64_t i = 0; i < H; i++) {
+        const float inv = 1.0f / sums[i];
+#ifndef __AVX512F__
+        if (cache_bf16) {
+            for (int64_t c = c_lo; c < c_hi; c++) {
+                float *chunk = o + i * D + 16 * c, even[8], odd[8];
+                memcpy(even, chunk, sizeof even);
+                memcpy(odd, chunk + 8, sizeof odd);
+                for (int j = 0; j < 8; j++) {
+                    chunk[2 * j] = even[j] * inv;
+                    chunk[2 * j + 1] = odd[j] * inv;
+                }
+            }
+            continue;
+        }
+#endif
+        (void)cache_bf16;
+        for (int64_t d = 16 * c_lo; d < 16 * c_hi; d++) o[i * D + d] *= inv;
+    }
+}
 
 /* B sequences, D % 16 == 0, D <= 128, group <= MAX_GROUP. q: fp32 [B][H][D]; scores: [B][H * max_len];
  * sums: [B][H]. shared_len (a multiple of 16, at most every length): leading positions whose blocks all the
@@ -650,32 +683,50 @@ INLINE void attend_vec(const float *restrict q, const void *cache, int cache_bf1
     for (int64_t l0 = 0; l0 < shared_len; l0 += 16)
         for (int64_t b = 0; b < B; b++)
             values_tile(scores + b * sstride, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
-                        block_elems, pos_elems, v_offset, out + b * H * D);
+                        block_elems, pos_elems, v_offset, out + b * H * D, 0, D / 16);
     for (int64_t b = 0; b < B; b++)
         for (int64_t l0 = shared_len; l0 < lens[b]; l0 += 16)
             values_tile(scores + b * sstride, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
-                        block_elems, pos_elems, v_offset, out + b * H * D);
+                        block_elems, pos_elems, v_offset, out + b * H * D, 0, D / 16);
 #undef SEQ_ARGS
-    for (int64_t b = 0; b < B; b++) {
-        float *o = out + b * H * D;
-        const float *sb = sums + b * H;
-        for (int64_t i = 0; i < H; i++) {
-            const float inv = 1.0f / sb[i];
-#ifndef __AVX512F__
-            if (cache_bf16) { /* values_tile_pairs' accumulators back in order */
-                for (int64_t c = 0; c < D / 16; c++) {
-                    float *chunk = o + i * D + 16 * c, even[8], odd[8];
-                    memcpy(even, chunk, sizeof even);
-                    memcpy(odd, chunk + 8, sizeof odd);
-                    for (int j = 0; j < 8; j++) {
-                        chunk[2 * j] = even[j] * inv;
-                        chunk[2 * j + 1] = odd[j] * inv;
-                    }
-                }
-                continue;
-            }
-#endif
-            for (int64_t d = 0; d < D; d++) o[i * D + d] *= inv;
+    for (int64_t b = 0; b < B; b++) finish_heads(out + b * H * D, sums + b * H, H, D, 0, D / 16, cache_bf16);
+}
+
+/* One sequence (attend_vec's B = 1, no shared part) on the threads of an OpenMP team, each thread's share of
+ * each pass a fixed function of the length and the team size: the scores by 16-position tiles (a position's
+ * score is its own), the softmax numerators by query heads, the values by (KV head, half of D) items (each
+ * output element's chain over the positions stays on one thread, in order). Between the passes the team waits
+ * at a barrier. Every number is computed by the same operations as attend_vec's: the same bits for any team
+ * size, which spreads one long sequence over the threads (the KV-head split it replaced left one of 2 threads
+ * 2 of SmolLM2's 3 heads). */
+INLINE void attend_one(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table, int64_t len,
+                       int64_t KVH, int64_t group, int64_t D, int64_t block_size, int64_t block_elems,
+                       int64_t pos_elems, int64_t v_offset, float scale, float *restrict scores,
+                       float *restrict sums, float *restrict out, int threads) {
+    const int64_t H = KVH * group, tiles = (len + 15) / 16, chunks = D / 16;
+    const int64_t halves = chunks % 2 == 0 ? 2 : 1, items = KVH * halves;
+    const int64_t esize = cache_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t p = omp_get_thread_num(), P = omp_get_num_threads();
+        for (int64_t t = tiles * p / P; t < tiles * (p + 1) / P; t++)
+            scores_tile(q, cache, cache_bf16, table, len, 16 * t, KVH, group, D, block_size, block_elems, pos_elems,
+                        scale, scores);
+#pragma omp barrier
+        for (int64_t i = H * p / P; i < H * (p + 1) / P; i++) sums[i] = softmax_numerators(scores + i * len, len);
+#pragma omp barrier
+        for (int64_t it = items * p / P; it < items * (p + 1) / P; it++) {
+            const int64_t h = it / halves, c_lo = chunks * (it % halves) / halves;
+            const int64_t c_hi = chunks * (it % halves + 1) / halves;
+            float *o = out + h * group * D; /* KV head h's query heads */
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t d = 16 * c_lo; d < 16 * c_hi; d++) o[g * D + d] = 0.0f;
+            /* KV head h alone: its cache rows from h D on, its numerators and accumulators */
+            const void *cache_h = (const char *)cache + h * D * esize;
+            for (int64_t l0 = 0; l0 < len; l0 += 16)
+                values_tile(scores + h * group * len, cache_h, cache_bf16, table, len, l0, 1, group, D, block_size,
+                            block_elems, pos_elems, v_offset, o, c_lo, c_hi);
+            finish_heads(o, sums + h * group, group, D, c_lo, c_hi, cache_bf16);
         }
     }
 }
@@ -707,16 +758,18 @@ INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf1
 
 /* Decode attention of B sequences (see the top of the file). scratch: at least B * H * (max_len + D + 1)
  * floats, max_len >= every lens[b]. shared_len: leading positions all sequences share (attend_vec; 0: none).
- * Returns 0; -1 when an argument is out of range (a length, a block id, a table too short, a shape): checked
- * for every sequence before anything is read or written. */
+ * threads: a lone sequence (B == 1) on the vector path is spread over that many OpenMP threads (attend_one: the
+ * same bits); otherwise the call runs on the calling thread. Returns 0; -1 when an argument is out of range (a
+ * length, a block id, a table too short, a shape, threads < 1): checked for every sequence before anything is
+ * read or written. */
 static int decode_attention(const void *q, int q_bf16, const void *cache, int cache_bf16,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
                             int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
-                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int64_t cache_kvh) {
+                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int threads) {
     if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
-    if (cache_kvh < KVH) return -1;
+    if (threads < 1) return -1;
     const int64_t group = H / KVH;
-    const int64_t pos_elems = cache_kvh * D;
+    const int64_t pos_elems = KVH * D;
     const int64_t block_elems = block_size * pos_elems;
     const int64_t v_offset = num_blocks * block_elems;
     if (shared_len < 0 || shared_len % 16) return -1;
@@ -743,9 +796,16 @@ static int decode_attention(const void *q, int q_bf16, const void *cache, int ca
                            out + (b * H + h * group) * D);
         return 0;
     }
-#define ATTEND(G, DD)                                                                                          \
-    attend_vec(qf, cache, cache_bf16, block_tables, table_stride, lens, B, KVH, G, DD, block_size, block_elems, \
-               pos_elems, v_offset, scale, scores, sums, max_len, out, shared_len)
+    const int one = B == 1 && threads > 1;
+#define ATTEND(G, DD)                                                                                            \
+    do {                                                                                                         \
+        if (one)                                                                                                 \
+            attend_one(qf, cache, cache_bf16, block_tables, lens[0], KVH, G, DD, block_size, block_elems,        \
+                       pos_elems, v_offset, scale, scores, sums, out, threads);                                  \
+        else                                                                                                     \
+            attend_vec(qf, cache, cache_bf16, block_tables, table_stride, lens, B, KVH, G, DD, block_size,       \
+                       block_elems, pos_elems, v_offset, scale, scores, sums, max_len, out, shared_len);         \
+    } while (0)
     /* the model's shape (PD_GROUP, PD_HEAD_DIM: -D flags of the build) with constants, so accumulators stay in
      * registers; any other shape with runtime sizes */
 #if defined(PD_GROUP) && defined(PD_HEAD_DIM)
@@ -766,20 +826,18 @@ int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
                            int64_t num_blocks, float scale, float *out, /* [B][H][D] fp32 */
                            float *scratch, int64_t max_len, int64_t shared_len) {
     return decode_attention(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
-                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, KVH);
+                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, 1);
 }
 
-/* The same for KVH of the cache's cache_kvh KV heads (their H = KVH * group query heads): `cache` points at the
- * first of them (the cache's base plus h0 * D elements), q and out hold only their query heads. Every KV head is
- * attended alone (its scores, softmax and values never read another head's), so a head's output is the same
- * bits as in the whole call: engine/kernels/decode_step.c splits a lone sequence's heads over threads so. */
-int paged_decode_attention_kv_heads(const void *q, int q_bf16, const void *cache, int cache_bf16,
-                                    const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
-                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
-                                    float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
-                                    int64_t cache_kvh) {
+/* The same, a lone sequence (B == 1) spread over `threads` OpenMP threads (attend_one): the same bits as
+ * paged_decode_attention for any thread count. engine/kernels/decode_step.c calls it for one-sequence steps. */
+int paged_decode_attention_threads(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                                   const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                                   int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
+                                   float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
+                                   int threads) {
     return decode_attention(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
-                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, cache_kvh);
+                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, threads);
 }
 
 /* ---- Prefill: many query rows of one sequence, each exactly as paged_decode_attention attends it alone ----
@@ -836,8 +894,6 @@ INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
 #define SCORE_HEADS 1
 #define VALUE_HEADS 1
 #endif
-
-extern int omp_get_thread_num(void);
 
 /* One row tile (rows row0 .. row0 + nrows - 1 at positions pos0 ..) and KV head h: out[row][h group + g][D].
  * Positions are walked 16 at a time; each tile of 16 K (then V) rows of head h is read from memory once and
