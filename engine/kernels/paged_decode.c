@@ -291,11 +291,15 @@ INLINE void tile_rows(const int32_t *table, int64_t len, int64_t l0, int64_t n, 
 }
 
 /* head row (ahead + h D, D elements) prefetched into L2, if ahead >= 0 */
-INLINE void prefetch_row(const void *cache, int cache_bf16, int64_t ahead, int64_t h, int64_t D) {
+INLINE void prefetch_span(const void *cache, int cache_bf16, int64_t ahead, int64_t first, int64_t count) {
     if (ahead < 0) return;
     const int64_t esize = cache_bf16 ? 2 : 4;
-    const char *row = (const char *)cache + (ahead + h * D) * esize;
-    for (int64_t off = 0; off < D * esize; off += 64) __builtin_prefetch(row + off, 0, 2); /* 2: prefetcht1, to L2 */
+    const char *row = (const char *)cache + (ahead + first) * esize;
+    for (int64_t off = 0; off < count * esize; off += 64) __builtin_prefetch(row + off, 0, 2); /* prefetcht1: L2 */
+}
+
+INLINE void prefetch_row(const void *cache, int cache_bf16, int64_t ahead, int64_t h, int64_t D) {
+    prefetch_span(cache, cache_bf16, ahead, h * D, D);
 }
 
 /* a tile's n <= 16 scores to dst: a whole tile as one fixed-size copy (a vector store; a copy of a run-time size
@@ -501,22 +505,20 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
 }
 #endif
 
-/* Tile of one sequence's weighted values: o[i] += sum over the tile's positions of p_i(l) v(l), per KV head
- * its query heads' accumulators loaded, updated in registers, stored. p: the softmax numerators [H][len]. Only
- * the 16-element chunks [c_lo, c_hi) of each head's D (every caller but attend_one: all of them). */
-INLINE void values_tile16(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
-                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o, int64_t c_lo,
-                        int64_t c_hi) {
-    const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16], ahead[16];
-    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
-    for (int64_t h = 0; h < KVH; h++) {
+/* A tile's weighted values for KV heads [h_lo, h_hi): o[i] += sum over the tile's n positions of p_i(l) v(l),
+ * per KV head its query heads' accumulators loaded, updated in registers, stored; only the 16-element chunks
+ * [c_lo, c_hi) of each head's D (attend_one_part's items: a KV head and half of D). p: the softmax numerators
+ * [H][len]; at / ahead: tile_rows' rows of the tile's positions (v_offset included) and of those PD_PF tiles on
+ * (each head's chunks prefetched into L2 as the positions go). */
+INLINE void values_heads16(const float *restrict p, const void *cache, int cache_bf16, const int64_t at[16],
+                           const int64_t ahead[16], int64_t n, int64_t len, int64_t l0, int64_t h_lo, int64_t h_hi,
+                           int64_t group, int64_t D, float *restrict o, int64_t c_lo, int64_t c_hi) {
+    for (int64_t h = h_lo; h < h_hi; h++) {
         v16 acc[MAX_GROUP][8];
         for (int64_t g = 0; g < group; g++)
             for (int64_t c = c_lo; c < c_hi; c++) memcpy(&acc[g][c], o + (h * group + g) * D + 16 * c, 64);
         for (int64_t t = 0; t < n; t++) {
-            prefetch_row(cache, cache_bf16, ahead[t], h, D);
+            prefetch_span(cache, cache_bf16, ahead[t], h * D + 16 * c_lo, 16 * (c_hi - c_lo));
             for (int64_t c = c_lo; c < c_hi; c++) {
                 const v16 v = load16(cache, at[t] + h * D + 16 * c, cache_bf16);
                 for (int64_t g = 0; g < group; g++) acc[g][c] += p[(h * group + g) * len + l0 + t] * v;
@@ -528,29 +530,25 @@ INLINE void values_tile16(const float *restrict p, const void *cache, int cache_
 }
 
 #ifdef __AVX512F__
-#define values_tile values_tile16
+#define values_heads values_heads16
 #else
 #ifndef PD_VALUE_CHUNKS
 #define PD_VALUE_CHUNKS 2
 #endif
-/* AVX2 over a bf16 cache: values_tile16's lane arithmetic (per output element, the tile's positions in order,
+/* AVX2 over a bf16 cache: values_heads16's lane arithmetic (per output element, the tile's positions in order,
  * one multiply-add each) with V's 16-element chunks widened as scores_tile_pairs widens K: the accumulators
- * (o, across tiles) hold each chunk's even elements then its odd ones (pair_order's order; attend_vec's last
- * loop puts them back). VALUE_CHUNKS chunks of every query head per pass, as many as group * 2 VALUE_CHUNKS
- * accumulators and the group's numerators leave room for (3 heads: 2 chunks, one pass per half row). Chunks
- * [c_lo, c_hi) as values_tile16. */
-INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, const int32_t *table, int64_t len,
-                              int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                              int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o,
-                              int64_t c_lo, int64_t c_hi) {
-    const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16], ahead[16];
-    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
+ * (o, across tiles) hold each chunk's even elements then its odd ones (pair_order's order; finish_heads puts
+ * them back). VALUE_CHUNKS chunks of every query head per pass, as many as group * 2 VALUE_CHUNKS accumulators
+ * and the group's numerators leave room for (3 heads: 2 chunks, one pass per half row). */
+INLINE void values_heads_pairs(const float *restrict p, const uint16_t *cache, const int64_t at[16],
+                               const int64_t ahead[16], int64_t n, int64_t len, int64_t l0, int64_t h_lo,
+                               int64_t h_hi, int64_t group, int64_t D, float *restrict o, int64_t c_lo,
+                               int64_t c_hi) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     const int64_t vc =
         group * (2 * PD_VALUE_CHUNKS + 1) + 1 <= 16 && (c_hi - c_lo) % PD_VALUE_CHUNKS == 0 ? PD_VALUE_CHUNKS : 1;
-    for (int64_t h = 0; h < KVH; h++) {
-        for (int64_t t = 0; t < 16; t++) prefetch_row(cache, 1, ahead[t], h, D);
+    for (int64_t h = h_lo; h < h_hi; h++) {
+        for (int64_t t = 0; t < 16; t++) prefetch_span(cache, 1, ahead[t], h * D + 16 * c_lo, 16 * (c_hi - c_lo));
         for (int64_t c0 = c_lo; c0 < c_hi; c0 += vc) {
             __m256 acc[MAX_GROUP][2 * PD_VALUE_CHUNKS];
             for (int64_t g = 0; g < group; g++)
@@ -575,23 +573,20 @@ INLINE void values_tile_pairs(const float *restrict p, const uint16_t *cache, co
     }
 }
 
-/* AVX2 over an fp32 cache: values_tile16's lane arithmetic (per output element, the tile's positions in order,
+/* AVX2 over an fp32 cache: values_heads16's lane arithmetic (per output element, the tile's positions in order,
  * one multiply-add each), 8 lanes of every query head of a KV head at a time, so the accumulators fit 16
- * registers. Chunks [c_lo, c_hi) of 16 elements as values_tile16. */
-INLINE void values_tile_halves(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
-                               int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                               int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o,
-                               int64_t c_lo, int64_t c_hi) {
-    const int64_t n = len - l0 < 16 ? len - l0 : 16;
-    int64_t at[16], ahead[16];
-    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
+ * registers */
+INLINE void values_heads_halves(const float *restrict p, const float *cache, const int64_t at[16],
+                                const int64_t ahead[16], int64_t n, int64_t len, int64_t l0, int64_t h_lo,
+                                int64_t h_hi, int64_t group, int64_t D, float *restrict o, int64_t c_lo,
+                                int64_t c_hi) {
     /* VALUE_CHUNKS 8-lane chunks of every query head per pass: group * VALUE_CHUNKS accumulators and the group's
      * numerators of a position fit the 16 ymm registers (3 heads: 4 chunks), so each numerator is broadcast once
      * per pass, not once per chunk */
     const int64_t chunks = 2 * (c_hi - c_lo); /* of 8 elements, from 2 c_lo: even */
     const int64_t vc = group * 5 + 1 <= 16 && chunks % 4 == 0 ? 4 : group * 3 + 1 <= 16 ? 2 : 1;
-    for (int64_t h = 0; h < KVH; h++) {
-        for (int64_t t = 0; t < 16; t++) prefetch_row(cache, cache_bf16, ahead[t], h, D);
+    for (int64_t h = h_lo; h < h_hi; h++) {
+        for (int64_t t = 0; t < 16; t++) prefetch_span(cache, 0, ahead[t], h * D + 16 * c_lo, 16 * (c_hi - c_lo));
         for (int64_t c0 = 2 * c_lo; c0 < 2 * c_hi; c0 += vc) {
             __m256 acc[MAX_GROUP][4];
             for (int64_t g = 0; g < group; g++)
@@ -600,9 +595,7 @@ INLINE void values_tile_halves(const float *restrict p, const void *cache, int c
                 __m256 pg[MAX_GROUP];
                 for (int64_t g = 0; g < group; g++) pg[g] = _mm256_set1_ps(p[(h * group + g) * len + l0 + t]);
                 for (int64_t c = 0; c < vc; c++) {
-                    __m256 v;
-                    const v8 v8v = load8(cache, at[t] + h * D + 8 * (c0 + c), cache_bf16);
-                    memcpy(&v, &v8v, sizeof v);
+                    const __m256 v = _mm256_loadu_ps(cache + at[t] + h * D + 8 * (c0 + c));
                     /* p v + acc, fused: what GCC made of acc += p * v */
                     for (int64_t g = 0; g < group; g++) acc[g][c] = _mm256_fmadd_ps(pg[g], v, acc[g][c]);
                 }
@@ -613,21 +606,28 @@ INLINE void values_tile_halves(const float *restrict p, const void *cache, int c
     }
 }
 
-/* the AVX2 values of a tile: a bf16 cache into pair-ordered accumulators, an fp32 one in order */
-INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
-                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o, int64_t c_lo,
-                        int64_t c_hi) {
+/* the AVX2 values: a bf16 cache into pair-ordered accumulators, an fp32 one in order */
+INLINE void values_heads(const float *restrict p, const void *cache, int cache_bf16, const int64_t at[16],
+                         const int64_t ahead[16], int64_t n, int64_t len, int64_t l0, int64_t h_lo, int64_t h_hi,
+                         int64_t group, int64_t D, float *restrict o, int64_t c_lo, int64_t c_hi) {
     if (cache_bf16)
-        values_tile_pairs(p, (const uint16_t *)cache, table, len, l0, KVH, group, D, block_size, block_elems,
-                          pos_elems, v_offset, o, c_lo, c_hi);
+        values_heads_pairs(p, (const uint16_t *)cache, at, ahead, n, len, l0, h_lo, h_hi, group, D, o, c_lo, c_hi);
     else
-        values_tile_halves(p, cache, 0, table, len, l0, KVH, group, D, block_size, block_elems, pos_elems, v_offset,
-                           o, c_lo, c_hi);
+        values_heads_halves(p, (const float *)cache, at, ahead, n, len, l0, h_lo, h_hi, group, D, o, c_lo, c_hi);
 }
 #endif
 
-/* o's H query heads (D values each), 16-element chunks [c_lo, c_hi): times 1 / sums[i] (values_tile_pairs'
+/* Tile (16 positions from l0) of one sequence's weighted values, every KV head and all of D (values_heads) */
+INLINE void values_tile(const float *restrict p, const void *cache, int cache_bf16, const int32_t *table,
+                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                        int64_t block_elems, int64_t pos_elems, int64_t v_offset, float *restrict o) {
+    const int64_t n = len - l0 < 16 ? len - l0 : 16;
+    int64_t at[16], ahead[16];
+    tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
+    values_heads(p, cache, cache_bf16, at, ahead, n, len, l0, 0, KVH, group, D, o, 0, D / 16);
+}
+
+/* o's H query heads (D values each), 16-element chunks [c_lo, c_hi): times 1 / sums[i] (values_heads_pairs'
  * accumulators put back in order on the way: AVX2 over a bf16 cache) */
 INLINE void finish_heads(float *restrict o, const float *restrict sums, int64_t H, int64_t D, int64_t c_lo,
                          int64_t c_hi, int cache_bf16) {
@@ -683,52 +683,83 @@ INLINE void attend_vec(const float *restrict q, const void *cache, int cache_bf1
     for (int64_t l0 = 0; l0 < shared_len; l0 += 16)
         for (int64_t b = 0; b < B; b++)
             values_tile(scores + b * sstride, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
-                        block_elems, pos_elems, v_offset, out + b * H * D, 0, D / 16);
+                        block_elems, pos_elems, v_offset, out + b * H * D);
     for (int64_t b = 0; b < B; b++)
         for (int64_t l0 = shared_len; l0 < lens[b]; l0 += 16)
             values_tile(scores + b * sstride, cache, cache_bf16, SEQ_ARGS(b), l0, KVH, group, D, block_size,
-                        block_elems, pos_elems, v_offset, out + b * H * D, 0, D / 16);
+                        block_elems, pos_elems, v_offset, out + b * H * D);
 #undef SEQ_ARGS
     for (int64_t b = 0; b < B; b++) finish_heads(out + b * H * D, sums + b * H, H, D, 0, D / 16, cache_bf16);
 }
 
-/* One sequence (attend_vec's B = 1, no shared part) on the threads of an OpenMP team, each thread's share of
- * each pass a fixed function of the length and the team size: the scores by 16-position tiles (a position's
- * score is its own), the softmax numerators by query heads, the values by (KV head, half of D) items (each
- * output element's chain over the positions stays on one thread, in order). Between the passes the team waits
- * at a barrier. Every number is computed by the same operations as attend_vec's: the same bits for any team
- * size, which spreads one long sequence over the threads (the KV-head split it replaced left one of 2 threads
- * 2 of SmolLM2's 3 heads). */
-INLINE void attend_one(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table, int64_t len,
-                       int64_t KVH, int64_t group, int64_t D, int64_t block_size, int64_t block_elems,
-                       int64_t pos_elems, int64_t v_offset, float scale, float *restrict scores,
-                       float *restrict sums, float *restrict out, int threads) {
+/* Thread p's share of one sequence (attend_vec's B = 1, no shared part) whose P threads all call this inside
+ * one OpenMP parallel region, each share of each pass a fixed function of the length and P: the scores by
+ * 16-position tiles (a position's score is its own), the softmax numerators by query heads, the values by (KV
+ * head, half of D) items (each output element's chain over the positions stays on one thread, in order).
+ * Between the passes the team waits at a barrier. Every number is computed by the same operations as
+ * attend_vec's: the same bits for any team size, which spreads one long sequence over the threads (the KV-head
+ * split it replaced left one of 2 threads 2 of SmolLM2's 3 heads). Called from the region (through
+ * one_part_model / one_part_any) rather than opening it: GCC outlines a region's body into a function that
+ * reads every captured variable through a pointer, before constants reach it (the model's shape as runtime
+ * sizes, loop bounds reloaded: 1.6-2.6x the passes' time on one thread). */
+INLINE void attend_one_part(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+                            int64_t len, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                            int64_t block_elems, int64_t pos_elems, int64_t v_offset, float scale,
+                            float *restrict scores, float *restrict sums, float *restrict out, int64_t p,
+                            int64_t P) {
     const int64_t H = KVH * group, tiles = (len + 15) / 16, chunks = D / 16;
     const int64_t halves = chunks % 2 == 0 ? 2 : 1, items = KVH * halves;
-    const int64_t esize = cache_bf16 ? 2 : 4;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t p = omp_get_thread_num(), P = omp_get_num_threads();
-        for (int64_t t = tiles * p / P; t < tiles * (p + 1) / P; t++)
-            scores_tile(q, cache, cache_bf16, table, len, 16 * t, KVH, group, D, block_size, block_elems, pos_elems,
-                        scale, scores);
+    for (int64_t t = tiles * p / P; t < tiles * (p + 1) / P; t++)
+        scores_tile(q, cache, cache_bf16, table, len, 16 * t, KVH, group, D, block_size, block_elems, pos_elems,
+                    scale, scores);
 #pragma omp barrier
-        for (int64_t i = H * p / P; i < H * (p + 1) / P; i++) sums[i] = softmax_numerators(scores + i * len, len);
+    for (int64_t i = H * p / P; i < H * (p + 1) / P; i++) sums[i] = softmax_numerators(scores + i * len, len);
 #pragma omp barrier
-        for (int64_t it = items * p / P; it < items * (p + 1) / P; it++) {
-            const int64_t h = it / halves, c_lo = chunks * (it % halves) / halves;
-            const int64_t c_hi = chunks * (it % halves + 1) / halves;
-            float *o = out + h * group * D; /* KV head h's query heads */
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t d = 16 * c_lo; d < 16 * c_hi; d++) o[g * D + d] = 0.0f;
-            /* KV head h alone: its cache rows from h D on, its numerators and accumulators */
-            const void *cache_h = (const char *)cache + h * D * esize;
-            for (int64_t l0 = 0; l0 < len; l0 += 16)
-                values_tile(scores + h * group * len, cache_h, cache_bf16, table, len, l0, 1, group, D, block_size,
-                            block_elems, pos_elems, v_offset, o, c_lo, c_hi);
-            finish_heads(o, sums + h * group, group, D, c_lo, c_hi, cache_bf16);
+    const int64_t it_lo = items * p / P, it_hi = items * (p + 1) / P;
+#define ITEM(it) const int64_t h = (it) / halves, c_lo = chunks * ((it) % halves) / halves, \
+                               c_hi = chunks * ((it) % halves + 1) / halves
+    for (int64_t it = it_lo; it < it_hi; it++) {
+        ITEM(it);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t d = 16 * c_lo; d < 16 * c_hi; d++) out[(h * group + g) * D + d] = 0.0f;
+    }
+    /* tile by tile, the rows found once per tile for all of the thread's items */
+    for (int64_t l0 = 0; l0 < len; l0 += 16) {
+        const int64_t n = len - l0 < 16 ? len - l0 : 16;
+        int64_t at[16], ahead[16];
+        tile_rows(table, len, l0, n, block_size, block_elems, pos_elems, v_offset, at, ahead);
+        for (int64_t it = it_lo; it < it_hi; it++) {
+            ITEM(it);
+            values_heads(scores, cache, cache_bf16, at, ahead, n, len, l0, h, h + 1, group, D, out, c_lo, c_hi);
         }
     }
+    for (int64_t it = it_lo; it < it_hi; it++) {
+        ITEM(it);
+        finish_heads(out + h * group * D, sums + h * group, group, D, c_lo, c_hi, cache_bf16);
+    }
+#undef ITEM
+}
+
+/* attend_one_part behind a call, its arguments plain parameters: the model's compiled shape, and any shape */
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+static __attribute__((noinline)) void one_part_model(const float *restrict q, const void *cache, int cache_bf16,
+                                                     const int32_t *table, int64_t len, int64_t KVH,
+                                                     int64_t block_size, int64_t block_elems, int64_t pos_elems,
+                                                     int64_t v_offset, float scale, float *restrict scores,
+                                                     float *restrict sums, float *restrict out, int64_t p, int64_t P) {
+    attend_one_part(q, cache, cache_bf16, table, len, KVH, PD_GROUP, PD_HEAD_DIM, block_size, block_elems, pos_elems,
+                    v_offset, scale, scores, sums, out, p, P);
+}
+#endif
+
+static __attribute__((noinline)) void one_part_any(const float *restrict q, const void *cache, int cache_bf16,
+                                                   const int32_t *table, int64_t len, int64_t KVH, int64_t group,
+                                                   int64_t D, int64_t block_size, int64_t block_elems,
+                                                   int64_t pos_elems, int64_t v_offset, float scale,
+                                                   float *restrict scores, float *restrict sums, float *restrict out,
+                                                   int64_t p, int64_t P) {
+    attend_one_part(q, cache, cache_bf16, table, len, KVH, group, D, block_size, block_elems, pos_elems, v_offset,
+                    scale, scores, sums, out, p, P);
 }
 
 /* The same for any D and group (scalar loops). */
@@ -796,16 +827,24 @@ static int decode_attention(const void *q, int q_bf16, const void *cache, int ca
                            out + (b * H + h * group) * D);
         return 0;
     }
-    const int one = B == 1 && threads > 1;
-#define ATTEND(G, DD)                                                                                            \
-    do {                                                                                                         \
-        if (one)                                                                                                 \
-            attend_one(qf, cache, cache_bf16, block_tables, lens[0], KVH, G, DD, block_size, block_elems,        \
-                       pos_elems, v_offset, scale, scores, sums, out, threads);                                  \
-        else                                                                                                     \
-            attend_vec(qf, cache, cache_bf16, block_tables, table_stride, lens, B, KVH, G, DD, block_size,       \
-                       block_elems, pos_elems, v_offset, scale, scores, sums, max_len, out, shared_len);         \
-    } while (0)
+    if (B == 1 && threads > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t p = omp_get_thread_num(), P = omp_get_num_threads();
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+            if (group == PD_GROUP && D == PD_HEAD_DIM)
+                one_part_model(qf, cache, cache_bf16, block_tables, lens[0], KVH, block_size, block_elems, pos_elems,
+                               v_offset, scale, scores, sums, out, p, P);
+            else
+#endif
+                one_part_any(qf, cache, cache_bf16, block_tables, lens[0], KVH, group, D, block_size, block_elems,
+                             pos_elems, v_offset, scale, scores, sums, out, p, P);
+        }
+        return 0;
+    }
+#define ATTEND(G, DD)                                                                                          \
+    attend_vec(qf, cache, cache_bf16, block_tables, table_stride, lens, B, KVH, G, DD, block_size, block_elems, \
+               pos_elems, v_offset, scale, scores, sums, max_len, out, shared_len)
     /* the model's shape (PD_GROUP, PD_HEAD_DIM: -D flags of the build) with constants, so accumulators stay in
      * registers; any other shape with runtime sizes */
 #if defined(PD_GROUP) && defined(PD_HEAD_DIM)
