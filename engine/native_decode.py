@@ -64,6 +64,9 @@ ISA_FLAGS = {
 per-lane arithmetic: ``scores_tile`` / ``values_tile``, measured bit-identical to the generic code's AVX2 build).
 ``-mprefer-vector-width=512``: GCC's default tuning lowered some of the 16-lane vector code in 256-bit halves
 (the same bits, 1.4x the prefill attention's time on a Zen 4: docs/engine-step.md, session 17)."""
+SPLITS = {"auto": 0, "heads": 1, "positions": 2}
+"""``NativeDecodeKernel.attend``'s ways to spread a lone sequence over threads, as ``paged_decode.c`` numbers them
+(``SPLIT_DEFAULT``, ``SPLIT_HEADS``, ``SPLIT_POSITIONS``)."""
 ISA_CPU_FLAGS = {"avx512": native_build.AVX512, "avx2": frozenset({"avx2", "fma"})}
 LIBS: tuple[str, ...] = ()
 
@@ -136,7 +139,7 @@ class NativeDecodeKernel:
         # the same over some of the cache's KV heads (the last argument: the cache's KV heads), for
         # a lone sequence over threads (attend's `threads`; engine.native_step's one-sequence steps)
         self._threads_fn = lib.paged_decode_attention_threads
-        self._threads_fn.argtypes = [*fn.argtypes, ctypes.c_int]
+        self._threads_fn.argtypes = [*fn.argtypes, ctypes.c_int, ctypes.c_int]
         self._threads_fn.restype = ctypes.c_int
         pf = lib.paged_prefill_attention
         pf.argtypes = [
@@ -214,6 +217,7 @@ class NativeDecodeKernel:
         scratch: torch.Tensor | None = None,
         shared_len: int = 0,
         threads: int = 1,
+        split: str = "auto",
     ) -> torch.Tensor:
         """Decode attention of ``B`` sequences, one query token each.
 
@@ -231,10 +235,13 @@ class NativeDecodeKernel:
                 sequences, so those blocks come from memory once per step, not once per sequence; 0: each
                 sequence alone (``engine.shared_prefix_attention: false``, for comparison). The result is the
                 same bits either way.
-            threads: OpenMP threads for a lone sequence (``B == 1``): its scores split by positions, its softmax
-                by query heads, its values by (KV head, half of ``D``), each number computed as on one thread
+            threads: OpenMP threads for a lone sequence (``B == 1``), each number computed as on one thread
                 (the same bits for any count; ``engine/kernels/decode_step.c`` calls it so for one-sequence
                 steps). Ignored for ``B > 1`` (the caller spreads sequences).
+            split: how a lone sequence is spread (``SPLITS``): ``positions`` (scores by position tiles, softmax
+                by query heads, values by (KV head, half of ``D``), barriers between), ``heads`` (whole KV heads
+                per thread), ``auto`` the build's choice (positions on AVX2, heads on AVX-512: where each was
+                measured faster, ``paged_decode.c``).
 
         Returns:
             fp32 ``[B, H, D]``.
@@ -242,10 +249,12 @@ class NativeDecodeKernel:
         Raises:
             ValueError: a dtype, layout or device the kernel does not take, or an argument out of range
                 (a length outside ``[1, max_len]``, a block id outside the pool, a table too short, ``shared_len``
-                not a multiple of 16 or past a length, ``threads < 1``).
+                not a multiple of 16 or past a length, ``threads < 1``, an unknown ``split``).
         """
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         b, h, d = q.shape
         two, num_blocks, block_size, kvh, hd = layer_cache.shape
         if two != 2 or hd != d or h % kvh:
@@ -290,6 +299,7 @@ class NativeDecodeKernel:
             max_len,
             shared_len,
             threads,
+            SPLITS[split],
         )
         if rc != 0:
             raise ValueError(

@@ -39,7 +39,7 @@ typedef int (*attend_threads_fn)(const void *q, int q_bf16, const void *cache, i
                                  const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t B,
                                  int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
                                  float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
-                                 int threads);
+                                 int threads, int split);
 
 /* One decoder layer as the kernels take it (engine/native_step.py `_LAYER`). */
 struct decode_layer {
@@ -79,7 +79,7 @@ static int gemv(const struct decode_step *s, const uint8_t *w, int32_t bits, int
  * of the kernel per run on its own thread (each with its share of the scratch: the kernel's layout is per
  * sequence). The kernel computes every sequence alone, so a sequence's output is the same bits in any run,
  * and the blocks all sequences share are walked once per run. A lone sequence is spread over the threads by
- * the kernel itself (paged_decode_attention_threads: positions, heads, then halves of D; the same bits). */
+ * the kernel itself (paged_decode_attention_threads, the build's split; the same bits). */
 static int attend(const struct decode_step *s, void *cache) {
     const int64_t T = s->rows, H = s->heads, D = s->head_dim;
     const int64_t per_seq = H * (s->max_len + D + 1); /* engine.native_decode.scratch_size for one sequence */
@@ -87,7 +87,7 @@ static int attend(const struct decode_step *s, void *cache) {
     if (T == 1 && s->attn_threads > 1)
         return s->attend_threads(s->q, 0, cache, s->cache_bf16, s->tables, s->table_stride, s->lens, 1, H,
                                  s->kv_heads, D, s->block_size, s->num_blocks, s->scale, s->attn, s->scratch,
-                                 s->max_len, s->shared_len, s->attn_threads);
+                                 s->max_len, s->shared_len, s->attn_threads, 0 /* the build's split */);
     const int parts = s->attn_threads < T ? s->attn_threads : (int)T;
 #pragma omp parallel for num_threads(parts > 1 ? parts : 1) schedule(static, 1) reduction(| : rc)
     for (int p = 0; p < parts; p++) {

@@ -32,6 +32,20 @@ extern int omp_get_num_threads(void);
 #define PD_PF 2
 #endif
 #define MAX_GROUP 8  /* query heads per KV head held in registers on the vector path */
+/* how a lone sequence is spread over threads (paged_decode_attention_threads): SPLIT_POSITIONS, the scores by
+ * positions, the softmax by query heads, the values by (KV head, half of D), with barriers between
+ * (attend_one_part); SPLIT_HEADS, whole KV heads per thread, no barrier (attend_heads_part). The build's default:
+ * positions on AVX2 (a 2-core Zen 3, session 22: one stream ~1.1x the heads split in the engine), heads on
+ * AVX-512 (a Zen 4, session 18: a positions split was slower there; that build had since-fixed compiler costs,
+ * not measured again). */
+#define SPLIT_DEFAULT 0
+#define SPLIT_HEADS 1
+#define SPLIT_POSITIONS 2
+#ifdef __AVX512F__
+#define ONE_SEQUENCE_SPLIT SPLIT_HEADS
+#else
+#define ONE_SEQUENCE_SPLIT SPLIT_POSITIONS
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -740,15 +754,46 @@ INLINE void attend_one_part(const float *restrict q, const void *cache, int cach
 #undef ITEM
 }
 
+/* Thread p's share of one sequence split by KV heads instead: heads [KVH p / P, KVH (p + 1) / P), each
+ * attended whole (scores, softmax, values) on its thread, no barrier; the same operations per number as
+ * attend_vec, so the same bits. With fewer heads than threads some threads idle, and SmolLM2's 3 over 2 leave
+ * one thread a third of the work (SPLIT_HEADS). */
+INLINE void attend_heads_part(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
+                              int64_t len, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                              int64_t block_elems, int64_t pos_elems, int64_t v_offset, float scale,
+                              float *restrict scores, float *restrict sums, float *restrict out, int64_t p,
+                              int64_t P) {
+    const int64_t h0 = KVH * p / P, h1 = KVH * (p + 1) / P, esize = cache_bf16 ? 2 : 4;
+    if (h0 == h1) return;
+    /* heads h0 .. h1 - 1 as a cache of h1 - h0 heads: q, the cache, scores and out from their first element on */
+    const float *qh = q + h0 * group * D;
+    const void *ch = (const char *)cache + h0 * D * esize;
+    float *sh = scores + h0 * group * len, *oh = out + h0 * group * D;
+    for (int64_t l0 = 0; l0 < len; l0 += 16)
+        scores_tile(qh, ch, cache_bf16, table, len, l0, h1 - h0, group, D, block_size, block_elems, pos_elems, scale,
+                    sh);
+    for (int64_t i = 0; i < (h1 - h0) * group; i++) sums[h0 * group + i] = softmax_numerators(sh + i * len, len);
+    for (int64_t i = 0; i < (h1 - h0) * group * D; i++) oh[i] = 0.0f;
+    for (int64_t l0 = 0; l0 < len; l0 += 16)
+        values_tile(sh, ch, cache_bf16, table, len, l0, h1 - h0, group, D, block_size, block_elems, pos_elems,
+                    v_offset, oh);
+    finish_heads(oh, sums + h0 * group, (h1 - h0) * group, D, 0, D / 16, cache_bf16);
+}
+
 /* attend_one_part behind a call, its arguments plain parameters: the model's compiled shape, and any shape */
 #if defined(PD_GROUP) && defined(PD_HEAD_DIM)
 static __attribute__((noinline)) void one_part_model(const float *restrict q, const void *cache, int cache_bf16,
                                                      const int32_t *table, int64_t len, int64_t KVH,
                                                      int64_t block_size, int64_t block_elems, int64_t pos_elems,
                                                      int64_t v_offset, float scale, float *restrict scores,
-                                                     float *restrict sums, float *restrict out, int64_t p, int64_t P) {
-    attend_one_part(q, cache, cache_bf16, table, len, KVH, PD_GROUP, PD_HEAD_DIM, block_size, block_elems, pos_elems,
-                    v_offset, scale, scores, sums, out, p, P);
+                                                     float *restrict sums, float *restrict out, int64_t p, int64_t P,
+                                                     int heads) {
+    if (heads)
+        attend_heads_part(q, cache, cache_bf16, table, len, KVH, PD_GROUP, PD_HEAD_DIM, block_size, block_elems,
+                          pos_elems, v_offset, scale, scores, sums, out, p, P);
+    else
+        attend_one_part(q, cache, cache_bf16, table, len, KVH, PD_GROUP, PD_HEAD_DIM, block_size, block_elems,
+                        pos_elems, v_offset, scale, scores, sums, out, p, P);
 }
 #endif
 
@@ -757,9 +802,13 @@ static __attribute__((noinline)) void one_part_any(const float *restrict q, cons
                                                    int64_t D, int64_t block_size, int64_t block_elems,
                                                    int64_t pos_elems, int64_t v_offset, float scale,
                                                    float *restrict scores, float *restrict sums, float *restrict out,
-                                                   int64_t p, int64_t P) {
-    attend_one_part(q, cache, cache_bf16, table, len, KVH, group, D, block_size, block_elems, pos_elems, v_offset,
-                    scale, scores, sums, out, p, P);
+                                                   int64_t p, int64_t P, int heads) {
+    if (heads)
+        attend_heads_part(q, cache, cache_bf16, table, len, KVH, group, D, block_size, block_elems, pos_elems,
+                          v_offset, scale, scores, sums, out, p, P);
+    else
+        attend_one_part(q, cache, cache_bf16, table, len, KVH, group, D, block_size, block_elems, pos_elems,
+                        v_offset, scale, scores, sums, out, p, P);
 }
 
 /* The same for any D and group (scalar loops). */
@@ -796,9 +845,10 @@ INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf1
 static int decode_attention(const void *q, int q_bf16, const void *cache, int cache_bf16,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
                             int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
-                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int threads) {
+                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int threads,
+                            int split) {
     if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
-    if (threads < 1) return -1;
+    if (threads < 1 || split < SPLIT_DEFAULT || split > SPLIT_POSITIONS) return -1;
     const int64_t group = H / KVH;
     const int64_t pos_elems = KVH * D;
     const int64_t block_elems = block_size * pos_elems;
@@ -828,17 +878,18 @@ static int decode_attention(const void *q, int q_bf16, const void *cache, int ca
         return 0;
     }
     if (B == 1 && threads > 1) {
-#pragma omp parallel num_threads(threads)
+        const int heads = split == SPLIT_HEADS || (split == SPLIT_DEFAULT && ONE_SEQUENCE_SPLIT == SPLIT_HEADS);
+#pragma omp parallel num_threads(heads && threads > KVH ? (int)KVH : threads)
         {
             const int64_t p = omp_get_thread_num(), P = omp_get_num_threads();
 #if defined(PD_GROUP) && defined(PD_HEAD_DIM)
             if (group == PD_GROUP && D == PD_HEAD_DIM)
                 one_part_model(qf, cache, cache_bf16, block_tables, lens[0], KVH, block_size, block_elems, pos_elems,
-                               v_offset, scale, scores, sums, out, p, P);
+                               v_offset, scale, scores, sums, out, p, P, heads);
             else
 #endif
                 one_part_any(qf, cache, cache_bf16, block_tables, lens[0], KVH, group, D, block_size, block_elems,
-                             pos_elems, v_offset, scale, scores, sums, out, p, P);
+                             pos_elems, v_offset, scale, scores, sums, out, p, P, heads);
         }
         return 0;
     }
@@ -865,18 +916,19 @@ int paged_decode_attention(const void *q, int q_bf16,         /* [B][H][D] */
                            int64_t num_blocks, float scale, float *out, /* [B][H][D] fp32 */
                            float *scratch, int64_t max_len, int64_t shared_len) {
     return decode_attention(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
-                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, 1);
+                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, 1, SPLIT_DEFAULT);
 }
 
-/* The same, a lone sequence (B == 1) spread over `threads` OpenMP threads (attend_one): the same bits as
- * paged_decode_attention for any thread count. engine/kernels/decode_step.c calls it for one-sequence steps. */
+/* The same, a lone sequence (B == 1) spread over `threads` OpenMP threads, split as `split` says
+ * (SPLIT_DEFAULT: the build's ONE_SEQUENCE_SPLIT): the same bits as paged_decode_attention for any thread
+ * count and split. engine/kernels/decode_step.c calls it for one-sequence steps (SPLIT_DEFAULT). */
 int paged_decode_attention_threads(const void *q, int q_bf16, const void *cache, int cache_bf16,
                                    const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
                                    float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
-                                   int threads) {
+                                   int threads, int split) {
     return decode_attention(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
-                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, threads);
+                            block_size, num_blocks, scale, out, scratch, max_len, shared_len, threads, split);
 }
 
 /* ---- Prefill: many query rows of one sequence, each exactly as paged_decode_attention attends it alone ----

@@ -126,18 +126,22 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 300, 1071])
 def test_a_lone_sequence_over_threads_gets_the_one_thread_bits(kernel, generic_kernel, dtype, length):
-    # one sequence spread over a team (scores by positions, softmax by heads, values by KV head and half of D):
-    # every number computed as on one thread, so any team size gives the same bits
+    # one sequence spread over a team (scores by positions, softmax by heads, values by KV head and half of D; or
+    # whole KV heads per thread): every number computed as on one thread, so any team size gives the same bits
     gen = torch.Generator().manual_seed(length)
     q, cache, tables, lens = random_case(gen, 1, 3, 3, 64, [length], dtype, num_blocks=80)
     one = kernel.attend(q, cache, tables, lens, 1071, 0.125)
     for threads in (2, 3, 5):
-        assert torch.equal(kernel.attend(q, cache, tables, lens, 1071, 0.125, threads=threads), one)
+        for split in ("auto", "positions", "heads"):
+            got = kernel.attend(q, cache, tables, lens, 1071, 0.125, threads=threads, split=split)
+            assert torch.equal(got, one)
     # shapes off the compiled constants: two KV heads of 128 (one half of D each), an odd number of 16-chunks
     for group, kvh, d in ((4, 2, 128), (2, 3, 48)):
         q, cache, tables, lens = random_case(gen, 1, group, kvh, d, [length], dtype, num_blocks=80)
         one = generic_kernel.attend(q, cache, tables, lens, 1071, d**-0.5)
-        assert torch.equal(generic_kernel.attend(q, cache, tables, lens, 1071, d**-0.5, threads=2), one)
+        for split in ("positions", "heads"):
+            got = generic_kernel.attend(q, cache, tables, lens, 1071, d**-0.5, threads=2, split=split)
+            assert torch.equal(got, one)
 
 
 @needs_kernel
@@ -168,6 +172,8 @@ def test_bad_arguments_are_refused_before_any_read(kernel):
         kernel.attend(q, cache, tables, lens, 40, 0.125, torch.empty(3))
     with pytest.raises(ValueError, match="threads"):
         kernel.attend(q[:1], cache, tables[:1], lens[:1], 40, 0.125, threads=0)
+    with pytest.raises(ValueError, match="split"):
+        kernel.attend(q[:1], cache, tables[:1], lens[:1], 40, 0.125, threads=2, split="rows")
 
 
 @needs_kernel
