@@ -217,8 +217,9 @@ def render(
     out = [
         "# prefixgate benchmark report",
         "",
-        f"Machine: {prov.cpu}, {prov.cores} logical cores, 1-minute load {prov.load:.1f} at the start. "
-        f"Date: {prov.date}. Commit: `{prov.commit}`. Produced by `{command}`.",
+        f"Machine of this run: {prov.cpu}, {prov.cores} logical cores, 1-minute load {prov.load:.1f} at the start. "
+        f"Date: {prov.date}. Commit: `{prov.commit}`. Produced by `{command}`. Records kept from earlier runs "
+        "(`--reuse`) name their own machine, date and commit in the table below.",
         "",
     ]
     if quick:
@@ -239,7 +240,7 @@ def render(
         "|---|---|---|---|",
         *[
             f"| {name} | `{' '.join(r.command)}` | {r.seconds:.0f} | {r.provenance.get('date', '?')}, "
-            f"commit `{r.provenance.get('commit', '?')}` |"
+            f"commit `{r.provenance.get('commit', '?')}`, {r.provenance.get('cpu', '?')} |"
             for name, r in records.items()
         ],
         *[f"| {name} | not run: {reason} | | |" for name, reason in skipped.items()],

@@ -15,7 +15,8 @@ class Provenance:
     """The machine and the code a report was measured on.
 
     Attributes:
-        cpu: CPU model name (``/proc/cpuinfo``'s ``model name``; ``platform.processor()`` elsewhere).
+        cpu: CPU model name with its family, model and widest vector instructions (``cpu_model``), so records
+            from different machine kinds behind one model name (a VM's ``AMD EPYC``) stay apart.
         cores: logical CPUs (``os.cpu_count``).
         load: 1-minute load average at the start (``os.getloadavg``), -1.0 where unknown.
         date: UTC date and time of the run (ISO 8601, minutes).
@@ -38,15 +39,43 @@ class Provenance:
         return asdict(self)
 
 
-def cpu_model() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else ``platform.processor()`` or ``unknown CPU``."""
-    try:
-        for row in Path("/proc/cpuinfo").read_text().splitlines():
-            if row.startswith("model name"):
-                return row.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+_EXTRAS = (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX"))
+
+
+def vector_isa(flags: set[str]) -> str:
+    """The widest x86 vector instruction set in ``flags`` (``/proc/cpuinfo`` names): ``AVX-512`` with its
+    VNNI / BF16 / AMX extensions in parentheses, ``AVX2``, or ``no AVX2``."""
+    if "avx512f" in flags:
+        extras = [name for flag, name in _EXTRAS if flag in flags]
+        return "AVX-512" + (f" ({', '.join(extras)})" if extras else "")
+    return "AVX2" if "avx2" in flags else "no AVX2"
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name, family, model and vector instructions from ``/proc/cpuinfo``'s first processor
+    (``cpuinfo``: that file's text, read when None), e.g. ``AMD EPYC (family 25 model 1, AVX2)``; else
+    ``platform.processor()`` or ``unknown CPU``."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for row in cpuinfo.splitlines():
+        if not row.strip():
+            break  # the first processor only
+        key, sep, value = row.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or "unknown CPU"
+    parts = []
+    if "cpu family" in fields and "model" in fields:
+        parts.append(f"family {fields['cpu family']} model {fields['model']}")
+    if "flags" in fields:
+        parts.append(vector_isa(set(fields["flags"].split())))
+    return f"{name} ({', '.join(parts)})" if parts else name
 
 
 def git_commit(root: Path) -> str:

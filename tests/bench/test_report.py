@@ -4,6 +4,7 @@ bad input with named errors."""
 from __future__ import annotations
 
 import json
+import platform
 import struct
 import subprocess
 import sys
@@ -161,6 +162,29 @@ def test_peer_binary_must_exist(tmp_path):
     assert benches("/bin/true")[-1].name == "peers"
 
 
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx fma avx2 bmi2
+
+processor\t: 1
+model name\t: another
+"""
+
+
+def test_provenance_names_the_machine_kind_behind_one_model_name():
+    # a VM shows "AMD EPYC" for a Zen 3 and a Zen 4 alike: family, model and vector instructions tell them apart
+    assert cpu_model(ZEN3) == "AMD EPYC (family 25 model 1, AVX2)"
+    zen4 = ZEN3.replace("model\t\t: 1", "model\t\t: 17").replace(
+        "bmi2", "bmi2 avx512f avx512_vnni avx512_bf16"
+    )
+    assert cpu_model(zen4) == "AMD EPYC (family 25 model 17, AVX-512 (VNNI, BF16))"
+    assert cpu_model("model name\t: Some CPU\n") == "Some CPU"
+    assert cpu_model("flags : avx2\n") == (platform.processor() or "unknown CPU")  # no model name
+
+
 def test_provenance_names_the_machine_and_commit():
     assert cpu_model()
     assert git_commit(ROOT) != "unknown"
@@ -193,6 +217,7 @@ def test_no_run_redraws_from_results_with_the_measurement_provenance(tmp_path):
     assert main(["--no-run", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "REPORT.md").read_text()
     assert "Date: 2026-12-01 00:00 UTC. Commit: `abc1234`." in report
+    assert "| 2026-12-01 00:00 UTC, commit `abc1234`, Test CPU |" in report  # the record's own machine
     assert "| Prefill time | 90% reduction | -95 % | -50 % | 1 of 2 reach -90 % |" in report
     assert "| engine | not run: no record in results.jsonl (not run, or did not finish) | | |" in report
     for name in plots.PLOTS:
