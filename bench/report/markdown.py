@@ -217,9 +217,9 @@ def render(
     out = [
         "# prefixgate benchmark report",
         "",
-        f"Machine of this run: {prov.cpu}, {prov.cores} logical cores, 1-minute load {prov.load:.1f} at the start. "
-        f"Date: {prov.date}. Commit: `{prov.commit}`. Produced by `{command}`. Records kept from earlier runs "
-        "(`--reuse`) name their own machine, date and commit in the table below.",
+        f"Machine: {prov.cpu}, {prov.cores} logical cores, 1-minute load {prov.load:.1f} at the start. "
+        f"Date: {prov.date}. Commit: `{prov.commit}`. Produced by `{command}`. With `--reuse` or `--no-run` "
+        "this line is the note's record's; every benchmark's own machine, date and commit are in the table below.",
         "",
     ]
     if quick:
