@@ -403,8 +403,9 @@ class NativeDecodeKernel:
 
     def self_check(self) -> str | None:
         """Compare the kernel with float64 attention on random caches (bf16 and fp32, shapes on and off the
-        vector path, ragged lengths, scattered blocks); None when every output is within 1e-4 relative,
-        else what differed."""
+        vector path, ragged lengths, scattered blocks), and a lone sequence on 2 threads (both splits) with one
+        thread; None when every output is within 1e-4 relative and the threads give one thread's bits, else
+        what differed."""
         gen = torch.Generator().manual_seed(0)
         for group, d, kvh, dtype in (
             (3, 64, 3, torch.bfloat16),
@@ -421,6 +422,12 @@ class NativeDecodeKernel:
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             if not err <= 1e-4:
                 return f"group {group}, head_dim {d}, {dtype}: relative error {err:.2e}"
+            # a lone sequence spread over threads: one thread's bits, either split
+            one = self.attend(q[2:3], cache, tables[2:3], lens[2:3], 80, d**-0.5)
+            for split in ("heads", "positions"):
+                two = self.attend(q[2:3], cache, tables[2:3], lens[2:3], 80, d**-0.5, threads=2, split=split)
+                if not torch.equal(two, one):
+                    return f"group {group}, head_dim {d}, {dtype}: a lone sequence on 2 threads ({split}) differs"
         return None
 
 
