@@ -61,7 +61,8 @@ ISA_FLAGS = {
 }
 """Instruction-set flags of a build: ``avx512``, and ``avx2`` on CPUs without AVX-512 (the same C operations on
 16-lane vectors split in two; the scores and values passes of decode written for 8-lane registers with the same
-per-lane arithmetic: ``scores_tile`` / ``values_tile``, measured bit-identical to the generic code's AVX2 build).
+per-lane arithmetic: ``scores_tile_pairs`` / ``values_heads_pairs`` over a bf16 cache, ``scores_tile_halves`` /
+``values_heads_halves`` over fp32; measured bit-identical to the generic code's AVX2 build).
 ``-mprefer-vector-width=512``: GCC's default tuning lowered some of the 16-lane vector code in 256-bit halves
 (the same bits, 1.4x the prefill attention's time on a Zen 4: docs/engine-step.md, session 17)."""
 SPLITS = {"auto": 0, "heads": 1, "positions": 2}
@@ -136,8 +137,8 @@ class NativeDecodeKernel:
             i64,
         ]
         fn.restype = ctypes.c_int
-        # the same over some of the cache's KV heads (the last argument: the cache's KV heads), for
-        # a lone sequence over threads (attend's `threads`; engine.native_step's one-sequence steps)
+        # the same with a lone sequence spread over threads (the last arguments: threads, split), for attend's
+        # `threads` and engine.native_step's one-sequence steps
         self._threads_fn = lib.paged_decode_attention_threads
         self._threads_fn.argtypes = [*fn.argtypes, ctypes.c_int, ctypes.c_int]
         self._threads_fn.restype = ctypes.c_int

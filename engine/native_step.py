@@ -358,7 +358,7 @@ def _check_against_python(
     model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
     model._decode_step_ok = True
     cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen)
-    # three sequences (attention split by sequences), then one (split by KV heads: 3 over 2 threads is 1 + 2)
+    # three sequences (attention split by sequences), then one (spread by the kernel: the build's split)
     for lens in ([37, 16, 5], [37]):
         t = len(lens)
         tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]][:t], dtype=torch.int32)

@@ -304,7 +304,7 @@ INLINE void tile_rows(const int32_t *table, int64_t len, int64_t l0, int64_t n, 
     rows_from(table, la, na, block_size, block_elems, pos_elems, offset, -1, ahead);
 }
 
-/* head row (ahead + h D, D elements) prefetched into L2, if ahead >= 0 */
+/* count elements from ahead + first prefetched into L2 (a cache line at a time), if ahead >= 0 */
 INLINE void prefetch_span(const void *cache, int cache_bf16, int64_t ahead, int64_t first, int64_t count) {
     if (ahead < 0) return;
     const int64_t esize = cache_bf16 ? 2 : 4;
@@ -312,6 +312,7 @@ INLINE void prefetch_span(const void *cache, int cache_bf16, int64_t ahead, int6
     for (int64_t off = 0; off < count * esize; off += 64) __builtin_prefetch(row + off, 0, 2); /* prefetcht1: L2 */
 }
 
+/* head h's row (ahead + h D, D elements) prefetched into L2, if ahead >= 0 */
 INLINE void prefetch_row(const void *cache, int cache_bf16, int64_t ahead, int64_t h, int64_t D) {
     prefetch_span(cache, cache_bf16, ahead, h * D, D);
 }
