@@ -177,10 +177,10 @@ def test_bad_arguments_are_refused_before_any_read(kernel):
 
 
 @needs_kernel
-def test_the_shape_compiled_with_constants_gives_the_generic_code_s_bits(kernel, tmp_path):
+def test_the_shape_compiled_with_constants_gives_the_generic_code_s_bits(kernel, generic_kernel):
     # the model's shape is compiled with constants (accumulators in registers); the arithmetic and its order are
     # those of the runtime-sized code: the same bits
-    generic = NativeDecodeKernel.build(tmp_path)
+    generic = generic_kernel
     assert generic.path != kernel.path
     gen = torch.Generator().manual_seed(4)
     lens = [1, 33, 500, 1071]
