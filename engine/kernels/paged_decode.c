@@ -380,21 +380,6 @@ INLINE void scores_tile16(const float *restrict q, const void *cache, int cache_
 #ifdef __AVX512F__
 #define scores_tile scores_tile16
 #else
-typedef float v8 __attribute__((vector_size(32)));
-
-/* 8 consecutive elements at src[index] as fp32 (load16's first half) */
-INLINE v8 load8(const void *src, int64_t index, int is_bf16) {
-    v8 r;
-    if (is_bf16) { /* one widening load and a shift (GCC compiled __builtin_convertvector's as two 128-bit halves) */
-        const __m256i w = _mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + index))), 16);
-        memcpy(&r, &w, sizeof r);
-    } else {
-        memcpy(&r, (const float *)src + index, sizeof r);
-    }
-    return r;
-}
-
 /* 8 vectors -> lane t = the balanced tree sum of v[t]'s lanes ((0+1)+(2+3))+((4+5)+(6+7)) */
 INLINE __m256 hsum8(const __m256 *v) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -462,9 +447,9 @@ INLINE void pair_order(float *q, int64_t n) {
 
 /* AVX2 over an fp32 cache: scores_tile16's arithmetic in 8-lane halves: lane j of a position's dot product sums
  * q[16 c + j] k[16 c + j] over c in order (lo: j < 8, hi: j >= 8), and hsum16's tree is tree(lo) + tree(hi) */
-INLINE void scores_tile_halves(const float *restrict q, const void *cache, int cache_bf16, const int32_t *table,
-                        int64_t len, int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
-                        int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
+INLINE void scores_tile_halves(const float *restrict q, const float *cache, const int32_t *table, int64_t len,
+                               int64_t l0, int64_t KVH, int64_t group, int64_t D, int64_t block_size,
+                               int64_t block_elems, int64_t pos_elems, float scale, float *restrict scores) {
     const int64_t chunks = D / 16;
     const int64_t n = len - l0 < 16 ? len - l0 : 16;
     int64_t at[16], ahead[16];
@@ -473,17 +458,14 @@ INLINE void scores_tile_halves(const float *restrict q, const void *cache, int c
         __m256 plo[MAX_GROUP][16], phi[MAX_GROUP][16];
         const float *qh = q + h * group * D;
         for (int64_t t = 0; t < 16; t++) {
-            prefetch_row(cache, cache_bf16, ahead[t], h, D);
+            prefetch_row(cache, 0, ahead[t], h, D);
             /* in registers (as GNU C vectors GCC kept them on the stack, copied 16 bytes at a time) */
             __m256 lo[MAX_GROUP], hi[MAX_GROUP];
             for (int64_t g = 0; g < group; g++) lo[g] = hi[g] = _mm256_setzero_ps();
             if (t < n) {
                 for (int64_t c = 0; c < chunks; c++) {
-                    __m256 klo, khi;
-                    const v8 k0 = load8(cache, at[t] + h * D + 16 * c, cache_bf16);
-                    const v8 k1 = load8(cache, at[t] + h * D + 16 * c + 8, cache_bf16);
-                    memcpy(&klo, &k0, 32);
-                    memcpy(&khi, &k1, 32);
+                    const __m256 klo = _mm256_loadu_ps(cache + at[t] + h * D + 16 * c);
+                    const __m256 khi = _mm256_loadu_ps(cache + at[t] + h * D + 16 * c + 8);
                     for (int64_t g = 0; g < group; g++) { /* q k + acc, fused: what GCC made of acc += q * k */
                         lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 16 * c), klo, lo[g]);
                         hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 16 * c + 8), khi, hi[g]);
@@ -515,8 +497,8 @@ INLINE void scores_tile(const float *restrict q, const void *cache, int cache_bf
         scores_tile_pairs(q, (const uint16_t *)cache, table, len, l0, KVH, group, D, block_size, block_elems,
                           pos_elems, scale, scores);
     else
-        scores_tile_halves(q, cache, 0, table, len, l0, KVH, group, D, block_size, block_elems, pos_elems, scale,
-                           scores);
+        scores_tile_halves(q, (const float *)cache, table, len, l0, KVH, group, D, block_size, block_elems,
+                           pos_elems, scale, scores);
 }
 #endif
 
@@ -839,10 +821,10 @@ INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf1
 
 /* Decode attention of B sequences (see the top of the file). scratch: at least B * H * (max_len + D + 1)
  * floats, max_len >= every lens[b]. shared_len: leading positions all sequences share (attend_vec; 0: none).
- * threads: a lone sequence (B == 1) on the vector path is spread over that many OpenMP threads (attend_one: the
- * same bits); otherwise the call runs on the calling thread. Returns 0; -1 when an argument is out of range (a
- * length, a block id, a table too short, a shape, threads < 1): checked for every sequence before anything is
- * read or written. */
+ * threads: a lone sequence (B == 1) on the vector path is spread over that many OpenMP threads as `split` says
+ * (SPLIT_*: attend_one_part or attend_heads_part, the same bits); otherwise the call runs on the calling thread.
+ * Returns 0; -1 when an argument is out of range (a length, a block id, a table too short, a shape, threads < 1,
+ * an unknown split): checked for every sequence before anything is read or written. */
 static int decode_attention(const void *q, int q_bf16, const void *cache, int cache_bf16,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
                             int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
