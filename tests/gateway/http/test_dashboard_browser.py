@@ -86,9 +86,21 @@ def log_in(driver, base_url: str, token: str) -> None:
     old_page = driver.find_element(By.TAG_NAME, "html")
     driver.find_element(By.ID, "token").send_keys(token)
     driver.find_element(By.ID, "login-submit").click()
+    from selenium.common.exceptions import WebDriverException
+
+    def old_page_gone(d) -> bool:
+        # expected_conditions.staleness_of, also taking Chromium's other word for a detached node: mid-navigation
+        # it can answer "Node with given id does not belong to the document" instead of a stale element
+        try:
+            return expected_conditions.staleness_of(old_page)(d)
+        except WebDriverException as exc:
+            if "does not belong to the document" in str(exc):
+                return True
+            raise
+
     # the click can return before the form's response replaces the page: wait for the new document, or a
     # lookup right after may find the old page's elements (stale once the navigation lands)
-    WebDriverWait(driver, 30, poll_frequency=0.05).until(expected_conditions.staleness_of(old_page))
+    WebDriverWait(driver, 30, poll_frequency=0.05).until(old_page_gone)
     WebDriverWait(driver, 30, poll_frequency=0.05).until(
         lambda d: d.execute_script("return document.readyState") == "complete"
     )
