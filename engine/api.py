@@ -373,6 +373,14 @@ class EngineConfig:
             same path, so either keeps batched == alone and cache on == off. Part of ``model_id`` when native
             (the RMSNorm's sum and SiLU's exponential round a few ulp apart from torch's); ``native`` where it
             cannot be used is a start-up error naming the reason.
+        dense_gemm: the GEMM of prompt rows on the bf16 dense copy of int4/int8 linears, ``auto | amx | onednn``:
+            ``amx`` = the engine's own AMX kernel (``engine.amx_gemm``: built once per machine with the system C
+            compiler; x86-64 CPUs with AVX512-BF16 and AMX; fp32 activations rounded to bf16 inside, fp32 output;
+            each row's result independent of the call's other rows by construction, so whole calls), ``onednn`` =
+            oneDNN's bf16 GEMM (``engine.bf16_gemm``: 32-row calls on CPUs with AMX, where its whole calls are not
+            row-invariant), ``auto`` = amx where it builds, else onednn. Applied when the checkpoint is loaded.
+            Part of ``model_id`` when amx (a prompt token's K/V differs); ``amx`` where it cannot be built, or
+            with no bf16 dense copy to run, is a start-up error naming the reason.
     """
 
     block_size: int = 16
@@ -406,6 +414,7 @@ class EngineConfig:
     prefill_kernel: str = "auto"
     linear_kernel: str = "auto"
     glue_kernel: str = "auto"
+    dense_gemm: str = "auto"
 
 
 DECODE_KERNELS = ("auto", "native", "torch")
@@ -419,6 +428,9 @@ LINEAR_KERNELS = ("auto", "native", "int8-activations", "torch")
 
 GLUE_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.glue_kernel``'s values (``engine.native_glue``)."""
+
+DENSE_GEMMS = ("auto", "amx", "onednn")
+"""``EngineConfig.dense_gemm``'s values (``engine.amx_gemm``)."""
 
 
 @dataclass(frozen=True)

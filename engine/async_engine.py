@@ -113,6 +113,7 @@ class AsyncEngine:
                 or ``small_step_threads``.
             UnsupportedHardwareError: ``weights`` needs kernels this device lacks (names the setting).
         """
+        from engine.amx_gemm import check_dense_gemm
         from engine.checkpoint import load_checkpoint, resolve_device
         from engine.weight_format import check_dense_min_rows, check_supported
 
@@ -125,6 +126,7 @@ class AsyncEngine:
         device = resolve_device(config.device)
         check_supported(config.weights, config.kv_dtype, device)
         check_dense_min_rows(config.dense_min_rows)
+        check_dense_gemm(config.dense_gemm)
 
         def load() -> tuple[LLMEngine, object]:
             ckpt = load_checkpoint(
@@ -134,6 +136,7 @@ class AsyncEngine:
                 config.weights,
                 config.dense_min_rows,
                 config.linear_kernel,
+                config.dense_gemm,
             )
             core = LLMEngine(
                 ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer, name_kernels=model_id is None

@@ -8,8 +8,9 @@ CPU needs it, into calls of at most ``ROW_INVARIANT_ROWS`` rows (``bf16_gemm``),
 
 Invariant: a row's product does not depend on the other rows of its call (batch invariance: batched ==
 alone, cache on == cache off; ``docs/engine-step.md``, "Batch invariance"). bf16: whole calls where that was
-measured to hold (AMD EPYCs with AVX512-BF16), 32-row calls on CPUs with AMX, where it does not, and never a
-one-row call (a lone row runs as a two-row call: oneDNN's one-row kernel differed on a Zen 4). fp32 (the
+measured to hold (AMD EPYCs with AVX512-BF16), 32-row calls on CPUs with AMX, where it does not (there the
+engine's own AMX kernel, ``engine.amx_gemm``, takes whole calls instead unless ``engine.dense_gemm: onednn``),
+and never a one-row call (a lone row runs as a two-row call: oneDNN's one-row kernel differed on a Zen 4). fp32 (the
 prefill copy of CPUs without bf16 arithmetic): never a call of fewer than 16 rows (those took other kernels
 on an AVX2-only Zen 3).
 """
@@ -21,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from engine.amx_gemm import AmxDenseWeight
 
 
 def onednn_packing_available() -> bool:
@@ -135,10 +138,14 @@ def fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, weight)[:rows]
 
 
-def dense_mm(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def dense_mm(x: torch.Tensor, dense: torch.Tensor | AmxDenseWeight) -> torch.Tensor:
     """``x @ dense.T`` with ``x`` ``[..., in]`` cast to the dense copy's dtype -> ``[..., out]`` in that dtype;
     ``dense`` ``[out, in]``, plain or ``pack_bf16_dense``'s; products row-invariant (bf16: ``bf16_gemm``;
-    fp32: ``fp32_gemm``; other dtypes: one plain call)."""
+    fp32: ``fp32_gemm``; other dtypes: one plain call). An ``engine.amx_gemm.AmxDenseWeight`` runs on its
+    kernel in one call (row-invariant by construction) and returns fp32."""
+    if isinstance(dense, AmxDenseWeight):
+        y = dense.mm(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
     if not dense.is_mkldnn and dense.dtype != torch.bfloat16:
         x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
         y = fp32_gemm(x2, dense) if dense.dtype == torch.float32 else F.linear(x2, dense)

@@ -106,9 +106,11 @@ def linear_kernel_variant(model: torch.nn.Module) -> str:
 def prompt_rows_variant(model: torch.nn.Module) -> str:
     """The part of ``model_id`` naming what ``model``'s quantized linears run prompt rows on: ``""`` (no quantized
     linear, or a dense bf16 copy: the ids of earlier releases), ``"/prompt-dense-float32"`` (a dense fp32
-    copy, CPUs without bf16 GEMMs), ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``)
+    copy, CPUs without bf16 GEMMs), ``"/prompt-dense-amx"`` (a bf16 copy on the AMX kernel, ``engine.amx_gemm``),
+    ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``)
     or ``"/prompt-kernel-fp32-activations"`` (no copy, the kernel's fp32 functions: ``Int4Weight.prompt_rows_fp32``).
     A prompt token's K/V depends on it, so entries shared between processes (KV tiers) never mix them."""
+    from engine.amx_gemm import AmxDenseWeight
     from engine.linear import Int4Weight, Int8Weight
 
     lin = next((m for m in model.modules() if isinstance(m, Int4Weight | Int8Weight)), None)
@@ -116,6 +118,8 @@ def prompt_rows_variant(model: torch.nn.Module) -> str:
         return ""
     if lin.dense is None:
         return "/prompt-kernel-fp32-activations" if lin.prompt_rows_fp32 else "/prompt-kernel"
+    if isinstance(lin.dense, AmxDenseWeight):
+        return "/prompt-dense-amx"
     return (
         ""
         if lin.dense.dtype == torch.bfloat16
@@ -154,6 +158,7 @@ def load_checkpoint(
     weights: str = "float32",
     dense_min_rows: int | None | str = "auto",
     linear_kernel: str = "auto",
+    dense_gemm: str = "auto",
 ) -> LoadedCheckpoint:
     """Load model + tokenizer from a ``.gguf`` file, a Hugging Face folder, or ``"default"``.
 
@@ -168,6 +173,8 @@ def load_checkpoint(
         linear_kernel: the kernel of int4/int8 linears' generated-token rows and LM head, ``auto | native |
             int8-activations | torch`` (``engine.native_linear``; ``engine.linear_kernel``). Part of ``model_id``
             when native (a generated token's K/V differs).
+        dense_gemm: the GEMM a bf16 dense prefill copy runs on, ``auto | amx | onednn`` (``engine.amx_gemm``;
+            ``engine.dense_gemm``). Part of ``model_id`` when amx (a prompt token's K/V differs).
 
     Raises:
         UnsupportedModelError: missing path, unknown file type, garbage file, unsupported architecture, tensor
@@ -179,7 +186,7 @@ def load_checkpoint(
 
     resolved = Path(default_model_path() if path == "default" else path)
     dev = resolve_device(device)
-    plan = resolve(weights, dev, dtype, dense_min_rows, linear_kernel)
+    plan = resolve(weights, dev, dtype, dense_min_rows, linear_kernel, dense_gemm)
     keep = plan.weights != "float32"
     gg = hf = None
     if not resolved.exists():

@@ -129,6 +129,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.amx_gemm import AmxDenseWeight, AmxGemmKernel
 from engine.bf16_gemm import bf16_gemm, dense_mm, onednn_packing_available, pack_bf16_dense
 from engine.native_linear import pack_int4, pack_int8
 
@@ -280,8 +281,13 @@ def _int4_pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).contiguous(), inner)
 
 
-def _dense_copy(groups, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized weight in ``dtype`` for large row counts: prepacked by oneDNN when bf16 on CPU."""
+def _dense_copy(
+    groups, device: torch.device, dtype: torch.dtype, amx: AmxGemmKernel | None = None
+) -> torch.Tensor | AmxDenseWeight:
+    """The dequantized weight in ``dtype`` for large row counts: in ``amx``'s B tiles when bf16 on CPU and ``amx``
+    is given (``engine.dense_gemm``), else prepacked by oneDNN when bf16 on CPU."""
+    if amx is not None and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        return amx.pack(groups.dequantize())
     dense = groups.dequantize().to(device=device, dtype=dtype)
     packed = pack_bf16_dense(dense)
     return dense if packed is None else packed
@@ -327,6 +333,10 @@ class Int4Weight(nn.Module):
         bias: fp32 ``[out]`` or None.
         device: where to run.
         dense_min_rows: rows from which the dense copy is used; None = no dense copy (int4 kernel only).
+        dense_dtype: the dense copy's dtype (bf16, or fp32 on CPUs without bf16 GEMMs).
+        native: the native weight-only kernel (``engine.native_linear``), or None for torch's int4 kernel.
+        dense_gemm: the AMX kernel a bf16 copy runs on (``engine.amx_gemm``, ``engine.dense_gemm``), or None for
+            oneDNN's GEMM.
     """
 
     def __init__(
@@ -337,6 +347,7 @@ class Int4Weight(nn.Module):
         dense_min_rows: int | None = DENSE_MIN_ROWS,
         dense_dtype: torch.dtype = torch.bfloat16,
         native: NativeLinearKernel | None = None,
+        dense_gemm: AmxGemmKernel | None = None,
     ) -> None:
         super().__init__()
         n, k = groups.q.shape
@@ -354,7 +365,7 @@ class Int4Weight(nn.Module):
             self.scale_zero_bf16 = sz.to(device=device, dtype=torch.bfloat16)
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
         self.dense_min_rows = dense_min_rows
-        self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype)
+        self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype, dense_gemm)
 
     @property
     def nbytes(self) -> int:
@@ -439,7 +450,7 @@ class Int8Weight(nn.Module):
 
     Args:
         groups: ``engine.quantized.Int8Groups`` ``[out, in]``.
-        bias, device, dense_min_rows, dense_dtype, native: as ``Int4Weight``.
+        bias, device, dense_min_rows, dense_dtype, native, dense_gemm: as ``Int4Weight``.
     """
 
     def __init__(
@@ -450,6 +461,7 @@ class Int8Weight(nn.Module):
         dense_min_rows: int | None = DENSE_MIN_ROWS,
         dense_dtype: torch.dtype = torch.bfloat16,
         native: NativeLinearKernel | None = None,
+        dense_gemm: AmxGemmKernel | None = None,
     ) -> None:
         super().__init__()
         from engine.quantized import Int4Groups
@@ -467,7 +479,7 @@ class Int8Weight(nn.Module):
             )
             self.inner = Int4Weight(planes, bias, device, None)
         self.dense_min_rows = dense_min_rows
-        self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype)
+        self.dense = None if dense_min_rows is None else _dense_copy(groups, device, dense_dtype, dense_gemm)
 
     @property
     def nbytes(self) -> int:

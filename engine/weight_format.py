@@ -52,6 +52,7 @@ from engine.linear import (
 from engine.quantized import INT4_TYPES, QK, GGUFBlocks, int4_groups, int8_groups, quantize
 
 if TYPE_CHECKING:
+    from engine.amx_gemm import AmxGemmKernel
     from engine.native_linear import NativeLinearKernel
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ class WeightPlan:
         dense_dtype: dtype of that dense copy: bf16 where bf16 GEMMs are fast, fp32 elsewhere (``resolve``).
         linear_kernel: the native kernel int4/int8 linears run generated tokens' rows and the LM head on
             (``engine.native_linear``, ``engine.linear_kernel``), or None for torch's int4 kernel.
+        dense_gemm: the AMX kernel a bf16 dense copy runs prompt rows on (``engine.amx_gemm``,
+            ``engine.dense_gemm``), or None for oneDNN's bf16 GEMM.
     """
 
     weights: str
@@ -159,6 +162,7 @@ class WeightPlan:
     dtype: torch.dtype = torch.float32
     dense_dtype: torch.dtype = torch.bfloat16
     linear_kernel: NativeLinearKernel | None = None
+    dense_gemm: AmxGemmKernel | None = None
 
     def kind_for(self, parts: list[torch.Tensor | GGUFBlocks], name: str) -> str:
         """The format one fused projection (its ``parts``) runs in."""
@@ -203,6 +207,7 @@ class WeightPlan:
                 self.dense_min_rows,
                 self.dense_dtype,
                 self.linear_kernel,
+                self.dense_gemm,
             )
         dense = torch.cat([_as_float(p) for p in parts])
         if kind == "bf16":
@@ -256,21 +261,26 @@ def resolve(
     dtype: torch.dtype = torch.float32,
     dense_min_rows: int | None | str = "auto",
     linear_kernel: str = "auto",
+    dense_gemm: str = "auto",
 ) -> WeightPlan:
     """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged); the
     dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32, kept from
     ``dense_min_rows`` rows (``auto``: ``auto_dense_min_rows``; None = no copy); quantized linears run their
     weight-only rows on the kernel ``linear_kernel`` names (``engine.linear_kernel``:
-    ``engine.native_linear.resolve_linear_kernel``; only built when some weights stay quantized).
+    ``engine.native_linear.resolve_linear_kernel``; only built when some weights stay quantized), and a bf16
+    dense copy on the GEMM ``dense_gemm`` names (``engine.dense_gemm``: ``engine.amx_gemm.resolve_dense_gemm``;
+    only built when there is a bf16 copy).
 
     Raises:
-        ValueError, UnsupportedHardwareError: see ``check_supported``; ``linear_kernel`` unknown, or
-            ``native`` where that kernel cannot be built (the message names ``engine.linear_kernel``); a bad
-            ``dense_min_rows`` (``check_dense_min_rows``).
+        ValueError, UnsupportedHardwareError: see ``check_supported``; ``linear_kernel`` or ``dense_gemm``
+            unknown, or ``native`` / ``amx`` where that kernel cannot be built (the message names the setting); a
+            bad ``dense_min_rows`` (``check_dense_min_rows``).
     """
+    from engine.amx_gemm import check_dense_gemm, resolve_dense_gemm
     from engine.native_linear import check_linear_kernel, resolve_linear_kernel
 
     check_linear_kernel(linear_kernel)
+    check_dense_gemm(dense_gemm)
     check_dense_min_rows(dense_min_rows)
     device = torch.device(device)
     if weights == "auto":
@@ -293,7 +303,15 @@ def resolve(
                 "engine.dense_min_rows auto: no dense prefill copy on this CPU (no bf16 GEMMs); prompt rows run "
                 "on the native linear kernel"
             )
-    return WeightPlan(weights, device, dense_min_rows, dtype, dense_dtype, kernel)
+    amx = None
+    if weights not in ("float32", "bf16") and dense_min_rows is not None and dense_dtype == torch.bfloat16:
+        amx = resolve_dense_gemm(dense_gemm, device)
+    elif dense_gemm == "amx":
+        raise ValueError(
+            "engine.dense_gemm: amx runs a bf16 dense prefill copy of quantized weights, and this configuration "
+            f"has none (weights {weights}, dense_min_rows {dense_min_rows}, copy dtype {dense_dtype})"
+        )
+    return WeightPlan(weights, device, dense_min_rows, dtype, dense_dtype, kernel, amx)
 
 
 def _concat_bias(parts, biases) -> torch.Tensor | None:

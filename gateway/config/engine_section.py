@@ -12,7 +12,14 @@ from typing import Any
 
 import redis
 
-from engine.api import DECODE_KERNELS, GLUE_KERNELS, LINEAR_KERNELS, PREFILL_KERNELS, EngineConfig
+from engine.api import (
+    DECODE_KERNELS,
+    DENSE_GEMMS,
+    GLUE_KERNELS,
+    LINEAR_KERNELS,
+    PREFILL_KERNELS,
+    EngineConfig,
+)
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
@@ -60,6 +67,11 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
         reader.fail(
             f"{where}.linear_kernel",
             f"expected one of {', '.join(LINEAR_KERNELS)}, got {values['linear_kernel']!r}",
+        )
+    if "dense_gemm" in values and values["dense_gemm"] not in DENSE_GEMMS:
+        reader.fail(
+            f"{where}.dense_gemm",
+            f"expected one of {', '.join(DENSE_GEMMS)}, got {values['dense_gemm']!r}",
         )
     if "glue_kernel" in values and values["glue_kernel"] not in GLUE_KERNELS:
         reader.fail(

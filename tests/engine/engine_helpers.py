@@ -33,6 +33,7 @@ def tiny_checkpoint(
     weights: str = "float32",
     linear_kernel: str = "auto",
     dense_min_rows: int | None | str = "auto",
+    dense_gemm: str = "auto",
 ) -> LoadedCheckpoint:
     """A tiny random checkpoint, written to a temp dir and loaded once per process.
 
@@ -41,7 +42,8 @@ def tiny_checkpoint(
     (``engine.weight_format``; ``int4`` quantizes at load). ``linear_kernel``:
     the int4/int8 kernel (``engine.native_linear``; ``auto`` = native where it builds). ``dense_min_rows``: the
     dense prefill copy (``engine.weight_format.resolve``: ``auto``, an integer, or None = prompt rows on the
-    weight-only kernel).
+    weight-only kernel). ``dense_gemm``: the GEMM of a bf16 dense copy (``engine.amx_gemm``: ``auto`` = the AMX
+    kernel where it builds, else oneDNN).
     """
     root = Path(tempfile.mkdtemp(prefix="prefixgate-tiny-"))
     if kind == "gguf":
@@ -55,7 +57,11 @@ def tiny_checkpoint(
     cfg["max_position_embeddings"] = max_position_embeddings
     cfg_path.write_text(json.dumps(cfg))
     return load_checkpoint(
-        str(folder), weights=weights, linear_kernel=linear_kernel, dense_min_rows=dense_min_rows
+        str(folder),
+        weights=weights,
+        linear_kernel=linear_kernel,
+        dense_min_rows=dense_min_rows,
+        dense_gemm=dense_gemm,
     )
 
 

@@ -459,6 +459,7 @@ def test_dense_copy_is_prepacked_and_used_from_dense_min_rows(qtype):
 def test_what_prompt_rows_run_on_is_part_of_the_model_id():
     """A prompt token's K/V depends on the kernel its rows ran on: a dense fp32 copy, a dense bf16 copy (the ids
     of earlier releases) or the weight-only kernel; entries shared through KV tiers must never mix them."""
+    from engine.amx_gemm import AmxDenseWeight
     from engine.checkpoint import prompt_rows_variant
     from tests.engine.engine_helpers import tiny_checkpoint
 
@@ -470,7 +471,15 @@ def test_what_prompt_rows_run_on_is_part_of_the_model_id():
         "/prompt-kernel-fp32-activations" if rows.model.layers[0].qkv.prompt_rows_fp32 else "/prompt-kernel"
     )
     assert prompt_rows_variant(rows.model) == no_copy and prompt_rows_variant(ref.model) == ""
-    dense_dtype = copy.model.layers[0].qkv.dense.dtype
-    want = "" if dense_dtype == torch.bfloat16 else "/prompt-dense-float32"
+    dense = copy.model.layers[0].qkv.dense
+    if isinstance(dense, AmxDenseWeight):
+        want = "/prompt-dense-amx"
+    else:
+        want = "" if dense.dtype == torch.bfloat16 else "/prompt-dense-float32"
     assert prompt_rows_variant(copy.model) == want
     assert len({copy.model_id, rows.model_id, ref.model_id}) == 3
+    # oneDNN's copy (engine.dense_gemm: onednn) keeps the ids of earlier releases, apart from the AMX kernel's
+    onednn = tiny_checkpoint(weights="int4", dense_min_rows=10, dense_gemm="onednn")
+    assert not isinstance(onednn.model.layers[0].qkv.dense, AmxDenseWeight)
+    assert prompt_rows_variant(onednn.model) == want.replace("/prompt-dense-amx", "")
+    assert (onednn.model_id == copy.model_id) == (want != "/prompt-dense-amx")
