@@ -67,6 +67,26 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+_SYS_ARCH_PRCTL = 158  # x86-64 Linux
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def request_amx_permission() -> None:
+    """Ask Linux for AMX's tile data state for this process (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``, Linux
+    5.16+; idempotent), which every AMX kernel needs before its first tile instruction.
+
+    Raises:
+        NativeKernelError: the kernel or the CPU (e.g. a VM that hides AMX) refuses it.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        raise NativeKernelError(
+            "Linux refused the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, errno "
+            f"{ctypes.get_errno()}; needs Linux 5.16+ and a CPU or VM that exposes AMX)"
+        )
+
+
 def pack_b_tiles(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` (float, rounded to bf16 as ``Tensor.to``) -> bf16 ``[Np / 16, Kp / 32, 16, 16, 2]``,
     ``AmxDenseWeight.data``'s layout (``Np``, ``Kp``: ``N``, ``K`` rounded up to 32, zero padding); ``unpack_b_tiles``
@@ -135,13 +155,7 @@ class AmxGemmKernel:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.amx_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, p, i32]
         lib.amx_gemm_f32.restype = ctypes.c_int
-        lib.amx_request_permission.argtypes = []
-        lib.amx_request_permission.restype = ctypes.c_int
-        if lib.amx_request_permission() != 0:
-            raise NativeKernelError(
-                "Linux refused the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM; needs Linux 5.16+ and a CPU "
-                "or VM that exposes AMX)"
-            )
+        request_amx_permission()
         self._lib = lib
         self._scratch = threading.local()
 

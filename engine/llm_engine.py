@@ -154,6 +154,7 @@ class LLMEngine(PrefixAdmin):
             mc.num_heads // mc.num_kv_heads,
             mc.head_dim,
             threads=config.num_threads or torch.get_num_threads(),
+            kv_dtype=kv_dtype,
         )
         glue_kernel = resolve_glue_kernel(config.glue_kernel, model.device, model.dtype)
         # a token's K/V depends on the decode, prefill and glue kernels: blocks of another kernel never share a

@@ -20,24 +20,13 @@
  * is split by rows. Each output element is computed by one thread, in the order above.
  *
  * Invariants: reads x and w_packed only, writes scratch and the M x N block of y; nothing else. Before any
- * tile instruction a thread loads its tile configuration; the process must have asked the kernel for AMX's
- * tile data state first (amx_request_permission).
+ * tile instruction a thread loads its tile configuration; the process must have asked Linux for AMX's tile data
+ * state first (engine.amx_gemm.request_amx_permission).
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Ask Linux for the AMX tile data state for this process (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), Linux
- * 5.16+; idempotent). Returns 0, or -1 where the kernel or the CPU (e.g. a VM that hides it) refuses. */
-int amx_request_permission(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
 
 typedef struct {
     uint8_t palette_id;

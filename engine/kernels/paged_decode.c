@@ -1157,3 +1157,243 @@ int paged_prefill_attention(const void *q, int q_bf16, const void *cache, int ca
 #undef PREFILL
     return 0;
 }
+
+#ifdef PD_AMX
+/* ---------------------------------------------------------------------------------------------------------------
+ * Prefill attention on AMX tiles (the "amx" build: -DPD_AMX with AVX512-BF16 and AMX; engine.native_decode's
+ * NativeDecodeKernel.prefill on that build). Same arguments and result as paged_prefill_attention, a bf16 cache
+ * and D == 64 only; not the decode kernel's arithmetic, but each row's result is still one fixed function of
+ * its own query and positions 0 .. its own, whatever row tile, chunk, offset or thread computes it:
+ *   - scores: the fp32 query split into two bf16 parts (hi = RNE(q), lo = RNE(q - hi): ~16 bits of q kept)
+ *     against the bf16 keys, C = 0, then TDPBF16PS with hi and lo of dims 0-31, then of dims 32-63, in that
+ *     order; each score is computed from its own query row and key column only (Intel SDM, TDPBF16PS);
+ *   - times the scale, then softmax_numerators over exactly the row's own positions (decode's function);
+ *   - values: each numerator split the same way (exact zeros past the row's own positions), C = 0, then per
+ *     32-position chunk in order TDPBF16PS with hi then lo against the bf16 values. A row tile takes chunks up
+ *     to its last row's length; a row's chunks past its own length add products of exact zeros (C + 0 = C), so
+ *     its sums do not depend on the tile;
+ *   - times 1 / sum.
+ * Layouts in scratch: KB[h][16-position tile][32-dim chunk]: a B tile whose row r holds, per position t, the pair
+ * of dims 32 c + 2 r, + 1; VB[h][32-position chunk][16-dim block]: a B tile whose row r holds, per dim d, the pair
+ * of positions 32 p + 2 r, + 1 (zero past the sequence). Both built once per call, shared by every row tile. */
+#define AMX_ROWS 16
+#define AMX_D 64
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* every tile 16 rows of 64 bytes: C 16 x 16 fp32, A 16 x 32 bf16, B 16 pair rows x 16 x 2 bf16 */
+static void amx_config(void) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 16 floats (lanes past n: 0) -> bf16 hi = RNE(x) and lo = RNE(x - hi) (x - hi is exact) */
+INLINE void split16(const float *x, int64_t n, uint16_t *hi, uint16_t *lo) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
+    _mm256_storeu_si256((__m256i *)hi, h);
+    _mm256_storeu_si256((__m256i *)lo, l);
+}
+
+/* bf16 elements of KB / VB per KV head */
+INLINE int64_t amx_kb_elems(int64_t seq_len) { return (seq_len + 31) / 32 * 32 * AMX_D; }
+INLINE int64_t amx_vb_elems(int64_t seq_len) { return (seq_len + 31) / 32 * 32 * AMX_D; }
+
+/* KB and VB of KV head h, 32 positions from l0 (see above). offs[l]: position l's K offset. */
+static void amx_relayout(const uint16_t *cache, const int64_t *offs, int64_t seq_len, int64_t h, int64_t v_offset,
+                         int64_t l0, uint16_t *KB, uint16_t *VB) {
+    for (int64_t t0 = l0; t0 < l0 + 32; t0 += 16) {
+        uint16_t *kb = KB + t0 * AMX_D; /* tile t0 / 16: 2 chunks of 16 x 32 */
+        for (int64_t c = 0; c < 2; c++) {
+            v16 kv[16]; /* kv[t] = the 16 dim pairs (as 32-bit words) of position t0 + t, chunk c */
+            for (int64_t t = 0; t < 16; t++) {
+                if (t0 + t < seq_len)
+                    memcpy(&kv[t], cache + offs[t0 + t] + h * AMX_D + 32 * c, sizeof kv[t]);
+                else
+                    kv[t] = (v16){0};
+            }
+            transpose16(kv); /* kv[r] lane t = pair r of position t: B row r (exact moves) */
+            memcpy(kb + c * 512, kv, sizeof kv);
+        }
+    }
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    uint16_t *vb = VB + l0 * AMX_D; /* chunk l0 / 32: 4 dim blocks of 16 x 32 */
+    for (int64_t r = 0; r < 16; r++) {
+        const int64_t la = l0 + 2 * r, lb = la + 1;
+        for (int64_t db = 0; db < 4; db++) {
+            const __m256i a = la < seq_len
+                                  ? _mm256_loadu_si256((const __m256i *)(cache + v_offset + offs[la] + h * AMX_D + 16 * db))
+                                  : _mm256_setzero_si256();
+            const __m256i b = lb < seq_len
+                                  ? _mm256_loadu_si256((const __m256i *)(cache + v_offset + offs[lb] + h * AMX_D + 16 * db))
+                                  : _mm256_setzero_si256();
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            _mm512_storeu_si512(vb + db * 512 + r * 32, _mm512_permutexvar_epi16(inter, ab));
+        }
+    }
+}
+
+/* One row tile (rows row0 .. row0 + nrows - 1 at positions pos0 ..) and KV head h, query head by query head.
+ * S: AMX_ROWS x sstride floats; QA: 4 A tiles (hi / lo of dims 0-31, 32-63); PA: 2 A tiles per 32-position
+ * chunk; O: AMX_ROWS x AMX_D floats; sums: AMX_ROWS. */
+static void amx_prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int64_t nrows, int64_t pos0,
+                             int64_t h, int64_t group, const uint16_t *KB, const uint16_t *VB, float scale,
+                             float *restrict S, int64_t sstride, uint16_t *restrict QA, uint16_t *restrict PA,
+                             float *restrict O, float *restrict sums, float *restrict out) {
+    const int64_t last_len = pos0 + nrows;
+    const int64_t ptiles = (last_len + 15) / 16, pchunks = (last_len + 31) / 32;
+    for (int64_t g = 0; g < group; g++) {
+        /* QA: [c][hi, lo][16 rows][32] */
+        for (int64_t r = 0; r < AMX_ROWS; r++) {
+            const float *q = qf + ((row0 + r) * H + h * group + g) * AMX_D;
+            for (int64_t c = 0; c < 2; c++)
+                for (int64_t half = 0; half < 2; half++) {
+                    uint16_t *hi = QA + (c * 2 + 0) * 512 + r * 32 + 16 * half;
+                    uint16_t *lo = QA + (c * 2 + 1) * 512 + r * 32 + 16 * half;
+                    split16(q + 32 * c + 16 * half, r < nrows ? 16 : 0, hi, lo);
+                }
+        }
+        _tile_loadd(1, QA, 64);
+        _tile_loadd(2, QA + 512, 64);
+        _tile_loadd(3, QA + 1024, 64);
+        _tile_loadd(4, QA + 1536, 64);
+        for (int64_t pt = 0; pt < ptiles; pt++) {
+            const uint16_t *kb = KB + pt * 16 * AMX_D;
+            _tile_zero(0);
+            _tile_loadd(5, kb, 64);
+            _tile_loadd(6, kb + 512, 64);
+            _tile_dpbf16ps(0, 1, 5);
+            _tile_dpbf16ps(0, 2, 5);
+            _tile_dpbf16ps(0, 3, 6);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_stored(0, S + pt * 16, sstride * 4);
+        }
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t len = pos0 + r + 1;
+            float *s = S + r * sstride;
+            for (int64_t l0 = 0; l0 < len; l0 += 16) {
+                const __mmask16 m = len - l0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - l0)) - 1u);
+                _mm512_mask_storeu_ps(s + l0, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + l0), _mm512_set1_ps(scale)));
+            }
+            sums[r] = softmax_numerators(s, len);
+        }
+        /* PA: [chunk][hi, lo][16 rows][32], exact zeros past each row's length and for rows past nrows */
+        for (int64_t p = 0; p < pchunks; p++)
+            for (int64_t r = 0; r < AMX_ROWS; r++) {
+                const int64_t len = r < nrows ? pos0 + r + 1 : 0;
+                for (int64_t half = 0; half < 2; half++) {
+                    const int64_t l0 = 32 * p + 16 * half;
+                    const int64_t n = len - l0 < 0 ? 0 : len - l0;
+                    split16(S + r * sstride + l0, n, PA + (p * 2 + 0) * 512 + r * 32 + 16 * half,
+                            PA + (p * 2 + 1) * 512 + r * 32 + 16 * half);
+                }
+            }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t p = 0; p < pchunks; p++) {
+            const uint16_t *vb = VB + p * 32 * AMX_D;
+            _tile_loadd(4, PA + p * 1024, 64);
+            _tile_loadd(5, PA + p * 1024 + 512, 64);
+            _tile_loadd(6, vb, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_loadd(7, vb + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(1, 5, 7);
+            _tile_loadd(6, vb + 1024, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(7, vb + 1536, 64);
+            _tile_dpbf16ps(3, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, O, AMX_D * 4);
+        _tile_stored(1, O + 16, AMX_D * 4);
+        _tile_stored(2, O + 32, AMX_D * 4);
+        _tile_stored(3, O + 48, AMX_D * 4);
+        for (int64_t r = 0; r < nrows; r++) {
+            const float inv = 1.0f / sums[r];
+            float *dst = out + ((row0 + r) * H + h * group + g) * AMX_D;
+            for (int64_t d = 0; d < AMX_D; d++) dst[d] = O[r * AMX_D + d] * inv;
+        }
+    }
+}
+
+/* floats of one thread's part of the scratch (16-float aligned pieces) */
+static int64_t amx_thread_floats(int64_t seq_len) {
+    const int64_t sstride = (seq_len + 31) / 32 * 32, pchunks = (seq_len + 31) / 32;
+    return AMX_ROWS * sstride + 2 * 512 + pchunks * 512 + AMX_ROWS * AMX_D + 16;
+}
+
+int64_t paged_prefill_amx_scratch_floats(int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t seq_len,
+                                         int64_t threads) {
+    if (L <= 0 || H <= 0 || KVH <= 0 || H % KVH || D != AMX_D || seq_len <= 0 || threads <= 0) return -1;
+    return (L * H * D + 15) / 16 * 16 + (seq_len + 7) / 8 * 16 + KVH * (amx_kb_elems(seq_len) + amx_vb_elems(seq_len)) / 2 +
+           threads * amx_thread_floats(seq_len);
+}
+
+/* As paged_prefill_attention (same arguments and output), on AMX: cache_bf16 and D == 64 only (-1 otherwise,
+ * before anything is read or written). */
+int paged_prefill_attention_amx(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *table,
+                                int64_t table_len, int64_t start, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                                int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
+                                int64_t scratch_floats, int threads) {
+    if (start < 0 || L <= 0 || H <= 0 || KVH <= 0 || H % KVH || D != AMX_D || !cache_bf16 || block_size <= 0 ||
+        num_blocks <= 0 || threads <= 0)
+        return -1;
+    const int64_t seq_len = start + L;
+    if (scratch_floats < paged_prefill_amx_scratch_floats(L, H, KVH, D, seq_len, threads)) return -1;
+    for (int64_t t = 0; t * block_size < seq_len; t++)
+        if (t >= table_len || table[t] < 0 || table[t] >= num_blocks) return -1;
+    const int64_t group = H / KVH, pos_elems = KVH * D, block_elems = block_size * pos_elems;
+    const int64_t v_offset = num_blocks * block_elems;
+    float *qf = scratch; /* [L][H][D], then rows up to the last tile's 16 read as zeros by the split */
+    int64_t *offs = (int64_t *)(qf + (L * H * D + 15) / 16 * 16);
+    uint16_t *KB = (uint16_t *)(offs + (seq_len + 7) / 8 * 8);
+    uint16_t *VB = KB + KVH * amx_kb_elems(seq_len);
+    float *per_thread = (float *)(VB + KVH * amx_vb_elems(seq_len));
+    const int64_t tf = amx_thread_floats(seq_len), sstride = (seq_len + 31) / 32 * 32;
+    const int64_t tiles = (L + AMX_ROWS - 1) / AMX_ROWS, chunks = (seq_len + 31) / 32;
+    for (int64_t i = 0; i < L * H * D; i++) qf[i] = load1(q, i, q_bf16);
+    for (int64_t l = 0; l < seq_len; l++) offs[l] = position(table, l, block_size, block_elems, pos_elems, 0, D);
+#pragma omp parallel num_threads(threads)
+    {
+        amx_config();
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < KVH * chunks; w++)
+            amx_relayout((const uint16_t *)cache, offs, seq_len, w / chunks, v_offset, 32 * (w % chunks),
+                         KB + (w / chunks) * amx_kb_elems(seq_len), VB + (w / chunks) * amx_vb_elems(seq_len));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < tiles * KVH; w++) {
+            const int64_t tile = tiles - 1 - w / KVH, h = w % KVH; /* longest rows first */
+            const int64_t row0 = tile * AMX_ROWS, nrows = L - row0 < AMX_ROWS ? L - row0 : AMX_ROWS;
+            float *S = per_thread + omp_get_thread_num() * tf;
+            uint16_t *QA = (uint16_t *)(S + AMX_ROWS * sstride);
+            uint16_t *PA = QA + 2048;
+            float *O = (float *)(PA + chunks * 1024);
+            amx_prefill_tile(qf, H, row0, nrows, start + row0, h, group, KB + h * amx_kb_elems(seq_len),
+                             VB + h * amx_vb_elems(seq_len), scale, S, sstride, QA, PA, O, O + AMX_ROWS * AMX_D, out);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#endif

@@ -90,17 +90,28 @@ def train_tokenizer(vocab_size: int = 384, seed: int = 0):
     return tok
 
 
-def hf_config(vocab: int, *, qkv_bias: bool, tie: bool, bos: int, eos: int):
-    """A tiny ``LlamaConfig`` (or ``Qwen2Config`` with q/k/v bias): hidden 64, 2 layers, 4 heads / 2 KV heads."""
+def hf_config(
+    vocab: int,
+    *,
+    qkv_bias: bool,
+    tie: bool,
+    bos: int,
+    eos: int,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+):
+    """A tiny ``LlamaConfig`` (or ``Qwen2Config`` with q/k/v bias): 2 layers, by default hidden 64 = 4 heads of
+    16 over 2 KV heads; ``heads`` x ``head_dim`` is the hidden size, intermediate twice that."""
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=heads * head_dim,
+        intermediate_size=2 * heads * head_dim,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         rope_theta=5000.0,
@@ -128,12 +139,18 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def tiny_hf_model(tok, *, seed: int, qkv_bias: bool, tie: bool):
-    """A randomized tiny ``transformers`` model whose vocabulary is ``tok``'s."""
+def tiny_hf_model(tok, *, seed: int, qkv_bias: bool, tie: bool, **shape):
+    """A randomized tiny ``transformers`` model whose vocabulary is ``tok``'s (``shape``: ``hf_config``'s heads,
+    kv_heads, head_dim)."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     cfg = hf_config(
-        tok.get_vocab_size(), qkv_bias=qkv_bias, tie=tie, bos=tok.token_to_id(BOS), eos=tok.token_to_id(EOS)
+        tok.get_vocab_size(),
+        qkv_bias=qkv_bias,
+        tie=tie,
+        bos=tok.token_to_id(BOS),
+        eos=tok.token_to_id(EOS),
+        **shape,
     )
     torch.manual_seed(seed)
     model = (Qwen2ForCausalLM if qkv_bias else LlamaForCausalLM)(cfg)
@@ -150,6 +167,7 @@ def make_tiny_hf_llama(
     qkv_bias: bool = False,
     tie_word_embeddings: bool = False,
     vocab: int = 384,
+    **shape,
 ) -> Path:
     """Write a tiny Hugging Face folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
 
@@ -159,11 +177,12 @@ def make_tiny_hf_llama(
         qkv_bias: ``Qwen2ForCausalLM`` with q/k/v bias instead of ``LlamaForCausalLM``.
         tie_word_embeddings: share the embedding with the LM head.
         vocab: BPE vocabulary size to train (byte alphabet 256 + 3 specials + merges).
+        shape: ``hf_config``'s heads, kv_heads, head_dim (default 4 heads of 16 over 2 KV heads).
     """
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab, seed)
-    model = tiny_hf_model(tok, seed=seed, qkv_bias=qkv_bias, tie=tie_word_embeddings)
+    model = tiny_hf_model(tok, seed=seed, qkv_bias=qkv_bias, tie=tie_word_embeddings, **shape)
     model.save_pretrained(out, safe_serialization=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

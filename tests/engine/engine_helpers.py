@@ -37,8 +37,9 @@ def tiny_checkpoint(
 ) -> LoadedCheckpoint:
     """A tiny random checkpoint, written to a temp dir and loaded once per process.
 
-    ``kind``: ``hf`` (Llama folder), ``qwen2`` (Qwen2 folder: q/k/v bias, tied embeddings) or ``gguf`` (Llama
-    GGUF, F32; its context stays 512 tokens). ``weights``: the weight format it is loaded in
+    ``kind``: ``hf`` (Llama folder), ``hf-d64`` (the same with SmolLM2's attention shape: 3 heads of 64 over one
+    KV head), ``qwen2`` (Qwen2 folder: q/k/v bias, tied embeddings) or ``gguf`` (Llama GGUF, F32; its context
+    stays 512 tokens). ``weights``: the weight format it is loaded in
     (``engine.weight_format``; ``int4`` quantizes at load). ``linear_kernel``:
     the int4/int8 kernel (``engine.native_linear``; ``auto`` = native where it builds). ``dense_min_rows``: the
     dense prefill copy (``engine.weight_format.resolve``: ``auto``, an integer, or None = prompt rows on the
@@ -50,6 +51,8 @@ def tiny_checkpoint(
         return load_checkpoint(str(make_tiny_gguf_llama(root / "tiny.gguf", seed=1)))
     if kind == "qwen2":
         folder = make_tiny_hf_llama(root / "tiny-qwen2", seed=2, qkv_bias=True, tie_word_embeddings=True)
+    elif kind == "hf-d64":
+        folder = make_tiny_hf_llama(root / "tiny-hf-d64", seed=3, heads=3, kv_heads=1, head_dim=64)
     else:
         folder = make_tiny_hf_llama(root / "tiny-hf")
     cfg_path = folder / "config.json"

@@ -1,4 +1,4 @@
-"""``engine.prefill_kernel`` in the gateway's YAML: ``auto | native | torch`` parsed into ``EngineConfig``, anything
+"""``engine.prefill_kernel`` in the gateway's YAML: ``auto | native | amx | torch`` parsed into ``EngineConfig``, anything
 else a ``ConfigError`` naming the file, the key path and the choices (``engine.native_decode.resolve_prefill_kernel``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def engine_of(section: dict):
     return config.models[0].engine
 
 
-@pytest.mark.parametrize("value", ["auto", "native", "torch"])
+@pytest.mark.parametrize("value", ["auto", "native", "amx", "torch"])
 def test_prefill_kernel_values(value):
     assert engine_of({"prefill_kernel": value}).prefill_kernel == value
 
@@ -31,4 +31,4 @@ def test_a_bad_prefill_kernel_names_file_key_and_choices(value, problem):
     assert caught.value.key == "models[0].engine.prefill_kernel"
     assert problem in caught.value.problem
     if value == "fast":
-        assert "expected one of auto, native, torch" in caught.value.problem
+        assert "expected one of auto, native, amx, torch" in caught.value.problem

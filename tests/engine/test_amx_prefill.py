@@ -1,0 +1,156 @@
+"""The AMX build of the prefill attention (``NativeDecodeKernel.prefill`` with ``isa="amx"``,
+``paged_prefill_attention_amx`` in ``engine/kernels/paged_decode.c``) and ``engine.prefill_kernel: amx``.
+
+On CPUs with AMX: against float64 attention (rows at every offset, scattered blocks, group 1-4); every row
+bit-identical whatever the chunking, row tile and thread count; bf16 queries widened exactly; what it cannot take
+refused by name; the engine's greedy tokens with it, cache on == off, batched == alone, chunked == whole, on a
+tiny model with SmolLM2's attention shape. Everywhere: the setting's checks and ``auto``'s choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import native_decode
+from engine.native_decode import NativeDecodeKernel, reference_decode, resolve_prefill_kernel
+from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from tests.engine.test_native_prefill import random_case
+
+AMX = native_decode._shared_kernel(3, 64, "amx")
+AVAILABLE = not isinstance(AMX, str)
+needs_amx = pytest.mark.skipif(not AVAILABLE, reason=f"needs AMX: {AMX if not AVAILABLE else ''}")
+CPU = torch.device("cpu")
+SCALE = 64**-0.5
+
+
+@pytest.fixture(scope="module")
+def kernel() -> NativeDecodeKernel:
+    return AMX
+
+
+def reference_rows(q, cache, table, start):
+    """float64 attention of rows at positions ``start ..`` (each attending its own prefix)."""
+    n = q.shape[0]
+    tables = table.repeat(n, 1).contiguous()
+    lens = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+    return reference_decode(q, cache, tables, lens, SCALE)
+
+
+@needs_amx
+@pytest.mark.parametrize(("group", "kvh"), [(3, 3), (1, 2), (4, 1)])
+@pytest.mark.parametrize(("start", "rows"), [(0, 1), (0, 77), (31, 40), (200, 133)])
+def test_rows_are_float64_attention_within_the_split_queries_precision(kernel, group, kvh, start, rows):
+    gen = torch.Generator().manual_seed(group * 100 + start + rows)
+    q, cache, table = random_case(gen, group, kvh, 64, start + rows, torch.bfloat16)
+    q = q[start:].contiguous() * 3  # larger scores: a sharper softmax
+    got = kernel.prefill(q, cache, table, start, SCALE)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    ref = reference_rows(q, cache, table, start)
+    # queries and numerators keep ~16 bits each (two bf16 parts); K and V are exact bf16
+    torch.testing.assert_close(got.double(), ref, rtol=2e-4, atol=2e-5)
+
+
+@needs_amx
+def test_a_row_does_not_depend_on_chunking_tiles_offsets_or_threads(kernel):
+    gen = torch.Generator().manual_seed(9)
+    q, cache, table = random_case(gen, 3, 3, 64, 700, torch.bfloat16)
+    whole = kernel.prefill(q, cache, table, 0, SCALE, threads=1)
+    for cuts, threads in (
+        ([0, 1, 700], 2),
+        ([0, 5, 37, 300, 301, 700], 3),
+        ([0, 699, 700], 2),
+        ([0, 350, 700], 1),
+    ):
+        parts = [
+            kernel.prefill(q[a:b].contiguous(), cache, table, a, SCALE, threads=threads)
+            for a, b in zip(cuts, cuts[1:], strict=False)
+        ]
+        assert torch.equal(torch.cat(parts), whole), cuts
+    assert torch.equal(kernel.prefill(q, cache, table, 0, SCALE, threads=5), whole)
+
+
+@needs_amx
+def test_bf16_queries_are_widened_exactly(kernel):
+    gen = torch.Generator().manual_seed(10)
+    q, cache, table = random_case(gen, 3, 3, 64, 90, torch.bfloat16)
+    qb = q.to(torch.bfloat16)
+    assert torch.equal(
+        kernel.prefill(qb, cache, table, 0, SCALE), kernel.prefill(qb.float(), cache, table, 0, SCALE)
+    )
+
+
+@needs_amx
+def test_what_the_amx_build_cannot_take_is_refused_by_name(kernel):
+    gen = torch.Generator().manual_seed(11)
+    q, cache, table = random_case(gen, 3, 3, 64, 40, torch.float32)
+    with pytest.raises(ValueError, match="the AMX build's prefill takes a bf16 cache and head_dim 64"):
+        kernel.prefill(q, cache, table, 0, SCALE)
+    q, cache, table = random_case(gen, 3, 3, 32, 40, torch.bfloat16)
+    with pytest.raises(ValueError, match="the AMX build's prefill takes a bf16 cache and head_dim 64"):
+        kernel.prefill(q, cache, table, 0, SCALE)
+    q, cache, table = random_case(gen, 3, 3, 64, 40, torch.bfloat16)
+    with pytest.raises(ValueError, match="refused its arguments"):
+        kernel.prefill(q, cache, table[:1].contiguous(), 0, SCALE)  # a table too short
+    bad = table.clone()
+    bad[1] = 10_000
+    with pytest.raises(ValueError, match="refused its arguments"):
+        kernel.prefill(q, cache, bad, 0, SCALE)  # a block id outside the pool
+
+
+def test_the_setting_is_checked():
+    with pytest.raises(
+        ValueError, match="engine.prefill_kernel: amx needs engine.kv_dtype bfloat16 and head_dim 64"
+    ):
+        resolve_prefill_kernel("amx", CPU, 3, 64, kv_dtype=torch.float32)
+    with pytest.raises(ValueError, match="got bfloat16 and 32"):
+        resolve_prefill_kernel("amx", CPU, 3, 32, kv_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="amx runs on CPU only"):
+        resolve_prefill_kernel("amx", torch.device("cuda"), 3, 64, kv_dtype=torch.bfloat16)
+
+
+def test_a_cpu_without_amx_is_a_named_error_and_auto_takes_the_avx512_build(monkeypatch):
+    monkeypatch.setattr(
+        "engine.weight_format.cpu_flags",
+        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}),
+    )
+    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx512")
+    native_decode._shared_kernel.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="engine.prefill_kernel: amx is not available here: no amx_bf16"):
+            resolve_prefill_kernel("amx", CPU, 3, 64, kv_dtype=torch.bfloat16)
+        kernel = resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
+        assert kernel is not None and kernel.isa == "avx512"
+    finally:
+        native_decode._shared_kernel.cache_clear()
+
+
+@needs_amx
+def test_auto_takes_the_amx_build_for_a_bf16_cache_and_head_dim_64_only(monkeypatch):
+    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx512")
+    assert resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16).isa == "amx"
+    assert resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.float32).isa == "avx512"
+    assert resolve_prefill_kernel("auto", CPU, 4, 16, kv_dtype=torch.bfloat16).isa == "avx512"
+    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx2")  # another build asked for: no AMX
+    assert resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16, threads=2).isa == "avx2"
+
+
+@needs_amx
+def test_engine_tokens_cache_on_equal_off_batched_equal_alone_chunked_equal_whole():
+    ck = tiny_checkpoint("hf-d64")
+    system = random_tokens(150, 7)
+    prompts = [system + random_tokens(5 + 3 * i, 20 + i) for i in range(4)]
+    settings = dict(kv_dtype="bfloat16", prefill_kernel="amx", decode_kernel="native", num_threads=2)
+    batched = make_engine(ck, **settings)
+    assert batched.runner.prefill_kernel.isa == "amx"
+    assert batched.model_id.endswith("/native-prefill-amx") or "/native-prefill-amx/" in batched.model_id
+    batched.generate([system], greedy(1))  # the system prompt cached: the prompts' rest prefilled over it
+    got = batched.generate(prompts, greedy(10))
+    for p, tokens in zip(prompts, got, strict=True):
+        alone = make_engine(ck, enable_prefix_caching=False, max_num_batched_tokens=64, **settings)
+        assert alone.generate([p], greedy(10))[0] == tokens  # cache off, the prompt cut into 64-token chunks
+    last_token = make_engine(ck, **settings)
+    last_token.generate([prompts[0][:-1]], greedy(1))  # all of the prompt but its last token cached
+    assert last_token.generate([prompts[0]], greedy(10))[0] == got[0]
+    auto = make_engine(ck, kv_dtype="bfloat16", num_threads=2)
+    assert auto.runner.prefill_kernel.isa == "amx" and auto.generate(prompts, greedy(10)) == got
