@@ -451,6 +451,24 @@ class NativeDecodeKernel:
                 two = self.attend(q[2:3], cache, tables[2:3], lens[2:3], 80, d**-0.5, threads=2, split=split)
                 if not torch.equal(two, one):
                     return f"group {group}, head_dim {d}, {dtype}: a lone sequence on 2 threads ({split}) differs"
+        return self._check_amx_prefill(gen) if self.isa == "amx" else None
+
+    def _check_amx_prefill(self, gen: torch.Generator) -> str | None:
+        """The AMX build's prefill against float64 attention (within 2e-4 relative: ~16 bits of queries and
+        numerators kept), and a chunk of it (on another thread count) equal to the same rows of the whole."""
+        group, kvh, d, n = 3, 2, AMX_HEAD_DIM, 90
+        cache = torch.randn(2, 8, 16, kvh, d, generator=gen).to(torch.bfloat16)
+        table = torch.randperm(8, generator=gen)[:6].to(torch.int32)
+        q = torch.randn(n, group * kvh, d, generator=gen)
+        got = self.prefill(q, cache, table, 0, d**-0.5, threads=1)
+        lens = torch.arange(1, n + 1, dtype=torch.int32)
+        want = reference_decode(q, cache, table.repeat(n, 1), lens, d**-0.5)
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        if not err <= 2e-4:
+            return f"AMX prefill: relative error {err:.2e}"
+        part = self.prefill(q[37:].contiguous(), cache, table, 37, d**-0.5, threads=2)
+        if not torch.equal(part, got[37:]):
+            return "AMX prefill: rows 37.. as a chunk on 2 threads differ from the whole prompt's"
         return None
 
 
