@@ -54,6 +54,11 @@ average 7-9, so single numbers move by ~30%; "packed" is oneDNN's prepacked bf16
 (an earlier run at load average 4.6: 58 rows 1.25 ms ``F.linear`` against 0.97 ms packed, 1,082 rows 8.4 against
 6.7 ms). Once the weights stream from memory the int4 kernel wins up to ~8 rows, the dense copy from ~10.
 
+On CPUs with AMX the bf16 dense copy is packed for our own AMX GEMM instead (``engine.amx_gemm``,
+``engine.dense_gemm``): row-invariant in whole calls, where oneDNN's bf16 GEMM needed 32-row calls there
+(``engine.bf16_gemm``); 1,070 rows' linears 0.15 s against 0.37 s on a 2-core Xeon (``docs/engine-step.md``,
+"AMX on a Xeon").
+
 So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x slower, and so is fp16); from
 ``DENSE_MIN_ROWS`` = 10 rows (prefill chunks, the few-token tail of a prefix hit) a quantized layer uses a
 dense bf16 copy of its dequantized weight, prepacked by oneDNN on CPU (``engine.dense_min_rows``; None = no
