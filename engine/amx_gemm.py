@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,6 @@ import torch
 from engine import native_build
 from engine.api import DENSE_GEMMS
 from engine.native_build import NativeKernelError
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "amx_gemm.c"
 FLAGS = (

@@ -1365,14 +1365,16 @@ int paged_prefill_attention_amx(const void *q, int q_bf16, const void *cache, in
         if (t >= table_len || table[t] < 0 || table[t] >= num_blocks) return -1;
     const int64_t group = H / KVH, pos_elems = KVH * D, block_elems = block_size * pos_elems;
     const int64_t v_offset = num_blocks * block_elems;
-    float *qf = scratch; /* [L][H][D], then rows up to the last tile's 16 read as zeros by the split */
-    int64_t *offs = (int64_t *)(qf + (L * H * D + 15) / 16 * 16);
+    float *qw = scratch; /* bf16 queries widened, [L][H][D] (fp32 ones are read in place) */
+    int64_t *offs = (int64_t *)(qw + (L * H * D + 15) / 16 * 16);
     uint16_t *KB = (uint16_t *)(offs + (seq_len + 7) / 8 * 8);
     uint16_t *VB = KB + KVH * amx_kb_elems(seq_len);
     float *per_thread = (float *)(VB + KVH * amx_vb_elems(seq_len));
     const int64_t tf = amx_thread_floats(seq_len), sstride = (seq_len + 31) / 32 * 32;
     const int64_t tiles = (L + AMX_ROWS - 1) / AMX_ROWS, chunks = (seq_len + 31) / 32;
-    for (int64_t i = 0; i < L * H * D; i++) qf[i] = load1(q, i, q_bf16);
+    if (q_bf16)
+        for (int64_t i = 0; i < L * H * D; i++) qw[i] = load1(q, i, 1);
+    const float *qf = q_bf16 ? qw : (const float *)q;
     for (int64_t l = 0; l < seq_len; l++) offs[l] = position(table, l, block_size, block_elems, pos_elems, 0, D);
 #pragma omp parallel num_threads(threads)
     {
