@@ -15,8 +15,9 @@ per machine, at engine
 start, never per request. The AVX-512 build where the CPU has it, else the AVX2 one (``build_isa``), whose
 scores and values passes are written for 8-lane registers (the generic 16-lane code split in two spilled its
 accumulators and was slower than torch's path); a model it serves is named apart in ``model_id``
-(``decode_kernel_variant``). A new build is checked against a float64 reference on random inputs
-before use (``self_check``).
+(``decode_kernel_variant``). A third build, ``amx`` (CPUs with AMX and AVX512-BF16), serves prompt rows only
+(``engine.prefill_kernel: amx``; ``paged_prefill_attention_amx``: a bf16 cache, head_dim 64, scores and values on
+AMX tiles). A new build is checked against a float64 reference on random inputs before use (``self_check``).
 
 Invariants: the kernel only reads the cache; an out-of-range argument (a block id outside the pool, a length
 past ``max_len``, a table too short) is refused by the kernel before anything is read (``ValueError`` here).
@@ -59,14 +60,14 @@ ISA_FLAGS = {
     ),
     "avx2": ("-mavx2", "-mfma", "-DPD_ROWS=32", "-DPD_LANES=8"),
 }
-ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DPD_AMX=1")
-
 """Instruction-set flags of a build: ``avx512``, and ``avx2`` on CPUs without AVX-512 (the same C operations on
 16-lane vectors split in two; the scores and values passes of decode written for 8-lane registers with the same
 per-lane arithmetic: ``scores_tile_pairs`` / ``values_heads_pairs`` over a bf16 cache, ``scores_tile_halves`` /
 ``values_heads_halves`` over fp32; measured bit-identical to the generic code's AVX2 build).
 ``-mprefer-vector-width=512``: GCC's default tuning lowered some of the 16-lane vector code in 256-bit halves
 (the same bits, 1.4x the prefill attention's time on a Zen 4: docs/engine-step.md, session 17)."""
+ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DPD_AMX=1")
+"""The AMX build: the AVX-512 one plus ``paged_prefill_attention_amx`` (``-DPD_AMX``; prompt rows only)."""
 SPLITS = {"auto": 0, "heads": 1, "positions": 2}
 """``NativeDecodeKernel.attend``'s ways to spread a lone sequence over threads, as ``paged_decode.c`` numbers them
 (``SPLIT_DEFAULT``, ``SPLIT_HEADS``, ``SPLIT_POSITIONS``)."""
@@ -539,7 +540,8 @@ def resolve_decode_kernel(
 def prefill_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
     """The part of ``model_id`` naming the prefill kernel (``LLMEngine`` appends it after the decode kernel's):
     ``""`` for torch's chunked prefill, ``"/native-prefill"`` for the AVX-512 build, ``"/native-prefill-<isa>"``
-    for another (``"/native-prefill-amx"``: the AMX build, other arithmetic) (a prompt's K/V differs by kernel; the KV tiers key by ``model_id``)."""
+    for another (``"/native-prefill-amx"`` for the AMX build's other arithmetic). A prompt's K/V differs by
+    kernel; the KV tiers key by ``model_id``."""
     if kernel is None:
         return ""
     return "/native-prefill" if kernel.isa == "avx512" else f"/native-prefill-{kernel.isa}"
