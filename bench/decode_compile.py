@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention, plan_attention
+from engine.attention_kernels import resolve_decode_kernel
 from engine.checkpoint import default_model_path, load_checkpoint
 from engine.linear import Int4Weight, Int8Weight, LinearWeight
 from engine.model import DecoderLayer, LlamaModel, allocate_kv_cache, apply_rope, rms_norm
-from engine.native_decode import resolve_decode_kernel
 from engine.native_glue import resolve_glue_kernel
 from engine.rope_table import rope_rotation
 

@@ -248,7 +248,7 @@ def glue_prefill_ab(
     (``engine.native_glue``), interleaved, the order alternating every round; the prefill attention kernel as
     ``engine.prefill_kernel: auto`` picks it. One row per (length, threads): the median and the
     best of ``repeats`` rounds of each, and ``glue_over_torch`` of the medians."""
-    from engine.native_decode import resolve_prefill_kernel
+    from engine.attention_kernels import resolve_prefill_kernel
     from engine.native_glue import resolve_glue_kernel
 
     model, cfg = ck.model, ck.config

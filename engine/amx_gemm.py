@@ -39,21 +39,9 @@ from engine.api import DENSE_GEMMS
 from engine.native_build import NativeKernelError
 
 SOURCE = Path(__file__).with_name("kernels") / "amx_gemm.c"
-FLAGS = (
-    "-O3",
-    "-shared",
-    "-fPIC",
-    "-std=gnu11",
-    "-fopenmp",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mamx-tile",
-    "-mamx-bf16",
-)
+FLAGS = (*native_build.BASE_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", *native_build.AMX_BF16_FLAGS)
 """Compiler flags of the one build."""
-REQUIRED = native_build.AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}
+REQUIRED = native_build.AMX_BF16
 """CPU flags the build needs (``engine.weight_format.cpu_flags`` names)."""
 TILE_K = 32  # inputs per tile row pair chunk (one TDPBF16PS)
 TILE_N = 32  # outputs per block of two B tiles

@@ -350,7 +350,7 @@ class EngineConfig:
             (``engine.chunked_prefill``), ``auto`` = amx where it builds and fits, else native where it was
             measured faster (the AVX-512 build; the AVX2 build, on CPUs without AVX-512, at 2 or more
             ``num_threads``), else torch
-            (``engine.native_decode.resolve_prefill_kernel``, ``docs/engine-step.md``). Each keeps a prompt row's
+            (``engine.attention_kernels.resolve_prefill_kernel``, ``docs/engine-step.md``). Each keeps a prompt row's
             result independent of chunking and caching. Part of ``model_id`` when native or amx (a prompt's K/V
             differs); ``native`` or ``amx`` where it cannot be built (or, amx, does not fit the cache or shape) is
             a start-up error naming the reason.
@@ -425,7 +425,7 @@ DECODE_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.decode_kernel``'s values (``engine.native_decode``)."""
 
 PREFILL_KERNELS = ("auto", "native", "amx", "torch")
-"""``EngineConfig.prefill_kernel``'s values (``engine.native_decode.resolve_prefill_kernel``)."""
+"""``EngineConfig.prefill_kernel``'s values (``engine.attention_kernels.resolve_prefill_kernel``)."""
 
 LINEAR_KERNELS = ("auto", "native", "int8-activations", "torch")
 """``EngineConfig.linear_kernel``'s values (``engine.native_linear``)."""

@@ -20,107 +20,21 @@ time of torch's int4 kernel for the 30 layers and ~0.45x for the Q8_0 head, so `
 picks it wherever it builds (its int8-activation variant where that builds); the dense prefill copy still serves
 prompt rows, except on CPUs without bf16 GEMMs (``engine.dense_min_rows: auto``, below).
 
-Kernel choice per row count (first measured on a CPU with AVX512-BF16, no AMX; SmolLM2-135M shapes; one thread; time per decoder
-layer, q/k/v + o + gate/up + down, with ``time.thread_time`` so other processes do not distort it; the layer's
-weights fit the cache here, so the decode rows understate what streaming 30 layers from memory saves):
+Kernel choice per row count, measured (SmolLM2's shapes on AVX512-BF16 EPYCs, an AMX Xeon and an AVX2-only
+EPYC; the tables are in ``docs/engine-step.md``, "Weight formats: kernel choice per row count"):
 
-| rows | fp32 ``x @ W.T`` | bf16 dense GEMM | int4 kernel, bf16 activations | int4 kernel, fp32 activations |
-|---|---|---|---|---|
-| 1 (decode) | 0.225 ms | 0.284 ms | **0.103 ms** | 5.5 ms (scalar loop) |
-| 8 (batched decode) | 1.42 ms | 0.51 ms | **0.34 ms** | 43 ms |
-| 16 (gate/up only) | | **0.21 ms** | 0.32 ms | |
-| 64 | 5.6 ms | **1.4 ms** | 2.9 ms | |
-| 512 (prefill chunk) | 38 ms | **9.3 ms** | 23 ms | |
-| 1,080 | 75 ms | **18 ms** | 46 ms | |
-
-LM head (49,152 x 576, Q8_0 in SmolLM2), one row: fp32 4.3 ms, bf16 ``F.linear`` 3.7 ms, torch's
-``_weight_int8pack_mm`` (one scale per row; would need re-quantizing) 1.9 ms with bf16 activations and 19 ms
-with fp32, the int4 kernel 1.2 ms per plane (2 planes: ~2.4 ms, exact).
-
-On a 2-core Xeon with AVX512-BF16 and AMX (same shapes, one thread, thread time; the machine was loaded, load
-average 7-9, so single numbers move by ~30%; "packed" is oneDNN's prepacked bf16 weight,
-``engine.bf16_gemm.pack_bf16_dense``, bit-identical output to ``F.linear`` on the same bf16 weight):
-
-| rows | bf16 ``F.linear`` | bf16 packed | int4 kernel, bf16 activations | 30 layers streamed: packed / int4 |
-|---|---|---|---|---|
-| 1 | 0.70 ms | 0.43 ms | **0.24 ms** | 30 ms / **8.9 ms** |
-| 4 | 1.02 ms | 0.76 ms | **0.52 ms** | 37 ms / **16 ms** |
-| 8 | 0.94 ms | **0.58 ms** | 1.0 ms | 31 ms / 28 ms |
-| 13 | 0.79 ms | **0.63 ms** | 1.8 ms | **25 ms** / 47 ms |
-| 58 | 1.90 ms | **1.46 ms** | 7.6 ms | |
-| 512 | 6.8 ms | **3.6 ms** | 58 ms | |
-| 1,082 | 9.3 ms | 11.5 / 8.0 ms (packed for 64 / 1,024 rows) | 122 ms | |
-
-(an earlier run at load average 4.6: 58 rows 1.25 ms ``F.linear`` against 0.97 ms packed, 1,082 rows 8.4 against
-6.7 ms). Once the weights stream from memory the int4 kernel wins up to ~8 rows, the dense copy from ~10.
-
-On CPUs with AMX the bf16 dense copy is packed for our own AMX GEMM instead (``engine.amx_gemm``,
-``engine.dense_gemm``): row-invariant in whole calls, where oneDNN's bf16 GEMM needed 32-row calls there
-(``engine.bf16_gemm``); 1,070 rows' linears 0.15 s against 0.37 s on a 2-core Xeon (``docs/engine-step.md``,
-"AMX on a Xeon").
-
-So: activations enter the weight-only kernels in bf16 (their fp32 path is ~50x slower, and so is fp16); from
-``DENSE_MIN_ROWS`` = 10 rows (prefill chunks, the few-token tail of a prefix hit) a quantized layer uses a
-dense bf16 copy of its dequantized weight, prepacked by oneDNN on CPU (``engine.dense_min_rows``; None = no
-copy, int4 kernel at every row count, ~2 bytes per weight less memory); below, the int4 kernel. The LM head
-runs on the few logit rows only and keeps no copy.
-
-On a 2-core AMD EPYC (Zen 5: AVX512-BF16, no AMX; the machine ``bench.decode_compile`` last ran on) the same
-split holds (30 layers' q/k/v + o + gate/up + down, weights streamed from memory, one thread, thread time, load
-average ~6; ``_weight_int8pack_mm`` on a per-row int8 re-quantization, which would not be exact, for speed only):
-
-| rows | int4 kernel, bf16 activations | bf16 packed | int8, one scale per row |
-|---|---|---|---|
-| 1 | **4.7 ms** | 11.1 ms | 7.9 ms |
-| 4 | **6.7 ms** | 12.3 ms | 9.1 ms |
-| 8 | **12.3 ms** | 14.7 ms | 17.2 ms |
-| 10 | 19.6 ms | **16.7 ms** | 19.6 ms |
-| 16 | 22.6 ms | **17.7 ms** | 26.4 ms |
-
-so ``DENSE_MIN_ROWS`` = 10 is kept there too, and no per-machine choice is made at load.
-
-On an AVX2 CPU without bf16 arithmetic (AMD EPYC, AVX2+FMA; same shapes, one thread, thread time, one layer's
-weights hot in cache; the machine was loaded) bf16 GEMMs are emulated and lose everywhere, and the int4 kernel
-(bf16 widened to fp32 inside) wins only where weights stream from memory:
-
-| rows | fp32 ``x @ W.T`` | bf16 dense GEMM | int4 kernel, bf16 activations | int4, fp32 activations |
-|---|---|---|---|---|
-| 1 | 0.46 ms | 1.34 ms | 0.89 ms | 20 ms |
-| 8 | 3.0 ms | 9.7 ms | 3.4 ms | 165 ms |
-| 64 | **15 ms** | 86 ms | 31 ms | |
-| 512 | **106 ms** | 669 ms | 221 ms | |
-
-30 layers streamed from memory, one decode row: int4 25 ms against fp32 40 ms (8 rows: 106 ms against 126 ms);
-the Q8_0 LM head on the int4 kernel's two planes took 14.5 ms a row against 7 ms in fp32. So there the dense
-prefill copy is fp32 (``dense_dtype``, ``engine.weight_format.resolve``) and the head runs dense fp32 (exact).
-Where the native kernel runs the linears there, ``engine.dense_min_rows: auto`` keeps no copy at all: its panel
-path takes prompt rows at 0.9-1.3x the fp32 copy's time while reading 7x fewer bytes, and the copy was a third of
-the peak RSS (``engine.weight_format.auto_dense_min_rows``; ``docs/engine-step.md``, "Prompt rows on the native
-kernel").
-
-``DenseWeight`` in fp32 (30 layers, weights streamed from memory, one thread):
-
-| rows (tokens) | ``F.linear(x, W[out,in])`` | ``x @ W.T`` stored ``[in,out]`` | oneDNN prepacked (packed for 8 rows) |
-|---|---|---|---|
-| 1 (decode of one sequence) | 34 ms / 30 layers | **31 ms** | 41 ms |
-| 8 (batched decode) | 79 ms | 72 ms | **52 ms** |
-| 512 (prefill chunk) | | **687 ms** | 714 ms |
-
-So the fp32 weight is stored transposed, and on CPU a second, prepacked copy (oneDNN's blocked layout,
-``torch.ops.mkldnn._reorder_linear_weight``, the format PyTorch's own compiler uses for CPU linears) serves
-every row count: it costs a second copy of the weights in memory, not in bytes read per token (each step reads
-one copy). It once served only batches of 2-48 rows, the plain GEMM the rest, but the two kernels round
-differently (every row of a 300-row call differed), and so do the plain GEMM's own one-row and many-row calls,
-so a sequence's logits depended on its batch and a prompt's tail on whether its prefix came from the cache.
-The prepacked kernel gave each row the same bits at every row count from 1 to 300 (AVX2-only Zen 3, 1 and 2
-threads, SmolLM2's layer and head shapes). What that costs there (2 threads, time per call):
-
-| shape | rows | plain ``x @ W.T`` | prepacked |
-|---|---|---|---|
-| LM head 49,152 x 576 | 1 | 5.7 ms | 6.4 ms (1 thread: 5.6 against 9.0 ms) |
-| LM head 49,152 x 576 | 8 | 33.5 ms | **7.5 ms** |
-| 1,536 x 576 | 512 | 5.7 ms | 5.7 ms |
-| 576 x 1,536 | 512 | 5.3 ms | 5.9 ms |
+- activations enter torch's int4 kernel in bf16 (its fp32 path is a scalar loop, ~50x slower);
+- from ``DENSE_MIN_ROWS`` = 10 rows (prefill chunks, the few-token tail of a prefix hit) a quantized layer uses a
+  dense bf16 copy of its dequantized weight (``engine.dense_min_rows``; None = no copy): prepacked by oneDNN on
+  CPU, or on CPUs with AMX packed for our own AMX GEMM (``engine.amx_gemm``, ``engine.dense_gemm``: row-invariant
+  in whole calls, where oneDNN needed 32-row calls there, ``engine.bf16_gemm``); below, the weight-only kernel;
+  the LM head runs on the few logit rows only and keeps no copy;
+- on CPUs without bf16 arithmetic (AVX2) the copy is fp32 (``dense_dtype``), or none where the native kernel's
+  AVX2 build runs the linears (``engine.weight_format.auto_dense_min_rows``), and the head runs dense fp32 unless
+  the native kernel serves it;
+- ``DenseWeight`` (fp32) is stored transposed, with a second, oneDNN-prepacked copy on CPU that serves every row
+  count and gives each row the same bits at every row count (the plain GEMM's one-row and many-row calls round
+  differently).
 
 The plain GEMM serves where there is no prepacked copy (off CPU, other dtypes, no oneDNN).
 """

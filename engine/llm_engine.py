@@ -40,6 +40,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.api import EngineConfig, EngineStats, FinishReason, SamplingParams, TokenLogprob
+from engine.attention_kernels import (
+    decode_kernel_variant,
+    prefill_kernel_variant,
+    resolve_decode_kernel,
+    resolve_prefill_kernel,
+)
 from engine.block_hash import HashFn, LayeredKeys, hash_block
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder
@@ -53,12 +59,6 @@ from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.model import LlamaModel
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
-from engine.native_decode import (
-    decode_kernel_variant,
-    prefill_kernel_variant,
-    resolve_decode_kernel,
-    resolve_prefill_kernel,
-)
 from engine.native_glue import glue_kernel_variant, resolve_glue_kernel
 from engine.native_step import resolve_decode_step
 from engine.output_processor import OutputProcessor, RequestOutput

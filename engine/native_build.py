@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})
-"""CPU flags every native kernel needs (``engine.weight_format.cpu_flags`` names)."""
+"""CPU flags every AVX-512 build needs (``engine.weight_format.cpu_flags`` names)."""
+AMX_BF16 = AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}
+"""CPU flags the AMX builds need (``engine.amx_gemm``, ``engine.native_decode``'s ``amx``)."""
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
+"""Compiler flags every kernel build starts with (a shared library, OpenMP: the runtime torch loaded)."""
+AMX_BF16_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+"""Compiler flags the AMX builds add to their AVX-512 ones."""
 
 
 class NativeKernelError(RuntimeError):

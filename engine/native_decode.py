@@ -15,7 +15,7 @@ per machine, at engine
 start, never per request. The AVX-512 build where the CPU has it, else the AVX2 one (``build_isa``), whose
 scores and values passes are written for 8-lane registers (the generic 16-lane code split in two spilled its
 accumulators and was slower than torch's path); a model it serves is named apart in ``model_id``
-(``decode_kernel_variant``). A third build, ``amx`` (CPUs with AMX and AVX512-BF16), serves prompt rows only
+(``engine.attention_kernels.decode_kernel_variant``; which build runs is chosen there). A third build, ``amx`` (CPUs with AMX and AVX512-BF16), serves prompt rows only
 (``engine.prefill_kernel: amx``; ``paged_prefill_attention_amx``: a bf16 cache, head_dim 64, scores and values on
 AMX tiles). A new build is checked against a float64 reference on random inputs before use (``self_check``).
 
@@ -27,27 +27,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from pathlib import Path
 
 import torch
 
 from engine import native_build
-from engine.api import DECODE_KERNELS, PREFILL_KERNELS
 from engine.native_build import NativeKernelError
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
-FLAGS = (
-    "-O3",
-    "-shared",
-    "-fPIC",
-    "-std=gnu11",
-    "-fopenmp",
-    "-Wno-psabi",
-)
+FLAGS = (*native_build.BASE_FLAGS, "-Wno-psabi")
 ISA_FLAGS = {
     "avx512": (
         "-mavx512f",
@@ -66,7 +55,7 @@ per-lane arithmetic: ``scores_tile_pairs`` / ``values_heads_pairs`` over a bf16 
 ``values_heads_halves`` over fp32; measured bit-identical to the generic code's AVX2 build).
 ``-mprefer-vector-width=512``: GCC's default tuning lowered some of the 16-lane vector code in 256-bit halves
 (the same bits, 1.4x the prefill attention's time on a Zen 4: docs/engine-step.md, session 17)."""
-ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DPD_AMX=1")
+ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], *native_build.AMX_BF16_FLAGS, "-DPD_AMX=1")
 """The AMX build: the AVX-512 one plus ``paged_prefill_attention_amx`` (``-DPD_AMX``; prompt rows only)."""
 SPLITS = {"auto": 0, "heads": 1, "positions": 2}
 """``NativeDecodeKernel.attend``'s ways to spread a lone sequence over threads, as ``paged_decode.c`` numbers them
@@ -74,7 +63,7 @@ SPLITS = {"auto": 0, "heads": 1, "positions": 2}
 ISA_CPU_FLAGS = {
     "avx512": native_build.AVX512,
     "avx2": frozenset({"avx2", "fma"}),
-    "amx": native_build.AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+    "amx": native_build.AMX_BF16,
 }
 LIBS: tuple[str, ...] = ()
 
@@ -505,128 +494,5 @@ def _shared_kernel(group: int | None, head_dim: int | None, isa: str = "avx512")
         return str(exc)
 
 
-def decode_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
-    """The part of ``model_id`` naming the decode kernel (``LLMEngine`` appends it): ``""`` for torch's paths,
-    ``"/native-decode"`` for the AVX-512 build, ``"/native-decode-<isa>"`` for another (named apart: their bits
-    are equal by construction, not checked on one machine running both)."""
-    if kernel is None:
-        return ""
-    return "/native-decode" if kernel.isa == "avx512" else f"/native-decode-{kernel.isa}"
-
-
-def resolve_decode_kernel(
-    setting: str, device: torch.device, group: int | None = None, head_dim: int | None = None
-) -> NativeDecodeKernel | None:
-    """The kernel ``engine.decode_kernel`` asks for on ``device``: ``torch`` -> None (torch's paths);
-    ``native`` -> the kernel, or a start-up error; ``auto`` -> the kernel where it builds on a CPU, else None
-    with a log line saying why. Built once per process and model shape (``group`` query heads per KV head,
-    ``head_dim``: compiled with constants, ``NativeDecodeKernel.build``).
-
-    Raises:
-        ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
-            ``engine.decode_kernel`` and the reason).
-    """
-    if setting not in DECODE_KERNELS:
-        raise ValueError(f"engine.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {setting!r}")
-    return native_build.resolve_setting(
-        "engine.decode_kernel",
-        setting,
-        torch.device(device).type,
-        lambda: _shared_kernel(group, head_dim, build_isa()),
-        "torch's decode attention",
-    )
-
-
-def prefill_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
-    """The part of ``model_id`` naming the prefill kernel (``LLMEngine`` appends it after the decode kernel's):
-    ``""`` for torch's chunked prefill, ``"/native-prefill"`` for the AVX-512 build, ``"/native-prefill-<isa>"``
-    for another (``"/native-prefill-amx"`` for the AMX build's other arithmetic). A prompt's K/V differs by
-    kernel; the KV tiers key by ``model_id``."""
-    if kernel is None:
-        return ""
-    return "/native-prefill" if kernel.isa == "avx512" else f"/native-prefill-{kernel.isa}"
-
-
 AMX_HEAD_DIM = 64
 """The one head size the AMX build's prefill takes (``paged_decode.c``'s ``AMX_D``)."""
-
-
-def amx_fits(kv_dtype: torch.dtype, head_dim: int | None) -> bool:
-    """Whether ``engine.prefill_kernel: auto`` tries the AMX build: a bf16 cache, ``head_dim`` 64, a CPU with AMX
-    and AVX512-BF16, and no other instruction set asked for (``$PREFIXGATE_ATTENTION_ISA``)."""
-    return (
-        kv_dtype == torch.bfloat16
-        and head_dim == AMX_HEAD_DIM
-        and build_isa() == "avx512"
-        and _cpu_ok("amx")[0]
-    )
-
-
-def resolve_prefill_kernel(
-    setting: str,
-    device: torch.device,
-    group: int | None = None,
-    head_dim: int | None = None,
-    threads: int = 1,
-    kv_dtype: torch.dtype = torch.float32,
-) -> NativeDecodeKernel | None:
-    """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``amx`` -> the
-    AMX build (``paged_prefill_attention_amx``: a bf16 cache and ``head_dim`` 64 only), or a start-up error;
-    ``auto`` takes it first where it builds and the cache and shape fit (``amx_fits``; on a 2-core Xeon with AMX,
-    SmolLM2's shape, 1,070 rows, 2 threads: 3.2 against 7.9 ms a layer for the AVX-512 build); ``torch`` ->
-    None (torch's chunked prefill); ``native`` -> the kernel (the same library as the decode kernel, built once
-    per process and model shape), or a start-up error; ``auto`` -> the kernel where it is measured faster than
-    torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``), and the AVX2 build (CPUs
-    without AVX-512) when the engine runs at least 2 ``threads``. On a 2-core AMD EPYC Zen 4 with AVX512-BF16
-    (session 17, SmolLM2, 2 threads, whole requests from ``add_request`` to the first token, native over torch's
-    time): bf16 cache 0.74x cold at 1,082 tokens (930 vs 1,255 ms), 0.72x for 54 rows over 1,028 cached (80 vs
-    111 ms), 0.64x cold at ~4,000 tokens (6.8 vs 10.6 s); the fp32 cache runs the same kernel at the same speed
-    (938 / 81 ms). Session 12 had measured the bf16 cache at 0.80-1.08x of torch's speed, before the kernel's
-    K/V loads served every query head of a KV head and its build asked for 512-bit vectors. On an AVX2-only EPYC
-    Zen 3 (session 15, each value row widened once per tile; attention time, bf16 cache, 512-token chunks):
-    1.12x / 1.28x at 1,024 tokens, 0.83x / 1.08x at 4,096 (1 / 2 threads); whole requests at 2 threads took
-    0.75x (4 prompt tokens over 983 cached), 0.95x (48 over 1,600) and 0.79x (1,050 cold) of torch's time.
-    Torch attends in fp32 there whatever the cache (``engine.attention.attention_dtype``).
-    ``docs/engine-step.md``.
-
-    Args:
-        threads: the engine's thread count for prefill steps (``auto`` on AVX2 needs 2 or more).
-        kv_dtype: the KV cache's dtype (the AMX build takes bf16 only).
-
-    Raises:
-        ValueError: an unknown setting, or ``native`` / ``amx`` where that kernel is not available or (``amx``)
-            the cache or shape does not fit it (the message names ``engine.prefill_kernel`` and the reason).
-    """
-    if setting not in PREFILL_KERNELS:
-        raise ValueError(
-            f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
-        )
-    if setting == "amx":
-        if kv_dtype != torch.bfloat16 or head_dim != AMX_HEAD_DIM:
-            raise ValueError(
-                f"engine.prefill_kernel: amx needs engine.kv_dtype bfloat16 and head_dim {AMX_HEAD_DIM}, got "
-                f"{str(kv_dtype).removeprefix('torch.')} and {head_dim}"
-            )
-        return native_build.resolve_setting(
-            "engine.prefill_kernel",
-            "amx",
-            torch.device(device).type,
-            lambda: _shared_kernel(group, head_dim, "amx"),
-            "",
-        )
-    if setting == "auto" and amx_fits(kv_dtype, head_dim) and torch.device(device).type == "cpu":
-        kernel = _shared_kernel(group, head_dim, "amx")
-        if not isinstance(kernel, str):
-            return kernel
-        logger.info("engine.prefill_kernel auto: not the AMX build (%s)", kernel)
-    isa = build_isa()
-    measured_faster = isa == "avx512" or (isa == "avx2" and threads >= 2)
-    if setting == "auto" and not measured_faster:
-        return None
-    return native_build.resolve_setting(
-        "engine.prefill_kernel",
-        setting,
-        torch.device(device).type,
-        lambda: _shared_kernel(group, head_dim, isa),
-        "torch's chunked prefill",
-    )

@@ -46,7 +46,7 @@ from engine.api import GLUE_KERNELS
 from engine.native_build import NativeKernelError
 
 SOURCE = Path(__file__).with_name("kernels") / "layer_glue.c"
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-fopenmp", "-ffp-contract=off", "-mfma", "-Wno-psabi")
+FLAGS = (*native_build.BASE_FLAGS, "-ffp-contract=off", "-mfma", "-Wno-psabi")
 """Flags of every build (no multiply-add is fused: RoPE rounds as torch's complex multiply); ``ISA_FLAGS`` adds
 the instruction set's."""
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl"), "avx2": ("-mavx2",), "avx": ()}

@@ -63,11 +63,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "quant_gemv.c"
 FLAGS = (
-    "-O3",
-    "-shared",
-    "-fPIC",
-    "-std=gnu11",
-    "-fopenmp",
+    *native_build.BASE_FLAGS,
     "-ffp-contract=off",
     "-mf16c",
     "-mfma",

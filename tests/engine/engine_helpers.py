@@ -111,3 +111,22 @@ def decode_meta(tables: list[list[int]], lens: list[int], block_size: int = 16) 
         block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
         block_size=bs,
     )
+
+
+def checked_greedy_tokens(
+    ck: LoadedCheckpoint, settings: dict, system: list[int], prompts: list[list[int]], new: int = 10
+) -> tuple[LLMEngine, list[list[int]]]:
+    """The engine built with ``settings`` and the greedy tokens (``new`` each) of ``prompts`` (``system`` plus
+    a tail each) on it, batched, after ``system`` alone was cached (the prompts' rest prefilled over it);
+    asserts the same tokens for each prompt alone with the prefix cache off and the prompt in 64-token chunks,
+    and for the first prompt with all but its last token cached."""
+    batched = make_engine(ck, **settings)
+    batched.generate([system], greedy(1))
+    got = batched.generate(prompts, greedy(new))
+    for p, tokens in zip(prompts, got, strict=True):
+        alone = make_engine(ck, enable_prefix_caching=False, max_num_batched_tokens=64, **settings)
+        assert alone.generate([p], greedy(new))[0] == tokens
+    last_token = make_engine(ck, **settings)
+    last_token.generate([prompts[0][:-1]], greedy(1))
+    assert last_token.generate([prompts[0]], greedy(new))[0] == got[0]
+    return batched, got

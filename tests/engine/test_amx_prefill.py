@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from engine import native_decode
-from engine.native_decode import NativeDecodeKernel, reference_decode, resolve_prefill_kernel
-from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from engine.attention_kernels import resolve_prefill_kernel
+from engine.native_decode import NativeDecodeKernel, reference_decode
+from tests.engine.engine_helpers import (
+    checked_greedy_tokens,
+    greedy,
+    make_engine,
+    random_tokens,
+    tiny_checkpoint,
+)
 from tests.engine.test_native_prefill import random_case
 
 AMX = native_decode._shared_kernel(3, 64, "amx")
@@ -141,16 +148,8 @@ def test_engine_tokens_cache_on_equal_off_batched_equal_alone_chunked_equal_whol
     system = random_tokens(150, 7)
     prompts = [system + random_tokens(5 + 3 * i, 20 + i) for i in range(4)]
     settings = dict(kv_dtype="bfloat16", prefill_kernel="amx", decode_kernel="native", num_threads=2)
-    batched = make_engine(ck, **settings)
+    batched, got = checked_greedy_tokens(ck, settings, system, prompts)
     assert batched.runner.prefill_kernel.isa == "amx"
     assert batched.model_id.endswith("/native-prefill-amx") or "/native-prefill-amx/" in batched.model_id
-    batched.generate([system], greedy(1))  # the system prompt cached: the prompts' rest prefilled over it
-    got = batched.generate(prompts, greedy(10))
-    for p, tokens in zip(prompts, got, strict=True):
-        alone = make_engine(ck, enable_prefix_caching=False, max_num_batched_tokens=64, **settings)
-        assert alone.generate([p], greedy(10))[0] == tokens  # cache off, the prompt cut into 64-token chunks
-    last_token = make_engine(ck, **settings)
-    last_token.generate([prompts[0][:-1]], greedy(1))  # all of the prompt but its last token cached
-    assert last_token.generate([prompts[0]], greedy(10))[0] == got[0]
     auto = make_engine(ck, kv_dtype="bfloat16", num_threads=2)
     assert auto.runner.prefill_kernel.isa == "amx" and auto.generate(prompts, greedy(10)) == got

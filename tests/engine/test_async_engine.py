@@ -9,8 +9,8 @@ import pytest
 
 from engine.api import EngineConfig, Finished, GenerationRequest, SamplingParams, TextDelta
 from engine.async_engine import AsyncEngine
+from engine.attention_kernels import decode_kernel_variant, prefill_kernel_variant
 from engine.errors import EngineClosedError, InvalidRequestError, PromptTooLongError
-from engine.native_decode import decode_kernel_variant, prefill_kernel_variant
 from engine.native_glue import glue_kernel_variant
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 

@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from engine import native_decode
-from engine.native_decode import (
-    NativeDecodeKernel,
-    NativeKernelError,
-    decode_kernel_variant,
-    reference_decode,
-    resolve_decode_kernel,
-)
+from engine.attention_kernels import decode_kernel_variant, resolve_decode_kernel
+from engine.native_decode import NativeDecodeKernel, NativeKernelError, reference_decode
 from tests.engine.engine_helpers import (
     greedy,
     make_engine,

@@ -13,8 +13,15 @@ import torch
 
 from engine import native_decode
 from engine.attention import AttentionMetadata, plan_attention
-from engine.native_decode import NativeDecodeKernel, reference_decode, resolve_prefill_kernel
-from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from engine.attention_kernels import resolve_prefill_kernel
+from engine.native_decode import NativeDecodeKernel, reference_decode
+from tests.engine.engine_helpers import (
+    checked_greedy_tokens,
+    greedy,
+    make_engine,
+    random_tokens,
+    tiny_checkpoint,
+)
 
 ISA = next((isa for isa in ("avx512", "avx2") if native_decode._cpu_ok(isa)[0]), None)
 AVAILABLE = ISA is not None and native_decode._compiler() is not None
@@ -207,16 +214,8 @@ def test_engine_tokens_cache_on_equal_off_batched_equal_alone_chunked_equal_whol
     system = random_tokens(150, 7)
     prompts = [system + random_tokens(5 + 3 * i, 20 + i) for i in range(4)]
     settings = dict(kv_dtype=kv_dtype, prefill_kernel="native", decode_kernel="native")
-    batched = make_engine(ck, **settings)
+    batched, got = checked_greedy_tokens(ck, settings, system, prompts)
     assert batched.runner.prefill_kernel is not None
-    batched.generate([system], greedy(1))  # the system prompt cached: the prompts' rest prefilled over it
-    got = batched.generate(prompts, greedy(10))
-    for p, tokens in zip(prompts, got, strict=True):
-        alone = make_engine(ck, enable_prefix_caching=False, max_num_batched_tokens=64, **settings)
-        assert alone.generate([p], greedy(10))[0] == tokens  # cache off, the prompt cut into 64-token chunks
-    last_token = make_engine(ck, **settings)
-    last_token.generate([prompts[0][:-1]], greedy(1))  # all of the prompt but its last token cached
-    assert last_token.generate([prompts[0]], greedy(10))[0] == got[0]
     # and on this tiny model the greedy tokens equal torch's paths', computing in fp32 as the kernel does (a
     # CPU with bf16 kernels would otherwise attend a bf16 cache in bf16: other roundings, other near-ties)
     monkeypatch.setattr("engine.attention._bf16_fast", lambda device: False)

@@ -1,5 +1,5 @@
 """``engine.prefill_kernel`` in the gateway's YAML: ``auto | native | amx | torch`` parsed into ``EngineConfig``, anything
-else a ``ConfigError`` naming the file, the key path and the choices (``engine.native_decode.resolve_prefill_kernel``)."""
+else a ``ConfigError`` naming the file, the key path and the choices (``engine.attention_kernels.resolve_prefill_kernel``)."""
 
 from __future__ import annotations
 
