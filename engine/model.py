@@ -43,6 +43,7 @@ from engine.errors import UnsupportedModelError
 from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight, bf16_in_out
 from engine.native_glue import NativeGlueKernel
 from engine.native_step import NativeDecodeStep
+from engine.output_rows import OutputStep, output_step
 from engine.quantized import GGUFBlocks
 from engine.rope_table import RopeTable
 from engine.row_kernels import RowKernels, forward_rows
@@ -202,11 +203,17 @@ class DecoderLayer(nn.Module):
         rows: RowKernels | None,
         glue: NativeGlueKernel,
         next_norm: torch.Tensor,
+        out: tuple[OutputStep, AttentionPlan] | None = None,
     ) -> torch.Tensor:
         """The layer with its elementwise work on the glue kernel (``engine.native_glue``): ``x`` (fp32 ``[T,
         hidden]``, ``h`` normed by ``input_norm``) in; ``h`` updated in place; returns ``norm(h) * next_norm``
         in fp32 (the next layer's ``x``, or the model's output after the last layer). ``cos_sin``: fp32 ``[T,
-        head_dim / 2, 2]``; K/V are stored by the kernel (fp32 and bf16 caches), not by ``paged_attention``."""
+        head_dim / 2, 2]``; K/V are stored by the kernel (fp32 and bf16 caches), not by ``paged_attention``.
+
+        ``out``: the output rows' step and its attention plan (``engine.output_rows``; the last layer, K/V
+        stored by the kernel): every row's K/V is stored, then only the output rows go on (``h`` is then not
+        updated) and the result is ``[N, hidden]``, those rows in ``out``'s order, the same bits as theirs in the
+        whole step."""
         c = self.config
         t = h.shape[0]
         eps = c.rms_norm_eps
@@ -216,6 +223,15 @@ class DecoderLayer(nn.Module):
         cache, slots = (layer_cache, plan.slot_mapping) if stored else (None, None)
         q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache, slots)  # q: its own contiguous [T, H, D]
         kv = qkv.view(t, nh + 2 * nkv, hd)[:, nh:]
+        if out is not None:
+            if not stored:
+                raise ValueError(
+                    "the output rows' step needs K/V stored by the glue kernel (fp32 / bf16 cache)"
+                )
+            step, plan = out
+            if step.rows.numel() == 0:
+                return x.new_empty(0, x.shape[1])
+            q, kv, h, rows = q[step.rows], kv[step.rows], h[step.rows], step.row_kernels
         k, v = kv[:, :nkv], kv[:, nkv:]
         attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5, self.o_bf16, kv_stored=stored)
         x = glue.rmsnorm(h, self.post_norm, eps, forward_rows(self.o_proj, attn, rows), self.gate_up_in)
@@ -319,6 +335,7 @@ class LlamaModel(nn.Module):
         row_kernels: RowKernels | None = None,
         glue: NativeGlueKernel | None = None,
         decode_step: NativeDecodeStep | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch of ``T`` tokens.
 
@@ -335,9 +352,13 @@ class LlamaModel(nn.Module):
                 norms, RoPE, K/V store, residual adds and SiLU * up, or None for torch's ops.
             decode_step: with ``glue``, the one-call decode step (``engine.native_step``): a decode-only step
                 it can take runs every layer in one C call, with the same bits as the layer loop.
+            output_rows: int64 ``[N]`` the rows whose hidden states are returned (the LM head's rows), or None
+                (all). With the glue kernel and a fp32 / bf16 cache the last layer runs only for them after
+                storing every row's K/V (``engine.output_rows``); their results are the same bits either way.
 
         Returns:
-            ``[T, hidden_size]`` final-normed hidden states in the model dtype.
+            ``[T, hidden_size]`` (``[N, hidden_size]`` with ``output_rows``) final-normed hidden states in the
+            model dtype.
 
         Raises:
             ValueError: inconsistent metadata (see ``engine.attention.plan_attention``).
@@ -359,13 +380,23 @@ class LlamaModel(nn.Module):
             if decode_step is not None:
                 out = decode_step.run(self, h, x, cos_sin, plan, kv_cache, row_kernels, glue)
                 if out is not None:
-                    return out
+                    return out if output_rows is None else out[output_rows]
+            last = None
+            if output_rows is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
+                step = output_step(meta, row_kernels, output_rows)
+                if step is not None:
+                    last = (
+                        step,
+                        plan_attention(step.meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.dtype),
+                    )
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-                x = layer.forward_glued(h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt)
-            return x
+                out = last if i + 1 == len(self.layers) else None
+                x = layer.forward_glued(h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt, out)
+            return x if output_rows is None or last is not None else x[output_rows]
         for i, layer in enumerate(self.layers):
             h = layer(h, rotation, kv_cache[i], plan, row_kernels)
+        h = h if output_rows is None else h[output_rows]
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

@@ -254,10 +254,11 @@ class ModelRunner:
             inp.row_kernels,
             self.glue_kernel,
             self.decode_step,
+            inp.logit_rows.to(self.model.device),
         )
         if not inp.sample_seqs:
             return StepResult([], None)
-        logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.to(hidden.device)))
+        logits = self.model.compute_logits(hidden)
         logits = logits.float().cpu()
         samples = sample_sequences(logits, inp.samplers)
         return StepResult([s.token_id for s in samples], logits if return_logits else None, samples)
