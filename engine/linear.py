@@ -493,6 +493,18 @@ def bf16_in_out(linear: LinearWeight) -> bool:
     return False
 
 
+def dense_bf16_in_out(linear: LinearWeight) -> bool:
+    """Whether ``linear``'s prompt rows (``forward(x, dense=True)``) round their input to bf16 and return their
+    kernel's bf16 result with no fp32 step after it: a bias-free ``Int4Weight`` / ``Int8Weight`` whose dense copy is
+    a bf16 tensor for oneDNN (``engine.bf16_gemm``; not ``engine.amx_gemm``'s copy, whose output is fp32). Then
+    feeding those rows bf16 and keeping the bf16 output is bit-identical to the fp32 round trip (``bf16_in_out``'s
+    argument, for the dense copy alone)."""
+    if not isinstance(linear, Int4Weight | Int8Weight) or linear.bias is not None:
+        return False
+    dense = linear.dense
+    return isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
+
+
 class GroupedEmbedding(nn.Module):
     """A token embedding kept in its quantized groups, rows decoded on lookup (exact, fp32):
     ``row = (q - offset) * scale + zero`` per group of 32 (Q8_0: offset 0, no zero; Q4_x: offset 8).

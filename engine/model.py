@@ -40,7 +40,14 @@ from torch import nn
 from engine.arch_config import ArchConfig
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from engine.errors import UnsupportedModelError
-from engine.linear import GroupedEmbedding, Int4Weight, Int8Weight, LinearWeight, bf16_in_out
+from engine.linear import (
+    GroupedEmbedding,
+    Int4Weight,
+    Int8Weight,
+    LinearWeight,
+    bf16_in_out,
+    dense_bf16_in_out,
+)
 from engine.native_glue import NativeGlueKernel
 from engine.native_step import NativeDecodeStep
 from engine.output_rows import OutputStep, output_step
@@ -165,6 +172,10 @@ class DecoderLayer(nn.Module):
         # output then holds the values its fp32 output would: silu * up reads either)
         self.gate_up_in = torch.bfloat16 if bf16_in_out(self.gate_up) else torch.float32
         self.act_dtype = torch.bfloat16 if self.down_bf16 else torch.float32
+        # a step whose rows all run the dense copies (prompt rows only, ``RowKernels.kernel`` None) keeps the
+        # attention output and the MLP's input and activation in bf16 when o/gate_up/down all round their input
+        # to bf16 and return their bf16 result there (``dense_bf16_in_out``): the same bits as the fp32 round trip
+        self.prompt_bf16 = all(dense_bf16_in_out(lin) for lin in (self.o_proj, self.gate_up, self.down))
 
     def forward(
         self,
@@ -233,9 +244,13 @@ class DecoderLayer(nn.Module):
                 return x.new_empty(0, x.shape[1])
             q, kv, h, rows = q[step.rows], kv[step.rows], h[step.rows], step.row_kernels
         k, v = kv[:, :nkv], kv[:, nkv:]
-        attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5, self.o_bf16, kv_stored=stored)
-        x = glue.rmsnorm(h, self.post_norm, eps, forward_rows(self.o_proj, attn, rows), self.gate_up_in)
-        act = glue.silu_mul(forward_rows(self.gate_up, x, rows), self.act_dtype)
+        bf16 = self.prompt_bf16 and rows is not None and rows.kernel is None
+        o_dtype, gate_up_in, act_dtype = (
+            (torch.bfloat16,) * 3 if bf16 else (self.o_bf16, self.gate_up_in, self.act_dtype)
+        )
+        attn = paged_attention(q, k, v, layer_cache, plan, c.head_dim**-0.5, o_dtype, kv_stored=stored)
+        x = glue.rmsnorm(h, self.post_norm, eps, forward_rows(self.o_proj, attn, rows), gate_up_in)
+        act = glue.silu_mul(forward_rows(self.gate_up, x, rows), act_dtype)
         return glue.rmsnorm(h, next_norm, eps, forward_rows(self.down, act, rows))
 
 
