@@ -396,19 +396,21 @@ class LlamaModel(nn.Module):
                 out = decode_step.run(self, h, x, cos_sin, plan, kv_cache, row_kernels, glue)
                 if out is not None:
                     return out if output_rows is None else out[output_rows]
-            last = None
+            tail = None  # the last layer's step for the output rows alone (engine.output_rows), if it can run
             if output_rows is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
                 step = output_step(meta, row_kernels, output_rows)
                 if step is not None:
-                    last = (
+                    tail = (
                         step,
                         plan_attention(step.meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.dtype),
                     )
             for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-                out = last if i + 1 == len(self.layers) else None
-                x = layer.forward_glued(h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt, out)
-            return x if output_rows is None or last is not None else x[output_rows]
+                last = i + 1 == len(self.layers)
+                nxt = self.norm if last else self.layers[i + 1].input_norm
+                x = layer.forward_glued(
+                    h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt, tail if last else None
+                )
+            return x if output_rows is None or tail is not None else x[output_rows]
         for i, layer in enumerate(self.layers):
             h = layer(h, rotation, kv_cache[i], plan, row_kernels)
         h = h if output_rows is None else h[output_rows]

@@ -38,8 +38,8 @@ class OutputStep:
 
     Attributes:
         rows: int64 ``[N]`` the output rows (indices into the step's ``T`` rows), in the caller's order.
-        meta: the attention metadata of ``N`` one-row sequences: output row ``j`` is the last row of sequence
-            ``seqs[j]`` of the step, with that sequence's context length, block table and prompt length.
+        meta: the attention metadata of ``N`` one-row sequences: the ``j``-th holds output row ``rows[j]`` with
+            the context length, block table and prompt length of the step's sequence that row ends.
         row_kernels: the output rows' kernels (``RowKernels`` indices into ``0 .. N - 1``), or None where the
             step had none.
     """
@@ -62,17 +62,17 @@ def output_step(
     meta: AttentionMetadata, row_kernels: RowKernels | None, output_rows: torch.Tensor
 ) -> OutputStep | None:
     """The reduced last-layer step for ``output_rows`` (int64 ``[N]``, each the last row of a distinct sequence of
-    the step, ``N`` may be 0), or None when the step must run every row in its last layer: a native attention
-    kernel missing (another path may attend a lone row otherwise than within its chunk), or an output row that
-    is not its sequence's last or appears twice.
+    the step, ``N`` may be 0), or None when the step runs every row in its last layer: every row is an output
+    row (nothing to skip: a decode step), a native attention kernel is missing (another path may attend a lone
+    row otherwise than within its chunk), or an output row is not its sequence's last or appears twice.
 
     Raises:
         ValueError: an output row outside ``[0, T)``.
     """
-    if meta.decode_kernel is None or meta.prefill_kernel is None:
-        return None
     qsl = meta.query_start_loc
     rows = output_rows.tolist()
+    if meta.decode_kernel is None or meta.prefill_kernel is None or len(rows) == qsl[-1]:
+        return None
     seqs: list[int] = []
     for r in rows:
         if not 0 <= r < qsl[-1]:

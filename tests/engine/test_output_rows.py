@@ -103,6 +103,7 @@ def test_output_step_declines_what_it_cannot_keep_bit_exact():
     assert output_step(m, None, torch.tensor([4, 4])) is None  # one sequence twice
     assert output_step(meta([0, 5, 6], [20, 33], kernels=False), None, torch.tensor([4, 5])) is None
     assert output_step(m, None, torch.tensor([4, 5])) is not None
+    assert output_step(meta([0, 1, 2], [20, 33]), None, torch.tensor([0, 1])) is None  # every row: a decode
     with pytest.raises(ValueError, match="outside the step's 6 rows"):
         output_step(m, None, torch.tensor([6]))
 
