@@ -149,3 +149,32 @@ def test_forward_returns_the_output_rows_of_the_whole_step(glue):
     )
     assert empty.shape == (0, ck.config.hidden_size)
     assert torch.equal(runner.kv_cache, cache)
+
+
+def test_output_rows_step_refuses_a_cache_the_glue_does_not_store():
+    """The last layer's output-rows step relies on the glue kernel having stored every row's K/V (fp32 / bf16
+    caches); with another cache dtype the layer refuses it by name instead of dropping the other rows' K/V."""
+    ck = tiny_checkpoint("hf", weights="int4")
+    runner = make_engine(ck).runner
+    c = ck.config
+    ids = torch.tensor(random_tokens(3, 72))
+    positions = torch.arange(3)
+    m = AttentionMetadata(
+        torch.arange(3),
+        [0, 3],
+        [3],
+        torch.tensor([[0]]),
+        16,
+        runner.decode_kernel,
+        [3],
+        runner.prefill_kernel,
+    )
+    step = output_step(m, None, torch.tensor([2]))
+    h = ck.model.embed_tokens(ids)
+    x = runner.glue_kernel.rmsnorm(h, ck.model.layers[-1].input_norm, c.rms_norm_eps)
+    cos_sin = torch.view_as_real(ck.model.rope.rotations(positions)).view(3, -1, 2)
+    fp16_cache = torch.zeros(2, 4, 16, c.num_kv_heads, c.head_dim, dtype=torch.float16)
+    with pytest.raises(ValueError, match="needs K/V stored by the glue kernel"):
+        ck.model.layers[-1].forward_glued(
+            h, x, cos_sin, fp16_cache, None, None, runner.glue_kernel, ck.model.norm, (step, None)
+        )
