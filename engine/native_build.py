@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -75,6 +76,26 @@ def compiler_version(cc: str) -> str:
         raise NativeKernelError(f"the C compiler {cc} does not run: {exc}") from exc
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The headers ``source`` includes with quotes (``#include "name.h"``, beside it), in order of first
+    appearance, each once: part of the build's hash, so editing a shared header rebuilds every kernel using it.
+
+    Raises:
+        NativeKernelError: an included header is not beside the source.
+    """
+    found: list[Path] = []
+    for name in _LOCAL_INCLUDE.findall(source.read_bytes()):
+        path = source.parent / name.decode()
+        if not path.is_file():
+            raise NativeKernelError(f"{source.name} includes {name.decode()!r}, which is not beside it")
+        if path not in found:
+            found.append(path)
+    return found
+
+
 def build_library(
     source: Path, cc: str, flags: tuple[str, ...], libs: tuple[str, ...] = (), directory: Path | None = None
 ) -> Path:
@@ -85,7 +106,8 @@ def build_library(
         NativeKernelError: the compiler does not run or the compile fails (its last error lines quoted).
     """
     version = compiler_version(cc)
-    digest = hashlib.sha256(source.read_bytes() + repr((flags, libs, version)).encode()).hexdigest()[:16]
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in local_headers(source))
+    digest = hashlib.sha256(text + repr((flags, libs, version)).encode()).hexdigest()[:16]
     directory = kernel_dir() if directory is None else directory
     target = directory / f"{source.stem}-{digest}.so"
     if target.exists():

@@ -28,25 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Tiles 0-3: C (16 rows x 16 fp32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 pair rows x 16 outputs x 2). */
-static void load_tile_config(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+#include "amx_tiles.h" /* tiles 0-3: C, 4-5: A, 6-7: B */
 
 /* Row i of x (k floats) -> kp bf16, round to nearest even (the hardware's VCVTNEPS2BF16), zero past k. */
 static void convert_row(const float *x, int64_t k, int64_t kp, uint16_t *out) {
@@ -106,7 +88,7 @@ static void block_32x32(const uint16_t *a, int64_t kp, const uint16_t *w_packed,
 #define PANEL 8
 static void gemm_blocks(const uint16_t *scratch, int64_t m, int64_t kp, const uint16_t *w_packed, int64_t n,
                         float *y, int64_t ldy, int64_t nb_begin, int64_t nb_end) {
-    load_tile_config();
+    amx_load_tiles_16x64();
     for (int64_t p = nb_begin; p < nb_end; p += PANEL) {
         int64_t p_end = p + PANEL < nb_end ? p + PANEL : nb_end;
         for (int64_t m0 = 0; m0 < m; m0 += 32) {

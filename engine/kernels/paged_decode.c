@@ -1179,25 +1179,7 @@ int paged_prefill_attention(const void *q, int q_bf16, const void *cache, int ca
 #define AMX_ROWS 16
 #define AMX_D 64
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tile_config;
-
-/* every tile 16 rows of 64 bytes: C 16 x 16 fp32, A 16 x 32 bf16, B 16 pair rows x 16 x 2 bf16 */
-static void amx_config(void) {
-    amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+#include "amx_tiles.h"
 
 /* 16 floats (lanes past n: 0) -> bf16 hi = RNE(x) and lo = RNE(x - hi) (x - hi is exact) */
 INLINE void split16(const float *x, int64_t n, uint16_t *hi, uint16_t *lo) {
@@ -1378,7 +1360,7 @@ int paged_prefill_attention_amx(const void *q, int q_bf16, const void *cache, in
     for (int64_t l = 0; l < seq_len; l++) offs[l] = position(table, l, block_size, block_elems, pos_elems, 0, D);
 #pragma omp parallel num_threads(threads)
     {
-        amx_config();
+        amx_load_tiles_16x64();
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < KVH * chunks; w++)
             amx_relayout((const uint16_t *)cache, offs, seq_len, w / chunks, v_offset, 32 * (w % chunks),

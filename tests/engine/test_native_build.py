@@ -1,0 +1,48 @@
+"""``engine.native_build``: a kernel build's hash covers the headers its source includes beside it, so a shared
+header's edit rebuilds every kernel using it; a missing one is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import native_build
+from engine.native_build import NativeKernelError, build_library, local_headers
+
+KERNELS = Path(native_build.__file__).with_name("kernels")
+
+
+def test_the_amx_kernels_share_one_tile_configuration_header():
+    header = KERNELS / "amx_tiles.h"
+    assert local_headers(KERNELS / "amx_gemm.c") == [header]
+    assert local_headers(KERNELS / "paged_decode.c") == [header]
+    assert local_headers(KERNELS / "quant_gemv.c") == []
+
+
+def test_local_headers_in_order_once_and_missing_ones_named(tmp_path):
+    (tmp_path / "a.h").write_text("#define A 1\n")
+    (tmp_path / "b.h").write_text("#define B 2\n")
+    src = tmp_path / "k.c"
+    src.write_text(
+        '#include <stdint.h>\n#include "b.h"\n  #  include "a.h"\n#include "b.h"\nint f(void) { return A + B; }\n'
+    )
+    assert local_headers(src) == [tmp_path / "b.h", tmp_path / "a.h"]
+    src.write_text('#include "gone.h"\n')
+    with pytest.raises(NativeKernelError, match="includes 'gone.h', which is not beside it"):
+        local_headers(src)
+
+
+def test_a_header_edit_changes_the_build(tmp_path):
+    cc = native_build.compiler()
+    if cc is None:
+        pytest.fail("no C compiler: the native kernels need one (README)")
+    (tmp_path / "v.h").write_text("#define V 1\n")
+    src = tmp_path / "k.c"
+    src.write_text('#include "v.h"\nint value(void) { return V; }\n')
+    out = tmp_path / "out"
+    first = build_library(src, cc, ("-O2", "-shared", "-fPIC"), directory=out)
+    assert build_library(src, cc, ("-O2", "-shared", "-fPIC"), directory=out) == first  # found by its hash
+    (tmp_path / "v.h").write_text("#define V 2\n")
+    second = build_library(src, cc, ("-O2", "-shared", "-fPIC"), directory=out)
+    assert second != first and first.exists() and second.exists()
