@@ -89,6 +89,15 @@ INT8_ACTIVATION_REQUIRED = {
     "avx2": ISA_REQUIRED["avx2"],
 }
 """CPU flags each int8-activation build needs."""
+PREFETCH_LOCALITY = {"AuthenticAMD": 0}
+"""The weight stream's software prefetch (``quant_gemv.c`` ``GEMV_PREFETCH_LOCALITY``: ``__builtin_prefetch``'s
+locality, 0 ``prefetchnta`` .. 3 ``prefetcht0``) by ``/proc/cpuinfo`` vendor; others take
+``DEFAULT_PREFETCH_LOCALITY``. Measured (docs/engine-step.md, "The weight stream's prefetch hint"): on a Zen 4,
+``prefetchnta`` 8 KB ahead read a one-row GEMV ~1.12x faster than no prefetch (session 18); on an AMX Xeon the
+same ``prefetchnta`` made the GEMVs 2-4x slower than ``prefetcht1`` (the weights then stream from L3), and
+slower than no prefetch at all."""
+DEFAULT_PREFETCH_LOCALITY = 2
+"""``prefetcht1`` (into L2): the locality of every vendor not in ``PREFETCH_LOCALITY``."""
 TINY_GROUP = 1e-30
 """A group of activations whose largest ``|x|`` is below this quantizes to zeros (``127 / amax`` would overflow fp32
 for subnormal maxima); what it drops is below ``1e-30`` per input."""
@@ -261,14 +270,17 @@ class NativeLinearKernel:
         self._lib = lib
 
     @classmethod
-    def build(cls, directory: Path | None = None, isa: str | None = None) -> NativeLinearKernel:
+    def build(
+        cls, directory: Path | None = None, isa: str | None = None, prefetch_locality: int | None = None
+    ) -> NativeLinearKernel:
         """Build (or find already built) and load the kernel for this machine: the ``isa`` build (a key of
-        ``ISA_FLAGS``), by default the best this CPU runs (``select_isa``).
+        ``ISA_FLAGS``), by default the best this CPU runs (``select_isa``), with the weight stream's prefetch at
+        ``prefetch_locality`` (default this CPU's: ``prefetch_flags``).
 
         Raises:
             NativeKernelError: not an x86-64 CPU with AVX-512 (F, BW, VL) or AVX2, and F16C and FMA; an unknown
-                ``isa``; no C compiler, the compile failed, or the build fails its ``self_check``; the message
-                says which.
+                ``isa``; a locality not in 0-3; no C compiler, the compile failed, or the build fails its
+                ``self_check``; the message says which.
         """
         isa = select_isa() if isa is None else isa
         if isa not in ISA_FLAGS:
@@ -278,7 +290,7 @@ class NativeLinearKernel:
             SOURCE,
             native_build.cpu_ok(ISA_REQUIRED[isa]),
             native_build.compiler(),
-            (*FLAGS, *ISA_FLAGS[isa]),
+            (*FLAGS, *ISA_FLAGS[isa], *prefetch_flags(prefetch_locality)),
             LIBS,
             directory,
         )
@@ -398,14 +410,17 @@ class Int8ActivationKernel(NativeLinearKernel):
         return tuple(bits for bits, name in self._names if name.endswith("_i8"))
 
     @classmethod
-    def build(cls, directory: Path | None = None, isa: str | None = None) -> Int8ActivationKernel:
+    def build(
+        cls, directory: Path | None = None, isa: str | None = None, prefetch_locality: int | None = None
+    ) -> Int8ActivationKernel:
         """Build (or find built), load and check the int8-activation kernel: the ``isa`` build (a key of
-        ``INT8_ACTIVATION_FLAGS``), by default the best this CPU runs (``select_int8_isa``).
+        ``INT8_ACTIVATION_FLAGS``), by default the best this CPU runs (``select_int8_isa``), with the weight
+        stream's prefetch at ``prefetch_locality`` (default this CPU's: ``prefetch_flags``).
 
         Raises:
             NativeKernelError: an unknown ``isa``; the CPU lacks what the build needs (AVX-512 F/BW/VL, VNNI and
-                VBMI, or AVX2; F16C and FMA); no C compiler; the compile failed; or the build fails its
-                ``self_check``; the message says which.
+                VBMI, or AVX2; F16C and FMA); a locality not in 0-3; no C compiler; the compile failed; or the
+                build fails its ``self_check``; the message says which.
         """
         isa = select_int8_isa() if isa is None else isa
         if isa not in INT8_ACTIVATION_FLAGS:
@@ -417,7 +432,7 @@ class Int8ActivationKernel(NativeLinearKernel):
             SOURCE,
             native_build.cpu_ok(INT8_ACTIVATION_REQUIRED[isa]),
             native_build.compiler(),
-            (*FLAGS, *INT8_ACTIVATION_FLAGS[isa]),
+            (*FLAGS, *INT8_ACTIVATION_FLAGS[isa], *prefetch_flags(prefetch_locality)),
             LIBS,
             directory,
         )
@@ -474,6 +489,23 @@ def int8_activation_reference(groups, x: torch.Tensor) -> torch.Tensor:
         mins = groups.zero.double() - 8 * d  # [N, G]
         y += torch.einsum("mg,ng->mn", x.double().view(x.shape[0], -1, QK).sum(-1), mins)
     return y
+
+
+def prefetch_flags(locality: int | None = None) -> tuple[str, ...]:
+    """The compiler flag that sets the weight stream's prefetch locality (``GEMV_PREFETCH_LOCALITY``): ``locality``,
+    or by default this CPU's (``PREFETCH_LOCALITY`` by ``engine.weight_format.cpu_vendor``). A hint only: every
+    output is the same bits whatever it is.
+
+    Raises:
+        NativeKernelError: ``locality`` not one of 0, 1, 2, 3.
+    """
+    from engine.weight_format import cpu_vendor
+
+    if locality is None:
+        locality = PREFETCH_LOCALITY.get(cpu_vendor(), DEFAULT_PREFETCH_LOCALITY)
+    if locality not in (0, 1, 2, 3):
+        raise NativeKernelError(f"a prefetch locality is 0, 1, 2 or 3, got {locality!r}")
+    return (f"-DGEMV_PREFETCH_LOCALITY={locality}",)
 
 
 def select_isa() -> str:

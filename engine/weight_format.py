@@ -65,17 +65,34 @@ class UnsupportedHardwareError(EngineError):
     """A setting asks for a kernel this device does not have (the message names the setting)."""
 
 
+CPUINFO = "/proc/cpuinfo"
+"""Where ``cpu_flags`` and ``cpu_vendor`` read the CPU's description (Linux's format: ``key<tabs>: value`` lines)."""
+
+
+def cpuinfo_field(name: str, path: str = CPUINFO) -> str:
+    """The value of the first ``name`` line of ``path`` (the first processor's), "" where there is none or the
+    file cannot be read."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The ``flags`` of ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(cpuinfo_field("flags").split())
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The ``vendor_id`` of ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...; "" where there is none)."""
+    return cpuinfo_field("vendor_id")
 
 
 def bf16_kernels_available(device: torch.device | str) -> bool:

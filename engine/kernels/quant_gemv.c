@@ -54,9 +54,18 @@
 #define GEMV_PREFETCH_BYTES 8192
 #endif
 
-/* the cache lines of the block_bytes bytes GEMV_PREFETCH_BYTES past b, for reading once (non-temporal hint) */
+/* The prefetches' locality (__builtin_prefetch's third argument: 0 prefetchnta .. 3 prefetcht0), set per CPU
+ * vendor by the build (engine.native_linear.prefetch_flags): prefetchnta on AMD, where it was measured (above);
+ * prefetcht1 (into L2) elsewhere: on an AMX Xeon, whose weights stream from its L3, prefetchnta made the GEMVs 2-4x
+ * slower than prefetcht1, and slower than no prefetch (docs/engine-step.md, "The weight stream's prefetch hint"). */
+#ifndef GEMV_PREFETCH_LOCALITY
+#define GEMV_PREFETCH_LOCALITY 2
+#endif
+
+/* the cache lines of the block_bytes bytes GEMV_PREFETCH_BYTES past b, for reading once */
 INLINE void prefetch_ahead(const uint8_t *b, int64_t block_bytes) {
-    for (int64_t o = 0; o < block_bytes; o += 64) __builtin_prefetch(b + GEMV_PREFETCH_BYTES + o, 0, 0);
+    for (int64_t o = 0; o < block_bytes; o += 64)
+        __builtin_prefetch(b + GEMV_PREFETCH_BYTES + o, 0, GEMV_PREFETCH_LOCALITY);
 }
 
 /* The sum of p[0..31] in fp32, in a fixed order on every ISA: the two 16-element halves added lane by lane,
