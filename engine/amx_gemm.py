@@ -27,7 +27,6 @@ refused before anything runs (``ValueError``).
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,12 +269,7 @@ class AmxGemmKernel:
         return None
 
 
-@functools.cache
-def _shared_kernel() -> AmxGemmKernel | str:
-    try:
-        return AmxGemmKernel.build()
-    except NativeKernelError as exc:
-        return str(exc)
+_shared_kernel = native_build.shared_build(AmxGemmKernel.build)
 
 
 def check_dense_gemm(setting: str) -> None:

@@ -14,6 +14,7 @@ name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -171,6 +172,21 @@ def build_checked(
     if err is not None:
         raise NativeKernelError(f"{target} fails its check against a float64 reference: {err}")
     return kernel
+
+
+def shared_build(build: Callable[..., K]) -> Callable[..., K | str]:
+    """``build`` once per process and argument tuple: the kernel it returns, or the message of the
+    ``NativeKernelError`` it raised (what ``resolve_setting``'s ``shared`` takes). The result is a
+    ``functools.cache`` (``cache_clear`` builds again)."""
+
+    @functools.cache
+    def shared(*args, **kwargs) -> K | str:
+        try:
+            return build(*args, **kwargs)
+        except NativeKernelError as exc:
+            return str(exc)
+
+    return shared
 
 
 def resolve_setting(

@@ -26,14 +26,12 @@ past ``max_len``, a table too short) is refused by the kernel before anything is
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from pathlib import Path
 
 import torch
 
 from engine import native_build
-from engine.native_build import NativeKernelError
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
 FLAGS = (*native_build.BASE_FLAGS, "-Wno-psabi")
@@ -486,12 +484,11 @@ def reference_decode(
     return torch.stack(out)
 
 
-@functools.cache
-def _shared_kernel(group: int | None, head_dim: int | None, isa: str = "avx512") -> NativeDecodeKernel | str:
-    try:
-        return NativeDecodeKernel.build(group=group, head_dim=head_dim, isa=isa)
-    except NativeKernelError as exc:
-        return str(exc)
+def _build(group: int | None, head_dim: int | None, isa: str = "avx512") -> NativeDecodeKernel:
+    return NativeDecodeKernel.build(group=group, head_dim=head_dim, isa=isa)
+
+
+_shared_kernel = native_build.shared_build(_build)
 
 
 AMX_HEAD_DIM = 64

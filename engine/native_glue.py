@@ -36,7 +36,6 @@ glue before use; no ``-ffast-math``). ``engine.glue_kernel`` selects it (``resol
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -344,12 +343,7 @@ def select_isa() -> str:
     return "avx512" if native_build.cpu_ok(ISA_REQUIRED["avx512"])[0] else "avx2"
 
 
-@functools.cache
-def _shared_kernel() -> NativeGlueKernel | str:
-    try:
-        return NativeGlueKernel.build()
-    except NativeKernelError as exc:
-        return str(exc)
+_shared_kernel = native_build.shared_build(NativeGlueKernel.build)
 
 
 def glue_kernel_variant(kernel: NativeGlueKernel | None) -> str:

@@ -47,7 +47,6 @@ in_features that is not a multiple of 32) is refused before anything runs (``Val
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -533,20 +532,8 @@ def random_groups(bits: int, n: int, k: int, gen: torch.Generator):
     return Int4Groups(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), d, m + 8 * d)
 
 
-@functools.cache
-def _shared_kernel() -> NativeLinearKernel | str:
-    try:
-        return NativeLinearKernel.build()
-    except NativeKernelError as exc:
-        return str(exc)
-
-
-@functools.cache
-def _shared_int8_activation_kernel() -> Int8ActivationKernel | str:
-    try:
-        return Int8ActivationKernel.build()
-    except NativeKernelError as exc:
-        return str(exc)
+_shared_kernel = native_build.shared_build(NativeLinearKernel.build)
+_shared_int8_activation_kernel = native_build.shared_build(Int8ActivationKernel.build)
 
 
 def _auto_kernel() -> NativeLinearKernel | str:

@@ -23,7 +23,6 @@ whose tensors it points into, so it never outlives them.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 import torch
 
 from engine import native_build
-from engine.native_build import NativeKernelError
 from engine.native_decode import NativeDecodeKernel, scratch_size
 from engine.native_glue import NativeGlueKernel
 from engine.native_linear import NativeLinearKernel, kernel_threads
@@ -398,12 +396,7 @@ def _check_against_python(
     return None
 
 
-@functools.cache
-def _shared_step() -> NativeDecodeStep | str:
-    try:
-        return NativeDecodeStep.build()
-    except NativeKernelError as exc:
-        return str(exc)
+_shared_step = native_build.shared_build(NativeDecodeStep.build)
 
 
 def resolve_decode_step(enabled: bool = True) -> NativeDecodeStep | None:

@@ -1,5 +1,6 @@
 """``engine.native_build``: a kernel build's hash covers the headers its source includes beside it, so a shared
-header's edit rebuilds every kernel using it; a missing one is refused by name."""
+header's edit rebuilds every kernel using it; a missing one is refused by name. ``shared_build``: once per process
+and arguments, a failure kept as its message."""
 
 from __future__ import annotations
 
@@ -46,3 +47,28 @@ def test_a_header_edit_changes_the_build(tmp_path):
     (tmp_path / "v.h").write_text("#define V 2\n")
     second = build_library(src, cc, ("-O2", "-shared", "-fPIC"), directory=out)
     assert second != first and first.exists() and second.exists()
+
+
+def test_a_shared_build_runs_once_per_arguments_and_keeps_the_reason_it_failed():
+    calls = []
+
+    def build(isa: str = "avx512"):
+        calls.append(isa)
+        if isa == "neon":
+            raise NativeKernelError("no neon build")
+        return f"kernel-{isa}"
+
+    shared = native_build.shared_build(build)
+    assert shared() == shared() == "kernel-avx512"
+    assert shared("neon") == shared("neon") == "no neon build"  # the message, not an exception
+    assert calls == ["avx512", "neon"]
+    shared.cache_clear()
+    assert shared() == "kernel-avx512" and calls == ["avx512", "neon", "avx512"]
+
+
+def test_a_shared_build_lets_other_errors_through():
+    def build():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        native_build.shared_build(build)()

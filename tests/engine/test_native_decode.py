@@ -12,7 +12,8 @@ import torch
 
 from engine import native_decode
 from engine.attention_kernels import decode_kernel_variant, resolve_decode_kernel
-from engine.native_decode import NativeDecodeKernel, NativeKernelError, reference_decode
+from engine.native_build import NativeKernelError
+from engine.native_decode import NativeDecodeKernel, reference_decode
 from tests.engine.engine_helpers import (
     greedy,
     make_engine,
