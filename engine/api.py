@@ -295,7 +295,9 @@ class EngineConfig:
         scheduling: ``"fcfs"`` or ``"lpm"`` (longest cached prefix first, grouped by prefix).
         max_wait_s: starvation bound of ``lpm``: a request waiting longer is scheduled first.
         device: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
-        num_threads: torch intra-op threads; ``None`` leaves torch's default.
+        num_threads: torch intra-op threads; ``None``: torch's default, lowered where served
+            (``AsyncEngine.from_config``) to the CPUs the process may use (``engine.cpu_quota``: its affinity mask
+            and cgroup CPU quota).
         small_step_threads: torch threads of decode-only steps of at most ``SMALL_STEP_MAX_ROWS`` (2) rows (one or
             two streams decoding), where OpenMP's fork and join cost more than a second core gives back:
             ``"auto"`` (1 when ``num_threads`` is at most 2, measured on a 2-core Zen 5: docs/engine-step.md;

@@ -115,14 +115,17 @@ class AsyncEngine:
         """
         from engine.amx_gemm import check_dense_gemm
         from engine.checkpoint import load_checkpoint, resolve_device
+        from engine.cpu_quota import available_cpus, engine_threads
         from engine.weight_format import check_dense_min_rows, check_supported
 
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         # bad thread settings fail before anything loads
         StepThreads.from_setting(config.num_threads, config.small_step_threads, torch.get_num_threads())
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # no more threads than the CPUs the process may use (its affinity and cgroup quota) unless asked for
+        threads = engine_threads(config.num_threads, torch.get_num_threads(), available_cpus())
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         device = resolve_device(config.device)
         check_supported(config.weights, config.kv_dtype, device)
         check_dense_min_rows(config.dense_min_rows)
