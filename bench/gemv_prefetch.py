@@ -51,27 +51,26 @@ def step_weights(layers: int, seed: int = 0) -> list:
 
 
 def step_fn(kernel, weights: list, rows: int, threads: int):
-    """One step's GEMVs on ``kernel``'s library: each weight times ``rows`` random rows into its own output."""
+    """One step's GEMVs on ``kernel``'s library: each weight times ``rows`` random rows into its own output.
+
+    Returns:
+        ``(run, io)``: ``run()`` makes every call once (and holds the buffers its calls point into); ``io`` the
+        ``(x, y)`` fp32 input and output of each weight.
+    """
     calls = []
     for w in weights:
         x = torch.randn(rows, w.in_features)
         y = torch.empty(rows, w.out_features)
         fn = kernel._fns[w.bits]  # the library function mm() calls, without mm()'s checks and allocation
-        calls.append(
-            (
-                fn,
-                (w.data.data_ptr(), w.out_features, w.in_features, x.data_ptr(), rows, y.data_ptr(), threads),
-                x,
-                y,
-            )
-        )
+        args = (w.data.data_ptr(), w.out_features, w.in_features, x.data_ptr(), rows, y.data_ptr(), threads)
+        calls.append((fn, args, x, y))
 
     def run() -> None:
         for fn, args, _x, _y in calls:
             if fn(*args) != 0:
                 raise RuntimeError("the kernel refused its arguments")
 
-    return run
+    return run, [(x, y) for _fn, _args, x, y in calls]
 
 
 def main() -> None:
@@ -100,7 +99,7 @@ def main() -> None:
     result: dict[str, dict[str, float]] = {}
     print(f"{'rows':>4}  " + "  ".join(f"loc {loc} ms" for loc in localities) + "  best/default")
     for rows in (int(v) for v in args.rows.split(",")):
-        fns = {str(loc): step_fn(k, weights, rows, args.threads) for loc, k in kernels.items()}
+        fns = {str(loc): step_fn(k, weights, rows, args.threads)[0] for loc, k in kernels.items()}
         ms = interleaved_ms(fns, args.rounds, 1, time.perf_counter)
         result[str(rows)] = ms
         base = ms.get(str(default))
