@@ -22,18 +22,12 @@ import time
 import torch
 
 from bench.decode_compile import interleaved_ms
-from engine import native_build
 from engine.native_linear import (
-    DEFAULT_PREFETCH_LOCALITY,
-    INT8_ACTIVATION_REQUIRED,
-    PREFETCH_LOCALITY,
-    Int8ActivationKernel,
-    NativeLinearKernel,
+    default_prefetch_locality,
     pack_int4,
     pack_int8,
     random_groups,
-    select_int8_isa,
-    select_isa,
+    resolve_linear_kernel,
 )
 from engine.weight_format import cpu_vendor
 
@@ -81,17 +75,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
-    int8 = (
-        native_build.cpu_ok(INT8_ACTIVATION_REQUIRED[select_int8_isa()])[0]
-        and select_int8_isa() == select_isa()
-    )
-    cls = Int8ActivationKernel if int8 else NativeLinearKernel
+    auto = resolve_linear_kernel("auto", "cpu")  # the kernel engine.linear_kernel: auto serves here
+    if auto is None:
+        raise SystemExit("no native linear kernel builds on this machine")
+    cls = type(auto)
     localities = [int(v) for v in args.localities.split(",")]
     kernels = {loc: cls.build(prefetch_locality=loc) for loc in localities}
     weights = step_weights(args.layers)
     mb = sum(w.nbytes for w in weights) / 2**20
-    vendor = cpu_vendor()
-    default = PREFETCH_LOCALITY.get(vendor, DEFAULT_PREFETCH_LOCALITY)
+    vendor, default = cpu_vendor(), default_prefetch_locality()
     print(
         f"{cls.__name__}, {vendor or 'unknown vendor'} (default locality {default}), {args.threads} threads, "
         f"{mb:.1f} MiB of weights per step"

@@ -490,18 +490,24 @@ def int8_activation_reference(groups, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def default_prefetch_locality() -> int:
+    """This CPU's weight-stream prefetch locality: ``PREFETCH_LOCALITY`` by ``engine.weight_format.cpu_vendor``,
+    else ``DEFAULT_PREFETCH_LOCALITY``."""
+    from engine.weight_format import cpu_vendor
+
+    return PREFETCH_LOCALITY.get(cpu_vendor(), DEFAULT_PREFETCH_LOCALITY)
+
+
 def prefetch_flags(locality: int | None = None) -> tuple[str, ...]:
     """The compiler flag that sets the weight stream's prefetch locality (``GEMV_PREFETCH_LOCALITY``): ``locality``,
-    or by default this CPU's (``PREFETCH_LOCALITY`` by ``engine.weight_format.cpu_vendor``). A hint only: every
-    output is the same bits whatever it is.
+    or by default this CPU's (``default_prefetch_locality``). A hint only: every output is the same bits whatever
+    it is.
 
     Raises:
         NativeKernelError: ``locality`` not one of 0, 1, 2, 3.
     """
-    from engine.weight_format import cpu_vendor
-
     if locality is None:
-        locality = PREFETCH_LOCALITY.get(cpu_vendor(), DEFAULT_PREFETCH_LOCALITY)
+        locality = default_prefetch_locality()
     if locality not in (0, 1, 2, 3):
         raise NativeKernelError(f"a prefetch locality is 0, 1, 2 or 3, got {locality!r}")
     return (f"-DGEMV_PREFETCH_LOCALITY={locality}",)
