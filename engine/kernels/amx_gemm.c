@@ -16,6 +16,9 @@
  *   scratch   [Mp][Kp] bf16 rows of x (round to nearest even; the K tail and the rows past M zero),
  *             Mp = M rounded up to 32; the caller allocates it.
  *
+ * A call's last row block takes 16 rows when no more than 16 are left (block_16x32: the same tile products per
+ * element, half the products of a 32-row block).
+ *
  * Threads: the 32-column output blocks are split between threads in contiguous ranges; the conversion of x
  * is split by rows. Each output element is computed by one thread, in the order above.
  *
@@ -83,6 +86,36 @@ static void block_32x32(const uint16_t *a, int64_t kp, const uint16_t *w_packed,
     for (int64_t r = 0; r < r_end; r++) memcpy(y + r * ldy, tmp + r * 32, (size_t)c_end * 4);
 }
 
+/* One 16 x 32 output block (the last row block of a call whose rows past a multiple of 32 are <= 16): rows
+ * m0..m0+15 of scratch against output block pair nb2, C from zero and one TDPBF16PS per K chunk in order, as in
+ * block_32x32, so each element is the same bits as there; half the tile products of a 32-row block for these
+ * rows. Rows past `rows` and columns past `cols` are computed (from zero padding) but not stored. */
+static void block_16x32(const uint16_t *a, int64_t kp, const uint16_t *w_packed, int64_t nb2, float *y,
+                        int64_t ldy, int64_t rows, int64_t cols) {
+    const int64_t kt = kp / 32;
+    const uint16_t *b0 = w_packed + (2 * nb2) * kt * 512;
+    const uint16_t *b1 = b0 + kt * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kb = 0; kb < kt; kb++) {
+        _tile_loadd(4, a + kb * 32, kp * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (rows >= 16 && cols >= 32) {
+        _tile_stored(0, y, ldy * 4);
+        _tile_stored(1, y + 16, ldy * 4);
+        return;
+    }
+    float tmp[16 * 32];
+    _tile_stored(0, tmp, 32 * 4);
+    _tile_stored(1, tmp + 16, 32 * 4);
+    int64_t r_end = rows < 16 ? rows : 16, c_end = cols < 32 ? cols : 32;
+    for (int64_t r = 0; r < r_end; r++) memcpy(y + r * ldy, tmp + r * 32, (size_t)c_end * 4);
+}
+
 /* The column blocks of one thread: panels of PANEL 32-column blocks, every 32-row block of scratch against
  * each block of the panel (the panel's B tiles stay in L2 while the rows stream past). */
 #define PANEL 8
@@ -93,8 +126,12 @@ static void gemm_blocks(const uint16_t *scratch, int64_t m, int64_t kp, const ui
         int64_t p_end = p + PANEL < nb_end ? p + PANEL : nb_end;
         for (int64_t m0 = 0; m0 < m; m0 += 32) {
             const uint16_t *a = scratch + m0 * kp;
-            for (int64_t nb2 = p; nb2 < p_end; nb2++)
-                block_32x32(a, kp, w_packed, nb2, y + m0 * ldy + nb2 * 32, ldy, m - m0, n - nb2 * 32);
+            for (int64_t nb2 = p; nb2 < p_end; nb2++) {
+                if (m - m0 <= 16)
+                    block_16x32(a, kp, w_packed, nb2, y + m0 * ldy + nb2 * 32, ldy, m - m0, n - nb2 * 32);
+                else
+                    block_32x32(a, kp, w_packed, nb2, y + m0 * ldy + nb2 * 32, ldy, m - m0, n - nb2 * 32);
+            }
         }
     }
     _tile_release();
