@@ -1,6 +1,7 @@
 """``engine.native_build``: a kernel build's hash covers the headers its source includes beside it, so a shared
 header's edit rebuilds every kernel using it; a missing one is refused by name. ``shared_build``: once per process
-and arguments, a failure kept as its message."""
+and arguments, a failure kept as its message; every kernel the machine can run builds and passes its self-check
+(a broken build would otherwise only make the tests needing it skip)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,29 @@ def test_a_shared_build_lets_other_errors_through():
 
     with pytest.raises(OSError, match="disk full"):
         native_build.shared_build(build)()
+
+
+# A kernel that builds but fails its self-check is kept as a message, as a CPU without its instructions is, and
+# the tests needing it skip: on a CPU that can run it, that message must never be a broken build or check.
+BROKEN_BUILD = ("fails its check", "compiling", "does not load", "does not run", "which is not beside it")
+
+
+def _shared_builds():
+    from engine import amx_gemm, native_decode, native_glue, native_linear, native_step
+
+    return [
+        ("amx_gemm", amx_gemm._shared_kernel),
+        ("native_decode avx512", lambda: native_decode._shared_kernel(3, 64, "avx512")),
+        ("native_decode amx", lambda: native_decode._shared_kernel(3, 64, "amx")),
+        ("native_linear", native_linear._shared_kernel),
+        ("int8 activations", native_linear._shared_int8_activation_kernel),
+        ("native_glue", native_glue._shared_kernel),
+        ("native_step", native_step._shared_step),
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _shared_builds()])
+def test_a_kernel_is_unavailable_only_where_the_machine_cannot_run_it(name):
+    shared = dict(_shared_builds())[name]()
+    if isinstance(shared, str):
+        assert not any(marker in shared for marker in BROKEN_BUILD), f"{name}: {shared}"
