@@ -118,23 +118,26 @@ INLINE void transpose16(v16 v[16]) {
 }
 
 #ifdef __AVX512F__
-/* a where mask (lanes of -1), else b (exact moves; layer_glue.c, a separate library, has its own copy) */
-INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
-    i32x16 ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & mask) | (bi & ~mask);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
-
 /* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
- * Cephes' expf (S. L. Moshier), 2^n from the exponent bits; ~2 ulp; lanes below -87 give ~1e-38, not 0. */
+ * Cephes' expf (S. L. Moshier), times 2^n by VSCALEFPS; ~2 ulp; lanes below -87 (-inf too) give ~1e-38, not 0. The
+ * clamp, the rounding of n and the scaling are one instruction each (session 26; before: a compare and three
+ * logic operations, two conversions, an integer add, a shift and a multiply), the same bits for every finite or
+ * NaN x. */
 INLINE v16 exp16(v16 x) {
-    x = select16(x < -87.0f, x - x - 87.0f, x);
+    { /* lanes below -87 -> -87: VMAXPS(-87, x) is -87 > x ? -87 : x, and x for a NaN x (Intel SDM, "MAXPS") */
+        __m512 v;
+        memcpy(&v, &x, sizeof v);
+        v = _mm512_max_ps(_mm512_set1_ps(-87.0f), v);
+        memcpy(&x, &v, sizeof x);
+    }
     const v16 t = x * 1.44269504088896341f - 0.5f;
-    const i32x16 n = __builtin_convertvector(t, i32x16); /* toward zero: round(x log2 e) for x <= 0 */
-    const v16 nf = __builtin_convertvector(n, v16);
+    v16 nf; /* t toward zero, an integer in [-126, 0]: round(x log2 e) for -87 <= x <= 0 */
+    {
+        __m512 v;
+        memcpy(&v, &t, sizeof v);
+        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        memcpy(&nf, &v, sizeof nf);
+    }
     const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
     v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -142,37 +145,65 @@ INLINE v16 exp16(v16 x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const i32x16 bits = (n + 127) << 23;
-    v16 two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
+    /* p 2^nf: VSCALEFPS, one rounding of the exact product as the multiply by 2^n's bits gave (Intel SDM,
+     * "VSCALEFPS") */
+    __m512 pv, nv;
+    memcpy(&pv, &p, sizeof pv);
+    memcpy(&nv, &nf, sizeof nv);
+    pv = _mm512_scalef_ps(pv, nv);
+    memcpy(&p, &pv, sizeof p);
+    return p;
 }
 
-/* per lane: x where x > m, else m */
-INLINE v16 max16(v16 x, v16 m) { return select16(x > m, x, m); }
+/* per lane: x where x > m, else m: VMAXPS(x, m) exactly (it returns its second operand for NaNs and for two
+ * zeros; Intel SDM, "MAXPS") */
+INLINE v16 max16(v16 x, v16 m) {
+    __m512 a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, &m, sizeof b);
+    a = _mm512_max_ps(a, b);
+    memcpy(&x, &a, sizeof x);
+    return x;
+}
+
+/* the maximum of s[0 .. full) (full a multiple of 16, >= 16) and of m0: four running maxima (one maximum per
+ * vector is a chain; four overlap), vector l0 / 16 on chain (l0 / 16) mod 4, each chain in a register (a run-time
+ * chain index kept them on the stack); exact in any order */
+INLINE float max_of(const float *restrict s, int64_t full, float m0) {
+    v16 mx[4], x;
+    for (int k = 0; k < 4; k++) memcpy(&mx[k], s, sizeof mx[k]);
+    int64_t l0 = 16;
+    for (; l0 + 64 <= full; l0 += 64) {
+        memcpy(&x, s + l0, sizeof x);
+        mx[1] = max16(x, mx[1]);
+        memcpy(&x, s + l0 + 16, sizeof x);
+        mx[2] = max16(x, mx[2]);
+        memcpy(&x, s + l0 + 32, sizeof x);
+        mx[3] = max16(x, mx[3]);
+        memcpy(&x, s + l0 + 48, sizeof x);
+        mx[0] = max16(x, mx[0]);
+    }
+    for (; l0 < full; l0 += 16) { /* at most three vectors: l0 / 16 mod 4 is 1, 2 or 3 */
+        memcpy(&x, s + l0, sizeof x);
+        if (((l0 / 16) & 3) == 1) mx[1] = max16(x, mx[1]);
+        else if (((l0 / 16) & 3) == 2) mx[2] = max16(x, mx[2]);
+        else mx[3] = max16(x, mx[3]);
+    }
+    mx[0] = max16(mx[1], mx[0]);
+    mx[2] = max16(mx[3], mx[2]);
+    mx[0] = max16(mx[2], mx[0]);
+    float lanes[16], m = m0;
+    memcpy(lanes, &mx[0], sizeof lanes);
+    for (int t = 0; t < 16; t++) m = lanes[t] > m ? lanes[t] : m;
+    return m;
+}
 
 /* s[0..len) -> e^(s - max s) in place; returns their sum (16 lanes at a time, summed in a fixed order: lane t
  * sums the positions l = t mod 16 in order, then the lanes are summed 0..15). The maximum is exact in any order. */
 INLINE float softmax_numerators(float *restrict s, int64_t len) {
     const int64_t full = len / 16 * 16;
     float m = s[0];
-    if (full) {
-        /* four running maxima (a compare and a blend per vector is a chain; four chains overlap) */
-        v16 mx[4];
-        for (int k = 0; k < 4; k++) memcpy(&mx[k], s, sizeof mx[k]);
-        for (int64_t l0 = 16; l0 < full; l0 += 16) {
-            const int k = (int)(l0 / 16) & 3;
-            v16 x;
-            memcpy(&x, s + l0, sizeof x);
-            mx[k] = max16(x, mx[k]);
-        }
-        mx[0] = max16(mx[1], mx[0]);
-        mx[2] = max16(mx[3], mx[2]);
-        mx[0] = max16(mx[2], mx[0]);
-        float lanes[16];
-        memcpy(lanes, &mx[0], sizeof lanes);
-        for (int t = 0; t < 16; t++) m = lanes[t] > m ? lanes[t] : m;
-    }
+    if (full) m = max_of(s, full, m);
     for (int64_t l = full; l < len; l++) m = s[l] > m ? s[l] : m;
     v16 acc = {0};
     for (int64_t l0 = 0; l0 < full; l0 += 16) {
@@ -205,8 +236,7 @@ INLINE float softmax_numerators(float *restrict s, int64_t len) {
  * 64-bit pieces, ~20 % of a decode layer's attention), the fused multiply-adds written where GCC formed them from
  * exp16's expressions: t = x log2e - 1/2, r = (x - n a) + n b, p = p r + c, p r r + r as (p r) r + r. */
 INLINE __m256 exp8(__m256 x) {
-    const __m256 low = _mm256_sub_ps(_mm256_sub_ps(x, x), _mm256_set1_ps(87.0f));
-    x = _mm256_blendv_ps(x, low, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* as exp16: -87 > x ? -87 : x */
     const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(-0.5f));
     const __m256i n = _mm256_cvttps_epi32(t); /* toward zero: round(x log2 e) for x <= 0 */
     const __m256 nf = _mm256_cvtepi32_ps(n);

@@ -36,6 +36,19 @@ def kernel() -> NativeDecodeKernel:
     return AMX
 
 
+def peaked_queries(gen, cache, table, start, rows, group, magnitude):
+    """fp32 ``[rows, H, D]``: query head ``g`` of row ``r`` is ``magnitude`` times the key (KV head ``g // group``)
+    of a random position of the row's prefix ``0 .. start + r``."""
+    block_size, kvh, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    q = torch.empty(rows, group * kvh, d)
+    for r in range(rows):
+        for head in range(group * kvh):
+            pos = int(torch.randint(0, start + r + 1, (1,), generator=gen))
+            key = cache[0, int(table[pos // block_size]), pos % block_size, head // group].float()
+            q[r, head] = key * magnitude
+    return q
+
+
 def reference_rows(q, cache, table, start):
     """float64 attention of rows at positions ``start ..`` (each attending its own prefix)."""
     n = q.shape[0]
@@ -56,6 +69,20 @@ def test_rows_are_float64_attention_within_the_split_queries_precision(kernel, g
     ref = reference_rows(q, cache, table, start)
     # queries and numerators keep ~16 bits each (two bf16 parts); K and V are exact bf16
     torch.testing.assert_close(got.double(), ref, rtol=2e-4, atol=2e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("magnitude", [30.0, 1e29])
+def test_peaked_rows_far_past_the_exp_clamp_are_float64_attention(kernel, magnitude):
+    """Each query head a multiple of one key of its row's prefix: score gaps far beyond the numerators' clamp at
+    e^-87 (near 1e30 at 1e29), one-hot softmaxes, finite rows equal to float64 attention (that key's value)."""
+    gen = torch.Generator().manual_seed(17)
+    start, rows = 40, 50
+    q, cache, table = random_case(gen, 3, 3, 64, start + rows, torch.bfloat16)
+    q = peaked_queries(gen, cache, table, start, rows, 3, magnitude)
+    got = kernel.prefill(q, cache, table, start, SCALE)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got.double(), reference_rows(q, cache, table, start), rtol=2e-4, atol=2e-5)
 
 
 @needs_amx

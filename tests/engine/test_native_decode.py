@@ -73,6 +73,26 @@ def test_kernel_matches_float64_attention(kernel, group, kvh, d, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("magnitude", [30.0, 1e29])
+def test_peaked_scores_far_past_the_exp_clamp_match_float64_attention(kernel, dtype, magnitude):
+    """Each query head a multiple of one key of its sequence: score gaps far beyond 87 (e^x clamped at -87) and,
+    at 1e29, near 1e30 (past what the range reduction takes unclamped): one-hot softmaxes, finite outputs equal to
+    float64 attention (that key's value)."""
+    gen = torch.Generator().manual_seed(23)
+    lens = [1, 17, 100, 201]
+    q, cache, tables, lens_t = random_case(gen, len(lens), 3, 3, 64, lens, dtype)
+    block_size = cache.shape[2]
+    for b, n in enumerate(lens):
+        for head in range(q.shape[1]):
+            pos = int(torch.randint(0, n, (1,), generator=gen))
+            q[b, head] = cache[0, int(tables[b, pos // block_size]), pos % block_size, head // 3].float() * magnitude
+    got = kernel.attend(q, cache, tables, lens_t, max(lens), 0.125)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got.double(), reference_decode(q, cache, tables, lens_t, 0.125), rtol=2e-5, atol=2e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("block_size", [1, 8, 24, 32])
 def test_kernel_walks_blocks_of_any_size(kernel, block_size):
     """The tiles of 16 positions find their rows block by block from one division per tile: blocks smaller than,
