@@ -365,8 +365,10 @@ class LlamaModel(nn.Module):
                 (``engine.row_kernels``); None = by the step's row count (``dense_min_rows``).
             glue: the native layer-glue kernel (``engine.native_glue``; a float32 model on CPU) for every row's
                 norms, RoPE, K/V store, residual adds and SiLU * up, or None for torch's ops.
-            decode_step: with ``glue``, the one-call decode step (``engine.native_step``): a decode-only step
-                it can take runs every layer in one C call, with the same bits as the layer loop.
+            decode_step: with ``glue``, the one-call layer step (``engine.native_step``): a decode-only step it
+                can take runs every layer in one C call, and a step of one sequence's prompt rows on the AMX dense
+                copies every layer but a last one that runs for the output rows alone; the same bits as the layer
+                loop.
             output_rows: int64 ``[N]`` the rows whose hidden states are returned (the LM head's rows), or None
                 (all). With the glue kernel and a fp32 / bf16 cache the last layer runs only for them after
                 storing every row's K/V (``engine.output_rows``); their results are the same bits either way.
@@ -404,8 +406,14 @@ class LlamaModel(nn.Module):
                         step,
                         plan_attention(step.meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.dtype),
                     )
-            for i, layer in enumerate(self.layers):
-                last = i + 1 == len(self.layers)
+            first = 0  # layers before it ran in one call (a prompt chunk on the AMX dense copies)
+            if decode_step is not None:
+                n = len(self.layers) - (tail is not None)
+                done = decode_step.run_prompt(self, h, x, cos_sin, plan, kv_cache, row_kernels, glue, n)
+                if done is not None:
+                    x, first = done, n
+            for i in range(first, len(self.layers)):
+                layer, last = self.layers[i], i + 1 == len(self.layers)
                 nxt = self.norm if last else self.layers[i + 1].input_norm
                 x = layer.forward_glued(
                     h, x, cos_sin, kv_cache[i], plan, row_kernels, glue, nxt, tail if last else None

@@ -1,7 +1,9 @@
-"""The native decode step: every decoder layer of a decode-only step in one C call (issue 12 item 4).
+"""The native layer step: every decoder layer of a decode-only step, or of one sequence's prompt chunk on the AMX
+dense copies, in one C call (issue 12 item 4).
 
-Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``), the per-model table of layer pointers it reads,
-and the test of whether a step can take it (``NativeDecodeStep.run`` returns None otherwise). The C file does
+Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``, ``prompt_step_layers``), the per-model tables of
+layer pointers they read, and the tests of whether a step can take them (``NativeDecodeStep.run`` /
+``run_prompt`` return None otherwise). The C file does
 no arithmetic: it calls the native linear, glue and decode-attention kernels (``engine.native_linear``,
 ``engine.native_glue``, ``engine.native_decode``; each from its own built and checked library, reached through
 function pointers) in the order and with the arguments ``engine.model.DecoderLayer.forward_glued`` passes them,
@@ -9,10 +11,13 @@ so a step's outputs, K/V and tokens are bit for bit those of the Python layer lo
 between the calls: ~9 wrapper calls per layer, each with argument checks, output tensors and a ctypes crossing
 (docs/engine-step.md, "The decode step in one call").
 
-A step takes it when every sequence computes one generated token (no prompt row: those run the dense copy),
-attention runs on the native decode kernel, the glue kernel runs the layer's elementwise work, every linear is
-an ``Int4Weight`` / ``Int8Weight`` on the native kernel without bias, and the cache is fp32 or bf16; any other
-step runs the Python loop.
+A step takes the decode path when every sequence computes one generated token (no prompt row: those run the dense
+copy), attention runs on the native decode kernel, the glue kernel runs the layer's elementwise work, every linear
+is an ``Int4Weight`` / ``Int8Weight`` on the native kernel without bias, and the cache is fp32 or bf16. It takes
+the prompt path (session 26: ~4-5 ms of Python off a ~70-row prefix-hit tail on an AMX Xeon) when its rows are one
+sequence's prompt chunk, every linear's dense copy is on the AMX GEMM (``engine.amx_gemm``) without bias, and
+attention runs on the native prefill kernel; the last layer stays in Python when only the output rows go on
+through it (``engine.output_rows``). Any other step runs the Python loop.
 
 Invariants: the kernels' own checks run inside them (a block id or slot out of range is refused before
 anything is written, and the error names the layer and stage: ``DecodeStepError``); the layer table holds raw
@@ -30,6 +35,7 @@ from pathlib import Path
 import torch
 
 from engine import native_build
+from engine.amx_gemm import TILE_K, TILE_M
 from engine.native_decode import NativeDecodeKernel, scratch_size
 from engine.native_glue import NativeGlueKernel
 from engine.native_linear import NativeLinearKernel, kernel_threads
@@ -79,6 +85,36 @@ class _Step(ctypes.Structure):
     ]
 
 
+class _PromptLayer(ctypes.Structure):
+    """``struct prompt_layer``."""
+
+    _fields_ = [
+        *((name, _p) for name in ("qkv", "o", "gate_up", "down")),
+        *((name, _i64) for name in ("qkv_kp", "o_kp", "gate_up_kp", "down_kp")),
+        ("post_norm", _p),
+        ("next_norm", _p),
+        ("cache", _p),
+    ]
+
+
+class _PromptStep(ctypes.Structure):
+    """``struct prompt_step``."""
+
+    _fields_ = [
+        *((name, _p) for name in ("gemm", "rmsnorm", "rope", "silu", "prefill")),
+        *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
+        *((name, _i64) for name in ("block_size", "num_blocks", "table_len", "start", "attn_scratch_floats")),
+        *((name, _i32) for name in ("cache_bf16", "gemm_threads", "glue_threads", "attn_threads")),
+        ("eps", _f32),
+        ("scale", _f32),
+        *((name, _p) for name in ("cos_sin", "slots", "table", "h", "x")),
+        *(
+            (name, _p)
+            for name in ("qkv", "q", "attn", "o", "gu", "act", "down", "attn_scratch", "gemm_scratch")
+        ),
+    ]
+
+
 class DecodeStepError(ValueError):
     """A kernel refused its arguments inside the one-call decode step (the message names the layer and stage);
     nothing after it ran."""
@@ -106,6 +142,42 @@ def _eligible_linear(lin) -> bool:
         and lin.native_packed is not None
         and lin.bias is None
     )
+
+
+def _eligible_prompt_linear(lin) -> bool:
+    from engine.amx_gemm import AmxDenseWeight
+    from engine.linear import Int4Weight, Int8Weight
+
+    return (
+        isinstance(lin, Int4Weight | Int8Weight)
+        and isinstance(lin.dense, AmxDenseWeight)
+        and lin.bias is None
+    )
+
+
+def model_takes_prompt_step(model) -> bool:
+    """Whether ``model``'s prompt rows can run their layers in one call: every linear's dense copy on the AMX
+    GEMM (one kernel), no bias, and fp32 between the linears (``DecoderLayer``'s ``o_bf16`` None,
+    ``gate_up_in`` and ``act_dtype`` fp32, ``prompt_bf16`` off: what ``forward_glued`` then passes), cached
+    on the model."""
+    ok = getattr(model, "_prompt_step_ok", None)
+    if ok is None:
+        lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        ok = (
+            model.dtype == torch.float32
+            and model.device.type == "cpu"
+            and all(_eligible_prompt_linear(lin) for lin in lins)
+            and len({id(lin.dense.kernel) for lin in lins}) == 1
+            and all(
+                layer.o_bf16 is None
+                and layer.gate_up_in == torch.float32
+                and layer.act_dtype == torch.float32
+                and not layer.prompt_bf16
+                for layer in model.layers
+            )
+        )
+        model._prompt_step_ok = ok
+    return ok
 
 
 def model_takes_step(model) -> bool:
@@ -137,11 +209,16 @@ class NativeDecodeStep:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.steps = 0
-        """Steps run in one call (tests, benches)."""
+        """Decode steps run in one call (tests, benches)."""
+        self.prompt_steps = 0
+        """Prompt steps whose layers (all, or all but the last) ran in one call (tests, benches)."""
         lib = ctypes.CDLL(str(path))
         self._fn = lib.decode_step_layers
         self._fn.argtypes = [_p, _p, _p]
         self._fn.restype = ctypes.c_int
+        self._prompt_fn = lib.prompt_step_layers
+        self._prompt_fn.argtypes = [_p, _p, _p]
+        self._prompt_fn.restype = ctypes.c_int
         self._lib = lib
 
     @classmethod
@@ -289,16 +366,156 @@ class NativeDecodeStep:
             )
         return x_out
 
+    def _prompt_table(self, model, kv_cache: torch.Tensor) -> ctypes.Array:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        table = getattr(model, "_prompt_step_table", None)
+        if table is not None and table[0] == key:
+            return table[1]
+        n = len(model.layers)
+        layers = (_PromptLayer * n)()
+        for i, layer in enumerate(model.layers):
+            nxt = model.layers[i + 1].input_norm if i + 1 < n else model.norm
+            dense = [lin.dense for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            layers[i] = _PromptLayer(
+                *(d.data.data_ptr() for d in dense),
+                *(d.data.shape[1] * TILE_K for d in dense),
+                layer.post_norm.data_ptr(),
+                nxt.data_ptr(),
+                kv_cache[i].data_ptr(),
+            )
+        model._prompt_step_table = (key, layers)
+        return layers
+
+    def run_prompt(
+        self,
+        model,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        plan,
+        kv_cache: torch.Tensor,
+        rows,
+        glue: NativeGlueKernel,
+        layers: int,
+    ) -> torch.Tensor | None:
+        """The first ``layers`` decoder layers of ``model`` for a step of one sequence's prompt rows, or None
+        when the step cannot take this path (then nothing was run).
+
+        Args:
+            model: the ``engine.model.LlamaModel``.
+            h: fp32 ``[T, hidden]`` residual after the embedding (updated in place).
+            x: fp32 ``[T, hidden]``, ``h`` normed by layer 0's input norm (overwritten).
+            cos_sin: fp32 ``[T, head_dim / 2, 2]`` (``forward_glued``'s).
+            plan: the step's ``engine.attention.AttentionPlan``: one prefill over all ``T`` rows, on the native
+                prefill kernel (``NativePrefill``), no decode rows.
+            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16.
+            rows: the step's ``engine.row_kernels.RowKernels``: every row on the dense copies.
+            glue: the glue kernel the step runs.
+            layers: how many layers from the first (``1 .. len(model.layers)``).
+
+        Returns:
+            ``x``: fp32 ``[T, hidden]``, the output of layer ``layers - 1`` normed by the next layer's input norm
+            (or by the final norm after the last), the same bits as ``forward_glued``'s loop.
+
+        Raises:
+            DecodeStepError: a kernel refused its arguments (a slot or block id out of range); names the layer
+                and stage.
+        """
+        if (
+            plan.decode is not None
+            or len(plan.prefills) != 1
+            or not 1 <= layers <= len(model.layers)
+            or rows is None
+            or rows.kernel is not None
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or not kv_cache.is_contiguous()
+            or h.dtype != torch.float32
+            or x.dtype != torch.float32
+            or not model_takes_prompt_step(model)
+        ):
+            return None
+        pre = plan.prefills[0]
+        t = h.shape[0]
+        native = pre.native
+        if native is None or pre.start != 0 or pre.end != t:
+            return None
+        c = model.config
+        nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
+        table = self._prompt_table(model, kv_cache)
+        amx = model.layers[0].qkv.dense.kernel
+        gemm_threads, threads = kernel_threads(), torch.get_num_threads()  # forward_glued's counts
+        sizes = ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
+        work = torch.empty(t * sum(sizes), dtype=torch.float32)
+        bufs, at = [], 0
+        for n in sizes:
+            bufs.append(work[at : at + t * n])
+            at += t * n
+        need = native.kernel.prefill_scratch_size(t, nh, nkv, hd, native.start + t, threads)
+        if need < 0:
+            return None
+        if native.scratch is None or native.scratch.numel() < need:
+            native.scratch = torch.empty(max(need, 1), dtype=torch.float32)
+        first = model.layers[0]
+        kp = (
+            max(lin.dense.data.shape[1] for lin in (first.qkv, first.o_proj, first.gate_up, first.down))
+            * TILE_K
+        )
+        gemm_scratch = amx._scratch_for(-(-t // TILE_M) * TILE_M * kp)
+        cos_sin = cos_sin.contiguous()
+        slots = plan.slot_mapping
+        step = _PromptStep(
+            _address(amx._lib.amx_gemm_f32),
+            _address(glue._rmsnorm),
+            _address(glue._rope),
+            _address(glue._silu),
+            _address(native.kernel._prefill),
+            layers,
+            t,
+            hid,
+            nh,
+            nkv,
+            hd,
+            inter,
+            kv_cache.shape[3],
+            kv_cache.shape[2],
+            native.table.shape[0],
+            native.start,
+            native.scratch.numel(),
+            int(kv_cache.dtype == torch.bfloat16),
+            gemm_threads,
+            threads,
+            threads,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            cos_sin.data_ptr(),
+            slots.data_ptr(),
+            native.table.data_ptr(),
+            h.data_ptr(),
+            x.data_ptr(),
+            *(b.data_ptr() for b in bufs),
+            native.scratch.data_ptr(),
+            gemm_scratch.data_ptr(),
+        )
+        self.prompt_steps += 1
+        failed = (ctypes.c_int32 * 2)()
+        rc = self._prompt_fn(ctypes.addressof(step), ctypes.addressof(table), ctypes.addressof(failed))
+        if rc != 0:
+            raise DecodeStepError(
+                f"the prompt step's {STAGES[failed[1]]} kernel refused its arguments in layer {failed[0]} "
+                f"(rc {rc}): positions {native.start}..{native.start + t - 1}, slots {slots.tolist()}"
+            )
+        return x
+
     def self_check(self) -> str | None:
         """Run a random two-layer step of three sequences through the library (on 1, 2 and 3 threads) and
-        through the kernels called one by one from Python (``forward_glued``'s sequence); None when the
-        residual, the output and the KV cache are bit-identical, else what differed or which kernel is
-        missing."""
+        through the kernels called one by one from Python (``forward_glued``'s sequence); where the AMX GEMM
+        builds, random prompt chunks too (``_check_prompt_against_python``); None when the residual, the
+        output and the KV cache are bit-identical, else what differed or which kernel is missing."""
         kernels = step_kernels()
         for k in kernels:
             if isinstance(k, str):
                 return f"needs the native linear, glue and decode kernels: {k}"
-        return _check_against_python(self, *kernels)
+        return _check_against_python(self, *kernels) or _check_prompt_against_python(self, *kernels[1:])
 
 
 def step_kernels() -> tuple:
@@ -393,6 +610,93 @@ def _check_against_python(
             for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
                 if not torch.equal(a, b):
                     return f"{name} differs from the kernels called one by one (sequences={t}, threads={threads})"
+    return None
+
+
+def _check_prompt_against_python(
+    step: NativeDecodeStep, glue: NativeGlueKernel, attend: NativeDecodeKernel
+) -> str | None:
+    """``run_prompt`` against the kernels called one by one as ``forward_glued`` calls them for prompt rows:
+    a random two-layer model on the AMX GEMM's dense copies, chunks of 1, 20 and 37 rows over 0 and 19 cached
+    positions, every layer and the first only, an fp32 cache on ``attend``'s prefill and, where the AMX build
+    of the attention kernel builds, a bf16 cache on its prefill. None when the output, the residual and the KV
+    cache are bit-identical (or the AMX GEMM does not build here: the path is then never taken), else what
+    differed."""
+    from types import SimpleNamespace
+
+    from engine import amx_gemm, native_decode
+    from engine.attention import NativePrefill
+    from engine.row_kernels import RowKernels
+
+    amx = amx_gemm._shared_kernel()
+    if isinstance(amx, str):
+        return None
+    prefills = [(torch.float32, attend)]
+    amx_attend = native_decode._shared_kernel(None, None, "amx")
+    if not isinstance(amx_attend, str):
+        prefills.append((torch.bfloat16, amx_attend))
+    gen = torch.Generator().manual_seed(1)
+    hid, nh, nkv, hd, inter, nl, bs, nb, eps = 96, 4, 2, 64, 160, 2, 16, 8, 1e-5
+    layers = [
+        SimpleNamespace(
+            qkv=SimpleNamespace(dense=amx.pack(torch.randn((nh + 2 * nkv) * hd, hid, generator=gen) / 8)),
+            o_proj=SimpleNamespace(dense=amx.pack(torch.randn(hid, nh * hd, generator=gen) / 8)),
+            gate_up=SimpleNamespace(dense=amx.pack(torch.randn(2 * inter, hid, generator=gen) / 8)),
+            down=SimpleNamespace(dense=amx.pack(torch.randn(hid, inter, generator=gen) / 8)),
+            input_norm=torch.rand(hid, generator=gen) + 0.5,
+            post_norm=torch.rand(hid, generator=gen) + 0.5,
+        )
+        for _ in range(nl)
+    ]
+    config = SimpleNamespace(
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=inter,
+        hidden_size=hid,
+        rms_norm_eps=eps,
+    )
+    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
+    model._prompt_step_ok = True
+    table = torch.randperm(nb, generator=gen)[:4].to(torch.int32)
+    for cache_dtype, kernel in prefills:
+        cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen).to(cache_dtype)
+        for start, t in ((0, 1), (0, 37), (19, 20)):
+            pos = torch.arange(start, start + t)
+            slots = table.long()[pos // bs] * bs + pos % bs
+            h0 = torch.randn(t, hid, generator=gen)
+            angles = torch.rand(t, hd // 2, generator=gen) * 6
+            cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
+            rows = RowKernels(torch.arange(t), None)
+            for count in (nl, 1):
+                h_py, cache_py = h0.clone(), cache.clone()
+                x = glue.rmsnorm(h_py, layers[0].input_norm, eps)
+                native = NativePrefill(kernel, table, start)
+                for i, layer in enumerate(layers[:count]):
+                    nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
+                    qkv = layer.qkv.dense.mm(x)
+                    q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
+                    a = native.attend(q, cache_py[i], hd**-0.5).reshape(t, nh * hd)
+                    x = glue.rmsnorm(h_py, layer.post_norm, eps, layer.o_proj.dense.mm(a))
+                    act = glue.silu_mul(layer.gate_up.dense.mm(x))
+                    x = glue.rmsnorm(h_py, nxt, eps, layer.down.dense.mm(act))
+                h_c, cache_c = h0.clone(), cache.clone()
+                x_c = glue.rmsnorm(h_c, layers[0].input_norm, eps)
+                prefill = SimpleNamespace(start=0, end=t, native=NativePrefill(kernel, table, start))
+                plan = SimpleNamespace(decode=None, prefills=[prefill], slot_mapping=slots)
+                got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
+                if got is None:
+                    return "the prompt step was not taken"
+                where = f"rows={t}, cached={start}, layers={count}, cache {cache_dtype}"
+                for name, a, b in (
+                    ("output", got, x),
+                    ("residual", h_c, h_py),
+                    ("KV cache", cache_c, cache_py),
+                ):
+                    if not torch.equal(a, b):
+                        return (
+                            f"the prompt step's {name} differs from the kernels called one by one ({where})"
+                        )
     return None
 
 

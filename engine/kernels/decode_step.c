@@ -1,4 +1,5 @@
-/* The layer loop of a decode step: every decoder layer of the model in one call (engine/native_step.py).
+/* The layer loop of a decode step, and of one sequence's prompt chunk on the AMX dense copies: every decoder layer
+ * of the model in one call (engine/native_step.py).
  *
  * A decode step of a small model is a few hundred kernel calls, and from Python each costs a wrapper, its
  * argument checks, an output tensor and a ctypes crossing: on SmolLM2-135M that was a third of a one-stream
@@ -17,6 +18,10 @@
  *   act  = silu(g) * u                               [T][I]
  *   dn   = gemv(W_down, act)                         [T][hidden]
  *   x    = rmsnorm(h += dn, next_norm)               [T][hidden]  (the next layer's input, or the output)
+ *
+ * prompt_step_layers (the end of the file) runs the same stages for the rows of one sequence's prompt chunk, each
+ * linear on its bf16 dense copy in the AMX GEMM (engine/kernels/amx_gemm.c) and attention on the native prefill
+ * kernel (paged_decode.c's paged_prefill_attention or its AMX build), for the first `layers` layers.
  *
  * Returns 0, or the first failing kernel's return code (nothing after it runs); `failed` then holds the
  * layer and the stage (0 qkv, 1 rope_store, 2 attention, 3 o, 4 post norm, 5 gate_up, 6 silu_mul, 7 down,
@@ -114,6 +119,76 @@ int decode_step_layers(const struct decode_step *s, const struct decode_layer *l
         if (!rc) stage = 5, rc = gemv(s, L->gate_up, L->gate_up_bits, 2 * s->inter, hid, s->x, s->gu);
         if (!rc) stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
         if (!rc) stage = 7, rc = gemv(s, L->down, L->down_bits, hid, s->inter, s->act, s->down);
+        if (!rc) stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+        if (rc) {
+            failed[0] = (int32_t)i;
+            failed[1] = stage;
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * A prompt chunk of one sequence: rows at positions start .. start + rows - 1, every linear on its AMX dense copy
+ * (engine.amx_gemm: fp32 in and out), attention by the native prefill kernel over the sequence's block table. */
+typedef int (*gemm_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w_packed, int64_t n,
+                       int64_t kp, float *y, int64_t ldy, uint16_t *scratch, int threads);
+typedef int (*prefill_fn)(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *table,
+                          int64_t table_len, int64_t start, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                          int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
+                          int64_t scratch_floats, int threads);
+
+/* One decoder layer as the prompt step takes it (engine/native_step.py `_PromptLayer`). */
+struct prompt_layer {
+    const uint16_t *qkv, *o, *gate_up, *down; /* the AMX GEMM's packed B tiles */
+    int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* each one's input size rounded up to 32 */
+    const float *post_norm, *next_norm;
+    void *cache;
+};
+
+/* One prompt step (engine/native_step.py `_PromptStep`). */
+struct prompt_step {
+    gemm_fn gemm;
+    rmsnorm_fn rmsnorm;
+    rope_fn rope;
+    silu_fn silu;
+    prefill_fn prefill;
+    int64_t layers, rows, hidden, heads, kv_heads, head_dim, inter;
+    int64_t block_size, num_blocks, table_len, start, attn_scratch_floats;
+    int32_t cache_bf16, gemm_threads, glue_threads, attn_threads;
+    float eps, scale;
+    const float *cos_sin; /* [rows][D / 2][2] */
+    const int64_t *slots; /* [rows] */
+    const int32_t *table; /* [table_len] */
+    float *h, *x;
+    float *qkv, *q, *attn, *o, *gu, *act, *down, *attn_scratch;
+    uint16_t *gemm_scratch; /* bf16 [rows rounded up to 32][the largest kp] */
+};
+
+int prompt_step_layers(const struct prompt_step *s, const struct prompt_layer *layers, int32_t *failed) {
+    const int64_t T = s->rows, hid = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
+    const int64_t width = (H + 2 * KVH) * D, slots = s->num_blocks * s->block_size, I2 = 2 * s->inter;
+    const int gt = s->gemm_threads;
+    for (int64_t i = 0; i < s->layers; i++) {
+        const struct prompt_layer *L = layers + i;
+        int stage = 0, rc = s->gemm(s->x, T, hid, hid, L->qkv, width, L->qkv_kp, s->qkv, width, s->gemm_scratch, gt);
+        if (!rc)
+            stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
+                                    s->glue_threads);
+        if (!rc)
+            stage = 2, rc = s->prefill(s->q, 0, L->cache, s->cache_bf16, s->table, s->table_len, s->start, T, H, KVH,
+                                       D, s->block_size, s->num_blocks, s->scale, s->attn, s->attn_scratch,
+                                       s->attn_scratch_floats, s->attn_threads);
+        if (!rc)
+            stage = 3, rc = s->gemm(s->attn, T, H * D, H * D, L->o, hid, L->o_kp, s->o, hid, s->gemm_scratch, gt);
+        if (!rc) stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+        if (!rc)
+            stage = 5, rc = s->gemm(s->x, T, hid, hid, L->gate_up, I2, L->gate_up_kp, s->gu, I2, s->gemm_scratch, gt);
+        if (!rc) stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
+        if (!rc)
+            stage = 7, rc = s->gemm(s->act, T, s->inter, s->inter, L->down, hid, L->down_kp, s->down, hid,
+                                    s->gemm_scratch, gt);
         if (!rc) stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
         if (rc) {
             failed[0] = (int32_t)i;

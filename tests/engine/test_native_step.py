@@ -1,16 +1,19 @@
-"""The one-call decode step (``engine.native_step``): the same bits as the layer loop, taken only by the steps
-it can run, and a refused argument named by layer and stage."""
+"""The one-call layer step (``engine.native_step``), for decode steps and for one sequence's prompt chunks on the AMX
+dense copies: the same bits as the layer loop (tokens, logits, KV cache), taken only by the steps it can run
+(exact counts), and a refused argument named by layer and stage with nothing written."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine import amx_gemm
 from engine.llm_engine import LLMEngine
 from engine.native_step import (
     DecodeStepError,
     NativeDecodeStep,
     _check_against_python,
+    _check_prompt_against_python,
     resolve_decode_step,
     step_kernels,
 )
@@ -114,4 +117,100 @@ def test_a_slot_outside_the_cache_is_refused_by_layer_and_stage():
     rows = RowKernels(None, torch.arange(1))
     with pytest.raises(DecodeStepError, match="rope_store kernel refused its arguments in layer 0"):
         step_kernel.run(model, h, x, cos_sin, plan, runner.kv_cache, rows, runner.glue_kernel)
+    assert torch.equal(runner.kv_cache, kv_before)  # nothing written
+
+
+# --- prompt chunks of one sequence on the AMX dense copies (``NativeDecodeStep.run_prompt``) ---------------------
+
+AMX = amx_gemm._shared_kernel()
+needs_amx = pytest.mark.skipif(isinstance(AMX, str), reason=f"needs the AMX GEMM: {AMX}")
+
+
+def test_the_prompt_check_fails_a_step_that_skips_the_layers():
+    class Skips(NativeDecodeStep):
+        def __init__(self) -> None:
+            self.prompt_steps = 0
+
+        def run_prompt(self, model, h, x, *args, **kwargs):
+            return x  # nothing computed
+
+    got = _check_prompt_against_python(Skips(), *KERNELS[1:])
+    if isinstance(AMX, str):
+        assert got is None  # never taken where the AMX GEMM does not build
+    else:
+        assert got == (
+            "the prompt step's output differs from the kernels called one by one "
+            "(rows=1, cached=0, layers=2, cache torch.float32)"
+        )
+
+
+@needs_amx
+@pytest.mark.parametrize(("kind", "kv_dtype"), [("hf", "float32"), ("hf-d64", "bfloat16")])
+def test_prompt_chunks_in_one_call_give_the_layer_loops_tokens_and_logits(kind, kv_dtype):
+    """A cold prompt in chunks of 16 rows, then a prefix hit's tail, each request alone: every prompt step
+    takes the one-call path (the last layer for the output rows alone in Python), with the layer loop's bits."""
+    ckpt = tiny_checkpoint(kind, weights="int4")
+    on, off = engine_pair(ckpt, kv_dtype=kv_dtype, max_num_batched_tokens=16)
+    assert isinstance(on.model.layers[0].qkv.dense, amx_gemm.AmxDenseWeight)
+    system = random_tokens(48, 3)  # three whole blocks
+    prompts = [system + random_tokens(9, 30), system + random_tokens(21, 31)]
+    got = []
+    before = step_kernel.prompt_steps
+    for p in prompts:
+        got += on.generate([p], greedy(4))
+    # 57 rows in chunks of 16 (4 steps); then 48 cached, 21 new rows (2 steps: 16 and 5)
+    assert step_kernel.prompt_steps - before == 6
+    want = []
+    for p in prompts:
+        want += off.generate([p], greedy(4))
+    assert got == want
+    for a, b in zip(sorted(on.logits_log), sorted(off.logits_log), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(on.logits_log[a], off.logits_log[b], strict=True))
+    assert torch.equal(on.runner.kv_cache, off.runner.kv_cache)
+
+
+@needs_amx
+def test_steps_of_several_sequences_or_with_generated_rows_keep_the_layer_loop():
+    ckpt = tiny_checkpoint(weights="int4")
+    eng = make_engine(ckpt)
+    before = step_kernel.prompt_steps
+    eng.generate([random_tokens(30, 40), random_tokens(25, 41)], greedy(3))  # both prompts in one step
+    assert step_kernel.prompt_steps == before
+    a = eng.add_request(random_tokens(20, 42), greedy(6))
+    eng.step()  # a's prompt, alone: one call
+    assert step_kernel.prompt_steps == before + 1
+    eng.add_request(random_tokens(20, 43), greedy(2))
+    eng.step()  # a's generated row and the new prompt: the layer loop
+    assert step_kernel.prompt_steps == before + 1
+    eng.run_to_completion()
+    assert a.num_output_tokens == 6
+
+
+@needs_amx
+def test_a_prompt_slot_outside_the_cache_is_refused_by_layer_and_stage():
+    from engine.attention import AttentionMetadata, plan_attention
+    from engine.row_kernels import RowKernels
+
+    eng = make_engine(tiny_checkpoint(weights="int4"))
+    model, runner = eng.model, eng.runner
+    t = 20
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([10**6] * t),
+        query_start_loc=[0, t],
+        seq_lens=[t],
+        block_tables=torch.tensor([[0, 1]]),
+        block_size=runner.kv_cache.shape[3],
+        prompt_lens=[t],
+        prefill_kernel=runner.prefill_kernel,
+    )
+    plan = plan_attention(meta, model.device, runner.kv_cache.shape[2], True, runner.kv_cache.dtype)
+    h = torch.randn(t, model.config.hidden_size)
+    x = runner.glue_kernel.rmsnorm(h, model.layers[0].input_norm, model.config.rms_norm_eps)
+    cos_sin = torch.zeros(t, model.config.head_dim // 2, 2)
+    kv_before = runner.kv_cache.clone()
+    rows = RowKernels(torch.arange(t), None)
+    with pytest.raises(
+        DecodeStepError, match="prompt step's rope_store kernel refused its arguments in layer 0"
+    ):
+        step_kernel.run_prompt(model, h, x, cos_sin, plan, runner.kv_cache, rows, runner.glue_kernel, 1)
     assert torch.equal(runner.kv_cache, kv_before)  # nothing written

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import engine.model as model_module
+from engine.amx_gemm import AmxDenseWeight
 from engine.attention import AttentionMetadata
 from engine.output_rows import output_step
 from engine.row_kernels import RowKernels
@@ -65,9 +66,20 @@ def test_only_output_rows_reach_the_last_layers_mlp(monkeypatch):
 
     monkeypatch.setattr(model_module, "forward_rows", counting)
     eng = make_engine(ck, max_num_batched_tokens=32, enable_prefix_caching=False)
+    one_call = eng.runner.decode_step
+    eng.runner.decode_step = None  # every layer in Python, to see them
     eng.generate([random_tokens(100, 70)], greedy(1))
     assert sum(seen[0]) == 100 and len(seen[0]) >= 4
     assert seen[len(layers) - 1] == [1]
+    if one_call is not None and isinstance(layers[0].qkv.dense, AmxDenseWeight):
+        # with the one-call layer step, each prompt chunk's other layers run in C (on the AMX dense copies),
+        # and the last layer still runs its MLP on the final chunk's last row alone
+        seen = {0: [], len(layers) - 1: []}
+        eng = make_engine(ck, max_num_batched_tokens=32, enable_prefix_caching=False)
+        before = one_call.prompt_steps
+        eng.generate([random_tokens(100, 71)], greedy(1))
+        assert one_call.prompt_steps - before == 4  # 32 + 32 + 32 + 4 rows
+        assert seen == {0: [], len(layers) - 1: [1]}
 
 
 def meta(qsl: list[int], seq_lens: list[int], prompt_lens: list[int] | None = None, kernels: bool = True):
