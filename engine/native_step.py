@@ -196,6 +196,36 @@ def model_takes_step(model) -> bool:
     return ok
 
 
+def _cache_key(kv_cache: torch.Tensor) -> tuple:
+    """What a layer table's cache pointers depend on: the KV cache tensor's storage, shape and dtype."""
+    return (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+
+
+def _layer_array(model, kv_cache: torch.Tensor, struct, weights) -> ctypes.Array:
+    """``struct`` per layer of ``model`` (``struct decode_layer`` or ``struct prompt_layer``): ``weights(layer)``'s
+    fields, then the post-attention norm, the next layer's input norm (the final norm after the last) and the
+    layer's slice of ``kv_cache``."""
+    n = len(model.layers)
+    layers = (struct * n)()
+    for i, layer in enumerate(model.layers):
+        nxt = model.layers[i + 1].input_norm if i + 1 < n else model.norm
+        layers[i] = struct(
+            *weights(layer), layer.post_norm.data_ptr(), nxt.data_ptr(), kv_cache[i].data_ptr()
+        )
+    return layers
+
+
+def _step_buffers(t: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """One fp32 allocation cut into ``t * n`` element buffers, one per ``n`` of ``sizes`` (a step's
+    intermediate rows)."""
+    work = torch.empty(t * sum(sizes), dtype=torch.float32)
+    bufs, at = [], 0
+    for n in sizes:
+        bufs.append(work[at : at + t * n])
+        at += t * n
+    return bufs
+
+
 class NativeDecodeStep:
     """The loaded ``decode_step_layers``.
 
@@ -234,23 +264,16 @@ class NativeDecodeStep:
         )
 
     def _table(self, model, kv_cache: torch.Tensor) -> _ModelTable:
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        key = _cache_key(kv_cache)
         table: _ModelTable | None = getattr(model, "_decode_step_table", None)
         if table is not None and table.cache_key == key:
             return table
-        n = len(model.layers)
-        layers = (_Layer * n)()
-        for i, layer in enumerate(model.layers):
-            nxt = model.layers[i + 1].input_norm if i + 1 < n else model.norm
+
+        def weights(layer) -> list[int]:
             packed = [lin.native_packed for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-            layers[i] = _Layer(
-                *(p.data.data_ptr() for p in packed),
-                *(p.bits for p in packed),
-                layer.post_norm.data_ptr(),
-                nxt.data_ptr(),
-                kv_cache[i].data_ptr(),
-            )
-        table = _ModelTable(key, layers, model.layers[0].qkv.native)
+            return [*(p.data.data_ptr() for p in packed), *(p.bits for p in packed)]
+
+        table = _ModelTable(key, _layer_array(model, kv_cache, _Layer, weights), model.layers[0].qkv.native)
         model._decode_step_table = table
         return table
 
@@ -310,11 +333,7 @@ class NativeDecodeStep:
         native = dec.native
         width = (nh + 2 * nkv) * hd
         sizes = (width, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
-        work = torch.empty(t * sum(sizes), dtype=torch.float32)
-        bufs, at = [], 0
-        for n in sizes:
-            bufs.append(work[at : at + t * n])
-            at += t * n
+        bufs = _step_buffers(t, sizes)
         if native.scratch is None:
             native.scratch = torch.empty(scratch_size(t, nh, hd, native.max_len), dtype=torch.float32)
         x_out = x  # the kernels write each layer's normed output into x
@@ -367,22 +386,16 @@ class NativeDecodeStep:
         return x_out
 
     def _prompt_table(self, model, kv_cache: torch.Tensor) -> ctypes.Array:
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        key = _cache_key(kv_cache)
         table = getattr(model, "_prompt_step_table", None)
         if table is not None and table[0] == key:
             return table[1]
-        n = len(model.layers)
-        layers = (_PromptLayer * n)()
-        for i, layer in enumerate(model.layers):
-            nxt = model.layers[i + 1].input_norm if i + 1 < n else model.norm
+
+        def weights(layer) -> list[int]:
             dense = [lin.dense for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-            layers[i] = _PromptLayer(
-                *(d.data.data_ptr() for d in dense),
-                *(d.data.shape[1] * TILE_K for d in dense),
-                layer.post_norm.data_ptr(),
-                nxt.data_ptr(),
-                kv_cache[i].data_ptr(),
-            )
+            return [*(d.data.data_ptr() for d in dense), *(d.data.shape[1] * TILE_K for d in dense)]
+
+        layers = _layer_array(model, kv_cache, _PromptLayer, weights)
         model._prompt_step_table = (key, layers)
         return layers
 
@@ -445,11 +458,7 @@ class NativeDecodeStep:
         amx = model.layers[0].qkv.dense.kernel
         gemm_threads, threads = kernel_threads(), torch.get_num_threads()  # forward_glued's counts
         sizes = ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
-        work = torch.empty(t * sum(sizes), dtype=torch.float32)
-        bufs, at = [], 0
-        for n in sizes:
-            bufs.append(work[at : at + t * n])
-            at += t * n
+        bufs = _step_buffers(t, sizes)
         need = native.kernel.prefill_scratch_size(t, nh, nkv, hd, native.start + t, threads)
         if need < 0:
             return None

@@ -49,6 +49,13 @@ static void convert_row(const float *x, int64_t k, int64_t kp, uint16_t *out) {
     for (; j < kp; j++) out[j] = 0;
 }
 
+/* The stored rows and columns of a block at the edge of y: tmp holds `block_rows` rows of 32 floats; rows past
+ * `rows` and columns past `cols` (padding) are not stored. */
+static void store_part(const float *tmp, int64_t block_rows, float *y, int64_t ldy, int64_t rows, int64_t cols) {
+    const int64_t r_end = rows < block_rows ? rows : block_rows, c_end = cols < 32 ? cols : 32;
+    for (int64_t r = 0; r < r_end; r++) memcpy(y + r * ldy, tmp + r * 32, (size_t)c_end * 4);
+}
+
 /* One 32 x 32 output block: rows m0..m0+31 of scratch against output block pair nb2 (outputs nb2*32..+31).
  * Rows past `rows` and columns past `cols` are computed (from zero padding) but not stored. */
 static void block_32x32(const uint16_t *a, int64_t kp, const uint16_t *w_packed, int64_t nb2, float *y,
@@ -82,8 +89,7 @@ static void block_32x32(const uint16_t *a, int64_t kp, const uint16_t *w_packed,
     _tile_stored(1, tmp + 16, 32 * 4);
     _tile_stored(2, tmp + 16 * 32, 32 * 4);
     _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
-    int64_t r_end = rows < 32 ? rows : 32, c_end = cols < 32 ? cols : 32;
-    for (int64_t r = 0; r < r_end; r++) memcpy(y + r * ldy, tmp + r * 32, (size_t)c_end * 4);
+    store_part(tmp, 32, y, ldy, rows, cols);
 }
 
 /* One 16 x 32 output block (the last row block of a call whose rows past a multiple of 32 are <= 16): rows
@@ -112,8 +118,7 @@ static void block_16x32(const uint16_t *a, int64_t kp, const uint16_t *w_packed,
     float tmp[16 * 32];
     _tile_stored(0, tmp, 32 * 4);
     _tile_stored(1, tmp + 16, 32 * 4);
-    int64_t r_end = rows < 16 ? rows : 16, c_end = cols < 32 ? cols : 32;
-    for (int64_t r = 0; r < r_end; r++) memcpy(y + r * ldy, tmp + r * 32, (size_t)c_end * 4);
+    store_part(tmp, 16, y, ldy, rows, cols);
 }
 
 /* The column blocks of one thread: panels of PANEL 32-column blocks, every 32-row block of scratch against

@@ -118,26 +118,29 @@ INLINE void transpose16(v16 v[16]) {
 }
 
 #ifdef __AVX512F__
+/* the same 16 floats as an intrinsic's __m512 and back (exact moves) */
+INLINE __m512 as_m512(v16 x) {
+    __m512 v;
+    memcpy(&v, &x, sizeof v);
+    return v;
+}
+INLINE v16 as_v16(__m512 v) {
+    v16 x;
+    memcpy(&x, &v, sizeof x);
+    return x;
+}
+
 /* e^x per lane for x <= 0 (softmax numerators): x = n ln2 + r, |r| <= ln2 / 2, e^r by the minimax polynomial of
  * Cephes' expf (S. L. Moshier), times 2^n by VSCALEFPS; ~2 ulp; lanes below -87 (-inf too) give ~1e-38, not 0. The
  * clamp, the rounding of n and the scaling are one instruction each (session 26; before: a compare and three
  * logic operations, two conversions, an integer add, a shift and a multiply), the same bits for every finite or
  * NaN x. */
 INLINE v16 exp16(v16 x) {
-    { /* lanes below -87 -> -87: VMAXPS(-87, x) is -87 > x ? -87 : x, and x for a NaN x (Intel SDM, "MAXPS") */
-        __m512 v;
-        memcpy(&v, &x, sizeof v);
-        v = _mm512_max_ps(_mm512_set1_ps(-87.0f), v);
-        memcpy(&x, &v, sizeof x);
-    }
+    /* lanes below -87 -> -87: VMAXPS(-87, x) is -87 > x ? -87 : x, and x for a NaN x (Intel SDM, "MAXPS") */
+    x = as_v16(_mm512_max_ps(_mm512_set1_ps(-87.0f), as_m512(x)));
     const v16 t = x * 1.44269504088896341f - 0.5f;
-    v16 nf; /* t toward zero, an integer in [-126, 0]: round(x log2 e) for -87 <= x <= 0 */
-    {
-        __m512 v;
-        memcpy(&v, &t, sizeof v);
-        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        memcpy(&nf, &v, sizeof nf);
-    }
+    /* t toward zero, an integer in [-126, 0]: round(x log2 e) for -87 <= x <= 0 */
+    const v16 nf = as_v16(_mm512_roundscale_ps(as_m512(t), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
     const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
     v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -147,24 +150,12 @@ INLINE v16 exp16(v16 x) {
     p = p * r * r + r + 1.0f;
     /* p 2^nf: VSCALEFPS, one rounding of the exact product as the multiply by 2^n's bits gave (Intel SDM,
      * "VSCALEFPS") */
-    __m512 pv, nv;
-    memcpy(&pv, &p, sizeof pv);
-    memcpy(&nv, &nf, sizeof nv);
-    pv = _mm512_scalef_ps(pv, nv);
-    memcpy(&p, &pv, sizeof p);
-    return p;
+    return as_v16(_mm512_scalef_ps(as_m512(p), as_m512(nf)));
 }
 
 /* per lane: x where x > m, else m: VMAXPS(x, m) exactly (it returns its second operand for NaNs and for two
  * zeros; Intel SDM, "MAXPS") */
-INLINE v16 max16(v16 x, v16 m) {
-    __m512 a, b;
-    memcpy(&a, &x, sizeof a);
-    memcpy(&b, &m, sizeof b);
-    a = _mm512_max_ps(a, b);
-    memcpy(&x, &a, sizeof x);
-    return x;
-}
+INLINE v16 max16(v16 x, v16 m) { return as_v16(_mm512_max_ps(as_m512(x), as_m512(m))); }
 
 /* the maximum of s[0 .. full) (full a multiple of 16, >= 16) and of m0: four running maxima (one maximum per
  * vector is a chain; four overlap), vector l0 / 16 on chain (l0 / 16) mod 4, each chain in a register (a run-time

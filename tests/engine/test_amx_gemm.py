@@ -74,7 +74,18 @@ def test_row_i_of_any_call_is_the_one_row_call_bit_for_bit(kernel, n, k):
     for threads in (1, 2, 3, 5):
         assert torch.equal(kernel.mm(w, x, threads=threads), whole)
     # slices whose last row block has <= 16 rows take the 16-row block: the same bits as the 32-row blocks above
-    for start, stop in ((0, 1), (31, 32), (32, 33), (149, 150), (5, 70), (40, 150), (17, 50), (0, 16), (2, 50), (6, 150)):
+    for start, stop in (
+        (0, 1),
+        (31, 32),
+        (32, 33),
+        (149, 150),
+        (5, 70),
+        (40, 150),
+        (17, 50),
+        (0, 16),
+        (2, 50),
+        (6, 150),
+    ):
         assert torch.equal(kernel.mm(w, x[start:stop], threads=2), whole[start:stop])
     # a row's result does not depend on its neighbours either
     other = x.clone()

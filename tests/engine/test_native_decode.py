@@ -86,10 +86,14 @@ def test_peaked_scores_far_past_the_exp_clamp_match_float64_attention(kernel, dt
     for b, n in enumerate(lens):
         for head in range(q.shape[1]):
             pos = int(torch.randint(0, n, (1,), generator=gen))
-            q[b, head] = cache[0, int(tables[b, pos // block_size]), pos % block_size, head // 3].float() * magnitude
+            q[b, head] = (
+                cache[0, int(tables[b, pos // block_size]), pos % block_size, head // 3].float() * magnitude
+            )
     got = kernel.attend(q, cache, tables, lens_t, max(lens), 0.125)
     assert bool(torch.isfinite(got).all())
-    torch.testing.assert_close(got.double(), reference_decode(q, cache, tables, lens_t, 0.125), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(
+        got.double(), reference_decode(q, cache, tables, lens_t, 0.125), rtol=2e-5, atol=2e-6
+    )
 
 
 @needs_kernel
