@@ -1,5 +1,5 @@
-"""The native layer step: every decoder layer of a decode-only step, or of one sequence's prompt chunk on the AMX
-dense copies, in one C call (issue 12 item 4).
+"""The native layer step: every decoder layer of a decode-only step, or of a step of prompt chunks on the AMX dense
+copies, in one C call (issue 12 item 4).
 
 Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``, ``prompt_step_layers``), the per-model tables of
 layer pointers they read, and the tests of whether a step can take them (``NativeDecodeStep.run`` /
@@ -14,9 +14,9 @@ between the calls: ~9 wrapper calls per layer, each with argument checks, output
 A step takes the decode path when every sequence computes one generated token (no prompt row: those run the dense
 copy), attention runs on the native decode kernel, the glue kernel runs the layer's elementwise work, every linear
 is an ``Int4Weight`` / ``Int8Weight`` on the native kernel without bias, and the cache is fp32 or bf16. It takes
-the prompt path (session 26: ~4-5 ms of Python off a ~70-row prefix-hit tail on an AMX Xeon) when its rows are one
-sequence's prompt chunk, every linear's dense copy is on the AMX GEMM (``engine.amx_gemm``) without bias, and
-attention runs on the native prefill kernel; the last layer stays in Python when only the output rows go on
+the prompt path (session 26: ~7 ms of Python off a ~70-row prefix-hit tail on an AMX Xeon) when its rows are
+prompt chunks (one or more sequences', each a run of rows), every linear's dense copy is on the AMX GEMM
+(``engine.amx_gemm``) without bias, and attention runs on one native prefill kernel; the last layer stays in Python when only the output rows go on
 through it (``engine.output_rows``). Any other step runs the Python loop.
 
 Invariants: the kernels' own checks run inside them (a block id or slot out of range is refused before
@@ -103,11 +103,11 @@ class _PromptStep(ctypes.Structure):
     _fields_ = [
         *((name, _p) for name in ("gemm", "rmsnorm", "rope", "silu", "prefill")),
         *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
-        *((name, _i64) for name in ("block_size", "num_blocks", "table_len", "start", "attn_scratch_floats")),
+        *((name, _i64) for name in ("block_size", "num_blocks", "chunks", "attn_scratch_floats")),
         *((name, _i32) for name in ("cache_bf16", "gemm_threads", "glue_threads", "attn_threads")),
         ("eps", _f32),
         ("scale", _f32),
-        *((name, _p) for name in ("cos_sin", "slots", "table", "h", "x")),
+        *((name, _p) for name in ("cos_sin", "slots", "row0", "start", "table_len", "tables", "h", "x")),
         *(
             (name, _p)
             for name in ("qkv", "q", "attn", "o", "gu", "act", "down", "attn_scratch", "gemm_scratch")
@@ -411,16 +411,17 @@ class NativeDecodeStep:
         glue: NativeGlueKernel,
         layers: int,
     ) -> torch.Tensor | None:
-        """The first ``layers`` decoder layers of ``model`` for a step of one sequence's prompt rows, or None
-        when the step cannot take this path (then nothing was run).
+        """The first ``layers`` decoder layers of ``model`` for a step of prompt rows (one or more sequences'
+        chunks), or None when the step cannot take this path (then nothing was run).
 
         Args:
             model: the ``engine.model.LlamaModel``.
             h: fp32 ``[T, hidden]`` residual after the embedding (updated in place).
             x: fp32 ``[T, hidden]``, ``h`` normed by layer 0's input norm (overwritten).
             cos_sin: fp32 ``[T, head_dim / 2, 2]`` (``forward_glued``'s).
-            plan: the step's ``engine.attention.AttentionPlan``: one prefill over all ``T`` rows, on the native
-                prefill kernel (``NativePrefill``), no decode rows.
+            plan: the step's ``engine.attention.AttentionPlan``: prefills covering rows ``0 .. T - 1`` in order,
+                each on the same native prefill kernel (``NativePrefill``; attended chunk by chunk, its scratch
+                the first chunk's), no decode rows.
             kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16.
             rows: the step's ``engine.row_kernels.RowKernels``: every row on the dense copies.
             glue: the glue kernel the step runs.
@@ -436,7 +437,7 @@ class NativeDecodeStep:
         """
         if (
             plan.decode is not None
-            or len(plan.prefills) != 1
+            or not plan.prefills
             or not 1 <= layers <= len(model.layers)
             or rows is None
             or rows.kernel is not None
@@ -447,11 +448,16 @@ class NativeDecodeStep:
             or not model_takes_prompt_step(model)
         ):
             return None
-        pre = plan.prefills[0]
         t = h.shape[0]
-        native = pre.native
-        if native is None or pre.start != 0 or pre.end != t:
-            return None
+        chunks = [pre.native for pre in plan.prefills]
+        row0 = [pre.start for pre in plan.prefills] + [t]
+        if (
+            any(native is None or native.kernel is not chunks[0].kernel for native in chunks)
+            or row0[0] != 0
+            or any(pre.end != row0[i + 1] for i, pre in enumerate(plan.prefills))
+        ):
+            return None  # each chunk's rows in order, every row in one, one prefill kernel
+        native = chunks[0]
         c = model.config
         nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
         table = self._prompt_table(model, kv_cache)
@@ -459,11 +465,20 @@ class NativeDecodeStep:
         gemm_threads, threads = kernel_threads(), torch.get_num_threads()  # forward_glued's counts
         sizes = ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
         bufs = _step_buffers(t, sizes)
-        need = native.kernel.prefill_scratch_size(t, nh, nkv, hd, native.start + t, threads)
-        if need < 0:
+        needs = [
+            native.kernel.prefill_scratch_size(
+                row0[i + 1] - row0[i], nh, nkv, hd, ch.start + row0[i + 1] - row0[i], threads
+            )
+            for i, ch in enumerate(chunks)
+        ]
+        if min(needs) < 0:
             return None
-        if native.scratch is None or native.scratch.numel() < need:
-            native.scratch = torch.empty(max(need, 1), dtype=torch.float32)
+        if native.scratch is None or native.scratch.numel() < max(needs):
+            native.scratch = torch.empty(max(max(needs), 1), dtype=torch.float32)  # every chunk's, in turn
+        row0_t = torch.tensor(row0, dtype=torch.int64)
+        starts = torch.tensor([ch.start for ch in chunks], dtype=torch.int64)
+        table_lens = torch.tensor([ch.table.shape[0] for ch in chunks], dtype=torch.int64)
+        tables = (ctypes.c_void_p * len(chunks))(*(ch.table.data_ptr() for ch in chunks))
         first = model.layers[0]
         kp = (
             max(lin.dense.data.shape[1] for lin in (first.qkv, first.o_proj, first.gate_up, first.down))
@@ -487,8 +502,7 @@ class NativeDecodeStep:
             inter,
             kv_cache.shape[3],
             kv_cache.shape[2],
-            native.table.shape[0],
-            native.start,
+            len(chunks),
             native.scratch.numel(),
             int(kv_cache.dtype == torch.bfloat16),
             gemm_threads,
@@ -498,7 +512,10 @@ class NativeDecodeStep:
             c.head_dim**-0.5,
             cos_sin.data_ptr(),
             slots.data_ptr(),
-            native.table.data_ptr(),
+            row0_t.data_ptr(),
+            starts.data_ptr(),
+            table_lens.data_ptr(),
+            ctypes.addressof(tables),
             h.data_ptr(),
             x.data_ptr(),
             *(b.data_ptr() for b in bufs),
@@ -511,7 +528,7 @@ class NativeDecodeStep:
         if rc != 0:
             raise DecodeStepError(
                 f"the prompt step's {STAGES[failed[1]]} kernel refused its arguments in layer {failed[0]} "
-                f"(rc {rc}): positions {native.start}..{native.start + t - 1}, slots {slots.tolist()}"
+                f"(rc {rc}): chunks starting at positions {starts.tolist()}, rows {row0}, slots {slots.tolist()}"
             )
         return x
 
@@ -627,7 +644,7 @@ def _check_prompt_against_python(
 ) -> str | None:
     """``run_prompt`` against the kernels called one by one as ``forward_glued`` calls them for prompt rows:
     a random two-layer model on the AMX GEMM's dense copies, chunks of 1, 20 and 37 rows over 0 and 19 cached
-    positions, every layer and the first only, an fp32 cache on ``attend``'s prefill and, where the AMX build
+    positions and a step of two sequences' chunks, every layer and the first only, an fp32 cache on ``attend``'s prefill and, where the AMX build
     of the attention kernel builds, a bf16 cache on its prefill. None when the output, the residual and the KV
     cache are bit-identical (or the AMX GEMM does not build here: the path is then never taken), else what
     differed."""
@@ -667,36 +684,56 @@ def _check_prompt_against_python(
     )
     model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
     model._prompt_step_ok = True
-    table = torch.randperm(nb, generator=gen)[:4].to(torch.int32)
+    ids = torch.randperm(nb, generator=gen).to(torch.int32)
+    table, other = ids[:4].contiguous(), ids[4:].contiguous()  # two sequences' blocks
+    # (block table, cached positions, new rows) per chunk; the last case: two sequences' chunks in one step
+    cases = ([(table, 0, 1)], [(table, 0, 37)], [(table, 19, 20)], [(table, 19, 20), (other, 0, 13)])
     for cache_dtype, kernel in prefills:
         cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen).to(cache_dtype)
-        for start, t in ((0, 1), (0, 37), (19, 20)):
-            pos = torch.arange(start, start + t)
-            slots = table.long()[pos // bs] * bs + pos % bs
+        for case in cases:
+            t = sum(n for _, _, n in case)
+            slots = torch.cat(
+                [
+                    tab.long()[pos // bs] * bs + pos % bs
+                    for tab, start, n in case
+                    for pos in [torch.arange(start, start + n)]
+                ]
+            )
             h0 = torch.randn(t, hid, generator=gen)
             angles = torch.rand(t, hd // 2, generator=gen) * 6
             cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
             rows = RowKernels(torch.arange(t), None)
+            bounds = [0]
+            for _, _, n in case:
+                bounds.append(bounds[-1] + n)
             for count in (nl, 1):
                 h_py, cache_py = h0.clone(), cache.clone()
                 x = glue.rmsnorm(h_py, layers[0].input_norm, eps)
-                native = NativePrefill(kernel, table, start)
+                natives = [NativePrefill(kernel, tab, start) for tab, start, _ in case]
                 for i, layer in enumerate(layers[:count]):
                     nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
                     qkv = layer.qkv.dense.mm(x)
                     q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
-                    a = native.attend(q, cache_py[i], hd**-0.5).reshape(t, nh * hd)
+                    a = torch.cat(
+                        [
+                            nat.attend(q[r0:r1], cache_py[i], hd**-0.5)
+                            for nat, r0, r1 in zip(natives, bounds[:-1], bounds[1:], strict=True)
+                        ]
+                    ).reshape(t, nh * hd)
                     x = glue.rmsnorm(h_py, layer.post_norm, eps, layer.o_proj.dense.mm(a))
                     act = glue.silu_mul(layer.gate_up.dense.mm(x))
                     x = glue.rmsnorm(h_py, nxt, eps, layer.down.dense.mm(act))
                 h_c, cache_c = h0.clone(), cache.clone()
                 x_c = glue.rmsnorm(h_c, layers[0].input_norm, eps)
-                prefill = SimpleNamespace(start=0, end=t, native=NativePrefill(kernel, table, start))
-                plan = SimpleNamespace(decode=None, prefills=[prefill], slot_mapping=slots)
+                chunks = [
+                    SimpleNamespace(start=r0, end=r1, native=NativePrefill(kernel, tab, start))
+                    for (tab, start, _), r0, r1 in zip(case, bounds[:-1], bounds[1:], strict=True)
+                ]
+                plan = SimpleNamespace(decode=None, prefills=chunks, slot_mapping=slots)
                 got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
                 if got is None:
                     return "the prompt step was not taken"
-                where = f"rows={t}, cached={start}, layers={count}, cache {cache_dtype}"
+                where = f"chunks {[(start, n) for _, start, n in case]}, layers={count}, cache {cache_dtype}"
                 for name, a, b in (
                     ("output", got, x),
                     ("residual", h_c, h_py),

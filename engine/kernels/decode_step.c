@@ -1,4 +1,4 @@
-/* The layer loop of a decode step, and of one sequence's prompt chunk on the AMX dense copies: every decoder layer
+/* The layer loop of a decode step, and of a step of prompt chunks on the AMX dense copies: every decoder layer
  * of the model in one call (engine/native_step.py).
  *
  * A decode step of a small model is a few hundred kernel calls, and from Python each costs a wrapper, its
@@ -19,9 +19,10 @@
  *   dn   = gemv(W_down, act)                         [T][hidden]
  *   x    = rmsnorm(h += dn, next_norm)               [T][hidden]  (the next layer's input, or the output)
  *
- * prompt_step_layers (the end of the file) runs the same stages for the rows of one sequence's prompt chunk, each
- * linear on its bf16 dense copy in the AMX GEMM (engine/kernels/amx_gemm.c) and attention on the native prefill
- * kernel (paged_decode.c's paged_prefill_attention or its AMX build), for the first `layers` layers.
+ * prompt_step_layers (the end of the file) runs the same stages for a step of prompt rows (one or more sequences'
+ * prompt chunks, each a contiguous run of rows), each linear on its bf16 dense copy in the AMX GEMM
+ * (engine/kernels/amx_gemm.c) and attention on the native prefill kernel (paged_decode.c's paged_prefill_attention
+ * or its AMX build), one call per chunk in order, for the first `layers` layers.
  *
  * Returns 0, or the first failing kernel's return code (nothing after it runs); `failed` then holds the
  * layer and the stage (0 qkv, 1 rope_store, 2 attention, 3 o, 4 post norm, 5 gate_up, 6 silu_mul, 7 down,
@@ -130,8 +131,9 @@ int decode_step_layers(const struct decode_step *s, const struct decode_layer *l
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
- * A prompt chunk of one sequence: rows at positions start .. start + rows - 1, every linear on its AMX dense copy
- * (engine.amx_gemm: fp32 in and out), attention by the native prefill kernel over the sequence's block table. */
+ * Prompt chunks: chunk c is rows row0[c] .. row0[c + 1] - 1 of the step, at positions start[c] .., over block
+ * table tables[c]; every linear on its AMX dense copy (engine.amx_gemm: fp32 in and out) for all rows at once,
+ * attention by the native prefill kernel chunk by chunk. */
 typedef int (*gemm_fn)(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w_packed, int64_t n,
                        int64_t kp, float *y, int64_t ldy, uint16_t *scratch, int threads);
 typedef int (*prefill_fn)(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *table,
@@ -155,16 +157,30 @@ struct prompt_step {
     silu_fn silu;
     prefill_fn prefill;
     int64_t layers, rows, hidden, heads, kv_heads, head_dim, inter;
-    int64_t block_size, num_blocks, table_len, start, attn_scratch_floats;
+    int64_t block_size, num_blocks, chunks, attn_scratch_floats;
     int32_t cache_bf16, gemm_threads, glue_threads, attn_threads;
     float eps, scale;
     const float *cos_sin; /* [rows][D / 2][2] */
     const int64_t *slots; /* [rows] */
-    const int32_t *table; /* [table_len] */
+    const int64_t *row0, *start, *table_len; /* [chunks + 1], [chunks], [chunks] */
+    const int32_t *const *tables;            /* [chunks]: chunk c's block table, table_len[c] ids */
     float *h, *x;
     float *qkv, *q, *attn, *o, *gu, *act, *down, *attn_scratch;
     uint16_t *gemm_scratch; /* bf16 [rows rounded up to 32][the largest kp] */
 };
+
+/* attention of every chunk, in order (each chunk's rows computed alone: the same bits in any step) */
+static int prefill_chunks(const struct prompt_step *s, void *cache) {
+    const int64_t H = s->heads, D = s->head_dim;
+    for (int64_t c = 0; c < s->chunks; c++) {
+        const int64_t r0 = s->row0[c], n = s->row0[c + 1] - r0;
+        const int rc = s->prefill(s->q + r0 * H * D, 0, cache, s->cache_bf16, s->tables[c], s->table_len[c],
+                                  s->start[c], n, H, s->kv_heads, D, s->block_size, s->num_blocks, s->scale,
+                                  s->attn + r0 * H * D, s->attn_scratch, s->attn_scratch_floats, s->attn_threads);
+        if (rc) return rc;
+    }
+    return 0;
+}
 
 int prompt_step_layers(const struct prompt_step *s, const struct prompt_layer *layers, int32_t *failed) {
     const int64_t T = s->rows, hid = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
@@ -176,10 +192,7 @@ int prompt_step_layers(const struct prompt_step *s, const struct prompt_layer *l
         if (!rc)
             stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
                                     s->glue_threads);
-        if (!rc)
-            stage = 2, rc = s->prefill(s->q, 0, L->cache, s->cache_bf16, s->table, s->table_len, s->start, T, H, KVH,
-                                       D, s->block_size, s->num_blocks, s->scale, s->attn, s->attn_scratch,
-                                       s->attn_scratch_floats, s->attn_threads);
+        if (!rc) stage = 2, rc = prefill_chunks(s, L->cache);
         if (!rc)
             stage = 3, rc = s->gemm(s->attn, T, H * D, H * D, L->o, hid, L->o_kp, s->o, hid, s->gemm_scratch, gt);
         if (!rc) stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);

@@ -140,7 +140,7 @@ def test_the_prompt_check_fails_a_step_that_skips_the_layers():
     else:
         assert got == (
             "the prompt step's output differs from the kernels called one by one "
-            "(rows=1, cached=0, layers=2, cache torch.float32)"
+            "(chunks [(0, 1)], layers=2, cache torch.float32)"
         )
 
 
@@ -170,19 +170,32 @@ def test_prompt_chunks_in_one_call_give_the_layer_loops_tokens_and_logits(kind, 
 
 
 @needs_amx
-def test_steps_of_several_sequences_or_with_generated_rows_keep_the_layer_loop():
+def test_several_sequences_prompts_take_one_call_and_steps_with_generated_rows_keep_the_layer_loop():
     ckpt = tiny_checkpoint(weights="int4")
-    eng = make_engine(ckpt)
+    on, off = engine_pair(ckpt)
+    system = random_tokens(32, 44)  # two whole blocks: the later prompts' tails over a cached prefix
+    prompts = [
+        random_tokens(30, 40),
+        random_tokens(25, 41),
+        system + random_tokens(7, 45),
+        system + random_tokens(19, 46),
+    ]
     before = step_kernel.prompt_steps
-    eng.generate([random_tokens(30, 40), random_tokens(25, 41)], greedy(3))  # both prompts in one step
-    assert step_kernel.prompt_steps == before
-    a = eng.add_request(random_tokens(20, 42), greedy(6))
-    eng.step()  # a's prompt, alone: one call
-    assert step_kernel.prompt_steps == before + 1
-    eng.add_request(random_tokens(20, 43), greedy(2))
-    eng.step()  # a's generated row and the new prompt: the layer loop
-    assert step_kernel.prompt_steps == before + 1
-    eng.run_to_completion()
+    assert on.generate(prompts[:2], greedy(3)) == off.generate(prompts[:2], greedy(3))
+    assert step_kernel.prompt_steps == before + 1  # both prompts in one step, one call
+    on.generate([system], greedy(1))
+    off.generate([system], greedy(1))
+    assert on.generate(prompts[2:], greedy(3)) == off.generate(prompts[2:], greedy(3))
+    assert step_kernel.prompt_steps == before + 3  # the system prompt; then both tails over it in one step
+    for a, b in zip(sorted(on.logits_log), sorted(off.logits_log), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(on.logits_log[a], off.logits_log[b], strict=True))
+    a = on.add_request(random_tokens(20, 42), greedy(6))
+    on.step()  # a's prompt, alone: one call
+    assert step_kernel.prompt_steps == before + 4
+    on.add_request(random_tokens(20, 43), greedy(2))
+    on.step()  # a's generated row and the new prompt: the layer loop
+    assert step_kernel.prompt_steps == before + 4
+    on.run_to_completion()
     assert a.num_output_tokens == 6
 
 
