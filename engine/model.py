@@ -366,8 +366,9 @@ class LlamaModel(nn.Module):
             glue: the native layer-glue kernel (``engine.native_glue``; a float32 model on CPU) for every row's
                 norms, RoPE, K/V store, residual adds and SiLU * up, or None for torch's ops.
             decode_step: with ``glue``, the one-call layer step (``engine.native_step``): a decode-only step it
-                can take runs every layer in one C call, and a step of prompt rows on the AMX dense copies every layer
-                but a last one that runs for the output rows alone; the same bits as the layer loop.
+                can take runs every layer in one C call, and a step of prompt rows on the AMX dense copies
+                every layer but a last one that runs for the output rows alone; the same bits as the layer
+                loop.
             output_rows: int64 ``[N]`` the rows whose hidden states are returned (the LM head's rows), or None
                 (all). With the glue kernel and a fp32 / bf16 cache the last layer runs only for them after
                 storing every row's K/V (``engine.output_rows``); their results are the same bits either way.
@@ -405,7 +406,7 @@ class LlamaModel(nn.Module):
                         step,
                         plan_attention(step.meta, dev, kv_cache.shape[2], shared_prefix, kv_cache.dtype),
                     )
-            first = 0  # layers before it ran in one call (a prompt chunk on the AMX dense copies)
+            first = 0  # layers before it ran in one call (prompt chunks on the AMX dense copies)
             if decode_step is not None:
                 n = len(self.layers) - (tail is not None)
                 done = decode_step.run_prompt(self, h, x, cos_sin, plan, kv_cache, row_kernels, glue, n)

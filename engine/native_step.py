@@ -16,8 +16,9 @@ copy), attention runs on the native decode kernel, the glue kernel runs the laye
 is an ``Int4Weight`` / ``Int8Weight`` on the native kernel without bias, and the cache is fp32 or bf16. It takes
 the prompt path (session 26: ~7 ms of Python off a ~70-row prefix-hit tail on an AMX Xeon) when its rows are
 prompt chunks (one or more sequences', each a run of rows), every linear's dense copy is on the AMX GEMM
-(``engine.amx_gemm``) without bias, and attention runs on one native prefill kernel; the last layer stays in Python when only the output rows go on
-through it (``engine.output_rows``). Any other step runs the Python loop.
+(``engine.amx_gemm``) without bias, and attention runs on one native prefill kernel; the last layer stays in
+Python when only the output rows go on through it (``engine.output_rows``). Any other step runs the Python
+loop.
 
 Invariants: the kernels' own checks run inside them (a block id or slot out of range is refused before
 anything is written, and the error names the layer and stage: ``DecodeStepError``); the layer table holds raw
@@ -644,10 +645,10 @@ def _check_prompt_against_python(
 ) -> str | None:
     """``run_prompt`` against the kernels called one by one as ``forward_glued`` calls them for prompt rows:
     a random two-layer model on the AMX GEMM's dense copies, chunks of 1, 20 and 37 rows over 0 and 19 cached
-    positions and a step of two sequences' chunks, every layer and the first only, an fp32 cache on ``attend``'s prefill and, where the AMX build
-    of the attention kernel builds, a bf16 cache on its prefill. None when the output, the residual and the KV
-    cache are bit-identical (or the AMX GEMM does not build here: the path is then never taken), else what
-    differed."""
+    positions and a step of two sequences' chunks, every layer and the first only, an fp32 cache on
+    ``attend``'s prefill and, where the AMX build of the attention kernel builds, a bf16 cache on its prefill.
+    None when the output, the residual and the KV cache are bit-identical (or the AMX GEMM does not build here:
+    the path is then never taken), else what differed."""
     from types import SimpleNamespace
 
     from engine import amx_gemm, native_decode
