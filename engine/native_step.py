@@ -242,7 +242,9 @@ class NativeDecodeStep:
         self.steps = 0
         """Decode steps run in one call (tests, benches)."""
         self.prompt_steps = 0
-        """Prompt steps whose layers (all, or all but the last) ran in one call (tests, benches)."""
+        """Prompt-only steps whose layers (all, or all but the last) ran in one call (tests, benches)."""
+        self.mixed_steps = 0
+        """Steps of generated rows then prompt rows whose layers ran in one call (tests, benches)."""
         lib = ctypes.CDLL(str(path))
         self._fn = lib.decode_step_layers
         self._fn.argtypes = [_p, _p, _p]
@@ -250,6 +252,9 @@ class NativeDecodeStep:
         self._prompt_fn = lib.prompt_step_layers
         self._prompt_fn.argtypes = [_p, _p, _p]
         self._prompt_fn.restype = ctypes.c_int
+        self._mixed_fn = lib.mixed_step_layers
+        self._mixed_fn.argtypes = [_p, _p, _p, _p, _p]
+        self._mixed_fn.restype = ctypes.c_int
         self._lib = lib
 
     @classmethod
@@ -277,6 +282,61 @@ class NativeDecodeStep:
         table = _ModelTable(key, _layer_array(model, kv_cache, _Layer, weights), model.layers[0].qkv.native)
         model._decode_step_table = table
         return table
+
+    def _decode_struct(
+        self, model, h, x, cos_sin, slots, native, kv_cache, glue, threads=None, layers=None
+    ) -> tuple[_Step, tuple]:
+        """``struct decode_step`` for the generated rows ``h`` / ``x`` / ``cos_sin`` / ``slots`` (each the
+        rows' own, contiguous) attended through ``native`` (``engine.decode_attention.NativeDecode``), and what it
+        points into (kept alive by the caller until the call returns; the model's layer table first)."""
+        c = model.config
+        t = h.shape[0]
+        nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
+        table = self._table(model, kv_cache)
+        threads = kernel_threads() if threads is None else threads
+        sizes = ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
+        bufs = _step_buffers(t, sizes)
+        need = scratch_size(t, nh, hd, native.max_len)
+        if native.scratch is None or native.scratch.numel() < need:
+            native.scratch = torch.empty(need, dtype=torch.float32)
+        cos_sin = cos_sin.contiguous()
+        lin = table.linear
+        step = _Step(
+            _address(lin._fns[4]),
+            _address(lin._fns[8]),
+            _address(glue._rmsnorm),
+            _address(glue._rope),
+            _address(glue._silu),
+            _address(native.kernel._fn),
+            _address(native.kernel._threads_fn),
+            len(model.layers) if layers is None else layers,
+            t,
+            hid,
+            nh,
+            nkv,
+            hd,
+            inter,
+            kv_cache.shape[3],
+            kv_cache.shape[2],
+            native.tables.shape[1],
+            native.max_len,
+            native.shared_len,
+            int(kv_cache.dtype == torch.bfloat16),
+            threads,
+            torch.get_num_threads(),
+            threads,  # attention: runs of sequences, one per thread
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            cos_sin.data_ptr(),
+            slots.data_ptr(),
+            native.tables.data_ptr(),
+            native.lens.data_ptr(),
+            h.data_ptr(),
+            x.data_ptr(),  # the kernels write each layer's normed output into x
+            *(b.data_ptr() for b in bufs),
+            native.scratch.data_ptr(),
+        )
+        return step, (table, bufs, cos_sin, slots)
 
     def run(
         self,
@@ -326,65 +386,18 @@ class NativeDecodeStep:
             or not model_takes_step(model)
         ):
             return None
-        c = model.config
-        t = h.shape[0]
-        nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
-        table = self._table(model, kv_cache)
-        threads = kernel_threads() if threads is None else threads
-        native = dec.native
-        width = (nh + 2 * nkv) * hd
-        sizes = (width, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
-        bufs = _step_buffers(t, sizes)
-        if native.scratch is None:
-            native.scratch = torch.empty(scratch_size(t, nh, hd, native.max_len), dtype=torch.float32)
-        x_out = x  # the kernels write each layer's normed output into x
-        cos_sin = cos_sin.contiguous()
-        slots = plan.slot_mapping
-        lin = table.linear
-        step = _Step(
-            _address(lin._fns[4]),
-            _address(lin._fns[8]),
-            _address(glue._rmsnorm),
-            _address(glue._rope),
-            _address(glue._silu),
-            _address(native.kernel._fn),
-            _address(native.kernel._threads_fn),
-            len(model.layers),
-            t,
-            hid,
-            nh,
-            nkv,
-            hd,
-            inter,
-            kv_cache.shape[3],
-            kv_cache.shape[2],
-            native.tables.shape[1],
-            native.max_len,
-            native.shared_len,
-            int(kv_cache.dtype == torch.bfloat16),
-            threads,
-            torch.get_num_threads(),
-            threads,  # attention: runs of sequences, one per thread
-            c.rms_norm_eps,
-            c.head_dim**-0.5,
-            cos_sin.data_ptr(),
-            slots.data_ptr(),
-            native.tables.data_ptr(),
-            native.lens.data_ptr(),
-            h.data_ptr(),
-            x_out.data_ptr(),
-            *(b.data_ptr() for b in bufs),
-            native.scratch.data_ptr(),
+        step, keep = self._decode_struct(
+            model, h, x, cos_sin, plan.slot_mapping, dec.native, kv_cache, glue, threads
         )
         self.steps += 1
-        failed = (ctypes.c_int32 * 2)()
-        rc = self._fn(ctypes.addressof(step), ctypes.addressof(table.layers), ctypes.addressof(failed))
+        failed = (ctypes.c_int32 * 3)()
+        rc = self._fn(ctypes.addressof(step), ctypes.addressof(keep[0].layers), ctypes.addressof(failed))
         if rc != 0:
             raise DecodeStepError(
                 f"the decode step's {STAGES[failed[1]]} kernel refused its arguments in layer {failed[0]} "
-                f"(rc {rc}): slots {slots.tolist()}, context lengths {native.lens.tolist()}"
+                f"(rc {rc}): slots {plan.slot_mapping.tolist()}, context lengths {dec.native.lens.tolist()}"
             )
-        return x_out
+        return x
 
     def _prompt_table(self, model, kv_cache: torch.Tensor) -> ctypes.Array:
         key = _cache_key(kv_cache)
@@ -400,72 +413,18 @@ class NativeDecodeStep:
         model._prompt_step_table = (key, layers)
         return layers
 
-    def run_prompt(
-        self,
-        model,
-        h: torch.Tensor,
-        x: torch.Tensor,
-        cos_sin: torch.Tensor,
-        plan,
-        kv_cache: torch.Tensor,
-        rows,
-        glue: NativeGlueKernel,
-        layers: int,
-    ) -> torch.Tensor | None:
-        """The first ``layers`` decoder layers of ``model`` for a step of prompt rows (one or more sequences'
-        chunks), or None when the step cannot take this path (then nothing was run).
-
-        Args:
-            model: the ``engine.model.LlamaModel``.
-            h: fp32 ``[T, hidden]`` residual after the embedding (updated in place).
-            x: fp32 ``[T, hidden]``, ``h`` normed by layer 0's input norm (overwritten).
-            cos_sin: fp32 ``[T, head_dim / 2, 2]`` (``forward_glued``'s).
-            plan: the step's ``engine.attention.AttentionPlan``: prefills covering rows ``0 .. T - 1`` in order,
-                each on the same native prefill kernel (``NativePrefill``; attended chunk by chunk, its scratch
-                the first chunk's), no decode rows.
-            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16.
-            rows: the step's ``engine.row_kernels.RowKernels``: every row on the dense copies.
-            glue: the glue kernel the step runs.
-            layers: how many layers from the first (``1 .. len(model.layers)``).
-
-        Returns:
-            ``x``: fp32 ``[T, hidden]``, the output of layer ``layers - 1`` normed by the next layer's input norm
-            (or by the final norm after the last), the same bits as ``forward_glued``'s loop.
-
-        Raises:
-            DecodeStepError: a kernel refused its arguments (a slot or block id out of range); names the layer
-                and stage.
-        """
-        if (
-            plan.decode is not None
-            or not plan.prefills
-            or not 1 <= layers <= len(model.layers)
-            or rows is None
-            or rows.kernel is not None
-            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
-            or not kv_cache.is_contiguous()
-            or h.dtype != torch.float32
-            or x.dtype != torch.float32
-            or not model_takes_prompt_step(model)
-        ):
-            return None
-        t = h.shape[0]
-        chunks = [pre.native for pre in plan.prefills]
-        row0 = [pre.start for pre in plan.prefills] + [t]
-        if (
-            any(native is None or native.kernel is not chunks[0].kernel for native in chunks)
-            or row0[0] != 0
-            or any(pre.end != row0[i + 1] for i, pre in enumerate(plan.prefills))
-        ):
-            return None  # each chunk's rows in order, every row in one, one prefill kernel
-        native = chunks[0]
+    def _prompt_struct(
+        self, model, h, x, cos_sin, slots, chunks, row0, kv_cache, glue, layers
+    ) -> tuple[_PromptStep, tuple] | None:
+        """``struct prompt_step`` for the prompt rows ``h`` / ``x`` / ``cos_sin`` / ``slots`` (each the rows'
+        own, contiguous), chunk ``c`` (``chunks[c]``, a ``NativePrefill``) being rows ``row0[c] .. row0[c + 1] -
+        1`` of them, and what it points into (kept alive by the caller until the call returns; the layer table
+        first); None when the prefill kernel does not take a chunk's shape."""
         c = model.config
+        t = h.shape[0]
         nh, nkv, hd, inter, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.hidden_size
-        table = self._prompt_table(model, kv_cache)
-        amx = model.layers[0].qkv.dense.kernel
-        gemm_threads, threads = kernel_threads(), torch.get_num_threads()  # forward_glued's counts
-        sizes = ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
-        bufs = _step_buffers(t, sizes)
+        native = chunks[0]
+        threads = torch.get_num_threads()  # forward_glued's count for the glue and the prefill kernels
         needs = [
             native.kernel.prefill_scratch_size(
                 row0[i + 1] - row0[i], nh, nkv, hd, ch.start + row0[i + 1] - row0[i], threads
@@ -476,6 +435,9 @@ class NativeDecodeStep:
             return None
         if native.scratch is None or native.scratch.numel() < max(needs):
             native.scratch = torch.empty(max(max(needs), 1), dtype=torch.float32)  # every chunk's, in turn
+        table = self._prompt_table(model, kv_cache)
+        amx = model.layers[0].qkv.dense.kernel
+        bufs = _step_buffers(t, ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid))
         row0_t = torch.tensor(row0, dtype=torch.int64)
         starts = torch.tensor([ch.start for ch in chunks], dtype=torch.int64)
         table_lens = torch.tensor([ch.table.shape[0] for ch in chunks], dtype=torch.int64)
@@ -487,7 +449,6 @@ class NativeDecodeStep:
         )
         gemm_scratch = amx._scratch_for(-(-t // TILE_M) * TILE_M * kp)
         cos_sin = cos_sin.contiguous()
-        slots = plan.slot_mapping
         step = _PromptStep(
             _address(amx._lib.amx_gemm_f32),
             _address(glue._rmsnorm),
@@ -506,7 +467,7 @@ class NativeDecodeStep:
             len(chunks),
             native.scratch.numel(),
             int(kv_cache.dtype == torch.bfloat16),
-            gemm_threads,
+            kernel_threads(),  # the AMX GEMM's, as AmxGemmKernel.mm's default
             threads,
             threads,
             c.rms_norm_eps,
@@ -523,26 +484,129 @@ class NativeDecodeStep:
             native.scratch.data_ptr(),
             gemm_scratch.data_ptr(),
         )
-        self.prompt_steps += 1
-        failed = (ctypes.c_int32 * 2)()
-        rc = self._prompt_fn(ctypes.addressof(step), ctypes.addressof(table), ctypes.addressof(failed))
+        return step, (table, bufs, row0_t, starts, table_lens, tables, gemm_scratch, cos_sin, slots)
+
+    def run_prompt(
+        self,
+        model,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        plan,
+        kv_cache: torch.Tensor,
+        rows,
+        glue: NativeGlueKernel,
+        layers: int,
+    ) -> torch.Tensor | None:
+        """The first ``layers`` decoder layers of ``model`` for a step of prompt rows (one or more sequences'
+        chunks), with or without generated rows before them (a mixed step), or None when the step cannot take
+        this path (then nothing was run).
+
+        Args:
+            model: the ``engine.model.LlamaModel``.
+            h: fp32 ``[T, hidden]`` residual after the embedding (updated in place).
+            x: fp32 ``[T, hidden]``, ``h`` normed by layer 0's input norm (overwritten).
+            cos_sin: fp32 ``[T, head_dim / 2, 2]`` (``forward_glued``'s).
+            plan: the step's ``engine.attention.AttentionPlan``: generated rows ``0 .. G - 1`` (``G >= 0``; the
+                scheduler puts decodes first) on the native decode kernel, then prefills covering rows ``G .. T -
+                1`` in order, each on the same native prefill kernel (``NativePrefill``; attended chunk by chunk,
+                its scratch the first chunk's).
+            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` fp32 or bf16.
+            rows: the step's ``engine.row_kernels.RowKernels``: generated rows on the int4 / int8 kernel, prompt
+                rows on the dense copies.
+            glue: the glue kernel the step runs.
+            layers: how many layers from the first (``1 .. len(model.layers)``).
+
+        Returns:
+            ``x``: fp32 ``[T, hidden]``, the output of layer ``layers - 1`` normed by the next layer's input norm
+            (or by the final norm after the last), the same bits as ``forward_glued``'s loop.
+
+        Raises:
+            DecodeStepError: a kernel refused its arguments (a slot or block id out of range); names the part,
+                the layer and the stage.
+        """
+        dec = plan.decode
+        if (
+            not plan.prefills
+            or not 1 <= layers <= len(model.layers)
+            or rows is None
+            or rows.dense is None
+            or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or not kv_cache.is_contiguous()
+            or h.dtype != torch.float32
+            or x.dtype != torch.float32
+            or not model_takes_prompt_step(model)
+        ):
+            return None
+        t = h.shape[0]
+        g = 0 if dec is None else (dec.rows.numel() if dec.rows is not None else -1)
+        if dec is not None and (
+            g <= 0
+            or dec.native is None
+            or dec.rows.tolist() != list(range(g))
+            or rows.kernel is None
+            or rows.kernel.tolist() != list(range(g))
+            or not model_takes_step(model)
+        ):
+            return None  # generated rows first, on the native decode kernel and the int4 / int8 kernel
+        if dec is None and rows.kernel is not None:
+            return None
+        chunks = [pre.native for pre in plan.prefills]
+        row0 = [pre.start for pre in plan.prefills] + [t]
+        if (
+            any(native is None or native.kernel is not chunks[0].kernel for native in chunks)
+            or row0[0] != g
+            or any(pre.end != row0[i + 1] for i, pre in enumerate(plan.prefills))
+            or rows.dense.numel() != t - g
+        ):
+            return None  # each chunk's rows in order, every row after the generated ones in one, one kernel
+        slots = plan.slot_mapping
+        built = self._prompt_struct(
+            model, h[g:], x[g:], cos_sin[g:], slots[g:], chunks, [r - g for r in row0], kv_cache, glue, layers
+        )
+        if built is None:
+            return None
+        step, keep = built
+        failed = (ctypes.c_int32 * 3)()
+        if dec is None:
+            self.prompt_steps += 1
+            rc = self._prompt_fn(ctypes.addressof(step), ctypes.addressof(keep[0]), ctypes.addressof(failed))
+        else:
+            dstep, dkeep = self._decode_struct(
+                model, h[:g], x[:g], cos_sin[:g], slots[:g], dec.native, kv_cache, glue, layers=layers
+            )
+            self.mixed_steps += 1
+            rc = self._mixed_fn(
+                ctypes.addressof(dstep),
+                ctypes.addressof(dkeep[0].layers),
+                ctypes.addressof(step),
+                ctypes.addressof(keep[0]),
+                ctypes.addressof(failed),
+            )
         if rc != 0:
+            part = "generated rows'" if dec is not None and failed[2] == 0 else "prompt rows'"
             raise DecodeStepError(
-                f"the prompt step's {STAGES[failed[1]]} kernel refused its arguments in layer {failed[0]} "
-                f"(rc {rc}): chunks starting at positions {starts.tolist()}, rows {row0}, slots {slots.tolist()}"
+                f"the {'mixed' if dec is not None else 'prompt'} step's {part} {STAGES[failed[1]]} kernel refused "
+                f"its arguments in layer {failed[0]} (rc {rc}): prompt chunks at positions "
+                f"{[ch.start for ch in chunks]}, slots {slots.tolist()}"
             )
         return x
 
     def self_check(self) -> str | None:
         """Run a random two-layer step of three sequences through the library (on 1, 2 and 3 threads) and
         through the kernels called one by one from Python (``forward_glued``'s sequence); where the AMX GEMM
-        builds, random prompt chunks too (``_check_prompt_against_python``); None when the residual, the
-        output and the KV cache are bit-identical, else what differed or which kernel is missing."""
+        builds, random prompt chunks and a mixed step too (``_check_prompt_against_python``,
+        ``_check_mixed_against_python``); None when the residual, the output and the KV cache are
+        bit-identical, else what differed or which kernel is missing."""
         kernels = step_kernels()
         for k in kernels:
             if isinstance(k, str):
                 return f"needs the native linear, glue and decode kernels: {k}"
-        return _check_against_python(self, *kernels) or _check_prompt_against_python(self, *kernels[1:])
+        return (
+            _check_against_python(self, *kernels)
+            or _check_prompt_against_python(self, *kernels[1:])
+            or _check_mixed_against_python(self, *kernels)
+        )
 
 
 def step_kernels() -> tuple:
@@ -744,6 +808,118 @@ def _check_prompt_against_python(
                         return (
                             f"the prompt step's {name} differs from the kernels called one by one ({where})"
                         )
+    return None
+
+
+def _check_mixed_against_python(
+    step: NativeDecodeStep, lin: NativeLinearKernel, glue: NativeGlueKernel, attend: NativeDecodeKernel
+) -> str | None:
+    """``run_prompt`` on a mixed step (two sequences' generated rows, then a 23-row prompt chunk over 19
+    cached positions) against the kernels called one by one as ``forward_glued`` calls them: the generated
+    rows on the native int4 kernel and the decode kernel, the prompt rows on the AMX GEMM and ``attend``'s
+    prefill; a random two-layer model, an fp32 and a bf16 cache, every layer and the first only. None when the
+    output, the residual and the KV cache are bit-identical (or the AMX GEMM does not build here), else what
+    differed."""
+    from types import SimpleNamespace
+
+    from engine import amx_gemm
+    from engine.attention import NativePrefill
+    from engine.decode_attention import NativeDecode
+    from engine.native_linear import pack_int4, random_groups
+    from engine.row_kernels import RowKernels
+
+    amx = amx_gemm._shared_kernel()
+    if isinstance(amx, str):
+        return None
+    gen = torch.Generator().manual_seed(2)
+    hid, nh, nkv, hd, inter, nl, bs, nb, eps = 96, 4, 2, 64, 160, 2, 16, 12, 1e-5
+
+    def linear(n: int, k: int):
+        return SimpleNamespace(
+            native=lin,
+            native_packed=pack_int4(random_groups(4, n, k, gen)),
+            dense=amx.pack(torch.randn(n, k, generator=gen) / 8),
+            bias=None,
+        )
+
+    layers = [
+        SimpleNamespace(
+            qkv=linear((nh + 2 * nkv) * hd, hid),
+            o_proj=linear(hid, nh * hd),
+            gate_up=linear(2 * inter, hid),
+            down=linear(hid, inter),
+            input_norm=torch.rand(hid, generator=gen) + 0.5,
+            post_norm=torch.rand(hid, generator=gen) + 0.5,
+        )
+        for _ in range(nl)
+    ]
+    config = SimpleNamespace(
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=inter,
+        hidden_size=hid,
+        rms_norm_eps=eps,
+    )
+    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
+    model._decode_step_ok = model._prompt_step_ok = True
+    ids = torch.randperm(nb, generator=gen).to(torch.int32)
+    table, dec_tables = ids[:4].contiguous(), ids[4:12].view(2, 4).contiguous()
+    lens, (start, n) = [37, 9], (19, 23)
+    g, t = len(lens), len(lens) + n
+    pos = torch.arange(start, start + n)
+    slots = torch.cat(
+        [
+            torch.tensor([int(dec_tables[i, (m - 1) // bs]) * bs + (m - 1) % bs for i, m in enumerate(lens)]),
+            table.long()[pos // bs] * bs + pos % bs,
+        ]
+    )
+    angles = torch.rand(t, hd // 2, generator=gen) * 6
+    cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
+    rows = RowKernels(torch.arange(g, t), torch.arange(g))
+
+    def by_rows(layer_lin, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([lin.mm(layer_lin.native_packed, x[:g]), layer_lin.dense.mm(x[g:])])
+
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen).to(cache_dtype)
+        h0 = torch.randn(t, hid, generator=gen)
+        for count in (nl, 1):
+            decode = NativeDecode(attend, dec_tables, torch.tensor(lens, dtype=torch.int32), max(lens))
+            prefill = NativePrefill(attend, table, start)
+            h_py, cache_py = h0.clone(), cache.clone()
+            x = glue.rmsnorm(h_py, layers[0].input_norm, eps)
+            for i, layer in enumerate(layers[:count]):
+                nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
+                q = glue.rope_store(by_rows(layer.qkv, x), cos_sin, nh, nkv, hd, cache_py[i], slots)
+                a = torch.cat(
+                    [
+                        decode.attend(q[:g], cache_py[i], hd**-0.5),
+                        prefill.attend(q[g:], cache_py[i], hd**-0.5),
+                    ]
+                )
+                x = glue.rmsnorm(h_py, layer.post_norm, eps, by_rows(layer.o_proj, a.reshape(t, nh * hd)))
+                act = glue.silu_mul(by_rows(layer.gate_up, x))
+                x = glue.rmsnorm(h_py, nxt, eps, by_rows(layer.down, act))
+            h_c, cache_c = h0.clone(), cache.clone()
+            x_c = glue.rmsnorm(h_c, layers[0].input_norm, eps)
+            plan = SimpleNamespace(
+                decode=SimpleNamespace(
+                    rows=torch.arange(g),
+                    native=NativeDecode(attend, dec_tables, torch.tensor(lens, dtype=torch.int32), max(lens)),
+                ),
+                prefills=[SimpleNamespace(start=g, end=t, native=NativePrefill(attend, table, start))],
+                slot_mapping=slots,
+            )
+            got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
+            if got is None:
+                return "the mixed step was not taken"
+            for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
+                if not torch.equal(a, b):
+                    return (
+                        f"the mixed step's {name} differs from the kernels called one by one (layers={count}, "
+                        f"cache {cache_dtype})"
+                    )
     return None
 
 

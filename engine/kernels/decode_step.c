@@ -105,22 +105,29 @@ static int attend(const struct decode_step *s, void *cache) {
     return rc;
 }
 
-int decode_step_layers(const struct decode_step *s, const struct decode_layer *layers, int32_t *failed) {
+/* Layer L for the step's rows; 0, or the failing kernel's code with its stage in *stage. */
+static int decode_layer(const struct decode_step *s, const struct decode_layer *L, int *stage) {
     const int64_t T = s->rows, hid = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
     const int64_t width = (H + 2 * KVH) * D, slots = s->num_blocks * s->block_size;
+    int rc = gemv(s, L->qkv, L->qkv_bits, width, hid, s->x, s->qkv);
+    *stage = 0;
+    if (!rc)
+        *stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
+                                 s->glue_threads);
+    if (!rc) *stage = 2, rc = attend(s, L->cache);
+    if (!rc) *stage = 3, rc = gemv(s, L->o, L->o_bits, hid, H * D, s->attn, s->o);
+    if (!rc) *stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+    if (!rc) *stage = 5, rc = gemv(s, L->gate_up, L->gate_up_bits, 2 * s->inter, hid, s->x, s->gu);
+    if (!rc) *stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
+    if (!rc) *stage = 7, rc = gemv(s, L->down, L->down_bits, hid, s->inter, s->act, s->down);
+    if (!rc) *stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+    return rc;
+}
+
+int decode_step_layers(const struct decode_step *s, const struct decode_layer *layers, int32_t *failed) {
     for (int64_t i = 0; i < s->layers; i++) {
-        const struct decode_layer *L = layers + i;
-        int stage = 0, rc = gemv(s, L->qkv, L->qkv_bits, width, hid, s->x, s->qkv);
-        if (!rc)
-            stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
-                                    s->glue_threads);
-        if (!rc) stage = 2, rc = attend(s, L->cache);
-        if (!rc) stage = 3, rc = gemv(s, L->o, L->o_bits, hid, H * D, s->attn, s->o);
-        if (!rc) stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
-        if (!rc) stage = 5, rc = gemv(s, L->gate_up, L->gate_up_bits, 2 * s->inter, hid, s->x, s->gu);
-        if (!rc) stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
-        if (!rc) stage = 7, rc = gemv(s, L->down, L->down_bits, hid, s->inter, s->act, s->down);
-        if (!rc) stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+        int stage = 0;
+        const int rc = decode_layer(s, layers + i, &stage);
         if (rc) {
             failed[0] = (int32_t)i;
             failed[1] = stage;
@@ -182,30 +189,56 @@ static int prefill_chunks(const struct prompt_step *s, void *cache) {
     return 0;
 }
 
-int prompt_step_layers(const struct prompt_step *s, const struct prompt_layer *layers, int32_t *failed) {
+/* Layer L for the step's prompt rows; 0, or the failing kernel's code with its stage in *stage. */
+static int prompt_layer(const struct prompt_step *s, const struct prompt_layer *L, int *stage) {
     const int64_t T = s->rows, hid = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
     const int64_t width = (H + 2 * KVH) * D, slots = s->num_blocks * s->block_size, I2 = 2 * s->inter;
     const int gt = s->gemm_threads;
+    int rc = s->gemm(s->x, T, hid, hid, L->qkv, width, L->qkv_kp, s->qkv, width, s->gemm_scratch, gt);
+    *stage = 0;
+    if (!rc)
+        *stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
+                                 s->glue_threads);
+    if (!rc) *stage = 2, rc = prefill_chunks(s, L->cache);
+    if (!rc) *stage = 3, rc = s->gemm(s->attn, T, H * D, H * D, L->o, hid, L->o_kp, s->o, hid, s->gemm_scratch, gt);
+    if (!rc) *stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+    if (!rc) *stage = 5, rc = s->gemm(s->x, T, hid, hid, L->gate_up, I2, L->gate_up_kp, s->gu, I2, s->gemm_scratch, gt);
+    if (!rc) *stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
+    if (!rc)
+        *stage = 7, rc = s->gemm(s->act, T, s->inter, s->inter, L->down, hid, L->down_kp, s->down, hid,
+                                 s->gemm_scratch, gt);
+    if (!rc) *stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+    return rc;
+}
+
+int prompt_step_layers(const struct prompt_step *s, const struct prompt_layer *layers, int32_t *failed) {
     for (int64_t i = 0; i < s->layers; i++) {
-        const struct prompt_layer *L = layers + i;
-        int stage = 0, rc = s->gemm(s->x, T, hid, hid, L->qkv, width, L->qkv_kp, s->qkv, width, s->gemm_scratch, gt);
-        if (!rc)
-            stage = 1, rc = s->rope(s->qkv, s->q, T, H, KVH, D, s->cos_sin, L->cache, s->cache_bf16, slots, s->slots,
-                                    s->glue_threads);
-        if (!rc) stage = 2, rc = prefill_chunks(s, L->cache);
-        if (!rc)
-            stage = 3, rc = s->gemm(s->attn, T, H * D, H * D, L->o, hid, L->o_kp, s->o, hid, s->gemm_scratch, gt);
-        if (!rc) stage = 4, rc = s->rmsnorm(s->h, s->o, 0, L->post_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
-        if (!rc)
-            stage = 5, rc = s->gemm(s->x, T, hid, hid, L->gate_up, I2, L->gate_up_kp, s->gu, I2, s->gemm_scratch, gt);
-        if (!rc) stage = 6, rc = s->silu(s->gu, 0, s->act, 0, T, s->inter, s->glue_threads);
-        if (!rc)
-            stage = 7, rc = s->gemm(s->act, T, s->inter, s->inter, L->down, hid, L->down_kp, s->down, hid,
-                                    s->gemm_scratch, gt);
-        if (!rc) stage = 8, rc = s->rmsnorm(s->h, s->down, 0, L->next_norm, s->x, 0, T, hid, s->eps, s->glue_threads);
+        int stage = 0;
+        const int rc = prompt_layer(s, layers + i, &stage);
         if (rc) {
             failed[0] = (int32_t)i;
             failed[1] = stage;
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* A mixed step: generated rows first (d: the decode step's rows, their own buffers and residual rows), then
+ * prompt chunks (p: the rows after them), the first p->layers layers. Every kernel computes a row (attention: a
+ * sequence) from its own inputs and the cache, and no sequence has rows in both parts, so running layer i for
+ * the generated rows and then for the prompt rows gives each row the bits of the layer loop over the whole step.
+ * `failed[2]`: 0 for the generated rows' part, 1 for the prompt rows'. */
+int mixed_step_layers(const struct decode_step *d, const struct decode_layer *dl, const struct prompt_step *p,
+                      const struct prompt_layer *pl, int32_t *failed) {
+    for (int64_t i = 0; i < p->layers; i++) {
+        int stage = 0, part = 0;
+        int rc = decode_layer(d, dl + i, &stage);
+        if (!rc) part = 1, rc = prompt_layer(p, pl + i, &stage);
+        if (rc) {
+            failed[0] = (int32_t)i;
+            failed[1] = stage;
+            failed[2] = part;
             return rc;
         }
     }

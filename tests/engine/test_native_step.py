@@ -170,7 +170,7 @@ def test_prompt_chunks_in_one_call_give_the_layer_loops_tokens_and_logits(kind, 
 
 
 @needs_amx
-def test_several_sequences_prompts_take_one_call_and_steps_with_generated_rows_keep_the_layer_loop():
+def test_several_sequences_prompts_and_mixed_steps_take_one_call_with_the_layer_loops_bits():
     ckpt = tiny_checkpoint(weights="int4")
     on, off = engine_pair(ckpt)
     system = random_tokens(32, 44)  # two whole blocks: the later prompts' tails over a cached prefix
@@ -180,23 +180,26 @@ def test_several_sequences_prompts_take_one_call_and_steps_with_generated_rows_k
         system + random_tokens(7, 45),
         system + random_tokens(19, 46),
     ]
-    before = step_kernel.prompt_steps
+    before, mixed = step_kernel.prompt_steps, step_kernel.mixed_steps
     assert on.generate(prompts[:2], greedy(3)) == off.generate(prompts[:2], greedy(3))
     assert step_kernel.prompt_steps == before + 1  # both prompts in one step, one call
     on.generate([system], greedy(1))
     off.generate([system], greedy(1))
     assert on.generate(prompts[2:], greedy(3)) == off.generate(prompts[2:], greedy(3))
     assert step_kernel.prompt_steps == before + 3  # the system prompt; then both tails over it in one step
+    assert step_kernel.mixed_steps == mixed
+    # a mixed step: two sequences' generated rows, then a new prompt's rows (the scheduler puts decodes first)
+    for eng in (on, off):
+        reqs = [eng.add_request(random_tokens(20, 42 + i), greedy(6)) for i in range(2)]
+        eng.step()  # both prompts
+        eng.add_request(system + random_tokens(11, 47), greedy(3))
+        eng.step()  # the two generated rows and the new prompt's 11 rows over the cached system prompt
+        eng.run_to_completion()
+        assert [r.num_output_tokens for r in reqs] == [6, 6]
+    assert step_kernel.mixed_steps == mixed + 1
     for a, b in zip(sorted(on.logits_log), sorted(off.logits_log), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(on.logits_log[a], off.logits_log[b], strict=True))
-    a = on.add_request(random_tokens(20, 42), greedy(6))
-    on.step()  # a's prompt, alone: one call
-    assert step_kernel.prompt_steps == before + 4
-    on.add_request(random_tokens(20, 43), greedy(2))
-    on.step()  # a's generated row and the new prompt: the layer loop
-    assert step_kernel.prompt_steps == before + 4
-    on.run_to_completion()
-    assert a.num_output_tokens == 6
+    assert torch.equal(on.runner.kv_cache, off.runner.kv_cache)
 
 
 @needs_amx
@@ -223,7 +226,7 @@ def test_a_prompt_slot_outside_the_cache_is_refused_by_layer_and_stage():
     kv_before = runner.kv_cache.clone()
     rows = RowKernels(torch.arange(t), None)
     with pytest.raises(
-        DecodeStepError, match="prompt step's rope_store kernel refused its arguments in layer 0"
+        DecodeStepError, match="prompt step's prompt rows' rope_store kernel refused its arguments in layer 0"
     ):
         step_kernel.run_prompt(model, h, x, cos_sin, plan, runner.kv_cache, rows, runner.glue_kernel, 1)
     assert torch.equal(runner.kv_cache, kv_before)  # nothing written
