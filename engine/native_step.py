@@ -1,24 +1,24 @@
-"""The native layer step: every decoder layer of a decode-only step, or of a step of prompt chunks on the AMX dense
-copies, in one C call (issue 12 item 4).
+"""The native layer step: every decoder layer of a decode-only step, or of a step of prompt chunks (with or
+without generated rows before them) on the AMX dense copies, in one C call (issue 12 item 4).
 
-Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``, ``prompt_step_layers``), the per-model tables of
-layer pointers they read, and the tests of whether a step can take them (``NativeDecodeStep.run`` /
-``run_prompt`` return None otherwise). The C file does
-no arithmetic: it calls the native linear, glue and decode-attention kernels (``engine.native_linear``,
+Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``, ``prompt_step_layers``, ``mixed_step_layers``),
+the per-model tables of layer pointers they read, and the tests of whether a step can take them
+(``NativeDecodeStep.run`` / ``run_prompt`` return None otherwise). The C file does no arithmetic: it calls the
+native linear, AMX GEMM, glue and attention kernels (``engine.native_linear``, ``engine.amx_gemm``,
 ``engine.native_glue``, ``engine.native_decode``; each from its own built and checked library, reached through
 function pointers) in the order and with the arguments ``engine.model.DecoderLayer.forward_glued`` passes them,
 so a step's outputs, K/V and tokens are bit for bit those of the Python layer loop; what goes is the Python
 between the calls: ~9 wrapper calls per layer, each with argument checks, output tensors and a ctypes crossing
-(docs/engine-step.md, "The decode step in one call").
+(docs/engine-step.md, "The decode step in one call", "A prefix hit's tail on the AMX Xeon").
 
 A step takes the decode path when every sequence computes one generated token (no prompt row: those run the dense
 copy), attention runs on the native decode kernel, the glue kernel runs the layer's elementwise work, every linear
 is an ``Int4Weight`` / ``Int8Weight`` on the native kernel without bias, and the cache is fp32 or bf16. It takes
 the prompt path (session 26: ~7 ms of Python off a ~70-row prefix-hit tail on an AMX Xeon) when its rows are
 prompt chunks (one or more sequences', each a run of rows), every linear's dense copy is on the AMX GEMM
-(``engine.amx_gemm``) without bias, and attention runs on one native prefill kernel; the last layer stays in
-Python when only the output rows go on through it (``engine.output_rows``). Any other step runs the Python
-loop.
+(``engine.amx_gemm``) without bias, and attention runs on one native prefill kernel; with generated rows before
+them (a mixed step) those also need the decode path's conditions. The last layer stays in Python when only the
+output rows go on through it (``engine.output_rows``). Any other step runs the Python loop.
 
 Invariants: the kernels' own checks run inside them (a block id or slot out of range is refused before
 anything is written, and the error names the layer and stage: ``DecodeStepError``); the layer table holds raw
