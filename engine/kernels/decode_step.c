@@ -231,6 +231,19 @@ int prompt_step_layers(const struct prompt_step *s, const struct prompt_layer *l
  * `failed[2]`: 0 for the generated rows' part, 1 for the prompt rows'. */
 int mixed_step_layers(const struct decode_step *d, const struct decode_layer *dl, const struct prompt_step *p,
                       const struct prompt_layer *pl, int32_t *failed) {
+    /* every slot of both parts checked first, so a bad one (refused by rope_store, stage 1) leaves nothing
+     * written, as the layer loop's single rope_store call over all rows does */
+    for (int part = 0; part < 2; part++) {
+        const int64_t rows = part ? p->rows : d->rows, *slots = part ? p->slots : d->slots;
+        const int64_t num_slots = part ? p->num_blocks * p->block_size : d->num_blocks * d->block_size;
+        for (int64_t r = 0; r < rows; r++)
+            if (slots[r] < 0 || slots[r] >= num_slots) {
+                failed[0] = 0;
+                failed[1] = 1;
+                failed[2] = part;
+                return -2;
+            }
+    }
     for (int64_t i = 0; i < p->layers; i++) {
         int stage = 0, part = 0;
         int rc = decode_layer(d, dl + i, &stage);

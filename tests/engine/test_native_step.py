@@ -230,3 +230,43 @@ def test_a_prompt_slot_outside_the_cache_is_refused_by_layer_and_stage():
     ):
         step_kernel.run_prompt(model, h, x, cos_sin, plan, runner.kv_cache, rows, runner.glue_kernel, 1)
     assert torch.equal(runner.kv_cache, kv_before)  # nothing written
+
+
+@needs_amx
+def test_a_bad_slot_in_a_mixed_step_is_refused_before_anything_is_written():
+    """The generated rows' part would run first: every slot of both parts is checked before it does."""
+    from types import SimpleNamespace
+
+    from engine.attention import NativePrefill
+    from engine.decode_attention import NativeDecode
+    from engine.row_kernels import RowKernels
+
+    eng = make_engine(tiny_checkpoint(weights="int4"))
+    model, runner = eng.model, eng.runner
+    g, t = 2, 22
+    decode = NativeDecode(
+        runner.decode_kernel,
+        torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        torch.tensor([18, 9], dtype=torch.int32),
+        18,
+    )
+    prefill = NativePrefill(runner.prefill_kernel, torch.tensor([4, 5], dtype=torch.int32), 0)
+    slots = torch.cat([torch.tensor([17, 40]), torch.arange(64, 64 + t - g)])
+    slots[-1] = 10**6
+    plan = SimpleNamespace(
+        decode=SimpleNamespace(rows=torch.arange(g), native=decode),
+        prefills=[SimpleNamespace(start=g, end=t, native=prefill)],
+        slot_mapping=slots,
+    )
+    h = torch.randn(t, model.config.hidden_size)
+    x = runner.glue_kernel.rmsnorm(h, model.layers[0].input_norm, model.config.rms_norm_eps)
+    cos_sin = torch.zeros(t, model.config.head_dim // 2, 2)
+    kv_before, h_before, x_before = runner.kv_cache.clone(), h.clone(), x.clone()
+    rows = RowKernels(torch.arange(g, t), torch.arange(g))
+    before = step_kernel.mixed_steps
+    with pytest.raises(
+        DecodeStepError, match="mixed step's prompt rows' rope_store kernel refused its arguments in layer 0"
+    ):
+        step_kernel.run_prompt(model, h, x, cos_sin, plan, runner.kv_cache, rows, runner.glue_kernel, 1)
+    assert step_kernel.mixed_steps == before + 1  # it was taken, and refused
+    assert torch.equal(runner.kv_cache, kv_before) and torch.equal(h, h_before) and torch.equal(x, x_before)
