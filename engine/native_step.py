@@ -704,6 +704,55 @@ def _check_against_python(
     return None
 
 
+def _random_check_model(gen: torch.Generator, amx, lin: NativeLinearKernel | None = None):
+    """The self-checks' random two-layer model (a ``SimpleNamespace`` with ``LlamaModel``'s attributes: 4 query
+    heads of 64 over 2 KV heads, hidden 96, intermediate 160): each linear's dense copy on ``amx`` (an
+    ``AmxGemmKernel``) and, with ``lin``, random int4 groups on the native kernel too."""
+    from types import SimpleNamespace
+
+    from engine.native_linear import pack_int4, random_groups
+
+    hid, nh, nkv, hd, inter = 96, 4, 2, 64, 160
+
+    def linear(n: int, k: int) -> SimpleNamespace:
+        weight = SimpleNamespace(dense=amx.pack(torch.randn(n, k, generator=gen) / 8), bias=None)
+        if lin is not None:
+            weight.native, weight.native_packed = lin, pack_int4(random_groups(4, n, k, gen))
+        return weight
+
+    layers = [
+        SimpleNamespace(
+            qkv=linear((nh + 2 * nkv) * hd, hid),
+            o_proj=linear(hid, nh * hd),
+            gate_up=linear(2 * inter, hid),
+            down=linear(hid, inter),
+            input_norm=torch.rand(hid, generator=gen) + 0.5,
+            post_norm=torch.rand(hid, generator=gen) + 0.5,
+        )
+        for _ in range(2)
+    ]
+    config = SimpleNamespace(
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=inter,
+        hidden_size=hid,
+        rms_norm_eps=1e-5,
+    )
+    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
+    model._prompt_step_ok = True
+    model._decode_step_ok = lin is not None
+    return model
+
+
+def _first_difference(got: tuple, want: tuple) -> str | None:
+    """The name of the first of the output, the residual and the KV cache whose bits differ, or None."""
+    for name, a, b in zip(("output", "residual", "KV cache"), got, want, strict=True):
+        if not torch.equal(a, b):
+            return name
+    return None
+
+
 def _check_prompt_against_python(
     step: NativeDecodeStep, glue: NativeGlueKernel, attend: NativeDecodeKernel
 ) -> str | None:
@@ -727,28 +776,9 @@ def _check_prompt_against_python(
     if not isinstance(amx_attend, str):
         prefills.append((torch.bfloat16, amx_attend))
     gen = torch.Generator().manual_seed(1)
-    hid, nh, nkv, hd, inter, nl, bs, nb, eps = 96, 4, 2, 64, 160, 2, 16, 8, 1e-5
-    layers = [
-        SimpleNamespace(
-            qkv=SimpleNamespace(dense=amx.pack(torch.randn((nh + 2 * nkv) * hd, hid, generator=gen) / 8)),
-            o_proj=SimpleNamespace(dense=amx.pack(torch.randn(hid, nh * hd, generator=gen) / 8)),
-            gate_up=SimpleNamespace(dense=amx.pack(torch.randn(2 * inter, hid, generator=gen) / 8)),
-            down=SimpleNamespace(dense=amx.pack(torch.randn(hid, inter, generator=gen) / 8)),
-            input_norm=torch.rand(hid, generator=gen) + 0.5,
-            post_norm=torch.rand(hid, generator=gen) + 0.5,
-        )
-        for _ in range(nl)
-    ]
-    config = SimpleNamespace(
-        num_heads=nh,
-        num_kv_heads=nkv,
-        head_dim=hd,
-        intermediate_size=inter,
-        hidden_size=hid,
-        rms_norm_eps=eps,
-    )
-    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
-    model._prompt_step_ok = True
+    model = _random_check_model(gen, amx)
+    layers, c = model.layers, model.config
+    hid, nh, nkv, hd, nl, bs, nb, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, 2, 16, 8, 1e-5
     ids = torch.randperm(nb, generator=gen).to(torch.int32)
     table, other = ids[:4].contiguous(), ids[4:].contiguous()  # two sequences' blocks
     # (block table, cached positions, new rows) per chunk; the last case: two sequences' chunks in one step
@@ -798,16 +828,12 @@ def _check_prompt_against_python(
                 got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
                 if got is None:
                     return "the prompt step was not taken"
-                where = f"chunks {[(start, n) for _, start, n in case]}, layers={count}, cache {cache_dtype}"
-                for name, a, b in (
-                    ("output", got, x),
-                    ("residual", h_c, h_py),
-                    ("KV cache", cache_c, cache_py),
-                ):
-                    if not torch.equal(a, b):
-                        return (
-                            f"the prompt step's {name} differs from the kernels called one by one ({where})"
-                        )
+                name = _first_difference((got, h_c, cache_c), (x, h_py, cache_py))
+                if name is not None:
+                    where = (
+                        f"chunks {[(start, n) for _, start, n in case]}, layers={count}, cache {cache_dtype}"
+                    )
+                    return f"the prompt step's {name} differs from the kernels called one by one ({where})"
     return None
 
 
@@ -825,44 +851,16 @@ def _check_mixed_against_python(
     from engine import amx_gemm
     from engine.attention import NativePrefill
     from engine.decode_attention import NativeDecode
-    from engine.native_linear import pack_int4, random_groups
     from engine.row_kernels import RowKernels
 
     amx = amx_gemm._shared_kernel()
     if isinstance(amx, str):
         return None
     gen = torch.Generator().manual_seed(2)
-    hid, nh, nkv, hd, inter, nl, bs, nb, eps = 96, 4, 2, 64, 160, 2, 16, 12, 1e-5
-
-    def linear(n: int, k: int):
-        return SimpleNamespace(
-            native=lin,
-            native_packed=pack_int4(random_groups(4, n, k, gen)),
-            dense=amx.pack(torch.randn(n, k, generator=gen) / 8),
-            bias=None,
-        )
-
-    layers = [
-        SimpleNamespace(
-            qkv=linear((nh + 2 * nkv) * hd, hid),
-            o_proj=linear(hid, nh * hd),
-            gate_up=linear(2 * inter, hid),
-            down=linear(hid, inter),
-            input_norm=torch.rand(hid, generator=gen) + 0.5,
-            post_norm=torch.rand(hid, generator=gen) + 0.5,
-        )
-        for _ in range(nl)
-    ]
-    config = SimpleNamespace(
-        num_heads=nh,
-        num_kv_heads=nkv,
-        head_dim=hd,
-        intermediate_size=inter,
-        hidden_size=hid,
-        rms_norm_eps=eps,
-    )
-    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
-    model._decode_step_ok = model._prompt_step_ok = True
+    model = _random_check_model(gen, amx, lin)
+    layers, c = model.layers, model.config
+    hid, nh, nkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    nl, bs, nb, eps = 2, 16, 12, 1e-5
     ids = torch.randperm(nb, generator=gen).to(torch.int32)
     table, dec_tables = ids[:4].contiguous(), ids[4:12].view(2, 4).contiguous()
     lens, (start, n) = [37, 9], (19, 23)
@@ -914,12 +912,12 @@ def _check_mixed_against_python(
             got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
             if got is None:
                 return "the mixed step was not taken"
-            for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
-                if not torch.equal(a, b):
-                    return (
-                        f"the mixed step's {name} differs from the kernels called one by one (layers={count}, "
-                        f"cache {cache_dtype})"
-                    )
+            name = _first_difference((got, h_c, cache_c), (x, h_py, cache_py))
+            if name is not None:
+                return (
+                    f"the mixed step's {name} differs from the kernels called one by one (layers={count}, "
+                    f"cache {cache_dtype})"
+                )
     return None
 
 
