@@ -1,9 +1,10 @@
 """The native layer step: every decoder layer of a decode-only step, or of a step of prompt chunks (with or
 without generated rows before them) on the AMX dense copies, in one C call (issue 12 item 4).
 
-Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``, ``prompt_step_layers``, ``mixed_step_layers``),
-the per-model tables of layer pointers they read, and the tests of whether a step can take them
-(``NativeDecodeStep.run`` / ``run_prompt`` return None otherwise). The C file does no arithmetic: it calls the
+Owns ``engine/kernels/decode_step.c`` (``decode_step_layers``, ``prompt_step_layers``, ``mixed_step_layers``)
+and the tests of whether a step can take them (``NativeDecodeStep.run`` / ``run_prompt`` return None
+otherwise); the C structs' mirrors and the per-model layer tables are ``engine.native_step_abi``'s, the checks
+against the Python layer loop ``engine.native_step_check``'s. The C file does no arithmetic: it calls the
 native linear, AMX GEMM, glue and attention kernels (``engine.native_linear``, ``engine.amx_gemm``,
 ``engine.native_glue``, ``engine.native_decode``; each from its own built and checked library, reached through
 function pointers) in the order and with the arguments ``engine.model.DecoderLayer.forward_glued`` passes them,
@@ -30,16 +31,26 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine import native_build
 from engine.amx_gemm import TILE_K, TILE_M
-from engine.native_decode import NativeDecodeKernel, scratch_size
+from engine.native_decode import scratch_size
 from engine.native_glue import NativeGlueKernel
-from engine.native_linear import NativeLinearKernel, kernel_threads
+from engine.native_linear import kernel_threads
+from engine.native_step_abi import (
+    DecodeLayer,
+    DecodeStepArgs,
+    ModelTable,
+    PromptLayer,
+    PromptStepArgs,
+    address,
+    cache_key,
+    layer_array,
+    step_buffers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,88 +61,10 @@ sequences over threads for attention: OpenMP, the runtime torch loaded, as the o
 STAGES = ("qkv", "rope_store", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down", "next_norm")
 """The C file's stage numbers, by name (``DecodeStepError``)."""
 
-_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-
-
-class _Layer(ctypes.Structure):
-    """``struct decode_layer``."""
-
-    _fields_ = [
-        ("qkv", _p),
-        ("o", _p),
-        ("gate_up", _p),
-        ("down", _p),
-        ("qkv_bits", _i32),
-        ("o_bits", _i32),
-        ("gate_up_bits", _i32),
-        ("down_bits", _i32),
-        ("post_norm", _p),
-        ("next_norm", _p),
-        ("cache", _p),
-    ]
-
-
-class _Step(ctypes.Structure):
-    """``struct decode_step``."""
-
-    _fields_ = [
-        *((name, _p) for name in ("gemv4", "gemv8", "rmsnorm", "rope", "silu", "attend", "attend_threads")),
-        *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
-        *((name, _i64) for name in ("block_size", "num_blocks", "table_stride", "max_len", "shared_len")),
-        *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "attn_threads")),
-        ("eps", _f32),
-        ("scale", _f32),
-        *((name, _p) for name in ("cos_sin", "slots", "tables", "lens", "h", "x")),
-        *((name, _p) for name in ("qkv", "q", "attn", "o", "gu", "act", "down", "scratch")),
-    ]
-
-
-class _PromptLayer(ctypes.Structure):
-    """``struct prompt_layer``."""
-
-    _fields_ = [
-        *((name, _p) for name in ("qkv", "o", "gate_up", "down")),
-        *((name, _i64) for name in ("qkv_kp", "o_kp", "gate_up_kp", "down_kp")),
-        ("post_norm", _p),
-        ("next_norm", _p),
-        ("cache", _p),
-    ]
-
-
-class _PromptStep(ctypes.Structure):
-    """``struct prompt_step``."""
-
-    _fields_ = [
-        *((name, _p) for name in ("gemm", "rmsnorm", "rope", "silu", "prefill")),
-        *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
-        *((name, _i64) for name in ("block_size", "num_blocks", "chunks", "attn_scratch_floats")),
-        *((name, _i32) for name in ("cache_bf16", "gemm_threads", "glue_threads", "attn_threads")),
-        ("eps", _f32),
-        ("scale", _f32),
-        *((name, _p) for name in ("cos_sin", "slots", "row0", "start", "table_len", "tables", "h", "x")),
-        *(
-            (name, _p)
-            for name in ("qkv", "q", "attn", "o", "gu", "act", "down", "attn_scratch", "gemm_scratch")
-        ),
-    ]
-
 
 class DecodeStepError(ValueError):
     """A kernel refused its arguments inside the one-call decode step (the message names the layer and stage);
     nothing after it ran."""
-
-
-def _address(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
-@dataclass
-class _ModelTable:
-    """A model's layers as ``struct decode_layer`` entries for one KV cache tensor."""
-
-    cache_key: tuple
-    layers: ctypes.Array
-    linear: NativeLinearKernel
 
 
 def _eligible_linear(lin) -> bool:
@@ -197,36 +130,6 @@ def model_takes_step(model) -> bool:
     return ok
 
 
-def _cache_key(kv_cache: torch.Tensor) -> tuple:
-    """What a layer table's cache pointers depend on: the KV cache tensor's storage, shape and dtype."""
-    return (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
-
-
-def _layer_array(model, kv_cache: torch.Tensor, struct, weights) -> ctypes.Array:
-    """``struct`` per layer of ``model`` (``struct decode_layer`` or ``struct prompt_layer``): ``weights(layer)``'s
-    fields, then the post-attention norm, the next layer's input norm (the final norm after the last) and the
-    layer's slice of ``kv_cache``."""
-    n = len(model.layers)
-    layers = (struct * n)()
-    for i, layer in enumerate(model.layers):
-        nxt = model.layers[i + 1].input_norm if i + 1 < n else model.norm
-        layers[i] = struct(
-            *weights(layer), layer.post_norm.data_ptr(), nxt.data_ptr(), kv_cache[i].data_ptr()
-        )
-    return layers
-
-
-def _step_buffers(t: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    """One fp32 allocation cut into ``t * n`` element buffers, one per ``n`` of ``sizes`` (a step's
-    intermediate rows)."""
-    work = torch.empty(t * sum(sizes), dtype=torch.float32)
-    bufs, at = [], 0
-    for n in sizes:
-        bufs.append(work[at : at + t * n])
-        at += t * n
-    return bufs
-
-
 class NativeDecodeStep:
     """The loaded ``decode_step_layers``.
 
@@ -247,13 +150,13 @@ class NativeDecodeStep:
         """Steps of generated rows then prompt rows whose layers ran in one call (tests, benches)."""
         lib = ctypes.CDLL(str(path))
         self._fn = lib.decode_step_layers
-        self._fn.argtypes = [_p, _p, _p]
+        self._fn.argtypes = [ctypes.c_void_p] * 3
         self._fn.restype = ctypes.c_int
         self._prompt_fn = lib.prompt_step_layers
-        self._prompt_fn.argtypes = [_p, _p, _p]
+        self._prompt_fn.argtypes = [ctypes.c_void_p] * 3
         self._prompt_fn.restype = ctypes.c_int
         self._mixed_fn = lib.mixed_step_layers
-        self._mixed_fn.argtypes = [_p, _p, _p, _p, _p]
+        self._mixed_fn.argtypes = [ctypes.c_void_p] * 5
         self._mixed_fn.restype = ctypes.c_int
         self._lib = lib
 
@@ -269,9 +172,9 @@ class NativeDecodeStep:
             cls, SOURCE, native_build.cpu_ok(frozenset()), native_build.compiler(), FLAGS, (), directory
         )
 
-    def _table(self, model, kv_cache: torch.Tensor) -> _ModelTable:
-        key = _cache_key(kv_cache)
-        table: _ModelTable | None = getattr(model, "_decode_step_table", None)
+    def _table(self, model, kv_cache: torch.Tensor) -> ModelTable:
+        key = cache_key(kv_cache)
+        table: ModelTable | None = getattr(model, "_decode_step_table", None)
         if table is not None and table.cache_key == key:
             return table
 
@@ -279,13 +182,15 @@ class NativeDecodeStep:
             packed = [lin.native_packed for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             return [*(p.data.data_ptr() for p in packed), *(p.bits for p in packed)]
 
-        table = _ModelTable(key, _layer_array(model, kv_cache, _Layer, weights), model.layers[0].qkv.native)
+        table = ModelTable(
+            key, layer_array(model, kv_cache, DecodeLayer, weights), model.layers[0].qkv.native
+        )
         model._decode_step_table = table
         return table
 
     def _decode_struct(
         self, model, h, x, cos_sin, slots, native, kv_cache, glue, threads=None, layers=None
-    ) -> tuple[_Step, tuple]:
+    ) -> tuple[DecodeStepArgs, tuple]:
         """``struct decode_step`` for the generated rows ``h`` / ``x`` / ``cos_sin`` / ``slots`` (each the
         rows' own, contiguous) attended through ``native`` (``engine.decode_attention.NativeDecode``), and what it
         points into (kept alive by the caller until the call returns; the model's layer table first)."""
@@ -295,20 +200,20 @@ class NativeDecodeStep:
         table = self._table(model, kv_cache)
         threads = kernel_threads() if threads is None else threads
         sizes = ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid)
-        bufs = _step_buffers(t, sizes)
+        bufs = step_buffers(t, sizes)
         need = scratch_size(t, nh, hd, native.max_len)
         if native.scratch is None or native.scratch.numel() < need:
             native.scratch = torch.empty(need, dtype=torch.float32)
         cos_sin = cos_sin.contiguous()
         lin = table.linear
-        step = _Step(
-            _address(lin._fns[4]),
-            _address(lin._fns[8]),
-            _address(glue._rmsnorm),
-            _address(glue._rope),
-            _address(glue._silu),
-            _address(native.kernel._fn),
-            _address(native.kernel._threads_fn),
+        step = DecodeStepArgs(
+            address(lin._fns[4]),
+            address(lin._fns[8]),
+            address(glue._rmsnorm),
+            address(glue._rope),
+            address(glue._silu),
+            address(native.kernel._fn),
+            address(native.kernel._threads_fn),
             len(model.layers) if layers is None else layers,
             t,
             hid,
@@ -400,7 +305,7 @@ class NativeDecodeStep:
         return x
 
     def _prompt_table(self, model, kv_cache: torch.Tensor) -> ctypes.Array:
-        key = _cache_key(kv_cache)
+        key = cache_key(kv_cache)
         table = getattr(model, "_prompt_step_table", None)
         if table is not None and table[0] == key:
             return table[1]
@@ -409,13 +314,13 @@ class NativeDecodeStep:
             dense = [lin.dense for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             return [*(d.data.data_ptr() for d in dense), *(d.data.shape[1] * TILE_K for d in dense)]
 
-        layers = _layer_array(model, kv_cache, _PromptLayer, weights)
+        layers = layer_array(model, kv_cache, PromptLayer, weights)
         model._prompt_step_table = (key, layers)
         return layers
 
     def _prompt_struct(
         self, model, h, x, cos_sin, slots, chunks, row0, kv_cache, glue, layers
-    ) -> tuple[_PromptStep, tuple] | None:
+    ) -> tuple[PromptStepArgs, tuple] | None:
         """``struct prompt_step`` for the prompt rows ``h`` / ``x`` / ``cos_sin`` / ``slots`` (each the rows'
         own, contiguous), chunk ``c`` (``chunks[c]``, a ``NativePrefill``) being rows ``row0[c] .. row0[c + 1] -
         1`` of them, and what it points into (kept alive by the caller until the call returns; the layer table
@@ -437,7 +342,7 @@ class NativeDecodeStep:
             native.scratch = torch.empty(max(max(needs), 1), dtype=torch.float32)  # every chunk's, in turn
         table = self._prompt_table(model, kv_cache)
         amx = model.layers[0].qkv.dense.kernel
-        bufs = _step_buffers(t, ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid))
+        bufs = step_buffers(t, ((nh + 2 * nkv) * hd, nh * hd, nh * hd, hid, 2 * inter, inter, hid))
         row0_t = torch.tensor(row0, dtype=torch.int64)
         starts = torch.tensor([ch.start for ch in chunks], dtype=torch.int64)
         table_lens = torch.tensor([ch.table.shape[0] for ch in chunks], dtype=torch.int64)
@@ -449,12 +354,12 @@ class NativeDecodeStep:
         )
         gemm_scratch = amx._scratch_for(-(-t // TILE_M) * TILE_M * kp)
         cos_sin = cos_sin.contiguous()
-        step = _PromptStep(
-            _address(amx._lib.amx_gemm_f32),
-            _address(glue._rmsnorm),
-            _address(glue._rope),
-            _address(glue._silu),
-            _address(native.kernel._prefill),
+        step = PromptStepArgs(
+            address(amx._lib.amx_gemm_f32),
+            address(glue._rmsnorm),
+            address(glue._rope),
+            address(glue._silu),
+            address(native.kernel._prefill),
             layers,
             t,
             hid,
@@ -595,17 +500,23 @@ class NativeDecodeStep:
     def self_check(self) -> str | None:
         """Run a random two-layer step of three sequences through the library (on 1, 2 and 3 threads) and
         through the kernels called one by one from Python (``forward_glued``'s sequence); where the AMX GEMM
-        builds, random prompt chunks and a mixed step too (``_check_prompt_against_python``,
-        ``_check_mixed_against_python``); None when the residual, the output and the KV cache are
+        builds, random prompt chunks and a mixed step too (``check_prompt_against_python``,
+        ``check_mixed_against_python``); None when the residual, the output and the KV cache are
         bit-identical, else what differed or which kernel is missing."""
         kernels = step_kernels()
         for k in kernels:
             if isinstance(k, str):
                 return f"needs the native linear, glue and decode kernels: {k}"
+        from engine.native_step_check import (
+            check_decode_against_python,
+            check_mixed_against_python,
+            check_prompt_against_python,
+        )
+
         return (
-            _check_against_python(self, *kernels)
-            or _check_prompt_against_python(self, *kernels[1:])
-            or _check_mixed_against_python(self, *kernels)
+            check_decode_against_python(self, *kernels)
+            or check_prompt_against_python(self, *kernels[1:])
+            or check_mixed_against_python(self, *kernels)
         )
 
 
@@ -621,304 +532,6 @@ def step_kernels() -> tuple:
         native_glue._shared_kernel(),
         native_decode._shared_kernel(None, None, native_decode.build_isa()),
     )
-
-
-def _check_against_python(
-    step: NativeDecodeStep, lin: NativeLinearKernel, glue: NativeGlueKernel, attend: NativeDecodeKernel
-) -> str | None:
-    """``self_check``'s body (also used by the tests with the kernels they build)."""
-    from types import SimpleNamespace
-
-    from engine.decode_attention import NativeDecode
-    from engine.native_linear import pack_int4, pack_int8, random_groups
-    from engine.row_kernels import RowKernels
-
-    gen = torch.Generator().manual_seed(0)
-    hid, nh, nkv, hd, inter, nl, bs, nb = 64, 6, 3, 16, 96, 2, 16, 12
-
-    def linear(n: int, k: int, bits: int):
-        groups = random_groups(bits, n, k, gen)
-        packed = pack_int4(groups) if bits == 4 else pack_int8(groups)
-        return SimpleNamespace(native=lin, native_packed=packed, bias=None)
-
-    layers = []
-    for i in range(nl):
-        layers.append(
-            SimpleNamespace(
-                qkv=linear((nh + 2 * nkv) * hd, hid, 4),
-                o_proj=linear(hid, nh * hd, 8 if i else 4),
-                gate_up=linear(2 * inter, hid, 4),
-                down=linear(hid, inter, 4),
-                input_norm=torch.rand(hid, generator=gen) + 0.5,
-                post_norm=torch.rand(hid, generator=gen) + 0.5,
-            )
-        )
-    config = SimpleNamespace(
-        num_heads=nh,
-        num_kv_heads=nkv,
-        head_dim=hd,
-        intermediate_size=inter,
-        hidden_size=hid,
-        rms_norm_eps=1e-5,
-    )
-    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
-    model._decode_step_ok = True
-    cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen)
-    # three sequences (attention split by sequences), then one (spread by the kernel: the build's split)
-    for lens in ([37, 16, 5], [37]):
-        t = len(lens)
-        tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]][:t], dtype=torch.int32)
-        slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
-        h0 = torch.randn(t, hid, generator=gen)
-        angles = torch.rand(t, hd // 2, generator=gen) * 6
-        cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
-
-        def plan(tables=tables, lens=lens, slots=slots):
-            native = NativeDecode(attend, tables, torch.tensor(lens, dtype=torch.int32), max(lens))
-            decode = SimpleNamespace(rows=None, native=native)
-            return SimpleNamespace(decode=decode, prefills=[], slot_mapping=slots)
-
-        # the Python loop, kernel by kernel (forward_glued's calls)
-        h_py, cache_py = h0.clone(), cache.clone()
-        x = glue.rmsnorm(h_py, layers[0].input_norm, 1e-5)
-        p = plan()
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
-            qkv = lin.mm(layer.qkv.native_packed, x)
-            q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
-            a = p.decode.native.attend(q, cache_py[i], hd**-0.5).reshape(t, nh * hd)
-            x = glue.rmsnorm(h_py, layer.post_norm, 1e-5, lin.mm(layer.o_proj.native_packed, a))
-            act = glue.silu_mul(lin.mm(layer.gate_up.native_packed, x))
-            x = glue.rmsnorm(h_py, nxt, 1e-5, lin.mm(layer.down.native_packed, act))
-        # the same step in one call, on 1-3 threads
-        for threads in (1, 2, 3):
-            h_c, cache_c = h0.clone(), cache.clone()
-            x_c = glue.rmsnorm(h_c, layers[0].input_norm, 1e-5)
-            rows = RowKernels(None, torch.arange(t))
-            got = step.run(model, h_c, x_c, cos_sin, plan(), cache_c, rows, glue, threads)
-            if got is None:
-                return "the step was not taken"
-            for name, a, b in (("output", got, x), ("residual", h_c, h_py), ("KV cache", cache_c, cache_py)):
-                if not torch.equal(a, b):
-                    return f"{name} differs from the kernels called one by one (sequences={t}, threads={threads})"
-    return None
-
-
-def _random_check_model(gen: torch.Generator, amx, lin: NativeLinearKernel | None = None):
-    """The self-checks' random two-layer model (a ``SimpleNamespace`` with ``LlamaModel``'s attributes: 4 query
-    heads of 64 over 2 KV heads, hidden 96, intermediate 160): each linear's dense copy on ``amx`` (an
-    ``AmxGemmKernel``) and, with ``lin``, random int4 groups on the native kernel too."""
-    from types import SimpleNamespace
-
-    from engine.native_linear import pack_int4, random_groups
-
-    hid, nh, nkv, hd, inter = 96, 4, 2, 64, 160
-
-    def linear(n: int, k: int) -> SimpleNamespace:
-        weight = SimpleNamespace(dense=amx.pack(torch.randn(n, k, generator=gen) / 8), bias=None)
-        if lin is not None:
-            weight.native, weight.native_packed = lin, pack_int4(random_groups(4, n, k, gen))
-        return weight
-
-    layers = [
-        SimpleNamespace(
-            qkv=linear((nh + 2 * nkv) * hd, hid),
-            o_proj=linear(hid, nh * hd),
-            gate_up=linear(2 * inter, hid),
-            down=linear(hid, inter),
-            input_norm=torch.rand(hid, generator=gen) + 0.5,
-            post_norm=torch.rand(hid, generator=gen) + 0.5,
-        )
-        for _ in range(2)
-    ]
-    config = SimpleNamespace(
-        num_heads=nh,
-        num_kv_heads=nkv,
-        head_dim=hd,
-        intermediate_size=inter,
-        hidden_size=hid,
-        rms_norm_eps=1e-5,
-    )
-    model = SimpleNamespace(layers=layers, norm=torch.rand(hid, generator=gen) + 0.5, config=config)
-    model._prompt_step_ok = True
-    model._decode_step_ok = lin is not None
-    return model
-
-
-def _first_difference(got: tuple, want: tuple) -> str | None:
-    """The name of the first of the output, the residual and the KV cache whose bits differ, or None."""
-    for name, a, b in zip(("output", "residual", "KV cache"), got, want, strict=True):
-        if not torch.equal(a, b):
-            return name
-    return None
-
-
-def _check_prompt_against_python(
-    step: NativeDecodeStep, glue: NativeGlueKernel, attend: NativeDecodeKernel
-) -> str | None:
-    """``run_prompt`` against the kernels called one by one as ``forward_glued`` calls them for prompt rows:
-    a random two-layer model on the AMX GEMM's dense copies, chunks of 1, 20 and 37 rows over 0 and 19 cached
-    positions and a step of two sequences' chunks, every layer and the first only, an fp32 cache on
-    ``attend``'s prefill and, where the AMX build of the attention kernel builds, a bf16 cache on its prefill.
-    None when the output, the residual and the KV cache are bit-identical (or the AMX GEMM does not build here:
-    the path is then never taken), else what differed."""
-    from types import SimpleNamespace
-
-    from engine import amx_gemm, native_decode
-    from engine.attention import NativePrefill
-    from engine.row_kernels import RowKernels
-
-    amx = amx_gemm._shared_kernel()
-    if isinstance(amx, str):
-        return None
-    prefills = [(torch.float32, attend)]
-    amx_attend = native_decode._shared_kernel(None, None, "amx")
-    if not isinstance(amx_attend, str):
-        prefills.append((torch.bfloat16, amx_attend))
-    gen = torch.Generator().manual_seed(1)
-    model = _random_check_model(gen, amx)
-    layers, c = model.layers, model.config
-    hid, nh, nkv, hd, nl, bs, nb, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, 2, 16, 8, 1e-5
-    ids = torch.randperm(nb, generator=gen).to(torch.int32)
-    table, other = ids[:4].contiguous(), ids[4:].contiguous()  # two sequences' blocks
-    # (block table, cached positions, new rows) per chunk; the last case: two sequences' chunks in one step
-    cases = ([(table, 0, 1)], [(table, 0, 37)], [(table, 19, 20)], [(table, 19, 20), (other, 0, 13)])
-    for cache_dtype, kernel in prefills:
-        cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen).to(cache_dtype)
-        for case in cases:
-            t = sum(n for _, _, n in case)
-            slots = torch.cat(
-                [
-                    tab.long()[pos // bs] * bs + pos % bs
-                    for tab, start, n in case
-                    for pos in [torch.arange(start, start + n)]
-                ]
-            )
-            h0 = torch.randn(t, hid, generator=gen)
-            angles = torch.rand(t, hd // 2, generator=gen) * 6
-            cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
-            rows = RowKernels(torch.arange(t), None)
-            bounds = [0]
-            for _, _, n in case:
-                bounds.append(bounds[-1] + n)
-            for count in (nl, 1):
-                h_py, cache_py = h0.clone(), cache.clone()
-                x = glue.rmsnorm(h_py, layers[0].input_norm, eps)
-                natives = [NativePrefill(kernel, tab, start) for tab, start, _ in case]
-                for i, layer in enumerate(layers[:count]):
-                    nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
-                    qkv = layer.qkv.dense.mm(x)
-                    q = glue.rope_store(qkv, cos_sin, nh, nkv, hd, cache_py[i], slots)
-                    a = torch.cat(
-                        [
-                            nat.attend(q[r0:r1], cache_py[i], hd**-0.5)
-                            for nat, r0, r1 in zip(natives, bounds[:-1], bounds[1:], strict=True)
-                        ]
-                    ).reshape(t, nh * hd)
-                    x = glue.rmsnorm(h_py, layer.post_norm, eps, layer.o_proj.dense.mm(a))
-                    act = glue.silu_mul(layer.gate_up.dense.mm(x))
-                    x = glue.rmsnorm(h_py, nxt, eps, layer.down.dense.mm(act))
-                h_c, cache_c = h0.clone(), cache.clone()
-                x_c = glue.rmsnorm(h_c, layers[0].input_norm, eps)
-                chunks = [
-                    SimpleNamespace(start=r0, end=r1, native=NativePrefill(kernel, tab, start))
-                    for (tab, start, _), r0, r1 in zip(case, bounds[:-1], bounds[1:], strict=True)
-                ]
-                plan = SimpleNamespace(decode=None, prefills=chunks, slot_mapping=slots)
-                got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
-                if got is None:
-                    return "the prompt step was not taken"
-                name = _first_difference((got, h_c, cache_c), (x, h_py, cache_py))
-                if name is not None:
-                    where = (
-                        f"chunks {[(start, n) for _, start, n in case]}, layers={count}, cache {cache_dtype}"
-                    )
-                    return f"the prompt step's {name} differs from the kernels called one by one ({where})"
-    return None
-
-
-def _check_mixed_against_python(
-    step: NativeDecodeStep, lin: NativeLinearKernel, glue: NativeGlueKernel, attend: NativeDecodeKernel
-) -> str | None:
-    """``run_prompt`` on a mixed step (two sequences' generated rows, then a 23-row prompt chunk over 19
-    cached positions) against the kernels called one by one as ``forward_glued`` calls them: the generated
-    rows on the native int4 kernel and the decode kernel, the prompt rows on the AMX GEMM and ``attend``'s
-    prefill; a random two-layer model, an fp32 and a bf16 cache, every layer and the first only. None when the
-    output, the residual and the KV cache are bit-identical (or the AMX GEMM does not build here), else what
-    differed."""
-    from types import SimpleNamespace
-
-    from engine import amx_gemm
-    from engine.attention import NativePrefill
-    from engine.decode_attention import NativeDecode
-    from engine.row_kernels import RowKernels
-
-    amx = amx_gemm._shared_kernel()
-    if isinstance(amx, str):
-        return None
-    gen = torch.Generator().manual_seed(2)
-    model = _random_check_model(gen, amx, lin)
-    layers, c = model.layers, model.config
-    hid, nh, nkv, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    nl, bs, nb, eps = 2, 16, 12, 1e-5
-    ids = torch.randperm(nb, generator=gen).to(torch.int32)
-    table, dec_tables = ids[:4].contiguous(), ids[4:12].view(2, 4).contiguous()
-    lens, (start, n) = [37, 9], (19, 23)
-    g, t = len(lens), len(lens) + n
-    pos = torch.arange(start, start + n)
-    slots = torch.cat(
-        [
-            torch.tensor([int(dec_tables[i, (m - 1) // bs]) * bs + (m - 1) % bs for i, m in enumerate(lens)]),
-            table.long()[pos // bs] * bs + pos % bs,
-        ]
-    )
-    angles = torch.rand(t, hd // 2, generator=gen) * 6
-    cos_sin = torch.view_as_real(torch.polar(torch.ones(t, hd // 2), angles))
-    rows = RowKernels(torch.arange(g, t), torch.arange(g))
-
-    def by_rows(layer_lin, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([lin.mm(layer_lin.native_packed, x[:g]), layer_lin.dense.mm(x[g:])])
-
-    for cache_dtype in (torch.float32, torch.bfloat16):
-        cache = torch.randn(nl, 2, nb, bs, nkv, hd, generator=gen).to(cache_dtype)
-        h0 = torch.randn(t, hid, generator=gen)
-        for count in (nl, 1):
-            decode = NativeDecode(attend, dec_tables, torch.tensor(lens, dtype=torch.int32), max(lens))
-            prefill = NativePrefill(attend, table, start)
-            h_py, cache_py = h0.clone(), cache.clone()
-            x = glue.rmsnorm(h_py, layers[0].input_norm, eps)
-            for i, layer in enumerate(layers[:count]):
-                nxt = layers[i + 1].input_norm if i + 1 < nl else model.norm
-                q = glue.rope_store(by_rows(layer.qkv, x), cos_sin, nh, nkv, hd, cache_py[i], slots)
-                a = torch.cat(
-                    [
-                        decode.attend(q[:g], cache_py[i], hd**-0.5),
-                        prefill.attend(q[g:], cache_py[i], hd**-0.5),
-                    ]
-                )
-                x = glue.rmsnorm(h_py, layer.post_norm, eps, by_rows(layer.o_proj, a.reshape(t, nh * hd)))
-                act = glue.silu_mul(by_rows(layer.gate_up, x))
-                x = glue.rmsnorm(h_py, nxt, eps, by_rows(layer.down, act))
-            h_c, cache_c = h0.clone(), cache.clone()
-            x_c = glue.rmsnorm(h_c, layers[0].input_norm, eps)
-            plan = SimpleNamespace(
-                decode=SimpleNamespace(
-                    rows=torch.arange(g),
-                    native=NativeDecode(attend, dec_tables, torch.tensor(lens, dtype=torch.int32), max(lens)),
-                ),
-                prefills=[SimpleNamespace(start=g, end=t, native=NativePrefill(attend, table, start))],
-                slot_mapping=slots,
-            )
-            got = step.run_prompt(model, h_c, x_c, cos_sin, plan, cache_c, rows, glue, count)
-            if got is None:
-                return "the mixed step was not taken"
-            name = _first_difference((got, h_c, cache_c), (x, h_py, cache_py))
-            if name is not None:
-                return (
-                    f"the mixed step's {name} differs from the kernels called one by one (layers={count}, "
-                    f"cache {cache_dtype})"
-                )
-    return None
 
 
 _shared_step = native_build.shared_build(NativeDecodeStep.build)

@@ -47,7 +47,7 @@ typedef int (*attend_threads_fn)(const void *q, int q_bf16, const void *cache, i
                                  float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
                                  int threads, int split);
 
-/* One decoder layer as the kernels take it (engine/native_step.py `_LAYER`). */
+/* One decoder layer as the kernels take it (engine/native_step_abi.py `DecodeLayer`). */
 struct decode_layer {
     const uint8_t *qkv, *o, *gate_up, *down; /* the native linear kernel's packed tiles */
     int32_t qkv_bits, o_bits, gate_up_bits, down_bits;
@@ -55,7 +55,7 @@ struct decode_layer {
     void *cache;                        /* [2][num_blocks][block_size][KVH][D], fp32 or bf16 */
 };
 
-/* One step (engine/native_step.py `_STEP`). */
+/* One step (engine/native_step_abi.py `DecodeStepArgs`). */
 struct decode_step {
     gemv_fn gemv4, gemv8;
     rmsnorm_fn rmsnorm;
@@ -148,7 +148,7 @@ typedef int (*prefill_fn)(const void *q, int q_bf16, const void *cache, int cach
                           int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
                           int64_t scratch_floats, int threads);
 
-/* One decoder layer as the prompt step takes it (engine/native_step.py `_PromptLayer`). */
+/* One decoder layer as the prompt step takes it (engine/native_step_abi.py `PromptLayer`). */
 struct prompt_layer {
     const uint16_t *qkv, *o, *gate_up, *down; /* the AMX GEMM's packed B tiles */
     int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* each one's input size rounded up to 32 */
@@ -156,7 +156,7 @@ struct prompt_layer {
     void *cache;
 };
 
-/* One prompt step (engine/native_step.py `_PromptStep`). */
+/* One prompt step (engine/native_step_abi.py `PromptStepArgs`). */
 struct prompt_step {
     gemm_fn gemm;
     rmsnorm_fn rmsnorm;

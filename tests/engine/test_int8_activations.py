@@ -218,7 +218,8 @@ def test_cpus_are_given_the_build_their_flags_allow_and_refused_with_the_reason(
 
 @needs_kernel
 def test_the_one_call_decode_step_runs_the_int8_kernel_with_the_layer_loop_s_bits(kernel):
-    from engine.native_step import _check_against_python, resolve_decode_step, step_kernels
+    from engine.native_step import resolve_decode_step, step_kernels
+    from engine.native_step_check import check_decode_against_python
 
     _, glue, attend = step_kernels()
     step = resolve_decode_step()
@@ -226,7 +227,7 @@ def test_the_one_call_decode_step_runs_the_int8_kernel_with_the_layer_loop_s_bit
         pytest.skip("needs the native glue and decode kernels")
     # the step calls the GEMVs through the linear kernel's function pointers: the int8 ones here, as the
     # Python layer loop does
-    assert _check_against_python(step, kernel, glue, attend) is None
+    assert check_decode_against_python(step, kernel, glue, attend) is None
     ck = tiny_checkpoint(weights="int4", linear_kernel="int8-activations")
     on = make_engine(ck, record_logits=True)
     off = make_engine(ck, record_logits=True)

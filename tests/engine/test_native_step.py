@@ -9,14 +9,8 @@ import torch
 
 from engine import amx_gemm
 from engine.llm_engine import LLMEngine
-from engine.native_step import (
-    DecodeStepError,
-    NativeDecodeStep,
-    _check_against_python,
-    _check_prompt_against_python,
-    resolve_decode_step,
-    step_kernels,
-)
+from engine.native_step import DecodeStepError, NativeDecodeStep, resolve_decode_step, step_kernels
+from engine.native_step_check import check_decode_against_python, check_prompt_against_python
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
 
 KERNELS = step_kernels()
@@ -55,7 +49,7 @@ def test_the_check_fails_a_step_that_skips_the_layers():
             return x  # nothing computed
 
     assert (
-        _check_against_python(Skips(), *KERNELS)
+        check_decode_against_python(Skips(), *KERNELS)
         == "output differs from the kernels called one by one (sequences=3, threads=1)"
     )
 
@@ -134,7 +128,7 @@ def test_the_prompt_check_fails_a_step_that_skips_the_layers():
         def run_prompt(self, model, h, x, *args, **kwargs):
             return x  # nothing computed
 
-    got = _check_prompt_against_python(Skips(), *KERNELS[1:])
+    got = check_prompt_against_python(Skips(), *KERNELS[1:])
     if isinstance(AMX, str):
         assert got is None  # never taken where the AMX GEMM does not build
     else:
