@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from engine.api import Constraint
+from engine.closed_schema import closed_schema
 from engine.errors import InvalidRequestError
 from engine.openmp_threads import serial_torch_thread
 from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, CALL_TAIL, call_head, function_tools
@@ -59,7 +60,9 @@ GRAMMAR_CACHE_SIZE = 256
 
 
 def _json_schema(schema: dict) -> dict:
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    """``schema`` as llguidance compiles it: objects closed by default (``engine.closed_schema``), then the JSON
+    options (``JSON_OPTIONS``)."""
+    return {**closed_schema(schema), "x-guidance": JSON_OPTIONS}
 
 
 def lark_string(text: str) -> str:

@@ -74,3 +74,55 @@ def test_tool_call_round_trip(choice):
     out2 = eng.run_to_completion()[req2.request_id]
     assert out2.usage.completion_tokens > 0
     assert out2.usage.cached_tokens >= (len(prompt) // 16) * 16 - 16
+
+
+SDK_TOOLS = (  # as the OpenAI SDK's examples write tools: no additionalProperties, optional keys
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Get the local time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+)
+
+
+@pytest.mark.parametrize("choice", ["required", "function"])
+def test_calls_hold_to_the_listed_arguments_of_tools_that_leave_other_keys_open(choice):
+    """Before ``engine.closed_schema``, greedy SmolLM2 copied the tool's own schema into its arguments (``{"city":
+    "Paris", "type": "object", "properties": {...}, "required": ["city"]}``) and, with ``required``, wrote calls
+    until ``max_tokens`` cut one in half."""
+    ck = smollm2_checkpoint()
+    eng = make_engine(ck, num_blocks=128)
+    messages = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    prompt = ck.tokenizer.render_chat(messages, list(SDK_TOOLS))
+    c = Constraint("tool_calls", tools=SDK_TOOLS, tool_choice=choice, tool_name="get_weather")
+    req = eng.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0, constraint=c))
+    out = eng.run_to_completion()[req.request_id]
+    assert out.finish_reason == "stop", out.full_text
+    content, calls = parse_tool_calls(out.full_text)
+    assert content == "" and calls and (choice == "required" or len(calls) == 1)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in SDK_TOOLS}
+    for call in calls:
+        assert set(call.arguments) <= set(schemas[call.name]["properties"]), call.arguments
+        jsonschema.validate(call.arguments, schemas[call.name])

@@ -1,0 +1,99 @@
+"""JSON Schema objects closed by default for constrained decoding (``engine.constrained``).
+
+Owns ``closed_schema``: a copy of a tool's ``parameters`` or a response format's schema in which every object that
+lists its ``properties`` and says nothing about other keys gets ``"additionalProperties": false``. By JSON Schema
+(draft 2020-12, "additionalProperties") such an object admits any other key, and a small constrained model uses
+that freedom: SmolLM2 asked for ``get_weather(city)`` wrote ``{"city": "Paris", "type": "object", "properties":
+{...}, "required": ["city"]}``, the tool's own schema copied into its arguments. llama.cpp's
+``json-schema-to-grammar`` (an absent ``additionalProperties`` closes the object) and xgrammar's default
+``strict_mode`` (used by vLLM and SGLang) close such objects too. Every output of the closed schema is still an
+instance of the schema the client sent, so nothing a client validates against changes.
+
+Left open, so the closed schema never refuses what the client's schema needs: an object with
+``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties`` of its own (the client said), one
+without ``properties`` (``{"type": "object"}``: any object), one whose keys other applicators share (``$ref``,
+``allOf``, ``anyOf``, ``dependentSchemas`` beside its ``properties``: llguidance intersects sibling keywords, so
+closing one side would refuse the other's keys), a direct branch of an ``allOf`` (the conjunction of closed
+branches would refuse each other's keys), and one whose ``required`` names a key its ``properties`` do not list.
+A schema with ``not``, ``oneOf`` or ``if`` anywhere comes back unchanged: there a stricter subschema can let
+through what the client's refuses (``not`` of a closed object refuses less; an instance of one closed ``oneOf``
+branch may match another open one; a closed ``if`` picks the other branch), and a ``$ref`` may bring a closed
+definition into such a place.
+
+Invariant: the input is never modified; the result differs from it only by added ``additionalProperties: false``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SHARED_KEYS = ("$ref", "allOf", "anyOf", "dependentSchemas", "dependencies")
+"""Keywords that give an object keys beside its ``properties``: with any of them the object stays open."""
+_OWN_RULE_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+"""Keywords by which the schema already says what other keys may be: kept as written."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose values are a mapping of name -> subschema."""
+_SCHEMA_LISTS = ("anyOf", "prefixItems")
+"""Keywords whose values are a list of subschemas (``allOf``'s branches are walked apart, ``_closed``)."""
+_SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "contains")
+"""Keywords whose value is one subschema (``items`` may also be a list, draft 4-7's tuple form)."""
+_UNSAFE_KEYS = frozenset({"not", "oneOf", "if"})
+"""Keywords under which a stricter subschema can admit more (module docstring): a schema with any is left as is."""
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` and nothing else about other keys closed (module
+    docstring), or ``schema`` itself when it has ``not``, ``oneOf`` or ``if`` anywhere. Any JSON value is taken:
+    non-objects (``true``, a malformed keyword's value) come back as they are, for the grammar compiler to judge.
+
+    Args:
+        schema: a JSON Schema as parsed JSON (dicts, lists, scalars).
+
+    Returns:
+        A new schema (the input is not modified).
+    """
+    if not isinstance(schema, dict) or _has_key(schema, _UNSAFE_KEYS):
+        return schema
+    return _closed(schema, close_here=True)
+
+
+def _has_key(node: Any, keys: frozenset[str]) -> bool:
+    """Whether any object in ``node`` has one of ``keys`` (a property of that name counts too: a false alarm
+    only leaves the schema open)."""
+    if isinstance(node, dict):
+        return any(k in keys for k in node) or any(_has_key(v, keys) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_key(v, keys) for v in node)
+    return False
+
+
+def _closed(node: Any, close_here: bool) -> Any:
+    if isinstance(node, list):
+        return [_closed(item, True) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed(sub, True) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_closed(sub, True) for sub in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [_closed(sub, False) for sub in value]  # a branch's own keys stay open
+        elif key in _SCHEMA_ONE and isinstance(value, (dict, list)):
+            out[key] = _closed(value, True)
+        else:
+            out[key] = value
+    if close_here and _closes(node):
+        out["additionalProperties"] = False
+    return out
+
+
+def _closes(node: dict[str, Any]) -> bool:
+    props = node.get("properties")
+    if not isinstance(props, dict):
+        return False
+    if any(key in node for key in _OWN_RULE_KEYS + _SHARED_KEYS):
+        return False
+    required = node.get("required", [])
+    return isinstance(required, list) and all(isinstance(n, str) and n in props for n in required)
