@@ -6,15 +6,19 @@ abandoned body gets its protocol's own error JSON (or, for a client that left, a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
 import time
+import urllib.error
+import urllib.request
 
 import httpx
 import pytest
 
 from gateway.config.loader import parse_config
+from gateway.http.body import drain
 from tests.gateway.server import RunningServer
 from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
 
@@ -117,6 +121,47 @@ def test_huge_bodies_are_413_declared_or_streamed(server, path):
     streamed = httpx.post(server.base_url + path, content=chunks(), timeout=30)
     assert "content-length" not in streamed.request.headers
     assert_protocol_error(streamed, path, 413, "request_too_large")
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_a_client_that_sends_its_whole_huge_body_before_reading_still_reads_the_413(server, path):
+    """Before: the 413 went out with the body unread and the server's close reset the connection while ``urllib``
+    was still sending (``ConnectionResetError``); the rest of the body is now drained first (``drain``)."""
+    big = b'{"model": "m", "pad": "' + b"x" * (4 << 20) + b'"}'
+    request = urllib.request.Request(
+        server.base_url + path, data=big, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 413
+    error = json.loads(caught.value.read())["error"]
+    assert error["message"].startswith("Request body too large")
+    # the same body sent chunked (no Content-Length: over the limit while streaming), all of it before reading
+    chunked = b"".join(
+        b"%x\r\n%s\r\n" % (len(big[i : i + 65536]), big[i : i + 65536]) for i in range(0, len(big), 65536)
+    )
+    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+    answer = raw_exchange(server.port, head, chunked + b"0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+async def _stream_of(parts: list[bytes], stall: bool = False):
+    for part in parts:
+        yield part
+    if stall:
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize(
+    ("stall", "limit", "expected"), [(False, 1 << 20, 3000), (False, 1500, 2000), (True, 1 << 20, 3000)]
+)
+def test_drain_throws_the_rest_away_within_its_byte_and_time_bounds(stall, limit, expected):
+    class Stub:
+        def stream(self):
+            return _stream_of([b"x" * 1000] * 3, stall)
+
+    got = asyncio.run(drain(Stub(), max_bytes=limit, timeout_s=0.2))
+    assert got == expected
 
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
