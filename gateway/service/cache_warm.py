@@ -241,7 +241,13 @@ def list_cached(
     gateway: Gateway, *, prefix_key: str | None, tenant: str | None, model: str | None
 ) -> list[dict[str, Any]]:
     """Cached prefixes of every model with a cache of its own (or of ``model``), as JSON rows: prefix key,
-    model, tenant, level, tokens, tokens per tier, last use and expiry per tier (Unix seconds), pinned."""
+    model, tenant, level, tokens, tokens per tier, last use and expiry per tier (Unix seconds), pinned.
+
+    Raises:
+        ModelNotFoundError: ``model`` is not a configured model (404, as ``POST /admin/cache/warm`` answers).
+    """
+    if model is not None:
+        gateway.registry.get(model)
     rows: list[dict[str, Any]] = []
     for name, backend in gateway.registry.items():
         if model is not None and name != model:
@@ -271,9 +277,12 @@ def drop_cached(
 
     Raises:
         InvalidRequestError: no filter at all (dropping everything needs ``model=``).
+        ModelNotFoundError: ``model`` is not a configured model (404: a typo is not a silent "dropped nothing").
     """
     if prefix_key is None and tenant is None and model is None:
         raise InvalidRequestError("Give prefix_key, tenant or model.", param="prefix_key")
+    if model is not None:
+        gateway.registry.get(model)
     total = {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
     for name, backend in gateway.registry.items():
         if model is not None and name != model:

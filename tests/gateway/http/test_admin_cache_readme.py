@@ -59,3 +59,18 @@ def test_without_tiers_a_requests_prefix_lists_the_default_level_as_readme_says(
         )
     new = {key: level for key, level in listed().items() if key not in before}
     assert list(new.values()) == ["history"], new
+
+
+def test_an_unknown_model_on_the_cache_endpoints_is_a_404_as_warm_answers_it(server):
+    """Before: ``DELETE /admin/cache?model=nope`` answered 200 ``{"dropped": {"prefixes": 0, ...}}`` and ``GET``
+    an empty list, so a typo in a model name looked like an empty cache; ``POST /admin/cache/warm`` was a 404."""
+    url = f"{server.base_url}/admin/cache"
+    for response in (
+        httpx.delete(url, params={"model": "nope"}, headers=ADMIN_HEADERS, timeout=30),
+        httpx.get(url, params={"model": "nope"}, headers=ADMIN_HEADERS, timeout=30),
+        httpx.post(f"{url}/warm", json={"model": "nope", "system": "x"}, headers=ADMIN_HEADERS, timeout=30),
+    ):
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+    known = httpx.delete(url, params={"model": TINY_MODEL}, headers=ADMIN_HEADERS, timeout=30)
+    assert known.status_code == 200 and set(known.json()["dropped"]) == {"prefixes", "ram", "disk", "redis"}
