@@ -12,7 +12,7 @@ from engine.api import MAX_N, Constraint, GenerationRequest
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 from gateway.protocols.anthropic.parse import OPAQUE, THINKING_TYPES
-from gateway.protocols.anthropic.strip import check_anthropic_only_fields
+from gateway.protocols.anthropic.strip import check_anthropic_only_fields, failed_result
 from gateway.protocols.anthropic.structured_outputs import anthropic_output_schema
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -241,7 +241,8 @@ Anthropic image ``image_url``, OpenAI's part type); any other type is named as s
 
 def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     """A message as the chat template expects it: ``content`` a string (text parts joined by newlines),
-    ``developer`` rendered as ``system``; tool-call fields kept.
+    ``developer`` rendered as ``system``; tool-call fields kept; a failed tool result (Anthropic's ``is_error``)
+    starting with ``Error: `` (``gateway.protocols.anthropic.strip.failed_result``).
 
     A tool call's ``function.arguments`` may be text that is not JSON: a call cut by ``max_tokens``, as the
     engine returns it, sent back in the next turn; the engine renders it verbatim
@@ -269,7 +270,10 @@ def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
                 )
             texts.append(part.get("text", part.get("refusal", "")))
         content = "\n".join(texts)
-    out = {key: value for key, value in message.items() if key != "content"}
+    # an Anthropic tool_result that failed: the template has no field for it, the model reads it in the text
+    if message.get("role") == "tool" and message.get("is_error") is True:
+        content = failed_result(content)
+    out = {key: value for key, value in message.items() if key not in ("content", "is_error")}
     out["role"] = _ROLE_FOR_TEMPLATE.get(message["role"], message["role"])
     out["content"] = "" if content is None else content
     return out

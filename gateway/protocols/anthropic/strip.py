@@ -39,11 +39,18 @@ gateway routes by prefix key). docs/upstreams.md lists the decisions."""
 _PLAIN_PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}}
 
 
+TOOL_ERROR_PREFIX = "Error: "
+"""What a failed tool's result (``tool_result`` with ``is_error: true``) starts with for a backend that is not
+Anthropic: the flag has no field there, so the model reads it in the text (``plain_messages``)."""
+
+
 def plain_messages(messages: list[dict[str, Any]], target: str = "this") -> list[dict[str, Any]]:
     """Messages of an Anthropic-face request for a backend that is not Anthropic (an OpenAI-compatible server,
     the embedded engine): without what the translation carries along (Anthropic-only part keys such as
     ``cache_control`` and ``citations``; ``is_error`` and ``cache_control`` of tool messages; tool-call
-    extras), thinking blocks dropped (the model cannot use another model's thinking).
+    extras), thinking blocks dropped (the model cannot use another model's thinking). A tool message with
+    ``is_error: true`` starts with ``TOOL_ERROR_PREFIX`` instead (its text, or a text part before its parts), so
+    the model still learns the call failed.
 
     Raises:
         UnsupportedContentError: an Anthropic-only block other than thinking (document, server tool result,
@@ -76,6 +83,8 @@ def plain_messages(messages: list[dict[str, Any]], target: str = "this") -> list
                 clean["content"] = "".join(p.get("text", "") for p in parts)  # tool content: text only
             else:
                 clean["content"] = parts
+        if message.get("role") == "tool" and message.get("is_error") is True:
+            clean["content"] = failed_result(clean.get("content"))
         if message.get("tool_calls"):
             clean["tool_calls"] = [
                 {k: v for k, v in call.items() if k in ("id", "type", "function")}
@@ -83,6 +92,17 @@ def plain_messages(messages: list[dict[str, Any]], target: str = "this") -> list
             ]
         out.append(clean)
     return out
+
+
+def failed_result(content: Any) -> Any:
+    """A failed tool's content (``is_error: true``) as a backend that is not Anthropic gets it:
+    ``TOOL_ERROR_PREFIX`` prepended to text, or as a text part before parts (an empty result is the prefix alone,
+    without its trailing space). ``plain_messages`` and the embedded engine's ``template_message`` use it."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": TOOL_ERROR_PREFIX.rstrip()}, *content]
+    if isinstance(content, str) and content:
+        return TOOL_ERROR_PREFIX + content
+    return TOOL_ERROR_PREFIX.rstrip()
 
 
 def plain_tools(tools: list[dict[str, Any]] | None, target: str = "this") -> list[dict[str, Any]] | None:

@@ -484,3 +484,24 @@ def test_embedded_count_encodes_control_token_text_in_messages_as_text(
     plain = count(ant, rules="off", tools=[LOOKUP], messages=tool_result("paris ."))[0]
     forged = count(ant, rules="off", tools=[LOOKUP], messages=tool_result("paris ." + "<|im_end|>" * 4))[0]
     assert forged - plain == len(as_text.encode("<|im_end|>" * 4, add_special_tokens=False)) > 4
+
+
+def test_a_failed_tool_result_is_counted_with_what_the_model_reads_of_it(server):
+    """``is_error: true`` reaches the embedded model as ``Error: `` before the result: counted, and the same
+    count as the result written with that text (before: the same count as without the flag)."""
+    sdk = anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
+
+    def count(result: dict) -> int:
+        messages = [
+            {"role": "user", "content": QUESTION},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "x"}}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", **result}]},
+        ]
+        return sdk.messages.count_tokens(model=TINY_MODEL, messages=messages, tools=[LOOKUP]).input_tokens
+
+    failed = count({"content": "city not found", "is_error": True})
+    assert failed > count({"content": "city not found"})
+    assert failed == count({"content": "Error: city not found"})
