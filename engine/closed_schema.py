@@ -14,7 +14,10 @@ Left open, so the closed schema never refuses what the client's schema needs: an
 without ``properties`` (``{"type": "object"}``: any object), one whose keys other applicators share (``$ref``,
 ``allOf``, ``anyOf``, ``dependentSchemas`` beside its ``properties``: llguidance intersects sibling keywords, so
 closing one side would refuse the other's keys), a direct branch of an ``allOf`` (the conjunction of closed
-branches would refuse each other's keys), and one whose ``required`` names a key its ``properties`` do not list.
+branches would refuse each other's keys), a definition a ``$ref`` brings in beside other keys (pydantic's
+inheritance, ``{"allOf": [{"$ref": "#/$defs/Base"}], "properties": {...}}``, or a ``$ref`` with sibling
+``properties``: closed, it would refuse them; a root-level definition referenced only plainly is closed, a nested
+``$defs`` entry never), and one whose ``required`` names a key its ``properties`` do not list.
 A schema with ``not``, ``oneOf`` or ``if`` anywhere comes back unchanged: there a stricter subschema can let
 through what the client's refuses (``not`` of a closed object refuses less; an instance of one closed ``oneOf``
 branch may match another open one; a closed ``if`` picks the other branch), and a ``$ref`` may bring a closed
@@ -31,8 +34,27 @@ _SHARED_KEYS = ("$ref", "allOf", "anyOf", "dependentSchemas", "dependencies")
 """Keywords that give an object keys beside its ``properties``: with any of them the object stays open."""
 _OWN_RULE_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 """Keywords by which the schema already says what other keys may be: kept as written."""
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
 """Keywords whose values are a mapping of name -> subschema."""
+_DEFS = ("$defs", "definitions")
+"""Keywords of definitions: a mapping of name -> subschema, closed at its top only where every ``$ref`` to it is
+plain (``_conjoined_refs``)."""
+_KEYLESS = frozenset(
+    {
+        "$ref",
+        "$defs",
+        "definitions",
+        "$schema",
+        "$id",
+        "$comment",
+        "title",
+        "description",
+        "default",
+        "examples",
+    }
+    | {"deprecated", "readOnly", "writeOnly"}
+)
+"""Keywords that add no key to an instance: a ``$ref`` among only these brings its target in alone."""
 _SCHEMA_LISTS = ("anyOf", "prefixItems")
 """Keywords whose values are a list of subschemas (``allOf``'s branches are walked apart, ``_closed``)."""
 _SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "contains")
@@ -54,7 +76,43 @@ def closed_schema(schema: Any) -> Any:
     """
     if not isinstance(schema, dict) or _has_key(schema, _UNSAFE_KEYS):
         return schema
-    return _closed(schema, close_here=True)
+    conjoined: set[str] = set()
+    _conjoined_refs(schema, conjoined, False)
+    out = _closed(schema, close_here="#" not in conjoined)
+    for key in _DEFS:  # the root's definitions: closed where every reference to them is plain
+        defs = schema.get(key)
+        if isinstance(defs, dict):
+            out[key] = {
+                name: _closed(sub, close_here=f"#/{key}/{_pointer_token(name)}" not in conjoined)
+                for name, sub in defs.items()
+            }
+    return out
+
+
+def _pointer_token(name: str) -> str:
+    """``name`` as one JSON Pointer reference token (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _conjoined_refs(node: Any, out: set[str], conjoined: bool) -> None:
+    """Add to ``out`` every ``$ref`` whose target meets other keys where it is used: beside keywords that add
+    keys, or as a branch of an ``allOf`` that has other branches or property keywords beside it."""
+    if isinstance(node, list):
+        for item in node:
+            _conjoined_refs(item, out, False)
+        return
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (conjoined or not set(node) <= _KEYLESS):
+        out.add(ref)
+    for key, value in node.items():
+        if key == "allOf" and isinstance(value, list):
+            alone = len(value) == 1 and set(node) <= _KEYLESS | {"allOf"}
+            for sub in value:
+                _conjoined_refs(sub, out, not alone)
+        else:
+            _conjoined_refs(value, out, False)
 
 
 def _has_key(node: Any, keys: frozenset[str]) -> bool:
@@ -76,6 +134,8 @@ def _closed(node: Any, close_here: bool) -> Any:
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _closed(sub, True) for name, sub in value.items()}
+        elif key in _DEFS and isinstance(value, dict):  # nested definitions: their tops stay open
+            out[key] = {name: _closed(sub, False) for name, sub in value.items()}
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             out[key] = [_closed(sub, True) for sub in value]
         elif key == "allOf" and isinstance(value, list):

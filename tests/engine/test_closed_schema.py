@@ -59,6 +59,46 @@ POINT = {"type": "object", "properties": {"x": {"type": "number"}}}
             {**POINT, "dependentSchemas": {"x": POINT}},
             {**POINT, "dependentSchemas": {"x": {**POINT, **CLOSED}}},
         ),
+        # a definition a $ref brings in beside other keys stays open at its top (pydantic's inheritance: closed,
+        # Base would refuse the subclass's own keys); referenced only plainly, it closes
+        (
+            {"$defs": {"Base": POINT}, "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"y": {}}},
+            {"$defs": {"Base": POINT}, "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"y": {}}},
+        ),
+        (
+            {"$defs": {"B": POINT}, "properties": {"p": {"$ref": "#/$defs/B", "properties": {"y": {}}}}},
+            {
+                "$defs": {"B": POINT},
+                "properties": {"p": {"$ref": "#/$defs/B", "properties": {"y": {}}}},
+                **CLOSED,
+            },
+        ),
+        (
+            {
+                "$defs": {"B": POINT},
+                "properties": {"p": {"allOf": [{"$ref": "#/$defs/B"}], "description": "d"}},
+            },
+            {
+                "$defs": {"B": {**POINT, **CLOSED}},
+                "properties": {"p": {"allOf": [{"$ref": "#/$defs/B"}], "description": "d"}},
+                **CLOSED,
+            },
+        ),
+        (
+            {
+                "definitions": {"a/b": POINT},
+                "properties": {"p": {"$ref": "#/definitions/a~1b", "title": "t"}},
+            },
+            {
+                "definitions": {"a/b": {**POINT, **CLOSED}},
+                "properties": {"p": {"$ref": "#/definitions/a~1b", "title": "t"}},
+                **CLOSED,
+            },
+        ),
+        (  # a nested $defs entry's top stays open (its pointer is not the root's); deeper objects close
+            {"properties": {"p": {"$defs": {"Q": {"properties": {"q": POINT}}}}}},
+            {"properties": {"p": {"$defs": {"Q": {"properties": {"q": {**POINT, **CLOSED}}}}}}, **CLOSED},
+        ),
         # required names a key the properties do not list: open (closed, it could never be written)
         ({**POINT, "required": ["x", "y"]}, {**POINT, "required": ["x", "y"]}),
         # allOf: each branch's own keys stay open (closed branches would refuse each other's), deeper ones close
@@ -116,9 +156,18 @@ def test_tool_arguments_hold_to_the_listed_properties_unless_the_schema_opens_th
     assert _accepts(engine().constraints.grammar(c), render_call(name, arguments)) is accepted
 
 
+INHERITED = {  # pydantic's shape for class Child(Base): the child's own key beside the base's
+    "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+    "allOf": [{"$ref": "#/$defs/Base"}],
+    "properties": {"b": {"type": "integer"}},
+    "required": ["b"],
+}
+
+
 @pytest.mark.parametrize(
     ("schema", "answer", "accepted"),
     [
+        (INHERITED, {"a": 1, "b": 2}, True),
         (WEATHER, {"city": "Paris"}, True),
         (WEATHER, {"city": "Paris", "extra": 1}, False),
         (OPEN_WEATHER, {"city": "Paris", "extra": 1}, True),
