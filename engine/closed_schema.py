@@ -13,8 +13,8 @@ Left open, so the closed schema never refuses what the client's schema needs: an
 ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties`` of its own (the client said), one
 without ``properties`` (``{"type": "object"}``: any object), one whose keys other applicators share (``$ref``,
 ``allOf``, ``anyOf``, ``dependentSchemas`` beside its ``properties``: llguidance intersects sibling keywords, so
-closing one side would refuse the other's keys), a direct branch of an ``allOf`` (the conjunction of closed
-branches would refuse each other's keys), a definition a ``$ref`` brings in beside other keys (pydantic's
+closing one side would refuse the other's keys), a direct branch of an ``allOf`` or ``anyOf`` beside other
+branches (``allOf``) or keywords that add or require keys (closed, it would refuse them), a definition a ``$ref`` brings in beside other keys (pydantic's
 inheritance, ``{"allOf": [{"$ref": "#/$defs/Base"}], "properties": {...}}``, or a ``$ref`` with sibling
 ``properties``: closed, it would refuse them; a root-level definition referenced only plainly is closed, a nested
 ``$defs`` entry never), and one whose ``required`` names a key its ``properties`` do not list.
@@ -52,11 +52,13 @@ _KEYLESS = frozenset(
         "default",
         "examples",
     }
-    | {"deprecated", "readOnly", "writeOnly"}
+    | {"deprecated", "readOnly", "writeOnly", "type"}
 )
-"""Keywords that add no key to an instance: a ``$ref`` among only these brings its target in alone."""
-_SCHEMA_LISTS = ("anyOf", "prefixItems")
-"""Keywords whose values are a list of subschemas (``allOf``'s branches are walked apart, ``_closed``)."""
+"""Keywords that neither add nor require a key of an instance: a ``$ref`` (an ``allOf`` / ``anyOf`` branch) among
+only these brings its target in alone, so closing the target refuses nothing the schema asks for."""
+_SCHEMA_LISTS = ("prefixItems",)
+"""Keywords whose values are a list of subschemas (``allOf``'s and ``anyOf``'s branches are walked apart,
+``_closed``)."""
 _SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "contains")
 """Keywords whose value is one subschema (``items`` may also be a list, draft 4-7's tuple form)."""
 _UNSAFE_KEYS = frozenset({"not", "oneOf", "if"})
@@ -95,8 +97,8 @@ def _pointer_token(name: str) -> str:
 
 
 def _conjoined_refs(node: Any, out: set[str], conjoined: bool) -> None:
-    """Add to ``out`` every ``$ref`` whose target meets other keys where it is used: beside keywords that add
-    keys, or as a branch of an ``allOf`` that has other branches or property keywords beside it."""
+    """Add to ``out`` every ``$ref`` whose target meets other keys where it is used: beside keywords that add or
+    require keys, or as a branch of an ``allOf`` / ``anyOf`` that is not alone (``_alone``)."""
     if isinstance(node, list):
         for item in node:
             _conjoined_refs(item, out, False)
@@ -107,12 +109,17 @@ def _conjoined_refs(node: Any, out: set[str], conjoined: bool) -> None:
     if isinstance(ref, str) and (conjoined or not set(node) <= _KEYLESS):
         out.add(ref)
     for key, value in node.items():
-        if key == "allOf" and isinstance(value, list):
-            alone = len(value) == 1 and set(node) <= _KEYLESS | {"allOf"}
+        if key in ("allOf", "anyOf") and isinstance(value, list):
             for sub in value:
-                _conjoined_refs(sub, out, not alone)
+                _conjoined_refs(sub, out, not _alone(node, key))
         else:
             _conjoined_refs(value, out, False)
+
+
+def _alone(node: dict[str, Any], key: str) -> bool:
+    """Whether each branch of ``node[key]`` (``allOf`` or ``anyOf``) meets no other keys: ``node`` has only keyless
+    keywords beside it, and an ``allOf`` has one branch (its branches are conjoined)."""
+    return set(node) <= _KEYLESS | {key} and (key == "anyOf" or len(node[key]) == 1)
 
 
 def _has_key(node: Any, keys: frozenset[str]) -> bool:
@@ -138,8 +145,9 @@ def _closed(node: Any, close_here: bool) -> Any:
             out[key] = {name: _closed(sub, False) for name, sub in value.items()}
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             out[key] = [_closed(sub, True) for sub in value]
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [_closed(sub, False) for sub in value]  # a branch's own keys stay open
+        elif key in ("allOf", "anyOf") and isinstance(value, list):
+            # a branch's own keys close only where nothing else meets them (``_alone``)
+            out[key] = [_closed(sub, _alone(node, key)) for sub in value]
         elif key in _SCHEMA_ONE and isinstance(value, (dict, list)):
             out[key] = _closed(value, True)
         else:

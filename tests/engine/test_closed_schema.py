@@ -59,6 +59,33 @@ POINT = {"type": "object", "properties": {"x": {"type": "number"}}}
             {**POINT, "dependentSchemas": {"x": POINT}},
             {**POINT, "dependentSchemas": {"x": {**POINT, **CLOSED}}},
         ),
+        # an anyOf branch beside keys of its owner stays open at its top (closed, {"y"} would refuse the required
+        # "x": a schema that could never be written); alone (an optional value), it closes
+        (
+            {
+                "type": "object",
+                "properties": {"x": {}},
+                "required": ["x"],
+                "anyOf": [{"properties": {"y": POINT}}],
+            },
+            {
+                "type": "object",
+                "properties": {"x": {}},
+                "required": ["x"],
+                "anyOf": [{"properties": {"y": {**POINT, **CLOSED}}}],
+            },
+        ),
+        (
+            {
+                "properties": {"p": {"anyOf": [{"$ref": "#/$defs/B"}, {"type": "null"}], "default": None}},
+                "$defs": {"B": POINT},
+            },
+            {
+                "properties": {"p": {"anyOf": [{"$ref": "#/$defs/B"}, {"type": "null"}], "default": None}},
+                "$defs": {"B": {**POINT, **CLOSED}},
+                **CLOSED,
+            },
+        ),
         # a definition a $ref brings in beside other keys stays open at its top (pydantic's inheritance: closed,
         # Base would refuse the subclass's own keys); referenced only plainly, it closes
         (
@@ -156,6 +183,12 @@ def test_tool_arguments_hold_to_the_listed_properties_unless_the_schema_opens_th
     assert _accepts(engine().constraints.grammar(c), render_call(name, arguments)) is accepted
 
 
+REQUIRED_BESIDE_ANYOF = {
+    "type": "object",
+    "properties": {"x": {"type": "integer"}},
+    "required": ["x"],
+    "anyOf": [{"properties": {"y": {"type": "integer"}}}],
+}
 INHERITED = {  # pydantic's shape for class Child(Base): the child's own key beside the base's
     "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
     "allOf": [{"$ref": "#/$defs/Base"}],
@@ -168,6 +201,7 @@ INHERITED = {  # pydantic's shape for class Child(Base): the child's own key bes
     ("schema", "answer", "accepted"),
     [
         (INHERITED, {"a": 1, "b": 2}, True),
+        (REQUIRED_BESIDE_ANYOF, {"x": 1, "y": 2}, True),
         (WEATHER, {"city": "Paris"}, True),
         (WEATHER, {"city": "Paris", "extra": 1}, False),
         (OPEN_WEATHER, {"city": "Paris", "extra": 1}, True),
