@@ -30,8 +30,17 @@ from __future__ import annotations
 
 from typing import Any
 
-_SHARED_KEYS = ("$ref", "allOf", "anyOf", "dependentSchemas", "dependencies")
-"""Keywords that give an object keys beside its ``properties``: with any of them the object stays open."""
+_SHARED_KEYS = (
+    "$ref",
+    "allOf",
+    "anyOf",
+    "dependentSchemas",
+    "dependencies",
+    "dependentRequired",
+    "minProperties",
+)
+"""Keywords that give or may require an object keys beside its ``properties``: with any of them the object stays
+open (closed, ``{"properties": {"a": {}}, "minProperties": 2}`` could never be written)."""
 _OWN_RULE_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 """Keywords by which the schema already says what other keys may be: kept as written."""
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
