@@ -59,6 +59,9 @@ POINT = {"type": "object", "properties": {"x": {"type": "number"}}}
             {**POINT, "dependentSchemas": {"x": POINT}},
             {**POINT, "dependentSchemas": {"x": {**POINT, **CLOSED}}},
         ),
+        # keys the object may be required to have beyond its properties: open (closed, never writable)
+        ({**POINT, "dependentRequired": {"x": ["y"]}}, {**POINT, "dependentRequired": {"x": ["y"]}}),
+        ({**POINT, "minProperties": 2}, {**POINT, "minProperties": 2}),
         # an anyOf branch beside keys of its owner stays open at its top (closed, {"y"} would refuse the required
         # "x": a schema that could never be written); alone (an optional value), it closes
         (
