@@ -13,7 +13,8 @@ Left open, so the closed schema never refuses what the client's schema needs: an
 ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties`` of its own (the client said), one
 without ``properties`` (``{"type": "object"}``: any object), one whose keys other applicators share (``$ref``,
 ``allOf``, ``anyOf``, ``dependentSchemas`` beside its ``properties``: llguidance intersects sibling keywords, so
-closing one side would refuse the other's keys), a direct branch of an ``allOf`` or ``anyOf`` beside other
+closing one side would refuse the other's keys), one that may require keys beyond its ``properties``
+(``dependentRequired``, ``minProperties``), a direct branch of an ``allOf`` or ``anyOf`` beside other
 branches (``allOf``) or keywords that add or require keys (closed, it would refuse them), a definition a ``$ref`` brings in beside other keys (pydantic's
 inheritance, ``{"allOf": [{"$ref": "#/$defs/Base"}], "properties": {...}}``, or a ``$ref`` with sibling
 ``properties``: closed, it would refuse them; a root-level definition referenced only plainly is closed, a nested
