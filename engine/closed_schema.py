@@ -14,11 +14,11 @@ Left open, so the closed schema never refuses what the client's schema needs: an
 without ``properties`` (``{"type": "object"}``: any object), one whose keys other applicators share (``$ref``,
 ``allOf``, ``anyOf``, ``dependentSchemas`` beside its ``properties``: llguidance intersects sibling keywords, so
 closing one side would refuse the other's keys), one that may require keys beyond its ``properties``
-(``dependentRequired``, ``minProperties``), a direct branch of an ``allOf`` or ``anyOf`` beside other
-branches (``allOf``) or keywords that add or require keys (closed, it would refuse them), a definition a ``$ref`` brings in beside other keys (pydantic's
-inheritance, ``{"allOf": [{"$ref": "#/$defs/Base"}], "properties": {...}}``, or a ``$ref`` with sibling
-``properties``: closed, it would refuse them; a root-level definition referenced only plainly is closed, a nested
-``$defs`` entry never), and one whose ``required`` names a key its ``properties`` do not list.
+(``dependentRequired``, ``minProperties``), a direct branch of an ``allOf`` or ``anyOf`` beside other branches
+(``allOf``) or keywords that add or require keys (closed, it would refuse them), a definition a ``$ref`` brings in
+beside other keys (pydantic's inheritance, ``{"allOf": [{"$ref": "#/$defs/Base"}], "properties": {...}}``, or a
+``$ref`` with sibling ``properties``: closed, it would refuse them; a root-level definition referenced only plainly
+is closed, a nested ``$defs`` entry never), and one whose ``required`` names a key its ``properties`` do not list.
 A schema with ``not``, ``oneOf`` or ``if`` anywhere comes back unchanged: there a stricter subschema can let
 through what the client's refuses (``not`` of a closed object refuses less; an instance of one closed ``oneOf``
 branch may match another open one; a closed ``if`` picks the other branch), and a ``$ref`` may bring a closed
