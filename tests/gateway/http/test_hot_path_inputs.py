@@ -145,6 +145,18 @@ def test_a_client_that_sends_its_whole_huge_body_before_reading_still_reads_the_
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_a_client_waiting_for_100_continue_gets_the_413_at_once(server, path):
+    """``Expect: 100-continue`` with an oversized ``Content-Length``: no 100 Continue (reading the body to drain
+    it would send one and wait for the body), the 413 at once (curl sends this header for large bodies)."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {MAX_BODY * 1000}\r\nexpect: 100-continue\r\n\r\n"
+    ).encode()
+    answer = raw_exchange(server.port, head)  # reading the body would have sent "HTTP/1.1 100 Continue" first
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
 async def _stream_of(parts: list[bytes], stall: bool = False):
     for part in parts:
         yield part
