@@ -191,13 +191,22 @@ def _bad_tool_choice(choice: Any) -> InvalidRequestError:
     )
 
 
+INSTEAD = {
+    "functions": "tools",
+    "function_call": "tool_choice",
+}
+"""What to send instead of a refused field, where the API has a successor (OpenAI's legacy function calling)."""
+
+
 def check_supported(body: dict[str, Any]) -> None:
-    """Refuse body fields with values the engine cannot honour (400 naming the field)."""
+    """Refuse body fields with values the engine cannot honour (400 naming the field, and its successor where
+    ``INSTEAD`` has one)."""
     for name, accepted in UNSUPPORTED.items():
         if name in body and not any(_same(body[name], value) for value in accepted):
+            hint = f" Use '{INSTEAD[name]}' instead." if name in INSTEAD else ""
             raise InvalidRequestError(
                 f"Unsupported value for '{name}' with the embedded engine: only {_accepted(accepted)} is "
-                "supported.",
+                f"supported.{hint}",
                 param=name,
                 code="unsupported_value",
             )

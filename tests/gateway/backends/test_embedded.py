@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import Constraint, SamplingParams
-from gateway.backends.embedded_request import generation_request
+from gateway.backends.embedded_request import check_supported, generation_request
 from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 
@@ -437,3 +437,19 @@ def test_the_explanation_tokenizer_encodes_control_text_in_messages_as_the_engin
     assert prompt.encode(prompt.render(plain, None, True)) == tok.encode_with_offsets(
         tok.apply_chat_template(plain)
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "successor"),
+    [
+        ("functions", [{"name": "f", "parameters": {"type": "object"}}], "tools"),
+        ("function_call", {"name": "f"}, "tool_choice"),
+    ],
+)
+def test_legacy_function_calling_is_refused_with_what_to_send_instead(field, value, successor):
+    """Before: "only [] is supported." and nothing about ``tools`` (a fresh-user trial's report)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        check_supported({field: value})
+    assert (caught.value.param, caught.value.code) == (field, "unsupported_value")
+    assert caught.value.message.endswith(f"Use '{successor}' instead.")
+    check_supported({field: [] if field == "functions" else "auto"})  # the values that ask for nothing pass
