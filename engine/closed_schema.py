@@ -128,8 +128,9 @@ def _conjoined_refs(node: Any, out: set[str], conjoined: bool) -> None:
 
 def _alone(node: dict[str, Any], key: str) -> bool:
     """Whether each branch of ``node[key]`` (``allOf`` or ``anyOf``) meets no other keys: ``node`` has only keyless
-    keywords beside it, and an ``allOf`` has one branch (its branches are conjoined)."""
-    return set(node) <= _KEYLESS | {key} and (key == "anyOf" or len(node[key]) == 1)
+    keywords beside it (not a ``$ref``, whose target's keys the branch would meet), and an ``allOf`` has one branch
+    (its branches are conjoined)."""
+    return set(node) <= (_KEYLESS - {"$ref"}) | {key} and (key == "anyOf" or len(node[key]) == 1)
 
 
 def _has_key(node: Any, keys: frozenset[str]) -> bool:

@@ -89,6 +89,17 @@ POINT = {"type": "object", "properties": {"x": {"type": "number"}}}
                 **CLOSED,
             },
         ),
+        (  # an anyOf branch beside a $ref meets the target's keys: both stay open at their tops
+            {
+                "$defs": {"X": POINT},
+                "properties": {"p": {"$ref": "#/$defs/X", "anyOf": [{"properties": {"y": {}}}]}},
+            },
+            {
+                "$defs": {"X": POINT},
+                "properties": {"p": {"$ref": "#/$defs/X", "anyOf": [{"properties": {"y": {}}}]}},
+                **CLOSED,
+            },
+        ),
         # a definition a $ref brings in beside other keys stays open at its top (pydantic's inheritance: closed,
         # Base would refuse the subclass's own keys); referenced only plainly, it closes
         (
