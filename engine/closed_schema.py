@@ -90,15 +90,7 @@ def closed_schema(schema: Any) -> Any:
         return schema
     conjoined: set[str] = set()
     _conjoined_refs(schema, conjoined, False)
-    out = _closed(schema, close_here="#" not in conjoined)
-    for key in _DEFS:  # the root's definitions: closed where every reference to them is plain
-        defs = schema.get(key)
-        if isinstance(defs, dict):
-            out[key] = {
-                name: _closed(sub, close_here=f"#/{key}/{_pointer_token(name)}" not in conjoined)
-                for name, sub in defs.items()
-            }
-    return out
+    return _closed(schema, close_here="#" not in conjoined, conjoined=conjoined)
 
 
 def _pointer_token(name: str) -> str:
@@ -143,7 +135,10 @@ def _has_key(node: Any, keys: frozenset[str]) -> bool:
     return False
 
 
-def _closed(node: Any, close_here: bool) -> Any:
+def _closed(node: Any, close_here: bool, conjoined: set[str] | None = None) -> Any:
+    """``node`` closed where ``_closes`` says (its own top only with ``close_here``). ``conjoined``: given for
+    the root only, the ``$ref`` pointers ``_conjoined_refs`` found; the root's definitions close at their tops
+    where no such pointer names them, nested ones never."""
     if isinstance(node, list):
         return [_closed(item, True) for item in node]
     if not isinstance(node, dict):
@@ -152,8 +147,13 @@ def _closed(node: Any, close_here: bool) -> Any:
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _closed(sub, True) for name, sub in value.items()}
-        elif key in _DEFS and isinstance(value, dict):  # nested definitions: their tops stay open
-            out[key] = {name: _closed(sub, False) for name, sub in value.items()}
+        elif key in _DEFS and isinstance(value, dict):
+            out[key] = {
+                name: _closed(
+                    sub, conjoined is not None and f"#/{key}/{_pointer_token(name)}" not in conjoined
+                )
+                for name, sub in value.items()
+            }
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             out[key] = [_closed(sub, True) for sub in value]
         elif key in ("allOf", "anyOf") and isinstance(value, list):

@@ -14,7 +14,7 @@ index and skipped; the other entries still warm.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from engine.api import WarmResult
+from gateway.backends.base import Backend
 from gateway.config.schema import WARM_CONTENT_KEYS, WarmEntry
 from gateway.core.errors import APIError, InvalidRequestError
 from gateway.protocols.openai.parse import parse_chat_request
@@ -246,12 +247,8 @@ def list_cached(
     Raises:
         ModelNotFoundError: ``model`` is not a configured model (404, as ``POST /admin/cache/warm`` answers).
     """
-    if model is not None:
-        gateway.registry.get(model)
     rows: list[dict[str, Any]] = []
-    for name, backend in gateway.registry.items():
-        if model is not None and name != model:
-            continue
+    for name, backend in _backends(gateway, model):
         for row in backend.cached_prefixes(prefix_key=prefix_key, tenant=tenant) or ():
             rows.append(
                 {
@@ -281,16 +278,21 @@ def drop_cached(
     """
     if prefix_key is None and tenant is None and model is None:
         raise InvalidRequestError("Give prefix_key, tenant or model.", param="prefix_key")
-    if model is not None:
-        gateway.registry.get(model)
     total = {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
-    for name, backend in gateway.registry.items():
-        if model is not None and name != model:
-            continue
+    for _, backend in _backends(gateway, model):
         dropped = backend.drop_cached(prefix_key=prefix_key, tenant=tenant) or {}
         for key in total:
             total[key] += int(dropped.get(key, 0))
     return total
+
+
+def _backends(gateway: Gateway, model: str | None) -> Iterable[tuple[str, Backend]]:
+    """Every configured model's ``(name, backend)``, or only ``model``'s.
+
+    Raises:
+        ModelNotFoundError: ``model`` is not a configured model.
+    """
+    return gateway.registry.items() if model is None else [(model, gateway.registry.get(model))]
 
 
 def _reason(exc: BaseException) -> str:
