@@ -40,7 +40,9 @@ def logits_per_request(ck, shortcut: bool, monkeypatch, **config) -> list[tuple[
 )
 def test_output_rows_give_the_whole_steps_logits_bit_for_bit(kind, weights, kv_dtype, budget, monkeypatch):
     ck = tiny_checkpoint(kind, weights=weights)
-    config = dict(kv_dtype=kv_dtype, max_num_batched_tokens=budget)
+    # 2 threads, whatever an earlier test left torch's count at: ``prefill_kernel: auto`` takes the AVX2 build
+    # (CPUs without AVX-512) only from 2 threads
+    config = dict(kv_dtype=kv_dtype, max_num_batched_tokens=budget, num_threads=2)
     eng = make_engine(ck, **config)
     assert eng.runner.glue_kernel is not None and eng.runner.prefill_kernel is not None
     on = logits_per_request(ck, True, monkeypatch, **config)
@@ -52,7 +54,8 @@ def test_output_rows_give_the_whole_steps_logits_bit_for_bit(kind, weights, kv_d
 
 def test_only_output_rows_reach_the_last_layers_mlp(monkeypatch):
     """A 100-token prompt in chunks of at most 32 tokens and one generated token: every layer but the last runs
-    the MLP on all 100 rows, the last only on the final chunk's last row."""
+    the MLP on all 100 rows, the last only on the final chunk's last row (2 threads: the shortcut needs the
+    native prefill kernel, which ``auto`` takes on AVX2-only CPUs from 2 threads)."""
     ck = tiny_checkpoint("hf", weights="int4")
     layers = ck.model.layers
     seen: dict[int, list[int]] = {0: [], len(layers) - 1: []}
@@ -65,7 +68,7 @@ def test_only_output_rows_reach_the_last_layers_mlp(monkeypatch):
         return real(linear, x, rows)
 
     monkeypatch.setattr(model_module, "forward_rows", counting)
-    eng = make_engine(ck, max_num_batched_tokens=32, enable_prefix_caching=False)
+    eng = make_engine(ck, max_num_batched_tokens=32, enable_prefix_caching=False, num_threads=2)
     one_call = eng.runner.decode_step
     eng.runner.decode_step = None  # every layer in Python, to see them
     eng.generate([random_tokens(100, 70)], greedy(1))
@@ -75,7 +78,7 @@ def test_only_output_rows_reach_the_last_layers_mlp(monkeypatch):
         # with the one-call layer step, each prompt chunk's other layers run in C (on the AMX dense copies),
         # and the last layer still runs its MLP on the final chunk's last row alone
         seen = {0: [], len(layers) - 1: []}
-        eng = make_engine(ck, max_num_batched_tokens=32, enable_prefix_caching=False)
+        eng = make_engine(ck, max_num_batched_tokens=32, enable_prefix_caching=False, num_threads=2)
         before = one_call.prompt_steps
         eng.generate([random_tokens(100, 71)], greedy(1))
         assert one_call.prompt_steps - before == 4  # 32 + 32 + 32 + 4 rows
