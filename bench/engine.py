@@ -109,8 +109,8 @@ def linear_seconds(model, rows: int, repeats: int = 3) -> float:
     """Seconds for every linear layer of ``model`` (30 x q/k/v, o, gate/up, down, then the LM head on one row)
     at ``rows`` rows of random input, best of ``repeats``: the part of a prefill step no attention or engine
     work can remove, with the weight formats and GEMM kernels ``engine.linear`` uses, each row on the kernel the
-    engine gives a prompt token's row (``engine.row_kernels``: the dense copy, or the AVX2 int8-activation
-    build's fp32 functions)."""
+    engine gives a prompt token's row (``engine.row_kernels``: the dense copy where there is one, else the
+    weight-only kernel)."""
     from engine.row_kernels import RowKernels, forward_rows
 
     c = model.config

@@ -107,8 +107,8 @@ def prompt_rows_variant(model: torch.nn.Module) -> str:
     """The part of ``model_id`` naming what ``model``'s quantized linears run prompt rows on: ``""`` (no quantized
     linear, or a dense bf16 copy: the ids of earlier releases), ``"/prompt-dense-float32"`` (a dense fp32
     copy, CPUs without bf16 GEMMs), ``"/prompt-dense-amx"`` (a bf16 copy on the AMX kernel, ``engine.amx_gemm``),
-    ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``)
-    or ``"/prompt-kernel-fp32-activations"`` (no copy, the kernel's fp32 functions: ``Int4Weight.prompt_rows_fp32``).
+    or ``"/prompt-kernel"`` (no copy: the weight-only kernel, ``engine.dense_min_rows``; until session 28 the AVX2
+    int8-activation build ran them on its fp32 functions, ``"/prompt-kernel-fp32-activations"``).
     A prompt token's K/V depends on it, so entries shared between processes (KV tiers) never mix them."""
     from engine.amx_gemm import AmxDenseWeight
     from engine.linear import Int4Weight, Int8Weight
@@ -117,7 +117,7 @@ def prompt_rows_variant(model: torch.nn.Module) -> str:
     if lin is None:
         return ""
     if lin.dense is None:
-        return "/prompt-kernel-fp32-activations" if lin.prompt_rows_fp32 else "/prompt-kernel"
+        return "/prompt-kernel"
     if isinstance(lin.dense, AmxDenseWeight):
         return "/prompt-dense-amx"
     return (

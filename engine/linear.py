@@ -302,13 +302,6 @@ class Int4Weight(nn.Module):
         ones for ``engine.native_linear.Int8ActivationKernel``)."""
         return self.native is not None
 
-    @property
-    def prompt_rows_fp32(self) -> bool:
-        """Whether prompt rows (``dense=True``) run on the native kernel's fp32-activation functions: no dense
-        copy, and a kernel whose int8 activations lose to its fp32 path at prefill sizes
-        (``NativeLinearKernel.prompt_fp32``: the AVX2 int8-activation build)."""
-        return prompt_rows_fp32(self)
-
     def kernel_mm(self, x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         """The weight-only kernel alone on ``x`` ``[M, in]``: the native kernel (fp32 in and out; ``fp32``: its
         fp32-activation functions whatever its activations) or torch's int4 kernel (bf16 in and out), no bias.
@@ -320,9 +313,9 @@ class Int4Weight(nn.Module):
     def forward(self, x: torch.Tensor, exact: bool = False, dense: bool | None = None) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype. ``exact`` runs the kernel on fp32 activations
         and fp32 scale/zero (torch's kernel: slow on CPU, tests; the native kernel always does). ``dense``:
-        True = the dense copy (when there is one; without one, the kernel's fp32 functions where
-        ``prompt_rows_fp32``), False = the weight-only kernel, None = by row count (``dense_min_rows``; without
-        a copy, the weight-only kernel); the engine chooses per row (``forward_rows``)."""
+        True = the dense copy (when there is one; without one, the weight-only kernel), False = the weight-only
+        kernel, None = by row count (``dense_min_rows``; without a copy, the weight-only kernel); the engine
+        chooses per row (``forward_rows``)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if (
@@ -336,7 +329,7 @@ class Int4Weight(nn.Module):
         elif x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features)
         else:
-            y = self.kernel_mm(x2, fp32=bool(dense) and self.prompt_rows_fp32)
+            y = self.kernel_mm(x2)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y.add_(self.bias.to(y.dtype))
@@ -349,11 +342,6 @@ class Int4Weight(nn.Module):
             return self.native.mm(self.native_packed, torch.eye(self.in_features), fp32=True).t().contiguous()
         eye = torch.eye(self.in_features, device=self.packed.device)
         return _int4_mm(eye, self.packed, self.scale_zero).t().contiguous()
-
-
-def prompt_rows_fp32(linear: Int4Weight | Int8Weight) -> bool:
-    """``Int4Weight.prompt_rows_fp32``: no dense copy and a native kernel whose ``prompt_fp32`` is set."""
-    return linear.dense is None and linear.native is not None and linear.native.prompt_fp32
 
 
 class Int8Weight(nn.Module):
@@ -411,11 +399,6 @@ class Int8Weight(nn.Module):
         """As ``Int4Weight.fp32_kernel``."""
         return self.native is not None
 
-    @property
-    def prompt_rows_fp32(self) -> bool:
-        """As ``Int4Weight.prompt_rows_fp32``."""
-        return prompt_rows_fp32(self)
-
     def kernel_mm(self, x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         """As ``Int4Weight.kernel_mm`` (torch's kernel: on the two planes, ``[x, x]``)."""
         if self.native is not None:
@@ -432,11 +415,7 @@ class Int8Weight(nn.Module):
             return self.inner.forward(torch.cat([x, x], dim=-1), exact)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = (
-            x2.new_zeros(0, self.out_features)
-            if rows == 0
-            else self.kernel_mm(x2, fp32=bool(dense) and self.prompt_rows_fp32)
-        )
+        y = x2.new_zeros(0, self.out_features) if rows == 0 else self.kernel_mm(x2)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y.add_(self.bias.to(y.dtype))

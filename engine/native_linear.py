@@ -20,8 +20,8 @@ of that row whatever ``M``, the other rows and the thread count (batch invarianc
 ``engine.linear_kernel: int8-activations`` (``Int8ActivationKernel``; what ``auto`` picks where it builds) runs
 the same packed weights with each row's activations cut into two int8 planes per group of 32 and integer dot
 products (``q4_gemv_i8`` / ``q8_gemv_i8``: a third build, AVX-512 with VNNI and VBMI; on other AVX2 CPUs the AVX2
-build's ``q4_gemv_i8``, the same bits by other instructions, int8 weights keeping fp32 activations there, and
-prompt rows of linears without a dense copy on the fp32 functions, ``prompt_fp32``): ~15 bits of each input kept
+build's ``q4_gemv_i8``, the same bits by other instructions, int8 weights keeping fp32 activations there; prompt
+rows too since its panel path, docs/engine-step.md, "The AVX2 int8 kernel on many rows"): ~15 bits of each input kept
 (llama.cpp keeps one plane, 8 bits), top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a decode
 step of 8 streams ~12 % faster on AVX-512 and ~1.3x on an AVX2 Zen 3, one stream ~1.2x there
 (docs/engine-step.md, "int8 activations"; "int8 activations on AVX2"). ``native`` names the fp32 kernel.
@@ -248,10 +248,6 @@ class NativeLinearKernel:
 
     activations = "float32"
     """What the kernel computes with: fp32 activations (``Int8ActivationKernel``: int8)."""
-    prompt_fp32 = False
-    """Whether a linear without a dense copy runs prompt rows on this library's fp32-activation functions rather
-    than on ``activations`` (``engine.row_kernels``): the AVX2 int8-activation build, whose int8 path lost to
-    the fp32 panel path at prefill sizes (``docs/engine-step.md``, "int8 activations on AVX2")."""
     _names = ((4, "q4_gemv"), (8, "q8_gemv"))
 
     def __init__(self, path: Path, isa: str = "avx512") -> None:
@@ -304,8 +300,9 @@ class NativeLinearKernel:
 
         Raises:
             ValueError: ``x`` not 2-D ``[M, in_features]`` on CPU, ``M == 0``, or ``threads < 1``.
-            MemoryError: the kernel could not allocate its scratch (group sums; from 16 rows on AVX2 the panel
-                path's panels and packed rows, ~4 bytes per input element); nothing was written.
+            MemoryError: the kernel could not allocate its scratch (group sums or int8 planes; on AVX2 the panel
+                paths' panels, and from 16 rows the fp32 one's packed rows, ~4 bytes per input element); nothing
+                was written.
         """
         if x.dim() != 2 or x.shape[1] != w.in_features or x.shape[0] < 1 or x.device.type != "cpu":
             raise ValueError(
@@ -399,11 +396,6 @@ class Int8ActivationKernel(NativeLinearKernel):
         super().__init__(path, isa)
 
     @property
-    def prompt_fp32(self) -> bool:  # type: ignore[override]
-        """``NativeLinearKernel.prompt_fp32``: True for the AVX2 build."""
-        return self.isa == "avx2"
-
-    @property
     def int8_bits(self) -> tuple[int, ...]:
         """The weight widths (4, 8) whose calls take int8 activations; the others take fp32 ones."""
         return tuple(bits for bits, name in self._names if name.endswith("_i8"))
@@ -436,7 +428,7 @@ class Int8ActivationKernel(NativeLinearKernel):
             directory,
         )
 
-    _check_rows = (1, 4, 5, 8, 9, 20)  # 8 rows (AVX2: 4) share a decode of the codes
+    _check_rows = (1, 4, 5, 8, 9, 20)  # a shared decode of 8 rows; AVX2: its panel path from 6 rows
 
     def reference(self, groups, x: torch.Tensor) -> torch.Tensor:
         """``int8_activation_reference``; for int8 weights where they take fp32 activations (the AVX2 build), the

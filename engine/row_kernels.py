@@ -41,14 +41,8 @@ class RowKernels:
 def forward_rows(linear: LinearWeight, x: torch.Tensor, rows: RowKernels | None) -> torch.Tensor:
     """``linear.forward(x)`` for ``x`` ``[T, in]``, an ``Int4Weight`` / ``Int8Weight`` with a dense copy running
     ``rows.dense`` on the copy and ``rows.kernel`` on the int4 kernel (two calls when both are present); one
-    without a copy whose prompt rows take the native kernel's fp32 functions (``prompt_rows_fp32``: the AVX2
-    int8-activation build) the same way, ``rows.dense`` on those; any other linear, or ``rows`` None, as
-    ``linear.forward(x)``. Returns ``[T, out]`` in ``x``'s dtype."""
-    if (
-        rows is None
-        or not isinstance(linear, Int4Weight | Int8Weight)
-        or (linear.dense is None and not linear.prompt_rows_fp32)
-    ):
+    without a copy (every row on its kernel), any other linear, or ``rows`` None, as ``linear.forward(x)``. Returns ``[T, out]`` in ``x``'s dtype."""
+    if rows is None or not isinstance(linear, Int4Weight | Int8Weight) or linear.dense is None:
         return linear.forward(x)
     if rows.kernel is None or rows.dense is None:
         return linear.forward(x, dense=rows.kernel is None)

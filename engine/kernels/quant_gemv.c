@@ -922,6 +922,145 @@ INLINE void q4i8_half(const uint8_t *w, int64_t G, const planes *P, int64_t m, i
     for (int r = 0; r < R; r++) out[r] = y[r];
 }
 
+/* Several rows (I8_PANEL_MIN_ROWS and up): each tile's codes are turned once per call into a panel of the
+ * operands q4i8_half builds in its loop (four_inputs' lanes, the low and the high nibbles as bytes, both halves of
+ * the tile), with the tile's d and m as fp32 beside them; then every pair of rows runs against the panel, both
+ * halves at once, so one broadcast of 4 activation bytes feeds two vpmaddubsw (one per half) where q4i8_half's
+ * feeds one, and no row block decodes codes again. The integer sums are the same exact sums (int16 pair sums over
+ * the group, then vpmaddwd by ones), the fp32 epilogue is q4i8_half's, lane for lane and in its order: every
+ * output is the same bits as on the per-row path (and the VNNI build). Measured in docs/engine-step.md, "The
+ * AVX2 int8 kernel on many rows". */
+#ifndef I8_PANEL_MIN_ROWS
+#define I8_PANEL_MIN_ROWS 6 /* from this many rows (fewer: the per-row path as fast or faster, bench.int8_panel) */
+#endif
+#define I8_PANEL_ROWS 2              /* rows per pass: 8 int16 accumulators + 4 code vectors of 16 ymm registers */
+#define I8_PANEL_CODES 512           /* code bytes per group: 4 steps x 2 halves x (low, high) x 32 */
+#define I8_PANEL_BYTES(G) ((G) * (I8_PANEL_CODES + 4 * 8 * 4)) /* then per group d, m of each half, fp32 */
+
+/* the panel of one int4 tile (w: its first block): per group g at p + I8_PANEL_CODES g, for step a (inputs 4a ..
+ * 4a + 3 and 16 + 4a ..) and half h, the low-nibble vector at 128 a + 64 h, the high one 32 bytes on; after the
+ * codes, fp32 [G][4][8]: d of half 0, d of half 1, m of half 0, m of half 1 */
+static void q4i8_widen(const uint8_t *w, int64_t G, uint8_t *p) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    float *dm = (float *)(p + G * I8_PANEL_CODES);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q4_BLOCK;
+        prefetch_ahead(b, Q4_BLOCK);
+        uint8_t *pg = p + g * I8_PANEL_CODES;
+        for (int a = 0; a < 4; a++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = four_inputs(b + 64 + 64 * a, h);
+                _mm256_store_si256((__m256i *)(pg + 128 * a + 64 * h), _mm256_and_si256(v, low4));
+                _mm256_store_si256((__m256i *)(pg + 128 * a + 64 * h + 32),
+                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            }
+        for (int h = 0; h < 2; h++) {
+            _mm256_store_ps(dm + 32 * g + 8 * h, _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 16 * h))));
+            _mm256_store_ps(dm + 32 * g + 16 + 8 * h,
+                            _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 32 + 16 * h))));
+        }
+    }
+}
+
+/* acc + the 16-bit pair sums of codes u0, u1 times the activation bytes p0, p1; the empty asm keeps each sum in
+ * its register as it is made (GCC otherwise computed a step's products first and parked them on the stack) */
+#define PAIR_SUMS(acc, u0, p0, u1, p1)                                                                         \
+    do {                                                                                                       \
+        acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(u0, p0), _mm256_maddubs_epi16(u1, p1))); \
+        __asm__("" : "+x"(acc));                                                                               \
+    } while (0)
+
+/* one row's fp32 epilogue of group g for half h: q4i8_half's operations, in its order */
+#define I8_EPILOGUE(yv, axv, arv, h)                                                                           \
+    do {                                                                                                       \
+        const __m256 d = _mm256_load_ps(dm + 32 * g + 8 * (h)), mins = _mm256_load_ps(dm + 32 * g + 16 + 8 * (h)); \
+        yv = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(axv, ones)), yv);     \
+        yv = _mm256_fmadd_ps(_mm256_mul_ps(d, dr), _mm256_cvtepi32_ps(_mm256_madd_epi16(arv, ones)), yv);     \
+        yv = _mm256_fmadd_ps(mins, S, yv);                                                                     \
+    } while (0)
+
+/* rows r0 and r0 + 1 (TWO) or row r0 alone of one tile against its panel: out[2 r + h] = row r0 + r, half h */
+INLINE void q4i8_panel_rows(const uint8_t *p, int64_t G, const planes *P, int64_t m, int64_t r0, const int TWO,
+                            __m256 *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float *dm = (const float *)(p + G * I8_PANEL_CODES);
+    __m256 y00 = _mm256_setzero_ps(), y01 = y00, y10 = y00, y11 = y00; /* y{row}{half} */
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *pg = p + g * I8_PANEL_CODES;
+        const int8_t *q0 = P->q + 64 * (g * m + r0), *q1 = q0 + 64;
+        /* 16-bit pair sums (q4i8_half's bound), a{x, r}{row}{half}: the x plane's, the remainder plane's */
+        __m256i ax00 = _mm256_setzero_si256(), ax01 = ax00, ar00 = ax00, ar01 = ax00;
+        __m256i ax10 = ax00, ax11 = ax00, ar10 = ax00, ar11 = ax00;
+#pragma GCC unroll 4
+        for (int a = 0; a < 4; a++) {
+            const __m256i lo0 = _mm256_load_si256((const __m256i *)(pg + 128 * a));
+            const __m256i hi0 = _mm256_load_si256((const __m256i *)(pg + 128 * a + 32));
+            const __m256i lo1 = _mm256_load_si256((const __m256i *)(pg + 128 * a + 64));
+            const __m256i hi1 = _mm256_load_si256((const __m256i *)(pg + 128 * a + 96));
+            __m256i l = four_acts(q0 + 4 * a), h = four_acts(q0 + 4 * a + 16);
+            PAIR_SUMS(ax00, lo0, l, hi0, h);
+            PAIR_SUMS(ax01, lo1, l, hi1, h);
+            l = four_acts(q0 + 4 * a + 32), h = four_acts(q0 + 4 * a + 48);
+            PAIR_SUMS(ar00, lo0, l, hi0, h);
+            PAIR_SUMS(ar01, lo1, l, hi1, h);
+            if (TWO) {
+                l = four_acts(q1 + 4 * a), h = four_acts(q1 + 4 * a + 16);
+                PAIR_SUMS(ax10, lo0, l, hi0, h);
+                PAIR_SUMS(ax11, lo1, l, hi1, h);
+                l = four_acts(q1 + 4 * a + 32), h = four_acts(q1 + 4 * a + 48);
+                PAIR_SUMS(ar10, lo0, l, hi0, h);
+                PAIR_SUMS(ar11, lo1, l, hi1, h);
+            }
+        }
+        {
+            const int64_t at = g * m + r0;
+            const __m256 dx = _mm256_set1_ps(P->dx[at]), dr = _mm256_set1_ps(P->dr[at]), S = _mm256_set1_ps(P->S[at]);
+            I8_EPILOGUE(y00, ax00, ar00, 0);
+            I8_EPILOGUE(y01, ax01, ar01, 1);
+        }
+        if (TWO) {
+            const int64_t at = g * m + r0 + 1;
+            const __m256 dx = _mm256_set1_ps(P->dx[at]), dr = _mm256_set1_ps(P->dr[at]), S = _mm256_set1_ps(P->S[at]);
+            I8_EPILOGUE(y10, ax10, ar10, 0);
+            I8_EPILOGUE(y11, ax11, ar11, 1);
+        }
+    }
+    out[0] = y00, out[1] = y01, out[2] = y10, out[3] = y11;
+}
+
+/* the panel path over tiles [t0, t1) (panel: this thread's I8_PANEL_BYTES(G), 32-byte aligned): per tile, widen its
+ * codes (q4i8_widen), then every pair of rows, storing the outputs the tile holds */
+static void i8_panel_tiles(const uint8_t *w, int64_t n, int64_t k, int64_t m, float *y, const planes *P,
+                           int64_t t0, int64_t t1, uint8_t *panel) {
+    const int64_t G = k / QK;
+    for (int64_t t = t0; t < t1; t++) {
+        q4i8_widen(w + t * G * Q4_BLOCK, G, panel);
+        for (int64_t r0 = 0; r0 < m; r0 += I8_PANEL_ROWS) {
+            __m256 o[2 * I8_PANEL_ROWS];
+            const int R = m - r0 < I8_PANEL_ROWS ? (int)(m - r0) : I8_PANEL_ROWS;
+            if (R == 1)
+                q4i8_panel_rows(panel, G, P, m, r0, 0, o);
+            else
+                q4i8_panel_rows(panel, G, P, m, r0, 1, o);
+            for (int half = 0; half < 2; half++) {
+                const int64_t left = n - t * TILE - 8 * half;
+                if (left <= 0) break;
+                const int valid = left < 8 ? (int)left : 8;
+                for (int r = 0; r < R; r++) {
+                    float *dst = y + (r0 + r) * n + t * TILE + 8 * half;
+                    if (valid == 8) {
+                        _mm256_storeu_ps(dst, o[2 * r + half]);
+                    } else {
+                        float lanes[8];
+                        _mm256_storeu_ps(lanes, o[2 * r + half]);
+                        for (int j = 0; j < valid; j++) dst[j] = lanes[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* the tiles [t0, t1) of an int8-activation call (int4 weights), x already cut into planes */
 static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m, float *y, const planes *P,
                      int64_t t0, int64_t t1) {
@@ -943,10 +1082,11 @@ static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m
 
 #endif
 
-/* x [m][k] cut into planes, group by group (cut_group), with each group's exact fp32 sum where `sums` (int4) */
-static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P) {
+/* rows [r0, r1) of x [m][k] cut into planes, group by group (cut_group), with each group's exact fp32 sum where
+ * `sums` (int4); a row's planes do not depend on the other rows, so threads may cut disjoint rows */
+static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const planes *P, int64_t r0, int64_t r1) {
     const int64_t G = k / QK;
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < G; g++) {
             const float *p = x + r * k + g * QK;
             const int64_t i = g * m + r;
@@ -955,7 +1095,15 @@ static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const pla
         }
 }
 
-/* as q4_gemv / q8_gemv (the same arguments, tiles and returns), with x in two int8 planes */
+#ifndef I8_PANEL_BYTES /* the AVX-512 build: no panel path */
+#define I8_PANEL_BYTES(G) 0
+#define I8_PANEL_MIN_ROWS INT64_MAX
+#define i8_panel_tiles(w, n, k, m, y, P, t0, t1, panel) ((void)(panel))
+#endif
+
+/* as q4_gemv / q8_gemv (the same arguments, tiles and returns), with x in two int8 planes: each thread cuts its
+ * share of the rows, then (after a barrier) runs its share of the tiles, on the panel path from
+ * I8_PANEL_MIN_ROWS rows (AVX2) */
 static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                    int threads) {
     if (bad_args(w, n, k, x, m, y, threads)) return -1;
@@ -966,16 +1114,23 @@ static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float
     if (base == 0) return -2;
     const planes P = {(int8_t *)(base + 5 * mg), base, base + mg, base + 2 * mg, (int32_t *)(base + 3 * mg),
                       (int32_t *)(base + 4 * mg)};
-    cut_planes(x, m, k, bits == 4, &P);
-    if (threads == 1) {
-        i8_tiles(bits, w, n, k, m, y, &P, 0, T);
-    } else {
-        _Pragma("omp parallel num_threads(threads)") {
-            THREAD_ID_AND_COUNT(id, nt);
-            SPLIT(T, nt, id, t0, t1);
-            i8_tiles(bits, w, n, k, m, y, &P, t0, t1);
+    /* the panel path's scratch, one panel per thread (int4 only: the AVX2 build has no q8_gemv_i8) */
+    const size_t bytes = (size_t)I8_PANEL_BYTES(G);
+    uint8_t *panels = 0;
+    if (m >= I8_PANEL_MIN_ROWS && bytes > 0) {
+        panels = aligned_alloc(64, ((size_t)threads * bytes + 63) / 64 * 64);
+        if (panels == 0) {
+            free(base);
+            return -2;
         }
     }
+    PACK_THEN_TILES(m, cut_planes(x, m, k, bits == 4, &P, t0, t1), T, {
+        if (panels)
+            i8_panel_tiles(w, n, k, m, y, &P, t0, t1, panels + (size_t)id * bytes);
+        else
+            i8_tiles(bits, w, n, k, m, y, &P, t0, t1);
+    });
+    free(panels);
     free(base);
     return 0;
 }

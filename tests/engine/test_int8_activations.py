@@ -5,7 +5,7 @@ the AVX-512 VNNI build and the AVX2 one).
 Against ``int8_activation_reference`` (the quantization emulated in torch, exact integer dot products, float64)
 within fp32 summation error, the rounding itself (ties to even) exactly, row invariance bit for bit across row
 counts and threads, the AVX2 build against the VNNI build bit for bit (where the CPU runs both), the AVX2 build's
-prompt rows on its fp32 functions, the setting through ``load_checkpoint`` and ``model_id``, the engine's tokens
+panel path against its per-row path, prompt rows on int8 activations, the setting through ``load_checkpoint`` and ``model_id``, the engine's tokens
 batched == alone and cache on == cache off (both builds), and the choice and refusal by CPU flags.
 """
 
@@ -256,15 +256,46 @@ def test_the_avx2_build_gives_the_vnni_build_s_bits(threads):
             assert torch.equal(vnni.mm(packed, x[:m], threads), avx2.mm(packed, x[:m], threads)), (n, k, m)
 
 
+@pytest.mark.skipif(
+    not (native_build.cpu_ok(INT8_ACTIVATION_REQUIRED["avx2"])[0] and native_build.compiler()),
+    reason="needs x86-64 AVX2, F16C, FMA and a C compiler",
+)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_avx2_panel_path_gives_the_per_row_path_s_bits_on_smollm2_shapes(threads):
+    """From ``I8_PANEL_MIN_ROWS`` (6) rows the AVX2 build runs a call on its panel path (a tile's codes widened
+    once, two rows against both halves at a time); every row equals its 1-row call (the per-row path) bit for
+    bit, at odd and even row counts, partial tiles, inputs at the int8 planes' extremes and codes at 0 and 15
+    (the 16-bit pair sums' bound), and stays within fp32 summation error of the float64 reference."""
+    avx2 = Int8ActivationKernel.build(isa="avx2")
+    gen = torch.Generator().manual_seed(threads)
+    for n, k in ((37, 96), (960, 576), (576, 1536)):
+        groups = groups_of("Q4_1", n, k, seed=n + k)
+        groups.q[:5] = 15  # the largest codes on whole rows, and the smallest
+        groups.q[5:9] = 0
+        packed = pack_int4(groups)
+        x = torch.randn(34, k, generator=gen) * 4
+        x[3] = 7.0  # every input the group maximum: xq = 127 everywhere
+        x[4] = -7.0
+        x[5, : k // 2] = 0.0
+        x[6, ::3] = 1e4  # outliers: the rest of the group rounds near zero
+        alone = torch.cat([avx2.mm(packed, x[i : i + 1], 1) for i in range(34)])
+        for m in (2, 5, 6, 7, 9, 16, 34):
+            assert torch.equal(avx2.mm(packed, x[:m], threads), alone[:m]), (n, k, m)
+        want = int8_activation_reference(groups, x)
+        assert ((alone.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
 @needs_kernel
-def test_the_avx2_build_runs_prompt_rows_on_its_fp32_functions_and_names_them():
-    """The AVX2 build's int8 path loses to its fp32 panel path at prefill sizes, so a linear without a dense copy
-    sends prompt rows (``RowKernels.dense``) to the fp32 functions and generated rows to the int8 ones; each row
-    is its 1-row call of that function bit for bit; the prompt rows' numerics are named in ``model_id``."""
+def test_the_avx2_build_runs_prompt_rows_on_its_int8_activations_and_names_them():
+    """Since its panel path the AVX2 build's int8 activations beat its fp32 functions at prefill sizes
+    (``docs/engine-step.md``, "The AVX2 int8 kernel on many rows"), so a linear without a dense copy runs
+    prompt rows (``RowKernels.dense``) and generated rows on the same int8 function, each row its 1-row call bit
+    for bit; ``model_id`` names prompt rows on the kernel (``/prompt-kernel``), as on the VNNI build, whose bits
+    it gives."""
     from engine.linear import Int4Weight, Int8Weight
 
     avx2 = Int8ActivationKernel.build(isa="avx2")
-    assert avx2.prompt_fp32 and avx2.int8_bits == (4,)
+    assert avx2.int8_bits == (4,) and not hasattr(avx2, "prompt_fp32")
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
     prompt, generated = torch.tensor([0, 1, 2, 4]), torch.tensor([3, 5, 6])
     rows = RowKernels(prompt, generated)
@@ -272,19 +303,14 @@ def test_the_avx2_build_runs_prompt_rows_on_its_fp32_functions_and_names_them():
         Int4Weight(groups_of("Q4_1", 40, 96, 1), None, CPU, None, native=avx2),
         Int8Weight(groups_of("Q8_0", 40, 96, 2), None, CPU, None, native=avx2),
     ):
-        assert lin.prompt_rows_fp32
         got = forward_rows(lin, x, rows)
         for i in range(7):
-            fp32 = i in prompt.tolist()
-            assert torch.equal(got[i : i + 1], avx2.mm(lin.native_packed, x[i : i + 1], fp32=fp32)), (i, fp32)
-        if isinstance(lin, Int4Weight):  # int8 activations on generated rows: not the fp32 product
-            assert not torch.equal(got[3], avx2.mm(lin.native_packed, x[3:4], fp32=True)[0])
-        # without roles (rows None) every row takes the kernel's own activations, as before
+            assert torch.equal(got[i : i + 1], avx2.mm(lin.native_packed, x[i : i + 1])), i
+        if isinstance(lin, Int4Weight):  # int8 activations on prompt rows: not the fp32 product
+            assert not torch.equal(got[0], avx2.mm(lin.native_packed, x[0:1], fp32=True)[0])
         assert torch.equal(forward_rows(lin, x, None), avx2.mm(lin.native_packed, x))
-    with_copy = Int4Weight(groups_of("Q4_1", 40, 96, 1), None, CPU, 10, native=avx2)
-    assert not with_copy.prompt_rows_fp32  # a dense copy takes prompt rows where there is one
     model = torch.nn.ModuleList([Int4Weight(groups_of("Q4_1", 40, 96, 1), None, CPU, None, native=avx2)])
-    assert prompt_rows_variant(model) == "/prompt-kernel-fp32-activations"
+    assert prompt_rows_variant(model) == "/prompt-kernel"
 
 
 @pytest.mark.skipif(
@@ -292,14 +318,15 @@ def test_the_avx2_build_runs_prompt_rows_on_its_fp32_functions_and_names_them():
     reason="needs x86-64 AVX2, F16C, FMA and a C compiler",
 )
 def test_engine_on_the_avx2_build_batched_equals_alone_and_cache_on_equals_off(monkeypatch):
-    """The AVX2 build (chosen here whatever the CPU's best), no dense copy: prompt rows on the fp32 functions,
-    generated rows on the int8 ones, through the engine; tokens batched == alone, cache on == cache off."""
+    """The AVX2 build (chosen here whatever the CPU's best), no dense copy: every row on its int8 function
+    (prompts of 100-140 tokens on the panel path), through the engine; tokens batched == alone, cache on ==
+    cache off."""
     avx2 = Int8ActivationKernel.build(isa="avx2")
     monkeypatch.setattr(native_linear, "_shared_int8_activation_kernel", lambda: avx2)
     ck = tiny_checkpoint.__wrapped__(weights="int4", linear_kernel="int8-activations", dense_min_rows=None)
     lins = [ck.model.lm_head, *(lin for L in ck.model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down))]
-    assert all(lin.native is avx2 and lin.prompt_rows_fp32 for lin in lins)
-    assert prompt_rows_variant(ck.model) == "/prompt-kernel-fp32-activations"
+    assert all(lin.native is avx2 and lin.dense is None for lin in lins)
+    assert prompt_rows_variant(ck.model) == "/prompt-kernel"
     shared = random_tokens(100, 70)
     prompts = [shared + random_tokens(n, 71 + n) for n in (5, 23, 40)]
     runs = {}

@@ -466,11 +466,8 @@ def test_what_prompt_rows_run_on_is_part_of_the_model_id():
     copy = tiny_checkpoint(weights="int4", dense_min_rows=10)
     rows = tiny_checkpoint(weights="int4", dense_min_rows=None)
     ref = tiny_checkpoint()
-    # without a copy: the kernel's own activations, or its fp32 functions (the AVX2 int8-activation build)
-    no_copy = (
-        "/prompt-kernel-fp32-activations" if rows.model.layers[0].qkv.prompt_rows_fp32 else "/prompt-kernel"
-    )
-    assert prompt_rows_variant(rows.model) == no_copy and prompt_rows_variant(ref.model) == ""
+    # without a copy: the weight-only kernel, every row
+    assert prompt_rows_variant(rows.model) == "/prompt-kernel" and prompt_rows_variant(ref.model) == ""
     dense = copy.model.layers[0].qkv.dense
     if isinstance(dense, AmxDenseWeight):
         want = "/prompt-dense-amx"
