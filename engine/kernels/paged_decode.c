@@ -1025,6 +1025,45 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
             const int64_t n = len - l0 < 16 ? len - l0 : 16;
             if (n <= 0) continue;
             const float *q0 = qf + ((row0 + r) * H + h * group) * D; /* query head g's at q0 + g D */
+#if PD_LANES == 8
+            /* 256-bit build: one query head at a time, both 8-position halves of the tile together, so each
+             * broadcast of q[j] feeds two fused multiply-adds (one per half) where it fed one. Each lane's chain
+             * over the chunks and the tree over j are the #else branch's (decode's hsum16 order), taken four
+             * accumulators at a time ((a0 + a1) + (a2 + a3), then (a4 + a5) + (a6 + a7), then their sum), so 8
+             * accumulators and the broadcast fit 16 registers: the same bits. All 16 lanes are computed whatever
+             * n (a lane past the row's length holds a score inside its sstride that is never read; KT is zero past
+             * the tile's last position). */
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q0 + g * D;
+                vl half[2][2]; /* [position half u][hf] */
+                for (int64_t hf = 0; hf < 2; hf++) {
+                    vl quarter[2][2]; /* [u][which four accumulators] */
+                    for (int64_t iq = 0; iq < 2; iq++) {
+                        vl a[2][4];
+                        for (int64_t u = 0; u < 2; u++)
+                            for (int64_t i = 0; i < 4; i++) a[u][i] = (vl){0};
+                        for (int64_t c = 0; c < chunks; c++)
+                            for (int64_t i = 0; i < 4; i++) {
+                                const int64_t j = 16 * c + 8 * hf + 4 * iq + i;
+                                vl k0, k1;
+                                memcpy(&k0, KT + j * 16, sizeof k0);
+                                memcpy(&k1, KT + j * 16 + 8, sizeof k1);
+                                IN_REGISTER(k0);
+                                IN_REGISTER(k1);
+                                const float qj = qg[j];
+                                a[0][i] += qj * k0;
+                                a[1][i] += qj * k1;
+                            }
+                        for (int64_t u = 0; u < 2; u++) quarter[u][iq] = (a[u][0] + a[u][1]) + (a[u][2] + a[u][3]);
+                    }
+                    for (int64_t u = 0; u < 2; u++) half[u][hf] = quarter[u][0] + quarter[u][1];
+                }
+                for (int64_t u = 0; u < 2; u++) {
+                    const vl res = (half[u][0] + half[u][1]) * scale;
+                    memcpy(S + (r * group + g) * sstride + l0 + 8 * u, &res, sizeof res);
+                }
+            }
+#else
             for (int64_t g0 = 0; g0 < group; g0 += SCORE_HEADS) {
                 const int64_t ng = group - g0 < SCORE_HEADS ? group - g0 : SCORE_HEADS;
                 /* lane j of decode's 16-lane dot product (a fused multiply-add chain over the chunks c of
@@ -1057,6 +1096,7 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
                     }
                 }
             }
+#endif
         }
     }
     for (int64_t r = 0; r < nrows; r++)
