@@ -963,6 +963,9 @@ int paged_decode_attention_threads(const void *q, int q_bf16, const void *cache,
 /* positions per vector in prefill's scores: 16 (a 512-bit register); 8 where registers are 256-bit (-DPD_LANES=8,
  * the avx2 build). The per-position arithmetic is the same either way. */
 typedef float vl __attribute__((vector_size(PD_LANES * 4)));
+/* vl at any float's address (loads and stores that GCC keeps as single moves where memcpy of an array element
+ * became a byte-copy loop) */
+typedef float vl_any __attribute__((vector_size(PD_LANES * 4), aligned(4), may_alias));
 typedef uint16_t u16l __attribute__((vector_size(PD_LANES * 2)));
 typedef uint32_t u32l __attribute__((vector_size(PD_LANES * 4)));
 
@@ -1129,7 +1132,7 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
                 vl acc[VALUE_HEADS][128 / PD_LANES];
                 for (int64_t g = 0; g < ng; g++)
                     for (int64_t c = 0; c < parts; c++)
-                        memcpy(&acc[g][c], O + (r * group + g0 + g) * D + PD_LANES * c, sizeof acc[g][c]);
+                        acc[g][c] = *(const vl_any *)(O + (r * group + g0 + g) * D + PD_LANES * c);
                 const float *p = S + (r * group + g0) * sstride + l0;
                 for (int64_t t = 0; t < n; t++)
                     for (int64_t c = 0; c < parts; c++) {
@@ -1140,7 +1143,7 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
                     }
                 for (int64_t g = 0; g < ng; g++)
                     for (int64_t c = 0; c < parts; c++)
-                        memcpy(O + (r * group + g0 + g) * D + PD_LANES * c, &acc[g][c], sizeof acc[g][c]);
+                        *(vl_any *)(O + (r * group + g0 + g) * D + PD_LANES * c) = acc[g][c];
             }
         }
     }
