@@ -20,9 +20,9 @@ of that row whatever ``M``, the other rows and the thread count (batch invarianc
 ``engine.linear_kernel: int8-activations`` (``Int8ActivationKernel``; what ``auto`` picks where it builds) runs
 the same packed weights with each row's activations cut into two int8 planes per group of 32 and integer dot
 products (``q4_gemv_i8`` / ``q8_gemv_i8``: a third build, AVX-512 with VNNI and VBMI; on other AVX2 CPUs the AVX2
-build's ``q4_gemv_i8``, the same bits by other instructions, int8 weights keeping fp32 activations there; prompt
-rows too since its panel path, docs/engine-step.md, "The AVX2 int8 kernel on many rows"): ~15 bits of each input kept
-(llama.cpp keeps one plane, 8 bits), top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a decode
+build's ``q4_gemv_i8``, the same bits by other instructions, with a panel path for prompt-sized calls, int8
+weights keeping fp32 activations there; docs/engine-step.md, "The AVX2 int8 kernel on many rows"): ~15 bits of
+each input kept (llama.cpp keeps one plane, 8 bits), top-1 agreement with the fp32 reference 2,000 / 2,000 on SmolLM2, a decode
 step of 8 streams ~12 % faster on AVX-512 and ~1.3x on an AVX2 Zen 3, one stream ~1.2x there
 (docs/engine-step.md, "int8 activations"; "int8 activations on AVX2"). ``native`` names the fp32 kernel.
 

@@ -41,7 +41,8 @@ class RowKernels:
 def forward_rows(linear: LinearWeight, x: torch.Tensor, rows: RowKernels | None) -> torch.Tensor:
     """``linear.forward(x)`` for ``x`` ``[T, in]``, an ``Int4Weight`` / ``Int8Weight`` with a dense copy running
     ``rows.dense`` on the copy and ``rows.kernel`` on the int4 kernel (two calls when both are present); one
-    without a copy (every row on its kernel), any other linear, or ``rows`` None, as ``linear.forward(x)``. Returns ``[T, out]`` in ``x``'s dtype."""
+    without a copy (every row on its kernel), any other linear, or ``rows`` None, as ``linear.forward(x)``.
+    Returns ``[T, out]`` in ``x``'s dtype."""
     if rows is None or not isinstance(linear, Int4Weight | Int8Weight) or linear.dense is None:
         return linear.forward(x)
     if rows.kernel is None or rows.dense is None:

@@ -5,8 +5,9 @@ the AVX-512 VNNI build and the AVX2 one).
 Against ``int8_activation_reference`` (the quantization emulated in torch, exact integer dot products, float64)
 within fp32 summation error, the rounding itself (ties to even) exactly, row invariance bit for bit across row
 counts and threads, the AVX2 build against the VNNI build bit for bit (where the CPU runs both), the AVX2 build's
-panel path against its per-row path, prompt rows on int8 activations, the setting through ``load_checkpoint`` and ``model_id``, the engine's tokens
-batched == alone and cache on == cache off (both builds), and the choice and refusal by CPU flags.
+panel path against its per-row path, prompt rows on int8 activations, the setting through ``load_checkpoint`` and
+``model_id``, the engine's tokens batched == alone and cache on == cache off (both builds), and the choice and
+refusal by CPU flags.
 """
 
 from __future__ import annotations
