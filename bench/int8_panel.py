@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench.decode_compile import interleaved_ms
-from bench.gemv_prefetch import LAYER_SHAPES
+from bench.gemv_prefetch import step_weights
 from engine import native_build
 from engine.native_linear import (
     FLAGS,
@@ -38,9 +38,7 @@ from engine.native_linear import (
     LIBS,
     SOURCE,
     Int8ActivationKernel,
-    pack_int4,
     prefetch_flags,
-    random_groups,
 )
 from engine.weight_format import cpu_vendor
 
@@ -89,8 +87,7 @@ def main() -> None:
     if not ok:
         raise SystemExit(f"the AVX2 int8-activation build does not run here: {why}")
     panel, per_row = Int8ActivationKernel.build(isa="avx2"), per_row_build()
-    gen = torch.Generator().manual_seed(0)
-    weights = [pack_int4(random_groups(4, n, k, gen)) for _ in range(args.layers) for n, k in LAYER_SHAPES]
+    weights = step_weights(args.layers)[:-1]  # the int4 layers, without the int8 LM head
     cpu = f"{cpu_vendor() or 'unknown vendor'}"
     print(
         f"{cpu}, {args.threads} threads, {args.layers} layers of int4 linears ({len(weights)} calls per pass)"
