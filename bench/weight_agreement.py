@@ -11,6 +11,12 @@ derail the rest).
 outputs), ``native`` = ``engine.native_linear`` (fp32, exact scales), ``int8-activations`` = its int8-activation
 build (two int8 planes per group of 32); ``auto`` = native where it builds.
 
+The attention of the model under test: ``--kv-dtype`` (its cache, default float32) and ``--prefill-kernel``
+(``none`` = torch's chunked prefill, the default; ``native`` | ``amx`` | ``avx512-bf16`` = that build of
+``engine.native_decode``'s prefill, every fed row a prompt row); ``--system-words N`` puts a system prompt of
+about ``N`` words (the peers bench's ``system_text``) before each question, for long contexts; ``--chunk``: rows
+per forward (default 8).
+
 Run: ``python -m bench.weight_agreement [--prompts 20 --positions 100]`` (the issue's >= 2,000 positions over
 >= 20 prompts; a few minutes on 2 cores). Prints each prompt's agreement, the total, the positions that
 disagree, and one JSON line (last) with ``agree``, ``total``, ``agreement``.
@@ -23,11 +29,14 @@ import json
 
 import torch
 
+from bench.peers import system_text
+from engine import native_decode
 from engine.api import EngineConfig, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
 from engine.llm_engine import LLMEngine
 from engine.model import allocate_kv_cache
+from engine.native_decode import NativeDecodeKernel
 
 TOPICS = (
     "trains", "the moon", "bread", "a cat", "rivers", "chess", "python lists", "rain", "music", "paris",
@@ -37,23 +46,40 @@ TOPICS = (
 
 
 @torch.inference_mode()
-def all_logits(model: torch.nn.Module, tokens: list[int], chunk: int, block_size: int = 16) -> torch.Tensor:
+def all_logits(
+    model: torch.nn.Module,
+    tokens: list[int],
+    chunk: int,
+    block_size: int = 16,
+    kv_dtype: torch.dtype = torch.float32,
+    prefill_kernel: NativeDecodeKernel | None = None,
+) -> torch.Tensor:
     """fp32 logits ``[len(tokens), vocab]`` at every position of ``tokens``, fed ``chunk`` tokens per forward
-    through a fresh paged KV cache (one sequence, blocks in order)."""
-    kv = allocate_kv_cache(model.config, -(-len(tokens) // block_size), block_size, torch.float32, "cpu")
+    through a fresh paged KV cache of ``kv_dtype`` (one sequence, blocks in order). ``prefill_kernel``: attend
+    every row with it as a prompt row (``AttentionMetadata.prefill_kernel``); None: torch's chunked prefill."""
+    kv = allocate_kv_cache(model.config, -(-len(tokens) // block_size), block_size, kv_dtype, "cpu")
     table = torch.arange(kv.shape[2])[None, :]
     out = []
     for start in range(0, len(tokens), chunk):
         ids = tokens[start : start + chunk]
         pos = torch.arange(start, start + len(ids))
-        meta = AttentionMetadata(pos.clone(), [0, len(ids)], [start + len(ids)], table, block_size)
+        meta = AttentionMetadata(
+            pos.clone(),
+            [0, len(ids)],
+            [start + len(ids)],
+            table,
+            block_size,
+            prompt_lens=[len(tokens)] if prefill_kernel is not None else None,
+            prefill_kernel=prefill_kernel,
+        )
         out.append(model.compute_logits(model(torch.tensor(ids), pos, kv, meta)))
     return torch.cat(out)
 
 
 def reference_continuation(ref: LoadedCheckpoint, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy tokens of the reference checkpoint after ``prompt`` (EOS ignored, so exactly ``n``)."""
-    engine = LLMEngine(ref.model, EngineConfig(num_blocks=64), ref.model_id, ref.tokenizer)
+    blocks = max(64, -(-(len(prompt) + n) // 16) + 1)
+    engine = LLMEngine(ref.model, EngineConfig(num_blocks=blocks), ref.model_id, ref.tokenizer)
     try:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return engine.generate([prompt], params)[0]
@@ -62,15 +88,23 @@ def reference_continuation(ref: LoadedCheckpoint, prompt: list[int], n: int) -> 
 
 
 def teacher_forced_agreement(
-    ck: LoadedCheckpoint, ref: LoadedCheckpoint, prompts: list[list[int]], n: int, chunk: int = 8
+    ck: LoadedCheckpoint,
+    ref: LoadedCheckpoint,
+    prompts: list[list[int]],
+    n: int,
+    chunk: int = 8,
+    kv_dtype: torch.dtype = torch.float32,
+    prefill_kernel: NativeDecodeKernel | None = None,
 ) -> tuple[int, int, list[tuple[int, int]]]:
     """(agreeing, total, [(prompt index, position) of each disagreement]) of ``ck``'s top-1 against ``ref``'s
-    greedy continuation of each prompt, ``n`` positions per prompt, fed ``chunk`` reference tokens at a time."""
+    greedy continuation of each prompt, ``n`` positions per prompt, fed ``chunk`` reference tokens at a time
+    (``all_logits``: ``kv_dtype``, ``prefill_kernel``)."""
     agree = total = 0
     misses: list[tuple[int, int]] = []
     for i, p in enumerate(prompts):
         ref_tokens = reference_continuation(ref, p, n)
-        got = all_logits(ck.model, p + ref_tokens, chunk)[len(p) - 1 : -1].argmax(-1).tolist()
+        logits = all_logits(ck.model, p + ref_tokens, chunk, kv_dtype=kv_dtype, prefill_kernel=prefill_kernel)
+        got = logits[len(p) - 1 : -1].argmax(-1).tolist()
         for j, (a, b) in enumerate(zip(got, ref_tokens, strict=True)):
             agree += a == b
             if a != b:
@@ -79,12 +113,29 @@ def teacher_forced_agreement(
     return agree, total, misses
 
 
-def chat_prompts(ck: LoadedCheckpoint, count: int) -> list[list[int]]:
-    """``count`` short chat prompts ("Tell me about <topic>.") rendered with the checkpoint's own template."""
+def chat_prompts(ck: LoadedCheckpoint, count: int, system: str | None = None) -> list[list[int]]:
+    """``count`` short chat prompts ("Tell me about <topic>.") rendered with the checkpoint's own template, after
+    the system message ``system`` where given."""
     if count > len(TOPICS):
         raise ValueError(f"at most {len(TOPICS)} prompts")
     tok = ck.tokenizer
-    return [tok.render_chat([{"role": "user", "content": f"Tell me about {t}."}]) for t in TOPICS[:count]]
+    head = [{"role": "system", "content": system}] if system else []
+    return [
+        tok.render_chat([*head, {"role": "user", "content": f"Tell me about {t}."}]) for t in TOPICS[:count]
+    ]
+
+
+def prefill_kernel_named(name: str, ck: LoadedCheckpoint) -> NativeDecodeKernel | None:
+    """``--prefill-kernel``'s kernel for ``ck``'s attention shape: None for ``none``, else that build.
+
+    Raises:
+        NativeKernelError: the build is not available on this machine (the message says why).
+    """
+    if name == "none":
+        return None
+    c = ck.model.config
+    isa = native_decode.build_isa() if name == "native" else name
+    return NativeDecodeKernel.build(group=c.num_heads // c.num_kv_heads, head_dim=c.head_dim, isa=isa)
 
 
 def main() -> None:
@@ -96,6 +147,10 @@ def main() -> None:
         default="auto",
         help="engine.linear_kernel of the model under test (auto | native | int8-activations | torch)",
     )
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--prefill-kernel", default="none", choices=("none", "native", "amx", "avx512-bf16"))
+    ap.add_argument("--system-words", type=int, default=0, help="a system prompt of about this many words")
+    ap.add_argument("--chunk", type=int, default=8, help="rows per forward of the model under test")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--positions", type=int, default=100)
     ap.add_argument("--threads", type=int, default=None)
@@ -105,11 +160,17 @@ def main() -> None:
     path = default_model_path() if args.model == "default" else args.model
     ck = load_checkpoint(path, weights=args.weights, linear_kernel=args.linear_kernel)
     ref = load_checkpoint(path, weights="float32")
-    prompts = chat_prompts(ref, args.prompts)
-    agree, total, misses = teacher_forced_agreement(ck, ref, prompts, args.positions)
+    system = system_text(args.system_words, None) if args.system_words else None
+    prompts = chat_prompts(ref, args.prompts, system)
+    kv_dtype = getattr(torch, args.kv_dtype)
+    kernel = prefill_kernel_named(args.prefill_kernel, ck)
+    agree, total, misses = teacher_forced_agreement(
+        ck, ref, prompts, args.positions, args.chunk, kv_dtype, kernel
+    )
     print(
-        f"weights {args.weights} ({ck.model.weight_formats}, linear kernel {args.linear_kernel}) vs float32 "
-        "reference of the same weights"
+        f"weights {args.weights} ({ck.model.weight_formats}, linear kernel {args.linear_kernel}, {args.kv_dtype} "
+        f"cache, prefill kernel {args.prefill_kernel}, prompts of {len(prompts[0])}-{len(prompts[-1])} tokens) vs "
+        "float32 reference of the same weights"
     )
     print(f"top-1 agreement: {agree} / {total} = {agree / total:.4f} over {len(prompts)} prompts")
     print(f"disagreeing (prompt, position): {misses}")
@@ -120,6 +181,9 @@ def main() -> None:
             | {
                 "weights": args.weights,
                 "linear_kernel": args.linear_kernel,
+                "kv_dtype": args.kv_dtype,
+                "prefill_kernel": args.prefill_kernel,
+                "system_words": args.system_words,
                 "formats": ck.model.weight_formats,
             }
         )

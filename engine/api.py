@@ -343,19 +343,22 @@ class EngineConfig:
             once), ``torch`` = torch's chunked kernels (``engine.chunked_decode``), ``auto`` = native where it
             builds, else torch. Prompt tokens always take the prefill path. Either keeps batched == alone.
             ``native`` where it cannot be built is a start-up error naming the reason.
-        prefill_kernel: attention of prompt tokens, ``auto | native | amx | torch``: ``native`` = the C kernel of
-            ``decode_kernel`` run over a whole prefill chunk (``NativeDecodeKernel.prefill``: each prompt row with
-            exactly the arithmetic of decoding that position alone, K/V read in place, OpenMP over row tiles),
-            ``amx`` = the same kernel's AMX build (x86-64 CPUs with AMX and AVX512-BF16, a bf16 cache, head_dim
-            64: scores and values on AMX tiles, queries and softmax numerators each split into two bf16 parts,
-            ~16 bits kept; within ~3e-6 relative of float64 attention), ``torch`` = torch's chunked prefill
-            (``engine.chunked_prefill``), ``auto`` = amx where it builds and fits, else native where it was
+        prefill_kernel: attention of prompt tokens, ``auto | native | amx | avx512-bf16 | torch``: ``native`` =
+            the C kernel of ``decode_kernel`` run over a whole prefill chunk (``NativeDecodeKernel.prefill``: each
+            prompt row with exactly the arithmetic of decoding that position alone, K/V read in place, OpenMP over
+            row tiles), ``amx`` = the same kernel's AMX build (x86-64 CPUs with AMX and AVX512-BF16, a bf16 cache,
+            head_dim 64: scores and values on AMX tiles, queries and softmax numerators each split into two bf16
+            parts, ~16 bits kept; within ~3e-6 relative of float64 attention), ``avx512-bf16`` = its AVX512-BF16
+            build (x86-64 CPUs with AVX512-BF16, a bf16 cache, head_dim a multiple of 32 up to 128: scores and
+            values on ``VDPBF16PS``, queries and softmax numerators rounded to bf16, half the instructions of
+            native's fp32 arithmetic), ``torch`` = torch's chunked prefill (``engine.chunked_prefill``), ``auto``
+            = amx where it builds and fits, else avx512-bf16 where it builds and fits, else native where it was
             measured faster (the AVX-512 build; the AVX2 build, on CPUs without AVX-512, at 2 or more
-            ``num_threads``), else torch
-            (``engine.attention_kernels.resolve_prefill_kernel``, ``docs/engine-step.md``). Each keeps a prompt row's
-            result independent of chunking and caching. Part of ``model_id`` when native or amx (a prompt's K/V
-            differs); ``native`` or ``amx`` where it cannot be built (or, amx, does not fit the cache or shape) is
-            a start-up error naming the reason.
+            ``num_threads``), else torch (``engine.attention_kernels.resolve_prefill_kernel``,
+            ``docs/engine-step.md``). Each keeps a prompt row's result independent of chunking and caching. Part
+            of ``model_id`` unless torch (a prompt's K/V differs); ``native``, ``amx`` or ``avx512-bf16`` where it
+            cannot be built (or, amx and avx512-bf16, does not fit the cache or shape) is a start-up error naming
+            the reason.
         linear_kernel: the weight-only kernel of int4/int8 linears (generated tokens' rows, the LM head),
             ``auto | native | int8-activations | torch``: ``native`` = the C kernel on the GGUF's own codes with
             fp32 activations, exact scales and fp32 output (``engine.native_linear``: built once per machine with
@@ -426,7 +429,7 @@ class EngineConfig:
 DECODE_KERNELS = ("auto", "native", "torch")
 """``EngineConfig.decode_kernel``'s values (``engine.native_decode``)."""
 
-PREFILL_KERNELS = ("auto", "native", "amx", "torch")
+PREFILL_KERNELS = ("auto", "native", "amx", "avx512-bf16", "torch")
 """``EngineConfig.prefill_kernel``'s values (``engine.attention_kernels.resolve_prefill_kernel``)."""
 
 LINEAR_KERNELS = ("auto", "native", "int8-activations", "torch")

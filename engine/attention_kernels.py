@@ -56,8 +56,8 @@ def resolve_decode_kernel(
 def prefill_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
     """The part of ``model_id`` naming the prefill kernel (``LLMEngine`` appends it after the decode kernel's):
     ``""`` for torch's chunked prefill, ``"/native-prefill"`` for the AVX-512 build, ``"/native-prefill-<isa>"``
-    for another (``"/native-prefill-amx"`` for the AMX build's other arithmetic). A prompt's K/V differs by
-    kernel; the KV tiers key by ``model_id``."""
+    for another (``"/native-prefill-amx"`` and ``"/native-prefill-avx512-bf16"`` for the AMX and AVX512-BF16
+    builds' other arithmetic). A prompt's K/V differs by kernel; the KV tiers key by ``model_id``."""
     if kernel is None:
         return ""
     return "/native-prefill" if kernel.isa == "avx512" else f"/native-prefill-{kernel.isa}"
@@ -74,6 +74,17 @@ def amx_fits(kv_dtype: torch.dtype, head_dim: int | None) -> bool:
     )
 
 
+def bf16_fits(kv_dtype: torch.dtype, head_dim: int | None, group: int | None) -> bool:
+    """Whether ``engine.prefill_kernel: auto`` tries the AVX512-BF16 build: the cache and shape fit it
+    (``native_decode.bf16_prefill_fits``), a CPU with AVX512-BF16, and no other instruction set asked for
+    (``$PREFIXGATE_ATTENTION_ISA``)."""
+    return (
+        native_decode.bf16_prefill_fits(kv_dtype, head_dim, group)
+        and native_decode.build_isa() == "avx512"
+        and native_decode._cpu_ok("avx512-bf16")[0]
+    )
+
+
 def resolve_prefill_kernel(
     setting: str,
     device: torch.device,
@@ -85,7 +96,11 @@ def resolve_prefill_kernel(
     """The kernel ``engine.prefill_kernel`` asks for on ``device`` (``NativeDecodeKernel.prefill``): ``amx`` -> the
     AMX build (``paged_prefill_attention_amx``: a bf16 cache and ``head_dim`` 64 only), or a start-up error;
     ``auto`` takes it first where it builds and the cache and shape fit (``amx_fits``; on a 2-core Xeon with AMX,
-    SmolLM2's shape, 1,070 rows, 2 threads: 3.2 against 7.9 ms a layer for the AVX-512 build); ``torch`` ->
+    SmolLM2's shape, 1,070 rows, 2 threads: 3.2 against 7.9 ms a layer for the AVX-512 build);
+    ``avx512-bf16`` -> the AVX512-BF16 build (``paged_prefill_attention_bf16``: a bf16 cache, ``head_dim`` a
+    multiple of 32 up to 128), or a start-up error; ``auto`` takes it next where it builds and fits
+    (``bf16_fits``; on a 2-core Zen 4 EPYC, SmolLM2's shape, 2 threads: see ``docs/engine-step.md``, session 29);
+    ``torch`` ->
     None (torch's chunked prefill); ``native`` -> the kernel (the same library as the decode kernel, built once
     per process and model shape), or a start-up error; ``auto`` -> the kernel where it is measured faster than
     torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``), and the AVX2 build (CPUs
@@ -106,8 +121,9 @@ def resolve_prefill_kernel(
         kv_dtype: the KV cache's dtype (the AMX build takes bf16 only).
 
     Raises:
-        ValueError: an unknown setting, or ``native`` / ``amx`` where that kernel is not available or (``amx``)
-            the cache or shape does not fit it (the message names ``engine.prefill_kernel`` and the reason).
+        ValueError: an unknown setting, or ``native`` / ``amx`` / ``avx512-bf16`` where that kernel is not
+            available or (``amx``, ``avx512-bf16``) the cache or shape does not fit it (the message names
+            ``engine.prefill_kernel`` and the reason).
     """
     if setting not in PREFILL_KERNELS:
         raise ValueError(
@@ -126,11 +142,30 @@ def resolve_prefill_kernel(
             lambda: native_decode._shared_kernel(group, head_dim, "amx"),
             "",
         )
+    if setting == "avx512-bf16":
+        if not native_decode.bf16_prefill_fits(kv_dtype, head_dim, group):
+            raise ValueError(
+                "engine.prefill_kernel: avx512-bf16 needs engine.kv_dtype bfloat16, a head_dim that is a multiple "
+                f"of 32 up to 128 and at most {native_decode.MAX_GROUP} query heads per KV head, got "
+                f"{str(kv_dtype).removeprefix('torch.')}, {head_dim} and {group}"
+            )
+        return native_build.resolve_setting(
+            "engine.prefill_kernel",
+            "avx512-bf16",
+            torch.device(device).type,
+            lambda: native_decode._shared_kernel(group, head_dim, "avx512-bf16"),
+            "",
+        )
     if setting == "auto" and amx_fits(kv_dtype, head_dim) and torch.device(device).type == "cpu":
         kernel = native_decode._shared_kernel(group, head_dim, "amx")
         if not isinstance(kernel, str):
             return kernel
         logger.info("engine.prefill_kernel auto: not the AMX build (%s)", kernel)
+    if setting == "auto" and bf16_fits(kv_dtype, head_dim, group) and torch.device(device).type == "cpu":
+        kernel = native_decode._shared_kernel(group, head_dim, "avx512-bf16")
+        if not isinstance(kernel, str):
+            return kernel
+        logger.info("engine.prefill_kernel auto: not the AVX512-BF16 build (%s)", kernel)
     isa = native_decode.build_isa()
     measured_faster = isa == "avx512" or (isa == "avx2" and threads >= 2)
     if setting == "auto" and not measured_faster:

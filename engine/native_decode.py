@@ -17,7 +17,9 @@ scores and values passes are written for 8-lane registers (the generic 16-lane c
 accumulators and was slower than torch's path); a model it serves is named apart in ``model_id``
 (``engine.attention_kernels.decode_kernel_variant``; which build runs is chosen there). A third build, ``amx`` (CPUs with AMX and AVX512-BF16), serves prompt rows only
 (``engine.prefill_kernel: amx``; ``paged_prefill_attention_amx``: a bf16 cache, head_dim 64, scores and values on
-AMX tiles). A new build is checked against a float64 reference on random inputs before use (``self_check``).
+AMX tiles), and a fourth, ``avx512-bf16`` (CPUs with AVX512-BF16), likewise (``engine.prefill_kernel: avx512-bf16``;
+``paged_prefill_attention_bf16``: a bf16 cache, head_dim a multiple of 32 up to 128, scores and values on
+``VDPBF16PS`` with the queries and numerators rounded to bf16). A new build is checked against a float64 reference on random inputs before use (``self_check``).
 
 Invariants: the kernel only reads the cache; an out-of-range argument (a block id outside the pool, a length
 past ``max_len``, a table too short) is refused by the kernel before anything is read (``ValueError`` here).
@@ -55,6 +57,9 @@ per-lane arithmetic: ``scores_tile_pairs`` / ``values_heads_pairs`` over a bf16 
 (the same bits, 1.4x the prefill attention's time on a Zen 4: docs/engine-step.md, session 17)."""
 ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], *native_build.AMX_BF16_FLAGS, "-DPD_AMX=1")
 """The AMX build: the AVX-512 one plus ``paged_prefill_attention_amx`` (``-DPD_AMX``; prompt rows only)."""
+ISA_FLAGS["avx512-bf16"] = (*ISA_FLAGS["avx512"], "-mavx512bf16", "-DPD_BF16DOT=1")
+"""The AVX512-BF16 build: the AVX-512 one plus ``paged_prefill_attention_bf16`` (``-DPD_BF16DOT``; prompt rows
+only: scores and values on ``VDPBF16PS``, queries and softmax numerators rounded to bf16)."""
 SPLITS = {"auto": 0, "heads": 1, "positions": 2}
 """``NativeDecodeKernel.attend``'s ways to spread a lone sequence over threads, as ``paged_decode.c`` numbers them
 (``SPLIT_DEFAULT``, ``SPLIT_HEADS``, ``SPLIT_POSITIONS``)."""
@@ -62,6 +67,7 @@ ISA_CPU_FLAGS = {
     "avx512": native_build.AVX512,
     "avx2": frozenset({"avx2", "fma"}),
     "amx": native_build.AMX_BF16,
+    "avx512-bf16": native_build.AVX512 | {"avx512_bf16"},
 }
 LIBS: tuple[str, ...] = ()
 
@@ -141,7 +147,14 @@ class NativeDecodeKernel:
             from engine.amx_gemm import request_amx_permission
 
             request_amx_permission()
-        pf = lib.paged_prefill_attention_amx if amx else lib.paged_prefill_attention
+        bf16 = isa == "avx512-bf16"  # paged_prefill_attention_bf16: bf16 cache, head_dim % 32 == 0, <= 128
+        pf = (
+            lib.paged_prefill_attention_amx
+            if amx
+            else lib.paged_prefill_attention_bf16
+            if bf16
+            else lib.paged_prefill_attention
+        )
         pf.argtypes = [
             p,
             i32,
@@ -163,7 +176,13 @@ class NativeDecodeKernel:
             i32,
         ]
         pf.restype = ctypes.c_int
-        size = lib.paged_prefill_amx_scratch_floats if amx else lib.paged_prefill_scratch_floats
+        size = (
+            lib.paged_prefill_amx_scratch_floats
+            if amx
+            else lib.paged_prefill_bf16_scratch_floats
+            if bf16
+            else lib.paged_prefill_scratch_floats
+        )
         size.argtypes = [i64] * 6
         size.restype = i64
         self._lib = lib
@@ -331,7 +350,10 @@ class NativeDecodeKernel:
         operation sequence, whatever row tile, chunk or thread computes it; ``engine/kernels/paged_decode.c``).
         The AMX build (``isa == "amx"``; a bf16 cache, head_dim 64) computes scores and values on AMX tiles
         instead (``paged_prefill_attention_amx``): not ``attend``'s bits, but still one fixed per-row operation
-        sequence, so a row's result does not depend on the row tile, chunk, offset or thread count either.
+        sequence, so a row's result does not depend on the row tile, chunk, offset or thread count either. So does
+        the AVX512-BF16 build (``isa == "avx512-bf16"``; a bf16 cache, head_dim a multiple of 32 up to 128,
+        ``paged_prefill_attention_bf16``): queries and softmax numerators rounded to bf16, products summed by
+        ``VDPBF16PS``.
 
         Args:
             q: ``[L, H, D]`` fp32 or bf16 queries (RoPE applied), contiguous.
@@ -374,6 +396,11 @@ class NativeDecodeKernel:
         if self.isa == "amx" and (layer_cache.dtype != torch.bfloat16 or d != AMX_HEAD_DIM):
             raise ValueError(
                 f"the AMX build's prefill takes a bf16 cache and head_dim {AMX_HEAD_DIM}, got {layer_cache.dtype} and {d}"
+            )
+        if self.isa == "avx512-bf16" and not bf16_prefill_fits(layer_cache.dtype, d, h // kvh):
+            raise ValueError(
+                "the AVX512-BF16 build's prefill takes a bf16 cache, head_dim a multiple of 32 up to 128 and at "
+                f"most {MAX_GROUP} query heads per KV head, got {layer_cache.dtype}, {d} and {h // kvh}"
             )
         need = self.prefill_scratch_size(rows, h, kvh, d, start + rows, threads)
         if need < 0:
@@ -439,11 +466,16 @@ class NativeDecodeKernel:
                 two = self.attend(q[2:3], cache, tables[2:3], lens[2:3], 80, d**-0.5, threads=2, split=split)
                 if not torch.equal(two, one):
                     return f"group {group}, head_dim {d}, {dtype}: a lone sequence on 2 threads ({split}) differs"
-        return self._check_amx_prefill(gen) if self.isa == "amx" else None
+        if self.isa == "amx":
+            return self._check_pair_prefill(gen, "AMX", 2e-4)
+        if self.isa == "avx512-bf16":
+            return self._check_pair_prefill(gen, "AVX512-BF16", BF16_PREFILL_TOLERANCE)
+        return None
 
-    def _check_amx_prefill(self, gen: torch.Generator) -> str | None:
-        """The AMX build's prefill against float64 attention (within 2e-4 relative: ~16 bits of queries and
-        numerators kept), and a chunk of it (on another thread count) equal to the same rows of the whole."""
+    def _check_pair_prefill(self, gen: torch.Generator, name: str, tolerance: float) -> str | None:
+        """The AMX or AVX512-BF16 build's prefill against float64 attention (within ``tolerance`` relative: AMX
+        keeps ~16 bits of queries and numerators, AVX512-BF16 8), and a chunk of it (on another thread count)
+        equal to the same rows of the whole."""
         group, kvh, d, n = 3, 2, AMX_HEAD_DIM, 90
         cache = torch.randn(2, 8, 16, kvh, d, generator=gen).to(torch.bfloat16)
         table = torch.randperm(8, generator=gen)[:6].to(torch.int32)
@@ -452,11 +484,11 @@ class NativeDecodeKernel:
         lens = torch.arange(1, n + 1, dtype=torch.int32)
         want = reference_decode(q, cache, table.repeat(n, 1), lens, d**-0.5)
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
-        if not err <= 2e-4:
-            return f"AMX prefill: relative error {err:.2e}"
+        if not err <= tolerance:
+            return f"{name} prefill: relative error {err:.2e}"
         part = self.prefill(q[37:].contiguous(), cache, table, 37, d**-0.5, threads=2)
         if not torch.equal(part, got[37:]):
-            return "AMX prefill: rows 37.. as a chunk on 2 threads differ from the whole prompt's"
+            return f"{name} prefill: rows 37.. as a chunk on 2 threads differ from the whole prompt's"
         return None
 
 
@@ -493,3 +525,20 @@ _shared_kernel = native_build.shared_build(_build)
 
 AMX_HEAD_DIM = 64
 """The one head size the AMX build's prefill takes (``paged_decode.c``'s ``AMX_D``)."""
+MAX_GROUP = 8
+"""Query heads per KV head the vector paths take (``paged_decode.c``'s ``MAX_GROUP``)."""
+BF16_PREFILL_TOLERANCE = 2e-2
+"""``self_check``'s bound on the AVX512-BF16 prefill's error relative to float64 attention (the largest output):
+queries and numerators rounded to bf16 (a relative error up to 2^-9 each) over unit-variance random inputs."""
+
+
+def bf16_prefill_fits(kv_dtype: torch.dtype, head_dim: int | None, group: int | None) -> bool:
+    """Whether the AVX512-BF16 build's prefill takes a cache of ``kv_dtype`` and this shape: bf16, ``head_dim`` a
+    multiple of 32 up to 128, at most ``MAX_GROUP`` query heads per KV head (``paged_prefill_attention_bf16``)."""
+    return (
+        kv_dtype == torch.bfloat16
+        and head_dim is not None
+        and head_dim % 32 == 0
+        and 0 < head_dim <= 128
+        and (group is None or 0 < group <= MAX_GROUP)
+    )

@@ -1228,6 +1228,55 @@ int paged_prefill_attention(const void *q, int q_bf16, const void *cache, int ca
     return 0;
 }
 
+#if defined(PD_AMX) || defined(PD_BF16DOT)
+/* ---------------------------------------------------------------------------------------------------------------
+ * One call's K and V of a bf16 cache laid out as bf16 pairs, the B operands of TDPBF16PS (the amx build) and of
+ * VDPBF16PS (the bf16 build): built once per call for every KV head, shared by every row tile. D a multiple of 32.
+ *   KB[h][16-position tile][D / 32 chunk c][16 rows r][16 positions t]: 32-bit words; word (r, t) holds the pair
+ *     of dims 32 c + 2 r, + 1 of position t (the even dim in the low half);
+ *   VB[h][32-position chunk p][D / 16 dim block][16 rows r][16 dims d]: 32-bit words; word (r, d) holds the pair
+ *     of positions 32 p + 2 r, + 1 of dim d (the even position in the low half).
+ * Zero past the sequence; every other word is the cache's bits moved. */
+INLINE int64_t pair_kb_elems(int64_t seq_len, int64_t D) { return (seq_len + 31) / 32 * 32 * D; }
+INLINE int64_t pair_vb_elems(int64_t seq_len, int64_t D) { return (seq_len + 31) / 32 * 32 * D; }
+
+/* KB and VB of KV head h (bf16 elements from KB, VB: this head's part), 32 positions from l0. offs[l]: position
+ * l's K offset in the cache. */
+static void pair_relayout(const uint16_t *cache, const int64_t *offs, int64_t seq_len, int64_t h, int64_t D,
+                          int64_t v_offset, int64_t l0, uint16_t *KB, uint16_t *VB) {
+    for (int64_t t0 = l0; t0 < l0 + 32; t0 += 16) {
+        uint16_t *kb = KB + t0 * D; /* tile t0 / 16: D / 32 chunks of 16 x 32 */
+        for (int64_t c = 0; c < D / 32; c++) {
+            v16 kv[16]; /* kv[t] = the 16 dim pairs (as 32-bit words) of position t0 + t, chunk c */
+            for (int64_t t = 0; t < 16; t++) {
+                if (t0 + t < seq_len)
+                    memcpy(&kv[t], cache + offs[t0 + t] + h * D + 32 * c, sizeof kv[t]);
+                else
+                    kv[t] = (v16){0};
+            }
+            transpose16(kv); /* kv[r] lane t = pair r of position t: B row r (exact moves) */
+            memcpy(kb + c * 512, kv, sizeof kv);
+        }
+    }
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    uint16_t *vb = VB + l0 * D; /* chunk l0 / 32: D / 16 dim blocks of 16 x 32 */
+    for (int64_t r = 0; r < 16; r++) {
+        const int64_t la = l0 + 2 * r, lb = la + 1;
+        for (int64_t db = 0; db < D / 16; db++) {
+            const __m256i a = la < seq_len
+                                  ? _mm256_loadu_si256((const __m256i *)(cache + v_offset + offs[la] + h * D + 16 * db))
+                                  : _mm256_setzero_si256();
+            const __m256i b = lb < seq_len
+                                  ? _mm256_loadu_si256((const __m256i *)(cache + v_offset + offs[lb] + h * D + 16 * db))
+                                  : _mm256_setzero_si256();
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            _mm512_storeu_si512(vb + db * 512 + r * 32, _mm512_permutexvar_epi16(inter, ab));
+        }
+    }
+}
+#endif
+
 #ifdef PD_AMX
 /* ---------------------------------------------------------------------------------------------------------------
  * Prefill attention on AMX tiles (the "amx" build: -DPD_AMX with AVX512-BF16 and AMX; engine.native_decode's
@@ -1243,9 +1292,7 @@ int paged_prefill_attention(const void *q, int q_bf16, const void *cache, int ca
  *     to its last row's length; a row's chunks past its own length add products of exact zeros (C + 0 = C), so
  *     its sums do not depend on the tile;
  *   - times 1 / sum.
- * Layouts in scratch: KB[h][16-position tile][32-dim chunk]: a B tile whose row r holds, per position t, the pair
- * of dims 32 c + 2 r, + 1; VB[h][32-position chunk][16-dim block]: a B tile whose row r holds, per dim d, the pair
- * of positions 32 p + 2 r, + 1 (zero past the sequence). Both built once per call, shared by every row tile. */
+ * Layouts in scratch: pair_relayout's KB and VB (D = 64), each 16 x 32 block of them a B tile. */
 #define AMX_ROWS 16
 #define AMX_D 64
 
@@ -1260,45 +1307,6 @@ INLINE void split16(const float *x, int64_t n, uint16_t *hi, uint16_t *lo) {
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
     _mm256_storeu_si256((__m256i *)hi, h);
     _mm256_storeu_si256((__m256i *)lo, l);
-}
-
-/* bf16 elements of KB / VB per KV head */
-INLINE int64_t amx_kb_elems(int64_t seq_len) { return (seq_len + 31) / 32 * 32 * AMX_D; }
-INLINE int64_t amx_vb_elems(int64_t seq_len) { return (seq_len + 31) / 32 * 32 * AMX_D; }
-
-/* KB and VB of KV head h, 32 positions from l0 (see above). offs[l]: position l's K offset. */
-static void amx_relayout(const uint16_t *cache, const int64_t *offs, int64_t seq_len, int64_t h, int64_t v_offset,
-                         int64_t l0, uint16_t *KB, uint16_t *VB) {
-    for (int64_t t0 = l0; t0 < l0 + 32; t0 += 16) {
-        uint16_t *kb = KB + t0 * AMX_D; /* tile t0 / 16: 2 chunks of 16 x 32 */
-        for (int64_t c = 0; c < 2; c++) {
-            v16 kv[16]; /* kv[t] = the 16 dim pairs (as 32-bit words) of position t0 + t, chunk c */
-            for (int64_t t = 0; t < 16; t++) {
-                if (t0 + t < seq_len)
-                    memcpy(&kv[t], cache + offs[t0 + t] + h * AMX_D + 32 * c, sizeof kv[t]);
-                else
-                    kv[t] = (v16){0};
-            }
-            transpose16(kv); /* kv[r] lane t = pair r of position t: B row r (exact moves) */
-            memcpy(kb + c * 512, kv, sizeof kv);
-        }
-    }
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    uint16_t *vb = VB + l0 * AMX_D; /* chunk l0 / 32: 4 dim blocks of 16 x 32 */
-    for (int64_t r = 0; r < 16; r++) {
-        const int64_t la = l0 + 2 * r, lb = la + 1;
-        for (int64_t db = 0; db < 4; db++) {
-            const __m256i a = la < seq_len
-                                  ? _mm256_loadu_si256((const __m256i *)(cache + v_offset + offs[la] + h * AMX_D + 16 * db))
-                                  : _mm256_setzero_si256();
-            const __m256i b = lb < seq_len
-                                  ? _mm256_loadu_si256((const __m256i *)(cache + v_offset + offs[lb] + h * AMX_D + 16 * db))
-                                  : _mm256_setzero_si256();
-            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-            _mm512_storeu_si512(vb + db * 512 + r * 32, _mm512_permutexvar_epi16(inter, ab));
-        }
-    }
 }
 
 /* One row tile (rows row0 .. row0 + nrows - 1 at positions pos0 ..) and KV head h, query head by query head.
@@ -1398,7 +1406,7 @@ static int64_t amx_thread_floats(int64_t seq_len) {
 int64_t paged_prefill_amx_scratch_floats(int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t seq_len,
                                          int64_t threads) {
     if (L <= 0 || H <= 0 || KVH <= 0 || H % KVH || D != AMX_D || seq_len <= 0 || threads <= 0) return -1;
-    return (L * H * D + 15) / 16 * 16 + (seq_len + 7) / 8 * 16 + KVH * (amx_kb_elems(seq_len) + amx_vb_elems(seq_len)) / 2 +
+    return (L * H * D + 15) / 16 * 16 + (seq_len + 7) / 8 * 16 + KVH * (pair_kb_elems(seq_len, AMX_D) + pair_vb_elems(seq_len, AMX_D)) / 2 +
            threads * amx_thread_floats(seq_len);
 }
 
@@ -1420,8 +1428,8 @@ int paged_prefill_attention_amx(const void *q, int q_bf16, const void *cache, in
     float *qw = scratch; /* bf16 queries widened, [L][H][D] (fp32 ones are read in place) */
     int64_t *offs = (int64_t *)(qw + (L * H * D + 15) / 16 * 16);
     uint16_t *KB = (uint16_t *)(offs + (seq_len + 7) / 8 * 8);
-    uint16_t *VB = KB + KVH * amx_kb_elems(seq_len);
-    float *per_thread = (float *)(VB + KVH * amx_vb_elems(seq_len));
+    uint16_t *VB = KB + KVH * pair_kb_elems(seq_len, AMX_D);
+    float *per_thread = (float *)(VB + KVH * pair_vb_elems(seq_len, AMX_D));
     const int64_t tf = amx_thread_floats(seq_len), sstride = (seq_len + 31) / 32 * 32;
     const int64_t tiles = (L + AMX_ROWS - 1) / AMX_ROWS, chunks = (seq_len + 31) / 32;
     if (q_bf16)
@@ -1433,8 +1441,8 @@ int paged_prefill_attention_amx(const void *q, int q_bf16, const void *cache, in
         amx_load_tiles_16x64();
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < KVH * chunks; w++)
-            amx_relayout((const uint16_t *)cache, offs, seq_len, w / chunks, v_offset, 32 * (w % chunks),
-                         KB + (w / chunks) * amx_kb_elems(seq_len), VB + (w / chunks) * amx_vb_elems(seq_len));
+            pair_relayout((const uint16_t *)cache, offs, seq_len, w / chunks, AMX_D, v_offset, 32 * (w % chunks),
+                         KB + (w / chunks) * pair_kb_elems(seq_len, AMX_D), VB + (w / chunks) * pair_vb_elems(seq_len, AMX_D));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < tiles * KVH; w++) {
             const int64_t tile = tiles - 1 - w / KVH, h = w % KVH; /* longest rows first */
@@ -1443,11 +1451,242 @@ int paged_prefill_attention_amx(const void *q, int q_bf16, const void *cache, in
             uint16_t *QA = (uint16_t *)(S + AMX_ROWS * sstride);
             uint16_t *PA = QA + 2048;
             float *O = (float *)(PA + chunks * 1024);
-            amx_prefill_tile(qf, H, row0, nrows, start + row0, h, group, KB + h * amx_kb_elems(seq_len),
-                             VB + h * amx_vb_elems(seq_len), scale, S, sstride, QA, PA, O, O + AMX_ROWS * AMX_D, out);
+            amx_prefill_tile(qf, H, row0, nrows, start + row0, h, group, KB + h * pair_kb_elems(seq_len, AMX_D),
+                             VB + h * pair_vb_elems(seq_len, AMX_D), scale, S, sstride, QA, PA, O, O + AMX_ROWS * AMX_D, out);
         }
         _tile_release();
     }
+    return 0;
+}
+#endif
+
+#ifdef PD_BF16DOT
+/* ---------------------------------------------------------------------------------------------------------------
+ * Prefill attention on AVX512-BF16 dot products (the "avx512-bf16" build: -DPD_BF16DOT with AVX512-BF16;
+ * engine.native_decode's NativeDecodeKernel.prefill on that build). Same arguments and result as
+ * paged_prefill_attention, for a bf16 cache, D a multiple of 32 up to 128 and group up to MAX_GROUP; not the
+ * decode kernel's arithmetic, but each row's result is still one fixed function of its own query and positions
+ * 0 .. its own, whatever row tile, chunk, offset or thread computes it:
+ *   - the query rounded to bf16 (RNE, VCVTNE2PS2BF16; a bf16 query is taken as it is);
+ *   - scores: per position, VDPBF16PS over the dim pairs 0, 1, .. D / 2 - 1 in order from +0 (each step adds
+ *     two exact products of bf16 values to the fp32 sum; Intel SDM, VDPBF16PS), then times the scale;
+ *   - numerators: e^(s - max s) as softmax_numerators computes them (exp16), each rounded to bf16 (RNE), their
+ *     sum taken over the rounded values (lane t sums positions t mod 16 in order, then lanes 0..15);
+ *   - values: per dim, VDPBF16PS over the position pairs (0, 1), (2, 3), .. in order from +0, up to the pair
+ *     that holds the row's last position (its numerator past that position is zero and its value masked to
+ *     +0, so nothing past the row is read into the sum);
+ *   - times 1 / sum.
+ * VDPBF16PS does twice the multiply-adds of an fp32 FMA per instruction (one 512-bit instruction a cycle on a
+ * Zen 4, each), so the scores and values take half the instructions of paged_prefill_attention's; the price is
+ * ~8 bits of the query and of each numerator (docs/engine-step.md, session 29: top-1 agreement measured).
+ * K and V come from pair_relayout's KB and VB. Two rows run together in the scores (six independent sums per K
+ * vector loaded, VDPBF16PS's latency covered) and a row's query heads together in the values; neither changes
+ * the operations of any sum. */
+#define BD_ROWS 16 /* query rows per work item */
+#define BD_HEADS 3 /* query heads whose sums share each K (V) vector loaded */
+
+INLINE __m512 bd_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+/* the query at q[index .. index + D) as D / 2 bf16 pairs (RNE from fp32; bf16 queries copied) */
+INLINE void bd_query_pairs(const void *q, int q_bf16, int64_t index, int64_t D, uint32_t *restrict out) {
+    if (q_bf16) {
+        memcpy(out, (const uint16_t *)q + index, (size_t)D * 2);
+        return;
+    }
+    const float *x = (const float *)q + index;
+    for (int64_t c = 0; c < D; c += 32) /* the second operand fills the low 16 elements (Intel SDM, VCVTNE2PS2BF16) */
+        _mm512_storeu_si512(out + c / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c)));
+}
+
+/* s[0 .. len) -> p[0 .. len): bf16 of e^(s - max s) (RNE), p zero from len to the next multiple of 16; returns the
+ * sum of the rounded numerators (module comment) */
+INLINE float bd_numerators(const float *restrict s, int64_t len, uint16_t *restrict p) {
+    const int64_t full = len / 16 * 16;
+    float m = s[0];
+    if (full) m = max_of(s, full, m);
+    for (int64_t l = full; l < len; l++) m = s[l] > m ? s[l] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t l0 = 0; l0 < full; l0 += 16) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(as_m512(exp16(as_v16(_mm512_sub_ps(_mm512_loadu_ps(s + l0), mv)))));
+        _mm256_storeu_si256((__m256i *)(p + l0), h);
+        acc = _mm512_add_ps(acc, bd_widen(h));
+    }
+    if (full < len) {
+        const __mmask16 k = (__mmask16)((1u << (len - full)) - 1u);
+        const v16 e = exp16(as_v16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + full), mv)));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(k, as_m512(e))); /* lanes past len: +0 */
+        _mm256_storeu_si256((__m256i *)(p + full), h);
+        acc = _mm512_add_ps(acc, bd_widen(h));
+    }
+    float lanes[16], sum = 0.0f;
+    _mm512_storeu_ps(lanes, acc);
+    for (int t = 0; t < 16; t++) sum += lanes[t];
+    return sum;
+}
+
+/* scores of NR rows (1 or 2) and query heads g0 .. g0 + NG - 1 of KV head h over position tiles 0 .. tiles - 1:
+ * S[(x group + g) sstride + l] = scale * (row x's query head g . key l). qp: [NR][group][D / 2] query pairs; kb:
+ * this head's KB. */
+INLINE void bd_scores(const uint32_t *restrict qp, int64_t NR, int64_t group, int64_t g0, int64_t NG,
+                      const uint16_t *restrict kb, int64_t D, int64_t tiles, float scale, float *restrict S,
+                      int64_t sstride) {
+    for (int64_t pt = 0; pt < tiles; pt++) {
+        __m512 acc[2][BD_HEADS];
+        for (int64_t x = 0; x < NR; x++)
+            for (int64_t g = 0; g < NG; g++) acc[x][g] = _mm512_setzero_ps();
+        const uint16_t *kt = kb + pt * 16 * D;
+        for (int64_t i = 0; i < D / 2; i++) {
+            __m512i k = _mm512_loadu_si512(kt + (i / 16) * 512 + (i % 16) * 32);
+            IN_REGISTER(k);
+            for (int64_t x = 0; x < NR; x++)
+                for (int64_t g = 0; g < NG; g++)
+                    acc[x][g] = _mm512_dpbf16_ps(acc[x][g], (__m512bh)k,
+                                                 (__m512bh)_mm512_set1_epi32((int)qp[(x * group + g0 + g) * (D / 2) + i]));
+        }
+        for (int64_t x = 0; x < NR; x++)
+            for (int64_t g = 0; g < NG; g++)
+                _mm512_storeu_ps(S + (x * group + g0 + g) * sstride + pt * 16,
+                                 _mm512_mul_ps(acc[x][g], _mm512_set1_ps(scale)));
+    }
+}
+
+/* acc[g][db] += the pair m of positions' numerators of query head g0 + g times their values, dims 16 db ..: one
+ * VDPBF16PS per (g, db); keep: the bits of each 32-bit value word kept (all, or the low half: the even position) */
+INLINE void bd_value_pair(__m512 acc[BD_HEADS][128 / 16], const uint16_t *restrict p, int64_t sstride, int64_t g0,
+                          int64_t NG, const uint16_t *restrict vb, int64_t D, int64_t m, __m512i keep) {
+    const uint16_t *vm = vb + (m / 16) * 32 * D + (m % 16) * 32;
+    for (int64_t db = 0; db < D / 16; db++) {
+        __m512i v = _mm512_and_si512(_mm512_loadu_si512(vm + db * 512), keep);
+        IN_REGISTER(v);
+        for (int64_t g = 0; g < NG; g++) {
+            uint32_t w;
+            memcpy(&w, p + (g0 + g) * sstride + 2 * m, sizeof w);
+            acc[g][db] = _mm512_dpbf16_ps(acc[g][db], (__m512bh)v, (__m512bh)_mm512_set1_epi32((int)w));
+        }
+    }
+}
+
+/* one row's output for query heads g0 .. g0 + NG - 1: p: this row's numerators, [group][sstride] bf16; vb: this
+ * head's VB; len: the row's positions; sums: the numerators' sums per query head; dst: the row's out at head
+ * h group. Pairs (2 m, 2 m + 1) in order; where len is odd the last pair's second position is past the row: its
+ * numerator is zero and its value masked to +0, so nothing past the row (a later row's V, even an infinite one)
+ * reaches the sum. */
+INLINE void bd_values(const uint16_t *restrict p, int64_t sstride, int64_t g0, int64_t NG, const uint16_t *restrict vb,
+                      int64_t D, int64_t len, const float *restrict sums, float *restrict dst) {
+    __m512 acc[BD_HEADS][128 / 16];
+    for (int64_t g = 0; g < NG; g++)
+        for (int64_t db = 0; db < D / 16; db++) acc[g][db] = _mm512_setzero_ps();
+    const __m512i all = _mm512_set1_epi32(-1);
+    for (int64_t m = 0; m < len / 2; m++) bd_value_pair(acc, p, sstride, g0, NG, vb, D, m, all);
+    if (len & 1) bd_value_pair(acc, p, sstride, g0, NG, vb, D, len / 2, _mm512_set1_epi32(0xffff));
+    for (int64_t g = 0; g < NG; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[g0 + g]);
+        for (int64_t db = 0; db < D / 16; db++)
+            _mm512_storeu_ps(dst + (g0 + g) * D + 16 * db, _mm512_mul_ps(acc[g][db], inv));
+    }
+}
+
+/* One work item: rows row0 .. row0 + nrows - 1 (positions pos0 ..) and KV head h, two rows at a time. S: [2][group]
+ * [sstride] fp32; P: [group][sstride] bf16; QP: [2][group][D / 2] pairs; sums: [group]. */
+INLINE void bd_prefill_rows(const void *q, int q_bf16, int64_t H, int64_t row0, int64_t nrows, int64_t pos0,
+                            int64_t h, int64_t group, int64_t D, const uint16_t *KB, const uint16_t *VB, float scale,
+                            float *restrict S, int64_t sstride, uint16_t *restrict P, uint32_t *restrict QP,
+                            float *restrict sums, float *restrict out) {
+    for (int64_t r = 0; r < nrows; r += 2) {
+        const int64_t nr = nrows - r >= 2 ? 2 : 1;
+        for (int64_t x = 0; x < nr; x++)
+            for (int64_t g = 0; g < group; g++)
+                bd_query_pairs(q, q_bf16, ((row0 + r + x) * H + h * group + g) * D, D, QP + (x * group + g) * (D / 2));
+        const int64_t tiles = (pos0 + r + nr + 15) / 16;
+        for (int64_t g0 = 0; g0 < group; g0 += BD_HEADS) {
+            const int64_t ng = group - g0 < BD_HEADS ? group - g0 : BD_HEADS;
+            if (nr == 2 && ng == BD_HEADS)
+                bd_scores(QP, 2, group, g0, BD_HEADS, KB, D, tiles, scale, S, sstride);
+            else if (nr == 2)
+                bd_scores(QP, 2, group, g0, ng, KB, D, tiles, scale, S, sstride);
+            else
+                bd_scores(QP, 1, group, g0, ng, KB, D, tiles, scale, S, sstride);
+        }
+        for (int64_t x = 0; x < nr; x++) {
+            const int64_t len = pos0 + r + x + 1;
+            for (int64_t g = 0; g < group; g++)
+                sums[g] = bd_numerators(S + (x * group + g) * sstride, len, P + g * sstride);
+            float *dst = out + ((row0 + r + x) * H + h * group) * D;
+            for (int64_t g0 = 0; g0 < group; g0 += BD_HEADS) {
+                const int64_t ng = group - g0 < BD_HEADS ? group - g0 : BD_HEADS;
+                if (ng == BD_HEADS)
+                    bd_values(P, sstride, g0, BD_HEADS, VB, D, len, sums, dst);
+                else
+                    bd_values(P, sstride, g0, ng, VB, D, len, sums, dst);
+            }
+        }
+    }
+}
+
+/* floats of one thread's part of the scratch (a multiple of 16) */
+static int64_t bd_thread_floats(int64_t group, int64_t D, int64_t seq_len) {
+    const int64_t sstride = (seq_len + 31) / 32 * 32;
+    return 2 * group * sstride + group * sstride / 2 + group * D + (group + 15) / 16 * 16;
+}
+
+int64_t paged_prefill_bf16_scratch_floats(int64_t L, int64_t H, int64_t KVH, int64_t D, int64_t seq_len,
+                                          int64_t threads) {
+    if (L <= 0 || H <= 0 || KVH <= 0 || H % KVH || H / KVH > MAX_GROUP || D <= 0 || D % 32 || D > 128 ||
+        seq_len <= 0 || threads <= 0)
+        return -1;
+    return (seq_len + 7) / 8 * 16 + KVH * (pair_kb_elems(seq_len, D) + pair_vb_elems(seq_len, D)) / 2 +
+           threads * bd_thread_floats(H / KVH, D, seq_len);
+}
+
+/* As paged_prefill_attention (same arguments and output), on VDPBF16PS: a bf16 cache, D a multiple of 32 up to 128
+ * and H / KVH up to MAX_GROUP only (-1 otherwise, before anything is read or written). */
+int paged_prefill_attention_bf16(const void *q, int q_bf16, const void *cache, int cache_bf16, const int32_t *table,
+                                 int64_t table_len, int64_t start, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t block_size, int64_t num_blocks, float scale, float *out, float *scratch,
+                                 int64_t scratch_floats, int threads) {
+    if (start < 0 || L <= 0 || H <= 0 || KVH <= 0 || H % KVH || !cache_bf16 || block_size <= 0 || num_blocks <= 0 ||
+        threads <= 0)
+        return -1;
+    const int64_t seq_len = start + L;
+    const int64_t need = paged_prefill_bf16_scratch_floats(L, H, KVH, D, seq_len, threads);
+    if (need < 0 || scratch_floats < need) return -1;
+    for (int64_t t = 0; t * block_size < seq_len; t++)
+        if (t >= table_len || table[t] < 0 || table[t] >= num_blocks) return -1;
+    const int64_t group = H / KVH, pos_elems = KVH * D, block_elems = block_size * pos_elems;
+    const int64_t v_offset = num_blocks * block_elems;
+    int64_t *offs = (int64_t *)scratch;
+    uint16_t *KB = (uint16_t *)(offs + (seq_len + 7) / 8 * 8);
+    uint16_t *VB = KB + KVH * pair_kb_elems(seq_len, D);
+    float *per_thread = (float *)(VB + KVH * pair_vb_elems(seq_len, D));
+    const int64_t tf = bd_thread_floats(group, D, seq_len), sstride = (seq_len + 31) / 32 * 32;
+    const int64_t tiles = (L + BD_ROWS - 1) / BD_ROWS, chunks = (seq_len + 31) / 32;
+    for (int64_t l = 0; l < seq_len; l++) offs[l] = position(table, l, block_size, block_elems, pos_elems, 0, D);
+#define BD_PREFILL(G, DD)                                                                                           \
+    _Pragma("omp parallel num_threads(threads)") {                                                                  \
+        _Pragma("omp for schedule(static)") for (int64_t w = 0; w < KVH * chunks; w++)                               \
+            pair_relayout((const uint16_t *)cache, offs, seq_len, w / chunks, DD, v_offset, 32 * (w % chunks),       \
+                          KB + (w / chunks) * pair_kb_elems(seq_len, DD), VB + (w / chunks) * pair_vb_elems(seq_len, DD)); \
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t w = 0; w < tiles * KVH; w++) {                          \
+            const int64_t tile = tiles - 1 - w / KVH, h = w % KVH; /* longest rows first */                         \
+            const int64_t row0 = tile * BD_ROWS, nrows = L - row0 < BD_ROWS ? L - row0 : BD_ROWS;                   \
+            float *S = per_thread + omp_get_thread_num() * tf;                                                      \
+            uint16_t *P = (uint16_t *)(S + 2 * (G) * sstride);                                                      \
+            uint32_t *QP = (uint32_t *)(P + (G) * sstride);                                                         \
+            float *sums = (float *)(QP + (G) * (DD));                                                               \
+            bd_prefill_rows(q, q_bf16, H, row0, nrows, start + row0, h, G, DD, KB + h * pair_kb_elems(seq_len, DD),  \
+                            VB + h * pair_vb_elems(seq_len, DD), scale, S, sstride, P, QP, sums, out);              \
+        }                                                                                                           \
+    }
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+    if (group == PD_GROUP && D == PD_HEAD_DIM) {
+        BD_PREFILL(PD_GROUP, PD_HEAD_DIM);
+    } else
+#endif
+    {
+        BD_PREFILL(group, D);
+    }
+#undef BD_PREFILL
     return 0;
 }
 #endif

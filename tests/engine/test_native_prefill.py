@@ -135,7 +135,9 @@ def test_bad_arguments_are_refused_before_any_read(kernel):
 
 
 def test_the_setting_is_checked_and_torch_or_another_device_keeps_torch():
-    with pytest.raises(ValueError, match="engine.prefill_kernel must be one of auto, native, amx, torch"):
+    with pytest.raises(
+        ValueError, match="engine.prefill_kernel must be one of auto, native, amx, avx512-bf16, torch"
+    ):
         resolve_prefill_kernel("fast", torch.device("cpu"))
     assert resolve_prefill_kernel("auto", torch.device("cuda"), 3, 64) is None
     assert resolve_prefill_kernel("torch", torch.device("cpu"), 3, 64) is None
@@ -180,8 +182,8 @@ def test_the_prefill_kernel_is_part_of_the_engines_model_id(engine_isa, kv_dtype
     }
     suffix = "/native-prefill" if ISA == "avx512" else f"/native-prefill-{ISA}"
     assert ids["native"] == ids["torch"] + suffix
-    # at 2 threads, either build and any cache (resolve_prefill_kernel); the AMX build takes head_dim 64 only,
-    # and this model's is 16
+    # at 2 threads, either build and any cache (resolve_prefill_kernel); the AMX build takes head_dim 64 only
+    # and the AVX512-BF16 build a multiple of 32: this model's is 16
     assert ids["auto"] == ids["native"]
     one_thread = make_engine(ck, kv_dtype=kv_dtype, prefill_kernel="auto", glue_kernel="torch", num_threads=1)
     assert one_thread.model_id == (ids["native"] if ISA == "avx512" else ids["torch"])
