@@ -92,7 +92,8 @@ PREFETCH_LOCALITY = {"AuthenticAMD": 0}
 """The weight stream's software prefetch (``quant_gemv.c`` ``GEMV_PREFETCH_LOCALITY``: ``__builtin_prefetch``'s
 locality, 0 ``prefetchnta`` .. 3 ``prefetcht0``) by ``/proc/cpuinfo`` vendor; others take
 ``DEFAULT_PREFETCH_LOCALITY``. Measured (docs/engine-step.md, "The weight stream's prefetch hint"): on a Zen 4,
-``prefetchnta`` 8 KB ahead read a one-row GEMV ~1.12x faster than no prefetch (session 18); on an AMX Xeon the
+``prefetchnta`` 8 KB ahead read a one-row GEMV ~1.12x faster than no prefetch (session 18), and a decode step's
+GEMVs 1.01-1.04x faster than the other three localities at 1 and 8 rows (session 29); on an AMX Xeon the
 same ``prefetchnta`` made the GEMVs 2-4x slower than ``prefetcht1`` (the weights then stream from L3), and
 slower than no prefetch at all."""
 DEFAULT_PREFETCH_LOCALITY = 2
