@@ -79,8 +79,9 @@ class AttentionMetadata:
         prompt_lens: each sequence's prompt length, or None (unknown): with ``decode_kernel`` or
             ``prefill_kernel``, a one-token query that is still a prompt token (the last of a prompt whose rest
             was cached) takes the prefill path, so every prompt token is attended by the same code however the
-            prompt was chunked or cached. (With both kernels the two paths give the same bits anyway: the
-            prefill kernel computes each row as the decode kernel does.)
+            prompt was chunked or cached. (With the native builds of both kernels the two paths give the same
+            bits anyway, the prefill kernel computing each row as the decode kernel does; the AMX and
+            AVX512-BF16 prefill builds round otherwise.)
     """
 
     slot_mapping: torch.Tensor

@@ -11,15 +11,16 @@ prefix (batched == alone, bit for bit). Measured: docs/engine-step.md ("The nati
 Built with the system C compiler (``$CC``, else ``cc``) into ``$PREFIXGATE_KERNEL_DIR`` (default
 ``~/.cache/prefixgate/kernels``), named by a hash of the source, the flags and the compiler's version, written
 to a temporary name and renamed (a half-written library is never loaded; ``engine.native_build``); ~1 s once
-per machine, at engine
-start, never per request. The AVX-512 build where the CPU has it, else the AVX2 one (``build_isa``), whose
-scores and values passes are written for 8-lane registers (the generic 16-lane code split in two spilled its
-accumulators and was slower than torch's path); a model it serves is named apart in ``model_id``
-(``engine.attention_kernels.decode_kernel_variant``; which build runs is chosen there). A third build, ``amx`` (CPUs with AMX and AVX512-BF16), serves prompt rows only
-(``engine.prefill_kernel: amx``; ``paged_prefill_attention_amx``: a bf16 cache, head_dim 64, scores and values on
-AMX tiles), and a fourth, ``avx512-bf16`` (CPUs with AVX512-BF16), likewise (``engine.prefill_kernel: avx512-bf16``;
-``paged_prefill_attention_bf16``: a bf16 cache, head_dim a multiple of 32 up to 128, scores and values on
-``VDPBF16PS`` with the queries and numerators rounded to bf16). A new build is checked against a float64 reference on random inputs before use (``self_check``).
+per machine, at engine start, never per request. The AVX-512 build where the CPU has it, else the AVX2 one (``build_isa``), whose scores
+and values passes are written for 8-lane registers (the generic 16-lane code split in two spilled its accumulators
+and was slower than torch's path); a model it serves is named apart in ``model_id``
+(``engine.attention_kernels.decode_kernel_variant``; which build runs is chosen there). Two more builds serve
+prompt rows only: ``amx`` (CPUs with AMX and AVX512-BF16; ``engine.prefill_kernel: amx``,
+``paged_prefill_attention_amx``: a bf16 cache, head_dim 64, scores and values on AMX tiles) and ``avx512-bf16``
+(CPUs with AVX512-BF16; ``engine.prefill_kernel: avx512-bf16``, ``paged_prefill_attention_bf16``: a bf16 cache,
+head_dim a multiple of 32 up to 128, scores and values on ``VDPBF16PS`` with the queries and softmax numerators
+rounded to bf16). A new build is checked against a float64 reference on random inputs before use
+(``self_check``).
 
 Invariants: the kernel only reads the cache; an out-of-range argument (a block id outside the pool, a length
 past ``max_len``, a table too short) is refused by the kernel before anything is read (``ValueError`` here).
