@@ -129,43 +129,36 @@ def resolve_prefill_kernel(
         raise ValueError(
             f"engine.prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}, got {setting!r}"
         )
-    if setting == "amx":
-        if kv_dtype != torch.bfloat16 or head_dim != native_decode.AMX_HEAD_DIM:
-            raise ValueError(
-                f"engine.prefill_kernel: amx needs engine.kv_dtype bfloat16 and head_dim {native_decode.AMX_HEAD_DIM}, got "
-                f"{str(kv_dtype).removeprefix('torch.')} and {head_dim}"
-            )
+    dtype = str(kv_dtype).removeprefix("torch.")
+    refusal = {
+        "amx": None
+        if kv_dtype == torch.bfloat16 and head_dim == native_decode.AMX_HEAD_DIM
+        else f"needs engine.kv_dtype bfloat16 and head_dim {native_decode.AMX_HEAD_DIM}, got {dtype} and {head_dim}",
+        "avx512-bf16": None
+        if native_decode.bf16_prefill_fits(kv_dtype, head_dim, group)
+        else "needs engine.kv_dtype bfloat16, a head_dim that is a multiple of 32 up to 128 and at most "
+        f"{native_decode.MAX_GROUP} query heads per KV head, got {dtype}, {head_dim} and {group}",
+    }
+    if setting in refusal:  # a build asked for by name: it must fit, then build
+        if refusal[setting] is not None:
+            raise ValueError(f"engine.prefill_kernel: {setting} {refusal[setting]}")
         return native_build.resolve_setting(
             "engine.prefill_kernel",
-            "amx",
+            setting,
             torch.device(device).type,
-            lambda: native_decode._shared_kernel(group, head_dim, "amx"),
+            lambda: native_decode._shared_kernel(group, head_dim, setting),
             "",
         )
-    if setting == "avx512-bf16":
-        if not native_decode.bf16_prefill_fits(kv_dtype, head_dim, group):
-            raise ValueError(
-                "engine.prefill_kernel: avx512-bf16 needs engine.kv_dtype bfloat16, a head_dim that is a multiple "
-                f"of 32 up to 128 and at most {native_decode.MAX_GROUP} query heads per KV head, got "
-                f"{str(kv_dtype).removeprefix('torch.')}, {head_dim} and {group}"
-            )
-        return native_build.resolve_setting(
-            "engine.prefill_kernel",
-            "avx512-bf16",
-            torch.device(device).type,
-            lambda: native_decode._shared_kernel(group, head_dim, "avx512-bf16"),
-            "",
-        )
-    if setting == "auto" and amx_fits(kv_dtype, head_dim) and torch.device(device).type == "cpu":
-        kernel = native_decode._shared_kernel(group, head_dim, "amx")
-        if not isinstance(kernel, str):
-            return kernel
-        logger.info("engine.prefill_kernel auto: not the AMX build (%s)", kernel)
-    if setting == "auto" and bf16_fits(kv_dtype, head_dim, group) and torch.device(device).type == "cpu":
-        kernel = native_decode._shared_kernel(group, head_dim, "avx512-bf16")
-        if not isinstance(kernel, str):
-            return kernel
-        logger.info("engine.prefill_kernel auto: not the AVX512-BF16 build (%s)", kernel)
+    if setting == "auto" and torch.device(device).type == "cpu":  # the rounding builds first, where they fit
+        for build, fits, name in (
+            ("amx", amx_fits(kv_dtype, head_dim), "AMX"),
+            ("avx512-bf16", bf16_fits(kv_dtype, head_dim, group), "AVX512-BF16"),
+        ):
+            if fits:
+                kernel = native_decode._shared_kernel(group, head_dim, build)
+                if not isinstance(kernel, str):
+                    return kernel
+                logger.info("engine.prefill_kernel auto: not the %s build (%s)", name, kernel)
     isa = native_decode.build_isa()
     measured_faster = isa == "avx512" or (isa == "avx2" and threads >= 2)
     if setting == "auto" and not measured_faster:

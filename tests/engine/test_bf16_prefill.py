@@ -16,14 +16,18 @@ import torch
 
 from engine import native_build, native_decode
 from engine.attention_kernels import resolve_prefill_kernel
-from engine.native_decode import BF16_PREFILL_TOLERANCE, NativeDecodeKernel, reference_decode
+from engine.native_decode import BF16_PREFILL_TOLERANCE, NativeDecodeKernel
 from tests.engine.engine_helpers import (
     checked_greedy_tokens,
     make_engine,
     random_tokens,
     tiny_checkpoint,
 )
-from tests.engine.test_amx_prefill import peaked_queries
+from tests.engine.test_amx_prefill import (
+    assert_rows_do_not_depend_on_chunking,
+    peaked_queries,
+    reference_rows,
+)
 from tests.engine.test_native_prefill import random_case
 
 BF16 = native_decode._shared_kernel(3, 64, "avx512-bf16")
@@ -52,13 +56,6 @@ def rounded_reference(q, cache, table, start, scale):
         p = bf16_round((s - s.amax(-1, keepdim=True)).exp())
         out[r] = (torch.einsum("hgl,lhd->hgd", p, kv[1]) / p.sum(-1, keepdim=True)).reshape(h, d)
     return out
-
-
-def reference_rows(q, cache, table, start, scale):
-    """Exact float64 attention of rows at positions ``start ..`` (each attending its own prefix)."""
-    n = q.shape[0]
-    lens = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
-    return reference_decode(q, cache, table.repeat(n, 1).contiguous(), lens, scale)
 
 
 @needs_bf16
@@ -111,22 +108,7 @@ def test_peaked_rows_far_past_the_exp_clamp_are_the_peak_keys_value(magnitude):
 
 @needs_bf16
 def test_a_row_does_not_depend_on_chunking_tiles_offsets_or_threads():
-    gen = torch.Generator().manual_seed(9)
-    q, cache, table = random_case(gen, 3, 3, 64, 700, torch.bfloat16)
-    whole = BF16.prefill(q, cache, table, 0, 0.125, threads=1)
-    for cuts, threads in (
-        ([0, 1, 700], 2),
-        ([0, 5, 37, 300, 301, 700], 3),
-        ([0, 699, 700], 2),
-        ([0, 350, 700], 1),
-        ([0, 16, 33, 700], 2),  # odd and even row counts: rows run in pairs within a tile
-    ):
-        parts = [
-            BF16.prefill(q[a:b].contiguous(), cache, table, a, 0.125, threads=threads)
-            for a, b in zip(cuts, cuts[1:], strict=False)
-        ]
-        assert torch.equal(torch.cat(parts), whole), cuts
-    assert torch.equal(BF16.prefill(q, cache, table, 0, 0.125, threads=5), whole)
+    assert_rows_do_not_depend_on_chunking(BF16)
 
 
 @needs_bf16
