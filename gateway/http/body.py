@@ -87,7 +87,8 @@ async def drain(
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body parsed as a JSON object.
+    """The body parsed as a JSON object; ``request.state.stream`` notes whether it asks to stream (``"stream":
+    true``), so that an error raised before the request is parsed is logged with it.
 
     Raises:
         PayloadTooLargeError, ClientDisconnected: see ``read_body``.
@@ -97,6 +98,9 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     body = loads_request_json(await read_body(request, max_bytes))
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
+    # the body's own word on streaming, for the request log of an error raised before the request is parsed
+    # (``gateway.http.request_context.begin`` sets the parsed value)
+    request.state.stream = body.get("stream") is True
     return body
 
 

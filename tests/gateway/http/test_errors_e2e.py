@@ -196,6 +196,32 @@ def test_errors_are_counted(server):
     assert server.stats()["errors"]["404"] == before + 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/messages",
+            {"model": TINY_MODEL, "max_tokens": -5, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+        (URL, {**GOOD, "model": 7}),
+    ],
+)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_refused_before_it_is_parsed_is_logged_with_its_stream_flag(
+    server, caplog, path, body, stream
+):
+    """The request log's ``stream=`` is the body's own ``"stream"`` when validation refuses it before parsing."""
+    with caplog.at_level("INFO", logger="prefixgate.request"):
+        response = httpx.post(server.base_url + path, json={**body, "stream": stream}, timeout=10)
+        assert response.status_code == 400, response.text
+        for _ in range(100):  # the line is written as the answer goes out
+            lines = [r.getMessage() for r in caplog.records if f"path={path} status=400" in r.getMessage()]
+            if lines:
+                break
+            time.sleep(0.02)
+    assert len(lines) == 1 and f"stream={str(stream).lower()}" in lines[0], lines
+
+
 def long_generation_body(stream: bool) -> dict:
     return {
         "model": TINY_MODEL,
