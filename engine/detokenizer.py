@@ -13,11 +13,18 @@ string, so a stop string is never partially emitted. Stop strings apply to the t
 marker begins, and no stop string matches from there on (a forced call, whose output is all markup, is never cut
 by a stop string that occurs in its arguments; OpenAI applies stop sequences to generated text, not to tool-call
 arguments).
+
+``RepeatedCallGuard`` ends a tool-call response at a call identical, byte for byte, to one the same response has
+already made (a small model repeating its call; SmolLM2 greedy under ``tool_choice: required`` wrote the same
+call until ``max_tokens``): the repeat and the separator before it are not returned, and text that may still
+become such a repeat is held back until it differs, so no part of a dropped repeat is ever emitted.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -168,6 +175,62 @@ class StopStringMatcher:
         return out
 
 
+class RepeatedCallGuard:
+    """Ends a tool-call response at the first call identical to an earlier call of the same response (module
+    docstring). A call is the text from ``CALL_OPEN`` through the next ``CALL_CLOSE``; a repeat is
+    ``CALL_SEPARATOR`` followed by an earlier call's exact text, right after a call closes.
+
+    Invariant: ``text[:emitted]`` has been returned; what is held back (``text[emitted:]``) starts where the
+    last complete call ends and is a proper prefix of ``CALL_SEPARATOR`` + an earlier call.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        self.calls: set[str] = set()
+        self._after_call = 0  # where the last complete call ends (a repeat can only start there)
+        self._scan = 0  # text before this holds no call opening that is not yet complete or recorded
+
+    def push(self, delta: str) -> str:
+        """Add new text; return what can be emitted now. Sets ``stopped`` when a repeat completes (its text and
+        the separator before it are dropped from ``text``)."""
+        if self.stopped:
+            return ""
+        self.text += delta
+        while (start := self.text.find(CALL_OPEN, self._scan)) >= 0:
+            close = self.text.find(CALL_CLOSE, start + len(CALL_OPEN))
+            if close < 0:
+                break
+            end = close + len(CALL_CLOSE)
+            call = self.text[start:end]
+            repeat_at = start - len(CALL_SEPARATOR)
+            if (
+                call in self.calls
+                and repeat_at == self._after_call
+                and self.text.startswith(CALL_SEPARATOR, repeat_at)
+            ):
+                out = self.text[self.emitted : repeat_at]
+                self.text = self.text[:repeat_at]
+                self.emitted = repeat_at
+                self.stopped = True
+                return out
+            self.calls.add(call)
+            self._after_call = self._scan = end
+        pending = self.text[self._after_call :]
+        may_repeat = bool(pending) and any((CALL_SEPARATOR + c).startswith(pending) for c in self.calls)
+        end = max(self._after_call if may_repeat else len(self.text), self.emitted)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    def flush(self) -> str:
+        """Emit what is held back (generation ended for another reason: an unfinished repeat is not one)."""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
 class OutputText:
     """Detokenizer and stop matcher of one request: token ids in, emit-ready text out.
 
@@ -175,16 +238,29 @@ class OutputText:
         tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``.
         stops: stop strings of the request.
         markup: where the answer's text ends for stop strings (``StopStringMatcher``).
+        tool_calls: the output may hold tool calls: a repeated call ends it (``RepeatedCallGuard``).
     """
 
-    def __init__(self, tokenizer: Decoder, stops: tuple[str, ...], markup: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stops: tuple[str, ...],
+        markup: tuple[str, ...] = (),
+        tool_calls: bool = False,
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = StopStringMatcher(stops, markup)
+        self.guard = RepeatedCallGuard() if tool_calls else None
 
     @property
     def stopped(self) -> bool:
-        """True once a stop string has been seen; nothing more is emitted."""
-        return self.matcher.stopped
+        """True once a stop string (or a repeated tool call) has been seen; nothing more is emitted."""
+        return self.matcher.stopped or (self.guard is not None and self.guard.stopped)
+
+    @property
+    def repeated_call(self) -> bool:
+        """True when a call identical to an earlier one ended the output (``RepeatedCallGuard``)."""
+        return self.guard is not None and self.guard.stopped
 
     @property
     def stop_string(self) -> str | None:
@@ -193,18 +269,24 @@ class OutputText:
 
     @property
     def text(self) -> str:
-        """All text emitted so far plus any held-back tail (after stop-string trimming)."""
-        return self.matcher.text
+        """All text emitted so far plus any held-back tail (after stop-string and repeated-call trimming)."""
+        if self.guard is None:
+            return self.matcher.text
+        return self.guard.text + ("" if self.guard.stopped else self.matcher.text[self.matcher.emitted :])
 
     def add(self, token_id: int) -> str:
         """Feed one generated token id (not a stopping EOS / stop token); return the text to emit now."""
-        return self.matcher.push(self.detok.add(token_id))
+        out = self.matcher.push(self.detok.add(token_id))
+        return out if self.guard is None else self.guard.push(out)
 
     def finish(self) -> str:
-        """Flush held-back text at the end of generation (nothing after a stop string)."""
-        if self.matcher.stopped:
+        """Flush held-back text at the end of generation (nothing after a stop string or a repeated call)."""
+        if self.stopped:
             return ""
         out = self.matcher.push(self.detok.flush())
         if not self.matcher.stopped:
             out += self.matcher.flush()
-        return out
+        if self.guard is None:
+            return out
+        out = self.guard.push(out)
+        return out if self.guard.stopped else out + self.guard.flush()

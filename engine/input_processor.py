@@ -218,11 +218,12 @@ class InputProcessor:
 
     def _output_text(self, params: SamplingParams) -> OutputText | None:
         """The request's detokenizer and stop matcher; with a tool-call constraint, stop strings apply to the
-        answer's text before its first call only (``engine.tool_calls.CALL_MARKERS``), never to the calls."""
+        answer's text before its first call only (``engine.tool_calls.CALL_MARKERS``), never to the calls, and a
+        call repeating an earlier one ends the output (``engine.detokenizer.RepeatedCallGuard``)."""
         if self.tokenizer is None:
             return None
         tool_calls = params.constraint is not None and params.constraint.kind == "tool_calls"
-        return OutputText(self.tokenizer, params.stop, CALL_MARKERS if tool_calls else ())
+        return OutputText(self.tokenizer, params.stop, CALL_MARKERS if tool_calls else (), tool_calls)
 
     def make_fork(self, parent: Request, sampler: SequenceSampler) -> Request:
         """Choice ``sampler.index`` of ``parent``'s prompt: a request with the parent's prompt, limits, keys and

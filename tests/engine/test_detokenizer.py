@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, OutputText, StopStringMatcher
+from engine.detokenizer import IncrementalDetokenizer, OutputText, RepeatedCallGuard, StopStringMatcher
 from engine.tool_calls import CALL_MARKERS
 from tests.engine.engine_helpers import smollm2_checkpoint
 
@@ -145,6 +145,71 @@ def test_a_stop_string_that_overlaps_the_start_of_the_markup_does_not_match():
     m = StopStringMatcher((".\n<tool",), markup=CALL_MARKERS)  # not markup after all: the stop string matches
     assert m.push("Sure.\n<tool") + m.push("s") == "Sure"
     assert m.stopped and m.matched == ".\n<tool"
+
+
+OTHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+def guarded(text: str, step: int, finish: bool = True) -> tuple[RepeatedCallGuard, list[str]]:
+    """``text`` pushed ``step`` characters at a time through a fresh guard (then flushed unless it stopped)."""
+    g = RepeatedCallGuard()
+    parts = [g.push(text[i : i + step]) for i in range(0, len(text), step)]
+    if finish and not g.stopped:
+        parts.append(g.flush())
+    return g, parts
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_a_repeated_call_ends_the_output_and_no_part_of_it_is_emitted(step):
+    g, parts = guarded(CALL + "\n" + CALL + "\n" + CALL[:20], step, finish=False)
+    assert g.stopped and "".join(parts) == CALL and g.text == CALL
+    assert g.push("more") == "" and g.flush() == ""
+    # a repeat after another call: the calls before it stay, in order
+    g, parts = guarded("Checking.\n" + CALL + "\n" + OTHER + "\n" + CALL, step, finish=False)
+    assert g.stopped and "".join(parts) == "Checking.\n" + CALL + "\n" + OTHER
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_different_calls_and_unfinished_repeats_come_whole(step):
+    text = CALL + "\n" + OTHER
+    g, parts = guarded(text, step)
+    assert not g.stopped and "".join(parts) == text
+    # a repeat that differs only at its last argument character is not a repeat
+    near = CALL.replace("Paris", "Parix")
+    g, parts = guarded(CALL + "\n" + near, step)
+    assert not g.stopped and "".join(parts) == CALL + "\n" + near
+    # a repeat cut short (max_tokens) is not a repeat: flushed at the end, as the parser sees a cut call
+    g, parts = guarded(CALL + "\n" + CALL[:-3], step)
+    assert not g.stopped and "".join(parts) == CALL + "\n" + CALL[:-3]
+    # the same call text inside an answer, not right after a call, is not a repeat
+    g, parts = guarded(CALL + "\nok " + CALL, step)
+    assert not g.stopped
+
+
+def test_text_that_may_become_a_repeat_is_held_until_it_differs():
+    g = RepeatedCallGuard()
+    assert g.push(CALL) == CALL
+    assert g.push("\n<tool_call>\n{") == ""  # may be the same call again
+    assert (
+        g.push('"name": "get_weather", "arguments": {"city": "R')
+        == '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "R'
+    )
+
+
+def test_output_text_with_tool_calls_stops_at_a_repeated_call():
+    tok = ByteTokenizer()
+    out = OutputText(tok, ("Paris",), CALL_MARKERS, tool_calls=True)
+    ids = tok.encode(CALL + "\n" + CALL + "\n")
+    emitted = ""
+    for i in ids:
+        emitted += out.add(i)
+        if out.stopped:
+            break
+    assert out.stopped and out.repeated_call and out.stop_string is None
+    assert emitted == CALL and out.text == CALL and out.finish() == ""
+    plain = OutputText(tok, (), CALL_MARKERS)  # no tool-call constraint: no guard
+    assert "".join(plain.add(i) for i in ids) + plain.finish() == CALL + "\n" + CALL + "\n"
+    assert not plain.stopped and not plain.repeated_call
 
 
 @pytest.mark.slow

@@ -44,8 +44,8 @@ def test_tool_call_round_trip(choice):
     ]
     prompt = ck.tokenizer.render_chat(messages, [WEATHER])
     assert len(prompt) > len(ck.tokenizer.render_chat(messages))  # the tools are in the prompt
-    # one call: greedy SmolLM2 otherwise repeats the same call until max_tokens (parallel calls tested on the tiny
-    # checkpoint in test_constrained.py)
+    # one call (parallel calls are tested on the tiny checkpoint in test_constrained.py, and a repeated call
+    # below)
     c = Constraint(
         "tool_calls", tools=(WEATHER,), tool_choice=choice, tool_name="get_weather", parallel_tool_calls=False
     )
@@ -126,3 +126,31 @@ def test_calls_hold_to_the_listed_arguments_of_tools_that_leave_other_keys_open(
     for call in calls:
         assert set(call.arguments) <= set(schemas[call.name]["properties"]), call.arguments
         jsonschema.validate(call.arguments, schemas[call.name])
+
+
+def test_a_call_repeated_under_required_ends_the_response():
+    """With parallel calls allowed, greedy SmolLM2 writes the same call again and again under ``required`` (until
+    ``max_tokens`` cut one: a ``length`` finish and the tool called twice); its first repeat now ends the
+    response, not returned (``engine.detokenizer.RepeatedCallGuard``): one call, finish ``stop``."""
+    ck = smollm2_checkpoint()
+    eng = make_engine(ck, num_blocks=128)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    prompt = ck.tokenizer.render_chat([{"role": "user", "content": "What's the weather in Paris?"}], [tool])
+    c = Constraint("tool_calls", tools=(tool,), tool_choice="required", parallel_tool_calls=True)
+    req = eng.add_request(prompt, SamplingParams(max_tokens=120, temperature=0.0, constraint=c))
+    out = eng.run_to_completion()[req.request_id]
+    assert out.finish_reason == "stop", out.full_text
+    content, calls = parse_tool_calls(out.full_text)
+    assert content == "" and [k.name for k in calls] == ["get_weather"], out.full_text
+    assert out.usage.completion_tokens < 120  # ended at the repeat, not at max_tokens
