@@ -217,6 +217,10 @@ class RepeatedCallGuard:
                 return out
             self.calls.add(call)
             self._after_call = self._scan = end
+        if start < 0:  # no opening from _scan on: the next one ends after what could not hold one
+            self._scan = max(self._scan, len(self.text) - len(CALL_OPEN) + 1)
+        else:  # an opening without its close yet: searched from there again
+            self._scan = start
         pending = self.text[self._after_call :]
         may_repeat = bool(pending) and any((CALL_SEPARATOR + c).startswith(pending) for c in self.calls)
         end = max(self._after_call if may_repeat else len(self.text), self.emitted)
