@@ -64,6 +64,13 @@ only: scores and values on ``VDPBF16PS``, queries and softmax numerators rounded
 SPLITS = {"auto": 0, "heads": 1, "positions": 2}
 """``NativeDecodeKernel.attend``'s ways to spread a lone sequence over threads, as ``paged_decode.c`` numbers them
 (``SPLIT_DEFAULT``, ``SPLIT_HEADS``, ``SPLIT_POSITIONS``)."""
+ONE_SEQUENCE_SPLIT = {"AuthenticAMD": "positions"}
+"""How the AVX-512 builds spread a lone decoding sequence over threads (``paged_decode.c``'s
+``ONE_SEQUENCE_SPLIT``: what ``split="auto"`` and the one-call decode step take), by ``/proc/cpuinfo`` vendor;
+others keep the build's own default, ``heads`` (AVX2 builds: ``positions``). A schedule only: every split gives
+the same bits. Measured (docs/engine-step.md, session 29): on a Zen 4, 30 layers of 1,070 positions, 2 threads,
+``positions`` 38-40 against ``heads`` 43-44 us a layer over a bf16 cache (54.5 against 58.4 over fp32); on the AMX
+Xeon of session 26, ``heads`` 43-47 against ``positions`` 48-50."""
 ISA_CPU_FLAGS = {
     "avx512": native_build.AVX512,
     "avx2": frozenset({"avx2", "fma"}),
@@ -71,6 +78,15 @@ ISA_CPU_FLAGS = {
     "avx512-bf16": native_build.AVX512 | {"avx512_bf16"},
 }
 LIBS: tuple[str, ...] = ()
+
+
+def split_flags(isa: str) -> tuple[str, ...]:
+    """The flag that sets an AVX-512 build's one-sequence split for this CPU's vendor (``-DPD_ONE_SEQUENCE_SPLIT``,
+    ``ONE_SEQUENCE_SPLIT``), or none: the AVX2 build, or a vendor not listed (the build's default)."""
+    from engine.weight_format import cpu_vendor
+
+    split = None if isa == "avx2" else ONE_SEQUENCE_SPLIT.get(cpu_vendor())
+    return () if split is None else (f"-DPD_ONE_SEQUENCE_SPLIT={SPLITS[split]}",)
 
 
 def build_isa() -> str:
@@ -221,7 +237,7 @@ class NativeDecodeKernel:
             SOURCE,
             _cpu_ok() if isa == "avx512" else _cpu_ok(isa),
             _compiler(),
-            (*FLAGS, *ISA_FLAGS[isa], *shape),
+            (*FLAGS, *ISA_FLAGS[isa], *split_flags(isa), *shape),
             LIBS,
             directory,
         )

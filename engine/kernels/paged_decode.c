@@ -36,12 +36,15 @@ extern int omp_get_num_threads(void);
  * positions, the softmax by query heads, the values by (KV head, half of D), with barriers between
  * (attend_one_part); SPLIT_HEADS, whole KV heads per thread, no barrier (attend_heads_part). The build's default:
  * positions on AVX2 (a 2-core Zen 3, session 22: one stream ~1.1x the heads split in the engine), heads on
- * AVX-512 (a Zen 4, session 18: a positions split was slower there; that build had since-fixed compiler costs,
- * not measured again). */
+ * AVX-512 (an AMX Xeon, session 26: 43-47 against 48-50 us a layer), unless the build says otherwise
+ * (-DPD_ONE_SEQUENCE_SPLIT, by CPU vendor: engine.native_decode.ONE_SEQUENCE_SPLIT; positions on AMD, measured
+ * faster on a Zen 4 in session 29). */
 #define SPLIT_DEFAULT 0
 #define SPLIT_HEADS 1
 #define SPLIT_POSITIONS 2
-#ifdef __AVX512F__
+#if defined(PD_ONE_SEQUENCE_SPLIT)
+#define ONE_SEQUENCE_SPLIT PD_ONE_SEQUENCE_SPLIT /* a -D flag of the build (engine.native_decode) */
+#elif defined(__AVX512F__)
 #define ONE_SEQUENCE_SPLIT SPLIT_HEADS
 #else
 #define ONE_SEQUENCE_SPLIT SPLIT_POSITIONS

@@ -374,3 +374,34 @@ def test_generated_tokens_go_to_the_kernel_and_a_lone_prompt_token_to_the_prefil
     mixed = plan(shared, prompt_lens=[50, 93])  # the second one's new token is its prompt's last
     assert mixed.decode.native.lens.tolist() == [93] and len(mixed.prefills) == 1
     assert mixed.prefills[0].start == 1 and mixed.prefills[0].chunked is not None
+
+
+@pytest.mark.parametrize(
+    ("vendor", "isa", "flags"),
+    [
+        ("AuthenticAMD", "avx512", ("-DPD_ONE_SEQUENCE_SPLIT=2",)),
+        ("AuthenticAMD", "avx512-bf16", ("-DPD_ONE_SEQUENCE_SPLIT=2",)),
+        ("AuthenticAMD", "avx2", ()),  # the AVX2 build's own default is positions
+        ("GenuineIntel", "avx512", ()),
+        ("", "avx512", ()),
+    ],
+)
+def test_the_one_sequence_split_follows_the_vendor(monkeypatch, vendor, isa, flags):
+    monkeypatch.setattr("engine.weight_format.cpu_vendor", lambda: vendor)
+    assert native_decode.split_flags(isa) == flags
+
+
+@needs_kernel
+def test_the_vendors_split_reaches_the_build_and_keeps_the_bits(monkeypatch, tmp_path):
+    """Built as on an AMD CPU (positions) and as on an Intel one (heads): two libraries, and a lone sequence on 2
+    threads (``split="auto"``, the build's) gets the one-thread bits from each."""
+    gen = torch.Generator().manual_seed(29)
+    q, cache, tables, lens = random_case(gen, 1, 3, 3, 64, [1071], torch.bfloat16, num_blocks=80)
+    builds = []
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        monkeypatch.setattr("engine.weight_format.cpu_vendor", lambda vendor=vendor: vendor)
+        k = NativeDecodeKernel.build(tmp_path, group=3, head_dim=64)
+        builds.append(k.path)
+        one = k.attend(q, cache, tables, lens, 1071, 0.125)
+        assert torch.equal(k.attend(q, cache, tables, lens, 1071, 0.125, threads=2), one)
+    assert builds[0] != builds[1]
