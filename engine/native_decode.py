@@ -276,8 +276,8 @@ class NativeDecodeKernel:
                 steps). Ignored for ``B > 1`` (the caller spreads sequences).
             split: how a lone sequence is spread (``SPLITS``): ``positions`` (scores by position tiles, softmax
                 by query heads, values by (KV head, half of ``D``), barriers between), ``heads`` (whole KV heads
-                per thread), ``auto`` the build's choice (positions on AVX2, heads on AVX-512: where each was
-                measured faster, ``paged_decode.c``).
+                per thread), ``auto`` the build's choice (positions on AVX2 and, by ``ONE_SEQUENCE_SPLIT``, on
+                AMD CPUs' AVX-512 builds; heads on other AVX-512 builds: where each was measured faster).
 
         Returns:
             fp32 ``[B, H, D]``.
