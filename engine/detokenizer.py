@@ -17,7 +17,8 @@ arguments).
 ``RepeatedCallGuard`` ends a tool-call response at a call identical, byte for byte, to one the same response has
 already made (a small model repeating its call; SmolLM2 greedy under ``tool_choice: required`` wrote the same
 call until ``max_tokens``): the repeat and the separator before it are not returned, and text that may still
-become such a repeat is held back until it differs, so no part of a dropped repeat is ever emitted.
+become such a repeat is held back until it differs, so no part of a dropped repeat is ever emitted; an answer
+that reaches ``max_tokens`` inside such a repeat ends at the call before it, complete.
 """
 
 from __future__ import annotations
@@ -234,6 +235,21 @@ class RepeatedCallGuard:
         self.emitted = len(self.text)
         return out
 
+    def end_at_repeat(self) -> bool:
+        """Where the text after the last complete call is, so far, the start of a repeat (held back): drop it,
+        set ``stopped`` and return True (the answer ends at that call, as if the repeat had completed); else
+        False. For an answer cut at ``max_tokens`` inside its repeat: what it returns is then complete."""
+        if (
+            self.stopped
+            or not self.calls
+            or self.emitted != self._after_call
+            or len(self.text) == self.emitted
+        ):
+            return False
+        self.text = self.text[: self._after_call]
+        self.stopped = True
+        return True
+
 
 class OutputText:
     """Detokenizer and stop matcher of one request: token ids in, emit-ready text out.
@@ -282,6 +298,11 @@ class OutputText:
         """Feed one generated token id (not a stopping EOS / stop token); return the text to emit now."""
         out = self.matcher.push(self.detok.add(token_id))
         return out if self.guard is None else self.guard.push(out)
+
+    def end_at_repeat(self) -> bool:
+        """At ``max_tokens``: True (and ``stopped``, ``repeated_call``) when the output was inside what is so far a
+        repeat of an earlier call, which is dropped (``RepeatedCallGuard.end_at_repeat``); else False."""
+        return self.guard is not None and not self.matcher.stopped and self.guard.end_at_repeat()
 
     def finish(self) -> str:
         """Flush held-back text at the end of generation (nothing after a stop string or a repeated call)."""

@@ -7,7 +7,9 @@ the stop checks, and the final output of a finished request (usage, TTFT, stop-t
 Invariants:
 
 - Stop checks run in this order: a stop token (EOS unless ``ignore_eos``, or ``stop_token_ids``; its text is
-  never emitted) or a constraint whose grammar is complete and can take no more tokens, a stop string (the text is cut before it), then ``max_tokens`` (``"length"``).
+  never emitted) or a constraint whose grammar is complete and can take no more tokens, a stop string or a
+  repeated tool call (the text is cut before it: ``engine.detokenizer``), then ``max_tokens`` (``"length"``,
+  or ``"stop"`` when it cuts what is so far a repeated tool call, dropped).
 - A request's last output is the only one with ``finished=True``; it alone carries ``finish_reason`` and
   ``usage``, and its ``text`` ends with whatever the detokenizer still held back.
 - This module frees nothing and owns no queue: the engine removes a finished request from the scheduler
@@ -121,7 +123,8 @@ class OutputProcessor:
             if constraint is not None and constraint.is_stopped:
                 reason = "stop"
         if reason is None and req.num_output_tokens >= req.max_tokens:
-            reason = "length"
+            # cut inside a repeat of an earlier tool call: the answer ends, complete, at the call before it
+            reason = "stop" if req.output is not None and req.output.end_at_repeat() else "length"
         lps = [logprob] if logprob is not None else []
         if reason is None:
             return RequestOutput(

@@ -196,6 +196,25 @@ def test_text_that_may_become_a_repeat_is_held_until_it_differs():
     )
 
 
+def test_an_answer_cut_inside_a_repeat_ends_at_the_call_before_it():
+    """At ``max_tokens`` inside what is so far a repeat (the separator alone, or part of the call), the repeat is
+    dropped and the answer ends, complete, at the call before it; inside anything else nothing changes."""
+    for tail in ("\n", "\n" + CALL[:30], "\n" + CALL[:-1]):
+        g = RepeatedCallGuard()
+        assert g.push(CALL + tail) == CALL
+        assert g.end_at_repeat() and g.stopped and g.text == CALL and g.flush() == ""
+    for text in (CALL + "\n" + OTHER[:-5], CALL, "Let me see", CALL + "\n" + OTHER):  # diverged or whole
+        g = RepeatedCallGuard()
+        out = g.push(text)
+        assert not g.end_at_repeat() and not g.stopped and out + g.flush() == text
+    tok = ByteTokenizer()
+    out = OutputText(tok, (), CALL_MARKERS, tool_calls=True)
+    emitted = "".join(out.add(i) for i in tok.encode(CALL + "\n<tool"))
+    assert emitted == CALL and out.end_at_repeat() and out.stopped and out.repeated_call
+    assert out.text == CALL and out.finish() == ""
+    assert not OutputText(tok, (), CALL_MARKERS).end_at_repeat()  # no guard without a tool-call constraint
+
+
 def test_output_text_with_tool_calls_stops_at_a_repeated_call():
     tok = ByteTokenizer()
     out = OutputText(tok, ("Paris",), CALL_MARKERS, tool_calls=True)

