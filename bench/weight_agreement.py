@@ -79,7 +79,8 @@ def all_logits(
 def reference_continuation(ref: LoadedCheckpoint, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy tokens of the reference checkpoint after ``prompt`` (EOS ignored, so exactly ``n``)."""
     blocks = max(64, -(-(len(prompt) + n) // 16) + 1)
-    engine = LLMEngine(ref.model, EngineConfig(num_blocks=blocks), ref.model_id, ref.tokenizer)
+    config = EngineConfig(num_blocks=blocks, kv_dtype="float32")  # the reference's own cache
+    engine = LLMEngine(ref.model, config, ref.model_id, ref.tokenizer)
     try:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return engine.generate([prompt], params)[0]
