@@ -26,8 +26,8 @@ BUILDS = ("avx512", "avx2", "avx512-bf16", "amx")
 
 
 def available_builds(group: int, head_dim: int) -> dict[str, native_decode.NativeDecodeKernel]:
-    """Each build in ``BUILDS`` that this CPU runs and this machine can compile, by name (the others are said
-    why not on stderr-like lines of the table's header)."""
+    """Each build in ``BUILDS`` that this CPU runs and this machine compiles, by name; a build that fails is
+    left out with a ``#`` line saying why."""
     out = {}
     for isa in BUILDS:
         if not native_decode._cpu_ok(isa)[0]:

@@ -81,7 +81,20 @@ class IncrementalDetokenizer:
         return self._delta(allow_incomplete=True)
 
 
-class StopStringMatcher:
+class HeldBackText:
+    """A growing ``text`` of which ``text[:emitted]`` has been returned; the rest is held back until decided."""
+
+    text: str
+    emitted: int
+
+    def flush(self) -> str:
+        """Emit what is held back (generation ended for another reason)."""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+class StopStringMatcher(HeldBackText):
     """Stop-string detection with hold-back over a growing text.
 
     Args:
@@ -169,14 +182,8 @@ class StopStringMatcher:
         self.emitted = end
         return out
 
-    def flush(self) -> str:
-        """Emit the held-back tail (generation ended for another reason)."""
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
-        return out
 
-
-class RepeatedCallGuard:
+class RepeatedCallGuard(HeldBackText):
     """Ends a tool-call response at the first call identical to an earlier call of the same response (module
     docstring). A call is the text from ``CALL_OPEN`` through the next ``CALL_CLOSE``; a repeat is
     ``CALL_SEPARATOR`` followed by an earlier call's exact text, right after a call closes.
@@ -189,7 +196,7 @@ class RepeatedCallGuard:
         self.text = ""
         self.emitted = 0
         self.stopped = False
-        self.calls: set[str] = set()
+        self.repeats: set[str] = set()  # CALL_SEPARATOR + each complete call: what a repeat would be
         self._after_call = 0  # where the last complete call ends (a repeat can only start there)
         self._scan = 0  # text before this holds no call opening that is not yet complete or recorded
 
@@ -207,7 +214,7 @@ class RepeatedCallGuard:
             call = self.text[start:end]
             repeat_at = start - len(CALL_SEPARATOR)
             if (
-                call in self.calls
+                CALL_SEPARATOR + call in self.repeats
                 and repeat_at == self._after_call
                 and self.text.startswith(CALL_SEPARATOR, repeat_at)
             ):
@@ -216,23 +223,17 @@ class RepeatedCallGuard:
                 self.emitted = repeat_at
                 self.stopped = True
                 return out
-            self.calls.add(call)
+            self.repeats.add(CALL_SEPARATOR + call)
             self._after_call = self._scan = end
         if start < 0:  # no opening from _scan on: the next one ends after what could not hold one
             self._scan = max(self._scan, len(self.text) - len(CALL_OPEN) + 1)
         else:  # an opening without its close yet: searched from there again
             self._scan = start
         pending = self.text[self._after_call :]
-        may_repeat = bool(pending) and any((CALL_SEPARATOR + c).startswith(pending) for c in self.calls)
+        may_repeat = bool(pending) and any(r.startswith(pending) for r in self.repeats)
         end = max(self._after_call if may_repeat else len(self.text), self.emitted)
         out = self.text[self.emitted : end]
         self.emitted = end
-        return out
-
-    def flush(self) -> str:
-        """Emit what is held back (generation ended for another reason: an unfinished repeat is not one)."""
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
         return out
 
     def end_at_repeat(self) -> bool:
@@ -241,7 +242,7 @@ class RepeatedCallGuard:
         False. For an answer cut at ``max_tokens`` inside its repeat: what it returns is then complete."""
         if (
             self.stopped
-            or not self.calls
+            or not self.repeats
             or self.emitted != self._after_call
             or len(self.text) == self.emitted
         ):

@@ -4,6 +4,7 @@ an answer; the tools + system prefix of the second turn is served from the prefi
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -136,18 +137,10 @@ def test_a_call_repeated_under_required_ends_the_response(max_tokens):
     the repeat is cut before it completes; at 120 it completes."""
     ck = smollm2_checkpoint()
     eng = make_engine(ck, num_blocks=128)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
+    tool = copy.deepcopy(
+        SDK_TOOLS[0]
+    )  # get_weather(city) alone: with a unit to choose it calls once per unit
+    del tool["function"]["parameters"]["properties"]["unit"]
     prompt = ck.tokenizer.render_chat([{"role": "user", "content": "What's the weather in Paris?"}], [tool])
     c = Constraint("tool_calls", tools=(tool,), tool_choice="required", parallel_tool_calls=True)
     req = eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=c))

@@ -220,6 +220,7 @@ def test_a_request_refused_before_it_is_parsed_is_logged_with_its_stream_flag(
                 break
             time.sleep(0.02)
     assert len(lines) == 1 and f"stream={str(stream).lower()}" in lines[0], lines
+    assert_nothing_lost(server)
 
 
 def long_generation_body(stream: bool) -> dict:
