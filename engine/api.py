@@ -57,6 +57,11 @@ class Constraint:
         parallel_tool_calls: allow several calls in one answer (else at most one); a named ``tool_choice``
             ("function") always gives exactly one.
 
+        prefix: text the output continues (an assistant prefill, ``engine.constrained.prefilled``): the grammar
+            consumes it before the first generated token, so the format holds for prefix + output; a prefix no
+            output of the format starts with is refused (``InvalidRequestError``, param ``messages``). "" for
+            none.
+
     A finished constrained output is complete and valid (``finish_reason="stop"``); ``"length"`` means it was cut
     by ``max_tokens`` and may be a valid prefix only.
     """
@@ -67,6 +72,7 @@ class Constraint:
     tool_choice: ToolChoice = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    prefix: str = ""
 
 
 MAX_N = 16

@@ -43,6 +43,7 @@ from engine.api import (
     TextDelta,
     WarmResult,
 )
+from engine.constrained import prefilled
 from engine.errors import EngineClosedError, InvalidRequestError, SamplingError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
@@ -368,6 +369,11 @@ class AsyncEngine:
         if self._closed:
             raise EngineClosedError("the engine has been shut down")
         prompt = self.prompt_token_ids(req)
+        constraint = req.params.constraint
+        if constraint is not None and req.continue_final_message and req.messages:
+            # the format covers the prefill and its continuation together (engine.constrained.prefilled)
+            text = self._tokenizer.continued_text(req.messages, req.tools)
+            req = replace(req, params=replace(req.params, constraint=prefilled(constraint, text)))
         with self._cond:
             self.core.check_prompt(prompt, req.params)
             self.core.check_level_ends(req.level_ends)

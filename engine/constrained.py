@@ -31,6 +31,7 @@ all (complete and unable to continue), only EOS is allowed, so the sequence ends
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -294,14 +295,69 @@ class ConstraintCompiler:
             return False, matcher.get_error()
         return True, ""
 
-    def start(self, constraint: Constraint) -> ConstraintState:
-        """A fresh state at the start of the output; its first mask is being computed when this returns.
+    def check(self, constraint: Constraint) -> None:
+        """Raise unless ``constraint`` compiles and its ``prefix`` starts an output it allows (nothing kept).
 
         Raises:
-            InvalidRequestError: see ``grammar``.
+            InvalidRequestError: see ``grammar`` and ``start``.
         """
+        self._matcher(constraint)
+
+    def start(self, constraint: Constraint) -> ConstraintState:
+        """A state at the start of the output, after the constraint's ``prefix``; its first mask is being
+        computed when this returns.
+
+        Raises:
+            InvalidRequestError: see ``grammar``; or the ``prefix`` is not the start of any output the grammar
+                allows (param ``messages``: it is the request's assistant prefill).
+        """
+        return ConstraintState(self._matcher(constraint), self)
+
+    def _matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """A matcher of the constraint's grammar that has consumed its ``prefix`` (tokenized by llguidance: the
+        grammar reads the bytes, so any tokenization of the same text is accepted alike)."""
         matcher = llguidance.LLMatcher(self.lltokenizer, self.grammar(constraint))
-        return ConstraintState(matcher, self)
+        if constraint.prefix:
+            tokens = self.lltokenizer.tokenize_str(constraint.prefix)
+            if matcher.try_consume_tokens(tokens) != len(tokens) or matcher.is_error():
+                raise InvalidRequestError(
+                    "Invalid 'messages': the final assistant message (a prefill the answer continues) is not "
+                    f"the start of an answer the response format allows: {_quoted_start(constraint.prefix)}",
+                    "messages",
+                )
+        return matcher
+
+
+def _quoted_start(text: str, limit: int = 40) -> str:
+    """``text`` quoted, cut to ``limit`` characters with an ellipsis (for error messages)."""
+    return json.dumps(text if len(text) <= limit else text[:limit] + "...")
+
+
+def prefilled(constraint: Constraint, text: str) -> Constraint:
+    """``constraint`` for an output that continues ``text``, the assistant prefill of a continued final message
+    (Anthropic's prefill; ``GenerationRequest.continue_final_message``): the format then covers prefill and
+    continuation together, so that joined they are valid.
+
+    - ``json_object`` / ``json_schema``: the same constraint with ``prefix=text``.
+    - ``tool_calls`` with ``tool_choice="auto"`` and an answer format (``json_schema``): the answer has begun, so
+      no call can follow; the answer's schema alone, with ``prefix=text``.
+    - other ``tool_calls`` constraints: unchanged; the prefill is text the calls or text of the output follow,
+      as without a constraint.
+
+    Returns:
+        the constraint to decode with (``text`` empty: ``constraint`` itself).
+    """
+    if not text:
+        return constraint
+    if constraint.kind in ("json_object", "json_schema"):
+        return dataclasses.replace(constraint, prefix=text)
+    if (
+        constraint.kind == "tool_calls"
+        and constraint.tool_choice == "auto"
+        and constraint.json_schema is not None
+    ):
+        return Constraint(kind="json_schema", json_schema=constraint.json_schema, prefix=text)
+    return constraint
 
 
 class ConstraintState:

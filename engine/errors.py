@@ -18,7 +18,7 @@ class PromptTooLongError(EngineError):
         limit: the limit it broke, in tokens.
         what: ``"context"`` (the model's max length) or ``"pool"`` (the whole block pool).
         completion_tokens: the completion tokens requested (``max_tokens``) when they are what overflowed
-            the context, else None (then the prompt alone, plus one token, does not fit).
+            the context or the pool, else None (then the prompt alone, plus one token, does not fit).
     """
 
     def __init__(
@@ -38,6 +38,12 @@ class PromptTooLongError(EngineError):
             msg = (
                 f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
                 f"{prompt_tokens} tokens (including room for at least one completion token)."
+            )
+        elif completion_tokens is not None:
+            msg = (
+                f"The request needs {prompt_tokens + completion_tokens} tokens of KV cache ({prompt_tokens} in "
+                f"the messages, {completion_tokens} in the completion) but the whole block pool holds only "
+                f"{limit} tokens. Please reduce the length of the messages or completion."
             )
         else:
             msg = (

@@ -142,7 +142,8 @@ class InputProcessor:
                 does not compile (or no tokenizer to compile it for).
             PromptTooLongError: ``what="context"`` when ``prompt + 1 > max_model_len``, or when an explicit
                 ``max_tokens`` does not fit beside the prompt (``prompt + max_tokens > max_model_len``, as OpenAI
-                and vLLM refuse it); ``what="pool"`` when ``prompt + 1`` tokens exceed the whole block pool.
+                and vLLM refuse it); ``what="pool"`` when ``prompt + 1`` tokens, or the prompt and an explicit
+                ``max_tokens``, exceed the whole block pool (a pool configured smaller than the context window).
         """
         validate_params(params)
         validate_prompt(prompt_token_ids, self.vocab_size)
@@ -153,7 +154,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "constrained decoding needs the checkpoint's tokenizer", "response_format"
                 )
-            self.constraints.grammar(params.constraint)
+            self.constraints.check(params.constraint)
         for token_id, _ in params.logit_bias:
             if token_id >= self.vocab_size:
                 raise InvalidRequestError(
@@ -168,6 +169,10 @@ class InputProcessor:
                 n, self.max_model_len, what="context", completion_tokens=params.max_tokens
             )
         self.kv.check_fits(n + 1)
+        if params.max_tokens is not None and n + params.max_tokens > self.kv.capacity_tokens:
+            raise PromptTooLongError(
+                n, self.kv.capacity_tokens, what="pool", completion_tokens=params.max_tokens
+            )
 
     def make_request(
         self,
@@ -180,13 +185,14 @@ class InputProcessor:
     ) -> Request:
         """The engine request for a prompt that passed ``check_prompt`` (not queued, holding no block).
 
-        ``max_tokens`` is the room left in the context window, or the explicit value when smaller; the block
+        ``max_tokens`` is the room left in the context window (or in the whole block pool, when that is
+        smaller), or the explicit value when smaller; the block
         hashes of the prompt's full blocks are computed here, once. For ``n > 1`` the request's sampler gets the
         ``n - 1`` pending fork samplers (choices 1 .. n-1), forked when its prompt is computed. When
         ``shared_prefix_tokens`` covers at least one full block, those blocks are keyed ``(model_id, ("shared", shared_salt))`` and the rest
         ``(model_id, cache_salt)`` (``block_hash.LayeredKeys``).
         """
-        room = self.max_model_len - len(prompt_token_ids)
+        room = min(self.max_model_len, self.kv.capacity_tokens) - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

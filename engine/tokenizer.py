@@ -391,20 +391,8 @@ class Tokenizer:
                 render verbatim.
         """
         if continue_final_message:
-            rendered = self.apply_chat_template(messages, tools, add_generation_prompt=False)
-            final = normalize_message(messages[-1], len(messages) - 1).get("content")
-            final = final if isinstance(final, str) else ""
-            if not final.strip() or final.strip() not in rendered:
-                raise InvalidRequestError(
-                    "the final assistant message cannot be continued: the chat template does not render "
-                    "its content verbatim",
-                    f"messages[{len(messages) - 1}].content",
-                )
-            start = rendered.rindex(final.strip())
-            kept = len(final.lstrip())
-            if rendered[start : start + kept] != final.lstrip():  # the template trimmed trailing spaces
-                kept = len(final.strip())
-            return rendered[: start + kept]
+            rendered, _, end = self._continued(messages, tools)
+            return rendered[:end]
         template = self._template(tools)
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
@@ -429,6 +417,36 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"the chat template could not render the messages: {e}", "messages"
             ) from e
+
+    def continued_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The final message's text that ``apply_chat_template(..., continue_final_message=True)`` ends with: its
+        content without leading whitespace, and without trailing whitespace where the template trims it (what
+        a constrained continuation continues: ``engine.constrained.prefilled``).
+
+        Raises:
+            InvalidRequestError: as ``apply_chat_template`` with ``continue_final_message``.
+        """
+        rendered, start, end = self._continued(messages, tools)
+        return rendered[start:end]
+
+    def _continued(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> tuple[str, int, int]:
+        """The chat rendered whole without a generation prompt, and where in it the final message's content
+        is, ``[start, end)``, as ``transformers``' ``continue_final_message`` finds it: the last occurrence of
+        the stripped content, its trailing spaces kept where the template keeps them."""
+        rendered = self.apply_chat_template(messages, tools, add_generation_prompt=False)
+        final = normalize_message(messages[-1], len(messages) - 1).get("content")
+        final = final if isinstance(final, str) else ""
+        if not final.strip() or final.strip() not in rendered:
+            raise InvalidRequestError(
+                "the final assistant message cannot be continued: the chat template does not render "
+                "its content verbatim",
+                f"messages[{len(messages) - 1}].content",
+            )
+        start = rendered.rindex(final.strip())
+        kept = len(final.lstrip())
+        if rendered[start : start + kept] != final.lstrip():  # the template trimmed trailing spaces
+            kept = len(final.strip())
+        return rendered, start, start + kept
 
     def render_chat(
         self,

@@ -119,6 +119,10 @@ async def test_prompt_too_long_is_raised_before_any_block_is_taken():
             201,
         )
         assert "301 tokens (100 in the messages, 201 in the completion)" in str(both.value)
+        # ... and one the whole block pool (128 tokens, smaller than the context here) cannot hold
+        with pytest.raises(PromptTooLongError) as pooled:
+            eng.generate(GenerationRequest(prompt_token_ids=random_tokens(100, 3), params=greedy(29)))
+        assert (pooled.value.what, pooled.value.limit, pooled.value.completion_tokens) == ("pool", 128, 29)
         s = eng.stats()
         assert s.blocks_used == 0 and s.waiting == 0 and s.running == 0 and s.prefix_query_tokens == 0
         # the longest prompt that fits still runs

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.api import Constraint, SamplingParams
-from engine.constrained import tool_call_grammar
+from engine.constrained import prefilled, tool_call_grammar
 from engine.errors import InvalidRequestError
 from engine.tool_calls import parse_tool_calls, render_call
 from tests.engine.engine_helpers import make_engine, random_tokens
@@ -192,6 +192,61 @@ def test_cache_on_equals_cache_off_with_a_constraint():
 
     on, off = tokens(True), tokens(False)
     assert on == off and on[0] == on[1]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(schema=SCHEMAS, cut=st.floats(0.0, 1.0), seed=st.integers(0, 50))
+def test_a_prefix_is_continued_so_prefix_and_output_are_valid_together(schema, cut, seed):
+    """An assistant prefill under a format (``Constraint.prefix``): the grammar consumes it first, so the output
+    continues it; prefix + output validate, for a prefix cut anywhere in a valid instance (whole included)."""
+    whole = run(engine(), Constraint("json_schema", json_schema=schema), seeds=[seed])[0]
+    assert whole.finish_reason == "stop"
+    prefix = whole.full_text[: max(1, round(cut * len(whole.full_text)))]
+    constraint = Constraint("json_schema", json_schema=schema, prefix=prefix)
+    for out in run(engine(), constraint, seeds=[seed + 1, seed + 2], prompt_seed=7):
+        assert out.finish_reason == "stop", (prefix, out.full_text)
+        jsonschema.validate(json.loads(prefix + out.full_text), schema)
+        if prefix == whole.full_text:
+            assert out.full_text == ""  # a complete instance leaves nothing to add
+
+
+@pytest.mark.parametrize(
+    ("kind", "schema", "prefix"),
+    [
+        ("json_object", None, "Sure, "),
+        ("json_schema", {"type": "object", "required": ["a"]}, '{"b"'),
+        ("json_object", None, " {"),
+    ],
+)
+def test_a_prefix_no_output_of_the_format_starts_with_is_refused_before_queueing(kind, schema, prefix):
+    eng = engine()
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request(
+            [5, 6, 7], SamplingParams(constraint=Constraint(kind, json_schema=schema, prefix=prefix))
+        )
+    assert err.value.param == "messages" and json.dumps(prefix) in str(err.value)
+    assert not eng.has_unfinished() and eng.stats().blocks_used == 0
+
+
+def test_prefilled_continues_a_format_and_leaves_calls_alone():
+    schema = {"type": "object"}
+    tools = ({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},)
+    assert prefilled(Constraint("json_object"), "{") == Constraint("json_object", prefix="{")
+    assert prefilled(Constraint("json_schema", json_schema=schema), '{"a"').prefix == '{"a"'
+    # a response format with tools: the answer has begun, so its schema alone, with the prefix
+    answer = Constraint("tool_calls", tools=tools, json_schema=schema)
+    assert prefilled(answer, "{") == Constraint("json_schema", json_schema=schema, prefix="{")
+    # calls alone (or text then calls): the prefill is text the output follows, as without a constraint
+    for choice in ("auto", "required"):
+        calls = Constraint("tool_calls", tools=tools, tool_choice=choice)
+        assert prefilled(calls, "Let me look.") is calls
+    assert (
+        prefilled(
+            Constraint("tool_calls", tools=tools, tool_choice="required", json_schema=schema), "{"
+        ).prefix
+        == ""
+    )
+    assert prefilled(Constraint("json_object"), "") == Constraint("json_object")
 
 
 def test_tool_grammar_auto_allows_text_then_calls_and_refuses_unknown_tool_names():

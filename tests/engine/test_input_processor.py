@@ -78,6 +78,21 @@ def test_check_prompt_refuses_what_cannot_fit_and_stop_strings_without_a_tokeniz
     p.check_prompt(list(range(10)), SamplingParams(max_tokens=10))
 
 
+def test_a_pool_smaller_than_the_context_bounds_max_tokens_as_the_context_does() -> None:
+    """An explicit ``max_tokens`` the whole block pool cannot hold beside the prompt is refused up front (it
+    was cut at the pool's size and reported as ``length``); without one, the default stops at the pool."""
+    p = processor(num_blocks=4, max_model_len=64)  # the pool holds 16 tokens, the context 64
+    with pytest.raises(PromptTooLongError) as err:
+        p.check_prompt(list(range(6)), SamplingParams(max_tokens=11))
+    value = err.value
+    assert (value.what, value.limit, value.prompt_tokens, value.completion_tokens) == ("pool", 16, 6, 11)
+    assert "17 tokens of KV cache (6 in the messages, 11 in the completion)" in str(value)
+    p.check_prompt(list(range(6)), SamplingParams(max_tokens=10))  # 16 fit
+    assert p.make_request("r", list(range(6)), SamplingParams(max_tokens=None), "").max_tokens == 10
+    wide = processor(num_blocks=32, max_model_len=64)  # the context is the smaller limit: as before
+    assert wide.make_request("s", list(range(6)), SamplingParams(max_tokens=None), "").max_tokens == 58
+
+
 def test_make_request_resolves_max_tokens_stop_ids_and_hashes_full_prompt_blocks() -> None:
     p = processor(Letters(), max_model_len=20)
     prompt = list(range(10))

@@ -47,6 +47,17 @@ def test_smollm2_template_leaves_the_assistant_turn_open(smollm2_path, conv):
     assert text.count("<|im_end|>") == text.count("<|im_start|>") - 1  # every earlier turn is closed
 
 
+@pytest.mark.parametrize(
+    "conv", [*PREFILLS, [{"role": "user", "content": "a"}, {"role": "assistant", "content": ' \n {"a": '}]]
+)
+def test_continued_text_is_the_final_content_the_continued_prompt_ends_with(tiny_hf_dir, conv):
+    ours = Tokenizer.from_hf_folder(tiny_hf_dir)
+    text = ours.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+    final = conv[-1]["content"] if isinstance(conv[-1]["content"], str) else "Sure"
+    continued = ours.continued_text(conv)
+    assert text.endswith(continued) and continued in (final.lstrip(), final.strip())
+
+
 def test_a_final_message_the_template_does_not_render_verbatim_is_refused(tiny_hf_dir):
     ours = Tokenizer.from_hf_folder(tiny_hf_dir)
     with pytest.raises(InvalidRequestError):

@@ -763,6 +763,50 @@ def test_anthropic_structured_output_validates(claude):
     jsonschema.validate(json.loads(text), schema)
 
 
+PREFILLED = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("prefill", "tools"), [('{"answer": "', False), ("{", False), ('{"', True)])
+def test_an_anthropic_prefill_under_a_format_is_continued_so_both_together_validate(
+    claude, stream, prefill, tools
+):
+    """Before: the continuation started a fresh instance (``{"a":`` + ``{"a": 100}``). The format now covers
+    prefill and continuation together; with tools the answer has begun, so a JSON text block, no call."""
+    request = dict(
+        model=TINY_MODEL,
+        max_tokens=64,
+        messages=[*QUESTION, {"role": "assistant", "content": prefill}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": PREFILLED}}},
+    )
+    if tools:
+        request["tools"] = ANTHROPIC_TOOLS
+    if stream:
+        with claude.messages.stream(**request) as events:
+            message = events.get_final_message()
+    else:
+        message = claude.messages.create(**request)
+    assert message.stop_reason == "end_turn" and [b.type for b in message.content] == ["text"]
+    jsonschema.validate(json.loads(prefill + message.content[0].text), PREFILLED)
+
+
+def test_an_anthropic_prefill_no_answer_of_the_format_starts_with_is_a_400(claude):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(
+            model=TINY_MODEL,
+            max_tokens=8,
+            messages=[*QUESTION, {"role": "assistant", "content": "Sure, here it is:"}],
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": PREFILLED}}},
+        )
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    assert "prefill" in err.value.body["error"]["message"]
+
+
 @pytest.mark.parametrize("field", ["output_config", "output_format"])
 def test_an_output_schema_the_engine_cannot_enforce_is_named_as_the_client_sent_it(claude, field):
     """The engine refuses the schema in chat terms (``response_format``); the Anthropic face names
