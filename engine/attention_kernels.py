@@ -17,6 +17,7 @@ import torch
 from engine import native_build, native_decode
 from engine.api import DECODE_KERNELS, PREFILL_KERNELS
 from engine.native_decode import NativeDecodeKernel
+from engine.weight_format import cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +75,25 @@ def amx_fits(kv_dtype: torch.dtype, head_dim: int | None) -> bool:
     )
 
 
+BF16_DOT_AUTO_VENDORS = frozenset({"AuthenticAMD"})
+"""``/proc/cpuinfo`` vendors whose CPUs ``engine.prefill_kernel: auto`` gives the AVX512-BF16 build, where it was
+measured faster than the fp32 AVX-512 build (``python -m bench.prefill_kernels``, SmolLM2's shape, 2 threads):
+on a 2-core Zen 4 EPYC 0.48-0.55x a layer (session 29). Not on Intel: on a 2-core Xeon (family 6 model 207,
+session 30) it took 1.05-1.25x the fp32 build's time (1,070 rows 10.6 vs 8.4 ms, 56 rows over 1,028 cached 1.26
+vs 1.04 ms), because there ``VDPBF16PS`` (two bf16 products a lane) issued once per ~1.6 TSC cycles against 0.4
+for ``VFMADD231PS`` (12 independent chains of each): the halved instruction count costs more. The fp32 build,
+the more exact, is then also the faster; asked for by name the AVX512-BF16 build still runs everywhere."""
+
+
 def bf16_fits(kv_dtype: torch.dtype, head_dim: int | None, group: int | None) -> bool:
     """Whether ``engine.prefill_kernel: auto`` tries the AVX512-BF16 build: the cache and shape fit it
-    (``native_decode.bf16_prefill_fits``), a CPU with AVX512-BF16, and no other instruction set asked for
-    (``$PREFIXGATE_ATTENTION_ISA``)."""
+    (``native_decode.bf16_prefill_fits``), a CPU with AVX512-BF16 of a vendor it is measured faster on
+    (``BF16_DOT_AUTO_VENDORS``), and no other instruction set asked for (``$PREFIXGATE_ATTENTION_ISA``)."""
     return (
         native_decode.bf16_prefill_fits(kv_dtype, head_dim, group)
         and native_decode.build_isa() == "avx512"
         and native_decode._cpu_ok("avx512-bf16")[0]
+        and cpu_vendor() in BF16_DOT_AUTO_VENDORS
     )
 
 
@@ -98,9 +110,9 @@ def resolve_prefill_kernel(
     ``auto`` takes it first where it builds and the cache and shape fit (``amx_fits``; on a 2-core Xeon with AMX,
     SmolLM2's shape, 1,070 rows, 2 threads: 3.2 against 7.9 ms a layer for the AVX-512 build);
     ``avx512-bf16`` -> the AVX512-BF16 build (``paged_prefill_attention_bf16``: a bf16 cache, ``head_dim`` a
-    multiple of 32 up to 128), or a start-up error; ``auto`` takes it next where it builds and fits
-    (``bf16_fits``; on a 2-core Zen 4 EPYC, SmolLM2's shape, 1,070 rows, 2 threads: 4.3 against 8.7 ms a layer
-    for the AVX-512 build); ``torch`` -> None (torch's chunked prefill); ``native`` -> the kernel (the same
+    multiple of 32 up to 128), or a start-up error; ``auto`` takes it next where it builds and fits on an AMD
+    CPU (``bf16_fits``, ``BF16_DOT_AUTO_VENDORS``; on a 2-core Zen 4 EPYC, SmolLM2's shape, 1,070 rows, 2
+    threads: 4.3 against 8.7 ms a layer for the AVX-512 build; slower than it on an Intel Xeon); ``torch`` -> None (torch's chunked prefill); ``native`` -> the kernel (the same
     library as the decode kernel, built once per process and model shape), or a start-up error; ``auto`` -> the
     kernel where it is measured faster than
     torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``), and the AVX2 build (CPUs
