@@ -412,10 +412,12 @@ class AsyncEngine:
             if isinstance(event, Finished):
                 found = event.usage.cached_tokens
         shared = self.next_turn_tokens(req, prompt)
+        # the keys the warm's blocks were cached under (a declared public prefix's blocks are keyed apart)
+        keys = self.core.input.extra_keys(
+            len(prompt), req.cache_salt, self.shared_prefix_tokens(req, prompt), req.shared_salt
+        )
         with self._cond:
-            result = self.core.finish_warm(
-                prompt, (self.core.model_id, req.cache_salt), pin, req.prefix_key, req.level_ends, shared
-            )
+            result = self.core.finish_warm(prompt, keys, pin, req.prefix_key, req.level_ends, shared)
         return dataclasses.replace(result, computed_tokens=None if found is None else len(prompt) - found)
 
     def next_turn_tokens(self, req: GenerationRequest, prompt: list[int]) -> int | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engine.api import MAX_N, SamplingParams
-from engine.block_hash import LayeredKeys, block_hasher
+from engine.block_hash import ExtraKeys, LayeredKeys, block_hasher
 from engine.constrained import ConstraintCompiler
 from engine.detokenizer import Decoder, OutputText
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -174,6 +174,19 @@ class InputProcessor:
                 n, self.kv.capacity_tokens, what="pool", completion_tokens=params.max_tokens
             )
 
+    def extra_keys(
+        self, prompt_len: int, cache_salt: str, shared_prefix_tokens: int = 0, shared_salt: str = ""
+    ) -> ExtraKeys:
+        """The extra keys of a ``prompt_len``-token prompt's blocks (``make_request``'s): ``(model_id,
+        cache_salt)``, or, when ``shared_prefix_tokens`` covers at least one full block, ``LayeredKeys`` whose
+        first blocks are keyed ``(model_id, ("shared", shared_salt))``."""
+        own = (self.model_id, cache_salt)
+        shared_blocks = min(shared_prefix_tokens, prompt_len) // self.kv.block_size
+        if shared_blocks <= 0:
+            return own
+        shared = (self.model_id, ("shared", shared_salt))
+        return LayeredKeys(shared=shared, shared_blocks=shared_blocks, private=own)
+
     def make_request(
         self,
         request_id: str,
@@ -197,11 +210,7 @@ class InputProcessor:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        extra_keys = (self.model_id, cache_salt)
-        shared_blocks = min(shared_prefix_tokens, len(prompt_token_ids)) // self.kv.block_size
-        if shared_blocks > 0:
-            shared = (self.model_id, ("shared", shared_salt))
-            extra_keys = LayeredKeys(shared=shared, shared_blocks=shared_blocks, private=extra_keys)
+        extra_keys = self.extra_keys(len(prompt_token_ids), cache_salt, shared_prefix_tokens, shared_salt)
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

@@ -55,7 +55,7 @@ class PrefixAdmin:
     def finish_warm(
         self,
         prompt: list[int],
-        extra_keys: tuple,
+        extra_keys: ExtraKeys,
         pin: bool,
         prefix_key: str | None,
         level_ends: Sequence[tuple[int, str]] | None = None,
@@ -85,7 +85,11 @@ class PrefixAdmin:
         return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id, reusable)
 
     def reusable_tokens(
-        self, prompt: list[int], hashes: Sequence[bytes], extra_keys: tuple, shared_tokens: int | None = None
+        self,
+        prompt: list[int],
+        hashes: Sequence[bytes],
+        extra_keys: ExtraKeys,
+        shared_tokens: int | None = None,
     ) -> int:
         """Tokens a request whose prompt starts with ``prompt[:shared_tokens]`` and goes on past it reuses from
         the cache now: the scheduler's own lookup (whole blocks, then the longest partial entry) of those

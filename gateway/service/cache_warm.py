@@ -273,11 +273,14 @@ def drop_cached(
     ``{"prefixes", "ram", "disk", "redis"}``.
 
     Raises:
-        InvalidRequestError: no filter at all (dropping everything needs ``model=``).
+        InvalidRequestError: no filter at all (dropping everything needs ``model=``), or an empty ``prefix_key``
+            (no prefix has one: ``?prefix_key=`` is a filter left blank, not a silent "dropped nothing").
         ModelNotFoundError: ``model`` is not a configured model (404: a typo is not a silent "dropped nothing").
     """
     if prefix_key is None and tenant is None and model is None:
         raise InvalidRequestError("Give prefix_key, tenant or model.", param="prefix_key")
+    if prefix_key == "":
+        raise InvalidRequestError("prefix_key must not be empty.", param="prefix_key")
     total = {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
     for _, backend in _backends(gateway, model):
         dropped = backend.drop_cached(prefix_key=prefix_key, tenant=tenant) or {}

@@ -50,6 +50,39 @@ async def test_a_system_warm_reports_what_the_next_user_turn_reuses(pin):
         await eng.shutdown()
 
 
+async def test_a_warm_with_a_declared_public_prefix_pins_and_reports_the_blocks_it_cached():
+    """Before: with ``shared_prefix_messages`` (the gateway's ``shared_prefixes``) the warm looked its blocks up
+    under the tenant's keys, found none (the public blocks are keyed by the shared salt): ``cached_tokens`` 0,
+    ``pin: true`` pinned nothing, no error. Now the lookup takes the keys the blocks were cached under."""
+    eng = AsyncEngine(make_engine(), tiny_checkpoint().tokenizer)
+    try:
+        public = GenerationRequest(
+            messages=SYSTEM + [{"role": "user", "content": "Hello there."}],
+            cache_salt="acme",
+            shared_prefix_messages=1,
+            shared_salt="public",
+        )
+        warm = await eng.warm(public, pin=True)
+        prompt = eng.render_chat(public.messages)
+        assert warm.cached_tokens == len(prompt) // 16 * 16 > 0
+        assert warm.pinned_blocks == warm.cached_tokens // 16 and warm.pin_id is not None
+        assert eng.stats().pinned_blocks == warm.pinned_blocks
+        assert warm.reusable_tokens == warm.prompt_tokens
+        # the public part serves another tenant; the tenant's own blocks do not
+        other = GenerationRequest(
+            messages=SYSTEM + [{"role": "user", "content": "Hello there, again."}],
+            params=greedy(2),
+            cache_salt="bob",
+            shared_prefix_messages=1,
+            shared_salt="public",
+        )
+        events = [e async for e in eng.generate(other)]
+        assert 0 < events[-1].usage.cached_tokens < warm.cached_tokens
+        assert eng.unpin(warm.pin_id)
+    finally:
+        await eng.shutdown()
+
+
 async def test_a_conversation_warm_is_reused_whole_by_its_next_turn():
     """A warm ending with a user message: the next request carries the assistant's reply after it, and its
     rendering starts with the whole warmed prompt (generation prompt included)."""

@@ -208,6 +208,8 @@ def test_warm_at_start_then_admin_warm_list_and_delete(tmp_path, tiny_checkpoint
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "context_length_exceeded"
         no_filter = httpx.delete(f"{server.base_url}/admin/cache", headers=ADMIN_HEADERS, timeout=30)
         assert no_filter.status_code == 400
+        blank = httpx.delete(f"{server.base_url}/admin/cache?prefix_key=", headers=ADMIN_HEADERS, timeout=30)
+        assert blank.status_code == 400 and blank.json()["error"]["param"] == "prefix_key", blank.text
     finally:
         server.stop()
 
