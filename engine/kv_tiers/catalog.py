@@ -52,8 +52,8 @@ class CachedPrefix:
         prefix_key, model_id, tenant, level, last_use: as in ``PrefixRecord``.
         tokens: tokens of its full blocks.
         tiers: tokens of its leading blocks found in each place now: ``{"ram": n, "disk": m, "redis": k}``.
-        expires_at: per tier, when its last block written there expires (clock seconds; None = never or
-            not there).
+        expires_at: per tier, the soonest any of its leading blocks held there expires (clock seconds: from
+            then on the tier serves less of it; None = none of them expires, or none is there).
         pinned: held in RAM by a pin.
     """
 

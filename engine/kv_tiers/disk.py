@@ -3,8 +3,10 @@
 Layout: ``{directory}/{level}/`` is a ``diskcache.Cache`` whose ``size_limit`` is the level's share of the
 tier's byte budget and whose eviction policy is least-recently-used (a read refreshes an entry). After every
 write the level's cache is culled until its volume (entries plus its SQLite file) is back under its share, so
-the budget holds after each write, not eventually. An entry's tag is its expiry time on the tier's clock;
-a read past it deletes the entry and counts ``disk.expired.{level}``.
+the budget holds after each write, not eventually. An entry's tag is its expiry time on the tier's clock; on
+the real clock diskcache also holds it (``expire=``): such an entry reads as absent once it expires, and
+``sweep_expired`` (every write, and the writer thread when idle) removes it and counts it once in
+``disk.expired.{level}``; on another clock (tests) a read past the tag deletes and counts it.
 
 Failures never reach a request: a write that fails (disk full, unwritable directory, SQLite busy) is
 skipped and counted (``disk.write_errors``); a read that fails is a miss (``disk.read_errors``). Only a
@@ -127,6 +129,7 @@ class DiskTier:
             self.counters.add("disk.write_errors")
             return False
         try:
+            self.sweep_expired()
             for other, c in self._caches.items():
                 if other != level:
                     c.delete(key)
@@ -140,6 +143,24 @@ class DiskTier:
         self.counters.add("disk.writes")
         self.counters.add("disk.bytes_written", len(data))
         return True
+
+    def sweep_expired(self) -> int:
+        """Remove the entries diskcache holds as expired (real clock only) and count them per level
+        (``disk.expired.{level}``): without this they read as absent and were never counted. Returns how many
+        went; a failure is counted (``disk.write_errors``) and leaves them for the next sweep."""
+        if not self._real_time:
+            return 0
+        total = 0
+        for level, cache in self._caches.items():
+            try:
+                gone = cache.expire()
+            except _FAILURES:
+                self.counters.add("disk.write_errors")
+                continue
+            if gone:
+                self.counters.add(f"disk.expired.{level}", gone)
+                total += gone
+        return total
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` from every level. Returns True when something was removed."""

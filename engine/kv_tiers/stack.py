@@ -90,8 +90,11 @@ class TierStack:
         self._bytes: dict[str, int] = {t.name: 0 for t in self.tiers}
         self._bytes_at = 0.0
         self.bytes_refresh_s = 1.0
-        """Tier sizes are measured on the writer thread at most this often (``stats`` does no I/O)."""
-        self.queue: WriteBackQueue[_Write] = WriteBackQueue(writeback_capacity, self._write, counters)
+        """Tier sizes are measured on the writer thread: at most this often during a burst of writes, at its end,
+        and every ``queue.idle_s`` seconds without writes (``stats`` does no I/O)."""
+        self.queue: WriteBackQueue[_Write] = WriteBackQueue(
+            writeback_capacity, self._write, counters, idle=self._housekeep
+        )
         self._prefetcher = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kv-prefetch", initializer=serial_torch_thread
         )
@@ -126,6 +129,15 @@ class TierStack:
             tier.put(key, data, item.levels)
         if time.monotonic() - self._bytes_at >= self.bytes_refresh_s:
             self._measure_bytes()
+
+    def _housekeep(self) -> None:
+        """The writer thread's work between bursts: expired entries swept (and counted) where a tier sweeps,
+        then the tiers' sizes measured (a burst's last writes, and expiry, change them)."""
+        for tier in self.tiers:
+            sweep = getattr(tier, "sweep_expired", None)
+            if sweep is not None:
+                sweep()
+        self._measure_bytes()
 
     def _measure_bytes(self) -> None:
         self._bytes = self.nbytes()
@@ -187,18 +199,21 @@ class TierStack:
         return sum(1 for t in self.tiers if t.delete(key))
 
     def presence(self, hashes: list[BlockHash]) -> dict[str, tuple[int, float | None]]:
-        """Per tier: how many leading blocks of a chain it holds, and when the first of them expires."""
+        """Per tier: how many leading blocks of a chain it holds, and the soonest any of those expires (None:
+        none of them does). A chain's blocks can be kept under different levels (a system prompt's for a day, a
+        conversation's history for minutes): from that time on the tier serves less of the chain. Before, the
+        first block's expiry was reported, a day for a chain whose history went in a minute."""
         out: dict[str, tuple[int, float | None]] = {}
         for tier in self.tiers:
-            n, first_expiry = 0, None
+            n, soonest = 0, None
             for h in hashes:
                 present, expires_at = tier.peek(self.layout.tier_key(h))
                 if not present:
                     break
-                if n == 0:
-                    first_expiry = expires_at
+                if expires_at is not None and (soonest is None or expires_at < soonest):
+                    soonest = expires_at
                 n += 1
-            out[tier.name] = (n, first_expiry)
+            out[tier.name] = (n, soonest)
         return out
 
     def delete_chain(self, hashes: list[BlockHash]) -> dict[str, int]:

@@ -32,16 +32,27 @@ class WriteBackQueue(Generic[T]):
         capacity: most items waiting (>= 1).
         handler: called on the writer thread, one item at a time.
         counters: where ``writeback.queued`` / ``writeback.dropped`` / ``writeback.errors`` are counted.
+        idle: housekeeping called on the writer thread when a burst of items is done (the queue empty after
+            one) and every ``idle_s`` seconds without items; its failures are counted as ``writeback.errors``.
 
     Raises:
         ValueError: ``capacity`` < 1.
     """
 
-    def __init__(self, capacity: int, handler: Callable[[T], None], counters: TierCounters) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        handler: Callable[[T], None],
+        counters: TierCounters,
+        idle: Callable[[], None] | None = None,
+        idle_s: float = 5.0,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"write-back capacity must be >= 1, got {capacity}")
         self._q: queue.Queue = queue.Queue(capacity)
         self._handler = handler
+        self._idle = idle
+        self.idle_s = idle_s
         self.counters = counters
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-writeback", daemon=True)
@@ -90,7 +101,11 @@ class WriteBackQueue(Generic[T]):
     def _run(self) -> None:
         serial_torch_thread()  # its copies never start an OpenMP team (engine.openmp_threads)
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=None if self._idle is None else self.idle_s)
+            except queue.Empty:
+                self._housekeep()
+                continue
             try:
                 if item is _STOP:
                     return
@@ -100,3 +115,14 @@ class WriteBackQueue(Generic[T]):
                 log.exception("write-back failed")
             finally:
                 self._q.task_done()
+            if self._q.empty():
+                self._housekeep()
+
+    def _housekeep(self) -> None:
+        if self._idle is None:
+            return
+        try:
+            self._idle()
+        except Exception:  # as a write: counted, the thread goes on
+            self.counters.add("writeback.errors")
+            log.exception("write-back housekeeping failed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import time
 
 import pytest
 
@@ -82,6 +83,34 @@ def test_ttl_per_level_on_the_injected_clock(tmp_path, counters, clock):
     assert tier.get("d") is None and counters.get("disk.expired.documents") == 1
     assert tier.get("s") == entry(3)  # no TTL
     assert list(tier.keys()) == [("system", "s")]  # expired entries are deleted
+    tier.close()
+
+
+def test_ttl_on_the_real_clock_is_counted_once_when_swept(tmp_path, counters):
+    """Before: on the real clock diskcache's own ``expire=`` hid an expired entry (a read found nothing), so
+    ``disk.expired.{level}`` was never counted and the dashboard's disk expirations stayed empty."""
+    short = TierPolicies(
+        {
+            "disk": {
+                "history": TierPolicy(0.5, 0.4),
+                "system": TierPolicy(None, 0.4),
+                "documents": TierPolicy(None, 0.2),
+            }
+        }
+    )
+    tier = DiskTier(tmp_path / "kv", 1 << 20, short, counters)  # time.time
+    tier.put("h", entry(1), HISTORY)
+    tier.put("s", entry(2), SYSTEM)
+    assert tier.get("h") == entry(1)
+    time.sleep(0.6)
+    assert tier.get("h") is None and counters.get("disk.expired.history") == 0  # not counted on the read
+    assert tier.sweep_expired() == 1 and counters.get("disk.expired.history") == 1
+    assert tier.sweep_expired() == 0 and counters.get("disk.expired.history") == 1  # counted once
+    assert list(tier.keys()) == [("system", "s")]
+    tier.put("h2", entry(3), HISTORY)  # a write sweeps too
+    time.sleep(0.6)
+    tier.put("s2", entry(4), SYSTEM)
+    assert counters.get("disk.expired.history") == 2 and tier.get("s") == entry(2)
     tier.close()
 
 

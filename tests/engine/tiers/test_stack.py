@@ -4,13 +4,14 @@ entries counted by cause and replaced by the next tier's copy, and a full queue 
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from engine.kv_tiers.disk import DiskTier
 from engine.kv_tiers.entry import BlockMeta, encode_entry
 from engine.kv_tiers.keys import keyed_block_hash
-from engine.kv_tiers.policy import TierPolicies
+from engine.kv_tiers.policy import TierPolicies, TierPolicy
 from engine.kv_tiers.redis_tier import RedisTier
 from engine.kv_tiers.stack import TierStack
 from tests.engine.tiers.conftest import REDIS_URL
@@ -57,6 +58,46 @@ def test_write_back_then_lookup_the_chain(layout, tmp_path, counters, clock, red
     assert stats["disk.bytes"] > 0 and stats["redis.bytes"] == sum(
         len(encode_entry(layout, m, kv)) for m, kv in blocks[:3]
     )
+    s.close()
+
+
+def test_a_bursts_last_writes_are_in_the_byte_gauges_without_a_flush(
+    layout, tmp_path, counters, clock, redis_prefix
+):
+    """Before: sizes were measured on a write at most once a second, so a burst of evictions was measured
+    after its first write and the gauges stayed there (one entry of 39) until the next burst. The writer now
+    measures at a burst's end."""
+    s = stack(layout, tmp_path, counters, clock, redis_prefix)
+    blocks = chain(layout, 6, seed=3)
+    for meta, kv in blocks:
+        assert s.write_back(meta, LEVELS, kv.clone())
+    expected = sum(len(encode_entry(layout, m, kv)) for m, kv in blocks)
+    deadline = time.monotonic() + 10
+    while s.stats()["redis.bytes"] != expected and time.monotonic() < deadline:
+        time.sleep(0.05)  # no flush: flush measures itself
+    stats = s.stats()
+    assert stats["redis.bytes"] == expected and stats["disk.bytes"] == s.nbytes()["disk"]
+    s.close()
+
+
+def test_presence_reports_when_a_chain_starts_to_expire(layout, tmp_path, counters, clock):
+    """A chain whose first block is kept a day (system) and the rest a minute (history): its expiry in the
+    tier is the minute's, when the tier starts serving less of it (before: the first block's day)."""
+    policies = TierPolicies(
+        {
+            "disk": {
+                "system": TierPolicy(86400.0, 0.5),
+                "history": TierPolicy(60.0, 0.3),
+                "documents": TierPolicy(None, 0.2),
+            }
+        }
+    )
+    s = TierStack(layout, [DiskTier(tmp_path / "disk", 1 << 22, policies, counters, clock)], counters)
+    blocks = chain(layout, 3, seed=5)
+    for i, (meta, kv) in enumerate(blocks):
+        s.write_now(meta, LEVELS if i == 0 else frozenset({"history"}), kv)
+    assert s.presence([m.block_hash for m, _ in blocks])["disk"] == (3, clock() + 60.0)
+    assert s.presence([blocks[0][0].block_hash])["disk"] == (1, clock() + 86400.0)
     s.close()
 
 
