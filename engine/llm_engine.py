@@ -237,7 +237,11 @@ class LLMEngine(PrefixAdmin):
         )
         self.tier_clock = tier_clock
         self.catalog = PrefixCatalog()
-        """Prefixes warmed or named by a request's prefix key (listing and dropping)."""
+        """Prefixes warmed or named by a request's prefix key (listing and dropping); with tiers, those they
+        kept from before a restart first (``engine.kv_tiers.catalog``)."""
+        if self.tiers is not None:
+            for rec in self.tiers.stack.load_records(self.model_id):
+                self.catalog.record(rec)
         self.prefetch_wait_s = 1.0
         """Longest wait for a tier read in a step that has nothing else to run."""
         self._waited_for_tiers = False  # the last step waited for a tier read (``run_to_completion``)

@@ -132,7 +132,16 @@ class PrefixAdmin:
         rec = PrefixRecord(
             key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, self.tier_clock(), pin_id
         )
+        old = self.catalog.get(key)
         self.catalog.record(rec)
+        changed = old is None or (old.block_hashes, old.level, old.tenant, old.model_id) != (
+            rec.block_hashes,
+            rec.level,
+            rec.tenant,
+            rec.model_id,
+        )
+        if self.tiers is not None and changed:  # kept down too, for a restart (engine.kv_tiers.catalog)
+            self.tiers.stack.save_record(rec)
 
     def list_cached(
         self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
@@ -184,6 +193,8 @@ class PrefixAdmin:
             if rec.pin_id is not None:
                 self.kv.pins.unpin(rec.pin_id)
             self.catalog.remove(rec.prefix_key)
+            if self.tiers is not None:
+                self.tiers.stack.delete_record(rec.prefix_key)
         out = {"prefixes": len(recs)}
         if prefix_key is not None:  # the listed prefix's own blocks (the filters chose the records)
             chain = [h for rec in recs for h in rec.block_hashes]

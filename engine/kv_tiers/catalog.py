@@ -9,10 +9,17 @@ listing, never stored: a record cannot claim blocks that were evicted or expired
 
 The catalog is bounded (``max_entries``, least recently used dropped first); dropping a record never drops
 blocks, ``LLMEngine.drop_cached`` does that.
+
+With tiers, each record is also kept in them (``encode_record``, ``TierStack.save_record``: a small JSON entry
+under the record's level, so it lives as long as its blocks' policy keeps them), and an engine that starts on
+tiers holding blocks reads its model's records back (``TierStack.load_records``): a restarted gateway lists
+and drops by prefix key what its tiers still serve. A record is written when it is new or its blocks, level or
+tenant change, not on every use: its ``last_use`` after a restart is the one last written.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -116,3 +123,56 @@ class PrefixCatalog:
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+RECORD_VERSION = 1
+
+
+def encode_record(rec: PrefixRecord) -> bytes:
+    """``rec`` (its pin left out: pins do not outlive the process) as the JSON bytes the tiers keep."""
+    return json.dumps(
+        {
+            "v": RECORD_VERSION,
+            "prefix_key": rec.prefix_key,
+            "model_id": rec.model_id,
+            "tenant": rec.tenant,
+            "level": rec.level,
+            "block_hashes": [bytes(h).hex() for h in rec.block_hashes],
+            "num_tokens": rec.num_tokens,
+            "last_use": rec.last_use,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def decode_record(data: bytes) -> PrefixRecord | None:
+    """The record ``encode_record`` wrote, or None for bytes that are not one (another version, a block entry,
+    damage): a tier entry is never trusted to be well formed."""
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("v") != RECORD_VERSION:
+            return None
+        text = ("prefix_key", "model_id", "tenant", "level")
+        if not all(isinstance(doc.get(k), str) for k in text):
+            return None
+        hashes = doc.get("block_hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+            return None
+        num_tokens, last_use = doc.get("num_tokens"), doc.get("last_use")
+        if (
+            not isinstance(num_tokens, int)
+            or isinstance(num_tokens, bool)
+            or not isinstance(last_use, int | float)
+        ):
+            return None
+        return PrefixRecord(
+            doc["prefix_key"],
+            doc["model_id"],
+            doc["tenant"],
+            doc["level"],
+            [bytes.fromhex(h) for h in hashes],
+            num_tokens,
+            float(last_use),
+        )
+    except (ValueError, UnicodeDecodeError):
+        return None

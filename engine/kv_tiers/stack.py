@@ -17,6 +17,7 @@ engine: failures are counted misses or skipped writes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from typing import Protocol
 import torch
 
 from engine.block_hash import BlockHash
+from engine.kv_tiers.catalog import PrefixRecord, decode_record, encode_record
 from engine.kv_tiers.counters import TierCounters
 from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
 from engine.kv_tiers.writeback import WriteBackQueue
@@ -50,6 +52,8 @@ class Tier(Protocol):
 
     def scan_heads(self) -> Iterator[tuple[str, bytes]]: ...
 
+    def keys(self) -> Iterator[tuple[str, str]]: ...
+
     def peek(self, key: str) -> tuple[bool, float | None]: ...
 
     def close(self) -> None: ...
@@ -69,6 +73,17 @@ class _Write:
     meta: BlockMeta
     levels: frozenset[str]
     kv: torch.Tensor
+
+
+@dataclass
+class _RecordWrite:
+    key: str
+    data: bytes
+    levels: frozenset[str]
+
+
+RECORD_KEY_PREFIX = "catalog-"
+"""Tier keys of prefix records (``record_key``); block entries' keys are bare hex digests."""
 
 
 class TierStack:
@@ -122,7 +137,11 @@ class TierStack:
         """Encode and write one block to every tier on the calling thread (tests, warming at start)."""
         self._write(_Write(meta, levels, kv))
 
-    def _write(self, item: _Write) -> None:
+    def _write(self, item: _Write | _RecordWrite) -> None:
+        if isinstance(item, _RecordWrite):
+            for tier in self.tiers:
+                tier.put(item.key, item.data, item.levels)
+            return
         data = encode_entry(self.layout, item.meta, item.kv)
         key = self.key(item.meta)
         for tier in self.tiers:
@@ -237,6 +256,52 @@ class TierStack:
                     doomed.append(key)
             out[tier.name] = sum(1 for key in doomed if tier.delete(key))
         return out
+
+    # ---- prefix records (engine.kv_tiers.catalog) ------------------------------------------------------
+    def record_key(self, prefix_key: str) -> str:
+        """The tier key of a prefix record: ``catalog-`` + hex sha256(model digest, layout digest, prefix key),
+        so another model's or layout's records never share it."""
+        digest = self.layout.model_digest() + self.layout.layout_digest() + prefix_key.encode()
+        return RECORD_KEY_PREFIX + hashlib.sha256(digest).hexdigest()
+
+    def save_record(self, rec: PrefixRecord) -> bool:
+        """Queue ``rec`` for every tier, kept under its level, without waiting (as ``write_back``).
+
+        Returns:
+            False when the queue was full (the record is not kept down; counted as a dropped write).
+        """
+        item = _RecordWrite(self.record_key(rec.prefix_key), encode_record(rec), frozenset({rec.level}))
+        return self.queue.offer(item)
+
+    def delete_record(self, prefix_key: str) -> int:
+        """Remove a prefix record from every tier (on the calling thread). Returns how many tiers held it."""
+        key = self.record_key(prefix_key)
+        return sum(1 for t in self.tiers if t.delete(key))
+
+    def load_records(self, model_id: str) -> list[PrefixRecord]:
+        """The prefix records of ``model_id`` the tiers keep, oldest use first (one per prefix key: the latest
+        use among tiers). O(entries): at start only. A malformed record, or one kept under a key that is not its
+        own, is skipped; a tier that is down (Redis unreachable at start) or fails to list is skipped (counted
+        ``{tier}.read_errors`` when it fails): its records are not listed until a request names them again."""
+        found: dict[str, PrefixRecord] = {}
+        for tier in self.tiers:
+            if getattr(tier, "is_down", False):
+                continue
+            try:
+                keys = [key for _, key in tier.keys() if key.startswith(RECORD_KEY_PREFIX)]
+            except Exception as e:  # noqa: BLE001 - a tier down at start (Redis) costs its records, not the start
+                self.counters.add(f"{tier.name}.read_errors")
+                log.warning("prefix records in tier %s not read: %s", tier.name, e)
+                continue
+            for key in keys:
+                data = tier.get(key)
+                rec = None if data is None else decode_record(data)
+                if rec is None or rec.model_id != model_id or self.record_key(rec.prefix_key) != key:
+                    continue
+                known = found.get(rec.prefix_key)
+                if known is None or rec.last_use > known.last_use:
+                    found[rec.prefix_key] = rec
+        return sorted(found.values(), key=lambda r: r.last_use)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes per tier."""

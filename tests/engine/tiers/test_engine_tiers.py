@@ -213,6 +213,36 @@ def test_tier_misconfiguration_stops_the_start(tmp_path):
     assert e.value.key == "engine.tiers"
 
 
+@pytest.mark.parametrize("tiers", [("disk",), ("redis",), ("disk", "redis")])
+def test_a_restarted_engine_lists_and_drops_by_prefix_key_what_its_tiers_kept(tmp_path, redis_prefix, tiers):
+    """Before: the prefix catalog lived in memory only, so after a restart ``list_cached`` was empty and
+    ``drop_cached(prefix_key=...)`` dropped nothing while the tiers still served the prefix. The records are
+    now kept in the tiers beside their blocks and read back at start."""
+    eng = tiered(tmp_path, tiers, redis_prefix)
+    system = random_tokens(130, 41)
+    eng.warm(system, cache_salt="t1", prefix_key="pk-a")
+    run(eng, random_tokens(70, 42), cache_salt="t2", prefix_key="pk-b")
+    before = {r.prefix_key: (r.tenant, r.tokens, r.level) for r in eng.list_cached()}
+    assert set(before) == {"pk-a", "pk-b"}
+    assert eng.flush_tiers()
+    eng.close()
+
+    again = tiered(tmp_path, tiers, redis_prefix)  # a restart: an empty pool, the same tiers
+    rows = {r.prefix_key: r for r in again.list_cached()}
+    assert {k: (r.tenant, r.tokens, r.level) for k, r in rows.items()} == before
+    assert rows["pk-a"].tiers["ram"] == 0 and all(rows["pk-a"].tiers[t] == 128 for t in tiers)
+    assert run(again, system[:128] + random_tokens(3, 43), cache_salt="t1").num_cached_tokens == 128
+    dropped = again.drop_cached(prefix_key="pk-a")
+    assert dropped["prefixes"] == 1 and all(dropped[t] == 8 for t in tiers), dropped
+    assert run(again, system[:128] + random_tokens(3, 44), cache_salt="t1").num_cached_tokens == 0
+    assert again.flush_tiers()
+    again.close()
+
+    third = tiered(tmp_path, tiers, redis_prefix)  # a dropped prefix stays dropped
+    assert [r.prefix_key for r in third.list_cached()] == ["pk-b"]
+    third.close()
+
+
 def test_list_and_drop_cached_prefixes(tmp_path, redis_prefix):
     eng = tiered(tmp_path, ("disk", "redis"), redis_prefix)
     system = random_tokens(130, 31)
