@@ -36,7 +36,7 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.request import ChatRequest
 from gateway.service.canonicalize.prompt_tokenizers import PromptTokenizer, default_tokenizer
 from gateway.service.canonicalize.rendered_prompt import RenderedPrompt, hoisted_value_spans, render_canonical
-from gateway.service.canonicalize.replay import replay
+from gateway.service.canonicalize.replay import replay, rule_value_spans
 from gateway.service.canonicalize.transcript_store import RedisTranscriptStore
 from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
 from rules import RequestShapeError, RuleError, RuleSet, load_ruleset
@@ -44,7 +44,6 @@ from rules import cli as rules_cli
 from rules.learn_config import LearnConfig
 from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.messages import get_text, text_parts
-from rules.patterns import group_span
 from rules.transcript import InProcessTranscriptStore, TranscriptMemory
 
 __all__ = ["PREFIX_KEY_LEVEL", "Canonicalizer", "RuleError", "run_replay", "run_rules_command"]
@@ -56,10 +55,6 @@ PREFIX_KEY_LEVEL = 2
 changes every turn, so a conversation's turns would land in different prefix groups and, behind several
 replicas, on different machines; level 2 keeps every turn of every conversation on one system prompt and
 document together)."""
-
-
-_VOLATILE_ACTIONS = frozenset({"hoist", "drop", "round"})
-"""Rule actions whose matches are volatile values (the cache explanation's known volatile spans)."""
 
 
 class Canonicalizer:
@@ -239,14 +234,7 @@ class Canonicalizer:
             if known is not None:
                 self._value_spans.move_to_end(text)
                 return known
-        spans = [
-            (start, end, rule.id)
-            for rule in self._ruleset.rules
-            if rule.action in _VOLATILE_ACTIONS and rule.pattern is not None
-            for match in rule.pattern.finditer(text)
-            for start, end in (group_span(match, rule.group),)
-            if 0 <= start < end
-        ]
+        spans = rule_value_spans(self._ruleset, text)
         with self._lock:
             self._value_spans[text] = spans
             while len(self._value_spans) > 256:
@@ -322,7 +310,12 @@ def run_replay(
     try:
         with open(trace, encoding="utf-8", errors="replace") as lines:
             report = replay(
-                lines, canonicalizer.canonicalize, chosen, canonicalizer.learner, canonicalizer.rule_of
+                lines,
+                canonicalizer.canonicalize,
+                chosen,
+                canonicalizer.learner,
+                canonicalizer.rule_of,
+                canonicalizer.rule_value_spans,
             )
     except OSError as exc:
         print(f"error: cannot read {trace}: {exc.strerror or exc}", file=err)

@@ -37,6 +37,7 @@ from rules import Canonical, RequestShapeError, RuleSet, load_ruleset
 from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.loader import DEFAULT_PACKS
 from rules.messages import get_text, text_parts
+from rules.patterns import group_span
 from rules.span_diff import common_prefix_len
 
 Canonicalize = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None", str, str], Canonical]
@@ -47,6 +48,7 @@ tenant may sit behind it)."""
 BLOCK_SIZE = 16
 
 _VOLATILE_ACTIONS = frozenset({"hoist", "drop", "round"})
+"""Rule actions whose matches are volatile values (the cache explanation's known volatile spans)."""
 
 
 def first_rule_of(ruleset: RuleSet) -> Callable[[str], str | None]:
@@ -60,6 +62,20 @@ def first_rule_of(ruleset: RuleSet) -> Callable[[str], str | None]:
         return None
 
     return rule_of
+
+
+def rule_value_spans(ruleset: RuleSet, text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, rule id)`` of every value ``ruleset``'s hoist / drop / round rules match in ``text``: a
+    rules-off prompt's known volatile values, as the gateway names them (``Canonicalizer.rule_value_spans``
+    memoizes this)."""
+    return [
+        (start, end, rule.id)
+        for rule in ruleset.rules
+        if rule.action in _VOLATILE_ACTIONS and rule.pattern is not None
+        for match in rule.pattern.finditer(text)
+        for start, end in (group_span(match, rule.group),)
+        if 0 <= start < end
+    ]
 
 
 def rules_canonicalizer(ruleset: RuleSet) -> Canonicalize:
@@ -119,10 +135,12 @@ def learned_spans(
     canon: Canonical,
     rendered: RenderedPrompt,
     rule_of: Callable[[str], str | None] | None = None,
+    rule_spans: Callable[[str], list[tuple[int, int, str]]] | None = None,
 ) -> list[VolatileSpan]:
     """Token ranges of the learned slots' matches in the canonical system/developer texts (each text found
     where the template put it in the rendered prompt), and of the values in hoisted-value blocks
-    (``hoisted_value_spans``, named by ``rule_of``)."""
+    (``hoisted_value_spans``, named by ``rule_of``). ``rule_spans`` (a rules-off prompt): also what the rules
+    would hoist, drop or round in those texts, named by rule id, as the gateway explains a rules-off request."""
     found: list[tuple[int, int, str | None]] = []
     for message in canon.messages:
         if message.get("role") not in LEARNED_ROLES:
@@ -132,6 +150,8 @@ def learned_spans(
             at = rendered.text.find(text) if text else -1
             if at >= 0:
                 matches = learner.match_slots(request.model, request.tenant, text)
+                if rule_spans is not None:
+                    matches = [*matches, *rule_spans(text)]
                 found.extend((at + start, at + end, slot) for start, end, slot in matches)
     found.extend(hoisted_value_spans(canon, rendered.text, rule_of))
     return volatile_spans_from_chars(found, rendered.starts)
@@ -143,6 +163,7 @@ def replay(
     tokenizer: PromptTokenizer | None = None,
     learner: SlotLearner | None = None,
     rule_of: Callable[[str], str | None] | None = None,
+    rule_spans: Callable[[str], list[tuple[int, int, str]]] | None = None,
 ) -> ReplayReport:
     """Replay a trace (see the module docstring).
 
@@ -154,6 +175,10 @@ def replay(
             ``SlotLearner()``, mode ``suggest``, when None); a miss inside a learned slot names it.
         rule_of: names the rule that knows a hoisted value (``Canonicalizer.rule_of``); with the default
             ``canonicalize``, the default pack's rules; else a hoisted value's slot is ``hoisted``.
+        rule_spans: the rules' volatile values in a text (``Canonicalizer.rule_value_spans``,
+            ``rule_value_spans``): the rules-off side's known volatile values, so its miss in one is
+            ``volatile`` with the rule named, as the gateway says of a rules-off request; with the default
+            ``canonicalize``, the default pack's; else none (a change there is ``system_changed``).
 
     Returns:
         the report; broken lines are in ``report.broken``, never raised.
@@ -162,6 +187,7 @@ def replay(
         default = load_ruleset(list(DEFAULT_PACKS))
         canonicalize = rules_canonicalizer(default)
         rule_of = rule_of or first_rule_of(default)
+        rule_spans = rule_spans or (lambda text: rule_value_spans(default, text))
     tokenizer = tokenizer or default_tokenizer()
     learner = learner if learner is not None else SlotLearner()
     off_rules = RuleSet()
@@ -184,9 +210,9 @@ def replay(
             continue
         volatile = learned_spans(learner, request, canon_on, rendered_on, rule_of)
         on_result = on.measure(request, rendered_on, volatile)
-        report.requests.append(
-            RequestReport(number, request.model, on_result, off.measure(request, rendered_off))
-        )
+        known_off = learned_spans(learner, request, canon_off, rendered_off, rule_spans=rule_spans)
+        off_result = off.measure(request, rendered_off, known_off)
+        report.requests.append(RequestReport(number, request.model, on_result, off_result))
         learner.observe(request.model, request.tenant, canon_on.messages)
     return report
 
@@ -220,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rules_canonicalizer(ruleset),
                 default_tokenizer(args.tokenizer),
                 rule_of=first_rule_of(ruleset),
+                rule_spans=lambda text: rule_value_spans(ruleset, text),
             )
     except OSError as e:
         print(f"error: cannot read {args.trace}: {e.strerror or e}", file=sys.stderr)

@@ -263,3 +263,28 @@ def test_a_changed_system_prompt_with_a_hoisted_time_is_system_changed_not_a_hit
     for request in report.requests[1:]:
         assert request.on.cause == "system_changed", request.on
         assert request.on.stable_tokens > request.on.common_tokens  # the history was in the target
+
+
+def test_rules_off_a_changed_time_is_volatile_with_the_rule_named_as_the_gateway_says() -> None:
+    # The trial: replay's "miss off" said `system_changed@system:28` for a system prompt whose only change was
+    # `Current time: ...`, where the gateway with `x-prefixgate-rules: off` says `miss=volatile` and names the
+    # rule (a rules-off request's known volatile values are what the rules would hoist).
+    lines = [
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": f"You are Nova. Current time: 09:4{t}:12. Be brief."},
+                    {"role": "user", "content": "Name a fruit."},
+                ],
+            }
+        )
+        for t in range(3)
+    ]
+    report = replay(lines, tokenizer=CharTokenizer())
+    for request in report.requests[1:]:
+        assert request.off.cause == "volatile", request.off
+        assert request.off.at.startswith("system:") and " dates.current-" in request.off.at  # the rule
+    # without the rules' values (none given with an injected canonicalize) the same change is system_changed
+    plain = replay(lines, canonicalize=rules_canonicalizer(RuleSet()), tokenizer=CharTokenizer())
+    assert plain.requests[1].off.cause == "system_changed"
