@@ -112,9 +112,9 @@ def resolve_prefill_kernel(
     ``avx512-bf16`` -> the AVX512-BF16 build (``paged_prefill_attention_bf16``: a bf16 cache, ``head_dim`` a
     multiple of 32 up to 128), or a start-up error; ``auto`` takes it next where it builds and fits on an AMD
     CPU (``bf16_fits``, ``BF16_DOT_AUTO_VENDORS``; on a 2-core Zen 4 EPYC, SmolLM2's shape, 1,070 rows, 2
-    threads: 4.3 against 8.7 ms a layer for the AVX-512 build; slower than it on an Intel Xeon); ``torch`` -> None (torch's chunked prefill); ``native`` -> the kernel (the same
-    library as the decode kernel, built once per process and model shape), or a start-up error; ``auto`` -> the
-    kernel where it is measured faster than
+    threads: 4.3 against 8.7 ms a layer for the AVX-512 build; slower than it on an Intel Xeon); ``torch`` ->
+    None (torch's chunked prefill); ``native`` -> the kernel (the same library as the decode kernel, built once
+    per process and model shape), or a start-up error; ``auto`` -> the kernel where it is measured faster than
     torch's chunked prefill, else None: on a CPU, the AVX-512 build (``build_isa``), and the AVX2 build (CPUs
     without AVX-512) when the engine runs at least 2 ``threads``. On a 2-core AMD EPYC Zen 4 with AVX512-BF16
     (session 17, SmolLM2, 2 threads, whole requests from ``add_request`` to the first token, native over torch's

@@ -199,8 +199,8 @@ class InputProcessor:
         """The engine request for a prompt that passed ``check_prompt`` (not queued, holding no block).
 
         ``max_tokens`` is the room left in the context window (or in the whole block pool, when that is
-        smaller), or the explicit value when smaller; the block
-        hashes of the prompt's full blocks are computed here, once. For ``n > 1`` the request's sampler gets the
+        smaller), or the explicit value when smaller; the block hashes of the prompt's full blocks are computed
+        here, once. For ``n > 1`` the request's sampler gets the
         ``n - 1`` pending fork samplers (choices 1 .. n-1), forked when its prompt is computed. When
         ``shared_prefix_tokens`` covers at least one full block, those blocks are keyed ``(model_id, ("shared", shared_salt))`` and the rest
         ``(model_id, cache_salt)`` (``block_hash.LayeredKeys``).
