@@ -77,6 +77,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         self.prices = prices
         self.retention_chooser = retention_chooser
         self.cache_salt = cache_salt
+        self.tenant_isolated = cache_salt
         self.retention_auto = retention_auto
 
     # ---- request ------------------------------------------------------------------------------------------
@@ -117,7 +118,8 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             retention = self.retention_chooser(request)
             if retention is not None:
                 body["prompt_cache_retention"] = retention
-        if self.cache_salt and request.tenant and "cache_salt" not in body:
+        body.pop("cache_salt", None)  # the client's is in request.tenant (gateway.http.auth)
+        if self.cache_salt and request.tenant:
             body["cache_salt"] = request.tenant
         return body
 
@@ -161,7 +163,9 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         started = time.monotonic()
         body = self.build_body(request)
         path = "/completions" if request.kind == "completion" else "/chat/completions"
-        opened = await self.post(request.prefix_key or request.request_id, path, self._headers(), body)
+        opened = await self.post(
+            request.prefix_key or request.request_id, path, self._headers(), body, request.tenant
+        )
         try:
             if opened.content_type == "application/json":
                 events = _events_from_json(opened, request, started)

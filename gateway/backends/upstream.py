@@ -117,6 +117,10 @@ class UpstreamBackend(Backend):
             )
         policy = make_policy(routing, ring, **options)
         self.kv_hasher = KVBlockHasher(kv_events) if kv_events is not None else None
+        self.tenant_isolated = False
+        """The upstream keeps tenants' caches apart (an OpenAI-compatible one sent ``cache_salt``): the
+        cache-aware index then salts a request's blocks with its tenant too (``routing_blocks``), since another
+        tenant's blocks there are no hit for it."""
         self.kv_feed: KVEventFeed | ZmqKVEventFeed | None = None
         if kv_events is not None and kv_events.transport == "zmq":
             assert isinstance(policy, CacheAwarePolicy)
@@ -214,9 +218,12 @@ class UpstreamBackend(Backend):
                 self._urls[text] = url
         return url
 
-    async def post(self, key: str, path: str, headers: Mapping[str, str], body: Any) -> OpenedResponse:
+    async def post(
+        self, key: str, path: str, headers: Mapping[str, str], body: Any, tenant: str = ""
+    ) -> OpenedResponse:
         """POST ``body`` as compact JSON to ``{base_url}{path}`` of the replica the ring picks for ``key`` and
-        wait for the first body byte, retrying before it (``gateway.upstream_http.open_response``).
+        wait for the first body byte, retrying before it (``gateway.upstream_http.open_response``). ``tenant``:
+        the request's, salting its cache-aware blocks where the upstream isolates tenants (``tenant_isolated``).
 
         Raises:
             UpstreamCallError: refused (4xx), or failed on every attempt; its message is redacted.
@@ -245,7 +252,12 @@ class UpstreamBackend(Backend):
         blocks: tuple[int, ...] = ()
         if routing is not None and routing.wants_blocks:
             hasher = self.kv_hasher
-            blocks = hasher(body) if hasher is not None else routing_blocks(body, self.upstream_model)
+            salt = (
+                f"{self.upstream_model}\x00{tenant}"
+                if tenant and self.tenant_isolated
+                else self.upstream_model
+            )
+            blocks = hasher(body) if hasher is not None else routing_blocks(body, salt)
         return await open_response(
             client, self.upstream, key, build, sleep=self._sleep, blocks=blocks, send_direct=direct
         )
@@ -261,7 +273,7 @@ def routing_blocks(body: Any, salt: str) -> tuple[int, ...]:
     The text is the compact JSON of ``tools``, ``system``, then each message of ``messages`` (or
     ``prompt``), concatenated: a conversation resent with one more turn has the same leading text, so the
     same leading blocks (llm-d's approximate prefix scorer hashes characters the same way). ``salt`` (the
-    upstream model) keeps models apart.
+    upstream model, and the tenant where the upstream isolates tenants) keeps models (and tenants) apart.
     """
     if not isinstance(body, Mapping):
         return ()

@@ -83,6 +83,9 @@ class ChatRequest:
         user: OpenAI ``user`` / Anthropic ``metadata.user_id``; never logged.
         tenant: cache salt; requests of different tenants never share cached prefixes. With client keys
             configured it is the key's tenant (``gateway.http.auth``).
+        cache_salt: vLLM's / SGLang's ``cache_salt`` body field (OpenAI face), "" when absent: it narrows the
+            tenant (``<tenant>/<cache_salt>``, ``gateway.http.auth.authorize``), never leaves it, so a front
+            gateway's ``cache_salt: true`` isolates its tenants on prefixgate replicas as on vLLM.
         client_key: the name of the client key that authenticated the request ("" when the gateway is open).
         shared_prefix_messages: how many leading canonical messages (with the tools) form a declared public
             prefix (``shared_prefixes:``), cached under the shared salt; 0 = none.
@@ -120,6 +123,7 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     tenant: str = ""
+    cache_salt: str = ""
     client_key: str = ""
     shared_prefix_messages: int = 0
     shared_salt: str = ""

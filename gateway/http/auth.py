@@ -62,6 +62,7 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
     """
     if key is None:  # open mode: the client's header is the cache salt
         check_tenant(request.tenant)
+        _narrow_by_cache_salt(request)
         return
     gateway = gateway_of(http_request)
     if not key.allows(request.model):
@@ -77,9 +78,18 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
         request.tenant = key.tenant
         if header:
             gateway.clients.record_tenant_header_ignored(key)
+    _narrow_by_cache_salt(request)
     request.client_key = key.name
     if admit:
         gateway.clients.admit(key, request.tenant)
+
+
+def _narrow_by_cache_salt(request: ChatRequest) -> None:
+    """A body's ``cache_salt`` (vLLM, SGLang) as a sub-tenant of the tenant chosen so far: ``<tenant>/<salt>``.
+    It only narrows: every key stays inside its own tenant, and requests with different salts never share
+    cached prefixes (a front gateway with ``cache_salt: true`` sends its tenant in it)."""
+    if request.cache_salt:
+        request.tenant = f"{request.tenant}/{request.cache_salt}"
 
 
 def visible_models(http_request: Request, key: ClientKey | None) -> list[str]:

@@ -30,11 +30,14 @@ MAPPED = frozenset(
 """Fields the translation carries (``AnthropicUpstreamBackend._translated_body``; ``response_format`` through
 ``structured_outputs.anthropic_output_config``) or the gateway honours itself."""
 
-IGNORED = frozenset({"metadata", "prompt_cache_key", "safety_identifier", "prompt_cache_retention"})
+IGNORED = frozenset(
+    {"metadata", "prompt_cache_key", "safety_identifier", "prompt_cache_retention", "cache_salt"}
+)
 """Fields that by OpenAI's own documentation do not change the answer, so leaving them out is harmless:
 ``metadata`` (tags of a stored completion), ``prompt_cache_key`` (a cache-routing hint: the gateway routes by
 its own prefix key), ``safety_identifier`` (an abuse-monitoring id), ``prompt_cache_retention`` (how long
-OpenAI keeps a cached prefix: the gateway chooses Anthropic's cache TTL itself)."""
+OpenAI keeps a cached prefix: the gateway chooses Anthropic's cache TTL itself), ``cache_salt`` (vLLM's cache
+isolation: the face has folded it into the request's tenant; Anthropic's own cache is the organisation's)."""
 
 REFUSED: dict[str, tuple[Any, ...]] = {
     "seed": (None,),

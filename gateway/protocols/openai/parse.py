@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.api import Constraint, SamplingParams
 from gateway.core.errors import InvalidRequestError
-from gateway.core.headers import rules_enabled, tenant
+from gateway.core.headers import MAX_TENANT_CHARS, rules_enabled, tenant
 from gateway.core.json_types import json_kind
 from gateway.core.request import ChatRequest, given_sampling
 from gateway.protocols.openai.field_errors import invalid_type, missing_param
@@ -33,14 +33,14 @@ CHAT_FIELDS = frozenset(
         "parallel_tool_calls", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
         "reasoning_effort", "functions", "function_call", "web_search_options", "verbosity",
         "prompt_cache_key", "safety_identifier", "prompt_cache_retention", "prompt_cache_options", "moderation",
-        "repetition_penalty",
+        "repetition_penalty", "cache_salt",
     }
 )  # fmt: skip
 COMPLETION_FIELDS = frozenset(
     {
         "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "user", "n",
         "stream", "stream_options", "echo", "suffix", "logprobs", "best_of", "presence_penalty",
-        "frequency_penalty", "logit_bias", "repetition_penalty",
+        "frequency_penalty", "logit_bias", "repetition_penalty", "cache_salt",
     }
 )  # fmt: skip
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -88,6 +88,7 @@ def parse_chat_request(
         include_usage=include_usage,
         user=_optional_str(body, "user"),
         tenant=tenant(headers),
+        cache_salt=_cache_salt(body),
         kind="chat",
         openai_body=body,
         sampling_given=given_sampling(body),
@@ -129,6 +130,7 @@ def parse_completion_request(
         include_usage=include_usage,
         user=_optional_str(body, "user"),
         tenant=tenant(headers),
+        cache_salt=_cache_salt(body),
         kind="completion",
         prompt=prompt,
         openai_body=body,
@@ -501,6 +503,25 @@ def _check_metadata(body: dict[str, Any]) -> None:
                 param=f"metadata.{key}",
                 code="string_above_max_length",
             )
+
+
+def _cache_salt(body: dict[str, Any]) -> str:
+    """vLLM's / SGLang's ``cache_salt``: a non-empty string of at most ``MAX_TENANT_CHARS`` characters, or ""
+    when absent (``ChatRequest.cache_salt``).
+
+    Raises:
+        InvalidRequestError: not a string, empty, or too long.
+    """
+    value = _optional_str(body, "cache_salt")
+    if value is None:
+        return ""
+    if not value or len(value) > MAX_TENANT_CHARS:
+        raise InvalidRequestError(
+            f"Invalid 'cache_salt': expected a non-empty string of at most {MAX_TENANT_CHARS} characters.",
+            param="cache_salt",
+            code="invalid_value",
+        )
+    return value
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:

@@ -109,6 +109,21 @@ async def test_anthropic_ttl_choice_and_usage_split_by_ttl(http):
 
 
 @respx.mock
+async def test_a_clients_cache_salt_reaches_the_upstream_only_as_the_tenant(http):
+    """The client's ``cache_salt`` is folded into the tenant (``acme/alice``, ``gateway.http.auth``): an upstream
+    with ``cache_salt: true`` gets that tenant, one without never sees the field (OpenAI refuses it)."""
+    route = respx.post(f"{OAI_BASE}/chat/completions").mock(
+        return_value=httpx.Response(200, json=_fixture("openai_gpt56_write.json"))
+    )
+    body = {"model": "gpt", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "alice"}
+    request = chat_request(body["messages"], model="gpt", body=body, tenant="acme/alice")
+    await drain(_openai(http, cache_salt=True).stream(request))
+    assert json.loads(route.calls.last.request.content)["cache_salt"] == "acme/alice"
+    await drain(_openai(http).stream(request))
+    assert "cache_salt" not in json.loads(route.calls.last.request.content)
+
+
+@respx.mock
 async def test_anthropic_usage_of_the_wrong_type_is_a_502(http):
     respx.post(f"{ANT_BASE}/v1/messages").mock(
         return_value=httpx.Response(200, json=_fixture("anthropic_bad_usage.json"))

@@ -142,6 +142,43 @@ def test_trusted_header_is_honoured_and_untrusted_is_ignored_and_counted(keyed):
     assert keyed.stats()["keys"]["alice"]["tenant_header_ignored"] == before + 2
 
 
+def test_a_cache_salt_narrows_a_keys_tenant_and_never_leaves_it(keyed):
+    """vLLM's ``cache_salt`` (what a front gateway with ``cache_salt: true`` sends its tenants in): before, a
+    400 "Unrecognized request argument", so a fleet of prefixgate replicas served every front tenant from one
+    cache. Now it is a sub-tenant ``<tenant>/<salt>`` of the key's own tenant, trusted key or not."""
+    prompt = "Salt check. " + PROMPT
+
+    def salted(key: str, salt: str) -> int:
+        with oai(keyed, key) as sdk:
+            done = sdk.chat.completions.create(
+                model=TINY_MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=1,
+                temperature=0,
+                extra_body={"cache_salt": salt},
+            )
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    assert salted(ALICE, "front-alice") == 0
+    assert salted(ALICE, "front-bob") == 0  # the same prompt, another salt: cold
+    hit = salted(ALICE, "front-alice")
+    assert hit > 30
+    assert any("acme/front-alice" in keys for keys in registered(keyed).values())
+    # carol (acme, no salt) shares none of the salted blocks: at most acme's own chat-template head
+    assert ask(keyed, CAROL, prompt) < hit
+    assert salted(BOB, "front-alice") < hit  # bob names alice's salt: a sub-tenant of his own tenant
+    for bad in ("", 7, "s" * 300):
+        response = httpx.post(
+            f"{keyed.base_url}/v1/chat/completions",
+            headers={"authorization": f"Bearer {ALICE}"},
+            json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": bad},
+            timeout=30,
+        )
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", (
+            response.text
+        )
+
+
 def test_rate_limit_answers_429_with_retry_after(keyed):
     ask(keyed, LIMITED, "first")
     with oai(keyed, LIMITED) as sdk, pytest.raises(openai.RateLimitError) as caught:
@@ -169,7 +206,9 @@ def test_usage_per_key_and_tenant_in_stats_and_metrics_never_the_key(keyed):
     doc = keyed.stats()
     alice = doc["keys"]["alice"]
     assert alice["requests"] >= 1 and alice["prompt_tokens"] > 0 and alice["tenant"] == "acme"
-    assert doc["tenants"]["acme"]["requests"] >= alice["requests"]
+    # her requests are in her tenant or its sub-tenants (a cache_salt narrows it: acme/<salt>)
+    acme = sum(t["requests"] for name, t in doc["tenants"].items() if name.split("/")[0] == "acme")
+    assert acme >= alice["requests"]
     metrics = httpx.get(f"{keyed.base_url}/metrics", headers=ADMIN_HEADERS, timeout=10).text
     assert 'prefixgate_key_requests_total{key="alice"}' in metrics
     assert 'prefixgate_tenant_cached_tokens_total{tenant="acme"}' in metrics

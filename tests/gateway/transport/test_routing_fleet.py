@@ -27,6 +27,7 @@ from tests.gateway.transport.fleet_helpers import (
     key_with_home,
     send,
 )
+from tests.gateway.upstream_helpers import Sleeps, chat_request, drain
 
 
 def test_config_names_every_policy():
@@ -43,6 +44,33 @@ def test_routing_blocks_share_the_leading_blocks_of_a_growing_conversation():
     assert len(a) > 10 and b[: len(a)] == a
     assert routing_blocks(turn1, "other-model")[0] != a[0]
     assert routing_blocks("not a body", "m") == ()
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+async def test_a_tenant_follows_another_tenants_blocks_only_where_the_upstream_shares_them(
+    fleet, monkeypatch, isolated
+):
+    """Before: the index's blocks were salted with the upstream model alone, so with ``cache_salt: true`` (the
+    replicas keep tenants apart) tenant B followed tenant A's placement to a replica that held nothing B could
+    use. Now the tenant salts them where the upstream isolates tenants; without it, tenants share the
+    upstream's cache, and its placement with it."""
+    salts: list[str] = []
+    real = routing_blocks
+    monkeypatch.setattr(
+        "gateway.backends.upstream.routing_blocks", lambda body, salt: salts.append(salt) or real(body, salt)
+    )
+    async with httpx.AsyncClient(timeout=10) as http:
+        backend = OpenAIUpstreamBackend(
+            "m", [r.base_url for r in fleet], client=http, retries=0, sleep=Sleeps(), routing="cache_aware",
+            cache_salt=isolated,
+        )  # fmt: skip
+        try:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+            for tenant in ("alice", "bob"):
+                await drain(backend.stream(chat_request(messages, prefix_key=f"k-{tenant}", tenant=tenant)))
+        finally:
+            await backend.close()
+    assert salts == (["m\x00alice", "m\x00bob"] if isolated else ["m", "m"])
 
 
 async def test_two_gateways_follow_a_spilled_conversation_through_redis(fleet):
