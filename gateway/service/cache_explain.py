@@ -142,7 +142,9 @@ class CacheExplanations:
         Returns:
             the explanation, or None (completion request, or a failure, counted in ``errors``). Never raises.
             Its counts and offsets are in the backend's prompt: ``cached`` is ``cached_tokens`` as reported
-            (clamped to the prompt), so the header never contradicts the backend's usage, and a miss's
+            (never clamped to the explainer's own count of the prompt, which for an upstream is in
+            ``cl100k_base`` tokens, not the upstream's), so the header never contradicts the backend's usage,
+            and a miss's
             ``offset`` is never inside the cached span.
         """
         if request.kind != "chat" or request.canonical is None:
@@ -168,6 +170,10 @@ class CacheExplanations:
             )
             if shift:
                 explanation = _without_preamble(explanation, shift)
+            if explanation.cached != max(0, cached_tokens):
+                # the explainer clamped the count to its own prompt; an upstream counts in its own tokens
+                # (cl100k_base here): the header keeps the backend's figure, which the answer's usage reports
+                explanation = dataclasses.replace(explanation, cached=max(0, cached_tokens))
             if later is None:
                 self._record(model, tenant, rendered)
             else:

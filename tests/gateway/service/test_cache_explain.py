@@ -65,3 +65,19 @@ def test_the_header_reports_the_backends_count_in_its_own_prompt():
     e = explanations.explain(second, 48, tokenizer)
     assert e.cached == 48 and e.header_value().startswith("cached=48; ")
     assert not e.miss or e.offset >= 48
+
+
+def test_an_upstreams_count_beyond_the_explainers_own_prompt_is_reported_as_sent():
+    """Before: an OpenAI-compatible upstream (another tokenizer) reported 112 cached tokens of a prompt that
+    counts fewer in ``cl100k_base``; the header said the clamped figure (104) while the answer's usage said 112.
+    The header is token-exact to the backend's report; the explanation itself is a hit."""
+    canonicalizer = Canonicalizer([])
+    explanations = CacheExplanations(canonicalizer)
+    first = request("what is the fleet ?")
+    canonicalizer.apply(first)
+    explanations.explain(first, 0)
+    second = request("what is the fleet ?")
+    canonicalizer.apply(second)
+    prompt = len(explanations.prepare(second).rendered.tokens)
+    e = explanations.explain(second, prompt + 9)  # the upstream's own count: more tokens than cl100k's
+    assert e.cached == prompt + 9 and e.header_value() == f"cached={prompt + 9}; miss=none"
