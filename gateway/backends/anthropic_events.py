@@ -14,6 +14,7 @@ from typing import Any
 
 import jiter
 
+from gateway.backends.upstream import error_body
 from gateway.core.events import BackendUsage, Delta, Finish
 from gateway.protocols.anthropic.render import FINISH_REASONS, backend_usage_from_anthropic
 from gateway.protocols.provider_usage import anthropic_miss_reason
@@ -197,6 +198,14 @@ class EventReader:
 async def anthropic_events(opened: OpenedResponse) -> AsyncIterator[dict[str, Any]]:
     """Parsed Anthropic SSE events up to ``message_stop`` (pings included); raises a cut on an ``error``
     event, bad JSON, or an end before ``message_stop``."""
+    if opened.content_type == "application/json":  # not the event stream asked for: an error, or a refusal
+        data = opened.json_object(await opened.read(), "an answer")
+        error = error_body(data)
+        if error is not None:  # an error answered as JSON (with 200): the upstream's own words
+            raise opened.cut(f"the upstream answered an error: {error['message']}", upstream_error=error)
+        raise opened.cut(
+            "the upstream answered JSON where an event stream was asked for", kind=FailureKind.PROTOCOL
+        )
     async with aclosing(opened.events()) as events:
         async for event in events:
             data = opened.json_object(event.data, "an event")

@@ -16,7 +16,7 @@ from typing import Any, Unpack
 
 from gateway.backends.anthropic_events import EventReader, MessageAssembler, anthropic_events, checked_usage
 from gateway.backends.base import TokenCount, refuse_choices_and_logprobs
-from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
+from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, error_body, upstream_settings
 from gateway.config.schema import AnthropicUpstream
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent, BackendUsage, Finish
@@ -327,6 +327,11 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         try:
             if opened.content_type != "text/event-stream":  # an upstream that answered JSON all the same
                 message = opened.json_object(await opened.read(), "an answer")
+                error = error_body(message)
+                if error is not None:  # an error answered as JSON (with 200): the upstream's own words
+                    raise opened.cut(
+                        f"the upstream answered an error: {error['message']}", upstream_error=error
+                    )
                 if message.get("type") != "message":
                     raise opened.cut(
                         "the upstream answered JSON that is not a Message", kind=FailureKind.PROTOCOL

@@ -20,7 +20,7 @@ from contextlib import aclosing
 from typing import Any, Unpack
 
 from gateway.backends.base import refuse_choices_and_logprobs
-from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, upstream_settings
+from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, error_body, upstream_settings
 from gateway.config.schema import OpenAIUpstream
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.keys import tenant_cache_key
@@ -281,17 +281,10 @@ async def _events_from_sse(
                 opened.completed()
                 break
             chunk = opened.json_object(event.data, "a chunk")
-            if chunk.get("error") is not None or chunk.get("object") == "error":
-                raw_error = chunk.get("error")
-                if isinstance(raw_error, dict):
-                    error = raw_error
-                elif isinstance(raw_error, str):  # {"error": "boom"} from some OpenAI-compatible servers
-                    error = {"message": raw_error}
-                else:
-                    error = chunk
+            error = error_body(chunk)
+            if error is not None:
                 raise opened.cut(
-                    f"the upstream reported an error mid-stream: {error.get('message', '')}",
-                    upstream_error={"type": "api_error", **error},
+                    f"the upstream reported an error mid-stream: {error['message']}", upstream_error=error
                 )
             try:
                 if isinstance(chunk.get("usage"), dict):
@@ -322,8 +315,14 @@ async def _events_from_json(
     raw = await opened.read()
     try:
         data = json.loads(raw)
-        choice = data["choices"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except ValueError:
+        data = None
+    error = error_body(data)
+    if error is not None:  # an error answered as JSON (with 200): the upstream's own words
+        raise opened.cut(f"the upstream answered an error: {error['message']}", upstream_error=error)
+    try:
+        choice = data["choices"][0]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
         raise opened.cut(
             "the upstream answered JSON that is not a completion", kind=FailureKind.PROTOCOL
         ) from None

@@ -267,6 +267,30 @@ ROUTED_FIELDS = ("tools", "system", "messages", "prompt")
 """Body fields that make up the prompt prefix, in the order an engine's chat template puts them."""
 
 
+def error_body(data: Any) -> dict[str, Any] | None:
+    """The error object of an upstream answer that is an error, whatever status it came with (some servers
+    answer 200, or send it as a stream chunk): Anthropic's ``{"type": "error", "error": {...}}``, OpenAI's
+    ``{"error": {...}}`` (or ``{"error": "text"}``), vLLM's ``{"object": "error", "message": ...}``. Always has a
+    ``type`` (``api_error`` when the upstream named none) and a string ``message``; None for anything else."""
+    if not isinstance(data, Mapping):
+        return None
+    raw = data.get("error")
+    if isinstance(raw, Mapping):
+        error = dict(raw)
+    elif isinstance(raw, str):
+        error = {"message": raw}
+    elif data.get("object") == "error" or (data.get("type") == "error" and raw is None):
+        error = {k: v for k, v in data.items() if k not in ("object",)}
+        if error.get("type") == "error":
+            error.pop("type")
+    else:
+        return None
+    if not isinstance(error.get("type"), str) or not error["type"]:
+        error["type"] = "api_error"
+    error["message"] = str(error.get("message", ""))
+    return error
+
+
 def routing_blocks(body: Any, salt: str) -> tuple[int, ...]:
     """Chained hashes of 64-character blocks of the prompt part of an upstream body (cache-aware routing).
 

@@ -968,3 +968,33 @@ async def test_count_tokens_sends_the_output_format_too(http):
     assert (count.input_tokens, count.counted_by) == (91, "upstream")
     sent = json.loads(route.calls.last.request.content)
     assert sent["output_config"] == {"format": {"type": "json_schema", "schema": CONTACT}}
+
+
+OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+
+
+@respx.mock
+@pytest.mark.parametrize("face", ["openai", "anthropic-streamed", "anthropic"])
+async def test_an_error_answered_as_json_with_200_keeps_the_upstreams_type_and_words(http, face):
+    """Before: a 200 whose JSON body is an error became a 502 that lost the upstream's words ("the upstream
+    stream ended before message_stop" on the OpenAI face, "JSON that is not a Message" on the Anthropic one).
+    Now it is the upstream's error, as the same error sent as an SSE ``error`` event is (529 overloaded)."""
+    respx.post(URL).mock(return_value=httpx.Response(200, json=OVERLOADED))
+    messages = [{"role": "user", "content": "hi"}]
+    if face == "openai":
+        request = chat_request(messages, model="claude")
+    else:
+        request = anthropic_request(
+            {"model": "claude", "max_tokens": 5, "messages": messages}, stream=face == "anthropic-streamed"
+        )
+    with pytest.raises(UpstreamStreamCut, match="the upstream answered an error: Overloaded") as info:
+        await drain(backend(http).stream(request))
+    assert info.value.status_code == 529 and info.value.upstream_error["type"] == "overloaded_error"
+
+
+@respx.mock
+async def test_a_json_answer_to_a_streamed_call_that_is_no_error_is_named(http):
+    respx.post(URL).mock(return_value=httpx.Response(200, json={"type": "message", "content": []}))
+    with pytest.raises(UpstreamStreamCut, match="answered JSON where an event stream was asked for") as info:
+        await drain(backend(http).stream(chat_request([{"role": "user", "content": "hi"}], model="claude")))
+    assert (info.value.kind, info.value.status_code) == ("protocol", 502)

@@ -10,6 +10,7 @@ import respx
 
 from engine.api import SamplingParams
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend, create_openai_backend
+from gateway.backends.upstream import error_body
 from gateway.config.schema import OpenAIUpstream, RingConfig
 from gateway.core.events import Delta, Finish
 from gateway.protocols.anthropic.parse import parse_messages_body
@@ -703,3 +704,36 @@ async def test_an_anthropic_output_format_the_upstream_cannot_take_is_a_400(http
         await drain(backend(http).stream(parse_messages_body(body)))
     assert (info.value.status_code, info.value.param) == (400, param)
     assert route.call_count == 0
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("answer", "status", "kind"),
+    [
+        (
+            {"error": {"message": "upstream says no", "type": "invalid_request_error"}},
+            400,
+            "invalid_request_error",
+        ),
+        ({"error": "upstream says no"}, 502, "api_error"),
+        (
+            {"object": "error", "message": "upstream says no", "type": "BadRequestError", "code": 400},
+            502,
+            "BadRequestError",
+        ),
+    ],
+)
+async def test_an_error_answered_as_json_with_200_keeps_the_upstreams_words(http, answer, status, kind):
+    """Before: "the upstream answered JSON that is not a completion" (a protocol 502, the upstream's words lost)."""
+    respx.post(URL).mock(return_value=httpx.Response(200, json=answer))
+    with pytest.raises(UpstreamStreamCut, match="the upstream answered an error: upstream says no") as info:
+        await drain(backend(http).stream(chat_request(MESSAGES)))
+    assert info.value.status_code == status and info.value.upstream_error["type"] == kind
+
+
+@pytest.mark.parametrize(
+    "data",
+    [None, [], "error", {"choices": []}, {"type": "message", "content": []}, {"object": "chat.completion"}],
+)
+def test_an_answer_that_is_no_error_is_not_taken_for_one(data):
+    assert error_body(data) is None
