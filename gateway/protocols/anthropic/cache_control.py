@@ -21,9 +21,11 @@ unknown ``ttl`` or ``type``, a marker on an empty text or a thinking block. A cl
 cacheable block, plus block breakpoints at the stable boundaries, tools / system / documents, so other
 conversations of the prefix still find an entry; the top-level marker takes one of the 4 slots) and *placed*
 (``add_breakpoints`` at every segment boundary, the history's included, plus lookback breakpoints).
-Score = (read reach, write reach): the read reach is the longest prefix, in tokens, ending at a *read point* that lies within the lookback of one of the plan's
-breakpoints (read points: the segment boundaries and the end of the previous turn, i.e. the last block of the
-message before the last assistant message: where earlier requests of this prefix wrote their entries); the write
+Score = (read reach, write reach): the read reach is the longest prefix, in tokens, ending at a *read point*
+that lies within the lookback of one of the plan's breakpoints (read points: the stable segment boundaries,
+tools / system / documents, and the end of the previous turn, i.e. the last block of the message before the last
+assistant message: where earlier requests of this prefix wrote their entries; not the history boundary, which
+ends in the newest assistant message, after every entry an earlier request could have written); the write
 reach is the prefix up to the plan's last breakpoint. Only prefixes at or above the minimum count. The higher
 score wins, ties go to automatic (one slot, moves forward by itself); when neither caches anything the body is
 left alone. The TTL (``5m``, ``1h`` or ``NO_CACHE``) comes from the caller (``gateway.service.cache_ttl``); every
@@ -201,6 +203,11 @@ class CachePlan:
     client: Sequence[ClientBreakpoint] = ()
 
 
+STABLE_KINDS = frozenset({"tools", "system", "documents"})
+"""Boundary kinds whose entries other requests of the prefix wrote (read points of the score); ``history`` ends
+in the newest assistant message, which no earlier request held."""
+
+
 def _marker(ttl: str) -> dict[str, Any]:
     return {"type": "ephemeral", "ttl": "1h"} if ttl == "1h" else {"type": "ephemeral"}
 
@@ -290,6 +297,8 @@ def plan_cache_control(
 
     read_points: list[tuple[int, int]] = []  # (position, prefix tokens)
     for kind, boundary in boundaries.items():
+        if kind not in STABLE_KINDS:  # the history boundary is new in this request: nobody wrote there yet
+            continue
         mark = _resolve(slots, position_of, kind, boundary)
         if mark is not None and mark[1] is None:
             read_points.append((mark[0], cumulative[mark[0]]))
@@ -343,7 +352,7 @@ def plan_cache_control(
 
     # automatic: the stable boundaries as blocks (an entry other conversations of the prefix reuse) plus the
     # top-level marker on the last block (the conversation's own entry, moving forward each turn)
-    auto_body, auto_added, auto_markers = candidate(("tools", "system", "documents"), max_breakpoints - 1)
+    auto_body, auto_added, auto_markers = candidate(tuple(sorted(STABLE_KINDS)), max_breakpoints - 1)
     automatic = (0, 0)
     if ttls["history"] != NO_CACHE and last is not None:
         auto_markers = _ordered_ttls([*auto_markers, ttls["history"]])

@@ -75,8 +75,9 @@ def test_a_chat_turn_takes_automatic_caching():
     assert plan.mode == "automatic"
     assert plan.body["cache_control"] == EPH
     assert plan.body["system"][0]["cache_control"] == EPH  # the stable prefix keeps its own entry
-    assert plan.scores["automatic"] == (2_200, 2_300)  # reads the history, writes the whole request
-    assert plan.scores["placed"] == (2_200, 2_200)
+    # reads the previous turn's entry (up to the question it answered), writes the whole request
+    assert plan.scores["automatic"] == (2_100, 2_300)
+    assert plan.scores["placed"] == (2_100, 2_200)
     assert "cache_control" not in body  # the input is not changed
 
 
@@ -91,6 +92,13 @@ def test_an_agent_turn_past_the_20_block_lookback_takes_placed_breakpoints():
     assert marked and "cache_control" not in plan.body
     # with only a few tool calls the lookback reaches back, and automatic wins again
     assert _plan(_agent(5)).mode == "automatic"
+    # the edge: 10 calls append 20 blocks (the lookback still reaches the previous turn's entry), 11 append 22.
+    # Before, the newest assistant message's end counted as a read point (no request ever wrote there), so
+    # automatic seemed to read as far as placed up to ~30 calls and kept the turn out of reach.
+    assert _plan(_agent(10)).mode == "automatic"
+    eleven = _plan(_agent(11))
+    assert eleven.mode == "placed" and eleven.scores["automatic"][0] == 2_000
+    assert eleven.scores["placed"][0] == 2_100  # the previous turn's entry
 
 
 def test_the_ttl_goes_on_every_marker_the_gateway_adds():
