@@ -93,6 +93,7 @@ class StatsCollector(Collector):
         yield errors
         yield from _cache_miss_metrics(doc.get("cache_misses"))
         yield from _kv_event_metrics(models)
+        yield from _replica_metrics(models)
         yield from _transcript_metrics(doc.get("transcript"))
         yield from _usage_families(doc)
         yield from self._engine_histograms()
@@ -244,6 +245,49 @@ def _kv_event_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     yield skipped
     yield mapped
     yield replicas
+
+
+REPLICA_STATES = ("up", "half_open", "down")
+"""A replica's breaker states (``gateway.transport.affinity``)."""
+
+
+def _replica_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The upstream replicas of each model (``models[name]["replicas"]``, the ring's ``snapshot``): breaker
+    state (1 for the state it is in, 0 for the others), requests in flight, failures in a row, requests sent
+    and how many went away from their home replica (spilled by load or health), labelled by base URL (without
+    credentials or query string)."""
+    rings = {name: m["replicas"] for name, m in models.items() if m.get("replicas")}
+    if not rings:
+        return
+    labels = ["model", "replica"]
+    state = GaugeMetricFamily(
+        "prefixgate_upstream_replica_state",
+        "Breaker state of an upstream replica: 1 for its state (up, half_open, down), 0 for the others.",
+        labels=[*labels, "state"],
+    )
+    inflight = GaugeMetricFamily(
+        "prefixgate_upstream_replica_inflight", "Requests in flight to an upstream replica.", labels=labels
+    )
+    failures = GaugeMetricFamily(
+        "prefixgate_upstream_replica_failures", "Failures in a row of an upstream replica.", labels=labels
+    )
+    requests = CounterMetricFamily(
+        "prefixgate_upstream_replica_requests", "Requests sent to an upstream replica.", labels=labels
+    )
+    away = CounterMetricFamily(
+        "prefixgate_upstream_replica_away",
+        "Requests an upstream replica served for another home replica (spilled by load or health).",
+        labels=labels,
+    )
+    for name, replicas in rings.items():
+        for replica, doc in replicas.items():
+            for known in REPLICA_STATES:
+                state.add_metric([name, replica, known], 1 if doc.get("state") == known else 0)
+            inflight.add_metric([name, replica], doc.get("inflight", 0))
+            failures.add_metric([name, replica], doc.get("failures", 0))
+            requests.add_metric([name, replica], doc.get("requests", 0))
+            away.add_metric([name, replica], doc.get("away", 0))
+    yield from (state, inflight, failures, requests, away)
 
 
 def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pydantic
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.transport.sse import parse_sse
 from tests.gateway.conftest import TINY_MODEL
@@ -314,6 +315,22 @@ def test_stats_count_upstream_cache_and_savings_without_keys(upstreams, ant, oai
     assert OPENAI_KEY not in text and ANTHROPIC_KEY not in text
     metrics = httpx.get(f"{gateway.base_url}/metrics", headers=ADMIN_HEADERS, timeout=10).text
     assert OPENAI_KEY not in metrics and ANTHROPIC_KEY not in metrics
+    # the replicas as Prometheus series too (before: /admin/stats and the dashboard only)
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    for name in ("oa", "an"):
+        replica = list(gateway.app.state.gateway.config.model(name).base_url)[0]
+        requests = stats["models"][name]["replicas"][replica]["requests"]
+        up = [
+            s.value
+            for s in families["prefixgate_upstream_replica_state"].samples
+            if s.labels == {"model": name, "replica": replica, "state": "up"}
+        ]
+        served = [
+            s.value
+            for s in families["prefixgate_upstream_replica_requests"].samples
+            if s.labels == {"model": name, "replica": replica} and s.name.endswith("_total")
+        ]
+        assert up == [1.0] and served == [requests] and requests >= 2
 
 
 # ---- structured outputs across protocols -------------------------------------------------------------------
