@@ -241,7 +241,8 @@ class LLMEngine(PrefixAdmin):
         kept from before a restart first (``engine.kv_tiers.catalog``)."""
         if self.tiers is not None:
             for rec in self.tiers.stack.load_records(self.model_id):
-                self.catalog.record(rec)
+                for gone in self.catalog.record(rec):  # past the bound: the oldest forgotten down there too
+                    self.tiers.stack.forget_record(gone.prefix_key)
         self.prefetch_wait_s = 1.0
         """Longest wait for a tier read in a step that has nothing else to run."""
         self._waited_for_tiers = False  # the last step waited for a tier read (``run_to_completion``)

@@ -133,15 +133,18 @@ class PrefixAdmin:
             key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, self.tier_clock(), pin_id
         )
         old = self.catalog.get(key)
-        self.catalog.record(rec)
+        evicted = self.catalog.record(rec)
         changed = old is None or (old.block_hashes, old.level, old.tenant, old.model_id) != (
             rec.block_hashes,
             rec.level,
             rec.tenant,
             rec.model_id,
         )
-        if self.tiers is not None and changed:  # kept down too, for a restart (engine.kv_tiers.catalog)
-            self.tiers.stack.save_record(rec)
+        if self.tiers is not None:  # kept down too, for a restart (engine.kv_tiers.catalog)
+            if changed:
+                self.tiers.stack.save_record(rec)
+            for gone in evicted:
+                self.tiers.stack.forget_record(gone.prefix_key)
 
     def list_cached(
         self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None

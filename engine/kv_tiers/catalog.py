@@ -14,7 +14,9 @@ With tiers, each record is also kept in them (``encode_record``, ``TierStack.sav
 under the record's level, so it lives as long as its blocks' policy keeps them), and an engine that starts on
 tiers holding blocks reads its model's records back (``TierStack.load_records``): a restarted gateway lists
 and drops by prefix key what its tiers still serve. A record is written when it is new or its blocks, level or
-tenant change, not on every use: its ``last_use`` after a restart is the one last written.
+tenant change, not on every use: its ``last_use`` after a restart is the one last written. A record the bound
+pushes out of the catalog is forgotten in the tiers too, so the tiers never hold more records than the catalog
+(``max_entries``) and a start reads at most that many.
 """
 
 from __future__ import annotations
@@ -88,18 +90,24 @@ class PrefixCatalog:
         self.max_entries = max_entries
         self._records: OrderedDict[str, PrefixRecord] = OrderedDict()
 
-    def record(self, rec: PrefixRecord) -> PrefixRecord:
-        """Add or refresh a record (a pin already held under the key is kept)."""
+    def record(self, rec: PrefixRecord) -> list[PrefixRecord]:
+        """Add or refresh a record (a pin already held under the key is kept).
+
+        Returns:
+            the records the bound pushed out (least recently used first), for the caller to forget where it
+            kept them too (the tiers: ``TierStack.forget_record``).
+        """
         old = self._records.pop(rec.prefix_key, None)
         if old is not None and rec.pin_id is None:
             rec.pin_id = old.pin_id
         self._records[rec.prefix_key] = rec
+        evicted: list[PrefixRecord] = []
         while len(self._records) > self.max_entries:  # pinned records stay (pins are capped by the pool)
             victim = next((k for k, r in self._records.items() if r.pin_id is None), None)
             if victim is None:
                 break
-            del self._records[victim]
-        return rec
+            evicted.append(self._records.pop(victim))
+        return evicted
 
     def get(self, prefix_key: str) -> PrefixRecord | None:
         """The record of ``prefix_key``, or None."""

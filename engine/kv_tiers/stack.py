@@ -78,7 +78,7 @@ class _Write:
 @dataclass
 class _RecordWrite:
     key: str
-    data: bytes
+    data: bytes | None  # None: forget the record
     levels: frozenset[str]
 
 
@@ -140,7 +140,10 @@ class TierStack:
     def _write(self, item: _Write | _RecordWrite) -> None:
         if isinstance(item, _RecordWrite):
             for tier in self.tiers:
-                tier.put(item.key, item.data, item.levels)
+                if item.data is None:
+                    tier.delete(item.key)
+                else:
+                    tier.put(item.key, item.data, item.levels)
             return
         data = encode_entry(self.layout, item.meta, item.kv)
         key = self.key(item.meta)
@@ -272,6 +275,11 @@ class TierStack:
         """
         item = _RecordWrite(self.record_key(rec.prefix_key), encode_record(rec), frozenset({rec.level}))
         return self.queue.offer(item)
+
+    def forget_record(self, prefix_key: str) -> bool:
+        """Queue the removal of a prefix record from every tier without waiting (a record the catalog's bound
+        pushed out). Returns False when the queue was full (it stays down until a start reads it back)."""
+        return self.queue.offer(_RecordWrite(self.record_key(prefix_key), None, frozenset()))
 
     def delete_record(self, prefix_key: str) -> int:
         """Remove a prefix record from every tier (on the calling thread). Returns how many tiers held it."""

@@ -29,8 +29,9 @@ def test_refresh_keeps_the_pin_and_the_bound_keeps_pinned_records():
     cat.record(rec("p", pin="pin-1"))
     cat.record(rec("p"))  # a later request on the same prefix
     assert cat.get("p").pin_id == "pin-1"
-    cat.record(rec("x"))
-    cat.record(rec("y"))  # over the bound: the oldest unpinned record goes, the pinned one stays
+    assert cat.record(rec("x")) == []
+    evicted = cat.record(rec("y"))  # over the bound: the oldest unpinned record goes, the pinned one stays
+    assert [r.prefix_key for r in evicted] == ["x"]  # returned, for the tiers to forget it too
     assert [r.prefix_key for r in cat.select()] == ["p", "y"]
     with pytest.raises(ValueError):
         PrefixCatalog(0)

@@ -243,6 +243,20 @@ def test_a_restarted_engine_lists_and_drops_by_prefix_key_what_its_tiers_kept(tm
     third.close()
 
 
+def test_the_records_kept_down_are_bounded_by_the_catalog(tmp_path, redis_prefix):
+    """A record the catalog's bound pushes out is forgotten in the tiers too: a start never reads more."""
+    eng = tiered(tmp_path, ("disk", "redis"), redis_prefix)
+    eng.catalog.max_entries = 2
+    for i in range(3):
+        eng.warm(random_tokens(40, 60 + i), cache_salt="t", prefix_key=f"pk-{i}")
+    assert eng.flush_tiers()
+    assert [r.prefix_key for r in eng.tiers.stack.load_records(eng.model_id)] == ["pk-1", "pk-2"]
+    eng.close()
+    again = tiered(tmp_path, ("disk", "redis"), redis_prefix)
+    assert sorted(r.prefix_key for r in again.list_cached()) == ["pk-1", "pk-2"]
+    again.close()
+
+
 def test_list_and_drop_cached_prefixes(tmp_path, redis_prefix):
     eng = tiered(tmp_path, ("disk", "redis"), redis_prefix)
     system = random_tokens(130, 31)
