@@ -190,7 +190,8 @@ class RuleSet:
         turns is exactly what was sent for them. Values hoisted from the system prompt go into the first
         turn's block. With ``memory``, the stored canonical messages of the longest earlier request of this
         conversation (same ``scope`` and tools) are reused verbatim, blocks with their old values included,
-        and the system values that changed since that request go into a block in the first new turn.
+        and the system values that changed since that request go into a block in the first new turn, with the
+        changed values of the reused turns' own messages (a later system message's time).
 
         A conversation resent turn after turn costs about its new turn: what the turns of an earlier request
         gave is kept (``history_memo``, keyed by a digest of the scope, the tools and the messages as sent)
@@ -306,6 +307,16 @@ class RuleSet:
                 for placement, value in system_values:
                     if value not in present:
                         values[resolve_location(placement, work, start, end)].append(value)
+                # ... and so do the values of a later turn's own messages (a system message mid-conversation
+                # whose time changed): reused verbatim, the history holds their old values, which the model
+                # would otherwise go on reading as current
+                assert found is not None
+                said = {v for block in found[1].blocks for v in block} | set(present)
+                for k in range(1, first_new):
+                    for value in (v for loc in LOCATIONS for v in own[k].get(loc, [])):
+                        if value not in said:
+                            said.add(value)
+                            values[resolve_location("tail_end", work, start, end)].append(value)
             offset = len(final) - start
             final.extend(copy_json(work[start:end]))
             turn_starts, _ = insert_turn_blocks(

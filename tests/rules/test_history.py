@@ -306,3 +306,27 @@ def test_a_growing_conversation_reads_one_entry_per_request() -> None:
         )
         history += tool_turn(turn, [f"out {turn}"])
     assert store.batches == [1] * 6  # the first request has no earlier one to look up
+
+
+def test_a_changed_value_in_a_later_system_message_reaches_the_newest_turn() -> None:
+    """The trial: a second system message mid-conversation (``Current time: 10:00``) changed on a later turn;
+    with the memory the reused history kept the old value and the new one appeared nowhere (the model read
+    10:00 as current). The new value now goes into the newest turn's block, as a changed first system
+    prompt's does; without a change nothing is repeated."""
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    DEFAULT.apply(copy.deepcopy(first), memory=memory, scope="s")
+    reminder = {"role": "system", "content": "Reminder: be brief.\nCurrent time: 10:00"}
+    second = [*first, {"role": "assistant", "content": "Hello."}, reminder, {"role": "user", "content": "Time?"}]
+    DEFAULT.apply(copy.deepcopy(second), memory=memory, scope="s")
+    late = "Current time: Saturday, December 5, 2026 at 11:45:30 PM"
+    third = [*second, {"role": "assistant", "content": "It is 10:00."}, {"role": "user", "content": "And now?"}]
+    third[3] = {"role": "system", "content": f"Reminder: be brief.\n{late}"}
+    canon = DEFAULT.apply(copy.deepcopy(third), memory=memory, scope="s")
+    assert canon.history.reused_turns >= 2  # the history is reused verbatim, old value included
+    text = all_text(canon.messages)
+    assert "11:45:30" in text and text.rindex("11:45:30") > text.rindex("And now?") - 200
+    assert "11:45:30" in all_text(canon.messages[-1:])  # in the newest turn
+    same = [*third, {"role": "assistant", "content": "Late."}, {"role": "user", "content": "Thanks."}]
+    again = DEFAULT.apply(copy.deepcopy(same), memory=memory, scope="s")
+    assert all_text(again.messages).count("11:45:30") == 1  # still current: not repeated
