@@ -78,7 +78,9 @@ def apply(rule_paths: list[str] | None, request_path: str, placement: str | None
     """Print the canonical form of the request in ``request_path`` as JSON.
 
     The output holds ``messages``, ``tools``, ``stable_prefix_end`` ({message, part, char}: where the
-    volatile tail begins), ``segments``, ``applied``, ``hoisted`` and ``stable_prefix_sha256`` (SHA-256
+    volatile tail begins), ``segments``, ``turn_stable_end`` / ``turn_segments`` (the same, with a block an
+    earlier turn holds counted as history: ``Canonical.to_dict``), ``applied``, ``hoisted`` and
+    ``stable_prefix_sha256`` (SHA-256
     of ``Canonical.stable_prefix_material()``: two requests with the same value share their stable prefix).
 
     Args:

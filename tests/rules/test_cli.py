@@ -66,6 +66,32 @@ def test_apply_prints_canonical_request_and_stable_end(
     assert out["stable_prefix_sha256"] == hashlib.sha256(canon.stable_prefix_material()).hexdigest()
 
 
+def test_apply_shows_where_the_newest_turn_starts_when_an_earlier_turn_holds_a_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trial read ``stable_prefix_end`` (message 1: the first block starts the volatile tail) as "the whole
+    history is volatile"; ``turn_stable_end`` says where the newest turn's tail starts, the first turn's block
+    being history, as the cache explanation counts it."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are terse.\nCurrent time: 10:00:00"},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+            {"role": "user", "content": "e"},
+        ],
+    }
+    request = tmp_path / "turns.json"
+    request.write_text(json.dumps(body), encoding="utf-8")
+    assert cli.apply(None, str(request)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stable_prefix_end"]["message"] == 1
+    assert out["turn_stable_end"] == {"message": 5, "part": 0, "char": 0}
+    assert "history" in [s["name"] for s in out["turn_segments"]]
+
+
 def test_apply_with_rules_placement_and_anthropic_body(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
