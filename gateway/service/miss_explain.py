@@ -365,9 +365,11 @@ class MissExplainer:
             # two comes back as U+FFFD): the KV the engine computed for the reply from ``d`` is lost
             return "reply_cut", d, None, None
         old_len = len(entry.tokens)
-        if d >= old_len - old_len % bs:
+        if d >= old_len - old_len % bs and not (reply is not None and d < old_len):
             # the earlier prompt is all shared: what follows it is new (past what the cache served: with
-            # token-granular hits it may also have served the earlier request's own generated tokens)
+            # token-granular hits it may also have served the earlier request's own generated tokens). Not
+            # when it ends with an answer this prompt leaves before its end: the client edited that reply
+            # (a short answer can end in the block the edit is in)
             return "cold", max(d, cached), None, None
         if d < unit and not rejoins(data, entry.tokens, d, segs, entry.segments, self.max_edit_tokens):
             # less than a unit in common (a template's header) and nothing in common after it: a new prompt
@@ -386,7 +388,10 @@ class MissExplainer:
 
     def _nearest(self, model: str, tenant: str, data: array, upto: int | None) -> tuple[_Entry, int] | None:
         """The recorded prompt of the key (recorded as prompt ``upto`` or earlier; all when None) sharing the
-        longest token prefix with ``data``, and that length (ties: the most recent)."""
+        longest token prefix with ``data``, and that length. Ties: an entry that goes on past the shared tokens
+        (it says what came there before: an answer the client edited) over one they use up, then the most
+        recent. (The gateway records a prompt after its answer: without the first rule, an edit of the reply's
+        first token was explained against the bare prompt, ``cold``.)"""
         entries = self._keys.get((model, tenant))
         if not entries:
             return None
@@ -396,6 +401,8 @@ class MissExplainer:
                 continue
             d = common_tokens(data, entry.tokens, 0)
             if best is None or d > best[1]:
+                best = (entry, d)
+            elif d == best[1] and len(best[0].tokens) <= d < len(entry.tokens):
                 best = (entry, d)
         return best
 

@@ -317,10 +317,19 @@ def test_a_changed_value_in_a_later_system_message_reaches_the_newest_turn() -> 
     first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
     DEFAULT.apply(copy.deepcopy(first), memory=memory, scope="s")
     reminder = {"role": "system", "content": "Reminder: be brief.\nCurrent time: 10:00"}
-    second = [*first, {"role": "assistant", "content": "Hello."}, reminder, {"role": "user", "content": "Time?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "Hello."},
+        reminder,
+        {"role": "user", "content": "Time?"},
+    ]
     DEFAULT.apply(copy.deepcopy(second), memory=memory, scope="s")
     late = "Current time: Saturday, December 5, 2026 at 11:45:30 PM"
-    third = [*second, {"role": "assistant", "content": "It is 10:00."}, {"role": "user", "content": "And now?"}]
+    third = [
+        *second,
+        {"role": "assistant", "content": "It is 10:00."},
+        {"role": "user", "content": "And now?"},
+    ]
     third[3] = {"role": "system", "content": f"Reminder: be brief.\n{late}"}
     canon = DEFAULT.apply(copy.deepcopy(third), memory=memory, scope="s")
     assert canon.history.reused_turns >= 2  # the history is reused verbatim, old value included

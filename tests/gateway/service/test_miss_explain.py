@@ -371,6 +371,38 @@ def test_an_edit_of_the_newest_reply_is_history_rewritten_where_it_differs():
     assert e.header_value() == "cached=80; miss=history_rewritten; at=history:90"
 
 
+def test_an_edit_of_a_short_reply_ending_in_the_edits_block_is_history_rewritten():
+    """The trial: a system prompt with a hoisted time (71-token prompt) and an 8-token answer: the recorded
+    prompt and answer end at 79, in the block [64, 80) that the edit at 71 is in, and the edit was taken for
+    "the earlier prompt all shared, what follows is new": ``cold``. An answer the request leaves before its
+    end was edited."""
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)  # 130 tokens
+    reply = list(range(5000, 5006))  # [130, 136): the prompt and answer end inside the block [128, 144)
+    ex.record_answer("m", "t", first, first_segments, reply)
+    rewritten = [5999] * 20  # the client's own reply: [130, 150), so the stable target reaches 144
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + rewritten, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 130)
+    assert e.header_value() == "cached=130; miss=history_rewritten; at=history:130"
+
+
+def test_an_edit_of_the_replys_first_token_is_history_rewritten_whatever_was_recorded_last():
+    """The trial: with a hoisted block in the first turn, an edited newest reply said ``miss=cold``. The gateway
+    records the answer before the prompt (the prompt's recording waits for the answer to be sent); an edit of
+    the reply's first token shares the whole prompt with both entries, and the tie went to the newest, the
+    prompt alone ("all shared: what follows is new"). The entry that goes on past the shared tokens (the
+    answer) explains it: the client rewrote the reply."""
+    ex = MissExplainer()
+    first, first_segments, _ = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    reply = list(range(5000, 5030))  # [130, 160)
+    ex.record_answer("m", "t", first, first_segments, reply)
+    served(ex, first, first_segments)  # recorded after the answer, as the pipeline does
+    edited = [5999] + reply[1:]
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY + TAIL + edited, [4100, 4101])
+    e = ex.explain("m", "t", tokens, segments, stable, 128)
+    assert e.header_value() == "cached=128; miss=history_rewritten; at=history:130"
+
+
 END_OF_TURN = [7000, 7001]  # the template's end of the reply's turn (``<|im_end|>``, ``\n``)
 
 
