@@ -121,20 +121,13 @@ class Canonical:
         return _tail_start(self.segments, self.messages)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict: messages, tools, stable_prefix_end, segments, turn_stable_end, turn_segments,
-        applied, hoisted. ``stable_prefix_end`` / ``segments``: the first hoisted-value block starts the
-        volatile tail (what the prefix key covers); ``turn_stable_end`` / ``turn_segments``: only the newest
-        turn's block does, a block an earlier turn holds being history (what the cache explanation and the
-        tiers' levels use; the same as the former when no earlier turn holds a block)."""
-        end, turn_end = self.stable_end, self.turn_stable_end
-        turns = self.turn_segments if self.turn_segments is not None else self.segments
+        """JSON-ready dict: messages, tools, stable_prefix_end, segments, applied, hoisted."""
+        end = self.stable_end
         return {
             "messages": self.messages,
             "tools": self.tools,
             "stable_prefix_end": {"message": end.message, "part": end.part, "char": end.char},
             "segments": [s.to_dict() for s in self.segments],
-            "turn_stable_end": {"message": turn_end.message, "part": turn_end.part, "char": turn_end.char},
-            "turn_segments": [s.to_dict() for s in turns],
             "applied": dict(sorted(self.applied.items())),
             "hoisted": list(self.hoisted),
         }

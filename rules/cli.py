@@ -104,6 +104,12 @@ def apply(rule_paths: list[str] | None, request_path: str, placement: str | None
         print(f"{request_path}: {kind}: {e}", file=sys.stderr)
         return 2
     out = canonical.to_dict()
+    # where the newest turn's tail starts, a block an earlier turn holds being history (the cache explanation's
+    # and the tiers' view; the same as stable_prefix_end when no earlier turn holds a block)
+    turn_end = canonical.turn_stable_end
+    turns = canonical.turn_segments if canonical.turn_segments is not None else canonical.segments
+    out["turn_stable_end"] = {"message": turn_end.message, "part": turn_end.part, "char": turn_end.char}
+    out["turn_segments"] = [s.to_dict() for s in turns]
     out["stable_prefix_sha256"] = hashlib.sha256(canonical.stable_prefix_material()).hexdigest()
     print(json.dumps(out, ensure_ascii=False, indent=2))
     return 0
