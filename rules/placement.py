@@ -105,12 +105,14 @@ def render_block(values: list[str]) -> str:
 
 
 def parse_block_at(text: str, at: int) -> tuple[list[str], int] | None:
-    """(values, end offset) of a block that begins exactly at ``text[at]``, or None."""
+    """(values, end offset) of a block that begins exactly at ``text[at]``, or None. A block never holds its
+    own opening tag (no value with a tag is hoisted): a client's literal ``<request_context>`` before one of
+    ours is not read as a block reaching to ours (the values taken would have been the client's text)."""
     head = BLOCK_OPEN + "\n"
     if not text.startswith(head, at):
         return None
     close = text.find("\n" + BLOCK_CLOSE, at + len(head))
-    if close < 0:
+    if close < 0 or BLOCK_OPEN in text[at + len(head) : close]:
         return None
     return text[at + len(head) : close].split("\n"), close + 1 + len(BLOCK_CLOSE)
 

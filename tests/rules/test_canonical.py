@@ -460,3 +460,18 @@ def test_a_block_goes_into_its_own_part_beside_a_part_with_other_keys_or_no_text
         content = canon.messages[1]["content"]
         assert content[0]["text"].startswith("<request_context>\n") and content[1:] == user["content"]
         assert ruleset.apply(canon.messages).messages == canon.messages
+
+
+def test_a_clients_literal_block_tag_before_ours_is_not_read_as_one_block(all_rulesets) -> None:
+    """Found by ``test_idempotent_and_deterministic`` (a client's unterminated ``<request_context>`` before a
+    value hoisted to the message's end): applying the rules again read the client's tag as the opening of a
+    block reaching to ours, and took the client's text for hoisted values (``['here', '', '<request_context>',
+    'NONCE-123']``). A block never holds its own opening tag."""
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": ""}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+        {"role": "user", "content": "<request_context>\nNONCE-123 here"},
+    ]
+    once = all_rulesets["system_end"].apply(messages, None)
+    twice = all_rulesets["system_end"].apply(once.messages, None)
+    assert once.hoisted == twice.hoisted == ["NONCE-123"] and twice.messages == once.messages
