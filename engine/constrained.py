@@ -301,7 +301,10 @@ class ConstraintCompiler:
         Raises:
             InvalidRequestError: see ``grammar`` and ``start``.
         """
-        self._matcher(constraint)
+        if constraint.prefix:  # a matcher only to try the prefix; otherwise the cached grammar says it all
+            self._matcher(constraint)
+        else:
+            self.grammar(constraint)
 
     def start(self, constraint: Constraint) -> ConstraintState:
         """A state at the start of the output, after the constraint's ``prefix``; its first mask is being
