@@ -79,7 +79,7 @@ def apply(rule_paths: list[str] | None, request_path: str, placement: str | None
 
     The output holds ``messages``, ``tools``, ``stable_prefix_end`` ({message, part, char}: where the
     volatile tail begins), ``segments``, ``turn_stable_end`` / ``turn_segments`` (the same, with a block an
-    earlier turn holds counted as history: ``Canonical.to_dict``), ``applied``, ``hoisted`` and
+    earlier turn holds counted as history: ``Canonical.turn_stable_end``), ``applied``, ``hoisted`` and
     ``stable_prefix_sha256`` (SHA-256
     of ``Canonical.stable_prefix_material()``: two requests with the same value share their stable prefix).
 
