@@ -222,23 +222,11 @@ class SlotLearner:
         return "learned." + short_hash(left, right, str(at_start), str(at_end)).hex()[:12]
 
     def pattern_source(self, candidate: SlotCandidate) -> str:
-        """The RE2 source of a slot's hoist rule: ``\\A``? the left anchor up to its last line break, then group
-        ``value``: the rest of the left anchor (the value's line before it: its label), the value class
-        ``CLASS{lo,hi}?``, the right anchor up to its first line break (each side extended to the line's
-        start / end, ``[^\\n]*``, where its anchor holds no line break); then the rest of the right anchor,
-        ``\\z``? (all escaped). So the hoisted text is the value with its line around it, as far as the anchors
-        reach (``App version: 1.4.9``, ``Hello Zed,``, a JSON line whole), never a bare value the model can no
-        longer read ("Hello ," and ``Zed`` apart) nor half a JSON string left behind."""
-        left_before, newline, left_line = candidate.left.rpartition("\n")
-        right_line, newline_after, right_after = candidate.right.partition("\n")
-        left = (r"\A" if candidate.at_start else "") + escape_re2(left_before + newline)
-        right = escape_re2(newline_after + right_after) + (r"\z" if candidate.at_end else "")
-        value = value_class(candidate, self.config.max_span_chars)
-        # the line goes on past an anchor that holds no line break: to its start / end ([^\n]*, leftmost)
-        head = "" if newline or candidate.at_start else "[^\\n]*"
-        tail = "" if newline_after or candidate.at_end else "[^\\n]*"
-        line = f"{head}{escape_re2(left_line)}(?:{value}){escape_re2(right_line)}{tail}"
-        return f"{left}(?P<value>{line}){right}"
+        """The RE2 source of a slot's hoist rule: ``\\A``? escaped left anchor, ``(?P<value>CLASS{lo,hi}?)``,
+        escaped right anchor, ``\\z``?."""
+        left = (r"\A" if candidate.at_start else "") + escape_re2(candidate.left)
+        right = escape_re2(candidate.right) + (r"\z" if candidate.at_end else "")
+        return f"{left}(?P<value>{value_class(candidate, self.config.max_span_chars)}){right}"
 
     def slots(
         self, model: str | None = None, tenant: str | None = None, include_candidates: bool = False
@@ -329,8 +317,7 @@ class SlotLearner:
 
     def match_slots(self, model: str, tenant: str, text: str) -> list[tuple[int, int, str]]:
         """Where the learned slots of ``model`` + ``tenant`` (any mode but ``off``) match in a system/developer
-        ``text``: ``(start, end, slot id)`` character ranges of the values with their lines (``pattern_source``'s
-        group), sorted. For the miss explanation
+        ``text``: ``(start, end, slot id)`` character ranges of the values, sorted. For the miss explanation
         (a divergence inside such a range is ``volatile`` with that slot as candidate)."""
         if self.config.mode == "off":
             return []
