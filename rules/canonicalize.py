@@ -301,7 +301,7 @@ class RuleSet:
         for j in range(first_new, len(spans)):
             start, end = spans[j]
             values = {loc: list(carried[j].get(loc, [])) + own[j].get(loc, []) for loc in LOCATIONS}
-            if j == first_new > 0:
+            if j == first_new and found is not None:
                 # the reused history holds the system values of its time: those that changed since the
                 # previous request go into this turn (a value said before and still current is not repeated)
                 for placement, value in system_values:
@@ -310,7 +310,6 @@ class RuleSet:
                 # ... and so do the values of a later turn's own messages (a system message mid-conversation
                 # whose time changed): reused verbatim, the history holds their old values, which the model
                 # would otherwise go on reading as current
-                assert found is not None
                 said = {v for block in found[1].blocks for v in block} | set(present)
                 for k in range(1, first_new):
                     for value in (v for loc in LOCATIONS for v in own[k].get(loc, [])):

@@ -35,7 +35,7 @@ Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
   in the volatile tail (new content).
 - ``reply_cut``: the nearest earlier prompt is followed by a reply cut by ``max_tokens`` inside a character (its
   text ended in U+FFFD: the caller's ``record_answer(cut=True)``) and the divergence lies in that reply's last
-  ``_CUT_TAIL`` tokens, before the last token the engine computed (the resent text spells the cut end
+  ``CUT_TAIL`` tokens, before the last token the engine computed (the resent text spells the cut end
   otherwise). A reply cut between characters comes back as served; a divergence in it is an edit.
 - otherwise, at the divergence ``d`` from the nearest earlier prompt (either prompt's segment at ``d``):
   ``tools_changed`` (tools, unless both prompts carry a tools digest and the digests are equal: the tools are
@@ -51,7 +51,8 @@ A provider's own diagnostic, when an upstream returns one, is mapped to the same
 
 The vocabulary (causes, segments, ``MissExplanation``, the header) lives in ``miss_explanation``; the
 counters in ``miss_counters``; the chain hashes in ``token_chains``; the segment geometry (which segment holds an
-offset, whether two prompts re-converge after a divergence) in ``miss_segments``.
+offset, whether two prompts re-converge after a divergence) in ``miss_segments``; a recorded prompt and the choice
+of the one that explains a divergence in ``miss_entries``.
 
 Invariants: a miss starts where the reported cached prefix ends or after it (``offset >= cached``: the
 explanation never places a miss inside the span the engine or upstream served; a divergence from a recorded
@@ -70,9 +71,9 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from gateway.service.miss_entries import CUT_TAIL, Entry, Reply, nearest_entry
 from gateway.service.miss_explanation import (
     MissExplainError,
     MissExplanation,
@@ -81,12 +82,11 @@ from gateway.service.miss_explanation import (
     map_provider_cause,
 )
 from gateway.service.miss_segments import divergence_segments, rejoins, segment_at, validated_segments
-from gateway.service.token_chains import chain_hashes, common_tokens
+from gateway.service.token_chains import chain_hashes
 
 DEFAULT_BLOCK_SIZE = 16
 
 _MAX_TOKEN = (1 << 32) - 1
-_ENTRY_OVERHEAD = 256
 
 
 class Epoch(NamedTuple):
@@ -95,35 +95,6 @@ class Epoch(NamedTuple):
 
     prompts: int
     marks: int
-
-
-class _Reply(NamedTuple):
-    """What ``record_answer`` knows of an entry's answer: ``computed``, the entry's leading tokens the engine
-    computed KV for (all but the answer's ``uncomputed`` last ids), and ``cut_from``, where the tail that a
-    reply cut by ``max_tokens`` may resend re-tokenized starts (None when the reply was not cut)."""
-
-    computed: int
-    cut_from: int | None
-
-
-_CUT_TAIL = 3
-"""Tokens at the end of a reply cut by ``max_tokens`` that its resent text may spell otherwise: a cut inside a
-UTF-8 character leaves at most 3 of its bytes, in at most the reply's last 3 tokens, and the client gets U+FFFD
-in their place (``engine.detokenizer``), which tokenizes differently."""
-
-
-@dataclass
-class _Entry:
-    tokens: array
-    segments: tuple[PromptSegment, ...]
-    seen_at: float
-    digest: bytes = b""  # BLAKE2b-128 of ``tokens``: the key of ``MissExplainer._seqs``
-    tools: bytes | None = None  # the prompt's tools digest (``record``), None when not given
-    reply: _Reply | None = None  # a prompt followed by its served answer (``record_answer``), else None
-
-    @property
-    def nbytes(self) -> int:
-        return _ENTRY_OVERHEAD + 4 * len(self.tokens)
 
 
 class MissExplainer:
@@ -173,7 +144,7 @@ class MissExplainer:
         self.max_cached_chains = max_cached_chains
         self.max_edit_tokens = max_edit_tokens
         self._clock = clock
-        self._keys: OrderedDict[tuple[str, str], OrderedDict[int, _Entry]] = OrderedDict()
+        self._keys: OrderedDict[tuple[str, str], OrderedDict[int, Entry]] = OrderedDict()
         self._lru: OrderedDict[tuple[tuple[str, str], int], None] = OrderedDict()
         # (key, digest of the tokens) -> seq of the stored prompt: ``record`` finds an identical prompt without
         # comparing it with every prompt of the key (docs/overhead.md, session 7)
@@ -314,7 +285,7 @@ class MissExplainer:
         return MissExplanation(cached, reach, True, cause, where, at, slot, ago, "local")
 
     @staticmethod
-    def _held(nearest: tuple[_Entry, int] | None, unit: int) -> int | None:
+    def _held(nearest: tuple[Entry, int] | None, unit: int) -> int | None:
         """What the cache can hold of a prompt whose nearest earlier prompt is ``nearest`` (entry, shared
         tokens), rounded down to ``unit``, when that entry is a prompt followed by its served answer and the
         prompt shares all the engine computed of it: the tokens after it (the answer's last sampled token, which
@@ -339,7 +310,7 @@ class MissExplainer:
         spans: tuple[VolatileSpan, ...],
         epoch: Epoch | None,
         tools: bytes | None,
-        nearest: tuple[_Entry, int] | None,
+        nearest: tuple[Entry, int] | None,
     ) -> tuple[str, int, str | None, float | None]:
         """(cause, offset, slot, cached_ago) of a miss (``end``: where the target ends, unrounded; ``nearest``:
         the nearest earlier prompt of the evidence and the tokens it shares, ``_nearest``)."""
@@ -386,25 +357,10 @@ class MissExplainer:
             return "history_rewritten", d, None, None
         return "cold", d, None, None  # a new or edited document, or the new question: content never cached
 
-    def _nearest(self, model: str, tenant: str, data: array, upto: int | None) -> tuple[_Entry, int] | None:
-        """The recorded prompt of the key (recorded as prompt ``upto`` or earlier; all when None) sharing the
-        longest token prefix with ``data``, and that length. Ties: an entry that goes on past the shared tokens
-        (it says what came there before: an answer the client edited) over one they use up, then the most
-        recent. (The gateway records a prompt after its answer: without the first rule, an edit of the reply's
-        first token was explained against the bare prompt, ``cold``.)"""
+    def _nearest(self, model: str, tenant: str, data: array, upto: int | None) -> tuple[Entry, int] | None:
+        """The key's recorded prompt that explains where ``data`` leaves them (``nearest_entry``)."""
         entries = self._keys.get((model, tenant))
-        if not entries:
-            return None
-        best: tuple[_Entry, int] | None = None
-        for seq, entry in reversed(entries.items()):
-            if upto is not None and seq > upto:
-                continue
-            d = common_tokens(data, entry.tokens, 0)
-            if best is None or d > best[1]:
-                best = (entry, d)
-            elif d == best[1] and len(best[0].tokens) <= d < len(entry.tokens):
-                best = (entry, d)
-        return best
+        return nearest_entry(entries, data, upto) if entries else None
 
     # ----- recording --------------------------------------------------------------------------------------
     def record(
@@ -437,7 +393,7 @@ class MissExplainer:
         segments: Iterable[PromptSegment],
         extends: array | None,
         tools_digest: bytes | None,
-        reply: _Reply | None,
+        reply: Reply | None,
     ) -> None:
         """``record``, the entry carrying ``reply`` (``record_answer``; None for a prompt)."""
         self._root(model, tenant)
@@ -466,7 +422,7 @@ class MissExplainer:
                 entries.move_to_end(seq)
                 self._lru.move_to_end((key, seq))
                 return
-            entry = _Entry(data, segs, self._clock(), digest, tools, reply)
+            entry = Entry(data, segs, self._clock(), digest, tools, reply)
             if entry.nbytes > self.max_bytes:
                 return
             self._seq += 1
@@ -497,7 +453,7 @@ class MissExplainer:
         of it than the engine computed: the prompt and the answer less its ``uncomputed`` last ids (the last
         sampled token is never fed to the model). Such a prompt is a hit once that much is cached; past it a
         new turn starts. ``cut``: the reply was cut by ``max_tokens`` inside a character, so its resent text may spell its last
-        ``_CUT_TAIL`` tokens otherwise (``reply_cut`` where it does, before what the engine computed ends).
+        ``CUT_TAIL`` tokens otherwise (``reply_cut`` where it does, before what the engine computed ends).
 
         Raises:
             MissExplainError: bad tokens, segments, answer tokens or ``uncomputed`` (not in [0, answer length]).
@@ -512,8 +468,8 @@ class MissExplainer:
             )
         end = len(prompt) + len(ids)
         history = PromptSegment("history", len(prompt), end)
-        cut_from = max(len(prompt), end - _CUT_TAIL) if cut else None
-        reply = _Reply(end - missing, cut_from)
+        cut_from = max(len(prompt), end - CUT_TAIL) if cut else None
+        reply = Reply(end - missing, cut_from)
         self._record(model, tenant, prompt + ids, (*segs, history), prompt, tools_digest, reply)
 
     def _extend(
@@ -524,7 +480,7 @@ class MissExplainer:
         segs: tuple[PromptSegment, ...],
         digest: bytes,
         tools: bytes | None,
-        reply: _Reply | None,
+        reply: Reply | None,
     ) -> bool:
         """Replace the recorded ``prompt`` of ``key`` by its continuation ``data`` in place (caller holds the
         lock). False when the prompt is not recorded (dropped, or never recorded), the continuation is
@@ -539,7 +495,7 @@ class MissExplainer:
         if (key, digest) in self._seqs:
             self._drop_entry(key, seq)
             return False
-        new = _Entry(data, segs, self._clock(), digest, tools, reply)
+        new = Entry(data, segs, self._clock(), digest, tools, reply)
         if new.nbytes > self.max_bytes:
             return False
         entries[seq] = new

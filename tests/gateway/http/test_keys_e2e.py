@@ -177,6 +177,8 @@ def test_a_cache_salt_narrows_a_keys_tenant_and_never_leaves_it(keyed):
         assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", (
             response.text
         )
+    model = keyed.wait_blocks_released(TINY_MODEL)["models"][TINY_MODEL]
+    assert model["blocks"]["used"] == 0 and (model["engine"]["running"], model["engine"]["waiting"]) == (0, 0)
 
 
 def test_rate_limit_answers_429_with_retry_after(keyed):
