@@ -15,7 +15,23 @@ from gateway.transport.affinity import AffinityRing
 from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
 from tests.gateway.upstream_helpers import Sleeps, chat_request, drain
 
-PREFIXES = [hashlib.blake2b(f"system prompt {i}".encode(), digest_size=16).hexdigest() for i in range(10)]
+
+def prefix_keys(ring: AffinityRing, per_replica: int = 5) -> list[str]:
+    """``per_replica`` prefix keys homed on each replica of ``ring``, in draw order. The replicas' names hold
+    their free ports, so the first ten keys of a fixed list are all homed on one replica about once in 1,100
+    draws: that replica would then never be tried, and the failover checks below would test nothing."""
+    keys: list[str] = []
+    homed = dict.fromkeys(ring.replicas, 0)
+    i = 0
+    while len(keys) < per_replica * len(ring.replicas):
+        key = hashlib.blake2b(f"system prompt {i}".encode(), digest_size=16).hexdigest()
+        i += 1
+        if homed[ring.home(key)] < per_replica:
+            homed[ring.home(key)] += 1
+            keys.append(key)
+    return keys
+
+
 IN_FLIGHT = (
     2  # with 2 replicas and c = 1.25, the bound ceil(1.25 * 2 / 2) = 2 admits 2 requests on one replica
 )
@@ -59,8 +75,9 @@ async def test_prefix_affinity_bounded_load_and_failover_on_real_sockets():
     try:
         async with httpx.AsyncClient() as http:
             ring = RecordingRing(urls, load_factor=1.25, cooldown_s=60.0)
+            prefixes = prefix_keys(ring)
             backend = OpenAIUpstreamBackend("m", urls, ring=ring, client=http, retries=2, sleep=Sleeps())
-            keys = [key for _ in range(10) for key in PREFIXES]
+            keys = [key for _ in range(10) for key in prefixes]
             random.Random(0).shuffle(keys)
 
             placement = await send_all(backend, keys)
@@ -77,13 +94,14 @@ async def test_prefix_affinity_bounded_load_and_failover_on_real_sockets():
 
             servers[1].stop()  # kill replica B: connections are refused from now on
             served_by_a = len(states[0].requests)
-            after = await send_all(backend, [key for _ in range(3) for key in PREFIXES])
+            after = await send_all(backend, [key for _ in range(3) for key in prefixes])
             for key, replicas in after.items():
                 assert replicas == {"A"}
                 if before[key] == "A":
                     assert ring.home(key) == urls[0]  # A's prefixes never moved
-            moved = {key for key in PREFIXES if before[key] != "A"}
-            assert moved == {key for key in PREFIXES if ring.home(key) == urls[1]}  # only B's prefixes moved
+            moved = {key for key in prefixes if before[key] != "A"}
+            assert moved == {key for key in prefixes if ring.home(key) == urls[1]}  # only B's prefixes moved
+            assert len(moved) == 5  # B was home to some prefixes, so it was tried and failed
             assert len(states[0].requests) - served_by_a == 30  # every request answered, by A
             assert ring.snapshot()[urls[1]]["state"] == "down"
     finally:
