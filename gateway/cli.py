@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--rules", nargs="+", default=None, metavar="FILE", help="rule files or pack names (default: default)"
     )
     apply.add_argument("--placement", default=None, help="override every hoist rule's placement")
-    apply.add_argument("request", metavar="REQUEST.json", nargs="?")
+    apply.add_argument(
+        "request",
+        metavar="REQUEST.json",
+        nargs="?",
+        help="the request body (- or no file with piped input: standard input)",
+    )
     replay = rule_commands.add_parser(
         "replay", help="replay a request log (JSON lines) and print the prefix each request shares"
     )
@@ -77,18 +82,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, stdin_piped: bool | None = None) -> argparse.Namespace:
     """Parse the command line. ``--rules A B REQUEST.json``: argparse's ``+`` takes every word, so the last
-    one is the request when no separate positional is left."""
+    one is the request when no separate positional is left, unless input is piped and that word does not end
+    in ``.json`` (``--rules A B < req.json``). With no request named and input piped, the request is read from
+    standard input (``-``).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        stdin_piped: whether standard input is not a terminal (default: asked of ``sys.stdin``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "rules" and args.rules_command == "apply" and args.request is None:
-        if not args.rules:
-            parser.error("rules apply: REQUEST.json is required")
-        args.request = args.rules.pop()
-        if not args.rules:
-            parser.error("rules apply: --rules needs at least one FILE before REQUEST.json")
+        piped = _stdin_piped() if stdin_piped is None else stdin_piped
+        if args.rules and not (piped and not args.rules[-1].endswith(".json")):
+            args.request = args.rules.pop()
+            if not args.rules:
+                parser.error("rules apply: --rules needs at least one FILE before REQUEST.json")
+        elif piped:
+            args.request = "-"
+        else:
+            parser.error("rules apply: REQUEST.json is required (or - to read it from standard input)")
     return args
+
+
+def _stdin_piped() -> bool:
+    try:
+        return not sys.stdin.isatty()
+    except (AttributeError, ValueError):  # no stdin, or a closed one
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

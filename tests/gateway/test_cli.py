@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -39,7 +40,28 @@ def test_parser_knows_the_commands():
     assert parse_args(["rules", "apply", "req.json"]).rules is None
     for bad in (["rules", "check"], ["rules", "apply"], ["rules", "apply", "--rules", "req.json"]):
         with pytest.raises(SystemExit):
-            parse_args(bad)
+            parse_args(bad, stdin_piped=False)
+
+
+def test_rules_apply_reads_piped_stdin_when_no_request_is_named():
+    assert parse_args(["rules", "apply"], stdin_piped=True).request == "-"
+    args = parse_args(["rules", "apply", "--rules", "a.yaml", "default"], stdin_piped=True)
+    assert (args.rules, args.request) == (["a.yaml", "default"], "-")
+    args = parse_args(["rules", "apply", "--rules", "a.yaml", "req.json"], stdin_piped=True)
+    assert (args.rules, args.request) == (["a.yaml"], "req.json")  # a named .json is still the request
+    args = parse_args(["rules", "apply", "--rules", "a.yaml", "b.yaml"], stdin_piped=False)
+    assert (args.rules, args.request) == (["a.yaml"], "b.yaml")  # a terminal: the last word, as before
+
+
+def test_rules_apply_from_a_pipe_prints_the_canonical_form(monkeypatch, capsys):
+    body = {
+        "messages": [{"role": "system", "content": "Current time: 10:00"}, {"role": "user", "content": "hi"}]
+    }
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(body)))
+    monkeypatch.setattr("gateway.cli._stdin_piped", lambda: True)
+    assert main(["rules", "apply"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "10:00" in out["messages"][-1]["content"] and "10:00" not in out["messages"][0]["content"]
 
 
 def test_bad_config_exits_2_naming_file_and_key(tmp_path, capsys):
