@@ -16,7 +16,7 @@ canonical transcript memory), ``cli``.
 """
 
 from rules.canonicalize import Canonical, HistoryInfo, RuleSet
-from rules.errors import RequestShapeError, RuleError
+from rules.errors import RequestShapeError, RuleError, RuleErrors
 from rules.loader import DEFAULT_PACKS, list_packs, load_ruleset
 from rules.segments import Position, Segment, SegmentLevel
 from rules.transcript import InProcessTranscriptStore, TranscriptMemory, TranscriptStore
@@ -29,6 +29,7 @@ __all__ = [
     "Position",
     "RequestShapeError",
     "RuleError",
+    "RuleErrors",
     "RuleSet",
     "Segment",
     "SegmentLevel",

@@ -37,6 +37,24 @@ class RuleError(Exception):
         return f"{where}{rule}{self.reason}"
 
 
+class RuleErrors(RuleError):
+    """Several invalid rules in one file, each a ``RuleError`` (``errors``, in file order).
+
+    Reads like its first error (``file``, ``line``, ``rule_id``, ``reason``); ``str(error)`` is every error's
+    line, one per line, so ``prefixgate rules check`` and a refused start name all of them at once.
+    """
+
+    def __init__(self, errors: list[RuleError]) -> None:
+        if not errors:
+            raise ValueError("RuleErrors needs at least one error")
+        self.errors = list(errors)
+        first = self.errors[0]
+        super().__init__(first.reason, first.file, first.line, first.rule_id)
+
+    def _format(self) -> str:
+        return "\n".join(str(error) for error in self.errors)
+
+
 class RequestShapeError(ValueError):
     """The messages or tools given to ``RuleSet.apply`` are not in the OpenAI chat shape
     (e.g. a message that is not an object, a ``role`` that is not a string, a text part without a string

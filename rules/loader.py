@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from rules.canonicalize import RuleSet
-from rules.errors import RuleError
+from rules.errors import RuleError, RuleErrors
 from rules.model import (
     ACTIONS,
     DEFAULT_PLACEMENT,
@@ -332,18 +332,30 @@ def _load_file_checked(path: Path, display: str, state: _LoadState, stack: tuple
         return
     if not isinstance(rules_node, yaml.SequenceNode):
         raise RuleError("'rules' must be a list", display, _line(rules_node))
+    errors: list[RuleError] = []  # every invalid rule of the file is reported, not only the first
     for rule_node in rules_node.value:
         try:
             rule = _build_rule(rule_node, display, fragments, state.placement)
         except RuleError as e:
-            raise _located(e, display, _rule_id_of(rule_node)) from None
+            errors.append(_located(e, display, _rule_id_of(rule_node)))
+            continue
         if rule.id in state.rule_sites:
             first_file, first_line = state.rule_sites[rule.id]
-            raise RuleError(
-                f"duplicate rule id (first defined at {first_file}:{first_line})", display, rule.line, rule.id
+            errors.append(
+                RuleError(
+                    f"duplicate rule id (first defined at {first_file}:{first_line})",
+                    display,
+                    rule.line,
+                    rule.id,
+                )
             )
+            continue
         state.rule_sites[rule.id] = (display, rule.line)
         state.rules.append(rule)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise RuleErrors(errors)
 
 
 def _read_patterns(node: yaml.Node, file: str, fragments: dict[str, str], builtin: dict[str, str]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rules import cli, load_ruleset
+from rules import RuleErrors, cli, load_ruleset
 from tests.rules.helpers import write_rules
 
 GOOD = "rules:\n  - id: g\n    match: {pattern: 'x'}\n    action: drop\n"
@@ -26,6 +26,27 @@ def test_check_ok_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert f"{bad}:5: rule 'g2': unknown key 'colour'" in captured.err
     assert f"OK {good}" in captured.out
     assert cli.check([]) == 2
+
+
+def test_check_names_every_invalid_rule_of_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (
+        "rules:\n"
+        "  - id: a\n    match: {pattern: 'x'}\n    action: drop\n    colour: red\n"
+        "  - id: ok\n    match: {pattern: 'y'}\n    action: drop\n"
+        "  - id: b\n    match: {pattern: '('}\n    action: drop\n"
+        "  - id: ok\n    match: {pattern: 'z'}\n    action: drop\n"
+    )
+    path = write_rules(tmp_path, text, "many.yaml")
+    assert cli.check([str(path)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"{path}:5: rule 'a': unknown key 'colour'")
+    assert lines[1].startswith(f"{path}:") and "rule 'b'" in lines[1]
+    assert lines[2].startswith(f"{path}:12: rule 'ok': duplicate rule id (first defined at {path}:6)")
+    with pytest.raises(RuleErrors) as caught:
+        load_ruleset([str(path)])
+    assert [e.rule_id for e in caught.value.errors] == ["a", "b", "ok"]
+    assert (caught.value.rule_id, caught.value.line) == ("a", 5)  # reads like its first error
 
 
 def test_check_duplicate_ids_across_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
