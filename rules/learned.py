@@ -33,6 +33,7 @@ Not thread-safe by itself; each public method takes the learner's lock.
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -56,6 +57,37 @@ LEARNED_FILE = "<learned>"
 """``Rule.file`` of rules built by ``SlotLearner.rules_for``."""
 
 _MAX_COMPILED = 1024
+
+LABEL_CHARS = 40
+"""Most characters of a field label hoisted with its value (``label_split``)."""
+
+_LABEL_END = re.compile(r"[:=：][ \t]*\Z")
+_FIELD_START = re.compile(r"(?:\n|[.!?;][ \t]+)[ \t]*(?:[-*•+][ \t]+)?")
+_SENTENCE_STOP = re.compile(r"[.;](?:[ \t]+|(?=\n)|\Z)")
+
+
+def label_split(left: str, at_start: bool) -> tuple[str, str] | None:
+    """``(before, label)``: a left anchor cut before the label of the field whose value follows it, or None.
+
+    A label ends the anchor with ``:``, ``=`` or ``：`` (and spaces or tabs) and starts after the anchor's last
+    line break or sentence end (and a list marker), or at the text's start (``at_start``); it holds 1 to
+    ``LABEL_CHARS`` characters and no quote or bracket (a JSON member's key stays, so the JSON stays valid).
+    """
+    if _LABEL_END.search(left) is None:
+        return None
+    starts = [m.end() for m in _FIELD_START.finditer(left)]
+    if starts:
+        cut = starts[-1]
+    elif at_start:
+        cut = len(left) - len(left.lstrip())
+    else:
+        return None
+    label = left[cut:]
+    if not 1 <= len(label.strip()) <= LABEL_CHARS or any(c in label for c in "\"'`{}[]()<>"):
+        return None
+    if _LABEL_END.search(label) is None or not label.strip(" \t:=："):
+        return None
+    return left[:cut], label
 
 
 @dataclass
@@ -223,10 +255,28 @@ class SlotLearner:
 
     def pattern_source(self, candidate: SlotCandidate) -> str:
         """The RE2 source of a slot's hoist rule: ``\\A``? escaped left anchor, ``(?P<value>CLASS{lo,hi}?)``,
-        escaped right anchor, ``\\z``?."""
-        left = (r"\A" if candidate.at_start else "") + escape_re2(candidate.left)
-        right = escape_re2(candidate.right) + (r"\z" if candidate.at_end else "")
-        return f"{left}(?P<value>{value_class(candidate, self.config.max_span_chars)}){right}"
+        escaped right anchor, ``\\z``?.
+
+        A labelled field (``label_split``: the anchor ends in ``Label:`` or ``Label =`` from its line's or
+        sentence's start) is hoisted with its label, and with the sentence's end (``.`` or ``;`` and the spaces
+        after it) when one follows: the block reads ``App version: 1.4.9`` and the system prompt keeps no label
+        without its value. Any other value is hoisted bare (``Hello Zed,`` keeps ``Hello ,``: which words of a
+        sentence belong to its value is not known)."""
+        split = label_split(candidate.left, candidate.at_start)
+        value = value_class(candidate, self.config.max_span_chars)
+        right_text = candidate.right
+        end = ""
+        if split is not None:
+            before, label = split
+            stop = _SENTENCE_STOP.match(right_text)
+            if stop is not None:
+                end, right_text = escape_re2(stop.group(0)), right_text[stop.end() :]
+            value = escape_re2(label) + value
+        else:
+            before = candidate.left
+        left = (r"\A" if candidate.at_start else "") + escape_re2(before)
+        right = escape_re2(right_text) + (r"\z" if candidate.at_end else "")
+        return f"{left}(?P<value>{value}{end}){right}"
 
     def slots(
         self, model: str | None = None, tenant: str | None = None, include_candidates: bool = False

@@ -29,6 +29,8 @@ _TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
 
 _TRAILING_PUNCT = ".,;:!?)]}\"'"
 
+_LEADING_PUNCT = "\"'([{"
+
 
 @dataclass(frozen=True)
 class Span:
@@ -146,6 +148,10 @@ def _widen_and_merge(old: str, new: str, raw: list[list[int]], gap: int) -> list
             oe, ne = oe + 1, ne + 1
         while oe - os_ > 1 and ne - ns > 1 and old[oe - 1] == new[ne - 1] and old[oe - 1] in _TRAILING_PUNCT:
             oe, ne = oe - 1, ne - 1
+        # an opening quote or bracket both values start with stays in the left anchor, so a quoted value is
+        # learned without its quotes and its string is never cut in half ("ts": "2026-..." keeps "ts": "")
+        while oe - os_ > 1 and ne - ns > 1 and old[os_] == new[ns] and old[os_] in _LEADING_PUNCT:
+            os_, ns = os_ + 1, ns + 1
         if widened and ns - widened[-1][3] < gap:
             widened[-1][1], widened[-1][3] = max(widened[-1][1], oe), max(widened[-1][3], ne)
         else:
@@ -155,8 +161,8 @@ def _widen_and_merge(old: str, new: str, raw: list[list[int]], gap: int) -> list
 
 def _left_anchor(context: str, at_start: bool, config: LearnConfig) -> tuple[str | None, bool]:
     """The left anchor: the shortest end of ``context`` of at least ``min_anchor_chars`` that starts a word
-    (after whitespace), at most ``anchor_chars``; the whole context when it reaches the text's start within
-    that; None when too short. Short anchors are less likely to hold another, not yet known, value."""
+    (after whitespace), at most ``anchor_chars``, taken back to the line break before it when that is within
+    ``anchor_chars``; the whole context when it reaches the text's start within that; None when too short. Short anchors are less likely to hold another, not yet known, value."""
     if at_start and len(context) <= config.anchor_chars:
         short = len(context) < config.min_anchor_chars
         n = _word_cut(context[::-1], config)
@@ -164,7 +170,13 @@ def _left_anchor(context: str, at_start: bool, config: LearnConfig) -> tuple[str
     if len(context) < config.min_anchor_chars:
         return None, False
     n = _word_cut(context[::-1], config)
-    return context[len(context) - (n or config.anchor_chars) :], False
+    anchor = context[len(context) - (n or config.anchor_chars) :]
+    line_start = context.rfind("\n", len(context) - config.anchor_chars)
+    if "\n" not in anchor and line_start >= 0:
+        # the value's line starts within reach: the anchor keeps that line break, so a labelled field's
+        # anchor holds its whole label ("\nApp version: ") and the slot matches at a line's start only
+        anchor = context[line_start:]
+    return anchor, False
 
 
 def _right_anchor(context: str, at_end: bool, config: LearnConfig) -> tuple[str | None, bool]:

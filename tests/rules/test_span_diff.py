@@ -29,7 +29,15 @@ def test_diff_spans_takes_the_whole_iso_date_and_leaves_the_full_stop() -> None:
     old, new = TEMPLATE.format(date="2025-03-04", tz="UTC"), TEMPLATE.format(date="2025-03-05", tz="UTC")
     (s,) = diff_spans(old, new, LearnConfig())
     assert (old[s.old_start : s.old_end], new[s.new_start : s.new_end]) == ("2025-03-04", "2025-03-05")
-    assert s.left == "Current date: " and s.right == ". The user's"
+    assert s.left == "\nCurrent date: " and s.right == ". The user's"  # the left anchor from its line's start
+
+
+def test_diff_spans_keeps_a_quoted_value_inside_its_quotes() -> None:
+    body = 'You are the assistant of ACME Corp. Answer briefly.\nContext: {{"ts": "{v}", "user": "u1"}}\nBe kind.'
+    old, new = body.format(v="2026-12-05T10:11:12"), body.format(v="2026-12-05T10:19:12")
+    (s,) = diff_spans(old, new, LearnConfig())
+    assert new[s.new_start : s.new_end] == "2026-12-05T10:19:12"  # not '"2026-...', which cuts the string
+    assert s.left.endswith('"ts": "') and s.right.startswith('", "user"')
 
 
 def test_diff_spans_refuses_long_multiline_or_unrelated_differences() -> None:
