@@ -56,6 +56,10 @@ DATE_FORMATS: dict[str, Callable[[datetime], str]] = {
     "us-locale": lambda d: f"{d.month}/{d.day}/{d.year}, {_h12(d)[0]}:" + d.strftime("%M:%S ") + _h12(d)[1],
     "eu-dotted": lambda d: d.strftime("%d.%m.%Y %H:%M"),
     "clock-24": lambda d: d.strftime("%H:%M:%S"),
+    "clock-12-on-weekday": lambda d: f"{_h12(d)[0]}:{d.minute:02d} {_h12(d)[1]} on " + d.strftime("%A"),
+    "clock-12-on-date-no-year": lambda d: (
+        f"{_h12(d)[0]}:{d.minute:02d} {_h12(d)[1]} on " + d.strftime("%A, %B ") + str(d.day)
+    ),
     "clock-24-zone": lambda d: d.strftime("%H:%M %Z") or d.strftime("%H:%M CEST"),
     "clock-12": lambda d: f"{_h12(d)[0]}:{d.minute:02d} {_h12(d)[1]}",
     "clock-12-dots": lambda d: f"{_h12(d)[0]}:{d.minute:02d} {'a.m.' if d.hour < 12 else 'p.m.'}",
@@ -89,6 +93,8 @@ DATE_ANCHORS: dict[str, str] = {
     "sentence-current-time": "The current time is {v}.",
     "sentence-current-date": "The current date is {v}.",
     "sentence-it-is-currently": "It is currently {v}.",
+    "sentence-conversation-started": "This conversation started at {v}.",
+    "sentence-conversation-started-bare": "Conversation started on {v}.",
     "sentence-mid-paragraph": "You are a careful assistant. The current date is {v}. Use it for relative dates.",
     "ko-label": "현재 시각: {v}",
     "ko-sentence": "오늘은 {v}입니다.",
