@@ -25,6 +25,7 @@ parameters that only carry bookkeeping (``metadata``, ``user``, ``service_tier``
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -199,7 +200,11 @@ class EmbeddedBackend(Backend):
                             raise ServiceUnavailableError("The engine stopped before the request finished.")
                         if counts is None:
                             counts = (event.usage.cached_tokens, event.usage.prompt_tokens)
-                        deltas = choices[event.index].close(event.index, cut=event.finish_reason == "length")
+                        deltas = choices[event.index].close(
+                            event.index,
+                            cut=event.finish_reason == "length",
+                            stopped=event.stop_string is not None,
+                        )
                     else:
                         continue
                     for delta in deltas:
@@ -235,6 +240,10 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     last_was_silent: bool = False
     """The last token delta produced no text (a stop token's, when the choice then stops)."""
+    text_chars: int = 0
+    """Characters of the text the engine sent (before the tool-call parser)."""
+    spelled: _Spelled = field(default_factory=lambda: _Spelled())
+    """The tokens whose logprobs were released, decoded."""
 
     def note_tokens(self, event: TextDelta) -> None:
         """Keep the generated token ids of ``event`` (for ``answer_token_ids``)."""
@@ -263,24 +272,38 @@ class _Choice:
     def deltas(self, text: str, index: int, logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
         """The ``Delta`` events of ``text`` (parsed into content and tool-call fragments when tools are on)."""
         self.pending_logprobs.extend(logprobs)
+        self.text_chars += len(text)
         if self.parser is None:
             return self._flush([Delta(text=text, index=index)] if text else [], index)
         return self._flush(self._map(self.parser.feed(text), index) if text else [], index)
 
-    def close(self, index: int, cut: bool = False) -> list[Delta]:
+    def close(self, index: int, cut: bool = False, stopped: bool = False) -> list[Delta]:
         """The events of the held-back end of the output, and any logprobs not yet sent (``cut``: the output
-        was cut by ``max_tokens``, see ``ToolCallParser.finish``)."""
+        was cut by ``max_tokens``, see ``ToolCallParser.finish``; ``stopped``: a stop string cut the text, and
+        the logprobs of the tokens past the text's end, the stop string's, are dropped, so the logprobs'
+        tokens spell the text returned, as OpenAI's do; ``_flush`` held them back)."""
         out = self._map(self.parser.finish(cut=cut), index) if self.parser is not None else []
         out = self._flush(out, index)
-        if self.pending_logprobs:
+        if stopped:
+            self.pending_logprobs.clear()  # the stop string's tokens: past the text's end
+        if self.pending_logprobs:  # tokens of no text (the end-of-turn token), or a parser's held-back text
             out.append(Delta(index=index, logprobs=tuple(self.pending_logprobs)))
             self.pending_logprobs.clear()
         return out
 
     def _flush(self, deltas: list[Delta], index: int) -> list[Delta]:
+        """Attach to the first of ``deltas`` the pending logprobs of the tokens that start inside the text the
+        engine sent; a token past its end (text the engine holds back: a stop string's start) waits."""
         if deltas and self.pending_logprobs:
-            deltas[0] = replace(deltas[0], logprobs=tuple(self.pending_logprobs))
-            self.pending_logprobs.clear()
+            ready = 0
+            for entry in self.pending_logprobs:
+                if self.spelled.chars_if_ended() >= self.text_chars:
+                    break
+                self.spelled.feed(bytes(entry.token_bytes))
+                ready += 1
+            if ready:
+                deltas[0] = replace(deltas[0], logprobs=tuple(self.pending_logprobs[:ready]))
+                del self.pending_logprobs[:ready]
         return deltas
 
     def _map(self, events: list[Any], index: int) -> list[Delta]:
@@ -299,6 +322,25 @@ class _Choice:
                 }
                 out.append(Delta(tool_calls=[call], index=index))
         return out
+
+
+class _Spelled:
+    """Generated tokens' bytes decoded as UTF-8 with U+FFFD for each invalid or (at the end) incomplete
+    sequence, as the engine's detokenizer spells its text; ``chars_if_ended`` is the decoded length were the
+    bytes to end here, without decoding them again."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def feed(self, data: bytes) -> None:
+        """Decode ``data`` after what came before."""
+        self.chars += len(self._decoder.decode(data))
+
+    def chars_if_ended(self) -> int:
+        """Characters of everything fed, an incomplete sequence at its end counted as one U+FFFD."""
+        held, _ = self._decoder.getstate()
+        return self.chars + (1 if held else 0)
 
 
 def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:

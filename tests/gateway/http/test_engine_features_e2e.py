@@ -295,6 +295,55 @@ def test_chat_logprobs_shapes(server, client):
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_end_where_a_stop_string_cuts_the_text(client, stream):
+    """A fresh-user trial: the stop string's tokens came back in ``logprobs`` (streamed: in a last chunk with an
+    empty delta) though the text was cut before them. The logprobs' tokens now spell the text returned."""
+    full = client.chat.completions.create(
+        model=TINY_MODEL, messages=QUESTION, logprobs=True, max_tokens=12, temperature=0
+    )
+    tokens = full.choices[0].logprobs.content
+    text = full.choices[0].message.content
+    cut = None
+    for k in range(2, len(tokens)):
+        prefix = b"".join(bytes(t.bytes) for t in tokens[:k]).decode("utf-8", errors="replace")
+        stop = tokens[k].token
+        if stop.strip() and "\ufffd" not in stop and text.find(stop) == len(prefix):
+            cut = (k, prefix, stop)
+            break
+    assert cut is not None, [t.token for t in tokens]  # a token whose text first appears where it starts
+    k, prefix, stop = cut
+    fields = {"model": TINY_MODEL, "messages": QUESTION, "logprobs": True, "max_tokens": 12, "temperature": 0}
+    if stream:
+        chunks = list(client.chat.completions.create(**fields, stop=stop, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        entries = [
+            e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        ]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        result = client.chat.completions.create(**fields, stop=stop)
+        content, entries = result.choices[0].message.content, result.choices[0].logprobs.content
+        finish = [result.choices[0].finish_reason]
+    assert finish == ["stop"] and content == prefix
+    assert [e.token for e in entries] == [t.token for t in tokens[:k]]  # none of the stop string's
+    legacy = client.completions.create(
+        model=TINY_MODEL,
+        prompt="Once upon",
+        logprobs=1,
+        max_tokens=12,
+        temperature=0,
+        stop=stop,
+        stream=stream,
+    )
+    chunks = list(legacy) if stream else [legacy]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    offsets = [
+        o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert all(offset < len(text) for offset in offsets)  # no token past the text's end
+
+
 def test_completion_logprobs_shapes(client):
     result = client.completions.create(model=TINY_MODEL, prompt="Once upon", logprobs=2, max_tokens=5, seed=4)
     logprobs = result.choices[0].logprobs
