@@ -162,3 +162,241 @@ OTHER_VOLATILE: dict[str, Callable[[random.Random], str]] = {
     "location-zh": lambda r: "用户位置：" + r.choice(["北京", "上海"]),
 }
 """Other volatile lines (ids, epochs, nonces, location): name -> render(rng)."""
+
+
+# --- German, French, Spanish, Portuguese and Italian -------------------------------------------------------
+
+WEEKDAYS_EU: dict[str, list[str]] = {
+    "de": ["Montag", "Dienstag", "Mittwoch", "Donnerstag", "Freitag", "Samstag", "Sonntag"],
+    "fr": ["lundi", "mardi", "mercredi", "jeudi", "vendredi", "samedi", "dimanche"],
+    "es": ["lunes", "martes", "miércoles", "jueves", "viernes", "sábado", "domingo"],
+    "pt": [
+        "segunda-feira",
+        "terça-feira",
+        "quarta-feira",
+        "quinta-feira",
+        "sexta-feira",
+        "sábado",
+        "domingo",
+    ],
+    "it": ["lunedì", "martedì", "mercoledì", "giovedì", "venerdì", "sabato", "domenica"],
+}
+MONTHS_EU: dict[str, list[str]] = {
+    "de": "Januar Februar März April Mai Juni Juli August September Oktober November Dezember".split(),
+    "fr": "janvier février mars avril mai juin juillet août septembre octobre novembre décembre".split(),
+    "es": "enero febrero marzo abril mayo junio julio agosto septiembre octubre noviembre diciembre".split(),
+    "pt": "janeiro fevereiro março abril maio junho julho agosto setembro outubro novembro dezembro".split(),
+    "it": "gennaio febbraio marzo aprile maggio giugno luglio agosto settembre ottobre novembre dicembre".split(),
+}
+MONTHS_ABBR_DE = "Jan. Feb. März Apr. Mai Juni Juli Aug. Sept. Okt. Nov. Dez.".split()
+_ASCII = str.maketrans("áàâäçéèêíìîóôöúùûü", "aaaaceeeiiiooouuuu")
+
+
+def _wd(lang: str, d: datetime) -> str:
+    return WEEKDAYS_EU[lang][d.weekday()]
+
+
+def _mo(lang: str, d: datetime) -> str:
+    return MONTHS_EU[lang][d.month - 1]
+
+
+def _fr_day(d: datetime) -> str:
+    return "1er" if d.day == 1 else str(d.day)
+
+
+def _de_long(d: datetime) -> str:
+    return f"{_wd('de', d)}, {d.day}. {_mo('de', d)} {d.year}"
+
+
+def _fr_long(d: datetime) -> str:
+    return f"{_wd('fr', d)} {_fr_day(d)} {_mo('fr', d)} {d.year}"
+
+
+def _es_long(d: datetime) -> str:
+    return f"{_wd('es', d)}, {d.day} de {_mo('es', d)} de {d.year}"
+
+
+def _pt_long(d: datetime) -> str:
+    return f"{_wd('pt', d)}, {d.day} de {_mo('pt', d)} de {d.year}"
+
+
+def _it_long(d: datetime) -> str:
+    return f"{_wd('it', d)} {d.day} {_mo('it', d)} {d.year}"
+
+
+EU_DATE_FORMATS: dict[str, dict[str, Callable[[datetime], str]]] = {
+    "de": {
+        "long": _de_long,
+        "long-der-um-uhr": lambda d: f"{_wd('de', d)}, der {d.day}. {_mo('de', d)} {d.year} um {d:%H:%M} Uhr",
+        "abbrev": lambda d: f"{d.day}. {MONTHS_ABBR_DE[d.month - 1]} {d.year}",
+        "lower-ascii": lambda d: _de_long(d).lower().replace("ä", "ae"),
+        "dotted": lambda d: d.strftime("%d.%m.%Y"),
+        "dotted-weekday-uhr": lambda d: f"{_wd('de', d)}, {d:%d.%m.%Y}, {d:%H:%M} Uhr",
+        "iso": lambda d: d.strftime("%Y-%m-%d %H:%M"),
+        "no-year": lambda d: f"{_wd('de', d)}, {d.day}. {_mo('de', d)}",
+    },
+    "fr": {
+        "long": _fr_long,
+        "le": lambda d: f"le {_fr_day(d)} {_mo('fr', d)} {d.year}",
+        "long-a-h": lambda d: f"{_fr_long(d)} à {d.hour}h{d.minute:02d}",
+        "upper-ascii": lambda d: _fr_long(d).upper().translate(_ASCII).replace("AOÛT", "AOUT"),
+        "slashed": lambda d: d.strftime("%d/%m/%Y %H:%M"),
+        "iso": lambda d: d.strftime("%Y-%m-%d"),
+        "no-year": lambda d: f"{_wd('fr', d)} {_fr_day(d)} {_mo('fr', d)}",
+    },
+    "es": {
+        "long": _es_long,
+        "long-a-las": lambda d: f"{_es_long(d)} a las {d:%H:%M}",
+        "ascii-del": lambda d: f"{_wd('es', d)}, {d.day} de {_mo('es', d)} del {d.year}".translate(_ASCII),
+        "el": lambda d: f"el {d.day} de {_mo('es', d)} de {d.year}",
+        "slashed": lambda d: d.strftime("%d/%m/%Y"),
+        "no-year": lambda d: f"{_wd('es', d)}, {d.day} de {_mo('es', d)}",
+    },
+    "pt": {
+        "long": _pt_long,
+        "as-h": lambda d: f"{d.day} de {_mo('pt', d)} de {d.year} às {d.hour}h{d.minute:02d}",
+        "ascii": lambda d: _pt_long(d).translate(_ASCII),
+        "slashed": lambda d: d.strftime("%d/%m/%Y %H:%M"),
+        "no-year": lambda d: f"{d.day} de {_mo('pt', d)}",
+    },
+    "it": {
+        "long": _it_long,
+        "alle": lambda d: f"{_it_long(d)} alle {d:%H:%M}",
+        "ascii": lambda d: _it_long(d).translate(_ASCII),
+        "slashed": lambda d: d.strftime("%d/%m/%Y"),
+        "il": lambda d: f"il {d.day} {_mo('it', d)} {d.year}",
+        "no-year": lambda d: f"{_wd('it', d)} {d.day} {_mo('it', d)}",
+    },
+}
+"""European date forms (with an optional time): language -> name -> render(aware datetime)."""
+
+EU_TIME_FORMATS: dict[str, dict[str, Callable[[datetime], str]]] = {
+    "de": {"uhr": lambda d: f"{d:%H:%M} Uhr", "clock": lambda d: d.strftime("%H:%M:%S")},
+    "fr": {"h": lambda d: f"{d.hour}h{d.minute:02d}", "clock": lambda d: d.strftime("%H:%M")},
+    "es": {"clock": lambda d: d.strftime("%H:%M"), "horas": lambda d: f"{d:%H:%M} horas"},
+    "pt": {"clock": lambda d: d.strftime("%H:%M"), "h": lambda d: f"{d.hour}h{d.minute:02d}"},
+    "it": {"clock": lambda d: d.strftime("%H:%M")},
+}
+"""European time forms: language -> name -> render(aware datetime)."""
+
+EU_DATE_ANCHORS: dict[str, list[str]] = {
+    "de": [
+        "Aktuelles Datum: {v}",
+        "Heutiges Datum: {v}",
+        "Datum: {v}",
+        "- **Aktuelles Datum:** {v}",
+        "Heute ist {v}.",
+        "Das heutige Datum ist {v}.",
+        "Das aktuelle Datum ist {v}, bitte beachte das.",
+        "Wir haben heute {v}.",
+    ],
+    "fr": [
+        "Date actuelle : {v}",
+        "Date du jour : {v}",
+        "Date : {v}",
+        "Nous sommes {v}.",
+        "Aujourd'hui, nous sommes {v}.",
+        "Aujourd'hui est {v}.",
+        "La date d'aujourd'hui est {v}.",
+        "La date actuelle est {v}, tiens-en compte.",
+    ],
+    "es": [
+        "Fecha actual: {v}",
+        "Fecha de hoy: {v}",
+        "Fecha: {v}",
+        "Hoy es {v}.",
+        "La fecha de hoy es {v}.",
+        "La fecha actual es {v}.",
+        "Estamos a {v}.",
+    ],
+    "pt": [
+        "Data atual: {v}",
+        "Data de hoje: {v}",
+        "Data: {v}",
+        "Hoje é {v}.",
+        "A data de hoje é {v}.",
+        "A data atual é {v}.",
+    ],
+    "it": [
+        "Data attuale: {v}",
+        "Data odierna: {v}",
+        "Data di oggi: {v}",
+        "Data: {v}",
+        "Oggi è {v}.",
+        "La data di oggi è {v}.",
+        "La data odierna è {v}.",
+    ],
+}
+"""Anchors that make a European date current: language -> templates with {v} (each hoisted whole)."""
+
+EU_TIME_ANCHORS: dict[str, list[str]] = {
+    "de": [
+        "Aktuelle Uhrzeit: {v}",
+        "Uhrzeit: {v}",
+        "Es ist {v}.",
+        "Es ist jetzt {v}.",
+        "Die aktuelle Uhrzeit ist {v}.",
+    ],
+    "fr": ["Heure actuelle : {v}", "Heure : {v}", "Il est {v}.", "L'heure actuelle est {v}."],
+    "es": ["Hora actual: {v}", "Hora: {v}", "Son las {v}.", "La hora actual es {v}."],
+    "pt": ["Hora atual: {v}", "Hora: {v}", "São {v}.", "A hora atual é {v}."],
+    "it": ["Ora attuale: {v}", "Ora: {v}", "Sono le {v}.", "L'ora attuale è {v}."],
+}
+"""Anchors that make a European time current: language -> templates with {v} (each hoisted whole)."""
+
+EU_NOT_CURRENT: dict[str, list[str]] = {
+    "de": [
+        "Wissensstand: April 2024.",
+        "Stand der Daten: 2024-06.",
+        "Dein Wissensstand reicht bis Dezember 2023.",
+        "Version 2.0 wurde am 5. Dezember 2024 veröffentlicht.",
+        "Öffnungszeiten: 9:00-17:00",
+        "Öffnungszeiten: Mo.–Fr. 9:00 bis 17:00 Uhr.",
+        "Beispiel: Heute ist Montag, der 1. Januar 2024.",
+        "Schreibe Daten z. B. als Aktuelles Datum: 05.12.2026.",
+        "Aktuelles Datum: 01.01.2024 (Beispiel)",
+        "Von: Anna Schmidt\nDatum: 05.12.2024\nBetreff: Rechnung",
+        "Es ist wichtig, das Datum 05.12.2024 zu nennen.",
+        "Der Termin am 5. Dezember 2024 um 10:00 Uhr wurde verschoben.",
+    ],
+    "fr": [
+        "Date limite des connaissances : avril 2024.",
+        "Tes connaissances s'arrêtent en avril 2024.",
+        "La version 2.0 est sortie le 5 décembre 2024.",
+        "Horaires : du lundi au vendredi de 9h00 à 17h00.",
+        "Horaires : 9:00-17:00",
+        "Par exemple : Nous sommes le 1er janvier 2024.",
+        "Exemple : Date actuelle : 1er janvier 2024",
+        "Il est important de citer le 5 décembre 2024.",
+        "De : Marie Dupont\nDate : 05/12/2024\nObjet : Facture",
+    ],
+    "es": [
+        "Fecha de corte del conocimiento: abril de 2024.",
+        "Tus conocimientos llegan hasta abril de 2024.",
+        "La versión 2.0 se publicó el 5 de diciembre de 2024.",
+        "Horario: de 9:00 a 17:00.",
+        "Por ejemplo: Hoy es lunes, 1 de enero de 2024.",
+        "Escribe las fechas así, p. ej. Fecha actual: 01/01/2024.",
+        "De: Ana García\nFecha: 05/12/2024\nAsunto: Factura",
+    ],
+    "pt": [
+        "Data de corte do conhecimento: abril de 2024.",
+        "Seu conhecimento vai até abril de 2024.",
+        "A versão 2.0 foi lançada em 5 de dezembro de 2024.",
+        "Horário: das 9h às 17h.",
+        "Horário: 9:00-17:00",
+        "Por exemplo: Hoje é segunda-feira, 1 de janeiro de 2024.",
+        "De: João Silva\nData: 05/12/2024\nAssunto: Fatura",
+    ],
+    "it": [
+        "Conoscenze aggiornate ad aprile 2024.",
+        "Data di cutoff: 2024-06.",
+        "La versione 2.0 è stata rilasciata il 5 dicembre 2024.",
+        "Orari: dalle 9:00 alle 17:00.",
+        "Ad esempio: Oggi è lunedì 1 gennaio 2024.",
+        "Esempio: Data attuale: 1 gennaio 2024",
+        "Da: Marco Rossi\nData: 05/12/2024\nOggetto: Fattura",
+    ],
+}
+"""Dates in European system prompts that are NOT the current date (cutoffs, releases, schedules, examples,
+mail headers): language -> lines the default pack leaves alone."""
