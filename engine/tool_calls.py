@@ -85,7 +85,8 @@ def function_tools(tools: Sequence[object]) -> list[FunctionTool]:
 
     Raises:
         InvalidRequestError: ``param="tools"``: not a list of objects, a tool of another type, a missing or
-            non-string name, duplicate names, or ``parameters`` that is not an object.
+            non-string name, or ``parameters`` that is not an object; ``param="tools[i].function.name"``: the
+            second tool of a name.
     """
     if not isinstance(tools, list | tuple):
         raise InvalidRequestError("tools must be a list of function tools", "tools")
@@ -108,9 +109,14 @@ def function_tools(tools: Sequence[object]) -> list[FunctionTool]:
         if not isinstance(desc, str):
             raise InvalidRequestError(f"tools[{i}].description must be a string", "tools")
         out.append(FunctionTool(name, desc, params))
-    names = [t.name for t in out]
-    if len(set(names)) != len(names):
-        raise InvalidRequestError("tool names must be unique", "tools")
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(out):
+        if tool.name in seen:
+            raise InvalidRequestError(
+                f"tool names must be unique: tools[{i}] is named {tool.name!r}, as tools[{seen[tool.name]}] is",
+                f"tools[{i}].function.name",
+            )
+        seen[tool.name] = i
     return out
 
 

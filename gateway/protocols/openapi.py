@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.protocols.anthropic.validate import MESSAGES_FIELDS
+from gateway.protocols.anthropic.validate import COUNT_TOKENS_FIELDS, MESSAGES_FIELDS
 from gateway.protocols.openai.parse import CHAT_FIELDS, COMPLETION_FIELDS, MAX_STOP_SEQUENCES
 from gateway.protocols.openai.responses import RESPONSES_FIELDS
 
@@ -229,7 +229,7 @@ MESSAGES_REQUEST = _object(
     ["model", "messages", "max_tokens"],
     MESSAGES_FIELDS,
 )
-COUNT_TOKENS_REQUEST = _object(_ANTHROPIC_COMMON, ["model", "messages"], MESSAGES_FIELDS)
+COUNT_TOKENS_REQUEST = _object(_ANTHROPIC_COMMON, ["model", "messages"], COUNT_TOKENS_FIELDS)
 
 OPENAI_ERROR = {
     "type": "object",
@@ -260,20 +260,58 @@ ANTHROPIC_ERROR = {
     "required": ["type", "error"],
 }
 
-FACES: dict[str, tuple[str, dict[str, Any], str]] = {
-    "/v1/chat/completions": ("createChatCompletion", CHAT_REQUEST, "OpenAIError"),
-    "/v1/completions": ("createCompletion", COMPLETION_REQUEST, "OpenAIError"),
-    "/v1/responses": ("createResponse", RESPONSES_REQUEST, "OpenAIError"),
-    "/v1/messages": ("createMessage", MESSAGES_REQUEST, "AnthropicError"),
-    "/v1/messages/count_tokens": ("countTokens", COUNT_TOKENS_REQUEST, "AnthropicError"),
+
+def _answer(object_name: str | None, required: list[str]) -> dict[str, Any]:
+    """The schema of a 200 answer: an object with ``required`` fields (``object`` fixed to ``object_name``)."""
+    props: dict[str, Any] = {name: ANY for name in required}
+    if object_name is not None:
+        props["object"] = {"const": object_name}
+    return {"type": "object", "properties": props, "required": required}
+
+
+_USAGE_OPENAI = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"]}
+CHAT_ANSWER = _answer("chat.completion", ["id", "object", "created", "model", "choices", "usage"])
+CHAT_ANSWER["properties"]["usage"] = _USAGE_OPENAI
+COMPLETION_ANSWER = _answer("text_completion", ["id", "object", "created", "model", "choices", "usage"])
+COMPLETION_ANSWER["properties"]["usage"] = _USAGE_OPENAI
+RESPONSES_ANSWER = _answer("response", ["id", "object", "created_at", "status", "model", "output", "usage"])
+MESSAGES_ANSWER = _answer(None, ["id", "type", "role", "content", "model", "stop_reason", "usage"])
+MESSAGES_ANSWER["properties"]["type"] = {"const": "message"}
+COUNT_TOKENS_ANSWER = {
+    "type": "object",
+    "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
+    "required": ["input_tokens"],
 }
-"""Path -> (operation id, request body schema, error schema name)."""
+MODEL_OBJECT = _answer("model", ["id", "object", "created", "owned_by"])
+MODEL_LIST = {
+    "type": "object",
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL_OBJECT}},
+    "required": ["object", "data"],
+}
+HEALTH = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
+
+FACES: dict[str, tuple[str, dict[str, Any], str, dict[str, Any]]] = {
+    "/v1/chat/completions": ("createChatCompletion", CHAT_REQUEST, "OpenAIError", CHAT_ANSWER),
+    "/v1/completions": ("createCompletion", COMPLETION_REQUEST, "OpenAIError", COMPLETION_ANSWER),
+    "/v1/responses": ("createResponse", RESPONSES_REQUEST, "OpenAIError", RESPONSES_ANSWER),
+    "/v1/messages": ("createMessage", MESSAGES_REQUEST, "AnthropicError", MESSAGES_ANSWER),
+    "/v1/messages/count_tokens": ("countTokens", COUNT_TOKENS_REQUEST, "AnthropicError", COUNT_TOKENS_ANSWER),
+}
+"""Path -> (operation id, request body schema, error schema name, 200 answer schema when not streamed)."""
+
+READS: dict[str, tuple[str, dict[str, Any]]] = {
+    "/v1/models": ("listModels", MODEL_LIST),
+    "/v1/models/{model}": ("retrieveModel", MODEL_OBJECT),
+    "/healthz": ("health", HEALTH),
+}
+"""GET paths -> (operation id, 200 answer schema). ``/v1/models`` answers in Anthropic's shape when the request
+carries ``anthropic-version`` (README); the schema is the OpenAI one."""
 
 
 def openapi_document(version: str, model_names: list[str]) -> dict[str, Any]:
     """The OpenAPI 3.1 document (``model_names`` listed as examples of every ``model`` field)."""
     paths: dict[str, Any] = {}
-    for path, (operation, schema, error) in FACES.items():
+    for path, (operation, schema, error, answer) in FACES.items():
         body = {**schema, "properties": dict(schema["properties"])}
         body["properties"]["model"] = {**body["properties"]["model"], "examples": list(model_names)}
         error_ref = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
@@ -284,7 +322,7 @@ def openapi_document(version: str, model_names: list[str]) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "the answer (JSON), or with stream: true server-sent events",
-                        "content": {"application/json": {"schema": {"type": "object"}}},
+                        "content": {"application/json": {"schema": answer}, "text/event-stream": {}},
                     },
                     "400": {"description": "a bad request", **error_ref},
                     "404": {"description": "unknown model", **error_ref},
@@ -292,6 +330,20 @@ def openapi_document(version: str, model_names: list[str]) -> dict[str, Any]:
                 },
             }
         }
+    for path, (operation, answer) in READS.items():
+        get: dict[str, Any] = {
+            "operationId": operation,
+            "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}}},
+        }
+        if "{model}" in path:
+            get["parameters"] = [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            ]
+            get["responses"]["404"] = {
+                "description": "unknown model",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}},
+            }
+        paths[path] = {"get": get}
     return {
         "openapi": "3.1.0",
         "info": {"title": "prefixgate", "version": version},

@@ -105,7 +105,6 @@ def test_no_system_message_gets_one_with_the_tools():
     [
         [{"type": "retrieval"}],
         [{"function": {"description": "x"}}],
-        [TIME, TIME],
         [{"name": "f", "parameters": 3}],
         "x",
     ],
@@ -354,3 +353,12 @@ def test_a_ref_schema_reaches_the_prompt_as_the_client_sent_it():
     assert canonical_json(tool) in prompt and '"$ref": "#/$defs/Unit"' in prompt
     templated = base.apply_chat_template([{"role": "user", "content": "hi"}], [tool])
     assert "$defs" in templated and "#/$defs/Unit" in templated
+
+
+def test_a_duplicate_tool_name_is_named_by_its_path():
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "other"}}
+    with pytest.raises(InvalidRequestError) as caught:
+        function_tools([tool, other, tool])
+    assert caught.value.param == "tools[2].function.name"
+    assert "tools[2]" in str(caught.value) and "tools[0]" in str(caught.value)

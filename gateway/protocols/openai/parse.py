@@ -5,6 +5,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Range of every integer field (OpenAI's are 64-bit; ``seed`` is documented as one): larger values are a
 400, never an overflow deeper down."""
 MAX_TOP_LOGPROBS = 20
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+"""Keys of ``stream_options`` (OpenAI's; ``include_obfuscation`` changes nothing here: no obfuscation padding is
+sent)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's documented default of ``max_tokens`` for ``/v1/completions`` (chat has no default: up to the
 context window)."""
@@ -77,6 +81,7 @@ def parse_chat_request(
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
     _check_metadata(body)
+    check_enums(body, CHAT_ENUMS)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -120,6 +125,7 @@ def parse_completion_request(
         )
     stream, include_usage = _stream(body)
     max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    _check_best_of(body)
     return ChatRequest(
         model=model,
         messages=[],
@@ -137,6 +143,42 @@ def parse_completion_request(
         sampling_given=given_sampling(body),
         rules_enabled=rules_enabled(headers),
     )
+
+
+CHAT_ENUMS: dict[str, tuple[str, ...]] = {
+    "service_tier": ("auto", "default", "flex", "scale", "priority"),
+    "prompt_cache_retention": ("in-memory", "24h"),
+}
+"""String fields of a chat body with a closed set of values (OpenAI's API reference): another value is a 400
+``invalid_value``, as OpenAI answers it, never passed on or ignored."""
+
+
+def check_enums(body: dict[str, Any], enums: dict[str, tuple[str, ...]]) -> None:
+    """Refuse a value of ``body[field]`` outside ``enums[field]`` (None and absent are accepted).
+
+    Raises:
+        InvalidRequestError: ``invalid_value`` naming the field and the supported values.
+    """
+    for name, values in enums.items():
+        value = body.get(name)
+        if value is not None and value not in values:
+            shown = ", ".join(f"'{v}'" for v in values)
+            raise InvalidRequestError(
+                f"Invalid value for '{name}': {json.dumps(value)}. Supported values are: {shown}.",
+                param=name,
+                code="invalid_value",
+            )
+
+
+def _check_best_of(body: dict[str, Any]) -> None:
+    best_of = _optional_int(body, "best_of", minimum=1)
+    n = _optional_int(body, "n", minimum=1)
+    if best_of is not None and best_of < (1 if n is None else n):
+        raise InvalidRequestError(
+            f"best_of must be greater than or equal to n (best_of {best_of}, n {n}).",
+            param="best_of",
+            code="invalid_value",
+        )
 
 
 def _parallel_tool_calls(body: dict[str, Any]) -> bool | None:
@@ -250,6 +292,15 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
         )
     if not isinstance(options, dict):
         raise invalid_type("stream_options", "an object", options)
+    for key in options:
+        if key not in STREAM_OPTIONS:
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: stream_options.{key}",
+                param=f"stream_options.{key}",
+                code="unknown_parameter",
+            )
+    if not isinstance(options.get("include_obfuscation", False), bool):
+        raise invalid_type("stream_options.include_obfuscation", "a boolean", options["include_obfuscation"])
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise invalid_type("stream_options.include_usage", "a boolean", include_usage)

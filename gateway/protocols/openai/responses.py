@@ -13,12 +13,14 @@ SDK's ``types/responses``: ``Response``, ``ResponseTextDeltaEvent``, ``ResponseC
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendUsage, Finish, TokenLogprob
 from gateway.core.json_types import json_kind
+from gateway.protocols.openai.parse import CHAT_ENUMS, check_enums
 from gateway.protocols.openai.render import chat_logprobs
 from gateway.protocols.openai.responses_params import MessageOrigin
 
@@ -65,6 +67,8 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
         raise InvalidRequestError(
             "Missing required parameter: 'input'.", param="input", code="missing_required_parameter"
         )
+    check_enums(body, RESPONSES_ENUMS)
+    _check_int(body, "max_tool_calls")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
     if "model" not in body:
         del chat["model"]  # parse_chat_request names it missing
@@ -86,6 +90,9 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise _invalid_type("reasoning", "an object", reasoning)
+        _known_keys(reasoning, "reasoning", ("effort", "summary", "generate_summary"))
+        for key in ("summary", "generate_summary"):
+            check_enums({f"reasoning.{key}": reasoning.get(key)}, {f"reasoning.{key}": SUMMARIES})
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     if body.get("top_logprobs") is not None or LOGPROBS_INCLUDE in _include(body):
@@ -94,6 +101,32 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
         chat["top_logprobs"] = 0 if top is None else top
     return chat
 
+
+RESPONSES_ENUMS: dict[str, tuple[str, ...]] = {
+    **CHAT_ENUMS,
+    "truncation": ("auto", "disabled"),
+}
+"""String fields of a Responses body with a closed set of values (``truncation``: with ``auto`` a prompt that does
+not fit is still refused with a 400, as ``disabled`` does: nothing is dropped from the middle of a conversation
+silently)."""
+
+SUMMARIES = ("auto", "concise", "detailed")
+"""Values of ``reasoning.summary``: accepted and echoed; the models served here produce no reasoning items, so
+there is nothing to summarise."""
+
+INCLUDE_VALUES = (
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+)
+"""The ``include`` values of OpenAI's API reference. Only the first adds anything here (the answer's token
+logprobs); the others name items this gateway never produces (no built-in tools, no reasoning items), so they
+include nothing."""
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The ``include`` value that asks for the answer text's token logprobs (``output_text.logprobs``); so does
@@ -114,7 +147,29 @@ def _include(body: dict[str, Any]) -> list[str]:
     for index, value in enumerate(include):
         if not isinstance(value, str):
             raise _invalid_type(f"include[{index}]", "a string", value)
+        if value not in INCLUDE_VALUES:
+            raise InvalidRequestError(
+                f"Invalid value for 'include[{index}]': {json.dumps(value)}. Supported values are: "
+                + ", ".join(f"'{v}'" for v in INCLUDE_VALUES)
+                + ".",
+                param=f"include[{index}]",
+                code="invalid_value",
+            )
     return include
+
+
+def _known_keys(value: dict[str, Any], where: str, known: tuple[str, ...]) -> None:
+    for key in value:
+        if key not in known:
+            raise InvalidRequestError(
+                f"Unknown parameter: '{where}.{key}'.", param=f"{where}.{key}", code="unknown_parameter"
+            )
+
+
+def _check_int(body: dict[str, Any], key: str) -> None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise _invalid_type(key, "a non-negative integer", value)
 
 
 def chat_message_origins(body: dict[str, Any]) -> list[MessageOrigin]:
@@ -311,6 +366,7 @@ def _text_config(text: Any, chat: dict[str, Any]) -> None:
         return
     if not isinstance(text, dict):
         raise _invalid_type("text", "an object", text)
+    _known_keys(text, "text", ("format", "verbosity"))
     if text.get("verbosity") is not None:
         chat["verbosity"] = text["verbosity"]
     fmt = text.get("format")
@@ -324,6 +380,14 @@ def _text_config(text: Any, chat: dict[str, Any]) -> None:
     if kind == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif kind == "json_schema":
+        _known_keys(fmt, "text.format", ("type", "name", "schema", "strict", "description"))
+        for key in ("name", "schema"):  # both required by the Responses API (chat nests them in json_schema)
+            if fmt.get(key) is None:
+                raise InvalidRequestError(
+                    f"Missing required parameter: 'text.format.{key}'.",
+                    param=f"text.format.{key}",
+                    code="missing_required_parameter",
+                )
         schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
     else:
@@ -363,6 +427,12 @@ def _unsupported(param: str, why: str) -> InvalidRequestError:
 
 
 # ---- rendering -------------------------------------------------------------------------------------------
+
+
+def _reasoning_echo(reasoning: Any) -> dict[str, Any]:
+    """The Response's ``reasoning``: what the request asked (validated by ``responses_to_chat_body``)."""
+    asked = reasoning if isinstance(reasoning, dict) else {}
+    return {"effort": asked.get("effort"), "summary": asked.get("summary") or asked.get("generate_summary")}
 
 
 def responses_usage(usage: BackendUsage) -> dict[str, Any]:
@@ -419,7 +489,13 @@ class ResponseBuilder:
             "output": self.output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": _reasoning_echo(body.get("reasoning")),
+            "max_tool_calls": body.get("max_tool_calls"),
+            "top_logprobs": body.get("top_logprobs"),
+            "service_tier": body.get("service_tier") or "default",
+            "prompt_cache_key": body.get("prompt_cache_key"),
+            "safety_identifier": body.get("safety_identifier"),
+            "background": False,
             "store": False,
             "temperature": body.get("temperature", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}},
@@ -543,7 +619,8 @@ class ResponseBuilder:
         events = []
         status = "incomplete" if finish.finish_reason == "length" else "completed"
         for index, item in enumerate(self.output):
-            item["status"] = status
+            # only the item the cut fell in is incomplete: calls before it were delivered whole
+            item["status"] = status if index == len(self.output) - 1 else "completed"
             if item["type"] == "message":
                 part = item["content"][0]
                 part["logprobs"] += self._pending_logprobs  # an incomplete character at the very end

@@ -78,7 +78,33 @@ def send(server, document: dict, path: str, body) -> httpx.Response:
     if response.status_code >= 400:
         error = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
         jsonschema.validate(response.json(), document["components"]["schemas"][error])
+    elif response.headers["content-type"].startswith("application/json"):  # an answer, not a stream
+        answer = document["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.validate(response.json(), answer)
     return response
+
+
+def test_the_document_describes_the_read_paths_and_what_they_answer(server, document):
+    """A fresh-user trial: ``/v1/models``, ``/v1/models/{id}`` and ``/healthz`` were missing, every 200 was
+    ``{"type": "object"}``, and the count_tokens body listed ``max_tokens``, which the endpoint refuses."""
+    for path, url in (
+        ("/v1/models", "/v1/models"),
+        ("/v1/models/{model}", f"/v1/models/{TINY_MODEL}"),
+        ("/healthz", "/healthz"),
+    ):
+        answer = document["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.Draft202012Validator.check_schema(answer)
+        jsonschema.validate(httpx.get(server.base_url + url, timeout=30).json(), answer)
+    count = document["paths"]["/v1/messages/count_tokens"]["post"]["requestBody"]["content"][
+        "application/json"
+    ]
+    assert "max_tokens" not in count["schema"]["properties"] and "stream" not in count["schema"]["properties"]
+    refused = httpx.post(
+        server.base_url + "/v1/messages/count_tokens",
+        json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+        timeout=30,
+    )
+    assert refused.status_code == 400
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -155,6 +155,37 @@ def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, ext
         # Before: 200 with the value echoed back as the Response's metadata (OpenAI: string values only)
         ({"model": TINY_MODEL, "input": "x", "metadata": {"a": 5}}, "invalid_type", "metadata.a"),
         ({"model": TINY_MODEL, "input": "x", "metadata": "tag"}, "invalid_type", "metadata"),
+        # Before (a fresh-user trial): each of these was a 200, the value echoed or silently ignored
+        ({"model": TINY_MODEL, "input": "x", "truncation": "bogus"}, "invalid_value", "truncation"),
+        ({"model": TINY_MODEL, "input": "x", "service_tier": "bogus"}, "invalid_value", "service_tier"),
+        (
+            {"model": TINY_MODEL, "input": "x", "prompt_cache_retention": "1y"},
+            "invalid_value",
+            "prompt_cache_retention",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "text": {"frob": 1}}, "unknown_parameter", "text.frob"),
+        (
+            {"model": TINY_MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}},
+            "missing_required_parameter",
+            "text.format.schema",
+        ),
+        (
+            {"model": TINY_MODEL, "input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            "missing_required_parameter",
+            "text.format.name",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "include": ["frob"]}, "invalid_value", "include[0]"),
+        (
+            {"model": TINY_MODEL, "input": "x", "reasoning": {"summary": "long"}},
+            "invalid_value",
+            "reasoning.summary",
+        ),
+        (
+            {"model": TINY_MODEL, "input": "x", "reasoning": {"frob": 1}},
+            "unknown_parameter",
+            "reasoning.frob",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "max_tool_calls": -1}, "invalid_type", "max_tool_calls"),
         (
             {"model": TINY_MODEL, "input": "x", "metadata": {f"k{i}": "v" for i in range(17)}},
             "object_above_max_properties",
@@ -172,6 +203,26 @@ def test_bad_bodies_get_openai_errors(server, body, code, param):
 def test_store_false_is_accepted_and_store_is_reported_false(server, client):
     response = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2, store=False)
     assert response.store is False
+    assert_no_block_in_use(server)
+
+
+def test_accepted_fields_are_echoed_in_the_response(server, client):
+    """A fresh-user trial: ``max_tool_calls``, ``top_logprobs`` and ``reasoning.summary`` were accepted and echoed
+    as null. ``max_tool_calls`` bounds built-in tool calls (none here) and ``reasoning.summary`` summarises
+    reasoning items (none here): both hold vacuously and are echoed as sent."""
+    response = client.responses.create(
+        model=TINY_MODEL,
+        input="hi",
+        max_output_tokens=2,
+        max_tool_calls=1,
+        top_logprobs=2,
+        reasoning={"summary": "auto"},
+        include=["reasoning.encrypted_content"],
+        truncation="auto",
+        service_tier="flex",
+    )
+    assert (response.max_tool_calls, response.top_logprobs, response.reasoning.summary) == (1, 2, "auto")
+    assert (response.truncation, response.service_tier) == ("auto", "flex")
     assert_no_block_in_use(server)
 
 

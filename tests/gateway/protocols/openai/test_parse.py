@@ -161,6 +161,15 @@ def test_content_parts_and_tool_messages_are_accepted():
             "stream_options.include_usage",
             "invalid_type",
         ),
+        # Before (a fresh-user trial): accepted, and service_tier echoed as "default"
+        ({"service_tier": "bogus"}, "service_tier", "invalid_value"),
+        ({"prompt_cache_retention": "1y"}, "prompt_cache_retention", "invalid_value"),
+        ({"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo", "unknown_parameter"),
+        (
+            {"stream": True, "stream_options": {"include_obfuscation": "no"}},
+            "stream_options.include_obfuscation",
+            "invalid_type",
+        ),
         ({"user": 7}, "user", "invalid_type"),
         ({"tools": {}}, "tools", "invalid_type"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "invalid_value"),
@@ -239,6 +248,11 @@ def test_completion_body():
     with pytest.raises(InvalidRequestError) as caught:
         parse_completion_request({"model": "m"}, {})
     assert caught.value.code == "missing_required_parameter"
+    with pytest.raises(InvalidRequestError) as caught:  # before: 200 (OpenAI: best_of >= n)
+        parse_completion_request({"model": "m", "prompt": "x", "best_of": 1, "n": 2}, {})
+    assert (caught.value.param, caught.value.code) == ("best_of", "invalid_value")
+    accepted = {"model": "m", "prompt": "x", "best_of": 2, "n": 2, "stream": True}
+    assert parse_completion_request({**accepted, "stream_options": {"include_obfuscation": False}}, {}).stream
 
 
 USAGE = BackendUsage(prompt_tokens=40, completion_tokens=5, cached_tokens=32)
@@ -518,3 +532,19 @@ def test_a_trailing_unanswered_call_turn_is_left_alone():
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
     ]
     assert len(parse_chat_request({"model": "m", "messages": messages}, {}).messages) == 2
+
+
+def test_a_responses_cut_marks_only_its_last_item_incomplete():
+    """A fresh-user trial: every function_call item was ``incomplete`` when ``max_output_tokens`` cut the output,
+    though the calls before the cut were delivered whole (docs/tools.md)."""
+    from gateway.core.events import Finish
+    from gateway.protocols.openai.responses import ResponseBuilder
+
+    stream = ResponseBuilder({"model": "m", "input": "x"}, "m", "abc")
+    calls = [
+        {"index": 0, "id": "c0", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"index": 1, "id": "c1", "function": {"name": "f", "arguments": '{"a": '}},
+    ]
+    stream.tool_calls(calls)
+    stream.finish(Finish(finish_reason="length", usage=USAGE))
+    assert [item["status"] for item in stream.output] == ["completed", "incomplete"]
