@@ -219,7 +219,10 @@ def load_gguf(
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             dequantize_tensor(t)
     weights: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor", leave=False):
+    # disable=None: no bar where stderr is not a terminal (a log file would get its \r glued to the next record)
+    for t in tqdm(
+        reader.tensors, desc=f"loading {Path(path).name}", unit="tensor", leave=False, disable=None
+    ):
         name = hf_name(t.name)
         qname = t.tensor_type.name
         if keep_blocks and qname in BLOCK_BYTES and len(t.shape) == 2:

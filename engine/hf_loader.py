@@ -140,7 +140,7 @@ def load_hf(
     except Exception as e:  # safetensors raises SafetensorError on garbage
         raise UnsupportedModelError(f"cannot read safetensors weights in {folder}: {e}") from e
     total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc=f"loading {folder.name}", unit="tensor", leave=False) as bar:
+    with tqdm(total=total, desc=f"loading {folder.name}", unit="tensor", leave=False, disable=None) as bar:
         for h in handles:
             for name in h.keys():
                 if name.startswith("model.layers.") and ".rotary_emb." in name:

@@ -278,3 +278,14 @@ def test_sharded_folder_loads(tmp_path, tiny_hf_dir):
     a = load_checkpoint(str(tiny_hf_dir)).model.state_dict()
     b = load_checkpoint(str(folder)).model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_progress_bar_where_stderr_is_not_a_terminal(tmp_path, tiny_gguf_path, capfd):
+    """A fresh-user trial: with stderr in a log file, the loading bar's last ``\\r`` glued the next log records
+    ("model ... ready", a tier's warning) onto its line, where line-based tools missed them."""
+    folder = make_tiny_hf_llama(tmp_path / "hf")
+    capfd.readouterr()  # what writing the checkpoint printed
+    load_gguf(tiny_gguf_path)
+    load_hf(folder)
+    err = capfd.readouterr().err
+    assert "\r" not in err and "loading" not in err
