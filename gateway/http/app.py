@@ -268,12 +268,15 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
     if gateway is not None:
         gateway.stats.record_error(model, error.status_code)
     started = getattr(http_request.state, "started_at", None)
+    key = getattr(http_request.state, "client_key", None)  # who was refused (a 429, a 404 for a model)
     log_request(
         RequestRecord(
             request_id=request_id_of(http_request),
             path=http_request.url.path,
             status=error.status_code,
             model=model,
+            key=getattr(key, "name", None),
+            tenant=getattr(http_request.state, "tenant", None),
             stream=bool(getattr(http_request.state, "stream", False)),
             duration_s=time.monotonic() - started if started is not None else None,
             error_code=error.code or error.error_type,

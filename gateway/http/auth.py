@@ -65,6 +65,7 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
         _narrow_by_cache_salt(request)
         return
     gateway = gateway_of(http_request)
+    http_request.state.tenant = key.tenant  # for the log line of a request refused below
     if not key.allows(request.model):
         if http_request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
             raise PermissionDeniedError(
@@ -80,6 +81,7 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
             gateway.clients.record_tenant_header_ignored(key)
     _narrow_by_cache_salt(request)
     request.client_key = key.name
+    http_request.state.tenant = request.tenant
     if admit:
         gateway.clients.admit(key, request.tenant)
 

@@ -181,7 +181,8 @@ def test_a_cache_salt_narrows_a_keys_tenant_and_never_leaves_it(keyed):
     assert model["blocks"]["used"] == 0 and (model["engine"]["running"], model["engine"]["waiting"]) == (0, 0)
 
 
-def test_rate_limit_answers_429_with_retry_after(keyed):
+def test_rate_limit_answers_429_with_retry_after(keyed, caplog):
+    caplog.set_level("INFO", logger="prefixgate.request")
     ask(keyed, LIMITED, "first")
     with oai(keyed, LIMITED) as sdk, pytest.raises(openai.RateLimitError) as caught:
         sdk.chat.completions.create(
@@ -196,6 +197,12 @@ def test_rate_limit_answers_429_with_retry_after(keyed):
         timeout=10,
     )
     assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"
+    refused = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "prefixgate.request" and " status=429 " in r.getMessage()
+    ]
+    assert len(refused) == 2 and all(" key=limited tenant=" in line for line in refused), refused
     assert int(raw.headers["retry-after"]) >= 1
     stats = keyed.stats()
     assert stats["keys"]["limited"]["rate_limited"] == 2
@@ -297,5 +304,9 @@ def test_keys_never_appear_in_logs_or_error_bodies(keyed, caplog):
     request_lines = [r.getMessage() for r in caplog.records if r.name == "prefixgate.request"]
     assert any(" key=alice tenant=acme " in line and " status=200 " in line for line in request_lines)
     assert any(" key=platform tenant=" in line and "user-9" in line for line in request_lines)
+    # a refused request names who was refused (a fresh-user trial: a 429 or a 404 for a model had no key=)
+    refused = [line for line in request_lines if " status=404 " in line or " status=403 " in line]
+    assert any(" key=bob tenant=" in line for line in refused), refused
+    assert not any(" key=" in line for line in request_lines if " status=401 " in line)  # no key: no name
     for secret in (ALICE, BOB, CAROL, DAVE, PLATFORM, LIMITED, guess):
         assert secret not in text
