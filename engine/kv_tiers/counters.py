@@ -43,6 +43,20 @@ LOAD_BUCKETS_S: tuple[float, ...] = (
 """Upper bounds of the load-back latency histogram, seconds."""
 
 
+TIER_COUNTERS: tuple[str, ...] = (
+    "hit_tokens",
+    "miss_tokens",
+    "writes",
+    "bytes_written",
+    "write_errors",
+    "write_refused",
+    "read_errors",
+    "skipped_down",
+    "evicted",
+)
+"""The per-tier counters above (``{t}.<name>``), reported from 0 for every configured tier."""
+
+
 class TierCounters:
     """Thread-safe named counters and the load-back latency histogram."""
 

@@ -29,7 +29,7 @@ import torch
 
 from engine.block_hash import BlockHash
 from engine.kv_tiers.catalog import PrefixRecord, decode_record, encode_record
-from engine.kv_tiers.counters import TierCounters
+from engine.kv_tiers.counters import TIER_COUNTERS, TierCounters
 from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
 from engine.kv_tiers.writeback import WriteBackQueue
 from engine.openmp_threads import serial_torch_thread
@@ -316,9 +316,15 @@ class TierStack:
         return {t.name: t.nbytes() for t in self.tiers}
 
     def stats(self) -> dict[str, int]:
-        """Every counter, ``{t}.bytes`` per tier (as last measured by the writer thread: no I/O here, so the
-        engine lock is never held for a tier call) and ``writeback.depth``."""
+        """Every counter (each tier's ``TIER_COUNTERS`` from 0 on, so a rate is defined before the first
+        event), ``{t}.bytes`` per tier (as last measured by the writer thread: no I/O here, so the engine lock
+        is never held for a tier call), ``{t}.up`` (0 while the tier waits to retry an unreachable backend,
+        else 1) and ``writeback.depth``."""
         out = self.counters.snapshot()
+        for tier in self.tiers:
+            for counter in TIER_COUNTERS:
+                out.setdefault(f"{tier.name}.{counter}", 0)
+            out[f"{tier.name}.up"] = 0 if getattr(tier, "is_down", False) else 1
         for name, n in self._bytes.items():
             out[f"{name}.bytes"] = n
         out["writeback.depth"] = self.queue.depth()

@@ -121,14 +121,20 @@ _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("write_refused", "prefixgate_tier_write_refused", "Writes Redis refused (maxmemory)."),
     ("read_errors", "prefixgate_tier_read_errors", "Reads that failed (counted as misses)."),
     ("evicted", "prefixgate_tier_evicted", "Entries dropped to keep a level inside its byte budget."),
+    (
+        "skipped_down",
+        "prefixgate_tier_skipped_down",
+        "Operations skipped while the tier waits to retry an unreachable backend (Redis down).",
+    ),
 )
 """``engine.kv_tiers.counters`` per-tier names -> metric name (``_total`` added) and help."""
 
 
 def tier_metrics(stats: Mapping[str, EngineStats]) -> Iterator[Metric]:
     """The KV tiers' counters (``EngineStats.tier_counters``, names of ``engine.kv_tiers.counters``) per model:
-    per tier hits, misses, bytes, writes and failures; expirations per tier and level; entries rejected by
-    cause; write-back queue drops; blocks loaded back; pinned blocks; the load-back latency histogram."""
+    per tier hits, misses, bytes, writes, failures and operations skipped while down (each from 0), and whether
+    it is up; expirations per tier and level; entries rejected by cause; write-back queue drops; blocks loaded
+    back; pinned blocks; the load-back latency histogram."""
     per_tier = {
         suffix: CounterMetricFamily(name, help_text, labels=["model", "tier"])
         for suffix, name, help_text in _TIER_COUNTERS
@@ -152,6 +158,11 @@ def tier_metrics(stats: Mapping[str, EngineStats]) -> Iterator[Metric]:
         "prefixgate_tier_loaded_blocks", "Blocks loaded back into the pool.", labels=["model"]
     )
     pinned = GaugeMetricFamily("prefixgate_pinned_blocks", "KV blocks held in RAM by pins.", labels=["model"])
+    up = GaugeMetricFamily(
+        "prefixgate_tier_up",
+        "1 while the tier's backend answers, 0 while it waits to retry an unreachable one (Redis down).",
+        labels=["model", "tier"],
+    )
     latency = HistogramMetricFamily(
         "prefixgate_tier_load_seconds", "Load-back latency from the tiers (seconds).", labels=["model"]
     )
@@ -171,8 +182,10 @@ def tier_metrics(stats: Mapping[str, EngineStats]) -> Iterator[Metric]:
                 expired.add_metric([model, parts[0], parts[2]], value)
             elif len(parts) == 2 and parts[1] in per_tier:
                 per_tier[parts[1]].add_metric([model, parts[0]], value)
+            elif len(parts) == 2 and parts[1] == "up":
+                up.add_metric([model, parts[0]], value)
     yield from per_tier.values()
-    yield from (expired, rejected, dropped, loaded, pinned, latency)
+    yield from (expired, rejected, dropped, loaded, pinned, latency, up)
 
 
 def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:

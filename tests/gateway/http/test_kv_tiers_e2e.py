@@ -287,6 +287,13 @@ def test_warm_after_ready_and_an_unreachable_redis_cost_no_start(tmp_path, tiny_
         assert [(r["tenant"], r["level"]) for r in rows] == [("late", "system")]
         usage = chat(server, conversation("hello ?"), "late")
         assert usage["prompt_tokens"] > 0
+        # the Redis that is down shows in /metrics (a fresh-user trial saw it only in /admin/stats)
+        metrics = httpx.get(f"{server.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text.splitlines()
+        assert f'prefixgate_tier_up{{model="{TINY_MODEL}",tier="redis"}} 0.0' in metrics
+        skipped = [line for line in metrics if line.startswith("prefixgate_tier_skipped_down_total{")]
+        assert skipped and float(skipped[0].split()[-1]) >= 1
+        # counters that never moved are there from 0, so rate() is defined before the first event
+        assert f'prefixgate_tier_written_bytes_total{{model="{TINY_MODEL}",tier="redis"}} 0.0' in metrics
     finally:
         server.stop()
     assert any("redis" in r.getMessage().lower() for r in caplog.records if r.levelno >= logging.WARNING)
