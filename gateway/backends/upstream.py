@@ -31,6 +31,7 @@ from gateway.transport.upstream_http import (
     SharedClient,
     Upstream,
     UpstreamClient,
+    join_url,
     open_response,
 )
 
@@ -237,7 +238,7 @@ class UpstreamBackend(Backend):
         ).encode()  # json.dumps(body, ensure_ascii=False, compact), one encoder
 
         def build(base_url: str) -> httpx.Request:
-            url = self._url(f"{base_url}{path}")
+            url = self._url(join_url(base_url, path))
             return client.build_request("POST", url, headers=dict(headers), content=content)
 
         direct = None
@@ -246,7 +247,9 @@ class UpstreamBackend(Backend):
             async def direct(
                 base_url: str, timeout: dict[str, Any]
             ) -> DirectResponse | httpx.Response | None:
-                return await client.send_direct(self._url(f"{base_url}{path}"), headers, content, timeout)
+                return await client.send_direct(
+                    self._url(join_url(base_url, path)), headers, content, timeout
+                )
 
         routing = self.upstream.routing
         blocks: tuple[int, ...] = ()

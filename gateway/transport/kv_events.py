@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from gateway.transport.routing_policy import CacheAwarePolicy, KVEventError
+from gateway.transport.upstream_http import join_url
 
 
 @dataclass
@@ -120,7 +121,7 @@ class KVEventFeed:
 
     async def _follow(self, replica: str) -> None:
         wait = self.reconnect_s
-        url = f"{replica}{self.path}"
+        url = join_url(replica, self.path)
         while True:
             opened = False
             try:

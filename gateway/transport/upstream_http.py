@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -254,6 +255,16 @@ class SharedClient:
         if cls._users == 0 and cls._client is not None:
             client, cls._client = cls._client, None
             await client.aclose()
+
+
+def join_url(base_url: str, path: str) -> str:
+    """``path`` appended to the path of ``base_url``, before its query string
+    (``http://h/v1?api-version=1`` + ``/chat/completions`` -> ``http://h/v1/chat/completions?api-version=1``;
+    concatenated, the path landed inside the query). ``urllib.parse.urlsplit``'s reading of the URL."""
+    if "?" not in base_url and "#" not in base_url:
+        return base_url + path  # the common case, unparsed
+    parts = urlsplit(base_url)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + path))
 
 
 @dataclass

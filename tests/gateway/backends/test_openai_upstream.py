@@ -17,6 +17,7 @@ from gateway.protocols.anthropic.parse import parse_messages_body
 from gateway.protocols.anthropic.prompt import UnsupportedContentError
 from gateway.protocols.openai.render import merge_tool_call_deltas
 from gateway.transport.failures import UpstreamCallError, UpstreamStreamCut
+from gateway.transport.upstream_http import join_url
 from tests.gateway.upstream_helpers import (
     API_KEY,
     BreakingStream,
@@ -124,6 +125,24 @@ async def test_request_body_headers_and_prompt_cache_key(http):
     assert sent["seed"] == 7 and sent["response_format"] == {"type": "json_object"}
     assert sent["prompt_cache_key"] == request.prefix_key
     assert route.calls.last.request.headers["authorization"] == f"Bearer {API_KEY}"
+
+
+@respx.mock
+async def test_a_base_url_with_a_query_string_keeps_it_after_the_path(http):
+    """A fresh-user trial: ``base_url: http://h/v1?apikey=X`` sent to ``/v1?apikey=X/chat/completions``."""
+    route = respx.post("http://vllm-a:8000/v1/chat/completions", params={"api-version": "2024-10-21"}).mock(
+        return_value=sse_response(CACHED_STREAM)
+    )
+    await drain(backend(http, urls=(f"{BASE}?api-version=2024-10-21",)).stream(chat_request(MESSAGES)))
+    sent = route.calls.last.request.url
+    assert (sent.path, sent.params["api-version"]) == ("/v1/chat/completions", "2024-10-21")
+
+
+def test_join_url_puts_the_path_before_the_query():
+    assert join_url("http://h:1/v1", "/chat/completions") == "http://h:1/v1/chat/completions"
+    assert join_url("http://h/v1?a=1&b=2", "/m") == "http://h/v1/m?a=1&b=2"
+    assert join_url("http://h/v1/?a=1", "/m") == "http://h/v1/m?a=1"
+    assert join_url("http://h/v1#f", "/m") == "http://h/v1/m#f"
 
 
 @respx.mock
