@@ -656,6 +656,7 @@ def _tail_only(n: int) -> list[PromptSegment]:
 
 
 _P14 = [0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0]
+_P10 = [0, 0, 0, 0, 1, 0, 1, 0, 0, 0]
 
 
 @given(
@@ -687,6 +688,22 @@ _P14 = [0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0]
     min_cacheable=None,
     spans=[],
     extends=(0, 0),
+)
+@example(  # found by Hypothesis: two answers of one prompt ([0, 0], then [0]) tie on the shared tokens; the
+    # next turn extends the first with its last token spelled otherwise: the one that goes on past the shared
+    # tokens (the first) explains it, not the most recent (which the model took before the tie rule)
+    history=[
+        ((_P10, _tail_only(10), 0), False, [0, 0], False),
+        (([0], _tail_only(1), 0), False, None, False),
+        ((_P10, _tail_only(10), 0), False, [0], False),
+    ],
+    concurrent=[],
+    prompt=([0, 0, 0, 0, 0], _tail_only(5), 0),
+    cached=0,
+    granularity=None,
+    min_cacheable=None,
+    spans=[],
+    extends=(0, 1),
 )
 @settings(max_examples=400, deadline=None)
 def test_the_classifier_follows_the_definition(
@@ -760,11 +777,12 @@ def test_the_classifier_follows_the_definition(
             full = tuple(old) + tuple(answer)
             index.pop(full, None)
             index[full] = len(full) - (1 if cut and answer else 0)
-    nearest = None
+    nearest = None  # (shared tokens, computed, its length); ties: one going on past the shared tokens, then
+    # the most recent (an answer the client edited says what came there before: miss_entries.nearest_entry)
     for old, computed in reversed(index.items()):
         d = next((i for i, (a, b) in enumerate(zip(tokens, old, strict=False)) if a != b), min(n, len(old)))
-        if nearest is None or d > nearest[0]:
-            nearest = (d, computed)
+        if nearest is None or d > nearest[0] or (d == nearest[0] and nearest[2] <= d < len(old)):
+            nearest = (d, computed, len(old))
     if (
         min(cached, n) < target
         and nearest is not None
