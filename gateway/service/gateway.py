@@ -17,6 +17,7 @@ from gateway.service.cache_explain import CacheExplanations
 from gateway.service.canonicalize import Canonicalizer
 from gateway.service.limits import ClientUsage
 from gateway.service.registry import ModelRegistry
+from gateway.service.shutdown import ShutdownDrain
 from gateway.service.stats import GatewayStats
 from gateway.service.timeseries import StatsHistory
 
@@ -36,6 +37,7 @@ class Gateway:
         keys: the client keys (empty: the gateway runs open).
         clients: per-key limits and per-key / per-tenant usage.
         history: periodic samples of the stats document (the dashboard's charts).
+        drain: the requests in flight a shutdown ends after its grace period (``gateway.service.shutdown``).
     """
 
     config: GatewayConfig
@@ -48,6 +50,7 @@ class Gateway:
     keys: KeyTable = field(default_factory=KeyTable)
     clients: ClientUsage = field(default_factory=lambda: ClientUsage(()))
     history: StatsHistory | None = None
+    drain: ShutdownDrain = field(default_factory=ShutdownDrain)
 
     def engine_stats(self) -> dict[str, EngineStats | None]:
         """Model name -> its engine's counters (None for backends without an engine, or not started)."""

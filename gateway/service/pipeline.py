@@ -83,6 +83,7 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))
     prepared = PromptPreparation.schedule(gateway, request)
     epoch = gateway.cache.epoch() if gateway.cache is not None else None  # before the backend's cache lookup
+    task = gateway.drain.track()  # a 503 once a shutdown's grace period is over
     iterator = backend.stream(request)
     try:
         first = await anext(iterator)
@@ -91,9 +92,17 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
     except EngineError as exc:
         await _aclose(iterator)
         raise from_engine_error(exc) from exc
+    except asyncio.CancelledError:
+        await _aclose(iterator)
+        error = gateway.drain.shutting_down_error(task)
+        if error is None:
+            raise
+        raise error from None
     except BaseException:
         await _aclose(iterator)
         raise
+    finally:
+        gateway.drain.untrack(task)
     return OpenedStream(gateway, request, iterator, first, path, started, prepared, epoch)
 
 
@@ -278,6 +287,8 @@ class OpenedStream:
         Raises:
             APIError: raised by the backend mid-stream (engine errors mapped).
         """
+        drain = self.gateway.drain
+        task = drain.track()
         try:
             while True:
                 event = await self._next_event()
@@ -298,10 +309,17 @@ class OpenedStream:
         except EngineError as exc:
             self._done = True
             raise from_engine_error(exc) from exc
+        except asyncio.CancelledError:
+            error = drain.shutting_down_error(task)
+            if error is None:
+                raise
+            self._done = True  # the server ended it: logged 503 where the error is reported, not 499
+            raise error from None
         except Exception:
             self._done = True
             raise
         finally:
+            drain.untrack(task)
             await self.aclose()
 
     async def guarded_events(
