@@ -183,7 +183,8 @@ def openai_to_anthropic(
     string); a later one becomes text in a user turn (Anthropic has no mid-conversation system role; moving it
     to the top would put volatile text in front of the cached prefix). ``tool`` messages become
     ``tool_result`` blocks of one user turn, together with the user message right after them. Other turns
-    keep their boundaries (the API merges consecutive same-role turns itself).
+    keep their boundaries (the API merges consecutive same-role turns itself); a later message with nothing
+    to send (empty text) becomes no turn.
 
     Raises:
         InvalidRequestError / UnsupportedContentError: content Anthropic cannot carry.
@@ -233,6 +234,12 @@ def openai_to_anthropic(
         content = message.get("content")
         if role in ("system", "developer", "user"):
             blocks, where = _content_blocks(content, f"{param}.content")
+            if not blocks and out:
+                # nothing to send (a later system message whose only line the rules hoisted, an empty user
+                # text): no turn, since the Messages API refuses an empty one; it ends where the last one did
+                prompt.part_blocks[i] = [None] * len(where)
+                prompt.last_block[i] = prompt.last_block[i - 1]
+                continue
             keep_string = role == "user" and isinstance(content, str) and not pending_tool_results
             if pending_tool_results:
                 offset = len(out[-1]["content"])

@@ -245,6 +245,26 @@ def test_a_block_keeps_its_own_breakpoint_and_an_empty_system_prompt_is_none():
     assert openai_to_anthropic([{"role": "system", "content": ""}, *messages[1:]], None).system is None
 
 
+def test_a_later_message_with_nothing_to_send_becomes_no_turn():
+    """A trailing system message whose only line (``Current time: ...``) the rules hoisted into the user turn is
+    empty; as an Anthropic turn it was ``{"role": "user", "content": []}``, which the Messages API refuses."""
+    hoisted = "What time is it?\n\n<request_context>\nCurrent time: 10:00\n</request_context>"
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": [{"type": "text", "text": ""}]},
+        {"role": "user", "content": hoisted},
+        {"role": "system", "content": ""},
+    ]
+    prompt = openai_to_anthropic(messages, None)
+    assert [m["role"] for m in prompt.messages] == ["user", "assistant", "user"]
+    assert all(m["content"] for m in prompt.messages)
+    assert prompt.last_block[3] == prompt.last_block[2] == ("messages", 1, 0)  # ends where the reply ended
+    assert prompt.last_block[5] == prompt.last_block[4] == ("messages", 2, 0)
+    assert prompt.part_blocks[3] == [None] and prompt.part_blocks[5] == [None]
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
