@@ -2,7 +2,7 @@
 
 ::
 
-    prefixgate serve [--config FILE] [--host H] [--port P]
+    prefixgate serve [--config FILE] [--host H] [--port P] [--log-level debug|info|warning|error]
     prefixgate rules check FILE...
     prefixgate rules apply [--rules FILE...] [--placement WHERE] REQUEST.json
     prefixgate rules replay [--config FILE] [--tokenizer smollm2|cl100k] TRACE.jsonl
@@ -15,17 +15,25 @@ its listening socket before it loads any model: an address already in use fails 
 host:port), not after the model load.
 
 ``rules replay`` runs a request log through the canonicalizer the config builds (its rules, transcript memory
-bounds, Redis and learning mode; the default config without ``--config``), as the gateway would. ``rules
+bounds and learning mode; the default config without ``--config``), as the gateway would, but with the transcript
+memory in this process only: it never reads or writes the config's Redis (``transcript.redis_url``, ``redis:``),
+and reads no other section, so their ``env:`` secrets need not be set. ``rules
 learned`` asks a running gateway (``GET /admin/rules/learned`` at ``--url``, default
 ``http://127.0.0.1:8000``, with ``--token`` or ``PREFIXGATE_ADMIN_TOKEN`` as the admin bearer token) for the
 slots it learned and prints them as a rule file.
-Exit status: 0 success, 1 runtime failure, 2 bad usage or bad config.
+Exit status: 0 success, 1 runtime failure, 2 bad usage or bad config. Bad usage is an unknown option, a bad
+option value (``--port 99999``, ``--placement nowhere``) or a file named on the command line that is missing or
+unreadable; bad config is any config or rule error, so ``rules check`` exits 2 for an invalid rule file as
+``serve`` does for the config's rules, and ``rules apply`` exits 2 for a bad rule file or request. ``serve``
+exits 2 for a model setting only its checkpoint can refuse (``models[0].engine.max_model_len`` beyond the
+checkpoint's context window), and 1 when it cannot listen or a model fails to start for another reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import gc
 import logging
 import os
@@ -33,11 +41,30 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from gateway.config.loader import default_config, load_config
+from gateway.config.loader import default_config, load_canonicalizer_config, load_config
 from gateway.config.schema import ConfigError, GatewayConfig
 
 EXIT_BAD_CONFIG = 2
 EXIT_CANNOT_LISTEN = 1
+EXIT_RUNTIME_FAILURE = 1
+_RULES_ERROR = 1
+"""What ``rules.cli.check`` / ``apply`` return for a rule error (a missing, unreadable or invalid rule file, an
+unknown pack or placement): ``prefixgate`` exits ``EXIT_BAD_CONFIG`` for it (see the module docstring)."""
+
+
+def tcp_port(text: str) -> int:
+    """``--port``'s type: a TCP port 0..65535 (0: any free port).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse prints it with the command's usage, exit 2).
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0..65535, got {text!r}")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--config", help="YAML config file (default: the embedded SmolLM2 with default rules)")
     serve.add_argument("--host", help="listen address (default: config server.host, 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="listen port (default: config server.port, 8000)")
+    serve.add_argument(
+        "--port", type=tcp_port, help="listen port 0..65535 (default: config server.port, 8000)"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     rules = commands.add_parser("rules", help="validate or try rule files")
@@ -67,10 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the request body (- or no file with piped input: standard input)",
     )
     replay = rule_commands.add_parser(
-        "replay", help="replay a request log (JSON lines) and print the prefix each request shares"
+        "replay",
+        help="replay a request log (JSON lines) and print the prefix each request shares",
+        description="Replay a request log (JSON lines) through the canonicalizer a config builds and print the "
+        "prefix each request shares. The transcript memory lives in this process only: the config's Redis "
+        "(transcript.redis_url, redis:) is never read or written, and sections other than rules, transcript "
+        "and rules_learning are not read (their env: secrets need not be set).",
     )
     replay.add_argument("trace", metavar="TRACE.jsonl")
-    replay.add_argument("--config", help="YAML config whose rules, memory and learning to use")
+    replay.add_argument(
+        "--config",
+        help="YAML config whose rules, transcript memory bounds and learning to use (never its Redis)",
+    )
     replay.add_argument("--tokenizer", choices=("smollm2", "cl100k"), default=None)
     learned = rule_commands.add_parser(
         "learned", help="print a running gateway's learned slots as a rule file"
@@ -79,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     learned.add_argument("--token", default=None, help="admin token (default: $PREFIXGATE_ADMIN_TOKEN)")
     learned.add_argument("--model", default=None)
     learned.add_argument("--tenant", default=None)
+    for command in (serve, check, apply, replay, learned):
+        command.set_defaults(command_parser=command)  # the innermost command's, for its usage on errors
     return parser
 
 
@@ -93,17 +132,21 @@ def parse_args(argv: Sequence[str] | None = None, stdin_piped: bool | None = Non
         stdin_piped: whether standard input is not a terminal (default: asked of ``sys.stdin``).
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # not ``parse_args``: its error for an unknown argument shows the top-level usage, not the command's
+    args, unknown = parser.parse_known_args(argv)
+    command = args.command_parser
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "rules" and args.rules_command == "apply" and args.request is None:
         piped = _stdin_piped() if stdin_piped is None else stdin_piped
         if args.rules and not (piped and not args.rules[-1].endswith(".json")):
             args.request = args.rules.pop()
             if not args.rules:
-                parser.error("rules apply: --rules needs at least one FILE before REQUEST.json")
+                command.error("--rules needs at least one FILE before REQUEST.json")
         elif piped:
             args.request = "-"
         else:
-            parser.error("rules apply: REQUEST.json is required (or - to read it from standard input)")
+            command.error("REQUEST.json is required (or - to read it from standard input)")
     return args
 
 
@@ -135,22 +178,28 @@ def rules_main(args: argparse.Namespace) -> int:
     """The ``prefixgate rules ...`` commands (``check``, ``apply``, ``replay``, ``learned``)."""
     from gateway.service.canonicalize import run_rules_command
 
-    if args.rules_command == "check":
-        return run_rules_command("check", args.files)
     if args.rules_command == "replay":
         return replay(args.trace, args.config, args.tokenizer)
     if args.rules_command == "learned":
         return learned(args.url, args.token, args.model, args.tenant)
-    return run_rules_command("apply", args.rules, args.request, args.placement)
+    if args.rules_command == "check":
+        status = run_rules_command("check", args.files)
+    else:
+        status = run_rules_command("apply", args.rules, args.request, args.placement)
+    return EXIT_BAD_CONFIG if status == _RULES_ERROR else status
 
 
 def replay(trace: str, config_path: str | None, tokenizer: str | None) -> int:
-    """``prefixgate rules replay``: the config's canonicalizer over the trace (see the module docstring)."""
+    """``prefixgate rules replay``: the config's canonicalizer over the trace (see the module docstring). Only
+    the config's ``rules``, ``transcript`` and ``rules_learning`` are read (``load_canonicalizer_config``), and
+    the transcript memory is this process's own: the config's Redis is never touched, so a replay cannot write
+    into (or read from) the memory a running gateway shares."""
     from gateway.service.canonicalize import Canonicalizer, RuleError, run_replay
 
     try:
-        config = load_config(config_path) if config_path else default_config()
-        canonicalizer = Canonicalizer(config.rules, config.transcript, config.rules_learning)
+        config = load_canonicalizer_config(config_path) if config_path else default_config()
+        transcript = dataclasses.replace(config.transcript, redis_url=None)
+        canonicalizer = Canonicalizer(config.rules, transcript, config.rules_learning)
     except (ConfigError, RuleError) as exc:
         print(f"prefixgate: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -315,11 +364,14 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
         listener = bind_listener(config.server.host, config.server.port)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        print(
-            f"prefixgate: cannot listen on {address}: {reason} (is another server using that port? choose "
-            "another with --port, PREFIXGATE_PORT or server.port)",
-            file=sys.stderr,
-        )
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            hint = (
+                "is the host a name this machine can resolve, or one of its own addresses? choose another with "
+                "--host, PREFIXGATE_HOST or server.host"
+            )
+        else:
+            hint = "is another server using that port? choose another with --port, PREFIXGATE_PORT or server.port"
+        print(f"prefixgate: cannot listen on {address}: {reason} ({hint})", file=sys.stderr)
         return EXIT_CANNOT_LISTEN
     try:
         from gateway.http.app import create_app
@@ -370,15 +422,39 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
             timeout_graceful_shutdown=10,
         )
     )
+    quiet = _QuietStartFailure(app)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     gc.freeze()  # what start-up built (modules, rule sets, tables) is skipped by every later collection
     try:
         server.run(sockets=[listener])  # the models load in the app's lifespan, after the bind above
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as ``uvicorn.run`` does)
         pass
+    except SystemExit:  # uvicorn's exit (3) when the lifespan failed: ours below
+        pass
     finally:
         gc.unfreeze()
         listener.close()
-    return 0 if server.started else 1  # a failed start-up (a model that did not load) was logged by uvicorn
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    error = getattr(app.state, "start_error", None)
+    if error is not None:  # a model setting its checkpoint refused (gateway.http.app's lifespan)
+        print(f"prefixgate: bad config: {error}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    # any other failed start-up (a model that did not load) was logged by uvicorn
+    return 0 if server.started else EXIT_RUNTIME_FAILURE
+
+
+class _QuietStartFailure(logging.Filter):
+    """Drops uvicorn's error records (the lifespan's traceback, "Application startup failed") once the app's
+    start failed on a config error (``app.state.start_error``), which ``serve`` prints as one line instead."""
+
+    def __init__(self, app: object) -> None:
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for an error record after a config error at start."""
+        failed = getattr(self.app.state, "start_error", None) is not None
+        return not (failed and record.levelno >= logging.ERROR)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,18 @@ from engine.api import (
     PREFILL_KERNELS,
     EngineConfig,
 )
+from engine.errors import UnsupportedModelError
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
 from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
+from gateway.config.schema import ConfigError, EmbeddedModel, GatewayConfig
 from gateway.core.json_types import yaml_kind
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""``engine.dtype``'s values: the keys of ``engine.async_engine.DTYPES``, which checks them only when the model
+loads and which this layer may not import (it imports torch: tests/test_layers.py); a test holds the two equal."""
 
 
 def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
@@ -43,6 +49,14 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
         if key in values and values[key] < 1:
             reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
     _check_long_prefill_threshold(reader, values, where)
+    if "dtype" in values and values["dtype"] not in DTYPES:
+        reader.fail(f"{where}.dtype", f"expected one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+    if values.get("max_model_len") is not None and values["max_model_len"] < 1:
+        # the upper bound is the checkpoint's context window: checked when the model loads (``start_error``)
+        reader.fail(
+            f"{where}.max_model_len",
+            f"expected an integer >= 1 or null (the checkpoint's context window), got {values['max_model_len']}",
+        )
     if values.get("num_threads") is not None and values["num_threads"] < 1:
         reader.fail(f"{where}.num_threads", f"expected an integer >= 1 or null, got {values['num_threads']}")
     if "small_step_threads" in values:
@@ -115,7 +129,7 @@ def _parse_tier_names(reader: Reader, value: Any, where: str) -> tuple[str, ...]
         if name not in TIER_NAMES:
             reader.fail(f"{where}[{index}]", f"expected one of {', '.join(TIER_NAMES)}, got {name!r}")
     if len(set(value)) != len(value):
-        reader.fail(where, f"a tier is named twice in {value}")
+        reader.fail(where, f"a tier is named twice in [{', '.join(value)}]")
     return tuple(value)
 
 
@@ -154,6 +168,11 @@ def _parse_tier_policies(reader: Reader, value: Any, where: str) -> TierPolicies
             default = DEFAULT_POLICIES[level]
             ttl = reader.typed(body, path, "ttl_s", float | None, default.ttl_s)
             share = reader.typed(body, path, "budget_share", float, default.budget_share)
+            # checked here as well as by ``TierPolicy``, whose message names Python's None and not the key
+            if ttl is not None and not ttl > 0:
+                reader.fail(f"{path}.ttl_s", f"must be > 0 or null, got {ttl}")
+            if not 0 < share <= 1:
+                reader.fail(f"{path}.budget_share", f"must be in (0, 1], got {share}")
             try:
                 per_tier[tier][level] = TierPolicy(ttl_s=ttl, budget_share=share)
             except ValueError as exc:
@@ -178,6 +197,7 @@ def _check_tiers(reader: Reader, values: dict[str, Any], where: str) -> None:
     does not parse, a Redis tier without a deployment secret. An unreachable Redis is not checked here (the
     tier warns and retries in the background)."""
     tiers = values.get("tiers", ())
+    _check_unused_tier_settings(reader, values, tiers, where)
     secret = values.get("deployment_secret")
     if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
         reader.fail(f"{where}.deployment_secret", f"expected at least {MIN_SECRET_BYTES} bytes")
@@ -203,3 +223,60 @@ def _check_tiers(reader: Reader, values: dict[str, Any], where: str) -> None:
                 f"{where}.deployment_secret",
                 "missing required key (a Redis tier needs it: every gateway must hash blocks alike)",
             )
+
+
+def _check_unused_tier_settings(
+    reader: Reader, values: dict[str, Any], tiers: tuple[str, ...], where: str
+) -> None:
+    """Refuse tier settings that nothing would read: ``tier_disk`` / ``tier_redis`` / ``tier_policies.<tier>``
+    of a tier ``tiers`` does not name, and ``tier_policies``, ``tier_writeback_capacity`` or
+    ``tier_flush_on_close`` without any tier (as a backend's settings are refused on another backend)."""
+    named = f"tiers: [{', '.join(tiers)}]" if tiers else "no tiers"
+    for tier in TIER_NAMES:
+        if f"tier_{tier}" in values and tier not in tiers:
+            reader.fail(
+                f"{where}.tier_{tier}",
+                f"configures the {tier} tier, which {where}.tiers does not name ({named}): add {tier} to tiers "
+                "or remove this section",
+            )
+        if tier in values.get("tier_policies", TierPolicies()).per_tier and tier not in tiers:
+            reader.fail(
+                f"{where}.tier_policies.{tier}",
+                f"configures the {tier} tier, which {where}.tiers does not name ({named}): add {tier} to tiers "
+                "or remove this section",
+            )
+    if not tiers:
+        for key in ("tier_policies", "tier_writeback_capacity", "tier_flush_on_close"):
+            if key in values:
+                reader.fail(
+                    f"{where}.{key}",
+                    f"is a setting of the KV tiers, and {where}.tiers names none: add tiers or remove it",
+                )
+
+
+def model_start_error(config: GatewayConfig, name: str, exc: Exception) -> ConfigError | None:
+    """The ``ConfigError`` of the embedded model ``name`` of ``config`` whose settings failed when it loaded,
+    for what only the checkpoint can tell (a ``max_model_len`` beyond its context window, a ``weights`` format
+    this CPU has no kernel for, a file that is not a checkpoint); None when ``name`` is not an embedded model of
+    ``config``. The key is ``models[i].engine.<setting>`` when the engine's message starts with a setting's
+    name (``max_model_len 99999 is not in [1, 8192] ...``, ``engine.weights: ...``), ``models[i].path`` for a
+    checkpoint the engine cannot load, else ``models[i]``.
+
+    Args:
+        config: the config the app was built from.
+        name: the model's name.
+        exc: what its load raised (a ``ValueError`` or an ``engine.errors.EngineError``).
+    """
+    index = next(
+        (i for i, m in enumerate(config.models) if m.name == name and isinstance(m, EmbeddedModel)), None
+    )
+    if index is None:
+        return None
+    where, message = f"models[{index}]", str(exc)
+    if isinstance(exc, UnsupportedModelError):
+        return ConfigError(config.source, f"{where}.path", message)
+    head, _, rest = message.removeprefix("engine.").partition(" ")
+    setting = head.rstrip(":")
+    if setting.split(".")[0] in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return ConfigError(config.source, f"{where}.engine.{setting}", rest.strip() or message)
+    return ConfigError(config.source, where, message)

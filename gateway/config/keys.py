@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from gateway.config.schema import ConfigError, SharedPrefix
+from gateway.config.yaml_file import check_unique_keys, read_text
 from gateway.core.json_types import yaml_kind
 from gateway.core.keys import ClientKey, key_digest
 
@@ -84,16 +85,14 @@ def parse_keys(
         if base_dir is not None and not path.is_absolute():
             path = base_dir / path
         source = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(source, "", f"cannot read the key file ({exc.strerror or exc})") from exc
+        text = read_text(path, source, "the key file")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"line {mark.line + 1}: " if mark is not None else ""
             raise ConfigError(source, "", f"{where}invalid YAML") from None
+        check_unique_keys(text, source, "" if isinstance(value, dict) else "keys")
         top = None
         if isinstance(value, dict) and set(value) == {"keys"}:
             value, top = value["keys"], "keys"

@@ -6,8 +6,9 @@ listed in README.md ("Configuration") and ``examples/config.yaml``; each entry o
 class of its ``backend:`` kind (``gateway.config.schema``). A string value ``env:NAME`` is replaced by the
 environment variable ``NAME`` (an unset or empty variable is an error, so a forgotten admin token never
 silently disables auth). Any bad key or value raises ``ConfigError`` naming the file, the key path
-(``models[0].engine.block_size``) and what was expected. Relative rule-file and model paths are resolved
-against the config file's folder.
+(``models[0].engine.block_size``) and what was expected; so does a key given twice in one mapping, a file that
+is not UTF-8, and an embedded model's ``path`` that does not exist. Relative rule-file and model paths are
+resolved against the config file's folder.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ from gateway.config.schema import (
     TranscriptConfig,
     WarmEntry,
 )
+from gateway.config.yaml_file import check_unique_keys, read_text
 from gateway.core.json_types import yaml_kind
 
 ADMIN_TOKEN_ENV = "PREFIXGATE_ADMIN_TOKEN"
-"""The environment variable the embedded default reads its admin token from (README: ``admin: {token:
-env:PREFIXGATE_ADMIN_TOKEN}``, optional there: unset or empty leaves the admin endpoints open, as without a
-config)."""
+"""The environment variable the admin token is read from when no config gives one: the embedded default (README:
+``admin: {token: env:PREFIXGATE_ADMIN_TOKEN}``, optional there: unset or empty leaves the admin endpoints open, as
+without a config) and a config file without ``admin.token`` (its own token wins when both are set)."""
 
 
 def default_config() -> GatewayConfig:
@@ -58,16 +60,47 @@ def default_config() -> GatewayConfig:
 
 
 def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
-    """Read and validate a YAML config file.
+    """Read and validate a YAML config file. Without ``admin.token`` (absent, null or empty) the admin token is
+    ``$PREFIXGATE_ADMIN_TOKEN`` when that is set, as for the embedded default; the config's token wins when both
+    are set.
 
     Raises:
-        ConfigError: unreadable file, bad YAML (with its line), unknown key, wrong type, bad value.
+        ConfigError: unreadable or non-UTF-8 file, bad YAML (with its line), a key given twice, unknown key,
+            wrong type, bad value.
     """
+    source, text, data = _read_document(path)
+    config = parse_config(
+        data, source=source, base_dir=Path(path).resolve().parent, key_lines=entry_lines(text, "keys")
+    )
+    if config.admin.token is None and os.environ.get(ADMIN_TOKEN_ENV):
+        config = dataclasses.replace(config, admin=AdminConfig(token=os.environ[ADMIN_TOKEN_ENV]))
+    return config
+
+
+def load_canonicalizer_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read a YAML config file for its canonicalizer only: ``rules``, ``transcript`` (and the shared ``redis``
+    URL) and ``rules_learning`` are validated as ``load_config`` does; of the other sections only their names
+    are checked, so their ``env:NAME`` values (admin token, client keys, provider keys) need not be set and
+    their model paths need not exist. The rest of the returned config is the defaults.
+
+    Raises:
+        ConfigError: as ``load_config``, for those sections.
+    """
+    source, _, data = _read_document(path)
+    reader = Reader(source)
+    top = reader.mapping(data, "", TOP_LEVEL_KEYS)
+    return GatewayConfig(
+        rules=_parse_rules(reader, top.get("rules", ["default"]), Path(path).resolve().parent),
+        transcript=_parse_transcript(reader, top.get("transcript"), top.get("redis")),
+        rules_learning=_parse_learning(reader, top.get("rules_learning")),
+        source=source,
+    )
+
+
+def _read_document(path: str | os.PathLike[str]) -> tuple[str, str, Any]:
+    """(source, text, parsed YAML; ``{}`` for an empty file) of a config file."""
     source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(source, "", f"cannot read the file ({exc.strerror or exc})") from exc
+    text = read_text(path, source)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -76,12 +109,26 @@ def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
         raise ConfigError(
             source, "", f"{where}invalid YAML ({getattr(exc, 'problem', None) or exc})"
         ) from exc
-    return parse_config(
-        {} if data is None else data,
-        source=source,
-        base_dir=Path(path).resolve().parent,
-        key_lines=entry_lines(text, "keys"),
-    )
+    check_unique_keys(text, source)
+    return source, text, {} if data is None else data
+
+
+TOP_LEVEL_KEYS = frozenset(
+    {
+        "server",
+        "admin",
+        "rules",
+        "models",
+        "transcript",
+        "redis",
+        "rules_learning",
+        "keys",
+        "shared_prefixes",
+        "warm",
+        "warm_before_ready",
+    }
+)
+"""The sections of a config file."""
 
 
 def parse_config(
@@ -99,23 +146,7 @@ def parse_config(
         ConfigError: on the first problem found.
     """
     reader = Reader(source)
-    top = reader.mapping(
-        data,
-        "",
-        {
-            "server",
-            "admin",
-            "rules",
-            "models",
-            "transcript",
-            "redis",
-            "rules_learning",
-            "keys",
-            "shared_prefixes",
-            "warm",
-            "warm_before_ready",
-        },
-    )
+    top = reader.mapping(data, "", set(TOP_LEVEL_KEYS))
     server = _parse_server(reader, top.get("server"))
     admin = _parse_admin(reader, top.get("admin"))
     rules = _parse_rules(reader, top.get("rules", ["default"]), base_dir)
@@ -356,6 +387,8 @@ def _parse_model(reader: Reader, entry: Any, where: str, base_dir: Path | None) 
         path = reader.typed(raw, where, "path", str, "default")
         if path != "default" and base_dir is not None and not os.path.isabs(path):
             path = str((base_dir / path).resolve())
+        if path != "default" and not os.path.exists(path):
+            reader.fail(f"{where}.path", f"no such model file or folder: {path}")
         engine = parse_engine(reader, raw.get("engine"), f"{where}.engine")
         return EmbeddedModel(name=name, path=path, engine=engine)
     return _parse_upstream(reader, raw, where, name, backend)

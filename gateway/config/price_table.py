@@ -124,6 +124,11 @@ class PriceTable:
         return list(self.models)
 
 
+def _names(items: Any) -> str:
+    """``a, b, c``: names for a message, sorted (never a Python list's repr)."""
+    return ", ".join(sorted(str(item) for item in items))
+
+
 def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise PriceTableError(f"{where}: expected a number >= 0 (USD per million tokens), got {value!r}")
@@ -159,7 +164,7 @@ def _model_entry(
     raw = _mapping(raw, where)
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
-        raise PriceTableError(f"{where}: unknown key(s) {sorted(unknown)}; expected {sorted(_MODEL_KEYS)}")
+        raise PriceTableError(f"{where}: unknown key(s) {_names(unknown)}; expected {_names(_MODEL_KEYS)}")
     for key in ("input", "cache_read", "cache_write", "output"):
         if key not in raw:
             raise PriceTableError(f"{where}.{key}: missing (required)")
@@ -170,7 +175,7 @@ def _model_entry(
     for name, value in writes_raw.items():
         if name not in retentions:
             raise PriceTableError(
-                f"{where}.cache_write.{name}: unknown retention; {provider} has {sorted(retentions)}"
+                f"{where}.cache_write.{name}: unknown retention; {provider} has {_names(retentions)}"
             )
         writes[str(name)] = _number(value, f"{where}.cache_write.{name}")
     if default not in writes:
@@ -217,7 +222,7 @@ def parse_price_table(raw: Any, path: str = SHIPPED_TABLE) -> PriceTable:
         unknown = set(entry) - _PROVIDER_KEYS
         if unknown:
             raise PriceTableError(
-                f"{where}: unknown key(s) {sorted(unknown)}; expected {sorted(_PROVIDER_KEYS)}"
+                f"{where}: unknown key(s) {_names(unknown)}; expected {_names(_PROVIDER_KEYS)}"
             )
         retentions_raw = _mapping(entry.get("retentions"), f"{where}.retentions")
         if not retentions_raw:
@@ -233,7 +238,7 @@ def parse_price_table(raw: Any, path: str = SHIPPED_TABLE) -> PriceTable:
         default = entry.get("default_retention")
         if default not in retentions:
             raise PriceTableError(
-                f"{where}.default_retention: expected one of {sorted(retentions)}, got {default!r}"
+                f"{where}.default_retention: expected one of {_names(retentions)}, got {default!r}"
             )
         provider_min = (
             _min_tokens(entry["min_cacheable_tokens"], f"{where}.min_cacheable_tokens")
@@ -317,7 +322,7 @@ def override_prices(
         unknown = set(raw) - LEGACY_PRICE_KEYS
         if unknown:
             raise PriceTableError(
-                f"{where}: unknown key(s) {sorted(unknown)}; expected {sorted(LEGACY_PRICE_KEYS)}"
+                f"{where}: unknown key(s) {_names(unknown)}; expected {_names(LEGACY_PRICE_KEYS)}"
             )
         converted: dict[str, Any] = {}
         if "input" in raw:
@@ -334,7 +339,7 @@ def override_prices(
         if "cache_write_1h" in raw:
             if "1h" not in retention_names:
                 raise PriceTableError(
-                    f"{where}.cache_write_1h: this model has no 1h retention ({retention_names})"
+                    f"{where}.cache_write_1h: this model has no 1h retention (its retentions: {', '.join(retention_names)})"
                 )
             writes["1h"] = raw["cache_write_1h"]
         if writes:
@@ -342,7 +347,7 @@ def override_prices(
         raw = converted
     unknown = set(raw) - _MODEL_KEYS
     if unknown:
-        raise PriceTableError(f"{where}: unknown key(s) {sorted(unknown)}; expected {sorted(_MODEL_KEYS)}")
+        raise PriceTableError(f"{where}: unknown key(s) {_names(unknown)}; expected {_names(_MODEL_KEYS)}")
     if base is None:
         if "input" not in raw:
             raise PriceTableError(f"{where}.input: missing (required for a model the price table lacks)")
@@ -384,7 +389,7 @@ def override_prices(
         for name, value in writes_raw.items():
             if name not in base.retentions:
                 raise PriceTableError(
-                    f"{where}.cache_write.{name}: unknown retention; {base.provider} has {sorted(base.retentions)}"
+                    f"{where}.cache_write.{name}: unknown retention; {base.provider} has {_names(base.retentions)}"
                 )
             merged[str(name)] = _number(value, f"{where}.cache_write.{name}")
         updates["cache_write"] = merged

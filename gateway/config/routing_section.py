@@ -155,7 +155,7 @@ def _parse_kv_events(reader: Reader, value: Any, where: str, replicas: int) -> K
     if fields != {"role", "content"}:
         reader.fail(
             f"{where}.message_format",
-            f"expected exactly the fields {{role}} and {{content}}, got {sorted(fields) or 'none'}",
+            f"expected exactly the fields {{role}} and {{content}}, got {', '.join(sorted(fields)) or 'none'}",
         )
     block_size = reader.typed(section, where, "block_size", int, default.block_size)
     if block_size < 1:

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.errors import EngineError
 from gateway.backends.base import Backend
 from gateway.backends.registry import create_backend
+from gateway.config.engine_section import model_start_error
 from gateway.config.price_table import shipped_price_table
 from gateway.config.schema import GatewayConfig
 from gateway.core.errors import (
@@ -135,7 +136,16 @@ def _lifespan(gateway: Gateway):
         sampling: asyncio.Task | None = None
         try:
             for backend in backends:
-                await backend.start()
+                try:
+                    await backend.start()
+                except (ValueError, EngineError) as exc:
+                    # an embedded model's setting only its checkpoint could refuse: a config error naming the
+                    # key, kept on app.state for ``prefixgate serve`` to print as one line
+                    error = model_start_error(gateway.config, backend.name, exc)
+                    if error is None:
+                        raise
+                    app.state.start_error = error
+                    raise error from exc
                 started.append(backend)
                 logger.info("model %s ready (%s)", backend.name, type(backend).__name__)
             config = gateway.config

@@ -129,7 +129,9 @@ def test_bad_rule_file_in_config_exits_2_with_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rules:\n  - id: broken\n    action: explode\n")
     config = tmp_path / "c.yaml"
-    config.write_text("rules: [bad.yaml]\nmodels: [{name: m, path: /nonexistent}]\n")
+    config.write_text(
+        "rules: [bad.yaml]\nmodels: [{name: m, backend: openai, base_url: 'http://127.0.0.1:9/v1'}]\n"
+    )
     # port 0: the rules load after the bind, which must not depend on 8000 being free on the test machine
     assert main(["serve", "--config", str(config), "--port", "0"]) == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
@@ -359,3 +361,133 @@ def test_serve_freezes_start_up_objects_while_serving_and_unfreezes_after(tmp_pa
     main(["serve", "--config", str(config)])
     assert seen and seen[0] > 1000
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536", "http"])
+def test_a_port_out_of_range_is_a_usage_error_not_a_crash(port, capsys):
+    # Before: --port was a plain int: bind() raised OverflowError (a traceback, exit 1) for 99999 and -1
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["serve", "--port", port])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prefixgate serve ")
+    assert f"prefixgate serve: error: argument --port: expected a TCP port 0..65535, got '{port}'" in err
+    assert (
+        parse_args(["serve", "--port", "0"]).port == 0
+        and parse_args(["serve", "--port", "65535"]).port == 65535
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["serve", "--bogus"], "usage: prefixgate serve "),
+        (["serve", "extra"], "usage: prefixgate serve "),
+        (["rules", "apply", "--bogus", "r.json"], "usage: prefixgate rules apply "),
+        (["rules", "replay", "t.jsonl", "--bogus"], "usage: prefixgate rules replay "),
+    ],
+)
+def test_an_unknown_argument_shows_the_commands_usage(argv, usage, capsys):
+    # Before: argparse's top-level parser reported it, with "usage: prefixgate [-h] {serve,rules} ..."
+    with pytest.raises(SystemExit) as caught:
+        parse_args(argv, stdin_piped=False)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and "unrecognized arguments: " in err
+
+
+def test_rules_apply_without_a_request_shows_the_apply_usage(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["rules", "apply"], stdin_piped=False)
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prefixgate rules apply ") and "REQUEST.json is required" in err
+
+
+def test_a_host_that_does_not_resolve_is_named_as_the_host(monkeypatch, capsys):
+    # Before: "(is another server using that port? ...)" for a host name that does not resolve
+    import gateway.http.app
+
+    def unresolvable(host, port):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr("gateway.cli.bind_listener", unresolvable)
+    monkeypatch.setattr(gateway.http.app, "create_app", lambda config: pytest.fail("no app without a socket"))
+    monkeypatch.delenv("PREFIXGATE_PORT", raising=False)
+    assert main(["serve", "--host", "no-such-host.invalid", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot listen on no-such-host.invalid:0: Name or service not known" in err
+    assert "--host, PREFIXGATE_HOST or server.host" in err and "another server" not in err
+
+
+def test_rules_commands_exit_2_for_bad_files_and_options(tmp_path, capsys):
+    # Before: rules check of a missing file (or an invalid rule) and --placement bogus exited 1, while rules
+    # apply of a missing request exited 2; the documented meaning of 2 is bad usage or bad config
+    request = tmp_path / "r.json"
+    request.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - id: broken\n    action: explode\n")
+    assert main(["rules", "check", str(tmp_path / "missing.yaml")]) == EXIT_BAD_CONFIG
+    assert main(["rules", "check", str(bad)]) == EXIT_BAD_CONFIG
+    assert main(["rules", "apply", "--placement", "bogus", str(request)]) == EXIT_BAD_CONFIG
+    assert "unknown hoist placement 'bogus'" in capsys.readouterr().err
+    assert main(["rules", "apply", "--rules", str(bad), str(request)]) == EXIT_BAD_CONFIG
+    assert main(["rules", "apply", str(tmp_path / "missing.json")]) == EXIT_BAD_CONFIG
+    assert main(["rules", "apply", "--placement", "tail_end", str(request)]) == 0
+    assert main(["rules", "check", "default"]) == 0
+
+
+def test_serve_with_a_config_that_is_not_utf8_exits_2(tmp_path, capsys):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfe bad")
+    assert main(["serve", "--config", str(path)]) == EXIT_BAD_CONFIG
+    assert f"prefixgate: bad config: {path}: cannot read the file (not UTF-8 text" in capsys.readouterr().err
+
+
+def test_rules_replay_never_touches_the_configs_redis_nor_needs_its_secrets(tmp_path, monkeypatch, capsys):
+    # Before: replay built the config's Redis transcript store (writing into the memory running gateways share)
+    # and refused to start unless the admin token, client keys and provider keys of the config were set
+    import gateway.service.canonicalize as canonicalize
+
+    def no_redis(**kwargs):
+        raise AssertionError("rules replay must not use the config's Redis")
+
+    monkeypatch.setattr(canonicalize, "RedisTranscriptStore", no_redis)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    redis_only = tmp_path / "redis.yaml"
+    redis_only.write_text("transcript: {redis_url: 'redis://127.0.0.1:6379/0'}\n")
+    assert main(["rules", "replay", "--config", str(redis_only), "--tokenizer", "cl100k", str(trace)]) == 0
+    capsys.readouterr()
+    monkeypatch.delenv("PG_UNSET_SECRET", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "admin: {token: env:PG_UNSET_SECRET}\n"
+        "models: [{name: m, backend: openai, base_url: 'http://x', api_key: env:PG_UNSET_SECRET}]\n"
+        "keys: [{key: env:PG_UNSET_SECRET, tenant: t}]\n"
+        "transcript: {redis_url: 'redis://127.0.0.1:6379/0'}\n"
+    )
+    assert main(["rules", "replay", "--config", str(config), "--tokenizer", "cl100k", str(trace)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["requests"] == 1
+    with pytest.raises(SystemExit):
+        main(["rules", "replay", "--help"])
+    assert "never read or written" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_model_setting_only_the_checkpoint_refuses_is_one_line_and_exit_2(tiny_checkpoint, tmp_path):
+    # Before: max_model_len beyond the checkpoint's context failed in the lifespan: uvicorn logged a
+    # traceback and the process exited 3
+    config_path = tmp_path / "long.yaml"
+    data = tiny_config_data(tiny_checkpoint, max_model_len=99_999_999)
+    write_config(config_path, data)
+    process = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == EXIT_BAD_CONFIG, process.stderr
+    assert "Traceback" not in process.stderr and "Application startup failed" not in process.stderr
+    assert (
+        f"prefixgate: bad config: {config_path}: models[0].engine.max_model_len: 99999999 is not in [1, 512] "
+        "(the checkpoint's context window)"
+    ) in process.stderr, process.stderr

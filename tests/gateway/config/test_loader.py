@@ -85,12 +85,14 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path):
         models: [{name: tiny, path: ckpt/tiny}]
         """,
     )
+    (tmp_path / "ckpt" / "tiny").mkdir(parents=True)
     config = load_config(path)
     assert config.rules == ("default", str(tmp_path / "my-rules.yaml"))
     assert config.models[0].path == str(tmp_path / "ckpt" / "tiny")
 
 
 def test_partial_prefix_hits_are_on_by_default_and_switch_off(tmp_path):
+    (tmp_path / "x").mkdir()
     on = load_config(write(tmp_path, "models: [{name: a, path: x}]\n")).models[0].engine
     assert on.enable_partial_prefix_hits is True
     text = "models: [{name: a, path: x, engine: {enable_partial_prefix_hits: false}}]\n"
@@ -589,3 +591,96 @@ def test_routing_per_upstream():
     assert b.routing_share == RoutingShareConfig(redis_url="redis://127.0.0.1:6379/2")
     assert (c.routing_share.interval_s, c.routing_share.retry_after_s) == (0.5, 2.0)
     assert (d.routing, d.routing_share) == ("consistent_hash", None)  # today's ring walk by default
+
+
+def test_a_file_that_is_not_utf8_is_a_bad_config_not_a_crash(tmp_path):
+    # Before: UnicodeDecodeError escaped load_config (only OSError was caught): a traceback at start
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"server: {port: 80}\n\xff\xfe bad")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert (caught.value.source, caught.value.key) == (str(path), "")
+    assert caught.value.problem == "cannot read the file (not UTF-8 text: byte 0xff on line 2)"
+    (tmp_path / "keys.yaml").write_bytes(b"- {key: \xe9t\xe9}\n")
+    (tmp_path / "x").mkdir()
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, "models: [{name: a, path: x}]\nkeys: keys.yaml\n"))
+    assert caught.value.source == str(tmp_path / "keys.yaml")
+    assert caught.value.problem == "cannot read the key file (not UTF-8 text: byte 0xe9 on line 1)"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [
+        ("server: {port: 8001}\nrules: []\nserver:\n  host: 0.0.0.0\n", "server", (1, 3)),
+        (f"{OPENAI} retries: 1,\n  retries: 2}}]\n", "models[0].retries", (1, 2)),
+        ("transcript:\n  ttl_s: 60\n  max_entries: 5\n  ttl_s: 90\n", "transcript.ttl_s", (2, 4)),
+    ],
+)
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, text, key, lines):
+    # Before: PyYAML kept the last one without a word (a second server: block replaced the first)
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, text))
+    assert caught.value.key == key
+    assert caught.value.problem.startswith(f"duplicate key (lines {lines[0]} and {lines[1]})")
+
+
+def test_merge_keys_may_be_overridden_and_a_key_file_is_checked_for_duplicates_too(tmp_path):
+    text = "redis: &r {url: 'redis://a:6379/0'}\ntranscript: {<<: *r, ttl_s: 60}\n"
+    with pytest.raises(ConfigError, match="transcript.url: unknown key"):  # merged, not a duplicate
+        load_config(write(tmp_path, text))
+    (tmp_path / "keys.yaml").write_text("- name: a\n  key: sk-1234567890\n  name: b\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, "keys: keys.yaml\n"))
+    assert (caught.value.source, caught.value.key) == (str(tmp_path / "keys.yaml"), "keys[0].name")
+    assert "duplicate key (lines 1 and 3)" in caught.value.problem
+    assert "sk-1234567890" not in str(caught.value)
+
+
+def test_a_config_without_an_admin_token_takes_the_environment_variable(tmp_path, monkeypatch):
+    # Before: only the embedded default read PREFIXGATE_ADMIN_TOKEN; with --config it was ignored, so the
+    # admin endpoints stayed open (or closed, with keys) though the 403 message and docs name the variable
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "from-the-environment")
+    assert load_config(write(tmp_path, "rules: [default]\n")).admin.token == "from-the-environment"
+    assert load_config(write(tmp_path, "admin: {token: null}\n")).admin.token == "from-the-environment"
+    # the config's own token wins when both are set
+    assert load_config(write(tmp_path, "admin: {token: in-the-config}\n")).admin.token == "in-the-config"
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "")
+    assert load_config(write(tmp_path, "rules: [default]\n")).admin.token is None
+
+
+def test_an_embedded_model_path_that_does_not_exist_is_refused_before_any_load(tmp_path):
+    # Before: accepted here; the load at start then failed with a traceback (exit 3)
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            write(tmp_path, "models: [{name: m, backend: embedded, path: /nonexistent/model.gguf}]\n")
+        )
+    assert caught.value.key == "models[0].path"
+    assert caught.value.problem == "no such model file or folder: /nonexistent/model.gguf"
+    assert load_config(write(tmp_path, "models: [{name: m, path: default}]\n")).models[0].path == "default"
+
+
+def test_the_canonicalizer_config_reads_only_rules_transcript_and_learning(tmp_path, monkeypatch):
+    from gateway.config.loader import load_canonicalizer_config
+
+    monkeypatch.delenv("PG_UNSET_SECRET", raising=False)
+    text = """
+        admin: {token: env:PG_UNSET_SECRET}
+        rules: [default, mine.yaml]
+        models: [{name: m, path: /nonexistent.gguf}, {name: u, backend: openai, base_url: http://x, api_key: env:PG_UNSET_SECRET}]
+        keys: [{key: env:PG_UNSET_SECRET, tenant: t}]
+        transcript: {redis_url: "redis://127.0.0.1:6379/0", max_entries: 7}
+        rules_learning: apply
+        """
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError):
+        load_config(path)  # the whole config needs its secrets and model paths
+    config = load_canonicalizer_config(path)
+    assert config.rules == ("default", str(tmp_path / "mine.yaml"))
+    assert (config.transcript.max_entries, config.transcript.redis_url) == (7, "redis://127.0.0.1:6379/0")
+    assert config.rules_learning.mode == "apply"
+    assert config.admin.token is None and config.keys == ()
+    with pytest.raises(ConfigError, match="transcript.max_entries: expected a positive number"):
+        load_canonicalizer_config(write(tmp_path, "transcript: {max_entries: 0}\n"))
+    with pytest.raises(ConfigError, match="bogus: unknown key"):
+        load_canonicalizer_config(write(tmp_path, "bogus: 1\n"))

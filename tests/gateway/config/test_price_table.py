@@ -175,3 +175,14 @@ def test_override_of_a_model_the_table_lacks():
     assert prices.output is None  # not given: output not priced
     priced = override_prices(None, {"input": 1.0, "output": 4.0}, "cfg", provider="openai", model="local")
     assert priced.output == 4.0
+
+
+def test_override_errors_list_names_without_python_lists():
+    # Before: "this model has no 1h retention (['default'])" and "unknown key(s) ['discount']; expected [...]"
+    with pytest.raises(PriceTableError) as caught:
+        override_prices(None, {"input": 1.0, "cache_write_1h": 2.0}, "cfg", provider="openai", model="local")
+    assert str(caught.value) == "cfg.cache_write_1h: this model has no 1h retention (its retentions: default)"
+    with pytest.raises(PriceTableError) as caught:
+        override_prices(None, {"input": 1.0, "discount": 3}, "cfg", provider="openai", model="local")
+    assert "unknown key(s) discount; expected cache_read, cache_write, input" in str(caught.value)
+    assert "[" not in str(caught.value)

@@ -92,9 +92,18 @@ def test_secret_from_environment(monkeypatch, tmp_path: Path):
         ({"tier_policies": {"disk": {"chat": {}}}}, "tier_policies.disk.chat", "unknown key"),
         ({"tier_policies": {"default_level": "x"}}, "tier_policies.default_level", "expected one of"),
         (
-            {"tier_policies": {"disk": {"system": {"ttl_s": -1}}}},
-            "tier_policies.disk.system",
-            "ttl_s must be",
+            {
+                "tiers": ["disk"],
+                "tier_disk": {"directory": "."},
+                "tier_policies": {"disk": {"system": {"ttl_s": -5}}},
+            },
+            "tier_policies.disk.system.ttl_s",
+            "must be > 0 or null, got -5.0",  # was "tier_policies.disk.system: ttl_s must be > 0 or None"
+        ),
+        (
+            {"tier_policies": {"disk": {"history": {"budget_share": 1.5}}}},
+            "tier_policies.disk.history.budget_share",
+            "must be in (0, 1], got 1.5",
         ),
         (
             {"tier_policies": {"redis": {"system": {"budget_share": 0.9}, "history": {"budget_share": 0.5}}}},
@@ -185,3 +194,38 @@ def test_prefixgate_serve_refuses_a_misconfigured_tier(tmp_path: Path, capsys, e
     err = capsys.readouterr().err
     key = "tier_redis.url" if "redis" in engine["tiers"] else "tier_disk.directory"
     assert f"{path}: models[0].engine.{key}: " in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "problem"),
+    [
+        (
+            {"tier_redis": {"url": "redis://127.0.0.1:6379/3"}},
+            "tier_redis",
+            "configures the redis tier, which models[0].engine.tiers does not name (no tiers)",
+        ),
+        (
+            {"tiers": ["disk"], "tier_disk": {"directory": "."}, "tier_redis": {"prefix": "p"}},
+            "tier_redis",
+            "configures the redis tier, which models[0].engine.tiers does not name (tiers: [disk])",
+        ),
+        ({"tier_disk": {"directory": "."}}, "tier_disk", "configures the disk tier"),
+        (
+            {"tiers": ["disk"], "tier_disk": {"directory": "."}, "tier_policies": {"redis": {}}},
+            "tier_policies.redis",
+            "configures the redis tier",
+        ),
+        ({"tier_policies": {"default_level": "system"}}, "tier_policies", "names none"),
+        ({"tier_writeback_capacity": 64}, "tier_writeback_capacity", "names none"),
+        ({"tier_flush_on_close": False}, "tier_flush_on_close", "names none"),
+    ],
+)
+def test_tier_settings_of_a_tier_not_in_tiers_are_refused(section: dict, key: str, problem: str):
+    # Before: accepted and ignored without a word (tier_redis given, tiers: [disk])
+    error = error_of(section)
+    assert error.key == f"models[0].engine.{key}"
+    assert problem in error.problem
+
+
+def test_a_tier_named_twice_is_listed_without_a_python_list():
+    assert error_of({"tiers": ["disk", "disk"]}).problem == "a tier is named twice in [disk, disk]"
