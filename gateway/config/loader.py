@@ -425,10 +425,16 @@ def _parse_upstream(
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             reader.fail(f"{where}.base_url[{index}]", f"expected an http:// or https:// URL, got {url!r}")
         try:
-            host = httpx.URL(url).host
+            parsed = httpx.URL(url)
         except (httpx.InvalidURL, ValueError) as exc:
             reader.fail(f"{where}.base_url[{index}]", f"not a valid URL ({exc}): {url!r}")
-        if not host:
+        if parsed.userinfo:  # the message leaves the URL out: it holds a password
+            reader.fail(
+                f"{where}.base_url[{index}]",
+                "the URL holds credentials (user:password@), which cannot go beside the Authorization header "
+                "the gateway sends: give the key as api_key (env:NAME) and the URL without them",
+            )
+        if not parsed.host:
             reader.fail(f"{where}.base_url[{index}]", f"the URL has no host: {url!r}")
         urls.append(url.rstrip("/"))
     timeout = reader.typed(raw, where, "timeout_s", float, 60.0)

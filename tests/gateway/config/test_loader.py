@@ -247,6 +247,11 @@ def test_transcript_and_learning_settings(tmp_path):
             "not a valid URL",
         ),
         ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
+        (  # before: accepted, then every request failed with "the request could not be sent"
+            "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1'}]\n",
+            "models[0].base_url[0]",
+            "holds credentials",
+        ),
         (
             f"{OPENAI} api_key: 'sk-abc def'}}]\n",
             "models[0].api_key",
@@ -684,3 +689,10 @@ def test_the_canonicalizer_config_reads_only_rules_transcript_and_learning(tmp_p
         load_canonicalizer_config(write(tmp_path, "transcript: {max_entries: 0}\n"))
     with pytest.raises(ConfigError, match="bogus: unknown key"):
         load_canonicalizer_config(write(tmp_path, "bogus: 1\n"))
+
+
+def test_a_base_url_with_credentials_is_refused_without_echoing_them(tmp_path):
+    path = write(tmp_path, "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1'}]\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert "s3cret" not in str(caught.value) and "api_key" in caught.value.problem
