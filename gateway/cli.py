@@ -32,6 +32,7 @@ checkpoint's context window), and 1 when it cannot listen or a model fails to st
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import errno
 import gc
@@ -40,12 +41,16 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from gateway.config.loader import default_config, load_canonicalizer_config, load_config
 from gateway.config.schema import ConfigError, GatewayConfig
 
 EXIT_BAD_CONFIG = 2
 EXIT_CANNOT_LISTEN = 1
+SHUTDOWN_MARGIN_S = 2.0
+"""Seconds uvicorn's graceful shutdown waits past ``server.shutdown_grace_s``: the requests the drain ends then
+still write their error event and close before uvicorn cancels what is left."""
 EXIT_RUNTIME_FAILURE = 1
 _RULES_ERROR = 1
 """What ``rules.cli.check`` / ``apply`` return for a rule error (a missing, unreadable or invalid rule file, an
@@ -401,13 +406,24 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
     )
     url = serving_url(listener)
 
+    grace_s = config.server.shutdown_grace_s
+
     class Server(uvicorn.Server):
-        """uvicorn's server, saying where it answers once the lifespan (the model loads) has started."""
+        """uvicorn's server, saying where it answers once the lifespan (the model loads) has started, and
+        starting the gateway's shutdown drain (``gateway.service.shutdown``) when told to exit."""
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self.serving_loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started:
                 log_ready(url)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            gateway = getattr(app.state, "gateway", None)
+            loop = getattr(self, "serving_loop", None)
+            if gateway is not None and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(gateway.drain.begin, grace_s)
 
     server = Server(
         uvicorn.Config(
@@ -419,7 +435,8 @@ def serve(config_path: str | None, host: str | None, port: int | None, log_level
             log_config=None,
             log_level=log_level,
             access_log=False,  # gateway.service.request_log writes one line per request instead
-            timeout_graceful_shutdown=10,
+            # past the drain's grace period: the requests it ends still write their error and end
+            timeout_graceful_shutdown=grace_s + SHUTDOWN_MARGIN_S,
         )
     )
     quiet = _QuietStartFailure(app)

@@ -282,7 +282,9 @@ UNKNOWN_FIELD_MODES = ("refuse", "ignore")
 
 def _parse_server(reader: Reader, value: Any) -> ServerConfig:
     section = reader.mapping(
-        {} if value is None else value, "server", {"host", "port", "max_body_bytes", "unknown_fields"}
+        {} if value is None else value,
+        "server",
+        {"host", "port", "max_body_bytes", "unknown_fields", "shutdown_grace_s"},
     )
     default = ServerConfig()
     host = reader.typed(section, "server", "host", str, default.host)
@@ -295,7 +297,12 @@ def _parse_server(reader: Reader, value: Any) -> ServerConfig:
     unknown = reader.typed(section, "server", "unknown_fields", str, default.unknown_fields)
     if unknown not in UNKNOWN_FIELD_MODES:
         reader.fail("server.unknown_fields", f"expected 'refuse' or 'ignore', got {unknown!r}")
-    return ServerConfig(host=host, port=port, max_body_bytes=max_body, unknown_fields=unknown)
+    grace = reader.typed(section, "server", "shutdown_grace_s", float, default.shutdown_grace_s)
+    if not 0 <= grace <= 3600:
+        reader.fail("server.shutdown_grace_s", f"expected seconds in [0, 3600], got {grace}")
+    return ServerConfig(
+        host=host, port=port, max_body_bytes=max_body, unknown_fields=unknown, shutdown_grace_s=grace
+    )
 
 
 def _parse_admin(reader: Reader, value: Any) -> AdminConfig:

@@ -38,12 +38,15 @@ class ConfigError(ValueError):
 class ServerConfig:
     """HTTP listener. ``max_body_bytes``: largest request body accepted (bytes); larger gets 413.
     ``unknown_fields``: ``refuse`` (default, as OpenAI and Anthropic answer) a request body's unknown
-    top-level field with a 400 naming it, or ``ignore`` it (it is still passed on to upstreams)."""
+    top-level field with a 400 naming it, or ``ignore`` it (it is still passed on to upstreams).
+    ``shutdown_grace_s``: seconds the requests in flight get to finish after SIGTERM / Ctrl-C before each one
+    still running is ended with a 503 "the server is shutting down" (``gateway.service.shutdown``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
     unknown_fields: str = "refuse"
+    shutdown_grace_s: float = 8.0
 
 
 @dataclass(frozen=True)

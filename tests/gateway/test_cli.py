@@ -491,3 +491,59 @@ def test_a_model_setting_only_the_checkpoint_refuses_is_one_line_and_exit_2(tiny
         f"prefixgate: bad config: {config_path}: models[0].engine.max_model_len: 99999999 is not in [1, 512] "
         "(the checkpoint's context window)"
     ) in process.stderr, process.stderr
+
+
+def test_sigterm_ends_a_stream_in_flight_with_an_error_event_and_a_clean_end(tiny_checkpoint, tmp_path):
+    """An operator trial: SIGTERM during a stream left the engine generating until uvicorn's graceful timeout,
+    then cut the client off mid-body (no error, no end) and logged it 499 as if the client had left. After
+    ``server.shutdown_grace_s`` (0 here) a stream still running gets the protocol's error event and its clean
+    end, a JSON answer not yet sent a 503, both logged 503, and the process exits."""
+    data = tiny_config_data(tiny_checkpoint)
+    data["server"]["shutdown_grace_s"] = 0
+    config_path = tmp_path / "prefixgate.yaml"
+    write_config(config_path, data)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    # one forced token, never the end of turn: the answer runs until max_tokens or the shutdown
+    body = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 400}
+    body["logit_bias"] = {"5": 100}
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.1)
+        events = []
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and '"content"' in line:
+                    break  # the answer is under way
+            process.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]  # ends cleanly, or raises here
+        errors = [json.loads(line[6:])["error"] for line in events if line.startswith('data: {"error"')]
+        assert len(errors) == 1 and "shutting down" in errors[0]["message"], events[-3:]
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal it stopped on
+    assert "Finished server process" in output
+    lines = [line for line in output.splitlines() if "prefixgate.request" in line]
+    assert len(lines) == 1 and "status=503" in lines[0] and "error_code=service_unavailable" in lines[0], (
+        lines
+    )
+    assert "Traceback" not in output and "CancelledError" not in output, output
