@@ -28,7 +28,11 @@ from gateway.http.request_context import (
     run_unless_disconnected,
     started_at,
 )
-from gateway.protocols.anthropic.cache_control import CacheControlError, check_client_cache_control
+from gateway.protocols.anthropic.cache_control import (
+    CacheControlError,
+    check_client_cache_control,
+    drop_null_markers,
+)
 from gateway.protocols.anthropic.parse import apply_request_headers, parse_messages_body
 from gateway.protocols.anthropic.render import NativeDelta, build_message, relay_event
 from gateway.protocols.anthropic.stream import StreamFormatter
@@ -77,7 +81,7 @@ async def messages_endpoint(http_request: Request) -> Response:
     """
     key = authenticate(http_request)
     gateway = gateway_of(http_request)
-    body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
+    body = drop_null_markers(await read_json_object(http_request, gateway.config.server.max_body_bytes))
     request = parse_messages_body(
         body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
     )

@@ -25,9 +25,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.core.errors import InvalidRequestError
 from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import begin, gateway_of, refuse_unknown_fields, request_id_of, started_at
+from gateway.protocols.anthropic.cache_control import (
+    CacheControlError,
+    check_client_cache_control,
+    drop_null_markers,
+)
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, apply_request_headers, parse_count_body
 from gateway.service.pipeline import canonicalize
 from gateway.service.request_log import RequestRecord, log_request
@@ -46,10 +52,14 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
     """
     key = authenticate(http_request)
     gateway = gateway_of(http_request)
-    body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
+    body = drop_null_markers(await read_json_object(http_request, gateway.config.server.max_body_bytes))
     request = parse_count_body(
         body, request_id=request_id_of(http_request), refuse_unknown=refuse_unknown_fields(gateway)
     )
+    try:  # the same cache_control checks as /v1/messages (the count is of a body that endpoint would take)
+        check_client_cache_control(body)
+    except CacheControlError as exc:
+        raise InvalidRequestError(exc.args[0], param=exc.param) from None
     apply_request_headers(request, http_request.headers)
     authorize(http_request, request, key, admit=False)
     begin(http_request, request)

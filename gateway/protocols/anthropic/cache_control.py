@@ -128,6 +128,37 @@ def _marker_ttl(value: Any, param: str) -> str:
     return ttl
 
 
+def drop_null_markers(body: Any) -> Any:
+    """``body`` without its ``cache_control: null`` entries (top level, system, tools, message content blocks and
+    tool results' blocks): the SDK's types allow null and the Messages API reads it as no marker. A new body
+    (objects copied down to the blocks); ``body`` is not changed. A body that is not an object is returned as
+    it is (validation names it)."""
+    if not isinstance(body, dict):
+        return body
+
+    def block(value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        out = {k: v for k, v in value.items() if not (k == "cache_control" and v is None)}
+        if isinstance(out.get("content"), list):
+            out["content"] = [block(item) for item in out["content"]]
+        return out
+
+    def blocks(value: Any) -> Any:
+        return [block(item) for item in value] if isinstance(value, list) else value
+
+    out = {k: v for k, v in body.items() if not (k == "cache_control" and v is None)}
+    for key in ("system", "tools"):
+        if key in out:
+            out[key] = blocks(out[key])
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [
+            {**m, "content": blocks(m["content"])} if isinstance(m, dict) and "content" in m else m
+            for m in out["messages"]
+        ]
+    return out
+
+
 def check_client_cache_control(
     body: Mapping[str, Any], max_breakpoints: int = MAX_BREAKPOINTS
 ) -> list[ClientBreakpoint]:

@@ -505,3 +505,38 @@ def test_a_failed_tool_result_is_counted_with_what_the_model_reads_of_it(server)
     failed = count({"content": "city not found", "is_error": True})
     assert failed > count({"content": "city not found"})
     assert failed == count({"content": "Error: city not found"})
+
+
+def test_count_takes_the_messages_cache_control_checks_and_null_markers(server, ant):
+    """A fresh-user trial: count_tokens answered 200 for cache_control the Messages endpoint refuses (a 1h
+    breakpoint after a 5m one, five breakpoints), and both endpoints refused ``cache_control: null``, which the
+    SDK's types allow and the Messages API reads as no marker."""
+    user = [{"role": "user", "content": "hi"}]
+    five_m, one_h = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    bad_bodies = [
+        {
+            "system": [
+                {"type": "text", "text": "a", "cache_control": five_m},
+                {"type": "text", "text": "b", "cache_control": one_h},
+            ]
+        },
+        {"system": [{"type": "text", "text": f"part {i}", "cache_control": five_m} for i in range(5)]},
+    ]
+    for extra in bad_bodies:
+        for path, more in (("/v1/messages/count_tokens", {}), ("/v1/messages", {"max_tokens": 1})):
+            body = {"model": TINY_MODEL, "messages": user, **extra, **more}
+            answer = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+            assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    plain = count(ant, system=[{"type": "text", "text": "You are terse."}], messages=user)[0]
+    nulled = count(
+        ant, system=[{"type": "text", "text": "You are terse.", "cache_control": None}], messages=user
+    )
+    assert nulled[0] == plain
+    served = ant.messages.create(
+        model=TINY_MODEL,
+        max_tokens=1,
+        system=[{"type": "text", "text": "You are terse.", "cache_control": None}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": None}]}],
+        extra_body={"cache_control": None},
+    )
+    assert served.usage.input_tokens + served.usage.cache_read_input_tokens == plain
