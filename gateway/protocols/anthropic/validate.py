@@ -48,7 +48,13 @@ EMPTY_MESSAGE = "all messages must have non-empty content except for the optiona
 be empty)."""
 
 EMPTY_TEXT_BLOCK = "text content blocks must be non-empty"
-"""Anthropic's 400 for a ``{"type": "text", "text": ""}`` block in a message."""
+"""Anthropic's 400 for a ``{"type": "text", "text": ""}`` block in a message or in ``system``."""
+
+BLANK_TEXT_BLOCK = "text content blocks must contain non-whitespace text"
+"""Anthropic's 400 for a text block of whitespace only."""
+
+SERVICE_TIERS = ("auto", "standard_only")
+"""The Messages API's ``service_tier`` values."""
 
 
 # ==== validation ============================================================================================
@@ -90,6 +96,34 @@ def validate_cache_control(value: Any, param: str) -> None:
         raise bad_param("type must be 'ephemeral'", f"{param}.type")
     if "ttl" in value and value["ttl"] not in _CACHE_TTLS:
         raise bad_param("ttl must be '5m' or '1h'", f"{param}.ttl")
+
+
+def _check_text(block: dict[str, Any], param: str) -> None:
+    """A text block's text is not empty and not whitespace only (Anthropic's two 400s)."""
+    if block["type"] != "text":
+        return
+    if not block["text"]:
+        raise bad_param(EMPTY_TEXT_BLOCK, param)
+    if not block["text"].strip():
+        raise bad_param(BLANK_TEXT_BLOCK, param)
+
+
+def _check_tool_use_ids(messages: list[Any]) -> None:
+    """Every ``tool_use`` id of the conversation is used once (Anthropic: "tool_use ids must be unique")."""
+    seen: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if message.get("role") != "assistant" or not isinstance(content, list):
+            continue
+        for j, block in enumerate(content):
+            if block.get("type") != "tool_use":
+                continue
+            where = f"messages[{i}].content[{j}].id"
+            if block["id"] in seen:
+                raise bad_param(
+                    f"tool_use ids must be unique: {block['id']!r} is also {seen[block['id']]}", where
+                )
+            seen[block["id"]] = where
 
 
 def _validate_block(block: Any, param: str, role: str) -> None:
@@ -268,8 +302,7 @@ def validate_body(
         if isinstance(content, list):
             for j, block in enumerate(content):
                 _validate_block(block, f"{param}.content[{j}]", role)
-                if block["type"] == "text" and not block["text"]:
-                    raise bad_param(EMPTY_TEXT_BLOCK, f"{param}.content[{j}].text")
+                _check_text(block, f"{param}.content[{j}].text")
         elif not isinstance(content, str):
             raise bad_param(
                 f"expected a string or an array of content blocks, got {json_kind(content)}",
@@ -278,12 +311,14 @@ def validate_body(
         if not content and not (role == "assistant" and i == len(messages) - 1):
             raise bad_param(EMPTY_MESSAGE, param)
     _check_tool_results(messages)
+    _check_tool_use_ids(messages)
     system = body.get("system")
     if isinstance(system, list):
         for j, block in enumerate(system):
             _validate_block(block, f"system[{j}]", "system")
             if block["type"] != "text":
                 raise bad_param("system blocks must be text blocks", f"system[{j}].type")
+            _check_text(block, f"system[{j}].text")
     elif system is not None and not isinstance(system, str):
         raise bad_param(f"expected a string or an array of text blocks, got {json_kind(system)}", "system")
     tools = body.get("tools")
@@ -312,9 +347,17 @@ def validate_body(
         raise bad_param(f"expected a boolean, got {json_kind(body['stream'])}", "stream")
     if "cache_control" in body:
         validate_cache_control(body["cache_control"], "cache_control")
+    if body.get("service_tier") is not None and body["service_tier"] not in SERVICE_TIERS:
+        raise bad_param(
+            f"expected one of {', '.join(repr(t) for t in SERVICE_TIERS)}, got {body['service_tier']!r}",
+            "service_tier",
+        )
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise bad_param(f"expected an object, got {json_kind(metadata)}", "metadata")
+        for key in metadata:
+            if key != "user_id":
+                raise bad_param("Extra inputs are not permitted", f"metadata.{key}")
         if metadata.get("user_id") is not None:
             _require_str(metadata["user_id"], "metadata.user_id")

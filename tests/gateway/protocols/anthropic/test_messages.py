@@ -297,6 +297,29 @@ def test_a_later_message_with_nothing_to_send_becomes_no_turn():
             lambda b: b.update(system=[{"type": "image", "source": {"type": "url", "url": "u"}}]),
             "system[0].type",
         ),
+        # Before (a fresh-user trial): each was accepted, though the Messages API refuses it
+        (lambda b: b.update(system=[{"type": "text", "text": ""}]), "system[0].text"),
+        (
+            lambda b: b["messages"][0].update(content=[{"type": "text", "text": " \n"}]),
+            "messages[0].content[0].text",
+        ),
+        (lambda b: b.update(metadata={"foo": "x"}), "metadata.foo"),
+        (lambda b: b.update(service_tier="gold"), "service_tier"),
+        (
+            lambda b: b.update(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "tool_use", "id": "t1", "name": "n", "input": {}},
+                            {"type": "tool_use", "id": "t1", "name": "n", "input": {}},
+                        ],
+                    },
+                ]
+            ),
+            "messages[1].content[1].id",
+        ),
         (lambda b: b.update(temperature=1.5), "temperature"),
         (lambda b: b.update(top_k=-1), "top_k"),
         (lambda b: b.update(stop_sequences=["ok", ""]), "stop_sequences"),
