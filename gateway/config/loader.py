@@ -438,8 +438,8 @@ def _parse_upstream(
         if parsed.userinfo:  # the message leaves the URL out: it holds a password
             reader.fail(
                 f"{where}.base_url[{index}]",
-                "the URL holds credentials (user:password@), which cannot go beside the Authorization header "
-                "the gateway sends: give the key as api_key (env:NAME) and the URL without them",
+                "the URL holds credentials (user:password@), which the gateway cannot send (the transport "
+                "refuses them beside its own headers): give the upstream's key as api_key (env:NAME)",
             )
         if not parsed.host:
             reader.fail(f"{where}.base_url[{index}]", f"the URL has no host: {url!r}")

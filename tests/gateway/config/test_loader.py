@@ -248,7 +248,7 @@ def test_transcript_and_learning_settings(tmp_path):
         ),
         ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
         (  # before: accepted, then every request failed with "the request could not be sent"
-            "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1'}]\n",
+            "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1', api_key: sk-x}]\n",
             "models[0].base_url[0]",
             "holds credentials",
         ),
@@ -692,7 +692,12 @@ def test_the_canonicalizer_config_reads_only_rules_transcript_and_learning(tmp_p
 
 
 def test_a_base_url_with_credentials_is_refused_without_echoing_them(tmp_path):
-    path = write(tmp_path, "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1'}]\n")
+    path = write(
+        tmp_path, "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1', api_key: sk-x}]\n"
+    )
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert "s3cret" not in str(caught.value) and "api_key" in caught.value.problem
+    alone = write(tmp_path, "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1'}]\n")
+    with pytest.raises(ConfigError, match="holds credentials"):  # without api_key too: never sent either
+        load_config(alone)

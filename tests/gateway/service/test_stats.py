@@ -199,7 +199,7 @@ def test_upstream_models_report_replicas_without_credentials(monkeypatch):
                     "name": "gpt",
                     "backend": "openai",
                     "api_key": "env:PG_STATS_KEY",
-                    "base_url": ["https://user:pa55word@a.example/v1?api_key=" + key, "https://b.example/v1"],
+                    "base_url": ["https://a.example/v1?api_key=" + key, "https://b.example/v1"],
                 },
                 {
                     "name": "claude",
