@@ -78,11 +78,22 @@ def render_canonical(
     def boundary(pos: Position) -> int:
         prefix = message_prefix(messages, pos)
         if not prefix:
-            return len(preamble)
+            return len(preamble) + first_content_start()
         cut = tokenizer.render(prefix, tools, False)
         if body.startswith(cut):  # whole messages rendered alike: the common prefix is the cut (one compare)
             return len(preamble) + len(cut)
         return len(preamble) + common_prefix_len(body, cut)
+
+    def first_content_start() -> int:
+        """Where the first message's own text starts in ``body`` when the template puts something before it (a
+        default system prompt, the tools' system message, where no system message comes first): 0 otherwise.
+        Two renderings of that message alone with other texts agree up to it."""
+        first = messages[0] if messages else None
+        if first is None or first.get("role") in ("system", "developer"):
+            return 0
+        one = tokenizer.render([{**first, "content": "a"}], tools, False)
+        two = tokenizer.render([{**first, "content": "b"}], tools, False)
+        return min(common_prefix_len(one, two), common_prefix_len(body, one))
 
     cuts: list[tuple[int, str]] = []
     # the turns' segments: a hoisted-value block an earlier turn holds is history (``Canonical.turn_segments``)
@@ -104,7 +115,10 @@ def render_canonical(
     named.extend(cuts)
     named.sort(key=lambda x: x[0])
     if not named or named[0][0] > 0:
-        named.insert(0, (0, named[0][1] if named else "tail"))
+        # what the template puts before the first cut: part of that segment, or, before the tail, the template's
+        # own system part (a default system prompt before a first user message: stable, not the tail)
+        first = named[0][1] if named else "tail"
+        named.insert(0, (0, "system" if first == "tail" and named else first))
     segments: list[PromptSegment] = []
     pos = 0
     for k, (_, name) in enumerate(named):

@@ -112,3 +112,41 @@ def test_whole_message_boundaries_take_no_search(canonicals, monkeypatch):
     rendered = rendered_prompt.render_canonical(canonicals[0], Cl100kTokenizer())
     assert [segment.name for segment in rendered.segments][-1] == "tail"
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        None,
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "lookup",
+                    "description": "Look something up",
+                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                },
+            }
+        ],
+    ],
+)
+def test_what_the_template_puts_before_a_first_user_message_is_not_its_tail(tools):
+    """A fresh-user trial: with no system message, SmolLM2's template puts its default system prompt (or the
+    tools' system message) before the question, but the question's segment was taken to start at token 0, so
+    the question after the tools was called ``system`` and a new question ``system_changed``. The tail now
+    starts at the question's own text; what comes before it is stable."""
+    config = parse_config(
+        {"models": [{"name": "m", "backend": "openai", "base_url": "http://127.0.0.1:9/v1"}]}
+    )
+    gateway = create_app(config).state.gateway
+    question = "What is the capital of Peru?"
+    body = {"model": "m", "messages": [{"role": "user", "content": question}]}
+    if tools:
+        body["tools"] = tools
+    request = parse_chat_request(body, {}, False)
+    canonicalize(gateway, request)
+    rendered = rendered_prompt.render_canonical(request.canonical, SmolLM2Tokenizer())
+    tail = rendered.segments[-1]
+    assert tail.name == "tail" and [s.name for s in rendered.segments].count("tail") == 1
+    assert rendered.text[rendered.starts[tail.start] :].startswith(question)
+    assert rendered.stable_tokens == tail.start > 0  # the template's own part is stable
