@@ -538,7 +538,7 @@ def test_a_responses_cut_marks_only_its_last_item_incomplete():
     """A fresh-user trial: every function_call item was ``incomplete`` when ``max_output_tokens`` cut the output,
     though the calls before the cut were delivered whole (docs/tools.md)."""
     from gateway.core.events import Finish
-    from gateway.protocols.openai.responses import ResponseBuilder
+    from gateway.protocols.openai.response_builder import ResponseBuilder
 
     stream = ResponseBuilder({"model": "m", "input": "x"}, "m", "abc")
     calls = [
