@@ -288,10 +288,18 @@ class OpenedStream:
             APIError: raised by the backend mid-stream (engine errors mapped).
         """
         drain = self.gateway.drain
-        task = drain.track()
         try:
             while True:
-                event = await self._next_event()
+                task = drain.track()  # only while it waits on the backend: a 503 once the drain expired
+                try:
+                    event = await self._next_event()
+                except asyncio.CancelledError:
+                    error = drain.shutting_down_error(task)
+                    if error is None:
+                        raise
+                    raise error from None  # the server ended it: logged 503 where it is reported, not 499
+                finally:
+                    drain.untrack(task)
                 if isinstance(event, Delta):
                     if self._ttft_s is None and (event.text or event.tool_calls):
                         self._ttft_s = time.monotonic() - self._started
@@ -309,17 +317,10 @@ class OpenedStream:
         except EngineError as exc:
             self._done = True
             raise from_engine_error(exc) from exc
-        except asyncio.CancelledError:
-            error = drain.shutting_down_error(task)
-            if error is None:
-                raise
-            self._done = True  # the server ended it: logged 503 where the error is reported, not 499
-            raise error from None
         except Exception:
             self._done = True
             raise
         finally:
-            drain.untrack(task)
             await self.aclose()
 
     async def guarded_events(

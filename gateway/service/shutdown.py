@@ -6,13 +6,13 @@ server: each one's task is cancelled where it waits for its backend (which abort
 its upstream connection, freeing what it held) and the request fails with a 503 ``service_unavailable``, "the
 server is shutting down": a JSON answer not yet sent is that error, and a stream already under way gets the
 protocol's own in-band error event and then its clean end (``OpenedStream.guarded_events``). The request's log
-line says 503, not 499: the server cut it, not the client. uvicorn's own graceful timeout
-(``SHUTDOWN_TIMEOUT_S`` in ``gateway.cli``) is longer, so those last events go out before it closes what is
-left.
+line says 503, not 499: the server cut it, not the client. uvicorn's own graceful timeout is longer (by
+``SHUTDOWN_MARGIN_S`` in ``gateway.cli``), so those last events go out before it closes what is left.
 
-Invariants: a task is tracked only while it waits on its backend (``track`` / ``untrack`` around the wait); the
-drain cancels only tracked tasks, once, after ``begin``; ``shutting_down_error`` turns only the drain's own
-cancellation into the 503 (a client's disconnect or the server's stays a cancellation).
+Invariants: a task is tracked only while it waits on its backend (``track`` / ``untrack`` around each wait, so
+it is never cancelled while writing to its client; its next wait is refused instead); the drain cancels only
+tracked tasks, once, after ``begin``; ``shutting_down_error`` turns only the drain's own cancellation into the
+503 (a client's disconnect or the server's stays a cancellation).
 """
 
 from __future__ import annotations
