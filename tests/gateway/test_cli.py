@@ -144,27 +144,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, tmp_path):
-    config_path = tmp_path / "prefixgate.yaml"
-    write_config(config_path, tiny_config_data(tiny_checkpoint))
-    port = free_port()
-    process = subprocess.Popen(
+def serve_process(config_path: Path, port: int) -> subprocess.Popen:
+    """``prefixgate serve`` on ``config_path`` and ``port`` in a child process, its output in one text pipe."""
+    return subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def wait_healthy(process: subprocess.Popen, base: str) -> None:
+    """Poll ``/healthz`` until it answers 200 (the model loaded); fails with the output if the process ends."""
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, process.stdout.read()
+        time.sleep(0.1)
+    raise AssertionError("the gateway did not become healthy")
+
+
+def test_serve_runs_the_gateway_and_logs_one_line_per_request(tiny_checkpoint, tmp_path):
+    config_path = tmp_path / "prefixgate.yaml"
+    write_config(config_path, tiny_config_data(tiny_checkpoint))
+    port = free_port()
+    process = serve_process(config_path, port)
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.stdout.read()
-            time.sleep(0.1)
+        wait_healthy(process, base)
         secret = "SECRET-PROMPT-TEXT-do-not-log"
         response = httpx.post(
             f"{base}/v1/chat/completions",
@@ -503,26 +514,13 @@ def test_sigterm_ends_a_stream_in_flight_with_an_error_event_and_a_clean_end(tin
     config_path = tmp_path / "prefixgate.yaml"
     write_config(config_path, data)
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process = serve_process(config_path, port)
     base = f"http://127.0.0.1:{port}"
     # one forced token, never the end of turn: the answer runs until max_tokens or the shutdown
     body = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 400}
     body["logit_bias"] = {"5": 100}
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.stdout.read()
-            time.sleep(0.1)
+        wait_healthy(process, base)
         events = []
         with httpx.stream(
             "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60

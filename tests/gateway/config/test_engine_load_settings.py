@@ -10,18 +10,7 @@ from engine.errors import UnsupportedModelError
 from engine.kv_tiers.disk import TierConfigError
 from gateway.config.engine_section import DTYPES, model_start_error
 from gateway.config.loader import parse_config
-from gateway.config.schema import ConfigError
-
-
-def engine_of(section: dict):
-    config = parse_config({"models": [{"name": "m", "path": "default", "engine": section}]}, source="c.yaml")
-    return config.models[0].engine
-
-
-def error_of(section: dict) -> ConfigError:
-    with pytest.raises(ConfigError) as caught:
-        engine_of(section)
-    return caught.value
+from tests.gateway.config.test_tier_config import engine_of, error_of
 
 
 def test_dtype_names_are_the_engines():

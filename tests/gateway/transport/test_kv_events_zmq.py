@@ -257,7 +257,7 @@ def test_the_feeds_counters_are_on_admin_stats_and_metrics():
     from gateway.config.loader import parse_config
     from gateway.http.app import create_app
 
-    urls = ["http://user:secret@10.0.0.1/v1?k=1", "http://10.0.0.2/v1"]
+    urls = ["http://10.0.0.1/v1?k=1", "http://10.0.0.2/v1"]
     kv = {"transport": "zmq", "endpoints": ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]}
     data = {
         "rules": [],
