@@ -31,6 +31,11 @@ re-prefilling the canonical tail after the fact only moves the same computation 
 Entries are kept per ``scope`` (the cache salt, i.e. the tenant), as ``engine.piece_memo`` keeps its own: a
 remembered turn changes the prompt's ids (and makes its encode faster), so one tenant must never see another's.
 
+One text has one spelling in a conversation: a reply whose text an earlier turn of its own prompt already holds
+(an agent making the same tool call again) is not stored, and a canonical one does not forget an older split,
+since that earlier turn was prefilled and cached as it is spelled now; a new spelling would part every later
+prompt from the cache at it.
+
 Invariants: an entry's ids decode (byte-level) to exactly its text, contain no added token, and differ from the
 canonical encoding of that text (turns that re-tokenize to themselves are not stored); the characters held
 never exceed ``max_chars`` nor the entries ``max_entries`` (least recently used out first:
@@ -80,6 +85,8 @@ class ServedTurns:
         enabled: the tokenizer meets the module docstring's conditions; when False ``record`` stores nothing.
         recorded: turns stored (their ids were not the canonical encoding of their text).
         canonical: turns not stored because their ids were already the canonical encoding.
+        repeated: turns not stored because an earlier turn of their prompt has the same text (its spelling,
+            prefilled and cached, is kept: one text has one spelling in a conversation).
         hits: prompt pieces that took served ids.
     """
 
@@ -105,6 +112,7 @@ class ServedTurns:
         self._lock = threading.Lock()
         self.recorded = 0
         self.canonical = 0
+        self.repeated = 0
         self.hits = 0
 
     @property
@@ -163,13 +171,38 @@ class ServedTurns:
             return False
         if self._added_text is not None and self._added_text.search(text):
             return False  # the prompt would cut this text at that special token: it never comes back whole
+        earlier = self._spelled_in(prompt_token_ids, text)
         if tuple(self.backend.encode(text, add_special_tokens=False).ids) == ids:
-            self._forget((scope, text))  # an older reply of the same text, split otherwise, is not the latest
+            if not earlier:
+                self._forget(
+                    (scope, text)
+                )  # an older reply of the same text, split otherwise, is not the latest
             with self._lock:
                 self.canonical += 1
             return False
+        if earlier:
+            # the conversation already holds this text (the model made the same call again): a new spelling
+            # would change that earlier turn, prefilled as it is spelled now, in every later prompt
+            with self._lock:
+                self.repeated += 1
+            return False
         self._put((scope, text), (ids, self._starts(text, ids)))
         return True
+
+    def _spelled_in(self, prompt_token_ids: Sequence[int], text: str) -> bool:
+        """Whether a whole piece of the prompt (ids between two added tokens) spells ``text``: an earlier turn of
+        the conversation with the same text. Only pieces of the right byte length are decoded."""
+        size = len(text.encode("utf-8"))
+        piece: list[int] = []
+        for token_id in prompt_token_ids:
+            if token_id not in self._added_ids:
+                piece.append(token_id)
+                continue
+            if piece and sum(len(self.backend.id_to_token(t) or "") for t in piece) == size:
+                if self._text(piece) == text:
+                    return True
+            piece = []
+        return False  # the last piece is this turn's own start
 
     def lookup(self, scope: str, piece: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The served ids of ``piece`` in ``scope`` and the start character of each token in it, or None."""

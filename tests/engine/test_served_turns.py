@@ -186,6 +186,30 @@ def test_a_canonical_reply_is_not_stored_and_replaces_an_older_split(trained):
     assert served.entries == 0 and served.canonical == 1 and not served.holds("a")
 
 
+def test_a_reply_repeating_an_earlier_turn_keeps_that_turns_spelling(trained):
+    """A fresh-user trial: an agent made the same tool call on turns 1 and 3. Turn 1's reply was resent
+    canonically spelled (prefilled and cached so), turn 3's ids were stored by text, and from turn 4 on the
+    earlier call took turn 3's ids: the prompt parted from the cache at the first call and the whole history
+    after it was prefilled again (``miss=evicted; cached_ago=0``). A text the conversation already holds keeps
+    its spelling: a repeat is not stored, nor does a canonical repeat forget an older split."""
+    served = ServedTurns(trained)
+    turn_1 = f"{IM_START}user\nhi{EOS}\n{IM_START}assistant\n"
+    history = f"{turn_1}hello world{EOS}\n{IM_START}user\nagain{EOS}\n{IM_START}assistant\n"
+    prompt, reply = turn(trained, history, "hello world")
+    assert not served.record("a", prompt, reply)  # non-canonical, but turn 1 already spells the text
+    assert (served.entries, served.repeated) == (0, 1)
+    assert served.lookup("a", "assistant\nhello world") is None
+    # a first reply stored split, then the same text again, canonical: the split stays (turn 1 was cached so)
+    prompt, reply = turn(trained, turn_1, "hello world")
+    assert served.record("a", prompt, reply)
+    prompt, canonical = turn(trained, history, "hello world", apart=False)
+    assert not served.record("a", prompt, canonical)
+    assert served.lookup("a", "assistant\nhello world") is not None
+    # another conversation's first such reply still replaces an older split of the same text
+    prompt, canonical = turn(trained, turn_1, "hello world", apart=False)
+    assert not served.record("a", prompt, canonical) and served.entries == 0
+
+
 @pytest.mark.parametrize(
     "reply",
     [
