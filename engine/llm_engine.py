@@ -521,7 +521,9 @@ class LLMEngine(PrefixAdmin):
         if out and out[-1] in req.stop_token_ids:
             out = out[:-1]
         keys = req.extra_keys.private if isinstance(req.extra_keys, LayeredKeys) else req.extra_keys
-        self.served.record(keys[1], req.prompt_token_ids, out)  # keys: (model_id, cache_salt)
+        # a repeated tool call dropped: the reply the client got is a prefix of the ids' text
+        returned = req.output.text if req.output is not None and req.output.repeated_call else None
+        self.served.record(keys[1], req.prompt_token_ids, out, returned)  # keys: (model_id, cache_salt)
 
     # ---- stats and helpers ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -145,7 +145,13 @@ class ServedTurns:
         """True when ``scope`` has at least one turn (its prompts must be cut into pieces to find them)."""
         return scope in self._per_scope
 
-    def record(self, scope: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> bool:
+    def record(
+        self,
+        scope: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        returned: str | None = None,
+    ) -> bool:
         """Remember a finished request's turn when its ids are not the canonical encoding of its text.
 
         Args:
@@ -153,6 +159,9 @@ class ServedTurns:
             prompt_token_ids: its prompt (the turn piece starts after the prompt's last added token).
             output_token_ids: the ids it generated, less the stop token that ended them (EOS is never part of
                 the reply's text); the caller leaves out replies a stop string cut.
+            returned: the reply's text as the client got it, when the engine ended it short of its ids (a
+                repeat of an earlier tool call, dropped: ``engine.detokenizer.RepeatedCallGuard``); the ids are
+                then cut to the tokens that spell it (nothing is stored when no token ends where it ends).
 
         Returns:
             True when the turn was stored. Never raises for any ids: a turn that holds an added token or the
@@ -165,7 +174,12 @@ class ServedTurns:
         start = len(prompt_token_ids)
         while start > 0 and prompt_token_ids[start - 1] not in self._added_ids:
             start -= 1
-        ids = tuple(prompt_token_ids[start:]) + tuple(output_token_ids)
+        lead = tuple(prompt_token_ids[start:])
+        if returned is not None:
+            output_token_ids = self._spelling(lead, output_token_ids, returned)
+            if not output_token_ids:
+                return False
+        ids = lead + tuple(output_token_ids)
         text = self._text(ids)
         if text is None or len(text) > self.max_turn_chars:
             return False
@@ -188,6 +202,25 @@ class ServedTurns:
             return False
         self._put((scope, text), (ids, self._starts(text, ids)))
         return True
+
+    def _spelling(
+        self, lead: Sequence[int], output_token_ids: Sequence[int], returned: str
+    ) -> tuple[int, ...]:
+        """The first ids of ``output_token_ids`` that spell ``returned`` after ``lead`` (``()`` when none do: no
+        token ends where the returned text ends)."""
+        lead_text = self._text(lead)
+        if lead_text is None:
+            return ()
+        size = len(returned.encode("utf-8"))
+        at = 0
+        for k, token_id in enumerate(output_token_ids):
+            at += len(self.backend.id_to_token(token_id) or "")
+            if at == size:
+                cut = tuple(output_token_ids[: k + 1])
+                return cut if self._text(tuple(lead) + cut) == lead_text + returned else ()
+            if at > size:
+                break
+        return ()
 
     def _spelled_in(self, prompt_token_ids: Sequence[int], text: str) -> bool:
         """Whether a whole piece of the prompt (ids between two added tokens) spells ``text``: an earlier turn of

@@ -210,6 +210,26 @@ def test_a_reply_repeating_an_earlier_turn_keeps_that_turns_spelling(trained):
     assert not served.record("a", prompt, canonical) and served.entries == 0
 
 
+def test_a_reply_cut_short_of_its_ids_is_stored_as_the_client_got_it(trained):
+    """A fresh-user trial: an answer that went on into a repeat of its tool call (dropped) was offered with all
+    its ids, whose text never comes back; its next turn lost most of the call. The ids that spell the text the
+    client got are stored; a cut that falls inside a token stores nothing."""
+    served = ServedTurns(trained)
+    prompt, reply = turn(trained, f"{IM_START}assistant\n", "hello world hello")
+    returned = "hello world"
+    assert served.record("a", prompt, reply, returned=returned)
+    ids, _ = served.lookup("a", "assistant\nhello world")
+    assert (
+        trained.decode(list(ids)) == "assistant\nhello world"
+        and served.lookup("a", "assistant\nhello world hello") is None
+    )
+    other = ServedTurns(trained)
+    assert not other.record("a", prompt, reply, returned="hellX world")  # not what the ids spell
+    long_ids = trained.encode("hello world hello", add_special_tokens=False).ids
+    assert not other.record("a", prompt, long_ids, returned="hello wor")  # no token ends there
+    assert other.entries == 0
+
+
 @pytest.mark.parametrize(
     "reply",
     [
