@@ -46,7 +46,7 @@ from rules.segments import (
     normalize_position,
     stable_material,
 )
-from rules.transcript import PrefixHasher, Recalled, TranscriptMemory
+from rules.transcript import PrefixHasher, Recalled, TranscriptMemory, same_forms
 from rules.turn_rules import MAX_PASSES, TurnRules
 
 __all__ = ["MAX_PASSES", "Canonical", "HistoryInfo", "RuleSet"]
@@ -358,7 +358,7 @@ class RuleSet:
         whose blocks taken out give exactly ``messages`` up to that turn; None when there is none."""
         for back, recalled in memory.recall(keys[::-1]):
             turn = len(keys) - back
-            if recalled.stripped == messages[: spans[turn][0]]:
+            if same_forms(recalled.stripped, messages[: spans[turn][0]]):  # a part or a string alike
                 return turn, recalled
             memory.count(rejected=1)
         return None

@@ -170,6 +170,25 @@ class MemoryStats:
     stored: int = 0
 
 
+def one_form(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with a content of exactly one plain text part (``[{"type": "text", "text": t}]``, no other
+    key) written as the string ``t``: the two forms render alike, so a client that switches between them from
+    one turn to the next keeps its transcript (the key and the reuse check compare this form). Any other
+    message is returned as it is."""
+    content = message.get("content")
+    if isinstance(content, list) and len(content) == 1:
+        part = content[0]
+        if isinstance(part, dict) and part.keys() == {"type", "text"} and part["type"] == "text":
+            if isinstance(part["text"], str):
+                return {**message, "content": part["text"]}
+    return message
+
+
+def same_forms(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool:
+    """``a == b`` once each message is in ``one_form``."""
+    return len(a) == len(b) and all(x == y or one_form(x) == one_form(y) for x, y in zip(a, b, strict=True))
+
+
 class PrefixHasher:
     """Keys of a request's stable form and of its prefixes, in one pass (blake2b-256, length-framed).
 
@@ -208,7 +227,7 @@ class PrefixHasher:
         out: list[bytes] = []
         for end in ends:
             while self._count < end:
-                self._feed(canonical_message_json(messages[self._count]))
+                self._feed(canonical_message_json(one_form(messages[self._count])))
                 self._count += 1
             out.append(self._h.copy().digest())
         return out

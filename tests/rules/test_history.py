@@ -219,6 +219,38 @@ def test_content_part_lists_and_anthropic_shaped_blocks() -> None:
     assert DEFAULT.apply(c2.messages).messages == c2.messages
 
 
+@pytest.mark.parametrize("switched", ["user", "assistant"])
+def test_a_client_switching_a_message_between_a_string_and_one_text_part_keeps_its_transcript(
+    switched,
+) -> None:
+    """A fresh-user trial: with the time changing every turn, a client that resent the earlier messages as one
+    text part each (they were strings) lost the whole history for a turn (stateless: cached 38 where 128 was
+    due). One plain text part and a string are one form for the memory's key and its reuse check."""
+    memory = TranscriptMemory()
+    first = [system("Current time: 2026-12-01 08:00:00"), {"role": "user", "content": "hi"}]
+    c1 = DEFAULT.apply(first, memory=memory, scope="s")
+    second = [
+        system("Current time: 2026-12-01 08:05:00"),
+        *first[1:],
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "And now?"},
+    ]
+    c2 = DEFAULT.apply(second, memory=memory, scope="s")
+    assert c2.history.reused_turns == 1 and c2.messages[:2] == c1.messages
+    third = copy.deepcopy(second)
+    for message in third:
+        if message["role"] == switched:
+            message["content"] = [{"type": "text", "text": message["content"]}]
+    third[0] = system("Current time: 2026-12-01 08:10:00")
+    third += [{"role": "assistant", "content": "Still here."}, {"role": "user", "content": "Bye."}]
+    c3 = DEFAULT.apply(third, memory=memory, scope="s")
+    assert c3.history.reused_turns == 2 and c3.messages[:4] == c2.messages[:4]  # history never moved
+    assert "08:10:00" in all_text(c3.messages[4:])
+    with_key = copy.deepcopy(third)  # a part with other keys (a breakpoint) is another form: stateless
+    with_key[1]["content"] = [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]
+    assert DEFAULT.apply(with_key, memory=memory, scope="s").history.reused_turns == 0
+
+
 def test_memory_entries_are_checked_scoped_and_bounded() -> None:
     clock = [0.0]
     store = InProcessTranscriptStore(max_entries=3, max_bytes=10_000, ttl_s=60, clock=lambda: clock[0])
