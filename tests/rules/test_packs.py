@@ -222,3 +222,63 @@ def test_a_date_after_a_sentence_ending_in_a_one_digit_number_is_hoisted() -> No
     )
     assert canon.messages[0]["content"] == "You are helper 7."
     assert canon.hoisted == ["Current date: 2026-12-03."]
+
+
+CLAUDE_CODE_ENV = (
+    "You are Claude Code, a coding agent. Be concise.\n\n"
+    "Here is useful information about the environment you are running in:\n<env>\n"
+    "Working directory: {cwd}\nIs directory a git repo: Yes\nPlatform: linux\nOS Version: Linux 6.8.0\n"
+    "Today's date: {date}\n</env>\n\n"
+    "gitStatus: This is the git status at the start of the conversation. Note that this status is a snapshot "
+    "in time, and will not update during the conversation.\nCurrent branch: {branch}\n\n"
+    "Main branch (you will usually use this for PRs): main\n\nStatus:\n{status}\n\nRecent commits:\n{commit}\n"
+)
+
+
+def test_a_claude_code_environment_and_git_status_leave_the_system_prompt_stable():
+    """A fresh-user trial: in Claude Code's system prompt nothing of the <env> block was hoisted (the line
+    "Here is useful information ..." was read as announcing a format: "information" holds "format", and the
+    keep pack protected what followed), and the git status's file list stayed (a blank line ended the block)."""
+    default = load_ruleset(["default"])
+    values = [
+        {
+            "cwd": "/home/ann/proj",
+            "date": "2026-12-05",
+            "branch": "feat/x",
+            "status": "M src/a.py\n?? notes1.txt",
+            "commit": "abc1123 fix things",
+        },
+        {
+            "cwd": "/home/bob/app",
+            "date": "2026-12-06",
+            "branch": "main",
+            "status": "A b.py",
+            "commit": "def4567 add b",
+        },
+    ]
+    systems = []
+    for v in values:
+        out = default.apply(
+            [{"role": "system", "content": CLAUDE_CODE_ENV.format(**v)}, {"role": "user", "content": "hi"}]
+        )
+        systems.append(out.messages[0]["content"])
+        block = out.messages[-1]["content"]
+        for value in v.values():
+            assert value in block and value not in systems[-1]
+    assert systems[0] == systems[1]
+    assert (
+        "Here is useful information about the environment" in systems[0] and "Platform: linux" in systems[0]
+    )
+
+
+def test_a_format_announcement_is_a_whole_word():
+    keep = load_ruleset(["keep", "dates"])
+    for lead in ("Output format:", "Examples:", "The log line looks like this:"):
+        text = f"You are a bot.\n{lead}\nCurrent date: 2026-12-05\n"
+        assert (
+            keep.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}]).hoisted == []
+        )
+    for lead in ("Here is some information about the user:", "Performance notes:", "Transformation rules:"):
+        text = f"You are a bot.\n{lead}\nCurrent date: 2026-12-05\n"
+        out = keep.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}])
+        assert out.hoisted == ["Current date: 2026-12-05"], lead
