@@ -88,6 +88,7 @@ DATE_ANCHORS: dict[str, str] = {
     "label-todays-date": "Today's date: {v}",
     "label-bold-bullet": "- **Current date:** {v}",
     "label-session": "Session: {v}",
+    "label-last-login": "Last login: {v}",
     "env-block": "<env>\nWorking directory: /home/user/project\nIs git repo: yes\nToday's date: {v}\n</env>",
     "sentence-todays-date": "Today's date is {v}.",
     "sentence-current-time": "The current time is {v}.",
