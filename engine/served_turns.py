@@ -185,16 +185,14 @@ class ServedTurns:
             return False
         if self._added_text is not None and self._added_text.search(text):
             return False  # the prompt would cut this text at that special token: it never comes back whole
-        earlier = self._spelled_in(prompt_token_ids, text)
         if tuple(self.backend.encode(text, add_special_tokens=False).ids) == ids:
-            if not earlier:
-                self._forget(
-                    (scope, text)
-                )  # an older reply of the same text, split otherwise, is not the latest
+            # an older reply of the same text, split otherwise, is not the latest (unless this prompt holds it)
+            if self._holds(scope, text) and not self._spelled_in(prompt_token_ids, text):
+                self._forget((scope, text))
             with self._lock:
                 self.canonical += 1
             return False
-        if earlier:
+        if self._spelled_in(prompt_token_ids, text):
             # the conversation already holds this text (the model made the same call again): a new spelling
             # would change that earlier turn, prefilled as it is spelled now, in every later prompt
             with self._lock:
@@ -221,6 +219,10 @@ class ServedTurns:
             if at > size:
                 break
         return ()
+
+    def _holds(self, scope: str, text: str) -> bool:
+        with self._lock:
+            return (scope, text) in self._memo
 
     def _spelled_in(self, prompt_token_ids: Sequence[int], text: str) -> bool:
         """Whether a whole piece of the prompt (ids between two added tokens) spells ``text``: an earlier turn of
