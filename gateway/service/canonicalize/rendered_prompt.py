@@ -91,8 +91,11 @@ def render_canonical(
         first = messages[0] if messages else None
         if first is None or first.get("role") in ("system", "developer"):
             return 0
-        one = tokenizer.render([{**first, "content": "a"}], tools, False)
-        two = tokenizer.render([{**first, "content": "b"}], tools, False)
+        try:
+            one = tokenizer.render([{**first, "content": "a"}], tools, False)
+            two = tokenizer.render([{**first, "content": "b"}], tools, False)
+        except Exception:  # noqa: BLE001 - a template that refuses the message alone: no template part known
+            return 0
         return min(common_prefix_len(one, two), common_prefix_len(body, one))
 
     cuts: list[tuple[int, str]] = []

@@ -150,3 +150,31 @@ def test_what_the_template_puts_before_a_first_user_message_is_not_its_tail(tool
     assert tail.name == "tail" and [s.name for s in rendered.segments].count("tail") == 1
     assert rendered.text[rendered.starts[tail.start] :].startswith(question)
     assert rendered.stable_tokens == tail.start > 0  # the template's own part is stable
+
+
+class RefusesAlone:
+    """``SmolLM2Tokenizer`` whose template refuses a conversation of one message (as strict templates refuse one
+    that does not alternate): the probe of where the first message's text starts cannot be made."""
+
+    def __init__(self) -> None:
+        self.inner = SmolLM2Tokenizer()
+        self.name = self.inner.name
+
+    def render(self, messages: list, tools: Any, add_generation_prompt: bool) -> str:
+        if len(messages) == 1 and messages[0].get("content") in ("a", "b"):
+            raise ValueError("the template refuses this conversation")
+        return self.inner.render(messages, tools, add_generation_prompt)
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        return self.inner.encode(text)
+
+
+def test_a_template_that_refuses_the_probe_leaves_the_tail_at_the_start():
+    config = parse_config(
+        {"models": [{"name": "m", "backend": "openai", "base_url": "http://127.0.0.1:9/v1"}]}
+    )
+    gateway = create_app(config).state.gateway
+    request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {}, False)
+    canonicalize(gateway, request)
+    rendered = rendered_prompt.render_canonical(request.canonical, RefusesAlone())
+    assert [s.name for s in rendered.segments] == ["tail"] and rendered.stable_tokens == 0  # as before
