@@ -282,3 +282,17 @@ def test_a_format_announcement_is_a_whole_word():
         text = f"You are a bot.\n{lead}\nCurrent date: 2026-12-05\n"
         out = keep.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}])
         assert out.hoisted == ["Current date: 2026-12-05"], lead
+
+
+def test_a_configured_limit_is_not_a_usage_counter():
+    default = load_ruleset(["default"])
+    for line in (
+        "Max tokens per answer: 200",
+        "Remaining steps are listed below.",
+        "Budget: keep answers short.",
+    ):
+        text = f"You are a bot.\n{line}\nAnswer briefly."
+        assert (
+            default.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}]).hoisted
+            == []
+        )
