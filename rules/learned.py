@@ -6,7 +6,8 @@ text). When a new text differs from its nearest sampled text only in short spans
 them, each span is recorded as a *candidate*: its anchors (the identical text just before and after it) and
 a one-way hash of each value seen there. A candidate whose anchors have been seen with ``min_distinct``
 distinct values becomes a *learned slot*. A slot becomes a ``hoist`` rule: escaped left anchor, a bounded
-value class built from the characters the values used, escaped right anchor, in RE2 syntax (linear time),
+value class built from the characters the values used, escaped right anchor, in RE2 syntax (linear time); a
+labelled field's rule hoists the label with the value (``label_split``),
 loadable by ``rules.load_ruleset`` from the YAML that ``export_yaml`` writes.
 
 Modes: ``off`` (nothing is sampled), ``suggest`` (the default: slots are learned, listed and exported, never
