@@ -133,8 +133,8 @@ def drop_null_markers(body: Any) -> Any:
     tool results' blocks): the SDK's types allow null and the Messages API reads it as no marker. A new body
     (objects copied down to the blocks); ``body`` is not changed. A body that is not an object is returned as
     it is (validation names it)."""
-    if not isinstance(body, dict):
-        return body
+    if not isinstance(body, dict) or not _has_null_marker(body):
+        return body  # the common case: nothing to take out, nothing copied
 
     def block(value: Any) -> Any:
         if not isinstance(value, dict):
@@ -157,6 +157,20 @@ def drop_null_markers(body: Any) -> Any:
             for m in out["messages"]
         ]
     return out
+
+
+def _has_null_marker(value: Any) -> bool:
+    """Whether ``value`` (a body, a list, a block) holds ``cache_control: null`` at any depth ``drop_null_markers``
+    looks at (a scan without copies)."""
+    if isinstance(value, dict):
+        if "cache_control" in value and value["cache_control"] is None:
+            return True
+        return any(
+            _has_null_marker(value[k]) for k in ("system", "tools", "messages", "content") if k in value
+        )
+    if isinstance(value, list):
+        return any(_has_null_marker(item) for item in value)
+    return False
 
 
 def check_client_cache_control(

@@ -16,6 +16,7 @@ the token count. Common prefixes and suffixes come from ``rules.span_diff``.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -84,10 +85,12 @@ def render_canonical(
             return len(preamble) + len(cut)
         return len(preamble) + common_prefix_len(body, cut)
 
+    @functools.cache
     def first_content_start() -> int:
         """Where the first message's own text starts in ``body`` when the template puts something before it (a
         default system prompt, the tools' system message, where no system message comes first): 0 otherwise.
-        Two renderings of that message alone with other texts agree up to it."""
+        Two renderings of that message alone with other texts agree up to it. Computed once per prompt (every
+        segment that starts at the first message asks)."""
         first = messages[0] if messages else None
         if first is None or first.get("role") in ("system", "developer"):
             return 0

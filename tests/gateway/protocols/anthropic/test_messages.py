@@ -858,3 +858,35 @@ def test_a_block_before_the_tool_results_is_refused_as_anthropic_does(first):
     # after the results, text is fine
     body = tool_use_turn_body({"role": "user", "content": [result, {"type": "text", "text": "here"}]})
     assert [m["role"] for m in parse_messages_body(body).messages][-2:] == ["tool", "user"]
+
+
+def test_null_markers_are_taken_out_and_a_body_without_one_is_not_copied():
+    from gateway.protocols.anthropic.cache_control import drop_null_markers
+
+    plain = {
+        "model": "m",
+        "system": [{"type": "text", "text": "s"}],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    assert drop_null_markers(plain) is plain
+    nulled = {
+        "model": "m",
+        "cache_control": None,
+        "system": [{"type": "text", "text": "s", "cache_control": None}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t",
+                        "content": [{"type": "text", "text": "r", "cache_control": None}],
+                    }
+                ],
+            }
+        ],
+    }
+    cleaned = drop_null_markers(nulled)
+    assert "cache_control" not in cleaned and "cache_control" not in cleaned["system"][0]
+    assert "cache_control" not in cleaned["messages"][0]["content"][0]["content"][0]
+    assert nulled["system"][0]["cache_control"] is None  # the caller's body is not changed
