@@ -32,7 +32,9 @@ def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
 
     Returns:
         (new text, number of applications, hoisted values in order of appearance). Hoisted values are the
-        matched span stripped of surrounding whitespace and of a trailing item separator (`` |``).
+        matched span stripped of surrounding whitespace and of a trailing item separator (`` |``); where the
+        pattern has a group named ``hoisted`` (``HOISTED_GROUP``) that took part, that group's text is the
+        value and the rule's ``group`` only says what is removed.
     """
     if rule.action == "keep":
         return text, 0, []  # a keep rule changes nothing itself: it protects text from the other rules
@@ -56,14 +58,23 @@ def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
     return _splice(text, edits), len(edits), []
 
 
+HOISTED_GROUP = "hoisted"
+"""A hoist pattern's group naming what is moved when it is not all that is removed: a JSON member's
+``"key": value`` without the comma that goes with it (``ids.json-member``)."""
+
+
 def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
     ranges: list[tuple[int, int]] = []
     values: list[str] = []
+    named_value = HOISTED_GROUP in rule.pattern.groupindex
     for match in _matches(rule, text):
         start, end = group_span(match, rule.group)
         if start < 0 or not text[start:end].strip():
             continue  # a group that did not take part, or only whitespace: nothing to move or drop
-        values.append(_trim_separator(text[start:end].strip()))
+        value_start, value_end = group_span(match, HOISTED_GROUP) if named_value else (start, end)
+        if value_start < 0:
+            value_start, value_end = start, end
+        values.append(_trim_separator(text[value_start:value_end].strip()))
         ranges.append(removal_range(text, start, end))
     if not ranges:
         return text, 0, []

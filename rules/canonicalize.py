@@ -46,7 +46,7 @@ from rules.segments import (
     normalize_position,
     stable_material,
 )
-from rules.transcript import PrefixHasher, Recalled, TranscriptMemory, same_forms
+from rules.transcript import PrefixHasher, Recalled, TranscriptMemory, conversation_scope, same_forms
 from rules.turn_rules import MAX_PASSES, TurnRules
 
 __all__ = ["MAX_PASSES", "Canonical", "HistoryInfo", "RuleSet"]
@@ -242,7 +242,9 @@ class RuleSet:
         )
         for rule_id, count in done.applied.items():
             applied[rule_id] = applied.get(rule_id, 0) + count
-        present_now = [v for _, v in system_values]
+        present_now = [v for _, v, _ in system_values]
+        # the memory's keys (and the later turns' memo) name the values that tell whose conversation it is
+        memory_scope = conversation_scope(scope, system_values)
 
         first_new = 0
         present = present_now
@@ -257,7 +259,7 @@ class RuleSet:
                 hasher = later.hasher.copy()
                 keys = list(later.keys[:-1]) + hasher.keys(work, [e for e in ends if e >= hasher.count])
             else:
-                hasher = PrefixHasher(scope, tools, tools_json)
+                hasher = PrefixHasher(memory_scope, tools, tools_json)
                 keys = hasher.keys(work, ends)
             if len(spans) > 1:
                 memory.count(lookups=1)
@@ -274,7 +276,7 @@ class RuleSet:
             # the later turns of this request, for the next request of the conversation to go on from
             e0 = raw_spans[0][1]
             later_items = items[e0:]
-            key_scope, key_tools = scope, tools_json
+            key_scope, key_tools = memory_scope, tools_json
             if later is not None:  # the prefix's strings, not this request's equal copies
                 key_scope, key_tools = later.scope, later.tools_json
                 later_items[: len(later.sent)] = later.sent
@@ -304,7 +306,7 @@ class RuleSet:
             if j == first_new and found is not None:
                 # the reused history holds the system values of its time: those that changed since the
                 # previous request go into this turn (a value said before and still current is not repeated)
-                for placement, value in system_values:
+                for placement, value, _ in system_values:
                     if value not in present:
                         values[resolve_location(placement, work, start, end)].append(value)
                 # ... and so do the values of a later turn's own messages (a system message mid-conversation

@@ -40,7 +40,8 @@ class FirstTurn:
         processed: its messages, blocks out and rules run.
         carried, own: values of the blocks taken out / values the rules hoisted, by location.
         applied: rule id -> applications, in first-application order.
-        system_values: (placement, value) hoisted from the leading system messages.
+        system_values: (placement, value, per request) hoisted from the leading system messages (per request:
+            ``Rule.value_per_request``).
         items: ``raw_items(processed)``: the first turn in the keys of the later turns' memo.
         chars: about how many characters it holds (the memo's cost).
     """
@@ -53,7 +54,7 @@ class FirstTurn:
         carried: dict[str, list[str]],
         own: dict[str, list[str]],
         applied: tuple[tuple[str, int], ...],
-        system_values: tuple[tuple[str, str], ...],
+        system_values: tuple[tuple[str, str, bool], ...],
         items: tuple[Any, ...],
     ) -> None:
         self.processed = processed

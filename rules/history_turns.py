@@ -18,6 +18,7 @@ from rules.bounded_lru import BoundedLRU
 from rules.history_memo import FirstTurn, LaterTurns, first_key, later_key, raw_items
 from rules.messages import copy_json, leading_system_count
 from rules.placement import LOCATIONS, extract_turn_blocks, turn_spans
+from rules.transcript import conversation_scope
 from rules.turn_rules import TurnRules
 
 
@@ -29,7 +30,8 @@ class Turns:
         work: the messages, blocks out and rules run; spans: their turns.
         carried, own: per turn, values of the blocks taken out / hoisted by the rules, by location.
         applied: rule id -> applications over the turns, in first-application order.
-        system_values: (placement, value) hoisted from the leading system messages.
+        system_values: (placement, value, per request) hoisted from the leading system messages (per request:
+            ``Rule.value_per_request``).
         merged: the turns changed when the blocks came out, and every carried value went to the last turn.
         first: the first turn's memo entry (incremental only); later: the later turns' entry it went on from.
         later_applied: applications in the turns after the first (incremental only).
@@ -40,7 +42,7 @@ class Turns:
     carried: list[dict[str, list[str]]]
     own: list[dict[str, list[str]]]
     applied: dict[str, int]
-    system_values: list[tuple[str, str]]
+    system_values: list[tuple[str, str, bool]]
     merged: bool = False
     first: FirstTurn | None = None
     later: LaterTurns | None = None
@@ -67,7 +69,7 @@ def turns_full(
             merged = True
     systems = leading_system_count(work)
     applied: dict[str, int] = {}
-    system_values: list[tuple[str, str]] = []
+    system_values: list[tuple[str, str, bool]] = []
     firsts: dict[Any, int | None] = {}
     own = [
         rules.run(work, start, end, j, systems, applied, system_values, scope, firsts, carried)
@@ -99,7 +101,7 @@ def turns_incremental(
         if rules.hoists:
             carried0, _ = extract_turn_blocks(w0, 0, e0)
         applied0: dict[str, int] = {}
-        values0: list[tuple[str, str]] = []
+        values0: list[tuple[str, str, bool]] = []
         systems0 = leading_system_count(w0)
         carried_first = [carried0]
         own0 = rules.run(w0, 0, len(w0), 0, systems0, applied0, values0, scope, {}, carried_first)
@@ -116,9 +118,12 @@ def turns_incremental(
     k = 1
     n_turns = len(raw_spans)
     if n_turns > 2:
+        # the first turn as processed is the same for two users whose system prompts differ only in hoisted
+        # values: the scope names the values that tell them apart, as the transcript memory's keys do
+        later_scope = conversation_scope(scope, first.system_values)
         for j in range(n_turns - 1, 1, -1):  # the longest earlier request first
             later = memo.get(
-                later_key(memo_tag, scope, tools_json, first.items, tuple(items[e0 : raw_spans[j][0]]))
+                later_key(memo_tag, later_scope, tools_json, first.items, tuple(items[e0 : raw_spans[j][0]]))
             )
             if later is not None:
                 k = j

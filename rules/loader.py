@@ -23,7 +23,11 @@ Action keys: ``replace`` takes ``with`` (a ``{group}`` template), ``reorder`` ta
 takes ``unit`` (minute/hour/day), ``normalize`` takes ``line_endings``, ``trailing_spaces`` (bools),
 ``blank_lines`` (int or null), ``unicode`` (NFC/NFD/NFKC/NFKD or false) and ``hard_breaks`` (bool; its
 ``match.skip_code`` leaves code blocks alone). ``sort_tools`` takes no match. ``keep`` takes ``group``: the
-text it matches is left alone by every other span rule of the loaded set.
+text it matches is left alone by every other span rule of the loaded set. A ``hoist`` pattern may name a group
+``hoisted``: its text is what moves, while ``group`` is what is removed (a JSON member moves, its comma goes).
+``hoist`` also takes ``per_request``: ``true`` when its values may change from one request of a conversation to
+the next (a time, a request id), ``false`` (the default) when they hold for the conversation and tell whose it
+is (a user's name), or a pattern that the per-request values contain (``Rule.per_request``).
 
 Everything is checked at load time; the first problem raises ``RuleError`` naming the file, the line of
 the offending YAML node and the rule id. Line numbers come from PyYAML's composed node tree
@@ -77,7 +81,7 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
 _TOP_KEYS = ("description", "include", "patterns", "rules")
 _COMMON_KEYS = ("id", "description", "match", "action")
 _ACTION_KEYS: dict[str, tuple[str, ...]] = {
-    "hoist": ("group", "placement"),
+    "hoist": ("group", "placement", "per_request"),
     "drop": ("group",),
     "replace": ("group", "with"),
     "round": ("unit",),
@@ -453,6 +457,10 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
         except PatternError as e:
             raise fail(str(e), keys["group"][1]) from None
         fields["group"] = group
+    if action == "hoist" and "per_request" in keys:
+        fields["per_request"] = _per_request(
+            _value(keys["per_request"][1]), fragments, fail, keys["per_request"][1]
+        )
     if action == "hoist":
         chosen = _value(keys["placement"][1]) if "placement" in keys else DEFAULT_PLACEMENT
         if chosen not in PLACEMENTS:
@@ -485,6 +493,18 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
     if action == "normalize":
         fields["normalize"] = _build_normalize(keys, fail, fields.get("skip_code", False))
     return Rule(**fields)
+
+
+def _per_request(value: Any, fragments: dict[str, str], fail: Any, node: yaml.Node) -> Any:
+    """A hoist rule's ``per_request``: a bool, or an RE2 pattern (fragments expanded) compiled."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str) or not value:
+        raise fail("'per_request' must be true, false or a pattern a per-request value contains", node)
+    try:
+        return compile_pattern(value, fragments)
+    except PatternError as e:
+        raise fail(f"'per_request': {e}", node) from None
 
 
 def _pattern_node(keys: dict[str, tuple[yaml.Node, yaml.Node]]) -> yaml.Node | None:

@@ -133,6 +133,11 @@ class Rule:
             (``match.skip_code``).
         kept_by: the ``keep`` rules of the rule set this rule belongs to (set by ``with_keep_rules``): a
             match overlapping text one of them protects is ignored.
+        per_request: for hoist: whether a value it hoists may change from one request of a conversation to
+            the next (a time, a request id, a usage counter): True, False (the default: the value holds for the
+            conversation and tells whose it is, as a user's name does) or a compiled pattern that a per-request
+            value contains (``value_per_request``). The transcript memory reuses a history only for a request
+            with the same values of the second kind (``rules.canonicalize``).
         description: free text from the file.
         file: the file the rule came from; line: its 1-based line.
     """
@@ -149,9 +154,18 @@ class Rule:
     normalize: NormalizeOptions | None = None
     skip_code: bool = False
     kept_by: tuple[Rule, ...] = ()
+    per_request: Any = False
     description: str = ""
     file: str = ""
     line: int = 0
+
+    def value_per_request(self, value: str) -> bool:
+        """Whether ``value``, hoisted by this rule, may change between the requests of one conversation
+        (``per_request`` True, or its pattern found in ``value``); False for a value that tells whose
+        conversation it is."""
+        if isinstance(self.per_request, bool):
+            return self.per_request
+        return self.per_request.search(value) is not None
 
 
 def with_keep_rules(rules: tuple[Rule, ...] | list[Rule]) -> tuple[Rule, ...]:

@@ -13,6 +13,9 @@ Invariants:
 - keys are blake2b-256 digests (never ``hash()``), so they agree across processes and gateways;
 - a stored entry is reused only when taking its blocks out gives back exactly the current request's
   stable form of that prefix (a corrupt, foreign or colliding entry is a miss, counted as ``rejected``);
+- a key's scope names the values of the system prompt that tell whose conversation it is
+  (``conversation_scope``): another user's history, with their hoisted name or memories in its old blocks, is
+  never found for a request with the same stable form;
 - the in-process store is bounded by entries, bytes and age (TTL, injectable clock) and evicts the least
   recently used entry first; a store never raises to the caller for a missing or expired key;
 - what a stored value decodes to is kept by ``TranscriptMemory`` in a bounded memo keyed by the value's bytes
@@ -187,6 +190,26 @@ def one_form(message: dict[str, Any]) -> dict[str, Any]:
 def same_forms(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool:
     """``a == b`` once each message is in ``one_form``."""
     return len(a) == len(b) and all(x == y or one_form(x) == one_form(y) for x, y in zip(a, b, strict=True))
+
+
+def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool]]) -> str:
+    """``scope`` narrowed to the conversations whose system prompt holds the same values that tell whose
+    conversation it is (``system_values`` not per request: a user's name, e-mail, memories, location, user
+    id; ``Rule.per_request``). Two users whose prompts differ only in such values have one stable form, so
+    without this one's stored history, old blocks and all, would be reused for the other (and show them
+    the first one's name). Per-request values (a time, a request id) change between the turns of one
+    conversation and are left out. ``scope`` itself when there are no such values.
+
+    The digest is blake2b-128 over the distinct values, sorted and length-framed."""
+    values = sorted({value for _, value, per_request in system_values if not per_request})
+    if not values:
+        return scope
+    h = hashlib.blake2b(digest_size=16, person=b"pg-conversation")
+    for value in values:
+        data = value.encode("utf-8")
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return scope + "\0conversation:" + h.hexdigest()
 
 
 class PrefixHasher:

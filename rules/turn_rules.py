@@ -69,7 +69,7 @@ class TurnRules:
         turn: int,
         systems: int,
         applied: dict[str, int],
-        system_values: list[tuple[str, str]],
+        system_values: list[tuple[str, str, bool]],
         scope: str,
         firsts: dict[Any, int | None],
         carried: list[dict[str, list[str]]],
@@ -114,15 +114,16 @@ class TurnRules:
         turn: int,
         systems: int,
         applied: dict[str, int],
-        system_values: list[tuple[str, str]],
+        system_values: list[tuple[str, str, bool]],
         scope: str = "",
         firsts: dict[Any, int | None] | None = None,
     ) -> dict[str, list[str]]:
         """Run the span and normalize rules to a fixed point on the turn ``messages[start:end]`` (in place),
         selecting messages as in the request ``messages[:end]``. Values hoisted from the leading system
-        messages are appended to ``system_values`` (with their placement) and, in the first turn, also
-        returned; the others are returned by the location they take in this turn. Reads only the turn (and,
-        for a ``first`` selector, the messages up to its first match: ``firsts`` keeps those per request)."""
+        messages are appended to ``system_values`` (with their placement and whether they are per request)
+        and, in the first turn, also returned; the others are returned by the location they take in this turn.
+        Reads only the turn (and, for a ``first`` selector, the messages up to its first match: ``firsts``
+        keeps those per request)."""
         # rules change texts, never roles or the message count: each selector picks the same messages all along,
         # and the placements' locations (which read roles only) are the same before and after the passes
         locations: dict[str, str] | None = None
@@ -153,7 +154,7 @@ class TurnRules:
                 applied[rule.id] = applied.get(rule.id, 0) + count
                 for value in hoisted:
                     if index < systems:
-                        system_values.append((rule.placement, value))
+                        system_values.append((rule.placement, value, rule.value_per_request(value)))
                     if index >= systems or turn == 0:
                         if locations is None:
                             locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}

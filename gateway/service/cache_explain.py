@@ -94,7 +94,7 @@ class CacheExplanations:
         own = self._tokenizer(tokenizer)
         encode = None
         if isinstance(own, Cl100kTokenizer):  # per message, memoized within the model and tenant
-            scope = Canonicalizer.scope(request)
+            scope = Canonicalizer.tenant_scope(request)
             encode = lambda text: self.token_memo.encode(own, text, scope)  # noqa: E731
         elif callable(getattr(own, "encode_in_scope", None)):  # an engine's memo, shared with its renders
             encode = lambda text: own.encode_in_scope(text, request.tenant)  # noqa: E731

@@ -22,7 +22,7 @@ from rules.placement import (
     turn_spans,
 )
 from rules.segments import Position, compute_segments, normalize_position
-from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory
+from rules.transcript import PrefixHasher, TranscriptEntry, TranscriptMemory, conversation_scope
 from rules.turn_rules import MAX_PASSES
 
 
@@ -76,7 +76,7 @@ def reference_apply(
                 carried[-1] = {loc: v for loc, v in merged.items() if v}
     systems = leading_system_count(messages)
     own: list[dict[str, list[str]]] = []
-    system_values: list[tuple[str, str]] = []
+    system_values: list[tuple[str, str, bool]] = []
     for j, (start, end) in enumerate(spans):
         before = sum(applied.values())
         own.append(_reference_turn(rs, messages, start, end, j, systems, applied, system_values, scope))
@@ -89,7 +89,7 @@ def reference_apply(
             carried[j] = {**carried[j], **{k: [*carried[j].get(k, []), *v] for k, v in uncovered.items()}}
             more = _reference_turn(rs, messages, start, end, j, systems, applied, system_values, scope)
             own[j] = {**own[j], **{k: [*own[j].get(k, []), *v] for k, v in more.items()}}
-    present_now = [v for _, v in system_values]
+    present_now = [v for _, v, _ in system_values]
 
     reused: list[dict[str, Any]] = []
     first_new = 0
@@ -97,7 +97,7 @@ def reference_apply(
     history = HistoryInfo(turns=len(spans))
     keys: list[bytes] = []
     if memory is not None:
-        hasher = PrefixHasher(scope, tools)
+        hasher = PrefixHasher(conversation_scope(scope, system_values), tools)
         keys = hasher.keys(messages, [s for s, _ in spans[1:]] + [len(messages)])
         if len(spans) > 1:
             memory.count(lookups=1)
@@ -119,7 +119,7 @@ def reference_apply(
         if j == first_new > 0:
             # the reused history holds the system values of its time: those that changed since the
             # previous request go into this turn (a value said before and still current is not repeated)
-            for placement, value in system_values:
+            for placement, value, _ in system_values:
                 if value not in present:
                     values[resolve_location(placement, messages, start, end)].append(value)
         offset = len(final) - start
@@ -145,7 +145,7 @@ def _reference_turn(
     turn: int,
     systems: int,
     applied: Counter[str],
-    system_values: list[tuple[str, str]],
+    system_values: list[tuple[str, str, bool]],
     scope: str = "",
 ) -> dict[str, list[str]]:
     """Run the span and normalize rules to a fixed point on the turn ``messages[start:end]`` (in place),
@@ -186,7 +186,7 @@ def _reference_turn(
             applied[rule.id] += count
             for value in hoisted:
                 if index < systems:
-                    system_values.append((rule.placement, value))
+                    system_values.append((rule.placement, value, rule.value_per_request(value)))
                 if index >= systems or turn == 0:
                     values.setdefault(locations[rule.placement], []).append(value)
     return values

@@ -99,9 +99,22 @@ class Canonicalizer:
         self.learn_errors = 0
 
     @staticmethod
-    def scope(request: ChatRequest) -> str:
-        """The transcript memory's scope of a request: model and tenant (a NUL between them)."""
+    def tenant_scope(request: ChatRequest) -> str:
+        """A request's model and tenant, a NUL between them (what memos shared by a tenant's users key on)."""
         return request.model + "\0" + request.tenant
+
+    @staticmethod
+    def scope(request: ChatRequest) -> str:
+        """The transcript memory's scope of a request: model and tenant (a NUL between them), and the end
+        user the client named (OpenAI ``user`` or ``safety_identifier``, Anthropic ``metadata.user_id``):
+        one user's stored history is never reused for another's request (the rules narrow it further by the
+        hoisted values that tell whose conversation it is: ``rules.transcript.conversation_scope``)."""
+        scope = Canonicalizer.tenant_scope(request)
+        user = request.user
+        if user is None and request.openai_body is not None:
+            named = request.openai_body.get("safety_identifier")
+            user = named if isinstance(named, str) else None
+        return scope if not user else scope + "\0user:" + user
 
     def ruleset_for(self, model: str, tenant: str) -> RuleSet | None:
         """The rule set a rules-on request of ``model`` + ``tenant`` gets: the configured rules, followed in

@@ -73,3 +73,23 @@ def test_a_refused_redis_is_counted_and_a_rules_off_config_learns_nothing():
     plain.apply(done)
     plain.learn(done)
     assert plain.learner.footprint()["sampled_texts"] == 0 and plain.stats()["transcript"]["redis"] is None
+
+
+def test_the_memory_is_scoped_by_the_end_user_the_client_names():
+    def named(turn: int, user: str | None, safety: str | None = None) -> ChatRequest:
+        done = request(turn)
+        done.user = user
+        if safety is not None:
+            done.openai_body = {"safety_identifier": safety}
+        return done
+
+    canon = Canonicalizer(["default"])
+    canon.apply(named(0, "alice"))
+    bob = named(1, "bob")
+    canon.apply(bob)  # the same stable form as Alice's next turn: Alice's history is not his
+    alice = named(1, "alice")
+    canon.apply(alice)
+    assert bob.canonical.history.reused_turns == 0 and alice.canonical.history.reused_turns == 1
+    assert Canonicalizer.scope(named(0, "alice")) == "m\0a\0user:alice"
+    assert Canonicalizer.scope(named(0, None, "sid-1")) == "m\0a\0user:sid-1"
+    assert Canonicalizer.scope(named(0, None)) == Canonicalizer.tenant_scope(named(0, None)) == "m\0a"

@@ -1,0 +1,200 @@
+"""Two users of one app whose system prompts differ only in hoisted values (their names, e-mails, memories,
+user ids) share a stable form. The transcript memory must never hand one of them the other's stored history,
+whose old blocks hold the other's values: its keys name the values that tell whose conversation it is
+(``conversation_scope``), while per-request values (a time, a request id) still change freely between the
+turns of one conversation (``Rule.per_request``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rules import load_ruleset
+from rules.errors import RuleError
+from rules.transcript import InProcessTranscriptStore, TranscriptMemory, conversation_scope
+from tests.rules.helpers import all_text, ruleset_from
+
+DEFAULT = load_ruleset(["default"])
+OPENER = "Hi! What should I eat today?"
+REPLY = "Something tasty."
+
+USERS = {
+    "alice": ("Alice Smith", "alice@example.com", "Alice Smith is vegetarian", "u_1a2b3c4d"),
+    "bob": ("Bob Jones", "bob@example.com", "Bob Jones is allergic to peanuts", "u_9f8e7d6c"),
+}
+
+
+def _system(user: str, minute: int, request: int) -> dict:
+    name, email, memory, user_id = USERS[user]
+    return {
+        "role": "system",
+        "content": (
+            "You are Chef, a cooking assistant.\n"
+            f"Current time: 2026-12-05 12:{minute:02d}\n"
+            f"Request ID: req-{request:06d}a\n"
+            f"User's name: {name}\n"
+            f"User email: {email}\n"
+            f"User ID: {user_id}\n"
+            f"<user_memories>\n- {memory}\n</user_memories>\n"
+            "Answer in two sentences."
+        ),
+    }
+
+
+def _turn1(user: str, minute: int, request: int) -> list[dict]:
+    return [_system(user, minute, request), {"role": "user", "content": OPENER}]
+
+
+def _turn2(user: str, minute: int, request: int) -> list[dict]:
+    return _turn1(user, minute, request) + [
+        {"role": "assistant", "content": REPLY},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+
+
+def _turn3(user: str, minute: int, request: int) -> list[dict]:
+    return _turn2(user, minute, request) + [
+        {"role": "assistant", "content": "Soup."},
+        {"role": "user", "content": "And after that?"},
+    ]
+
+
+def _foreign(user: str) -> list[str]:
+    other = "bob" if user == "alice" else "alice"
+    return [v for v in USERS[other]]
+
+
+def test_a_users_next_turn_never_holds_another_users_values_and_still_reuses_its_own_history() -> None:
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    first_a = DEFAULT.apply(_turn1("alice", 1, 1), memory=memory, scope="m\0t")
+    DEFAULT.apply(_turn1("bob", 2, 2), memory=memory, scope="m\0t")  # same opener, same stable form
+    second_a = DEFAULT.apply(_turn2("alice", 3, 3), memory=memory, scope="m\0t")
+    second_b = DEFAULT.apply(_turn2("bob", 4, 4), memory=memory, scope="m\0t")
+    for canon, user in ((second_a, "alice"), (second_b, "bob")):
+        text = all_text(canon.messages)
+        assert not [v for v in _foreign(user) if v in text], user
+        assert all(v in text for v in USERS[user])
+        assert canon.history.reused_turns == 1  # its own first turn, old time and request id included
+    # Alice's history is byte for byte what was sent for her first turn
+    assert second_a.messages[: len(first_a.messages)] == first_a.messages
+    assert "12:01" in all_text(second_a.messages[:2]) and "12:03" in all_text(second_a.messages[2:])
+    # a third turn goes on from the rules' memo of the later turns, which is keyed the same way
+    third_a = DEFAULT.apply(_turn3("alice", 5, 5), memory=memory, scope="m\0t")
+    third_b = DEFAULT.apply(_turn3("bob", 6, 6), memory=memory, scope="m\0t")
+    for canon, second, user in ((third_a, second_a, "alice"), (third_b, second_b, "bob")):
+        assert not [v for v in _foreign(user) if v in all_text(canon.messages)], user
+        assert canon.history.reused_turns == 2
+        assert canon.messages[: len(second.messages)] == second.messages
+
+
+def test_only_per_request_values_differing_still_reuse_the_history() -> None:
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    DEFAULT.apply(_turn1("alice", 1, 1), memory=memory, scope="m\0t")
+    later = DEFAULT.apply(_turn2("alice", 9, 77), memory=memory, scope="m\0t")  # new time, new request id
+    assert later.history.reused_turns == 1
+    assert memory.stats.hits == 1
+
+
+def test_a_user_id_alone_tells_conversations_apart() -> None:
+    def turn(user_id: str, request: int, more: bool) -> list[dict]:
+        system = {
+            "role": "system",
+            "content": f"You are terse.\nUser ID: {user_id}\nRequest ID: req-{request}x",
+        }
+        messages = [system, {"role": "user", "content": OPENER}]
+        if more:
+            messages += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "More?"}]
+        return messages
+
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    DEFAULT.apply(turn("u_111a", 1, False), memory=memory, scope="s")
+    DEFAULT.apply(turn("u_222b", 2, False), memory=memory, scope="s")
+    canon = DEFAULT.apply(turn("u_111a", 3, True), memory=memory, scope="s")
+    assert "u_222b" not in all_text(canon.messages)
+    assert canon.history.reused_turns == 1 and "req-1x" in all_text(canon.messages)
+
+
+@pytest.mark.parametrize(
+    ("value", "per_request"),
+    [
+        ("Request ID: req-42ab", True),
+        ("The trace id is 4bf92f3577b34da6.", True),
+        ('"requestId": "req-42"', True),
+        ("traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", True),
+        ("Session ID: 3f9c2b1e-7d4a-4c1b-9a0e-2b7f6d8c1e55", False),
+        ("User ID: u_83f2a91c", False),
+        ('"session_id": "sess-42ab"', False),
+        ("Conversation: conv-88213", False),
+    ],
+)
+def test_ids_are_per_request_by_their_label(value: str, per_request: bool) -> None:
+    rules = [r for r in DEFAULT.rules if r.id.startswith("ids.")]
+    assert rules and {r.value_per_request(value) for r in rules} == {per_request}
+
+
+def test_conversation_scope_names_only_the_values_that_hold_for_a_conversation() -> None:
+    assert conversation_scope("s", []) == "s"
+    assert conversation_scope("s", [("tail_end", "Current time: 12:00", True)]) == "s"
+    one = conversation_scope("s", [("tail_end", "User's name: Ann", False), ("tail_end", "t1", True)])
+    assert one.startswith("s\0conversation:") and one != "s"
+    assert one == conversation_scope(
+        "s", [("tail_end", "t2", True), ("system_end", "User's name: Ann", False)]
+    )
+    assert one != conversation_scope("s", [("tail_end", "User's name: Bo", False)])
+    assert one != conversation_scope("other", [("tail_end", "User's name: Ann", False)])
+
+
+def test_per_request_is_read_from_rule_files(tmp_path) -> None:
+    rules = ruleset_from(
+        tmp_path,
+        """
+rules:
+  - id: ticket
+    match: {role: system, pattern: '(?m)^Ticket: T-[0-9]+$'}
+    action: hoist
+    per_request: true
+  - id: shift
+    match: {role: system, pattern: '(?m)^Shift: [a-z]+ [0-9]+$'}
+    action: hoist
+    per_request: '^Shift: night'
+  - id: customer
+    match: {role: system, pattern: '(?m)^Customer: [A-Z][a-z]+$'}
+    action: hoist
+""",
+    )
+    by_id = {r.id: r for r in rules.rules}
+    assert by_id["ticket"].value_per_request("Ticket: T-1") is True
+    assert by_id["shift"].value_per_request("Shift: night 3") is True
+    assert by_id["shift"].value_per_request("Shift: day 3") is False
+    assert by_id["customer"].value_per_request("Customer: Ann") is False
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("3", "'per_request' must be true, false or a pattern"),
+        ("''", "'per_request' must be true, false or a pattern"),
+        ("'(unclosed'", "'per_request':"),
+    ],
+)
+def test_a_bad_per_request_is_refused_by_name(tmp_path, value: str, message: str) -> None:
+    source = f"""
+rules:
+  - id: ticket
+    match: {{role: system, pattern: 'Ticket: T-[0-9]+'}}
+    action: hoist
+    per_request: {value}
+"""
+    with pytest.raises(RuleError, match=message):
+        ruleset_from(tmp_path, source)
+
+
+def test_per_request_belongs_to_hoist_only(tmp_path) -> None:
+    source = """
+rules:
+  - id: ticket
+    match: {role: system, pattern: 'Ticket: T-[0-9]+'}
+    action: drop
+    per_request: true
+"""
+    with pytest.raises(RuleError, match="does not apply to action 'drop'"):
+        ruleset_from(tmp_path, source)
