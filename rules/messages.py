@@ -126,6 +126,16 @@ def last_user_index(messages: list[dict[str, Any]]) -> int | None:
     return None
 
 
+def newest_input_index(messages: list[dict[str, Any]]) -> int | None:
+    """Where the newest turn's input begins: the first of the ``tool`` messages the request ends with (an agent
+    loop's turn: the results of the calls its last reply made), else the last ``user`` message; None when
+    there is neither."""
+    start = len(messages)
+    while start > 0 and messages[start - 1].get("role") == "tool":
+        start -= 1
+    return start if start < len(messages) else last_user_index(messages)
+
+
 def leading_system_count(messages: list[dict[str, Any]]) -> int:
     """How many messages at the start are ``system`` or ``developer`` (the level-1 block)."""
     n = 0

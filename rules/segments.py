@@ -12,7 +12,9 @@ Levels (``SegmentLevel``), in prompt order, most stable first:
    question as volatile tail, and every question about the same document shares the prefix key. To make
    documents the client sends elsewhere level 2, a ``reorder`` rule moves them to the front of the
    message inside ``<document>`` tags.
-3. ``HISTORY`` (``history``): every message before the last user turn (after the first two levels).
+3. ``HISTORY`` (``history``): every message before the last user turn (after the first two levels). A request
+   that ends in tool results (an agent loop's turn) has those results as its last user turn, as the Messages
+   API has them in a user message: its history runs to the reply that made the calls.
 4. ``VOLATILE`` (``volatile``): the last user turn (after its document region) and everything after it,
    plus the hoisted values; it begins at the first hoisted block if that comes earlier (``system_end`` or
    ``before_last_user`` placement), because nothing after a changing byte can be a cached prefix.
@@ -32,7 +34,7 @@ import re2
 
 from rules.actions import canonical_json
 from rules.message_json import canonical_message_json
-from rules.messages import get_text, last_user_index, leading_system_count, part_count, text_parts
+from rules.messages import get_text, leading_system_count, newest_input_index, part_count, text_parts
 
 _DOC_OPEN = re2.compile(r"(?i)<(?:documents?|doc)(?:\s[^>]*)?>")
 _DOC_CLOSE = re2.compile(r"(?i)</(?:documents?|doc)>")
@@ -202,7 +204,7 @@ def compute_segments(
     """
     n = len(messages)
     system_end = leading_system_count(messages)
-    last_user = last_user_index(messages)
+    last_user = newest_input_index(messages)  # an agent loop's trailing tool results count as its user turn
 
     def doc_region(index: int) -> Position | None:
         if index >= n or messages[index].get("role") != "user":

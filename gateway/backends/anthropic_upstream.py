@@ -160,8 +160,13 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         request: ChatRequest, body: dict[str, Any], prompt: AnthropicPrompt | None
     ) -> dict[str, Any]:
         """Segment ends from the rules when the body was built from the canonical messages, else read off the
-        body (rules off)."""
-        segments = request.canonical.segments if request.canonical is not None else None
+        body (rules off). The turns' segments where the rules have them: an earlier turn's hoisted-value block
+        is history there, so the history breakpoint still follows the previous turn (``segments`` end the
+        stable part at the first block, which is what the prefix key needs, not where a breakpoint pays)."""
+        canonical = request.canonical
+        segments = None
+        if canonical is not None:
+            segments = canonical.turn_segments if canonical.turn_segments is not None else canonical.segments
         if segments and prompt is not None:
             return boundaries_from_segments(
                 segments, prompt.part_blocks, prompt.last_block, len(body.get("tools") or [])

@@ -150,3 +150,25 @@ def test_a_block_an_earlier_turn_holds_is_history_in_the_turn_segments() -> None
     assert canon.turn_stable_end == Position(3)
     single = ruleset.apply([system, turns[0]])  # one turn: its block starts its tail either way
     assert single.turn_segments is None and single.turn_stable_end == single.stable_end == Position(1)
+
+
+def test_an_agent_turn_of_tool_results_is_the_volatile_tail_and_the_reply_that_called_is_history() -> None:
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(3)]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+        {"role": "tool", "tool_call_id": "c0", "content": "r0"},
+        {"role": "assistant", "content": None, "tool_calls": calls[1:]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "r2"},
+    ]
+    canon = load_ruleset(["default"]).apply(messages)
+    assert [(s.level, s.start_message, s.end_message) for s in canon.segments] == [
+        (SegmentLevel.TOOLS_SYSTEM, 0, 1),
+        (SegmentLevel.HISTORY, 1, 5),
+        (SegmentLevel.VOLATILE, 5, 7),
+    ]
+    # a user message after the tool results is the newest input again
+    asked = load_ruleset(["default"]).apply(messages + [{"role": "user", "content": "and?"}])
+    assert [(s.level, s.start_message) for s in asked.segments][-1] == (SegmentLevel.VOLATILE, 7)

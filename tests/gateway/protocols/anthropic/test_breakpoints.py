@@ -6,6 +6,9 @@ import copy
 
 import pytest
 
+from engine.api import SamplingParams
+from gateway.backends.anthropic_upstream import AnthropicUpstreamBackend
+from gateway.core.request import ChatRequest
 from gateway.core.tokens import TokenCounter, default_counter, estimate_counter
 from gateway.protocols.anthropic.boundaries import Boundary, boundaries_from_segments, default_boundaries
 from gateway.protocols.anthropic.breakpoints import (
@@ -14,7 +17,7 @@ from gateway.protocols.anthropic.breakpoints import (
 )
 from gateway.protocols.anthropic.parse import parse_messages_body
 from gateway.protocols.anthropic.prompt import openai_to_anthropic
-from rules import Segment
+from rules import Segment, load_ruleset
 
 WORDS = TokenCounter(count=lambda text: len(text.split()), counted_by="words")
 """One token per whitespace-separated word: exact, readable thresholds in these tests."""
@@ -245,3 +248,50 @@ def test_boundaries_from_the_rules_segments():
     assert boundaries_from_segments(inside_tool, prompt.part_blocks, prompt.last_block, 0) == {
         "history": Boundary(("messages", 1, 1))
     }
+
+
+def _agent_loop(turns: int, calls: int) -> list[dict]:
+    """An OpenAI-shaped agent loop: a time in the system prompt, then ``turns`` replies of ``calls`` parallel
+    tool calls, each answered by a tool result: every turn appends 1 + ``calls`` blocks."""
+    messages = [
+        {"role": "system", "content": words(1100) + "\nCurrent time: 2026-12-05 11:00:00"},
+        {"role": "user", "content": "fix the build"},
+    ]
+    for t in range(turns):
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": f"c{t}_{i}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+                    for i in range(calls)
+                ],
+            }
+        )
+        messages += [
+            {"role": "tool", "tool_call_id": f"c{t}_{i}", "content": words(40, f"r{t}_{i}_")}
+            for i in range(calls)
+        ]
+    return messages
+
+
+def test_an_agent_turn_of_many_tool_results_keeps_a_history_breakpoint_at_the_previous_turn():
+    rules = load_ruleset(["default"])
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    canon = rules.apply(_agent_loop(2, 12), tools)
+    request = ChatRequest(model="m", messages=canon.messages, params=SamplingParams(), tools=canon.tools)
+    request.canonical = canon
+    prompt = openai_to_anthropic(canon.messages, canon.tools)
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 5,
+        "messages": prompt.messages,
+        "system": prompt.system,
+    }
+    body["tools"] = prompt.tools
+    boundaries = AnthropicUpstreamBackend._boundaries(request, body, prompt)
+    # the newest turn is the 12 results of the second reply's calls: history ends with that reply
+    assert boundaries["history"] == Boundary(("messages", 3, 11))
+    new, plan = add_breakpoints(body, boundaries, "claude-sonnet-4-5", counter=WORDS)
+    kinds = [b.kind for b in plan.breakpoints]
+    assert "history" in kinds and "lookback" in kinds  # the previous turn's end is within reach of a read
