@@ -38,6 +38,9 @@ class FailureKind(StrEnum):
     """The upstream refused the request (4xx, passed through)."""
     UPSTREAM_AUTH = "upstream_auth"
     """The upstream refused the gateway's own key (401/403 -> 502)."""
+    UPSTREAM_NOT_FOUND = "upstream_not_found"
+    """The upstream answered 404 (-> 502): the path (``base_url``) or the model name the gateway sent is not
+    the upstream's; the client's request named neither."""
     NO_REPLICA = "no_replica"
     """Every replica is cooling down (503)."""
 
@@ -70,6 +73,7 @@ _KIND_TYPES: dict[FailureKind, tuple[str, str | None]] = {
     FailureKind.OVERLOADED: ("server_error", "overloaded"),
     FailureKind.CLIENT_ERROR: ("invalid_request_error", None),
     FailureKind.UPSTREAM_AUTH: ("server_error", "upstream_auth_failed"),
+    FailureKind.UPSTREAM_NOT_FOUND: ("server_error", "upstream_not_found"),
     FailureKind.NO_REPLICA: ("server_error", "service_unavailable"),
 }
 
@@ -80,7 +84,8 @@ class UpstreamCallError(errors.UpstreamError):
 
     Attributes:
         status_code: the HTTP status the gateway answers with: upstream 4xx statuses pass through (408 ->
-            504), except 401/403, which refuse the gateway's own key (502); 502 for connection errors,
+            504), except 401/403, which refuse the gateway's own key, and 404, a path or upstream model
+            name of the gateway's config (502); 502 for connection errors,
             redirects, unreadable answers and other 5xx; 504 for timeouts and upstream 504; 429; 503 and 529
             pass through (overloaded); 503 when no replica is left.
         kind: a ``FailureKind``.
@@ -192,11 +197,19 @@ def error_from_status(
         status_out, kind = 502, FailureKind.SERVER_ERROR
     elif status in (401, 403):  # the gateway's own key was refused: not the client's fault
         status_out, kind = 502, FailureKind.UPSTREAM_AUTH
+    elif status == 404:  # the gateway's path or upstream model name: a 404 would read as the client's model
+        status_out, kind = 502, FailureKind.UPSTREAM_NOT_FOUND
     else:
         status_out, kind = status, FailureKind.CLIENT_ERROR
     if kind == FailureKind.UPSTREAM_AUTH:
         detail = f"the upstream refused the gateway's credentials ({detail}); check api_key in the config"
         upstream_error = None  # its authentication_error type would tell the client its own key is wrong
+    elif kind == FailureKind.UPSTREAM_NOT_FOUND:
+        detail = (
+            f"{detail}; check the model's base_url (an OpenAI-compatible server's usually ends in /v1, "
+            "Anthropic's does not) and upstream_model in the config"
+        )
+        upstream_error = None  # its not_found / model_not_found names what the gateway sent, not the client
     message = f"upstream {where} answered {status}: {detail}" if kind != "client_error" else detail
     return UpstreamCallError(
         status_out,

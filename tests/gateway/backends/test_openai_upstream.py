@@ -334,6 +334,40 @@ async def test_the_upstream_refusing_the_gateway_key_is_a_502_not_the_clients_40
     assert API_KEY not in error.message and API_KEY not in json.dumps(error.openai_body())
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(404, text="Not Found"),  # a base_url without /v1: the server's own 404 page
+        httpx.Response(404, json={"detail": "Not Found"}),
+        httpx.Response(
+            404,
+            json={
+                "error": {
+                    "message": "The model `gpt-4o-mini` does not exist",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "model_not_found",
+                }
+            },
+        ),
+    ],
+)
+@respx.mock
+async def test_an_upstream_404_is_the_gateways_config_a_502_naming_it(http, answer):
+    route = respx.post(URL).mock(return_value=answer)
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http).stream(chat_request(MESSAGES)))
+    error = info.value
+    assert route.call_count == 1 and not error.retryable
+    assert (error.status_code, error.kind, error.code, error.error_type) == (
+        502,
+        "upstream_not_found",
+        "upstream_not_found",
+        "server_error",
+    )
+    assert "answered 404" in error.message and "base_url" in error.message and error.upstream_error is None
+
+
 @respx.mock
 async def test_a_stream_cut_after_the_first_byte_is_not_retried(http):
     first = sse_body([chunk({"content": "Sun"})], done=False)
