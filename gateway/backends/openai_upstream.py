@@ -99,7 +99,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
                 k: v if k in ("messages", "tools") else copy.deepcopy(v)
                 for k, v in request.openai_body.items()
             }
-            body["messages"] = request.messages
+            body["messages"] = without_empty_instructions(request.messages)
             if request.tools is not None:
                 body["tools"] = request.tools
             else:
@@ -129,7 +129,9 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             target = "an OpenAI-compatible upstream"
             check_anthropic_only_fields(request.anthropic_body, target, STRUCTURED_OUTPUT_FIELDS)
             schema = anthropic_output_schema(request.anthropic_body, target)
-        body: dict[str, Any] = {"messages": plain_messages(request.messages, "an OpenAI-compatible")}
+        body: dict[str, Any] = {
+            "messages": without_empty_instructions(plain_messages(request.messages, "an OpenAI-compatible"))
+        }
         if schema is not None:  # Anthropic's structured outputs: the same schema, strictly
             body["response_format"] = openai_response_format(schema)
         _fill_sampling(body, request, only_missing=False)
@@ -364,3 +366,25 @@ def create_openai_backend(model: OpenAIUpstream) -> OpenAIUpstreamBackend:
         cache_salt=model.cache_salt,
         retention_auto=model.prompt_cache_retention == "auto",
     )
+
+
+def without_empty_instructions(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` without the ``system`` / ``developer`` messages that hold no text: ``""``, null, or only
+    empty text parts (a system prompt the rules hoisted whole, such as a lone ``Current date:`` line; an
+    OpenAI-compatible server may refuse an empty text part, as Anthropic's API does). The same list object
+    when there is none (the common request is not copied); the messages themselves are never changed."""
+
+    def empty(message: dict[str, Any]) -> bool:
+        if message.get("role") not in ("system", "developer"):
+            return False
+        content = message.get("content")
+        if content is None or content == "":
+            return True
+        return isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and part.get("text") == ""
+            for part in content
+        )
+
+    if not any(empty(m) for m in messages):
+        return messages
+    return [m for m in messages if not empty(m)]

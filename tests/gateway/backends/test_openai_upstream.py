@@ -790,3 +790,20 @@ async def test_an_error_answered_as_json_with_200_keeps_the_upstreams_words(http
 )
 def test_an_answer_that_is_no_error_is_not_taken_for_one(data):
     assert error_body(data) is None
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+@pytest.mark.parametrize("empty", ["", None, [{"type": "text", "text": ""}]])
+def test_a_system_message_the_rules_emptied_is_not_sent(http, protocol, empty):
+    messages = [
+        {"role": "system", "content": empty},
+        {"role": "user", "content": "<request_context>\nCurrent date: 2026-12-05\n</request_context>\n\nHi"},
+    ]
+    client = {"model": "gw-model", "messages": messages} if protocol == "openai" else None
+    body = backend(http).build_body(chat_request(messages, protocol=protocol, body=client))
+    assert [m["role"] for m in body["messages"]] == ["user"]
+    kept = [{"role": "system", "content": "You are terse."}, *messages[1:]]
+    request = chat_request(kept, protocol=protocol, body=client)
+    assert backend(http).build_body(request)["messages"][0]["content"] == "You are terse."
+    if protocol == "openai":  # nothing to drop: the request's own list is sent (no copy)
+        assert backend(http).build_body(request)["messages"] is request.messages
