@@ -15,8 +15,10 @@ canonical form of earlier turns never depends on later ones (see docs/history-st
 
 Placements (``hoist`` rule key ``placement``), inside a turn:
 
-- ``tail_end`` (the default): at the end of the turn's newest user or tool message (after its content,
-  separated by a blank line). The next turn resends that message, so a 4,000-token tool result before
+- ``tail_end`` (the default): at the end of the turn's newest user message (after its content, separated by
+  a blank line); in a turn of tool results only, a user message of its own after them, never text inside a
+  tool's output (which the model would read as what the tool returned; the Messages API carries it as a text
+  block after the ``tool_result`` blocks of the same user turn). The next turn resends that message, so a 4,000-token tool result before
   the block stays cached even when a value changed. In the *first* turn the block goes at the start of
   its last user message instead (after its document region): values moved out of the system prompt then
   still precede all conversation text, so a client that later rewrites the first message (compaction, an
@@ -74,7 +76,7 @@ _PLACEMENT_ORDER = {
 }
 
 _REPLY_ROLE = "assistant"
-_TAIL_ROLES_EXCLUDED = ("assistant", "system", "developer")
+_TAIL_ROLES_EXCLUDED = ("assistant", "system", "developer", "tool")
 
 
 def turn_spans(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -135,8 +137,8 @@ def _last_user(messages: list[dict[str, Any]], start: int, end: int) -> int | No
 
 
 def _tail_message(messages: list[dict[str, Any]], start: int, end: int) -> int | None:
-    """The turn's newest message that is neither a reply nor a system message (a user turn or a tool
-    result), or None."""
+    """The turn's newest user message, or None (a turn of tool results only: its block is a ``new_user``
+    message, not part of a tool's output)."""
     for i in range(end - 1, start - 1, -1):
         if messages[i].get("role") not in _TAIL_ROLES_EXCLUDED:
             return i
