@@ -6,7 +6,8 @@ prompt counts nothing.
 
 Removal (``hoist`` and ``drop``) tidies what it leaves behind, from the original text around each span:
 a line left holding only spaces is removed with its line break; otherwise a space doubled or left
-dangling by the removal is removed. All matches of one rule in one text are applied in a single
+dangling by the removal is removed; blank lines the removal left at the start or end of a text that had
+none there are removed too. All matches of one rule in one text are applied in a single
 left-to-right rebuild, so the work is linear in the text length however many matches there are.
 """
 
@@ -85,6 +86,12 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
         else:
             merged.append((start, end))
     new_text = _splice(text, [(s, e, "") for s, e in merged])
+    # lines removed at the start or the end leave no blank line leading or ending the text: the prompt reads as
+    # the same prompt written without them
+    if new_text.startswith("\n") and not text.startswith("\n"):
+        new_text = new_text.lstrip("\n")
+    if new_text.endswith("\n") and not text.endswith("\n"):
+        new_text = new_text.rstrip("\n")
     return new_text, len(values), (values if rule.action == "hoist" else [])
 
 

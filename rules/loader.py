@@ -27,7 +27,8 @@ text it matches is left alone by every other span rule of the loaded set. A ``ho
 ``hoisted``: its text is what moves, while ``group`` is what is removed (a JSON member moves, its comma goes).
 ``hoist`` also takes ``per_request``: ``true`` when its values may change from one request of a conversation to
 the next (a time, a request id), ``false`` (the default) when they hold for the conversation and tell whose it
-is (a user's name), or a pattern that the per-request values contain (``Rule.per_request``).
+is (a user's name), or a pattern that the per-request values contain (``Rule.per_request``). ``keep`` also
+takes ``except``: ids of rules it leaves free to act on the text it protects.
 
 Everything is checked at load time; the first problem raises ``RuleError`` naming the file, the line of
 the offending YAML node and the rule id. Line numbers come from PyYAML's composed node tree
@@ -88,7 +89,7 @@ _ACTION_KEYS: dict[str, tuple[str, ...]] = {
     "reorder": ("template",),
     "normalize": ("line_endings", "trailing_spaces", "blank_lines", "unicode", "hard_breaks"),
     "sort_tools": (),
-    "keep": ("group",),
+    "keep": ("group", "except"),
 }
 _MATCH_KEYS = ("role", "position", "index", "pattern", "skip_code")
 _UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
@@ -457,6 +458,11 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
         except PatternError as e:
             raise fail(str(e), keys["group"][1]) from None
         fields["group"] = group
+    if action == "keep" and "except" in keys:
+        exempt = _value(keys["except"][1])
+        if not isinstance(exempt, list) or not exempt or not all(isinstance(i, str) and i for i in exempt):
+            raise fail("'except' must be a list of rule ids", keys["except"][1])
+        fields["exempt"] = frozenset(exempt)
     if action == "hoist" and "per_request" in keys:
         fields["per_request"] = _per_request(
             _value(keys["per_request"][1]), fragments, fail, keys["per_request"][1]

@@ -133,6 +133,8 @@ class Rule:
             (``match.skip_code``).
         kept_by: the ``keep`` rules of the rule set this rule belongs to (set by ``with_keep_rules``): a
             match overlapping text one of them protects is ignored.
+        exempt: for keep: ids of the rules it does not protect its text from (``except`` in the file): a
+            line of dialogue is kept from the date rules, not from the rule that hoists a user's line.
         per_request: for hoist: whether a value it hoists may change from one request of a conversation to
             the next (a time, a request id, a usage counter): True, False (the default: the value holds for the
             conversation and tells whose it is, as a user's name does) or a compiled pattern that a per-request
@@ -155,6 +157,7 @@ class Rule:
     skip_code: bool = False
     kept_by: tuple[Rule, ...] = ()
     per_request: Any = False
+    exempt: frozenset[str] = frozenset()
     description: str = ""
     file: str = ""
     line: int = 0
@@ -171,7 +174,8 @@ class Rule:
 def with_keep_rules(rules: tuple[Rule, ...] | list[Rule]) -> tuple[Rule, ...]:
     """``rules`` with every span rule other than ``keep`` given, as ``kept_by``, the ``keep`` rules of the list
     (wherever they stand in it: protection does not depend on load order) whose roles cover all of the rule's
-    roles: a keep rule for system text never blocks a rule that also acts on user text."""
+    roles: a keep rule for system text never blocks a rule that also acts on user text, nor a rule it names in
+    ``except`` (``exempt``)."""
     keeps = tuple(r for r in rules if r.action == "keep")
     if not keeps:
         return tuple(rules)
@@ -184,6 +188,8 @@ def with_keep_rules(rules: tuple[Rule, ...] | list[Rule]) -> tuple[Rule, ...]:
     out: list[Rule] = []
     for rule in rules:
         if rule.action in SPAN_ACTIONS and rule.action != "keep":
-            rule = replace(rule, kept_by=tuple(k for k in keeps if covers(k, rule)))
+            rule = replace(
+                rule, kept_by=tuple(k for k in keeps if covers(k, rule) and rule.id not in k.exempt)
+            )
         out.append(rule)
     return tuple(out)

@@ -450,3 +450,18 @@ def test_skip_code_leaves_fenced_code_alone(tmp_path: Path) -> None:
     assert with_skip.hoisted == ["ts: 1", "ts: 4"]
     without = ruleset_from(tmp_path, body.format(flag="false")).apply(chat(text))
     assert without.hoisted == ["ts: 1", "ts: 2", "ts: 3", "ts: 4", "ts: 5"]
+
+
+@pytest.mark.parametrize(
+    ("text", "left"),
+    [
+        ("Current time: 10:01\n\nYou are helpful.", "You are helpful."),
+        ("You are helpful.\n\nCurrent time: 10:01", "You are helpful."),
+        ("Current time: 10:01\nYou are helpful.", "You are helpful."),
+        ("\nCurrent time: 10:01\nYou are helpful.\n", "\nYou are helpful.\n"),  # its own blank lines stay
+    ],
+)
+def test_a_removed_first_or_last_line_leaves_no_blank_line_at_that_end(text: str, left: str) -> None:
+    ruleset = load_ruleset(["dates"])
+    canon = ruleset.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}])
+    assert canon.messages[0]["content"] == left

@@ -188,7 +188,10 @@ def test_placements_in_later_turns(tmp_path: Path) -> None:
     assert canon.messages[2]["content"] == "ok"
     # a turn of tool results only: the block is a user message after them, never text inside a tool's output
     assert canon.messages[3]["content"] == "ok"
-    assert canon.messages[4] == {"role": "user", "content": "<request_context>\nTicket: 2\nTicket: 3\n</request_context>"}
+    assert canon.messages[4] == {
+        "role": "user",
+        "content": "<request_context>\nTicket: 2\nTicket: 3\n</request_context>",
+    }
     assert len(canon.messages) == 5
     assert ruleset.apply(canon.messages).messages == canon.messages
     assert canon.hoisted == ["Ticket: 1", "Ticket: 2", "Ticket: 3"]

@@ -604,3 +604,36 @@ def test_empty_source_list_changes_nothing() -> None:
     assert canon.applied == {}
     assert canon.hoisted == []
     assert [s.level for s in canon.segments] == [1, 4]
+
+
+def test_a_keep_rule_leaves_the_rules_it_names_in_except_free(tmp_path: Path) -> None:
+    rules = ruleset_from(
+        tmp_path,
+        """
+        rules:
+          - id: guard
+            match: {pattern: '(?m)^Ticket: [^\\n]*'}
+            action: keep
+            except: [ticket-owner]
+          - id: ticket-number
+            match: {pattern: 'T-[0-9]+'}
+            action: drop
+          - id: ticket-owner
+            match: {pattern: 'owner [a-z]+'}
+            action: drop
+        """,
+    )
+    out = rules.apply([{"role": "user", "content": "Ticket: T-42 owner ann"}])
+    assert out.messages[0]["content"] == "Ticket: T-42"
+    for bad in ("[]", "ticket-owner", "[1]", "['']"):
+        error, path = load_error(
+            tmp_path,
+            f"""
+            rules:
+              - id: guard
+                match: {{pattern: 'x'}}
+                action: keep
+                except: {bad}
+            """,
+        )
+        assert_error(error, path, 5, "guard", "'except' must be a list of rule ids")

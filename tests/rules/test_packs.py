@@ -296,3 +296,36 @@ def test_a_configured_limit_is_not_a_usage_counter():
             default.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}]).hoisted
             == []
         )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "User: alice, plan: pro, local time 14:03",
+        "Customer: Jane Doe (gold tier, since 2019)",
+        "Current user: ann@example.com",
+        "Logged in as: @ann",
+        "Username: alice",
+        "User name: bob_92",
+    ],
+)
+def test_a_line_about_the_user_is_hoisted_whole(line: str) -> None:
+    system = f"{line}\n\nYou are the support assistant of ACME."
+    canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "x"}])
+    assert canon.hoisted == [line]
+    assert canon.messages[0]["content"] == "You are the support assistant of ACME."  # no blank line left
+
+
+@pytest.mark.parametrize(
+    "system",
+    [
+        "You answer like this:\nUser: Hello\nAssistant: Hi, how can I help?",
+        "User: What is 2+2?",
+        "User: Current date: 2025-03-04",
+        "User: Hello",
+    ],
+)
+def test_dialogue_lines_stay(system: str) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "x"}]
+    canon = DEFAULT.apply(messages)
+    assert canon.hoisted == [] and canon.messages == messages

@@ -153,7 +153,9 @@ def test_a_block_an_earlier_turn_holds_is_history_in_the_turn_segments() -> None
 
 
 def test_an_agent_turn_of_tool_results_is_the_volatile_tail_and_the_reply_that_called_is_history() -> None:
-    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(3)]
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(3)
+    ]
     messages = [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "go"},
