@@ -38,7 +38,7 @@ STATEFUL = ("previous_response_id", "conversation", "prompt", "context_managemen
 """Fields that need response storage, which this gateway does not keep: refused when set."""
 
 PASSED_ON = ("temperature", "top_p", "metadata", "parallel_tool_calls", "user", "prompt_cache_key",
-             "safety_identifier", "service_tier")  # fmt: skip
+             "prompt_cache_retention", "safety_identifier", "service_tier")  # fmt: skip
 """Fields with the same name and meaning in a Chat Completions body."""
 
 
@@ -93,7 +93,8 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
             check_enums({f"reasoning.{key}": reasoning.get(key)}, {f"reasoning.{key}": SUMMARIES})
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
-    if body.get("top_logprobs") is not None or LOGPROBS_INCLUDE in _include(body):
+    top_asked = body.get("top_logprobs") not in (None, 0)  # 0 alternatives alone ask for nothing
+    if top_asked or LOGPROBS_INCLUDE in _include(body):
         chat["logprobs"] = True
         top = body.get("top_logprobs")
         chat["top_logprobs"] = 0 if top is None else top
@@ -127,8 +128,9 @@ logprobs); the others name items this gateway never produces (no built-in tools,
 include nothing."""
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-"""The ``include`` value that asks for the answer text's token logprobs (``output_text.logprobs``); so does
-``top_logprobs`` (0 alternatives per token when only ``include`` asks)."""
+"""The ``include`` value that asks for the answer text's token logprobs (``output_text.logprobs``); so does a
+``top_logprobs`` above 0 (0 alternatives per token when only ``include`` asks; ``top_logprobs: 0`` alone asks
+for nothing)."""
 
 
 def _include(body: dict[str, Any]) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.core.errors import InvalidRequestError
-from gateway.protocols.openai.responses import chat_message_origins
+from gateway.protocols.openai.responses import chat_message_origins, responses_to_chat_body
 from gateway.protocols.openai.responses_params import responses_message, responses_param, to_responses_error
 
 BODY = {
@@ -69,3 +69,15 @@ def test_an_error_is_renamed_in_place():
         "Invalid type for 'max_output_tokens': x",
         "Invalid type for 'max_output_tokens': x",
     )
+
+
+def test_top_logprobs_zero_asks_for_nothing_and_cache_retention_is_passed_on() -> None:
+    base = {"model": "m", "input": "hi"}
+    assert "logprobs" not in responses_to_chat_body({**base, "top_logprobs": 0})
+    assert responses_to_chat_body({**base, "top_logprobs": 2})["top_logprobs"] == 2
+    included = responses_to_chat_body(
+        {**base, "top_logprobs": 0, "include": ["message.output_text.logprobs"]}
+    )
+    assert (included["logprobs"], included["top_logprobs"]) == (True, 0)
+    kept = responses_to_chat_body({**base, "prompt_cache_retention": "24h"})
+    assert kept["prompt_cache_retention"] == "24h"
