@@ -46,7 +46,14 @@ from rules.segments import (
     normalize_position,
     stable_material,
 )
-from rules.transcript import PrefixHasher, Recalled, TranscriptMemory, conversation_scope, same_forms
+from rules.transcript import (
+    PrefixHasher,
+    Recalled,
+    TranscriptEntry,
+    TranscriptMemory,
+    conversation_scope,
+    same_forms,
+)
 from rules.turn_rules import MAX_PASSES, TurnRules
 
 __all__ = ["MAX_PASSES", "Canonical", "HistoryInfo", "RuleSet"]
@@ -300,6 +307,7 @@ class RuleSet:
         starts: list[Position] = []
         newest: list[Position] = []  # the blocks of the request's newest turn
         hoisted: list[str] = [v for c in found[1].blocks for v in c] if found is not None else []
+        newest_start = 0  # where the newest turn begins in ``final``
         for j in range(first_new, len(spans)):
             start, end = spans[j]
             values = {loc: list(carried[j].get(loc, [])) + own[j].get(loc, []) for loc in LOCATIONS}
@@ -327,10 +335,17 @@ class RuleSet:
             starts.extend(turn_starts)
             if j == len(spans) - 1:
                 newest = turn_starts
+                newest_start = start + offset
         if memory is not None and keys:
             memory.remember_after(
                 keys[-1], final, present_now or present, found[1] if found is not None else None
             )
+            if found is None and len(keys) > 1:
+                # history the memory never saw (a few-shot prompt's examples, a conversation that reached a
+                # restarted gateway): its earlier turns as canonicalized now are what the next request with the
+                # same history and a new last turn goes on from, instead of putting its own values into the first
+                # turn's block and missing from there on
+                memory.remember(keys[-2], TranscriptEntry(final[:newest_start], present_now or present))
         starts = [normalize_position(final, s) for s in starts]
         segments = compute_segments(final, tools, starts)
         turn_segments = None

@@ -113,6 +113,7 @@ def reference_apply(
     final = copy.deepcopy(reused)
     starts: list[Position] = []
     hoisted: list[str] = [v for c in _blocks_of(final) for v in c]
+    newest_start = 0
     for j in range(first_new, len(spans)):
         start, end = spans[j]
         values = {loc: list(carried[j].get(loc, [])) + own[j].get(loc, []) for loc in LOCATIONS}
@@ -130,8 +131,12 @@ def reference_apply(
         )
         hoisted.extend(v for loc in LOCATIONS for v in values[loc])
         starts.extend(turn_starts)
+        if j == len(spans) - 1:
+            newest_start = start + offset
     if memory is not None and keys:
         memory.remember(keys[-1], TranscriptEntry(final, present_now or present))
+        if first_new == 0 and len(keys) > 1:  # history the memory never saw: the next request goes on from it
+            memory.remember(keys[-2], TranscriptEntry(final[:newest_start], present_now or present))
     starts = [normalize_position(final, s) for s in starts]
     segments = compute_segments(final, tools, starts)
     return Canonical(final, tools, segments, dict(applied), hoisted, history)

@@ -321,7 +321,8 @@ def test_memory_flood_of_distinct_conversations_stays_bounded() -> None:
             scope=f"t{i % 7}",
         )
         assert len(store) <= 40 and store.stats.bytes <= 60_000
-    assert memory.stats.stored == 300 and store.stats.evicted >= 260
+    # each request of a conversation the memory never saw stores itself and its history (for the next request)
+    assert memory.stats.stored == 600 and store.stats.evicted >= 560
 
 
 def test_a_growing_conversation_reads_one_entry_per_request() -> None:
@@ -377,3 +378,30 @@ def test_a_changed_value_in_a_later_system_message_reaches_the_newest_turn() -> 
     same = [*third, {"role": "assistant", "content": "Late."}, {"role": "user", "content": "Thanks."}]
     again = DEFAULT.apply(copy.deepcopy(same), memory=memory, scope="s")
     assert all_text(again.messages).count("11:45:30") == 1  # still current: not repeated
+
+
+def test_a_few_shot_prompt_with_a_changing_time_keeps_its_examples_cached() -> None:
+    examples = []
+    for k in range(4):
+        examples += [
+            {"role": "user", "content": f"Review #{k}: " + "fine product " * 20},
+            {"role": "assistant", "content": "positive" if k % 2 == 0 else "negative"},
+        ]
+
+    def request(second: int, review: str) -> list[dict]:
+        return [
+            system(f"Classify reviews.\nCurrent time: 2026-12-05 10:00:{second:02d}"),
+            *examples,
+            {"role": "user", "content": review},
+        ]
+
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    first = DEFAULT.apply(request(1, "Broke after a day."), memory=memory, scope="s")
+    second = DEFAULT.apply(request(2, "Works great."), memory=memory, scope="s")
+    shared = 1 + len(examples)  # the system prompt and every example
+    assert second.messages[:shared] == first.messages[:shared]
+    assert second.history.reused_turns == 4
+    assert "10:00:02" in second.messages[-1]["content"] and "10:00:01" in all_text(second.messages[:2])
+    # without the memory each request says its own time in the first example's block
+    stateless = DEFAULT.apply(request(2, "Works great."))
+    assert "10:00:02" in all_text(stateless.messages[:2])

@@ -127,5 +127,6 @@ def test_memory_is_bounded_under_a_flood_of_conversations(n: int, max_entries: i
         )
         assert len(store) <= max_entries
         assert store.stats.bytes <= max_bytes
-    assert memory.stats.stored == n
-    assert store.stats.puts + store.stats.too_big == n
+    # each request of a conversation the memory never saw stores itself and its history (for the next request)
+    assert memory.stats.stored == 2 * n
+    assert store.stats.puts + store.stats.too_big == 2 * n
