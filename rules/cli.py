@@ -111,6 +111,8 @@ def apply(rule_paths: list[str] | None, request_path: str, placement: str | None
     out["turn_stable_end"] = {"message": turn_end.message, "part": turn_end.part, "char": turn_end.char}
     out["turn_segments"] = [s.to_dict() for s in turns]
     out["stable_prefix_sha256"] = hashlib.sha256(canonical.stable_prefix_material()).hexdigest()
+    # the tools + system segment's digest: what a config's ``shared_prefixes: [{content_hash: ...}]`` names
+    out["content_hash"] = hashlib.sha256(canonical.stable_prefix_material(1)).hexdigest()
     print(json.dumps(out, ensure_ascii=False, indent=2))
     return 0
 

@@ -85,6 +85,7 @@ def test_apply_prints_canonical_request_and_stable_end(
     assert out["hoisted"] == ["Current date: 2025-05-14"]
     canon = load_ruleset(["default"]).apply(body["messages"], body["tools"])
     assert out["stable_prefix_sha256"] == hashlib.sha256(canon.stable_prefix_material()).hexdigest()
+    assert out["content_hash"] == hashlib.sha256(canon.stable_prefix_material(1)).hexdigest()
 
 
 def test_apply_shows_where_the_newest_turn_starts_when_an_earlier_turn_holds_a_block(
