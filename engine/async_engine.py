@@ -30,6 +30,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -452,8 +453,8 @@ class AsyncEngine:
 
     def drop_cached(
         self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
-    ) -> dict[str, int]:
-        """``LLMEngine.drop_cached`` under the engine lock."""
+    ) -> dict[str, Any]:
+        """``LLMEngine.drop_cached`` under the engine lock (counts, and ``skipped_tiers`` when a tier failed)."""
         with self._cond:
             return self.core.drop_cached(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
 

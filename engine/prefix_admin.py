@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from engine.api import SamplingParams, WarmResult
 from engine.block_hash import ExtraKeys, LayeredKeys
@@ -178,13 +179,15 @@ class PrefixAdmin:
 
     def drop_cached(
         self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         """Drop cached prefixes in RAM and in every tier: by prefix key (its blocks), or every block of a
         tenant and/or a model. Pins on them are released; blocks a running request holds stay in RAM (they
-        are its KV) but leave the tiers.
+        are its KV) but leave the tiers. A tier that fails (Redis down) costs nothing else: RAM and the other
+        tiers are dropped all the same, and the tier is named in ``skipped_tiers``.
 
         Returns:
-            ``{"prefixes": listed prefixes dropped, "ram": blocks, "disk": entries, "redis": entries}``.
+            ``{"prefixes": listed prefixes dropped, "ram": blocks, "disk": entries, "redis": entries}``, and
+            ``"skipped_tiers": {tier: reason}`` when a tier could not be (fully) dropped.
 
         Raises:
             ValueError: no filter given (dropping everything needs ``reset_prefix_cache``).
@@ -192,19 +195,22 @@ class PrefixAdmin:
         if prefix_key is None and tenant is None and model_id is None:
             raise ValueError("give a prefix key, a tenant or a model to drop")
         recs = self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
+        skipped: dict[str, str] = {}
         for rec in recs:
             if rec.pin_id is not None:
                 self.kv.pins.unpin(rec.pin_id)
             self.catalog.remove(rec.prefix_key)
             if self.tiers is not None:
-                self.tiers.stack.delete_record(rec.prefix_key)
-        out = {"prefixes": len(recs)}
+                self.tiers.stack.delete_record(rec.prefix_key, skipped)
+        out: dict[str, Any] = {"prefixes": len(recs)}
         if prefix_key is not None:  # the listed prefix's own blocks (the filters chose the records)
             chain = [h for rec in recs for h in rec.block_hashes]
             doomed = set(chain)
             out["ram"] = self.kv.drop_unreferenced_where(lambda b: b.block_hash in doomed)
             if self.tiers is not None:
-                out |= self.tiers.stack.delete_chain(chain)
+                out |= self.tiers.stack.delete_chain(chain, skipped)
+            if skipped:
+                out["skipped_tiers"] = skipped
             return out
 
         def owned(extra_keys: tuple) -> bool:
@@ -213,7 +219,9 @@ class PrefixAdmin:
 
         out["ram"] = self.kv.drop_unreferenced_where(lambda b: owned(b.extra_keys))
         if self.tiers is not None:
-            out |= self.tiers.stack.drop_where(lambda m: owned(m.extra_keys))
+            out |= self.tiers.stack.drop_where(lambda m: owned(m.extra_keys), skipped)
+        if skipped:
+            out["skipped_tiers"] = skipped
         return out
 
     def flush_tiers(self, write_cached: bool = True, timeout_s: float = 60.0) -> bool:

@@ -1,8 +1,9 @@
 """Engine counters and histograms, snapshotted into ``engine.api.EngineStats``.
 
 Counting rules (see ``EngineStats``): prompt, prefix-query and prefix-hit tokens are counted once per request at
-its first admission; a recompute after preemption adds to ``prefill_tokens`` (tokens actually computed) but
-never to the hit counters. Block gauges are read from the KV cache manager's own counters, so they cannot drift.
+its first admission, and so is the prefill time its hit saved (``prefill_seconds_saved``: the hit tokens at the
+mean prefill rate measured so far, never revised, so the sum only grows); a recompute after preemption adds to
+``prefill_tokens`` (tokens actually computed) but never to the hit counters. Block gauges are read from the KV cache manager's own counters, so they cannot drift.
 
 The time of a step that mixes prefill and decode rows is split between ``prefill_seconds`` and
 ``decode_seconds`` in proportion to their token counts.
@@ -105,6 +106,7 @@ class EngineCounters:
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefill_seconds_saved: float = 0.0
     inflight_shared_tokens: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
@@ -115,10 +117,13 @@ class EngineCounters:
     tpot: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TPOT_BUCKETS_S))
 
     def record_admission(self, prompt_tokens: int, cached_tokens: int, inflight_shared_tokens: int) -> None:
-        """A request's first admission: its prompt was looked up once (``cached_tokens`` of it hit)."""
+        """A request's first admission: its prompt was looked up once (``cached_tokens`` of it hit, which saved
+        ``cached_tokens`` at the mean prefill rate measured until now; 0 before any prefill was measured)."""
         self.prompt_tokens += prompt_tokens
         self.prefix_query_tokens += prompt_tokens
         self.prefix_hit_tokens += cached_tokens
+        if cached_tokens > 0 and self.prefill_tokens > 0 and self.prefill_seconds > 0:
+            self.prefill_seconds_saved += cached_tokens * self.prefill_seconds / self.prefill_tokens
         self.inflight_shared_tokens += inflight_shared_tokens
 
     def record_step(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
@@ -149,6 +154,7 @@ class EngineCounters:
             prefix_hit_tokens=self.prefix_hit_tokens,
             prefill_tokens=self.prefill_tokens,
             prefill_seconds=self.prefill_seconds,
+            prefill_seconds_saved=self.prefill_seconds_saved,
             inflight_shared_tokens=self.inflight_shared_tokens,
             decode_tokens=self.decode_tokens,
             decode_seconds=self.decode_seconds,

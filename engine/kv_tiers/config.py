@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
+import torch
+
 from engine.block_hash import HashFn
 from engine.kv_tiers.counters import TierCounters
-from engine.kv_tiers.disk import DiskTier, TierConfigError
-from engine.kv_tiers.entry import KVLayout
+from engine.kv_tiers.disk import EMPTY_LEVEL_BYTES, DiskTier, TierConfigError
+from engine.kv_tiers.entry import BlockMeta, KVLayout, encode_entry
 from engine.kv_tiers.keys import MIN_SECRET_BYTES, keyed_block_hash, load_or_create_secret
-from engine.kv_tiers.policy import TierPolicies
+from engine.kv_tiers.policy import LEVELS, TierPolicies
 from engine.kv_tiers.redis_tier import RedisTier
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
 from engine.kv_tiers.stack import Tier, TierStack
@@ -67,7 +70,8 @@ def build_tier_stack(
 
     Raises:
         TierConfigError: an unknown tier, a missing or unwritable directory, a Redis URL that does not parse
-            (key and reason; an unreachable Redis is only a warning).
+            or a Redis that refuses the connection, a budget whose smallest level cannot hold one block (key
+            and reason; an unreachable Redis is only a warning).
     """
     check_tier_names(tiers)
     counters = TierCounters()
@@ -90,8 +94,44 @@ def build_tier_stack(
                     retry_s=redis.retry_s,
                 )
             )
+        check_budgets(layout, policies, disk, redis, [t.name for t in built])
     except TierConfigError:
         for t in built:
             t.close()
         raise
     return TierStack(layout, built, counters, writeback_capacity)
+
+
+def entry_nbytes(layout: KVLayout) -> int:
+    """Bytes of one block's tier entry (KV payload and header, with an empty tenant)."""
+    meta = BlockMeta(b"\0" * 32, None, tuple(range(layout.block_size)), (layout.model_id, ""))
+    return len(encode_entry(layout, meta, torch.zeros(layout.block_shape, dtype=layout.torch_dtype)))
+
+
+def check_budgets(
+    layout: KVLayout, policies: TierPolicies, disk: DiskTierConfig, redis: RedisTierConfig, tiers: list[str]
+) -> None:
+    """Refuse a tier whose byte budget leaves a level less than one block entry (every write of that level
+    would fail): the message gives the entry's size and the smallest budget that holds one per level.
+
+    Raises:
+        TierConfigError: ``engine.tier_{name}.budget_bytes``.
+    """
+    entry = entry_nbytes(layout)
+    for name in tiers:
+        budget = disk.budget_bytes if name == "disk" else redis.budget_bytes
+        overhead = EMPTY_LEVEL_BYTES if name == "disk" else 0
+        needed = entry + overhead
+        shares = {lv: policies.policy(name, lv).budget_share for lv in LEVELS}
+        short = [lv for lv, share in shares.items() if int(budget * share) < needed]
+        if not short:
+            continue
+        least = max(math.ceil(needed / share) for share in shares.values())
+        level = short[0]
+        extra = f" plus {overhead} bytes of the level's SQLite file" if overhead else ""
+        raise TierConfigError(
+            f"engine.tier_{name}.budget_bytes",
+            f"{budget} leaves the {level} level {int(budget * shares[level])} bytes ({shares[level]:g} of it), "
+            f"less than one KV block ({entry} bytes per entry at block_size {layout.block_size}{extra}): every "
+            f"write would fail; give at least {least} bytes",
+        )

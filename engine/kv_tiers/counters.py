@@ -2,7 +2,11 @@
 
 Names (all monotonic, tokens / bytes / counts as named), per tier ``t`` in ``disk``, ``redis``:
 
-- ``{t}.hit_tokens`` / ``{t}.miss_tokens``: prompt tokens a lookup found / did not find in the tier;
+- ``{t}.hit_tokens``: prompt tokens a lookup found in the tier;
+- ``{t}.miss_tokens``: tokens of the blocks a lookup asked the tier for and it did not serve: the blocks a
+  lower tier then served, and the one block where the lookup stopped (no tier had it). The rest of the
+  prompt past that block is never asked for, so this is not "prompt tokens not found" and
+  ``hit / (hit + miss)`` is not a hit rate of prompt tokens;
 - ``{t}.writes`` / ``{t}.bytes_written``: entries written and their bytes;
 - ``{t}.write_errors``: writes that failed (disk full, unwritable, Redis down or slow);
 - ``{t}.write_refused``: writes Redis refused (``maxmemory``);
@@ -10,6 +14,8 @@ Names (all monotonic, tokens / bytes / counts as named), per tier ``t`` in ``dis
 - ``{t}.skipped_down``: operations skipped while the tier waits to retry an unreachable backend;
 - ``{t}.evicted``: entries dropped to keep a level inside its byte budget;
 - ``{t}.expired.{level}``: entries found older than their level's TTL;
+- ``{t}.admin_errors``: admin operations (listing, dropping) the tier could not complete (Redis down, a
+  failed scan or delete): the answer names the tier as skipped;
 - ``rejected.{cause}``: entries refused by ``engine.kv_tiers.entry.decode_entry``;
 - ``writeback.queued`` / ``writeback.dropped``: blocks offered to the write-back queue / dropped because
   it was full;
@@ -53,8 +59,11 @@ TIER_COUNTERS: tuple[str, ...] = (
     "read_errors",
     "skipped_down",
     "evicted",
+    "admin_errors",
 )
-"""The per-tier counters above (``{t}.<name>``), reported from 0 for every configured tier."""
+"""The per-tier counters above (``{t}.<name>``), reported from 0 for every configured tier (with each level's
+``{t}.expired.{level}``, each ``rejected.{cause}``, ``writeback.dropped`` and ``loaded_blocks``:
+``TierStack.stats``)."""
 
 
 class TierCounters:

@@ -26,11 +26,15 @@ import diskcache
 
 from engine.errors import EngineError
 from engine.kv_tiers.counters import TierCounters
+from engine.kv_tiers.failure_log import FailureLog
 from engine.kv_tiers.policy import LEVELS, TierPolicies
 
 log = logging.getLogger(__name__)
 
 _FAILURES = (OSError, sqlite3.Error, diskcache.Timeout)
+
+EMPTY_LEVEL_BYTES = 32 << 10
+"""Bytes of an empty level's SQLite file (``diskcache``), counted in its volume and so in its budget."""
 
 
 class TierConfigError(EngineError):
@@ -74,6 +78,8 @@ class DiskTier:
         self.counters = counters
         self.clock = clock
         self._real_time = clock is time.time
+        self.failures = FailureLog(log, self.name)
+        """Warnings of failed writes: the first per cause, then one summary line per interval."""
         self._caches: dict[str, diskcache.Cache] = {}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -127,6 +133,11 @@ class DiskTier:
         expires_at = None if policy.ttl_s is None else self.clock() + policy.ttl_s
         if len(data) > cache.size_limit:
             self.counters.add("disk.write_errors")
+            self.failures.failed(
+                "write skipped",
+                f"an entry of {len(data)} bytes is larger than the {level} level's budget ({cache.size_limit} "
+                "bytes): raise engine.tier_disk.budget_bytes",
+            )
             return False
         try:
             self.sweep_expired()
@@ -138,7 +149,7 @@ class DiskTier:
                 self.counters.add("disk.evicted", cache.cull())
         except _FAILURES as e:
             self.counters.add("disk.write_errors")
-            log.warning("disk tier write skipped: %s", e)
+            self.failures.failed("write skipped", e)
             return False
         self.counters.add("disk.writes")
         self.counters.add("disk.bytes_written", len(data))
@@ -147,7 +158,9 @@ class DiskTier:
     def sweep_expired(self) -> int:
         """Remove the entries diskcache holds as expired (real clock only) and count them per level
         (``disk.expired.{level}``): without this they read as absent and were never counted. Returns how many
-        went; a failure is counted (``disk.write_errors``) and leaves them for the next sweep."""
+        went; a failure is counted (``disk.write_errors``) and leaves them for the next sweep. Also logs the
+        summary of failed writes once its interval has passed (``FailureLog.flush``)."""
+        self.failures.flush()
         if not self._real_time:
             return 0
         total = 0

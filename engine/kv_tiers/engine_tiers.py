@@ -24,6 +24,7 @@ import torch
 from engine.api import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers.config import build_tier_stack
+from engine.kv_tiers.disk import TierConfigError
 from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
 from engine.kv_tiers.pool_link import PoolTiers
@@ -41,7 +42,8 @@ class EngineTiers:
         clock: wall-clock seconds for TTLs (tests pass a fake one).
 
     Raises:
-        TierConfigError: a tier cannot start (key and reason).
+        TierConfigError: a tier cannot start (key and reason), or tiers without prefix caching (they keep the
+            prefix cache's blocks: with ``enable_prefix_caching`` false there are none, and they did nothing).
     """
 
     def __init__(
@@ -52,6 +54,12 @@ class EngineTiers:
         layout: KVLayout,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if not config.enable_prefix_caching:
+            raise TierConfigError(
+                "engine.tiers",
+                "need enable_prefix_caching: the tiers keep the prefix cache's blocks, and with "
+                "enable_prefix_caching false there are none (remove tiers or turn prefix caching on)",
+            )
         self.config = config
         self.kv = kv
         self.stack = build_tier_stack(

@@ -77,7 +77,23 @@ class TierPolicies:
                 raise ValueError(f"tier {tier!r}: unknown level(s) {sorted(unknown)}; levels are {LEVELS}")
             total = sum(self.policy(tier, lv).budget_share for lv in LEVELS)
             if total > 1 + 1e-9:
-                raise ValueError(f"tier {tier!r}: budget shares sum to {total:.3f} > 1")
+                raise ValueError(f"tier {tier!r}: {self.shares_problem(tier, levels, total)}")
+
+    def shares_problem(self, tier: str, given: Iterable[str], total: float) -> str:
+        """Why ``tier``'s shares are refused: their sum, each level's share, and which of them are defaults
+        (a level not set keeps its default share, which a person setting one level may not think of)."""
+        given = set(given)
+        parts = []
+        for lv in LEVELS:
+            share = self.policy(tier, lv).budget_share
+            parts.append(f"{lv} {share:g}" + ("" if lv in given else " (default)"))
+        defaults = [lv for lv in LEVELS if lv not in given]
+        hint = (
+            f"; levels not set keep their default share, so lower the shares or set {', '.join(defaults)} too"
+            if defaults
+            else ""
+        )
+        return f"budget shares sum to {total:.3f} > 1 ({', '.join(parts)}){hint}"
 
     def policy(self, tier: str, level: str) -> TierPolicy:
         """The policy of ``level`` in ``tier``."""

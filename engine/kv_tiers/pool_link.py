@@ -45,6 +45,35 @@ class _Prefetch:
     retried: bool = False
 
 
+def chain_order(blocks: list[KVBlock]) -> list[KVBlock]:
+    """``blocks`` deepest first: by their depth in the chains among ``blocks`` (a block whose parent is not
+    among them is a head), the deepest first, the heads last.
+
+    A full level drops its least recently written entries first (disk: least recently used; a write counts
+    as a use), and a lookup stops at a chain's first missing block: written head first (the pool's block
+    order), a chain longer than its level's budget kept its tail and lost its head, so a restart served none
+    of it. Written deepest first, the heads are the newest and a too-small level keeps the chain's head (what
+    a lookup can serve). The pool evicts a chain's tail before its head, so write-back while serving keeps
+    the same order.
+    """
+    by_hash = {b.block_hash: b for b in blocks}
+    depth: dict[int, int] = {}
+
+    def depth_of(block: KVBlock) -> int:
+        path: list[KVBlock] = []
+        cur: KVBlock | None = block
+        while cur is not None and cur.block_id not in depth and len(path) <= len(blocks):
+            path.append(cur)
+            cur = by_hash.get(cur.parent_hash) if cur.parent_hash is not None else None
+        d = depth[cur.block_id] if cur is not None and cur.block_id in depth else -1
+        for b in reversed(path):
+            d += 1
+            depth[b.block_id] = d
+        return depth[block.block_id]
+
+    return sorted(blocks, key=depth_of, reverse=True)
+
+
 class PoolTiers:
     """Write-back and load-back between a ``KVCacheManager`` and a ``TierStack``.
 
@@ -75,9 +104,9 @@ class PoolTiers:
 
     def write_all_cached(self) -> int:
         """Write every cached block of the pool (referenced or not) down now, on this thread (shutdown, so a
-        restart finds them). Returns how many were written."""
+        restart finds them), deepest first (``chain_order``). Returns how many were written."""
         n = 0
-        for block in list(self.kv.registered_blocks()):
+        for block in chain_order(list(self.kv.registered_blocks())):
             meta = BlockMeta(block.block_hash, block.parent_hash, tuple(block.token_ids), block.extra_keys)
             self.stack.write_now(meta, frozenset(block.levels), self.kv_cache[:, :, block.block_id].clone())
             n += 1

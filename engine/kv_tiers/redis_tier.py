@@ -4,7 +4,8 @@ Keys, under the deployment's prefix ``p`` (``EngineConfig.tier_redis.prefix``):
 
 - ``{p}:kv:{tier key}``: the entry bytes (``engine.kv_tiers.entry``), with a Redis TTL (``PX``) of its
   level's TTL, so Redis drops it by itself;
-- ``{p}:lru:{level}``: sorted set, entry key -> time of its last write (the LRU order of the level);
+- ``{p}:lru:{level}``: sorted set, entry key -> time of its last write (the level's eviction order: least
+  recently *written* first; a read does not refresh it, see below);
 - ``{p}:bytes:{level}``: bytes the level's entries take (its share of the budget is enforced on it);
 - ``{p}:meta``: hash, entry key -> ``"{level} {bytes} {expires_at}"``.
 
@@ -12,14 +13,26 @@ A write is one Lua script (atomic, one round trip, safe with several gateways on
 the level's entries older than its TTL (on the writer's clock) from the bookkeeping, replaces an older
 copy of the key, stores the entry, and then evicts the level's least recently written entries until the
 level is back inside its share of the budget. A read is one pipelined ``GET`` + ``HGET``; an entry past
-its expiry on the reader's clock is a miss (``redis.expired.{level}``) and is dropped.
+its expiry on the reader's clock is a miss (``redis.expired.{level}``) and is dropped; an entry Redis
+already dropped by its own TTL (the ``GET`` finds nothing, the meta hash still has it) has its bookkeeping
+removed there and then (counted as expired when past its expiry). ``sweep_expired`` (the writer thread's
+housekeeping, every few seconds) removes the bookkeeping of up to 64 expired entries per level in one script,
+so ``redis.bytes`` follows Redis' own expiry and every level's expirations are counted, not only those of
+the level being written.
+
+Why reads do not refresh the eviction order: a read loads the block into the RAM pool, which writes it down
+again when it evicts it (refreshing its place then), and a chain is read head to tail, so refreshing on read
+would make a chain's tail newer than its head, and a full level would drop the head first, after which a
+lookup (which stops at the first missing block) serves nothing of the chain.
 
 Redis never costs a request: every call has short socket timeouts and no retries. A connection error or a
 timeout counts (``redis.write_errors`` / ``redis.read_errors``) and marks the tier *down* for
 ``retry_s`` seconds, during which operations are skipped at once (``redis.skipped_down``); the first call
 after that tries again, so the tier comes back when Redis does. A write refused because Redis is at
-``maxmemory`` is counted as ``redis.write_refused`` (the tier stays up). A URL that does not parse is a
-``TierConfigError`` at start; an unreachable Redis at start is a warning.
+``maxmemory`` is counted as ``redis.write_refused`` (the tier stays up). A URL that does not parse or
+names a database that is not a non-negative integer, or a server that refuses the connection at start (a
+database past its ``databases``, a wrong password), is a ``TierConfigError`` at start; an unreachable Redis at
+start is a warning. Failed writes are logged once per cause, then summed up (``FailureLog``).
 """
 
 from __future__ import annotations
@@ -35,11 +48,22 @@ from redis.retry import Retry
 
 from engine.kv_tiers.counters import TierCounters
 from engine.kv_tiers.disk import TierConfigError
+from engine.kv_tiers.failure_log import FailureLog
 from engine.kv_tiers.policy import LEVELS, TierPolicies
+from engine.kv_tiers.settings import redis_url_db_problem
 
 log = logging.getLogger(__name__)
 
 _DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_REFUSED_AT_START = (
+    redis.exceptions.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+    redis.ResponseError,
+)
+"""What a Redis that answers says to a connection it will never accept (checked before ``_DOWN_ERRORS``:
+the first two are ``ConnectionError`` subclasses): a database past its ``databases``, a wrong password."""
+SWEEP_LIMIT = 64
+"""Most expired entries of one level ``sweep_expired`` removes per call."""
 
 # Both scripts start with a shebang: Redis 7 then refuses the whole script (before it runs) when it is at
 # maxmemory, instead of running it half (scripts without one are not checked for memory at all).
@@ -86,8 +110,10 @@ end
 return {evicted, expired}
 """
 
-# KEYS: 1 entry key, 2 meta hash. ARGV: 1 prefix
+# KEYS: 1 entry key, 2 meta hash. ARGV: 1 prefix, 2 "gone" (only the bookkeeping of an entry Redis dropped:
+# nothing when the key exists again, e.g. another gateway wrote it meanwhile; 1 when there was bookkeeping) or ""
 _DROP = """#!lua flags=allow-oom
+if ARGV[2] == 'gone' and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
 local m = redis.call('HGET', KEYS[2], KEYS[1])
 if m then
   local lv, size = string.match(m, '^(%S+) (%d+)')
@@ -95,16 +121,59 @@ if m then
   redis.call('DECRBY', ARGV[1] .. ':bytes:' .. lv, tonumber(size))
   redis.call('HDEL', KEYS[2], KEYS[1])
 end
-return redis.call('DEL', KEYS[1])
+local deleted = redis.call('DEL', KEYS[1])
+if ARGV[2] == 'gone' then
+  if m then return 1 else return 0 end
+end
+return deleted
 """
+
+# KEYS: 1 meta hash. ARGV: 1 prefix, 2 now, 3 limit per level, then (level, ttl s) pairs.
+# Returns the entries removed per level, in the order given.
+_SWEEP = """#!lua flags=allow-oom
+local meta, prefix, now, limit = KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+for i = 4, #ARGV, 2 do
+  local lru = prefix .. ':lru:' .. ARGV[i]
+  local old = redis.call('ZRANGEBYSCORE', lru, '-inf', '(' .. (now - tonumber(ARGV[i + 1])), 'LIMIT', 0, limit)
+  for _, member in ipairs(old) do
+    local m = redis.call('HGET', meta, member)
+    if m then
+      local lv, size = string.match(m, '^(%S+) (%d+)')
+      redis.call('ZREM', prefix .. ':lru:' .. lv, member)
+      redis.call('DECRBY', prefix .. ':bytes:' .. lv, tonumber(size))
+      redis.call('HDEL', meta, member)
+    end
+    redis.call('ZREM', lru, member)
+    redis.call('DEL', member)
+  end
+  table.insert(out, #old)
+end
+return out
+"""
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password (for messages and logs)."""
+    try:
+        kw = redis.connection.parse_url(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "path" in kw:
+        return f"unix://{kw['path']} db {kw.get('db', 0)}"
+    return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)} db {kw.get('db', 0)}"
 
 
 def connect(url: str, timeout_s: float) -> redis.Redis:
     """A Redis client with short timeouts and no retries (a slow Redis must not slow a request).
 
     Raises:
-        TierConfigError: the URL does not parse (``engine.tier_redis.url``).
+        TierConfigError: the URL does not parse or names a database that is not a non-negative integer
+            (``engine.tier_redis.url``).
     """
+    problem = redis_url_db_problem(url)
+    if problem is not None:
+        raise TierConfigError("engine.tier_redis.url", problem)
     try:
         return redis.Redis.from_url(
             url,
@@ -131,7 +200,8 @@ class RedisTier:
         retry_s: how long the tier stays down after a connection error or a timeout.
 
     Raises:
-        TierConfigError: the URL does not parse, an empty prefix, or a budget that is not positive.
+        TierConfigError: the URL does not parse, an empty prefix, a budget that is not positive, or a server
+            that refuses the connection (a database out of its range, a wrong password).
     """
 
     name = "redis"
@@ -160,10 +230,21 @@ class RedisTier:
         self.retry_s = retry_s
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self.failures = FailureLog(log, self.name)
+        """Warnings of failed writes: the first per cause, then one summary line per interval."""
+        self.sweep_interval_s = 1.0
+        """Shortest time between two sweeps (``sweep_expired`` runs after every burst of writes)."""
+        self._swept_at = float("-inf")
         self._write = self.client.register_script(_WRITE)
         self._drop = self.client.register_script(_DROP)
+        self._sweep = self.client.register_script(_SWEEP)
         try:
             self.client.ping()
+        except _REFUSED_AT_START as e:
+            self.client.close()
+            raise TierConfigError(
+                "engine.tier_redis.url", f"the Redis server at {safe_url(url)} refused the connection ({e})"
+            ) from e
         except _DOWN_ERRORS as e:
             log.warning("Redis tier at %s is unreachable (%s); it will retry in the background", url, e)
             self._mark_down()
@@ -209,6 +290,10 @@ class RedisTier:
             log.debug("Redis tier read failed: %s", e)
             return None
         if value is None:
+            if meta is not None:  # Redis dropped it (its TTL) and the bookkeeping still counts it
+                level, _, expires_at = meta.decode().split(" ")
+                if self._drop_key(rkey, gone=True) and expires_at and self.clock() >= float(expires_at):
+                    self.counters.add(f"redis.expired.{level}")
             return None
         if meta is not None:
             level, _, expires_at = meta.decode().split(" ")
@@ -231,6 +316,11 @@ class RedisTier:
         budget = int(self.budget_bytes * policy.budget_share)
         if len(data) > budget:
             self.counters.add("redis.write_errors")
+            self.failures.failed(
+                "write skipped",
+                f"an entry of {len(data)} bytes is larger than the {level} level's budget ({budget} bytes): "
+                "raise engine.tier_redis.budget_bytes",
+            )
             return False
         now = self.clock()
         ttl = policy.ttl_s
@@ -255,19 +345,20 @@ class RedisTier:
             )
         except _DOWN_ERRORS as e:
             self.counters.add("redis.write_errors")
-            log.warning("Redis tier write skipped: %s", e)
+            self.failures.failed("write skipped (unreachable or slow)", e)
             self._mark_down()
             return False
         except redis.ResponseError as e:
             if "OOM" in str(e) or "maxmemory" in str(e):
                 self.counters.add("redis.write_refused")
+                self.failures.failed("write refused (maxmemory)", e)
             else:
                 self.counters.add("redis.write_errors")
-            log.warning("Redis tier write refused: %s", e)
+                self.failures.failed("write refused", e)
             return False
         except redis.RedisError as e:
             self.counters.add("redis.write_errors")
-            log.warning("Redis tier write failed: %s", e)
+            self.failures.failed("write failed", e)
             return False
         self.counters.add("redis.writes")
         self.counters.add("redis.bytes_written", len(data))
@@ -281,17 +372,54 @@ class RedisTier:
         """Remove ``key`` (and its bookkeeping). Returns True when an entry was removed."""
         return self._drop_key(self.entry_key(key))
 
-    def _drop_key(self, rkey: str) -> bool:
+    def _drop_key(self, rkey: str, gone: bool = False) -> bool:
+        """Remove an entry and its bookkeeping; with ``gone``, only the bookkeeping of an entry Redis already
+        dropped (nothing when the key exists again). Returns True when something was removed."""
         if self._skip():
             return False
         try:
-            return bool(self._drop(keys=[rkey, f"{self.prefix}:meta"], args=[self.prefix]))
+            dropped = self._drop(
+                keys=[rkey, f"{self.prefix}:meta"], args=[self.prefix, "gone" if gone else ""]
+            )
+            return dropped == 1
         except _DOWN_ERRORS:
             self.counters.add("redis.write_errors")
             self._mark_down()
         except redis.RedisError:
             self.counters.add("redis.write_errors")
         return False
+
+    def sweep_expired(self) -> int:
+        """Remove the bookkeeping (and key, if Redis still has it) of up to ``SWEEP_LIMIT`` expired entries of
+        every level with a TTL, in one script, and count them per level (``redis.expired.{level}``): Redis drops
+        the keys by itself, and without this their bytes stayed counted until their own level was written
+        again. Called by the writer thread after a burst of writes and when idle, at most once per
+        ``sweep_interval_s``; also logs the summary of failed writes once its interval has passed. Returns how
+        many went; a failure is counted (``redis.write_errors``), nothing raised."""
+        self.failures.flush()
+        if self.is_down or time.monotonic() - self._swept_at < self.sweep_interval_s:
+            return 0
+        self._swept_at = time.monotonic()
+        ttls = [(lv, self.policies.policy(self.name, lv).ttl_s) for lv in LEVELS]
+        ttls = [(lv, ttl) for lv, ttl in ttls if ttl is not None]
+        if not ttls:
+            return 0
+        args: list[str | int] = [self.prefix, repr(self.clock()), SWEEP_LIMIT]
+        for lv, ttl in ttls:
+            args += [lv, repr(ttl)]
+        try:
+            gone = self._sweep(keys=[f"{self.prefix}:meta"], args=args)
+        except _DOWN_ERRORS:
+            self.counters.add("redis.write_errors")
+            self._mark_down()
+            return 0
+        except redis.RedisError:
+            self.counters.add("redis.write_errors")
+            return 0
+        for (lv, _), n in zip(ttls, gone, strict=True):
+            if n:
+                self.counters.add(f"redis.expired.{lv}", int(n))
+        return sum(int(n) for n in gone)
 
     # ---- introspection --------------------------------------------------------------------------------
     def level_bytes(self, level: str) -> int:
@@ -313,10 +441,24 @@ class RedisTier:
         return sum(int(v or 0) for v in values)
 
     def keys(self) -> Iterator[tuple[str, str]]:
-        """``(level, tier key)`` of every entry this deployment has (admin listing; O(entries))."""
+        """``(level, tier key)`` of every entry this deployment has (admin listing; O(entries)).
+
+        Raises:
+            redis.ConnectionError: the tier is down (waiting to retry), or Redis failed (then it is marked
+                down); the admin paths (``TierStack``) report the tier as skipped.
+        """
         start = len(self.prefix) + len(":kv:")
-        for rkey, meta in self.client.hscan_iter(f"{self.prefix}:meta"):
-            yield meta.decode().split(" ")[0], rkey.decode()[start:]
+        self._check_up()
+        try:
+            for rkey, meta in self.client.hscan_iter(f"{self.prefix}:meta"):
+                yield meta.decode().split(" ")[0], rkey.decode()[start:]
+        except _DOWN_ERRORS:
+            self._mark_down()
+            raise
+
+    def _check_up(self) -> None:
+        if self._skip():
+            raise redis.ConnectionError("the Redis tier is down (it retries after retry_s)")
 
     def peek(self, key: str) -> tuple[bool, float | None]:
         """Whether ``key`` is stored (and unexpired on the tier's clock), and its expiry (None = never)."""
@@ -344,12 +486,21 @@ class RedisTier:
 
     def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
         """``(tier key, first head_bytes bytes of its entry)`` of every entry of this deployment (admin:
-        listing, dropping by tenant or model; O(entries), one ``GETRANGE`` each)."""
+        listing, dropping by tenant or model; O(entries), one ``GETRANGE`` each).
+
+        Raises:
+            redis.ConnectionError: as ``keys``.
+        """
         start = len(self.prefix) + len(":kv:")
-        for rkey, _ in self.client.hscan_iter(f"{self.prefix}:meta"):
-            head = self.client.getrange(rkey, 0, head_bytes - 1)
-            if head:
-                yield rkey.decode()[start:], bytes(head)
+        self._check_up()
+        try:
+            for rkey, _ in self.client.hscan_iter(f"{self.prefix}:meta"):
+                head = self.client.getrange(rkey, 0, head_bytes - 1)
+                if head:
+                    yield rkey.decode()[start:], bytes(head)
+        except _DOWN_ERRORS:
+            self._mark_down()
+            raise
 
     def clear(self) -> None:
         """Remove every key under the prefix (tests, admin)."""

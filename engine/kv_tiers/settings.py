@@ -8,6 +8,7 @@ asking for it; ``tiers: [disk]`` and a directory turn it on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
 
 TIER_NAMES = ("disk", "redis")
 """The tiers below the RAM pool, in lookup order."""
@@ -43,3 +44,24 @@ class RedisTierConfig:
     budget_bytes: int = 1 << 30
     timeout_s: float = 0.25
     retry_s: float = 2.0
+
+
+def redis_url_db_problem(url: str) -> str | None:
+    """What is wrong with the database a Redis URL names, or None (none named: database 0, or a non-negative
+    integer). ``redis-py`` ignores a path it cannot read as a number (``redis://host:6379/abc`` silently uses
+    database 0) and takes a negative one; both are refused here. A database past the server's ``databases``
+    setting is only known to the server (refused at start)."""
+    parts = urlsplit(url)
+    candidates = []
+    if parts.scheme != "unix":
+        path = unquote(parts.path).strip("/")
+        if path:
+            candidates.append(("path", path))
+    for value in parse_qs(parts.query).get("db", []):
+        candidates.append(("db= query argument", value))
+    for where, value in candidates:
+        if not (value.isascii() and value.isdigit()):
+            return (
+                f"the database ({where} {value!r}) must be a non-negative integer, as in redis://host:6379/0"
+            )
+    return None

@@ -23,18 +23,28 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from engine.block_hash import BlockHash
 from engine.kv_tiers.catalog import PrefixRecord, decode_record, encode_record
 from engine.kv_tiers.counters import TIER_COUNTERS, TierCounters
-from engine.kv_tiers.entry import BlockMeta, EntryRejected, KVLayout, decode_entry, encode_entry, entry_meta
+from engine.kv_tiers.entry import (
+    REJECT_CAUSES,
+    BlockMeta,
+    EntryRejected,
+    KVLayout,
+    decode_entry,
+    encode_entry,
+    entry_meta,
+)
+from engine.kv_tiers.policy import LEVELS
 from engine.kv_tiers.writeback import WriteBackQueue
 from engine.openmp_threads import serial_torch_thread
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class Tier(Protocol):
@@ -80,6 +90,10 @@ class _RecordWrite:
     key: str
     data: bytes | None  # None: forget the record
     levels: frozenset[str]
+
+
+_FAILURE_COUNTERS = ("read_errors", "write_errors", "skipped_down")
+"""A tier's counters that grow when one of its calls failed or was skipped (it catches its own failures)."""
 
 
 RECORD_KEY_PREFIX = "catalog-"
@@ -215,18 +229,46 @@ class TierStack:
         return self._prefetcher.submit(self.lookup, metas)
 
     # ---- admin ----------------------------------------------------------------------------------------
+    def _admin_call(
+        self, tier: Tier, call: Callable[[], _T], fallback: _T, skipped: dict[str, str] | None
+    ) -> _T:
+        """``call()`` (one admin operation on ``tier``), failing soft as the request path does: a tier that
+        raises, or that counted a failure or a skip while it ran (it catches its own: a delete that failed
+        reads as "nothing deleted"), is counted (``{tier}.admin_errors``) and named in ``skipped`` (tier ->
+        reason); a raised call returns ``fallback``. Never raises: an admin answer never fails on a tier."""
+        before = [self.counters.get(f"{tier.name}.{c}") for c in _FAILURE_COUNTERS]
+        reason = None
+        try:
+            result = call()
+        except Exception as e:  # noqa: BLE001 - any tier failure is a skipped tier, never an admin 500
+            result, reason = fallback, f"{type(e).__name__}: {e}"
+            log.warning("tier %s skipped by an admin operation: %s", tier.name, reason)
+        else:
+            after = [self.counters.get(f"{tier.name}.{c}") for c in _FAILURE_COUNTERS]
+            failed = [c for c, b, a in zip(_FAILURE_COUNTERS, before, after, strict=True) if a > b]
+            if failed:
+                reason = f"some operations failed ({', '.join(failed)})"
+        if reason is not None:
+            self.counters.add(f"{tier.name}.admin_errors")
+            if skipped is not None:
+                skipped.setdefault(tier.name, reason)
+        return result
+
     def delete(self, meta: BlockMeta) -> int:
         """Remove the block from every tier. Returns how many tiers held it."""
         key = self.key(meta)
         return sum(1 for t in self.tiers if t.delete(key))
 
-    def presence(self, hashes: list[BlockHash]) -> dict[str, tuple[int, float | None]]:
+    def presence(
+        self, hashes: list[BlockHash], skipped: dict[str, str] | None = None
+    ) -> dict[str, tuple[int, float | None]]:
         """Per tier: how many leading blocks of a chain it holds, and the soonest any of those expires (None:
         none of them does). A chain's blocks can be kept under different levels (a system prompt's for a day, a
         conversation's history for minutes): from that time on the tier serves less of the chain. Before, the
-        first block's expiry was reported, a day for a chain whose history went in a minute."""
-        out: dict[str, tuple[int, float | None]] = {}
-        for tier in self.tiers:
+        first block's expiry was reported, a day for a chain whose history went in a minute. A tier that fails
+        reports ``(0, None)`` and is named in ``skipped`` (``_admin_call``)."""
+
+        def walk(tier: Tier) -> tuple[int, float | None]:
             n, soonest = 0, None
             for h in hashes:
                 present, expires_at = tier.peek(self.layout.tier_key(h))
@@ -235,30 +277,40 @@ class TierStack:
                 if expires_at is not None and (soonest is None or expires_at < soonest):
                     soonest = expires_at
                 n += 1
-            out[tier.name] = (n, soonest)
-        return out
+            return n, soonest
 
-    def delete_chain(self, hashes: list[BlockHash]) -> dict[str, int]:
-        """Remove the blocks of a chain from every tier. Returns entries removed per tier."""
-        return {t.name: sum(1 for h in hashes if t.delete(self.layout.tier_key(h))) for t in self.tiers}
+        return {t.name: self._admin_call(t, lambda t=t: walk(t), (0, None), skipped) for t in self.tiers}
 
-    def drop_where(self, match: Callable[[BlockMeta], bool]) -> dict[str, int]:
+    def delete_chain(self, hashes: list[BlockHash], skipped: dict[str, str] | None = None) -> dict[str, int]:
+        """Remove the blocks of a chain from every tier. Returns entries removed per tier; a tier that fails
+        is named in ``skipped`` (``_admin_call``) with what it removed before."""
+
+        def delete(tier: Tier) -> int:
+            return sum(1 for h in hashes if tier.delete(self.layout.tier_key(h)))
+
+        return {t.name: self._admin_call(t, lambda t=t: delete(t), 0, skipped) for t in self.tiers}
+
+    def drop_where(
+        self, match: Callable[[BlockMeta], bool], skipped: dict[str, str] | None = None
+    ) -> dict[str, int]:
         """Remove every entry (of any tier) whose claimed identity ``match``es, e.g. a tenant's or a model's.
 
-        O(entries): reads the head of every entry.
+        O(entries): reads the head of every entry. A tier whose scan or deletes fail (Redis down) is left as
+        it is, counted and named in ``skipped`` (``_admin_call``); the other tiers are dropped all the same.
 
         Returns:
-            Entries removed per tier.
+            Entries removed per tier (0 for a tier whose scan failed).
         """
-        out: dict[str, int] = {}
-        for tier in self.tiers:
+
+        def drop(tier: Tier) -> int:
             doomed = []
             for key, head in tier.scan_heads():
                 meta = entry_meta(head)
                 if meta is not None and match(meta):
                     doomed.append(key)
-            out[tier.name] = sum(1 for key in doomed if tier.delete(key))
-        return out
+            return sum(1 for key in doomed if tier.delete(key))
+
+        return {t.name: self._admin_call(t, lambda t=t: drop(t), 0, skipped) for t in self.tiers}
 
     # ---- prefix records (engine.kv_tiers.catalog) ------------------------------------------------------
     def record_key(self, prefix_key: str) -> str:
@@ -281,10 +333,11 @@ class TierStack:
         pushed out). Returns False when the queue was full (it stays down until a start reads it back)."""
         return self.queue.offer(_RecordWrite(self.record_key(prefix_key), None, frozenset()))
 
-    def delete_record(self, prefix_key: str) -> int:
-        """Remove a prefix record from every tier (on the calling thread). Returns how many tiers held it."""
+    def delete_record(self, prefix_key: str, skipped: dict[str, str] | None = None) -> int:
+        """Remove a prefix record from every tier (on the calling thread). Returns how many tiers held it; a
+        tier that fails is named in ``skipped`` (``_admin_call``)."""
         key = self.record_key(prefix_key)
-        return sum(1 for t in self.tiers if t.delete(key))
+        return sum(1 for t in self.tiers if self._admin_call(t, lambda t=t: t.delete(key), False, skipped))
 
     def load_records(self, model_id: str) -> list[PrefixRecord]:
         """The prefix records of ``model_id`` the tiers keep, oldest use first (one per prefix key: the latest
@@ -316,14 +369,21 @@ class TierStack:
         return {t.name: t.nbytes() for t in self.tiers}
 
     def stats(self) -> dict[str, int]:
-        """Every counter (each tier's ``TIER_COUNTERS`` from 0 on, so a rate is defined before the first
-        event), ``{t}.bytes`` per tier (as last measured by the writer thread: no I/O here, so the engine lock
+        """Every counter (each tier's ``TIER_COUNTERS`` and ``{t}.expired.{level}``, every
+        ``rejected.{cause}``, the write-back queue's and ``loaded_blocks`` from 0 on, so a rate is defined
+        before the first event), ``{t}.bytes`` per tier (as last measured by the writer thread: no I/O here, so the engine lock
         is never held for a tier call), ``{t}.up`` (0 while the tier waits to retry an unreachable backend,
         else 1) and ``writeback.depth``."""
         out = self.counters.snapshot()
         for tier in self.tiers:
             for counter in TIER_COUNTERS:
                 out.setdefault(f"{tier.name}.{counter}", 0)
+            for level in LEVELS:
+                out.setdefault(f"{tier.name}.expired.{level}", 0)
+        for cause in REJECT_CAUSES:
+            out.setdefault(f"rejected.{cause}", 0)
+        for name in ("writeback.queued", "writeback.dropped", "writeback.errors", "loaded_blocks"):
+            out.setdefault(name, 0)
             out[f"{tier.name}.up"] = 0 if getattr(tier, "is_down", False) else 1
         for name, n in self._bytes.items():
             out[f"{name}.bytes"] = n

@@ -118,9 +118,10 @@ class Backend(ABC):
         prefix key and tenant; None without a cache of its own."""
         return None
 
-    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, int] | None:
+    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, Any] | None:
         """Drop cached prefixes in every tier (all of this backend's with neither filter): counts
-        ``{"prefixes", "ram", "disk", "redis"}``; None without a cache of its own."""
+        ``{"prefixes", "ram", "disk", "redis"}`` and ``"skipped_tiers": {tier: reason}`` when a tier could not
+        be dropped (Redis down); None without a cache of its own."""
         return None
 
     def prompt_tokenizer(self) -> Any:

@@ -95,13 +95,17 @@ class EmbeddedBackend(Backend):
     async def warm(
         self, request: ChatRequest, level_ends: list[tuple[int, str]] | None, pin: bool
     ) -> WarmResult | None:
-        """Prefill ``request``'s prompt (``AsyncEngine.warm``) under its prefix key and tenant.
+        """Prefill ``request``'s prompt (``AsyncEngine.warm``) under its prefix key and tenant. None (no cache
+        of its own, as an upstream: a 400) when the model runs with ``enable_prefix_caching: false``, where a
+        warm would prefill and keep nothing.
 
         Raises:
             ServiceUnavailableError: the engine is not started.
             InvalidRequestError / ContextLengthExceededError: engine errors mapped; a pin over the engine's
                 cap is a 400 with param ``pin``.
         """
+        if not self.model.engine.enable_prefix_caching:
+            return None
         engine = self.engine
         if engine is None:
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
@@ -124,8 +128,9 @@ class EmbeddedBackend(Backend):
             return []
         return self.engine.list_cached(prefix_key=prefix_key, tenant=tenant)
 
-    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, int] | None:
-        """``AsyncEngine.drop_cached`` (every prefix of this model when neither filter is given)."""
+    def drop_cached(self, *, prefix_key: str | None, tenant: str | None) -> dict[str, Any] | None:
+        """``AsyncEngine.drop_cached`` (every prefix of this model when neither filter is given); counts and,
+        when a tier failed, ``skipped_tiers`` ({tier: reason})."""
         if self.engine is None:
             return {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
         if prefix_key is None and tenant is None:

@@ -23,7 +23,7 @@ from engine.api import (
 from engine.errors import UnsupportedModelError
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
-from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
+from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig, redis_url_db_problem
 from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
 from gateway.config.schema import ConfigError, EmbeddedModel, GatewayConfig
@@ -34,8 +34,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 loads and which this layer may not import (it imports torch: tests/test_layers.py); a test holds the two equal."""
 
 
-def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
-    """Validate an ``engine:`` mapping against ``EngineConfig``'s fields and their annotated types."""
+def parse_engine(reader: Reader, value: Any, where: str, base_dir: Path | None = None) -> EngineConfig:
+    """Validate an ``engine:`` mapping against ``EngineConfig``'s fields and their annotated types.
+
+    ``base_dir``: the config file's folder, which a relative ``tier_disk.directory`` is resolved against (as
+    every relative path of the config); None leaves it relative to the working directory."""
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     section = reader.mapping({} if value is None else value, where, set(fields))
     hints = typing.get_type_hints(EngineConfig)
@@ -102,7 +105,7 @@ def parse_engine(reader: Reader, value: Any, where: str) -> EngineConfig:
             f"{where}.tier_writeback_capacity",
             f"expected an integer >= 1, got {values['tier_writeback_capacity']}",
         )
-    _check_tiers(reader, values, where)
+    _check_tiers(reader, values, where, base_dir)
     return EngineConfig(**values)
 
 
@@ -192,12 +195,20 @@ _TIER_SECTIONS: dict[str, typing.Callable[[Reader, Any, str], Any]] = {
 """``engine:`` keys whose values are nested sections, each with its parser."""
 
 
-def _check_tiers(reader: Reader, values: dict[str, Any], where: str) -> None:
-    """What stops a start before the engine loads: a disk tier without a writable directory, a Redis URL that
-    does not parse, a Redis tier without a deployment secret. An unreachable Redis is not checked here (the
-    tier warns and retries in the background)."""
+def _check_tiers(reader: Reader, values: dict[str, Any], where: str, base_dir: Path | None = None) -> None:
+    """What stops a start before the engine loads: tiers without prefix caching, a disk tier without a
+    writable directory (a relative one is resolved against ``base_dir`` here), a Redis URL that does not parse
+    or names a database that is not a non-negative integer, a Redis tier without a deployment secret. An
+    unreachable Redis is not checked here (the tier warns and retries in the background); a Redis that refuses
+    the connection (a database past its range) stops the start when the model loads."""
     tiers = values.get("tiers", ())
     _check_unused_tier_settings(reader, values, tiers, where)
+    if tiers and values.get("enable_prefix_caching") is False:
+        reader.fail(
+            f"{where}.tiers",
+            f"needs prefix caching, and {where}.enable_prefix_caching is false: the tiers keep the prefix "
+            "cache's blocks, so they would do nothing (remove tiers or turn prefix caching on)",
+        )
     secret = values.get("deployment_secret")
     if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
         reader.fail(f"{where}.deployment_secret", f"expected at least {MIN_SECRET_BYTES} bytes")
@@ -206,6 +217,9 @@ def _check_tiers(reader: Reader, values: dict[str, Any], where: str) -> None:
         path = f"{where}.tier_disk.directory"
         if directory is None:
             reader.fail(path, "missing required key (a disk tier needs a directory)")
+        if base_dir is not None and not os.path.isabs(directory):
+            directory = str((base_dir / directory).resolve())
+            values["tier_disk"] = dataclasses.replace(values["tier_disk"], directory=directory)
         try:
             Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -218,6 +232,9 @@ def _check_tiers(reader: Reader, values: dict[str, Any], where: str) -> None:
             redis.connection.parse_url(url)
         except ValueError as exc:
             reader.fail(f"{where}.tier_redis.url", f"not a Redis URL ({exc})")
+        problem = redis_url_db_problem(url)
+        if problem is not None:
+            reader.fail(f"{where}.tier_redis.url", problem)
         if secret is None:
             reader.fail(
                 f"{where}.deployment_secret",

@@ -6,7 +6,7 @@ folder). Each entry::
     - name: alice              # optional label for stats (default key-<digest prefix>)
       key: env:ALICE_KEY       # the key (env:NAME recommended), or
       key_sha256: 9f86d0...    # its SHA-256 hex digest (printf %s KEY | sha256sum)
-      tenant: acme             # cache salt (default: the name)
+      tenant: acme             # cache salt (default: the name); no '/' (gateway.core.tenants)
       models: [gpt-4o-mini]    # optional; default every configured model
       rpm: 60                  # optional requests per minute
       tpm: 100000              # optional tokens per minute
@@ -14,8 +14,9 @@ folder). Each entry::
       trusted: false           # honour x-prefixgate-tenant (platforms multiplexing their users)
 
 The plain key is hashed at once and never kept (``gateway.core.keys``). Every problem (a duplicate key or
-name, an unknown model, a malformed limit, an unknown field) raises ``ConfigError`` naming the file, the
-entry and its line, and never the key.
+name, an unknown model, a malformed limit, an unknown field, a tenant with ``/``) raises ``ConfigError``
+naming the file, the entry and its line, and never the key. An explicit empty list (or null) is an error too:
+only a config without ``keys`` runs the gateway open.
 
 ``shared_prefixes:`` is a list of one-key mappings: ``{segment: tools_system}`` (or a level number 1/2),
 ``{rule: <rule id>}``, or ``{content_hash: <sha256 hex>}`` (see ``gateway.service.shared_prefix``).
@@ -33,10 +34,16 @@ from gateway.config.schema import ConfigError, SharedPrefix
 from gateway.config.yaml_file import check_unique_keys, read_text
 from gateway.core.json_types import yaml_kind
 from gateway.core.keys import ClientKey, key_digest
+from gateway.core.tenants import configured_tenant_problem
 
 _KEY_FIELDS = {"name", "key", "key_sha256", "tenant", "models", "rpm", "tpm", "budget_usd", "trusted"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_.:@/-]{1,64}")
+EMPTY_KEYS_PROBLEM = (
+    "an empty list of keys would start the gateway open (no authentication): list at least one key, or "
+    "remove the keys key to run open on purpose"
+)
+"""The error of an explicit empty (or null) ``keys:``: only an absent ``keys`` runs the gateway open."""
 SEGMENT_NAMES = {"tools_system": 1, "documents": 2}
 """Segment names ``shared_prefixes`` accepts, with their rules segment level."""
 
@@ -101,6 +108,8 @@ def parse_keys(
         raise ConfigError(
             source, "keys", f"expected a list of key entries or a file path, got {yaml_kind(value)}"
         )
+    if not value:
+        raise ConfigError(source, "keys", EMPTY_KEYS_PROBLEM)
     keys: list[ClientKey] = []
     seen: dict[bytes, str] = {}
     for index, raw in enumerate(value):
@@ -144,8 +153,11 @@ def _parse_entry(raw: Any, source: str, where: str, model_names: set[str], resol
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         fail("name", "expected 1-64 characters of letters, digits and _.:@/-")
     tenant = raw.get("tenant", name)
-    if not isinstance(tenant, str) or not tenant or len(tenant) > 256:
-        fail("tenant", "expected a non-empty string of at most 256 characters")
+    problem = configured_tenant_problem(tenant)
+    if problem is not None:
+        if "tenant" not in raw:
+            problem = f"the tenant defaults to the name, and {problem} (or set tenant:)"
+        fail("tenant", problem)
     models = raw.get("models")
     if models is not None:
         if isinstance(models, str):

@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from gateway.config.engine_section import parse_engine
-from gateway.config.keys import entry_lines, parse_keys, parse_shared_prefixes
+from gateway.config.keys import EMPTY_KEYS_PROBLEM, entry_lines, parse_keys, parse_shared_prefixes
 from gateway.config.price_table import PriceTableError, override_prices, shipped_price_table
 from gateway.config.reader import Reader
 from gateway.config.routing_section import parse_routing
@@ -46,6 +46,8 @@ from gateway.config.schema import (
 )
 from gateway.config.yaml_file import check_unique_keys, read_text
 from gateway.core.json_types import yaml_kind
+from gateway.core.keys import ClientKey
+from gateway.core.tenants import unreachable_tenant_problem
 
 ADMIN_TOKEN_ENV = "PREFIXGATE_ADMIN_TOKEN"
 """The environment variable the admin token is read from when no config gives one: the embedded default (README:
@@ -153,6 +155,8 @@ def parse_config(
     models = _parse_models(reader, top.get("models"), base_dir)
     transcript = _parse_transcript(reader, top.get("transcript"), top.get("redis"))
     learning = _parse_learning(reader, top.get("rules_learning"))
+    if "keys" in top and top["keys"] is None:
+        reader.fail("keys", EMPTY_KEYS_PROBLEM)
     keys = parse_keys(
         reader.resolve_env(top.get("keys"), "keys"),
         source,
@@ -162,7 +166,7 @@ def parse_config(
         reader.resolve_env,
     )
     shared = parse_shared_prefixes(top.get("shared_prefixes"), source)
-    warm = _parse_warm(reader, top.get("warm"), models, base_dir)
+    warm = _parse_warm(reader, top.get("warm"), models, base_dir, keys)
     warm_before_ready = reader.typed(top, "", "warm_before_ready", bool, True)
     return GatewayConfig(
         server=server,
@@ -180,10 +184,15 @@ def parse_config(
 
 
 def _parse_warm(
-    reader: Reader, value: Any, models: tuple[ModelEntry, ...], base_dir: Path | None
+    reader: Reader,
+    value: Any,
+    models: tuple[ModelEntry, ...],
+    base_dir: Path | None,
+    keys: tuple[ClientKey, ...] = (),
 ) -> tuple[WarmEntry, ...]:
-    """``warm:``: a list of ``WarmEntry`` mappings. Checked here: keys, types, that the model is embedded, and
-    that an entry has something to prefill; the prompt itself is checked when it is warmed."""
+    """``warm:``: a list of ``WarmEntry`` mappings. Checked here: keys, types, that the model is embedded, that
+    an entry has something to prefill, and that some request can have its tenant (``keys``: the configured
+    client keys, ``gateway.core.tenants.reachable_tenant``); the prompt itself is checked when it is warmed."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -218,10 +227,14 @@ def _parse_warm(
                 path = reader.typed(entry, where, f"{key}_file", str, None)
                 resolved = Path(path) if base_dir is None or Path(path).is_absolute() else base_dir / path
                 files.append((key, str(resolved)))
+        tenant = reader.typed(entry, where, "tenant", str, "")
+        problem = unreachable_tenant_problem(tenant, keys)
+        if problem is not None:
+            reader.fail(f"{where}.tenant", problem)
         out.append(
             WarmEntry(
                 model=model,
-                tenant=reader.typed(entry, where, "tenant", str, ""),
+                tenant=tenant,
                 pin=reader.typed(entry, where, "pin", bool, False),
                 system=reader.typed(entry, where, "system", str | None, None),
                 documents=reader.typed(entry, where, "documents", str | None, None),
@@ -396,7 +409,7 @@ def _parse_model(reader: Reader, entry: Any, where: str, base_dir: Path | None) 
             path = str((base_dir / path).resolve())
         if path != "default" and not os.path.exists(path):
             reader.fail(f"{where}.path", f"no such model file or folder: {path}")
-        engine = parse_engine(reader, raw.get("engine"), f"{where}.engine")
+        engine = parse_engine(reader, raw.get("engine"), f"{where}.engine", base_dir)
         return EmbeddedModel(name=name, path=path, engine=engine)
     return _parse_upstream(reader, raw, where, name, backend)
 

@@ -136,6 +136,17 @@ class RateLimitError(APIError):
     default_code = "rate_limit_exceeded"
 
 
+class QuotaExceededError(RateLimitError):
+    """429: a spend budget is used up (a key's ``budget_usd``). OpenAI's answer for an exhausted quota:
+    ``type`` and ``code`` both ``insufficient_quota``
+    (https://platform.openai.com/docs/guides/error-codes: "429 - You exceeded your current quota"); the
+    Anthropic face keeps its own ``rate_limit_error`` (by status). No ``Retry-After``: a budget does not
+    refill."""
+
+    error_type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+
 class UpstreamError(APIError):
     """502: an upstream provider failed or answered something we cannot use."""
 

@@ -39,7 +39,7 @@ class ClientKey:
     Attributes:
         name: label in stats, metrics and logs (``key-<first 12 hex digits of the digest>`` when unnamed).
         digest: SHA-256 of the key (``key_digest``); ``repr`` shows only its first 12 hex digits.
-        tenant: cache salt of this key's requests (non-empty).
+        tenant: cache salt of this key's requests (non-empty, no ``/``: ``gateway.core.tenants``).
         models: model names the key may use; None = every configured model.
         rpm: requests per minute, or None for no limit.
         tpm: tokens (prompt + completion) per minute, or None for no limit.

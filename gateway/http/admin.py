@@ -159,10 +159,15 @@ async def metrics(http_request: Request) -> Response:
 
 async def learned_rules(http_request: Request) -> Response:
     """``GET /admin/rules/learned``: the slots the running gateway learned, as a rule file (``application/yaml``)
-    for a person to review and commit: anchors (template text), never a value."""
+    for a person to review and commit: anchors (template text), never a value. ``?model=`` naming no configured
+    model is a 404 ``model_not_found``, as on ``/admin/cache`` (a typo is not an empty file)."""
     require_admin_read(http_request)
     params = http_request.query_params
-    text = gateway_of(http_request).canonicalizer.learned_yaml(params.get("model"), params.get("tenant"))
+    gateway = gateway_of(http_request)
+    model = params.get("model")
+    if model is not None:
+        gateway.registry.get(model)  # raises ModelNotFoundError
+    text = gateway.canonicalizer.learned_yaml(model, params.get("tenant"))
     return Response(text, media_type="application/yaml")
 
 
@@ -181,16 +186,17 @@ async def cache_list(http_request: Request) -> Response:
 
 async def cache_drop(http_request: Request) -> Response:
     """``DELETE /admin/cache?prefix_key=|tenant=|model=``: ``{"dropped": {"prefixes", "ram", "disk",
-    "redis"}}``; 400 without a filter."""
+    "redis"}, "skipped_tiers": [{"model", "tier", "reason"}]}`` (a tier that could not be dropped, e.g. Redis
+    down: still a 200, RAM and the other tiers dropped); 400 without a filter."""
     require_admin(http_request)
     params = http_request.query_params
-    dropped = drop_cached(
+    dropped, skipped = drop_cached(
         gateway_of(http_request),
         prefix_key=params.get("prefix_key"),
         tenant=params.get("tenant"),
         model=params.get("model"),
     )
-    return JSONResponse({"dropped": dropped})
+    return JSONResponse({"dropped": dropped, "skipped_tiers": skipped})
 
 
 async def cache_warm(http_request: Request) -> Response:
@@ -200,7 +206,7 @@ async def cache_warm(http_request: Request) -> Response:
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
     default_model = next((m.name for m in gateway.config.models if m.backend == "embedded"), None)
-    entry = warm_body(body, default_model)
+    entry = warm_body(body, default_model, list(gateway.keys))
     outcome = await warm_messages(
         gateway, entry.model or "", entry.tenant, entry_messages(entry), entry.pin, 0, entry_tail_level(entry)
     )

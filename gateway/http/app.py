@@ -33,7 +33,7 @@ from gateway.backends.base import Backend
 from gateway.backends.registry import create_backend
 from gateway.config.engine_section import model_start_error
 from gateway.config.price_table import shipped_price_table
-from gateway.config.schema import GatewayConfig
+from gateway.config.schema import ConfigError, GatewayConfig
 from gateway.core.errors import (
     APIError,
     AuthenticationError,
@@ -56,6 +56,7 @@ from gateway.service.metrics import build_registry
 from gateway.service.registry import ModelRegistry
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
 from gateway.service.retention import RetentionPolicy, attach_retention_policy
+from gateway.service.shared_prefix import check_declared_rules
 from gateway.service.stats import GatewayStats
 from gateway.service.timeseries import StatsHistory, sample_every
 
@@ -76,7 +77,7 @@ def create_app(
         extra_routes: routes added after the faces' routes.
 
     Raises:
-        ConfigError: a model's backend kind is not installed.
+        ConfigError: a model's backend kind is not installed; a ``shared_prefixes`` rule id no loaded rule has.
         whatever ``rules.load_ruleset`` raises for a bad rule file.
     """
     if backends is None:
@@ -87,6 +88,12 @@ def create_app(
         {name: config.prices(name) for name in registry.names()}, prices_checked=shipped_price_table().checked
     )
     canonicalizer = Canonicalizer(config.rules, config.transcript, config.rules_learning)
+    try:
+        base_rules = canonicalizer.ruleset_for("", "")  # the loaded rules (nothing is learned yet)
+        check_declared_rules(config.shared_prefixes, base_rules.rule_ids if base_rules else (), config.source)
+    except ConfigError:
+        canonicalizer.close()
+        raise
     gateway = Gateway(
         config=config,
         registry=registry,

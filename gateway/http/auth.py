@@ -9,10 +9,11 @@ for a model a key cannot see, so keys cannot probe which models exist) and 403 `
 Anthropic face (Anthropic's answer for a key without access); then the key's tenant becomes the cache salt
 and its limits are checked (429 with ``Retry-After``, ``gateway.service.limits``).
 
-Tenant rules: the salt is the key's ``tenant``; ``x-prefixgate-tenant`` from a ``trusted`` key picks the
-sub-tenant ``<tenant>/<header>`` (so even a trusted key cannot enter another key's tenant); from any other
-key the header is ignored and counted. With no keys configured the gateway runs open and the header is the
-salt, as before.
+Tenant rules (``gateway.core.tenants``): the salt is the key's ``tenant``; ``x-prefixgate-tenant`` from a
+``trusted`` key picks the sub-tenant ``<tenant>/<header>`` (a configured tenant has no ``/``, so even a
+trusted key cannot enter another key's tenant); from any other key the header is ignored and counted. The
+header is read as ``gateway.core.headers.tenant`` reads it (UTF-8 when it is), in keyed and open mode alike.
+With no keys configured the gateway runs open and the header is the salt, as before.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from gateway.core.errors import AuthenticationError, ModelNotFoundError, PermissionDeniedError
-from gateway.core.headers import TENANT_HEADER, check_tenant
+from gateway.core.headers import check_tenant
+from gateway.core.headers import tenant as header_tenant
 from gateway.core.keys import ClientKey, presented_key
 from gateway.core.request import ChatRequest
+from gateway.core.tenants import accounting_tenant, sub_tenant
 from gateway.http.request_context import gateway_of
 
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
@@ -72,9 +75,9 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
                 f"Your API key does not have permission to use model {request.model!r}."
             )
         raise ModelNotFoundError(request.model)
-    header = http_request.headers.get(TENANT_HEADER)
+    header = header_tenant(http_request.headers)  # UTF-8 decoded as in open mode
     if header and key.trusted:
-        request.tenant = f"{key.tenant}/{check_tenant(header)}"
+        request.tenant = sub_tenant(key.tenant, check_tenant(header))
     else:
         request.tenant = key.tenant
         if header:
@@ -83,15 +86,16 @@ def authorize(http_request: Request, request: ChatRequest, key: ClientKey | None
     request.client_key = key.name
     http_request.state.tenant = request.tenant
     if admit:
-        gateway.clients.admit(key, request.tenant)
+        gateway.clients.admit(key, accounting_tenant(request.tenant, request.cache_salt))
 
 
 def _narrow_by_cache_salt(request: ChatRequest) -> None:
     """A body's ``cache_salt`` (vLLM, SGLang) as a sub-tenant of the tenant chosen so far: ``<tenant>/<salt>``.
-    It only narrows: every key stays inside its own tenant, and requests with different salts never share
-    cached prefixes (a front gateway with ``cache_salt: true`` sends its tenant in it)."""
+    It only narrows: every key stays inside its own tenant (configured tenants have no ``/``,
+    ``gateway.core.tenants``), and requests with different salts never share cached prefixes (a front gateway
+    with ``cache_salt: true`` sends its tenant in it)."""
     if request.cache_salt:
-        request.tenant = f"{request.tenant}/{request.cache_salt}"
+        request.tenant = sub_tenant(request.tenant, request.cache_salt)
 
 
 def visible_models(http_request: Request, key: ClientKey | None) -> list[str]:

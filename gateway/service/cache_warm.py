@@ -14,7 +14,7 @@ index and skipped; the other entries still warm.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,8 @@ from engine.api import WarmResult
 from gateway.backends.base import Backend
 from gateway.config.schema import WARM_CONTENT_KEYS, WarmEntry
 from gateway.core.errors import APIError, InvalidRequestError
+from gateway.core.keys import ClientKey
+from gateway.core.tenants import unreachable_tenant_problem
 from gateway.protocols.openai.parse import parse_chat_request
 from gateway.service.gateway import Gateway
 from gateway.service.pipeline import canonicalize
@@ -146,7 +148,8 @@ async def warm_messages(
     result = await backend.warm(request, level_ends(request, backend, tail), pin)
     if result is None:
         raise InvalidRequestError(
-            f"The model `{model}` keeps no prefix cache of its own (only embedded models can be warmed).",
+            f"The model `{model}` keeps no prefix cache of its own (only embedded models with prefix caching "
+            "can be warmed).",
             param="model",
         )
     return WarmOutcome(index, model, tenant, result)
@@ -199,11 +202,14 @@ async def warm_entries(gateway: Gateway, entries: Sequence[WarmEntry]) -> list[W
     return outcomes
 
 
-def warm_body(body: dict[str, Any], default_model: str | None) -> WarmEntry:
-    """A ``POST /admin/cache/warm`` body as a ``WarmEntry`` (inline content only: files are the config's).
+def warm_body(body: dict[str, Any], default_model: str | None, keys: Collection[ClientKey] = ()) -> WarmEntry:
+    """A ``POST /admin/cache/warm`` body as a ``WarmEntry`` (inline content only: files are the config's);
+    ``keys``: the configured client keys (empty: the gateway runs open), which decide what tenants a request
+    can have (``gateway.core.tenants.reachable_tenant``).
 
     Raises:
-        InvalidRequestError: unknown or ill-typed fields, nothing to warm, ``messages`` with other content.
+        InvalidRequestError: unknown or ill-typed fields, a tenant no request can have, nothing to warm,
+            ``messages`` with other content.
     """
     known = {"model", "tenant", "pin", *WARM_CONTENT_KEYS}
     for key in body:
@@ -217,6 +223,9 @@ def warm_body(body: dict[str, Any], default_model: str | None) -> WarmEntry:
     tenant = body.get("tenant", "")
     if not isinstance(tenant, str):
         raise InvalidRequestError("'tenant' must be a string.", param="tenant")
+    problem = unreachable_tenant_problem(tenant, keys)
+    if problem is not None:
+        raise InvalidRequestError(f"Invalid 'tenant': {problem}.", param="tenant")
     pin = body.get("pin", False)
     if not isinstance(pin, bool):
         raise InvalidRequestError("'pin' must be a boolean.", param="pin")
@@ -268,9 +277,11 @@ def list_cached(
 
 def drop_cached(
     gateway: Gateway, *, prefix_key: str | None, tenant: str | None, model: str | None
-) -> dict[str, int]:
-    """Drop matching prefixes in every tier of every model with a cache (or of ``model``); summed counts
-    ``{"prefixes", "ram", "disk", "redis"}``.
+) -> tuple[dict[str, int], list[dict[str, str]]]:
+    """Drop matching prefixes in every tier of every model with a cache (or of ``model``): summed counts
+    ``{"prefixes", "ram", "disk", "redis"}``, and the tiers that could not be (fully) dropped, as
+    ``{"model", "tier", "reason"}`` rows (a tier that fails, e.g. Redis down, costs nothing else: RAM and the
+    other tiers are dropped, and the answer names it instead of failing).
 
     Raises:
         InvalidRequestError: no filter at all (dropping everything needs ``model=``), or an empty ``prefix_key``
@@ -282,11 +293,14 @@ def drop_cached(
     if prefix_key == "":
         raise InvalidRequestError("prefix_key must not be empty.", param="prefix_key")
     total = {"prefixes": 0, "ram": 0, "disk": 0, "redis": 0}
-    for _, backend in _backends(gateway, model):
+    skipped: list[dict[str, str]] = []
+    for name, backend in _backends(gateway, model):
         dropped = backend.drop_cached(prefix_key=prefix_key, tenant=tenant) or {}
         for key in total:
             total[key] += int(dropped.get(key, 0))
-    return total
+        for tier, reason in sorted((dropped.get("skipped_tiers") or {}).items()):
+            skipped.append({"model": name, "tier": tier, "reason": reason})
+    return total, skipped
 
 
 def _backends(gateway: Gateway, model: str | None) -> Iterable[tuple[str, Backend]]:

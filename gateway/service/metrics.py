@@ -66,7 +66,8 @@ class StatsCollector(Collector):
         yield _gauge("prefixgate_hit_rate", "cached_tokens / prompt_tokens.", models, lambda m: m["hit_rate"])
         saved = CounterMetricFamily(
             "prefixgate_prefill_seconds_saved",
-            "Estimated prefill seconds saved (saved tokens at the measured prefill rate).",
+            "Estimated prefill seconds saved: each request's prefix-hit tokens at the mean prefill rate measured "
+            "when it was admitted (never revised).",
             labels=["model"],
         )
         for name, m in models.items():
@@ -114,7 +115,13 @@ class StatsCollector(Collector):
 
 _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("hit_tokens", "prefixgate_tier_hit_tokens", "Prompt tokens a lookup found in the tier."),
-    ("miss_tokens", "prefixgate_tier_miss_tokens", "Prompt tokens a lookup did not find in the tier."),
+    (
+        "miss_tokens",
+        "prefixgate_tier_miss_tokens",
+        "Tokens of the blocks a lookup asked the tier for and it did not serve: blocks a lower tier then served, "
+        "and the one block where the lookup stopped (no tier had it); the rest of the prompt is never asked for, "
+        "so hit / (hit + miss) is not a prompt-token hit rate.",
+    ),
     ("bytes_written", "prefixgate_tier_written_bytes", "Bytes of entries written to the tier."),
     ("writes", "prefixgate_tier_writes", "Entries written to the tier."),
     ("write_errors", "prefixgate_tier_write_errors", "Writes that failed (disk full, Redis down or slow)."),
@@ -125,6 +132,11 @@ _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "skipped_down",
         "prefixgate_tier_skipped_down",
         "Operations skipped while the tier waits to retry an unreachable backend (Redis down).",
+    ),
+    (
+        "admin_errors",
+        "prefixgate_tier_admin_errors",
+        "Admin operations (listing, dropping cached prefixes) the tier could not complete (named in the answer).",
     ),
 )
 """``engine.kv_tiers.counters`` per-tier names -> metric name (``_total`` added) and help."""
@@ -322,9 +334,12 @@ def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
 
 _USAGE = (
     ("requests", "Requests finished"),
-    ("prompt_tokens", "Prompt tokens reported in usage"),
+    ("prompt_tokens", "Prompt tokens charged (usage; counted for requests cancelled or failed mid-stream)"),
     ("cached_tokens", "Prompt tokens served from a prefix cache"),
-    ("completion_tokens", "Generated tokens reported in usage"),
+    (
+        "completion_tokens",
+        "Generated tokens charged (usage; counted for requests cancelled or failed mid-stream)",
+    ),
     ("spend_usd", "Spend in USD, input and output (priced models)"),
     ("rate_limited", "Requests refused with 429 by a key's limits (per tenant: by the limits of its keys)"),
 )
@@ -349,6 +364,14 @@ def _usage_families(doc: dict[str, Any]) -> Iterator[Metric]:
     for name, counters in doc.get("keys", {}).items():
         ignored.add_metric([name], counters["tenant_header_ignored"])
     yield ignored
+    reserved = GaugeMetricFamily(
+        "prefixgate_key_reserved_usd",
+        "Cost estimates in USD held against the key's budget by its requests in flight.",
+        labels=["key"],
+    )
+    for name, counters in doc.get("keys", {}).items():
+        reserved.add_metric([name], counters["reserved_usd"])
+    yield reserved
 
 
 def _gauge(

@@ -15,6 +15,13 @@ Exactly one of these ends each request's bookkeeping:
   backend's stream, and calls ``record_abandoned``: recorded as aborted, logged 499);
 - an error after the response started (``OpenedStream.fail``: recorded and logged with the error's status);
 - any other error propagates to the app's exception handler, which records and logs it.
+
+Charges: a request is charged once, to its key and tenant (usage counters, tpm bucket, spend) and its model's
+cost: with the backend's usage when it finished, or, when it ended after its stream opened but before its
+``Finish`` (cancelled, failed mid-stream), with what it consumed until then
+(``gateway.service.usage_estimate.unfinished_usage``: its prompt and the tokens generated so far; the 499 line
+carries those counts). A key with a budget reserves the request's cost estimate before the backend is asked
+(``BudgetHold``), released exactly once when the request ends, whichever way.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from engine.errors import EngineError
+from gateway.backends.base import Backend
 from gateway.config.schema import AnthropicUpstream, EmbeddedModel
 from gateway.core.errors import APIError, as_api_error, from_engine_error
-from gateway.core.events import BackendEvent, Delta, Finish
+from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
 from gateway.core.request import ChatRequest
+from gateway.core.tenants import accounting_tenant
 from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
+from gateway.service.budget_hold import BudgetHold
 from gateway.service.cache_explain import HEADER as CACHE_HEADER
 from gateway.service.cache_explain import CacheExplanations, PreparedPrompt
 from gateway.service.canonicalize import Canonicalizer
@@ -45,6 +55,7 @@ from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
 from gateway.service.shared_prefix import mark_public_prefix
+from gateway.service.usage_estimate import GeneratedText, unfinished_usage
 
 T = TypeVar("T")
 logger = logging.getLogger("prefixgate.pipeline")
@@ -74,9 +85,22 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
 
     Raises:
         ModelNotFoundError: unknown model (404).
+        QuotaExceededError: the request's cost estimate does not fit its key's budget (429, ``BudgetHold``).
         APIError: whatever the backend raises before its first event (engine errors are mapped).
     """
     backend = gateway.registry.get(request.model)
+    hold = BudgetHold.reserve(gateway, request)
+    try:
+        return await _open(gateway, request, backend, path, started, hold)
+    except BaseException:
+        hold.release()
+        raise
+
+
+async def _open(
+    gateway: Gateway, request: ChatRequest, backend: Backend, path: str, started: float, hold: BudgetHold
+) -> OpenedStream:
+    """``open_stream`` once the model is known and the budget held."""
     canonicalize(gateway, request)
     if backend.wants_level_ends():
         request.level_ends = level_ends(request, backend)
@@ -103,7 +127,7 @@ async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started
         raise
     finally:
         gateway.drain.untrack(task)
-    return OpenedStream(gateway, request, iterator, first, path, started, prepared, epoch)
+    return OpenedStream(gateway, request, iterator, first, path, started, prepared, epoch, hold)
 
 
 class PromptPreparation:
@@ -175,8 +199,14 @@ class OpenedStream:
         started: float,
         prepared: PromptPreparation | None = None,
         epoch: Epoch | None = None,
+        hold: BudgetHold | None = None,
     ) -> None:
         self.gateway = gateway
+        self._hold = hold if hold is not None else BudgetHold(gateway, request)
+        self._generated = GeneratedText()
+        """The output handed out so far: what an unfinished request is charged for (``_charge_unfinished``)."""
+        self._charged = False
+        self._unfinished: BackendUsage | None = None
         self._prepared = prepared
         self._epoch = epoch
         self.request = request
@@ -301,6 +331,7 @@ class OpenedStream:
                 finally:
                     drain.untrack(task)
                 if isinstance(event, Delta):
+                    self._generated.add(event)
                     if self._ttft_s is None and (event.text or event.tool_calls):
                         self._ttft_s = time.monotonic() - self._started
                     if event.text and event.index == 0:
@@ -316,9 +347,11 @@ class OpenedStream:
                 yield event
         except EngineError as exc:
             self._done = True
+            self._charge_unfinished()
             raise from_engine_error(exc) from exc
         except Exception:
             self._done = True
+            self._charge_unfinished()
             raise
         finally:
             await self.aclose()
@@ -373,17 +406,55 @@ class OpenedStream:
                 log_request(record)
         if not self._done:
             self._done = True
+            usage = self._charge_unfinished()
             self.gateway.stats.record_abort(self.request.model)
-            self._log(CLIENT_CLOSED)
+            self._log(CLIENT_CLOSED, usage=usage)
+        self._hold.release()  # in every case: a request that ended without a charge holds nothing either
 
     def fail(self, error: APIError) -> None:
-        """Record and log an error that happened after the response started (it went out in the stream)."""
+        """Record and log an error that happened after the response started (it went out in the stream), with
+        what the request consumed until then (charged once, ``_charge_unfinished``)."""
         self._done = True
+        usage = self._charge_unfinished()
         self.gateway.stats.record_error(self.request.model, error.status_code)
-        self._log(error.status_code, error.code)
+        self._log(error.status_code, error.code, usage=usage)
+
+    def _charge_unfinished(self) -> BackendUsage | None:
+        """Charge a request that ended before its ``Finish`` was handed out (cancelled, or failed) what it
+        consumed: its prompt and the tokens generated so far (``unfinished_usage``; a ``Finish`` still held
+        as the first event is the backend's own count), to its key and tenant (usage, tpm, spend) and its
+        model's cost, then release its budget hold. Once per request: a request already charged (finished,
+        or by an earlier call) is not charged again; returns the usage charged (None when it was charged as
+        finished). Never raises: a count that fails charges the prompt estimate alone (logged)."""
+        if self._charged:
+            return self._unfinished
+        self._charged = True
+        request = self.request
+        try:
+            tokenizer = self.gateway.registry.get(request.model).prompt_tokenizer()
+            held = self._first  # generated, never handed out
+            usage = unfinished_usage(request, self._generated, held, tokenizer, self._hold.prompt_tokens)
+        except Exception:  # noqa: BLE001 - a charge never fails the request's end
+            logger.exception("counting the tokens of an unfinished %s request failed", request.model)
+            prompt = self._hold.prompt_tokens
+            usage = BackendUsage(prompt_tokens=prompt or 0, completion_tokens=0, counted_by="estimate")
+        cost = self.gateway.stats.record_unfinished(request.model, usage, request.prefix_key, request.tenant)
+        spend = cost.spend if cost is not None else 0.0
+        self.gateway.clients.record_finish(  # a salted sub-tenant counts under the tenant it narrows
+            request.client_key,
+            accounting_tenant(request.tenant, request.cache_salt),
+            request.model,
+            usage,
+            spend,
+            finished=False,
+        )
+        self._hold.release()
+        self._unfinished = usage
+        return usage
 
     def _record_finish(self, finish: Finish) -> None:
         self._done = True
+        self._charged = True
         ttft = self._ttft_s if self._ttft_s is not None else finish.ttft_s
         self.cost = self.gateway.stats.record_finish(
             self.request.model,
@@ -396,14 +467,19 @@ class OpenedStream:
         )
         request = self.request
         spend = self.cost.spend if self.cost is not None else 0.0
-        self.gateway.clients.record_finish(
-            request.client_key, request.tenant, request.model, finish.usage, spend
+        self.gateway.clients.record_finish(  # a salted sub-tenant counts under the tenant it narrows
+            request.client_key,
+            accounting_tenant(request.tenant, request.cache_salt),
+            request.model,
+            finish.usage,
+            spend,
         )
+        self._hold.release()
         # written when the stream closes (after a JSON answer went out); measured now
         self._finish_log = self._record(200, finish=finish, ttft_s=ttft)
 
-    def _log(self, status: int, error_code: str | None = None) -> None:
-        log_request(self._record(status, error_code=error_code))
+    def _log(self, status: int, error_code: str | None = None, usage: BackendUsage | None = None) -> None:
+        log_request(self._record(status, error_code=error_code, usage=usage))
 
     def _record(
         self,
@@ -411,8 +487,11 @@ class OpenedStream:
         finish: Finish | None = None,
         ttft_s: float | None = None,
         error_code: str | None = None,
+        usage: BackendUsage | None = None,
     ) -> RequestRecord:
-        return request_record(self.request, self._path, self._started, status, finish, ttft_s, error_code)
+        return request_record(
+            self.request, self._path, self._started, status, finish, ttft_s, error_code, usage
+        )
 
 
 def request_record(
@@ -423,10 +502,14 @@ def request_record(
     finish: Finish | None = None,
     ttft_s: float | None = None,
     error_code: str | None = None,
+    usage: BackendUsage | None = None,
 ) -> RequestRecord:
     """The request log's record of ``request`` (served on ``path``, arrived at ``started``, monotonic seconds)
-    ending now with HTTP ``status``."""
+    ending now with HTTP ``status``; its token counts are ``finish``'s usage, else ``usage`` (what a request
+    that ended before its ``Finish`` was charged), else none."""
     applied = Canonicalizer.applied(request)
+    if finish is not None:
+        usage = finish.usage
     return RequestRecord(
         request_id=request.request_id,
         path=path,
@@ -435,9 +518,9 @@ def request_record(
         key=request.client_key or None,
         tenant=request.tenant or None,
         stream=request.stream,
-        prompt_tokens=finish.usage.prompt_tokens if finish else None,
-        cached_tokens=finish.usage.cached_tokens if finish else None,
-        completion_tokens=finish.usage.completion_tokens if finish else None,
+        prompt_tokens=usage.prompt_tokens if usage else None,
+        cached_tokens=usage.cached_tokens if usage else None,
+        completion_tokens=usage.completion_tokens if usage else None,
         ttft_s=ttft_s,
         duration_s=time.monotonic() - started,
         finish_reason=finish.finish_reason if finish else None,

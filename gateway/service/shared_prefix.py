@@ -14,10 +14,11 @@ tenant's salt (``engine.block_hash.LayeredKeys``).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from gateway.config.schema import SharedPrefix
+from gateway.config.schema import ConfigError, SharedPrefix
 from gateway.core.request import CanonicalPrompt, ChatRequest
 
 
@@ -57,6 +58,28 @@ def public_messages(request: ChatRequest, declarations: Sequence[SharedPrefix]) 
             if count > 0:
                 return count, f"{declaration.kind}:{declaration.value}"
     return 0, ""
+
+
+def check_declared_rules(declarations: Sequence[SharedPrefix], rule_ids: Iterable[str], source: str) -> None:
+    """Refuse a ``{rule: <id>}`` declaration whose rule is not among the loaded rules (``rule_ids``; none when
+    rewriting is off): it could never match, so the prefix it means to share would silently stay private.
+
+    Raises:
+        ConfigError: ``<source>: shared_prefixes[i].rule: unknown rule id ...``.
+    """
+    known = set(rule_ids)
+    for index, declaration in enumerate(declarations):
+        if declaration.kind == "rule" and declaration.value not in known:
+            close = difflib.get_close_matches(declaration.value, sorted(known), n=3)
+            hint = (
+                f"did you mean {', '.join(map(repr, close))}?" if close else f"{len(known)} rules are loaded"
+            )
+            raise ConfigError(
+                source,
+                f"shared_prefixes[{index}].rule",
+                f"unknown rule id {declaration.value!r}: no rule of the config's rules: has it, so the "
+                f"declaration could never match ({hint if known else 'no rules are loaded'})",
+            )
 
 
 def mark_public_prefix(request: ChatRequest, declarations: Sequence[SharedPrefix]) -> None:

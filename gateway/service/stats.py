@@ -4,8 +4,9 @@ counters, aggregated into the ``/admin/stats`` document (``/metrics`` reads the 
 Invariants:
 - Counters are only ever raised, by ``record_*`` calls made once per request by ``gateway.service.pipeline``:
   ``record_rules`` once when the request is canonicalized, then exactly one of ``record_finish`` (the
-      backend's
-  final usage), ``record_abort`` (client went away) or ``record_error`` (an error response).
+  backend's final usage), ``record_abort`` (client went away) or ``record_error`` (an error response); a
+  request that ended before its ``Finish`` after output started (cancelled, failed mid-stream) is also priced
+  once with ``record_unfinished`` (its cost only: the token counters stay what clients were told).
 - ``prompt_tokens`` / ``cached_tokens`` / ``completion_tokens`` are what clients were told in ``usage``;
   ``prefill_tokens`` and ``blocks`` come from the engine's own counters (``engine.api.EngineStats``), which it
   keeps itself so they cannot drift from the block pool.
@@ -15,10 +16,11 @@ Invariants:
 Derived values:
 - ``hit_rate = cached_tokens / prompt_tokens`` (0 when no prompt tokens).
 - Embedded models: ``prefill_tokens`` = tokens the engine computed; ``prefill_tokens_saved`` = its prefix-hit
-  tokens; ``prefill_seconds_saved = prefill_tokens_saved * prefill_seconds / prefill_tokens``, i.e. the saved
-  tokens priced at the measured mean prefill rate (an estimate: attention makes late tokens dearer than early
-  ones, so it slightly overstates savings on short prompts and understates them on long ones); 0 until the
-  engine has measured a prefill.
+  tokens; ``prefill_seconds_saved`` = the engine's own running sum (``EngineStats.prefill_seconds_saved``): each
+  request's prefix-hit tokens at the mean prefill rate (``prefill_seconds / prefill_tokens``) measured when
+  it was admitted, so it never goes down when the rate changes later (a Prometheus counter). An estimate:
+  attention makes late tokens dearer than early ones, so it slightly overstates savings on short prompts and
+  understates them on long ones; a hit before the engine measured any prefill adds 0.
 - Upstream models: the provider computes, so ``prefill_tokens = prompt_tokens - cached_tokens`` as reported,
   ``prefill_tokens_saved = cached_tokens``, and ``prefill_seconds_saved`` is null (no rate is measurable).
 - Models with prices (``gateway.config.price_table``): cost paid, saved by cache reads, write premium and write
@@ -169,6 +171,10 @@ class GatewayStats:
         self.prefixes = PrefixGroups(prefix_capacity)
         self.top_prefixes = top_prefixes
 
+    def prices(self, model: str) -> ModelPrices | None:
+        """The prices of ``model`` (None when it has none, or is not configured)."""
+        return self._prices.get(model)
+
     def record_rules(self, model: str, applied: Mapping[str, int]) -> None:
         """Add one request's rule applications (rule id -> times applied)."""
         if any(applied.values()):
@@ -209,9 +215,26 @@ class GatewayStats:
             cause = ANTHROPIC_MISS_REASONS.get(cache_miss_reason, map_provider_cause(cache_miss_reason))
             diagnostic = ProviderDiagnostic("upstream", cache_miss_reason, cause)
             count_provider_miss(self.provider_misses, diagnostic, usage.cached_tokens, usage.prompt_tokens)
+        return self._price(model, usage, prefix_key, tenant, retention)
+
+    def record_unfinished(
+        self, model: str, usage: BackendUsage, prefix_key: str, tenant: str = ""
+    ) -> RequestCost | None:
+        """Price a request that ended before its ``Finish`` (the client left, or the backend failed after the
+        output started) at the usage it is charged (``gateway.service.usage_estimate.unfinished_usage``): its
+        cost counts in ``cost_usd`` / ``output_cost_usd`` and the cost ledger; the token counters, which are
+        what clients were told in ``usage``, are left alone. Returns its cost (None when unpriced)."""
+        return self._price(model, usage, prefix_key, tenant, None)
+
+    def _price(
+        self, model: str, usage: BackendUsage, prefix_key: str, tenant: str, retention: str | None
+    ) -> RequestCost | None:
+        """Book ``usage``'s cost in the ledger and the model's cost counters (None when the model has no prices
+        or the counts cannot be priced)."""
         prices = self._prices.get(model)
         if prices is None:
             return None
+        counters = self.models[model]
         cached = min(usage.cached_tokens, usage.prompt_tokens)
         written = min(usage.cache_creation_tokens, usage.prompt_tokens - cached)
         writes: dict[str | None, int] = dict(usage.cache_writes) if usage.cache_writes else {}
@@ -235,7 +258,8 @@ class GatewayStats:
         return cost
 
     def record_abort(self, model: str) -> None:
-        """Count a request whose client disconnected before the end (its usage is unknown)."""
+        """Count a request whose client disconnected before the end (what it consumed until then is priced by
+        ``record_unfinished``)."""
         self.models[model].aborted += 1
 
     def record_error(self, model: str | None, status: int) -> None:
@@ -304,25 +328,13 @@ class GatewayStats:
         return doc
 
 
-def prefill_seconds_saved(saved_tokens: int, prefill_tokens: int, prefill_seconds: float) -> float:
-    """Seconds of prefill the cache saved: saved tokens at the measured mean rate (tokens / second).
-
-    0.0 when no prefill was measured yet (``prefill_tokens == 0`` or ``prefill_seconds <= 0``).
-    """
-    if prefill_tokens <= 0 or prefill_seconds <= 0:
-        return 0.0
-    return saved_tokens * prefill_seconds / prefill_tokens
-
-
 def _engine_fields(engine: EngineStats) -> dict[str, Any]:
     return {
         "backend": "embedded",
         "prefill_tokens": engine.prefill_tokens,
         "prefill_tokens_saved": engine.prefix_hit_tokens,
         "prefill_seconds": engine.prefill_seconds,
-        "prefill_seconds_saved": prefill_seconds_saved(
-            engine.prefix_hit_tokens, engine.prefill_tokens, engine.prefill_seconds
-        ),
+        "prefill_seconds_saved": engine.prefill_seconds_saved,
         "blocks": {
             "total": engine.blocks_total,
             "used": engine.blocks_used,

@@ -545,3 +545,34 @@ def test_sigterm_ends_a_stream_in_flight_with_an_error_event_and_a_clean_end(tin
         lines
     )
     assert "Traceback" not in output and "CancelledError" not in output, output
+
+
+def test_make_remakes_a_venv_left_without_pip(tmp_path):
+    """Before: a ``python -m venv`` whose ensurepip failed left ``.venv/bin/python`` without pip, and every later
+    ``make`` failed on ``.venv/bin/pip: No such file`` until ``.venv`` was deleted by hand. A venv without pip
+    is now made again (and installed again); a complete one costs ``make run`` nothing."""
+    assert shutil.which("make"), "make is needed to check the Makefile"
+    root = Path(__file__).resolve().parents[2]
+    shutil.copy(root / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (tmp_path / ".venv" / ".run-installed").write_text("")  # even with the install marked done
+    environment = {k: v for k, v in os.environ.items() if k not in ("HOST", "PORT", "CONFIG", "MAKEFLAGS")}
+
+    def planned() -> list[str]:
+        return subprocess.run(
+            ["make", "-n", "--no-print-directory", "-C", str(tmp_path), "run"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=environment,
+        ).stdout.splitlines()
+
+    lines = planned()
+    assert lines[0] == "rm -rf .venv" and any(" -m venv .venv" in line for line in lines)
+    assert any(line.startswith(".venv/bin/pip install --quiet -e .") for line in lines)
+    (bin_dir / "pip").write_text("")
+    os.utime(bin_dir / "pip", (1_000_000, 1_000_000))  # made before the install, as a real venv's is
+    assert planned() == [".venv/bin/prefixgate serve   "]

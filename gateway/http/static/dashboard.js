@@ -38,14 +38,25 @@
     count: (v) => si(v, ""), blocks: (v) => si(v, "blocks"), perSec: (v) => si(v, "/s"), requests: (v) => si(v, "req"),
     pct: pct, usd: usd, secs: secs, bytes: bytes };
 
+  // tick steps of the axes of whole units (bytes, tokens, blocks, requests, counts): whole numbers only, so an
+  // empty or small range never gets fractional ticks that round to repeated labels ("1 B, 1 B, 0 B" for 0.25 to
+  // 1 B); bytes step by powers of two (512 KiB, 1 MiB, ...), the others by 1, 2, 5 x 10^k
+  const WHOLE_STEPS = [];
+  for (let e = 0; e <= 15; e++) [1, 2, 5].forEach((m) => WHOLE_STEPS.push(m * 10 ** e));
+  const BYTE_STEPS = Array.from({ length: 51 }, (_, i) => 2 ** i);
+  const STEPS = new Map([[bytes, BYTE_STEPS], [fmt.tokens, WHOLE_STEPS], [fmt.count, WHOLE_STEPS],
+    [fmt.blocks, WHOLE_STEPS], [fmt.requests, WHOLE_STEPS]]);
+
   // ---- charts -----------------------------------------------------------------------------------------
   // the axis grows with its longest tick label, so labels never run into the axis title
   function fitSize(u, values) {
     return values ? 30 + 7 * Math.max(3, ...values.map((v) => String(v).length)) : 50;
   }
   function axis(label, formatter, side) {
-    return { label: label, side: side, size: fitSize, values: (u, splits) => splits.map(formatter),
+    const spec = { label: label, side: side, size: fitSize, values: (u, splits) => splits.map(formatter),
       grid: { show: side !== 1 } };
+    if (STEPS.has(formatter)) spec.incrs = STEPS.get(formatter);
+    return spec;
   }
   function sizeOf(el) { return { width: Math.max(el.clientWidth, 260), height: 240 }; }
 

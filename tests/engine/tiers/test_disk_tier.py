@@ -3,6 +3,7 @@ level under a flood, TTL per level on an injected clock, an unwritable directory
 
 from __future__ import annotations
 
+import logging
 import resource
 import signal
 import time
@@ -124,7 +125,8 @@ def test_unwritable_directory_stops_the_start(tmp_path, counters):
         DiskTier(tmp_path / "kv", 0, POLICIES, counters)
 
 
-def test_full_disk_skips_writes_and_the_tier_goes_on(tmp_path, counters, clock):
+def test_full_disk_skips_writes_and_the_tier_goes_on(tmp_path, counters, clock, caplog):
+    caplog.set_level(logging.WARNING, logger="engine.kv_tiers.disk")
     tier = DiskTier(tmp_path / "kv", 64 << 20, POLICIES, counters, clock)
     tier.put("before", entry(1), SYSTEM)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -137,6 +139,9 @@ def test_full_disk_skips_writes_and_the_tier_goes_on(tmp_path, counters, clock):
         signal.signal(signal.SIGXFSZ, old_handler)
     assert ok == [False, False, False]
     assert counters.get("disk.write_errors") == 3 and counters.get("disk.writes") == 1
+    # one line for the first failure, not one per block (before: 191 lines when a disk filled)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("disk tier: write skipped: ")
     assert tier.get("big0") is None and tier.get("before") == entry(1)
     assert tier.put("after", entry(2), SYSTEM) and tier.get("after") == entry(2)
     tier.close()

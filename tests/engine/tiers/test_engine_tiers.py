@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.errors import PinCapError
-from engine.kv_tiers.disk import TierConfigError
+from engine.kv_tiers.config import entry_nbytes
+from engine.kv_tiers.disk import EMPTY_LEVEL_BYTES, TierConfigError
 from engine.kv_tiers.policy import TierPolicies, TierPolicy
 from engine.kv_tiers.settings import DiskTierConfig, RedisTierConfig
 from tests.engine.engine_helpers import greedy, make_engine, random_tokens
@@ -126,6 +127,27 @@ def test_a_restarted_engine_loads_instead_of_prefilling(tmp_path, redis_prefix, 
     second.close()
 
 
+def test_a_restart_serves_the_head_of_a_prompt_longer_than_the_disk_tier(tmp_path):
+    """The fresh-user trial's case, scaled down: a disk tier whose level holds fewer blocks than the cached
+    prompt. Before: the shutdown wrote the chain head first, the tier kept its tail, and after the restart the
+    same request got ``cached=0`` (block 0 missing) while the tier was full."""
+    probe = tiered(tmp_path / "probe")
+    entry = entry_nbytes(probe.tiers.stack.layout)
+    probe.close()
+    budget = (EMPTY_LEVEL_BYTES + 8 * entry) * 4  # the history level (a quarter) holds about 8 entries
+    prompt = random_tokens(20 * 16 + 1, 13)  # 20 whole blocks
+    first = tiered(tmp_path, disk_budget=budget)
+    run(first, prompt)
+    first.close()  # the write-down of every cached block
+    second = tiered(tmp_path, disk_budget=budget)
+    disk = second.tiers.stack.tiers[0]
+    kept = sum(1 for _ in disk.keys())
+    assert 0 < kept < 20
+    req = run(second, prompt)
+    assert req.num_cached_tokens == kept * 16 == second.tier_stats()["disk.hit_tokens"]
+    second.close()
+
+
 def test_two_engines_on_one_redis(tmp_path, redis_prefix):
     a = tiered(tmp_path / "a", ("redis",), redis_prefix)
     b = tiered(tmp_path / "b", ("redis",), redis_prefix)
@@ -211,6 +233,9 @@ def test_tier_misconfiguration_stops_the_start(tmp_path):
     with pytest.raises(TierConfigError) as e:
         make_engine(tiers=("tape",), deployment_secret=SECRET)
     assert e.value.key == "engine.tiers"
+    with pytest.raises(TierConfigError) as e:  # before: accepted, and the tiers never saw a block
+        tiered(tmp_path, enable_prefix_caching=False)
+    assert e.value.key == "engine.tiers" and "enable_prefix_caching" in e.value.reason
 
 
 @pytest.mark.parametrize("tiers", [("disk",), ("redis",), ("disk", "redis")])

@@ -75,3 +75,14 @@ def test_level_of_blocks():
         level_of_blocks(1, 4, [(4, "tools")], "history")
     with pytest.raises(ValueError, match="increase"):
         level_of_blocks(1, 4, [(4, "system"), (2, "documents")], "history")
+
+
+def test_shares_over_one_name_the_defaults_that_make_up_the_rest():
+    """Before: ``budget shares sum to 1.500 > 1`` for ``system: 0.9`` alone, without saying that documents and
+    history keep their default shares (0.35, 0.25)."""
+    with pytest.raises(ValueError) as e:
+        TierPolicies({"disk": {"system": TierPolicy(None, 0.9)}})
+    assert str(e.value) == (
+        "tier 'disk': budget shares sum to 1.500 > 1 (system 0.9, documents 0.35 (default), history 0.25 "
+        "(default)); levels not set keep their default share, so lower the shares or set documents, history too"
+    )

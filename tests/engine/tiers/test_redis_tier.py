@@ -3,6 +3,7 @@ that tests stop, restart and cap with maxmemory; a closed port and a server that
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 
@@ -182,3 +183,72 @@ def test_bad_config_stops_the_start(counters):
         RedisTier(REDIS_URL, "", 1 << 20, POLICIES, counters)
     with pytest.raises(TierConfigError, match="budget_bytes"):
         RedisTier(REDIS_URL, "p", 0, POLICIES, counters)
+
+
+def test_a_database_the_server_refuses_or_that_is_not_a_number_stops_the_start(counters):
+    """Before: ``/99`` raised the server's raw ``ResponseError: DB index is out of range`` out of the start
+    (only connection errors were caught around ``ping``), and ``/abc`` silently used database 0."""
+    with pytest.raises(TierConfigError) as e:
+        RedisTier("redis://127.0.0.1:6379/99", "p", 1 << 20, POLICIES, counters)
+    assert e.value.key == "engine.tier_redis.url"
+    assert "refused the connection" in e.value.reason and "DB index is out of range" in e.value.reason
+    for url in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/-1", "redis://127.0.0.1:6379/0?db=x"):
+        with pytest.raises(TierConfigError) as e:
+            RedisTier(url, "p", 1 << 20, POLICIES, counters)
+        assert e.value.key == "engine.tier_redis.url" and "non-negative integer" in e.value.reason
+
+
+def test_expired_bookkeeping_leaves_without_a_write_of_its_level(redis_prefix, counters, clock):
+    """Before: the bookkeeping of entries Redis expired by TTL (sorted set, byte counter, meta hash) stayed
+    until their own level was written again, so ``redis.bytes`` overstated usage and other levels' expiries
+    were never counted. The writer's housekeeping sweeps every level, and a read that finds a key gone
+    removes its bookkeeping."""
+    tier = make(redis_prefix, counters, clock)
+    tier.sweep_interval_s = 0.0  # every call sweeps (the writer's housekeeping sweeps at most once a second)
+    for i in range(3):
+        tier.put(f"h{i}", entry(i), HISTORY)
+    tier.put("d", entry(7), DOCS)
+    tier.put("gone-early", entry(8), DOCS)
+    tier.put("s", entry(9), SYSTEM)
+    clock.advance(61)  # past history's TTL (60 s) only
+    assert tier.sweep_expired() == 3
+    assert tier.level_bytes("history") == 0 and counters.get("redis.expired.history") == 3
+    assert tier.sweep_expired() == 0 and counters.get("redis.expired.history") == 3  # counted once
+    assert tier.level_bytes("documents") == 1600 and tier.level_bytes("system") == 800
+
+    raw = redis.Redis.from_url(REDIS_URL)
+    raw.delete(tier.entry_key("gone-early"))  # dropped by Redis before its expiry (e.g. maxmemory)
+    assert tier.get("gone-early") is None and tier.level_bytes("documents") == 800
+    assert counters.get("redis.expired.documents") == 0  # gone, but not expired
+    clock.advance(3600)
+    raw.delete(tier.entry_key("d"))  # what Redis does at the key's TTL
+    raw.close()
+    assert tier.get("d") is None and tier.level_bytes("documents") == 0
+    assert counters.get("redis.expired.documents") == 1
+    assert tier.sweep_expired() == 0 and tier.nbytes() == 800 and list(tier.keys()) == [("system", "s")]
+    tier.close()
+
+
+def test_failed_writes_log_one_line_then_a_summary(private_redis, counters, clock, caplog):
+    """Before: every refused write logged its own WARNING (79 lines for one request at maxmemory)."""
+    admin = redis.Redis.from_url(private_redis.url)
+    tier = make("pg", counters, clock, url=private_redis.url, budget=64 << 20)
+    ticks = [0.0]
+    tier.failures.clock = lambda: ticks[0]
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 10_000)
+    caplog.set_level(logging.WARNING, logger="engine.kv_tiers.redis_tier")
+    assert not any(tier.put(f"big{i}", entry(i, 100_000), SYSTEM) for i in range(20))
+    assert counters.get("redis.write_refused") == 20
+    (first,) = [r.getMessage() for r in caplog.records]
+    assert first.startswith("redis tier: write refused (maxmemory): ")
+    caplog.clear()
+    tier.sweep_expired()  # the writer's housekeeping: the interval has not passed, nothing to say
+    assert caplog.records == []
+    ticks[0] = 61.0
+    tier.sweep_expired()
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "write refused (maxmemory): 19 more in the last 61s" in summary
+    admin.config_set("maxmemory", 0)
+    admin.close()
+    tier.close()

@@ -171,3 +171,59 @@ def test_drop_where_removes_a_tenants_entries_in_every_tier(layout, tmp_path, co
     assert s.drop_where(lambda m: m.extra_keys[0] == "tiny-model@abc") == {"disk": 2, "redis": 2}
     assert s.lookup([m for m, _ in mine]) == []
     s.close()
+
+
+def test_admin_operations_skip_a_redis_that_is_down_and_say_so(
+    layout, tmp_path, counters, clock, private_redis
+):
+    """Before: with Redis unreachable, ``drop_where`` (``DELETE /admin/cache?tenant=``) raised the
+    ``ConnectionError`` of its scan (a 500) after RAM was dropped, and the disk tier was never dropped. Every
+    admin call on a tier now fails soft: the other tiers are done, the failed tier is named and counted."""
+    policies = TierPolicies()
+    disk = DiskTier(tmp_path / "disk", 1 << 22, policies, counters, clock)
+    red = RedisTier(private_redis.url, "pg", 1 << 22, policies, counters, clock, retry_s=3600)
+    s = TierStack(layout, [disk, red], counters)
+    blocks = chain(layout, 3)
+    for meta, kv in blocks:
+        s.write_now(meta, LEVELS, kv)
+    hashes = [m.block_hash for m, _ in blocks]
+    private_redis.stop()
+
+    skipped: dict[str, str] = {}
+    assert s.drop_where(lambda m: m.extra_keys[0] == "tiny-model@abc", skipped) == {"disk": 3, "redis": 0}
+    assert list(skipped) == ["redis"] and "ConnectionError" in skipped["redis"]
+    assert counters.get("redis.admin_errors") == 1 and counters.get("disk.admin_errors") == 0
+    assert red.is_down  # the failed scan marked it down: the next calls skip it at once
+
+    for meta, kv in blocks:
+        s.write_now(meta, LEVELS, kv)  # on disk only
+    skipped = {}
+    assert s.presence(hashes, skipped) == {"disk": (3, clock() + 86_400.0), "redis": (0, None)}
+    assert s.delete_chain(hashes, skipped) == {"disk": 3, "redis": 0}
+    assert s.delete_record("pk", skipped) == 0
+    assert list(skipped) == ["redis"] and counters.get("redis.admin_errors") == 4
+    assert counters.get("disk.admin_errors") == 0 and s.stats()["redis.admin_errors"] == 4
+    s.close()
+
+
+def test_every_counter_with_a_known_set_of_labels_is_reported_from_zero(layout, tmp_path, counters, clock):
+    """Before: expirations, rejections, dropped writes and loaded blocks had no sample until their first
+    event, although every per-tier counter is documented to start at 0 (a rate() over them was undefined)."""
+    s = TierStack(layout, [DiskTier(tmp_path / "disk", 1 << 22, TierPolicies(), counters, clock)], counters)
+    stats = s.stats()
+    for name in (
+        "disk.expired.system",
+        "disk.expired.documents",
+        "disk.expired.history",
+        "rejected.truncated",
+        "rejected.corrupt",
+        "rejected.format",
+        "rejected.model",
+        "rejected.collision",
+        "writeback.dropped",
+        "loaded_blocks",
+        "disk.admin_errors",
+    ):
+        assert stats[name] == 0, name
+    assert not any(k.startswith("redis.") for k in stats)  # only configured tiers
+    s.close()

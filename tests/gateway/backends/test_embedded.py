@@ -453,3 +453,26 @@ def test_legacy_function_calling_is_refused_with_what_to_send_instead(field, val
     assert (caught.value.param, caught.value.code) == (field, "unsupported_value")
     assert caught.value.message.endswith(f"Use '{successor}' instead.")
     check_supported({field: [] if field == "functions" else "auto"})  # the values that ask for nothing pass
+
+
+def test_a_model_without_prefix_caching_is_warmed_as_an_upstream_is():
+    """Before: ``POST /admin/cache/warm`` for a model with ``enable_prefix_caching: false`` prefilled the
+    prompt and answered 200 with nothing cached; now the backend says it keeps no cache of its own (None), as
+    an upstream does, which ``warm_messages`` answers with the same 400."""
+    import asyncio
+
+    from engine.api import EngineConfig, WarmResult
+    from gateway.backends.base import Backend
+    from gateway.backends.embedded import EmbeddedBackend
+    from gateway.config.schema import EmbeddedModel
+
+    class Engine:
+        async def warm(self, generation, pin=False):
+            return WarmResult("k", 10, 8, 0, None, 8)
+
+    warm_request = request([{"role": "system", "content": "s"}])
+    cached = EmbeddedBackend(EmbeddedModel(name="m"), engine=Engine())
+    assert asyncio.run(cached.warm(warm_request, None, False)) is not None
+    off = EmbeddedModel(name="m", engine=EngineConfig(enable_prefix_caching=False))
+    assert asyncio.run(EmbeddedBackend(off, engine=Engine()).warm(warm_request, None, False)) is None
+    assert asyncio.run(Backend.warm(cached, warm_request, None, False)) is None  # what an upstream answers

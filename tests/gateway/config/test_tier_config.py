@@ -10,7 +10,7 @@ import yaml
 
 from engine.kv_tiers.policy import TierPolicy
 from gateway.cli import EXIT_BAD_CONFIG, main
-from gateway.config.loader import parse_config
+from gateway.config.loader import load_config, parse_config
 from gateway.config.schema import ConfigError
 
 SECRET = "s" * 32
@@ -109,6 +109,38 @@ def test_secret_from_environment(monkeypatch, tmp_path: Path):
             {"tier_policies": {"redis": {"system": {"budget_share": 0.9}, "history": {"budget_share": 0.5}}}},
             "tier_policies",
             "budget shares sum to",
+        ),
+        (  # before: "budget shares sum to 1.500 > 1", without the defaults that made up the rest
+            {
+                "tiers": ["disk"],
+                "tier_disk": {"directory": "."},
+                "tier_policies": {"disk": {"system": {"budget_share": 0.9}}},
+            },
+            "tier_policies",
+            "(system 0.9, documents 0.35 (default), history 0.25 (default)); levels not set keep their default",
+        ),
+        (  # before: accepted, the tiers did nothing
+            {"tiers": ["disk"], "tier_disk": {"directory": "."}, "enable_prefix_caching": False},
+            "tiers",
+            "needs prefix caching, and models[0].engine.enable_prefix_caching is false",
+        ),
+        (  # before: accepted, database 0 used
+            {
+                "tiers": ["redis"],
+                "tier_redis": {"url": "redis://127.0.0.1:6379/abc"},
+                "deployment_secret": SECRET,
+            },
+            "tier_redis.url",
+            "the database (path 'abc') must be a non-negative integer",
+        ),
+        (
+            {
+                "tiers": ["redis"],
+                "tier_redis": {"url": "redis://127.0.0.1:6379/-2"},
+                "deployment_secret": SECRET,
+            },
+            "tier_redis.url",
+            "must be a non-negative integer",
         ),
         ({"max_pinned_fraction": 1.5}, "max_pinned_fraction", "expected a number in [0, 1]"),
         ({"tier_writeback_capacity": 0}, "tier_writeback_capacity", "expected an integer >= 1"),
@@ -229,3 +261,45 @@ def test_tier_settings_of_a_tier_not_in_tiers_are_refused(section: dict, key: st
 
 def test_a_tier_named_twice_is_listed_without_a_python_list():
     assert error_of({"tiers": ["disk", "disk"]}).problem == "a tier is named twice in [disk, disk]"
+
+
+def test_a_relative_disk_directory_is_relative_to_the_config_file(tmp_path: Path, monkeypatch):
+    """Before: resolved against the working directory, while every other relative path of the config (a rule
+    file, a model path, a warm ``messages_file``) is relative to the config file."""
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    path = folder / "gateway.yaml"
+    engine = {"tiers": ["disk"], "tier_disk": {"directory": "kv"}}
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "path": "default", "engine": engine}]}))
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(path)
+    assert config.models[0].engine.tier_disk.directory == str(folder / "kv")
+    assert (folder / "kv").is_dir() and not (elsewhere / "kv").exists()
+    absolute = tmp_path / "abs"
+    assert engine_of(
+        {"tiers": ["disk"], "tier_disk": {"directory": str(absolute)}}
+    ).tier_disk.directory == str(absolute)
+
+
+@pytest.mark.parametrize(
+    ("reason", "key"),
+    [
+        (
+            "engine.tier_redis.url: the Redis server at 127.0.0.1:6379 db 99 refused the connection "
+            "(DB index is out of range)",
+            "tier_redis.url",
+        ),
+        ("engine.tier_disk.budget_bytes: 4000 leaves the history level 1000 bytes", "tier_disk.budget_bytes"),
+    ],
+)
+def test_a_tier_refused_at_start_is_a_config_error_naming_the_key(reason: str, key: str):
+    """What only the engine can tell (the server's answer, one block's size in bytes) names the key too."""
+    from engine.kv_tiers.disk import TierConfigError
+    from gateway.config.engine_section import model_start_error
+
+    config = parse_config({"models": [{"name": "m", "path": "default"}]}, source="c.yaml")
+    name, _, rest = reason.partition(": ")
+    error = model_start_error(config, "m", TierConfigError(name, rest))
+    assert error is not None and error.key == f"models[0].engine.{key}" and error.problem == rest

@@ -191,3 +191,72 @@ def test_dashboard_in_headless_chromium(tiny_checkpoint, tmp_path):
                 assert driver.current_url == f"{server.base_url}/admin/login"
         finally:
             driver.quit()
+
+
+CAPTURE_PLOTS = """
+window.__plots = [];
+let captured;
+Object.defineProperty(window, "uPlot", {
+  configurable: true,
+  get() { return captured; },
+  set(real) {
+    captured = Object.assign(function (opts, data, el) {
+      const plot = new real(opts, data, el);
+      window.__plots.push(plot);
+      return plot;
+    }, real);
+  },
+});
+"""
+"""Run before the page's scripts: keeps every chart the dashboard makes in ``window.__plots`` (the vendored
+uPlot declares a global ``uPlot``, whose assignment lands in this setter)."""
+
+READ_TICKS = """
+const ticks = {};
+for (const plot of window.__plots) {
+  const panel = plot.root.closest("article").id;
+  for (const axis of plot.axes) {
+    if (axis.scale !== "x" && axis._show && axis._values) ticks[panel + ":" + axis.scale] = axis._values.map(String);
+  }
+}
+return ticks;
+"""
+"""Panel id and scale -> the tick labels its y axis drew last."""
+
+
+def test_axes_of_whole_units_tick_whole_numbers_when_no_tier_is_configured():
+    """The KV tiers panel of a gateway without tiers drew its bytes axis from 0 to 1 B with ticks at quarters,
+    labelled "1 B, 1 B, 1 B, 0 B, 0 B"; whole units (bytes, tokens, blocks, requests, counts) now tick at whole
+    numbers only, and no axis repeats a label."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from gateway.config.loader import parse_config
+    from tests.gateway.server import RunningServer
+    from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
+
+    stub = StubServer(openai_stub(StubState("R0"))).start()
+    config = parse_config(  # no keys, no admin token: the dashboard is open (the local open mode)
+        {
+            "rules": [],
+            "models": [{"name": "oa", "backend": "openai", "base_url": f"{stub.base_url}/v1", "retries": 0}],
+        }
+    )
+    server = RunningServer(config).start()
+    driver = browser()
+    try:
+        driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": CAPTURE_PLOTS})
+        driver.get(f"{server.base_url}/admin/")
+        WebDriverWait(driver, 30, poll_frequency=0.1).until(
+            lambda d: d.find_element(By.ID, "panel-tiers").get_attribute("data-state") != "waiting"
+        )
+        ticks = driver.execute_script(READ_TICKS)
+        assert ticks["panel-tiers:bytes"] == ["0 B", "1 B"], ticks
+        assert ticks["panel-tiers:n"] == ["0 ", "1 "], ticks
+        repeated = {axis: labels for axis, labels in ticks.items() if len(set(labels)) != len(labels)}
+        assert repeated == {}, ticks
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    finally:
+        driver.quit()
+        server.stop()
+        stub.stop()

@@ -294,6 +294,34 @@ def test_warm_after_ready_and_an_unreachable_redis_cost_no_start(tmp_path, tiny_
         assert skipped and float(skipped[0].split()[-1]) >= 1
         # counters that never moved are there from 0, so rate() is defined before the first event
         assert f'prefixgate_tier_written_bytes_total{{model="{TINY_MODEL}",tier="redis"}} 0.0' in metrics
+        # ... those with labels too (before: no sample until the first event)
+        for line in (
+            f'prefixgate_tier_expired_total{{level="history",model="{TINY_MODEL}",tier="redis"}} 0.0',
+            f'prefixgate_tier_rejected_total{{cause="corrupt",model="{TINY_MODEL}"}} 0.0',
+            f'prefixgate_tier_writes_dropped_total{{model="{TINY_MODEL}"}} 0.0',
+            f'prefixgate_tier_loaded_blocks_total{{model="{TINY_MODEL}"}} 0.0',
+        ):
+            assert line in metrics, line
+        admin_errors = f'prefixgate_tier_admin_errors_total{{model="{TINY_MODEL}",tier="redis"}}'
+        errors_before = next(float(x.split()[-1]) for x in metrics if x.startswith(admin_errors))
+        # a purge with Redis down: before, a 500 (the Redis scan's ConnectionError) after RAM was dropped; now
+        # RAM is dropped and the answer names the tier it could not purge, counted
+        dropped = httpx.delete(
+            f"{server.base_url}/admin/cache", params={"tenant": "late"}, headers=ADMIN_HEADERS, timeout=30
+        )
+        assert dropped.status_code == 200, dropped.text
+        body = dropped.json()
+        assert (
+            body["dropped"]["prefixes"] == 1 and body["dropped"]["ram"] > 0 and body["dropped"]["redis"] == 0
+        )
+        assert [(row["model"], row["tier"]) for row in body["skipped_tiers"]] == [(TINY_MODEL, "redis")]
+        by_model = httpx.delete(
+            f"{server.base_url}/admin/cache", params={"model": TINY_MODEL}, headers=ADMIN_HEADERS, timeout=30
+        )
+        assert by_model.status_code == 200 and by_model.json()["skipped_tiers"][0]["tier"] == "redis"
+        metrics = httpx.get(f"{server.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text.splitlines()
+        # the record's delete and the scan of the first purge, the scan of the second
+        assert f"{admin_errors} {errors_before + 3}" in metrics
     finally:
         server.stop()
     assert any("redis" in r.getMessage().lower() for r in caplog.records if r.levelno >= logging.WARNING)

@@ -15,7 +15,7 @@ from gateway.core.events import BackendUsage
 from gateway.http.app import create_app
 from gateway.service.metrics import build_registry, render
 from gateway.service.request_log import RequestRecord, format_record, log_request
-from gateway.service.stats import GatewayStats, PrefixGroups, prefill_seconds_saved
+from gateway.service.stats import GatewayStats, PrefixGroups
 
 
 def engine_stats(**overrides) -> EngineStats:
@@ -26,6 +26,7 @@ def engine_stats(**overrides) -> EngineStats:
         prefix_hit_tokens=32,
         prefill_tokens=68,
         prefill_seconds=0.34,
+        prefill_seconds_saved=0.16,
         inflight_shared_tokens=16,
         decode_tokens=10,
         decode_seconds=0.5,
@@ -54,9 +55,17 @@ def test_record_finish_returns_the_spend_a_key_is_charged():
     assert cost.spend == pytest.approx((100 * 1.0 + 800 * 0.1 + 100 * 1.25 + 200 * 5.0) / 1e6)
 
 
-def test_prefill_seconds_saved_uses_the_measured_rate():
-    assert prefill_seconds_saved(32, 68, 0.34) == pytest.approx(0.16)
-    assert prefill_seconds_saved(32, 0, 0.0) == 0.0
+def test_prefill_seconds_saved_is_the_engines_running_sum_not_a_recomputation():
+    """The snapshot reports the engine's monotonic sum; a lower mean rate later (a large, fast prefill) does
+    not revise it, as ``prefix_hit_tokens * prefill_seconds / prefill_tokens`` did (68.1 s fell to 38.3 s)."""
+    stats = GatewayStats({"local": None})
+    before = stats.snapshot({"local": engine_stats(prefill_seconds_saved=0.16)})
+    after = stats.snapshot(
+        {"local": engine_stats(prefill_tokens=10_068, prefill_seconds=0.5, prefill_seconds_saved=0.16)}
+    )
+    assert before["models"]["local"]["prefill_seconds_saved"] == 0.16
+    assert after["models"]["local"]["prefill_seconds_saved"] == 0.16
+    assert after["prefill_seconds_saved"] == 0.16
 
 
 def test_snapshot_per_model_and_totals():
