@@ -70,11 +70,8 @@ SWEEP_LIMIT = 64
 # KEYS: 1 entry key, 2 level lru zset, 3 level bytes counter, 4 meta hash
 # ARGV: 1 value, 2 ttl ms (0 = none), 3 now, 4 expires_at ("" = never), 5 level, 6 level budget,
 #       7 prefix, 8 ttl s ("" = none)
-_WRITE = """#!lua
-local key, lru, bytes_key, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local value, ttl_ms, now, expires_at = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
-local level, budget, prefix, ttl_s = ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8]
-local function drop(member)
+_FORGET = """
+local function forget(meta, prefix, member)
   local m = redis.call('HGET', meta, member)
   if m then
     local lv, size = string.match(m, '^(%S+) (%d+)')
@@ -82,6 +79,20 @@ local function drop(member)
     redis.call('DECRBY', prefix .. ':bytes:' .. lv, tonumber(size))
     redis.call('HDEL', meta, member)
   end
+  return m
+end
+"""
+"""A Lua function the scripts share: remove an entry's bookkeeping (its level's LRU member and byte count, its
+meta field), returning its meta record (nil when it had none)."""
+
+_WRITE = (
+    "#!lua\n"
+    + _FORGET
+    + """local key, lru, bytes_key, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local value, ttl_ms, now, expires_at = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local level, budget, prefix, ttl_s = ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local function drop(member)
+  forget(meta, prefix, member)
   return redis.call('DEL', member)
 end
 local expired = 0
@@ -109,41 +120,35 @@ while total > budget do
 end
 return {evicted, expired}
 """
+)
 
 # KEYS: 1 entry key, 2 meta hash. ARGV: 1 prefix, 2 "gone" (only the bookkeeping of an entry Redis dropped:
 # nothing when the key exists again, e.g. another gateway wrote it meanwhile; 1 when there was bookkeeping) or ""
-_DROP = """#!lua flags=allow-oom
-if ARGV[2] == 'gone' and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
-local m = redis.call('HGET', KEYS[2], KEYS[1])
-if m then
-  local lv, size = string.match(m, '^(%S+) (%d+)')
-  redis.call('ZREM', ARGV[1] .. ':lru:' .. lv, KEYS[1])
-  redis.call('DECRBY', ARGV[1] .. ':bytes:' .. lv, tonumber(size))
-  redis.call('HDEL', KEYS[2], KEYS[1])
-end
+_DROP = (
+    "#!lua flags=allow-oom\n"
+    + _FORGET
+    + """if ARGV[2] == 'gone' and redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local m = forget(KEYS[2], ARGV[1], KEYS[1])
 local deleted = redis.call('DEL', KEYS[1])
 if ARGV[2] == 'gone' then
   if m then return 1 else return 0 end
 end
 return deleted
 """
+)
 
 # KEYS: 1 meta hash. ARGV: 1 prefix, 2 now, 3 limit per level, then (level, ttl s) pairs.
 # Returns the entries removed per level, in the order given.
-_SWEEP = """#!lua flags=allow-oom
-local meta, prefix, now, limit = KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+_SWEEP = (
+    "#!lua flags=allow-oom\n"
+    + _FORGET
+    + """local meta, prefix, now, limit = KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local out = {}
 for i = 4, #ARGV, 2 do
   local lru = prefix .. ':lru:' .. ARGV[i]
   local old = redis.call('ZRANGEBYSCORE', lru, '-inf', '(' .. (now - tonumber(ARGV[i + 1])), 'LIMIT', 0, limit)
   for _, member in ipairs(old) do
-    local m = redis.call('HGET', meta, member)
-    if m then
-      local lv, size = string.match(m, '^(%S+) (%d+)')
-      redis.call('ZREM', prefix .. ':lru:' .. lv, member)
-      redis.call('DECRBY', prefix .. ':bytes:' .. lv, tonumber(size))
-      redis.call('HDEL', meta, member)
-    end
+    forget(meta, prefix, member)
     redis.call('ZREM', lru, member)
     redis.call('DEL', member)
   end
@@ -151,6 +156,7 @@ for i = 4, #ARGV, 2 do
 end
 return out
 """
+)
 
 
 def safe_url(url: str) -> str:
