@@ -244,9 +244,11 @@ class AnthropicUpstreamBackend(UpstreamBackend):
 
     async def _open(self, request: ChatRequest, stream: bool) -> OpenedResponse:
         body, _ = self.build_body(request, stream)
-        return await self.post(
+        opened = await self.post(
             request.prefix_key or request.request_id, "/v1/messages", self.headers_for(request), body
         )
+        request.upstream_request_id = opened.request_id
+        return opened
 
     # ---- the backend stream --------------------------------------------------------------------------------
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:

@@ -111,6 +111,9 @@ class ChatRequest:
             value (the Anthropic face sets ``anthropic-beta`` here;
             ``gateway.protocols.anthropic.parse.FORWARDED_HEADERS`` lists them).
             Never credentials: the upstream's key comes from the config.
+        upstream_request_id: the id the upstream gave its answer (OpenAI ``x-request-id``, Anthropic
+            ``request-id``), set by an upstream backend once the answer opened; logged and sent back as
+            ``x-prefixgate-upstream-request-id`` so a provider ticket can name it. None for the engine.
     """
 
     model: str
@@ -139,3 +142,4 @@ class ChatRequest:
     prefix_key: str = ""
     level_ends: list[tuple[int, str]] | None = None
     forward_headers: dict[str, str] = field(default_factory=dict)
+    upstream_request_id: str | None = None

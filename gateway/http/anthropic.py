@@ -100,6 +100,7 @@ async def messages_endpoint(http_request: Request) -> Response:
         to_anthropic_format_error(error, body)
         raise
     headers = {"request-id": request.request_id, "x-request-id": request.request_id}
+    headers.update(opened.upstream_headers())
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(message_sse(opened), headers=headers)

@@ -157,6 +157,7 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     opened = await open_unless_disconnected(http_request, gateway, request, path, started_at(http_request))
     meta = ResponseMeta(request, gateway.registry.get(request.model).system_fingerprint())
     headers = {"x-request-id": request.request_id}
+    headers.update(opened.upstream_headers())
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(sse(opened, meta), headers=headers)

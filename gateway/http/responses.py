@@ -56,6 +56,7 @@ async def responses_endpoint(http_request: Request) -> Response:
         raise
     builder = ResponseBuilder(body, request.model, request.request_id)
     headers = {"x-request-id": request.request_id}
+    headers.update(opened.upstream_headers())
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(response_sse(opened, builder), headers=headers)

@@ -58,6 +58,8 @@ from gateway.service.shared_prefix import mark_public_prefix
 from gateway.service.usage_estimate import GeneratedText, unfinished_usage
 
 T = TypeVar("T")
+UPSTREAM_REQUEST_ID_HEADER = "x-prefixgate-upstream-request-id"
+"""Response header carrying the upstream's own id for its answer (``ChatRequest.upstream_request_id``)."""
 logger = logging.getLogger("prefixgate.pipeline")
 
 INLINE_EXPLAIN_CHARS = 8_000
@@ -229,6 +231,12 @@ class OpenedStream:
         """Work that shapes nothing of the answer (recording the explained prompt), run by ``aclose``."""
         self.cost: RequestCost | None = None
         """The request's cache cost once it finished (None before, or when the model has no prices)."""
+
+    def upstream_headers(self) -> dict[str, str]:
+        """``{"x-prefixgate-upstream-request-id": id}`` when an upstream answered with an id (known once the
+        stream opened), else ``{}``."""
+        rid = self.request.upstream_request_id
+        return {UPSTREAM_REQUEST_ID_HEADER: rid} if rid else {}
 
     def cost_headers(self) -> dict[str, str]:
         """``{COST_HEADER: RequestCost.header_value()}`` once the request finished with a priced model, else
@@ -525,6 +533,7 @@ def request_record(
         duration_s=time.monotonic() - started,
         finish_reason=finish.finish_reason if finish else None,
         error_code=error_code,
+        upstream_request_id=request.upstream_request_id,
         prefix_key=request.prefix_key or None,
         rules_applied=sum(applied.values()) if request.kind == "chat" else None,
     )

@@ -40,6 +40,8 @@ class RequestRecord:
     error_code: str | None = None
     prefix_key: str | None = None
     rules_applied: int | None = None
+    upstream_request_id: str | None = None
+    """The upstream's id for its answer (``ChatRequest.upstream_request_id``), for a provider ticket."""
 
 
 CLIENT_CLOSED = 499
@@ -62,7 +64,7 @@ def format_record(record: RequestRecord) -> str:
         parts.append(f"ttft_ms={record.ttft_s * 1000:.1f}")
     if record.duration_s is not None:
         parts.append(f"duration_ms={record.duration_s * 1000:.1f}")
-    for name in ("finish_reason", "error_code", "prefix_key", "rules_applied"):
+    for name in ("finish_reason", "error_code", "prefix_key", "rules_applied", "upstream_request_id"):
         value = getattr(record, name)
         if value is not None:
             parts.append(f"{name}={_quote(str(value))}")

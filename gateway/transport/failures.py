@@ -7,6 +7,7 @@ Invariant: every message is redacted (``gateway.transport.redact``) before it is
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -164,6 +165,17 @@ def status_for_error_event(error: dict[str, Any]) -> int:
     }.get(str(error.get("type")), 502)
 
 
+REQUEST_ID_CHARS = 200
+"""Most characters of an upstream's request id kept (it goes into a log line and a response header)."""
+
+
+def upstream_request_id(headers: Mapping[str, str]) -> str | None:
+    """The upstream's id for its answer in ``headers`` (``x-request-id`` or ``request-id``), cut to
+    ``REQUEST_ID_CHARS`` characters; None when there is none."""
+    value = headers.get("x-request-id") or headers.get("request-id")
+    return value[:REQUEST_ID_CHARS] if value else None
+
+
 def error_from_status(
     response: httpx.Response, body: bytes, replica: str, secrets: tuple[str, ...], attempts: int
 ) -> UpstreamCallError:
@@ -210,7 +222,9 @@ def error_from_status(
             "Anthropic's does not) and upstream_model in the config"
         )
         upstream_error = None  # its not_found / model_not_found names what the gateway sent, not the client
-    message = f"upstream {where} answered {status}: {detail}" if kind != "client_error" else detail
+    rid = upstream_request_id(response.headers)
+    said = f" (its request id {rid})" if rid else ""  # for the operator's ticket with the provider
+    message = f"upstream {where} answered {status}{said}: {detail}" if kind != "client_error" else detail
     return UpstreamCallError(
         status_out,
         kind,

@@ -33,6 +33,7 @@ from gateway.transport.failures import (
     is_replica_fault,
     status_for_error_event,
     transport_failure,
+    upstream_request_id,
 )
 from gateway.transport.redact import redact, redact_json, redact_url
 from gateway.transport.retry import RetryPolicy
@@ -330,6 +331,12 @@ class OpenedResponse:
     def replica(self) -> str:
         """The replica (base URL) that is answering."""
         return self.lease.replica
+
+    @property
+    def request_id(self) -> str | None:
+        """The id the upstream gave this answer (``x-request-id``, OpenAI's and vLLM's; ``request-id``,
+        Anthropic's), at most ``REQUEST_ID_CHARS`` characters, or None when it sent none."""
+        return upstream_request_id(self.response.headers)
 
     @property
     def content_type(self) -> str:

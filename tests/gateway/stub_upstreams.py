@@ -163,7 +163,9 @@ def openai_stub(state: StubState) -> Starlette:
             finally:
                 state.leave()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"x-request-id": f"req_{state.name}"}
+        )
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
@@ -268,6 +270,8 @@ def anthropic_stub(state: StubState) -> Starlette:
             finally:
                 state.leave()
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"request-id": f"req_{state.name}"}
+        )
 
     return Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])

@@ -807,3 +807,28 @@ def test_a_system_message_the_rules_emptied_is_not_sent(http, protocol, empty):
     assert backend(http).build_body(request)["messages"][0]["content"] == "You are terse."
     if protocol == "openai":  # nothing to drop: the request's own list is sent (no copy)
         assert backend(http).build_body(request)["messages"] is request.messages
+
+
+@respx.mock
+async def test_the_upstreams_request_id_is_kept_for_the_log_and_the_client(http):
+    route = respx.post(URL).mock(
+        return_value=httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream", "x-request-id": "req_up_123"},
+            content=sse_body(
+                [
+                    chunk({"content": "Hi"}),
+                    chunk(finish="stop", usage={"prompt_tokens": 3, "completion_tokens": 1}),
+                ]
+            ),
+        )
+    )
+    request = chat_request(MESSAGES)
+    await drain(backend(http).stream(request))
+    assert route.call_count == 1 and request.upstream_request_id == "req_up_123"
+    respx.post(URL).mock(
+        return_value=httpx.Response(500, headers={"x-request-id": "req_up_500"}, text="boom")
+    )
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http, retries=0).stream(chat_request(MESSAGES)))
+    assert "its request id req_up_500" in info.value.message

@@ -110,6 +110,10 @@ def test_openai_sdk_over_an_openai_upstream(upstreams, oai):
     )
     assert len(sent["prompt_cache_key"]) == 32
     assert states["openai"].headers[-1]["authorization"] == f"Bearer {OPENAI_KEY}"
+    raw = oai.chat.completions.with_raw_response.create(model="oa", messages=messages, stream=True)
+    # the upstream's own id for its answer, for a ticket with the provider
+    assert raw.headers["x-prefixgate-upstream-request-id"] == f"req_{states['openai'].name}"
+    list(raw.parse())
 
     chunks = list(oai.chat.completions.create(model="oa", messages=messages, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "served by OAI"
@@ -156,6 +160,10 @@ def test_anthropic_sdk_over_an_anthropic_upstream(upstreams, ant):
         and message.stop_reason == "end_turn"
     )
     assert states["anthropic"].requests[-1]["system"] == system  # the client's breakpoint, ttl and all
+    raw = ant.messages.with_raw_response.create(
+        model="an", max_tokens=64, system=system, messages=[{"role": "user", "content": "Where?"}]
+    )
+    assert raw.headers["x-prefixgate-upstream-request-id"] == f"req_{states['anthropic'].name}"
     with ant.messages.stream(
         model="an", max_tokens=64, system=system, messages=[{"role": "user", "content": "Again?"}]
     ) as stream:

@@ -194,6 +194,10 @@ def test_request_log_line_has_counts_and_never_text(caplog):
     assert format_record(RequestRecord("r4", "/x", 200, tenant="t\u2028x")).endswith(
         'tenant="t\\u2028x" stream=false'
     )
+    # the upstream's own id for its answer, for a provider ticket
+    assert format_record(RequestRecord("r5", "/x", 502, upstream_request_id="req_9 x")).endswith(
+        'upstream_request_id="req_9 x"'
+    )
 
 
 def test_upstream_models_report_replicas_without_credentials(monkeypatch):
