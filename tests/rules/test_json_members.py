@@ -107,6 +107,12 @@ NOT_HOISTED = [
     # code blocks and examples are kept
     '```json\n{"now": "2026-12-05T15:02:28Z", "session_id": "sess-42ab", "a": 1}\n```',
     'The request looks like this:\n{"now": "2026-12-05T15:02:28Z", "session_id": "sess-42ab", "a": 1}',
+    # a format the answer must follow, or an example of one: its values are placeholders
+    'Respond in this format: {"answer": "...", "timestamp": "2024-01-01T00:00:00Z", "confidence": 0.9}',
+    'Reply with JSON like {"status": "ok", "request_id": "req-123", "items": []}.',
+    'Output schema: {"event": "login", "timestamp": 1700000000, "user": "x"}',
+    'Each log entry looks like {"level": "info", "ts": "2024-05-01T10:00Z", "trace_id": "abc123", "m": 1}',
+    'Respond in this format:\n{\n  "answer": "...",\n  "timestamp": "2024-01-01T00:00:00Z",\n  "id": 1\n}',
     # escaped JSON inside a JSON string is not a member of the object around it
     'Payload: {"body": "{\\"now\\": \\"2026-12-05T15:02:28Z\\", \\"a\\": 1}"}',
 ]
