@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -192,6 +193,19 @@ def same_forms(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool
     return len(a) == len(b) and all(x == y or one_form(x) == one_form(y) for x, y in zip(a, b, strict=True))
 
 
+_MONTHS = r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?"
+_TIME_LIKE = re.compile(
+    r"\b\d{4}-\d{1,2}-\d{1,2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
+    r"|\b\d{1,2}[:.h]\d{2}(?::\d{2})?(?:[ \t]?[ap]\.?m\.?)?\b"
+    r"|\b\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b"
+    rf"|\b\d{{1,2}}(?:st|nd|rd|th)?[ \t]+{_MONTHS}(?:[ \t]+\d{{4}})?\b"
+    rf"|\b{_MONTHS}[ \t]+\d{{1,2}}(?:st|nd|rd|th)?(?:,?[ \t]+\d{{4}})?\b"
+    r"|\b\d{10,13}\b",
+    re.IGNORECASE,
+)
+"""Dates, clock times and epoch numbers inside a value (``conversation_scope`` masks them)."""
+
+
 def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool]]) -> str:
     """``scope`` narrowed to the conversations whose system prompt holds the same values that tell whose
     conversation it is (``system_values`` not per request: a user's name, e-mail, memories, location, user
@@ -200,8 +214,12 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool]
     the first one's name). Per-request values (a time, a request id) change between the turns of one
     conversation and are left out. ``scope`` itself when there are no such values.
 
-    The digest is blake2b-128 over the distinct values, sorted and length-framed."""
-    values = sorted({value for _, value, per_request in system_values if not per_request})
+    A value that holds a time or a date besides the user's identity (``User: alice, plan: pro, local time
+    14:03``) names the conversation by the rest: its dates, clock times and epoch numbers are masked first
+    (``_TIME_LIKE``), so the next turn's new time finds the same conversation.
+
+    The digest is blake2b-128 over the distinct (masked) values, sorted and length-framed."""
+    values = sorted({_TIME_LIKE.sub("#", value) for _, value, per_request in system_values if not per_request})
     if not values:
         return scope
     h = hashlib.blake2b(digest_size=16, person=b"pg-conversation")

@@ -198,3 +198,29 @@ rules:
 """
     with pytest.raises(RuleError, match="does not apply to action 'drop'"):
         ruleset_from(tmp_path, source)
+
+
+def test_a_users_line_that_holds_a_time_names_the_conversation_by_the_rest() -> None:
+    def scope(line: str) -> str:
+        return conversation_scope("s", [("tail_end", line, False)])
+
+    first = scope("User: alice, plan: pro, local time 14:03")
+    assert first == scope("User: alice, plan: pro, local time 14:09")  # the next turn, a new time
+    assert first != scope("User: bob, plan: pro, local time 14:03")
+    assert scope("Seen 2026-12-05T10:00:00Z") == scope("Seen 2026-12-06T11:30:00Z")
+    assert scope("Customer: Jane (since Dec 5, 2026)") == scope("Customer: Jane (since Dec 6, 2026)")
+
+    # through the rules: the time in the user's line changes every turn, the history is still reused
+    def turn(minute: int, more: bool) -> list[dict]:
+        system = {
+            "role": "system",
+            "content": f"User: alice, plan: pro, local time 14:{minute:02d}\n\nBe brief.",
+        }
+        messages = [system, {"role": "user", "content": OPENER}]
+        if more:
+            messages += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "More?"}]
+        return messages
+
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    DEFAULT.apply(turn(3, False), memory=memory, scope="s")
+    assert DEFAULT.apply(turn(9, True), memory=memory, scope="s").history.reused_turns == 1

@@ -302,7 +302,7 @@ def test_a_configured_limit_is_not_a_usage_counter():
     "line",
     [
         "User: alice, plan: pro, local time 14:03",
-        "Customer: Jane Doe (gold tier, since 2019)",
+        "Customer: Jane Doe, tier: gold, since: 2019",
         "Current user: ann@example.com",
         "Logged in as: @ann",
         "Username: alice",
@@ -323,6 +323,9 @@ def test_a_line_about_the_user_is_hoisted_whole(line: str) -> None:
         "User: What is 2+2?",
         "User: Current date: 2025-03-04",
         "User: Hello",
+        "User: Hello (English)",
+        "User: Abhishek (name)",
+        "Customer: Yes, my order is: 12345",
     ],
 )
 def test_dialogue_lines_stay(system: str) -> None:
