@@ -146,7 +146,7 @@ class DiskTier:
                     c.delete(key)
             cache.set(key, data, expire=policy.ttl_s if self._real_time else None, tag=expires_at)
             if cache.volume() > cache.size_limit:
-                self.counters.add("disk.evicted", cache.cull())
+                self.counters.add("disk.evicted", cull_to_limit(cache))
         except _FAILURES as e:
             self.counters.add("disk.write_errors")
             self.failures.failed("write skipped", e)
@@ -252,3 +252,23 @@ class DiskTier:
         """Close the SQLite connections (the entries stay)."""
         for cache in self._caches.values():
             cache.close()
+
+
+def cull_to_limit(cache: diskcache.Cache) -> int:
+    """Evict ``cache``'s least recently used entries one at a time (diskcache's own order: ``access_time``) until
+    its volume is within its ``size_limit``; returns how many were removed.
+
+    diskcache's ``Cache.cull`` removes ten entries per pass: a level holding fewer than ten lost them all, the
+    chain head just written included (chains are written deepest first so that the head is the newest), and a
+    restart then served nothing; a larger level kept fewer entries than fit. Reads diskcache's SQLite table
+    (``Cache._sql``; the same query its own cull runs, one row at a time); the tier's keys are strings, stored
+    as they are."""
+    removed = 0
+    for _ in range(len(cache) + 1):
+        if cache.volume() <= cache.size_limit:
+            break
+        row = cache._sql("SELECT key FROM Cache ORDER BY access_time LIMIT 1").fetchone()
+        if row is None or not cache.delete(row[0]):
+            break
+        removed += 1
+    return removed

@@ -145,3 +145,21 @@ def test_full_disk_skips_writes_and_the_tier_goes_on(tmp_path, counters, clock, 
     assert tier.get("big0") is None and tier.get("before") == entry(1)
     assert tier.put("after", entry(2), SYSTEM) and tier.get("after") == entry(2)
     tier.close()
+
+
+@pytest.mark.parametrize("fits", [1, 3, 6, 12])
+def test_a_small_level_keeps_as_many_of_the_newest_entries_as_fit(tmp_path, counters, clock, fits):
+    # a chain written deepest first (the head last): a level too small for it keeps the head and the blocks
+    # next to it, as many as fit (diskcache's own cull took ten per pass and emptied small levels)
+    size = 40_000  # a file-backed entry, as a KV block is
+    probe = DiskTier(tmp_path / "probe", 1 << 30, POLICIES, counters, clock)
+    probe.put("x", entry(0, size), SYSTEM)
+    overhead = probe._caches["system"].volume() - size
+    probe.close()
+    budget = int(2 * (overhead + fits * size + size // 2))  # the system level has half the budget
+    tier = DiskTier(tmp_path / "kv", budget, POLICIES, counters, clock)
+    for depth in range(20, -1, -1):  # depth 0 is the head, written last
+        assert tier.put(f"b{depth}", entry(depth, size), SYSTEM)
+    kept = sorted(int(key[1:]) for _, key in tier.keys())
+    assert kept == list(range(len(kept))) and fits - 1 <= len(kept) <= fits  # the head and its neighbours
+    tier.close()
