@@ -375,8 +375,11 @@ def plan_cache_control(
 
     last = next((pos for pos in range(len(slots) - 1, -1, -1) if _cacheable(slots[pos].block)), None)
 
-    def candidate(kinds: Sequence[str], slots_left: int) -> tuple[dict[str, Any], list[Any], list[str]]:
+    def candidate(
+        kinds: Sequence[str], slots_left: int, extra: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, Any], list[Any], list[str]]:
         chosen = {kind: boundaries[kind] for kind in kinds if kind in boundaries}
+        chosen.update(extra or {})
         new_body, plan = add_breakpoints(
             body,
             chosen,
@@ -396,8 +399,15 @@ def plan_cache_control(
         ]
 
     # automatic: the stable boundaries as blocks (an entry other conversations of the prefix reuse) plus the
-    # top-level marker on the last block (the conversation's own entry, moving forward each turn)
-    auto_body, auto_added, auto_markers = candidate(tuple(sorted(STABLE_KINDS)), max_breakpoints - 1)
+    # top-level marker on the last block (the conversation's own entry, moving forward each turn), and a
+    # breakpoint where the previous request ended (its own top-level marker wrote there): read exactly however
+    # many blocks this turn added (an agent turn of 12 parallel calls adds ~25, past the 20-block lookback), and
+    # written on a request whose history was never sent alone (a few-shot prompt's examples: the next question
+    # reads them)
+    at_previous = {"history": Boundary(slots[previous].path)} if previous is not None else None
+    auto_body, auto_added, auto_markers = candidate(
+        tuple(sorted(STABLE_KINDS)), max_breakpoints - 1, at_previous
+    )
     automatic = (0, 0)
     if ttls["history"] != NO_CACHE and last is not None:
         auto_markers = _ordered_ttls([*auto_markers, ttls["history"]])

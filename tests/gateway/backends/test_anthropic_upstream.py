@@ -429,7 +429,11 @@ async def test_openai_request_translated_and_stream_turned_into_deltas(http):
     sent = json.loads(route.calls.last.request.content)
     assert sent["system"] == [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
     assert sent["messages"] == [
-        {"role": "user", "content": "Weather?"},
+        # where the previous request ended: its entry is read exactly (however many blocks this turn added)
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}],
+        },
         {
             "role": "assistant",
             "content": [

@@ -81,24 +81,18 @@ def test_a_chat_turn_takes_automatic_caching():
     assert "cache_control" not in body  # the input is not changed
 
 
-def test_an_agent_turn_past_the_20_block_lookback_takes_placed_breakpoints():
-    body = _agent(25)
-    plan = _plan(body)
-    assert plan.mode == "placed"
-    automatic_read, _ = plan.scores["automatic"]
-    assert automatic_read == 2_000  # only its system breakpoint: the previous turn's end is 50 blocks back
-    assert plan.scores["placed"][0] > 2_000
-    marked = [b for b in plan.body["messages"][1]["content"] if "cache_control" in b]
-    assert marked and "cache_control" not in plan.body
-    # with only a few tool calls the lookback reaches back, and automatic wins again
-    assert _plan(_agent(5)).mode == "automatic"
-    # the edge: 10 calls append 20 blocks (the lookback still reaches the previous turn's entry), 11 append 22.
-    # Before, the newest assistant message's end counted as a read point (no request ever wrote there), so
-    # automatic seemed to read as far as placed up to ~30 calls and kept the turn out of reach.
-    assert _plan(_agent(10)).mode == "automatic"
-    eleven = _plan(_agent(11))
-    assert eleven.mode == "placed" and eleven.scores["automatic"][0] == 2_000
-    assert eleven.scores["placed"][0] == 2_100  # the previous turn's entry
+def test_an_agent_turn_past_the_20_block_lookback_reads_the_previous_request_where_it_ended():
+    # the automatic plan puts a breakpoint where the previous request ended (its top-level marker wrote there):
+    # read exactly however many blocks the turn added, and the whole request written for the next turn. The
+    # placed plan wrote at the newest reply's end and never at the last block, so the turn after it found
+    # nothing within 20 blocks (a re-trial read the same 5,471 tokens from turn 3 on of a 12-call loop)
+    for calls in (5, 10, 11, 25):
+        plan = _plan(_agent(calls))
+        assert plan.mode == "automatic" and plan.body["cache_control"] == EPH
+        read, write = plan.scores["automatic"]
+        assert read == 2_100  # the previous request's entry: the system prompt and the question
+        assert write > plan.scores["placed"][1]  # the whole request, tool results included
+        assert plan.body["messages"][0]["content"][0]["cache_control"] == EPH  # where the previous one ended
 
 
 def test_the_ttl_goes_on_every_marker_the_gateway_adds():
@@ -203,9 +197,9 @@ def test_a_ttl_per_kind_of_breakpoint_in_the_providers_order():
     # the prefix key reuses within 5 minutes, the conversation after 20: the earlier marker is lifted to 1h
     lifted = _plan(_agent(25), ttl={"stable": "5m", "history": "1h"})
     assert (
-        lifted.mode == "placed"
+        lifted.mode == "automatic"
         and _markers(lifted.body)
-        and all(m == one_hour for m in _markers(lifted.body))
+        and all(m == one_hour for m in [*_markers(lifted.body), lifted.body["cache_control"]])
     )
     # 1h then 5m is the provider's own order: kept
     mixed = _plan(_agent(25), ttl={"stable": "1h", "history": "5m"})
