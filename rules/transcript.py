@@ -219,7 +219,9 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool]
     (``_TIME_LIKE``), so the next turn's new time finds the same conversation.
 
     The digest is blake2b-128 over the distinct (masked) values, sorted and length-framed."""
-    values = sorted({_TIME_LIKE.sub("#", value) for _, value, per_request in system_values if not per_request})
+    values = sorted(
+        {_TIME_LIKE.sub("#", value) for _, value, per_request in system_values if not per_request}
+    )
     if not values:
         return scope
     h = hashlib.blake2b(digest_size=16, person=b"pg-conversation")
