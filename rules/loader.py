@@ -68,6 +68,11 @@ from rules.patterns import (
     compile_pattern,
     parse_template,
 )
+from rules.yaml_nodes import compose_file as _compose
+from rules.yaml_nodes import located as _located
+from rules.yaml_nodes import mapping_of as _mapping
+from rules.yaml_nodes import node_line as _line
+from rules.yaml_nodes import node_value as _value
 
 PACK_DIR = Path(__file__).resolve().parent / "packs"
 """Directory of the shipped packs (``NAME.yaml``; files starting with ``_`` are not packs)."""
@@ -166,115 +171,6 @@ def _resolve(source: Any, base: Path | None, where: tuple[str, int] | None) -> t
     if base is not None and not path.is_absolute():
         path = base / path
     return path.resolve(), str(path)
-
-
-def _line(node: yaml.Node) -> int:
-    return node.start_mark.line + 1
-
-
-def _compose(path: Path, display: str) -> yaml.Node:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RuleError("file not found", display) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise RuleError(f"cannot read file: {e}", display) from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        problem = getattr(e, "problem", None) or str(e)
-        context = getattr(e, "context", None)
-        reason = f"bad YAML: {problem}" + (f" ({context})" if context else "")
-        raise RuleError(reason, display, mark.line + 1 if mark is not None else None) from None
-    if node is None:
-        raise RuleError("empty file (expected a mapping with a 'rules' list)", display, 1)
-    return node
-
-
-def _value(node: yaml.Node) -> Any:
-    """The Python value of a composed node (safe types only).
-
-    Raises:
-        RuleError: the node cannot be constructed (an unknown tag such as ``!re``, an impossible date such as
-            ``2024-02-30``), with its line; the caller's file is filled in by ``_located``.
-    """
-    try:
-        return yaml.SafeLoader("").construct_object(node, deep=True)
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:
-        problem = getattr(e, "problem", None) or str(e)
-        raise RuleError(f"bad value: {problem}", None, _line(node)) from None
-
-
-def _located(error: RuleError, file: str, rule_id: str | None = None) -> RuleError:
-    """``error`` located in ``file`` (and rule ``rule_id``) when it was raised without a file (by ``_value`` or
-    ``_flatten_merges``, which only know the node); errors raised with their location are kept as they are."""
-    if error.file is not None:
-        return error
-    return RuleError(error.reason, file, error.line, error.rule_id or rule_id)
-
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-def _flatten_merges(node: yaml.MappingNode, rule_id: str | None, _active: tuple[int, ...] = ()) -> None:
-    """Apply YAML merge keys in place (https://yaml.org/type/merge.html): ``<<: *defaults`` or ``<<: [*a, *b]``
-    adds the merged mappings' pairs; the mapping's own keys win over merged ones and, in a list, an earlier
-    mapping wins over a later one. A merged mapping has its own merge keys applied first.
-
-    Raises:
-        RuleError (without a file; ``_located`` adds it): a merge value that is not a mapping or a list of
-            mappings, a merged key that is not a plain scalar, or a mapping that merges itself.
-    """
-    if not any(key.tag == _MERGE_TAG for key, _ in node.value):
-        return
-    if id(node) in _active:
-        raise RuleError("bad merge key: a mapping merges itself", None, _line(node), rule_id)
-    own: list[tuple[yaml.Node, yaml.Node]] = []
-    sources: list[yaml.MappingNode] = []
-    for key, value in node.value:
-        if key.tag != _MERGE_TAG:
-            own.append((key, value))
-        elif isinstance(value, yaml.MappingNode):
-            sources.append(value)
-        elif isinstance(value, yaml.SequenceNode) and all(
-            isinstance(v, yaml.MappingNode) for v in value.value
-        ):
-            sources.extend(value.value)
-        else:
-            raise RuleError(
-                "bad merge key: expected a mapping or a list of mappings", None, _line(value), rule_id
-            )
-    seen = {key.value for key, _ in own if isinstance(key, yaml.ScalarNode)}
-    merged: list[tuple[yaml.Node, yaml.Node]] = []
-    for source in sources:
-        _flatten_merges(source, rule_id, (*_active, id(node)))
-        for key, value in source.value:
-            if not isinstance(key, yaml.ScalarNode):
-                raise RuleError("bad merge key: merged keys must be strings", None, _line(key), rule_id)
-            if key.value not in seen:
-                seen.add(key.value)
-                merged.append((key, value))
-    node.value = merged + own
-
-
-def _mapping(
-    node: yaml.Node, file: str, rule_id: str | None, what: str
-) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-    """Key -> (key node, value node) of a mapping node (YAML merge keys applied); duplicate or non-string keys
-    are errors."""
-    if not isinstance(node, yaml.MappingNode):
-        raise RuleError(f"{what} must be a mapping", file, _line(node), rule_id)
-    _flatten_merges(node, rule_id)
-    out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
-    for key_node, value_node in node.value:
-        key = _value(key_node) if isinstance(key_node, yaml.ScalarNode) else None
-        if not isinstance(key, str):
-            raise RuleError(f"keys of {what} must be strings", file, _line(key_node), rule_id)
-        if key in out:
-            raise RuleError(f"duplicate key '{key}' in {what}", file, _line(key_node), rule_id)
-        out[key] = (key_node, value_node)
-    return out
 
 
 def _load_file(path: Path, display: str, state: _LoadState, stack: tuple[Path, ...]) -> None:
