@@ -18,8 +18,8 @@ Placements (``hoist`` rule key ``placement``), inside a turn:
 - ``tail_end`` (the default): at the end of the turn's newest user message (after its content, separated by
   a blank line); in a turn of tool results only, a user message of its own after them, never text inside a
   tool's output (which the model would read as what the tool returned; the Messages API carries it as a text
-  block after the ``tool_result`` blocks of the same user turn). The next turn resends that message, so a 4,000-token tool result before
-  the block stays cached even when a value changed. In the *first* turn the block goes at the start of
+  block after the ``tool_result`` blocks of the same user turn). The next turn resends what comes before it,
+  so a 4,000-token tool result before the block stays cached even when a value changed. In the *first* turn the block goes at the start of
   its last user message instead (after its document region): values moved out of the system prompt then
   still precede all conversation text, so a client that later rewrites the first message (compaction, an
   edit) never caches less than without rules (docs/history-stability.md).
