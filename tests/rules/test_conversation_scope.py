@@ -224,3 +224,23 @@ def test_a_users_line_that_holds_a_time_names_the_conversation_by_the_rest() -> 
     memory = TranscriptMemory(InProcessTranscriptStore())
     DEFAULT.apply(turn(3, False), memory=memory, scope="s")
     assert DEFAULT.apply(turn(9, True), memory=memory, scope="s").history.reused_turns == 1
+
+
+def test_an_agents_git_status_changing_between_turns_keeps_its_history() -> None:
+    def turn(status: str, more: bool) -> list[dict]:
+        system = {
+            "role": "system",
+            "content": f"You are a coding agent.\ngitStatus:\n{status}\n\nBe careful.",
+        }
+        messages = [system, {"role": "user", "content": "Fix the parser."}]
+        if more:
+            messages += [
+                {"role": "assistant", "content": "Edited parser.py."},
+                {"role": "user", "content": "Tests?"},
+            ]
+        return messages
+
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    DEFAULT.apply(turn(" M README.md", False), memory=memory, scope="s")
+    later = DEFAULT.apply(turn(" M README.md\n M parser.py", True), memory=memory, scope="s")
+    assert later.history.reused_turns == 1
