@@ -251,7 +251,9 @@ class RuleSet:
             applied[rule_id] = applied.get(rule_id, 0) + count
         present_now = [v for _, v, _ in system_values]
         # the memory's keys (and the later turns' memo) name the values that tell whose conversation it is
-        memory_scope = conversation_scope(scope, system_values)
+        memory_scope = done.memory_scope
+        if memory_scope is None:  # not computed for the later turns' memo (fewer than three turns, full path)
+            memory_scope = conversation_scope(scope, system_values)
 
         first_new = 0
         present = present_now

@@ -35,6 +35,8 @@ class Turns:
         merged: the turns changed when the blocks came out, and every carried value went to the last turn.
         first: the first turn's memo entry (incremental only); later: the later turns' entry it went on from.
         later_applied: applications in the turns after the first (incremental only).
+        memory_scope: ``conversation_scope`` of the scope and the system values, when it was computed here (the
+            later turns' memo key); ``RuleSet.apply`` keys the transcript memory with it.
     """
 
     work: list[dict[str, Any]]
@@ -47,6 +49,7 @@ class Turns:
     first: FirstTurn | None = None
     later: LaterTurns | None = None
     later_applied: dict[str, int] | None = None
+    memory_scope: str | None = None
 
 
 def turns_full(
@@ -117,6 +120,7 @@ def turns_incremental(
     later: LaterTurns | None = None
     k = 1
     n_turns = len(raw_spans)
+    later_scope: str | None = None
     if n_turns > 2:
         # the first turn as processed is the same for two users whose system prompts differ only in hoisted
         # values: the scope names the values that tell them apart, as the transcript memory's keys do
@@ -163,4 +167,6 @@ def turns_incremental(
     applied: dict[str, int] = dict(first.applied)
     for rule_id, count in later_applied.items():
         applied[rule_id] = applied.get(rule_id, 0) + count
-    return Turns(work, spans, carried, own, applied, system_values, False, first, later, later_applied)
+    return Turns(
+        work, spans, carried, own, applied, system_values, False, first, later, later_applied, later_scope
+    )
