@@ -21,6 +21,12 @@ from rules.placement import LOCATIONS, extract_turn_blocks, turn_spans
 from rules.transcript import conversation_scope
 from rules.turn_rules import TurnRules
 
+LATER_LOOKUPS = 16
+"""How many of the longest earlier requests ``turns_incremental`` looks up in the memo (a key holds the later
+turns' messages, so one lookup costs their length): a conversation's previous request is one or a few turns
+shorter, and a request whose earlier form is further back goes the full way (the same ``Turns``), so a request
+of n turns costs O(n) lookups' worth, not O(n^2) (50,000 alternating messages took 48 s before)."""
+
 
 @dataclass
 class Turns:
@@ -125,7 +131,7 @@ def turns_incremental(
         # the first turn as processed is the same for two users whose system prompts differ only in hoisted
         # values: the scope names the values that tell them apart, as the transcript memory's keys do
         later_scope = conversation_scope(scope, first.system_values)
-        for j in range(n_turns - 1, 1, -1):  # the longest earlier request first
+        for j in range(n_turns - 1, max(1, n_turns - 1 - LATER_LOOKUPS), -1):  # the longest earlier first
             later = memo.get(
                 later_key(memo_tag, later_scope, tools_json, first.items, tuple(items[e0 : raw_spans[j][0]]))
             )

@@ -44,10 +44,8 @@ def model_page(names: Sequence[str], created: int, query: Mapping[str, str]) -> 
     raw = query.get("limit")
     limit = DEFAULT_LIMIT
     if raw is not None:
-        try:
-            limit = int(raw)
-        except ValueError:
-            limit = 0
+        # Plain decimal digits only: int() would also take " 5 " and "1_0" (read as 10).
+        limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 4 else 0
         if not 1 <= limit <= MAX_LIMIT:
             raise InvalidRequestError(f"limit: must be an integer from 1 to {MAX_LIMIT}", param="limit")
     after, before = query.get("after_id"), query.get("before_id")

@@ -135,7 +135,10 @@ async def login(http_request: Request) -> Response:
         return _login_form("Login form too large.", 413)
     except InvalidRequestError:
         return _login_form("Invalid login request.", 400)
-    form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    try:
+        form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    except ValueError:  # more fields than the form has
+        return _login_form("Invalid login request.", 400)
     presented = (form.get("token") or [""])[0]
     csrf = (form.get("csrf") or [""])[0]
     expected_csrf = http_request.cookies.get(CSRF_COOKIE, "")

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from bench.rules_traces import read_trace
 from rules import Canonical, RuleSet, load_ruleset
+from rules.bounded_lru import BoundedLRU
+from rules.history_turns import LATER_LOOKUPS
 from rules.transcript import InProcessTranscriptStore, TranscriptEntry, TranscriptMemory
 from rules.turn_rules import TurnRules
 from tests.rules.helpers import write_rules
@@ -309,3 +311,46 @@ def test_rule_sets_sharing_one_history_memo_keep_their_own_results(tmp_path: Pat
         assert "xxx" in json.dumps(base.apply(copy.deepcopy(turns), scope="s").messages)
         turns.append({"role": "assistant", "content": f"answer {i} xx"})
     assert shared.history_memo is base.history_memo and base.history_memo.hits > 0
+
+
+def test_a_request_of_many_turns_looks_up_a_bounded_number_of_earlier_forms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # each lookup's key holds the later turns' messages, so trying every earlier length made a request of n
+    # turns cost O(n^2) on the event loop (50,000 alternating messages took 48 s): at most LATER_LOOKUPS
+    later_sizes: list[int] = []
+    real_get = BoundedLRU.get
+
+    def counting_get(self: BoundedLRU, key: Any) -> Any:
+        if isinstance(key, tuple) and key[:1] == ("later",):
+            later_sizes.append(len(key[-1]))
+        return real_get(self, key)
+
+    monkeypatch.setattr(BoundedLRU, "get", counting_get)
+    pair = Pair(default_rules())
+    messages = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(2 * 200 + 1)
+    ]
+    pair.send(messages)
+    assert len(later_sizes) == LATER_LOOKUPS
+    assert later_sizes == sorted(later_sizes, reverse=True)  # the longest earlier forms first
+
+
+def test_a_request_whose_earlier_form_is_further_back_than_the_lookups_goes_the_full_way() -> None:
+    # 40 turns added at once: the earlier request's form is not looked up, and the answer is the reference's
+    pair = Pair(default_rules())
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are Atlas. Today is 2026-12-01."}]
+    for step in range(4):
+        history += [
+            {"role": "user", "content": f"Question {step}?"},
+            {"role": "assistant", "content": "Yes."},
+        ]
+    pair.send([*history, {"role": "user", "content": "Go on?"}])
+    hits = pair.new.history_memo.hits
+    for step in range(LATER_LOOKUPS + 24):
+        history += [{"role": "user", "content": f"Later {step}?"}, {"role": "assistant", "content": "No."}]
+    pair.send([*history, {"role": "user", "content": "And now?"}])
+    assert pair.new.history_memo.hits == hits + 1  # the first turn only
+    history += [{"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Done."}]
+    pair.send([*history, {"role": "user", "content": "Last?"}])
+    assert pair.new.history_memo.hits == hits + 3  # the first turn and the previous request's later turns

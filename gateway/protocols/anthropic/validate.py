@@ -94,7 +94,7 @@ def validate_cache_control(value: Any, param: str) -> None:
         raise bad_param(f"expected an object, got {json_kind(value)}", param)
     if value.get("type") != "ephemeral":
         raise bad_param("type must be 'ephemeral'", f"{param}.type")
-    if "ttl" in value and value["ttl"] not in _CACHE_TTLS:
+    if "ttl" in value and (not isinstance(value["ttl"], str) or value["ttl"] not in _CACHE_TTLS):
         raise bad_param("ttl must be '5m' or '1h'", f"{param}.ttl")
 
 
@@ -243,7 +243,11 @@ def _validate_tool(tool: Any, param: str) -> None:
 
 
 def _validate_tool_choice(choice: Any, tool_names: set[str]) -> None:
-    if not isinstance(choice, dict) or choice.get("type") not in _TOOL_CHOICE_TYPES:
+    if (
+        not isinstance(choice, dict)
+        or not isinstance(choice.get("type"), str)
+        or choice["type"] not in _TOOL_CHOICE_TYPES
+    ):
         raise bad_param("expected {'type': 'auto' | 'any' | 'tool' | 'none', ...}", "tool_choice")
     if choice["type"] == "tool":
         name = _require_str(choice.get("name"), "tool_choice.name", allow_empty=False)

@@ -24,3 +24,20 @@ def invalid_type(param: str, expected: str, value: Any) -> InvalidRequestError:
         param=param,
         code="invalid_type",
     )
+
+
+JSON_TYPES: dict[str, type | tuple[type, ...]] = {"a boolean": bool, "a string": str, "an object": dict}
+"""The expected kinds ``check_types`` knows, by the words its message uses."""
+
+
+def check_types(body: dict[str, Any], types: dict[str, str], prefix: str = "") -> None:
+    """Refuse a present, non-null ``body[field]`` whose JSON type is not ``types[field]`` (a key of
+    ``JSON_TYPES``); the fields a request only passes on or ignores are typed as OpenAI's reference types them.
+
+    Raises:
+        InvalidRequestError: ``invalid_type`` naming ``prefix + field``.
+    """
+    for name, expected in types.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, JSON_TYPES[expected]):
+            raise invalid_type(f"{prefix}{name}", expected, value)

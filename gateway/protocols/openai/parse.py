@@ -6,6 +6,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.headers import MAX_TENANT_CHARS, rules_enabled, tenant
 from gateway.core.json_types import json_kind
 from gateway.core.request import ChatRequest, given_sampling
-from gateway.protocols.openai.field_errors import invalid_type, missing_param
+from gateway.protocols.openai.field_errors import check_types, invalid_type, missing_param
 from gateway.protocols.openai.tool_fields import (
     check_function_name,
     check_tool_calls,
@@ -82,6 +83,7 @@ def parse_chat_request(
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
     _check_metadata(body)
     check_enums(body, CHAT_ENUMS)
+    check_types(body, CHAT_TYPES)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -144,6 +146,13 @@ def parse_completion_request(
         rules_enabled=rules_enabled(headers),
     )
 
+
+CHAT_TYPES: dict[str, str] = {
+    "parallel_tool_calls": "a boolean", "store": "a boolean", "prompt_cache_key": "a string",
+    "safety_identifier": "a string", "prompt_cache_options": "an object", "moderation": "an object",
+}  # fmt: skip
+"""Chat fields passed on or ignored, typed as OpenAI's reference types them (checked by ``check_types``, so a
+wrong type is a 400 here rather than a field that silently does nothing or an upstream's error)."""
 
 CHAT_ENUMS: dict[str, tuple[str, ...]] = {
     "service_tier": ("auto", "default", "flex", "scale", "priority"),
@@ -228,12 +237,16 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if "role" not in message:
         raise missing_param(f"{where}.role")
     role = message["role"]
+    if not isinstance(role, str):
+        raise invalid_type(f"{where}.role", "a string", role)
     if role not in ROLES:
         raise InvalidRequestError(
             f"Invalid value: '{role}'. Supported values are: {', '.join(sorted(ROLES))}.",
             param=f"{where}.role",
             code="invalid_value",
         )
+    if message.get("function_call") is not None and not isinstance(message["function_call"], dict):
+        raise invalid_type(f"{where}.function_call", "an object", message["function_call"])
     if message.get("tool_calls") is not None:
         check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
     content = message.get("content")
@@ -271,8 +284,10 @@ def _content_part(part: Any, where: str) -> None:
     kind = part.get("type")
     if not isinstance(kind, str):
         raise missing_param(f"{where}.type")
-    if kind == "text" and not isinstance(part.get("text"), str):
+    if kind in ("text", "input_text") and not isinstance(part.get("text"), str):
         raise invalid_type(f"{where}.text", "a string", part.get("text"))
+    if kind == "refusal" and not isinstance(part.get("refusal"), str):
+        raise invalid_type(f"{where}.refusal", "a string", part.get("refusal"))
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -498,13 +513,17 @@ def _optional_number(body: dict[str, Any], name: str, low: float, high: float) -
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise invalid_type(name, "a number", value)
-    if not low <= value <= high:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal past the float range (JSON allows 4,300 digits)
+        number = math.inf
+    if not low <= value <= high or not math.isfinite(number):
         raise InvalidRequestError(
             f"Invalid '{name}': expected a value between {low:g} and {high:g}, but got {value} instead.",
             param=name,
             code="invalid_value",
         )
-    return float(value)
+    return number
 
 
 METADATA_MAX_PAIRS = 16

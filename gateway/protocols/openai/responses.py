@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.core.errors import InvalidRequestError
 from gateway.core.json_types import json_kind
+from gateway.protocols.openai.field_errors import check_types
 from gateway.protocols.openai.parse import CHAT_ENUMS, check_enums
 from gateway.protocols.openai.responses_params import MessageOrigin
 
@@ -37,6 +38,14 @@ RESPONSES_FIELDS = frozenset(
 STATEFUL = ("previous_response_id", "conversation", "prompt", "context_management")
 """Fields that need response storage, which this gateway does not keep: refused when set."""
 
+RESPONSES_TYPES: dict[str, str] = {
+    "store": "a boolean", "background": "a boolean", "stream_options": "an object",
+    "parallel_tool_calls": "a boolean", "prompt_cache_key": "a string", "safety_identifier": "a string",
+    "prompt_cache_options": "an object", "moderation": "an object", "image": "an object",
+    "access_programs": "an object", "background_options": "an object",
+}  # fmt: skip
+"""Responses fields passed on or ignored, typed as the openai-python SDK's ``ResponseCreateParams`` types them."""
+
 PASSED_ON = ("temperature", "top_p", "metadata", "parallel_tool_calls", "user", "prompt_cache_key",
              "prompt_cache_retention", "safety_identifier", "service_tier")  # fmt: skip
 """Fields with the same name and meaning in a Chat Completions body."""
@@ -54,6 +63,7 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
         for key in body:
             if key not in RESPONSES_FIELDS:
                 raise InvalidRequestError(f"Unknown parameter: '{key}'.", param=key, code="unknown_parameter")
+    check_types(body, RESPONSES_TYPES)
     for key in STATEFUL:
         if body.get(key) is not None:
             raise _unsupported(key, "prefixgate's Responses API is stateless (no stored responses)")
@@ -94,7 +104,8 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     top_asked = body.get("top_logprobs") not in (None, 0)  # 0 alternatives alone ask for nothing
-    if top_asked or LOGPROBS_INCLUDE in _include(body):
+    include = _include(body)  # checked whether or not top_logprobs already asks for logprobs
+    if top_asked or LOGPROBS_INCLUDE in include:
         chat["logprobs"] = True
         top = body.get("top_logprobs")
         chat["top_logprobs"] = 0 if top is None else top
@@ -287,7 +298,7 @@ _ROLES = frozenset({"user", "assistant", "system", "developer"})
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise InvalidRequestError(
             f"Invalid value for '{where}.role': supported values are 'user', 'assistant', 'system' and "
             "'developer'.",

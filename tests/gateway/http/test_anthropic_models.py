@@ -73,6 +73,8 @@ def test_pages(client, query, ids, has_more):
         ("limit=0", "limit"),
         ("limit=1001", "limit"),
         ("limit=two", "limit"),
+        ("limit=1_0", "limit"),  # before: read as 10 (int() takes underscores and spaces)
+        ("limit=%205%20", "limit"),
         ("after_id=nope", "after_id"),
         ("before_id=nope", "before_id"),
         ("after_id=m1&before_id=m3", "after_id"),

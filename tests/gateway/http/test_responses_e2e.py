@@ -191,6 +191,24 @@ def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, ext
             "object_above_max_properties",
             "metadata",
         ),
+        # Before (a fuzzing trial): a 500 (an unhashable role), or a 200 with the value unchecked
+        ({"model": TINY_MODEL, "input": [{"role": {}, "content": "x"}]}, "invalid_value", "input[0].role"),
+        (
+            {"model": TINY_MODEL, "input": "x", "top_logprobs": 1, "include": ["bogus"]},
+            "invalid_value",
+            "include[0]",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "top_logprobs": 1, "include": 5}, "invalid_type", "include"),
+        ({"model": TINY_MODEL, "input": "x", "store": "yes"}, "invalid_type", "store"),
+        ({"model": TINY_MODEL, "input": "x", "background": 0}, "invalid_type", "background"),
+        ({"model": TINY_MODEL, "input": "x", "stream_options": 5}, "invalid_type", "stream_options"),
+        (
+            {"model": TINY_MODEL, "input": "x", "parallel_tool_calls": "x"},
+            "invalid_type",
+            "parallel_tool_calls",
+        ),
+        ({"model": TINY_MODEL, "input": "x", "image": 1}, "invalid_type", "image"),
+        ({"model": TINY_MODEL, "input": "x", "background_options": 3}, "invalid_type", "background_options"),
     ],
 )
 def test_bad_bodies_get_openai_errors(server, body, code, param):

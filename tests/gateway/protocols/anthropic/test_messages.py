@@ -336,6 +336,12 @@ def test_a_later_message_with_nothing_to_send_becomes_no_turn():
             "tool_choice.name",
         ),
         (lambda b: b.update(metadata={"user_id": 7}), "metadata.user_id"),
+        # Before (a fuzzing trial): a 500, an unhashable value tested against a set of strings
+        (lambda b: b.update(cache_control={"type": "ephemeral", "ttl": []}), "cache_control.ttl"),
+        (
+            lambda b: b.update(tool_choice={"type": {"a": 1}}, tools=[{"name": "a", "input_schema": {}}]),
+            "tool_choice",
+        ),
         # before: accepted (a tool name outside the API's pattern; a tool_result answering no tool_use)
         (lambda b: b.update(tools=[{"name": "bad name!", "input_schema": {}}]), "tools[0].name"),
         (lambda b: b.update(tools=[{"name": "x" * 129, "input_schema": {}}]), "tools[0].name"),

@@ -195,6 +195,37 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"metadata": {"a": "v" * 513}}, "metadata.a", "string_above_max_length"),
         ({"metadata": {"k" * 65: "v"}}, "metadata", "string_above_max_length"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "object_above_max_properties"),
+        # Before (a fuzzing trial): each of these was a 500 (an unhashable value in a set test, a float overflow,
+        # a part's text joined unchecked) or a 200 with the field silently ignored
+        ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role", "invalid_type"),
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role", "invalid_type"),
+        ({"repetition_penalty": 10**309}, "repetition_penalty", "invalid_value"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "messages[0].content[0].text",
+            "invalid_type",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": [{"type": "refusal"}]},
+                ]
+            },
+            "messages[1].content[0].refusal",
+            "invalid_type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "function_call": 5}]},
+            "messages[1].function_call",
+            "invalid_type",
+        ),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
+        ({"store": "yes"}, "store", "invalid_type"),
+        ({"prompt_cache_key": {"a": [1]}}, "prompt_cache_key", "invalid_type"),
+        ({"safety_identifier": 42}, "safety_identifier", "invalid_type"),
+        ({"prompt_cache_options": 7}, "prompt_cache_options", "invalid_type"),
+        ({"moderation": []}, "moderation", "invalid_type"),
     ],
 )
 def test_bad_chat_fields_are_400_with_param_and_code(fields, param, code):
