@@ -22,7 +22,9 @@ is closed, a nested ``$defs`` entry never), and one whose ``required`` names a k
 A schema with ``not``, ``oneOf`` or ``if`` anywhere comes back unchanged: there a stricter subschema can let
 through what the client's refuses (``not`` of a closed object refuses less; an instance of one closed ``oneOf``
 branch may match another open one; a closed ``if`` picks the other branch), and a ``$ref`` may bring a closed
-definition into such a place.
+definition into such a place. So does one with a ``$ref`` other than ``#`` and ``#/$defs/<name>`` (or
+``#/definitions/<name>``) of a root definition, or a nested ``$id`` (``_plain_refs_only``): only those pointers
+are followed here, and another could bring a closed subschema in beside keys it would refuse.
 
 Invariant: the input is never modified; the result differs from it only by added ``additionalProperties: false``.
 """
@@ -86,14 +88,46 @@ def closed_schema(schema: Any) -> Any:
     Returns:
         A new schema (the input is not modified).
     """
-    if not isinstance(schema, dict) or _has_key(schema, _UNSAFE_KEYS):
+    if not isinstance(schema, dict) or _has_key(schema, _UNSAFE_KEYS) or not _plain_refs_only(schema):
         return schema
     conjoined: set[str] = set()
     _conjoined_refs(schema, conjoined, False)
     return _closed(schema, close_here="#" not in conjoined, conjoined=conjoined)
 
 
-def _pointer_token(name: str) -> str:
+def _plain_refs_only(schema: dict[str, Any]) -> bool:
+    """Whether every ``$ref`` in ``schema`` is ``#`` or names a root definition as ``#/$defs/<name>`` /
+    ``#/definitions/<name>`` (the pointers ``_conjoined_refs`` and ``_closed`` match), and no subschema sets its
+    own ``$id`` (which would move the base its references resolve against). Another reference (into
+    ``#/properties/...``, as zod-to-json-schema writes a reused subschema; a percent-encoded name; an anchor or
+    ``$id``-relative one) could bring a closed subschema in beside keys it would refuse (a tools trial: a
+    satisfiable schema was refused as unsatisfiable), so such a schema is left as sent."""
+    known = {"#"} | {
+        f"#/{key}/{pointer_token(name)}"
+        for key in _DEFS
+        if isinstance(schema.get(key), dict)
+        for name in schema[key]
+    }
+    refs: list[Any] = []
+    _collect_refs(schema, refs, root=True)
+    return all(ref in known for ref in refs)
+
+
+def _collect_refs(node: Any, out: list[Any], root: bool = False) -> None:
+    """Append every ``$ref`` value in ``node`` to ``out``, and a sentinel for a nested ``$id``."""
+    if isinstance(node, list):
+        for item in node:
+            _collect_refs(item, out)
+    elif isinstance(node, dict):
+        if "$ref" in node:
+            out.append(node["$ref"])
+        if "$id" in node and not root:
+            out.append(None)  # never a known pointer
+        for value in node.values():
+            _collect_refs(value, out)
+
+
+def pointer_token(name: str) -> str:
     """``name`` as one JSON Pointer reference token (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``)."""
     return name.replace("~", "~0").replace("/", "~1")
 
@@ -150,7 +184,7 @@ def _closed(node: Any, close_here: bool, conjoined: set[str] | None = None) -> A
         elif key in _DEFS and isinstance(value, dict):
             out[key] = {
                 name: _closed(
-                    sub, conjoined is not None and f"#/{key}/{_pointer_token(name)}" not in conjoined
+                    sub, conjoined is not None and f"#/{key}/{pointer_token(name)}" not in conjoined
                 )
                 for name, sub in value.items()
             }

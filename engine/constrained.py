@@ -48,6 +48,7 @@ from engine.api import Constraint
 from engine.closed_schema import closed_schema
 from engine.errors import InvalidRequestError
 from engine.openmp_threads import serial_torch_thread
+from engine.schema_instances import UNSATISFIABLE, has_finite_instance
 from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, CALL_TAIL, call_head, function_tools
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -55,6 +56,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 ``json.dumps``' separators, so constrained JSON looks like what models were trained on."""
 
 log = logging.getLogger(__name__)
+
+_FORMAT_REFUSED = "Invalid 'response_format': the JSON schema is not supported by constrained decoding: "
+"""The start of every refusal of a response format's schema (the Anthropic face renames the field)."""
 
 GRAMMAR_CACHE_SIZE = 256
 """Compiled grammars kept per engine (keyed by the constraint's canonical JSON)."""
@@ -64,6 +68,13 @@ def _json_schema(schema: dict) -> dict:
     """``schema`` as llguidance compiles it: objects closed by default (``engine.closed_schema``), then the JSON
     options (``JSON_OPTIONS``)."""
     return {**closed_schema(schema), "x-guidance": JSON_OPTIONS}
+
+
+def _object_root(schema: dict) -> dict:
+    """A tool's parameters schema with its root typed ``object`` (arguments are an object: ``{}``, or a root of
+    only ``$ref`` / ``anyOf``, admits any JSON value, and the parser drops a call whose arguments are not an
+    object). ``engine.tool_calls.function_tools`` refuses a root typed otherwise."""
+    return schema if "type" in schema else {"type": "object", **schema}
 
 
 def lark_string(text: str) -> str:
@@ -118,14 +129,22 @@ def tool_call_grammar(constraint: Constraint) -> str:
         "body: " + " | ".join(f"body_{i}" for i in range(len(tools))),
     ]
     for i, tool in enumerate(tools):
+        if not has_finite_instance(_object_root(tool.parameters)):
+            raise InvalidRequestError(
+                f"Invalid 'tools': the schema of tool '{tool.name}' is not supported by constrained decoding: "
+                + UNSATISFIABLE,
+                "tools",
+            )
         head = lark_string(call_head(tool.name))
         lines += [
             f"body_{i}: {head} args_{i} {lark_string(CALL_TAIL)}",
-            f"args_{i}: %json {json.dumps(_json_schema(tool.parameters))}",
+            f"args_{i}: %json {json.dumps(_json_schema(_object_root(tool.parameters)))}",
         ]
     if choice == "auto" and constraint.json_schema is not None:
         if not isinstance(constraint.json_schema, dict):
             raise InvalidRequestError("json_schema must be a JSON Schema object", "response_format")
+        if not has_finite_instance(constraint.json_schema):
+            raise InvalidRequestError(_FORMAT_REFUSED + UNSATISFIABLE, "response_format")
         lines += [
             f"start: answer | call {more}",
             f"answer: %json {json.dumps(_json_schema(constraint.json_schema))}",
@@ -159,10 +178,14 @@ def grammar_for(constraint: Constraint) -> str:
     if constraint.kind == "json_schema":
         if not isinstance(constraint.json_schema, dict):
             raise InvalidRequestError("json_schema must be a JSON Schema object", "response_format")
+        if not has_finite_instance(constraint.json_schema):
+            raise InvalidRequestError(_FORMAT_REFUSED + UNSATISFIABLE, "response_format")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(constraint.json_schema))
         except (ValueError, TypeError) as e:
-            raise InvalidRequestError(f"unsupported JSON schema: {e}", "response_format") from e
+            # llguidance's own conversion of the schema failed (an integer past 64 bits: "Value is not JSON
+            # serializable"); worded as every other refused format, which the Anthropic face renames
+            raise InvalidRequestError(f"{_FORMAT_REFUSED}{e}", "response_format") from e
     if constraint.kind == "tool_calls":
         return llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(constraint))
     raise InvalidRequestError(f"unknown constraint kind {constraint.kind!r}", "response_format")
@@ -275,11 +298,7 @@ class ConstraintCompiler:
                     "tools",
                 )
             errors = problem
-        return (
-            f"Invalid 'response_format': the JSON schema is not supported by constrained decoding: "
-            f"{schema_problem(errors)}",
-            "response_format",
-        )
+        return _FORMAT_REFUSED + schema_problem(errors), "response_format"
 
     def _schema_errors(self, schema: dict) -> str | None:
         """llguidance's errors for ``schema`` compiled alone (None: it compiles)."""

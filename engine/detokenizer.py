@@ -18,14 +18,20 @@ arguments).
 already made (a small model repeating its call; SmolLM2 greedy under ``tool_choice: required`` wrote the same
 call until ``max_tokens``): the repeat and the separator before it are not returned, and text that may still
 become such a repeat is held back until it differs, so no part of a dropped repeat is ever emitted; an answer
-that reaches ``max_tokens`` inside such a repeat ends at the call before it, complete.
+that reaches ``max_tokens`` inside such a repeat after its arguments closed (nothing but ``}`` and the closing tag
+could follow) ends at the call before it, complete. Cut earlier, the text could still have become a new call (the
+same name with other arguments), so the finish stays ``length`` and the held text is flushed.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR
+from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, CALL_TAIL
+
+REPEAT_FIXED_TAIL = len(CALL_TAIL + CALL_CLOSE)
+"""Characters of a call after its arguments' last one: fixed by the grammar, so a pending repeat that reached its
+arguments' end can only complete."""
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -237,14 +243,22 @@ class RepeatedCallGuard(HeldBackText):
         return out
 
     def end_at_repeat(self) -> bool:
-        """Where the text after the last complete call is, so far, the start of a repeat (held back): drop it,
-        set ``stopped`` and return True (the answer ends at that call, as if the repeat had completed); else
-        False. For an answer cut at ``max_tokens`` inside its repeat: what it returns is then complete."""
+        """Where the text after the last complete call is an earlier call's text up to its arguments' end at
+        least (held back; only ``}`` and the closing tag could follow, so it could only become that repeat): drop
+        it, set ``stopped`` and return True (the answer ends at that call, as if the repeat had completed); else
+        False. For an answer cut at ``max_tokens``. A shorter pending text is no certain repeat (a tools trial:
+        ``{"name": "get_weather", "arguments": {"city": "`` was the start of a call for another city, dropped
+        with a ``tool_calls`` finish), so the answer is cut there (``length``)."""
         if (
             self.stopped
             or not self.repeats
             or self.emitted != self._after_call
             or len(self.text) == self.emitted
+        ):
+            return False
+        pending = self.text[self._after_call :]
+        if not any(
+            r.startswith(pending) and len(pending) >= len(r) - REPEAT_FIXED_TAIL for r in self.repeats
         ):
             return False
         self.text = self.text[: self._after_call]
@@ -301,8 +315,8 @@ class OutputText:
         return out if self.guard is None else self.guard.push(out)
 
     def end_at_repeat(self) -> bool:
-        """At ``max_tokens``: True (and ``stopped``, ``repeated_call``) when the output was inside what is so far a
-        repeat of an earlier call, which is dropped (``RepeatedCallGuard.end_at_repeat``); else False."""
+        """At ``max_tokens``: True (and ``stopped``, ``repeated_call``) when the output was inside a repeat of an
+        earlier call past its arguments, which is dropped (``RepeatedCallGuard.end_at_repeat``); else False."""
         return self.guard is not None and not self.matcher.stopped and self.guard.end_at_repeat()
 
     def finish(self) -> str:

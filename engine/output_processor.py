@@ -123,7 +123,8 @@ class OutputProcessor:
             if constraint is not None and constraint.is_stopped:
                 reason = "stop"
         if reason is None and req.num_output_tokens >= req.max_tokens:
-            # cut inside a repeat of an earlier tool call: the answer ends, complete, at the call before it
+            # cut inside a repeat of an earlier tool call past its arguments: the answer ends, complete, at the
+            # call before it
             reason = "stop" if req.output is not None and req.output.end_at_repeat() else "length"
         lps = [logprob] if logprob is not None else []
         if reason is None:

@@ -81,11 +81,15 @@ class FunctionTool:
 def function_tools(tools: Sequence[object]) -> list[FunctionTool]:
     """Normalize OpenAI tools (``{"type": "function", "function": {...}}``) or bare function objects.
 
-    A missing ``parameters`` means no arguments (``{"type": "object", "properties": {}}``, as OpenAI).
+    A missing ``parameters`` means no arguments (``{"type": "object", "properties": {}}``, as OpenAI). A schema
+    whose root ``type`` is not ``"object"`` is refused, as OpenAI and Anthropic refuse it (arguments are an
+    object; before, a forced call under ``{"type": "array"}`` was written, dropped by the parser, and answered
+    as a stop with neither call nor text); one with no root ``type`` is kept as sent (the grammar adds it).
 
     Raises:
         InvalidRequestError: ``param="tools"``: not a list of objects, a tool of another type, a missing or
-            non-string name, or ``parameters`` that is not an object; ``param="tools[i].function.name"``: the
+            non-string name, ``parameters`` that is not an object or types its root as anything but an object;
+            ``param="tools[i].function.name"``: the
             second tool of a name.
     """
     if not isinstance(tools, list | tuple):
@@ -105,6 +109,12 @@ def function_tools(tools: Sequence[object]) -> list[FunctionTool]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequestError(f"tools[{i}].parameters must be a JSON Schema object", "tools")
+        if "type" in params and params["type"] != "object":  # arguments are an object (both providers' rule)
+            raise InvalidRequestError(
+                f"Invalid schema for function '{name}': schema must be a JSON Schema of 'type: \"object\"', "
+                f"got 'type: {json.dumps(params['type'])}'.",
+                "tools",
+            )
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
             raise InvalidRequestError(f"tools[{i}].description must be a string", "tools")

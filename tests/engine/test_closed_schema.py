@@ -151,6 +151,36 @@ POINT = {"type": "object", "properties": {"x": {"type": "number"}}}
         ({"type": "object", "properties": {"p": POINT}, "not": {"required": ["q"]}}, None),
         ({"oneOf": [POINT, {"type": "object", "properties": {"y": {}}}]}, None),
         ({"properties": {"p": {"if": POINT, "then": POINT}}}, None),
+        # a $ref other than "#" or a root definition's plain pointer, or a nested $id: nothing changes (a tools
+        # trial: zod-to-json-schema's "#/properties/home" reused in an allOf beside more keys was closed, and a
+        # satisfiable schema refused as unsatisfiable; so was a percent-encoded name, and an $id-relative ref)
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "home": POINT,
+                    "work": {
+                        "allOf": [{"$ref": "#/properties/home"}, {"properties": {"y": {}}, "required": ["y"]}]
+                    },
+                },
+            },
+            None,
+        ),
+        ({"properties": {"a": {"$ref": "#/$defs/A%20B"}}, "$defs": {"A B": POINT}}, None),
+        (
+            {
+                "$id": "https://x.test/root",
+                "properties": {"a": {"$ref": "a"}},
+                "$defs": {"a": {"$id": "a", **POINT}},
+            },
+            None,
+        ),
+        ({"properties": {"a": {"$ref": "#/$defs/Nope"}}, "$defs": {"A": POINT}}, None),
+        # a root definition's plain pointer, escaped as RFC 6901 says: followed, closed as before
+        (
+            {"properties": {"a": {"$ref": "#/$defs/A~1B"}}, "$defs": {"A/B": POINT}},
+            {"properties": {"a": {"$ref": "#/$defs/A~1B"}}, "$defs": {"A/B": {**POINT, **CLOSED}}, **CLOSED},
+        ),
         # not a schema object: as it is
         (True, True),
         ([POINT], [POINT]),
@@ -210,6 +240,20 @@ INHERITED = {  # pydantic's shape for class Child(Base): the child's own key bes
     "required": ["b"],
 }
 
+ZOD_REUSED = {  # zod-to-json-schema's root $refStrategy for a reused subschema (before: refused, unsatisfiable)
+    "type": "object",
+    "properties": {
+        "home": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        "work": {
+            "allOf": [
+                {"$ref": "#/properties/home"},
+                {"properties": {"y": {"type": "integer"}}, "required": ["y"]},
+            ]
+        },
+    },
+    "required": ["home", "work"],
+}
+
 
 @pytest.mark.parametrize(
     ("schema", "answer", "accepted"),
@@ -220,6 +264,12 @@ INHERITED = {  # pydantic's shape for class Child(Base): the child's own key bes
         (WEATHER, {"city": "Paris", "extra": 1}, False),
         (OPEN_WEATHER, {"city": "Paris", "extra": 1}, True),
         ({"type": "object"}, {"extra": 1}, True),
+        (ZOD_REUSED, {"home": {"x": 1}, "work": {"x": 2, "y": 3}}, True),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/A%20B"}}, "$defs": {"A B": WEATHER}},
+            {"a": {"city": "Paris"}},
+            True,
+        ),
     ],
 )
 def test_a_response_format_holds_to_the_listed_properties_unless_the_schema_opens_them(

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from engine.api import Constraint, SamplingParams
 from engine.constrained import prefilled, tool_call_grammar
 from engine.errors import InvalidRequestError
+from engine.schema_instances import has_finite_instance
 from engine.tool_calls import parse_tool_calls, render_call
 from tests.engine.engine_helpers import make_engine, random_tokens
 
@@ -615,3 +616,104 @@ def test_a_named_tool_choice_is_exactly_one_call_even_with_parallel_calls_allowe
         Constraint("tool_calls", tools=REF_TOOLS, tool_choice="required", parallel_tool_calls=parallel)
     )
     assert _accepts(required, one + "\n" + one) is parallel
+
+
+@pytest.mark.parametrize("parameters", [{}, {"$ref": "#/$defs/A", "$defs": {"A": {}}}, {"anyOf": [{}, {}]}])
+def test_a_tool_schema_without_a_root_type_still_takes_object_arguments_only(parameters):
+    """Before (a tools trial): a root that admits any JSON value let the model write ``"arguments": [1, 2]``,
+    which the parser dropped: a forced call answered neither a call nor text."""
+    tools = ({"type": "function", "function": {"name": "f", "parameters": parameters}},)
+    grammar = engine().constraints.grammar(Constraint("tool_calls", tools=tools, tool_choice="required"))
+    assert _accepts(grammar, render_call("f", {"a": 1}))
+    for arguments in ("[1, 2]", '"x"', "3", "null"):
+        assert not _accepts(grammar, f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("root_type", ["array", "string", ["object", "null"]])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_tool_schema_typed_other_than_object_is_refused_before_queueing(root_type, choice):
+    eng = engine()
+    tools = ({"type": "function", "function": {"name": "f", "parameters": {"type": root_type}}},)
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request(
+            [5, 6, 7], SamplingParams(constraint=Constraint("tool_calls", tools=tools, tool_choice=choice))
+        )
+    assert err.value.param == "tools" and "schema must be a JSON Schema of 'type: \"object\"'" in str(
+        err.value
+    )
+    assert not eng.has_unfinished()
+
+
+def test_a_schema_llguidance_cannot_convert_is_worded_as_every_refused_format():
+    """An integer bound past 64 bits: before, ``unsupported JSON schema: Value is not JSON serializable`` (no
+    ``Invalid 'response_format'`` for the Anthropic face to rename to ``output_config.format``)."""
+    eng = engine()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**22}}}
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("json_schema", json_schema=schema)))
+    assert err.value.param == "response_format"
+    assert str(err.value).startswith(
+        "Invalid 'response_format': the JSON schema is not supported by constrained"
+    )
+    assert not eng.has_unfinished()
+
+
+SELF_RECURSIVE = [
+    {"$ref": "#"},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"$ref": "#/$defs/A", "$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/A"}, "minItems": 1}}},
+    {
+        "allOf": [{"$ref": "#/$defs/B"}],
+        "$defs": {"B": {"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}},
+    },
+]
+"""Schemas every instance of which nests forever (before, a fuzzing trial: answered ``""`` or ``{"`` as ``stop``)."""
+
+
+@pytest.mark.parametrize("schema", SELF_RECURSIVE)
+def test_a_schema_with_no_finite_instance_is_refused_as_format_and_as_tool(schema):
+    eng = engine()
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("json_schema", json_schema=schema)))
+    assert err.value.param == "response_format" and "admits no instance of finite depth" in str(err.value)
+    tools = ({"type": "function", "function": {"name": "f", "parameters": {"type": "object", **schema}}},)
+    if "type" in schema and schema["type"] != "object":
+        return
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("tool_calls", tools=tools)))
+    assert err.value.param == "tools" and "tool 'f'" in str(err.value)
+    assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},  # "a" optional: {} ends it
+        {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # null ends it
+        {
+            "type": "object",
+            "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "integer"}]}},
+            "required": ["a"],
+        },
+        {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+        {"properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # no type: any scalar is an instance
+        {
+            "$ref": "#/$defs/T",
+            "$defs": {
+                "T": {
+                    "type": "object",
+                    "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}},
+                    "required": ["kids"],
+                }
+            },
+        },
+    ],
+)
+def test_a_recursive_schema_with_a_way_out_compiles(schema):
+    assert has_finite_instance(schema)
+    engine().constraints.grammar(Constraint("json_schema", json_schema=schema))
+
+
+@pytest.mark.parametrize("schema", SELF_RECURSIVE)
+def test_has_finite_instance_refuses_only_endless_recursion(schema):
+    assert not has_finite_instance(schema)

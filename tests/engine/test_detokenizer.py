@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer, OutputText, RepeatedCallGuard, StopStringMatcher
-from engine.tool_calls import CALL_MARKERS
+from engine.tool_calls import CALL_CLOSE, CALL_MARKERS
 from tests.engine.engine_helpers import smollm2_checkpoint
 
 
@@ -196,22 +196,41 @@ def test_text_that_may_become_a_repeat_is_held_until_it_differs():
     )
 
 
-def test_an_answer_cut_inside_a_repeat_ends_at_the_call_before_it():
-    """At ``max_tokens`` inside what is so far a repeat (the separator alone, or part of the call), the repeat is
-    dropped and the answer ends, complete, at the call before it; inside anything else nothing changes."""
-    for tail in ("\n", "\n" + CALL[:30], "\n" + CALL[:-1]):
+def test_an_answer_cut_inside_a_repeat_past_its_arguments_ends_at_the_call_before_it():
+    """At ``max_tokens`` inside a repeat whose arguments are written whole (only ``}`` and the closing tag could
+    follow), the repeat is dropped and the answer ends, complete, at the call before it. Cut earlier, the text
+    could still become another call (a tools trial: the start of a call for Rome, after one for Paris, was
+    dropped with a ``tool_calls`` finish), so it is flushed and the finish stays ``length``."""
+    args_end = len(CALL) - len("}" + CALL_CLOSE)
+    for tail in ("\n" + CALL[:args_end], "\n" + CALL[: args_end + 1], "\n" + CALL[:-1]):
         g = RepeatedCallGuard()
         assert g.push(CALL + tail) == CALL
         assert g.end_at_repeat() and g.stopped and g.text == CALL and g.flush() == ""
+    shared = '{"name": "get_weather", "arguments": {"city": "'
+    assert CALL.index(shared) >= 0 and OTHER.index(shared) >= 0
+    for tail in (
+        "\n",
+        "\n" + CALL[:30],
+        "\n" + CALL[: CALL.index(shared) + len(shared)],
+        "\n" + CALL[: args_end - 1],
+    ):
+        g = RepeatedCallGuard()
+        out = g.push(CALL + tail)
+        assert out == CALL  # held back while it may be a repeat
+        assert not g.end_at_repeat() and not g.stopped and out + g.flush() == CALL + tail
     for text in (CALL + "\n" + OTHER[:-5], CALL, "Let me see", CALL + "\n" + OTHER):  # diverged or whole
         g = RepeatedCallGuard()
         out = g.push(text)
         assert not g.end_at_repeat() and not g.stopped and out + g.flush() == text
     tok = ByteTokenizer()
     out = OutputText(tok, (), CALL_MARKERS, tool_calls=True)
-    emitted = "".join(out.add(i) for i in tok.encode(CALL + "\n<tool"))
+    emitted = "".join(out.add(i) for i in tok.encode(CALL + "\n" + CALL[:args_end]))
     assert emitted == CALL and out.end_at_repeat() and out.stopped and out.repeated_call
     assert out.text == CALL and out.finish() == ""
+    out = OutputText(tok, (), CALL_MARKERS, tool_calls=True)
+    emitted = "".join(out.add(i) for i in tok.encode(CALL + "\n<tool"))
+    assert emitted == CALL and not out.end_at_repeat() and not out.stopped
+    assert emitted + out.finish() == CALL + "\n<tool"
     assert not OutputText(tok, (), CALL_MARKERS).end_at_repeat()  # no guard without a tool-call constraint
 
 

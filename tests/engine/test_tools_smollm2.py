@@ -148,3 +148,37 @@ def test_a_call_repeated_under_required_ends_the_response(max_tokens):
     assert out.finish_reason == "stop", out.full_text
     content, calls = parse_tool_calls(out.full_text)
     assert content == "" and [k.name for k in calls] == ["get_weather"], out.full_text
+
+
+def test_a_cut_in_a_new_call_that_starts_like_an_earlier_one_is_a_length_finish():
+    """Asked for Paris and Rome, greedy SmolLM2 calls get_weather twice; a ``max_tokens`` cut inside the second
+    call, before its arguments close, is text that could still become a new call (it began as a repeat of the
+    first). Before (a tools trial): the guard read it as a repeat and answered ``stop`` with the Paris call
+    alone, so an agent never learned the Rome call was cut. Now: ``length``, and the cut text is returned for
+    the parser to deliver as a cut call."""
+    ck = smollm2_checkpoint()
+    eng = make_engine(ck, num_blocks=128)
+    tool = copy.deepcopy(SDK_TOOLS[0])
+    del tool["function"]["parameters"]["properties"]["unit"]
+    prompt = ck.tokenizer.render_chat(
+        [{"role": "user", "content": "What's the weather in Paris and in Rome?"}], [tool]
+    )
+    c = Constraint("tool_calls", tools=(tool,), tool_choice="required", parallel_tool_calls=True)
+
+    def run(max_tokens: int):
+        req = eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=c))
+        return eng.run_to_completion()[req.request_id], req.output_token_ids
+
+    whole, ids = run(96)
+    _, calls = parse_tool_calls(whole.full_text)
+    assert len({json.dumps(call.arguments) for call in calls}) >= 2, whole.full_text
+    first_end = whole.full_text.index("</tool_call>") + len("</tool_call>")
+    second_args_end = whole.full_text.index("}}", first_end)  # the second call's arguments close
+    cuts = [
+        k for k in range(1, len(ids)) if first_end + 2 < len(ck.tokenizer.decode(ids[:k])) <= second_args_end
+    ]
+    assert len(cuts) >= 5
+    for k in cuts[:: max(1, len(cuts) // 4)]:
+        out, _ = run(k)
+        assert out.finish_reason == "length", (k, out.full_text)
+        assert out.full_text == ck.tokenizer.decode(ids[:k])  # nothing held back or dropped

@@ -233,6 +233,8 @@ def _validate_tool(tool: Any, param: str) -> None:
                 f"String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$', got {tool['name']!r}",
                 f"{param}.name",
             )
+        if "input_schema" not in tool:
+            raise bad_param("Field required", f"{param}.input_schema")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise bad_param(

@@ -90,7 +90,9 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
         if body["stream"] is True:
             chat["stream_options"] = {"include_usage": True}
     if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
+        tools = _tools(body["tools"])
+        if tools:  # the Responses API takes an empty array (agent SDKs send one); chat refuses it
+            chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     _text_config(body.get("text"), chat)

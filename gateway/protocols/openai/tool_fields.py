@@ -50,13 +50,20 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """``tools``: None when absent, else the array of ``{type: "function", function: {name, ...}}`` as given.
 
     Raises:
-        InvalidRequestError: a non-array, a tool of another type, a function without a valid name.
+        InvalidRequestError: a non-array or an empty one, a tool of another type, a function without a valid
+            name, an ill-typed ``parameters``, ``strict`` or ``description``.
     """
     tools = body.get("tools")
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise invalid_type("tools", "an array", tools)
+    if not tools:  # OpenAI's answer to an empty tools array
+        raise InvalidRequestError(
+            "Invalid 'tools': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            param="tools",
+            code="empty_array",
+        )
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
@@ -75,6 +82,10 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         check_function_name(function["name"], f"{where}.function.name")
         if "parameters" in function and not isinstance(function["parameters"], dict):
             raise invalid_type(f"{where}.function.parameters", "an object", function["parameters"])
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise invalid_type(f"{where}.function.strict", "a boolean", function["strict"])
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise invalid_type(f"{where}.function.description", "a string", function["description"])
     return tools
 
 

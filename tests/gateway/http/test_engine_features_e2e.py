@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from tests.engine.checkpoints import CHAT_TEMPLATE, make_tiny_hf_llama
 from tests.engine.test_constrained import SCHEMAS as RANDOM_SCHEMAS
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
+from tests.gateway.http.test_protocol_exact_e2e import assert_no_block_in_use
 from tests.gateway.server import RunningServer, write_config
 
 CONTEXT = 2048
@@ -586,6 +587,45 @@ def test_anthropic_tool_choice_without_tools_is_400(server):
         timeout=60,
     )
     assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto", "required"])
+def test_a_tool_whose_arguments_are_not_an_object_is_400_on_both_faces(server, tool_choice):
+    """Before (a tools trial): accepted; a forced call was written with array arguments, dropped by the parser,
+    and answered 200 with neither a call nor text (``stop`` / ``end_turn``), even under ``tool_choice: none``
+    nothing said the tool was unusable. OpenAI and Anthropic refuse such a schema."""
+    schema = {"type": "array", "items": {"type": "integer"}}
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "model": TINY_MODEL,
+            "messages": QUESTION,
+            "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "x", "parameters": schema}}],
+            "tool_choice": tool_choice,
+        },
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "Invalid schema for function 'x'" in error["message"]
+    anthropic_choice = {"none": "none", "auto": "auto", "required": "any"}[tool_choice]
+    response = httpx.post(
+        f"{server.base_url}/v1/messages",
+        json={
+            "model": TINY_MODEL,
+            "messages": QUESTION,
+            "max_tokens": 2,
+            "tools": [{"name": "x", "input_schema": schema}],
+            "tool_choice": {"type": anthropic_choice},
+        },
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "Invalid schema for function 'x'" in response.json()["error"]["message"]
+    assert_no_block_in_use(server)
 
 
 class Unit(enum.StrEnum):

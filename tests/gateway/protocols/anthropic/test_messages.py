@@ -429,6 +429,19 @@ def test_bad_bodies_name_the_field(change, param):
     assert anthropic_error_body(info.value)["error"]["type"] == "invalid_request_error"
 
 
+def test_a_tool_without_input_schema_is_told_the_field_is_required():
+    """Before (a tools trial): 'expected a JSON schema object, got null' for a field the client never sent."""
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "a"}],
+    }
+    with pytest.raises(InvalidRequestError) as info:
+        parse_messages_body(body)
+    assert info.value.param == "tools[0].input_schema" and "Field required" in str(info.value)
+
+
 @pytest.mark.parametrize("content", ["", []])
 def test_only_a_final_assistant_message_may_be_empty(content):
     body = {

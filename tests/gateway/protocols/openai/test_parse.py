@@ -21,6 +21,7 @@ from gateway.protocols.openai.render import (
     usage_body,
     usage_chunk,
 )
+from gateway.protocols.openai.responses import responses_to_chat_body
 from gateway.transport.sse import parse_sse
 from tests.gateway.upstream_helpers import fixture_bytes
 
@@ -226,6 +227,18 @@ def test_content_parts_and_tool_messages_are_accepted():
         ({"safety_identifier": 42}, "safety_identifier", "invalid_type"),
         ({"prompt_cache_options": 7}, "prompt_cache_options", "invalid_type"),
         ({"moderation": []}, "moderation", "invalid_type"),
+        # Before (a tools trial): accepted, or refused in words about tool_choice
+        ({"tools": []}, "tools", "empty_array"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+            "tools[0].function.strict",
+            "invalid_type",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+            "tools[0].function.description",
+            "invalid_type",
+        ),
     ],
 )
 def test_bad_chat_fields_are_400_with_param_and_code(fields, param, code):
@@ -579,3 +592,13 @@ def test_a_responses_cut_marks_only_its_last_item_incomplete():
     stream.tool_calls(calls)
     stream.finish(Finish(finish_reason="length", usage=USAGE))
     assert [item["status"] for item in stream.output] == ["completed", "incomplete"]
+
+
+def test_an_empty_tools_array_is_refused_on_chat_and_dropped_on_responses():
+    """OpenAI's Chat Completions refuses ``tools: []``; the Responses API takes it (agent SDKs send one)."""
+    chat = responses_to_chat_body({"model": "m", "input": "hi", "tools": []})
+    assert "tools" not in chat
+    assert parse_chat_request(chat, {}).openai_body.get("tools") is None
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request({"model": "m", "messages": MESSAGES, "tools": []}, {})
+    assert (caught.value.param, caught.value.code) == ("tools", "empty_array")
