@@ -45,7 +45,7 @@ from engine.api import (
     WarmResult,
 )
 from engine.constrained import prefilled
-from engine.errors import EngineClosedError, InvalidRequestError, SamplingError
+from engine.errors import EngineClosedError, EngineError, InvalidRequestError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import in_passing_thread
@@ -68,7 +68,7 @@ class _EngineFailure:
 class _RequestFailure:
     """The named error one request (or one choice of it) failed with; its stream raises it."""
 
-    def __init__(self, error: SamplingError) -> None:
+    def __init__(self, error: EngineError) -> None:
         self.error = error
 
 
@@ -365,7 +365,9 @@ class AsyncEngine:
             PromptTooLongError: the prompt + 1 token exceeds the context window or the whole block pool.
             EngineClosedError: the engine was shut down (or its step loop failed).
 
-        Raises (from the stream): ``SamplingError`` when sampling this request's tokens failed (it alone ends).
+        Raises (from the stream): ``SamplingError`` when sampling this request's tokens failed (it alone ends);
+        ``PromptTooLongError`` when the prompt, or the blocks pins leave of the pool, cannot hold it (at its first
+        event: before it is queued, or when pins made while it waited leave too few blocks).
         """
         if self._closed:
             raise EngineClosedError("the engine has been shut down")

@@ -16,41 +16,56 @@ class PromptTooLongError(EngineError):
     Attributes:
         prompt_tokens: length of the rendered prompt, in tokens.
         limit: the limit it broke, in tokens.
-        what: ``"context"`` (the model's max length) or ``"pool"`` (the whole block pool).
+        what: ``"context"`` (the model's max length) or ``"pool"`` (the whole block pool, less the blocks pins
+            hold that the prompt does not reuse: ``pinned_blocks`` of them).
         completion_tokens: the completion tokens requested (``max_tokens``) when they are what overflowed
             the context or the pool, else None (then the prompt alone, plus one token, does not fit).
+        pinned_blocks: blocks held by pins (``/admin/cache/warm`` with ``pin``) that made the pool too small, or 0.
     """
 
     def __init__(
-        self, prompt_tokens: int, limit: int, what: str = "context", completion_tokens: int | None = None
+        self,
+        prompt_tokens: int,
+        limit: int,
+        what: str = "context",
+        completion_tokens: int | None = None,
+        pinned_blocks: int = 0,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.limit = limit
         self.what = what
         self.completion_tokens = completion_tokens
-        if what == "context" and completion_tokens is not None:
-            msg = (
+        self.pinned_blocks = pinned_blocks
+        super().__init__(self.worded("messages"))
+
+    def worded(self, noun: str) -> str:
+        """The message, calling the prompt ``noun`` (``"messages"`` for chat, ``"prompt"`` for legacy completions,
+        as OpenAI words each)."""
+        prompt_tokens, limit, completion_tokens = self.prompt_tokens, self.limit, self.completion_tokens
+        if self.what == "context" and completion_tokens is not None:
+            return (
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
-                f"{completion_tokens} in the completion). Please reduce the length of the messages or completion."
+                f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {noun}, "
+                f"{completion_tokens} in the completion). Please reduce the length of the {noun} or completion."
             )
-        elif what == "context":
-            msg = (
-                f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+        if self.what == "context":
+            return (
+                f"This model's maximum context length is {limit} tokens. However, your {noun} resulted in "
                 f"{prompt_tokens} tokens (including room for at least one completion token)."
             )
-        elif completion_tokens is not None:
-            msg = (
+        pool = (
+            f"the block pool holds only {limit} tokens beside the {self.pinned_blocks} blocks pinned by warmed "
+            "prefixes (DELETE /admin/cache?prefix_key= drops a pin)"
+            if self.pinned_blocks
+            else f"the whole block pool holds only {limit} tokens"
+        )
+        if completion_tokens is not None:
+            return (
                 f"The request needs {prompt_tokens + completion_tokens} tokens of KV cache ({prompt_tokens} in "
-                f"the messages, {completion_tokens} in the completion) but the whole block pool holds only "
-                f"{limit} tokens. Please reduce the length of the messages or completion."
+                f"the {noun}, {completion_tokens} in the completion) but {pool}. Please reduce the length of the "
+                f"{noun} or completion."
             )
-        else:
-            msg = (
-                f"The prompt needs {prompt_tokens} tokens of KV cache but the whole block pool holds only "
-                f"{limit} tokens."
-            )
-        super().__init__(msg)
+        return f"The prompt needs {prompt_tokens} tokens of KV cache but {pool}."
 
 
 class UnsupportedModelError(EngineError):

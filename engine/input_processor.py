@@ -229,7 +229,30 @@ class InputProcessor:
         req.sampler.pending_forks = [req.sampler.fork(i) for i in range(1, params.n)]
         bs = self.kv.block_size
         req.update_block_hashes(bs, block_hasher(bs, extra_keys, self.kv.hash_fn))
+        self._fit_beside_pins(req, params)
         return req
+
+    def _fit_beside_pins(self, req: Request, params: SamplingParams) -> None:
+        """Bound ``req`` by what the pins leave of the pool (``KVCacheManager.usable_tokens``): its default
+        ``max_tokens`` stops there, and a prompt (or explicit ``max_tokens``) past it is refused. Before (a burst
+        trial), such a request passed ``check_prompt`` (which measures the whole pool), then waited for blocks
+        no request would free, and every request behind it waited too; one that fitted was cut short with a
+        ``length`` finish.
+
+        Raises:
+            PromptTooLongError: ``what="pool"`` with ``pinned_blocks``, before the request is queued.
+        """
+        n = len(req.prompt_token_ids)
+        usable, pinned = self.kv.usable_tokens(req.prompt_token_ids, req.block_hashes, req.extra_keys)
+        if not pinned:
+            return
+        if n + 1 > usable:
+            raise PromptTooLongError(n + 1, usable, what="pool", pinned_blocks=pinned)
+        if params.max_tokens is not None and n + params.max_tokens > usable:
+            raise PromptTooLongError(
+                n, usable, what="pool", completion_tokens=params.max_tokens, pinned_blocks=pinned
+            )
+        req.max_tokens = min(req.max_tokens, usable - n)
 
     def _output_text(self, params: SamplingParams) -> OutputText | None:
         """The request's detokenizer and stop matcher; with a tool-call constraint, stop strings apply to the

@@ -198,6 +198,25 @@ class KVCacheManager:
         """Tokens the whole pool can hold: ``num_blocks * block_size``."""
         return self.pool.num_blocks * self.block_size
 
+    def usable_tokens(
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: ExtraKeys
+    ) -> tuple[int, int]:
+        """Tokens one request with this prompt could ever hold, and the pinned blocks that keep it below
+        ``capacity_tokens``: every block no pin holds, plus the pinned blocks the prompt's cached prefix reuses
+        (a warmed system prompt serves its own requests). A request past it would wait for blocks no request
+        frees; ``InputProcessor.make_request`` refuses it instead.
+
+        Returns:
+            ``(tokens, pinned blocks not reused)``; ``(capacity_tokens, 0)`` when nothing is pinned.
+        """
+        pinned = self.pins.distinct_block_ids()
+        if not pinned:
+            return self.capacity_tokens, 0
+        hit = self.find_cached_prefix(token_ids, block_hashes, extra_keys)
+        reused = sum(1 for block in hit._blocks if block.block_id in pinned)
+        blocked = len(pinned) - reused
+        return (self.pool.num_blocks - blocked) * self.block_size, blocked
+
     def check_fits(self, num_tokens: int) -> None:
         """Raise unless ``num_tokens`` tokens could ever fit in the pool (call at submit, prompt + 1).
 

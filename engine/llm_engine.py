@@ -418,7 +418,10 @@ class LLMEngine(PrefixAdmin):
     def finish_step(self, plan: StepPlan, run: tuple[StepResult | None, float]) -> list[RequestOutput]:
         """Phase 3: advance computed tokens, cache full blocks, append tokens, detokenize, finish requests."""
         result, seconds = run
-        outputs = [self._finish(r, r.finish_reason or "length") for r in plan.sched.finished]
+        outputs = [
+            self._end_unserved(r) if r.failure is not None else self._finish(r, r.finish_reason or "length")
+            for r in plan.sched.finished
+        ]
         if result is None:
             return outputs
         self.num_steps += 1
@@ -467,6 +470,13 @@ class LLMEngine(PrefixAdmin):
         ``"error"``), its blocks are freed at once and it is forgotten, like any finished request."""
         logger.warning("request %s failed in sampling: %s", req.request_id, cause)
         out = self.output.fail(req, SamplingError(req.request_id, cause))
+        self._release(req)
+        return out
+
+    def _end_unserved(self, req: Request) -> RequestOutput:
+        """The final output of a request the scheduler ended before serving it (``Request.failure``)."""
+        logger.warning("request %s ended unserved: %s", req.request_id, req.failure)
+        out = self.output.fail(req, req.failure)
         self._release(req)
         return out
 

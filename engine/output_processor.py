@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from engine.api import FinishReason, TokenLogprob, Usage
 from engine.block_hash import HashFn, block_extra_keys, block_hasher
-from engine.errors import SamplingError
+from engine.errors import EngineError
 from engine.request import Request
 from engine.stats import EngineCounters
 
@@ -66,7 +66,7 @@ class RequestOutput:
     unforked: tuple[int, ...] = ()
     stop_string: str | None = None
     prompt_tokens: int | None = None
-    error: SamplingError | None = None
+    error: EngineError | None = None
 
 
 class OutputProcessor:
@@ -172,7 +172,7 @@ class OutputProcessor:
             prompt_tokens=req.num_prompt_tokens,
         )
 
-    def fail(self, req: Request, error: SamplingError) -> RequestOutput:
+    def fail(self, req: Request, error: EngineError) -> RequestOutput:
         """Build the final output of a request that failed (finish reason ``"error"``, ``error`` set, no text:
         the detokenizer is not asked for what it held back, it may be what failed). Counts the request as
         finished; frees nothing."""

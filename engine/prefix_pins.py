@@ -34,6 +34,10 @@ class PrefixPins:
         """Blocks held by pins (a block in two pins counts twice)."""
         return sum(len(b) for b in self._pins.values())
 
+    def distinct_block_ids(self) -> set[int]:
+        """Ids of the blocks pins hold (each once, however many pins hold it)."""
+        return {block.block_id for blocks in self._pins.values() for block in blocks}
+
     def tables(self) -> Iterator[list[KVBlock]]:
         """Each pin's blocks, in order (invariant checks)."""
         return iter(self._pins.values())

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.api import FinishReason, SamplingParams
 from engine.block_hash import BlockHash
 from engine.detokenizer import OutputText
+from engine.errors import EngineError
 from engine.sampling import SequenceSampler
 
 
@@ -66,6 +67,8 @@ class Request:
         finish_reason: set when finished.
         level_ends: ``(end token, level)`` pairs of its prompt's levels (``engine.kv_tiers.policy``), or None.
         prefix_key: the gateway's prefix key of its stable head (``engine.kv_tiers.catalog``), or None.
+        failure: why the scheduler ended it unserved (``PromptTooLongError``: pins made after it was queued left
+            the pool too small for it), else None; its output carries it (finish reason ``"error"``).
     """
 
     request_id: str
@@ -94,6 +97,7 @@ class Request:
     parent_id: str | None = None
     level_ends: tuple[tuple[int, str], ...] | None = None
     prefix_key: str | None = None
+    failure: EngineError | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

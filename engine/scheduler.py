@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 from engine.api import EngineConfig
 from engine.block_hash import BlockHash
+from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
 from engine.prefix_hit import PrefixHit
 from engine.request import Request, RequestStatus
@@ -121,7 +122,8 @@ class SchedulerOutput:
     Attributes:
         scheduled: the requests to run and their tokens, decodes first.
         preempted: requests preempted while planning (already back in the waiting queue).
-        finished: requests the scheduler ended itself (pool exhausted by a lone request: ``"length"``).
+        finished: requests the scheduler ended itself (pool exhausted by a lone request: ``"length"``; a
+            waiting request no free block could ever serve: ``"error"``, ``Request.failure`` set).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -457,7 +459,17 @@ class Scheduler:
                 hit = hit.whole_blocks()
                 table = self.kv.allocate(req.request_id, req.num_tokens, hit)
             if table is None:
-                break  # not enough blocks now: wait (and keep the queue behind it waiting too)
+                if self.running or out.scheduled:
+                    break  # not enough blocks now: wait (and keep the queue behind it waiting too)
+                # Nothing runs, so every block a request could free is free: pins made after it was queued
+                # (``InputProcessor.make_request`` checks them at submit) leave too few, and it would wait, with
+                # every request behind it, for good. It ends with the 400 it would have got at submit.
+                usable, pinned = self.kv.usable_tokens(req.all_token_ids, req.block_hashes, req.extra_keys)
+                req.failure = PromptTooLongError(req.num_tokens, usable, what="pool", pinned_blocks=pinned)
+                req.finish_reason = "error"
+                self.finish_request(req)
+                out.finished.append(req)
+                continue
             n = self._admit(req, hit)
             chunk = ScheduledRequest(req, req.num_computed_tokens, 0)
             if long:

@@ -223,7 +223,7 @@ class EmbeddedBackend(Backend):
                             yield _finish(finished, choices)
                             return
         except EngineError as exc:
-            error = from_engine_error(exc)
+            error = from_engine_error(exc, "prompt" if request.kind == "completion" else "messages")
             if request.kind == "completion" and error.param == "messages":
                 error.param = "prompt"
             raise error from exc

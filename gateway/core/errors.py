@@ -171,16 +171,17 @@ class UpstreamTimeoutError(APIError):
     default_code = "upstream_timeout"
 
 
-def from_engine_error(exc: EngineError) -> APIError:
+def from_engine_error(exc: EngineError, noun: str = "messages") -> APIError:
     """Map a named engine exception to the API error a client sees.
 
-    ``PromptTooLongError`` -> 400 ``context_length_exceeded`` (param ``messages``); engine
+    ``PromptTooLongError`` -> 400 ``context_length_exceeded`` (param and wording ``noun``: ``messages``, or
+    ``prompt`` for legacy completions); engine
     ``InvalidRequestError`` -> 400 with its ``param``; ``SamplingError`` (sampling this request failed, from its
     own parameters and state only: the engine and the other requests run on) -> 400 ``sampling_failed``;
     ``EngineClosedError`` -> 503; anything else -> 500.
     """
     if isinstance(exc, PromptTooLongError):
-        return ContextLengthExceededError(str(exc), param="messages")
+        return ContextLengthExceededError(exc.worded(noun), param=noun)
     if isinstance(exc, EngineInvalidRequestError):
         return InvalidRequestError(str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, SamplingError):

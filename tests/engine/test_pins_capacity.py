@@ -1,0 +1,75 @@
+"""Pins and the pool's capacity: a request is measured against what the pins leave of the pool (plus the pinned
+blocks its own prompt reuses), at submit and while it waits. Before (a burst trial), a request past that
+passed the check (which measured the whole pool), then waited for blocks no request would free, and every
+request behind it waited too; one that fitted was cut short with a ``length`` finish."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.errors import PromptTooLongError
+from tests.engine.engine_helpers import greedy, make_engine, random_tokens
+
+BS = 16
+NUM_BLOCKS = 40  # 640 tokens; the pin cap is a quarter: 10 blocks
+PINNED = random_tokens(8 * BS, seed=1)  # 8 whole blocks, pinned
+
+
+def pinned_engine():
+    eng = make_engine(num_blocks=NUM_BLOCKS)
+    warm = eng.warm(PINNED, pin=True)
+    assert warm.pinned_blocks == 8
+    return eng
+
+
+def test_a_prompt_past_what_the_pins_leave_is_refused_at_submit():
+    eng = pinned_engine()
+    usable = (NUM_BLOCKS - 8) * BS  # 512
+    with pytest.raises(PromptTooLongError) as err:
+        eng.add_request(
+            random_tokens(usable, seed=2), greedy(1)
+        )  # fits the whole pool (640), not beside pins
+    assert (err.value.what, err.value.limit, err.value.pinned_blocks) == ("pool", usable, 8)
+    assert "8 blocks pinned by warmed prefixes" in str(err.value)
+    with pytest.raises(PromptTooLongError) as err:
+        eng.add_request(random_tokens(400, seed=3), greedy(200))  # an explicit max_tokens past it
+    assert err.value.completion_tokens == 200
+    assert not eng.has_unfinished()
+    eng.kv.check_invariants()
+
+
+def test_a_prompt_reusing_the_pinned_blocks_counts_them_as_its_own():
+    eng = pinned_engine()
+    prompt = PINNED + random_tokens(560 - len(PINNED), seed=4)  # 560 > 512, but 8 of its blocks are the pins'
+    req = eng.add_request(prompt, greedy(50))
+    eng.run_to_completion()
+    assert req.num_output_tokens == 50 and req.num_cached_tokens == len(PINNED)
+    eng.kv.check_invariants()
+
+
+def test_the_default_max_tokens_stops_where_the_pins_leave_off():
+    eng = pinned_engine()
+    req = eng.add_request(
+        random_tokens(300, seed=5), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    )
+    assert req.max_tokens == (NUM_BLOCKS - 8) * BS - 300
+    eng.run_to_completion()
+    assert req.num_output_tokens == req.max_tokens and req.finish_reason == "length"
+    eng.kv.check_invariants()
+
+
+def test_a_request_that_pins_made_too_big_while_it_waited_ends_and_the_queue_goes_on():
+    eng = make_engine(num_blocks=NUM_BLOCKS)
+    eng.warm(PINNED)  # cached, not pinned yet
+    big = eng.add_request(random_tokens(520, seed=6), greedy(1))  # fits the pool now
+    hashes = eng.kv.block_hashes(PINNED, big.extra_keys)
+    assert eng.kv.pins.pin("late", eng.kv.find_cached_prefix(PINNED, hashes, big.extra_keys)) == 8
+    small = eng.add_request(random_tokens(20, seed=7), greedy(3))
+    outs = eng.run_to_completion(max_steps=50)
+    assert outs[big.request_id].finish_reason == "error"
+    error = outs[big.request_id].error
+    assert isinstance(error, PromptTooLongError) and error.pinned_blocks == 8
+    assert outs[small.request_id].finish_reason == "length" and small.num_output_tokens == 3
+    assert not eng.has_unfinished()
+    eng.kv.check_invariants()
