@@ -26,6 +26,10 @@ STAY = {
     "hypothetical-date": "Assuming today's date is 2024-12-30, show how a relative range is written.",
     "comment-date": "// if today's date is 2024-11-10, the range starts on 2024-11-03",
     "dialogue-with-parenthesis": "User: Hello (English)\nAssistant: Hi!",
+    # a session, request or conversation described by a quantity: the id rules read "is 30" as an id
+    "session-length": "You are a tutor. Each session is 30 minutes long.",
+    "conversation-length": "The conversation is 5 turns at most. Keep answers short.",
+    "request-size": "Your request is 2 lines. Answer in one.",
 }
 
 
@@ -42,6 +46,7 @@ MOVE = {
     "git-status": ("Recent commits:\nabc1234 fix the parser\ndef5678 add tests", "Recent commits:"),
     "path-sentence": ("Save files in /tmp/session-8f3a2b91/ only.", "Save files in"),
     "session-id-sentence": ("Your session ID is 7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f.", "session ID"),
+    "request-id-number": ("Your request ID is 42.", "request ID"),
 }
 
 
