@@ -346,6 +346,13 @@ class EngineConfig:
             shared slots' KV into its own block instead of recomputing from the block boundary, and a finished
             request's last partly filled block is kept as a cache entry for that (RAM only, never a tier);
             false = hits stop at the last whole block (``engine.kv_cache_manager``, invariants 8-9).
+        cache_generated_kv: also keep the KV of generated tokens in the prefix cache (the blocks a reply fills),
+            so a conversation's next turn reuses its previous reply's KV. Off (the default), only prompt tokens'
+            KV is cached: a generated token's KV comes from the decode path (the int4/int8 kernels), a prompt
+            token's from the prompt path (the bf16 dense copy), so a next turn served from the reply's cached KV
+            could answer otherwise than the same request computed cold (a burst trial: 3 of 24 greedy turns);
+            off, each reply is computed once more as part of the next turn's prompt, and cache on == cache off
+            holds across turns. On: vLLM's behaviour (faster next turns, greedy tokens may differ).
         decode_kernel: attention of generated tokens, ``auto | native | torch``: ``native`` = the C kernel over
             the paged cache (``engine.native_decode``: built once per machine and model shape with the system C
             compiler; x86-64 CPUs with AVX-512; each sequence alone, blocks the step's sequences share read
@@ -428,6 +435,7 @@ class EngineConfig:
     dense_min_rows: int | None | str = "auto"
     shared_prefix_attention: bool = True
     enable_partial_prefix_hits: bool = True
+    cache_generated_kv: bool = False
     decode_kernel: str = "auto"
     prefill_kernel: str = "auto"
     linear_kernel: str = "auto"

@@ -170,6 +170,11 @@ class AsyncEngine:
         return self.core.max_model_len
 
     @property
+    def caches_generated_kv(self) -> bool:
+        """Whether generated tokens' KV enters the prefix cache (``EngineConfig.cache_generated_kv``)."""
+        return self.core.config.cache_generated_kv
+
+    @property
     def tool_format(self) -> str:
         """``"generic"`` when tools are rendered in ``engine.tool_calls``' format (parse the output with its
         ``ToolCallParser``, constrain it with a ``"tool_calls"`` ``Constraint``), ``"template"`` when the chat

@@ -438,7 +438,11 @@ class LLMEngine(PrefixAdmin):
                 continue  # aborted while the forward ran
             req.num_computed_tokens = s.end
             self.kv.cache_full_blocks(
-                req.request_id, req.all_token_ids, req.num_computed_tokens, req.block_hashes, req.extra_keys
+                req.request_id,
+                req.all_token_ids,
+                self.scheduler.cacheable_tokens(req),
+                req.block_hashes,
+                req.extra_keys,
             )
             if i in sampled:
                 sample = sampled[i]
@@ -522,8 +526,13 @@ class LLMEngine(PrefixAdmin):
     def _remember_served(self, req: Request) -> None:
         """Offer a reply that ended by itself or by length to the served turns, under the request's tenant salt:
         its generated ids less the stop token that ended them. Not an aborted or failed one, nor one a stop
-        string cut (the client never got its tail, so the text never comes back)."""
-        if self.served is None or req.finish_reason not in ("stop", "length"):
+        string cut (the client never got its tail, so the text never comes back). Only with
+        ``cache_generated_kv``: without it the reply's KV is not cached, so its served ids would save nothing, and
+        the next prompt's ids would depend on what this process served (a cold gateway spells the reply
+        canonically), where cache on must equal cache off."""
+        if self.served is None or not self.config.cache_generated_kv:
+            return
+        if req.finish_reason not in ("stop", "length"):
             return
         if req.output is not None and req.output.stop_string is not None:
             return

@@ -227,6 +227,7 @@ class Scheduler:
         self.kv = kv
         self.block_size = kv.block_size
         self.max_batch = config.max_batch
+        self.cache_generated_kv = config.cache_generated_kv
         self.token_budget = config.max_num_batched_tokens
         self.long_threshold = long_threshold_of(config)
         self.policy = config.scheduling
@@ -271,9 +272,18 @@ class Scheduler:
         self._free_blocks(req)
         req.status = RequestStatus.FINISHED
 
+    def cacheable_tokens(self, req: Request) -> int:
+        """Leading tokens of ``req`` whose KV may enter the prefix cache: every computed one with
+        ``cache_generated_kv``, else the computed prompt tokens only (a generated token's KV comes from the decode
+        path, not the prompt path a later request's prompt computes it with; ``EngineConfig.cache_generated_kv``)."""
+        if self.cache_generated_kv:
+            return req.num_computed_tokens
+        return min(req.num_computed_tokens, req.num_prompt_tokens)
+
     def _free_blocks(self, req: Request) -> None:
-        """Free ``req``'s blocks, keeping its last partly computed block as a partial cache entry."""
-        self.kv.free(req.request_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
+        """Free ``req``'s blocks, keeping its last partly computed block as a partial cache entry (of its
+        cacheable tokens, ``cacheable_tokens``)."""
+        self.kv.free(req.request_id, req.all_token_ids, self.cacheable_tokens(req), req.extra_keys)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it at the front of the waiting queue (to recompute)."""
@@ -405,7 +415,10 @@ class Scheduler:
 
     def _add_pending(self, pending: dict[BlockHash, tuple[Request, int]], req: Request) -> None:
         bs = self.block_size
-        for j in range(req.num_computed_tokens // bs, min(len(req.block_hashes), req.prefill_end // bs)):
+        end = req.prefill_end if self.cache_generated_kv else min(req.prefill_end, req.num_prompt_tokens)
+        for j in range(
+            req.num_computed_tokens // bs, min(len(req.block_hashes), end // bs)
+        ):  # cached ones only
             pending.setdefault(req.block_hashes[j], (req, j))
 
     def _waits_for_inflight(

@@ -220,7 +220,7 @@ class EmbeddedBackend(Backend):
                     if isinstance(event, Finished):
                         finished[event.index] = event
                         if len(finished) == n:
-                            yield _finish(finished, choices)
+                            yield _finish(finished, choices, engine.caches_generated_kv)
                             return
         except EngineError as exc:
             error = from_engine_error(exc, "prompt" if request.kind == "completion" else "messages")
@@ -348,9 +348,11 @@ class _Spelled:
         return self.chars + (1 if held else 0)
 
 
-def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:
+def _finish(finished: dict[int, Finished], choices: list[_Choice], answer_kv_kept: bool) -> Finish:
     """One ``Finish`` for all choices: the prompt counted once, every choice's completion tokens; a choice that
-    called a tool and stopped finishes with ``tool_calls``."""
+    called a tool and stopped finishes with ``tool_calls``. ``answer_kv_kept``: the engine caches generated
+    tokens' KV (``EngineConfig.cache_generated_kv``); else none of the answer's ids is cached
+    (``answer_uncomputed`` is all of them, so the cache explanation expects the prompt alone)."""
     reasons = []
     for index in range(len(finished)):
         reason = finished[index].finish_reason
@@ -368,7 +370,9 @@ def _finish(finished: dict[int, Finished], choices: list[_Choice]) -> Finish:
         finish_reasons=tuple(reasons) if len(reasons) > 1 else (),
         stop_sequence=first.stop_string,
         answer_token_ids=choices[0].answer_token_ids(first),
-        answer_uncomputed=choices[0].answer_uncomputed(first),
+        answer_uncomputed=(
+            choices[0].answer_uncomputed(first) if answer_kv_kept else len(choices[0].answer_token_ids(first))
+        ),
     )
 
 

@@ -10,9 +10,10 @@ LM head likewise), so a torch upgrade that breaks one fails here, not only on th
 (``bench.batch_invariance``).
 
 Prefill is chunk-invariant too (other token budgets, prefix caching off: bit-identical logits, bf16 and fp32
-caches). Not covered because not true: a token generated in one request and found in the prompt of a later one
-(a multi-turn chat) ran the int4 kernel as a generated token and runs the dense copy when recomputed as a prompt
-token, so across requests cache on vs off keeps token equality only (``docs/engine-step.md``).
+caches). Across requests (a multi-turn chat): a token generated in one request and found in the prompt of a later
+one ran the int4 kernel as a generated token and runs the dense copy as a prompt token, so only prompt tokens'
+KV enters the prefix cache by default (``EngineConfig.cache_generated_kv``): the next turn served from the
+cache equals it computed cold, bit for bit.
 """
 
 from __future__ import annotations
@@ -318,3 +319,40 @@ def test_a_dense_fp32_weight_gives_a_row_the_same_bits_at_any_row_count():
     for rows in (2, 3, 8, 13, 48, 49, 300):
         assert torch.equal(lin.forward(x[:rows]), alone[:rows]), rows
     assert torch.equal(lin.forward(x.view(3, 100, 576)).view(300, -1), alone)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+def test_a_next_turn_served_from_the_cache_equals_it_cold_bit_for_bit(kv_dtype):
+    """Turn 2's prompt holds turn 1's prompt and answer. Before (a burst trial: 3 of 24 greedy SmolLM2 turns
+    answered otherwise warm than after the cache was cleared), turn 1's answer blocks were cached with the KV
+    the decode path wrote, and turn 2 read them where a cold turn 2 computes them as prompt rows."""
+    first = random_tokens(150, seed=11)
+    eng = make_engine(int4_checkpoint(), record_logits=True, kv_dtype=kv_dtype)
+    turn1 = eng.add_request(first, greedy(40))
+    eng.run_to_completion()
+    second = first + turn1.output_token_ids + random_tokens(20, seed=12)
+    warm = eng.add_request(second, greedy(N_NEW))
+    eng.run_to_completion()
+    assert warm.num_cached_tokens == len(first)  # the prompt, token-granular: none of the answer
+    cold_eng = make_engine(int4_checkpoint(), record_logits=True, kv_dtype=kv_dtype)
+    cold = cold_eng.add_request(second, greedy(N_NEW))
+    cold_eng.run_to_completion()
+    assert cold.num_cached_tokens == 0
+    assert warm.output_token_ids == cold.output_token_ids
+    assert torch.equal(
+        torch.stack(eng.logits_log[warm.request_id]), torch.stack(cold_eng.logits_log[cold.request_id])
+    )
+    eng.kv.check_invariants()
+
+
+def test_with_cache_generated_kv_the_next_turn_reuses_the_answer_blocks():
+    """The opt-in (vLLM's behaviour): the answer's full blocks are cached and served to the next turn."""
+    first = random_tokens(150, seed=11)
+    eng = make_engine(int4_checkpoint(), cache_generated_kv=True)
+    turn1 = eng.add_request(first, greedy(40))
+    eng.run_to_completion()
+    second = first + turn1.output_token_ids + random_tokens(20, seed=12)
+    warm = eng.add_request(second, greedy(N_NEW))
+    eng.run_to_completion()
+    assert warm.num_cached_tokens >= (len(first) + len(turn1.output_token_ids)) // 16 * 16 - 16
+    assert warm.num_cached_tokens > len(first)

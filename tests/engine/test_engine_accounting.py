@@ -3,6 +3,7 @@ block back at once, and the counters count each request once."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -99,13 +100,17 @@ def test_cancel_while_waiting_takes_nothing_and_counts_no_query():
     assert_all_returned(eng)
 
 
-def test_cached_blocks_are_reused_after_the_requests_end():
-    eng = make_engine()
+@pytest.mark.parametrize("cache_generated_kv", [False, True])
+def test_cached_blocks_are_reused_after_the_requests_end(cache_generated_kv):
+    eng = make_engine(cache_generated_kv=cache_generated_kv)
     prompt = random_tokens(80, 7)
     eng.add_request(prompt, greedy(2))
     eng.run_to_completion()
-    # full blocks of the 81 computed tokens (80 + 1 decoded), and the last one's partial block (1 token)
-    assert eng.stats().blocks_cached == 81 // BS + 1 and eng.kv.partial_entries == 1
+    if cache_generated_kv:
+        # full blocks of the 81 computed tokens (80 + 1 decoded), and the last one's partial block (1 token)
+        assert eng.stats().blocks_cached == 81 // BS + 1 and eng.kv.partial_entries == 1
+    else:  # the prompt's 5 full blocks only: the decoded token's KV is not cached
+        assert eng.stats().blocks_cached == 80 // BS and eng.kv.partial_entries == 0
     again = eng.add_request(prompt, greedy(2))
     eng.run_to_completion()
     assert again.num_cached_tokens == 79  # all but the last prompt token (4 whole blocks + 15 copied slots)

@@ -53,9 +53,31 @@ def fresh_tokenizer(served: bool = True) -> Tokenizer:
 
 
 def engine_on(tok: Tokenizer, **config) -> LLMEngine:
-    """An engine on the tiny checkpoint's weights with ``tok`` (it records into, and prompts come from, it)."""
+    """An engine on the tiny checkpoint's weights with ``tok`` (it records into, and prompts come from, it),
+    caching generated tokens' KV (served turns run only then: ``EngineConfig.cache_generated_kv``)."""
     ck = tiny_checkpoint()
-    return LLMEngine(ck.model, replace(EngineConfig(num_blocks=512), **config), ck.model_id, tok)
+    cfg = replace(EngineConfig(num_blocks=512, cache_generated_kv=True), **config)
+    return LLMEngine(ck.model, cfg, ck.model_id, tok)
+
+
+def test_without_cached_generated_kv_no_turn_is_served():
+    """By default the reply's KV is not cached, so its served ids would save nothing and would make the next
+    prompt's ids depend on this process's history (a cold gateway spells the reply canonically)."""
+    tok = fresh_tokenizer()
+    eng = engine_on(tok, cache_generated_kv=False)
+    req = eng.add_request(
+        tok.render_chat(QUESTION, [LOOKUP]), SamplingParams(max_tokens=40, temperature=0.0, constraint=CALL)
+    )
+    eng.run_to_completion()
+    assert req.finish_reason in ("stop", "length") and req.output_token_ids
+    assert (tok.served.recorded, tok.served.canonical, tok.served.entries) == (0, 0, 0)
+    on = fresh_tokenizer()
+    eng = engine_on(on)
+    eng.add_request(
+        on.render_chat(QUESTION, [LOOKUP]), SamplingParams(max_tokens=40, temperature=0.0, constraint=CALL)
+    )
+    eng.run_to_completion()
+    assert on.served.recorded + on.served.canonical == 1  # the same reply is offered with the opt-in
 
 
 def agent_loop(tok: Tokenizer) -> list[tuple[int, int, int, bool]]:

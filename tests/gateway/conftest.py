@@ -64,6 +64,30 @@ def client(server):
         yield sdk
 
 
+@pytest.fixture(scope="session")
+def generated_kv_server(tiny_checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
+    """``server`` with ``engine.cache_generated_kv: true``: replies' KV cached too (the opt-in whose next turns
+    reuse the previous reply: served turns, reply edits explained as ``history_rewritten``)."""
+    config = write_config(
+        tmp_path_factory.mktemp("config") / "prefixgate.yaml",
+        tiny_config_data(tiny_checkpoint, cache_generated_kv=True),
+    )
+    running = RunningServer(config).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def generated_kv_client(generated_kv_server):
+    """The official OpenAI SDK pointed at ``generated_kv_server``."""
+    import openai
+
+    with openai.OpenAI(
+        base_url=f"{generated_kv_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as sdk:
+        yield sdk
+
+
 @pytest.fixture
 def respx_upstreams(monkeypatch):
     """Gateways and backends made in the test share an httpcore client for their upstream calls, so that

@@ -286,12 +286,16 @@ def test_cache_header_on_the_anthropic_face_streamed_and_not(server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_edit_of_the_newest_reply_is_history_rewritten_at_the_edited_token(server, client, stream):
+def test_an_edit_of_the_newest_reply_is_history_rewritten_at_the_edited_token(
+    generated_kv_server, generated_kv_client, stream
+):
     """The tryout: a client edits the reply it got ("." -> "!") before sending its next turn. The explainer
     knew only the prompts, never the reply, so the edit was ``cold`` (or ``none``); it now records the answer
-    as the engine cached it, and the edit is ``history_rewritten`` at the edited token. The reply is made of
+    as the engine cached it, and the edit is ``history_rewritten`` at the edited token (with
+    ``cache_generated_kv``: by default the reply is not cached, and the next turn computes it). The reply is made of
     two one-byte tokens the tiny BPE never merges (``logit_bias``), so it resends as the very tokens the model
     generated, one per character: the edit at character ``k`` is token ``prompt_tokens + k``."""
+    server, client = generated_kv_server, generated_kv_client
     engine = server.app.state.gateway.registry.get(TINY_MODEL).engine
     q, z = (
         engine.tokenizer.encode("Q", add_special_tokens=False),

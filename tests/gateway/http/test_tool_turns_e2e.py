@@ -5,7 +5,8 @@
   ``stop_reason: "tool_use"``), streamed or not; text before a call is still cut. The Responses API has no
   stop sequences: a ``stop`` field there is refused, as OpenAI refuses it.
 - an agent loop (calls, results, resent turn after turn) keeps its cache: each turn's prompt is served from the
-  cache up to the end of the previous reply (the engine keeps the ids it served, ``engine.served_turns``).
+  cache up to the end of the previous prompt, and with ``engine.cache_generated_kv`` up to the end of the
+  previous reply (the engine keeps the ids it served, ``engine.served_turns``).
 
 The model is the tiny random checkpoint with a template that has no tool section (``generic`` tool format);
 the grammar forces every call to be valid whatever it picks, so the tests check properties, never an answer.
@@ -52,6 +53,25 @@ def server(tmp_path_factory):
 @pytest.fixture
 def client(server):
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="module")
+def generated_kv_server(tmp_path_factory):
+    """``server`` caching replies' KV too (``engine.cache_generated_kv``: served turns run)."""
+    folder = tmp_path_factory.mktemp("tool-turns-generated-kv")
+    checkpoint = generic_tool_checkpoint(folder / "tiny")
+    data = tiny_config_data(checkpoint, num_blocks=512, cache_generated_kv=True)
+    running = RunningServer(write_config(folder / "prefixgate.yaml", data)).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def generated_kv_client(generated_kv_server):
+    with openai.OpenAI(
+        base_url=f"{generated_kv_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as sdk:
         yield sdk
 
 
@@ -187,11 +207,15 @@ LOOKUP = {
 }
 
 
-def test_an_agent_loop_is_served_from_the_cache_up_to_each_previous_reply(server, client):
+@pytest.mark.parametrize("generated_kv", [False, True])
+def test_an_agent_loop_is_served_from_the_cache_up_to_each_previous_reply(request, generated_kv):
     """Forced calls answered by tool results, resent whole turn after turn (seeded sampling: some calls are
     spelled otherwise than the tokenizer spells their text, which the engine's served turns count): each turn's
-    cached tokens cover the previous prompt and all of its reply that the engine computed (prompt + reply - 1:
-    the last reply token's KV is computed only by the next request)."""
+    cached tokens cover the previous prompt, and with ``cache_generated_kv`` all of its reply that the engine
+    computed (prompt + reply - 1: the last reply token's KV is computed only by the next request); by default
+    the reply is computed again as prompt (cache on == cache off)."""
+    server = request.getfixturevalue("generated_kv_server" if generated_kv else "server")
+    client = request.getfixturevalue("generated_kv_client" if generated_kv else "client")
     served = server.app.state.gateway.registry.get(TINY_MODEL).engine.tokenizer.served
     recorded = served.recorded
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}}]
@@ -211,10 +235,11 @@ def test_an_agent_loop_is_served_from_the_cache_up_to_each_previous_reply(server
         usage = answer.usage
         if previous is not None:
             assert usage.prompt_tokens_details.cached_tokens == previous, turn
-        previous = usage.prompt_tokens + usage.completion_tokens - 1
+        previous = usage.prompt_tokens + (usage.completion_tokens - 1 if generated_kv else 0)
         (call,) = answer.choices[0].message.tool_calls
         messages += [
             {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
             {"role": "tool", "tool_call_id": call.id, "content": "18C, sunny"},
         ]
-    assert served.recorded > recorded  # the loop had replies that do not re-tokenize to their ids
+    # the loop had replies that do not re-tokenize to their ids: served turns keep them, with the opt-in only
+    assert (served.recorded > recorded) is generated_kv
