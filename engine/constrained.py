@@ -39,6 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -49,7 +50,15 @@ from engine.closed_schema import closed_schema
 from engine.errors import InvalidRequestError
 from engine.openmp_threads import serial_torch_thread
 from engine.schema_instances import UNSATISFIABLE, has_finite_instance
-from engine.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEPARATOR, CALL_TAIL, call_head, function_tools
+from engine.tool_calls import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    CALL_SEPARATOR,
+    CALL_TAIL,
+    FunctionTool,
+    call_head,
+    function_tools,
+)
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance JSON options: no free whitespace (a small model otherwise loops on newlines), and
@@ -60,14 +69,81 @@ log = logging.getLogger(__name__)
 _FORMAT_REFUSED = "Invalid 'response_format': the JSON schema is not supported by constrained decoding: "
 """The start of every refusal of a response format's schema (the Anthropic face renames the field)."""
 
+ANY_OBJECT = {"type": "object"}
+"""The arguments schema of a non-strict tool whose own schema llguidance cannot compile: any JSON object."""
+
 GRAMMAR_CACHE_SIZE = 256
 """Compiled grammars kept per engine (keyed by the constraint's canonical JSON)."""
 
 
 def _json_schema(schema: dict) -> dict:
-    """``schema`` as llguidance compiles it: objects closed by default (``engine.closed_schema``), then the JSON
-    options (``JSON_OPTIONS``)."""
-    return {**closed_schema(schema), "x-guidance": JSON_OPTIONS}
+    """``schema`` as llguidance compiles it: trivially satisfied keywords dropped (``without_trivial_keywords``),
+    objects closed by default (``engine.closed_schema``), then the JSON options (``JSON_OPTIONS``)."""
+    return {**closed_schema(without_trivial_keywords(schema)), "x-guidance": JSON_OPTIONS}
+
+
+_TRIVIAL_PROPERTY_NAMES = (True, {}, {"type": "string"})
+"""``propertyNames`` values every object satisfies (a JSON object's keys are strings). llguidance implements no
+``propertyNames`` at all ("Unimplemented keys"), and Claude Code's TaskCreate / TaskUpdate tools send
+``"metadata": {"type": "object", "propertyNames": {"type": "string"}, ...}``."""
+_SUBSCHEMA_MAPS = (
+    "properties",
+    "patternProperties",
+    "dependentSchemas",
+    "$defs",
+    "definitions",
+    "dependencies",
+)
+"""Keywords whose value maps names to subschemas (``dependencies``' list values are key names, left alone)."""
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+"""Keywords whose value is a list of subschemas (``items`` in draft 4-7's tuple form)."""
+_SUBSCHEMA_ONE = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+"""Keywords whose value is one subschema."""
+
+
+def without_trivial_keywords(schema: Any) -> Any:
+    """``schema`` without the keywords every instance satisfies that llguidance does not implement: a
+    ``propertyNames`` of ``true``, ``{}`` or ``{"type": "string"}``, in any subschema (a property *named*
+    ``propertyNames`` is kept: only schema positions are walked). The same instances, so the same grammar;
+    the input is never modified (the prompt shows the schema as the client sent it), an unchanged schema
+    comes back as itself."""
+    if isinstance(schema, list):
+        items = [without_trivial_keywords(item) for item in schema]
+        return schema if all(a is b for a, b in zip(items, schema, strict=True)) else items
+    if not isinstance(schema, dict):
+        return schema
+    out: dict = {}
+    changed = False
+    for key, value in schema.items():
+        if key == "propertyNames" and any(_same_json(value, t) for t in _TRIVIAL_PROPERTY_NAMES):
+            changed = True
+            continue
+        new = value
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            subs = {name: without_trivial_keywords(sub) for name, sub in value.items()}
+            new = value if all(subs[n] is value[n] for n in value) else subs
+        elif (key in _SUBSCHEMA_LISTS and isinstance(value, list)) or key in _SUBSCHEMA_ONE:
+            new = without_trivial_keywords(value)
+        changed |= new is not value
+        out[key] = new
+    return out if changed else schema
+
+
+def _same_json(value: object, other: object) -> bool:
+    """Equal as JSON values (so ``1`` is not ``true``)."""
+    return type(value) is type(other) and value == other
 
 
 def _object_root(schema: dict) -> dict:
@@ -82,7 +158,7 @@ def lark_string(text: str) -> str:
     return json.dumps(text)
 
 
-def tool_call_grammar(constraint: Constraint) -> str:
+def tool_call_grammar(constraint: Constraint, loose: frozenset[str] = frozenset()) -> str:
     """The Lark grammar (llguidance dialect) of a ``"tool_calls"`` constraint.
 
     ``auto``: text that never contains ``<tool_call>``, or text followed by calls; ``required``: calls only;
@@ -104,6 +180,9 @@ def tool_call_grammar(constraint: Constraint) -> str:
     each schema under a ``properties.arguments`` of one call schema, as before, moved its root and broke every
     root-relative pointer.) A pointer that does not resolve, or a remote ``$ref``, fails to compile; see
     ``ConstraintCompiler.grammar`` for the 400 naming the tool.
+
+    ``loose`` names tools whose arguments are any JSON object (``ANY_OBJECT``) instead of their schema: the
+    non-strict tools whose schema llguidance cannot compile (``ConstraintCompiler.grammar``).
 
     Raises:
         InvalidRequestError: no tools, bad tools, an unknown ``tool_choice``, ``tool_name`` not among them, or
@@ -136,9 +215,10 @@ def tool_call_grammar(constraint: Constraint) -> str:
                 "tools",
             )
         head = lark_string(call_head(tool.name))
+        args = ANY_OBJECT if tool.name in loose else _object_root(tool.parameters)
         lines += [
             f"body_{i}: {head} args_{i} {lark_string(CALL_TAIL)}",
-            f"args_{i}: %json {json.dumps(_json_schema(_object_root(tool.parameters)))}",
+            f"args_{i}: %json {json.dumps(_json_schema(args))}",
         ]
     if choice == "auto" and constraint.json_schema is not None:
         if not isinstance(constraint.json_schema, dict):
@@ -209,6 +289,92 @@ def schema_problem(errors: str) -> str:
     return " ".join(kept) or "the schema cannot be compiled"
 
 
+_UNSUPPORTED = re.compile(
+    r"Unimplemented keys: |Unknown format: |regex parse error|not supported|only supported"
+)
+"""llguidance's wordings of a schema that uses what it does not implement, rather than a wrong one (the texts of
+llguidance 1.9): ``Unimplemented keys: ["not"]`` (``propertyNames``, ``if``, ``uniqueItems``, ``contains``,
+``dependentSchemas``...), ``oneOf constraints are not supported...`` (branches that may overlap), ``Unknown
+format: x``, ``min/maxProperties only supported when...``, ``circular references with sibling keys are not
+supported``, and a ``pattern`` its regex engine cannot parse (look-around, backreferences, or ECMA-262 syntax
+its Rust dialect lacks such as ``\\cJ`` or ``[^]``, which it reports as a parse error like a malformed one).
+A pointer that does not resolve, a remote ``$ref``, a wrong type or keyword value are the client's errors
+(never matched)."""
+
+
+def unsupported_only(problem: str) -> bool:
+    """Whether llguidance's reason for refusing a schema (``schema_problem``) says only that it uses what
+    llguidance does not implement (``_UNSUPPORTED``): a non-strict tool's arguments then fall back to any
+    object. Never a reason that says the schema (or a part of it) is unsatisfiable: a schema without instances
+    is the client's bug, refused for every tool."""
+    return "unsatisfiable" not in problem.lower() and _UNSUPPORTED.search(problem) is not None
+
+
+_RELAXED_AWAY = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "propertyNames",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentSchemas",
+        "dependentRequired",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "minProperties",
+        "maxProperties",
+        "format",
+        "pattern",
+    }
+)
+"""Keywords that only ever narrow what an instance may be (with ``not`` and ``if`` gone, nothing negates them):
+a schema without them admits every instance of the schema with them."""
+
+
+def relaxed(schema: Any) -> Any:
+    """``schema`` without the keywords llguidance may not implement (``_RELAXED_AWAY``) and with ``oneOf`` read
+    as ``anyOf``, in every subschema: a schema admitting every instance of ``schema`` (and more), so if it is
+    unsatisfiable, so is ``schema``. Hidden behind an unimplemented keyword, an unsatisfiable part is still
+    refused (llguidance reports only the unimplemented one). The input is not modified."""
+    if isinstance(schema, list):
+        return [relaxed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict = {}
+    for key, value in schema.items():
+        if key in _RELAXED_AWAY:
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: relaxed(sub) for name, sub in value.items()}
+        elif (key in _SUBSCHEMA_LISTS and isinstance(value, list)) or key in _SUBSCHEMA_ONE:
+            value = relaxed(value)
+        out["anyOf" if key == "oneOf" else key] = value
+    if "oneOf" in schema and "anyOf" in schema:  # both: their conjunction, as two branches of an allOf
+        out["allOf"] = [*out.get("allOf", []), {"anyOf": relaxed(schema["oneOf"])}]
+        out["anyOf"] = relaxed(schema["anyOf"])
+    return out
+
+
+def _tool_refused(name: str, problem: str) -> str:
+    """The message of a 400 for tool ``name``'s schema."""
+    return (
+        f"Invalid 'tools': the schema of tool '{name}' is not supported by constrained decoding: "
+        f"{schema_problem(problem)}"
+    )
+
+
+def _grammar_tools(constraint: Constraint) -> list[FunctionTool]:
+    """The tools a tool-call constraint's grammar holds (the named one only for a named ``tool_choice``)."""
+    tools = function_tools(list(constraint.tools))
+    if constraint.tool_choice == "function":
+        tools = [t for t in tools if t.name == constraint.tool_name]
+    return tools
+
+
 class ConstraintCompiler:
     """Grammars and their states for one engine (one tokenizer, one vocabulary).
 
@@ -267,30 +433,68 @@ class ConstraintCompiler:
                 return self._grammars[key]
         grammar = grammar_for(constraint)
         ok, errors = self._validate(grammar)
+        loose: frozenset[str] = frozenset()
+        if not ok and constraint.kind == "tool_calls":
+            loose = self._loose_tools(constraint)
+            if loose:
+                grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(constraint, loose))
+                ok, errors = self._validate(grammar)
         if not ok:
             # the client gets which schema and what in it; the grammar text (internals) goes to the log only
             log.info("constraint compile failed (%s): %s", constraint.kind, errors)
-            raise InvalidRequestError(*self._explain(constraint, errors))
+            raise InvalidRequestError(*self._explain(constraint, errors, loose))
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar
 
-    def _explain(self, constraint: Constraint, errors: str) -> tuple[str, str]:
+    def _loose_tools(self, constraint: Constraint) -> frozenset[str]:
+        """The tools of a tool-call constraint whose arguments fall back to any JSON object (``ANY_OBJECT``):
+        each schema llguidance cannot compile alone only because it uses what llguidance does not implement
+        (``unsupported_only``), of a tool that is not ``strict`` (Anthropic and OpenAI's non-strict functions
+        accept any JSON Schema and promise no conformance; a strict tool does). One log line (info) each.
+
+        Raises:
+            InvalidRequestError: ``param="tools"``, naming the first tool whose schema fails otherwise: a strict
+                tool's, an unsatisfiable one (also when an unimplemented keyword hides it: ``relaxed``), or a
+                wrong one (a pointer that does not resolve...).
+        """
+        loose: dict[str, str] = {}
+        for tool in _grammar_tools(constraint):
+            schema = _object_root(tool.parameters)
+            problem = self._schema_errors(schema)
+            if problem is None:
+                continue
+            reason = schema_problem(problem)
+            if not tool.strict and unsupported_only(reason):
+                hidden = self._schema_errors(relaxed(schema), close=False)
+                if hidden is None or "unsatisfiable" not in hidden.lower():
+                    loose[tool.name] = reason
+                    continue
+                problem = hidden  # what the unimplemented keyword hid: no instance at all
+            raise InvalidRequestError(_tool_refused(tool.name, problem), "tools")
+        for name, reason in loose.items():
+            log.info(
+                "tool '%s': its arguments are constrained to any JSON object, its schema is not supported by "
+                "constrained decoding: %s",
+                name,
+                reason,
+            )
+        return frozenset(loose)
+
+    def _explain(
+        self, constraint: Constraint, errors: str, loose: frozenset[str] = frozenset()
+    ) -> tuple[str, str]:
         """The client's message and the field it names, for a grammar llguidance refused: for tool calls, the
-        first tool whose parameters schema alone fails, by name (``tools``), else the answer's schema of a
-        response format sent with tools (``response_format``); llguidance's reason without the grammar
-        listing."""
+        first tool (not among ``loose``, which take any object) whose parameters schema alone fails, by name
+        (``tools``), else the answer's schema of a response format sent with tools (``response_format``);
+        llguidance's reason without the grammar listing."""
         if constraint.kind == "tool_calls":
-            for tool in function_tools(list(constraint.tools)):
-                problem = self._schema_errors(tool.parameters)
+            for tool in _grammar_tools(constraint):
+                problem = None if tool.name in loose else self._schema_errors(tool.parameters)
                 if problem is not None:
-                    return (
-                        f"Invalid 'tools': the schema of tool '{tool.name}' is not supported by "
-                        f"constrained decoding: {schema_problem(problem)}",
-                        "tools",
-                    )
+                    return _tool_refused(tool.name, problem), "tools"
             answer = constraint.json_schema if constraint.tool_choice == "auto" else None
             if answer is None or (problem := self._schema_errors(answer)) is None:
                 return (
@@ -300,10 +504,12 @@ class ConstraintCompiler:
             errors = problem
         return _FORMAT_REFUSED + schema_problem(errors), "response_format"
 
-    def _schema_errors(self, schema: dict) -> str | None:
-        """llguidance's errors for ``schema`` compiled alone (None: it compiles)."""
+    def _schema_errors(self, schema: Any, close: bool = True) -> str | None:
+        """llguidance's errors for ``schema`` compiled alone (None: it compiles); as it is, not closed
+        (``engine.closed_schema``), without ``close``."""
         try:
-            ok, errors = self._validate(llguidance.LLMatcher.grammar_from_json_schema(_json_schema(schema)))
+            compiled = _json_schema(schema) if close else {**schema, "x-guidance": JSON_OPTIONS}
+            ok, errors = self._validate(llguidance.LLMatcher.grammar_from_json_schema(compiled))
         except (ValueError, TypeError) as exc:
             ok, errors = False, str(exc)
         return None if ok else errors

@@ -63,11 +63,15 @@ def call_json(value: object) -> str:
 
 @dataclass(frozen=True)
 class FunctionTool:
-    """One function tool: ``name``, ``description`` (may be empty) and ``parameters`` (a JSON Schema object)."""
+    """One function tool: ``name``, ``description`` (may be empty), ``parameters`` (a JSON Schema object) and
+    ``strict`` (OpenAI's ``function.strict``: calls must conform to the schema, so a schema constrained decoding
+    cannot enforce is refused rather than loosened, ``engine.constrained.ConstraintCompiler.grammar``; the
+    Anthropic face carries its tools' ``strict`` there). ``strict`` is not rendered into the prompt."""
 
     name: str
     description: str
     parameters: dict
+    strict: bool = False
 
     def as_openai(self) -> dict:
         """``{"type": "function", "function": {...}}``, the form rendered into the prompt."""
@@ -118,7 +122,7 @@ def function_tools(tools: Sequence[object]) -> list[FunctionTool]:
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
             raise InvalidRequestError(f"tools[{i}].description must be a string", "tools")
-        out.append(FunctionTool(name, desc, params))
+        out.append(FunctionTool(name, desc, params, strict=fn.get("strict") is True))
     seen: dict[str, int] = {}
     for i, tool in enumerate(out):
         if tool.name in seen:

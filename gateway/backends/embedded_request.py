@@ -22,7 +22,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
+    # an effort hint: a model that does not reason meets every level as it is (Codex sends one when configured)
+    "reasoning_effort": (None, "none", "minimal", "low", "medium", "high", "xhigh", "max"),
     "verbosity": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -219,16 +220,21 @@ def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
     https://platform.claude.com/docs/en/build-with-claude/structured-outputs), or None.
 
     Raises:
-        InvalidRequestError: ``thinking`` other than ``{"type": "disabled"}`` (the checkpoint has no extended
-            thinking); ``output_config.effort`` (no effort levels); an ``output_config`` / ``format`` that is not
+        InvalidRequestError: ``thinking`` other than ``{"type": "disabled"}`` or ``{"type": "adaptive"}`` (the
+            checkpoint has no extended thinking; adaptive leaves it to the model); an ``output_config`` /
+            ``format`` that is not
             an object, a format that is not ``json_schema`` with an object ``schema``, or both forms at once (400
             naming the field).
     """
     thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+    if thinking is not None and not (
+        isinstance(thinking, dict)
+        and thinking.get("type") in ("disabled", "adaptive")
+        and set(thinking) == {"type"}
+    ):
         raise InvalidRequestError(
             "thinking: the embedded engine has no extended thinking; omit 'thinking' or send "
-            '{"type": "disabled"}.',
+            '{"type": "disabled"} or {"type": "adaptive"} (the model decides, and does not think).',
             param="thinking",
             code="unsupported_value",
         )

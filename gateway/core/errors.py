@@ -72,9 +72,26 @@ class InvalidRequestError(APIError):
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    """400 ``context_length_exceeded``: the rendered prompt does not fit the model's context or KV pool."""
+    """400 ``context_length_exceeded``: the rendered prompt does not fit the model's context or KV pool.
+
+    Attributes:
+        anthropic_message: the same error in the Messages API's words, for the Anthropic face, or None (then
+            ``message``): clients parse them (Claude Code retries with a smaller ``max_tokens`` on ``input length
+            and `max_tokens` exceed context limit: P + M > L``, and compacts on ``prompt is too long``).
+    """
 
     default_code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        anthropic_message: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.anthropic_message = anthropic_message
 
 
 class AuthenticationError(APIError):
@@ -181,7 +198,9 @@ def from_engine_error(exc: EngineError, noun: str = "messages") -> APIError:
     ``EngineClosedError`` -> 503; anything else -> 500.
     """
     if isinstance(exc, PromptTooLongError):
-        return ContextLengthExceededError(exc.worded(noun), param=noun)
+        return ContextLengthExceededError(
+            exc.worded(noun), param=noun, anthropic_message=anthropic_context_message(exc)
+        )
     if isinstance(exc, EngineInvalidRequestError):
         return InvalidRequestError(str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, SamplingError):
@@ -259,10 +278,31 @@ def anthropic_error_type(error: APIError) -> str:
     return "api_error" if error.status_code >= 500 else "invalid_request_error"
 
 
+def anthropic_context_message(exc: PromptTooLongError) -> str:
+    """A context or pool overflow in the Messages API's words: ``input length and `max_tokens` exceed context
+    limit: P + M > L, decrease input length or `max_tokens` and try again`` when ``max_tokens`` overflowed, else
+    ``prompt is too long: N tokens > L maximum`` (N counts one completion token); a pool shrunk by pins says so
+    after it."""
+    limit = exc.limit
+    if exc.completion_tokens is not None:
+        text = (
+            f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + {exc.completion_tokens} > "
+            f"{limit}, decrease input length or `max_tokens` and try again"
+        )
+    else:
+        text = f"prompt is too long: {exc.prompt_tokens} tokens > {limit} maximum"
+    if exc.what == "pool":
+        text += f" (the KV block pool holds {limit} tokens" + (
+            f" beside {exc.pinned_blocks} blocks pinned by warmed prefixes)" if exc.pinned_blocks else ")"
+        )
+    return text
+
+
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
     """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`` (type from
-    ``anthropic_error_type``)."""
-    return {"type": "error", "error": {"type": anthropic_error_type(error), "message": error.message}}
+    ``anthropic_error_type``; a context overflow in Anthropic's own words, ``anthropic_context_message``)."""
+    message = getattr(error, "anthropic_message", None) or error.message
+    return {"type": "error", "error": {"type": anthropic_error_type(error), "message": message}}
 
 
 ErrorShape = Callable[[APIError], dict[str, Any]]

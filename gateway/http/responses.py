@@ -31,7 +31,7 @@ from gateway.http.request_context import (
 )
 from gateway.protocols.openai.parse import parse_chat_request
 from gateway.protocols.openai.response_builder import ResponseBuilder
-from gateway.protocols.openai.responses import chat_message_origins, responses_to_chat_body
+from gateway.protocols.openai.responses import chat_message_origins, chat_tool_paths, responses_to_chat_body
 from gateway.protocols.openai.responses_params import to_responses_error
 from gateway.service.pipeline import OpenedStream
 from gateway.transport.sse import EventStreamResponse
@@ -52,7 +52,7 @@ async def responses_endpoint(http_request: Request) -> Response:
             http_request, gateway, request, http_request.url.path, started_at(http_request)
         )
     except InvalidRequestError as error:
-        to_responses_error(error, chat_message_origins(body))
+        to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
         raise
     builder = ResponseBuilder(body, request.model, request.request_id)
     headers = {"x-request-id": request.request_id}

@@ -156,7 +156,21 @@ _RESPONSES_ITEM = {
             },
             "required": ["type", "call_id", "output"],
         },
+        {  # a reasoning item sent back (store: false): dropped from the prompt
+            "type": "object",
+            "properties": {"type": {"const": "reasoning"}, "summary": {"type": "array"}},
+            "required": ["type"],
+        },
     ]
+}
+_RESPONSES_FUNCTION = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function"},
+        "name": {"type": "string", "minLength": 1},
+        "parameters": {"type": "object"},
+    },
+    "required": ["type", "name"],
 }
 RESPONSES_REQUEST = _object(
     {
@@ -171,13 +185,19 @@ RESPONSES_REQUEST = _object(
         "tools": {
             "type": "array",
             "items": {
-                "type": "object",
-                "properties": {
-                    "type": {"const": "function"},
-                    "name": {"type": "string", "minLength": 1},
-                    "parameters": {"type": "object"},
-                },
-                "required": ["type", "name"],
+                "anyOf": [
+                    _RESPONSES_FUNCTION,
+                    {  # flattened into its functions
+                        "type": "object",
+                        "properties": {
+                            "type": {"const": "namespace"},
+                            "name": {"type": "string", "minLength": 1},
+                            "description": {"type": "string"},
+                            "tools": {"type": "array", "items": _RESPONSES_FUNCTION},
+                        },
+                        "required": ["type", "name", "description", "tools"],
+                    },
+                ]
             },
         },
     },

@@ -4,6 +4,7 @@ their own grammar state, and cache on == cache off."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -13,7 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.api import Constraint, SamplingParams
-from engine.constrained import prefilled, tool_call_grammar
+from engine.constrained import (
+    prefilled,
+    relaxed,
+    tool_call_grammar,
+    unsupported_only,
+    without_trivial_keywords,
+)
 from engine.errors import InvalidRequestError
 from engine.schema_instances import has_finite_instance
 from engine.tool_calls import parse_tool_calls, render_call
@@ -295,11 +302,12 @@ def test_constraint_without_tokenizer_is_refused():
     ],
 )
 def test_an_unsupported_schema_names_its_tool_without_grammar_internals(schema, problem):
-    """Before: the message carried llguidance's grammar listing (``call: "<tool_call>\\n" body ...``)."""
+    """Before: the message carried llguidance's grammar listing (``call: "<tool_call>\\n" body ...``). A strict
+    tool (a non-strict one falls back to any object, see below) and a response format promise conformance."""
     fine = {"type": "object", "properties": {"x": {"type": "integer"}}}
     tools = (
         {"type": "function", "function": {"name": "fine", "parameters": fine}},
-        {"type": "function", "function": {"name": "odd", "parameters": schema}},
+        {"type": "function", "function": {"name": "odd", "parameters": schema, "strict": True}},
     )
     eng = engine()
     with pytest.raises(InvalidRequestError) as err:
@@ -315,6 +323,251 @@ def test_an_unsupported_schema_names_its_tool_without_grammar_internals(schema, 
         f"Invalid 'response_format': the JSON schema is not supported by constrained decoding: {problem}",
     )
     assert not eng.has_unfinished()
+
+
+# ---- schemas llguidance cannot compile ----------------------------------------------------------------------
+TASK_CREATE = {  # Claude Code's default TaskCreate tool (its input_schema, as a trial sent it)
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {
+        "subject": {"type": "string", "description": "A brief title for the task"},
+        "description": {"type": "string", "description": "A detailed description of what needs to be done"},
+        "activeForm": {"type": "string", "description": "Present continuous form shown in the spinner"},
+        "metadata": {
+            "type": "object",
+            "propertyNames": {"type": "string"},
+            "additionalProperties": {},
+            "description": "Arbitrary metadata to attach to the task",
+        },
+    },
+    "required": ["subject", "description"],
+    "additionalProperties": False,
+}
+FINE = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+NOT_SCHEMA = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}
+
+
+def _tool(name: str, parameters: dict, **extra) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters, **extra}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_claude_codes_task_create_schema_compiles_and_holds_calls_to_the_rest_of_it(choice):
+    """Before: every default Claude Code request was a 400 ``Unimplemented keys: ["propertyNames"]``; a
+    ``propertyNames`` every key satisfies is dropped before compiling, and the rest of the schema holds."""
+    sent = copy.deepcopy(TASK_CREATE)
+    tools = (_tool("TaskCreate", TASK_CREATE), _tool("fine", FINE))
+    grammar = engine().constraints.grammar(Constraint("tool_calls", tools=tools, tool_choice=choice))
+    assert TASK_CREATE == sent  # the client's schema is never modified
+    good = {"subject": "Fix", "description": "the bug", "metadata": {"k": [1, {"v": None}], "n": "x"}}
+    jsonschema.validate(good, TASK_CREATE)
+    assert _accepts(grammar, render_call("TaskCreate", good))
+    assert _accepts(grammar, render_call("TaskCreate", {"subject": "a", "description": "b"}))
+    for bad in (
+        {"subject": "Fix"},  # description is required
+        {"subject": "Fix", "description": "b", "metadata": [1]},
+        {"subject": "Fix", "description": "b", "owner": "me"},  # closed by additionalProperties: false
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, TASK_CREATE)
+        assert not _accepts(grammar, render_call("TaskCreate", bad)), bad
+    assert not _accepts(grammar, render_call("fine", {"x": "1"}))
+
+
+def test_claude_codes_task_create_calls_on_a_random_model_validate():
+    tools = (_tool("TaskCreate", TASK_CREATE),)
+    c = Constraint("tool_calls", tools=tools, tool_choice="required", parallel_tool_calls=False)
+    for out in run(engine(), c, seeds=[1, 2, 3], max_tokens=400):
+        content, calls = parse_tool_calls(out.full_text, cut=out.finish_reason == "length")
+        assert content == "" and len(calls) == 1
+        if out.finish_reason == "stop":
+            jsonschema.validate(calls[0].arguments, TASK_CREATE)
+
+
+@pytest.mark.parametrize(
+    ("schema", "trivial"),
+    [
+        ({"type": "object", "propertyNames": True}, True),
+        ({"type": "object", "propertyNames": {}}, True),
+        (
+            {"type": "object", "properties": {"m": {"type": "object", "propertyNames": {"type": "string"}}}},
+            True,
+        ),
+        ({"type": "object", "propertyNames": {"pattern": "^a"}}, False),
+        ({"type": "object", "propertyNames": {"type": "string", "maxLength": 3}}, False),
+        ({"type": "object", "propertyNames": 1}, False),  # not ``true``
+    ],
+)
+def test_a_response_format_with_a_trivial_property_names_compiles(schema, trivial):
+    """``propertyNames`` any key satisfies is dropped (before: ``Unimplemented keys: ["propertyNames"]``);
+    another one still cannot be enforced, and a response format promises conformance: a 400."""
+    sent = copy.deepcopy(schema)
+    c = Constraint("json_schema", json_schema=schema)
+    if trivial:
+        grammar = engine().constraints.grammar(c)
+        assert _accepts(grammar, '{"m": {"k": 1}}' if "properties" in schema else '{"ab": 1}')
+    else:
+        with pytest.raises(InvalidRequestError) as err:
+            engine().constraints.grammar(c)
+        assert err.value.param == "response_format"
+    assert schema == sent
+
+
+def test_only_schema_positions_lose_a_trivial_property_names():
+    """A property named ``propertyNames`` is a property, not the keyword: kept."""
+    schema = {
+        "type": "object",
+        "properties": {"propertyNames": {"type": "string"}},
+        "$defs": {"M": {"type": "object", "propertyNames": True}},
+        "items": [{"propertyNames": {}}],
+    }
+    assert without_trivial_keywords(schema) == {
+        "type": "object",
+        "properties": {"propertyNames": {"type": "string"}},
+        "$defs": {"M": {"type": "object"}},
+        "items": [{}],
+    }
+    unchanged = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert without_trivial_keywords(unchanged) is unchanged
+
+
+def test_a_non_strict_tool_llguidance_cannot_compile_takes_any_object_and_others_keep_their_grammar(caplog):
+    """Before: the whole request was a 400 ``Unimplemented keys: ["not"]`` (Anthropic and OpenAI's non-strict
+    functions accept any JSON Schema and promise no conformance). One INFO line names the tool and the reason."""
+    tools = (_tool("odd", NOT_SCHEMA), _tool("fine", FINE, strict=True))
+    with caplog.at_level("INFO", logger="engine.constrained"):
+        grammar = engine().constraints.grammar(Constraint("tool_calls", tools=tools, tool_choice="required"))
+    lines = [r.getMessage() for r in caplog.records if "any JSON object" in r.getMessage()]
+    assert len(lines) == 1 and "'odd'" in lines[0] and 'Unimplemented keys: ["not"]' in lines[0], lines
+    for arguments in ({}, {"a": "a string, which the schema refuses"}, {"b": [1, {"c": None}]}):
+        assert _accepts(grammar, render_call("odd", arguments))
+    for arguments in ("[1, 2]", '"x"', "null"):
+        assert not _accepts(
+            grammar, f'<tool_call>\n{{"name": "odd", "arguments": {arguments}}}\n</tool_call>'
+        )
+    assert _accepts(grammar, render_call("fine", {"x": 1}))
+    for arguments in ({"x": "1"}, {}, {"x": 1, "y": 2}):  # fine's exact grammar
+        assert not _accepts(grammar, render_call("fine", arguments))
+    # a named tool_choice of the loosened tool, and a response format beside it
+    named = engine().constraints.grammar(
+        Constraint("tool_calls", tools=tools, tool_choice="function", tool_name="odd")
+    )
+    assert _accepts(named, render_call("odd", {"a": 1}))
+    answer = engine().constraints.grammar(Constraint("tool_calls", tools=tools, json_schema=FINE))
+    assert _accepts(answer, '{"x": 3}') and _accepts(answer, render_call("odd", {"z": 1}))
+    assert not _accepts(answer, '{"x": "3"}')
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?!x)"}}},
+        {"type": "object", "properties": {"a": {"type": "string", "format": "nope"}}},
+        {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+        {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        {"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+        {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}},
+    ],
+)
+def test_what_llguidance_does_not_implement_falls_back_for_a_non_strict_tool_only(schema):
+    eng = engine()
+    loose = Constraint("tool_calls", tools=(_tool("odd", schema), _tool("fine", FINE)))
+    assert _accepts(eng.constraints.grammar(loose), render_call("odd", {"any": ["thing"]}))
+    for strict in ({"strict": True}, {"strict": True, "description": "Anthropic's strict rides as OpenAI's"}):
+        tools = (_tool("fine", FINE), _tool("odd", schema, **strict))
+        with pytest.raises(InvalidRequestError) as err:
+            eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("tool_calls", tools=tools)))
+        assert err.value.param == "tools"
+        assert str(err.value).startswith("Invalid 'tools': the schema of tool 'odd' is not supported"), (
+            err.value
+        )
+    assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        (  # the unimplemented keyword hid it: llguidance reports only "Unimplemented keys"
+            {
+                "type": "object",
+                "properties": {"a": {"not": {}}, "b": {"type": "integer", "minimum": 3, "maximum": 1}},
+                "required": ["b"],
+            },
+            "Unsatisfiable schema: required property 'b' is unsatisfiable",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "string", "enum": [1, 2]}}, "required": ["a"]},
+            "Unsatisfiable schema: required property 'a' is unsatisfiable",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            "admits no instance of finite depth",
+        ),
+        ({"type": "object", "properties": {"a": {"type": "strng"}}}, "Invalid type: strng"),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}},
+            "Pointer '/$defs/Nope' does not exist",
+        ),
+    ],
+)
+def test_an_unsatisfiable_or_wrong_schema_is_refused_even_for_a_non_strict_tool(schema, problem):
+    eng = engine()
+    tools = (_tool("fine", FINE), _tool("odd", schema))
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("tool_calls", tools=tools)))
+    assert err.value.param == "tools"
+    assert str(err.value).startswith("Invalid 'tools': the schema of tool 'odd' is not supported"), err.value
+    assert problem in str(err.value)
+    assert not eng.has_unfinished()
+
+
+def test_a_response_format_llguidance_cannot_compile_is_still_a_400_beside_tools():
+    eng = engine()
+    c = Constraint("tool_calls", tools=(_tool("odd", NOT_SCHEMA),), json_schema=NOT_SCHEMA)
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=c))
+    assert (err.value.param, str(err.value)) == (
+        "response_format",
+        "Invalid 'response_format': the JSON schema is not supported by constrained decoding: Unimplemented keys: [\"not\"]",
+    )
+    assert not eng.has_unfinished()
+
+
+def test_unsupported_only_tells_unimplemented_from_wrong_by_llguidances_texts():
+    for problem in (
+        'Unimplemented keys: ["propertyNames"]',
+        "Unknown format: nope",
+        "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf with anyOf",
+        "regex parse error: (?=a)b ^^^ error: look-around, including look-ahead and look-behind, is not supported",
+        'min/maxProperties only supported when all keys listed in "properties" are required',
+    ):
+        assert unsupported_only(problem), problem
+    for problem in (
+        "Unsatisfiable schema: required property 'a' is unsatisfiable",
+        "All options in anyOf are unsatisfiable",
+        "Pointer '/$defs/Nope' does not exist",
+        "Resource 'http://example.com/s.json' is not present in a registry and retrieving it failed",
+        "Invalid type: strng",
+        "Expected positive integer for 'maxLength', got \"x\"",
+    ):
+        assert not unsupported_only(problem), problem
+
+
+def test_relaxed_admits_more_and_leaves_the_input_alone():
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "string", "pattern": "^a"}, "o": {"oneOf": [{}], "anyOf": [{}]}},
+        "not": {"required": ["x"]},
+        "if": {},
+        "then": {},
+    }
+    sent = copy.deepcopy(schema)
+    assert relaxed(schema) == {
+        "type": "object",
+        "properties": {"not": {"type": "string"}, "o": {"anyOf": [{}], "allOf": [{"anyOf": [{}]}]}},
+    }
+    assert schema == sent
 
 
 # ---- tool schemas with $ref ---------------------------------------------------------------------------------

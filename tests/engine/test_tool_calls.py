@@ -362,3 +362,13 @@ def test_a_duplicate_tool_name_is_named_by_its_path():
         function_tools([tool, other, tool])
     assert caught.value.param == "tools[2].function.name"
     assert "tools[2]" in str(caught.value) and "tools[0]" in str(caught.value)
+
+
+def test_strict_is_read_from_function_strict_and_never_rendered():
+    """``strict`` decides whether a schema constrained decoding cannot enforce is refused or loosened
+    (``engine.constrained``); only ``true`` is strict, and the prompt is the same either way."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    tools = function_tools([strict, {**TIME, "strict": "yes"}])
+    assert [t.strict for t in tools] == [True, False]
+    assert function_tools([WEATHER])[0].strict is False
+    assert render_tools_prompt(tools[:1]) == render_tools_prompt(function_tools([WEATHER]))

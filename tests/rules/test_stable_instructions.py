@@ -47,6 +47,11 @@ MOVE = {
     "path-sentence": ("Save files in /tmp/session-8f3a2b91/ only.", "Save files in"),
     "session-id-sentence": ("Your session ID is 7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f.", "session ID"),
     "request-id-number": ("Your request ID is 42.", "request ID"),
+    # Claude Code's attribution line (before: kept, and each session's first prompt changed its last characters)
+    "client-attribution": (
+        "x-anthropic-billing-header: cc_version=2.1.197.7b2; cc_entrypoint=sdk-cli;",
+        "x-anthropic-billing-header",
+    ),
 }
 
 
@@ -57,3 +62,20 @@ def test_the_volatile_neighbours_still_move(name: str) -> None:
     canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
     assert canon.messages[0]["content"] == "You are helpful.\nBe brief."
     assert any(marker in h for h in canon.hoisted)
+
+
+def test_claude_codes_sessions_share_one_system_prompt_whatever_their_attribution_line() -> None:
+    """The attribution block is Claude Code's first system block, alone; two sessions differ only there."""
+    forms = []
+    for suffix in ("7b2", "84c"):
+        system = [
+            {
+                "type": "text",
+                "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=sdk-cli;",
+            },
+            {"type": "text", "text": "You are a Claude agent, built on Anthropic's Claude Agent SDK."},
+        ]
+        canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
+        forms.append(canon.messages[0])
+    assert forms[0] == forms[1]
+    assert "billing" not in str(forms[0])

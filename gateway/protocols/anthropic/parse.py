@@ -69,6 +69,9 @@ def anthropic_to_openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
+        if role == "system":  # a mid-conversation system message: text blocks
+            out.append({"role": "system", "content": [block_to_part(b) for b in content]})
+            continue
         if role == "assistant":
             parts: list[dict[str, Any]] = []
             calls: list[dict[str, Any]] = []
@@ -107,7 +110,7 @@ def anthropic_to_openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]
 
 def anthropic_to_openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Anthropic tools -> OpenAI function tools (server tools ride as ``{"type": "x-anthropic", "tool":
-    ...}``)."""
+    ...}``; a tool's ``strict`` is also ``function.strict``, which the embedded engine honours)."""
     if tools is None:
         return None
     out = []
@@ -119,6 +122,8 @@ def anthropic_to_openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[s
         if "description" in tool:
             function["description"] = tool["description"]
         function["parameters"] = copy.deepcopy(tool["input_schema"])
+        if isinstance(tool.get("strict"), bool):  # also kept among the extras, for an Anthropic upstream
+            function["strict"] = tool["strict"]
         entry: dict[str, Any] = {"type": "function", "function": function}
         extra = extra_keys(tool, {"name", "description", "input_schema"})
         if extra:

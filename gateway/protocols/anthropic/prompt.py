@@ -180,8 +180,9 @@ def openai_to_anthropic(
     """Canonical OpenAI-shaped messages/tools -> Anthropic ``system`` / ``messages`` / ``tools``.
 
     Leading ``system``/``developer`` messages become the top-level ``system`` (one string message stays a
-    string); a later one becomes text in a user turn (Anthropic has no mid-conversation system role; moving it
-    to the top would put volatile text in front of the cached prefix). ``tool`` messages become
+    string); a later one becomes text in a user turn (the Messages API takes a mid-conversation system message
+    only under a beta, ``mid-conversation-system-2026-04-07``, that an upstream may not have; moving it to the
+    top would put volatile text in front of the cached prefix). ``tool`` messages become
     ``tool_result`` blocks of one user turn, together with the user message right after them. Other turns
     keep their boundaries (the API merges consecutive same-role turns itself); a later message with nothing
     to send (empty text) becomes no turn.

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation hel
 
 
 ANTHROPIC_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
-    "thinking": (None, {"type": "disabled"}),
+    "thinking": (None, {"type": "disabled"}, {"type": "adaptive"}),
     "output_config": (None, {}),
     "output_format": (None,),
     "container": (None,),
@@ -31,7 +31,9 @@ ANTHROPIC_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
     "user_profile_id": (None,),
     "workspace_id": (None,),
 }
-"""Top-level Messages fields with no equivalent outside Anthropic -> the values that ask for nothing. The
+"""Top-level Messages fields with no equivalent outside Anthropic -> the values that ask for nothing (``adaptive``
+thinking leaves thinking to the model, and an answer without it is one; ``context_management`` edits that only
+clear thinking blocks, ``asks_nothing``, change nothing where no thinking block reaches the model). The
 other Messages fields are translated (``metadata.user_id`` -> ``user``, ``stop_sequences`` -> ``stop``, ...) or
 harmless to leave out (``service_tier``: capacity, not the answer; ``cache_control``: a caching hint, the
 gateway routes by prefix key). docs/upstreams.md lists the decisions."""
@@ -122,6 +124,18 @@ def plain_tools(tools: list[dict[str, Any]] | None, target: str = "this") -> lis
     return out
 
 
+def clears_thinking_only(value: Any) -> bool:
+    """Whether a ``context_management`` value only clears thinking blocks (``{"edits": [{"type":
+    "clear_thinking_20251015", ...}]}``, as Claude Code sends on every request): nothing to do for a backend
+    whose prompts hold no thinking block (they are dropped from the history it is sent)."""
+    if not isinstance(value, dict) or set(value) - {"edits"}:
+        return False
+    edits = value.get("edits")
+    return isinstance(edits, list) and all(
+        isinstance(edit, dict) and str(edit.get("type", "")).startswith("clear_thinking_") for edit in edits
+    )
+
+
 def check_anthropic_only_fields(
     body: Mapping[str, Any], target: str, honoured: frozenset[str] = frozenset()
 ) -> None:
@@ -139,6 +153,8 @@ def check_anthropic_only_fields(
     """
     for name, accepted in ANTHROPIC_ONLY_FIELDS.items():
         if name in honoured or name not in body or any(body[name] == value for value in accepted):
+            continue
+        if name == "context_management" and clears_thinking_only(body[name]):
             continue
         neutral = [json.dumps(value) for value in accepted if value is not None]
         hint = f"omit it or send {' or '.join(neutral)}" if neutral else "omit it"

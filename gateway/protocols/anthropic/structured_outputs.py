@@ -257,18 +257,18 @@ def anthropic_output_schema(body: Mapping[str, Any], target: str) -> dict[str, A
     Raises:
         InvalidRequestError: ``output_config`` / a format that is not an object, an unknown ``output_config``
             key, a format that is not ``json_schema`` with an object ``schema``, both forms at once (as the
-            ``anthropic`` SDK refuses them), ``output_config.effort`` (no effort levels outside Anthropic).
+            ``anthropic`` SDK refuses them), an ``output_config.effort`` that is not a string (a string is a hint,
+            met as it is by a model without effort levels).
     """
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
         raise InvalidRequestError("output_config: Input should be an object", param="output_config")
     config = config or {}
-    if config.get("effort") is not None:
+    if config.get("effort") is not None and not isinstance(config["effort"], str):
         raise InvalidRequestError(
-            f"output_config.effort: {target} model has no effort levels; omit it.",
+            f"output_config.effort: Input should be a string, got {json_kind(config['effort'])}",
             param="output_config.effort",
-            code="unsupported_value",
-        )
+        )  # a string: a hint of how hard to think, which a model without effort levels meets as it is
     extra = sorted(set(config) - {"effort", "format"})
     if extra:
         raise InvalidRequestError(

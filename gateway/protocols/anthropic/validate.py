@@ -88,6 +88,12 @@ def _integer(value: Any, param: str, low: int) -> int:
     return value
 
 
+MESSAGE_ROLES = ("user", "assistant", "system")
+"""Roles of ``messages``: ``system`` is a mid-conversation system message (the Messages API's
+``mid-conversation-system-2026-04-07`` beta; Claude Code puts its agent list in one on every request), text only;
+it is the OpenAI shape's later system message inside the gateway."""
+
+
 def validate_cache_control(value: Any, param: str) -> None:
     """``{"type": "ephemeral", "ttl"?: "5m" | "1h"}``. Raises ``InvalidRequestError``."""
     if not isinstance(value, dict):
@@ -302,12 +308,14 @@ def validate_body(
         if not isinstance(message, dict):
             raise bad_param(f"expected a message object, got {json_kind(message)}", param)
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_param(f"role must be 'user' or 'assistant', got {role!r}", f"{param}.role")
+        if not isinstance(role, str) or role not in MESSAGE_ROLES:
+            raise bad_param(f"role must be 'user', 'assistant' or 'system', got {role!r}", f"{param}.role")
         content = message.get("content")
         if isinstance(content, list):
             for j, block in enumerate(content):
                 _validate_block(block, f"{param}.content[{j}]", role)
+                if role == "system" and block["type"] != "text":
+                    raise bad_param("system messages hold text blocks only", f"{param}.content[{j}].type")
                 _check_text(block, f"{param}.content[{j}].text")
         elif not isinstance(content, str):
             raise bad_param(

@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.core.events import BackendUsage, Finish, TokenLogprob
 from gateway.protocols.openai.render import chat_logprobs
+from gateway.protocols.openai.responses import namespaced_tool_names
 
 
 def _reasoning_echo(reasoning: Any) -> dict[str, Any]:
@@ -24,11 +25,15 @@ def _reasoning_echo(reasoning: Any) -> dict[str, Any]:
 
 
 def responses_usage(usage: BackendUsage) -> dict[str, Any]:
-    """Responses ``usage``: ``input_tokens`` (cached ones included) with ``input_tokens_details.cached_tokens``,
-    ``output_tokens``, ``total_tokens``."""
+    """Responses ``usage``: ``input_tokens`` (cached ones included) with ``input_tokens_details.cached_tokens``
+    and ``cache_write_tokens`` (both required by the openai-python SDK's ``ResponseUsage``), ``output_tokens``,
+    ``total_tokens``."""
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.cache_creation_tokens,
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -59,6 +64,7 @@ class ResponseBuilder:
         self._message: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> function_call item
         self._pending_logprobs: list[dict[str, Any]] = []  # of tokens whose text has not come yet
+        self._namespaced = namespaced_tool_names(body)  # model-facing name -> (namespace, name)
 
     def response(self, status: str, finish: Finish | None = None) -> dict[str, Any]:
         """The ``Response`` object as it stands (``status``: in_progress, completed or incomplete)."""
@@ -182,6 +188,11 @@ class ResponseBuilder:
                     "name": function.get("name") or "",
                     "arguments": "",
                 }
+                if (
+                    item["name"] in self._namespaced
+                ):  # a namespace's function: given back as the client named it
+                    namespace, item["name"] = self._namespaced[item["name"]]
+                    item["namespace"] = namespace
                 self._calls[index] = item
                 self.output.append(item)
                 events.append(

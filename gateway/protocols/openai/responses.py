@@ -4,10 +4,14 @@ cache, every backend). Backend events -> the ``Response`` object or its stream o
 ``gateway.protocols.openai.response_builder``'s.
 
 Supported: ``input`` as a string or a list of items (messages with ``input_text`` / ``output_text`` parts,
-``function_call`` and ``function_call_output`` items), ``instructions`` (a leading system message), function
-``tools`` and ``tool_choice``, ``text.format`` (as ``response_format``), ``max_output_tokens``, sampling,
-``stream``. Refused with a 400 naming the field: ``previous_response_id``, ``conversation``, ``store: true``,
-``background: true``, ``prompt`` (all need stored state), non-function tools, item references.
+``function_call`` and ``function_call_output`` items; ``reasoning`` items are dropped: the models served here
+read no earlier reasoning), ``instructions`` (a leading system message), function ``tools`` (``namespace`` tools
+flattened into theirs, named ``<namespace>__<name>`` for the model and given back as ``name`` + ``namespace``)
+and ``tool_choice``, ``text.format`` (as ``response_format``), ``max_output_tokens``, sampling, ``stream``;
+hosted tools (``web_search``, ``file_search``, ``mcp``, ...) are dropped from what the model sees (logged at
+info). Refused with a 400 naming the field: ``previous_response_id``, ``conversation``, ``store: true``,
+``background: true``, ``prompt`` (all need stored state), ``custom`` and unknown tools, a ``tool_choice`` forcing
+a hosted tool, item references.
 Reference: https://platform.openai.com/docs/api-reference/responses (shapes checked against the openai-python
 SDK's ``types/responses``: ``Response``, ``ResponseTextDeltaEvent``, ``ResponseCompletedEvent``, ...).
 """
@@ -15,6 +19,7 @@ SDK's ``types/responses``: ``Response``, ``ResponseTextDeltaEvent``, ``ResponseC
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from gateway.core.errors import InvalidRequestError
@@ -30,10 +35,15 @@ RESPONSES_FIELDS = frozenset(
         "text", "reasoning", "truncation", "user", "include", "prompt_cache_key", "prompt_cache_retention",
         "prompt_cache_options", "safety_identifier", "service_tier", "background", "conversation", "prompt",
         "top_logprobs", "max_tool_calls", "access_programs", "background_options", "context_management",
-        "image", "moderation",
+        "image", "moderation", "client_metadata",
     }
 )  # fmt: skip
-"""Top-level fields of a Responses body (the openai-python SDK's ``responses.create`` arguments)."""
+"""Top-level fields of a Responses body: the openai-python SDK's ``responses.create`` arguments, and
+``client_metadata`` (string values about the calling client, e.g. the OpenAI Codex CLI's
+``x-codex-installation-id``; the SDK sends it through ``extra_body``), which is checked and then ignored (never
+passed to the model nor echoed)."""
+
+logger = logging.getLogger(__name__)
 
 STATEFUL = ("previous_response_id", "conversation", "prompt", "context_management")
 """Fields that need response storage, which this gateway does not keep: refused when set."""
@@ -64,6 +74,7 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
             if key not in RESPONSES_FIELDS:
                 raise InvalidRequestError(f"Unknown parameter: '{key}'.", param=key, code="unknown_parameter")
     check_types(body, RESPONSES_TYPES)
+    _check_string_values(body, "client_metadata")
     for key in STATEFUL:
         if body.get(key) is not None:
             raise _unsupported(key, "prefixgate's Responses API is stateless (no stored responses)")
@@ -89,12 +100,21 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
         chat["stream"] = body["stream"]
         if body["stream"] is True:
             chat["stream_options"] = {"include_usage": True}
+    tools: list[dict[str, Any]] = []
     if body.get("tools") is not None:
         tools = _tools(body["tools"])
         if tools:  # the Responses API takes an empty array (agent SDKs send one); chat refuses it
             chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        choice = _tool_choice(body["tool_choice"], tools, namespaced_tool_names(body))
+        if not tools and body.get("tools") and choice == "required":
+            raise _unsupported(
+                "tool_choice",
+                "'required' forces a tool call, but every tool sent is a hosted tool prefixgate cannot run "
+                "(hosted tools are dropped from the request)",
+            )
+        if tools or not body.get("tools") or choice not in ("auto", "none"):
+            chat["tool_choice"] = choice  # "auto" / "none" over hosted tools alone: no tools left to choose
     _text_config(body.get("text"), chat)
     reasoning = body.get("reasoning")
     if reasoning is not None:
@@ -171,6 +191,19 @@ def _include(body: dict[str, Any]) -> list[str]:
     return include
 
 
+def _check_string_values(body: dict[str, Any], key: str) -> None:
+    """``body[key]``, when present and not null, is an object of string values (``invalid_type`` otherwise,
+    param ``key`` or ``key.<name>``)."""
+    value = body.get(key)
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _invalid_type(key, "an object", value)
+    for name, item in value.items():
+        if not isinstance(item, str):
+            raise _invalid_type(f"{key}.{name}", "a string", item)
+
+
 def _known_keys(value: dict[str, Any], where: str, known: tuple[str, ...]) -> None:
     for key in value:
         if key not in known:
@@ -235,14 +268,19 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
             messages.append(_message(item, where))
             origins.append(MessageOrigin(where, "message"))
             open_calls = None
+        elif kind == "reasoning":
+            _reasoning_item(item, where)  # the models served here read no earlier reasoning: dropped
         elif kind == "function_call":
+            name = _string(item, "name", where)
+            namespace = item.get("namespace")
+            if namespace is not None:
+                if not isinstance(namespace, str):
+                    raise _invalid_type(f"{where}.namespace", "a string", namespace)
+                name = flat_tool_name(namespace, name)
             call = {
                 "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
-                },
+                "function": {"name": name, "arguments": _string(item, "arguments", where)},
             }
             if _continues_calls(messages):
                 messages[-1]["tool_calls"].append(call)  # parallel calls of one turn
@@ -276,8 +314,8 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
             raise _unsupported(where, "item references need stored items (prefixgate is stateless)")
         else:
             raise InvalidRequestError(
-                f"Invalid value for '{where}.type': prefixgate accepts 'message', 'function_call' and "
-                f"'function_call_output' input items, got {kind!r}.",
+                f"Invalid value for '{where}.type': prefixgate accepts 'message', 'function_call', "
+                f"'function_call_output' and 'reasoning' input items, got {kind!r}.",
                 param=f"{where}.type",
                 code="invalid_value",
             )
@@ -288,6 +326,18 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
             code="empty_array",
         )
     return messages
+
+
+def _reasoning_item(item: dict[str, Any], where: str) -> None:
+    """Check a ``reasoning`` input item loosely (what a client sends back of an earlier response's reasoning,
+    with ``store: false`` its ``encrypted_content``): ``summary`` and ``content``, when present, are arrays.
+
+    Raises:
+        InvalidRequestError: ``invalid_type`` naming ``input[i].summary`` / ``input[i].content``.
+    """
+    for key in ("summary", "content"):
+        if item.get(key) is not None and not isinstance(item[key], list):
+            raise _invalid_type(f"{where}.{key}", "an array", item[key])
 
 
 def _continues_calls(messages: list[dict[str, Any]]) -> bool:
@@ -342,19 +392,113 @@ def _parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+        "file_search", "code_interpreter", "computer", "computer_use", "computer_use_preview",
+        "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
+        "programmatic_tool_calling",
+    }
+)  # fmt: skip
+"""Tool types of the openai-python SDK's ``ToolParam`` (and ``tool_choice`` types) that OpenAI runs itself or
+answers with items of their own (``web_search_call``, ``local_shell_call``, ...): prefixgate can run none of
+them nor produce those items, so they are dropped from what the model sees (as vLLM and LiteLLM do), and a
+``tool_choice`` that forces one is a 400. ``custom`` (free-form) tools and unknown types stay a 400."""
+
+NAMESPACE_DELIMITER = "__"
+"""Between a ``namespace`` tool's name and one of its functions' in the flat name the model sees (the OpenAI Codex
+CLI's own flat spelling of a namespaced tool)."""
+
+
+def flat_tool_name(namespace: str, name: str) -> str:
+    """The name the model sees for function ``name`` of namespace ``namespace``: ``<namespace>__<name>``, with
+    underscores around the delimiter trimmed (``multi_agent_v1`` + ``spawn_agent`` ->
+    ``multi_agent_v1__spawn_agent``)."""
+    return namespace.rstrip("_") + NAMESPACE_DELIMITER + name.lstrip("_")
+
+
+def _function_tools(
+    tools: Any,
+) -> tuple[list[tuple[str, dict[str, Any], tuple[str, str] | None]], list[str]]:
+    """The function tools of a Responses ``tools`` array, ``namespace`` tools flattened: ``(path, tool, origin)``
+    each (``tool`` a flat Responses function tool whose ``name`` is the model's; ``origin`` the ``(namespace,
+    name)`` the client gave a namespace's function, None for a top-level one), and the types of the hosted tools
+    dropped.
+
+    Raises:
+        InvalidRequestError: not an array, a tool that is not an object, a ``custom`` or unknown tool, a function
+            without a name, a namespace without a name or ``tools`` array, two tools of the same flat name where
+            one is namespaced.
+    """
     if not isinstance(tools, list):
         raise _invalid_type("tools", "an array", tools)
-    out = []
+    out: list[tuple[str, dict[str, Any], tuple[str, str] | None]] = []
+    dropped: list[str] = []
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise _invalid_type(where, "an object", tool)
-        if tool.get("type") != "function":
+        kind = tool.get("type")
+        if kind == "function":
+            _string(tool, "name", where)
+            out.append((where, tool, None))
+        elif kind == "namespace":
+            namespace = _string(tool, "name", where)
+            if tool.get("description") is not None and not isinstance(tool["description"], str):
+                raise _invalid_type(f"{where}.description", "a string", tool["description"])
+            members = tool.get("tools")
+            if not isinstance(members, list):
+                if members is None:
+                    raise InvalidRequestError(
+                        f"Missing required parameter: '{where}.tools'.",
+                        param=f"{where}.tools",
+                        code="missing_required_parameter",
+                    )
+                raise _invalid_type(f"{where}.tools", "an array", members)
+            for inner, member in enumerate(members):
+                at = f"{where}.tools[{inner}]"
+                if not isinstance(member, dict):
+                    raise _invalid_type(at, "an object", member)
+                if member.get("type") != "function":
+                    raise _unsupported(
+                        f"{at}.type",
+                        f"only function tools are supported in a namespace, got {member.get('type')!r}",
+                    )
+                name = _string(member, "name", at)
+                out.append((at, {**member, "name": flat_tool_name(namespace, name)}, (namespace, name)))
+        elif isinstance(kind, str) and kind in HOSTED_TOOLS:
+            dropped.append(kind)
+        else:
             raise _unsupported(
-                f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}"
+                f"{where}.type",
+                f"only function and namespace tools are supported (hosted tools such as 'web_search' are "
+                f"dropped), got {kind!r}",
             )
-        function = {"name": _string(tool, "name", where)}
+    seen: dict[str, tuple[str, str] | None] = {}
+    for where, tool, origin in out:
+        name = tool["name"]
+        if name in seen and (origin is not None or seen[name] is not None):
+            raise InvalidRequestError(
+                f"Invalid value for '{where}.name': {name!r} is also the name of another tool (a namespaced "
+                f"tool's model-facing name is '<namespace>{NAMESPACE_DELIMITER}<name>').",
+                param=f"{where}.name",
+                code="invalid_value",
+            )
+        seen[name] = origin
+    return out, dropped
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    """The chat ``tools`` of a Responses ``tools`` array (hosted tools dropped, with one info log line)."""
+    functions, dropped = _function_tools(tools)
+    if dropped:
+        logger.info(
+            "Responses request: dropped hosted tools prefixgate cannot run: %s",
+            ", ".join(sorted(set(dropped))),
+        )
+    out = []
+    for _, tool, _ in functions:
+        function = {"name": tool["name"]}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
@@ -362,11 +506,51 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def chat_tool_paths(body: dict[str, Any]) -> list[str]:
+    """The Responses path of each chat tool ``responses_to_chat_body`` builds, index for index (``tools[2]``,
+    ``tools[1].tools[0]`` for a namespace's function), so an error about ``tools[k]...`` names the client's tool;
+    empty when ``tools`` is absent or ill-formed."""
+    try:
+        functions, _ = _function_tools(body.get("tools") or [])
+    except InvalidRequestError:
+        return []
+    return [where for where, _, _ in functions]
+
+
+def namespaced_tool_names(body: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """The model-facing name of each function of the body's ``namespace`` tools -> ``(namespace, name)``, so a
+    call the model makes is given back as the client named it (``name`` + ``namespace``)."""
+    try:
+        functions, _ = _function_tools(body.get("tools") or [])
+    except InvalidRequestError:
+        return {}
+    return {tool["name"]: origin for _, tool, origin in functions if origin is not None}
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]], namespaced: dict[str, tuple[str, str]]) -> Any:
+    """The chat ``tool_choice``; ``tools``: the chat tools; ``namespaced``: ``namespaced_tool_names`` (a forced
+    function named as one namespace's member names it, when no tool has that very name: the SDK's
+    ``tool_choice`` function has no ``namespace``).
+
+    Raises:
+        InvalidRequestError: a choice forcing a hosted tool (dropped), ``required`` when every tool sent was a
+            hosted one, a ``custom`` / ``allowed_tools`` / unknown choice, an ill-typed one.
+    """
     if isinstance(choice, str):
         return choice  # none | auto | required: checked by the chat parser
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+        name = _string(choice, "name", "tool_choice")
+        if all(tool["function"]["name"] != name for tool in tools):
+            members = [flat for flat, (_, plain) in namespaced.items() if plain == name]
+            if len(members) == 1:
+                name = members[0]
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, dict) and isinstance(choice.get("type"), str) and choice["type"] in HOSTED_TOOLS:
+        raise _unsupported(
+            "tool_choice.type",
+            f"it forces the hosted tool {choice['type']!r}, which prefixgate cannot run (hosted tools are dropped "
+            "from the request); force a function tool or use 'auto'",
+        )
     if isinstance(choice, dict):
         raise _unsupported(
             "tool_choice.type", f"only function tools are supported, got {choice.get('type')!r}"

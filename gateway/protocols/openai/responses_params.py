@@ -59,12 +59,15 @@ PATH = re.compile(
 """A chat field path inside an error message (bare ``messages`` is left alone there: it is also a word)."""
 
 
-def responses_param(param: str, origins: list[MessageOrigin]) -> str:
+def responses_param(param: str, origins: list[MessageOrigin], tool_paths: list[str] | None = None) -> str:
     """The Responses body's path for a chat body's field path.
 
     Args:
         param: a chat path such as ``"messages[2].content[0].type"`` or ``"response_format.json_schema.name"``.
         origins: ``chat_message_origins`` of the Responses body, one per chat message.
+        tool_paths: ``chat_tool_paths`` of the Responses body, one per chat tool (hosted tools are dropped and
+            ``namespace`` tools flattened, so chat ``tools[k]`` may be the client's ``tools[j]`` or
+            ``tools[j].tools[i]``); None: the same index.
 
     Returns:
         The client's path (``"input[1].content[0].type"``, ``"text.format.name"``); ``param`` itself when it
@@ -76,9 +79,11 @@ def responses_param(param: str, origins: list[MessageOrigin]) -> str:
         rest = param[len("response_format") :]
         rest = rest.removeprefix(".json_schema")
         return "text.format" + rest
-    tool = re.fullmatch(r"tools\[(\d+)\]\.function((?:\.[A-Za-z_]+)*)", param)
+    tool = re.fullmatch(r"tools\[(\d+)\](\.function)?((?:\.[A-Za-z_]+)*)", param)
     if tool:
-        return f"tools[{tool.group(1)}]{tool.group(2)}"
+        index = int(tool.group(1))
+        where = tool_paths[index] if tool_paths is not None and index < len(tool_paths) else f"tools[{index}]"
+        return where + tool.group(3)
     if param.startswith("tool_choice.function"):
         return "tool_choice" + param[len("tool_choice.function") :]
     message = _MESSAGE.fullmatch(param)
@@ -109,17 +114,19 @@ def _message_param(index: int, rest: str, origins: list[MessageOrigin]) -> str:
     return origin.item + rest
 
 
-def responses_message(message: str, origins: list[MessageOrigin]) -> str:
+def responses_message(message: str, origins: list[MessageOrigin], tool_paths: list[str] | None = None) -> str:
     """An error message with every chat field path in it (``'max_completion_tokens'``,
     ``messages[0].content[0]: ...``) replaced by the Responses body's path (``responses_param``)."""
-    return PATH.sub(lambda match: responses_param(match.group(0), origins), message)
+    return PATH.sub(lambda match: responses_param(match.group(0), origins, tool_paths), message)
 
 
-def to_responses_error(error: APIError, origins: list[MessageOrigin]) -> APIError:
+def to_responses_error(
+    error: APIError, origins: list[MessageOrigin], tool_paths: list[str] | None = None
+) -> APIError:
     """``error`` (raised in chat terms) renamed in place to the Responses body's terms: ``param`` and the
     paths in ``message``. Returns the same object."""
     if error.param:
-        error.param = responses_param(error.param, origins)
-    error.message = responses_message(error.message, origins)
+        error.param = responses_param(error.param, origins, tool_paths)
+    error.message = responses_message(error.message, origins, tool_paths)
     error.args = (error.message,)
     return error

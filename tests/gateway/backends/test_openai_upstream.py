@@ -650,11 +650,10 @@ async def test_choices_and_logprobs_are_refused_before_any_call(http, params, pa
     ("fields", "param"),
     [
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
-        ({"thinking": {"type": "adaptive"}}, "thinking"),
-        ({"output_config": {"effort": "low"}}, "output_config.effort"),
+        ({"thinking": {"type": "adaptive", "budget_tokens": 5}}, "thinking"),
         ({"container": "container_1"}, "container"),
         ({"mcp_servers": [{"type": "url", "url": "https://mcp.test", "name": "m"}]}, "mcp_servers"),
-        ({"context_management": {"edits": []}}, "context_management"),
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management"),
         ({"inference_geo": "us"}, "inference_geo"),
     ],
 )
@@ -686,6 +685,15 @@ async def test_neutral_anthropic_only_fields_are_served(http):
     await drain(backend(http).stream(parse_messages_body(body)))
     sent = json.loads(route.calls.last.request.content)
     assert not {"thinking", "service_tier", "cache_control", "mcp_servers"} & set(sent)
+    # Claude Code's defaults (before: each a 400): adaptive thinking, an effort hint, clearing thinking blocks
+    body |= {
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    await drain(backend(http).stream(parse_messages_body(body)))
+    sent = json.loads(route.calls.last.request.content)
+    assert not {"thinking", "output_config", "context_management"} & set(sent)
 
 
 # ---- Anthropic structured outputs -> response_format json_schema -------------------------------------------
@@ -744,7 +752,7 @@ async def test_anthropic_output_format_goes_as_a_strict_json_schema_response_for
             "output_format",
         ),
         ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
-        ({"output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}, "effort": "high"}},
+        ({"output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}, "effort": 1}},
          "output_config.effort"),
     ],
 )  # fmt: skip

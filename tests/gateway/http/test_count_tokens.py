@@ -179,10 +179,13 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
         400,
         error("invalid_request_error", "messages: expected an array of messages, got null"),
     )
-    response = post(json={"model": TINY_MODEL, "messages": [{"role": "system", "content": "x"}]})
+    response = post(json={"model": TINY_MODEL, "messages": [{"role": "robot", "content": "x"}]})
     assert (response.status_code, response.json()) == (
         400,
-        error("invalid_request_error", "messages[0].role: role must be 'user' or 'assistant', got 'system'"),
+        error(
+            "invalid_request_error",
+            "messages[0].role: role must be 'user', 'assistant' or 'system', got 'robot'",
+        ),
     )
     # the Messages-only fields are not count_tokens parameters: refused as Anthropic refuses them
     for field, value in [("max_tokens", 64), ("stream", False), ("temperature", 0.5), ("metadata", {})]:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.engine.checkpoints import CHAT_TEMPLATE, make_tiny_hf_llama
 from tests.engine.test_constrained import SCHEMAS as RANDOM_SCHEMAS
+from tests.engine.test_constrained import TASK_CREATE
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
 from tests.gateway.http.test_protocol_exact_e2e import assert_no_block_in_use
 from tests.gateway.server import RunningServer, write_config
@@ -739,6 +740,88 @@ def test_a_ref_that_does_not_resolve_is_400_naming_the_tool_and_the_pointer(serv
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert "tool 'broken'" in error["error"]["message"] and problem in error["error"]["message"], error
+
+
+def test_claude_codes_default_task_tools_are_called_through_the_messages_api(claude):
+    """Before (a Claude Code trial): every default Claude Code request was a 400 ``Unimplemented keys:
+    ["propertyNames"]`` (TaskCreate's ``metadata``); a ``propertyNames`` every key satisfies is dropped, and the
+    call holds to the rest of the schema."""
+    message = claude.messages.create(
+        model=TINY_MODEL,
+        max_tokens=300,
+        messages=QUESTION,
+        tools=[
+            {"name": "TaskCreate", "description": "Create a task", "input_schema": TASK_CREATE},
+            *ANTHROPIC_TOOLS,
+        ],
+        tool_choice={"type": "tool", "name": "TaskCreate"},
+        extra_body={"temperature": 0},
+    )
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert [b.name for b in uses] == ["TaskCreate"], message
+    if message.stop_reason == "tool_use":
+        jsonschema.validate(uses[0].input, TASK_CREATE)
+    else:  # the random model's strings run on until max_tokens: what it wrote still holds to the keys
+        assert message.stop_reason == "max_tokens" and set(uses[0].input) <= set(TASK_CREATE["properties"])
+
+
+NOT_PARAMETERS = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+
+
+def test_a_tool_schema_the_engine_cannot_compile_falls_back_unless_strict(server):
+    """A non-strict tool whose schema llguidance does not implement (``not``) takes any JSON object as
+    arguments (Anthropic and OpenAI accept any JSON Schema there, and promise no conformance); a strict one
+    (OpenAI ``function.strict``, Anthropic ``strict``) is still a 400 naming it."""
+    for strict in (False, True):
+        odd = {"name": "odd", "parameters": NOT_PARAMETERS, **({"strict": True} if strict else {})}
+        chat = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={
+                "model": TINY_MODEL,
+                "messages": QUESTION,
+                "max_tokens": 200,
+                "tools": [*OPENAI_TOOLS, {"type": "function", "function": odd}],
+                "tool_choice": {"type": "function", "function": {"name": "odd"}},
+            },
+            timeout=60,
+        )
+        anthropic_tool = {
+            "name": "odd",
+            "input_schema": NOT_PARAMETERS,
+            **({"strict": True} if strict else {}),
+        }
+        messages = httpx.post(
+            f"{server.base_url}/v1/messages",
+            json={
+                "model": TINY_MODEL,
+                "messages": QUESTION,
+                "max_tokens": 200,
+                "tools": [*ANTHROPIC_TOOLS, anthropic_tool],
+                "tool_choice": {"type": "tool", "name": "odd"},
+            },
+            headers={"anthropic-version": "2023-06-01"},
+            timeout=60,
+        )
+        if strict:
+            for response in (chat, messages):
+                assert response.status_code == 400, response.text
+            assert chat.json()["error"]["param"] == "tools"
+            assert chat.json()["error"]["message"] == (
+                "Invalid 'tools': the schema of tool 'odd' is not supported by constrained decoding: "
+                'Unimplemented keys: ["not"]'
+            )
+            assert "tool 'odd'" in messages.json()["error"]["message"], messages.text
+            continue
+        assert chat.status_code == 200, chat.text
+        choice = chat.json()["choices"][0]
+        calls = choice["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["odd"]
+        assert calls[0]["function"]["arguments"].startswith("{")
+        if choice["finish_reason"] != "length":  # a random model's string may run on until max_tokens
+            assert isinstance(json.loads(calls[0]["function"]["arguments"]), dict)
+        assert messages.status_code == 200, messages.text
+        uses = [b for b in messages.json()["content"] if b["type"] == "tool_use"]
+        assert [b["name"] for b in uses] == ["odd"] and isinstance(uses[0]["input"], dict)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

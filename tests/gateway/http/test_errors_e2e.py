@@ -4,6 +4,7 @@ their blocks. Against the real gateway over the tiny checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -129,6 +130,47 @@ def test_prompt_over_the_context_is_context_length_exceeded(server):
     ):
         response = httpx.post(server.base_url + path, json=body, timeout=30)
         assert_openai_error(response, 400, "context_length_exceeded", param)
+    assert_nothing_lost(server)
+
+
+def test_a_context_overflow_on_the_anthropic_face_is_worded_as_the_messages_api_words_it(server):
+    """Before (a trial with Claude Code): OpenAI's wording, so Claude Code never retried with a smaller
+    ``max_tokens`` (it parses ``input length and `max_tokens` exceed context limit: P + M > L``) nor compacted
+    (``prompt is too long``)."""
+    headers = {"anthropic-version": "2023-06-01"}
+    messages = [{"role": "user", "content": "hi"}]
+    response = httpx.post(
+        server.base_url + "/v1/messages",
+        json={"model": TINY_MODEL, "max_tokens": 32000, "messages": messages},
+        headers=headers,
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    match = re.fullmatch(
+        r"input length and `max_tokens` exceed context limit: (\d+) \+ 32000 > 512, decrease input length or "
+        r"`max_tokens` and try again",
+        error["message"],
+    )
+    assert match, error["message"]
+    fits = 512 - int(match.group(1))  # Claude Code's retry: the room left
+    retried = httpx.post(
+        server.base_url + "/v1/messages",
+        json={"model": TINY_MODEL, "max_tokens": fits, "messages": messages, "stop_sequences": ["e"]},
+        headers=headers,
+        timeout=60,
+    )
+    assert retried.status_code == 200, retried.text
+    long_text = "the quick brown fox jumps over the lazy dog " * 200
+    response = httpx.post(
+        server.base_url + "/v1/messages",
+        json={"model": TINY_MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": long_text}]},
+        headers=headers,
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 512 maximum", response.json()["error"]["message"])
     assert_nothing_lost(server)
 
 

@@ -224,7 +224,7 @@ def test_unknown_fields_are_ignored_when_configured(lenient):
     ("extra", "field"),
     [
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-        ({"output_config": {"effort": "low"}}, "output_config.effort"),
+        ({"output_config": {"effort": 3}}, "output_config.effort"),
         ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
     ],
 )
@@ -248,6 +248,28 @@ def test_thinking_disabled_is_served(server):
     assert_no_block_in_use(server)
 
 
+CLAUDE_CODE_DEFAULTS = {
+    "thinking": {"type": "adaptive"},
+    "output_config": {"effort": "high"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+}
+"""What Claude Code sends on every request: each asks nothing a model without thinking or effort levels cannot
+give (adaptive thinking leaves it to the model; effort is a hint; clearing thinking blocks clears none here)."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_claude_codes_default_thinking_effort_and_context_management_are_served(server, stream):
+    """Before (a trial with Claude Code): each was a 400, so no default Claude Code request got an answer, and
+    count_tokens refused them too."""
+    body = {**ANTHROPIC, **CLAUDE_CODE_DEFAULTS, "max_tokens": 2, "stream": stream}
+    response = post_raw(server, "/v1/messages", json.dumps(body))
+    assert response.status_code == 200, response.text
+    count = {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
+    counted = post_raw(server, "/v1/messages/count_tokens", json.dumps(count))
+    assert counted.status_code == 200, counted.text
+    assert_no_block_in_use(server)
+
+
 @pytest.mark.parametrize(
     "block",
     [
@@ -260,4 +282,29 @@ def test_an_unsupported_content_block_is_named_by_its_own_type(server, block):
     error = anthropic_error(post_raw(server, "/v1/messages", json.dumps(body)), 400)
     assert f"'{block['type']}'" in error["message"]
     assert "x-anthropic" not in error["message"]
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize("content", ["Be brief.", [{"type": "text", "text": "Be brief."}]])
+def test_a_mid_conversation_system_message_is_served_and_counted(server, content):
+    """Before (a trial with Claude Code, which sends its agent list in one on every request, beta
+    ``mid-conversation-system-2026-04-07``): 400 "role must be 'user' or 'assistant'"."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": content}]
+    body = {**ANTHROPIC, "messages": messages}
+    response = post_raw(server, "/v1/messages", json.dumps(body))
+    assert response.status_code == 200, response.text
+    count = {k: v for k, v in body.items() if k != "max_tokens"}
+    with_system = post_raw(server, "/v1/messages/count_tokens", json.dumps(count)).json()["input_tokens"]
+    count["messages"] = messages[:1]
+    without = post_raw(server, "/v1/messages/count_tokens", json.dumps(count)).json()["input_tokens"]
+    assert with_system > without  # the model reads it
+    bad = {
+        **ANTHROPIC,
+        "messages": [messages[0], {"role": "system", "content": [{"type": "image", "source": {}}]}],
+    }
+    error = anthropic_error(post_raw(server, "/v1/messages", json.dumps(bad)), 400)
+    assert (
+        "system messages hold text blocks only" in error["message"]
+        or "messages[1].content[0]" in error["message"]
+    )
     assert_no_block_in_use(server)

@@ -9,6 +9,8 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.gateway.conftest import TINY_MODEL
 from tests.gateway.http.test_protocol_exact_e2e import assert_no_block_in_use, openai_error, post_raw
@@ -112,7 +114,8 @@ def test_function_call_items_and_outputs_render_as_a_tool_round_trip(server, cli
         ({"store": True}, "store"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "custom", "name": "grammar"}]}, "tools[0].type"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ],
 )
@@ -209,6 +212,18 @@ def test_stateful_and_unsupported_fields_are_refused_clearly(server, client, ext
         ),
         ({"model": TINY_MODEL, "input": "x", "image": 1}, "invalid_type", "image"),
         ({"model": TINY_MODEL, "input": "x", "background_options": 3}, "invalid_type", "background_options"),
+        # client_metadata (the OpenAI Codex CLI's; before: unknown_parameter): an object of string values
+        ({"model": TINY_MODEL, "input": "x", "client_metadata": "t"}, "invalid_type", "client_metadata"),
+        (
+            {"model": TINY_MODEL, "input": "x", "client_metadata": {"a": 1}},
+            "invalid_type",
+            "client_metadata.a",
+        ),
+        (
+            {"model": TINY_MODEL, "input": [{"type": "reasoning", "summary": "s"}, "x"]},
+            "invalid_type",
+            "input[0].summary",
+        ),
     ],
 )
 def test_bad_bodies_get_openai_errors(server, body, code, param):
@@ -360,7 +375,7 @@ WEATHER_TOOL = {"type": "function", "name": "weather", "parameters": {"type": "o
     [
         ({"max_output_tokens": "5"}, "max_output_tokens", "'max_output_tokens'"),
         ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort", "'reasoning.effort'"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "'reasoning.effort'"),
         (
             {"tools": [{"type": "function", "name": "f", "parameters": 5}]},
             "tools[0].parameters",
@@ -507,4 +522,184 @@ def test_a_function_call_without_its_output_names_the_call_item(server, items, p
     body = {"model": TINY_MODEL, "input": items, "tools": [WEATHER_TOOL], "max_output_tokens": 2}
     error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400, param=param)
     assert error["message"].startswith("No tool output found for function call c1")
+    assert_no_block_in_use(server)
+
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Run a command", "parameters": {"type": "object"}},
+    {
+        "type": "namespace",
+        "name": "multi_agent_v1",
+        "description": "Sub-agents",
+        "tools": [
+            {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}, "strict": False},
+            {"type": "function", "name": "wait", "description": "Wait for an agent", "parameters": {}},
+        ],
+    },
+    {"type": "web_search", "external_web_access": False},
+]
+CODEX_INPUT = [
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
+    {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Run ls."}], "encrypted_content": "gAAA"},
+    {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "spawn_agent",
+        "namespace": "multi_agent_v1",
+        "arguments": '{"task": "ls"}',
+    },
+    {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"},
+    {"type": "reasoning", "id": "rs_2", "summary": [], "content": None, "encrypted_content": "gAAB"},
+]  # fmt: skip
+CODEX_FIELDS = {
+    "instructions": "You are Codex.",
+    "input": CODEX_INPUT,
+    "tools": CODEX_TOOLS,
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "reasoning": {"summary": "auto", "effort": "low"},  # an effort hint: met as it is (before: a 400)
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "0199a0f0-thread",
+    "max_output_tokens": 3,
+}  # Codex adds text.verbosity for the gpt-5 family only: the embedded engine refuses it (it cannot honour it)
+CODEX_METADATA = {"x-codex-installation-id": "inst-1", "thread_id": "t"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_codex_default_request_is_served(server, client, stream):
+    """The OpenAI Codex CLI 0.171's default request: before, a 400 for each of ``client_metadata`` (unknown), the
+    ``namespace`` and ``web_search`` tools and the ``reasoning`` input items. Now a 200 the SDK parses: the
+    namespace's functions are the model's (flat names), the hosted tool is dropped, reasoning items too."""
+    if stream:
+        events = list(
+            client.responses.create(
+                model=TINY_MODEL, stream=True, extra_body={"client_metadata": CODEX_METADATA}, **CODEX_FIELDS
+            )
+        )
+        assert events[0].type == "response.created"
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        response = events[-1].response
+    else:
+        response = client.responses.create(
+            model=TINY_MODEL, extra_body={"client_metadata": CODEX_METADATA}, **CODEX_FIELDS
+        )
+    assert response.status in ("completed", "incomplete")
+    assert response.store is False and response.prompt_cache_key == CODEX_FIELDS["prompt_cache_key"]
+    assert response.usage.input_tokens > 0
+    assert [tool.type for tool in response.tools] == ["function", "namespace", "web_search"]  # echoed as sent
+    # the SDK builds its objects leniently: validate the raw JSON strictly against its types too
+    body = {"model": TINY_MODEL, "client_metadata": CODEX_METADATA, "stream": stream, **CODEX_FIELDS}
+    raw = post_raw(server, "/v1/responses", json.dumps(body))
+    assert raw.status_code == 200, raw.text
+    if stream:
+        datas = [line[len("data: ") :] for line in raw.text.splitlines() if line.startswith("data: ")]
+        events = [TypeAdapter(ResponseStreamEvent).validate_json(data) for data in datas]
+        assert events[-1].type in ("response.completed", "response.incomplete")
+    else:
+        assert Response.model_validate(raw.json()).status in ("completed", "incomplete")
+    assert_no_block_in_use(server)
+
+
+def test_codex_request_prompts_like_the_flattened_chat_request(server, client):
+    """The namespace's functions reach the model as ``<namespace>__<name>`` chat tools (a ``function_call`` item
+    with a ``namespace`` names the same), the hosted tool and the reasoning items are not in the prompt."""
+    response = client.responses.create(
+        model=TINY_MODEL, extra_body={"client_metadata": CODEX_METADATA}, **CODEX_FIELDS
+    )
+    chat = client.chat.completions.create(
+        model=TINY_MODEL,
+        messages=[
+            {"role": "system", "content": "You are Codex."},
+            {"role": "developer", "content": "Sandbox: read-only."},
+            {"role": "user", "content": "List the files."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "multi_agent_v1__spawn_agent", "arguments": '{"task": "ls"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+        ],
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "shell",
+                    "description": "Run a command",
+                    "parameters": {"type": "object"},
+                },
+            },
+            {
+                "type": "function",
+                "function": {
+                    "name": "multi_agent_v1__spawn_agent",
+                    "parameters": {"type": "object"},
+                    "strict": False,
+                },
+            },
+            {
+                "type": "function",
+                "function": {
+                    "name": "multi_agent_v1__wait",
+                    "description": "Wait for an agent",
+                    "parameters": {},
+                },
+            },
+        ],
+        max_tokens=1,
+    )
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert_no_block_in_use(server)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": {"type": "web_search_preview"}, "tools": [{"type": "web_search_preview"}]}, "tool_choice.type"),
+        ({"tool_choice": {"type": "file_search"}, "tools": CODEX_TOOLS}, "tool_choice.type"),
+        ({"tool_choice": {"type": "mcp", "server_label": "x"}, "tools": CODEX_TOOLS}, "tool_choice.type"),
+        ({"tool_choice": "required", "tools": [{"type": "web_search"}]}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_a_tool_choice_forcing_a_dropped_hosted_tool_is_a_400(server, fields, param):
+    body = {"model": TINY_MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    error = openai_error(post_raw(server, "/v1/responses", json.dumps(body)), 400, param=param)
+    assert error["code"] == "unsupported_parameter"
+    assert "hosted tool" in error["message"]
+    assert_no_block_in_use(server)
+
+
+def test_hosted_tools_alone_with_tool_choice_auto_are_dropped(server, client):
+    response = client.responses.create(
+        model=TINY_MODEL,
+        input="hi",
+        tools=[{"type": "web_search"}],
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        max_output_tokens=2,
+    )
+    plain = client.responses.create(model=TINY_MODEL, input="hi", max_output_tokens=2)
+    assert response.usage.input_tokens == plain.usage.input_tokens  # no tool reached the prompt
+    assert_no_block_in_use(server)
+
+
+def test_an_error_in_a_namespace_function_names_its_own_path(server):
+    """Chat ``tools[k]`` is the k-th function after flattening: the error names the client's nested tool."""
+    tools = [
+        {"type": "web_search"},
+        {"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "function", "name": "f", "parameters": 5}]},
+    ]  # fmt: skip
+    body = {"model": TINY_MODEL, "input": "hi", "max_output_tokens": 2, "tools": tools}
+    error = openai_error(
+        post_raw(server, "/v1/responses", json.dumps(body)), 400, param="tools[1].tools[0].parameters"
+    )
+    assert "function." not in error["message"] and "tools[1].tools[0].parameters" in error["message"]
     assert_no_block_in_use(server)

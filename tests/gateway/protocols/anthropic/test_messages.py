@@ -136,9 +136,16 @@ def test_parse_builds_the_internal_request():
         "type": "image_url",
         "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
     }
-    assert request.tools[0] == {
+    assert request.tools[
+        0
+    ] == {  # ``strict`` also as OpenAI's, for the embedded engine's constrained decoding
         "type": "function",
-        "function": {"name": "search", "description": "Search.", "parameters": {"type": "object"}},
+        "function": {
+            "name": "search",
+            "description": "Search.",
+            "parameters": {"type": "object"},
+            "strict": True,
+        },
         "x-anthropic": {"strict": True, "cache_control": {"type": "ephemeral"}},
     }
 
@@ -273,7 +280,7 @@ def test_a_later_message_with_nothing_to_send_becomes_no_turn():
         (lambda b: b.update(max_tokens=0), "max_tokens"),
         (lambda b: b.update(messages=[]), "messages"),
         (lambda b: b.update(messages="hi"), "messages"),
-        (lambda b: b["messages"][0].update(role="system"), "messages[0].role"),
+        (lambda b: b["messages"][0].update(role="robot"), "messages[0].role"),
         (lambda b: b["messages"][0].update(content=5), "messages[0].content"),
         (lambda b: b["messages"][0].update(content=[{"type": "text"}]), "messages[0].content[0].text"),
         (lambda b: b["messages"][0].update(content=[{"text": "x"}]), "messages[0].content[0].type"),

@@ -185,7 +185,7 @@ def test_output_config_format_and_the_deprecated_output_format_are_the_same_requ
     ("body", "param"),
     [
         ({"output_config": "json"}, "output_config"),
-        ({"output_config": {"effort": "low"}}, "output_config.effort"),
+        ({"output_config": {"effort": ["low"]}}, "output_config.effort"),
         ({"output_config": {"verbosity": "low"}}, "output_config.verbosity"),
         ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
         ({"output_config": {"format": {"type": "json_schema", "schema": []}}}, "output_config.format.schema"),
