@@ -201,10 +201,9 @@ class KVCacheManager:
     def usable_tokens(
         self, token_ids: Sequence[int], block_hashes: list[BlockHash], extra_keys: ExtraKeys
     ) -> tuple[int, int]:
-        """Tokens one request with this prompt could ever hold, and the pinned blocks that keep it below
-        ``capacity_tokens``: every block no pin holds, plus the pinned blocks the prompt's cached prefix reuses
-        (a warmed system prompt serves its own requests). A request past it would wait for blocks no request
-        frees; ``InputProcessor.make_request`` refuses it instead.
+        """Tokens one request with this prompt could ever hold (every block no pin holds, plus the pinned blocks
+        its cached prefix reuses), and the pinned blocks that keep it below ``capacity_tokens``; a request past it
+        would wait for blocks no request frees (``InputProcessor.make_request`` refuses it).
 
         Returns:
             ``(tokens, pinned blocks not reused)``; ``(capacity_tokens, 0)`` when nothing is pinned.

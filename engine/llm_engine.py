@@ -418,10 +418,7 @@ class LLMEngine(PrefixAdmin):
     def finish_step(self, plan: StepPlan, run: tuple[StepResult | None, float]) -> list[RequestOutput]:
         """Phase 3: advance computed tokens, cache full blocks, append tokens, detokenize, finish requests."""
         result, seconds = run
-        outputs = [
-            self._end_unserved(r) if r.failure is not None else self._finish(r, r.finish_reason or "length")
-            for r in plan.sched.finished
-        ]
+        outputs = [self._finish(r, r.finish_reason or "length") for r in plan.sched.finished]
         if result is None:
             return outputs
         self.num_steps += 1
@@ -477,13 +474,6 @@ class LLMEngine(PrefixAdmin):
         self._release(req)
         return out
 
-    def _end_unserved(self, req: Request) -> RequestOutput:
-        """The final output of a request the scheduler ended before serving it (``Request.failure``)."""
-        logger.warning("request %s ended unserved: %s", req.request_id, req.failure)
-        out = self.output.fail(req, req.failure)
-        self._release(req)
-        return out
-
     def _fork(self, parent: Request, sample: SampledToken, now: float) -> list[RequestOutput]:
         """Create the parent's pending forks (``n > 1``), its prompt just computed: each shares the prompt's
         blocks (the partial last one copied) and takes its first token from ``sample.forks``. A fork that gets
@@ -508,8 +498,13 @@ class LLMEngine(PrefixAdmin):
         return outputs
 
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
-        """End a request: build its final output, then free its blocks at once and forget it."""
-        out = self.output.finish(req, reason)
+        """End a request: build its final output (its error, for one the scheduler ended unserved:
+        ``Request.failure``), then free its blocks at once and forget it."""
+        if req.failure is not None:
+            logger.warning("request %s ended unserved: %s", req.request_id, req.failure)
+            out = self.output.fail(req, req.failure)
+        else:
+            out = self.output.finish(req, reason)
         self._release(req)
         return out
 
@@ -526,10 +521,8 @@ class LLMEngine(PrefixAdmin):
     def _remember_served(self, req: Request) -> None:
         """Offer a reply that ended by itself or by length to the served turns, under the request's tenant salt:
         its generated ids less the stop token that ended them. Not an aborted or failed one, nor one a stop
-        string cut (the client never got its tail, so the text never comes back). Only with
-        ``cache_generated_kv``: without it the reply's KV is not cached, so its served ids would save nothing, and
-        the next prompt's ids would depend on what this process served (a cold gateway spells the reply
-        canonically), where cache on must equal cache off."""
+        string cut (the client never got its tail). Only with ``cache_generated_kv``: otherwise the reply's KV is
+        not cached, and served ids would make the next prompt depend on this process's history (cache on == off)."""
         if self.served is None or not self.config.cache_generated_kv:
             return
         if req.finish_reason not in ("stop", "length"):

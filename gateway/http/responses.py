@@ -31,8 +31,9 @@ from gateway.http.request_context import (
 )
 from gateway.protocols.openai.parse import parse_chat_request
 from gateway.protocols.openai.response_builder import ResponseBuilder
-from gateway.protocols.openai.responses import chat_message_origins, chat_tool_paths, responses_to_chat_body
+from gateway.protocols.openai.responses import chat_message_origins, responses_to_chat_body
 from gateway.protocols.openai.responses_params import to_responses_error
+from gateway.protocols.openai.responses_tools import chat_tool_paths
 from gateway.service.pipeline import OpenedStream
 from gateway.transport.sse import EventStreamResponse
 

@@ -14,15 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.api import Constraint, SamplingParams
-from engine.constrained import (
-    prefilled,
-    relaxed,
-    tool_call_grammar,
-    unsupported_only,
-    without_trivial_keywords,
-)
+from engine.constrained import prefilled, tool_call_grammar
 from engine.errors import InvalidRequestError
 from engine.schema_instances import has_finite_instance
+from engine.schema_relaxation import relaxed, unsupported_only, without_trivial_keywords
 from engine.tool_calls import parse_tool_calls, render_call
 from tests.engine.engine_helpers import make_engine, random_tokens
 

@@ -1,8 +1,10 @@
-"""OpenAI's errors for a missing or mistyped request field (``missing_required_parameter``, ``invalid_type``),
-with the messages OpenAI's API answers, shared by the request parsers of this package."""
+"""OpenAI's errors for a missing, mistyped or out-of-set request field (``missing_required_parameter``,
+``invalid_type``, ``invalid_value``), with the messages OpenAI's API answers, shared by the request parsers of
+this package."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway.core.errors import InvalidRequestError
@@ -41,3 +43,20 @@ def check_types(body: dict[str, Any], types: dict[str, str], prefix: str = "") -
         value = body.get(name)
         if value is not None and not isinstance(value, JSON_TYPES[expected]):
             raise invalid_type(f"{prefix}{name}", expected, value)
+
+
+def check_enums(body: dict[str, Any], enums: dict[str, tuple[str, ...]]) -> None:
+    """Refuse a value of ``body[field]`` outside ``enums[field]`` (None and absent are accepted).
+
+    Raises:
+        InvalidRequestError: ``invalid_value`` naming the field and the supported values.
+    """
+    for name, values in enums.items():
+        value = body.get(name)
+        if value is not None and value not in values:
+            shown = ", ".join(f"'{v}'" for v in values)
+            raise InvalidRequestError(
+                f"Invalid value for '{name}': {json.dumps(value)}. Supported values are: {shown}.",
+                param=name,
+                code="invalid_value",
+            )

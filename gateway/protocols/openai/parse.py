@@ -5,7 +5,6 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +14,7 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.headers import MAX_TENANT_CHARS, rules_enabled, tenant
 from gateway.core.json_types import json_kind
 from gateway.core.request import ChatRequest, given_sampling
-from gateway.protocols.openai.field_errors import check_types, invalid_type, missing_param
+from gateway.protocols.openai.field_errors import check_enums, check_types, invalid_type, missing_param
 from gateway.protocols.openai.tool_fields import (
     check_function_name,
     check_tool_calls,
@@ -160,23 +159,6 @@ CHAT_ENUMS: dict[str, tuple[str, ...]] = {
 }
 """String fields of a chat body with a closed set of values (OpenAI's API reference): another value is a 400
 ``invalid_value``, as OpenAI answers it, never passed on or ignored."""
-
-
-def check_enums(body: dict[str, Any], enums: dict[str, tuple[str, ...]]) -> None:
-    """Refuse a value of ``body[field]`` outside ``enums[field]`` (None and absent are accepted).
-
-    Raises:
-        InvalidRequestError: ``invalid_value`` naming the field and the supported values.
-    """
-    for name, values in enums.items():
-        value = body.get(name)
-        if value is not None and value not in values:
-            shown = ", ".join(f"'{v}'" for v in values)
-            raise InvalidRequestError(
-                f"Invalid value for '{name}': {json.dumps(value)}. Supported values are: {shown}.",
-                param=name,
-                code="invalid_value",
-            )
 
 
 def _check_best_of(body: dict[str, Any]) -> None:

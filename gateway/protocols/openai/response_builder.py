@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.core.events import BackendUsage, Finish, TokenLogprob
 from gateway.protocols.openai.render import chat_logprobs
-from gateway.protocols.openai.responses import namespaced_tool_names
+from gateway.protocols.openai.responses_tools import namespaced_tool_names
 
 
 def _reasoning_echo(reasoning: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ and ``tool_choice``, ``text.format`` (as ``response_format``), ``max_output_toke
 hosted tools (``web_search``, ``file_search``, ``mcp``, ...) are dropped from what the model sees (logged at
 info). Refused with a 400 naming the field: ``previous_response_id``, ``conversation``, ``store: true``,
 ``background: true``, ``prompt`` (all need stored state), ``custom`` and unknown tools, a ``tool_choice`` forcing
-a hosted tool, item references.
+a hosted tool, item references. The tools' translation is ``gateway.protocols.openai.responses_tools``'s.
 Reference: https://platform.openai.com/docs/api-reference/responses (shapes checked against the openai-python
 SDK's ``types/responses``: ``Response``, ``ResponseTextDeltaEvent``, ``ResponseCompletedEvent``, ...).
 """
@@ -19,14 +19,20 @@ SDK's ``types/responses``: ``Response``, ``ResponseTextDeltaEvent``, ``ResponseC
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from gateway.core.errors import InvalidRequestError
-from gateway.core.json_types import json_kind
-from gateway.protocols.openai.field_errors import check_types
-from gateway.protocols.openai.parse import CHAT_ENUMS, check_enums
+from gateway.protocols.openai.field_errors import check_enums, check_types, invalid_type
+from gateway.protocols.openai.parse import CHAT_ENUMS
 from gateway.protocols.openai.responses_params import MessageOrigin
+from gateway.protocols.openai.responses_tools import (
+    flat_tool_name,
+    namespaced_tool_names,
+    string_field,
+    tool_choice_to_chat,
+    tools_to_chat,
+    unsupported,
+)
 
 RESPONSES_FIELDS = frozenset(
     {
@@ -43,7 +49,6 @@ RESPONSES_FIELDS = frozenset(
 ``x-codex-installation-id``; the SDK sends it through ``extra_body``), which is checked and then ignored (never
 passed to the model nor echoed)."""
 
-logger = logging.getLogger(__name__)
 
 STATEFUL = ("previous_response_id", "conversation", "prompt", "context_management")
 """Fields that need response storage, which this gateway does not keep: refused when set."""
@@ -77,11 +82,11 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
     _check_string_values(body, "client_metadata")
     for key in STATEFUL:
         if body.get(key) is not None:
-            raise _unsupported(key, "prefixgate's Responses API is stateless (no stored responses)")
+            raise unsupported(key, "prefixgate's Responses API is stateless (no stored responses)")
     if body.get("store") is True:
-        raise _unsupported("store", "prefixgate stores no responses; send store: false or omit it")
+        raise unsupported("store", "prefixgate stores no responses; send store: false or omit it")
     if body.get("background") is True:
-        raise _unsupported("background", "background responses need stored state")
+        raise unsupported("background", "background responses need stored state")
     if "input" not in body:
         raise InvalidRequestError(
             "Missing required parameter: 'input'.", param="input", code="missing_required_parameter"
@@ -102,13 +107,13 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
             chat["stream_options"] = {"include_usage": True}
     tools: list[dict[str, Any]] = []
     if body.get("tools") is not None:
-        tools = _tools(body["tools"])
+        tools = tools_to_chat(body["tools"])
         if tools:  # the Responses API takes an empty array (agent SDKs send one); chat refuses it
             chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        choice = _tool_choice(body["tool_choice"], tools, namespaced_tool_names(body))
+        choice = tool_choice_to_chat(body["tool_choice"], tools, namespaced_tool_names(body))
         if not tools and body.get("tools") and choice == "required":
-            raise _unsupported(
+            raise unsupported(
                 "tool_choice",
                 "'required' forces a tool call, but every tool sent is a hosted tool prefixgate cannot run "
                 "(hosted tools are dropped from the request)",
@@ -119,7 +124,7 @@ def responses_to_chat_body(body: dict[str, Any], refuse_unknown: bool = True) ->
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
-            raise _invalid_type("reasoning", "an object", reasoning)
+            raise invalid_type("reasoning", "an object", reasoning)
         _known_keys(reasoning, "reasoning", ("effort", "summary", "generate_summary"))
         for key in ("summary", "generate_summary"):
             check_enums({f"reasoning.{key}": reasoning.get(key)}, {f"reasoning.{key}": SUMMARIES})
@@ -176,10 +181,10 @@ def _include(body: dict[str, Any]) -> list[str]:
     if include is None:
         return []
     if not isinstance(include, list):
-        raise _invalid_type("include", "an array of strings", include)
+        raise invalid_type("include", "an array of strings", include)
     for index, value in enumerate(include):
         if not isinstance(value, str):
-            raise _invalid_type(f"include[{index}]", "a string", value)
+            raise invalid_type(f"include[{index}]", "a string", value)
         if value not in INCLUDE_VALUES:
             raise InvalidRequestError(
                 f"Invalid value for 'include[{index}]': {json.dumps(value)}. Supported values are: "
@@ -198,10 +203,10 @@ def _check_string_values(body: dict[str, Any], key: str) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise _invalid_type(key, "an object", value)
+        raise invalid_type(key, "an object", value)
     for name, item in value.items():
         if not isinstance(item, str):
-            raise _invalid_type(f"{key}.{name}", "a string", item)
+            raise invalid_type(f"{key}.{name}", "a string", item)
 
 
 def _known_keys(value: dict[str, Any], where: str, known: tuple[str, ...]) -> None:
@@ -215,7 +220,7 @@ def _known_keys(value: dict[str, Any], where: str, known: tuple[str, ...]) -> No
 def _check_int(body: dict[str, Any], key: str) -> None:
     value = body.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise _invalid_type(key, "a non-negative integer", value)
+        raise invalid_type(key, "a non-negative integer", value)
 
 
 def chat_message_origins(body: dict[str, Any]) -> list[MessageOrigin]:
@@ -238,7 +243,7 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise _invalid_type("instructions", "a string", instructions)
+            raise invalid_type("instructions", "a string", instructions)
         messages.append({"role": "system", "content": instructions})
         origins.append(MessageOrigin("instructions", "instructions"))
     items = body["input"]
@@ -249,11 +254,11 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
     open_calls: set[str] | None = None  # call ids of the open function_call run; None: no such run
     unanswered: dict[str, str] = {}  # the open run's call ids no output answered yet -> their item's path
     if not isinstance(items, list):
-        raise _invalid_type("input", "a string or an array of input items", items)
+        raise invalid_type("input", "a string or an array of input items", items)
     for index, item in enumerate(items):
         where = f"input[{index}]"
         if not isinstance(item, dict):
-            raise _invalid_type(where, "an object", item)
+            raise invalid_type(where, "an object", item)
         kind = item.get("type", "message")
         starts_turn = kind == "message" or (kind == "function_call" and not _continues_calls(messages))
         if starts_turn and unanswered:
@@ -271,16 +276,16 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
         elif kind == "reasoning":
             _reasoning_item(item, where)  # the models served here read no earlier reasoning: dropped
         elif kind == "function_call":
-            name = _string(item, "name", where)
+            name = string_field(item, "name", where)
             namespace = item.get("namespace")
             if namespace is not None:
                 if not isinstance(namespace, str):
-                    raise _invalid_type(f"{where}.namespace", "a string", namespace)
+                    raise invalid_type(f"{where}.namespace", "a string", namespace)
                 name = flat_tool_name(namespace, name)
             call = {
-                "id": _string(item, "call_id", where),
+                "id": string_field(item, "call_id", where),
                 "type": "function",
-                "function": {"name": name, "arguments": _string(item, "arguments", where)},
+                "function": {"name": name, "arguments": string_field(item, "arguments", where)},
             }
             if _continues_calls(messages):
                 messages[-1]["tool_calls"].append(call)  # parallel calls of one turn
@@ -297,8 +302,8 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
             if isinstance(output, list):
                 output = _parts(output, f"{where}.output")
             elif not isinstance(output, str):
-                raise _invalid_type(f"{where}.output", "a string or an array of content parts", output)
-            call_id = _string(item, "call_id", where)
+                raise invalid_type(f"{where}.output", "a string or an array of content parts", output)
+            call_id = string_field(item, "call_id", where)
             if open_calls is None or call_id not in open_calls:
                 raise InvalidRequestError(
                     f"No tool call found for function call output with call_id {call_id!r}: a "
@@ -311,7 +316,7 @@ def _messages(body: dict[str, Any], origins: list[MessageOrigin] | None = None) 
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             origins.append(MessageOrigin(where, "function_call_output"))
         elif kind == "item_reference":
-            raise _unsupported(where, "item references need stored items (prefixgate is stateless)")
+            raise unsupported(where, "item references need stored items (prefixgate is stateless)")
         else:
             raise InvalidRequestError(
                 f"Invalid value for '{where}.type': prefixgate accepts 'message', 'function_call', "
@@ -337,7 +342,7 @@ def _reasoning_item(item: dict[str, Any], where: str) -> None:
     """
     for key in ("summary", "content"):
         if item.get(key) is not None and not isinstance(item[key], list):
-            raise _invalid_type(f"{where}.{key}", "an array", item[key])
+            raise invalid_type(f"{where}.{key}", "an array", item[key])
 
 
 def _continues_calls(messages: list[dict[str, Any]]) -> bool:
@@ -361,7 +366,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": role, "content": content}
     if not isinstance(content, list):
-        raise _invalid_type(f"{where}.content", "a string or an array of content parts", content)
+        raise invalid_type(f"{where}.content", "a string or an array of content parts", content)
     return {"role": role, "content": _parts(content, f"{where}.content")}
 
 
@@ -374,7 +379,7 @@ def _parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
     out = []
     for index, part in enumerate(parts):
         if not isinstance(part, dict):
-            raise _invalid_type(f"{where}[{index}]", "an object", part)
+            raise invalid_type(f"{where}[{index}]", "an object", part)
         kind = part.get("type")
         if not isinstance(kind, str):
             raise InvalidRequestError(
@@ -385,184 +390,18 @@ def _parts(parts: list[Any], where: str) -> list[dict[str, Any]]:
         if kind in _TEXT_PARTS:
             text = part.get("refusal") if kind == "refusal" else part.get("text")
             if not isinstance(text, str):
-                raise _invalid_type(f"{where}[{index}].text", "a string", text)
+                raise invalid_type(f"{where}[{index}].text", "a string", text)
             out.append({"type": "text", "text": text})
         else:
             out.append(dict(part))
     return out
 
 
-HOSTED_TOOLS = frozenset(
-    {
-        "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
-        "file_search", "code_interpreter", "computer", "computer_use", "computer_use_preview",
-        "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
-        "programmatic_tool_calling",
-    }
-)  # fmt: skip
-"""Tool types of the openai-python SDK's ``ToolParam`` (and ``tool_choice`` types) that OpenAI runs itself or
-answers with items of their own (``web_search_call``, ``local_shell_call``, ...): prefixgate can run none of
-them nor produce those items, so they are dropped from what the model sees (as vLLM and LiteLLM do), and a
-``tool_choice`` that forces one is a 400. ``custom`` (free-form) tools and unknown types stay a 400."""
-
-NAMESPACE_DELIMITER = "__"
-"""Between a ``namespace`` tool's name and one of its functions' in the flat name the model sees (the OpenAI Codex
-CLI's own flat spelling of a namespaced tool)."""
-
-
-def flat_tool_name(namespace: str, name: str) -> str:
-    """The name the model sees for function ``name`` of namespace ``namespace``: ``<namespace>__<name>``, with
-    underscores around the delimiter trimmed (``multi_agent_v1`` + ``spawn_agent`` ->
-    ``multi_agent_v1__spawn_agent``)."""
-    return namespace.rstrip("_") + NAMESPACE_DELIMITER + name.lstrip("_")
-
-
-def _function_tools(
-    tools: Any,
-) -> tuple[list[tuple[str, dict[str, Any], tuple[str, str] | None]], list[str]]:
-    """The function tools of a Responses ``tools`` array, ``namespace`` tools flattened: ``(path, tool, origin)``
-    each (``tool`` a flat Responses function tool whose ``name`` is the model's; ``origin`` the ``(namespace,
-    name)`` the client gave a namespace's function, None for a top-level one), and the types of the hosted tools
-    dropped.
-
-    Raises:
-        InvalidRequestError: not an array, a tool that is not an object, a ``custom`` or unknown tool, a function
-            without a name, a namespace without a name or ``tools`` array, two tools of the same flat name where
-            one is namespaced.
-    """
-    if not isinstance(tools, list):
-        raise _invalid_type("tools", "an array", tools)
-    out: list[tuple[str, dict[str, Any], tuple[str, str] | None]] = []
-    dropped: list[str] = []
-    for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise _invalid_type(where, "an object", tool)
-        kind = tool.get("type")
-        if kind == "function":
-            _string(tool, "name", where)
-            out.append((where, tool, None))
-        elif kind == "namespace":
-            namespace = _string(tool, "name", where)
-            if tool.get("description") is not None and not isinstance(tool["description"], str):
-                raise _invalid_type(f"{where}.description", "a string", tool["description"])
-            members = tool.get("tools")
-            if not isinstance(members, list):
-                if members is None:
-                    raise InvalidRequestError(
-                        f"Missing required parameter: '{where}.tools'.",
-                        param=f"{where}.tools",
-                        code="missing_required_parameter",
-                    )
-                raise _invalid_type(f"{where}.tools", "an array", members)
-            for inner, member in enumerate(members):
-                at = f"{where}.tools[{inner}]"
-                if not isinstance(member, dict):
-                    raise _invalid_type(at, "an object", member)
-                if member.get("type") != "function":
-                    raise _unsupported(
-                        f"{at}.type",
-                        f"only function tools are supported in a namespace, got {member.get('type')!r}",
-                    )
-                name = _string(member, "name", at)
-                out.append((at, {**member, "name": flat_tool_name(namespace, name)}, (namespace, name)))
-        elif isinstance(kind, str) and kind in HOSTED_TOOLS:
-            dropped.append(kind)
-        else:
-            raise _unsupported(
-                f"{where}.type",
-                f"only function and namespace tools are supported (hosted tools such as 'web_search' are "
-                f"dropped), got {kind!r}",
-            )
-    seen: dict[str, tuple[str, str] | None] = {}
-    for where, tool, origin in out:
-        name = tool["name"]
-        if name in seen and (origin is not None or seen[name] is not None):
-            raise InvalidRequestError(
-                f"Invalid value for '{where}.name': {name!r} is also the name of another tool (a namespaced "
-                f"tool's model-facing name is '<namespace>{NAMESPACE_DELIMITER}<name>').",
-                param=f"{where}.name",
-                code="invalid_value",
-            )
-        seen[name] = origin
-    return out, dropped
-
-
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    """The chat ``tools`` of a Responses ``tools`` array (hosted tools dropped, with one info log line)."""
-    functions, dropped = _function_tools(tools)
-    if dropped:
-        logger.info(
-            "Responses request: dropped hosted tools prefixgate cannot run: %s",
-            ", ".join(sorted(set(dropped))),
-        )
-    out = []
-    for _, tool, _ in functions:
-        function = {"name": tool["name"]}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def chat_tool_paths(body: dict[str, Any]) -> list[str]:
-    """The Responses path of each chat tool ``responses_to_chat_body`` builds, index for index (``tools[2]``,
-    ``tools[1].tools[0]`` for a namespace's function), so an error about ``tools[k]...`` names the client's tool;
-    empty when ``tools`` is absent or ill-formed."""
-    try:
-        functions, _ = _function_tools(body.get("tools") or [])
-    except InvalidRequestError:
-        return []
-    return [where for where, _, _ in functions]
-
-
-def namespaced_tool_names(body: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """The model-facing name of each function of the body's ``namespace`` tools -> ``(namespace, name)``, so a
-    call the model makes is given back as the client named it (``name`` + ``namespace``)."""
-    try:
-        functions, _ = _function_tools(body.get("tools") or [])
-    except InvalidRequestError:
-        return {}
-    return {tool["name"]: origin for _, tool, origin in functions if origin is not None}
-
-
-def _tool_choice(choice: Any, tools: list[dict[str, Any]], namespaced: dict[str, tuple[str, str]]) -> Any:
-    """The chat ``tool_choice``; ``tools``: the chat tools; ``namespaced``: ``namespaced_tool_names`` (a forced
-    function named as one namespace's member names it, when no tool has that very name: the SDK's
-    ``tool_choice`` function has no ``namespace``).
-
-    Raises:
-        InvalidRequestError: a choice forcing a hosted tool (dropped), ``required`` when every tool sent was a
-            hosted one, a ``custom`` / ``allowed_tools`` / unknown choice, an ill-typed one.
-    """
-    if isinstance(choice, str):
-        return choice  # none | auto | required: checked by the chat parser
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = _string(choice, "name", "tool_choice")
-        if all(tool["function"]["name"] != name for tool in tools):
-            members = [flat for flat, (_, plain) in namespaced.items() if plain == name]
-            if len(members) == 1:
-                name = members[0]
-        return {"type": "function", "function": {"name": name}}
-    if isinstance(choice, dict) and isinstance(choice.get("type"), str) and choice["type"] in HOSTED_TOOLS:
-        raise _unsupported(
-            "tool_choice.type",
-            f"it forces the hosted tool {choice['type']!r}, which prefixgate cannot run (hosted tools are dropped "
-            "from the request); force a function tool or use 'auto'",
-        )
-    if isinstance(choice, dict):
-        raise _unsupported(
-            "tool_choice.type", f"only function tools are supported, got {choice.get('type')!r}"
-        )
-    raise _invalid_type("tool_choice", "a string or an object", choice)
-
-
 def _text_config(text: Any, chat: dict[str, Any]) -> None:
     if text is None:
         return
     if not isinstance(text, dict):
-        raise _invalid_type("text", "an object", text)
+        raise invalid_type("text", "an object", text)
     _known_keys(text, "text", ("format", "verbosity"))
     if text.get("verbosity") is not None:
         chat["verbosity"] = text["verbosity"]
@@ -570,7 +409,7 @@ def _text_config(text: Any, chat: dict[str, Any]) -> None:
     if fmt is None:
         return
     if not isinstance(fmt, dict):
-        raise _invalid_type("text.format", "an object", fmt)
+        raise invalid_type("text.format", "an object", fmt)
     kind = fmt.get("type")
     if kind == "text":
         return
@@ -594,33 +433,6 @@ def _text_config(text: Any, chat: dict[str, Any]) -> None:
             param="text.format.type",
             code="invalid_value",
         )
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        if value is None:
-            raise InvalidRequestError(
-                f"Missing required parameter: '{where}.{key}'.",
-                param=f"{where}.{key}",
-                code="missing_required_parameter",
-            )
-        raise _invalid_type(f"{where}.{key}", "a string", value)
-    return value
-
-
-def _invalid_type(param: str, expected: str, value: Any) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"Invalid type for '{param}': expected {expected}, but got {json_kind(value)} instead.",
-        param=param,
-        code="invalid_type",
-    )
-
-
-def _unsupported(param: str, why: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"Unsupported parameter: '{param}': {why}.", param=param, code="unsupported_parameter"
-    )
 
 
 # ---- rendering -------------------------------------------------------------------------------------------

@@ -13,13 +13,9 @@ from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendUsage, Finish
 from gateway.protocols.openai.parse import parse_chat_request
 from gateway.protocols.openai.response_builder import ResponseBuilder
-from gateway.protocols.openai.responses import (
-    chat_tool_paths,
-    flat_tool_name,
-    namespaced_tool_names,
-    responses_to_chat_body,
-)
+from gateway.protocols.openai.responses import responses_to_chat_body
 from gateway.protocols.openai.responses_params import to_responses_error
+from gateway.protocols.openai.responses_tools import chat_tool_paths, flat_tool_name, namespaced_tool_names
 
 NAMESPACE = {
     "type": "namespace",
@@ -136,11 +132,11 @@ def test_hosted_tools_are_dropped_with_one_info_line(caplog):
         {"type": "local_shell"},
         {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"},
     ]
-    with caplog.at_level(logging.INFO, logger="gateway.protocols.openai.responses"):
+    with caplog.at_level(logging.INFO, logger="gateway.protocols.openai.responses_tools"):
         body = chat(tools=[*hosted, SHELL], tool_choice="auto")
     assert [tool["function"]["name"] for tool in body["tools"]] == ["shell"]
     assert body["tool_choice"] == "auto"
-    lines = [r for r in caplog.records if r.name == "gateway.protocols.openai.responses"]
+    lines = [r for r in caplog.records if r.name == "gateway.protocols.openai.responses_tools"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     for tool in hosted:
         assert tool["type"] in lines[0].getMessage()
