@@ -1,5 +1,6 @@
 """Agent-loop cache benchmark: cached tokens per turn of a tool-calling conversation resent turn after turn, with
-and without the engine's served turns (``engine.served_turns``).
+and without the engine's served turns (``engine.served_turns``), both with ``engine.cache_generated_kv: true``
+(by default a reply's KV is not cached, and the next turn computes it again: docs/prefix-cache.md).
 
 Workload (SmolLM2-135M-Instruct by default, fp32, CPU, greedy or seeded sampling with ``--temperature``): a system prompt, two tools in the generic format,
 a user question; then ``--turns`` turns, each a forced call (``tool_choice: required``, one call) answered by a
@@ -79,7 +80,8 @@ class Arm:
         self.temperature = temperature
         self.tok = Tokenizer(base.backend, base.chat_template, base.special_tokens, base.eos_token_ids)
         self.tok.served.enabled = served
-        config = replace(EngineConfig(num_blocks=1024), dtype="float32")
+        # served turns keep replies' ids only where replies' KV is cached (``cache_generated_kv``)
+        config = replace(EngineConfig(num_blocks=1024, cache_generated_kv=True), dtype="float32")
         self.engine = LLMEngine(ckpt.model, config, ckpt.model_id, self.tok)
         self.messages = [
             {"role": "system", "content": "You are an assistant."},

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from gateway.core.errors import InvalidRequestError
-from gateway.protocols.openai.field_errors import invalid_type
+from gateway.protocols.openai.field_errors import invalid_type, missing_param
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,7 @@ def _function_tools(
             members = tool.get("tools")
             if not isinstance(members, list):
                 if members is None:
-                    raise InvalidRequestError(
-                        f"Missing required parameter: '{where}.tools'.",
-                        param=f"{where}.tools",
-                        code="missing_required_parameter",
-                    )
+                    raise missing_param(f"{where}.tools")
                 raise invalid_type(f"{where}.tools", "an array", members)
             for inner, member in enumerate(members):
                 at = f"{where}.tools[{inner}]"
@@ -187,19 +183,22 @@ def tool_choice_to_chat(
 
 
 def string_field(item: dict[str, Any], key: str, where: str) -> str:
+    """``item[key]``, a string.
+
+    Raises:
+        InvalidRequestError: missing (``missing_required_parameter``) or not a string (``invalid_type``), naming
+            ``where.key``.
+    """
     value = item.get(key)
     if not isinstance(value, str):
         if value is None:
-            raise InvalidRequestError(
-                f"Missing required parameter: '{where}.{key}'.",
-                param=f"{where}.{key}",
-                code="missing_required_parameter",
-            )
+            raise missing_param(f"{where}.{key}")
         raise invalid_type(f"{where}.{key}", "a string", value)
     return value
 
 
 def unsupported(param: str, why: str) -> InvalidRequestError:
+    """``Unsupported parameter: '<param>': <why>.`` (400, ``unsupported_parameter``)."""
     return InvalidRequestError(
         f"Unsupported parameter: '{param}': {why}.", param=param, code="unsupported_parameter"
     )
