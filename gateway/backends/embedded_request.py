@@ -222,9 +222,8 @@ def check_supported_anthropic(body: dict[str, Any]) -> Constraint | None:
     Raises:
         InvalidRequestError: ``thinking`` other than ``{"type": "disabled"}`` or ``{"type": "adaptive"}`` (the
             checkpoint has no extended thinking; adaptive leaves it to the model); an ``output_config`` /
-            ``format`` that is not
-            an object, a format that is not ``json_schema`` with an object ``schema``, or both forms at once (400
-            naming the field).
+            ``format`` that is not an object, a format that is not ``json_schema`` with an object ``schema``, or
+            both forms at once (400 naming the field).
     """
     thinking = body.get("thinking")
     if thinking is not None and not (

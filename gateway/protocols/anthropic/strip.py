@@ -33,7 +33,7 @@ ANTHROPIC_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 """Top-level Messages fields with no equivalent outside Anthropic -> the values that ask for nothing (``adaptive``
 thinking leaves thinking to the model, and an answer without it is one; ``context_management`` edits that only
-clear thinking blocks, ``asks_nothing``, change nothing where no thinking block reaches the model). The
+clear thinking blocks, ``clears_thinking_only``, change nothing where no thinking block reaches the model). The
 other Messages fields are translated (``metadata.user_id`` -> ``user``, ``stop_sequences`` -> ``stop``, ...) or
 harmless to leave out (``service_tier``: capacity, not the answer; ``cache_control``: a caching hint, the
 gateway routes by prefix key). docs/upstreams.md lists the decisions."""
