@@ -119,8 +119,10 @@ class Server:
 
 def prefixgate_engine_settings(threads: int, ctx_tokens: int, linear_kernel: str = "auto") -> dict:
     """The ``engine:`` mapping prefixgate is benchmarked with (``engine.api.EngineConfig`` fields): a KV pool
-    of ``ctx_tokens`` in blocks of 16, bf16 KV, batches of up to 16 sequences and 2,048 tokens;
-    ``linear_kernel``: ``engine.linear_kernel`` (``--linear-kernel``)."""
+    of ``ctx_tokens`` in blocks of 16, bf16 KV, batches of up to 16 sequences and 2,048 tokens, no idle reply
+    prefill (background work for next turns these workloads never send, which would fall on the peer's
+    measurement; ``bench.next_turn`` measures it); ``linear_kernel``: ``engine.linear_kernel``
+    (``--linear-kernel``)."""
     return {
         "linear_kernel": linear_kernel,
         "num_blocks": ctx_tokens // 16,
@@ -130,6 +132,9 @@ def prefixgate_engine_settings(threads: int, ctx_tokens: int, linear_kernel: str
         "num_threads": threads,
         "weights": "auto",
         "kv_dtype": "bfloat16",
+        # no workload here sends a conversation's next turn, and the idle prefill of each reply would run in
+        # the time the bench then gives llama-server (one A/B on a 2-core EPYC: its decode 80 vs 94 tok/s)
+        "idle_reply_prefill": False,
     }
 
 

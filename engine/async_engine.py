@@ -48,12 +48,17 @@ from engine.constrained import prefilled
 from engine.errors import EngineClosedError, EngineError, InvalidRequestError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
+from engine.next_turn import next_turn_prefix
 from engine.openmp_threads import in_passing_thread
 from engine.output_processor import RequestOutput
 from engine.partial_hits import common_prefix_len
 from engine.step_threads import StepThreads
 
 logger = logging.getLogger("prefixgate.engine")
+
+MAX_IDLE_PREFILLS = 32
+"""Idle prefills queued at once (``AsyncEngine.prefill_next_turn``); a newer one drops the oldest, whose
+conversation is the least likely to come back soon."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,6 +101,7 @@ class AsyncEngine:
         self._closed = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        self._idle: list[str] = []  # request ids of the queued idle prefills, oldest first
         core.prefetch_wait_s = 0.0  # never wait for a tier read under the lock; the loop polls instead
 
     # ---- construction ------------------------------------------------------------------------------------
@@ -446,6 +452,65 @@ class AsyncEngine:
             return None
         return common_prefix_len(prompt, ids)
 
+    async def prefill_next_turn(self, req: GenerationRequest) -> int | None:
+        """Prefill, while the engine has nothing else to do, what the conversation's next turn will begin with:
+        ``req.messages`` end with the assistant's reply as the client will resend it, and the prefix is their
+        rendering followed by the next message's head (``engine.next_turn.next_turn_prefix``), in ``req``'s
+        tenant (``cache_salt``), public prefix and levels. The KV comes from the prompt path, as the next turn
+        computed cold would write it, so the next turn only computes its new message and its tokens stay those
+        of a cold run (``EngineConfig.idle_reply_prefill``). The request is idle (``Request.idle``: admitted
+        only when no other request waits or runs, stepping aside when one arrives); at most
+        ``MAX_IDLE_PREFILLS`` are queued, a newer one dropping the oldest.
+
+        Returns:
+            The prefix tokens the cache did not hold at its admission (0 when it held all but the last), or None
+            when nothing was prefilled: the option is off (or prefix caching off, or ``cache_generated_kv`` on:
+            the reply's KV is cached as it is generated), the newest message is not a reply, the prefix does not
+            fit what the context window and the pins leave (now, or when its turn came), or it was dropped for a
+            newer one or aborted.
+
+        Raises:
+            EngineClosedError: the engine was shut down.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine has been shut down")
+        config = self.core.config
+        if not config.idle_reply_prefill or not config.enable_prefix_caching or config.cache_generated_kv:
+            return None
+        if req.messages is None:
+            return None
+        prefix = next_turn_prefix(self._tokenizer, req.messages, req.tools, req.cache_salt)
+        if not prefix:
+            return None
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            with self._cond:
+                self.core.check_prompt(prefix, params)
+                self.core.check_level_ends(req.level_ends)
+        except EngineError:  # it would not fit (the next turn will be refused or cut the same way)
+            return None
+        rid = f"{req.request_id or 'turn'}#idle{next(self._ids)}"
+        self._idle.append(rid)
+        if len(self._idle) > MAX_IDLE_PREFILLS:
+            oldest = self._idle.pop(0)
+            with self._cond:
+                dropped = self.core.abort_family(oldest)
+            self._post(dropped)
+        computed = None
+        try:
+            idle = dataclasses.replace(req, params=params, prefix_key=None)
+            async for event in self._stream(rid, prefix, idle, idle=True):
+                if isinstance(event, Finished) and event.finish_reason == "stop":
+                    computed = len(prefix) - event.usage.cached_tokens
+        except EngineClosedError:
+            raise
+        except EngineError:  # ended unserved: pins made meanwhile leave it too few blocks
+            return None
+        finally:
+            if rid in self._idle:
+                self._idle.remove(rid)
+        return computed
+
     def unpin(self, pin_id: str) -> bool:
         """Release a pin made by ``warm(pin=True)``. False when unknown."""
         with self._cond:
@@ -466,7 +531,7 @@ class AsyncEngine:
             return self.core.drop_cached(prefix_key=prefix_key, tenant=tenant, model_id=model_id)
 
     async def _stream(
-        self, rid: str, prompt: list[int], req: GenerationRequest
+        self, rid: str, prompt: list[int], req: GenerationRequest, *, idle: bool = False
     ) -> AsyncIterator[StreamEvent]:
         self._ensure_started()
         queue: asyncio.Queue = asyncio.Queue()
@@ -485,6 +550,7 @@ class AsyncEngine:
                     prefix_key=req.prefix_key,
                     shared_prefix_tokens=shared,
                     shared_salt=req.shared_salt,
+                    idle=idle,
                 )
                 self._cond.notify()
             while True:

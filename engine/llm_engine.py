@@ -69,6 +69,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.served_turns import ServedTurns
 from engine.stats import EngineCounters
 from engine.step_threads import StepThreads
+from engine.weight_format import kv_dtype_of
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -86,19 +87,6 @@ class StepPlan:
 
     sched: SchedulerOutput
     model_input: ModelInput | None
-
-
-def kv_dtype_of(name: str, model: LlamaModel) -> torch.dtype:
-    """The KV cache dtype for ``EngineConfig.kv_dtype``; the model's own dtype when that is not fp32.
-
-    Raises:
-        ValueError: not ``float32`` / ``bfloat16``.
-    """
-    from engine.weight_format import KV_DTYPES
-
-    if name not in KV_DTYPES:
-        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
-    return KV_DTYPES[name] if model.dtype == torch.float32 else model.dtype
 
 
 class LLMEngine(PrefixAdmin):
@@ -147,7 +135,7 @@ class LLMEngine(PrefixAdmin):
         decode_kernel = resolve_decode_kernel(
             config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
         )
-        kv_dtype = kv_dtype_of(config.kv_dtype, model)
+        kv_dtype = kv_dtype_of(config.kv_dtype, model.dtype)
         prefill_kernel = resolve_prefill_kernel(
             config.prefill_kernel,
             model.device,
@@ -321,9 +309,12 @@ class LLMEngine(PrefixAdmin):
         prefix_key: str | None = None,
         shared_prefix_tokens: int = 0,
         shared_salt: str = "",
+        idle: bool = False,
     ) -> Request:
         """``add_request`` for a prompt that already passed ``check_prompt`` (which depends only on the config,
         so a check made before taking the engine lock stays valid): queue it without validating it again.
+        ``idle``: an idle prefill (``Request.idle``): it ends, finish reason ``"stop"`` and no token, once its
+        whole prompt is computed.
 
         Raises:
             ValueError: duplicate request id.
@@ -336,6 +327,7 @@ class LLMEngine(PrefixAdmin):
         )
         if level_ends is not None:
             req.level_ends = tuple((int(e), str(lv)) for e, lv in level_ends)
+        req.idle = idle
         self.requests[rid] = req
         self.scheduler.add_request(req)
         if self.tiers is not None:
@@ -441,6 +433,12 @@ class LLMEngine(PrefixAdmin):
                 req.block_hashes,
                 req.extra_keys,
             )
+            if req.idle:
+                self.counters.idle_prefill_tokens += s.num_new_tokens
+                if req.num_computed_tokens >= req.num_tokens:  # its whole prompt is cached: done
+                    self.counters.idle_prefills += 1
+                    outputs.append(self._finish(req, "stop"))
+                continue
             if i in sampled:
                 sample = sampled[i]
                 if result.logits is not None:

@@ -147,10 +147,12 @@ class OutputProcessor:
     def finish(self, req: Request, reason: FinishReason) -> RequestOutput:
         """Set the request's finish reason and build its final output (held-back text, usage, TTFT).
 
-        Counts the request as finished; frees nothing (the engine does, see the module docstring).
+        Counts the request as finished (not an idle prefill); frees nothing (the engine does, see the module
+        docstring).
         """
         req.finish_reason = reason
-        self.counters.requests += 1
+        if not req.idle:  # an idle prefill is no client's request (``EngineStats.idle_prefills``)
+            self.counters.requests += 1
         tail = req.output.finish() if req.output is not None else ""
         return RequestOutput(
             request_id=req.request_id,
@@ -175,9 +177,10 @@ class OutputProcessor:
     def fail(self, req: Request, error: EngineError) -> RequestOutput:
         """Build the final output of a request that failed (finish reason ``"error"``, ``error`` set, no text:
         the detokenizer is not asked for what it held back, it may be what failed). Counts the request as
-        finished; frees nothing."""
+        finished (not an idle prefill); frees nothing."""
         req.finish_reason = "error"
-        self.counters.requests += 1
+        if not req.idle:
+            self.counters.requests += 1
         return RequestOutput(
             request_id=req.request_id,
             finished=True,

@@ -69,6 +69,10 @@ class Request:
         prefix_key: the gateway's prefix key of its stable head (``engine.kv_tiers.catalog``), or None.
         failure: why the scheduler ended it unserved (``PromptTooLongError``: pins made after it was queued left
             the pool too small for it), else None; its output carries it (finish reason ``"error"``).
+        idle: an idle prefill (``AsyncEngine.prefill_next_turn``): it computes its prompt's KV for the prefix
+            cache and samples nothing, runs only while no other request waits or runs, steps aside (back to
+            waiting, its computed blocks left cached) as soon as one does, and is kept out of the request, TTFT
+            and prefix-hit counters (``engine.scheduler``, "Idle prefills").
     """
 
     request_id: str
@@ -98,6 +102,7 @@ class Request:
     level_ends: tuple[tuple[int, str], ...] | None = None
     prefix_key: str | None = None
     failure: EngineError | None = None
+    idle: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -51,6 +51,15 @@ it waits, so it never delays its leader; it only skips work.
 
 Both put preempted requests first, then requests older than ``max_wait_s`` (the starvation bound: a request
 waiting longer goes first regardless of its cached prefix), oldest first.
+
+**Idle prefills** (``Request.idle``: a conversation's next-turn prefix, ``AsyncEngine.prefill_next_turn``). They
+are admitted only in a step where no other request waits or runs, and such a step computes at most
+``idle_prefill_chunk_tokens`` tokens, so a request arriving meanwhile waits at most one small step. When any other
+request waits or runs, every running idle prefill steps aside at the start of the next plan: its blocks are freed
+(the full blocks it computed are already cached, its partly computed last block is kept as a partial entry) and
+it goes to the back of the waiting queue, to resume from its cached prefix at the next idle step. An idle
+prefill samples no token (``ScheduledRequest.needs_token``) and never decodes; it is not counted as an
+admission (``record_admission``), and ends once its whole prompt is computed (``LLMEngine.finish_step``).
 """
 
 from __future__ import annotations
@@ -106,8 +115,9 @@ class ScheduledRequest:
 
     @property
     def needs_token(self) -> bool:
-        """True when the step reaches the end of the request's known tokens, so a token is sampled."""
-        return self.end == self.request.num_tokens
+        """True when the step reaches the end of the request's known tokens, so a token is sampled (never for
+        an idle prefill: it computes KV only)."""
+        return self.end == self.request.num_tokens and not self.request.idle
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -207,8 +217,8 @@ class Scheduler:
             ones behind it may go): the tiers refuse a request while its prefix is being read back.
 
     Raises:
-        ValueError: an unknown policy, a non-positive budget, or a ``long_prefill_token_threshold`` that is neither
-            0 nor in [1, ``max_num_batched_tokens`` - 1].
+        ValueError: an unknown policy, a non-positive budget or ``idle_prefill_chunk_tokens``, or a
+            ``long_prefill_token_threshold`` that is neither 0 nor in [1, ``max_num_batched_tokens`` - 1].
     """
 
     def __init__(
@@ -222,13 +232,14 @@ class Scheduler:
     ) -> None:
         if config.scheduling not in POLICIES:
             raise ValueError(f"scheduling must be one of {POLICIES}, got {config.scheduling!r}")
-        if config.max_batch < 1 or config.max_num_batched_tokens < 1:
-            raise ValueError("max_batch and max_num_batched_tokens must be >= 1")
+        if config.max_batch < 1 or config.max_num_batched_tokens < 1 or config.idle_prefill_chunk_tokens < 1:
+            raise ValueError("max_batch, max_num_batched_tokens and idle_prefill_chunk_tokens must be >= 1")
         self.kv = kv
         self.block_size = kv.block_size
         self.max_batch = config.max_batch
         self.cache_generated_kv = config.cache_generated_kv
         self.token_budget = config.max_num_batched_tokens
+        self.idle_chunk_tokens = config.idle_prefill_chunk_tokens
         self.long_threshold = long_threshold_of(config)
         self.policy = config.scheduling
         self.max_wait_s = config.max_wait_s
@@ -299,12 +310,33 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring). Mutates queues and block tables; runs nothing."""
         out = SchedulerOutput()
-        budget = PrefillBudget(self._schedule_decodes(out, self.token_budget), self.long_threshold)
+        only_idle = self._only_idle()
+        if not only_idle:
+            self._yield_idle()
+        tokens = self._schedule_decodes(out, self.token_budget)
+        if only_idle:
+            tokens = min(tokens, self.idle_chunk_tokens)
+        budget = PrefillBudget(tokens, self.long_threshold)
         self._schedule_running_prefills(out, budget)
-        self._schedule_waiting(out, budget)
+        self._schedule_waiting(out, budget, only_idle)
         budget.fill_long()
         out.scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]
         return out
+
+    def _only_idle(self) -> bool:
+        """True when every waiting and running request is an idle prefill (or there is none)."""
+        return all(r.idle for r in self.running) and all(r.idle for r in self.waiting)
+
+    def _yield_idle(self) -> None:
+        """Send every running idle prefill back to the end of the waiting queue, its blocks freed (the ones it
+        computed stay cached: ``_free_blocks``), to resume from its cached prefix at the next idle step."""
+        for req in [r for r in self.running if r.idle]:
+            self.running.remove(req)
+            self._free_blocks(req)
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0
+            self.counters.idle_prefills_yielded += 1
+            self.waiting.append(req)
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         for req in list(self.running):  # a copy: preemption removes from ``running`` while we iterate
@@ -372,15 +404,16 @@ class Scheduler:
             req.all_token_ids, req.block_hashes[:cap], req.extra_keys, partial=partial
         )
 
-    def _ordered_waiting(self, preempted_now: list[Request]) -> list[Request]:
-        """Waiting requests in admission order: preempted, then starved (older than max_wait_s), then policy."""
+    def _ordered_waiting(self, preempted_now: list[Request], only_idle: bool = False) -> list[Request]:
+        """Waiting requests in admission order: preempted, then starved (older than max_wait_s), then policy;
+        idle prefills only when ``only_idle`` (nothing else waits or runs)."""
         now = self.clock()
         skip = {id(r) for r in preempted_now}
         first: list[Request] = []
         starved: list[Request] = []
         rest: list[Request] = []
         for req in self.waiting:
-            if id(req) in skip:
+            if id(req) in skip or (req.idle and not only_idle):
                 continue
             if req.num_preemptions > 0:
                 first.append(req)
@@ -447,11 +480,13 @@ class Scheduler:
             i += 1
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: PrefillBudget) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: PrefillBudget, only_idle: bool) -> None:
+        """Admit waiting requests in policy order while the step has room (idle prefills only when
+        ``only_idle``: nothing else waits or runs)."""
         if not self.waiting:
             return
         pending = self._pending_blocks() if self.inflight_sharing else {}
-        for req in self._ordered_waiting(out.preempted):
+        for req in self._ordered_waiting(out.preempted, only_idle):
             if (
                 budget.short_room < 1
                 or len(out.scheduled) >= self.max_batch
@@ -517,5 +552,6 @@ class Scheduler:
             shared = sum(1 for h in hit.block_hashes if h in req.inflight_wait_hashes) * self.block_size
             req.num_cached_tokens = num_cached
             req.num_inflight_shared_tokens = shared
-            self.counters.record_admission(req.num_prompt_tokens, num_cached, shared)
+            if not req.idle:  # an idle prefill is no client's lookup: kept out of the hit counters
+                self.counters.record_admission(req.num_prompt_tokens, num_cached, shared)
         return req.num_tokens - num_cached

@@ -113,6 +113,9 @@ class EngineCounters:
     preemptions: int = 0
     forks: int = 0
     forked_prefill_tokens_saved: int = 0
+    idle_prefills: int = 0
+    idle_prefill_tokens: int = 0
+    idle_prefills_yielded: int = 0
     ttft: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
     tpot: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TPOT_BUCKETS_S))
 
@@ -170,4 +173,7 @@ class EngineCounters:
             tpot=self.tpot.snapshot(),
             forks=self.forks,
             forked_prefill_tokens_saved=self.forked_prefill_tokens_saved,
+            idle_prefills=self.idle_prefills,
+            idle_prefill_tokens=self.idle_prefill_tokens,
+            idle_prefills_yielded=self.idle_prefills_yielded,
         )

@@ -61,6 +61,17 @@ WEIGHT_FORMATS = ("auto", "native", "int8", "int4", "bf16", "float32")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def kv_dtype_of(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache dtype for ``EngineConfig.kv_dtype`` ``name``; the model's own dtype when that is not fp32.
+
+    Raises:
+        ValueError: ``name`` not ``float32`` / ``bfloat16``.
+    """
+    if name not in KV_DTYPES:
+        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
+    return KV_DTYPES[name] if model_dtype == torch.float32 else model_dtype
+
+
 class UnsupportedHardwareError(EngineError):
     """A setting asks for a kernel this device does not have (the message names the setting)."""
 

@@ -41,6 +41,7 @@ from engine.tool_calls import ContentDelta as ToolContentDelta
 from engine.tool_calls import ToolCallEnd, ToolCallParser
 from gateway.backends.base import Backend, TokenCount
 from gateway.backends.embedded_request import generation_request, template_message, template_tools
+from gateway.backends.reply_prefill import IdlePrefills, ReplyRecorder
 from gateway.config.schema import EmbeddedModel
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish, TokenLogprob, TopLogprob
@@ -68,6 +69,9 @@ class EmbeddedBackend(Backend):
             json.dumps([model.name, model.path, asdict(model.engine)], sort_keys=True).encode(), digest_size=5
         )
         self._fingerprint = f"fp_{digest.hexdigest()}"
+        self.idle_prefills: IdlePrefills | None = None
+        """Idle reply prefills queued after each chat reply (``gateway.backends.reply_prefill``; None before
+        ``start``)."""
 
     async def start(self) -> None:
         """Load the weights and tokenizer (in a worker thread: it takes seconds) and start the step loop."""
@@ -78,9 +82,12 @@ class EmbeddedBackend(Backend):
                 AsyncEngine.from_config, None, self.model.path, self.model.engine
             )
         await self.engine.start()
+        self.idle_prefills = IdlePrefills(self.engine)
 
     async def close(self) -> None:
-        """Stop the engine; requests still running finish with ``abort``."""
+        """Cancel the idle reply prefills and stop the engine; requests still running finish with ``abort``."""
+        if self.idle_prefills is not None:
+            await self.idle_prefills.close()
         if self.engine is not None:
             await self.engine.shutdown()
 
@@ -167,7 +174,9 @@ class EmbeddedBackend(Backend):
         return TokenCount(len(token_ids), f"chat-template:{engine.model_id}")
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
-        """Yield ``Delta`` per non-empty text piece, then one ``Finish``.
+        """Yield ``Delta`` per non-empty text piece, then one ``Finish``. A chat reply that ended (``stop`` or
+        ``length``) is queued, just before its ``Finish``, as an idle prefill of the conversation's next turn
+        (``gateway.backends.reply_prefill``).
 
         Raises:
             InvalidRequestError: a parameter the engine cannot honour, a non-text content part, a bad value.
@@ -191,6 +200,7 @@ class EmbeddedBackend(Backend):
             counts: tuple[int | None, int | None] | None = None
             first = True
             finished: dict[int, Finished] = {}
+            reply = ReplyRecorder()
             async with aclosing(engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
@@ -216,10 +226,13 @@ class EmbeddedBackend(Backend):
                         if first and counts is not None:
                             delta = replace(delta, cached_tokens=counts[0], prompt_tokens=counts[1])
                             first = False
+                        reply.note(delta)
                         yield delta
                     if isinstance(event, Finished):
                         finished[event.index] = event
                         if len(finished) == n:
+                            if request.kind == "chat" and self.idle_prefills is not None:
+                                self.idle_prefills.queue(generation, reply)
                             yield _finish(finished, choices, engine.caches_generated_kv)
                             return
         except EngineError as exc:

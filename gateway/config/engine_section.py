@@ -48,7 +48,13 @@ def parse_engine(reader: Reader, value: Any, where: str, base_dir: Path | None =
             values[key] = _TIER_SECTIONS[key](reader, section[key], f"{where}.{key}")
         else:
             values[key] = reader.typed(section, where, key, hints[key], None, required=True)
-    for key in ("block_size", "num_blocks", "max_batch", "max_num_batched_tokens"):
+    for key in (
+        "block_size",
+        "num_blocks",
+        "max_batch",
+        "max_num_batched_tokens",
+        "idle_prefill_chunk_tokens",
+    ):
         if key in values and values[key] < 1:
             reader.fail(f"{where}.{key}", f"expected an integer >= 1, got {values[key]}")
     _check_long_prefill_threshold(reader, values, where)

@@ -36,6 +36,8 @@ _COUNTERS = (
     ("preemptions", "Running requests preempted."),
     ("forks", "Sequences forked from a computed prompt (n > 1 choices: n - 1 per request)."),
     ("forked_prefill_tokens_saved", "Prompt tokens the n > 1 forks shared instead of prefilling."),
+    ("idle_prefills", "Conversations' next turns prefilled while the engine was idle (idle_reply_prefill)."),
+    ("idle_prefill_tokens", "Tokens computed by idle prefills (also in prefill_tokens)."),
 )
 
 

@@ -346,6 +346,8 @@ def _engine_fields(engine: EngineStats) -> dict[str, Any]:
         "preemptions": engine.preemptions,
         "forks": engine.forks,
         "forked_prefill_tokens_saved": engine.forked_prefill_tokens_saved,
+        "idle_prefills": engine.idle_prefills,
+        "idle_prefill_tokens": engine.idle_prefill_tokens,
         "engine": {
             "requests": engine.requests,
             "prompt_tokens": engine.prompt_tokens,
@@ -379,6 +381,8 @@ def _upstream_fields(c: ModelCounters) -> dict[str, Any]:
         "preemptions": 0,
         "forks": 0,
         "forked_prefill_tokens_saved": 0,
+        "idle_prefills": 0,
+        "idle_prefill_tokens": 0,
     }
 
 
@@ -397,6 +401,8 @@ _SUMMED = (
     "preemptions",
     "forks",
     "forked_prefill_tokens_saved",
+    "idle_prefills",
+    "idle_prefill_tokens",
 )
 
 

@@ -23,6 +23,13 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 def tiny_config_data(checkpoint: Path, **engine) -> dict:
+    """A config serving ``checkpoint`` as ``tiny`` (blocks of 16, 128 of them, 8 sequences) with ``engine``'s
+    settings over these. ``idle_reply_prefill`` is off unless ``engine`` turns it on: with it, a reply's next
+    turn is prefilled in the background as soon as the reply is out, so a test sending that turn at once would
+    find more or less of it cached depending on timing; the tests asserting exact counts of other features
+    keep the next turn computing the reply itself, and tests/gateway/http/test_idle_reply_prefill_e2e.py
+    runs it on, waiting for the engine to be idle before each next turn."""
+    engine = {"idle_reply_prefill": False, **engine}
     return {
         "server": {"max_body_bytes": MAX_BODY_BYTES},
         "admin": {"token": ADMIN_TOKEN},

@@ -45,3 +45,24 @@ def test_bad_long_prefill_threshold_names_file_key_and_expectation(section: dict
     assert caught.value.source == "c.yaml"
     assert caught.value.key == "models[0].engine.long_prefill_token_threshold"
     assert problem in caught.value.problem
+
+
+def test_idle_reply_prefill_settings_parse_with_their_defaults():
+    assert (engine_of({}).idle_reply_prefill, engine_of({}).idle_prefill_chunk_tokens) == (True, 64)
+    parsed = engine_of({"idle_reply_prefill": False, "idle_prefill_chunk_tokens": 32})
+    assert (parsed.idle_reply_prefill, parsed.idle_prefill_chunk_tokens) == (False, 32)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "problem"),
+    [
+        ({"idle_prefill_chunk_tokens": 0}, "idle_prefill_chunk_tokens", "expected an integer >= 1, got 0"),
+        ({"idle_prefill_chunk_tokens": "64"}, "idle_prefill_chunk_tokens", "expected"),
+        ({"idle_reply_prefill": "yes"}, "idle_reply_prefill", "expected"),
+    ],
+)
+def test_bad_idle_prefill_settings_name_their_key(section: dict, key: str, problem: str):
+    with pytest.raises(ConfigError) as caught:
+        engine_of(section)
+    assert caught.value.key == f"models[0].engine.{key}"
+    assert problem in caught.value.problem

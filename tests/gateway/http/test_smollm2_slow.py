@@ -66,7 +66,9 @@ def test_default_model_streams_and_caches_the_system_prompt(tmp_path):
             and stats["cached_tokens"]
             == usage.prompt_tokens_details.cached_tokens + usage2.prompt_tokens_details.cached_tokens
         )
-        assert stats["models"][DEFAULT_MODEL_NAME]["blocks"]["used"] == 0
+        # the idle reply prefills of both answers (the default config) hold blocks until they are done
+        stats = server.wait_blocks_released(DEFAULT_MODEL_NAME)["models"][DEFAULT_MODEL_NAME]
+        assert stats["blocks"]["used"] == 0 and stats["idle_prefills"] == 2
     finally:
         server.stop()
 
