@@ -3,11 +3,14 @@
 ``json_kind`` names a decoded JSON value as the OpenAI/Anthropic faces say it ("an object", "an array", ...);
 ``yaml_kind`` names a decoded YAML value as the config loader says it ("a mapping", "a list", ...).
 ``compact_json`` writes JSON as OpenAI's and Anthropic's APIs do (no spaces after separators, UTF-8 kept).
+``finite_json`` makes a decoded value writable as strict JSON (no infinity, no NaN).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import Any
 
 _JSON_NAMES: dict[type, str] = {
@@ -39,3 +42,26 @@ def yaml_kind(value: Any) -> str:
 def compact_json(value: Any) -> str:
     """JSON without spaces after separators, non-ASCII kept as UTF-8 (``json.dumps`` settings of the APIs)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` (decoded JSON: dicts, lists, strings, numbers, booleans, None) with every infinite float, i.e. a
+    number beyond the float range such as ``1e999`` (valid JSON, RFC 8259 section 6, which Python and jiter
+    decode as infinity), replaced by the largest finite float of its sign, the nearest number a strict JSON
+    writer (``allow_nan=False``, as Starlette's ``JSONResponse``) can write. Returns ``value`` itself when
+    nothing changes.
+
+    Raises:
+        ValueError: a NaN (only ``NaN`` literals, which are not JSON, decode to one).
+    """
+    if isinstance(value, float):
+        if math.isnan(value):
+            raise ValueError("NaN is not a JSON number")
+        return value if math.isfinite(value) else math.copysign(sys.float_info.max, value)
+    if isinstance(value, dict):
+        items = {key: finite_json(item) for key, item in value.items()}
+        return value if all(items[k] is value[k] for k in value) else items
+    if isinstance(value, list):
+        elements = [finite_json(item) for item in value]
+        return value if all(a is b for a, b in zip(elements, value, strict=True)) else elements
+    return value

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jiter
 
 from gateway.core.errors import InvalidRequestError
-from gateway.core.json_types import json_kind
+from gateway.core.json_types import finite_json, json_kind
 from gateway.protocols.anthropic.parse import OPAQUE, extra_keys
 from gateway.protocols.anthropic.validate import bad_param
 
@@ -164,6 +164,10 @@ def _tool_use_block(call: Any, param: str) -> dict[str, Any]:
             raise bad_param("function.arguments is not valid JSON", f"{param}.function.arguments") from None
     if not isinstance(parsed, dict):
         raise bad_param("function.arguments must be a JSON object", f"{param}.function.arguments")
+    try:  # the body goes upstream as strict JSON: a number beyond the float range as the largest float
+        parsed = finite_json(parsed)
+    except ValueError:
+        raise bad_param("function.arguments is not valid JSON (NaN)", f"{param}.function.arguments") from None
     block = {
         "type": "tool_use",
         "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",

@@ -16,6 +16,7 @@ import jiter
 
 from gateway.core.errors import APIError
 from gateway.core.events import BackendUsage, Delta, Finish
+from gateway.core.json_types import finite_json
 from gateway.protocols.provider_usage import UpstreamUsageError, anthropic_cache_usage
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
@@ -147,7 +148,9 @@ class MessageBuilder:
         """The finished blocks; tool inputs parsed from their JSON in jiter's partial mode, as the Anthropic
         SDK reads the same ``input_json_delta`` fragments of a stream: a call cut by ``max_tokens`` keeps the
         members it completed (an unfinished string, number or literal is left out), so a streamed and a
-        non-streamed Message hold the same ``input``; ``{}`` when nothing parses or it is not an object."""
+        non-streamed Message hold the same ``input``; ``{}`` when nothing parses or it is not an object. A
+        number beyond the float range becomes the largest float of its sign (``finite_json``): the Message is
+        written as strict JSON."""
         out = []
         for i, block in enumerate(self.blocks):
             block = dict(block)
@@ -155,6 +158,8 @@ class MessageBuilder:
                 raw = self._tool_json.get(i, "")
                 try:
                     parsed = jiter.from_json(raw.encode(), partial_mode=True) if raw.strip() else {}
+                    # a number beyond the float range (a model may write 1e999): the largest float instead
+                    parsed = finite_json(parsed)
                 except ValueError:
                     parsed = {}
                 block["input"] = parsed if isinstance(parsed, dict) else {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import pytest
 
@@ -916,3 +917,35 @@ def test_null_markers_are_taken_out_and_a_body_without_one_is_not_copied():
     assert "cache_control" not in cleaned and "cache_control" not in cleaned["system"][0]
     assert "cache_control" not in cleaned["messages"][0]["content"][0]["content"][0]
     assert nulled["system"][0]["cache_control"] is None  # the caller's body is not changed
+
+
+async def test_a_tool_input_number_beyond_the_float_range_is_written_as_the_largest_float():
+    """Before: a model writing ``1e999`` in a call to a tool that takes any object (the flaky
+    test_a_tool_schema_the_engine_cannot_compile_falls_back_unless_strict) made the non-streamed Message hold
+    infinity, and writing it failed: a 500."""
+
+    async def events():
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+        call["function"]["arguments"] = '{"a": 1e999, "b": [-1e999, 2]}'
+        yield Delta(tool_calls=[call])
+        yield Finish(finish_reason="tool_calls", usage=BackendUsage(prompt_tokens=3, completion_tokens=9))
+
+    message, _ = await build_message(events(), "m", "req_1")
+    (block,) = [b for b in message["content"] if b["type"] == "tool_use"]
+    assert block["input"] == {"a": sys.float_info.max, "b": [-sys.float_info.max, 2]}
+    json.dumps(message, allow_nan=False)
+
+
+def test_a_resent_call_s_out_of_range_number_goes_upstream_as_strict_json():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": -1e999}'}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    history.append({"role": "tool", "tool_call_id": "c1", "content": "ok"})
+    prompt = openai_to_anthropic(history, None)
+    (use,) = [b for b in prompt.messages[1]["content"] if b["type"] == "tool_use"]
+    assert use["input"] == {"a": -sys.float_info.max}
+    call["function"]["arguments"] = '{"a": NaN}'
+    with pytest.raises(InvalidRequestError, match="NaN"):
+        openai_to_anthropic(history, None)
