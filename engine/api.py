@@ -520,6 +520,9 @@ class EngineStats:
         idle_prefill_tokens: tokens idle prefills computed (also in ``prefill_tokens``).
         idle_prefills_yielded: times an idle prefill stepped aside for another request (its computed blocks
             stay cached; it resumes at the next idle step).
+        idle_prefills_dropped: idle prefills dropped unrun because they would have evicted cached blocks that
+            requests released after they were queued (a pool that turns over faster than the conversations
+            return).
     """
 
     requests: int
@@ -550,3 +553,4 @@ class EngineStats:
     idle_prefills: int = 0
     idle_prefill_tokens: int = 0
     idle_prefills_yielded: int = 0
+    idle_prefills_dropped: int = 0

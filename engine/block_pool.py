@@ -79,6 +79,8 @@ class KVBlock:
         levels: prompt levels (``engine.kv_tiers.policy.LEVELS``) of the requests that used it; they choose
             its TTL and budget share in the tiers below the pool.
         partial: True for a partial entry (see the module docstring).
+        released_at: the pool's ``release_seq`` when the block last became an unreferenced entry (its place in
+            the LRU order; 0 before).
     """
 
     block_id: int
@@ -91,6 +93,7 @@ class KVBlock:
     parent_gen: int | None = None
     levels: frozenset[str] = frozenset()
     partial: bool = False
+    released_at: int = 0
 
     @property
     def is_entry(self) -> bool:
@@ -133,6 +136,8 @@ class BlockPool:
         self._next_gen = 0
         self.blocks_used = 0
         self.evictions = 0
+        self.release_seq = 0
+        """Entries that became unreferenced so far (monotonic): each one's ``KVBlock.released_at``."""
         self.on_evict: Callable[[KVBlock], None] | None = None
         """Called with each cached block right before eviction clears it (the tiers' write-back)."""
 
@@ -326,7 +331,24 @@ class BlockPool:
                 if not block.is_entry:
                     self._free.append(block)
                 else:
+                    self.release_seq += 1
+                    block.released_at = self.release_seq
                     self._evictable[block.block_id] = block
+
+    def evicts_released_after(self, n: int, seq: int, keep: set[int]) -> bool:
+        """Whether taking ``n`` fresh blocks now would evict an entry that became unreferenced after release
+        number ``seq`` (``release_seq``): free blocks go first, then entries least recently used first, those in
+        ``keep`` (blocks the allocation takes a reference on) excepted. O(entries it would evict)."""
+        short = n - len(self._free)
+        for block_id, block in self._evictable.items():
+            if short <= 0:
+                return False
+            if block_id in keep:
+                continue
+            if block.released_at > seq:
+                return True
+            short -= 1
+        return False
 
     def drop_unreferenced_cached(self, match: Callable[[KVBlock], bool] | None = None) -> int:
         """Un-register every unreferenced cached block (that ``match`` accepts, when given); they become free.

@@ -328,6 +328,7 @@ class LLMEngine(PrefixAdmin):
         if level_ends is not None:
             req.level_ends = tuple((int(e), str(lv)) for e, lv in level_ends)
         req.idle = idle
+        req.idle_seq = self.kv.pool.release_seq
         self.requests[rid] = req
         self.scheduler.add_request(req)
         if self.tiers is not None:

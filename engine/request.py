@@ -73,6 +73,8 @@ class Request:
             cache and samples nothing, runs only while no other request waits or runs, steps aside (back to
             waiting, its computed blocks left cached) as soon as one does, and is kept out of the request, TTFT
             and prefix-hit counters (``engine.scheduler``, "Idle prefills").
+        idle_seq: for an idle prefill, the block pool's ``release_seq`` when it was queued: it may evict only
+            cached blocks released before (``engine.scheduler``, "Idle prefills").
     """
 
     request_id: str
@@ -103,6 +105,7 @@ class Request:
     prefix_key: str | None = None
     failure: EngineError | None = None
     idle: bool = False
+    idle_seq: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -11,7 +11,8 @@ Continuous batching with chunked prefill, after vLLM v1's unified scheduler (eve
    runs alone has filled the whole pool: it finishes with ``"length"``.
 2. **prefill chunks** of running requests whose prompt is not computed yet (chunked prefill), oldest first.
 3. **admissions** from the waiting queue, ordered by the policy. Admission looks up the longest cached prefix
-   (a ``PrefixHit``: the scheduler sees block ids, hashes and counts, never the pool's blocks; the last prompt
+   (a ``PrefixHit``: the scheduler sees block ids, hashes and counts, never the pool's blocks, and asks the pool
+   only whether an idle prefill would evict recent entries; the last prompt
    token is always computed: hits cover at most ``(num_tokens - 1) // block_size`` whole blocks and, with
    token-granular hits, part of the next block up to the last token), allocates the
    request's whole block table at once (``KVCacheManager.allocate``: all or nothing; a request that cannot get
@@ -57,7 +58,11 @@ are admitted only in a step where no other request waits or runs, and such a ste
 ``idle_prefill_chunk_tokens`` tokens, so a request arriving meanwhile waits at most one small step. When any other
 request waits or runs, every running idle prefill steps aside at the start of the next plan: its blocks are freed
 (the full blocks it computed are already cached, its partly computed last block is kept as a partial entry) and
-it goes to the back of the waiting queue, to resume from its cached prefix at the next idle step. An idle
+it goes to the back of the waiting queue, to resume from its cached prefix at the next idle step. It never
+evicts a cached block that became unreferenced after it was queued (``Request.idle_seq``,
+``BlockPool.evicts_released_after``): those belong to conversations active since its reply, and a pool that
+turns over that fast would evict its blocks before its own next turn came; it is dropped instead (finish
+reason ``"abort"``, ``idle_prefills_dropped``). An idle
 prefill samples no token (``ScheduledRequest.needs_token``) and never decodes; it is not counted as an
 admission (``record_admission``), and ends once its whole prompt is computed (``LLMEngine.finish_step``).
 """
@@ -498,6 +503,12 @@ class Scheduler:
             hit = self.cached_prefix(req)
             if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue
+            if req.idle and self._evicts_newer(req, hit):
+                req.finish_reason = "abort"
+                self.finish_request(req)
+                out.finished.append(req)
+                self.counters.idle_prefills_dropped += 1
+                continue
             long = budget.is_long(req.num_tokens - hit.num_tokens)
             if long and budget.long_room < 1:
                 continue  # the older long prefills take the rest of the step; short ones behind it may pass
@@ -530,6 +541,15 @@ class Scheduler:
         if pending:
             for req in self.waiting:
                 self._note_inflight(req, pending)
+
+    def _evicts_newer(self, req: Request, hit: PrefixHit) -> bool:
+        """Whether admitting idle prefill ``req`` with ``hit`` would evict a cached block released after it was
+        queued (``Request.idle_seq``)."""
+        need = -(-req.num_tokens // self.block_size) - hit.num_blocks
+        keep = set(hit.block_ids)
+        if hit.partial_block_id is not None:
+            keep.add(hit.partial_block_id)
+        return self.kv.pool.evicts_released_after(need, req.idle_seq, keep)
 
     def _note_inflight(self, req: Request, pending: dict[BlockHash, tuple[Request, int]]) -> None:
         """Remember which of a waiting request's prompt blocks another request is computing right now."""

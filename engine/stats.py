@@ -116,6 +116,7 @@ class EngineCounters:
     idle_prefills: int = 0
     idle_prefill_tokens: int = 0
     idle_prefills_yielded: int = 0
+    idle_prefills_dropped: int = 0
     ttft: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TTFT_BUCKETS_S))
     tpot: HistogramBuilder = field(default_factory=lambda: HistogramBuilder(TPOT_BUCKETS_S))
 
@@ -176,4 +177,5 @@ class EngineCounters:
             idle_prefills=self.idle_prefills,
             idle_prefill_tokens=self.idle_prefill_tokens,
             idle_prefills_yielded=self.idle_prefills_yielded,
+            idle_prefills_dropped=self.idle_prefills_dropped,
         )

@@ -200,7 +200,7 @@ class EmbeddedBackend(Backend):
             counts: tuple[int | None, int | None] | None = None
             first = True
             finished: dict[int, Finished] = {}
-            reply = ReplyRecorder()
+            reply = ReplyRecorder(anthropic=request.anthropic_body is not None)
             async with aclosing(engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):

@@ -24,6 +24,8 @@ from typing import Any
 from engine.api import GenerationRequest
 from engine.errors import EngineError
 from gateway.core.events import Delta
+from gateway.core.json_types import compact_json
+from gateway.protocols.anthropic.render import tool_input
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +33,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ReplyRecorder:
     """Choice 0's reply as the client receives it, from the ``Delta`` events sent (text pieces in order, and
-    each tool call once whole: ``{"id", "type", "function": {"name", "arguments"}}``)."""
+    each tool call once whole: ``{"id", "type", "function": {"name", "arguments"}}``).
 
+    Attributes:
+        anthropic: the request came through the Anthropic face, which returns a call's arguments as a parsed
+            ``input`` object (``gateway.protocols.anthropic.render.tool_input``: a call cut by ``max_tokens``
+            keeps only the members it completed), so that is what its client resends.
+    """
+
+    anthropic: bool = False
     texts: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -50,8 +59,17 @@ class ReplyRecorder:
         string, ``tool_calls`` only when it called a tool: ``gateway.backends.embedded_request.template_message``)."""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.texts)}
         if self.calls:
-            message["tool_calls"] = list(self.calls)
+            message["tool_calls"] = [self._as_resent(call) for call in self.calls]
         return message
+
+    def _as_resent(self, call: dict[str, Any]) -> dict[str, Any]:
+        """``call`` as the client resends it: unchanged, or on the Anthropic face with the arguments of the
+        ``input`` object it received (as ``gateway.protocols.anthropic.parse`` turns a ``tool_use`` back)."""
+        if not self.anthropic:
+            return call
+        function = call.get("function") or {}
+        arguments = compact_json(tool_input(function.get("arguments") or ""))
+        return {**call, "function": {**function, "arguments": arguments}}
 
 
 class IdlePrefills:

@@ -38,6 +38,11 @@ _COUNTERS = (
     ("forked_prefill_tokens_saved", "Prompt tokens the n > 1 forks shared instead of prefilling."),
     ("idle_prefills", "Conversations' next turns prefilled while the engine was idle (idle_reply_prefill)."),
     ("idle_prefill_tokens", "Tokens computed by idle prefills (also in prefill_tokens)."),
+    (
+        "idle_prefills_yielded",
+        "Times an idle prefill stepped aside for a request (resumed later from its cache).",
+    ),
+    ("idle_prefills_dropped", "Idle prefills dropped rather than evict blocks used since their reply."),
 )
 
 

@@ -348,6 +348,8 @@ def _engine_fields(engine: EngineStats) -> dict[str, Any]:
         "forked_prefill_tokens_saved": engine.forked_prefill_tokens_saved,
         "idle_prefills": engine.idle_prefills,
         "idle_prefill_tokens": engine.idle_prefill_tokens,
+        "idle_prefills_yielded": engine.idle_prefills_yielded,
+        "idle_prefills_dropped": engine.idle_prefills_dropped,
         "engine": {
             "requests": engine.requests,
             "prompt_tokens": engine.prompt_tokens,
@@ -383,6 +385,8 @@ def _upstream_fields(c: ModelCounters) -> dict[str, Any]:
         "forked_prefill_tokens_saved": 0,
         "idle_prefills": 0,
         "idle_prefill_tokens": 0,
+        "idle_prefills_yielded": 0,
+        "idle_prefills_dropped": 0,
     }
 
 
@@ -403,6 +407,8 @@ _SUMMED = (
     "forked_prefill_tokens_saved",
     "idle_prefills",
     "idle_prefill_tokens",
+    "idle_prefills_yielded",
+    "idle_prefills_dropped",
 )
 
 

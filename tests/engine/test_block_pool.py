@@ -132,3 +132,21 @@ def test_drop_unreferenced_cached_keeps_referenced_entries() -> None:
     assert pool.num_cached_entries() == 1 and pool.get_cached(bytes([1]) * 32) is a
     assert (pool.blocks_used, pool.blocks_cached, pool.blocks_free) == (1, 0, 2)
     pool.check_invariants()
+
+
+def test_evicts_released_after_looks_past_the_free_blocks_at_the_lru_entries_it_would_take() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    for tag, block in enumerate(blocks):
+        _register(pool, block, tag)
+    pool.release([blocks[0]])
+    seq = pool.release_seq
+    pool.release([blocks[1], blocks[2]])  # released after ``seq``
+    assert [b.released_at for b in blocks] == [1, 2, 3]
+    assert not pool.evicts_released_after(1, seq, keep=set())  # the free block
+    assert not pool.evicts_released_after(
+        2, seq, keep=set()
+    )  # the free block, then blocks[0] (released before)
+    assert pool.evicts_released_after(3, seq, keep=set())  # blocks[1] too
+    assert pool.evicts_released_after(2, seq, keep={blocks[0].block_id})  # blocks[0] kept: blocks[1] is next
+    assert not pool.evicts_released_after(3, pool.release_seq, keep=set())

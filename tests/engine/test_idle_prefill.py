@@ -217,3 +217,32 @@ async def test_a_newer_idle_prefill_drops_the_oldest_past_the_cap(monkeypatch):
 def test_a_chunk_of_no_token_is_refused():
     with pytest.raises(ValueError, match="idle_prefill_chunk_tokens"):
         make_engine(idle_prefill_chunk_tokens=0)
+
+
+def test_an_idle_prefill_evicts_cached_blocks_released_before_it_was_queued():
+    eng = make_engine(num_blocks=24, enable_partial_prefix_hits=False)
+    eng.generate([random_tokens(180, seed=20), random_tokens(180, seed=21)], greedy(1))  # 22 cached blocks
+    idle = admit_idle(eng, random_tokens(100, seed=22), "idle")
+    eng.run_to_completion()
+    stats = eng.stats()
+    assert idle.finish_reason == "stop" and stats.idle_prefill_tokens == 100 and stats.evictions > 0
+    assert (stats.idle_prefills_dropped, stats.blocks_used) == (0, 0)
+    eng.kv.check_invariants()
+
+
+def test_an_idle_prefill_is_dropped_rather_than_evict_blocks_released_after_it_was_queued():
+    """Before (a trial, a 64-block pool and six long conversations): each idle prefill evicted blocks another
+    conversation's next turn needed and was itself evicted before its own came back: 15,832 idle tokens
+    computed for 267 more cached tokens, evictions doubled."""
+    eng = make_engine(num_blocks=24, enable_partial_prefix_hits=False)
+    first = eng.add_request(random_tokens(60, seed=30), greedy(4))
+    eng.run_to_completion()
+    idle = admit_idle(eng, first.all_token_ids + random_tokens(40, seed=31), "idle")
+    # conversations active since: their blocks fill the pool and are released after the idle prefill was queued
+    others = [eng.add_request(random_tokens(180, seed=32 + i), greedy(1)) for i in range(2)]
+    eng.run_to_completion()
+    stats = eng.stats()
+    assert all(r.finish_reason == "length" for r in others)
+    assert idle.finish_reason == "abort" and stats.idle_prefill_tokens == 0
+    assert (stats.idle_prefills_dropped, stats.idle_prefills, stats.blocks_used) == (1, 0, 0)
+    eng.kv.check_invariants()

@@ -148,23 +148,28 @@ class MessageBuilder:
         """The finished blocks; tool inputs parsed from their JSON in jiter's partial mode, as the Anthropic
         SDK reads the same ``input_json_delta`` fragments of a stream: a call cut by ``max_tokens`` keeps the
         members it completed (an unfinished string, number or literal is left out), so a streamed and a
-        non-streamed Message hold the same ``input``; ``{}`` when nothing parses or it is not an object. A
-        number beyond the float range becomes the largest float of its sign (``finite_json``): the Message is
-        written as strict JSON."""
+        non-streamed Message hold the same ``input`` (``tool_input``)."""
         out = []
         for i, block in enumerate(self.blocks):
             block = dict(block)
             if block["type"] == "tool_use":
-                raw = self._tool_json.get(i, "")
-                try:
-                    parsed = jiter.from_json(raw.encode(), partial_mode=True) if raw.strip() else {}
-                    # a number beyond the float range (a model may write 1e999): the largest float instead
-                    parsed = finite_json(parsed)
-                except ValueError:
-                    parsed = {}
-                block["input"] = parsed if isinstance(parsed, dict) else {}
+                block["input"] = tool_input(self._tool_json.get(i, ""))
             out.append(block)
         return out
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input`` for a call's arguments text: parsed in jiter's partial mode, as the
+    Anthropic SDK reads a stream's ``input_json_delta`` fragments (a call cut by ``max_tokens`` keeps the members
+    it completed; an unfinished string, number or literal is left out); ``{}`` when nothing parses or it is not
+    an object; a number beyond the float range as the largest float of its sign (``finite_json``), so the
+    Message is written as strict JSON. What a client resends as that call in its next turn."""
+    try:
+        parsed = jiter.from_json(arguments.encode(), partial_mode=True) if arguments.strip() else {}
+        parsed = finite_json(parsed)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,18 @@ face. Each test uses its own tenant; each waits until the engine is idle before 
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import anthropic
+import httpx
 import openai
 import pytest
 
 from engine.next_turn import next_turn_prefix
 from tests.gateway.conftest import TINY_MODEL, tiny_config_data
 from tests.gateway.http.test_engine_features_e2e import generic_tool_checkpoint
-from tests.gateway.server import RunningServer, write_config
+from tests.gateway.server import ADMIN_HEADERS, RunningServer, write_config
 
 SYSTEM = "You are the assistant of the idle prefill test. Answer every question in one short line, please."
 TOOLS = [
@@ -121,7 +123,11 @@ def test_the_next_turn_is_served_its_whole_history_reply_included(server, client
     assert answer.usage.prompt_tokens_details.cached_tokens == expected
     assert expected > first_prompt  # the reply too, where the previous prompt was all a cold cache gave
     assert "miss=none" in header
-    assert idle_after(server)["blocks"]["used"] == 0
+    stats = idle_after(server)
+    assert stats["blocks"]["used"] == 0 and stats["idle_prefills_dropped"] == 0
+    metrics = httpx.get(f"{server.base_url}/metrics", headers=ADMIN_HEADERS, timeout=30).text
+    for name in ("idle_prefills", "idle_prefill_tokens", "idle_prefills_yielded", "idle_prefills_dropped"):
+        assert f"prefixgate_{name}_total{{" in metrics, name
 
 
 def test_an_agent_loop_s_every_tool_result_turn_is_served_the_call_it_answers(tool_server):
@@ -244,3 +250,75 @@ def test_the_responses_face_s_next_turn_is_served_the_reply(server, client):
         extra_headers=headers,
     )
     assert second.usage.input_tokens_details.cached_tokens == expected
+
+
+def test_an_anthropic_call_cut_by_max_tokens_is_prefilled_as_the_client_resends_it(tool_server):
+    """Before (a trial): the Anthropic face returns a cut call's ``input`` as the members it completed
+    (``{"city":`` -> ``{}``), which its client resends, while the idle prefill rendered the raw cut text: the
+    next turn computed the whole reply again."""
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "input_schema": TOOLS[0]["function"]["parameters"],
+        }
+    ]
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    with anthropic.Anthropic(base_url=tool_server.base_url, api_key="x", max_retries=0, timeout=120) as ant:
+        cut = None
+        for max_tokens in range(8, 120, 3):  # the first budget that ends inside the call's arguments
+            who = tenant()
+            with ant.messages.stream(
+                model=TINY_MODEL,
+                max_tokens=max_tokens,
+                system=SYSTEM,
+                messages=question,
+                tools=tools,
+                tool_choice={"type": "any"},
+                extra_body={"temperature": 0},
+                extra_headers={"x-prefixgate-tenant": who},
+            ) as stream:
+                raw = "".join(
+                    event.delta.partial_json
+                    for event in stream
+                    if event.type == "content_block_delta" and event.delta.type == "input_json_delta"
+                )
+                reply = stream.get_final_message()
+            try:
+                json.loads(raw)
+            except ValueError:
+                if reply.stop_reason == "max_tokens" and raw.strip():  # cut inside the arguments
+                    cut = reply
+                    break
+        assert cut is not None, "no max_tokens cut the call inside its arguments"
+        idle_after(tool_server)
+        resent = [block.model_dump(exclude_none=True) for block in cut.content]
+        (use,) = [block for block in resent if block["type"] == "tool_use"]
+        call = {
+            "id": use["id"],
+            "type": "function",
+            "function": {"name": use["name"], "arguments": json.dumps(use["input"])},
+        }
+        expected = prefix_len(
+            tool_server,
+            [
+                {"role": "system", "content": SYSTEM},
+                *question,
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+            ],
+            TOOLS,
+        )
+        result = {"type": "tool_result", "tool_use_id": use["id"], "content": '{"temperature": 21}'}
+        following = ant.messages.create(
+            model=TINY_MODEL,
+            max_tokens=2,
+            system=SYSTEM,
+            messages=[
+                *question,
+                {"role": "assistant", "content": resent},
+                {"role": "user", "content": [result]},
+            ],
+            tools=tools,
+            extra_headers={"x-prefixgate-tenant": who},
+        )
+    assert following.usage.cache_read_input_tokens == expected
