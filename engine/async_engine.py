@@ -452,6 +452,13 @@ class AsyncEngine:
             return None
         return common_prefix_len(prompt, ids)
 
+    @property
+    def prefills_next_turns(self) -> bool:
+        """Whether ``prefill_next_turn`` can do anything: ``idle_reply_prefill`` on, with prefix caching and
+        without ``cache_generated_kv`` (whose replies' blocks are cached as generated)."""
+        config = self.core.config
+        return config.idle_reply_prefill and config.enable_prefix_caching and not config.cache_generated_kv
+
     async def prefill_next_turn(self, req: GenerationRequest) -> int | None:
         """Prefill, while the engine has nothing else to do, what the conversation's next turn will begin with:
         ``req.messages`` end with the assistant's reply as the client will resend it, and the prefix is their
@@ -474,10 +481,7 @@ class AsyncEngine:
         """
         if self._closed:
             raise EngineClosedError("the engine has been shut down")
-        config = self.core.config
-        if not config.idle_reply_prefill or not config.enable_prefix_caching or config.cache_generated_kv:
-            return None
-        if req.messages is None:
+        if not self.prefills_next_turns or req.messages is None:
             return None
         prefix = next_turn_prefix(self._tokenizer, req.messages, req.tools, req.cache_salt)
         if not prefix:

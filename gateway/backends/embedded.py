@@ -175,8 +175,9 @@ class EmbeddedBackend(Backend):
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` per non-empty text piece, then one ``Finish``. A chat reply that ended (``stop`` or
-        ``length``) is queued, just before its ``Finish``, as an idle prefill of the conversation's next turn
-        (``gateway.backends.reply_prefill``).
+        ``length``) with one choice is queued, just before its ``Finish``, as an idle prefill of the conversation's
+        next turn (``gateway.backends.reply_prefill``) where the engine runs them
+        (``AsyncEngine.prefills_next_turns``); nothing of the reply is recorded otherwise.
 
         Raises:
             InvalidRequestError: a parameter the engine cannot honour, a non-text content part, a bad value.
@@ -200,7 +201,15 @@ class EmbeddedBackend(Backend):
             counts: tuple[int | None, int | None] | None = None
             first = True
             finished: dict[int, Finished] = {}
-            reply = ReplyRecorder(anthropic=request.anthropic_body is not None)
+            # the reply as the client gets it, for the next turn's idle prefill (only where one can run)
+            reply = (
+                ReplyRecorder(anthropic=request.anthropic_body is not None)
+                if request.kind == "chat"
+                and n == 1
+                and self.idle_prefills is not None
+                and engine.prefills_next_turns
+                else None
+            )
             async with aclosing(engine.generate(generation)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
@@ -226,12 +235,13 @@ class EmbeddedBackend(Backend):
                         if first and counts is not None:
                             delta = replace(delta, cached_tokens=counts[0], prompt_tokens=counts[1])
                             first = False
-                        reply.note(delta)
+                        if reply is not None:
+                            reply.note(delta)
                         yield delta
                     if isinstance(event, Finished):
                         finished[event.index] = event
                         if len(finished) == n:
-                            if request.kind == "chat" and self.idle_prefills is not None:
+                            if reply is not None and self.idle_prefills is not None:
                                 self.idle_prefills.queue(generation, reply)
                             yield _finish(finished, choices, engine.caches_generated_kv)
                             return

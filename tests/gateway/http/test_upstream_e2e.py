@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import sys
 from typing import Literal
 
 import anthropic
@@ -421,3 +422,26 @@ def test_anthropic_sdk_output_config_reaches_an_openai_upstream_as_strict_respon
         "type": "json_schema",
         "json_schema": {"name": "response", "schema": schema, "strict": True},
     }
+
+
+def test_a_resent_call_s_arguments_go_to_an_anthropic_upstream_as_strict_json(upstreams, oai):
+    """A resent call whose arguments hold ``1e999`` (valid JSON, beyond the float range) goes upstream as the
+    largest float; ``NaN`` (not JSON) is a 400 naming the arguments, and nothing is sent upstream."""
+    _, states = upstreams
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1e999}'}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    oai.chat.completions.create(model="an", messages=history, max_tokens=5)
+    sent = states["anthropic"].requests[-1]
+    (use,) = [b for b in sent["messages"][1]["content"] if b["type"] == "tool_use"]
+    assert use["input"] == {"a": sys.float_info.max}
+    before = len(states["anthropic"].requests)
+    call["function"]["arguments"] = '{"a": NaN}'
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="an", messages=history, max_tokens=5)
+    assert info.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+    assert "NaN" in info.value.body["message"]
+    assert len(states["anthropic"].requests) == before
