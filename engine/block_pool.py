@@ -27,7 +27,9 @@ Invariants (checked by ``check_invariants``; every operation keeps them and cost
    holds exactly one reference (``KVCacheManager`` takes and drops them); nothing else does. The pool never evicts, overwrites or
    re-hashes a block with ``ref_cnt > 0``.
 3. A block with ``ref_cnt == 0`` and a hash stays cached and reusable (a prefix hit takes it back out of
-   ``_evictable``) until it is evicted.
+   ``_evictable``) until it is evicted, dropped (``drop_unreferenced_cached``, which takes the unreferenced
+   entries chained on what it drops with it) or, once stale (its parent entry gone), replaced by the same
+   block registered on a live parent (``register``).
 4. Fresh blocks come from ``_free`` first; only when it is empty is the least recently used block of
    ``_evictable`` evicted (its hash entry dropped, ``evictions`` incremented). ``on_evict``, when set, sees
    every evicted *full* block (hash, tokens, levels, id) right before it is cleared, while its KV is still
@@ -176,6 +178,11 @@ class BlockPool:
     ) -> bool:
         """Register a referenced, full, computed block under ``block_hash``.
 
+        An unreferenced entry holding ``block_hash`` whose parent entry is gone (stale: no lookup reaches it, see
+        ``engine.prefix_chain``) gives way when this block's own parent entry is live: it becomes free, and this
+        block takes the hash. Otherwise such a stale entry would keep the hash until evicted, and the same
+        block computed again on the live parent could never be cached.
+
         Returns:
             True when registered; False (and no change) when another block already holds ``block_hash``.
 
@@ -186,8 +193,13 @@ class BlockPool:
             raise ValueError(f"block {block.block_id} is not referenced; only a request's block is cached")
         if block.block_hash is not None:
             raise ValueError(f"block {block.block_id} is already registered")
-        if block_hash in self._cached:
-            return False
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            if existing.ref_cnt > 0 or self.chain_is_live(existing.parent_hash, existing.parent_gen):
+                return False
+            if not self.chain_is_live(parent_hash, parent_gen):
+                return False
+            self._drop_entry(existing)
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_hash = parent_hash
@@ -245,9 +257,7 @@ class BlockPool:
         """
         if not block.partial or block.ref_cnt != 0:
             raise ValueError(f"block {block.block_id} is not an unreferenced partial entry")
-        del self._evictable[block.block_id]
-        self._unregister(block)
-        self._free.append(block)
+        self._drop_entry(block)
 
     def _child_key(self, block: KVBlock) -> ChildKey:
         return (block.parent_gen, encode_extra_keys(block.extra_keys))
@@ -351,14 +361,47 @@ class BlockPool:
         return False
 
     def drop_unreferenced_cached(self, match: Callable[[KVBlock], bool] | None = None) -> int:
-        """Un-register every unreferenced cached block (that ``match`` accepts, when given); they become free.
-        O(cached). Returns how many."""
+        """Un-register every unreferenced cached block (that ``match`` accepts, when given), and every
+        unreferenced entry chained on a dropped one, at any depth (no lookup can reach those once their parent
+        entry is gone: ``engine.prefix_chain``); they become free. O(cached). Returns how many."""
         doomed = [b for b in self._evictable.values() if match is None or match(b)]
+        dead: set[int] = set()
         for block in doomed:
-            del self._evictable[block.block_id]
-            self._unregister(block)
-            self._free.append(block)
-        return len(doomed)
+            dead.add(block.cache_gen)
+            self._drop_entry(block)
+        by_parent: dict[int | None, list[ChildKey]] = {}
+        for key in self._children:
+            by_parent.setdefault(key[0], []).append(key)
+        n = len(doomed)
+        while dead:
+            children = [
+                b
+                for gen in dead
+                for key in by_parent.get(gen, ())
+                for b in list(self._children.get(key, {}).values())
+                if b.ref_cnt == 0
+            ]
+            dead = set()
+            for block in children:
+                dead.add(block.cache_gen)
+                self._drop_entry(block)
+            n += len(children)
+        return n
+
+    def chain_is_live(self, parent_hash: BlockHash | None, parent_gen: int | None) -> bool:
+        """Whether an entry chained on (``parent_hash``, ``parent_gen``) still has that parent: a first block
+        (no parent) always does; otherwise the entry registered under ``parent_hash`` must be that
+        registration (``cache_gen == parent_gen``)."""
+        if parent_gen is None:
+            return parent_hash is None
+        parent = self._cached.get(parent_hash) if parent_hash is not None else None
+        return parent is not None and parent.cache_gen == parent_gen
+
+    def _drop_entry(self, block: KVBlock) -> None:
+        """Un-register an unreferenced entry now; it becomes free (not an eviction: no ``on_evict``)."""
+        del self._evictable[block.block_id]
+        self._unregister(block)
+        self._free.append(block)
 
     # ---- introspection (tests, admin) -----------------------------------------------------------------
     def free_ids(self) -> Iterator[int]:
