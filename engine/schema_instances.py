@@ -26,6 +26,7 @@ from engine.closed_schema import pointer_token
 
 _DEFS = ("$defs", "definitions")
 _SCALARS = frozenset({"string", "number", "integer", "boolean", "null"})
+_TYPES = _SCALARS | {"object", "array"}
 UNSATISFIABLE = "Unsatisfiable schema: it admits no instance of finite depth (its $ref recursion never ends)"
 """The reason given to a client whose schema ``has_finite_instance`` refuses."""
 
@@ -77,8 +78,15 @@ def _admits(node: Any, known: dict[str, bool], depth: int) -> bool:
         if branches and not any(_admits(b, known, depth + 1) for b in branches):
             return False
     types = node.get("type")
-    allowed = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
-    if allowed is None or allowed & _SCALARS or "enum" in node or "const" in node:
+    if isinstance(types, list) and all(isinstance(t, str) for t in types):
+        allowed = set(types)
+    elif isinstance(types, str):
+        allowed = {types}
+    else:
+        return True  # no type (any instance), or a ``type`` this module does not read
+    if not allowed <= _TYPES:
+        return True  # a type name JSON Schema does not have: llguidance's to refuse, by its name
+    if allowed & _SCALARS or "enum" in node or "const" in node:
         return True  # a scalar instance (object and array keywords do not apply to it)
     if "object" in allowed and _object_admits(node, known, depth):
         return True

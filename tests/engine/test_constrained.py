@@ -965,3 +965,25 @@ def test_a_recursive_schema_with_a_way_out_compiles(schema):
 @pytest.mark.parametrize("schema", SELF_RECURSIVE)
 def test_has_finite_instance_refuses_only_endless_recursion(schema):
     assert not has_finite_instance(schema)
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"type": "wat"}, "wat"),
+        ({"type": "object", "properties": {"a": {"type": "strng"}}, "required": ["a"]}, "strng"),
+        ({"type": ["wat", "object"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "wat"),
+        ({"type": [{}]}, "type"),
+    ],
+)
+def test_a_type_json_schema_does_not_have_is_refused_by_its_name_not_as_endless_recursion(schema, message):
+    """Before: ``{"type": "wat"}`` was refused as "its $ref recursion never ends" (no ``$ref`` in it): an unknown
+    type name counted as admitting nothing; ``{"type": [{}]}`` raised a TypeError inside the check. Such types
+    are now left to llguidance, whose refusal names them."""
+    assert has_finite_instance(schema)
+    eng = engine()
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("json_schema", json_schema=schema)))
+    assert err.value.param == "response_format" and "recursion" not in str(err.value)
+    assert message in str(err.value), str(err.value)
+    assert not eng.has_unfinished()
