@@ -59,6 +59,15 @@ def given_sampling(body: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(name for name in SAMPLING_FIELDS if body.get(name) is not None)
 
 
+def nucleus_zero_as_greedy(params: SamplingParams) -> SamplingParams:
+    """``top_p: 0`` (both protocols accept [0, 1]) as the engine runs it: the nucleus of mass -> 0 is the single
+    most likely token, so greedy decoding (``top_p`` 1, ``temperature`` 0); other params unchanged. The engine
+    itself takes ``top_p`` in (0, 1] only."""
+    if params.top_p != 0.0:
+        return params
+    return SamplingParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
+
+
 @dataclass
 class ChatRequest:
     """One client request, after parsing and validation.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.api import SamplingParams
 from gateway.core.json_types import compact_json
-from gateway.core.request import ChatRequest, given_sampling
+from gateway.core.request import ChatRequest, given_sampling, nucleus_zero_as_greedy
 from gateway.protocols.anthropic.validate import COUNT_TOKENS_FIELDS, MESSAGES_FIELDS, validate_body
 
 if TYPE_CHECKING:  # the pipeline pulls in the rules engine; the translation helpers here must not need it
@@ -173,6 +173,7 @@ def parse_messages_body(
         top_k=int(body["top_k"]) if body.get("top_k") is not None else 0,
         stop=stops,
     )
+    params = nucleus_zero_as_greedy(params)
     metadata = body.get("metadata") or {}
     return ChatRequest(
         model=body["model"],

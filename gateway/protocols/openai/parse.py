@@ -13,7 +13,7 @@ from engine.api import Constraint, SamplingParams
 from gateway.core.errors import InvalidRequestError
 from gateway.core.headers import MAX_TENANT_CHARS, rules_enabled, tenant
 from gateway.core.json_types import json_kind
-from gateway.core.request import ChatRequest, given_sampling
+from gateway.core.request import ChatRequest, given_sampling, nucleus_zero_as_greedy
 from gateway.protocols.openai.field_errors import check_enums, check_types, invalid_type, missing_param
 from gateway.protocols.openai.tool_fields import (
     check_function_name,
@@ -334,10 +334,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, kind: str) -> Sampli
         logit_bias=_logit_bias(body),
         constraint=_response_format(body) if kind == "chat" else None,
     )
-    if params.top_p == 0.0:
-        # The nucleus of mass -> 0 is the single most likely token: greedy decoding.
-        params = SamplingParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
-    return params
+    return nucleus_zero_as_greedy(params)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

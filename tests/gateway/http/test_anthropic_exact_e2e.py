@@ -139,3 +139,18 @@ def test_cache_control_markers_the_messages_api_refuses_are_refused_here_too(ser
     )
     assert message.usage.output_tokens >= 1
     assert_no_block_in_use(server)
+
+
+def test_top_p_zero_is_greedy_as_on_the_openai_face(server, sdk):
+    """Before: ``top_p: 0`` passed the face's check ("a number in [0.0, 1.0]") and the engine then refused it
+    with "top_p must be in (0, 1]", two messages that contradicted each other. Both faces now run it as the
+    nucleus of mass -> 0: the single most likely token, greedy."""
+    greedy = _greedy_text(sdk)
+    message = sdk.messages.create(
+        model=TINY_MODEL, messages=QUESTION, max_tokens=12, extra_body={"top_p": 0, "temperature": 1}
+    )
+    assert "".join(b.text for b in message.content if b.type == "text") == greedy
+    with pytest.raises(anthropic.BadRequestError) as err:
+        sdk.messages.create(model=TINY_MODEL, messages=QUESTION, max_tokens=12, extra_body={"top_p": 1.5})
+    assert "[0.0, 1.0]" in err.value.body["error"]["message"]
+    assert_no_block_in_use(server)
