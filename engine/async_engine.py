@@ -49,7 +49,7 @@ from engine.errors import EngineClosedError, EngineError, InvalidRequestError
 from engine.kv_tiers.catalog import CachedPrefix
 from engine.llm_engine import LLMEngine
 from engine.next_turn import next_turn_prefix
-from engine.openmp_threads import in_passing_thread
+from engine.openmp_threads import default_threads, in_passing_thread
 from engine.output_processor import RequestOutput
 from engine.partial_hits import common_prefix_len
 from engine.step_threads import StepThreads
@@ -129,9 +129,10 @@ class AsyncEngine:
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         # bad thread settings fail before anything loads
-        StepThreads.from_setting(config.num_threads, config.small_step_threads, torch.get_num_threads())
-        # no more threads than the CPUs the process may use (its affinity and cgroup quota) unless asked for
-        threads = engine_threads(config.num_threads, torch.get_num_threads(), available_cpus())
+        StepThreads.from_setting(config.num_threads, config.small_step_threads, default_threads())
+        # no more threads than the CPUs the process may use (its affinity and cgroup quota) unless asked for;
+        # torch's own count, not the live one an earlier engine's steps left (``default_threads``)
+        threads = engine_threads(config.num_threads, default_threads(), available_cpus())
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         device = resolve_device(config.device)
@@ -140,6 +141,7 @@ class AsyncEngine:
         check_dense_gemm(config.dense_gemm)
 
         def load() -> tuple[LLMEngine, object]:
+            torch.set_num_threads(threads)  # this thread's count, which the engine's steps start from
             ckpt = load_checkpoint(
                 path,
                 DTYPES[config.dtype],

@@ -29,6 +29,20 @@ import torch
 
 T = TypeVar("T")
 
+_DEFAULT_THREADS = torch.get_num_threads()
+"""Torch's intra-op thread count when this module was first imported, before any engine ran a step."""
+
+
+def default_threads() -> int:
+    """Torch's own thread count for this process: its count when the engine package was first imported.
+
+    Not the live count (``torch.get_num_threads``): the step thread of an engine sets that step by step
+    (``engine.model_runner.use_threads``; a thread with no OpenMP team of its own writes libgomp's process-wide
+    value), so an engine built after another had run (a second model, a benchmark's next arm) took the count of
+    that engine's last step. Measured (2-core AMD EPYC, SmolLM2): the second engine of a process ran on 1 of
+    the 2 threads and served the same five requests in 1.6 s against 1.0 s."""
+    return _DEFAULT_THREADS
+
 
 def in_passing_thread(fn: Callable[[], T], name: str = "prefixgate-load") -> T:
     """Run ``fn()`` in a new thread, wait for it and return its value (or raise its exception here).

@@ -160,3 +160,33 @@ def test_one_thread_small_steps_split_the_weight_gemvs_over_num_threads(tmp_path
         [random_tokens(40, 3)], greedy(4)
     )
     assert again == tokens
+
+
+def test_an_engine_built_after_another_ran_gets_torchs_own_count_not_the_last_steps(tmp_path):
+    """Before: ``from_config`` took the live ``torch.get_num_threads()`` as torch's default, and an engine's step
+    thread sets that count step by step (one-row decodes run on 1 thread), so the second engine of a process (a
+    second model, a benchmark's next arm) was built on 1 of 2 threads: measured 1.6x slower."""
+    import asyncio
+
+    from engine.api import GenerationRequest, SamplingParams
+    from engine.cpu_quota import available_cpus, engine_threads
+    from engine.openmp_threads import default_threads
+
+    ckpt = tiny_checkpoint()
+    config = EngineConfig(num_blocks=32, device="cpu", small_step_threads=1)
+
+    async def build_and_serve() -> int:
+        eng = await asyncio.to_thread(AsyncEngine.from_config, None, ckpt.path, config)
+        await eng.start()
+        try:
+            request = GenerationRequest(
+                prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=4, temperature=0)
+            )
+            async for _ in eng.generate(request):
+                pass
+            return eng.core.runner.step_threads.num_threads
+        finally:
+            await eng.shutdown()
+
+    expected = engine_threads(None, default_threads(), available_cpus())
+    assert [asyncio.run(build_and_serve()) for _ in range(3)] == [expected] * 3
