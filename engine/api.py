@@ -364,6 +364,14 @@ class EngineConfig:
             arrives during it waits at most one such step. 64: SmolLM2's steps at ~1,000 tokens of context took
             47 / 63 / 110 / 193 ms for 32 / 64 / 128 / 256 tokens on a 2-core EPYC without AMX (session 34), so 64
             keeps ~90 % of 128's rate at about half the wait.
+        idle_prefill_min_residency_s: an idle prefill runs only where the pool would keep its blocks at least
+            this many seconds (>= 0, finite; 0 = no such bound): the free and cached blocks ahead of them, at the
+            rate the pool handed blocks out over the last 30 s (``engine.pool_turnover``). In a pool that turns
+            over faster, its blocks would be evicted before most next turns came; it is dropped
+            (``idle_prefills_dropped``). 5.0: in a 64-block pool under six conversations (``python -m
+            bench.idle_tight_pool``) idle prefills run without it evicted entries released 0.5-2 s before, and
+            the clients' mean TTFT was higher with them in 4 of 4 pairs while they were served fewer cached
+            tokens; a default pool under the same load keeps a block far longer.
         decode_kernel: attention of generated tokens, ``auto | native | torch``: ``native`` = the C kernel over
             the paged cache (``engine.native_decode``: built once per machine and model shape with the system C
             compiler; x86-64 CPUs with AVX-512; each sequence alone, blocks the step's sequences share read
@@ -449,6 +457,7 @@ class EngineConfig:
     cache_generated_kv: bool = False
     idle_reply_prefill: bool = True
     idle_prefill_chunk_tokens: int = 64
+    idle_prefill_min_residency_s: float = 5.0
     decode_kernel: str = "auto"
     prefill_kernel: str = "auto"
     linear_kernel: str = "auto"

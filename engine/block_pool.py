@@ -138,6 +138,8 @@ class BlockPool:
         self._next_gen = 0
         self.blocks_used = 0
         self.evictions = 0
+        self.allocations = 0
+        """Blocks handed out by ``allocate`` so far (monotonic): the pool's turnover (``engine.pool_turnover``)."""
         self.release_seq = 0
         """Entries that became unreferenced so far (monotonic): each one's ``KVBlock.released_at``."""
         self.on_evict: Callable[[KVBlock], None] | None = None
@@ -313,6 +315,7 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         self.blocks_used += n
+        self.allocations += n
         return out
 
     def _evict(self, block: KVBlock) -> None:

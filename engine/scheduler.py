@@ -61,8 +61,10 @@ request waits or runs, every running idle prefill steps aside at the start of th
 it goes to the back of the waiting queue, to resume from its cached prefix at the next idle step. It never
 evicts a cached block that became unreferenced after it was queued (``Request.idle_seq``,
 ``BlockPool.evicts_released_after``): those belong to conversations active since its reply, and a pool that
-turns over that fast would evict its blocks before its own next turn came; it is dropped instead (finish
-reason ``"abort"``, ``idle_prefills_dropped``). An idle
+turns over that fast would evict its blocks before its own next turn came; nor does it run where the pool would
+keep its blocks less than ``idle_prefill_min_residency_s``, at the rate the pool hands blocks out
+(``engine.pool_turnover``), for the same reason. It is dropped instead
+(finish reason ``"abort"``, ``idle_prefills_dropped``). An idle
 prefill samples no token (``ScheduledRequest.needs_token``) and never decodes; it is not counted as an
 admission (``record_admission``), and ends once its whole prompt is computed (``LLMEngine.finish_step``).
 """
@@ -70,6 +72,7 @@ admission (``record_admission``), and ends once its whole prompt is computed (``
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +82,7 @@ from engine.api import EngineConfig
 from engine.block_hash import BlockHash
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
+from engine.pool_turnover import PoolTurnover
 from engine.prefix_hit import PrefixHit
 from engine.request import Request, RequestStatus
 from engine.stats import EngineCounters
@@ -239,12 +243,17 @@ class Scheduler:
             raise ValueError(f"scheduling must be one of {POLICIES}, got {config.scheduling!r}")
         if config.max_batch < 1 or config.max_num_batched_tokens < 1 or config.idle_prefill_chunk_tokens < 1:
             raise ValueError("max_batch, max_num_batched_tokens and idle_prefill_chunk_tokens must be >= 1")
+        if not 0 <= config.idle_prefill_min_residency_s < math.inf:
+            raise ValueError("idle_prefill_min_residency_s must be a finite number >= 0")
         self.kv = kv
         self.block_size = kv.block_size
         self.max_batch = config.max_batch
         self.cache_generated_kv = config.cache_generated_kv
         self.token_budget = config.max_num_batched_tokens
         self.idle_chunk_tokens = config.idle_prefill_chunk_tokens
+        self.idle_min_residency_s = config.idle_prefill_min_residency_s
+        self.turnover = PoolTurnover(kv.pool, clock)
+        """The pool's allocation rate, sampled at each plan (the idle prefills' residency rule)."""
         self.long_threshold = long_threshold_of(config)
         self.policy = config.scheduling
         self.max_wait_s = config.max_wait_s
@@ -315,6 +324,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring). Mutates queues and block tables; runs nothing."""
         out = SchedulerOutput()
+        self.turnover.sample()
         only_idle = self._only_idle()
         if not only_idle:
             self._yield_idle()
@@ -503,7 +513,7 @@ class Scheduler:
             hit = self.cached_prefix(req)
             if self.inflight_sharing and self._waits_for_inflight(req, hit.num_blocks, pending):
                 continue
-            if req.idle and self._evicts_newer(req, hit):
+            if req.idle and self._idle_work_lost(req, hit):
                 req.finish_reason = "abort"
                 self.finish_request(req)
                 out.finished.append(req)
@@ -542,14 +552,17 @@ class Scheduler:
             for req in self.waiting:
                 self._note_inflight(req, pending)
 
-    def _evicts_newer(self, req: Request, hit: PrefixHit) -> bool:
+    def _idle_work_lost(self, req: Request, hit: PrefixHit) -> bool:
         """Whether admitting idle prefill ``req`` with ``hit`` would evict a cached block released after it was
-        queued (``Request.idle_seq``)."""
+        queued (``Request.idle_seq``), or where the pool would keep its blocks less than
+        ``idle_prefill_min_residency_s`` (``engine.pool_turnover``)."""
         need = -(-req.num_tokens // self.block_size) - hit.num_blocks
         keep = set(hit.block_ids)
         if hit.partial_block_id is not None:
             keep.add(hit.partial_block_id)
-        return self.kv.pool.evicts_released_after(need, req.idle_seq, keep)
+        if self.kv.pool.evicts_released_after(need, req.idle_seq, keep):
+            return True
+        return self.turnover.residency_s(need) < self.idle_min_residency_s
 
     def _note_inflight(self, req: Request, pending: dict[BlockHash, tuple[Request, int]]) -> None:
         """Remember which of a waiting request's prompt blocks another request is computing right now."""

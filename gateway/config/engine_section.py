@@ -5,6 +5,7 @@ the start-up errors issue 13 names (unwritable directory, unparsable Redis URL, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -100,6 +101,14 @@ def parse_engine(reader: Reader, value: Any, where: str, base_dir: Path | None =
         reader.fail(
             f"{where}.glue_kernel",
             f"expected one of {', '.join(GLUE_KERNELS)}, got {values['glue_kernel']!r}",
+        )
+    if (
+        "idle_prefill_min_residency_s" in values
+        and not 0 <= values["idle_prefill_min_residency_s"] < math.inf
+    ):
+        reader.fail(
+            f"{where}.idle_prefill_min_residency_s",
+            f"expected a finite number >= 0, got {values['idle_prefill_min_residency_s']}",
         )
     if "max_pinned_fraction" in values and not 0 <= values["max_pinned_fraction"] <= 1:
         reader.fail(

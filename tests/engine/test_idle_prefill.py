@@ -5,6 +5,7 @@ and still answers as it would cold. Counts are exact on the tiny checkpoint (blo
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -219,15 +220,53 @@ def test_a_chunk_of_no_token_is_refused():
         make_engine(idle_prefill_chunk_tokens=0)
 
 
-def test_an_idle_prefill_evicts_cached_blocks_released_before_it_was_queued():
-    eng = make_engine(num_blocks=24, enable_partial_prefix_hits=False)
+class ManualClock:
+    """A monotonic clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("after_s, runs", [(20.0, True), (3.0, False)])
+def test_an_idle_prefill_runs_only_where_the_pool_keeps_its_blocks_long_enough(after_s, runs):
+    """The default ``idle_prefill_min_residency_s`` (5 s): two requests took 24 blocks; ``after_s`` later an
+    idle prefill needs 7 of the 24 free or cached ones, so its blocks would stay cached for the other 17 at 24
+    blocks per ``after_s``: 14.2 s (runs) or 2.1 s (dropped). Before (``bench.idle_tight_pool``, a 64-block pool,
+    no such bound): idle prefills evicted entries released 0.5-2 s before, bought no hit, and the clients' mean
+    TTFT rose."""
+    clock = ManualClock()
+    eng = make_engine(num_blocks=24, enable_partial_prefix_hits=False, clock=clock)
     eng.generate([random_tokens(180, seed=20), random_tokens(180, seed=21)], greedy(1))  # 22 cached blocks
+    assert eng.kv.pool.allocations == 24
+    clock.now += after_s
     idle = admit_idle(eng, random_tokens(100, seed=22), "idle")
     eng.run_to_completion()
     stats = eng.stats()
-    assert idle.finish_reason == "stop" and stats.idle_prefill_tokens == 100 and stats.evictions > 0
-    assert (stats.idle_prefills_dropped, stats.blocks_used) == (0, 0)
+    if runs:
+        assert idle.finish_reason == "stop" and stats.idle_prefill_tokens == 100 and stats.evictions > 0
+        assert stats.idle_prefills_dropped == 0
+    else:
+        assert idle.finish_reason == "abort" and stats.idle_prefill_tokens == 0 and stats.evictions == 0
+        assert stats.idle_prefills_dropped == 1
+    assert stats.blocks_used == 0
     eng.kv.check_invariants()
+
+
+def test_a_residency_bound_of_zero_lets_an_idle_prefill_evict_any_block_released_before_it_was_queued():
+    eng = make_engine(num_blocks=24, enable_partial_prefix_hits=False, idle_prefill_min_residency_s=0.0)
+    eng.generate([random_tokens(180, seed=20), random_tokens(180, seed=21)], greedy(1))
+    idle = admit_idle(eng, random_tokens(100, seed=22), "idle")
+    eng.run_to_completion()
+    assert idle.finish_reason == "stop" and eng.stats().idle_prefill_tokens == 100
+
+
+@pytest.mark.parametrize("bound", [-1.0, math.inf, math.nan])
+def test_a_residency_bound_that_is_not_a_finite_number_at_least_zero_is_refused(bound):
+    with pytest.raises(ValueError, match="idle_prefill_min_residency_s"):
+        make_engine(idle_prefill_min_residency_s=bound)
 
 
 def test_an_idle_prefill_is_dropped_rather_than_evict_blocks_released_after_it_was_queued():

@@ -49,8 +49,12 @@ def test_bad_long_prefill_threshold_names_file_key_and_expectation(section: dict
 
 def test_idle_reply_prefill_settings_parse_with_their_defaults():
     assert (engine_of({}).idle_reply_prefill, engine_of({}).idle_prefill_chunk_tokens) == (True, 64)
-    parsed = engine_of({"idle_reply_prefill": False, "idle_prefill_chunk_tokens": 32})
+    assert engine_of({}).idle_prefill_min_residency_s == 5.0
+    parsed = engine_of(
+        {"idle_reply_prefill": False, "idle_prefill_chunk_tokens": 32, "idle_prefill_min_residency_s": 0}
+    )
     assert (parsed.idle_reply_prefill, parsed.idle_prefill_chunk_tokens) == (False, 32)
+    assert parsed.idle_prefill_min_residency_s == 0
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,12 @@ def test_idle_reply_prefill_settings_parse_with_their_defaults():
         ({"idle_prefill_chunk_tokens": 0}, "idle_prefill_chunk_tokens", "expected an integer >= 1, got 0"),
         ({"idle_prefill_chunk_tokens": "64"}, "idle_prefill_chunk_tokens", "expected"),
         ({"idle_reply_prefill": "yes"}, "idle_reply_prefill", "expected"),
+        (
+            {"idle_prefill_min_residency_s": -1},
+            "idle_prefill_min_residency_s",
+            "expected a finite number >= 0, got -1",
+        ),
+        ({"idle_prefill_min_residency_s": float("inf")}, "idle_prefill_min_residency_s", "finite"),
     ],
 )
 def test_bad_idle_prefill_settings_name_their_key(section: dict, key: str, problem: str):

@@ -38,6 +38,10 @@ TOOLS = [
 
 
 def start(folder, checkpoint, **engine) -> RunningServer:
+    # no residency bound: these tests send turn after turn into a 128-block pool, which at that pace turns over
+    # in under the default 5 s, so the default would drop the idle prefills they look at
+    # (tests/engine/test_idle_prefill.py checks that rule)
+    engine = {"idle_prefill_min_residency_s": 0, **engine}
     data = tiny_config_data(checkpoint, idle_reply_prefill=True, **engine)
     return RunningServer(write_config(folder / "prefixgate.yaml", data)).start()
 
