@@ -36,7 +36,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from engine.api import EngineConfig, Finished, GenerationRequest, SamplingParams, TextDelta
+from bench.next_turn import timed_turn
+from engine.api import EngineConfig, GenerationRequest, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.checkpoint import default_model_path
 
@@ -87,16 +88,7 @@ async def conversation(engine: AsyncEngine, i: int, args: argparse.Namespace, re
     try:
         for turn, question in enumerate(QUESTIONS[: args.turns]):
             messages.append({"role": "user", "content": question})
-            t0 = time.perf_counter()
-            first = None
-            finished = None
-            async for event in engine.generate(GenerationRequest(messages=list(messages), params=params)):
-                if first is None and isinstance(event, TextDelta):
-                    first = time.perf_counter() - t0
-                if isinstance(event, Finished):
-                    finished = event
-            assert finished is not None
-            result.ttft_s[(i, turn)] = first if first is not None else time.perf_counter() - t0
+            result.ttft_s[(i, turn)], finished = await timed_turn(engine, messages, params)
             result.texts[(i, turn)] = finished.text
             result.cached += finished.usage.cached_tokens
             messages.append({"role": "assistant", "content": finished.text})

@@ -68,6 +68,26 @@ class ArmResult:
     idle_prefill_tokens: int = 0
 
 
+async def timed_turn(
+    engine: AsyncEngine, messages: list[dict], params: SamplingParams
+) -> tuple[float, Finished]:
+    """Send one chat turn (``messages`` as they are now) and read it to its end.
+
+    Returns:
+        (seconds from the send to the first text delta, or to the end when there was none; the ``Finished``).
+    """
+    t0 = time.perf_counter()
+    first = None
+    finished = None
+    async for event in engine.generate(GenerationRequest(messages=list(messages), params=params)):
+        if first is None and isinstance(event, TextDelta):
+            first = time.perf_counter() - t0
+        if isinstance(event, Finished):
+            finished = event
+    assert finished is not None
+    return (first if first is not None else time.perf_counter() - t0), finished
+
+
 async def run_arm(path: str, settings: dict, args: argparse.Namespace) -> ArmResult:
     """Load an engine with ``settings`` and play the conversation on it."""
     config = EngineConfig(num_threads=args.threads, **settings)
@@ -84,15 +104,7 @@ async def run_arm(path: str, settings: dict, args: argparse.Namespace) -> ArmRes
     try:
         for question in QUESTIONS[: args.turns]:
             messages.append({"role": "user", "content": question})
-            t0 = time.perf_counter()
-            first = None
-            finished = None
-            async for event in engine.generate(GenerationRequest(messages=list(messages), params=params)):
-                if first is None and isinstance(event, TextDelta):
-                    first = time.perf_counter() - t0
-                if isinstance(event, Finished):
-                    finished = event
-            assert finished is not None and first is not None
+            first, finished = await timed_turn(engine, messages, params)
             result.ttft_s.append(first)
             result.prompt.append(finished.usage.prompt_tokens)
             result.cached.append(finished.usage.cached_tokens)

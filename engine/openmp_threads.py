@@ -34,7 +34,8 @@ _DEFAULT_THREADS = torch.get_num_threads()
 
 
 def default_threads() -> int:
-    """Torch's own thread count for this process: its count when the engine package was first imported.
+    """Torch's own thread count for this process: its count when this module was first imported (by
+    ``engine.async_engine`` or ``engine.constrained``, before any engine is built).
 
     Not the live count (``torch.get_num_threads``): the step thread of an engine sets that step by step
     (``engine.model_runner.use_threads``; a thread with no OpenMP team of its own writes libgomp's process-wide

@@ -130,3 +130,13 @@ def checked_greedy_tokens(
     last_token.generate([prompts[0][:-1]], greedy(1))
     assert last_token.generate([prompts[0]], greedy(new))[0] == got[0]
     return batched, got
+
+
+class ManualClock:
+    """A monotonic clock a test moves by hand: ``clock.now += seconds`` (starts at 1000.0)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

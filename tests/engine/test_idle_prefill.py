@@ -14,7 +14,7 @@ import engine.async_engine as async_engine_module
 from engine.api import Finished, GenerationRequest, TextDelta
 from engine.async_engine import AsyncEngine
 from engine.next_turn import next_turn_prefix
-from tests.engine.engine_helpers import greedy, make_engine, random_tokens, tiny_checkpoint
+from tests.engine.engine_helpers import ManualClock, greedy, make_engine, random_tokens, tiny_checkpoint
 from tests.engine.test_batch_invariance import N_NEW, int4_checkpoint
 
 SYSTEM = {"role": "system", "content": "You are the idle prefill test. Answer in one short line. " * 3}
@@ -218,16 +218,6 @@ async def test_a_newer_idle_prefill_drops_the_oldest_past_the_cap(monkeypatch):
 def test_a_chunk_of_no_token_is_refused():
     with pytest.raises(ValueError, match="idle_prefill_chunk_tokens"):
         make_engine(idle_prefill_chunk_tokens=0)
-
-
-class ManualClock:
-    """A monotonic clock the test moves by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("after_s, runs", [(20.0, True), (3.0, False)])

@@ -9,18 +9,11 @@ import pytest
 
 from engine.block_pool import BlockPool
 from engine.pool_turnover import PoolTurnover
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.engine.engine_helpers import ManualClock
 
 
 def test_no_history_or_no_allocation_means_no_bound():
-    pool, clock = BlockPool(10), Clock()
+    pool, clock = BlockPool(10), ManualClock()
     turnover = PoolTurnover(pool, clock)
     assert turnover.rate() is None and turnover.residency_s(1) == math.inf
     turnover.sample()
@@ -37,7 +30,7 @@ def test_no_history_or_no_allocation_means_no_bound():
 
 
 def test_residency_is_the_room_ahead_at_the_rate_blocks_went_out():
-    pool, clock = BlockPool(10), Clock()
+    pool, clock = BlockPool(10), ManualClock()
     turnover = PoolTurnover(pool, clock)
     turnover.sample()
     held = pool.allocate(4)
@@ -51,7 +44,7 @@ def test_residency_is_the_room_ahead_at_the_rate_blocks_went_out():
 
 
 def test_the_rate_forgets_what_is_older_than_the_window():
-    pool, clock = BlockPool(100), Clock()
+    pool, clock = BlockPool(100), ManualClock()
     turnover = PoolTurnover(pool, clock, window_s=10.0)
     turnover.sample()
     pool.allocate(50)  # a burst long ago
@@ -65,7 +58,7 @@ def test_the_rate_forgets_what_is_older_than_the_window():
 
 
 def test_samples_are_thinned_on_a_busy_engine():
-    pool, clock = BlockPool(10), Clock()
+    pool, clock = BlockPool(10), ManualClock()
     turnover = PoolTurnover(pool, clock, sample_every_s=0.25)
     for _ in range(100):
         clock.now += 0.01
@@ -76,4 +69,4 @@ def test_samples_are_thinned_on_a_busy_engine():
 @pytest.mark.parametrize("kwargs", [{"window_s": 0}, {"min_span_s": -1}, {"sample_every_s": -0.1}])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="window_s"):
-        PoolTurnover(BlockPool(1), Clock(), **kwargs)
+        PoolTurnover(BlockPool(1), ManualClock(), **kwargs)
