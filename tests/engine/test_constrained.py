@@ -986,4 +986,4 @@ def test_a_type_json_schema_does_not_have_is_refused_by_its_name_not_as_endless_
         eng.add_request([5, 6, 7], SamplingParams(constraint=Constraint("json_schema", json_schema=schema)))
     assert err.value.param == "response_format" and "recursion" not in str(err.value)
     assert message in str(err.value), str(err.value)
-    assert not eng.has_unfinished()
+    assert not eng.has_unfinished() and eng.stats().blocks_used == 0
