@@ -16,9 +16,11 @@ sending the next turn (0 = at once). Arms, each on its own engine over the same 
 
 Per arm: the mean TTFT of the turns after the first (ms; the median over the runs), their mean prompt and cached
 tokens, and whether every turn's greedy text equals the cold arm's in every run (cache on == cache off). Prints a table, then one JSON line (last) with
-``next_turn_ttft_ms`` per arm, ``idle_over_exact`` (TTFT ratio, lower is better) and ``tokens_equal_cold`` per arm.
+``next_turn_ttft_ms`` per arm, ``cached_tokens`` per arm (the mean of the same turns, first run),
+``idle_over_exact`` (TTFT ratio, lower is better) and ``tokens_equal_cold`` per arm.
 
-Run: ``python -m bench.next_turn [--turns 6] [--think-s 1.0] [--max-tokens 96]``.
+Run: ``python -m bench.next_turn [--turns 6] [--think-s 1.0] [--max-tokens 96]``; ``--tiny`` plays 3 short turns
+on the tests' tiny random checkpoint (a smoke run of the report's ``--quick``: it measures nothing about SmolLM2).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.api import EngineConfig, Finished, GenerationRequest, SamplingParams, TextDelta
 from engine.async_engine import AsyncEngine
@@ -127,6 +131,15 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def run_arms(path: str, args: argparse.Namespace) -> dict[str, list[ArmResult]]:
+    """Every arm ``args.repeats`` times, interleaved (a noisy spell of the machine hits every arm alike)."""
+    runs: dict[str, list[ArmResult]] = {name: [] for name in ARMS}
+    for _ in range(args.repeats):
+        for name, settings in ARMS.items():
+            runs[name].append(asyncio.run(run_arm(path, settings, args)))
+    return runs
+
+
 def main() -> None:
     """Run every arm and print the table and the final JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -138,13 +151,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="most tokens per reply")
     parser.add_argument("--threads", type=int, default=None, help="engine threads (default: the engine's)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every arm (the median is reported)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tests' tiny random checkpoint, 3 short turns, one run (a smoke run)",
+    )
     args = parser.parse_args()
     args.turns = max(2, min(args.turns, len(QUESTIONS)))
-    path = default_model_path() if args.model == "default" else args.model
-    runs: dict[str, list[ArmResult]] = {name: [] for name in ARMS}
-    for _ in range(args.repeats):  # interleaved, so a noisy spell of the machine hits every arm alike
-        for name, settings in ARMS.items():
-            runs[name].append(asyncio.run(run_arm(path, settings, args)))
+    if args.tiny:
+        args.turns, args.max_tokens = min(args.turns, 3), min(args.max_tokens, 8)
+        args.think_s, args.repeats = min(args.think_s, 0.2), 1
+        with tempfile.TemporaryDirectory(prefix="prefixgate-next-turn-") as tmp:
+            from tests.engine.checkpoints import make_tiny_hf_llama
+
+            runs = run_arms(str(make_tiny_hf_llama(Path(tmp) / "tiny-hf")), args)
+    else:
+        runs = run_arms(default_model_path() if args.model == "default" else args.model, args)
     cold = runs["cold"][0].replies
     print(
         f"next turns 2..{args.turns}, think {args.think_s} s, replies <= {args.max_tokens} tokens, "
@@ -156,7 +178,7 @@ def main() -> None:
         ttft_ms = 1000 * statistics.median(mean(r.ttft_s[1:]) for r in arm_runs)
         r = arm_runs[0]
         equal = all(run.replies == cold for run in arm_runs)
-        summary[name] = {"ttft_ms": round(ttft_ms, 2), "equal": equal}
+        summary[name] = {"ttft_ms": round(ttft_ms, 2), "equal": equal, "cached": round(mean(r.cached[1:]), 1)}
         print(
             f"{name:<10} {ttft_ms:>9.1f} {mean(r.prompt[1:]):>8.1f} {mean(r.cached[1:]):>8.1f} "
             f"{r.idle_prefill_tokens:>12} {str(equal):>8}"
@@ -165,6 +187,7 @@ def main() -> None:
         json.dumps(
             {
                 "next_turn_ttft_ms": {name: s["ttft_ms"] for name, s in summary.items()},
+                "cached_tokens": {name: s["cached"] for name, s in summary.items()},
                 "idle_over_exact": round(summary["idle"]["ttft_ms"] / summary["exact"]["ttft_ms"], 3),
                 "tokens_equal_cold": {name: s["equal"] for name, s in summary.items()},
             }

@@ -113,6 +113,32 @@ def _one_row_section(
     return out + [_command(records, bench), ""]
 
 
+def _next_turn(records: dict[str, Record]) -> list[str]:
+    out = ["## A chat's next turn", "", "![next-turn TTFT](next_turn_ttft.png)", ""]
+    if "next_turn" in records:
+        t = records["next_turn"].result
+        cached = t.get("cached_tokens", {})
+        out += [
+            "| How the last reply is served | next-turn TTFT ms | cached tokens | text == cold |",
+            "|---|---|---|---|",
+            *[
+                f"| {label} | {_f(t['next_turn_ttft_ms'][k], 1)} | {_f(cached.get(k), 1)} | "
+                f"{_f(t['tokens_equal_cold'].get(k))} |"
+                for k, label in (
+                    ("idle", "prefilled while idle (default)"),
+                    ("exact", "computed in the turn"),
+                    ("generated", "decode KV cached (opt-in)"),
+                    ("cold", "prefix caching off"),
+                )
+                if k in t["next_turn_ttft_ms"]
+            ],
+            "",
+            f"Idle / exact TTFT: {_f(t.get('idle_over_exact'))}.",
+            "",
+        ]
+    return out + [_command(records, "next_turn"), ""]
+
+
 def _tiers(records: dict[str, Record]) -> list[str]:
     return _one_row_section(
         records,
@@ -248,7 +274,7 @@ def render(
         "Raw output of each benchmark: `raw/<name>.txt`; JSON lines: `results.jsonl`.",
         "",
     ]
-    for section in (_note(records), _engine(records, peer_reason), _hit_rates(records)):
+    for section in (_note(records), _engine(records, peer_reason), _hit_rates(records), _next_turn(records)):
         out += section
     for section in (_tiers(records), _tenants(records), _fleet(records)):
         out += section

@@ -376,6 +376,42 @@ def note_latency(results: Results, prov: Provenance, path: Path) -> None:
     _save(fig, path)
 
 
+NEXT_TURN_ARMS = (
+    ("idle", "reply prefilled\nwhile idle (default)"),
+    ("exact", "reply computed\nin the turn"),
+    ("generated", "reply's decode KV\ncached (opt-in)"),
+    ("cold", "prefix caching off"),
+)
+"""``bench.next_turn``'s arms in the figure's order, with their labels."""
+
+
+def next_turn_ttft(results: Results, prov: Provenance, path: Path) -> None:
+    """A chat's next-turn TTFT per way of serving the previous reply (``next_turn``), each bar marked with its mean
+    cached tokens and whether its greedy text equalled the cold arm's."""
+    title = "A chat's next turn: TTFT by how the last reply is served"
+    turn = _record_or_placeholder(results, "next_turn", prov, path, title)
+    if turn is None:
+        return
+    fig, axes = _figure(
+        title,
+        prov,
+        "the whole conversation resent each turn, the model's replies as text; mean TTFT of turns 2.. (ms, median "
+        f"of runs); idle / exact {turn['idle_over_exact']:.3f} (bench.next_turn)",
+    )
+    ax = axes[0][0]
+    ttft, cached, equal = turn["next_turn_ttft_ms"], turn.get("cached_tokens", {}), turn["tokens_equal_cold"]
+    arms = [(k, label) for k, label in NEXT_TURN_ARMS if k in ttft]
+    _bars(ax, [label for _, label in arms], {"TTFT (ms)": [ttft[k] for k, _ in arms]}, [OURS], "{:.1f}")
+    for x, (k, _) in enumerate(arms):
+        note = f"{cached[k]:g} cached" if k in cached else ""
+        note += "" if equal.get(k, False) else "\n!= cold text"
+        ax.annotate(
+            note, (x, 0), xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7, color="white"
+        )
+    ax.set_ylabel("next-turn TTFT (ms)")
+    _save(fig, path)
+
+
 def _claim(key: str, low: float, high: float) -> str:
     if key == "throughput_gain":
         return f"{low:g}-{high:g}x"
@@ -386,6 +422,7 @@ PLOTS: dict[str, Callable[..., None]] = {
     "engine_vs_llamacpp.png": engine_vs_llamacpp,
     "hit_rate_by_corpus.png": hit_rate_by_corpus,
     "hit_rate_by_turn.png": hit_rate_by_turn,
+    "next_turn_ttft.png": next_turn_ttft,
     "tiers_ttft.png": tiers_ttft,
     "tenants_ttft.png": tenants_ttft,
     "fleet_policies.png": fleet_policies,
@@ -396,6 +433,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "engine_vs_llamacpp.png": ("peers", "engine"),
     "hit_rate_by_corpus.png": ("rules",),
     "hit_rate_by_turn.png": ("traces",),
+    "next_turn_ttft.png": ("next_turn",),
     "tiers_ttft.png": ("tiers",),
     "tenants_ttft.png": ("tenants",),
     "fleet_policies.png": ("fleet",),

@@ -30,8 +30,8 @@ class Bench:
     """One benchmark of the report.
 
     Attributes:
-        name: the record's key (``engine``, ``peers``, ``rules``, ``traces``, ``tiers``, ``tenants``, ``fleet``,
-            ``note``).
+        name: the record's key (``note``, ``engine``, ``next_turn``, ``rules``, ``traces``, ``tiers``, ``tenants``,
+            ``fleet``, ``peers``).
         module: ``python -m`` module; full / quick: its arguments for a full run and for ``--quick``.
         what: what it measures, one line (REPORT.md and the plots' titles).
     """
@@ -83,6 +83,14 @@ def benches(llama_server: str | None) -> list[Bench]:
             ("--no-hf", "--repeats", "3"),
             ("--tiny", "--system-tokens", "200", "--repeats", "1", "--new", "8"),
             "embedded engine: cold vs cached TTFT, decode tokens/s at batch 1 and 8",
+        ),
+        Bench(
+            "next_turn",
+            "bench.next_turn",
+            ("--repeats", "3"),
+            ("--tiny",),
+            "a chat's next turn: TTFT with the last reply prefilled while idle, computed in the turn, cached as "
+            "generated, or with prefix caching off",
         ),
         Bench(
             "rules",

@@ -264,3 +264,19 @@ def test_reuse_with_only_runs_the_named_benchmark_again_and_keeps_the_others(tmp
     monkeypatch.setattr(report, "run_bench", fake_run)
     report.main(["--reuse", "--out", str(tmp_path)])  # without --only: note and rules are kept, not run
     assert "note" not in ran and "rules" not in ran
+
+
+def test_next_turn_section_and_plot_read_the_next_turn_line(tmp_path):
+    result = {
+        "next_turn_ttft_ms": {"idle": 40.0, "exact": 100.0, "generated": 45.5, "cold": 280.0},
+        "cached_tokens": {"idle": 300.0, "exact": 250.0, "generated": 299.0, "cold": 0.0},
+        "idle_over_exact": 0.4,
+        "tokens_equal_cold": {"idle": True, "exact": True, "generated": False, "cold": True},
+    }
+    record = Record("next_turn", ["python", "-m", "bench.next_turn"], 1.0, result, {})
+    text = markdown.render(PROV, {"next_turn": record}, {}, "no binary", False, "python -m bench.report")
+    assert "| prefilled while idle (default) | 40.0 | 300.0 | True |" in text
+    assert "| decode KV cached (opt-in) | 45.5 | 299.0 | False |" in text
+    assert "Idle / exact TTFT: 0.400." in text
+    plots.next_turn_ttft({"next_turn": result}, PROV, tmp_path / "n.png")
+    assert png_size(tmp_path / "n.png")[0] > 100
