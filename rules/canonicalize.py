@@ -33,6 +33,7 @@ from typing import Any
 
 from rules.actions import canonical_json, sort_tools
 from rules.bounded_lru import BoundedLRU
+from rules.cache_markers import restore_markers, take_markers
 from rules.history_memo import RULESET_TAGS, LaterTurns, json_chars, later_key, new_history_memo, raw_items
 from rules.history_turns import turns_full, turns_incremental
 from rules.messages import check_shape, copy_json
@@ -206,6 +207,10 @@ class RuleSet:
         decoded, stripped and encoded incrementally too (``TranscriptMemory.recall``, ``remember_after``).
         The result is the same as canonicalizing every turn again (tests/rules/test_incremental.py).
 
+        Client cache markers (``cache_control`` on a part or a message) are taken off first and put back on the
+        same parts after (``rules.cache_markers``): where a client puts its breakpoint never changes the
+        canonical bytes, the memory's keys or what it reuses.
+
         Args:
             messages: OpenAI chat messages (``role``; ``content`` a string, a list of parts, or null;
                 other keys are kept as they are). JSON data: a message object that occurs twice in the list
@@ -222,6 +227,24 @@ class RuleSet:
             RequestShapeError: messages or tools are not in that shape.
         """
         check_shape(messages, tools)
+        if self.rules:
+            # the rules never see a client's cache markers (``rules.cache_markers``): where a marker sits must not
+            # change the canonical bytes, nor the memory's keys
+            bare, markers = take_markers(messages)
+            if markers:
+                canonical = self._canonicalize(bare, tools, memory, scope)
+                if restore_markers(bare, canonical.messages, markers):
+                    return canonical
+        return self._canonicalize(messages, tools, memory, scope)
+
+    def _canonicalize(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        memory: TranscriptMemory | None,
+        scope: str,
+    ) -> Canonical:
+        """``apply`` on messages whose shape was checked."""
         tools = copy_json(tools)
         if not self.rules:
             messages = copy_json(messages)

@@ -39,8 +39,10 @@ The text around a block is left as sent (a user message that starts with line br
 the block's blank line), so inserting and extracting a block are exact inverses. In a list content the block
 goes into the plain text part it lands next to (``block + blank line + text``, ``text + blank line +
 block``), so a message sent as one text part renders exactly as the same message sent as a string; it gets a
-text part of its own beside a part with other keys (``cache_control``), an empty part, text holding a block
-tag, or a part of a document region (a list's region is whole parts: the block stays out of it).
+text part of its own beside a part with other keys, an empty part, text holding a block tag, or a part of a
+document region (a list's region is whole parts: the block stays out of it). A client's cache markers
+(``cache_control``) are off the parts while the rules run (``rules.cache_markers``), so a marked part takes a
+block as the same part unmarked does.
 
 Blocks are found again exactly where they were inserted (``extract_turn_blocks``) before rules run, so
 canonicalizing a canonical request changes nothing: the values are carried over and re-inserted in the
@@ -172,8 +174,8 @@ def _is_plain_text_part(part: Any) -> bool:
 def _mergeable(part: Any, block: str) -> bool:
     """Whether ``block`` goes into the text part ``part`` (its text + blank line + block, or the reverse), so a
     message of one text part renders as its string form does: a plain text part with text, neither holding a
-    block tag of its own (the merged text then reads back one way only). Otherwise (a part with other keys
-    such as ``cache_control``, an empty one, one that holds a tag) the block gets a part of its own."""
+    block tag of its own (the merged text then reads back one way only). Otherwise (a part with other keys,
+    an empty one, one that holds a tag) the block gets a part of its own."""
     if not _is_plain_text_part(part) or not isinstance(part["text"], str) or not part["text"]:
         return False
     text = part["text"]
@@ -181,7 +183,9 @@ def _mergeable(part: Any, block: str) -> bool:
     return not tags and block.count(BLOCK_OPEN) == 1 and block.count(BLOCK_CLOSE) == 1
 
 
-def _is_block_message(message: dict[str, Any]) -> list[str] | None:
+def block_message_values(message: dict[str, Any]) -> list[str] | None:
+    """The values of a message that is exactly one block (a ``note`` or ``new_user`` message: role ``user``,
+    no other key), else None."""
     if message.get("role") == "user" and set(message) == {"role", "content"}:
         return parse_whole_block(message.get("content"))
     return None
@@ -198,14 +202,14 @@ def extract_turn_blocks(
     """
     found: dict[str, list[str]] = {}
     if end - start >= 2:
-        values = _is_block_message(messages[end - 1])
+        values = block_message_values(messages[end - 1])
         if values is not None:
             found["new_user"] = values
             del messages[end - 1]
             end -= 1
     last = _last_user(messages, start, end)
     if last is not None and last - 1 >= start:
-        values = _is_block_message(messages[last - 1])
+        values = block_message_values(messages[last - 1])
         if values is not None:
             found["note"] = values
             del messages[last - 1]
@@ -401,7 +405,7 @@ def _insert_text_end(message: dict[str, Any], block: str, index: int) -> Positio
     text = content if isinstance(content, str) else ""
     if text:
         message["content"] = text + SEP + block
-    elif _is_block_message({**message, "content": block}) is not None:
+    elif block_message_values({**message, "content": block}) is not None:
         # an empty user message that would be exactly one block is a ``note`` or ``new_user`` message this module
         # created: the next pass would remove it and move its block (``_extract_text_end`` takes the separator
         # back off)

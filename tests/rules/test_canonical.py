@@ -452,7 +452,7 @@ def test_a_block_goes_into_its_own_part_beside_a_part_with_other_keys_or_no_text
     ruleset = load_ruleset(["default"])
     system = {"role": "system", "content": "You are helper 4821. Current date: 2026-12-03."}
     for first in (
-        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Hi", "citations": None},
         {"type": "text", "text": ""},
     ):
         user = {"role": "user", "content": [first, {"type": "text", "text": "there"}]}
@@ -460,6 +460,20 @@ def test_a_block_goes_into_its_own_part_beside_a_part_with_other_keys_or_no_text
         content = canon.messages[1]["content"]
         assert content[0]["text"].startswith("<request_context>\n") and content[1:] == user["content"]
         assert ruleset.apply(canon.messages).messages == canon.messages
+
+
+def test_a_block_merges_into_a_marked_part_as_into_the_same_part_unmarked() -> None:
+    """A cache marker is not prompt text (``rules.cache_markers``): the part keeps it, the block goes where it
+    goes in the unmarked part, so the bytes do not depend on where the client put its marker."""
+    ruleset = load_ruleset(["default"])
+    system = {"role": "system", "content": "You are helper 4821. Current date: 2026-12-03."}
+    marker = {"type": "ephemeral", "ttl": "1h"}
+    marked = {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": marker}]}
+    plain = {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
+    with_marker = ruleset.apply([system, marked]).messages
+    without = ruleset.apply([system, plain]).messages
+    assert with_marker[1]["content"] == [{**without[1]["content"][0], "cache_control": marker}]
+    assert ruleset.apply(with_marker).messages == with_marker
 
 
 def test_a_clients_literal_block_tag_before_ours_is_not_read_as_one_block(all_rulesets) -> None:

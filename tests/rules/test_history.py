@@ -252,9 +252,15 @@ def test_a_client_switching_a_message_between_a_string_and_one_text_part_keeps_i
     c3 = DEFAULT.apply(third, memory=memory, scope="s")
     assert c3.history.reused_turns == 2 and c3.messages[:4] == c2.messages[:4]  # history never moved
     assert "08:10:00" in all_text(c3.messages[4:])
-    with_key = copy.deepcopy(third)  # a part with other keys (a breakpoint) is another form: stateless
+    # a breakpoint on the part is no other form (rules.cache_markers): the history is reused, the marker kept
+    with_key = copy.deepcopy(third)
     with_key[1]["content"] = [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]
-    assert DEFAULT.apply(with_key, memory=memory, scope="s").history.reused_turns == 0
+    c4 = DEFAULT.apply(with_key, memory=memory, scope="s")
+    assert c4.history.reused_turns == 2
+    assert c4.messages[1]["content"][0]["cache_control"] == {"type": "ephemeral"}
+    c4.messages[1]["content"][0].pop("cache_control")
+    assert c4.messages[1]["content"] == [{"type": "text", "text": all_text([c3.messages[1]])}]
+    assert c4.messages[2:4] == c3.messages[2:4]
 
 
 def test_memory_entries_are_checked_scoped_and_bounded() -> None:
