@@ -27,7 +27,9 @@ text it matches is left alone by every other span rule of the loaded set. A ``ho
 ``hoisted``: its text is what moves, while ``group`` is what is removed (a JSON member moves, its comma goes).
 ``hoist`` also takes ``per_request``: ``true`` when its values may change from one request of a conversation to
 the next (a time, a request id), ``false`` (the default) when they hold for the conversation and tell whose it
-is (a user's name), or a pattern that the per-request values contain (``Rule.per_request``). ``keep`` also
+is (a user's name), or a pattern that the per-request values contain (``Rule.per_request``); and ``private``:
+``true`` when those per-request values are the user's own data (a git status), which may change within a
+conversation only where the client names the end user (``Rule.private``). ``keep`` also
 takes ``except``: ids of rules it leaves free to act on the text it protects.
 
 Everything is checked at load time; the first problem raises ``RuleError`` naming the file, the line of
@@ -87,7 +89,7 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*\Z")
 _TOP_KEYS = ("description", "include", "patterns", "rules")
 _COMMON_KEYS = ("id", "description", "match", "action")
 _ACTION_KEYS: dict[str, tuple[str, ...]] = {
-    "hoist": ("group", "placement", "per_request"),
+    "hoist": ("group", "placement", "per_request", "private"),
     "drop": ("group",),
     "replace": ("group", "with"),
     "round": ("unit",),
@@ -363,6 +365,11 @@ def _build_rule(node: yaml.Node, file: str, fragments: dict[str, str], placement
         fields["per_request"] = _per_request(
             _value(keys["per_request"][1]), fragments, fail, keys["per_request"][1]
         )
+    if action == "hoist" and "private" in keys:
+        private = _value(keys["private"][1])
+        if not isinstance(private, bool):
+            raise fail("'private' must be true or false", keys["private"][1])
+        fields["private"] = private
     if action == "hoist":
         chosen = _value(keys["placement"][1]) if "placement" in keys else DEFAULT_PLACEMENT
         if chosen not in PLACEMENTS:

@@ -34,6 +34,11 @@ ROUND_GROUPS: tuple[str, ...] = ("hour", "minute", "second", "fraction", "ampm",
 """Named groups ``round`` understands (a ``__N`` suffix, added by fragment expansion, is ignored)."""
 
 
+PRIVATE = "private"
+"""The per-request flag of a system value hoisted by a ``private`` rule (``Rule.private``), beside True and False
+(``rules.transcript.conversation_scope``)."""
+
+
 @dataclass(frozen=True)
 class MessageSelector:
     """Which messages a rule looks at.
@@ -140,6 +145,10 @@ class Rule:
             conversation and tells whose it is, as a user's name does) or a compiled pattern that a per-request
             value contains (``value_per_request``). The transcript memory reuses a history only for a request
             with the same values of the second kind (``rules.canonicalize``).
+        private: for hoist: its per-request values are the user's own data (a git status naming their files):
+            they may change between the requests of a conversation only where the client names the end user
+            (``rules.transcript.USER_MARK`` in the memory's scope); without that they tell whose conversation
+            it is, so another conversation with the same stable form never gets a history holding them.
         description: free text from the file.
         file: the file the rule came from; line: its 1-based line.
     """
@@ -157,6 +166,7 @@ class Rule:
     skip_code: bool = False
     kept_by: tuple[Rule, ...] = ()
     per_request: Any = False
+    private: bool = False
     exempt: frozenset[str] = frozenset()
     description: str = ""
     file: str = ""

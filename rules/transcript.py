@@ -41,6 +41,7 @@ from rules.actions import canonical_json
 from rules.bounded_lru import BoundedLRU
 from rules.message_json import canonical_message_json, compact_message_json
 from rules.messages import copy_json
+from rules.model import PRIVATE
 from rules.placement import LOCATIONS, extract_turn_blocks, turn_spans
 from rules.transcript_entry import TranscriptEntry, decode_entry, frame, framed, messages_json
 
@@ -206,7 +207,12 @@ _TIME_LIKE = re.compile(
 """Dates, clock times and epoch numbers inside a value (``conversation_scope`` masks them)."""
 
 
-def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool]]) -> str:
+USER_MARK = "\0user:"
+"""What a memory scope holds before the end-user id the client named (the gateway's ``Canonicalizer.scope``): such a
+scope already tells whose conversation it is, so private per-request values may change freely in it."""
+
+
+def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool | str]]) -> str:
     """``scope`` narrowed to the conversations whose system prompt holds the same values that tell whose
     conversation it is (``system_values`` not per request: a user's name, e-mail, memories, location, user
     id; ``Rule.per_request``). Two users whose prompts differ only in such values have one stable form, so
@@ -214,13 +220,24 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool]
     the first one's name). Per-request values (a time, a request id) change between the turns of one
     conversation and are left out. ``scope`` itself when there are no such values.
 
+    Private per-request values (flag ``PRIVATE``: a git status, the user's own data that may still change
+    within a conversation) are left out only when ``scope`` names the end user (``USER_MARK``). Without it they
+    name the conversation too: a fresh-user trial saw two customers of one app with the same opening exchange
+    and no ``user`` field share a stable form, and the second was served the first one's stored history, a git
+    status naming the first one's files in its first block.
+
     A value that holds a time or a date besides the user's identity (``User: alice, plan: pro, local time
     14:03``) names the conversation by the rest: its dates, clock times and epoch numbers are masked first
     (``_TIME_LIKE``), so the next turn's new time finds the same conversation.
 
     The digest is blake2b-128 over the distinct (masked) values, sorted and length-framed."""
+    user_named = USER_MARK in scope
     values = sorted(
-        {_TIME_LIKE.sub("#", value) for _, value, per_request in system_values if not per_request}
+        {
+            _TIME_LIKE.sub("#", value)
+            for _, value, per_request in system_values
+            if not per_request or (per_request == PRIVATE and not user_named)
+        }
     )
     if not values:
         return scope

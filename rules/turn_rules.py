@@ -18,7 +18,7 @@ from typing import Any
 
 from rules.actions import apply_span_action, normalize_text
 from rules.messages import get_text, set_text, text_parts
-from rules.model import PLACEMENTS, MessageSelector, Rule
+from rules.model import PLACEMENTS, PRIVATE, MessageSelector, Rule
 from rules.placement import extract_text_blocks, resolve_location
 from rules.text_cache import Result as TextResult
 from rules.text_cache import TextActionCache
@@ -154,7 +154,9 @@ class TurnRules:
                 applied[rule.id] = applied.get(rule.id, 0) + count
                 for value in hoisted:
                     if index < systems:
-                        system_values.append((rule.placement, value, rule.value_per_request(value)))
+                        per_request = rule.value_per_request(value)
+                        kind = PRIVATE if per_request and rule.private else per_request
+                        system_values.append((rule.placement, value, kind))
                     if index >= systems or turn == 0:
                         if locations is None:
                             locations = {p: resolve_location(p, messages, start, end) for p in PLACEMENTS}

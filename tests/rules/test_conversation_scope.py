@@ -10,7 +10,7 @@ import pytest
 
 from rules import load_ruleset
 from rules.errors import RuleError
-from rules.transcript import InProcessTranscriptStore, TranscriptMemory, conversation_scope
+from rules.transcript import USER_MARK, InProcessTranscriptStore, TranscriptMemory, conversation_scope
 from tests.rules.helpers import all_text, ruleset_from
 
 DEFAULT = load_ruleset(["default"])
@@ -124,11 +124,32 @@ def test_a_user_id_alone_tells_conversations_apart() -> None:
         ("User ID: u_83f2a91c", False),
         ('"session_id": "sess-42ab"', False),
         ("Conversation: conv-88213", False),
+        ("Account ID: ACC-1079190", False),
+        ("Order number: ORD-2231", False),
     ],
 )
 def test_ids_are_per_request_by_their_label(value: str, per_request: bool) -> None:
     rules = [r for r in DEFAULT.rules if r.id.startswith("ids.")]
     assert rules and {r.value_per_request(value) for r in rules} == {per_request}
+
+
+@pytest.mark.parametrize(
+    ("line", "hoisted"),
+    [
+        ("Account ID: ACC-1079190", True),
+        ("Customer ID: C-88213", True),
+        ("Order number: ORD-2231", True),
+        ("Ticket ID: T-1", True),
+        ('{"account_id": "acc_77f1", "plan": "pro"}', True),
+        ("Version number: 1.2.3", False),  # the same for every user: no id
+        ("Use the order ID the user gives.", False),
+    ],
+)
+def test_a_customers_own_record_ids_are_hoisted(line: str, hoisted: bool) -> None:
+    """A fresh-user trial: account, customer and order ids stayed in the system prompt, so two customers shared
+    nothing after them (and rules on cached fewer tokens than rules off where a hoisted block came first)."""
+    canon = DEFAULT.apply([{"role": "system", "content": f"You are helpful.\n{line}\nBe brief."}])
+    assert bool(canon.hoisted) is hoisted
 
 
 def test_conversation_scope_names_only_the_values_that_hold_for_a_conversation() -> None:
@@ -156,6 +177,7 @@ rules:
     match: {role: system, pattern: '(?m)^Shift: [a-z]+ [0-9]+$'}
     action: hoist
     per_request: '^Shift: night'
+    private: true
   - id: customer
     match: {role: system, pattern: '(?m)^Customer: [A-Z][a-z]+$'}
     action: hoist
@@ -166,6 +188,7 @@ rules:
     assert by_id["shift"].value_per_request("Shift: night 3") is True
     assert by_id["shift"].value_per_request("Shift: day 3") is False
     assert by_id["customer"].value_per_request("Customer: Ann") is False
+    assert by_id["shift"].private and not by_id["ticket"].private and not by_id["customer"].private
 
 
 @pytest.mark.parametrize(
@@ -185,6 +208,19 @@ rules:
     per_request: {value}
 """
     with pytest.raises(RuleError, match=message):
+        ruleset_from(tmp_path, source)
+
+
+def test_a_bad_private_is_refused_by_name(tmp_path) -> None:
+    source = """
+rules:
+  - id: ticket
+    match: {role: system, pattern: 'Ticket: T-[0-9]+'}
+    action: hoist
+    per_request: true
+    private: 'yes please'
+"""
+    with pytest.raises(RuleError, match="'private' must be true or false"):
         ruleset_from(tmp_path, source)
 
 
@@ -226,7 +262,12 @@ def test_a_users_line_that_holds_a_time_names_the_conversation_by_the_rest() -> 
     assert DEFAULT.apply(turn(9, True), memory=memory, scope="s").history.reused_turns == 1
 
 
-def test_an_agents_git_status_changing_between_turns_keeps_its_history() -> None:
+def test_an_agents_git_status_changing_between_turns_keeps_its_history_for_a_named_user() -> None:
+    """A git status is per request and private (``Rule.private``): with the end user named in the scope (the
+    gateway's ``USER_MARK``, from OpenAI ``user`` or Anthropic ``metadata.user_id``, which Claude Code sends) a
+    new status keeps the history; without it the status names the conversation, so the history is not reused
+    (and cannot be another user's)."""
+
     def turn(status: str, more: bool) -> list[dict]:
         system = {
             "role": "system",
@@ -240,7 +281,50 @@ def test_an_agents_git_status_changing_between_turns_keeps_its_history() -> None
             ]
         return messages
 
+    for scope, reused in (("s" + USER_MARK + "user_7f3a", 1), ("s", 0)):
+        memory = TranscriptMemory(InProcessTranscriptStore())
+        DEFAULT.apply(turn(" M README.md", False), memory=memory, scope=scope)
+        later = DEFAULT.apply(turn(" M README.md\n M parser.py", True), memory=memory, scope=scope)
+        assert later.history.reused_turns == reused
+        same = DEFAULT.apply(turn(" M README.md", True), memory=memory, scope=scope)
+        assert same.history.reused_turns == 1  # the same status: the same conversation either way
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "private"),
+    [
+        ("Account balance: $12,840.22", "Account balance: $3.50", "12,840.22"),
+        (
+            "gitStatus:\n M src/app.py\n?? salaries_2025_confidential.csv",
+            "gitStatus:\n M src/app.py\n?? notes.txt",
+            "salaries_2025_confidential.csv",
+        ),
+    ],
+)
+def test_a_customers_private_values_never_reach_another_customers_prompt(first, second, private) -> None:
+    """The fresh-user trial's leak: two customers of one app (one tenant, no ``user`` field) open with the same
+    exchange; their system prompts differ in a per-request value that is the customer's own data. The second
+    customer's next turn was built from the first one's stored history, the first one's balance (or the files
+    of their git status) in its first block."""
+
+    def request(line: str, minute: int, more: bool) -> list[dict]:
+        system = {
+            "role": "system",
+            "content": f"You are the Globex assistant. Be brief.\nCurrent time: 2025-03-03T10:{minute:02d}:00Z\n{line}\nNever discuss other customers.",
+        }
+        messages = [system, {"role": "user", "content": "Hi"}]
+        if more:
+            messages += [
+                {"role": "assistant", "content": "Hello! How can I help you today?"},
+                {"role": "user", "content": "What do I have?"},
+            ]
+        return messages
+
     memory = TranscriptMemory(InProcessTranscriptStore())
-    DEFAULT.apply(turn(" M README.md", False), memory=memory, scope="s")
-    later = DEFAULT.apply(turn(" M README.md\n M parser.py", True), memory=memory, scope="s")
-    assert later.history.reused_turns == 1
+    DEFAULT.apply(request(first, 0, False), memory=memory, scope="bank")
+    DEFAULT.apply(request(first, 1, True), memory=memory, scope="bank")
+    other = DEFAULT.apply(request(second, 2, True), memory=memory, scope="bank")
+    assert private not in all_text(other.messages)
+    assert other.history.reused_turns == 0
+    again = DEFAULT.apply(request(first, 3, True), memory=memory, scope="bank")
+    assert again.history.reused_turns == 1  # the first customer's own conversation still finds its history

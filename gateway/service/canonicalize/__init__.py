@@ -44,7 +44,7 @@ from rules import cli as rules_cli
 from rules.learn_config import LearnConfig
 from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.messages import get_text, text_parts
-from rules.transcript import InProcessTranscriptStore, TranscriptMemory
+from rules.transcript import USER_MARK, InProcessTranscriptStore, TranscriptMemory
 
 __all__ = ["PREFIX_KEY_LEVEL", "Canonicalizer", "RuleError", "run_replay", "run_rules_command"]
 
@@ -114,7 +114,7 @@ class Canonicalizer:
         if user is None and request.openai_body is not None:
             named = request.openai_body.get("safety_identifier")
             user = named if isinstance(named, str) else None
-        return scope if not user else scope + "\0user:" + user
+        return scope if not user else scope + USER_MARK + user
 
     def ruleset_for(self, model: str, tenant: str) -> RuleSet | None:
         """The rule set a rules-on request of ``model`` + ``tenant`` gets: the configured rules, followed in
