@@ -4,12 +4,13 @@ reorder; and message selection by role, position and index."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from rules import load_ruleset
-from rules.actions import canonical_json
+from rules.actions import canonical_json, removal_range
 from tests.rules.helpers import chat, ruleset_from
 
 HOIST_SESSION = """
@@ -465,3 +466,42 @@ def test_a_removed_first_or_last_line_leaves_no_blank_line_at_that_end(text: str
     ruleset = load_ruleset(["dates"])
     canon = ruleset.apply([{"role": "system", "content": text}, {"role": "user", "content": "x"}])
     assert canon.messages[0]["content"] == left
+
+
+class _CountingText(str):
+    """A str that counts the characters its indexing and slicing read."""
+
+    read = 0
+
+    def __getitem__(self, key):  # type: ignore[override]
+        value = str.__getitem__(self, key)
+        _CountingText.read += len(value)
+        return value
+
+
+def test_removal_range_reads_only_the_blanks_around_a_match() -> None:
+    """A fresh-user trial's 3.4 MB one-line JSON system prompt with 64,000 hoisted members held the gateway for
+    ~50 s: each match sliced its whole line. Now a match reads only the whitespace runs next to it."""
+    members = ", ".join(f'"k{k}": "v", "now": "2025-03-03T10:00:00Z"' for k in range(2_000))
+    text = _CountingText("Context: {" + members + "}")
+    spans = [(m.start(), m.end()) for m in re.finditer(r'"now": "[^"]+"', text)]
+    _CountingText.read = 0
+    ranges = [removal_range(text, start, end) for start, end in spans]
+    assert _CountingText.read <= 16 * len(spans)  # a few characters each (the line is ~80,000)
+    assert ranges[0] == spans[0]  # ", " before it stays with the text before, "," after it too
+
+
+@pytest.mark.parametrize(
+    ("text", "match", "expected"),
+    [
+        ("a\n  Date: x  \nb", "Date: x", "a\nb"),  # a line left blank goes with its break
+        ("A | Date: x", "Date: x", "A"),  # the last item takes its separator
+        ("x  Date: y  z", "Date: y", "x  z"),  # two space runs that would meet: one goes
+        ("x Date: y\nz", "Date: y", "x\nz"),  # a run left at a line's end goes
+        ("Date: y  x", "Date: y", "x"),  # ... and at a line's start
+    ],
+)
+def test_removal_range_tidies_the_text_around_a_match(text: str, match: str, expected: str) -> None:
+    start = text.index(match)
+    s, e = removal_range(text, start, start + len(match))
+    assert text[:s] + text[e:] == expected

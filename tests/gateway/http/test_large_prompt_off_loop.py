@@ -1,0 +1,50 @@
+"""A prompt over ``INLINE_CANONICALIZE_CHARS`` is canonicalized in a worker thread, a small one on the event loop
+(a fresh-user trial: a 3.4 MB one-line JSON system prompt held the loop, ``/healthz`` included, for ~50 s)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from gateway.service import pipeline
+from tests.gateway.server import RunningServer, write_config
+from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    stub = StubServer(openai_stub(StubState("OAI"))).start()
+    data = {
+        "models": [{"name": "oa", "backend": "openai", "base_url": f"{stub.base_url}/v1", "api_key": "k"}]
+    }
+    server = RunningServer(write_config(tmp_path_factory.mktemp("big") / "prefixgate.yaml", data)).start()
+    yield server
+    server.stop()
+    stub.stop()
+
+
+def test_a_large_prompt_is_canonicalized_off_the_event_loop(gateway, monkeypatch):
+    on_loop: list[bool] = []
+    canonicalize = pipeline.canonicalize
+
+    def recording(gw, request):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        canonicalize(gw, request)
+
+    monkeypatch.setattr(pipeline, "canonicalize", recording)
+    big = "Context: {" + ", ".join(f'"k{k}": "v", "now": "2025-03-03T10:00:00Z"' for k in range(3_000)) + "}"
+    assert len(big) > pipeline.INLINE_CANONICALIZE_CHARS
+    with openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0) as client:
+        for system in ("You are brief. Current date: 2026-12-06.", big):
+            answer = client.chat.completions.create(
+                model="oa",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+            )
+            assert answer.choices[0].message.content
+    assert on_loop == [True, False]
