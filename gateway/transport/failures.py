@@ -15,7 +15,7 @@ import httpx
 
 from gateway.core import errors
 from gateway.transport.redact import redact, redact_json, redact_url
-from gateway.transport.retry import parse_retry_after
+from gateway.transport.retry import retry_after_from
 
 
 class FailureKind(StrEnum):
@@ -197,7 +197,7 @@ def error_from_status(
             detail = parsed["message"]
         elif isinstance(parsed.get("detail"), str):  # FastAPI-style servers
             detail = parsed["detail"]
-    retry_after = parse_retry_after(response.headers.get("retry-after"))
+    retry_after = retry_after_from(response.headers)
     where = redact_url(replica)
     if status == 429:
         status_out, kind = 429, FailureKind.RATE_LIMIT

@@ -6,7 +6,10 @@ https://aws.amazon.com/blogs/architecture/exponential-backoff-and-jitter/)::
     delay(attempt) = uniform(0, min(backoff_max_s, backoff_base_s * 2 ** attempt))
 
 raised to ``Retry-After`` (RFC 9110 section 10.2.3, https://www.rfc-editor.org/rfc/rfc9110#section-10.2.3;
-seconds or an HTTP-date) when the upstream sent one, capped at ``max_retry_after_s``.
+seconds or an HTTP-date; OpenAI's ``retry-after-ms`` first, as its SDK reads it) when the upstream sent one.
+``max_retry_after_s`` bounds the time one request spends waiting on ``Retry-After``s in all: a wait that would
+pass it is not made, and the upstream's 429 goes to the client at once with its ``Retry-After`` (the client's
+SDK retries it; waiting 25 s twice to answer a 429 anyway held a client 50 s, a fresh-user trial).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import email.utils
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -27,8 +30,8 @@ class RetryPolicy:
         retries: extra attempts after the first (0 = no retry).
         backoff_base_s: first backoff ceiling, seconds.
         backoff_max_s: largest backoff ceiling, seconds.
-        max_retry_after_s: longest ``Retry-After`` honoured; a longer one fails at once with the upstream's
-            429.
+        max_retry_after_s: most seconds one request waits on ``Retry-After`` in all, over its retries; a wait
+            that would pass it fails at once with the upstream's answer (429, 503, 529).
     """
 
     retries: int = 2
@@ -67,3 +70,17 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if when is None:
         return None
     return max(when.timestamp() - (time.time() if now is None else now), 0.0)
+
+
+def retry_after_from(headers: Mapping[str, str]) -> float | None:
+    """Seconds an upstream asked to wait: ``retry-after-ms`` (milliseconds, OpenAI's; read first, as its SDK
+    does) or ``Retry-After`` (``parse_retry_after``); None when neither is a usable delay."""
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            value = float(millis.strip())
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value):
+            return max(value, 0.0) / 1000.0
+    return parse_retry_after(headers.get("retry-after"))

@@ -474,6 +474,7 @@ async def open_response(
             are exhausted; its message is redacted.
     """
     attempt = 0
+    waited = 0.0  # seconds spent on Retry-After so far (the policy's max_retry_after_s bounds it)
     while True:
         try:
             lease = upstream.acquire(key, blocks)
@@ -490,10 +491,14 @@ async def open_response(
         if is_replica_fault(error):
             upstream.ring.report_failure(lease.replica)
         lease.release()
-        too_long = error.retry_after_s is not None and error.retry_after_s > upstream.policy.max_retry_after_s
+        asked = error.retry_after_s
+        too_long = asked is not None and waited + asked > upstream.policy.max_retry_after_s
         if not error.retryable or attempt >= upstream.policy.retries or too_long:
             raise error
-        await sleep(upstream.policy.delay(attempt, error.retry_after_s))
+        delay = upstream.policy.delay(attempt, asked)
+        if asked is not None:
+            waited += delay
+        await sleep(delay)
         attempt += 1
 
 

@@ -258,6 +258,39 @@ async def test_429_waits_for_retry_after(http):
 
 
 @respx.mock
+async def test_retry_after_waits_are_bounded_in_all_per_request(http):
+    """A fresh-user trial: ``Retry-After: 25`` was waited out twice (50 s) before the 429 went to the client
+    anyway. The waits of one request are bounded in all (``RetryPolicy.max_retry_after_s``, 30 s): the second
+    25 s is not waited, the 429 goes out with its ``Retry-After``."""
+    sleeps = Sleeps()
+    limited = httpx.Response(429, headers={"retry-after": "25"}, json={"error": {"message": "slow down"}})
+    route = respx.post(URL).mock(side_effect=[limited, limited, sse_response(CACHED_STREAM)])
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http, retries=2, sleeps=sleeps).stream(chat_request(MESSAGES)))
+    assert route.call_count == 2 and sleeps.calls == [25.0]
+    assert (info.value.status_code, info.value.retry_after_s) == (429, 25.0)
+
+
+@respx.mock
+async def test_retry_after_ms_is_read_before_retry_after(http):
+    sleeps = Sleeps()
+    route = respx.post(URL).mock(
+        side_effect=[
+            httpx.Response(
+                429,
+                headers={"retry-after-ms": "1500", "retry-after": "9"},
+                json={"error": {"message": "wait"}},
+            ),
+            httpx.Response(429, headers={"retry-after-ms": "40000"}, json={"error": {"message": "wait"}}),
+        ]
+    )
+    with pytest.raises(UpstreamCallError) as info:
+        await drain(backend(http, retries=2, sleeps=sleeps).stream(chat_request(MESSAGES)))
+    assert route.call_count == 2 and sleeps.calls[0] >= 1.5 and sleeps.calls[0] < 9
+    assert info.value.retry_after_s == 40.0  # over the bound: at once, the client told to wait 40 s
+
+
+@respx.mock
 async def test_retries_exhausted_give_a_typed_error(http):
     route = respx.post(URL).mock(side_effect=httpx.ReadTimeout("read timed out"))
     with pytest.raises(UpstreamCallError) as info:
