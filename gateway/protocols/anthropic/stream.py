@@ -32,6 +32,14 @@ class StreamFormatter:
     ``message_start`` carries the input counts the first event knows (a ``Delta`` with ``prompt_tokens``, as
     the embedded engine sends, or a ``Finish``), else 0; the final ``message_delta`` carries the whole usage
     (the SDKs overwrite the start's counts with it).
+
+    Each block is ``content_block_start``, its deltas, then ``content_block_stop``, one block after another
+    (Anthropic's streaming format). OpenAI's chunks may interleave the argument deltas of parallel tool calls
+    (call 0, call 1, call 0 again), and a tool call has no end of its own there: so while a tool_use block is
+    open, a later tool call's block is held (its start and deltas) and sent whole, in order, when the open one
+    ends (at the end of the answer, or before a later text block). Before, the first block was stopped when the
+    second started and its later deltas came after its ``content_block_stop``, where the Anthropic SDK already
+    showed ``input: {}`` (a fresh-user trial).
     """
 
     def __init__(self, model: str, request_id: str) -> None:
@@ -39,6 +47,8 @@ class StreamFormatter:
         self.id = message_id(request_id)
         self.builder = MessageBuilder()
         self._open: int | None = None
+        self._open_tool = False  # the open block is a tool_use block
+        self._held: dict[int, list[bytes]] = {}  # later tool_use blocks' events, by block index (in order)
         self._pinged = False
         self.started = False
         self.finish: Finish | None = None
@@ -71,40 +81,46 @@ class StreamFormatter:
             return out + self._finish(event)
         for step, index, value in self.builder.add(event):
             if step == "start":
-                out += self._stop_open()
-                out += encode_event(
+                tool = value.get("type") == "tool_use"
+                start = encode_event(
                     {"type": "content_block_start", "index": index, "content_block": value},
                     "content_block_start",
                 )
-                self._open = index
+                if tool and self._open_tool:
+                    self._held[index] = [start]
+                    continue
+                out += self._stop_open() + start
+                self._open, self._open_tool = index, tool
                 if not self._pinged:
                     out += encode_event({"type": "ping"}, "ping")
                     self._pinged = True
-            elif step == "text":
-                out += encode_event(
-                    {
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "text_delta", "text": value},
-                    },
-                    "content_block_delta",
-                )
+                continue
+            delta = (
+                {"type": "text_delta", "text": value}
+                if step == "text"
+                else {"type": "input_json_delta", "partial_json": value}
+            )
+            data = encode_event(
+                {"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"
+            )
+            if index in self._held:
+                self._held[index].append(data)
             else:
-                out += encode_event(
-                    {
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": value},
-                    },
-                    "content_block_delta",
-                )
+                out += data
         return out
 
     def _stop_open(self) -> bytes:
-        if self._open is None:
-            return b""
-        index, self._open = self._open, None
-        return encode_event({"type": "content_block_stop", "index": index}, "content_block_stop")
+        """Stop the open block, then send the held blocks whole, each stopped (see the class docstring)."""
+        out = b""
+        if self._open is not None:
+            index, self._open = self._open, None
+            out += encode_event({"type": "content_block_stop", "index": index}, "content_block_stop")
+        self._open_tool = False
+        for index, events in self._held.items():
+            out += b"".join(events)
+            out += encode_event({"type": "content_block_stop", "index": index}, "content_block_stop")
+        self._held.clear()
+        return out
 
     def _finish(self, finish: Finish) -> bytes:
         self.finish = finish

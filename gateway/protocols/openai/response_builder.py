@@ -63,6 +63,10 @@ class ResponseBuilder:
         self._sequence = 0
         self._message: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> function_call item
+        self._open: dict[str, Any] | None = None  # the output item being streamed
+        self._held: dict[
+            str, tuple[dict[str, Any], list[dict[str, Any]]]
+        ] = {}  # later calls: item, its events
         self._pending_logprobs: list[dict[str, Any]] = []  # of tokens whose text has not come yet
         self._namespaced = namespaced_tool_names(body)  # model-facing name -> (namespace, name)
 
@@ -104,9 +108,14 @@ class ResponseBuilder:
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """One stream event: ``{"type": kind, **fields, "sequence_number": n}``."""
-        out = {"type": kind, **fields, "sequence_number": self._sequence}
+        return self._numbered({"type": kind, **fields})
+
+    def _numbered(self, event: dict[str, Any]) -> dict[str, Any]:
+        """``event`` with the next ``sequence_number`` (numbered as it goes out: a held call's events are numbered
+        when they are sent)."""
+        event["sequence_number"] = self._sequence
         self._sequence += 1
-        return out
+        return event
 
     def start(self) -> list[dict[str, Any]]:
         """``response.created`` and ``response.in_progress``."""
@@ -129,15 +138,18 @@ class ResponseBuilder:
         entries = self._pending_logprobs + chat_logprobs(logprobs)["content"]
         self._pending_logprobs = []
         events = []
-        if self._message is None:
+        if self._message is None or self._message is not self._open:
+            events += self._close_open()  # the function calls before it are done
+            messages = sum(1 for item in self.output if item["type"] == "message")
             self._message = {
-                "id": f"msg_{self.id[5:]}",
+                "id": f"msg_{self.id[5:]}" + (f"_{messages}" if messages else ""),
                 "type": "message",
                 "status": "in_progress",
                 "role": "assistant",
                 "content": [],
             }
             self.output.append(self._message)
+            self._open = self._message
             index = len(self.output) - 1
             events.append(
                 self.event(
@@ -171,7 +183,13 @@ class ResponseBuilder:
         return events
 
     def tool_calls(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Events for tool-call deltas in the chat streaming shape (a new index opens a ``function_call`` item)."""
+        """Events for tool-call deltas in the chat streaming shape (a new index opens a ``function_call`` item).
+
+        Output items stream one after another, each done before the next is added (as OpenAI's do): a call
+        closes the message before it; while a call is open, a later call's item (its ``output_item.added`` and
+        deltas) is held and sent whole once the open one is done (chat chunks may interleave parallel calls'
+        arguments, and a call has no end of its own there). Before, the message stayed open beside the calls and
+        every item was done only at the end (a fresh-user trial)."""
         self._pending_logprobs = []  # the call's own tokens: a function_call item has no logprobs
         events = []
         for delta in deltas:
@@ -193,55 +211,87 @@ class ResponseBuilder:
                 ):  # a namespace's function: given back as the client named it
                     namespace, item["name"] = self._namespaced[item["name"]]
                     item["namespace"] = namespace
+                if self._open is not None and self._open["type"] == "function_call":
+                    self._held[item["id"]] = (item, [])
+                else:
+                    events += self._close_open()
+                    self._open = item
                 self._calls[index] = item
                 self.output.append(item)
-                events.append(
-                    self.event(
-                        "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
-                    )
-                )
+                added = {
+                    "type": "response.output_item.added",
+                    "output_index": len(self.output) - 1,
+                    "item": dict(item),
+                }
+                self._emit(item, added, events)
             piece = function.get("arguments") or ""
             if piece:
                 item["arguments"] += piece
-                events.append(
-                    self.event(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
-                        output_index=self.output.index(item),
-                        delta=piece,
-                    )
+                data = {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item["id"],
+                    "output_index": self.output.index(item),
+                    "delta": piece,
+                }
+                self._emit(item, data, events)
+        return events
+
+    def _emit(self, item: dict[str, Any], event: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        """``event`` (not numbered yet) of ``item`` into ``events``, numbered, or into the item's held events
+        while it is held."""
+        held = self._held.get(item["id"])
+        if held is not None:
+            held[1].append(event)
+        else:
+            events.append(self._numbered(event))
+
+    def _close_open(self, last_status: str = "completed") -> list[dict[str, Any]]:
+        """The done events of the open item, then of each held call in order (their held events first); the
+        last item closed gets ``last_status``."""
+        items = ([self._open] if self._open is not None else []) + [item for item, _ in self._held.values()]
+        held = {item_id: events for item_id, (_, events) in self._held.items()}
+        self._open = None
+        self._held = {}
+        events: list[dict[str, Any]] = []
+        for n, item in enumerate(items):
+            events += [self._numbered(event) for event in held.get(item["id"], [])]
+            events += self._done(item, last_status if n == len(items) - 1 else "completed")
+        return events
+
+    def _done(self, item: dict[str, Any], status: str) -> list[dict[str, Any]]:
+        """The events that close ``item`` (its status set to ``status``)."""
+        index = self.output.index(item)
+        item["status"] = status
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            part["logprobs"] += self._pending_logprobs  # an incomplete character at the very end
+            self._pending_logprobs = []
+            common = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events.append(
+                self.event(
+                    "response.output_text.done", **common, text=part["text"], logprobs=part["logprobs"]
                 )
+            )
+            events.append(self.event("response.content_part.done", **common, part=dict(part)))
+        else:
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 
     def finish(self, finish: Finish) -> list[dict[str, Any]]:
-        """The closing events of every open item, then ``response.completed`` / ``response.incomplete``."""
-        events = []
+        """The closing events of the open items, then ``response.completed`` / ``response.incomplete``: only the
+        item the cut fell in (the last) is incomplete when ``max_output_tokens`` cut the answer."""
         status = "incomplete" if finish.finish_reason == "length" else "completed"
-        for index, item in enumerate(self.output):
-            # only the item the cut fell in is incomplete: calls before it were delivered whole
-            item["status"] = status if index == len(self.output) - 1 else "completed"
-            if item["type"] == "message":
-                part = item["content"][0]
-                part["logprobs"] += self._pending_logprobs  # an incomplete character at the very end
-                self._pending_logprobs = []
-                common = {"item_id": item["id"], "output_index": index, "content_index": 0}
-                events.append(
-                    self.event(
-                        "response.output_text.done", **common, text=part["text"], logprobs=part["logprobs"]
-                    )
-                )
-                events.append(self.event("response.content_part.done", **common, part=dict(part)))
-            else:
-                events.append(
-                    self.event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        name=item["name"],
-                        arguments=item["arguments"],
-                    )
-                )
-            events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
+        events = self._close_open(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         events.append(self.event(kind, response=self.response(status, finish)))
         return events

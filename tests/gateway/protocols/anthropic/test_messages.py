@@ -613,6 +613,45 @@ def test_usage_as_anthropic_defines_it():
     }
 
 
+def test_interleaved_parallel_tool_calls_stream_one_whole_block_after_another():
+    """A fresh-user trial: an OpenAI-compatible upstream interleaved two calls' argument deltas (0, 1, 0, 1);
+    block 1 got a delta after its ``content_block_stop``, where the Anthropic SDK showed ``input: {}``. A later
+    call's block is now held while the open one may still grow, and sent whole after it."""
+
+    def call(index: int, arguments: str, name: str | None = None) -> Delta:
+        function = {"arguments": arguments} | ({"name": name} if name else {})
+        head = {"id": f"call_{index}", "type": "function"} if name else {}
+        return Delta(tool_calls=[{"index": index, **head, "function": function}])
+
+    formatter = StreamFormatter("claude", "req1")
+    events = [
+        Delta(text="Both."),
+        call(0, '{"city": "Pa', "get_weather"),
+        call(1, '{"tz":', "get_time"),
+        call(0, 'ris"}'),
+        call(1, ' "CET"}'),
+    ]
+    raw = b"".join(formatter.feed(e) for e in events) + formatter.feed(Finish("tool_calls", USAGE))
+    parsed = [(e.event, json.loads(e.data)) for e in parse_sse(raw)]
+    blocks = [(n, d.get("index")) for n, d in parsed if n.startswith("content_block")]
+    assert [n for n, _ in blocks if n != "content_block_delta"] == [
+        "content_block_start",
+        "content_block_stop",
+    ] * 3
+    stopped: set[int] = set()
+    inputs: dict[int, str] = {}
+    for name, data in parsed:
+        if name == "content_block_stop":
+            stopped.add(data["index"])
+        elif name == "content_block_delta":
+            assert data["index"] not in stopped  # nothing after a block's stop
+            if data["delta"]["type"] == "input_json_delta":
+                inputs[data["index"]] = inputs.get(data["index"], "") + data["delta"]["partial_json"]
+        elif name == "content_block_start":
+            assert data["index"] == len(stopped)  # one block after another, in index order
+    assert {i: json.loads(v) for i, v in inputs.items()} == {1: {"city": "Paris"}, 2: {"tz": "CET"}}
+
+
 def test_stream_event_order_and_content_for_text_then_parallel_tools():
     formatter = StreamFormatter("claude", "req1")
     events = [Delta(text="Checking"), Delta(text=" both.")] + deltas_from_openai_fixture("f82268f2fefd.sse")

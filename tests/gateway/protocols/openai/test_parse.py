@@ -602,3 +602,39 @@ def test_an_empty_tools_array_is_refused_on_chat_and_dropped_on_responses():
     with pytest.raises(InvalidRequestError) as caught:
         parse_chat_request({"model": "m", "messages": MESSAGES, "tools": []}, {})
     assert (caught.value.param, caught.value.code) == ("tools", "empty_array")
+
+
+def test_responses_output_items_stream_one_after_another():
+    """A fresh-user trial: text then a call (Claude's usual answer), and interleaved parallel calls, left the
+    message item open while the call's item was added and every ``*.done`` came at the end. Each item is now
+    done before the next is added, with its events in order and sequence numbers rising."""
+    from gateway.core.events import Finish
+    from gateway.protocols.openai.response_builder import ResponseBuilder
+
+    stream = ResponseBuilder({"model": "m", "input": "x"}, "m", "abc")
+    events = stream.start() + stream.text("Let me check.")
+    events += stream.tool_calls([{"index": 0, "id": "c0", "function": {"name": "f", "arguments": '{"a": '}}])
+    events += stream.tool_calls([{"index": 1, "id": "c1", "function": {"name": "g", "arguments": '{"b": '}}])
+    events += stream.tool_calls([{"index": 0, "function": {"arguments": "1}"}}])
+    events += stream.tool_calls([{"index": 1, "function": {"arguments": "2}"}}])
+    events += stream.finish(Finish(finish_reason="tool_calls", usage=USAGE))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    open_items: list[int] = []
+    done: set[int] = set()
+    arguments: dict[int, str] = {}
+    for event in events:
+        index = event.get("output_index")
+        if event["type"] == "response.output_item.added":
+            assert not open_items and index == len(done)  # the one before is done
+            open_items.append(index)
+        elif event["type"] == "response.output_item.done":
+            assert open_items == [index]
+            open_items.pop()
+            done.add(index)
+        elif index is not None:
+            assert open_items == [index]  # every event of an item between its added and its done
+            if event["type"] == "response.function_call_arguments.delta":
+                arguments[index] = arguments.get(index, "") + event["delta"]
+    assert arguments == {1: '{"a": 1}', 2: '{"b": 2}'}
+    assert [item["type"] for item in stream.output] == ["message", "function_call", "function_call"]
+    assert [item["status"] for item in stream.output] == ["completed"] * 3
