@@ -53,6 +53,7 @@ from gateway.service.canonicalize import Canonicalizer
 from gateway.service.gateway import Gateway
 from gateway.service.limits import ClientUsage
 from gateway.service.metrics import build_registry
+from gateway.service.pipeline import UPSTREAM_REQUEST_ID_HEADER
 from gateway.service.registry import ModelRegistry
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
 from gateway.service.retention import RetentionPolicy, attach_retention_policy
@@ -286,9 +287,11 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
         gateway.stats.record_error(model, error.status_code)
     started = getattr(http_request.state, "started_at", None)
     key = getattr(http_request.state, "client_key", None)  # who was refused (a 429, a 404 for a model)
+    request_id = request_id_of(http_request)
+    upstream_id = getattr(error, "upstream_request_id", None)  # a relayed upstream error's own id
     log_request(
         RequestRecord(
-            request_id=request_id_of(http_request),
+            request_id=request_id,
             path=http_request.url.path,
             status=error.status_code,
             model=model,
@@ -297,9 +300,15 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
             stream=bool(getattr(http_request.state, "stream", False)),
             duration_s=time.monotonic() - started if started is not None else None,
             error_code=error.code or error.error_type,
+            upstream_request_id=upstream_id,
         )
     )
-    headers = {"www-authenticate": "Bearer"} if isinstance(error, AuthenticationError) else {}
+    # the ids of an answer, as on a 200: the gateway's (the SDKs' ``request_id`` of an error) and the upstream's
+    headers = {"x-request-id": request_id}
+    if upstream_id:
+        headers[UPSTREAM_REQUEST_ID_HEADER] = upstream_id
+    if isinstance(error, AuthenticationError):
+        headers["www-authenticate"] = "Bearer"
     retry_after = getattr(error, "retry_after_s", None)
     if (
         isinstance(retry_after, int | float) and 0 <= retry_after < 10**9
@@ -310,11 +319,14 @@ async def handle_error(http_request: Request, exc: Exception) -> Response:
         # connection: say so, so the client opens a new one for its next request instead of being reset.
         headers["connection"] = "close"
     path = http_request.url.path
-    shape = (
-        anthropic_error_body if wants_anthropic_shape(path, http_request.headers) else error_shape_for(path)
+    anthropic = (
+        wants_anthropic_shape(path, http_request.headers) or error_shape_for(path) is anthropic_error_body
     )
-    body = shape(error)
-    return JSONResponse(body, status_code=error.status_code, headers=headers or None)
+    body = (anthropic_error_body if anthropic else error_shape_for(path))(error)
+    if anthropic:  # Anthropic's error JSON and headers carry the request's id (its SDK reads ``request-id``)
+        headers["request-id"] = request_id
+        body["request_id"] = request_id
+    return JSONResponse(body, status_code=error.status_code, headers=headers)
 
 
 async def handle_disconnect(http_request: Request, exc: Exception) -> Response:

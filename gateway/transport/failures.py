@@ -98,6 +98,7 @@ class UpstreamCallError(errors.UpstreamError):
             OpenAI ``{"message","type","param","code"}`` or Anthropic ``{"type","message"}``.
         retry_after_s: the upstream's ``Retry-After`` in seconds, when sent.
         attempts: upstream attempts made.
+        upstream_request_id: the upstream's id for its error answer (``upstream_request_id``), when it sent one.
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class UpstreamCallError(errors.UpstreamError):
         upstream_error: dict[str, Any] | None = None,
         retry_after_s: float | None = None,
         attempts: int = 1,
+        upstream_request_id: str | None = None,
     ) -> None:
         error_type, code = _KIND_TYPES.get(kind, ("server_error", "upstream_error"))
         param = None
@@ -129,6 +131,7 @@ class UpstreamCallError(errors.UpstreamError):
         self.upstream_error = upstream_error
         self.retry_after_s = retry_after_s
         self.attempts = attempts
+        self.upstream_request_id = upstream_request_id
 
     @property
     def retryable(self) -> bool:
@@ -233,6 +236,7 @@ def error_from_status(
         upstream_error=upstream_error,
         retry_after_s=retry_after,
         attempts=attempts,
+        upstream_request_id=rid,
     )
 
 

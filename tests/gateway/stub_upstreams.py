@@ -120,7 +120,9 @@ def openai_stub(state: StubState) -> Starlette:
             return JSONResponse(
                 {"error": {"message": f"stub {state.name} failing", "type": "server_error"}},
                 status,
-                headers={"retry-after": "120"} if status == 429 else None,  # longer than the gateway waits
+                # Retry-After longer than the gateway waits; the provider's own id for its answer
+                headers={"x-request-id": f"req_fail_{state.name}"}
+                | ({"retry-after": "120"} if status == 429 else {}),
             )
         prompt_tokens = fake_tokens(body["messages"])
         key = body.get("prompt_cache_key") or json.dumps(body["messages"][:1])
@@ -243,6 +245,7 @@ def anthropic_stub(state: StubState) -> Starlette:
             return JSONResponse(
                 {"type": "error", "error": {"type": kind, "message": f"stub {state.name} says {kind}"}},
                 status,
+                headers={"request-id": f"req_fail_{state.name}"},
             )
         events = _anthropic_events(state, body)
         if not body.get("stream"):

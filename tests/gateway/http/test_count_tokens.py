@@ -96,6 +96,13 @@ def model_stats(server) -> dict:
     return server.wait_blocks_released(TINY_MODEL)["models"][TINY_MODEL]
 
 
+def error_body(response: httpx.Response) -> dict:
+    """An Anthropic-shaped error body without its ``request_id`` (checked: the response's ``request-id``)."""
+    data = response.json()
+    assert data.pop("request_id") == response.headers["request-id"]
+    return data
+
+
 def test_embedded_count_is_the_chat_template_rendering(server, ant, reference):
     counted_by = f"chat-template:{engine_model_id(server)}"
     user = [{"role": "user", "content": QUESTION}]
@@ -169,18 +176,18 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
 
     response = post(content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400
-    assert response.json() == error(
+    assert error_body(response) == error(
         "invalid_request_error",
         "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
         "HTTP library correctly. The API expects a JSON payload, but what was sent was not valid JSON.)",
     )
     response = post(json={"model": TINY_MODEL})
-    assert (response.status_code, response.json()) == (
+    assert (response.status_code, error_body(response)) == (
         400,
         error("invalid_request_error", "messages: expected an array of messages, got null"),
     )
     response = post(json={"model": TINY_MODEL, "messages": [{"role": "robot", "content": "x"}]})
-    assert (response.status_code, response.json()) == (
+    assert (response.status_code, error_body(response)) == (
         400,
         error(
             "invalid_request_error",
@@ -192,25 +199,25 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
         response = post(
             json={"model": TINY_MODEL, field: value, "messages": [{"role": "user", "content": "x"}]}
         )
-        assert (response.status_code, response.json()) == (
+        assert (response.status_code, error_body(response)) == (
             400,
             error("invalid_request_error", f"{field}: Extra inputs are not permitted"),
         )
     response = post(json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
-    assert (response.status_code, response.json()) == (
+    assert (response.status_code, error_body(response)) == (
         404,
         error("not_found_error", "The model `nope` does not exist or you do not have access to it."),
     )
     response = post(
         json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}
     )
-    assert (response.status_code, response.json()) == (
+    assert (response.status_code, error_body(response)) == (
         413,
         error("request_too_large", f"Request body too large: the limit is {MAX_BODY_BYTES} bytes."),
     )
     image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     response = post(json={"model": TINY_MODEL, "messages": [{"role": "user", "content": [image]}]})
-    assert (response.status_code, response.json()) == (
+    assert (response.status_code, error_body(response)) == (
         400,
         error(
             "invalid_request_error",
@@ -221,12 +228,12 @@ def test_bad_requests_get_anthropic_errors_and_take_no_block(server, reference):
         json={"model": TINY_MODEL, "messages": [{"role": "user", "content": "x"}]},
         headers={"x-prefixgate-rules": "maybe"},
     )
-    assert (response.status_code, response.json()) == (
+    assert (response.status_code, error_body(response)) == (
         400,
         error("invalid_request_error", "Invalid header x-prefixgate-rules: expected 'on' or 'off'."),
     )
     response = httpx.get(url, timeout=30)
-    assert response.status_code == 405 and response.json()["type"] == "error"
+    assert response.status_code == 405 and error_body(response)["type"] == "error"
 
     after = model_stats(server)
     assert after["blocks"]["used"] == 0 and after["engine"]["running"] == after["engine"]["waiting"] == 0
@@ -399,8 +406,8 @@ def test_anthropic_upstream_errors_map_as_for_messages(
     created = httpx.post(f"{server.base_url}/v1/messages", json={**body, "max_tokens": 5}, timeout=30)
     expected_type = "api_error" if status == 401 else error["type"]  # the gateway's key, not the client's
     expected = {"type": "error", "error": {"type": expected_type, "message": expected_message}}
-    assert (counted.status_code, counted.json()) == (expected_status, expected)
-    assert (created.status_code, created.json()) == (counted.status_code, counted.json())
+    assert (counted.status_code, error_body(counted)) == (expected_status, expected)
+    assert (created.status_code, error_body(created)) == (counted.status_code, expected)
 
 
 def test_anthropic_upstream_answer_without_a_count_is_a_502(upstream_gateway, mock):
@@ -412,6 +419,7 @@ def test_anthropic_upstream_answer_without_a_count_is_a_502(upstream_gateway, mo
         ant.messages.count_tokens(model="an", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 502
     assert info.value.body == {
+        "request_id": info.value.request_id,
         "type": "error",
         "error": {
             "type": "api_error",
@@ -444,6 +452,7 @@ def test_openai_upstream_is_estimated_locally_with_tiktoken(upstream_gateway, mo
     with pytest.raises(anthropic.BadRequestError) as info:
         ant.messages.count_tokens(model="oa", messages=[{"role": "user", "content": [document]}])
     assert info.value.body == {
+        "request_id": info.value.request_id,
         "type": "error",
         "error": {
             "type": "invalid_request_error",

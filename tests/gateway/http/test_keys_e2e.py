@@ -91,6 +91,7 @@ def test_no_key_and_wrong_key_are_401_in_each_protocol(keyed):
     assert no_key.json() == {
         "type": "error",
         "error": {"type": "authentication_error", "message": "x-api-key header is required"},
+        "request_id": no_key.headers["request-id"],
     }
 
 

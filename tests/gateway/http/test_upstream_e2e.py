@@ -247,12 +247,16 @@ def test_anthropic_error_json_for_bad_requests(upstreams, ant):
     with pytest.raises(anthropic.NotFoundError) as info:
         ant.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "not_found_error"
+    # an error carries the request's id, as Anthropic's do (a fresh-user trial: the SDK's request_id was None)
+    assert info.value.request_id and info.value.body["request_id"] == info.value.request_id
     response = httpx.post(f"{gateway.base_url}/v1/messages", json={"model": "an", "messages": []}, timeout=10)
     assert response.status_code == 400
     assert response.json() == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "max_tokens: field required"},
+        "request_id": response.headers["request-id"],
     }
+    assert response.headers["x-request-id"] == response.headers["request-id"]
     response = httpx.post(f"{gateway.base_url}/v1/messages", content=b"{not json", timeout=10)
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
@@ -263,6 +267,8 @@ def test_upstream_overload_reaches_the_client_as_its_error(upstreams, ant, oai):
     with pytest.raises(anthropic.APIStatusError) as info:
         ant.messages.create(model="an", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 529 and info.value.body["error"]["type"] == "overloaded_error"
+    # the provider's own id for the failed answer, for a ticket with it
+    assert info.value.response.headers["x-prefixgate-upstream-request-id"] == "req_fail_ANT"
     states["openai"].fail_next = [500]  # one failure, then the retry succeeds
     answer = oai.chat.completions.create(model="oa", messages=[{"role": "user", "content": "retry me"}])
     assert answer.choices[0].message.content == "served by OAI"
@@ -270,6 +276,8 @@ def test_upstream_overload_reaches_the_client_as_its_error(upstreams, ant, oai):
     with pytest.raises(openai.RateLimitError) as limited:
         oai.chat.completions.create(model="oa", messages=[{"role": "user", "content": "later"}])
     assert limited.value.response.headers["retry-after"] == "120"
+    assert limited.value.response.headers["x-prefixgate-upstream-request-id"] == "req_fail_OAI"
+    assert limited.value.request_id == limited.value.response.headers["x-request-id"]
 
 
 def test_a_stream_cut_mid_way_ends_with_an_error_event(upstreams, ant, oai):
