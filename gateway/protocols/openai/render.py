@@ -14,12 +14,18 @@ from gateway.core.request import ChatRequest
 
 
 def usage_body(usage: BackendUsage) -> dict[str, Any]:
-    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens``."""
+    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens`` and ``cache_write_tokens`` (input written to a
+    provider's cache: Anthropic's ``cache_creation_input_tokens``, OpenAI's own from GPT-5.6; 0 elsewhere), as
+    OpenAI's answers carry them and as the Responses and Messages faces report them."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "audio_tokens": 0},
+        "prompt_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.cache_creation_tokens,
+            "audio_tokens": 0,
+        },
         "completion_tokens_details": {
             "reasoning_tokens": 0,
             "audio_tokens": 0,

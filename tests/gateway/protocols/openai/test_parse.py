@@ -311,6 +311,26 @@ def test_usage_reports_cached_tokens():
     body = usage_body(USAGE)
     assert body["prompt_tokens"] == 40 and body["total_tokens"] == 45
     assert body["prompt_tokens_details"]["cached_tokens"] == 32
+    assert body["prompt_tokens_details"]["cache_write_tokens"] == 0
+
+
+def test_chat_usage_reports_cache_writes_as_the_other_faces_do():
+    """A fresh-user trial: an Anthropic upstream's 1,439 written tokens (and OpenAI's ``cache_write_tokens``)
+    were in the Responses and Messages usage but not in Chat Completions', so a cost computed from it missed the
+    write premium."""
+    import openai.types.completion_usage as openai_usage
+
+    written = BackendUsage(
+        prompt_tokens=2000, completion_tokens=5, cached_tokens=512, cache_creation_tokens=1439
+    )
+    body = usage_body(written)
+    assert body["prompt_tokens_details"] == {
+        "cached_tokens": 512,
+        "cache_write_tokens": 1439,
+        "audio_tokens": 0,
+    }
+    parsed = openai_usage.CompletionUsage.model_validate(body)
+    assert parsed.prompt_tokens_details.cache_write_tokens == 1439
 
 
 def test_chat_completion_body_shape():
