@@ -35,7 +35,7 @@ from gateway.protocols.anthropic.cache_control import (
     drop_null_markers,
 )
 from gateway.protocols.anthropic.parse import COUNT_TOKENS_PATH, apply_request_headers, parse_count_body
-from gateway.service.pipeline import canonicalize
+from gateway.service.pipeline import canonicalize_off_loop
 from gateway.service.request_log import RequestRecord, log_request
 
 COUNTED_BY_HEADER = "x-prefixgate-counted-by"
@@ -64,7 +64,7 @@ async def count_tokens_endpoint(http_request: Request) -> Response:
     authorize(http_request, request, key, admit=False)
     begin(http_request, request)
     backend = gateway.registry.get(request.model)
-    canonicalize(gateway, request)
+    await canonicalize_off_loop(gateway, request)
     count = await backend.count_tokens(request)
     log_request(
         RequestRecord(

@@ -30,7 +30,7 @@ from gateway.core.keys import ClientKey
 from gateway.core.tenants import unreachable_tenant_problem
 from gateway.protocols.openai.parse import parse_chat_request
 from gateway.service.gateway import Gateway
-from gateway.service.pipeline import canonicalize
+from gateway.service.pipeline import canonicalize_off_loop
 from gateway.service.prompt_levels import level_ends
 
 logger = logging.getLogger("prefixgate.warm")
@@ -141,7 +141,7 @@ async def warm_messages(
     request = parse_chat_request({"model": model, "messages": messages}, {})
     request.tenant = tenant
     backend = gateway.registry.get(model)
-    canonicalize(gateway, request)
+    await canonicalize_off_loop(gateway, request)
     tail = "history" if len(messages) > 2 or messages[-1].get("role") != "system" else "system"
     if tail_level is not None:
         tail = tail_level

@@ -89,6 +89,18 @@ def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
     request.prefix_key = prefix_key(request.model, request.tenant, material) if material is not None else ""
 
 
+async def canonicalize_off_loop(gateway: Gateway, request: ChatRequest) -> None:
+    """``canonicalize``, in a worker thread for a prompt over ``INLINE_CANONICALIZE_CHARS`` characters.
+
+    Raises:
+        InvalidRequestError: a request shape the rules refuse.
+    """
+    if _prompt_chars(request) > INLINE_CANONICALIZE_CHARS:
+        await asyncio.to_thread(canonicalize, gateway, request)
+    else:
+        canonicalize(gateway, request)
+
+
 async def open_stream(gateway: Gateway, request: ChatRequest, path: str, started: float) -> OpenedStream:
     """Canonicalize ``request``, compute its prefix key, and open its backend stream up to the first event.
 
@@ -110,10 +122,7 @@ async def _open(
     gateway: Gateway, request: ChatRequest, backend: Backend, path: str, started: float, hold: BudgetHold
 ) -> OpenedStream:
     """``open_stream`` once the model is known and the budget held."""
-    if _prompt_chars(request) > INLINE_CANONICALIZE_CHARS:
-        await asyncio.to_thread(canonicalize, gateway, request)
-    else:
-        canonicalize(gateway, request)
+    await canonicalize_off_loop(gateway, request)
     if backend.wants_level_ends():
         request.level_ends = level_ends(request, backend)
     gateway.stats.record_rules(request.model, Canonicalizer.applied(request))

@@ -1,10 +1,12 @@
-"""A prompt over ``INLINE_CANONICALIZE_CHARS`` is canonicalized in a worker thread, a small one on the event loop
-(a fresh-user trial: a 3.4 MB one-line JSON system prompt held the loop, ``/healthz`` included, for ~50 s)."""
+"""A prompt over ``INLINE_CANONICALIZE_CHARS`` is canonicalized in a worker thread, a small one on the event loop, for
+a completion and for a token count (a fresh-user trial: a 3.4 MB one-line JSON system prompt held the loop,
+``/healthz`` included, for ~50 s)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import anthropic
 import openai
 import pytest
 
@@ -47,4 +49,12 @@ def test_a_large_prompt_is_canonicalized_off_the_event_loop(gateway, monkeypatch
                 messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
             )
             assert answer.choices[0].message.content
+    assert on_loop == [True, False]
+    on_loop.clear()  # count_tokens takes the same path
+    with anthropic.Anthropic(base_url=gateway.base_url, api_key="x", max_retries=0) as client:
+        for system in ("You are brief.", big):
+            counted = client.messages.count_tokens(
+                model="oa", system=system, messages=[{"role": "user", "content": "hi"}]
+            )
+            assert counted.input_tokens > 0
     assert on_loop == [True, False]
