@@ -206,6 +206,20 @@ _TIME_LIKE = re.compile(
 )
 """Dates, clock times and epoch numbers inside a value (``conversation_scope`` masks them)."""
 
+_PER_REQUEST_TOKENS = re.compile(
+    r"[^\s,;()\[\]{}<>\"'`]*\d[^\s,;()\[\]{}<>\"'`]*"  # any token holding a digit: a time, an id, a count
+    r"|\b(?:(?:mon|tues|wednes|thurs|fri|satur|sun)day|morning|afternoon|evening|night|noon|midnight|tonight"
+    r"|today|tomorrow|yesterday|january|february|march|april|may|june|july|august|september|october|november"
+    r"|december|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec|am|pm|a\.m|p\.m)\b"
+    r"|오전|오후|午前|午後|上午|下午",
+    re.IGNORECASE,
+)
+"""What a per-request value changes from one request to the next (its digits, weekday, month, part of the day):
+``conversation_scope`` masks it, and names the conversation by what is left."""
+
+_MASK_RUN = re.compile(r"#(?:[\s,./:-]*#)+")
+"""Masks next to each other, as one ("Tuesday 18:45" and "18:45" alike)."""
+
 
 USER_MARK = "\0user:"
 """What a memory scope holds before the end-user id the client named (the gateway's ``Canonicalizer.scope``): such a
@@ -220,9 +234,16 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool 
     the first one's name). Per-request values (a time, a request id) change between the turns of one
     conversation and are left out. ``scope`` itself when there are no such values.
 
+    A per-request value names the conversation by what is left once what changes per request is masked (every
+    token holding a digit, weekdays, months, parts of the day: ``_PER_REQUEST_TOKENS``): ``Current time:
+    2025-03-03T10:00:00Z`` leaves ``Current time: #``, the same for every request and every user, while ``Last
+    login: 2025-03-02 22:14 from 203.0.113.7 (Paris, iPhone)`` or ``Current time: 10:00 for the patient Alice
+    Martin`` keep the user's own words. A re-check after a fresh-user trial saw such lines, hoisted whole by the
+    date rules, carry one customer's login place and a patient's name into another customer's first block.
+
     Private per-request values (flag ``PRIVATE``: a git status, the user's own data that may still change
     within a conversation) are left out only when ``scope`` names the end user (``USER_MARK``). Without it they
-    name the conversation too: a fresh-user trial saw two customers of one app with the same opening exchange
+    name the conversation whole: a fresh-user trial saw two customers of one app with the same opening exchange
     and no ``user`` field share a stable form, and the second was served the first one's stored history, a git
     status naming the first one's files in its first block.
 
@@ -234,9 +255,9 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool 
     user_named = USER_MARK in scope
     values = sorted(
         {
-            _TIME_LIKE.sub("#", value)
+            _masked(value, per_request is True)
             for _, value, per_request in system_values
-            if not per_request or (per_request == PRIVATE and not user_named)
+            if not (per_request == PRIVATE and user_named)
         }
     )
     if not values:
@@ -247,6 +268,15 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool 
         h.update(len(data).to_bytes(8, "big"))
         h.update(data)
     return scope + "\0conversation:" + h.hexdigest()
+
+
+def _masked(value: str, per_request: bool) -> str:
+    """``value`` as it names a conversation: its dates and times masked, and for a per-request value everything
+    ``_PER_REQUEST_TOKENS`` matches."""
+    value = _TIME_LIKE.sub("#", value)
+    if not per_request:
+        return value
+    return _MASK_RUN.sub("#", _PER_REQUEST_TOKENS.sub("#", value))  # "Tuesday 18:45" and "18:45" alike
 
 
 class PrefixHasher:

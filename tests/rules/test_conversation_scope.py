@@ -154,7 +154,10 @@ def test_a_customers_own_record_ids_are_hoisted(line: str, hoisted: bool) -> Non
 
 def test_conversation_scope_names_only_the_values_that_hold_for_a_conversation() -> None:
     assert conversation_scope("s", []) == "s"
-    assert conversation_scope("s", [("tail_end", "Current time: 12:00", True)]) == "s"
+    # a per-request value counts by what is left of it once its time (its digits, days, months) is masked
+    noon = conversation_scope("s", [("tail_end", "Current time: 12:00", True)])
+    assert noon == conversation_scope("s", [("tail_end", "Current time: Tuesday 18:45", True)]) != "s"
+    assert noon != conversation_scope("s", [("tail_end", "Current time: 12:00 for Ann", True)])
     one = conversation_scope("s", [("tail_end", "User's name: Ann", False), ("tail_end", "t1", True)])
     assert one.startswith("s\0conversation:") and one != "s"
     assert one == conversation_scope(
@@ -260,6 +263,52 @@ def test_a_users_line_that_holds_a_time_names_the_conversation_by_the_rest() -> 
     memory = TranscriptMemory(InProcessTranscriptStore())
     DEFAULT.apply(turn(3, False), memory=memory, scope="s")
     assert DEFAULT.apply(turn(9, True), memory=memory, scope="s").history.reused_turns == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "first", "second", "private"),
+    [
+        (
+            "Last login: 2025-03-02 22:{minute:02d} from {who}",
+            "203.0.113.7 (Paris, iPhone)",
+            "198.51.100.4 (Oslo, Android)",
+            "Paris",
+        ),
+        ("Current time: 10:{minute:02d} for the patient {who}.", "Alice Martin", "Bob Jones", "Alice Martin"),
+        (
+            "Session started at: 09:{minute:02d} by {who}",
+            "alice@example.com",
+            "bob@example.com",
+            "alice@example.com",
+        ),
+    ],
+)
+def test_a_per_request_line_names_the_conversation_by_what_is_not_its_time(
+    line, first, second, private
+) -> None:
+    """A re-check of the trial's leak: the date rules hoist a whole line or sentence as one per-request value, and
+    such a line can hold the customer's own data besides its time. The memory's scope keeps what is left once
+    the time is masked: another customer never gets the line, the same customer's next turn (a new time) still
+    reuses its history."""
+
+    def request(who: str, minute: int, more: bool) -> list[dict]:
+        text = (
+            "You are the clinic assistant. Be brief.\n" + line.format(minute=minute, who=who) + "\nBe kind."
+        )
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Hi"}]
+        if more:
+            messages += [
+                {"role": "assistant", "content": "Hello! How can I help you today?"},
+                {"role": "user", "content": "What did we say?"},
+            ]
+        return messages
+
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    DEFAULT.apply(request(first, 0, False), memory=memory, scope="clinic")
+    own = DEFAULT.apply(request(first, 5, True), memory=memory, scope="clinic")
+    assert own.hoisted and own.history.reused_turns == 1  # hoisted, and its time moved: still its history
+    other = DEFAULT.apply(request(second, 6, True), memory=memory, scope="clinic")
+    assert private not in all_text(other.messages) and other.history.reused_turns == 0
 
 
 def test_an_agents_git_status_changing_between_turns_keeps_its_history_for_a_named_user() -> None:

@@ -12,7 +12,13 @@ import pytest
 from rules import load_ruleset
 from rules.model import PLACEMENTS
 from rules.placement import turn_spans
-from rules.transcript import InProcessTranscriptStore, PrefixHasher, TranscriptEntry, TranscriptMemory
+from rules.transcript import (
+    InProcessTranscriptStore,
+    PrefixHasher,
+    TranscriptEntry,
+    TranscriptMemory,
+    conversation_scope,
+)
 from tests.rules.helpers import all_text, ruleset_from
 from tests.rules.history_traces import SYSTEM, Replay, tool_turn
 
@@ -280,7 +286,8 @@ def test_memory_entries_are_checked_scoped_and_bounded() -> None:
     clock[0] = 61.0  # expired
     assert DEFAULT.apply(t2, memory=memory, scope="tenant-a").history.reused_turns == 0
     # a corrupt entry and an entry that is not this conversation's form are misses, counted
-    key = PrefixHasher("tenant-a", None).keys(
+    scope = conversation_scope("tenant-a", [("tail_end", "Current time: 2026-12-01 10:00:00", True)])
+    key = PrefixHasher(scope, None).keys(
         DEFAULT.apply(t1).messages[:0]
         + [
             {"role": "system", "content": "You are a helpful assistant.\nAnswer briefly."},
