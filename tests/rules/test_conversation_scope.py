@@ -200,9 +200,10 @@ rules:
         ("3", "'per_request' must be true, false or a pattern"),
         ("''", "'per_request' must be true, false or a pattern"),
         ("'(unclosed'", "'per_request':"),
+        ("true\n    private: 'yes please'", "'private' must be true or false"),
     ],
 )
-def test_a_bad_per_request_is_refused_by_name(tmp_path, value: str, message: str) -> None:
+def test_a_bad_per_request_or_private_is_refused_by_name(tmp_path, value: str, message: str) -> None:
     source = f"""
 rules:
   - id: ticket
@@ -211,19 +212,6 @@ rules:
     per_request: {value}
 """
     with pytest.raises(RuleError, match=message):
-        ruleset_from(tmp_path, source)
-
-
-def test_a_bad_private_is_refused_by_name(tmp_path) -> None:
-    source = """
-rules:
-  - id: ticket
-    match: {role: system, pattern: 'Ticket: T-[0-9]+'}
-    action: hoist
-    per_request: true
-    private: 'yes please'
-"""
-    with pytest.raises(RuleError, match="'private' must be true or false"):
         ruleset_from(tmp_path, source)
 
 
@@ -265,6 +253,18 @@ def test_a_users_line_that_holds_a_time_names_the_conversation_by_the_rest() -> 
     assert DEFAULT.apply(turn(9, True), memory=memory, scope="s").history.reused_turns == 1
 
 
+def customer_chat(system: str, more: bool) -> list[dict]:
+    """A customer's chat that opens like every other customer's ("Hi", the same greeting); with ``more``, its
+    second turn."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    if more:
+        messages += [
+            {"role": "assistant", "content": "Hello! How can I help you today?"},
+            {"role": "user", "content": "What did we say?"},
+        ]
+    return messages
+
+
 @pytest.mark.parametrize(
     ("line", "first", "second", "private"),
     [
@@ -292,16 +292,8 @@ def test_a_per_request_line_names_the_conversation_by_what_is_not_its_time(
     reuses its history."""
 
     def request(who: str, minute: int, more: bool) -> list[dict]:
-        text = (
-            "You are the clinic assistant. Be brief.\n" + line.format(minute=minute, who=who) + "\nBe kind."
-        )
-        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Hi"}]
-        if more:
-            messages += [
-                {"role": "assistant", "content": "Hello! How can I help you today?"},
-                {"role": "user", "content": "What did we say?"},
-            ]
-        return messages
+        clinic = "You are the clinic assistant. Be brief.\n"
+        return customer_chat(clinic + line.format(minute=minute, who=who) + "\nBe kind.", more)
 
     memory = TranscriptMemory(InProcessTranscriptStore())
     DEFAULT.apply(request(first, 0, False), memory=memory, scope="clinic")
@@ -357,17 +349,10 @@ def test_a_customers_private_values_never_reach_another_customers_prompt(first, 
     of their git status) in its first block."""
 
     def request(line: str, minute: int, more: bool) -> list[dict]:
-        system = {
-            "role": "system",
-            "content": f"You are the Globex assistant. Be brief.\nCurrent time: 2025-03-03T10:{minute:02d}:00Z\n{line}\nNever discuss other customers.",
-        }
-        messages = [system, {"role": "user", "content": "Hi"}]
-        if more:
-            messages += [
-                {"role": "assistant", "content": "Hello! How can I help you today?"},
-                {"role": "user", "content": "What do I have?"},
-            ]
-        return messages
+        time = f"Current time: 2025-03-03T10:{minute:02d}:00Z"
+        return customer_chat(
+            f"You are the Globex assistant. Be brief.\n{time}\n{line}\nNever discuss others.", more
+        )
 
     memory = TranscriptMemory(InProcessTranscriptStore())
     DEFAULT.apply(request(first, 0, False), memory=memory, scope="bank")
