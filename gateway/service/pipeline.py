@@ -51,6 +51,7 @@ from gateway.service.gateway import Gateway
 from gateway.service.miss_explain import Epoch
 from gateway.service.miss_explanation import MissExplanation
 from gateway.service.prompt_levels import level_ends
+from gateway.service.prompt_size import INLINE_CANONICALIZE_CHARS, INLINE_EXPLAIN_CHARS, prompt_chars
 from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request
@@ -61,18 +62,6 @@ T = TypeVar("T")
 UPSTREAM_REQUEST_ID_HEADER = "x-prefixgate-upstream-request-id"
 """Response header carrying the upstream's own id for its answer (``ChatRequest.upstream_request_id``)."""
 logger = logging.getLogger("prefixgate.pipeline")
-
-INLINE_EXPLAIN_CHARS = 8_000
-"""Prompts up to this many characters of text are explained on the event loop (tokenizing them takes well
-under a millisecond; a worker thread would cost more in the hand-over and in the GIL it then holds while this
-loop waits for it, docs/overhead.md); longer ones in a worker thread, so the loop never stalls on them."""
-
-
-INLINE_CANONICALIZE_CHARS = 100_000
-"""Prompts up to this many characters of text are canonicalized on the event loop (the rules pass costs about a
-microsecond a character where nothing is memoized); longer ones in a worker thread, so one multi-megabyte prompt
-never stalls every other request and ``/healthz`` (a fresh-user trial: a 3.4 MB one-line JSON system prompt held
-the loop for ~50 s before ``rules.actions.removal_range`` was made linear, and still for ~3 s after)."""
 
 
 def canonicalize(gateway: Gateway, request: ChatRequest) -> None:
@@ -95,7 +84,7 @@ async def canonicalize_off_loop(gateway: Gateway, request: ChatRequest) -> None:
     Raises:
         InvalidRequestError: a request shape the rules refuse.
     """
-    if _prompt_chars(request) > INLINE_CANONICALIZE_CHARS:
+    if prompt_chars(request) > INLINE_CANONICALIZE_CHARS:
         await asyncio.to_thread(canonicalize, gateway, request)
     else:
         canonicalize(gateway, request)
@@ -177,7 +166,7 @@ class PromptPreparation:
         tokenizer (an embedded engine's)."""
         if gateway.cache is None or request.kind != "chat" or request.canonical is None:
             return None
-        if _prompt_chars(request) > INLINE_EXPLAIN_CHARS:
+        if prompt_chars(request) > INLINE_EXPLAIN_CHARS:
             return None
         if gateway.registry.get(request.model).prompt_tokenizer() is not None:
             return None  # an engine's own tokenizer is the engine's, busy with this very request now
@@ -310,7 +299,7 @@ class OpenedStream:
                 explanation = cache.explain(
                     *args, prepared=self._rendered, later=self._after_answer, epoch=epoch
                 )
-            elif _prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
+            elif prompt_chars(self.request) <= INLINE_EXPLAIN_CHARS:
                 self._rendered = _prepare_if_chat(cache, self.request, tokenizer)
                 explanation = cache.explain(*args, prepared=self._rendered, epoch=epoch)
             else:
@@ -598,18 +587,6 @@ def _cache_unit(gateway: Gateway, model: str) -> tuple[int | None, int | None]:
     if isinstance(entry, EmbeddedModel):
         return None, entry.engine.block_size
     return None, None
-
-
-def _prompt_chars(request: ChatRequest) -> int:
-    """Characters of the request's prompt text (string contents, text parts, and the rest as its ``str``), an
-    upper bound's worth of an estimate for choosing where to explain it."""
-    total = 0
-    for message in request.messages:
-        content = message.get("content") if isinstance(message, dict) else message
-        total += len(content) if isinstance(content, str) else len(str(content))
-    if request.tools:
-        total += len(str(request.tools))
-    return total
 
 
 async def _aclose(iterator: AsyncIterator[BackendEvent]) -> None:

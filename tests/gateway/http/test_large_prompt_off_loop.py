@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.service import pipeline
+from gateway.service import pipeline, prompt_size
 from tests.gateway.server import RunningServer, write_config
 from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
 
@@ -41,7 +41,7 @@ def test_a_large_prompt_is_canonicalized_off_the_event_loop(gateway, monkeypatch
 
     monkeypatch.setattr(pipeline, "canonicalize", recording)
     big = "Context: {" + ", ".join(f'"k{k}": "v", "now": "2025-03-03T10:00:00Z"' for k in range(3_000)) + "}"
-    assert len(big) > pipeline.INLINE_CANONICALIZE_CHARS
+    assert len(big) > prompt_size.INLINE_CANONICALIZE_CHARS
     with openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0) as client:
         for system in ("You are brief. Current date: 2026-12-06.", big):
             answer = client.chat.completions.create(

@@ -1,0 +1,32 @@
+"""How big a request's prompt is, and where work on it runs by that size: on the event loop for a short prompt (a
+worker thread's hand-over and the GIL it holds while the loop waits cost more, docs/overhead.md), in a worker
+thread for a long one, so one large prompt never stalls every other request and ``/healthz``.
+
+Invariant: the thresholds only decide where work runs, never what it computes.
+"""
+
+from __future__ import annotations
+
+from gateway.core.request import ChatRequest
+
+INLINE_EXPLAIN_CHARS = 8_000
+"""Prompts up to this many characters of text are explained on the event loop (tokenizing them takes well
+under a millisecond); longer ones in a worker thread."""
+
+INLINE_CANONICALIZE_CHARS = 100_000
+"""Prompts up to this many characters of text are canonicalized on the event loop (the rules pass costs about a
+microsecond a character where nothing is memoized); longer ones in a worker thread (a fresh-user trial: a 3.4 MB
+one-line JSON system prompt held the loop for ~50 s before ``rules.actions.removal_range`` was made linear, and
+still for ~3 s after)."""
+
+
+def prompt_chars(request: ChatRequest) -> int:
+    """Characters of the request's prompt text (string contents, text parts, and the rest as its ``str``), an
+    upper bound's worth of an estimate for choosing where to work on it."""
+    total = 0
+    for message in request.messages:
+        content = message.get("content") if isinstance(message, dict) else message
+        total += len(content) if isinstance(content, str) else len(str(content))
+    if request.tools:
+        total += len(str(request.tools))
+    return total
