@@ -405,6 +405,7 @@ class OpenedResponse:
             redact(message, self.upstream.secrets),
             upstream_status=self.response.status_code,
             upstream_error=redact_json(upstream_error, self.upstream.secrets) if upstream_error else None,
+            upstream_request_id=self.request_id,  # the answer's id: the error event came in it
         )
 
     def completed(self) -> None:

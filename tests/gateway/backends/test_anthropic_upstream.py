@@ -499,11 +499,12 @@ async def test_an_error_event_mid_stream_is_a_cut_with_the_upstream_type(http):
     body = CACHE_STREAM.split(b"event: content_block_stop")[0] + (
         b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
     )
-    respx.post(URL).mock(return_value=sse_response(body))
+    respx.post(URL).mock(return_value=sse_response(body, headers={"request-id": "req_011Overloaded"}))
     with pytest.raises(UpstreamStreamCut) as info:
         await drain(backend(http).stream(anthropic_request({"messages": [{"role": "user", "content": "q"}]})))
     assert info.value.upstream_error == {"type": "overloaded_error", "message": "Overloaded"}
     assert info.value.status_code == 529
+    assert info.value.upstream_request_id == "req_011Overloaded"  # the answer's id, for a provider ticket
 
 
 @respx.mock
