@@ -206,16 +206,28 @@ _TIME_LIKE = re.compile(
 )
 """Dates, clock times and epoch numbers inside a value (``conversation_scope`` masks them)."""
 
-_PER_REQUEST_TOKENS = re.compile(
-    r"[^\s,;()\[\]{}<>\"'`]*\d[^\s,;()\[\]{}<>\"'`]*"  # any token holding a digit: a time, an id, a count
-    r"|\b(?:(?:mon|tues|wednes|thurs|fri|satur|sun)day|morning|afternoon|evening|night|noon|midnight|tonight"
-    r"|today|tomorrow|yesterday|january|february|march|april|may|june|july|august|september|october|november"
-    r"|december|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec|am|pm|a\.m|p\.m)\b"
-    r"|오전|오후|午前|午後|上午|下午",
+_TOKEN = re.compile(r"[^\s,;()\[\]{}<>\"'`]+")
+"""A word of a value, as ``_masked_token`` judges it."""
+
+_NUMBER = re.compile(r"[$€£]?\d+(?:[.,]\d+)?%?\.?")
+_DAY_WORD = re.compile(
+    r"(?:(?:mon|tues|wednes|thurs|fri|satur|sun)day|morning|afternoon|evening|night|noon|midnight|tonight|today"
+    r"|tomorrow|yesterday|january|february|march|april|may|june|july|august|september|october|november|december"
+    r"|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec|am|pm|a\.m\.?|p\.m\.?|오전|오후|午前|午後|上午|下午)\.?",
     re.IGNORECASE,
 )
-"""What a per-request value changes from one request to the next (its digits, weekday, month, part of the day):
-``conversation_scope`` masks it, and names the conversation by what is left."""
+
+
+def _masked_token(match: re.Match[str]) -> str:
+    """``#`` for a word of a per-request value that changes from one request to the next: a number (a count, a
+    part of a date), a word holding letters and digits (an id, ``2025년``), a weekday, month or part of the day;
+    the word itself otherwise (an IP address, a place, a name: they tell whose conversation it is)."""
+    word = match.group(0)
+    digits = any(c.isdigit() for c in word)
+    if _NUMBER.fullmatch(word) or (digits and any(c.isalpha() for c in word)) or _DAY_WORD.fullmatch(word):
+        return "#"
+    return word
+
 
 _MASK_RUN = re.compile(r"#(?:[\s,./:-]*#)+")
 """Masks next to each other, as one ("Tuesday 18:45" and "18:45" alike)."""
@@ -234,11 +246,11 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool 
     the first one's name). Per-request values (a time, a request id) change between the turns of one
     conversation and are left out. ``scope`` itself when there are no such values.
 
-    A per-request value names the conversation by what is left once what changes per request is masked (every
-    token holding a digit, weekdays, months, parts of the day: ``_PER_REQUEST_TOKENS``): ``Current time:
-    2025-03-03T10:00:00Z`` leaves ``Current time: #``, the same for every request and every user, while ``Last
-    login: 2025-03-02 22:14 from 203.0.113.7 (Paris, iPhone)`` or ``Current time: 10:00 for the patient Alice
-    Martin`` keep the user's own words. A re-check after a fresh-user trial saw such lines, hoisted whole by the
+    A per-request value names the conversation by what is left once what changes per request is masked (dates
+    and times, numbers, words holding letters and digits such as ids, weekdays, months, parts of the day:
+    ``_masked_token``): ``Current time: 2025-03-03T10:00:00Z`` leaves ``Current time: #``, the same for every
+    request and every user, while ``Last login: 2025-03-02 22:14 from 203.0.113.7 (Paris, iPhone)`` or
+    ``Current time: 10:00 for the patient Alice Martin`` keep the user's own words (an IP address included). A re-check after a fresh-user trial saw such lines, hoisted whole by the
     date rules, carry one customer's login place and a patient's name into another customer's first block.
 
     Private per-request values (flag ``PRIVATE``: a git status, the user's own data that may still change
@@ -272,11 +284,11 @@ def conversation_scope(scope: str, system_values: Sequence[tuple[str, str, bool 
 
 def _masked(value: str, per_request: bool) -> str:
     """``value`` as it names a conversation: its dates and times masked, and for a per-request value everything
-    ``_PER_REQUEST_TOKENS`` matches."""
+    ``_masked_token`` masks."""
     value = _TIME_LIKE.sub("#", value)
     if not per_request:
         return value
-    return _MASK_RUN.sub("#", _PER_REQUEST_TOKENS.sub("#", value))  # "Tuesday 18:45" and "18:45" alike
+    return _MASK_RUN.sub("#", _TOKEN.sub(_masked_token, value))
 
 
 class PrefixHasher:
