@@ -275,6 +275,7 @@ def customer_chat(system: str, more: bool) -> list[dict]:
             "Paris",
         ),
         ("Current time: 10:{minute:02d} for the patient {who}.", "Alice Martin", "Bob Jones", "Alice Martin"),
+        ("Last login: 2025-03-02 22:{minute:02d} from {who}", "203.0.113.7", "198.51.100.4", "203.0.113.7"),
         (
             "Session started at: 09:{minute:02d} by {who}",
             "alice@example.com",
