@@ -21,12 +21,20 @@ still for ~3 s after)."""
 
 
 def prompt_chars(request: ChatRequest) -> int:
-    """Characters of the request's prompt text (string contents, text parts, and the rest as its ``str``), an
-    upper bound's worth of an estimate for choosing where to work on it."""
+    """Characters of the request's prompt text (string contents, text parts' text, any other part as its ``str``),
+    an upper bound's worth of an estimate for choosing where to work on it. Runs on every request: a text part
+    is measured by its length, never turned into a string again."""
     total = 0
     for message in request.messages:
         content = message.get("content") if isinstance(message, dict) else message
-        total += len(content) if isinstance(content, str) else len(str(content))
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                total += len(text) if isinstance(text, str) else len(str(part))
+        elif content is not None:
+            total += len(str(content))
     if request.tools:
         total += len(str(request.tools))
     return total
