@@ -9,6 +9,11 @@ a line left holding only spaces is removed with its line break; otherwise a spac
 dangling by the removal is removed; blank lines the removal left at the start or end of a text that had
 none there are removed too. All matches of one rule in one text are applied in a single
 left-to-right rebuild, so the work is linear in the text length however many matches there are.
+
+Patterns match a view of the text in which the no-break and other typographic spaces (U+00A0, U+202F, ...)
+read as plain spaces (``match_view``): a label or date typed with them ("Current\u00a0date:", a browser's
+"10:14\u202fAM") is matched as it would be with spaces, while what is hoisted or kept is the original text.
+The view has the text's length, so every span found in it is a span of the text.
 """
 
 from __future__ import annotations
@@ -25,6 +30,27 @@ from rules.patterns import base_group_name, group_span, group_texts
 
 _AM_CJK = {"오후": "오전", "오전": "오전", "午後": "午前", "午前": "午前"}
 _AM_ZH = ("上午", "下午", "中午", "晚上", "凌晨", "早上")
+
+
+SPACE_LIKE = "\u00a0\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u202f\u205f"
+"""Typographic spaces patterns read as U+0020: no-break (U+00A0), en to hair spaces (U+2002-U+200A), narrow
+no-break (U+202F, in ICU's "10:14\u202fAM") and the medium mathematical space. The ideographic space (U+3000)
+is not here: the CJK patterns name it where it separates."""
+
+_SPACE_LIKE_RE = re.compile(f"[{SPACE_LIKE}]")
+_SPACE_VIEW = str.maketrans(dict.fromkeys(SPACE_LIKE, " "))
+
+
+@functools.lru_cache(maxsize=16)
+def match_view(text: str) -> str:
+    """``text`` with each ``SPACE_LIKE`` character replaced by a space (``text`` itself when it has none).
+
+    Same length as ``text``, so a match's offsets in the view are offsets in ``text``. Cached: every rule of a
+    pass reads the same texts (at most 16 are held).
+    """
+    if _SPACE_LIKE_RE.search(text) is None:
+        return text
+    return text.translate(_SPACE_VIEW)
 
 
 def apply_span_action(rule: Rule, text: str) -> tuple[str, int, list[str]]:
@@ -76,7 +102,7 @@ def _remove_matches(rule: Rule, text: str) -> tuple[str, int, list[str]]:
         if value_start < 0:
             value_start, value_end = start, end
         values.append(_trim_separator(text[value_start:value_end].strip()))
-        ranges.append(removal_range(text, start, end))
+        ranges.append(removal_range(match_view(text), start, end))
     if not ranges:
         return text, 0, []
     merged: list[tuple[int, int]] = []
@@ -114,7 +140,10 @@ def _matches(rule: Rule, text: str) -> list[Any]:
     A rejected match does not hide a later one that overlaps it: the search goes on from just after the
     rejected match's start (from near the end of the protected range when the match starts inside it, so
     the work stays linear in the number of protected ranges).
+
+    The pattern reads ``match_view(text)``: the matches' groups hold the view's text (plain spaces).
     """
+    text = match_view(text)
     if not rule.kept_by and not rule.skip_code:
         return [m for m in rule.pattern.finditer(text) if m.end() > m.start()]
     protected: tuple[tuple[int, int], ...] | None = None
@@ -202,7 +231,8 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
     """The range to delete so that removing ``text[start:end]`` leaves tidy text.
 
-    A line that would be left blank goes with one of its line breaks; the last item of a line of items
+    A line that would be left blank, or holding only a list marker ("-", "*", "1."), goes with one of its line
+    breaks; the last item of a line of items
     ("A | B") takes its separator along; otherwise one of two space runs that would meet is removed, and a
     space run left at a line's end or start is removed.
 
@@ -219,6 +249,11 @@ def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
         a += 1
     before_blank = b == 0 or text[b - 1] == "\n"
     after_blank = a == n or text[a] == "\n"
+    if not before_blank and after_blank and b < start:
+        # a list item whose whole text goes ("- The user is in Paris."): its marker goes with it
+        bullet_line = _list_marker_line_start(text, b)
+        if bullet_line is not None:
+            b, before_blank = bullet_line, True
     if before_blank and after_blank:
         if a < n:
             return b, a + 1
@@ -243,6 +278,30 @@ def removal_range(text: str, start: int, end: int) -> tuple[int, int]:
     if spaces_after and (start == 0 or text[start - 1] == "\n"):
         return start, s
     return start, end
+
+
+_LIST_MARKERS = "-*•+"
+
+
+def _list_marker_line_start(text: str, at: int) -> int | None:
+    """The start of the line holding ``at`` when ``text`` from there to ``at`` is only indentation and one list
+    marker ("-", "*", "•", "+", or 1-3 digits and "." or ")"); None otherwise. Reads only that marker and
+    indentation."""
+    q = at
+    if q > 0 and text[q - 1] in _LIST_MARKERS:
+        q -= 1
+    elif q > 1 and text[q - 1] in ".)":
+        r = q - 1
+        while r > 0 and q - 1 - r < 3 and "0" <= text[r - 1] <= "9":
+            r -= 1
+        if r == q - 1:
+            return None
+        q = r
+    else:
+        return None
+    while q > 0 and text[q - 1] in " \t":
+        q -= 1
+    return q if q == 0 or text[q - 1] == "\n" else None
 
 
 def _text_before_on_line(text: str, at: int) -> bool:

@@ -53,6 +53,8 @@ inserted so that its message becomes exactly one block unless it is a ``note`` o
 
 from __future__ import annotations
 
+import bisect
+import re
 from typing import Any
 
 from rules.messages import leading_system_count
@@ -118,7 +120,35 @@ def parse_block_at(text: str, at: int) -> tuple[list[str], int] | None:
     close = text.find("\n" + BLOCK_CLOSE, at + len(head))
     if close < 0 or BLOCK_OPEN in text[at + len(head) : close]:
         return None
-    return text[at + len(head) : close].split("\n"), close + 1 + len(BLOCK_CLOSE)
+    return group_element_lines(text[at + len(head) : close].split("\n")), close + 1 + len(BLOCK_CLOSE)
+
+
+_OPEN_TAG_LINE = re.compile(r"[ \t]*<([A-Za-z_][\w.:-]*)(?:[ \t][^<>\n]*)?>[ \t]*")
+
+
+def group_element_lines(lines: list[str]) -> list[str]:
+    """The values of a block's lines: a line that only opens an element (``<memory>``, ``<current_time>``), the
+    lines after it and the first line that only closes it (``</memory>``) are one value, as they were hoisted
+    (``render_block`` writes a value holding line breaks as several lines). Other lines are one value each."""
+    closes: dict[str, list[int]] = {}  # closing line -> its indices, ascending (linear in the lines)
+    for k, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith("</") and stripped.endswith(">"):
+            closes.setdefault(stripped, []).append(k)
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        opened = _OPEN_TAG_LINE.fullmatch(lines[i]) if closes else None
+        if opened is not None:
+            at = closes.get("</" + opened.group(1) + ">", [])
+            n = bisect.bisect_right(at, i)
+            if n < len(at):
+                out.append("\n".join(lines[i : at[n] + 1]))
+                i = at[n] + 1
+                continue
+        out.append(lines[i])
+        i += 1
+    return out
 
 
 def parse_whole_block(text: Any) -> list[str] | None:

@@ -54,6 +54,10 @@ DATE_FORMATS: dict[str, Callable[[datetime], str]] = {
     "dmy": lambda d: f"{d.day} {d.strftime('%B %Y')}",
     "us-numeric-gmt": lambda d: d.strftime("%m/%d/%Y, %H:%M GMT"),
     "us-locale": lambda d: f"{d.month}/{d.day}/{d.year}, {_h12(d)[0]}:" + d.strftime("%M:%S ") + _h12(d)[1],
+    # what ICU 72+ prints (Node 20, Chrome 110 toLocaleString): a narrow no-break space before AM / PM
+    "us-locale-icu": lambda d: (
+        f"{d.month}/{d.day}/{d.year}, {_h12(d)[0]}:" + d.strftime("%M:%S") + "\u202f" + _h12(d)[1]
+    ),
     "eu-dotted": lambda d: d.strftime("%d.%m.%Y %H:%M"),
     "clock-24": lambda d: d.strftime("%H:%M:%S"),
     "clock-12-on-weekday": lambda d: f"{_h12(d)[0]}:{d.minute:02d} {_h12(d)[1]} on " + d.strftime("%A"),
@@ -86,6 +90,10 @@ DATE_ANCHORS: dict[str, str] = {
     "label-current-time": "Current time: {v}",
     "label-current-date-and-time": "Current date and time: {v}",
     "label-todays-date": "Today's date: {v}",
+    "label-no-break-spaces": "Current\u00a0date:\u00a0{v}",
+    "tag-current-date": "<current_date>{v}</current_date>",
+    "tag-current-time-block": "<current_time>\n{v}\n</current_time>",
+    "tag-inline": "You are a careful assistant. <currentDateTime>{v}</currentDateTime> Use it for relative dates.",
     "label-bold-bullet": "- **Current date:** {v}",
     "label-session": "Session: {v}",
     "label-last-login": "Last login: {v}",
@@ -109,6 +117,7 @@ DATE_ANCHORS: dict[str, str] = {
 ANCHOR_REMAINDER: dict[str, str] = {
     "env-block": "<env>\nIs git repo: yes\n</env>",
     "sentence-mid-paragraph": "You are a careful assistant. Use it for relative dates.",
+    "tag-inline": "You are a careful assistant. Use it for relative dates.",
 }
 """What an anchor line becomes after hoisting (absent: nothing is left)."""
 
@@ -162,6 +171,17 @@ OTHER_VOLATILE: dict[str, Callable[[random.Random], str]] = {
     "location-sentence": lambda r: (
         "The user is located in " + r.choice(["Berlin, Germany", "Osaka, Japan"]) + "."
     ),
+    "client-ip": lambda r: f"Client IP: 203.0.{r.randrange(0, 256)}.{r.randrange(1, 255)}",
+    "location-tag": lambda r: (
+        "<user_location>" + r.choice(["Berlin, Germany", "Osaka, Japan", "Austin, TX"]) + "</user_location>"
+    ),
+    "timezone-tag-block": lambda r: (
+        "<timezone>\n" + r.choice(["Europe/Berlin", "Asia/Seoul", "America/New_York"]) + "\n</timezone>"
+    ),
+    "user-name-tag": lambda r: (
+        "<user_name>" + r.choice(["Ann Lee", "Bo Kim", "Jean Dupont"]) + "</user_name>"
+    ),
+    "user-email-tag": lambda r: f"<user_email>user{r.randrange(10**6)}@example.com</user_email>",
     "location-ko": lambda r: "현재 위치: " + r.choice(["서울", "부산"]),
     "location-ja": lambda r: "タイムゾーン: " + r.choice(["Asia/Tokyo", "UTC+9"]),
     "location-zh": lambda r: "用户位置：" + r.choice(["北京", "上海"]),

@@ -499,6 +499,11 @@ def test_removal_range_reads_only_the_blanks_around_a_match() -> None:
         ("x  Date: y  z", "Date: y", "x  z"),  # two space runs that would meet: one goes
         ("x Date: y\nz", "Date: y", "x\nz"),  # a run left at a line's end goes
         ("Date: y  x", "Date: y", "x"),  # ... and at a line's start
+        ("a\n- The user is in Paris.\n- b", "The user is in Paris.", "a\n- b"),  # a bare list marker goes
+        ("a\n  12) X\nb", "X", "a\nb"),  # ... numbered and indented
+        ("a\n* X", "X", "a"),  # ... on the last line
+        ("x - y\nz", "y", "x -\nz"),  # a dash inside a line is no list marker
+        ("a\n1234. X\nb", "X", "a\n1234.\nb"),  # nor four digits
     ],
 )
 def test_removal_range_tidies_the_text_around_a_match(text: str, match: str, expected: str) -> None:

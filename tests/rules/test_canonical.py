@@ -205,6 +205,28 @@ def test_a_user_block_the_hoist_leaves_at_the_end_of_the_system_prompt_is_one_of
     )
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        "<memory>\n- Prefers tea.\n- Lives near the sea.\n</memory>",
+        "<current_time>\n2025-03-04T10:14:00Z\n</current_time>",
+    ],
+)
+def test_a_hoisted_element_over_several_lines_is_one_value_on_the_next_pass(
+    all_rulesets: dict[str, RuleSet], value: str
+) -> None:
+    """An element hoisted whole (a memory block, a date in a tag on three lines) is written to the block as
+    several lines; the next pass reads them back as the one value they were (a hypothesis example of
+    ``test_idempotent_and_deterministic``: it read one value per line)."""
+    messages = [
+        {"role": "system", "content": "You are terse.\n" + value + "\nBe brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    for placement in ("last_user_prefix", "system_end", "before_last_user"):
+        once = _assert_idempotent(all_rulesets[placement], messages)
+        assert once.hoisted == [value]
+
+
 def test_a_user_block_that_whitespace_normalization_puts_at_the_end_of_a_user_message_is_one_of_ours(
     all_rulesets: dict[str, RuleSet],
 ) -> None:

@@ -153,6 +153,16 @@ INLINE_IDS: dict[str, tuple[str, str]] = {
     # a one-digit number before the period still ends the sentence before the id
     "after-one-digit": ("You are bot 5. Session {v} is active. Be brief.", "You are bot 5. Be brief."),
     "date-after-one-digit": ("You are helper 7. Request-Id: {v}", "You are helper 7."),
+    # a bare label's plain number that ends its sentence or clause is an id
+    "bare-label-number": ("You are terse. Session: {n}. Be brief.", "You are terse. Be brief."),
+    "bare-label-number-clause": (
+        "You are terse. Request #{n}, retried. Be brief.",
+        "You are terse. Be brief.",
+    ),
+    "bare-label-mixed-token": (
+        "You are terse. Session: s{n}x is active. Be brief.",
+        "You are terse. Be brief.",
+    ),
 }
 
 
@@ -163,7 +173,10 @@ def test_ids_inside_a_line_are_hoisted_like_dates(name: str, role: str) -> None:
     rng = random.Random(name)
     systems = [
         template.format(
-            v=_uuid(rng), t=f"{rng.randrange(16**8):08x}{rng.randrange(10)}", h=f"{rng.getrandbits(64):016x}"
+            v=_uuid(rng),
+            t=f"{rng.randrange(16**8):08x}{rng.randrange(10)}",
+            h=f"{rng.getrandbits(64):016x}",
+            n=rng.randrange(10**3, 10**6),
         )
         for _ in range(2)
     ]
@@ -202,6 +215,11 @@ NOT_IDS = [
     "Request handling: be nice. The ID is required. Session time is short.",
     "Each user ID must be unique. Mention the session ID when asked.",
     "For example, Request ID: 7f3a9c21-5b2e-4c1d-9e8f-0a1b2c3d4e5f is what a log shows.",
+    # a bare label before a quantity: the number is no id
+    "You are a coach.\nSession: 45 minutes\nBe brief.",
+    "Be brief. Session: 45 minutes, then stop.",
+    "Conversation: 2 hours max. Be brief.",
+    "Answer twice. Request: 3 of 10 allowed. Be brief.",
 ]
 
 
@@ -332,3 +350,46 @@ def test_dialogue_lines_stay(system: str) -> None:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "x"}]
     canon = DEFAULT.apply(messages)
     assert canon.hoisted == [] and canon.messages == messages
+
+
+NOT_CURRENT_TAGS = [
+    # a document's date, a place that is no place, a template placeholder
+    "You are helpful.\n<date>2021-01-01</date>\nBe brief.",
+    "You are helpful.\n<location>the kitchen, whatever the user says</location>\nBe brief.",
+    "You are helpful.\n<now>{{now}}</now>\nBe brief.",
+    # the same tags inside a retrieved document belong to the document
+    "<documents><document><current_date>2020-01-01</current_date><user_name>Bob Stone</user_name>"
+    "<user_location>Berlin, Germany</user_location></document></documents>\nBe brief.",
+    # a tag that only opens, or holds more than its date
+    "You are helpful.\n<current_date>2025-03-04\nBe brief.",
+    "You are helpful.\n<current_date>2025-03-04 <b>bold</b></current_date>\nBe brief.",
+]
+
+
+@pytest.mark.parametrize("system", NOT_CURRENT_TAGS)
+def test_tags_that_name_no_current_value_stay(system: str) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    canon = DEFAULT.apply(messages)
+    assert canon.hoisted == []
+    assert canon.messages == messages
+
+
+@pytest.mark.parametrize(
+    ("system", "stays", "hoisted"),
+    [
+        (
+            "You are a guide.\n- The user is in Paris, France.\n- Be concise.",
+            "You are a guide.\n- Be concise.",
+            "The user is in Paris, France.",
+        ),
+        (
+            "You are a guide.\n  3. The user is located in Osaka, Japan.\n  4. Be concise.",
+            "You are a guide.\n  4. Be concise.",
+            "The user is located in Osaka, Japan.",
+        ),
+    ],
+)
+def test_a_list_item_hoisted_whole_takes_its_marker_along(system: str, stays: str, hoisted: str) -> None:
+    canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+    assert canon.messages[0]["content"] == stays
+    assert canon.hoisted == [hoisted]

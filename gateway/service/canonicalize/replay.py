@@ -34,6 +34,7 @@ from gateway.service.canonicalize.trace import BrokenLine, TraceLineError, Trace
 from gateway.service.miss_explain import MissExplainer
 from gateway.service.miss_explanation import VolatileSpan, volatile_spans_from_chars
 from rules import Canonical, RequestShapeError, RuleSet, load_ruleset
+from rules.actions import match_view
 from rules.learned import LEARNED_ROLES, SlotLearner
 from rules.loader import DEFAULT_PACKS
 from rules.messages import get_text, text_parts
@@ -57,7 +58,11 @@ def first_rule_of(ruleset: RuleSet) -> Callable[[str], str | None]:
 
     def rule_of(value: str) -> str | None:
         for rule in ruleset.rules:
-            if rule.action in _VOLATILE_ACTIONS and rule.pattern is not None and rule.pattern.search(value):
+            if (
+                rule.action in _VOLATILE_ACTIONS
+                and rule.pattern is not None
+                and rule.pattern.search(match_view(value))
+            ):
                 return rule.id
         return None
 
@@ -72,7 +77,7 @@ def rule_value_spans(ruleset: RuleSet, text: str) -> list[tuple[int, int, str]]:
         (start, end, rule.id)
         for rule in ruleset.rules
         if rule.action in _VOLATILE_ACTIONS and rule.pattern is not None
-        for match in rule.pattern.finditer(text)
+        for match in rule.pattern.finditer(match_view(text))
         for start, end in (group_span(match, rule.group),)
         if 0 <= start < end
     ]
