@@ -370,8 +370,11 @@ class AsyncEngine:
             return 0
         return common_prefix_len(shared, prompt)
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[StreamEvent]:
+    def generate(self, req: GenerationRequest, prompt: list[int] | None = None) -> AsyncIterator[StreamEvent]:
         """Validate ``req`` now and return its event stream: ``TextDelta``s, then ``Finished`` (always last).
+
+        ``prompt``, when given, is ``prompt_token_ids(req)`` as the caller computed it (in a worker thread, for a
+        long prompt: tokenizing it on the event loop would stall every other request).
 
         Raises (at call time, before any block is taken):
             InvalidRequestError: bad parameters or prompt (see ``engine.input_processor.validate_params``).
@@ -384,7 +387,8 @@ class AsyncEngine:
         """
         if self._closed:
             raise EngineClosedError("the engine has been shut down")
-        prompt = self.prompt_token_ids(req)
+        if prompt is None:
+            prompt = self.prompt_token_ids(req)
         constraint = req.params.constraint
         if constraint is not None and req.continue_final_message and req.messages:
             # the format covers the prefill and its continuation together (engine.constrained.prefilled)
@@ -397,9 +401,12 @@ class AsyncEngine:
         return self._stream(rid, prompt, req)
 
     # ---- cache administration ----------------------------------------------------------------------------
-    async def warm(self, req: GenerationRequest, *, pin: bool = False) -> WarmResult:
+    async def warm(
+        self, req: GenerationRequest, *, pin: bool = False, prompt: list[int] | None = None
+    ) -> WarmResult:
         """Prefill ``req``'s prompt (token ids, messages or text; its ``params`` are ignored) and keep its
         blocks cached, pinned in RAM with ``pin``; listed under ``req.prefix_key`` (or its chain hash).
+        ``prompt``: ``prompt_token_ids(req)`` when the caller computed it already (``generate``).
 
         Returns:
             The prefix key, tokens now cached (whole blocks), blocks pinned, the pin id, the tokens this warm
@@ -415,7 +422,8 @@ class AsyncEngine:
         """
         if self._closed:
             raise EngineClosedError("the engine has been shut down")
-        prompt = self.prompt_token_ids(req)
+        if prompt is None:
+            prompt = self.prompt_token_ids(req)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         with self._cond:
             self.core.check_prompt(prompt, params)

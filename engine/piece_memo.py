@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from engine import backend_encode
 from engine.bounded_memo import BoundedMemo
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ class PieceMemo:
     def encode_ids(self, text: str, scope: str = "") -> list[int]:
         """The token ids of ``encode(text, scope)`` (the offsets are not computed)."""
         if not self._cuts(text, scope):
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return backend_encode.encode(self.backend, text).ids
         ids: list[int] = []
         self._join(text, scope, ids, None)
         return ids
@@ -190,7 +191,7 @@ class PieceMemo:
             self._piece(text[at:], at, scope, ids, starts)
 
     def _whole(self, text: str) -> tuple[list[int], list[int]]:
-        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding = backend_encode.encode(self.backend, text)
         return list(encoding.ids), [start for start, _ in encoding.offsets]
 
     def _piece(self, piece: str, at: int, scope: str, ids: list[int], starts: list[int] | None) -> None:

@@ -45,6 +45,7 @@ import jinja2.meta
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from engine import backend_encode
 from engine.chat_template import GenerationTag, compile_chat_template, normalize_message
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.piece_memo import PieceMemo
@@ -273,8 +274,9 @@ class Tokenizer:
 
     # ----- tokens -------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` applies the checkpoint's BOS/EOS rule."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; ``add_special_tokens`` applies the checkpoint's BOS/EOS rule. A long text is
+        encoded with the GIL released (``engine.backend_encode``)."""
+        return backend_encode.encode(self.backend, text, add_special_tokens).ids
 
     def encode_with_offsets(self, text: str, scope: str = "") -> tuple[list[int], list[int]]:
         """Token ids of ``text`` (no special tokens added) and the start character of each, as

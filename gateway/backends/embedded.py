@@ -31,9 +31,9 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.api import EngineStats, Finished, TextDelta, WarmResult
+from engine.api import EngineStats, Finished, GenerationRequest, TextDelta, WarmResult
 from engine.api import TokenLogprob as EngineTokenLogprob
 from engine.errors import EngineError, PinCapError
 from engine.kv_tiers.catalog import CachedPrefix
@@ -45,7 +45,11 @@ from gateway.backends.reply_prefill import IdlePrefills, ReplyRecorder
 from gateway.config.schema import EmbeddedModel
 from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, from_engine_error
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish, TokenLogprob, TopLogprob
+from gateway.core.prompt_size import INLINE_TOKENIZE_CHARS, prompt_chars
 from gateway.core.request import ChatRequest
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 
 def create_embedded_backend(model: EmbeddedModel) -> EmbeddedBackend:
@@ -119,7 +123,8 @@ class EmbeddedBackend(Backend):
         request.level_ends = level_ends
         generation = generation_request(request)
         try:
-            return await engine.warm(generation, pin=pin)
+            prompt = await _prompt_off_loop(engine, generation, request)
+            return await engine.warm(generation, pin=pin, prompt=prompt)
         except PinCapError as exc:
             raise InvalidRequestError(str(exc), param="pin", code="pin_cap_exceeded") from exc
         except EngineError as exc:
@@ -168,7 +173,9 @@ class EmbeddedBackend(Backend):
             raise ServiceUnavailableError(f"The model `{self.name}` is not started.")
         generation = generation_request(request, engine)
         try:
-            token_ids = engine.prompt_token_ids(generation)
+            token_ids = await _prompt_off_loop(engine, generation, request)
+            if token_ids is None:
+                token_ids = engine.prompt_token_ids(generation)
         except EngineError as exc:
             raise from_engine_error(exc) from exc
         return TokenCount(len(token_ids), f"chat-template:{engine.model_id}")
@@ -210,7 +217,8 @@ class EmbeddedBackend(Backend):
                 and engine.prefills_next_turns
                 else None
             )
-            async with aclosing(engine.generate(generation)) as events:
+            prompt = await _prompt_off_loop(engine, generation, request)
+            async with aclosing(engine.generate(generation, prompt)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         if counts is None and event.cached_tokens is not None:
@@ -250,6 +258,21 @@ class EmbeddedBackend(Backend):
             if request.kind == "completion" and error.param == "messages":
                 error.param = "prompt"
             raise error from exc
+
+
+async def _prompt_off_loop(
+    engine: AsyncEngine, generation: GenerationRequest, request: ChatRequest
+) -> list[int] | None:
+    """``engine.prompt_token_ids(generation)`` computed in a worker thread when ``request``'s prompt is over
+    ``INLINE_TOKENIZE_CHARS`` characters (the engine then takes it as computed), None for a shorter prompt (the
+    engine tokenizes it on the event loop, where a thread's hand-over would cost more than the encode).
+
+    Raises:
+        EngineError: what ``prompt_token_ids`` raises (an empty prompt, a template failure).
+    """
+    if prompt_chars(request) <= INLINE_TOKENIZE_CHARS:
+        return None
+    return await asyncio.to_thread(engine.prompt_token_ids, generation)
 
 
 @dataclass

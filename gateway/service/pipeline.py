@@ -38,6 +38,7 @@ from gateway.backends.base import Backend
 from gateway.config.schema import AnthropicUpstream, EmbeddedModel
 from gateway.core.errors import APIError, as_api_error, from_engine_error
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.prompt_size import INLINE_CANONICALIZE_CHARS, INLINE_EXPLAIN_CHARS, prompt_chars
 from gateway.core.request import ChatRequest
 from gateway.core.tenants import accounting_tenant
 from gateway.protocols.anthropic.breakpoints import min_cacheable_tokens
@@ -51,7 +52,6 @@ from gateway.service.gateway import Gateway
 from gateway.service.miss_explain import Epoch
 from gateway.service.miss_explanation import MissExplanation
 from gateway.service.prompt_levels import level_ends
-from gateway.service.prompt_size import INLINE_CANONICALIZE_CHARS, INLINE_EXPLAIN_CHARS, prompt_chars
 from gateway.service.provider_diagnostics import provider_miss_cause
 from gateway.service.registry import prefix_key
 from gateway.service.request_log import CLIENT_CLOSED, RequestRecord, log_request

@@ -467,7 +467,7 @@ def test_a_model_without_prefix_caching_is_warmed_as_an_upstream_is():
     from gateway.config.schema import EmbeddedModel
 
     class Engine:
-        async def warm(self, generation, pin=False):
+        async def warm(self, generation, pin=False, prompt=None):
             return WarmResult("k", 10, 8, 0, None, 8)
 
     warm_request = request([{"role": "system", "content": "s"}])

@@ -10,7 +10,8 @@ import anthropic
 import openai
 import pytest
 
-from gateway.service import pipeline, prompt_size
+from gateway.core import prompt_size
+from gateway.service import pipeline
 from tests.gateway.server import RunningServer, write_config
 from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
 
@@ -56,5 +57,44 @@ def test_a_large_prompt_is_canonicalized_off_the_event_loop(gateway, monkeypatch
             counted = client.messages.count_tokens(
                 model="oa", system=system, messages=[{"role": "user", "content": "hi"}]
             )
+            assert counted.input_tokens > 0
+    assert on_loop == [True, False]
+
+
+def test_a_large_prompt_is_tokenized_for_the_engine_off_the_event_loop(server, monkeypatch):
+    """The embedded engine's tokenization of a prompt over ``INLINE_TOKENIZE_CHARS`` runs in a worker thread,
+    for a completion and a token count (a fresh-user trial: a 3 MB prompt held ``/healthz`` for ~4 s while the
+    engine tokenized it to refuse it)."""
+    from engine.async_engine import AsyncEngine
+
+    on_loop: list[bool] = []
+    prompt_token_ids = AsyncEngine.prompt_token_ids
+
+    def recording(self, req):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return prompt_token_ids(self, req)
+
+    monkeypatch.setattr(AsyncEngine, "prompt_token_ids", recording)
+    big = "word " * 8_000
+    assert prompt_size.INLINE_TOKENIZE_CHARS < len(big) < 60_000  # under the server's body limit
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0) as client:
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert answer.usage.prompt_tokens > 0
+        with pytest.raises(openai.BadRequestError) as refused:  # 40,000 characters: over the context window
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": big}], max_tokens=2
+            )
+        assert refused.value.code == "context_length_exceeded"
+    assert on_loop == [True, False]
+    on_loop.clear()
+    with anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0) as client:
+        for text in ("hi", big):
+            counted = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": text}])
             assert counted.input_tokens > 0
     assert on_loop == [True, False]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engine.api import SamplingParams
+from gateway.core.prompt_size import prompt_chars
 from gateway.core.request import ChatRequest
-from gateway.service.prompt_size import prompt_chars
 
 
 def test_prompt_chars_counts_strings_and_text_parts_by_length():

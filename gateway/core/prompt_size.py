@@ -20,6 +20,13 @@ one-line JSON system prompt held the loop for ~50 s before ``rules.actions.remov
 still for ~3 s after)."""
 
 
+INLINE_TOKENIZE_CHARS = 32_000
+"""Prompts up to this many characters of text are tokenized for the embedded engine on the event loop (about
+8,000 tokens: tens of milliseconds where nothing is memoized); longer ones in a worker thread, the encode itself
+with the GIL released (``engine.backend_encode``): a 3 MB prompt held ``/healthz`` for ~4 s while the engine
+tokenized it only to refuse it as longer than the context window (a fresh-user trial)."""
+
+
 def prompt_chars(request: ChatRequest) -> int:
     """Characters of the request's prompt text (string contents, text parts' text, any other part as its ``str``),
     an upper bound's worth of an estimate for choosing where to work on it. Runs on every request: a text part
