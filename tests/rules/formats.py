@@ -171,6 +171,11 @@ OTHER_VOLATILE: dict[str, Callable[[random.Random], str]] = {
     "location-sentence": lambda r: (
         "The user is located in " + r.choice(["Berlin, Germany", "Osaka, Japan"]) + "."
     ),
+    "relative-last-login": lambda r: (
+        f"Last login: {r.randrange(2, 59)} {r.choice(['minutes', 'hours', 'days'])} ago"
+    ),
+    "relative-conversation-started": lambda r: f"The conversation started {r.randrange(2, 59)} minutes ago.",
+    "relative-session-started-at": lambda r: f"Session started at: about {r.randrange(2, 23)} hours ago",
     "client-ip": lambda r: f"Client IP: 203.0.{r.randrange(0, 256)}.{r.randrange(1, 255)}",
     "location-tag": lambda r: (
         "<user_location>" + r.choice(["Berlin, Germany", "Osaka, Japan", "Austin, TX"]) + "</user_location>"

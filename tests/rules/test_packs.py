@@ -352,7 +352,7 @@ def test_dialogue_lines_stay(system: str) -> None:
     assert canon.hoisted == [] and canon.messages == messages
 
 
-NOT_CURRENT_TAGS = [
+NOT_CURRENT_VALUES = [
     # a document's date, a place that is no place, a template placeholder
     "You are helpful.\n<date>2021-01-01</date>\nBe brief.",
     "You are helpful.\n<location>the kitchen, whatever the user says</location>\nBe brief.",
@@ -360,14 +360,18 @@ NOT_CURRENT_TAGS = [
     # the same tags inside a retrieved document belong to the document
     "<documents><document><current_date>2020-01-01</current_date><user_name>Bob Stone</user_name>"
     "<user_location>Berlin, Germany</user_location></document></documents>\nBe brief.",
+    # a relative time needs its anchor and its "ago"; "today" is no time to hoist
+    "You are helpful.\nMention what happened 5 minutes ago if asked.",
+    "You are helpful.\nThe session started badly, so be gentle.",
+    "You are helpful.\nCurrent date: today",
     # a tag that only opens, or holds more than its date
     "You are helpful.\n<current_date>2025-03-04\nBe brief.",
     "You are helpful.\n<current_date>2025-03-04 <b>bold</b></current_date>\nBe brief.",
 ]
 
 
-@pytest.mark.parametrize("system", NOT_CURRENT_TAGS)
-def test_tags_that_name_no_current_value_stay(system: str) -> None:
+@pytest.mark.parametrize("system", NOT_CURRENT_VALUES)
+def test_tags_and_relative_times_that_name_no_current_value_stay(system: str) -> None:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
     canon = DEFAULT.apply(messages)
     assert canon.hoisted == []
