@@ -344,6 +344,33 @@ def test_multi_turn_history_stays_stable_across_turns() -> None:
 
 
 @pytest.mark.parametrize(
+    "line",
+    [
+        "<current_time>\n{v}\n</current_time>",
+        "<current_time>{v}</current_time>",
+        "Current\u00a0time:\u00a0{v}",
+    ],
+)
+def test_a_tagged_or_no_break_spaced_time_keeps_the_history_over_turns(line: str) -> None:
+    ruleset = load_ruleset(["default"])
+    first, second = (line.format(v=v) for v in ("2025-05-14 13:17:44", "2025-05-14 13:19:02"))
+    turn1 = [{"role": "system", "content": "Bot.\n" + first}, {"role": "user", "content": "q1"}]
+    turn2 = [
+        {"role": "system", "content": "Bot.\n" + second},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    memory = TranscriptMemory()
+    m1 = ruleset.apply(turn1, memory=memory, scope="m")
+    m2 = ruleset.apply(turn2, memory=memory, scope="m")
+    assert m1.messages[0] == {"role": "system", "content": "Bot."}
+    assert m2.messages[:2] == m1.messages  # the first turn comes back exactly as sent
+    assert m2.messages[3]["content"] == f"q2\n\n<request_context>\n{second}\n</request_context>"
+    assert m2.history.reused_turns == 1
+
+
+@pytest.mark.parametrize(
     ("messages", "tools", "words"),
     [
         ("not a list", None, "messages must be a list"),
