@@ -397,3 +397,25 @@ def test_a_list_item_hoisted_whole_takes_its_marker_along(system: str, stays: st
     canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
     assert canon.messages[0]["content"] == stays
     assert canon.hoisted == [hoisted]
+
+
+@pytest.mark.parametrize(
+    ("system", "stays", "hoisted"),
+    [
+        (
+            "あなたはアシスタントです。\n現在の日時：2025年3月2日 10時14分。この日時を基準に回答してください。",
+            "あなたはアシスタントです。\nこの日時を基準に回答してください。",
+            "現在の日時：2025年3月2日 10時14分。",
+        ),
+        (
+            "你是助手。\n当前时间：2025年3月2日 10:14！请以此为准回答。",
+            "你是助手。\n请以此为准回答。",
+            "当前时间：2025年3月2日 10:14！",
+        ),
+    ],
+)
+def test_a_cjk_full_stop_ends_the_hoisted_sentence(system: str, stays: str, hoisted: str) -> None:
+    """The instruction after a labelled date's 。 or ！ is the prompt's own and stays (it moved with the date)."""
+    canon = DEFAULT.apply([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+    assert canon.messages[0]["content"] == stays
+    assert canon.hoisted == [hoisted]
