@@ -329,10 +329,10 @@ class EngineConfig:
             ``float32`` (the cache of the fp32 reference). Top-1 agreement of SmolLM2 with the fp32 reference:
             1,993-1,996 / 2,000 with a bf16 cache (docs/engine-step.md, session 29).
         dense_min_rows: int4/int8 linears keep a dense copy of their weights for prompt rows (bf16 where the CPU
-            has bf16 GEMMs, else fp32): ``auto`` (default) = a copy except on CPUs without bf16 GEMMs whose
-            linears run on the native kernel's AVX2 build (there prompt rows run on that kernel's panel path: a third of the
-            memory, faster prefix-hit tails, ~15% slower cold prefills; ``engine.weight_format.
-            auto_dense_min_rows``), an integer >= 1 = a copy, ``None`` = no copy (less memory; prefill slower with
+            has fast bf16 GEMMs: AMX, or AVX512-BF16 on AMD; else fp32): ``auto`` (default) = a copy except on CPUs
+            without fast bf16 GEMMs whose linears run on the native kernel (on the AVX2 build's panel path: a third
+            of the memory, faster prefix-hit tails, ~15% slower cold prefills; on an AVX-512 Intel CPU without AMX:
+            0.6x the cold prefill's time and 0.8x the memory; ``engine.weight_format.auto_dense_min_rows``), an integer >= 1 = a copy, ``None`` = no copy (less memory; prefill slower with
             torch's int4 kernel). The engine runs prompt tokens' rows on the copy and generated tokens' rows on the
             int4 kernel, whatever the step's row count (``engine.row_kernels``: batch invariance); the number
             itself is the row count from which a direct ``forward`` call without row kinds uses the copy. Part of

@@ -118,6 +118,28 @@ def bf16_kernels_available(device: torch.device | str) -> bool:
     return cap.startswith("AVX512") and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+BF16_GEMM_VENDORS = frozenset({"AuthenticAMD"})
+"""``/proc/cpuinfo`` vendors whose AVX512-BF16 CPUs without AMX run prompt rows faster on a bf16 dense copy than
+on the native kernel (``fast_bf16_gemm``): a 2-core Zen 4 EPYC, where ``VDPBF16PS`` issues once a cycle. Not
+Intel: on a 2-core Xeon (family 6 model 207) whose VM shows AVX512-BF16 but no AMX (session 37), oneDNN's bf16
+GEMM ran SmolLM2's 30 layers of linears on 1,070 rows in 1.53-1.55 s against 0.87-0.93 s in fp32, and a cold
+1,070-token prompt took 2.14-2.42 s on the bf16 copy, 1.55 s on an fp32 copy and 1.31-1.40 s on the native
+kernel with no copy (a ~50-token tail over 1,028 cached: 0.135-0.15 s against 0.082-0.105 s; peak RSS 1,038
+against 823 MB). There ``VDPBF16PS`` issues once per ~1.6 cycles against 0.4 for ``VFMADD231PS``
+(``engine.attention_kernels.BF16_DOT_AUTO_VENDORS``, session 30)."""
+
+
+def fast_bf16_gemm(device: torch.device | str) -> bool:
+    """True where a bf16 dense copy is the fast way to run prompt rows: CUDA, and CPUs with
+    ``bf16_kernels_available`` that have AMX (``amx_bf16``) or are of a ``BF16_GEMM_VENDORS`` vendor."""
+    device = torch.device(device)
+    if not bf16_kernels_available(device):
+        return False
+    if device.type != "cpu":
+        return True
+    return "amx_bf16" in cpu_flags() or cpu_vendor() in BF16_GEMM_VENDORS
+
+
 def int4_kernels_available(device: torch.device | str) -> bool:
     """True where torch's int4 weight-only kernel is vectorized: CUDA, and CPUs whose torch build dispatches
     AVX2 or AVX-512 kernels (``torch.backends.cpu.get_cpu_capability()``)."""
@@ -177,7 +199,8 @@ class WeightPlan:
         dense_min_rows: quantized linears keep a dense copy used from this many rows up (prefill
             chunks); None = int4/int8 kernel at every row count (no copy, less memory).
         dtype: dtype of float weights and activations (fp32, or the model dtype when it is bf16/fp16).
-        dense_dtype: dtype of that dense copy: bf16 where bf16 GEMMs are fast, fp32 elsewhere (``resolve``).
+        dense_dtype: dtype of that dense copy: bf16 where bf16 GEMMs are fast (``fast_bf16_gemm``), fp32 elsewhere
+            (``resolve``).
         linear_kernel: the native kernel int4/int8 linears run generated tokens' rows and the LM head on
             (``engine.native_linear``, ``engine.linear_kernel``), or None for torch's int4 kernel.
         dense_gemm: the AMX kernel a bf16 dense copy runs prompt rows on (``engine.amx_gemm``,
@@ -267,18 +290,20 @@ def check_dense_min_rows(setting: object) -> None:
 
 def auto_dense_min_rows(device: torch.device, kernel: NativeLinearKernel | None) -> int | None:
     """``engine.dense_min_rows: auto``: no dense prefill copy (None) where the quantized linears run on the native
-    kernel's AVX2 build (the one with the panel path) on a CPU without fast bf16 GEMMs, else ``DENSE_MIN_ROWS``.
+    kernel (either build) on a CPU without fast bf16 GEMMs (``fast_bf16_gemm``), else ``DENSE_MIN_ROWS``.
 
     There the copy would be fp32, 4 bytes per weight beside the 0.56 of the codes (SmolLM2-135M: 424 MB), and
     the native kernel's panel path (``quant_gemv.c``) runs prompt rows at 0.9x the copy's time at 64 rows and
     1.1-1.3x at 300-1,070 rows while reading 7x fewer bytes per step; measured over HTTP on a 2-core AVX2 EPYC
     (``docs/engine-step.md``, "Prompt rows on the native kernel"): peak RSS 0.68x, the few-token tails of
     prefix hits (W4) 0.59x the time, a cold 1,070-token prefill 1.15x. With bf16 GEMMs the bf16 copy stays:
-    there it is ~4x faster than fp32 at prefill sizes. The AVX-512 build has no panel path and was not measured
-    on many rows against an fp32 copy (every AVX-512 CPU this project ran on had bf16 GEMMs): it keeps the copy.
+    there it is ~4x faster than fp32 at prefill sizes. The AVX-512 build has no panel path, and on the one AVX-512
+    CPU without fast bf16 GEMMs measured (an Intel Xeon showing AVX512-BF16 but no AMX, ``BF16_GEMM_VENDORS``) it
+    still ran a cold 1,070-token prompt in 0.6x the bf16 copy's time and 0.87x an fp32 copy's, with 0.8x the
+    peak RSS.
     """
     isa = getattr(kernel, "isa", None)
-    if isa == "avx2" and device.type == "cpu" and not bf16_kernels_available(device):
+    if isa in ("avx2", "avx512") and device.type == "cpu" and not fast_bf16_gemm(device):
         return None
     return DENSE_MIN_ROWS
 
@@ -292,7 +317,7 @@ def resolve(
     dense_gemm: str = "auto",
 ) -> WeightPlan:
     """``WeightPlan`` for ``engine.weights`` on ``device`` (``auto`` -> ``native`` or ``float32``, logged); the
-    dense prefill copy of quantized layers is bf16 where ``bf16_kernels_available``, else fp32, kept from
+    dense prefill copy of quantized layers is bf16 where ``fast_bf16_gemm``, else fp32, kept from
     ``dense_min_rows`` rows (``auto``: ``auto_dense_min_rows``; None = no copy); quantized linears run their
     weight-only rows on the kernel ``linear_kernel`` names (``engine.linear_kernel``:
     ``engine.native_linear.resolve_linear_kernel``; only built when some weights stay quantized), and a bf16
@@ -322,14 +347,14 @@ def resolve(
             )
             weights = "float32"
     check_supported(weights, "float32", device)
-    dense_dtype = torch.bfloat16 if bf16_kernels_available(device) else torch.float32
+    dense_dtype = torch.bfloat16 if fast_bf16_gemm(device) else torch.float32
     kernel = None if weights in ("float32", "bf16") else resolve_linear_kernel(linear_kernel, device)
     if dense_min_rows == "auto":
         dense_min_rows = auto_dense_min_rows(device, kernel)
         if dense_min_rows is None and weights in ("native", "int4", "int8"):
             log.info(
-                "engine.dense_min_rows auto: no dense prefill copy on this CPU (no bf16 GEMMs); prompt rows run "
-                "on the native linear kernel"
+                "engine.dense_min_rows auto: no dense prefill copy on this CPU (no fast bf16 GEMMs); prompt rows "
+                "run on the native linear kernel"
             )
     amx = None
     if weights not in ("float32", "bf16") and dense_min_rows is not None and dense_dtype == torch.bfloat16:

@@ -203,6 +203,7 @@ def test_the_lm_head_on_torch_kernels_gives_a_row_the_same_bits_in_any_batch(tmp
     from tests.engine.checkpoints import make_tiny_gguf_llama
 
     monkeypatch.setattr(weight_format, "bf16_kernels_available", lambda device: bf16_cpu)
+    monkeypatch.setattr(weight_format, "fast_bf16_gemm", lambda device: bf16_cpu)
     # a Q8_0 GGUF with a tied embedding: on a bf16 CPU the head runs on the int4 kernel's two planes, its rows
     # decoded from the same blocks for the rescoring (as SmolLM2's)
     path = make_tiny_gguf_llama(tmp_path / "q8.gguf", tensor_type="Q8_0")

@@ -40,8 +40,8 @@ from engine.native_linear import resolve_linear_kernel
 from engine.quantized import GGUFBlocks, int4_groups, int8_groups, quantize
 from engine.weight_format import (
     UnsupportedHardwareError,
-    bf16_kernels_available,
     check_supported,
+    fast_bf16_gemm,
     int4_kernels_available,
     resolve,
 )
@@ -172,9 +172,7 @@ def test_quantized_head_rescores_its_top_logits_exactly(tensor_type, weights):
 
     # torch's int4 kernel (the native one's logits are fp32: below), as loaded where bf16 GEMMs are fast: where
     # they are slow (AVX2) the head on torch's kernel is dense fp32 instead (engine.model), checked here too
-    assert isinstance(
-        tiny(tensor_type, weights, "torch").model.lm_head, DenseWeight
-    ) or bf16_kernels_available(CPU)
+    assert isinstance(tiny(tensor_type, weights, "torch").model.lm_head, DenseWeight) or fast_bf16_gemm(CPU)
     ck = tiny(tensor_type, weights, "torch", as_bf16_cpu=True)
     model = ck.model
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
@@ -232,8 +230,11 @@ def tiny(tensor_type: str, weights: str, linear_kernel: str = "auto", as_bf16_cp
     runs bf16 GEMMs there, slowly), so the bf16 path's correctness is checked on every machine."""
     root = Path(tempfile.mkdtemp(prefix="prefixgate-formats-"))
     path = make_tiny_gguf_llama(root / f"tiny-{tensor_type}.gguf", tensor_type=tensor_type, seed=1)
-    if (weights == "bf16" or as_bf16_cpu) and not bf16_kernels_available(CPU):
-        with mock.patch("engine.weight_format.bf16_kernels_available", lambda device: True):
+    if (weights == "bf16" or as_bf16_cpu) and not fast_bf16_gemm(CPU):
+        with (
+            mock.patch("engine.weight_format.bf16_kernels_available", lambda device: True),
+            mock.patch("engine.weight_format.fast_bf16_gemm", lambda device: True),
+        ):
             return load_checkpoint(str(path), weights=weights, linear_kernel=linear_kernel)
     return load_checkpoint(str(path), weights=weights, linear_kernel=linear_kernel)
 
@@ -264,7 +265,7 @@ def test_formats_load_as_asked(tensor_type, weights):
     }[(tensor_type, weights)]
     quantized = "Int4Weight" in expected or "Int8Weight" in expected
     native_head = quantized and resolve_linear_kernel("auto", CPU) is not None  # the head on its own codes
-    if not bf16_kernels_available(CPU) and weights != "bf16" and not native_head:
+    if not fast_bf16_gemm(CPU) and weights != "bf16" and not native_head:
         expected = ",".join(
             sorted({*expected.split(","), "DenseWeight"})
         )  # AVX2: LM head dense fp32 (engine.model)
@@ -342,36 +343,59 @@ def test_auto_without_kernels_falls_back_to_float32_with_a_log_line(monkeypatch,
     assert "running float32" in caplog.text
 
 
-def test_dense_prefill_copy_is_fp32_without_bf16_kernels(monkeypatch):
-    """On an AVX2 CPU (int4 kernel, no bf16 GEMMs) quantized layers run int4 and their prefill copy is fp32."""
+def test_dense_prefill_copy_is_fp32_without_fast_bf16_gemms(monkeypatch):
+    """On a CPU without fast bf16 GEMMs (AVX2; an Intel CPU without AMX) quantized layers run int4 and their
+    prefill copy, where one is asked for, is fp32."""
     monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: True)
-    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: False)
+    monkeypatch.setattr("engine.weight_format.fast_bf16_gemm", lambda device: False)
     plan = resolve("auto", "cpu", dense_min_rows=10)
     assert (plan.weights, plan.dense_dtype) == ("native", torch.float32)
     lin = plan.build_linear([random_blocks("Q4_1", rows=64, cols=128)], None, "x")
     assert isinstance(lin, Int4Weight) and lin.dense.dtype == torch.float32
-    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: True)
+    monkeypatch.setattr("engine.weight_format.fast_bf16_gemm", lambda device: True)
     assert resolve("auto", "cpu").dense_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("bf16_kernels", "flags", "vendor", "want"),
+    [
+        (True, {"avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", True),  # AMX
+        (True, {"avx512_bf16"}, "AuthenticAMD", True),  # Zen 4
+        (
+            True,
+            {"avx512_bf16"},
+            "GenuineIntel",
+            False,
+        ),  # AVX512-BF16 without AMX: VDPBF16PS at a quarter rate
+        (False, {"avx2"}, "AuthenticAMD", False),  # AVX2
+    ],
+)
+def test_fast_bf16_gemm_is_amx_or_an_amd_avx512_bf16_cpu(monkeypatch, bf16_kernels, flags, vendor, want):
+    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: bf16_kernels)
+    monkeypatch.setattr("engine.weight_format.cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr("engine.weight_format.cpu_vendor", lambda: vendor)
+    assert fast_bf16_gemm("cpu") is want
 
 
 @pytest.mark.parametrize(
     ("bf16_gemms", "native_isa", "want"),
     [
         (False, "avx2", None),
-        (False, "avx512", DENSE_MIN_ROWS),
+        (False, "avx512", None),
         (False, None, DENSE_MIN_ROWS),
         (True, "avx2", DENSE_MIN_ROWS),
         (True, "avx512", DENSE_MIN_ROWS),
         (True, None, 10),
     ],
 )
-def test_dense_min_rows_auto_drops_the_copy_only_on_the_native_avx2_kernel_without_bf16_gemms(
+def test_dense_min_rows_auto_drops_the_copy_on_the_native_kernel_without_fast_bf16_gemms(
     monkeypatch, caplog, bf16_gemms, native_isa, want
 ):
-    """``auto``: no dense prefill copy where it would be fp32 and the native AVX2 kernel runs prompt rows (its
-    panel path), a copy everywhere else (torch's int4 kernel: None); an explicit setting is kept as given."""
+    """``auto``: no dense prefill copy where it would not run on fast bf16 GEMMs and the native kernel runs prompt
+    rows (either build), a copy everywhere else (torch's int4 kernel: None); an explicit setting is kept as
+    given."""
     monkeypatch.setattr("engine.weight_format.int4_kernels_available", lambda device: True)
-    monkeypatch.setattr("engine.weight_format.bf16_kernels_available", lambda device: bf16_gemms)
+    monkeypatch.setattr("engine.weight_format.fast_bf16_gemm", lambda device: bf16_gemms)
     kernel = None if native_isa is None else SimpleNamespace(isa=native_isa)
     monkeypatch.setattr("engine.native_linear.resolve_linear_kernel", lambda setting, device: kernel)
     with caplog.at_level(logging.INFO, logger="engine.weight_format"):
