@@ -252,7 +252,9 @@ class WarmResult:
         prompt_tokens: tokens in the prompt.
         cached_tokens: tokens of its full blocks now in the prefix cache (``prompt_tokens`` rounded down to
             whole blocks): what a pin holds and what the KV tiers store.
-        pinned_blocks: blocks pinned (0 without ``pin``).
+        pinned_blocks: blocks the prefix's pin holds (0 when it has none). A prefix key holds one pin: warming it
+            again, with ``pin`` or without, keeps its pin when the same blocks are cached, and with ``pin``
+            replaces it when they differ (without ``pin`` the old pin is released then).
         pin_id: the pin to ``unpin`` later, or None.
         reusable_tokens: tokens a following request that continues the warmed prompt reuses now, token-granular
             (docs/prefix-cache.md): its whole blocks and the kept partial block, up to where the continuation

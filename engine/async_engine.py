@@ -429,7 +429,7 @@ class AsyncEngine:
             self.core.check_prompt(prompt, params)
             self.core.check_level_ends(req.level_ends)
             if pin:
-                self.core.kv.pins.check_room(len(prompt) // self.core.kv.block_size)
+                self.core.check_pin_room(len(prompt) // self.core.kv.block_size, req.prefix_key)
         rid = f"{req.request_id or 'warm'}#{next(self._ids)}"
         found = None  # prompt tokens found cached when the warm was admitted
         async for event in self._stream(rid, prompt, dataclasses.replace(req, params=params)):

@@ -57,7 +57,7 @@ from engine.kv_tiers.config import check_tier_names, deployment_hash_fn
 from engine.kv_tiers.engine_tiers import EngineTiers
 from engine.kv_tiers.entry import KVLayout
 from engine.kv_tiers.policy import level_of_blocks
-from engine.model import LlamaModel
+from engine.model import LlamaModel, check_kv_cache_fits
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
 from engine.native_glue import glue_kernel_variant, resolve_glue_kernel
 from engine.native_step import resolve_decode_step
@@ -172,6 +172,7 @@ class LLMEngine(PrefixAdmin):
             check_tier_names(tuple(config.tiers))
             if hash_fn is hash_block:
                 hash_fn = deployment_hash_fn(tuple(config.tiers), config.deployment_secret, config.tier_disk)
+        check_kv_cache_fits(mc, config.num_blocks, config.block_size, kv_dtype, model.device)
         self.kv = KVCacheManager(
             config.num_blocks,
             config.block_size,

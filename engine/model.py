@@ -33,6 +33,8 @@ Weights come in as a dict of Hugging Face names (``model.layers.{i}.self_attn.q_
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,38 @@ def allocate_kv_cache(
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
     shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """Memory of ``device`` in bytes: a CUDA device's total memory, or the machine's physical memory
+    (``sysconf``: pages x page size) for the CPU; None where neither can be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_kv_cache_fits(
+    config: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> None:
+    """Refuse a block pool larger than the memory of ``device`` before anything is allocated (a trial:
+    ``num_blocks: 10000000`` died in torch's allocator after the model loaded, with a traceback naming no
+    setting, and ``1000000000000`` grew the process without bound while building the pool's block list).
+
+    Raises:
+        ValueError: ``engine.num_blocks: ...``, naming the bytes the pool needs and the device's memory.
+    """
+    need = num_blocks * block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    have = device_memory_bytes(device)
+    if have is not None and need > have:
+        gib = 1 << 30
+        raise ValueError(
+            f"engine.num_blocks: {num_blocks} blocks of {block_size} tokens need {need / gib:,.1f} GiB of KV cache "
+            f"({dtype}), more than this machine's {have / gib:,.1f} GiB of {torch.device(device).type} memory"
+        )
 
 
 def rope_inv_freq(config: ArchConfig) -> torch.Tensor:

@@ -46,7 +46,7 @@ class PrefixAdmin:
         self.check_prompt(prompt, params)
         self.check_level_ends(level_ends)
         if pin:
-            self.kv.pins.check_room(len(prompt) // self.kv.block_size)
+            self.check_pin_room(len(prompt) // self.kv.block_size, prefix_key)
         req = self.add_checked_request(prompt, params, cache_salt=cache_salt, level_ends=level_ends)
         while not req.is_finished:
             self.step()
@@ -75,15 +75,33 @@ class PrefixAdmin:
         """
         hashes = self.kv.block_hashes(prompt, extra_keys)
         hit = self.kv.find_cached_prefix(prompt, hashes, extra_keys)
-        pin_id, pinned = None, 0
-        if pin and hit.num_blocks:
-            pin_id = f"pin-{next(self._pin_ids)}"
-            pinned = self.kv.pins.pin(pin_id, hit)
         key = prefix_key or (hashes[-1].hex() if hashes else "")
+        # one pin per listed prefix: a prefix warmed again keeps its pin on the same blocks, and a pin on blocks
+        # no longer listed under the key (its prompt changed) is replaced or released, never left unreachable
+        old = self.catalog.get(key) if hashes else None
+        old_pin = old.pin_id if old is not None else None
+        held = self.kv.pins.blocks_of(old_pin)
+        same = held is not None and [b.block_id for b in held] == [b.block_id for b in hit._blocks]
+        pin_id, pinned = None, 0
+        if same:
+            pin_id, pinned = old_pin, len(held)
+        elif pin and hit.num_blocks:
+            pin_id = f"pin-{next(self._pin_ids)}"
+            pinned = self.kv.pins.pin(pin_id, hit, replaces=old_pin)
+        elif held is not None and hashes:
+            self.kv.pins.unpin(old_pin)
         if hashes:
             self._record_prefix(key, hashes, extra_keys, level_ends, len(prompt), pin_id)
         reusable = self.reusable_tokens(prompt, hashes, extra_keys, shared_tokens)
         return WarmResult(key, len(prompt), hit.num_tokens, pinned, pin_id, reusable)
+
+    def check_pin_room(self, num_blocks: int, prefix_key: str | None) -> None:
+        """Raise ``PinCapError`` unless a prefix of ``num_blocks`` blocks could be pinned under ``prefix_key`` now:
+        the blocks of a pin the key holds already are counted as released (``finish_warm`` reuses or replaces
+        it)."""
+        rec = self.catalog.get(prefix_key) if prefix_key else None
+        held = self.kv.pins.blocks_of(rec.pin_id if rec is not None else None)
+        self.kv.pins.check_room(num_blocks - (len(held) if held is not None else 0))
 
     def reusable_tokens(
         self,
@@ -151,8 +169,10 @@ class PrefixAdmin:
         self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
     ) -> list[CachedPrefix]:
         """The listed prefixes matching every filter given, with where their blocks are now (tokens of
-        their leading blocks in RAM and in each tier) and when their first block expires per tier. Never
-        any text. O(listed blocks) pool lookups and tier checks."""
+        their leading blocks in RAM and in each tier) and when their first block expires per tier. A prefix
+        whose first block is nowhere (evicted from RAM, expired or pushed out of every tier) is not listed: it
+        keeps its catalog record, and is listed again once requests cache it again. Never any text.
+        O(listed blocks) pool lookups and tier checks."""
         out = []
         bs = self.kv.block_size
         for rec in self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id):
@@ -162,6 +182,8 @@ class PrefixAdmin:
                 for name, (n, expires_at) in self.tiers.stack.presence(rec.block_hashes).items():
                     where[name] = n * bs
                     expires[name] = expires_at
+            if not any(where.values()):
+                continue  # cached nowhere now (a trial: such rows were listed with their full token count)
             out.append(
                 CachedPrefix(
                     rec.prefix_key,

@@ -3,7 +3,9 @@ manager (``engine.kv_cache_manager``, invariant 6).
 
 Owns the pin table: pin id -> the blocks of the prefix hit it pinned. Invariants: a pin holds exactly one
 reference on each of its blocks, like a request's block table, so a pinned block is never evicted; all pins
-together hold at most ``max_blocks`` blocks (a block in two pins counts twice); ``unpin`` releases tail first.
+together hold at most ``max_blocks`` blocks (a block in two pins counts twice; ``engine.prefix_admin`` keeps one
+pin per listed prefix, so a prefix warmed with ``pin`` again reuses or replaces its pin); ``unpin`` releases tail
+first.
 """
 
 from __future__ import annotations
@@ -47,9 +49,14 @@ class PrefixPins:
         if self.blocks_held + num_blocks > self.max_blocks:
             raise PinCapError(num_blocks, self.blocks_held, self.max_blocks)
 
-    def pin(self, pin_id: str, hit: PrefixHit) -> int:
+    def blocks_of(self, pin_id: str | None) -> list[KVBlock] | None:
+        """The blocks pin ``pin_id`` holds, in order (None when there is no such pin)."""
+        return None if pin_id is None else self._pins.get(pin_id)
+
+    def pin(self, pin_id: str, hit: PrefixHit, replaces: str | None = None) -> int:
         """Hold the blocks of ``hit`` (a prefix found this step) under ``pin_id``: they stay in RAM until
-        ``unpin``.
+        ``unpin``. With ``replaces``, that pin is released once the new one holds its blocks (a block in both
+        is never unreferenced between them), and the cap counts the new pin in its place.
 
         Returns:
             Blocks pinned.
@@ -57,15 +64,18 @@ class PrefixPins:
         Raises:
             ValueError: ``pin_id`` already in use.
             StaleCacheHitError: ``hit`` names a block evicted since it was found.
-            PinCapError: the pins would hold more than ``max_blocks`` blocks (nothing pinned).
+            PinCapError: the pins would hold more than ``max_blocks`` blocks (nothing pinned, nothing released).
         """
         check_chain(self.pool, hit._blocks)
         if pin_id in self._pins:
             raise ValueError(f"pin {pin_id!r} already exists")
-        self.check_room(hit.num_blocks)
+        old = self._pins.get(replaces) if replaces is not None else None
+        self.check_room(hit.num_blocks - (len(old) if old is not None else 0))
         blocks = list(hit._blocks)
         self.pool.touch(blocks)
         self._pins[pin_id] = blocks
+        if old is not None:
+            self.unpin(replaces)
         return len(blocks)
 
     def unpin(self, pin_id: str) -> bool:

@@ -21,12 +21,19 @@ LEVELS: tuple[str, ...] = ("system", "documents", "history")
 """Level names, in prompt order (level 1, 2, 3)."""
 
 
+MAX_TTL_S = 100 * 365 * 86_400.0
+"""The longest ``ttl_s`` (100 years): a Redis TTL is a 64-bit count of milliseconds, and a trial's ``1e16`` seconds
+passed the config, then every Redis write was refused ("value is not an integer or out of range"). ``null``
+keeps entries until the budget evicts them."""
+
+
 @dataclass(frozen=True)
 class TierPolicy:
     """One level's policy in one tier.
 
     Attributes:
-        ttl_s: seconds an entry is kept after it was written (None: until evicted by the budget).
+        ttl_s: seconds an entry is kept after it was written, at most ``MAX_TTL_S`` (None: until evicted by the
+            budget).
         budget_share: fraction of the tier's byte budget this level may use, in (0, 1].
     """
 
@@ -34,8 +41,8 @@ class TierPolicy:
     budget_share: float
 
     def __post_init__(self) -> None:
-        if self.ttl_s is not None and not self.ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0 or None, got {self.ttl_s!r}")
+        if self.ttl_s is not None and not 0 < self.ttl_s <= MAX_TTL_S:
+            raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:.0f}] or None, got {self.ttl_s!r}")
         if not 0 < self.budget_share <= 1:
             raise ValueError(f"budget_share must be in (0, 1], got {self.budget_share!r}")
 

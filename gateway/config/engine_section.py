@@ -23,7 +23,7 @@ from engine.api import (
 )
 from engine.errors import UnsupportedModelError
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
-from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, TierPolicies, TierPolicy
+from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, MAX_TTL_S, TierPolicies, TierPolicy
 from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig, redis_url_db_problem
 from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
@@ -187,8 +187,12 @@ def _parse_tier_policies(reader: Reader, value: Any, where: str) -> TierPolicies
             ttl = reader.typed(body, path, "ttl_s", float | None, default.ttl_s)
             share = reader.typed(body, path, "budget_share", float, default.budget_share)
             # checked here as well as by ``TierPolicy``, whose message names Python's None and not the key
-            if ttl is not None and not ttl > 0:
-                reader.fail(f"{path}.ttl_s", f"must be > 0 or null, got {ttl}")
+            if ttl is not None and not 0 < ttl <= MAX_TTL_S:
+                reader.fail(
+                    f"{path}.ttl_s",
+                    f"must be > 0 and at most {MAX_TTL_S:.0f} (100 years), or null (kept until the budget "
+                    f"evicts it), got {ttl}",
+                )
             if not 0 < share <= 1:
                 reader.fail(f"{path}.budget_share", f"must be in (0, 1], got {share}")
             try:

@@ -74,10 +74,24 @@ def _coerce(reader: Reader, value: Any, expected: Any, path: str, from_env: bool
         converted = _convert(value, option, from_env)
         if converted is not _NO:
             return converted
-    reader.fail(path, f"expected {_describe(options)}, got {yaml_kind(value)} {value!r}")
+    reader.fail(
+        path, f"expected {_describe(options)}, got {yaml_kind(value)} {value!r}{_number_hint(value, options)}"
+    )
 
 
 _NO = object()
+
+
+def _number_hint(value: Any, options: tuple) -> str:
+    """A hint for a number YAML read as text: PyYAML (YAML 1.1) takes ``1e16`` or ``1.0e16`` for a string, since
+    its floats need a dot and a signed exponent (``1.0e+16``)."""
+    if not isinstance(value, str) or float not in options:
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return f" (YAML reads {value} as text: write it as {number:.1e})"
 
 
 def _convert(value: Any, option: type, from_env: bool) -> Any:

@@ -84,11 +84,12 @@ def _ttft(gateway: Gateway) -> dict[str, Any]:
 
 
 def _prefixes(gateway: Gateway, doc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Top prefix groups by requests, with the level and tokens the prefix catalog holds for them now."""
+    """Top prefix groups by requests, with the level the prefix catalog lists them at and the tokens cached for
+    them now: the most any one place (RAM or a tier) holds of the prefix's leading blocks."""
     cached: dict[str, dict[str, Any]] = {}
     for row in list_cached(gateway, prefix_key=None, tenant=None, model=None):
         best = cached.get(row["prefix_key"])
-        if best is None or row["tokens"] > best["tokens"]:
+        if best is None or max(row["tiers"].values(), default=0) > max(best["tiers"].values(), default=0):
             cached[row["prefix_key"]] = row
     rows = []
     for group in doc["prefixes"][:TOP_PREFIXES]:
@@ -99,7 +100,7 @@ def _prefixes(gateway: Gateway, doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "model": group["model"],
                 "tenant": group.get("tenant", ""),
                 "level": row["level"] if row else None,
-                "cached_now_tokens": row["tokens"] if row else None,
+                "cached_now_tokens": max(row["tiers"].values(), default=0) if row else None,
                 "requests": group["requests"],
                 "prompt_tokens": group["prompt_tokens"],
                 "cached_tokens": group["cached_tokens"],

@@ -84,3 +84,19 @@ def test_a_live_entry_is_never_replaced():
     assert not pool.register(other, b"c" * 32, (2,), b"p" * 32, 12345, keys)  # a dead parent gen
     assert pool.get_cached(b"c" * 32) is child and other.block_hash is None
     pool.check_invariants()
+
+
+def test_a_prefix_cached_nowhere_is_not_listed_until_cached_again():
+    """A trial: a prefix evicted from RAM (or expired from every tier) was still listed by ``/admin/cache``, with
+    its full token count, and the dashboard showed it as cached now."""
+    eng = make_engine(
+        num_blocks=8, enable_partial_prefix_hits=False
+    )  # 128 tokens: a new prompt evicts SYSTEM
+    eng.warm(SYSTEM, prefix_key="sys")
+    assert [(p.prefix_key, p.tokens, p.tiers["ram"]) for p in eng.list_cached()] == [("sys", 32, 32)]
+    run(eng, random_tokens(120, 9))  # takes every block: SYSTEM's are evicted
+    assert eng.kv.count_cached_leading(eng.catalog.get("sys").block_hashes) == 0
+    assert eng.list_cached() == []
+    run(eng, SYSTEM + random_tokens(8, 10))  # a request caches its blocks again: listed again
+    assert [(p.prefix_key, p.tiers["ram"]) for p in eng.list_cached()] == [("sys", 32)]
+    eng.kv.check_invariants()

@@ -73,3 +73,32 @@ def test_a_request_that_pins_made_too_big_while_it_waited_ends_and_the_queue_goe
     assert outs[small.request_id].finish_reason == "length" and small.num_output_tokens == 3
     assert not eng.has_unfinished()
     eng.kv.check_invariants()
+
+
+def test_a_prefix_warmed_with_pin_again_keeps_one_pin_and_one_drop_releases_it():
+    """A trial: each re-warm of a pinned prefix added a pin, ``DELETE ?prefix_key=`` released only the last, and
+    the others held their blocks, unlisted, against the pin cap until a restart."""
+    eng = pinned_engine()  # 8 of the cap's 10 blocks
+    first = eng.list_cached()[0]
+    for _ in range(3):  # a re-warm at the cap is no new pin: the prefix's own pin is counted as released
+        again = eng.warm(PINNED, pin=True, prefix_key=first.prefix_key)
+        assert (again.pinned_blocks, eng.kv.pins.blocks_held) == (8, 8)
+    unpinned = eng.warm(PINNED, prefix_key=first.prefix_key)  # without pin: the pin stays
+    assert (unpinned.pin_id, eng.kv.pins.blocks_held) == (again.pin_id, 8)
+    assert eng.drop_cached(prefix_key=first.prefix_key)["prefixes"] == 1
+    assert eng.kv.pins.blocks_held == 0 and eng.list_cached() == []
+    eng.kv.check_invariants()
+
+
+def test_a_prefix_key_warmed_with_another_prompt_replaces_its_pin():
+    eng = pinned_engine()
+    key = eng.list_cached()[0].prefix_key
+    other = random_tokens(
+        9 * BS, seed=7
+    )  # 9 blocks: over the cap beside the 8 pinned, within it in their place
+    warm = eng.warm(other, pin=True, prefix_key=key)
+    assert (warm.pinned_blocks, eng.kv.pins.blocks_held) == (9, 9)
+    assert len(list(eng.kv.pins.tables())) == 1
+    third = eng.warm(random_tokens(2 * BS, seed=8), prefix_key=key)  # without pin: the old pin is released
+    assert (third.pin_id, eng.kv.pins.blocks_held) == (None, 0)
+    eng.kv.check_invariants()

@@ -504,6 +504,26 @@ def test_a_model_setting_only_the_checkpoint_refuses_is_one_line_and_exit_2(tiny
     ) in process.stderr, process.stderr
 
 
+def test_a_block_pool_larger_than_the_machine_is_one_line_naming_num_blocks(tiny_checkpoint, tmp_path):
+    """A trial: ``num_blocks: 10000000`` died in torch's allocator after the model loaded (a traceback naming no
+    setting), and ``1000000000000`` grew the process without bound while the pool's block list was built."""
+    config_path = tmp_path / "huge.yaml"
+    write_config(config_path, tiny_config_data(tiny_checkpoint, num_blocks=10**12))
+    process = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == EXIT_BAD_CONFIG, process.stderr
+    assert "Traceback" not in process.stderr and "Application startup failed" not in process.stderr
+    assert (
+        f"prefixgate: bad config: {config_path}: models[0].engine.num_blocks: 1000000000000 blocks of 16 tokens "
+        "need "
+    ) in process.stderr, process.stderr
+    assert "GiB of KV cache (torch.bfloat16), more than this machine's" in process.stderr
+
+
 def test_sigterm_ends_a_stream_in_flight_with_an_error_event_and_a_clean_end(tiny_checkpoint, tmp_path):
     """An operator trial: SIGTERM during a stream left the engine generating until uvicorn's graceful timeout,
     then cut the client off mid-body (no error, no end) and logged it 499 as if the client had left. After

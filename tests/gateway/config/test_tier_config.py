@@ -98,7 +98,21 @@ def test_secret_from_environment(monkeypatch, tmp_path: Path):
                 "tier_policies": {"disk": {"system": {"ttl_s": -5}}},
             },
             "tier_policies.disk.system.ttl_s",
-            "must be > 0 or null, got -5.0",  # was "tier_policies.disk.system: ttl_s must be > 0 or None"
+            "must be > 0 and at most 3153600000 (100 years), or null (kept until the budget evicts it), got -5.0",
+        ),
+        (  # before: accepted, then every Redis write was refused (a TTL past Redis's 64-bit milliseconds)
+            {
+                "tiers": ["redis"],
+                "deployment_secret": SECRET,
+                "tier_policies": {"redis": {"system": {"ttl_s": 1.0e16}}},
+            },
+            "tier_policies.redis.system.ttl_s",
+            "at most 3153600000 (100 years), or null",
+        ),
+        (  # PyYAML reads 1.0e16 (no sign in the exponent) as text
+            {"tier_policies": {"redis": {"system": {"ttl_s": "1.0e16"}}}},
+            "tier_policies.redis.system.ttl_s",
+            "got a string '1.0e16' (YAML reads 1.0e16 as text: write it as 1.0e+16)",
         ),
         (
             {"tier_policies": {"disk": {"history": {"budget_share": 1.5}}}},

@@ -381,3 +381,19 @@ def test_with_client_keys_and_an_admin_token_the_bearer_and_the_dashboard_login_
         assert client.get("/admin/dashboard/data").status_code == 200
         assert client.get("/admin/stats").status_code == 200
     assert not any("CLOSED" in r.getMessage() for r in caplog.records)
+
+
+def test_cached_now_is_what_ram_or_a_tier_holds_of_the_prefix_now(monkeypatch):
+    """A trial: "cached now" showed the listed prefix's full token count (480) with 272 tokens in RAM and none on
+    disk."""
+    from gateway.service import dashboard_data
+
+    client, _, _ = client_for(TOKEN)
+    gateway = client.app.state.gateway
+    gateway.stats.record_finish(
+        "gpt", BackendUsage(prompt_tokens=500, completion_tokens=1, cached_tokens=0), 0.3, "k" * 32, "acme"
+    )
+    rows = [{"prefix_key": "k" * 32, "level": "system", "tokens": 480, "tiers": {"ram": 272, "disk": 0}}]
+    monkeypatch.setattr(dashboard_data, "list_cached", lambda gateway, **filters: rows)
+    doc = client.get("/admin/dashboard/data", headers={"authorization": f"Bearer {TOKEN}"}).json()
+    assert [(p["level"], p["cached_now_tokens"]) for p in doc["prefixes"]] == [("system", 272)]
