@@ -334,8 +334,8 @@ class EngineConfig:
             has fast bf16 GEMMs: AMX, or AVX512-BF16 on AMD; else fp32): ``auto`` (default) = a copy except on CPUs
             without fast bf16 GEMMs whose linears run on the native kernel (on the AVX2 build's panel path: a third
             of the memory, faster prefix-hit tails, ~15% slower cold prefills; on an AVX-512 Intel CPU without AMX:
-            0.6x the cold prefill's time and 0.8x the memory; ``engine.weight_format.auto_dense_min_rows``), an integer >= 1 = a copy, ``None`` = no copy (less memory; prefill slower with
-            torch's int4 kernel). The engine runs prompt tokens' rows on the copy and generated tokens' rows on the
+            0.6x the cold prefill's time and 0.8x the memory; ``engine.weight_format.auto_dense_min_rows``), an
+            integer >= 1 = a copy, ``None`` = no copy (less memory; prefill slower with torch's int4 kernel). The engine runs prompt tokens' rows on the copy and generated tokens' rows on the
             int4 kernel, whatever the step's row count (``engine.row_kernels``: batch invariance); the number
             itself is the row count from which a direct ``forward`` call without row kinds uses the copy. Part of
             ``model_id`` (a prompt's K/V differs).

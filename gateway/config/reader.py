@@ -4,6 +4,7 @@ no other module of ``gateway.config`` formats those messages."""
 
 from __future__ import annotations
 
+import math
 import os
 import types
 import typing
@@ -90,6 +91,8 @@ def _number_hint(value: Any, options: tuple) -> str:
     try:
         number = float(value)
     except ValueError:
+        return ""
+    if not math.isfinite(number):
         return ""
     return f" (YAML reads {value} as text: write it as {number:.1e})"
 

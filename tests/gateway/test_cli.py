@@ -484,12 +484,9 @@ def test_rules_replay_never_touches_the_configs_redis_nor_needs_its_secrets(tmp_
     assert "never read or written" in " ".join(capsys.readouterr().out.split())
 
 
-def test_a_model_setting_only_the_checkpoint_refuses_is_one_line_and_exit_2(tiny_checkpoint, tmp_path):
-    # Before: max_model_len beyond the checkpoint's context failed in the lifespan: uvicorn logged a
-    # traceback and the process exited 3
-    config_path = tmp_path / "long.yaml"
-    data = tiny_config_data(tiny_checkpoint, max_model_len=99_999_999)
-    write_config(config_path, data)
+def _serve_refused(config_path) -> str:
+    """``prefixgate serve`` on ``config_path``, which must stop at start with a bad-config exit and no traceback:
+    its stderr."""
     process = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", "0"],
         capture_output=True,
@@ -498,10 +495,20 @@ def test_a_model_setting_only_the_checkpoint_refuses_is_one_line_and_exit_2(tiny
     )
     assert process.returncode == EXIT_BAD_CONFIG, process.stderr
     assert "Traceback" not in process.stderr and "Application startup failed" not in process.stderr
+    return process.stderr
+
+
+def test_a_model_setting_only_the_checkpoint_refuses_is_one_line_and_exit_2(tiny_checkpoint, tmp_path):
+    # Before: max_model_len beyond the checkpoint's context failed in the lifespan: uvicorn logged a
+    # traceback and the process exited 3
+    config_path = tmp_path / "long.yaml"
+    data = tiny_config_data(tiny_checkpoint, max_model_len=99_999_999)
+    write_config(config_path, data)
+    stderr = _serve_refused(config_path)
     assert (
         f"prefixgate: bad config: {config_path}: models[0].engine.max_model_len: 99999999 is not in [1, 512] "
         "(the checkpoint's context window)"
-    ) in process.stderr, process.stderr
+    ) in stderr, stderr
 
 
 def test_a_block_pool_larger_than_the_machine_is_one_line_naming_num_blocks(tiny_checkpoint, tmp_path):
@@ -509,19 +516,12 @@ def test_a_block_pool_larger_than_the_machine_is_one_line_naming_num_blocks(tiny
     setting), and ``1000000000000`` grew the process without bound while the pool's block list was built."""
     config_path = tmp_path / "huge.yaml"
     write_config(config_path, tiny_config_data(tiny_checkpoint, num_blocks=10**12))
-    process = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert process.returncode == EXIT_BAD_CONFIG, process.stderr
-    assert "Traceback" not in process.stderr and "Application startup failed" not in process.stderr
+    stderr = _serve_refused(config_path)
     assert (
         f"prefixgate: bad config: {config_path}: models[0].engine.num_blocks: 1000000000000 blocks of 16 tokens "
         "need "
-    ) in process.stderr, process.stderr
-    assert "GiB of KV cache (torch.bfloat16), more than this machine's" in process.stderr
+    ) in stderr, stderr
+    assert "GiB of KV cache (torch.bfloat16), more than this machine's" in stderr
 
 
 def test_sigterm_ends_a_stream_in_flight_with_an_error_event_and_a_clean_end(tiny_checkpoint, tmp_path):

@@ -28,19 +28,23 @@ def gateway(tmp_path_factory):
     stub.stop()
 
 
-def test_a_large_prompt_is_canonicalized_off_the_event_loop(gateway, monkeypatch):
-    on_loop: list[bool] = []
-    canonicalize = pipeline.canonicalize
+def recording(fn, on_loop: list[bool]):
+    """``fn``, appending to ``on_loop`` for each call whether it ran on an event loop's thread."""
 
-    def recording(gw, request):
+    def wrapper(*args):
         try:
             asyncio.get_running_loop()
             on_loop.append(True)
         except RuntimeError:
             on_loop.append(False)
-        canonicalize(gw, request)
+        return fn(*args)
 
-    monkeypatch.setattr(pipeline, "canonicalize", recording)
+    return wrapper
+
+
+def test_a_large_prompt_is_canonicalized_off_the_event_loop(gateway, monkeypatch):
+    on_loop: list[bool] = []
+    monkeypatch.setattr(pipeline, "canonicalize", recording(pipeline.canonicalize, on_loop))
     big = "Context: {" + ", ".join(f'"k{k}": "v", "now": "2025-03-03T10:00:00Z"' for k in range(3_000)) + "}"
     assert len(big) > prompt_size.INLINE_CANONICALIZE_CHARS
     with openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0) as client:
@@ -68,17 +72,7 @@ def test_a_large_prompt_is_tokenized_for_the_engine_off_the_event_loop(server, m
     from engine.async_engine import AsyncEngine
 
     on_loop: list[bool] = []
-    prompt_token_ids = AsyncEngine.prompt_token_ids
-
-    def recording(self, req):
-        try:
-            asyncio.get_running_loop()
-            on_loop.append(True)
-        except RuntimeError:
-            on_loop.append(False)
-        return prompt_token_ids(self, req)
-
-    monkeypatch.setattr(AsyncEngine, "prompt_token_ids", recording)
+    monkeypatch.setattr(AsyncEngine, "prompt_token_ids", recording(AsyncEngine.prompt_token_ids, on_loop))
     big = "word " * 8_000
     assert prompt_size.INLINE_TOKENIZE_CHARS < len(big) < 60_000  # under the server's body limit
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0) as client:
