@@ -102,3 +102,20 @@ def test_a_prefix_key_warmed_with_another_prompt_replaces_its_pin():
     third = eng.warm(random_tokens(2 * BS, seed=8), prefix_key=key)  # without pin: the old pin is released
     assert (third.pin_id, eng.kv.pins.blocks_held) == (None, 0)
     eng.kv.check_invariants()
+
+
+def test_a_request_under_a_pinned_prefix_key_keeps_the_pin_listed_and_droppable():
+    """The gateway's warm runs as a request under the prefix key, and so does every request after it: each listed
+    the prefix again without its pin, so a re-warm pinned anew and ``DELETE ?prefix_key=`` left the pin held."""
+    eng = make_engine(num_blocks=NUM_BLOCKS)
+    first = eng.warm(PINNED, pin=True, prefix_key="sys")
+    eng.add_request(
+        PINNED + random_tokens(20, seed=4), greedy(1), prefix_key="sys"
+    )  # as the gateway's requests
+    eng.run_to_completion()
+    assert [(p.prefix_key, p.pinned) for p in eng.list_cached()] == [("sys", True)]
+    again = eng.warm(PINNED, pin=True, prefix_key="sys")
+    assert (again.pin_id, eng.kv.pins.blocks_held) == (first.pin_id, 8)
+    eng.drop_cached(prefix_key="sys")
+    assert eng.kv.pins.blocks_held == 0
+    eng.kv.check_invariants()
