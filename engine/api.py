@@ -374,12 +374,18 @@ class EngineConfig:
             bench.idle_tight_pool``) idle prefills run without it evicted entries released 0.5-2 s before, and
             the clients' mean TTFT was higher with them in 4 of 4 pairs while they were served fewer cached
             tokens; a default pool under the same load keeps a block far longer.
-        decode_kernel: attention of generated tokens, ``auto | native | torch``: ``native`` = the C kernel over
-            the paged cache (``engine.native_decode``: built once per machine and model shape with the system C
-            compiler; x86-64 CPUs with AVX-512; each sequence alone, blocks the step's sequences share read
-            once), ``torch`` = torch's chunked kernels (``engine.chunked_decode``), ``auto`` = native where it
-            builds, else torch. Prompt tokens always take the prefill path. Either keeps batched == alone.
-            ``native`` where it cannot be built is a start-up error naming the reason.
+        decode_kernel: attention of generated tokens, ``auto | native | avx512-bf16 | torch``: ``native`` = the
+            C kernel over the paged cache (``engine.native_decode``: built once per machine and model shape with
+            the system C compiler; x86-64 CPUs with AVX-512; each sequence alone, blocks the step's sequences share
+            read once), ``avx512-bf16`` = its AVX512-BF16 build's bf16 decode (x86-64 CPUs with AVX512-BF16, a bf16
+            cache, head_dim a multiple of 32 up to 128: the arithmetic of ``prefill_kernel: avx512-bf16``, so a
+            generated token's K/V and output are the bits a prompt row at its position gets there; the shared
+            blocks' K tiles and V pairs laid out once for every sequence of a run), ``torch`` = torch's chunked
+            kernels (``engine.chunked_decode``), ``auto`` = avx512-bf16 where ``prefill_kernel: auto`` takes the
+            AVX512-BF16 prefill (an AMD CPU with AVX512-BF16, a bf16 cache and a shape it takes), else native
+            where it builds, else torch. Prompt tokens always take the prefill path. Each keeps batched == alone.
+            ``native`` or ``avx512-bf16`` where it cannot be built or does not fit is a start-up error naming the
+            reason.
         prefill_kernel: attention of prompt tokens, ``auto | native | amx | avx512-bf16 | torch``: ``native`` =
             the C kernel of ``decode_kernel`` run over a whole prefill chunk (``NativeDecodeKernel.prefill``: each
             prompt row with exactly the arithmetic of decoding that position alone, K/V read in place, OpenMP over
@@ -467,7 +473,7 @@ class EngineConfig:
     dense_gemm: str = "auto"
 
 
-DECODE_KERNELS = ("auto", "native", "torch")
+DECODE_KERNELS = ("auto", "native", "avx512-bf16", "torch")
 """``EngineConfig.decode_kernel``'s values (``engine.native_decode``)."""
 
 PREFILL_KERNELS = ("auto", "native", "amx", "avx512-bf16", "torch")

@@ -25,30 +25,64 @@ logger = logging.getLogger(__name__)
 def decode_kernel_variant(kernel: NativeDecodeKernel | None) -> str:
     """The part of ``model_id`` naming the decode kernel (``LLMEngine`` appends it): ``""`` for torch's paths,
     ``"/native-decode"`` for the AVX-512 build, ``"/native-decode-<isa>"`` for another (named apart: their bits
-    are equal by construction, not checked on one machine running both)."""
+    are equal by construction, not checked on one machine running both), ``"/native-decode-bf16-dot"`` for the
+    bf16 decode (``NativeDecodeKernel.bf16_decode``)."""
     if kernel is None:
         return ""
+    if kernel.bf16_decode:  # another arithmetic (VDPBF16PS), not the avx512-bf16 build's fp32 decode
+        return "/native-decode-bf16-dot"
     return "/native-decode" if kernel.isa == "avx512" else f"/native-decode-{kernel.isa}"
 
 
 def resolve_decode_kernel(
-    setting: str, device: torch.device, group: int | None = None, head_dim: int | None = None
+    setting: str,
+    device: torch.device,
+    group: int | None = None,
+    head_dim: int | None = None,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> NativeDecodeKernel | None:
     """The kernel ``engine.decode_kernel`` asks for on ``device``: ``torch`` -> None (torch's paths);
-    ``native`` -> the kernel, or a start-up error; ``auto`` -> the kernel where it builds on a CPU, else None
-    with a log line saying why. Built once per process and model shape (``group`` query heads per KV head,
-    ``head_dim``: compiled with constants, ``NativeDecodeKernel.build``).
+    ``native`` -> the kernel, or a start-up error; ``avx512-bf16`` -> the AVX512-BF16 build's bf16 decode
+    (``NativeDecodeKernel.bf16_decoder``: scores and values on ``VDPBF16PS``, the query and numerators rounded to
+    bf16, each token's result the AVX512-BF16 prefill's for that position), or a start-up error where the cache or
+    shape does not fit it or the CPU lacks AVX512-BF16; ``auto`` -> on a CPU, the bf16 decode where
+    ``engine.prefill_kernel: auto`` takes the AVX512-BF16 prefill (``bf16_fits``: a bf16 cache and shape it takes,
+    an AMD CPU with AVX512-BF16; on a 2-core Zen 4, 8 streams over a shared ~1,000-token SmolLM2 prompt decoded
+    1.10x as fast in process, one stream the same: docs/engine-step.md, session 38), else the kernel where it
+    builds, else None with a log line saying why. Built once per process and model shape (``group`` query heads
+    per KV head, ``head_dim``: compiled with constants, ``NativeDecodeKernel.build``).
 
     Raises:
-        ValueError: an unknown setting, or ``native`` where the kernel is not available (the message names
-            ``engine.decode_kernel`` and the reason).
+        ValueError: an unknown setting, or ``native`` / ``avx512-bf16`` where that kernel is not available or
+            does not fit (the message names ``engine.decode_kernel`` and the reason).
     """
     if setting not in DECODE_KERNELS:
         raise ValueError(f"engine.decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {setting!r}")
+    kind = torch.device(device).type
+    if setting == "avx512-bf16":
+        if not native_decode.bf16_prefill_fits(kv_dtype, head_dim, group):
+            raise ValueError(
+                "engine.decode_kernel: avx512-bf16 needs engine.kv_dtype bfloat16, a head_dim that is a multiple "
+                f"of 32 up to 128 and at most {native_decode.MAX_GROUP} query heads per KV head, got "
+                f"{str(kv_dtype).removeprefix('torch.')}, {head_dim} and {group}"
+            )
+        kernel = native_build.resolve_setting(
+            "engine.decode_kernel",
+            setting,
+            kind,
+            lambda: native_decode._shared_kernel(group, head_dim, setting),
+            "",
+        )
+        return None if kernel is None else kernel.bf16_decoder()
+    if setting == "auto" and kind == "cpu" and bf16_fits(kv_dtype, head_dim, group):
+        kernel = native_decode._shared_kernel(group, head_dim, "avx512-bf16")
+        if not isinstance(kernel, str):
+            return kernel.bf16_decoder()
+        logger.info("engine.decode_kernel auto: not the AVX512-BF16 bf16 decode (%s)", kernel)
     return native_build.resolve_setting(
         "engine.decode_kernel",
         setting,
-        torch.device(device).type,
+        kind,
         lambda: native_decode._shared_kernel(group, head_dim, native_decode.build_isa()),
         "torch's decode attention",
     )

@@ -132,10 +132,10 @@ class LLMEngine(PrefixAdmin):
         self.model = model
         self.config = config
         mc = model.config
-        decode_kernel = resolve_decode_kernel(
-            config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim
-        )
         kv_dtype = kv_dtype_of(config.kv_dtype, model.dtype)
+        decode_kernel = resolve_decode_kernel(
+            config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim, kv_dtype
+        )
         prefill_kernel = resolve_prefill_kernel(
             config.prefill_kernel,
             model.device,

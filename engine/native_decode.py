@@ -19,8 +19,10 @@ prompt rows only: ``amx`` (CPUs with AMX and AVX512-BF16; ``engine.prefill_kerne
 ``paged_prefill_attention_amx``: a bf16 cache, head_dim 64, scores and values on AMX tiles) and ``avx512-bf16``
 (CPUs with AVX512-BF16; ``engine.prefill_kernel: avx512-bf16``, ``paged_prefill_attention_bf16``: a bf16 cache,
 head_dim a multiple of 32 up to 128, scores and values on ``VDPBF16PS`` with the queries and softmax numerators
-rounded to bf16). A new build is checked against a float64 reference on random inputs before use
-(``self_check``).
+rounded to bf16); the latter also decodes in that arithmetic (``NativeDecodeKernel.bf16_decoder``,
+``paged_decode_attention_bf16``: ``engine.decode_kernel: avx512-bf16``, each sequence's result the bits its
+prefill gives a prompt row at that position). A new build is checked against a float64 reference on random inputs
+before use (``self_check``, ``engine.native_decode_check``).
 
 Invariants: the kernel only reads the cache; an out-of-range argument (a block id outside the pool, a length
 past ``max_len``, a table too short) is refused by the kernel before anything is read (``ValueError`` here).
@@ -59,8 +61,8 @@ per-lane arithmetic: ``scores_tile_pairs`` / ``values_heads_pairs`` over a bf16 
 ISA_FLAGS["amx"] = (*ISA_FLAGS["avx512"], *native_build.AMX_BF16_FLAGS, "-DPD_AMX=1")
 """The AMX build: the AVX-512 one plus ``paged_prefill_attention_amx`` (``-DPD_AMX``; prompt rows only)."""
 ISA_FLAGS["avx512-bf16"] = (*ISA_FLAGS["avx512"], "-mavx512bf16", "-DPD_BF16DOT=1")
-"""The AVX512-BF16 build: the AVX-512 one plus ``paged_prefill_attention_bf16`` (``-DPD_BF16DOT``; prompt rows
-only: scores and values on ``VDPBF16PS``, queries and softmax numerators rounded to bf16)."""
+"""The AVX512-BF16 build: the AVX-512 one plus ``paged_prefill_attention_bf16`` and ``paged_decode_attention_bf16``
+(``-DPD_BF16DOT``: scores and values on ``VDPBF16PS``, queries and softmax numerators rounded to bf16)."""
 SPLITS = {"auto": 0, "heads": 1, "positions": 2}
 """``NativeDecodeKernel.attend``'s ways to spread a lone sequence over threads, as ``paged_decode.c`` numbers them
 (``SPLIT_DEFAULT``, ``SPLIT_HEADS``, ``SPLIT_POSITIONS``)."""
@@ -127,11 +129,16 @@ class NativeDecodeKernel:
         OSError: the library cannot be loaded.
     """
 
-    def __init__(self, path: Path, isa: str = "avx512") -> None:
+    def __init__(self, path: Path, isa: str = "avx512", bf16_decode: bool = False) -> None:
+        if bf16_decode and isa != "avx512-bf16":
+            raise ValueError(f"bf16 decode attention is the avx512-bf16 build's, not the {isa} build's")
         self.path = path
         self.isa = isa
+        self.bf16_decode = bf16_decode
+        """Whether ``attend`` runs ``paged_decode_attention_bf16`` (``VDPBF16PS``: each sequence's result is the
+        AVX512-BF16 prefill's for a row at its last position) rather than the fp32 decode arithmetic."""
         lib = ctypes.CDLL(str(path))
-        fn = lib.paged_decode_attention
+        fn = lib.paged_decode_attention_bf16 if bf16_decode else lib.paged_decode_attention
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [
             p,
@@ -156,7 +163,9 @@ class NativeDecodeKernel:
         fn.restype = ctypes.c_int
         # the same with a lone sequence spread over threads (the last arguments: threads, split), for attend's
         # `threads` and engine.native_step's one-sequence steps
-        self._threads_fn = lib.paged_decode_attention_threads
+        self._threads_fn = (
+            lib.paged_decode_attention_bf16_threads if bf16_decode else lib.paged_decode_attention_threads
+        )
         self._threads_fn.argtypes = [*fn.argtypes, ctypes.c_int, ctypes.c_int]
         self._threads_fn.restype = ctypes.c_int
         amx = isa == "amx"  # the AMX build's prefill (paged_prefill_attention_amx: bf16 cache, head_dim 64)
@@ -242,6 +251,16 @@ class NativeDecodeKernel:
             directory,
         )
 
+    def bf16_decoder(self) -> NativeDecodeKernel:
+        """This AVX512-BF16 build's library with ``attend`` on ``paged_decode_attention_bf16`` (``bf16_decode``):
+        decode attention in the arithmetic of this build's prefill, so a position's K/V and output are the same
+        bits whether it came as a prompt row or a generated one (``engine.decode_kernel: avx512-bf16``).
+
+        Raises:
+            ValueError: not the ``avx512-bf16`` build.
+        """
+        return type(self)(self.path, self.isa, bf16_decode=True)
+
     def attend(
         self,
         q: torch.Tensor,
@@ -308,6 +327,11 @@ class NativeDecodeKernel:
         if tables.dim() != 2 or tables.shape[0] != b or lens.shape != (b,):
             raise ValueError(
                 f"tables {tuple(tables.shape)} / lens {tuple(lens.shape)} do not match {b} sequences"
+            )
+        if self.bf16_decode and not bf16_prefill_fits(layer_cache.dtype, d, h // kvh):
+            raise ValueError(
+                "bf16 decode attention takes a bf16 cache, head_dim a multiple of 32 up to 128 and at most "
+                f"{MAX_GROUP} query heads per KV head, got {layer_cache.dtype}, {d} and {h // kvh}"
             )
         need = scratch_size(b, h, d, max_len)
         if scratch is None:
@@ -457,62 +481,19 @@ class NativeDecodeKernel:
         return out
 
     def self_check(self) -> str | None:
-        """Compare the kernel with float64 attention on random caches (bf16 and fp32, shapes on and off the
-        vector path, ragged lengths, scattered blocks), and a lone sequence on 2 threads (both splits) with one
-        thread; None when every output is within 1e-4 relative and the threads give one thread's bits, else
-        what differed."""
-        gen = torch.Generator().manual_seed(0)
-        for group, d, kvh, dtype in (
-            (3, 64, 3, torch.bfloat16),
-            (2, 128, 2, torch.float32),
-            (3, 24, 1, torch.float32),
-        ):
-            h, bs, nb = group * kvh, 16, 16
-            cache = torch.randn(2, nb, bs, kvh, d, generator=gen).to(dtype)
-            lens = torch.tensor([37, 1, 80], dtype=torch.int32)
-            tables = torch.randperm(nb, generator=gen)[:15].view(3, 5).to(torch.int32).contiguous()
-            q = torch.randn(3, h, d, generator=gen)
-            got = self.attend(q, cache, tables, lens, 80, d**-0.5)
-            want = reference_decode(q, cache, tables, lens, d**-0.5)
-            err = ((got.double() - want).abs().max() / want.abs().max()).item()
-            if not err <= 1e-4:
-                return f"group {group}, head_dim {d}, {dtype}: relative error {err:.2e}"
-            # a lone sequence spread over threads: one thread's bits, either split
-            one = self.attend(q[2:3], cache, tables[2:3], lens[2:3], 80, d**-0.5)
-            for split in ("heads", "positions"):
-                two = self.attend(q[2:3], cache, tables[2:3], lens[2:3], 80, d**-0.5, threads=2, split=split)
-                if not torch.equal(two, one):
-                    return f"group {group}, head_dim {d}, {dtype}: a lone sequence on 2 threads ({split}) differs"
-        if self.isa == "amx":
-            return self._check_pair_prefill(gen, "AMX", 2e-4)
-        if self.isa == "avx512-bf16":
-            return self._check_pair_prefill(gen, "AVX512-BF16", BF16_PREFILL_TOLERANCE)
-        return None
+        """Compare the kernel with float64 attention on random caches (``engine.native_decode_check``); None when
+        it agrees, else what differed."""
+        from engine.native_decode_check import check_kernel
 
-    def _check_pair_prefill(self, gen: torch.Generator, name: str, tolerance: float) -> str | None:
-        """The AMX or AVX512-BF16 build's prefill against float64 attention (within ``tolerance`` relative: AMX
-        keeps ~16 bits of queries and numerators, AVX512-BF16 8), and a chunk of it (on another thread count)
-        equal to the same rows of the whole."""
-        group, kvh, d, n = 3, 2, AMX_HEAD_DIM, 90
-        cache = torch.randn(2, 8, 16, kvh, d, generator=gen).to(torch.bfloat16)
-        table = torch.randperm(8, generator=gen)[:6].to(torch.int32)
-        q = torch.randn(n, group * kvh, d, generator=gen)
-        got = self.prefill(q, cache, table, 0, d**-0.5, threads=1)
-        lens = torch.arange(1, n + 1, dtype=torch.int32)
-        want = reference_decode(q, cache, table.repeat(n, 1), lens, d**-0.5)
-        err = ((got.double() - want).abs().max() / want.abs().max()).item()
-        if not err <= tolerance:
-            return f"{name} prefill: relative error {err:.2e}"
-        part = self.prefill(q[37:].contiguous(), cache, table, 37, d**-0.5, threads=2)
-        if not torch.equal(part, got[37:]):
-            return f"{name} prefill: rows 37.. as a chunk on 2 threads differ from the whole prompt's"
-        return None
+        return check_kernel(self)
 
 
 def scratch_size(num_seqs: int, num_heads: int, head_dim: int, max_len: int) -> int:
-    """fp32 elements of the kernel's scratch for ``num_seqs`` sequences: per sequence ``num_heads * max_len``
-    scores, ``num_heads * head_dim`` for the widened query and ``num_heads`` softmax sums."""
-    return num_seqs * num_heads * (max_len + head_dim + 1)
+    """fp32 elements of the kernel's scratch for ``num_seqs`` sequences, per sequence ``num_heads * (2 * (max_len +
+    31) + head_dim + 1)`` (``paged_decode.c``'s ``PD_SEQ_FLOATS``; ``decode_step.c`` gives each sequence of a run
+    that much): the bf16 decode's scores (``max_len`` rounded up to 32), bf16 numerators, query pairs and sums;
+    the fp32 decode uses ``max_len + head_dim + 1`` of it (scores, widened query, sums)."""
+    return num_seqs * num_heads * (2 * (max_len + 31) + head_dim + 1)
 
 
 def reference_decode(

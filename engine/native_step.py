@@ -229,7 +229,8 @@ class NativeDecodeStep:
             int(kv_cache.dtype == torch.bfloat16),
             threads,
             torch.get_num_threads(),
-            threads,  # attention: runs of sequences, one per thread
+            threads,  # attention: runs of sequences, one per thread (the bf16 decode: all of them on every thread)
+            int(native.kernel.bf16_decode),
             c.rms_norm_eps,
             c.head_dim**-0.5,
             cos_sin.data_ptr(),

@@ -44,6 +44,7 @@ class DecodeStepArgs(ctypes.Structure):
         *((name, _i64) for name in ("layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
         *((name, _i64) for name in ("block_size", "num_blocks", "table_stride", "max_len", "shared_len")),
         *((name, _i32) for name in ("cache_bf16", "gemv_threads", "glue_threads", "attn_threads")),
+        ("attn_batched", _i32),
         ("eps", _f32),
         ("scale", _f32),
         *((name, _p) for name in ("cos_sin", "slots", "tables", "lens", "h", "x")),

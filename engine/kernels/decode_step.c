@@ -66,6 +66,7 @@ struct decode_step {
     int64_t layers, rows, hidden, heads, kv_heads, head_dim, inter;
     int64_t block_size, num_blocks, table_stride, max_len, shared_len;
     int32_t cache_bf16, gemv_threads, glue_threads, attn_threads;
+    int32_t attn_batched; /* attend_threads takes every row at once (the bf16 decode), not a lone sequence only */
     float eps, scale;
     const float *cos_sin; /* [rows][D / 2][2] */
     const int64_t *slots; /* [rows] */
@@ -84,14 +85,15 @@ static int gemv(const struct decode_step *s, const uint8_t *w, int32_t bits, int
 /* Decode attention of the step's sequences, split into `attn_threads` contiguous runs of sequences, one call
  * of the kernel per run on its own thread (each with its share of the scratch: the kernel's layout is per
  * sequence). The kernel computes every sequence alone, so a sequence's output is the same bits in any run,
- * and the blocks all sequences share are walked once per run. A lone sequence is spread over the threads by
- * the kernel itself (paged_decode_attention_threads, the build's split; the same bits). */
+ * and the blocks all sequences share are walked once per run. A lone sequence, and with attn_batched (the bf16
+ * decode, paged_decode_attention_bf16_threads) every sequence of the step, is spread over the threads by the
+ * kernel itself (the same bits; the bf16 decode then reads each shared block once per step). */
 static int attend(const struct decode_step *s, void *cache) {
     const int64_t T = s->rows, H = s->heads, D = s->head_dim;
-    const int64_t per_seq = H * (s->max_len + D + 1); /* engine.native_decode.scratch_size for one sequence */
+    const int64_t per_seq = H * (2 * (s->max_len + 31) + D + 1); /* engine.native_decode.scratch_size, one sequence */
     int rc = 0;
-    if (T == 1 && s->attn_threads > 1)
-        return s->attend_threads(s->q, 0, cache, s->cache_bf16, s->tables, s->table_stride, s->lens, 1, H,
+    if ((T == 1 || s->attn_batched) && s->attn_threads > 1)
+        return s->attend_threads(s->q, 0, cache, s->cache_bf16, s->tables, s->table_stride, s->lens, T, H,
                                  s->kv_heads, D, s->block_size, s->num_blocks, s->scale, s->attn, s->scratch,
                                  s->max_len, s->shared_len, s->attn_threads, 0 /* the build's split */);
     const int parts = s->attn_threads < T ? s->attn_threads : (int)T;

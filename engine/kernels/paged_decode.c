@@ -11,7 +11,9 @@
  * Built once per machine by engine.native_decode (gcc -O3 -fopenmp, AVX-512 or AVX2). paged_decode_attention is
  * single-threaded (the caller decides what runs in parallel); paged_decode_attention_threads spreads a lone
  * sequence over OpenMP threads with the same bits; paged_prefill_attention (the end of the file: many query rows
- * of one sequence, each with exactly the decode arithmetic) spreads its work over OpenMP threads.
+ * of one sequence, each with exactly the decode arithmetic) spreads its work over OpenMP threads. The AMX and
+ * AVX512-BF16 builds add prefills of their own arithmetic, and the AVX512-BF16 build a decode in its prefill's
+ * arithmetic (paged_decode_attention_bf16, the last section).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -850,7 +852,8 @@ INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf1
 }
 
 /* Decode attention of B sequences (see the top of the file). scratch: at least B * H * (max_len + D + 1)
- * floats, max_len >= every lens[b]. shared_len: leading positions all sequences share (attend_vec; 0: none).
+ * floats (engine.native_decode.scratch_size gives more: the bf16 decode's), max_len >= every lens[b].
+ * shared_len: leading positions all sequences share (attend_vec; 0: none).
  * threads: a lone sequence (B == 1) on the vector path is spread over that many OpenMP threads as `split` says
  * (SPLIT_*: attend_one_part or attend_heads_part, the same bits); otherwise the call runs on the calling thread.
  * Returns 0; -1 when an argument is out of range (a length, a block id, a table too short, a shape, threads < 1,
@@ -1691,5 +1694,364 @@ int paged_prefill_attention_bf16(const void *q, int q_bf16, const void *cache, i
     }
 #undef BD_PREFILL
     return 0;
+}
+#endif
+
+#ifdef PD_BF16DOT
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decode attention on VDPBF16PS (the bf16 build's paged_decode_attention_bf16 / _threads; engine.decode_kernel:
+ * avx512-bf16). Same arguments and output as paged_decode_attention, a bf16 cache, D a multiple of 32 up to 128,
+ * group up to MAX_GROUP. Each sequence's result is exactly what paged_prefill_attention_bf16 computes for a prompt
+ * row at position lens[b] - 1 (that kernel's arithmetic, above: the query and numerators rounded to bf16, scores
+ * per position over the dim pairs in order, values per dim over the position pairs in order), so a token's K/V
+ * and logits are the same bits whether its position came as a prompt row or a generated one, and batched ==
+ * alone. Instead of pair_relayout's whole-sequence copy, each 16-position K tile is transposed in registers
+ * (the same words as KB's tile) and each position pair's V vector is interleaved as it is used (the same words as
+ * VB's): nothing is written but the scores. The blocks a run of sequences shares (shared_len) are transposed and
+ * interleaved once for all of them, so each K tile and V pair vector loaded serves every query head of the run.
+ *
+ * Scratch, per sequence b at scratch + b * PD_SEQ_FLOATS(H, D, max_len): S [H][ss] fp32 scores, P [H][ss] bf16
+ * numerators, QP [H][D / 2] query pairs, sums [H] (ss = max_len rounded up to 32). */
+#define PD_SEQ_FLOATS(H, D, max_len) ((H) * (2 * ((max_len) + 31) + (D) + 1)) /* engine.native_decode.scratch_size */
+#define BDD_SEQS 4 /* sequences of a run whose value sums share each V pair vector (4 x 3 heads x 2: 24 registers) */
+
+/* the K tile of positions whose rows are at[0 .. n) (n <= 16; zero words past n), KV head h: kt[i] lane t = dim
+ * pair i of position t (pair_relayout's KB tile: transpose16 of the rows' 32-dim chunks, exact moves) */
+INLINE void bdd_k_tile(const uint16_t *cache, const int64_t at[16], int64_t n, int64_t h, int64_t D,
+                       __m512i *restrict kt) {
+    for (int64_t c = 0; c < D / 32; c++) {
+        v16 kv[16];
+        for (int64_t t = 0; t < 16; t++) {
+            if (t < n)
+                memcpy(&kv[t], cache + at[t] + h * D + 32 * c, sizeof kv[t]);
+            else
+                kv[t] = (v16){0};
+        }
+        transpose16(kv);
+        memcpy(kt + 16 * c, kv, sizeof kv);
+    }
+}
+
+/* the rows of positions l0 .. l0 + 15 below len (the table's blocks), `count` elements from `first` of each,
+ * prefetched into L2 (prefetch_span): the K tiles PD_PF ahead, or the next V chunk */
+INLINE void bdd_prefetch(const uint16_t *cache, const int32_t *table, int64_t len, int64_t l0, int64_t first,
+                         int64_t count, int64_t block_size, int64_t block_elems, int64_t pos_elems) {
+    if (l0 >= len) return;
+    int64_t ahead[16];
+    rows_from(table, l0, len - l0 < 16 ? len - l0 : 16, block_size, block_elems, pos_elems, first, -1, ahead);
+    for (int64_t t = 0; t < 16; t++) prefetch_span(cache, 1, ahead[t], 0, count);
+}
+
+/* NJ (1 or 2) jobs at once, so 2 x NG sums are in flight (VDPBF16PS's latency covered): job j's K tile kt[j] and
+ * the NG query heads whose pairs start at qp[j] (D / 2 words each); dst[j][g ss + t] = scale * (query head g . key
+ * t of the tile): bd_scores' chain per position, VDPBF16PS over pairs 0 .. D / 2 - 1 from +0 */
+INLINE void bdd_scores(int64_t NJ, const __m512i *const kt[2], const uint32_t *const qp[2], int64_t NG, int64_t D,
+                       float scale, float *const dst[2], int64_t ss) {
+    __m512 acc[2][MAX_GROUP];
+    for (int64_t j = 0; j < NJ; j++)
+        for (int64_t g = 0; g < NG; g++) acc[j][g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D / 2; i++)
+        for (int64_t j = 0; j < NJ; j++) {
+            __m512i k = kt[j][i];
+            IN_REGISTER(k);
+            for (int64_t g = 0; g < NG; g++)
+                acc[j][g] = _mm512_dpbf16_ps(acc[j][g], (__m512bh)k,
+                                             (__m512bh)_mm512_set1_epi32((int)qp[j][g * (D / 2) + i]));
+        }
+    for (int64_t j = 0; j < NJ; j++)
+        for (int64_t g = 0; g < NG; g++) _mm512_storeu_ps(dst[j] + g * ss, _mm512_mul_ps(acc[j][g], _mm512_set1_ps(scale)));
+}
+
+/* tiles [t0, t1) of one sequence (its table, length len), every KV head: its scores, two tiles a call (rows found
+ * once for the heads; every head's K rows PD_PF tiles ahead prefetched). qp: the sequence's query pairs [H][D / 2];
+ * S: its scores [H][ss]. */
+INLINE void bdd_seq_scores(const uint16_t *cache, const int32_t *table, int64_t len, int64_t t0, int64_t t1,
+                           int64_t KVH, int64_t group, int64_t D, int64_t block_size, int64_t block_elems,
+                           int64_t pos_elems, const uint32_t *qp, float scale, float *S, int64_t ss) {
+    __m512i kt[2][128 / 2];
+    for (int64_t t = t0; t < t1; t += 2) {
+        const int64_t nj = t1 - t >= 2 ? 2 : 1;
+        int64_t at[2][16], n[2];
+        for (int64_t j = 0; j < nj; j++) {
+            const int64_t l0 = 16 * (t + j);
+            n[j] = len - l0 < 16 ? len - l0 : 16;
+            rows_from(table, l0, n[j], block_size, block_elems, pos_elems, 0, 0, at[j]);
+            bdd_prefetch(cache, table, len, l0 + 16 * PD_PF, 0, pos_elems, block_size, block_elems, pos_elems);
+        }
+        for (int64_t h = 0; h < KVH; h++) {
+            for (int64_t j = 0; j < nj; j++) bdd_k_tile(cache, at[j], n[j], h, D, kt[j]);
+            const __m512i *const kts[2] = {kt[0], kt[1]};
+            const uint32_t *const qps[2] = {qp + h * group * (D / 2), qp + h * group * (D / 2)};
+            float *const dst[2] = {S + h * group * ss + 16 * t, S + h * group * ss + 16 * (t + 1)};
+            if (nj == 2)
+                bdd_scores(2, kts, qps, group, D, scale, dst, ss);
+            else
+                bdd_scores(1, kts, qps, group, D, scale, dst, ss);
+        }
+    }
+}
+
+/* acc[x][g][j] += over position pairs m in [m0, m1): pair m's numerators of query head hg + g of sequence x (its
+ * P at p[x], rows ss apart) times V's pair vector of dims 16 (db0 + j) .. + 15 (VB's words: the two positions of
+ * each dim interleaved), one VDPBF16PS each, pairs in order: bd_value_pair's operations. Rows from `table`;
+ * positions at or past len read as +0 (the last pair's second where len is odd, as VB holds it). */
+INLINE void bdd_values(__m512 acc[BDD_SEQS][MAX_GROUP][2], int64_t NB, int64_t group, const uint16_t *const p[BDD_SEQS],
+                       int64_t ss, int64_t hg, const uint16_t *cache, const int32_t *table, int64_t len, int64_t m0,
+                       int64_t m1, int64_t h, int64_t D, int64_t db0, int64_t block_size, int64_t block_elems,
+                       int64_t pos_elems, int64_t v_offset) {
+    /* word d of a (position 2m, dims 32 j' ..) and b (position 2m + 1): vector j takes dims 16 j + d of each */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
+                                        22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+    for (int64_t l0 = 2 * m0; l0 < 2 * m1; l0 += 32) {
+        int64_t at[32];
+        for (int64_t half = 0; half < 2; half++) {
+            const int64_t from = l0 + 16 * half, n = len - from < 0 ? 0 : len - from > 16 ? 16 : len - from;
+            rows_from(table, from, n, block_size, block_elems, pos_elems, v_offset + h * D + 16 * db0, -1,
+                      at + 16 * half);
+        }
+        for (int64_t ahead = l0 + 32; ahead < l0 + 64; ahead += 16)
+            bdd_prefetch(cache, table, 2 * m1, ahead, v_offset + h * D + 16 * db0, 32, block_size, block_elems,
+                         pos_elems);
+        const int64_t pairs = 2 * m1 - l0 < 32 ? (2 * m1 - l0) / 2 : 16;
+        for (int64_t r = 0; r < pairs; r++) {
+            const int64_t m = l0 / 2 + r;
+            const __m512i a = at[2 * r] >= 0 ? _mm512_loadu_si512(cache + at[2 * r]) : _mm512_setzero_si512();
+            const __m512i b = at[2 * r + 1] >= 0 ? _mm512_loadu_si512(cache + at[2 * r + 1]) : _mm512_setzero_si512();
+            __m512i v0 = _mm512_permutex2var_epi16(a, lo, b), v1 = _mm512_permutex2var_epi16(a, hi, b);
+            IN_REGISTER(v0);
+            IN_REGISTER(v1);
+            for (int64_t x = 0; x < NB; x++)
+                for (int64_t g = 0; g < group; g++) {
+                    uint32_t w;
+                    memcpy(&w, p[x] + (hg + g) * ss + 2 * m, sizeof w);
+                    const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+                    acc[x][g][0] = _mm512_dpbf16_ps(acc[x][g][0], (__m512bh)v0, pw);
+                    acc[x][g][1] = _mm512_dpbf16_ps(acc[x][g][1], (__m512bh)v1, pw);
+                }
+        }
+    }
+}
+
+/* o[(hg + g) D + 16 (db0 + j) ..] = acc[x][g][j] times `inv` (1 / sum), or as it is where sums is NULL */
+INLINE void bdd_store(__m512 acc[MAX_GROUP][2], int64_t group, int64_t hg, int64_t D, int64_t db0,
+                      const float *sums, float *restrict o) {
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t j = 0; j < 2; j++) {
+            __m512 v = acc[g][j];
+            if (sums) v = _mm512_mul_ps(v, _mm512_set1_ps(1.0f / sums[hg + g]));
+            _mm512_storeu_ps(o + (hg + g) * D + 16 * (db0 + j), v);
+        }
+}
+
+/* the per-sequence parts of the scratch, sequence idx's as S<s>, P<s>, QP<s>, SUM<s> */
+#define BDD_PARTS(s, idx)                                                                                          \
+    float *S##s = scratch + (idx) * PD_SEQ_FLOATS(H, D, max_len);                                                  \
+    uint16_t *P##s = (uint16_t *)(S##s + H * ss);                                                                  \
+    uint32_t *QP##s = (uint32_t *)(S##s + H * ss + H * ss / 2);                                                    \
+    float *SUM##s = S##s + H * ss + H * ss / 2 + H * D / 2;                                                        \
+    (void)S##s, (void)P##s, (void)QP##s, (void)SUM##s
+
+/* KV head h's output dims 16 db0 .. + 31 of sequences b0 .. b0 + NB - 1 (NB <= BDD_SEQS): the shared pairs once
+ * for all of them, then each sequence's own pairs, then times 1 / sum */
+INLINE void bdd_values_run(int64_t NB, int64_t b0, int64_t group, int64_t H, int64_t D, int64_t ss,
+                           float *restrict scratch, int64_t max_len, int64_t h, int64_t db0, const uint16_t *cache,
+                           const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t shared_len,
+                           int64_t block_size, int64_t block_elems, int64_t pos_elems, int64_t v_offset,
+                           float *restrict out) {
+    const int64_t hg = h * group;
+    __m512 acc[BDD_SEQS][MAX_GROUP][2];
+    const uint16_t *pp[BDD_SEQS];
+    for (int64_t x = 0; x < NB; x++) {
+        BDD_PARTS(x, b0 + x);
+        pp[x] = Px;
+        for (int64_t g = 0; g < group; g++) acc[x][g][0] = acc[x][g][1] = _mm512_setzero_ps();
+    }
+    if (shared_len)
+        bdd_values(acc, NB, group, pp, ss, hg, cache, tables + b0 * table_stride, shared_len, 0, shared_len / 2, h, D,
+                   db0, block_size, block_elems, pos_elems, v_offset);
+    for (int64_t x = 0; x < NB; x++) {
+        const int64_t b = b0 + x;
+        __m512 one[BDD_SEQS][MAX_GROUP][2];
+        for (int64_t g = 0; g < group; g++) one[0][g][0] = acc[x][g][0], one[0][g][1] = acc[x][g][1];
+        const uint16_t *p1[BDD_SEQS] = {pp[x]};
+        bdd_values(one, 1, group, p1, ss, hg, cache, tables + b * table_stride, lens[b], shared_len / 2,
+                   (lens[b] + 1) / 2, h, D, db0, block_size, block_elems, pos_elems, v_offset);
+        BDD_PARTS(b, b);
+        bdd_store(one[0], group, hg, D, db0, SUMb, out + b * H * D);
+    }
+}
+
+/* Thread p of P's share of B sequences (the calling region's team, or P = 1 alone; the same bits for any P), in
+ * three passes with a barrier between: the scores by K tiles (the shared prefix's tiles each once for every
+ * sequence, then each sequence's own), the numerators by (sequence, query head), the values by (KV head, 32
+ * dims) items over every sequence (so each shared V pair and each K tile is read by one thread). The first
+ * shared_len positions (a multiple of 16) are read from sequence 0's table, which every table holds there
+ * (checked by the caller). */
+INLINE void bdd_part(const uint16_t *cache, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                     int64_t B, int64_t KVH, int64_t group, int64_t D, int64_t block_size, int64_t block_elems,
+                     int64_t pos_elems, int64_t v_offset, float scale, float *restrict out, float *restrict scratch,
+                     int64_t max_len, int64_t shared_len, int64_t p, int64_t P) {
+    const int64_t H = KVH * group, ss = (max_len + 31) / 32 * 32, shared_tiles = shared_len / 16;
+    int64_t own = 0; /* K tiles past the shared ones, over every sequence */
+    for (int64_t b = 0; b < B; b++) own += (lens[b] + 15) / 16 - shared_tiles;
+    const int64_t work = shared_tiles + own, w0 = work * p / P, w1 = work * (p + 1) / P;
+    __m512i kt[128 / 2];
+    for (int64_t t = w0; t < w1 && t < shared_tiles; t++) { /* one K tile per head for every sequence, two a call */
+        const int64_t l0 = 16 * t;
+        int64_t at[16];
+        rows_from(tables, l0, 16, block_size, block_elems, pos_elems, 0, 0, at);
+        if (t + 1 < w1)
+            bdd_prefetch(cache, tables, shared_len, l0 + 16 * PD_PF, 0, pos_elems, block_size, block_elems, pos_elems);
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t hg = h * group;
+            bdd_k_tile(cache, at, 16, h, D, kt);
+            const __m512i *const kts[2] = {kt, kt};
+            for (int64_t b = 0; b < B; b += 2) {
+                const int64_t nj = B - b >= 2 ? 2 : 1, b1 = b + nj - 1;
+                BDD_PARTS(x, b);
+                BDD_PARTS(y, b1);
+                const uint32_t *const qps[2] = {QPx + hg * (D / 2), QPy + hg * (D / 2)};
+                float *const dst[2] = {Sx + hg * ss + l0, Sy + hg * ss + l0};
+                if (nj == 2)
+                    bdd_scores(2, kts, qps, group, D, scale, dst, ss);
+                else
+                    bdd_scores(1, kts, qps, group, D, scale, dst, ss);
+            }
+        }
+    }
+    for (int64_t b = 0, first = shared_tiles; b < B; b++) { /* this thread's part of each sequence's own tiles */
+        const int64_t tiles = (lens[b] + 15) / 16 - shared_tiles;
+        const int64_t lo = w0 > first ? w0 - first : 0, hi = w1 < first + tiles ? w1 - first : tiles;
+        if (lo < hi) {
+            BDD_PARTS(b, b);
+            bdd_seq_scores(cache, tables + b * table_stride, lens[b], shared_tiles + lo, shared_tiles + hi, KVH,
+                           group, D, block_size, block_elems, pos_elems, QPb, scale, Sb, ss);
+        }
+        first += tiles;
+    }
+#pragma omp barrier
+    for (int64_t i = B * H * p / P; i < B * H * (p + 1) / P; i++) {
+        BDD_PARTS(b, i / H);
+        SUMb[i % H] = bd_numerators(Sb + (i % H) * ss, lens[i / H], Pb + (i % H) * ss);
+    }
+#pragma omp barrier
+    /* runs of sequences whose accumulators fit the registers (group x 2 x NB <= 24) */
+    const int64_t nb_max = 12 / group >= BDD_SEQS ? BDD_SEQS : 12 / group >= 1 ? 12 / group : 1;
+    const int64_t halves = D / 32, items = KVH * halves;
+    for (int64_t it = items * p / P; it < items * (p + 1) / P; it++) {
+        const int64_t h = it / halves, db0 = 2 * (it % halves);
+        for (int64_t b0 = 0; b0 < B; b0 += nb_max) {
+            const int64_t nb = B - b0 < nb_max ? B - b0 : nb_max;
+#define BDD_RUN(NB)                                                                                                \
+    bdd_values_run(NB, b0, group, H, D, ss, scratch, max_len, h, db0, cache, tables, table_stride, lens, shared_len, \
+                   block_size, block_elems, pos_elems, v_offset, out)
+            if (nb == 4)
+                BDD_RUN(4);
+            else if (nb == 3)
+                BDD_RUN(3);
+            else if (nb == 2)
+                BDD_RUN(2);
+            else
+                BDD_RUN(1);
+#undef BDD_RUN
+        }
+    }
+}
+
+/* bdd_part behind a call, its arguments plain parameters (attend_one_part's reason): the model's compiled shape,
+ * and any shape */
+#define BDD_PART_PARAMS                                                                                            \
+    const uint16_t *cache, const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t B, int64_t KVH, \
+        int64_t block_size, int64_t block_elems, int64_t pos_elems, int64_t v_offset, float scale,                  \
+        float *restrict out, float *restrict scratch, int64_t max_len, int64_t shared_len, int64_t p, int64_t P
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+static __attribute__((noinline)) void bdd_part_model(BDD_PART_PARAMS) {
+    bdd_part(cache, tables, table_stride, lens, B, KVH, PD_GROUP, PD_HEAD_DIM, block_size, block_elems, pos_elems,
+             v_offset, scale, out, scratch, max_len, shared_len, p, P);
+}
+#endif
+static __attribute__((noinline)) void bdd_part_any(BDD_PART_PARAMS, int64_t group, int64_t D) {
+    bdd_part(cache, tables, table_stride, lens, B, KVH, group, D, block_size, block_elems, pos_elems, v_offset, scale,
+             out, scratch, max_len, shared_len, p, P);
+}
+#undef BDD_PART_PARAMS
+
+/* decode_attention's checks and arguments; -1 also for an fp32 cache or a shape off the vector path (D not a
+ * multiple of 32 up to 128, group past MAX_GROUP). A shared_len whose blocks the tables do not all hold is
+ * taken as 0 (the same bits: it only orders the work). */
+static int decode_attention_bf16(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                                 const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                                 int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
+                                 float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
+                                 int threads, int split) {
+    if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
+    if (threads < 1 || split < SPLIT_DEFAULT || split > SPLIT_POSITIONS) return -1;
+    const int64_t group = H / KVH;
+    if (!cache_bf16 || D % 32 || D > 128 || group > MAX_GROUP) return -1;
+    const int64_t pos_elems = KVH * D, block_elems = block_size * pos_elems, v_offset = num_blocks * block_elems;
+    if (shared_len < 0 || shared_len % 16) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = lens[b];
+        if (len <= 0 || len > max_len || len < shared_len) return -1;
+        const int32_t *table = block_tables + b * table_stride;
+        for (int64_t t = 0; t * block_size < len; t++)
+            if (t >= table_stride || table[t] < 0 || table[t] >= num_blocks) return -1;
+    }
+    for (int64_t b = 1; b < B && shared_len; b++)
+        for (int64_t t = 0; t * block_size < shared_len; t++)
+            if (block_tables[b * table_stride + t] != block_tables[t]) shared_len = 0;
+    const int64_t ss = (max_len + 31) / 32 * 32;
+    for (int64_t b = 0; b < B; b++) {
+        BDD_PARTS(b, b);
+        for (int64_t i = 0; i < H; i++) bd_query_pairs(q, q_bf16, (b * H + i) * D, D, QPb + i * (D / 2));
+    }
+    const uint16_t *kv = (const uint16_t *)cache;
+#if defined(PD_GROUP) && defined(PD_HEAD_DIM)
+#define BDD_CALL(p, P)                                                                                             \
+    if (group == PD_GROUP && D == PD_HEAD_DIM)                                                                     \
+        bdd_part_model(kv, block_tables, table_stride, lens, B, KVH, block_size, block_elems, pos_elems, v_offset,  \
+                       scale, out, scratch, max_len, shared_len, p, P);                                            \
+    else                                                                                                           \
+        bdd_part_any(kv, block_tables, table_stride, lens, B, KVH, block_size, block_elems, pos_elems, v_offset,    \
+                     scale, out, scratch, max_len, shared_len, p, P, group, D)
+#else
+#define BDD_CALL(p, P)                                                                                             \
+    bdd_part_any(kv, block_tables, table_stride, lens, B, KVH, block_size, block_elems, pos_elems, v_offset, scale, \
+                 out, scratch, max_len, shared_len, p, P, group, D)
+#endif
+    if (threads > 1 && B > 0) {
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t p = omp_get_thread_num(), P = omp_get_num_threads();
+            BDD_CALL(p, P);
+        }
+    } else if (B > 0) {
+        BDD_CALL(0, 1);
+    }
+#undef BDD_CALL
+    return 0;
+}
+
+/* As paged_decode_attention (same arguments and output; scratch: B * PD_SEQ_FLOATS(H, D, max_len) floats), on
+ * VDPBF16PS: each sequence's result is paged_prefill_attention_bf16's for a row at position lens[b] - 1. */
+int paged_decode_attention_bf16(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                                const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                                int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                                float *out, float *scratch, int64_t max_len, int64_t shared_len) {
+    return decode_attention_bf16(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
+                                 block_size, num_blocks, scale, out, scratch, max_len, shared_len, 1, SPLIT_DEFAULT);
+}
+
+/* The same, spread over `threads` OpenMP threads (bdd_part; any B, any split: the same bits). decode_step.c calls
+ * it for a whole step's sequences (struct decode_step's attn_batched). */
+int paged_decode_attention_bf16_threads(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                                        const int32_t *block_tables, int64_t table_stride, const int32_t *lens,
+                                        int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                                        int64_t num_blocks, float scale, float *out, float *scratch, int64_t max_len,
+                                        int64_t shared_len, int threads, int split) {
+    return decode_attention_bf16(q, q_bf16, cache, cache_bf16, block_tables, table_stride, lens, B, H, KVH, D,
+                                 block_size, num_blocks, scale, out, scratch, max_len, shared_len, threads, split);
 }
 #endif

@@ -255,7 +255,9 @@ def test_a_failed_compile_leaves_no_library(monkeypatch, tmp_path):
 
 
 def test_the_setting_is_checked(monkeypatch):
-    with pytest.raises(ValueError, match="engine.decode_kernel must be one of auto, native, torch"):
+    with pytest.raises(
+        ValueError, match="engine.decode_kernel must be one of auto, native, avx512-bf16, torch"
+    ):
         resolve_decode_kernel("fast", torch.device("cpu"))
     assert resolve_decode_kernel("torch", torch.device("cpu")) is None
     with pytest.raises(ValueError, match="CPU only"):
@@ -284,9 +286,14 @@ def test_the_decode_kernel_names_its_build_in_the_model_id():
     if kernel is not None:
         native_engine = make_engine(ck, decode_kernel="native", prefill_kernel="torch", glue_kernel="torch")
         assert native_engine.model_id == ck.model_id + decode_kernel_variant(kernel)
-    for isa, variant in (("avx512", "/native-decode"), ("avx2", "/native-decode-avx2")):
+    for isa, bf16, variant in (
+        ("avx512", False, "/native-decode"),
+        ("avx2", False, "/native-decode-avx2"),
+        ("avx512-bf16", False, "/native-decode-avx512-bf16"),
+        ("avx512-bf16", True, "/native-decode-bf16-dot"),  # another arithmetic than that build's fp32 decode
+    ):
         fake = NativeDecodeKernel.__new__(NativeDecodeKernel)
-        fake.isa = isa
+        fake.isa, fake.bf16_decode = isa, bf16
         assert decode_kernel_variant(fake) == variant
 
 

@@ -15,7 +15,7 @@ from gateway.config.schema import ConfigError
 
 SETTINGS = {
     "linear_kernel": ("auto", "native", "int8-activations", "torch"),
-    "decode_kernel": ("auto", "native", "torch"),
+    "decode_kernel": ("auto", "native", "avx512-bf16", "torch"),
     "prefill_kernel": ("auto", "native", "amx", "avx512-bf16", "torch"),
     "glue_kernel": ("auto", "native", "torch"),
     "dense_gemm": ("auto", "amx", "onednn"),
