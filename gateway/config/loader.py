@@ -441,21 +441,35 @@ def _parse_upstream(
         )
     urls = []
     for index, url in enumerate(base_url):
-        url = reader.resolve_env(url, f"{where}.base_url[{index}]")
+        key = f"{where}.base_url[{index}]"
+        url = reader.resolve_env(url, key)
+        if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
+            scheme, _, rest = url.partition("://")
+            url = f"{scheme.lower()}://{rest}"  # a URL's scheme is case-insensitive (RFC 3986 section 3.1)
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            reader.fail(f"{where}.base_url[{index}]", f"expected an http:// or https:// URL, got {url!r}")
+            reader.fail(key, f"expected an http:// or https:// URL, got {url!r}")
         try:
             parsed = httpx.URL(url)
+            port = parsed.port
         except (httpx.InvalidURL, ValueError) as exc:
-            reader.fail(f"{where}.base_url[{index}]", f"not a valid URL ({exc}): {url!r}")
+            reader.fail(key, f"not a valid URL ({exc}): {url!r}")
+        if port is not None and not 0 < port < 65536:
+            reader.fail(key, f"the port {port} is outside 1-65535")
         if parsed.userinfo:  # the message leaves the URL out: it holds a password
             reader.fail(
-                f"{where}.base_url[{index}]",
+                key,
                 "the URL holds credentials (user:password@), which the gateway cannot send (the transport "
                 "refuses them beside its own headers): give the upstream's key as api_key (env:NAME)",
             )
         if not parsed.host:
-            reader.fail(f"{where}.base_url[{index}]", f"the URL has no host: {url!r}")
+            reader.fail(key, f"the URL has no host: {url!r}")
+        if url.rstrip("/") in urls:
+            first = urls.index(url.rstrip("/"))
+            reader.fail(
+                key,
+                f"the same replica as base_url[{first}] ({url!r}): list each replica once (one "
+                "server twice would hold two ring shares and two in-flight counts for one cache)",
+            )
         urls.append(url.rstrip("/"))
     timeout = reader.typed(raw, where, "timeout_s", float, 60.0)
     retries = reader.typed(raw, where, "retries", int, 2)

@@ -320,9 +320,14 @@ class PendingLease:
     ``prefill_done`` and ``release`` are idempotent.
     """
 
-    def __init__(self, lease: Lease, weight: int, policy: CacheAwarePolicy) -> None:
+    def __init__(
+        self, lease: Lease, weight: int, policy: CacheAwarePolicy, added: tuple[int, ...] = ()
+    ) -> None:
         self.lease = lease
         self.weight = weight
+        self.added = added
+        """The block hashes this lease's route added to the replica's approximate index (those past what it
+        held before): ``not_served`` takes them back."""
         self._policy = policy
         self._pending = True
         self._released = False
@@ -336,6 +341,15 @@ class PendingLease:
             self._pending = False
             pending = self._policy.pending_blocks
             pending[self.lease.replica] = pending.get(self.lease.replica, 0) - self.weight
+
+    def not_served(self) -> None:
+        """The replica failed this request before answering (a connection error, a timeout, a 5xx): nothing
+        was prefilled there, so the blocks this route added to its approximate index are taken back. Else the
+        replica would seem to hold the retried request's whole prompt as well as the replica that served it,
+        and, ahead in ring order, win the conversation's next turn back once it is up (found by a trial: a
+        replica killed and restarted empty got the next turn with 0 of 184 tokens cached)."""
+        self._policy.approx.remove(self.lease.replica, self.added)
+        self.added = ()
 
     def release(self) -> None:
         """Give the slot (and the pending blocks, if still counted) back (idempotent)."""
@@ -477,12 +491,14 @@ class CacheAwarePolicy(RoutingPolicy):
     def acquire(self, request: RouteRequest, exclude: Iterable[str] = ()) -> PendingLease:  # type: ignore[override]
         lease = super().acquire(request, exclude)
         weight = len(request.blocks) - self.expected_match(lease.replica, request.blocks)
+        added: tuple[int, ...] = ()
         if request.blocks:
+            added = tuple(request.blocks[self.approx.match(lease.replica, request.blocks) :])
             self.approx.add(lease.replica, request.blocks)
             for callback in self.on_route:
                 callback(lease.replica, request.blocks)
         self.pending_blocks[lease.replica] = self.pending_blocks.get(lease.replica, 0) + weight
-        return PendingLease(lease, weight, self)
+        return PendingLease(lease, weight, self, added)
 
     def replica_restarted(self, replica: str) -> None:
         self.approx.clear(replica)

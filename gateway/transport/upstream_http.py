@@ -491,6 +491,9 @@ async def open_response(
             return error
         if is_replica_fault(error):
             upstream.ring.report_failure(lease.replica)
+            not_served = getattr(lease, "not_served", None)  # cache-aware: the route's blocks taken back
+            if not_served is not None:
+                not_served()
         lease.release()
         asked = error.retry_after_s
         too_long = asked is not None and waited + asked > upstream.policy.max_retry_after_s

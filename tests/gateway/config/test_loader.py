@@ -247,6 +247,16 @@ def test_transcript_and_learning_settings(tmp_path):
             "not a valid URL",
         ),
         ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
+        (  # before: accepted, then every request failed with "the request could not be sent" (a trial)
+            "models: [{name: a, backend: openai, base_url: 'http://127.0.0.1:99999/v1'}]\n",
+            "models[0].base_url[0]",
+            "the port 99999 is outside 1-65535",
+        ),
+        (  # before: a traceback from the replica ring (a trial); a trailing slash is the same replica
+            "models: [{name: a, backend: openai, base_url: [http://h:1/v1, http://g/v1, 'http://h:1/v1/']}]\n",
+            "models[0].base_url[2]",
+            "the same replica as base_url[0]",
+        ),
         (  # before: accepted, then every request failed with "the request could not be sent"
             "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1', api_key: sk-x}]\n",
             "models[0].base_url[0]",
@@ -701,3 +711,15 @@ def test_a_base_url_with_credentials_is_refused_without_echoing_them(tmp_path):
     alone = write(tmp_path, "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1'}]\n")
     with pytest.raises(ConfigError, match="holds credentials"):  # without api_key too: never sent either
         load_config(alone)
+
+
+def test_a_base_url_scheme_in_capitals_is_taken_and_a_bad_port_never_echoes_credentials(tmp_path):
+    # a URL's scheme is case-insensitive (RFC 3986 3.1); a trial saw "HTTP://host/v1" refused as not http://
+    path = write(
+        tmp_path, "models: [{name: a, backend: openai, base_url: ['HTTP://a.example/v1', Https://b/v1]}]\n"
+    )
+    assert load_config(path).models[0].base_url == ("http://a.example/v1", "https://b/v1")
+    bad = write(tmp_path, "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h:70000/v1'}]\n")
+    with pytest.raises(ConfigError, match="the port 70000 is outside 1-65535") as caught:
+        load_config(bad)
+    assert "s3cret" not in str(caught.value)

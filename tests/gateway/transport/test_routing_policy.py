@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 
 from gateway.transport.affinity import AffinityRing
+from gateway.transport.retry import RetryPolicy
 from gateway.transport.routing_policy import (
     BlockIndex,
     CacheAwarePolicy,
@@ -20,6 +22,7 @@ from gateway.transport.routing_policy import (
     make_policy,
     text_block_hashes,
 )
+from gateway.transport.upstream_http import Upstream, open_response
 
 REPLICAS = [f"http://replica-{i}:8000/v1" for i in range(4)]
 
@@ -349,3 +352,53 @@ def test_replica_restart_forgets_its_index():
     policy.approx.add(REPLICAS[0], [1, 2])
     policy.replica_restarted(REPLICAS[0])
     assert policy.approx.size(REPLICAS[0]) == 0
+
+
+async def test_a_replica_that_failed_a_request_is_not_credited_with_its_prompt():
+    """A trial: a conversation's home replica was killed, its next turn failed over to another replica, and once
+    the home was back (restarted empty) the turn after went home again with nothing cached. The failed attempt
+    had recorded the whole retried prompt on the home's index, a tie that ring order broke its way. Now the
+    failed route's blocks are taken back: the home keeps what it held before, the replica that served the turn
+    holds more, and the next turn goes there."""
+    policy = CacheAwarePolicy(AffinityRing(REPLICAS[:2]))
+    home = policy.ring.home("sys")
+    other = next(r for r in REPLICAS[:2] if r != home)
+    turn1 = SYSTEM + list(range(32))
+    turn2 = turn1 + list(range(100, 132))
+    turn3 = turn2 + list(range(200, 232))
+    down = {home}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if any(str(request.url).startswith(r) for r in down):
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, content=b"{}")
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    upstream = Upstream(
+        ring=policy.ring, timeout=httpx.Timeout(5.0), policy=RetryPolicy(retries=2), routing=policy
+    )
+
+    async def no_sleep(seconds: float) -> None:
+        return None
+
+    async def send(tokens: list[int]) -> str:
+        def build(base_url: str) -> httpx.Request:
+            return client.build_request("POST", f"{base_url}/chat/completions", content=b"{}")
+
+        opened = await open_response(
+            client, upstream, "sys", build, sleep=no_sleep, blocks=tuple(block_hashes(tokens))
+        )
+        replica = opened.lease.replica
+        await opened.aclose()
+        return replica
+
+    down.clear()
+    assert await send(turn1) == home
+    down.add(home)
+    assert await send(turn2) == other  # failed over
+    assert policy.approx.match(home, block_hashes(turn2)) == len(block_hashes(turn1))  # what it held before
+    assert policy.approx.match(other, block_hashes(turn2)) == len(block_hashes(turn2))
+    down.clear()
+    policy.ring.report_success(home)  # back up
+    assert await send(turn3) == other  # the longer match, not the ring's home
+    await client.aclose()
