@@ -20,6 +20,7 @@ from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, error_bo
 from gateway.config.schema import AnthropicUpstream
 from gateway.core.errors import InvalidRequestError
 from gateway.core.events import BackendEvent, BackendUsage, Finish
+from gateway.core.gateway_loops import VIA_HEADER, outgoing_via
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import TokenCounter
 from gateway.protocols.anthropic.boundaries import boundaries_from_segments, default_boundaries
@@ -232,9 +233,14 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         return TokenCount(tokens, "upstream")
 
     def headers_for(self, request: ChatRequest) -> dict[str, str]:
-        """The headers of an upstream call for ``request``: content type, ``anthropic-version``, ``x-api-key``
-        (when configured) and the forwarded client headers (``FORWARDED_HEADERS``)."""
-        headers = {"content-type": "application/json", "anthropic-version": self.anthropic_version}
+        """The headers of an upstream call for ``request``: content type, ``anthropic-version``, the gateways
+        passed (``gateway_loops``), ``x-api-key`` (when configured) and the forwarded client headers
+        (``FORWARDED_HEADERS``)."""
+        headers = {
+            "content-type": "application/json",
+            "anthropic-version": self.anthropic_version,
+            VIA_HEADER: outgoing_via(),
+        }
         if self.api_key:
             headers["x-api-key"] = self.api_key
         for name in FORWARDED_HEADERS:

@@ -23,6 +23,7 @@ from gateway.backends.base import refuse_choices_and_logprobs
 from gateway.backends.upstream import UpstreamBackend, UpstreamOptions, error_body, upstream_settings
 from gateway.config.schema import OpenAIUpstream
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish
+from gateway.core.gateway_loops import VIA_HEADER, outgoing_via
 from gateway.core.keys import tenant_cache_key
 from gateway.core.request import SAMPLING_FIELDS, ChatRequest
 from gateway.core.tokens import default_counter
@@ -147,7 +148,11 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         return body
 
     def _headers(self) -> dict[str, str]:
-        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        headers = {
+            "content-type": "application/json",
+            "accept": "text/event-stream",
+            VIA_HEADER: outgoing_via(),
+        }
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
         return headers

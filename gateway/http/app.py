@@ -42,6 +42,7 @@ from gateway.core.errors import (
     error_shape_for,
     status_error,
 )
+from gateway.core.gateway_loops import LoopDetected, enter, incoming_chain, leave, new_instance_id
 from gateway.core.keys import KeyTable
 from gateway.http.admin import log_admin_mode
 from gateway.http.anthropic_models import wants_anthropic_shape
@@ -192,6 +193,8 @@ class GatewayApp(Starlette):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.instance_id = new_instance_id()
+        """This gateway's id in ``x-prefixgate-via`` (``gateway.core.gateway_loops``)."""
         self._direct: dict[tuple[str, str], Any] | None = None
         self._handled: dict[Any, Any] = {}
         self._server_error: Any = None
@@ -224,6 +227,24 @@ class GatewayApp(Starlette):
         return direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._serve(scope, receive, send)
+            return
+        try:  # a request back from one of its own upstream calls is refused before any work (gateway_loops)
+            chain = incoming_chain(scope.get("headers") or [], self.instance_id)
+        except LoopDetected as exc:
+            scope["app"] = self
+            scope.setdefault("state", {})["started_at"] = time.monotonic()
+            response = await handle_error(Request(scope, receive, send), exc)
+            await response(scope, receive, send)
+            return
+        token = enter(chain, self.instance_id)
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            leave(token)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._direct is None:
             self._direct = self._direct_routes()
         endpoint = None

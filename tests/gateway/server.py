@@ -20,6 +20,14 @@ ADMIN_TOKEN = "test-admin-token"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
+def bound_socket() -> socket.socket:
+    """A socket bound to 127.0.0.1 on a free port (its port known before a config naming it is written)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 class RunningServer:
     """uvicorn serving ``create_app(config)`` on 127.0.0.1:<free port> until ``stop``.
 
@@ -28,11 +36,15 @@ class RunningServer:
         app: the Starlette app (``app.state.gateway`` is the live gateway).
     """
 
-    def __init__(self, config: GatewayConfig, backends: dict | None = None, extra_routes: tuple = ()) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        backends: dict | None = None,
+        extra_routes: tuple = (),
+        sock: socket.socket | None = None,
+    ) -> None:
         self.app = create_app(config, backends=backends, extra_routes=extra_routes)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock = sock or bound_socket()
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(
