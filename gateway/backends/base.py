@@ -87,6 +87,11 @@ class Backend(ABC):
         """Replica health and load for ``/admin/stats``; None for a backend without replicas."""
         return None
 
+    def routing_share_stats(self) -> dict[str, Any] | None:
+        """The counters of the backend's Redis routing share for ``/admin/stats``
+        (``models[name]["routing_share"]``, docs/routing.md); None without one."""
+        return None
+
     def kv_events(self) -> dict[str, Any] | None:
         """The counters of the backend's KV event feed for ``/admin/stats`` (``models[name]["kv_events"]``,
         docs/routing.md); None without a feed."""

@@ -195,6 +195,12 @@ class UpstreamBackend(Backend):
         ``{"state", "inflight", "failures"}``."""
         return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
 
+    def routing_share_stats(self) -> dict[str, Any] | None:
+        """The Redis routing share's counters (``RoutingShareStats.snapshot``); None without ``routing_share``."""
+        if self.routing_share is None:
+            return None
+        return self.routing_share.stats.snapshot(self.routing_share.up)
+
     def kv_events(self) -> dict[str, Any] | None:
         """The KV event feed's counters (``ZmqKVEventFeed.snapshot`` / ``KVEventFeed.snapshot``), replicas
         named by their URL without credentials or query string; None without ``kv_events``."""

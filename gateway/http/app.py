@@ -158,6 +158,15 @@ def _lifespan(gateway: Gateway):
                 started.append(backend)
                 logger.info("model %s ready (%s)", backend.name, type(backend).__name__)
             config = gateway.config
+            shared = [b.name for b in backends if b.routing_share_stats() is not None]
+            if shared and config.rules and config.transcript.redis_url is None:
+                logger.warning(
+                    "routing_share (%s) without transcript.redis_url: each gateway keeps its own canonical "
+                    "transcripts, so a conversation whose turns reach different gateways is rendered differently "
+                    "by each, its block hashes do not match across them, and the shared placements miss; set "
+                    "transcript.redis_url to the same Redis (docs/routing.md)",
+                    ", ".join(shared),
+                )
             if config.warm and config.warm_before_ready:
                 await warm_entries(gateway, config.warm)
             elif config.warm:

@@ -62,7 +62,8 @@ class Gateway:
     def stats_snapshot(self) -> dict[str, Any]:
         """The ``/admin/stats`` document; upstream models also get ``replicas``: base URL (without credentials
         or query string) -> ``{"state", "inflight", "failures"}`` of the prefix-affinity ring, and with
-        ``kv_events`` configured ``kv_events`` (the feed's counters, ``Backend.kv_events``). Also:
+        ``kv_events`` configured ``kv_events`` (the feed's counters, ``Backend.kv_events``), and those with
+        ``routing_share`` ``routing_share`` (exchanges, placements written and read, errors, ``up``). Also:
         ``rule_packs`` (the configured packs), ``transcript`` (memory, store and Redis counters), ``learned``
         (mode, footprint, and each learned slot's shape and counts, never a value) and ``cache_misses`` (per
         model, misses by cause and by segment)."""
@@ -78,4 +79,7 @@ class Gateway:
             kv_events = backend.kv_events()
             if kv_events is not None and name in doc["models"]:
                 doc["models"][name]["kv_events"] = kv_events
+            share = backend.routing_share_stats()
+            if share is not None and name in doc["models"]:
+                doc["models"][name]["routing_share"] = share
         return doc

@@ -101,6 +101,7 @@ class StatsCollector(Collector):
         yield errors
         yield from _cache_miss_metrics(doc.get("cache_misses"))
         yield from _kv_event_metrics(models)
+        yield from _routing_share_metrics(models)
         yield from _replica_metrics(models)
         yield from _transcript_metrics(doc.get("transcript"))
         yield from _usage_families(doc)
@@ -237,6 +238,33 @@ def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
     )
     unexplained.add_metric([], doc["errors"])
     yield unexplained
+
+
+def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The Redis routing shares' counters (``models[name]["routing_share"]``, docs/routing.md)."""
+    shares = {name: m["routing_share"] for name, m in models.items() if m.get("routing_share")}
+    if not shares:
+        return
+    counters = CounterMetricFamily(
+        "prefixgate_routing_share",
+        "Routing share counters: exchanges with Redis, placements written, hashes read, errors, exchanges "
+        "skipped while Redis is left alone, placements dropped from a full outbox.",
+        labels=["model", "counter"],
+    )
+    up = GaugeMetricFamily(
+        "prefixgate_routing_share_up", "1 while the last exchange with Redis succeeded.", labels=["model"]
+    )
+    peers = GaugeMetricFamily(
+        "prefixgate_routing_share_gateways",
+        "Other gateways whose load was counted at the last exchange.",
+        labels=["model"],
+    )
+    for name, share in shares.items():
+        for key in ("exchanges", "written", "read", "errors", "skipped", "dropped"):
+            counters.add_metric([name, key], share[key])
+        up.add_metric([name], int(share["up"]))
+        peers.add_metric([name], share["gateways"])
+    yield from (counters, up, peers)
 
 
 def _kv_event_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections import deque
@@ -41,6 +43,8 @@ import redis.asyncio as aioredis
 from gateway.transport.routing_policy import CacheAwarePolicy, RoutingPolicy
 
 DEFAULT_PREFIX = "prefixgate:route:"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +60,11 @@ class RoutingShareStats:
     skipped: int = 0
     dropped: int = 0
     gateways: int = 0
+
+    def snapshot(self, up: bool) -> dict[str, int | bool]:
+        """The counters for ``/admin/stats`` (``models[name]["routing_share"]``), with ``up``: whether the last
+        exchange reached Redis."""
+        return {**dataclasses.asdict(self), "up": up}
 
 
 class RoutingShare:
@@ -117,6 +126,8 @@ class RoutingShare:
         self._paused_until = float("-inf")
         self._task: asyncio.Task | None = None
         self.stats = RoutingShareStats()
+        self.up = True
+        """Whether the last exchange reached Redis (True before the first: nothing failed yet)."""
         self._index = policy if isinstance(policy, CacheAwarePolicy) else None
         if self._index is not None:
             self._index.on_route.append(self.record)
@@ -169,10 +180,19 @@ class RoutingShare:
                 for replica in replicas:
                     pipe.zrangebyscore(self.key(replica), since, "+inf")
             results = await pipe.execute()
-        except (TimeoutError, redis.RedisError, OSError):
+        except (TimeoutError, redis.RedisError, OSError) as exc:
             self.stats.errors += 1
             self._paused_until = time.monotonic() + self.retry_after_s
             ring.remote_load = {}
+            if self.up:  # logged once per outage: routing goes on with this gateway's own view
+                logger.warning(
+                    "routing_share for %s: Redis failed (%s); routing on this gateway's own load and index, "
+                    "retrying in %.0f s",
+                    self.upstream,
+                    type(exc).__name__,
+                    self.retry_after_s,
+                )
+            self.up = False
             return False
         ring.remote_load = self._remote_load(results[2], now_ms)
         if self._index is not None:
@@ -189,6 +209,11 @@ class RoutingShare:
                     self.stats.read += len(blocks)
         self._last_read_ms = now_ms
         self.stats.exchanges += 1
+        if not self.up:
+            logger.info(
+                "routing_share for %s: Redis reached again; sharing load and placements", self.upstream
+            )
+        self.up = True
         return True
 
     def _remote_load(self, fields: object, now_ms: int) -> dict[str, int]:

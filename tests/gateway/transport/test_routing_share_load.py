@@ -129,3 +129,62 @@ def test_malformed_peer_fields_are_ignored():
     }
     assert share._remote_load(fields, now) == {"http://b/v1": 2}
     assert share._remote_load(None, now) == {}
+
+
+class _Pipe:
+    """A Redis pipeline whose ``execute`` fails while ``down`` (any command is queued and ignored)."""
+
+    def __init__(self, owner: _Redis) -> None:
+        self.owner = owner
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+    async def execute(self):
+        if self.owner.down:
+            raise redis.ConnectionError("connection refused")
+        return [1, True, {}]
+
+
+class _Redis:
+    def __init__(self) -> None:
+        self.down = False
+
+    def pipeline(self, transaction: bool = False) -> _Pipe:
+        return _Pipe(self)
+
+
+async def test_the_share_is_counted_logged_once_per_outage_and_exported(caplog):
+    """A trial found a routing share that could not be observed: with Redis down, nothing in the log, the stats
+    or the metrics. The counters are now in ``/admin/stats`` (``models[name]["routing_share"]``) and
+    ``/metrics``, and an outage is logged once when it starts and once when Redis is back."""
+    from gateway.service.metrics import _routing_share_metrics
+
+    backend = OpenAIUpstreamBackend("shared", ["http://127.0.0.1:9/v1"], routing="least_load")
+    fake = _Redis()
+    backend.routing_share = RoutingShare(backend.upstream.routing, "shared", client=fake, retry_after_s=0.0)
+    share = backend.routing_share
+    assert await share.exchange() is True
+    fake.down = True
+    with caplog.at_level("INFO", logger="gateway.transport.routing_share"):
+        assert await share.exchange() is False
+        assert await share.exchange() is False
+        fake.down = False
+        assert await share.exchange() is True
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("Redis failed (ConnectionError)" in line for line in lines) == 1, lines
+    assert sum("Redis reached again" in line for line in lines) == 1, lines
+    stats = backend.routing_share_stats()
+    assert (stats["exchanges"], stats["errors"], stats["up"]) == (2, 2, True)
+    fake.down = True
+    await share.exchange()
+    metrics = {
+        m.name: m
+        for m in _routing_share_metrics({"shared": {"routing_share": backend.routing_share_stats()}})
+    }
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for m in metrics.values() for s in m.samples
+    }
+    assert samples[("prefixgate_routing_share_total", (("counter", "errors"), ("model", "shared")))] == 3
+    assert samples[("prefixgate_routing_share_up", (("model", "shared"),))] == 0
+    assert OpenAIUpstreamBackend("alone", ["http://127.0.0.1:9/v1"]).routing_share_stats() is None
