@@ -35,6 +35,7 @@ from gateway.protocols.openai.responses import chat_message_origins, responses_t
 from gateway.protocols.openai.responses_params import to_responses_error
 from gateway.protocols.openai.responses_tools import chat_tool_paths
 from gateway.service.pipeline import OpenedStream
+from gateway.transport.failures import FailureKind, UpstreamCallError
 from gateway.transport.sse import EventStreamResponse
 
 
@@ -54,6 +55,10 @@ async def responses_endpoint(http_request: Request) -> Response:
         )
     except InvalidRequestError as error:
         to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
+        raise
+    except UpstreamCallError as error:  # an upstream's refusal of the chat body it got: the client's fields
+        if error.kind == FailureKind.CLIENT_ERROR:
+            to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
         raise
     builder = ResponseBuilder(body, request.model, request.request_id)
     headers = {"x-request-id": request.request_id}

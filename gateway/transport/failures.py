@@ -7,6 +7,7 @@ Invariant: every message is redacted (``gateway.transport.redact``) before it is
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
@@ -127,6 +128,11 @@ class UpstreamCallError(errors.UpstreamError):
         self.status_code = status
         self.error_type = error_type
         self.kind = kind
+        self.anthropic_message = (
+            anthropic_overflow_message(message) if kind == FailureKind.CLIENT_ERROR else None
+        )
+        """An OpenAI-compatible upstream's context overflow in the Messages API's words (the Anthropic face's
+        clients parse them to retry with less), or None."""
         self.upstream_status = upstream_status
         self.upstream_error = upstream_error
         self.retry_after_s = retry_after_s
@@ -265,3 +271,31 @@ def transport_failure(exc: httpx.RequestError | httpx.InvalidURL, where: str) ->
             f"upstream {where} sent a body that cannot be decoded ({type(exc).__name__})",
         )
     return 502, FailureKind.CONNECTION, f"upstream {where} connection failed ({type(exc).__name__}: {exc})"
+
+
+_OVERFLOW_PROMPT = re.compile(
+    r"maximum context length is (\d+) tokens\. However, your messages resulted in (\d+) tokens"
+)
+_OVERFLOW_REQUESTED = re.compile(
+    r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the messages, "
+    r"(\d+) in the completion\)"
+)
+
+
+def anthropic_overflow_message(message: str) -> str | None:
+    """An OpenAI-compatible server's context-overflow message (OpenAI's and vLLM's wordings, as prefixgate's
+    own OpenAI face words it too) in the Messages API's words, as ``errors.anthropic_context_message`` words
+    the gateway's own: ``prompt is too long: N tokens > L maximum``, or ``input length and `max_tokens` exceed
+    context limit: P + M > L, ...``; None for any other message. Found by a trial: through a front gateway over
+    prefixgate replicas, the Anthropic face passed the chat wording on."""
+    found = _OVERFLOW_PROMPT.search(message)
+    if found:
+        return f"prompt is too long: {found.group(2)} tokens > {found.group(1)} maximum"
+    found = _OVERFLOW_REQUESTED.search(message)
+    if found:
+        limit, prompt, completion = found.groups()
+        return (
+            f"input length and `max_tokens` exceed context limit: {prompt} + {completion} > {limit}, decrease "
+            "input length or `max_tokens` and try again"
+        )
+    return None
