@@ -37,8 +37,8 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture
-def cpu_without_avx512_bf16(monkeypatch):
-    """An AVX-512 CPU without AVX512-BF16: its flags faked and the attention kernels' ISA pinned to ``avx512``;
+def cpu_avx512_only(monkeypatch):
+    """An AVX-512 CPU without AVX512-BF16 or AMX: its flags faked and the attention kernels' ISA pinned to ``avx512``;
     the shared kernel builds are forgotten around it. Yields whether the real CPU runs AVX-512 (a build for the
     faked CPU loads only there)."""
     from engine import native_build, native_decode

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import native_build, native_decode
+from engine import native_decode
 from engine.attention_kernels import resolve_prefill_kernel
 from engine.native_decode import NativeDecodeKernel, reference_decode
 from tests.engine.engine_helpers import (
@@ -155,26 +155,15 @@ def test_the_setting_is_checked():
         resolve_prefill_kernel("amx", torch.device("cuda"), 3, 64, kv_dtype=torch.bfloat16)
 
 
-def test_a_cpu_without_amx_is_a_named_error_and_auto_takes_the_avx512_build(monkeypatch):
+def test_a_cpu_without_amx_is_a_named_error_and_auto_takes_the_avx512_build(cpu_avx512_only):
     """An AVX-512 CPU without AMX (its flags faked): ``amx`` is refused by name, ``auto`` takes the AVX-512
     build. That build is loaded and self-checked only where the CPU really runs AVX-512: elsewhere its check
     would execute AVX-512 instructions (SIGILL on the AVX2-only Zen 3 of session 28)."""
-    runs_avx512 = native_build.cpu_ok(native_build.AVX512)[0]
-    monkeypatch.setattr(
-        "engine.weight_format.cpu_flags",
-        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx2"}),
-    )
-    monkeypatch.setenv("PREFIXGATE_ATTENTION_ISA", "avx512")
-    native_decode._shared_kernel.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="engine.prefill_kernel: amx is not available here: no amx_bf16"):
-            resolve_prefill_kernel("amx", CPU, 3, 64, kv_dtype=torch.bfloat16)
-        if not runs_avx512:
-            return
+    with pytest.raises(ValueError, match="engine.prefill_kernel: amx is not available here: no amx_bf16"):
+        resolve_prefill_kernel("amx", CPU, 3, 64, kv_dtype=torch.bfloat16)
+    if cpu_avx512_only:
         kernel = resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
         assert kernel is not None and kernel.isa == "avx512"
-    finally:
-        native_decode._shared_kernel.cache_clear()
 
 
 @needs_amx

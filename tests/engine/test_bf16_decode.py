@@ -186,12 +186,12 @@ def test_the_setting_is_checked():
     assert resolve_decode_kernel("auto", torch.device("cuda"), 3, 64, kv_dtype=torch.bfloat16) is None
 
 
-def test_a_cpu_without_avx512_bf16_is_a_named_error_and_auto_takes_the_fp32_decode(cpu_without_avx512_bf16):
+def test_a_cpu_avx512_only_is_a_named_error_and_auto_takes_the_fp32_decode(cpu_avx512_only):
     with pytest.raises(
         ValueError, match="engine.decode_kernel: avx512-bf16 is not available here: no avx512_bf16"
     ):
         resolve_decode_kernel("avx512-bf16", CPU, 3, 64, kv_dtype=torch.bfloat16)
-    if cpu_without_avx512_bf16:
+    if cpu_avx512_only:
         kernel = resolve_decode_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
         assert kernel is not None and kernel.isa == "avx512" and not kernel.bf16_decode
 

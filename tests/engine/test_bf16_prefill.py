@@ -170,14 +170,14 @@ def test_the_setting_is_checked():
         resolve_prefill_kernel("avx512-bf16", torch.device("cuda"), 3, 64, kv_dtype=torch.bfloat16)
 
 
-def test_a_cpu_without_avx512_bf16_is_a_named_error_and_auto_takes_the_avx512_build(cpu_without_avx512_bf16):
+def test_a_cpu_avx512_only_is_a_named_error_and_auto_takes_the_avx512_build(cpu_avx512_only):
     """An AVX-512 CPU without AVX512-BF16 (its flags faked): ``avx512-bf16`` is refused by name, ``auto`` takes
     the AVX-512 build (loaded only where the CPU really runs AVX-512)."""
     with pytest.raises(
         ValueError, match="engine.prefill_kernel: avx512-bf16 is not available here: no avx512_bf16"
     ):
         resolve_prefill_kernel("avx512-bf16", CPU, 3, 64, kv_dtype=torch.bfloat16)
-    if cpu_without_avx512_bf16:
+    if cpu_avx512_only:
         kernel = resolve_prefill_kernel("auto", CPU, 3, 64, kv_dtype=torch.bfloat16)
         assert kernel is not None and kernel.isa == "avx512"
 
