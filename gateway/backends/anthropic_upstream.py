@@ -257,7 +257,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
         return opened
 
     # ---- the backend stream --------------------------------------------------------------------------------
-    async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+    async def stream_once(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` events then one ``Finish``.
 
         Anthropic-face requests get ``NativeDelta`` events carrying the upstream's own events (a streamed

@@ -158,7 +158,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
         return headers
 
     # ---- response -----------------------------------------------------------------------------------------
-    async def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+    async def stream_once(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
         """Yield ``Delta`` events then one ``Finish``.
 
         Raises:

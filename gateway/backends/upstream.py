@@ -2,15 +2,19 @@
 prefix-affinity ring, the process's one HTTP client, timeouts and retries, the API key (never logged), and one
 JSON POST with retries before the first byte (``gateway.upstream_http.open_response``).
 
-A subclass builds the body and headers of its protocol and reads the answer; ``UpstreamBackend.post`` sends it
-to the replica the ring picks for the request's prefix key.
+A subclass builds the body and headers of its protocol and reads the answer (``stream_once``);
+``UpstreamBackend.post`` sends it to the replica the ring picks for the request's prefix key. A non-streamed
+request whose answer broke off is asked again (``UpstreamBackend.stream``): its client has seen nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import logging
+from abc import abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any, TypedDict
 
 import httpx
@@ -18,8 +22,11 @@ import httpx
 from gateway.backends.base import Backend, ReplicaStates
 from gateway.backends.kv_blocks import KVBlockHasher
 from gateway.config.schema import CacheAwareConfig, KVEventsConfig, RoutingShareConfig, UpstreamModel
+from gateway.core.events import BackendEvent
+from gateway.core.request import ChatRequest
 from gateway.transport.affinity import AffinityRing
 from gateway.transport.aiohttp_transport import DirectResponse
+from gateway.transport.failures import UpstreamStreamCut, retryable_cut
 from gateway.transport.kv_events import KVEventFeed
 from gateway.transport.kv_events_zmq import ZmqKVEventFeed
 from gateway.transport.redact import redact_url
@@ -34,6 +41,8 @@ from gateway.transport.upstream_http import (
     join_url,
     open_response,
 )
+
+logger = logging.getLogger(__name__)
 
 _MAX_URLS = 1024  # parsed request URLs kept per backend (replicas x paths; more only with a changing ring)
 _BODY_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -189,6 +198,54 @@ class UpstreamBackend(Backend):
         if self._own_client is None and self._client is not None:
             self._client = None
             await SharedClient.release()
+
+    def stream(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+        """The answer's events (``stream_once``). A non-streamed request whose upstream stream broke off before
+        its end (``retryable_cut``) is asked again, on the replica the ring picks then, up to the retry
+        policy's ``retries`` times after the backoff: its client has seen nothing yet, so nothing can be
+        duplicated (found by a trial: a replica killed mid-answer was a 502 though two were up). A streamed
+        request's cut is never retried: its client has the first part.
+
+        Raises:
+            what ``stream_once`` raises; for a non-streamed request, the last cut once retries are spent.
+        """
+        if request.stream:
+            return self.stream_once(request)
+        return self._unseen_retried(request)
+
+    @abstractmethod
+    def stream_once(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+        """One upstream call's events: ``Delta`` events then one ``Finish`` (the subclass's protocol).
+
+        Raises:
+            UpstreamCallError: failed before the first byte (after ``post``'s retries), or refused.
+            UpstreamStreamCut: broke off after the first byte.
+        """
+
+    async def _unseen_retried(self, request: ChatRequest) -> AsyncIterator[BackendEvent]:
+        attempt = 0
+        while True:
+            events: list[BackendEvent] = []
+            try:
+                async with aclosing(self.stream_once(request)) as answer:
+                    async for event in answer:
+                        events.append(event)
+            except UpstreamStreamCut as cut:
+                if not retryable_cut(cut) or attempt >= self.upstream.policy.retries:
+                    raise
+                logger.warning(
+                    "%s: an unseen answer broke off (%s); asking again (retry %d of %d)",
+                    self.name,
+                    cut.message,
+                    attempt + 1,
+                    self.upstream.policy.retries,
+                )
+                await self._sleep(self.upstream.policy.delay(attempt))
+                attempt += 1
+                continue
+            for event in events:
+                yield event
+            return
 
     def replicas(self) -> ReplicaStates | None:
         """Replica health and load for ``/admin/stats``: URL without credentials or query string ->

@@ -247,8 +247,9 @@ def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric
         return
     counters = CounterMetricFamily(
         "prefixgate_routing_share",
-        "Routing share counters: exchanges with Redis, placements written, hashes read, errors, exchanges "
-        "skipped while Redis is left alone, placements dropped from a full outbox.",
+        "Routing share counters: exchanges with Redis, placements written, placements retracted (their "
+        "attempt failed), hashes read, errors, exchanges skipped while Redis is left alone, placements "
+        "dropped from a full outbox.",
         labels=["model", "counter"],
     )
     up = GaugeMetricFamily(
@@ -260,7 +261,7 @@ def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric
         labels=["model"],
     )
     for name, share in shares.items():
-        for key in ("exchanges", "written", "read", "errors", "skipped", "dropped"):
+        for key in ("exchanges", "written", "retracted", "read", "errors", "skipped", "dropped"):
             counters.add_metric([name, key], share[key])
         up.add_metric([name], int(share["up"]))
         peers.add_metric([name], share["gateways"])

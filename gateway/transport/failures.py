@@ -31,7 +31,7 @@ class FailureKind(StrEnum):
     PROTOCOL = "protocol"
     """A redirect, a request that could not be sent, or an answer that cannot be read (502)."""
     STREAM_CUT = "stream_cut"
-    """The stream broke after the first byte (never retried)."""
+    """The stream broke after the first byte (retried only for a non-streamed request, ``retryable_cut``)."""
     RATE_LIMIT = "rate_limit"
     """The upstream answered 429."""
     OVERLOADED = "overloaded"
@@ -160,7 +160,16 @@ _OPENAI_TYPES = {
 
 class UpstreamStreamCut(UpstreamCallError):
     """The upstream failed after the first byte (reset, timeout, truncated stream, an in-stream error event).
-    Never retried; the face ends the client's stream with an SSE error event."""
+    A streamed request's is never retried (the face ends the client's stream with an SSE error event); a
+    non-streamed one's may be (``retryable_cut``, ``UpstreamBackend.stream``)."""
+
+
+def retryable_cut(cut: UpstreamStreamCut) -> bool:
+    """Whether a non-streamed request may be asked again after ``cut``: the stream broke off (a reset, a read
+    timeout, an end before the protocol's terminal event), which counts against the replica. Not an error
+    the upstream reported itself (``upstream_error``: its own answer to this request) nor an answer that could
+    not be read (``protocol``: the same upstream would send it again)."""
+    return cut.kind == FailureKind.STREAM_CUT and cut.upstream_error is None
 
 
 def status_for_error_event(error: dict[str, Any]) -> int:

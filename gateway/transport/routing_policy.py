@@ -343,12 +343,16 @@ class PendingLease:
             pending[self.lease.replica] = pending.get(self.lease.replica, 0) - self.weight
 
     def not_served(self) -> None:
-        """The replica failed this request before answering (a connection error, a timeout, a 5xx): nothing
-        was prefilled there, so the blocks this route added to its approximate index are taken back. Else the
-        replica would seem to hold the retried request's whole prompt as well as the replica that served it,
-        and, ahead in ring order, win the conversation's next turn back once it is up (found by a trial: a
-        replica killed and restarted empty got the next turn with 0 of 184 tokens cached)."""
+        """The replica failed this request (a connection error, a timeout, a 5xx, or an answer broken off: a
+        replica killed mid-answer keeps nothing), so the blocks this route added to its approximate index are
+        taken back (and, through ``on_unroute``, from the index other gateways share). Else the replica would
+        seem to hold the retried request's whole prompt as well as the replica that served it, and, ahead in
+        ring order, win the conversation's next turn back once it is up (found by a trial: a replica killed and
+        restarted empty got the next turn with 0 of 184 tokens cached)."""
         self._policy.approx.remove(self.lease.replica, self.added)
+        if self.added:
+            for callback in self._policy.on_unroute:
+                callback(self.lease.replica, self.added)
         self.added = ()
 
     def release(self) -> None:
@@ -430,6 +434,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.load_weight = float(load_weight)
         self.pending_blocks: dict[str, int] = {}
         self.on_route: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.record
+        self.on_unroute: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.retract
         self.use_kv_events = use_kv_events
         self.approx = BlockIndex(index_capacity_blocks)
         # Exact view from KV events: bounded like the approximate one (a lying stream cannot grow memory).

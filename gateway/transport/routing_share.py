@@ -49,12 +49,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RoutingShareStats:
-    """Counters (cumulative): exchanges done, placements written, hashes read, errors, skipped exchanges,
-    placements dropped from a full outbox; ``gateways``: other gateways whose load was counted at the last
+    """Counters (cumulative): exchanges done, placements written, placements retracted (their attempt
+    failed), hashes read, errors, skipped exchanges, placements dropped from a full outbox; ``gateways``: other gateways whose load was counted at the last
     exchange."""
 
     exchanges: int = 0
     written: int = 0
+    retracted: int = 0
     read: int = 0
     errors: int = 0
     skipped: int = 0
@@ -73,7 +74,7 @@ class RoutingShare:
     Args:
         policy: the upstream's routing policy; its ring's ``inflight`` is written and its ``remote_load`` set.
             For a ``CacheAwarePolicy`` the ``approx`` index is read into too and its placements are recorded
-            through ``policy.on_route``.
+            through ``policy.on_route`` (and retracted through ``policy.on_unroute``).
         upstream: the upstream's name (part of every key; gateways serving the same upstream share it).
         url: a redis-py URL; ignored when ``client`` is given.
         client: a ready ``redis.asyncio.Redis`` (tests).
@@ -81,7 +82,7 @@ class RoutingShare:
         timeout_s: connect and read timeout of each Redis call.
         retry_after_s: seconds Redis is left alone after a failure.
         ttl_s: a replica's set expires this long after its last write.
-        outbox_limit: most placements waiting to be written.
+        outbox_limit: most placements (and retractions) waiting to be written.
         load_stale_s: another gateway's load older than this is ignored (default ``max(1, 5 * interval_s)``).
         prefix: prefix of every key.
         clock: wall-clock seconds (``time.time``; scores must agree across processes).
@@ -121,7 +122,8 @@ class RoutingShare:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._outbox: deque[tuple[str, tuple[int, ...], int]] = deque(maxlen=outbox_limit)
+        self._outbox: deque[tuple[str, tuple[int, ...], int | None]] = deque(maxlen=outbox_limit)
+        """(replica, block hashes, ms since the epoch) per placement; ms None for a retraction."""
         self._last_read_ms: int | None = None
         self._paused_until = float("-inf")
         self._task: asyncio.Task | None = None
@@ -131,6 +133,7 @@ class RoutingShare:
         self._index = policy if isinstance(policy, CacheAwarePolicy) else None
         if self._index is not None:
             self._index.on_route.append(self.record)
+            self._index.on_unroute.append(self.retract)
 
     def key(self, replica: str) -> str:
         """The sorted set of ``replica``'s block hashes."""
@@ -147,6 +150,17 @@ class RoutingShare:
         if len(self._outbox) == self._outbox.maxlen:
             self.stats.dropped += 1
         self._outbox.append((replica, blocks, int(self._clock() * 1000)))
+
+    def retract(self, replica: str, blocks: tuple[int, ...]) -> None:
+        """Queue the removal of a failed attempt's blocks from ``replica``'s shared set
+        (``PendingLease.not_served``). It is written after every placement queued before it, so a later
+        placement of the same blocks (the retry served there) stands. A gateway that read the placement
+        before keeps it in its own index until that index's LRU drops it."""
+        if not blocks:
+            return
+        if len(self._outbox) == self._outbox.maxlen:
+            self.stats.dropped += 1
+        self._outbox.append((replica, blocks, None))
 
     async def exchange(self) -> bool:
         """One write + read round trip. Returns False when Redis is paused or failed (then the other gateways'
@@ -172,7 +186,10 @@ class RoutingShare:
                 cap = self._index.approx.capacity_blocks
                 touched: set[str] = set()
                 for replica, blocks, at_ms in pending:
-                    pipe.zadd(self.key(replica), {str(b): at_ms for b in blocks})
+                    if at_ms is None:
+                        pipe.zrem(self.key(replica), *(str(b) for b in blocks))
+                    else:
+                        pipe.zadd(self.key(replica), {str(b): at_ms for b in blocks})
                     touched.add(replica)
                 for replica in touched:
                     pipe.zremrangebyrank(self.key(replica), 0, -(cap + 1))
@@ -198,7 +215,9 @@ class RoutingShare:
         if self._index is not None:
             for _ in pending:
                 self._outbox.popleft()
-            self.stats.written += len(pending)
+            retracted = sum(at_ms is None for _, _, at_ms in pending)
+            self.stats.written += len(pending) - retracted
+            self.stats.retracted += retracted
             for replica, hashes in zip(replicas, results[-len(replicas) :], strict=True):
                 blocks = []
                 for h in hashes or ():

@@ -7,7 +7,8 @@ Retry rule: a request is retried (on the replica the ring picks next, after expo
 jitter) only while nothing of the upstream's response body has arrived: connection errors and resets,
 timeouts, 5xx, and 429 (waiting ``Retry-After`` when given). Once the first body byte is read, the response
 belongs to the
-client: a later failure is an ``UpstreamStreamCut``, never a silent retry that could duplicate output.
+client: a later failure is an ``UpstreamStreamCut``, never a silent retry here that could duplicate output (a
+backend asks again for a non-streamed request, whose client has seen nothing: ``UpstreamBackend.stream``).
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ class OpenedResponse:
                 if chunk:
                     yield chunk
         except httpx.RequestError as exc:  # transport or decoding
-            self.upstream.ring.report_failure(self.lease.replica)
+            replica_failed(self.upstream, self.lease)
             kind = FailureKind.TIMEOUT if isinstance(exc, httpx.TimeoutException) else FailureKind.CONNECTION
             raise UpstreamStreamCut(
                 502,
@@ -398,7 +399,7 @@ class OpenedResponse:
         """An ``UpstreamStreamCut`` for a protocol-level failure seen by the caller (e.g. EOF before the
         terminal event); marks the replica failed unless the upstream itself reported an error event."""
         if upstream_error is None:
-            self.upstream.ring.report_failure(self.lease.replica)
+            replica_failed(self.upstream, self.lease)
         return UpstreamStreamCut(
             502 if upstream_error is None else status_for_error_event(upstream_error),
             kind,
@@ -483,17 +484,11 @@ async def open_response(
             raise UpstreamCallError(503, FailureKind.NO_REPLICA, str(exc), attempts=attempt) from None
         error = await _attempt(client, upstream, lease, build_request, attempt + 1, send_direct)
         if isinstance(error, OpenedResponse):
-            prefill_done = getattr(
-                lease, "prefill_done", None
-            )  # cache-aware: the prefill is no longer pending
-            if prefill_done is not None:
-                prefill_done()
+            if (prefill_done := getattr(lease, "prefill_done", None)) is not None:
+                prefill_done()  # cache-aware: the prefill is no longer pending
             return error
         if is_replica_fault(error):
-            upstream.ring.report_failure(lease.replica)
-            not_served = getattr(lease, "not_served", None)  # cache-aware: the route's blocks taken back
-            if not_served is not None:
-                not_served()
+            replica_failed(upstream, lease)
         lease.release()
         asked = error.retry_after_s
         too_long = asked is not None and waited + asked > upstream.policy.max_retry_after_s
@@ -504,6 +499,15 @@ async def open_response(
             waited += delay
         await sleep(delay)
         attempt += 1
+
+
+def replica_failed(upstream: Upstream, lease: Lease) -> None:
+    """``lease``'s replica failed its request (before or after the first byte): a failure on the ring, and a
+    cache-aware route's blocks taken back (``PendingLease.not_served``: a dead replica has none of them)."""
+    upstream.ring.report_failure(lease.replica)
+    not_served = getattr(lease, "not_served", None)
+    if not_served is not None:
+        not_served()
 
 
 async def _attempt(

@@ -9,6 +9,7 @@ import uuid
 
 import httpx
 import pytest
+import redis
 
 from bench.fleet.netfault import TcpProxy
 from gateway.backends.openai_upstream import OpenAIUpstreamBackend
@@ -19,7 +20,7 @@ from gateway.config.schema import (
     KVEventsConfig,
     RoutingShareConfig,
 )
-from gateway.transport.routing_policy import POLICIES, CacheAwarePolicy
+from gateway.transport.routing_policy import POLICIES, CacheAwarePolicy, RouteRequest
 from tests.gateway.transport.fleet_helpers import (
     SYSTEM,
     forget_routing_keys,
@@ -203,3 +204,46 @@ async def test_redis_cut_and_back_placements_are_kept_and_shared_later(fleet):
             await gb.close()
             with contextlib.suppress(Exception):
                 await proxy.cut()
+
+
+async def test_a_failed_attempts_placement_is_retracted_from_the_shared_index(fleet):
+    """A trial: a placement shared through Redis stayed there when its attempt failed, so other gateways
+    credited the replica that had failed it with the prompt. Its blocks are now removed from the replica's
+    shared set, after every placement queued before the retraction and before any queued after it."""
+    replicas = fleet
+    model = f"fleet-retract-{uuid.uuid4().hex[:8]}"
+    share = RoutingShareConfig(redis_url="redis://127.0.0.1:6379/0", interval_s=0.05, timeout_s=0.5)
+    async with httpx.AsyncClient(timeout=10) as http:
+        ga, gb = gateway(replicas, http, model, share), gateway(replicas, http, model, share)
+        policy = ga.upstream.routing
+        assert isinstance(policy, CacheAwarePolicy)
+        r0 = replicas[0].base_url
+        others = [r.base_url for r in replicas if r.base_url != r0]
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a question"}]
+        blocks = tuple(routing_blocks({"messages": msgs}, model))
+        shared = redis.Redis()
+        key = f"prefixgate:route:{model}:{r0}"
+        try:
+            # 1. Placed and written before its attempt failed (a read timeout): the set holds it, then not.
+            lease = policy.acquire(RouteRequest(key="k", blocks=blocks), exclude=others)
+            assert await ga.routing_share.exchange()
+            assert shared.zcard(key) == len(blocks)
+            lease.not_served()
+            lease.release()
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            assert shared.zcard(key) == 0 and ga.routing_share.stats.retracted == 1
+            assert gb.upstream.routing.approx.match(r0, blocks) == 0
+
+            # 2. Failed before any exchange (connection refused), then served there on a retry: the
+            # retraction is written between the two placements, so the second stands.
+            failed = policy.acquire(RouteRequest(key="k", blocks=blocks), exclude=others)
+            failed.not_served()
+            failed.release()
+            policy.acquire(RouteRequest(key="k", blocks=blocks), exclude=others).release()
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            assert shared.zcard(key) == len(blocks) and ga.routing_share.stats.retracted == 2
+            assert gb.upstream.routing.approx.match(r0, blocks) == len(blocks)
+        finally:
+            forget_routing_keys(model)
+            await ga.close()
+            await gb.close()
