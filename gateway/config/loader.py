@@ -433,7 +433,8 @@ def _parse_upstream(
     reader: Reader, raw: dict, where: str, name: str, backend: str
 ) -> OpenAIUpstream | AnthropicUpstream:
     base_url = reader.resolve_env(raw.get("base_url"), f"{where}.base_url")
-    if isinstance(base_url, str):
+    single = isinstance(base_url, str)  # one URL: its errors name base_url itself, not base_url[0]
+    if single:
         base_url = [base_url]
     if not isinstance(base_url, list) or not base_url:
         reader.fail(
@@ -441,7 +442,7 @@ def _parse_upstream(
         )
     urls = []
     for index, url in enumerate(base_url):
-        key = f"{where}.base_url[{index}]"
+        key = f"{where}.base_url" if single else f"{where}.base_url[{index}]"
         url = reader.resolve_env(url, key)
         if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
             scheme, _, rest = url.partition("://")

@@ -127,7 +127,7 @@ def _replicas(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "failures": r["failures"],
                     "requests": r.get("requests", 0),
                     "share": r.get("requests", 0) / total if total else None,
-                    "away": r.get("away", 0),
+                    "away": r.get("away"),
                 }
             )
     return rows

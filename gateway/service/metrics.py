@@ -315,8 +315,8 @@ REPLICA_STATES = ("up", "half_open", "down")
 def _replica_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     """The upstream replicas of each model (``models[name]["replicas"]``, the ring's ``snapshot``): breaker
     state (1 for the state it is in, 0 for the others), requests in flight, failures in a row, requests sent
-    and how many went away from their home replica (spilled by load or health), labelled by base URL (without
-    credentials or query string)."""
+    and how many went away from their home replica (spilled by load or health; not exported where the routing
+    has no homes), labelled by base URL (without credentials or query string)."""
     rings = {name: m["replicas"] for name, m in models.items() if m.get("replicas")}
     if not rings:
         return
@@ -347,7 +347,8 @@ def _replica_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             inflight.add_metric([name, replica], doc.get("inflight", 0))
             failures.add_metric([name, replica], doc.get("failures", 0))
             requests.add_metric([name, replica], doc.get("requests", 0))
-            away.add_metric([name, replica], doc.get("away", 0))
+            if doc.get("away") is not None:  # None: the routing has no home replicas
+                away.add_metric([name, replica], doc["away"])
     yield from (state, inflight, failures, requests, away)
 
 

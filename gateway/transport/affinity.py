@@ -131,6 +131,9 @@ class AffinityRing:
         self.inflight: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self.spilled: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self.keys_have_homes = True
+        """Whether the routing over this ring sends a key to its home first (False under ``round_robin`` and
+        ``least_load``, which have no home): ``snapshot``'s ``away`` is None then."""
         self.remote_load: dict[str, int] = {}
         self.health: dict[str, ReplicaHealth] = {name: ReplicaHealth() for name in self.replicas}
 
@@ -248,15 +251,15 @@ class AffinityRing:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per replica: state, in-flight count, failures in a row, requests sent there (``requests``) and how
-        many of them had another home replica (``away``: spilled by load or health) (for /admin/stats; names
-        only, no keys)."""
+        many of them had another home replica (``away``: spilled by load or health; None where the routing has
+        no homes, ``keys_have_homes``) (for /admin/stats; names only, no keys)."""
         return {
             name: {
                 "state": self._refresh(name).state,
                 "inflight": self.inflight[name],
                 "failures": self.health[name].failures,
                 "requests": self.served[name],
-                "away": self.spilled[name],
+                "away": self.spilled[name] if self.keys_have_homes else None,
             }
             for name in self.replicas
         }

@@ -208,9 +208,12 @@ class RoutingPolicy:
     name = "base"
     wants_blocks = False
     """Whether ``acquire`` reads ``RouteRequest.blocks`` (callers skip hashing the prompt otherwise)."""
+    has_homes = True
+    """Whether a key goes to its home on the ring first, all else equal (``AffinityRing.keys_have_homes``)."""
 
     def __init__(self, ring: AffinityRing) -> None:
         self.ring = ring
+        ring.keys_have_homes = self.has_homes
 
     @property
     def replicas(self) -> tuple[str, ...]:
@@ -262,6 +265,7 @@ class RoundRobinPolicy(RoutingPolicy):
     """Each request to the next available replica in configuration order."""
 
     name = "round_robin"
+    has_homes = False
 
     def __init__(self, ring: AffinityRing) -> None:
         super().__init__(ring)
@@ -277,6 +281,7 @@ class LeastLoadPolicy(RoutingPolicy):
     all sent to the first replica)."""
 
     name = "least_load"
+    has_homes = False
 
     def __init__(self, ring: AffinityRing) -> None:
         super().__init__(ring)

@@ -187,7 +187,8 @@
     }, [labels.map((_, i) => i), rows.map((r) => r.share)]);
     table("replica-table", ["model", "replica", "state", "in flight", "failures", "requests", "share", "spilled here"],
       rows.map((r) => [r.model, r.replica, r.state, [fmt.count(r.inflight), "num"], [fmt.count(r.failures), "num"],
-        [fmt.count(r.requests), "num"], [pct(r.share), "num"], [fmt.count(r.away), "num"]]));
+        [fmt.count(r.requests), "num"], [pct(r.share), "num"],
+        [r.away == null ? "\u2013" : fmt.count(r.away), "num"]]));
   }
 
   function learnedTable(learned) {

@@ -240,16 +240,23 @@ def test_transcript_and_learning_settings(tmp_path):
             "not a setting of backend 'embedded'",
         ),
         ("models: [{name: a, backend: openai}]\n", "models[0].base_url", "URL"),
-        ("models: [{name: a, backend: openai, base_url: ftp://x}]\n", "models[0].base_url[0]", "http://"),
+        ("models: [{name: a, backend: openai, base_url: ftp://x}]\n", "models[0].base_url", "http://"),
+        # before: one URL's errors named base_url[0], a list the file does not have (a trial)
+        ("models: [{name: a, backend: openai, base_url: ''}]\n", "models[0].base_url", "got ''"),
+        (
+            "models: [{name: a, backend: openai, base_url: [http://h/v1, '']}]\n",
+            "models[0].base_url[1]",
+            "got ''",
+        ),
         (
             "models: [{name: a, backend: openai, base_url: 'http://[::1'}]\n",
-            "models[0].base_url[0]",
+            "models[0].base_url",
             "not a valid URL",
         ),
-        ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url[0]", "no host"),
+        ("models: [{name: a, backend: openai, base_url: 'http://'}]\n", "models[0].base_url", "no host"),
         (  # before: accepted, then every request failed with "the request could not be sent" (a trial)
             "models: [{name: a, backend: openai, base_url: 'http://127.0.0.1:99999/v1'}]\n",
-            "models[0].base_url[0]",
+            "models[0].base_url",
             "the port 99999 is outside 1-65535",
         ),
         (  # before: a traceback from the replica ring (a trial); a trailing slash is the same replica
@@ -259,7 +266,7 @@ def test_transcript_and_learning_settings(tmp_path):
         ),
         (  # before: accepted, then every request failed with "the request could not be sent"
             "models: [{name: a, backend: openai, base_url: 'http://u:s3cret@h/v1', api_key: sk-x}]\n",
-            "models[0].base_url[0]",
+            "models[0].base_url",
             "holds credentials",
         ),
         (

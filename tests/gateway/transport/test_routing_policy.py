@@ -402,3 +402,25 @@ async def test_a_replica_that_failed_a_request_is_not_credited_with_its_prompt()
     policy.ring.report_success(home)  # back up
     assert await send(turn3) == other  # the longer match, not the ring's home
     await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "name, homes",
+    [("round_robin", False), ("least_load", False), ("consistent_hash", True), ("cache_aware", True)],
+)
+def test_away_is_counted_only_where_keys_have_a_home_replica(name, homes):
+    """A trial: ``away`` counted requests sent away from the key's ring home under ``round_robin`` and
+    ``least_load`` too, which send nothing home: three of every four requests looked spilled on an idle fleet.
+    It is None there now, and left out of ``/metrics``."""
+    from gateway.service.metrics import _replica_metrics
+
+    policy = make_policy(name, ring())
+    for i in range(8):
+        policy.acquire(RouteRequest(key=f"k{i}", blocks=())).release()
+    snapshot = policy.ring.snapshot()
+    assert sum(row["requests"] for row in snapshot.values()) == 8
+    aways = [row["away"] for row in snapshot.values()]
+    # an idle fleet: every key goes home where there is one
+    assert aways == ([0] * len(REPLICAS) if homes else [None] * len(REPLICAS))
+    families = {f.name: f for f in _replica_metrics({"m": {"replicas": snapshot}})}
+    assert len(families["prefixgate_upstream_replica_away"].samples) == (len(REPLICAS) if homes else 0)
