@@ -42,6 +42,7 @@ from gateway.protocols.anthropic.render import FINISH_REASONS, NativeDelta
 from gateway.protocols.anthropic.structured_outputs import anthropic_output_config
 from gateway.protocols.provider_usage import anthropic_miss_reason
 from gateway.transport.failures import FailureKind
+from gateway.transport.redact import redact_url
 from gateway.transport.upstream_http import OpenedResponse
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -254,6 +255,7 @@ class AnthropicUpstreamBackend(UpstreamBackend):
             request.prefix_key or request.request_id, "/v1/messages", self.headers_for(request), body
         )
         request.upstream_request_id = opened.request_id
+        request.replica = redact_url(opened.replica)
         return opened
 
     # ---- the backend stream --------------------------------------------------------------------------------

@@ -174,6 +174,7 @@ class OpenAIUpstreamBackend(UpstreamBackend):
             request.prefix_key or request.request_id, path, self._headers(), body, request.tenant
         )
         request.upstream_request_id = opened.request_id
+        request.replica = redact_url(opened.replica)
         try:
             if opened.content_type == "application/json":
                 events = _events_from_json(opened, request, started)

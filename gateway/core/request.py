@@ -123,6 +123,9 @@ class ChatRequest:
         upstream_request_id: the id the upstream gave its answer (OpenAI ``x-request-id``, Anthropic
             ``request-id``), set by an upstream backend once the answer opened; logged and sent back as
             ``x-prefixgate-upstream-request-id`` so a provider ticket can name it. None for the engine.
+        replica: the upstream replica answering (its base URL without credentials or query string), set with
+            ``upstream_request_id``; the miss explanation tells a prefix cached on another replica from an
+            eviction by it. None for the engine.
     """
 
     model: str
@@ -152,3 +155,4 @@ class ChatRequest:
     level_ends: list[tuple[int, str]] | None = None
     forward_headers: dict[str, str] = field(default_factory=dict)
     upstream_request_id: str | None = None
+    replica: str | None = None

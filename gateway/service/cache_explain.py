@@ -167,6 +167,7 @@ class CacheExplanations:
                 provider_cause=provider_cause,
                 epoch=epoch,
                 tools_digest=rendered.tools_digest,
+                replica=request.replica,
             )
             if shift:
                 explanation = _without_preamble(explanation, shift)
@@ -175,7 +176,7 @@ class CacheExplanations:
                 # (cl100k_base here): the header keeps the backend's figure, which the answer's usage reports
                 explanation = dataclasses.replace(explanation, cached=max(0, cached_tokens))
             if later is None:
-                self._record(model, tenant, rendered)
+                self._record(model, tenant, rendered, request.replica)
             else:
                 later.append(lambda: self.record_prompt(request, rendered))
         except Exception as exc:  # noqa: BLE001 - an explanation must never fail a request
@@ -187,11 +188,11 @@ class CacheExplanations:
             self.counters.setdefault(request.model, MissCounters()).add(explanation)
         return explanation
 
-    def _record(self, model: str, tenant: str, rendered: RenderedPrompt) -> None:
+    def _record(self, model: str, tenant: str, rendered: RenderedPrompt, replica: str | None) -> None:
         self.explainer.record(
             model, tenant, rendered.tokens, rendered.segments, tools_digest=rendered.tools_digest
         )
-        self.explainer.mark_cached(model, tenant, rendered.tokens)
+        self.explainer.mark_cached(model, tenant, rendered.tokens, replica=replica)
 
     def record_answer(
         self,
@@ -229,7 +230,7 @@ class CacheExplanations:
         cached (what ``explain`` does unless given ``later``). Never raises: a failure is counted in
         ``errors``."""
         try:
-            self._record(request.model, request.tenant, rendered)
+            self._record(request.model, request.tenant, rendered, request.replica)
         except Exception as exc:  # noqa: BLE001 - never fails a request
             with self._lock:
                 self.errors += 1

@@ -27,7 +27,10 @@ Causes (``MISS_CAUSES``), decided in this order (docs/cache-explanations.md):
 - ``below_minimum``: the target is shorter than the upstream's minimum cacheable length, or empty (the whole
   prompt is shorter than one ``unit`` plus its last token): nothing of it could be cached.
 - ``evicted``: the first uncached block's chain was marked cached before the request began (it was cached,
-  and the cache served less).
+  and the cache served less), on the replica that served the request or with no replica known.
+- ``other_replica``: that chain was marked cached before the request began only on other replicas of the
+  model than the one that served it (the router sent the turn elsewhere: load, a failover, a policy without
+  affinity); its cache never held it.
 - ``cold``: no earlier prompt shares a token with this one; or the shared part was never known cached; or the
   cache served past where the nearest earlier prompt diverges; or this prompt only extends an earlier one
   (new content); or the nearest earlier prompt shares less than one ``unit`` and the two do not re-converge
@@ -85,6 +88,10 @@ from gateway.service.miss_segments import divergence_segments, rejoins, segment_
 from gateway.service.token_chains import chain_hashes
 
 DEFAULT_BLOCK_SIZE = 16
+
+MAX_PLACES = 8
+"""Replicas a cached chain is remembered on (the newest kept): past it a chain cached on more replicas may
+read ``other_replica`` on one whose mark was forgotten."""
 
 _MAX_TOKEN = (1 << 32) - 1
 
@@ -151,8 +158,9 @@ class MissExplainer:
         self._seqs: dict[tuple[tuple[str, str], bytes], int] = {}
         self._bytes = 0
         self._seq = 0
-        # chain -> (when last marked cached, the ``mark_cached`` call that first marked it)
-        self._cached: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
+        # chain -> (when last marked cached, the ``mark_cached`` call that first marked it, the replicas it was
+        # marked cached on with the call that first marked it there: at most MAX_PLACES, the newest last)
+        self._cached: OrderedDict[bytes, tuple[float, int, tuple[tuple[str, int], ...]]] = OrderedDict()
         self._marks = 0
         self._lock = threading.Lock()
 
@@ -205,6 +213,7 @@ class MissExplainer:
         provider_cause: str | None = None,
         epoch: Epoch | None = None,
         tools_digest: bytes | None = None,
+        replica: str | None = None,
     ) -> MissExplanation:
         """Explain one request's cache result (read-only: call ``record`` and ``mark_cached`` after).
 
@@ -225,6 +234,8 @@ class MissExplainer:
             tools_digest: a digest of the request's tools as sent (``b""`` for none; ``RenderedPrompt``'s), or
                 None (unknown): with the nearest earlier prompt's, it tells whether the tools changed where
                 the two prompts' tools segments disagree at the divergence.
+            replica: the upstream replica that served the request (its base URL), or None (an embedded
+                engine; unknown): a prefix known cached only on other replicas is ``other_replica``.
 
         Raises:
             MissExplainError: bad tokens, segments or counts.
@@ -267,6 +278,7 @@ class MissExplainer:
             epoch,
             self._digest(tools_digest),
             nearest,
+            replica,
         )
         cause, at, slot, ago = local
         where = segment_at(segs, at - 1 if cause == "below_minimum" and at > 0 else at)
@@ -311,6 +323,7 @@ class MissExplainer:
         epoch: Epoch | None,
         tools: bytes | None,
         nearest: tuple[Entry, int] | None,
+        replica: str | None = None,
     ) -> tuple[str, int, str | None, float | None]:
         """(cause, offset, slot, cached_ago) of a miss (``end``: where the target ends, unrounded; ``nearest``:
         the nearest earlier prompt of the evidence and the tokens it shares, ``_nearest``)."""
@@ -321,7 +334,11 @@ class MissExplainer:
             first = cached // bs
             known = self._cached.get(chains[first]) if first < len(chains) and first * bs < reach else None
             if known is not None and (epoch is None or known[1] <= epoch.marks):
-                return "evicted", cached, None, max(0.0, self._clock() - known[0])
+                ago = max(0.0, self._clock() - known[0])
+                places = [r for r, mark in known[2] if epoch is None or mark <= epoch.marks]
+                if replica is not None and places and replica not in places:
+                    return "other_replica", cached, None, ago
+                return "evicted", cached, None, ago
         if nearest is None:
             return "cold", cached, None, None
         entry, d = nearest
@@ -509,8 +526,16 @@ class MissExplainer:
             self._drop_entry(*next(iter(self._lru)))
         return True
 
-    def mark_cached(self, model: str, tenant: str, tokens: Sequence[int], upto: int | None = None) -> int:
-        """Note that the prompt's full blocks within its first ``upto`` tokens (all when None) are now cached.
+    def mark_cached(
+        self,
+        model: str,
+        tenant: str,
+        tokens: Sequence[int],
+        upto: int | None = None,
+        replica: str | None = None,
+    ) -> int:
+        """Note that the prompt's full blocks within its first ``upto`` tokens (all when None) are now cached,
+        on ``replica`` (the upstream replica that served the prompt; None: an embedded engine, or unknown).
 
         Returns:
             the number of block chains noted.
@@ -527,7 +552,10 @@ class MissExplainer:
             self._marks += 1
             for h in chains:
                 known = self._cached.get(h)
-                self._cached[h] = (now, self._marks if known is None else known[1])
+                places = () if known is None else known[2]
+                if replica is not None and all(r != replica for r, _ in places):
+                    places = (*places, (replica, self._marks))[-MAX_PLACES:]
+                self._cached[h] = (now, self._marks if known is None else known[1], places)
                 self._cached.move_to_end(h)
             while len(self._cached) > self.max_cached_chains:
                 self._cached.popitem(last=False)

@@ -24,6 +24,7 @@ MISS_CAUSES: tuple[str, ...] = (
     "history_rewritten",
     "reply_cut",
     "evicted",
+    "other_replica",
     "cold",
     "below_minimum",
 )
@@ -85,12 +86,13 @@ class MissExplanation:
         miss: ``cached < stable``.
         cause: one of ``MISS_CAUSES`` when ``miss``, else None.
         segment, offset: where the miss starts: the divergence from the nearest earlier prompt, the first
-            uncached token (``evicted``, ``cold``), or the end of the stable prefix (``below_minimum``, whose
+            uncached token (``evicted``, ``other_replica``, ``cold``), or the end of the stable prefix (``below_minimum``, whose
             segment is the one holding the last stable token); None on a hit. Never inside the cached span:
             ``offset >= cached``.
         slot: the learned slot or rule that knows the volatile value at the divergence (``volatile`` only),
             or None.
-        cached_ago: ``evicted``: seconds since the prefix was last known cached; else None.
+        cached_ago: ``evicted`` and ``other_replica``: seconds since the prefix was last known cached (there,
+            or on the other replica); else None.
         source: ``local``, or ``provider`` when the upstream's diagnostic gave the cause; None on a hit.
     """
 
@@ -153,7 +155,8 @@ def volatile_spans_from_chars(
 
 def format_cache_header(explanation: MissExplanation) -> str:
     """``cached=<n>; miss=<cause>; at=<segment>:<offset>``, then ``; slot=<id>`` for a volatile value a learned
-    slot or a rule knows (docs/cache-explanations.md) and ``; cached_ago=<seconds>`` for ``evicted``; a hit is ``cached=<n>; miss=none``.
+    slot or a rule knows (docs/cache-explanations.md) and ``; cached_ago=<seconds>`` for ``evicted`` and
+    ``other_replica``; a hit is ``cached=<n>; miss=none``.
     Holds no prompt text."""
     if not explanation.miss:
         return f"cached={explanation.cached}; miss=none"

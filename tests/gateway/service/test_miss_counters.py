@@ -21,6 +21,7 @@ def test_counters_by_cause() -> None:
         "history_rewritten": 0,
         "reply_cut": 0,
         "evicted": 0,
+        "other_replica": 0,
         "cold": 1,
         "below_minimum": 0,
     }

@@ -868,3 +868,51 @@ def test_a_prompt_recorded_again_keeps_the_answer_an_earlier_request_saw() -> No
         return ex.explain("m", "t", prompt, segments, 32, 0, epoch=before)
 
     assert explained(concurrent=True) == explained(concurrent=False)
+
+
+# ---- replicas: a prefix cached on another replica than the one that served the turn ----------------------
+
+
+def test_a_prefix_cached_only_on_another_replica_is_other_replica_not_evicted() -> None:
+    """A trial: a router sent a conversation's turn to another replica, which had never held its prefix, and
+    the explanation said ``evicted`` (the explainer knew what was cached per model, not per replica)."""
+    clock = Clock(1000.0)
+    ex = MissExplainer(clock=clock)
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    ex.record("m", "t", tokens, segments)
+    ex.mark_cached("m", "t", tokens, replica="http://a")
+    clock.now = 1007.0
+    e = ex.explain("m", "t", tokens, segments, stable, 0, replica="http://b")
+    assert (e.cause, e.segment, e.offset, e.cached_ago) == ("other_replica", "tools", 0, 7.0)
+    assert e.header_value() == "cached=0; miss=other_replica; at=tools:0; cached_ago=7"
+    # served where it was cached, and less came back: the replica evicted it
+    assert ex.explain("m", "t", tokens, segments, stable, 16, replica="http://a").cause == "evicted"
+    # no replica known (an embedded engine): what was cached and is not is evicted, as before
+    assert ex.explain("m", "t", tokens, segments, stable, 0).cause == "evicted"
+    # once the other replica has served it too, a loss there is an eviction by it
+    ex.mark_cached("m", "t", tokens, replica="http://b")
+    assert ex.explain("m", "t", tokens, segments, stable, 0, replica="http://b").cause == "evicted"
+
+
+def test_a_replica_that_cached_the_prefix_after_the_request_began_is_no_evidence() -> None:
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    ex.record("m", "t", tokens, segments)
+    ex.mark_cached("m", "t", tokens, replica="http://a")
+    started = ex.epoch()  # a request begins, routed to b
+    ex.mark_cached("m", "t", tokens, replica="http://b")  # a peer served on b finishes first
+    e = ex.explain("m", "t", tokens, segments, stable, 0, epoch=started, replica="http://b")
+    assert e.cause == "other_replica"  # when it began, only a held the prefix
+
+
+def test_a_chain_remembers_its_newest_replicas_only() -> None:
+    from gateway.service.miss_explain import MAX_PLACES
+
+    ex = MissExplainer()
+    tokens, segments, stable = build(TOOLS, SYSTEM, HISTORY, TAIL)
+    ex.record("m", "t", tokens, segments)
+    for i in range(MAX_PLACES + 1):
+        ex.mark_cached("m", "t", tokens, replica=f"http://r{i}")
+    newest = ex.explain("m", "t", tokens, segments, stable, 0, replica=f"http://r{MAX_PLACES}")
+    oldest = ex.explain("m", "t", tokens, segments, stable, 0, replica="http://r0")
+    assert (newest.cause, oldest.cause) == ("evicted", "other_replica")
