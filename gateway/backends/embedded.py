@@ -344,11 +344,14 @@ class _Choice:
 
     def _flush(self, deltas: list[Delta], index: int) -> list[Delta]:
         """Attach to the first of ``deltas`` the pending logprobs of the tokens that start inside the text the
-        engine sent; a token past its end (text the engine holds back: a stop string's start) waits."""
+        engine sent; a token past its end (text the engine holds back: a stop string's start) waits. A token
+        that continues a character begun by the one before starts inside that character (found by a trial:
+        counting the unfinished character as one ended there held each multi-byte character's last token
+        back to the next chunk, so every chunk's logprobs lagged its text by a token)."""
         if deltas and self.pending_logprobs:
             ready = 0
             for entry in self.pending_logprobs:
-                if self.spelled.chars_if_ended() >= self.text_chars:
+                if self.spelled.chars >= self.text_chars:  # the token starts at character ``chars``
                     break
                 self.spelled.feed(bytes(entry.token_bytes))
                 ready += 1
@@ -376,9 +379,9 @@ class _Choice:
 
 
 class _Spelled:
-    """Generated tokens' bytes decoded as UTF-8 with U+FFFD for each invalid or (at the end) incomplete
-    sequence, as the engine's detokenizer spells its text; ``chars_if_ended`` is the decoded length were the
-    bytes to end here, without decoding them again."""
+    """Generated tokens' bytes decoded as UTF-8 with U+FFFD for each invalid sequence, as the engine's
+    detokenizer spells its text; ``chars`` counts the characters ended so far, so the next token starts at
+    character ``chars`` (inside it, when it continues an unfinished sequence)."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -387,11 +390,6 @@ class _Spelled:
     def feed(self, data: bytes) -> None:
         """Decode ``data`` after what came before."""
         self.chars += len(self._decoder.decode(data))
-
-    def chars_if_ended(self) -> int:
-        """Characters of everything fed, an incomplete sequence at its end counted as one U+FFFD."""
-        held, _ = self._decoder.getstate()
-        return self.chars + (1 if held else 0)
 
 
 def _finish(finished: dict[int, Finished], choices: list[_Choice], answer_kv_kept: bool) -> Finish:

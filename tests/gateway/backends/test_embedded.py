@@ -476,3 +476,27 @@ def test_a_model_without_prefix_caching_is_warmed_as_an_upstream_is():
     off = EmbeddedModel(name="m", engine=EngineConfig(enable_prefix_caching=False))
     assert asyncio.run(EmbeddedBackend(off, engine=Engine()).warm(warm_request, None, False)) is None
     assert asyncio.run(Backend.warm(cached, warm_request, None, False)) is None  # what an upstream answers
+
+
+def test_each_chunks_logprobs_are_the_tokens_of_its_text_across_multibyte_characters():
+    """A trial: streaming "そ" (e3 81 9d, two tokens) then "れ" (e3 82 8c, two tokens), the chunk "そ" carried only
+    its first token and the chunk "れ" the second token of "そ" and the first of "れ": every chunk's logprobs
+    lagged its text by one token. Each chunk now carries the tokens that start inside its text."""
+    from gateway.backends.embedded import _Choice
+    from gateway.core.events import TokenLogprob
+
+    tokens = [b"\xe3\x81", b"\x9d", b"\xe3\x82", b"\x8c", b" ok", b"\xe3\x81"]
+    texts = ["", "そ", "", "れ", " ok", "\ufffd"]  # the engine's text per token (the last: cut, flushed)
+    choice = _Choice(parser=None)
+    chunks = []
+    for raw, text in zip(tokens, texts, strict=True):
+        lp = TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), -0.5)
+        for delta in choice.deltas(text, 0, (lp,)):
+            chunks.append((delta.text, [bytes(e.token_bytes) for e in delta.logprobs]))
+    chunks += [(d.text, [bytes(e.token_bytes) for e in d.logprobs]) for d in choice.close(0, cut=True)]
+    assert chunks == [
+        ("そ", [b"\xe3\x81", b"\x9d"]),
+        ("れ", [b"\xe3\x82", b"\x8c"]),
+        (" ok", [b" ok"]),
+        ("\ufffd", [b"\xe3\x81"]),
+    ]
