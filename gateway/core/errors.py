@@ -78,6 +78,9 @@ class ContextLengthExceededError(InvalidRequestError):
         anthropic_message: the same error in the Messages API's words, for the Anthropic face, or None (then
             ``message``): clients parse them (Claude Code retries with a smaller ``max_tokens`` on ``input length
             and `max_tokens` exceed context limit: P + M > L``, and compacts on ``prompt is too long``).
+        prompt_tokens: the prompt's length in tokens, when known.
+        excess_tokens: tokens over the room there is (the prompt and the completion asked for, or the prompt
+            and one token, less the limit), when known: what Responses ``truncation: "auto"`` drops.
     """
 
     default_code = "context_length_exceeded"
@@ -89,9 +92,13 @@ class ContextLengthExceededError(InvalidRequestError):
         param: str | None = None,
         code: str | None = None,
         anthropic_message: str | None = None,
+        prompt_tokens: int | None = None,
+        excess_tokens: int | None = None,
     ) -> None:
         super().__init__(message, param=param, code=code)
         self.anthropic_message = anthropic_message
+        self.prompt_tokens = prompt_tokens
+        self.excess_tokens = excess_tokens
 
 
 class AuthenticationError(APIError):
@@ -199,7 +206,11 @@ def from_engine_error(exc: EngineError, noun: str = "messages") -> APIError:
     """
     if isinstance(exc, PromptTooLongError):
         return ContextLengthExceededError(
-            exc.worded(noun), param=noun, anthropic_message=anthropic_context_message(exc)
+            exc.worded(noun),
+            param=noun,
+            anthropic_message=anthropic_context_message(exc),
+            prompt_tokens=exc.prompt_tokens,
+            excess_tokens=exc.prompt_tokens + (exc.completion_tokens or 1) - exc.limit,
         )
     if isinstance(exc, EngineInvalidRequestError):
         return InvalidRequestError(str(exc), param=exc.param, code="invalid_value")

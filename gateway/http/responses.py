@@ -2,7 +2,8 @@
 equivalent Chat Completions body (``gateway.protocols.openai.responses``) and parsed by the chat parser, so the
 request takes the chat path (``gateway.service.pipeline``: rules, prefix key, prefix cache, backends); the
 answer is a ``Response`` object or its SSE stream of typed events. Errors are OpenAI error JSON (before the
-response starts) or an in-band ``error`` event (after). Reference:
+response starts) or an in-band ``error`` event (after). With ``truncation: "auto"`` a prompt that does not fit
+is opened again without its oldest input items (``gateway.protocols.openai.responses_truncation``). Reference:
 https://platform.openai.com/docs/api-reference/responses
 """
 
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.core.errors import APIError, InvalidRequestError
+from gateway.core.errors import APIError, ContextLengthExceededError, InvalidRequestError
 from gateway.core.event_stream import encode_event
 from gateway.core.events import Delta, Finish
 from gateway.http.auth import authenticate, authorize
@@ -34,8 +35,14 @@ from gateway.protocols.openai.response_builder import ResponseBuilder
 from gateway.protocols.openai.responses import chat_message_origins, responses_to_chat_body
 from gateway.protocols.openai.responses_params import to_responses_error
 from gateway.protocols.openai.responses_tools import chat_tool_paths
+from gateway.protocols.openai.responses_truncation import (
+    MAX_RETRIES,
+    droppable_groups,
+    groups_to_drop,
+    without_oldest,
+)
 from gateway.service.pipeline import OpenedStream
-from gateway.transport.failures import FailureKind, UpstreamCallError
+from gateway.transport.failures import FailureKind, UpstreamCallError, overflow_counts
 from gateway.transport.sse import EventStreamResponse
 
 
@@ -45,21 +52,32 @@ async def responses_endpoint(http_request: Request) -> Response:
     key = authenticate(http_request)
     gateway = gateway_of(http_request)
     body = await read_json_object(http_request, gateway.config.server.max_body_bytes)
-    chat_body = responses_to_chat_body(body, refuse_unknown_fields(gateway))
-    try:  # the chat parser, the rules and the backend name fields in chat terms: rename them
-        request = parse_chat_request(chat_body, http_request.headers, refuse_unknown=False)
-        authorize(http_request, request, key)
-        begin(http_request, request)
-        opened = await open_unless_disconnected(
-            http_request, gateway, request, http_request.url.path, started_at(http_request)
-        )
-    except InvalidRequestError as error:
-        to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
-        raise
-    except UpstreamCallError as error:  # an upstream's refusal of the chat body it got: the client's fields
-        if error.kind == FailureKind.CLIENT_ERROR:
+    tries = 0
+    while True:  # more than once only for truncation "auto" over a prompt that does not fit
+        chat_body = responses_to_chat_body(body, refuse_unknown_fields(gateway))
+        try:  # the chat parser, the rules and the backend name fields in chat terms: rename them
+            request = parse_chat_request(chat_body, http_request.headers, refuse_unknown=False)
+            authorize(http_request, request, key, admit=tries == 0)  # limits count the request once
+            begin(http_request, request)
+            opened = await open_unless_disconnected(
+                http_request, gateway, request, http_request.url.path, started_at(http_request)
+            )
+            break
+        except InvalidRequestError as error:
+            if (shorter := _truncated(body, error, tries)) is not None:
+                body, tries = shorter, tries + 1
+                continue
             to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
-        raise
+            raise
+        except (
+            UpstreamCallError
+        ) as error:  # an upstream's refusal of the chat body it got: the client's fields
+            if error.kind == FailureKind.CLIENT_ERROR:
+                if (shorter := _truncated(body, error, tries)) is not None:
+                    body, tries = shorter, tries + 1
+                    continue
+                to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
+            raise
     builder = ResponseBuilder(body, request.model, request.request_id)
     headers = {"x-request-id": request.request_id}
     headers.update(opened.upstream_headers())
@@ -69,6 +87,24 @@ async def responses_endpoint(http_request: Request) -> Response:
     result = await run_unless_disconnected(http_request, collect_response(opened, builder), opened)
     headers.update(await opened.cache_header())
     return JSONResponse(result, headers=headers)
+
+
+def _truncated(body: dict[str, Any], error: APIError, tries: int) -> dict[str, Any] | None:
+    """``body`` with its oldest input items dropped (``responses_truncation``), when it asked for ``truncation:
+    "auto"``, ``error`` says the prompt does not fit the context (the gateway's own, or an OpenAI-compatible
+    upstream's 400 ``context_length_exceeded``), fewer than ``MAX_RETRIES`` tries were made and something may
+    still go; else None (the error stands)."""
+    if body.get("truncation") != "auto" or tries >= MAX_RETRIES or not isinstance(body.get("input"), list):
+        return None
+    if isinstance(error, ContextLengthExceededError):
+        counts = (error.prompt_tokens, error.excess_tokens)
+    elif error.code == "context_length_exceeded":
+        counts = overflow_counts(error.message) or (None, None)
+    else:
+        return None
+    groups = droppable_groups(body["input"])
+    count = groups_to_drop(body["input"], groups, *counts)
+    return without_oldest(body, groups, count) if count else None
 
 
 async def response_sse(opened: OpenedStream, builder: ResponseBuilder) -> AsyncIterator[bytes]:

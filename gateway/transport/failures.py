@@ -291,6 +291,20 @@ _OVERFLOW_REQUESTED = re.compile(
 )
 
 
+def overflow_counts(message: str) -> tuple[int, int] | None:
+    """(prompt tokens, tokens over the limit) of an OpenAI-compatible server's context-overflow message (the
+    wordings ``anthropic_overflow_message`` reads), or None for any other message."""
+    found = _OVERFLOW_PROMPT.search(message)
+    if found:
+        limit, prompt = int(found.group(1)), int(found.group(2))
+        return prompt, prompt + 1 - limit
+    found = _OVERFLOW_REQUESTED.search(message)
+    if found:
+        limit, prompt, completion = (int(g) for g in found.groups())
+        return prompt, prompt + completion - limit
+    return None
+
+
 def anthropic_overflow_message(message: str) -> str | None:
     """An OpenAI-compatible server's context-overflow message (OpenAI's and vLLM's wordings, as prefixgate's
     own OpenAI face words it too) in the Messages API's words, as ``errors.anthropic_context_message`` words

@@ -90,8 +90,9 @@ class ResponseBuilder:
             "reasoning": _reasoning_echo(body.get("reasoning")),
             "max_tool_calls": body.get("max_tool_calls"),
             "top_logprobs": body.get("top_logprobs"),
-            "service_tier": body.get("service_tier") or "default",
+            "service_tier": "default",  # the tier that served it (one tier here), as the chat face says
             "prompt_cache_key": body.get("prompt_cache_key"),
+            "prompt_cache_retention": body.get("prompt_cache_retention"),
             "safety_identifier": body.get("safety_identifier"),
             "background": False,
             "store": False,

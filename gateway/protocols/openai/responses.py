@@ -144,8 +144,7 @@ RESPONSES_ENUMS: dict[str, tuple[str, ...]] = {
     "truncation": ("auto", "disabled"),
 }
 """String fields of a Responses body with a closed set of values (``truncation``: with ``auto`` a prompt that does
-not fit is still refused with a 400, as ``disabled`` does: nothing is dropped from the middle of a conversation
-silently)."""
+not fit is tried again without its oldest input items, ``gateway.protocols.openai.responses_truncation``)."""
 
 SUMMARIES = ("auto", "concise", "detailed")
 """Values of ``reasoning.summary``: accepted and echoed; the models served here produce no reasoning items, so

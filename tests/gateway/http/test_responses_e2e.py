@@ -253,9 +253,12 @@ def test_accepted_fields_are_echoed_in_the_response(server, client):
         include=["reasoning.encrypted_content"],
         truncation="auto",
         service_tier="flex",
+        prompt_cache_retention="24h",
     )
     assert (response.max_tool_calls, response.top_logprobs, response.reasoning.summary) == (1, 2, "auto")
-    assert (response.truncation, response.service_tier) == ("auto", "flex")
+    assert response.prompt_cache_retention == "24h"  # a protocol trial: accepted, not echoed
+    # the tier that served it, as the chat face reports (a protocol trial: the requested "flex" was echoed)
+    assert (response.truncation, response.service_tier) == ("auto", "default")
     assert_no_block_in_use(server)
 
 
@@ -702,4 +705,38 @@ def test_an_error_in_a_namespace_function_names_its_own_path(server):
         post_raw(server, "/v1/responses", json.dumps(body)), 400, param="tools[1].tools[0].parameters"
     )
     assert "function." not in error["message"] and "tools[1].tools[0].parameters" in error["message"]
+    assert_no_block_in_use(server)
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits(server, client):
+    """A protocol trial: ``truncation: "auto"`` was accepted and echoed but a prompt over the context was a 400,
+    as with ``"disabled"``. The oldest input items now go (a call with its output), instructions and the newest
+    item stay, until the prompt fits the tiny model's 512 tokens."""
+    old = "an old note about the catalogue " * 40  # ~200 tokens of the tiny tokenizer each
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "first: " + old},
+        {"role": "assistant", "content": "noted"},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "second: " + old},
+        {"role": "user", "content": "third: " + old},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "What is in stock?"},
+    ]
+    tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]
+    fields = {"model": TINY_MODEL, "input": items, "tools": tools, "max_output_tokens": 8}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**fields)  # truncation "disabled", the default
+    assert refused.value.body["code"] == "context_length_exceeded"
+    response = client.responses.create(**fields, truncation="auto")
+    assert response.status in ("completed", "incomplete") and response.truncation == "auto"
+    assert 0 < response.usage.input_tokens <= 512 - 8
+    whole = client.responses.create(**{**fields, "input": [items[0], items[-1]]})
+    assert response.usage.input_tokens > whole.usage.input_tokens  # not everything was dropped
+    # a newest item that alone does not fit: nothing left to drop, the 400 stands
+    with pytest.raises(openai.BadRequestError) as still:
+        client.responses.create(
+            **{**fields, "input": [items[0], {"role": "user", "content": old * 4}]}, truncation="auto"
+        )
+    assert still.value.body["code"] == "context_length_exceeded"
     assert_no_block_in_use(server)
