@@ -53,6 +53,12 @@ EMPTY_TEXT_BLOCK = "text content blocks must be non-empty"
 BLANK_TEXT_BLOCK = "text content blocks must contain non-whitespace text"
 """Anthropic's 400 for a text block of whitespace only."""
 
+TRAILING_WHITESPACE = "final assistant content cannot end with trailing whitespace"
+"""Anthropic's 400 for a prefill (a final assistant turn) whose text ends in whitespace."""
+
+USER_ID_CHARS = 256
+"""The longest ``metadata.user_id`` the Messages API takes (its reference: ``maxLength`` 256)."""
+
 SERVICE_TIERS = ("auto", "standard_only")
 """The Messages API's ``service_tier`` values."""
 
@@ -227,6 +233,20 @@ def _check_tool_results(messages: list[Any]) -> None:
             )
 
 
+def _check_prefill_end(messages: list[Any]) -> None:
+    """A final assistant turn (a prefill) may not end in whitespace, as Anthropic requires: the model would go
+    on after a space it would have written itself (found by a trial: accepted, the answer began with a second
+    space). Checked on its text, or its last block when that is a text block."""
+    last = messages[-1]
+    if last["role"] != "assistant":
+        return
+    content = last["content"]
+    if isinstance(content, list):
+        content = content[-1].get("text") if content and content[-1]["type"] == "text" else None
+    if isinstance(content, str) and content and content[-1].isspace():
+        raise bad_param(TRAILING_WHITESPACE, f"messages[{len(messages) - 1}]")
+
+
 def _validate_tool(tool: Any, param: str) -> None:
     if not isinstance(tool, dict):
         raise bad_param(f"expected a tool object, got {json_kind(tool)}", param)
@@ -324,6 +344,7 @@ def validate_body(
             )
         if not content and not (role == "assistant" and i == len(messages) - 1):
             raise bad_param(EMPTY_MESSAGE, param)
+    _check_prefill_end(messages)
     _check_tool_results(messages)
     _check_tool_use_ids(messages)
     system = body.get("system")
@@ -375,3 +396,8 @@ def validate_body(
                 raise bad_param("Extra inputs are not permitted", f"metadata.{key}")
         if metadata.get("user_id") is not None:
             _require_str(metadata["user_id"], "metadata.user_id")
+            if len(metadata["user_id"]) > USER_ID_CHARS:
+                raise bad_param(
+                    f"String should have at most {USER_ID_CHARS} characters, got {len(metadata['user_id'])}",
+                    "metadata.user_id",
+                )

@@ -344,6 +344,15 @@ def test_a_later_message_with_nothing_to_send_becomes_no_turn():
             "tool_choice.name",
         ),
         (lambda b: b.update(metadata={"user_id": 7}), "metadata.user_id"),
+        # before (a protocol trial): accepted, though the Messages API refuses both
+        (lambda b: b.update(metadata={"user_id": "u" * 257}), "metadata.user_id"),
+        (lambda b: b["messages"].append({"role": "assistant", "content": "The answer: "}), "messages[1]"),
+        (
+            lambda b: b["messages"].append(
+                {"role": "assistant", "content": [{"type": "text", "text": "The answer:\n"}]}
+            ),
+            "messages[1]",
+        ),
         # Before (a fuzzing trial): a 500, an unhashable value tested against a set of strings
         (lambda b: b.update(cache_control={"type": "ephemeral", "ttl": []}), "cache_control.ttl"),
         (
@@ -464,6 +473,18 @@ def test_only_a_final_assistant_message_may_be_empty(content):
     assert info.value.message == (
         "messages[0]: all messages must have non-empty content except for the optional final assistant message"
     )
+
+
+def test_a_prefill_may_end_in_anything_but_whitespace():
+    body = {"model": "m", "max_tokens": 5, "metadata": {"user_id": "u" * 256}}
+    for prefill in ("The answer:", [{"type": "text", "text": "The answer: 4"}], ""):
+        body["messages"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prefill}]
+        assert [m["role"] for m in parse_messages_body(body).messages] == ["user", "assistant"]
+    body["messages"][-1]["content"] = "The answer: "
+    with pytest.raises(
+        InvalidRequestError, match="final assistant content cannot end with trailing whitespace"
+    ):
+        parse_messages_body(body)
 
 
 def test_non_object_body():
