@@ -137,6 +137,17 @@ def _hex(rng: random.Random, n: int) -> str:
     return "".join(rng.choice("0123456789abcdef") for _ in range(n))
 
 
+def _b64(rng: random.Random, n: int) -> str:
+    """``n`` base64url characters holding a digit."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
+    return "".join(rng.choice(alphabet) for _ in range(n - 1)) + rng.choice("0123456789")
+
+
+def _jwt(rng: random.Random) -> str:
+    """A JSON Web Token's shape: base64url header (``{"`` -> ``eyJ``), payload and signature."""
+    return f"eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJ{_b64(rng, 40)}.{_b64(rng, 43)}"
+
+
 OTHER_VOLATILE: dict[str, Callable[[random.Random], str]] = {
     "session-uuid": lambda r: f"Session ID: {uuid.UUID(int=r.getrandbits(128), version=4)}",
     "request-id": lambda r: f"Request-Id: req_{_hex(r, 12)}",
@@ -190,6 +201,13 @@ OTHER_VOLATILE: dict[str, Callable[[random.Random], str]] = {
     "location-ko": lambda r: "현재 위치: " + r.choice(["서울", "부산"]),
     "location-ja": lambda r: "タイムゾーン: " + r.choice(["Asia/Tokyo", "UTC+9"]),
     "location-zh": lambda r: "用户位置：" + r.choice(["北京", "上海"]),
+    # credentials an agent framework puts in the system prompt (the user's current token)
+    "authorization-bearer-jwt": lambda r: f"Authorization: Bearer {_jwt(r)}",
+    "access-token-jwt": lambda r: f"Access token: {_jwt(r)}",
+    "api-key": lambda r: f"API key: sk-proj-{_b64(r, 24)}",
+    "github-token": lambda r: f"- **GitHub token:** `ghp_{_b64(r, 36)}`",
+    "session-token-sentence": lambda r: f"Use the session token {_b64(r, 32)} for every tool call.",
+    "access-token-is": lambda r: f"Your access token is {_jwt(r)}.",
 }
 """Other volatile lines (ids, epochs, nonces, location): name -> render(rng)."""
 

@@ -223,6 +223,27 @@ NOT_IDS = [
 ]
 
 
+NOT_CREDENTIALS = [
+    # placeholders hold no digit; limits and counts are no secrets; a credential in code or an example stays
+    "You call the API.\nAuthorization: Bearer YOUR_API_KEY\nBe brief.",
+    "Send `Authorization: Bearer <token>` with every call. Be brief.",
+    "You are a tokenizer expert. Max tokens: 4096. Token budget: 128000 tokens.",
+    "Count tokens with tiktoken before sending. The token limit is 8192. Be brief.",
+    "Explain what a JWT is and how a bearer token differs from an API key. Be brief.",
+    "You style the app.\nDesign token: color-primary-background-500\nUse the design token spacing-large-200 too.",
+    "Use the API key from the environment. Be brief.\n```\nAPI key: sk-proj-4f9a8b7c6d5e4f3a2b1c\n```",
+    "For example, Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.abc123def456 is a header.",
+]
+
+
+@pytest.mark.parametrize("system", NOT_CREDENTIALS)
+def test_the_credential_rules_leave_placeholders_limits_and_examples(system: str) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    canon = DEFAULT.apply(messages)
+    assert canon.hoisted == []
+    assert canon.messages == messages
+
+
 @pytest.mark.parametrize("system", NOT_IDS)
 def test_inline_id_rules_leave_unlabelled_ids_and_ordinary_words(system: str) -> None:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
