@@ -572,7 +572,9 @@ def test_every_shipped_pack_loads() -> None:
 
 def test_default_pack_is_all_packs_in_order() -> None:
     default = load_ruleset(["default"])
-    parts = load_ruleset(["whitespace", "keep", "dates", "ids", "credentials", "epochs", "location", "per_user", "tools"])
+    parts = load_ruleset(
+        ["whitespace", "keep", "dates", "ids", "credentials", "epochs", "location", "per_user", "tools"]
+    )
     assert default.rule_ids == parts.rule_ids
     assert default.rule_ids[0] == "whitespace.system"
     assert default.rule_ids[-1] == "tools.sort"

@@ -31,7 +31,9 @@ def test_every_truncation_is_a_body_the_chat_translation_takes():
         cut = without_oldest(body, groups, count)
         chat = responses_to_chat_body(cut)
         assert chat["messages"][0]["content"] == "Use the tools."  # instructions stay first
-        assert cut["input"][-1] == AGENT[-1] and len(cut["input"]) == len(AGENT) - sum(map(len, groups[:count]))
+        assert cut["input"][-1] == AGENT[-1] and len(cut["input"]) == len(AGENT) - sum(
+            map(len, groups[:count])
+        )
     assert body["input"] is AGENT and len(AGENT) == 8  # the client's body is left as it was
 
 
@@ -44,7 +46,9 @@ def test_the_drop_count_covers_the_overflow_share_of_the_input():
     assert groups_to_drop(items, groups, prompt_tokens=1000, excess=100) == 1  # 10 %: one of six items
     assert groups_to_drop(items, groups, prompt_tokens=1000, excess=400) == 3  # 40 %: three
     assert groups_to_drop(items, groups, prompt_tokens=1000, excess=2000) == 6  # all that may go
-    assert groups_to_drop(items, groups, prompt_tokens=None, excess=None) == 1  # counts unknown: one at a time
+    assert (
+        groups_to_drop(items, groups, prompt_tokens=None, excess=None) == 1
+    )  # counts unknown: one at a time
     assert groups_to_drop(items, [], prompt_tokens=1000, excess=100) == 0
 
 
