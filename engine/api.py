@@ -199,7 +199,8 @@ class TextDelta:
         text: the new text.
         token_ids: the tokens generated since the previous event of this choice.
         index: the choice (0 .. n-1).
-        logprobs: one entry per token of ``token_ids`` when ``SamplingParams.logprobs`` is set, else ``()``.
+        logprobs: one entry per token of ``token_ids`` when ``SamplingParams.logprobs`` is set, else ``()``; a
+            stop token (EOS, ``stop_token_ids``) has none: it is not part of the text.
         cached_tokens: prompt tokens served from the prefix cache at the request's first admission (known
             once its prefill ran, so the first delta already has it; the same number as ``Usage.cached_tokens``),
             or None.

@@ -43,7 +43,8 @@ class RequestOutput:
         full_text: all text generated (stop-string trimmed), set when finished.
         index: the choice (``Request.index``).
         parent_id: the request it was forked from (None for a submitted request).
-        logprobs: one entry per token of ``new_token_ids`` when the request asked for logprobs.
+        logprobs: one entry per token of ``new_token_ids`` when the request asked for logprobs, but none for
+            a stop token (not part of the text).
         unforked: choice indexes of forks that were never created because this request ended before its
             prompt was computed (aborted); they end with it, with no output tokens.
         stop_string: the stop string that ended the request (finish reason ``stop``), else None.
@@ -126,7 +127,9 @@ class OutputProcessor:
             # cut inside a repeat of an earlier tool call past its arguments: the answer ends, complete, at the
             # call before it
             reason = "stop" if req.output is not None and req.output.end_at_repeat() else "length"
-        lps = [logprob] if logprob is not None else []
+        # a stop token ends the answer without being part of its text: its logprob is left out, so the logprobs'
+        # tokens spell the text returned (found by a trial: '<|im_end|>' came back after 'Yes.')
+        lps = [logprob] if logprob is not None and token not in req.stop_token_ids else []
         if reason is None:
             return RequestOutput(
                 req.request_id,

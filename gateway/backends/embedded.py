@@ -337,7 +337,7 @@ class _Choice:
         out = self._flush(out, index)
         if stopped:
             self.pending_logprobs.clear()  # the stop string's tokens: past the text's end
-        if self.pending_logprobs:  # tokens of no text (the end-of-turn token), or a parser's held-back text
+        if self.pending_logprobs:  # a parser's held-back text (a stop token has no logprob)
             out.append(Delta(index=index, logprobs=tuple(self.pending_logprobs)))
             self.pending_logprobs.clear()
         return out
@@ -345,15 +345,15 @@ class _Choice:
     def _flush(self, deltas: list[Delta], index: int) -> list[Delta]:
         """Attach to the first of ``deltas`` the pending logprobs of the tokens that start inside the text the
         engine sent; a token past its end (text the engine holds back: a stop string's start) waits. A token
-        that continues a character begun by the one before starts inside that character (found by a trial:
-        counting the unfinished character as one ended there held each multi-byte character's last token
-        back to the next chunk, so every chunk's logprobs lagged its text by a token)."""
+        that continues a character begun by the one before starts inside that character (``_Spelled.start_of``).
+        """
         if deltas and self.pending_logprobs:
             ready = 0
             for entry in self.pending_logprobs:
-                if self.spelled.chars >= self.text_chars:  # the token starts at character ``chars``
+                raw = bytes(entry.token_bytes)
+                if self.spelled.start_of(raw) >= self.text_chars:
                     break
-                self.spelled.feed(bytes(entry.token_bytes))
+                self.spelled.feed(raw)
                 ready += 1
             if ready:
                 deltas[0] = replace(deltas[0], logprobs=tuple(self.pending_logprobs[:ready]))
@@ -379,9 +379,9 @@ class _Choice:
 
 
 class _Spelled:
-    """Generated tokens' bytes decoded as UTF-8 with U+FFFD for each invalid sequence, as the engine's
-    detokenizer spells its text; ``chars`` counts the characters ended so far, so the next token starts at
-    character ``chars`` (inside it, when it continues an unfinished sequence)."""
+    """Generated tokens' bytes decoded as UTF-8 with U+FFFD for each invalid or (at the end) incomplete
+    sequence, as the engine's detokenizer spells its text; ``chars`` counts the characters ended so far and
+    ``start_of`` where the next token starts."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -390,6 +390,21 @@ class _Spelled:
     def feed(self, data: bytes) -> None:
         """Decode ``data`` after what came before."""
         self.chars += len(self._decoder.decode(data))
+
+    def start_of(self, data: bytes) -> int:
+        """The character a token of bytes ``data`` starts in, were it fed next: the unfinished character the
+        bytes before it began, when its first byte goes on with it (found by a trial: counting that character
+        as ended held each multi-byte character's last token back to the next chunk); else the character after
+        the U+FFFD that unfinished bytes become when a byte breaks them off."""
+        held, _ = self._decoder.getstate()
+        if not held:
+            return self.chars
+        try:
+            (held + data[:1]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.reason != "unexpected end of data" or not data:
+                return self.chars + len(held.decode("utf-8", errors="replace"))
+        return self.chars
 
 
 def _finish(finished: dict[int, Finished], choices: list[_Choice], answer_kv_kept: bool) -> Finish:

@@ -64,6 +64,17 @@ def test_stop_token_finishes_first_and_its_text_is_never_emitted() -> None:
     assert final.new_token_ids == [EOS]
 
 
+def test_a_stop_token_has_no_logprob_the_tokens_of_the_text_do() -> None:
+    """A trial: '<|im_end|>' came back in ``logprobs`` after 'Yes.', so their tokens did not spell the text."""
+    from engine.api import TokenLogprob
+
+    out, req, _ = setup(SamplingParams(max_tokens=5, logprobs=0))
+    word = out.process_token(req, 7, 2.0, TokenLogprob(7, -0.1))
+    final = out.process_token(req, EOS, 3.0, TokenLogprob(EOS, -0.2))
+    assert (word.text, [e.token_id for e in word.logprobs]) == ("h", [7])
+    assert (final.finish_reason, final.new_token_ids, final.logprobs) == ("stop", [EOS], [])
+
+
 def test_stop_string_cuts_the_text_before_it() -> None:
     out, req, _ = setup(SamplingParams(max_tokens=10, stop=("cd",)))
     first = out.process_token(req, 1, 2.0)  # "b"

@@ -500,3 +500,21 @@ def test_each_chunks_logprobs_are_the_tokens_of_its_text_across_multibyte_charac
         (" ok", [b" ok"]),
         ("\ufffd", [b"\xe3\x81"]),
     ]
+
+
+
+def test_a_token_after_unfinished_bytes_it_breaks_off_starts_after_their_replacement_character():
+    """Bytes that never finish a character become U+FFFD when the next token breaks them off: that token starts
+    after it (the stop-string e2e test caught a first version that counted it as starting inside)."""
+    from gateway.backends.embedded import _Choice
+    from gateway.core.events import TokenLogprob
+
+    tokens = [b"c", b"\xe3", b"\xf0", b" at"]
+    texts = ["c", "", "\ufffd", "\ufffd at"]  # e3 broken off by f0, f0 by " at"
+    choice = _Choice(parser=None)
+    chunks = []
+    for raw, text in zip(tokens, texts, strict=True):
+        lp = TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), -0.5)
+        for delta in choice.deltas(text, 0, (lp,)):
+            chunks.append((delta.text, [bytes(e.token_bytes) for e in delta.logprobs]))
+    assert chunks == [("c", [b"c"]), ("\ufffd", [b"\xe3"]), ("\ufffd at", [b"\xf0", b" at"])]
