@@ -70,11 +70,19 @@ def turns_full(
         for j in range(len(raw_spans) - 1, -1, -1):
             carried[j], _ = extract_turn_blocks(work, *raw_spans[j])
         spans = turn_spans(work)
-        if len(spans) != len(carried):  # only a hand-edited request gets here: keep every value, last turn
-            merged_values = {loc: [v for c in carried for v in c.get(loc, [])] for loc in LOCATIONS}
+        if len(spans) != len(carried):  # only a hand-edited request gets here: keep every value
+            # the first turn's stay in it (its system_end block has no place in a later turn: merged into the
+            # last turn it was dropped, found by a property test on a request of system messages and tool
+            # results); the later turns' go to the last turn
+            later_values = {loc: [v for c in carried[1:] for v in c.get(loc, [])] for loc in LOCATIONS}
+            first_values = carried[0]
             carried = [{} for _ in spans]
             if spans:
-                carried[-1] = {loc: v for loc, v in merged_values.items() if v}
+                carried[0] = {loc: list(v) for loc, v in first_values.items() if v}
+                last = carried[-1]
+                for loc, values in later_values.items():
+                    if values:
+                        last[loc] = last.get(loc, []) + values
             merged = True
     systems = leading_system_count(work)
     applied: dict[str, int] = {}

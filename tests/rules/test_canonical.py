@@ -538,3 +538,25 @@ def test_a_clients_literal_block_tag_before_ours_is_not_read_as_one_block(all_ru
     once = all_rulesets["system_end"].apply(messages, None)
     twice = all_rulesets["system_end"].apply(once.messages, None)
     assert once.hoisted == twice.hoisted == ["NONCE-123"] and twice.messages == once.messages
+
+
+def test_a_request_whose_turns_merge_when_its_blocks_come_out_keeps_the_system_prompts_block(
+    all_rulesets: dict[str, RuleSet],
+) -> None:
+    """Found by the property test above: system messages, then tool results answered by no user message. The
+    first pass put the tool text's value into a user message of its own at the end; taken out again, that
+    message's turn merged with the one before, and the system prompt's block, merged into the last turn, where
+    a system_end block has no place, was dropped: the session id was lost."""
+    uuid_line = "Session ID: 82e2e662-f728-44fa-8248-5e3a0a5d2f34"
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": ""}]},
+        {"role": "system", "content": [{"type": "text", "text": uuid_line}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+        {"role": "tool", "content": [{"type": "text", "text": "NONCE-123 here"}], "tool_call_id": "call_1"},
+        {"role": "assistant", "content": ""},
+    ]
+    for ruleset in all_rulesets.values():
+        once = ruleset.apply(messages)
+        twice = ruleset.apply(once.messages)
+        assert twice.messages == once.messages
+        assert uuid_line in all_text(twice.messages)
