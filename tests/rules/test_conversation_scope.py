@@ -363,3 +363,33 @@ def test_a_customers_private_values_never_reach_another_customers_prompt(first, 
     assert other.history.reused_turns == 0
     again = DEFAULT.apply(request(first, 3, True), memory=memory, scope="bank")
     assert again.history.reused_turns == 1  # the first customer's own conversation still finds its history
+
+
+def test_a_refreshed_token_keeps_the_history_of_a_named_user_and_never_reaches_another() -> None:
+    """A re-trial: an agent's access token refreshed mid-conversation re-rendered its history from the first turn
+    (``miss=volatile; at=history``). A credential is per request and private, as a git status is: with the end
+    user named the history is kept; without it the token names the conversation; another user's history,
+    holding their token, is never reused."""
+
+    def turn(token: str, more: bool) -> list[dict]:
+        system = {"role": "system", "content": f"You are the CRM agent.\nAccess token: {token}\nBe careful."}
+        messages = [system, {"role": "user", "content": "List my open deals."}]
+        if more:
+            messages += [
+                {"role": "assistant", "content": "You have three."},
+                {"role": "user", "content": "The biggest?"},
+            ]
+        return messages
+
+    old, new = "ghp_16C7e42F292c6912E7710c838347Ae178B4a", "ghp_9aB7c3D1e5F2a8B4c6D0e9F1a3B5c7D2e4F6"
+    for scope, reused in (("s" + USER_MARK + "user_7f3a", 1), ("s", 0)):
+        memory = TranscriptMemory(InProcessTranscriptStore())
+        first = DEFAULT.apply(turn(old, False), memory=memory, scope=scope)
+        assert first.hoisted == [f"Access token: {old}"]
+        refreshed = DEFAULT.apply(turn(new, True), memory=memory, scope=scope)
+        assert refreshed.history.reused_turns == reused
+        assert new in all_text(refreshed.messages)  # the current token is what the model reads last
+    memory = TranscriptMemory(InProcessTranscriptStore())
+    DEFAULT.apply(turn(old, False), memory=memory, scope="s")
+    other = DEFAULT.apply(turn(new, True), memory=memory, scope="s")  # another user of the app, no user id
+    assert old not in all_text(other.messages) and other.history.reused_turns == 0

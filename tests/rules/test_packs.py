@@ -223,7 +223,34 @@ NOT_IDS = [
 ]
 
 
+CREDENTIAL_LINES = [
+    # a re-trial's forms: environment variables, header names, a provider named before "token" or "key", a
+    # parenthetical after the label
+    "OPENAI_API_KEY=sk-proj-{s}",
+    "export GITHUB_TOKEN=ghp_{s}",
+    "X-API-Key: {s}",
+    "Hugging Face token: hf_{s}",
+    "Stripe secret key: sk_live_{s}",
+    "AWS secret access key: {s}",
+    "GitHub token (for pushes): ghp_{s}",
+]
+
+
+@pytest.mark.parametrize("line", CREDENTIAL_LINES)
+def test_credentials_in_their_common_forms_give_identical_stable_prefix(line: str) -> None:
+    rng = random.Random(line)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+    lines = [line.format(s="".join(rng.choice(alphabet) for _ in range(31)) + str(k)) for k in range(2)]
+    canons = [DEFAULT.apply(request(value)) for value in lines]
+    assert canons[0].stable_prefix_material() == canons[1].stable_prefix_material()
+    for canon, value in zip(canons, lines, strict=True):
+        assert canon.messages[0]["content"] == HEAD.rstrip("\n") + TAIL
+        assert canon.hoisted == [value]
+
+
 NOT_CREDENTIALS = [
+    "You are a tokenizer expert.\nMAX_TOKENS=4096\nPassword reset links expire after 24 hours.",
+    "Primary key: user_id_12345678901234\nThe secret is to be concise.",
     # placeholders hold no digit; limits and counts are no secrets; a credential in code or an example stays
     "You call the API.\nAuthorization: Bearer YOUR_API_KEY\nBe brief.",
     "Send `Authorization: Bearer <token>` with every call. Be brief.",

@@ -502,7 +502,6 @@ def test_each_chunks_logprobs_are_the_tokens_of_its_text_across_multibyte_charac
     ]
 
 
-
 def test_a_token_after_unfinished_bytes_it_breaks_off_starts_after_their_replacement_character():
     """Bytes that never finish a character become U+FFFD when the next token breaks them off: that token starts
     after it (the stop-string e2e test caught a first version that counted it as starting inside)."""

@@ -739,4 +739,11 @@ def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits(server, cl
             **{**fields, "input": [items[0], {"role": "user", "content": old * 4}]}, truncation="auto"
         )
     assert still.value.body["code"] == "context_length_exceeded"
+    assert (
+        'truncation "auto" left out the 1 oldest input items' not in still.value.body["message"]
+    )  # none went
+    agent = [items[0], {"role": "user", "content": "first: " + old}, {"role": "user", "content": old * 4}]
+    with pytest.raises(openai.BadRequestError) as after_dropping:
+        client.responses.create(**{**fields, "input": agent}, truncation="auto")
+    assert 'truncation "auto" left out the 1 oldest input items' in after_dropping.value.body["message"]
     assert_no_block_in_use(server)
