@@ -25,7 +25,6 @@ parameters that only carry bookkeeping (``metadata``, ``user``, ``service_tier``
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -47,6 +46,7 @@ from gateway.core.errors import InvalidRequestError, ServiceUnavailableError, fr
 from gateway.core.events import BackendEvent, BackendUsage, Delta, Finish, TokenLogprob, TopLogprob
 from gateway.core.prompt_size import INLINE_TOKENIZE_CHARS, prompt_chars
 from gateway.core.request import ChatRequest
+from gateway.core.token_spelling import TokenSpelling
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -293,7 +293,7 @@ class _Choice:
     """The last token delta produced no text (a stop token's, when the choice then stops)."""
     text_chars: int = 0
     """Characters of the text the engine sent (before the tool-call parser)."""
-    spelled: _Spelled = field(default_factory=lambda: _Spelled())
+    spelled: TokenSpelling = field(default_factory=TokenSpelling)
     """The tokens whose logprobs were released, decoded."""
 
     def note_tokens(self, event: TextDelta) -> None:
@@ -345,7 +345,7 @@ class _Choice:
     def _flush(self, deltas: list[Delta], index: int) -> list[Delta]:
         """Attach to the first of ``deltas`` the pending logprobs of the tokens that start inside the text the
         engine sent; a token past its end (text the engine holds back: a stop string's start) waits. A token
-        that continues a character begun by the one before starts inside that character (``_Spelled.start_of``).
+        that continues a character begun by the one before starts inside that character (``TokenSpelling.start_of``).
         """
         if deltas and self.pending_logprobs:
             ready = 0
@@ -376,35 +376,6 @@ class _Choice:
                 }
                 out.append(Delta(tool_calls=[call], index=index))
         return out
-
-
-class _Spelled:
-    """Generated tokens' bytes decoded as UTF-8 with U+FFFD for each invalid or (at the end) incomplete
-    sequence, as the engine's detokenizer spells its text; ``chars`` counts the characters ended so far and
-    ``start_of`` where the next token starts."""
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
-
-    def feed(self, data: bytes) -> None:
-        """Decode ``data`` after what came before."""
-        self.chars += len(self._decoder.decode(data))
-
-    def start_of(self, data: bytes) -> int:
-        """The character a token of bytes ``data`` starts in, were it fed next: the unfinished character the
-        bytes before it began, when its first byte goes on with it (found by a trial: counting that character
-        as ended held each multi-byte character's last token back to the next chunk); else the character after
-        the U+FFFD that unfinished bytes become when a byte breaks them off."""
-        held, _ = self._decoder.getstate()
-        if not held:
-            return self.chars
-        try:
-            (held + data[:1]).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            if exc.reason != "unexpected end of data" or not data:
-                return self.chars + len(held.decode("utf-8", errors="replace"))
-        return self.chars
 
 
 def _finish(finished: dict[int, Finished], choices: list[_Choice], answer_kv_kept: bool) -> Finish:

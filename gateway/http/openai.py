@@ -22,6 +22,7 @@ from gateway.core.errors import APIError, ModelNotFoundError, openai_error_body
 from gateway.core.event_stream import DONE, encode_event
 from gateway.core.events import BackendEvent, Delta, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
+from gateway.core.token_spelling import TokenSpelling
 from gateway.http.anthropic_models import model_object as anthropic_model_object
 from gateway.http.anthropic_models import model_page, wants_anthropic_shape
 from gateway.http.auth import authenticate, authorize, visible_models
@@ -95,17 +96,15 @@ async def chat_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[by
 
 async def completion_sse(opened: OpenedStream, meta: ResponseMeta) -> AsyncIterator[bytes]:
     """The SSE bytes of a streamed legacy completion (chunks carry their choice's ``index``)."""
-    offsets: dict[int, int] = {}  # choice -> characters of its text so far (logprobs' text_offset)
+    spellings: dict[int, TokenSpelling] = {}  # choice -> its tokens so far (logprobs' text_offset)
     async with aclosing(_guarded(opened)) as events:
         async for event in events:
             if isinstance(event, Delta):
                 if event.text or event.logprobs:
                     logprobs = None
                     if event.logprobs:
-                        logprobs = completion_logprobs(event.logprobs, offsets.get(event.index, 0))
-                        offsets[event.index] = offsets.get(event.index, 0) + sum(
-                            len(entry.token) for entry in event.logprobs
-                        )
+                        spelling = spellings.setdefault(event.index, TokenSpelling())
+                        logprobs = completion_logprobs(event.logprobs, spelling)
                     yield encode_event(
                         completion_chunk(meta, event.text, index=event.index, logprobs=logprobs)
                     )

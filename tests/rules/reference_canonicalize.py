@@ -69,11 +69,17 @@ def reference_apply(
         for j in range(len(spans) - 1, -1, -1):
             carried[j], _ = extract_turn_blocks(messages, *spans[j])
         spans = turn_spans(messages)
-        if len(spans) != len(carried):  # only a hand-edited request gets here: keep every value, last turn
-            merged = {loc: [v for c in carried for v in c.get(loc, [])] for loc in LOCATIONS}
+        if len(spans) != len(carried):  # only a hand-edited request gets here: keep every value
+            # the first turn's stay in it (a system_end block has no place in a later turn); the later turns'
+            # go to the last turn
+            merged = {loc: [v for c in carried[1:] for v in c.get(loc, [])] for loc in LOCATIONS}
+            first = carried[0]
             carried = [{} for _ in spans]
             if spans:
-                carried[-1] = {loc: v for loc, v in merged.items() if v}
+                carried[0] = {loc: list(v) for loc, v in first.items() if v}
+                for loc, values in merged.items():
+                    if values:
+                        carried[-1][loc] = carried[-1].get(loc, []) + values
     systems = leading_system_count(messages)
     own: list[dict[str, list[str]]] = []
     system_values: list[tuple[str, str, bool]] = []

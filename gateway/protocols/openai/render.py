@@ -11,6 +11,7 @@ from typing import Any
 from gateway.core.event_stream import encode_event, encode_event_value
 from gateway.core.events import BackendUsage, Finish, TokenLogprob
 from gateway.core.request import ChatRequest
+from gateway.core.token_spelling import TokenSpelling
 
 
 def usage_body(usage: BackendUsage) -> dict[str, Any]:
@@ -98,15 +99,14 @@ def chat_logprobs(entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dic
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob] | tuple[TokenLogprob, ...], offset: int
+    entries: list[TokenLogprob] | tuple[TokenLogprob, ...], spelling: TokenSpelling
 ) -> dict[str, Any]:
     """Legacy completions ``choices[].logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (one
     ``{token: logprob}`` object per token, the chosen token among them) and ``text_offset`` (each token's
-    start, in characters from the start of the completion text; ``offset`` is where ``entries`` begin)."""
-    offsets = []
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry.token)
+    start, in characters from the start of the completion text, from the tokens' bytes: ``spelling`` has the
+    choice's earlier tokens; a token that finishes a character begun before it starts in that character, where
+    counting the tokens' own strings put multi-byte text's offsets past its end, found by a trial)."""
+    offsets = spelling.offsets([bytes(entry.token_bytes) for entry in entries])
     return {
         "tokens": [entry.token for entry in entries],
         "token_logprobs": [entry.logprob for entry in entries],
@@ -245,7 +245,9 @@ def completion_body(
             {
                 "text": text,
                 "index": index,
-                "logprobs": completion_logprobs(logprobs[index], 0) if logprobs is not None else None,
+                "logprobs": (
+                    completion_logprobs(logprobs[index], TokenSpelling()) if logprobs is not None else None
+                ),
                 "finish_reason": finish_reason_of(finish, index),
             }
             for index, text in enumerate(texts)

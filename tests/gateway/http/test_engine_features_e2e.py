@@ -349,9 +349,13 @@ def test_logprobs_end_where_a_stop_string_cuts_the_text(client, stream):
 def test_completion_logprobs_shapes(client):
     result = client.completions.create(model=TINY_MODEL, prompt="Once upon", logprobs=2, max_tokens=5, seed=4)
     logprobs = result.choices[0].logprobs
-    count = result.usage.completion_tokens
+    # every generated token but a stop token (not part of the text: it has no logprob)
+    count = result.usage.completion_tokens - (result.choices[0].finish_reason == "stop")
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == count
-    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(count)]
+    offsets = logprobs.text_offset
+    assert offsets == sorted(offsets) and all(o < len(result.choices[0].text) for o in offsets)
+    if "\ufffd" not in "".join(logprobs.tokens):  # whole characters: each token's string is its text
+        assert offsets == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(count)]
     for token, logprob, top in zip(
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
