@@ -63,16 +63,9 @@ async def responses_endpoint(http_request: Request) -> Response:
                 http_request, gateway, request, http_request.url.path, started_at(http_request)
             )
             break
-        except InvalidRequestError as error:
-            if (shorter := _truncated(body, error, tries)) is not None:
-                body, tries = shorter, tries + 1
-                continue
-            _say_truncated(error, sent, body)
-            to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
-            raise
-        except UpstreamCallError as error:
-            # an upstream's refusal of the chat body it got: the client's fields
-            if error.kind == FailureKind.CLIENT_ERROR:
+        except (InvalidRequestError, UpstreamCallError) as error:
+            # the gateway's refusal, or an upstream's of the chat body it got: both name the client's fields
+            if not isinstance(error, UpstreamCallError) or error.kind == FailureKind.CLIENT_ERROR:
                 if (shorter := _truncated(body, error, tries)) is not None:
                     body, tries = shorter, tries + 1
                     continue

@@ -478,23 +478,27 @@ def test_a_model_without_prefix_caching_is_warmed_as_an_upstream_is():
     assert asyncio.run(Backend.warm(cached, warm_request, None, False)) is None  # what an upstream answers
 
 
+def _chunks_of(tokens: list[bytes], texts: list[str], close: bool = False) -> list[tuple[str, list[bytes]]]:
+    """(text, logprob bytes) of each delta a choice makes of ``tokens`` and the engine's ``texts`` for them."""
+    from gateway.backends.embedded import _Choice
+    from gateway.core.events import TokenLogprob
+
+    choice = _Choice(parser=None)
+    deltas = []
+    for raw, text in zip(tokens, texts, strict=True):
+        deltas += choice.deltas(text, 0, (TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), -0.5),))
+    if close:
+        deltas += choice.close(0, cut=True)
+    return [(d.text, [bytes(e.token_bytes) for e in d.logprobs]) for d in deltas]
+
+
 def test_each_chunks_logprobs_are_the_tokens_of_its_text_across_multibyte_characters():
     """A trial: streaming "そ" (e3 81 9d, two tokens) then "れ" (e3 82 8c, two tokens), the chunk "そ" carried only
     its first token and the chunk "れ" the second token of "そ" and the first of "れ": every chunk's logprobs
     lagged its text by one token. Each chunk now carries the tokens that start inside its text."""
-    from gateway.backends.embedded import _Choice
-    from gateway.core.events import TokenLogprob
-
     tokens = [b"\xe3\x81", b"\x9d", b"\xe3\x82", b"\x8c", b" ok", b"\xe3\x81"]
     texts = ["", "そ", "", "れ", " ok", "\ufffd"]  # the engine's text per token (the last: cut, flushed)
-    choice = _Choice(parser=None)
-    chunks = []
-    for raw, text in zip(tokens, texts, strict=True):
-        lp = TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), -0.5)
-        for delta in choice.deltas(text, 0, (lp,)):
-            chunks.append((delta.text, [bytes(e.token_bytes) for e in delta.logprobs]))
-    chunks += [(d.text, [bytes(e.token_bytes) for e in d.logprobs]) for d in choice.close(0, cut=True)]
-    assert chunks == [
+    assert _chunks_of(tokens, texts, close=True) == [
         ("そ", [b"\xe3\x81", b"\x9d"]),
         ("れ", [b"\xe3\x82", b"\x8c"]),
         (" ok", [b" ok"]),
@@ -505,15 +509,10 @@ def test_each_chunks_logprobs_are_the_tokens_of_its_text_across_multibyte_charac
 def test_a_token_after_unfinished_bytes_it_breaks_off_starts_after_their_replacement_character():
     """Bytes that never finish a character become U+FFFD when the next token breaks them off: that token starts
     after it (the stop-string e2e test caught a first version that counted it as starting inside)."""
-    from gateway.backends.embedded import _Choice
-    from gateway.core.events import TokenLogprob
-
     tokens = [b"c", b"\xe3", b"\xf0", b" at"]
     texts = ["c", "", "\ufffd", "\ufffd at"]  # e3 broken off by f0, f0 by " at"
-    choice = _Choice(parser=None)
-    chunks = []
-    for raw, text in zip(tokens, texts, strict=True):
-        lp = TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), -0.5)
-        for delta in choice.deltas(text, 0, (lp,)):
-            chunks.append((delta.text, [bytes(e.token_bytes) for e in delta.logprobs]))
-    assert chunks == [("c", [b"c"]), ("\ufffd", [b"\xe3"]), ("\ufffd at", [b"\xf0", b" at"])]
+    assert _chunks_of(tokens, texts) == [
+        ("c", [b"c"]),
+        ("\ufffd", [b"\xe3"]),
+        ("\ufffd at", [b"\xf0", b" at"]),
+    ]
