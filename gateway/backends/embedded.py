@@ -345,8 +345,8 @@ class _Choice:
     def _flush(self, deltas: list[Delta], index: int) -> list[Delta]:
         """Attach to the first of ``deltas`` the pending logprobs of the tokens that start inside the text the
         engine sent; a token past its end (text the engine holds back: a stop string's start) waits. A token
-        that continues a character begun by the one before starts inside that character (``TokenSpelling.start_of``).
-        """
+        that continues a character begun by the one before starts inside that character
+        (``TokenSpelling.start_of``)."""
         if deltas and self.pending_logprobs:
             ready = 0
             for entry in self.pending_logprobs:

@@ -107,7 +107,8 @@ def _say_truncated(error: APIError, sent: dict[str, Any], body: dict[str, Any]) 
     re-trial: the same input read 11,119 tokens refused and 8,923 with "auto")."""
     dropped = len(sent["input"]) - len(body["input"]) if body is not sent else 0
     if dropped:
-        error.message += f' (truncation "auto" left out the {dropped} oldest input items; what is left does not fit either)'
+        left_out = f'truncation "auto" left out the {dropped} oldest input items'
+        error.message += f" ({left_out}; what is left does not fit either)"
 
 
 async def response_sse(opened: OpenedStream, builder: ResponseBuilder) -> AsyncIterator[bytes]:

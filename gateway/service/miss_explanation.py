@@ -86,9 +86,9 @@ class MissExplanation:
         miss: ``cached < stable``.
         cause: one of ``MISS_CAUSES`` when ``miss``, else None.
         segment, offset: where the miss starts: the divergence from the nearest earlier prompt, the first
-            uncached token (``evicted``, ``other_replica``, ``cold``), or the end of the stable prefix (``below_minimum``, whose
-            segment is the one holding the last stable token); None on a hit. Never inside the cached span:
-            ``offset >= cached``.
+            uncached token (``evicted``, ``other_replica``, ``cold``), or the end of the stable prefix
+            (``below_minimum``, whose segment is the one holding the last stable token); None on a hit. Never
+            inside the cached span: ``offset >= cached``.
         slot: the learned slot or rule that knows the volatile value at the divergence (``volatile`` only),
             or None.
         cached_ago: ``evicted`` and ``other_replica``: seconds since the prefix was last known cached (there,

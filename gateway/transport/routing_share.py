@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RoutingShareStats:
     """Counters (cumulative): exchanges done, placements written, placements retracted (their attempt
-    failed), hashes read, errors, skipped exchanges, placements dropped from a full outbox; ``gateways``: other gateways whose load was counted at the last
-    exchange."""
+    failed), hashes read, errors, skipped exchanges, placements dropped from a full outbox; ``gateways``: other
+    gateways whose load was counted at the last exchange."""
 
     exchanges: int = 0
     written: int = 0
