@@ -742,6 +742,9 @@ def test_truncation_auto_drops_the_oldest_items_until_the_prompt_fits(server, cl
     assert (
         'truncation "auto" left out the 1 oldest input items' not in still.value.body["message"]
     )  # none went
+    with pytest.raises(openai.BadRequestError) as text_input:  # a string input: nothing to drop
+        client.responses.create(**{**fields, "input": old * 4}, truncation="auto")
+    assert text_input.value.body["code"] == "context_length_exceeded"
     agent = [items[0], {"role": "user", "content": "first: " + old}, {"role": "user", "content": old * 4}]
     with pytest.raises(openai.BadRequestError) as after_dropping:
         client.responses.create(**{**fields, "input": agent}, truncation="auto")
