@@ -32,6 +32,10 @@ def _volatile(rng: random.Random) -> dict[str, object]:
         "current_time": f"{rng.randrange(24):02d}:{rng.randrange(60):02d}",
         "trace-id": f"{rng.getrandbits(128):032x}",
         "timestamp": rng.randrange(1_700_000_000, 1_800_000_000),
+        # credentials an agent framework dumps with its tool configuration (refreshed per request)
+        "api_key": f"sk-proj-{rng.getrandbits(96):024x}",
+        "accessToken": f"ghp_{rng.getrandbits(144):036x}",
+        "Authorization": f"Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOi{rng.getrandbits(64):016x}.{rng.getrandbits(64):016x}",
     }
 
 
@@ -46,6 +50,9 @@ LAYOUTS = {
     "pretty-json-middle": (["session_id"], "json-pretty", "middle"),
     "python-literal-last": (["session_id", "timestamp"], "python", "last"),
     "python-literal-first": (["now"], "python", "first"),
+    "inline-json-credentials-middle": (["api_key", "Authorization"], "json-inline", "middle"),
+    "pretty-json-credential-last": (["accessToken"], "json-pretty", "last"),
+    "python-literal-credential-first": (["api_key"], "python", "first"),
 }
 
 
@@ -113,6 +120,10 @@ NOT_HOISTED = [
     'Output schema: {"event": "login", "timestamp": 1700000000, "user": "x"}',
     'Each log entry looks like {"level": "info", "ts": "2024-05-01T10:00Z", "trace_id": "abc123", "m": 1}',
     'Respond in this format:\n{\n  "answer": "...",\n  "timestamp": "2024-01-01T00:00:00Z",\n  "id": 1\n}',
+    # credentials' placeholders, counts and budgets are no secrets
+    'Tool config: {"api_key": "YOUR_API_KEY", "plan": "pro"}',
+    'Tool config: {"plan": "pro", "access_token": "sk-xxxxxxxxxxxxxxxxxxxx"}',
+    'Tool config: {"max_tokens": 4096, "token_budget": "12345678901234567890", "plan": "pro"}',
     # escaped JSON inside a JSON string is not a member of the object around it
     'Payload: {"body": "{\\"now\\": \\"2026-12-05T15:02:28Z\\", \\"a\\": 1}"}',
 ]
@@ -157,6 +168,8 @@ def test_a_hoisted_group_moves_its_text_and_the_rule_group_is_what_goes() -> Non
 def test_every_json_member_rule_names_a_hoisted_group() -> None:
     rules = [r for r in DEFAULT.rules if re.search(r"\.json-(last-)?member$", r.id)]
     assert {r.id for r in rules} == {
+        "credentials.json-member",
+        "credentials.json-last-member",
         "dates.json-member",
         "dates.json-last-member",
         "ids.json-member",
