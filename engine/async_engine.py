@@ -152,7 +152,11 @@ class AsyncEngine:
                 config.dense_gemm,
             )
             core = LLMEngine(
-                ckpt.model, config, model_id or ckpt.model_id, ckpt.tokenizer, name_kernels=model_id is None
+                ckpt.model,
+                replace(config, num_threads=threads),  # the count chosen above, the CPU quota included
+                model_id or ckpt.model_id,
+                ckpt.tokenizer,
+                name_kernels=model_id is None,
             )
             return core, ckpt.tokenizer
 

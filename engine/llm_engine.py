@@ -61,6 +61,7 @@ from engine.model import LlamaModel, check_kv_cache_fits
 from engine.model_runner import ModelInput, ModelRunner, SeqInput, StepResult
 from engine.native_glue import glue_kernel_variant, resolve_glue_kernel
 from engine.native_step import resolve_decode_step
+from engine.openmp_threads import default_threads
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.prefix_admin import PrefixAdmin
 from engine.request import Request, RequestStatus
@@ -136,12 +137,15 @@ class LLMEngine(PrefixAdmin):
         decode_kernel = resolve_decode_kernel(
             config.decode_kernel, model.device, mc.num_heads // mc.num_kv_heads, mc.head_dim, kv_dtype
         )
+        # torch's own count, not the live one: an earlier engine's steps set that step by step (one-row decodes
+        # on 1 thread), and a kernel chosen by it (the AVX2 prefill needs 2) would differ from engine to engine
+        threads = config.num_threads or default_threads()
         prefill_kernel = resolve_prefill_kernel(
             config.prefill_kernel,
             model.device,
             mc.num_heads // mc.num_kv_heads,
             mc.head_dim,
-            threads=config.num_threads or torch.get_num_threads(),
+            threads=threads,
             kv_dtype=kv_dtype,
         )
         glue_kernel = resolve_glue_kernel(config.glue_kernel, model.device, model.dtype)
@@ -165,9 +169,7 @@ class LLMEngine(PrefixAdmin):
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids
         if not 0.0 <= config.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {config.max_pinned_fraction}")
-        step_threads = StepThreads.from_setting(
-            config.num_threads, config.small_step_threads, torch.get_num_threads()
-        )
+        step_threads = StepThreads.from_setting(config.num_threads, config.small_step_threads, threads)
         if config.tiers:
             check_tier_names(tuple(config.tiers))
             if hash_fn is hash_block:

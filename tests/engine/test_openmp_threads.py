@@ -190,3 +190,19 @@ def test_an_engine_built_after_another_ran_gets_torchs_own_count_not_the_last_st
 
     expected = engine_threads(None, default_threads(), available_cpus())
     assert [asyncio.run(build_and_serve()) for _ in range(3)] == [expected] * 3
+
+
+def test_an_llm_engine_built_after_another_ran_takes_torchs_own_count_and_the_same_kernels():
+    """The same for an ``LLMEngine`` built directly (benchmarks, tests, an embedding application): it took the live
+    count as its default, so after one engine's one-row decodes had left it at 1, the next engine ran every step
+    on 1 thread and, on an AVX2 CPU, chose torch's prefill over the native kernel (which needs 2 threads there):
+    another engine's logits differed from the first's for the same prompts (found on a 2-core AMD EPYC Zen 3)."""
+    from engine.openmp_threads import default_threads
+
+    torch.set_num_threads(default_threads())
+    first = make_engine()
+    torch.set_num_threads(1)  # what the first engine's last one-row step leaves on this thread
+    second = make_engine()
+    assert second.runner.step_threads.num_threads == first.runner.step_threads.num_threads == default_threads()
+    assert second.model_id == first.model_id  # the same kernels, named in the model id
+    assert make_engine(num_threads=1).runner.step_threads.num_threads == 1  # a configured count is kept
