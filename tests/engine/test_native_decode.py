@@ -400,8 +400,9 @@ def test_the_one_sequence_split_follows_the_vendor(monkeypatch, vendor, isa, fla
 
 @needs_kernel
 def test_the_vendors_split_reaches_the_build_and_keeps_the_bits(monkeypatch, tmp_path):
-    """Built as on an AMD CPU (positions) and as on an Intel one (heads): two libraries, and a lone sequence on 2
-    threads (``split="auto"``, the build's) gets the one-thread bits from each."""
+    """Built as on an AMD CPU (positions) and as on an Intel one (heads): two AVX-512 libraries (one AVX2 library,
+    whose split is the same for every vendor), and a lone sequence on 2 threads (``split="auto"``, the build's)
+    gets the one-thread bits from each."""
     gen = torch.Generator().manual_seed(29)
     q, cache, tables, lens = random_case(gen, 1, 3, 3, 64, [1071], torch.bfloat16, num_blocks=80)
     builds = []
@@ -411,4 +412,7 @@ def test_the_vendors_split_reaches_the_build_and_keeps_the_bits(monkeypatch, tmp
         builds.append(k.path)
         one = k.attend(q, cache, tables, lens, 1071, 0.125)
         assert torch.equal(k.attend(q, cache, tables, lens, 1071, 0.125, threads=2), one)
-    assert builds[0] != builds[1]
+    if native_decode.build_isa() == "avx2":  # the AVX2 build has one split (positions) whatever the vendor
+        assert builds[0] == builds[1]
+    else:
+        assert builds[0] != builds[1]
