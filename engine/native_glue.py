@@ -28,9 +28,11 @@ slot raises ``GlueArgumentError`` (a ``ValueError``).
 
 Two builds, as ``engine.native_linear``'s: AVX-512 (F/BW/VL) and AVX2, each with FMA (never fused:
 ``-ffp-contract=off``); ``select_isa`` takes the best the CPU has; the AVX2 build is named apart in ``model_id``
-(``/native-glue-avx2``: the same GCC vector code on 256-bit registers, equal by construction, not checked on one
-machine running both). Built by ``engine.native_build`` (once per machine, cached by hash, checked against torch's
-glue before use; no ``-ffast-math``). ``engine.glue_kernel`` selects it (``resolve_glue_kernel``).
+(``/native-glue-avx2``: the same operations per element on 8-lane vectors, where GCC had lowered the 16-lane ones
+to scalar code through the stack, 2.5-4x slower; equal by construction, not checked on one machine running both
+AVX-512 and AVX2, and checked against the AVX build's 16-lane lowering on every AVX2 CPU). Built by
+``engine.native_build`` (once per machine, cached by hash, checked against torch's glue before use; no
+``-ffast-math``). ``engine.glue_kernel`` selects it (``resolve_glue_kernel``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,11 @@
  * never a row). The sum of squares of a row is taken in 16 lanes (lane l sums elements i = l mod 16 in order,
  * missing elements of a last partial vector count as +0), the lanes then added as a tree (l + 8, + 4, + 2, + 1).
  * Built with -ffp-contract=off: no multiply-add is fused, so RoPE's products and differences round as torch's
- * complex multiply does, and the AVX-512 and AVX2 builds (the same GCC vector code on 512- or 256-bit
- * registers) compute the same operations.
+ * complex multiply does, and every build computes the same operations per element. The vectors are GL lanes wide:
+ * 16 (one 512-bit register) on AVX-512 and on the test-only AVX build, 8 on AVX2, where GCC had lowered the
+ * 16-lane vectors' compares, selects and conversions to scalar code through the stack (a store-forwarding stall
+ * took half of silu's time). Every operation is per lane, and the sum of squares keeps its 16 lanes as two
+ * 8-lane halves, so the lane count changes no bit (tests/engine/test_native_glue.py compares the builds).
  *
  * Every function checks its arguments before it reads or writes anything and returns 0, or a negative code
  * (the Python wrapper raises a named error). */
@@ -26,10 +29,15 @@
 #define INLINE static inline __attribute__((always_inline))
 #define PAR_MIN_ELEMS (1 << 16) /* rows * width below this run on the calling thread alone */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define GL 8 /* lanes per vector: 8 on AVX2 (256-bit registers) */
+#else
+#define GL 16
+#endif
+typedef float vg __attribute__((vector_size(GL * 4)));
+typedef uint16_t u16g __attribute__((vector_size(GL * 2)));
+typedef uint32_t u32g __attribute__((vector_size(GL * 4)));
+typedef int32_t i32g __attribute__((vector_size(GL * 4)));
 
 INLINE float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -46,12 +54,12 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-INLINE v16 load16(const void *src, int64_t i, int is_bf16) {
-    v16 r;
+INLINE vg loadg(const void *src, int64_t i, int is_bf16) {
+    vg r;
     if (is_bf16) {
-        u16x16 h;
+        u16g h;
         memcpy(&h, (const uint16_t *)src + i, sizeof h);
-        u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+        u32g w = __builtin_convertvector(h, u32g) << 16;
         memcpy(&r, &w, sizeof r);
     } else {
         memcpy(&r, (const float *)src + i, sizeof r);
@@ -59,15 +67,15 @@ INLINE v16 load16(const void *src, int64_t i, int is_bf16) {
     return r;
 }
 
-INLINE void store16(void *dst, int64_t i, v16 x, int is_bf16) {
+INLINE void storeg(void *dst, int64_t i, vg x, int is_bf16) {
     if (is_bf16) {
-        u32x16 u;
+        u32g u;
         memcpy(&u, &x, sizeof u);
-        const i32x16 nan = x != x;
-        const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        const u32x16 quiet = (u >> 16) | 0x40u;
-        const u32x16 r = (rounded & ~(u32x16)nan) | (quiet & (u32x16)nan);
-        const u16x16 h = __builtin_convertvector(r, u16x16);
+        const i32g nan = x != x;
+        const u32g rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        const u32g quiet = (u >> 16) | 0x40u;
+        const u32g r = (rounded & ~(u32g)nan) | (quiet & (u32g)nan);
+        const u16g h = __builtin_convertvector(r, u16g);
         memcpy((uint16_t *)dst + i, &h, sizeof h);
     } else {
         memcpy((float *)dst + i, &x, sizeof x);
@@ -85,25 +93,25 @@ INLINE void store1(void *dst, int64_t i, float x, int is_bf16) {
         ((float *)dst)[i] = x;
 }
 
-/* the first n (< 16) elements at src[i], the rest 0 */
-INLINE v16 load_part(const void *src, int64_t i, int64_t n, int is_bf16) {
-    float buf[16] = {0};
+/* the first n (< GL) elements at src[i], the rest 0 */
+INLINE vg load_part(const void *src, int64_t i, int64_t n, int is_bf16) {
+    float buf[GL] = {0};
     for (int64_t t = 0; t < n; t++) buf[t] = load1(src, i + t, is_bf16);
-    v16 r;
+    vg r;
     memcpy(&r, buf, sizeof r);
     return r;
 }
 
-INLINE void store_part(void *dst, int64_t i, int64_t n, v16 x, int is_bf16) {
-    float buf[16];
+INLINE void store_part(void *dst, int64_t i, int64_t n, vg x, int is_bf16) {
+    float buf[GL];
     memcpy(buf, &x, sizeof buf);
     for (int64_t t = 0; t < n; t++) store1(dst, i + t, buf[t], is_bf16);
 }
 
-/* lane sums l + 8, + 4, + 2, + 1: the lanes of a as one number, in a fixed tree */
-INLINE float tree16(v16 a) {
+/* lane sums l + 8, + 4, + 2, + 1: the 16 lanes of a[0 .. 16 / GL - 1] as one number, in a fixed tree */
+INLINE float tree16(const vg a[16 / GL]) {
     float s[16];
-    memcpy(s, &a, sizeof s);
+    memcpy(s, a, sizeof s);
     for (int w = 8; w >= 1; w /= 2)
         for (int l = 0; l < w; l++) s[l] = s[l] + s[l + w];
     return s[0];
@@ -114,33 +122,37 @@ INLINE float tree16(v16 a) {
 static void rmsnorm_row(float *restrict h, const void *restrict y, int y_bf16, const float *restrict w,
                         void *restrict x, int x_bf16, int64_t n, float eps) {
     const int64_t full = n / 16 * 16;
-    v16 acc = {0};
-    for (int64_t i = 0; i < full; i += 16) {
-        v16 v;
-        memcpy(&v, h + i, sizeof v);
-        if (y) {
-            v = v + load16(y, i, y_bf16);
-            memcpy(h + i, &v, sizeof v);
+    vg acc[16 / GL] = {{0}}; /* lane l of the 16: the squares of elements i = l mod 16, in order */
+    for (int64_t i = 0; i < full; i += 16)
+        for (int k = 0; k < 16 / GL; k++) {
+            vg v;
+            memcpy(&v, h + i + k * GL, sizeof v);
+            if (y) {
+                v = v + loadg(y, i + k * GL, y_bf16);
+                memcpy(h + i + k * GL, &v, sizeof v);
+            }
+            acc[k] += v * v;
         }
-        acc += v * v;
-    }
-    if (full < n) {
-        v16 v = load_part(h, full, n - full, 0);
+    for (int k = 0; k < 16 / GL; k++) {
+        const int64_t at = full + k * GL, m = n - at < 0 ? 0 : n - at < GL ? n - at : GL;
+        if (m == 0) continue; /* +0 squares: acc unchanged */
+        vg v = load_part(h, at, m, 0);
         if (y) {
-            v = v + load_part(y, full, n - full, y_bf16);
-            store_part(h, full, n - full, v, 0);
+            v = v + load_part(y, at, m, y_bf16);
+            store_part(h, at, m, v, 0);
         }
-        acc += v * v;
+        acc[k] += v * v;
     }
     const float ms = tree16(acc) / (float)n;
     const float inv = 1.0f / sqrtf(ms + eps);
-    for (int64_t i = 0; i < full; i += 16) {
-        v16 v, wv;
+    const int64_t vfull = n / GL * GL;
+    for (int64_t i = 0; i < vfull; i += GL) {
+        vg v, wv;
         memcpy(&v, h + i, sizeof v);
         memcpy(&wv, w + i, sizeof wv);
-        store16(x, i, (v * inv) * wv, x_bf16);
+        storeg(x, i, (v * inv) * wv, x_bf16);
     }
-    for (int64_t i = full; i < n; i++) store1(x, i, (h[i] * inv) * w[i], x_bf16);
+    for (int64_t i = vfull; i < n; i++) store1(x, i, (h[i] * inv) * w[i], x_bf16);
 }
 
 /* rows x n: h (fp32, updated in place when y is given: h += y), y (fp32 or bf16, or NULL), w (fp32 [n]),
@@ -163,19 +175,26 @@ int glue_rmsnorm(float *h, const void *y, int y_bf16, const float *w, void *x, i
 
 /* ---- RoPE and the K/V store -------------------------------------------------------------------------------- */
 
-/* one head's d values in pair order, times the row's (cos, sin) pairs cs[d]: 16 values (8 pairs) at a time */
+/* one head's d values in pair order, times the row's (cos, sin) pairs cs[d]: GL values (GL / 2 pairs) at a time */
 INLINE void rope_head(float *restrict x, const float *restrict cs, int64_t d) {
-    const i32x16 even = {0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14};
-    const i32x16 odd = {1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15};
-    const i32x16 swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    const v16 sign = {-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1};
-    const int64_t full = d / 16 * 16;
-    for (int64_t i = 0; i < full; i += 16) {
-        v16 v, c;
+#if GL == 16
+    const i32g even = {0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14};
+    const i32g odd = {1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15};
+    const i32g swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    const vg sign = {-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1};
+#else
+    const i32g even = {0, 0, 2, 2, 4, 4, 6, 6};
+    const i32g odd = {1, 1, 3, 3, 5, 5, 7, 7};
+    const i32g swap = {1, 0, 3, 2, 5, 4, 7, 6};
+    const vg sign = {-1, 1, -1, 1, -1, 1, -1, 1};
+#endif
+    const int64_t full = d / GL * GL;
+    for (int64_t i = 0; i < full; i += GL) {
+        vg v, c;
         memcpy(&v, x + i, sizeof v);
         memcpy(&c, cs + i, sizeof c);
-        const v16 cos = __builtin_shuffle(c, even), sin = __builtin_shuffle(c, odd);
-        const v16 r = v * cos + (__builtin_shuffle(v, swap) * sin) * sign; /* (a c + -(b s), b c + a s) */
+        const vg cos = __builtin_shuffle(c, even), sin = __builtin_shuffle(c, odd);
+        const vg r = v * cos + (__builtin_shuffle(v, swap) * sin) * sign; /* (a c + -(b s), b c + a s) */
         memcpy(x + i, &r, sizeof r);
     }
     for (int64_t i = full; i < d; i += 2) {
@@ -205,13 +224,13 @@ static void rope_store_row(float *restrict row, float *restrict q, const float *
         memcpy(vd, v, kvn * 4);
         return;
     }
-    const int64_t full = kvn / 16 * 16;
-    for (int64_t i = 0; i < full; i += 16) {
-        v16 a, b;
+    const int64_t full = kvn / GL * GL;
+    for (int64_t i = 0; i < full; i += GL) {
+        vg a, b;
         memcpy(&a, k + i, sizeof a);
         memcpy(&b, v + i, sizeof b);
-        store16(kd, i, a, 1);
-        store16(vd, i, b, 1);
+        storeg(kd, i, a, 1);
+        storeg(vd, i, b, 1);
     }
     for (int64_t i = full; i < kvn; i++) {
         store1(kd, i, k[i], 1);
@@ -250,8 +269,8 @@ int glue_rope_store(float *qkv, float *q_out, int64_t rows, int64_t heads, int64
 /* ---- SiLU(gate) * up --------------------------------------------------------------------------------------- */
 
 /* a where mask (lanes of -1), else b */
-INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
-    i32x16 ai, bi;
+INLINE vg selectg(i32g mask, vg a, vg b) {
+    i32g ai, bi;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
     ai = (ai & mask) | (bi & ~mask);
@@ -262,37 +281,37 @@ INLINE v16 select16(i32x16 mask, v16 a, v16 b) {
 /* e^x per lane for silu: x = n ln2 + r with n = x log2 e rounded to nearest even, e^r by the minimax polynomial
  * of Cephes' expf (S. L. Moshier), 2^n as 2^(n-1) * 2 from the exponent bits; ~2 ulp. x < -80 is taken as -80
  * (e^-80 < 2^-115: 1 + e^x rounds to 1 either way), x > 88.7228 (past FLT_MAX) gives +inf; NaN stays NaN. */
-INLINE v16 exp16(v16 x) {
-    const i32x16 big = x > 88.72283935546875f;
-    const v16 zero = {0}, lo = zero - 80.0f, hi = zero + 88.72283935546875f;
-    x = select16(x < lo, lo, x);
-    x = select16(x > hi, hi, x);
-    const v16 t = x * 1.44269504088896341f;
-    const v16 tf = (t + 12582912.0f) - 12582912.0f; /* round to nearest even (|t| < 2^22) */
-    const i32x16 n = __builtin_convertvector(tf, i32x16);
-    const v16 r = (x - tf * 0.693359375f) + tf * 2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+INLINE vg expg(vg x) {
+    const i32g big = x > 88.72283935546875f;
+    const vg zero = {0}, lo = zero - 80.0f, hi = zero + 88.72283935546875f;
+    x = selectg(x < lo, lo, x);
+    x = selectg(x > hi, hi, x);
+    const vg t = x * 1.44269504088896341f;
+    const vg tf = (t + 12582912.0f) - 12582912.0f; /* round to nearest even (|t| < 2^22) */
+    const i32g n = __builtin_convertvector(tf, i32g);
+    const vg r = (x - tf * 0.693359375f) + tf * 2.12194440e-4f;
+    vg p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const i32x16 bits = (n + 126) << 23;
-    v16 two_n1;
+    const i32g bits = (n + 126) << 23;
+    vg two_n1;
     memcpy(&two_n1, &bits, sizeof two_n1);
-    const v16 e = (p * two_n1) * 2.0f;
-    return select16(big, zero + __builtin_inff(), e);
+    const vg e = (p * two_n1) * 2.0f;
+    return selectg(big, zero + __builtin_inff(), e);
 }
 
-INLINE v16 silu_mul16(v16 g, v16 u) { return (g / (1.0f + exp16(-g))) * u; }
+INLINE vg silu_mulg(vg g, vg u) { return (g / (1.0f + expg(-g))) * u; }
 
 static void silu_mul_row(const void *restrict gu, int in_bf16, void *restrict out, int out_bf16, int64_t n) {
-    const int64_t full = n / 16 * 16;
-    for (int64_t i = 0; i < full; i += 16)
-        store16(out, i, silu_mul16(load16(gu, i, in_bf16), load16(gu, n + i, in_bf16)), out_bf16);
+    const int64_t full = n / GL * GL;
+    for (int64_t i = 0; i < full; i += GL)
+        storeg(out, i, silu_mulg(loadg(gu, i, in_bf16), loadg(gu, n + i, in_bf16)), out_bf16);
     if (full < n) {
         const int64_t m = n - full;
-        const v16 a = silu_mul16(load_part(gu, full, m, in_bf16), load_part(gu, n + full, m, in_bf16));
+        const vg a = silu_mulg(load_part(gu, full, m, in_bf16), load_part(gu, n + full, m, in_bf16));
         store_part(out, full, m, a, out_bf16);
     }
 }

@@ -193,18 +193,40 @@ def test_each_row_gets_the_same_bits_alone_in_any_batch_and_at_any_thread_count(
 
 
 def test_every_build_gives_the_same_bits():
-    """The AVX-512, AVX2 and AVX builds run the same operations per lane (the 16-lane vectors are lowered to
-    each instruction set): the same bits, compared among every build this CPU runs (at least AVX2 and AVX)."""
+    """The AVX-512, AVX2 and AVX builds run the same operations per lane (16-lane vectors on AVX-512 and AVX, 8-lane
+    on AVX2, the sum of squares kept in 16 lanes): the same bits, compared among every build this CPU runs (at
+    least AVX2 and AVX), at widths that fill whole vectors and leave every tail length, fp32 and bf16 in and out,
+    and at the exponential's ends (NaN, infinities, overflow)."""
     assert len(RUNNABLE) >= 2 and RUNNABLE[-1] == "avx"
     builds = [NativeGlueKernel.build(isa=isa) for isa in RUNNABLE]
     g = gen(4)
-    h, w, y = torch.randn(33, 45, generator=g), torch.randn(45, generator=g), torch.randn(33, 45, generator=g)
-    gu = torch.randn(33, 90, generator=g) * 5
-    want_norm = builds[-1].rmsnorm(h.clone(), w, 1e-5, y)
-    want_silu = builds[-1].silu_mul(gu, torch.bfloat16)
-    for kernel in builds[:-1]:
-        assert torch.equal(kernel.rmsnorm(h.clone(), w, 1e-5, y), want_norm), kernel.isa
-        assert torch.equal(kernel.silu_mul(gu, torch.bfloat16), want_silu), kernel.isa
+    ends = torch.tensor(
+        [float("nan"), float("inf"), float("-inf"), 88.8, -88.8, 80.5, -80.5, 1e-40, -0.0, 0.0]
+    )
+    for n in (1, 7, 8, 9, 15, 16, 17, 45, 64, 576, 1536):
+        h, w = torch.randn(5, n, generator=g), torch.randn(n, generator=g)
+        y = torch.randn(5, n, generator=g)
+        gu = torch.randn(5, 2 * n, generator=g) * 5
+        gu[0, : min(n, len(ends))] = ends[: min(n, len(ends))]
+        want = builds[-1]
+        for kernel in builds[:-1]:
+            for y_in, x_dtype in (
+                (y, torch.float32),
+                (y.to(torch.bfloat16), torch.bfloat16),
+                (None, torch.float32),
+            ):
+                got_h, want_h = h.clone(), h.clone()
+                got = kernel.rmsnorm(got_h, w, 1e-5, y_in, out_dtype=x_dtype)
+                assert torch.equal(got, want.rmsnorm(want_h, w, 1e-5, y_in, out_dtype=x_dtype)), (
+                    kernel.isa,
+                    n,
+                )
+                assert torch.equal(got_h, want_h), (kernel.isa, n)
+            for gu_in in (gu, gu.to(torch.bfloat16)):
+                for out_dtype in (torch.float32, torch.bfloat16):
+                    got, expect = kernel.silu_mul(gu_in, out_dtype), want.silu_mul(gu_in, out_dtype)
+                    assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                                       expect.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)), (kernel.isa, n)  # fmt: skip
 
 
 # ---- bad arguments ---------------------------------------------------------------------------------------------
