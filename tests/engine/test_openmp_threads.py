@@ -203,6 +203,8 @@ def test_an_llm_engine_built_after_another_ran_takes_torchs_own_count_and_the_sa
     first = make_engine()
     torch.set_num_threads(1)  # what the first engine's last one-row step leaves on this thread
     second = make_engine()
-    assert second.runner.step_threads.num_threads == first.runner.step_threads.num_threads == default_threads()
+    assert (
+        second.runner.step_threads.num_threads == first.runner.step_threads.num_threads == default_threads()
+    )
     assert second.model_id == first.model_id  # the same kernels, named in the model id
     assert make_engine(num_threads=1).runner.step_threads.num_threads == 1  # a configured count is kept
