@@ -562,13 +562,16 @@ INLINE void values_heads16(const float *restrict p, const void *cache, int cache
 #define values_heads values_heads16
 #else
 #ifndef PD_VALUE_CHUNKS
-#define PD_VALUE_CHUNKS 2
+#define PD_VALUE_CHUNKS 1
 #endif
 /* AVX2 over a bf16 cache: values_heads16's lane arithmetic (per output element, the tile's positions in order,
  * one multiply-add each) with V's 16-element chunks widened as scores_tile_pairs widens K: the accumulators
  * (o, across tiles) hold each chunk's even elements then its odd ones (pair_order's order; finish_heads puts
- * them back). VALUE_CHUNKS chunks of every query head per pass, as many as group * 2 VALUE_CHUNKS accumulators
- * and the group's numerators leave room for (3 heads: 2 chunks, one pass per half row). */
+ * them back). VALUE_CHUNKS chunks of every query head per pass, where group * 2 VALUE_CHUNKS accumulators and
+ * the group's numerators leave room. 1: with 2 (3 heads: 12 accumulators, 3 numerators, the widened V and its
+ * odd half) GCC kept one accumulator on the stack, and its store and reload sat on every position's chain; one
+ * chunk a pass (twice the numerators' broadcasts) took 0.93-0.94x the time of a lone sequence's attention at
+ * 1,084 positions on a Zen 3, the same bits (docs/engine-step.md, session 40). */
 INLINE void values_heads_pairs(const float *restrict p, const uint16_t *cache, const int64_t at[16],
                                const int64_t ahead[16], int64_t n, int64_t len, int64_t l0, int64_t h_lo,
                                int64_t h_hi, int64_t group, int64_t D, float *restrict o, int64_t c_lo,
@@ -1015,6 +1018,54 @@ INLINE vl loadl(const void *src, int64_t index, int is_bf16) {
 #define VALUE_HEADS 1
 #endif
 
+#if PD_LANES == 8
+/* 256-bit build: the 16 scores of one tile for two query rows a and b (the same query head of consecutive rows),
+ * each KT vector loaded feeding both rows' fused multiply-adds (two queries' broadcasts and two KT loads feed four,
+ * where one query's broadcast and two loads fed two: the loads, not the multiply-adds, bounded the one-row loop).
+ * Each row's lanes go through the one-row loop's operations: per lane a chain over the chunks c of
+ * q[j] k[j][lane] fused multiply-adds from zero, j = 16 c + 8 hf + 4 iq + i, then the tree
+ * ((a0 + a1) + (a2 + a3)) over i, + over iq, + over hf, times scale (decode's hsum16 order): the same bits. */
+INLINE void scores_two_rows(const float *restrict qa, const float *restrict qb, const float *restrict KT,
+                            int64_t chunks, float scale, float *restrict sa, float *restrict sb) {
+    __m256 half[2][2][2]; /* [row][position half u][hf] */
+    for (int64_t hf = 0; hf < 2; hf++) {
+        __m256 quarter[2][2][2]; /* [row][u][iq] */
+        for (int64_t iq = 0; iq < 2; iq++) {
+            __m256 pair[2][2][2]; /* [row][u][ip]: a[2 ip] + a[2 ip + 1] */
+            for (int64_t ip = 0; ip < 2; ip++) {
+                __m256 a[2][2][2]; /* [row][u][i - 2 ip] */
+                for (int64_t w = 0; w < 2; w++)
+                    for (int64_t u = 0; u < 2; u++)
+                        for (int64_t i = 0; i < 2; i++) a[w][u][i] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++)
+                    for (int64_t i = 0; i < 2; i++) {
+                        const int64_t j = 16 * c + 8 * hf + 4 * iq + 2 * ip + i;
+                        __m256 k0 = _mm256_loadu_ps(KT + j * 16), k1 = _mm256_loadu_ps(KT + j * 16 + 8);
+                        IN_REGISTER(k0); /* loaded once for both rows, not folded into each multiply-add */
+                        IN_REGISTER(k1);
+                        const __m256 xa = _mm256_broadcast_ss(qa + j), xb = _mm256_broadcast_ss(qb + j);
+                        a[0][0][i] = _mm256_fmadd_ps(xa, k0, a[0][0][i]);
+                        a[0][1][i] = _mm256_fmadd_ps(xa, k1, a[0][1][i]);
+                        a[1][0][i] = _mm256_fmadd_ps(xb, k0, a[1][0][i]);
+                        a[1][1][i] = _mm256_fmadd_ps(xb, k1, a[1][1][i]);
+                    }
+                for (int64_t w = 0; w < 2; w++)
+                    for (int64_t u = 0; u < 2; u++) pair[w][u][ip] = _mm256_add_ps(a[w][u][0], a[w][u][1]);
+            }
+            for (int64_t w = 0; w < 2; w++)
+                for (int64_t u = 0; u < 2; u++) quarter[w][u][iq] = _mm256_add_ps(pair[w][u][0], pair[w][u][1]);
+        }
+        for (int64_t w = 0; w < 2; w++)
+            for (int64_t u = 0; u < 2; u++) half[w][u][hf] = _mm256_add_ps(quarter[w][u][0], quarter[w][u][1]);
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t u = 0; u < 2; u++) {
+        _mm256_storeu_ps(sa + 8 * u, _mm256_mul_ps(_mm256_add_ps(half[0][u][0], half[0][u][1]), sc));
+        _mm256_storeu_ps(sb + 8 * u, _mm256_mul_ps(_mm256_add_ps(half[1][u][0], half[1][u][1]), sc));
+    }
+}
+#endif
+
 /* One row tile (rows row0 .. row0 + nrows - 1 at positions pos0 ..) and KV head h: out[row][h group + g][D].
  * Positions are walked 16 at a time; each tile of 16 K (then V) rows of head h is read from memory once and
  * stays in L1 while every (row, query head) of the tile takes its turn, as decode's scores_tile / values_tile
@@ -1039,7 +1090,19 @@ INLINE void prefill_tile(const float *restrict qf, int64_t H, int64_t row0, int6
             transpose16(kv);
             memcpy(KT + 16 * c * 16, kv, sizeof kv);
         }
-        for (int64_t r = 0; r < nrows; r++) {
+        int64_t r_first = 0; /* rows before this one were scored in pairs (the 256-bit build) */
+#if PD_LANES == 8
+        /* rows r and r + 1 together where row r + 1 reaches this tile (row r's scores past its length, if it does
+         * not, lie inside its sstride and are never read); an odd last row alone, below */
+        for (; r_first + 1 < nrows; r_first += 2)
+            if (pos0 + r_first + 2 > l0)
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qa = qf + ((row0 + r_first) * H + h * group + g) * D;
+                    scores_two_rows(qa, qa + H * D, KT, chunks, scale, S + (r_first * group + g) * sstride + l0,
+                                    S + ((r_first + 1) * group + g) * sstride + l0);
+                }
+#endif
+        for (int64_t r = r_first; r < nrows; r++) {
             const int64_t len = pos0 + r + 1;
             const int64_t n = len - l0 < 16 ? len - l0 : 16;
             if (n <= 0) continue;
