@@ -93,7 +93,7 @@ INLINE void store1(void *dst, int64_t i, float x, int is_bf16) {
         ((float *)dst)[i] = x;
 }
 
-/* the first n (< GL) elements at src[i], the rest 0 */
+/* the first n (<= GL) elements at src[i], the rest 0 */
 INLINE vg load_part(const void *src, int64_t i, int64_t n, int is_bf16) {
     float buf[GL] = {0};
     for (int64_t t = 0; t < n; t++) buf[t] = load1(src, i + t, is_bf16);
