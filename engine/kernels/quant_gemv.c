@@ -647,6 +647,8 @@ int q8_gemv(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, f
  * 16-bit pair sums, which add up in 16 bits over the group (each 16-bit element sums 16 products of a code
  * 0..15 and an activation of at most 128 in magnitude: |sum| <= 30,720 < 2^15, so nothing saturates or wraps),
  * and one vpmaddwd by ones makes each lane's 32-bit sum. The fp32 epilogue is the VNNI build's, lane for lane.
+ * A one-row call (a decode step of one sequence) lays the activations out for the codes instead (i8_row_tiles:
+ * no shuffle of the codes), and six or more rows widen each tile's codes once (the panel path).
  * Only int4 weights: for 8-bit codes a product pair can reach 2 * 255 * 127 (vpmaddubsw saturates), and the
  * ways around that (the sign trick, or codes split into nibbles) cost more instructions per product than the
  * fp32 kernel's fused multiply-adds, so the AVX2 build has no q8_gemv_i8 and int8 weights keep fp32 activations
@@ -1061,6 +1063,98 @@ static void i8_panel_tiles(const uint8_t *w, int64_t n, int64_t k, int64_t m, fl
     }
 }
 
+/* One row (m == 1, a decode step of one sequence): q4i8_half's integer sums without its shuffles. Per block the
+ * per-row path turned each half's 256 code bytes into four_inputs' lanes (an unpack, a vpermq and a vpshufb per 4
+ * inputs and half) for one row's 8 vpmaddubsw: the shuffles, not memory, bounded a one-row step's GEMVs (~60 % of
+ * the machine's read rate on a Zen 3, one or two threads). Here the activations take the layout instead, once per
+ * call: for step s (code rows 4 s .. 4 s + 3) and each plane half, a vector whose low 128-bit lane repeats the
+ * activation pair of inputs (4 s, 4 s + 1) and whose high lane that of (4 s + 2, 4 s + 3) (I8_ROW_ACT_BYTES per
+ * group). The code rows then only interleave: rows 4 s and 4 s + 2 in one register's lanes, 4 s + 1 and 4 s + 3 in
+ * another, and one unpack gives each output's pair of codes in a 16-bit element, low lane (4 s, 4 s + 1), high
+ * lane (4 s + 2, 4 s + 3); unpacklo holds outputs 0-7, unpackhi 8-15. Each 16-bit element sums 16 products over
+ * the group, as q4i8_half's (the same bound), and each output's 32-bit sum is its two lanes' elements added: the
+ * same exact integer sums, so the fp32 epilogue, q4i8_half's lane for lane, gives the same bits. */
+#define I8_ROW_ACT_BYTES 512 /* per group: 4 steps x (xq low, xq high, rq low, rq high) x 32 bytes */
+
+/* group g's activation operands of the one row (q: its 64 plane bytes, xq then rq) into out (32-byte aligned) */
+INLINE void row_acts(const int8_t *q, uint8_t *out) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                          3, 2, 3, 2, 3, 2, 3);
+    for (int st = 0; st < 4; st++)
+        for (int v = 0; v < 4; v++) /* xq inputs 0-15 (low nibbles), 16-31 (high), rq the same */
+            _mm256_store_si256((__m256i *)(out + 32 * (4 * st + v)),
+                               _mm256_shuffle_epi8(four_acts(q + 16 * v + 4 * st), pick));
+}
+
+/* the 8 outputs' 32-bit sums of a 16-bit accumulator: element j of the low lane plus element j of the high one */
+INLINE __m256 row_dot(__m256i acc) {
+    const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc));
+    const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+
+/* the 16 outputs of one int4 tile (w: its first block) for the one row, acts: row_acts of each group; out[half] */
+INLINE void q4i8_row(const uint8_t *w, int64_t G, const planes *P, const uint8_t *acts, __m256 out[2]) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 y[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = w + g * Q4_BLOCK, *c = b + 64, *a = acts + g * I8_ROW_ACT_BYTES;
+        prefetch_ahead(b, Q4_BLOCK);
+        __m256i ax[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, ar[2] = {ax[0], ax[1]};
+#pragma GCC unroll 4
+        for (int st = 0; st < 4; st++) {
+            const __m128i *rows = (const __m128i *)(c + 64 * st);
+            const __m256i A = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128(rows)),
+                                                      _mm_load_si128(rows + 2), 1);
+            const __m256i B = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128(rows + 1)),
+                                                      _mm_load_si128(rows + 3), 1);
+            const __m256i *av = (const __m256i *)(a + 128 * st);
+            for (int h = 0; h < 2; h++) {
+                const __m256i u = h ? _mm256_unpackhi_epi8(A, B) : _mm256_unpacklo_epi8(A, B);
+                const __m256i lo = _mm256_and_si256(u, low4), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
+                ax[h] = _mm256_add_epi16(ax[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(av)),
+                                                                 _mm256_maddubs_epi16(hi, _mm256_load_si256(av + 1))));
+                ar[h] = _mm256_add_epi16(ar[h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(av + 2)),
+                                                                 _mm256_maddubs_epi16(hi, _mm256_load_si256(av + 3))));
+            }
+        }
+        const __m256 dx = _mm256_set1_ps(P->dx[g]), dr = _mm256_set1_ps(P->dr[g]), S = _mm256_set1_ps(P->S[g]);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 16 * h)));
+            const __m256 mins = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(b + 32 + 16 * h)));
+            y[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), row_dot(ax[h]), y[h]);
+            y[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, dr), row_dot(ar[h]), y[h]);
+            y[h] = _mm256_fmadd_ps(mins, S, y[h]);
+        }
+    }
+    out[0] = y[0];
+    out[1] = y[1];
+}
+
+/* the tiles [t0, t1) of a one-row call: the row's activation operands (into acts), then each tile's 16 outputs */
+static void i8_row_tiles(const uint8_t *w, int64_t n, int64_t k, float *y, const planes *P, int64_t t0,
+                         int64_t t1, uint8_t *acts) {
+    const int64_t G = k / QK;
+    if (t0 >= t1) return;
+    for (int64_t g = 0; g < G; g++) row_acts(P->q + 64 * g, acts + g * I8_ROW_ACT_BYTES);
+    for (int64_t t = t0; t < t1; t++) {
+        __m256 o[2];
+        q4i8_row(w + t * G * Q4_BLOCK, G, P, acts, o);
+        for (int half = 0; half < 2; half++) {
+            const int64_t left = n - t * TILE - 8 * half;
+            if (left <= 0) break;
+            float *dst = y + t * TILE + 8 * half;
+            if (left >= 8) {
+                _mm256_storeu_ps(dst, o[half]);
+            } else {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, o[half]);
+                for (int j = 0; j < left; j++) dst[j] = lanes[j];
+            }
+        }
+    }
+}
+
 /* the tiles [t0, t1) of an int8-activation call (int4 weights), x already cut into planes */
 static void i8_tiles(int bits, const uint8_t *w, int64_t n, int64_t k, int64_t m, float *y, const planes *P,
                      int64_t t0, int64_t t1) {
@@ -1095,10 +1189,12 @@ static void cut_planes(const float *x, int64_t m, int64_t k, int sums, const pla
         }
 }
 
-#ifndef I8_PANEL_BYTES /* the AVX-512 build: no panel path */
+#ifndef I8_PANEL_BYTES /* the AVX-512 build: no panel path, no one-row path */
 #define I8_PANEL_BYTES(G) 0
 #define I8_PANEL_MIN_ROWS INT64_MAX
 #define i8_panel_tiles(w, n, k, m, y, P, t0, t1, panel) ((void)(panel))
+#define I8_ROW_ACT_BYTES 0
+#define i8_row_tiles(w, n, k, y, P, t0, t1, acts) ((void)(acts))
 #endif
 
 /* as q4_gemv / q8_gemv (the same arguments, tiles and returns), with x in two int8 planes: each thread cuts its
@@ -1124,12 +1220,26 @@ static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float
             return -2;
         }
     }
+    /* the one-row path's activation operands, one copy per thread (int4 only, as the panel path) */
+    const size_t act_bytes = (size_t)G * I8_ROW_ACT_BYTES;
+    uint8_t *acts = 0;
+    if (m == 1 && bits == 4 && act_bytes > 0) {
+        acts = aligned_alloc(64, ((size_t)threads * act_bytes + 63) / 64 * 64);
+        if (acts == 0) {
+            free(panels);
+            free(base);
+            return -2;
+        }
+    }
     PACK_THEN_TILES(m, cut_planes(x, m, k, bits == 4, &P, t0, t1), T, {
         if (panels)
             i8_panel_tiles(w, n, k, m, y, &P, t0, t1, panels + (size_t)id * bytes);
+        else if (acts)
+            i8_row_tiles(w, n, k, y, &P, t0, t1, acts + (size_t)id * act_bytes);
         else
             i8_tiles(bits, w, n, k, m, y, &P, t0, t1);
     });
+    free(acts);
     free(panels);
     free(base);
     return 0;

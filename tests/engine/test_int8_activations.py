@@ -262,11 +262,13 @@ def test_the_avx2_build_gives_the_vnni_build_s_bits(threads):
     reason="needs x86-64 AVX2, F16C, FMA and a C compiler",
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_avx2_panel_path_gives_the_per_row_path_s_bits_on_smollm2_shapes(threads):
+def test_the_avx2_panel_per_row_and_one_row_paths_give_the_same_bits_on_smollm2_shapes(threads):
     """From ``I8_PANEL_MIN_ROWS`` (6) rows the AVX2 build runs a call on its panel path (a tile's codes widened
-    once, two rows against both halves at a time); every row equals its 1-row call (the per-row path) bit for
-    bit, at odd and even row counts, partial tiles, inputs at the int8 planes' extremes and codes at 0 and 15
-    (the 16-bit pair sums' bound), and stays within fp32 summation error of the float64 reference."""
+    once, two rows against both halves at a time), from 2 to 5 on its per-row path, and a 1-row call on its
+    one-row path (the activations laid out for the codes, not the codes for the activations); every row equals
+    its 1-row call bit for bit, at odd and even row counts, partial tiles, inputs at the int8 planes' extremes
+    and codes at 0 and 15 (the 16-bit pair sums' bound), and stays within fp32 summation error of the float64
+    reference."""
     avx2 = Int8ActivationKernel.build(isa="avx2")
     gen = torch.Generator().manual_seed(threads)
     for n, k in ((37, 96), (960, 576), (576, 1536)):
