@@ -1210,37 +1210,27 @@ static int gemv_i8(int bits, const uint8_t *w, int64_t n, int64_t k, const float
     if (base == 0) return -2;
     const planes P = {(int8_t *)(base + 5 * mg), base, base + mg, base + 2 * mg, (int32_t *)(base + 3 * mg),
                       (int32_t *)(base + 4 * mg)};
-    /* the panel path's scratch, one panel per thread (int4 only: the AVX2 build has no q8_gemv_i8) */
-    const size_t bytes = (size_t)I8_PANEL_BYTES(G);
-    uint8_t *panels = 0;
-    if (m >= I8_PANEL_MIN_ROWS && bytes > 0) {
-        panels = aligned_alloc(64, ((size_t)threads * bytes + 63) / 64 * 64);
-        if (panels == 0) {
-            free(base);
-            return -2;
-        }
-    }
-    /* the one-row path's activation operands, one copy per thread (int4 only, as the panel path) */
-    const size_t act_bytes = (size_t)G * I8_ROW_ACT_BYTES;
-    uint8_t *acts = 0;
-    if (m == 1 && bits == 4 && act_bytes > 0) {
-        acts = aligned_alloc(64, ((size_t)threads * act_bytes + 63) / 64 * 64);
-        if (acts == 0) {
-            free(panels);
+    /* one scratch per thread (int4 only: the AVX2 build has no q8_gemv_i8): the panel path's panel from
+     * I8_PANEL_MIN_ROWS rows, the one-row path's activation operands for one row, none between */
+    const int panel = m >= I8_PANEL_MIN_ROWS, one_row = m == 1 && bits == 4;
+    const size_t bytes = panel ? (size_t)I8_PANEL_BYTES(G) : one_row ? (size_t)G * I8_ROW_ACT_BYTES : 0;
+    uint8_t *scratch = 0;
+    if (bytes > 0) {
+        scratch = aligned_alloc(64, ((size_t)threads * bytes + 63) / 64 * 64);
+        if (scratch == 0) {
             free(base);
             return -2;
         }
     }
     PACK_THEN_TILES(m, cut_planes(x, m, k, bits == 4, &P, t0, t1), T, {
-        if (panels)
-            i8_panel_tiles(w, n, k, m, y, &P, t0, t1, panels + (size_t)id * bytes);
-        else if (acts)
-            i8_row_tiles(w, n, k, y, &P, t0, t1, acts + (size_t)id * act_bytes);
+        if (scratch && panel)
+            i8_panel_tiles(w, n, k, m, y, &P, t0, t1, scratch + (size_t)id * bytes);
+        else if (scratch)
+            i8_row_tiles(w, n, k, y, &P, t0, t1, scratch + (size_t)id * bytes);
         else
             i8_tiles(bits, w, n, k, m, y, &P, t0, t1);
     });
-    free(acts);
-    free(panels);
+    free(scratch);
     free(base);
     return 0;
 }

@@ -96,14 +96,8 @@ def test_only_per_request_values_differing_still_reuse_the_history() -> None:
 
 def test_a_user_id_alone_tells_conversations_apart() -> None:
     def turn(user_id: str, request: int, more: bool) -> list[dict]:
-        system = {
-            "role": "system",
-            "content": f"You are terse.\nUser ID: {user_id}\nRequest ID: req-{request}x",
-        }
-        messages = [system, {"role": "user", "content": OPENER}]
-        if more:
-            messages += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "More?"}]
-        return messages
+        system = f"You are terse.\nUser ID: {user_id}\nRequest ID: req-{request}x"
+        return customer_chat(system, more, (OPENER, REPLY, "More?"))
 
     memory = TranscriptMemory(InProcessTranscriptStore())
     DEFAULT.apply(turn("u_111a", 1, False), memory=memory, scope="s")
@@ -239,29 +233,25 @@ def test_a_users_line_that_holds_a_time_names_the_conversation_by_the_rest() -> 
 
     # through the rules: the time in the user's line changes every turn, the history is still reused
     def turn(minute: int, more: bool) -> list[dict]:
-        system = {
-            "role": "system",
-            "content": f"User: alice, plan: pro, local time 14:{minute:02d}\n\nBe brief.",
-        }
-        messages = [system, {"role": "user", "content": OPENER}]
-        if more:
-            messages += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "More?"}]
-        return messages
+        system = f"User: alice, plan: pro, local time 14:{minute:02d}\n\nBe brief."
+        return customer_chat(system, more, (OPENER, REPLY, "More?"))
 
     memory = TranscriptMemory(InProcessTranscriptStore())
     DEFAULT.apply(turn(3, False), memory=memory, scope="s")
     assert DEFAULT.apply(turn(9, True), memory=memory, scope="s").history.reused_turns == 1
 
 
-def customer_chat(system: str, more: bool) -> list[dict]:
-    """A customer's chat that opens like every other customer's ("Hi", the same greeting); with ``more``, its
-    second turn."""
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+GREETING = ("Hi", "Hello! How can I help you today?", "What did we say?")
+"""A customer's opening exchange, the same for every customer: (first question, reply, follow-up)."""
+
+
+def customer_chat(system: str, more: bool, exchange: tuple[str, str, str] = GREETING) -> list[dict]:
+    """A chat under ``system`` that opens with ``exchange``'s first question (by default as every other
+    customer's: "Hi"); with ``more``, its second turn (the reply and the follow-up)."""
+    question, reply, follow_up = exchange
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     if more:
-        messages += [
-            {"role": "assistant", "content": "Hello! How can I help you today?"},
-            {"role": "user", "content": "What did we say?"},
-        ]
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": follow_up}]
     return messages
 
 
@@ -311,17 +301,8 @@ def test_an_agents_git_status_changing_between_turns_keeps_its_history_for_a_nam
     (and cannot be another user's)."""
 
     def turn(status: str, more: bool) -> list[dict]:
-        system = {
-            "role": "system",
-            "content": f"You are a coding agent.\ngitStatus:\n{status}\n\nBe careful.",
-        }
-        messages = [system, {"role": "user", "content": "Fix the parser."}]
-        if more:
-            messages += [
-                {"role": "assistant", "content": "Edited parser.py."},
-                {"role": "user", "content": "Tests?"},
-            ]
-        return messages
+        system = f"You are a coding agent.\ngitStatus:\n{status}\n\nBe careful."
+        return customer_chat(system, more, ("Fix the parser.", "Edited parser.py.", "Tests?"))
 
     for scope, reused in (("s" + USER_MARK + "user_7f3a", 1), ("s", 0)):
         memory = TranscriptMemory(InProcessTranscriptStore())
@@ -372,14 +353,8 @@ def test_a_refreshed_token_keeps_the_history_of_a_named_user_and_never_reaches_a
     holding their token, is never reused."""
 
     def turn(token: str, more: bool) -> list[dict]:
-        system = {"role": "system", "content": f"You are the CRM agent.\nAccess token: {token}\nBe careful."}
-        messages = [system, {"role": "user", "content": "List my open deals."}]
-        if more:
-            messages += [
-                {"role": "assistant", "content": "You have three."},
-                {"role": "user", "content": "The biggest?"},
-            ]
-        return messages
+        system = f"You are the CRM agent.\nAccess token: {token}\nBe careful."
+        return customer_chat(system, more, ("List my open deals.", "You have three.", "The biggest?"))
 
     old, new = "ghp_16C7e42F292c6912E7710c838347Ae178B4a", "ghp_9aB7c3D1e5F2a8B4c6D0e9F1a3B5c7D2e4F6"
     for scope, reused in (("s" + USER_MARK + "user_7f3a", 1), ("s", 0)):
