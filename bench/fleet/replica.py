@@ -20,7 +20,8 @@ subscriber gets history only from the replay buffer.
 
 Invariants: the cache never holds more than ``capacity_tokens // 16`` blocks; a stored block's token ids are
 compared on lookup (a hash collision is a miss); ``kill`` fails every queued and running request mid-stream,
-like a crashed server, and a restarted replica starts with an empty cache.
+like a crashed server, and a restarted replica starts with an empty cache. Each life names itself in every chat
+answer's ``x-prefixgate-instance`` header (a new random name per start), as a prefixgate replica does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import socket
 import time
 from collections import OrderedDict, deque
@@ -42,6 +44,7 @@ from starlette.routing import Route
 
 from bench.fleet.kv_zmq import ZmqKVPublisher
 from bench.fleet.tokens import encode_chat
+from gateway.core.headers import INSTANCE_HEADER
 from gateway.transport.routing_policy import BLOCK_SIZE, block_hashes
 
 
@@ -358,6 +361,8 @@ class StubReplica:
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
         self.history: list[dict] = []  # stats of each previous life (restarts)
+        self.instance = ""
+        """This life's name (``x-prefixgate-instance`` of its answers; new at each ``start``)."""
 
     @property
     def base_url(self) -> str:
@@ -384,6 +389,7 @@ class StubReplica:
         if self._server is not None:
             return
         self.engine = SimEngine(self.capacity_tokens, self.timing)
+        self.instance = secrets.token_hex(6)
         if self.kv_publisher is not None:
             await self.kv_publisher.start()
             self.engine.zmq_publisher = self.kv_publisher
@@ -537,7 +543,8 @@ class StubReplica:
                     ],
                     "usage": usage(cached, len(text)),
                     "x_replica": self.name,
-                }
+                },
+                headers={INSTANCE_HEADER: self.instance},
             )
 
         async def events() -> AsyncIterator[bytes]:
@@ -574,4 +581,6 @@ class StubReplica:
                     yield b"data: [DONE]\n\n"
                     return
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={INSTANCE_HEADER: self.instance}
+        )

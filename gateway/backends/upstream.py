@@ -30,6 +30,7 @@ from gateway.transport.failures import UpstreamStreamCut, retryable_cut
 from gateway.transport.kv_events import KVEventFeed
 from gateway.transport.kv_events_zmq import ZmqKVEventFeed
 from gateway.transport.redact import redact_url
+from gateway.transport.replica_instances import ReplicaInstances
 from gateway.transport.retry import RetryPolicy
 from gateway.transport.routing_policy import CacheAwarePolicy, make_policy, text_block_hashes
 from gateway.transport.routing_share import RoutingShare
@@ -171,6 +172,8 @@ class UpstreamBackend(Backend):
             secrets=(api_key,) if api_key else (),
             routing=policy,
         )
+        self.instances = ReplicaInstances()
+        """The instance names each replica answered with (``x-prefixgate-instance``): a new one is a restart."""
         self._own_client = client
         self._urls: dict[str, httpx.URL] = {}
         self._client: httpx.AsyncClient | None = client
@@ -249,8 +252,13 @@ class UpstreamBackend(Backend):
 
     def replicas(self) -> ReplicaStates | None:
         """Replica health and load for ``/admin/stats``: URL without credentials or query string ->
-        ``{"state", "inflight", "failures"}``."""
-        return {redact_url(name): state for name, state in self.upstream.ring.snapshot().items()}
+        ``{"state", "inflight", "failures", "requests", "away", "restarts"}`` (``restarts``: answers that named
+        an instance new to the URL, ``gateway.transport.replica_instances``)."""
+        restarts = self.instances.restarts
+        return {
+            redact_url(name): {**state, "restarts": restarts.get(name, 0)}
+            for name, state in self.upstream.ring.snapshot().items()
+        }
 
     def routing_share_stats(self) -> dict[str, Any] | None:
         """The Redis routing share's counters (``RoutingShareStats.snapshot``); None without ``routing_share``."""
@@ -324,9 +332,18 @@ class UpstreamBackend(Backend):
                 else self.upstream_model
             )
             blocks = hasher(body) if hasher is not None else routing_blocks(body, salt)
-        return await open_response(
+        opened = await open_response(
             client, self.upstream, key, build, sleep=self._sleep, blocks=blocks, send_direct=direct
         )
+        if self.instances.observe(opened.replica, opened.response.headers) and routing is not None:
+            logger.info(
+                "%s: replica %s answered as a new instance (restarted): forgetting the prefixes the routing "
+                "index credited to it",
+                self.name,
+                redact_url(opened.replica),
+            )
+            routing.replica_renewed(opened.replica, blocks)
+        return opened
 
 
 ROUTED_FIELDS = ("tools", "system", "messages", "prompt")

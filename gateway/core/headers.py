@@ -1,5 +1,6 @@
 """The prefixgate request headers every face reads: ``x-prefixgate-tenant`` (cache salt) and
 ``x-prefixgate-rules: on|off`` (rules opt-out). Bad values raise ``InvalidRequestError`` naming the header.
+And the one answer header a front gateway reads from prefixgate replicas: ``x-prefixgate-instance``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ RULES_HEADER = "x-prefixgate-rules"
 
 TENANT_HEADER = "x-prefixgate-tenant"
 MAX_TENANT_CHARS = 256
+
+INSTANCE_HEADER = "x-prefixgate-instance"
+"""Every model answer names the gateway instance that served it (12 random hex characters, new at each start):
+a front gateway that routes to prefixgate replicas sees a restarted replica, whose RAM prefix cache is empty,
+by a name it has not seen there before (``gateway.transport.replica_instances``)."""
 
 
 def rules_enabled(headers: Mapping[str, str]) -> bool:

@@ -20,6 +20,7 @@ from gateway.core.events import Finish
 from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
+    answer_headers,
     begin,
     gateway_of,
     open_unless_disconnected,
@@ -99,8 +100,7 @@ async def messages_endpoint(http_request: Request) -> Response:
     except InvalidRequestError as error:
         to_anthropic_format_error(error, body)
         raise
-    headers = {"request-id": request.request_id, "x-request-id": request.request_id}
-    headers.update(opened.upstream_headers())
+    headers = {"request-id": request.request_id, **answer_headers(http_request, request, opened)}
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(message_sse(opened), headers=headers)

@@ -28,6 +28,7 @@ from gateway.http.anthropic_models import model_page, wants_anthropic_shape
 from gateway.http.auth import authenticate, authorize, visible_models
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
+    answer_headers,
     begin,
     gateway_of,
     open_unless_disconnected,
@@ -155,8 +156,7 @@ async def _serve(http_request: Request, request: ChatRequest, sse, collect) -> R
     path = http_request.scope["path"]  # what ``url.path`` gives for this route's fixed path, without the URL
     opened = await open_unless_disconnected(http_request, gateway, request, path, started_at(http_request))
     meta = ResponseMeta(request, gateway.registry.get(request.model).system_fingerprint())
-    headers = {"x-request-id": request.request_id}
-    headers.update(opened.upstream_headers())
+    headers = answer_headers(http_request, request, opened)
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(sse(opened, meta), headers=headers)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from gateway.core.headers import INSTANCE_HEADER
 from gateway.core.request import ChatRequest
 from gateway.http.server_protocol import WATCH_DISCONNECT
 from gateway.service.gateway import Gateway
@@ -45,6 +46,19 @@ def request_id_of(http_request: Request) -> str:
         request_id = new_request_id()
         http_request.state.request_id = request_id
     return request_id
+
+
+def answer_headers(http_request: Request, request: ChatRequest, opened: OpenedStream) -> dict[str, str]:
+    """The headers every model answer starts with: ``x-request-id`` (the gateway's id of the request), the
+    upstream's request id where one sent it (``OpenedStream.upstream_headers``), and ``x-prefixgate-instance``
+    (``INSTANCE_HEADER``: the serving app's ``instance_id``, new at each start; a front gateway reads it to see
+    a replica that restarted, ``gateway.transport.replica_instances``)."""
+    headers = {"x-request-id": request.request_id}
+    headers.update(opened.upstream_headers())
+    instance = getattr(http_request.app, "instance_id", None)
+    if instance:
+        headers[INSTANCE_HEADER] = instance
+    return headers
 
 
 def started_at(http_request: Request) -> float:

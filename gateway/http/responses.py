@@ -23,6 +23,7 @@ from gateway.core.events import Delta, Finish
 from gateway.http.auth import authenticate, authorize
 from gateway.http.body import read_json_object
 from gateway.http.request_context import (
+    answer_headers,
     begin,
     gateway_of,
     open_unless_disconnected,
@@ -73,8 +74,7 @@ async def responses_endpoint(http_request: Request) -> Response:
                 to_responses_error(error, chat_message_origins(body), chat_tool_paths(body))
             raise
     builder = ResponseBuilder(body, request.model, request.request_id)
-    headers = {"x-request-id": request.request_id}
-    headers.update(opened.upstream_headers())
+    headers = answer_headers(http_request, request, opened)
     if request.stream:
         headers.update(await opened.cache_header())
         return EventStreamResponse(response_sse(opened, builder), headers=headers)

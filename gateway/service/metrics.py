@@ -316,7 +316,8 @@ def _replica_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     """The upstream replicas of each model (``models[name]["replicas"]``, the ring's ``snapshot``): breaker
     state (1 for the state it is in, 0 for the others), requests in flight, failures in a row, requests sent
     and how many went away from their home replica (spilled by load or health; not exported where the routing
-    has no homes), labelled by base URL (without credentials or query string)."""
+    has no homes), restarts seen in its answers (``x-prefixgate-instance``), labelled by base URL (without
+    credentials or query string)."""
     rings = {name: m["replicas"] for name, m in models.items() if m.get("replicas")}
     if not rings:
         return
@@ -340,8 +341,15 @@ def _replica_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         "Requests an upstream replica served for another home replica (spilled by load or health).",
         labels=labels,
     )
+    restarts = CounterMetricFamily(
+        "prefixgate_upstream_replica_restarts",
+        "Answers of an upstream replica that named an instance new to its URL (x-prefixgate-instance: it "
+        "restarted, and the routing index forgot what it credited there).",
+        labels=labels,
+    )
     for name, replicas in rings.items():
         for replica, doc in replicas.items():
+            restarts.add_metric([name, replica], doc.get("restarts", 0))
             for known in REPLICA_STATES:
                 state.add_metric([name, replica, known], 1 if doc.get("state") == known else 0)
             inflight.add_metric([name, replica], doc.get("inflight", 0))
@@ -349,7 +357,7 @@ def _replica_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             requests.add_metric([name, replica], doc.get("requests", 0))
             if doc.get("away") is not None:  # None: the routing has no home replicas
                 away.add_metric([name, replica], doc["away"])
-    yield from (state, inflight, failures, requests, away)
+    yield from (state, inflight, failures, requests, away, restarts)
 
 
 def _transcript_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:

@@ -260,6 +260,11 @@ class RoutingPolicy:
     def replica_restarted(self, replica: str) -> None:
         """The replica lost its cache (restart); policies with an index forget it."""
 
+    def replica_renewed(self, replica: str, keep: Sequence[int] = ()) -> None:
+        """``replica`` answered as an instance new to its URL (``gateway.transport.replica_instances``): its
+        RAM cache started empty. Policies with an approximate index forget what they credited to it, bar
+        ``keep`` (the block hashes of the request whose answer showed it: prefilled there now)."""
+
 
 class RoundRobinPolicy(RoutingPolicy):
     """Each request to the next available replica in configuration order."""
@@ -315,6 +320,8 @@ class CacheAwareStats:
     over_bound_skips: int = 0
     kv_batches: int = 0
     kv_errors: int = 0
+    renewed: int = 0
+    """Replicas seen answering as a new instance, each time forgetting what the index credited to them."""
 
 
 class PendingLease:
@@ -440,6 +447,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.pending_blocks: dict[str, int] = {}
         self.on_route: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.record
         self.on_unroute: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.retract
+        self.on_renew: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.renewed
         self.use_kv_events = use_kv_events
         self.approx = BlockIndex(index_capacity_blocks)
         # Exact view from KV events: bounded like the approximate one (a lying stream cannot grow memory).
@@ -513,6 +521,19 @@ class CacheAwarePolicy(RoutingPolicy):
     def replica_restarted(self, replica: str) -> None:
         self.approx.clear(replica)
         self.exact.clear(replica)
+
+    def replica_renewed(self, replica: str, keep: Sequence[int] = ()) -> None:
+        """Forget the approximate index's blocks on ``replica`` but ``keep`` (see ``RoutingPolicy``), and tell
+        ``on_renew`` (other gateways, through ``routing_share``). The exact view stays: a restart ends the
+        replica's KV event stream (``kv_stream_lost`` clears it then), and what the new stream reported since
+        is the new instance's."""
+        self.approx.clear(replica)
+        kept = tuple(keep)
+        if kept:
+            self.approx.add(replica, kept)
+        self.stats.renewed += 1
+        for callback in self.on_renew:
+            callback(replica, kept)
 
     def kv_stream_lost(self, replica: str) -> None:
         """``replica``'s KV event stream ended: forget its exact view; the approximate index routes it until

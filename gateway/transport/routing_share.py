@@ -15,7 +15,13 @@ writes this gateway's state to Redis and reads the other gateways':
   last routed there (milliseconds since the epoch), trimmed to the index's capacity (``ZREMRANGEBYRANK``:
   the oldest go first, like the local LRU) and expiring ``ttl_s`` after the last write;
 - read back with ``ZRANGEBYSCORE`` from a little before the last exchange (``2 * interval_s`` of slack for
-  other gateways' clocks and delays; re-reading a hash is harmless) into the policy's approximate index.
+  other gateways' clocks and delays; re-reading a hash is harmless) into the policy's approximate index;
+- a replica seen answering as a new instance (``CacheAwarePolicy.replica_renewed``: it restarted, its RAM cache
+  empty) loses every hash scored before that moment from its set (``ZREMRANGEBYSCORE``), and the moment is
+  written to the hash ``{prefix}{upstream}:renewed`` (field: the replica); a gateway that reads a moment newer
+  than the last it knew for a replica forgets that replica in its own index too, then takes the hashes
+  scored from that moment on. A gateway's first exchange only learns the moments (its index is read from the
+  sets, already trimmed).
 
 So another gateway's placement or load is seen here at most ``interval_s`` plus one exchange later. Redis is
 an accelerator, never a dependency: an error, a refused connection or a reply slower than ``timeout_s`` is
@@ -50,12 +56,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RoutingShareStats:
     """Counters (cumulative): exchanges done, placements written, placements retracted (their attempt
-    failed), hashes read, errors, skipped exchanges, placements dropped from a full outbox; ``gateways``: other
-    gateways whose load was counted at the last exchange."""
+    failed), renewals read (another gateway saw a replica answer as a new instance: this one forgot what it
+    credited there), hashes read, errors, skipped exchanges, placements dropped from a full outbox;
+    ``gateways``: other gateways whose load was counted at the last exchange."""
 
     exchanges: int = 0
     written: int = 0
     retracted: int = 0
+    renewals_read: int = 0
     read: int = 0
     errors: int = 0
     skipped: int = 0
@@ -122,8 +130,11 @@ class RoutingShare:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._outbox: deque[tuple[str, tuple[int, ...], int | None]] = deque(maxlen=outbox_limit)
-        """(replica, block hashes, ms since the epoch) per placement; ms None for a retraction."""
+        self._outbox: deque[tuple[str, str, tuple[int, ...], int]] = deque(maxlen=outbox_limit)
+        """(operation, replica, block hashes, ms since the epoch): ``add`` a placement, ``remove`` a
+        retraction, ``renew`` a replica's new instance (its hashes scored before the ms go)."""
+        self._renewed_ms: dict[str, int] | None = None
+        """Per replica, the latest renewal moment this gateway knows (None before the first exchange)."""
         self._last_read_ms: int | None = None
         self._paused_until = float("-inf")
         self._task: asyncio.Task | None = None
@@ -134,6 +145,7 @@ class RoutingShare:
         if self._index is not None:
             self._index.on_route.append(self.record)
             self._index.on_unroute.append(self.retract)
+            self._index.on_renew.append(self.renewed)
 
     def key(self, replica: str) -> str:
         """The sorted set of ``replica``'s block hashes."""
@@ -143,24 +155,37 @@ class RoutingShare:
         """The hash of every gateway's in-flight counts (one field per gateway)."""
         return f"{self.prefix}{self.upstream}:load"
 
-    def record(self, replica: str, blocks: tuple[int, ...]) -> None:
-        """Queue one placement for the next exchange (the oldest queued one is dropped when full)."""
-        if not blocks:
-            return
+    def renewed_key(self) -> str:
+        """The hash of each replica's latest renewal moment (ms since the epoch)."""
+        return f"{self.prefix}{self.upstream}:renewed"
+
+    def _queue(self, op: str, replica: str, blocks: tuple[int, ...], at_ms: int) -> None:
         if len(self._outbox) == self._outbox.maxlen:
             self.stats.dropped += 1
-        self._outbox.append((replica, blocks, int(self._clock() * 1000)))
+        self._outbox.append((op, replica, blocks, at_ms))
+
+    def record(self, replica: str, blocks: tuple[int, ...]) -> None:
+        """Queue one placement for the next exchange (the oldest queued one is dropped when full)."""
+        if blocks:
+            self._queue("add", replica, blocks, int(self._clock() * 1000))
 
     def retract(self, replica: str, blocks: tuple[int, ...]) -> None:
         """Queue the removal of a failed attempt's blocks from ``replica``'s shared set
         (``PendingLease.not_served``). It is written after every placement queued before it, so a later
         placement of the same blocks (the retry served there) stands. A gateway that read the placement
         before keeps it in its own index until that index's LRU drops it."""
-        if not blocks:
-            return
-        if len(self._outbox) == self._outbox.maxlen:
-            self.stats.dropped += 1
-        self._outbox.append((replica, blocks, None))
+        if blocks:
+            self._queue("remove", replica, blocks, 0)
+
+    def renewed(self, replica: str, keep: tuple[int, ...]) -> None:
+        """Queue ``replica``'s renewal (it answered as a new instance, ``CacheAwarePolicy.replica_renewed``):
+        its shared hashes scored before now go, then ``keep`` (the request that showed it) is placed anew."""
+        now_ms = int(self._clock() * 1000)
+        self._queue("renew", replica, (), now_ms)
+        if self._renewed_ms is not None:
+            self._renewed_ms[replica] = max(now_ms, self._renewed_ms.get(replica, 0))
+        if keep:
+            self._queue("add", replica, keep, now_ms)
 
     async def exchange(self) -> bool:
         """One write + read round trip. Returns False when Redis is paused or failed (then the other gateways'
@@ -185,17 +210,22 @@ class RoutingShare:
             if self._index is not None:
                 cap = self._index.approx.capacity_blocks
                 touched: set[str] = set()
-                for replica, blocks, at_ms in pending:
-                    if at_ms is None:
+                for op, replica, blocks, at_ms in pending:
+                    if op == "remove":
                         pipe.zrem(self.key(replica), *(str(b) for b in blocks))
+                    elif op == "renew":
+                        pipe.zremrangebyscore(self.key(replica), "-inf", f"({at_ms}")
+                        pipe.hset(self.renewed_key(), replica, at_ms)
+                        pipe.pexpire(self.renewed_key(), self.ttl_ms)
                     else:
                         pipe.zadd(self.key(replica), {str(b): at_ms for b in blocks})
                     touched.add(replica)
                 for replica in touched:
                     pipe.zremrangebyrank(self.key(replica), 0, -(cap + 1))
                     pipe.pexpire(self.key(replica), self.ttl_ms)
+                pipe.hgetall(self.renewed_key())
                 for replica in replicas:
-                    pipe.zrangebyscore(self.key(replica), since, "+inf")
+                    pipe.zrangebyscore(self.key(replica), since, "+inf", withscores=True)
             results = await pipe.execute()
         except (TimeoutError, redis.RedisError, OSError) as exc:
             self.stats.errors += 1
@@ -215,14 +245,20 @@ class RoutingShare:
         if self._index is not None:
             for _ in pending:
                 self._outbox.popleft()
-            retracted = sum(at_ms is None for _, _, at_ms in pending)
-            self.stats.written += len(pending) - retracted
-            self.stats.retracted += retracted
+            self.stats.written += sum(op == "add" for op, *_ in pending)
+            self.stats.retracted += sum(op == "remove" for op, *_ in pending)
+            renewed = self._read_renewals(results[-len(replicas) - 1])
             for replica, hashes in zip(replicas, results[-len(replicas) :], strict=True):
+                since_ms = renewed.get(replica)
+                if since_ms is not None:
+                    self._index.approx.clear(replica)
+                    self.stats.renewals_read += 1
                 blocks = []
-                for h in hashes or ():
+                for item in hashes or ():
                     with contextlib.suppress(ValueError, TypeError):
-                        blocks.append(int(h))
+                        h, score = item
+                        if since_ms is None or float(score) >= since_ms:
+                            blocks.append(int(h))
                 if blocks:
                     self._index.approx.add(replica, reversed(blocks))
                     self.stats.read += len(blocks)
@@ -234,6 +270,23 @@ class RoutingShare:
             )
         self.up = True
         return True
+
+    def _read_renewals(self, fields: object) -> dict[str, int]:
+        """The replicas whose renewal moment in ``fields`` (the renewed hash) is newer than this gateway knew,
+        with that moment; none at the first exchange, which only learns them (malformed fields ignored)."""
+        latest: dict[str, int] = {}
+        known = set(self.policy.replicas)
+        for replica, raw in (fields or {}).items() if isinstance(fields, dict) else ():
+            name = replica.decode() if isinstance(replica, bytes) else str(replica)
+            with contextlib.suppress(ValueError, TypeError):
+                if name in known:
+                    latest[name] = int(raw)
+        if self._renewed_ms is None:
+            self._renewed_ms = latest
+            return {}
+        fresh = {r: ms for r, ms in latest.items() if ms > self._renewed_ms.get(r, 0)}
+        self._renewed_ms.update(fresh)
+        return fresh
 
     def _remote_load(self, fields: object, now_ms: int) -> dict[str, int]:
         """Sum of the other gateways' fresh in-flight counts per known replica (malformed fields ignored)."""

@@ -93,11 +93,13 @@ def test_every_field_of_readmes_stats_table_is_in_a_real_stats_answer(server):
 
 
 def test_readmes_replicas_fields_are_a_replica_snapshots():
-    """Before: README listed ``{state, inflight, failures}``; a replica's row also has ``requests`` and ``away``."""
-    from gateway.transport.affinity import AffinityRing
+    """Before: README listed ``{state, inflight, failures}``; a replica's row also has ``requests``, ``away``
+    and ``restarts``."""
+    from gateway.backends.openai_upstream import OpenAIUpstreamBackend
 
     row = readme_stats_rows()["models"]
     listed = row[row.index("`replicas`") :].split("}`", 1)[0]
     fields = set(re.findall(r"\b([a-z_]+)\b", listed.split("{", 1)[1].replace("up\\|down\\|half_open", "")))
-    snapshot = AffinityRing(["http://a.test/v1", "http://b.test/v1"]).snapshot()
+    snapshot = OpenAIUpstreamBackend("m", ["http://a.test/v1", "http://b.test/v1"]).replicas()
+    assert snapshot is not None
     assert fields == set(snapshot["http://a.test/v1"]), (fields, snapshot)

@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from gateway.config.loader import parse_config
 from gateway.core.errors import UpstreamError
 from gateway.core.events import BackendUsage, Delta, Finish
+from gateway.core.headers import INSTANCE_HEADER
 from gateway.http.app import create_app
 from tests.gateway.http.test_midstream_errors import ScriptedBackend
 
@@ -90,8 +91,10 @@ def test_the_short_path_answers_what_starlettes_path_answers(make_client, body, 
             shape.pop("id", None), shape.pop("created", None)
         elif isinstance(shape, str):
             shape = [line for line in shape.splitlines() if not line.startswith("data: {")]
-        headers = {k: v for k, v in response.headers.items() if k not in ("x-request-id", "content-length")}
+        per_app = ("x-request-id", "content-length", INSTANCE_HEADER)  # each app names itself
+        headers = {k: v for k, v in response.headers.items() if k not in per_app}
         answers.append((response.status_code, shape, headers))
+        assert (INSTANCE_HEADER in response.headers) == (response.status_code == 200)
     assert answers[0] == answers[1]
     assert answers[0][0] == status
     if status == 500:

@@ -4,9 +4,13 @@ replica broke off is asked again on the other replica; ``away`` is null under ``
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import openai
 import pytest
 
+from gateway.core.headers import INSTANCE_HEADER
 from tests.gateway.server import ADMIN_TOKEN, RunningServer, write_config
 from tests.gateway.stub_upstreams import StubServer, StubState, openai_stub
 
@@ -88,3 +92,25 @@ def test_a_non_streamed_answer_a_replica_broke_off_is_asked_again(fleet):
         state.cut_next = 0
     replicas = server.stats()["models"]["rr"]["replicas"]
     assert all(row["away"] is None for row in replicas.values())  # round robin has no home replica
+    assert all(row["restarts"] == 0 for row in replicas.values())  # the stubs name no instance
+
+
+def test_every_model_answer_names_the_gateway_instance(fleet):
+    """A front gateway sees a prefixgate replica that restarted (its RAM cache empty) by the instance name in
+    its answers (``x-prefixgate-instance``): every face, streamed or not, sends this gateway's one name."""
+    server, _, _ = fleet
+    messages = [{"role": "user", "content": "which instance?"}]
+    names = set()
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for stream in (False, True):
+            for path, body in (
+                ("/v1/chat/completions", {"model": "rr", "messages": messages, "stream": stream}),
+                ("/v1/messages", {"model": "rr", "messages": messages, "max_tokens": 8, "stream": stream}),
+                ("/v1/responses", {"model": "rr", "input": "which instance?", "stream": stream}),
+            ):
+                answer = http.post(path, json=body)
+                assert answer.status_code == 200, answer.text
+                names.add(answer.headers.get(INSTANCE_HEADER))
+        refused = http.post("/v1/chat/completions", json={"model": "rr", "messages": "not a list"})
+    assert refused.status_code == 400
+    assert len(names) == 1 and re.fullmatch(r"[0-9a-f]{12}", names.pop() or "")

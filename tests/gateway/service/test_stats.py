@@ -231,7 +231,14 @@ def test_upstream_models_report_replicas_without_credentials(monkeypatch):
     assert sorted(r["inflight"] for r in replicas.values()) == [0, 1]
     assert all((r["state"], r["failures"]) == ("up", 0) for r in replicas.values())
     assert doc["models"]["claude"]["replicas"] == {
-        "https://api.anthropic.test": {"state": "up", "inflight": 0, "failures": 0, "requests": 0, "away": 0}
+        "https://api.anthropic.test": {
+            "state": "up",
+            "inflight": 0,
+            "failures": 0,
+            "requests": 0,
+            "away": 0,
+            "restarts": 0,
+        }
     }
     assert "replicas" not in doc["models"]["local"]  # the embedded engine has none
     lease.release()

@@ -1,0 +1,153 @@
+"""A replica that restarted between requests (no request of this gateway failed on it) is seen by the instance
+name in its answers (``x-prefixgate-instance``), and the cache-aware index, here and in the gateways sharing it
+through Redis, stops crediting it with what its old instance held (``gateway.transport.replica_instances``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import redis
+
+from gateway.backends.upstream import routing_blocks
+from gateway.config.schema import RoutingShareConfig
+from gateway.core.headers import INSTANCE_HEADER
+from gateway.transport.affinity import AffinityRing
+from gateway.transport.replica_instances import KNOWN_PER_REPLICA, ReplicaInstances
+from gateway.transport.routing_policy import CacheAwarePolicy
+from gateway.transport.routing_share import RoutingShare
+from tests.gateway.transport.fleet_helpers import SYSTEM, forget_routing_keys, gateway, key_with_home, send
+
+OTHER = "A different assistant for the billing desk. " * 30
+
+
+def test_a_new_instance_name_at_a_url_is_a_restart():
+    seen = ReplicaInstances()
+    assert not seen.observe("u", {INSTANCE_HEADER: "aaaa"})  # the first answer: nothing to compare with
+    assert not seen.observe("u", {INSTANCE_HEADER: "aaaa"})
+    assert not seen.observe("u", {})  # vLLM, a provider: no header, no verdict
+    assert seen.observe("u", {INSTANCE_HEADER: "bbbb"})
+    assert seen.restarts == {"u": 1}
+    assert not seen.observe("v", {INSTANCE_HEADER: "bbbb"})  # each URL on its own
+    for bad in ("", "x" * 65, "a b", "a,b", "é"):
+        assert not seen.observe("u", {INSTANCE_HEADER: bad})
+    assert seen.restarts == {"u": 1}
+
+
+def test_a_url_balancing_over_live_instances_is_no_restart_once_each_is_known():
+    seen = ReplicaInstances()
+    assert not seen.observe("svc", {INSTANCE_HEADER: "pod-a"})
+    assert seen.observe("svc", {INSTANCE_HEADER: "pod-b"})  # new to the URL: counted once
+    for _ in range(5):
+        assert not seen.observe("svc", {INSTANCE_HEADER: "pod-a"})
+        assert not seen.observe("svc", {INSTANCE_HEADER: "pod-b"})
+    assert seen.restarts == {"svc": 1}
+    for i in range(KNOWN_PER_REPLICA):  # the oldest names are forgotten past the bound
+        seen.observe("svc", {INSTANCE_HEADER: f"n{i}"})
+    assert seen.observe("svc", {INSTANCE_HEADER: "pod-a"})
+
+
+def test_renewal_forgets_the_approximate_blocks_but_the_kept_ones_and_the_exact_view():
+    policy = CacheAwarePolicy(AffinityRing(["r0", "r1"]))
+    told: list[tuple[str, tuple[int, ...]]] = []
+    policy.on_renew.append(lambda replica, kept: told.append((replica, kept)))
+    policy.approx.add("r0", [1, 2, 3])
+    policy.approx.add("r1", [1, 2])
+    policy.exact.add("r0", [7, 8])
+    policy.replica_renewed("r0", [9, 10])
+    assert policy.approx.match("r0", [1, 2, 3]) == 0
+    assert policy.approx.match("r0", [9, 10]) == 2
+    assert policy.approx.match("r1", [1, 2]) == 2
+    assert policy.exact.match("r0", [7, 8]) == 2  # the KV event stream's own business (kv_stream_lost)
+    assert told == [("r0", (9, 10))] and policy.stats.renewed == 1
+
+
+async def test_a_restarted_replica_loses_its_credit_at_its_first_answer(fleet):
+    """Conversation A on r0 and B on r1 share the system prompt. r0 restarts empty between requests. Before,
+    A's next turn still went to r0 (credited with A's whole history) and found nothing cached; now the first
+    answer of r0's new instance (to another conversation) clears its credit, and A's turn follows the shared
+    system prompt to r1."""
+    replicas = fleet
+    async with httpx.AsyncClient(timeout=10) as http:
+        g = gateway(replicas, http, f"renew-{uuid.uuid4().hex[:8]}", None)
+        r0, r1 = replicas[0].base_url, replicas[1].base_url
+        a1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation A"}]
+        ka = key_with_home(g, r0, "a")
+        assert await send(g, replicas, a1, ka) == "r0"
+        held = [g.upstream.routing.pin(r0, "busy") for _ in range(3)]
+        b1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation B"}]
+        assert await send(g, replicas, b1, key_with_home(g, r1, "b")) == "r1"
+        for lease in held:
+            lease.release()
+        await replicas[0].kill()
+        await replicas[0].start()
+        c1 = [{"role": "system", "content": OTHER}, {"role": "user", "content": "conversation C"}]
+        assert await send(g, replicas, c1, key_with_home(g, r0, "c")) == "r0"
+        assert g.replicas()[r0]["restarts"] == 1 and g.replicas()[r1]["restarts"] == 0
+        cached_before = replicas[1].engine.cached_tokens
+        a2 = a1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "A again"}]
+        assert await send(g, replicas, a2, ka) == "r1"
+        assert replicas[1].engine.cached_tokens - cached_before > len(SYSTEM) // 8
+        # What r0's new instance did serve stays credited to it.
+        c2 = c1 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "C again"}]
+        assert await send(g, replicas, c2, key_with_home(g, r1, "c2")) == "r0"
+        await g.close()
+
+
+async def test_a_renewal_reaches_the_gateways_sharing_the_index(fleet):
+    """Gateway A sees r0's new instance; gateway B, which learned A's placements through Redis, forgets r0's
+    credit at its next exchange, and r0's shared set keeps only what its new instance served."""
+    replicas = fleet
+    model = f"renew-share-{uuid.uuid4().hex[:8]}"
+    share = RoutingShareConfig(redis_url="redis://127.0.0.1:6379/0", interval_s=0.05, timeout_s=0.5)
+    async with httpx.AsyncClient(timeout=10) as http:
+        ga, gb = gateway(replicas, http, model, share), gateway(replicas, http, model, share)
+        r0, r1 = replicas[0].base_url, replicas[1].base_url
+        try:
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            a1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation A"}]
+            ka = key_with_home(ga, r0, "a")
+            assert await send(ga, replicas, a1, ka) == "r0"
+            held = [ga.upstream.routing.pin(r0, "busy") for _ in range(3)]
+            b1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation B"}]
+            assert await send(ga, replicas, b1, key_with_home(ga, r1, "b")) == "r1"
+            for lease in held:
+                lease.release()
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            a_blocks = routing_blocks({"messages": a1}, model)
+            assert gb.upstream.routing.approx.match(r0, a_blocks) == len(a_blocks)
+
+            await replicas[0].kill()
+            await replicas[0].start()
+            c1 = [{"role": "system", "content": OTHER}, {"role": "user", "content": "conversation C"}]
+            assert await send(ga, replicas, c1, key_with_home(ga, r0, "c")) == "r0"
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
+            c_blocks = routing_blocks({"messages": c1}, model)
+            shared = redis.Redis()
+            members = {int(m) for m in shared.zrange(f"prefixgate:route:{model}:{r0}", 0, -1)}
+            assert members == set(c_blocks)
+            assert gb.routing_share.stats.renewals_read == 1 and ga.routing_share.stats.renewals_read == 0
+            assert gb.upstream.routing.approx.match(r0, a_blocks) == 0
+            assert gb.upstream.routing.approx.match(r0, c_blocks) == len(c_blocks)
+            a2 = a1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "A again"}]
+            assert await send(gb, replicas, a2, ka) == "r1"
+            # A gateway that starts now reads the trimmed sets and takes the moment as known.
+            gc = gateway(replicas, http, model, share)
+            assert await gc.routing_share.exchange()
+            assert gc.routing_share.stats.renewals_read == 0
+            assert gc.upstream.routing.approx.match(r0, a_blocks) == 0
+            assert gc.upstream.routing.approx.match(r0, c_blocks) == len(c_blocks)
+            await gc.close()
+        finally:
+            forget_routing_keys(model)
+            await ga.close()
+            await gb.close()
+
+
+def test_a_first_exchange_only_learns_the_renewal_moments():
+    policy = CacheAwarePolicy(AffinityRing(["r0", "r1"]))
+    share = RoutingShare(policy, "m", client=None)  # no exchange is made: the parser alone
+    assert share._read_renewals({b"r0": b"5", b"gone": b"9", b"r1": b"junk"}) == {}
+    assert share._read_renewals({b"r0": b"5"}) == {}
+    assert share._read_renewals({b"r0": b"6", b"r1": b"3"}) == {"r0": 6, "r1": 3}
+    assert share._read_renewals("not a mapping") == {}
