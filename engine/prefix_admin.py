@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.api import SamplingParams, WarmResult
 from engine.block_hash import ExtraKeys, LayeredKeys
-from engine.kv_tiers.catalog import CachedPrefix, PrefixRecord
+from engine.kv_tiers.catalog import RECORD_REFRESH_S, CachedPrefix, PrefixRecord
 from engine.kv_tiers.policy import level_of_blocks
 
 
@@ -148,10 +148,10 @@ class PrefixAdmin:
         level, _ = policies.resolve("disk", frozenset().union(*levels) if levels else frozenset())
         own = extra_keys.private if isinstance(extra_keys, LayeredKeys) else tuple(extra_keys)
         model_id, salt = (own + ("", ""))[:2]
-        rec = PrefixRecord(
-            key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, self.tier_clock(), pin_id
-        )
+        now = self.tier_clock()
+        rec = PrefixRecord(key, str(model_id), str(salt), level, list(hashes[:n]), n * bs, now, pin_id)
         old = self.catalog.get(key)
+        rec.saved_at = old.saved_at if old is not None else 0.0
         evicted = self.catalog.record(rec)
         changed = old is None or (old.block_hashes, old.level, old.tenant, old.model_id) != (
             rec.block_hashes,
@@ -160,7 +160,8 @@ class PrefixAdmin:
             rec.model_id,
         )
         if self.tiers is not None:  # kept down too, for a restart (engine.kv_tiers.catalog)
-            if changed:
+            if changed or now - rec.saved_at >= RECORD_REFRESH_S:
+                rec.saved_at = now
                 self.tiers.stack.save_record(rec)
             for gone in evicted:
                 self.tiers.stack.forget_record(gone.prefix_key)
@@ -168,21 +169,27 @@ class PrefixAdmin:
     def list_cached(
         self, *, prefix_key: str | None = None, tenant: str | None = None, model_id: str | None = None
     ) -> list[CachedPrefix]:
-        """The listed prefixes matching every filter given, with where their blocks are now (tokens of
-        their leading blocks in RAM and in each tier) and when their first block expires per tier. A prefix
-        whose first block is nowhere (evicted from RAM, expired or pushed out of every tier) is not listed: it
-        keeps its catalog record, and is listed again once requests cache it again. Never any text.
-        O(listed blocks) pool lookups and tier checks."""
+        """The listed prefixes matching every filter given, with where their blocks are now and when the
+        soonest of them expires per tier. ``tiers["ram"]`` is the tokens of the leading blocks the pool holds;
+        a tier's, the tokens of the servable head it holds (its copies of those blocks and the blocks a lookup
+        would read from it after them, ``TierStack.presence``). A prefix cached nowhere now (evicted from RAM,
+        expired or pushed out of every tier) is not listed: it keeps its catalog record, and is listed again
+        once requests cache it again. A tier that cannot answer (Redis down) lists 0 and keeps the row listed:
+        its blocks may be there (before, such rows vanished while the tier was down, a trial). Never any text.
+        O(listed blocks) pool lookups and tier checks (one pipelined round trip per prefix and tier)."""
         out = []
         bs = self.kv.block_size
         for rec in self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id):
-            where = {"ram": self.kv.count_cached_leading(rec.block_hashes) * bs}
+            ram = self.kv.count_cached_leading(rec.block_hashes)
+            where = {"ram": ram * bs}
             expires: dict[str, float | None] = {}
+            unknown: dict[str, str] = {}
             if self.tiers is not None:
-                for name, (n, expires_at) in self.tiers.stack.presence(rec.block_hashes).items():
+                presence = self.tiers.stack.presence(rec.block_hashes, unknown, ram_blocks=ram)
+                for name, (n, expires_at) in presence.items():
                     where[name] = n * bs
                     expires[name] = expires_at
-            if not any(where.values()):
+            if not any(where.values()) and not unknown:
                 continue  # cached nowhere now (a trial: such rows were listed with their full token count)
             out.append(
                 CachedPrefix(
@@ -205,7 +212,10 @@ class PrefixAdmin:
         """Drop cached prefixes in RAM and in every tier: by prefix key (its blocks), or every block of a
         tenant and/or a model. Pins on them are released; blocks a running request holds stay in RAM (they
         are its KV) but leave the tiers. A tier that fails (Redis down) costs nothing else: RAM and the other
-        tiers are dropped all the same, and the tier is named in ``skipped_tiers``.
+        tiers are dropped all the same, and the tier is named in ``skipped_tiers``; the prefixes' records stay
+        in the catalog then, so the same call made again once the tier is back finds and drops what it still
+        holds (before, the records were gone and a second call dropped nothing while the tier went on
+        serving the prefix, a trial).
 
         Returns:
             ``{"prefixes": listed prefixes dropped, "ram": blocks, "disk": entries, "redis": entries}``, and
@@ -221,9 +231,7 @@ class PrefixAdmin:
         for rec in recs:
             if rec.pin_id is not None:
                 self.kv.pins.unpin(rec.pin_id)
-            self.catalog.remove(rec.prefix_key)
-            if self.tiers is not None:
-                self.tiers.stack.delete_record(rec.prefix_key, skipped)
+                rec.pin_id = None
         out: dict[str, Any] = {"prefixes": len(recs)}
         if prefix_key is not None:  # the listed prefix's own blocks (the filters chose the records)
             chain = [h for rec in recs for h in rec.block_hashes]
@@ -231,17 +239,20 @@ class PrefixAdmin:
             out["ram"] = self.kv.drop_unreferenced_where(lambda b: b.block_hash in doomed)
             if self.tiers is not None:
                 out |= self.tiers.stack.delete_chain(chain, skipped)
-            if skipped:
-                out["skipped_tiers"] = skipped
-            return out
+        else:
 
-        def owned(extra_keys: tuple) -> bool:
-            keys = tuple(extra_keys) + ("", "")
-            return (model_id is None or keys[0] == model_id) and (tenant is None or keys[1] == tenant)
+            def owned(extra_keys: tuple) -> bool:
+                keys = tuple(extra_keys) + ("", "")
+                return (model_id is None or keys[0] == model_id) and (tenant is None or keys[1] == tenant)
 
-        out["ram"] = self.kv.drop_unreferenced_where(lambda b: owned(b.extra_keys))
-        if self.tiers is not None:
-            out |= self.tiers.stack.drop_where(lambda m: owned(m.extra_keys), skipped)
+            out["ram"] = self.kv.drop_unreferenced_where(lambda b: owned(b.extra_keys))
+            if self.tiers is not None:
+                out |= self.tiers.stack.drop_where(lambda m: owned(m.extra_keys), skipped)
+        if not skipped:  # every tier dropped its blocks: the records go (kept for a retry otherwise)
+            for rec in recs:
+                self.catalog.remove(rec.prefix_key)
+                if self.tiers is not None:
+                    self.tiers.stack.delete_record(rec.prefix_key, skipped)
         if skipped:
             out["skipped_tiers"] = skipped
         return out

@@ -14,9 +14,14 @@ With tiers, each record is also kept in them (``encode_record``, ``TierStack.sav
 under the record's level, so it lives as long as its blocks' policy keeps them), and an engine that starts on
 tiers holding blocks reads its model's records back (``TierStack.load_records``): a restarted gateway lists
 and drops by prefix key what its tiers still serve. A record is written when it is new or its blocks, level or
-tenant change, not on every use: its ``last_use`` after a restart is the one last written. A record the bound
-pushes out of the catalog is forgotten in the tiers too, so the tiers never hold more records than the catalog
-(``max_entries``) and a start reads at most that many.
+tenant change, and again at a use ``RECORD_REFRESH_S`` or more after its last write (its blocks are written
+down again each time the pool evicts them, which renews their TTL; the record's must keep up): its
+``last_use`` after a restart is the one last written. A record the bound pushes out of the catalog is
+forgotten in the tiers too, so the tiers never hold more records than the catalog (``max_entries``) and a
+start reads at most that many. A tier's byte budget never evicts a record (``is_record_key``): the budget
+evicts a level's oldest entries first, and the record, written when its prefix was first served, was older
+than every block written down after it, so a trimmed chain's head went on being served with no row to list
+or drop it by (a trial); records are bounded by ``max_entries`` instead, and expire with their level.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
+
+RECORD_KEY_PREFIX = "catalog-"
+"""Tier keys of prefix records (``TierStack.record_key``); block entries' keys are bare hex digests."""
+RECORD_REFRESH_S = 60.0
+"""A record in use is written down again when its last write is at least this old (seconds)."""
+
+
+def is_record_key(key: str) -> bool:
+    """Whether a tier key names a prefix record (never evicted by a byte budget), not a block entry."""
+    return key.startswith(RECORD_KEY_PREFIX)
 
 
 @dataclass
@@ -41,6 +56,7 @@ class PrefixRecord:
         num_tokens: tokens of those blocks.
         last_use: wall-clock seconds of its last warm or request.
         pin_id: the pin holding it in RAM, or None.
+        saved_at: the tier clock's seconds when it was last queued for the tiers (0: never; not kept down).
     """
 
     prefix_key: str
@@ -51,6 +67,7 @@ class PrefixRecord:
     num_tokens: int
     last_use: float
     pin_id: str | None = None
+    saved_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import diskcache
 
 from engine.errors import EngineError
+from engine.kv_tiers.catalog import RECORD_KEY_PREFIX
 from engine.kv_tiers.counters import TierCounters
 from engine.kv_tiers.failure_log import FailureLog
 from engine.kv_tiers.policy import LEVELS, TierPolicies
@@ -213,6 +214,10 @@ class DiskTier:
             return True, expires_at
         return False, None
 
+    def peek_many(self, keys: Sequence[str]) -> list[tuple[bool, float | None]]:
+        """``peek`` of each key."""
+        return [self.peek(key) for key in keys]
+
     def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
         """``(key, first head_bytes bytes of its entry)`` of every entry (admin: listing, dropping by tenant
         or model; O(entries), reads only the heads of entries kept as files)."""
@@ -255,8 +260,10 @@ class DiskTier:
 
 
 def cull_to_limit(cache: diskcache.Cache) -> int:
-    """Evict ``cache``'s least recently used entries one at a time (diskcache's own order: ``access_time``) until
-    its volume is within its ``size_limit``; returns how many were removed.
+    """Evict ``cache``'s least recently used block entries one at a time (diskcache's own order:
+    ``access_time``) until its volume is within its ``size_limit``; returns how many were removed. Prefix
+    records are never evicted (``engine.kv_tiers.catalog.is_record_key``: a few KB each, bounded by the
+    catalog's ``max_entries``); with only records left, the level stays over its share by their bytes.
 
     diskcache's ``Cache.cull`` removes ten entries per pass: a level holding fewer than ten lost them all, the
     chain head just written included (chains are written deepest first so that the head is the newest), and a
@@ -267,7 +274,10 @@ def cull_to_limit(cache: diskcache.Cache) -> int:
     for _ in range(len(cache) + 1):
         if cache.volume() <= cache.size_limit:
             break
-        row = cache._sql("SELECT key FROM Cache ORDER BY access_time LIMIT 1").fetchone()
+        row = cache._sql(
+            "SELECT key FROM Cache WHERE substr(key, 1, ?) != ? ORDER BY access_time LIMIT 1",
+            (len(RECORD_KEY_PREFIX), RECORD_KEY_PREFIX),
+        ).fetchone()
         if row is None or not cache.delete(row[0]):
             break
         removed += 1

@@ -11,8 +11,8 @@ Keys, under the deployment's prefix ``p`` (``EngineConfig.tier_redis.prefix``):
 
 A write is one Lua script (atomic, one round trip, safe with several gateways on one Redis): it first drops
 the level's entries older than its TTL (on the writer's clock) from the bookkeeping, replaces an older
-copy of the key, stores the entry, and then evicts the level's least recently written entries until the
-level is back inside its share of the budget. A read is one pipelined ``GET`` + ``HGET``; an entry past
+copy of the key, stores the entry, and then evicts the level's least recently written block entries until the
+level is back inside its share of the budget (prefix records are never evicted: ``engine.kv_tiers.catalog``). A read is one pipelined ``GET`` + ``HGET``; an entry past
 its expiry on the reader's clock is a miss (``redis.expired.{level}``) and is dropped; an entry Redis
 already dropped by its own TTL (the ``GET`` finds nothing, the meta hash still has it) has its bookkeeping
 removed there and then (counted as expired when past its expiry). ``sweep_expired`` (the writer thread's
@@ -40,12 +40,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from engine.kv_tiers.catalog import RECORD_KEY_PREFIX
 from engine.kv_tiers.counters import TierCounters
 from engine.kv_tiers.disk import TierConfigError
 from engine.kv_tiers.failure_log import FailureLog
@@ -69,7 +70,7 @@ SWEEP_LIMIT = 64
 # maxmemory, instead of running it half (scripts without one are not checked for memory at all).
 # KEYS: 1 entry key, 2 level lru zset, 3 level bytes counter, 4 meta hash
 # ARGV: 1 value, 2 ttl ms (0 = none), 3 now, 4 expires_at ("" = never), 5 level, 6 level budget,
-#       7 prefix, 8 ttl s ("" = none)
+#       7 prefix, 8 ttl s ("" = none), 9 the Redis key head of prefix records (never evicted by the budget)
 _FORGET = """
 local function forget(meta, prefix, member)
   local m = redis.call('HGET', meta, member)
@@ -91,6 +92,7 @@ _WRITE = (
     + """local key, lru, bytes_key, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local value, ttl_ms, now, expires_at = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local level, budget, prefix, ttl_s = ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local record_head = ARGV[9]
 local function drop(member)
   forget(meta, prefix, member)
   return redis.call('DEL', member)
@@ -110,13 +112,17 @@ local size = string.len(value)
 redis.call('ZADD', lru, now, key)
 redis.call('HSET', meta, key, level .. ' ' .. size .. ' ' .. expires_at)
 local total = redis.call('INCRBY', bytes_key, size)
-local evicted = 0
+local evicted, rank = 0, 0
 while total > budget do
-  local victim = redis.call('ZRANGE', lru, 0, 0)
+  local victim = redis.call('ZRANGE', lru, rank, rank)
   if #victim == 0 then break end
-  drop(victim[1])
-  evicted = evicted + 1
-  total = tonumber(redis.call('GET', bytes_key) or '0')
+  if string.sub(victim[1], 1, string.len(record_head)) == record_head then
+    rank = rank + 1
+  else
+    drop(victim[1])
+    evicted = evicted + 1
+    total = tonumber(redis.call('GET', bytes_key) or '0')
+  end
 end
 return {evicted, expired}
 """
@@ -347,6 +353,7 @@ class RedisTier:
                     budget,
                     self.prefix,
                     "" if ttl is None else repr(ttl),
+                    self.entry_key(RECORD_KEY_PREFIX),
                 ],
             )
         except _DOWN_ERRORS as e:
@@ -468,27 +475,38 @@ class RedisTier:
 
     def peek(self, key: str) -> tuple[bool, float | None]:
         """Whether ``key`` is stored (and unexpired on the tier's clock), and its expiry (None = never)."""
-        if self._skip():
-            return False, None
-        rkey = self.entry_key(key)
+        return self.peek_many([key])[0]
+
+    def peek_many(self, keys: Sequence[str]) -> list[tuple[bool, float | None]]:
+        """``peek`` of each key, in one pipelined round trip (every key absent while the tier is down or when
+        the call fails: counted as a read error)."""
+        absent: list[tuple[bool, float | None]] = [(False, None)] * len(keys)
+        if not keys or self._skip():
+            return absent
+        meta_key = f"{self.prefix}:meta"
         try:
             pipe = self.client.pipeline(transaction=False)
-            pipe.exists(rkey)
-            pipe.hget(f"{self.prefix}:meta", rkey)
-            exists, meta = pipe.execute()
+            for key in keys:
+                rkey = self.entry_key(key)
+                pipe.exists(rkey)
+                pipe.hget(meta_key, rkey)
+            replies = pipe.execute()
         except _DOWN_ERRORS:
             self.counters.add("redis.read_errors")
             self._mark_down()
-            return False, None
+            return absent
         except redis.RedisError:
             self.counters.add("redis.read_errors")
-            return False, None
-        if not exists:
-            return False, None
-        expires_at = meta.decode().split(" ")[2] if meta is not None else ""
-        if expires_at and self.clock() >= float(expires_at):
-            return False, None
-        return True, float(expires_at) if expires_at else None
+            return absent
+        now = self.clock()
+        out: list[tuple[bool, float | None]] = []
+        for exists, meta in zip(replies[0::2], replies[1::2], strict=True):
+            expires_at = meta.decode().split(" ")[2] if meta is not None else ""
+            if not exists or (expires_at and now >= float(expires_at)):
+                out.append((False, None))
+            else:
+                out.append((True, float(expires_at) if expires_at else None))
+        return out
 
     def scan_heads(self, head_bytes: int = 4096) -> Iterator[tuple[str, bytes]]:
         """``(tier key, first head_bytes bytes of its entry)`` of every entry of this deployment (admin:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -28,7 +28,13 @@ from typing import Protocol, TypeVar
 import torch
 
 from engine.block_hash import BlockHash
-from engine.kv_tiers.catalog import PrefixRecord, decode_record, encode_record
+from engine.kv_tiers.catalog import (
+    RECORD_KEY_PREFIX,
+    PrefixRecord,
+    decode_record,
+    encode_record,
+    is_record_key,
+)
 from engine.kv_tiers.counters import TIER_COUNTERS, TierCounters
 from engine.kv_tiers.entry import (
     REJECT_CAUSES,
@@ -66,6 +72,8 @@ class Tier(Protocol):
 
     def peek(self, key: str) -> tuple[bool, float | None]: ...
 
+    def peek_many(self, keys: Sequence[str]) -> list[tuple[bool, float | None]]: ...
+
     def close(self) -> None: ...
 
 
@@ -94,10 +102,6 @@ class _RecordWrite:
 
 _FAILURE_COUNTERS = ("read_errors", "write_errors", "skipped_down")
 """A tier's counters that grow when one of its calls failed or was skipped (it catches its own failures)."""
-
-
-RECORD_KEY_PREFIX = "catalog-"
-"""Tier keys of prefix records (``record_key``); block entries' keys are bare hex digests."""
 
 
 class TierStack:
@@ -260,26 +264,35 @@ class TierStack:
         return sum(1 for t in self.tiers if t.delete(key))
 
     def presence(
-        self, hashes: list[BlockHash], skipped: dict[str, str] | None = None
+        self, hashes: list[BlockHash], skipped: dict[str, str] | None = None, ram_blocks: int = 0
     ) -> dict[str, tuple[int, float | None]]:
-        """Per tier: how many leading blocks of a chain it holds, and the soonest any of those expires (None:
-        none of them does). A chain's blocks can be kept under different levels (a system prompt's for a day, a
-        conversation's history for minutes): from that time on the tier serves less of the chain. Before, the
-        first block's expiry was reported, a day for a chain whose history went in a minute. A tier that fails
-        reports ``(0, None)`` and is named in ``skipped`` (``_admin_call``)."""
+        """Per tier: how many blocks of a chain's servable head it holds, and the soonest any of those expires
+        (None: none of them does, or it holds none).
 
-        def walk(tier: Tier) -> tuple[int, float | None]:
-            n, soonest = 0, None
-            for h in hashes:
-                present, expires_at = tier.peek(self.layout.tier_key(h))
-                if not present:
-                    break
-                if expires_at is not None and (soonest is None or expires_at < soonest):
-                    soonest = expires_at
-                n += 1
-            return n, soonest
-
-        return {t.name: self._admin_call(t, lambda t=t: walk(t), (0, None), skipped) for t in self.tiers}
+        The servable head is what a request for the chain gets now: the ``ram_blocks`` leading blocks the RAM
+        pool holds, then the run a lookup reads on from the tiers (each block from the first tier holding it,
+        up to the first block none holds). A tier's count is the blocks of that head it holds: its copies of
+        the pool's blocks and its part of the run. Before, a tier counted only a run from the chain's first
+        block, so a tier holding the tail that the pool had evicted below a head still in RAM, and serving it,
+        was listed with 0 (a trial). A chain's blocks can be kept under different levels (a system prompt's
+        for a day, a conversation's history for minutes): from the soonest expiry on the tier serves less of
+        it. A tier that fails holds nothing here and is named in ``skipped`` (``_admin_call``). One
+        ``peek_many`` per tier."""
+        keys = [self.layout.tier_key(h) for h in hashes]
+        absent: list[tuple[bool, float | None]] = [(False, None)] * len(keys)
+        held = {
+            t.name: self._admin_call(t, lambda t=t: t.peek_many(keys), absent, skipped) or absent
+            for t in self.tiers
+        }
+        end = min(ram_blocks, len(keys))
+        while end < len(keys) and any(found[end][0] for found in held.values()):
+            end += 1
+        out: dict[str, tuple[int, float | None]] = {}
+        for name, found in held.items():
+            kept = [expires_at for present, expires_at in found[:end] if present]
+            soonest = min((e for e in kept if e is not None), default=None)
+            out[name] = (len(kept), soonest)
+        return out
 
     def delete_chain(self, hashes: list[BlockHash], skipped: dict[str, str] | None = None) -> dict[str, int]:
         """Remove the blocks of a chain from every tier. Returns entries removed per tier; a tier that fails
@@ -349,7 +362,7 @@ class TierStack:
             if getattr(tier, "is_down", False):
                 continue
             try:
-                keys = [key for _, key in tier.keys() if key.startswith(RECORD_KEY_PREFIX)]
+                keys = [key for _, key in tier.keys() if is_record_key(key)]
             except Exception as e:  # noqa: BLE001 - a tier down at start (Redis) costs its records, not the start
                 self.counters.add(f"{tier.name}.read_errors")
                 log.warning("prefix records in tier %s not read: %s", tier.name, e)
