@@ -16,6 +16,11 @@ writes this gateway's state to Redis and reads the other gateways':
   the oldest go first, like the local LRU) and expiring ``ttl_s`` after the last write;
 - read back with ``ZRANGEBYSCORE`` from a little before the last exchange (``2 * interval_s`` of slack for
   other gateways' clocks and delays; re-reading a hash is harmless) into the policy's approximate index;
+- a placement retracted (its attempt failed, ``PendingLease.not_served``) leaves the replica's set (``ZREM``)
+  and goes into a second sorted set ``{prefix}{upstream}:{replica}:retracted`` (members ``{hash}:{gateway}``,
+  scored by the time of the retraction; trimmed and expiring like the first); a gateway that reads another's
+  retraction removes those hashes from its own index unless it read a placement of the same hash at that time
+  or later (the retry that was served there);
 - a replica seen answering as a new instance (``CacheAwarePolicy.replica_renewed``: it restarted, its RAM cache
   empty) loses every hash scored before that moment from its set (``ZREMRANGEBYSCORE``), and the moment is
   written to the hash ``{prefix}{upstream}:renewed`` (field: the replica); a gateway that reads a moment newer
@@ -56,13 +61,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RoutingShareStats:
     """Counters (cumulative): exchanges done, placements written, placements retracted (their attempt
-    failed), renewals read (another gateway saw a replica answer as a new instance: this one forgot what it
+    failed), hashes other gateways retracted that this one then forgot (``retractions_read``), renewals read (another gateway saw a replica answer as a new instance: this one forgot what it
     credited there), hashes read, errors, skipped exchanges, placements dropped from a full outbox;
     ``gateways``: other gateways whose load was counted at the last exchange."""
 
     exchanges: int = 0
     written: int = 0
     retracted: int = 0
+    retractions_read: int = 0
     renewals_read: int = 0
     read: int = 0
     errors: int = 0
@@ -169,13 +175,17 @@ class RoutingShare:
         if blocks:
             self._queue("add", replica, blocks, int(self._clock() * 1000))
 
+    def retracted_key(self, replica: str) -> str:
+        """The sorted set of the hashes retracted from ``replica`` (members ``{hash}:{gateway id}``)."""
+        return f"{self.key(replica)}:retracted"
+
     def retract(self, replica: str, blocks: tuple[int, ...]) -> None:
         """Queue the removal of a failed attempt's blocks from ``replica``'s shared set
         (``PendingLease.not_served``). It is written after every placement queued before it, so a later
-        placement of the same blocks (the retry served there) stands. A gateway that read the placement
-        before keeps it in its own index until that index's LRU drops it."""
+        placement of the same blocks (the retry served there) stands; a gateway that read the placement before
+        forgets it when it reads the retraction (before, it kept it until its LRU dropped it)."""
         if blocks:
-            self._queue("remove", replica, blocks, 0)
+            self._queue("remove", replica, blocks, int(self._clock() * 1000))
 
     def renewed(self, replica: str, keep: tuple[int, ...]) -> None:
         """Queue ``replica``'s renewal (it answered as a new instance, ``CacheAwarePolicy.replica_renewed``):
@@ -213,6 +223,10 @@ class RoutingShare:
                 for op, replica, blocks, at_ms in pending:
                     if op == "remove":
                         pipe.zrem(self.key(replica), *(str(b) for b in blocks))
+                        gone = self.retracted_key(replica)
+                        pipe.zadd(gone, {f"{b}:{self.gateway_id}": at_ms for b in blocks})
+                        pipe.zremrangebyrank(gone, 0, -(cap + 1))
+                        pipe.pexpire(gone, self.ttl_ms)
                     elif op == "renew":
                         pipe.zremrangebyscore(self.key(replica), "-inf", f"({at_ms}")
                         pipe.hset(self.renewed_key(), replica, at_ms)
@@ -226,6 +240,8 @@ class RoutingShare:
                 pipe.hgetall(self.renewed_key())
                 for replica in replicas:
                     pipe.zrangebyscore(self.key(replica), since, "+inf", withscores=True)
+                for replica in replicas:
+                    pipe.zrangebyscore(self.retracted_key(replica), since, "+inf", withscores=True)
             results = await pipe.execute()
         except (TimeoutError, redis.RedisError, OSError) as exc:
             self.stats.errors += 1
@@ -247,21 +263,11 @@ class RoutingShare:
                 self._outbox.popleft()
             self.stats.written += sum(op == "add" for op, *_ in pending)
             self.stats.retracted += sum(op == "remove" for op, *_ in pending)
-            renewed = self._read_renewals(results[-len(replicas) - 1])
-            for replica, hashes in zip(replicas, results[-len(replicas) :], strict=True):
-                since_ms = renewed.get(replica)
-                if since_ms is not None:
-                    self._index.approx.clear(replica)
-                    self.stats.renewals_read += 1
-                blocks = []
-                for item in hashes or ():
-                    with contextlib.suppress(ValueError, TypeError):
-                        h, score = item
-                        if since_ms is None or float(score) >= since_ms:
-                            blocks.append(int(h))
-                if blocks:
-                    self._index.approx.add(replica, reversed(blocks))
-                    self.stats.read += len(blocks)
+            n = len(replicas)
+            renewed = self._read_renewals(results[-2 * n - 1])
+            placed, retracted = results[-2 * n : -n], results[-n:]
+            for replica, hashes, gone in zip(replicas, placed, retracted, strict=True):
+                self._read_back(replica, hashes, gone, renewed.get(replica))
         self._last_read_ms = now_ms
         self.stats.exchanges += 1
         if not self.up:
@@ -270,6 +276,41 @@ class RoutingShare:
             )
         self.up = True
         return True
+
+    def _read_back(self, replica: str, placed: object, retracted: object, renewed_ms: int | None) -> None:
+        """Apply one replica's shared index since the last read to the local one: a renewal read now clears
+        it first (and placements scored before it are skipped), placements are added, and the hashes other
+        gateways retracted are removed unless placed there at the retraction's time or later. Malformed
+        members are ignored."""
+        index = self._index
+        assert index is not None
+        if renewed_ms is not None:
+            index.approx.clear(replica)
+            self.stats.renewals_read += 1
+        latest: dict[int, float] = {}
+        blocks = []
+        for item in placed if isinstance(placed, list) else ():
+            with contextlib.suppress(ValueError, TypeError):
+                h, score = int(item[0]), float(item[1])
+                latest[h] = score
+                if renewed_ms is None or score >= renewed_ms:
+                    blocks.append(h)
+        forget = []
+        own = f":{self.gateway_id}".encode()
+        for item in retracted if isinstance(retracted, list) else ():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                member, score = bytes(item[0]), float(item[1])
+                if member.endswith(own):  # this gateway's own: taken back when its attempt failed
+                    continue
+                h = int(member.split(b":", 1)[0])
+                if score > latest.get(h, float("-inf")):
+                    forget.append(h)
+        if blocks:
+            index.approx.add(replica, reversed(blocks))
+            self.stats.read += len(blocks)
+        if forget:
+            index.approx.remove(replica, forget)
+            self.stats.retractions_read += len(forget)
 
     def _read_renewals(self, fields: object) -> dict[str, int]:
         """The replicas whose renewal moment in ``fields`` (the renewed hash) is newer than this gateway knew,

@@ -226,13 +226,17 @@ async def test_a_failed_attempts_placement_is_retracted_from_the_shared_index(fl
         try:
             # 1. Placed and written before its attempt failed (a read timeout): the set holds it, then not.
             lease = policy.acquire(RouteRequest(key="k", blocks=blocks), exclude=others)
-            assert await ga.routing_share.exchange()
+            assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
             assert shared.zcard(key) == len(blocks)
+            assert gb.upstream.routing.approx.match(r0, blocks) == len(blocks)  # B read the placement
             lease.not_served()
             lease.release()
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
             assert shared.zcard(key) == 0 and ga.routing_share.stats.retracted == 1
+            # ... and forgets it once it reads the retraction (before: kept until its LRU dropped it)
             assert gb.upstream.routing.approx.match(r0, blocks) == 0
+            assert gb.routing_share.stats.retractions_read == len(blocks)
+            assert ga.routing_share.stats.retractions_read == 0  # its own: taken back at not_served
 
             # 2. Failed before any exchange (connection refused), then served there on a retry: the
             # retraction is written between the two placements, so the second stands.
@@ -242,7 +246,8 @@ async def test_a_failed_attempts_placement_is_retracted_from_the_shared_index(fl
             policy.acquire(RouteRequest(key="k", blocks=blocks), exclude=others).release()
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
             assert shared.zcard(key) == len(blocks) and ga.routing_share.stats.retracted == 2
-            assert gb.upstream.routing.approx.match(r0, blocks) == len(blocks)
+            assert gb.upstream.routing.approx.match(r0, blocks) == len(blocks)  # the retry's placement stands
+            assert policy.approx.match(r0, blocks) == len(blocks)
         finally:
             forget_routing_keys(model)
             await ga.close()
