@@ -62,6 +62,31 @@ def test_renewal_forgets_the_approximate_blocks_but_the_kept_ones_and_the_exact_
     assert told == [("r0", (9, 10))] and policy.stats.renewed == 1
 
 
+A1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation A"}]
+C1 = [{"role": "system", "content": OTHER}, {"role": "user", "content": "conversation C"}]
+
+
+async def place_a_and_b(g, replicas) -> str:
+    """Conversation A served by r0 (its home), then B, sharing A's system prompt, by r1 (r0 held busy); returns
+    A's prefix key."""
+    r0, r1 = replicas[0].base_url, replicas[1].base_url
+    ka = key_with_home(g, r0, "a")
+    assert await send(g, replicas, A1, ka) == "r0"
+    held = [g.upstream.routing.pin(r0, "busy") for _ in range(3)]
+    b1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation B"}]
+    assert await send(g, replicas, b1, key_with_home(g, r1, "b")) == "r1"
+    for lease in held:
+        lease.release()
+    return ka
+
+
+async def restart_r0_and_serve_c(g, replicas) -> None:
+    """r0 restarts empty; conversation C (another system prompt, home r0) is its new instance's first answer."""
+    await replicas[0].kill()
+    await replicas[0].start()
+    assert await send(g, replicas, C1, key_with_home(g, replicas[0].base_url, "c")) == "r0"
+
+
 async def test_a_restarted_replica_loses_its_credit_at_its_first_answer(fleet):
     """Conversation A on r0 and B on r1 share the system prompt. r0 restarts empty between requests. Before,
     A's next turn still went to r0 (credited with A's whole history) and found nothing cached; now the first
@@ -71,25 +96,15 @@ async def test_a_restarted_replica_loses_its_credit_at_its_first_answer(fleet):
     async with httpx.AsyncClient(timeout=10) as http:
         g = gateway(replicas, http, f"renew-{uuid.uuid4().hex[:8]}", None)
         r0, r1 = replicas[0].base_url, replicas[1].base_url
-        a1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation A"}]
-        ka = key_with_home(g, r0, "a")
-        assert await send(g, replicas, a1, ka) == "r0"
-        held = [g.upstream.routing.pin(r0, "busy") for _ in range(3)]
-        b1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation B"}]
-        assert await send(g, replicas, b1, key_with_home(g, r1, "b")) == "r1"
-        for lease in held:
-            lease.release()
-        await replicas[0].kill()
-        await replicas[0].start()
-        c1 = [{"role": "system", "content": OTHER}, {"role": "user", "content": "conversation C"}]
-        assert await send(g, replicas, c1, key_with_home(g, r0, "c")) == "r0"
+        ka = await place_a_and_b(g, replicas)
+        await restart_r0_and_serve_c(g, replicas)
         assert g.replicas()[r0]["restarts"] == 1 and g.replicas()[r1]["restarts"] == 0
         cached_before = replicas[1].engine.cached_tokens
-        a2 = a1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "A again"}]
+        a2 = A1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "A again"}]
         assert await send(g, replicas, a2, ka) == "r1"
         assert replicas[1].engine.cached_tokens - cached_before > len(SYSTEM) // 8
         # What r0's new instance did serve stays credited to it.
-        c2 = c1 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "C again"}]
+        c2 = C1 + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "C again"}]
         assert await send(g, replicas, c2, key_with_home(g, r1, "c2")) == "r0"
         await g.close()
 
@@ -102,34 +117,24 @@ async def test_a_renewal_reaches_the_gateways_sharing_the_index(fleet):
     share = RoutingShareConfig(redis_url="redis://127.0.0.1:6379/0", interval_s=0.05, timeout_s=0.5)
     async with httpx.AsyncClient(timeout=10) as http:
         ga, gb = gateway(replicas, http, model, share), gateway(replicas, http, model, share)
-        r0, r1 = replicas[0].base_url, replicas[1].base_url
+        r0 = replicas[0].base_url
         try:
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
-            a1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation A"}]
-            ka = key_with_home(ga, r0, "a")
-            assert await send(ga, replicas, a1, ka) == "r0"
-            held = [ga.upstream.routing.pin(r0, "busy") for _ in range(3)]
-            b1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation B"}]
-            assert await send(ga, replicas, b1, key_with_home(ga, r1, "b")) == "r1"
-            for lease in held:
-                lease.release()
+            ka = await place_a_and_b(ga, replicas)
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
-            a_blocks = routing_blocks({"messages": a1}, model)
+            a_blocks = routing_blocks({"messages": A1}, model)
             assert gb.upstream.routing.approx.match(r0, a_blocks) == len(a_blocks)
 
-            await replicas[0].kill()
-            await replicas[0].start()
-            c1 = [{"role": "system", "content": OTHER}, {"role": "user", "content": "conversation C"}]
-            assert await send(ga, replicas, c1, key_with_home(ga, r0, "c")) == "r0"
+            await restart_r0_and_serve_c(ga, replicas)
             assert await ga.routing_share.exchange() and await gb.routing_share.exchange()
-            c_blocks = routing_blocks({"messages": c1}, model)
+            c_blocks = routing_blocks({"messages": C1}, model)
             shared = redis.Redis()
             members = {int(m) for m in shared.zrange(f"prefixgate:route:{model}:{r0}", 0, -1)}
             assert members == set(c_blocks)
             assert gb.routing_share.stats.renewals_read == 1 and ga.routing_share.stats.renewals_read == 0
             assert gb.upstream.routing.approx.match(r0, a_blocks) == 0
             assert gb.upstream.routing.approx.match(r0, c_blocks) == len(c_blocks)
-            a2 = a1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "A again"}]
+            a2 = A1 + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "A again"}]
             assert await send(gb, replicas, a2, ka) == "r1"
             # A gateway that starts now reads the trimmed sets and takes the moment as known.
             gc = gateway(replicas, http, model, share)
