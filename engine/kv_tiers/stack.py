@@ -270,29 +270,58 @@ class TierStack:
         (None: none of them does, or it holds none).
 
         The servable head is what a request for the chain gets now: the ``ram_blocks`` leading blocks the RAM
-        pool holds, then the run a lookup reads on from the tiers (each block from the first tier holding it,
-        up to the first block none holds). A tier's count is the blocks of that head it holds: its copies of
-        the pool's blocks and its part of the run. Before, a tier counted only a run from the chain's first
-        block, so a tier holding the tail that the pool had evicted below a head still in RAM, and serving it,
-        was listed with 0 (a trial). A chain's blocks can be kept under different levels (a system prompt's
-        for a day, a conversation's history for minutes): from the soonest expiry on the tier serves less of
-        it. A tier that fails holds nothing here and is named in ``skipped`` (``_admin_call``). One
-        ``peek_many`` per tier."""
+        pool holds, then the run a lookup reads on from the tiers (each block from a tier holding it, up to
+        the first block none holds). A tier counts its copies of the pool's blocks (a run from the first, as a
+        restarted engine would read them) and the blocks of the run below them it holds. Before, a tier
+        counted only a run from the chain's first block, so a tier holding the tail the pool had evicted below
+        a head still in RAM, and serving it, was listed with 0 (a trial). A chain's blocks can be kept under
+        different levels (a system prompt's for a day, a conversation's history for minutes): from the
+        soonest expiry on the tier serves less of it. A tier that fails holds nothing here and is named in
+        ``skipped`` (``_admin_call``; counted once per call). Blocks are peeked in chunks of 1, 4, 16, ... (``peek_many``), so a tier
+        holding nothing of the chain costs one peek."""
         keys = [self.layout.tier_key(h) for h in hashes]
-        absent: list[tuple[bool, float | None]] = [(False, None)] * len(keys)
-        held = {
-            t.name: self._admin_call(t, lambda t=t: t.peek_many(keys), absent, skipped) or absent
-            for t in self.tiers
+        ram = min(ram_blocks, len(keys))
+        kept: dict[str, list[float | None]] = {t.name: [] for t in self.tiers}
+
+        failed: dict[str, str] = {}  # a tier that failed once is not asked again in this call
+
+        def peek(tier: Tier, part: list[str]) -> list[tuple[bool, float | None]]:
+            if tier.name not in failed:
+                found = self._admin_call(tier, lambda: tier.peek_many(part), [], failed)
+                if tier.name not in failed and len(found) == len(part):
+                    return found
+            return [(False, None)] * len(part)
+
+        for tier in self.tiers:  # the pool's blocks: this tier's copies, a run from the first
+            at, step = 0, 1
+            while at < ram:
+                part = keys[at : min(ram, at + step)]
+                found = peek(tier, part)
+                run = next((j for j, (present, _) in enumerate(found) if not present), len(found))
+                kept[tier.name] += [expires_at for _, expires_at in found[:run]]
+                if run < len(part):
+                    break
+                at, step = at + len(part), step * 4
+        at, step = ram, 1
+        while at < len(keys):  # the run below them, each block from any tier holding it
+            part = keys[at : at + step]
+            found = {t.name: peek(t, part) for t in self.tiers}
+            for j in range(len(part)):
+                holders = [name for name, f in found.items() if f[j][0]]
+                if not holders:
+                    at = len(keys)
+                    break
+                for name in holders:
+                    kept[name].append(found[name][j][1])
+            else:
+                at, step = at + len(part), step * 4
+        if skipped is not None:
+            for name, reason in failed.items():
+                skipped.setdefault(name, reason)
+        return {
+            name: (len(exp), min((e for e in exp if e is not None), default=None))
+            for name, exp in kept.items()
         }
-        end = min(ram_blocks, len(keys))
-        while end < len(keys) and any(found[end][0] for found in held.values()):
-            end += 1
-        out: dict[str, tuple[int, float | None]] = {}
-        for name, found in held.items():
-            kept = [expires_at for present, expires_at in found[:end] if present]
-            soonest = min((e for e in kept if e is not None), default=None)
-            out[name] = (len(kept), soonest)
-        return out
 
     def delete_chain(self, hashes: list[BlockHash], skipped: dict[str, str] | None = None) -> dict[str, int]:
         """Remove the blocks of a chain from every tier. Returns entries removed per tier; a tier that fails

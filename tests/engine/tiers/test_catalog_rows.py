@@ -147,3 +147,20 @@ def test_a_record_in_use_is_written_down_again(tmp_path):
     run(eng, prompt, prefix_key="pk-t")
     assert saves == ["pk-t", "pk-t"]
     eng.close()
+
+
+def test_a_tier_that_holds_nothing_of_a_prefix_costs_one_peek(tmp_path):
+    """Listing asks the tiers in growing chunks (the dashboard lists every prefix on each refresh)."""
+    eng = tiered(tmp_path, ("disk",))
+    run(eng, random_tokens(8 * 16 + 1, 76), prefix_key="pk-ram")
+    disk = eng.tiers.stack.tiers[0]
+    asked: list[int] = []
+    real = disk.peek_many
+    disk.peek_many = lambda keys: asked.append(len(keys)) or real(keys)
+    (row,) = eng.list_cached()
+    assert row.tiers == {"ram": 128, "disk": 0} and asked == [1]
+    assert eng.flush_tiers()  # every block written down: the copies of all 8 are counted
+    asked.clear()
+    (row,) = eng.list_cached()
+    assert row.tiers == {"ram": 128, "disk": 128} and asked == [1, 4, 3]
+    eng.close()
