@@ -11,8 +11,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from engine.api import (
     DECODE_KERNELS,
     DENSE_GEMMS,
@@ -24,7 +22,7 @@ from engine.api import (
 from engine.errors import UnsupportedModelError
 from engine.kv_tiers.keys import MIN_SECRET_BYTES
 from engine.kv_tiers.policy import DEFAULT_POLICIES, LEVELS, MAX_TTL_S, TierPolicies, TierPolicy
-from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig, redis_url_db_problem
+from engine.kv_tiers.settings import TIER_NAMES, DiskTierConfig, RedisTierConfig
 from engine.step_threads import check_small_step_threads
 from gateway.config.reader import Reader
 from gateway.config.schema import ConfigError, EmbeddedModel, GatewayConfig
@@ -246,14 +244,7 @@ def _check_tiers(reader: Reader, values: dict[str, Any], where: str, base_dir: P
         if not os.access(directory, os.W_OK | os.X_OK):
             reader.fail(path, f"{directory} is not writable")
     if "redis" in tiers:
-        url = values.get("tier_redis", RedisTierConfig()).url
-        try:
-            redis.connection.parse_url(url)
-        except ValueError as exc:
-            reader.fail(f"{where}.tier_redis.url", f"not a Redis URL ({exc})")
-        problem = redis_url_db_problem(url)
-        if problem is not None:
-            reader.fail(f"{where}.tier_redis.url", problem)
+        reader.redis_url(f"{where}.tier_redis.url", values.get("tier_redis", RedisTierConfig()).url)
         if secret is None:
             reader.fail(
                 f"{where}.deployment_secret",

@@ -266,8 +266,8 @@ def _parse_transcript(reader: Reader, value: Any, redis_section: Any) -> Transcr
     url = reader.typed(section, "transcript", "redis_url", str | None, None)
     if url is None:
         url = reader.typed(shared, "redis", "url", str | None, None)
-    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        reader.fail("transcript.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    if url is not None:
+        reader.redis_url("transcript.redis_url", url)
     prefix = reader.typed(section, "transcript", "redis_prefix", str, default.redis_prefix)
     return TranscriptConfig(redis_url=url or None, redis_prefix=prefix, **values)
 

@@ -10,6 +10,9 @@ import types
 import typing
 from typing import Any
 
+import redis.connection
+
+from engine.kv_tiers.settings import redis_url_db_problem
 from gateway.config.schema import ConfigError
 from gateway.core.json_types import yaml_kind
 
@@ -22,6 +25,23 @@ class Reader:
 
     def fail(self, key: str, problem: str) -> typing.NoReturn:
         raise ConfigError(self.source, key, problem)
+
+    def redis_url(self, key: str, url: str) -> str:
+        """``url`` when it is a Redis URL redis-py connects with as written: a ``redis://``, ``rediss://`` or
+        ``unix://`` scheme, a port and query arguments it parses, and a database that is a non-negative integer
+        (``engine.kv_tiers.settings.redis_url_db_problem``: redis-py silently takes database 0 for
+        ``redis://host:6379/abc``). Else ``fail(key, ...)`` (before, some of these were a traceback at start,
+        others ran on database 0)."""
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            self.fail(key, f"not a Redis URL: expected a redis://, rediss:// or unix:// URL, got {url!r}")
+        try:
+            redis.connection.parse_url(url)
+        except ValueError as exc:
+            self.fail(key, f"not a Redis URL ({exc}): {url!r}")
+        problem = redis_url_db_problem(url)
+        if problem is not None:
+            self.fail(key, problem)
+        return url
 
     def mapping(self, value: Any, where: str, allowed: set[str]) -> dict[str, Any]:
         if not isinstance(value, dict):

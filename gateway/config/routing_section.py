@@ -82,9 +82,9 @@ def _parse_routing_share(reader: Reader, value: Any, where: str) -> RoutingShare
         value = {"redis_url": value}
     default = RoutingShareConfig()
     section = reader.mapping(value, where, {f.name for f in dataclasses.fields(RoutingShareConfig)})
-    url = reader.typed(section, where, "redis_url", str, default.redis_url)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        reader.fail(f"{where}.redis_url", f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    url = reader.redis_url(
+        f"{where}.redis_url", reader.typed(section, where, "redis_url", str, default.redis_url)
+    )
     numbers = {}
     for key in ("interval_s", "timeout_s", "retry_after_s"):
         numbers[key] = reader.typed(section, where, key, float, getattr(default, key))

@@ -444,6 +444,30 @@ def test_transcript_and_learning_settings(tmp_path):
         ("transcript: {max_entries: 0}\n", "transcript.max_entries", "positive"),
         ("transcript: {ttl_s: soon}\n", "transcript.ttl_s", "a number"),
         ("transcript: {redis_url: 'http://x'}\n", "transcript.redis_url", "redis://"),
+        # a trial: a port or database redis-py cannot read was a traceback at start, a path it cannot read as a
+        # number silently ran on database 0
+        (
+            f"{OPENAI} routing: cache_aware, routing_share: 'redis://127.0.0.1:notaport/0'}}]\n",
+            "models[0].routing_share.redis_url",
+            "not a Redis URL",
+        ),
+        (
+            f"{OPENAI} routing: cache_aware, routing_share: 'redis://127.0.0.1:6379/3?db=abc'}}]\n",
+            "models[0].routing_share.redis_url",
+            "not a Redis URL",
+        ),
+        (
+            f"{OPENAI} routing_share: {{redis_url: 'redis://127.0.0.1:6379/abc'}}}}]\n",
+            "models[0].routing_share.redis_url",
+            "non-negative integer",
+        ),
+        (
+            f"{OPENAI} routing_share: 'redis://127.0.0.1:6379/-1'}}]\n",
+            "models[0].routing_share.redis_url",
+            "non-negative integer",
+        ),
+        ("transcript: {redis_url: 'redis://h:6379/abc'}\n", "transcript.redis_url", "non-negative integer"),
+        ("redis: {url: 'redis://h:x/0'}\n", "transcript.redis_url", "not a Redis URL"),
         ("transcript: {redis: x}\n", "transcript.redis", "unknown key"),
         ("redis: {host: x}\n", "redis.host", "unknown key"),
         ("rules_learning: always\n", "rules_learning.mode", "off, suggest, apply"),
