@@ -240,6 +240,20 @@ def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
     yield unexplained
 
 
+ROUTING_SHARE_COUNTERS = (
+    "exchanges",
+    "written",
+    "retracted",
+    "retractions_read",
+    "renewals_read",
+    "read",
+    "errors",
+    "skipped",
+    "dropped",
+)
+"""The counters of ``RoutingShareStats`` exported as ``prefixgate_routing_share_total{counter}``."""
+
+
 def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     """The Redis routing shares' counters (``models[name]["routing_share"]``, docs/routing.md)."""
     shares = {name: m["routing_share"] for name, m in models.items() if m.get("routing_share")}
@@ -248,7 +262,8 @@ def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric
     counters = CounterMetricFamily(
         "prefixgate_routing_share",
         "Routing share counters: exchanges with Redis, placements written, placements retracted (their "
-        "attempt failed), hashes read, errors, exchanges skipped while Redis is left alone, placements "
+        "attempt failed), hashes other gateways retracted that this one forgot, replica renewals read from "
+        "other gateways, hashes read, errors, exchanges skipped while Redis is left alone, placements "
         "dropped from a full outbox.",
         labels=["model", "counter"],
     )
@@ -261,7 +276,7 @@ def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric
         labels=["model"],
     )
     for name, share in shares.items():
-        for key in ("exchanges", "written", "retracted", "read", "errors", "skipped", "dropped"):
+        for key in ROUTING_SHARE_COUNTERS:
             counters.add_metric([name, key], share[key])
         up.add_metric([name], int(share["up"]))
         peers.add_metric([name], share["gateways"])

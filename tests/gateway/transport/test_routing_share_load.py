@@ -187,4 +187,9 @@ async def test_the_share_is_counted_logged_once_per_outage_and_exported(caplog):
     }
     assert samples[("prefixgate_routing_share_total", (("counter", "errors"), ("model", "shared")))] == 3
     assert samples[("prefixgate_routing_share_up", (("model", "shared"),))] == 0
+    # every counter of /admin/stats is in /metrics too (a trial: renewals_read was in the stats only)
+    exported = {
+        dict(labels)["counter"] for name, labels in samples if name == "prefixgate_routing_share_total"
+    }
+    assert exported == set(stats) - {"gateways", "up"}
     assert OpenAIUpstreamBackend("alone", ["http://127.0.0.1:9/v1"]).routing_share_stats() is None
