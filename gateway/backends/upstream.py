@@ -155,11 +155,14 @@ class UpstreamBackend(Backend):
                 path=kv_events.path,
                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             )
+        self.instances = ReplicaInstances()
+        """The instance names each replica answered with (``x-prefixgate-instance``): a new one is a restart."""
         self.routing_share: RoutingShare | None = None
         if routing_share is not None:
             self.routing_share = RoutingShare(
                 policy,
                 self.upstream_model,
+                instances=self.instances,
                 url=routing_share.redis_url,
                 interval_s=routing_share.interval_s,
                 timeout_s=routing_share.timeout_s,
@@ -172,8 +175,6 @@ class UpstreamBackend(Backend):
             secrets=(api_key,) if api_key else (),
             routing=policy,
         )
-        self.instances = ReplicaInstances()
-        """The instance names each replica answered with (``x-prefixgate-instance``): a new one is a restart."""
         self._own_client = client
         self._urls: dict[str, httpx.URL] = {}
         self._client: httpx.AsyncClient | None = client
@@ -335,14 +336,15 @@ class UpstreamBackend(Backend):
         opened = await open_response(
             client, self.upstream, key, build, sleep=self._sleep, blocks=blocks, send_direct=direct
         )
-        if self.instances.observe(opened.replica, opened.response.headers) and routing is not None:
+        instance = self.instances.observe(opened.replica, opened.response.headers)
+        if instance is not None and routing is not None:
             logger.info(
                 "%s: replica %s answered as a new instance (restarted): forgetting the prefixes the routing "
                 "index credited to it",
                 self.name,
                 redact_url(opened.replica),
             )
-            routing.replica_renewed(opened.replica, blocks)
+            routing.replica_renewed(opened.replica, blocks, instance)
         return opened
 
 

@@ -11,7 +11,10 @@ Invariants:
   Kubernetes Service in front of two pods) alternates between known names, and clearing the index at each
   switch would throw away every placement; each URL keeps its last ``KNOWN_PER_REPLICA`` names;
 - a value longer than ``MAX_INSTANCE_CHARS`` or holding anything but ``[0-9A-Za-z_-]`` is ignored (a header
-  no prefixgate sent).
+  no prefixgate sent);
+- a name another gateway reported through ``routing_share`` (``learn``) is known here too: one restart is one
+  renewal across the gateways, not one per gateway (a trial: the second gateway's renewal erased the placements
+  the first had made on the new instance since).
 """
 
 from __future__ import annotations
@@ -40,24 +43,31 @@ class ReplicaInstances:
         self._known: dict[str, OrderedDict[str, None]] = {}
         self.restarts: dict[str, int] = {}
 
-    def observe(self, replica: str, headers: Mapping[str, str]) -> bool:
+    def observe(self, replica: str, headers: Mapping[str, str]) -> str | None:
         """Note the instance named by one answer's ``headers`` from ``replica`` (its base URL).
 
         Returns:
-            True when ``replica`` had answered before with other names only: it restarted since (counted in
-            ``restarts``); False otherwise, including an absent or malformed header.
+            The instance's name when ``replica`` had answered before with other names only: it restarted since
+            (counted in ``restarts``); None otherwise, including an absent or malformed header.
         """
         value = headers.get(INSTANCE_HEADER)
         if not value or len(value) > MAX_INSTANCE_CHARS or not _NAME.fullmatch(value):
-            return False
+            return None
+        known = self._known.get(replica)
+        restarted = known is not None and value not in known
+        self.learn(replica, value)
+        if not restarted:
+            return None
+        self.restarts[replica] = self.restarts.get(replica, 0) + 1
+        return value
+
+    def learn(self, replica: str, name: str) -> None:
+        """Know ``name`` as an instance of ``replica`` (its answers are no restart from now on): one this gateway
+        saw, or one whose restart another gateway reported."""
+        if not name or len(name) > MAX_INSTANCE_CHARS or not _NAME.fullmatch(name):
+            return
         known = self._known.setdefault(replica, OrderedDict())
-        if value in known:
-            known.move_to_end(value)
-            return False
-        restarted = bool(known)
-        known[value] = None
+        known[name] = None
+        known.move_to_end(name)
         if len(known) > KNOWN_PER_REPLICA:
             known.popitem(last=False)
-        if restarted:
-            self.restarts[replica] = self.restarts.get(replica, 0) + 1
-        return restarted

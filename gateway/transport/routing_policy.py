@@ -260,8 +260,8 @@ class RoutingPolicy:
     def replica_restarted(self, replica: str) -> None:
         """The replica lost its cache (restart); policies with an index forget it."""
 
-    def replica_renewed(self, replica: str, keep: Sequence[int] = ()) -> None:
-        """``replica`` answered as an instance new to its URL (``gateway.transport.replica_instances``): its
+    def replica_renewed(self, replica: str, keep: Sequence[int] = (), instance: str = "") -> None:
+        """``replica`` answered as ``instance``, new to its URL (``gateway.transport.replica_instances``): its
         RAM cache started empty. Policies with an approximate index forget what they credited to it, bar
         ``keep`` (the block hashes of the request whose answer showed it: prefilled there now)."""
 
@@ -447,7 +447,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.pending_blocks: dict[str, int] = {}
         self.on_route: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.record
         self.on_unroute: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.retract
-        self.on_renew: list[Callable[[str, tuple[int, ...]], None]] = []  # e.g. RoutingShare.renewed
+        self.on_renew: list[Callable[[str, tuple[int, ...], str], None]] = []  # e.g. RoutingShare.renewed
         self.use_kv_events = use_kv_events
         self.approx = BlockIndex(index_capacity_blocks)
         # Exact view from KV events: bounded like the approximate one (a lying stream cannot grow memory).
@@ -522,7 +522,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.approx.clear(replica)
         self.exact.clear(replica)
 
-    def replica_renewed(self, replica: str, keep: Sequence[int] = ()) -> None:
+    def replica_renewed(self, replica: str, keep: Sequence[int] = (), instance: str = "") -> None:
         """Forget the approximate index's blocks on ``replica`` but ``keep`` (see ``RoutingPolicy``), and tell
         ``on_renew`` (other gateways, through ``routing_share``). The exact view stays: a restart ends the
         replica's KV event stream (``kv_stream_lost`` clears it then), and what the new stream reported since
@@ -533,7 +533,7 @@ class CacheAwarePolicy(RoutingPolicy):
             self.approx.add(replica, kept)
         self.stats.renewed += 1
         for callback in self.on_renew:
-            callback(replica, kept)
+            callback(replica, kept, instance)
 
     def kv_stream_lost(self, replica: str) -> None:
         """``replica``'s KV event stream ended: forget its exact view; the approximate index routes it until

@@ -22,10 +22,13 @@ writes this gateway's state to Redis and reads the other gateways':
   retraction removes those hashes from its own index unless it read a placement of the same hash at that time
   or later (the retry that was served there);
 - a replica seen answering as a new instance (``CacheAwarePolicy.replica_renewed``: it restarted, its RAM cache
-  empty) loses every hash scored before that moment from its set (``ZREMRANGEBYSCORE``), and the moment is
-  written to the hash ``{prefix}{upstream}:renewed`` (field: the replica); a gateway that reads a moment newer
-  than the last it knew for a replica forgets that replica in its own index too, then takes the hashes
-  scored from that moment on. A gateway's first exchange only learns the moments (its index is read from the
+  empty) loses every hash scored before that moment from its set (``ZREMRANGEBYSCORE``), and the moment and
+  the instance's name are written to the hash ``{prefix}{upstream}:renewed`` (field: the replica, value
+  ``"{ms} {instance}"``), in one script that does neither when the hash already names that instance (another
+  gateway renewed it first: its placements on the new instance since then stay); a gateway that reads a
+  moment newer than the last it knew for a replica forgets that replica in its own index too, then takes the
+  hashes scored from that moment on, and knows the instance (``ReplicaInstances.learn``: its own first answer
+  from it is no restart). A gateway's first exchange only learns the moments (its index is read from the
   sets, already trimmed).
 
 So another gateway's placement or load is seen here at most ``interval_s`` plus one exchange later. Redis is
@@ -51,9 +54,24 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
+from gateway.transport.replica_instances import ReplicaInstances
 from gateway.transport.routing_policy import CacheAwarePolicy, RoutingPolicy
 
 DEFAULT_PREFIX = "prefixgate:route:"
+
+# KEYS: 1 the replica's set, 2 the renewed hash. ARGV: 1 the replica, 2 ms, 3 the new instance ("" = unnamed),
+# 4 the hash's TTL in ms. Returns 1 when it renewed, 0 when the hash already named that instance.
+_RENEW = """
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if cur and ARGV[3] ~= '' then
+  local space = string.find(cur, ' ', 1, true)
+  if space and string.sub(cur, space + 1) == ARGV[3] then return 0 end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +118,8 @@ class RoutingShare:
         load_stale_s: another gateway's load older than this is ignored (default ``max(1, 5 * interval_s)``).
         prefix: prefix of every key.
         clock: wall-clock seconds (``time.time``; scores must agree across processes).
+        instances: the instance names the upstream backend saw per replica; a renewal read from another
+            gateway teaches it the new instance's name.
     """
 
     def __init__(
@@ -117,6 +137,7 @@ class RoutingShare:
         load_stale_s: float | None = None,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
+        instances: ReplicaInstances | None = None,
     ) -> None:
         self.policy = policy
         self.upstream = upstream
@@ -136,9 +157,10 @@ class RoutingShare:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._outbox: deque[tuple[str, str, tuple[int, ...], int]] = deque(maxlen=outbox_limit)
-        """(operation, replica, block hashes, ms since the epoch): ``add`` a placement, ``remove`` a
+        self._outbox: deque[tuple[str, str, tuple[int, ...], int, str]] = deque(maxlen=outbox_limit)
+        """(operation, replica, block hashes, ms since the epoch, instance): ``add`` a placement, ``remove`` a
         retraction, ``renew`` a replica's new instance (its hashes scored before the ms go)."""
+        self.instances = instances
         self._renewed_ms: dict[str, int] | None = None
         """Per replica, the latest renewal moment this gateway knows (None before the first exchange)."""
         self._last_read_ms: int | None = None
@@ -165,10 +187,10 @@ class RoutingShare:
         """The hash of each replica's latest renewal moment (ms since the epoch)."""
         return f"{self.prefix}{self.upstream}:renewed"
 
-    def _queue(self, op: str, replica: str, blocks: tuple[int, ...], at_ms: int) -> None:
+    def _queue(self, op: str, replica: str, blocks: tuple[int, ...], at_ms: int, instance: str = "") -> None:
         if len(self._outbox) == self._outbox.maxlen:
             self.stats.dropped += 1
-        self._outbox.append((op, replica, blocks, at_ms))
+        self._outbox.append((op, replica, blocks, at_ms, instance))
 
     def record(self, replica: str, blocks: tuple[int, ...]) -> None:
         """Queue one placement for the next exchange (the oldest queued one is dropped when full)."""
@@ -187,11 +209,12 @@ class RoutingShare:
         if blocks:
             self._queue("remove", replica, blocks, int(self._clock() * 1000))
 
-    def renewed(self, replica: str, keep: tuple[int, ...]) -> None:
-        """Queue ``replica``'s renewal (it answered as a new instance, ``CacheAwarePolicy.replica_renewed``):
-        its shared hashes scored before now go, then ``keep`` (the request that showed it) is placed anew."""
+    def renewed(self, replica: str, keep: tuple[int, ...], instance: str = "") -> None:
+        """Queue ``replica``'s renewal (it answered as ``instance``, new to it, ``CacheAwarePolicy.replica_renewed``):
+        its shared hashes scored before now go (unless another gateway renewed it for that instance first),
+        then ``keep`` (the request that showed it) is placed anew."""
         now_ms = int(self._clock() * 1000)
-        self._queue("renew", replica, (), now_ms)
+        self._queue("renew", replica, (), now_ms, instance)
         if self._renewed_ms is not None:
             self._renewed_ms[replica] = max(now_ms, self._renewed_ms.get(replica, 0))
         if keep:
@@ -220,7 +243,7 @@ class RoutingShare:
             if self._index is not None:
                 cap = self._index.approx.capacity_blocks
                 touched: set[str] = set()
-                for op, replica, blocks, at_ms in pending:
+                for op, replica, blocks, at_ms, instance in pending:
                     if op == "remove":
                         pipe.zrem(self.key(replica), *(str(b) for b in blocks))
                         gone = self.retracted_key(replica)
@@ -228,9 +251,16 @@ class RoutingShare:
                         pipe.zremrangebyrank(gone, 0, -(cap + 1))
                         pipe.pexpire(gone, self.ttl_ms)
                     elif op == "renew":
-                        pipe.zremrangebyscore(self.key(replica), "-inf", f"({at_ms}")
-                        pipe.hset(self.renewed_key(), replica, at_ms)
-                        pipe.pexpire(self.renewed_key(), self.ttl_ms)
+                        pipe.eval(  # a renewal is rare: the script's text each time
+                            _RENEW,
+                            2,
+                            self.key(replica),
+                            self.renewed_key(),
+                            replica,
+                            at_ms,
+                            instance,
+                            self.ttl_ms,
+                        )
                     else:
                         pipe.zadd(self.key(replica), {str(b): at_ms for b in blocks})
                     touched.add(replica)
@@ -313,15 +343,20 @@ class RoutingShare:
             self.stats.retractions_read += len(forget)
 
     def _read_renewals(self, fields: object) -> dict[str, int]:
-        """The replicas whose renewal moment in ``fields`` (the renewed hash) is newer than this gateway knew,
-        with that moment; none at the first exchange, which only learns them (malformed fields ignored)."""
+        """The replicas whose renewal moment in ``fields`` (the renewed hash: ``"{ms} {instance}"``) is newer
+        than this gateway knew, with that moment; none at the first exchange, which only learns them. Each
+        instance named is learned (``instances``). Malformed fields are ignored."""
         latest: dict[str, int] = {}
         known = set(self.policy.replicas)
         for replica, raw in (fields or {}).items() if isinstance(fields, dict) else ():
             name = replica.decode() if isinstance(replica, bytes) else str(replica)
-            with contextlib.suppress(ValueError, TypeError):
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                text = raw.decode() if isinstance(raw, bytes) else str(raw)
+                ms, _, instance = text.partition(" ")
                 if name in known:
-                    latest[name] = int(raw)
+                    latest[name] = int(ms)
+                    if self.instances is not None and instance:
+                        self.instances.learn(name, instance)
         if self._renewed_ms is None:
             self._renewed_ms = latest
             return {}

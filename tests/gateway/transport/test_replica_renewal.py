@@ -50,16 +50,16 @@ def test_a_url_balancing_over_live_instances_is_no_restart_once_each_is_known():
 def test_renewal_forgets_the_approximate_blocks_but_the_kept_ones_and_the_exact_view():
     policy = CacheAwarePolicy(AffinityRing(["r0", "r1"]))
     told: list[tuple[str, tuple[int, ...]]] = []
-    policy.on_renew.append(lambda replica, kept: told.append((replica, kept)))
+    policy.on_renew.append(lambda replica, kept, instance: told.append((replica, kept, instance)))
     policy.approx.add("r0", [1, 2, 3])
     policy.approx.add("r1", [1, 2])
     policy.exact.add("r0", [7, 8])
-    policy.replica_renewed("r0", [9, 10])
+    policy.replica_renewed("r0", [9, 10], "beef")
     assert policy.approx.match("r0", [1, 2, 3]) == 0
     assert policy.approx.match("r0", [9, 10]) == 2
     assert policy.approx.match("r1", [1, 2]) == 2
     assert policy.exact.match("r0", [7, 8]) == 2  # the KV event stream's own business (kv_stream_lost)
-    assert told == [("r0", (9, 10))] and policy.stats.renewed == 1
+    assert told == [("r0", (9, 10), "beef")] and policy.stats.renewed == 1
 
 
 A1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "conversation A"}]
@@ -156,3 +156,45 @@ def test_a_first_exchange_only_learns_the_renewal_moments():
     assert share._read_renewals({b"r0": b"5"}) == {}
     assert share._read_renewals({b"r0": b"6", b"r1": b"3"}) == {"r0": 6, "r1": 3}
     assert share._read_renewals("not a mapping") == {}
+
+
+async def test_one_restart_is_one_renewal_across_the_gateways(fleet):
+    """A trial: each gateway that had known the old instance renewed the replica at its own first answer from
+    the new one, and the later renewal erased what the first gateway had placed on the new instance since.
+    Now a renewal names the instance: a gateway that read it knows the instance, and one that saw it before
+    reading it renews without erasing anything (the shared hash already names that instance)."""
+    replicas = fleet
+    model = f"renew-once-{uuid.uuid4().hex[:8]}"
+    share = RoutingShareConfig(redis_url="redis://127.0.0.1:6379/0", interval_s=0.05, timeout_s=0.5)
+    async with httpx.AsyncClient(timeout=10) as http:
+        ga, gb, gc = (gateway(replicas, http, model, share) for _ in range(3))
+        r0 = replicas[0].base_url
+        shared = redis.Redis()
+        members = f"prefixgate:route:{model}:{r0}"
+        try:
+            for g in (ga, gb, gc):  # every gateway has had an answer from r0's first instance
+                assert await send(g, replicas, A1, key_with_home(g, r0, "a")) == "r0"
+                assert await g.routing_share.exchange()
+            await restart_r0_and_serve_c(ga, replicas)  # gateway A renews r0
+            d1 = [{"role": "system", "content": "Dispatch desk. " * 60}, {"role": "user", "content": "D"}]
+            assert await send(ga, replicas, d1, key_with_home(ga, r0, "d")) == "r0"
+            assert await ga.routing_share.exchange()
+            placed = {int(m) for m in shared.zrange(members, 0, -1)}
+            d_blocks = set(routing_blocks({"messages": d1}, model))
+            assert d_blocks <= placed
+            # B reads A's renewal first: it knows the new instance, so its first answer from it is no restart
+            assert await gb.routing_share.exchange()
+            e1 = [{"role": "system", "content": OTHER}, {"role": "user", "content": "conversation E"}]
+            assert await send(gb, replicas, e1, key_with_home(gb, r0, "c")) == "r0"
+            assert gb.replicas()[r0]["restarts"] == 0 and gb.upstream.routing.stats.renewed == 0
+            # C sees the new instance before reading the renewal: it renews its own index, erases nothing shared
+            assert await send(gc, replicas, e1, key_with_home(gc, r0, "c")) == "r0"
+            assert gc.replicas()[r0]["restarts"] == 1
+            assert await gc.routing_share.exchange()
+            assert d_blocks <= {int(m) for m in shared.zrange(members, 0, -1)}
+            assert await ga.routing_share.exchange()
+            assert ga.upstream.routing.approx.match(r0, tuple(routing_blocks({"messages": d1}, model))) > 0
+        finally:
+            forget_routing_keys(model)
+            for g in (ga, gb, gc):
+                await g.close()
