@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from gateway.transport.affinity import AffinityRing
+from gateway.transport.block_index import BlockIndex
 from gateway.transport.retry import RetryPolicy
 from gateway.transport.routing_policy import (
-    BlockIndex,
     CacheAwarePolicy,
     ConsistentHashPolicy,
     KVEventError,
