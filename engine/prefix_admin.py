@@ -176,7 +176,7 @@ class PrefixAdmin:
         expired or pushed out of every tier) is not listed: it keeps its catalog record, and is listed again
         once requests cache it again. A tier that cannot answer (Redis down) lists 0 and keeps the row listed:
         its blocks may be there (before, such rows vanished while the tier was down, a trial). Never any text.
-        O(listed blocks) pool lookups and tier checks (one pipelined round trip per prefix and tier)."""
+        O(listed blocks) pool lookups and tier checks, in growing chunks per tier (``TierStack.presence``)."""
         out = []
         bs = self.kv.block_size
         for rec in self.catalog.select(prefix_key=prefix_key, tenant=tenant, model_id=model_id):

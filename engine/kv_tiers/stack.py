@@ -277,8 +277,8 @@ class TierStack:
         a head still in RAM, and serving it, was listed with 0 (a trial). A chain's blocks can be kept under
         different levels (a system prompt's for a day, a conversation's history for minutes): from the
         soonest expiry on the tier serves less of it. A tier that fails holds nothing here and is named in
-        ``skipped`` (``_admin_call``; counted once per call). Blocks are peeked in chunks of 1, 4, 16, ... (``peek_many``), so a tier
-        holding nothing of the chain costs one peek."""
+        ``skipped`` (``_admin_call``; counted once per call). Blocks are peeked in chunks of 1, 4, 16, ...
+        (``peek_many``), so a tier holding nothing of the chain costs one peek."""
         keys = [self.layout.tier_key(h) for h in hashes]
         ram = min(ram_blocks, len(keys))
         kept: dict[str, list[float | None]] = {t.name: [] for t in self.tiers}
