@@ -53,6 +53,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -149,11 +150,23 @@ def httpx_error(exc: BaseException) -> httpx.TransportError | None:
 
 def _message(exc: BaseException) -> str:
     """``exc``'s text; a plain connect failure as ``Cannot connect to host H:P: <reason>``, without the
-    ``ssl:default`` aiohttp appends even to an ``http://`` URL (TLS errors keep theirs)."""
+    ``ssl:default`` aiohttp appends even to an ``http://`` URL (TLS errors keep theirs); a body cut short as
+    ``the response body ended before its end (<aiohttp's reason>)``, without the parser's internal code (a
+    trial read ``<TransferEncodingError: 400, ...>`` as a 400 from the replica)."""
     if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(exc, aiohttp.ClientSSLError):
         reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
         return f"Cannot connect to host {exc.host}:{exc.port}: {reason}"
-    return str(exc) or type(exc).__name__
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ClientPayloadError) and "not completed" in text:
+        reason = _PARSER_REASON.search(text)
+        return (
+            f"the response body ended before its end ({reason.group(1) if reason else 'connection closed'})"
+        )
+    return text
+
+
+_PARSER_REASON = re.compile(r"message='([^']*)'")
+"""The reason inside aiohttp's ``<TransferEncodingError: 400, message='...'>`` (``ClientPayloadError``'s text)."""
 
 
 async def _body_chunks(
