@@ -30,8 +30,11 @@ class Reader:
         """``url`` when it is a Redis URL redis-py connects with as written: a ``redis://``, ``rediss://`` or
         ``unix://`` scheme, a port and query arguments it parses, and a database that is a non-negative integer
         (``engine.kv_tiers.settings.redis_url_db_problem``: redis-py silently takes database 0 for
-        ``redis://host:6379/abc``). Else ``fail(key, ...)`` (before, some of these were a traceback at start,
-        others ran on database 0)."""
+        ``redis://host:6379/abc``). Before, some of these were a traceback at start, others ran on database 0.
+
+        Raises:
+            ConfigError: naming ``key`` and what is wrong with the URL.
+        """
         if not url.startswith(("redis://", "rediss://", "unix://")):
             self.fail(key, f"not a Redis URL: expected a redis://, rediss:// or unix:// URL, got {url!r}")
         try:

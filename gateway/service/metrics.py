@@ -240,20 +240,6 @@ def _cache_miss_metrics(doc: dict[str, Any] | None) -> Iterator[Metric]:
     yield unexplained
 
 
-ROUTING_SHARE_COUNTERS = (
-    "exchanges",
-    "written",
-    "retracted",
-    "retractions_read",
-    "renewals_read",
-    "read",
-    "errors",
-    "skipped",
-    "dropped",
-)
-"""The counters of ``RoutingShareStats`` exported as ``prefixgate_routing_share_total{counter}``."""
-
-
 def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     """The Redis routing shares' counters (``models[name]["routing_share"]``, docs/routing.md)."""
     shares = {name: m["routing_share"] for name, m in models.items() if m.get("routing_share")}
@@ -276,8 +262,9 @@ def _routing_share_metrics(models: dict[str, dict[str, Any]]) -> Iterator[Metric
         labels=["model"],
     )
     for name, share in shares.items():
-        for key in ROUTING_SHARE_COUNTERS:
-            counters.add_metric([name, key], share[key])
+        for key, value in share.items():  # every counter of ``RoutingShareStats.snapshot``
+            if key not in ("up", "gateways"):  # gauges, below
+                counters.add_metric([name, key], value)
         up.add_metric([name], int(share["up"]))
         peers.add_metric([name], share["gateways"])
     yield from (counters, up, peers)

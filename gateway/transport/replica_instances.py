@@ -51,23 +51,25 @@ class ReplicaInstances:
             (counted in ``restarts``); None otherwise, including an absent or malformed header.
         """
         value = headers.get(INSTANCE_HEADER)
-        if not value or len(value) > MAX_INSTANCE_CHARS or not _NAME.fullmatch(value):
-            return None
         known = self._known.get(replica)
-        restarted = known is not None and value not in known
-        self.learn(replica, value)
-        if not restarted:
+        if not value or (known is not None and value in known):  # the common case: a name known here
+            if value:
+                known.move_to_end(value)  # type: ignore[union-attr]
+            return None
+        if not self.learn(replica, value) or known is None:  # malformed, or the URL's first name
             return None
         self.restarts[replica] = self.restarts.get(replica, 0) + 1
         return value
 
-    def learn(self, replica: str, name: str) -> None:
+    def learn(self, replica: str, name: str) -> bool:
         """Know ``name`` as an instance of ``replica`` (its answers are no restart from now on): one this gateway
-        saw, or one whose restart another gateway reported."""
+        saw, or one whose restart another gateway reported. Returns False, learning nothing, for a malformed
+        name (longer than ``MAX_INSTANCE_CHARS``, or not ``[0-9A-Za-z_-]+``)."""
         if not name or len(name) > MAX_INSTANCE_CHARS or not _NAME.fullmatch(name):
-            return
+            return False
         known = self._known.setdefault(replica, OrderedDict())
         known[name] = None
         known.move_to_end(name)
         if len(known) > KNOWN_PER_REPLICA:
             known.popitem(last=False)
+        return True

@@ -264,8 +264,6 @@ class CacheAwareStats:
     over_bound_skips: int = 0
     kv_batches: int = 0
     kv_errors: int = 0
-    renewed: int = 0
-    """Replicas seen answering as a new instance, each time forgetting what the index credited to them."""
 
 
 class PendingLease:
@@ -475,7 +473,6 @@ class CacheAwarePolicy(RoutingPolicy):
         kept = tuple(keep)
         if kept:
             self.approx.add(replica, kept)
-        self.stats.renewed += 1
         for callback in self.on_renew:
             callback(replica, kept, instance)
 

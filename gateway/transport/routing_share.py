@@ -320,7 +320,7 @@ class RoutingShare:
         latest: dict[int, float] = {}
         blocks = []
         for item in placed if isinstance(placed, list) else ():
-            with contextlib.suppress(ValueError, TypeError):
+            with contextlib.suppress(ValueError, TypeError, IndexError):
                 h, score = int(item[0]), float(item[1])
                 latest[h] = score
                 if renewed_ms is None or score >= renewed_ms:
@@ -328,7 +328,7 @@ class RoutingShare:
         forget = []
         own = f":{self.gateway_id}".encode()
         for item in retracted if isinstance(retracted, list) else ():
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
+            with contextlib.suppress(ValueError, TypeError, AttributeError, IndexError):
                 member, score = bytes(item[0]), float(item[1])
                 if member.endswith(own):  # this gateway's own: taken back when its attempt failed
                     continue
